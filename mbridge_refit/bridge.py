@@ -1,0 +1,187 @@
+"""``RefitBridge``: Megatron-Bridge's ``AutoBridge``, extended for per-step weight refit.
+
+Drop-in: ``RefitBridge.from_hf_pretrained`` / ``from_hf_config`` return a ``RefitBridge`` and
+every stock method keeps its signature. What changes:
+
+* One ``MegatronModelBridge`` for the bridge's lifetime. Stock ``AutoBridge._model_bridge``
+  builds a new one on every access, so per-mapping caches (object broadcasts, detected
+  parallelism types, gathered parameter names) are lost between calls.
+* ``export_plan(model)``: every HF tensor the export yields, in order, with shapes, dtypes,
+  owning stage and source layout — built once from metadata, cached per model.
+* ``export_hf_weights(..., reuse_buffer_from_cache=...)`` runs that plan (``export.PlanExporter``):
+  views where the HF tensor is a slice of the local shard, one gather per parameter, and, with the
+  cache on, output buffers owned by the bridge and reused on every call. Models the plan cannot
+  describe (adapters, fused-expert checkpoints, ...) fall back to the stock export, with a warning.
+* ``load_hf_shards``: HF → Megatron where each rank reads only its own slices from the
+  safetensors files (works on CPU at any TP/PP/EP; the stock loader needs CUDA at TP>1).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import torch
+from megatron.bridge import AutoBridge
+
+from mbridge_refit.checkpoint import HFCheckpoint
+from mbridge_refit.export import ExportBuffers, PlanExporter
+from mbridge_refit.loader import LoadReport, load_hf_shards
+from mbridge_refit.plan import ExportPlan, PlanError, build_export_plan
+
+logger = logging.getLogger(__name__)
+
+
+class RefitBridge(AutoBridge):
+    """An ``AutoBridge`` that keeps its model bridge and exports for refit.
+
+    Example:
+        >>> bridge = RefitBridge.from_hf_pretrained("/path/to/Qwen3-8B")
+        >>> for name, tensor in bridge.export_hf_weights(model, reuse_buffer_from_cache=True):
+        ...     engine.load_weight(name, tensor)
+    """
+
+    @property
+    def _model_bridge(self):
+        cached = self.__dict__.get("_refit_model_bridge")
+        if cached is None:
+            cached = super()._model_bridge
+            self.__dict__["_refit_model_bridge"] = cached
+        cached.export_weight_dtype = self.export_weight_dtype
+        return cached
+
+    def _model_bridge_for(self, model: list[torch.nn.Module]):
+        """The cached model bridge; per-model caches are dropped when ``model`` is a different model."""
+        model_bridge = self._model_bridge
+        key = tuple(id(chunk) for chunk in model)
+        if self.__dict__.get("_refit_model_key") != key:
+            model_bridge.__dict__.pop("_cached_param_names", None)
+            self.__dict__["_refit_model_key"] = key
+            self.__dict__["_refit_exporter"] = None
+            self.__dict__["_refit_plan_error"] = None
+        return model_bridge
+
+    def export_plan(self, model: list[torch.nn.Module] | torch.nn.Module) -> ExportPlan:
+        """The plan of ``export_hf_weights(model)``: one entry per yielded HF tensor, in order.
+
+        Collective on the first call for a model (every rank must call it); cached afterwards.
+        Moves no tensor data and allocates no weight memory (works on meta-device models).
+        Raises ``PlanError`` naming the parameter the plan cannot describe.
+        """
+        return self._exporter(model if isinstance(model, list) else [model]).plan
+
+    def _exporter(self, chunks: list[torch.nn.Module]) -> PlanExporter:
+        model_bridge = self._model_bridge_for(chunks)
+        exporter = self.__dict__.get("_refit_exporter")
+        if exporter is None:
+            from megatron.core.utils import unwrap_model
+
+            unwrapped = unwrap_model(chunks)
+            tasks = model_bridge.build_conversion_tasks(self.hf_pretrained, unwrapped)
+            plan = build_export_plan(model_bridge, self.hf_pretrained, unwrapped, tasks=tasks)
+            params = {t.global_param_name: t.param_weight for t in tasks if t is not None and t.param_weight is not None}
+            device = next(iter(params.values())).device if params else torch.device("cpu")
+            exporter = PlanExporter(plan=plan, params=params, device=device)
+            self.__dict__["_refit_exporter"] = exporter
+        return exporter
+
+    def _export_buffers(self) -> ExportBuffers:
+        buffers = self.__dict__.get("_refit_buffers")
+        if buffers is None:
+            buffers = self.__dict__["_refit_buffers"] = ExportBuffers(persistent=True)
+        return buffers
+
+    def release_export_buffers(self) -> None:
+        """Free the buffers kept by ``export_hf_weights(..., reuse_buffer_from_cache=True)``."""
+        buffers = self.__dict__.pop("_refit_buffers", None)
+        if buffers is not None:
+            buffers.release()
+
+    def export_hf_weights(
+        self,
+        model: list[torch.nn.Module] | torch.nn.Module,
+        cpu: bool = False,
+        show_progress: bool = True,
+        conversion_tasks: Optional[list] = None,
+        merge_adapter_weights: bool = True,
+        weight_dtype: Optional[torch.dtype] = None,
+        *,
+        reuse_buffer_from_cache: bool = False,
+    ) -> Iterable[tuple[str, torch.Tensor]]:
+        """Yield ``(hf_name, tensor)`` for every HF weight of ``model``, in the bridge's order.
+
+        Collective: every rank of the model's process groups must iterate the generator to the
+        end, in step (each yielded tensor may need a gather or pipeline broadcast). Every rank
+        receives the full HF tensors. The stock positional arguments are unchanged.
+
+        Args:
+            model: the Megatron model chunks (one per virtual pipeline stage), wrapped or not.
+            cpu: move each tensor to CPU before yielding it.
+            show_progress: progress bar on rank 0.
+            conversion_tasks: prebuilt tasks (``get_conversion_tasks``); built if None.
+            reuse_buffer_from_cache: write outputs into buffers owned by this bridge, allocated on
+                the first call and reused by every later call (steady-state exports allocate
+                nothing). Free them with ``release_export_buffers()``.
+
+        Tensor lifetime: a yielded tensor is valid until the generator advances. It may be a view
+        of a live parameter (then it changes when the parameter does) or, with the cache on, a
+        buffer that a later tensor of the same shape overwrites. A caller that keeps a tensor
+        must copy it. With the cache off, gathered tensors are fresh allocations.
+        """
+        chunks = model if isinstance(model, list) else [model]
+        model_bridge = self._model_bridge_for(chunks)
+        fast_path = conversion_tasks is None and weight_dtype is None and self.export_weight_dtype != "fp8"
+        if fast_path and self.__dict__.get("_refit_plan_error") is None:
+            try:
+                exporter = self._exporter(chunks)
+            except PlanError as err:
+                logger.warning("export plan unavailable (%s): using the stock Megatron-Bridge export", err)
+                self.__dict__["_refit_plan_error"] = err
+            else:
+                buffers = self._export_buffers() if reuse_buffer_from_cache else ExportBuffers(persistent=False)
+                return exporter.export(buffers, cpu=cpu, show_progress=show_progress and _is_rank_zero())
+        if conversion_tasks is None and self.export_weight_dtype == "fp8":
+            self._validate_fp8_export_config(chunks)
+            conversion_tasks = model_bridge.build_export_fp8_tasks(self.hf_pretrained, chunks)
+        return model_bridge.stream_weights_megatron_to_hf(
+            chunks,
+            self.hf_pretrained,
+            cpu=cpu,
+            show_progress=show_progress,
+            conversion_tasks=conversion_tasks,
+            merge_adapter_weights=merge_adapter_weights,
+            weight_dtype=weight_dtype,
+        )
+
+    def export_hf_weights_stock(self, model, **kwargs) -> Iterable[tuple[str, torch.Tensor]]:
+        """The unmodified Megatron-Bridge export (for comparison and benchmarks)."""
+        chunks = model if isinstance(model, list) else [model]
+        return self._model_bridge_for(chunks).stream_weights_megatron_to_hf(chunks, self.hf_pretrained, **{"cpu": False, **kwargs})
+
+    def load_hf_shards(self, model: list[torch.nn.Module], hf_path: str | Path | None = None) -> LoadReport:
+        """Load HF safetensors weights into ``model``; each rank reads only its own slices.
+
+        Call on every rank (the task build exchanges parameter names across pipeline stages once).
+        ``hf_path`` defaults to the checkpoint this bridge was created from.
+        """
+        path = Path(hf_path) if hf_path is not None else self._checkpoint_path()
+        checkpoint = HFCheckpoint.open(path)
+        chunks = model if isinstance(model, list) else [model]
+        return load_hf_shards(self._model_bridge_for(chunks), self.hf_pretrained, chunks, checkpoint)
+
+    def _checkpoint_path(self) -> Path:
+        path = getattr(self.hf_pretrained, "model_name_or_path", None)
+        if path is None or not Path(path).is_dir():
+            raise ValueError(
+                "this bridge was not created from a local checkpoint directory: pass hf_path= to load_hf_shards"
+            )
+        return Path(path)
+
+    def hf_config_dict(self) -> dict[str, Any]:
+        config = getattr(self.hf_pretrained, "config", self.hf_pretrained)
+        return config.to_dict()
+
+
+def _is_rank_zero() -> bool:
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0

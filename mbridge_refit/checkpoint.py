@@ -1,0 +1,200 @@
+"""Reading Hugging Face safetensors checkpoints on disk: the independent oracle.
+
+Owns :class:`HFCheckpoint` (names, shapes, dtypes and tensors of a checkpoint directory, read
+through safetensors' own reader, never through our writer) and :func:`compare_checkpoints`, the
+bitwise comparison used by tests and by ``verify``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_FILE_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+_MAX_OPEN_HANDLES = 8
+
+# safetensors dtype codes -> torch dtypes (optional ones only where this torch has them).
+_DTYPES: dict[str, torch.dtype] = {
+    code: getattr(torch, attr)
+    for code, attr in {
+        "BOOL": "bool",
+        "U8": "uint8",
+        "I8": "int8",
+        "U16": "uint16",
+        "I16": "int16",
+        "U32": "uint32",
+        "I32": "int32",
+        "U64": "uint64",
+        "I64": "int64",
+        "F16": "float16",
+        "BF16": "bfloat16",
+        "F32": "float32",
+        "F64": "float64",
+        "C64": "complex64",
+        "F8_E4M3": "float8_e4m3fn",
+        "F8_E4M3FNUZ": "float8_e4m3fnuz",
+        "F8_E5M2": "float8_e5m2",
+        "F8_E5M2FNUZ": "float8_e5m2fnuz",
+        "F8_E8M0": "float8_e8m0fnu",
+    }.items()
+    if hasattr(torch, attr)
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class HFCheckpoint:
+    """A safetensors checkpoint directory (sharded with an index, or one ``model.safetensors``).
+
+    Attributes:
+        path: the checkpoint directory.
+        weight_map: tensor name -> file name (relative to ``path``).
+    """
+
+    path: Path
+    weight_map: dict[str, str]
+    _handles: OrderedDict[str, Any] = field(
+        default_factory=OrderedDict, init=False, repr=False, compare=False
+    )
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str]) -> HFCheckpoint:
+        """Read the index (or the single file's header) of the checkpoint at ``path``."""
+        path = Path(path)
+        if not path.is_dir():
+            raise FileNotFoundError(
+                f"checkpoint directory {path} does not exist; expected a directory holding "
+                f"{INDEX_NAME} with its shards, or a single {SINGLE_FILE_NAME}"
+            )
+        if (path / INDEX_NAME).is_file():
+            weight_map = _read_index(path)
+        elif (path / SINGLE_FILE_NAME).is_file():
+            with safe_open(path / SINGLE_FILE_NAME, framework="pt") as f:
+                weight_map = {name: SINGLE_FILE_NAME for name in f.keys()}
+        else:
+            found = sorted(p.name for p in path.glob("*.safetensors"))
+            raise FileNotFoundError(
+                f"no checkpoint in {path}: expected {INDEX_NAME} (sharded) or {SINGLE_FILE_NAME}; "
+                f"found safetensors files {found or 'none'}"
+            )
+        return cls(path=path, weight_map=weight_map)
+
+    def names(self) -> list[str]:
+        """All tensor names, sorted."""
+        return sorted(self.weight_map)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The whole tensor ``name`` (read into CPU memory)."""
+        return self._handle(name).get_tensor(name)
+
+    def slice(self, name: str) -> Any:
+        """safetensors' lazy slice of ``name``: index it (``s[0:4]``) to read only that part."""
+        return self._handle(name).get_slice(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape of ``name``, from the file header (no data read)."""
+        return tuple(self.slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        """torch dtype of ``name``, from the file header (no data read)."""
+        code = self.slice(name).get_dtype()
+        if code not in _DTYPES:
+            raise ValueError(
+                f"tensor {name!r} in {self.path} has safetensors dtype {code}, which this torch "
+                f"build cannot represent; known dtypes: {sorted(_DTYPES)}"
+            )
+        return _DTYPES[code]
+
+    def config(self) -> dict[str, Any] | None:
+        """Parsed ``config.json``, or None if the directory has none."""
+        config = self.path / CONFIG_NAME
+        return json.loads(config.read_text()) if config.is_file() else None
+
+    def _handle(self, name: str) -> Any:
+        if name not in self.weight_map:
+            raise KeyError(f"tensor {name!r} is not in the checkpoint at {self.path}")
+        file_name = self.weight_map[name]
+        handle = self._handles.pop(file_name, None)
+        if handle is None:
+            handle = safe_open(self.path / file_name, framework="pt")
+        self._handles[file_name] = handle
+        while len(self._handles) > _MAX_OPEN_HANDLES:
+            self._handles.popitem(last=False)
+        return handle
+
+
+def _read_index(path: Path) -> dict[str, str]:
+    index = json.loads((path / INDEX_NAME).read_text())
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ValueError(
+            f"{path / INDEX_NAME} has no 'weight_map' object; is it an HF safetensors index?"
+        )
+    missing = sorted({f for f in weight_map.values() if not (path / f).is_file()})
+    if missing:
+        raise FileNotFoundError(
+            f"{path / INDEX_NAME} names shard files that do not exist: {missing}; "
+            "the checkpoint is incomplete (re-run the export)"
+        )
+    return dict(weight_map)
+
+
+def compare_checkpoints(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> list[str]:
+    """Human-readable differences between checkpoints ``a`` and ``b``; ``[]`` means identical.
+
+    Reports names only in A, names only in B, and for common names a shape, dtype or byte
+    mismatch. Bytes are compared exactly (so NaN payloads and -0.0 count); a byte mismatch
+    reports the number of differing elements and the max abs difference in float32. Reads one
+    tensor pair at a time.
+    """
+    ckpt_a, ckpt_b = HFCheckpoint.open(a), HFCheckpoint.open(b)
+    names_a, names_b = set(ckpt_a.weight_map), set(ckpt_b.weight_map)
+    diffs = [f"only in A ({ckpt_a.path}): {name}" for name in sorted(names_a - names_b)]
+    diffs += [f"only in B ({ckpt_b.path}): {name}" for name in sorted(names_b - names_a)]
+    for name in sorted(names_a & names_b):
+        diff = _compare_tensor(ckpt_a, ckpt_b, name)
+        if diff is not None:
+            diffs.append(diff)
+    return diffs
+
+
+def _compare_tensor(a: HFCheckpoint, b: HFCheckpoint, name: str) -> str | None:
+    shape_a, shape_b = a.shape(name), b.shape(name)
+    if shape_a != shape_b:
+        return f"shape mismatch: {name}: A {list(shape_a)} vs B {list(shape_b)}"
+    dtype_a, dtype_b = a.dtype(name), b.dtype(name)
+    if dtype_a != dtype_b:
+        return f"dtype mismatch: {name}: A {dtype_a} vs B {dtype_b}"
+    x, y = a.tensor(name).contiguous(), b.tensor(name).contiguous()
+    if torch.equal(_as_bytes(x), _as_bytes(y)):
+        return None
+    return f"byte mismatch: {name}: {_describe_difference(x, y)}"
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """One row of raw bytes per element (works for 0-d tensors too)."""
+    return t.reshape(-1).view(torch.uint8).reshape(t.numel(), t.element_size())
+
+
+def _describe_difference(x: torch.Tensor, y: torch.Tensor) -> str:
+    differs = (_as_bytes(x) != _as_bytes(y)).any(dim=1)
+    count = int(differs.sum())
+    text = f"{count} of {x.numel()} elements differ"
+    try:
+        delta = (x.reshape(-1)[differs].float() - y.reshape(-1)[differs].float()).abs()
+    except (RuntimeError, TypeError):  # e.g. complex dtypes
+        return text
+    finite = delta[torch.isfinite(delta)]
+    if finite.numel():
+        text += f", max abs diff {float(finite.max()):.6g}"
+    if finite.numel() < delta.numel():
+        text += f", {delta.numel() - finite.numel()} differing elements are NaN/inf"
+    return text

@@ -1,0 +1,314 @@
+"""``python -m mbridge_refit.convert``: HF checkpoint conversion through Megatron layouts.
+
+Runs as one process (``python -m``) or as N ranks (``torchrun --nproc-per-node N -m ...``).
+Every check of the input (paths, architecture, layout against model and world size) runs on
+every rank before the first collective, so bad input ends all ranks with the same message and
+exit code instead of a hang.
+
+Exit codes: 0 success, 1 ``verify`` found differences, 2 bad input (message says the fix),
+3 failure while running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+from mbridge_refit.layout import ParallelLayout
+
+EXIT_OK, EXIT_DIFFERENT, EXIT_BAD_INPUT, EXIT_FAILED = 0, 1, 2, 3
+
+logger = logging.getLogger("mbridge_refit.convert")
+
+EPILOG = """\
+examples:
+  # a tiny random Qwen3 checkpoint from a built-in recipe (no downloads)
+  python -m mbridge_refit.convert make-tiny --recipe qwen3-tiny --out /tmp/qwen3-tiny
+
+  # HF -> Megatron (TP2 x PP2 on 4 CPU ranks) -> HF, then check the result bit for bit
+  torchrun --nproc-per-node 4 -m mbridge_refit.convert roundtrip \\
+      --hf /tmp/qwen3-tiny --out /tmp/qwen3-tiny-rt --tp 2 --pp 2
+  python -m mbridge_refit.convert verify /tmp/qwen3-tiny /tmp/qwen3-tiny-rt
+
+  # MoE with expert parallelism
+  torchrun --nproc-per-node 2 -m mbridge_refit.convert roundtrip --hf MOE --out OUT --ep 2
+
+exit codes: 0 ok, 1 verify found differences, 2 bad input, 3 failure while running
+"""
+
+
+class BadInput(Exception):
+    """User input that cannot work; the message names the problem and the fix."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RoundtripArgs:
+    hf: Path
+    out: Path
+    layout: ParallelLayout
+    device: str
+    overwrite: bool
+    max_shard_bytes: int
+    show_progress: bool
+    timeout: datetime.timedelta
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m mbridge_refit.convert",
+        description="Convert Hugging Face checkpoints through Megatron-Core parallel layouts, exactly.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    tiny = sub.add_parser(
+        "make-tiny", help="write a tiny random HF checkpoint from a built-in recipe", allow_abbrev=False
+    )
+    tiny.add_argument("--recipe", default=None, help="recipe name (default: %(default)s → qwen3-tiny); see --list")
+    tiny.add_argument("--out", type=Path, help="output directory")
+    tiny.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    tiny.add_argument("--max-shard-bytes", type=int, default=None, help="shard size; small values force sharding")
+    tiny.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    tiny.add_argument("--list", action="store_true", help="list recipes and layouts, then exit")
+
+    rt = sub.add_parser(
+        "roundtrip",
+        help="load HF weights into a Megatron layout and export them back to HF",
+        description="Load --hf into a Megatron model split as --tp/--pp/--vpp/--ep across the launched "
+        "ranks (world size must equal tp*pp*dp), export it back with RefitBridge and write --out.",
+        allow_abbrev=False,
+    )
+    rt.add_argument("--hf", type=Path, required=True, help="input HF checkpoint directory")
+    rt.add_argument("--out", type=Path, required=True, help="output HF checkpoint directory")
+    _add_layout_flags(rt)
+    rt.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: cuda if present")
+    rt.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    rt.add_argument(
+        "--max-shard-bytes", type=int, default=5 * 1024**3, help="output shard size (default: %(default)s)"
+    )
+    rt.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    rt.add_argument(
+        "--timeout-s", type=float, default=600.0, help="collective timeout per operation (default: %(default)s)"
+    )
+
+    verify = sub.add_parser(
+        "verify",
+        help="compare two HF checkpoints tensor by tensor (names, shapes, dtypes, bytes)",
+        description="Exit 0 only when both checkpoints hold the same names with equal shapes, dtypes and bytes.",
+        allow_abbrev=False,
+    )
+    verify.add_argument("a", type=Path, help="first checkpoint directory (e.g. the source)")
+    verify.add_argument("b", type=Path, help="second checkpoint directory (e.g. the round trip)")
+    return parser
+
+
+def _add_layout_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("parallel layout")
+    group.add_argument("--tp", type=int, default=1, help="tensor parallel size (default: 1)")
+    group.add_argument("--pp", type=int, default=1, help="pipeline parallel size (default: 1)")
+    group.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per PP rank")
+    group.add_argument("--ep", type=int, default=1, help="expert parallel size, MoE only (default: 1)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _configure_logging(args.verbose)
+    handlers = {"make-tiny": cmd_make_tiny, "roundtrip": cmd_roundtrip, "verify": cmd_verify}
+    try:
+        return handlers[args.command](args)
+    except BadInput as err:
+        logger.error("%s", err)
+        return EXIT_BAD_INPUT
+
+
+def _configure_logging(verbose: bool) -> None:
+    from mbridge_refit.distributed import LaunchEnv
+
+    rank = LaunchEnv.from_environ().rank
+    level = logging.DEBUG if verbose else (logging.INFO if rank == 0 else logging.WARNING)
+    logging.basicConfig(level=level, format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s", force=True)
+    for noisy in ("megatron", "megatron.core", "megatron.bridge", "transformers"):
+        logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
+
+
+# --- make-tiny ---------------------------------------------------------------------------------
+
+
+def cmd_make_tiny(args: argparse.Namespace) -> int:
+    from mbridge_refit import recipes
+
+    if args.list:
+        for name, recipe in recipes.MODEL_RECIPES.items():
+            print(f"model   {name:20s} {recipe.description}")
+        for name, layout in recipes.LAYOUTS.items():
+            print(f"layout  {name:20s} world size {layout.expected_world_size}")
+        return EXIT_OK
+    if args.out is None:
+        raise BadInput("make-tiny needs --out DIR")
+    try:
+        recipe = recipes.get_model_recipe(args.recipe or recipes.DEFAULT_MODEL)
+    except (KeyError, ValueError) as err:
+        raise BadInput(str(err)) from err
+    _check_output_dir(args.out, args.overwrite)
+    path = recipes.make_random_checkpoint(
+        recipe, args.out, seed=args.seed, max_shard_bytes=args.max_shard_bytes, overwrite=args.overwrite
+    )
+    logger.info("wrote %s checkpoint to %s", recipe.name, path)
+    return EXIT_OK
+
+
+# --- verify ------------------------------------------------------------------------------------
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from mbridge_refit.checkpoint import compare_checkpoints
+
+    for path in (args.a, args.b):
+        if not path.is_dir():
+            raise BadInput(f"checkpoint directory {path} does not exist")
+    try:
+        differences = compare_checkpoints(args.a, args.b)
+    except FileNotFoundError as err:
+        raise BadInput(str(err)) from err
+    if differences:
+        print(f"{len(differences)} difference(s) between {args.a} and {args.b}:")
+        for line in differences:
+            print(f"  {line}")
+        return EXIT_DIFFERENT
+    print(f"identical: {args.a} and {args.b} (names, shapes, dtypes and bytes)")
+    return EXIT_OK
+
+
+# --- roundtrip ---------------------------------------------------------------------------------
+
+
+def cmd_roundtrip(args: argparse.Namespace) -> int:
+    options = _validate_roundtrip(args)
+    return run_roundtrip(options)
+
+
+def _validate_roundtrip(args: argparse.Namespace) -> RoundtripArgs:
+    """Every check that needs no process group: same inputs, same verdict on every rank."""
+    from mbridge_refit.checkpoint import HFCheckpoint
+    from mbridge_refit.distributed import LaunchEnv
+    from mbridge_refit.layout import LayoutError, ModelShape
+
+    if not args.hf.is_dir():
+        raise BadInput(f"input checkpoint directory {args.hf} does not exist (--hf)")
+    if not (args.hf / "config.json").is_file():
+        raise BadInput(f"{args.hf} has no config.json: --hf must be a Hugging Face checkpoint directory")
+    try:
+        HFCheckpoint.open(args.hf)
+    except FileNotFoundError as err:
+        raise BadInput(str(err)) from err
+    if args.out.resolve() == args.hf.resolve():
+        raise BadInput("--out must differ from --hf")
+    _check_output_dir(args.out, args.overwrite)
+    config = _load_supported_config(args.hf)
+    try:
+        layout = ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep)
+        layout.validate_model(ModelShape.from_hf_config(config))
+        layout.validate_world_size(LaunchEnv.from_environ().world_size)
+    except LayoutError as err:
+        raise BadInput(f"layout tp={args.tp} pp={args.pp} vpp={args.vpp} ep={args.ep}: {err}") from err
+    return RoundtripArgs(
+        hf=args.hf,
+        out=args.out,
+        layout=layout,
+        device=args.device,
+        overwrite=args.overwrite,
+        max_shard_bytes=args.max_shard_bytes,
+        show_progress=not args.no_progress,
+        timeout=datetime.timedelta(seconds=args.timeout_s),
+    )
+
+
+def _check_output_dir(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise BadInput(f"output path {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise BadInput(f"output directory {out} exists and is not empty: pass --overwrite to replace it")
+
+
+def _load_supported_config(hf: Path):
+    from transformers import AutoConfig
+
+    from mbridge_refit.bridge import RefitBridge
+
+    try:
+        config = AutoConfig.from_pretrained(hf)
+    except (ValueError, KeyError, OSError) as err:
+        raise BadInput(f"cannot read {hf}/config.json: {err}") from err
+    try:
+        RefitBridge._validate_config(config, str(hf))
+    except ValueError as err:
+        architectures = getattr(config, "architectures", None)
+        supported = ", ".join(sorted(RefitBridge.list_supported_models()))
+        raise BadInput(
+            f"unsupported architecture {architectures} in {hf}/config.json: Megatron-Bridge has no bridge for it. "
+            f"Supported: {supported}"
+        ) from err
+    return config
+
+
+def run_roundtrip(options: RoundtripArgs) -> int:
+    import torch
+
+    from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.checkpoint import HFCheckpoint
+    from mbridge_refit.distributed import default_device, distributed_session
+    from mbridge_refit.model_builder import BuildOptions, build_model
+    from mbridge_refit.sinks import ShardedSafetensorsWriter, drain
+
+    device = default_device() if options.device == "auto" else torch.device(options.device)
+    checkpoint = HFCheckpoint.open(options.hf)
+    with distributed_session(options.layout, device=device, timeout=options.timeout) as env:
+        bridge = RefitBridge.from_hf_pretrained(options.hf)
+        chunks = build_model(
+            bridge, options.layout, BuildOptions(device=device, params_dtype=checkpoint_float_dtype(checkpoint))
+        )
+        report = bridge.load_hf_shards(chunks, options.hf)
+        logger.info("loaded %d slices (%.1f MB on this rank)", report.tensors_written, report.bytes_read / 1e6)
+        sink = ShardedSafetensorsWriter(
+            out_dir=options.out,
+            max_shard_bytes=options.max_shard_bytes,
+            overwrite=options.overwrite,
+            copy_files_from=options.hf,
+        )
+        stream = bridge.export_hf_weights(chunks, show_progress=options.show_progress and env.rank == 0)
+        count = drain(cast_to_checkpoint_dtypes(stream, checkpoint), sink)
+    logger.info("wrote %d tensors to %s (layout %s)", count, options.out, options.layout.name)
+    return EXIT_OK
+
+
+def checkpoint_float_dtype(checkpoint) -> "torch.dtype":
+    """The dtype of most floating-point tensors in the checkpoint (used as the params dtype)."""
+    from collections import Counter
+
+    counts = Counter(checkpoint.dtype(name) for name in checkpoint.names())
+    floating = [(n, d) for d, n in counts.items() if d.is_floating_point]
+    if not floating:
+        raise BadInput(f"checkpoint {checkpoint.path} has no floating-point tensors")
+    return max(floating, key=lambda item: item[0])[1]
+
+
+def cast_to_checkpoint_dtypes(stream: Iterable, checkpoint) -> Iterator:
+    """Give every exported tensor its dtype in the source checkpoint (a no-op when they agree)."""
+    for name, tensor in stream:
+        if name in checkpoint.weight_map:
+            dtype = checkpoint.dtype(name)
+            if tensor.dtype != dtype:
+                tensor = tensor.to(dtype)
+        yield name, tensor
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,316 @@
+"""Fast streaming export: run an ``ExportPlan`` with views, one gather per parameter, cached buffers.
+
+For each Megatron parameter in plan order, on the pipeline stage that owns it:
+
+1. gather: tensor-parallel shards with one ``all_gather_into_tensor`` (only for TP-sharded
+   kinds; replicated tensors are read locally), expert weights of one local expert index with
+   one ``all_gather_into_tensor`` over the expert-parallel group;
+2. assemble each HF tensor from the gathered shards by its ``SliceCopy`` pieces: a view when the
+   pieces are contiguous in HF order (column-parallel weights, gate/up halves, experts, every
+   tensor at TP=1 except grouped-query QKV), else one ``index_select`` (QKV) or one copy per
+   piece (row-parallel columns) into an output buffer;
+3. broadcast the HF tensor from the owning stage to the other pipeline stages.
+
+Every rank yields every tensor, in plan order (the stock export's order).
+
+Buffers: gather, output and receive buffers come from ``ExportBuffers``. With a persistent
+pool (``reuse_buffer_from_cache=True``) they are allocated on the first export and reused by
+every later one, keyed by (role, shape, dtype, device): parameters of equal shape share them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from mbridge_refit.plan import ExportPlan, PlanEntry
+
+logger = logging.getLogger(__name__)
+
+
+class ExportBuffers:
+    """Output buffers owned by the bridge.
+
+    ``persistent=True``: one buffer per (role, index, shape, dtype, device), allocated on first
+    use and reused by every later export; ``release()`` frees them. ``persistent=False``: a
+    fresh tensor for every request (the caller may keep what it is given).
+    """
+
+    def __init__(self, *, persistent: bool) -> None:
+        self.persistent = persistent
+        self._pool: dict[tuple, torch.Tensor] = {}
+        self.allocations = 0
+
+    def get(self, role: str, index: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (role, index, tuple(shape), dtype, str(device))
+        buffer = self._pool.get(key) if self.persistent else None
+        if buffer is None:
+            buffer = torch.empty(shape, dtype=dtype, device=device)
+            self.allocations += 1
+            if self.persistent:
+                self._pool[key] = buffer
+        return buffer
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._pool.values())
+
+    def release(self) -> None:
+        self._pool.clear()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Assembly:
+    """How to build one HF tensor from gathered shards [ranks, *local_shape], decided once.
+
+    ``view``: rows [start, start+length) of the flattened shards (no copy); ``index``: one
+    ``index_select`` with ``rows``; ``pieces``: one copy per piece (column slices).
+    """
+
+    how: str
+    start: int = 0
+    length: int = 0
+    rows: torch.Tensor | None = None
+    pieces: tuple = ()
+
+
+@dataclass(kw_only=True, slots=True)
+class _Op:
+    """One gather unit: a Megatron parameter (or one local expert index) and the entries it yields."""
+
+    entries: list[PlanEntry]
+    assemblies: list[_Assembly]
+    local: torch.Tensor | None  # this rank's shard, None off the owning stage
+    sharded_over_tp: bool
+    expert: bool
+
+
+@dataclass(kw_only=True, slots=True)
+class _Groups:
+    tp: Any
+    ep: Any
+    pp: Any
+    tp_size: int
+    ep_size: int
+    pp_size: int
+    pp_rank: int
+    ep_rank: int
+
+
+@dataclass(kw_only=True)
+class PlanExporter:
+    """Executes a plan for one model on this rank. Built once per (bridge, model); reused."""
+
+    plan: ExportPlan
+    params: dict[str, torch.Tensor]  # global Megatron name -> local parameter (owned ones only)
+    device: torch.device
+    _ops: list[_Op] = field(default_factory=list)
+    _indices: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._aliased = {e.alias_of for e in self.plan.entries if e.alias_of is not None}
+        self._groups = _current_groups()
+        self._ops = _build_ops(self.plan, self.params, self._groups)
+
+    def export(self, buffers: ExportBuffers, *, cpu: bool = False, show_progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(hf_name, tensor)`` for every plan entry (collective: every rank, to the end)."""
+        progress = _progress(len(self.plan.entries), show_progress)
+        yielded: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for op in self._ops:
+                for entry, tensor in zip(op.entries, self._run(op, buffers)):
+                    if entry.alias_of is not None:
+                        tensor = yielded.pop(entry.alias_of)
+                    elif entry.hf_name in self._aliased:
+                        yielded[entry.hf_name] = tensor
+                    yield entry.hf_name, (tensor.cpu() if cpu else tensor)
+                    progress.update(1)
+        progress.close()
+
+    def _run(self, op: _Op, buffers: ExportBuffers) -> Iterator[torch.Tensor]:
+        groups = self._groups
+        if op.entries[0].alias_of is not None:
+            yield None  # filled from the aliased entry by export()
+            return
+        owner_stage = op.entries[0].pp_rank
+        outputs: list[torch.Tensor] = []
+        if op.local is not None:
+            outputs = self._assemble(op, buffers)
+        for index, entry in enumerate(op.entries):
+            tensor = outputs[index] if outputs else None
+            if groups.pp_size > 1:
+                tensor = self._broadcast_from_stage(entry, tensor, owner_stage, index, buffers)
+            yield tensor
+
+    def _assemble(self, op: _Op, buffers: ExportBuffers) -> list[torch.Tensor]:
+        groups = self._groups
+        local = op.local.detach()
+        if op.expert:
+            gathered = _gather(local, groups.ep, groups.ep_size, buffers, "ep_gather")
+            return [
+                self._from_pieces(entry, assembly, gathered[entry.layout.owner_ep_rank].unsqueeze(0), buffers, i)
+                for i, (entry, assembly) in enumerate(zip(op.entries, op.assemblies))
+            ]
+        if op.sharded_over_tp:
+            gathered = _gather(local, groups.tp, groups.tp_size, buffers, "tp_gather")
+        else:
+            gathered = local.unsqueeze(0)
+        return [
+            self._from_pieces(entry, assembly, gathered, buffers, i)
+            for i, (entry, assembly) in enumerate(zip(op.entries, op.assemblies))
+        ]
+
+    def _from_pieces(
+        self, entry: PlanEntry, assembly: _Assembly, gathered: torch.Tensor, buffers: ExportBuffers, index: int
+    ) -> torch.Tensor:
+        """Build the HF tensor from ``gathered`` [ranks, *local_shape] as ``assembly`` says."""
+        if assembly.how == "view":
+            flat = gathered.reshape(-1, *gathered.shape[2:])
+            return flat.narrow(0, assembly.start, assembly.length)
+        out = buffers.get("out", index, entry.shape, gathered.dtype, gathered.device)
+        if assembly.how == "index":
+            flat = gathered.reshape(-1, *gathered.shape[2:])
+            return torch.index_select(flat, 0, self._device_rows(entry, assembly), out=out)
+        for rank, copy in assembly.pieces:
+            out.narrow(copy.dim, copy.hf_start, copy.length).copy_(
+                gathered[rank].narrow(copy.dim, copy.local_start, copy.length)
+            )
+        return out
+
+    def _device_rows(self, entry: PlanEntry, assembly: _Assembly) -> torch.Tensor:
+        key = (entry.hf_name, str(self.device))
+        rows = self._indices.get(key)
+        if rows is None:
+            rows = self._indices[key] = assembly.rows.to(self.device)
+        return rows
+
+    def _broadcast_from_stage(
+        self, entry: PlanEntry, tensor: torch.Tensor | None, owner_stage: int, index: int, buffers: ExportBuffers
+    ) -> torch.Tensor:
+        groups = self._groups
+        if tensor is None:
+            tensor = buffers.get("recv", index, entry.shape, entry.torch_dtype, self.device)
+        elif not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+        source = dist.get_global_rank(groups.pp, owner_stage)
+        dist.broadcast(tensor, src=source, group=groups.pp)
+        return tensor
+
+
+def _gather(local: torch.Tensor, group: Any, size: int, buffers: ExportBuffers, role: str) -> torch.Tensor:
+    """All-gather ``local`` over ``group`` into a [size, *local.shape] buffer."""
+    if size == 1:
+        return local.unsqueeze(0)
+    out = buffers.get(role, 0, (size, *local.shape), local.dtype, local.device)
+    local = local.contiguous()
+    if dist.get_backend(group) == "gloo":  # gloo has no all_gather_into_tensor
+        dist.all_gather(list(out.unbind(0)), local, group=group)
+    else:
+        dist.all_gather_into_tensor(out, local, group=group)
+    return out
+
+
+def _current_groups() -> _Groups:
+    from megatron.core import parallel_state as ps
+
+    return _Groups(
+        tp=ps.get_tensor_model_parallel_group(),
+        ep=ps.get_expert_model_parallel_group(),
+        pp=ps.get_pipeline_model_parallel_group(),
+        tp_size=ps.get_tensor_model_parallel_world_size(),
+        ep_size=ps.get_expert_model_parallel_world_size(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+    )
+
+
+def _build_ops(plan: ExportPlan, params: dict[str, torch.Tensor], groups: _Groups) -> list[_Op]:
+    """Group consecutive plan entries by the parameter (or expert index) they come from."""
+    ops: list[_Op] = []
+    for entry in plan.entries:
+        key = _op_key(entry)
+        if ops and _op_key(ops[-1].entries[0]) == key and entry.alias_of is None:
+            ops[-1].entries.append(entry)
+            ops[-1].assemblies.append(_plan_assembly(entry))
+            continue
+        local = None
+        sharded = not entry.is_expert and len(entry.layout.pieces) > 1
+        if entry.alias_of is None and entry.pp_rank == groups.pp_rank:
+            source = entry.megatron_param if not entry.is_expert else _my_expert_param(entry, plan, groups)
+            local = params[source]
+        ops.append(
+            _Op(
+                entries=[entry],
+                assemblies=[_plan_assembly(entry)],
+                local=local,
+                sharded_over_tp=sharded,
+                expert=entry.is_expert,
+            )
+        )
+    return ops
+
+
+def _plan_assembly(entry: PlanEntry) -> _Assembly:
+    """Choose view / index / pieces for ``entry`` from its slice pieces (rank-major shards)."""
+    pieces = entry.layout.pieces
+    local_rows = entry.layout.local_shape[0]
+    dim = pieces[0][0].dim
+    if dim == 0:
+        spans = sorted((c.hf_start, r * local_rows + c.local_start, c.length) for r, rank in enumerate(pieces) for c in rank)
+        first = spans[0][1]
+        if all(source == first + hf_start for hf_start, source, _ in spans):
+            return _Assembly(how="view", start=first, length=entry.shape[0])
+        rows = torch.cat([torch.arange(source, source + length) for _, source, length in spans])
+        return _Assembly(how="index", rows=rows)
+    if len(pieces) == 1 and len(pieces[0]) == 1 and pieces[0][0].length == entry.shape[dim]:
+        return _Assembly(how="view", start=0, length=entry.shape[0])
+    return _Assembly(how="pieces", pieces=tuple((r, c) for r, rank in enumerate(pieces) for c in rank))
+
+
+def _op_key(entry: PlanEntry) -> tuple:
+    if entry.alias_of is not None:
+        return ("alias", entry.hf_name)
+    if entry.is_expert:
+        return ("expert", entry.layout.local_expert_index, _expert_template(entry.megatron_param))
+    return ("param", entry.megatron_param)
+
+
+def _expert_template(name: str) -> str:
+    from mbridge_refit.plan import _with_expert_number
+
+    return _with_expert_number(name, 0)
+
+
+def _my_expert_param(entry: PlanEntry, plan: ExportPlan, groups: _Groups) -> str:
+    """The global name of the parameter this EP rank holds for the entry's local expert index."""
+    from mbridge_refit.plan import _with_expert_number
+
+    per_rank = entry.layout.local_expert_index
+    experts_per_rank = _experts_per_rank(plan)
+    return _with_expert_number(entry.megatron_param, per_rank + groups.ep_rank * experts_per_rank)
+
+
+def _experts_per_rank(plan: ExportPlan) -> int:
+    indices = {e.layout.local_expert_index for e in plan.entries if e.is_expert}
+    return max(indices) + 1 if indices else 1
+
+
+def _progress(total: int, show: bool):
+    if show:
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc="export", unit="tensor", leave=False)
+    return _NoProgress()
+
+
+class _NoProgress:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

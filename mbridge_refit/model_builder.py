@@ -1,0 +1,97 @@
+"""Build a Megatron model for a bridge and a parallel layout, on CPU (gloo) or GPU.
+
+CPU builds use Megatron's local layer spec (Transformer Engine layers need CUDA), every fused
+kernel off, and are created on the meta device and then materialised empty on the CPU: the
+weights are loaded right after (``loader.load_hf_weights``), which fills every parameter and
+checks that none was left out. GPU builds use the Transformer Engine spec and the bridge's
+defaults.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mbridge_refit.layout import ParallelLayout
+
+logger = logging.getLogger(__name__)
+
+# Settings that have no CPU implementation (or need apex / CUDA streams). Applied to CPU builds.
+CPU_PROVIDER_OVERRIDES: dict[str, Any] = {
+    "gradient_accumulation_fusion": False,
+    "bias_activation_fusion": False,
+    "bias_dropout_fusion": False,
+    "masked_softmax_fusion": False,
+    "apply_rope_fusion": False,
+    "persist_layer_norm": False,
+    "cross_entropy_loss_fusion": False,
+    "moe_permute_fusion": False,
+    "moe_grouped_gemm": False,
+    "moe_token_dispatcher_type": "allgather",
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BuildOptions:
+    """How to build the model.
+
+    Attributes:
+        device: ``cpu`` or ``cuda``; decides the layer spec and process-group backend.
+        params_dtype: parameter dtype; None = the HF checkpoint's ``torch_dtype``.
+        num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage: uneven PP splits.
+        materialize: CPU only; False keeps the model on the meta device (for plans of huge shapes).
+    """
+
+    device: torch.device
+    params_dtype: torch.dtype | None = None
+    materialize: bool = True
+    num_layers_in_first_pipeline_stage: int | None = None
+    num_layers_in_last_pipeline_stage: int | None = None
+
+
+def configure_provider(provider: Any, layout: ParallelLayout, options: BuildOptions) -> Any:
+    """Apply ``layout`` and device-specific settings to a Megatron-Bridge model provider."""
+    provider.tensor_model_parallel_size = layout.tp
+    provider.pipeline_model_parallel_size = layout.pp
+    provider.virtual_pipeline_model_parallel_size = layout.vpp if layout.pp > 1 else None
+    provider.expert_model_parallel_size = layout.ep
+    provider.expert_tensor_parallel_size = layout.etp
+    provider.sequence_parallel = False
+    provider.num_layers_in_first_pipeline_stage = options.num_layers_in_first_pipeline_stage
+    provider.num_layers_in_last_pipeline_stage = options.num_layers_in_last_pipeline_stage
+    if options.params_dtype is not None:
+        provider.params_dtype = options.params_dtype
+        provider.bf16 = options.params_dtype == torch.bfloat16
+        provider.fp16 = options.params_dtype == torch.float16
+    if options.device.type == "cpu":
+        from megatron.bridge.models.gpt_provider import local_layer_spec
+
+        for name, value in CPU_PROVIDER_OVERRIDES.items():
+            if hasattr(provider, name):
+                setattr(provider, name, value)
+        provider.transformer_layer_spec = local_layer_spec
+    provider.finalize()
+    return provider
+
+
+def build_model(bridge: Any, layout: ParallelLayout, options: BuildOptions) -> list[torch.nn.Module]:
+    """Build the model chunks (one per virtual stage) for this rank; weights are uninitialised.
+
+    Call on every rank after ``distributed.init_model_parallel(layout)``. On CPU the chunks are
+    materialised with ``to_empty``: load weights into them before use.
+    """
+    provider = configure_provider(bridge.to_megatron_provider(load_weights=False), layout, options)
+    on_cpu = options.device.type == "cpu"
+    provider.perform_initialization = not on_cpu
+    chunks = provider.provide_distributed_model(
+        wrap_with_ddp=False,
+        use_cpu_initialization=on_cpu,
+        init_model_with_meta_device=on_cpu,
+        mixed_precision_wrapper=None,
+    )
+    if on_cpu and options.materialize:
+        chunks = [chunk.to_empty(device="cpu") for chunk in chunks]
+    return chunks

@@ -1,0 +1,380 @@
+"""The export plan: every HF tensor an export will yield, in order, and where its pieces live.
+
+Built once per (bridge, model) from metadata alone: parameter names, shapes and dtypes, the
+bridge's mappings and ``placement``'s slice rules. No tensor data moves and no weight memory is
+allocated, so it works on models built on the meta device; the only communication is the
+bridge's exchange of parameter names across pipeline stages and one ``all_gather_object`` of
+per-rank parameter descriptions over the whole job.
+
+Identical on every rank, JSON-serialisable (``ExportPlan.to_json``) for another process, and the
+input of the fast export path (``export``).
+
+Ordering follows Megatron-Bridge's stock export exactly: conversion tasks sorted by global
+Megatron name, each task's HF tensors in mapping order (q, k, v; gate, up), expert tensors of one
+local expert index grouped over expert-parallel ranks, and the tied output weight right after the
+embedding when the checkpoint names it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+from mbridge_refit.placement import PlacementError, PlacementKind, ShardContext, SliceCopy, placement_kind, slices_for
+
+
+class PlanError(ValueError):
+    """The model has a parameter the plan cannot describe (named in the message)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SourceLayout:
+    """How one HF tensor is laid out across the trainer's ranks, in HF coordinates.
+
+    Non-expert tensors live on the (tp, dp) mesh of their pipeline stage; expert tensors on the
+    (ep, expert-dp) mesh with expert-TP 1, owned whole by ``owner_ep_rank``. ``placements``
+    reads like DTensor's: ``Shard(d)`` or ``Replicate()`` for each mesh dimension.
+    ``pieces[r]`` lists where tensor-parallel rank ``r`` keeps its slices of this HF tensor
+    inside its local Megatron parameter (one entry when not tensor-parallel).
+    """
+
+    mesh_dims: tuple[str, str]
+    mesh_shape: tuple[int, int]
+    placements: tuple[str, str]
+    pieces: tuple[tuple[SliceCopy, ...], ...]
+    local_shape: tuple[int, ...]
+    owner_ep_rank: int | None = None
+    local_expert_index: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanEntry:
+    """One HF tensor the export yields."""
+
+    hf_name: str
+    shape: tuple[int, ...]
+    dtype: str
+    megatron_param: str
+    pp_rank: int
+    vpp_stage: int
+    is_expert: bool
+    kind: str
+    layout: SourceLayout
+    alias_of: str | None = None  # tied output weight: the same data as this entry
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return _numel(self.shape) * torch.empty((), dtype=self.torch_dtype).element_size()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ExportPlan:
+    """All entries in export order, the layer map, and the layout the plan was built for."""
+
+    entries: tuple[PlanEntry, ...]
+    layer_map: dict[int, tuple[int, int]]  # global layer index -> (pp rank, vpp stage)
+    tp: int
+    pp: int
+    ep: int
+    vpp: int
+
+    def names(self) -> list[str]:
+        return [e.hf_name for e in self.entries]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    def to_json(self) -> str:
+        payload = dataclasses.asdict(self)
+        payload["layer_map"] = {str(k): list(v) for k, v in self.layer_map.items()}
+        return json.dumps(payload, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ExportPlan":
+        raw = json.loads(text)
+        entries = tuple(_entry_from_dict(e) for e in raw.pop("entries"))
+        layer_map = {int(k): tuple(v) for k, v in raw.pop("layer_map").items()}
+        return cls(entries=entries, layer_map=layer_map, **raw)
+
+
+def _entry_from_dict(raw: dict[str, Any]) -> PlanEntry:
+    layout = dict(raw.pop("layout"))
+    layout["pieces"] = tuple(tuple(SliceCopy(**p) for p in rank) for rank in layout["pieces"])
+    for key in ("mesh_dims", "mesh_shape", "placements", "local_shape"):
+        layout[key] = tuple(layout[key])
+    return PlanEntry(**{**raw, "shape": tuple(raw["shape"]), "layout": SourceLayout(**layout)})
+
+
+# --- building --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _ParamSpec:
+    """What the owning rank knows about one parameter; exchanged with every other rank."""
+
+    global_name: str
+    placement: PlacementKind
+    local_shape: tuple[int, ...]
+    dtype: str
+    pp_rank: int
+    vpp_stage: int
+    is_expert: bool
+
+
+def build_export_plan(
+    model_bridge: Any, hf_pretrained: Any, chunks: list[torch.nn.Module], tasks: list | None = None
+) -> ExportPlan:
+    """Build the plan for ``chunks`` on this rank; call on every rank of the job (collective).
+
+    ``tasks``: the bridge's conversion tasks for ``chunks`` if the caller has them already.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import unwrap_model
+
+    chunks = unwrap_model(chunks)
+    config = chunks[0].config
+    if tasks is None:
+        tasks = model_bridge.build_conversion_tasks(hf_pretrained, chunks)
+    tasks = [t for t in tasks if t is not None]
+    local_specs, errors = [], _unsupported_features(model_bridge, chunks)
+    for task in tasks:
+        if task.megatron_module is not None:
+            try:
+                local_specs.append(_local_spec(task))
+            except PlanError as err:
+                errors.append(str(err))
+    # One object exchange for the whole job; errors travel with it so every rank raises the same.
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (local_specs, _local_layer_map(chunks), errors))
+    all_errors = sorted({error for _, _, rank_errors in gathered for error in rank_errors})
+    if all_errors:
+        raise PlanError("; ".join(all_errors[:5]) + (f" (and {len(all_errors) - 5} more)" if len(all_errors) > 5 else ""))
+    specs = {spec.global_name: spec for rank_specs, _, _ in gathered for spec in rank_specs}
+    layer_map = {layer: where for _, rank_layers, _ in gathered for layer, where in rank_layers.items()}
+    sizes = _ParallelSizes(
+        tp=ps.get_tensor_model_parallel_world_size(),
+        pp=ps.get_pipeline_model_parallel_world_size(),
+        ep=ps.get_expert_model_parallel_world_size(),
+        dp=ps.get_data_parallel_world_size(),
+        edp=ps.get_expert_data_parallel_world_size(),
+        vpp=len(chunks),
+        num_experts=config.num_moe_experts or 0,
+    )
+    names = sorted(specs, key=_sort_key)
+    entries: list[PlanEntry] = []
+    for name in names:
+        entries.extend(_entries_for(specs, name, sizes, config))
+    entries = _add_tied_output(entries, model_bridge, hf_pretrained, config)
+    _check_complete(entries, _expected_hf_keys(hf_pretrained))
+    return ExportPlan(entries=tuple(entries), layer_map=dict(sorted(layer_map.items())), tp=sizes.tp, pp=sizes.pp, ep=sizes.ep, vpp=sizes.vpp)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _ParallelSizes:
+    tp: int
+    pp: int
+    ep: int
+    dp: int
+    edp: int
+    vpp: int
+    num_experts: int
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.ep
+
+
+def _sort_key(name: str):
+    from megatron.bridge.models.conversion.utils import extract_sort_key
+
+    return extract_sort_key(name)
+
+
+def _local_spec(task: Any) -> _ParamSpec:
+    from megatron.core import parallel_state as ps
+
+    try:
+        placement = placement_kind(task.mapping, task.megatron_module)
+    except PlacementError as err:
+        raise PlanError(f"cannot plan {task.global_param_name}: {err}") from err
+    weight = task.param_weight
+    return _ParamSpec(
+        global_name=task.global_param_name,
+        placement=placement,
+        local_shape=tuple(weight.shape),
+        dtype=str(weight.dtype).removeprefix("torch."),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        vpp_stage=task.vp_stage or 0,
+        is_expert=bool(task.mapping.is_expert),
+    )
+
+
+def _entries_for(specs: dict[str, _ParamSpec], name: str, sizes: _ParallelSizes, config: Any) -> list[PlanEntry]:
+    spec = specs[name]
+    if not spec.is_expert:
+        return _dense_entries(spec, sizes, config)
+    expert = _expert_number(name)
+    per_rank = sizes.experts_per_rank
+    if expert >= per_rank:
+        return []  # emitted with its local index's group, under the EP-rank-0 name
+    group = [specs[_with_expert_number(name, expert + k * per_rank)] for k in range(sizes.ep)]
+    entries: list[PlanEntry] = []
+    for output_index in range(len(spec.placement.hf_names)):
+        for owner, member in enumerate(group):
+            entries.append(_expert_entry(member, output_index, owner, expert, sizes, config))
+    return entries
+
+
+def _dense_entries(spec: _ParamSpec, sizes: _ParallelSizes, config: Any) -> list[PlanEntry]:
+    per_rank = [
+        slices_for(spec.placement, ShardContext(local_shape=spec.local_shape, tp_rank=r, tp_size=sizes.tp, config=config))
+        for r in range(sizes.tp)
+    ]
+    entries = []
+    for hf_name in spec.placement.hf_names:
+        pieces = tuple(tuple(c for c in rank if c.hf_name == hf_name) for rank in per_rank)
+        replicated = all(rank == pieces[0] for rank in pieces)  # norms, routers, row-parallel biases
+        shard_dim = pieces[0][0].dim
+        layout = SourceLayout(
+            mesh_dims=("tp", "dp"),
+            mesh_shape=(sizes.tp, sizes.dp),
+            placements=("Replicate()" if replicated or sizes.tp == 1 else f"Shard({shard_dim})", "Replicate()"),
+            pieces=pieces if not replicated else pieces[:1],
+            local_shape=spec.local_shape,
+        )
+        entries.append(_entry(spec, hf_name, _hf_shape(spec.local_shape, layout.pieces), layout))
+    return entries
+
+
+def _expert_entry(
+    spec: _ParamSpec, output_index: int, owner: int, local_index: int, sizes: _ParallelSizes, config: Any
+) -> PlanEntry:
+    hf_name = spec.placement.hf_names[output_index]
+    ctx = ShardContext(local_shape=spec.local_shape, tp_rank=0, tp_size=1, config=config)
+    pieces = (tuple(c for c in slices_for(spec.placement, ctx) if c.hf_name == hf_name),)
+    layout = SourceLayout(
+        mesh_dims=("ep", "edp"),
+        mesh_shape=(sizes.ep, sizes.edp),
+        placements=("Owned()" if sizes.ep > 1 else "Replicate()", "Replicate()"),
+        pieces=pieces,
+        local_shape=spec.local_shape,
+        owner_ep_rank=owner,
+        local_expert_index=local_index,
+    )
+    return _entry(spec, hf_name, _hf_shape(spec.local_shape, pieces), layout)
+
+
+def _entry(spec: _ParamSpec, hf_name: str, shape: tuple[int, ...], layout: SourceLayout) -> PlanEntry:
+    return PlanEntry(
+        hf_name=hf_name,
+        shape=shape,
+        dtype=spec.dtype,
+        megatron_param=spec.global_name,
+        pp_rank=spec.pp_rank,
+        vpp_stage=spec.vpp_stage,
+        is_expert=spec.is_expert,
+        kind=spec.placement.kind,
+        layout=layout,
+    )
+
+
+def _hf_shape(local_shape: tuple[int, ...], pieces: tuple[tuple[SliceCopy, ...], ...]) -> tuple[int, ...]:
+    dim = pieces[0][0].dim
+    extent = max(c.hf_stop for rank in pieces for c in rank)
+    shape = list(local_shape)
+    shape[dim] = extent
+    return tuple(shape)
+
+
+_EXPERT_NUMBER = re.compile(r"(local_experts\.)(\d+)(\.)|(\.weight|\.bias)(\d+)$")
+
+
+def _expert_number(name: str) -> int:
+    match = _EXPERT_NUMBER.search(name)
+    if match is None:
+        raise PlanError(f"cannot find the expert number in {name!r}")
+    return int(match.group(2) or match.group(5))
+
+
+def _with_expert_number(name: str, number: int) -> str:
+    def swap(match: re.Match) -> str:
+        if match.group(1):
+            return f"{match.group(1)}{number}{match.group(3)}"
+        return f"{match.group(4)}{number}"
+
+    return _EXPERT_NUMBER.sub(swap, name, count=1)
+
+
+def _local_layer_map(chunks: list[torch.nn.Module]) -> dict[int, tuple[int, int]]:
+    """Global layer index -> (pp rank, vpp stage), read from the layer modules themselves."""
+    from megatron.core import parallel_state as ps
+
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    layers: dict[int, tuple[int, int]] = {}
+    for vpp_stage, chunk in enumerate(chunks):
+        decoder = getattr(chunk, "decoder", None)
+        for layer in getattr(decoder, "layers", []):
+            layers[layer.layer_number - 1] = (pp_rank, vpp_stage)
+    return layers
+
+
+def _add_tied_output(entries: list[PlanEntry], model_bridge: Any, hf_pretrained: Any, config: Any) -> list[PlanEntry]:
+    """Mirror the stock export: with tied embeddings, emit the output weight name after the embedding
+    when the checkpoint names it (config-only bridges always emit it)."""
+    if not getattr(config, "share_embeddings_and_output_weights", False):
+        return entries
+    registry = model_bridge.mapping_registry()
+    output_mapping = registry.megatron_to_hf_lookup("output_layer.weight")
+    embedding_mapping = registry.megatron_to_hf_lookup("embedding.word_embeddings.weight")
+    if output_mapping is None or output_mapping.hf_param == embedding_mapping.hf_param:
+        return entries
+    expected = _expected_hf_keys(hf_pretrained)
+    if expected is not None and output_mapping.hf_param not in expected:
+        return entries
+    result = []
+    for entry in entries:
+        result.append(entry)
+        if entry.hf_name == embedding_mapping.hf_param:
+            result.append(dataclasses.replace(entry, hf_name=output_mapping.hf_param, alias_of=entry.hf_name))
+    return result
+
+
+def _expected_hf_keys(hf_pretrained: Any) -> set[str] | None:
+    source = getattr(getattr(hf_pretrained, "state", None), "source", None)
+    return set(source.get_all_keys()) if source is not None else None
+
+
+def _unsupported_features(model_bridge: Any, chunks: list[torch.nn.Module]) -> list[str]:
+    adapters = [n for c in chunks for n, _ in c.named_parameters() if model_bridge._is_adapter_param_name(n)]
+    if adapters:
+        return [f"adapter (LoRA) parameters are not supported by the export plan, e.g. {adapters[0]}"]
+    return []
+
+
+def _check_complete(entries: list[PlanEntry], expected: set[str] | None) -> None:
+    """The plan must name every tensor of the source checkpoint, and nothing twice."""
+    names = [e.hf_name for e in entries]
+    duplicates = sorted({n for n in names if names.count(n) > 1}) if len(set(names)) != len(names) else []
+    missing = sorted(expected - set(names)) if expected is not None else []
+    if duplicates or missing:
+        raise PlanError(
+            f"the export plan does not cover the checkpoint: missing {missing[:10]}, duplicated {duplicates[:10]}"
+        )
+
+
+def _numel(shape: Iterable[int]) -> int:
+    total = 1
+    for size in shape:
+        total *= size
+    return total

@@ -1,0 +1,25 @@
+"""Sinks: consumers of the exported ``(hf_name, tensor)`` stream.
+
+The contract lives in :mod:`.base`; each other module owns one sink.
+"""
+
+from mbridge_refit.sinks.base import WeightSink, drain
+from mbridge_refit.sinks.safetensors import (
+    DEFAULT_MAX_SHARD_BYTES,
+    INDEX_NAME,
+    ShardedSafetensorsWriter,
+    ShardPlanner,
+    plan_shards,
+    shard_file_name,
+)
+
+__all__ = [
+    "DEFAULT_MAX_SHARD_BYTES",
+    "INDEX_NAME",
+    "ShardPlanner",
+    "ShardedSafetensorsWriter",
+    "WeightSink",
+    "drain",
+    "plan_shards",
+    "shard_file_name",
+]

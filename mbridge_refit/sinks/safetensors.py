@@ -1,0 +1,369 @@
+"""Sharded Hugging Face safetensors checkpoints written from an export stream.
+
+Owns the on-disk HF layout (``model-0000K-of-0000N.safetensors`` plus
+``model.safetensors.index.json``), the greedy shard plan that every rank computes identically
+from the stream, which rank writes which shard (shard ``k`` by rank ``k % world_size``), and the
+atomic publish protocol: shards are written under temporary names, renamed once the shard count
+is known, and the index is written last, so a directory with an index is always complete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from mbridge_refit.sinks.base import WeightSink
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+INDEX_NAME = "model.safetensors.index.json"
+CONFIG_NAME = "config.json"
+TMP_PREFIX = ".tmp-"
+# Copied verbatim from `copy_files_from` when present (config.json is handled separately).
+COPIED_FILE_NAMES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
+
+
+def shard_file_name(shard: int, num_shards: int) -> str:
+    """Final HF file name of 0-based ``shard``: ``model-00001-of-00003.safetensors`` for 0 of 3."""
+    return f"model-{shard + 1:05d}-of-{num_shards:05d}.safetensors"
+
+
+def _tmp_shard_name(shard: int) -> str:
+    return f"{TMP_PREFIX}model-{shard + 1:05d}.safetensors"
+
+
+def tensor_nbytes(tensor: torch.Tensor) -> int:
+    """Bytes the tensor occupies in a safetensors file (dense, no padding)."""
+    return tensor.numel() * tensor.element_size()
+
+
+class ShardPlanner:
+    """Greedy fill in stream order.
+
+    A new shard starts when adding a tensor to a non-empty shard would exceed
+    ``max_shard_bytes``; a tensor larger than the limit therefore gets a shard of its own.
+    Depends only on the sequence of sizes, so every rank computes the same plan.
+    """
+
+    def __init__(self, max_shard_bytes: int) -> None:
+        if max_shard_bytes <= 0:
+            raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+        self._max = max_shard_bytes
+        self._shard = -1
+        self._used = 0
+        self._count = 0
+
+    @property
+    def num_shards(self) -> int:
+        return self._shard + 1
+
+    def place(self, nbytes: int) -> int:
+        """Assign a tensor of ``nbytes`` to a shard; returns the 0-based shard index."""
+        if self._shard < 0 or (self._count > 0 and self._used + nbytes > self._max):
+            self._shard += 1
+            self._used = 0
+            self._count = 0
+        self._used += nbytes
+        self._count += 1
+        return self._shard
+
+
+def plan_shards(sizes: Iterable[int], *, max_shard_bytes: int) -> list[int]:
+    """The 0-based shard index of each size, as :class:`ShardPlanner` assigns them."""
+    planner = ShardPlanner(max_shard_bytes)
+    return [planner.place(n) for n in sizes]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Ranks:
+    """This process's place in the group that iterates the export."""
+
+    group: Any
+    rank: int
+    world_size: int
+    distributed: bool
+
+    @classmethod
+    def resolve(cls, group: Any) -> _Ranks:
+        """``group`` if given, else the default group if initialized, else a single process."""
+        if group is None and not (dist.is_available() and dist.is_initialized()):
+            return cls(group=None, rank=0, world_size=1, distributed=False)
+        rank = dist.get_rank(group)
+        if rank < 0:
+            raise ValueError(
+                "this process is not a member of the process group given as `group`; pass the "
+                "group of the ranks that iterate the export (or None for the default group)"
+            )
+        return cls(group=group, rank=rank, world_size=dist.get_world_size(group), distributed=True)
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier(group=self.group)
+
+
+class ShardedSafetensorsWriter(WeightSink):
+    """A :class:`WeightSink` that writes an HF-layout sharded safetensors checkpoint.
+
+    Every rank of the group must consume the same stream. Shard ``k`` is buffered and written by
+    rank ``k % world_size`` only (as a CPU copy, so the caller may reuse its buffer); other ranks
+    keep only names and sizes. Memory stays at about one shard per rank. In multi-rank use,
+    ``out_dir`` must be on a filesystem shared by all ranks.
+
+    Args:
+        out_dir: output directory; created (with parents) if missing.
+        max_shard_bytes: shard size limit (default 5 GiB).
+        overwrite: allow a non-empty ``out_dir``; old ``*.safetensors`` and index files in it are
+            removed first.
+        copy_files_from: an HF model directory whose ``config.json``, generation config and
+            tokenizer files (:data:`COPIED_FILE_NAMES`) are copied when present.
+        config_overrides: top-level keys merged into the copied ``config.json`` (needs
+            ``copy_files_from`` with a ``config.json``).
+        group: process group of the ranks iterating the export; None means the default group if
+            torch.distributed is initialized, else a single process.
+        metadata: extra string entries for each file's safetensors metadata, added to
+            ``{"format": "pt"}``.
+    """
+
+    def __init__(
+        self,
+        *,
+        out_dir: str | os.PathLike[str],
+        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+        overwrite: bool = False,
+        copy_files_from: str | os.PathLike[str] | None = None,
+        config_overrides: Mapping[str, Any] | None = None,
+        group: Any = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> None:
+        self.out_dir = Path(out_dir)
+        self._planner = ShardPlanner(max_shard_bytes)
+        self._copy_from = _check_copy_source(copy_files_from, config_overrides, self.out_dir)
+        self._config_overrides = dict(config_overrides) if config_overrides else None
+        self._metadata = _file_metadata(metadata)
+        self._ranks = _Ranks.resolve(group)
+        self._weight_map: dict[str, int] = {}
+        self._total_bytes = 0
+        self._open_shard: int | None = None
+        self._buffer: dict[str, torch.Tensor] = {}
+        self._written: dict[int, Path] = {}
+        self._tmp_paths: set[Path] = set()
+        self._closed = False
+        _prepare_out_dir(self.out_dir, overwrite=overwrite, ranks=self._ranks)
+
+    # -- WeightSink ------------------------------------------------------------------------
+
+    def consume(self, hf_name: str, tensor: torch.Tensor) -> None:
+        self._check_open("consume")
+        if hf_name in self._weight_map:
+            raise ValueError(
+                f"tensor {hf_name!r} was exported twice; every HF name must appear once in the "
+                "stream (check the export plan for duplicate mappings)"
+            )
+        nbytes = tensor_nbytes(tensor)
+        shard = self._planner.place(nbytes)
+        if shard != self._open_shard:
+            self._close_shard()
+            self._open_shard = shard
+        self._weight_map[hf_name] = shard
+        self._total_bytes += nbytes
+        if self._owns(shard):
+            self._buffer[hf_name] = tensor.detach().to("cpu", copy=True).contiguous()
+
+    def finish(self) -> None:
+        self._check_open("finish")
+        self._closed = True
+        if not self._weight_map:
+            raise ValueError(
+                f"no tensors were consumed, so there is nothing to write to {self.out_dir}; "
+                "check that the export stream is not empty"
+            )
+        self._close_shard()
+        self._ranks.barrier()
+        num_shards = self._planner.num_shards
+        self._publish_shards(num_shards)
+        self._ranks.barrier()
+        if self._ranks.rank == 0:
+            self._copy_side_files()
+            self._write_index(num_shards)
+        self._ranks.barrier()
+        if self._ranks.rank == 0:
+            logger.info(
+                "wrote %d safetensors files, %d tensors, %d bytes to %s",
+                num_shards, len(self._weight_map), self._total_bytes, self.out_dir,
+            )
+
+    def abort(self) -> None:
+        self._closed = True
+        self._buffer.clear()
+        for path in sorted(self._tmp_paths):
+            path.unlink(missing_ok=True)
+        if self._tmp_paths:
+            logger.warning(
+                "aborted writing %s: removed %d temporary files of rank %d",
+                self.out_dir, len(self._tmp_paths), self._ranks.rank,
+            )
+        self._tmp_paths.clear()
+
+    # -- shards ----------------------------------------------------------------------------
+
+    def _check_open(self, method: str) -> None:
+        if self._closed:
+            raise RuntimeError(
+                f"{type(self).__name__}.{method}() called after finish() or abort(); "
+                "create a new writer for a new export"
+            )
+
+    def _owns(self, shard: int) -> bool:
+        return shard % self._ranks.world_size == self._ranks.rank
+
+    def _close_shard(self) -> None:
+        """Write the open shard under its temporary name if this rank owns it."""
+        shard = self._open_shard
+        if shard is None or not self._owns(shard):
+            return
+        path = self.out_dir / _tmp_shard_name(shard)
+        self._tmp_paths.add(path)
+        save_file(self._buffer, str(path), metadata=self._metadata)
+        self._written[shard] = path
+        self._buffer = {}
+
+    def _publish_shards(self, num_shards: int) -> None:
+        for shard, tmp in sorted(self._written.items()):
+            os.replace(tmp, self.out_dir / shard_file_name(shard, num_shards))
+            self._tmp_paths.discard(tmp)
+
+    # -- rank 0: side files and index ------------------------------------------------------
+
+    def _copy_side_files(self) -> None:
+        if self._copy_from is None:
+            return
+        config = self._copy_from / CONFIG_NAME
+        if config.is_file():
+            if self._config_overrides:
+                data = json.loads(config.read_text())
+                data.update(self._config_overrides)
+                text = json.dumps(data, indent=2, sort_keys=True) + "\n"
+                self._atomic_write_text(CONFIG_NAME, text)
+            else:
+                self._atomic_copy(config)
+        for name in COPIED_FILE_NAMES:
+            source = self._copy_from / name
+            if source.is_file():
+                self._atomic_copy(source)
+
+    def _write_index(self, num_shards: int) -> None:
+        index = {
+            "metadata": {"total_size": self._total_bytes},
+            "weight_map": {
+                name: shard_file_name(shard, num_shards) for name, shard in self._weight_map.items()
+            },
+        }
+        self._atomic_write_text(INDEX_NAME, json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+    def _atomic_copy(self, source: Path) -> None:
+        tmp = self._track_tmp(source.name)
+        shutil.copyfile(source, tmp)
+        os.replace(tmp, self.out_dir / source.name)
+        self._tmp_paths.discard(tmp)
+
+    def _atomic_write_text(self, name: str, text: str) -> None:
+        tmp = self._track_tmp(name)
+        tmp.write_text(text)
+        os.replace(tmp, self.out_dir / name)
+        self._tmp_paths.discard(tmp)
+
+    def _track_tmp(self, name: str) -> Path:
+        tmp = self.out_dir / f"{TMP_PREFIX}{name}"
+        self._tmp_paths.add(tmp)
+        return tmp
+
+
+# -- constructor checks --------------------------------------------------------------------
+
+
+def _file_metadata(extra: Mapping[str, str] | None) -> dict[str, str]:
+    metadata = {"format": "pt", **(extra or {})}
+    bad = {k: v for k, v in metadata.items() if not (isinstance(k, str) and isinstance(v, str))}
+    if bad:
+        raise TypeError(f"safetensors metadata keys and values must be str; got {bad!r}")
+    return metadata
+
+
+def _check_copy_source(
+    copy_files_from: str | os.PathLike[str] | None,
+    config_overrides: Mapping[str, Any] | None,
+    out_dir: Path,
+) -> Path | None:
+    if copy_files_from is None:
+        if config_overrides:
+            raise ValueError(
+                "config_overrides needs a config.json to merge into; "
+                "pass copy_files_from=<HF model dir>"
+            )
+        return None
+    source = Path(copy_files_from)
+    if not source.is_dir():
+        raise FileNotFoundError(
+            f"copy_files_from={source} is not a directory; pass the HF model directory that holds "
+            "config.json and the tokenizer files"
+        )
+    if config_overrides and not (source / CONFIG_NAME).is_file():
+        raise FileNotFoundError(
+            f"config_overrides given but {source / CONFIG_NAME} does not exist; "
+            "copy_files_from must hold a config.json to merge into"
+        )
+    if out_dir.exists() and source.resolve() == out_dir.resolve():
+        raise ValueError(
+            f"copy_files_from and out_dir are the same directory ({source}); "
+            "write to a new directory"
+        )
+    return source
+
+
+def _prepare_out_dir(out_dir: Path, *, overwrite: bool, ranks: _Ranks) -> None:
+    """Refuse a non-empty ``out_dir`` unless ``overwrite``; then clear old checkpoint files."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise NotADirectoryError(
+            f"out_dir {out_dir} exists and is not a directory; pass a directory path"
+        )
+    if not overwrite and out_dir.is_dir() and any(out_dir.iterdir()):
+        raise FileExistsError(
+            f"output directory {out_dir} exists and is not empty; pass overwrite=True "
+            "(--overwrite on the command line) to replace its checkpoint, or choose a new directory"
+        )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if overwrite and ranks.rank == 0:
+        _remove_old_checkpoint(out_dir)
+    ranks.barrier()
+
+
+def _remove_old_checkpoint(out_dir: Path) -> None:
+    patterns = ("*.safetensors", "*.safetensors.index.json", f"{TMP_PREFIX}*")
+    old = {
+        p for pattern in patterns for p in out_dir.glob(pattern) if p.is_file() or p.is_symlink()
+    }
+    for path in sorted(old):
+        path.unlink()
+    if old:
+        logger.info("overwrite: removed %d old checkpoint files from %s", len(old), out_dir)

@@ -1,0 +1,193 @@
+"""Benchmark: stock AutoBridge.export_hf_weights vs RefitBridge (cache off / on) vs a clone floor.
+
+Run on the GPU host, one process per GPU:
+
+    torchrun --nproc-per-node 1 scripts/bench_export.py --model qwen3-8b --tp 1
+    torchrun --nproc-per-node 2 scripts/bench_export.py --model qwen3-8b --tp 2
+
+All numbers of one run are taken side by side in that run. Each export is consumed by a no-op
+consumer (the loop only touches each yielded tensor), then the device is synchronised, so the
+time is what the exporter itself costs. Memory: "peak extra" is the peak allocated during an
+export minus what was allocated before it (the model), from torch.cuda.memory_stats.
+``cached_new_allocations_after_first`` counts CUDA caching-allocator allocations made by the
+cached exports after the first one (``allocation.all.allocated``); it must be 0.
+
+Writes one JSON per run (rank 0) to --out-dir (default scripts/results/) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+# Model shapes (HF configs, random weights). Per-model knowledge lives here, as data.
+SHAPES: dict[str, dict] = {
+    "qwen3-8b": dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=4096, intermediate_size=12288,
+        num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False, dtype="bfloat16",
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+    "qwen3-1.7b": dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=2048, intermediate_size=6144,
+        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True, dtype="bfloat16",
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936, decoder_sparse_step=1,
+        mlp_only_layers=[], max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        dtype="bfloat16", rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+}
+
+logger = logging.getLogger("bench_export")
+
+
+def hf_config(name: str):
+    from transformers import AutoConfig
+
+    raw = dict(SHAPES[name])
+    return AutoConfig.for_model(raw.pop("model_type"), **raw)
+
+
+def timed_export(make_stream) -> tuple[float, int, int]:
+    """(ms, peak extra bytes, tensors) for one full pass over an export stream."""
+    torch.cuda.synchronize()
+    dist.barrier()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    count = 0
+    for _, tensor in make_stream():
+        count += 1
+        del tensor
+    torch.cuda.synchronize()
+    elapsed = (time.perf_counter() - start) * 1e3
+    peak = torch.cuda.max_memory_allocated() - base
+    return elapsed, peak, count
+
+
+def clone_floor_ms(total_bytes: int, repeats: int = 7) -> float:
+    source = torch.empty(total_bytes, dtype=torch.uint8, device="cuda")
+    source.random_(0, 255)
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        copy = source.clone()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+        del copy
+    del source
+    return statistics.median(times[1:])
+
+
+def allocations() -> int:
+    return torch.cuda.memory_stats().get("allocation.all.allocated", 0)
+
+
+def run(args) -> dict:
+    from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.distributed import distributed_session
+    from mbridge_refit.layout import ParallelLayout
+    from mbridge_refit.model_builder import BuildOptions, build_model
+
+    layout = ParallelLayout(tp=args.tp, pp=args.pp, ep=args.ep)
+    device = torch.device("cuda")
+    with distributed_session(layout, device=device, timeout=datetime.timedelta(minutes=10)) as env:
+        bridge = RefitBridge.from_hf_config(hf_config(args.model))
+        chunks = build_model(bridge, layout, BuildOptions(device=device, params_dtype=torch.bfloat16))
+        from megatron.bridge import AutoBridge
+
+        stock_bridge = AutoBridge.from_hf_config(hf_config(args.model))  # the unmodified upstream class
+        steady = args.steady
+
+        def stock():
+            return stock_bridge.export_hf_weights(chunks, cpu=False, show_progress=False)
+
+        def refit(cache):
+            return lambda: bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=cache)
+
+        plan_start = time.perf_counter()
+        plan = bridge.export_plan(chunks)
+        plan_ms = (time.perf_counter() - plan_start) * 1e3
+        results = {}
+        for label, make in (("stock", stock), ("refit", refit(False)), ("refit_cached", refit(True))):
+            first = timed_export(make)
+            allocs_before = allocations()
+            runs = [timed_export(make) for _ in range(steady)]
+            results[label] = dict(
+                first_ms=first[0], steady_ms=statistics.median(r[0] for r in runs),
+                peak_extra_bytes=max(r[1] for r in [first, *runs]), tensors=first[2],
+                new_allocations_after_first=allocations() - allocs_before,
+            )
+        floor = clone_floor_ms(plan.total_bytes)
+        row = dict(
+            device=torch.cuda.get_device_name(), world_size=env.world_size, model=args.model, layout=layout.name,
+            tensors=len(plan.entries), bytes=plan.total_bytes, plan_build_ms=plan_ms, clone_floor_ms=floor,
+            stock_first_ms=results["stock"]["first_ms"], stock_steady_ms=results["stock"]["steady_ms"],
+            refit_steady_ms=results["refit"]["steady_ms"], refit_first_ms=results["refit"]["first_ms"],
+            refit_cached_first_ms=results["refit_cached"]["first_ms"],
+            refit_cached_steady_ms=results["refit_cached"]["steady_ms"],
+            stock_peak_extra_bytes=results["stock"]["peak_extra_bytes"],
+            refit_peak_extra_bytes=results["refit"]["peak_extra_bytes"],
+            refit_cached_peak_extra_bytes=results["refit_cached"]["peak_extra_bytes"],
+            refit_cached_buffer_bytes=bridge._export_buffers().nbytes,
+            cached_new_allocations_after_first=results["refit_cached"]["new_allocations_after_first"],
+            stock_tensors=results["stock"]["tensors"], steady_runs=steady,
+            torch=torch.__version__, date=datetime.date.today().isoformat(),
+        )
+        row["speedup_vs_stock_steady"] = row["stock_steady_ms"] / row["refit_cached_steady_ms"]
+        row["cached_steady_over_floor"] = row["refit_cached_steady_ms"] / floor
+        row["first_over_steady"] = row["refit_cached_first_ms"] / row["refit_cached_steady_ms"]
+        return row if env.rank == 0 else {}
+
+
+def print_table(row: dict) -> None:
+    gb = 1e9
+    lines = [
+        f"device {row['device']} x{row['world_size']}  model {row['model']}  layout {row['layout']}  "
+        f"{row['tensors']} tensors, {row['bytes'] / gb:.2f} GB",
+        f"{'':28s}{'first ms':>10s}{'steady ms':>11s}{'peak extra GB':>15s}",
+        f"{'stock AutoBridge':28s}{row['stock_first_ms']:10.1f}{row['stock_steady_ms']:11.2f}{row['stock_peak_extra_bytes'] / gb:15.3f}",
+        f"{'RefitBridge, cache off':28s}{row['refit_first_ms']:10.1f}{row['refit_steady_ms']:11.2f}{row['refit_peak_extra_bytes'] / gb:15.3f}",
+        f"{'RefitBridge, cache on':28s}{row['refit_cached_first_ms']:10.1f}{row['refit_cached_steady_ms']:11.2f}{row['refit_cached_peak_extra_bytes'] / gb:15.3f}",
+        f"{'clone floor (same bytes)':28s}{'':10s}{row['clone_floor_ms']:11.2f}",
+        f"speedup vs stock (steady): {row['speedup_vs_stock_steady']:.1f}x   cached/floor: {row['cached_steady_over_floor']:.2f}x   "
+        f"first/steady: {row['first_over_steady']:.2f}x   new allocations after first cached call: {row['cached_new_allocations_after_first']}",
+    ]
+    print("\n".join(lines), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(SHAPES), default="qwen3-8b")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--steady", type=int, default=5, help="steady-state calls to take the median of")
+    parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    row = run(args)
+    if row:
+        print_table(row)
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        path = args.out_dir / f"export_{row['model']}_{row['layout']}_{row['device'].split()[-1].lower()}.json"
+        path.write_text(json.dumps(row, indent=2))
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Shared test helpers: launching ranks under torchrun on CPU (gloo) and tiny source checkpoints."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Launch:
+    returncode: int
+    output: str
+
+
+def torchrun(nproc: int, module_args: list[str], *, timeout: float = 600) -> Launch:
+    """Run ``python -m <module_args>`` on ``nproc`` CPU ranks (torchrun, gloo, a free port).
+
+    One process runs as plain ``python -m`` (no torchrun), the way a user runs a single rank.
+    A first argument ending in ``.py`` runs that script instead of a module.
+    """
+    target = module_args if module_args[0].endswith(".py") else ["-m", *module_args]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if nproc == 1:
+        cmd = [sys.executable, *target]
+    else:
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *target,
+        ]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return Launch(proc.returncode, proc.stdout + proc.stderr)
+
+
+@pytest.fixture(scope="session")
+def source_checkpoints(tmp_path_factory):
+    """Tiny random HF checkpoints, one per recipe, sharded so the index is exercised."""
+    from mbridge_refit import recipes
+
+    root = tmp_path_factory.mktemp("sources")
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            made[name] = recipes.make_random_checkpoint(
+                recipes.get_model_recipe(name), root / name, seed=1234, max_shard_bytes=64 * 1024
+            )
+        return made[name]
+
+    return get

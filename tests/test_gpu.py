@@ -1,0 +1,59 @@
+"""GPU-only checks (skipped on CPU machines): TE layer spec, NCCL, CUDA caching allocator.
+
+Run on the GPU host: ``python -m pytest tests/test_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU host only)"),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_gpu_model():
+    from mbridge_refit import recipes
+    from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.distributed import distributed_session
+    from mbridge_refit.layout import ParallelLayout
+    from mbridge_refit.model_builder import BuildOptions, build_model
+
+    layout = ParallelLayout()
+    device = torch.device("cuda")
+    with distributed_session(layout, device=device, timeout=datetime.timedelta(minutes=5)):
+        config = recipes.get_model_recipe("qwen3-tiny").to_hf_config()
+        config.architectures = ["Qwen3ForCausalLM"]
+        bridge = RefitBridge.from_hf_config(config)
+        chunks = build_model(bridge, layout, BuildOptions(device=device, params_dtype=torch.bfloat16))
+        yield bridge, chunks
+
+
+def test_cached_export_allocates_nothing_after_first_call(tiny_gpu_model):
+    bridge, chunks = tiny_gpu_model
+    first = [(n, t.clone()) for n, t in bridge.export_hf_weights(chunks, reuse_buffer_from_cache=True, show_progress=False)]
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    for _ in range(3):
+        for _name, _tensor in bridge.export_hf_weights(chunks, reuse_buffer_from_cache=True, show_progress=False):
+            pass
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
+    assert len(first) == len(bridge.export_plan(chunks).entries)
+
+
+def test_gpu_export_matches_stock_bitwise(tiny_gpu_model):
+    from megatron.bridge import AutoBridge
+
+    bridge, chunks = tiny_gpu_model
+    stock = AutoBridge(bridge.hf_pretrained)
+    expected = [(n, t.clone()) for n, t in stock.export_hf_weights(chunks, show_progress=False)]
+    got = [(n, t.clone()) for n, t in bridge.export_hf_weights(chunks, reuse_buffer_from_cache=True, show_progress=False)]
+    assert [n for n, _ in got] == [n for n, _ in expected]
+    for (name, a), (_, b) in zip(got, expected):
+        assert a.dtype == b.dtype and torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8)), name
