@@ -58,6 +58,7 @@ class RefitBridge(AutoBridge):
         if self.__dict__.get("_refit_model_key") != key:
             model_bridge.__dict__.pop("_cached_param_names", None)
             self.__dict__["_refit_model_key"] = key
+            self.__dict__["_refit_plan"] = None
             self.__dict__["_refit_exporter"] = None
             self.__dict__["_refit_plan_error"] = None
         return model_bridge
@@ -69,21 +70,29 @@ class RefitBridge(AutoBridge):
         Moves no tensor data and allocates no weight memory (works on meta-device models).
         Raises ``PlanError`` naming the parameter the plan cannot describe.
         """
-        return self._exporter(model if isinstance(model, list) else [model]).plan
+        chunks = model if isinstance(model, list) else [model]
+        return self._planned(chunks)[0]
 
-    def _exporter(self, chunks: list[torch.nn.Module]) -> PlanExporter:
+    def _planned(self, chunks: list[torch.nn.Module]) -> tuple[ExportPlan, list]:
+        """(plan, conversion tasks) for ``chunks``, built once per model."""
         model_bridge = self._model_bridge_for(chunks)
-        exporter = self.__dict__.get("_refit_exporter")
-        if exporter is None:
+        planned = self.__dict__.get("_refit_plan")
+        if planned is None:
             from megatron.core.utils import unwrap_model
 
             unwrapped = unwrap_model(chunks)
             tasks = model_bridge.build_conversion_tasks(self.hf_pretrained, unwrapped)
-            plan = build_export_plan(model_bridge, self.hf_pretrained, unwrapped, tasks=tasks)
+            planned = (build_export_plan(model_bridge, self.hf_pretrained, unwrapped, tasks=tasks), tasks)
+            self.__dict__["_refit_plan"] = planned
+        return planned
+
+    def _exporter(self, chunks: list[torch.nn.Module]) -> PlanExporter:
+        plan, tasks = self._planned(chunks)
+        exporter = self.__dict__.get("_refit_exporter")
+        if exporter is None:
             params = {t.global_param_name: t.param_weight for t in tasks if t is not None and t.param_weight is not None}
             device = next(iter(params.values())).device if params else torch.device("cpu")
-            exporter = PlanExporter(plan=plan, params=params, device=device)
-            self.__dict__["_refit_exporter"] = exporter
+            exporter = self.__dict__["_refit_exporter"] = PlanExporter(plan=plan, params=params, device=device)
         return exporter
 
     def _export_buffers(self) -> ExportBuffers:

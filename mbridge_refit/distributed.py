@@ -72,8 +72,12 @@ def init_process_group(
     return env
 
 
-def init_model_parallel(layout: ParallelLayout) -> None:
-    """Create Megatron's model-parallel groups for ``layout`` (the default group must exist)."""
+def init_model_parallel(layout: ParallelLayout, *, seed: int = 0) -> None:
+    """Create Megatron's model-parallel groups for ``layout`` (the default group must exist).
+
+    With NCCL, also seeds Megatron's CUDA RNG tracker (Transformer Engine layers draw their
+    initialisation from it).
+    """
     from megatron.core import parallel_state
 
     layout.validate_world_size(dist.get_world_size(), require_exact=False)
@@ -86,6 +90,10 @@ def init_model_parallel(layout: ParallelLayout) -> None:
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
     )
+    if dist.get_backend() == "nccl":
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
 def teardown() -> None:

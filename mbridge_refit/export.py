@@ -2,14 +2,16 @@
 
 For each Megatron parameter in plan order, on the pipeline stage that owns it:
 
-1. gather: tensor-parallel shards with one ``all_gather_into_tensor`` (only for TP-sharded
-   kinds; replicated tensors are read locally), expert weights of one local expert index with
-   one ``all_gather_into_tensor`` over the expert-parallel group;
-2. assemble each HF tensor from the gathered shards by its ``SliceCopy`` pieces: a view when the
-   pieces are contiguous in HF order (column-parallel weights, gate/up halves, experts, every
-   tensor at TP=1 except grouped-query QKV), else one ``index_select`` (QKV) or one copy per
-   piece (row-parallel columns) into an output buffer;
-3. broadcast the HF tensor from the owning stage to the other pipeline stages.
+1. tensor-parallel HF tensors split by rows (column-parallel weights, gate and up, q, k and v):
+   pack this rank's rows of the HF tensor (a view, or for grouped-query QKV one small
+   ``index_select``) and ``all_gather_into_tensor`` straight into the HF-shaped output: no copy
+   after the gather. HF tensors split by columns (row-parallel weights): gather the shards once
+   per parameter, then one copy per rank into the output;
+2. without tensor parallelism (or for replicated tensors): a view of the local shard when the
+   HF tensor is a contiguous slice of it, else one ``index_select`` (QKV with grouped heads);
+3. experts: one ``all_gather_into_tensor`` of the local expert over the expert-parallel group,
+   then views (expert tensor parallelism is 1);
+4. broadcast the HF tensor from the owning stage to the other pipeline stages.
 
 Every rank yields every tensor, in plan order (the stock export's order).
 
@@ -68,7 +70,9 @@ class _Assembly:
     """How to build one HF tensor from gathered shards [ranks, *local_shape], decided once.
 
     ``view``: rows [start, start+length) of the flattened shards (no copy); ``index``: one
-    ``index_select`` with ``rows``; ``pieces``: one copy per piece (column slices).
+    ``index_select`` with ``rows``; ``gather_rows``: pack this rank's rows (a view of
+    [start, start+length), or ``rows``) and all-gather them into the output; ``pieces``: gather
+    whole shards, then one copy per piece.
     """
 
     how: str
@@ -99,6 +103,7 @@ class _Groups:
     pp_size: int
     pp_rank: int
     ep_rank: int
+    tp_rank: int
 
 
 @dataclass(kw_only=True)
@@ -155,14 +160,32 @@ class PlanExporter:
                 self._from_pieces(entry, assembly, gathered[entry.layout.owner_ep_rank].unsqueeze(0), buffers, i)
                 for i, (entry, assembly) in enumerate(zip(op.entries, op.assemblies))
             ]
-        if op.sharded_over_tp:
-            gathered = _gather(local, groups.tp, groups.tp_size, buffers, "tp_gather")
+        whole: torch.Tensor | None = None  # [tp, *local_shape], gathered only if a column split needs it
+        outputs = []
+        for i, (entry, assembly) in enumerate(zip(op.entries, op.assemblies)):
+            if assembly.how == "gather_rows":
+                outputs.append(self._gather_rows(entry, assembly, local, buffers, i))
+                continue
+            if assembly.how == "pieces" and op.sharded_over_tp:
+                if whole is None:
+                    whole = _gather(local, groups.tp, groups.tp_size, buffers, "tp_gather")
+                outputs.append(self._from_pieces(entry, assembly, whole, buffers, i))
+                continue
+            outputs.append(self._from_pieces(entry, assembly, local.unsqueeze(0), buffers, i))
+        return outputs
+
+    def _gather_rows(
+        self, entry: PlanEntry, assembly: _Assembly, local: torch.Tensor, buffers: ExportBuffers, index: int
+    ) -> torch.Tensor:
+        if assembly.rows is None:
+            packed = local.narrow(0, assembly.start, assembly.length)
         else:
-            gathered = local.unsqueeze(0)
-        return [
-            self._from_pieces(entry, assembly, gathered, buffers, i)
-            for i, (entry, assembly) in enumerate(zip(op.entries, op.assemblies))
-        ]
+            rows = self._device_rows(entry, assembly)
+            packed = buffers.get("pack", index, (rows.numel(), *local.shape[1:]), local.dtype, local.device)
+            torch.index_select(local, 0, rows, out=packed)
+        out = buffers.get("out", index, entry.shape, local.dtype, local.device)
+        _gather_into(out, packed, self._groups.tp, self._groups.tp_size)
+        return out
 
     def _from_pieces(
         self, entry: PlanEntry, assembly: _Assembly, gathered: torch.Tensor, buffers: ExportBuffers, index: int
@@ -206,12 +229,17 @@ def _gather(local: torch.Tensor, group: Any, size: int, buffers: ExportBuffers, 
     if size == 1:
         return local.unsqueeze(0)
     out = buffers.get(role, 0, (size, *local.shape), local.dtype, local.device)
+    _gather_into(out, local, group, size)
+    return out
+
+
+def _gather_into(out: torch.Tensor, local: torch.Tensor, group: Any, size: int) -> None:
+    """All-gather ``local`` into ``out``, whose dim 0 is ``size`` rank-major copies of it."""
     local = local.contiguous()
     if dist.get_backend(group) == "gloo":  # gloo has no all_gather_into_tensor
-        dist.all_gather(list(out.unbind(0)), local, group=group)
+        dist.all_gather([part.view(local.shape) for part in out.chunk(size, dim=0)], local, group=group)
     else:
         dist.all_gather_into_tensor(out, local, group=group)
-    return out
 
 
 def _current_groups() -> _Groups:
@@ -226,6 +254,7 @@ def _current_groups() -> _Groups:
         pp_size=ps.get_pipeline_model_parallel_world_size(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
         ep_rank=ps.get_expert_model_parallel_rank(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
     )
 
 
@@ -236,7 +265,7 @@ def _build_ops(plan: ExportPlan, params: dict[str, torch.Tensor], groups: _Group
         key = _op_key(entry)
         if ops and _op_key(ops[-1].entries[0]) == key and entry.alias_of is None:
             ops[-1].entries.append(entry)
-            ops[-1].assemblies.append(_plan_assembly(entry))
+            ops[-1].assemblies.append(_plan_assembly(entry, groups))
             continue
         local = None
         sharded = not entry.is_expert and len(entry.layout.pieces) > 1
@@ -246,7 +275,7 @@ def _build_ops(plan: ExportPlan, params: dict[str, torch.Tensor], groups: _Group
         ops.append(
             _Op(
                 entries=[entry],
-                assemblies=[_plan_assembly(entry)],
+                assemblies=[_plan_assembly(entry, groups)],
                 local=local,
                 sharded_over_tp=sharded,
                 expert=entry.is_expert,
@@ -255,9 +284,11 @@ def _build_ops(plan: ExportPlan, params: dict[str, torch.Tensor], groups: _Group
     return ops
 
 
-def _plan_assembly(entry: PlanEntry) -> _Assembly:
-    """Choose view / index / pieces for ``entry`` from its slice pieces (rank-major shards)."""
+def _plan_assembly(entry: PlanEntry, groups: _Groups) -> _Assembly:
+    """Choose how to build ``entry`` on this rank from its slice pieces (decided once)."""
     pieces = entry.layout.pieces
+    if len(pieces) > 1 and not entry.is_expert:
+        return _plan_tp_assembly(entry, groups.tp_rank)
     local_rows = entry.layout.local_shape[0]
     dim = pieces[0][0].dim
     if dim == 0:
@@ -265,11 +296,40 @@ def _plan_assembly(entry: PlanEntry) -> _Assembly:
         first = spans[0][1]
         if all(source == first + hf_start for hf_start, source, _ in spans):
             return _Assembly(how="view", start=first, length=entry.shape[0])
-        rows = torch.cat([torch.arange(source, source + length) for _, source, length in spans])
-        return _Assembly(how="index", rows=rows)
+        return _Assembly(how="index", rows=_rows(spans))
     if len(pieces) == 1 and len(pieces[0]) == 1 and pieces[0][0].length == entry.shape[dim]:
         return _Assembly(how="view", start=0, length=entry.shape[0])
     return _Assembly(how="pieces", pieces=tuple((r, c) for r, rank in enumerate(pieces) for c in rank))
+
+
+def _plan_tp_assembly(entry: PlanEntry, tp_rank: int) -> _Assembly:
+    """Tensor-parallel entry: all-gather straight into the output when rank r owns HF rows
+    [r*n, (r+1)*n) (column, gate/up, q/k/v); otherwise gather shards and copy pieces."""
+    pieces = entry.layout.pieces
+    ranks = len(pieces)
+    per_rank = entry.shape[0] // ranks
+    row_split = all(c.dim == 0 for rank in pieces for c in rank) and all(
+        sorted((c.hf_start, c.hf_stop) for c in rank)[0][0] == r * per_rank
+        and sum(c.length for c in rank) == per_rank
+        and _contiguous_hf(rank)
+        for r, rank in enumerate(pieces)
+    )
+    if not row_split:
+        return _Assembly(how="pieces", pieces=tuple((r, c) for r, rank in enumerate(pieces) for c in rank))
+    mine = sorted(pieces[tp_rank], key=lambda c: c.hf_start)
+    spans = [(c.hf_start, c.local_start, c.length) for c in mine]
+    if all(local == mine[0].local_start + hf - mine[0].hf_start for hf, local, _ in spans):
+        return _Assembly(how="gather_rows", start=mine[0].local_start, length=per_rank)
+    return _Assembly(how="gather_rows", rows=_rows(spans))
+
+
+def _contiguous_hf(rank_pieces) -> bool:
+    ordered = sorted(rank_pieces, key=lambda c: c.hf_start)
+    return all(a.hf_stop == b.hf_start for a, b in zip(ordered, ordered[1:]))
+
+
+def _rows(spans) -> torch.Tensor:
+    return torch.cat([torch.arange(source, source + length) for _, source, length in spans])
 
 
 def _op_key(entry: PlanEntry) -> tuple:

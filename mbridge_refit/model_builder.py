@@ -60,6 +60,7 @@ def configure_provider(provider: Any, layout: ParallelLayout, options: BuildOpti
     provider.expert_model_parallel_size = layout.ep
     provider.expert_tensor_parallel_size = layout.etp
     provider.sequence_parallel = False
+    provider.gradient_accumulation_fusion = False  # needs apex; these builds never train
     provider.num_layers_in_first_pipeline_stage = options.num_layers_in_first_pipeline_stage
     provider.num_layers_in_last_pipeline_stage = options.num_layers_in_last_pipeline_stage
     if options.params_dtype is not None:
@@ -94,4 +95,8 @@ def build_model(bridge: Any, layout: ParallelLayout, options: BuildOptions) -> l
     )
     if on_cpu and options.materialize:
         chunks = [chunk.to_empty(device="cpu") for chunk in chunks]
+    if on_cpu and options.params_dtype is not None:
+        # The local spec builds its torch norms in fp32 whatever params_dtype says; on this
+        # conversion path every parameter takes the checkpoint's dtype so exports keep it.
+        chunks = [chunk.to(dtype=options.params_dtype) for chunk in chunks]
     return chunks

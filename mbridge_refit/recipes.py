@@ -381,3 +381,24 @@ def make_random_checkpoint(
         recipe.name, seed, len(written), len(list(out_dir.glob("*.safetensors"))), out_dir,
     )
     return out_dir
+
+
+# --- full-size shapes (benchmarks only: configs, never checkpoints) -------------------------------
+
+SHAPES_DIR = RECIPES_DIR / "shapes"
+
+
+def full_size_shapes() -> list[str]:
+    """Names of the full-size model shapes in ``recipes/shapes/`` (for plan and export benchmarks)."""
+    return sorted(p.stem for p in SHAPES_DIR.glob("*.json"))
+
+
+def full_size_config(name: str) -> "PretrainedConfig":
+    """The HF config of a full-size shape, e.g. ``qwen3-8b``; random weights are the caller's business."""
+    path = SHAPES_DIR / f"{name}.json"
+    if not path.is_file():
+        raise UnknownRecipeError(f"unknown shape {name!r}; supported: {', '.join(full_size_shapes())}")
+    recipe = ModelRecipe(name=name, **_read_json(path))
+    config = recipe.to_hf_config()
+    config.architectures = list(recipe.hf_config["architectures"])  # the bridge dispatches on it
+    return config

@@ -28,45 +28,24 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-# Model shapes (HF configs, random weights). Per-model knowledge lives here, as data.
-SHAPES: dict[str, dict] = {
-    "qwen3-8b": dict(
-        architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=4096, intermediate_size=12288,
-        num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-        max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False, dtype="bfloat16",
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-    ),
-    "qwen3-1.7b": dict(
-        architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=2048, intermediate_size=6144,
-        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-        max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True, dtype="bfloat16",
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-    ),
-    "qwen3-30b-a3b": dict(
-        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
-        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, num_hidden_layers=48,
-        num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936, decoder_sparse_step=1,
-        mlp_only_layers=[], max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        dtype="bfloat16", rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-    ),
-}
-
 logger = logging.getLogger("bench_export")
 
 
 def hf_config(name: str):
-    from transformers import AutoConfig
+    """A full-size shape from recipes/shapes/ (config only; the weights are random)."""
+    from mbridge_refit.recipes import full_size_config
 
-    raw = dict(SHAPES[name])
-    return AutoConfig.for_model(raw.pop("model_type"), **raw)
+    return full_size_config(name)
 
 
-def timed_export(make_stream) -> tuple[float, int, int]:
-    """(ms, peak extra bytes, tensors) for one full pass over an export stream."""
+def timed_export(make_stream) -> tuple[float, int, int, int]:
+    """(ms, peak extra bytes, tensors, CUDA allocations) for one full pass over an export stream."""
     torch.cuda.synchronize()
     dist.barrier()
+    torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
+    allocations_before = allocations()
     start = time.perf_counter()
     count = 0
     for _, tensor in make_stream():
@@ -74,8 +53,9 @@ def timed_export(make_stream) -> tuple[float, int, int]:
         del tensor
     torch.cuda.synchronize()
     elapsed = (time.perf_counter() - start) * 1e3
+    new_allocations = allocations() - allocations_before
     peak = torch.cuda.max_memory_allocated() - base
-    return elapsed, peak, count
+    return elapsed, peak, count, new_allocations
 
 
 def clone_floor_ms(total_bytes: int, repeats: int = 7) -> float:
@@ -90,6 +70,26 @@ def clone_floor_ms(total_bytes: int, repeats: int = 7) -> float:
         times.append((time.perf_counter() - start) * 1e3)
         del copy
     del source
+    return statistics.median(times[1:])
+
+
+def gather_floor_ms(total_bytes: int, repeats: int = 7) -> float:
+    """One all_gather_into_tensor whose output is ``total_bytes`` per rank (TP>1's transfer bound)."""
+    world = dist.get_world_size()
+    if world == 1:
+        return 0.0
+    local = torch.empty(total_bytes // world, dtype=torch.uint8, device="cuda").random_(0, 255)
+    out = torch.empty(local.numel() * world, dtype=torch.uint8, device="cuda")
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        dist.barrier()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        dist.all_gather_into_tensor(out, local)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    del local, out
     return statistics.median(times[1:])
 
 
@@ -125,17 +125,18 @@ def run(args) -> dict:
         results = {}
         for label, make in (("stock", stock), ("refit", refit(False)), ("refit_cached", refit(True))):
             first = timed_export(make)
-            allocs_before = allocations()
             runs = [timed_export(make) for _ in range(steady)]
             results[label] = dict(
                 first_ms=first[0], steady_ms=statistics.median(r[0] for r in runs),
                 peak_extra_bytes=max(r[1] for r in [first, *runs]), tensors=first[2],
-                new_allocations_after_first=allocations() - allocs_before,
+                new_allocations_after_first=sum(r[3] for r in runs),
             )
         floor = clone_floor_ms(plan.total_bytes)
+        gather_floor = gather_floor_ms(plan.total_bytes)
         row = dict(
             device=torch.cuda.get_device_name(), world_size=env.world_size, model=args.model, layout=layout.name,
             tensors=len(plan.entries), bytes=plan.total_bytes, plan_build_ms=plan_ms, clone_floor_ms=floor,
+            gather_floor_ms=gather_floor,
             stock_first_ms=results["stock"]["first_ms"], stock_steady_ms=results["stock"]["steady_ms"],
             refit_steady_ms=results["refit"]["steady_ms"], refit_first_ms=results["refit"]["first_ms"],
             refit_cached_first_ms=results["refit_cached"]["first_ms"],
@@ -164,6 +165,7 @@ def print_table(row: dict) -> None:
         f"{'RefitBridge, cache off':28s}{row['refit_first_ms']:10.1f}{row['refit_steady_ms']:11.2f}{row['refit_peak_extra_bytes'] / gb:15.3f}",
         f"{'RefitBridge, cache on':28s}{row['refit_cached_first_ms']:10.1f}{row['refit_cached_steady_ms']:11.2f}{row['refit_cached_peak_extra_bytes'] / gb:15.3f}",
         f"{'clone floor (same bytes)':28s}{'':10s}{row['clone_floor_ms']:11.2f}",
+        f"{'all-gather floor (same out)':28s}{'':10s}{row['gather_floor_ms']:11.2f}",
         f"speedup vs stock (steady): {row['speedup_vs_stock_steady']:.1f}x   cached/floor: {row['cached_steady_over_floor']:.2f}x   "
         f"first/steady: {row['first_over_steady']:.2f}x   new allocations after first cached call: {row['cached_new_allocations_after_first']}",
     ]
@@ -172,7 +174,7 @@ def print_table(row: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=sorted(SHAPES), default="qwen3-8b")
+    parser.add_argument("--model", default="qwen3-8b", help="a shape in recipes/shapes/ (default: %(default)s)")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
