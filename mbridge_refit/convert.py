@@ -38,6 +38,9 @@ examples:
   # MoE with expert parallelism
   torchrun --nproc-per-node 2 -m mbridge_refit.convert roundtrip --hf MOE --out OUT --ep 2
 
+  # what an export will yield, where each tensor lives (no weights are read)
+  torchrun --nproc-per-node 2 -m mbridge_refit.convert plan --hf /tmp/qwen3-tiny --pp 2 --json plan.json
+
 exit codes: 0 ok, 1 verify found differences, 2 bad input, 3 failure while running
 """
 
@@ -99,6 +102,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout-s", type=float, default=600.0, help="collective timeout per operation (default: %(default)s)"
     )
 
+    plan = sub.add_parser(
+        "plan",
+        help="print (and optionally save) the export plan of a checkpoint for a layout",
+        description="Build the model on the meta device (no weights are read), compute RefitBridge's export plan "
+        "and print one line per HF tensor: name, shape, dtype, bytes, pipeline stage, source mesh and placements. "
+        "Run it with as many ranks as the layout needs.",
+        allow_abbrev=False,
+    )
+    plan.add_argument("--hf", type=Path, required=True, help="HF checkpoint directory (config.json is enough)")
+    _add_layout_flags(plan)
+    plan.add_argument("--json", type=Path, default=None, help="also write the plan as JSON to this file")
+    plan.add_argument("--timeout-s", type=float, default=600.0, help="collective timeout (default: %(default)s)")
+
     verify = sub.add_parser(
         "verify",
         help="compare two HF checkpoints tensor by tensor (names, shapes, dtypes, bytes)",
@@ -116,12 +132,14 @@ def _add_layout_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--pp", type=int, default=1, help="pipeline parallel size (default: 1)")
     group.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per PP rank")
     group.add_argument("--ep", type=int, default=1, help="expert parallel size, MoE only (default: 1)")
+    group.add_argument("--first-stage-layers", type=int, default=None, help="layers on the first PP stage (uneven split)")
+    group.add_argument("--last-stage-layers", type=int, default=None, help="layers on the last PP stage (uneven split)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _configure_logging(args.verbose)
-    handlers = {"make-tiny": cmd_make_tiny, "roundtrip": cmd_roundtrip, "verify": cmd_verify}
+    handlers = {"make-tiny": cmd_make_tiny, "roundtrip": cmd_roundtrip, "plan": cmd_plan, "verify": cmd_verify}
     try:
         return handlers[args.command](args)
     except BadInput as err:
@@ -195,8 +213,8 @@ def cmd_roundtrip(args: argparse.Namespace) -> int:
     return run_roundtrip(options)
 
 
-def _validate_roundtrip(args: argparse.Namespace) -> RoundtripArgs:
-    """Every check that needs no process group: same inputs, same verdict on every rank."""
+def _validate_input_and_layout(args: argparse.Namespace) -> ParallelLayout:
+    """Checks of --hf and the layout flags that need no process group (same verdict on every rank)."""
     from mbridge_refit.checkpoint import HFCheckpoint
     from mbridge_refit.distributed import LaunchEnv
     from mbridge_refit.layout import LayoutError, ModelShape
@@ -209,16 +227,26 @@ def _validate_roundtrip(args: argparse.Namespace) -> RoundtripArgs:
         HFCheckpoint.open(args.hf)
     except FileNotFoundError as err:
         raise BadInput(str(err)) from err
-    if args.out.resolve() == args.hf.resolve():
-        raise BadInput("--out must differ from --hf")
-    _check_output_dir(args.out, args.overwrite)
     config = _load_supported_config(args.hf)
+    flags = f"tp={args.tp} pp={args.pp} vpp={args.vpp} ep={args.ep}"
     try:
-        layout = ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep)
+        layout = ParallelLayout(
+            tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep,
+            first_stage_layers=args.first_stage_layers, last_stage_layers=args.last_stage_layers,
+        )
         layout.validate_model(ModelShape.from_hf_config(config))
         layout.validate_world_size(LaunchEnv.from_environ().world_size)
     except LayoutError as err:
-        raise BadInput(f"layout tp={args.tp} pp={args.pp} vpp={args.vpp} ep={args.ep}: {err}") from err
+        raise BadInput(f"layout {flags}: {err}") from err
+    return layout
+
+
+def _validate_roundtrip(args: argparse.Namespace) -> RoundtripArgs:
+    """Every check that needs no process group: same inputs, same verdict on every rank."""
+    layout = _validate_input_and_layout(args)
+    if args.out.resolve() == args.hf.resolve():
+        raise BadInput("--out must differ from --hf")
+    _check_output_dir(args.out, args.overwrite)
     return RoundtripArgs(
         hf=args.hf,
         out=args.out,
@@ -287,6 +315,53 @@ def run_roundtrip(options: RoundtripArgs) -> int:
         count = drain(cast_to_checkpoint_dtypes(stream, checkpoint), sink)
     logger.info("wrote %d tensors to %s (layout %s)", count, options.out, options.layout.name)
     return EXIT_OK
+
+
+# --- plan --------------------------------------------------------------------------------------
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import torch
+
+    from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.checkpoint import HFCheckpoint
+    from mbridge_refit.distributed import distributed_session
+    from mbridge_refit.model_builder import BuildOptions, build_model
+
+    layout = _validate_input_and_layout(args)
+    if args.json is not None and not args.json.parent.is_dir():
+        raise BadInput(f"directory {args.json.parent} for --json does not exist")
+    cpu = torch.device("cpu")
+    dtype = checkpoint_float_dtype(HFCheckpoint.open(args.hf))
+    with distributed_session(layout, device=cpu, timeout=datetime.timedelta(seconds=args.timeout_s)) as env:
+        bridge = RefitBridge.from_hf_pretrained(args.hf)
+        chunks = build_model(bridge, layout, BuildOptions(device=cpu, params_dtype=dtype, materialize=False))
+        plan = bridge.export_plan(chunks)
+        if env.rank == 0:
+            print(format_plan(plan))
+            if args.json is not None:
+                tmp = args.json.with_name(f".{args.json.name}.tmp")
+                tmp.write_text(plan.to_json())
+                tmp.replace(args.json)
+                logger.info("wrote %s", args.json)
+    return EXIT_OK
+
+
+def format_plan(plan) -> str:
+    """One line per HF tensor: name, shape, dtype, bytes, stage, source mesh, placements."""
+    header = f"{'hf_name':60s} {'shape':>16s} {'dtype':>9s} {'bytes':>12s} {'pp/vpp':>6s} {'mesh':>14s}  placements"
+    lines = [header]
+    for e in plan.entries:
+        mesh = f"{e.layout.mesh_dims[0]}{e.layout.mesh_shape[0]}x{e.layout.mesh_dims[1]}{e.layout.mesh_shape[1]}"
+        owner = f" owner ep{e.layout.owner_ep_rank}" if e.layout.owner_ep_rank is not None and plan.ep > 1 else ""
+        alias = f" (same data as {e.alias_of})" if e.alias_of else ""
+        lines.append(
+            f"{e.hf_name:60s} {str(list(e.shape)):>16s} {e.dtype:>9s} {e.nbytes:12d} {e.pp_rank:>4d}/{e.vpp_stage:<1d} "
+            f"{mesh:>14s}  {', '.join(e.layout.placements)}{owner}{alias}"
+        )
+    layers = ", ".join(f"{layer}:{pp}/{vpp}" for layer, (pp, vpp) in plan.layer_map.items())
+    lines.append(f"{len(plan.entries)} tensors, {plan.total_bytes} bytes; layer -> pp/vpp: {layers}")
+    return "\n".join(lines)
 
 
 def checkpoint_float_dtype(checkpoint) -> "torch.dtype":

@@ -26,6 +26,8 @@ class ParallelLayout:
         vpp: virtual pipeline stages per PP rank (None = no interleaving).
         ep: expert-parallel size (MoE only).
         etp: expert tensor-parallel size (only 1 is supported: experts are whole on each rank).
+        first_stage_layers / last_stage_layers: uneven pipeline splits (Megatron's
+            ``num_layers_in_first/last_pipeline_stage``); the middle stages share the rest evenly.
     """
 
     tp: int = 1
@@ -33,6 +35,8 @@ class ParallelLayout:
     vpp: int | None = None
     ep: int = 1
     etp: int = 1
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "ep", "etp"):
@@ -46,6 +50,14 @@ class ParallelLayout:
                 raise LayoutError(f"vpp={self.vpp} needs pp > 1: interleaving stages needs a pipeline.")
         if self.etp != 1:
             raise LayoutError(f"etp={self.etp} is not supported: use expert tensor parallel size 1.")
+        if self.uneven and self.pp == 1:
+            raise LayoutError("first/last stage layer counts need pp > 1.")
+        if self.uneven and self.vpp_stages > 1:
+            raise LayoutError("uneven first/last stages cannot be combined with vpp here: use an even split.")
+
+    @property
+    def uneven(self) -> bool:
+        return self.first_stage_layers is not None or self.last_stage_layers is not None
 
     @property
     def model_parallel_size(self) -> int:
@@ -64,6 +76,8 @@ class ParallelLayout:
             parts.append(f"pp{self.pp}")
         if self.vpp and self.vpp > 1:
             parts.append(f"vpp{self.vpp}")
+        if self.uneven:
+            parts.append(f"split{self.first_stage_layers or ''}-{self.last_stage_layers or ''}")
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
         return "_".join(parts) or "tp1"
@@ -120,6 +134,13 @@ class ParallelLayout:
                     f"{flag}={parts} does not divide {what}={size}: choose a {flag} that divides {size}."
                 )
         stages = self.pp * self.vpp_stages
+        if self.uneven:
+            self._validate_uneven(shape.num_layers)
+        elif shape.num_layers % self.pp:
+            raise LayoutError(
+                f"pp={self.pp} does not divide num_layers={shape.num_layers}: choose a pp that divides it, or set "
+                f"the first/last stage layer counts (--first-stage-layers / --last-stage-layers)."
+            )
         if shape.num_layers < stages:
             raise LayoutError(
                 f"pp*vpp = {self.pp}*{self.vpp_stages} = {stages} stages exceed num_layers={shape.num_layers}."
@@ -128,6 +149,20 @@ class ParallelLayout:
             raise LayoutError(
                 f"pp*vpp = {stages} does not divide num_layers={shape.num_layers}: "
                 f"with interleaving every stage needs the same number of layers."
+            )
+
+    def _validate_uneven(self, num_layers: int) -> None:
+        edges = [n for n in (self.first_stage_layers, self.last_stage_layers) if n is not None]
+        if any(n < 1 for n in edges):
+            raise LayoutError(f"first/last stage layer counts must be positive, got {edges}")
+        middle_layers = num_layers - sum(edges)
+        middle_stages = self.pp - len(edges)
+        if middle_layers < middle_stages or (middle_stages == 0 and middle_layers != 0) or (
+            middle_stages > 0 and middle_layers % middle_stages
+        ):
+            raise LayoutError(
+                f"first/last stage layers {self.first_stage_layers}/{self.last_stage_layers} leave {middle_layers} "
+                f"layers for {middle_stages} middle stages of pp={self.pp} (num_layers={num_layers}): they must split evenly."
             )
 
     def to_dict(self) -> dict[str, Any]:

@@ -41,15 +41,12 @@ class BuildOptions:
     Attributes:
         device: ``cpu`` or ``cuda``; decides the layer spec and process-group backend.
         params_dtype: parameter dtype; None = the HF checkpoint's ``torch_dtype``.
-        num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage: uneven PP splits.
         materialize: CPU only; False keeps the model on the meta device (for plans of huge shapes).
     """
 
     device: torch.device
     params_dtype: torch.dtype | None = None
     materialize: bool = True
-    num_layers_in_first_pipeline_stage: int | None = None
-    num_layers_in_last_pipeline_stage: int | None = None
 
 
 def configure_provider(provider: Any, layout: ParallelLayout, options: BuildOptions) -> Any:
@@ -61,8 +58,8 @@ def configure_provider(provider: Any, layout: ParallelLayout, options: BuildOpti
     provider.expert_tensor_parallel_size = layout.etp
     provider.sequence_parallel = False
     provider.gradient_accumulation_fusion = False  # needs apex; these builds never train
-    provider.num_layers_in_first_pipeline_stage = options.num_layers_in_first_pipeline_stage
-    provider.num_layers_in_last_pipeline_stage = options.num_layers_in_last_pipeline_stage
+    provider.num_layers_in_first_pipeline_stage = layout.first_stage_layers
+    provider.num_layers_in_last_pipeline_stage = layout.last_stage_layers
     if options.params_dtype is not None:
         provider.params_dtype = options.params_dtype
         provider.bf16 = options.params_dtype == torch.bfloat16

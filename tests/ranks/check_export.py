@@ -113,6 +113,8 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--vpp", type=int, default=None)
     parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--first-stage-layers", type=int, default=None)
+    parser.add_argument("--last-stage-layers", type=int, default=None)
     args = parser.parse_args()
 
     from mbridge_refit.bridge import RefitBridge
@@ -120,7 +122,10 @@ def main() -> None:
     from mbridge_refit.layout import ParallelLayout
     from mbridge_refit.model_builder import BuildOptions, build_model
 
-    layout = ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep)
+    layout = ParallelLayout(
+        tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep,
+        first_stage_layers=args.first_stage_layers, last_stage_layers=args.last_stage_layers,
+    )
     cpu = torch.device("cpu")
     with distributed_session(layout, device=cpu, timeout=datetime.timedelta(minutes=5)):
         rank = dist.get_rank()
