@@ -150,7 +150,28 @@ SLICE_RULES: dict[str, Callable[[tuple[str, ...], ShardContext], list[SliceCopy]
 def _auto_kind(mapping: Any, module: torch.nn.Module) -> PlacementKind:
     if getattr(mapping, "permute_dims", None) is not None:
         raise PlacementError(f"AutoMapping with permute_dims={mapping.permute_dims} has no slice description")
-    return PlacementKind(kind=mapping._detect_parallelism_type(module), hf_names=(mapping.hf_param,))
+    return PlacementKind(kind=_detected_kind(mapping, module), hf_names=(mapping.hf_param,))
+
+
+_DETECTED: dict[tuple, str] = {}
+
+
+def _detected_kind(mapping: Any, module: torch.nn.Module) -> str:
+    """The bridge's own column/row/replicated detection, memoised on everything it reads.
+
+    (Upstream retries an optional import on every call: ~0.25 ms per parameter, seconds for a MoE.)
+    """
+    key = (
+        type(module),
+        mapping.megatron_param.rsplit(".", 1)[-1],
+        getattr(module, "tensor_model_parallel", None),
+        getattr(module, "partition_dim", None),
+        getattr(module, "parallel_mode", None),
+    )
+    kind = _DETECTED.get(key)
+    if kind is None:
+        kind = _DETECTED[key] = mapping._detect_parallelism_type(module)
+    return kind
 
 
 def _fixed_kind(kind: str) -> Callable[[Any, torch.nn.Module], PlacementKind]:

@@ -148,10 +148,11 @@ def build_export_plan(
         tasks = model_bridge.build_conversion_tasks(hf_pretrained, chunks)
     tasks = [t for t in tasks if t is not None]
     local_specs, errors = [], _unsupported_features(model_bridge, chunks)
+    pp_rank = ps.get_pipeline_model_parallel_rank()
     for task in tasks:
         if task.megatron_module is not None:
             try:
-                local_specs.append(_local_spec(task))
+                local_specs.append(_local_spec(task, pp_rank))
             except PlanError as err:
                 errors.append(str(err))
     # One object exchange for the whole job; errors travel with it so every rank raises the same.
@@ -201,9 +202,7 @@ def _sort_key(name: str):
     return extract_sort_key(name)
 
 
-def _local_spec(task: Any) -> _ParamSpec:
-    from megatron.core import parallel_state as ps
-
+def _local_spec(task: Any, pp_rank: int) -> _ParamSpec:
     try:
         placement = placement_kind(task.mapping, task.megatron_module)
     except PlacementError as err:
@@ -214,7 +213,7 @@ def _local_spec(task: Any) -> _ParamSpec:
         placement=placement,
         local_shape=tuple(weight.shape),
         dtype=str(weight.dtype).removeprefix("torch."),
-        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        pp_rank=pp_rank,
         vpp_stage=task.vp_stage or 0,
         is_expert=bool(task.mapping.is_expert),
     )
