@@ -22,6 +22,7 @@ every later one, keyed by (role, shape, dtype, device): parameters of equal shap
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -108,11 +109,16 @@ class _Groups:
 
 @dataclass(kw_only=True)
 class PlanExporter:
-    """Executes a plan for one model on this rank. Built once per (bridge, model); reused."""
+    """Executes a plan for one model on this rank. Built once per (bridge, model); reused.
+
+    ``coalesce_gathers``: with NCCL, issue one parameter's row gathers (q, k, v or gate, up)
+    as one coalesced group instead of one launch each.
+    """
 
     plan: ExportPlan
     params: dict[str, torch.Tensor]  # global Megatron name -> local parameter (owned ones only)
     device: torch.device
+    coalesce_gathers: bool = True
     _ops: list[_Op] = field(default_factory=list)
     _indices: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
 
@@ -161,18 +167,28 @@ class PlanExporter:
                 for i, (entry, assembly) in enumerate(zip(op.entries, op.assemblies))
             ]
         whole: torch.Tensor | None = None  # [tp, *local_shape], gathered only if a column split needs it
-        outputs = []
+        outputs: list[torch.Tensor | None] = [None] * len(op.entries)
+        row_gathers = [i for i, a in enumerate(op.assemblies) if a.how == "gather_rows"]
+        with self._coalesced(len(row_gathers)):
+            for i in row_gathers:
+                outputs[i] = self._gather_rows(op.entries[i], op.assemblies[i], local, buffers, i)
         for i, (entry, assembly) in enumerate(zip(op.entries, op.assemblies)):
             if assembly.how == "gather_rows":
-                outputs.append(self._gather_rows(entry, assembly, local, buffers, i))
                 continue
             if assembly.how == "pieces" and op.sharded_over_tp:
                 if whole is None:
                     whole = _gather(local, groups.tp, groups.tp_size, buffers, "tp_gather")
-                outputs.append(self._from_pieces(entry, assembly, whole, buffers, i))
+                outputs[i] = self._from_pieces(entry, assembly, whole, buffers, i)
                 continue
-            outputs.append(self._from_pieces(entry, assembly, local.unsqueeze(0), buffers, i))
+            outputs[i] = self._from_pieces(entry, assembly, local.unsqueeze(0), buffers, i)
         return outputs
+
+    def _coalesced(self, count: int):
+        """One NCCL group for several gathers of one parameter (a no-op on gloo or for one gather)."""
+        group = self._groups.tp
+        if not self.coalesce_gathers or count < 2 or dist.get_backend(group) != "nccl":
+            return contextlib.nullcontext()
+        return dist._coalescing_manager(group=group, device=self.device)
 
     def _gather_rows(
         self, entry: PlanEntry, assembly: _Assembly, local: torch.Tensor, buffers: ExportBuffers, index: int

@@ -93,6 +93,16 @@ def gather_floor_ms(total_bytes: int, repeats: int = 7) -> float:
     return statistics.median(times[1:])
 
 
+def compare_with_stock(stock_stream, refit_stream) -> list[str]:
+    """Walk both exports in lockstep; names, dtypes, shapes and bytes must all agree."""
+    problems = []
+    for (stock_name, expected), (name, got) in zip(stock_stream, refit_stream, strict=True):
+        same = stock_name == name and got.dtype == expected.dtype and got.shape == expected.shape
+        if not same or not torch.equal(got.reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8)):
+            problems.append(f"{stock_name} vs {name}")
+    return problems
+
+
 def allocations() -> int:
     return torch.cuda.memory_stats().get("allocation.all.allocated", 0)
 
@@ -123,7 +133,17 @@ def run(args) -> dict:
         plan = bridge.export_plan(chunks)
         plan_ms = (time.perf_counter() - plan_start) * 1e3
         results = {}
-        for label, make in (("stock", stock), ("refit", refit(False)), ("refit_cached", refit(True))):
+        exporter = bridge._exporter(chunks)
+
+        def uncoalesced():
+            exporter.coalesce_gathers = False
+            yield from bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True)
+            exporter.coalesce_gathers = True
+
+        variants = [("stock", stock), ("refit", refit(False)), ("refit_cached", refit(True))]
+        if args.tp > 1:
+            variants.append(("refit_cached_uncoalesced", uncoalesced))
+        for label, make in variants:
             first = timed_export(make)
             runs = [timed_export(make) for _ in range(steady)]
             results[label] = dict(
@@ -131,6 +151,7 @@ def run(args) -> dict:
                 peak_extra_bytes=max(r[1] for r in [first, *runs]), tensors=first[2],
                 new_allocations_after_first=sum(r[3] for r in runs),
             )
+        mismatches = compare_with_stock(stock(), refit(True)())
         floor = clone_floor_ms(plan.total_bytes)
         gather_floor = gather_floor_ms(plan.total_bytes)
         row = dict(
@@ -145,8 +166,9 @@ def run(args) -> dict:
             refit_peak_extra_bytes=results["refit"]["peak_extra_bytes"],
             refit_cached_peak_extra_bytes=results["refit_cached"]["peak_extra_bytes"],
             refit_cached_buffer_bytes=bridge._export_buffers().nbytes,
+            refit_cached_uncoalesced_steady_ms=results.get("refit_cached_uncoalesced", {}).get("steady_ms"),
             cached_new_allocations_after_first=results["refit_cached"]["new_allocations_after_first"],
-            stock_tensors=results["stock"]["tensors"], steady_runs=steady,
+            stock_tensors=results["stock"]["tensors"], steady_runs=steady, mismatches_vs_stock=mismatches,
             torch=torch.__version__, date=datetime.date.today().isoformat(),
         )
         row["speedup_vs_stock_steady"] = row["stock_steady_ms"] / row["refit_cached_steady_ms"]
@@ -164,10 +186,15 @@ def print_table(row: dict) -> None:
         f"{'stock AutoBridge':28s}{row['stock_first_ms']:10.1f}{row['stock_steady_ms']:11.2f}{row['stock_peak_extra_bytes'] / gb:15.3f}",
         f"{'RefitBridge, cache off':28s}{row['refit_first_ms']:10.1f}{row['refit_steady_ms']:11.2f}{row['refit_peak_extra_bytes'] / gb:15.3f}",
         f"{'RefitBridge, cache on':28s}{row['refit_cached_first_ms']:10.1f}{row['refit_cached_steady_ms']:11.2f}{row['refit_cached_peak_extra_bytes'] / gb:15.3f}",
+        *(
+            [f"{'  same, gathers uncoalesced':28s}{'':10s}{row['refit_cached_uncoalesced_steady_ms']:11.2f}"]
+            if row["refit_cached_uncoalesced_steady_ms"] is not None else []
+        ),
         f"{'clone floor (same bytes)':28s}{'':10s}{row['clone_floor_ms']:11.2f}",
         f"{'all-gather floor (same out)':28s}{'':10s}{row['gather_floor_ms']:11.2f}",
         f"speedup vs stock (steady): {row['speedup_vs_stock_steady']:.1f}x   cached/floor: {row['cached_steady_over_floor']:.2f}x   "
         f"first/steady: {row['first_over_steady']:.2f}x   new allocations after first cached call: {row['cached_new_allocations_after_first']}",
+        f"bitwise vs stock: {row['tensors'] - len(row['mismatches_vs_stock'])}/{row['tensors']} tensors equal",
     ]
     print("\n".join(lines), flush=True)
 
