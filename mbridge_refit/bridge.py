@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Iterable, Optional
 
 import torch
 from megatron.bridge import AutoBridge
@@ -63,17 +63,18 @@ class RefitBridge(AutoBridge):
             self.__dict__["_refit_plan_error"] = None
         return model_bridge
 
-    def export_plan(self, model: list[torch.nn.Module] | torch.nn.Module) -> ExportPlan:
+    def export_plan(self, model: list[torch.nn.Module] | torch.nn.Module, *, group=None) -> ExportPlan:
         """The plan of ``export_hf_weights(model)``: one entry per yielded HF tensor, in order.
 
-        Collective on the first call for a model (every rank must call it); cached afterwards.
+        Collective on the first call for a model, over ``group`` (default: every rank of the job;
+        pass the trainer ranks' group when other processes share the job); cached afterwards.
         Moves no tensor data and allocates no weight memory (works on meta-device models).
         Raises ``PlanError`` naming the parameter the plan cannot describe.
         """
         chunks = model if isinstance(model, list) else [model]
-        return self._planned(chunks)[0]
+        return self._planned(chunks, group)[0]
 
-    def _planned(self, chunks: list[torch.nn.Module]) -> tuple[ExportPlan, list]:
+    def _planned(self, chunks: list[torch.nn.Module], group=None) -> tuple[ExportPlan, list]:
         """(plan, conversion tasks) for ``chunks``, built once per model."""
         model_bridge = self._model_bridge_for(chunks)
         planned = self.__dict__.get("_refit_plan")
@@ -82,7 +83,7 @@ class RefitBridge(AutoBridge):
 
             unwrapped = unwrap_model(chunks)
             tasks = model_bridge.build_conversion_tasks(self.hf_pretrained, unwrapped)
-            planned = (build_export_plan(model_bridge, self.hf_pretrained, unwrapped, tasks=tasks), tasks)
+            planned = (build_export_plan(model_bridge, self.hf_pretrained, unwrapped, tasks=tasks, group=group), tasks)
             self.__dict__["_refit_plan"] = planned
         return planned
 
@@ -186,10 +187,6 @@ class RefitBridge(AutoBridge):
                 "this bridge was not created from a local checkpoint directory: pass hf_path= to load_hf_shards"
             )
         return Path(path)
-
-    def hf_config_dict(self) -> dict[str, Any]:
-        config = getattr(self.hf_pretrained, "config", self.hf_pretrained)
-        return config.to_dict()
 
 
 def _is_rank_zero() -> bool:

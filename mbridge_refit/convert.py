@@ -1,5 +1,10 @@
 """``python -m mbridge_refit.convert``: HF checkpoint conversion through Megatron layouts.
 
+Subcommands: ``make-tiny`` (random test checkpoints), ``roundtrip`` (HF -> Megatron -> HF in
+memory), ``import`` / ``export`` (HF <-> a Megatron checkpoint on disk, see
+``megatron_checkpoint``), ``plan`` (what an export yields) and ``verify`` (compare two HF
+checkpoints).
+
 Runs as one process (``python -m``) or as N ranks (``torchrun --nproc-per-node N -m ...``).
 Every check of the input (paths, architecture, layout against model and world size) runs on
 every rank before the first collective, so bad input ends all ranks with the same message and
@@ -37,6 +42,12 @@ examples:
 
   # MoE with expert parallelism
   torchrun --nproc-per-node 2 -m mbridge_refit.convert roundtrip --hf MOE --out OUT --ep 2
+
+  # HF -> Megatron checkpoint on disk (TP2 on 2 CPU ranks), then back to HF at another layout
+  torchrun --nproc-per-node 2 -m mbridge_refit.convert import \
+      --hf /tmp/qwen3-tiny --megatron /tmp/qwen3-tiny-mcore --tp 2
+  torchrun --nproc-per-node 2 -m mbridge_refit.convert export \
+      --megatron /tmp/qwen3-tiny-mcore --out /tmp/qwen3-tiny-hf --pp 2
 
   # what an export will yield, where each tensor lives (no weights are read)
   torchrun --nproc-per-node 2 -m mbridge_refit.convert plan --hf /tmp/qwen3-tiny --pp 2 --json plan.json
@@ -102,6 +113,40 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout-s", type=float, default=600.0, help="collective timeout per operation (default: %(default)s)"
     )
 
+    imp = sub.add_parser(
+        "import",
+        help="HF checkpoint -> Megatron checkpoint (Megatron-Core dist_checkpointing, torch_dist)",
+        description="Load --hf into a Megatron model split as --tp/--pp/--vpp/--ep across the launched ranks "
+        "(world size must equal tp*pp*dp) and save it with Megatron-Core's dist_checkpointing to --megatron. "
+        "The HF config.json and tokenizer files are stored next to the weights, so `export` needs nothing else. "
+        "The saved checkpoint loads at any layout that fits the model.",
+        allow_abbrev=False,
+    )
+    imp.add_argument("--hf", type=Path, required=True, help="input HF checkpoint directory")
+    imp.add_argument("--megatron", type=Path, required=True, help="output Megatron checkpoint directory")
+    _add_layout_flags(imp)
+    imp.add_argument("--overwrite", action="store_true", help="replace a checkpoint in an existing output directory")
+    imp.add_argument("--timeout-s", type=float, default=600.0, help="collective timeout (default: %(default)s)")
+
+    exp = sub.add_parser(
+        "export",
+        help="Megatron checkpoint (written by `import`) -> HF checkpoint, at any layout",
+        description="Load the Megatron checkpoint --megatron into a model split as --tp/--pp/--vpp/--ep (which may "
+        "differ from the layout it was saved with), export it with RefitBridge and write --out. The HF config "
+        "and tokenizer files come from the checkpoint directory (stored there by `import`); each tensor gets the "
+        "dtype it had in the original HF checkpoint.",
+        allow_abbrev=False,
+    )
+    exp.add_argument("--megatron", type=Path, required=True, help="input Megatron checkpoint directory (from `import`)")
+    exp.add_argument("--out", type=Path, required=True, help="output HF checkpoint directory")
+    _add_layout_flags(exp)
+    exp.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    exp.add_argument(
+        "--max-shard-bytes", type=int, default=5 * 1024**3, help="output shard size (default: %(default)s)"
+    )
+    exp.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    exp.add_argument("--timeout-s", type=float, default=600.0, help="collective timeout (default: %(default)s)")
+
     plan = sub.add_parser(
         "plan",
         help="print (and optionally save) the export plan of a checkpoint for a layout",
@@ -110,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Run it with as many ranks as the layout needs.",
         allow_abbrev=False,
     )
-    plan.add_argument("--hf", type=Path, required=True, help="HF checkpoint directory (config.json is enough)")
+    plan.add_argument("--hf", type=Path, required=True, help="HF checkpoint directory (only config.json and the tensor index are read, no weights)")
     _add_layout_flags(plan)
     plan.add_argument("--json", type=Path, default=None, help="also write the plan as JSON to this file")
     plan.add_argument("--timeout-s", type=float, default=600.0, help="collective timeout (default: %(default)s)")
@@ -139,7 +184,14 @@ def _add_layout_flags(parser: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _configure_logging(args.verbose)
-    handlers = {"make-tiny": cmd_make_tiny, "roundtrip": cmd_roundtrip, "plan": cmd_plan, "verify": cmd_verify}
+    handlers = {
+        "make-tiny": cmd_make_tiny,
+        "roundtrip": cmd_roundtrip,
+        "import": cmd_import,
+        "export": cmd_export,
+        "plan": cmd_plan,
+        "verify": cmd_verify,
+    }
     try:
         return handlers[args.command](args)
     except BadInput as err:
@@ -216,8 +268,6 @@ def cmd_roundtrip(args: argparse.Namespace) -> int:
 def _validate_input_and_layout(args: argparse.Namespace) -> ParallelLayout:
     """Checks of --hf and the layout flags that need no process group (same verdict on every rank)."""
     from mbridge_refit.checkpoint import HFCheckpoint
-    from mbridge_refit.distributed import LaunchEnv
-    from mbridge_refit.layout import LayoutError, ModelShape
 
     if not args.hf.is_dir():
         raise BadInput(f"input checkpoint directory {args.hf} does not exist (--hf)")
@@ -227,7 +277,14 @@ def _validate_input_and_layout(args: argparse.Namespace) -> ParallelLayout:
         HFCheckpoint.open(args.hf)
     except FileNotFoundError as err:
         raise BadInput(str(err)) from err
-    config = _load_supported_config(args.hf)
+    return _validate_layout(args, _load_supported_config(args.hf))
+
+
+def _validate_layout(args: argparse.Namespace, config) -> ParallelLayout:
+    """The layout flags against the model (HF ``config``) and the launched world size."""
+    from mbridge_refit.distributed import LaunchEnv
+    from mbridge_refit.layout import LayoutError, ModelShape
+
     flags = f"tp={args.tp} pp={args.pp} vpp={args.vpp} ep={args.ep}"
     try:
         layout = ParallelLayout(
@@ -313,6 +370,130 @@ def run_roundtrip(options: RoundtripArgs) -> int:
         )
         stream = bridge.export_hf_weights(chunks, show_progress=options.show_progress and env.rank == 0)
         count = drain(cast_to_checkpoint_dtypes(stream, checkpoint), sink)
+    logger.info("wrote %d tensors to %s (layout %s)", count, options.out, options.layout.name)
+    return EXIT_OK
+
+
+# --- import / export ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ImportArgs:
+    hf: Path
+    megatron: Path
+    layout: ParallelLayout
+    overwrite: bool
+    timeout: datetime.timedelta
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ExportArgs:
+    megatron: Path
+    out: Path
+    layout: ParallelLayout
+    overwrite: bool
+    max_shard_bytes: int
+    show_progress: bool
+    timeout: datetime.timedelta
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    layout = _validate_input_and_layout(args)
+    _check_distinct_dirs(args.hf, "--hf", args.megatron, "--megatron")
+    _check_output_dir(args.megatron, args.overwrite)
+    return run_import(
+        ImportArgs(
+            hf=args.hf, megatron=args.megatron, layout=layout, overwrite=args.overwrite,
+            timeout=datetime.timedelta(seconds=args.timeout_s),
+        )
+    )
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from mbridge_refit.megatron_checkpoint import CheckpointInfo, NotAMegatronCheckpoint
+
+    if not args.megatron.is_dir():
+        raise BadInput(f"input checkpoint directory {args.megatron} does not exist (--megatron)")
+    try:
+        CheckpointInfo.read(args.megatron)
+    except NotAMegatronCheckpoint as err:
+        raise BadInput(f"--megatron {args.megatron}: {err}") from err
+    layout = _validate_layout(args, _load_supported_config(args.megatron))
+    _check_distinct_dirs(args.megatron, "--megatron", args.out, "--out")
+    _check_output_dir(args.out, args.overwrite)
+    return run_export(
+        ExportArgs(
+            megatron=args.megatron, out=args.out, layout=layout, overwrite=args.overwrite,
+            max_shard_bytes=args.max_shard_bytes, show_progress=not args.no_progress,
+            timeout=datetime.timedelta(seconds=args.timeout_s),
+        )
+    )
+
+
+def _check_distinct_dirs(source: Path, source_flag: str, out: Path, out_flag: str) -> None:
+    if out.resolve() == source.resolve():
+        raise BadInput(f"{out_flag} must differ from {source_flag}")
+
+
+def run_import(options: ImportArgs) -> int:
+    """HF -> Megatron checkpoint on CPU (gloo); every rank saves its own shards."""
+    import torch
+
+    from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.checkpoint import HFCheckpoint
+    from mbridge_refit.distributed import distributed_session
+    from mbridge_refit.megatron_checkpoint import CheckpointInfo, save_model
+    from mbridge_refit.model_builder import BuildOptions, build_model
+
+    cpu = torch.device("cpu")
+    checkpoint = HFCheckpoint.open(options.hf)
+    info = CheckpointInfo(
+        saved_layout=options.layout,
+        params_dtype=checkpoint_float_dtype(checkpoint),
+        hf_dtypes={name: checkpoint.dtype(name) for name in checkpoint.names()},
+        source=str(options.hf.resolve()),
+    )
+    with distributed_session(options.layout, device=cpu, timeout=options.timeout):
+        bridge = RefitBridge.from_hf_pretrained(options.hf)
+        chunks = build_model(bridge, options.layout, BuildOptions(device=cpu, params_dtype=info.params_dtype))
+        report = bridge.load_hf_shards(chunks, options.hf)
+        logger.info("loaded %d slices (%.1f MB on this rank)", report.tensors_written, report.bytes_read / 1e6)
+        save_model(chunks, options.megatron, info=info, copy_files_from=options.hf, overwrite=options.overwrite)
+    logger.info("wrote a Megatron checkpoint (layout %s) to %s", options.layout.name, options.megatron)
+    return EXIT_OK
+
+
+def run_export(options: ExportArgs) -> int:
+    """Megatron checkpoint -> HF on CPU (gloo), at ``options.layout`` (may differ from the saved one)."""
+    import torch
+
+    from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.distributed import distributed_session
+    from transformers import AutoConfig
+
+    from mbridge_refit.megatron_checkpoint import CheckpointInfo, load_model, match_source_tensors
+    from mbridge_refit.model_builder import BuildOptions, build_model
+    from mbridge_refit.sinks import ShardedSafetensorsWriter, drain
+
+    cpu = torch.device("cpu")
+    info = CheckpointInfo.read(options.megatron)
+    with distributed_session(options.layout, device=cpu, timeout=options.timeout) as env:
+        # Config only: the checkpoint holds no HF weights; the names to write come from `info`.
+        bridge = RefitBridge.from_hf_config(AutoConfig.from_pretrained(options.megatron))
+        chunks = build_model(bridge, options.layout, BuildOptions(device=cpu, params_dtype=info.params_dtype))
+        load_model(chunks, options.megatron)
+        logger.info(
+            "loaded %s (saved at layout %s) at layout %s",
+            options.megatron, info.saved_layout.name, options.layout.name,
+        )
+        sink = ShardedSafetensorsWriter(
+            out_dir=options.out,
+            max_shard_bytes=options.max_shard_bytes,
+            overwrite=options.overwrite,
+            copy_files_from=options.megatron,
+        )
+        stream = bridge.export_hf_weights(chunks, show_progress=options.show_progress and env.rank == 0)
+        count = drain(match_source_tensors(stream, info.hf_dtypes), sink)
     logger.info("wrote %d tensors to %s (layout %s)", count, options.out, options.layout.name)
     return EXIT_OK
 

@@ -276,6 +276,7 @@ def _current_groups() -> _Groups:
 
 def _build_ops(plan: ExportPlan, params: dict[str, torch.Tensor], groups: _Groups) -> list[_Op]:
     """Group consecutive plan entries by the parameter (or expert index) they come from."""
+    experts_per_rank = _experts_per_rank(plan)
     ops: list[_Op] = []
     for entry in plan.entries:
         key = _op_key(entry)
@@ -286,7 +287,7 @@ def _build_ops(plan: ExportPlan, params: dict[str, torch.Tensor], groups: _Group
         local = None
         sharded = not entry.is_expert and len(entry.layout.pieces) > 1
         if entry.alias_of is None and entry.pp_rank == groups.pp_rank:
-            source = entry.megatron_param if not entry.is_expert else _my_expert_param(entry, plan, groups)
+            source = entry.megatron_param if not entry.is_expert else _my_expert_param(entry, experts_per_rank, groups)
             local = params[source]
         ops.append(
             _Op(
@@ -362,13 +363,11 @@ def _expert_template(name: str) -> str:
     return _with_expert_number(name, 0)
 
 
-def _my_expert_param(entry: PlanEntry, plan: ExportPlan, groups: _Groups) -> str:
+def _my_expert_param(entry: PlanEntry, experts_per_rank: int, groups: _Groups) -> str:
     """The global name of the parameter this EP rank holds for the entry's local expert index."""
     from mbridge_refit.plan import _with_expert_number
 
-    per_rank = entry.layout.local_expert_index
-    experts_per_rank = _experts_per_rank(plan)
-    return _with_expert_number(entry.megatron_param, per_rank + groups.ep_rank * experts_per_rank)
+    return _with_expert_number(entry.megatron_param, entry.layout.local_expert_index + groups.ep_rank * experts_per_rank)
 
 
 def _experts_per_rank(plan: ExportPlan) -> int:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Iterable
 
 import torch
@@ -140,7 +139,3 @@ def _check_every_parameter_written(chunks: list[torch.nn.Module], written: set[i
             + ", ".join(missing[:20])
             + (" ..." if len(missing) > 20 else "")
         )
-
-
-def open_checkpoint(path: str | Path) -> HFCheckpoint:
-    return HFCheckpoint.open(Path(path))

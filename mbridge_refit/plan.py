@@ -4,7 +4,7 @@ Built once per (bridge, model) from metadata alone: parameter names, shapes and 
 bridge's mappings and ``placement``'s slice rules. No tensor data moves and no weight memory is
 allocated, so it works on models built on the meta device; the only communication is the
 bridge's exchange of parameter names across pipeline stages and one ``all_gather_object`` of
-per-rank parameter descriptions over the whole job.
+per-rank parameter descriptions over the model's ranks (the whole job unless a group is given).
 
 Identical on every rank, JSON-serialisable (``ExportPlan.to_json``) for another process, and the
 input of the fast export path (``export``).
@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -133,10 +134,12 @@ class _ParamSpec:
 
 
 def build_export_plan(
-    model_bridge: Any, hf_pretrained: Any, chunks: list[torch.nn.Module], tasks: list | None = None
+    model_bridge: Any, hf_pretrained: Any, chunks: list[torch.nn.Module], tasks: list | None = None, group: Any = None
 ) -> ExportPlan:
-    """Build the plan for ``chunks`` on this rank; call on every rank of the job (collective).
+    """Build the plan for ``chunks`` on this rank; collective over ``group``.
 
+    ``group``: the process group of all ranks holding the model (default: the whole job; pass the
+    trainer ranks' group when other ranks, e.g. refit receivers, share the job).
     ``tasks``: the bridge's conversion tasks for ``chunks`` if the caller has them already.
     """
     from megatron.core import parallel_state as ps
@@ -156,8 +159,8 @@ def build_export_plan(
             except PlanError as err:
                 errors.append(str(err))
     # One object exchange for the whole job; errors travel with it so every rank raises the same.
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (local_specs, _local_layer_map(chunks), errors))
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (local_specs, _local_layer_map(chunks), errors), group=group)
     all_errors = sorted({error for _, _, rank_errors in gathered for error in rank_errors})
     if all_errors:
         raise PlanError("; ".join(all_errors[:5]) + (f" (and {len(all_errors) - 5} more)" if len(all_errors) > 5 else ""))
@@ -363,9 +366,9 @@ def _unsupported_features(model_bridge: Any, chunks: list[torch.nn.Module]) -> l
 
 def _check_complete(entries: list[PlanEntry], expected: set[str] | None) -> None:
     """The plan must name every tensor of the source checkpoint, and nothing twice."""
-    names = [e.hf_name for e in entries]
-    duplicates = sorted({n for n in names if names.count(n) > 1}) if len(set(names)) != len(names) else []
-    missing = sorted(expected - set(names)) if expected is not None else []
+    counts = Counter(e.hf_name for e in entries)
+    duplicates = sorted(name for name, count in counts.items() if count > 1)
+    missing = sorted(expected - counts.keys()) if expected is not None else []
     if duplicates or missing:
         raise PlanError(
             f"the export plan does not cover the checkpoint: missing {missing[:10]}, duplicated {duplicates[:10]}"

@@ -23,3 +23,28 @@ __all__ = [
     "plan_shards",
     "shard_file_name",
 ]
+
+from mbridge_refit.sinks.model_update import FUSED_LAYOUTS, FusedLayout, HFModelUpdateSink, WeightUpdateError
+from mbridge_refit.sinks.packed_broadcast import (
+    DEFAULT_BUCKET_BYTES,
+    ChecksumError,
+    PackedBroadcastConfig,
+    PackedBroadcastReceiver,
+    PackedBroadcastSender,
+    PlanMismatchError,
+    RefitStatusError,
+)
+
+__all__ += [
+    "ChecksumError",
+    "DEFAULT_BUCKET_BYTES",
+    "FUSED_LAYOUTS",
+    "FusedLayout",
+    "HFModelUpdateSink",
+    "PackedBroadcastConfig",
+    "PackedBroadcastReceiver",
+    "PackedBroadcastSender",
+    "PlanMismatchError",
+    "RefitStatusError",
+    "WeightUpdateError",
+]

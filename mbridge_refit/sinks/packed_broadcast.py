@@ -1,0 +1,688 @@
+"""Packed broadcast: non-colocated refit from one trainer rank to inference ranks.
+
+Owns the wire protocol between a :class:`PackedBroadcastSender` (a :class:`WeightSink` on the
+source trainer rank) and :class:`PackedBroadcastReceiver` (on each inference rank): the byte
+layout of the stream (computed from the :class:`~mbridge_refit.plan.ExportPlan` alone, so no
+per-tensor metadata travels), the header/verdict handshake that makes a plan mismatch fail on
+every rank instead of hanging, the rotating buffers that overlap packing with broadcasting, and
+the optional per-buffer checksums.
+
+Protocol over ``group`` (the source rank plus the receiver ranks; other trainer ranks are not
+members), in this order on every member:
+
+1. handshake: ``broadcast`` of the source's header (int64[8]: magic, version, plan fingerprint,
+   stream bytes, bucket bytes, buffers, checksum flag, entry count) from ``src``; then an
+   ``all_reduce(MAX)`` of int64[2] ``[mismatch, receiver fingerprint]`` so the source learns
+   the verdict too. On a mismatch the source also broadcasts its ``(name, shape, dtype)`` list
+   (object broadcast) and a second ``all_reduce(MIN)`` agrees on the first differing entry;
+   then every member raises :class:`PlanMismatchError`. No bulk data has moved.
+2. bulk: for each bucket ``b`` of ``ceil(stream_bytes / bucket_bytes)``, ``broadcast`` of the
+   bucket's bytes (the last one only as long as it is full) and, with checksums on, a
+   ``broadcast`` of the source's int64 checksum of that bucket.
+3. status: ``all_reduce(MAX)`` of int64[2] ``[status, bucket]``; a receiver that found a bad
+   checksum or whose consumer failed still runs the remaining bulk broadcasts (discarding them)
+   and reports here, so the source raises instead of blocking in a broadcast nobody receives.
+
+The stream layout: tensors back to back in plan order, each starting at a multiple of
+:data:`ALIGN_BYTES` (so a tensor that lies inside one bucket is received as a zero-copy view of
+any dtype), cut into buckets at ``bucket_bytes`` boundaries. A tensor larger than a bucket (or
+straddling a boundary) simply continues in the next bucket; the receiver reassembles it in one
+scratch tensor sized for the largest such tensor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mbridge_refit.plan import ExportPlan, PlanEntry
+from mbridge_refit.sinks.base import WeightSink
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_BYTES = 512 * 1024**2
+ALIGN_BYTES = 16
+_MAGIC = 0x5042_5246  # "PBRF"
+_VERSION = 1
+_HEADER_FIELDS = (
+    "magic", "version", "fingerprint", "stream_bytes", "bucket_bytes", "num_buffers", "checksum", "entries",
+)
+_STATUS_OK, _STATUS_CHECKSUM, _STATUS_CONSUMER = 0, 1, 2
+
+
+class PlanMismatchError(RuntimeError):
+    """Sender and receiver do not agree on the plan or the buffer configuration."""
+
+
+class ChecksumError(RuntimeError):
+    """A received buffer's checksum differs from the sender's."""
+
+
+class RefitStatusError(RuntimeError):
+    """A peer of the packed broadcast reported a failure (named in the message)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PackedBroadcastConfig:
+    """Buffer sizing and integrity options of a packed broadcast (same on both sides).
+
+    Attributes:
+        bucket_bytes: size of each rotating buffer, and of each broadcast. The default,
+            :data:`DEFAULT_BUCKET_BYTES` (512 MiB), is a starting point to tune, chosen because
+            a broadcast of 512 MiB runs for ~10 ms on NVLink and ~25-50 ms on 100-200 Gb/s IB,
+            so the fixed per-collective cost (tens of microseconds) is well under 1%, while
+            ``num_buffers`` x 512 MiB (1 GiB with 2 buffers) still fits beside a trainer's model
+            shard and optimizer state on an 80 GB GPU. Must be a positive multiple of
+            :data:`ALIGN_BYTES`.
+        num_buffers: rotating buffers per side (>= 1). With 2, packing bucket ``i+1`` overlaps
+            the broadcast of bucket ``i``; more buffers only help when packing is bursty.
+        checksum: compute and compare a checksum of every bucket (off by default). The checksum
+            is the sum of the bucket's int32 words accumulated in int64 (plus its trailing
+            bytes): one read of the bucket per side, no allocation. Memory-bound: about
+            0.3-0.5 ms per GB on an H100 (3 TB/s HBM), 0.1-0.3 s per GB on one CPU core, plus
+            one 8-byte broadcast per bucket. Detects any single corrupted byte and truncated or
+            stale buckets; it is order-insensitive at the 4-byte-word level, so it does not
+            detect two words swapped.
+    """
+
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    num_buffers: int = 2
+    checksum: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.bucket_bytes, int) or self.bucket_bytes <= 0 or self.bucket_bytes % ALIGN_BYTES:
+            raise ValueError(
+                f"bucket_bytes must be a positive multiple of {ALIGN_BYTES}, got {self.bucket_bytes!r} "
+                f"(e.g. {DEFAULT_BUCKET_BYTES} for 512 MiB)"
+            )
+        if not isinstance(self.num_buffers, int) or self.num_buffers < 1:
+            raise ValueError(f"num_buffers must be an integer >= 1, got {self.num_buffers!r}")
+
+
+# --- the stream layout, from the plan alone ---------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Slot:
+    """Where one plan entry lies in the byte stream."""
+
+    index: int
+    entry: PlanEntry
+    offset: int
+    nbytes: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StreamLayout:
+    """Byte offsets of every plan entry and the bucket cut; identical on every rank."""
+
+    slots: tuple[_Slot, ...]
+    stream_bytes: int
+    bucket_bytes: int
+    fingerprint: int
+
+    @classmethod
+    def build(cls, plan: ExportPlan | str, bucket_bytes: int) -> StreamLayout:
+        plan = ExportPlan.from_json(plan) if isinstance(plan, str) else plan
+        slots, offset = [], 0
+        for index, entry in enumerate(plan.entries):
+            offset = _align(offset)
+            slots.append(_Slot(index=index, entry=entry, offset=offset, nbytes=entry.nbytes))
+            offset += entry.nbytes
+        return cls(slots=tuple(slots), stream_bytes=offset, bucket_bytes=bucket_bytes, fingerprint=plan_fingerprint(plan))
+
+    @property
+    def num_buckets(self) -> int:
+        return -(-self.stream_bytes // self.bucket_bytes)
+
+    def bucket_length(self, bucket: int) -> int:
+        return min(self.bucket_bytes, self.stream_bytes - bucket * self.bucket_bytes)
+
+    def names_in(self, bucket: int) -> list[str]:
+        start, stop = bucket * self.bucket_bytes, (bucket + 1) * self.bucket_bytes
+        return [s.entry.hf_name for s in self.slots if s.offset < stop and s.end > start]
+
+    def max_split_bytes(self) -> int:
+        """Bytes of the largest tensor that straddles a bucket boundary (the scratch size)."""
+        split = [s.nbytes for s in self.slots if s.nbytes and s.offset // self.bucket_bytes != (s.end - 1) // self.bucket_bytes]
+        return max(split, default=0)
+
+
+def plan_signature(plan: ExportPlan) -> list[tuple[str, tuple[int, ...], str]]:
+    """What both sides must agree on: ``(hf_name, shape, dtype)`` of every entry, in order."""
+    return [(e.hf_name, tuple(e.shape), e.dtype) for e in plan.entries]
+
+
+def plan_fingerprint(plan: ExportPlan) -> int:
+    """A signed 64-bit hash of :func:`plan_signature` (fits an int64 tensor)."""
+    text = json.dumps(plan_signature(plan), separators=(",", ":"))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
+
+
+def _align(offset: int) -> int:
+    return -(-offset // ALIGN_BYTES) * ALIGN_BYTES
+
+
+def _header(layout: StreamLayout, config: PackedBroadcastConfig) -> list[int]:
+    return [
+        _MAGIC, _VERSION, layout.fingerprint, layout.stream_bytes, config.bucket_bytes,
+        config.num_buffers, int(config.checksum), len(layout.slots),
+    ]
+
+
+def _checksum(data: torch.Tensor) -> torch.Tensor:
+    """int64 sum of ``data``'s int32 words (trailing bytes added as bytes); ``data`` is uint8."""
+    words = data.numel() // 4 * 4
+    total = data[:words].view(torch.int32).sum(dtype=torch.int64)
+    if words < data.numel():
+        total = total + data[words:].sum(dtype=torch.int64)
+    return total.reshape(1)
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of ``tensor`` (a copy only if it is not contiguous)."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8, device=tensor.device)
+
+
+# --- the handshake --------------------------------------------------------------------------
+
+
+def _group_rank(group: Any) -> int:
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(
+            "this process is not a member of `group`; the packed-broadcast group must hold the source "
+            "rank and every receiver rank (create it with torch.distributed.new_group on all ranks)"
+        )
+    return rank
+
+
+def _handshake(
+    *, plan: ExportPlan, layout: StreamLayout, config: PackedBroadcastConfig, group: Any, src: int,
+    device: torch.device, is_source: bool,
+) -> None:
+    """Step 1 of the protocol (collective over ``group``); raises PlanMismatchError on every member."""
+    mine = _header(layout, config)
+    header = torch.tensor(mine, dtype=torch.int64, device=device)
+    dist.broadcast(header, src=src, group=group)
+    theirs = [int(v) for v in header.tolist()]
+    mismatch = 0 if is_source or theirs == mine else 1
+    verdict = torch.tensor([mismatch, layout.fingerprint if mismatch else torch.iinfo(torch.int64).min], dtype=torch.int64, device=device)
+    dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=group)
+    if int(verdict[0]) == 0:
+        return
+    receiver_fingerprint = int(verdict[1])
+    # Failure path only: locate the first differing entry, on every member, then raise.
+    signature = [plan_signature(plan) if is_source else None]
+    dist.broadcast_object_list(signature, src=src, group=group, device=device if device.type == "cuda" else None)
+    source_signature = signature[0]
+    first = _first_difference(source_signature, plan_signature(plan)) if not is_source else None
+    limit = torch.iinfo(torch.int64).max
+    index = torch.tensor([first if first is not None else limit], dtype=torch.int64, device=device)
+    dist.all_reduce(index, op=dist.ReduceOp.MIN, group=group)
+    first = int(index) if int(index) != limit else None
+    raise PlanMismatchError(_mismatch_message(
+        source=theirs if not is_source else mine, receiver=mine if not is_source else None,
+        receiver_fingerprint=receiver_fingerprint, first=first, source_signature=source_signature,
+        local_signature=None if is_source else plan_signature(plan), is_source=is_source,
+    ))
+
+
+def _first_difference(a: Sequence, b: Sequence) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if (x[0], tuple(x[1]), x[2]) != (y[0], tuple(y[1]), y[2]):
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _describe(signature: Sequence | None, index: int) -> str:
+    if signature is None or index >= len(signature):
+        return "<none: the plan ends here>"
+    name, shape, dtype = signature[index]
+    return f"{name} {list(shape)} {dtype}"
+
+
+def _mismatch_message(
+    *, source: list[int], receiver: list[int] | None, receiver_fingerprint: int, first: int | None,
+    source_signature: Sequence, local_signature: Sequence | None, is_source: bool,
+) -> str:
+    fields = ""
+    if receiver is not None:
+        differing = [
+            f"{f}: sender {_hex(s) if f == 'fingerprint' else s}, receiver {_hex(r) if f == 'fingerprint' else r}"
+            for f, s, r in zip(_HEADER_FIELDS, source, receiver) if s != r
+        ]
+        fields = "; differing header fields: " + ", ".join(differing)
+    where = ""
+    if first is not None:
+        where = f"; first differing entry #{first}: sender has {_describe(source_signature, first)}"
+        if local_signature is not None:
+            where += f", receiver has {_describe(local_signature, first)}"
+    if is_source:
+        who = "a receiver rejected the sender's header"
+        if receiver_fingerprint == source[2]:
+            who += ": the plans agree, the PackedBroadcastConfig differs (the receiver's error names the field)"
+    else:
+        who = "this receiver's plan/config differs from the sender's"
+    return (
+        f"packed broadcast plan mismatch ({who}): sender fingerprint {_hex(source[2])}, receiver fingerprint "
+        f"{_hex(receiver_fingerprint)}{fields}{where}. Build the receiver from the sender's plan "
+        "(ExportPlan.to_json on the trainer) and the same PackedBroadcastConfig; no weight data was sent."
+    )
+
+
+def _hex(value: int) -> str:
+    return f"{value & 0xFFFF_FFFF_FFFF_FFFF:#018x}"
+
+
+def _share_verdict(trainer_group: Any, src: int, error: BaseException | None) -> None:
+    """Broadcast the source's outcome to the trainer ranks so all of them raise the same error."""
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64)
+    dist.broadcast(flag, src=src, group=trainer_group)
+    if int(flag) == 0:
+        return
+    message = [f"{type(error).__name__}: {error}" if error is not None else None]
+    dist.broadcast_object_list(message, src=src, group=trainer_group)
+    if error is not None:
+        raise error
+    raise RefitStatusError(f"the packed-broadcast source rank {src} failed: {message[0]}")
+
+
+# --- sender ---------------------------------------------------------------------------------
+
+
+class PackedBroadcastSender(WeightSink):
+    """A :class:`WeightSink` that broadcasts the export stream from ``src`` in packed buckets.
+
+    Construct on every trainer rank that iterates the export, at the same time as the receivers
+    construct theirs. Only the source rank (``dist.get_rank() == src``) is a member of ``group``
+    and sends; on the other trainer ranks the sender only checks the stream against the plan and
+    discards it (``drain(bridge.export_hf_weights(...), sender)`` on every trainer rank is the
+    whole recipe; ``for _ in stream: pass`` would do as well, without the check).
+
+    The constructor runs the handshake on the source rank (collective over ``group``) and raises
+    :class:`PlanMismatchError` if any receiver disagrees. With ``trainer_group`` (the ranks
+    iterating the export, ``src`` among them) the source's handshake and ``finish`` outcomes are
+    shared with the other trainer ranks, so every trainer raises the same error instead of
+    entering a collective export alone. ``finish`` raises :class:`RefitStatusError` if a receiver
+    reported a bad checksum or a failed consumer.
+
+    Buffers: ``num_buffers`` uint8 tensors of ``bucket_bytes`` on ``device`` (default: CUDA's
+    current device if available, else CPU), allocated at the first tensor and kept for the
+    sender's lifetime. A consumed tensor is copied into the current buffer before ``consume``
+    returns, so the exporter may reuse its own buffer right after.
+
+    Overlap: each full buffer goes out with ``dist.broadcast(..., async_op=True)``; the Work is
+    waited for only before that buffer is packed again. On CUDA, packing runs on a dedicated
+    stream that first waits (event) for the exporter's stream, and the exporter's stream waits
+    for the packing copy before it may overwrite the source tensor; the Work's ``wait`` is issued
+    on the packing stream, so the exporter's kernels never wait for a broadcast except through a
+    full set of buffers in flight.
+
+    Limitation: a stream that disagrees with the sender's own plan raises on the source rank after
+    the handshake; the receivers then wait in a broadcast until the group's timeout.
+    """
+
+    def __init__(
+        self,
+        plan: ExportPlan | str,
+        config: PackedBroadcastConfig,
+        *,
+        group: Any,
+        src: int,
+        trainer_group: Any = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.plan = ExportPlan.from_json(plan) if isinstance(plan, str) else plan
+        self.config = config
+        self.layout = StreamLayout.build(self.plan, config.bucket_bytes)
+        self.group, self.src, self.trainer_group = group, src, trainer_group
+        self.is_source = dist.get_rank() == src
+        self.device = torch.device(device) if device is not None else _default_device()
+        self._next = 0
+        self._closed = False
+        self._buffers: list[torch.Tensor] = []
+        self._sums: list[torch.Tensor] = []
+        self._works: list[list[Any]] = [[] for _ in range(config.num_buffers)]
+        self._bucket = -1  # the bucket being packed
+        self._stream = None
+        self.bytes_sent = 0
+        error = None
+        if self.is_source:
+            _group_rank(group)
+            try:
+                _handshake(plan=self.plan, layout=self.layout, config=config, group=group, src=src,
+                           device=self.device, is_source=True)
+            except PlanMismatchError as err:
+                error = err
+        if trainer_group is not None:
+            _share_verdict(trainer_group, src, error)
+        elif error is not None:
+            raise error
+
+    # -- WeightSink ------------------------------------------------------------------------
+
+    def consume(self, hf_name: str, tensor: torch.Tensor) -> None:
+        if self._closed:
+            raise RuntimeError("PackedBroadcastSender.consume() after finish() or abort(); create a new sender")
+        slot = self._check(hf_name, tensor)
+        self._next += 1
+        if not self.is_source or slot.nbytes == 0:
+            return
+        data = _as_bytes(tensor)
+        if self.device.type == "cuda":
+            self._pack_cuda(slot, data)
+        else:
+            self._pack(slot, data)
+
+    def finish(self) -> None:
+        if self._closed:
+            raise RuntimeError("PackedBroadcastSender.finish() called twice or after abort()")
+        self._closed = True
+        error: BaseException | None = None
+        if self._next != len(self.layout.slots):
+            missing = [s.entry.hf_name for s in self.layout.slots[self._next:]]
+            error = ValueError(
+                f"the export stream ended after {self._next} of {len(self.layout.slots)} planned tensors; "
+                f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}"
+            )
+            if not self.is_source:
+                raise error
+        if self.is_source:
+            if error is not None:
+                raise error  # receivers are left waiting: see the class docstring
+            error = self._finish_source()
+        if self.trainer_group is not None:
+            _share_verdict(self.trainer_group, self.src, error)
+        elif error is not None:
+            raise error
+
+    def abort(self) -> None:
+        self._closed = True
+        self._buffers, self._sums = [], []
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _check(self, hf_name: str, tensor: torch.Tensor) -> _Slot:
+        if self._next >= len(self.layout.slots):
+            raise ValueError(
+                f"the export stream has more tensors than the plan ({len(self.layout.slots)}); "
+                f"unexpected {hf_name!r}: build the sender from this export's plan (bridge.export_plan(model))"
+            )
+        slot = self.layout.slots[self._next]
+        entry = slot.entry
+        got = (hf_name, tuple(tensor.shape), tensor.dtype)
+        want = (entry.hf_name, tuple(entry.shape), entry.torch_dtype)
+        if got != want:
+            raise ValueError(
+                f"export stream differs from the plan at entry #{self._next}: got {hf_name} {list(got[1])} "
+                f"{got[2]}, plan has {entry.hf_name} {list(entry.shape)} {want[2]}; build the sender from "
+                "this export's plan (bridge.export_plan(model))"
+            )
+        return slot
+
+    def _pack(self, slot: _Slot, data: torch.Tensor) -> None:
+        """Copy ``data`` into the buckets that hold ``slot``, sending each bucket as it fills."""
+        bucket_bytes = self.config.bucket_bytes
+        position = slot.offset
+        while position < slot.end:
+            bucket, within = divmod(position, bucket_bytes)
+            buffer = self._enter(bucket)
+            length = min(slot.end - position, bucket_bytes - within)
+            start = position - slot.offset
+            buffer[within:within + length].copy_(data[start:start + length])
+            position += length
+
+    def _pack_cuda(self, slot: _Slot, data: torch.Tensor) -> None:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+        producer = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(producer)  # the exported tensor is ready
+        with torch.cuda.stream(self._stream):
+            self._pack(slot, data)
+        producer.wait_stream(self._stream)  # the exporter may overwrite its buffer after the copy
+
+    def _enter(self, bucket: int) -> torch.Tensor:
+        """The buffer of ``bucket``, sending every earlier bucket first."""
+        while self._bucket < bucket:
+            if self._bucket >= 0:
+                self._send(self._bucket)
+            self._bucket += 1
+            self._acquire(self._bucket)
+        return self._buffers[self._bucket % self.config.num_buffers]
+
+    def _acquire(self, bucket: int) -> None:
+        index = bucket % self.config.num_buffers
+        if not self._buffers:
+            n = self.config.num_buffers
+            self._buffers = [torch.zeros(self.config.bucket_bytes, dtype=torch.uint8, device=self.device) for _ in range(n)]
+            self._sums = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(n)]
+        for work in self._works[index]:
+            work.wait()  # on CUDA: the packing stream waits for the broadcast of this buffer
+        self._works[index] = []
+
+    def _send(self, bucket: int) -> None:
+        index = bucket % self.config.num_buffers
+        data = self._buffers[index][: self.layout.bucket_length(bucket)]
+        works = [dist.broadcast(data, src=self.src, group=self.group, async_op=True)]
+        if self.config.checksum:
+            self._sums[index].copy_(_checksum(data))
+            works.append(dist.broadcast(self._sums[index], src=self.src, group=self.group, async_op=True))
+        self._works[index] = works
+        self.bytes_sent += data.numel()
+
+    def _finish_source(self) -> BaseException | None:
+        last = self.layout.num_buckets - 1
+        if last >= 0:
+            if self._stream is not None:
+                with torch.cuda.stream(self._stream):
+                    self._enter(last)
+                    self._send(last)
+            else:
+                self._enter(last)
+                self._send(last)
+        for works in self._works:
+            for work in works:
+                work.wait()
+        self._works = [[] for _ in self._works]
+        status = torch.zeros(2, dtype=torch.int64, device=self.device)
+        dist.all_reduce(status, op=dist.ReduceOp.MAX, group=self.group)
+        code, bucket = (int(v) for v in status.tolist())
+        self._buffers, self._sums = [], []
+        if code == _STATUS_OK:
+            return None
+        if code == _STATUS_CHECKSUM:
+            return RefitStatusError(
+                f"a receiver found a checksum mismatch in buffer {bucket} (tensors {self.layout.names_in(bucket)}); "
+                "the receivers' weights are not trustworthy: run the refit again"
+            )
+        return RefitStatusError("a receiver's consumer failed while applying the weights (see the receiver's log)")
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+# --- receiver -------------------------------------------------------------------------------
+
+
+class PackedBroadcastReceiver:
+    """Receives a packed broadcast and yields ``(hf_name, tensor)`` in plan order.
+
+    Construct on each receiver rank, with the sender's plan (an :class:`ExportPlan` or its JSON)
+    and the same :class:`PackedBroadcastConfig`; the constructor runs the handshake (collective
+    over ``group``) and raises :class:`PlanMismatchError` naming both fingerprints and the first
+    differing entry. Then iterate :meth:`receive` (or ``drain(receiver.receive(), sink)``).
+
+    Tensor lifetime: each yielded tensor is a view of a receive buffer (or of one scratch tensor
+    for a tensor split across buffers) and is valid until the generator advances; copy it to
+    keep it. ``num_buffers - 1`` buckets are in flight while one is consumed.
+
+    With checksums on, a bucket whose checksum differs raises :class:`ChecksumError` (naming the
+    bucket and its tensors) before any of its tensors is yielded; the receiver first runs the
+    rest of the protocol (discarding the data) so the sender learns the failure and raises too.
+    ``_corrupt_hook(bucket, data)``, test-only, may modify a received bucket before the check.
+    """
+
+    def __init__(
+        self,
+        plan: ExportPlan | str,
+        config: PackedBroadcastConfig,
+        *,
+        group: Any,
+        src: int,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.plan = ExportPlan.from_json(plan) if isinstance(plan, str) else plan
+        self.config = config
+        self.layout = StreamLayout.build(self.plan, config.bucket_bytes)
+        self.group, self.src = group, src
+        self.device = torch.device(device) if device is not None else _default_device()
+        self._corrupt_hook: Callable[[int, torch.Tensor], None] | None = None
+        self._used = False
+        _group_rank(group)
+        if dist.get_rank() == src:
+            raise ValueError(f"rank {src} is the source of the broadcast; construct PackedBroadcastSender there")
+        _handshake(plan=self.plan, layout=self.layout, config=config, group=group, src=src,
+                   device=self.device, is_source=False)
+
+    def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Run the bulk broadcasts and yield every tensor of the plan (once per receiver)."""
+        if self._used:
+            raise RuntimeError("PackedBroadcastReceiver.receive() runs once; construct a new receiver per refit")
+        self._used = True
+        return self._receive()
+
+    def _receive(self) -> Iterator[tuple[str, torch.Tensor]]:
+        layout, config = self.layout, self.config
+        n = config.num_buffers
+        buffers = [torch.empty(config.bucket_bytes, dtype=torch.uint8, device=self.device) for _ in range(min(n, max(layout.num_buckets, 1)))]
+        sums = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in buffers]
+        scratch = torch.empty(layout.max_split_bytes(), dtype=torch.uint8, device=self.device)
+        works: dict[int, list[Any]] = {}
+        events = _bucket_events(layout)
+
+        def post(bucket: int) -> None:
+            if bucket < layout.num_buckets:
+                index = bucket % len(buffers)
+                data = buffers[index][: layout.bucket_length(bucket)]
+                works[bucket] = [dist.broadcast(data, src=self.src, group=self.group, async_op=True)]
+                if config.checksum:
+                    works[bucket].append(dist.broadcast(sums[index], src=self.src, group=self.group, async_op=True))
+
+        status, failed_bucket, error = _STATUS_OK, 0, None
+        next_post, at_yield = 0, False
+        try:
+            for _ in buffers:
+                post(next_post)
+                next_post += 1
+            for bucket in range(layout.num_buckets):
+                for work in works.pop(bucket):
+                    work.wait()
+                index = bucket % len(buffers)
+                data = buffers[index][: layout.bucket_length(bucket)]
+                if self._corrupt_hook is not None:
+                    self._corrupt_hook(bucket, data)
+                if config.checksum:
+                    local, sent = int(_checksum(data)), int(sums[index])
+                    if local != sent:
+                        status, failed_bucket = _STATUS_CHECKSUM, bucket
+                        error = ChecksumError(
+                            f"checksum mismatch in packed-broadcast buffer {bucket} of {layout.num_buckets} "
+                            f"(sender {_hex(sent)}, received {_hex(local)}); it held tensors {layout.names_in(bucket)}. "
+                            "The transfer is corrupt: run the refit again"
+                        )
+                        break
+                for item in _tensors_completed_in(bucket, events[bucket], data, scratch, self.device):
+                    at_yield = True
+                    yield item
+                    at_yield = False
+                post(next_post)  # this bucket's buffer is free again
+                next_post += 1
+        except BaseException:
+            if not at_yield:
+                raise  # a collective or a copy failed: the protocol is broken, run no more collectives
+            status = _STATUS_CONSUMER  # the consumer raised or stopped early
+            self._finish_protocol(works, post, next_post, status, failed_bucket)
+            raise
+        self._finish_protocol(works, post, next_post, status, failed_bucket)
+        if error is not None:
+            raise error
+
+    def _finish_protocol(self, works, post, next_post: int, status: int, failed_bucket: int) -> None:
+        """Step 3: after a local failure, run the remaining bulk broadcasts (data discarded) so
+        the sender is not left blocked; then report the status to every member."""
+        if status != _STATUS_OK:
+            for bucket in sorted(works):
+                for work in works.pop(bucket):
+                    work.wait()
+            for bucket in range(next_post, self.layout.num_buckets):
+                post(bucket)
+                for work in works.pop(bucket):
+                    work.wait()
+        report = torch.tensor([status, failed_bucket], dtype=torch.int64, device=self.device)
+        dist.all_reduce(report, op=dist.ReduceOp.MAX, group=self.group)
+
+
+def _tensors_completed_in(
+    bucket: int, events: list, data: torch.Tensor, scratch: torch.Tensor, device: torch.device
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the tensors whose last byte is in ``bucket``: views of ``data``, or of ``scratch``
+    for a tensor that began in an earlier bucket (its earlier pieces were copied there)."""
+    for slot, within, start, length, complete in events:
+        entry = slot.entry
+        if slot.nbytes == 0:
+            yield entry.hf_name, torch.empty(entry.shape, dtype=entry.torch_dtype, device=device)
+            continue
+        if length == slot.nbytes:
+            view = data[within:within + length]
+        else:
+            scratch[start:start + length].copy_(data[within:within + length])
+            if not complete:
+                continue
+            view = scratch[: slot.nbytes]
+        yield entry.hf_name, view.view(entry.torch_dtype).view(entry.shape)
+
+
+def _bucket_events(layout: StreamLayout) -> list[list[tuple[_Slot, int, int, int, bool]]]:
+    """Per bucket, in stream order: (slot, offset in bucket, offset in tensor, length, tensor complete)."""
+    events: list[list[tuple[_Slot, int, int, int, bool]]] = [[] for _ in range(max(layout.num_buckets, 1))]
+    size = layout.bucket_bytes
+    for slot in layout.slots:
+        if slot.nbytes == 0:
+            events[min(slot.offset // size, len(events) - 1)].append((slot, 0, 0, 0, True))
+            continue
+        position = slot.offset
+        while position < slot.end:
+            bucket, within = divmod(position, size)
+            length = min(slot.end - position, size - within)
+            events[bucket].append((slot, within, position - slot.offset, length, position + length == slot.end))
+            position += length
+    return events
+
+
+__all__ = [
+    "ALIGN_BYTES",
+    "DEFAULT_BUCKET_BYTES",
+    "ChecksumError",
+    "PackedBroadcastConfig",
+    "PackedBroadcastReceiver",
+    "PackedBroadcastSender",
+    "PlanMismatchError",
+    "RefitStatusError",
+    "StreamLayout",
+    "plan_fingerprint",
+    "plan_signature",
+]

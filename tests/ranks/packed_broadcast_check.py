@@ -1,0 +1,231 @@
+"""Per-rank checker for the packed broadcast: 2 trainer ranks + 1 receiver rank (CPU, gloo).
+
+Run under torchrun with 3 processes. Ranks 0 and 1 are the trainer (a Megatron model at
+``--tp``/``--ep`` over those two ranks only); rank 2 is the receiver (no Megatron model) and
+applies what it receives to a fresh transformers model with ``HFModelUpdateSink``.
+
+Groups: Megatron 0.19's ``initialize_model_parallel(local_world_size=2)`` builds its groups over
+ranks 0-1 only; ``new_group`` is collective over the default group, so rank 2 makes the same call
+and belongs to none of them. The plan is built over the trainer group only
+(``export_plan(..., group=trainers)``). The broadcast group is ``new_group([0, 2])``, the trainer
+group ``new_group([0, 1])``.
+
+Cases, in one launch, in this order (every rank runs every case; an expected error is caught and
+recorded, then the next case runs on the same groups, which also proves no rank was left behind):
+
+* split: bucket smaller than the largest tensor (tensors split across buffers), checksums on;
+  the receiver's tensors equal the checkpoint on disk bit for bit, and the transformers model
+  equals ``from_pretrained`` with its tensors' storage unchanged;
+* whole: one bucket larger than the whole model, 3 buffers, checksums off;
+* mismatch: the receiver's plan renames one entry -> PlanMismatchError on every rank;
+* config: the receiver uses another bucket size -> PlanMismatchError on every rank;
+* corrupt: a byte of received buffer 1 is flipped -> ChecksumError on the receiver naming the
+  buffer and its tensors, RefitStatusError on both trainer ranks;
+* consumer: the receiver's sink raises at the 6th tensor -> that error on the receiver (after it
+  ran the rest of the protocol), RefitStatusError on both trainer ranks;
+* again: the split case once more (the groups are still in step after the failures).
+
+Writes DIR/rank<R>.json: {case: {"ok", "error", ...}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from oracle import read_checkpoint  # noqa: E402
+
+TRAINERS, RECEIVER, SRC = (0, 1), 2, 0
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def configs(plan):
+    from mbridge_refit.sinks.packed_broadcast import ALIGN_BYTES, PackedBroadcastConfig, StreamLayout
+
+    largest = max(e.nbytes for e in plan.entries)
+    small = max(ALIGN_BYTES, largest // 3 // ALIGN_BYTES * ALIGN_BYTES)
+    whole = StreamLayout.build(plan, ALIGN_BYTES).stream_bytes + 64 * ALIGN_BYTES
+    split = PackedBroadcastConfig(bucket_bytes=small, num_buffers=2, checksum=True)
+    return {
+        "split": split,
+        "whole": PackedBroadcastConfig(bucket_bytes=whole, num_buffers=3, checksum=False),
+        "mismatch": split,
+        "config": split,
+        "corrupt": split,
+        "consumer": split,
+        "again": split,
+    }
+
+
+class OracleSink:
+    """Checks every received tensor against the checkpoint, then forwards it to ``inner``."""
+
+    def __init__(self, expected: dict[str, torch.Tensor], inner) -> None:
+        self.expected, self.inner = expected, inner
+        self.names: list[str] = []
+        self.differing: list[str] = []
+
+    def consume(self, name, tensor):
+        self.names.append(name)
+        if name not in self.expected or not same_bytes(tensor, self.expected[name]):
+            self.differing.append(name)
+        self.inner.consume(name, tensor)
+
+    def finish(self):
+        self.inner.finish()
+
+    def abort(self):
+        self.inner.abort()
+
+
+class FailingSink:
+    """The receiver's own sink fails part-way (e.g. an engine rejects a tensor)."""
+
+    def __init__(self, inner, *, after: int) -> None:
+        self.inner, self.left = inner, after
+
+    def consume(self, name, tensor):
+        self.left -= 1
+        if self.left < 0:
+            raise ValueError(f"test consumer rejects {name}")
+        self.inner.consume(name, tensor)
+
+    def finish(self):
+        self.inner.finish()
+
+    def abort(self):
+        self.inner.abort()
+
+
+def run_trainer(case, config, *, bridge, chunks, plan, refit, trainers):
+    from mbridge_refit.sinks import drain
+    from mbridge_refit.sinks.packed_broadcast import PackedBroadcastSender
+
+    sender = PackedBroadcastSender(plan, config, group=refit, src=SRC, trainer_group=trainers)
+    count = drain(bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True), sender)
+    return {"tensors": count, "bytes_sent": sender.bytes_sent}
+
+
+def run_receiver(case, config, *, plan_json, refit, expected, model, pointers, reference):
+    from mbridge_refit.plan import ExportPlan
+    from mbridge_refit.sinks import drain
+    from mbridge_refit.sinks.model_update import HFModelUpdateSink
+    from mbridge_refit.sinks.packed_broadcast import PackedBroadcastReceiver
+
+    if case == "mismatch":
+        plan = ExportPlan.from_json(plan_json)
+        entries = list(plan.entries)
+        entries[7] = dataclasses.replace(entries[7], hf_name=entries[7].hf_name + ".renamed")
+        plan_json = dataclasses.replace(plan, entries=tuple(entries)).to_json()
+    if case == "config":
+        config = dataclasses.replace(config, bucket_bytes=config.bucket_bytes * 2)
+    receiver = PackedBroadcastReceiver(plan_json, config, group=refit, src=SRC, device="cpu")
+    if case == "corrupt":
+        def flip(bucket, data):
+            if bucket == 1:
+                data[5] ^= 0x40
+        receiver._corrupt_hook = flip
+    with torch.no_grad():  # start from zeros so every case must write every tensor again
+        for tensor in model.state_dict().values():
+            tensor.zero_()
+    sink = OracleSink(expected, HFModelUpdateSink(model))
+    if case == "consumer":
+        sink.inner = FailingSink(sink.inner, after=5)
+    count = drain(receiver.receive(), sink)
+    state = model.state_dict()
+    return {
+        "tensors": count,
+        "buckets": receiver.layout.num_buckets,
+        "split_bytes": receiver.layout.max_split_bytes(),
+        "in_order": sink.names == [e.hf_name for e in receiver.plan.entries],
+        "differing_from_disk": sink.differing,
+        "differing_from_pretrained": [n for n, t in reference.items() if not same_bytes(state[n], t)],
+        "pointers_kept": {n: t.data_ptr() for n, t in state.items()} == pointers,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hf", type=Path, required=True)
+    parser.add_argument("--result", type=Path, required=True)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1)
+    args = parser.parse_args()
+
+    from megatron.core import parallel_state as ps
+
+    from mbridge_refit.distributed import init_process_group, teardown
+
+    cpu = torch.device("cpu")
+    init_process_group(device=cpu, timeout=datetime.timedelta(seconds=90))
+    rank = dist.get_rank()
+    if dist.get_world_size() != 3:
+        raise SystemExit("run with exactly 3 ranks: 2 trainers + 1 receiver")
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=args.tp, expert_model_parallel_size=args.ep, local_world_size=len(TRAINERS)
+    )
+    trainers = dist.new_group(list(TRAINERS))
+    refit = dist.new_group([SRC, RECEIVER])
+    results: dict[str, dict] = {}
+    try:
+        if rank in TRAINERS:
+            from mbridge_refit.bridge import RefitBridge
+            from mbridge_refit.layout import ParallelLayout
+            from mbridge_refit.model_builder import BuildOptions, build_model
+
+            bridge = RefitBridge.from_hf_pretrained(args.hf)
+            chunks = build_model(bridge, ParallelLayout(tp=args.tp, ep=args.ep), BuildOptions(device=cpu, params_dtype=torch.bfloat16))
+            bridge.load_hf_shards(chunks, args.hf)
+            plan = bridge.export_plan(chunks, group=trainers)
+            payload = [plan.to_json()]
+            run = lambda case, config: run_trainer(case, config, bridge=bridge, chunks=chunks, plan=plan, refit=refit, trainers=trainers)  # noqa: E731
+        else:
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            from mbridge_refit.plan import ExportPlan
+
+            payload = [None]
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.hf), dtype=torch.bfloat16)
+            pointers = {n: t.data_ptr() for n, t in model.state_dict().items()}
+            reference = AutoModelForCausalLM.from_pretrained(args.hf, dtype=torch.bfloat16).state_dict()
+            expected = read_checkpoint(args.hf)
+        if rank in (SRC, RECEIVER):  # the receiver gets the plan from the trainer, as in production
+            dist.broadcast_object_list(payload, src=SRC, group=refit)
+        if rank == RECEIVER:
+            plan = ExportPlan.from_json(payload[0])
+            run = lambda case, config: run_receiver(  # noqa: E731
+                case, config, plan_json=payload[0], refit=refit, expected=expected, model=model,
+                pointers=pointers, reference=reference,
+            )
+        for case, config in configs(plan).items():
+            start = time.monotonic()
+            try:
+                outcome = {"ok": True, "error": None, **run(case, config)}
+            except Exception as err:  # recorded; the test decides whether it was expected
+                outcome = {"ok": False, "error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()[-3000:]}
+            outcome["seconds"] = round(time.monotonic() - start, 2)
+            outcome["bucket_bytes"] = config.bucket_bytes
+            results[case] = outcome
+            print(f"[rank{rank}] {case}: ok={outcome['ok']} {outcome['error'] or ''}", flush=True)
+        results["stream_bytes"] = {"ok": True, "value": sum(e.nbytes for e in plan.entries), "largest": max(e.nbytes for e in plan.entries)}
+        args.result.mkdir(parents=True, exist_ok=True)
+        (args.result / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
+    finally:
+        teardown()
+
+
+if __name__ == "__main__":
+    main()

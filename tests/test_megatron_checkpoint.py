@@ -1,0 +1,158 @@
+"""``convert import`` / ``convert export``: HF -> Megatron checkpoint on disk -> HF, bit for bit.
+
+Real ranks under torchrun on CPU (gloo). The checkpoint is saved at one layout and exported at
+the same and at other layouts; the oracle is the source checkpoint (tests/oracle.py). Bad input
+ends with exit code 2 before any collective and writes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from conftest import torchrun
+from mbridge_refit.convert import EXIT_BAD_INPUT, build_parser, main
+from mbridge_refit.megatron_checkpoint import METADATA_NAME, WEIGHTS_DIR
+from oracle import assert_bitwise_equal_checkpoints
+
+multirank = pytest.mark.multirank
+
+
+def convert(nproc: int, *args: str):
+    return torchrun(nproc, ["mbridge_refit.convert", *map(str, args)], timeout=300)
+
+
+def import_(nproc, hf, megatron, *flags):
+    return convert(nproc, "import", "--hf", hf, "--megatron", megatron, *flags)
+
+
+def export(nproc, megatron, out, *flags):
+    return convert(nproc, "export", "--megatron", megatron, "--out", out, "--no-progress", *flags)
+
+
+@pytest.fixture(scope="module")
+def qwen3_tp2(source_checkpoints, tmp_path_factory):
+    """qwen3-tiny imported at TP2 on 2 ranks (shared by the export tests)."""
+    source = source_checkpoints("qwen3-tiny")
+    megatron = tmp_path_factory.mktemp("qwen3-tp2") / "megatron"
+    run = import_(2, source, megatron, "--tp", "2")
+    assert run.returncode == 0, run.output[-6000:]
+    return source, megatron
+
+
+@multirank
+def test_import_writes_a_complete_checkpoint(qwen3_tp2):
+    source, megatron = qwen3_tp2
+    meta = json.loads((megatron / METADATA_NAME).read_text())
+    assert meta["saved_layout"]["tp"] == 2
+    assert (megatron / WEIGHTS_DIR / "metadata.json").is_file()
+    assert (megatron / "config.json").read_text() == (source / "config.json").read_text()
+    assert not [p.name for p in megatron.rglob(".tmp-*")], "temporary files left behind"
+
+
+EXPORT_LAYOUTS = [  # (ranks, flags): the saved layout (tp2), then others
+    (2, ["--tp", "2"]),
+    (2, ["--pp", "2"]),
+    (1, []),
+]
+
+
+@multirank
+@pytest.mark.parametrize(("nproc", "flags"), EXPORT_LAYOUTS, ids=["tp2", "pp2", "tp1"])
+def test_export_is_bitwise_exact_at_any_layout(qwen3_tp2, nproc, flags, tmp_path):
+    source, megatron = qwen3_tp2
+    out = tmp_path / "hf"
+    run = export(nproc, megatron, out, *flags)
+    assert run.returncode == 0, run.output[-6000:]
+    assert_bitwise_equal_checkpoints(source, out)
+    assert (out / "config.json").read_text() == (source / "config.json").read_text()
+
+
+@multirank
+@pytest.mark.parametrize(
+    ("recipe", "import_flags", "export_nproc", "export_flags"),
+    [
+        ("qwen3-moe-tiny", ["--ep", "2"], 2, ["--tp", "2"]),  # experts split by EP, read back whole
+        ("llama-tied-tiny", ["--pp", "2"], 1, []),  # tied output weight on the last stage
+    ],
+    ids=["moe-ep2-to-tp2", "tied-pp2-to-tp1"],
+)
+def test_import_export_across_layouts(source_checkpoints, tmp_path, recipe, import_flags, export_nproc, export_flags):
+    source = source_checkpoints(recipe)
+    megatron, out = tmp_path / "megatron", tmp_path / "hf"
+    run = import_(2, source, megatron, *import_flags)
+    assert run.returncode == 0, run.output[-6000:]
+    run = export(export_nproc, megatron, out, *export_flags)
+    assert run.returncode == 0, run.output[-6000:]
+    assert_bitwise_equal_checkpoints(source, out)
+
+
+# --- bad input: exit 2, nothing written -----------------------------------------------------------
+# Checked in-process: main() returns before any process group exists; its log goes to stderr.
+
+
+def test_parser_knows_import_and_export():
+    parser = build_parser()
+    args = parser.parse_args(["import", "--hf", "a", "--megatron", "b", "--tp", "2", "--overwrite"])
+    assert (args.command, args.tp, args.overwrite) == ("import", 2, True)
+    args = parser.parse_args(["export", "--megatron", "b", "--out", "c", "--pp", "2", "--vpp", "2"])
+    assert (args.command, args.pp, args.vpp) == ("export", 2, 2)
+
+
+def test_import_missing_input(tmp_path, capsys):
+    assert main(["import", "--hf", str(tmp_path / "nope"), "--megatron", str(tmp_path / "m")]) == EXIT_BAD_INPUT
+    assert "does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
+
+
+def test_import_refuses_non_empty_output(source_checkpoints, tmp_path, capsys):
+    out = tmp_path / "m"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    assert main(["import", "--hf", str(source_checkpoints("qwen3-tiny")), "--megatron", str(out)]) == EXIT_BAD_INPUT
+    assert "--overwrite" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+def test_export_missing_input(tmp_path, capsys):
+    assert main(["export", "--megatron", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == EXIT_BAD_INPUT
+    assert "does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_export_from_an_hf_checkpoint_says_import_first(source_checkpoints, tmp_path, capsys):
+    code = main(["export", "--megatron", str(source_checkpoints("qwen3-tiny")), "--out", str(tmp_path / "o")])
+    assert code == EXIT_BAD_INPUT
+    assert "`import` first" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_export_from_an_incomplete_checkpoint(qwen3_tp2, tmp_path, capsys):
+    _, megatron = qwen3_tp2
+    broken = tmp_path / "broken"
+    shutil.copytree(megatron, broken)
+    shutil.rmtree(broken / WEIGHTS_DIR)
+    assert main(["export", "--megatron", str(broken), "--out", str(tmp_path / "o")]) == EXIT_BAD_INPUT
+    assert f"{WEIGHTS_DIR}/metadata.json is missing" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_export_refuses_non_empty_output(qwen3_tp2, tmp_path, capsys):
+    _, megatron = qwen3_tp2
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    assert main(["export", "--megatron", str(megatron), "--out", str(out)]) == EXIT_BAD_INPUT
+    assert "--overwrite" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+def test_export_layout_that_does_not_fit(qwen3_tp2, tmp_path, capsys):
+    # Same check as roundtrip's (test_convert_cli launches real ranks for it): world size 1, tp=2.
+    _, megatron = qwen3_tp2
+    assert main(["export", "--megatron", str(megatron), "--out", str(tmp_path / "o"), "--tp", "2"]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "layout tp=2" in err and "--nproc-per-node 2" in err, err
+    assert not (tmp_path / "o").exists()

@@ -1,0 +1,155 @@
+"""Packed broadcast: pure layout/config logic here; the protocol on real ranks under torchrun.
+
+The multi-rank checks run inside each rank (tests/ranks/packed_broadcast_check.py: 2 trainer
+ranks + 1 receiver, CPU, gloo); the oracle is the source checkpoint on disk. One launch per
+recipe covers: bucket smaller than the largest tensor, bucket larger than the model, a
+mismatched plan and a mismatched config (clear error on every rank, no hang), an injected
+checksum corruption, a failing receiver-side sink, and a clean transfer after those failures.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import REPO, torchrun
+from mbridge_refit.plan import ExportPlan, PlanEntry, SourceLayout
+from mbridge_refit.sinks.packed_broadcast import (
+    ALIGN_BYTES,
+    DEFAULT_BUCKET_BYTES,
+    PackedBroadcastConfig,
+    StreamLayout,
+    _bucket_events,
+    _checksum,
+    plan_fingerprint,
+)
+
+CHECKER = str(REPO / "tests" / "ranks" / "packed_broadcast_check.py")
+TIMEOUT_S = 300  # a hang fails the test instead of blocking the suite
+
+
+def _plan(*specs: tuple[str, tuple[int, ...], str]) -> ExportPlan:
+    layout = SourceLayout(mesh_dims=("tp", "dp"), mesh_shape=(1, 1), placements=("Replicate()", "Replicate()"), pieces=((),), local_shape=())
+    entries = tuple(
+        PlanEntry(hf_name=n, shape=s, dtype=d, megatron_param=n, pp_rank=0, vpp_stage=0, is_expert=False, kind="x", layout=layout)
+        for n, s, d in specs
+    )
+    return ExportPlan(entries=entries, layer_map={}, tp=1, pp=1, ep=1, vpp=1)
+
+
+PLAN = _plan(("a", (3,), "bfloat16"), ("b", (10, 7), "float32"), ("c", (0,), "bfloat16"), ("d", (5,), "int8"), ("e", (), "float32"))
+
+
+# --- pure logic -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"bucket_bytes": 0}, "positive multiple of 16"), ({"bucket_bytes": 24}, "multiple of 16"), ({"num_buffers": 0}, "num_buffers")],
+)
+def test_config_rejects(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        PackedBroadcastConfig(**kwargs)
+
+
+def test_config_default_is_512_mib_and_frozen():
+    config = PackedBroadcastConfig()
+    assert config.bucket_bytes == DEFAULT_BUCKET_BYTES == 512 * 1024**2 and config.num_buffers == 2 and not config.checksum
+    with pytest.raises(AttributeError):
+        config.bucket_bytes = 16  # type: ignore[misc]
+
+
+def test_layout_aligns_every_tensor():
+    layout = StreamLayout.build(PLAN, 32)
+    assert [s.offset for s in layout.slots] == [0, 16, 304, 304, 320]  # c is empty
+    assert all(s.offset % ALIGN_BYTES == 0 for s in layout.slots)
+    assert layout.stream_bytes == 324 and layout.num_buckets == 11 and layout.bucket_length(10) == 4
+    assert layout.max_split_bytes() == 280  # "b" straddles buckets; nothing larger does
+
+
+@pytest.mark.parametrize("bucket", [16, 32, 48, 304, 320, 1024])
+def test_bucket_events_cover_each_byte_once(bucket):
+    layout = StreamLayout.build(PLAN, bucket)
+    events = _bucket_events(layout)
+    covered = {s.entry.hf_name: 0 for s in layout.slots}
+    completed = []
+    for index, bucket_events in enumerate(events):
+        for slot, within, start, length, complete in bucket_events:
+            if slot.nbytes:
+                assert within + length <= layout.bucket_length(index)
+                assert index * bucket + within == slot.offset + start
+            covered[slot.entry.hf_name] += length
+            if complete:
+                completed.append(slot.entry.hf_name)
+    assert covered == {s.entry.hf_name: s.nbytes for s in layout.slots}
+    assert completed == PLAN.names()
+
+
+def test_fingerprint_sees_name_shape_dtype_and_order():
+    base = plan_fingerprint(PLAN)
+    changed = [
+        _plan(("a", (3,), "bfloat16")),
+        _plan(*[(e.hf_name + ("x" if i == 1 else ""), e.shape, e.dtype) for i, e in enumerate(PLAN.entries)]),
+        _plan(*[(e.hf_name, (70,) if i == 1 else e.shape, e.dtype) for i, e in enumerate(PLAN.entries)]),
+        _plan(*[(e.hf_name, e.shape, "float16" if i == 0 else e.dtype) for i, e in enumerate(PLAN.entries)]),
+        _plan(*[(e.hf_name, e.shape, e.dtype) for e in reversed(PLAN.entries)]),
+    ]
+    assert all(plan_fingerprint(p) != base for p in changed)
+    assert plan_fingerprint(ExportPlan.from_json(PLAN.to_json())) == base
+
+
+@pytest.mark.parametrize("length", [64, 67])
+def test_checksum_sees_one_byte(length):
+    data = torch.randint(0, 256, (length,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    before = int(_checksum(data))
+    for position in (0, 5, length - 1):
+        corrupt = data.clone()
+        corrupt[position] ^= 0x01
+        assert int(_checksum(corrupt)) != before
+
+
+# --- real ranks -----------------------------------------------------------------------------
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(("recipe", "flags"), [("qwen3-tiny", ["--tp", "2"]), ("qwen3-moe-tiny", ["--ep", "2"])], ids=["qwen3-tp2", "qwen3-moe-ep2"])
+def test_packed_broadcast_ranks(recipe, flags, source_checkpoints, tmp_path):
+    run = torchrun(3, [CHECKER, "--hf", str(source_checkpoints(recipe)), "--result", str(tmp_path), *flags], timeout=TIMEOUT_S)
+    assert run.returncode == 0, run.output[-6000:]
+    trainer0, trainer1, receiver = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3))
+    stream = receiver["stream_bytes"]
+
+    for case in ("split", "whole", "again"):  # clean transfers: bit for bit, in order, in place
+        for rank, report in enumerate((trainer0, trainer1, receiver)):
+            assert report[case]["ok"], f"{case} failed on rank {rank}: {report[case].get('trace')}"
+        got = receiver[case]
+        assert got["in_order"] and got["differing_from_disk"] == [] and got["differing_from_pretrained"] == []
+        assert got["pointers_kept"], "the receiver's transformers model was re-allocated"
+        assert trainer0[case]["bytes_sent"] >= stream["value"] and trainer1[case]["bytes_sent"] == 0
+    assert receiver["split"]["bucket_bytes"] < stream["largest"] and receiver["split"]["split_bytes"] == stream["largest"]
+    assert receiver["split"]["buckets"] > 3
+    assert receiver["whole"]["bucket_bytes"] > stream["value"] and receiver["whole"]["buckets"] == 1
+
+    for case in ("mismatch", "config", "corrupt", "consumer"):  # every rank fails, none hangs
+        assert not any(r[case]["ok"] for r in (trainer0, trainer1, receiver)), case
+        assert all(r[case]["seconds"] < 30 for r in (trainer0, trainer1, receiver)), case
+
+    mismatch = receiver["mismatch"]["error"]
+    assert mismatch.startswith("PlanMismatchError") and "sender fingerprint 0x" in mismatch and "receiver fingerprint 0x" in mismatch
+    assert "first differing entry #7" in mismatch and ".renamed" in mismatch
+    assert trainer0["mismatch"]["error"].startswith("PlanMismatchError") and "first differing entry #7" in trainer0["mismatch"]["error"]
+    assert trainer1["mismatch"]["error"].startswith("RefitStatusError") and "PlanMismatchError" in trainer1["mismatch"]["error"]
+
+    assert "bucket_bytes: sender" in receiver["config"]["error"]
+    assert "PackedBroadcastConfig differs" in trainer0["config"]["error"]
+
+    corrupt = receiver["corrupt"]["error"]
+    assert corrupt.startswith("ChecksumError") and "buffer 1 of" in corrupt and "held tensors ['" in corrupt
+    for trainer in (trainer0, trainer1):
+        assert "checksum mismatch in buffer 1" in trainer["corrupt"]["error"]
+
+    assert receiver["consumer"]["error"].startswith("ValueError: test consumer rejects")
+    for trainer in (trainer0, trainer1):
+        assert "consumer failed" in trainer["consumer"]["error"]
