@@ -27,6 +27,7 @@ from megatron.bridge import AutoBridge
 
 from mbridge_refit.checkpoint import HFCheckpoint
 from mbridge_refit.export import ExportBuffers, PlanExporter
+from mbridge_refit.fp8 import BlockwiseFP8Config, FP8FormatError, fp8_plan, quantize_stream
 from mbridge_refit.loader import LoadReport, load_hf_shards
 from mbridge_refit.plan import ExportPlan, PlanError, build_export_plan
 
@@ -63,16 +64,21 @@ class RefitBridge(AutoBridge):
             self.__dict__["_refit_plan_error"] = None
         return model_bridge
 
-    def export_plan(self, model: list[torch.nn.Module] | torch.nn.Module, *, group=None) -> ExportPlan:
-        """The plan of ``export_hf_weights(model)``: one entry per yielded HF tensor, in order.
+    def export_plan(
+        self, model: list[torch.nn.Module] | torch.nn.Module, *, group=None, fp8: BlockwiseFP8Config | str | None = None
+    ) -> ExportPlan:
+        """The plan of ``export_hf_weights(model, fp8=fp8)``: one entry per yielded HF tensor, in order.
 
         Collective on the first call for a model, over ``group`` (default: every rank of the job;
         pass the trainer ranks' group when other processes share the job); cached afterwards.
         Moves no tensor data and allocates no weight memory (works on meta-device models).
-        Raises ``PlanError`` naming the parameter the plan cannot describe.
+        Raises ``PlanError`` naming the parameter the plan cannot describe, and with ``fp8``,
+        ``FP8FormatError`` when the model cannot be exported as blockwise FP8.
         """
         chunks = model if isinstance(model, list) else [model]
-        return self._planned(chunks, group)[0]
+        plan = self._planned(chunks, group)[0]
+        config = _fp8_config(fp8)
+        return plan if config is None else fp8_plan(plan, config)
 
     def _planned(self, chunks: list[torch.nn.Module], group=None) -> tuple[ExportPlan, list]:
         """(plan, conversion tasks) for ``chunks``, built once per model."""
@@ -118,6 +124,7 @@ class RefitBridge(AutoBridge):
         weight_dtype: Optional[torch.dtype] = None,
         *,
         reuse_buffer_from_cache: bool = False,
+        fp8: BlockwiseFP8Config | str | None = None,
     ) -> Iterable[tuple[str, torch.Tensor]]:
         """Yield ``(hf_name, tensor)`` for every HF weight of ``model``, in the bridge's order.
 
@@ -133,6 +140,10 @@ class RefitBridge(AutoBridge):
             reuse_buffer_from_cache: write outputs into buffers owned by this bridge, allocated on
                 the first call and reused by every later call (steady-state exports allocate
                 nothing). Free them with ``release_export_buffers()``.
+            fp8: ``"blockwise"`` (or a ``BlockwiseFP8Config``) quantizes BF16/FP32 linear weights on
+                export to 128x128-blockwise e4m3fn, each followed by its fp32 ``weight_scale_inv``
+                (``export_plan(model, fp8=...)`` lists them). Checked before any export work:
+                raises ``FP8FormatError`` for a model that cannot be exported so.
 
         Tensor lifetime: a yielded tensor is valid until the generator advances. It may be a view
         of a live parameter (then it changes when the parameter does) or, with the cache on, a
@@ -141,6 +152,9 @@ class RefitBridge(AutoBridge):
         """
         chunks = model if isinstance(model, list) else [model]
         model_bridge = self._model_bridge_for(chunks)
+        fp8_config = _fp8_config(fp8)
+        if fp8_config is not None:
+            return self._export_fp8(chunks, fp8_config, reuse_buffer_from_cache, cpu=cpu, show_progress=show_progress)
         fast_path = conversion_tasks is None and weight_dtype is None and self.export_weight_dtype != "fp8"
         if fast_path and self.__dict__.get("_refit_plan_error") is None:
             try:
@@ -163,6 +177,22 @@ class RefitBridge(AutoBridge):
             merge_adapter_weights=merge_adapter_weights,
             weight_dtype=weight_dtype,
         )
+
+    def _export_fp8(
+        self, chunks: list[torch.nn.Module], config: BlockwiseFP8Config, reuse_buffer_from_cache: bool, *, cpu: bool, show_progress: bool
+    ) -> Iterable[tuple[str, torch.Tensor]]:
+        """BF16 export from the plan, quantized tensor by tensor into (cached) FP8 buffers."""
+        _check_no_fp8_params(chunks)
+        try:
+            exporter = self._exporter(chunks)
+        except PlanError as err:
+            raise FP8FormatError(f"the FP8 export runs from the export plan, which this model has none of: {err}") from err
+        plan = fp8_plan(exporter.plan, config)
+        buffers = self._export_buffers() if reuse_buffer_from_cache else ExportBuffers(persistent=False)
+        stream = quantize_stream(
+            exporter.export(buffers, show_progress=show_progress and _is_rank_zero()), plan, buffers
+        )
+        return ((name, tensor.cpu()) for name, tensor in stream) if cpu else stream
 
     def export_hf_weights_stock(self, model, **kwargs) -> Iterable[tuple[str, torch.Tensor]]:
         """The unmodified Megatron-Bridge export (for comparison and benchmarks)."""
@@ -187,6 +217,35 @@ class RefitBridge(AutoBridge):
                 "this bridge was not created from a local checkpoint directory: pass hf_path= to load_hf_shards"
             )
         return Path(path)
+
+
+def _fp8_config(fp8: BlockwiseFP8Config | str | None) -> BlockwiseFP8Config | None:
+    if fp8 is None or isinstance(fp8, BlockwiseFP8Config):
+        return fp8
+    if fp8 == "blockwise":
+        return BlockwiseFP8Config()
+    raise FP8FormatError(f"fp8={fp8!r} is not a known FP8 format: use 'blockwise' or a BlockwiseFP8Config")
+
+
+def _check_no_fp8_params(chunks: list[torch.nn.Module]) -> None:
+    """The BF16 -> FP8 export needs high-precision parameters (not TE ``fp8_param`` models)."""
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            if not param.dtype.is_floating_point or param.element_size() < 2 or _is_te_quantized(param):
+                raise FP8FormatError(
+                    f"parameter {name} is stored as {type(param).__name__}/{param.dtype}, not a bf16/fp16/fp32 "
+                    "tensor: fp8='blockwise' quantizes high-precision weights. Exporting a Transformer Engine "
+                    "fp8_param model's own FP8 data is not implemented here; build the model without fp8_param "
+                    "(or keep a high-precision copy) to export blockwise FP8."
+                )
+
+
+def _is_te_quantized(param: torch.Tensor) -> bool:
+    try:
+        from transformer_engine.pytorch.tensor import QuantizedTensor
+    except ImportError:
+        return False
+    return isinstance(param, QuantizedTensor)
 
 
 def _is_rank_zero() -> bool:

@@ -22,9 +22,12 @@ import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Iterable, Iterator, Mapping, Sequence
 
 from mbridge_refit.layout import ParallelLayout
+
+if TYPE_CHECKING:
+    from mbridge_refit.fp8 import BlockwiseFP8Config
 
 EXIT_OK, EXIT_DIFFERENT, EXIT_BAD_INPUT, EXIT_FAILED = 0, 1, 2, 3
 
@@ -49,6 +52,10 @@ examples:
   torchrun --nproc-per-node 2 -m mbridge_refit.convert export \
       --megatron /tmp/qwen3-tiny-mcore --out /tmp/qwen3-tiny-hf --pp 2
 
+  # an HF FP8 checkpoint (128x128 blockwise e4m3 + weight_scale_inv) from a bf16 one
+  torchrun --nproc-per-node 2 -m mbridge_refit.convert roundtrip \
+      --hf /tmp/qwen3-tiny --out /tmp/qwen3-tiny-fp8 --tp 2 --fp8-blockwise
+
   # what an export will yield, where each tensor lives (no weights are read)
   torchrun --nproc-per-node 2 -m mbridge_refit.convert plan --hf /tmp/qwen3-tiny --pp 2 --json plan.json
 
@@ -70,6 +77,7 @@ class RoundtripArgs:
     max_shard_bytes: int
     show_progress: bool
     timeout: datetime.timedelta
+    fp8: "BlockwiseFP8Config | None" = None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-shard-bytes", type=int, default=5 * 1024**3, help="output shard size (default: %(default)s)"
     )
     rt.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    _add_fp8_flags(rt)
     rt.add_argument(
         "--timeout-s", type=float, default=600.0, help="collective timeout per operation (default: %(default)s)"
     )
@@ -145,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-shard-bytes", type=int, default=5 * 1024**3, help="output shard size (default: %(default)s)"
     )
     exp.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    _add_fp8_flags(exp)
     exp.add_argument("--timeout-s", type=float, default=600.0, help="collective timeout (default: %(default)s)")
 
     plan = sub.add_parser(
@@ -179,6 +189,43 @@ def _add_layout_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ep", type=int, default=1, help="expert parallel size, MoE only (default: 1)")
     group.add_argument("--first-stage-layers", type=int, default=None, help="layers on the first PP stage (uneven split)")
     group.add_argument("--last-stage-layers", type=int, default=None, help="layers on the last PP stage (uneven split)")
+
+
+def _add_fp8_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("FP8 output")
+    group.add_argument(
+        "--fp8-blockwise",
+        action="store_true",
+        help="write linear weights as 128x128-blockwise float8_e4m3fn with fp32 weight_scale_inv and a "
+        "quantization_config in config.json (DeepSeek-V3 / Qwen3-FP8 format)",
+    )
+    group.add_argument(
+        "--fp8-keep",
+        action="append",
+        metavar="PATTERN",
+        help="fnmatch pattern of HF names kept in their dtype (repeatable; replaces the defaults: "
+        "embeddings, output layer, norms, MoE routers)",
+    )
+    group.add_argument(
+        "--fp8-engine-tp",
+        type=int,
+        default=None,
+        metavar="N",
+        help="fail unless an engine at tensor-parallel size N can shard every FP8 weight on block boundaries",
+    )
+
+
+def _fp8_option(args: argparse.Namespace) -> "BlockwiseFP8Config | None":
+    from mbridge_refit.fp8 import DEFAULT_KEEP_PATTERNS, BlockwiseFP8Config
+
+    if not args.fp8_blockwise:
+        if args.fp8_keep or args.fp8_engine_tp is not None:
+            raise BadInput("--fp8-keep and --fp8-engine-tp need --fp8-blockwise")
+        return None
+    if args.fp8_engine_tp is not None and args.fp8_engine_tp < 1:
+        raise BadInput(f"--fp8-engine-tp must be >= 1, got {args.fp8_engine_tp}")
+    keep = tuple(args.fp8_keep) if args.fp8_keep else DEFAULT_KEEP_PATTERNS
+    return BlockwiseFP8Config(keep_patterns=keep, engine_tp_size=args.fp8_engine_tp)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -313,6 +360,7 @@ def _validate_roundtrip(args: argparse.Namespace) -> RoundtripArgs:
         max_shard_bytes=args.max_shard_bytes,
         show_progress=not args.no_progress,
         timeout=datetime.timedelta(seconds=args.timeout_s),
+        fp8=_fp8_option(args),
     )
 
 
@@ -362,14 +410,20 @@ def run_roundtrip(options: RoundtripArgs) -> int:
         )
         report = bridge.load_hf_shards(chunks, options.hf)
         logger.info("loaded %d slices (%.1f MB on this rank)", report.tensors_written, report.bytes_read / 1e6)
+        dtypes, config_overrides = _output_dtypes(
+            bridge, chunks, {name: checkpoint.dtype(name) for name in checkpoint.names()}, options.fp8
+        )
         sink = ShardedSafetensorsWriter(
             out_dir=options.out,
             max_shard_bytes=options.max_shard_bytes,
             overwrite=options.overwrite,
             copy_files_from=options.hf,
+            config_overrides=config_overrides,
         )
-        stream = bridge.export_hf_weights(chunks, show_progress=options.show_progress and env.rank == 0)
-        count = drain(cast_to_checkpoint_dtypes(stream, checkpoint), sink)
+        stream = bridge.export_hf_weights(
+            chunks, show_progress=options.show_progress and env.rank == 0, fp8=options.fp8
+        )
+        count = drain(cast_to_dtypes(stream, dtypes), sink)
     logger.info("wrote %d tensors to %s (layout %s)", count, options.out, options.layout.name)
     return EXIT_OK
 
@@ -395,6 +449,7 @@ class ExportArgs:
     max_shard_bytes: int
     show_progress: bool
     timeout: datetime.timedelta
+    fp8: "BlockwiseFP8Config | None" = None
 
 
 def cmd_import(args: argparse.Namespace) -> int:
@@ -425,7 +480,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         ExportArgs(
             megatron=args.megatron, out=args.out, layout=layout, overwrite=args.overwrite,
             max_shard_bytes=args.max_shard_bytes, show_progress=not args.no_progress,
-            timeout=datetime.timedelta(seconds=args.timeout_s),
+            timeout=datetime.timedelta(seconds=args.timeout_s), fp8=_fp8_option(args),
         )
     )
 
@@ -486,14 +541,18 @@ def run_export(options: ExportArgs) -> int:
             "loaded %s (saved at layout %s) at layout %s",
             options.megatron, info.saved_layout.name, options.layout.name,
         )
+        dtypes, config_overrides = _output_dtypes(bridge, chunks, info.hf_dtypes, options.fp8)
         sink = ShardedSafetensorsWriter(
             out_dir=options.out,
             max_shard_bytes=options.max_shard_bytes,
             overwrite=options.overwrite,
             copy_files_from=options.megatron,
+            config_overrides=config_overrides,
         )
-        stream = bridge.export_hf_weights(chunks, show_progress=options.show_progress and env.rank == 0)
-        count = drain(match_source_tensors(stream, info.hf_dtypes), sink)
+        stream = bridge.export_hf_weights(
+            chunks, show_progress=options.show_progress and env.rank == 0, fp8=options.fp8
+        )
+        count = drain(match_source_tensors(stream, dtypes), sink)
     logger.info("wrote %d tensors to %s (layout %s)", count, options.out, options.layout.name)
     return EXIT_OK
 
@@ -556,14 +615,36 @@ def checkpoint_float_dtype(checkpoint) -> "torch.dtype":
     return max(floating, key=lambda item: item[0])[1]
 
 
-def cast_to_checkpoint_dtypes(stream: Iterable, checkpoint) -> Iterator:
-    """Give every exported tensor its dtype in the source checkpoint (a no-op when they agree)."""
+def cast_to_dtypes(stream: Iterable, dtypes: "Mapping[str, torch.dtype]") -> Iterator:
+    """Give every exported tensor named in ``dtypes`` that dtype (a no-op when they agree)."""
     for name, tensor in stream:
-        if name in checkpoint.weight_map:
-            dtype = checkpoint.dtype(name)
-            if tensor.dtype != dtype:
-                tensor = tensor.to(dtype)
+        dtype = dtypes.get(name)
+        if dtype is not None and tensor.dtype != dtype:
+            tensor = tensor.to(dtype)
         yield name, tensor
+
+
+def _output_dtypes(
+    bridge, chunks, source_dtypes: "Mapping[str, torch.dtype]", fp8: "BlockwiseFP8Config | None"
+) -> tuple[dict, dict | None]:
+    """(dtype of every tensor to write, config.json overrides): the source checkpoint's dtypes,
+    and with ``fp8`` the FP8 weights and their scales plus the ``quantization_config``.
+
+    Builds the export plan (collective); FP8 problems surface here, on every rank alike, before
+    any tensor moves.
+    """
+    from mbridge_refit.fp8 import FP8_DTYPE, FP8FormatError
+
+    if fp8 is None:
+        return dict(source_dtypes), None
+    try:
+        plan = bridge.export_plan(chunks, fp8=fp8)
+    except FP8FormatError as err:
+        raise BadInput(f"cannot write an FP8 checkpoint: {err}") from err
+    scales = [e for e in plan.entries if e.scale_of is not None]
+    changed = {e.hf_name: e.torch_dtype for e in plan.entries if e.scale_of is not None or e.torch_dtype == FP8_DTYPE}
+    logger.info("FP8 blockwise: %d of %d tensors quantized", len(scales), len(plan.entries) - len(scales))
+    return {**source_dtypes, **changed}, {"quantization_config": fp8.quantization_config(plan)}
 
 
 if __name__ == "__main__":

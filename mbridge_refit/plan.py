@@ -68,6 +68,7 @@ class PlanEntry:
     kind: str
     layout: SourceLayout
     alias_of: str | None = None  # tied output weight: the same data as this entry
+    scale_of: str | None = None  # FP8 export: the blockwise scale of this weight entry (``fp8``)
 
     @property
     def torch_dtype(self) -> torch.dtype:

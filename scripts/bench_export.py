@@ -103,6 +103,32 @@ def compare_with_stock(stock_stream, refit_stream) -> list[str]:
     return problems
 
 
+def check_fp8_kernel(bf16_stream, cpu_checks: int = 8) -> list[str]:
+    """The CUDA kernel's FP8 bytes and scales against the torch reference path on the GPU (every
+    quantized tensor) and on the CPU (the first ``cpu_checks``): names of mismatches."""
+    from mbridge_refit.fp8 import BlockwiseFP8Config, _quantize_torch, padded_shape, quantize_blockwise
+
+    def same(a, b):
+        return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+    config, problems, checked = BlockwiseFP8Config(), [], 0
+    for name, tensor in bf16_stream:
+        if not config.quantizes(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")):
+            continue
+        q, s = quantize_blockwise(tensor)  # the kernel on CUDA
+        ref_q, ref_s = torch.empty_like(q), torch.empty_like(s)
+        work = torch.empty(padded_shape(tuple(tensor.shape)), dtype=torch.float32, device=tensor.device)
+        _quantize_torch(tensor, ref_q, ref_s, work)
+        ok = same(q, ref_q) and same(s, ref_s)
+        if ok and checked < cpu_checks:
+            cpu_q, cpu_s = quantize_blockwise(tensor.cpu())
+            ok = same(q.cpu(), cpu_q) and same(s.cpu(), cpu_s)
+        checked += 1
+        if not ok:
+            problems.append(name)
+    return problems
+
+
 def allocations() -> int:
     return torch.cuda.memory_stats().get("allocation.all.allocated", 0)
 
@@ -140,9 +166,14 @@ def run(args) -> dict:
             yield from bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True)
             exporter.coalesce_gathers = True
 
+        def refit_fp8():
+            return bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True, fp8="blockwise")
+
         variants = [("stock", stock), ("refit", refit(False)), ("refit_cached", refit(True))]
         if args.tp > 1:
             variants.append(("refit_cached_uncoalesced", uncoalesced))
+        if args.fp8:
+            variants.append(("refit_cached_fp8", refit_fp8))
         for label, make in variants:
             first = timed_export(make)
             runs = [timed_export(make) for _ in range(steady)]
@@ -174,6 +205,15 @@ def run(args) -> dict:
         row["speedup_vs_stock_steady"] = row["stock_steady_ms"] / row["refit_cached_steady_ms"]
         row["cached_steady_over_floor"] = row["refit_cached_steady_ms"] / floor
         row["first_over_steady"] = row["refit_cached_first_ms"] / row["refit_cached_steady_ms"]
+        if args.fp8:
+            fp8 = results["refit_cached_fp8"]
+            row.update(
+                fp8_tensors=fp8["tensors"], fp8_first_ms=fp8["first_ms"], fp8_steady_ms=fp8["steady_ms"],
+                fp8_peak_extra_bytes=fp8["peak_extra_bytes"],
+                fp8_new_allocations_after_first=fp8["new_allocations_after_first"],
+                fp8_over_bf16_cached=fp8["steady_ms"] / row["refit_cached_steady_ms"],
+                fp8_kernel_mismatches=check_fp8_kernel(refit(False)()),
+            )
         return row if env.rank == 0 else {}
 
 
@@ -195,6 +235,14 @@ def print_table(row: dict) -> None:
         f"speedup vs stock (steady): {row['speedup_vs_stock_steady']:.1f}x   cached/floor: {row['cached_steady_over_floor']:.2f}x   "
         f"first/steady: {row['first_over_steady']:.2f}x   new allocations after first cached call: {row['cached_new_allocations_after_first']}",
         f"bitwise vs stock: {row['tensors'] - len(row['mismatches_vs_stock'])}/{row['tensors']} tensors equal",
+        *(
+            [
+                f"{'RefitBridge, cache on, FP8':28s}{row['fp8_first_ms']:10.1f}{row['fp8_steady_ms']:11.2f}{row['fp8_peak_extra_bytes'] / gb:15.3f}",
+                f"FP8/BF16 cached steady: {row['fp8_over_bf16_cached']:.2f}x   new allocations after first FP8 call: "
+                f"{row['fp8_new_allocations_after_first']}   kernel vs torch path mismatches: {len(row['fp8_kernel_mismatches'])}",
+            ]
+            if "fp8_steady_ms" in row else []
+        ),
     ]
     print("\n".join(lines), flush=True)
 
@@ -206,6 +254,7 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--steady", type=int, default=5, help="steady-state calls to take the median of")
+    parser.add_argument("--fp8", action="store_true", help="also time the BF16 -> blockwise FP8 cached export")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -213,7 +262,7 @@ def main() -> None:
     if row:
         print_table(row)
         args.out_dir.mkdir(parents=True, exist_ok=True)
-        path = args.out_dir / f"export_{row['model']}_{row['layout']}_{row['device'].split()[-1].lower()}.json"
+        path = args.out_dir / f"export_{row['model']}_{row['layout']}{'_fp8' if args.fp8 else ''}_{row['device'].split()[-1].lower()}.json"
         path.write_text(json.dumps(row, indent=2))
         print(f"wrote {path}")
 

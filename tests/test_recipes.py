@@ -121,8 +121,16 @@ def test_compatible_layouts_table():
     assert set(compatible_layouts("qwen3-tiny")) == everything - moe_only
     assert set(compatible_layouts("llama-tied-tiny")) == everything - moe_only
     assert set(compatible_layouts("qwen3-moe-tiny")) == everything
-    # 3 layers: pp2 splits unevenly (allowed), pp2*vpp2 = 4 stages cannot hold 3 layers.
-    assert set(compatible_layouts("qwen3-tiny-3layer")) == everything - moe_only - {"pp2_vpp2"}
+    # 3 layers: no registered PP layout fits (pp=2 needs explicit first/last stage layer counts,
+    # which Megatron requires for an uneven split; pp2*vpp2 = 4 stages cannot hold 3 layers).
+    assert set(compatible_layouts("qwen3-tiny-3layer")) == {"tp1", "tp2"}
+
+
+def test_three_layer_recipe_fits_pp2_only_with_explicit_stage_sizes():
+    shape = get_model_recipe("qwen3-tiny-3layer").shape()
+    with pytest.raises(LayoutError, match="first-stage-layers"):
+        ParallelLayout(pp=2).validate_model(shape)
+    ParallelLayout(pp=2, first_stage_layers=2).validate_model(shape)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,313 @@
+"""The blockwise FP8 weight format (DeepSeek-V3 style) and the BF16 -> FP8 export transform.
+
+An HF FP8 checkpoint stores each quantized linear weight ``W`` [rows, cols] as
+
+* ``<module>.weight``: ``float8_e4m3fn``, same shape as ``W``;
+* ``<module>.weight_scale_inv``: ``float32`` [ceil(rows/128), ceil(cols/128)], one scale per
+  128x128 block, such that ``W ~= weight.float() * weight_scale_inv`` (block-broadcast).
+
+Choices, all in this module:
+
+* **Block grid.** Blocks are anchored at (0, 0) of the *HF* tensor. A shape not divisible by
+  128 has partial edge blocks; their scale covers only the elements that exist (no padding
+  values enter the amax). Blocks are defined on the HF tensor, never on a Megatron shard: a
+  tensor-parallel shard of q/k/v or gate/up does not start on a block boundary in general, so
+  quantization runs after the export has assembled the HF tensor (on the device, in cached
+  buffers).
+* **Scale.** ``scale_inv = amax(|block|) / 448`` in fp32 (448 = the largest e4m3fn value), so the
+  block's largest element maps to +-448. ``amax`` is exact (a max of bf16 values widened to
+  fp32); the division is IEEE round-to-nearest.
+* **All-zero block.** ``scale_inv = 1.0`` (any value dequantizes zeros to zero; 1.0 keeps the
+  scale finite and the tensor free of 0/0).
+* **Quantization.** ``q = e4m3fn(clamp(x_fp32 / scale_inv, -448, 448))``: an IEEE fp32 division,
+  a clamp (``|x| / scale_inv`` can exceed 448 by one ulp), and round-to-nearest-even into e4m3fn.
+  The division (not a multiply by ``448 / amax``) is what makes CPU, CUDA and the Triton kernel
+  agree bit for bit. NaN or inf in a block make that block's scale NaN/inf (not checked: it
+  would cost a device sync per tensor).
+* **What is quantized.** 2-D ``*.weight`` tensors of linear layers; names matching
+  ``BlockwiseFP8Config.keep_patterns`` (embeddings, output layer, norms, MoE routers by default)
+  stay in their dtype and are listed in the config's ``modules_to_not_convert``.
+
+``quantize_blockwise`` is the reference implementation in torch ops (CPU and GPU); on CUDA a
+one-pass Triton kernel (one program per block: load once, amax, scale, store) produces the
+same bits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
+
+import torch
+
+if TYPE_CHECKING:
+    from mbridge_refit.export import ExportBuffers
+    from mbridge_refit.plan import ExportPlan, PlanEntry
+
+BLOCK = 128
+E4M3_MAX = 448.0
+FP8_DTYPE = torch.float8_e4m3fn
+SCALE_DTYPE = torch.float32
+SCALE_SUFFIX = "_scale_inv"  # <module>.weight -> <module>.weight_scale_inv
+
+DEFAULT_KEEP_PATTERNS = (
+    "*embed_tokens.weight",
+    "lm_head.weight",
+    "*norm.weight",
+    "*.mlp.gate.weight",  # MoE router
+)
+
+
+class FP8FormatError(ValueError):
+    """A model or option that cannot be exported as blockwise FP8 (the message says why and what to do)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BlockwiseFP8Config:
+    """What to quantize and how an engine will shard it.
+
+    Args:
+        keep_patterns: ``fnmatch`` patterns of HF names that stay in their source dtype.
+        engine_tp_size: if set, check that an inference engine running at this tensor-parallel
+            size can shard every quantized weight on block boundaries (vLLM requires each
+            output partition of q/k/v, gate/up and column-parallel weights, and each input
+            partition of row-parallel weights, to be a multiple of 128).
+    """
+
+    keep_patterns: tuple[str, ...] = DEFAULT_KEEP_PATTERNS
+    engine_tp_size: int | None = None
+
+    def quantizes(self, hf_name: str, shape: tuple[int, ...], dtype: str) -> bool:
+        """Whether the export turns this HF tensor into FP8 data + scales."""
+        return (
+            len(shape) == 2
+            and hf_name.endswith(".weight")
+            and getattr(torch, dtype).is_floating_point
+            and not any(fnmatch.fnmatchcase(hf_name, p) for p in self.keep_patterns)
+        )
+
+    def quantization_config(self, plan: "ExportPlan") -> dict[str, Any]:
+        """The ``quantization_config`` entry of an HF FP8 ``config.json`` for ``plan``."""
+        kept = sorted(
+            e.hf_name[: -len(".weight")]
+            for e in plan.entries
+            if len(e.shape) == 2 and e.hf_name.endswith(".weight") and not self.quantizes(e.hf_name, e.shape, e.dtype)
+        )
+        return {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [BLOCK, BLOCK],
+            "modules_to_not_convert": kept,
+        }
+
+
+def scale_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    rows, cols = shape
+    return (math.ceil(rows / BLOCK), math.ceil(cols / BLOCK))
+
+
+def scale_name(hf_name: str) -> str:
+    return hf_name + SCALE_SUFFIX
+
+
+# --- the plan ----------------------------------------------------------------------------------
+
+
+def fp8_plan(plan: "ExportPlan", config: BlockwiseFP8Config) -> "ExportPlan":
+    """``plan`` as the FP8 export yields it: each quantized weight becomes ``float8_e4m3fn``
+    and is followed by its ``weight_scale_inv`` entry (``scale_of`` names the weight; the
+    source layout is the weight's, since the scale is computed from it)."""
+    check_fp8_exportable(plan, config)
+    entries: list[PlanEntry] = []
+    for entry in plan.entries:
+        if not config.quantizes(entry.hf_name, entry.shape, entry.dtype):
+            entries.append(entry)
+            continue
+        entries.append(dataclasses.replace(entry, dtype=str(FP8_DTYPE).removeprefix("torch.")))
+        entries.append(
+            dataclasses.replace(
+                entry,
+                hf_name=scale_name(entry.hf_name),
+                shape=scale_shape(entry.shape),
+                dtype=str(SCALE_DTYPE).removeprefix("torch."),
+                scale_of=entry.hf_name,
+            )
+        )
+    return dataclasses.replace(plan, entries=tuple(entries))
+
+
+def check_fp8_exportable(plan: "ExportPlan", config: BlockwiseFP8Config) -> None:
+    """Raise ``FP8FormatError`` before any export work if ``plan`` cannot be exported as FP8."""
+    quantized = [e for e in plan.entries if config.quantizes(e.hf_name, e.shape, e.dtype)]
+    if not quantized:
+        raise FP8FormatError(
+            "no tensor of this model is quantized by the blockwise FP8 export (every 2-D weight matches "
+            f"keep_patterns={list(config.keep_patterns)}): narrow keep_patterns or export without fp8"
+        )
+    aliased = {e.alias_of for e in plan.entries if e.alias_of is not None}
+    tied = [e.hf_name for e in quantized if e.hf_name in aliased]
+    if tied:
+        raise FP8FormatError(
+            f"{tied} share data with a tied output weight that stays in its dtype: add them to keep_patterns"
+        )
+    if config.engine_tp_size is not None:
+        problems = [p for e in quantized if (p := _engine_split_problem(e, config.engine_tp_size))]
+        if problems:
+            raise FP8FormatError(
+                f"an engine at tensor-parallel size {config.engine_tp_size} cannot shard these FP8 weights on "
+                f"{BLOCK}x{BLOCK} block boundaries: {'; '.join(problems[:5])}"
+                f"{f' (and {len(problems) - 5} more)' if len(problems) > 5 else ''}. "
+                "Serve at a smaller tensor-parallel size, keep these weights in bf16 (keep_patterns), "
+                "or export without fp8."
+            )
+
+
+def _engine_split_problem(entry: "PlanEntry", engine_tp: int) -> str | None:
+    """Why an engine at ``engine_tp`` cannot shard ``entry`` on block boundaries (None if it can).
+
+    Expert weights and replicated weights are split like dense ones by engines that use
+    tensor-parallel MoE, so every quantized weight is checked on its split dimension: rows for
+    row-split (column-parallel) weights, columns for column-split (row-parallel) weights.
+    """
+    split_dim = 1 if entry.kind == "row" else 0
+    size = entry.shape[split_dim]
+    if size % engine_tp or (size // engine_tp) % BLOCK:
+        what = "input" if split_dim else "output"
+        return f"{entry.hf_name} {what} size {size} / tp {engine_tp} is not a multiple of {BLOCK}"
+    return None
+
+
+# --- quantization ------------------------------------------------------------------------------
+
+
+def quantize_blockwise(
+    x: torch.Tensor, *, out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None, work: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D tensor to (e4m3fn data, fp32 ``scale_inv``) as the module docstring says.
+
+    ``out`` [rows, cols] float8_e4m3fn, ``scale_out`` ``scale_shape(x.shape)`` float32 and, for
+    the torch path, ``work`` (fp32, ``padded_shape(x.shape)``) are written in place when given
+    (cached buffers); otherwise allocated. On CUDA with Triton the work buffer is not used.
+    """
+    if x.dim() != 2:
+        raise FP8FormatError(f"blockwise FP8 needs a 2-D tensor, got shape {tuple(x.shape)}")
+    out = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device) if out is None else out
+    scale_out = torch.empty(scale_shape(tuple(x.shape)), dtype=SCALE_DTYPE, device=x.device) if scale_out is None else scale_out
+    if x.is_cuda and _triton_kernel() is not None:
+        _quantize_triton(x, out, scale_out)
+        return out, scale_out
+    work = torch.empty(padded_shape(tuple(x.shape)), dtype=torch.float32, device=x.device) if work is None else work
+    _quantize_torch(x, out, scale_out, work)
+    return out, scale_out
+
+
+def padded_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    rows, cols = scale_shape(shape)
+    return (rows * BLOCK, cols * BLOCK)
+
+
+def _quantize_torch(x: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor, work: torch.Tensor) -> None:
+    rows, cols = x.shape
+    block_rows, block_cols = scale_out.shape
+    padded = work.view(block_rows * BLOCK, block_cols * BLOCK)
+    if (rows, cols) != padded.shape:
+        padded.zero_()  # zeros never raise a block's amax
+    region = padded[:rows, :cols]
+    region.copy_(x)
+    blocks = padded.view(block_rows, BLOCK, block_cols, BLOCK)
+    torch.linalg.vector_norm(blocks, ord=math.inf, dim=(1, 3), out=scale_out)
+    scale_out.div_(E4M3_MAX)
+    scale_out.masked_fill_(scale_out == 0, 1.0)
+    blocks.div_(scale_out.view(block_rows, 1, block_cols, 1)).clamp_(-E4M3_MAX, E4M3_MAX)
+    out.copy_(region)
+
+
+def dequantize_blockwise(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """fp32 ``q * scale_inv`` with the scale broadcast over its block (for checks and tests)."""
+    rows, cols = q.shape
+    expanded = scale_inv.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:rows, :cols]
+    return q.float() * expanded
+
+
+# --- the export transform ----------------------------------------------------------------------
+
+
+def quantize_stream(
+    stream: Iterable[tuple[str, torch.Tensor]], plan: "ExportPlan", buffers: "ExportBuffers"
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Turn a BF16 export stream into the FP8 stream that ``plan`` (an ``fp8_plan``) describes.
+
+    Each quantized weight is yielded as its e4m3fn data, then its ``weight_scale_inv``; both
+    live in ``buffers`` (reused across exports when the pool is persistent) and stay valid
+    until the generator advances past the scale. Other tensors pass through unchanged.
+    """
+    scales = {e.scale_of: e for e in plan.entries if e.scale_of is not None}
+    for name, tensor in stream:
+        scale_entry = scales.get(name)
+        if scale_entry is None:
+            yield name, tensor
+            continue
+        index = 0
+        q = buffers.get("fp8", index, tuple(tensor.shape), FP8_DTYPE, tensor.device)
+        s = buffers.get("fp8_scale", index, scale_entry.shape, SCALE_DTYPE, tensor.device)
+        work = None
+        if not (tensor.is_cuda and _triton_kernel() is not None):
+            work = buffers.get("fp8_work", index, padded_shape(tuple(tensor.shape)), torch.float32, tensor.device)
+        quantize_blockwise(tensor, out=q, scale_out=s, work=work)
+        yield name, q
+        yield scale_entry.hf_name, s
+
+
+# --- CUDA: one pass per block ------------------------------------------------------------------
+
+_KERNEL: Any = None
+_KERNEL_CHECKED = False
+
+
+def _triton_kernel():
+    """The Triton kernel, or None where Triton is unavailable (then the torch path runs)."""
+    global _KERNEL, _KERNEL_CHECKED
+    if not _KERNEL_CHECKED:
+        _KERNEL_CHECKED = True
+        try:
+            _KERNEL = _build_triton_kernel()
+        except ImportError:
+            _KERNEL = None
+    return _KERNEL
+
+
+def _build_triton_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def quantize_block_kernel(x_ptr, q_ptr, s_ptr, rows, cols, stride_x, stride_q, n_block_cols, BLOCK_SIZE: tl.constexpr):
+        block_row = tl.program_id(0)
+        block_col = tl.program_id(1)
+        r = block_row * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)[:, None]
+        c = block_col * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)[None, :]
+        mask = (r < rows) & (c < cols)
+        x = tl.load(x_ptr + r * stride_x + c, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+        scale = tl.math.div_rn(amax, 448.0)
+        scale = tl.where(scale == 0.0, 1.0, scale)
+        y = tl.math.div_rn(x, scale)
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        tl.store(q_ptr + r * stride_q + c, y.to(tl.float8e4nv), mask=mask)
+        tl.store(s_ptr + block_row * n_block_cols + block_col, scale)
+
+    return quantize_block_kernel
+
+
+def _quantize_triton(x: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor) -> None:
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    rows, cols = x.shape
+    block_rows, block_cols = scale_out.shape
+    _triton_kernel()[(block_rows, block_cols)](
+        x, out, scale_out, rows, cols, x.stride(0), out.stride(0), block_cols, BLOCK_SIZE=BLOCK, num_warps=8
+    )

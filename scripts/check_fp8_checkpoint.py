@@ -1,0 +1,87 @@
+"""GPU check: an FP8 checkpoint written by ``convert --fp8-blockwise`` loads in transformers and
+computes what the BF16 checkpoint computes, within FP8 error.
+
+    PYTHONPATH=$PWD python scripts/check_fp8_checkpoint.py --work /tmp/fp8check
+
+Makes a random Qwen3 checkpoint whose linear dims are multiples of 128 (transformers' FP8 matmul
+needs whole blocks), converts it with ``python -m mbridge_refit.convert roundtrip --fp8-blockwise``
+(one GPU, TE spec), loads both with ``AutoModelForCausalLM.from_pretrained`` on the GPU and
+compares logits on a fixed token batch. Tolerance, stated before running: relative logit error
+``||fp8 - bf16|| / ||bf16|| <= 0.1`` (e4m3 keeps 3 mantissa bits: about 2-4% RMS error per
+weight, compounded over the layers) and mean |d logprob| <= 0.05. Writes
+scripts/results/fp8_checkpoint_<gpu>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024, "head_dim": 128,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "intermediate_size": 3072, "num_hidden_layers": 4,
+    "vocab_size": 4096, "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+    "attention_bias": False, "tie_word_embeddings": False, "dtype": "bfloat16", "bos_token_id": 1,
+    "eos_token_id": 2, "initializer_range": 0.02, "use_sliding_window": False,
+    "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+}
+MAX_RELATIVE_LOGIT_ERROR = 0.1
+MAX_MEAN_ABS_LOGPROB_DIFF = 0.05
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", type=Path, required=True, help="scratch directory for both checkpoints")
+    parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    from mbridge_refit import recipes
+    from mbridge_refit.verify_refit import compare_logprobs, fixed_tokens, token_logprobs
+
+    bf16_dir, fp8_dir = args.work / "bf16", args.work / "fp8"
+    recipe = recipes.ModelRecipe(name="qwen3-fp8-check", hf_config=CONFIG)
+    recipes.make_random_checkpoint(recipe, bf16_dir, seed=0, overwrite=True)
+    subprocess.run(
+        [sys.executable, "-m", "mbridge_refit.convert", "roundtrip", "--hf", str(bf16_dir), "--out", str(fp8_dir),
+         "--overwrite", "--no-progress", "--device", "cuda", "--fp8-blockwise"],
+        check=True,
+    )
+    tokens = fixed_tokens(CONFIG["vocab_size"], 4, 128, torch.device("cuda"))
+    logits = {}
+    for label, path in (("bf16", bf16_dir), ("fp8", fp8_dir)):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda").eval()
+        quantized = sum("FP8" in type(m).__name__ for m in model.modules())
+        with torch.no_grad():
+            logits[label] = (model(input_ids=tokens).logits.float(), quantized)
+        del model
+    (ref, _), (got, fp8_modules) = logits["bf16"], logits["fp8"]
+    relative = ((got - ref).norm() / ref.norm()).item()
+    logprobs = compare_logprobs(token_logprobs(ref, tokens), token_logprobs(got, tokens))
+    row = dict(
+        device=torch.cuda.get_device_name(), config=CONFIG, fp8_linear_modules=fp8_modules,
+        relative_logit_error=relative, mean_abs_logprob_diff=logprobs.mean_abs_diff,
+        max_abs_logprob_diff=logprobs.max_abs_diff, mult_prob_error=logprobs.mult_prob_error,
+        top1_agreement=(got.argmax(-1) == ref.argmax(-1)).float().mean().item(),
+        tolerance=dict(relative_logit_error=MAX_RELATIVE_LOGIT_ERROR, mean_abs_logprob_diff=MAX_MEAN_ABS_LOGPROB_DIFF),
+        fp8_config=json.loads((fp8_dir / "config.json").read_text())["quantization_config"],
+        torch=torch.__version__, date=datetime.date.today().isoformat(),
+    )
+    row["passed"] = (
+        fp8_modules > 0 and relative <= MAX_RELATIVE_LOGIT_ERROR and logprobs.mean_abs_diff <= MAX_MEAN_ABS_LOGPROB_DIFF
+    )
+    print(json.dumps({k: v for k, v in row.items() if k != "config"}, indent=1), flush=True)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / f"fp8_checkpoint_{row['device'].split()[-1].lower()}.json").write_text(json.dumps(row, indent=2))
+    sys.exit(0 if row["passed"] else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,273 @@
+"""BF16 -> blockwise FP8 export: bit-exact against a reference quantizer written here.
+
+The oracle is the source checkpoint on disk, quantized by ``reference_quantize`` (a plain loop
+over 128x128 blocks in fp32), never the package's own quantizer output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import torchrun
+from oracle import read_checkpoint
+from mbridge_refit import recipes
+from mbridge_refit.fp8 import (
+    BlockwiseFP8Config,
+    FP8FormatError,
+    check_fp8_exportable,
+    dequantize_blockwise,
+    fp8_plan,
+    quantize_blockwise,
+)
+from mbridge_refit.plan import ExportPlan
+
+E4M3_MAX = 448.0
+
+
+def reference_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per 128x128 block: scale_inv = amax/448 (1.0 for an all-zero block), q = e4m3(clamp(x/scale_inv))."""
+    rows, cols = weight.shape
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    scales = torch.empty(math.ceil(rows / 128), math.ceil(cols / 128), dtype=torch.float32)
+    for bi in range(scales.shape[0]):
+        for bj in range(scales.shape[1]):
+            block = weight[bi * 128 : (bi + 1) * 128, bj * 128 : (bj + 1) * 128].to(torch.float32)
+            scale = block.abs().max() / E4M3_MAX
+            if scale.item() == 0.0:
+                scale = torch.tensor(1.0, dtype=torch.float32)
+            scales[bi, bj] = scale
+            q[bi * 128 : (bi + 1) * 128, bj * 128 : (bj + 1) * 128] = (block / scale).clamp(-E4M3_MAX, E4M3_MAX).to(
+                torch.float8_e4m3fn
+            )
+    return q, scales
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def special_values(shape: tuple[int, int], seed: int) -> torch.Tensor:
+    """Random bf16 with an all-zero block (0, 0), a block of tiny values only (0, 1), and huge
+    values among ordinary ones in block (1, 1), as far as the shape has those blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, cols = shape
+    w = (torch.randn(shape, generator=gen) * 0.05).to(torch.bfloat16)
+    w[:128, :128] = 0
+    if cols > 128:
+        w[:128, 128:256] = (torch.randn(min(rows, 128), min(cols, 256) - 128, generator=gen) * 1e-30).to(torch.bfloat16)
+    if rows > 131 and cols > 131:
+        w[128, 128] = 3.3e38  # near the bf16 maximum
+        w[129, 129] = -3.3e38
+        w[130, 130] = 1e-38  # tiny next to huge: flushes to zero in e4m3
+    return w
+
+
+SHAPES = [(128, 128), (256, 384), (300, 200), (1, 7), (129, 257), (64, 64)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{r}x{c}" for r, c in SHAPES])
+@pytest.mark.parametrize("values", ["normal", "special"])
+def test_quantizer_matches_reference_bitwise(shape, values):
+    gen = torch.Generator().manual_seed(7)
+    w = (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16) if values == "normal" else special_values(shape, 3)
+    q, s = quantize_blockwise(w)
+    ref_q, ref_s = reference_quantize(w)
+    assert s.shape == (math.ceil(shape[0] / 128), math.ceil(shape[1] / 128)) and s.dtype == torch.float32
+    assert same_bits(s, ref_s)
+    assert same_bits(q, ref_q)
+
+
+@pytest.mark.parametrize("values", ["normal", "special"])
+def test_dequantized_within_e4m3_rounding(values):
+    w = special_values((300, 260), 11) if values == "special" else (torch.randn(300, 260) * 0.02).to(torch.bfloat16)
+    q, s = quantize_blockwise(w)
+    deq, x = dequantize_blockwise(q, s).double(), w.double()
+    scale = s.double().repeat_interleave(128, 0).repeat_interleave(128, 1)[: w.shape[0], : w.shape[1]]
+    # e4m3: 3 mantissa bits -> relative half-ulp 2^-4 for normal values; below 2^-6 the spacing is
+    # 2^-9 (subnormal), i.e. absolute error <= 2^-10 * scale. Allow fp32 rounding of x / scale.
+    bound = torch.maximum(x.abs() * 2.0**-4, scale * 2.0**-10) * (1 + 1e-6)
+    assert torch.isfinite(deq).all()
+    assert ((deq - x).abs() <= bound).all()
+    assert (q.float().abs() <= E4M3_MAX).all()
+
+
+def test_quantizer_reuses_given_buffers():
+    w = (torch.randn(200, 300) * 0.02).to(torch.bfloat16)
+    out = torch.empty(200, 300, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(2, 3, dtype=torch.float32)
+    work = torch.empty(256, 384, dtype=torch.float32)
+    q, s = quantize_blockwise(w, out=out, scale_out=scale, work=work)
+    assert q.data_ptr() == out.data_ptr() and s.data_ptr() == scale.data_ptr()
+    assert same_bits(q, reference_quantize(w)[0])
+
+
+def test_quantizer_rejects_non_2d():
+    with pytest.raises(FP8FormatError, match="2-D"):
+        quantize_blockwise(torch.zeros(4, 4, 4, dtype=torch.bfloat16))
+
+
+# --- plan and config ---------------------------------------------------------------------------
+
+
+def _plan_with(names_shapes) -> ExportPlan:
+    from mbridge_refit.placement import SliceCopy
+    from mbridge_refit.plan import PlanEntry, SourceLayout
+
+    def entry(name, shape, kind="column"):
+        layout = SourceLayout(
+            mesh_dims=("tp", "dp"), mesh_shape=(1, 1), placements=("Replicate()", "Replicate()"),
+            pieces=((SliceCopy(hf_name=name, dim=0, hf_start=0, hf_stop=shape[0], local_start=0),),), local_shape=shape,
+        )
+        return PlanEntry(hf_name=name, shape=shape, dtype="bfloat16", megatron_param=name, pp_rank=0, vpp_stage=0,
+                         is_expert=False, kind=kind, layout=layout)
+
+    entries = tuple(entry(*item) for item in names_shapes)
+    return ExportPlan(entries=entries, layer_map={0: (0, 0)}, tp=1, pp=1, ep=1, vpp=1)
+
+
+PLAN_ITEMS = [
+    ("model.embed_tokens.weight", (512, 192)),
+    ("model.layers.0.input_layernorm.weight", (192,)),
+    ("model.layers.0.self_attn.q_proj.weight", (256, 192), "qkv"),
+    ("model.layers.0.self_attn.q_norm.weight", (64,)),
+    ("model.layers.0.self_attn.o_proj.weight", (192, 256), "row"),
+    ("model.layers.0.mlp.gate.weight", (4, 192)),
+    ("lm_head.weight", (512, 192)),
+]
+
+
+def test_fp8_plan_names_shapes_dtypes():
+    plan = fp8_plan(_plan_with(PLAN_ITEMS), BlockwiseFP8Config())
+    got = [(e.hf_name, e.shape, e.dtype) for e in plan.entries]
+    assert got == [
+        ("model.embed_tokens.weight", (512, 192), "bfloat16"),
+        ("model.layers.0.input_layernorm.weight", (192,), "bfloat16"),
+        ("model.layers.0.self_attn.q_proj.weight", (256, 192), "float8_e4m3fn"),
+        ("model.layers.0.self_attn.q_proj.weight_scale_inv", (2, 2), "float32"),
+        ("model.layers.0.self_attn.q_norm.weight", (64,), "bfloat16"),
+        ("model.layers.0.self_attn.o_proj.weight", (192, 256), "float8_e4m3fn"),
+        ("model.layers.0.self_attn.o_proj.weight_scale_inv", (2, 2), "float32"),
+        ("model.layers.0.mlp.gate.weight", (4, 192), "bfloat16"),
+        ("lm_head.weight", (512, 192), "bfloat16"),
+    ]
+    assert [e.scale_of for e in plan.entries if e.scale_of] == [
+        "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.o_proj.weight"
+    ]
+    assert plan.entries[3].nbytes == 2 * 2 * 4
+    assert ExportPlan.from_json(plan.to_json()) == plan
+
+
+def test_quantization_config_lists_unconverted_modules():
+    config = BlockwiseFP8Config().quantization_config(_plan_with(PLAN_ITEMS))
+    assert config == {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+        "modules_to_not_convert": ["lm_head", "model.embed_tokens", "model.layers.0.mlp.gate"],
+    }
+
+
+def test_engine_tp_that_cannot_block_is_refused_with_the_fix():
+    plan = _plan_with(PLAN_ITEMS)
+    check_fp8_exportable(plan, BlockwiseFP8Config(engine_tp_size=2))  # 256/2 = 128 rows, 256/2 = 128 cols
+    with pytest.raises(FP8FormatError, match=r"q_proj.weight output size 256 / tp 4 is not a multiple of 128.*smaller"):
+        check_fp8_exportable(plan, BlockwiseFP8Config(engine_tp_size=4))
+
+
+def test_nothing_to_quantize_is_refused():
+    with pytest.raises(FP8FormatError, match="keep_patterns"):
+        check_fp8_exportable(_plan_with(PLAN_ITEMS), BlockwiseFP8Config(keep_patterns=("*",)))
+
+
+# --- through the export, every layout ---------------------------------------------------------
+
+DENSE_CONFIG = {
+    "hidden_size": 192, "head_dim": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "intermediate_size": 320, "vocab_size": 512,
+}
+MOE_CONFIG = {**DENSE_CONFIG, "moe_intermediate_size": 160}
+
+
+@pytest.fixture(scope="module")
+def block_checkpoints(tmp_path_factory):
+    """Qwen3 / Qwen3-MoE checkpoints whose weights span several 128x128 blocks, partial ones
+    included, with an all-zero block and extreme values planted in a few weights."""
+    root = tmp_path_factory.mktemp("fp8-sources")
+    made = {}
+    for name, base, extra in [("dense", "qwen3-tiny", DENSE_CONFIG), ("moe", "qwen3-moe-tiny", MOE_CONFIG)]:
+        recipe = recipes.get_model_recipe(base)
+        recipe = dataclasses.replace(recipe, name=f"{base}-blocks", hf_config={**recipe.hf_config, **extra})
+        path = recipes.make_random_checkpoint(recipe, root / name, seed=5)
+        _plant_special_values(path)
+        made[name] = path
+    return made
+
+
+def _plant_special_values(path):
+    files = sorted(path.glob("*.safetensors"))
+    for file in files:
+        tensors = load_file(str(file))
+        for key in list(tensors):
+            if key.endswith(("layers.0.self_attn.q_proj.weight", "layers.1.mlp.down_proj.weight", "experts.1.up_proj.weight")):
+                tensors[key] = special_values(tuple(tensors[key].shape), seed=len(key))
+        save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+LAYOUT_CASES = [
+    ("dense", 1, []),
+    ("dense", 2, ["--tp", "2"]),
+    ("dense", 2, ["--pp", "2"]),
+    ("dense", 2, ["--pp", "2", "--vpp", "2"]),
+    ("dense", 4, ["--tp", "2", "--pp", "2"]),
+    ("moe", 2, ["--ep", "2"]),
+    ("moe", 2, ["--tp", "2", "--ep", "2"]),
+]
+
+
+@pytest.mark.parametrize(
+    ("model", "nproc", "flags"), LAYOUT_CASES, ids=["tp1", "tp2", "pp2", "pp2_vpp2", "tp2_pp2", "moe-ep2", "moe-tp2_ep2"]
+)
+def test_roundtrip_fp8_matches_reference_quantizer(block_checkpoints, tmp_path, model, nproc, flags):
+    source = block_checkpoints[model]
+    out = tmp_path / "fp8"
+    run = torchrun(
+        nproc,
+        ["mbridge_refit.convert", "roundtrip", "--hf", str(source), "--out", str(out), "--no-progress",
+         "--device", "cpu", "--fp8-blockwise", *flags],
+    )
+    assert run.returncode == 0, run.output[-4000:]
+    expected, written = read_checkpoint(source), read_checkpoint(out)
+    config = BlockwiseFP8Config()
+    quantized = {n for n, t in expected.items() if config.quantizes(n, tuple(t.shape), "bfloat16")}
+    assert quantized and any("experts" in n for n in quantized) == (model == "moe")
+    assert sorted(written) == sorted(set(expected) | {f"{n}_scale_inv" for n in quantized})
+    for name, source_tensor in expected.items():
+        if name not in quantized:
+            assert same_bits(written[name], source_tensor), name
+            continue
+        ref_q, ref_s = reference_quantize(source_tensor)
+        assert same_bits(written[name], ref_q), name
+        assert same_bits(written[f"{name}_scale_inv"], ref_s), name
+    quant = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert quant["quant_method"] == "fp8" and quant["weight_block_size"] == [128, 128] and quant["fmt"] == "e4m3"
+    assert "lm_head" in quant["modules_to_not_convert"]
+    assert ("model.layers.0.mlp.gate" in quant["modules_to_not_convert"]) == (model == "moe")
+
+
+def test_fp8_engine_tp_refused_before_export(block_checkpoints, tmp_path):
+    out = tmp_path / "fp8"
+    run = torchrun(
+        1,
+        ["mbridge_refit.convert", "roundtrip", "--hf", str(block_checkpoints["dense"]), "--out", str(out),
+         "--no-progress", "--device", "cpu", "--fp8-blockwise", "--fp8-engine-tp", "2"],
+    )
+    assert run.returncode == 2, run.output[-3000:]
+    assert "tensor-parallel size 2 cannot shard" in run.output and "not a multiple of 128" in run.output
+    assert not out.exists() or not any(out.glob("*.safetensors"))

@@ -1,0 +1,102 @@
+"""The refit verifier: Megatron (trainer) vs transformers (engine) log-probabilities after a refit.
+
+CPU ranks (gloo, local layer spec), both models in float32 so that a refit error cannot hide in
+bf16 kernel noise (in bf16 on CPU the two implementations differ by ~1e-3 mean |d logprob|; the
+bf16 <= 1e-3 target is checked on the GPU host). A perturbed weight must fail with exit code 1.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import torchrun
+from mbridge_refit.verify_refit import (
+    LogprobComparison,
+    RefitMismatch,
+    VerifyInputError,
+    compare_logprobs,
+    token_logprobs,
+)
+
+
+def test_compare_logprobs_numbers():
+    ref = torch.tensor([[-1.0, -2.0], [-3.0, -4.0]])
+    got = ref + torch.tensor([[0.0, 0.1], [-0.2, 0.0]])
+    result = compare_logprobs(ref, got)
+    assert result.tokens == 4
+    assert result.mean_abs_diff == pytest.approx(0.075)
+    assert result.max_abs_diff == pytest.approx(0.2)
+    assert result.mult_prob_error == pytest.approx((2 + torch.tensor([0.1, 0.2]).double().exp().sum().item()) / 4)
+
+
+def test_check_raises_with_numbers_and_passes_within_tolerance():
+    LogprobComparison(tokens=3, mean_abs_diff=1e-4, max_abs_diff=1e-3, mult_prob_error=1.0001).check(1e-3)
+    with pytest.raises(RefitMismatch, match=r"mean \|d logprob\| 2\.000e-03 > tolerance 1\.0e-03"):
+        LogprobComparison(tokens=3, mean_abs_diff=2e-3, max_abs_diff=1e-2, mult_prob_error=1.002).check(1e-3)
+    with pytest.raises(RefitMismatch):
+        LogprobComparison(tokens=3, mean_abs_diff=float("nan"), max_abs_diff=0, mult_prob_error=1).check(1e-3)
+
+
+def test_compare_rejects_shape_mismatch():
+    with pytest.raises(VerifyInputError, match="shapes differ"):
+        compare_logprobs(torch.zeros(2, 3), torch.zeros(2, 4))
+
+
+def test_token_logprobs_picks_next_token():
+    logits = torch.log(torch.tensor([[[0.5, 0.25, 0.25], [0.1, 0.8, 0.1], [1 / 3, 1 / 3, 1 / 3]]]))
+    tokens = torch.tensor([[0, 1, 2]])
+    assert torch.allclose(token_logprobs(logits, tokens), torch.log(torch.tensor([[0.25, 0.1]])))
+
+
+CASES = [
+    ("qwen3-tiny", 1, []),
+    ("qwen3-tiny", 2, ["--tp", "2"]),
+    ("llama-tied-tiny", 2, ["--tp", "2"]),
+]
+
+
+@pytest.mark.parametrize(("recipe", "nproc", "flags"), CASES, ids=[f"{r}-{n}" for r, n, _ in CASES])
+def test_verifier_passes_after_refit(tmp_path, recipe, nproc, flags):
+    out = tmp_path / "result.json"
+    run = torchrun(
+        nproc,
+        ["mbridge_refit.verify_refit", "--recipe", recipe, "--device", "cpu", "--batch", "2", "--seq", "32",
+         "--dtype", "float32", "--tolerance", "1e-5", "--json", str(out), *flags],
+    )
+    assert run.returncode == 0, run.output[-4000:]
+    result = json.loads(out.read_text())
+    assert result["passed"] and result["tokens"] == 2 * 31
+    assert result["mean_abs_diff"] <= 1e-5 and result["mult_prob_error"] < 1.0001
+
+
+def test_verifier_fails_loudly_on_a_perturbed_weight(tmp_path):
+    out = tmp_path / "result.json"
+    run = torchrun(
+        2,
+        ["mbridge_refit.verify_refit", "--recipe", "qwen3-tiny", "--device", "cpu", "--tp", "2", "--batch", "2",
+         "--seq", "32", "--dtype", "float32", "--tolerance", "1e-5", "--perturb", "model.layers.1.mlp.down_proj.weight",
+         "--json", str(out)],
+    )
+    assert run.returncode == 1, run.output[-4000:]
+    assert "refit mismatch" in run.output or "> tolerance" in run.output
+    result = json.loads(out.read_text())
+    assert not result["passed"] and result["mean_abs_diff"] > 1e-3  # >100x the unperturbed difference
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--recipe", "qwen3-tiny", "--device", "cpu", "--seq", "1"], "--seq >= 2"),
+        (["--recipe", "qwen3-tiny", "--device", "cpu", "--tp", "2"], "world size"),
+        (["--shape", "qwen3-8b", "--device", "cpu"], "GPU"),
+        (["--recipe", "qwen3-tiny", "--device", "cpu", "--perturb", "no.such.weight"], "not a name the export yields"),
+        (["--recipe", "qwen3-moe-tiny", "--device", "cpu"], "verify mixture-of-experts models on a GPU"),
+    ],
+)
+def test_verifier_bad_input_exit_2(args, message):
+    run = torchrun(1, ["mbridge_refit.verify_refit", *args])
+    assert run.returncode == 2, run.output[-3000:]
+    assert message in run.output
