@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import logging
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
@@ -46,6 +47,8 @@ import torch
 if TYPE_CHECKING:
     from mbridge_refit.export import ExportBuffers
     from mbridge_refit.plan import ExportPlan, PlanEntry
+
+logger = logging.getLogger(__name__)
 
 BLOCK = 128
 E4M3_MAX = 448.0
@@ -269,7 +272,9 @@ _KERNEL_CHECKED = False
 
 
 def _triton_kernel():
-    """The Triton kernel, or None where Triton is unavailable (then the torch path runs)."""
+    """The Triton kernel, or None (then the torch path runs): where Triton is unavailable, or
+    where the kernel does not reproduce the torch path's bits on a probe tensor (checked once
+    per process, on the current CUDA device, with rounding ties, zero and partial blocks)."""
     global _KERNEL, _KERNEL_CHECKED
     if not _KERNEL_CHECKED:
         _KERNEL_CHECKED = True
@@ -277,7 +282,33 @@ def _triton_kernel():
             _KERNEL = _build_triton_kernel()
         except ImportError:
             _KERNEL = None
+        if _KERNEL is not None and not _kernel_matches_reference():
+            logger.warning("the Triton FP8 kernel does not match the reference bits on this device: using torch ops")
+            _KERNEL = None
     return _KERNEL
+
+
+def quantizer_path() -> str:
+    """``"triton"`` or ``"torch"``: what ``quantize_blockwise`` uses for CUDA tensors here."""
+    return "triton" if torch.cuda.is_available() and _triton_kernel() is not None else "torch"
+
+
+def _kernel_matches_reference() -> bool:
+    gen = torch.Generator().manual_seed(0)
+    probe = (torch.randn(300, 260, generator=gen) * 0.05).to(torch.bfloat16)
+    probe[:128, :128] = 0
+    probe[128, 128] = 448.0  # scale 1: exact ties of e4m3 rounding below
+    probe[129, 129:140] = torch.tensor([168.0, -168.0, 0.5625, 17.0, 9.5, -9.5, 208.0, 0.0, 3.0, 1e-3, -448.0])
+    probe = probe.cuda()
+    q, s = torch.empty(probe.shape, dtype=FP8_DTYPE, device="cuda"), torch.empty(scale_shape((300, 260)), device="cuda")
+    ref_q, ref_s = torch.empty_like(q), torch.empty_like(s)
+    try:
+        _quantize_triton(probe, q, s)
+    except Exception as err:  # a compiler or driver that cannot build it: the torch path still works
+        logger.warning("the Triton FP8 kernel failed to run (%s): using torch ops", err)
+        return False
+    _quantize_torch(probe, ref_q, ref_s, torch.empty(padded_shape((300, 260)), device="cuda"))
+    return torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s, ref_s)
 
 
 def _build_triton_kernel():
@@ -297,7 +328,7 @@ def _build_triton_kernel():
         scale = tl.where(scale == 0.0, 1.0, scale)
         y = tl.math.div_rn(x, scale)
         y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-        tl.store(q_ptr + r * stride_q + c, y.to(tl.float8e4nv), mask=mask)
+        tl.store(q_ptr + r * stride_q + c, y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
         tl.store(s_ptr + block_row * n_block_cols + block_col, scale)
 
     return quantize_block_kernel
@@ -308,6 +339,6 @@ def _quantize_triton(x: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor
         x = x.contiguous()
     rows, cols = x.shape
     block_rows, block_cols = scale_out.shape
-    _triton_kernel()[(block_rows, block_cols)](
+    _KERNEL[(block_rows, block_cols)](
         x, out, scale_out, rows, cols, x.stride(0), out.stride(0), block_cols, BLOCK_SIZE=BLOCK, num_warps=8
     )

@@ -103,6 +103,12 @@ def compare_with_stock(stock_stream, refit_stream) -> list[str]:
     return problems
 
 
+def quantizer_path() -> str:
+    from mbridge_refit.fp8 import quantizer_path as path
+
+    return path()
+
+
 def check_fp8_kernel(bf16_stream, cpu_checks: int = 8) -> list[str]:
     """The CUDA kernel's FP8 bytes and scales against the torch reference path on the GPU (every
     quantized tensor) and on the CPU (the first ``cpu_checks``): names of mismatches."""
@@ -213,6 +219,7 @@ def run(args) -> dict:
                 fp8_new_allocations_after_first=fp8["new_allocations_after_first"],
                 fp8_over_bf16_cached=fp8["steady_ms"] / row["refit_cached_steady_ms"],
                 fp8_kernel_mismatches=check_fp8_kernel(refit(False)()),
+                fp8_quantizer=quantizer_path(),
             )
         return row if env.rank == 0 else {}
 
@@ -239,7 +246,8 @@ def print_table(row: dict) -> None:
             [
                 f"{'RefitBridge, cache on, FP8':28s}{row['fp8_first_ms']:10.1f}{row['fp8_steady_ms']:11.2f}{row['fp8_peak_extra_bytes'] / gb:15.3f}",
                 f"FP8/BF16 cached steady: {row['fp8_over_bf16_cached']:.2f}x   new allocations after first FP8 call: "
-                f"{row['fp8_new_allocations_after_first']}   kernel vs torch path mismatches: {len(row['fp8_kernel_mismatches'])}",
+                f"{row['fp8_new_allocations_after_first']}   quantizer: {row['fp8_quantizer']}   mismatches vs torch path: "
+                f"{len(row['fp8_kernel_mismatches'])}",
             ]
             if "fp8_steady_ms" in row else []
         ),
