@@ -16,7 +16,8 @@ Choices, all in this module:
   buffers).
 * **Scale.** ``scale_inv = amax(|block|) / 448`` in fp32 (448 = the largest e4m3fn value), so the
   block's largest element maps to +-448. ``amax`` is exact (a max of bf16 values widened to
-  fp32); the division is IEEE round-to-nearest.
+  fp32); the division is IEEE round-to-nearest (never a multiply by a reciprocal: PyTorch's CUDA
+  division by a Python scalar does that, so the torch path divides by a device tensor).
 * **All-zero block.** ``scale_inv = 1.0`` (any value dequantizes zeros to zero; 1.0 keeps the
   scale finite and the tensor free of 0/0).
 * **Quantization.** ``q = e4m3fn(clamp(x_fp32 / scale_inv, -448, 448))``: an IEEE fp32 division,
@@ -223,10 +224,25 @@ def _quantize_torch(x: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor,
     region.copy_(x)
     blocks = padded.view(block_rows, BLOCK, block_cols, BLOCK)
     torch.linalg.vector_norm(blocks, ord=math.inf, dim=(1, 3), out=scale_out)
-    scale_out.div_(E4M3_MAX)
+    scale_out.div_(_e4m3_max_on(scale_out.device))  # a tensor, not a Python scalar: see _e4m3_max_on
     scale_out.masked_fill_(scale_out == 0, 1.0)
     blocks.div_(scale_out.view(block_rows, 1, block_cols, 1)).clamp_(-E4M3_MAX, E4M3_MAX)
     out.copy_(region)
+
+
+_E4M3_MAX_TENSORS: dict[str, torch.Tensor] = {}
+
+
+def _e4m3_max_on(device: torch.device) -> torch.Tensor:
+    """448 as a 0-dim fp32 tensor on ``device``, made once per device.
+
+    Dividing by it is an IEEE division everywhere; dividing a CUDA tensor by a Python scalar is
+    not (PyTorch multiplies by the scalar's reciprocal there, which can differ by one ulp).
+    """
+    key = str(device)
+    if key not in _E4M3_MAX_TENSORS:
+        _E4M3_MAX_TENSORS[key] = torch.full((), E4M3_MAX, dtype=torch.float32, device=device)
+    return _E4M3_MAX_TENSORS[key]
 
 
 def dequantize_blockwise(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:

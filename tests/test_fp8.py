@@ -31,18 +31,22 @@ E4M3_MAX = 448.0
 
 
 def reference_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per 128x128 block: scale_inv = amax/448 (1.0 for an all-zero block), q = e4m3(clamp(x/scale_inv))."""
+    """Per 128x128 block: scale_inv = amax/448 (1.0 for an all-zero block), q = e4m3(clamp(x/scale_inv)),
+    both divisions correctly rounded to float32."""
     rows, cols = weight.shape
     q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
     scales = torch.empty(math.ceil(rows / 128), math.ceil(cols / 128), dtype=torch.float32)
     for bi in range(scales.shape[0]):
         for bj in range(scales.shape[1]):
-            block = weight[bi * 128 : (bi + 1) * 128, bj * 128 : (bj + 1) * 128].to(torch.float32)
-            scale = block.abs().max() / E4M3_MAX
+            block = weight[bi * 128 : (bi + 1) * 128, bj * 128 : (bj + 1) * 128].to(torch.float64)
+            # Divisions in float64, then rounded once to float32: for a quotient of two float32
+            # values that equals the correctly rounded float32 division (IEEE), computed another way.
+            scale = torch.tensor(block.abs().max().item() / E4M3_MAX, dtype=torch.float32)
             if scale.item() == 0.0:
                 scale = torch.tensor(1.0, dtype=torch.float32)
             scales[bi, bj] = scale
-            q[bi * 128 : (bi + 1) * 128, bj * 128 : (bj + 1) * 128] = (block / scale).clamp(-E4M3_MAX, E4M3_MAX).to(
+            quotient = (block / scale.double()).to(torch.float32)
+            q[bi * 128 : (bi + 1) * 128, bj * 128 : (bj + 1) * 128] = quotient.clamp(-E4M3_MAX, E4M3_MAX).to(
                 torch.float8_e4m3fn
             )
     return q, scales

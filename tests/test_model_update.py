@@ -127,3 +127,18 @@ def test_duplicate_name_raises(source_checkpoints):
     stream = list(read_checkpoint(path).items())
     with pytest.raises(WeightUpdateError, match="model.norm.weight was written twice"):
         drain([*stream, ("model.norm.weight", dict(stream)["model.norm.weight"])], HFModelUpdateSink(_fresh_model(path)))
+
+
+def test_tied_stream_with_both_names(source_checkpoints):
+    """Exports of tied models built from a config yield lm_head.weight too: same bytes, one tensor."""
+    path = source_checkpoints("llama-tied-tiny")
+    stream = read_checkpoint(path)
+    assert "lm_head.weight" not in stream
+    embed = stream["model.embed_tokens.weight"]
+    model = _fresh_model(path)
+    assert drain([*stream.items(), ("lm_head.weight", embed.clone())], HFModelUpdateSink(model)) == len(stream) + 1
+    assert torch.equal(model.lm_head.weight, embed)
+    changed = embed.clone()
+    changed[0, 0] += 1
+    with pytest.raises(WeightUpdateError, match="lm_head.weight and model.embed_tokens.weight are one tied tensor"):
+        drain([*stream.items(), ("lm_head.weight", changed)], HFModelUpdateSink(_fresh_model(path)))

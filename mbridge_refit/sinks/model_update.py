@@ -82,7 +82,9 @@ class HFModelUpdateSink(WeightSink):
         fused_layouts: rows mapping checkpoint names onto fused in-memory tensors
             (default :data:`FUSED_LAYOUTS`); a row applies only where its target exists.
 
-    A shape or dtype mismatch, or a name written twice, raises at once, naming the tensor.
+    A shape or dtype mismatch, or a name written twice, raises at once, naming the tensor. The
+    names of one tied tensor (e.g. ``lm_head.weight`` and ``model.embed_tokens.weight``) may both
+    appear: the second is checked to carry the same bytes and not copied again.
     Copies run under ``torch.no_grad()`` and keep every tensor's storage (``data_ptr``).
     Single-process: no collectives (call it on each inference rank with that rank's stream).
     """
@@ -97,6 +99,7 @@ class HFModelUpdateSink(WeightSink):
         self._tensors, self._aliases = _model_tensors(model)
         self._expected = self._expected_names()
         self._written: set[str] = set()
+        self._writers: dict[str, str] = {}
         self._unexpected: list[str] = []
         self._closed = False
 
@@ -111,6 +114,8 @@ class HFModelUpdateSink(WeightSink):
             return
         write = self._write_key(hf_name, target)
         if write in self._written:
+            if self._is_tied_copy(hf_name, write, target, tensor):
+                return
             raise WeightUpdateError(f"{hf_name} was written twice (as {write}); every tensor must appear once in the stream")
         if tuple(tensor.shape) != tuple(target.view.shape) or tensor.dtype != target.view.dtype:
             raise WeightUpdateError(
@@ -120,6 +125,7 @@ class HFModelUpdateSink(WeightSink):
         with torch.no_grad():
             target.view.copy_(tensor)
         self._written.add(write)
+        self._writers[write] = hf_name
 
     def finish(self) -> None:
         if self._closed:
@@ -140,6 +146,19 @@ class HFModelUpdateSink(WeightSink):
 
     def abort(self) -> None:
         self._closed = True
+
+    def _is_tied_copy(self, hf_name: str, write: str, target: _Target, tensor: torch.Tensor) -> bool:
+        """A second name of one tied tensor (``lm_head.weight`` after ``model.embed_tokens.weight``
+        in a tied model): accepted without a copy when its bytes equal what was written."""
+        first = self._writers[write]
+        if first == hf_name or target.part or self._aliases.get(first) != self._aliases.get(hf_name):
+            return False
+        if not torch.equal(target.view, tensor.to(target.view.device)):
+            raise WeightUpdateError(
+                f"{hf_name} and {first} are one tied tensor in the model, but the stream gives them different "
+                "values: untie them in the model or export tied weights"
+            )
+        return True
 
     # -- name resolution -------------------------------------------------------------------
 
