@@ -168,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--hf", type=Path, required=True, help="HF checkpoint directory (only config.json and the tensor index are read, no weights)")
     _add_layout_flags(plan)
     plan.add_argument("--json", type=Path, default=None, help="also write the plan as JSON to this file")
+    _add_fp8_flags(plan)
     plan.add_argument("--timeout-s", type=float, default=600.0, help="collective timeout (default: %(default)s)")
 
     verify = sub.add_parser(
@@ -563,6 +564,8 @@ def run_export(options: ExportArgs) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     import torch
 
+    from mbridge_refit.fp8 import FP8FormatError
+
     from mbridge_refit.bridge import RefitBridge
     from mbridge_refit.checkpoint import HFCheckpoint
     from mbridge_refit.distributed import distributed_session
@@ -571,12 +574,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     layout = _validate_input_and_layout(args)
     if args.json is not None and not args.json.parent.is_dir():
         raise BadInput(f"directory {args.json.parent} for --json does not exist")
+    fp8 = _fp8_option(args)
     cpu = torch.device("cpu")
     dtype = checkpoint_float_dtype(HFCheckpoint.open(args.hf))
     with distributed_session(layout, device=cpu, timeout=datetime.timedelta(seconds=args.timeout_s)) as env:
         bridge = RefitBridge.from_hf_pretrained(args.hf)
         chunks = build_model(bridge, layout, BuildOptions(device=cpu, params_dtype=dtype, materialize=False))
-        plan = bridge.export_plan(chunks)
+        try:
+            plan = bridge.export_plan(chunks, fp8=fp8)
+        except FP8FormatError as err:
+            raise BadInput(f"cannot plan an FP8 export: {err}") from err
         if env.rank == 0:
             print(format_plan(plan))
             if args.json is not None:

@@ -275,3 +275,39 @@ def test_fp8_engine_tp_refused_before_export(block_checkpoints, tmp_path):
     assert run.returncode == 2, run.output[-3000:]
     assert "tensor-parallel size 2 cannot shard" in run.output and "not a multiple of 128" in run.output
     assert not out.exists() or not any(out.glob("*.safetensors"))
+
+
+def test_plan_cli_lists_scales(block_checkpoints, tmp_path):
+    out = tmp_path / "plan.json"
+    run = torchrun(1, ["mbridge_refit.convert", "plan", "--hf", str(block_checkpoints["dense"]), "--fp8-blockwise",
+                       "--json", str(out)])
+    assert run.returncode == 0, run.output[-3000:]
+    entries = json.loads(out.read_text())["entries"]
+    by_name = {e["hf_name"]: e for e in entries}
+    scale = by_name["model.layers.0.self_attn.q_proj.weight_scale_inv"]
+    assert scale["shape"] == [2, 2] and scale["dtype"] == "float32"  # q_proj is [256, 192]
+    assert scale["scale_of"] == "model.layers.0.self_attn.q_proj.weight"
+    assert by_name["model.layers.0.self_attn.q_proj.weight"]["dtype"] == "float8_e4m3fn"
+    assert by_name["model.embed_tokens.weight"]["dtype"] == "bfloat16"
+    assert "weight_scale_inv" in run.output
+
+
+def test_megatron_checkpoint_export_to_fp8(block_checkpoints, tmp_path):
+    """HF -> Megatron checkpoint (TP2) -> FP8 HF checkpoint at PP2."""
+    source = block_checkpoints["dense"]
+    megatron, out = tmp_path / "megatron", tmp_path / "fp8"
+    run = torchrun(2, ["mbridge_refit.convert", "import", "--hf", str(source), "--megatron", str(megatron), "--tp", "2"])
+    assert run.returncode == 0, run.output[-4000:]
+    run = torchrun(2, ["mbridge_refit.convert", "export", "--megatron", str(megatron), "--out", str(out), "--pp", "2",
+                       "--no-progress", "--fp8-blockwise"])
+    assert run.returncode == 0, run.output[-4000:]
+    expected, written = read_checkpoint(source), read_checkpoint(out)
+    config = BlockwiseFP8Config()
+    for name, source_tensor in expected.items():
+        if not config.quantizes(name, tuple(source_tensor.shape), "bfloat16"):
+            assert same_bits(written[name], source_tensor), name
+            continue
+        ref_q, ref_s = reference_quantize(source_tensor)
+        assert same_bits(written[name], ref_q) and same_bits(written[f"{name}_scale_inv"], ref_s), name
+    assert len(written) > len(expected)
+    assert "quantization_config" in json.loads((out / "config.json").read_text())
