@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["RefitBridge", "ExportPlan", "PlanError", "ParallelLayout"]
+__all__ = ["RefitBridge", "ExportPlan", "PlanError", "ParallelLayout", "BlockwiseFP8Config"]
 
 
 def __getattr__(name: str) -> Any:
@@ -20,6 +20,10 @@ def __getattr__(name: str) -> Any:
         from mbridge_refit import plan
 
         return getattr(plan, name)
+    if name == "BlockwiseFP8Config":
+        from mbridge_refit.fp8 import BlockwiseFP8Config
+
+        return BlockwiseFP8Config
     if name == "ParallelLayout":
         from mbridge_refit.layout import ParallelLayout
 

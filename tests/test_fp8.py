@@ -311,3 +311,15 @@ def test_megatron_checkpoint_export_to_fp8(block_checkpoints, tmp_path):
         assert same_bits(written[name], ref_q) and same_bits(written[f"{name}_scale_inv"], ref_s), name
     assert len(written) > len(expected)
     assert "quantization_config" in json.loads((out / "config.json").read_text())
+
+
+def test_fp8_stream_through_packed_broadcast(block_checkpoints, tmp_path):
+    """Trainer rank 0 -> receiver rank 1: the FP8 plan sizes the receiver; bytes equal the reference."""
+    from conftest import REPO
+
+    run = torchrun(2, [str(REPO / "tests" / "ranks" / "fp8_broadcast_check.py"), "--hf", str(block_checkpoints["dense"]),
+                       "--result", str(tmp_path)])
+    assert run.returncode == 0, run.output[-4000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["differing"] == []
+    assert result["scales"] > 0 and len(result["names"]) == result["plan_entries"] == len(result["expected_names"]) + result["scales"]
