@@ -1,8 +1,8 @@
 """Packed broadcast: pure layout/config logic here; the protocol on real ranks under torchrun.
 
-The multi-rank checks run inside each rank (tests/ranks/packed_broadcast_check.py: 2 trainer
-ranks + 1 receiver, CPU, gloo); the oracle is the source checkpoint on disk. One launch per
-recipe covers: bucket smaller than the largest tensor, bucket larger than the model, a
+The multi-rank checks run inside each rank (tests/ranks/packed_broadcast_check.py: the trainer
+ranks of one layout + 1 receiver, CPU, gloo); the oracle is the source checkpoint on disk. One
+launch per foundation layout covers: bucket smaller than the largest tensor, bucket larger than the model, a
 mismatched plan and a mismatched config (clear error on every rank, no hang), an injected
 checksum corruption, a failing receiver-side sink, and a clean transfer after those failures.
 """
@@ -113,43 +113,59 @@ def test_checksum_sees_one_byte(length):
 # --- real ranks -----------------------------------------------------------------------------
 
 
+LAYOUT_CASES = [  # (recipe, trainer ranks, layout flags): every foundation layout, plus one receiver rank
+    ("qwen3-tiny", 1, []),
+    ("qwen3-tiny", 2, ["--tp", "2"]),
+    ("qwen3-tiny", 2, ["--pp", "2"]),
+    ("qwen3-tiny", 2, ["--pp", "2", "--vpp", "2"]),
+    ("qwen3-tiny", 4, ["--tp", "2", "--pp", "2"]),
+    ("qwen3-moe-tiny", 2, ["--ep", "2"]),
+    ("qwen3-moe-tiny", 2, ["--tp", "2", "--ep", "2"]),
+]
+
+
 @pytest.mark.multirank
-@pytest.mark.parametrize(("recipe", "flags"), [("qwen3-tiny", ["--tp", "2"]), ("qwen3-moe-tiny", ["--ep", "2"])], ids=["qwen3-tp2", "qwen3-moe-ep2"])
-def test_packed_broadcast_ranks(recipe, flags, source_checkpoints, tmp_path):
-    run = torchrun(3, [CHECKER, "--hf", str(source_checkpoints(recipe)), "--result", str(tmp_path), *flags], timeout=TIMEOUT_S)
+@pytest.mark.parametrize(
+    ("recipe", "trainers", "flags"), LAYOUT_CASES,
+    ids=["qwen3-tp1", "qwen3-tp2", "qwen3-pp2", "qwen3-pp2_vpp2", "qwen3-tp2_pp2", "qwen3-moe-ep2", "qwen3-moe-tp2_ep2"],
+)
+def test_packed_broadcast_ranks(recipe, trainers, flags, source_checkpoints, tmp_path):
+    run = torchrun(trainers + 1, [CHECKER, "--hf", str(source_checkpoints(recipe)), "--result", str(tmp_path), *flags], timeout=TIMEOUT_S)
     assert run.returncode == 0, run.output[-6000:]
-    trainer0, trainer1, receiver = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3))
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(trainers + 1)]
+    trainer0, others, receiver = reports[0], reports[1:-1], reports[-1]
     stream = receiver["stream_bytes"]
 
     for case in ("split", "whole", "again"):  # clean transfers: bit for bit, in order, in place
-        for rank, report in enumerate((trainer0, trainer1, receiver)):
+        for rank, report in enumerate(reports):
             assert report[case]["ok"], f"{case} failed on rank {rank}: {report[case].get('trace')}"
         got = receiver[case]
         assert got["in_order"] and got["differing_from_disk"] == [] and got["differing_from_pretrained"] == []
         assert got["pointers_kept"], "the receiver's transformers model was re-allocated"
-        assert trainer0[case]["bytes_sent"] >= stream["value"] and trainer1[case]["bytes_sent"] == 0
+        assert trainer0[case]["bytes_sent"] >= stream["value"] and all(t[case]["bytes_sent"] == 0 for t in others)
     assert receiver["split"]["bucket_bytes"] < stream["largest"] and receiver["split"]["split_bytes"] == stream["largest"]
     assert receiver["split"]["buckets"] > 3
     assert receiver["whole"]["bucket_bytes"] > stream["value"] and receiver["whole"]["buckets"] == 1
 
     for case in ("mismatch", "config", "corrupt", "consumer"):  # every rank fails, none hangs
-        assert not any(r[case]["ok"] for r in (trainer0, trainer1, receiver)), case
-        assert all(r[case]["seconds"] < 30 for r in (trainer0, trainer1, receiver)), case
+        assert not any(r[case]["ok"] for r in reports), case
+        assert all(r[case]["seconds"] < 30 for r in reports), case
 
     mismatch = receiver["mismatch"]["error"]
     assert mismatch.startswith("PlanMismatchError") and "sender fingerprint 0x" in mismatch and "receiver fingerprint 0x" in mismatch
     assert "first differing entry #7" in mismatch and ".renamed" in mismatch
     assert trainer0["mismatch"]["error"].startswith("PlanMismatchError") and "first differing entry #7" in trainer0["mismatch"]["error"]
-    assert trainer1["mismatch"]["error"].startswith("RefitStatusError") and "PlanMismatchError" in trainer1["mismatch"]["error"]
+    for trainer in others:
+        assert trainer["mismatch"]["error"].startswith("RefitStatusError") and "PlanMismatchError" in trainer["mismatch"]["error"]
 
     assert "bucket_bytes: sender" in receiver["config"]["error"]
     assert "PackedBroadcastConfig differs" in trainer0["config"]["error"]
 
     corrupt = receiver["corrupt"]["error"]
     assert corrupt.startswith("ChecksumError") and "buffer 1 of" in corrupt and "held tensors ['" in corrupt
-    for trainer in (trainer0, trainer1):
+    for trainer in (trainer0, *others):
         assert "checksum mismatch in buffer 1" in trainer["corrupt"]["error"]
 
     assert receiver["consumer"]["error"].startswith("ValueError: test consumer rejects")
-    for trainer in (trainer0, trainer1):
+    for trainer in (trainer0, *others):
         assert "consumer failed" in trainer["consumer"]["error"]

@@ -1,14 +1,14 @@
-"""Per-rank checker for the packed broadcast: 2 trainer ranks + 1 receiver rank (CPU, gloo).
+"""Per-rank checker for the packed broadcast: N trainer ranks + 1 receiver rank (CPU, gloo).
 
-Run under torchrun with 3 processes. Ranks 0 and 1 are the trainer (a Megatron model at
-``--tp``/``--ep`` over those two ranks only); rank 2 is the receiver (no Megatron model) and
-applies what it receives to a fresh transformers model with ``HFModelUpdateSink``.
+Run under torchrun with N+1 processes. Ranks 0..N-1 are the trainer (a Megatron model at
+``--tp``/``--pp``/``--vpp``/``--ep`` over those ranks only; N must be the layout's world size);
+the last rank is the receiver (no Megatron model) and applies what it receives to a fresh
+transformers model with ``HFModelUpdateSink``.
 
-Groups: Megatron 0.19's ``initialize_model_parallel(local_world_size=2)`` builds its groups over
-ranks 0-1 only; ``new_group`` is collective over the default group, so rank 2 makes the same call
-and belongs to none of them. The plan is built over the trainer group only
-(``export_plan(..., group=trainers)``). The broadcast group is ``new_group([0, 2])``, the trainer
-group ``new_group([0, 1])``.
+Groups: Megatron 0.19's ``initialize_model_parallel(local_world_size=N)`` builds its groups over
+ranks 0..N-1 only; ``new_group`` is collective over the default group, so the receiver makes the
+same call and belongs to none of them. The plan is built over the trainer group only
+(``export_plan(..., group=trainers)``). The broadcast group is ``new_group([0, receiver])``.
 
 Cases, in one launch, in this order (every rank runs every case; an expected error is caught and
 recorded, then the next case runs on the same groups, which also proves no rank was left behind):
@@ -45,7 +45,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from oracle import read_checkpoint  # noqa: E402
 
-TRAINERS, RECEIVER, SRC = (0, 1), 2, 0
+SRC = 0  # trainer rank that sends; ranks 0..N-2 are trainers, the last rank is the receiver
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -162,32 +162,39 @@ def main() -> None:
     parser.add_argument("--hf", type=Path, required=True)
     parser.add_argument("--result", type=Path, required=True)
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--vpp", type=int, default=None)
     parser.add_argument("--ep", type=int, default=1)
     args = parser.parse_args()
 
     from megatron.core import parallel_state as ps
 
     from mbridge_refit.distributed import init_process_group, teardown
+    from mbridge_refit.layout import ParallelLayout
 
     cpu = torch.device("cpu")
     init_process_group(device=cpu, timeout=datetime.timedelta(seconds=90))
-    rank = dist.get_rank()
-    if dist.get_world_size() != 3:
-        raise SystemExit("run with exactly 3 ranks: 2 trainers + 1 receiver")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layout = ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep)
+    trainer_ranks, receiver_rank = tuple(range(world - 1)), world - 1
+    if len(trainer_ranks) != layout.expected_world_size:
+        raise SystemExit(f"run with {layout.expected_world_size} trainer ranks + 1 receiver for layout {layout.name}")
     ps.initialize_model_parallel(
-        tensor_model_parallel_size=args.tp, expert_model_parallel_size=args.ep, local_world_size=len(TRAINERS)
+        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+        virtual_pipeline_model_parallel_size=args.vpp, expert_model_parallel_size=args.ep,
+        expert_tensor_parallel_size=layout.etp,
+        local_world_size=len(trainer_ranks),
     )
-    trainers = dist.new_group(list(TRAINERS))
-    refit = dist.new_group([SRC, RECEIVER])
+    trainers = dist.new_group(list(trainer_ranks))
+    refit = dist.new_group([SRC, receiver_rank])
     results: dict[str, dict] = {}
     try:
-        if rank in TRAINERS:
+        if rank in trainer_ranks:
             from mbridge_refit.bridge import RefitBridge
-            from mbridge_refit.layout import ParallelLayout
             from mbridge_refit.model_builder import BuildOptions, build_model
 
             bridge = RefitBridge.from_hf_pretrained(args.hf)
-            chunks = build_model(bridge, ParallelLayout(tp=args.tp, ep=args.ep), BuildOptions(device=cpu, params_dtype=torch.bfloat16))
+            chunks = build_model(bridge, layout, BuildOptions(device=cpu, params_dtype=torch.bfloat16))
             bridge.load_hf_shards(chunks, args.hf)
             plan = bridge.export_plan(chunks, group=trainers)
             payload = [plan.to_json()]
@@ -202,9 +209,9 @@ def main() -> None:
             pointers = {n: t.data_ptr() for n, t in model.state_dict().items()}
             reference = AutoModelForCausalLM.from_pretrained(args.hf, dtype=torch.bfloat16).state_dict()
             expected = read_checkpoint(args.hf)
-        if rank in (SRC, RECEIVER):  # the receiver gets the plan from the trainer, as in production
+        if rank in (SRC, receiver_rank):  # the receiver gets the plan from the trainer, as in production
             dist.broadcast_object_list(payload, src=SRC, group=refit)
-        if rank == RECEIVER:
+        if rank == receiver_rank:
             plan = ExportPlan.from_json(payload[0])
             run = lambda case, config: run_receiver(  # noqa: E731
                 case, config, plan_json=payload[0], refit=refit, expected=expected, model=model,
