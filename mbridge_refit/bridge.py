@@ -18,16 +18,19 @@ every stock method keeps its signature. What changes:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 from megatron.bridge import AutoBridge
 
 from mbridge_refit.checkpoint import HFCheckpoint
 from mbridge_refit.export import ExportBuffers, PlanExporter
+from mbridge_refit import te_fp8
 from mbridge_refit.fp8 import BlockwiseFP8Config, FP8FormatError, fp8_plan, quantize_stream
+from mbridge_refit.fp8 import scale_name as fp8_scale_name
 from mbridge_refit.loader import LoadReport, load_hf_shards
 from mbridge_refit.plan import ExportPlan, PlanError, build_export_plan
 
@@ -59,9 +62,8 @@ class RefitBridge(AutoBridge):
         if self.__dict__.get("_refit_model_key") != key:
             model_bridge.__dict__.pop("_cached_param_names", None)
             self.__dict__["_refit_model_key"] = key
-            self.__dict__["_refit_plan"] = None
-            self.__dict__["_refit_exporter"] = None
-            self.__dict__["_refit_plan_error"] = None
+            for cache in ("_refit_plan", "_refit_exporter", "_refit_plan_error", "_refit_fp8_plan", "_refit_fp8_exporters"):
+                self.__dict__[cache] = None
         return model_bridge
 
     def export_plan(
@@ -78,7 +80,7 @@ class RefitBridge(AutoBridge):
         chunks = model if isinstance(model, list) else [model]
         plan = self._planned(chunks, group)[0]
         config = _fp8_config(fp8)
-        return plan if config is None else fp8_plan(plan, config)
+        return plan if config is None else self._fp8_plan(chunks, config)
 
     def _planned(self, chunks: list[torch.nn.Module], group=None) -> tuple[ExportPlan, list]:
         """(plan, conversion tasks) for ``chunks``, built once per model."""
@@ -97,10 +99,40 @@ class RefitBridge(AutoBridge):
         plan, tasks = self._planned(chunks)
         exporter = self.__dict__.get("_refit_exporter")
         if exporter is None:
-            params = {t.global_param_name: t.param_weight for t in tasks if t is not None and t.param_weight is not None}
-            device = next(iter(params.values())).device if params else torch.device("cpu")
-            exporter = self.__dict__["_refit_exporter"] = PlanExporter(plan=plan, params=params, device=device)
+            params = _local_params(tasks)
+            shards = te_fp8.dequantized_shards(params) if te_fp8.has_quantized_params(params) else None
+            exporter = PlanExporter(plan=plan, params=params, device=_device_of(params), shards=shards)
+            self.__dict__["_refit_exporter"] = exporter
         return exporter
+
+    def _fp8_exporters(self, chunks: list[torch.nn.Module], plan: ExportPlan) -> tuple[PlanExporter, PlanExporter | None]:
+        """(weights, trainer-side scales) exporters of an FP8 plan; built once per model and plan.
+
+        Weights: the BF16 plan where weights the trainer keeps as blockwise FP8 are read as their
+        e4m3 data. Scales: those weights' ``scale_inv`` shards (None when the model has none).
+        """
+        cached = self.__dict__.get("_refit_fp8_exporters")
+        if cached is not None and cached[0] is plan:
+            return cached[1], cached[2]
+        base, tasks = self._planned(chunks)
+        params = _local_params(tasks)
+        native_scales = [e for e in plan.entries if e.scale_of is not None and e.source_format == te_fp8.FP8_BLOCKWISE]
+        native_weights = {e.scale_of for e in native_scales}
+        weights_plan = dataclasses.replace(
+            plan,
+            entries=tuple(
+                entry if entry.hf_name in native_weights else original
+                for entry, original in zip((e for e in plan.entries if e.scale_of is None), base.entries, strict=True)
+            ),
+        )
+        device = _device_of(params)
+        weights = PlanExporter(plan=weights_plan, params=params, device=device, shards=te_fp8.fp8_data_shards(params))
+        scales = None
+        if native_scales:
+            scales_plan = dataclasses.replace(plan, entries=tuple(native_scales))
+            scales = PlanExporter(plan=scales_plan, params=params, device=device, shards=te_fp8.fp8_scale_shards(params))
+        self.__dict__["_refit_fp8_exporters"] = (plan, weights, scales)
+        return weights, scales
 
     def _export_buffers(self) -> ExportBuffers:
         buffers = self.__dict__.get("_refit_buffers")
@@ -181,18 +213,26 @@ class RefitBridge(AutoBridge):
     def _export_fp8(
         self, chunks: list[torch.nn.Module], config: BlockwiseFP8Config, reuse_buffer_from_cache: bool, *, cpu: bool, show_progress: bool
     ) -> Iterable[tuple[str, torch.Tensor]]:
-        """BF16 export from the plan, quantized tensor by tensor into (cached) FP8 buffers."""
-        _check_no_fp8_params(chunks)
+        """The FP8 stream: weights the trainer keeps as blockwise FP8 are shipped as they are, with
+        their scales; high-precision weights are quantized tensor by tensor into (cached) buffers."""
         try:
-            exporter = self._exporter(chunks)
+            plan = self._fp8_plan(chunks, config)
         except PlanError as err:
             raise FP8FormatError(f"the FP8 export runs from the export plan, which this model has none of: {err}") from err
-        plan = fp8_plan(exporter.plan, config)
+        weights, scales = self._fp8_exporters(chunks, plan)
         buffers = self._export_buffers() if reuse_buffer_from_cache else ExportBuffers(persistent=False)
-        stream = quantize_stream(
-            exporter.export(buffers, show_progress=show_progress and _is_rank_zero()), plan, buffers
-        )
+        stream = weights.export(buffers, show_progress=show_progress and _is_rank_zero())
+        if scales is not None:
+            stream = _with_trainer_scales(stream, scales.export(buffers), plan)
+        stream = quantize_stream(stream, plan, buffers)
         return ((name, tensor.cpu()) for name, tensor in stream) if cpu else stream
+
+    def _fp8_plan(self, chunks: list[torch.nn.Module], config: BlockwiseFP8Config) -> ExportPlan:
+        cached = self.__dict__.get("_refit_fp8_plan")
+        base = self._planned(chunks)[0]
+        if cached is None or cached[0] is not base or cached[1] != config:
+            cached = self.__dict__["_refit_fp8_plan"] = (base, config, fp8_plan(base, config))
+        return cached[2]
 
     def export_hf_weights_stock(self, model, **kwargs) -> Iterable[tuple[str, torch.Tensor]]:
         """The unmodified Megatron-Bridge export (for comparison and benchmarks)."""
@@ -227,25 +267,31 @@ def _fp8_config(fp8: BlockwiseFP8Config | str | None) -> BlockwiseFP8Config | No
     raise FP8FormatError(f"fp8={fp8!r} is not a known FP8 format: use 'blockwise' or a BlockwiseFP8Config")
 
 
-def _check_no_fp8_params(chunks: list[torch.nn.Module]) -> None:
-    """The BF16 -> FP8 export needs high-precision parameters (not TE ``fp8_param`` models)."""
-    for chunk in chunks:
-        for name, param in chunk.named_parameters():
-            if not param.dtype.is_floating_point or param.element_size() < 2 or _is_te_quantized(param):
-                raise FP8FormatError(
-                    f"parameter {name} is stored as {type(param).__name__}/{param.dtype}, not a bf16/fp16/fp32 "
-                    "tensor: fp8='blockwise' quantizes high-precision weights. Exporting a Transformer Engine "
-                    "fp8_param model's own FP8 data is not implemented here; build the model without fp8_param "
-                    "(or keep a high-precision copy) to export blockwise FP8."
-                )
+def _local_params(tasks: list) -> dict[str, torch.Tensor]:
+    """Global Megatron name -> this rank's parameter, for the parameters this rank holds."""
+    return {t.global_param_name: t.param_weight for t in tasks if t is not None and t.param_weight is not None}
 
 
-def _is_te_quantized(param: torch.Tensor) -> bool:
-    try:
-        from transformer_engine.pytorch.tensor import QuantizedTensor
-    except ImportError:
-        return False
-    return isinstance(param, QuantizedTensor)
+def _device_of(params: dict[str, torch.Tensor]) -> torch.device:
+    return next(iter(params.values())).device if params else torch.device("cpu")
+
+
+def _with_trainer_scales(
+    weights: Iterable[tuple[str, torch.Tensor]], scales: Iterable[tuple[str, torch.Tensor]], plan: ExportPlan
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Interleave the trainer-side scale stream after each of its weights, in plan order.
+
+    Both streams are collective; every rank advances them at the same points (the plan's), so
+    their gathers and pipeline broadcasts are issued in the same order everywhere.
+    """
+    has_scale = {e.scale_of for e in plan.entries if e.scale_of is not None and e.source_format == te_fp8.FP8_BLOCKWISE}
+    scales = iter(scales)
+    for name, tensor in weights:
+        yield name, tensor
+        if name in has_scale:
+            scale_name, scale = next(scales)
+            assert scale_name == fp8_scale_name(name), (scale_name, name)
+            yield scale_name, scale
 
 
 def _is_rank_zero() -> bool:

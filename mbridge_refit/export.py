@@ -1,6 +1,8 @@
-"""Fast streaming export: run an ``ExportPlan`` with views, one gather per parameter, cached buffers.
+"""Fast streaming export: run an ``ExportPlan`` with views, bucketed gathers, cached buffers.
 
-For each Megatron parameter in plan order, on the pipeline stage that owns it:
+Consecutive whole layers are grouped into buckets (``PlanExporter.bucket_bytes``). For each
+bucket, on the pipeline stage that owns it, every gather of the bucket is issued in one
+coalesced NCCL group, then the HF tensors are built:
 
 1. tensor-parallel HF tensors split by rows (column-parallel weights, gate and up, q, k and v):
    pack this rank's rows of the HF tensor (a view, or for grouped-query QKV one small
@@ -11,21 +13,24 @@ For each Megatron parameter in plan order, on the pipeline stage that owns it:
    HF tensor is a contiguous slice of it, else one ``index_select`` (QKV with grouped heads);
 3. experts: one ``all_gather_into_tensor`` of the local expert over the expert-parallel group,
    then views (expert tensor parallelism is 1);
-4. broadcast the HF tensor from the owning stage to the other pipeline stages.
+4. broadcast each HF tensor from the owning stage to the other pipeline stages.
 
-Every rank yields every tensor, in plan order (the stock export's order).
+Every rank yields every tensor, in plan order (the stock export's order). FP8 tensors travel
+as bytes.
 
 Buffers: gather, output and receive buffers come from ``ExportBuffers``. With a persistent
 pool (``reuse_buffer_from_cache=True``) they are allocated on the first export and reused by
-every later one, keyed by (role, shape, dtype, device): parameters of equal shape share them.
+every later one, keyed by (role, position in the bucket, shape, dtype, device): buckets of the
+same layout share them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -48,7 +53,7 @@ class ExportBuffers:
         self._pool: dict[tuple, torch.Tensor] = {}
         self.allocations = 0
 
-    def get(self, role: str, index: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def get(self, role: str, index: Any, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         key = (role, index, tuple(shape), dtype, str(device))
         buffer = self._pool.get(key) if self.persistent else None
         if buffer is None:
@@ -89,9 +94,27 @@ class _Op:
 
     entries: list[PlanEntry]
     assemblies: list[_Assembly]
-    local: torch.Tensor | None  # this rank's shard, None off the owning stage
+    source: str | None  # the local parameter's global name; None where this rank holds no shard
     sharded_over_tp: bool
     expert: bool
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries if e.alias_of is None)
+
+
+@dataclass(kw_only=True, slots=True)
+class _Bucket:
+    """Consecutive ops of one pipeline stage and one gather group whose gathers are issued together.
+
+    Buckets hold whole layers (a layer's ops never straddle two buckets), so the sequence of
+    buffer requests is the same for every bucket of the same shape and cached buffers are
+    shared between them. Buffers are keyed by the op's position in its bucket (``slot``).
+    """
+
+    ops: list[_Op]
+    expert: bool
+    pp_rank: int
 
 
 @dataclass(kw_only=True, slots=True)
@@ -107,18 +130,37 @@ class _Groups:
     tp_rank: int
 
 
+DEFAULT_BUCKET_BYTES = 512 << 20
+
+ShardSource = Callable[[str, PlanEntry, Any, "ExportBuffers"], torch.Tensor]
+"""``source(name, entry, slot, buffers)``: this rank's local shard of parameter ``name`` as the
+export of plan entry ``entry`` (the first entry the parameter yields) reads it. Called once per
+export for each parameter this rank holds, inside its bucket; a source that has to build the
+shard (dequantize, copy) writes it into ``buffers`` under ``slot`` so that shards of one bucket
+never share memory."""
+
+
+def plain_shards(params: dict[str, torch.Tensor]) -> ShardSource:
+    """The parameters themselves (views and gathers read them in place)."""
+    return lambda name, entry, slot, buffers: params[name]
+
+
 @dataclass(kw_only=True)
 class PlanExporter:
     """Executes a plan for one model on this rank. Built once per (bridge, model); reused.
 
-    ``coalesce_gathers``: with NCCL, issue one parameter's row gathers (q, k, v or gate, up)
-    as one coalesced group instead of one launch each.
+    ``bucket_bytes``: the gathers of consecutive whole layers, up to this many output bytes, are
+    issued as one coalesced NCCL group (one launch instead of one per parameter); 0 coalesces
+    only one parameter's gathers (q, k, v or gate, up). Larger buckets keep more gathered
+    layers alive at once (cached buffers grow with the bucket). gloo runs the same gathers one
+    by one.
     """
 
     plan: ExportPlan
     params: dict[str, torch.Tensor]  # global Megatron name -> local parameter (owned ones only)
     device: torch.device
-    coalesce_gathers: bool = True
+    shards: ShardSource | None = None  # how to read a local shard; default: the parameter itself
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
     _ops: list[_Op] = field(default_factory=list)
     _indices: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
 
@@ -126,72 +168,92 @@ class PlanExporter:
         self._aliased = {e.alias_of for e in self.plan.entries if e.alias_of is not None}
         self._groups = _current_groups()
         self._ops = _build_ops(self.plan, self.params, self._groups)
+        if self.shards is None:
+            self.shards = plain_shards(self.params)
+        self._buckets_for: dict[int, list[_Bucket]] = {}
+
+    def _buckets(self) -> list[_Bucket]:
+        buckets = self._buckets_for.get(self.bucket_bytes)
+        if buckets is None:
+            buckets = self._buckets_for[self.bucket_bytes] = _build_buckets(self._ops, self.bucket_bytes)
+        return buckets
 
     def export(self, buffers: ExportBuffers, *, cpu: bool = False, show_progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(hf_name, tensor)`` for every plan entry (collective: every rank, to the end)."""
         progress = _progress(len(self.plan.entries), show_progress)
         yielded: dict[str, torch.Tensor] = {}
         with torch.no_grad():
-            for op in self._ops:
-                for entry, tensor in zip(op.entries, self._run(op, buffers)):
-                    if entry.alias_of is not None:
-                        tensor = yielded.pop(entry.alias_of)
-                    elif entry.hf_name in self._aliased:
-                        yielded[entry.hf_name] = tensor
-                    yield entry.hf_name, (tensor.cpu() if cpu else tensor)
-                    progress.update(1)
+            for bucket in self._buckets():
+                assembled = self._assemble_bucket(bucket, buffers)
+                for slot, op in enumerate(bucket.ops):
+                    for index, entry in enumerate(op.entries):
+                        if entry.alias_of is not None:
+                            tensor = yielded.pop(entry.alias_of)
+                        else:
+                            tensor = assembled[slot][index] if assembled[slot] else None
+                            if self._groups.pp_size > 1:
+                                tensor = self._broadcast_from_stage(entry, tensor, (slot, index), buffers)
+                            if entry.hf_name in self._aliased:
+                                yielded[entry.hf_name] = tensor
+                        yield entry.hf_name, (tensor.cpu() if cpu else tensor)
+                        progress.update(1)
         progress.close()
 
-    def _run(self, op: _Op, buffers: ExportBuffers) -> Iterator[torch.Tensor]:
-        groups = self._groups
-        if op.entries[0].alias_of is not None:
-            yield None  # filled from the aliased entry by export()
-            return
-        owner_stage = op.entries[0].pp_rank
-        outputs: list[torch.Tensor] = []
-        if op.local is not None:
-            outputs = self._assemble(op, buffers)
-        for index, entry in enumerate(op.entries):
-            tensor = outputs[index] if outputs else None
-            if groups.pp_size > 1:
-                tensor = self._broadcast_from_stage(entry, tensor, owner_stage, index, buffers)
-            yield tensor
+    def _assemble_bucket(self, bucket: _Bucket, buffers: ExportBuffers) -> list[list[torch.Tensor] | None]:
+        """Gather every op of ``bucket`` this stage owns (one coalesced group), then build the
+        HF tensors from the gathered shards; ``None`` for ops of other stages."""
+        owned = bucket.pp_rank == self._groups.pp_rank
+        if not owned:
+            return [None] * len(bucket.ops)
+        group = self._groups.ep if bucket.expert else self._groups.tp
+        gathered: list[dict] = []
+        with self._coalesced(group, sum(_gather_count(op, self._groups) for op in bucket.ops)):
+            for slot, op in enumerate(bucket.ops):
+                gathered.append(self._launch_gathers(op, slot, buffers) if op.source is not None else {})
+        return [
+            self._assemble(op, slot, gathered[slot], buffers) if op.source is not None else None
+            for slot, op in enumerate(bucket.ops)
+        ]
 
-    def _assemble(self, op: _Op, buffers: ExportBuffers) -> list[torch.Tensor]:
-        groups = self._groups
-        local = op.local.detach()
-        if op.expert:
-            gathered = _gather(local, groups.ep, groups.ep_size, buffers, "ep_gather")
-            return [
-                self._from_pieces(entry, assembly, gathered[entry.layout.owner_ep_rank].unsqueeze(0), buffers, i)
-                for i, (entry, assembly) in enumerate(zip(op.entries, op.assemblies))
-            ]
-        whole: torch.Tensor | None = None  # [tp, *local_shape], gathered only if a column split needs it
-        outputs: list[torch.Tensor | None] = [None] * len(op.entries)
-        row_gathers = [i for i, a in enumerate(op.assemblies) if a.how == "gather_rows"]
-        with self._coalesced(len(row_gathers)):
-            for i in row_gathers:
-                outputs[i] = self._gather_rows(op.entries[i], op.assemblies[i], local, buffers, i)
-        for i, (entry, assembly) in enumerate(zip(op.entries, op.assemblies)):
-            if assembly.how == "gather_rows":
-                continue
-            if assembly.how == "pieces" and op.sharded_over_tp:
-                if whole is None:
-                    whole = _gather(local, groups.tp, groups.tp_size, buffers, "tp_gather")
-                outputs[i] = self._from_pieces(entry, assembly, whole, buffers, i)
-                continue
-            outputs[i] = self._from_pieces(entry, assembly, local.unsqueeze(0), buffers, i)
-        return outputs
-
-    def _coalesced(self, count: int):
-        """One NCCL group for several gathers of one parameter (a no-op on gloo or for one gather)."""
-        group = self._groups.tp
-        if not self.coalesce_gathers or count < 2 or dist.get_backend(group) != "nccl":
+    def _coalesced(self, group: Any, count: int):
+        """One NCCL group for the gathers issued in the block (a no-op on gloo or for one gather)."""
+        if count < 2 or dist.get_backend(group) != "nccl":
             return contextlib.nullcontext()
         return dist._coalescing_manager(group=group, device=self.device)
 
+    def _launch_gathers(self, op: _Op, slot: int, buffers: ExportBuffers) -> dict:
+        """Issue ``op``'s gathers: row gathers straight into outputs, or whole shards."""
+        groups = self._groups
+        local = self.shards(op.source, op.entries[0], slot, buffers).detach()
+        if op.expert:
+            return {"whole": _gather(local, groups.ep, groups.ep_size, buffers, "ep_gather", slot)}
+        launched: dict = {"local": local}
+        for i, assembly in enumerate(op.assemblies):
+            if assembly.how == "gather_rows":
+                launched[i] = self._gather_rows(op.entries[i], assembly, local, buffers, (slot, i))
+        if op.sharded_over_tp and any(a.how == "pieces" for a in op.assemblies):
+            launched["whole"] = _gather(local, groups.tp, groups.tp_size, buffers, "tp_gather", slot)
+        return launched
+
+    def _assemble(self, op: _Op, slot: int, launched: dict, buffers: ExportBuffers) -> list[torch.Tensor]:
+        if op.expert:
+            whole = launched["whole"]
+            return [
+                self._from_pieces(entry, assembly, whole[entry.layout.owner_ep_rank].unsqueeze(0), buffers, (slot, i))
+                for i, (entry, assembly) in enumerate(zip(op.entries, op.assemblies))
+            ]
+        outputs: list[torch.Tensor] = []
+        for i, (entry, assembly) in enumerate(zip(op.entries, op.assemblies)):
+            if i in launched:
+                outputs.append(launched[i])
+            elif assembly.how == "pieces" and op.sharded_over_tp:
+                outputs.append(self._from_pieces(entry, assembly, launched["whole"], buffers, (slot, i)))
+            else:
+                outputs.append(self._from_pieces(entry, assembly, launched["local"].unsqueeze(0), buffers, (slot, i)))
+        return outputs
+
     def _gather_rows(
-        self, entry: PlanEntry, assembly: _Assembly, local: torch.Tensor, buffers: ExportBuffers, index: int
+        self, entry: PlanEntry, assembly: _Assembly, local: torch.Tensor, buffers: ExportBuffers, index: tuple
     ) -> torch.Tensor:
         if assembly.rows is None:
             packed = local.narrow(0, assembly.start, assembly.length)
@@ -204,7 +266,7 @@ class PlanExporter:
         return out
 
     def _from_pieces(
-        self, entry: PlanEntry, assembly: _Assembly, gathered: torch.Tensor, buffers: ExportBuffers, index: int
+        self, entry: PlanEntry, assembly: _Assembly, gathered: torch.Tensor, buffers: ExportBuffers, index: tuple
     ) -> torch.Tensor:
         """Build the HF tensor from ``gathered`` [ranks, *local_shape] as ``assembly`` says."""
         if assembly.how == "view":
@@ -228,34 +290,115 @@ class PlanExporter:
         return rows
 
     def _broadcast_from_stage(
-        self, entry: PlanEntry, tensor: torch.Tensor | None, owner_stage: int, index: int, buffers: ExportBuffers
+        self, entry: PlanEntry, tensor: torch.Tensor | None, index: tuple, buffers: ExportBuffers
     ) -> torch.Tensor:
         groups = self._groups
         if tensor is None:
             tensor = buffers.get("recv", index, entry.shape, entry.torch_dtype, self.device)
         elif not tensor.is_contiguous():
             tensor = tensor.contiguous()
-        source = dist.get_global_rank(groups.pp, owner_stage)
-        dist.broadcast(tensor, src=source, group=groups.pp)
+        source = dist.get_global_rank(groups.pp, entry.pp_rank)
+        dist.broadcast(_wire_view(tensor), src=source, group=groups.pp)
         return tensor
 
 
-def _gather(local: torch.Tensor, group: Any, size: int, buffers: ExportBuffers, role: str) -> torch.Tensor:
+def _gather_count(op: _Op, groups: _Groups) -> int:
+    """How many gathers ``op`` issues on this rank (to decide whether coalescing is worth it)."""
+    if op.source is None:
+        return 0
+    if op.expert:
+        return int(groups.ep_size > 1)
+    rows = sum(a.how == "gather_rows" for a in op.assemblies)
+    return rows + int(op.sharded_over_tp and any(a.how == "pieces" for a in op.assemblies))
+
+
+def _build_buckets(ops: list[_Op], bucket_bytes: int) -> list[_Bucket]:
+    """Pack consecutive whole layers of one stage and gather group into buckets of at most
+    ``bucket_bytes`` output bytes (a layer larger than that is a bucket of its own).
+    Identical on every rank: it reads only the plan."""
+    buckets: list[_Bucket] = []
+    pending: list[_Op] = []
+    pending_bytes = 0
+
+    def flush() -> None:
+        nonlocal pending, pending_bytes
+        if pending:
+            first = pending[0].entries[0]
+            buckets.append(_Bucket(ops=pending, expert=pending[0].expert, pp_rank=first.pp_rank))
+        pending, pending_bytes = [], 0
+
+    for unit in _layer_units(ops):
+        unit_bytes = sum(op.nbytes for op in unit)
+        if pending and (
+            bucket_bytes <= 0
+            or _unit_kind(unit) != _unit_kind(pending)
+            or pending_bytes + unit_bytes > bucket_bytes
+        ):
+            flush()
+        if bucket_bytes <= 0:
+            for op in unit:
+                pending = [op]
+                flush()
+            continue
+        pending.extend(unit)
+        pending_bytes += unit_bytes
+    flush()
+    return buckets
+
+
+def _layer_units(ops: list[_Op]) -> Iterator[list[_Op]]:
+    """Runs of consecutive ops of the same layer, stage and gather group (non-layer ops alone)."""
+    unit: list[_Op] = []
+    for op in ops:
+        if unit and _unit_key(op) != _unit_key(unit[-1]):
+            yield unit
+            unit = []
+        unit.append(op)
+    if unit:
+        yield unit
+
+
+def _unit_key(op: _Op) -> tuple:
+    entry = op.entries[0]
+    return (_layer_of(entry.megatron_param), op.expert, entry.pp_rank, entry.alias_of)
+
+
+def _unit_kind(ops: list[_Op]) -> tuple:
+    return (ops[0].expert, ops[0].entries[0].pp_rank)
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _layer_of(megatron_param: str) -> int | str:
+    """The decoder layer a parameter belongs to, or its own name for non-layer parameters."""
+    match = _LAYER.search(megatron_param)
+    return int(match.group(1)) if match else megatron_param
+
+
+def _gather(local: torch.Tensor, group: Any, size: int, buffers: ExportBuffers, role: str, index: Any) -> torch.Tensor:
     """All-gather ``local`` over ``group`` into a [size, *local.shape] buffer."""
     if size == 1:
         return local.unsqueeze(0)
-    out = buffers.get(role, 0, (size, *local.shape), local.dtype, local.device)
+    out = buffers.get(role, index, (size, *local.shape), local.dtype, local.device)
     _gather_into(out, local, group, size)
     return out
 
 
 def _gather_into(out: torch.Tensor, local: torch.Tensor, group: Any, size: int) -> None:
     """All-gather ``local`` into ``out``, whose dim 0 is ``size`` rank-major copies of it."""
-    local = local.contiguous()
+    local, out = _wire_view(local.contiguous()), _wire_view(out)
     if dist.get_backend(group) == "gloo":  # gloo has no all_gather_into_tensor
         dist.all_gather([part.view(local.shape) for part in out.chunk(size, dim=0)], local, group=group)
     else:
         dist.all_gather_into_tensor(out, local, group=group)
+
+
+def _wire_view(tensor: torch.Tensor) -> torch.Tensor:
+    """FP8 tensors travel as bytes (gloo has no float8 types; the bits are what matter)."""
+    if tensor.dtype.is_floating_point and tensor.element_size() == 1:
+        return tensor.view(torch.uint8)
+    return tensor
 
 
 def _current_groups() -> _Groups:
@@ -284,16 +427,17 @@ def _build_ops(plan: ExportPlan, params: dict[str, torch.Tensor], groups: _Group
             ops[-1].entries.append(entry)
             ops[-1].assemblies.append(_plan_assembly(entry, groups))
             continue
-        local = None
+        source = None
         sharded = not entry.is_expert and len(entry.layout.pieces) > 1
         if entry.alias_of is None and entry.pp_rank == groups.pp_rank:
             source = entry.megatron_param if not entry.is_expert else _my_expert_param(entry, experts_per_rank, groups)
-            local = params[source]
+            if source not in params:
+                raise KeyError(f"the plan places {source} on this rank, which does not hold it")
         ops.append(
             _Op(
                 entries=[entry],
                 assemblies=[_plan_assembly(entry, groups)],
-                local=local,
+                source=source,
                 sharded_over_tp=sharded,
                 expert=entry.is_expert,
             )

@@ -47,7 +47,7 @@ import torch
 
 if TYPE_CHECKING:
     from mbridge_refit.export import ExportBuffers
-    from mbridge_refit.plan import ExportPlan, PlanEntry
+    from mbridge_refit.plan import ExportPlan, PlanEntry, SourceLayout
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,10 @@ E4M3_MAX = 448.0
 FP8_DTYPE = torch.float8_e4m3fn
 SCALE_DTYPE = torch.float32
 SCALE_SUFFIX = "_scale_inv"  # <module>.weight -> <module>.weight_scale_inv
+FP8_DTYPE_NAME = "float8_e4m3fn"
+SCALE_DTYPE_NAME = "float32"
+FP8_BLOCKWISE_SOURCE = "fp8_blockwise"  # te_fp8.FP8_BLOCKWISE: the trainer keeps the weight in this format
+QUANTIZABLE_SOURCES = ("plain", FP8_BLOCKWISE_SOURCE)
 
 DEFAULT_KEEP_PATTERNS = (
     "*embed_tokens.weight",
@@ -123,30 +127,86 @@ def scale_name(hf_name: str) -> str:
 
 def fp8_plan(plan: "ExportPlan", config: BlockwiseFP8Config) -> "ExportPlan":
     """``plan`` as the FP8 export yields it: each quantized weight becomes ``float8_e4m3fn``
-    and is followed by its ``weight_scale_inv`` entry (``scale_of`` names the weight; the
-    source layout is the weight's, since the scale is computed from it)."""
+    and is followed by its ``weight_scale_inv`` entry (``scale_of`` names the weight).
+
+    The scale of a weight quantized on export is computed from the assembled HF tensor, so its
+    entry keeps the weight's source layout. The scale of a weight the trainer already stores
+    as blockwise FP8 (``source_format == "fp8_blockwise"``) is shipped from the trainer's
+    shards: its layout is the weight's, in block coordinates (``scale_layout``).
+    """
     check_fp8_exportable(plan, config)
     entries: list[PlanEntry] = []
     for entry in plan.entries:
         if not config.quantizes(entry.hf_name, entry.shape, entry.dtype):
             entries.append(entry)
             continue
-        entries.append(dataclasses.replace(entry, dtype=str(FP8_DTYPE).removeprefix("torch.")))
+        native = entry.source_format == FP8_BLOCKWISE_SOURCE
+        entries.append(dataclasses.replace(entry, dtype=FP8_DTYPE_NAME))
         entries.append(
             dataclasses.replace(
                 entry,
                 hf_name=scale_name(entry.hf_name),
                 shape=scale_shape(entry.shape),
-                dtype=str(SCALE_DTYPE).removeprefix("torch."),
+                dtype=SCALE_DTYPE_NAME,
                 scale_of=entry.hf_name,
+                layout=scale_layout(entry) if native else entry.layout,
             )
         )
     return dataclasses.replace(plan, entries=tuple(entries))
 
 
+def scale_layout(entry: "PlanEntry") -> "SourceLayout":
+    """Where the trainer's ``scale_inv`` rows/columns of a natively-FP8 weight sit, per rank.
+
+    TE quantizes each local shard with blocks anchored at the shard's (0, 0). Its scales are the
+    HF tensor's scales exactly when every slice of the HF tensor a shard holds starts on a block
+    boundary, both in the HF tensor and in the shard, and is a whole number of blocks long (a
+    slice may end in a partial block only where both tensors end). Raises ``FP8FormatError``
+    otherwise, naming the weight and the slice.
+    """
+    local_shape = entry.layout.local_shape
+    pieces = tuple(tuple(_scale_piece(entry, copy, rank) for copy in rank_pieces) for rank, rank_pieces in enumerate(entry.layout.pieces))
+    return dataclasses.replace(entry.layout, pieces=pieces, local_shape=scale_shape(local_shape))
+
+
+def _scale_piece(entry: "PlanEntry", copy: Any, rank: int) -> Any:
+    from mbridge_refit.placement import SliceCopy
+
+    hf_extent, local_extent = entry.shape[copy.dim], entry.layout.local_shape[copy.dim]
+    whole_blocks = copy.length % BLOCK == 0 or (copy.hf_stop == hf_extent and copy.local_start + copy.length == local_extent)
+    if copy.hf_start % BLOCK or copy.local_start % BLOCK or not whole_blocks:
+        what = "rows" if copy.dim == 0 else "columns"
+        raise FP8FormatError(
+            f"{entry.hf_name} ({entry.megatron_param}, stored as blockwise FP8): tensor-parallel rank {rank} holds "
+            f"its {what} [{copy.hf_start}, {copy.hf_stop}) at local {what} [{copy.local_start}, "
+            f"{copy.local_start + copy.length}), which is not a run of whole {BLOCK}-element blocks in both tensors, "
+            f"so the trainer's per-shard FP8 blocks are not the HF tensor's blocks. Use a layout whose shards of this tensor are multiples of {BLOCK} (e.g. a smaller "
+            "tensor-parallel size, or a head_dim / FFN size that is a multiple of 128), or export in BF16."
+        )
+    return SliceCopy(
+        hf_name=scale_name(copy.hf_name),
+        dim=copy.dim,
+        hf_start=copy.hf_start // BLOCK,
+        hf_stop=math.ceil(copy.hf_stop / BLOCK),
+        local_start=copy.local_start // BLOCK,
+    )
+
+
 def check_fp8_exportable(plan: "ExportPlan", config: BlockwiseFP8Config) -> None:
     """Raise ``FP8FormatError`` before any export work if ``plan`` cannot be exported as FP8."""
     quantized = [e for e in plan.entries if config.quantizes(e.hf_name, e.shape, e.dtype)]
+    foreign = sorted({(e.megatron_param, e.source_format) for e in quantized if e.source_format not in QUANTIZABLE_SOURCES})
+    if foreign:
+        name, storage = foreign[0]
+        raise FP8FormatError(
+            f"{name} is stored by Transformer Engine as {storage}, which the 128x128 blockwise FP8 export cannot "
+            f"ship as is ({len(foreign)} such parameters). Train with the blockwise recipe "
+            "(Megatron fp8_recipe='blockwise', TE Float8BlockScaling) to export its FP8 data directly, or export "
+            "in BF16 (fp8=None), which dequantizes them."
+        )
+    for entry in quantized:
+        if entry.source_format == FP8_BLOCKWISE_SOURCE:
+            scale_layout(entry)  # raises for shards off block boundaries, before any export work
     if not quantized:
         raise FP8FormatError(
             "no tensor of this model is quantized by the blockwise FP8 export (every 2-D weight matches "
@@ -267,7 +327,7 @@ def quantize_stream(
     scales = {e.scale_of: e for e in plan.entries if e.scale_of is not None}
     for name, tensor in stream:
         scale_entry = scales.get(name)
-        if scale_entry is None:
+        if scale_entry is None or tensor.dtype == FP8_DTYPE:  # FP8 already: shipped with its own scale
             yield name, tensor
             continue
         index = 0

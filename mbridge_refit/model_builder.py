@@ -42,11 +42,15 @@ class BuildOptions:
         device: ``cpu`` or ``cuda``; decides the layer spec and process-group backend.
         params_dtype: parameter dtype; None = the HF checkpoint's ``torch_dtype``.
         materialize: CPU only; False keeps the model on the meta device (for plans of huge shapes).
+        fp8_param_recipe: GPU only; keep the linear weights as Transformer Engine FP8 parameters
+            with this Megatron ``fp8_recipe`` (e.g. ``"blockwise"``: 128x128 e4m3 blocks), as an
+            FP8 trainer does (``fp8="e4m3"``, ``fp8_param=True``).
     """
 
     device: torch.device
     params_dtype: torch.dtype | None = None
     materialize: bool = True
+    fp8_param_recipe: str | None = None
 
 
 def configure_provider(provider: Any, layout: ParallelLayout, options: BuildOptions) -> Any:
@@ -64,6 +68,12 @@ def configure_provider(provider: Any, layout: ParallelLayout, options: BuildOpti
         provider.params_dtype = options.params_dtype
         provider.bf16 = options.params_dtype == torch.bfloat16
         provider.fp16 = options.params_dtype == torch.float16
+    if options.fp8_param_recipe is not None:
+        if options.device.type != "cuda":
+            raise ValueError("FP8 parameters need Transformer Engine's CUDA kernels: build on a GPU (device='cuda').")
+        provider.fp8 = "e4m3"
+        provider.fp8_recipe = options.fp8_param_recipe
+        provider.fp8_param = True
     if options.device.type == "cpu":
         from megatron.bridge.models.gpt_provider import local_layer_spec
 

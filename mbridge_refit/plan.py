@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from mbridge_refit.placement import PlacementError, PlacementKind, ShardContext, SliceCopy, placement_kind, slices_for
+from mbridge_refit.te_fp8 import storage_format
 
 
 class PlanError(ValueError):
@@ -69,6 +70,7 @@ class PlanEntry:
     layout: SourceLayout
     alias_of: str | None = None  # tied output weight: the same data as this entry
     scale_of: str | None = None  # FP8 export: the blockwise scale of this weight entry (``fp8``)
+    source_format: str = "plain"  # how the trainer stores the parameter (``te_fp8.storage_format``)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -132,6 +134,19 @@ class _ParamSpec:
     pp_rank: int
     vpp_stage: int
     is_expert: bool
+    source_format: str = "plain"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankContribution:
+    """What one rank knows and every rank needs: the parameters it holds, its layers, its errors.
+
+    Small and picklable; ``build_export_plan`` exchanges one per rank in a single object gather.
+    """
+
+    specs: tuple[_ParamSpec, ...]
+    layer_map: dict[int, tuple[int, int]]
+    errors: tuple[str, ...]
 
 
 def build_export_plan(
@@ -142,40 +157,64 @@ def build_export_plan(
     ``group``: the process group of all ranks holding the model (default: the whole job; pass the
     trainer ranks' group when other ranks, e.g. refit receivers, share the job).
     ``tasks``: the bridge's conversion tasks for ``chunks`` if the caller has them already.
+    Communication: the bridge's one exchange of parameter names over the pipeline group (inside
+    ``build_conversion_tasks``) and one ``all_gather_object`` of ``RankContribution`` here.
     """
-    from megatron.core import parallel_state as ps
     from megatron.core.utils import unwrap_model
 
     chunks = unwrap_model(chunks)
-    config = chunks[0].config
-    if tasks is None:
-        tasks = model_bridge.build_conversion_tasks(hf_pretrained, chunks)
-    tasks = [t for t in tasks if t is not None]
-    local_specs, errors = [], _unsupported_features(model_bridge, chunks)
-    pp_rank = ps.get_pipeline_model_parallel_rank()
-    for task in tasks:
-        if task.megatron_module is not None:
-            try:
-                local_specs.append(_local_spec(task, pp_rank))
-            except PlanError as err:
-                errors.append(str(err))
+    mine = rank_contribution(model_bridge, hf_pretrained, chunks, tasks)
     # One object exchange for the whole job; errors travel with it so every rank raises the same.
     gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (local_specs, _local_layer_map(chunks), errors), group=group)
-    all_errors = sorted({error for _, _, rank_errors in gathered for error in rank_errors})
-    if all_errors:
-        raise PlanError("; ".join(all_errors[:5]) + (f" (and {len(all_errors) - 5} more)" if len(all_errors) > 5 else ""))
-    specs = {spec.global_name: spec for rank_specs, _, _ in gathered for spec in rank_specs}
-    layer_map = {layer: where for _, rank_layers, _ in gathered for layer, where in rank_layers.items()}
-    sizes = _ParallelSizes(
+    dist.all_gather_object(gathered, mine, group=group)
+    return assemble_plan(gathered, current_sizes(chunks), model_bridge, hf_pretrained)
+
+
+def rank_contribution(
+    model_bridge: Any, hf_pretrained: Any, chunks: list[torch.nn.Module], tasks: list | None = None
+) -> RankContribution:
+    """This rank's part of the plan, from metadata only (no tensor data is read or moved)."""
+    from megatron.core import parallel_state as ps
+
+    if tasks is None:
+        tasks = model_bridge.build_conversion_tasks(hf_pretrained, chunks)
+    specs, errors = [], _unsupported_features(model_bridge, chunks)
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    for task in tasks:
+        if task is not None and task.megatron_module is not None:
+            try:
+                specs.append(_local_spec(task, pp_rank))
+            except PlanError as err:
+                errors.append(str(err))
+    return RankContribution(specs=tuple(specs), layer_map=_local_layer_map(chunks, pp_rank), errors=tuple(errors))
+
+
+def current_sizes(chunks: list[torch.nn.Module]) -> "_ParallelSizes":
+    """The parallel sizes of this job (Megatron's parallel state) and the model's expert count."""
+    from megatron.core import parallel_state as ps
+
+    return _ParallelSizes(
         tp=ps.get_tensor_model_parallel_world_size(),
         pp=ps.get_pipeline_model_parallel_world_size(),
         ep=ps.get_expert_model_parallel_world_size(),
         dp=ps.get_data_parallel_world_size(),
         edp=ps.get_expert_data_parallel_world_size(),
         vpp=len(chunks),
-        num_experts=config.num_moe_experts or 0,
+        num_experts=chunks[0].config.num_moe_experts or 0,
+        config=chunks[0].config,
     )
+
+
+def assemble_plan(
+    contributions: list[RankContribution], sizes: "_ParallelSizes", model_bridge: Any, hf_pretrained: Any
+) -> ExportPlan:
+    """The plan from every rank's contribution (pure: the same on every rank)."""
+    all_errors = sorted({error for c in contributions for error in c.errors})
+    if all_errors:
+        raise PlanError("; ".join(all_errors[:5]) + (f" (and {len(all_errors) - 5} more)" if len(all_errors) > 5 else ""))
+    specs = {spec.global_name: spec for c in contributions for spec in c.specs}
+    layer_map = {layer: where for c in contributions for layer, where in c.layer_map.items()}
+    config = sizes.config
     names = sorted(specs, key=_sort_key)
     entries: list[PlanEntry] = []
     for name in names:
@@ -194,6 +233,7 @@ class _ParallelSizes:
     edp: int
     vpp: int
     num_experts: int
+    config: Any = dataclasses.field(default=None, compare=False)
 
     @property
     def experts_per_rank(self) -> int:
@@ -220,6 +260,7 @@ def _local_spec(task: Any, pp_rank: int) -> _ParamSpec:
         pp_rank=pp_rank,
         vpp_stage=task.vp_stage or 0,
         is_expert=bool(task.mapping.is_expert),
+        source_format=storage_format(weight),
     )
 
 
@@ -264,8 +305,7 @@ def _expert_entry(
     spec: _ParamSpec, output_index: int, owner: int, local_index: int, sizes: _ParallelSizes, config: Any
 ) -> PlanEntry:
     hf_name = spec.placement.hf_names[output_index]
-    ctx = ShardContext(local_shape=spec.local_shape, tp_rank=0, tp_size=1, config=config)
-    pieces = (tuple(c for c in slices_for(spec.placement, ctx) if c.hf_name == hf_name),)
+    pieces = (_whole_expert_pieces(spec.placement, spec.local_shape, hf_name, config),)
     layout = SourceLayout(
         mesh_dims=("ep", "edp"),
         mesh_shape=(sizes.ep, sizes.edp),
@@ -276,6 +316,19 @@ def _expert_entry(
         local_expert_index=local_index,
     )
     return _entry(spec, hf_name, _hf_shape(spec.local_shape, pieces), layout)
+
+
+_EXPERT_PIECES: dict[tuple, tuple[SliceCopy, ...]] = {}
+
+
+def _whole_expert_pieces(placement: PlacementKind, local_shape: tuple[int, ...], hf_name: str, config: Any) -> tuple[SliceCopy, ...]:
+    """Where ``hf_name`` sits in a whole (expert-TP 1) expert shard; the same for every expert."""
+    key = (placement.kind, placement.hf_names, local_shape, hf_name, id(config))
+    pieces = _EXPERT_PIECES.get(key)
+    if pieces is None:
+        ctx = ShardContext(local_shape=local_shape, tp_rank=0, tp_size=1, config=config)
+        pieces = _EXPERT_PIECES[key] = tuple(c for c in slices_for(placement, ctx) if c.hf_name == hf_name)
+    return pieces
 
 
 def _entry(spec: _ParamSpec, hf_name: str, shape: tuple[int, ...], layout: SourceLayout) -> PlanEntry:
@@ -289,6 +342,7 @@ def _entry(spec: _ParamSpec, hf_name: str, shape: tuple[int, ...], layout: Sourc
         is_expert=spec.is_expert,
         kind=spec.placement.kind,
         layout=layout,
+        source_format=spec.source_format,
     )
 
 
@@ -311,19 +365,15 @@ def _expert_number(name: str) -> int:
 
 
 def _with_expert_number(name: str, number: int) -> str:
-    def swap(match: re.Match) -> str:
-        if match.group(1):
-            return f"{match.group(1)}{number}{match.group(3)}"
-        return f"{match.group(4)}{number}"
+    match = _EXPERT_NUMBER.search(name)
+    if match is None:
+        raise PlanError(f"cannot find the expert number in {name!r}")
+    digits = 2 if match.group(1) else 5
+    return f"{name[: match.start(digits)]}{number}{name[match.end(digits):]}"
 
-    return _EXPERT_NUMBER.sub(swap, name, count=1)
 
-
-def _local_layer_map(chunks: list[torch.nn.Module]) -> dict[int, tuple[int, int]]:
+def _local_layer_map(chunks: list[torch.nn.Module], pp_rank: int) -> dict[int, tuple[int, int]]:
     """Global layer index -> (pp rank, vpp stage), read from the layer modules themselves."""
-    from megatron.core import parallel_state as ps
-
-    pp_rank = ps.get_pipeline_model_parallel_rank()
     layers: dict[int, tuple[int, int]] = {}
     for vpp_stage, chunk in enumerate(chunks):
         decoder = getattr(chunk, "decoder", None)

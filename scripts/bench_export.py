@@ -167,26 +167,37 @@ def run(args) -> dict:
         results = {}
         exporter = bridge._exporter(chunks)
 
-        def uncoalesced():
-            exporter.coalesce_gathers = False
-            yield from bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True)
-            exporter.coalesce_gathers = True
+        def with_bucket(mib: int):
+            """The same cached export with another gather bucket size (0: one group per parameter)."""
+
+            def export():
+                default = exporter.bucket_bytes
+                exporter.bucket_bytes = mib << 20
+                try:
+                    yield from bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True)
+                finally:
+                    exporter.bucket_bytes = default
+
+            return export
 
         def refit_fp8():
             return bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True, fp8="blockwise")
 
         variants = [("stock", stock), ("refit", refit(False)), ("refit_cached", refit(True))]
         if args.tp > 1:
-            variants.append(("refit_cached_uncoalesced", uncoalesced))
+            variants.append(("refit_cached_per_parameter", with_bucket(0)))
+            variants.extend((f"refit_cached_bucket{mib}", with_bucket(mib)) for mib in args.compare_bucket_mib)
         if args.fp8:
             variants.append(("refit_cached_fp8", refit_fp8))
         for label, make in variants:
+            bridge.release_export_buffers()  # each variant starts cold and keeps only its own buffers
             first = timed_export(make)
             runs = [timed_export(make) for _ in range(steady)]
             results[label] = dict(
                 first_ms=first[0], steady_ms=statistics.median(r[0] for r in runs),
                 peak_extra_bytes=max(r[1] for r in [first, *runs]), tensors=first[2],
                 new_allocations_after_first=sum(r[3] for r in runs),
+                buffer_bytes=bridge._export_buffers().nbytes,
             )
         mismatches = compare_with_stock(stock(), refit(True)())
         floor = clone_floor_ms(plan.total_bytes)
@@ -202,8 +213,13 @@ def run(args) -> dict:
             stock_peak_extra_bytes=results["stock"]["peak_extra_bytes"],
             refit_peak_extra_bytes=results["refit"]["peak_extra_bytes"],
             refit_cached_peak_extra_bytes=results["refit_cached"]["peak_extra_bytes"],
-            refit_cached_buffer_bytes=bridge._export_buffers().nbytes,
-            refit_cached_uncoalesced_steady_ms=results.get("refit_cached_uncoalesced", {}).get("steady_ms"),
+            refit_cached_buffer_bytes=results["refit_cached"]["buffer_bytes"],
+            refit_cached_per_parameter_steady_ms=results.get("refit_cached_per_parameter", {}).get("steady_ms"),
+            bucket_bytes=exporter.bucket_bytes,
+            bucket_variants={
+                label: {k: v for k, v in result.items() if k in ("steady_ms", "peak_extra_bytes", "buffer_bytes")}
+                for label, result in results.items() if label.startswith("refit_cached_bucket")
+            },
             cached_new_allocations_after_first=results["refit_cached"]["new_allocations_after_first"],
             stock_tensors=results["stock"]["tensors"], steady_runs=steady, mismatches_vs_stock=mismatches,
             torch=torch.__version__, date=datetime.date.today().isoformat(),
@@ -218,6 +234,7 @@ def run(args) -> dict:
                 fp8_peak_extra_bytes=fp8["peak_extra_bytes"],
                 fp8_new_allocations_after_first=fp8["new_allocations_after_first"],
                 fp8_over_bf16_cached=fp8["steady_ms"] / row["refit_cached_steady_ms"],
+                fp8_over_clone_floor=fp8["steady_ms"] / floor,
                 fp8_kernel_mismatches=check_fp8_kernel(refit(False)()),
                 fp8_quantizer=quantizer_path(),
             )
@@ -234,8 +251,8 @@ def print_table(row: dict) -> None:
         f"{'RefitBridge, cache off':28s}{row['refit_first_ms']:10.1f}{row['refit_steady_ms']:11.2f}{row['refit_peak_extra_bytes'] / gb:15.3f}",
         f"{'RefitBridge, cache on':28s}{row['refit_cached_first_ms']:10.1f}{row['refit_cached_steady_ms']:11.2f}{row['refit_cached_peak_extra_bytes'] / gb:15.3f}",
         *(
-            [f"{'  same, gathers uncoalesced':28s}{'':10s}{row['refit_cached_uncoalesced_steady_ms']:11.2f}"]
-            if row["refit_cached_uncoalesced_steady_ms"] is not None else []
+            [f"{'  same, per-parameter groups':28s}{'':10s}{row['refit_cached_per_parameter_steady_ms']:11.2f}"]
+            if row["refit_cached_per_parameter_steady_ms"] is not None else []
         ),
         f"{'clone floor (same bytes)':28s}{'':10s}{row['clone_floor_ms']:11.2f}",
         f"{'all-gather floor (same out)':28s}{'':10s}{row['gather_floor_ms']:11.2f}",
@@ -245,7 +262,7 @@ def print_table(row: dict) -> None:
         *(
             [
                 f"{'RefitBridge, cache on, FP8':28s}{row['fp8_first_ms']:10.1f}{row['fp8_steady_ms']:11.2f}{row['fp8_peak_extra_bytes'] / gb:15.3f}",
-                f"FP8/BF16 cached steady: {row['fp8_over_bf16_cached']:.2f}x   new allocations after first FP8 call: "
+                f"FP8/BF16 cached steady: {row['fp8_over_bf16_cached']:.2f}x   FP8/clone floor: {row['fp8_over_clone_floor']:.2f}x   new allocations after first FP8 call: "
                 f"{row['fp8_new_allocations_after_first']}   quantizer: {row['fp8_quantizer']}   mismatches vs torch path: "
                 f"{len(row['fp8_kernel_mismatches'])}",
             ]
@@ -262,6 +279,10 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--steady", type=int, default=5, help="steady-state calls to take the median of")
+    parser.add_argument(
+        "--compare-bucket-mib", type=lambda text: [int(x) for x in text.split(",") if x], default=[],
+        help="TP>1: also time the cached export with these gather bucket sizes, e.g. 128,1024",
+    )
     parser.add_argument("--fp8", action="store_true", help="also time the BF16 -> blockwise FP8 cached export")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()

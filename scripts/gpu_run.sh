@@ -1,21 +1,44 @@
 #!/usr/bin/env bash
-# On the GPU host (after .gpu/p0/install.sh), from the repo root: the GPU runs of the FP8,
-# refit-sink and verifier issues, each bounded by a timeout; logs and JSON go to $OUT (default
-# /tmp/out). With two GPUs it also runs the TP=2 verifier and the packed-broadcast benchmark.
+# On the GPU host (after .gpu/p0/install.sh), from the repo root: the GPU runs of the export,
+# FP8 and refit-sink issues, in parts that each fit one 10-minute device call. Every step is
+# bounded by a timeout; logs and JSON are written to a work folder and packed into
+# $OUT/<part>.tgz at the end (the device tool returns at most 8 files).
+#
+#   bash scripts/gpu_run.sh fp8params   # TE fp8_param models: Qwen3 TP2 and Qwen3-MoE EP2 (2 GPUs)
+#   bash scripts/gpu_run.sh bench       # export benchmark TP1 (+ BF16->FP8) and TP2 (2 GPUs)
+#   bash scripts/gpu_run.sh sinks       # packed broadcast benchmark, refit verifier, FP8 checkpoint in transformers
 set -u
+part=${1:?usage: gpu_run.sh fp8params|bench|sinks}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-step() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$? $name"; tail -n 12 "$OUT/$name.log" | grep -v -i warn; }
-gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python3 -c "import triton; print('triton', triton.__version__)"
-step bench_fp8_tp1 240 torchrun --nproc-per-node 1 scripts/bench_export.py --model qwen3-8b --tp 1 --steady 5 --fp8 --out-dir "$OUT"
-step verify_1.7b_tp1 150 python3 -m mbridge_refit.verify_refit --shape qwen3-1.7b --json "$OUT/verify_qwen3-1.7b_tp1.json"
-step verify_1.7b_tp1_perturbed 150 python3 -m mbridge_refit.verify_refit --shape qwen3-1.7b --perturb model.layers.10.mlp.down_proj.weight --json "$OUT/verify_qwen3-1.7b_tp1_perturbed.json"
-step verify_tiny_tp1 90 python3 -m mbridge_refit.verify_refit --recipe qwen3-tiny --json "$OUT/verify_qwen3-tiny_tp1.json"
-step fp8_checkpoint 180 python3 scripts/check_fp8_checkpoint.py --work /tmp/fp8check --out-dir "$OUT"
-if [ "$gpus" -ge 2 ]; then
-  step bench_refit_broadcast 300 torchrun --nproc-per-node 2 scripts/bench_refit_broadcast.py --model qwen3-8b --out-dir "$OUT"
-  step verify_1.7b_tp2 150 torchrun --nproc-per-node 2 -m mbridge_refit.verify_refit --shape qwen3-1.7b --tp 2 --json "$OUT/verify_qwen3-1.7b_tp2.json"
-  step verify_tiny_tp2 120 torchrun --nproc-per-node 2 -m mbridge_refit.verify_refit --recipe qwen3-tiny --tp 2 --json "$OUT/verify_qwen3-tiny_tp2.json"
-fi
+RESULTS=/tmp/gpu_results_$part; rm -rf "$RESULTS"; mkdir -p "$RESULTS"
+trap 'tar czf "$OUT/$part.tgz" -C "$RESULTS" .' EXIT
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+step() {
+  local name=$1 limit=$2; shift 2
+  echo "== $name"
+  timeout "$limit" "$@" > "$RESULTS/$name.log" 2>&1
+  echo "rc=$? $name"
+  grep -v -i -E "warn|deprecat|^\s*$|number of parameters|FlexAttention" "$RESULTS/$name.log" | tail -n 25
+}
+two=(torchrun --nproc-per-node 2)
+one=(torchrun --nproc-per-node 1)
+case "$part" in
+  fp8params)
+    step te_fp8_qwen3-8b_tp2 200 "${two[@]}" scripts/check_te_fp8_params.py --model qwen3-8b --layers 2 --tp 2 --check-refusal --out-dir "$RESULTS"
+    step te_fp8_qwen3-30b-a3b_ep2 200 "${two[@]}" scripts/check_te_fp8_params.py --model qwen3-30b-a3b --layers 2 --ep 2 --out-dir "$RESULTS"
+    ;;
+  bench)
+    step bench_tp1_fp8 240 "${one[@]}" scripts/bench_export.py --model qwen3-8b --tp 1 --steady 7 --fp8 --out-dir "$RESULTS"
+    step bench_tp2 240 "${two[@]}" scripts/bench_export.py --model qwen3-8b --tp 2 --steady 7 --compare-bucket-mib 128,1024 --out-dir "$RESULTS"
+    ;;
+  sinks)
+    step bench_refit_broadcast 200 "${two[@]}" scripts/bench_refit_broadcast.py --model qwen3-8b --out-dir "$RESULTS"
+    step verify_qwen3-1.7b_tp1 100 python3 -m mbridge_refit.verify_refit --shape qwen3-1.7b --json "$RESULTS/verify_qwen3-1.7b_tp1.json"
+    step verify_qwen3-1.7b_tp2 100 "${two[@]}" -m mbridge_refit.verify_refit --shape qwen3-1.7b --tp 2 --json "$RESULTS/verify_qwen3-1.7b_tp2.json"
+    step verify_qwen3-1.7b_tp1_perturbed 100 python3 -m mbridge_refit.verify_refit --shape qwen3-1.7b --perturb model.layers.10.mlp.down_proj.weight --json "$RESULTS/verify_qwen3-1.7b_tp1_perturbed.json"
+    step verify_qwen3-tiny_tp1 80 python3 -m mbridge_refit.verify_refit --recipe qwen3-tiny --json "$RESULTS/verify_qwen3-tiny_tp1.json"
+    step verify_qwen3-tiny_tp2 80 "${two[@]}" -m mbridge_refit.verify_refit --recipe qwen3-tiny --tp 2 --json "$RESULTS/verify_qwen3-tiny_tp2.json"
+    step fp8_checkpoint 120 python3 scripts/check_fp8_checkpoint.py --work /tmp/fp8check --out-dir "$RESULTS"
+    ;;
+  *) echo "unknown part $part" >&2; exit 2 ;;
+esac

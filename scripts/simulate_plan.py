@@ -1,0 +1,255 @@
+"""Simulate the export plan of a layout too large for this machine (e.g. TP4 x PP4 x EP8, 32 ranks).
+
+A real 32-rank job needs 32 processes of ~1 GiB each (torch + Megatron imports); this machine
+has 24 GiB. So each part of ``build_export_plan`` is run honestly, rank by rank, and timed:
+
+1. ``names``: one process builds the full model (TP1) on the meta device and writes the global
+   parameter names (what Megatron-Bridge exchanges over the pipeline group) and the TP1 plan's
+   (name, shape, dtype) list, the reference for step 4.
+2. ``rank``: one process per simulated rank R: a fake process group (``torch.distributed``'s
+   "fake" backend: rank R of WORLD, collectives are no-ops) and Megatron's real parallel state
+   for the layout; it builds rank R's shard of the model on the meta device and runs
+   ``plan.rank_contribution`` (the bridge's conversion tasks + this rank's parameter specs).
+   The bridge's pipeline name exchange is the one thing a fake group cannot do: its result
+   (step 1's names) is handed to the bridge through its own cache attribute. Writes the
+   contribution (pickled, as the real exchange would send it) and the time and peak RSS.
+3. ``exchange``: WORLD real processes (gloo, importing only torch) each all-gather its own
+   step-2 payload with ``all_gather_object``, as ``build_export_plan`` does; timed.
+4. ``assemble``: ``plan.assemble_plan`` over the 32 contributions, timed, and checked: the
+   plan's (name, shape, dtype) list must equal the TP1 plan's, in order.
+
+Per-rank plan time = max over ranks of step 2 + step 3 + step 4.
+
+    python scripts/simulate_plan.py --model qwen3-235b-a22b --tp 4 --pp 4 --ep 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pickle
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
+
+
+def layout_of(args):
+    from mbridge_refit.layout import ParallelLayout
+
+    return ParallelLayout(tp=args.tp, pp=args.pp, ep=args.ep)
+
+
+def init_fake_world(rank: int, world: int) -> None:
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+
+
+def init_parallel_state(layout) -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+        create_gloo_process_groups=False,
+    )
+
+
+def meta_model(model: str, layout):
+    import torch
+
+    from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.model_builder import BuildOptions, build_model
+    from mbridge_refit.recipes import full_size_config
+
+    bridge = RefitBridge.from_hf_config(full_size_config(model))
+    options = BuildOptions(device=torch.device("cpu"), params_dtype=torch.bfloat16, materialize=False)
+    return bridge, build_model(bridge, layout, options)
+
+
+def step_names(args) -> None:
+    """Step 1: global parameter names and the TP1 reference plan."""
+    from mbridge_refit.layout import ParallelLayout
+
+    init_fake_world(0, 1)
+    layout = ParallelLayout()
+    init_parallel_state(layout)
+    bridge, chunks = meta_model(args.model, layout)
+    model_bridge = bridge._model_bridge_for(chunks)
+    names = model_bridge._megatron_global_param_names_all_pp_ranks(chunks)
+    plan = bridge.export_plan(chunks)
+    reference = [(e.hf_name, list(e.shape), e.dtype) for e in plan.entries]
+    (args.work / "names.json").write_text(json.dumps({"names": names, "reference": reference}))
+
+
+def step_rank(args) -> None:
+    """Step 2: one simulated rank's contribution."""
+    from mbridge_refit.plan import rank_contribution
+
+    world = layout_of(args).expected_world_size
+    init_fake_world(args.rank, world)
+    layout = layout_of(args)
+    init_parallel_state(layout)
+    names = json.loads((args.work / "names.json").read_text())["names"]
+    start = time.perf_counter()
+    bridge, chunks = meta_model(args.model, layout)
+    build_s = time.perf_counter() - start
+    model_bridge = bridge._model_bridge_for(chunks)
+    model_bridge._cached_param_names = names  # the result of the bridge's pipeline name exchange
+    start = time.perf_counter()
+    contribution = rank_contribution(model_bridge, bridge.hf_pretrained, chunks)
+    contribution_s = time.perf_counter() - start
+    payload = pickle.dumps(contribution)
+    (args.work / f"rank{args.rank}.pkl").write_bytes(payload)
+    (args.work / f"rank{args.rank}.json").write_text(json.dumps(dict(
+        rank=args.rank, meta_build_s=build_s, contribution_s=contribution_s, specs=len(contribution.specs),
+        payload_bytes=len(payload), peak_rss_gib=peak_rss_gib(),
+    )))
+
+
+def _exchange_worker(rank: int, world: int, work: str, port: int, result: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(minutes=10))
+    payload = pickle.loads(Path(work, f"rank{rank}.pkl").read_bytes())
+    gathered = [None] * world
+    dist.barrier()
+    start = time.perf_counter()
+    dist.all_gather_object(gathered, payload)
+    elapsed = time.perf_counter() - start
+    times = [None] * world
+    dist.all_gather_object(times, (elapsed, peak_rss_gib()))
+    if rank == 0:
+        Path(result).write_text(json.dumps({"exchange_s": max(t for t, _ in times), "peak_rss_gib": max(r for _, r in times)}))
+    dist.destroy_process_group()
+
+
+def step_exchange(args) -> dict:
+    """Step 3: the real all_gather_object of the real payloads over WORLD gloo processes."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    world = layout_of(args).expected_world_size
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    result = args.work / "exchange.json"
+    mp.spawn(_exchange_worker, args=(world, str(args.work), port, str(result)), nprocs=world, join=True)
+    return json.loads(result.read_text())
+
+
+def step_assemble(args) -> dict:
+    """Step 4: assemble the plan from every contribution; compare with the TP1 reference."""
+    from mbridge_refit.plan import assemble_plan, current_sizes
+
+    layout = layout_of(args)
+    world = layout.expected_world_size
+    init_fake_world(0, world)
+    init_parallel_state(layout)
+    bridge, chunks = meta_model(args.model, layout)
+    contributions = [pickle.loads((args.work / f"rank{r}.pkl").read_bytes()) for r in range(world)]
+    start = time.perf_counter()
+    plan = assemble_plan(contributions, current_sizes(chunks), bridge._model_bridge_for(chunks), bridge.hf_pretrained)
+    assemble_s = time.perf_counter() - start
+    reference = json.loads((args.work / "names.json").read_text())["reference"]
+    got = [[e.hf_name, list(e.shape), e.dtype] for e in plan.entries]
+    owners = sorted({(e.pp_rank, e.layout.owner_ep_rank) for e in plan.entries if e.is_expert})
+    return dict(
+        assemble_s=assemble_s, entries=len(plan.entries), plan_gb=plan.total_bytes / 1e9,
+        matches_tp1_plan=got == reference, expert_owners=len(owners), layer_stages=sorted(set(plan.layer_map.values())),
+        assemble_peak_rss_gib=peak_rss_gib(),
+    )
+
+
+def run_step(args, step: str, *extra: str) -> None:
+    cmd = [sys.executable, __file__, "--model", args.model, "--tp", str(args.tp), "--pp", str(args.pp),
+           "--ep", str(args.ep), "--work", str(args.work), "--step", step, *extra]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"step {step} {' '.join(extra)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+
+
+def orchestrate(args) -> None:
+    layout = layout_of(args)
+    world = layout.expected_world_size
+    args.work.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    run_step(args, "names")
+    print(f"[simulate] names and TP1 reference: {time.perf_counter() - start:.1f} s", flush=True)
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        list(pool.map(lambda r: run_step(args, "rank", "--rank", str(r)), range(world)))
+    ranks = [json.loads((args.work / f"rank{r}.json").read_text()) for r in range(world)]
+    print(f"[simulate] {world} rank contributions done", flush=True)
+    exchange = step_exchange(args)
+    run_step(args, "assemble")
+    assembled = json.loads((args.work / "assemble.json").read_text())
+    slowest = max(ranks, key=lambda r: r["contribution_s"])
+    row = dict(
+        model=args.model, layout=layout.name, world_size=world, simulated=True, entries=assembled["entries"],
+        plan_gb=assembled["plan_gb"], matches_tp1_plan=assembled["matches_tp1_plan"],
+        rank_contribution_s_max=slowest["contribution_s"], exchange_s=exchange["exchange_s"],
+        assemble_s=assembled["assemble_s"],
+        plan_s=slowest["contribution_s"] + exchange["exchange_s"] + assembled["assemble_s"],
+        payload_bytes_total=sum(r["payload_bytes"] for r in ranks), meta_build_s_max=max(r["meta_build_s"] for r in ranks),
+        peak_rss_gib=max(max(r["peak_rss_gib"] for r in ranks), assembled["assemble_peak_rss_gib"]),
+        exchange_peak_rss_gib=exchange["peak_rss_gib"], date=datetime.date.today().isoformat(),
+    )
+    print(
+        f"{row['model']} {row['layout']} ({world} simulated ranks): {row['entries']} entries, matches TP1 plan: "
+        f"{row['matches_tp1_plan']}; per rank: contribution {row['rank_contribution_s_max']:.2f} s + exchange "
+        f"{row['exchange_s']:.2f} s + assemble {row['assemble_s']:.2f} s = {row['plan_s']:.2f} s; peak RSS "
+        f"{row['peak_rss_gib']:.2f} GiB; exchanged {row['payload_bytes_total'] / 2**20:.1f} MiB",
+        flush=True,
+    )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with args.out.open("a") as handle:
+        handle.write(json.dumps(row) + "\n")
+    if not row["matches_tp1_plan"]:
+        raise SystemExit("the simulated plan's (name, shape, dtype) list differs from the TP1 plan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3-235b-a22b", help="a shape in recipes/shapes/")
+    parser.add_argument("--tp", type=int, default=4)
+    parser.add_argument("--pp", type=int, default=4)
+    parser.add_argument("--ep", type=int, default=8)
+    parser.add_argument("--jobs", type=int, default=2, help="simulated ranks built at a time (default: %(default)s)")
+    parser.add_argument("--work", type=Path, default=None, help="scratch directory (default: a temporary one)")
+    parser.add_argument("--out", type=Path, default=REPO / "scripts" / "results" / "plan_scale.jsonl")
+    parser.add_argument("--step", choices=["names", "rank", "assemble"], default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.step is None:
+        with tempfile.TemporaryDirectory() as scratch:
+            args.work = args.work or Path(scratch)
+            orchestrate(args)
+        return
+    if args.step == "names":
+        step_names(args)
+    elif args.step == "rank":
+        step_rank(args)
+    else:
+        (args.work / "assemble.json").write_text(json.dumps(step_assemble(args)))
+
+
+if __name__ == "__main__":
+    main()
