@@ -93,11 +93,15 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return logp.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
 
 
-def megatron_logprobs(chunks: list[torch.nn.Module], tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def megatron_logprobs(
+    chunks: list[torch.nn.Module], tokens: torch.Tensor, vocab_size: int, *, fp32_logits: bool = True
+) -> torch.Tensor:
     """Trainer-side log-probabilities. Call on every rank of the model (collective over TP).
 
     Needs a single pipeline stage (PP=1, no VPP): the verifier runs a plain forward, not a
     pipeline schedule. Vocab padding added by Megatron is trimmed to ``vocab_size``.
+    ``fp32_logits``: project the final hidden states with the output weight in fp32 (see
+    ``projected_in_fp32``) instead of using the model's own (bf16) logits.
     """
     from megatron.core import parallel_state
 
@@ -110,8 +114,11 @@ def megatron_logprobs(chunks: list[torch.nn.Module], tokens: torch.Tensor, vocab
     positions = torch.arange(seq, device=tokens.device).unsqueeze(0).expand(batch, seq)
     # Megatron builds its default causal mask on CUDA; on CPU pass it (True = masked out).
     mask = None if tokens.is_cuda else torch.ones(seq, seq, dtype=torch.bool).triu(1)[None, None]
-    with torch.no_grad(), _forward_context(chunks, tokens.device):
+    with torch.no_grad(), _forward_context(chunks, tokens.device), _captured_input(model.output_layer) as captured:
         logits = model(input_ids=tokens, position_ids=positions, attention_mask=mask)
+        if fp32_logits:  # Megatron's output layer takes [seq, batch, hidden] and may be given the tied weight
+            hidden, weight = captured["input"], captured.get("weight")
+            logits = projected_in_fp32(hidden, weight if weight is not None else model.output_layer.weight).transpose(0, 1)
         logits = _gather_vocab(logits, parallel_state.get_tensor_model_parallel_group())[..., :vocab_size]
     model.train(was_training)
     return token_logprobs(logits, tokens)
@@ -135,11 +142,45 @@ def _forward_context(chunks: list[torch.nn.Module], device: torch.device):
     return cpu_forward(chunks)
 
 
-def hf_logprobs(hf_model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+def hf_logprobs(hf_model: torch.nn.Module, tokens: torch.Tensor, *, fp32_logits: bool = True) -> torch.Tensor:
     """Engine-side log-probabilities from a ``transformers`` causal LM (single process)."""
-    with torch.no_grad():
+    head = hf_model.get_output_embeddings()
+    with torch.no_grad(), _captured_input(head) as captured:
         logits = hf_model(input_ids=tokens.to(hf_model.device)).logits
+        if fp32_logits:
+            logits = projected_in_fp32(captured["input"], head.weight)
     return token_logprobs(logits, tokens.to(logits.device))
+
+
+def projected_in_fp32(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``hidden @ weight.T`` in fp32 (TF32 off): logits without the output layer's bf16 rounding.
+
+    bf16 logits carry a rounding error of up to half an ulp of the logit (2^-8 relative: ~0.008
+    for a logit of 4), which alone exceeds a 1e-3 log-probability tolerance; computing the last
+    projection in fp32 on both sides leaves only the transformer body's differences.
+    """
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        return hidden.float() @ weight.float().t()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+@contextlib.contextmanager
+def _captured_input(module: torch.nn.Module):
+    """Record the input (and a ``weight`` keyword, if given) of ``module``'s next forward calls."""
+    captured: dict[str, Any] = {}
+
+    def hook(_module, args, kwargs):
+        captured["input"] = args[0] if args else kwargs.get("input_", kwargs.get("input"))
+        captured["weight"] = kwargs.get("weight")
+
+    handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield captured
+    finally:
+        handle.remove()
 
 
 def fixed_tokens(vocab_size: int, batch: int, seq: int, device: torch.device, seed: int = 0) -> torch.Tensor:
@@ -156,6 +197,7 @@ def verify_refit(
     *,
     tolerance: float = DEFAULT_TOLERANCE,
     perturb: str | None = None,
+    fp32_logits: bool = True,
 ) -> LogprobComparison:
     """Export ``chunks`` into ``hf_model`` (rank 0's; None elsewhere), then compare log-probabilities.
 
@@ -182,8 +224,8 @@ def verify_refit(
         if perturb is not None and not seen_perturb:
             raise VerifyInputError(f"--perturb {perturb!r} is not a name the export yields")
     vocab_size = _vocab_size(bridge)
-    reference = megatron_logprobs(chunks, tokens, vocab_size)
-    result = [compare_logprobs(reference, hf_logprobs(hf_model, tokens)) if rank == 0 else None]
+    reference = megatron_logprobs(chunks, tokens, vocab_size, fp32_logits=fp32_logits)
+    result = [compare_logprobs(reference, hf_logprobs(hf_model, tokens, fp32_logits=fp32_logits)) if rank == 0 else None]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(result, src=0)
     return result[0].check(tolerance)
@@ -218,6 +260,7 @@ class VerifyArgs:
     tolerance: float
     perturb: str | None
     dtype: torch.dtype
+    fp32_logits: bool
     json: Path | None
     timeout: datetime.timedelta
 
@@ -247,6 +290,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype", choices=["bfloat16", "float32"], default="bfloat16",
         help="parameter and compute dtype of both models (default: %(default)s; float32 separates refit errors "
         "from bf16 kernel noise)",
+    )
+    parser.add_argument(
+        "--model-dtype-logits", action="store_true",
+        help="compare the models' own logits (bf16 with --dtype bfloat16) instead of projecting the final hidden "
+        "states in fp32 on both sides",
     )
     parser.add_argument("--batch", type=int, default=4, help="sequences in the token batch (default: %(default)s)")
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence (default: %(default)s)")
@@ -283,6 +331,7 @@ def parse_args(argv: Sequence[str] | None) -> VerifyArgs:
     return VerifyArgs(
         source=source, name=name, layout=layout, device=device, batch=args.batch, seq=args.seq,
         tolerance=args.tolerance, perturb=args.perturb, dtype=getattr(torch, args.dtype), json=args.json,
+        fp32_logits=not args.model_dtype_logits,
         timeout=datetime.timedelta(seconds=args.timeout_s),
     )
 
@@ -342,7 +391,9 @@ def _verify(options: VerifyArgs, checkpoint: Path | None, rank: int, device: tor
         with device:
             hf_model = AutoModelForCausalLM.from_config(config, dtype=options.dtype).eval()
     tokens = fixed_tokens(config.vocab_size, options.batch, options.seq, device)
-    result = verify_refit(bridge, chunks, hf_model, tokens, tolerance=float("inf"), perturb=options.perturb)
+    result = verify_refit(
+        bridge, chunks, hf_model, tokens, tolerance=float("inf"), perturb=options.perturb, fp32_logits=options.fp32_logits
+    )
     passed = result.mean_abs_diff <= options.tolerance
     if rank == 0:
         _report(options, result, passed)
@@ -399,7 +450,8 @@ def _report(options: VerifyArgs, result: LogprobComparison, passed: bool) -> Non
             "source": options.source, "model": options.name, "layout": options.layout.name,
             "device": torch.cuda.get_device_name() if options.device.type == "cuda" else "cpu",
             "dtype": str(options.dtype).removeprefix("torch."), "batch": options.batch, "seq": options.seq, "tolerance": options.tolerance,
-            "perturb": options.perturb, "passed": passed, **asdict(result),
+            "perturb": options.perturb, "logits": "fp32 projection" if options.fp32_logits else "model dtype",
+            "passed": passed, **asdict(result),
         }
         options.json.write_text(json.dumps(payload, indent=1) + "\n")
 

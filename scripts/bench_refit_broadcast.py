@@ -27,6 +27,7 @@ import argparse
 import datetime
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -75,7 +76,8 @@ def main() -> None:
     from mbridge_refit.sinks import HFModelUpdateSink, drain
     from mbridge_refit.sinks.packed_broadcast import PackedBroadcastConfig, PackedBroadcastReceiver, PackedBroadcastSender
 
-    env = init_process_group(device=torch.device("cuda"), timeout=datetime.timedelta(minutes=10))
+    # A short collective timeout: a rank stuck in a collective fails with the collective's name.
+    env = init_process_group(device=torch.device("cuda"), timeout=datetime.timedelta(seconds=150))
     if env.world_size != 2:
         raise SystemExit("run with exactly 2 ranks (torchrun --nproc-per-node 2): trainer GPU 0, engine GPU 1")
     rank = dist.get_rank()
@@ -103,8 +105,12 @@ def main() -> None:
             from transformers import AutoModelForCausalLM
 
             payload = [None]
-            with device:
-                model = AutoModelForCausalLM.from_config(full_size_config(args.model), dtype=torch.bfloat16).eval()
+            # The engine's model is only a refit target: build it without initialising 8B
+            # random values (slow on one CPU thread), then give it uninitialised GPU storage.
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(full_size_config(args.model), dtype=torch.bfloat16)
+            model = model.to_empty(device=device).eval()
+        phase(rank, "models built; exchanging the plan")
         dist.broadcast_object_list(payload, src=TRAINER, group=refit)
         plan = ExportPlan.from_json(payload[0])
         total = plan.total_bytes
@@ -114,6 +120,7 @@ def main() -> None:
         raw_ms, _ = timed(lambda: dist.broadcast(raw, src=TRAINER, group=refit), args.repeats)
         del raw
 
+        phase(rank, f"raw broadcast {raw_ms:.1f} ms; packed transport")
         # (b) transport alone: pack + broadcast pre-exported tensors; the receiver only drains
         if rank == TRAINER:
             exported = [(n, t.clone()) for n, t in bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True)]
@@ -129,6 +136,7 @@ def main() -> None:
             del exported
             torch.cuda.empty_cache()
 
+        phase(rank, f"packed transport {transport_ms:.1f} ms; packed end to end")
         # (c) packed end to end: export -> pack/broadcast -> receive -> in-place update
         if rank == TRAINER:
             def packed():
@@ -148,6 +156,7 @@ def main() -> None:
         dist.broadcast_object_list(sums, src=TRAINER, group=refit)
         mismatched = _compare_model(model, sums[0]) if rank == ENGINE else None
 
+        phase(rank, f"packed end to end {packed_ms:.1f} ms; stock end to end")
         # (d) stock: stock export, one broadcast per tensor, the same update sink
         if rank == TRAINER:
             def stock():
@@ -183,6 +192,14 @@ def main() -> None:
             print(f"wrote {path}")
     finally:
         teardown()
+
+
+_START = time.perf_counter()
+
+
+def phase(rank: int, what: str) -> None:
+    """Progress on stderr with the elapsed time, so a stuck step is visible in the log."""
+    print(f"[rank{rank} {time.perf_counter() - _START:7.1f}s] {what}", file=sys.stderr, flush=True)
 
 
 def _compare_model(model, expected_sums: dict[str, int]) -> list[str]:

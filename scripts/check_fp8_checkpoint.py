@@ -6,7 +6,9 @@ computes what the BF16 checkpoint computes, within FP8 error.
 Makes a random Qwen3 checkpoint whose linear dims are multiples of 128 (transformers' FP8 matmul
 needs whole blocks), converts it with ``python -m mbridge_refit.convert roundtrip --fp8-blockwise``
 (one GPU, TE spec), loads both with ``AutoModelForCausalLM.from_pretrained`` on the GPU and
-compares logits on a fixed token batch. transformers runs FP8 matmuls only with the ``kernels``
+compares logits on a fixed token batch. Also builds the BF16 model with each FP8 weight replaced by
+``fp8 * scale_inv`` read by hand from the FP8 files: the FP8 model's logits must equal it (transformers
+reads the format as written), so the FP8-vs-BF16 difference is the quantization error alone. transformers runs FP8 matmuls only with the ``kernels``
 package; where it is missing (the GPU host has no package index) the FP8 checkpoint is loaded
 through transformers' FP8 quantizer with ``dequantize=True`` (``load_mode`` in the JSON says which). Tolerance, stated before running: relative logit error
 ``||fp8 - bf16|| / ||bf16|| <= 0.1`` (e4m3 keeps 3 mantissa bits: about 2-4% RMS error per
@@ -72,7 +74,10 @@ def main() -> None:
         with torch.no_grad():
             logits[label] = (model(input_ids=tokens).logits.float(), quantized)
         del model
+    with torch.no_grad():
+        logits["dequantized"] = (_dequantized_model(bf16_dir, fp8_dir)(input_ids=tokens).logits.float(), 0)
     (ref, _), (got, fp8_modules) = logits["bf16"], logits["fp8"]
+    dequantized = logits["dequantized"][0]
     relative = ((got - ref).norm() / ref.norm()).item()
     logprobs = compare_logprobs(token_logprobs(ref, tokens), token_logprobs(got, tokens))
     row = dict(
@@ -80,6 +85,8 @@ def main() -> None:
         relative_logit_error=relative, mean_abs_logprob_diff=logprobs.mean_abs_diff,
         max_abs_logprob_diff=logprobs.max_abs_diff, mult_prob_error=logprobs.mult_prob_error,
         top1_agreement=(got.argmax(-1) == ref.argmax(-1)).float().mean().item(),
+        # transformers' reading of the files vs the format's definition, applied here by hand:
+        max_abs_logit_diff_vs_files_dequantized=(got - dequantized).abs().max().item(),
         tolerance=dict(relative_logit_error=MAX_RELATIVE_LOGIT_ERROR, mean_abs_logprob_diff=MAX_MEAN_ABS_LOGPROB_DIFF),
         fp8_config=json.loads((fp8_dir / "config.json").read_text())["quantization_config"],
         torch=torch.__version__, date=datetime.date.today().isoformat(),
@@ -91,6 +98,32 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"fp8_checkpoint_{row['device'].split()[-1].lower()}.json").write_text(json.dumps(row, indent=2))
     sys.exit(0 if row["passed"] else 1)
+
+
+def _dequantized_model(bf16_dir: Path, fp8_dir: Path):
+    """The BF16 model with every FP8 weight replaced by ``bf16(fp8 * scale_inv)`` read straight from
+    the FP8 checkpoint's files (scale broadcast over its 128x128 block): what transformers must
+    compute from the checkpoint if it reads the format as written."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(bf16_dir, dtype=torch.bfloat16, device_map="cuda").eval()
+    params = dict(model.named_parameters())
+    replaced = 0
+    for file in sorted(fp8_dir.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                if not name.endswith("_scale_inv"):
+                    continue
+                weight = handle.get_tensor(name.removesuffix("_scale_inv")).float()
+                scale = handle.get_tensor(name).repeat_interleave(128, 0).repeat_interleave(128, 1)
+                rows, cols = weight.shape
+                with torch.no_grad():
+                    params[name.removesuffix("_scale_inv")].copy_((weight * scale[:rows, :cols]).to(torch.bfloat16))
+                replaced += 1
+    if not replaced:
+        raise SystemExit(f"{fp8_dir} holds no weight_scale_inv tensors")
+    return model
 
 
 def _has_kernels_package() -> bool:

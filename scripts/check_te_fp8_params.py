@@ -46,6 +46,8 @@ def build(args, recipe: str):
 
     config = full_size_config(args.model)
     config.num_hidden_layers = args.layers
+    if args.experts:
+        config.num_experts = args.experts
     bridge = RefitBridge.from_hf_config(config)
     layout = ParallelLayout(tp=args.tp, ep=args.ep)
     options = BuildOptions(device=torch.device("cuda"), params_dtype=torch.bfloat16, fp8_param_recipe=recipe)
@@ -139,6 +141,15 @@ def timed(make, repeats: int = 5) -> float:
     return statistics.median(times[1:])
 
 
+_START = time.perf_counter()
+
+
+def phase(what: str) -> None:
+    """Progress on stderr with the elapsed time, so a stuck step is visible in the log."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    print(f"[rank{rank} {time.perf_counter() - _START:7.1f}s] {what}", file=sys.stderr, flush=True)
+
+
 def check_refusal(args) -> str:
     """A non-blockwise FP8 recipe must be refused before any export work."""
     from mbridge_refit.fp8 import FP8FormatError
@@ -155,6 +166,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-8b", help="a shape in recipes/shapes/")
     parser.add_argument("--layers", type=int, default=2, help="decoder layers to build (default: %(default)s)")
+    parser.add_argument("--experts", type=int, default=None, help="MoE: override the number of experts (default: the shape's)")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--check-refusal", action="store_true", help="also build a tensorwise-recipe model and expect a refusal")
@@ -169,12 +181,17 @@ def main() -> None:
     from mbridge_refit.te_fp8 import FP8_BLOCKWISE
 
     layout = ParallelLayout(tp=args.tp, ep=args.ep)
-    with distributed_session(layout, device=torch.device("cuda"), timeout=datetime.timedelta(minutes=10)) as env:
+    # A short collective timeout: a rank stuck in a collective fails with the collective's name.
+    with distributed_session(layout, device=torch.device("cuda"), timeout=datetime.timedelta(seconds=120)) as env:
+        phase("build the FP8-parameter model")
         config, bridge, chunks = build(args, "blockwise")
+        phase("plan")
         plan = bridge.export_plan(chunks, fp8="blockwise")
         shipped = [e for e in plan.entries if e.scale_of is not None and e.source_format == FP8_BLOCKWISE]
+        phase("gather TE's shards (oracle)")
         gathered = [None] * env.world_size
         dist.all_gather_object(gathered, local_fp8_params(bridge, chunks))
+        phase("FP8 export")
         exported = {}
         for name, tensor in bridge.export_hf_weights(chunks, fp8="blockwise", reuse_buffer_from_cache=True, show_progress=False):
             if env.rank == 0 and (tensor.dtype == torch.float8_e4m3fn or name.endswith("_scale_inv")):
@@ -189,6 +206,7 @@ def main() -> None:
                 compared += 1
                 if not same_bytes(exported[name], expected[name]):
                     problems.append(f"{name} differs from TE's own data/scale")
+        phase("stock BF16 export vs RefitBridge BF16 export")
         stock = AutoBridge.from_hf_config(bridge.hf_pretrained)
         dequant_checked = bf16_checked = 0
         for (name, want), (name2, got) in zip(
@@ -206,6 +224,7 @@ def main() -> None:
                 dequant = dequantize_blockwise(exported[name].cuda(), exported[name + "_scale_inv"].cuda()).to(want.dtype)
                 if not same_bytes(dequant, want):
                     problems.append(f"{name}: dequantized FP8 export differs from stock BF16 export")
+        phase("timing")
         fp8_ms = timed(lambda: bridge.export_hf_weights(chunks, fp8="blockwise", reuse_buffer_from_cache=True, show_progress=False))
         bf16_ms = timed(lambda: bridge.export_hf_weights(chunks, reuse_buffer_from_cache=True, show_progress=False))
         refusal = check_refusal(args) if args.check_refusal else None

@@ -171,7 +171,12 @@ def step_assemble(args) -> dict:
     reference = json.loads((args.work / "names.json").read_text())["reference"]
     got = [[e.hf_name, list(e.shape), e.dtype] for e in plan.entries]
     owners = sorted({(e.pp_rank, e.layout.owner_ep_rank) for e in plan.entries if e.is_expert})
+    first_difference = next(
+        ((i, a, b) for i, (a, b) in enumerate(zip(got, reference)) if a != b),
+        None if len(got) == len(reference) else ("length", len(got), len(reference)),
+    )
     return dict(
+        first_difference_from_tp1=first_difference,
         assemble_s=assemble_s, entries=len(plan.entries), plan_gb=plan.total_bytes / 1e9,
         matches_tp1_plan=got == reference, expert_owners=len(owners), layer_stages=sorted(set(plan.layer_map.values())),
         assemble_peak_rss_gib=peak_rss_gib(),
@@ -205,6 +210,7 @@ def orchestrate(args) -> None:
     row = dict(
         model=args.model, layout=layout.name, world_size=world, simulated=True, entries=assembled["entries"],
         plan_gb=assembled["plan_gb"], matches_tp1_plan=assembled["matches_tp1_plan"],
+        first_difference_from_tp1=assembled["first_difference_from_tp1"],
         rank_contribution_s_max=slowest["contribution_s"], exchange_s=exchange["exchange_s"],
         assemble_s=assembled["assemble_s"],
         plan_s=slowest["contribution_s"] + exchange["exchange_s"] + assembled["assemble_s"],
@@ -223,7 +229,7 @@ def orchestrate(args) -> None:
     with args.out.open("a") as handle:
         handle.write(json.dumps(row) + "\n")
     if not row["matches_tp1_plan"]:
-        raise SystemExit("the simulated plan's (name, shape, dtype) list differs from the TP1 plan")
+        raise SystemExit(f"the simulated plan's (name, shape, dtype) list differs from the TP1 plan: {row['first_difference_from_tp1']}")
 
 
 def main() -> None:
