@@ -66,7 +66,12 @@ def main() -> None:
     parser.add_argument("--buffers", type=int, default=2, help="rotating buffers (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--stack-dump-s", type=float, default=None, help="print every thread's Python stack and exit after this many seconds (diagnosing a stuck rank)")
     args = parser.parse_args()
+    if args.stack_dump_s:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.stack_dump_s, exit=True)
 
     from megatron.core import parallel_state as ps
 

@@ -171,7 +171,12 @@ def main() -> None:
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--check-refusal", action="store_true", help="also build a tensorwise-recipe model and expect a refusal")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--stack-dump-s", type=float, default=None, help="print every thread's Python stack and exit after this many seconds (diagnosing a stuck rank)")
     args = parser.parse_args()
+    if args.stack_dump_s:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.stack_dump_s, exit=True)
 
     from megatron.bridge import AutoBridge
 

@@ -50,5 +50,9 @@ case "$part" in
     step verify_qwen3-1.7b_tp2_fp32 100 "${two[@]}" -m mbridge_refit.verify_refit --shape qwen3-1.7b --tp 2 --dtype float32 --json "$RESULTS/verify_qwen3-1.7b_tp2_fp32.json"
     step fp8_checkpoint 120 python3 scripts/check_fp8_checkpoint.py --work /tmp/fp8check --out-dir "$RESULTS"
     ;;
+  diagnose)
+    step bench_refit_broadcast 125 "${two[@]}" scripts/bench_refit_broadcast.py --model qwen3-8b --stack-dump-s 110 --out-dir "$RESULTS"
+    step te_fp8_qwen3-30b-a3b_ep2 85 "${two[@]}" scripts/check_te_fp8_params.py --model qwen3-30b-a3b --layers 2 --experts 16 --ep 2 --stack-dump-s 70 --out-dir "$RESULTS"
+    ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac

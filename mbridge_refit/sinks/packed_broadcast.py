@@ -287,14 +287,15 @@ def _hex(value: int) -> str:
     return f"{value & 0xFFFF_FFFF_FFFF_FFFF:#018x}"
 
 
-def _share_verdict(trainer_group: Any, src: int, error: BaseException | None) -> None:
-    """Broadcast the source's outcome to the trainer ranks so all of them raise the same error."""
-    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64)
+def _share_verdict(trainer_group: Any, src: int, error: BaseException | None, device: torch.device) -> None:
+    """Broadcast the source's outcome to the trainer ranks so all of them raise the same error
+    (on ``device``: an NCCL group takes CUDA tensors only)."""
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=device)
     dist.broadcast(flag, src=src, group=trainer_group)
     if int(flag) == 0:
         return
     message = [f"{type(error).__name__}: {error}" if error is not None else None]
-    dist.broadcast_object_list(message, src=src, group=trainer_group)
+    dist.broadcast_object_list(message, src=src, group=trainer_group, device=device if device.type == "cuda" else None)
     if error is not None:
         raise error
     raise RefitStatusError(f"the packed-broadcast source rank {src} failed: {message[0]}")
@@ -368,7 +369,7 @@ class PackedBroadcastSender(WeightSink):
             except PlanMismatchError as err:
                 error = err
         if trainer_group is not None:
-            _share_verdict(trainer_group, src, error)
+            _share_verdict(trainer_group, src, error, self.device)
         elif error is not None:
             raise error
 
@@ -405,7 +406,7 @@ class PackedBroadcastSender(WeightSink):
                 raise error  # receivers are left waiting: see the class docstring
             error = self._finish_source()
         if self.trainer_group is not None:
-            _share_verdict(self.trainer_group, self.src, error)
+            _share_verdict(self.trainer_group, self.src, error, self.device)
         elif error is not None:
             raise error
 
