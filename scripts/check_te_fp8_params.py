@@ -196,6 +196,14 @@ def main() -> None:
         phase("gather TE's shards (oracle)")
         gathered = [None] * env.world_size
         dist.all_gather_object(gathered, local_fp8_params(bridge, chunks))
+        weights, scales = bridge._fp8_exporters(chunks, plan)  # diagnostics: what each rank will gather
+        for label, exporter in (("weights", weights), ("scales", scales)):
+            if exporter is not None:
+                buckets = exporter._buckets()
+                phase(f"{label}: {len(buckets)} buckets " + "; ".join(
+                    f"{'E' if b.expert else 'D'}{len(b.ops)}:" + ",".join(
+                        f"{op.source.rsplit('.', 2)[-2:] if op.source else None}{tuple(exporter.params[op.source].shape) if op.source else ''}"
+                        for op in b.ops[:2]) for b in buckets[:6]))
         phase("FP8 export")
         exported = {}
         for name, tensor in bridge.export_hf_weights(chunks, fp8="blockwise", reuse_buffer_from_cache=True, show_progress=False):
