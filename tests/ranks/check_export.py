@@ -3,8 +3,9 @@
 Usage: check_export.py --hf CKPT --result DIR [--tp N --pp N --vpp N --ep N]
 
 Every rank loads the checkpoint into its shard of the model, then checks (failing with exit 1):
-  * plan building moves no tensor data (tensor collectives counted by a test-only wrapper)
-    and allocates no tensor storage (a dispatch-mode allocation probe);
+  * plan building moves no tensor data (tensor collectives counted by a test-only wrapper),
+    runs at most two object collectives whatever the model's size, and allocates no tensor
+    storage (a dispatch-mode allocation probe);
   * the plan of a model built on the meta device equals the plan of the real model;
   * the plan's (name, shape, dtype) list equals, in order, what RefitBridge yields and what the
     stock Megatron-Bridge export yields;
@@ -23,22 +24,28 @@ import argparse
 import contextlib
 import datetime
 import json
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
+from rank_checks import fail, oracle, same_bytes
 from torch.utils._python_dispatch import TorchDispatchMode
 
 TENSOR_COLLECTIVES = ("all_gather", "all_gather_into_tensor", "broadcast", "all_reduce", "reduce_scatter_tensor", "scatter", "send", "recv")
+OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
+# Plan building exchanges objects twice: the bridge's parameter names over the pipeline group and
+# one RankContribution per rank; a count that grew with the model would show up here.
+MAX_OBJECT_COLLECTIVES = 2
 
 
 @contextlib.contextmanager
-def count_tensor_collectives():
-    """Test-only: wrap torch.distributed's tensor collectives with counters for the block."""
-    counts = {name: 0 for name in TENSOR_COLLECTIVES}
-    originals = {name: getattr(dist, name) for name in TENSOR_COLLECTIVES}
+def count_collectives():
+    """Test-only: wrap torch.distributed's tensor and object collectives with counters for the block.
+
+    (The object collectives' own inner tensor gathers go through torch's module globals, not these
+    attributes, so they are not counted as tensor collectives.)"""
+    counts = {name: 0 for name in TENSOR_COLLECTIVES + OBJECT_COLLECTIVES}
+    originals = {name: getattr(dist, name) for name in counts}
 
     def wrap(name):
         def counted(*args, **kwargs):
@@ -47,7 +54,7 @@ def count_tensor_collectives():
 
         return counted
 
-    for name in TENSOR_COLLECTIVES:
+    for name in counts:
         setattr(dist, name, wrap(name))
     try:
         yield counts
@@ -83,26 +90,10 @@ class AllocationProbe(TorchDispatchMode):
         return out
 
 
-def oracle(path: Path):
-    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
-    handles = {}
-
-    def read(name):
-        file = index[name]
-        if file not in handles:
-            handles[file] = safe_open(str(path / file), framework="pt")
-        return handles[file].get_tensor(name)
-
-    return read
 
 
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
-def fail(message: str):
-    print(f"[rank{dist.get_rank()}] CHECK FAILED: {message}", file=sys.stderr, flush=True)
-    sys.exit(1)
 
 
 def main() -> None:
@@ -134,10 +125,12 @@ def main() -> None:
         bridge.load_hf_shards(chunks, args.hf)
 
         # 1. plan: no tensor collectives, no storage.
-        with count_tensor_collectives() as counts, AllocationProbe() as probe:
+        with count_collectives() as counts, AllocationProbe() as probe:
             plan = bridge.export_plan(chunks)
-        if any(counts.values()):
+        if any(counts[name] for name in TENSOR_COLLECTIVES):
             fail(f"plan building ran tensor collectives: {counts}")
+        if sum(counts[name] for name in OBJECT_COLLECTIVES) > MAX_OBJECT_COLLECTIVES:
+            fail(f"plan building ran more than {MAX_OBJECT_COLLECTIVES} object collectives: {counts}")
         if probe.bytes:
             fail(f"plan building allocated {probe.bytes} bytes of floating-point tensor storage: {probe.seen[:8]}")
         if probe.object_bytes > 1 << 20:

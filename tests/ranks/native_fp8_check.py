@@ -25,14 +25,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import fnmatch
-import json
 import math
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
+from rank_checks import fail, oracle, same_bytes
 
 BLOCK = 128
 QUANTIZED_PARAMS = ("*.linear_qkv.weight", "*.linear_proj.weight", "*.linear_fc1.weight*", "*.linear_fc2.weight*")
@@ -83,19 +81,10 @@ def quantize_parameters_like_te(chunks) -> int:
     return replaced
 
 
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
-def fail(message: str):
-    print(f"[rank{dist.get_rank()}] CHECK FAILED: {message}", file=sys.stderr, flush=True)
-    sys.exit(1)
 
 
-def oracle(path: Path):
-    index_file = path / "model.safetensors.index.json"
-    index = json.loads(index_file.read_text())["weight_map"] if index_file.exists() else None
-    return lambda name: safe_open(str(path / (index[name] if index else "model.safetensors")), framework="pt").get_tensor(name)
 
 
 def main() -> None:
