@@ -5,6 +5,10 @@ bridge's mappings and ``placement``'s slice rules. No tensor data moves and no w
 allocated, so it works on models built on the meta device; the only communication is the
 bridge's exchange of parameter names across pipeline stages and one ``all_gather_object`` of
 per-rank parameter descriptions over the model's ranks (the whole job unless a group is given).
+The two halves are separate functions: ``rank_contribution`` (what this rank holds, including how
+the trainer stores each parameter, e.g. as TE blockwise FP8) and ``assemble_plan`` (pure: the same
+plan from the same contributions on every rank), so a plan can also be built from contributions
+gathered another way (``scripts/simulate_plan.py``).
 
 Identical on every rank, JSON-serialisable (``ExportPlan.to_json``) for another process, and the
 input of the fast export path (``export``).
