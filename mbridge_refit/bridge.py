@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
@@ -27,9 +28,9 @@ import torch
 from megatron.bridge import AutoBridge
 
 from mbridge_refit.checkpoint import HFCheckpoint
-from mbridge_refit.export import ExportBuffers, PlanExporter
 from mbridge_refit import te_fp8
-from mbridge_refit.fp8 import BlockwiseFP8Config, FP8FormatError, fp8_plan, quantize_stream
+from mbridge_refit.export import ExportBuffers, PlanExporter
+from mbridge_refit.fp8 import FP8_DTYPE_NAME, BlockwiseFP8Config, FP8FormatError, fp8_plan, quantize_stream
 from mbridge_refit.fp8 import scale_name as fp8_scale_name
 from mbridge_refit.loader import LoadReport, load_hf_shards
 from mbridge_refit.plan import ExportPlan, PlanError, build_export_plan
@@ -62,7 +63,7 @@ class RefitBridge(AutoBridge):
         if self.__dict__.get("_refit_model_key") != key:
             model_bridge.__dict__.pop("_cached_param_names", None)
             self.__dict__["_refit_model_key"] = key
-            for cache in ("_refit_plan", "_refit_exporter", "_refit_plan_error", "_refit_fp8_plan", "_refit_fp8_exporters"):
+            for cache in ("_refit_plan", "_refit_exporter", "_refit_plan_error", "_refit_fp8"):
                 self.__dict__[cache] = None
         return model_bridge
 
@@ -80,7 +81,7 @@ class RefitBridge(AutoBridge):
         chunks = model if isinstance(model, list) else [model]
         plan = self._planned(chunks, group)[0]
         config = _fp8_config(fp8)
-        return plan if config is None else self._fp8_plan(chunks, config)
+        return plan if config is None else self._fp8_export(chunks, config).plan
 
     def _planned(self, chunks: list[torch.nn.Module], group=None) -> tuple[ExportPlan, list]:
         """(plan, conversion tasks) for ``chunks``, built once per model."""
@@ -105,34 +106,34 @@ class RefitBridge(AutoBridge):
             self.__dict__["_refit_exporter"] = exporter
         return exporter
 
-    def _fp8_exporters(self, chunks: list[torch.nn.Module], plan: ExportPlan) -> tuple[PlanExporter, PlanExporter | None]:
-        """(weights, trainer-side scales) exporters of an FP8 plan; built once per model and plan.
+    def _fp8_export(self, chunks: list[torch.nn.Module], config: BlockwiseFP8Config) -> "_FP8Export":
+        """The FP8 plan for ``config`` and the exporters that run it; built once per model and config.
 
         Weights: the BF16 plan where weights the trainer keeps as blockwise FP8 are read as their
-        e4m3 data. Scales: those weights' ``scale_inv`` shards (None when the model has none).
+        e4m3 data (the BF16 exporter itself when there are none). Scales: those weights'
+        ``scale_inv`` shards (None when the model has none).
         """
-        cached = self.__dict__.get("_refit_fp8_exporters")
-        if cached is not None and cached[0] is plan:
-            return cached[1], cached[2]
+        cached = self.__dict__.get("_refit_fp8")
         base, tasks = self._planned(chunks)
-        params = _local_params(tasks)
-        native_scales = [e for e in plan.entries if e.scale_of is not None and e.source_format == te_fp8.FP8_BLOCKWISE]
-        native_weights = {e.scale_of for e in native_scales}
-        weights_plan = dataclasses.replace(
-            plan,
-            entries=tuple(
-                entry if entry.hf_name in native_weights else original
-                for entry, original in zip((e for e in plan.entries if e.scale_of is None), base.entries, strict=True)
-            ),
-        )
-        device = _device_of(params)
-        weights = PlanExporter(plan=weights_plan, params=params, device=device, shards=te_fp8.fp8_data_shards(params))
-        scales = None
+        if cached is not None and cached.base is base and cached.config == config:
+            return cached
+        plan = fp8_plan(base, config)
+        native_scales = tuple(e for e in plan.entries if e.scale_of is not None and e.source_format == te_fp8.FP8_BLOCKWISE)
+        native_weights = frozenset(e.scale_of for e in native_scales)
+        weights, scales = self._exporter(chunks), None
         if native_scales:
-            scales_plan = dataclasses.replace(plan, entries=tuple(native_scales))
-            scales = PlanExporter(plan=scales_plan, params=params, device=device, shards=te_fp8.fp8_scale_shards(params))
-        self.__dict__["_refit_fp8_exporters"] = (plan, weights, scales)
-        return weights, scales
+            params = _local_params(tasks)
+            weights_plan = dataclasses.replace(
+                base, entries=tuple(dataclasses.replace(e, dtype=FP8_DTYPE_NAME) if e.hf_name in native_weights else e for e in base.entries)
+            )
+            weights = PlanExporter(plan=weights_plan, params=params, device=weights.device, shards=te_fp8.fp8_data_shards(params))
+            scales = PlanExporter(
+                plan=dataclasses.replace(plan, entries=native_scales), params=params, device=weights.device,
+                shards=te_fp8.fp8_scale_shards(params),
+            )
+        cached = _FP8Export(base=base, config=config, plan=plan, weights=weights, scales=scales, shipped_scales=native_weights)
+        self.__dict__["_refit_fp8"] = cached
+        return cached
 
     def _export_buffers(self) -> ExportBuffers:
         buffers = self.__dict__.get("_refit_buffers")
@@ -216,23 +217,15 @@ class RefitBridge(AutoBridge):
         """The FP8 stream: weights the trainer keeps as blockwise FP8 are shipped as they are, with
         their scales; high-precision weights are quantized tensor by tensor into (cached) buffers."""
         try:
-            plan = self._fp8_plan(chunks, config)
+            fp8 = self._fp8_export(chunks, config)
         except PlanError as err:
             raise FP8FormatError(f"the FP8 export runs from the export plan, which this model has none of: {err}") from err
-        weights, scales = self._fp8_exporters(chunks, plan)
         buffers = self._export_buffers() if reuse_buffer_from_cache else ExportBuffers(persistent=False)
-        stream = weights.export(buffers, show_progress=show_progress and _is_rank_zero())
-        if scales is not None:
-            stream = _with_trainer_scales(stream, scales.export(buffers), plan)
-        stream = quantize_stream(stream, plan, buffers)
+        stream = fp8.weights.export(buffers, show_progress=show_progress and _is_rank_zero())
+        if fp8.scales is not None:
+            stream = _with_trainer_scales(stream, fp8.scales.export(buffers), fp8.shipped_scales)
+        stream = quantize_stream(stream, fp8.plan, buffers)
         return ((name, tensor.cpu()) for name, tensor in stream) if cpu else stream
-
-    def _fp8_plan(self, chunks: list[torch.nn.Module], config: BlockwiseFP8Config) -> ExportPlan:
-        cached = self.__dict__.get("_refit_fp8_plan")
-        base = self._planned(chunks)[0]
-        if cached is None or cached[0] is not base or cached[1] != config:
-            cached = self.__dict__["_refit_fp8_plan"] = (base, config, fp8_plan(base, config))
-        return cached[2]
 
     def export_hf_weights_stock(self, model, **kwargs) -> Iterable[tuple[str, torch.Tensor]]:
         """The unmodified Megatron-Bridge export (for comparison and benchmarks)."""
@@ -276,15 +269,26 @@ def _device_of(params: dict[str, torch.Tensor]) -> torch.device:
     return next(iter(params.values())).device if params else torch.device("cpu")
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _FP8Export:
+    """What an FP8 export of one model with one config runs (cached by ``RefitBridge._fp8_export``)."""
+
+    base: ExportPlan  # the BF16 plan it was derived from
+    config: BlockwiseFP8Config
+    plan: ExportPlan  # what the export yields
+    weights: PlanExporter
+    scales: PlanExporter | None  # scale_inv shards of the weights the trainer keeps as FP8
+    shipped_scales: frozenset[str]  # HF names of those weights
+
+
 def _with_trainer_scales(
-    weights: Iterable[tuple[str, torch.Tensor]], scales: Iterable[tuple[str, torch.Tensor]], plan: ExportPlan
+    weights: Iterable[tuple[str, torch.Tensor]], scales: Iterable[tuple[str, torch.Tensor]], has_scale: frozenset[str]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Interleave the trainer-side scale stream after each of its weights, in plan order.
+    """Interleave the trainer-side scale stream after each weight named in ``has_scale``.
 
     Both streams are collective; every rank advances them at the same points (the plan's), so
     their gathers and pipeline broadcasts are issued in the same order everywhere.
     """
-    has_scale = {e.scale_of for e in plan.entries if e.scale_of is not None and e.source_format == te_fp8.FP8_BLOCKWISE}
     scales = iter(scales)
     for name, tensor in weights:
         yield name, tensor

@@ -115,6 +115,7 @@ class _Bucket:
     ops: list[_Op]
     expert: bool
     pp_rank: int
+    gathers: int  # gathers this rank issues for the bucket (decides whether to coalesce)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -175,7 +176,7 @@ class PlanExporter:
     def _buckets(self) -> list[_Bucket]:
         buckets = self._buckets_for.get(self.bucket_bytes)
         if buckets is None:
-            buckets = self._buckets_for[self.bucket_bytes] = _build_buckets(self._ops, self.bucket_bytes)
+            buckets = self._buckets_for[self.bucket_bytes] = _build_buckets(self._ops, self.bucket_bytes, self._groups)
         return buckets
 
     def export(self, buffers: ExportBuffers, *, cpu: bool = False, show_progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -207,7 +208,7 @@ class PlanExporter:
             return [None] * len(bucket.ops)
         group = self._groups.ep if bucket.expert else self._groups.tp
         gathered: list[dict] = []
-        with self._coalesced(group, sum(_gather_count(op, self._groups) for op in bucket.ops)):
+        with self._coalesced(group, bucket.gathers):
             for slot, op in enumerate(bucket.ops):
                 gathered.append(self._launch_gathers(op, slot, buffers) if op.source is not None else {})
         return [
@@ -312,38 +313,27 @@ def _gather_count(op: _Op, groups: _Groups) -> int:
     return rows + int(op.sharded_over_tp and any(a.how == "pieces" for a in op.assemblies))
 
 
-def _build_buckets(ops: list[_Op], bucket_bytes: int) -> list[_Bucket]:
+def _build_buckets(ops: list[_Op], bucket_bytes: int, groups: _Groups) -> list[_Bucket]:
     """Pack consecutive whole layers of one stage and gather group into buckets of at most
-    ``bucket_bytes`` output bytes (a layer larger than that is a bucket of its own).
-    Identical on every rank: it reads only the plan."""
-    buckets: list[_Bucket] = []
-    pending: list[_Op] = []
-    pending_bytes = 0
-
-    def flush() -> None:
-        nonlocal pending, pending_bytes
-        if pending:
-            first = pending[0].entries[0]
-            buckets.append(_Bucket(ops=pending, expert=pending[0].expert, pp_rank=first.pp_rank))
-        pending, pending_bytes = [], 0
-
-    for unit in _layer_units(ops):
-        unit_bytes = sum(op.nbytes for op in unit)
-        if pending and (
-            bucket_bytes <= 0
-            or _unit_kind(unit) != _unit_kind(pending)
-            or pending_bytes + unit_bytes > bucket_bytes
-        ):
-            flush()
-        if bucket_bytes <= 0:
-            for op in unit:
-                pending = [op]
-                flush()
-            continue
-        pending.extend(unit)
-        pending_bytes += unit_bytes
-    flush()
-    return buckets
+    ``bucket_bytes`` output bytes (a layer larger than that is a bucket of its own); with
+    ``bucket_bytes <= 0``, one bucket per op. The same on every rank: it reads only the plan."""
+    if bucket_bytes <= 0:
+        groupings = [[op] for op in ops]
+    else:
+        groupings, pending_bytes = [], 0
+        for unit in _layer_units(ops):
+            unit_bytes = sum(op.nbytes for op in unit)
+            if groupings and _unit_kind(unit) == _unit_kind(groupings[-1]) and pending_bytes + unit_bytes <= bucket_bytes:
+                groupings[-1].extend(unit)
+                pending_bytes += unit_bytes
+            else:
+                groupings.append(list(unit))
+                pending_bytes = unit_bytes
+    return [
+        _Bucket(ops=bucket, expert=bucket[0].expert, pp_rank=bucket[0].entries[0].pp_rank,
+                gathers=sum(_gather_count(op, groups) for op in bucket))
+        for bucket in groupings
+    ]
 
 
 def _layer_units(ops: list[_Op]) -> Iterator[list[_Op]]:

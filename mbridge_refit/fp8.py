@@ -56,10 +56,12 @@ E4M3_MAX = 448.0
 FP8_DTYPE = torch.float8_e4m3fn
 SCALE_DTYPE = torch.float32
 SCALE_SUFFIX = "_scale_inv"  # <module>.weight -> <module>.weight_scale_inv
-FP8_DTYPE_NAME = "float8_e4m3fn"
-SCALE_DTYPE_NAME = "float32"
-FP8_BLOCKWISE_SOURCE = "fp8_blockwise"  # te_fp8.FP8_BLOCKWISE: the trainer keeps the weight in this format
-QUANTIZABLE_SOURCES = ("plain", FP8_BLOCKWISE_SOURCE)
+FP8_DTYPE_NAME = str(FP8_DTYPE).removeprefix("torch.")  # as plan entries name dtypes
+SCALE_DTYPE_NAME = str(SCALE_DTYPE).removeprefix("torch.")
+# How the trainer stores a weight (``PlanEntry.source_format``; te_fp8 tells them apart):
+PLAIN_SOURCE = "plain"  # a high-precision tensor: quantized on export
+FP8_BLOCKWISE_SOURCE = "fp8_blockwise"  # TE 128x128 blockwise e4m3: shipped as stored
+QUANTIZABLE_SOURCES = (PLAIN_SOURCE, FP8_BLOCKWISE_SOURCE)
 
 DEFAULT_KEEP_PATTERNS = (
     "*embed_tokens.weight",

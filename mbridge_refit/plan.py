@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from mbridge_refit.placement import PlacementError, PlacementKind, ShardContext, SliceCopy, placement_kind, slices_for
-from mbridge_refit.te_fp8 import storage_format
+from mbridge_refit.te_fp8 import PLAIN, storage_format
 
 
 class PlanError(ValueError):
@@ -74,7 +74,7 @@ class PlanEntry:
     layout: SourceLayout
     alias_of: str | None = None  # tied output weight: the same data as this entry
     scale_of: str | None = None  # FP8 export: the blockwise scale of this weight entry (``fp8``)
-    source_format: str = "plain"  # how the trainer stores the parameter (``te_fp8.storage_format``)
+    source_format: str = PLAIN  # how the trainer stores the parameter (``te_fp8.storage_format``)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -138,7 +138,7 @@ class _ParamSpec:
     pp_rank: int
     vpp_stage: int
     is_expert: bool
-    source_format: str = "plain"
+    source_format: str = PLAIN
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -171,7 +171,7 @@ def build_export_plan(
     # One object exchange for the whole job; errors travel with it so every rank raises the same.
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine, group=group)
-    return assemble_plan(gathered, current_sizes(chunks), model_bridge, hf_pretrained)
+    return assemble_plan(gathered, current_sizes(chunks), chunks[0].config, model_bridge, hf_pretrained)
 
 
 def rank_contribution(
@@ -205,20 +205,19 @@ def current_sizes(chunks: list[torch.nn.Module]) -> "_ParallelSizes":
         edp=ps.get_expert_data_parallel_world_size(),
         vpp=len(chunks),
         num_experts=chunks[0].config.num_moe_experts or 0,
-        config=chunks[0].config,
     )
 
 
 def assemble_plan(
-    contributions: list[RankContribution], sizes: "_ParallelSizes", model_bridge: Any, hf_pretrained: Any
+    contributions: list[RankContribution], sizes: "_ParallelSizes", config: Any, model_bridge: Any, hf_pretrained: Any
 ) -> ExportPlan:
-    """The plan from every rank's contribution (pure: the same on every rank)."""
+    """The plan from every rank's contribution (pure: the same on every rank). ``config``: the
+    Megatron model config (QKV placement reads its head counts)."""
     all_errors = sorted({error for c in contributions for error in c.errors})
     if all_errors:
         raise PlanError("; ".join(all_errors[:5]) + (f" (and {len(all_errors) - 5} more)" if len(all_errors) > 5 else ""))
     specs = {spec.global_name: spec for c in contributions for spec in c.specs}
     layer_map = {layer: where for c in contributions for layer, where in c.layer_map.items()}
-    config = sizes.config
     names = sorted(specs, key=_sort_key)
     entries: list[PlanEntry] = []
     for name in names:
@@ -237,7 +236,6 @@ class _ParallelSizes:
     edp: int
     vpp: int
     num_experts: int
-    config: Any = dataclasses.field(default=None, compare=False)
 
     @property
     def experts_per_rank(self) -> int:
@@ -309,7 +307,8 @@ def _expert_entry(
     spec: _ParamSpec, output_index: int, owner: int, local_index: int, sizes: _ParallelSizes, config: Any
 ) -> PlanEntry:
     hf_name = spec.placement.hf_names[output_index]
-    pieces = (_whole_expert_pieces(spec.placement, spec.local_shape, hf_name, config),)
+    ctx = ShardContext(local_shape=spec.local_shape, tp_rank=0, tp_size=1, config=config)
+    pieces = (tuple(c for c in slices_for(spec.placement, ctx) if c.hf_name == hf_name),)
     layout = SourceLayout(
         mesh_dims=("ep", "edp"),
         mesh_shape=(sizes.ep, sizes.edp),
@@ -320,19 +319,6 @@ def _expert_entry(
         local_expert_index=local_index,
     )
     return _entry(spec, hf_name, _hf_shape(spec.local_shape, pieces), layout)
-
-
-_EXPERT_PIECES: dict[tuple, tuple[SliceCopy, ...]] = {}
-
-
-def _whole_expert_pieces(placement: PlacementKind, local_shape: tuple[int, ...], hf_name: str, config: Any) -> tuple[SliceCopy, ...]:
-    """Where ``hf_name`` sits in a whole (expert-TP 1) expert shard; the same for every expert."""
-    key = (placement.kind, placement.hf_names, local_shape, hf_name, id(config))
-    pieces = _EXPERT_PIECES.get(key)
-    if pieces is None:
-        ctx = ShardContext(local_shape=local_shape, tp_rank=0, tp_size=1, config=config)
-        pieces = _EXPERT_PIECES[key] = tuple(c for c in slices_for(placement, ctx) if c.hf_name == hf_name)
-    return pieces
 
 
 def _entry(spec: _ParamSpec, hf_name: str, shape: tuple[int, ...], layout: SourceLayout) -> PlanEntry:

@@ -16,6 +16,7 @@ TE is imported lazily: models without quantized parameters never touch it.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -27,8 +28,7 @@ if TYPE_CHECKING:
 
 from mbridge_refit.fp8 import BLOCK, FP8_DTYPE, FP8_DTYPE_NAME
 from mbridge_refit.fp8 import FP8_BLOCKWISE_SOURCE as FP8_BLOCKWISE  # Float8BlockwiseQTensor, 2-D blocks, row-wise data
-
-PLAIN = "plain"
+from mbridge_refit.fp8 import PLAIN_SOURCE as PLAIN
 
 
 def storage_format(param: torch.Tensor) -> str:
@@ -54,13 +54,15 @@ def is_quantized(param: torch.Tensor) -> bool:
 
 def fp8_data(param: torch.Tensor) -> torch.Tensor:
     """The row-wise e4m3 data of a blockwise FP8 parameter, as ``float8_e4m3fn`` (a view)."""
+    return param.get_metadata()["rowwise_data"].view(FP8_DTYPE)
+
+
+def _check_e4m3(name: str, param: torch.Tensor) -> None:
     from transformer_engine.pytorch.constants import TE_DType_To_Torch
 
-    metadata = param.get_metadata()
-    fp8_dtype = TE_DType_To_Torch.get(metadata.get("fp8_dtype"))
+    fp8_dtype = TE_DType_To_Torch.get(param.get_metadata().get("fp8_dtype"))
     if fp8_dtype != FP8_DTYPE:
-        raise ValueError(f"FP8 parameter data is {fp8_dtype}, not {FP8_DTYPE}: the HF blockwise format stores e4m3")
-    return metadata["rowwise_data"].view(FP8_DTYPE)
+        raise ValueError(f"{name}: FP8 parameter data is {fp8_dtype}, not {FP8_DTYPE}: the HF blockwise format stores e4m3")
 
 
 def fp8_scale(param: torch.Tensor) -> torch.Tensor:
@@ -80,9 +82,11 @@ def dequantized_shards(params: dict[str, torch.Tensor]) -> ShardSource:
     """BF16 export of a model with quantized parameters: plain parameters as they are,
     quantized ones dequantized by TE into a buffer per bucket slot (as stock export does)."""
 
+    quantized = {name for name, param in params.items() if is_quantized(param)}  # decided once, not per export
+
     def source(name: str, entry: "PlanEntry", slot: Any, buffers: ExportBuffers) -> torch.Tensor:
         param = params[name]
-        if not is_quantized(param):
+        if name not in quantized:
             return param
         out = buffers.get("dequantized", slot, tuple(param.shape), param.dtype, param.device)
         return out.copy_(dequantized(param))
@@ -95,6 +99,9 @@ def fp8_data_shards(params: dict[str, torch.Tensor]) -> ShardSource:
     without a round trip); everything else as in a BF16 export (a quantized parameter that the
     FP8 config keeps in high precision is dequantized)."""
     bf16 = dequantized_shards(params)
+    for name, param in params.items():
+        if storage_format(param) == FP8_BLOCKWISE:
+            _check_e4m3(name, param)
 
     def source(name: str, entry: "PlanEntry", slot: Any, buffers: ExportBuffers) -> torch.Tensor:
         if entry.dtype == FP8_DTYPE_NAME:
@@ -121,15 +128,11 @@ def has_quantized_params(params: dict[str, torch.Tensor]) -> bool:
     return any(is_quantized(p) for p in params.values())
 
 
-_QUANTIZED: Any = False
-
-
+@functools.cache
 def _quantized_tensor_class():
-    global _QUANTIZED
-    if _QUANTIZED is False:
-        try:
-            from transformer_engine.pytorch.quantized_tensor import QuantizedTensor
-        except ImportError:
-            QuantizedTensor = None
-        _QUANTIZED = QuantizedTensor
-    return _QUANTIZED
+    """TE's ``QuantizedTensor`` base class, or None where Transformer Engine is not installed."""
+    try:
+        from transformer_engine.pytorch.quantized_tensor import QuantizedTensor
+    except ImportError:
+        return None
+    return QuantizedTensor

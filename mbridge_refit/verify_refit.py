@@ -153,18 +153,15 @@ def hf_logprobs(hf_model: torch.nn.Module, tokens: torch.Tensor, *, fp32_logits:
 
 
 def projected_in_fp32(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``hidden @ weight.T`` in fp32 (TF32 off): logits without the output layer's bf16 rounding.
+    """``hidden @ weight.T`` in fp32: logits without the output layer's bf16 rounding.
 
     bf16 logits carry a rounding error of up to half an ulp of the logit (2^-8 relative: ~0.008
     for a logit of 4), which alone exceeds a 1e-3 log-probability tolerance; computing the last
-    projection in fp32 on both sides leaves only the transformer body's differences.
+    projection in fp32 on both sides leaves only the transformer body's differences. (With
+    PyTorch's default ``allow_tf32 = False`` this is a true fp32 product; the caller's setting is
+    left alone.)
     """
-    previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        return hidden.float() @ weight.float().t()
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = previous
+    return hidden.float() @ weight.float().t()
 
 
 @contextlib.contextmanager

@@ -28,6 +28,13 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # Linux: KiB
 
 
+def append_jsonl(path: Path, row: dict) -> None:
+    """Add one result row to a JSON-lines results file (scripts/results/plan_scale.jsonl)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        handle.write(json.dumps(row) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-235b-a22b", help="a shape in recipes/shapes/")
@@ -69,9 +76,7 @@ def main() -> None:
                 f"peak RSS {row['peak_rss_gib']:.2f} GiB (after imports {row['rss_after_imports_gib']:.2f})",
                 flush=True,
             )
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            with args.out.open("a") as handle:
-                handle.write(json.dumps(row) + "\n")
+            append_jsonl(args.out, row)
 
 
 if __name__ == "__main__":

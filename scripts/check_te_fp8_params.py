@@ -24,12 +24,14 @@ Also times the cached FP8 export against the cached BF16 export of the same mode
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -144,6 +146,17 @@ def timed(make, repeats: int = 5) -> float:
 _START = time.perf_counter()
 
 
+@contextlib.contextmanager
+def _report_first():
+    """Print a failure's traceback before the session tears down: teardown can block while the
+    other rank still waits in a collective, and the error would then never reach the log."""
+    try:
+        yield
+    except Exception:
+        phase("failed:\n" + traceback.format_exc())
+        raise
+
+
 def phase(what: str) -> None:
     """Progress on stderr with the elapsed time, so a stuck step is visible in the log."""
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -187,7 +200,7 @@ def main() -> None:
 
     layout = ParallelLayout(tp=args.tp, ep=args.ep)
     # A short collective timeout: a rank stuck in a collective fails with the collective's name.
-    with distributed_session(layout, device=torch.device("cuda"), timeout=datetime.timedelta(seconds=120)) as env:
+    with distributed_session(layout, device=torch.device("cuda"), timeout=datetime.timedelta(seconds=120)) as env, _report_first():
         phase("build the FP8-parameter model")
         config, bridge, chunks = build(args, "blockwise")
         phase("plan")
@@ -196,14 +209,6 @@ def main() -> None:
         phase("gather TE's shards (oracle)")
         gathered = [None] * env.world_size
         dist.all_gather_object(gathered, local_fp8_params(bridge, chunks))
-        weights, scales = bridge._fp8_exporters(chunks, plan)  # diagnostics: what each rank will gather
-        for label, exporter in (("weights", weights), ("scales", scales)):
-            if exporter is not None:
-                buckets = exporter._buckets()
-                phase(f"{label}: {len(buckets)} buckets " + "; ".join(
-                    f"{'E' if b.expert else 'D'}{len(b.ops)}:" + ",".join(
-                        f"{op.source.rsplit('.', 2)[-2:] if op.source else None}{tuple(exporter.params[op.source].shape) if op.source else ''}"
-                        for op in b.ops[:2]) for b in buckets[:6]))
         phase("FP8 export")
         exported = {}
         for name, tensor in bridge.export_hf_weights(chunks, fp8="blockwise", reuse_buffer_from_cache=True, show_progress=False):

@@ -7,10 +7,9 @@
 #   bash scripts/gpu_run.sh fp8params   # TE fp8_param models: Qwen3 TP2 and Qwen3-MoE EP2 (2 GPUs)
 #   bash scripts/gpu_run.sh bench       # export benchmark TP1 (+ BF16->FP8) and TP2 (2 GPUs)
 #   bash scripts/gpu_run.sh sinks       # packed broadcast benchmark, refit verifier, FP8 checkpoint in transformers
-#   bash scripts/gpu_run.sh moe_broadcast  # Qwen3-MoE EP2 FP8 parameters (16 experts) + packed broadcast benchmark
-#   bash scripts/gpu_run.sh verify_fp8ckpt # refit verifier qwen3-1.7b TP2 in float32, FP8 checkpoint in transformers
+#   bash scripts/gpu_run.sh diagnose    # packed broadcast + Qwen3-MoE EP2 FP8 parameters, with stack dumps if stuck
 set -u
-part=${1:?usage: gpu_run.sh fp8params|bench|sinks|moe_broadcast|verify_fp8ckpt}
+part=${1:?usage: gpu_run.sh fp8params|bench|sinks|diagnose}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 RESULTS=/tmp/gpu_results_$part; rm -rf "$RESULTS"; mkdir -p "$RESULTS"
 trap 'tar czf "$OUT/$part.tgz" -C "$RESULTS" .' EXIT
@@ -27,27 +26,20 @@ one=(torchrun --nproc-per-node 1)
 case "$part" in
   fp8params)
     step te_fp8_qwen3-8b_tp2 200 "${two[@]}" scripts/check_te_fp8_params.py --model qwen3-8b --layers 2 --tp 2 --check-refusal --out-dir "$RESULTS"
-    step te_fp8_qwen3-30b-a3b_ep2 200 "${two[@]}" scripts/check_te_fp8_params.py --model qwen3-30b-a3b --layers 2 --ep 2 --out-dir "$RESULTS"
+    step te_fp8_qwen3-30b-a3b_ep2 120 "${two[@]}" scripts/check_te_fp8_params.py --model qwen3-30b-a3b --layers 2 --experts 16 --ep 2 --stack-dump-s 100 --out-dir "$RESULTS"
     ;;
   bench)
     step bench_tp1_fp8 240 "${one[@]}" scripts/bench_export.py --model qwen3-8b --tp 1 --steady 7 --fp8 --out-dir "$RESULTS"
     step bench_tp2 240 "${two[@]}" scripts/bench_export.py --model qwen3-8b --tp 2 --steady 7 --compare-bucket-mib 128,1024 --out-dir "$RESULTS"
     ;;
   sinks)
-    step bench_refit_broadcast 200 "${two[@]}" scripts/bench_refit_broadcast.py --model qwen3-8b --out-dir "$RESULTS"
+    step bench_refit_broadcast 200 "${two[@]}" scripts/bench_refit_broadcast.py --model qwen3-8b --stack-dump-s 180 --out-dir "$RESULTS"
     step verify_qwen3-1.7b_tp1 100 python3 -m mbridge_refit.verify_refit --shape qwen3-1.7b --json "$RESULTS/verify_qwen3-1.7b_tp1.json"
     step verify_qwen3-1.7b_tp2 100 "${two[@]}" -m mbridge_refit.verify_refit --shape qwen3-1.7b --tp 2 --json "$RESULTS/verify_qwen3-1.7b_tp2.json"
+    step verify_qwen3-1.7b_tp2_fp32 100 "${two[@]}" -m mbridge_refit.verify_refit --shape qwen3-1.7b --tp 2 --dtype float32 --json "$RESULTS/verify_qwen3-1.7b_tp2_fp32.json"
     step verify_qwen3-1.7b_tp1_perturbed 100 python3 -m mbridge_refit.verify_refit --shape qwen3-1.7b --perturb model.layers.10.mlp.down_proj.weight --json "$RESULTS/verify_qwen3-1.7b_tp1_perturbed.json"
     step verify_qwen3-tiny_tp1 80 python3 -m mbridge_refit.verify_refit --recipe qwen3-tiny --json "$RESULTS/verify_qwen3-tiny_tp1.json"
     step verify_qwen3-tiny_tp2 80 "${two[@]}" -m mbridge_refit.verify_refit --recipe qwen3-tiny --tp 2 --json "$RESULTS/verify_qwen3-tiny_tp2.json"
-    step fp8_checkpoint 120 python3 scripts/check_fp8_checkpoint.py --work /tmp/fp8check --out-dir "$RESULTS"
-    ;;
-  moe_broadcast)
-    step te_fp8_qwen3-30b-a3b_ep2 120 "${two[@]}" scripts/check_te_fp8_params.py --model qwen3-30b-a3b --layers 2 --experts 16 --ep 2 --out-dir "$RESULTS"
-    step bench_refit_broadcast 180 "${two[@]}" scripts/bench_refit_broadcast.py --model qwen3-8b --out-dir "$RESULTS"
-    ;;
-  verify_fp8ckpt)
-    step verify_qwen3-1.7b_tp2_fp32 100 "${two[@]}" -m mbridge_refit.verify_refit --shape qwen3-1.7b --tp 2 --dtype float32 --json "$RESULTS/verify_qwen3-1.7b_tp2_fp32.json"
     step fp8_checkpoint 120 python3 scripts/check_fp8_checkpoint.py --work /tmp/fp8check --out-dir "$RESULTS"
     ;;
   diagnose)

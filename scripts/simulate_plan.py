@@ -32,7 +32,6 @@ import datetime
 import json
 import os
 import pickle
-import resource
 import subprocess
 import sys
 import tempfile
@@ -40,11 +39,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from bench_plan import append_jsonl, peak_rss_gib  # the sibling benchmark (scripts/ is on sys.path)
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def peak_rss_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
 
 
 def layout_of(args):
@@ -172,7 +169,7 @@ def step_assemble(args) -> dict:
     contributions = [pickle.loads((args.work / f"rank{r}.pkl").read_bytes()) for r in range(world)]
     unpickle_s = time.perf_counter() - start  # the CPU share of the exchange on each rank
     start = time.perf_counter()
-    plan = assemble_plan(contributions, current_sizes(chunks), bridge._model_bridge_for(chunks), bridge.hf_pretrained)
+    plan = assemble_plan(contributions, current_sizes(chunks), chunks[0].config, bridge._model_bridge_for(chunks), bridge.hf_pretrained)
     assemble_s = time.perf_counter() - start
     reference = sorted(json.loads((args.work / "names.json").read_text())["reference"])
     got = sorted([e.hf_name, list(e.shape), e.dtype] for e in plan.entries)
@@ -235,9 +232,7 @@ def orchestrate(args) -> None:
         f"{row['peak_rss_gib']:.2f} GiB; exchanged {row['payload_bytes_total'] / 2**20:.1f} MiB",
         flush=True,
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("a") as handle:
-        handle.write(json.dumps(row) + "\n")
+    append_jsonl(args.out, row)
     if not row["matches_tp1_plan"]:
         raise SystemExit(f"the simulated plan's (name, shape, dtype) list differs from the TP1 plan: {row['first_difference_from_tp1']}")
 

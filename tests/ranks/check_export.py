@@ -90,12 +90,6 @@ class AllocationProbe(TorchDispatchMode):
         return out
 
 
-
-
-
-
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hf", type=Path, required=True)

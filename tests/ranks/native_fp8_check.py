@@ -14,7 +14,7 @@ Then, failing with exit 1 on any difference:
     disk (the oracle): the per-shard blocks were split and gathered into the HF tensor's blocks;
   * a second (cached) export yields the same bytes;
   * the BF16 export of the same model equals the stock Megatron-Bridge export (which
-    dequantizes each shard with TE) and equals the oracle's FP8 values dequantized.
+    dequantizes each shard with TE) and the oracle's quantized checkpoint tensor dequantized.
 
 With ``--expect-error``, the FP8 export must instead raise ``FP8FormatError`` containing TEXT
 before any tensor is yielded.
@@ -137,6 +137,7 @@ def main() -> None:
                     fail(f"{name}: the second cached FP8 export differs from the first")
             if got != expected:
                 fail(f"FP8 export order/shape/dtype differs from its plan: {got[:4]} vs {expected[:4]}")
+        quantized_oracle = {}  # HF name -> (q, scales) of the checkpoint's tensor
         for entry in plan.entries:
             if entry.scale_of is not None:
                 continue
@@ -145,7 +146,7 @@ def main() -> None:
                 if not same_bytes(first[entry.hf_name], source):
                     fail(f"{entry.hf_name} (kept in {entry.dtype}) differs from the checkpoint")
                 continue
-            q, scales = te_style_quantize(source)
+            q, scales = quantized_oracle[entry.hf_name] = te_style_quantize(source)
             if not same_bytes(first[entry.hf_name], q):
                 fail(f"{entry.hf_name}: FP8 data differs from the HF tensor quantized blockwise")
             if not same_bytes(first[entry.hf_name + "_scale_inv"], scales):
@@ -155,8 +156,8 @@ def main() -> None:
         for name, tensor in bridge.export_hf_weights(chunks, show_progress=False):
             if not same_bytes(tensor, stock[name]):
                 fail(f"{name}: BF16 export of the FP8 model differs from the stock export (which dequantizes)")
-            if name + "_scale_inv" in first:
-                dequant = dequantize_blockwise(first[name], first[name + "_scale_inv"]).to(tensor.dtype)
+            if name in quantized_oracle:
+                dequant = dequantize_blockwise(*quantized_oracle[name]).to(tensor.dtype)
                 if not same_bytes(tensor, dequant):
                     fail(f"{name}: BF16 export differs from the FP8 export dequantized")
         print(f"[rank{dist.get_rank()}] native FP8 export ok: {len(native)} scales from FP8 parameters", flush=True)

@@ -44,12 +44,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from oracle import read_checkpoint  # noqa: E402
+from rank_checks import same_bytes  # noqa: E402
 
 SRC = 0  # trainer rank that sends; ranks 0..N-2 are trainers, the last rank is the receiver
-
-
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
 def configs(plan):

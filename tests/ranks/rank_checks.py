@@ -2,28 +2,20 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from oracle import read_checkpoint  # noqa: E402  (tests/oracle.py: the independent checkpoint reader)
 
 
-def oracle(path: Path):
-    """``read(name)`` -> the tensor stored under ``name`` in the HF checkpoint at ``path`` (plain safetensors)."""
-    index_file = path / "model.safetensors.index.json"
-    index = json.loads(index_file.read_text())["weight_map"] if index_file.exists() else None
-    handles = {}
-
-    def read(name: str) -> torch.Tensor:
-        file = index[name] if index else "model.safetensors"
-        if file not in handles:
-            handles[file] = safe_open(str(path / file), framework="pt")
-        return handles[file].get_tensor(name)
-
-    return read
+def oracle(path: Path) -> Callable[[str], torch.Tensor]:
+    """``read(name)`` -> the tensor stored under ``name`` in the HF checkpoint at ``path``."""
+    return read_checkpoint(path).__getitem__
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
