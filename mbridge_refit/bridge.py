@@ -30,7 +30,7 @@ from megatron.bridge import AutoBridge
 from mbridge_refit.checkpoint import HFCheckpoint
 from mbridge_refit import te_fp8
 from mbridge_refit.export import ExportBuffers, PlanExporter
-from mbridge_refit.fp8 import FP8_DTYPE_NAME, BlockwiseFP8Config, FP8FormatError, fp8_plan, quantize_stream
+from mbridge_refit.fp8 import FP8_DTYPE_NAME, BlockwiseFP8Config, FP8FormatError, fp8_plan, quantize_buckets
 from mbridge_refit.fp8 import scale_name as fp8_scale_name
 from mbridge_refit.loader import LoadReport, load_hf_shards
 from mbridge_refit.plan import ExportPlan, PlanError, build_export_plan
@@ -215,16 +215,16 @@ class RefitBridge(AutoBridge):
         self, chunks: list[torch.nn.Module], config: BlockwiseFP8Config, reuse_buffer_from_cache: bool, *, cpu: bool, show_progress: bool
     ) -> Iterable[tuple[str, torch.Tensor]]:
         """The FP8 stream: weights the trainer keeps as blockwise FP8 are shipped as they are, with
-        their scales; high-precision weights are quantized tensor by tensor into (cached) buffers."""
+        their scales; high-precision weights are quantized bucket by bucket into (cached) buffers."""
         try:
             fp8 = self._fp8_export(chunks, config)
         except PlanError as err:
             raise FP8FormatError(f"the FP8 export runs from the export plan, which this model has none of: {err}") from err
         buffers = self._export_buffers() if reuse_buffer_from_cache else ExportBuffers(persistent=False)
-        stream = fp8.weights.export(buffers, show_progress=show_progress and _is_rank_zero())
+        buckets = fp8.weights.export_buckets(buffers, show_progress=show_progress and _is_rank_zero())
+        stream = quantize_buckets(buckets, fp8.plan, buffers)
         if fp8.scales is not None:
             stream = _with_trainer_scales(stream, fp8.scales.export(buffers), fp8.shipped_scales)
-        stream = quantize_stream(stream, fp8.plan, buffers)
         return ((name, tensor.cpu()) for name, tensor in stream) if cpu else stream
 
     def export_hf_weights_stock(self, model, **kwargs) -> Iterable[tuple[str, torch.Tensor]]:

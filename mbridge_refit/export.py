@@ -181,11 +181,23 @@ class PlanExporter:
 
     def export(self, buffers: ExportBuffers, *, cpu: bool = False, show_progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(hf_name, tensor)`` for every plan entry (collective: every rank, to the end)."""
+        for bucket in self.export_buckets(buffers, show_progress=show_progress):
+            for name, tensor in bucket:
+                yield name, (tensor.cpu() if cpu else tensor)
+
+    def export_buckets(self, buffers: ExportBuffers, *, show_progress: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Yield the ``(hf_name, tensor)`` pairs of one bucket at a time, in plan order.
+
+        Collective like ``export``. The tensors of a bucket are all valid together, until the
+        next bucket is requested (a transform can then work on a whole bucket at once: the FP8
+        quantizer runs one kernel per bucket).
+        """
         progress = _progress(len(self.plan.entries), show_progress)
         yielded: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for bucket in self._buckets():
                 assembled = self._assemble_bucket(bucket, buffers)
+                items: list[tuple[str, torch.Tensor]] = []
                 for slot, op in enumerate(bucket.ops):
                     for index, entry in enumerate(op.entries):
                         if entry.alias_of is not None:
@@ -196,8 +208,9 @@ class PlanExporter:
                                 tensor = self._broadcast_from_stage(entry, tensor, (slot, index), buffers)
                             if entry.hf_name in self._aliased:
                                 yielded[entry.hf_name] = tensor
-                        yield entry.hf_name, (tensor.cpu() if cpu else tensor)
-                        progress.update(1)
+                        items.append((entry.hf_name, tensor))
+                yield items
+                progress.update(len(items))
         progress.close()
 
     def _assemble_bucket(self, bucket: _Bucket, buffers: ExportBuffers) -> list[list[torch.Tensor] | None]:

@@ -36,6 +36,7 @@ same bits.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import fnmatch
 import logging
@@ -317,99 +318,175 @@ def dequantize_blockwise(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tens
 # --- the export transform ----------------------------------------------------------------------
 
 
-def quantize_stream(
-    stream: Iterable[tuple[str, torch.Tensor]], plan: "ExportPlan", buffers: "ExportBuffers"
+def quantize_buckets(
+    buckets: Iterable[list[tuple[str, torch.Tensor]]], plan: "ExportPlan", buffers: "ExportBuffers"
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Turn a BF16 export stream into the FP8 stream that ``plan`` (an ``fp8_plan``) describes.
+    """Turn a bucketed BF16 export (``PlanExporter.export_buckets``) into the FP8 stream that
+    ``plan`` (an ``fp8_plan``) describes.
 
-    Each quantized weight is yielded as its e4m3fn data, then its ``weight_scale_inv``; both
-    live in ``buffers`` (reused across exports when the pool is persistent) and stay valid
-    until the generator advances past the scale. Other tensors pass through unchanged.
+    Each quantized weight is yielded as its e4m3fn data, then its ``weight_scale_inv``; tensors
+    already in FP8 (shipped with their own scales) and tensors kept in their dtype pass through.
+    A bucket's weights are quantized together (on CUDA: one grouped kernel launch per bucket and
+    input dtype) into ``buffers`` keyed by position in the bucket, so the outputs stay valid
+    until the generator moves past the bucket (reused across exports when the pool is
+    persistent).
     """
     scales = {e.scale_of: e for e in plan.entries if e.scale_of is not None}
-    for name, tensor in stream:
-        scale_entry = scales.get(name)
-        if scale_entry is None or tensor.dtype == FP8_DTYPE:  # FP8 already: shipped with its own scale
-            yield name, tensor
+    for bucket in buckets:
+        jobs: list[_QuantizeJob] = []
+        outputs: list[tuple[str, torch.Tensor] | _QuantizeJob] = []
+        for name, tensor in bucket:
+            scale_entry = scales.get(name)
+            if scale_entry is None or tensor.dtype == FP8_DTYPE:  # FP8 already: shipped with its own scale
+                outputs.append((name, tensor))
+                continue
+            position = len(jobs)
+            job = _QuantizeJob(
+                name=name, scale_name=scale_entry.hf_name, source=tensor,
+                q=buffers.get("fp8", position, tuple(tensor.shape), FP8_DTYPE, tensor.device),
+                scale=buffers.get("fp8_scale", position, scale_entry.shape, SCALE_DTYPE, tensor.device),
+            )
+            jobs.append(job)
+            outputs.append(job)
+        _quantize_jobs(jobs, buffers)
+        for item in outputs:
+            if isinstance(item, _QuantizeJob):
+                yield item.name, item.q
+                yield item.scale_name, item.scale
+            else:
+                yield item
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _QuantizeJob:
+    """One weight to quantize: its source tensor and the output buffers for data and scale."""
+
+    name: str
+    scale_name: str
+    source: torch.Tensor
+    q: torch.Tensor
+    scale: torch.Tensor
+
+
+def _quantize_jobs(jobs: list[_QuantizeJob], buffers: "ExportBuffers") -> None:
+    """Quantize every job: one grouped kernel launch per input dtype for CUDA tensors the
+    grouped kernel takes (row-major rows), ``quantize_blockwise`` one by one for the rest."""
+    grouped: dict[torch.dtype, list[_QuantizeJob]] = {}
+    for job in jobs:
+        if _grouped_kernel_takes(job.source):
+            grouped.setdefault(job.source.dtype, []).append(job)
             continue
-        index = 0
-        q = buffers.get("fp8", index, tuple(tensor.shape), FP8_DTYPE, tensor.device)
-        s = buffers.get("fp8_scale", index, scale_entry.shape, SCALE_DTYPE, tensor.device)
         work = None
-        if not (tensor.is_cuda and _triton_kernel() is not None):
-            work = buffers.get("fp8_work", index, padded_shape(tuple(tensor.shape)), torch.float32, tensor.device)
-        quantize_blockwise(tensor, out=q, scale_out=s, work=work)
-        yield name, q
-        yield scale_entry.hf_name, s
+        if not job.source.is_cuda or _triton_kernel() is None:
+            work = buffers.get("fp8_work", 0, padded_shape(tuple(job.source.shape)), torch.float32, job.source.device)
+        quantize_blockwise(job.source, out=job.q, scale_out=job.scale, work=work)
+    for same_dtype in grouped.values():
+        _quantize_grouped(same_dtype)
 
 
 # --- CUDA: one pass per block ------------------------------------------------------------------
+#
+# Two Triton kernels (``fp8_kernels``): ``single`` quantizes one tensor (``quantize_blockwise``);
+# ``grouped`` quantizes many tensors of one dtype in one launch (``quantize_buckets``: one launch
+# per export bucket instead of one per weight), reading each tensor's pointers and sizes from a
+# small int64 descriptor table.
+# Each kernel is used only after it reproduced the torch path's bits on probe tensors (once per
+# process, on the current CUDA device, with rounding ties, zero, partial and strided blocks).
 
-_KERNEL: Any = None
-_KERNEL_CHECKED = False
+_KERNELS: dict[str, Any] | None = None
+_KERNELS_CHECKED = False
+_DESCRIPTORS: "collections.OrderedDict[tuple, torch.Tensor]" = collections.OrderedDict()
+_MAX_CACHED_DESCRIPTORS = 1024
+
+
+def _kernels() -> dict[str, Any]:
+    """The kernels that passed their check on this device (``single``, ``grouped``); empty
+    where Triton is unavailable (then the torch path runs)."""
+    global _KERNELS, _KERNELS_CHECKED
+    if not _KERNELS_CHECKED:
+        _KERNELS_CHECKED = True
+        try:
+            built = _build_triton_kernels()
+        except ImportError:
+            built = {}
+        _KERNELS = built
+        for name, check in (("single", _single_matches_reference), ("grouped", _grouped_matches_reference)):
+            if name in built and not check():
+                logger.warning("the Triton FP8 %s kernel does not match the reference bits on this device: not used", name)
+                del built[name]
+    return _KERNELS or {}
 
 
 def _triton_kernel():
-    """The Triton kernel, or None (then the torch path runs): where Triton is unavailable, or
-    where the kernel does not reproduce the torch path's bits on a probe tensor (checked once
-    per process, on the current CUDA device, with rounding ties, zero and partial blocks)."""
-    global _KERNEL, _KERNEL_CHECKED
-    if not _KERNEL_CHECKED:
-        _KERNEL_CHECKED = True
-        try:
-            _KERNEL = _build_triton_kernel()
-        except ImportError:
-            _KERNEL = None
-        if _KERNEL is not None and not _kernel_matches_reference():
-            logger.warning("the Triton FP8 kernel does not match the reference bits on this device: using torch ops")
-            _KERNEL = None
-    return _KERNEL
+    """The single-tensor Triton kernel, or None (then the torch path runs)."""
+    return _kernels().get("single")
 
 
 def quantizer_path() -> str:
-    """``"triton"`` or ``"torch"``: what ``quantize_blockwise`` uses for CUDA tensors here."""
-    return "triton" if torch.cuda.is_available() and _triton_kernel() is not None else "torch"
+    """``"triton-grouped"``, ``"triton"`` or ``"torch"``: what the FP8 export uses for CUDA tensors here."""
+    if not torch.cuda.is_available():
+        return "torch"
+    kernels = _kernels()
+    return "triton-grouped" if "grouped" in kernels else "triton" if "single" in kernels else "torch"
 
 
-def _kernel_matches_reference() -> bool:
+def _probe_tensors() -> list[torch.Tensor]:
+    """bf16 CUDA tensors with exact e4m3 rounding ties, an all-zero block, partial edge blocks,
+    and a column-narrowed view (row stride larger than its width)."""
     gen = torch.Generator().manual_seed(0)
-    probe = (torch.randn(300, 260, generator=gen) * 0.05).to(torch.bfloat16)
-    probe[:128, :128] = 0
-    probe[128, 128] = 448.0  # scale 1: exact ties of e4m3 rounding below
-    probe[129, 129:140] = torch.tensor([168.0, -168.0, 0.5625, 17.0, 9.5, -9.5, 208.0, 0.0, 3.0, 1e-3, -448.0])
-    probe = probe.cuda()
-    q, s = torch.empty(probe.shape, dtype=FP8_DTYPE, device="cuda"), torch.empty(scale_shape((300, 260)), device="cuda")
-    ref_q, ref_s = torch.empty_like(q), torch.empty_like(s)
+    tie = (torch.randn(300, 260, generator=gen) * 0.05).to(torch.bfloat16)
+    tie[:128, :128] = 0
+    tie[128, 128] = 448.0  # scale 1: exact ties of e4m3 rounding below
+    tie[129, 129:140] = torch.tensor([168.0, -168.0, 0.5625, 17.0, 9.5, -9.5, 208.0, 0.0, 3.0, 1e-3, -448.0])
+    wide = (torch.randn(129, 520, generator=gen) * 3).to(torch.bfloat16)
+    return [tie.cuda(), wide.cuda(), wide.cuda()[:, 7:400]]
+
+
+def _reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    q, s = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device), torch.empty(scale_shape(tuple(x.shape)), device=x.device)
+    _quantize_torch(x, q, s, torch.empty(padded_shape(tuple(x.shape)), device=x.device))
+    return q, s
+
+
+def _same(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    return torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
+
+
+def _single_matches_reference() -> bool:
     try:
-        _quantize_triton(probe, q, s)
+        results = []
+        for x in _probe_tensors():
+            q, s = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device), torch.empty(scale_shape(tuple(x.shape)), device=x.device)
+            _quantize_triton(x, q, s)
+            results.append(_same((q, s), _reference(x)))
+        return all(results)
     except Exception as err:  # a compiler or driver that cannot build it: the torch path still works
         logger.warning("the Triton FP8 kernel failed to run (%s): using torch ops", err)
         return False
-    _quantize_torch(probe, ref_q, ref_s, torch.empty(padded_shape((300, 260)), device="cuda"))
-    return torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s, ref_s)
 
 
-def _build_triton_kernel():
-    import triton
-    import triton.language as tl
+def _grouped_matches_reference() -> bool:
+    try:
+        probes = _probe_tensors()
+        jobs = [
+            _QuantizeJob(
+                name=f"probe{i}", scale_name=f"probe{i}_scale", source=x,
+                q=torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device),
+                scale=torch.empty(scale_shape(tuple(x.shape)), device=x.device),
+            )
+            for i, x in enumerate(probes)
+        ]
+        _quantize_grouped(jobs)
+        return all(_same((job.q, job.scale), _reference(job.source)) for job in jobs)
+    except Exception as err:
+        logger.warning("the grouped Triton FP8 kernel failed to run (%s): quantizing tensor by tensor", err)
+        return False
 
-    @triton.jit
-    def quantize_block_kernel(x_ptr, q_ptr, s_ptr, rows, cols, stride_x, stride_q, n_block_cols, BLOCK_SIZE: tl.constexpr):
-        block_row = tl.program_id(0)
-        block_col = tl.program_id(1)
-        r = block_row * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)[:, None]
-        c = block_col * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)[None, :]
-        mask = (r < rows) & (c < cols)
-        x = tl.load(x_ptr + r * stride_x + c, mask=mask, other=0.0).to(tl.float32)
-        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-        scale = tl.math.div_rn(amax, 448.0)
-        scale = tl.where(scale == 0.0, 1.0, scale)
-        y = tl.math.div_rn(x, scale)
-        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-        tl.store(q_ptr + r * stride_q + c, y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
-        tl.store(s_ptr + block_row * n_block_cols + block_col, scale)
 
-    return quantize_block_kernel
+def _build_triton_kernels() -> dict[str, Any]:
+    from mbridge_refit import fp8_kernels  # ImportError without Triton
+
+    return {"single": fp8_kernels.quantize_single, "grouped": fp8_kernels.quantize_grouped, "dtype_of": fp8_kernels.triton_dtype}
 
 
 def _quantize_triton(x: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor) -> None:
@@ -417,6 +494,50 @@ def _quantize_triton(x: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor
         x = x.contiguous()
     rows, cols = x.shape
     block_rows, block_cols = scale_out.shape
-    _KERNEL[(block_rows, block_cols)](
+    _kernels()["single"][(block_rows, block_cols)](
         x, out, scale_out, rows, cols, x.stride(0), out.stride(0), block_cols, BLOCK_SIZE=BLOCK, num_warps=8
     )
+
+
+def _grouped_kernel_takes(x: torch.Tensor) -> bool:
+    """Whether the grouped kernel reads ``x`` in place: a CUDA 2-D tensor of a float dtype it
+    knows whose rows are contiguous."""
+    if not x.is_cuda or x.dim() != 2 or x.stride(1) != 1:
+        return False
+    kernels = _kernels()
+    return "grouped" in kernels and kernels["dtype_of"](x.dtype) is not None
+
+
+def _quantize_grouped(jobs: list["_QuantizeJob"]) -> None:
+    """One launch for ``jobs`` (same dtype, same device): grid (blocks of the largest tensor,
+    tensors); programs past a smaller tensor's last block return at once."""
+    if not jobs:
+        return
+    kernels = _kernels()
+    table = _descriptor_table(jobs)
+    max_blocks = max(job.scale.numel() for job in jobs)
+    kernels["grouped"][(max_blocks, len(jobs))](
+        table, X_DTYPE=kernels["dtype_of"](jobs[0].source.dtype), BLOCK_SIZE=BLOCK, num_warps=8
+    )
+
+
+def _descriptor_table(jobs: list["_QuantizeJob"]) -> torch.Tensor:
+    """The int64 [len(jobs), 8] descriptor table on the jobs' device, cached by its contents (a
+    persistent export reuses the same buffers and parameters, so steady-state exports copy no
+    table to the device)."""
+    rows = tuple(
+        (job.source.data_ptr(), job.q.data_ptr(), job.scale.data_ptr(), job.source.shape[0], job.source.shape[1],
+         job.source.stride(0), job.q.stride(0), job.scale.shape[1])
+        for job in jobs
+    )
+    device = jobs[0].source.device
+    key = (str(device), rows)
+    table = _DESCRIPTORS.get(key)
+    if table is None:
+        table = torch.tensor(rows, dtype=torch.int64, device=device)
+        _DESCRIPTORS[key] = table
+        if len(_DESCRIPTORS) > _MAX_CACHED_DESCRIPTORS:
+            _DESCRIPTORS.popitem(last=False)
+    else:
+        _DESCRIPTORS.move_to_end(key)
+    return table

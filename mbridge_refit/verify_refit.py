@@ -393,8 +393,26 @@ def _verify(options: VerifyArgs, checkpoint: Path | None, rank: int, device: tor
     )
     passed = result.mean_abs_diff <= options.tolerance
     if rank == 0:
-        _report(options, result, passed)
+        _report(options, result, passed, engine_noise=_engine_attention_noise(hf_model, tokens, options.fp32_logits))
     return passed, result
+
+
+def _engine_attention_noise(hf_model: torch.nn.Module, tokens: torch.Tensor, fp32_logits: bool) -> LogprobComparison | None:
+    """The engine model against itself with another attention implementation (``eager`` vs
+    the one it runs, same weights): how far two correct implementations drift apart in this
+    dtype. A context for the trainer-vs-engine number, reported, never used to pass or fail."""
+    current = getattr(hf_model.config, "_attn_implementation", None)
+    if current in (None, "eager"):
+        return None
+    baseline = hf_logprobs(hf_model, tokens, fp32_logits=fp32_logits)
+    try:
+        hf_model.set_attn_implementation("eager")
+        return compare_logprobs(baseline, hf_logprobs(hf_model, tokens, fp32_logits=fp32_logits))
+    except (ValueError, ImportError) as err:  # an implementation this model or machine lacks
+        logger.info("engine attention noise not measured: %s", err)
+        return None
+    finally:
+        hf_model.set_attn_implementation(current)
 
 
 def _source_checkpoint(options: VerifyArgs, rank: int) -> Path | None:
@@ -434,7 +452,7 @@ def _check_layout(layout: ParallelLayout, config: Any) -> None:
         raise VerifyInputError(f"layout {layout.name}: {err}") from err
 
 
-def _report(options: VerifyArgs, result: LogprobComparison, passed: bool) -> None:
+def _report(options: VerifyArgs, result: LogprobComparison, passed: bool, engine_noise: LogprobComparison | None = None) -> None:
     verdict = "PASS" if passed else "FAIL"
     logger.info(
         "%s %s %s %s: %d tokens, mean |d logprob| %.3e, max %.3e, mult prob error %.6f (tolerance %.1e)%s",
@@ -442,6 +460,11 @@ def _report(options: VerifyArgs, result: LogprobComparison, passed: bool) -> Non
         result.max_abs_diff, result.mult_prob_error, options.tolerance,
         f", perturbed {options.perturb}" if options.perturb else "",
     )
+    if engine_noise is not None:
+        logger.info(
+            "for scale: the engine model against itself with eager attention (same weights): mean |d logprob| %.3e, max %.3e",
+            engine_noise.mean_abs_diff, engine_noise.max_abs_diff,
+        )
     if options.json is not None:
         payload = {
             "source": options.source, "model": options.name, "layout": options.layout.name,
@@ -449,6 +472,7 @@ def _report(options: VerifyArgs, result: LogprobComparison, passed: bool) -> Non
             "dtype": str(options.dtype).removeprefix("torch."), "batch": options.batch, "seq": options.seq, "tolerance": options.tolerance,
             "perturb": options.perturb, "logits": "fp32 projection" if options.fp32_logits else "model dtype",
             "passed": passed, **asdict(result),
+            "engine_eager_vs_default_attention": asdict(engine_noise) if engine_noise is not None else None,
         }
         options.json.write_text(json.dumps(payload, indent=1) + "\n")
 

@@ -109,34 +109,99 @@ def quantizer_path() -> str:
     return path()
 
 
-def check_fp8_kernel(bf16_stream, cpu_checks: int = 8) -> list[str]:
-    """The CUDA kernel's FP8 bytes and scales against the torch reference path on the GPU (every
-    quantized tensor) and on the CPU (the first ``cpu_checks``): names of mismatches."""
-    from mbridge_refit.fp8 import BlockwiseFP8Config, _quantize_torch, padded_shape, quantize_blockwise
+def check_fp8_export(fp8_stream, bf16_stream, cpu_checks: int = 8) -> list[str]:
+    """The FP8 export's bytes and scales (what the export's kernels wrote) against the torch
+    reference path on the GPU for every quantized tensor, and against the CPU torch path for the
+    first ``cpu_checks``: names of mismatches. ``bf16_stream`` must own its tensors (cache off)."""
+    from mbridge_refit.fp8 import SCALE_SUFFIX, _quantize_torch, padded_shape, quantize_blockwise
 
     def same(a, b):
         return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
-    config, problems, checked = BlockwiseFP8Config(), [], 0
-    for name, tensor in bf16_stream:
-        if not config.quantizes(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")):
+    sources = dict(bf16_stream)
+    problems, checked, data = [], 0, {}
+    for name, tensor in fp8_stream:
+        if tensor.dtype == torch.float8_e4m3fn:
+            data[name] = tensor
             continue
-        q, s = quantize_blockwise(tensor)  # the kernel on CUDA
-        ref_q, ref_s = torch.empty_like(q), torch.empty_like(s)
-        work = torch.empty(padded_shape(tuple(tensor.shape)), dtype=torch.float32, device=tensor.device)
-        _quantize_torch(tensor, ref_q, ref_s, work)
-        ok = same(q, ref_q) and same(s, ref_s)
+        weight = name.removesuffix(SCALE_SUFFIX)
+        if not name.endswith(SCALE_SUFFIX) or weight not in data:
+            continue
+        source = sources[weight]
+        ref_q = torch.empty(source.shape, dtype=torch.float8_e4m3fn, device=source.device)
+        ref_s = torch.empty_like(tensor)
+        _quantize_torch(source, ref_q, ref_s, torch.empty(padded_shape(tuple(source.shape)), device=source.device))
+        ok = same(data.pop(weight), ref_q) and same(tensor, ref_s)
         if ok and checked < cpu_checks:
-            cpu_q, cpu_s = quantize_blockwise(tensor.cpu())
-            ok = same(q.cpu(), cpu_q) and same(s.cpu(), cpu_s)
+            cpu_q, cpu_s = quantize_blockwise(source.cpu())
+            ok = same(ref_q.cpu(), cpu_q) and same(ref_s.cpu(), cpu_s)
         checked += 1
         if not ok:
-            problems.append(name)
+            problems.append(weight)
+    if checked == 0:
+        problems.append("no quantized tensor was checked")
     return problems
 
 
-def allocations() -> int:
-    return torch.cuda.memory_stats().get("allocation.all.allocated", 0)
+def fp8_breakdown(bridge, chunks, repeats: int = 5) -> dict:
+    """Where the FP8 export's time goes (TP=1): the host time to run the cached FP8 export
+    generator to its end before the final synchronize, and the quantizer kernels alone on the
+    exported BF16 tensors (device time by CUDA events, host time to launch them), one launch per
+    weight (``quantize_blockwise``) and one grouped launch per export bucket."""
+    from mbridge_refit.export import ExportBuffers
+    from mbridge_refit.fp8 import FP8_DTYPE, BlockwiseFP8Config, _QuantizeJob, _quantize_grouped, quantize_blockwise, scale_shape
+
+    def median_of(fn) -> tuple[float, float]:
+        hosts, devices = [], []
+        for _ in range(repeats + 1):
+            torch.cuda.synchronize()
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start = time.perf_counter()
+            begin.record()
+            fn()
+            end.record()
+            hosts.append((time.perf_counter() - start) * 1e3)
+            torch.cuda.synchronize()
+            devices.append(begin.elapsed_time(end))
+        return statistics.median(hosts[1:]), statistics.median(devices[1:])
+
+    def export_host_only():
+        for _ in bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True, fp8="blockwise"):
+            pass
+
+    config = BlockwiseFP8Config()
+    buckets = []
+    for bucket in bridge._exporter(chunks).export_buckets(ExportBuffers(persistent=False)):
+        jobs = [
+            _QuantizeJob(name=n, scale_name=n, source=t, q=torch.empty(t.shape, dtype=FP8_DTYPE, device=t.device),
+                         scale=torch.empty(scale_shape(tuple(t.shape)), device=t.device))
+            for n, t in bucket if config.quantizes(n, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+        ]
+        if jobs:
+            buckets.append(jobs)
+
+    def per_weight():
+        for jobs in buckets:
+            for job in jobs:
+                quantize_blockwise(job.source, out=job.q, scale_out=job.scale)
+
+    def grouped():
+        for jobs in buckets:
+            _quantize_grouped(jobs)
+
+    export_host, export_device = median_of(export_host_only)
+    per_host, per_device = median_of(per_weight)
+    from mbridge_refit.fp8 import quantizer_path
+
+    grouped_host, grouped_device = median_of(grouped) if quantizer_path() == "triton-grouped" else (float("nan"), float("nan"))
+    quantized = sum(job.source.numel() * (job.source.element_size() + 1) for jobs in buckets for job in jobs)
+    return dict(
+        fp8_export_host_ms=export_host, fp8_export_device_ms=export_device,
+        quantize_per_weight_host_ms=per_host, quantize_per_weight_device_ms=per_device,
+        quantize_grouped_host_ms=grouped_host, quantize_grouped_device_ms=grouped_device,
+        quantize_launches_per_weight=sum(len(jobs) for jobs in buckets), quantize_launches_grouped=len(buckets),
+        quantize_bytes_moved=quantized, quantize_grouped_gb_s=quantized / grouped_device / 1e6,
+    )
 
 
 def run(args) -> dict:
@@ -235,9 +300,11 @@ def run(args) -> dict:
                 fp8_new_allocations_after_first=fp8["new_allocations_after_first"],
                 fp8_over_bf16_cached=fp8["steady_ms"] / row["refit_cached_steady_ms"],
                 fp8_over_clone_floor=fp8["steady_ms"] / floor,
-                fp8_kernel_mismatches=check_fp8_kernel(refit(False)()),
+                fp8_kernel_mismatches=check_fp8_export(refit_fp8(), refit(False)()),
                 fp8_quantizer=quantizer_path(),
             )
+            if env.world_size == 1:
+                row["fp8_breakdown"] = fp8_breakdown(bridge, chunks)
         return row if env.rank == 0 else {}
 
 
@@ -267,6 +334,15 @@ def print_table(row: dict) -> None:
                 f"{len(row['fp8_kernel_mismatches'])}",
             ]
             if "fp8_steady_ms" in row else []
+        ),
+        *(
+            [
+                "FP8 breakdown (ms, host / device): export {fp8_export_host_ms:.2f} / {fp8_export_device_ms:.2f}; "
+                "quantize one launch per weight ({quantize_launches_per_weight}) {quantize_per_weight_host_ms:.2f} / "
+                "{quantize_per_weight_device_ms:.2f}; grouped ({quantize_launches_grouped} launches) "
+                "{quantize_grouped_host_ms:.2f} / {quantize_grouped_device_ms:.2f} = {quantize_grouped_gb_s:.0f} GB/s".format(**row["fp8_breakdown"])
+            ]
+            if "fp8_breakdown" in row else []
         ),
     ]
     print("\n".join(lines), flush=True)

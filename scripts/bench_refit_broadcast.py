@@ -65,6 +65,10 @@ def main() -> None:
     parser.add_argument("--bucket-mib", type=int, default=512, help="packed buffer size (default: %(default)s)")
     parser.add_argument("--buffers", type=int, default=2, help="rotating buffers (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--sweep", type=_configs, default=[], metavar="MIBxN,...",
+        help="also time the transport alone with these buffer configurations (e.g. 256x2,256x4,1024x2)",
+    )
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--stack-dump-s", type=float, default=None, help="print every thread's Python stack and exit after this many seconds (diagnosing a stuck rank)")
     args = parser.parse_args()
@@ -130,13 +134,22 @@ def main() -> None:
         if rank == TRAINER:
             exported = [(n, t.clone()) for n, t in bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True)]
 
-            def transport():
-                drain(iter(exported), PackedBroadcastSender(plan, config, group=refit, src=TRAINER, trainer_group=trainers))
+            def transport_with(cfg):
+                return lambda: drain(iter(exported), PackedBroadcastSender(plan, cfg, group=refit, src=TRAINER, trainer_group=trainers))
         else:
-            def transport():
-                for _ in PackedBroadcastReceiver(plan, config, group=refit, src=TRAINER, device=device).receive():
-                    pass
-        transport_ms, _ = timed(transport, args.repeats)
+            def transport_with(cfg):
+                def transport():
+                    for _ in PackedBroadcastReceiver(plan, cfg, group=refit, src=TRAINER, device=device).receive():
+                        pass
+                return transport
+        transport_ms, _ = timed(transport_with(config), args.repeats)
+        sweep = []
+        for mib, buffers in args.sweep:
+            other = PackedBroadcastConfig(bucket_bytes=mib * 1024**2, num_buffers=buffers)
+            other_ms, _ = timed(transport_with(other), args.repeats)
+            sweep.append(dict(bucket_mib=mib, buffers=buffers, packed_transport_ms=other_ms, transport_bandwidth_fraction=raw_ms / other_ms))
+            phase(rank, f"transport {mib} MiB x {buffers}: {other_ms:.1f} ms")
+            torch.cuda.empty_cache()
         if rank == TRAINER:
             del exported
             torch.cuda.empty_cache()
@@ -187,7 +200,7 @@ def main() -> None:
                 packed_end_to_end_all_ms=packed_times, stock_end_to_end_ms=stock_ms,
                 transport_bandwidth_fraction=raw_ms / transport_ms, speedup_vs_stock=stock_ms / packed_ms,
                 raw_broadcast_gb_s=total / raw_ms / 1e6, packed_transport_gb_s=total / transport_ms / 1e6,
-                engine_tensors_differing=result[0], repeats=args.repeats, torch=torch.__version__,
+                engine_tensors_differing=result[0], transport_sweep=sweep, repeats=args.repeats, torch=torch.__version__,
                 date=datetime.date.today().isoformat(),
             )
             print_table(row)
@@ -200,6 +213,14 @@ def main() -> None:
 
 
 _START = time.perf_counter()
+
+
+def _configs(text: str) -> list[tuple[int, int]]:
+    """'256x2,1024x2' -> [(256, 2), (1024, 2)] (MiB per buffer, buffers)."""
+    try:
+        return [tuple(int(v) for v in item.split("x")) for item in text.split(",") if item]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIBxN[,MIBxN...], got {text!r}") from None
 
 
 def phase(rank: int, what: str) -> None:

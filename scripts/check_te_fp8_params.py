@@ -56,21 +56,28 @@ def build(args, recipe: str):
     return config, bridge, build_model(bridge, layout, options)
 
 
-def local_fp8_params(bridge, chunks) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Global Megatron name -> (row-wise e4m3 data as uint8, scale_inv with TE's padding trimmed), on CPU."""
+def local_fp8_params(chunks) -> dict:
+    """This rank's TE FP8 weights by the module's own parameter name (``decoder.layers.0.mlp.
+    experts.linear_fc1.weight3``: expert numbers are *local* to the EP rank, layer numbers are
+    global as long as PP is 1): row-wise e4m3 data as uint8 and scale_inv with TE's padding
+    trimmed, on CPU. Read from ``named_parameters`` directly, not through Megatron-Bridge's
+    conversion tasks (whose global names renumber experts), so the oracle shares no naming code
+    with the export under test."""
     from megatron.core import parallel_state as ps
 
     found = {}
-    tasks = bridge._model_bridge.build_conversion_tasks(bridge.hf_pretrained, chunks)
-    for task in tasks:
-        if task is None or task.param_weight is None or not hasattr(task.param_weight, "get_metadata"):
-            continue
-        meta = task.param_weight.get_metadata()
-        if not meta.get("is_2D_scaled") or meta.get("rowwise_data") is None:
-            continue
-        data = meta["rowwise_data"].cpu()
-        cols = math.ceil(data.shape[1] / BLOCK)
-        found[task.global_param_name] = (data, meta["rowwise_scale_inv"][:, :cols].cpu().contiguous())
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            if not hasattr(param, "get_metadata"):
+                continue
+            meta = param.get_metadata()
+            if not meta.get("is_2D_scaled") or meta.get("rowwise_data") is None:
+                continue
+            data = meta["rowwise_data"].cpu()
+            cols = math.ceil(data.shape[1] / BLOCK)
+            while name.startswith("module."):
+                name = name.removeprefix("module.")
+            found[name] = (data, meta["rowwise_scale_inv"][:, :cols].cpu().contiguous())
     return {"tp": ps.get_tensor_model_parallel_rank(), "ep": ps.get_expert_model_parallel_rank(), "params": found}
 
 
@@ -157,6 +164,17 @@ def _report_first():
         raise
 
 
+@contextlib.contextmanager
+def _recorded(problems: list[str], doing: str):
+    """Record an exception in a rank-0-only check as a problem instead of raising: the other
+    ranks are about to enter collectives that rank 0 must join."""
+    try:
+        yield
+    except Exception as err:
+        problems.append(f"error while {doing}: {type(err).__name__}: {err}")
+        phase(f"error while {doing}:\n" + traceback.format_exc())
+
+
 def phase(what: str) -> None:
     """Progress on stderr with the elapsed time, so a stuck step is visible in the log."""
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -208,7 +226,7 @@ def main() -> None:
         shipped = [e for e in plan.entries if e.scale_of is not None and e.source_format == FP8_BLOCKWISE]
         phase("gather TE's shards (oracle)")
         gathered = [None] * env.world_size
-        dist.all_gather_object(gathered, local_fp8_params(bridge, chunks))
+        dist.all_gather_object(gathered, local_fp8_params(chunks))
         phase("FP8 export")
         exported = {}
         for name, tensor in bridge.export_hf_weights(chunks, fp8="blockwise", reuse_buffer_from_cache=True, show_progress=False):
@@ -216,14 +234,15 @@ def main() -> None:
                 exported[name] = tensor.cpu()
         problems, compared = [], 0
         if env.rank == 0:
-            expected = expected_hf_fp8(config, gathered, args.tp, args.ep)
-            missing = sorted(set(exported) ^ set(expected))
-            if missing:
-                problems.append(f"names differ between the export and TE's shards: {missing[:6]}")
-            for name in sorted(set(exported) & set(expected)):
-                compared += 1
-                if not same_bytes(exported[name], expected[name]):
-                    problems.append(f"{name} differs from TE's own data/scale")
+            with _recorded(problems, "comparing with TE's shards"):  # rank 0 only: must not skip the collectives below
+                expected = expected_hf_fp8(config, gathered, args.tp, args.ep)
+                missing = sorted(set(exported) ^ set(expected))
+                if missing:
+                    problems.append(f"names differ between the export and TE's shards: {missing[:6]}")
+                for name in sorted(set(exported) & set(expected)):
+                    compared += 1
+                    if not same_bytes(exported[name], expected[name]):
+                        problems.append(f"{name} differs from TE's own data/scale")
         phase("stock BF16 export vs RefitBridge BF16 export")
         stock = AutoBridge.from_hf_config(bridge.hf_pretrained)
         dequant_checked = bf16_checked = 0
@@ -234,14 +253,15 @@ def main() -> None:
         ):
             if env.rank != 0:
                 continue
-            bf16_checked += 1
-            if name != name2 or not same_bytes(got, want):
-                problems.append(f"BF16 export {name2} differs from stock {name}")
-            if name in exported:
-                dequant_checked += 1
-                dequant = dequantize_blockwise(exported[name].cuda(), exported[name + "_scale_inv"].cuda()).to(want.dtype)
-                if not same_bytes(dequant, want):
-                    problems.append(f"{name}: dequantized FP8 export differs from stock BF16 export")
+            with _recorded(problems, f"comparing {name2} with stock's {name}"):
+                bf16_checked += 1
+                if name != name2 or not same_bytes(got, want):
+                    problems.append(f"BF16 export {name2} differs from stock {name}")
+                if name in exported:
+                    dequant_checked += 1
+                    dequant = dequantize_blockwise(exported[name].cuda(), exported[name + "_scale_inv"].cuda()).to(want.dtype)
+                    if not same_bytes(dequant, want):
+                        problems.append(f"{name}: dequantized FP8 export differs from stock BF16 export")
         phase("timing")
         fp8_ms = timed(lambda: bridge.export_hf_weights(chunks, fp8="blockwise", reuse_buffer_from_cache=True, show_progress=False))
         bf16_ms = timed(lambda: bridge.export_hf_weights(chunks, reuse_buffer_from_cache=True, show_progress=False))

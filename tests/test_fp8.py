@@ -9,6 +9,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -114,6 +117,18 @@ def test_quantizer_reuses_given_buffers():
 def test_quantizer_rejects_non_2d():
     with pytest.raises(FP8FormatError, match="2-D"):
         quantize_blockwise(torch.zeros(4, 4, 4, dtype=torch.bfloat16))
+
+
+def test_grouped_kernel_writes_what_the_single_kernel_writes():
+    """The grouped Triton kernel (one launch per export bucket) against the single-tensor kernel,
+    both run by Triton's CPU interpreter (the GPU bits of both are checked against the torch path
+    on every CUDA device before use, and by scripts/bench_export.py --fp8)."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    script = REPO / "tests" / "ranks" / "grouped_fp8_kernel_check.py"
+    run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert "grouped == single kernel" in run.stdout
 
 
 # --- plan and config ---------------------------------------------------------------------------

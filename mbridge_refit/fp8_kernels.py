@@ -1,0 +1,63 @@
+"""Triton kernels of the blockwise FP8 quantizer (the format and its reference path: ``fp8``).
+
+Imported lazily by ``fp8`` on CUDA machines (an ImportError where Triton is missing means the
+torch path runs). One block body, two launch shapes:
+
+* ``quantize_single``: one tensor, grid (block rows, block columns);
+* ``quantize_grouped``: many tensors of one dtype in one launch, grid (blocks of the largest
+  tensor, tensors); each tensor is described by a row of an int64 table (``DESCRIPTOR_FIELDS``
+  columns: x, q and scale pointers; rows, cols; x and q row strides; block columns) and the
+  programs past a smaller tensor's last block return at once.
+
+Each program loads one 128x128 block once, takes its amax, and stores the e4m3fn block and its
+fp32 ``scale_inv``, with the rounding ``fp8``'s docstring specifies (IEEE divisions, clamp,
+round-to-nearest-even).
+"""
+
+import triton
+import triton.language as tl
+
+DESCRIPTOR_FIELDS = 8
+
+
+@triton.jit
+def _quantize_block(x_ptr, q_ptr, s_ptr, rows, cols, stride_x, stride_q, n_block_cols, block_row, block_col, BLOCK_SIZE: tl.constexpr):
+    r = block_row * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)[:, None]
+    c = block_col * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)[None, :]
+    mask = (r < rows) & (c < cols)
+    x = tl.load(x_ptr + r * stride_x + c, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    scale = tl.math.div_rn(amax, 448.0)
+    scale = tl.where(scale == 0.0, 1.0, scale)
+    y = tl.math.div_rn(x, scale)
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    tl.store(q_ptr + r * stride_q + c, y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
+    tl.store(s_ptr + block_row * n_block_cols + block_col, scale)
+
+
+@triton.jit
+def quantize_single(x_ptr, q_ptr, s_ptr, rows, cols, stride_x, stride_q, n_block_cols, BLOCK_SIZE: tl.constexpr):
+    _quantize_block(x_ptr, q_ptr, s_ptr, rows, cols, stride_x, stride_q, n_block_cols, tl.program_id(0), tl.program_id(1), BLOCK_SIZE)
+
+
+@triton.jit
+def quantize_grouped(desc_ptr, X_DTYPE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    block = tl.program_id(0)  # this program's block of its tensor, in row-major block order
+    d = desc_ptr + tl.program_id(1) * 8  # DESCRIPTOR_FIELDS
+    rows = tl.load(d + 3)
+    n_block_cols = tl.load(d + 7)
+    if block < tl.cdiv(rows, BLOCK_SIZE) * n_block_cols:
+        _quantize_block(
+            tl.load(d).to(tl.pointer_type(X_DTYPE)),
+            tl.load(d + 1).to(tl.pointer_type(tl.float8e4nv)),
+            tl.load(d + 2).to(tl.pointer_type(tl.float32)),
+            rows, tl.load(d + 4), tl.load(d + 5), tl.load(d + 6), n_block_cols,
+            block // n_block_cols, block % n_block_cols, BLOCK_SIZE,
+        )
+
+
+def triton_dtype(torch_dtype):
+    """The Triton element type for a torch float dtype the grouped kernel reads, else None."""
+    import torch
+
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}.get(torch_dtype)
