@@ -7,7 +7,8 @@ torch path runs). One block body, two launch shapes:
 * ``quantize_grouped``: many tensors of one dtype in one launch, grid (blocks of the largest
   tensor, tensors); each tensor is described by a row of an int64 table (``DESCRIPTOR_FIELDS``
   columns: x, q and scale pointers; rows, cols; x and q row strides; block columns) and the
-  programs past a smaller tensor's last block return at once.
+  programs past a smaller tensor's last block return at once. Pointers (bytes), columns and row
+  strides (elements) must be multiples of ``ALIGNMENT``.
 
 Each program loads one 128x128 block once, takes its amax, and stores the e4m3fn block and its
 fp32 ``scale_inv``, with the rounding ``fp8``'s docstring specifies (IEEE divisions, clamp,
@@ -18,6 +19,7 @@ import triton
 import triton.language as tl
 
 DESCRIPTOR_FIELDS = 8
+ALIGNMENT = 16  # the grouped kernel needs x and q pointers, cols and row strides divisible by this
 
 
 @triton.jit
@@ -47,12 +49,14 @@ def quantize_grouped(desc_ptr, X_DTYPE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     rows = tl.load(d + 3)
     n_block_cols = tl.load(d + 7)
     if block < tl.cdiv(rows, BLOCK_SIZE) * n_block_cols:
+        # Alignment hints (the caller guarantees them: ALIGNMENT): without them the compiler
+        # cannot vectorize loads and stores through pointers read from memory.
         _quantize_block(
-            tl.load(d).to(tl.pointer_type(X_DTYPE)),
-            tl.load(d + 1).to(tl.pointer_type(tl.float8e4nv)),
+            tl.multiple_of(tl.load(d).to(tl.pointer_type(X_DTYPE)), 16),
+            tl.multiple_of(tl.load(d + 1).to(tl.pointer_type(tl.float8e4nv)), 16),
             tl.load(d + 2).to(tl.pointer_type(tl.float32)),
-            rows, tl.load(d + 4), tl.load(d + 5), tl.load(d + 6), n_block_cols,
-            block // n_block_cols, block % n_block_cols, BLOCK_SIZE,
+            rows, tl.multiple_of(tl.load(d + 4), 16), tl.multiple_of(tl.load(d + 5), 16), tl.multiple_of(tl.load(d + 6), 16),
+            n_block_cols, block // n_block_cols, block % n_block_cols, BLOCK_SIZE,
         )
 
 

@@ -195,13 +195,27 @@ def fp8_breakdown(bridge, chunks, repeats: int = 5) -> dict:
 
     grouped_host, grouped_device = median_of(grouped) if quantizer_path() == "triton-grouped" else (float("nan"), float("nan"))
     quantized = sum(job.source.numel() * (job.source.element_size() + 1) for jobs in buckets for job in jobs)
+    from mbridge_refit import fp8 as fp8_module
+
+    warps = {}
+    for num_warps in (4, 8, 16):
+        fp8_module.NUM_WARPS = num_warps
+        warps[num_warps] = dict(per_weight_device_ms=median_of(per_weight)[1])
+        if quantizer_path() == "triton-grouped":
+            warps[num_warps]["grouped_device_ms"] = median_of(grouped)[1]
+    fp8_module.NUM_WARPS = 8
     return dict(
         fp8_export_host_ms=export_host, fp8_export_device_ms=export_device,
         quantize_per_weight_host_ms=per_host, quantize_per_weight_device_ms=per_device,
         quantize_grouped_host_ms=grouped_host, quantize_grouped_device_ms=grouped_device,
         quantize_launches_per_weight=sum(len(jobs) for jobs in buckets), quantize_launches_grouped=len(buckets),
         quantize_bytes_moved=quantized, quantize_grouped_gb_s=quantized / grouped_device / 1e6,
+        quantize_per_weight_gb_s=quantized / per_device / 1e6, device_ms_by_num_warps=warps,
     )
+
+
+def allocations() -> int:
+    return torch.cuda.memory_stats().get("allocation.all.allocated", 0)
 
 
 def run(args) -> dict:

@@ -27,11 +27,11 @@ def job(name: str, x: torch.Tensor) -> "fp8._QuantizeJob":
 
 
 gen = torch.Generator().manual_seed(1)
-base = (torch.randn(300, 520, generator=gen) * 2).to(torch.bfloat16)
+base = (torch.randn(300, 528, generator=gen) * 2).to(torch.bfloat16)
 base[:128, :128] = 0
 jobs = [
-    job("partial", base), job("narrowed", base[:, 7:400]), job("row_slice", base[130:259]),
-    job("one_block", torch.randn(64, 128, generator=gen).to(torch.bfloat16)), job("fp32", torch.randn(200, 130, generator=gen)),
+    job("partial", base), job("narrowed", base[:, 16:400]), job("row_slice", base[130:259]),
+    job("one_block", torch.randn(64, 128, generator=gen).to(torch.bfloat16)), job("fp32", torch.randn(200, 144, generator=gen)),
 ]
 for dtype in (torch.bfloat16, torch.float32):
     fp8._quantize_grouped([j for j in jobs if j.source.dtype == dtype])
