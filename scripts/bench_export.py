@@ -197,13 +197,13 @@ def fp8_breakdown(bridge, chunks, repeats: int = 5) -> dict:
     quantized = sum(job.source.numel() * (job.source.element_size() + 1) for jobs in buckets for job in jobs)
     from mbridge_refit import fp8 as fp8_module
 
-    warps = {}
+    warps, default_warps = {}, fp8_module.NUM_WARPS
     for num_warps in (4, 8, 16):
         fp8_module.NUM_WARPS = num_warps
         warps[num_warps] = dict(per_weight_device_ms=median_of(per_weight)[1])
         if quantizer_path() == "triton-grouped":
             warps[num_warps]["grouped_device_ms"] = median_of(grouped)[1]
-    fp8_module.NUM_WARPS = 8
+    fp8_module.NUM_WARPS = default_warps
     return dict(
         fp8_export_host_ms=export_host, fp8_export_device_ms=export_device,
         quantize_per_weight_host_ms=per_host, quantize_per_weight_device_ms=per_device,
