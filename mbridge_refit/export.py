@@ -46,11 +46,15 @@ class ExportBuffers:
     ``persistent=True``: one buffer per (role, index, shape, dtype, device), allocated on first
     use and reused by every later export; ``release()`` frees them. ``persistent=False``: a
     fresh tensor for every request (the caller may keep what it is given).
+
+    ``memo``: records derived from the buffers (e.g. how a bucket is quantized into them), kept
+    exactly as long as the buffers are.
     """
 
     def __init__(self, *, persistent: bool) -> None:
         self.persistent = persistent
         self._pool: dict[tuple, torch.Tensor] = {}
+        self.memo: dict[Any, Any] = {}
         self.allocations = 0
 
     def get(self, role: str, index: Any, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -69,6 +73,7 @@ class ExportBuffers:
 
     def release(self) -> None:
         self._pool.clear()
+        self.memo.clear()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

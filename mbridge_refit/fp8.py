@@ -29,14 +29,14 @@ Choices, all in this module:
   ``BlockwiseFP8Config.keep_patterns`` (embeddings, output layer, norms, MoE routers by default)
   stay in their dtype and are listed in the config's ``modules_to_not_convert``.
 
-``quantize_blockwise`` is the reference implementation in torch ops (CPU and GPU); on CUDA a
-one-pass Triton kernel (one program per block: load once, amax, scale, store) produces the
+``quantize_blockwise`` is the reference implementation in torch ops (CPU and GPU); on CUDA
+one-pass Triton kernels (``fp8_kernels``: one program per block: load once, amax, scale, store;
+the quotient by one reciprocal per block and two FMAs, which is the IEEE quotient) produce the
 same bits.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import fnmatch
 import logging
@@ -329,59 +329,81 @@ def quantize_buckets(
     A bucket's weights are quantized together (on CUDA: one grouped kernel launch per bucket and
     input dtype) into ``buffers`` keyed by position in the bucket, so the outputs stay valid
     until the generator moves past the bucket (reused across exports when the pool is
-    persistent).
+    persistent; how each bucket is quantized is then decided once and kept in ``buffers.memo``).
     """
     scales = {e.scale_of: e for e in plan.entries if e.scale_of is not None}
     for bucket in buckets:
-        jobs: list[_QuantizeJob] = []
-        outputs: list[tuple[str, torch.Tensor] | _QuantizeJob] = []
-        for name, tensor in bucket:
-            scale_entry = scales.get(name)
-            if scale_entry is None or tensor.dtype == FP8_DTYPE:  # FP8 already: shipped with its own scale
-                outputs.append((name, tensor))
-                continue
-            position = len(jobs)
-            job = _QuantizeJob(
-                name=name, scale_name=scale_entry.hf_name, source=tensor,
-                q=buffers.get("fp8", position, tuple(tensor.shape), FP8_DTYPE, tensor.device),
-                scale=buffers.get("fp8_scale", position, scale_entry.shape, SCALE_DTYPE, tensor.device),
-            )
-            jobs.append(job)
-            outputs.append(job)
-        _quantize_jobs(jobs, buffers)
-        for item in outputs:
-            if isinstance(item, _QuantizeJob):
-                yield item.name, item.q
-                yield item.scale_name, item.scale
-            else:
+        names = tuple(name for name, _ in bucket)
+        quantizer = buffers.memo.get(("fp8", names))
+        if quantizer is None:
+            quantizer = buffers.memo[("fp8", names)] = _BucketQuantizer.build(bucket, scales, buffers)
+        quantizer.run([bucket[i][1] for i in quantizer.positions], buffers)
+        done = dict(zip(quantizer.positions, range(len(quantizer.positions))))
+        for position, item in enumerate(bucket):
+            job = done.get(position)
+            if job is None:
                 yield item
+            else:
+                yield item[0], quantizer.q[job]
+                yield quantizer.scale_names[job], quantizer.scales[job]
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _QuantizeJob:
-    """One weight to quantize: its source tensor and the output buffers for data and scale."""
+@dataclass(kw_only=True, slots=True)
+class _BucketQuantizer:
+    """How one export bucket is quantized: which of its tensors, into which buffers, with which
+    launches. Built on the bucket's first export; the launches are re-planned only when the
+    sources' addresses or strides change (a persistent export's sources keep theirs)."""
 
-    name: str
-    scale_name: str
-    source: torch.Tensor
-    q: torch.Tensor
-    scale: torch.Tensor
+    positions: tuple[int, ...]  # positions in the bucket of the weights to quantize
+    scale_names: tuple[str, ...]
+    q: tuple[torch.Tensor, ...]
+    scales: tuple[torch.Tensor, ...]
+    _sources_key: tuple = ()
+    _grouped: list = dataclasses.field(default_factory=list)  # (descriptor table, tensors, max blocks, dtype)
+    _singles: tuple[int, ...] = ()  # weights quantized one launch each (unaligned, or no grouped kernel)
 
+    @classmethod
+    def build(cls, bucket: list[tuple[str, torch.Tensor]], scales: dict, buffers: "ExportBuffers") -> "_BucketQuantizer":
+        positions, scale_names, q, s = [], [], [], []
+        for position, (name, tensor) in enumerate(bucket):
+            entry = scales.get(name)
+            if entry is None or tensor.dtype == FP8_DTYPE:  # FP8 already: shipped with its own scale
+                continue
+            index = len(positions)
+            positions.append(position)
+            scale_names.append(entry.hf_name)
+            q.append(buffers.get("fp8", index, tuple(tensor.shape), FP8_DTYPE, tensor.device))
+            s.append(buffers.get("fp8_scale", index, entry.shape, SCALE_DTYPE, tensor.device))
+        return cls(positions=tuple(positions), scale_names=tuple(scale_names), q=tuple(q), scales=tuple(s))
 
-def _quantize_jobs(jobs: list[_QuantizeJob], buffers: "ExportBuffers") -> None:
-    """Quantize every job: one grouped kernel launch per input dtype for CUDA tensors the
-    grouped kernel takes (row-major rows), ``quantize_blockwise`` one by one for the rest."""
-    grouped: dict[torch.dtype, list[_QuantizeJob]] = {}
-    for job in jobs:
-        if _grouped_kernel_takes(job.source):
-            grouped.setdefault(job.source.dtype, []).append(job)
-            continue
-        work = None
-        if not job.source.is_cuda or _triton_kernel() is None:
-            work = buffers.get("fp8_work", 0, padded_shape(tuple(job.source.shape)), torch.float32, job.source.device)
-        quantize_blockwise(job.source, out=job.q, scale_out=job.scale, work=work)
-    for same_dtype in grouped.values():
-        _quantize_grouped(same_dtype)
+    def run(self, sources: list[torch.Tensor], buffers: "ExportBuffers") -> None:
+        key = tuple((t.data_ptr(), t.stride(0) if t.dim() else 0) for t in sources)
+        if key != self._sources_key:
+            self._plan_launches(sources)
+            self._sources_key = key
+        for table, count, max_blocks, dtype in self._grouped:
+            _launch_grouped(table, count, max_blocks, dtype)
+        for i in self._singles:
+            source = sources[i]
+            work = None
+            if not source.is_cuda or _triton_kernel() is None:
+                work = buffers.get("fp8_work", 0, padded_shape(tuple(source.shape)), torch.float32, source.device)
+            quantize_blockwise(source, out=self.q[i], scale_out=self.scales[i], work=work)
+
+    def _plan_launches(self, sources: list[torch.Tensor]) -> None:
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        singles = []
+        for i, source in enumerate(sources):
+            if _grouped_kernel_takes(source):
+                by_dtype.setdefault(source.dtype, []).append(i)
+            else:
+                singles.append(i)
+        self._singles = tuple(singles)
+        self._grouped = [
+            (_descriptor_table([(sources[i], self.q[i], self.scales[i]) for i in chosen]), len(chosen),
+             max(self.scales[i].numel() for i in chosen), dtype)
+            for dtype, chosen in by_dtype.items()
+        ]
 
 
 # --- CUDA: one pass per block ------------------------------------------------------------------
@@ -395,8 +417,6 @@ def _quantize_jobs(jobs: list[_QuantizeJob], buffers: "ExportBuffers") -> None:
 
 _KERNELS: dict[str, Any] | None = None
 _KERNELS_CHECKED = False
-_DESCRIPTORS: "collections.OrderedDict[tuple, torch.Tensor]" = collections.OrderedDict()
-_MAX_CACHED_DESCRIPTORS = 1024
 NUM_WARPS = 16  # per 128x128 block program: the fastest of 4, 8, 16 on H200 (scripts/bench_export.py --fp8)
 
 
@@ -432,15 +452,21 @@ def quantizer_path() -> str:
 
 
 def _probe_tensors() -> list[torch.Tensor]:
-    """bf16 CUDA tensors with exact e4m3 rounding ties, an all-zero block, partial edge blocks,
-    and column-narrowed views (row stride larger than the width): one aligned, one not."""
+    """bf16 CUDA tensors with exact e4m3 rounding ties (at scale 1 and at scale 3), an all-zero
+    block, a block of tiny values, partial edge blocks, and column-narrowed views (row stride
+    larger than the width): one aligned, one not."""
     gen = torch.Generator().manual_seed(0)
     tie = (torch.randn(300, 272, generator=gen) * 0.05).to(torch.bfloat16)
     tie[:128, :128] = 0
     tie[128, 128] = 448.0  # scale 1: exact ties of e4m3 rounding below
     tie[129, 129:140] = torch.tensor([168.0, -168.0, 0.5625, 17.0, 9.5, -9.5, 208.0, 0.0, 3.0, 1e-3, -448.0])
     wide = (torch.randn(129, 528, generator=gen) * 3).to(torch.bfloat16)
-    return [tie.cuda(), wide.cuda(), wide.cuda()[:, 16:400], wide.cuda()[:, 7:400]]
+    # scale 3 (its reciprocal is inexact) with exact e4m3 ties, and a block of values so small
+    # (scale < 2^-90) that the kernel takes its IEEE-division branch
+    odd = (torch.randn(256, 256, generator=gen) * 0.05).to(torch.bfloat16)
+    odd[0, :12] = 3 * torch.tensor([448.0, 168.0, -168.0, 0.5625, 17.0, 9.5, -9.5, 208.0, 13.0, 26.0, 416.0, 0.02734375])
+    odd[128:, 128:] = (torch.randn(128, 128, generator=gen) * 1e-27).to(torch.bfloat16)
+    return [tie.cuda(), wide.cuda(), wide.cuda()[:, 16:400], wide.cuda()[:, 7:400], odd.cuda()]
 
 
 def _reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -468,18 +494,13 @@ def _single_matches_reference() -> bool:
 
 def _grouped_matches_reference() -> bool:
     try:
-        probes = _probe_tensors()
         jobs = [
-            _QuantizeJob(
-                name=f"probe{i}", scale_name=f"probe{i}_scale", source=x,
-                q=torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device),
-                scale=torch.empty(scale_shape(tuple(x.shape)), device=x.device),
-            )
-            for i, x in enumerate(probes)
+            (x, torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device), torch.empty(scale_shape(tuple(x.shape)), device=x.device))
+            for x in _probe_tensors()
+            if _grouped_kernel_takes(x)  # the misaligned probe goes tensor by tensor
         ]
-        jobs = [job for job in jobs if _grouped_kernel_takes(job.source)]  # the misaligned probe goes tensor by tensor
         _quantize_grouped(jobs)
-        return len(jobs) >= 3 and all(_same((job.q, job.scale), _reference(job.source)) for job in jobs)
+        return len(jobs) >= 3 and all(_same((q, s), _reference(x)) for x, q, s in jobs)
     except Exception as err:
         logger.warning("the grouped Triton FP8 kernel failed to run (%s): quantizing tensor by tensor", err)
         return False
@@ -512,36 +533,24 @@ def _grouped_kernel_takes(x: torch.Tensor) -> bool:
     return "grouped" in kernels and kernels["dtype_of"](x.dtype) is not None
 
 
-def _quantize_grouped(jobs: list["_QuantizeJob"]) -> None:
-    """One launch for ``jobs`` (same dtype, same device): grid (blocks of the largest tensor,
-    tensors); programs past a smaller tensor's last block return at once."""
-    if not jobs:
-        return
+def _quantize_grouped(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+    """One grouped launch for ``(source, q, scale)`` triples of one dtype and device that
+    ``_grouped_kernel_takes``."""
+    if jobs:
+        _launch_grouped(_descriptor_table(jobs), len(jobs), max(s.numel() for _, _, s in jobs), jobs[0][0].dtype)
+
+
+def _launch_grouped(table: torch.Tensor, count: int, max_blocks: int, dtype: torch.dtype) -> None:
+    """Grid (blocks of the largest tensor, tensors); programs past a smaller tensor's last block
+    return at once."""
     kernels = _kernels()
-    table = _descriptor_table(jobs)
-    max_blocks = max(job.scale.numel() for job in jobs)
-    kernels["grouped"][(max_blocks, len(jobs))](
-        table, X_DTYPE=kernels["dtype_of"](jobs[0].source.dtype), BLOCK_SIZE=BLOCK, num_warps=NUM_WARPS
-    )
+    kernels["grouped"][(max_blocks, count)](table, X_DTYPE=kernels["dtype_of"](dtype), BLOCK_SIZE=BLOCK, num_warps=NUM_WARPS)
 
 
-def _descriptor_table(jobs: list["_QuantizeJob"]) -> torch.Tensor:
-    """The int64 [len(jobs), 8] descriptor table on the jobs' device, cached by its contents (a
-    persistent export reuses the same buffers and parameters, so steady-state exports copy no
-    table to the device)."""
-    rows = tuple(
-        (job.source.data_ptr(), job.q.data_ptr(), job.scale.data_ptr(), job.source.shape[0], job.source.shape[1],
-         job.source.stride(0), job.q.stride(0), job.scale.shape[1])
-        for job in jobs
-    )
-    device = jobs[0].source.device
-    key = (str(device), rows)
-    table = _DESCRIPTORS.get(key)
-    if table is None:
-        table = torch.tensor(rows, dtype=torch.int64, device=device)
-        _DESCRIPTORS[key] = table
-        if len(_DESCRIPTORS) > _MAX_CACHED_DESCRIPTORS:
-            _DESCRIPTORS.popitem(last=False)
-    else:
-        _DESCRIPTORS.move_to_end(key)
-    return table
+def _descriptor_table(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """The int64 [len(jobs), 8] descriptor table (``fp8_kernels``) on the jobs' device."""
+    rows = [
+        (x.data_ptr(), q.data_ptr(), s.data_ptr(), x.shape[0], x.shape[1], x.stride(0), q.stride(0), s.shape[1])
+        for x, q, s in jobs
+    ]
+    return torch.tensor(rows, dtype=torch.int64, device=jobs[0][0].device)

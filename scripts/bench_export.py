@@ -149,7 +149,7 @@ def fp8_breakdown(bridge, chunks, repeats: int = 5) -> dict:
     exported BF16 tensors (device time by CUDA events, host time to launch them), one launch per
     weight (``quantize_blockwise``) and one grouped launch per export bucket."""
     from mbridge_refit.export import ExportBuffers
-    from mbridge_refit.fp8 import FP8_DTYPE, BlockwiseFP8Config, _QuantizeJob, _quantize_grouped, quantize_blockwise, scale_shape
+    from mbridge_refit.fp8 import FP8_DTYPE, BlockwiseFP8Config, _quantize_grouped, quantize_blockwise, scale_shape
 
     def median_of(fn) -> tuple[float, float]:
         hosts, devices = [], []
@@ -173,8 +173,7 @@ def fp8_breakdown(bridge, chunks, repeats: int = 5) -> dict:
     buckets = []
     for bucket in bridge._exporter(chunks).export_buckets(ExportBuffers(persistent=False)):
         jobs = [
-            _QuantizeJob(name=n, scale_name=n, source=t, q=torch.empty(t.shape, dtype=FP8_DTYPE, device=t.device),
-                         scale=torch.empty(scale_shape(tuple(t.shape)), device=t.device))
+            (t, torch.empty(t.shape, dtype=FP8_DTYPE, device=t.device), torch.empty(scale_shape(tuple(t.shape)), device=t.device))
             for n, t in bucket if config.quantizes(n, tuple(t.shape), str(t.dtype).removeprefix("torch."))
         ]
         if jobs:
@@ -182,8 +181,8 @@ def fp8_breakdown(bridge, chunks, repeats: int = 5) -> dict:
 
     def per_weight():
         for jobs in buckets:
-            for job in jobs:
-                quantize_blockwise(job.source, out=job.q, scale_out=job.scale)
+            for source, q, scale in jobs:
+                quantize_blockwise(source, out=q, scale_out=scale)
 
     def grouped():
         for jobs in buckets:
@@ -194,7 +193,7 @@ def fp8_breakdown(bridge, chunks, repeats: int = 5) -> dict:
     from mbridge_refit.fp8 import quantizer_path
 
     grouped_host, grouped_device = median_of(grouped) if quantizer_path() == "triton-grouped" else (float("nan"), float("nan"))
-    quantized = sum(job.source.numel() * (job.source.element_size() + 1) for jobs in buckets for job in jobs)
+    quantized = sum(source.numel() * (source.element_size() + 1) for jobs in buckets for source, _, _ in jobs)
     from mbridge_refit import fp8 as fp8_module
 
     warps, default_warps = {}, fp8_module.NUM_WARPS

@@ -119,6 +119,43 @@ def test_quantizer_rejects_non_2d():
         quantize_blockwise(torch.zeros(4, 4, 4, dtype=torch.bfloat16))
 
 
+def test_bucket_quantizer_follows_new_data_and_reuses_buffers():
+    """A persistent pool's bucket quantizer is decided once; later exports with new values still
+    give the reference bits, into the same buffers, with nothing allocated."""
+    from mbridge_refit.export import ExportBuffers
+    from mbridge_refit.fp8 import SCALE_SUFFIX, quantize_buckets
+
+    weight, norm = "model.layers.0.mlp.up_proj.weight", "model.layers.0.input_layernorm.weight"
+    shapes = {weight: (300, 200), norm: (200,)}
+    gen = torch.Generator().manual_seed(3)
+    buffers = ExportBuffers(persistent=True)
+    plan = _FakePlan(scales={weight: weight + SCALE_SUFFIX}, shape=(3, 2))
+    outputs = []
+    for _ in range(3):
+        bucket = [(n, (torch.randn(shape, generator=gen) * 0.05).to(torch.bfloat16)) for n, shape in shapes.items()]
+        before = buffers.allocations
+        got = dict(quantize_buckets([bucket], plan, buffers))
+        q, s = reference_quantize(bucket[0][1])
+        assert same_bits(got[weight], q) and same_bits(got[weight + SCALE_SUFFIX], s)
+        assert got[norm] is bucket[1][1]
+        outputs.append((got[weight].data_ptr(), buffers.allocations - before))
+    assert outputs[1] == (outputs[0][0], 0) and outputs[2] == (outputs[0][0], 0)
+    assert len(buffers.memo) == 1
+
+
+@dataclasses.dataclass
+class _FakePlan:
+    """What ``quantize_buckets`` reads of an FP8 plan: entries with ``scale_of``, ``hf_name``, ``shape``."""
+
+    scales: dict
+    shape: tuple
+
+    @property
+    def entries(self):
+        entry = dataclasses.make_dataclass("Entry", ["scale_of", "hf_name", "shape"])
+        return [entry(weight, scale, self.shape) for weight, scale in self.scales.items()]
+
+
 def test_grouped_kernel_writes_what_the_single_kernel_writes():
     """The grouped Triton kernel (one launch per export bucket) against the single-tensor kernel,
     both run by Triton's CPU interpreter (the GPU bits of both are checked against the torch path

@@ -1,6 +1,7 @@
 """Run under TRITON_INTERPRET=1 on CPU (tests/test_fp8.py): the grouped FP8 kernel (many tensors,
 one launch, descriptor table) must write exactly what the single-tensor kernel writes for each
-tensor: partial edge blocks, an all-zero block, a column-narrowed view (row stride > width), a
+tensor: partial edge blocks, an all-zero block, a block of tiny values (the kernel's division
+branch), a column-narrowed view (row stride > width), a
 row slice at an offset, and two dtypes. Both kernels run in Triton's interpreter here, whose
 float8 conversion is not the GPU's round-to-nearest-even, so the e4m3 bytes are compared
 between the two kernels (the grouping logic) and the scales against the torch path as well.
@@ -19,33 +20,32 @@ kernels = fp8._build_triton_kernels()
 fp8._KERNELS, fp8._KERNELS_CHECKED = kernels, True  # skip the CUDA probe: this is the interpreter
 
 
-def job(name: str, x: torch.Tensor) -> "fp8._QuantizeJob":
-    return fp8._QuantizeJob(
-        name=name, scale_name=name + fp8.SCALE_SUFFIX, source=x,
-        q=torch.empty(x.shape, dtype=fp8.FP8_DTYPE), scale=torch.empty(fp8.scale_shape(tuple(x.shape))),
-    )
+def job(name: str, x: torch.Tensor) -> tuple:
+    """(name, source, q buffer, scale buffer)."""
+    return name, x, torch.empty(x.shape, dtype=fp8.FP8_DTYPE), torch.empty(fp8.scale_shape(tuple(x.shape)))
 
 
 gen = torch.Generator().manual_seed(1)
 base = (torch.randn(300, 528, generator=gen) * 2).to(torch.bfloat16)
 base[:128, :128] = 0
+base[128:256, 128:256] *= 1e-30  # scale_inv < 2^-90: the IEEE-division branch
 jobs = [
     job("partial", base), job("narrowed", base[:, 16:400]), job("row_slice", base[130:259]),
     job("one_block", torch.randn(64, 128, generator=gen).to(torch.bfloat16)), job("fp32", torch.randn(200, 144, generator=gen)),
 ]
 for dtype in (torch.bfloat16, torch.float32):
-    fp8._quantize_grouped([j for j in jobs if j.source.dtype == dtype])
+    fp8._quantize_grouped([(x, q, s) for _, x, q, s in jobs if x.dtype == dtype])
 
 problems = []
-for j in jobs:
-    x = j.source.contiguous()
-    q, s = torch.empty_like(j.q), torch.empty_like(j.scale)
+for name, source, grouped_q, grouped_s in jobs:
+    x = source.contiguous()
+    q, s = torch.empty_like(grouped_q), torch.empty_like(grouped_s)
     kernels["single"][tuple(s.shape)](x, q, s, x.shape[0], x.shape[1], x.stride(0), q.stride(0), s.shape[1], BLOCK_SIZE=fp8.BLOCK)
     ref_q, ref_s = torch.empty_like(q), torch.empty_like(s)
     fp8._quantize_torch(x, ref_q, ref_s, torch.empty(fp8.padded_shape(tuple(x.shape))))
-    if not torch.equal(q.view(torch.uint8), j.q.view(torch.uint8)):
-        problems.append(f"{j.name}: grouped e4m3 bytes differ from the single-tensor kernel's")
-    if not (torch.equal(s, j.scale) and torch.equal(s, ref_s)):
-        problems.append(f"{j.name}: scales differ (grouped, single, torch)")
+    if not torch.equal(q.view(torch.uint8), grouped_q.view(torch.uint8)):
+        problems.append(f"{name}: grouped e4m3 bytes differ from the single-tensor kernel's")
+    if not (torch.equal(s, grouped_s) and torch.equal(s, ref_s)):
+        problems.append(f"{name}: scales differ (grouped, single, torch)")
 print("\n".join(problems) or f"{len(jobs)} tensors: grouped == single kernel")
 sys.exit(1 if problems else 0)
