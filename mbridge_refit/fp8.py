@@ -417,7 +417,7 @@ class _BucketQuantizer:
 
 _KERNELS: dict[str, Any] | None = None
 _KERNELS_CHECKED = False
-NUM_WARPS = 16  # per 128x128 block program: the fastest of 4, 8, 16 on H200 (scripts/bench_export.py --fp8)
+NUM_WARPS = 4  # per 128x128 block program: the fastest of 4, 8, 16 on H200 (scripts/bench_export.py --fp8)
 
 
 def _kernels() -> dict[str, Any]:
@@ -488,7 +488,7 @@ def _single_matches_reference() -> bool:
             results.append(_same((q, s), _reference(x)))
         return all(results)
     except Exception as err:  # a compiler or driver that cannot build it: the torch path still works
-        logger.warning("the Triton FP8 kernel failed to run (%s): using torch ops", err)
+        logger.warning("the Triton FP8 kernel failed to run (%s): using torch ops", _root_cause(err))
         return False
 
 
@@ -502,8 +502,16 @@ def _grouped_matches_reference() -> bool:
         _quantize_grouped(jobs)
         return len(jobs) >= 3 and all(_same((q, s), _reference(x)) for x, q, s in jobs)
     except Exception as err:
-        logger.warning("the grouped Triton FP8 kernel failed to run (%s): quantizing tensor by tensor", err)
+        logger.warning("the grouped Triton FP8 kernel failed to run (%s): quantizing tensor by tensor", _root_cause(err))
         return False
+
+
+def _root_cause(err: BaseException) -> str:
+    """The innermost error of a chain (Triton wraps the real compile error in outer ones that
+    only point at the call site)."""
+    while err.__cause__ is not None:
+        err = err.__cause__
+    return f"{type(err).__name__}: {err}"
 
 
 def _build_triton_kernels() -> dict[str, Any]:

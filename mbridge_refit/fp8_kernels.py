@@ -24,7 +24,7 @@ DESCRIPTOR_FIELDS = 8
 # and two FMAs; smaller ones by IEEE division. For such a scale, any quotient >= 2^-11 has an
 # exactly representable residual (granularity >= 2^-147), and smaller quotients round to 0 in e4m3
 # whatever their last bits.
-MIN_FAST_SCALE: tl.constexpr = 2.0**-90
+MIN_FAST_SCALE = tl.constexpr(2.0**-90)
 ALIGNMENT = 16  # the grouped kernel needs x and q pointers, cols and row strides divisible by this
 
 
@@ -44,9 +44,10 @@ def _quantize_block(x_ptr, q_ptr, s_ptr, rows, cols, stride_x, stride_q, n_block
         # RN(q0 + residual * recip) is the IEEE quotient (Markstein's theorem), barring underflow
         # of the residual, which MIN_FAST_SCALE rules out for every quotient that can round to
         # a nonzero e4m3 value.
-        recip = tl.math.div_rn(1.0, scale)
+        zeros = tl.zeros_like(x)  # tl.fma does not broadcast its operands
+        recip = zeros + tl.math.div_rn(1.0, scale)
         q0 = x * recip
-        y = tl.fma(tl.fma(-q0, scale, x), recip, q0)
+        y = tl.fma(tl.fma(-q0, zeros + scale, x), recip, q0)
     else:
         y = tl.math.div_rn(x, scale)
     y = tl.minimum(tl.maximum(y, -448.0), 448.0)
