@@ -338,9 +338,8 @@ def quantize_buckets(
         if quantizer is None:
             quantizer = buffers.memo[("fp8", names)] = _BucketQuantizer.build(bucket, scales, buffers)
         quantizer.run([bucket[i][1] for i in quantizer.positions], buffers)
-        done = dict(zip(quantizer.positions, range(len(quantizer.positions))))
         for position, item in enumerate(bucket):
-            job = done.get(position)
+            job = quantizer.job_at.get(position)
             if job is None:
                 yield item
             else:
@@ -355,6 +354,7 @@ class _BucketQuantizer:
     sources' addresses or strides change (a persistent export's sources keep theirs)."""
 
     positions: tuple[int, ...]  # positions in the bucket of the weights to quantize
+    job_at: dict[int, int]  # position in the bucket -> index into the tuples below
     scale_names: tuple[str, ...]
     q: tuple[torch.Tensor, ...]
     scales: tuple[torch.Tensor, ...]
@@ -374,7 +374,10 @@ class _BucketQuantizer:
             scale_names.append(entry.hf_name)
             q.append(buffers.get("fp8", index, tuple(tensor.shape), FP8_DTYPE, tensor.device))
             s.append(buffers.get("fp8_scale", index, entry.shape, SCALE_DTYPE, tensor.device))
-        return cls(positions=tuple(positions), scale_names=tuple(scale_names), q=tuple(q), scales=tuple(s))
+        return cls(
+            positions=tuple(positions), job_at={p: i for i, p in enumerate(positions)}, scale_names=tuple(scale_names),
+            q=tuple(q), scales=tuple(s),
+        )
 
     def run(self, sources: list[torch.Tensor], buffers: "ExportBuffers") -> None:
         key = tuple((t.data_ptr(), t.stride(0) if t.dim() else 0) for t in sources)
