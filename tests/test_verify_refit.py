@@ -70,6 +70,8 @@ def test_verifier_passes_after_refit(tmp_path, recipe, nproc, flags):
     result = json.loads(out.read_text())
     assert result["passed"] and result["tokens"] == 2 * 31
     assert result["mean_abs_diff"] <= 1e-5 and result["mult_prob_error"] < 1.0001
+    noise = result["engine_eager_vs_default_attention"]  # the engine against itself, eager vs sdpa
+    assert noise is not None and noise["tokens"] == 2 * 31 and noise["mean_abs_diff"] <= 1e-5
 
 
 def test_verifier_fails_loudly_on_a_perturbed_weight(tmp_path):
