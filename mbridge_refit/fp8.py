@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -264,8 +265,8 @@ def quantize_blockwise(
         raise FP8FormatError(f"blockwise FP8 needs a 2-D tensor, got shape {tuple(x.shape)}")
     out = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device) if out is None else out
     scale_out = torch.empty(scale_shape(tuple(x.shape)), dtype=SCALE_DTYPE, device=x.device) if scale_out is None else scale_out
-    if x.is_cuda and _triton_kernel() is not None:
-        _quantize_triton(x, out, scale_out)
+    if x.is_cuda and _kernel_usable("single"):
+        _cuda_kernels().quantize_single(x, out, scale_out)
         return out, scale_out
     work = torch.empty(padded_shape(tuple(x.shape)), dtype=torch.float32, device=x.device) if work is None else work
     _quantize_torch(x, out, scale_out, work)
@@ -359,7 +360,7 @@ class _BucketQuantizer:
     q: tuple[torch.Tensor, ...]
     scales: tuple[torch.Tensor, ...]
     _sources_key: tuple = ()
-    _grouped: list = dataclasses.field(default_factory=list)  # (descriptor table, tensors, max blocks, dtype)
+    _grouped: list = dataclasses.field(default_factory=list)  # fp8_kernels.GroupedLaunch, one per input dtype
     _singles: tuple[int, ...] = ()  # weights quantized one launch each (unaligned, or no grouped kernel)
 
     @classmethod
@@ -384,184 +385,50 @@ class _BucketQuantizer:
         if key != self._sources_key:
             self._plan_launches(sources)
             self._sources_key = key
-        for table, count, max_blocks, dtype in self._grouped:
-            _launch_grouped(table, count, max_blocks, dtype)
+        for launch in self._grouped:
+            _cuda_kernels().launch_grouped(launch)
         for i in self._singles:
             source = sources[i]
             work = None
-            if not source.is_cuda or _triton_kernel() is None:
+            if not (source.is_cuda and _kernel_usable("single")):
                 work = buffers.get("fp8_work", 0, padded_shape(tuple(source.shape)), torch.float32, source.device)
             quantize_blockwise(source, out=self.q[i], scale_out=self.scales[i], work=work)
 
     def _plan_launches(self, sources: list[torch.Tensor]) -> None:
+        kernels = _cuda_kernels() if _kernel_usable("grouped") else None
         by_dtype: dict[torch.dtype, list[int]] = {}
         singles = []
         for i, source in enumerate(sources):
-            if _grouped_kernel_takes(source):
+            if kernels is not None and kernels.grouped_takes(source):
                 by_dtype.setdefault(source.dtype, []).append(i)
             else:
                 singles.append(i)
         self._singles = tuple(singles)
         self._grouped = [
-            (_descriptor_table([(sources[i], self.q[i], self.scales[i]) for i in chosen]), len(chosen),
-             max(self.scales[i].numel() for i in chosen), dtype)
-            for dtype, chosen in by_dtype.items()
+            kernels.grouped_launch([(sources[i], self.q[i], self.scales[i]) for i in chosen]) for chosen in by_dtype.values()
         ]
 
 
-# --- CUDA: one pass per block ------------------------------------------------------------------
-#
-# Two Triton kernels (``fp8_kernels``): ``single`` quantizes one tensor (``quantize_blockwise``);
-# ``grouped`` quantizes many tensors of one dtype in one launch (``quantize_buckets``: one launch
-# per export bucket instead of one per weight), reading each tensor's pointers and sizes from a
-# small int64 descriptor table.
-# Each kernel is used only after it reproduced the torch path's bits on probe tensors (once per
-# process, on the current CUDA device, with rounding ties, zero, partial and strided blocks).
-
-_KERNELS: dict[str, Any] | None = None
-_KERNELS_CHECKED = False
-NUM_WARPS = 4  # per 128x128 block program: the fastest of 4, 8, 16 on H200 (scripts/bench_export.py --fp8)
+# --- CUDA kernels -------------------------------------------------------------------------------
 
 
-def _kernels() -> dict[str, Any]:
-    """The kernels that passed their check on this device (``single``, ``grouped``); empty
-    where Triton is unavailable (then the torch path runs)."""
-    global _KERNELS, _KERNELS_CHECKED
-    if not _KERNELS_CHECKED:
-        _KERNELS_CHECKED = True
-        try:
-            built = _build_triton_kernels()
-        except ImportError:
-            built = {}
-        _KERNELS = built
-        for name, check in (("single", _single_matches_reference), ("grouped", _grouped_matches_reference)):
-            if name in built and not check():
-                logger.warning("the Triton FP8 %s kernel does not match the reference bits on this device: not used", name)
-                del built[name]
-    return _KERNELS or {}
+@functools.cache
+def _cuda_kernels():
+    """The ``fp8_kernels`` module, or None where Triton is not installed (then the torch path runs)."""
+    try:
+        from mbridge_refit import fp8_kernels
+    except ImportError:
+        return None
+    return fp8_kernels
 
 
-def _triton_kernel():
-    """The single-tensor Triton kernel, or None (then the torch path runs)."""
-    return _kernels().get("single")
+def _kernel_usable(kind: str) -> bool:
+    kernels = _cuda_kernels()
+    return kernels is not None and kernels.usable(kind)
 
 
 def quantizer_path() -> str:
     """``"triton-grouped"``, ``"triton"`` or ``"torch"``: what the FP8 export uses for CUDA tensors here."""
     if not torch.cuda.is_available():
         return "torch"
-    kernels = _kernels()
-    return "triton-grouped" if "grouped" in kernels else "triton" if "single" in kernels else "torch"
-
-
-def _probe_tensors() -> list[torch.Tensor]:
-    """bf16 CUDA tensors with exact e4m3 rounding ties (at scale 1 and at scale 3), an all-zero
-    block, a block of tiny values, partial edge blocks, and column-narrowed views (row stride
-    larger than the width): one aligned, one not."""
-    gen = torch.Generator().manual_seed(0)
-    tie = (torch.randn(300, 272, generator=gen) * 0.05).to(torch.bfloat16)
-    tie[:128, :128] = 0
-    tie[128, 128] = 448.0  # scale 1: exact ties of e4m3 rounding below
-    tie[129, 129:140] = torch.tensor([168.0, -168.0, 0.5625, 17.0, 9.5, -9.5, 208.0, 0.0, 3.0, 1e-3, -448.0])
-    wide = (torch.randn(129, 528, generator=gen) * 3).to(torch.bfloat16)
-    # scale 3 (its reciprocal is inexact) with exact e4m3 ties, and a block of values so small
-    # (scale < 2^-90) that the kernel takes its IEEE-division branch
-    odd = (torch.randn(256, 256, generator=gen) * 0.05).to(torch.bfloat16)
-    odd[0, :12] = 3 * torch.tensor([448.0, 168.0, -168.0, 0.5625, 17.0, 9.5, -9.5, 208.0, 13.0, 26.0, 416.0, 0.02734375])
-    odd[128:, 128:] = (torch.randn(128, 128, generator=gen) * 1e-27).to(torch.bfloat16)
-    return [tie.cuda(), wide.cuda(), wide.cuda()[:, 16:400], wide.cuda()[:, 7:400], odd.cuda()]
-
-
-def _reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    q, s = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device), torch.empty(scale_shape(tuple(x.shape)), device=x.device)
-    _quantize_torch(x, q, s, torch.empty(padded_shape(tuple(x.shape)), device=x.device))
-    return q, s
-
-
-def _same(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> bool:
-    return torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
-
-
-def _single_matches_reference() -> bool:
-    try:
-        results = []
-        for x in _probe_tensors():
-            q, s = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device), torch.empty(scale_shape(tuple(x.shape)), device=x.device)
-            _quantize_triton(x, q, s)
-            results.append(_same((q, s), _reference(x)))
-        return all(results)
-    except Exception as err:  # a compiler or driver that cannot build it: the torch path still works
-        logger.warning("the Triton FP8 kernel failed to run (%s): using torch ops", _root_cause(err))
-        return False
-
-
-def _grouped_matches_reference() -> bool:
-    try:
-        jobs = [
-            (x, torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device), torch.empty(scale_shape(tuple(x.shape)), device=x.device))
-            for x in _probe_tensors()
-            if _grouped_kernel_takes(x)  # the misaligned probe goes tensor by tensor
-        ]
-        _quantize_grouped(jobs)
-        return len(jobs) >= 3 and all(_same((q, s), _reference(x)) for x, q, s in jobs)
-    except Exception as err:
-        logger.warning("the grouped Triton FP8 kernel failed to run (%s): quantizing tensor by tensor", _root_cause(err))
-        return False
-
-
-def _root_cause(err: BaseException) -> str:
-    """The innermost error of a chain (Triton wraps the real compile error in outer ones that
-    only point at the call site)."""
-    while err.__cause__ is not None:
-        err = err.__cause__
-    return f"{type(err).__name__}: {err}"
-
-
-def _build_triton_kernels() -> dict[str, Any]:
-    from mbridge_refit import fp8_kernels  # ImportError without Triton
-
-    return {"single": fp8_kernels.quantize_single, "grouped": fp8_kernels.quantize_grouped, "dtype_of": fp8_kernels.triton_dtype}
-
-
-def _quantize_triton(x: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor) -> None:
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    rows, cols = x.shape
-    block_rows, block_cols = scale_out.shape
-    _kernels()["single"][(block_rows, block_cols)](
-        x, out, scale_out, rows, cols, x.stride(0), out.stride(0), block_cols, BLOCK_SIZE=BLOCK, num_warps=NUM_WARPS
-    )
-
-
-def _grouped_kernel_takes(x: torch.Tensor) -> bool:
-    """Whether the grouped kernel reads ``x`` in place: a CUDA 2-D tensor of a float dtype it
-    knows, rows contiguous, pointer, width and row stride aligned (``fp8_kernels.ALIGNMENT``)."""
-    if not x.is_cuda or x.dim() != 2 or x.stride(1) != 1:
-        return False
-    if x.data_ptr() % 16 or x.stride(0) % 16 or x.shape[1] % 16:  # fp8_kernels.ALIGNMENT
-        return False
-    kernels = _kernels()
-    return "grouped" in kernels and kernels["dtype_of"](x.dtype) is not None
-
-
-def _quantize_grouped(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
-    """One grouped launch for ``(source, q, scale)`` triples of one dtype and device that
-    ``_grouped_kernel_takes``."""
-    if jobs:
-        _launch_grouped(_descriptor_table(jobs), len(jobs), max(s.numel() for _, _, s in jobs), jobs[0][0].dtype)
-
-
-def _launch_grouped(table: torch.Tensor, count: int, max_blocks: int, dtype: torch.dtype) -> None:
-    """Grid (blocks of the largest tensor, tensors); programs past a smaller tensor's last block
-    return at once."""
-    kernels = _kernels()
-    kernels["grouped"][(max_blocks, count)](table, X_DTYPE=kernels["dtype_of"](dtype), BLOCK_SIZE=BLOCK, num_warps=NUM_WARPS)
-
-
-def _descriptor_table(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """The int64 [len(jobs), 8] descriptor table (``fp8_kernels``) on the jobs' device."""
-    rows = [
-        (x.data_ptr(), q.data_ptr(), s.data_ptr(), x.shape[0], x.shape[1], x.stride(0), q.stride(0), s.shape[1])
-        for x, q, s in jobs
-    ]
-    return torch.tensor(rows, dtype=torch.int64, device=jobs[0][0].device)
+    return "triton-grouped" if _kernel_usable("grouped") else "triton" if _kernel_usable("single") else "torch"

@@ -1,23 +1,37 @@
-"""Triton kernels of the blockwise FP8 quantizer (the format and its reference path: ``fp8``).
+"""CUDA kernels of the blockwise FP8 quantizer (the format and its reference path: ``fp8``).
 
-Imported lazily by ``fp8`` on CUDA machines (an ImportError where Triton is missing means the
-torch path runs). One block body, two launch shapes:
+Imported lazily by ``fp8`` (an ImportError where Triton is missing means the torch path runs).
+Owns the Triton code, the check that it reproduces the reference bits on this device, and the
+launches. One block body, two launch shapes:
 
 * ``quantize_single``: one tensor, grid (block rows, block columns);
-* ``quantize_grouped``: many tensors of one dtype in one launch, grid (blocks of the largest
-  tensor, tensors); each tensor is described by a row of an int64 table (``DESCRIPTOR_FIELDS``
-  columns: x, q and scale pointers; rows, cols; x and q row strides; block columns) and the
-  programs past a smaller tensor's last block return at once. Pointers (bytes), columns and row
-  strides (elements) must be multiples of ``ALIGNMENT``.
+* grouped (``grouped_launch`` / ``launch_grouped``): many tensors of one dtype in one launch,
+  grid (blocks of the largest tensor, tensors); each tensor is described by a row of an int64
+  table (``DESCRIPTOR_FIELDS`` columns: x, q and scale pointers; rows, cols; x and q row
+  strides; block columns) and the programs past a smaller tensor's last block return at once.
+  Pointers (bytes), columns and row strides (elements) must be multiples of ``ALIGNMENT``.
 
 Each program loads one 128x128 block once, takes its amax, and stores the e4m3fn block and its
 fp32 ``scale_inv``, with the rounding ``fp8``'s docstring specifies (IEEE-exact quotients, clamp,
 round-to-nearest-even). The per-element quotient is computed with one reciprocal per block and two
 FMAs (correctly rounded, see ``_quantize_block``), not a division per element.
+
+A kernel is used only after it reproduced the torch path's bits on probe tensors (``usable``:
+once per process, on the current CUDA device, with rounding ties at scale 1 and at scale 3, an
+all-zero block, a block of tiny values, partial and strided blocks).
 """
 
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
 import triton
 import triton.language as tl
+
+from mbridge_refit import fp8
+
+logger = logging.getLogger(__name__)
 
 DESCRIPTOR_FIELDS = 8
 # Blocks whose scale_inv is at least 2^-90 (amax >= 448 * 2^-90, ~3.6e-25) divide by reciprocal
@@ -26,6 +40,7 @@ DESCRIPTOR_FIELDS = 8
 # whatever their last bits.
 MIN_FAST_SCALE = tl.constexpr(2.0**-90)
 ALIGNMENT = 16  # the grouped kernel needs x and q pointers, cols and row strides divisible by this
+NUM_WARPS = 4  # per 128x128 block program: the fastest of 4, 8, 16 on H200 (scripts/bench_export.py --fp8)
 
 
 @triton.jit
@@ -56,12 +71,12 @@ def _quantize_block(x_ptr, q_ptr, s_ptr, rows, cols, stride_x, stride_q, n_block
 
 
 @triton.jit
-def quantize_single(x_ptr, q_ptr, s_ptr, rows, cols, stride_x, stride_q, n_block_cols, BLOCK_SIZE: tl.constexpr):
+def _single_kernel(x_ptr, q_ptr, s_ptr, rows, cols, stride_x, stride_q, n_block_cols, BLOCK_SIZE: tl.constexpr):
     _quantize_block(x_ptr, q_ptr, s_ptr, rows, cols, stride_x, stride_q, n_block_cols, tl.program_id(0), tl.program_id(1), BLOCK_SIZE)
 
 
 @triton.jit
-def quantize_grouped(desc_ptr, X_DTYPE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+def _grouped_kernel(desc_ptr, X_DTYPE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     block = tl.program_id(0)  # this program's block of its tensor, in row-major block order
     d = desc_ptr + tl.program_id(1) * 8  # DESCRIPTOR_FIELDS
     rows = tl.load(d + 3)
@@ -78,8 +93,112 @@ def quantize_grouped(desc_ptr, X_DTYPE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
         )
 
 
-def triton_dtype(torch_dtype):
-    """The Triton element type for a torch float dtype the grouped kernel reads, else None."""
-    import torch
+_TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
-    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}.get(torch_dtype)
+
+# --- launches -----------------------------------------------------------------------------------
+
+
+def quantize_single(x: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor) -> None:
+    """Quantize one 2-D CUDA tensor into ``out`` / ``scale_out`` (``fp8.quantize_blockwise``'s contract)."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    rows, cols = x.shape
+    block_rows, block_cols = scale_out.shape
+    _single_kernel[(block_rows, block_cols)](
+        x, out, scale_out, rows, cols, x.stride(0), out.stride(0), block_cols, BLOCK_SIZE=fp8.BLOCK, num_warps=NUM_WARPS
+    )
+
+
+def grouped_takes(x: torch.Tensor) -> bool:
+    """Whether the grouped kernel reads ``x`` in place: a CUDA 2-D tensor of a float dtype it
+    knows, rows contiguous, pointer, width and row stride aligned to ``ALIGNMENT``."""
+    return (
+        x.is_cuda and x.dim() == 2 and x.stride(1) == 1 and x.dtype in _TRITON_DTYPES
+        and not (x.data_ptr() % ALIGNMENT or x.stride(0) % ALIGNMENT or x.shape[1] % ALIGNMENT)
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class GroupedLaunch:
+    """One grouped launch, ready to repeat: the descriptor table (on the device) and the grid.
+    Valid while the tensors it was built from keep their storage."""
+
+    table: torch.Tensor
+    count: int
+    max_blocks: int
+    dtype: torch.dtype
+
+
+def grouped_launch(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> GroupedLaunch:
+    """The launch for ``(source, q, scale)`` triples of one dtype and device that ``grouped_takes``
+    (builds the descriptor table: one host-to-device copy)."""
+    rows = [
+        (x.data_ptr(), q.data_ptr(), s.data_ptr(), x.shape[0], x.shape[1], x.stride(0), q.stride(0), s.shape[1])
+        for x, q, s in jobs
+    ]
+    table = torch.tensor(rows, dtype=torch.int64, device=jobs[0][0].device)
+    return GroupedLaunch(table=table, count=len(jobs), max_blocks=max(s.numel() for _, _, s in jobs), dtype=jobs[0][0].dtype)
+
+
+def launch_grouped(launch: GroupedLaunch) -> None:
+    _grouped_kernel[(launch.max_blocks, launch.count)](
+        launch.table, X_DTYPE=_TRITON_DTYPES[launch.dtype], BLOCK_SIZE=fp8.BLOCK, num_warps=NUM_WARPS
+    )
+
+
+# --- the check before use -----------------------------------------------------------------------
+
+
+@functools.cache
+def usable(kind: str) -> bool:
+    """Whether the ``"single"`` or ``"grouped"`` kernel reproduces the torch path's bits on the
+    probe tensors on this device (checked once per process; a failure is logged with its cause)."""
+    try:
+        probes = [x for x in _probe_tensors() if kind == "single" or grouped_takes(x)]
+        outputs = [(x, torch.empty(x.shape, dtype=fp8.FP8_DTYPE, device=x.device),
+                    torch.empty(fp8.scale_shape(tuple(x.shape)), device=x.device)) for x in probes]
+        if kind == "single":
+            for x, q, s in outputs:
+                quantize_single(x, q, s)
+        else:
+            launch_grouped(grouped_launch(outputs))
+        matches = all(_same_bits(q, s, x) for x, q, s in outputs)
+    except Exception as err:  # a compiler or driver that cannot build it: the torch path still works
+        logger.warning("the Triton FP8 %s kernel failed to run (%s): not used", kind, _root_cause(err))
+        return False
+    if not matches:
+        logger.warning("the Triton FP8 %s kernel does not match the reference bits on this device: not used", kind)
+    return matches
+
+
+def _probe_tensors() -> list[torch.Tensor]:
+    """bf16 CUDA tensors with exact e4m3 rounding ties (at scale 1 and at scale 3), an all-zero
+    block, a block of tiny values, partial edge blocks, and column-narrowed views (row stride
+    larger than the width): one aligned, one not."""
+    gen = torch.Generator().manual_seed(0)
+    tie = (torch.randn(300, 272, generator=gen) * 0.05).to(torch.bfloat16)
+    tie[:128, :128] = 0
+    tie[128, 128] = 448.0  # scale 1: exact ties of e4m3 rounding below
+    tie[129, 129:140] = torch.tensor([168.0, -168.0, 0.5625, 17.0, 9.5, -9.5, 208.0, 0.0, 3.0, 1e-3, -448.0])
+    wide = (torch.randn(129, 528, generator=gen) * 3).to(torch.bfloat16)
+    # scale 3 (its reciprocal is inexact) with exact e4m3 ties, and a block of values so small
+    # (scale < 2^-90) that the kernel takes its IEEE-division branch
+    odd = (torch.randn(256, 256, generator=gen) * 0.05).to(torch.bfloat16)
+    odd[0, :12] = 3 * torch.tensor([448.0, 168.0, -168.0, 0.5625, 17.0, 9.5, -9.5, 208.0, 13.0, 26.0, 416.0, 0.02734375])
+    odd[128:, 128:] = (torch.randn(128, 128, generator=gen) * 1e-27).to(torch.bfloat16)
+    return [tie.cuda(), wide.cuda(), wide.cuda()[:, 16:400], wide.cuda()[:, 7:400], odd.cuda()]
+
+
+def _same_bits(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> bool:
+    ref_q, ref_s = torch.empty_like(q), torch.empty_like(scale)
+    fp8._quantize_torch(x, ref_q, ref_s, torch.empty(fp8.padded_shape(tuple(x.shape)), device=x.device))
+    return torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(scale, ref_s)
+
+
+def _root_cause(err: BaseException) -> str:
+    """The innermost error of a chain (Triton wraps the real compile error in outer ones that
+    only point at the call site)."""
+    while err.__cause__ is not None:
+        err = err.__cause__
+    return f"{type(err).__name__}: {err}"

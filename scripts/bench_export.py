@@ -147,9 +147,11 @@ def fp8_breakdown(bridge, chunks, repeats: int = 5) -> dict:
     """Where the FP8 export's time goes (TP=1): the host time to run the cached FP8 export
     generator to its end before the final synchronize, and the quantizer kernels alone on the
     exported BF16 tensors (device time by CUDA events, host time to launch them), one launch per
-    weight (``quantize_blockwise``) and one grouped launch per export bucket."""
+    weight (``quantize_blockwise``) and one grouped launch per export bucket (launches prepared
+    beforehand, as the export's bucket quantizer keeps them)."""
+    from mbridge_refit import fp8_kernels
     from mbridge_refit.export import ExportBuffers
-    from mbridge_refit.fp8 import FP8_DTYPE, BlockwiseFP8Config, _quantize_grouped, quantize_blockwise, scale_shape
+    from mbridge_refit.fp8 import FP8_DTYPE, BlockwiseFP8Config, quantize_blockwise, scale_shape
 
     def median_of(fn) -> tuple[float, float]:
         hosts, devices = [], []
@@ -178,6 +180,8 @@ def fp8_breakdown(bridge, chunks, repeats: int = 5) -> dict:
         ]
         if jobs:
             buckets.append(jobs)
+    grouped_ok = quantizer_path() == "triton-grouped" and all(fp8_kernels.grouped_takes(x) for jobs in buckets for x, _, _ in jobs)
+    launches = [fp8_kernels.grouped_launch(jobs) for jobs in buckets] if grouped_ok else []
 
     def per_weight():
         for jobs in buckets:
@@ -185,24 +189,21 @@ def fp8_breakdown(bridge, chunks, repeats: int = 5) -> dict:
                 quantize_blockwise(source, out=q, scale_out=scale)
 
     def grouped():
-        for jobs in buckets:
-            _quantize_grouped(jobs)
+        for launch in launches:
+            fp8_kernels.launch_grouped(launch)
 
+    nan = (float("nan"), float("nan"))
     export_host, export_device = median_of(export_host_only)
     per_host, per_device = median_of(per_weight)
-    from mbridge_refit.fp8 import quantizer_path
-
-    grouped_host, grouped_device = median_of(grouped) if quantizer_path() == "triton-grouped" else (float("nan"), float("nan"))
+    grouped_host, grouped_device = median_of(grouped) if grouped_ok else nan
     quantized = sum(source.numel() * (source.element_size() + 1) for jobs in buckets for source, _, _ in jobs)
-    from mbridge_refit import fp8 as fp8_module
-
-    warps, default_warps = {}, fp8_module.NUM_WARPS
+    warps, default_warps = {}, fp8_kernels.NUM_WARPS
     for num_warps in (4, 8, 16):
-        fp8_module.NUM_WARPS = num_warps
+        fp8_kernels.NUM_WARPS = num_warps
         warps[num_warps] = dict(per_weight_device_ms=median_of(per_weight)[1])
-        if quantizer_path() == "triton-grouped":
+        if grouped_ok:
             warps[num_warps]["grouped_device_ms"] = median_of(grouped)[1]
-    fp8_module.NUM_WARPS = default_warps
+    fp8_kernels.NUM_WARPS = default_warps
     return dict(
         fp8_export_host_ms=export_host, fp8_export_device_ms=export_device,
         quantize_per_weight_host_ms=per_host, quantize_per_weight_device_ms=per_device,

@@ -150,37 +150,43 @@ def _fp8_weights(fp8_dir: Path):
         raise SystemExit(f"{fp8_dir} holds no weight_scale_inv tensors")
 
 
-def _dequantized_model(bf16_dir: Path, fp8_dir: Path):
-    """The BF16 model with every FP8 weight replaced by ``bf16(fp8 * scale_inv)`` from the FP8
-    files (what transformers must compute if it reads the format as written), and each weight's
-    relative RMS error ``||dequantized - w|| / ||w||``."""
+def _bf16_model_with(bf16_dir: Path, fp8_dir: Path, replacement):
+    """The BF16 model with each quantized weight ``w`` replaced by ``replacement(name, w, dequantized)``
+    (fp32 CPU tensors; ``dequantized`` read from the FP8 files), stored in bf16."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(bf16_dir, dtype=torch.bfloat16, device_map="cuda").eval()
     params = dict(model.named_parameters())
-    errors = {}
     for name, dequantized in _fp8_weights(fp8_dir):
         original = params[name].detach().float().cpu()
+        params[name].data.copy_(replacement(name, original, dequantized).to(torch.bfloat16))
+    return model
+
+
+def _dequantized_model(bf16_dir: Path, fp8_dir: Path):
+    """The BF16 model with every FP8 weight replaced by ``bf16(fp8 * scale_inv)`` from the FP8
+    files (what transformers must compute if it reads the format as written), and each weight's
+    relative RMS error ``||dequantized - w|| / ||w||``."""
+    errors = {}
+
+    def dequantized_weight(name, original, dequantized):
         errors[name] = ((dequantized - original).norm() / original.norm()).item()
-        params[name].data.copy_(dequantized.to(torch.bfloat16))
-    return model, errors
+        return dequantized
+
+    return _bf16_model_with(bf16_dir, fp8_dir, dequantized_weight), errors
 
 
 def _control_model(bf16_dir: Path, fp8_dir: Path, seed: int = 0):
     """The BF16 model with each quantized weight ``w`` replaced by ``w * (1 + permuted(r))``,
     ``r = (dequantized - w) / w`` its own FP8 relative errors (0 where ``w`` is 0), permuted
     within the tensor: noise of e4m3's size, independent of where the values lie in their blocks."""
-    from transformers import AutoModelForCausalLM
-
     gen = torch.Generator().manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(bf16_dir, dtype=torch.bfloat16, device_map="cuda").eval()
-    params = dict(model.named_parameters())
-    for name, dequantized in _fp8_weights(fp8_dir):
-        original = params[name].detach().float().cpu()
+
+    def noisy_weight(name, original, dequantized):
         relative = torch.where(original != 0, (dequantized - original) / original.where(original != 0, 1.0), 0.0).reshape(-1)
-        noise = relative[torch.randperm(relative.numel(), generator=gen)].reshape(original.shape)
-        params[name].data.copy_((original * (1 + noise)).to(torch.bfloat16))
-    return model
+        return original * (1 + relative[torch.randperm(relative.numel(), generator=gen)].reshape(original.shape))
+
+    return _bf16_model_with(bf16_dir, fp8_dir, noisy_weight)
 
 
 def _has_kernels_package() -> bool:

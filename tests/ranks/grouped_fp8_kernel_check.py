@@ -14,10 +14,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 import torch
 
-from mbridge_refit import fp8
-
-kernels = fp8._build_triton_kernels()
-fp8._KERNELS, fp8._KERNELS_CHECKED = kernels, True  # skip the CUDA probe: this is the interpreter
+from mbridge_refit import fp8, fp8_kernels
 
 
 def job(name: str, x: torch.Tensor) -> tuple:
@@ -34,13 +31,13 @@ jobs = [
     job("one_block", torch.randn(64, 128, generator=gen).to(torch.bfloat16)), job("fp32", torch.randn(200, 144, generator=gen)),
 ]
 for dtype in (torch.bfloat16, torch.float32):
-    fp8._quantize_grouped([(x, q, s) for _, x, q, s in jobs if x.dtype == dtype])
+    fp8_kernels.launch_grouped(fp8_kernels.grouped_launch([(x, q, s) for _, x, q, s in jobs if x.dtype == dtype]))
 
 problems = []
 for name, source, grouped_q, grouped_s in jobs:
     x = source.contiguous()
     q, s = torch.empty_like(grouped_q), torch.empty_like(grouped_s)
-    kernels["single"][tuple(s.shape)](x, q, s, x.shape[0], x.shape[1], x.stride(0), q.stride(0), s.shape[1], BLOCK_SIZE=fp8.BLOCK)
+    fp8_kernels.quantize_single(x, q, s)
     ref_q, ref_s = torch.empty_like(q), torch.empty_like(s)
     fp8._quantize_torch(x, ref_q, ref_s, torch.empty(fp8.padded_shape(tuple(x.shape))))
     if not torch.equal(q.view(torch.uint8), grouped_q.view(torch.uint8)):
