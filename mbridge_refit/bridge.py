@@ -221,7 +221,7 @@ class RefitBridge(AutoBridge):
         except PlanError as err:
             raise FP8FormatError(f"the FP8 export runs from the export plan, which this model has none of: {err}") from err
         buffers = self._export_buffers() if reuse_buffer_from_cache else ExportBuffers(persistent=False)
-        buckets = fp8.weights.export_buckets(buffers, show_progress=show_progress and _is_rank_zero())
+        buckets = fp8.weights.export_buckets(buffers, show_progress=show_progress and _is_rank_zero(), select_rows_lazily=True)
         stream = quantize_buckets(buckets, fp8.plan, buffers)
         if fp8.scales is not None:
             stream = _with_trainer_scales(stream, fp8.scales.export(buffers), fp8.shipped_scales)

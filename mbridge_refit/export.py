@@ -90,7 +90,40 @@ class _Assembly:
     start: int = 0
     length: int = 0
     rows: torch.Tensor | None = None
+    spans: tuple = ()  # for "index": (hf_row, source_row, rows) runs that ``rows`` lists
     pieces: tuple = ()
+
+
+class RowSelection:
+    """An HF tensor made of runs of rows of ``source`` (a grouped-query q, k or v split from the
+    fused QKV without tensor parallelism), not copied out yet: what
+    ``PlanExporter.export_buckets(select_rows_lazily=True)`` yields in its place, so that a
+    transform that reads rows anyway (the FP8 quantizer) reads them from ``source``.
+
+    ``runs``: ``(hf_row, source_row, rows)`` triples, ascending in ``hf_row`` and covering the
+    HF tensor. ``materialize()`` copies the rows into the export's buffer for this tensor (once;
+    later calls return the same tensor). Valid as long as the bucket that yielded it.
+    """
+
+    __slots__ = ("source", "runs", "shape", "_build", "_tensor")
+
+    def __init__(self, source: torch.Tensor, runs: tuple[tuple[int, int, int], ...], shape: tuple[int, ...],
+                 build: Callable[[], torch.Tensor]) -> None:
+        self.source, self.runs, self.shape, self._build = source, runs, tuple(shape), build
+        self._tensor: torch.Tensor | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.source.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.source.device
+
+    def materialize(self) -> torch.Tensor:
+        if self._tensor is None:
+            self._tensor = self._build()
+        return self._tensor
 
 
 @dataclass(kw_only=True, slots=True)
@@ -190,12 +223,18 @@ class PlanExporter:
             for name, tensor in bucket:
                 yield name, (tensor.cpu() if cpu else tensor)
 
-    def export_buckets(self, buffers: ExportBuffers, *, show_progress: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def export_buckets(
+        self, buffers: ExportBuffers, *, show_progress: bool = False, select_rows_lazily: bool = False
+    ) -> Iterator[list[tuple[str, torch.Tensor | RowSelection]]]:
         """Yield the ``(hf_name, tensor)`` pairs of one bucket at a time, in plan order.
 
         Collective like ``export``. The tensors of a bucket are all valid together, until the
         next bucket is requested (a transform can then work on a whole bucket at once: the FP8
-        quantizer runs one kernel per bucket).
+        quantizer runs one kernel per bucket). With ``select_rows_lazily``, a tensor that would
+        be copied row run by row run out of one local tensor (``index`` assemblies: q, k, v of
+        grouped-query attention without tensor parallelism) is yielded as a ``RowSelection``
+        (not where it is broadcast to other pipeline stages or aliased); the caller
+        materializes what it does not read by rows.
         """
         progress = _progress(len(self.plan.entries), show_progress)
         yielded: dict[str, torch.Tensor] = {}
@@ -209,6 +248,10 @@ class PlanExporter:
                             tensor = yielded.pop(entry.alias_of)
                         else:
                             tensor = assembled[slot][index] if assembled[slot] else None
+                            if isinstance(tensor, RowSelection) and (
+                                not select_rows_lazily or self._groups.pp_size > 1 or entry.hf_name in self._aliased
+                            ):
+                                tensor = tensor.materialize()
                             if self._groups.pp_size > 1:
                                 tensor = self._broadcast_from_stage(entry, tensor, (slot, index), buffers)
                             if entry.hf_name in self._aliased:
@@ -291,10 +334,13 @@ class PlanExporter:
         if assembly.how == "view":
             flat = gathered.reshape(-1, *gathered.shape[2:])
             return flat.narrow(0, assembly.start, assembly.length)
-        out = buffers.get("out", index, entry.shape, gathered.dtype, gathered.device)
         if assembly.how == "index":
             flat = gathered.reshape(-1, *gathered.shape[2:])
-            return torch.index_select(flat, 0, self._device_rows(entry, assembly), out=out)
+            return RowSelection(flat, assembly.spans, entry.shape, lambda: torch.index_select(
+                flat, 0, self._device_rows(entry, assembly),
+                out=buffers.get("out", index, entry.shape, gathered.dtype, gathered.device),
+            ))
+        out = buffers.get("out", index, entry.shape, gathered.dtype, gathered.device)
         for rank, copy in assembly.pieces:
             out.narrow(copy.dim, copy.hf_start, copy.length).copy_(
                 gathered[rank].narrow(copy.dim, copy.local_start, copy.length)
@@ -465,7 +511,7 @@ def _plan_assembly(entry: PlanEntry, groups: _Groups) -> _Assembly:
         first = spans[0][1]
         if all(source == first + hf_start for hf_start, source, _ in spans):
             return _Assembly(how="view", start=first, length=entry.shape[0])
-        return _Assembly(how="index", rows=_rows(spans))
+        return _Assembly(how="index", rows=_rows(spans), spans=tuple(spans))
     if len(pieces) == 1 and len(pieces[0]) == 1 and pieces[0][0].length == entry.shape[dim]:
         return _Assembly(how="view", start=0, length=entry.shape[0])
     return _Assembly(how="pieces", pieces=tuple((r, c) for r, rank in enumerate(pieces) for c in rank))

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 import torch
 
 if TYPE_CHECKING:
-    from mbridge_refit.export import ExportBuffers
+    from mbridge_refit.export import ExportBuffers, RowSelection
     from mbridge_refit.plan import ExportPlan, PlanEntry, SourceLayout
 
 logger = logging.getLogger(__name__)
@@ -320,10 +320,10 @@ def dequantize_blockwise(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tens
 
 
 def quantize_buckets(
-    buckets: Iterable[list[tuple[str, torch.Tensor]]], plan: "ExportPlan", buffers: "ExportBuffers"
+    buckets: Iterable[list[tuple[str, "torch.Tensor | RowSelection"]]], plan: "ExportPlan", buffers: "ExportBuffers"
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Turn a bucketed BF16 export (``PlanExporter.export_buckets``) into the FP8 stream that
-    ``plan`` (an ``fp8_plan``) describes.
+    """Turn a bucketed BF16 export (``PlanExporter.export_buckets``, rows selected lazily or not)
+    into the FP8 stream that ``plan`` (an ``fp8_plan``) describes.
 
     Each quantized weight is yielded as its e4m3fn data, then its ``weight_scale_inv``; tensors
     already in FP8 (shipped with their own scales) and tensors kept in their dtype pass through.
@@ -331,6 +331,8 @@ def quantize_buckets(
     input dtype) into ``buffers`` keyed by position in the bucket, so the outputs stay valid
     until the generator moves past the bucket (reused across exports when the pool is
     persistent; how each bucket is quantized is then decided once and kept in ``buffers.memo``).
+    A ``RowSelection`` whose runs start on block rows (and are whole blocks, but for the
+    tensor's last) is quantized run by run from its source: the same blocks, no copy.
     """
     scales = {e.scale_of: e for e in plan.entries if e.scale_of is not None}
     for bucket in buckets:
@@ -339,13 +341,25 @@ def quantize_buckets(
         if quantizer is None:
             quantizer = buffers.memo[("fp8", names)] = _BucketQuantizer.build(bucket, scales, buffers)
         quantizer.run([bucket[i][1] for i in quantizer.positions], buffers)
-        for position, item in enumerate(bucket):
+        for position, (name, tensor) in enumerate(bucket):
             job = quantizer.job_at.get(position)
             if job is None:
-                yield item
+                yield name, _materialized(tensor)
             else:
-                yield item[0], quantizer.q[job]
+                yield name, quantizer.q[job]
                 yield quantizer.scale_names[job], quantizer.scales[job]
+
+
+def _materialized(tensor: "torch.Tensor | RowSelection") -> torch.Tensor:
+    return tensor if isinstance(tensor, torch.Tensor) else tensor.materialize()
+
+
+def _block_runs(selection: "RowSelection") -> tuple[tuple[int, int, int], ...] | None:
+    """The selection's runs if each is a run of whole block rows of the HF tensor (the last may
+    end the tensor in a partial block), so that quantizing run by run gives the tensor's blocks."""
+    rows = selection.shape[0]
+    aligned = all(hf % BLOCK == 0 and (length % BLOCK == 0 or hf + length == rows) for hf, _, length in selection.runs)
+    return selection.runs if aligned else None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -359,13 +373,16 @@ class _BucketQuantizer:
     scale_names: tuple[str, ...]
     q: tuple[torch.Tensor, ...]
     scales: tuple[torch.Tensor, ...]
+    runs: tuple  # per weight: row runs to quantize from a RowSelection's source, or None
     _sources_key: tuple = ()
     _grouped: list = dataclasses.field(default_factory=list)  # fp8_kernels.GroupedLaunch, one per input dtype
-    _singles: tuple[int, ...] = ()  # weights quantized one launch each (unaligned, or no grouped kernel)
+    _singles: tuple = ()  # (source, q, scale) quantized one launch each (unaligned, or no grouped kernel)
 
     @classmethod
-    def build(cls, bucket: list[tuple[str, torch.Tensor]], scales: dict, buffers: "ExportBuffers") -> "_BucketQuantizer":
-        positions, scale_names, q, s = [], [], [], []
+    def build(cls, bucket: list[tuple[str, Any]], scales: dict, buffers: "ExportBuffers") -> "_BucketQuantizer":
+        from mbridge_refit.export import RowSelection  # export -> plan -> te_fp8 -> fp8
+
+        positions, scale_names, q, s, runs = [], [], [], [], []
         for position, (name, tensor) in enumerate(bucket):
             entry = scales.get(name)
             if entry is None or tensor.dtype == FP8_DTYPE:  # FP8 already: shipped with its own scale
@@ -375,38 +392,51 @@ class _BucketQuantizer:
             scale_names.append(entry.hf_name)
             q.append(buffers.get("fp8", index, tuple(tensor.shape), FP8_DTYPE, tensor.device))
             s.append(buffers.get("fp8_scale", index, entry.shape, SCALE_DTYPE, tensor.device))
+            runs.append(_block_runs(tensor) if isinstance(tensor, RowSelection) else None)
         return cls(
             positions=tuple(positions), job_at={p: i for i, p in enumerate(positions)}, scale_names=tuple(scale_names),
-            q=tuple(q), scales=tuple(s),
+            q=tuple(q), scales=tuple(s), runs=tuple(runs),
         )
 
-    def run(self, sources: list[torch.Tensor], buffers: "ExportBuffers") -> None:
-        key = tuple((t.data_ptr(), t.stride(0) if t.dim() else 0) for t in sources)
+    def run(self, sources: list, buffers: "ExportBuffers") -> None:
+        """Quantize this export's ``sources`` (the bucket's tensors at ``positions``)."""
+        from mbridge_refit.export import RowSelection
+
+        by_runs = tuple(runs if isinstance(x, RowSelection) else None for x, runs in zip(sources, self.runs))
+        sources = [x.source if runs is not None else _materialized(x) for x, runs in zip(sources, by_runs)]
+        key = (by_runs, *((x.data_ptr(), x.stride(0) if x.dim() else 0) for x in sources))
         if key != self._sources_key:
-            self._plan_launches(sources)
+            self._plan_launches(sources, by_runs)
             self._sources_key = key
         for launch in self._grouped:
             _cuda_kernels().launch_grouped(launch)
-        for i in self._singles:
-            source = sources[i]
+        for source, q, scale in self._singles:
             work = None
             if not (source.is_cuda and _kernel_usable("single")):
                 work = buffers.get("fp8_work", 0, padded_shape(tuple(source.shape)), torch.float32, source.device)
-            quantize_blockwise(source, out=self.q[i], scale_out=self.scales[i], work=work)
+            quantize_blockwise(source, out=q, scale_out=scale, work=work)
 
-    def _plan_launches(self, sources: list[torch.Tensor]) -> None:
+    def _jobs(self, sources: list[torch.Tensor], by_runs: tuple) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """``(source, q, scale)`` triples: one per weight, or one per row run of a selection."""
+        for source, q, scale, runs in zip(sources, self.q, self.scales, by_runs):
+            if runs is None:
+                yield source, q, scale
+                continue
+            for hf_row, source_row, rows in runs:
+                yield (source.narrow(0, source_row, rows), q.narrow(0, hf_row, rows),
+                       scale.narrow(0, hf_row // BLOCK, math.ceil(rows / BLOCK)))
+
+    def _plan_launches(self, sources: list[torch.Tensor], by_runs: tuple) -> None:
         kernels = _cuda_kernels() if _kernel_usable("grouped") else None
-        by_dtype: dict[torch.dtype, list[int]] = {}
+        by_dtype: dict[torch.dtype, list] = {}
         singles = []
-        for i, source in enumerate(sources):
-            if kernels is not None and kernels.grouped_takes(source):
-                by_dtype.setdefault(source.dtype, []).append(i)
+        for job in self._jobs(sources, by_runs):
+            if kernels is not None and kernels.grouped_takes(job[0]):
+                by_dtype.setdefault(job[0].dtype, []).append(job)
             else:
-                singles.append(i)
+                singles.append(job)
         self._singles = tuple(singles)
-        self._grouped = [
-            kernels.grouped_launch([(sources[i], self.q[i], self.scales[i]) for i in chosen]) for chosen in by_dtype.values()
-        ]
+        self._grouped = [kernels.grouped_launch(jobs) for jobs in by_dtype.values()]
 
 
 # --- CUDA kernels -------------------------------------------------------------------------------

@@ -33,25 +33,18 @@ from mbridge_refit import fp8
 
 logger = logging.getLogger(__name__)
 
-DESCRIPTOR_FIELDS = 8
+DESCRIPTOR_FIELDS = 9
 # Blocks whose scale_inv is at least 2^-90 (amax >= 448 * 2^-90, ~3.6e-25) divide by reciprocal
 # and two FMAs; smaller ones by IEEE division. For such a scale, any quotient >= 2^-11 has an
 # exactly representable residual (granularity >= 2^-147), and smaller quotients round to 0 in e4m3
 # whatever their last bits.
 MIN_FAST_SCALE = tl.constexpr(2.0**-90)
 ALIGNMENT = 16  # the grouped kernel needs x and q pointers, cols and row strides divisible by this
-NUM_WARPS = 4  # per 128x128 block program: the fastest of 4, 8, 16 on H200 (scripts/bench_export.py --fp8)
 
 
 @triton.jit
-def _quantize_block(x_ptr, q_ptr, s_ptr, rows, cols, stride_x, stride_q, n_block_cols, block_row, block_col, BLOCK_SIZE: tl.constexpr):
-    r = block_row * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)[:, None]
-    c = block_col * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)[None, :]
-    mask = (r < rows) & (c < cols)
-    x = tl.load(x_ptr + r * stride_x + c, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-    scale = tl.math.div_rn(amax, 448.0)
-    scale = tl.where(scale == 0.0, 1.0, scale)
+def _quotient(x, scale):
+    """``clamp(x / scale, -448, 448)`` with the IEEE quotient, for an fp32 tile ``x``."""
     if scale >= MIN_FAST_SCALE:
         # x / scale, correctly rounded, without a division per element (div.rn costs ~20
         # instructions and made the kernel compute-bound): with recip = RN(1/scale) and
@@ -65,32 +58,101 @@ def _quantize_block(x_ptr, q_ptr, s_ptr, rows, cols, stride_x, stride_q, n_block
         y = tl.fma(tl.fma(-q0, zeros + scale, x), recip, q0)
     else:
         y = tl.math.div_rn(x, scale)
-    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-    tl.store(q_ptr + r * stride_q + c, y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
+    return tl.minimum(tl.maximum(y, -448.0), 448.0)
+
+
+@triton.jit
+def _scale_of(amax):
+    scale = tl.math.div_rn(amax, 448.0)
+    return tl.where(scale == 0.0, 1.0, scale)
+
+
+@triton.jit
+def _quantize_block(x_ptr, q_ptr, s_ptr, rows, cols, stride_x, stride_q, n_block_cols, block_row, block_col,
+                    BLOCK_SIZE: tl.constexpr, SUB_ROWS: tl.constexpr):
+    """Quantize block (block_row, block_col): read once and held in registers (SUB_ROWS ==
+    BLOCK_SIZE), or in two passes of SUB_ROWS rows (amax, then reread, mostly from L2, and
+    quantize). The amax is taken in the source dtype (abs and max are exact there), so only the
+    source tile is live across the reduction."""
+    c = block_col * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)[None, :]
+    if SUB_ROWS == BLOCK_SIZE:
+        r = block_row * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)[:, None]
+        mask = (r < rows) & (c < cols)
+        x = tl.load(x_ptr + r * stride_x + c, mask=mask, other=0.0)
+        scale = _scale_of(tl.max(tl.max(tl.abs(x), axis=1), axis=0).to(tl.float32))
+        y = _quotient(x.to(tl.float32), scale)
+        tl.store(q_ptr + r * stride_q + c, y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
+    else:
+        r = block_row * BLOCK_SIZE + tl.arange(0, SUB_ROWS)[:, None]
+        x = tl.load(x_ptr + r * stride_x + c, mask=(r < rows) & (c < cols), other=0.0)
+        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0).to(tl.float32)
+        for i in tl.range(SUB_ROWS, BLOCK_SIZE, SUB_ROWS):
+            r = block_row * BLOCK_SIZE + i + tl.arange(0, SUB_ROWS)[:, None]
+            x = tl.load(x_ptr + r * stride_x + c, mask=(r < rows) & (c < cols), other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.max(tl.abs(x), axis=1), axis=0).to(tl.float32))
+        scale = _scale_of(amax)
+        for i in tl.range(0, BLOCK_SIZE, SUB_ROWS):
+            r = block_row * BLOCK_SIZE + i + tl.arange(0, SUB_ROWS)[:, None]
+            mask = (r < rows) & (c < cols)
+            x = tl.load(x_ptr + r * stride_x + c, mask=mask, other=0.0)
+            y = _quotient(x.to(tl.float32), scale)
+            tl.store(q_ptr + r * stride_q + c, y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
     tl.store(s_ptr + block_row * n_block_cols + block_col, scale)
 
 
 @triton.jit
-def _single_kernel(x_ptr, q_ptr, s_ptr, rows, cols, stride_x, stride_q, n_block_cols, BLOCK_SIZE: tl.constexpr):
-    _quantize_block(x_ptr, q_ptr, s_ptr, rows, cols, stride_x, stride_q, n_block_cols, tl.program_id(0), tl.program_id(1), BLOCK_SIZE)
+def _single_kernel(x_ptr, q_ptr, s_ptr, rows, cols, stride_x, stride_q, n_block_cols,
+                   BLOCK_SIZE: tl.constexpr, SUB_ROWS: tl.constexpr):
+    _quantize_block(x_ptr, q_ptr, s_ptr, rows, cols, stride_x, stride_q, n_block_cols, tl.program_id(0), tl.program_id(1),
+                    BLOCK_SIZE, SUB_ROWS)
 
 
 @triton.jit
-def _grouped_kernel(desc_ptr, X_DTYPE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    block = tl.program_id(0)  # this program's block of its tensor, in row-major block order
-    d = desc_ptr + tl.program_id(1) * 8  # DESCRIPTOR_FIELDS
-    rows = tl.load(d + 3)
+def _described_block(d, block, X_DTYPE: tl.constexpr, BLOCK_SIZE: tl.constexpr, SUB_ROWS: tl.constexpr):
+    """Quantize ``block`` (row-major block order) of the tensor described at ``d``."""
     n_block_cols = tl.load(d + 7)
-    if block < tl.cdiv(rows, BLOCK_SIZE) * n_block_cols:
-        # Alignment hints (the caller guarantees them: ALIGNMENT): without them the compiler
-        # cannot vectorize loads and stores through pointers read from memory.
-        _quantize_block(
-            tl.multiple_of(tl.load(d).to(tl.pointer_type(X_DTYPE)), 16),
-            tl.multiple_of(tl.load(d + 1).to(tl.pointer_type(tl.float8e4nv)), 16),
-            tl.load(d + 2).to(tl.pointer_type(tl.float32)),
-            rows, tl.multiple_of(tl.load(d + 4), 16), tl.multiple_of(tl.load(d + 5), 16), tl.multiple_of(tl.load(d + 6), 16),
-            n_block_cols, block // n_block_cols, block % n_block_cols, BLOCK_SIZE,
-        )
+    # Alignment hints (the caller guarantees them: ALIGNMENT): without them the compiler
+    # cannot vectorize loads and stores through pointers read from memory.
+    _quantize_block(
+        tl.multiple_of(tl.load(d).to(tl.pointer_type(X_DTYPE)), 16),
+        tl.multiple_of(tl.load(d + 1).to(tl.pointer_type(tl.float8e4nv)), 16),
+        tl.load(d + 2).to(tl.pointer_type(tl.float32)),
+        tl.load(d + 3), tl.multiple_of(tl.load(d + 4), 16), tl.multiple_of(tl.load(d + 5), 16), tl.multiple_of(tl.load(d + 6), 16),
+        n_block_cols, block // n_block_cols, block % n_block_cols, BLOCK_SIZE, SUB_ROWS,
+    )
+
+
+@triton.jit
+def _grouped_2d_kernel(desc_ptr, X_DTYPE: tl.constexpr, FIELDS: tl.constexpr, BLOCK_SIZE: tl.constexpr, SUB_ROWS: tl.constexpr):
+    """Grid (blocks of the largest tensor, tensors): programs past a tensor's last block return."""
+    block = tl.program_id(0)
+    d = desc_ptr + tl.program_id(1) * FIELDS
+    if block < tl.cdiv(tl.load(d + 3), BLOCK_SIZE) * tl.load(d + 7):
+        _described_block(d, block, X_DTYPE, BLOCK_SIZE, SUB_ROWS)
+
+
+@triton.jit
+def _grouped_flat_kernel(desc_ptr, count, total_blocks, X_DTYPE: tl.constexpr, FIELDS: tl.constexpr,
+                         MAX_TENSORS: tl.constexpr, PERSISTENT: tl.constexpr, BLOCK_SIZE: tl.constexpr, SUB_ROWS: tl.constexpr):
+    """One program per block of the launch (the blocks of all tensors, numbered tensor by tensor;
+    column 8 of the table is a tensor's first block number), or with ``PERSISTENT`` a fixed grid
+    whose programs step through the blocks."""
+    if PERSISTENT:
+        for pid in tl.range(tl.program_id(0), total_blocks, tl.num_programs(0)):
+            _flat_block(desc_ptr, count, pid, X_DTYPE, FIELDS, MAX_TENSORS, BLOCK_SIZE, SUB_ROWS)
+    else:
+        _flat_block(desc_ptr, count, tl.program_id(0), X_DTYPE, FIELDS, MAX_TENSORS, BLOCK_SIZE, SUB_ROWS)
+
+
+@triton.jit
+def _flat_block(desc_ptr, count, pid, X_DTYPE: tl.constexpr, FIELDS: tl.constexpr, MAX_TENSORS: tl.constexpr,
+                BLOCK_SIZE: tl.constexpr, SUB_ROWS: tl.constexpr):
+    index = tl.arange(0, MAX_TENSORS)
+    exists = index < count
+    starts = tl.load(desc_ptr + index * FIELDS + 8, mask=exists, other=0)
+    tensor = tl.sum((exists & (starts <= pid)).to(tl.int32), axis=0) - 1
+    d = desc_ptr + tensor * FIELDS
+    _described_block(d, pid - tl.load(d + 8), X_DTYPE, BLOCK_SIZE, SUB_ROWS)
 
 
 _TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -99,14 +161,53 @@ _TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.
 # --- launches -----------------------------------------------------------------------------------
 
 
-def quantize_single(x: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor) -> None:
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """How the kernel is launched (all variants write the same bits).
+
+    ``grid``: "2d" (blocks x described tensors: each tensor is cut into chunks of whole block
+    rows of about ``chunk_blocks`` blocks, so that few programs of the rectangular grid fall
+    past a chunk's end; None: whole tensors), "1d" (one program per block of the launch, found
+    by a search of the table) or "persistent" (``programs_per_sm`` programs per SM stepping
+    through the blocks); ``sub_rows``: rows read per pass (``fp8.BLOCK``: each block is read once
+    and held in registers; fewer: two passes); warps per program.
+    """
+
+    grid: str = "2d"
+    chunk_blocks: int | None = 128
+    sub_rows: int = 128
+    num_warps: int = 4
+    programs_per_sm: int = 4
+
+    @property
+    def label(self) -> str:
+        grid = {"2d": f"2d, chunks of {self.chunk_blocks} blocks" if self.chunk_blocks else "2d, whole tensors",
+                "persistent": f"persistent x{self.programs_per_sm}"}.get(self.grid, self.grid)
+        passes = "one pass" if self.sub_rows >= fp8.BLOCK else f"two passes of {self.sub_rows} rows"
+        return f"{grid}, {passes}, {self.num_warps} warps"
+
+
+# The fastest on H200 of the candidates below for the Qwen3-8B shape (scripts/bench_fp8_kernels.py).
+DEFAULT_VARIANT = Variant()
+
+
+def candidate_variants() -> list[Variant]:
+    """The variants ``scripts/bench_fp8_kernels.py`` times."""
+    variants = [Variant(chunk_blocks=chunk) for chunk in (None, 64, 128, 256, 512, 1024)]
+    variants += [Variant(chunk_blocks=128, num_warps=8), Variant(chunk_blocks=128, sub_rows=64, num_warps=2)]
+    variants += [Variant(grid="1d"), Variant(grid="persistent")]
+    return variants
+
+
+def quantize_single(x: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor, variant: Variant = DEFAULT_VARIANT) -> None:
     """Quantize one 2-D CUDA tensor into ``out`` / ``scale_out`` (``fp8.quantize_blockwise``'s contract)."""
     if x.stride(1) != 1:
         x = x.contiguous()
     rows, cols = x.shape
     block_rows, block_cols = scale_out.shape
     _single_kernel[(block_rows, block_cols)](
-        x, out, scale_out, rows, cols, x.stride(0), out.stride(0), block_cols, BLOCK_SIZE=fp8.BLOCK, num_warps=NUM_WARPS
+        x, out, scale_out, rows, cols, x.stride(0), out.stride(0), block_cols,
+        BLOCK_SIZE=fp8.BLOCK, SUB_ROWS=min(variant.sub_rows, fp8.BLOCK), num_warps=variant.num_warps,
     )
 
 
@@ -126,25 +227,58 @@ class GroupedLaunch:
 
     table: torch.Tensor
     count: int
+    total_blocks: int
     max_blocks: int
     dtype: torch.dtype
+    variant: Variant
 
 
-def grouped_launch(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> GroupedLaunch:
+def grouped_launch(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], variant: Variant = DEFAULT_VARIANT) -> GroupedLaunch:
     """The launch for ``(source, q, scale)`` triples of one dtype and device that ``grouped_takes``
     (builds the descriptor table: one host-to-device copy)."""
-    rows = [
-        (x.data_ptr(), q.data_ptr(), s.data_ptr(), x.shape[0], x.shape[1], x.stride(0), q.stride(0), s.shape[1])
-        for x, q, s in jobs
-    ]
+    rows, first_block = [], 0
+    for x, q, s in jobs:
+        for row in _chunks(x, q, s, variant.chunk_blocks if variant.grid == "2d" else None):
+            rows.append((*row, first_block))
+            first_block += -(-row[3] // fp8.BLOCK) * row[7]
     table = torch.tensor(rows, dtype=torch.int64, device=jobs[0][0].device)
-    return GroupedLaunch(table=table, count=len(jobs), max_blocks=max(s.numel() for _, _, s in jobs), dtype=jobs[0][0].dtype)
+    max_blocks = max(-(-row[3] // fp8.BLOCK) * row[7] for row in rows)
+    return GroupedLaunch(table=table, count=len(rows), total_blocks=first_block, max_blocks=max_blocks,
+                         dtype=jobs[0][0].dtype, variant=variant)
+
+
+def _chunks(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, chunk_blocks: int | None) -> list[tuple[int, ...]]:
+    """Descriptor rows (without the first-block column) for runs of whole block rows of one
+    tensor, about ``chunk_blocks`` blocks each (None: the whole tensor in one row)."""
+    rows, cols = x.shape
+    block_rows, block_cols = s.shape
+    step = block_rows if chunk_blocks is None else max(1, chunk_blocks // block_cols)
+    return [
+        (x.data_ptr() + start * fp8.BLOCK * x.stride(0) * x.element_size(), q.data_ptr() + start * fp8.BLOCK * q.stride(0),
+         s.data_ptr() + start * block_cols * s.element_size(), min(rows - start * fp8.BLOCK, step * fp8.BLOCK), cols,
+         x.stride(0), q.stride(0), block_cols)
+        for start in range(0, block_rows, step)
+    ]
 
 
 def launch_grouped(launch: GroupedLaunch) -> None:
-    _grouped_kernel[(launch.max_blocks, launch.count)](
-        launch.table, X_DTYPE=_TRITON_DTYPES[launch.dtype], BLOCK_SIZE=fp8.BLOCK, num_warps=NUM_WARPS
+    variant = launch.variant
+    common = dict(X_DTYPE=_TRITON_DTYPES[launch.dtype], FIELDS=DESCRIPTOR_FIELDS, BLOCK_SIZE=fp8.BLOCK,
+                  SUB_ROWS=min(variant.sub_rows, fp8.BLOCK), num_warps=variant.num_warps)
+    if variant.grid == "2d":
+        _grouped_2d_kernel[(launch.max_blocks, launch.count)](launch.table, **common)
+        return
+    persistent = variant.grid == "persistent"
+    grid = min(launch.total_blocks, _sm_count(launch.table.device) * variant.programs_per_sm) if persistent else launch.total_blocks
+    _grouped_flat_kernel[(grid,)](
+        launch.table, launch.count, launch.total_blocks, MAX_TENSORS=triton.next_power_of_2(launch.count),
+        PERSISTENT=persistent, **common,
     )
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 # --- the check before use -----------------------------------------------------------------------

@@ -18,9 +18,12 @@ Writes one JSON per run (rank 0) to --out-dir (default scripts/results/) and pri
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
+import io
 import json
 import logging
+import pstats
 import statistics
 import time
 from pathlib import Path
@@ -197,21 +200,40 @@ def fp8_breakdown(bridge, chunks, repeats: int = 5) -> dict:
     per_host, per_device = median_of(per_weight)
     grouped_host, grouped_device = median_of(grouped) if grouped_ok else nan
     quantized = sum(source.numel() * (source.element_size() + 1) for jobs in buckets for source, _, _ in jobs)
-    warps, default_warps = {}, fp8_kernels.NUM_WARPS
-    for num_warps in (4, 8, 16):
-        fp8_kernels.NUM_WARPS = num_warps
-        warps[num_warps] = dict(per_weight_device_ms=median_of(per_weight)[1])
-        if grouped_ok:
-            warps[num_warps]["grouped_device_ms"] = median_of(grouped)[1]
-    fp8_kernels.NUM_WARPS = default_warps
     return dict(
         fp8_export_host_ms=export_host, fp8_export_device_ms=export_device,
         quantize_per_weight_host_ms=per_host, quantize_per_weight_device_ms=per_device,
         quantize_grouped_host_ms=grouped_host, quantize_grouped_device_ms=grouped_device,
         quantize_launches_per_weight=sum(len(jobs) for jobs in buckets), quantize_launches_grouped=len(buckets),
         quantize_bytes_moved=quantized, quantize_grouped_gb_s=quantized / grouped_device / 1e6,
-        quantize_per_weight_gb_s=quantized / per_device / 1e6, device_ms_by_num_warps=warps,
+        quantize_per_weight_gb_s=quantized / per_device / 1e6, quantizer_variant=fp8_kernels.DEFAULT_VARIANT.label,
     )
+
+
+def interleaved(make_bf16, make_fp8, pairs: int) -> dict:
+    """The cached BF16 and FP8 exports timed alternately (after a warm-up of each), so that drift
+    of the host's speed during the run hits both alike: medians and the median per-pair ratio."""
+    timed_export(make_bf16), timed_export(make_fp8)
+    bf16, fp8 = [], []
+    for _ in range(pairs):
+        bf16.append(timed_export(make_bf16)[0])
+        fp8.append(timed_export(make_fp8)[0])
+    return dict(bf16_ms=statistics.median(bf16), fp8_ms=statistics.median(fp8),
+                fp8_over_bf16=statistics.median(f / b for f, b in zip(fp8, bf16)), pairs=pairs)
+
+
+def host_profile(make_stream, top: int = 14) -> list[str]:
+    """cProfile of one pass over an export stream (host side; no synchronize): the ``top``
+    functions by own time, as pstats prints them (profiling inflates the per-call costs)."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in make_stream():
+        pass
+    profiler.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return [line for line in text.getvalue().splitlines() if line.strip()]
 
 
 def allocations() -> int:
@@ -314,11 +336,13 @@ def run(args) -> dict:
                 fp8_new_allocations_after_first=fp8["new_allocations_after_first"],
                 fp8_over_bf16_cached=fp8["steady_ms"] / row["refit_cached_steady_ms"],
                 fp8_over_clone_floor=fp8["steady_ms"] / floor,
+                fp8_interleaved=interleaved(refit(True), refit_fp8, args.steady),
                 fp8_kernel_mismatches=check_fp8_export(refit_fp8(), refit(False)()),
                 fp8_quantizer=quantizer_path(),
             )
             if env.world_size == 1:
                 row["fp8_breakdown"] = fp8_breakdown(bridge, chunks)
+                row["host_profile"] = {"bf16_cached": host_profile(refit(True)), "fp8_cached": host_profile(refit_fp8)}
         return row if env.rank == 0 else {}
 
 
@@ -346,6 +370,8 @@ def print_table(row: dict) -> None:
                 f"FP8/BF16 cached steady: {row['fp8_over_bf16_cached']:.2f}x   FP8/clone floor: {row['fp8_over_clone_floor']:.2f}x   new allocations after first FP8 call: "
                 f"{row['fp8_new_allocations_after_first']}   quantizer: {row['fp8_quantizer']}   mismatches vs torch path: "
                 f"{len(row['fp8_kernel_mismatches'])}",
+                "interleaved ({pairs} pairs): BF16 cached {bf16_ms:.2f} ms, FP8 {fp8_ms:.2f} ms, FP8/BF16 per pair (median) "
+                "{fp8_over_bf16:.2f}x".format(**row["fp8_interleaved"]),
             ]
             if "fp8_steady_ms" in row else []
         ),

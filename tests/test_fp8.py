@@ -129,7 +129,7 @@ def test_bucket_quantizer_follows_new_data_and_reuses_buffers():
     shapes = {weight: (300, 200), norm: (200,)}
     gen = torch.Generator().manual_seed(3)
     buffers = ExportBuffers(persistent=True)
-    plan = _FakePlan(scales={weight: weight + SCALE_SUFFIX}, shape=(3, 2))
+    plan = _FakePlan({weight: (3, 2)})
     outputs = []
     for _ in range(3):
         bucket = [(n, (torch.randn(shape, generator=gen) * 0.05).to(torch.bfloat16)) for n, shape in shapes.items()]
@@ -143,17 +143,52 @@ def test_bucket_quantizer_follows_new_data_and_reuses_buffers():
     assert len(buffers.memo) == 1
 
 
+def test_row_selections_are_quantized_from_their_source():
+    """q, k and v selected lazily from a fused QKV (``export_buckets(select_rows_lazily=True)``
+    at TP1): runs of whole block rows are quantized straight from the fused tensor (the selection
+    is never copied out), runs off block rows are copied out first; both give the reference
+    bits of the HF tensor, export after export."""
+    from mbridge_refit.export import ExportBuffers, RowSelection
+    from mbridge_refit.fp8 import SCALE_SUFFIX, quantize_buckets
+
+    group_rows = {"q": 256, "k": 128, "v": 72}  # per KV group, in this order; v's runs are off block rows
+    offsets = {"q": 0, "k": 256, "v": 384}
+    groups, cols = 2, 200
+    names = {key: f"model.layers.0.self_attn.{key}_proj.weight" for key in group_rows}
+    plan = _FakePlan({names[key]: (math.ceil(groups * n / 128), 2) for key, n in group_rows.items()})
+    buffers, gen = ExportBuffers(persistent=True), torch.Generator().manual_seed(4)
+    for _ in range(2):
+        fused = special_values((groups * 456, cols), seed=int(torch.randint(0, 100, (1,), generator=gen)))
+        copies = []
+
+        def selection(key):
+            n = group_rows[key]
+            runs = tuple((g * n, g * 456 + offsets[key], n) for g in range(groups))
+            rows = torch.cat([fused[src:src + n] for _, src, n in runs])
+            return RowSelection(fused, runs, tuple(rows.shape), lambda: copies.append(key) or rows)
+
+        bucket = [(names[key], selection(key)) for key in group_rows]
+        got = dict(quantize_buckets([bucket], plan, buffers))
+        for key, n in group_rows.items():
+            expected = torch.cat([fused[g * 456 + offsets[key]:][:n] for g in range(groups)])
+            q, scale = reference_quantize(expected)
+            assert same_bits(got[names[key]], q) and same_bits(got[names[key] + SCALE_SUFFIX], scale), key
+        assert copies == ["v"]
+
+
 @dataclasses.dataclass
 class _FakePlan:
-    """What ``quantize_buckets`` reads of an FP8 plan: entries with ``scale_of``, ``hf_name``, ``shape``."""
+    """What ``quantize_buckets`` reads of an FP8 plan: entries with ``scale_of``, ``hf_name``,
+    ``shape`` (weight name -> its scale's shape)."""
 
     scales: dict
-    shape: tuple
 
     @property
     def entries(self):
+        from mbridge_refit.fp8 import SCALE_SUFFIX
+
         entry = dataclasses.make_dataclass("Entry", ["scale_of", "hf_name", "shape"])
-        return [entry(weight, scale, self.shape) for weight, scale in self.scales.items()]
+        return [entry(weight, weight + SCALE_SUFFIX, shape) for weight, shape in self.scales.items()]
 
 
 def test_grouped_kernel_writes_what_the_single_kernel_writes():

@@ -1,0 +1,154 @@
+"""Benchmark: launch shapes of the blockwise FP8 quantizer kernel on the linear weights of a
+full-size model shape (random bf16), as the TP1 FP8 export quantizes them: one grouped launch per
+layer (the export launches one per bucket), q, k and v read run by run from the fused QKV weight.
+
+Run on the GPU host (one GPU, no Megatron needed):
+
+    python scripts/bench_fp8_kernels.py --model qwen3-8b --out scripts/results/fp8_kernels.json
+
+The baseline launch's bytes and scales are first checked against the torch reference path (first
+layer), then every variant's against the baseline's. Device times are CUDA-event medians. Floors
+taken side by side: a bf16 clone moving the same bytes, and ``copy_`` of the weights into float8
+(a cast that reads and writes what quantizing does, without the amax).
+
+Variants (``fp8_kernels.Variant``, listed by ``candidate_variants``): launch grid (``2d``: blocks
+x described tensors, tensors cut into chunks of block rows; ``1d``: one program per block of the
+launch; ``persistent``: a few programs per SM stepping through the blocks), a block read once and
+held in registers or in two passes, and warps per program.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("bench_fp8_kernels")
+
+
+def layer_weights(config, weight) -> tuple[list[tuple[str, torch.Tensor]], dict[str, tuple]]:
+    """One decoder layer's linear weights as the TP1 export holds them: fused QKV (grouped heads:
+    per KV group its q rows, then k, then v) with the row runs of q, k and v, and the others."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    groups, q_rows = config.num_key_value_heads, config.num_attention_heads // config.num_key_value_heads * head_dim
+    group_rows = q_rows + 2 * head_dim
+    qkv = weight((groups * group_rows, hidden))
+    runs = {
+        "q": tuple((g * q_rows, g * group_rows, q_rows) for g in range(groups)),
+        "k": tuple((g * head_dim, g * group_rows + q_rows, head_dim) for g in range(groups)),
+        "v": tuple((g * head_dim, g * group_rows + q_rows + head_dim, head_dim) for g in range(groups)),
+    }
+    shapes = {"o": (hidden, groups * q_rows), "gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+    return [("qkv", qkv), *((name, weight(shape)) for name, shape in shapes.items())], runs
+
+
+def run_jobs(qkv: torch.Tensor, runs: tuple, q: torch.Tensor, s: torch.Tensor) -> list[tuple]:
+    """(source, q, scale) views quantizing each run of ``qkv`` into its rows of ``q`` / ``s``."""
+    return [(qkv.narrow(0, src, n), q.narrow(0, hf, n), s.narrow(0, hf // 128, -(-n // 128))) for hf, src, n in runs]
+
+
+def device_ms(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats + 1):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        begin.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(begin.elapsed_time(end))
+    return statistics.median(times[1:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3-8b", help="a shape in recipes/shapes/ (default: %(default)s)")
+    parser.add_argument("--layers", type=int, default=None, help="layers to quantize (default: the shape's)")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    from mbridge_refit import fp8, fp8_kernels
+    from mbridge_refit.recipes import full_size_config
+
+    config = full_size_config(args.model)
+    layers = args.layers or config.num_hidden_layers
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def weight(shape):
+        return (torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32) * 0.02).to(torch.bfloat16)
+
+    def outputs(x):
+        return (torch.empty(x.shape, dtype=fp8.FP8_DTYPE, device="cuda"),
+                torch.empty(fp8.scale_shape(tuple(x.shape)), dtype=fp8.SCALE_DTYPE, device="cuda"))
+
+    jobs = []  # per layer: (source, q, scale) triples, q, k and v quantized run by run from the fused QKV
+    for _ in range(layers):
+        tensors, runs = layer_weights(config, weight)
+        qkv = tensors[0][1]
+        layer = []
+        for name, selection in runs.items():
+            rows = selection[-1][0] + selection[-1][2]
+            layer += run_jobs(qkv, selection, *outputs(torch.empty(rows, qkv.shape[1], device="meta")))
+        layer += [(x, *outputs(x)) for _, x in tensors[1:]]
+        jobs.append(layer)
+    nbytes = sum(x.numel() * (x.element_size() + 1) for layer in jobs for x, _, _ in layer)
+    logger.info("%s: %d layers, %d jobs (q, k, v by runs of the fused QKV), %.1f GB read + written", args.model, layers,
+                sum(map(len, jobs)), nbytes / 1e9)
+
+    previous = fp8_kernels.Variant(grid="2d", chunk_blocks=None)  # the previous default (but the amax in bf16)
+    baseline = [fp8_kernels.grouped_launch(layer, previous) for layer in jobs]
+    for launch in baseline:
+        fp8_kernels.launch_grouped(launch)
+    reference = [[(q.view(torch.uint8).clone(), s.clone()) for _, q, s in layer] for layer in jobs]
+    for x, q, s in jobs[0]:
+        ref_q, ref_s = torch.empty_like(q), torch.empty_like(s)
+        fp8._quantize_torch(x, ref_q, ref_s, torch.empty(fp8.padded_shape(tuple(x.shape)), device="cuda"))
+        assert torch.equal(ref_q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(ref_s, s), "baseline != torch path"
+
+    def same_as_reference() -> bool:
+        return all(torch.equal(q.view(torch.uint8), rq) and torch.equal(s, rs)
+                   for layer, refs in zip(jobs, reference) for (_, q, s), (rq, rs) in zip(layer, refs))
+
+    results = {"model": args.model, "layers": layers, "bytes": nbytes, "device": torch.cuda.get_device_name(),
+               "torch": torch.__version__, "variants": {}}
+    casts = [[(x, q) for x, q, _ in layer] for layer in jobs]
+    results["cast_floor_ms"] = device_ms(lambda: [q.copy_(x) for layer in casts for x, q in layer], args.repeats)
+    flat = torch.empty(nbytes // 4, dtype=torch.bfloat16, device="cuda")  # a clone reads and writes nbytes / 2
+    results["clone_floor_ms"] = device_ms(lambda: flat.clone(), args.repeats)
+    del flat
+    results["baseline_ms"] = device_ms(lambda: [fp8_kernels.launch_grouped(l) for l in baseline], args.repeats)
+    logger.info("clone floor %.2f ms, cast floor %.2f ms, baseline (2d, whole tensors) %.2f ms (%.0f GB/s)", results["clone_floor_ms"], results["cast_floor_ms"],
+                results["baseline_ms"], nbytes / results["baseline_ms"] / 1e6)
+
+    for variant in fp8_kernels.candidate_variants():
+        for _, q, s in (j for layer in jobs for j in layer):
+            q.view(torch.uint8).fill_(0xFF)
+            s.fill_(-1.0)
+        try:
+            launches = [fp8_kernels.grouped_launch(layer, variant) for layer in jobs]
+            for launch in launches:
+                fp8_kernels.launch_grouped(launch)
+            torch.cuda.synchronize()
+        except Exception as err:  # a variant that does not compile here is reported, not fatal
+            logger.info("%-40s failed: %s", variant.label, fp8_kernels._root_cause(err))
+            results["variants"][variant.label] = {"error": fp8_kernels._root_cause(err)}
+            continue
+        exact = same_as_reference()
+        ms = device_ms(lambda: [fp8_kernels.launch_grouped(l) for l in launches], args.repeats)
+        results["variants"][variant.label] = {"ms": ms, "gb_s": nbytes / ms / 1e6, "exact": exact}
+        logger.info("%-40s %7.2f ms  %5.0f GB/s  exact=%s", variant.label, ms, nbytes / ms / 1e6, exact)
+
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
