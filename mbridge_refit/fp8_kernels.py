@@ -5,11 +5,13 @@ Owns the Triton code, the check that it reproduces the reference bits on this de
 launches. One block body, two launch shapes:
 
 * ``quantize_single``: one tensor, grid (block rows, block columns);
-* grouped (``grouped_launch`` / ``launch_grouped``): many tensors of one dtype in one launch,
-  grid (blocks of the largest tensor, tensors); each tensor is described by a row of an int64
-  table (``DESCRIPTOR_FIELDS`` columns: x, q and scale pointers; rows, cols; x and q row
-  strides; block columns) and the programs past a smaller tensor's last block return at once.
-  Pointers (bytes), columns and row strides (elements) must be multiples of ``ALIGNMENT``.
+* grouped (``grouped_launch`` / ``launch_grouped``): many tensors of one dtype in one launch
+  (the export launches one per bucket). Each tensor is cut into chunks of whole block rows
+  (``LaunchConfig.chunk_blocks``; a chunk has the tensor's blocks, so this changes no bit) and
+  each chunk is a row of an int64 table (``DESCRIPTOR_FIELDS`` columns: x, q and scale
+  pointers; rows, cols; x and q row strides; block columns). Grid (blocks of the largest chunk,
+  chunks); programs past a smaller chunk's last block return at once. Pointers (bytes),
+  columns and row strides (elements) must be multiples of ``ALIGNMENT``.
 
 Each program loads one 128x128 block once, takes its amax, and stores the e4m3fn block and its
 fp32 ``scale_inv``, with the rounding ``fp8``'s docstring specifies (IEEE-exact quotients, clamp,
@@ -18,7 +20,12 @@ FMAs (correctly rounded, see ``_quantize_block``), not a division per element.
 
 A kernel is used only after it reproduced the torch path's bits on probe tensors (``usable``:
 once per process, on the current CUDA device, with rounding ties at scale 1 and at scale 3, an
-all-zero block, a block of tiny values, partial and strided blocks).
+all-zero block, a block of tiny values, partial and strided blocks, a tensor of several chunks).
+
+Launch shapes measured on H200 and dropped (README "FP8 export"; their code is in commit
+3636ca2): a 1-D grid finding each block's tensor by a search of the table (2% faster at 28
+tensors per launch, slower with many), a persistent grid, two passes over a block instead of
+holding it in registers, 8 warps, streaming cache hints.
 """
 
 import functools
@@ -33,7 +40,7 @@ from mbridge_refit import fp8
 
 logger = logging.getLogger(__name__)
 
-DESCRIPTOR_FIELDS = 9
+DESCRIPTOR_FIELDS = 8
 # Blocks whose scale_inv is at least 2^-90 (amax >= 448 * 2^-90, ~3.6e-25) divide by reciprocal
 # and two FMAs; smaller ones by IEEE division. For such a scale, any quotient >= 2^-11 has an
 # exactly representable residual (granularity >= 2^-147), and smaller quotients round to 0 in e4m3
@@ -43,8 +50,18 @@ ALIGNMENT = 16  # the grouped kernel needs x and q pointers, cols and row stride
 
 
 @triton.jit
-def _quotient(x, scale):
-    """``clamp(x / scale, -448, 448)`` with the IEEE quotient, for an fp32 tile ``x``."""
+def _quantize_block(x_ptr, q_ptr, s_ptr, rows, cols, stride_x, stride_q, n_block_cols, block_row, block_col, BLOCK_SIZE: tl.constexpr):
+    """Quantize block (block_row, block_col), read once and held in registers. The amax is taken
+    in the source dtype (abs and max are exact there), so only the source tile is live across
+    the reduction (converting it to fp32 first held twice the registers: 6.55 -> 5.97 ms for the
+    Qwen3-8B shape on H200)."""
+    r = block_row * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)[:, None]
+    c = block_col * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)[None, :]
+    mask = (r < rows) & (c < cols)
+    x = tl.load(x_ptr + r * stride_x + c, mask=mask, other=0.0)
+    scale = tl.math.div_rn(tl.max(tl.max(tl.abs(x), axis=1), axis=0).to(tl.float32), 448.0)
+    scale = tl.where(scale == 0.0, 1.0, scale)
+    y = x.to(tl.float32)
     if scale >= MIN_FAST_SCALE:
         # x / scale, correctly rounded, without a division per element (div.rn costs ~20
         # instructions and made the kernel compute-bound): with recip = RN(1/scale) and
@@ -52,107 +69,38 @@ def _quotient(x, scale):
         # RN(q0 + residual * recip) is the IEEE quotient (Markstein's theorem), barring underflow
         # of the residual, which MIN_FAST_SCALE rules out for every quotient that can round to
         # a nonzero e4m3 value.
-        zeros = tl.zeros_like(x)  # tl.fma does not broadcast its operands
+        zeros = tl.zeros_like(y)  # tl.fma does not broadcast its operands
         recip = zeros + tl.math.div_rn(1.0, scale)
-        q0 = x * recip
-        y = tl.fma(tl.fma(-q0, zeros + scale, x), recip, q0)
+        q0 = y * recip
+        y = tl.fma(tl.fma(-q0, zeros + scale, y), recip, q0)
     else:
-        y = tl.math.div_rn(x, scale)
-    return tl.minimum(tl.maximum(y, -448.0), 448.0)
-
-
-@triton.jit
-def _scale_of(amax):
-    scale = tl.math.div_rn(amax, 448.0)
-    return tl.where(scale == 0.0, 1.0, scale)
-
-
-@triton.jit
-def _quantize_block(x_ptr, q_ptr, s_ptr, rows, cols, stride_x, stride_q, n_block_cols, block_row, block_col,
-                    BLOCK_SIZE: tl.constexpr, SUB_ROWS: tl.constexpr):
-    """Quantize block (block_row, block_col): read once and held in registers (SUB_ROWS ==
-    BLOCK_SIZE), or in two passes of SUB_ROWS rows (amax, then reread, mostly from L2, and
-    quantize). The amax is taken in the source dtype (abs and max are exact there), so only the
-    source tile is live across the reduction."""
-    c = block_col * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)[None, :]
-    if SUB_ROWS == BLOCK_SIZE:
-        r = block_row * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)[:, None]
-        mask = (r < rows) & (c < cols)
-        x = tl.load(x_ptr + r * stride_x + c, mask=mask, other=0.0)
-        scale = _scale_of(tl.max(tl.max(tl.abs(x), axis=1), axis=0).to(tl.float32))
-        y = _quotient(x.to(tl.float32), scale)
-        tl.store(q_ptr + r * stride_q + c, y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
-    else:
-        r = block_row * BLOCK_SIZE + tl.arange(0, SUB_ROWS)[:, None]
-        x = tl.load(x_ptr + r * stride_x + c, mask=(r < rows) & (c < cols), other=0.0)
-        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0).to(tl.float32)
-        for i in tl.range(SUB_ROWS, BLOCK_SIZE, SUB_ROWS):
-            r = block_row * BLOCK_SIZE + i + tl.arange(0, SUB_ROWS)[:, None]
-            x = tl.load(x_ptr + r * stride_x + c, mask=(r < rows) & (c < cols), other=0.0)
-            amax = tl.maximum(amax, tl.max(tl.max(tl.abs(x), axis=1), axis=0).to(tl.float32))
-        scale = _scale_of(amax)
-        for i in tl.range(0, BLOCK_SIZE, SUB_ROWS):
-            r = block_row * BLOCK_SIZE + i + tl.arange(0, SUB_ROWS)[:, None]
-            mask = (r < rows) & (c < cols)
-            x = tl.load(x_ptr + r * stride_x + c, mask=mask, other=0.0)
-            y = _quotient(x.to(tl.float32), scale)
-            tl.store(q_ptr + r * stride_q + c, y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
+        y = tl.math.div_rn(y, scale)
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    tl.store(q_ptr + r * stride_q + c, y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
     tl.store(s_ptr + block_row * n_block_cols + block_col, scale)
 
 
 @triton.jit
-def _single_kernel(x_ptr, q_ptr, s_ptr, rows, cols, stride_x, stride_q, n_block_cols,
-                   BLOCK_SIZE: tl.constexpr, SUB_ROWS: tl.constexpr):
-    _quantize_block(x_ptr, q_ptr, s_ptr, rows, cols, stride_x, stride_q, n_block_cols, tl.program_id(0), tl.program_id(1),
-                    BLOCK_SIZE, SUB_ROWS)
+def _single_kernel(x_ptr, q_ptr, s_ptr, rows, cols, stride_x, stride_q, n_block_cols, BLOCK_SIZE: tl.constexpr):
+    _quantize_block(x_ptr, q_ptr, s_ptr, rows, cols, stride_x, stride_q, n_block_cols, tl.program_id(0), tl.program_id(1), BLOCK_SIZE)
 
 
 @triton.jit
-def _described_block(d, block, X_DTYPE: tl.constexpr, BLOCK_SIZE: tl.constexpr, SUB_ROWS: tl.constexpr):
-    """Quantize ``block`` (row-major block order) of the tensor described at ``d``."""
+def _grouped_kernel(desc_ptr, X_DTYPE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    block = tl.program_id(0)  # this program's block of its tensor, in row-major block order
+    d = desc_ptr + tl.program_id(1) * 8  # DESCRIPTOR_FIELDS
+    rows = tl.load(d + 3)
     n_block_cols = tl.load(d + 7)
-    # Alignment hints (the caller guarantees them: ALIGNMENT): without them the compiler
-    # cannot vectorize loads and stores through pointers read from memory.
-    _quantize_block(
-        tl.multiple_of(tl.load(d).to(tl.pointer_type(X_DTYPE)), 16),
-        tl.multiple_of(tl.load(d + 1).to(tl.pointer_type(tl.float8e4nv)), 16),
-        tl.load(d + 2).to(tl.pointer_type(tl.float32)),
-        tl.load(d + 3), tl.multiple_of(tl.load(d + 4), 16), tl.multiple_of(tl.load(d + 5), 16), tl.multiple_of(tl.load(d + 6), 16),
-        n_block_cols, block // n_block_cols, block % n_block_cols, BLOCK_SIZE, SUB_ROWS,
-    )
-
-
-@triton.jit
-def _grouped_2d_kernel(desc_ptr, X_DTYPE: tl.constexpr, FIELDS: tl.constexpr, BLOCK_SIZE: tl.constexpr, SUB_ROWS: tl.constexpr):
-    """Grid (blocks of the largest tensor, tensors): programs past a tensor's last block return."""
-    block = tl.program_id(0)
-    d = desc_ptr + tl.program_id(1) * FIELDS
-    if block < tl.cdiv(tl.load(d + 3), BLOCK_SIZE) * tl.load(d + 7):
-        _described_block(d, block, X_DTYPE, BLOCK_SIZE, SUB_ROWS)
-
-
-@triton.jit
-def _grouped_flat_kernel(desc_ptr, count, total_blocks, X_DTYPE: tl.constexpr, FIELDS: tl.constexpr,
-                         MAX_TENSORS: tl.constexpr, PERSISTENT: tl.constexpr, BLOCK_SIZE: tl.constexpr, SUB_ROWS: tl.constexpr):
-    """One program per block of the launch (the blocks of all tensors, numbered tensor by tensor;
-    column 8 of the table is a tensor's first block number), or with ``PERSISTENT`` a fixed grid
-    whose programs step through the blocks."""
-    if PERSISTENT:
-        for pid in tl.range(tl.program_id(0), total_blocks, tl.num_programs(0)):
-            _flat_block(desc_ptr, count, pid, X_DTYPE, FIELDS, MAX_TENSORS, BLOCK_SIZE, SUB_ROWS)
-    else:
-        _flat_block(desc_ptr, count, tl.program_id(0), X_DTYPE, FIELDS, MAX_TENSORS, BLOCK_SIZE, SUB_ROWS)
-
-
-@triton.jit
-def _flat_block(desc_ptr, count, pid, X_DTYPE: tl.constexpr, FIELDS: tl.constexpr, MAX_TENSORS: tl.constexpr,
-                BLOCK_SIZE: tl.constexpr, SUB_ROWS: tl.constexpr):
-    index = tl.arange(0, MAX_TENSORS)
-    exists = index < count
-    starts = tl.load(desc_ptr + index * FIELDS + 8, mask=exists, other=0)
-    tensor = tl.sum((exists & (starts <= pid)).to(tl.int32), axis=0) - 1
-    d = desc_ptr + tensor * FIELDS
-    _described_block(d, pid - tl.load(d + 8), X_DTYPE, BLOCK_SIZE, SUB_ROWS)
+    if block < tl.cdiv(rows, BLOCK_SIZE) * n_block_cols:
+        # Alignment hints (the caller guarantees them: ALIGNMENT): without them the compiler
+        # cannot vectorize loads and stores through pointers read from memory.
+        _quantize_block(
+            tl.multiple_of(tl.load(d).to(tl.pointer_type(X_DTYPE)), 16),
+            tl.multiple_of(tl.load(d + 1).to(tl.pointer_type(tl.float8e4nv)), 16),
+            tl.load(d + 2).to(tl.pointer_type(tl.float32)),
+            rows, tl.multiple_of(tl.load(d + 4), 16), tl.multiple_of(tl.load(d + 5), 16), tl.multiple_of(tl.load(d + 6), 16),
+            n_block_cols, block // n_block_cols, block % n_block_cols, BLOCK_SIZE,
+        )
 
 
 _TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -162,52 +110,42 @@ _TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.
 
 
 @dataclass(frozen=True, slots=True)
-class Variant:
-    """How the kernel is launched (all variants write the same bits).
+class LaunchConfig:
+    """How grouped launches are shaped (every config writes the same bits).
 
-    ``grid``: "2d" (blocks x described tensors: each tensor is cut into chunks of whole block
-    rows of about ``chunk_blocks`` blocks, so that few programs of the rectangular grid fall
-    past a chunk's end; None: whole tensors), "1d" (one program per block of the launch, found
-    by a search of the table) or "persistent" (``programs_per_sm`` programs per SM stepping
-    through the blocks); ``sub_rows``: rows read per pass (``fp8.BLOCK``: each block is read once
-    and held in registers; fewer: two passes); warps per program.
+    ``chunk_blocks``: each tensor is described as chunks of whole block rows of about this many
+    blocks (None: whole tensors), so that few programs of the rectangular grid (blocks of the
+    largest chunk x chunks) fall past a chunk's end; ``num_warps`` per block program.
     """
 
-    grid: str = "2d"
     chunk_blocks: int | None = 128
-    sub_rows: int = 128
     num_warps: int = 4
-    programs_per_sm: int = 4
 
     @property
     def label(self) -> str:
-        grid = {"2d": f"2d, chunks of {self.chunk_blocks} blocks" if self.chunk_blocks else "2d, whole tensors",
-                "persistent": f"persistent x{self.programs_per_sm}"}.get(self.grid, self.grid)
-        passes = "one pass" if self.sub_rows >= fp8.BLOCK else f"two passes of {self.sub_rows} rows"
-        return f"{grid}, {passes}, {self.num_warps} warps"
+        chunks = f"chunks of {self.chunk_blocks} blocks" if self.chunk_blocks else "whole tensors"
+        return f"{chunks}, {self.num_warps} warps"
 
 
-# The fastest on H200 of the candidates below for the Qwen3-8B shape (scripts/bench_fp8_kernels.py).
-DEFAULT_VARIANT = Variant()
+# The fastest of ``candidate_configs`` on H200 for the Qwen3-8B shape (scripts/bench_fp8_kernels.py;
+# README "FP8 export" lists the configs and kernel shapes measured).
+DEFAULT_CONFIG = LaunchConfig()
 
 
-def candidate_variants() -> list[Variant]:
-    """The variants ``scripts/bench_fp8_kernels.py`` times."""
-    variants = [Variant(chunk_blocks=chunk) for chunk in (None, 64, 128, 256, 512, 1024)]
-    variants += [Variant(chunk_blocks=128, num_warps=8), Variant(chunk_blocks=128, sub_rows=64, num_warps=2)]
-    variants += [Variant(grid="1d"), Variant(grid="persistent")]
-    return variants
+def candidate_configs() -> list[LaunchConfig]:
+    """The configs ``scripts/bench_fp8_kernels.py`` times."""
+    return [*(LaunchConfig(chunk_blocks=chunk) for chunk in (None, 64, 128, 256, 512)), LaunchConfig(num_warps=8)]
 
 
-def quantize_single(x: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor, variant: Variant = DEFAULT_VARIANT) -> None:
+def quantize_single(x: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor) -> None:
     """Quantize one 2-D CUDA tensor into ``out`` / ``scale_out`` (``fp8.quantize_blockwise``'s contract)."""
     if x.stride(1) != 1:
         x = x.contiguous()
     rows, cols = x.shape
     block_rows, block_cols = scale_out.shape
     _single_kernel[(block_rows, block_cols)](
-        x, out, scale_out, rows, cols, x.stride(0), out.stride(0), block_cols,
-        BLOCK_SIZE=fp8.BLOCK, SUB_ROWS=min(variant.sub_rows, fp8.BLOCK), num_warps=variant.num_warps,
+        x, out, scale_out, rows, cols, x.stride(0), out.stride(0), block_cols, BLOCK_SIZE=fp8.BLOCK,
+        num_warps=DEFAULT_CONFIG.num_warps,
     )
 
 
@@ -227,29 +165,24 @@ class GroupedLaunch:
 
     table: torch.Tensor
     count: int
-    total_blocks: int
     max_blocks: int
     dtype: torch.dtype
-    variant: Variant
+    num_warps: int
 
 
-def grouped_launch(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], variant: Variant = DEFAULT_VARIANT) -> GroupedLaunch:
+def grouped_launch(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], config: LaunchConfig | None = None) -> GroupedLaunch:
     """The launch for ``(source, q, scale)`` triples of one dtype and device that ``grouped_takes``
-    (builds the descriptor table: one host-to-device copy)."""
-    rows, first_block = [], 0
-    for x, q, s in jobs:
-        for row in _chunks(x, q, s, variant.chunk_blocks if variant.grid == "2d" else None):
-            rows.append((*row, first_block))
-            first_block += -(-row[3] // fp8.BLOCK) * row[7]
+    (builds the descriptor table: one host-to-device copy); ``DEFAULT_CONFIG`` unless given."""
+    config = config or DEFAULT_CONFIG
+    rows = [row for x, q, s in jobs for row in _chunks(x, q, s, config.chunk_blocks)]
     table = torch.tensor(rows, dtype=torch.int64, device=jobs[0][0].device)
     max_blocks = max(-(-row[3] // fp8.BLOCK) * row[7] for row in rows)
-    return GroupedLaunch(table=table, count=len(rows), total_blocks=first_block, max_blocks=max_blocks,
-                         dtype=jobs[0][0].dtype, variant=variant)
+    return GroupedLaunch(table=table, count=len(rows), max_blocks=max_blocks, dtype=jobs[0][0].dtype, num_warps=config.num_warps)
 
 
 def _chunks(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, chunk_blocks: int | None) -> list[tuple[int, ...]]:
-    """Descriptor rows (without the first-block column) for runs of whole block rows of one
-    tensor, about ``chunk_blocks`` blocks each (None: the whole tensor in one row)."""
+    """Descriptor rows for runs of whole block rows of one tensor, about ``chunk_blocks`` blocks
+    each (None: the whole tensor in one row): each run is a tensor of its own with the same blocks."""
     rows, cols = x.shape
     block_rows, block_cols = s.shape
     step = block_rows if chunk_blocks is None else max(1, chunk_blocks // block_cols)
@@ -262,23 +195,9 @@ def _chunks(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, chunk_blocks: int
 
 
 def launch_grouped(launch: GroupedLaunch) -> None:
-    variant = launch.variant
-    common = dict(X_DTYPE=_TRITON_DTYPES[launch.dtype], FIELDS=DESCRIPTOR_FIELDS, BLOCK_SIZE=fp8.BLOCK,
-                  SUB_ROWS=min(variant.sub_rows, fp8.BLOCK), num_warps=variant.num_warps)
-    if variant.grid == "2d":
-        _grouped_2d_kernel[(launch.max_blocks, launch.count)](launch.table, **common)
-        return
-    persistent = variant.grid == "persistent"
-    grid = min(launch.total_blocks, _sm_count(launch.table.device) * variant.programs_per_sm) if persistent else launch.total_blocks
-    _grouped_flat_kernel[(grid,)](
-        launch.table, launch.count, launch.total_blocks, MAX_TENSORS=triton.next_power_of_2(launch.count),
-        PERSISTENT=persistent, **common,
+    _grouped_kernel[(launch.max_blocks, launch.count)](
+        launch.table, X_DTYPE=_TRITON_DTYPES[launch.dtype], BLOCK_SIZE=fp8.BLOCK, num_warps=launch.num_warps
     )
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 # --- the check before use -----------------------------------------------------------------------
@@ -308,8 +227,9 @@ def usable(kind: str) -> bool:
 
 def _probe_tensors() -> list[torch.Tensor]:
     """bf16 CUDA tensors with exact e4m3 rounding ties (at scale 1 and at scale 3), an all-zero
-    block, a block of tiny values, partial edge blocks, and column-narrowed views (row stride
-    larger than the width): one aligned, one not."""
+    block, a block of tiny values, partial edge blocks, column-narrowed views (row stride
+    larger than the width): one aligned, one not; and a tensor the grouped launch cuts into two
+    chunks."""
     gen = torch.Generator().manual_seed(0)
     tie = (torch.randn(300, 272, generator=gen) * 0.05).to(torch.bfloat16)
     tie[:128, :128] = 0
@@ -321,7 +241,8 @@ def _probe_tensors() -> list[torch.Tensor]:
     odd = (torch.randn(256, 256, generator=gen) * 0.05).to(torch.bfloat16)
     odd[0, :12] = 3 * torch.tensor([448.0, 168.0, -168.0, 0.5625, 17.0, 9.5, -9.5, 208.0, 13.0, 26.0, 416.0, 0.02734375])
     odd[128:, 128:] = (torch.randn(128, 128, generator=gen) * 1e-27).to(torch.bfloat16)
-    return [tie.cuda(), wide.cuda(), wide.cuda()[:, 16:400], wide.cuda()[:, 7:400], odd.cuda()]
+    tall = (torch.randn(129 * 128 + 5, 32, generator=gen) * 2).to(torch.bfloat16)  # 2 chunks of 128 blocks, the last partial
+    return [tie.cuda(), wide.cuda(), wide.cuda()[:, 16:400], wide.cuda()[:, 7:400], odd.cuda(), tall.cuda()]
 
 
 def _same_bits(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> bool:

@@ -206,7 +206,7 @@ def fp8_breakdown(bridge, chunks, repeats: int = 5) -> dict:
         quantize_grouped_host_ms=grouped_host, quantize_grouped_device_ms=grouped_device,
         quantize_launches_per_weight=sum(len(jobs) for jobs in buckets), quantize_launches_grouped=len(buckets),
         quantize_bytes_moved=quantized, quantize_grouped_gb_s=quantized / grouped_device / 1e6,
-        quantize_per_weight_gb_s=quantized / per_device / 1e6, quantizer_variant=fp8_kernels.DEFAULT_VARIANT.label,
+        quantize_per_weight_gb_s=quantized / per_device / 1e6, quantizer_launch=fp8_kernels.DEFAULT_CONFIG.label,
     )
 
 
@@ -234,6 +234,14 @@ def host_profile(make_stream, top: int = 14) -> list[str]:
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
     return [line for line in text.getvalue().splitlines() if line.strip()]
+
+
+def set_fp8_launch(text: str) -> None:
+    """Make the launch config described by ``text`` (``field=value`` pairs) the export's."""
+    from mbridge_refit import fp8_kernels
+
+    values = {name: None if value.lower() == "none" else int(value) for name, value in (item.split("=", 1) for item in text.split(",") if item)}
+    fp8_kernels.DEFAULT_CONFIG = fp8_kernels.LaunchConfig(**values)
 
 
 def allocations() -> int:
@@ -400,14 +408,22 @@ def main() -> None:
         help="TP>1: also time the cached export with these gather bucket sizes, e.g. 128,1024",
     )
     parser.add_argument("--fp8", action="store_true", help="also time the BF16 -> blockwise FP8 cached export")
+    parser.add_argument(
+        "--fp8-launch", default="", metavar="FIELD=VALUE,...",
+        help="launch config of the FP8 kernel (fp8_kernels.LaunchConfig fields, e.g. chunk_blocks=256,num_warps=8; "
+        "default: fp8_kernels.DEFAULT_CONFIG)",
+    )
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
+    if args.fp8_launch:
+        set_fp8_launch(args.fp8_launch)
     logging.basicConfig(level=logging.WARNING)
     row = run(args)
     if row:
         print_table(row)
         args.out_dir.mkdir(parents=True, exist_ok=True)
-        path = args.out_dir / f"export_{row['model']}_{row['layout']}{'_fp8' if args.fp8 else ''}_{row['device'].split()[-1].lower()}.json"
+        variant = "_" + args.fp8_launch.replace("=", "").replace(",", "_") if args.fp8_launch else ""
+        path = args.out_dir / f"export_{row['model']}_{row['layout']}{'_fp8' if args.fp8 else ''}{variant}_{row['device'].split()[-1].lower()}.json"
         path.write_text(json.dumps(row, indent=2))
         print(f"wrote {path}")
 

@@ -6,15 +6,16 @@ Run on the GPU host (one GPU, no Megatron needed):
 
     python scripts/bench_fp8_kernels.py --model qwen3-8b --out scripts/results/fp8_kernels.json
 
-The baseline launch's bytes and scales are first checked against the torch reference path (first
-layer), then every variant's against the baseline's. Device times are CUDA-event medians. Floors
+The baseline (whole tensors, one table row each) launch's bytes and scales are first checked against the torch reference path (first
+layer), then every config's against the baseline's. Device times are CUDA-event medians. Floors
 taken side by side: a bf16 clone moving the same bytes, and ``copy_`` of the weights into float8
 (a cast that reads and writes what quantizing does, without the amax).
 
-Variants (``fp8_kernels.Variant``, listed by ``candidate_variants``): launch grid (``2d``: blocks
-x described tensors, tensors cut into chunks of block rows; ``1d``: one program per block of the
-launch; ``persistent``: a few programs per SM stepping through the blocks), a block read once and
-held in registers or in two passes, and warps per program.
+Configs (``fp8_kernels.LaunchConfig``, listed by ``candidate_configs``): how tensors are cut into
+chunks of block rows, and warps per block program. Also timed: the default config in one launch
+for all layers (what launch boundaries cost), a Triton cast kernel with the same launches and
+accesses but no amax or quotient (the floor of this access pattern), and the host time per
+launch (Triton's launch against replaying a CUDA graph of it).
 """
 
 from __future__ import annotations
@@ -23,9 +24,12 @@ import argparse
 import json
 import logging
 import statistics
+import time
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 logger = logging.getLogger("bench_fp8_kernels")
 
@@ -65,6 +69,54 @@ def device_ms(fn, repeats: int) -> float:
     return statistics.median(times[1:])
 
 
+@triton.jit
+def _cast_kernel(desc_ptr, X_DTYPE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """The grouped kernel's reads and writes without its amax and quotient: bf16 -> e4m3 cast
+    (a floor for this access pattern; its bytes are not the quantizer's)."""
+    block = tl.program_id(0)
+    d = desc_ptr + tl.program_id(1) * 8
+    rows, n_block_cols = tl.load(d + 3), tl.load(d + 7)
+    if block < tl.cdiv(rows, BLOCK_SIZE) * n_block_cols:
+        x_ptr = tl.multiple_of(tl.load(d).to(tl.pointer_type(X_DTYPE)), 16)
+        q_ptr = tl.multiple_of(tl.load(d + 1).to(tl.pointer_type(tl.float8e4nv)), 16)
+        r = (block // n_block_cols) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)[:, None]
+        c = (block % n_block_cols) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)[None, :]
+        mask = (r < rows) & (c < tl.load(d + 4))
+        x = tl.load(x_ptr + r * tl.multiple_of(tl.load(d + 5), 16) + c, mask=mask, other=0.0)
+        tl.store(q_ptr + r * tl.multiple_of(tl.load(d + 6), 16) + c, x.to(tl.float8e4nv), mask=mask)
+
+
+def cast_launch(launch) -> None:
+    _cast_kernel[(launch.max_blocks, launch.count)](launch.table, X_DTYPE=tl.bfloat16, BLOCK_SIZE=128, num_warps=launch.num_warps)
+
+
+def host_launch_costs(launches, repeats: int) -> dict:
+    """Host microseconds per launch (no synchronize in between): the Triton launch, and the
+    replay of a CUDA graph that holds the same launch."""
+    from mbridge_refit import fp8_kernels
+
+    graphs = []
+    for launch in launches:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fp8_kernels.launch_grouped(launch)
+        graphs.append(graph)
+
+    def host_us(fn) -> float:
+        times = []
+        for _ in range(repeats + 1):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e6 / len(launches))
+        torch.cuda.synchronize()
+        return statistics.median(times[1:])
+
+    costs = {"triton": host_us(lambda: [fp8_kernels.launch_grouped(launch) for launch in launches]),
+             "cuda_graph_replay": host_us(lambda: [graph.replay() for graph in graphs])}
+    return costs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-8b", help="a shape in recipes/shapes/ (default: %(default)s)")
@@ -102,7 +154,7 @@ def main() -> None:
     logger.info("%s: %d layers, %d jobs (q, k, v by runs of the fused QKV), %.1f GB read + written", args.model, layers,
                 sum(map(len, jobs)), nbytes / 1e9)
 
-    previous = fp8_kernels.Variant(grid="2d", chunk_blocks=None)  # the previous default (but the amax in bf16)
+    previous = fp8_kernels.LaunchConfig(chunk_blocks=None)  # the previous default (but the amax in bf16)
     baseline = [fp8_kernels.grouped_launch(layer, previous) for layer in jobs]
     for launch in baseline:
         fp8_kernels.launch_grouped(launch)
@@ -117,7 +169,7 @@ def main() -> None:
                    for layer, refs in zip(jobs, reference) for (_, q, s), (rq, rs) in zip(layer, refs))
 
     results = {"model": args.model, "layers": layers, "bytes": nbytes, "device": torch.cuda.get_device_name(),
-               "torch": torch.__version__, "variants": {}}
+               "torch": torch.__version__, "configs": {}}
     casts = [[(x, q) for x, q, _ in layer] for layer in jobs]
     results["cast_floor_ms"] = device_ms(lambda: [q.copy_(x) for layer in casts for x, q in layer], args.repeats)
     flat = torch.empty(nbytes // 4, dtype=torch.bfloat16, device="cuda")  # a clone reads and writes nbytes / 2
@@ -127,23 +179,32 @@ def main() -> None:
     logger.info("clone floor %.2f ms, cast floor %.2f ms, baseline (2d, whole tensors) %.2f ms (%.0f GB/s)", results["clone_floor_ms"], results["cast_floor_ms"],
                 results["baseline_ms"], nbytes / results["baseline_ms"] / 1e6)
 
-    for variant in fp8_kernels.candidate_variants():
+    for launch_config in fp8_kernels.candidate_configs():
         for _, q, s in (j for layer in jobs for j in layer):
             q.view(torch.uint8).fill_(0xFF)
             s.fill_(-1.0)
         try:
-            launches = [fp8_kernels.grouped_launch(layer, variant) for layer in jobs]
+            launches = [fp8_kernels.grouped_launch(layer, launch_config) for layer in jobs]
             for launch in launches:
                 fp8_kernels.launch_grouped(launch)
             torch.cuda.synchronize()
-        except Exception as err:  # a variant that does not compile here is reported, not fatal
-            logger.info("%-40s failed: %s", variant.label, fp8_kernels._root_cause(err))
-            results["variants"][variant.label] = {"error": fp8_kernels._root_cause(err)}
+        except Exception as err:  # a config that does not compile here is reported, not fatal
+            logger.info("%-40s failed: %s", launch_config.label, fp8_kernels._root_cause(err))
+            results["configs"][launch_config.label] = {"error": fp8_kernels._root_cause(err)}
             continue
         exact = same_as_reference()
         ms = device_ms(lambda: [fp8_kernels.launch_grouped(l) for l in launches], args.repeats)
-        results["variants"][variant.label] = {"ms": ms, "gb_s": nbytes / ms / 1e6, "exact": exact}
-        logger.info("%-40s %7.2f ms  %5.0f GB/s  exact=%s", variant.label, ms, nbytes / ms / 1e6, exact)
+        results["configs"][launch_config.label] = {"ms": ms, "gb_s": nbytes / ms / 1e6, "exact": exact}
+        logger.info("%-40s %7.2f ms  %5.0f GB/s  exact=%s", launch_config.label, ms, nbytes / ms / 1e6, exact)
+
+    whole = fp8_kernels.grouped_launch([job for layer in jobs for job in layer])
+    results["default_one_launch_ms"] = device_ms(lambda: fp8_kernels.launch_grouped(whole), args.repeats)
+    logger.info("%-40s %7.2f ms in one launch for all layers", fp8_kernels.DEFAULT_CONFIG.label, results["default_one_launch_ms"])
+    cast = [fp8_kernels.grouped_launch(layer) for layer in jobs]
+    results["cast_kernel_ms"] = device_ms(lambda: [cast_launch(launch) for launch in cast], args.repeats)
+    logger.info("%-40s %7.2f ms", "same launches, cast only (no amax)", results["cast_kernel_ms"])
+    results["host_us_per_launch"] = host_launch_costs([fp8_kernels.grouped_launch(layer) for layer in jobs], args.repeats)
+    logger.info("host time per grouped launch: %s", results["host_us_per_launch"])
 
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

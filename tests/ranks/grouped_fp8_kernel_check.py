@@ -1,6 +1,6 @@
 """Run under TRITON_INTERPRET=1 on CPU (tests/test_fp8.py): the grouped FP8 kernel (many tensors,
-one launch, descriptor table), in its default launch and with tensors cut into one-block-row
-chunks and with a 1-D grid, must write exactly what the single-tensor kernel writes for each
+one launch, descriptor table), in its default launch, with tensors cut into one-block-row
+chunks and with whole tensors, must write exactly what the single-tensor kernel writes for each
 tensor: partial edge blocks, an all-zero block, a block of tiny values (the kernel's division
 branch), a column-narrowed view (row stride > width), a
 row slice at an offset, and two dtypes. Both kernels run in Triton's interpreter here, whose
@@ -31,16 +31,15 @@ jobs = [
     job("partial", base), job("narrowed", base[:, 16:400]), job("row_slice", base[130:259]),
     job("one_block", torch.randn(64, 128, generator=gen).to(torch.bfloat16)), job("fp32", torch.randn(200, 144, generator=gen)),
 ]
-# the default launch, tensors cut into one-block-row chunks (base has 5 block columns), one
-# program per block found by searching the table
-variants = [fp8_kernels.DEFAULT_VARIANT, fp8_kernels.Variant(chunk_blocks=1), fp8_kernels.Variant(grid="1d")]
+# the default launch, tensors cut into one-block-row chunks (base has 5 block columns), whole tensors
+configs = [fp8_kernels.DEFAULT_CONFIG, fp8_kernels.LaunchConfig(chunk_blocks=1), fp8_kernels.LaunchConfig(chunk_blocks=None)]
 problems = []
-for variant in variants:
+for config in configs:
     for _, _, q, s in jobs:
         q.view(torch.uint8).fill_(0xFF)
         s.fill_(-1.0)
     for dtype in (torch.bfloat16, torch.float32):
-        fp8_kernels.launch_grouped(fp8_kernels.grouped_launch([(x, q, s) for _, x, q, s in jobs if x.dtype == dtype], variant))
+        fp8_kernels.launch_grouped(fp8_kernels.grouped_launch([(x, q, s) for _, x, q, s in jobs if x.dtype == dtype], config))
     for name, source, grouped_q, grouped_s in jobs:
         x = source.contiguous()
         q, s = torch.empty_like(grouped_q), torch.empty_like(grouped_s)
@@ -48,8 +47,8 @@ for variant in variants:
         ref_q, ref_s = torch.empty_like(q), torch.empty_like(s)
         fp8._quantize_torch(x, ref_q, ref_s, torch.empty(fp8.padded_shape(tuple(x.shape))))
         if not torch.equal(q.view(torch.uint8), grouped_q.view(torch.uint8)):
-            problems.append(f"{name} ({variant.label}): grouped e4m3 bytes differ from the single-tensor kernel's")
+            problems.append(f"{name} ({config.label}): grouped e4m3 bytes differ from the single-tensor kernel's")
         if not (torch.equal(s, grouped_s) and torch.equal(s, ref_s)):
-            problems.append(f"{name} ({variant.label}): scales differ (grouped, single, torch)")
-print("\n".join(problems) or f"{len(jobs)} tensors, {len(variants)} launch variants: grouped == single kernel")
+            problems.append(f"{name} ({config.label}): scales differ (grouped, single, torch)")
+print("\n".join(problems) or f"{len(jobs)} tensors, {len(configs)} launch configs: grouped == single kernel")
 sys.exit(1 if problems else 0)
