@@ -14,8 +14,9 @@ quantizer on H200, so not a floor).
 
 Configs (``fp8_kernels.LaunchConfig``, listed by ``candidate_configs``): how tensors are cut into
 chunks of block rows, and warps per block program. Also timed: the default config in one launch
-for all layers (what launch boundaries cost), and the host time per launch (Triton's launch
-against replaying a CUDA graph of it).
+for all layers (what launch boundaries cost), the host time per launch (Triton's launch
+against replaying a CUDA graph of it), and with ``--te`` Transformer Engine's own CUDA blockwise
+quantizer on the same pieces (what a hand-written kernel reaches).
 """
 
 from __future__ import annotations
@@ -67,6 +68,30 @@ def device_ms(fn, repeats: int) -> float:
     return statistics.median(times[1:])
 
 
+def te_blockwise(jobs: list[tuple], repeats: int) -> dict:
+    """Transformer Engine's CUDA 128x128 blockwise quantizer (amax scales, not powers of two) on
+    the same pieces, one call per piece replayed from a CUDA graph (so host launch costs do not
+    count): its device time, and how many pieces' bytes and scales equal ours (TE scales by
+    multiplying with 448/amax, we divide by amax/448: the rounding may differ)."""
+    from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
+    import transformer_engine_torch as tex  # registered by the import above
+
+    quantizer = Float8BlockQuantizer(tex.DType.kFloat8E4M3, rowwise=True, columnwise=False, force_pow_2_scales=False)
+    pairs = [(x, quantizer(x)) for x, _, _ in jobs]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for x, dst in pairs:
+            quantizer.update_quantized(x, dst)
+    graph.replay()
+    torch.cuda.synchronize()
+    equal = 0
+    for (x, q, scale), (_, dst) in zip(jobs, pairs):
+        meta = dst.get_metadata()
+        te_scale = meta["rowwise_scale_inv"][: scale.shape[0], : scale.shape[1]]
+        equal += torch.equal(meta["rowwise_data"].view(torch.uint8), q.view(torch.uint8)) and torch.equal(te_scale, scale)
+    return {"ms": device_ms(graph.replay, repeats), "pieces": len(jobs), "pieces_equal_to_ours": equal}
+
+
 def host_launch_costs(launches, repeats: int) -> dict:
     """Host microseconds per launch (no synchronize in between): the Triton launch, and the
     replay of a CUDA graph that holds the same launch."""
@@ -99,6 +124,7 @@ def main() -> None:
     parser.add_argument("--model", default="qwen3-8b", help="a shape in recipes/shapes/ (default: %(default)s)")
     parser.add_argument("--layers", type=int, default=None, help="layers to quantize (default: the shape's)")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--te", action="store_true", help="also time Transformer Engine's blockwise quantizer on the same pieces")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -179,6 +205,13 @@ def main() -> None:
     logger.info("%-40s %7.2f ms in one launch for all layers", fp8_kernels.DEFAULT_CONFIG.label, results["default_one_launch_ms"])
     results["host_us_per_launch"] = host_launch_costs([fp8_kernels.grouped_launch(layer) for layer in jobs], args.repeats)
     logger.info("host time per grouped launch: %s", results["host_us_per_launch"])
+
+    if args.te:
+        for launch in [fp8_kernels.grouped_launch(layer) for layer in jobs]:
+            fp8_kernels.launch_grouped(launch)  # ours, for the comparison of bits
+        results["te_blockwise"] = te_blockwise([job for layer in jobs for job in layer], args.repeats)
+        logger.info("Transformer Engine blockwise quantizer (CUDA graph of %d calls): %s", results["te_blockwise"]["pieces"],
+                    results["te_blockwise"])
 
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
