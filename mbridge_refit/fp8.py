@@ -13,7 +13,9 @@ Choices, all in this module:
   values enter the amax). Blocks are defined on the HF tensor, never on a Megatron shard: a
   tensor-parallel shard of q/k/v or gate/up does not start on a block boundary in general, so
   quantization runs after the export has assembled the HF tensor (on the device, in cached
-  buffers).
+  buffers), or, for q/k/v selected from the fused QKV without tensor parallelism, on the
+  selection's row runs in place when each run is whole block rows of the HF tensor (the same
+  blocks; ``quantize_buckets``).
 * **Scale.** ``scale_inv = amax(|block|) / 448`` in fp32 (448 = the largest e4m3fn value), so the
   block's largest element maps to +-448. ``amax`` is exact (a max of bf16 values widened to
   fp32); the division is IEEE round-to-nearest (never a multiply by a reciprocal: PyTorch's CUDA
@@ -376,7 +378,7 @@ class _BucketQuantizer:
     runs: tuple  # per weight: row runs to quantize from a RowSelection's source, or None
     _sources_key: tuple = ()
     _grouped: list = dataclasses.field(default_factory=list)  # fp8_kernels.GroupedLaunch, one per input dtype
-    _singles: tuple = ()  # (source, q, scale) quantized one launch each (unaligned, or no grouped kernel)
+    _singles: tuple[int, ...] = ()  # jobs (see _jobs) quantized one launch each (unaligned, or no grouped kernel)
 
     @classmethod
     def build(cls, bucket: list[tuple[str, Any]], scales: dict, buffers: "ExportBuffers") -> "_BucketQuantizer":
@@ -410,7 +412,8 @@ class _BucketQuantizer:
             self._sources_key = key
         for launch in self._grouped:
             _cuda_kernels().launch_grouped(launch)
-        for source, q, scale in self._singles:
+        jobs = list(self._jobs(sources, by_runs)) if self._singles else []  # views of this export's sources
+        for source, q, scale in (jobs[i] for i in self._singles):
             work = None
             if not (source.is_cuda and _kernel_usable("single")):
                 work = buffers.get("fp8_work", 0, padded_shape(tuple(source.shape)), torch.float32, source.device)
@@ -430,11 +433,13 @@ class _BucketQuantizer:
         kernels = _cuda_kernels() if _kernel_usable("grouped") else None
         by_dtype: dict[torch.dtype, list] = {}
         singles = []
-        for job in self._jobs(sources, by_runs):
+        for i, job in enumerate(self._jobs(sources, by_runs)):
             if kernels is not None and kernels.grouped_takes(job[0]):
                 by_dtype.setdefault(job[0].dtype, []).append(job)
             else:
-                singles.append(job)
+                singles.append(i)
+        # Kept: job numbers and launch tables of raw pointers, no tensors (the pool outlives an
+        # export; holding views would keep a trainer's offloaded parameters alive).
         self._singles = tuple(singles)
         self._grouped = [kernels.grouped_launch(jobs) for jobs in by_dtype.values()]
 

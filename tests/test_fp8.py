@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -139,6 +140,9 @@ def test_bucket_quantizer_follows_new_data_and_reuses_buffers():
         assert same_bits(got[weight], q) and same_bits(got[weight + SCALE_SUFFIX], s)
         assert got[norm] is bucket[1][1]
         outputs.append((got[weight].data_ptr(), buffers.allocations - before))
+        source = weakref.ref(bucket[0][1])
+        del bucket, got
+        assert source() is None, "the buffer pool keeps a reference to an export's source tensor"
     assert outputs[1] == (outputs[0][0], 0) and outputs[2] == (outputs[0][0], 0)
     assert len(buffers.memo) == 1
 
