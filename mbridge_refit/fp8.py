@@ -352,6 +352,15 @@ def quantize_buckets(
                 yield quantizer.scale_names[job], quantizer.scales[job]
 
 
+def row_piece(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, *, x_row: int, q_row: int, rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``rows`` rows of the quantized tensor ``q`` from ``q_row`` (a block row) and their scales,
+    read from ``x`` at ``x_row``: a ``(source, q, scale)`` job of its own whose blocks are the
+    tensor's (views; a run of q/k/v in the fused QKV, or a chunk of a grouped launch)."""
+    return x.narrow(0, x_row, rows), q.narrow(0, q_row, rows), scale.narrow(0, q_row // BLOCK, math.ceil(rows / BLOCK))
+
+
 def _materialized(tensor: "torch.Tensor | RowSelection") -> torch.Tensor:
     return tensor if isinstance(tensor, torch.Tensor) else tensor.materialize()
 
@@ -402,38 +411,42 @@ class _BucketQuantizer:
 
     def run(self, sources: list, buffers: "ExportBuffers") -> None:
         """Quantize this export's ``sources`` (the bucket's tensors at ``positions``)."""
-        from mbridge_refit.export import RowSelection
-
-        by_runs = tuple(runs if isinstance(x, RowSelection) else None for x, runs in zip(sources, self.runs))
-        sources = [x.source if runs is not None else _materialized(x) for x, runs in zip(sources, by_runs)]
-        key = (by_runs, *((x.data_ptr(), x.stride(0) if x.dim() else 0) for x in sources))
+        sources = self._resolved(sources)
+        key = tuple((x.data_ptr(), x.stride(0) if x.dim() else 0) for x in sources)
         if key != self._sources_key:
-            self._plan_launches(sources, by_runs)
+            self._plan_launches(sources)
             self._sources_key = key
         for launch in self._grouped:
             _cuda_kernels().launch_grouped(launch)
-        jobs = list(self._jobs(sources, by_runs)) if self._singles else []  # views of this export's sources
+        jobs = list(self._jobs(sources)) if self._singles else []  # views of this export's sources
         for source, q, scale in (jobs[i] for i in self._singles):
             work = None
             if not (source.is_cuda and _kernel_usable("single")):
                 work = buffers.get("fp8_work", 0, padded_shape(tuple(source.shape)), torch.float32, source.device)
             quantize_blockwise(source, out=q, scale_out=scale, work=work)
 
-    def _jobs(self, sources: list[torch.Tensor], by_runs: tuple) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def jobs(self, sources: list) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The ``(source, q, scale)`` jobs ``run`` quantizes for these sources (for benchmarks)."""
+        return list(self._jobs(self._resolved(sources)))
+
+    def _resolved(self, sources: list) -> list[torch.Tensor]:
+        """What is read: a selection's source where it is quantized by runs, else a tensor (the
+        bucket's items at ``positions`` have the kinds they had when this was built)."""
+        return [x.source if runs is not None else _materialized(x) for x, runs in zip(sources, self.runs)]
+
+    def _jobs(self, sources: list[torch.Tensor]) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """``(source, q, scale)`` triples: one per weight, or one per row run of a selection."""
-        for source, q, scale, runs in zip(sources, self.q, self.scales, by_runs):
+        for source, q, scale, runs in zip(sources, self.q, self.scales, self.runs):
             if runs is None:
                 yield source, q, scale
-                continue
-            for hf_row, source_row, rows in runs:
-                yield (source.narrow(0, source_row, rows), q.narrow(0, hf_row, rows),
-                       scale.narrow(0, hf_row // BLOCK, math.ceil(rows / BLOCK)))
+            else:
+                yield from (row_piece(source, q, scale, x_row=x_row, q_row=q_row, rows=rows) for q_row, x_row, rows in runs)
 
-    def _plan_launches(self, sources: list[torch.Tensor], by_runs: tuple) -> None:
+    def _plan_launches(self, sources: list[torch.Tensor]) -> None:
         kernels = _cuda_kernels() if _kernel_usable("grouped") else None
         by_dtype: dict[torch.dtype, list] = {}
         singles = []
-        for i, job in enumerate(self._jobs(sources, by_runs)):
+        for i, job in enumerate(self._jobs(sources)):
             if kernels is not None and kernels.grouped_takes(job[0]):
                 by_dtype.setdefault(job[0].dtype, []).append(job)
             else:

@@ -127,14 +127,9 @@ class LaunchConfig:
         return f"{chunks}, {self.num_warps} warps"
 
 
-# The fastest of ``candidate_configs`` on H200 for the Qwen3-8B shape (scripts/bench_fp8_kernels.py;
-# README "FP8 export" lists the configs and kernel shapes measured).
+# The fastest of the configs scripts/bench_fp8_kernels.py times, on H200 for the Qwen3-8B shape
+# (README "FP8 export" lists the configs and kernel shapes measured).
 DEFAULT_CONFIG = LaunchConfig()
-
-
-def candidate_configs() -> list[LaunchConfig]:
-    """The configs ``scripts/bench_fp8_kernels.py`` times."""
-    return [*(LaunchConfig(chunk_blocks=chunk) for chunk in (None, 64, 128, 256, 512)), LaunchConfig(num_warps=8)]
 
 
 def quantize_single(x: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor) -> None:
@@ -174,24 +169,22 @@ def grouped_launch(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], 
     """The launch for ``(source, q, scale)`` triples of one dtype and device that ``grouped_takes``
     (builds the descriptor table: one host-to-device copy); ``DEFAULT_CONFIG`` unless given."""
     config = config or DEFAULT_CONFIG
-    rows = [row for x, q, s in jobs for row in _chunks(x, q, s, config.chunk_blocks)]
-    table = torch.tensor(rows, dtype=torch.int64, device=jobs[0][0].device)
-    max_blocks = max(-(-row[3] // fp8.BLOCK) * row[7] for row in rows)
-    return GroupedLaunch(table=table, count=len(rows), max_blocks=max_blocks, dtype=jobs[0][0].dtype, num_warps=config.num_warps)
-
-
-def _chunks(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, chunk_blocks: int | None) -> list[tuple[int, ...]]:
-    """Descriptor rows for runs of whole block rows of one tensor, about ``chunk_blocks`` blocks
-    each (None: the whole tensor in one row): each run is a tensor of its own with the same blocks."""
-    rows, cols = x.shape
-    block_rows, block_cols = s.shape
-    step = block_rows if chunk_blocks is None else max(1, chunk_blocks // block_cols)
-    return [
-        (x.data_ptr() + start * fp8.BLOCK * x.stride(0) * x.element_size(), q.data_ptr() + start * fp8.BLOCK * q.stride(0),
-         s.data_ptr() + start * block_cols * s.element_size(), min(rows - start * fp8.BLOCK, step * fp8.BLOCK), cols,
-         x.stride(0), q.stride(0), block_cols)
-        for start in range(0, block_rows, step)
+    pieces = [piece for job in jobs for piece in _chunks(*job, config.chunk_blocks)]
+    rows = [
+        (x.data_ptr(), q.data_ptr(), s.data_ptr(), x.shape[0], x.shape[1], x.stride(0), q.stride(0), s.shape[1])
+        for x, q, s in pieces
     ]
+    table = torch.tensor(rows, dtype=torch.int64, device=jobs[0][0].device)
+    return GroupedLaunch(table=table, count=len(rows), max_blocks=max(s.numel() for _, _, s in pieces),
+                         dtype=jobs[0][0].dtype, num_warps=config.num_warps)
+
+
+def _chunks(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, chunk_blocks: int | None) -> list[tuple]:
+    """One job cut into runs of whole block rows of about ``chunk_blocks`` blocks each (None: not
+    cut): each run is a job of its own with the same blocks."""
+    rows, block_cols = x.shape[0], s.shape[1]
+    step = rows if chunk_blocks is None else max(1, chunk_blocks // block_cols) * fp8.BLOCK
+    return [fp8.row_piece(x, q, s, x_row=start, q_row=start, rows=min(step, rows - start)) for start in range(0, rows, step)]
 
 
 def launch_grouped(launch: GroupedLaunch) -> None:

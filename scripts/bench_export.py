@@ -147,13 +147,13 @@ def check_fp8_export(fp8_stream, bf16_stream, cpu_checks: int = 8) -> list[str]:
 
 def fp8_breakdown(bridge, chunks, repeats: int = 5) -> dict:
     """Where the FP8 export's time goes (TP=1): the host time to run the cached FP8 export
-    generator to its end before the final synchronize, and the quantizer kernels alone on the
-    exported BF16 tensors (device time by CUDA events, host time to launch them), one launch per
-    weight (``quantize_blockwise``) and one grouped launch per export bucket (launches prepared
-    beforehand, as the export's bucket quantizer keeps them)."""
+    generator to its end before the final synchronize, and the export's own bucket quantizers
+    alone on the exported buckets (device time by CUDA events, host time to launch them): as the
+    export runs them (grouped launches prepared once), and one launch per job
+    (``quantize_blockwise``; a job is a weight, or a run of q/k/v rows in the fused QKV)."""
     from mbridge_refit import fp8_kernels
     from mbridge_refit.export import ExportBuffers
-    from mbridge_refit.fp8 import FP8_DTYPE, BlockwiseFP8Config, quantize_blockwise, scale_shape
+    from mbridge_refit.fp8 import BlockwiseFP8Config, _BucketQuantizer, quantize_blockwise
 
     def median_of(fn) -> tuple[float, float]:
         hosts, devices = [], []
@@ -173,37 +173,35 @@ def fp8_breakdown(bridge, chunks, repeats: int = 5) -> dict:
         for _ in bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True, fp8="blockwise"):
             pass
 
-    config = BlockwiseFP8Config()
-    buckets = []
-    for bucket in bridge._exporter(chunks).export_buckets(ExportBuffers(persistent=False)):
-        jobs = [
-            (t, torch.empty(t.shape, dtype=FP8_DTYPE, device=t.device), torch.empty(scale_shape(tuple(t.shape)), device=t.device))
-            for n, t in bucket if config.quantizes(n, tuple(t.shape), str(t.dtype).removeprefix("torch."))
-        ]
-        if jobs:
-            buckets.append(jobs)
-    grouped_ok = quantizer_path() == "triton-grouped" and all(fp8_kernels.grouped_takes(x) for jobs in buckets for x, _, _ in jobs)
-    launches = [fp8_kernels.grouped_launch(jobs) for jobs in buckets] if grouped_ok else []
+    fp8 = bridge._fp8_export(chunks, BlockwiseFP8Config())
+    scales = {e.scale_of: e for e in fp8.plan.entries if e.scale_of is not None}
+    buffers = ExportBuffers(persistent=False)  # every bucket keeps its own outputs
+    quantizers = []
+    for bucket in fp8.weights.export_buckets(buffers, select_rows_lazily=True):
+        quantizer = _BucketQuantizer.build(bucket, scales, buffers)
+        if quantizer.positions:
+            quantizers.append((quantizer, [bucket[i][1] for i in quantizer.positions]))
+    jobs = [job for quantizer, sources in quantizers for job in quantizer.jobs(sources)]
 
-    def per_weight():
-        for jobs in buckets:
-            for source, q, scale in jobs:
-                quantize_blockwise(source, out=q, scale_out=scale)
+    def as_exported():
+        for quantizer, sources in quantizers:
+            quantizer.run(sources, buffers)
 
-    def grouped():
-        for launch in launches:
-            fp8_kernels.launch_grouped(launch)
+    def per_job():
+        for source, q, scale in jobs:
+            quantize_blockwise(source, out=q, scale_out=scale)
 
-    nan = (float("nan"), float("nan"))
+    as_exported()  # plans each bucket's launches
     export_host, export_device = median_of(export_host_only)
-    per_host, per_device = median_of(per_weight)
-    grouped_host, grouped_device = median_of(grouped) if grouped_ok else nan
-    quantized = sum(source.numel() * (source.element_size() + 1) for jobs in buckets for source, _, _ in jobs)
+    per_host, per_device = median_of(per_job)
+    grouped_host, grouped_device = median_of(as_exported)
+    quantized = sum(source.numel() * (source.element_size() + 1) for source, _, _ in jobs)
     return dict(
         fp8_export_host_ms=export_host, fp8_export_device_ms=export_device,
         quantize_per_weight_host_ms=per_host, quantize_per_weight_device_ms=per_device,
         quantize_grouped_host_ms=grouped_host, quantize_grouped_device_ms=grouped_device,
-        quantize_launches_per_weight=sum(len(jobs) for jobs in buckets), quantize_launches_grouped=len(buckets),
+        quantize_launches_per_weight=len(jobs),
+        quantize_launches_grouped=sum(len(quantizer._grouped) + len(quantizer._singles) for quantizer, _ in quantizers),
         quantize_bytes_moved=quantized, quantize_grouped_gb_s=quantized / grouped_device / 1e6,
         quantize_per_weight_gb_s=quantized / per_device / 1e6, quantizer_launch=fp8_kernels.DEFAULT_CONFIG.label,
     )
@@ -388,8 +386,8 @@ def print_table(row: dict) -> None:
         *(
             [
                 "FP8 breakdown (ms, host / device): export {fp8_export_host_ms:.2f} / {fp8_export_device_ms:.2f}; "
-                "quantize one launch per weight ({quantize_launches_per_weight}) {quantize_per_weight_host_ms:.2f} / "
-                "{quantize_per_weight_device_ms:.2f}; grouped ({quantize_launches_grouped} launches) "
+                "quantize one launch per job ({quantize_launches_per_weight}) {quantize_per_weight_host_ms:.2f} / "
+                "{quantize_per_weight_device_ms:.2f}; as exported ({quantize_launches_grouped} launches) "
                 "{quantize_grouped_host_ms:.2f} / {quantize_grouped_device_ms:.2f} = {quantize_grouped_gb_s:.0f} GB/s".format(**row["fp8_breakdown"])
             ]
             if "fp8_breakdown" in row else []

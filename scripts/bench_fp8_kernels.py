@@ -12,7 +12,7 @@ side by side: the floor (a bf16 clone moving the same bytes), and torch's ``copy
 into float8 (a cast that reads and writes what quantizing does, without the amax; slower than the
 quantizer on H200, so not a floor).
 
-Configs (``fp8_kernels.LaunchConfig``, listed by ``candidate_configs``): how tensors are cut into
+Configs (``fp8_kernels.LaunchConfig``, listed by ``candidate_configs`` here): how tensors are cut into
 chunks of block rows, and warps per block program. Also timed: the default config in one launch
 for all layers (what launch boundaries cost), the host time per launch (Triton's launch
 against replaying a CUDA graph of it), and with ``--te`` Transformer Engine's own CUDA blockwise
@@ -52,7 +52,16 @@ def layer_weights(config, weight) -> tuple[list[tuple[str, torch.Tensor]], dict[
 
 def run_jobs(qkv: torch.Tensor, runs: tuple, q: torch.Tensor, s: torch.Tensor) -> list[tuple]:
     """(source, q, scale) views quantizing each run of ``qkv`` into its rows of ``q`` / ``s``."""
-    return [(qkv.narrow(0, src, n), q.narrow(0, hf, n), s.narrow(0, hf // 128, -(-n // 128))) for hf, src, n in runs]
+    from mbridge_refit.fp8 import row_piece
+
+    return [row_piece(qkv, q, s, x_row=src, q_row=hf, rows=n) for hf, src, n in runs]
+
+
+def candidate_configs() -> list:
+    """The launch configs timed: chunk sizes at 4 warps, and the default at 8 warps."""
+    from mbridge_refit.fp8_kernels import LaunchConfig
+
+    return [*(LaunchConfig(chunk_blocks=chunk) for chunk in (None, 64, 128, 256, 512)), LaunchConfig(num_warps=8)]
 
 
 def device_ms(fn, repeats: int) -> float:
@@ -182,7 +191,7 @@ def main() -> None:
     logger.info("clone floor %.2f ms, torch cast %.2f ms, baseline (2d, whole tensors) %.2f ms (%.0f GB/s)", results["clone_floor_ms"], results["torch_cast_ms"],
                 results["baseline_ms"], nbytes / results["baseline_ms"] / 1e6)
 
-    for launch_config in fp8_kernels.candidate_configs():
+    for launch_config in candidate_configs():
         for _, q, s in (j for layer in jobs for j in layer):
             q.view(torch.uint8).fill_(0xFF)
             s.fill_(-1.0)
