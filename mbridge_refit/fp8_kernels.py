@@ -16,16 +16,23 @@ launches. One block body, two launch shapes:
 Each program loads one 128x128 block once, takes its amax, and stores the e4m3fn block and its
 fp32 ``scale_inv``, with the rounding ``fp8``'s docstring specifies (IEEE-exact quotients, clamp,
 round-to-nearest-even). The per-element quotient is computed with one reciprocal per block and two
-FMAs (correctly rounded, see ``_quantize_block``), not a division per element.
+FMAs (correctly rounded), blocks of tiny values are rescaled by an exact power of two instead of
+taking a division branch, and the clamp is the conversion's saturation (why each is exact:
+``_quantize_block``).
 
 A kernel is used only after it reproduced the torch path's bits on probe tensors (``usable``:
 once per process, on the current CUDA device, with rounding ties at scale 1 and at scale 3, an
-all-zero block, a block of tiny values, partial and strided blocks, a tensor of several chunks).
+all-zero block, a block of tiny values, quotients one ulp above 448, partial and strided blocks,
+a tensor of several chunks).
 
 Launch shapes measured on H200 and dropped (README "FP8 export"; their code is in commit
 3636ca2): a 1-D grid finding each block's tensor by a search of the table (2% faster at 28
 tensors per launch, slower with many), a persistent grid, two passes over a block instead of
-holding it in registers, 8 warps, streaming cache hints.
+holding it in registers, 8 warps, streaming cache hints. Measured and dropped when the block
+quantizer lost its clamp and division branch (script, kernels and results in commit 807c228,
+``scripts/fp8_kernel_variants``): persistent programs looping over blocks with their loads
+software-pipelined through shared memory (cp.async, 2-4 stages, 4-16 warps: 5.43-8.2 ms against
+5.24), int32 offsets, register caps, other chunk sizes, L1-bypassing or streaming cache hints.
 """
 
 import functools
@@ -41,41 +48,50 @@ from mbridge_refit import fp8
 logger = logging.getLogger(__name__)
 
 DESCRIPTOR_FIELDS = 8
-# Blocks whose scale_inv is at least 2^-90 (amax >= 448 * 2^-90, ~3.6e-25) divide by reciprocal
-# and two FMAs; smaller ones by IEEE division. For such a scale, any quotient >= 2^-11 has an
-# exactly representable residual (granularity >= 2^-147), and smaller quotients round to 0 in e4m3
-# whatever their last bits.
+# Blocks whose scale_inv is below 2^-90 (amax < 448 * 2^-90, ~3.6e-25) are quantized with source
+# and scale both multiplied by 2^100 (exact, and the same quotient). With the scale at least
+# 2^-90, any quotient >= 2^-11 has an exactly representable Markstein residual (granularity
+# >= 2^-147), and smaller quotients round to 0 in e4m3 whatever their last bits.
 MIN_FAST_SCALE = tl.constexpr(2.0**-90)
+TINY_SCALE_FACTOR = tl.constexpr(2.0**100)
 ALIGNMENT = 16  # the grouped kernel needs x and q pointers, cols and row strides divisible by this
 
 
 @triton.jit
 def _quantize_block(x_ptr, q_ptr, s_ptr, rows, cols, stride_x, stride_q, n_block_cols, block_row, block_col, BLOCK_SIZE: tl.constexpr):
-    """Quantize block (block_row, block_col), read once and held in registers. The amax is taken
-    in the source dtype (abs and max are exact there), so only the source tile is live across
-    the reduction (converting it to fp32 first held twice the registers: 6.55 -> 5.97 ms for the
-    Qwen3-8B shape on H200)."""
+    """Quantize block (block_row, block_col), read once and held in registers.
+
+    Per element, after the block's amax (taken in the source dtype: abs and max are exact there,
+    and only the source tile is live across the reduction): a widening, two multiplies, two FMAs
+    and half a conversion. That is all: this kernel was instruction-bound before it looked like
+    this (Qwen3-8B shape on H200: 5.78 ms with a clamp and a division branch, 5.24 ms now, 4.95 ms
+    for the same loads and stores with the amax alone; README "FP8 export").
+
+    * The quotient x / scale, correctly rounded, by one reciprocal per block and two FMAs: with
+      recip = RN(1/scale) and q0 = RN(x * recip) within 1 ulp, the residual x - q0 * scale is
+      exact in one FMA and RN(q0 + residual * recip) is the IEEE quotient (Markstein's theorem),
+      barring underflow of the residual, which a scale of at least MIN_FAST_SCALE rules out for
+      every quotient that can round to a nonzero e4m3 value.
+    * Smaller scales (blocks of values below ~3.6e-25): x and scale are both multiplied by
+      TINY_SCALE_FACTOR, a power of two, which is exact for both (the scaled values are normal
+      fp32 numbers) and leaves the quotient unchanged, so one code path serves every block (a
+      branch to IEEE division per element cost registers and time even when never taken).
+    * No clamp to +-448: the conversion is ``cvt.rn.satfinite``, which saturates finite values
+      to +-448, and a quotient can exceed 448 only by rounding (by at most one ulp), which rounds
+      to 448 anyway; the bits are the format's clamp-then-round (the probe has such quotients).
+    """
     r = block_row * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)[:, None]
     c = block_col * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)[None, :]
     mask = (r < rows) & (c < cols)
     x = tl.load(x_ptr + r * stride_x + c, mask=mask, other=0.0)
     scale = tl.math.div_rn(tl.max(tl.max(tl.abs(x), axis=1), axis=0).to(tl.float32), 448.0)
     scale = tl.where(scale == 0.0, 1.0, scale)
-    y = x.to(tl.float32)
-    if scale >= MIN_FAST_SCALE:
-        # x / scale, correctly rounded, without a division per element (div.rn costs ~20
-        # instructions and made the kernel compute-bound): with recip = RN(1/scale) and
-        # q0 = RN(x * recip) within 1 ulp, the residual x - q0 * scale is exact in one FMA and
-        # RN(q0 + residual * recip) is the IEEE quotient (Markstein's theorem), barring underflow
-        # of the residual, which MIN_FAST_SCALE rules out for every quotient that can round to
-        # a nonzero e4m3 value.
-        zeros = tl.zeros_like(y)  # tl.fma does not broadcast its operands
-        recip = zeros + tl.math.div_rn(1.0, scale)
-        q0 = y * recip
-        y = tl.fma(tl.fma(-q0, zeros + scale, y), recip, q0)
-    else:
-        y = tl.math.div_rn(y, scale)
-    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    factor = tl.where(scale < MIN_FAST_SCALE, TINY_SCALE_FACTOR, 1.0)
+    scaled = scale * factor
+    y = x.to(tl.float32) * factor
+    recip = tl.full(y.shape, tl.math.div_rn(1.0, scaled), tl.float32)  # tl.fma does not broadcast
+    q0 = y * recip
+    y = tl.fma(tl.fma(-q0, tl.full(y.shape, scaled, tl.float32), y), recip, q0)
     tl.store(q_ptr + r * stride_q + c, y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
     tl.store(s_ptr + block_row * n_block_cols + block_col, scale)
 
@@ -220,17 +236,21 @@ def usable(kind: str) -> bool:
 
 def _probe_tensors() -> list[torch.Tensor]:
     """bf16 CUDA tensors with exact e4m3 rounding ties (at scale 1 and at scale 3), an all-zero
-    block, a block of tiny values, partial edge blocks, column-narrowed views (row stride
-    larger than the width): one aligned, one not; and a tensor the grouped launch cuts into two
-    chunks."""
+    block, a block of tiny values, blocks whose largest quotient is one ulp above 448, partial
+    edge blocks, column-narrowed views (row stride larger than the width): one aligned, one not;
+    and a tensor the grouped launch cuts into two chunks."""
     gen = torch.Generator().manual_seed(0)
     tie = (torch.randn(300, 272, generator=gen) * 0.05).to(torch.bfloat16)
     tie[:128, :128] = 0
     tie[128, 128] = 448.0  # scale 1: exact ties of e4m3 rounding below
     tie[129, 129:140] = torch.tensor([168.0, -168.0, 0.5625, 17.0, 9.5, -9.5, 208.0, 0.0, 3.0, 1e-3, -448.0])
+    # blocks whose amax / scale_inv is one ulp above 448 (scale_inv = amax / 448 rounded down):
+    # the kernel relies on the conversion's saturation where the format clamps
+    tie[256:, :16] = torch.tensor([1.0234375, -1.078125, 1.1328125, 1.7734375]).repeat(4)
+    tie[256:, 128:144] = -1.9375
     wide = (torch.randn(129, 528, generator=gen) * 3).to(torch.bfloat16)
     # scale 3 (its reciprocal is inexact) with exact e4m3 ties, and a block of values so small
-    # (scale < 2^-90) that the kernel takes its IEEE-division branch
+    # (scale < 2^-90) that the kernel rescales it by 2^100
     odd = (torch.randn(256, 256, generator=gen) * 0.05).to(torch.bfloat16)
     odd[0, :12] = 3 * torch.tensor([448.0, 168.0, -168.0, 0.5625, 17.0, 9.5, -9.5, 208.0, 13.0, 26.0, 416.0, 0.02734375])
     odd[128:, 128:] = (torch.randn(128, 128, generator=gen) * 1e-27).to(torch.bfloat16)

@@ -1,8 +1,8 @@
 """Run under TRITON_INTERPRET=1 on CPU (tests/test_fp8.py): the grouped FP8 kernel (many tensors,
 one launch, descriptor table), in its default launch, with tensors cut into one-block-row
 chunks and with whole tensors, must write exactly what the single-tensor kernel writes for each
-tensor: partial edge blocks, an all-zero block, a block of tiny values (the kernel's division
-branch), a column-narrowed view (row stride > width), a
+tensor: partial edge blocks, an all-zero block, a block of tiny values (which the kernel rescales
+by 2^100), a column-narrowed view (row stride > width), a
 row slice at an offset, and two dtypes. Both kernels run in Triton's interpreter here, whose
 float8 conversion is not the GPU's round-to-nearest-even, so the e4m3 bytes are compared
 between the two kernels (the grouping logic) and the scales against the torch path as well.
@@ -26,7 +26,7 @@ def job(name: str, x: torch.Tensor) -> tuple:
 gen = torch.Generator().manual_seed(1)
 base = (torch.randn(300, 528, generator=gen) * 2).to(torch.bfloat16)
 base[:128, :128] = 0
-base[128:256, 128:256] *= 1e-30  # scale_inv < 2^-90: the IEEE-division branch
+base[128:256, 128:256] *= 1e-30  # scale_inv < 2^-90: rescaled by 2^100 in the kernel
 jobs = [
     job("partial", base), job("narrowed", base[:, 16:400]), job("row_slice", base[130:259]),
     job("one_block", torch.randn(64, 128, generator=gen).to(torch.bfloat16)), job("fp32", torch.randn(200, 144, generator=gen)),
