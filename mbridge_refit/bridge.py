@@ -30,7 +30,7 @@ from megatron.bridge import AutoBridge
 from mbridge_refit.checkpoint import HFCheckpoint
 from mbridge_refit import te_fp8
 from mbridge_refit.export import ExportBuffers, PlanExporter
-from mbridge_refit.fp8 import FP8_DTYPE_NAME, BlockwiseFP8Config, FP8FormatError, fp8_plan, quantize_buckets
+from mbridge_refit.fp8 import FP8_DTYPE_NAME, BlockwiseFP8Config, FP8FormatError, fp8_plan, quantize_buckets, yielded_bytes
 from mbridge_refit.fp8 import scale_name as fp8_scale_name
 from mbridge_refit.loader import LoadReport, load_hf_shards
 from mbridge_refit.plan import ExportPlan, PlanError, build_export_plan
@@ -131,7 +131,10 @@ class RefitBridge(AutoBridge):
                 plan=dataclasses.replace(plan, entries=native_scales), params=params, device=weights.device,
                 shards=te_fp8.fp8_scale_shards(params),
             )
-        cached = _FP8Export(base=base, config=config, plan=plan, weights=weights, scales=scales, shipped_scales=native_weights)
+        cached = _FP8Export(
+            base=base, config=config, plan=plan, weights=weights, scales=scales, shipped_scales=native_weights,
+            bucket_sizes=yielded_bytes(plan),
+        )
         self.__dict__["_refit_fp8"] = cached
         return cached
 
@@ -221,7 +224,9 @@ class RefitBridge(AutoBridge):
         except PlanError as err:
             raise FP8FormatError(f"the FP8 export runs from the export plan, which this model has none of: {err}") from err
         buffers = self._export_buffers() if reuse_buffer_from_cache else ExportBuffers(persistent=False)
-        buckets = fp8.weights.export_buckets(buffers, show_progress=show_progress and _is_rank_zero(), select_rows_lazily=True)
+        buckets = fp8.weights.export_buckets(
+            buffers, show_progress=show_progress and _is_rank_zero(), select_rows_lazily=True, bucket_sizes=fp8.bucket_sizes
+        )
         stream = quantize_buckets(buckets, fp8.plan, buffers)
         if fp8.scales is not None:
             stream = _with_trainer_scales(stream, fp8.scales.export(buffers), fp8.shipped_scales)
@@ -279,6 +284,7 @@ class _FP8Export:
     weights: PlanExporter
     scales: PlanExporter | None  # scale_inv shards of the weights the trainer keeps as FP8
     shipped_scales: frozenset[str]  # HF names of those weights
+    bucket_sizes: dict[str, int]  # bytes yielded per BF16-plan tensor: buckets hold what the FP8 export yields
 
 
 def _with_trainer_scales(

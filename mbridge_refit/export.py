@@ -30,7 +30,7 @@ import contextlib
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -209,13 +209,15 @@ class PlanExporter:
         self._ops = _build_ops(self.plan, self.params, self._groups)
         if self.shards is None:
             self.shards = plain_shards(self.params)
-        self._buckets_for: dict[int, list[_Bucket]] = {}
+        self._buckets_for: dict[tuple[int, int | None], tuple[list[_Bucket], Any]] = {}
 
-    def _buckets(self) -> list[_Bucket]:
-        buckets = self._buckets_for.get(self.bucket_bytes)
-        if buckets is None:
-            buckets = self._buckets_for[self.bucket_bytes] = _build_buckets(self._ops, self.bucket_bytes, self._groups)
-        return buckets
+    def _buckets(self, sizes: Mapping[str, int] | None = None) -> list[_Bucket]:
+        key = (self.bucket_bytes, None if sizes is None else id(sizes))
+        cached = self._buckets_for.get(key)
+        if cached is None:
+            # the sizes are kept with the buckets built from them, so their id stays theirs
+            cached = self._buckets_for[key] = (_build_buckets(self._ops, self.bucket_bytes, self._groups, sizes), sizes)
+        return cached[0]
 
     def export(self, buffers: ExportBuffers, *, cpu: bool = False, show_progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(hf_name, tensor)`` for every plan entry (collective: every rank, to the end)."""
@@ -224,7 +226,8 @@ class PlanExporter:
                 yield name, (tensor.cpu() if cpu else tensor)
 
     def export_buckets(
-        self, buffers: ExportBuffers, *, show_progress: bool = False, select_rows_lazily: bool = False
+        self, buffers: ExportBuffers, *, show_progress: bool = False, select_rows_lazily: bool = False,
+        bucket_sizes: Mapping[str, int] | None = None,
     ) -> Iterator[list[tuple[str, torch.Tensor | RowSelection]]]:
         """Yield the ``(hf_name, tensor)`` pairs of one bucket at a time, in plan order.
 
@@ -234,12 +237,15 @@ class PlanExporter:
         be copied row run by row run out of one local tensor (``index`` assemblies: q, k, v of
         grouped-query attention without tensor parallelism) is yielded as a ``RowSelection``
         (not where it is broadcast to other pipeline stages or aliased); the caller
-        materializes what it does not read by rows.
+        materializes what it does not read by rows. ``bucket_sizes``: bytes each HF tensor counts
+        for towards ``bucket_bytes`` (default: its plan entry's); a transform that yields another
+        dtype (the FP8 export) sizes buckets by what it yields. The same mapping object must be
+        passed on every rank and every export (buckets are built once per mapping).
         """
         progress = _progress(len(self.plan.entries), show_progress)
         yielded: dict[str, torch.Tensor] = {}
         with torch.no_grad():
-            for bucket in self._buckets():
+            for bucket in self._buckets(bucket_sizes):
                 assembled = self._assemble_bucket(bucket, buffers)
                 items: list[tuple[str, torch.Tensor]] = []
                 for slot, op in enumerate(bucket.ops):
@@ -377,16 +383,17 @@ def _gather_count(op: _Op, groups: _Groups) -> int:
     return rows + int(op.sharded_over_tp and any(a.how == "pieces" for a in op.assemblies))
 
 
-def _build_buckets(ops: list[_Op], bucket_bytes: int, groups: _Groups) -> list[_Bucket]:
+def _build_buckets(ops: list[_Op], bucket_bytes: int, groups: _Groups, sizes: Mapping[str, int] | None = None) -> list[_Bucket]:
     """Pack consecutive whole layers of one stage and gather group into buckets of at most
-    ``bucket_bytes`` output bytes (a layer larger than that is a bucket of its own); with
-    ``bucket_bytes <= 0``, one bucket per op. The same on every rank: it reads only the plan."""
+    ``bucket_bytes`` output bytes (a layer larger than that is a bucket of its own), counting each
+    HF tensor as ``sizes`` says (default: its plan entry's bytes); with ``bucket_bytes <= 0``, one
+    bucket per op. The same on every rank: it reads only the plan (and ``sizes``)."""
     if bucket_bytes <= 0:
         groupings = [[op] for op in ops]
     else:
         groupings, pending_bytes = [], 0
         for unit in _layer_units(ops):
-            unit_bytes = sum(op.nbytes for op in unit)
+            unit_bytes = sum(_op_bytes(op, sizes) for op in unit)
             if groupings and _unit_kind(unit) == _unit_kind(groupings[-1]) and pending_bytes + unit_bytes <= bucket_bytes:
                 groupings[-1].extend(unit)
                 pending_bytes += unit_bytes
@@ -398,6 +405,12 @@ def _build_buckets(ops: list[_Op], bucket_bytes: int, groups: _Groups) -> list[_
                 gathers=sum(_gather_count(op, groups) for op in bucket))
         for bucket in groupings
     ]
+
+
+def _op_bytes(op: _Op, sizes: Mapping[str, int] | None) -> int:
+    if sizes is None:
+        return op.nbytes
+    return sum(sizes.get(e.hf_name, e.nbytes) for e in op.entries if e.alias_of is None)
 
 
 def _layer_units(ops: list[_Op]) -> Iterator[list[_Op]]:

@@ -161,6 +161,21 @@ def fp8_plan(plan: "ExportPlan", config: BlockwiseFP8Config) -> "ExportPlan":
     return dataclasses.replace(plan, entries=tuple(entries))
 
 
+def yielded_bytes(plan: "ExportPlan") -> dict[str, int]:
+    """Bytes the export of ``plan`` (an ``fp8_plan``) yields for each HF tensor of the BF16 plan
+    it was made from: a quantized weight's e4m3 data plus its scales, the others' own bytes. The
+    FP8 export sizes its buckets with it (``PlanExporter.export_buckets(bucket_sizes=...)``): a
+    bucket holds up to the bucket budget of what it yields (at TP=1, about twice the layers of a
+    BF16 bucket; the BF16 sources are views of the parameters there, so the budget is what the
+    bucket's buffers take; with tensor parallelism the gathered BF16 tensors behind a bucket
+    take about twice its budget again)."""
+    sizes: dict[str, int] = {}
+    for entry in plan.entries:
+        name = entry.scale_of if entry.scale_of is not None else entry.hf_name
+        sizes[name] = sizes.get(name, 0) + entry.nbytes
+    return sizes
+
+
 def scale_layout(entry: "PlanEntry") -> "SourceLayout":
     """Where the trainer's ``scale_inv`` rows/columns of a natively-FP8 weight sit, per rank.
 
