@@ -177,7 +177,7 @@ def fp8_breakdown(bridge, chunks, repeats: int = 5) -> dict:
     scales = {e.scale_of: e for e in fp8.plan.entries if e.scale_of is not None}
     buffers = ExportBuffers(persistent=False)  # every bucket keeps its own outputs
     quantizers = []
-    for bucket in fp8.weights.export_buckets(buffers, select_rows_lazily=True):
+    for bucket in fp8.weights.export_buckets(buffers, select_rows_lazily=True, bucket_sizes=fp8.bucket_sizes):
         quantizer = _BucketQuantizer.build(bucket, scales, buffers)
         if quantizer.positions:
             quantizers.append((quantizer, [bucket[i][1] for i in quantizer.positions]))
@@ -209,14 +209,51 @@ def fp8_breakdown(bridge, chunks, repeats: int = 5) -> dict:
 
 def interleaved(make_bf16, make_fp8, pairs: int) -> dict:
     """The cached BF16 and FP8 exports timed alternately (after a warm-up of each), so that drift
-    of the host's speed during the run hits both alike: medians and the median per-pair ratio."""
+    of the host's speed during the run hits both alike: medians, the median per-pair ratio, and
+    the ratio of the minima (each export's least disturbed run; on this GPU host the host side
+    of an export varies up to 2x between minutes)."""
     timed_export(make_bf16), timed_export(make_fp8)
     bf16, fp8 = [], []
     for _ in range(pairs):
         bf16.append(timed_export(make_bf16)[0])
         fp8.append(timed_export(make_fp8)[0])
     return dict(bf16_ms=statistics.median(bf16), fp8_ms=statistics.median(fp8),
-                fp8_over_bf16=statistics.median(f / b for f, b in zip(fp8, bf16)), pairs=pairs)
+                fp8_over_bf16=statistics.median(f / b for f, b in zip(fp8, bf16)), pairs=pairs,
+                bf16_min_ms=min(bf16), fp8_min_ms=min(fp8), fp8_over_bf16_min=min(fp8) / min(bf16))
+
+
+def device_timeline(make_stream) -> dict:
+    """One pass over an export stream with the device's kernels recorded (torch.profiler, CUDA
+    activity only, so the host runs as unprofiled as possible), read on the device's clock: a
+    one-element marker kernel is launched just before the stream starts, so ``lead_in_us`` is
+    the device's idle time from the export's start to its first kernel (the host work before
+    the first launch); ``busy_us`` the export's kernels; ``gaps_us`` the idle time between
+    them; ``span_us`` from the marker to the end of the last kernel."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    marker = torch.zeros(1, device="cuda")
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        marker.add_(1)
+        for _ in make_stream():
+            pass
+        torch.cuda.synchronize()
+    kernels = sorted(
+        ((e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type == DeviceType.CUDA),
+        key=lambda k: k[0],
+    )
+    if len(kernels) < 2:
+        return {"kernels": 0, "events": len(prof.events())}
+    (_, marker_end, _), export = kernels[0], kernels[1:]
+    gaps = sum(max(0.0, start - end) for (_, end, _), (start, _, _) in zip(export, export[1:]))
+    names: dict[str, int] = {}
+    for _, _, name in export:
+        names[name[:60]] = names.get(name[:60], 0) + 1
+    return dict(
+        kernels=len(export), lead_in_us=export[0][0] - marker_end, busy_us=sum(end - start for start, end, _ in export),
+        gaps_us=gaps, span_us=export[-1][1] - marker_end, kernel_names=names,
+    )
 
 
 def host_profile(make_stream, top: int = 14) -> list[str]:
@@ -296,8 +333,22 @@ def run(args) -> dict:
         if args.tp > 1:
             variants.append(("refit_cached_per_parameter", with_bucket(0)))
             variants.extend((f"refit_cached_bucket{mib}", with_bucket(mib)) for mib in args.compare_bucket_mib)
+        def fp8_with_bucket(mib: int):
+            """The cached FP8 export with another bucket size (at TP=1: layers per kernel launch)."""
+
+            def export():
+                default = exporter.bucket_bytes
+                exporter.bucket_bytes = mib << 20
+                try:
+                    yield from refit_fp8()
+                finally:
+                    exporter.bucket_bytes = default
+
+            return export
+
         if args.fp8:
             variants.append(("refit_cached_fp8", refit_fp8))
+            variants.extend((f"refit_cached_fp8_bucket{mib}", fp8_with_bucket(mib)) for mib in args.fp8_compare_bucket_mib)
         for label, make in variants:
             bridge.release_export_buffers()  # each variant starts cold and keeps only its own buffers
             first = timed_export(make)
@@ -348,7 +399,20 @@ def run(args) -> dict:
                 fp8_kernel_mismatches=check_fp8_export(refit_fp8(), refit(False)()),
                 fp8_quantizer=quantizer_path(),
             )
+            row["fp8_bucket_variants"] = {
+                label: {k: v for k, v in result.items() if k in ("steady_ms", "peak_extra_bytes", "buffer_bytes", "new_allocations_after_first")}
+                for label, result in results.items() if label.startswith("refit_cached_fp8_bucket")
+            }
+            for mib in args.fp8_compare_bucket_mib:
+                bridge.release_export_buffers()
+                row["fp8_bucket_variants"][f"refit_cached_fp8_bucket{mib}"]["interleaved"] = interleaved(refit(True), fp8_with_bucket(mib), args.steady)
             if env.world_size == 1:
+                bridge.release_export_buffers()
+                timed_export(refit(True)), timed_export(refit_fp8)  # buffers and launch tables in place
+                row["device_timeline"] = {"bf16_cached": device_timeline(refit(True)), "fp8_cached": device_timeline(refit_fp8)}
+                for mib in args.fp8_compare_bucket_mib:
+                    timed_export(fp8_with_bucket(mib))
+                    row["device_timeline"][f"fp8_cached_bucket{mib}"] = device_timeline(fp8_with_bucket(mib))
                 row["fp8_breakdown"] = fp8_breakdown(bridge, chunks)
                 row["host_profile"] = {"bf16_cached": host_profile(refit(True)), "fp8_cached": host_profile(refit_fp8)}
         return row if env.rank == 0 else {}
@@ -375,13 +439,29 @@ def print_table(row: dict) -> None:
         *(
             [
                 f"{'RefitBridge, cache on, FP8':28s}{row['fp8_first_ms']:10.1f}{row['fp8_steady_ms']:11.2f}{row['fp8_peak_extra_bytes'] / gb:15.3f}",
-                f"FP8/BF16 cached steady: {row['fp8_over_bf16_cached']:.2f}x   FP8/clone floor: {row['fp8_over_clone_floor']:.2f}x   new allocations after first FP8 call: "
+                f"FP8/BF16 cached steady (medians of separate phases): {row['fp8_over_bf16_cached']:.2f}x   FP8/clone floor: {row['fp8_over_clone_floor']:.2f}x   new allocations after first FP8 call: "
                 f"{row['fp8_new_allocations_after_first']}   quantizer: {row['fp8_quantizer']}   mismatches vs torch path: "
                 f"{len(row['fp8_kernel_mismatches'])}",
                 "interleaved ({pairs} pairs): BF16 cached {bf16_ms:.2f} ms, FP8 {fp8_ms:.2f} ms, FP8/BF16 per pair (median) "
-                "{fp8_over_bf16:.2f}x".format(**row["fp8_interleaved"]),
+                "{fp8_over_bf16:.2f}x; minima {fp8_min_ms:.2f} / {bf16_min_ms:.2f} ms = {fp8_over_bf16_min:.2f}x".format(**row["fp8_interleaved"]),
             ]
             if "fp8_steady_ms" in row else []
+        ),
+        *(
+            [
+                f"FP8, cached, {label.removeprefix('refit_cached_fp8_')}: steady {v['steady_ms']:.2f} ms, interleaved FP8/BF16 "
+                f"{v['interleaved']['fp8_over_bf16']:.2f}x ({v['interleaved']['fp8_ms']:.2f} / {v['interleaved']['bf16_ms']:.2f} ms; "
+                f"minima {v['interleaved']['fp8_over_bf16_min']:.2f}x), "
+                f"peak extra {v['peak_extra_bytes'] / gb:.3f} GB, new allocations after first {v['new_allocations_after_first']}"
+                for label, v in row.get("fp8_bucket_variants", {}).items()
+            ]
+        ),
+        *(
+            [
+                f"device timeline, {label}: lead-in {t['lead_in_us']:.0f} us, kernels {t['busy_us']:.0f} us in {t['kernels']}, "
+                f"gaps {t['gaps_us']:.0f} us, span {t['span_us']:.0f} us"
+                for label, t in row.get("device_timeline", {}).items() if t.get("kernels")
+            ]
         ),
         *(
             [
@@ -408,6 +488,10 @@ def main() -> None:
         help="TP>1: also time the cached export with these gather bucket sizes, e.g. 128,1024",
     )
     parser.add_argument("--fp8", action="store_true", help="also time the BF16 -> blockwise FP8 cached export")
+    parser.add_argument(
+        "--fp8-compare-bucket-mib", type=lambda text: [int(x) for x in text.split(",") if x], default=[],
+        help="with --fp8: also time the cached FP8 export with these bucket sizes, e.g. 1024 (two Qwen3-8B layers per launch)",
+    )
     parser.add_argument(
         "--fp8-launch", default="", metavar="FIELD=VALUE,...",
         help="launch config of the FP8 kernel (fp8_kernels.LaunchConfig fields, e.g. chunk_blocks=256,num_warps=8; "

@@ -26,10 +26,10 @@ case "$part" in
   fp8)
     step te_fp8_qwen3-30b-a3b_ep2 120 "${two[@]}" scripts/check_te_fp8_params.py --model qwen3-30b-a3b --layers 2 --experts 16 --ep 2 --stack-dump-s 110 --out-dir "$RESULTS"
     step te_fp8_qwen3-8b_tp2 170 "${two[@]}" scripts/check_te_fp8_params.py --model qwen3-8b --layers 2 --tp 2 --check-refusal --stack-dump-s 160 --out-dir "$RESULTS"
-    step bench_tp1_fp8 270 "${one[@]}" scripts/bench_export.py --model qwen3-8b --tp 1 --steady 7 --fp8 --out-dir "$RESULTS"
+    step bench_tp1_fp8 330 "${one[@]}" scripts/bench_export.py --model qwen3-8b --tp 1 --steady 15 --fp8 --fp8-compare-bucket-mib 256,1024 --out-dir "$RESULTS"
     ;;
   bench)
-    step bench_tp1_fp8 240 "${one[@]}" scripts/bench_export.py --model qwen3-8b --tp 1 --steady 7 --fp8 --out-dir "$RESULTS"
+    step bench_tp1_fp8 330 "${one[@]}" scripts/bench_export.py --model qwen3-8b --tp 1 --steady 15 --fp8 --fp8-compare-bucket-mib 256,1024 --out-dir "$RESULTS"
     step bench_tp2 240 "${two[@]}" scripts/bench_export.py --model qwen3-8b --tp 2 --steady 7 --compare-bucket-mib 128,1024 --out-dir "$RESULTS"
     ;;
   sinks)
