@@ -387,19 +387,28 @@ def _build_buckets(ops: list[_Op], bucket_bytes: int, groups: _Groups, sizes: Ma
     """Pack consecutive whole layers of one stage and gather group into buckets of at most
     ``bucket_bytes`` output bytes (a layer larger than that is a bucket of its own), counting each
     HF tensor as ``sizes`` says (default: its plan entry's bytes); with ``bucket_bytes <= 0``, one
-    bucket per op. The same on every rank: it reads only the plan (and ``sizes``)."""
+    bucket per op. The same on every rank: it reads only the plan (and ``sizes``).
+
+    The first bucket of each stage and gather group that holds a layer closes after that layer
+    (as DDP's first gradient bucket is small): the device's first gathers or kernels wait only
+    for one layer's host work (for the FP8 export of the Qwen3-8B shape at TP=1, the first
+    kernel launch comes one layer's assembly earlier)."""
     if bucket_bytes <= 0:
         groupings = [[op] for op in ops]
     else:
-        groupings, pending_bytes = [], 0
+        groupings, pending_bytes, closed, started = [], 0, False, set()
         for unit in _layer_units(ops):
             unit_bytes = sum(_op_bytes(op, sizes) for op in unit)
-            if groupings and _unit_kind(unit) == _unit_kind(groupings[-1]) and pending_bytes + unit_bytes <= bucket_bytes:
+            kind = _unit_kind(unit)
+            if groupings and not closed and kind == _unit_kind(groupings[-1]) and pending_bytes + unit_bytes <= bucket_bytes:
                 groupings[-1].extend(unit)
                 pending_bytes += unit_bytes
             else:
                 groupings.append(list(unit))
                 pending_bytes = unit_bytes
+            closed = isinstance(_layer_of(unit[0].entries[0].megatron_param), int) and kind not in started
+            if closed:
+                started.add(kind)
     return [
         _Bucket(ops=bucket, expert=bucket[0].expert, pp_rank=bucket[0].entries[0].pp_rank,
                 gathers=sum(_gather_count(op, groups) for op in bucket))

@@ -48,7 +48,7 @@ def test_layer_map(recipe, flags, expected, source_checkpoints, tmp_path):
 def test_fp8_buckets_hold_what_the_fp8_export_yields():
     """Buckets measured in the bytes the FP8 export yields (e4m3 data + scales) hold about twice
     the layers of BF16 buckets under the same budget; non-layer tensors stay buckets of their own
-    when they exceed it. Pure bucketing logic, no ranks."""
+    when they exceed it; the first bucket with a layer closes after it. Pure bucketing logic."""
     from types import SimpleNamespace
 
     from mbridge_refit.export import _build_buckets, _Op
@@ -72,6 +72,7 @@ def test_fp8_buckets_hold_what_the_fp8_export_yields():
 
     sizes = yielded_bytes(SimpleNamespace(entries=fp8))
     assert sizes["model.layers.0.q.weight"] == 504 and sizes["embed"] == 3000
-    assert layers(None) == [["embed"], ["0", "1"], ["2", "3"]]
-    assert layers(sizes) == [["embed"], ["0", "1", "2", "3"]]
+    # the first bucket holding a layer holds only that layer (the device starts after one layer)
+    assert layers(None) == [["embed"], ["0"], ["1", "2"], ["3"]]
+    assert layers(sizes) == [["embed"], ["0"], ["1", "2", "3"]]
     assert layers({e.hf_name: e.nbytes for e in bf16}) == layers(None)  # control: the plan's own sizes
