@@ -313,42 +313,30 @@ def run(args) -> dict:
         results = {}
         exporter = bridge._exporter(chunks)
 
-        def with_bucket(mib: int):
-            """The same cached export with another gather bucket size (0: one group per parameter)."""
+        def refit_fp8():
+            return bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True, fp8="blockwise")
+
+        def with_bucket(mib: int, make_stream=refit(True)):
+            """The same cached export (default BF16) with another bucket size: 0 is one gather
+            group per parameter; for the FP8 export at TP=1, the bucket is the layers per launch."""
 
             def export():
                 default = exporter.bucket_bytes
                 exporter.bucket_bytes = mib << 20
                 try:
-                    yield from bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True)
+                    yield from make_stream()
                 finally:
                     exporter.bucket_bytes = default
 
             return export
-
-        def refit_fp8():
-            return bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True, fp8="blockwise")
 
         variants = [("stock", stock), ("refit", refit(False)), ("refit_cached", refit(True))]
         if args.tp > 1:
             variants.append(("refit_cached_per_parameter", with_bucket(0)))
             variants.extend((f"refit_cached_bucket{mib}", with_bucket(mib)) for mib in args.compare_bucket_mib)
-        def fp8_with_bucket(mib: int):
-            """The cached FP8 export with another bucket size (at TP=1: layers per kernel launch)."""
-
-            def export():
-                default = exporter.bucket_bytes
-                exporter.bucket_bytes = mib << 20
-                try:
-                    yield from refit_fp8()
-                finally:
-                    exporter.bucket_bytes = default
-
-            return export
-
         if args.fp8:
             variants.append(("refit_cached_fp8", refit_fp8))
-            variants.extend((f"refit_cached_fp8_bucket{mib}", fp8_with_bucket(mib)) for mib in args.fp8_compare_bucket_mib)
+            variants.extend((f"refit_cached_fp8_bucket{mib}", with_bucket(mib, refit_fp8)) for mib in args.fp8_compare_bucket_mib)
         for label, make in variants:
             bridge.release_export_buffers()  # each variant starts cold and keeps only its own buffers
             first = timed_export(make)
@@ -405,14 +393,14 @@ def run(args) -> dict:
             }
             for mib in args.fp8_compare_bucket_mib:
                 bridge.release_export_buffers()
-                row["fp8_bucket_variants"][f"refit_cached_fp8_bucket{mib}"]["interleaved"] = interleaved(refit(True), fp8_with_bucket(mib), args.steady)
+                row["fp8_bucket_variants"][f"refit_cached_fp8_bucket{mib}"]["interleaved"] = interleaved(refit(True), with_bucket(mib, refit_fp8), args.steady)
             if env.world_size == 1:
                 bridge.release_export_buffers()
                 timed_export(refit(True)), timed_export(refit_fp8)  # buffers and launch tables in place
                 row["device_timeline"] = {"bf16_cached": device_timeline(refit(True)), "fp8_cached": device_timeline(refit_fp8)}
                 for mib in args.fp8_compare_bucket_mib:
-                    timed_export(fp8_with_bucket(mib))
-                    row["device_timeline"][f"fp8_cached_bucket{mib}"] = device_timeline(fp8_with_bucket(mib))
+                    timed_export(with_bucket(mib, refit_fp8))
+                    row["device_timeline"][f"fp8_cached_bucket{mib}"] = device_timeline(with_bucket(mib, refit_fp8))
                 row["fp8_breakdown"] = fp8_breakdown(bridge, chunks)
                 row["host_profile"] = {"bf16_cached": host_profile(refit(True)), "fp8_cached": host_profile(refit_fp8)}
         return row if env.rank == 0 else {}
