@@ -52,7 +52,7 @@ DESCRIPTOR_FIELDS = 8
 # and scale both multiplied by 2^100 (exact, and the same quotient). With the scale at least
 # 2^-90, any quotient >= 2^-11 has an exactly representable Markstein residual (granularity
 # >= 2^-147), and smaller quotients round to 0 in e4m3 whatever their last bits.
-MIN_FAST_SCALE = tl.constexpr(2.0**-90)
+RESCALE_BELOW = tl.constexpr(2.0**-90)
 TINY_SCALE_FACTOR = tl.constexpr(2.0**100)
 ALIGNMENT = 16  # the grouped kernel needs x and q pointers, cols and row strides divisible by this
 
@@ -70,7 +70,7 @@ def _quantize_block(x_ptr, q_ptr, s_ptr, rows, cols, stride_x, stride_q, n_block
     * The quotient x / scale, correctly rounded, by one reciprocal per block and two FMAs: with
       recip = RN(1/scale) and q0 = RN(x * recip) within 1 ulp, the residual x - q0 * scale is
       exact in one FMA and RN(q0 + residual * recip) is the IEEE quotient (Markstein's theorem),
-      barring underflow of the residual, which a scale of at least MIN_FAST_SCALE rules out for
+      barring underflow of the residual, which a scale of at least RESCALE_BELOW rules out for
       every quotient that can round to a nonzero e4m3 value.
     * Smaller scales (blocks of values below ~3.6e-25): x and scale are both multiplied by
       TINY_SCALE_FACTOR, a power of two, which is exact for both (the scaled values are normal
@@ -86,7 +86,7 @@ def _quantize_block(x_ptr, q_ptr, s_ptr, rows, cols, stride_x, stride_q, n_block
     x = tl.load(x_ptr + r * stride_x + c, mask=mask, other=0.0)
     scale = tl.math.div_rn(tl.max(tl.max(tl.abs(x), axis=1), axis=0).to(tl.float32), 448.0)
     scale = tl.where(scale == 0.0, 1.0, scale)
-    factor = tl.where(scale < MIN_FAST_SCALE, TINY_SCALE_FACTOR, 1.0)
+    factor = tl.where(scale < RESCALE_BELOW, TINY_SCALE_FACTOR, 1.0)
     scaled = scale * factor
     y = x.to(tl.float32) * factor
     recip = tl.full(y.shape, tl.math.div_rn(1.0, scaled), tl.float32)  # tl.fma does not broadcast

@@ -166,7 +166,7 @@ def main() -> None:
     logger.info("%s: %d layers, %d jobs (q, k, v by runs of the fused QKV), %.1f GB read + written", args.model, layers,
                 sum(map(len, jobs)), nbytes / 1e9)
 
-    previous = fp8_kernels.LaunchConfig(chunk_blocks=None)  # the previous default (but the amax in bf16)
+    previous = fp8_kernels.LaunchConfig(chunk_blocks=None)  # whole tensors, one table row each
     baseline = [fp8_kernels.grouped_launch(layer, previous) for layer in jobs]
     for launch in baseline:
         fp8_kernels.launch_grouped(launch)

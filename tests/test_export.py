@@ -44,35 +44,3 @@ def test_layer_map(recipe, flags, expected, source_checkpoints, tmp_path):
         layer_map = json.loads((tmp_path / f"rank{rank}.json").read_text())["layer_map"]
         assert {int(k): v for k, v in layer_map.items()} == expected
 
-
-def test_fp8_buckets_hold_what_the_fp8_export_yields():
-    """Buckets measured in the bytes the FP8 export yields (e4m3 data + scales) hold about twice
-    the layers of BF16 buckets under the same budget; non-layer tensors stay buckets of their own
-    when they exceed it; the first bucket with a layer closes after it. Pure bucketing logic."""
-    from types import SimpleNamespace
-
-    from mbridge_refit.export import _build_buckets, _Op
-    from mbridge_refit.fp8 import yielded_bytes
-
-    def entry(name, nbytes, scale_of=None):
-        return SimpleNamespace(hf_name=name, megatron_param=name, pp_rank=0, alias_of=None, nbytes=nbytes, scale_of=scale_of)
-
-    bf16 = [entry("embed", 3000)]
-    fp8 = [entry("embed", 3000)]
-    for layer in range(4):
-        weight, norm = f"model.layers.{layer}.q.weight", f"model.layers.{layer}.norm.weight"
-        bf16 += [entry(weight, 1000), entry(norm, 10)]
-        fp8 += [entry(weight, 500), entry(weight + "_scale_inv", 4, scale_of=weight), entry(norm, 10)]
-    ops = [_Op(entries=[e], assemblies=[], source=None, sharded_over_tp=False, expert=False) for e in bf16]
-
-    def layers(sizes):
-        return [[op.entries[0].hf_name.split(".")[2] if "layers" in op.entries[0].hf_name else "embed"
-                 for op in bucket.ops if op.entries[0].hf_name.endswith("q.weight") or "embed" in op.entries[0].hf_name]
-                for bucket in _build_buckets(ops, 2100, SimpleNamespace(), sizes)]
-
-    sizes = yielded_bytes(SimpleNamespace(entries=fp8))
-    assert sizes["model.layers.0.q.weight"] == 504 and sizes["embed"] == 3000
-    # the first bucket holding a layer holds only that layer (the device starts after one layer)
-    assert layers(None) == [["embed"], ["0"], ["1", "2"], ["3"]]
-    assert layers(sizes) == [["embed"], ["0"], ["1", "2", "3"]]
-    assert layers({e.hf_name: e.nbytes for e in bf16}) == layers(None)  # control: the plan's own sizes
