@@ -3,39 +3,90 @@
 Drop-in: ``RefitBridge.from_hf_pretrained`` / ``from_hf_config`` return a ``RefitBridge`` and
 every stock method keeps its signature. What changes:
 
-* One ``MegatronModelBridge`` for the bridge's lifetime. Stock ``AutoBridge._model_bridge``
-  builds a new one on every access, so per-mapping caches (object broadcasts, detected
-  parallelism types, gathered parameter names) are lost between calls.
+* One ``MegatronModelBridge`` per model. Stock ``AutoBridge._model_bridge`` builds a new one on
+  every access, so per-mapping caches (object broadcasts, detected parallelism types, gathered
+  parameter names) are lost between calls.
 * ``export_plan(model)``: every HF tensor the export yields, in order, with shapes, dtypes,
-  owning stage and source layout — built once from metadata, cached per model.
-* ``export_hf_weights(..., reuse_buffer_from_cache=...)`` runs that plan (``export.PlanExporter``):
-  views where the HF tensor is a slice of the local shard, one gather per parameter, and, with the
-  cache on, output buffers owned by the bridge and reused on every call. Models the plan cannot
-  describe (adapters, fused-expert checkpoints, ...) fall back to the stock export, with a warning.
+  owning stage and sharding — built once from metadata, cached per model.
+* ``export_hf_weights(..., reuse_buffer_from_cache=...)`` runs that plan
+  (``runtime.exporter.PlanExporter``): views where the HF tensor is a slice of the local shard,
+  bucketed gathers, and, with the cache on, output buffers owned by the bridge and reused on
+  every call. Models the plan cannot describe (adapters, ...) fall back to the stock export,
+  with a warning.
 * ``load_hf_shards``: HF → Megatron where each rank reads only its own slices from the
   safetensors files (works on CPU at any TP/PP/EP; the stock loader needs CUDA at TP>1).
+
+Everything derived from one model (model bridge, plan, exporters, FP8 export) lives in one
+``_ModelState`` record, replaced when the bridge is handed another model; the output buffers
+outlive it (``release_export_buffers`` frees them). ``export_diagnostics`` reports what the
+export holds, for benchmarks and monitoring.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 from megatron.bridge import AutoBridge
 
 from mbridge_refit.checkpoint import HFCheckpoint
-from mbridge_refit import te_fp8
-from mbridge_refit.export import ExportBuffers, PlanExporter
-from mbridge_refit.fp8 import FP8_DTYPE_NAME, BlockwiseFP8Config, FP8FormatError, fp8_plan, quantize_buckets, yielded_bytes
-from mbridge_refit.fp8 import scale_name as fp8_scale_name
+from mbridge_refit.fp8 import te as te_fp8
+from mbridge_refit.fp8.format import FP8_DTYPE_NAME, BlockwiseFP8Config, FP8FormatError, scale_name
+from mbridge_refit.fp8.plan import fp8_plan, yielded_bytes
+from mbridge_refit.fp8.quantize import quantize_buckets
 from mbridge_refit.loader import LoadReport, load_hf_shards
-from mbridge_refit.plan import ExportPlan, PlanError, build_export_plan
+from mbridge_refit.plan.build import build_export_plan
+from mbridge_refit.plan.entries import ExportPlan, PlanError
+from mbridge_refit.plan.storage import FP8_BLOCKWISE, is_quantized
+from mbridge_refit.runtime.buffers import ExportBuffers
+from mbridge_refit.runtime.collectives import is_rank_zero
+from mbridge_refit.runtime.exporter import DEFAULT_BUCKET_BYTES, PlanExporter
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FP8Export:
+    """What an FP8 export of one model with one config runs (built once by ``RefitBridge.fp8_export``)."""
+
+    base: ExportPlan  # the BF16 plan it was derived from
+    config: BlockwiseFP8Config
+    plan: ExportPlan  # what the export yields
+    weights: PlanExporter
+    scales: PlanExporter | None  # scale_inv shards of the weights the trainer keeps as FP8
+    shipped_scales: frozenset[str]  # HF names of those weights
+    bucket_sizes: dict[str, int]  # bytes yielded per BF16-plan tensor: buckets hold what the FP8 export yields
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ExportDiagnostics:
+    """What the bridge holds for its current model's export (``RefitBridge.export_diagnostics``)."""
+
+    planned: bool  # whether the plan has been built (a stock fallback never plans)
+    tensors: int  # HF tensors one BF16 export yields (0 before planning)
+    plan_bytes: int  # bytes one BF16 export yields
+    buckets: int  # gather buckets of the BF16 export on this rank
+    buffer_bytes: int  # bytes held by the persistent output buffers
+    buffers: int  # persistent output buffers
+    allocations: int  # tensors the persistent pool has allocated so far (flat in the steady state)
+    fallback_reason: str | None  # why the export runs the stock path, if it does
+
+
+@dataclass(kw_only=True, slots=True)
+class _ModelState:
+    """Everything the bridge derives from one model; replaced when the model changes."""
+
+    key: tuple[int, ...]  # ids of the model chunks
+    model_bridge: Any
+    plan: ExportPlan | None = None
+    tasks: list | None = None
+    exporter: PlanExporter | None = None
+    plan_error: PlanError | None = None
+    fp8: dict[BlockwiseFP8Config, FP8Export] = field(default_factory=dict)
 
 
 class RefitBridge(AutoBridge):
@@ -45,27 +96,69 @@ class RefitBridge(AutoBridge):
         >>> bridge = RefitBridge.from_hf_pretrained("/path/to/Qwen3-8B")
         >>> for name, tensor in bridge.export_hf_weights(model, reuse_buffer_from_cache=True):
         ...     engine.load_weight(name, tensor)
+
+    ``bucket_bytes``: the gathers of consecutive whole layers, up to this many output bytes, are
+    issued together (one coalesced NCCL group); larger buckets keep more gathered layers alive.
+    Set it on every rank alike, before an export.
     """
+
+    def __init__(self, hf_pretrained: Any) -> None:
+        self.bucket_bytes = DEFAULT_BUCKET_BYTES
+        self._model_state: _ModelState | None = None
+        self._buffers: ExportBuffers | None = None
+        super().__init__(hf_pretrained)
+
+    # --- per-model state ----------------------------------------------------------------------
 
     @property
     def _model_bridge(self):
-        cached = self.__dict__.get("_refit_model_bridge")
-        if cached is None:
-            cached = super()._model_bridge
-            self.__dict__["_refit_model_bridge"] = cached
-        cached.export_weight_dtype = self.export_weight_dtype
-        return cached
+        """Upstream methods reach the model bridge here: the current model's, once one is known."""
+        if self._model_state is not None:
+            return self._model_state.model_bridge
+        return super()._model_bridge
 
-    def _model_bridge_for(self, model: list[torch.nn.Module]):
-        """The cached model bridge; per-model caches are dropped when ``model`` is a different model."""
-        model_bridge = self._model_bridge
-        key = tuple(id(chunk) for chunk in model)
-        if self.__dict__.get("_refit_model_key") != key:
-            model_bridge.__dict__.pop("_cached_param_names", None)
-            self.__dict__["_refit_model_key"] = key
-            for cache in ("_refit_plan", "_refit_exporter", "_refit_plan_error", "_refit_fp8"):
-                self.__dict__[cache] = None
-        return model_bridge
+    def _state_for(self, model: list[torch.nn.Module] | torch.nn.Module) -> _ModelState:
+        """The state of ``model``, made anew (with a new model bridge) when the model changes."""
+        key = tuple(id(chunk) for chunk in _chunks(model))
+        if self._model_state is None or self._model_state.key != key:
+            self._model_state = _ModelState(key=key, model_bridge=AutoBridge._model_bridge.fget(self))
+        self._model_state.model_bridge.export_weight_dtype = self.export_weight_dtype
+        return self._model_state
+
+    def megatron_model_bridge(self, model: list[torch.nn.Module] | torch.nn.Module) -> Any:
+        """The Megatron-Bridge ``MegatronModelBridge`` this bridge uses for ``model`` (kept for the
+        model's lifetime in this bridge, so its caches survive between exports)."""
+        return self._state_for(model).model_bridge
+
+    def _planned(self, chunks: list[torch.nn.Module], group=None) -> _ModelState:
+        """The state of ``chunks`` with its plan and conversion tasks built (once per model)."""
+        state = self._state_for(chunks)
+        if state.plan is None:
+            from megatron.core.utils import unwrap_model
+
+            unwrapped = unwrap_model(chunks)
+            tasks = state.model_bridge.build_conversion_tasks(self.hf_pretrained, unwrapped)
+            state.plan = build_export_plan(state.model_bridge, self.hf_pretrained, unwrapped, tasks=tasks, group=group)
+            state.tasks = tasks
+        return state
+
+    def _exporter(self, chunks: list[torch.nn.Module]) -> PlanExporter:
+        state = self._planned(chunks)
+        if state.exporter is None:
+            params = _local_params(state.tasks)
+            shards = te_fp8.dequantized_shards(params) if any(is_quantized(p) for p in params.values()) else None
+            state.exporter = PlanExporter(plan=state.plan, params=params, device=_device_of(params), shards=shards)
+        state.exporter.bucket_bytes = self.bucket_bytes
+        return state.exporter
+
+    def _export_buffers(self, persistent: bool) -> ExportBuffers:
+        if not persistent:
+            return ExportBuffers(persistent=False)
+        if self._buffers is None:
+            self._buffers = ExportBuffers(persistent=True)
+        return self._buffers
+
+    # --- public API -----------------------------------------------------------------------------
 
     def export_plan(
         self, model: list[torch.nn.Module] | torch.nn.Module, *, group=None, fp8: BlockwiseFP8Config | str | None = None
@@ -78,77 +171,53 @@ class RefitBridge(AutoBridge):
         Raises ``PlanError`` naming the parameter the plan cannot describe, and with ``fp8``,
         ``FP8FormatError`` when the model cannot be exported as blockwise FP8.
         """
-        chunks = model if isinstance(model, list) else [model]
-        plan = self._planned(chunks, group)[0]
+        chunks = _chunks(model)
+        plan = self._planned(chunks, group).plan
         config = _fp8_config(fp8)
-        return plan if config is None else self._fp8_export(chunks, config).plan
+        return plan if config is None else self.fp8_export(chunks, config).plan
 
-    def _planned(self, chunks: list[torch.nn.Module], group=None) -> tuple[ExportPlan, list]:
-        """(plan, conversion tasks) for ``chunks``, built once per model."""
-        model_bridge = self._model_bridge_for(chunks)
-        planned = self.__dict__.get("_refit_plan")
-        if planned is None:
-            from megatron.core.utils import unwrap_model
-
-            unwrapped = unwrap_model(chunks)
-            tasks = model_bridge.build_conversion_tasks(self.hf_pretrained, unwrapped)
-            planned = (build_export_plan(model_bridge, self.hf_pretrained, unwrapped, tasks=tasks, group=group), tasks)
-            self.__dict__["_refit_plan"] = planned
-        return planned
-
-    def _exporter(self, chunks: list[torch.nn.Module]) -> PlanExporter:
-        plan, tasks = self._planned(chunks)
-        exporter = self.__dict__.get("_refit_exporter")
-        if exporter is None:
-            params = _local_params(tasks)
-            shards = te_fp8.dequantized_shards(params) if te_fp8.has_quantized_params(params) else None
-            exporter = PlanExporter(plan=plan, params=params, device=_device_of(params), shards=shards)
-            self.__dict__["_refit_exporter"] = exporter
-        return exporter
-
-    def _fp8_export(self, chunks: list[torch.nn.Module], config: BlockwiseFP8Config) -> "_FP8Export":
+    def fp8_export(self, model: list[torch.nn.Module] | torch.nn.Module, config: BlockwiseFP8Config | str) -> FP8Export:
         """The FP8 plan for ``config`` and the exporters that run it; built once per model and config.
 
         Weights: the BF16 plan where weights the trainer keeps as blockwise FP8 are read as their
         e4m3 data (the BF16 exporter itself when there are none). Scales: those weights'
-        ``scale_inv`` shards (None when the model has none).
+        ``scale_inv`` shards (None when the model has none). Collective on the first call (the
+        plan); raises ``FP8FormatError`` for a model that cannot be exported so.
         """
-        cached = self.__dict__.get("_refit_fp8")
-        base, tasks = self._planned(chunks)
-        if cached is not None and cached.base is base and cached.config == config:
-            return cached
-        plan = fp8_plan(base, config)
-        native_scales = tuple(e for e in plan.entries if e.scale_of is not None and e.source_format == te_fp8.FP8_BLOCKWISE)
-        native_weights = frozenset(e.scale_of for e in native_scales)
-        weights, scales = self._exporter(chunks), None
-        if native_scales:
-            params = _local_params(tasks)
-            weights_plan = dataclasses.replace(
-                base, entries=tuple(dataclasses.replace(e, dtype=FP8_DTYPE_NAME) if e.hf_name in native_weights else e for e in base.entries)
-            )
-            weights = PlanExporter(plan=weights_plan, params=params, device=weights.device, shards=te_fp8.fp8_data_shards(params))
-            scales = PlanExporter(
-                plan=dataclasses.replace(plan, entries=native_scales), params=params, device=weights.device,
-                shards=te_fp8.fp8_scale_shards(params),
-            )
-        cached = _FP8Export(
-            base=base, config=config, plan=plan, weights=weights, scales=scales, shipped_scales=native_weights,
-            bucket_sizes=yielded_bytes(plan),
-        )
-        self.__dict__["_refit_fp8"] = cached
+        chunks, config = _chunks(model), _fp8_config(config)
+        try:
+            state = self._planned(chunks)
+        except PlanError as err:
+            raise FP8FormatError(f"the FP8 export runs from the export plan, which this model has none of: {err}") from err
+        weights = self._exporter(chunks)
+        cached = state.fp8.get(config)
+        if cached is None:
+            cached = state.fp8[config] = _build_fp8_export(state, config, weights)
+        cached.weights.bucket_bytes = self.bucket_bytes
         return cached
 
-    def _export_buffers(self) -> ExportBuffers:
-        buffers = self.__dict__.get("_refit_buffers")
-        if buffers is None:
-            buffers = self.__dict__["_refit_buffers"] = ExportBuffers(persistent=True)
-        return buffers
+    def export_diagnostics(self) -> ExportDiagnostics:
+        """What this bridge holds for the model it exported last (local to this rank; no collective)."""
+        state, buffers = self._model_state, self._buffers
+        plan = state.plan if state is not None else None
+        exporter = state.exporter if state is not None else None
+        error = state.plan_error if state is not None else None
+        return ExportDiagnostics(
+            planned=plan is not None,
+            tensors=len(plan.entries) if plan is not None else 0,
+            plan_bytes=plan.total_bytes if plan is not None else 0,
+            buckets=len(exporter.buckets()) if exporter is not None else 0,
+            buffer_bytes=buffers.nbytes if buffers is not None else 0,
+            buffers=len(buffers) if buffers is not None else 0,
+            allocations=buffers.allocations if buffers is not None else 0,
+            fallback_reason=str(error) if error is not None else None,
+        )
 
     def release_export_buffers(self) -> None:
         """Free the buffers kept by ``export_hf_weights(..., reuse_buffer_from_cache=True)``."""
-        buffers = self.__dict__.pop("_refit_buffers", None)
-        if buffers is not None:
-            buffers.release()
+        if self._buffers is not None:
+            self._buffers.release()
+            self._buffers = None
 
     def export_hf_weights(
         self,
@@ -186,25 +255,25 @@ class RefitBridge(AutoBridge):
         buffer that a later tensor of the same shape overwrites. A caller that keeps a tensor
         must copy it. With the cache off, gathered tensors are fresh allocations.
         """
-        chunks = model if isinstance(model, list) else [model]
-        model_bridge = self._model_bridge_for(chunks)
+        chunks = _chunks(model)
+        state = self._state_for(chunks)
         fp8_config = _fp8_config(fp8)
         if fp8_config is not None:
             return self._export_fp8(chunks, fp8_config, reuse_buffer_from_cache, cpu=cpu, show_progress=show_progress)
         fast_path = conversion_tasks is None and weight_dtype is None and self.export_weight_dtype != "fp8"
-        if fast_path and self.__dict__.get("_refit_plan_error") is None:
+        if fast_path and state.plan_error is None:
             try:
                 exporter = self._exporter(chunks)
             except PlanError as err:
                 logger.warning("export plan unavailable (%s): using the stock Megatron-Bridge export", err)
-                self.__dict__["_refit_plan_error"] = err
+                state.plan_error = err
             else:
-                buffers = self._export_buffers() if reuse_buffer_from_cache else ExportBuffers(persistent=False)
-                return exporter.export(buffers, cpu=cpu, show_progress=show_progress and _is_rank_zero())
+                buffers = self._export_buffers(reuse_buffer_from_cache)
+                return exporter.export(buffers, cpu=cpu, show_progress=show_progress and is_rank_zero())
         if conversion_tasks is None and self.export_weight_dtype == "fp8":
             self._validate_fp8_export_config(chunks)
-            conversion_tasks = model_bridge.build_export_fp8_tasks(self.hf_pretrained, chunks)
-        return model_bridge.stream_weights_megatron_to_hf(
+            conversion_tasks = state.model_bridge.build_export_fp8_tasks(self.hf_pretrained, chunks)
+        return state.model_bridge.stream_weights_megatron_to_hf(
             chunks,
             self.hf_pretrained,
             cpu=cpu,
@@ -219,13 +288,10 @@ class RefitBridge(AutoBridge):
     ) -> Iterable[tuple[str, torch.Tensor]]:
         """The FP8 stream: weights the trainer keeps as blockwise FP8 are shipped as they are, with
         their scales; high-precision weights are quantized bucket by bucket into (cached) buffers."""
-        try:
-            fp8 = self._fp8_export(chunks, config)
-        except PlanError as err:
-            raise FP8FormatError(f"the FP8 export runs from the export plan, which this model has none of: {err}") from err
-        buffers = self._export_buffers() if reuse_buffer_from_cache else ExportBuffers(persistent=False)
+        fp8 = self.fp8_export(chunks, config)
+        buffers = self._export_buffers(reuse_buffer_from_cache)
         buckets = fp8.weights.export_buckets(
-            buffers, show_progress=show_progress and _is_rank_zero(), select_rows_lazily=True, bucket_sizes=fp8.bucket_sizes
+            buffers, show_progress=show_progress and is_rank_zero(), select_rows_lazily=True, bucket_sizes=fp8.bucket_sizes
         )
         stream = quantize_buckets(buckets, fp8.plan, buffers)
         if fp8.scales is not None:
@@ -234,8 +300,8 @@ class RefitBridge(AutoBridge):
 
     def export_hf_weights_stock(self, model, **kwargs) -> Iterable[tuple[str, torch.Tensor]]:
         """The unmodified Megatron-Bridge export (for comparison and benchmarks)."""
-        chunks = model if isinstance(model, list) else [model]
-        return self._model_bridge_for(chunks).stream_weights_megatron_to_hf(chunks, self.hf_pretrained, **{"cpu": False, **kwargs})
+        chunks = _chunks(model)
+        return self.megatron_model_bridge(chunks).stream_weights_megatron_to_hf(chunks, self.hf_pretrained, **{"cpu": False, **kwargs})
 
     def load_hf_shards(self, model: list[torch.nn.Module], hf_path: str | Path | None = None) -> LoadReport:
         """Load HF safetensors weights into ``model``; each rank reads only its own slices.
@@ -245,8 +311,8 @@ class RefitBridge(AutoBridge):
         """
         path = Path(hf_path) if hf_path is not None else self._checkpoint_path()
         checkpoint = HFCheckpoint.open(path)
-        chunks = model if isinstance(model, list) else [model]
-        return load_hf_shards(self._model_bridge_for(chunks), self.hf_pretrained, chunks, checkpoint)
+        chunks = _chunks(model)
+        return load_hf_shards(self.megatron_model_bridge(chunks), self.hf_pretrained, chunks, checkpoint)
 
     def _checkpoint_path(self) -> Path:
         path = getattr(self.hf_pretrained, "model_name_or_path", None)
@@ -257,12 +323,38 @@ class RefitBridge(AutoBridge):
         return Path(path)
 
 
+def _chunks(model: list[torch.nn.Module] | torch.nn.Module) -> list[torch.nn.Module]:
+    return model if isinstance(model, list) else [model]
+
+
 def _fp8_config(fp8: BlockwiseFP8Config | str | None) -> BlockwiseFP8Config | None:
     if fp8 is None or isinstance(fp8, BlockwiseFP8Config):
         return fp8
     if fp8 == "blockwise":
         return BlockwiseFP8Config()
     raise FP8FormatError(f"fp8={fp8!r} is not a known FP8 format: use 'blockwise' or a BlockwiseFP8Config")
+
+
+def _build_fp8_export(state: _ModelState, config: BlockwiseFP8Config, bf16_exporter: PlanExporter) -> FP8Export:
+    base = state.plan
+    plan = fp8_plan(base, config)
+    native_scales = tuple(e for e in plan.entries if e.scale_of is not None and e.source_format == FP8_BLOCKWISE)
+    native_weights = frozenset(e.scale_of for e in native_scales)
+    weights, scales = bf16_exporter, None
+    if native_scales:
+        params = _local_params(state.tasks)
+        weights_plan = dataclasses.replace(
+            base, entries=tuple(dataclasses.replace(e, dtype=FP8_DTYPE_NAME) if e.hf_name in native_weights else e for e in base.entries)
+        )
+        weights = PlanExporter(plan=weights_plan, params=params, device=bf16_exporter.device, shards=te_fp8.fp8_data_shards(params))
+        scales = PlanExporter(
+            plan=dataclasses.replace(plan, entries=native_scales), params=params, device=bf16_exporter.device,
+            shards=te_fp8.fp8_scale_shards(params),
+        )
+    return FP8Export(
+        base=base, config=config, plan=plan, weights=weights, scales=scales, shipped_scales=native_weights,
+        bucket_sizes=yielded_bytes(plan),
+    )
 
 
 def _local_params(tasks: list) -> dict[str, torch.Tensor]:
@@ -272,19 +364,6 @@ def _local_params(tasks: list) -> dict[str, torch.Tensor]:
 
 def _device_of(params: dict[str, torch.Tensor]) -> torch.device:
     return next(iter(params.values())).device if params else torch.device("cpu")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _FP8Export:
-    """What an FP8 export of one model with one config runs (cached by ``RefitBridge._fp8_export``)."""
-
-    base: ExportPlan  # the BF16 plan it was derived from
-    config: BlockwiseFP8Config
-    plan: ExportPlan  # what the export yields
-    weights: PlanExporter
-    scales: PlanExporter | None  # scale_inv shards of the weights the trainer keeps as FP8
-    shipped_scales: frozenset[str]  # HF names of those weights
-    bucket_sizes: dict[str, int]  # bytes yielded per BF16-plan tensor: buckets hold what the FP8 export yields
 
 
 def _with_trainer_scales(
@@ -299,10 +378,6 @@ def _with_trainer_scales(
     for name, tensor in weights:
         yield name, tensor
         if name in has_scale:
-            scale_name, scale = next(scales)
-            assert scale_name == fp8_scale_name(name), (scale_name, name)
-            yield scale_name, scale
-
-
-def _is_rank_zero() -> bool:
-    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+            expected_name, scale = next(scales)
+            assert expected_name == scale_name(name), (expected_name, name)
+            yield expected_name, scale

@@ -20,6 +20,18 @@ from safetensors import safe_open
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
+# Copied verbatim from `copy_files_from` when present (config.json is handled separately).
+COPIED_FILE_NAMES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
 _MAX_OPEN_HANDLES = 8
 
 # safetensors dtype codes -> torch dtypes (optional ones only where this torch has them).

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator, Mapping, Sequence
 
-from mbridge_refit.layout import ParallelLayout
+from mbridge_refit.plan.layout import ParallelLayout
 
 if TYPE_CHECKING:
-    from mbridge_refit.fp8 import BlockwiseFP8Config
+    from mbridge_refit.fp8.format import BlockwiseFP8Config
 
 EXIT_OK, EXIT_DIFFERENT, EXIT_BAD_INPUT, EXIT_FAILED = 0, 1, 2, 3
 
@@ -217,7 +217,7 @@ def _add_fp8_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _fp8_option(args: argparse.Namespace) -> "BlockwiseFP8Config | None":
-    from mbridge_refit.fp8 import DEFAULT_KEEP_PATTERNS, BlockwiseFP8Config
+    from mbridge_refit.fp8.format import DEFAULT_KEEP_PATTERNS, BlockwiseFP8Config
 
     if not args.fp8_blockwise:
         if args.fp8_keep or args.fp8_engine_tp is not None:
@@ -248,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _configure_logging(verbose: bool) -> None:
-    from mbridge_refit.distributed import LaunchEnv
+    from mbridge_refit.tools.launch import LaunchEnv
 
     rank = LaunchEnv.from_environ().rank
     level = logging.DEBUG if verbose else (logging.INFO if rank == 0 else logging.WARNING)
@@ -261,7 +261,7 @@ def _configure_logging(verbose: bool) -> None:
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
-    from mbridge_refit import recipes
+    from mbridge_refit.tools import recipes
 
     if args.list:
         for name, recipe in recipes.MODEL_RECIPES.items():
@@ -330,8 +330,8 @@ def _validate_input_and_layout(args: argparse.Namespace) -> ParallelLayout:
 
 def _validate_layout(args: argparse.Namespace, config) -> ParallelLayout:
     """The layout flags against the model (HF ``config``) and the launched world size."""
-    from mbridge_refit.distributed import LaunchEnv
-    from mbridge_refit.layout import LayoutError, ModelShape
+    from mbridge_refit.tools.launch import LaunchEnv
+    from mbridge_refit.plan.layout import LayoutError, ModelShape
 
     flags = f"tp={args.tp} pp={args.pp} vpp={args.vpp} ep={args.ep}"
     try:
@@ -398,8 +398,8 @@ def run_roundtrip(options: RoundtripArgs) -> int:
 
     from mbridge_refit.bridge import RefitBridge
     from mbridge_refit.checkpoint import HFCheckpoint
-    from mbridge_refit.distributed import default_device, distributed_session
-    from mbridge_refit.model_builder import BuildOptions, build_model
+    from mbridge_refit.tools.launch import default_device, distributed_session
+    from mbridge_refit.tools.model_builder import BuildOptions, build_model
     from mbridge_refit.sinks import ShardedSafetensorsWriter, drain
 
     device = default_device() if options.device == "auto" else torch.device(options.device)
@@ -497,9 +497,9 @@ def run_import(options: ImportArgs) -> int:
 
     from mbridge_refit.bridge import RefitBridge
     from mbridge_refit.checkpoint import HFCheckpoint
-    from mbridge_refit.distributed import distributed_session
+    from mbridge_refit.tools.launch import distributed_session
     from mbridge_refit.megatron_checkpoint import CheckpointInfo, save_model
-    from mbridge_refit.model_builder import BuildOptions, build_model
+    from mbridge_refit.tools.model_builder import BuildOptions, build_model
 
     cpu = torch.device("cpu")
     checkpoint = HFCheckpoint.open(options.hf)
@@ -524,11 +524,11 @@ def run_export(options: ExportArgs) -> int:
     import torch
 
     from mbridge_refit.bridge import RefitBridge
-    from mbridge_refit.distributed import distributed_session
+    from mbridge_refit.tools.launch import distributed_session
     from transformers import AutoConfig
 
     from mbridge_refit.megatron_checkpoint import CheckpointInfo, load_model, match_source_tensors
-    from mbridge_refit.model_builder import BuildOptions, build_model
+    from mbridge_refit.tools.model_builder import BuildOptions, build_model
     from mbridge_refit.sinks import ShardedSafetensorsWriter, drain
 
     cpu = torch.device("cpu")
@@ -564,12 +564,12 @@ def run_export(options: ExportArgs) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     import torch
 
-    from mbridge_refit.fp8 import FP8FormatError
+    from mbridge_refit.fp8.format import FP8FormatError
 
     from mbridge_refit.bridge import RefitBridge
     from mbridge_refit.checkpoint import HFCheckpoint
-    from mbridge_refit.distributed import distributed_session
-    from mbridge_refit.model_builder import BuildOptions, build_model
+    from mbridge_refit.tools.launch import distributed_session
+    from mbridge_refit.tools.model_builder import BuildOptions, build_model
 
     layout = _validate_input_and_layout(args)
     if args.json is not None and not args.json.parent.is_dir():
@@ -599,12 +599,12 @@ def format_plan(plan) -> str:
     header = f"{'hf_name':60s} {'shape':>16s} {'dtype':>9s} {'bytes':>12s} {'pp/vpp':>6s} {'mesh':>14s}  placements"
     lines = [header]
     for e in plan.entries:
-        mesh = f"{e.layout.mesh_dims[0]}{e.layout.mesh_shape[0]}x{e.layout.mesh_dims[1]}{e.layout.mesh_shape[1]}"
-        owner = f" owner ep{e.layout.owner_ep_rank}" if e.layout.owner_ep_rank is not None and plan.ep > 1 else ""
+        mesh = f"{e.sharding.mesh_dims[0]}{e.sharding.mesh_shape[0]}x{e.sharding.mesh_dims[1]}{e.sharding.mesh_shape[1]}"
+        owner = f" owner ep{e.sharding.owner_ep_rank}" if e.sharding.owner_ep_rank is not None and plan.ep > 1 else ""
         alias = f" (same data as {e.alias_of})" if e.alias_of else ""
         lines.append(
             f"{e.hf_name:60s} {str(list(e.shape)):>16s} {e.dtype:>9s} {e.nbytes:12d} {e.pp_rank:>4d}/{e.vpp_stage:<1d} "
-            f"{mesh:>14s}  {', '.join(e.layout.placements)}{owner}{alias}"
+            f"{mesh:>14s}  {', '.join(e.sharding.placements)}{owner}{alias}"
         )
     layers = ", ".join(f"{layer}:{pp}/{vpp}" for layer, (pp, vpp) in plan.layer_map.items())
     lines.append(f"{len(plan.entries)} tensors, {plan.total_bytes} bytes; layer -> pp/vpp: {layers}")
@@ -640,7 +640,7 @@ def _output_dtypes(
     Builds the export plan (collective); FP8 problems surface here, on every rank alike, before
     any tensor moves.
     """
-    from mbridge_refit.fp8 import FP8_DTYPE, FP8FormatError
+    from mbridge_refit.fp8.format import FP8_DTYPE, FP8FormatError
 
     if fp8 is None:
         return dict(source_dtypes), None

@@ -20,7 +20,7 @@ from typing import Any, Iterable
 import torch
 
 from mbridge_refit.checkpoint import HFCheckpoint
-from mbridge_refit.placement import PlacementError, ShardContext, SliceCopy, place_column, slice_copies
+from mbridge_refit.plan.placement import PlacementError, ShardContext, SliceCopy, place_column, slice_copies
 
 logger = logging.getLogger(__name__)
 

@@ -31,8 +31,8 @@ from typing import Any, Iterable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from mbridge_refit.layout import ParallelLayout
-from mbridge_refit.sinks.safetensors import COPIED_FILE_NAMES
+from mbridge_refit.plan.layout import ParallelLayout
+from mbridge_refit.checkpoint import COPIED_FILE_NAMES
 
 logger = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from mbridge_refit.layout import LayoutError, ParallelLayout
+from mbridge_refit.plan.layout import LayoutError, ParallelLayout
 
 logger = logging.getLogger("mbridge_refit.verify_refit")
 
@@ -137,7 +137,7 @@ def _gather_vocab(logits: torch.Tensor, tp_group: Any) -> torch.Tensor:
 def _forward_context(chunks: list[torch.nn.Module], device: torch.device):
     if device.type != "cpu":
         return contextlib.nullcontext()
-    from mbridge_refit.cpu_forward import cpu_forward
+    from mbridge_refit.tools.cpu_forward import cpu_forward
 
     return cpu_forward(chunks)
 
@@ -304,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Sequence[str] | None) -> VerifyArgs:
-    from mbridge_refit.distributed import LaunchEnv, default_device
+    from mbridge_refit.tools.launch import LaunchEnv, default_device
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -346,7 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run(options: VerifyArgs) -> int:
     """The CLI's job on this rank (every rank of the launch)."""
-    from mbridge_refit.distributed import distributed_session
+    from mbridge_refit.tools.launch import distributed_session
 
     with distributed_session(options.layout, device=options.device, timeout=options.timeout) as env:
         device = torch.device("cuda", torch.cuda.current_device()) if options.device.type == "cuda" else options.device
@@ -365,12 +365,12 @@ def _verify(options: VerifyArgs, checkpoint: Path | None, rank: int, device: tor
     from transformers import AutoModelForCausalLM
 
     from mbridge_refit.bridge import RefitBridge
-    from mbridge_refit.model_builder import BuildOptions, build_model
+    from mbridge_refit.tools.model_builder import BuildOptions, build_model
 
     if checkpoint is not None:
         bridge = RefitBridge.from_hf_pretrained(checkpoint)
     else:
-        from mbridge_refit.recipes import full_size_config
+        from mbridge_refit.tools.recipes import full_size_config
 
         bridge = RefitBridge.from_hf_config(full_size_config(options.name))
     config = _hf_config(bridge)
@@ -421,7 +421,7 @@ def _source_checkpoint(options: VerifyArgs, rank: int) -> Path | None:
         return Path(options.name)
     if options.source == "shape":
         return None
-    from mbridge_refit import recipes
+    from mbridge_refit.tools import recipes
 
     scratch = [tempfile.mkdtemp(prefix="verify_refit_") if rank == 0 else None]
     if dist.get_world_size() > 1:
@@ -440,7 +440,7 @@ def _remove_scratch(scratch: Path, rank: int) -> None:
 
 
 def _model_shape(config: Any):
-    from mbridge_refit.layout import ModelShape
+    from mbridge_refit.plan.layout import ModelShape
 
     return ModelShape.from_hf_config(config)
 

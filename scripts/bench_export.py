@@ -35,7 +35,7 @@ logger = logging.getLogger("bench_export")
 
 def hf_config(name: str):
     """A full-size shape from recipes/shapes/ (config only; the weights are random)."""
-    from mbridge_refit.recipes import full_size_config
+    from mbridge_refit.tools.recipes import full_size_config
 
     return full_size_config(name)
 
@@ -106,7 +106,7 @@ def compare_with_stock(stock_stream, refit_stream) -> list[str]:
 
 
 def quantizer_path() -> str:
-    from mbridge_refit.fp8 import quantizer_path as path
+    from mbridge_refit.fp8.quantize import quantizer_path as path
 
     return path()
 
@@ -115,7 +115,9 @@ def check_fp8_export(fp8_stream, bf16_stream, cpu_checks: int = 8) -> list[str]:
     """The FP8 export's bytes and scales (what the export's kernels wrote) against the torch
     reference path on the GPU for every quantized tensor, and against the CPU torch path for the
     first ``cpu_checks``: names of mismatches. ``bf16_stream`` must own its tensors (cache off)."""
-    from mbridge_refit.fp8 import SCALE_SUFFIX, _quantize_torch, padded_shape, quantize_blockwise
+    from mbridge_refit.fp8.format import SCALE_SUFFIX
+    from mbridge_refit.fp8.reference import quantize_reference
+    from mbridge_refit.fp8.quantize import quantize_blockwise
 
     def same(a, b):
         return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
@@ -132,7 +134,7 @@ def check_fp8_export(fp8_stream, bf16_stream, cpu_checks: int = 8) -> list[str]:
         source = sources[weight]
         ref_q = torch.empty(source.shape, dtype=torch.float8_e4m3fn, device=source.device)
         ref_s = torch.empty_like(tensor)
-        _quantize_torch(source, ref_q, ref_s, torch.empty(padded_shape(tuple(source.shape)), device=source.device))
+        quantize_reference(source, out=ref_q, scale_out=ref_s)
         ok = same(data.pop(weight), ref_q) and same(tensor, ref_s)
         if ok and checked < cpu_checks:
             cpu_q, cpu_s = quantize_blockwise(source.cpu())
@@ -151,9 +153,10 @@ def fp8_breakdown(bridge, chunks, repeats: int = 5) -> dict:
     alone on the exported buckets (device time by CUDA events, host time to launch them): as the
     export runs them (grouped launches prepared once), and one launch per job
     (``quantize_blockwise``; a job is a weight, or a run of q/k/v rows in the fused QKV)."""
-    from mbridge_refit import fp8_kernels
-    from mbridge_refit.export import ExportBuffers
-    from mbridge_refit.fp8 import BlockwiseFP8Config, _BucketQuantizer, quantize_blockwise
+    from mbridge_refit.fp8 import kernels as fp8_kernels
+    from mbridge_refit.runtime.buffers import ExportBuffers
+    from mbridge_refit.fp8.format import BlockwiseFP8Config
+    from mbridge_refit.fp8.quantize import BucketQuantizer, quantize_blockwise
 
     def median_of(fn) -> tuple[float, float]:
         hosts, devices = [], []
@@ -173,12 +176,12 @@ def fp8_breakdown(bridge, chunks, repeats: int = 5) -> dict:
         for _ in bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True, fp8="blockwise"):
             pass
 
-    fp8 = bridge._fp8_export(chunks, BlockwiseFP8Config())
+    fp8 = bridge.fp8_export(chunks, BlockwiseFP8Config())
     scales = {e.scale_of: e for e in fp8.plan.entries if e.scale_of is not None}
     buffers = ExportBuffers(persistent=False)  # every bucket keeps its own outputs
     quantizers = []
     for bucket in fp8.weights.export_buckets(buffers, select_rows_lazily=True, bucket_sizes=fp8.bucket_sizes):
-        quantizer = _BucketQuantizer.build(bucket, scales, buffers)
+        quantizer = BucketQuantizer.build(bucket, scales, buffers)
         if quantizer.positions:
             quantizers.append((quantizer, [bucket[i][1] for i in quantizer.positions]))
     jobs = [job for quantizer, sources in quantizers for job in quantizer.jobs(sources)]
@@ -201,7 +204,7 @@ def fp8_breakdown(bridge, chunks, repeats: int = 5) -> dict:
         quantize_per_weight_host_ms=per_host, quantize_per_weight_device_ms=per_device,
         quantize_grouped_host_ms=grouped_host, quantize_grouped_device_ms=grouped_device,
         quantize_launches_per_weight=len(jobs),
-        quantize_launches_grouped=sum(len(quantizer._grouped) + len(quantizer._singles) for quantizer, _ in quantizers),
+        quantize_launches_grouped=sum(quantizer.launches for quantizer, _ in quantizers),
         quantize_bytes_moved=quantized, quantize_grouped_gb_s=quantized / grouped_device / 1e6,
         quantize_per_weight_gb_s=quantized / per_device / 1e6, quantizer_launch=fp8_kernels.DEFAULT_CONFIG.label,
     )
@@ -275,7 +278,7 @@ def host_profile(make_stream, top: int = 14) -> list[str]:
 
 def set_fp8_launch(text: str) -> None:
     """Make the launch config described by ``text`` (``field=value`` pairs) the export's."""
-    from mbridge_refit import fp8_kernels
+    from mbridge_refit.fp8 import kernels as fp8_kernels
 
     values = {name: None if value.lower() == "none" else int(value) for name, value in (item.split("=", 1) for item in text.split(",") if item)}
     fp8_kernels.DEFAULT_CONFIG = fp8_kernels.LaunchConfig(**values)
@@ -287,9 +290,9 @@ def allocations() -> int:
 
 def run(args) -> dict:
     from mbridge_refit.bridge import RefitBridge
-    from mbridge_refit.distributed import distributed_session
-    from mbridge_refit.layout import ParallelLayout
-    from mbridge_refit.model_builder import BuildOptions, build_model
+    from mbridge_refit.tools.launch import distributed_session
+    from mbridge_refit.plan.layout import ParallelLayout
+    from mbridge_refit.tools.model_builder import BuildOptions, build_model
 
     layout = ParallelLayout(tp=args.tp, pp=args.pp, ep=args.ep)
     device = torch.device("cuda")
@@ -311,7 +314,6 @@ def run(args) -> dict:
         plan = bridge.export_plan(chunks)
         plan_ms = (time.perf_counter() - plan_start) * 1e3
         results = {}
-        exporter = bridge._exporter(chunks)
 
         def refit_fp8():
             return bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True, fp8="blockwise")
@@ -321,12 +323,12 @@ def run(args) -> dict:
             group per parameter; for the FP8 export at TP=1, the bucket is the layers per launch."""
 
             def export():
-                default = exporter.bucket_bytes
-                exporter.bucket_bytes = mib << 20
+                default = bridge.bucket_bytes
+                bridge.bucket_bytes = mib << 20
                 try:
                     yield from make_stream()
                 finally:
-                    exporter.bucket_bytes = default
+                    bridge.bucket_bytes = default
 
             return export
 
@@ -345,7 +347,7 @@ def run(args) -> dict:
                 first_ms=first[0], steady_ms=statistics.median(r[0] for r in runs),
                 peak_extra_bytes=max(r[1] for r in [first, *runs]), tensors=first[2],
                 new_allocations_after_first=sum(r[3] for r in runs),
-                buffer_bytes=bridge._export_buffers().nbytes,
+                buffer_bytes=bridge.export_diagnostics().buffer_bytes,
             )
         mismatches = compare_with_stock(stock(), refit(True)())
         floor = clone_floor_ms(plan.total_bytes)
@@ -363,7 +365,7 @@ def run(args) -> dict:
             refit_cached_peak_extra_bytes=results["refit_cached"]["peak_extra_bytes"],
             refit_cached_buffer_bytes=results["refit_cached"]["buffer_bytes"],
             refit_cached_per_parameter_steady_ms=results.get("refit_cached_per_parameter", {}).get("steady_ms"),
-            bucket_bytes=exporter.bucket_bytes,
+            bucket_bytes=bridge.bucket_bytes,
             bucket_variants={
                 label: {k: v for k, v in result.items() if k in ("steady_ms", "peak_extra_bytes", "buffer_bytes")}
                 for label, result in results.items() if label.startswith("refit_cached_bucket")

@@ -52,7 +52,7 @@ def layer_weights(config, weight) -> tuple[list[tuple[str, torch.Tensor]], dict[
 
 def run_jobs(qkv: torch.Tensor, runs: tuple, q: torch.Tensor, s: torch.Tensor) -> list[tuple]:
     """(source, q, scale) views quantizing each run of ``qkv`` into its rows of ``q`` / ``s``."""
-    from mbridge_refit.fp8 import row_piece
+    from mbridge_refit.fp8.format import row_piece
 
     return [row_piece(qkv, q, s, x_row=src, q_row=hf, rows=n) for hf, src, n in runs]
 
@@ -104,7 +104,7 @@ def te_blockwise(jobs: list[tuple], repeats: int) -> dict:
 def host_launch_costs(launches, repeats: int) -> dict:
     """Host microseconds per launch (no synchronize in between): the Triton launch, and the
     replay of a CUDA graph that holds the same launch."""
-    from mbridge_refit import fp8_kernels
+    from mbridge_refit.fp8 import kernels as fp8_kernels
 
     graphs = []
     for launch in launches:
@@ -138,8 +138,10 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
-    from mbridge_refit import fp8, fp8_kernels
-    from mbridge_refit.recipes import full_size_config
+    from mbridge_refit.fp8 import kernels as fp8_kernels
+    from mbridge_refit.fp8.format import FP8_DTYPE, SCALE_DTYPE, scale_shape
+    from mbridge_refit.fp8.reference import quantize_reference
+    from mbridge_refit.tools.recipes import full_size_config
 
     config = full_size_config(args.model)
     layers = args.layers or config.num_hidden_layers
@@ -149,8 +151,8 @@ def main() -> None:
         return (torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32) * 0.02).to(torch.bfloat16)
 
     def outputs(x):
-        return (torch.empty(x.shape, dtype=fp8.FP8_DTYPE, device="cuda"),
-                torch.empty(fp8.scale_shape(tuple(x.shape)), dtype=fp8.SCALE_DTYPE, device="cuda"))
+        return (torch.empty(x.shape, dtype=FP8_DTYPE, device="cuda"),
+                torch.empty(scale_shape(tuple(x.shape)), dtype=SCALE_DTYPE, device="cuda"))
 
     jobs = []  # per layer: (source, q, scale) triples, q, k and v quantized run by run from the fused QKV
     for _ in range(layers):
@@ -173,7 +175,7 @@ def main() -> None:
     reference = [[(q.view(torch.uint8).clone(), s.clone()) for _, q, s in layer] for layer in jobs]
     for x, q, s in jobs[0]:
         ref_q, ref_s = torch.empty_like(q), torch.empty_like(s)
-        fp8._quantize_torch(x, ref_q, ref_s, torch.empty(fp8.padded_shape(tuple(x.shape)), device="cuda"))
+        quantize_reference(x, out=ref_q, scale_out=ref_s)
         assert torch.equal(ref_q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(ref_s, s), "baseline != torch path"
 
     def same_as_reference() -> bool:
@@ -201,8 +203,8 @@ def main() -> None:
                 fp8_kernels.launch_grouped(launch)
             torch.cuda.synchronize()
         except Exception as err:  # a config that does not compile here is reported, not fatal
-            logger.info("%-40s failed: %s", launch_config.label, fp8_kernels._root_cause(err))
-            results["configs"][launch_config.label] = {"error": fp8_kernels._root_cause(err)}
+            logger.info("%-40s failed: %s", launch_config.label, fp8_kernels.root_cause(err))
+            results["configs"][launch_config.label] = {"error": fp8_kernels.root_cause(err)}
             continue
         exact = same_as_reference()
         ms = device_ms(lambda: [fp8_kernels.launch_grouped(l) for l in launches], args.repeats)

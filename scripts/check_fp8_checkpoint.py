@@ -58,7 +58,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from mbridge_refit import recipes
+    from mbridge_refit.tools import recipes
     from mbridge_refit.verify_refit import compare_logprobs, fixed_tokens, token_logprobs
 
     bf16_dir, fp8_dir = args.work / "bf16", args.work / "fp8"

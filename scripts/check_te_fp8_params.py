@@ -42,9 +42,9 @@ BLOCK = 128
 
 def build(args, recipe: str):
     from mbridge_refit.bridge import RefitBridge
-    from mbridge_refit.layout import ParallelLayout
-    from mbridge_refit.model_builder import BuildOptions, build_model
-    from mbridge_refit.recipes import full_size_config
+    from mbridge_refit.plan.layout import ParallelLayout
+    from mbridge_refit.tools.model_builder import BuildOptions, build_model
+    from mbridge_refit.tools.recipes import full_size_config
 
     config = full_size_config(args.model)
     config.num_hidden_layers = args.layers
@@ -183,7 +183,7 @@ def phase(what: str) -> None:
 
 def check_refusal(args) -> str:
     """A non-blockwise FP8 recipe must be refused before any export work."""
-    from mbridge_refit.fp8 import FP8FormatError
+    from mbridge_refit.fp8.format import FP8FormatError
 
     _, bridge, chunks = build(args, "tensorwise")
     try:
@@ -211,10 +211,10 @@ def main() -> None:
 
     from megatron.bridge import AutoBridge
 
-    from mbridge_refit.distributed import distributed_session
-    from mbridge_refit.fp8 import dequantize_blockwise
-    from mbridge_refit.layout import ParallelLayout
-    from mbridge_refit.te_fp8 import FP8_BLOCKWISE
+    from mbridge_refit.tools.launch import distributed_session
+    from mbridge_refit.fp8.reference import dequantize_blockwise
+    from mbridge_refit.plan.layout import ParallelLayout
+    from mbridge_refit.plan.storage import FP8_BLOCKWISE
 
     layout = ParallelLayout(tp=args.tp, ep=args.ep)
     # A short collective timeout: a rank stuck in a collective fails with the collective's name.

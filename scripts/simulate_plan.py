@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def layout_of(args):
-    from mbridge_refit.layout import ParallelLayout
+    from mbridge_refit.plan.layout import ParallelLayout
 
     return ParallelLayout(
         tp=args.tp, pp=args.pp, ep=args.ep, first_stage_layers=args.first_stage_layers, last_stage_layers=args.last_stage_layers
@@ -75,8 +75,8 @@ def meta_model(model: str, layout):
     import torch
 
     from mbridge_refit.bridge import RefitBridge
-    from mbridge_refit.model_builder import BuildOptions, build_model
-    from mbridge_refit.recipes import full_size_config
+    from mbridge_refit.tools.model_builder import BuildOptions, build_model
+    from mbridge_refit.tools.recipes import full_size_config
 
     bridge = RefitBridge.from_hf_config(full_size_config(model))
     options = BuildOptions(device=torch.device("cpu"), params_dtype=torch.bfloat16, materialize=False)
@@ -85,13 +85,13 @@ def meta_model(model: str, layout):
 
 def step_names(args) -> None:
     """Step 1: global parameter names and the TP1 reference plan."""
-    from mbridge_refit.layout import ParallelLayout
+    from mbridge_refit.plan.layout import ParallelLayout
 
     init_fake_world(0, 1)
     layout = ParallelLayout()
     init_parallel_state(layout)
     bridge, chunks = meta_model(args.model, layout)
-    model_bridge = bridge._model_bridge_for(chunks)
+    model_bridge = bridge.megatron_model_bridge(chunks)
     names = model_bridge._megatron_global_param_names_all_pp_ranks(chunks)
     plan = bridge.export_plan(chunks)
     reference = [(e.hf_name, list(e.shape), e.dtype) for e in plan.entries]
@@ -100,7 +100,7 @@ def step_names(args) -> None:
 
 def step_rank(args) -> None:
     """Step 2: one simulated rank's contribution."""
-    from mbridge_refit.plan import rank_contribution
+    from mbridge_refit.plan.build import rank_contribution
 
     world = layout_of(args).expected_world_size
     init_fake_world(args.rank, world)
@@ -110,7 +110,7 @@ def step_rank(args) -> None:
     start = time.perf_counter()
     bridge, chunks = meta_model(args.model, layout)
     build_s = time.perf_counter() - start
-    model_bridge = bridge._model_bridge_for(chunks)
+    model_bridge = bridge.megatron_model_bridge(chunks)
     model_bridge._cached_param_names = names  # the result of the bridge's pipeline name exchange
     start = time.perf_counter()
     contribution = rank_contribution(model_bridge, bridge.hf_pretrained, chunks)
@@ -158,7 +158,7 @@ def step_exchange(args) -> dict:
 
 def step_assemble(args) -> dict:
     """Step 4: assemble the plan from every contribution; compare with the TP1 reference."""
-    from mbridge_refit.plan import assemble_plan, current_sizes
+    from mbridge_refit.plan.build import assemble_plan, current_sizes
 
     layout = layout_of(args)
     world = layout.expected_world_size
@@ -169,11 +169,11 @@ def step_assemble(args) -> dict:
     contributions = [pickle.loads((args.work / f"rank{r}.pkl").read_bytes()) for r in range(world)]
     unpickle_s = time.perf_counter() - start  # the CPU share of the exchange on each rank
     start = time.perf_counter()
-    plan = assemble_plan(contributions, current_sizes(chunks), chunks[0].config, bridge._model_bridge_for(chunks), bridge.hf_pretrained)
+    plan = assemble_plan(contributions, current_sizes(chunks), chunks[0].config, bridge.megatron_model_bridge(chunks), bridge.hf_pretrained)
     assemble_s = time.perf_counter() - start
     reference = sorted(json.loads((args.work / "names.json").read_text())["reference"])
     got = sorted([e.hf_name, list(e.shape), e.dtype] for e in plan.entries)
-    owners = sorted({(e.pp_rank, e.layout.owner_ep_rank) for e in plan.entries if e.is_expert})
+    owners = sorted({(e.pp_rank, e.sharding.owner_ep_rank) for e in plan.entries if e.is_expert})
     first_difference = next(
         ((i, a, b) for i, (a, b) in enumerate(zip(got, reference)) if a != b),
         None if len(got) == len(reference) else ("length", len(got), len(reference)),

@@ -48,7 +48,7 @@ def torchrun(nproc: int, module_args: list[str], *, timeout: float = 600) -> Lau
 @pytest.fixture(scope="session")
 def source_checkpoints(tmp_path_factory):
     """Tiny random HF checkpoints, one per recipe, sharded so the index is exercised."""
-    from mbridge_refit import recipes
+    from mbridge_refit.tools import recipes
 
     root = tmp_path_factory.mktemp("sources")
     made: dict[str, Path] = {}

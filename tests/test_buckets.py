@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from mbridge_refit.export import _build_buckets, _layer_of, _Op
-from mbridge_refit.fp8 import yielded_bytes
+from mbridge_refit.runtime.schedule import build_buckets, layer_of, Op
+from mbridge_refit.fp8.plan import yielded_bytes
 
 
 def _entry(name: str, nbytes: int, scale_of: str | None = None) -> SimpleNamespace:
@@ -14,9 +14,9 @@ def _entry(name: str, nbytes: int, scale_of: str | None = None) -> SimpleNamespa
 
 
 def _layers_per_bucket(entries: list, bucket_bytes: int, sizes=None) -> list[list]:
-    ops = [_Op(entries=[e], assemblies=[], source=None, sharded_over_tp=False, expert=False) for e in entries]
-    buckets = _build_buckets(ops, bucket_bytes, SimpleNamespace(), sizes)
-    return [list(dict.fromkeys(_layer_of(op.entries[0].megatron_param) for op in bucket.ops)) for bucket in buckets]
+    ops = [Op(entries=[e], assemblies=[], source=None, sharded_over_tp=False, expert=False) for e in entries]
+    buckets = build_buckets(ops, bucket_bytes, SimpleNamespace(), sizes)
+    return [list(dict.fromkeys(layer_of(op.entries[0].megatron_param) for op in bucket.ops)) for bucket in buckets]
 
 
 def test_fp8_buckets_hold_what_the_fp8_export_yields():

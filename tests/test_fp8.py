@@ -20,16 +20,12 @@ from safetensors.torch import load_file, save_file
 
 from conftest import REPO, torchrun
 from oracle import read_checkpoint
-from mbridge_refit import recipes
-from mbridge_refit.fp8 import (
-    BlockwiseFP8Config,
-    FP8FormatError,
-    check_fp8_exportable,
-    dequantize_blockwise,
-    fp8_plan,
-    quantize_blockwise,
-)
-from mbridge_refit.plan import ExportPlan
+from mbridge_refit.tools import recipes
+from mbridge_refit.fp8.format import BlockwiseFP8Config, FP8FormatError
+from mbridge_refit.fp8.plan import check_fp8_exportable, fp8_plan
+from mbridge_refit.fp8.reference import dequantize_blockwise
+from mbridge_refit.fp8.quantize import quantize_blockwise
+from mbridge_refit.plan.entries import ExportPlan
 
 E4M3_MAX = 448.0
 
@@ -123,8 +119,9 @@ def test_quantizer_rejects_non_2d():
 def test_bucket_quantizer_follows_new_data_and_reuses_buffers():
     """A persistent pool's bucket quantizer is decided once; later exports with new values still
     give the reference bits, into the same buffers, with nothing allocated."""
-    from mbridge_refit.export import ExportBuffers
-    from mbridge_refit.fp8 import SCALE_SUFFIX, quantize_buckets
+    from mbridge_refit.runtime.buffers import ExportBuffers
+    from mbridge_refit.fp8.format import SCALE_SUFFIX
+    from mbridge_refit.fp8.quantize import quantize_buckets
 
     weight, norm = "model.layers.0.mlp.up_proj.weight", "model.layers.0.input_layernorm.weight"
     shapes = {weight: (300, 200), norm: (200,)}
@@ -152,8 +149,10 @@ def test_row_selections_are_quantized_from_their_source():
     at TP1): runs of whole block rows are quantized straight from the fused tensor (the selection
     is never copied out), runs off block rows are copied out first; both give the reference
     bits of the HF tensor, export after export."""
-    from mbridge_refit.export import ExportBuffers, RowSelection
-    from mbridge_refit.fp8 import SCALE_SUFFIX, quantize_buckets
+    from mbridge_refit.runtime.buffers import ExportBuffers
+    from mbridge_refit.runtime.selection import RowSelection
+    from mbridge_refit.fp8.format import SCALE_SUFFIX
+    from mbridge_refit.fp8.quantize import quantize_buckets
 
     group_rows = {"q": 256, "k": 128, "v": 72}  # per KV group, in this order; v's runs are off block rows
     offsets = {"q": 0, "k": 256, "v": 384}
@@ -189,7 +188,7 @@ class _FakePlan:
 
     @property
     def entries(self):
-        from mbridge_refit.fp8 import SCALE_SUFFIX
+        from mbridge_refit.fp8.format import SCALE_SUFFIX
 
         entry = dataclasses.make_dataclass("Entry", ["scale_of", "hf_name", "shape"])
         return [entry(weight, weight + SCALE_SUFFIX, shape) for weight, shape in self.scales.items()]
@@ -211,16 +210,16 @@ def test_grouped_kernel_writes_what_the_single_kernel_writes():
 
 
 def _plan_with(names_shapes) -> ExportPlan:
-    from mbridge_refit.placement import SliceCopy
-    from mbridge_refit.plan import PlanEntry, SourceLayout
+    from mbridge_refit.plan.placement import SliceCopy
+    from mbridge_refit.plan.entries import PlanEntry, TensorSharding
 
     def entry(name, shape, kind="column"):
-        layout = SourceLayout(
+        sharding = TensorSharding(
             mesh_dims=("tp", "dp"), mesh_shape=(1, 1), placements=("Replicate()", "Replicate()"),
             pieces=((SliceCopy(hf_name=name, dim=0, hf_start=0, hf_stop=shape[0], local_start=0),),), local_shape=shape,
         )
         return PlanEntry(hf_name=name, shape=shape, dtype="bfloat16", megatron_param=name, pp_rank=0, vpp_stage=0,
-                         is_expert=False, kind=kind, layout=layout)
+                         is_expert=False, kind=kind, sharding=sharding)
 
     entries = tuple(entry(*item) for item in names_shapes)
     return ExportPlan(entries=entries, layer_map={0: (0, 0)}, tp=1, pp=1, ep=1, vpp=1)

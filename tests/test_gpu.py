@@ -18,11 +18,11 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def tiny_gpu_model():
-    from mbridge_refit import recipes
+    from mbridge_refit.tools import recipes
     from mbridge_refit.bridge import RefitBridge
-    from mbridge_refit.distributed import distributed_session
-    from mbridge_refit.layout import ParallelLayout
-    from mbridge_refit.model_builder import BuildOptions, build_model
+    from mbridge_refit.tools.launch import distributed_session
+    from mbridge_refit.plan.layout import ParallelLayout
+    from mbridge_refit.tools.model_builder import BuildOptions, build_model
 
     layout = ParallelLayout()
     device = torch.device("cuda")

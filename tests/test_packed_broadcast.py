@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import REPO, torchrun
-from mbridge_refit.plan import ExportPlan, PlanEntry, SourceLayout
+from mbridge_refit.plan.entries import ExportPlan, PlanEntry, TensorSharding
 from mbridge_refit.sinks.packed_broadcast import (
     ALIGN_BYTES,
     DEFAULT_BUCKET_BYTES,
@@ -31,9 +31,9 @@ TIMEOUT_S = 300  # a hang fails the test instead of blocking the suite
 
 
 def _plan(*specs: tuple[str, tuple[int, ...], str]) -> ExportPlan:
-    layout = SourceLayout(mesh_dims=("tp", "dp"), mesh_shape=(1, 1), placements=("Replicate()", "Replicate()"), pieces=((),), local_shape=())
+    sharding = TensorSharding(mesh_dims=("tp", "dp"), mesh_shape=(1, 1), placements=("Replicate()", "Replicate()"), pieces=((),), local_shape=())
     entries = tuple(
-        PlanEntry(hf_name=n, shape=s, dtype=d, megatron_param=n, pp_rank=0, vpp_stage=0, is_expert=False, kind="x", layout=layout)
+        PlanEntry(hf_name=n, shape=s, dtype=d, megatron_param=n, pp_rank=0, vpp_stage=0, is_expert=False, kind="x", sharding=sharding)
         for n, s, d in specs
     )
     return ExportPlan(entries=entries, layer_map={}, tp=1, pp=1, ep=1, vpp=1)

@@ -25,22 +25,22 @@ def test_plan_cli_json_matches_the_checkpoint(source_checkpoints, tmp_path):
         assert tuple(entry["shape"]) == tuple(tensor.shape), entry["hf_name"]
         assert entry["dtype"] == str(tensor.dtype).removeprefix("torch.")
     experts = [e for e in entries if e["is_expert"]]
-    assert experts and {e["layout"]["owner_ep_rank"] for e in experts} == {0, 1}
+    assert experts and {e["sharding"]["owner_ep_rank"] for e in experts} == {0, 1}
     assert "model.layers.0.mlp.experts.3.down_proj.weight" in run.output  # the printed table
 
 
 def test_plan_roundtrips_through_json():
-    from mbridge_refit.placement import SliceCopy
-    from mbridge_refit.plan import ExportPlan, PlanEntry, SourceLayout
+    from mbridge_refit.plan.placement import SliceCopy
+    from mbridge_refit.plan.entries import ExportPlan, PlanEntry, TensorSharding
 
-    layout = SourceLayout(
+    sharding = TensorSharding(
         mesh_dims=("tp", "dp"), mesh_shape=(2, 1), placements=("Shard(0)", "Replicate()"),
         pieces=((SliceCopy(hf_name="w", dim=0, hf_start=0, hf_stop=2, local_start=0),),
                 (SliceCopy(hf_name="w", dim=0, hf_start=2, hf_stop=4, local_start=0),)),
         local_shape=(2, 3),
     )
     entry = PlanEntry(hf_name="w", shape=(4, 3), dtype="bfloat16", megatron_param="p", pp_rank=0,
-                      vpp_stage=0, is_expert=False, kind="column", layout=layout)
+                      vpp_stage=0, is_expert=False, kind="column", sharding=sharding)
     plan = ExportPlan(entries=(entry,), layer_map={0: (0, 0)}, tp=2, pp=1, ep=1, vpp=1)
     assert ExportPlan.from_json(plan.to_json()) == plan
     assert plan.total_bytes == 4 * 3 * 2
@@ -49,7 +49,7 @@ def test_plan_roundtrips_through_json():
 def test_unmappable_parameter_is_named():
     from megatron.bridge.models.conversion.param_mapping import KVMapping
 
-    from mbridge_refit.placement import PlacementError, placement_kind
+    from mbridge_refit.plan.placement import PlacementError, placement_kind
 
     mapping = KVMapping("decoder.layers.0.self_attention.linear_kv.weight", k="a.k", v="a.v")
     with pytest.raises(PlacementError, match=r"decoder\.layers\.0\.self_attention\.linear_kv\.weight.*KVMapping"):
@@ -66,7 +66,7 @@ def test_unmappable_parameter_is_named():
     ],
 )
 def test_layout_errors_name_the_problem(kwargs, message):
-    from mbridge_refit.layout import LayoutError, ModelShape, ParallelLayout
+    from mbridge_refit.plan.layout import LayoutError, ModelShape, ParallelLayout
 
     shape = ModelShape(num_layers=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=512, intermediate_size=128)
     with pytest.raises(LayoutError, match=message):

@@ -1,4 +1,4 @@
-"""Tests for mbridge_refit.recipes: every recipe builds a checkpoint that transformers loads back
+"""Tests for mbridge_refit.tools.recipes: every recipe builds a checkpoint that transformers loads back
 exactly, with the checkpoint names Megatron-Bridge expects; layouts load and fit their models."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from mbridge_refit import recipes
-from mbridge_refit.layout import LayoutError, ModelShape, ParallelLayout
-from mbridge_refit.recipes import (
+from mbridge_refit.tools import recipes
+from mbridge_refit.plan.layout import LayoutError, ModelShape, ParallelLayout
+from mbridge_refit.tools.recipes import (
     LAYOUTS,
     MODEL_RECIPES,
     ModelRecipe,

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from mbridge_refit import recipes
+from mbridge_refit.tools import recipes
 from oracle import assert_bitwise_equal_checkpoints, read_checkpoint
 from conftest import torchrun
 

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mbridge_refit.plan import ExportPlan, PlanEntry
+from mbridge_refit.plan.entries import ExportPlan, PlanEntry
 from mbridge_refit.sinks.base import WeightSink
 
 logger = logging.getLogger(__name__)

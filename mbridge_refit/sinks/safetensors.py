@@ -22,28 +22,13 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from mbridge_refit.checkpoint import CONFIG_NAME, COPIED_FILE_NAMES, INDEX_NAME
 from mbridge_refit.sinks.base import WeightSink
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
-INDEX_NAME = "model.safetensors.index.json"
-CONFIG_NAME = "config.json"
 TMP_PREFIX = ".tmp-"
-# Copied verbatim from `copy_files_from` when present (config.json is handled separately).
-COPIED_FILE_NAMES = (
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-)
-
-
 def shard_file_name(shard: int, num_shards: int) -> str:
     """Final HF file name of 0-based ``shard``: ``model-00001-of-00003.safetensors`` for 0 of 3."""
     return f"model-{shard + 1:05d}-of-{num_shards:05d}.safetensors"

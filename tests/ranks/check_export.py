@@ -103,9 +103,9 @@ def main() -> None:
     args = parser.parse_args()
 
     from mbridge_refit.bridge import RefitBridge
-    from mbridge_refit.distributed import distributed_session
-    from mbridge_refit.layout import ParallelLayout
-    from mbridge_refit.model_builder import BuildOptions, build_model
+    from mbridge_refit.tools.launch import distributed_session
+    from mbridge_refit.plan.layout import ParallelLayout
+    from mbridge_refit.tools.model_builder import BuildOptions, build_model
 
     layout = ParallelLayout(
         tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep,
@@ -157,8 +157,7 @@ def main() -> None:
                  f"first difference {next((a, b) for a, b in zip(stock, expected) if a != b) if len(stock) == len(expected) else 'length'}")
 
         # 4. cache: second call reuses and overwrites the first call's buffers.
-        buffers = bridge._export_buffers()
-        allocations_after_first = buffers.allocations
+        allocations_after_first = bridge.export_diagnostics().allocations
         first = {n: (t.data_ptr(), t) for n, t in bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True)}
         params = {p.data_ptr() for c in chunks for p in c.parameters()}
         owned = [n for n, (ptr, _) in first.items() if _is_buffer_backed(ptr, params, chunks)]
@@ -171,8 +170,9 @@ def main() -> None:
                 fail(f"{name} differs from the checkpoint after the cached buffers were scribbled on")
         if any(first[n][0] != second[n] for n in first):
             fail("the second cached export yielded different storage than the first")
-        if buffers.allocations != allocations_after_first:
-            fail(f"cached export allocated {buffers.allocations - allocations_after_first} new buffers after the first call")
+        allocations = bridge.export_diagnostics().allocations
+        if allocations != allocations_after_first:
+            fail(f"cached export allocated {allocations - allocations_after_first} new buffers after the first call")
 
         # 5. reassembly from placements.
         check_reassembly(bridge, chunks, plan, read)
@@ -188,7 +188,7 @@ def main() -> None:
 
         args.result.mkdir(parents=True, exist_ok=True)
         (args.result / f"rank{rank}.json").write_text(json.dumps({
-            "entries": len(plan.entries), "buffers_owned": len(owned), "buffer_bytes": buffers.nbytes,
+            "entries": len(plan.entries), "buffers_owned": len(owned), "buffer_bytes": bridge.export_diagnostics().buffer_bytes,
             "layer_map": {str(k): v for k, v in plan.layer_map.items()}, "ok": True,
         }))
 
@@ -207,14 +207,14 @@ def check_reassembly(bridge, chunks, plan, read) -> None:
     """Rebuild every HF tensor from each rank's local shard using only the plan's placements."""
     from megatron.core import parallel_state as ps
 
-    params = {t.global_param_name: t.param_weight for t in bridge._model_bridge.build_conversion_tasks(bridge.hf_pretrained, chunks)
+    params = {t.global_param_name: t.param_weight for t in bridge.megatron_model_bridge(chunks).build_conversion_tasks(bridge.hf_pretrained, chunks)
               if t is not None and t.param_weight is not None}
     tp_rank, ep_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     contributions = []
     for entry in plan.entries:
         if entry.alias_of is not None or entry.pp_rank != pp_rank:
             continue
-        layout = entry.layout
+        layout = entry.sharding
         if entry.is_expert:
             if layout.owner_ep_rank != ep_rank:
                 continue

@@ -30,9 +30,9 @@ def main() -> None:
 
     from megatron.core import parallel_state as ps
 
-    from mbridge_refit.distributed import init_process_group, teardown
-    from mbridge_refit.fp8 import BlockwiseFP8Config
-    from mbridge_refit.plan import ExportPlan
+    from mbridge_refit.tools.launch import init_process_group, teardown
+    from mbridge_refit.fp8.format import BlockwiseFP8Config
+    from mbridge_refit.plan.entries import ExportPlan
     from mbridge_refit.sinks import drain
     from mbridge_refit.sinks.packed_broadcast import PackedBroadcastConfig, PackedBroadcastReceiver, PackedBroadcastSender
 
@@ -45,8 +45,8 @@ def main() -> None:
     try:
         if rank == 0:
             from mbridge_refit.bridge import RefitBridge
-            from mbridge_refit.layout import ParallelLayout
-            from mbridge_refit.model_builder import BuildOptions, build_model
+            from mbridge_refit.plan.layout import ParallelLayout
+            from mbridge_refit.tools.model_builder import BuildOptions, build_model
 
             bridge = RefitBridge.from_hf_pretrained(args.hf)
             chunks = build_model(bridge, ParallelLayout(), BuildOptions(device=cpu, params_dtype=torch.bfloat16))

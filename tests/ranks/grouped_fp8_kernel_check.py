@@ -15,12 +15,14 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 import torch
 
-from mbridge_refit import fp8, fp8_kernels
+from mbridge_refit.fp8 import kernels as fp8_kernels
+from mbridge_refit.fp8.format import FP8_DTYPE, scale_shape
+from mbridge_refit.fp8.reference import quantize_reference
 
 
 def job(name: str, x: torch.Tensor) -> tuple:
     """(name, source, q buffer, scale buffer)."""
-    return name, x, torch.empty(x.shape, dtype=fp8.FP8_DTYPE), torch.empty(fp8.scale_shape(tuple(x.shape)))
+    return name, x, torch.empty(x.shape, dtype=FP8_DTYPE), torch.empty(scale_shape(tuple(x.shape)))
 
 
 gen = torch.Generator().manual_seed(1)
@@ -45,7 +47,7 @@ for config in configs:
         q, s = torch.empty_like(grouped_q), torch.empty_like(grouped_s)
         fp8_kernels.quantize_single(x, q, s)
         ref_q, ref_s = torch.empty_like(q), torch.empty_like(s)
-        fp8._quantize_torch(x, ref_q, ref_s, torch.empty(fp8.padded_shape(tuple(x.shape))))
+        quantize_reference(x, out=ref_q, scale_out=ref_s)
         if not torch.equal(q.view(torch.uint8), grouped_q.view(torch.uint8)):
             problems.append(f"{name} ({config.label}): grouped e4m3 bytes differ from the single-tensor kernel's")
         if not (torch.equal(s, grouped_s) and torch.equal(s, ref_s)):

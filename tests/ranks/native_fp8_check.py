@@ -97,10 +97,11 @@ def main() -> None:
     args = parser.parse_args()
 
     from mbridge_refit.bridge import RefitBridge
-    from mbridge_refit.distributed import distributed_session
-    from mbridge_refit.fp8 import FP8FormatError, dequantize_blockwise
-    from mbridge_refit.layout import ParallelLayout
-    from mbridge_refit.model_builder import BuildOptions, build_model
+    from mbridge_refit.tools.launch import distributed_session
+    from mbridge_refit.fp8.format import FP8FormatError
+    from mbridge_refit.fp8.reference import dequantize_blockwise
+    from mbridge_refit.plan.layout import ParallelLayout
+    from mbridge_refit.tools.model_builder import BuildOptions, build_model
 
     layout = ParallelLayout(tp=args.tp, pp=args.pp, ep=args.ep)
     cpu = torch.device("cpu")

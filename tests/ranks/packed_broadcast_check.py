@@ -117,7 +117,7 @@ def run_trainer(case, config, *, bridge, chunks, plan, refit, trainers):
 
 
 def run_receiver(case, config, *, plan_json, refit, expected, model, pointers, reference):
-    from mbridge_refit.plan import ExportPlan
+    from mbridge_refit.plan.entries import ExportPlan
     from mbridge_refit.sinks import drain
     from mbridge_refit.sinks.model_update import HFModelUpdateSink
     from mbridge_refit.sinks.packed_broadcast import PackedBroadcastReceiver
@@ -166,8 +166,8 @@ def main() -> None:
 
     from megatron.core import parallel_state as ps
 
-    from mbridge_refit.distributed import init_process_group, teardown
-    from mbridge_refit.layout import ParallelLayout
+    from mbridge_refit.tools.launch import init_process_group, teardown
+    from mbridge_refit.plan.layout import ParallelLayout
 
     cpu = torch.device("cpu")
     init_process_group(device=cpu, timeout=datetime.timedelta(seconds=90))
@@ -188,7 +188,7 @@ def main() -> None:
     try:
         if rank in trainer_ranks:
             from mbridge_refit.bridge import RefitBridge
-            from mbridge_refit.model_builder import BuildOptions, build_model
+            from mbridge_refit.tools.model_builder import BuildOptions, build_model
 
             bridge = RefitBridge.from_hf_pretrained(args.hf)
             chunks = build_model(bridge, layout, BuildOptions(device=cpu, params_dtype=torch.bfloat16))
@@ -199,7 +199,7 @@ def main() -> None:
         else:
             from transformers import AutoConfig, AutoModelForCausalLM
 
-            from mbridge_refit.plan import ExportPlan
+            from mbridge_refit.plan.entries import ExportPlan
 
             payload = [None]
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.hf), dtype=torch.bfloat16)

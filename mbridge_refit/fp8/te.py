@@ -6,50 +6,26 @@ whose row-wise data is e4m3 with one fp32 ``scale_inv`` per 128x128 block of the
 (TE pads the scale's column count to a multiple of 4 for its GEMM; the padding is trimmed here).
 That is already the HF blockwise FP8 format, so the export ships those bytes and scales as they
 are (no dequantize / re-quantize), provided every shard boundary falls on a block boundary
-(``fp8.scale_layout`` checks that when the plan is built).
+(``fp8.plan.scale_sharding`` checks that when the plan is built).
 
-This module owns what the export needs to know about TE's classes: which storage a parameter
-has (``storage_format``), its FP8 data and trimmed scales, and the ``ShardSource`` functions
-that hand them (or, for a BF16 export, their dequantized values) to ``export.PlanExporter``.
-TE is imported lazily: models without quantized parameters never touch it.
+This module owns what the export needs of TE's quantized parameters: their FP8 data and trimmed
+scales, and the ``ShardSource`` functions that hand them (or, for a BF16 export, their dequantized
+values) to ``runtime.exporter.PlanExporter``. Which storage a parameter has is a plan-time fact
+(``plan.storage``). TE is imported lazily: models without quantized parameters never touch it.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from mbridge_refit.export import ExportBuffers, ShardSource
-    from mbridge_refit.plan import PlanEntry
-
-from mbridge_refit.fp8 import BLOCK, FP8_DTYPE, FP8_DTYPE_NAME
-from mbridge_refit.fp8 import FP8_BLOCKWISE_SOURCE as FP8_BLOCKWISE  # Float8BlockwiseQTensor, 2-D blocks, row-wise data
-from mbridge_refit.fp8 import PLAIN_SOURCE as PLAIN
-
-
-def storage_format(param: torch.Tensor) -> str:
-    """``"plain"``, ``"fp8_blockwise"``, or a description of another TE quantized storage
-    (e.g. ``"Float8Tensor"`` for delayed/current scaling, ``"MXFP8Tensor"``)."""
-    quantized = _quantized_tensor_class()
-    if quantized is None or not isinstance(param, quantized):
-        return PLAIN
-    name = type(param).__name__
-    if name != "Float8BlockwiseQTensor":
-        return name
-    metadata = param.get_metadata()
-    if not metadata.get("is_2D_scaled"):
-        return "Float8BlockwiseQTensor (1x128 blocks)"
-    if metadata.get("rowwise_data") is None or metadata.get("rowwise_scale_inv") is None:
-        return "Float8BlockwiseQTensor (column-wise data only)"
-    return FP8_BLOCKWISE
-
-
-def is_quantized(param: torch.Tensor) -> bool:
-    return storage_format(param) != PLAIN
+from mbridge_refit.fp8.format import BLOCK, FP8_DTYPE, FP8_DTYPE_NAME
+from mbridge_refit.plan.entries import PlanEntry
+from mbridge_refit.plan.storage import FP8_BLOCKWISE, is_quantized, storage_format
+from mbridge_refit.runtime.buffers import ExportBuffers
+from mbridge_refit.runtime.exporter import ShardSource
 
 
 def fp8_data(param: torch.Tensor) -> torch.Tensor:
@@ -84,7 +60,7 @@ def dequantized_shards(params: dict[str, torch.Tensor]) -> ShardSource:
 
     quantized = {name for name, param in params.items() if is_quantized(param)}  # decided once, not per export
 
-    def source(name: str, entry: "PlanEntry", slot: Any, buffers: ExportBuffers) -> torch.Tensor:
+    def source(name: str, entry: PlanEntry, slot: Any, buffers: ExportBuffers) -> torch.Tensor:
         param = params[name]
         if name not in quantized:
             return param
@@ -103,7 +79,7 @@ def fp8_data_shards(params: dict[str, torch.Tensor]) -> ShardSource:
         if storage_format(param) == FP8_BLOCKWISE:
             _check_e4m3(name, param)
 
-    def source(name: str, entry: "PlanEntry", slot: Any, buffers: ExportBuffers) -> torch.Tensor:
+    def source(name: str, entry: PlanEntry, slot: Any, buffers: ExportBuffers) -> torch.Tensor:
         if entry.dtype == FP8_DTYPE_NAME:
             return fp8_data(params[name])
         return bf16(name, entry, slot, buffers)
@@ -115,7 +91,7 @@ def fp8_scale_shards(params: dict[str, torch.Tensor]) -> ShardSource:
     """FP8 export: the trimmed ``scale_inv`` of each native FP8 parameter (copied into a buffer
     only where TE's padding makes the trimmed view non-contiguous)."""
 
-    def source(name: str, entry: "PlanEntry", slot: Any, buffers: ExportBuffers) -> torch.Tensor:
+    def source(name: str, entry: PlanEntry, slot: Any, buffers: ExportBuffers) -> torch.Tensor:
         scale = fp8_scale(params[name])
         if scale.is_contiguous():
             return scale
@@ -126,13 +102,3 @@ def fp8_scale_shards(params: dict[str, torch.Tensor]) -> ShardSource:
 
 def has_quantized_params(params: dict[str, torch.Tensor]) -> bool:
     return any(is_quantized(p) for p in params.values())
-
-
-@functools.cache
-def _quantized_tensor_class():
-    """TE's ``QuantizedTensor`` base class, or None where Transformer Engine is not installed."""
-    try:
-        from transformer_engine.pytorch.quantized_tensor import QuantizedTensor
-    except ImportError:
-        return None
-    return QuantizedTensor

@@ -2,7 +2,7 @@
 
 Owns the ``recipes/`` folder at the repository root (data only): one JSON file per tiny model
 (``{"description": ..., "hf_config": {<Hugging Face config.json content>}}``) and
-``layouts.json`` (named :class:`~mbridge_refit.layout.ParallelLayout` arguments). This module
+``layouts.json`` (named :class:`~mbridge_refit.plan.layout.ParallelLayout` arguments). This module
 loads them into typed objects, says which layouts apply to which model, lists the tensor names a
 model's Hugging Face checkpoint holds, and writes seeded random checkpoints whose every tensor is
 distinct, so that an export can be checked against the checkpoint on disk by exact equality.
@@ -20,7 +20,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Mapping
 
-from mbridge_refit.layout import LayoutError, ModelShape, ParallelLayout
+from mbridge_refit.plan.layout import LayoutError, ModelShape, ParallelLayout
 
 if TYPE_CHECKING:  # transformers and torch are imported lazily: loading recipes stays cheap
     import torch
@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # transformers and torch are imported lazily: loading recipes
 
 logger = logging.getLogger(__name__)
 
-RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
+RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 LAYOUTS_FILE = "layouts.json"
 
 DEFAULT_MODEL = "qwen3-tiny"

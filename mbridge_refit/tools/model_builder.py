@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from mbridge_refit.layout import ParallelLayout
+from mbridge_refit.plan.layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from mbridge_refit.layout import ParallelLayout
+from mbridge_refit.plan.layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,3 @@ def distributed_session(
         yield env
     finally:
         teardown()
-
-
-def is_rank_zero() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0

@@ -1,134 +1,33 @@
-"""The export plan: every HF tensor an export will yield, in order, and where its pieces live.
+"""Building the export plan from a model: once per (bridge, model), from metadata alone.
 
-Built once per (bridge, model) from metadata alone: parameter names, shapes and dtypes, the
-bridge's mappings and ``placement``'s slice rules. No tensor data moves and no weight memory is
-allocated, so it works on models built on the meta device; the only communication is the
-bridge's exchange of parameter names across pipeline stages and one ``all_gather_object`` of
-per-rank parameter descriptions over the model's ranks (the whole job unless a group is given).
-The two halves are separate functions: ``rank_contribution`` (what this rank holds, including how
-the trainer stores each parameter, e.g. as TE blockwise FP8) and ``assemble_plan`` (pure: the same
-plan from the same contributions on every rank), so a plan can also be built from contributions
-gathered another way (``scripts/simulate_plan.py``).
-
-Identical on every rank, JSON-serialisable (``ExportPlan.to_json``) for another process, and the
-input of the fast export path (``export``).
-
-Ordering follows Megatron-Bridge's stock export exactly: conversion tasks sorted by global
-Megatron name, each task's HF tensors in mapping order (q, k, v; gate, up), expert tensors of one
-local expert index grouped over expert-parallel ranks, and the tied output weight right after the
-embedding when the checkpoint names it.
+Parameter names, shapes and dtypes, the bridge's mappings and ``placement``'s slice rules. No
+tensor data moves and no weight memory is allocated, so it works on models built on the meta
+device; the only communication is the bridge's exchange of parameter names across pipeline
+stages and one ``all_gather_object`` of per-rank parameter descriptions over the model's ranks
+(the whole job unless a group is given). The two halves are separate functions:
+``rank_contribution`` (what this rank holds, including how the trainer stores each parameter,
+e.g. as TE blockwise FP8) and ``assemble_plan`` (pure: the same plan from the same contributions
+on every rank), so a plan can also be built from contributions gathered another way
+(``scripts/simulate_plan.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import re
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from mbridge_refit.placement import PlacementError, PlacementKind, ShardContext, SliceCopy, placement_kind, slices_for
-from mbridge_refit.te_fp8 import PLAIN, storage_format
-
-
-class PlanError(ValueError):
-    """The model has a parameter the plan cannot describe (named in the message)."""
+from mbridge_refit.plan.entries import ExportPlan, PlanEntry, PlanError, TensorSharding, expert_number, with_expert_number
+from mbridge_refit.plan.placement import PlacementError, PlacementKind, ShardContext, SliceCopy, placement_kind, slices_for
+from mbridge_refit.plan.storage import PLAIN, storage_format
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class SourceLayout:
-    """How one HF tensor is laid out across the trainer's ranks, in HF coordinates.
-
-    Non-expert tensors live on the (tp, dp) mesh of their pipeline stage; expert tensors on the
-    (ep, expert-dp) mesh with expert-TP 1, owned whole by ``owner_ep_rank``. ``placements``
-    reads like DTensor's: ``Shard(d)`` or ``Replicate()`` for each mesh dimension.
-    ``pieces[r]`` lists where tensor-parallel rank ``r`` keeps its slices of this HF tensor
-    inside its local Megatron parameter (one entry when not tensor-parallel).
-    """
-
-    mesh_dims: tuple[str, str]
-    mesh_shape: tuple[int, int]
-    placements: tuple[str, str]
-    pieces: tuple[tuple[SliceCopy, ...], ...]
-    local_shape: tuple[int, ...]
-    owner_ep_rank: int | None = None
-    local_expert_index: int | None = None
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PlanEntry:
-    """One HF tensor the export yields."""
-
-    hf_name: str
-    shape: tuple[int, ...]
-    dtype: str
-    megatron_param: str
-    pp_rank: int
-    vpp_stage: int
-    is_expert: bool
-    kind: str
-    layout: SourceLayout
-    alias_of: str | None = None  # tied output weight: the same data as this entry
-    scale_of: str | None = None  # FP8 export: the blockwise scale of this weight entry (``fp8``)
-    source_format: str = PLAIN  # how the trainer stores the parameter (``te_fp8.storage_format``)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
-
-    @property
-    def nbytes(self) -> int:
-        return _numel(self.shape) * torch.empty((), dtype=self.torch_dtype).element_size()
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ExportPlan:
-    """All entries in export order, the layer map, and the layout the plan was built for."""
-
-    entries: tuple[PlanEntry, ...]
-    layer_map: dict[int, tuple[int, int]]  # global layer index -> (pp rank, vpp stage)
-    tp: int
-    pp: int
-    ep: int
-    vpp: int
-
-    def names(self) -> list[str]:
-        return [e.hf_name for e in self.entries]
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(e.nbytes for e in self.entries)
-
-    def to_json(self) -> str:
-        payload = dataclasses.asdict(self)
-        payload["layer_map"] = {str(k): list(v) for k, v in self.layer_map.items()}
-        return json.dumps(payload, indent=1)
-
-    @classmethod
-    def from_json(cls, text: str) -> "ExportPlan":
-        raw = json.loads(text)
-        entries = tuple(_entry_from_dict(e) for e in raw.pop("entries"))
-        layer_map = {int(k): tuple(v) for k, v in raw.pop("layer_map").items()}
-        return cls(entries=entries, layer_map=layer_map, **raw)
-
-
-def _entry_from_dict(raw: dict[str, Any]) -> PlanEntry:
-    layout = dict(raw.pop("layout"))
-    layout["pieces"] = tuple(tuple(SliceCopy(**p) for p in rank) for rank in layout["pieces"])
-    for key in ("mesh_dims", "mesh_shape", "placements", "local_shape"):
-        layout[key] = tuple(layout[key])
-    return PlanEntry(**{**raw, "shape": tuple(raw["shape"]), "layout": SourceLayout(**layout)})
-
-
-# --- building --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _ParamSpec:
+class ParamSpec:
     """What the owning rank knows about one parameter; exchanged with every other rank."""
 
     global_name: str
@@ -148,7 +47,7 @@ class RankContribution:
     Small and picklable; ``build_export_plan`` exchanges one per rank in a single object gather.
     """
 
-    specs: tuple[_ParamSpec, ...]
+    specs: tuple[ParamSpec, ...]
     layer_map: dict[int, tuple[int, int]]
     errors: tuple[str, ...]
 
@@ -193,11 +92,11 @@ def rank_contribution(
     return RankContribution(specs=tuple(specs), layer_map=_local_layer_map(chunks, pp_rank), errors=tuple(errors))
 
 
-def current_sizes(chunks: list[torch.nn.Module]) -> "_ParallelSizes":
+def current_sizes(chunks: list[torch.nn.Module]) -> "ParallelSizes":
     """The parallel sizes of this job (Megatron's parallel state) and the model's expert count."""
     from megatron.core import parallel_state as ps
 
-    return _ParallelSizes(
+    return ParallelSizes(
         tp=ps.get_tensor_model_parallel_world_size(),
         pp=ps.get_pipeline_model_parallel_world_size(),
         ep=ps.get_expert_model_parallel_world_size(),
@@ -209,7 +108,7 @@ def current_sizes(chunks: list[torch.nn.Module]) -> "_ParallelSizes":
 
 
 def assemble_plan(
-    contributions: list[RankContribution], sizes: "_ParallelSizes", config: Any, model_bridge: Any, hf_pretrained: Any
+    contributions: list[RankContribution], sizes: "ParallelSizes", config: Any, model_bridge: Any, hf_pretrained: Any
 ) -> ExportPlan:
     """The plan from every rank's contribution (pure: the same on every rank). ``config``: the
     Megatron model config (QKV placement reads its head counts)."""
@@ -228,7 +127,7 @@ def assemble_plan(
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class _ParallelSizes:
+class ParallelSizes:
     tp: int
     pp: int
     ep: int
@@ -248,13 +147,13 @@ def _sort_key(name: str):
     return extract_sort_key(name)
 
 
-def _local_spec(task: Any, pp_rank: int) -> _ParamSpec:
+def _local_spec(task: Any, pp_rank: int) -> ParamSpec:
     try:
         placement = placement_kind(task.mapping, task.megatron_module)
     except PlacementError as err:
         raise PlanError(f"cannot plan {task.global_param_name}: {err}") from err
     weight = task.param_weight
-    return _ParamSpec(
+    return ParamSpec(
         global_name=task.global_param_name,
         placement=placement,
         local_shape=tuple(weight.shape),
@@ -266,15 +165,15 @@ def _local_spec(task: Any, pp_rank: int) -> _ParamSpec:
     )
 
 
-def _entries_for(specs: dict[str, _ParamSpec], name: str, sizes: _ParallelSizes, config: Any) -> list[PlanEntry]:
+def _entries_for(specs: dict[str, ParamSpec], name: str, sizes: ParallelSizes, config: Any) -> list[PlanEntry]:
     spec = specs[name]
     if not spec.is_expert:
         return _dense_entries(spec, sizes, config)
-    expert = _expert_number(name)
+    expert = expert_number(name)
     per_rank = sizes.experts_per_rank
     if expert >= per_rank:
         return []  # emitted with its local index's group, under the EP-rank-0 name
-    group = [specs[_with_expert_number(name, expert + k * per_rank)] for k in range(sizes.ep)]
+    group = [specs[with_expert_number(name, expert + k * per_rank)] for k in range(sizes.ep)]
     entries: list[PlanEntry] = []
     for output_index in range(len(spec.placement.hf_names)):
         for owner, member in enumerate(group):
@@ -282,7 +181,7 @@ def _entries_for(specs: dict[str, _ParamSpec], name: str, sizes: _ParallelSizes,
     return entries
 
 
-def _dense_entries(spec: _ParamSpec, sizes: _ParallelSizes, config: Any) -> list[PlanEntry]:
+def _dense_entries(spec: ParamSpec, sizes: ParallelSizes, config: Any) -> list[PlanEntry]:
     per_rank = [
         slices_for(spec.placement, ShardContext(local_shape=spec.local_shape, tp_rank=r, tp_size=sizes.tp, config=config))
         for r in range(sizes.tp)
@@ -292,24 +191,24 @@ def _dense_entries(spec: _ParamSpec, sizes: _ParallelSizes, config: Any) -> list
         pieces = tuple(tuple(c for c in rank if c.hf_name == hf_name) for rank in per_rank)
         replicated = all(rank == pieces[0] for rank in pieces)  # norms, routers, row-parallel biases
         shard_dim = pieces[0][0].dim
-        layout = SourceLayout(
+        sharding = TensorSharding(
             mesh_dims=("tp", "dp"),
             mesh_shape=(sizes.tp, sizes.dp),
             placements=("Replicate()" if replicated or sizes.tp == 1 else f"Shard({shard_dim})", "Replicate()"),
             pieces=pieces if not replicated else pieces[:1],
             local_shape=spec.local_shape,
         )
-        entries.append(_entry(spec, hf_name, _hf_shape(spec.local_shape, layout.pieces), layout))
+        entries.append(_entry(spec, hf_name, _hf_shape(spec.local_shape, sharding.pieces), sharding))
     return entries
 
 
 def _expert_entry(
-    spec: _ParamSpec, output_index: int, owner: int, local_index: int, sizes: _ParallelSizes, config: Any
+    spec: ParamSpec, output_index: int, owner: int, local_index: int, sizes: ParallelSizes, config: Any
 ) -> PlanEntry:
     hf_name = spec.placement.hf_names[output_index]
     ctx = ShardContext(local_shape=spec.local_shape, tp_rank=0, tp_size=1, config=config)
     pieces = (tuple(c for c in slices_for(spec.placement, ctx) if c.hf_name == hf_name),)
-    layout = SourceLayout(
+    sharding = TensorSharding(
         mesh_dims=("ep", "edp"),
         mesh_shape=(sizes.ep, sizes.edp),
         placements=("Owned()" if sizes.ep > 1 else "Replicate()", "Replicate()"),
@@ -318,10 +217,10 @@ def _expert_entry(
         owner_ep_rank=owner,
         local_expert_index=local_index,
     )
-    return _entry(spec, hf_name, _hf_shape(spec.local_shape, pieces), layout)
+    return _entry(spec, hf_name, _hf_shape(spec.local_shape, pieces), sharding)
 
 
-def _entry(spec: _ParamSpec, hf_name: str, shape: tuple[int, ...], layout: SourceLayout) -> PlanEntry:
+def _entry(spec: ParamSpec, hf_name: str, shape: tuple[int, ...], sharding: TensorSharding) -> PlanEntry:
     return PlanEntry(
         hf_name=hf_name,
         shape=shape,
@@ -331,7 +230,7 @@ def _entry(spec: _ParamSpec, hf_name: str, shape: tuple[int, ...], layout: Sourc
         vpp_stage=spec.vpp_stage,
         is_expert=spec.is_expert,
         kind=spec.placement.kind,
-        layout=layout,
+        sharding=sharding,
         source_format=spec.source_format,
     )
 
@@ -342,24 +241,6 @@ def _hf_shape(local_shape: tuple[int, ...], pieces: tuple[tuple[SliceCopy, ...],
     shape = list(local_shape)
     shape[dim] = extent
     return tuple(shape)
-
-
-_EXPERT_NUMBER = re.compile(r"(local_experts\.)(\d+)(\.)|(\.weight|\.bias)(\d+)$")
-
-
-def _expert_number(name: str) -> int:
-    match = _EXPERT_NUMBER.search(name)
-    if match is None:
-        raise PlanError(f"cannot find the expert number in {name!r}")
-    return int(match.group(2) or match.group(5))
-
-
-def _with_expert_number(name: str, number: int) -> str:
-    match = _EXPERT_NUMBER.search(name)
-    if match is None:
-        raise PlanError(f"cannot find the expert number in {name!r}")
-    digits = 2 if match.group(1) else 5
-    return f"{name[: match.start(digits)]}{number}{name[match.end(digits):]}"
 
 
 def _local_layer_map(chunks: list[torch.nn.Module], pp_rank: int) -> dict[int, tuple[int, int]]:
@@ -416,8 +297,3 @@ def _check_complete(entries: list[PlanEntry], expected: set[str] | None) -> None
         )
 
 
-def _numel(shape: Iterable[int]) -> int:
-    total = 1
-    for size in shape:
-        total *= size
-    return total

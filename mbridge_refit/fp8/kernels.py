@@ -1,6 +1,6 @@
-"""CUDA kernels of the blockwise FP8 quantizer (the format and its reference path: ``fp8``).
+"""CUDA kernels of the blockwise FP8 quantizer (format: ``fp8.format``; bits: ``fp8.reference``).
 
-Imported lazily by ``fp8`` (an ImportError where Triton is missing means the torch path runs).
+Imported lazily by ``fp8.quantize`` (an ImportError where Triton is missing means the torch path runs).
 Owns the Triton code, the check that it reproduces the reference bits on this device, and the
 launches. One block body, two launch shapes:
 
@@ -14,7 +14,7 @@ launches. One block body, two launch shapes:
   columns and row strides (elements) must be multiples of ``ALIGNMENT``.
 
 Each program loads one 128x128 block once, takes its amax, and stores the e4m3fn block and its
-fp32 ``scale_inv``, with the rounding ``fp8``'s docstring specifies (IEEE-exact quotients, clamp,
+fp32 ``scale_inv``, with the rounding ``fp8.format`` specifies (IEEE-exact quotients, clamp,
 round-to-nearest-even). The per-element quotient is computed with one reciprocal per block and two
 FMAs (correctly rounded), blocks of tiny values are rescaled by an exact power of two instead of
 taking a division branch, and the clamp is the conversion's saturation (why each is exact:
@@ -25,14 +25,8 @@ once per process, on the current CUDA device, with rounding ties at scale 1 and 
 all-zero block, a block of tiny values, quotients one ulp above 448, partial and strided blocks,
 a tensor of several chunks).
 
-Launch shapes measured on H200 and dropped (README "FP8 export"; their code is in commit
-3636ca2): a 1-D grid finding each block's tensor by a search of the table (2% faster at 28
-tensors per launch, slower with many), a persistent grid, two passes over a block instead of
-holding it in registers, 8 warps, streaming cache hints. Measured and dropped when the block
-quantizer lost its clamp and division branch (script, kernels and results in commit 807c228,
-``scripts/fp8_kernel_variants``): persistent programs looping over blocks with their loads
-software-pipelined through shared memory (cp.async, 2-4 stages, 4-16 warps: 5.43-8.2 ms against
-5.24), int32 offsets, register caps, other chunk sizes, L1-bypassing or streaming cache hints.
+Launch shapes and kernel variants that were measured and dropped are listed, with their
+timings, in ``docs/fp8.md``.
 """
 
 import functools
@@ -43,7 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mbridge_refit import fp8
+from mbridge_refit.fp8.format import BLOCK, FP8_DTYPE, row_piece, scale_shape
+from mbridge_refit.fp8.reference import quantize_reference
 
 logger = logging.getLogger(__name__)
 
@@ -149,13 +144,13 @@ DEFAULT_CONFIG = LaunchConfig()
 
 
 def quantize_single(x: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor) -> None:
-    """Quantize one 2-D CUDA tensor into ``out`` / ``scale_out`` (``fp8.quantize_blockwise``'s contract)."""
+    """Quantize one 2-D CUDA tensor into ``out`` / ``scale_out`` (``fp8.quantize.quantize_blockwise``'s contract)."""
     if x.stride(1) != 1:
         x = x.contiguous()
     rows, cols = x.shape
     block_rows, block_cols = scale_out.shape
     _single_kernel[(block_rows, block_cols)](
-        x, out, scale_out, rows, cols, x.stride(0), out.stride(0), block_cols, BLOCK_SIZE=fp8.BLOCK,
+        x, out, scale_out, rows, cols, x.stride(0), out.stride(0), block_cols, BLOCK_SIZE=BLOCK,
         num_warps=DEFAULT_CONFIG.num_warps,
     )
 
@@ -199,13 +194,13 @@ def _chunks(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, chunk_blocks: int
     """One job cut into runs of whole block rows of about ``chunk_blocks`` blocks each (None: not
     cut): each run is a job of its own with the same blocks."""
     rows, block_cols = x.shape[0], s.shape[1]
-    step = rows if chunk_blocks is None else max(1, chunk_blocks // block_cols) * fp8.BLOCK
-    return [fp8.row_piece(x, q, s, x_row=start, q_row=start, rows=min(step, rows - start)) for start in range(0, rows, step)]
+    step = rows if chunk_blocks is None else max(1, chunk_blocks // block_cols) * BLOCK
+    return [row_piece(x, q, s, x_row=start, q_row=start, rows=min(step, rows - start)) for start in range(0, rows, step)]
 
 
 def launch_grouped(launch: GroupedLaunch) -> None:
     _grouped_kernel[(launch.max_blocks, launch.count)](
-        launch.table, X_DTYPE=_TRITON_DTYPES[launch.dtype], BLOCK_SIZE=fp8.BLOCK, num_warps=launch.num_warps
+        launch.table, X_DTYPE=_TRITON_DTYPES[launch.dtype], BLOCK_SIZE=BLOCK, num_warps=launch.num_warps
     )
 
 
@@ -218,8 +213,8 @@ def usable(kind: str) -> bool:
     probe tensors on this device (checked once per process; a failure is logged with its cause)."""
     try:
         probes = [x for x in _probe_tensors() if kind == "single" or grouped_takes(x)]
-        outputs = [(x, torch.empty(x.shape, dtype=fp8.FP8_DTYPE, device=x.device),
-                    torch.empty(fp8.scale_shape(tuple(x.shape)), device=x.device)) for x in probes]
+        outputs = [(x, torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device),
+                    torch.empty(scale_shape(tuple(x.shape)), device=x.device)) for x in probes]
         if kind == "single":
             for x, q, s in outputs:
                 quantize_single(x, q, s)
@@ -227,7 +222,7 @@ def usable(kind: str) -> bool:
             launch_grouped(grouped_launch(outputs))
         matches = all(_same_bits(q, s, x) for x, q, s in outputs)
     except Exception as err:  # a compiler or driver that cannot build it: the torch path still works
-        logger.warning("the Triton FP8 %s kernel failed to run (%s): not used", kind, _root_cause(err))
+        logger.warning("the Triton FP8 %s kernel failed to run (%s): not used", kind, root_cause(err))
         return False
     if not matches:
         logger.warning("the Triton FP8 %s kernel does not match the reference bits on this device: not used", kind)
@@ -259,12 +254,11 @@ def _probe_tensors() -> list[torch.Tensor]:
 
 
 def _same_bits(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> bool:
-    ref_q, ref_s = torch.empty_like(q), torch.empty_like(scale)
-    fp8._quantize_torch(x, ref_q, ref_s, torch.empty(fp8.padded_shape(tuple(x.shape)), device=x.device))
+    ref_q, ref_s = quantize_reference(x, out=torch.empty_like(q), scale_out=torch.empty_like(scale))
     return torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(scale, ref_s)
 
 
-def _root_cause(err: BaseException) -> str:
+def root_cause(err: BaseException) -> str:
     """The innermost error of a chain (Triton wraps the real compile error in outer ones that
     only point at the call site)."""
     while err.__cause__ is not None:

@@ -1,0 +1,189 @@
+"""The FP8 export transform: a bucketed BF16 export in, the blockwise FP8 stream out.
+
+``quantize_buckets`` quantizes each bucket's weights together (on CUDA one grouped Triton launch
+per bucket and input dtype, where the kernel reproduces the reference bits; else the reference
+path) into cached buffers, and yields each weight's e4m3 data followed by its
+``weight_scale_inv``. ``quantize_blockwise`` quantizes one tensor the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from mbridge_refit.fp8.format import BLOCK, FP8_DTYPE, SCALE_DTYPE, row_piece, scale_shape
+from mbridge_refit.fp8.reference import padded_shape, quantize_reference
+from mbridge_refit.plan.entries import ExportPlan
+from mbridge_refit.runtime.buffers import ExportBuffers
+from mbridge_refit.runtime.selection import RowSelection, materialized
+
+
+def quantize_blockwise(
+    x: torch.Tensor, *, out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None, work: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_reference``'s bits, by the single-tensor Triton kernel on CUDA where it is
+    usable (then ``work`` is not used), else by the reference itself."""
+    if x.is_cuda and x.dim() == 2 and _kernel_usable("single"):
+        out = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device) if out is None else out
+        if scale_out is None:
+            scale_out = torch.empty(scale_shape(tuple(x.shape)), dtype=SCALE_DTYPE, device=x.device)
+        _cuda_kernels().quantize_single(x, out, scale_out)
+        return out, scale_out
+    return quantize_reference(x, out=out, scale_out=scale_out, work=work)
+
+
+def quantize_buckets(
+    buckets: Iterable[list[tuple[str, torch.Tensor | RowSelection]]], plan: ExportPlan, buffers: ExportBuffers
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Turn a bucketed BF16 export (``PlanExporter.export_buckets``, rows selected lazily or not)
+    into the FP8 stream that ``plan`` (an ``fp8_plan``) describes.
+
+    Each quantized weight is yielded as its e4m3fn data, then its ``weight_scale_inv``; tensors
+    already in FP8 (shipped with their own scales) and tensors kept in their dtype pass through.
+    A bucket's weights are quantized together (on CUDA: one grouped kernel launch per bucket and
+    input dtype) into ``buffers`` keyed by position in the bucket, so the outputs stay valid
+    until the generator moves past the bucket (reused across exports when the pool is
+    persistent; how each bucket is quantized is then decided once and kept in ``buffers.memo``).
+    A ``RowSelection`` whose runs start on block rows (and are whole blocks, but for the
+    tensor's last) is quantized run by run from its source: the same blocks, no copy.
+    """
+    scales = {e.scale_of: e for e in plan.entries if e.scale_of is not None}
+    for bucket in buckets:
+        names = tuple(name for name, _ in bucket)
+        quantizer = buffers.memo.get(("fp8", names))
+        if quantizer is None:
+            quantizer = buffers.memo[("fp8", names)] = BucketQuantizer.build(bucket, scales, buffers)
+        quantizer.run([bucket[i][1] for i in quantizer.positions], buffers)
+        for position, (name, tensor) in enumerate(bucket):
+            job = quantizer.job_at.get(position)
+            if job is None:
+                yield name, materialized(tensor)
+            else:
+                yield name, quantizer.q[job]
+                yield quantizer.scale_names[job], quantizer.scales[job]
+
+
+def _block_runs(selection: RowSelection) -> tuple[tuple[int, int, int], ...] | None:
+    """The selection's runs if each is a run of whole block rows of the HF tensor (the last may
+    end the tensor in a partial block), so that quantizing run by run gives the tensor's blocks."""
+    rows = selection.shape[0]
+    aligned = all(hf % BLOCK == 0 and (length % BLOCK == 0 or hf + length == rows) for hf, _, length in selection.runs)
+    return selection.runs if aligned else None
+
+
+@dataclass(kw_only=True, slots=True)
+class BucketQuantizer:
+    """How one export bucket is quantized: which of its tensors, into which buffers, with which
+    launches. Built on the bucket's first export; the launches are re-planned only when the
+    sources' addresses or strides change (a persistent export's sources keep theirs)."""
+
+    positions: tuple[int, ...]  # positions in the bucket of the weights to quantize
+    job_at: dict[int, int]  # position in the bucket -> index into the tuples below
+    scale_names: tuple[str, ...]
+    q: tuple[torch.Tensor, ...]
+    scales: tuple[torch.Tensor, ...]
+    runs: tuple  # per weight: row runs to quantize from a RowSelection's source, or None
+    _sources_key: tuple = ()
+    _grouped: list = dataclasses.field(default_factory=list)  # kernels.GroupedLaunch, one per input dtype
+    _singles: tuple[int, ...] = ()  # jobs (see _jobs) quantized one launch each (unaligned, or no grouped kernel)
+
+    @classmethod
+    def build(cls, bucket: list[tuple[str, Any]], scales: dict, buffers: ExportBuffers) -> "BucketQuantizer":
+        positions, scale_names, q, s, runs = [], [], [], [], []
+        for position, (name, tensor) in enumerate(bucket):
+            entry = scales.get(name)
+            if entry is None or tensor.dtype == FP8_DTYPE:  # FP8 already: shipped with its own scale
+                continue
+            index = len(positions)
+            positions.append(position)
+            scale_names.append(entry.hf_name)
+            q.append(buffers.get("fp8", index, tuple(tensor.shape), FP8_DTYPE, tensor.device))
+            s.append(buffers.get("fp8_scale", index, entry.shape, SCALE_DTYPE, tensor.device))
+            runs.append(_block_runs(tensor) if isinstance(tensor, RowSelection) else None)
+        return cls(
+            positions=tuple(positions), job_at={p: i for i, p in enumerate(positions)}, scale_names=tuple(scale_names),
+            q=tuple(q), scales=tuple(s), runs=tuple(runs),
+        )
+
+    def run(self, sources: list, buffers: ExportBuffers) -> None:
+        """Quantize this export's ``sources`` (the bucket's tensors at ``positions``)."""
+        sources = self._resolved(sources)
+        key = tuple((x.data_ptr(), x.stride(0) if x.dim() else 0) for x in sources)
+        if key != self._sources_key:
+            self._plan_launches(sources)
+            self._sources_key = key
+        for launch in self._grouped:
+            _cuda_kernels().launch_grouped(launch)
+        jobs = list(self._jobs(sources)) if self._singles else []  # views of this export's sources
+        for source, q, scale in (jobs[i] for i in self._singles):
+            work = None
+            if not (source.is_cuda and _kernel_usable("single")):
+                work = buffers.get("fp8_work", 0, padded_shape(tuple(source.shape)), torch.float32, source.device)
+            quantize_blockwise(source, out=q, scale_out=scale, work=work)
+
+    @property
+    def launches(self) -> int:
+        """Kernel launches per run: grouped launches plus one per job quantized alone."""
+        return len(self._grouped) + len(self._singles)
+
+    @property
+    def grouped_launches(self) -> tuple:
+        """The grouped launches (``kernels.GroupedLaunch``) a run makes, for benchmarks."""
+        return tuple(self._grouped)
+
+    def jobs(self, sources: list) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The ``(source, q, scale)`` jobs ``run`` quantizes for these sources (for benchmarks)."""
+        return list(self._jobs(self._resolved(sources)))
+
+    def _resolved(self, sources: list) -> list[torch.Tensor]:
+        """What is read: a selection's source where it is quantized by runs, else a tensor (the
+        bucket's items at ``positions`` have the kinds they had when this was built)."""
+        return [x.source if runs is not None else materialized(x) for x, runs in zip(sources, self.runs)]
+
+    def _jobs(self, sources: list[torch.Tensor]) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """``(source, q, scale)`` triples: one per weight, or one per row run of a selection."""
+        for source, q, scale, runs in zip(sources, self.q, self.scales, self.runs):
+            if runs is None:
+                yield source, q, scale
+            else:
+                yield from (row_piece(source, q, scale, x_row=x_row, q_row=q_row, rows=rows) for q_row, x_row, rows in runs)
+
+    def _plan_launches(self, sources: list[torch.Tensor]) -> None:
+        kernels = _cuda_kernels() if _kernel_usable("grouped") else None
+        by_dtype: dict[torch.dtype, list] = {}
+        singles = []
+        for i, job in enumerate(self._jobs(sources)):
+            if kernels is not None and kernels.grouped_takes(job[0]):
+                by_dtype.setdefault(job[0].dtype, []).append(job)
+            else:
+                singles.append(i)
+        # Kept: job numbers and launch tables of raw pointers, no tensors (the pool outlives an
+        # export; holding views would keep a trainer's offloaded parameters alive).
+        self._singles = tuple(singles)
+        self._grouped = [kernels.grouped_launch(jobs) for jobs in by_dtype.values()]
+
+
+@functools.cache
+def _cuda_kernels():
+    """The ``fp8.kernels`` module, or None where Triton is not installed (then the torch path runs)."""
+    try:
+        from mbridge_refit.fp8 import kernels
+    except ImportError:
+        return None
+    return kernels
+
+
+def _kernel_usable(kind: str) -> bool:
+    kernels = _cuda_kernels()
+    return kernels is not None and kernels.usable(kind)
+
+
+def quantizer_path() -> str:
+    """``"triton-grouped"``, ``"triton"`` or ``"torch"``: what the FP8 export uses for CUDA tensors here."""
+    if not torch.cuda.is_available():
+        return "torch"
+    return "triton-grouped" if _kernel_usable("grouped") else "triton" if _kernel_usable("single") else "torch"

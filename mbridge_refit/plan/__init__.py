@@ -1,0 +1,6 @@
+"""Plan-time metadata: parallel layouts, slice placements, storage formats and the export plan.
+
+Nothing here moves tensor data. ``layout`` (how a model is split), ``placement`` (where each HF
+tensor's slices sit in a rank's shard), ``storage`` (how the trainer stores a parameter),
+``entries`` (the plan's types, JSON) and ``build`` (the plan from a model, once per model).
+"""

@@ -1,0 +1,141 @@
+"""The export plan's types: every HF tensor an export yields, in order, and where its pieces live.
+
+``ExportPlan`` is identical on every rank and JSON-serialisable (``to_json`` / ``from_json``) for
+another process (a refit receiver, an engine). Each ``PlanEntry`` names one HF tensor (shape,
+dtype, the Megatron parameter it comes from, its owning pipeline stage) and its
+``TensorSharding``: how the tensor's slices are laid out across the trainer's ranks. Built by
+``plan.build``; run by ``runtime.exporter``.
+
+Ordering follows Megatron-Bridge's stock export exactly: conversion tasks sorted by global
+Megatron name, each task's HF tensors in mapping order (q, k, v; gate, up), expert tensors of one
+local expert index grouped over expert-parallel ranks, and the tied output weight right after the
+embedding when the checkpoint names it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+
+from mbridge_refit.plan.placement import SliceCopy
+from mbridge_refit.plan.storage import PLAIN
+
+
+class PlanError(ValueError):
+    """The model has a parameter the plan cannot describe (named in the message)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TensorSharding:
+    """How one HF tensor is laid out across the trainer's ranks, in HF coordinates.
+
+    Non-expert tensors live on the (tp, dp) mesh of their pipeline stage; expert tensors on the
+    (ep, expert-dp) mesh with expert-TP 1, owned whole by ``owner_ep_rank``. ``placements``
+    reads like DTensor's: ``Shard(d)`` or ``Replicate()`` for each mesh dimension.
+    ``pieces[r]`` lists where tensor-parallel rank ``r`` keeps its slices of this HF tensor
+    inside its local Megatron parameter (one entry when not tensor-parallel).
+    """
+
+    mesh_dims: tuple[str, str]
+    mesh_shape: tuple[int, int]
+    placements: tuple[str, str]
+    pieces: tuple[tuple[SliceCopy, ...], ...]
+    local_shape: tuple[int, ...]
+    owner_ep_rank: int | None = None
+    local_expert_index: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanEntry:
+    """One HF tensor the export yields."""
+
+    hf_name: str
+    shape: tuple[int, ...]
+    dtype: str
+    megatron_param: str
+    pp_rank: int
+    vpp_stage: int
+    is_expert: bool
+    kind: str
+    sharding: TensorSharding
+    alias_of: str | None = None  # tied output weight: the same data as this entry
+    scale_of: str | None = None  # FP8 export: the blockwise scale of this weight entry (``fp8``)
+    source_format: str = PLAIN  # how the trainer stores the parameter (``plan.storage``)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return numel(self.shape) * torch.empty((), dtype=self.torch_dtype).element_size()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ExportPlan:
+    """All entries in export order, the layer map, and the layout the plan was built for."""
+
+    entries: tuple[PlanEntry, ...]
+    layer_map: dict[int, tuple[int, int]]  # global layer index -> (pp rank, vpp stage)
+    tp: int
+    pp: int
+    ep: int
+    vpp: int
+
+    def names(self) -> list[str]:
+        return [e.hf_name for e in self.entries]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    def to_json(self) -> str:
+        payload = dataclasses.asdict(self)
+        payload["layer_map"] = {str(k): list(v) for k, v in self.layer_map.items()}
+        return json.dumps(payload, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ExportPlan":
+        raw = json.loads(text)
+        entries = tuple(_entry_from_dict(e) for e in raw.pop("entries"))
+        layer_map = {int(k): tuple(v) for k, v in raw.pop("layer_map").items()}
+        return cls(entries=entries, layer_map=layer_map, **raw)
+
+
+def _entry_from_dict(raw: dict[str, Any]) -> PlanEntry:
+    sharding = dict(raw.pop("sharding"))
+    sharding["pieces"] = tuple(tuple(SliceCopy(**p) for p in rank) for rank in sharding["pieces"])
+    for key in ("mesh_dims", "mesh_shape", "placements", "local_shape"):
+        sharding[key] = tuple(sharding[key])
+    return PlanEntry(**{**raw, "shape": tuple(raw["shape"]), "sharding": TensorSharding(**sharding)})
+
+
+
+_EXPERT_NUMBER = re.compile(r"(local_experts\.)(\d+)(\.)|(\.weight|\.bias)(\d+)$")
+
+
+def expert_number(name: str) -> int:
+    match = _EXPERT_NUMBER.search(name)
+    if match is None:
+        raise PlanError(f"cannot find the expert number in {name!r}")
+    return int(match.group(2) or match.group(5))
+
+
+def with_expert_number(name: str, number: int) -> str:
+    match = _EXPERT_NUMBER.search(name)
+    if match is None:
+        raise PlanError(f"cannot find the expert number in {name!r}")
+    digits = 2 if match.group(1) else 5
+    return f"{name[: match.start(digits)]}{number}{name[match.end(digits):]}"
+
+
+def numel(shape: Iterable[int]) -> int:
+    total = 1
+    for size in shape:
+        total *= size
+    return total

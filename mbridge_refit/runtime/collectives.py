@@ -1,0 +1,80 @@
+"""Process groups the export uses, and the gathers and broadcasts it issues over them.
+
+``ParallelGroups`` is read once from Megatron's parallel state when an exporter is built. Gathers
+write straight into caller-given buffers (``all_gather_into_tensor`` on NCCL; gloo, which lacks
+it, gathers into views of the same buffer). FP8 tensors travel as bytes: gloo has no float8
+types, and the bits are what matter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParallelGroups:
+    """This rank's model-parallel groups, sizes and ranks (as Megatron's parallel state has them)."""
+
+    tp: Any
+    ep: Any
+    pp: Any
+    tp_size: int
+    ep_size: int
+    pp_size: int
+    pp_rank: int
+    ep_rank: int
+    tp_rank: int
+
+
+def current_groups() -> ParallelGroups:
+    from megatron.core import parallel_state as ps
+
+    return ParallelGroups(
+        tp=ps.get_tensor_model_parallel_group(),
+        ep=ps.get_expert_model_parallel_group(),
+        pp=ps.get_pipeline_model_parallel_group(),
+        tp_size=ps.get_tensor_model_parallel_world_size(),
+        ep_size=ps.get_expert_model_parallel_world_size(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+    )
+
+
+def is_rank_zero() -> bool:
+    """True on global rank 0, or when no process group exists."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def coalesced(group: Any, count: int, device: torch.device):
+    """One NCCL group for the ``count`` collectives issued in the block (a no-op on gloo or for one)."""
+    if count < 2 or dist.get_backend(group) != "nccl":
+        return contextlib.nullcontext()
+    return dist._coalescing_manager(group=group, device=device)
+
+
+def gather_into(out: torch.Tensor, local: torch.Tensor, group: Any, size: int) -> None:
+    """All-gather ``local`` into ``out``, whose dim 0 is ``size`` rank-major copies of it."""
+    local, out = wire_view(local.contiguous()), wire_view(out)
+    if dist.get_backend(group) == "gloo":  # gloo has no all_gather_into_tensor
+        dist.all_gather([part.view(local.shape) for part in out.chunk(size, dim=0)], local, group=group)
+    else:
+        dist.all_gather_into_tensor(out, local, group=group)
+
+
+def broadcast_from(tensor: torch.Tensor, group: Any, group_rank: int) -> None:
+    """Broadcast ``tensor`` (in place) from ``group_rank`` of ``group``."""
+    dist.broadcast(wire_view(tensor), src=dist.get_global_rank(group, group_rank), group=group)
+
+
+def wire_view(tensor: torch.Tensor) -> torch.Tensor:
+    """FP8 tensors travel as bytes (gloo has no float8 types; the bits are what matter)."""
+    if tensor.dtype.is_floating_point and tensor.element_size() == 1:
+        return tensor.view(torch.uint8)
+    return tensor

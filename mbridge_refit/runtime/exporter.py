@@ -1,0 +1,253 @@
+"""``PlanExporter``: runs an ``ExportPlan`` on this rank, bucket by bucket, every step.
+
+For each bucket (``schedule.build_buckets``), on the pipeline stage that owns it, every gather
+of the bucket is issued in one coalesced NCCL group, then the HF tensors are built as each
+entry's ``Assembly`` says (views where the HF tensor is a slice of a shard, all-gathers straight
+into the output, one copy per piece otherwise); experts are gathered over the expert-parallel
+group; each HF tensor is then broadcast from the owning stage to the other pipeline stages.
+Every rank yields every tensor, in plan order (the stock export's order).
+
+Buffers (gather, output, receive) come from ``ExportBuffers``; with a persistent pool they are
+allocated on the first export and reused by every later one.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+
+from mbridge_refit.plan.entries import ExportPlan, PlanEntry
+from mbridge_refit.runtime.buffers import ExportBuffers
+from mbridge_refit.runtime.collectives import ParallelGroups, broadcast_from, coalesced, current_groups, gather_into
+from mbridge_refit.runtime.schedule import Assembly, AssemblyKind, Bucket, Op, build_buckets, build_ops
+from mbridge_refit.runtime.selection import RowSelection
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_BYTES = 512 << 20
+
+ShardSource = Callable[[str, PlanEntry, Any, ExportBuffers], torch.Tensor]
+"""``source(name, entry, slot, buffers)``: this rank's local shard of parameter ``name`` as the
+export of plan entry ``entry`` (the first entry the parameter yields) reads it. Called once per
+export for each parameter this rank holds, inside its bucket; a source that has to build the
+shard (dequantize, copy) writes it into ``buffers`` under ``slot`` so that shards of one bucket
+never share memory."""
+
+
+def plain_shards(params: Mapping[str, torch.Tensor]) -> ShardSource:
+    """The parameters themselves (views and gathers read them in place)."""
+    return lambda name, entry, slot, buffers: params[name]
+
+
+@dataclass(kw_only=True)
+class PlanExporter:
+    """Executes a plan for one model on this rank. Built once per (bridge, model); reused.
+
+    ``bucket_bytes``: the gathers of consecutive whole layers, up to this many output bytes, are
+    issued as one coalesced NCCL group (one launch instead of one per parameter); 0 coalesces
+    only one parameter's gathers (q, k, v or gate, up). Larger buckets keep more gathered
+    layers alive at once (cached buffers grow with the bucket). gloo runs the same gathers one
+    by one.
+    """
+
+    plan: ExportPlan
+    params: dict[str, torch.Tensor]  # global Megatron name -> local parameter (owned ones only)
+    device: torch.device
+    shards: ShardSource | None = None  # how to read a local shard; default: the parameter itself
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    _ops: list[Op] = field(default_factory=list)
+    _indices: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._aliased = {e.alias_of for e in self.plan.entries if e.alias_of is not None}
+        self._groups: ParallelGroups = current_groups()
+        self._ops = build_ops(self.plan, self.params, self._groups)
+        if self.shards is None:
+            self.shards = plain_shards(self.params)
+        self._buckets_for: dict[tuple[int, int | None], tuple[list[Bucket], Any]] = {}
+
+    def buckets(self, sizes: Mapping[str, int] | None = None) -> list[Bucket]:
+        """The buckets an export runs (built once per ``bucket_bytes`` and ``sizes`` mapping)."""
+        key = (self.bucket_bytes, None if sizes is None else id(sizes))
+        cached = self._buckets_for.get(key)
+        if cached is None:
+            # the sizes are kept with the buckets built from them, so their id stays theirs
+            cached = self._buckets_for[key] = (build_buckets(self._ops, self.bucket_bytes, self._groups, sizes), sizes)
+        return cached[0]
+
+    def export(self, buffers: ExportBuffers, *, cpu: bool = False, show_progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(hf_name, tensor)`` for every plan entry (collective: every rank, to the end)."""
+        for bucket in self.export_buckets(buffers, show_progress=show_progress):
+            for name, tensor in bucket:
+                yield name, (tensor.cpu() if cpu else tensor)
+
+    def export_buckets(
+        self, buffers: ExportBuffers, *, show_progress: bool = False, select_rows_lazily: bool = False,
+        bucket_sizes: Mapping[str, int] | None = None,
+    ) -> Iterator[list[tuple[str, torch.Tensor | RowSelection]]]:
+        """Yield the ``(hf_name, tensor)`` pairs of one bucket at a time, in plan order.
+
+        Collective like ``export``. The tensors of a bucket are all valid together, until the
+        next bucket is requested (a transform can then work on a whole bucket at once: the FP8
+        quantizer runs one kernel per bucket). With ``select_rows_lazily``, a tensor that would
+        be copied row run by row run out of one local tensor (``INDEX`` assemblies: q, k, v of
+        grouped-query attention without tensor parallelism) is yielded as a ``RowSelection``
+        (not where it is broadcast to other pipeline stages or aliased); the caller
+        materializes what it does not read by rows. ``bucket_sizes``: bytes each HF tensor counts
+        for towards ``bucket_bytes`` (default: its plan entry's); a transform that yields another
+        dtype (the FP8 export) sizes buckets by what it yields. The same mapping object must be
+        passed on every rank and every export (buckets are built once per mapping).
+        """
+        progress = _progress(len(self.plan.entries), show_progress)
+        yielded: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for bucket in self.buckets(bucket_sizes):
+                items = self._bucket_items(bucket, buffers, yielded, select_rows_lazily)
+                yield items
+                progress.update(len(items))
+        progress.close()
+
+    def _bucket_items(
+        self, bucket: Bucket, buffers: ExportBuffers, yielded: dict[str, torch.Tensor], select_rows_lazily: bool
+    ) -> list[tuple[str, torch.Tensor | RowSelection]]:
+        assembled = self._assemble_bucket(bucket, buffers)
+        lazy = select_rows_lazily and self._groups.pp_size == 1
+        items: list[tuple[str, torch.Tensor | RowSelection]] = []
+        for slot, op in enumerate(bucket.ops):
+            for index, entry in enumerate(op.entries):
+                if entry.alias_of is not None:
+                    items.append((entry.hf_name, yielded.pop(entry.alias_of)))
+                    continue
+                tensor = assembled[slot][index] if assembled[slot] else None
+                if isinstance(tensor, RowSelection) and (not lazy or entry.hf_name in self._aliased):
+                    tensor = tensor.materialize()
+                if self._groups.pp_size > 1:
+                    tensor = self._broadcast_from_stage(entry, tensor, (slot, index), buffers)
+                if entry.hf_name in self._aliased:
+                    yielded[entry.hf_name] = tensor
+                items.append((entry.hf_name, tensor))
+        return items
+
+    def _assemble_bucket(self, bucket: Bucket, buffers: ExportBuffers) -> list[list[torch.Tensor] | None]:
+        """Gather every op of ``bucket`` this stage owns (one coalesced group), then build the
+        HF tensors from the gathered shards; ``None`` for ops of other stages."""
+        if bucket.pp_rank != self._groups.pp_rank:
+            return [None] * len(bucket.ops)
+        group = self._groups.ep if bucket.expert else self._groups.tp
+        gathered: list[dict] = []
+        with coalesced(group, bucket.gathers, self.device):
+            for slot, op in enumerate(bucket.ops):
+                gathered.append(self._launch_gathers(op, slot, buffers) if op.source is not None else {})
+        return [
+            self._assemble(op, slot, gathered[slot], buffers) if op.source is not None else None
+            for slot, op in enumerate(bucket.ops)
+        ]
+
+    def _launch_gathers(self, op: Op, slot: int, buffers: ExportBuffers) -> dict:
+        """Issue ``op``'s gathers: row gathers straight into outputs, or whole shards."""
+        groups = self._groups
+        local = self.shards(op.source, op.entries[0], slot, buffers).detach()
+        if op.expert:
+            return {"whole": _gather(local, groups.ep, groups.ep_size, buffers, "ep_gather", slot)}
+        launched: dict = {"local": local}
+        for i, assembly in enumerate(op.assemblies):
+            if assembly.kind is AssemblyKind.GATHER_ROWS:
+                launched[i] = self._gather_rows(op.entries[i], assembly, local, buffers, (slot, i))
+        if op.gathers_whole_shards:
+            launched["whole"] = _gather(local, groups.tp, groups.tp_size, buffers, "tp_gather", slot)
+        return launched
+
+    def _assemble(self, op: Op, slot: int, launched: dict, buffers: ExportBuffers) -> list[torch.Tensor]:
+        if op.expert:
+            whole = launched["whole"]
+            return [
+                self._from_pieces(entry, assembly, whole[entry.sharding.owner_ep_rank].unsqueeze(0), buffers, (slot, i))
+                for i, (entry, assembly) in enumerate(zip(op.entries, op.assemblies))
+            ]
+        outputs: list[torch.Tensor] = []
+        for i, (entry, assembly) in enumerate(zip(op.entries, op.assemblies)):
+            if i in launched:
+                outputs.append(launched[i])
+            elif assembly.kind is AssemblyKind.PIECES and op.sharded_over_tp:
+                outputs.append(self._from_pieces(entry, assembly, launched["whole"], buffers, (slot, i)))
+            else:
+                outputs.append(self._from_pieces(entry, assembly, launched["local"].unsqueeze(0), buffers, (slot, i)))
+        return outputs
+
+    def _gather_rows(
+        self, entry: PlanEntry, assembly: Assembly, local: torch.Tensor, buffers: ExportBuffers, index: tuple
+    ) -> torch.Tensor:
+        if assembly.rows is None:
+            packed = local.narrow(0, assembly.start, assembly.length)
+        else:
+            rows = self._device_rows(entry, assembly)
+            packed = buffers.get("pack", index, (rows.numel(), *local.shape[1:]), local.dtype, local.device)
+            torch.index_select(local, 0, rows, out=packed)
+        out = buffers.get("out", index, entry.shape, local.dtype, local.device)
+        gather_into(out, packed, self._groups.tp, self._groups.tp_size)
+        return out
+
+    def _from_pieces(
+        self, entry: PlanEntry, assembly: Assembly, gathered: torch.Tensor, buffers: ExportBuffers, index: tuple
+    ) -> torch.Tensor | RowSelection:
+        """Build the HF tensor from ``gathered`` [ranks, *local_shape] as ``assembly`` says."""
+        if assembly.kind is AssemblyKind.VIEW:
+            flat = gathered.reshape(-1, *gathered.shape[2:])
+            return flat.narrow(0, assembly.start, assembly.length)
+        if assembly.kind is AssemblyKind.INDEX:
+            flat = gathered.reshape(-1, *gathered.shape[2:])
+            return RowSelection(flat, assembly.spans, entry.shape, lambda: torch.index_select(
+                flat, 0, self._device_rows(entry, assembly),
+                out=buffers.get("out", index, entry.shape, gathered.dtype, gathered.device),
+            ))
+        out = buffers.get("out", index, entry.shape, gathered.dtype, gathered.device)
+        for rank, copy in assembly.pieces:
+            out.narrow(copy.dim, copy.hf_start, copy.length).copy_(
+                gathered[rank].narrow(copy.dim, copy.local_start, copy.length)
+            )
+        return out
+
+    def _device_rows(self, entry: PlanEntry, assembly: Assembly) -> torch.Tensor:
+        key = (entry.hf_name, str(self.device))
+        rows = self._indices.get(key)
+        if rows is None:
+            rows = self._indices[key] = assembly.rows.to(self.device)
+        return rows
+
+    def _broadcast_from_stage(
+        self, entry: PlanEntry, tensor: torch.Tensor | None, index: tuple, buffers: ExportBuffers
+    ) -> torch.Tensor:
+        if tensor is None:
+            tensor = buffers.get("recv", index, entry.shape, entry.torch_dtype, self.device)
+        elif not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+        broadcast_from(tensor, self._groups.pp, entry.pp_rank)
+        return tensor
+
+
+def _gather(local: torch.Tensor, group: Any, size: int, buffers: ExportBuffers, role: str, index: Any) -> torch.Tensor:
+    """All-gather ``local`` over ``group`` into a [size, *local.shape] buffer."""
+    if size == 1:
+        return local.unsqueeze(0)
+    out = buffers.get(role, index, (size, *local.shape), local.dtype, local.device)
+    gather_into(out, local, group, size)
+    return out
+
+
+def _progress(total: int, show: bool):
+    if show:
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc="export", unit="tensor", leave=False)
+    return _NoProgress()
+
+
+class _NoProgress:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,139 @@
+"""The package's structure: every module imports on its own, no import cycle, layers point down.
+
+The import graph is read from the source (AST), counting imports inside functions and under
+``TYPE_CHECKING`` too: a lazy import is still a dependency.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "mbridge_refit"
+
+# Lowest first. A module may import modules of its own layer or of lower layers only.
+LAYERS = (
+    ("plan",),
+    ("runtime",),
+    ("fp8",),
+    ("checkpoints", "checkpoint", "loader", "megatron_checkpoint"),
+    ("sinks",),
+    ("engines", "transfer"),
+    ("bridge",),
+    ("tools", "verify_refit"),
+    ("convert", "cli"),
+)
+
+
+def package_modules(root: Path = PACKAGE) -> dict[str, Path]:
+    """Dotted module name -> file, for every module of the package (packages by their __init__)."""
+    modules = {}
+    for path in sorted(root.rglob("*.py")):
+        dotted = ".".join(path.relative_to(root.parent).with_suffix("").parts)
+        modules[dotted.removesuffix(".__init__")] = path
+    return modules
+
+
+def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the package modules it imports (a package's __init__ re-exporting its own
+    children is not counted as depending on them)."""
+    graph = {name: set() for name in modules}
+    for name, path in modules.items():
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text())):
+            for target in _import_targets(node, name, is_package):
+                resolved = _resolve(target, modules)
+                if resolved and resolved != name and not (is_package and resolved.startswith(name + ".")):
+                    graph[name].add(resolved)
+    return graph
+
+
+def _import_targets(node: ast.AST, module: str, is_package: bool) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if not isinstance(node, ast.ImportFrom):
+        return []
+    base = node.module or ""
+    if node.level:
+        parts = module.split(".") if is_package else module.split(".")[:-1]
+        parts = parts[: len(parts) - node.level + 1]
+        base = ".".join(parts + ([base] if base else []))
+    return [f"{base}.{alias.name}" for alias in node.names] + [base]
+
+
+def _resolve(target: str, modules: dict[str, Path]) -> str | None:
+    while target and target not in modules:
+        target = target.rpartition(".")[0]
+    return target or None
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path that starts and ends at the same module, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start)):
+            return cycle
+    return None
+
+
+def layer_of_module(module: str) -> int:
+    top = module.split(".")[1] if "." in module else ""
+    for index, names in enumerate(LAYERS):
+        if top in names:
+            return index
+    raise AssertionError(f"{module} belongs to no layer: add its top-level name to LAYERS in {__file__}")
+
+
+MODULES = package_modules()
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_module_imports_alone(module):
+    """Each module imports in a fresh interpreter (no hidden order dependency, no cycle at import)."""
+    proc = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_no_import_cycle():
+    cycle = find_cycle(import_graph(MODULES))
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_lower_layers_never_import_higher_ones():
+    graph = import_graph(MODULES)
+    upward = [
+        f"{module} (layer {layer_of_module(module)}) imports {target} (layer {layer_of_module(target)})"
+        for module, targets in graph.items() if module != "mbridge_refit"
+        for target in targets if target != "mbridge_refit" and layer_of_module(target) > layer_of_module(module)
+    ]
+    assert not upward, "\n".join(upward)
+
+
+def test_cycle_finder_finds_a_cycle(tmp_path):
+    """Control: the check fails when a cycle is introduced (a package whose modules import each other)."""
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "a.py").write_text("def f():\n    from pkg.sub import b\n")
+    (package / "sub" / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import a\n")
+    cycle = find_cycle(import_graph(package_modules(package)))
+    assert cycle is not None and set(cycle) == {"pkg.a", "pkg.sub.b"}
