@@ -33,11 +33,15 @@ import torch.distributed as dist
 logger = logging.getLogger("bench_export")
 
 
-def hf_config(name: str):
-    """A full-size shape from recipes/shapes/ (config only; the weights are random)."""
+def hf_config(name: str, layers: int | None = None):
+    """A full-size shape from recipes/shapes/ (config only; the weights are random), optionally
+    cut to its first ``layers`` layers (every layer keeps the shape's widths and expert count)."""
     from mbridge_refit.tools.recipes import full_size_config
 
-    return full_size_config(name)
+    config = full_size_config(name)
+    if layers is not None:
+        config.num_hidden_layers = layers
+    return config
 
 
 def timed_export(make_stream) -> tuple[float, int, int, int]:
@@ -297,11 +301,11 @@ def run(args) -> dict:
     layout = ParallelLayout(tp=args.tp, pp=args.pp, ep=args.ep)
     device = torch.device("cuda")
     with distributed_session(layout, device=device, timeout=datetime.timedelta(minutes=10)) as env:
-        bridge = RefitBridge.from_hf_config(hf_config(args.model))
+        bridge = RefitBridge.from_hf_config(hf_config(args.model, args.layers))
         chunks = build_model(bridge, layout, BuildOptions(device=device, params_dtype=torch.bfloat16))
         from megatron.bridge import AutoBridge
 
-        stock_bridge = AutoBridge.from_hf_config(hf_config(args.model))  # the unmodified upstream class
+        stock_bridge = AutoBridge.from_hf_config(hf_config(args.model, args.layers))  # the unmodified upstream class
         steady = args.steady
 
         def stock():
@@ -353,7 +357,7 @@ def run(args) -> dict:
         floor = clone_floor_ms(plan.total_bytes)
         gather_floor = gather_floor_ms(plan.total_bytes)
         row = dict(
-            device=torch.cuda.get_device_name(), world_size=env.world_size, model=args.model, layout=layout.name,
+            device=torch.cuda.get_device_name(), world_size=env.world_size, model=args.model if args.layers is None else f"{args.model}-{args.layers}layers", layout=layout.name,
             tensors=len(plan.entries), bytes=plan.total_bytes, plan_build_ms=plan_ms, clone_floor_ms=floor,
             gather_floor_ms=gather_floor,
             stock_first_ms=results["stock"]["first_ms"], stock_steady_ms=results["stock"]["steady_ms"],
@@ -469,6 +473,7 @@ def print_table(row: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-8b", help="a shape in recipes/shapes/ (default: %(default)s)")
+    parser.add_argument("--layers", type=int, default=None, help="keep only this many layers of the shape (default: all)")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
