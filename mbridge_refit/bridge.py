@@ -33,17 +33,17 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 from megatron.bridge import AutoBridge
 
-from mbridge_refit.checkpoint import HFCheckpoint
+from mbridge_refit.checkpoints.hf import HFCheckpoint
 from mbridge_refit.fp8 import te as te_fp8
 from mbridge_refit.fp8.format import FP8_DTYPE_NAME, BlockwiseFP8Config, FP8FormatError, scale_name
 from mbridge_refit.fp8.plan import fp8_plan, yielded_bytes
 from mbridge_refit.fp8.quantize import quantize_buckets
-from mbridge_refit.loader import LoadReport, load_hf_shards
+from mbridge_refit.checkpoints.loader import LoadReport, load_hf_shards
 from mbridge_refit.plan.build import build_export_plan
 from mbridge_refit.plan.entries import ExportPlan, PlanError
 from mbridge_refit.plan.storage import FP8_BLOCKWISE, is_quantized
 from mbridge_refit.runtime.buffers import ExportBuffers
-from mbridge_refit.runtime.collectives import is_rank_zero
+from mbridge_refit.runtime.collectives import current_rank_groups, is_rank_zero, replica_participants
 from mbridge_refit.runtime.exporter import DEFAULT_BUCKET_BYTES, PlanExporter
 
 logger = logging.getLogger(__name__)
@@ -87,6 +87,7 @@ class _ModelState:
     exporter: PlanExporter | None = None
     plan_error: PlanError | None = None
     fp8: dict[BlockwiseFP8Config, FP8Export] = field(default_factory=dict)
+    participants: dict[int, frozenset[int]] = field(default_factory=dict)  # replica -> ranks its export needs
 
 
 class RefitBridge(AutoBridge):
@@ -196,6 +197,24 @@ class RefitBridge(AutoBridge):
         cached.weights.bucket_bytes = self.bucket_bytes
         return cached
 
+    def takes_part(self, model: list[torch.nn.Module] | torch.nn.Module, replica: int) -> bool:
+        """Whether this rank does export work in ``export_hf_weights(model, replica=replica)``.
+
+        Collective on the first call for a model and replica (plan, then one object gather of
+        every rank's groups); cached afterwards. True on every rank where the model has no plan
+        (the stock fallback needs them all).
+        """
+        chunks = _chunks(model)
+        try:
+            state = self._planned(chunks)
+        except PlanError:
+            return True
+        if replica not in state.participants:
+            everyone: list[Any] = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(everyone, current_rank_groups())
+            state.participants[replica] = replica_participants(everyone, replica)
+        return torch.distributed.get_rank() in state.participants[replica]
+
     def export_diagnostics(self) -> ExportDiagnostics:
         """What this bridge holds for the model it exported last (local to this rank; no collective)."""
         state, buffers = self._model_state, self._buffers
@@ -230,12 +249,22 @@ class RefitBridge(AutoBridge):
         *,
         reuse_buffer_from_cache: bool = False,
         fp8: BlockwiseFP8Config | str | None = None,
+        replica: int | None = None,
     ) -> Iterable[tuple[str, torch.Tensor]]:
         """Yield ``(hf_name, tensor)`` for every HF weight of ``model``, in the bridge's order.
 
         Collective: every rank of the model's process groups must iterate the generator to the
         end, in step (each yielded tensor may need a gather or pipeline broadcast). Every rank
         receives the full HF tensors. The stock positional arguments are unchanged.
+
+        Data-parallel replicas (world = tp x pp x cp x dp): gathers run inside each replica's
+        tensor/pipeline/expert groups, so by default every rank of every replica exports (the
+        stock contract). With ``replica=r`` only the ranks replica r's export needs (its own,
+        plus ranks sharing an expert-parallel group with them, transitively) do export work; every
+        other rank gets an empty iterator and issues no gather and touches no buffer. Every rank
+        must still call this with the same ``replica`` (the first call for a model builds the
+        plan and the participant set collectively); the ranks that get tensors iterate to the end.
+        A model the plan cannot describe falls back to the stock export on every rank.
 
         Args:
             model: the Megatron model chunks (one per virtual pipeline stage), wrapped or not.
@@ -258,6 +287,8 @@ class RefitBridge(AutoBridge):
         chunks = _chunks(model)
         state = self._state_for(chunks)
         fp8_config = _fp8_config(fp8)
+        if replica is not None and not self.takes_part(chunks, replica):
+            return iter(())
         if fp8_config is not None:
             return self._export_fp8(chunks, fp8_config, reuse_buffer_from_cache, cpu=cpu, show_progress=show_progress)
         fast_path = conversion_tasks is None and weight_dtype is None and self.export_weight_dtype != "fp8"

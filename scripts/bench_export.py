@@ -12,7 +12,7 @@ export minus what was allocated before it (the model), from torch.cuda.memory_st
 ``cached_new_allocations_after_first`` counts CUDA caching-allocator allocations made by the
 cached exports after the first one (``allocation.all.allocated``); it must be 0.
 
-Writes one JSON per run (rank 0) to --out-dir (default scripts/results/) and prints a table.
+Writes one JSON per run (rank 0) with its manifest to --out-dir (default benchmarks/results/<date>-<device>/) and prints a table.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import datetime
-import json
 import logging
 import pstats
 import statistics
@@ -29,6 +28,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from mbridge_refit.convert.flags import add_layout_flags, layout_from_flags
+from provenance import results_dir, write_result
 
 logger = logging.getLogger("bench_export")
 
@@ -295,10 +296,9 @@ def allocations() -> int:
 def run(args) -> dict:
     from mbridge_refit.bridge import RefitBridge
     from mbridge_refit.tools.launch import distributed_session
-    from mbridge_refit.plan.layout import ParallelLayout
     from mbridge_refit.tools.model_builder import BuildOptions, build_model
 
-    layout = ParallelLayout(tp=args.tp, pp=args.pp, ep=args.ep)
+    layout = layout_from_flags(args)
     device = torch.device("cuda")
     with distributed_session(layout, device=device, timeout=datetime.timedelta(minutes=10)) as env:
         bridge = RefitBridge.from_hf_config(hf_config(args.model, args.layers))
@@ -474,9 +474,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-8b", help="a shape in recipes/shapes/ (default: %(default)s)")
     parser.add_argument("--layers", type=int, default=None, help="keep only this many layers of the shape (default: all)")
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--ep", type=int, default=1)
+    add_layout_flags(parser)
     parser.add_argument("--steady", type=int, default=5, help="steady-state calls to take the median of")
     parser.add_argument(
         "--compare-bucket-mib", type=lambda text: [int(x) for x in text.split(",") if x], default=[],
@@ -492,7 +490,7 @@ def main() -> None:
         help="launch config of the FP8 kernel (fp8_kernels.LaunchConfig fields, e.g. chunk_blocks=256,num_warps=8; "
         "default: fp8_kernels.DEFAULT_CONFIG)",
     )
-    parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--out-dir", type=Path, default=None, help="default: benchmarks/results/<date>-<device>/")
     args = parser.parse_args()
     if args.fp8_launch:
         set_fp8_launch(args.fp8_launch)
@@ -500,10 +498,9 @@ def main() -> None:
     row = run(args)
     if row:
         print_table(row)
-        args.out_dir.mkdir(parents=True, exist_ok=True)
         variant = "_" + args.fp8_launch.replace("=", "").replace(",", "_") if args.fp8_launch else ""
-        path = args.out_dir / f"export_{row['model']}_{row['layout']}{'_fp8' if args.fp8 else ''}{variant}_{row['device'].split()[-1].lower()}.json"
-        path.write_text(json.dumps(row, indent=2))
+        name = f"export_{row['model']}_{row['layout']}{'_fp8' if args.fp8 else ''}{variant}.json"
+        path = write_result(args.out_dir or results_dir(), name, row)
         print(f"wrote {path}")
 
 

@@ -4,7 +4,7 @@ layer (the export launches one per bucket), q, k and v read run by run from the 
 
 Run on the GPU host (one GPU, no Megatron needed):
 
-    python scripts/bench_fp8_kernels.py --model qwen3-8b --out scripts/results/fp8_kernels.json
+    python scripts/bench_fp8_kernels.py --model qwen3-8b --out benchmarks/results/DATE-DEVICE/fp8_kernels_qwen3-8b.json
 
 The baseline (whole tensors, one table row each) launch's bytes and scales are first checked against the torch reference path (first
 layer), then every config's against the baseline's. Device times are CUDA-event medians. Taken

@@ -8,7 +8,7 @@ Each rank builds its shard of the model on the meta device (no weight memory), t
 
 Reports, per run (rank 0 prints; every rank measures): model build time, plan time, the number
 of plan entries and bytes, and peak RSS of the process (max over ranks). Appends a JSON line to
---out (default scripts/results/plan_scale.jsonl).
+--out (default benchmarks/results/<date>-cpu/plan_scale.jsonl).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from mbridge_refit.convert.flags import add_layout_flags, layout_from_flags
+from provenance import results_dir
 
 
 def peak_rss_gib() -> float:
@@ -29,7 +31,7 @@ def peak_rss_gib() -> float:
 
 
 def append_jsonl(path: Path, row: dict) -> None:
-    """Add one result row to a JSON-lines results file (scripts/results/plan_scale.jsonl)."""
+    """Add one result row to a JSON-lines results file (benchmarks/results/<date>-cpu/plan_scale.jsonl)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as handle:
         handle.write(json.dumps(row) + "\n")
@@ -38,19 +40,16 @@ def append_jsonl(path: Path, row: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-235b-a22b", help="a shape in recipes/shapes/")
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--ep", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "plan_scale.jsonl")
+    add_layout_flags(parser)
+    parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/<date>-cpu/plan_scale.jsonl")
     args = parser.parse_args()
 
     from mbridge_refit.bridge import RefitBridge
     from mbridge_refit.tools.launch import distributed_session
-    from mbridge_refit.plan.layout import ParallelLayout
     from mbridge_refit.tools.model_builder import BuildOptions, build_model
     from mbridge_refit.tools.recipes import full_size_config
 
-    layout = ParallelLayout(tp=args.tp, pp=args.pp, ep=args.ep)
+    layout = layout_from_flags(args)
     cpu = torch.device("cpu")
     with distributed_session(layout, device=cpu, timeout=datetime.timedelta(minutes=20)) as env:
         rss_start = peak_rss_gib()
@@ -76,7 +75,7 @@ def main() -> None:
                 f"peak RSS {row['peak_rss_gib']:.2f} GiB (after imports {row['rss_after_imports_gib']:.2f})",
                 flush=True,
             )
-            append_jsonl(args.out, row)
+            append_jsonl(args.out or results_dir("cpu") / "plan_scale.jsonl", row)
 
 
 if __name__ == "__main__":

@@ -18,14 +18,13 @@ after one warm-up each):
 
 After the packed refit the receiver's model is compared bit for bit with the trainer's export
 (names, dtypes, bytes), through a per-tensor checksum exchanged once. Writes
-scripts/results/refit_broadcast_<model>_<gpu>.json and prints a table.
+benchmarks/results/<date>-<device>/refit_broadcast_<model>.json (with its manifest) and prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import statistics
 import sys
 import time
@@ -33,6 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from provenance import results_dir, write_result
 
 TRAINER, ENGINE = 0, 1
 
@@ -69,7 +69,7 @@ def main() -> None:
         "--sweep", type=_configs, default=[], metavar="MIBxN,...",
         help="also time the transport alone with these buffer configurations (e.g. 256x2,256x4,1024x2)",
     )
-    parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--out-dir", type=Path, default=None, help="default: benchmarks/results/<date>-<device>/")
     parser.add_argument("--stack-dump-s", type=float, default=None, help="print every thread's Python stack and exit after this many seconds (diagnosing a stuck rank)")
     args = parser.parse_args()
     if args.stack_dump_s:
@@ -204,9 +204,7 @@ def main() -> None:
                 date=datetime.date.today().isoformat(),
             )
             print_table(row)
-            args.out_dir.mkdir(parents=True, exist_ok=True)
-            path = args.out_dir / f"refit_broadcast_{args.model}_{row['device'].split()[-1].lower()}.json"
-            path.write_text(json.dumps(row, indent=2))
+            path = write_result(args.out_dir or results_dir(), f"refit_broadcast_{args.model}.json", row)
             print(f"wrote {path}")
     finally:
         teardown()

@@ -23,7 +23,7 @@ equal the hand-dequantized files' (transformers reads the format as written), (2
 relative RMS error <= 2^-4 / sqrt(3) (e4m3's 3 mantissa bits: the RMS of a relative rounding error
 of at most 2^-4), and (3) the FP8 model's relative logit error and mean |d logprob| at most 1.5x
 the control's (rounding noise, not a systematic error such as a misplaced scale). The fixed
-numbers are still reported. Writes scripts/results/fp8_checkpoint_<gpu>.json.
+numbers are still reported. Writes benchmarks/results/<date>-<device>/fp8_checkpoint.json (with its manifest).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import sys
 from pathlib import Path
 
 import torch
+from provenance import results_dir, write_result
 
 CONFIG = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024, "head_dim": 128,
@@ -53,13 +54,13 @@ MAX_OVER_CONTROL = 1.5
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, required=True, help="scratch directory for both checkpoints")
-    parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--out-dir", type=Path, default=None, help="default: benchmarks/results/<date>-<device>/")
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM
 
     from mbridge_refit.tools import recipes
-    from mbridge_refit.verify_refit import compare_logprobs, fixed_tokens, token_logprobs
+    from mbridge_refit.tools.verify_refit import compare_logprobs, fixed_tokens, token_logprobs
 
     bf16_dir, fp8_dir = args.work / "bf16", args.work / "fp8"
     recipe = recipes.ModelRecipe(name="qwen3-fp8-check", hf_config=CONFIG)
@@ -125,8 +126,7 @@ def main() -> None:
         and logprobs.mean_abs_diff <= MAX_OVER_CONTROL * control_logprobs.mean_abs_diff
     )
     print(json.dumps({k: v for k, v in row.items() if k != "config"}, indent=1), flush=True)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"fp8_checkpoint_{row['device'].split()[-1].lower()}.json").write_text(json.dumps(row, indent=2))
+    write_result(args.out_dir or results_dir(), "fp8_checkpoint.json", row)
     sys.exit(0 if row["passed"] else 1)
 
 

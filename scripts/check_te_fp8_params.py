@@ -18,7 +18,7 @@ Builds the shape (``--layers`` decoder layers) with Megatron's TE layer spec and
    is refused with ``FP8FormatError`` before any tensor is exported.
 
 Also times the cached FP8 export against the cached BF16 export of the same model. Writes
-``te_fp8_params_<model>_<layout>_<gpu>.json`` to --out-dir (default scripts/results/).
+``te_fp8_params_<model>_<layout>.json`` with its manifest to --out-dir (default benchmarks/results/<date>-<device>/).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from provenance import results_dir, write_result
 
 BLOCK = 128
 
@@ -201,7 +202,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--check-refusal", action="store_true", help="also build a tensorwise-recipe model and expect a refusal")
-    parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--out-dir", type=Path, default=None, help="default: benchmarks/results/<date>-<device>/")
     parser.add_argument("--stack-dump-s", type=float, default=None, help="print every thread's Python stack and exit after this many seconds (diagnosing a stuck rank)")
     args = parser.parse_args()
     if args.stack_dump_s:
@@ -276,9 +277,7 @@ def main() -> None:
                 torch=torch.__version__, date=datetime.date.today().isoformat(),
             )
             print(json.dumps(row, indent=1), flush=True)
-            args.out_dir.mkdir(parents=True, exist_ok=True)
-            gpu = row["device"].split()[-1].lower()
-            (args.out_dir / f"te_fp8_params_{args.model}_{layout.name}_{gpu}.json").write_text(json.dumps(row, indent=2))
+            write_result(args.out_dir or results_dir(), f"te_fp8_params_{args.model}_{layout.name}.json", row)
             if not row["passed"]:
                 sys.exit(1)
 

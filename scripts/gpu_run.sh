@@ -34,11 +34,11 @@ case "$part" in
     ;;
   sinks)
     step bench_refit_broadcast 230 "${two[@]}" scripts/bench_refit_broadcast.py --model qwen3-8b --sweep 256x2,256x4,1024x2,2048x2 --stack-dump-s 220 --out-dir "$RESULTS"
-    step verify_qwen3-1.7b_tp1 80 python3 -m mbridge_refit.verify_refit --shape qwen3-1.7b --json "$RESULTS/verify_qwen3-1.7b_tp1.json"
-    step verify_qwen3-1.7b_tp2 80 "${two[@]}" -m mbridge_refit.verify_refit --shape qwen3-1.7b --tp 2 --json "$RESULTS/verify_qwen3-1.7b_tp2.json"
+    step verify_qwen3-1.7b_tp1 80 python3 -m mbridge_refit.convert verify-refit --shape qwen3-1.7b --json "$RESULTS/verify_qwen3-1.7b_tp1.json"
+    step verify_qwen3-1.7b_tp2 80 "${two[@]}" -m mbridge_refit.convert verify-refit --shape qwen3-1.7b --tp 2 --json "$RESULTS/verify_qwen3-1.7b_tp2.json"
     # fp32 with cuBLAS TF32 off: does the fp32 difference of the last run come from TF32 GEMMs?
-    step verify_qwen3-1.7b_tp2_fp32_notf32 80 env NVIDIA_TF32_OVERRIDE=0 "${two[@]}" -m mbridge_refit.verify_refit --shape qwen3-1.7b --tp 2 --dtype float32 --json "$RESULTS/verify_qwen3-1.7b_tp2_fp32_notf32.json"
-    step verify_qwen3-tiny_tp1 60 python3 -m mbridge_refit.verify_refit --recipe qwen3-tiny --json "$RESULTS/verify_qwen3-tiny_tp1.json"
+    step verify_qwen3-1.7b_tp2_fp32_notf32 80 env NVIDIA_TF32_OVERRIDE=0 "${two[@]}" -m mbridge_refit.convert verify-refit --shape qwen3-1.7b --tp 2 --dtype float32 --json "$RESULTS/verify_qwen3-1.7b_tp2_fp32_notf32.json"
+    step verify_qwen3-tiny_tp1 60 python3 -m mbridge_refit.convert verify-refit --recipe qwen3-tiny --json "$RESULTS/verify_qwen3-tiny_tp1.json"
     step fp8_checkpoint 120 python3 scripts/check_fp8_checkpoint.py --work /tmp/fp8check --out-dir "$RESULTS"
     ;;
   *) echo "unknown part $part" >&2; exit 2 ;;

@@ -39,6 +39,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from provenance import results_dir
 from bench_plan import append_jsonl, peak_rss_gib  # the sibling benchmark (scripts/ is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -232,7 +233,7 @@ def orchestrate(args) -> None:
         f"{row['peak_rss_gib']:.2f} GiB; exchanged {row['payload_bytes_total'] / 2**20:.1f} MiB",
         flush=True,
     )
-    append_jsonl(args.out, row)
+    append_jsonl(args.out or results_dir("cpu") / "plan_scale.jsonl", row)
     if not row["matches_tp1_plan"]:
         raise SystemExit(f"the simulated plan's (name, shape, dtype) list differs from the TP1 plan: {row['first_difference_from_tp1']}")
 
@@ -247,7 +248,7 @@ def main() -> None:
     parser.add_argument("--last-stage-layers", type=int, default=None, help="uneven pipeline: layers on the last stage")
     parser.add_argument("--jobs", type=int, default=2, help="simulated ranks built at a time (default: %(default)s)")
     parser.add_argument("--work", type=Path, default=None, help="scratch directory (default: a temporary one)")
-    parser.add_argument("--out", type=Path, default=REPO / "scripts" / "results" / "plan_scale.jsonl")
+    parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/<date>-cpu/plan_scale.jsonl")
     parser.add_argument("--step", choices=["names", "rank", "assemble"], default=None, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()

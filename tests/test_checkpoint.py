@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mbridge_refit.checkpoint import HFCheckpoint, compare_checkpoints
+from mbridge_refit.checkpoints.hf import HFCheckpoint, compare_checkpoints
 
 INDEX = "model.safetensors.index.json"
 

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from conftest import torchrun
-from mbridge_refit.convert import EXIT_BAD_INPUT, build_parser
+from mbridge_refit.convert import ExitCode, build_parser
 
 
 def test_parser_knows_every_subcommand():
@@ -35,7 +35,7 @@ def roundtrip(nproc, source, out, *flags):
 
 def test_missing_input_directory(tmp_path):
     run = roundtrip(1, tmp_path / "nope", tmp_path / "out")
-    assert run.returncode == EXIT_BAD_INPUT, run.output
+    assert run.returncode == ExitCode.BAD_INPUT, run.output
     assert "does not exist" in run.output
     assert not (tmp_path / "out").exists()
 
@@ -45,7 +45,7 @@ def test_existing_output_without_overwrite(source_checkpoints, tmp_path):
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     run = roundtrip(1, source_checkpoints("qwen3-tiny"), out)
-    assert run.returncode == EXIT_BAD_INPUT, run.output
+    assert run.returncode == ExitCode.BAD_INPUT, run.output
     assert "--overwrite" in run.output
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
@@ -57,7 +57,7 @@ def test_unknown_architecture(source_checkpoints, tmp_path):
     config["architectures"] = ["NoSuchModelForCausalLM"]
     (source / "config.json").write_text(json.dumps(config))
     run = roundtrip(1, source, tmp_path / "out")
-    assert run.returncode == EXIT_BAD_INPUT, run.output
+    assert run.returncode == ExitCode.BAD_INPUT, run.output
     assert "unsupported architecture" in run.output and "NoSuchModelForCausalLM" in run.output
     assert not (tmp_path / "out").exists()
 
@@ -72,11 +72,11 @@ def test_tp_not_dividing_kv_heads_fails_on_every_rank_without_hanging(source_che
 
 def test_world_size_must_match_layout(source_checkpoints, tmp_path):
     run = roundtrip(1, source_checkpoints("qwen3-tiny"), tmp_path / "out", "--tp", "2")
-    assert run.returncode == EXIT_BAD_INPUT, run.output
+    assert run.returncode == ExitCode.BAD_INPUT, run.output
     assert "world size 1" in run.output and "--nproc-per-node 2" in run.output
 
 
 def test_ep_on_a_dense_model(source_checkpoints, tmp_path):
     run = roundtrip(1, source_checkpoints("qwen3-tiny"), tmp_path / "out", "--ep", "2")
-    assert run.returncode == EXIT_BAD_INPUT, run.output
+    assert run.returncode == ExitCode.BAD_INPUT, run.output
     assert "mixture-of-experts" in run.output

@@ -13,8 +13,8 @@ import shutil
 import pytest
 
 from conftest import torchrun
-from mbridge_refit.convert import EXIT_BAD_INPUT, build_parser, main
-from mbridge_refit.megatron_checkpoint import METADATA_NAME, WEIGHTS_DIR
+from mbridge_refit.convert import ExitCode, build_parser, main
+from mbridge_refit.checkpoints.megatron import METADATA_NAME, WEIGHTS_DIR
 from oracle import assert_bitwise_equal_checkpoints
 
 multirank = pytest.mark.multirank
@@ -102,7 +102,7 @@ def test_parser_knows_import_and_export():
 
 
 def test_import_missing_input(tmp_path, capsys):
-    assert main(["import", "--hf", str(tmp_path / "nope"), "--megatron", str(tmp_path / "m")]) == EXIT_BAD_INPUT
+    assert main(["import", "--hf", str(tmp_path / "nope"), "--megatron", str(tmp_path / "m")]) == ExitCode.BAD_INPUT
     assert "does not exist" in capsys.readouterr().err
     assert not (tmp_path / "m").exists()
 
@@ -111,20 +111,20 @@ def test_import_refuses_non_empty_output(source_checkpoints, tmp_path, capsys):
     out = tmp_path / "m"
     out.mkdir()
     (out / "keep.txt").write_text("x")
-    assert main(["import", "--hf", str(source_checkpoints("qwen3-tiny")), "--megatron", str(out)]) == EXIT_BAD_INPUT
+    assert main(["import", "--hf", str(source_checkpoints("qwen3-tiny")), "--megatron", str(out)]) == ExitCode.BAD_INPUT
     assert "--overwrite" in capsys.readouterr().err
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
 
 def test_export_missing_input(tmp_path, capsys):
-    assert main(["export", "--megatron", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == EXIT_BAD_INPUT
+    assert main(["export", "--megatron", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == ExitCode.BAD_INPUT
     assert "does not exist" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
 
 def test_export_from_an_hf_checkpoint_says_import_first(source_checkpoints, tmp_path, capsys):
     code = main(["export", "--megatron", str(source_checkpoints("qwen3-tiny")), "--out", str(tmp_path / "o")])
-    assert code == EXIT_BAD_INPUT
+    assert code == ExitCode.BAD_INPUT
     assert "`import` first" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
@@ -134,7 +134,7 @@ def test_export_from_an_incomplete_checkpoint(qwen3_tp2, tmp_path, capsys):
     broken = tmp_path / "broken"
     shutil.copytree(megatron, broken)
     shutil.rmtree(broken / WEIGHTS_DIR)
-    assert main(["export", "--megatron", str(broken), "--out", str(tmp_path / "o")]) == EXIT_BAD_INPUT
+    assert main(["export", "--megatron", str(broken), "--out", str(tmp_path / "o")]) == ExitCode.BAD_INPUT
     assert f"{WEIGHTS_DIR}/metadata.json is missing" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
@@ -144,7 +144,7 @@ def test_export_refuses_non_empty_output(qwen3_tp2, tmp_path, capsys):
     out = tmp_path / "o"
     out.mkdir()
     (out / "keep.txt").write_text("x")
-    assert main(["export", "--megatron", str(megatron), "--out", str(out)]) == EXIT_BAD_INPUT
+    assert main(["export", "--megatron", str(megatron), "--out", str(out)]) == ExitCode.BAD_INPUT
     assert "--overwrite" in capsys.readouterr().err
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
@@ -152,7 +152,7 @@ def test_export_refuses_non_empty_output(qwen3_tp2, tmp_path, capsys):
 def test_export_layout_that_does_not_fit(qwen3_tp2, tmp_path, capsys):
     # Same check as roundtrip's (test_convert_cli launches real ranks for it): world size 1, tp=2.
     _, megatron = qwen3_tp2
-    assert main(["export", "--megatron", str(megatron), "--out", str(tmp_path / "o"), "--tp", "2"]) == EXIT_BAD_INPUT
+    assert main(["export", "--megatron", str(megatron), "--out", str(tmp_path / "o"), "--tp", "2"]) == ExitCode.BAD_INPUT
     err = capsys.readouterr().err
     assert "layout tp=2" in err and "--nproc-per-node 2" in err, err
     assert not (tmp_path / "o").exists()

@@ -20,11 +20,11 @@ LAYERS = (
     ("plan",),
     ("runtime",),
     ("fp8",),
-    ("checkpoints", "checkpoint", "loader", "megatron_checkpoint"),
+    ("checkpoints",),
     ("sinks",),
     ("engines", "transfer"),
     ("bridge",),
-    ("tools", "verify_refit"),
+    ("tools",),
     ("convert", "cli"),
 )
 
@@ -105,7 +105,7 @@ def layer_of_module(module: str) -> int:
 MODULES = package_modules()
 
 
-@pytest.mark.parametrize("module", sorted(MODULES))
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if not m.endswith(".__main__")))  # __main__ runs on import
 def test_module_imports_alone(module):
     """Each module imports in a fresh interpreter (no hidden order dependency, no cycle at import)."""
     proc = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=300)

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from mbridge_refit.checkpoint import HFCheckpoint
+from mbridge_refit.checkpoints.hf import HFCheckpoint
 from mbridge_refit.sinks import (
     INDEX_NAME,
     ShardedSafetensorsWriter,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import torchrun
-from mbridge_refit.verify_refit import (
+from mbridge_refit.tools.verify_refit import (
     LogprobComparison,
     RefitMismatch,
     VerifyInputError,
@@ -63,7 +63,7 @@ def test_verifier_passes_after_refit(tmp_path, recipe, nproc, flags):
     out = tmp_path / "result.json"
     run = torchrun(
         nproc,
-        ["mbridge_refit.verify_refit", "--recipe", recipe, "--device", "cpu", "--batch", "2", "--seq", "32",
+        ["mbridge_refit.convert", "verify-refit", "--recipe", recipe, "--device", "cpu", "--batch", "2", "--seq", "32",
          "--dtype", "float32", "--tolerance", "1e-5", "--json", str(out), *flags],
     )
     assert run.returncode == 0, run.output[-4000:]
@@ -78,7 +78,7 @@ def test_verifier_fails_loudly_on_a_perturbed_weight(tmp_path):
     out = tmp_path / "result.json"
     run = torchrun(
         2,
-        ["mbridge_refit.verify_refit", "--recipe", "qwen3-tiny", "--device", "cpu", "--tp", "2", "--batch", "2",
+        ["mbridge_refit.convert", "verify-refit", "--recipe", "qwen3-tiny", "--device", "cpu", "--tp", "2", "--batch", "2",
          "--seq", "32", "--dtype", "float32", "--tolerance", "1e-5", "--perturb", "model.layers.1.mlp.down_proj.weight",
          "--json", str(out)],
     )
@@ -99,6 +99,6 @@ def test_verifier_fails_loudly_on_a_perturbed_weight(tmp_path):
     ],
 )
 def test_verifier_bad_input_exit_2(args, message):
-    run = torchrun(1, ["mbridge_refit.verify_refit", *args])
+    run = torchrun(1, ["mbridge_refit.convert", "verify-refit", *args])
     assert run.returncode == 2, run.output[-3000:]
     assert message in run.output

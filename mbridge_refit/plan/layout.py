@@ -1,4 +1,8 @@
-"""Parallel layouts: the typed (tp, pp, vpp, ep, etp) description of how a model is split.
+"""Parallel layouts: the typed (tp, pp, vpp, cp, ep, etp) description of how a model is split.
+
+The data-parallel size is not part of a layout: it is what the world size leaves,
+``dp = world / (tp * pp * cp)``, as in Megatron-Core. Expert parallelism is carved from the
+data-parallel, context-parallel and tensor-parallel ranks (``ep * etp`` divides ``tp * cp * dp``).
 
 Owns validation of a layout against a world size and a model shape. Every check here runs on
 plain numbers, before any process group or collective exists, so a bad layout fails fast on
@@ -23,6 +27,8 @@ class ParallelLayout:
     Attributes:
         tp: tensor-parallel size for non-expert weights.
         pp: pipeline-parallel size.
+        cp: context-parallel size (splits sequences, not weights: every context-parallel rank
+            holds the same weights as its tensor/pipeline peers).
         vpp: virtual pipeline stages per PP rank (None = no interleaving).
         ep: expert-parallel size (MoE only).
         etp: expert tensor-parallel size (only 1 is supported: experts are whole on each rank).
@@ -33,13 +39,14 @@ class ParallelLayout:
     tp: int = 1
     pp: int = 1
     vpp: int | None = None
+    cp: int = 1
     ep: int = 1
     etp: int = 1
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "ep", "etp"):
+        for name in ("tp", "pp", "cp", "ep", "etp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"{name} must be a positive integer, got {value!r}")
@@ -61,8 +68,8 @@ class ParallelLayout:
 
     @property
     def model_parallel_size(self) -> int:
-        """Ranks holding one copy of the non-expert weights (tp x pp)."""
-        return self.tp * self.pp
+        """Ranks of one data-parallel replica (tp x pp x cp); each CP rank holds the same weights."""
+        return self.tp * self.pp * self.cp
 
     @property
     def vpp_stages(self) -> int:
@@ -78,40 +85,41 @@ class ParallelLayout:
             parts.append(f"vpp{self.vpp}")
         if self.uneven:
             parts.append(f"split{self.first_stage_layers or ''}-{self.last_stage_layers or ''}")
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
         return "_".join(parts) or "tp1"
 
     def data_parallel_size(self, world_size: int) -> int:
-        """Data-parallel size for ``world_size`` ranks; raises if the layout does not divide it."""
-        if world_size % self.model_parallel_size:
+        """Data-parallel size for ``world_size`` ranks; raises naming both numbers and the fix if
+        the layout does not divide the world."""
+        replica = self.model_parallel_size
+        if world_size % replica:
             raise LayoutError(
-                f"world size {world_size} is not divisible by tp*pp = {self.tp}*{self.pp} = "
-                f"{self.model_parallel_size}; launch a multiple of {self.model_parallel_size} ranks "
-                f"(e.g. torchrun --nproc-per-node {self.model_parallel_size})."
+                f"world size {world_size} is not divisible by tp*pp*cp = {self.tp}*{self.pp}*{self.cp} = {replica}: "
+                f"launch a multiple of {replica} ranks (e.g. torchrun --nproc-per-node {self.expected_world_size}); "
+                f"the ranks beyond one replica become data-parallel replicas."
             )
-        dp = world_size // self.model_parallel_size
-        if (dp * self.tp) % self.ep:
+        dp = world_size // replica
+        expert_ranks = dp * self.cp * self.tp
+        if expert_ranks % (self.ep * self.etp):
             raise LayoutError(
-                f"ep={self.ep} must divide dp*tp = {dp}*{self.tp} = {dp * self.tp} "
-                f"(world size {world_size}, tp={self.tp}, pp={self.pp})."
+                f"ep*etp = {self.ep}*{self.etp} must divide dp*cp*tp = {dp}*{self.cp}*{self.tp} = {expert_ranks} "
+                f"(world size {world_size}, tp={self.tp}, pp={self.pp}, cp={self.cp}): launch "
+                f"torchrun --nproc-per-node {self.expected_world_size} (or a multiple of it), or choose an ep dividing {expert_ranks}."
             )
         return dp
 
-    def validate_world_size(self, world_size: int, *, require_exact: bool = True) -> None:
-        """Check the world size; with ``require_exact`` it must equal tp*pp*dp with dp = ep/tp or 1."""
-        self.data_parallel_size(world_size)
-        if require_exact and world_size != self.expected_world_size:
-            raise LayoutError(
-                f"world size {world_size} does not match layout {self.name}, which needs "
-                f"{self.expected_world_size} ranks: run torchrun --nproc-per-node {self.expected_world_size}."
-            )
+    def validate_world_size(self, world_size: int) -> int:
+        """Check that the layout divides ``world_size``; returns the data-parallel size."""
+        return self.data_parallel_size(world_size)
 
     @property
     def expected_world_size(self) -> int:
-        """Smallest world size holding this layout (dp grows until tp*dp is a multiple of ep)."""
+        """Smallest world size holding this layout (dp grows until ep*etp divides tp*cp*dp)."""
         dp = 1
-        while (dp * self.tp) % self.ep:
+        while (dp * self.cp * self.tp) % (self.ep * self.etp):
             dp += 1
         return self.model_parallel_size * dp
 

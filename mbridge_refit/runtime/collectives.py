@@ -78,3 +78,42 @@ def wire_view(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.dtype.is_floating_point and tensor.element_size() == 1:
         return tensor.view(torch.uint8)
     return tensor
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankGroups:
+    """One rank's data-parallel replica index and the ranks of the groups its export uses."""
+
+    rank: int
+    replica: int  # data-parallel rank (context-parallel ranks of a replica share its index)
+    groups: tuple[tuple[int, ...], ...]  # tensor-, pipeline- and expert-parallel group ranks
+
+
+def current_rank_groups() -> RankGroups:
+    from megatron.core import parallel_state as ps
+
+    groups = (ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group(), ps.get_expert_model_parallel_group())
+    return RankGroups(
+        rank=dist.get_rank(),
+        replica=ps.get_data_parallel_rank(),
+        groups=tuple(tuple(dist.get_process_group_ranks(g)) for g in groups if g is not None),
+    )
+
+
+def replica_participants(everyone: list[RankGroups], replica: int) -> frozenset[int]:
+    """The ranks an export by data-parallel replica ``replica`` needs: the replica's ranks and
+    every rank that shares a tensor-, pipeline- or expert-parallel group with a needed rank
+    (transitively: expert-parallel groups can span replicas, and a rank that joins an expert
+    gather also runs its own tensor and pipeline collectives). Pure; the same on every rank."""
+    needed = {r.rank for r in everyone if r.replica == replica}
+    if not needed:
+        raise ValueError(f"no rank belongs to data-parallel replica {replica} (replicas: {sorted({r.replica for r in everyone})})")
+    by_rank = {r.rank: r for r in everyone}
+    frontier = list(needed)
+    while frontier:
+        for group in by_rank[frontier.pop()].groups:
+            for peer in group:
+                if peer not in needed:
+                    needed.add(peer)
+                    frontier.append(peer)
+    return frozenset(needed)

@@ -50,6 +50,20 @@ class WeightSink(Protocol):
         ...
 
 
+class DiscardSink(WeightSink):
+    """Consumes and keeps nothing: for ranks that must iterate a collective export (every rank of
+    the model's groups does) while another rank's sink keeps the tensors."""
+
+    def consume(self, hf_name: str, tensor: torch.Tensor) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+
 def drain(stream: Iterable[tuple[str, torch.Tensor]], sink: WeightSink) -> int:
     """Feed every ``(hf_name, tensor)`` of ``stream`` into ``sink``, then finish it.
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from mbridge_refit.checkpoint import CONFIG_NAME, COPIED_FILE_NAMES, INDEX_NAME
+from mbridge_refit.checkpoints.hf import CONFIG_NAME, COPIED_FILE_NAMES, INDEX_NAME
 from mbridge_refit.sinks.base import WeightSink
 
 logger = logging.getLogger(__name__)

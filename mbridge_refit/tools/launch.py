@@ -73,20 +73,22 @@ def init_process_group(
 
 
 def init_model_parallel(layout: ParallelLayout, *, seed: int = 0) -> None:
-    """Create Megatron's model-parallel groups for ``layout`` (the default group must exist).
+    """Create Megatron's model-parallel groups for ``layout`` (the default group must exist); the
+    ranks beyond one replica (``layout.model_parallel_size``) become data-parallel replicas.
 
     With NCCL, also seeds Megatron's CUDA RNG tracker (Transformer Engine layers draw their
     initialisation from it).
     """
     from megatron.core import parallel_state
 
-    layout.validate_world_size(dist.get_world_size(), require_exact=False)
+    layout.validate_world_size(dist.get_world_size())
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp if layout.pp > 1 else None,
+        context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
     )

@@ -5,6 +5,15 @@ kernel off, and are created on the meta device and then materialised empty on th
 weights are loaded right after (``loader.load_hf_weights``), which fills every parameter and
 checks that none was left out. GPU builds use the Transformer Engine spec and the bridge's
 defaults.
+
+Context parallelism on CPU. On CPU the model is built with the local layer spec, whose attention supports only
+``context_parallel_size == 1`` (Megatron asserts it). A CPU build at ``layout.cp > 1`` therefore
+creates Megatron's process groups with the real CP size (``launch.init_model_parallel``) but
+gives the model config ``context_parallel_size = 1``. This is sound for export and conversion:
+context parallelism splits sequences, not weights, so every parameter's shape and every
+tensor/pipeline/expert shard is the same as in a CP model, and every CP rank holds exactly what
+its tensor/pipeline peers in the other CP ranks hold. Only a forward pass would differ (it would
+not split the sequence), and CPU builds never run one at CP > 1.
 """
 
 from __future__ import annotations
@@ -60,6 +69,7 @@ def configure_provider(provider: Any, layout: ParallelLayout, options: BuildOpti
     provider.virtual_pipeline_model_parallel_size = layout.vpp if layout.pp > 1 else None
     provider.expert_model_parallel_size = layout.ep
     provider.expert_tensor_parallel_size = layout.etp
+    provider.context_parallel_size = layout.cp if options.device.type == "cuda" else 1  # module docstring: context parallelism on CPU
     provider.sequence_parallel = False
     provider.gradient_accumulation_fusion = False  # needs apex; these builds never train
     provider.num_layers_in_first_pipeline_stage = layout.first_stage_layers

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from rank_checks import fail, oracle, same_bytes
 from torch.utils._python_dispatch import TorchDispatchMode
+from mbridge_refit.convert.flags import add_layout_flags, layout_from_flags
 
 TENSOR_COLLECTIVES = ("all_gather", "all_gather_into_tensor", "broadcast", "all_reduce", "reduce_scatter_tensor", "scatter", "send", "recv")
 OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
@@ -94,23 +95,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hf", type=Path, required=True)
     parser.add_argument("--result", type=Path, required=True)
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--vpp", type=int, default=None)
-    parser.add_argument("--ep", type=int, default=1)
-    parser.add_argument("--first-stage-layers", type=int, default=None)
-    parser.add_argument("--last-stage-layers", type=int, default=None)
+    add_layout_flags(parser)
     args = parser.parse_args()
 
     from mbridge_refit.bridge import RefitBridge
     from mbridge_refit.tools.launch import distributed_session
-    from mbridge_refit.plan.layout import ParallelLayout
     from mbridge_refit.tools.model_builder import BuildOptions, build_model
 
-    layout = ParallelLayout(
-        tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep,
-        first_stage_layers=args.first_stage_layers, last_stage_layers=args.last_stage_layers,
-    )
+    layout = layout_from_flags(args)
     cpu = torch.device("cpu")
     with distributed_session(layout, device=cpu, timeout=datetime.timedelta(minutes=5)):
         rank = dist.get_rank()

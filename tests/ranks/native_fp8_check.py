@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from rank_checks import fail, oracle, same_bytes
+from mbridge_refit.convert.flags import add_layout_flags, layout_from_flags
 
 BLOCK = 128
 QUANTIZED_PARAMS = ("*.linear_qkv.weight", "*.linear_proj.weight", "*.linear_fc1.weight*", "*.linear_fc2.weight*")
@@ -90,9 +91,7 @@ def quantize_parameters_like_te(chunks) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hf", type=Path, required=True)
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--ep", type=int, default=1)
+    add_layout_flags(parser)
     parser.add_argument("--expect-error", default=None)
     args = parser.parse_args()
 
@@ -100,10 +99,9 @@ def main() -> None:
     from mbridge_refit.tools.launch import distributed_session
     from mbridge_refit.fp8.format import FP8FormatError
     from mbridge_refit.fp8.reference import dequantize_blockwise
-    from mbridge_refit.plan.layout import ParallelLayout
     from mbridge_refit.tools.model_builder import BuildOptions, build_model
 
-    layout = ParallelLayout(tp=args.tp, pp=args.pp, ep=args.ep)
+    layout = layout_from_flags(args)
     cpu = torch.device("cpu")
     with distributed_session(layout, device=cpu, timeout=datetime.timedelta(minutes=5)):
         bridge = RefitBridge.from_hf_pretrained(args.hf)

@@ -45,6 +45,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from oracle import read_checkpoint  # noqa: E402
 from rank_checks import same_bytes  # noqa: E402
+from mbridge_refit.convert.flags import add_layout_flags, layout_from_flags
 
 SRC = 0  # trainer rank that sends; ranks 0..N-2 are trainers, the last rank is the receiver
 
@@ -158,21 +159,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hf", type=Path, required=True)
     parser.add_argument("--result", type=Path, required=True)
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--vpp", type=int, default=None)
-    parser.add_argument("--ep", type=int, default=1)
+    add_layout_flags(parser)
     args = parser.parse_args()
 
     from megatron.core import parallel_state as ps
 
     from mbridge_refit.tools.launch import init_process_group, teardown
-    from mbridge_refit.plan.layout import ParallelLayout
 
     cpu = torch.device("cpu")
     init_process_group(device=cpu, timeout=datetime.timedelta(seconds=90))
     rank, world = dist.get_rank(), dist.get_world_size()
-    layout = ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep)
+    layout = layout_from_flags(args)
     trainer_ranks, receiver_rank = tuple(range(world - 1)), world - 1
     if len(trainer_ranks) != layout.expected_world_size:
         raise SystemExit(f"run with {layout.expected_world_size} trainer ranks + 1 receiver for layout {layout.name}")

@@ -1,0 +1,141 @@
+"""Load an HF safetensors checkpoint into a Megatron model: each rank reads only its own slices.
+
+Megatron-Bridge's stock loader reads each full tensor on one rank and scatters or broadcasts it,
+which needs CUDA at TP>1 (``ReplicatedMapping`` moves to ``torch.cuda.current_device()``). Here
+every rank reads, through ``safe_open(...).get_slice``, exactly the bytes of its own shard
+(``placement.slice_copies``) and copies them into its parameters. Apart from the bridge's one
+name exchange while building the conversion tasks, no collective runs, so it works on CPU with
+gloo, on GPU, and for checkpoint conversion on machines without a GPU.
+
+Every parameter of every chunk must be written exactly once; anything left over is an error
+that lists the parameter names (the model may have been built with ``to_empty``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+
+from mbridge_refit.checkpoints.hf import HFCheckpoint
+from mbridge_refit.plan.placement import PlacementError, ShardContext, SliceCopy, place_column, slice_copies
+
+logger = logging.getLogger(__name__)
+
+
+class LoadError(ValueError):
+    """The checkpoint does not fit the model (missing tensor, wrong shape, uncovered parameter)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class LoadReport:
+    """What a load did on this rank."""
+
+    tensors_written: int = 0
+    bytes_read: int = 0
+    cast_from: dict[str, torch.dtype] = field(default_factory=dict)  # hf name -> checkpoint dtype, when cast
+
+
+def load_hf_shards(
+    model_bridge: Any, hf_pretrained: Any, chunks: list[torch.nn.Module], checkpoint: HFCheckpoint
+) -> LoadReport:
+    """Fill every parameter of ``chunks`` from ``checkpoint``; call on every rank of the job.
+
+    ``model_bridge`` is the bridge's MegatronModelBridge, ``hf_pretrained`` the object its tasks
+    are built from (its ``state.source`` keys are checked against the mappings).
+    """
+    from megatron.core.utils import unwrap_model
+
+    unwrapped = unwrap_model(chunks)
+    config = unwrapped[0].config
+    tasks = [t for t in model_bridge.build_conversion_tasks(hf_pretrained, unwrapped) if t is not None]
+    report = LoadReport()
+    written: set[int] = set()
+    with torch.no_grad():
+        for task in tasks:
+            if task.megatron_module is None or task.param_weight is None:
+                continue  # the parameter lives on another pipeline stage
+            try:
+                copies = slice_copies(task.mapping, task.megatron_module, task.param_weight, config)
+            except PlacementError as err:
+                raise LoadError(f"cannot load {task.global_param_name}: {err}") from err
+            _copy_slices(task.param_weight, copies, checkpoint, report, task.global_param_name)
+            written.add(id(task.param_weight))
+        for output_weight, embedding_copies in _tied_output_copies(model_bridge, unwrapped, config):
+            _copy_slices(output_weight, embedding_copies, checkpoint, report, "output_layer.weight (tied)")
+            written.add(id(output_weight))
+    _check_every_parameter_written(unwrapped, written)
+    if report.cast_from:
+        logger.warning(
+            "cast %d checkpoint tensors to the model's parameter dtype (e.g. %s)",
+            len(report.cast_from),
+            next(iter(report.cast_from.items())),
+        )
+    return report
+
+
+def _copy_slices(
+    param: torch.Tensor, copies: Iterable[SliceCopy], checkpoint: HFCheckpoint, report: LoadReport, where: str
+) -> None:
+    for copy in copies:
+        _check_slice_fits(copy, param, checkpoint, where)
+        data = copy.read(checkpoint.slice(copy.hf_name))
+        if data.dtype != param.dtype:
+            report.cast_from[copy.hf_name] = data.dtype
+        param.narrow(copy.dim, copy.local_start, copy.length).copy_(data)
+        report.tensors_written += 1
+        report.bytes_read += data.numel() * data.element_size()
+
+
+def _check_slice_fits(copy: SliceCopy, param: torch.Tensor, checkpoint: HFCheckpoint, where: str) -> None:
+    if copy.hf_name not in checkpoint.weight_map:
+        raise LoadError(f"{where}: tensor {copy.hf_name!r} is not in the checkpoint {checkpoint.path}")
+    hf_shape = tuple(checkpoint.shape(copy.hf_name))
+    local_shape = tuple(param.shape)
+    other_dims_match = len(hf_shape) == len(local_shape) and all(
+        hf_shape[d] == local_shape[d] for d in range(len(hf_shape)) if d != copy.dim
+    )
+    if not other_dims_match or copy.hf_stop > hf_shape[copy.dim]:
+        raise LoadError(
+            f"{where}: checkpoint tensor {copy.hf_name!r} has shape {hf_shape}, which cannot hold the slice "
+            f"[{copy.hf_start}:{copy.hf_stop}] along dim {copy.dim} of a local shard shaped {local_shape}; "
+            "the checkpoint does not match this model config."
+        )
+
+
+def _tied_output_copies(model_bridge: Any, chunks: list[torch.nn.Module], config: Any):
+    """With tied embeddings and PP>1 the last stage keeps its own copy of the embedding: fill it too."""
+    if not getattr(config, "share_embeddings_and_output_weights", False):
+        return
+    embedding_hf_name = model_bridge.mapping_registry().megatron_to_hf_lookup("embedding.word_embeddings.weight").hf_param
+    from megatron.core import parallel_state
+
+    for chunk in chunks:
+        output_layer = getattr(chunk, "output_layer", None)
+        weight = getattr(output_layer, "weight", None)
+        if weight is None or getattr(chunk, "pre_process", False):
+            continue  # PP=1: the output layer uses the embedding parameter itself
+        ctx = ShardContext(
+            local_shape=tuple(weight.shape),
+            tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+            tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+            config=config,
+        )
+        yield weight, place_column(embedding_hf_name, ctx)
+
+
+def _check_every_parameter_written(chunks: list[torch.nn.Module], written: set[int]) -> None:
+    missing = [
+        f"chunk {index}: {name}"
+        for index, chunk in enumerate(chunks)
+        for name, param in chunk.named_parameters()
+        if id(param) not in written
+    ]
+    if missing:
+        raise LoadError(
+            f"{len(missing)} model parameters were not loaded from the checkpoint (no mapping or no HF tensor): "
+            + ", ".join(missing[:20])
+            + (" ..." if len(missing) > 20 else "")
+        )

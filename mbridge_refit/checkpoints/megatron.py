@@ -1,0 +1,268 @@
+"""Megatron checkpoints on disk: save and load a model's weights with Megatron-Core's dist_checkpointing.
+
+Owns the directory layout written by ``convert import`` and read by ``convert export``, and the
+metadata that lets ``export`` rebuild the model and its HF checkpoint without the source::
+
+    OUT/
+      config.json, tokenizer and generation files   copied from the HF source (the model's identity)
+      latest_checkpointed_iteration.txt             "release", as Megatron-LM names a release checkpoint
+      release/                                      torch_dist checkpoint (metadata.json, .metadata, __R_0.distcp)
+      mbridge_refit_megatron.json                   written last: its presence marks a complete checkpoint
+
+The weights are Megatron-Core's ``sharded_state_dict()`` of the model chunks, stored under the
+keys Megatron-LM uses (``model`` for one chunk, ``model0..N`` with virtual pipeline stages). Each
+tensor is stored once, under its global name and shape, so a checkpoint saved at one layout
+loads at another (TP, PP, VPP and EP may all change). There is no optimizer, RNG or training
+state. The bridge's own ``save_megatron_model`` is not used: importing it needs modelopt,
+datasets, megatron-energon, tensorboard and more, which this CPU conversion path avoids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+
+from mbridge_refit.plan.layout import ParallelLayout
+from mbridge_refit.checkpoints.hf import COPIED_FILE_NAMES
+
+logger = logging.getLogger(__name__)
+
+FORMAT_NAME = "mbridge_refit.checkpoints.megatron"
+FORMAT_VERSION = 1
+
+METADATA_NAME = "mbridge_refit_megatron.json"
+TRACKER_NAME = "latest_checkpointed_iteration.txt"
+WEIGHTS_DIR = "release"
+TMP_PREFIX = ".tmp-"
+# Copied from the HF source next to the weights, so ``export`` needs nothing else.
+SIDE_FILE_NAMES = ("config.json", *COPIED_FILE_NAMES)
+
+
+class NotAMegatronCheckpoint(ValueError):
+    """The directory holds no complete checkpoint written by ``save_model``; the message says why."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointInfo:
+    """What ``mbridge_refit_megatron.json`` records about a saved checkpoint.
+
+    Attributes:
+        saved_layout: the layout the model had when saved (loading may use another).
+        params_dtype: dtype of the Megatron parameters (the model is rebuilt with it).
+        hf_dtypes: every HF tensor name of the source checkpoint and its dtype there; ``export``
+            casts to these and checks it yields exactly these names.
+        source: the HF checkpoint the weights came from (informational).
+    """
+
+    saved_layout: ParallelLayout
+    params_dtype: torch.dtype
+    hf_dtypes: dict[str, torch.dtype]
+    source: str
+
+    def to_json(self) -> str:
+        data = {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "saved_layout": dataclasses.asdict(self.saved_layout),
+            "params_dtype": _dtype_name(self.params_dtype),
+            "hf_dtypes": {name: _dtype_name(dtype) for name, dtype in sorted(self.hf_dtypes.items())},
+            "source": self.source,
+            "weights_dir": WEIGHTS_DIR,
+        }
+        return json.dumps(data, indent=2) + "\n"
+
+    @classmethod
+    def read(cls, path: Path) -> "CheckpointInfo":
+        """Read and check the metadata of the checkpoint in ``path``; raises ``NotAMegatronCheckpoint``."""
+        if not path.is_dir():
+            raise NotAMegatronCheckpoint(f"{path} is not a directory")
+        meta = path / METADATA_NAME
+        if not meta.is_file():
+            hint = (
+                "it looks like a Hugging Face checkpoint: convert it with `import` first"
+                if (path / "config.json").is_file() and any(path.glob("*.safetensors*"))
+                else "write one with `python -m mbridge_refit.convert import --hf HF_DIR --megatron DIR`"
+            )
+            raise NotAMegatronCheckpoint(f"{path} has no {METADATA_NAME}, so it is not a complete checkpoint of ours: {hint}")
+        try:
+            data = json.loads(meta.read_text())
+            if data.get("format") != FORMAT_NAME or data.get("version") != FORMAT_VERSION:
+                raise NotAMegatronCheckpoint(
+                    f"{meta}: format {data.get('format')!r} version {data.get('version')!r}, expected "
+                    f"{FORMAT_NAME!r} version {FORMAT_VERSION}: re-create it with this version's `import`"
+                )
+            info = cls(
+                saved_layout=ParallelLayout(**data["saved_layout"]),
+                params_dtype=_dtype_from_name(data["params_dtype"]),
+                hf_dtypes={name: _dtype_from_name(d) for name, d in data["hf_dtypes"].items()},
+                source=str(data.get("source", "")),
+            )
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+            if isinstance(err, NotAMegatronCheckpoint):
+                raise
+            raise NotAMegatronCheckpoint(f"{meta} is unreadable ({err}): re-create the checkpoint with `import`") from err
+        for required in ("config.json", f"{WEIGHTS_DIR}/metadata.json"):
+            if not (path / required).is_file():
+                raise NotAMegatronCheckpoint(f"{path} is incomplete: {required} is missing; re-create it with `import`")
+        return info
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def model_keys(num_chunks: int) -> list[str]:
+    """State-dict keys of the model chunks, as Megatron-LM's checkpointing names them."""
+    return ["model"] if num_chunks == 1 else [f"model{i}" for i in range(num_chunks)]
+
+
+def sharded_model_state(chunks: list[torch.nn.Module]) -> dict[str, Any]:
+    """``{"model" | "model<i>": chunk.sharded_state_dict()}`` for this rank's chunks."""
+    from megatron.core.utils import unwrap_model
+
+    unwrapped = unwrap_model(chunks)
+    return {key: chunk.sharded_state_dict() for key, chunk in zip(model_keys(len(unwrapped)), unwrapped)}
+
+
+def save_model(
+    chunks: list[torch.nn.Module], out: Path, *, info: CheckpointInfo, copy_files_from: Path, overwrite: bool
+) -> None:
+    """Write ``chunks`` (this rank's part) and ``info`` to ``out``; collective over the default group.
+
+    With ``overwrite``, an earlier checkpoint of ours in ``out`` is replaced: its metadata goes
+    first, so an interrupted save never leaves a directory that reads as complete.
+    """
+    from megatron.core import dist_checkpointing
+
+    rank = dist.get_rank()
+    weights = out / WEIGHTS_DIR
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        if overwrite:
+            _remove_old_checkpoint(out)
+        weights.mkdir()
+    dist.barrier()
+    dist_checkpointing.save(
+        sharded_model_state(chunks), str(weights), sharded_strategy=_save_strategy(),
+        content_metadata={"format": FORMAT_NAME},
+    )
+    dist.barrier()
+    if rank == 0:
+        for name in SIDE_FILE_NAMES:
+            source = copy_files_from / name
+            if source.is_file():
+                _atomic_write(out / name, source.read_bytes())
+        _atomic_write(out / TRACKER_NAME, b"release\n")
+        _atomic_write(out / METADATA_NAME, info.to_json().encode())
+    dist.barrier()
+
+
+def load_model(chunks: list[torch.nn.Module], path: Path) -> None:
+    """Fill every parameter of ``chunks`` from the checkpoint in ``path``; collective.
+
+    The chunks may use a different layout than the one saved. Raises if the checkpoint lacks a
+    tensor the model needs or a tensor's global shape differs.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+    from megatron.core.utils import unwrap_model
+
+    unwrapped = unwrap_model(chunks)
+    state = dist_checkpointing.load(
+        sharded_model_state(unwrapped), str(path / WEIGHTS_DIR), strict=StrictHandling.RAISE_ALL
+    )
+    for key, chunk in zip(model_keys(len(unwrapped)), unwrapped):
+        chunk.load_state_dict(state[key], strict=True)
+
+
+def match_source_tensors(
+    stream: Iterable[tuple[str, torch.Tensor]], dtypes: Mapping[str, torch.dtype]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield exactly the source checkpoint's tensors (names in ``dtypes``), each in its source dtype.
+
+    A tensor the source did not store is skipped and logged: a config-only export (no HF weights
+    at hand) also yields names the source left out, e.g. the tied ``lm_head.weight``, which is
+    the embedding's data. A source tensor the export did not yield is an error naming it.
+    """
+    seen: set[str] = set()
+    skipped: list[str] = []
+    for name, tensor in stream:
+        dtype = dtypes.get(name)
+        if dtype is None:
+            skipped.append(name)
+            continue
+        seen.add(name)
+        yield name, (tensor if tensor.dtype == dtype else tensor.to(dtype))
+    if skipped:
+        logger.info("skipped %d exported tensors the source checkpoint did not store: %s", len(skipped), skipped[:10])
+    missing = sorted(set(dtypes) - seen)
+    if missing:
+        raise ValueError(
+            f"the export yielded no tensor for {len(missing)} names of the source checkpoint: {missing[:20]}"
+        )
+
+
+def _save_strategy():
+    """Megatron-Core's torch_dist save strategy, written synchronously through torch's DCP writer.
+
+    Same files and metadata as ``TorchDistSaveShardedStrategy`` (it is one, so
+    ``dist_checkpointing.save`` accepts it), minus its async writer, which needs CUDA even for a
+    synchronous save in megatron-core 0.19.2 (``preload_tensors`` calls ``torch.cuda.synchronize``
+    and the finalize step all-reduces a tensor on ``torch.cuda.current_device()``).
+    """
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner,
+        TorchDistSaveShardedStrategy,
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint import save as dcp_save
+
+    class SyncTorchDistSaveStrategy(TorchDistSaveShardedStrategy):
+        def save(self, sharded_state_dict, checkpoint_dir) -> None:
+            sharded_state_dict, _, _ = _replace_state_dict_keys_with_sharded_keys(
+                sharded_state_dict, self.keep_only_main_replica
+            )
+            pyt_state_dict = mcore_to_pyt_state_dict(sharded_state_dict, False)
+            dcp_save(
+                pyt_state_dict,
+                storage_writer=FileSystemWriter(str(checkpoint_dir), thread_count=self.thread_count),
+                planner=MCoreSavePlanner(
+                    dedup_replicated_tensors=not self.keep_only_main_replica,
+                    flatten_state_dict=False,
+                    flatten_sharded_tensors=False,
+                ),
+            )
+
+    return SyncTorchDistSaveStrategy()
+
+
+def _remove_old_checkpoint(out: Path) -> None:
+    (out / METADATA_NAME).unlink(missing_ok=True)
+    (out / TRACKER_NAME).unlink(missing_ok=True)
+    if (out / WEIGHTS_DIR).is_dir():
+        shutil.rmtree(out / WEIGHTS_DIR)
+    logger.info("overwrite: removed the old checkpoint in %s", out)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)

@@ -1,0 +1,61 @@
+"""The entry point of ``python -m mbridge_refit.convert``: parse, configure logging, dispatch, and
+turn every outcome into one exit code (``exit_codes``).
+
+Runs as one process (``python -m``) or as N ranks (``torchrun --nproc-per-node N -m ...``).
+Bad input (``BadInput``, and the library's own input errors: a layout that does not fit, a model
+the FP8 format cannot hold, an unknown recipe) ends with its message and exit code 2; anything
+else with its traceback and exit code 3.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Sequence
+
+from mbridge_refit.convert import commands
+from mbridge_refit.convert.exit_codes import BadInput, ExitCode
+from mbridge_refit.convert.parser import build_parser
+from mbridge_refit.convert.verify_refit import cmd_verify_refit
+from mbridge_refit.fp8.format import FP8FormatError
+from mbridge_refit.plan.layout import LayoutError
+
+logger = logging.getLogger("mbridge_refit.convert")
+
+COMMANDS: dict[str, Callable] = {
+    "make-tiny": commands.cmd_make_tiny,
+    "roundtrip": commands.cmd_roundtrip,
+    "import": commands.cmd_import,
+    "export": commands.cmd_export,
+    "plan": commands.cmd_plan,
+    "verify": commands.cmd_verify,
+    "verify-refit": cmd_verify_refit,
+}
+
+# Library errors that mean "this input cannot work" (their messages name the fix).
+INPUT_ERRORS = (BadInput, LayoutError, FP8FormatError)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _configure_logging(args.verbose)
+    try:
+        return int(COMMANDS[args.command](args))
+    except INPUT_ERRORS as err:
+        logger.error("%s", err)
+        return ExitCode.BAD_INPUT
+    except KeyboardInterrupt:
+        logger.error("interrupted")
+        return ExitCode.INTERNAL_ERROR
+    except Exception:
+        logger.exception("%s failed (internal error: please report it with this traceback)", args.command)
+        return ExitCode.INTERNAL_ERROR
+
+
+def _configure_logging(verbose: bool) -> None:
+    from mbridge_refit.tools.launch import LaunchEnv
+
+    rank = LaunchEnv.from_environ().rank
+    level = logging.DEBUG if verbose else (logging.INFO if rank == 0 else logging.WARNING)
+    logging.basicConfig(level=level, format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s", force=True)
+    for noisy in ("megatron", "megatron.core", "megatron.bridge", "transformers"):
+        logging.getLogger(noisy).setLevel(max(level, logging.WARNING))

@@ -1,0 +1,308 @@
+"""The subcommands of ``python -m mbridge_refit.convert``, one function each (``cmd_<name>``).
+
+``make-tiny`` (random test checkpoints), ``roundtrip`` (HF -> Megatron -> HF in memory),
+``import`` / ``export`` (HF <-> a Megatron checkpoint on disk, see ``checkpoint`` modules),
+``plan`` (what an export yields) and ``verify`` (compare two HF checkpoints). Each validates its
+input on every rank before the first collective (``inputs``), then runs (``run_<name>``).
+Returns an ``ExitCode``; raises ``BadInput`` for input that cannot work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mbridge_refit.convert.exit_codes import BadInput, ExitCode
+from mbridge_refit.convert.flags import device_from_flag, fp8_from_flags, timeout_from_flag
+from mbridge_refit.convert.inputs import (
+    check_distinct_dirs, check_output_dir, checked_hf_input, checked_layout, checkpoint_float_dtype, supported_config,
+)
+from mbridge_refit.convert.writing import cast_to_dtypes, write_hf_checkpoint
+from mbridge_refit.plan.layout import ParallelLayout
+
+if TYPE_CHECKING:
+    import torch
+
+    from mbridge_refit.fp8.format import BlockwiseFP8Config
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RoundtripArgs:
+    hf: Path
+    out: Path
+    layout: ParallelLayout
+    device: "torch.device"
+    overwrite: bool
+    max_shard_bytes: int
+    show_progress: bool
+    timeout: datetime.timedelta
+    fp8: "BlockwiseFP8Config | None" = None
+
+
+# --- make-tiny ---------------------------------------------------------------------------------
+
+
+def cmd_make_tiny(args: argparse.Namespace) -> int:
+    from mbridge_refit.tools import recipes
+
+    if args.list:
+        for name, recipe in recipes.MODEL_RECIPES.items():
+            print(f"model   {name:20s} {recipe.description}")
+        for name, layout in recipes.LAYOUTS.items():
+            print(f"layout  {name:20s} world size {layout.expected_world_size}")
+        return ExitCode.OK
+    if args.out is None:
+        raise BadInput("make-tiny needs --out DIR")
+    try:
+        recipe = recipes.get_model_recipe(args.recipe or recipes.DEFAULT_MODEL)
+    except (KeyError, ValueError) as err:
+        raise BadInput(str(err)) from err
+    check_output_dir(args.out, args.overwrite)
+    path = recipes.make_random_checkpoint(
+        recipe, args.out, seed=args.seed, max_shard_bytes=args.max_shard_bytes, overwrite=args.overwrite
+    )
+    logger.info("wrote %s checkpoint to %s", recipe.name, path)
+    return ExitCode.OK
+
+
+# --- verify ------------------------------------------------------------------------------------
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from mbridge_refit.checkpoints.hf import compare_checkpoints
+
+    for path in (args.a, args.b):
+        if not path.is_dir():
+            raise BadInput(f"checkpoint directory {path} does not exist")
+    try:
+        differences = compare_checkpoints(args.a, args.b)
+    except FileNotFoundError as err:
+        raise BadInput(str(err)) from err
+    if differences:
+        print(f"{len(differences)} difference(s) between {args.a} and {args.b}:")
+        for line in differences:
+            print(f"  {line}")
+        return ExitCode.DIFFERENCES
+    print(f"identical: {args.a} and {args.b} (names, shapes, dtypes and bytes)")
+    return ExitCode.OK
+
+
+# --- roundtrip ---------------------------------------------------------------------------------
+
+
+def cmd_roundtrip(args: argparse.Namespace) -> int:
+    options = _validate_roundtrip(args)
+    return run_roundtrip(options)
+
+
+def _validate_roundtrip(args: argparse.Namespace) -> RoundtripArgs:
+    """Every check that needs no process group: same inputs, same verdict on every rank."""
+    layout = checked_hf_input(args)
+    if args.out.resolve() == args.hf.resolve():
+        raise BadInput("--out must differ from --hf")
+    check_output_dir(args.out, args.overwrite)
+    return RoundtripArgs(
+        hf=args.hf,
+        out=args.out,
+        layout=layout,
+        device=device_from_flag(args),
+        overwrite=args.overwrite,
+        max_shard_bytes=args.max_shard_bytes,
+        show_progress=not args.no_progress,
+        timeout=timeout_from_flag(args),
+        fp8=fp8_from_flags(args),
+    )
+
+
+def run_roundtrip(options: RoundtripArgs) -> int:
+    from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.checkpoints.hf import HFCheckpoint
+    from mbridge_refit.tools.launch import distributed_session
+    from mbridge_refit.tools.model_builder import BuildOptions, build_model
+
+    checkpoint = HFCheckpoint.open(options.hf)
+    with distributed_session(options.layout, device=options.device, timeout=options.timeout) as env:
+        bridge = RefitBridge.from_hf_pretrained(options.hf)
+        chunks = build_model(
+            bridge, options.layout, BuildOptions(device=options.device, params_dtype=checkpoint_float_dtype(checkpoint))
+        )
+        report = bridge.load_hf_shards(chunks, options.hf)
+        logger.info("loaded %d slices (%.1f MB on this rank)", report.tensors_written, report.bytes_read / 1e6)
+        count = write_hf_checkpoint(
+            bridge, chunks, out=options.out, source_dtypes={name: checkpoint.dtype(name) for name in checkpoint.names()},
+            fp8=options.fp8, adapt=cast_to_dtypes, copy_files_from=options.hf, max_shard_bytes=options.max_shard_bytes,
+            overwrite=options.overwrite, show_progress=options.show_progress and env.rank == 0,
+        )
+    logger.info("wrote %d tensors to %s (layout %s)", count, options.out, options.layout.name)
+    return ExitCode.OK
+
+
+# --- import / export ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ImportArgs:
+    hf: Path
+    megatron: Path
+    layout: ParallelLayout
+    overwrite: bool
+    timeout: datetime.timedelta
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ExportArgs:
+    megatron: Path
+    out: Path
+    layout: ParallelLayout
+    overwrite: bool
+    max_shard_bytes: int
+    show_progress: bool
+    timeout: datetime.timedelta
+    fp8: "BlockwiseFP8Config | None" = None
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    layout = checked_hf_input(args)
+    check_distinct_dirs(args.hf, "--hf", args.megatron, "--megatron")
+    check_output_dir(args.megatron, args.overwrite)
+    return run_import(
+        ImportArgs(
+            hf=args.hf, megatron=args.megatron, layout=layout, overwrite=args.overwrite,
+            timeout=timeout_from_flag(args),
+        )
+    )
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from mbridge_refit.checkpoints.megatron import CheckpointInfo, NotAMegatronCheckpoint
+
+    if not args.megatron.is_dir():
+        raise BadInput(f"input checkpoint directory {args.megatron} does not exist (--megatron)")
+    try:
+        CheckpointInfo.read(args.megatron)
+    except NotAMegatronCheckpoint as err:
+        raise BadInput(f"--megatron {args.megatron}: {err}") from err
+    layout = checked_layout(args, supported_config(args.megatron))
+    check_distinct_dirs(args.megatron, "--megatron", args.out, "--out")
+    check_output_dir(args.out, args.overwrite)
+    return run_export(
+        ExportArgs(
+            megatron=args.megatron, out=args.out, layout=layout, overwrite=args.overwrite,
+            max_shard_bytes=args.max_shard_bytes, show_progress=not args.no_progress,
+            timeout=timeout_from_flag(args), fp8=fp8_from_flags(args),
+        )
+    )
+
+
+def run_import(options: ImportArgs) -> int:
+    """HF -> Megatron checkpoint on CPU (gloo); every rank saves its own shards."""
+    import torch
+
+    from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.checkpoints.hf import HFCheckpoint
+    from mbridge_refit.tools.launch import distributed_session
+    from mbridge_refit.checkpoints.megatron import CheckpointInfo, save_model
+    from mbridge_refit.tools.model_builder import BuildOptions, build_model
+
+    cpu = torch.device("cpu")
+    checkpoint = HFCheckpoint.open(options.hf)
+    info = CheckpointInfo(
+        saved_layout=options.layout,
+        params_dtype=checkpoint_float_dtype(checkpoint),
+        hf_dtypes={name: checkpoint.dtype(name) for name in checkpoint.names()},
+        source=str(options.hf.resolve()),
+    )
+    with distributed_session(options.layout, device=cpu, timeout=options.timeout):
+        bridge = RefitBridge.from_hf_pretrained(options.hf)
+        chunks = build_model(bridge, options.layout, BuildOptions(device=cpu, params_dtype=info.params_dtype))
+        report = bridge.load_hf_shards(chunks, options.hf)
+        logger.info("loaded %d slices (%.1f MB on this rank)", report.tensors_written, report.bytes_read / 1e6)
+        save_model(chunks, options.megatron, info=info, copy_files_from=options.hf, overwrite=options.overwrite)
+    logger.info("wrote a Megatron checkpoint (layout %s) to %s", options.layout.name, options.megatron)
+    return ExitCode.OK
+
+
+def run_export(options: ExportArgs) -> int:
+    """Megatron checkpoint -> HF on CPU (gloo), at ``options.layout`` (may differ from the saved one)."""
+    import torch
+    from transformers import AutoConfig
+
+    from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.checkpoints.megatron import CheckpointInfo, load_model, match_source_tensors
+    from mbridge_refit.tools.launch import distributed_session
+    from mbridge_refit.tools.model_builder import BuildOptions, build_model
+
+    cpu = torch.device("cpu")
+    info = CheckpointInfo.read(options.megatron)
+    with distributed_session(options.layout, device=cpu, timeout=options.timeout) as env:
+        # Config only: the checkpoint holds no HF weights; the names to write come from `info`.
+        bridge = RefitBridge.from_hf_config(AutoConfig.from_pretrained(options.megatron))
+        chunks = build_model(bridge, options.layout, BuildOptions(device=cpu, params_dtype=info.params_dtype))
+        load_model(chunks, options.megatron)
+        logger.info("loaded %s (saved at layout %s) at layout %s", options.megatron, info.saved_layout.name, options.layout.name)
+        count = write_hf_checkpoint(
+            bridge, chunks, out=options.out, source_dtypes=info.hf_dtypes, fp8=options.fp8, adapt=match_source_tensors,
+            copy_files_from=options.megatron, max_shard_bytes=options.max_shard_bytes, overwrite=options.overwrite,
+            show_progress=options.show_progress and env.rank == 0,
+        )
+    logger.info("wrote %d tensors to %s (layout %s)", count, options.out, options.layout.name)
+    return ExitCode.OK
+
+
+# --- plan --------------------------------------------------------------------------------------
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import torch
+
+    from mbridge_refit.fp8.format import FP8FormatError
+
+    from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.checkpoints.hf import HFCheckpoint
+    from mbridge_refit.tools.launch import distributed_session
+    from mbridge_refit.tools.model_builder import BuildOptions, build_model
+
+    layout = checked_hf_input(args)
+    if args.json is not None and not args.json.parent.is_dir():
+        raise BadInput(f"directory {args.json.parent} for --json does not exist")
+    fp8 = fp8_from_flags(args)
+    cpu = torch.device("cpu")
+    dtype = checkpoint_float_dtype(HFCheckpoint.open(args.hf))
+    with distributed_session(layout, device=cpu, timeout=timeout_from_flag(args)) as env:
+        bridge = RefitBridge.from_hf_pretrained(args.hf)
+        chunks = build_model(bridge, layout, BuildOptions(device=cpu, params_dtype=dtype, materialize=False))
+        try:
+            plan = bridge.export_plan(chunks, fp8=fp8)
+        except FP8FormatError as err:
+            raise BadInput(f"cannot plan an FP8 export: {err}") from err
+        if env.rank == 0:
+            print(format_plan(plan))
+            if args.json is not None:
+                tmp = args.json.with_name(f".{args.json.name}.tmp")
+                tmp.write_text(plan.to_json())
+                tmp.replace(args.json)
+                logger.info("wrote %s", args.json)
+    return ExitCode.OK
+
+
+def format_plan(plan) -> str:
+    """One line per HF tensor: name, shape, dtype, bytes, stage, source mesh, placements."""
+    header = f"{'hf_name':60s} {'shape':>16s} {'dtype':>9s} {'bytes':>12s} {'pp/vpp':>6s} {'mesh':>14s}  placements"
+    lines = [header]
+    for e in plan.entries:
+        mesh = f"{e.sharding.mesh_dims[0]}{e.sharding.mesh_shape[0]}x{e.sharding.mesh_dims[1]}{e.sharding.mesh_shape[1]}"
+        owner = f" owner ep{e.sharding.owner_ep_rank}" if e.sharding.owner_ep_rank is not None and plan.ep > 1 else ""
+        alias = f" (same data as {e.alias_of})" if e.alias_of else ""
+        lines.append(
+            f"{e.hf_name:60s} {str(list(e.shape)):>16s} {e.dtype:>9s} {e.nbytes:12d} {e.pp_rank:>4d}/{e.vpp_stage:<1d} "
+            f"{mesh:>14s}  {', '.join(e.sharding.placements)}{owner}{alias}"
+        )
+    layers = ", ".join(f"{layer}:{pp}/{vpp}" for layer, (pp, vpp) in plan.layer_map.items())
+    lines.append(f"{len(plan.entries)} tensors, {plan.total_bytes} bytes; layer -> pp/vpp: {layers}")
+    return "\n".join(lines)

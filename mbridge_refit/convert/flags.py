@@ -1,0 +1,116 @@
+"""Flags that several commands (and the scripts under ``scripts/``) share, and their parsing.
+
+``add_layout_flags`` / ``layout_from_flags``: the parallel layout (--tp, --pp, --vpp, --ep,
+--first-stage-layers, --last-stage-layers). ``add_fp8_flags`` / ``fp8_from_flags``: blockwise FP8
+output. ``add_device_flag`` / ``device_from_flag`` and ``add_timeout_flag``. Parsing raises
+``BadInput`` naming the flag and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+from typing import TYPE_CHECKING
+
+from mbridge_refit.convert.exit_codes import BadInput
+from mbridge_refit.plan.layout import LayoutError, ParallelLayout
+
+if TYPE_CHECKING:
+    import torch
+
+    from mbridge_refit.fp8.format import BlockwiseFP8Config
+
+
+def add_layout_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "parallel layout",
+        "One model replica spans tp*pp*cp ranks; a world size that is a multiple of it runs "
+        "world/(tp*pp*cp) data-parallel replicas, each holding a full copy of the weights (experts "
+        "are split over ep ranks carved from dp*cp*tp, as Megatron does).",
+    )
+    group.add_argument("--tp", type=int, default=1, help="tensor parallel size (default: 1)")
+    group.add_argument("--pp", type=int, default=1, help="pipeline parallel size (default: 1)")
+    group.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per PP rank")
+    group.add_argument("--cp", type=int, default=1, help="context parallel size: splits sequences, not weights (default: 1)")
+    group.add_argument("--ep", type=int, default=1, help="expert parallel size, MoE only (default: 1)")
+    group.add_argument("--first-stage-layers", type=int, default=None, help="layers on the first PP stage (uneven split)")
+    group.add_argument("--last-stage-layers", type=int, default=None, help="layers on the last PP stage (uneven split)")
+
+
+def layout_from_flags(args: argparse.Namespace) -> ParallelLayout:
+    """The layout the flags describe (not yet checked against a model or a world size)."""
+    try:
+        return ParallelLayout(
+            tp=args.tp, pp=args.pp, vpp=args.vpp, cp=getattr(args, "cp", 1), ep=args.ep,
+            first_stage_layers=getattr(args, "first_stage_layers", None), last_stage_layers=getattr(args, "last_stage_layers", None),
+        )
+    except LayoutError as err:
+        raise BadInput(f"layout {describe_flags(args)}: {err}") from err
+
+
+def describe_flags(args: argparse.Namespace) -> str:
+    return f"tp={args.tp} pp={args.pp} vpp={args.vpp} cp={getattr(args, 'cp', 1)} ep={args.ep}"
+
+
+def add_fp8_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("FP8 output")
+    group.add_argument(
+        "--fp8-blockwise",
+        action="store_true",
+        help="write linear weights as 128x128-blockwise float8_e4m3fn with fp32 weight_scale_inv and a "
+        "quantization_config in config.json (DeepSeek-V3 / Qwen3-FP8 format)",
+    )
+    group.add_argument(
+        "--fp8-keep",
+        action="append",
+        metavar="PATTERN",
+        help="fnmatch pattern of HF names kept in their dtype (repeatable; replaces the defaults: "
+        "embeddings, output layer, norms, MoE routers)",
+    )
+    group.add_argument(
+        "--fp8-engine-tp",
+        type=int,
+        default=None,
+        metavar="N",
+        help="fail unless an engine at tensor-parallel size N can shard every FP8 weight on block boundaries",
+    )
+
+
+def fp8_from_flags(args: argparse.Namespace) -> "BlockwiseFP8Config | None":
+    from mbridge_refit.fp8.format import DEFAULT_KEEP_PATTERNS, BlockwiseFP8Config
+
+    if not args.fp8_blockwise:
+        if args.fp8_keep or args.fp8_engine_tp is not None:
+            raise BadInput("--fp8-keep and --fp8-engine-tp need --fp8-blockwise")
+        return None
+    if args.fp8_engine_tp is not None and args.fp8_engine_tp < 1:
+        raise BadInput(f"--fp8-engine-tp must be >= 1, got {args.fp8_engine_tp}")
+    keep = tuple(args.fp8_keep) if args.fp8_keep else DEFAULT_KEEP_PATTERNS
+    return BlockwiseFP8Config(keep_patterns=keep, engine_tp_size=args.fp8_engine_tp)
+
+
+def add_device_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: cuda if present")
+
+
+def device_from_flag(args: argparse.Namespace) -> "torch.device":
+    import torch
+
+    if args.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise BadInput("--device cuda but no CUDA device is visible: use --device cpu")
+    return torch.device(args.device)
+
+
+def add_timeout_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--timeout-s", type=float, default=600.0,
+        help="bound on every collective, so a rank whose peer died fails instead of hanging (default: %(default)s)",
+    )
+
+
+def timeout_from_flag(args: argparse.Namespace) -> datetime.timedelta:
+    if args.timeout_s <= 0:
+        raise BadInput(f"--timeout-s must be positive, got {args.timeout_s}")
+    return datetime.timedelta(seconds=args.timeout_s)
