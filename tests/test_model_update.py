@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mbridge_refit.sinks import drain
-from mbridge_refit.sinks.model_update import FUSED_LAYOUTS, HFModelUpdateSink, WeightUpdateError
+from mbridge_refit.sinks.model_update import FUSED_TENSOR_RULES, HFModelUpdateSink, WeightUpdateError
 from oracle import read_checkpoint
 
 
@@ -65,7 +65,7 @@ def test_fused_expert_orientation(source_checkpoints):
     assert torch.equal(experts.gate_up_proj[3, :inter], stream[f"{base}.gate_proj.weight"])
     assert torch.equal(experts.gate_up_proj[3, inter:], stream[f"{base}.up_proj.weight"])
     assert torch.equal(experts.down_proj[3], stream[f"{base}.down_proj.weight"])
-    assert {row.target for row in FUSED_LAYOUTS} == {"{experts}.gate_up_proj", "{experts}.down_proj"}
+    assert {row.target for row in FUSED_TENSOR_RULES} == {"{experts}.gate_up_proj", "{experts}.down_proj"}
 
 
 def test_tied_stream_without_lm_head(source_checkpoints):

@@ -20,7 +20,7 @@ from mbridge_refit.sinks.packed_broadcast import (
     ALIGN_BYTES,
     DEFAULT_BUCKET_BYTES,
     PackedBroadcastConfig,
-    StreamLayout,
+    StreamPacking,
     _bucket_events,
     _checksum,
     plan_fingerprint,
@@ -62,7 +62,7 @@ def test_config_default_is_512_mib_and_frozen():
 
 
 def test_layout_aligns_every_tensor():
-    layout = StreamLayout.build(PLAN, 32)
+    layout = StreamPacking.build(PLAN, 32)
     assert [s.offset for s in layout.slots] == [0, 16, 304, 304, 320]  # c is empty
     assert all(s.offset % ALIGN_BYTES == 0 for s in layout.slots)
     assert layout.stream_bytes == 324 and layout.num_buckets == 11 and layout.bucket_length(10) == 4
@@ -71,7 +71,7 @@ def test_layout_aligns_every_tensor():
 
 @pytest.mark.parametrize("bucket", [16, 32, 48, 304, 320, 1024])
 def test_bucket_events_cover_each_byte_once(bucket):
-    layout = StreamLayout.build(PLAN, bucket)
+    layout = StreamPacking.build(PLAN, bucket)
     events = _bucket_events(layout)
     covered = {s.entry.hf_name: 0 for s in layout.slots}
     completed = []

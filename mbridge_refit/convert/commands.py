@@ -33,16 +33,19 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class RoundtripArgs:
-    hf: Path
+class WriteArgs:
+    """A checked ``roundtrip`` or ``export``: its source (an HF or a Megatron checkpoint), the HF
+    checkpoint to write, the layout, and how to write it."""
+
+    source: Path
     out: Path
     layout: ParallelLayout
-    device: "torch.device"
     overwrite: bool
     max_shard_bytes: int
     show_progress: bool
     timeout: datetime.timedelta
     fp8: "BlockwiseFP8Config | None" = None
+    device: "torch.device | None" = None  # roundtrip only: export is CPU-only
 
 
 # --- make-tiny ---------------------------------------------------------------------------------
@@ -101,42 +104,39 @@ def cmd_roundtrip(args: argparse.Namespace) -> int:
     return run_roundtrip(options)
 
 
-def _validate_roundtrip(args: argparse.Namespace) -> RoundtripArgs:
+def _validate_roundtrip(args: argparse.Namespace) -> WriteArgs:
     """Every check that needs no process group: same inputs, same verdict on every rank."""
     layout = checked_hf_input(args)
     if args.out.resolve() == args.hf.resolve():
         raise BadInput("--out must differ from --hf")
     check_output_dir(args.out, args.overwrite)
-    return RoundtripArgs(
-        hf=args.hf,
-        out=args.out,
-        layout=layout,
-        device=device_from_flag(args),
-        overwrite=args.overwrite,
-        max_shard_bytes=args.max_shard_bytes,
-        show_progress=not args.no_progress,
-        timeout=timeout_from_flag(args),
-        fp8=fp8_from_flags(args),
+    return _write_args(args, source=args.hf, layout=layout, device=device_from_flag(args))
+
+
+def _write_args(args: argparse.Namespace, **checked) -> WriteArgs:
+    return WriteArgs(
+        out=args.out, overwrite=args.overwrite, max_shard_bytes=args.max_shard_bytes, show_progress=not args.no_progress,
+        timeout=timeout_from_flag(args), fp8=fp8_from_flags(args), **checked,
     )
 
 
-def run_roundtrip(options: RoundtripArgs) -> int:
+def run_roundtrip(options: WriteArgs) -> int:
     from mbridge_refit.bridge import RefitBridge
     from mbridge_refit.checkpoints.hf import HFCheckpoint
     from mbridge_refit.tools.launch import distributed_session
     from mbridge_refit.tools.model_builder import BuildOptions, build_model
 
-    checkpoint = HFCheckpoint.open(options.hf)
+    checkpoint = HFCheckpoint.open(options.source)
     with distributed_session(options.layout, device=options.device, timeout=options.timeout) as env:
-        bridge = RefitBridge.from_hf_pretrained(options.hf)
+        bridge = RefitBridge.from_hf_pretrained(options.source)
         chunks = build_model(
             bridge, options.layout, BuildOptions(device=options.device, params_dtype=checkpoint_float_dtype(checkpoint))
         )
-        report = bridge.load_hf_shards(chunks, options.hf)
+        report = bridge.load_hf_shards(chunks, options.source)
         logger.info("loaded %d slices (%.1f MB on this rank)", report.tensors_written, report.bytes_read / 1e6)
         count = write_hf_checkpoint(
             bridge, chunks, out=options.out, source_dtypes={name: checkpoint.dtype(name) for name in checkpoint.names()},
-            fp8=options.fp8, adapt=cast_to_dtypes, copy_files_from=options.hf, max_shard_bytes=options.max_shard_bytes,
+            fp8=options.fp8, adapt=cast_to_dtypes, copy_files_from=options.source, max_shard_bytes=options.max_shard_bytes,
             overwrite=options.overwrite, show_progress=options.show_progress and env.rank == 0,
         )
     logger.info("wrote %d tensors to %s (layout %s)", count, options.out, options.layout.name)
@@ -148,23 +148,13 @@ def run_roundtrip(options: RoundtripArgs) -> int:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ImportArgs:
+    """A checked ``import``: the HF checkpoint to read, the Megatron checkpoint to write."""
+
     hf: Path
     megatron: Path
     layout: ParallelLayout
     overwrite: bool
     timeout: datetime.timedelta
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ExportArgs:
-    megatron: Path
-    out: Path
-    layout: ParallelLayout
-    overwrite: bool
-    max_shard_bytes: int
-    show_progress: bool
-    timeout: datetime.timedelta
-    fp8: "BlockwiseFP8Config | None" = None
 
 
 def cmd_import(args: argparse.Namespace) -> int:
@@ -191,13 +181,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     layout = checked_layout(args, supported_config(args.megatron))
     check_distinct_dirs(args.megatron, "--megatron", args.out, "--out")
     check_output_dir(args.out, args.overwrite)
-    return run_export(
-        ExportArgs(
-            megatron=args.megatron, out=args.out, layout=layout, overwrite=args.overwrite,
-            max_shard_bytes=args.max_shard_bytes, show_progress=not args.no_progress,
-            timeout=timeout_from_flag(args), fp8=fp8_from_flags(args),
-        )
-    )
+    return run_export(_write_args(args, source=args.megatron, layout=layout))
 
 
 def run_import(options: ImportArgs) -> int:
@@ -228,7 +212,7 @@ def run_import(options: ImportArgs) -> int:
     return ExitCode.OK
 
 
-def run_export(options: ExportArgs) -> int:
+def run_export(options: WriteArgs) -> int:
     """Megatron checkpoint -> HF on CPU (gloo), at ``options.layout`` (may differ from the saved one)."""
     import torch
     from transformers import AutoConfig
@@ -239,16 +223,16 @@ def run_export(options: ExportArgs) -> int:
     from mbridge_refit.tools.model_builder import BuildOptions, build_model
 
     cpu = torch.device("cpu")
-    info = CheckpointInfo.read(options.megatron)
+    info = CheckpointInfo.read(options.source)
     with distributed_session(options.layout, device=cpu, timeout=options.timeout) as env:
         # Config only: the checkpoint holds no HF weights; the names to write come from `info`.
-        bridge = RefitBridge.from_hf_config(AutoConfig.from_pretrained(options.megatron))
+        bridge = RefitBridge.from_hf_config(AutoConfig.from_pretrained(options.source))
         chunks = build_model(bridge, options.layout, BuildOptions(device=cpu, params_dtype=info.params_dtype))
-        load_model(chunks, options.megatron)
-        logger.info("loaded %s (saved at layout %s) at layout %s", options.megatron, info.saved_layout.name, options.layout.name)
+        load_model(chunks, options.source)
+        logger.info("loaded %s (saved at layout %s) at layout %s", options.source, info.saved_layout.name, options.layout.name)
         count = write_hf_checkpoint(
             bridge, chunks, out=options.out, source_dtypes=info.hf_dtypes, fp8=options.fp8, adapt=match_source_tensors,
-            copy_files_from=options.megatron, max_shard_bytes=options.max_shard_bytes, overwrite=options.overwrite,
+            copy_files_from=options.source, max_shard_bytes=options.max_shard_bytes, overwrite=options.overwrite,
             show_progress=options.show_progress and env.rank == 0,
         )
     logger.info("wrote %d tensors to %s (layout %s)", count, options.out, options.layout.name)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -51,8 +51,7 @@ class SliceCopy:
         return source[:, self.hf_start : self.hf_stop]
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ShardContext:
+class ShardContext(NamedTuple):
     """What a rule needs to place one parameter: its local shape, TP coordinates and config."""
 
     local_shape: tuple[int, ...]

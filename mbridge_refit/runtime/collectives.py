@@ -32,18 +32,14 @@ class ParallelGroups:
 
 
 def current_groups() -> ParallelGroups:
+    """This rank's tensor-, expert- and pipeline-parallel groups (Megatron's parallel state), with
+    each group's size and this rank's place in it."""
     from megatron.core import parallel_state as ps
 
+    tp, ep, pp = ps.get_tensor_model_parallel_group(), ps.get_expert_model_parallel_group(), ps.get_pipeline_model_parallel_group()
+    size, rank = dist.get_world_size, dist.get_rank
     return ParallelGroups(
-        tp=ps.get_tensor_model_parallel_group(),
-        ep=ps.get_expert_model_parallel_group(),
-        pp=ps.get_pipeline_model_parallel_group(),
-        tp_size=ps.get_tensor_model_parallel_world_size(),
-        ep_size=ps.get_expert_model_parallel_world_size(),
-        pp_size=ps.get_pipeline_model_parallel_world_size(),
-        pp_rank=ps.get_pipeline_model_parallel_rank(),
-        ep_rank=ps.get_expert_model_parallel_rank(),
-        tp_rank=ps.get_tensor_model_parallel_rank(),
+        tp=tp, ep=ep, pp=pp, tp_size=size(tp), ep_size=size(ep), pp_size=size(pp), tp_rank=rank(tp), ep_rank=rank(ep), pp_rank=rank(pp),
     )
 
 

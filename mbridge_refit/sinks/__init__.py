@@ -24,7 +24,7 @@ __all__ = [
     "shard_file_name",
 ]
 
-from mbridge_refit.sinks.model_update import FUSED_LAYOUTS, FusedLayout, HFModelUpdateSink, WeightUpdateError
+from mbridge_refit.sinks.model_update import FUSED_TENSOR_RULES, FusedTensorRule, HFModelUpdateSink, WeightUpdateError
 from mbridge_refit.sinks.packed_broadcast import (
     DEFAULT_BUCKET_BYTES,
     ChecksumError,
@@ -38,8 +38,8 @@ from mbridge_refit.sinks.packed_broadcast import (
 __all__ += [
     "ChecksumError",
     "DEFAULT_BUCKET_BYTES",
-    "FUSED_LAYOUTS",
-    "FusedLayout",
+    "FUSED_TENSOR_RULES",
+    "FusedTensorRule",
     "HFModelUpdateSink",
     "PackedBroadcastConfig",
     "PackedBroadcastReceiver",

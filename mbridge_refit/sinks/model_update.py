@@ -2,7 +2,7 @@
 
 Owns :class:`HFModelUpdateSink`, which does what an inference engine's ``load_weights`` does:
 ``copy_`` each streamed tensor into the existing parameter or buffer (no re-allocation, so
-pointers captured by CUDA graphs or an engine stay valid), and :data:`FUSED_LAYOUTS`, the table
+pointers captured by CUDA graphs or an engine stay valid), and :data:`FUSED_TENSOR_RULES`, the table
 of in-memory layouts that differ from checkpoint names (data, not code: one row per fused
 layout). Tied weights are handled by storage identity: a model tensor reachable under several
 names (``lm_head.weight`` sharing ``model.embed_tokens.weight``) is satisfied by any of them.
@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class FusedLayout:
+class FusedTensorRule:
     """A checkpoint tensor stored as one part of one expert's slice of a fused model tensor.
 
     ``source`` is the stream name and ``target`` the model tensor, as templates over the fields
@@ -50,10 +50,10 @@ class FusedLayout:
 # transformers 5.x Qwen2/Qwen3-MoE family (Qwen3MoeExperts): gate_up_proj [E, 2*I, H] holds
 # gate rows then up rows (forward: linear(x, gate_up_proj[e]).chunk(2, -1) -> gate, up);
 # down_proj [E, H, I] is the per-expert down_proj.weight as is.
-FUSED_LAYOUTS: tuple[FusedLayout, ...] = (
-    FusedLayout(source="{experts}.{expert}.gate_proj.weight", target="{experts}.gate_up_proj", part=0, num_parts=2),
-    FusedLayout(source="{experts}.{expert}.up_proj.weight", target="{experts}.gate_up_proj", part=1, num_parts=2),
-    FusedLayout(source="{experts}.{expert}.down_proj.weight", target="{experts}.down_proj"),
+FUSED_TENSOR_RULES: tuple[FusedTensorRule, ...] = (
+    FusedTensorRule(source="{experts}.{expert}.gate_proj.weight", target="{experts}.gate_up_proj", part=0, num_parts=2),
+    FusedTensorRule(source="{experts}.{expert}.up_proj.weight", target="{experts}.gate_up_proj", part=1, num_parts=2),
+    FusedTensorRule(source="{experts}.{expert}.down_proj.weight", target="{experts}.down_proj"),
 )
 
 
@@ -80,7 +80,7 @@ class HFModelUpdateSink(WeightSink):
             tensors never written, in stream naming) and unexpected names (stream names with no
             target); with ``strict=False`` log them as a warning instead.
         fused_layouts: rows mapping checkpoint names onto fused in-memory tensors
-            (default :data:`FUSED_LAYOUTS`); a row applies only where its target exists.
+            (default :data:`FUSED_TENSOR_RULES`); a row applies only where its target exists.
 
     A shape or dtype mismatch, or a name written twice, raises at once, naming the tensor. The
     names of one tied tensor (e.g. ``lm_head.weight`` and ``model.embed_tokens.weight``) may both
@@ -90,7 +90,7 @@ class HFModelUpdateSink(WeightSink):
     """
 
     def __init__(
-        self, model: torch.nn.Module, *, strict: bool = True, fused_layouts: Iterable[FusedLayout] = FUSED_LAYOUTS
+        self, model: torch.nn.Module, *, strict: bool = True, fused_layouts: Iterable[FusedTensorRule] = FUSED_TENSOR_RULES
     ) -> None:
         self.model = model
         self.strict = strict
@@ -219,4 +219,4 @@ def _part_text(target: _Target) -> str:
     return f"[expert {target.part[0]}, part {target.part[1]}]" if target.part else ""
 
 
-__all__ = ["FUSED_LAYOUTS", "FusedLayout", "HFModelUpdateSink", "WeightUpdateError"]
+__all__ = ["FUSED_TENSOR_RULES", "FusedTensorRule", "HFModelUpdateSink", "WeightUpdateError"]

@@ -2,7 +2,7 @@
 
 Owns the wire protocol between a :class:`PackedBroadcastSender` (a :class:`WeightSink` on the
 source trainer rank) and :class:`PackedBroadcastReceiver` (on each inference rank): the byte
-layout of the stream (computed from the :class:`~mbridge_refit.plan.ExportPlan` alone, so no
+packing of the stream (``StreamPacking``) (computed from the :class:`~mbridge_refit.plan.entries.ExportPlan` alone, so no
 per-tensor metadata travels), the header/verdict handshake that makes a plan mismatch fail on
 every rank instead of hanging, the rotating buffers that overlap packing with broadcasting, and
 the optional per-buffer checksums.
@@ -23,7 +23,7 @@ members), in this order on every member:
    checksum or whose consumer failed still runs the remaining bulk broadcasts (discarding them)
    and reports here, so the source raises instead of blocking in a broadcast nobody receives.
 
-The stream layout: tensors back to back in plan order, each starting at a multiple of
+The stream packing: tensors back to back in plan order, each starting at a multiple of
 :data:`ALIGN_BYTES` (so a tensor that lies inside one bucket is received as a zero-copy view of
 any dtype), cut into buckets at ``bucket_bytes`` boundaries. A tensor larger than a bucket (or
 straddling a boundary) simply continues in the next bucket; the receiver reassembles it in one
@@ -106,7 +106,7 @@ class PackedBroadcastConfig:
             raise ValueError(f"num_buffers must be an integer >= 1, got {self.num_buffers!r}")
 
 
-# --- the stream layout, from the plan alone ---------------------------------------------------
+# --- the stream packing, from the plan alone ---------------------------------------------------
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -124,7 +124,7 @@ class _Slot:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class StreamLayout:
+class StreamPacking:
     """Byte offsets of every plan entry and the bucket cut; identical on every rank."""
 
     slots: tuple[_Slot, ...]
@@ -133,7 +133,7 @@ class StreamLayout:
     fingerprint: int
 
     @classmethod
-    def build(cls, plan: ExportPlan | str, bucket_bytes: int) -> StreamLayout:
+    def build(cls, plan: ExportPlan | str, bucket_bytes: int) -> StreamPacking:
         plan = ExportPlan.from_json(plan) if isinstance(plan, str) else plan
         slots, offset = [], 0
         for index, entry in enumerate(plan.entries):
@@ -174,10 +174,10 @@ def _align(offset: int) -> int:
     return -(-offset // ALIGN_BYTES) * ALIGN_BYTES
 
 
-def _header(layout: StreamLayout, config: PackedBroadcastConfig) -> list[int]:
+def _header(packing: StreamPacking, config: PackedBroadcastConfig) -> list[int]:
     return [
-        _MAGIC, _VERSION, layout.fingerprint, layout.stream_bytes, config.bucket_bytes,
-        config.num_buffers, int(config.checksum), len(layout.slots),
+        _MAGIC, _VERSION, packing.fingerprint, packing.stream_bytes, config.bucket_bytes,
+        config.num_buffers, int(config.checksum), len(packing.slots),
     ]
 
 
@@ -210,16 +210,16 @@ def _group_rank(group: Any) -> int:
 
 
 def _handshake(
-    *, plan: ExportPlan, layout: StreamLayout, config: PackedBroadcastConfig, group: Any, src: int,
+    *, plan: ExportPlan, packing: StreamPacking, config: PackedBroadcastConfig, group: Any, src: int,
     device: torch.device, is_source: bool,
 ) -> None:
     """Step 1 of the protocol (collective over ``group``); raises PlanMismatchError on every member."""
-    mine = _header(layout, config)
+    mine = _header(packing, config)
     header = torch.tensor(mine, dtype=torch.int64, device=device)
     dist.broadcast(header, src=src, group=group)
     theirs = [int(v) for v in header.tolist()]
     mismatch = 0 if is_source or theirs == mine else 1
-    verdict = torch.tensor([mismatch, layout.fingerprint if mismatch else torch.iinfo(torch.int64).min], dtype=torch.int64, device=device)
+    verdict = torch.tensor([mismatch, packing.fingerprint if mismatch else torch.iinfo(torch.int64).min], dtype=torch.int64, device=device)
     dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=group)
     if int(verdict[0]) == 0:
         return
@@ -346,12 +346,9 @@ class PackedBroadcastSender(WeightSink):
         trainer_group: Any = None,
         device: torch.device | str | None = None,
     ) -> None:
-        self.plan = ExportPlan.from_json(plan) if isinstance(plan, str) else plan
-        self.config = config
-        self.layout = StreamLayout.build(self.plan, config.bucket_bytes)
+        self.plan, self.config, self.packing, self.device = _endpoint(plan, config, device)
         self.group, self.src, self.trainer_group = group, src, trainer_group
         self.is_source = dist.get_rank() == src
-        self.device = torch.device(device) if device is not None else _default_device()
         self._next = 0
         self._closed = False
         self._buffers: list[torch.Tensor] = []
@@ -364,7 +361,7 @@ class PackedBroadcastSender(WeightSink):
         if self.is_source:
             _group_rank(group)
             try:
-                _handshake(plan=self.plan, layout=self.layout, config=config, group=group, src=src,
+                _handshake(plan=self.plan, packing=self.packing, config=config, group=group, src=src,
                            device=self.device, is_source=True)
             except PlanMismatchError as err:
                 error = err
@@ -393,10 +390,10 @@ class PackedBroadcastSender(WeightSink):
             raise RuntimeError("PackedBroadcastSender.finish() called twice or after abort()")
         self._closed = True
         error: BaseException | None = None
-        if self._next != len(self.layout.slots):
-            missing = [s.entry.hf_name for s in self.layout.slots[self._next:]]
+        if self._next != len(self.packing.slots):
+            missing = [s.entry.hf_name for s in self.packing.slots[self._next:]]
             error = ValueError(
-                f"the export stream ended after {self._next} of {len(self.layout.slots)} planned tensors; "
+                f"the export stream ended after {self._next} of {len(self.packing.slots)} planned tensors; "
                 f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}"
             )
             if not self.is_source:
@@ -417,12 +414,12 @@ class PackedBroadcastSender(WeightSink):
     # -- internals -------------------------------------------------------------------------
 
     def _check(self, hf_name: str, tensor: torch.Tensor) -> _Slot:
-        if self._next >= len(self.layout.slots):
+        if self._next >= len(self.packing.slots):
             raise ValueError(
-                f"the export stream has more tensors than the plan ({len(self.layout.slots)}); "
+                f"the export stream has more tensors than the plan ({len(self.packing.slots)}); "
                 f"unexpected {hf_name!r}: build the sender from this export's plan (bridge.export_plan(model))"
             )
-        slot = self.layout.slots[self._next]
+        slot = self.packing.slots[self._next]
         entry = slot.entry
         got = (hf_name, tuple(tensor.shape), tensor.dtype)
         want = (entry.hf_name, tuple(entry.shape), entry.torch_dtype)
@@ -476,7 +473,7 @@ class PackedBroadcastSender(WeightSink):
 
     def _send(self, bucket: int) -> None:
         index = bucket % self.config.num_buffers
-        data = self._buffers[index][: self.layout.bucket_length(bucket)]
+        data = self._buffers[index][: self.packing.bucket_length(bucket)]
         works = [dist.broadcast(data, src=self.src, group=self.group, async_op=True)]
         if self.config.checksum:
             self._sums[index].copy_(_checksum(data))
@@ -485,7 +482,7 @@ class PackedBroadcastSender(WeightSink):
         self.bytes_sent += data.numel()
 
     def _finish_source(self) -> BaseException | None:
-        last = self.layout.num_buckets - 1
+        last = self.packing.num_buckets - 1
         if last >= 0:
             if self._stream is not None:
                 with torch.cuda.stream(self._stream):
@@ -506,10 +503,18 @@ class PackedBroadcastSender(WeightSink):
             return None
         if code == _STATUS_CHECKSUM:
             return RefitStatusError(
-                f"a receiver found a checksum mismatch in buffer {bucket} (tensors {self.layout.names_in(bucket)}); "
+                f"a receiver found a checksum mismatch in buffer {bucket} (tensors {self.packing.names_in(bucket)}); "
                 "the receivers' weights are not trustworthy: run the refit again"
             )
         return RefitStatusError("a receiver's consumer failed while applying the weights (see the receiver's log)")
+
+
+def _endpoint(
+    plan: ExportPlan | str, config: PackedBroadcastConfig, device: torch.device | str | None
+) -> tuple[ExportPlan, PackedBroadcastConfig, "StreamPacking", torch.device]:
+    """What both ends derive from their arguments: the plan, the config, the stream packing, the device."""
+    plan = ExportPlan.from_json(plan) if isinstance(plan, str) else plan
+    return plan, config, StreamPacking.build(plan, config.bucket_bytes), torch.device(device) if device is not None else _default_device()
 
 
 def _default_device() -> torch.device:
@@ -537,26 +542,16 @@ class PackedBroadcastReceiver:
     ``_corrupt_hook(bucket, data)``, test-only, may modify a received bucket before the check.
     """
 
-    def __init__(
-        self,
-        plan: ExportPlan | str,
-        config: PackedBroadcastConfig,
-        *,
-        group: Any,
-        src: int,
-        device: torch.device | str | None = None,
-    ) -> None:
-        self.plan = ExportPlan.from_json(plan) if isinstance(plan, str) else plan
-        self.config = config
-        self.layout = StreamLayout.build(self.plan, config.bucket_bytes)
+    def __init__(self, plan: ExportPlan | str, config: PackedBroadcastConfig, *, group: Any, src: int,
+                 device: torch.device | str | None = None) -> None:
+        self.plan, self.config, self.packing, self.device = _endpoint(plan, config, device)
         self.group, self.src = group, src
-        self.device = torch.device(device) if device is not None else _default_device()
         self._corrupt_hook: Callable[[int, torch.Tensor], None] | None = None
         self._used = False
         _group_rank(group)
         if dist.get_rank() == src:
             raise ValueError(f"rank {src} is the source of the broadcast; construct PackedBroadcastSender there")
-        _handshake(plan=self.plan, layout=self.layout, config=config, group=group, src=src,
+        _handshake(plan=self.plan, packing=self.packing, config=config, group=group, src=src,
                    device=self.device, is_source=False)
 
     def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -567,18 +562,18 @@ class PackedBroadcastReceiver:
         return self._receive()
 
     def _receive(self) -> Iterator[tuple[str, torch.Tensor]]:
-        layout, config = self.layout, self.config
+        packing, config = self.packing, self.config
         n = config.num_buffers
-        buffers = [torch.empty(config.bucket_bytes, dtype=torch.uint8, device=self.device) for _ in range(min(n, max(layout.num_buckets, 1)))]
+        buffers = [torch.empty(config.bucket_bytes, dtype=torch.uint8, device=self.device) for _ in range(min(n, max(packing.num_buckets, 1)))]
         sums = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in buffers]
-        scratch = torch.empty(layout.max_split_bytes(), dtype=torch.uint8, device=self.device)
+        scratch = torch.empty(packing.max_split_bytes(), dtype=torch.uint8, device=self.device)
         works: dict[int, list[Any]] = {}
-        events = _bucket_events(layout)
+        events = _bucket_events(packing)
 
         def post(bucket: int) -> None:
-            if bucket < layout.num_buckets:
+            if bucket < packing.num_buckets:
                 index = bucket % len(buffers)
-                data = buffers[index][: layout.bucket_length(bucket)]
+                data = buffers[index][: packing.bucket_length(bucket)]
                 works[bucket] = [dist.broadcast(data, src=self.src, group=self.group, async_op=True)]
                 if config.checksum:
                     works[bucket].append(dist.broadcast(sums[index], src=self.src, group=self.group, async_op=True))
@@ -589,11 +584,11 @@ class PackedBroadcastReceiver:
             for _ in buffers:
                 post(next_post)
                 next_post += 1
-            for bucket in range(layout.num_buckets):
+            for bucket in range(packing.num_buckets):
                 for work in works.pop(bucket):
                     work.wait()
                 index = bucket % len(buffers)
-                data = buffers[index][: layout.bucket_length(bucket)]
+                data = buffers[index][: packing.bucket_length(bucket)]
                 if self._corrupt_hook is not None:
                     self._corrupt_hook(bucket, data)
                 if config.checksum:
@@ -601,8 +596,8 @@ class PackedBroadcastReceiver:
                     if local != sent:
                         status, failed_bucket = _STATUS_CHECKSUM, bucket
                         error = ChecksumError(
-                            f"checksum mismatch in packed-broadcast buffer {bucket} of {layout.num_buckets} "
-                            f"(sender {_hex(sent)}, received {_hex(local)}); it held tensors {layout.names_in(bucket)}. "
+                            f"checksum mismatch in packed-broadcast buffer {bucket} of {packing.num_buckets} "
+                            f"(sender {_hex(sent)}, received {_hex(local)}); it held tensors {packing.names_in(bucket)}. "
                             "The transfer is corrupt: run the refit again"
                         )
                         break
@@ -629,7 +624,7 @@ class PackedBroadcastReceiver:
             for bucket in sorted(works):
                 for work in works.pop(bucket):
                     work.wait()
-            for bucket in range(next_post, self.layout.num_buckets):
+            for bucket in range(next_post, self.packing.num_buckets):
                 post(bucket)
                 for work in works.pop(bucket):
                     work.wait()
@@ -657,11 +652,11 @@ def _tensors_completed_in(
         yield entry.hf_name, view.view(entry.torch_dtype).view(entry.shape)
 
 
-def _bucket_events(layout: StreamLayout) -> list[list[tuple[_Slot, int, int, int, bool]]]:
+def _bucket_events(packing: StreamPacking) -> list[list[tuple[_Slot, int, int, int, bool]]]:
     """Per bucket, in stream order: (slot, offset in bucket, offset in tensor, length, tensor complete)."""
-    events: list[list[tuple[_Slot, int, int, int, bool]]] = [[] for _ in range(max(layout.num_buckets, 1))]
-    size = layout.bucket_bytes
-    for slot in layout.slots:
+    events: list[list[tuple[_Slot, int, int, int, bool]]] = [[] for _ in range(max(packing.num_buckets, 1))]
+    size = packing.bucket_bytes
+    for slot in packing.slots:
         if slot.nbytes == 0:
             events[min(slot.offset // size, len(events) - 1)].append((slot, 0, 0, 0, True))
             continue
@@ -683,7 +678,7 @@ __all__ = [
     "PackedBroadcastSender",
     "PlanMismatchError",
     "RefitStatusError",
-    "StreamLayout",
+    "StreamPacking",
     "plan_fingerprint",
     "plan_signature",
 ]

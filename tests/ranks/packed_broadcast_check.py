@@ -51,11 +51,11 @@ SRC = 0  # trainer rank that sends; ranks 0..N-2 are trainers, the last rank is 
 
 
 def configs(plan):
-    from mbridge_refit.sinks.packed_broadcast import ALIGN_BYTES, PackedBroadcastConfig, StreamLayout
+    from mbridge_refit.sinks.packed_broadcast import ALIGN_BYTES, PackedBroadcastConfig, StreamPacking
 
     largest = max(e.nbytes for e in plan.entries)
     small = max(ALIGN_BYTES, largest // 3 // ALIGN_BYTES * ALIGN_BYTES)
-    whole = StreamLayout.build(plan, ALIGN_BYTES).stream_bytes + 64 * ALIGN_BYTES
+    whole = StreamPacking.build(plan, ALIGN_BYTES).stream_bytes + 64 * ALIGN_BYTES
     split = PackedBroadcastConfig(bucket_bytes=small, num_buffers=2, checksum=True)
     return {
         "split": split,
@@ -146,8 +146,8 @@ def run_receiver(case, config, *, plan_json, refit, expected, model, pointers, r
     state = model.state_dict()
     return {
         "tensors": count,
-        "buckets": receiver.layout.num_buckets,
-        "split_bytes": receiver.layout.max_split_bytes(),
+        "buckets": receiver.packing.num_buckets,
+        "split_bytes": receiver.packing.max_split_bytes(),
         "in_order": sink.names == [e.hf_name for e in receiver.plan.entries],
         "differing_from_disk": sink.differing,
         "differing_from_pretrained": [n for n, t in reference.items() if not same_bytes(state[n], t)],
