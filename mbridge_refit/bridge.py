@@ -33,7 +33,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 from megatron.bridge import AutoBridge
 
-from mbridge_refit.checkpoints.hf import HFCheckpoint
+from mbridge_refit.checkpoints.hf import HFCheckpoint, load_config
 from mbridge_refit.fp8 import te as te_fp8
 from mbridge_refit.fp8.format import FP8_DTYPE_NAME, BlockwiseFP8Config, FP8FormatError, scale_name
 from mbridge_refit.fp8.plan import fp8_plan, yielded_bytes
@@ -108,6 +108,17 @@ class RefitBridge(AutoBridge):
         self._model_state: _ModelState | None = None
         self._buffers: ExportBuffers | None = None
         super().__init__(hf_pretrained)
+
+    @classmethod
+    def from_hf_pretrained(cls, path: str | Path, **kwargs: Any) -> "RefitBridge":
+        """``AutoBridge.from_hf_pretrained`` that never runs code from the checkpoint: a local
+        checkpoint's config is read with ``checkpoints.hf.load_config`` first (an ``auto_map``
+        entry raises ``RemoteCodeError``), and ``trust_remote_code`` is always False."""
+        if kwargs.pop("trust_remote_code", False):
+            raise ValueError("RefitBridge never runs code from a checkpoint: trust_remote_code=True is not accepted")
+        if Path(path).is_dir():
+            load_config(path)
+        return super().from_hf_pretrained(path, trust_remote_code=False, **kwargs)
 
     # --- per-model state ----------------------------------------------------------------------
 

@@ -210,3 +210,27 @@ def _describe_difference(x: torch.Tensor, y: torch.Tensor) -> str:
     if finite.numel() < delta.numel():
         text += f", {delta.numel() - finite.numel()} differing elements are NaN/inf"
     return text
+
+
+class RemoteCodeError(ValueError):
+    """A checkpoint whose config asks to run its own Python code (refused: this package never does)."""
+
+
+def load_config(checkpoint_dir: str | os.PathLike[str]) -> Any:
+    """The checkpoint's ``config.json`` as a transformers config, never running the checkpoint's code.
+
+    A config with ``auto_map`` (custom modeling code shipped with the checkpoint) is refused before
+    transformers sees it, and transformers is called with ``trust_remote_code=False``, so an unknown
+    ``model_type`` fails instead of prompting to run code.
+    """
+    from transformers import AutoConfig
+
+    path = Path(checkpoint_dir) / CONFIG_NAME
+    raw = json.loads(path.read_text())
+    if isinstance(raw, dict) and "auto_map" in raw:
+        raise RemoteCodeError(
+            f"{path} has an auto_map entry: the checkpoint ships its own Python code, which this package never runs. "
+            f"Use an architecture transformers ships (model_type {raw.get('model_type')!r} is not one it knows as "
+            "built-in code here) or remove auto_map if the architecture is built in."
+        )
+    return AutoConfig.from_pretrained(Path(checkpoint_dir), trust_remote_code=False)

@@ -18,9 +18,12 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
+import torch.distributed as dist
 
 from mbridge_refit.checkpoints.hf import HFCheckpoint
-from mbridge_refit.plan.placement import PlacementError, ShardContext, SliceCopy, place_column, slice_copies
+from mbridge_refit.plan.placement import (
+    PlacementError, ShardContext, SliceCopy, hf_extents, place_column, placement_kind, slice_copies,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +47,9 @@ def load_hf_shards(
     """Fill every parameter of ``chunks`` from ``checkpoint``; call on every rank of the job.
 
     ``model_bridge`` is the bridge's MegatronModelBridge, ``hf_pretrained`` the object its tasks
-    are built from (its ``state.source`` keys are checked against the mappings).
+    are built from (its ``state.source`` keys are checked against the mappings). Every checkpoint
+    tensor must have exactly the shape the model needs (a larger one is refused, never cropped).
+    Collective: one all-reduce at the end, so a ``LoadError`` on any rank is raised on every rank.
     """
     from megatron.core.utils import unwrap_model
 
@@ -53,19 +58,12 @@ def load_hf_shards(
     tasks = [t for t in model_bridge.build_conversion_tasks(hf_pretrained, unwrapped) if t is not None]
     report = LoadReport()
     written: set[int] = set()
-    with torch.no_grad():
-        for task in tasks:
-            if task.megatron_module is None or task.param_weight is None:
-                continue  # the parameter lives on another pipeline stage
-            try:
-                copies = slice_copies(task.mapping, task.megatron_module, task.param_weight, config)
-            except PlacementError as err:
-                raise LoadError(f"cannot load {task.global_param_name}: {err}") from err
-            _copy_slices(task.param_weight, copies, checkpoint, report, task.global_param_name)
-            written.add(id(task.param_weight))
-        for output_weight, embedding_copies in _tied_output_copies(model_bridge, unwrapped, config):
-            _copy_slices(output_weight, embedding_copies, checkpoint, report, "output_layer.weight (tied)")
-            written.add(id(output_weight))
+    error: LoadError | None = None
+    try:
+        _load_tasks(tasks, model_bridge, unwrapped, config, checkpoint, report, written)
+    except LoadError as err:
+        error = err
+    _agree_on_failure(error)
     _check_every_parameter_written(unwrapped, written)
     if report.cast_from:
         logger.warning(
@@ -76,11 +74,52 @@ def load_hf_shards(
     return report
 
 
+def _load_tasks(
+    tasks: list, model_bridge: Any, chunks: list[torch.nn.Module], config: Any, checkpoint: HFCheckpoint,
+    report: LoadReport, written: set[int],
+) -> None:
+    with torch.no_grad():
+        for task in tasks:
+            if task.megatron_module is None or task.param_weight is None:
+                continue  # the parameter lives on another pipeline stage
+            try:
+                copies = slice_copies(task.mapping, task.megatron_module, task.param_weight, config)
+                extents = hf_extents(placement_kind(task.mapping, task.megatron_module), _context(task, config))
+            except PlacementError as err:
+                raise LoadError(f"cannot load {task.global_param_name}: {err}") from err
+            _copy_slices(task.param_weight, copies, extents, checkpoint, report, task.global_param_name)
+            written.add(id(task.param_weight))
+        for output_weight, embedding_copies, extents in _tied_output_copies(model_bridge, chunks, config):
+            _copy_slices(output_weight, embedding_copies, extents, checkpoint, report, "output_layer.weight (tied)")
+            written.add(id(output_weight))
+
+
+def _agree_on_failure(error: LoadError | None) -> None:
+    """Raise on every rank if loading failed on any (one small all-reduce): a rank whose own slices
+    were fine must not go on to the next collective and wait there for the failed one."""
+    failed = error is not None
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        flag = torch.tensor([int(failed)], dtype=torch.int32)
+        if dist.get_backend() == "nccl":
+            flag = flag.cuda()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        failed = bool(flag.item())
+    if error is not None:
+        raise error
+    if failed:
+        raise LoadError("loading the checkpoint failed on another rank (its message names the tensor and the fix)")
+
+
+def _context(task: Any, config: Any) -> ShardContext:
+    return ShardContext(local_shape=tuple(task.param_weight.shape), tp_rank=task.mapping.tp_rank, tp_size=task.mapping.tp_size, config=config)
+
+
 def _copy_slices(
-    param: torch.Tensor, copies: Iterable[SliceCopy], checkpoint: HFCheckpoint, report: LoadReport, where: str
+    param: torch.Tensor, copies: Iterable[SliceCopy], extents: dict[str, tuple[int, int]], checkpoint: HFCheckpoint,
+    report: LoadReport, where: str,
 ) -> None:
     for copy in copies:
-        _check_slice_fits(copy, param, checkpoint, where)
+        _check_shape(copy, extents[copy.hf_name][1], param, checkpoint, where)
         data = copy.read(checkpoint.slice(copy.hf_name))
         if data.dtype != param.dtype:
             report.cast_from[copy.hf_name] = data.dtype
@@ -89,19 +128,19 @@ def _copy_slices(
         report.bytes_read += data.numel() * data.element_size()
 
 
-def _check_slice_fits(copy: SliceCopy, param: torch.Tensor, checkpoint: HFCheckpoint, where: str) -> None:
+def _check_shape(copy: SliceCopy, extent: int, param: torch.Tensor, checkpoint: HFCheckpoint, where: str) -> None:
+    """The checkpoint tensor must have exactly the shape the model needs: its split dimension as long
+    as all tensor-parallel ranks' slices together, every other dimension the local shard's. A
+    larger tensor is refused, never cropped."""
     if copy.hf_name not in checkpoint.weight_map:
         raise LoadError(f"{where}: tensor {copy.hf_name!r} is not in the checkpoint {checkpoint.path}")
     hf_shape = tuple(checkpoint.shape(copy.hf_name))
-    local_shape = tuple(param.shape)
-    other_dims_match = len(hf_shape) == len(local_shape) and all(
-        hf_shape[d] == local_shape[d] for d in range(len(hf_shape)) if d != copy.dim
-    )
-    if not other_dims_match or copy.hf_stop > hf_shape[copy.dim]:
+    expected = tuple(extent if d == copy.dim else size for d, size in enumerate(param.shape))
+    if hf_shape != expected:
         raise LoadError(
-            f"{where}: checkpoint tensor {copy.hf_name!r} has shape {hf_shape}, which cannot hold the slice "
-            f"[{copy.hf_start}:{copy.hf_stop}] along dim {copy.dim} of a local shard shaped {local_shape}; "
-            "the checkpoint does not match this model config."
+            f"checkpoint tensor {copy.hf_name!r} in {checkpoint.path} has shape {list(hf_shape)}, but this model "
+            f"({where}) needs {list(expected)}: the checkpoint does not match its config.json. Fix the config "
+            "(e.g. vocab_size, hidden_size, intermediate_size, head counts) or use the checkpoint it belongs to."
         )
 
 
@@ -123,7 +162,8 @@ def _tied_output_copies(model_bridge: Any, chunks: list[torch.nn.Module], config
             tp_size=parallel_state.get_tensor_model_parallel_world_size(),
             config=config,
         )
-        yield weight, place_column(embedding_hf_name, ctx)
+        extent = ctx.tp_size * weight.shape[0]  # column-parallel rows of the embedding
+        yield weight, place_column(embedding_hf_name, ctx), {embedding_hf_name: (0, extent)}
 
 
 def _check_every_parameter_written(chunks: list[torch.nn.Module], written: set[int]) -> None:

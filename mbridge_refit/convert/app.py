@@ -3,7 +3,7 @@ turn every outcome into one exit code (``exit_codes``).
 
 Runs as one process (``python -m``) or as N ranks (``torchrun --nproc-per-node N -m ...``).
 Bad input (``BadInput``, and the library's own input errors: a layout that does not fit, a model
-the FP8 format cannot hold, an unknown recipe) ends with its message and exit code 2; anything
+the FP8 format cannot hold, a checkpoint whose tensors do not match its config) ends with its message and exit code 2; anything
 else with its traceback and exit code 3.
 """
 
@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 from mbridge_refit.convert import commands
 from mbridge_refit.convert.exit_codes import BadInput, ExitCode
 from mbridge_refit.convert.parser import build_parser
+from mbridge_refit.checkpoints.loader import LoadError
 from mbridge_refit.convert.verify_refit import cmd_verify_refit
 from mbridge_refit.fp8.format import FP8FormatError
 from mbridge_refit.plan.layout import LayoutError
@@ -32,7 +33,7 @@ COMMANDS: dict[str, Callable] = {
 }
 
 # Library errors that mean "this input cannot work" (their messages name the fix).
-INPUT_ERRORS = (BadInput, LayoutError, FP8FormatError)
+INPUT_ERRORS = (BadInput, LayoutError, FP8FormatError, LoadError)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

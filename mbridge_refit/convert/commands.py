@@ -215,9 +215,9 @@ def run_import(options: ImportArgs) -> int:
 def run_export(options: WriteArgs) -> int:
     """Megatron checkpoint -> HF on CPU (gloo), at ``options.layout`` (may differ from the saved one)."""
     import torch
-    from transformers import AutoConfig
 
     from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.checkpoints.hf import load_config
     from mbridge_refit.checkpoints.megatron import CheckpointInfo, load_model, match_source_tensors
     from mbridge_refit.tools.launch import distributed_session
     from mbridge_refit.tools.model_builder import BuildOptions, build_model
@@ -226,7 +226,7 @@ def run_export(options: WriteArgs) -> int:
     info = CheckpointInfo.read(options.source)
     with distributed_session(options.layout, device=cpu, timeout=options.timeout) as env:
         # Config only: the checkpoint holds no HF weights; the names to write come from `info`.
-        bridge = RefitBridge.from_hf_config(AutoConfig.from_pretrained(options.source))
+        bridge = RefitBridge.from_hf_config(load_config(options.source))
         chunks = build_model(bridge, options.layout, BuildOptions(device=cpu, params_dtype=info.params_dtype))
         load_model(chunks, options.source)
         logger.info("loaded %s (saved at layout %s) at layout %s", options.source, info.saved_layout.name, options.layout.name)

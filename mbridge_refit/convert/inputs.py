@@ -62,12 +62,13 @@ def check_distinct_dirs(source: Path, source_flag: str, out: Path, out_flag: str
 
 def supported_config(checkpoint_dir: Path) -> Any:
     """The checkpoint's HF config, if Megatron-Bridge has a bridge for its architecture."""
-    from transformers import AutoConfig
-
     from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.checkpoints.hf import RemoteCodeError, load_config
 
     try:
-        config = AutoConfig.from_pretrained(checkpoint_dir)
+        config = load_config(checkpoint_dir)
+    except RemoteCodeError as err:
+        raise BadInput(str(err)) from err
     except (ValueError, KeyError, OSError) as err:
         raise BadInput(f"cannot read {checkpoint_dir}/config.json: {err}") from err
     try:

@@ -222,6 +222,17 @@ def slice_copies(mapping: Any, module: torch.nn.Module, param: torch.Tensor, con
     return copies
 
 
+def hf_extents(kind: PlacementKind, ctx: ShardContext) -> dict[str, tuple[int, int]]:
+    """HF name -> (split dimension, the HF tensor's full extent along it), from the slices every
+    tensor-parallel rank holds (pure: what the model needs the checkpoint tensor to be)."""
+    extents: dict[str, tuple[int, int]] = {}
+    for rank in range(ctx.tp_size):
+        for copy in slices_for(kind, ctx._replace(tp_rank=rank)):
+            dim, extent = extents.get(copy.hf_name, (copy.dim, 0))
+            extents[copy.hf_name] = (dim, max(extent, copy.hf_stop))
+    return extents
+
+
 def check_tiling(where: str, local_shape: tuple[int, ...], copies: list[SliceCopy]) -> None:
     """Raise unless ``copies`` cover the local shard exactly once along a single dimension."""
     dims = {c.dim for c in copies}

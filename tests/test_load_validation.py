@@ -1,0 +1,64 @@
+"""A checkpoint whose tensors do not match its config is refused with exit code 2, never cropped.
+
+The source checkpoints are tiny recipes with one tensor rewritten (with safetensors directly) to
+a shape the config does not describe; the output directory must not be created.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import torchrun
+
+pytestmark = pytest.mark.multirank
+
+
+def with_tensor_reshaped(source, dest, name, grow_dim, by=1):
+    """Copy ``source`` to ``dest`` with tensor ``name`` grown (or shrunk, ``by`` < 0) along ``grow_dim``."""
+    shutil.copytree(source, dest)
+    index = json.loads((dest / "model.safetensors.index.json").read_text())
+    shard = dest / index["weight_map"][name]
+    tensors = load_file(str(shard))
+    old = tensors[name]
+    shape = list(old.shape)
+    shape[grow_dim] += by
+    new = torch.zeros(shape, dtype=old.dtype)
+    keep = [slice(0, min(a, b)) for a, b in zip(old.shape, shape)]
+    new[tuple(keep)] = old[tuple(keep)]
+    tensors[name] = new
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    return list(old.shape), shape
+
+
+@pytest.mark.parametrize(
+    ("name", "dim", "by"),
+    [
+        ("model.embed_tokens.weight", 0, 8),  # more vocabulary rows than vocab_size
+        ("model.layers.0.input_layernorm.weight", 0, 1),  # a longer norm
+        ("model.layers.1.mlp.down_proj.weight", 1, 4),  # a wider projection
+        ("model.layers.0.self_attn.q_proj.weight", 0, -2),  # a smaller one
+    ],
+    ids=["embedding-rows", "norm-longer", "projection-wider", "projection-smaller"],
+)
+def test_mismatched_tensor_is_refused(name, dim, by, source_checkpoints, tmp_path):
+    bad = tmp_path / "bad"
+    expected, found = with_tensor_reshaped(source_checkpoints("qwen3-tiny"), bad, name, dim, by)
+    run = torchrun(1, ["mbridge_refit.convert", "roundtrip", "--hf", str(bad), "--out", str(tmp_path / "out")])
+    assert run.returncode == 2, run.output[-3000:]
+    assert f"{name!r}" in run.output and str(found) in run.output and str(expected) in run.output, run.output[-3000:]
+    assert not (tmp_path / "out").exists()
+
+
+def test_mismatch_on_one_rank_fails_every_rank_without_a_hang(source_checkpoints, tmp_path):
+    """At PP2 only the last stage holds the final norm: the first stage must fail too, at once."""
+    bad = tmp_path / "bad"
+    with_tensor_reshaped(source_checkpoints("qwen3-tiny"), bad, "model.norm.weight", 0, 1)
+    run = torchrun(2, ["mbridge_refit.convert", "roundtrip", "--hf", str(bad), "--out", str(tmp_path / "out"),
+                       "--pp", "2", "--timeout-s", "120"], timeout=240)
+    assert run.returncode != 0 and run.output.count("(exitcode: 2)") >= 1, run.output[-3000:]
+    assert "model.norm.weight" in run.output and "another rank" in run.output
