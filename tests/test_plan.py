@@ -71,3 +71,21 @@ def test_layout_errors_name_the_problem(kwargs, message):
     shape = ModelShape(num_layers=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=512, intermediate_size=128)
     with pytest.raises(LayoutError, match=message):
         ParallelLayout(**kwargs).validate_model(shape)
+
+
+def test_mapping_with_its_own_export_conversion_is_refused_by_name():
+    """A mapping subclass that overrides megatron_to_hf (e.g. Ernie 4.5's expert bias, unsqueezed
+    to [1, N] on export) may change data or shape: the plan refuses it (the model then falls back
+    to the stock export) instead of exporting the base class's slices."""
+    from megatron.bridge.models.conversion.param_mapping import ReplicatedMapping
+
+    from mbridge_refit.plan.placement import PlacementError, placement_kind
+
+    class Unsqueezing(ReplicatedMapping):
+        def megatron_to_hf(self, megatron_weights, megatron_module):
+            return {k: v.unsqueeze(0) for k, v in super().megatron_to_hf(megatron_weights, megatron_module).items()}
+
+    name = "decoder.layers.0.mlp.router.expert_bias"
+    assert placement_kind(ReplicatedMapping(name, "h.bias"), torch.nn.Linear(2, 2)).kind == "replicated"  # control
+    with pytest.raises(PlacementError, match=r"expert_bias.*Unsqueezing.*overrides ReplicatedMapping\.megatron_to_hf"):
+        placement_kind(Unsqueezing(name, "h.bias"), torch.nn.Linear(2, 2))

@@ -120,7 +120,10 @@ def assemble_plan(
     names = sorted(specs, key=_sort_key)
     entries: list[PlanEntry] = []
     for name in names:
-        entries.extend(_entries_for(specs, name, sizes, config))
+        try:
+            entries.extend(_entries_for(specs, name, sizes, config))
+        except PlacementError as err:  # the same on every rank: every rank falls back alike
+            raise PlanError(f"cannot plan {name}: {err}") from err
     entries = _add_tied_output(entries, model_bridge, hf_pretrained, config)
     _check_complete(entries, _expected_hf_keys(hf_pretrained))
     return ExportPlan(entries=tuple(entries), layer_map=dict(sorted(layer_map.items())), tp=sizes.tp, pp=sizes.pp, ep=sizes.ep, vpp=sizes.vpp)

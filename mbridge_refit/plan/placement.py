@@ -201,12 +201,24 @@ def placement_kind(mapping: Any, module: torch.nn.Module) -> PlacementKind:
     if not getattr(mapping, "is_grouped_export", False):
         for mapping_type, rule in placement_rules():
             if isinstance(mapping, mapping_type):
+                _check_no_custom_conversion(mapping, mapping_type)
                 return rule(mapping, module)
     supported = ", ".join(t.__name__ for t, _ in placement_rules())
     raise PlacementError(
         f"parameter {mapping.megatron_param!r} uses {type(mapping).__name__}, which has no slice "
         f"description (supported: {supported})."
     )
+
+
+def _check_no_custom_conversion(mapping: Any, mapping_type: type) -> None:
+    """A subclass that overrides the export conversion may change data or shape (e.g. Ernie 4.5's
+    expert bias, unsqueezed to [1, N] on export): the slice rules describe only the base class, so
+    such a mapping is refused by name and the model falls back to the stock export."""
+    if type(mapping).megatron_to_hf is not mapping_type.megatron_to_hf:
+        raise PlacementError(
+            f"parameter {mapping.megatron_param!r} uses {type(mapping).__name__}, which overrides "
+            f"{mapping_type.__name__}.megatron_to_hf (a conversion the slice rules cannot describe)"
+        )
 
 
 def slices_for(kind: PlacementKind, ctx: ShardContext) -> list[SliceCopy]:
