@@ -54,9 +54,9 @@ def timed(fn, repeats: int) -> tuple[float, list[float]]:
 
 def tensor_sums(stream) -> dict[str, int]:
     """name -> int64 sum of the tensor's bytes as int32 words (a cheap per-tensor fingerprint)."""
-    from mbridge_refit.sinks.packed_broadcast import _checksum
+    from mbridge_refit.sinks.packed_broadcast import checksum
 
-    return {name: int(_checksum(t.detach().contiguous().reshape(-1).view(torch.uint8)).item()) for name, t in stream}
+    return {name: int(checksum(t.detach().contiguous().reshape(-1).view(torch.uint8)).item()) for name, t in stream}
 
 
 def main() -> None:
@@ -230,16 +230,16 @@ def _compare_model(model, expected_sums: dict[str, int]) -> list[str]:
     """Names whose bytes in the engine's model differ from the trainer's export (via the update
     sink's own name resolution, so fused in-memory layouts are compared at the right slice)."""
     from mbridge_refit.sinks import HFModelUpdateSink
-    from mbridge_refit.sinks.packed_broadcast import _checksum
+    from mbridge_refit.sinks.packed_broadcast import checksum
 
     sink = HFModelUpdateSink(model)
     differing = []
     for name, want in expected_sums.items():
-        target = sink._resolve(name)
-        if target is None:
+        view = sink.target_view(name)
+        if view is None:
             differing.append(f"{name} (no target)")
             continue
-        got = int(_checksum(target.view.detach().contiguous().reshape(-1).view(torch.uint8)).item())
+        got = int(checksum(view.detach().contiguous().reshape(-1).view(torch.uint8)).item())
         if got != want:
             differing.append(name)
     return differing

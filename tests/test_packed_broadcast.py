@@ -22,7 +22,7 @@ from mbridge_refit.sinks.packed_broadcast import (
     PackedBroadcastConfig,
     StreamPacking,
     _bucket_events,
-    _checksum,
+    checksum,
     plan_fingerprint,
 )
 
@@ -103,11 +103,11 @@ def test_fingerprint_sees_name_shape_dtype_and_order():
 @pytest.mark.parametrize("length", [64, 67])
 def test_checksum_sees_one_byte(length):
     data = torch.randint(0, 256, (length,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
-    before = int(_checksum(data))
+    before = int(checksum(data))
     for position in (0, 5, length - 1):
         corrupt = data.clone()
         corrupt[position] ^= 0x01
-        assert int(_checksum(corrupt)) != before
+        assert int(checksum(corrupt)) != before
 
 
 # --- real ranks -----------------------------------------------------------------------------

@@ -186,18 +186,18 @@ def _compare_tensor(a: HFCheckpoint, b: HFCheckpoint, name: str) -> str | None:
     if dtype_a != dtype_b:
         return f"dtype mismatch: {name}: A {dtype_a} vs B {dtype_b}"
     x, y = a.tensor(name).contiguous(), b.tensor(name).contiguous()
-    if torch.equal(_as_bytes(x), _as_bytes(y)):
+    if torch.equal(_element_bytes(x), _element_bytes(y)):
         return None
     return f"byte mismatch: {name}: {_describe_difference(x, y)}"
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+def _element_bytes(t: torch.Tensor) -> torch.Tensor:
     """One row of raw bytes per element (works for 0-d tensors too)."""
     return t.reshape(-1).view(torch.uint8).reshape(t.numel(), t.element_size())
 
 
 def _describe_difference(x: torch.Tensor, y: torch.Tensor) -> str:
-    differs = (_as_bytes(x) != _as_bytes(y)).any(dim=1)
+    differs = (_element_bytes(x) != _element_bytes(y)).any(dim=1)
     count = int(differs.sum())
     text = f"{count} of {x.numel()} elements differ"
     try:

@@ -49,7 +49,8 @@ def load_hf_shards(
     ``model_bridge`` is the bridge's MegatronModelBridge, ``hf_pretrained`` the object its tasks
     are built from (its ``state.source`` keys are checked against the mappings). Every checkpoint
     tensor must have exactly the shape the model needs (a larger one is refused, never cropped).
-    Collective: one all-reduce at the end, so a ``LoadError`` on any rank is raised on every rank.
+    Collective over Megatron's model-parallel group (one all-reduce at the end), so a ``LoadError``
+    on any rank of the model is raised on every one.
     """
     from megatron.core.utils import unwrap_model
 
@@ -95,14 +96,19 @@ def _load_tasks(
 
 
 def _agree_on_failure(error: LoadError | None) -> None:
-    """Raise on every rank if loading failed on any (one small all-reduce): a rank whose own slices
-    were fine must not go on to the next collective and wait there for the failed one."""
+    """Raise on every rank of this model replica if loading failed on any of them (one small
+    all-reduce over Megatron's model-parallel group): a rank whose own slices were fine must not
+    go on to the next gather and wait there for the failed one. Other replicas load the same
+    slices and fail alike; ranks outside the model (e.g. refit receivers) take no part."""
+    from megatron.core import parallel_state as ps
+
     failed = error is not None
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    group = ps.get_model_parallel_group() if ps.model_parallel_is_initialized() else None
+    if group is not None and dist.get_world_size(group) > 1:
         flag = torch.tensor([int(failed)], dtype=torch.int32)
-        if dist.get_backend() == "nccl":
+        if dist.get_backend(group) == "nccl":
             flag = flag.cuda()
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         failed = bool(flag.item())
     if error is not None:
         raise error

@@ -155,7 +155,7 @@ def save_model(
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         if overwrite:
-            _remove_old_checkpoint(out)
+            _remove_old_megatron_checkpoint(out)
         weights.mkdir()
     dist.barrier()
     dist_checkpointing.save(
@@ -254,7 +254,7 @@ def _save_strategy():
     return SyncTorchDistSaveStrategy()
 
 
-def _remove_old_checkpoint(out: Path) -> None:
+def _remove_old_megatron_checkpoint(out: Path) -> None:
     (out / METADATA_NAME).unlink(missing_ok=True)
     (out / TRACKER_NAME).unlink(missing_ok=True)
     if (out / WEIGHTS_DIR).is_dir():

@@ -162,6 +162,11 @@ class HFModelUpdateSink(WeightSink):
 
     # -- name resolution -------------------------------------------------------------------
 
+    def target_view(self, hf_name: str) -> torch.Tensor | None:
+        """The model tensor (or the slice of a fused one) that ``hf_name`` is written into, or None."""
+        target = self._resolve(hf_name)
+        return None if target is None else target.view
+
     def _resolve(self, hf_name: str) -> _Target | None:
         key = self._aliases.get(hf_name)
         if key is not None:

@@ -181,7 +181,7 @@ def _header(packing: StreamPacking, config: PackedBroadcastConfig) -> list[int]:
     ]
 
 
-def _checksum(data: torch.Tensor) -> torch.Tensor:
+def checksum(data: torch.Tensor) -> torch.Tensor:
     """int64 sum of ``data``'s int32 words (trailing bytes added as bytes); ``data`` is uint8."""
     words = data.numel() // 4 * 4
     total = data[:words].view(torch.int32).sum(dtype=torch.int64)
@@ -190,7 +190,7 @@ def _checksum(data: torch.Tensor) -> torch.Tensor:
     return total.reshape(1)
 
 
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of ``tensor`` (a copy only if it is not contiguous)."""
     flat = tensor.detach().contiguous().reshape(-1)
     return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8, device=tensor.device)
@@ -379,7 +379,7 @@ class PackedBroadcastSender(WeightSink):
         self._next += 1
         if not self.is_source or slot.nbytes == 0:
             return
-        data = _as_bytes(tensor)
+        data = _flat_bytes(tensor)
         if self.device.type == "cuda":
             self._pack_cuda(slot, data)
         else:
@@ -476,7 +476,7 @@ class PackedBroadcastSender(WeightSink):
         data = self._buffers[index][: self.packing.bucket_length(bucket)]
         works = [dist.broadcast(data, src=self.src, group=self.group, async_op=True)]
         if self.config.checksum:
-            self._sums[index].copy_(_checksum(data))
+            self._sums[index].copy_(checksum(data))
             works.append(dist.broadcast(self._sums[index], src=self.src, group=self.group, async_op=True))
         self._works[index] = works
         self.bytes_sent += data.numel()
@@ -592,7 +592,7 @@ class PackedBroadcastReceiver:
                 if self._corrupt_hook is not None:
                     self._corrupt_hook(bucket, data)
                 if config.checksum:
-                    local, sent = int(_checksum(data)), int(sums[index])
+                    local, sent = int(checksum(data)), int(sums[index])
                     if local != sent:
                         status, failed_bucket = _STATUS_CHECKSUM, bucket
                         error = ChecksumError(

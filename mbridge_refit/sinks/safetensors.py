@@ -339,11 +339,11 @@ def _prepare_out_dir(out_dir: Path, *, overwrite: bool, ranks: _Ranks) -> None:
         )
     out_dir.mkdir(parents=True, exist_ok=True)
     if overwrite and ranks.rank == 0:
-        _remove_old_checkpoint(out_dir)
+        _remove_old_hf_checkpoint(out_dir)
     ranks.barrier()
 
 
-def _remove_old_checkpoint(out_dir: Path) -> None:
+def _remove_old_hf_checkpoint(out_dir: Path) -> None:
     patterns = ("*.safetensors", "*.safetensors.index.json", f"{TMP_PREFIX}*")
     old = {
         p for pattern in patterns for p in out_dir.glob(pattern) if p.is_file() or p.is_symlink()
