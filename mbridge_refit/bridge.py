@@ -163,11 +163,15 @@ class RefitBridge(AutoBridge):
         state.exporter.bucket_bytes = self.bucket_bytes
         return state.exporter
 
-    def _export_buffers(self, persistent: bool) -> ExportBuffers:
+    def _export_buffers(self, persistent: bool, hold_outputs: bool = False) -> ExportBuffers:
+        if hold_outputs and not persistent:
+            raise ValueError("hold_outputs=True needs reuse_buffer_from_cache=True (the held outputs are the cache)")
         if not persistent:
             return ExportBuffers(persistent=False)
-        if self._buffers is None:
-            self._buffers = ExportBuffers(persistent=True)
+        if self._buffers is None or self._buffers.hold_whole_export != hold_outputs:
+            if self._buffers is not None:
+                self._buffers.release()
+            self._buffers = ExportBuffers(persistent=True, hold_whole_export=hold_outputs)
         return self._buffers
 
     # --- public API -----------------------------------------------------------------------------
@@ -259,6 +263,7 @@ class RefitBridge(AutoBridge):
         weight_dtype: Optional[torch.dtype] = None,
         *,
         reuse_buffer_from_cache: bool = False,
+        hold_outputs: bool = False,
         fp8: BlockwiseFP8Config | str | None = None,
         replica: int | None = None,
     ) -> Iterable[tuple[str, torch.Tensor]]:
@@ -285,6 +290,11 @@ class RefitBridge(AutoBridge):
             reuse_buffer_from_cache: write outputs into buffers owned by this bridge, allocated on
                 the first call and reused by every later call (steady-state exports allocate
                 nothing). Free them with ``release_export_buffers()``.
+            hold_outputs: with ``reuse_buffer_from_cache``, every yielded tensor stays valid and in
+                place until the next export call (one cached buffer per output, not per bucket
+                position). For consumers that read the export after it ended, e.g. an engine
+                mapping these tensors by CUDA IPC (``engines.vllm``). Switching the mode of a
+                bridge frees its cache.
             fp8: ``"blockwise"`` (or a ``BlockwiseFP8Config``) quantizes BF16/FP32 linear weights on
                 export to 128x128-blockwise e4m3fn, each followed by its fp32 ``weight_scale_inv``
                 (``export_plan(model, fp8=...)`` lists them). Checked before any export work:
@@ -293,7 +303,8 @@ class RefitBridge(AutoBridge):
         Tensor lifetime: a yielded tensor is valid until the generator advances. It may be a view
         of a live parameter (then it changes when the parameter does) or, with the cache on, a
         buffer that a later tensor of the same shape overwrites. A caller that keeps a tensor
-        must copy it. With the cache off, gathered tensors are fresh allocations.
+        must copy it. With the cache off, gathered tensors are fresh allocations. With
+        ``hold_outputs`` every yielded tensor stays valid until the next export call.
         """
         chunks = _chunks(model)
         state = self._state_for(chunks)
@@ -301,7 +312,8 @@ class RefitBridge(AutoBridge):
         if replica is not None and not self.takes_part(chunks, replica):
             return iter(())
         if fp8_config is not None:
-            return self._export_fp8(chunks, fp8_config, reuse_buffer_from_cache, cpu=cpu, show_progress=show_progress)
+            buffers = self._export_buffers(reuse_buffer_from_cache, hold_outputs)
+            return self._export_fp8(chunks, fp8_config, buffers, cpu=cpu, show_progress=show_progress)
         fast_path = conversion_tasks is None and weight_dtype is None and self.export_weight_dtype != "fp8"
         if fast_path and state.plan_error is None:
             try:
@@ -310,7 +322,7 @@ class RefitBridge(AutoBridge):
                 logger.warning("export plan unavailable (%s): using the stock Megatron-Bridge export", err)
                 state.plan_error = err
             else:
-                buffers = self._export_buffers(reuse_buffer_from_cache)
+                buffers = self._export_buffers(reuse_buffer_from_cache, hold_outputs)
                 return exporter.export(buffers, cpu=cpu, show_progress=show_progress and is_rank_zero())
         if conversion_tasks is None and self.export_weight_dtype == "fp8":
             self._validate_fp8_export_config(chunks)
@@ -326,12 +338,11 @@ class RefitBridge(AutoBridge):
         )
 
     def _export_fp8(
-        self, chunks: list[torch.nn.Module], config: BlockwiseFP8Config, reuse_buffer_from_cache: bool, *, cpu: bool, show_progress: bool
+        self, chunks: list[torch.nn.Module], config: BlockwiseFP8Config, buffers: ExportBuffers, *, cpu: bool, show_progress: bool
     ) -> Iterable[tuple[str, torch.Tensor]]:
         """The FP8 stream: weights the trainer keeps as blockwise FP8 are shipped as they are, with
         their scales; high-precision weights are quantized bucket by bucket into (cached) buffers."""
         fp8 = self.fp8_export(chunks, config)
-        buffers = self._export_buffers(reuse_buffer_from_cache)
         buckets = fp8.weights.export_buckets(
             buffers, show_progress=show_progress and is_rank_zero(), select_rows_lazily=True, bucket_sizes=fp8.bucket_sizes
         )

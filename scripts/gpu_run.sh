@@ -7,8 +7,11 @@
 #   bash scripts/gpu_run.sh fp8         # FP8 issue: TE fp8_param Qwen3-MoE EP2 and Qwen3 TP2, BF16->FP8 benchmark TP1 (2 GPUs)
 #   bash scripts/gpu_run.sh bench       # export benchmark TP1 (+ BF16->FP8) and TP2 (2 GPUs)
 #   bash scripts/gpu_run.sh sinks       # packed broadcast benchmark, refit verifier, FP8 checkpoint in transformers
+#   bash scripts/gpu_run.sh vllm-dense  # refit into vLLM == load from disk: Qwen3-1.7B BF16 and FP8 (after install-vllm.sh)
+#   bash scripts/gpu_run.sh vllm-moe    # the same for Qwen3-30B-A3B cut to 4 layers (128 experts each)
+#   bash scripts/gpu_run.sh vllm-bench  # bench_refit_vllm.py, Qwen3-8B, BF16 then FP8
 set -u
-part=${1:?usage: gpu_run.sh fp8|bench|sinks}
+part=${1:?usage: gpu_run.sh fp8|bench|sinks|vllm-dense|vllm-moe|vllm-bench}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 RESULTS=/tmp/gpu_results_$part; rm -rf "$RESULTS"; mkdir -p "$RESULTS"
 trap 'tar czf "$OUT/$part.tgz" -C "$RESULTS" .' EXIT
@@ -40,6 +43,23 @@ case "$part" in
     step verify_qwen3-1.7b_tp2_fp32_notf32 80 env NVIDIA_TF32_OVERRIDE=0 "${two[@]}" -m mbridge_refit.convert verify-refit --shape qwen3-1.7b --tp 2 --dtype float32 --json "$RESULTS/verify_qwen3-1.7b_tp2_fp32_notf32.json"
     step verify_qwen3-tiny_tp1 60 python3 -m mbridge_refit.convert verify-refit --recipe qwen3-tiny --json "$RESULTS/verify_qwen3-tiny_tp1.json"
     step fp8_checkpoint 120 python3 scripts/check_fp8_checkpoint.py --work /tmp/fp8check --out-dir "$RESULTS"
+    ;;
+  vllm-dense)
+    step vllm_refit_qwen3-1.7b 280 python3 scripts/check_vllm_refit_gpu.py --model qwen3-1.7b --out-dir "$RESULTS"
+    step vllm_refit_qwen3-1.7b_fp8 280 python3 scripts/check_vllm_refit_gpu.py --model qwen3-1.7b --fp8 --out-dir "$RESULTS"
+    ;;
+  vllm-moe)
+    step vllm_refit_qwen3-30b-a3b 280 python3 scripts/check_vllm_refit_gpu.py --model qwen3-30b-a3b --layers 4 --out-dir "$RESULTS"
+    step vllm_refit_qwen3-30b-a3b_fp8 280 python3 scripts/check_vllm_refit_gpu.py --model qwen3-30b-a3b --layers 4 --fp8 --out-dir "$RESULTS"
+    ;;
+  vllm-bench)
+    # vLLM's ipc backend imports ray and requests at module top; its callable transport (used here) needs
+    # neither, and the wheelhouse has no ray: an empty stand-in module satisfies the import.
+    python3 -c "import ray" 2>/dev/null || export PYTHONPATH=$PYTHONPATH:$PWD/scripts/gpu/stubs
+    # the native backend sends torch types inside its update_info: vLLM pickles them only when allowed
+    export VLLM_ALLOW_INSECURE_SERIALIZATION=1
+    step bench_refit_vllm_qwen3-8b 330 python3 scripts/bench_refit_vllm.py --model qwen3-8b --steps 5 --out-dir "$RESULTS"
+    step bench_refit_vllm_qwen3-8b_fp8 240 python3 scripts/bench_refit_vllm.py --model qwen3-8b --steps 5 --fp8 --out-dir "$RESULTS"
     ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac

@@ -5,6 +5,13 @@ dtype, device) is allocated on first use and reused by every later export, so a 
 export allocates nothing; buckets of the same layout share buffers because the index is the
 position in the bucket. With ``persistent=False`` every request is a fresh tensor the caller may
 keep.
+
+``hold_whole_export=True`` keys every output buffer by its bucket as well, so nothing a bucket
+yields is overwritten by a later bucket of the same export: every yielded tensor stays valid, in
+place, until the next export. A consumer that reads the whole export after it ended (an engine
+mapping the trainer's memory by CUDA IPC) needs this; it costs one buffer per non-view output
+instead of one per bucket position. Scratch roles (``SCRATCH_ROLES``), consumed inside a bucket,
+stay shared.
 """
 
 from __future__ import annotations
@@ -12,6 +19,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+SCRATCH_ROLES = frozenset({"pack", "fp8_work"})  # consumed inside their bucket, never yielded
 
 
 class ExportBuffers:
@@ -21,19 +30,26 @@ class ExportBuffers:
     use and reused by every later export; ``release()`` frees them. ``persistent=False``: a
     fresh tensor for every request (the caller may keep what it is given).
 
+    ``hold_whole_export``: output buffers are also keyed by ``bucket`` (which the exporter sets
+    before it fills each bucket), so an export's outputs stay valid until the next export.
+
     ``memo``: records derived from the buffers (e.g. how a bucket is quantized into them), kept
     exactly as long as the buffers are. ``allocations``: tensors allocated so far (a steady-state
     persistent export adds none).
     """
 
-    def __init__(self, *, persistent: bool) -> None:
+    def __init__(self, *, persistent: bool, hold_whole_export: bool = False) -> None:
         self.persistent = persistent
+        self.hold_whole_export = hold_whole_export
+        self.bucket = 0
         self._pool: dict[tuple, torch.Tensor] = {}
         self.memo: dict[Any, Any] = {}
         self.allocations = 0
 
     def get(self, role: str, index: Any, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         key = (role, index, tuple(shape), dtype, str(device))
+        if self.hold_whole_export and role not in SCRATCH_ROLES:
+            key += (self.bucket,)
         buffer = self._pool.get(key) if self.persistent else None
         if buffer is None:
             buffer = torch.empty(shape, dtype=dtype, device=device)

@@ -104,7 +104,8 @@ class PlanExporter:
         progress = _progress(len(self.plan.entries), show_progress)
         yielded: dict[str, torch.Tensor] = {}
         with torch.no_grad():
-            for bucket in self.buckets(bucket_sizes):
+            for number, bucket in enumerate(self.buckets(bucket_sizes)):
+                buffers.bucket = number
                 items = self._bucket_items(bucket, buffers, yielded, select_rows_lazily)
                 yield items
                 progress.update(len(items))

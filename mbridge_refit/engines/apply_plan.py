@@ -1,0 +1,213 @@
+"""The copies an engine's own loader performs, recorded once and replayed every refit.
+
+An engine's ``load_weights`` knows how HF tensors land in its parameters (q, k and v into one
+fused ``qkv_proj``, experts into a stacked tensor, a tensor-parallel slice per rank). Reading it
+again every step costs name parsing and Python per tensor; re-implementing it per model would
+be a second truth. Instead the first refit runs the engine's loader once per tensor under a
+``TorchFunctionMode`` that records every ``copy_`` (and ``__setitem__``) from a source tensor
+into a parameter: the destination view, the source view. Later refits replay exactly those
+copies; the sources are views of the same shared storages, so a replay reads the new step's
+bytes. A tensor whose loading is not plain copies from the source (a conversion into a
+temporary first, an in-place op on a parameter) is loaded by the engine's loader every step.
+
+``check_against_loader`` proves a plan before it is trusted: after the recorded load, it
+fingerprints every written parameter, overwrites those parameters with a pattern, replays, and
+requires the same fingerprints bit for bit. Engine-agnostic: needs a module and its loader.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from mbridge_refit.engines.fingerprint import differing, named_fingerprints
+
+logger = logging.getLogger(__name__)
+
+LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], object]
+_SCRIBBLE = 0x5A
+
+
+class ApplyPlanError(RuntimeError):
+    """Replaying the recorded copies does not reproduce the engine's loader."""
+
+
+@dataclass
+class _Step:
+    """What one source tensor does to the engine: plain copies, or a call of the loader."""
+
+    name: str
+    source: torch.Tensor
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (destination, source view)
+    via_loader: bool = False
+
+
+@dataclass
+class ApplyPlan:
+    """Recorded application of one shared layout into one engine model.
+
+    ``steps`` in export order; ``written`` maps each engine parameter to the bytes written into
+    it; ``unexpected`` lists source names the loader wrote nowhere; ``missing`` engine
+    parameters nothing wrote; ``partial`` parameters written with fewer bytes than they hold.
+    """
+
+    steps: list[_Step]
+    load_weights: LoadWeights
+    params: dict[str, torch.Tensor]
+    written: dict[str, int]
+    unexpected: list[str]
+    parameter_names: frozenset[str]
+
+    @property
+    def copies(self) -> int:
+        return sum(len(step.copies) for step in self.steps if not step.via_loader)
+
+    @property
+    def via_loader(self) -> list[str]:
+        return [step.name for step in self.steps if step.via_loader]
+
+    @property
+    def missing(self) -> list[str]:
+        """Engine parameters (not buffers) that nothing wrote."""
+        return sorted(name for name in self.parameter_names if name not in self.written)
+
+    @property
+    def partial(self) -> list[str]:
+        return sorted(name for name, n in self.written.items() if n < _nbytes(self.params[name]))
+
+    @classmethod
+    def record(
+        cls, model: torch.nn.Module, sources: list[tuple[str, torch.Tensor]], load_weights: LoadWeights | None = None
+    ) -> "ApplyPlan":
+        """Run ``load_weights`` (default ``model.load_weights``) once per source tensor, recording
+        its copies. This is the first refit's load: the model holds the sources afterwards."""
+        load_weights = load_weights or model.load_weights
+        params = _unique_tensors([*model.named_parameters(), *model.named_buffers()])
+        recorder = _CopyRecorder(params, sources)
+        steps = []
+        with torch.no_grad():
+            for name, tensor in sources:
+                step = _Step(name=name, source=tensor)
+                with recorder.recording(step):
+                    load_weights([(name, tensor)])
+                steps.append(step)
+        return cls(steps=steps, load_weights=load_weights, params=params, written=recorder.written,
+                   unexpected=sorted(recorder.silent),
+                   parameter_names=frozenset(_unique_tensors(model.named_parameters())))
+
+    def targets_moved(self, model: torch.nn.Module) -> list[str]:
+        """Written parameters whose storage ``model`` no longer uses (the engine replaced them,
+        e.g. a weight reload or quantization post-processing): a replay would miss them."""
+        current = {name: t.untyped_storage().data_ptr() for name, t in [*model.named_parameters(), *model.named_buffers()]}
+        return sorted(name for name in self.written if current.get(name) != self.params[name].untyped_storage().data_ptr())
+
+    def replay(self) -> None:
+        """Apply the sources' current bytes (same stream as the engine's compute: no sync here)."""
+        with torch.no_grad():
+            for step in self.steps:
+                if step.via_loader:
+                    self.load_weights([(step.name, step.source)])
+                else:
+                    for destination, source in step.copies:
+                        destination.copy_(source)
+
+    def check_against_loader(self) -> None:
+        """Raise ``ApplyPlanError`` unless a replay rewrites every written parameter exactly as the
+        loader did (call right after ``record``; the parameters keep the loaded values)."""
+        written = {name: self.params[name] for name in self.written}
+        expected = named_fingerprints(written.items())
+        with torch.no_grad():
+            for tensor in written.values():
+                _bytes_of(tensor).fill_(_SCRIBBLE)
+        self.replay()
+        wrong = differing(expected, named_fingerprints(written.items()))
+        if wrong:
+            raise ApplyPlanError(
+                f"replaying the recorded copies does not reproduce the engine's loader for {len(wrong)} "
+                f"parameter(s), e.g. {wrong[:5]}"
+            )
+
+
+class _CopyRecorder(TorchFunctionMode):
+    """Notes copies from a source tensor into a parameter while one source is being loaded."""
+
+    def __init__(self, params: dict[str, torch.Tensor], sources: list[tuple[str, torch.Tensor]]) -> None:
+        super().__init__()
+        self._param_of = {t.untyped_storage().data_ptr(): name for name, t in params.items() if t.numel()}
+        self._sources = {t.untyped_storage().data_ptr() for _, t in sources if t.numel()}
+        self.written: dict[str, int] = {}
+        self.silent: set[str] = set()
+        self._step: _Step | None = None
+        self._wrote = False
+
+    class _Recording:
+        def __init__(self, recorder: "_CopyRecorder", step: _Step) -> None:
+            self.recorder, self.step = recorder, step
+
+        def __enter__(self) -> None:
+            self.recorder._step, self.recorder._wrote = self.step, False
+            self.recorder.__enter__()
+
+        def __exit__(self, *exc) -> None:
+            self.recorder.__exit__(*exc)
+            if exc[0] is None and not self.recorder._wrote:
+                self.recorder.silent.add(self.step.name)
+            self.recorder._step = None
+
+    def recording(self, step: _Step) -> "_CopyRecorder._Recording":
+        return self._Recording(self, step)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if name == "copy_":
+            self._note(args[0], args[1])
+        elif name == "__setitem__":
+            self._note(args[0][args[1]], args[2])
+        elif name.endswith("_") and not name.endswith("__") and args and isinstance(args[0], torch.Tensor) and self._target(args[0]):
+            self._step.via_loader = True  # an in-place op other than a copy: replay cannot repeat it
+        elif name == "__set__" and args and isinstance(args[0], torch.Tensor) and self._target(args[0]):
+            self._step.via_loader = True  # ``param.data = ...`` swaps the storage
+        return result
+
+    def _target(self, tensor: torch.Tensor) -> str | None:
+        return self._param_of.get(tensor.untyped_storage().data_ptr())
+
+    def _note(self, destination: torch.Tensor, source: object) -> None:
+        target = self._target(destination) if isinstance(destination, torch.Tensor) else None
+        if target is None:
+            return
+        self._wrote = True
+        self.written[target] = self.written.get(target, 0) + _nbytes(destination)
+        from_source = isinstance(source, torch.Tensor) and source.untyped_storage().data_ptr() in self._sources
+        if from_source:
+            self._step.copies.append((destination, source))
+        else:
+            self._step.via_loader = True  # a temporary or a scalar, made by the loader
+
+
+def _unique_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Tensors by name, one name per storage (tied weights appear once), empty ones left out."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in named:
+        key = tensor.untyped_storage().data_ptr()
+        if tensor.numel() and key not in seen:
+            seen.add(key)
+            out[name] = tensor.data
+    return out
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    if not tensor.is_contiguous():
+        raise ApplyPlanError("a written parameter is not contiguous: cannot check it byte for byte")
+    return tensor.reshape(-1).view(torch.uint8)

@@ -1,0 +1,148 @@
+"""The engine side of a refit, engine-agnostic: open a shared layout, apply steps, report.
+
+Protocol (the trainer side is ``engines.vllm.VLLMRefit``; any RPC that carries plain data works):
+
+1. ``open(wire, payload, transport)``: the trainer's first step, and every step whose layout
+   changed. Maps the shared storages, runs the engine's loader once per tensor while recording
+   its copies (this *is* the step's load), optionally proves the recording against the loader
+   (``ApplyPlan.check_against_loader``), and returns a report: what was loaded against what the
+   engine holds (``missing`` parameters, ``unexpected`` tensors, ``partial`` parameters). Any
+   missing or unexpected name fails the open (``RefitError``) unless ``allow_partial``.
+2. ``apply(fingerprint)``: every later step. Refuses a fingerprint that is not the open layout's
+   (the trainer's export changed without a new ``open``), replays, and waits for the copies, so
+   the trainer may overwrite its buffers once the call returns. If the engine has replaced a
+   parameter the plan writes (a weight reload through another path), it records its loader
+   again instead of replaying into the old storage.
+3. ``close()``: forgets the plan and the mapped storages.
+
+Lifetimes: the mapped storages belong to the trainer; the trainer keeps them alive and
+unchanged from the start of its export until ``open``/``apply`` returns. No engine memory is
+allocated after ``open`` (the plan holds views only).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from mbridge_refit.engines.apply_plan import ApplyPlan, LoadWeights
+from mbridge_refit.engines.sharing import TRANSPORTS, SharedLayout, SharingError, views
+
+logger = logging.getLogger(__name__)
+
+
+class RefitError(RuntimeError):
+    """A refit cannot be applied as asked (names the problem and the fix)."""
+
+
+@dataclass
+class OpenReport:
+    """What an ``open`` found, returned to the trainer (plain data)."""
+
+    fingerprint: str
+    tensors: int
+    storages: int
+    bytes: int
+    copies: int
+    via_loader: list[str]
+    missing: list[str]
+    unexpected: list[str]
+    partial: list[str]
+    checked_against_loader: bool
+    open_ms: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class RefitReceiver:
+    """Engine-side state of one refit session (see the module docstring for the protocol)."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, load_weights: LoadWeights | None = None) -> None:
+        self.model = model
+        self.device = device
+        self._load_weights = load_weights
+        self._plan: ApplyPlan | None = None
+        self._fingerprint: str | None = None
+        self._storages: list = []
+
+    def open(
+        self, wire: dict[str, Any], payload: bytes, transport: str, *, check: bool = True, allow_partial: bool = False
+    ) -> dict[str, Any]:
+        started = time.perf_counter()
+        self.close()
+        layout = SharedLayout.from_wire(wire)
+        if transport not in TRANSPORTS:
+            raise RefitError(f"unknown transport {transport!r}; known: {sorted(TRANSPORTS)}")
+        try:
+            storages = TRANSPORTS[transport]().open(payload, self.device)
+            sources = views(layout, storages, self.device)
+        except SharingError as err:
+            raise RefitError(f"cannot map the trainer's tensors: {err}") from err
+        plan = ApplyPlan.record(self.model, sources, self._load_weights)
+        _synchronize(self.device)
+        if (plan.missing or plan.unexpected) and not allow_partial:
+            raise RefitError(_mismatch_message(plan))
+        if check:
+            plan.check_against_loader()
+            _synchronize(self.device)
+        self._plan, self._fingerprint, self._storages = plan, layout.fingerprint, storages
+        report = OpenReport(
+            fingerprint=layout.fingerprint, tensors=len(layout.refs), storages=len(storages), bytes=layout.nbytes,
+            copies=plan.copies, via_loader=plan.via_loader, missing=plan.missing, unexpected=plan.unexpected,
+            partial=plan.partial, checked_against_loader=check, open_ms=(time.perf_counter() - started) * 1e3,
+        )
+        if plan.via_loader:
+            logger.info("refit: %d tensor(s) go through the engine's loader every step, e.g. %s",
+                        len(plan.via_loader), plan.via_loader[:3])
+        return report.to_dict()
+
+    def apply(self, fingerprint: str) -> None:
+        if self._plan is None:
+            raise RefitError("no refit layout is open on this engine: the trainer must open one first "
+                             "(VLLMRefit does on its first step)")
+        if fingerprint != self._fingerprint:
+            raise RefitError(
+                f"plan mismatch: the trainer's step has layout {fingerprint} but this engine opened {self._fingerprint}; "
+                "the trainer must open the new layout (VLLMRefit does when its export changes)"
+            )
+        moved = self._plan.targets_moved(self.model)
+        if moved:
+            logger.warning("refit: %d engine parameter(s) were reallocated since the layout was opened (e.g. %s): "
+                           "recording the engine's loader again", len(moved), moved[:3])
+            self._plan = ApplyPlan.record(self.model, [(s.name, s.source) for s in self._plan.steps], self._load_weights)
+        else:
+            self._plan.replay()
+        _synchronize(self.device)
+
+    def close(self) -> None:
+        self._plan, self._fingerprint, self._storages = None, None, []
+
+    @property
+    def is_open(self) -> bool:
+        return self._plan is not None
+
+    @property
+    def plan(self) -> ApplyPlan | None:
+        """The open layout's recorded plan (None before ``open``)."""
+        return self._plan
+
+
+def _mismatch_message(plan: ApplyPlan) -> str:
+    parts = []
+    if plan.missing:
+        parts.append(f"{len(plan.missing)} engine parameter(s) received nothing, e.g. {plan.missing[:5]}")
+    if plan.unexpected:
+        parts.append(f"{len(plan.unexpected)} exported tensor(s) were not loaded by the engine, e.g. {plan.unexpected[:5]}")
+    return ("the export does not match the engine's model: " + "; ".join(parts)
+            + ". Check that the engine was started from the same architecture and config (and the same FP8 "
+              "quantization_config for an FP8 refit); pass allow_partial=True to refit a subset on purpose")
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,236 @@
+"""Where the export's tensors live, and sharing those storages with an engine process.
+
+A refit into a colocated engine moves no bytes through a staging buffer: the engine maps the
+trainer's memory and copies from it. What it needs is the *shared layout* of one export: for
+every yielded ``(hf_name, tensor)``, which storage holds it and where (offset, shape, stride,
+dtype). The storages are the model's parameters (an export yields views of them wherever the HF
+tensor is a slice of one parameter) and the export's cached buffers
+(``export_hf_weights(..., reuse_buffer_from_cache=True, hold_outputs=True)``), so they are the
+same from one step to the next: the layout is shared once and each later step only says that
+the bytes are ready. A step whose layout differs (another model, a freed cache, a stream of
+fresh tensors) is shared anew.
+
+Transports hand the storages over: ``CudaIpcTransport`` (CUDA IPC handles, opened once by the
+engine process and kept) and ``LocalTransport`` (the same process: CPU tests, or an engine that
+runs inside the trainer's process). Lower layer of ``engines``: imports only torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import pickle
+import uuid
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+class SharingError(RuntimeError):
+    """The shared layout and the storages that arrived do not fit together."""
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """One exported tensor as a view of a shared storage (``offset`` and ``stride`` in elements)."""
+
+    name: str
+    storage: int  # index into SharedLayout.storage_bytes
+    dtype: str  # torch dtype name, e.g. "bfloat16"
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+@dataclass(frozen=True)
+class SharedLayout:
+    """The tensors of one export, in export order, and the sizes of the storages they live in."""
+
+    refs: tuple[TensorRef, ...]
+    storage_bytes: tuple[int, ...]
+
+    @property
+    def names(self) -> list[str]:
+        return [ref.name for ref in self.refs]
+
+    @property
+    def fingerprint(self) -> str:
+        """Identifies the layout on both sides: the trainer sends it with every step, the engine
+        refuses a step whose fingerprint is not the layout it opened."""
+        return hashlib.sha256(json.dumps(self.to_wire(), sort_keys=True).encode()).hexdigest()[:16]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the exported tensors (not of the storages they live in)."""
+        return sum(_numel(ref.shape) * _dtype(ref.dtype).itemsize for ref in self.refs)
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain lists and numbers (for an RPC that serializes with msgpack or JSON)."""
+        return {
+            "refs": [[r.name, r.storage, r.dtype, list(r.shape), list(r.stride), r.offset] for r in self.refs],
+            "storage_bytes": list(self.storage_bytes),
+        }
+
+    @classmethod
+    def from_wire(cls, wire: dict[str, Any]) -> "SharedLayout":
+        refs = tuple(
+            TensorRef(name, int(storage), dtype, tuple(shape), tuple(stride), int(offset))
+            for name, storage, dtype, shape, stride, offset in wire["refs"]
+        )
+        return cls(refs=refs, storage_bytes=tuple(int(n) for n in wire["storage_bytes"]))
+
+
+class LayoutRecorder:
+    """Trainer side: builds the shared layout of one export while it is consumed.
+
+    Keeps every storage it saw referenced (so none is freed and reused while an engine may map
+    it); ``storage_keys`` identifies them (address and size) to tell whether the next export
+    lives in the same memory.
+    """
+
+    def __init__(self) -> None:
+        self._refs: list[TensorRef] = []
+        self.storages: list[torch.UntypedStorage] = []
+        self._index: dict[tuple[int, int], int] = {}
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        tensor = tensor.detach()
+        storage = tensor.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        if key not in self._index:
+            self._index[key] = len(self.storages)
+            self.storages.append(storage)
+        self._refs.append(TensorRef(
+            name=name, storage=self._index[key], dtype=str(tensor.dtype).removeprefix("torch."),
+            shape=tuple(tensor.shape), stride=tuple(tensor.stride()), offset=tensor.storage_offset(),
+        ))
+
+    @property
+    def storage_keys(self) -> tuple[tuple[int, int], ...]:
+        return tuple(self._index)
+
+    def layout(self) -> SharedLayout:
+        return SharedLayout(refs=tuple(self._refs), storage_bytes=tuple(s.nbytes() for s in self.storages))
+
+
+def views(layout: SharedLayout, storages: list[torch.UntypedStorage], device: torch.device) -> list[tuple[str, torch.Tensor]]:
+    """Engine side: ``(hf_name, tensor)`` for every ref, as views of the opened ``storages``
+    (no copy, no allocation). Checks that the storages are the ones the layout describes."""
+    if len(storages) != len(layout.storage_bytes):
+        raise SharingError(f"the layout names {len(layout.storage_bytes)} storages but {len(storages)} were shared")
+    for index, (storage, expected) in enumerate(zip(storages, layout.storage_bytes)):
+        if storage.nbytes() != expected:
+            raise SharingError(f"shared storage {index} has {storage.nbytes()} bytes, the layout says {expected}")
+    out = []
+    for ref in layout.refs:
+        tensor = torch.empty(0, dtype=_dtype(ref.dtype), device=device)
+        tensor.set_(storages[ref.storage], ref.offset, ref.shape, ref.stride)
+        out.append((ref.name, tensor))
+    return out
+
+
+class Transport(Protocol):
+    """Hands storages from the trainer process to the engine process."""
+
+    name: str
+
+    def share(self, storages: list[torch.UntypedStorage]) -> bytes:
+        """Trainer side: a payload that lets the engine open ``storages``."""
+        ...
+
+    def open(self, payload: bytes, device: torch.device) -> list[torch.UntypedStorage]:
+        """Engine side: the storages of ``payload``, on ``device``."""
+        ...
+
+
+class CudaIpcTransport:
+    """CUDA IPC: the engine maps the trainer's allocations (same GPU, another process).
+
+    The payload holds one handle per storage, keyed by the GPU's UUID (device indices differ
+    between processes with different ``CUDA_VISIBLE_DEVICES``). Opening reads it with an
+    unpickler that builds nothing but torch's own types.
+    """
+
+    name = "cuda_ipc"
+
+    def share(self, storages: list[torch.UntypedStorage]) -> bytes:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        handles = []
+        for storage in storages:
+            whole = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+            _, args = reduce_tensor(whole)
+            handles.append({_gpu_uuid(storage.device): args})
+        return pickle.dumps(handles)
+
+    def open(self, payload: bytes, device: torch.device) -> list[torch.UntypedStorage]:
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        handles = _TorchOnlyUnpickler(io.BytesIO(payload)).load()
+        gpu = _gpu_uuid(device)
+        storages = []
+        for handle in handles:
+            if gpu not in handle:
+                raise SharingError(
+                    f"no CUDA IPC handle for this engine's GPU {gpu} (shared from {sorted(handle)}): colocated "
+                    "refit needs the trainer rank and the engine worker on the same GPU"
+                )
+            args = list(handle[gpu])
+            args[6] = device.index  # reduce_tensor's device index is the trainer's; ours may differ
+            storages.append(rebuild_cuda_tensor(*args).untyped_storage())
+        return storages
+
+
+_LOCAL: dict[str, list[torch.UntypedStorage]] = {}
+
+
+class LocalTransport:
+    """The same process: storages are handed over as objects (kept until ``release``)."""
+
+    name = "local"
+
+    def share(self, storages: list[torch.UntypedStorage]) -> bytes:
+        token = uuid.uuid4().hex
+        _LOCAL[token] = list(storages)
+        return token.encode()
+
+    def open(self, payload: bytes, device: torch.device) -> list[torch.UntypedStorage]:
+        try:
+            return _LOCAL[payload.decode()]
+        except KeyError:
+            raise SharingError("the local transport's storages are not in this process: the engine runs in "
+                               "another process, use CudaIpcTransport") from None
+
+    @staticmethod
+    def release(payload: bytes) -> None:
+        _LOCAL.pop(payload.decode(), None)
+
+
+TRANSPORTS: dict[str, type] = {CudaIpcTransport.name: CudaIpcTransport, LocalTransport.name: LocalTransport}
+
+
+class _TorchOnlyUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" or module.startswith("torch."):
+            return super().find_class(module, name)
+        raise SharingError(f"refusing to unpickle {module}.{name} from a CUDA IPC payload (only torch types)")
+
+
+def _gpu_uuid(device: torch.device) -> str:
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise SharingError(f"unknown dtype {name!r} in a shared layout")
+    return dtype
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count

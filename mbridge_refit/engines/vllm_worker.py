@@ -1,0 +1,94 @@
+"""The vLLM worker extension: the engine side of ``engines.vllm.VLLMRefit``.
+
+vLLM mixes this class into its GPU worker when the engine is started with
+``worker_extension_cls=WORKER_EXTENSION`` (``engines.vllm.engine_kwargs()`` sets it). The trainer
+calls its methods through ``LLM.collective_rpc`` on every worker; arguments and results are
+plain data (msgpack). It imports nothing from vLLM: the worker provides ``self.model_runner``
+and ``self.device``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from mbridge_refit.engines.fingerprint import named_fingerprints
+from mbridge_refit.engines.receiver import RefitReceiver
+
+WORKER_EXTENSION = "mbridge_refit.engines.vllm_worker.RefitWorkerExtension"
+
+
+class RefitWorkerExtension:
+    """Refit methods on a vLLM worker (each runs on every worker of the engine)."""
+
+    def _mbridge_receiver(self) -> RefitReceiver:
+        receiver = getattr(self, "_mbridge_refit_receiver", None)
+        if receiver is None:
+            model = self.model_runner.get_model()
+            receiver = RefitReceiver(model, torch.device(self.device))
+            self._mbridge_refit_receiver = receiver
+        return receiver
+
+    def mbridge_refit_open(self, wire: dict, payload: bytes, transport: str, check: bool, allow_partial: bool) -> dict:
+        """Map the trainer's tensors, load them once through the model's ``load_weights`` while
+        recording its copies, optionally prove the recording; returns the open report."""
+        return self._mbridge_receiver().open(wire, payload, transport, check=check, allow_partial=allow_partial)
+
+    def mbridge_refit_apply(self, fingerprint: str) -> None:
+        """Replay the recorded copies from the trainer's (now updated) tensors; returns when done."""
+        self._mbridge_receiver().apply(fingerprint)
+
+    def mbridge_refit_close(self) -> None:
+        self._mbridge_receiver().close()
+
+    def mbridge_refit_fingerprints(self) -> dict[str, list[int]]:
+        """``{parameter name: [sum, weighted sum]}`` of every model parameter (exact; see
+        ``engines.fingerprint``)."""
+        model = self.model_runner.get_model()
+        return {name: list(fp) for name, fp in named_fingerprints(model.named_parameters()).items()}
+
+    def mbridge_refit_scramble(self, seed: int) -> int:
+        """Overwrite every floating-point parameter with noise (tests: a later refit must write
+        everything back); returns how many parameters it changed."""
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        count = 0
+        with torch.no_grad():
+            for _, param in self.model_runner.get_model().named_parameters():
+                noise = torch.rand(param.shape, generator=generator, device=param.device, dtype=torch.float32)
+                param.data.copy_(noise.to(param.dtype) if param.dtype.is_floating_point else noise.mul(7).to(param.dtype))
+                count += 1
+        torch.cuda.synchronize(self.device)
+        return count
+
+    def mbridge_refit_time(self, what: str, repeats: int) -> list[float]:
+        """Benchmarks: milliseconds of ``repeats`` engine-side applications of the open layout,
+        ``what="replay"`` (the recorded copies) or ``"load_weights"`` (vLLM's own loader on the
+        same tensors, already on this GPU); each synchronized."""
+        receiver = self._mbridge_receiver()
+        if not receiver.is_open:
+            raise RuntimeError("no refit layout is open: refit once before timing")
+        plan = receiver.plan
+        model = self.model_runner.get_model()
+        sources = [(step.name, step.source) for step in plan.steps]
+        times = []
+        for _ in range(repeats):
+            torch.cuda.synchronize(self.device)
+            started = time.perf_counter()
+            if what == "replay":
+                plan.replay()
+            else:
+                model.load_weights(sources)
+            torch.cuda.synchronize(self.device)
+            times.append((time.perf_counter() - started) * 1e3)
+        return times
+
+    def mbridge_refit_memory(self) -> dict[str, Any]:
+        """The worker's CUDA caching-allocator counters (mapped IPC memory is not among them)."""
+        stats = torch.cuda.memory_stats(self.device)
+        return {
+            "allocated_bytes": torch.cuda.memory_allocated(self.device),
+            "reserved_bytes": torch.cuda.memory_reserved(self.device),
+            "allocations": stats.get("allocation.all.allocated", 0),
+        }

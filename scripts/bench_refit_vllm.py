@@ -1,0 +1,212 @@
+"""Benchmark: a colocated refit into vLLM, ours against vLLM's native IPC backend fed by the stock export.
+
+    python3 scripts/bench_refit_vllm.py --model qwen3-8b --steps 5 [--fp8] --out-dir DIR
+
+One trainer process (a Megatron model of the shape, random weights, TP1) and one vLLM engine
+(its own process, same GPU, started with dummy weights from the shape's config; with ``--fp8``
+from the FP8-blockwise config ``convert --fp8-blockwise`` writes). Side by side in one run,
+steady-state steps interleaved:
+
+* ``ours_ms``: ``VLLMRefit.refit`` (our cached export, held outputs, one RPC, the engine replays
+  its recorded copies from the trainer's memory); export and apply are also reported apart.
+* ``vllm_native_stock_ms`` (BF16 only): ``AutoBridge.export_hf_weights`` (stock) into vLLM's
+  native ``ipc`` weight-transfer backend: ``start_weight_update``, ``trainer_send_weights``
+  (one handle per tensor, not packed), ``finish_weight_update``.
+* ``floor_ms``: one device copy of the same number of bytes (one memcpy, no per-tensor cost),
+  the least any refit that lands the bytes in the engine's parameters once must spend.
+* ``vllm_load_weights_ms``: the engine's own ``load_weights`` on the same tensors, already on
+  its GPU (timed inside the engine); ``engine_replay_ms``: our recorded copies, timed the same way.
+* ``new_allocations_after_first``: CUDA caching-allocator allocations during our steady steps,
+  trainer and engine. ``engine_extra_bytes``: engine memory allocated by opening the refit.
+
+Timings from CUDA events/synchronized wall clock on this host; medians and minima of the
+steady steps. Writes DIR/bench_refit_vllm_<model>[_fp8].json with a manifest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+logger = logging.getLogger("bench_refit_vllm")
+
+
+def allocations() -> int:
+    return torch.cuda.memory_stats().get("allocation.all.allocated", 0)
+
+
+def timed(fn) -> float:
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - started) * 1e3
+
+
+def floor_ms(nbytes: int, repeats: int = 5) -> float:
+    """One memcpy of ``nbytes`` (half of a buffer into its other half, twice, for the full count)."""
+    half = (nbytes // 2 + 255) // 256 * 256
+    buffer = torch.empty(2 * half, dtype=torch.uint8, device="cuda")
+    low, high = buffer[:half], buffer[half:]
+    times = [timed(lambda: (high.copy_(low), low.copy_(high))) for _ in range(repeats)]
+    del buffer, low, high
+    torch.cuda.empty_cache()
+    return min(times)
+
+
+def engine_config(config, out: Path, quantization_config: dict | None) -> Path:
+    config.save_pretrained(out)
+    if quantization_config is not None:
+        path = out / "config.json"
+        data = json.loads(path.read_text())
+        data["quantization_config"] = quantization_config
+        path.write_text(json.dumps(data, indent=2))
+    return out
+
+
+def summary(values: list[float]) -> dict:
+    return {"median": round(statistics.median(values), 3), "min": round(min(values), 3), "all": [round(v, 3) for v in values]}
+
+
+def run(args) -> dict:
+    from vllm import LLM
+
+    from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.engines.vllm import VLLMRefit, engine_kwargs
+    from mbridge_refit.fp8.format import BlockwiseFP8Config
+    from mbridge_refit.plan.layout import ParallelLayout
+    from mbridge_refit.tools.launch import distributed_session
+    from mbridge_refit.tools.model_builder import BuildOptions, build_model
+    from mbridge_refit.tools.recipes import full_size_config
+
+    config = full_size_config(args.model)
+    if args.layers is not None:
+        config.num_hidden_layers = args.layers
+    fp8 = BlockwiseFP8Config() if args.fp8 else None
+    layout = ParallelLayout(tp=1, pp=1, ep=1)
+    device = torch.device("cuda")
+    result: dict = {"device": torch.cuda.get_device_name(), "model": args.model if args.layers is None else f"{args.model}-{args.layers}layers",
+                    "format": "fp8-blockwise" if fp8 else "bf16", "torch": torch.__version__}
+    with distributed_session(layout, device=device, timeout=datetime.timedelta(minutes=10)), \
+            tempfile.TemporaryDirectory(dir=args.work) as work:
+        import vllm
+
+        result["vllm"] = vllm.__version__
+        bridge = RefitBridge.from_hf_config(config)
+        chunks = build_model(bridge, layout, BuildOptions(device=device, params_dtype=torch.bfloat16))
+        quantization = fp8.quantization_config(bridge.export_plan(chunks, fp8=fp8)) if fp8 else None
+        directory = engine_config(config, Path(work) / "engine", quantization)
+        extra = {}
+        if not fp8:
+            from vllm.config import WeightTransferConfig
+
+            extra["weight_transfer_config"] = WeightTransferConfig(backend="ipc")
+        llm = LLM(model=str(directory), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
+                  max_model_len=256, gpu_memory_utilization=args.gpu_memory_utilization, **engine_kwargs(**extra))
+        refit = VLLMRefit(llm, timeout_s=300)
+
+        before_open = llm.collective_rpc("mbridge_refit_memory")[0]
+        first = refit.refit(bridge, chunks, fp8=fp8)
+        after_open = llm.collective_rpc("mbridge_refit_memory")[0]
+        result["bytes"], result["tensors"] = first.bytes, first.tensors
+        result["first_refit_ms"] = round(first.export_ms + first.apply_ms, 1)
+        result["engine_extra_bytes"] = after_open["allocated_bytes"] - before_open["allocated_bytes"]
+        result["engine_reserved_extra_bytes"] = after_open["reserved_bytes"] - before_open["reserved_bytes"]
+        result["open_report"] = {k: (v if not isinstance(v, list) else v[:5]) for k, v in (first.report or {}).items()}
+        result["floor_ms"] = round(floor_ms(first.bytes), 3)
+
+        stock = None
+        if not fp8:
+            from megatron.bridge import AutoBridge
+            from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerSendWeightsArgs, IPCWeightTransferEngine
+
+            stock_bridge = AutoBridge.from_hf_config(config)
+            llm.init_weight_transfer_engine({"init_info": {}})
+
+            def stock():
+                llm.start_weight_update()
+                IPCWeightTransferEngine.trainer_send_weights(
+                    stock_bridge.export_hf_weights(chunks, cpu=False, show_progress=False),
+                    IPCTrainerSendWeightsArgs(send_mode=lambda info: llm.update_weights({"update_info": asdict(info)})),
+                )
+                llm.finish_weight_update()
+
+            result["vllm_native_stock_first_ms"] = round(timed(stock), 1)
+
+        ours, export, apply, stock_times = [], [], [], []
+        trainer_new, engine_new = 0, 0
+        for _ in range(args.steps):
+            trainer_before = allocations()
+            engine_before = llm.collective_rpc("mbridge_refit_memory")[0]["allocations"]
+            step = None
+
+            def ours_step():
+                nonlocal step
+                step = refit.refit(bridge, chunks, fp8=fp8)
+
+            ours.append(timed(ours_step))
+            trainer_new += allocations() - trainer_before
+            engine_new += llm.collective_rpc("mbridge_refit_memory")[0]["allocations"] - engine_before
+            export.append(step.export_ms)
+            apply.append(step.apply_ms)
+            if step.opened:
+                raise RuntimeError("a steady refit reopened its layout: the export's storages changed")
+            if stock is not None:
+                stock_times.append(timed(stock))
+        result["ours_ms"] = summary(ours)
+        result["ours_export_ms"] = summary(export)
+        result["ours_apply_rpc_ms"] = summary(apply)
+        result["vllm_native_stock_ms"] = summary(stock_times) if stock_times else None
+        if fp8:
+            result["ours_fp8_ms"] = result["ours_ms"]
+        result["new_allocations_after_first"] = {"trainer": trainer_new, "engine": engine_new}
+        refit.refit(bridge, chunks, fp8=fp8)  # the stock update may have reloaded parameters: reopen/replay first
+        result["engine_replay_ms"] = summary(llm.collective_rpc("mbridge_refit_time", args=("replay", 3))[0])
+        result["vllm_load_weights_ms"] = summary(llm.collective_rpc("mbridge_refit_time", args=("load_weights", 3))[0])
+        ours_median = result["ours_ms"]["median"]
+        result["ratios"] = {
+            "ours_over_floor": round(ours_median / result["floor_ms"], 2),
+            "stock_native_over_ours": round(result["vllm_native_stock_ms"]["median"] / ours_median, 2) if stock_times else None,
+            "load_weights_over_floor": round(result["vllm_load_weights_ms"]["median"] / result["floor_ms"], 2),
+        }
+        refit.close()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3-8b", help="full-size shape of recipes/shapes/ (default qwen3-8b)")
+    parser.add_argument("--layers", type=int, default=None, help="keep only this many layers (default: all)")
+    parser.add_argument("--fp8", action="store_true", help="FP8-blockwise engine and refit (no native baseline)")
+    parser.add_argument("--steps", type=int, default=5, help="steady-state steps per side (default 5)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share of the GPU (default 0.3)")
+    parser.add_argument("--work", default=os.environ.get("TMPDIR", "/tmp"), help="folder for the engine's config")
+    parser.add_argument("--out-dir", type=Path, default=None, help="results folder (default benchmarks/results/<date>-<device>/)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from provenance import results_dir, write_result
+
+    result = run(args)
+    name = f"bench_refit_vllm_{result['model']}{'_fp8' if args.fp8 else ''}.json"
+    path = write_result(args.out_dir or results_dir(), name, result)
+    print(json.dumps({k: result[k] for k in ("device", "model", "format", "bytes", "ours_ms", "floor_ms", "vllm_native_stock_ms",
+                                             "vllm_load_weights_ms", "engine_replay_ms", "new_allocations_after_first",
+                                             "engine_extra_bytes", "ratios")}, indent=1))
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""GPU host: a colocated refit into vLLM equals loading the same weights from disk.
+
+    python3 scripts/check_vllm_refit_gpu.py --model qwen3-1.7b [--layers N] [--fp8] --out-dir DIR
+
+One process is the trainer (a Megatron model of a full-size shape, random weights, TP1 on this
+GPU); the vLLM engine runs in its own process on the same GPU. Steps, each checked:
+
+1. The trainer writes the HF checkpoint ``convert`` writes (``convert.writing.write_hf_checkpoint``;
+   with ``--fp8`` the blockwise FP8 one, with its ``quantization_config``).
+2. A vLLM engine starts *from that checkpoint* (vLLM's own loader reads the files) and
+   records every parameter's exact fingerprint and its prompt logprobs on a fixed batch. This
+   is the oracle.
+3. Every engine parameter is overwritten with noise (the fingerprints must change), then the
+   trainer refits through ``engines.vllm.VLLMRefit`` (CUDA IPC): every fingerprint and every
+   prompt logprob must equal the oracle's, bit for bit.
+4. A weight perturbed on its way (one exported tensor replaced by a copy with one element
+   changed) must show in exactly the engine parameters it feeds; a clean refit afterwards is
+   exact again. A second clean refit replays without reopening.
+
+Writes DIR/vllm_refit_<model>[_fp8].json; exits 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+logger = logging.getLogger("check_vllm_refit")
+
+
+def prompts(vocab: int, count: int = 4, length: int = 48) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(1234)
+    return torch.randint(0, vocab, (count, length), generator=generator).tolist()
+
+
+def write_checkpoint(bridge, chunks, config, out: Path, fp8) -> None:
+    """What ``convert export`` writes for these weights (same function)."""
+    from mbridge_refit.convert.writing import cast_to_dtypes, write_hf_checkpoint
+
+    source = out.parent / (out.name + "-config")
+    config.save_pretrained(source)
+    dtypes = {e.hf_name: e.torch_dtype for e in bridge.export_plan(chunks).entries}
+    write_hf_checkpoint(bridge, chunks, out=out, source_dtypes=dtypes, fp8=fp8, adapt=cast_to_dtypes,
+                        copy_files_from=source, max_shard_bytes=4 << 30, overwrite=True, show_progress=False)
+
+
+def perturbed(stream, victim: str):
+    """The stream with ``victim`` replaced by a copy whose first element is changed."""
+    for name, tensor in stream:
+        if name == victim:
+            tensor = tensor.clone()
+            flat = tensor.view(-1).view(torch.uint8)
+            flat[0] ^= 0x01
+        yield name, tensor
+
+
+def run(args) -> dict:
+    from vllm import LLM
+
+    from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.engines.fingerprint import differing
+    from mbridge_refit.engines.vllm import VLLMRefit, engine_kwargs, prompt_logprobs
+    from mbridge_refit.fp8.format import BlockwiseFP8Config
+    from mbridge_refit.plan.layout import ParallelLayout
+    from mbridge_refit.tools.launch import distributed_session
+    from mbridge_refit.tools.model_builder import BuildOptions, build_model
+    from mbridge_refit.tools.recipes import full_size_config
+
+    result: dict = {"model": args.model if args.layers is None else f"{args.model}-{args.layers}layers",
+                    "fp8": args.fp8, "device": torch.cuda.get_device_name(), "checks": {}}
+    checks = result["checks"]
+    config = full_size_config(args.model)
+    if args.layers is not None:
+        config.num_hidden_layers = args.layers
+    fp8 = BlockwiseFP8Config() if args.fp8 else None
+    device = torch.device("cuda")
+    layout = ParallelLayout(tp=1, pp=1, ep=1)
+    with distributed_session(layout, device=device, timeout=datetime.timedelta(minutes=10)), \
+            tempfile.TemporaryDirectory(dir=args.work) as work:
+        bridge = RefitBridge.from_hf_config(config)
+        chunks = build_model(bridge, layout, BuildOptions(device=device, params_dtype=torch.bfloat16))
+        checkpoint = Path(work) / "hf"
+        started = time.perf_counter()
+        write_checkpoint(bridge, chunks, config, checkpoint, fp8)
+        result["write_checkpoint_s"] = round(time.perf_counter() - started, 1)
+
+        started = time.perf_counter()
+        llm = LLM(model=str(checkpoint), skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
+                  max_model_len=256, gpu_memory_utilization=args.gpu_memory_utilization, seed=0, **engine_kwargs())
+        result["engine_start_s"] = round(time.perf_counter() - started, 1)
+        refit = VLLMRefit(llm, timeout_s=300)
+        batch = prompts(config.vocab_size)
+        disk = refit.fingerprints()
+        disk_logprobs = prompt_logprobs(llm, batch)
+        result["engine_parameters"] = len(disk)
+
+        llm.collective_rpc("mbridge_refit_scramble", args=(7,))
+        scrambled = differing(disk, refit.fingerprints())
+        checks["scramble_changed_every_parameter"] = len(scrambled) == len(disk)
+
+        step = refit.refit(bridge, chunks, fp8=fp8)
+        report = step.report or {}
+        result["open"] = {k: report.get(k) for k in ("tensors", "storages", "bytes", "copies", "open_ms")}
+        result["open"]["via_loader"] = report.get("via_loader", [])[:10]
+        checks["open_reports_no_missing_or_unexpected"] = not report.get("missing") and not report.get("unexpected")
+        after = refit.fingerprints()
+        wrong = differing(disk, after)
+        result["different_after_refit"] = wrong[:10]
+        checks["refit_fingerprints_equal_disk"] = not wrong
+        refit_logprobs = prompt_logprobs(llm, batch)
+        checks["prompt_logprobs_equal_disk"] = refit_logprobs == disk_logprobs
+        result["logprob_sample"] = [disk_logprobs[0][:4], refit_logprobs[0][:4]]
+
+        second = refit.refit(bridge, chunks, fp8=fp8)
+        checks["second_refit_replays_without_reopening"] = not second.opened
+        checks["second_refit_fingerprints_equal_disk"] = not differing(disk, refit.fingerprints())
+
+        victim = next(e.hf_name for e in bridge.export_plan(chunks, fp8=fp8).entries if e.hf_name.endswith("mlp.down_proj.weight")
+                      or e.hf_name.endswith("experts.0.down_proj.weight"))
+        stream = bridge.export_hf_weights(chunks, reuse_buffer_from_cache=True, hold_outputs=True, fp8=fp8, show_progress=False)
+        refit.refit_stream(perturbed(stream, victim))
+        caught = differing(disk, refit.fingerprints())
+        result["perturbed"] = {"tensor": victim, "engine_parameters_changed": caught}
+        checks["perturbed_weight_caught_in_its_parameter"] = len(caught) == 1 and victim.split(".mlp.")[0] in caught[0]
+        refit.refit(bridge, chunks, fp8=fp8)
+        checks["clean_refit_after_perturbation_equal_disk"] = not differing(disk, refit.fingerprints())
+        checks["prompt_logprobs_equal_disk_at_end"] = prompt_logprobs(llm, batch) == disk_logprobs
+        result["steady_step_ms"] = [round(refit.refit(bridge, chunks, fp8=fp8).apply_ms, 2) for _ in range(3)]
+        refit.close()
+    result["ok"] = all(checks.values())
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3-1.7b", help="full-size shape of recipes/shapes/ (default qwen3-1.7b)")
+    parser.add_argument("--layers", type=int, default=None, help="keep only this many layers (default: all)")
+    parser.add_argument("--fp8", action="store_true", help="blockwise FP8 checkpoint, engine and refit")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share of the GPU (default 0.3)")
+    parser.add_argument("--work", default=os.environ.get("TMPDIR", "/tmp"), help="folder for the checkpoint (deleted after)")
+    parser.add_argument("--out-dir", type=Path, required=True, help="folder for the JSON result")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    result = run(args)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    name = f"vllm_refit_{result['model']}{'_fp8' if args.fp8 else ''}.json"
+    (args.out_dir / name).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["checks"], indent=2))
+    print("OK" if result["ok"] else "FAILED", name)
+    sys.exit(0 if result["ok"] else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""The colocated engine refit protocol without vLLM: shared layouts, recorded apply plans,
+fingerprints, held export outputs, and the whole loop from a Megatron model into an engine laid
+out like vLLM (tests/ranks/engine_refit_check.py, under torchrun on CPU).
+
+The vLLM engine itself is checked on the GPU host (scripts/check_vllm_refit_gpu.py).
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+import torch
+
+from conftest import REPO, torchrun
+from test_roundtrip import layout_flags
+
+from mbridge_refit.engines import fingerprint as fp
+from mbridge_refit.engines.apply_plan import ApplyPlan
+from mbridge_refit.engines.sharing import (
+    CudaIpcTransport,
+    LayoutRecorder,
+    LocalTransport,
+    SharedLayout,
+    SharingError,
+    views,
+)
+
+CHECKER = str(REPO / "tests" / "ranks" / "engine_refit_check.py")
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(("recipe", "layout"), [("qwen3-tiny", "tp1"), ("qwen3-tiny", "tp2"), ("qwen3-moe-tiny", "tp2_ep2"), ("llama-tied-tiny", "pp2")])
+def test_refit_into_engine_layout(recipe, layout, source_checkpoints, tmp_path):
+    nproc, flags = layout_flags(layout)
+    run = torchrun(nproc, [CHECKER, "--hf", str(source_checkpoints(recipe)), "--result", str(tmp_path), *flags])
+    assert run.returncode == 0, run.output[-6000:]
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
+    assert all(r["ok"] for r in reports)
+    assert reports[0]["copies"] > 0 and reports[0]["via_loader"] > 0
+
+
+def test_fingerprint_is_exact():
+    base = torch.randn(1000, dtype=torch.float32)
+    same = base.clone()
+    assert fp.tensor_fingerprint(base) == fp.tensor_fingerprint(same)
+    flipped = base.clone()
+    flipped.view(torch.int32)[123] ^= 1
+    assert fp.tensor_fingerprint(flipped) != fp.tensor_fingerprint(base)
+    swapped = base.clone()
+    swapped[[3, 4]] = base[[4, 3]]
+    assert fp.tensor_fingerprint(swapped)[0] == fp.tensor_fingerprint(base)[0]  # the plain sum cannot tell
+    assert fp.tensor_fingerprint(swapped) != fp.tensor_fingerprint(base)
+    assert fp.tensor_fingerprint(torch.tensor([0.0])) != fp.tensor_fingerprint(torch.tensor([-0.0]))
+    odd = torch.arange(7, dtype=torch.uint8)  # a trailing partial word
+    assert fp.tensor_fingerprint(odd) != fp.tensor_fingerprint(torch.arange(6, dtype=torch.uint8))
+    assert fp.differing({"a": (1, 2), "b": (3, 4)}, {"a": (1, 2), "c": (0, 0)}) == ["b", "c"]
+
+
+def test_fingerprint_chunks_agree(monkeypatch):
+    data = torch.randn(4099, dtype=torch.bfloat16)
+    whole = fp.tensor_fingerprint(data)
+    monkeypatch.setattr(fp, "_CHUNK_WORDS", 64)
+    assert fp.tensor_fingerprint(data) == whole
+
+
+def test_layout_records_views_and_round_trips():
+    base = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+    other = torch.ones(3, dtype=torch.bfloat16)
+    recorder = LayoutRecorder()
+    recorder.add("rows", base[2:5])
+    recorder.add("cols", base[:, 1])
+    recorder.add("other", other)
+    layout = recorder.layout()
+    assert layout.storage_bytes == (256, 6) and len(recorder.storages) == 2
+    wire = pickle.loads(pickle.dumps(layout.to_wire()))
+    assert SharedLayout.from_wire(wire) == layout
+    assert SharedLayout.from_wire(wire).fingerprint == layout.fingerprint
+    transport = LocalTransport()
+    payload = transport.share(recorder.storages)
+    opened = dict(views(layout, transport.open(payload, torch.device("cpu")), torch.device("cpu")))
+    assert torch.equal(opened["rows"], base[2:5]) and torch.equal(opened["cols"], base[:, 1])
+    base[3, 1] = -1.0  # views, not copies
+    assert opened["rows"][1, 1] == -1.0 and opened["cols"][3] == -1.0
+    LocalTransport.release(payload)
+    with pytest.raises(SharingError, match="another process"):
+        transport.open(payload, torch.device("cpu"))
+
+
+def test_layout_refuses_storages_that_do_not_fit():
+    recorder = LayoutRecorder()
+    recorder.add("a", torch.zeros(4))
+    with pytest.raises(SharingError, match="has 8 bytes, the layout says 16"):
+        views(recorder.layout(), [torch.zeros(2).untyped_storage()], torch.device("cpu"))
+    with pytest.raises(SharingError, match="names 1 storages but 0"):
+        views(recorder.layout(), [], torch.device("cpu"))
+
+
+def test_ipc_payload_builds_only_torch_types():
+    class Evil:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    with pytest.raises(SharingError, match="builtins.print"):
+        CudaIpcTransport().open(pickle.dumps([{"gpu": Evil()}]), torch.device("cpu"))
+
+
+class _Fused(torch.nn.Module):
+    """Two HF tensors into one parameter by narrow + copy, like vLLM's fused loaders."""
+
+    def __init__(self):
+        super().__init__()
+        self.fused = torch.nn.Parameter(torch.zeros(6, 4), requires_grad=False)
+        self.scale = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+
+    def load_weights(self, weights):
+        for name, tensor in weights:
+            if name == "a":
+                self.fused.data.narrow(0, 0, 2).copy_(tensor)
+            elif name == "b":
+                self.fused.data[2:] = tensor
+            elif name == "s":
+                self.scale.data.copy_(tensor * 2)  # a temporary: goes through the loader
+
+
+def test_apply_plan_records_and_replays():
+    model = _Fused()
+    a, b, s = torch.randn(2, 4), torch.randn(4, 4), torch.randn(4)
+    plan = ApplyPlan.record(model, [("a", a), ("b", b), ("s", s), ("extra", torch.zeros(1))])
+    assert plan.copies == 2 and plan.via_loader == ["s"] and plan.unexpected == ["extra"] and plan.missing == []
+    plan.check_against_loader()
+    a.add_(1.0)
+    b.mul_(3.0)
+    s.sub_(2.0)
+    plan.replay()
+    assert torch.equal(model.fused.data, torch.cat([a, b])) and torch.equal(model.scale.data, s * 2)
+
+
+def test_apply_plan_reports_missing_and_partial():
+    model = _Fused()
+    plan = ApplyPlan.record(model, [("a", torch.randn(2, 4))])
+    assert plan.missing == ["scale"] and plan.partial == ["fused"]
