@@ -44,6 +44,16 @@ def engine_kwargs(**overrides: Any) -> dict[str, Any]:
     return {"worker_extension_cls": WORKER_EXTENSION, **overrides}
 
 
+TIED_OUTPUT_NAMES = ("lm_head.weight",)  # what an engine skips when its config ties embeddings
+
+
+def ignored_by_engine(bridge: Any) -> frozenset[str]:
+    """Exported names an engine started from ``bridge``'s HF config skips by design: the output
+    layer when the config ties it to the embedding (vLLM then never loads it)."""
+    config = getattr(bridge.hf_pretrained, "config", bridge.hf_pretrained)
+    return frozenset(TIED_OUTPUT_NAMES) if getattr(config, "tie_word_embeddings", False) else frozenset()
+
+
 @dataclass
 class RefitStep:
     """One refit: ``opened`` when the layout was (re)shared this step, with the engine's report."""
@@ -90,6 +100,9 @@ class VLLMRefit:
         if not sender:
             drain(stream, DiscardSink())
             return None
+        ignored = ignored_by_engine(bridge)
+        if ignored:
+            stream = ((name, tensor) for name, tensor in stream if name not in ignored)
         return self.refit_stream(stream, started=started)
 
     def refit_stream(self, stream: Stream, *, started: float | None = None) -> RefitStep:
