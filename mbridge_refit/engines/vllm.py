@@ -50,7 +50,7 @@ TIED_OUTPUT_NAMES = ("lm_head.weight",)  # what an engine skips when its config 
 def ignored_by_engine(bridge: Any) -> frozenset[str]:
     """Exported names an engine started from ``bridge``'s HF config skips by design: the output
     layer when the config ties it to the embedding (vLLM then never loads it)."""
-    config = getattr(bridge.hf_pretrained, "config", bridge.hf_pretrained)
+    config = getattr(bridge.hf_pretrained, "config", None) or bridge.hf_pretrained
     return frozenset(TIED_OUTPUT_NAMES) if getattr(config, "tie_word_embeddings", False) else frozenset()
 
 
@@ -162,5 +162,5 @@ def prompt_logprobs(llm: Any, prompts: list[list[int]]) -> list[list[float]]:
     result = []
     for ids, output in zip(prompts, outputs):
         steps = output.prompt_logprobs[1:]
-        result.append([step[token].logprob for token, step in zip(ids[1:], steps)])
+        result.append([step[token].logprob if step and token in step else None for token, step in zip(ids[1:], steps)])
     return result
