@@ -103,6 +103,7 @@ def run(args) -> dict:
         batch = prompts(config.vocab_size)
         disk = refit.fingerprints()
         disk_logprobs = prompt_logprobs(llm, batch)
+        result["engine_logprobs_repeatable_on_disk_weights"] = prompt_logprobs(llm, batch) == disk_logprobs
         result["engine_parameters"] = len(disk)
 
         llm.collective_rpc("mbridge_refit_scramble", args=(7,))
