@@ -129,8 +129,7 @@ def run(args) -> dict:
 
         victim = next(e.hf_name for e in bridge.export_plan(chunks, fp8=fp8).entries if e.hf_name.endswith("mlp.down_proj.weight")
                       or e.hf_name.endswith("experts.0.down_proj.weight"))
-        stream = bridge.export_hf_weights(chunks, reuse_buffer_from_cache=True, hold_outputs=True, fp8=fp8, show_progress=False)
-        refit.refit_stream(perturbed(stream, victim))
+        refit.refit(bridge, chunks, fp8=fp8, through=lambda stream: perturbed(stream, victim))
         caught = differing(disk, refit.fingerprints())
         result["perturbed"] = {"tensor": victim, "engine_parameters_changed": caught}
         checks["perturbed_weight_caught_in_its_parameter"] = len(caught) == 1 and victim.split(".mlp.")[0] in caught[0]

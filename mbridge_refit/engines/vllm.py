@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,11 +88,14 @@ class VLLMRefit:
         self._held: list = []  # storages the engine maps: kept alive while it may read them
         self.last_report: dict[str, Any] | None = None
 
-    def refit(self, bridge: Any, model: Any, *, fp8: Any = None, sender: bool = True) -> RefitStep | None:
+    def refit(
+        self, bridge: Any, model: Any, *, fp8: Any = None, sender: bool = True, through: Callable[[Stream], Stream] | None = None
+    ) -> RefitStep | None:
         """Export ``model`` with ``bridge`` (held cached buffers) and apply it to the engine.
 
         Collective like ``export_hf_weights``: every rank of the model's groups calls it; the
-        ranks with ``sender=False`` only iterate. Returns the step on the sender."""
+        ranks with ``sender=False`` only iterate. ``through`` wraps the sender's stream (e.g. a
+        check that alters a tensor on its way). Returns the step on the sender."""
         started = time.perf_counter()
         stream = bridge.export_hf_weights(
             model, reuse_buffer_from_cache=True, hold_outputs=True, fp8=fp8, show_progress=False
@@ -103,6 +106,8 @@ class VLLMRefit:
         ignored = ignored_by_engine(bridge)
         if ignored:
             stream = ((name, tensor) for name, tensor in stream if name not in ignored)
+        if through is not None:
+            stream = through(stream)
         return self.refit_stream(stream, started=started)
 
     def refit_stream(self, stream: Stream, *, started: float | None = None) -> RefitStep:
