@@ -141,3 +141,35 @@ def test_apply_plan_reports_missing_and_partial():
     model = _Fused()
     plan = ApplyPlan.record(model, [("a", torch.randn(2, 4))])
     assert plan.missing == ["scale"] and plan.partial == ["fused"]
+
+
+def test_receiver_records_again_when_the_engine_replaced_a_parameter():
+    from mbridge_refit.engines.receiver import RefitReceiver
+
+    model = _Fused()
+    recorder = LayoutRecorder()
+    a, b, s = torch.randn(2, 4), torch.randn(4, 4), torch.randn(4)
+    for name, tensor in (("a", a), ("b", b), ("s", s)):
+        recorder.add(name, tensor)
+    layout = recorder.layout()
+    receiver = RefitReceiver(model, torch.device("cpu"))
+    transport = LocalTransport()
+    report = receiver.open(layout.to_wire(), transport.share(recorder.storages), transport.name)
+    assert report["copies"] == 2 and report["via_loader"] == ["s"]
+    model.fused = torch.nn.Parameter(torch.zeros(6, 4), requires_grad=False)  # e.g. a reload through another path
+    a.add_(1.0)
+    receiver.apply(layout.fingerprint)
+    assert torch.equal(model.fused.data, torch.cat([a, b]))
+
+
+def test_loader_failure_names_the_tensor():
+    from mbridge_refit.engines.apply_plan import ApplyPlanError
+
+    class Broken(_Fused):
+        def load_weights(self, weights):
+            for name, _ in weights:
+                if name == "b":
+                    raise AttributeError("'Parameter' object has no attribute 'load_merged_column_weight'")
+
+    with pytest.raises(ApplyPlanError, match=r"failed on b \(4, 4\).*load_merged_column_weight.*replaces its parameters"):
+        ApplyPlan.record(Broken(), [("a", torch.zeros(2, 4)), ("b", torch.zeros(4, 4))])

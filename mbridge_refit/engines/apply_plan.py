@@ -33,7 +33,7 @@ _SCRIBBLE = 0x5A
 
 
 class ApplyPlanError(RuntimeError):
-    """Replaying the recorded copies does not reproduce the engine's loader."""
+    """The engine's loader cannot be recorded, or a replay does not reproduce it."""
 
 
 @dataclass
@@ -92,8 +92,15 @@ class ApplyPlan:
         with torch.no_grad():
             for name, tensor in sources:
                 step = _Step(name=name, source=tensor)
-                with recorder.recording(step):
-                    load_weights([(name, tensor)])
+                try:
+                    with recorder.recording(step):
+                        load_weights([(name, tensor)])
+                except Exception as err:
+                    raise ApplyPlanError(
+                        f"the engine's load_weights failed on {name} {tuple(tensor.shape)} {tensor.dtype}: "
+                        f"{type(err).__name__}: {err}. An engine that replaces its parameters after loading "
+                        "(vLLM's FP8 linear layers do) cannot be refit in place; see docs/architecture.md"
+                    ) from err
                 steps.append(step)
         return cls(steps=steps, load_weights=load_weights, params=params, written=recorder.written,
                    unexpected=sorted(recorder.silent),
