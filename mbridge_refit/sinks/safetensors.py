@@ -3,12 +3,25 @@
 Owns the on-disk HF layout (``model-0000K-of-0000N.safetensors`` plus
 ``model.safetensors.index.json``), the greedy shard plan that every rank computes identically
 from the stream, which rank writes which shard (shard ``k`` by rank ``k % world_size``), and the
-atomic publish protocol: shards are written under temporary names, renamed once the shard count
-is known, and the index is written last, so a directory with an index is always complete.
+crash-safe publish protocol:
+
+1. Everything is written into a staging directory beside the output, ``.<name>.partial``:
+   shards under temporary names, renamed once the shard count is known, then the side files and
+   the index last. Every file and the directory are fsynced.
+2. The staging directory and the output directory are exchanged in one atomic step
+   (``renameat2(RENAME_EXCHANGE)`` on Linux; elsewhere two renames), then the old content is
+   removed. So the output path holds either the complete old checkpoint or the complete new one,
+   whenever the process dies. With ``overwrite``, files of the old directory that are not part
+   of a checkpoint (notes, subfolders) are carried over into the new one by hard links; old
+   shards, index, config and tokenizer files are not.
+3. A staging directory found at start is the leftover of a killed run: named in the error, and
+   removed by ``overwrite``.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import logging
 import os
@@ -29,6 +42,16 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 TMP_PREFIX = ".tmp-"
+STAGING_SUFFIX = ".partial"
+CHECKPOINT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", f"{TMP_PREFIX}*", CONFIG_NAME, *COPIED_FILE_NAMES)
+
+
+def staging_dir(out_dir: Path) -> Path:
+    """Where a checkpoint for ``out_dir`` is built before it is swapped in: ``.<name>.partial``
+    beside it (same filesystem, so the swap is a rename)."""
+    return out_dir.parent / f".{out_dir.name}{STAGING_SUFFIX}"
+
+
 def shard_file_name(shard: int, num_shards: int) -> str:
     """Final HF file name of 0-based ``shard``: ``model-00001-of-00003.safetensors`` for 0 of 3."""
     return f"model-{shard + 1:05d}-of-{num_shards:05d}.safetensors"
@@ -118,8 +141,9 @@ class ShardedSafetensorsWriter(WeightSink):
     Args:
         out_dir: output directory; created (with parents) if missing.
         max_shard_bytes: shard size limit (default 5 GiB).
-        overwrite: allow a non-empty ``out_dir``; old ``*.safetensors`` and index files in it are
-            removed first.
+        overwrite: allow a non-empty ``out_dir``: its checkpoint is replaced only once the new one
+            is complete (files that are not part of a checkpoint are kept); also removes the
+            leftover staging directory of a killed run.
         copy_files_from: an HF model directory whose ``config.json``, generation config and
             tokenizer files (:data:`COPIED_FILE_NAMES`) are copied when present.
         config_overrides: top-level keys merged into the copied ``config.json`` (needs
@@ -142,6 +166,8 @@ class ShardedSafetensorsWriter(WeightSink):
         metadata: Mapping[str, str] | None = None,
     ) -> None:
         self.out_dir = Path(out_dir)
+        self.staging = staging_dir(self.out_dir)
+        self._overwrite = overwrite
         self._planner = ShardPlanner(max_shard_bytes)
         self._copy_from = _check_copy_source(copy_files_from, config_overrides, self.out_dir)
         self._config_overrides = dict(config_overrides) if config_overrides else None
@@ -190,7 +216,11 @@ class ShardedSafetensorsWriter(WeightSink):
         self._ranks.barrier()
         if self._ranks.rank == 0:
             self._copy_side_files()
+            if self._overwrite:
+                _carry_over_unrelated_files(self.out_dir, self.staging)
             self._write_index(num_shards)
+            _fsync_dir(self.staging)
+            _swap_in(self.staging, self.out_dir)
         self._ranks.barrier()
         if self._ranks.rank == 0:
             logger.info(
@@ -199,15 +229,15 @@ class ShardedSafetensorsWriter(WeightSink):
             )
 
     def abort(self) -> None:
+        """Remove what this rank wrote (rank 0: the whole staging directory); the output
+        directory is left as it was."""
         self._closed = True
         self._buffer.clear()
-        for path in sorted(self._tmp_paths):
+        for path in sorted(self._tmp_paths | set(self._written.values())):
             path.unlink(missing_ok=True)
-        if self._tmp_paths:
-            logger.warning(
-                "aborted writing %s: removed %d temporary files of rank %d",
-                self.out_dir, len(self._tmp_paths), self._ranks.rank,
-            )
+        if self._ranks.rank == 0 and self.staging.exists():
+            shutil.rmtree(self.staging, ignore_errors=True)
+        logger.warning("aborted writing %s: removed what rank %d had written", self.out_dir, self._ranks.rank)
         self._tmp_paths.clear()
 
     # -- shards ----------------------------------------------------------------------------
@@ -227,15 +257,18 @@ class ShardedSafetensorsWriter(WeightSink):
         shard = self._open_shard
         if shard is None or not self._owns(shard):
             return
-        path = self.out_dir / _tmp_shard_name(shard)
+        path = self.staging / _tmp_shard_name(shard)
         self._tmp_paths.add(path)
         save_file(self._buffer, str(path), metadata=self._metadata)
+        _fsync_file(path)
         self._written[shard] = path
         self._buffer = {}
 
     def _publish_shards(self, num_shards: int) -> None:
         for shard, tmp in sorted(self._written.items()):
-            os.replace(tmp, self.out_dir / shard_file_name(shard, num_shards))
+            final = self.staging / shard_file_name(shard, num_shards)
+            os.replace(tmp, final)
+            self._written[shard] = final
             self._tmp_paths.discard(tmp)
 
     # -- rank 0: side files and index ------------------------------------------------------
@@ -269,17 +302,19 @@ class ShardedSafetensorsWriter(WeightSink):
     def _atomic_copy(self, source: Path) -> None:
         tmp = self._track_tmp(source.name)
         shutil.copyfile(source, tmp)
-        os.replace(tmp, self.out_dir / source.name)
+        _fsync_file(tmp)
+        os.replace(tmp, self.staging / source.name)
         self._tmp_paths.discard(tmp)
 
     def _atomic_write_text(self, name: str, text: str) -> None:
         tmp = self._track_tmp(name)
         tmp.write_text(text)
-        os.replace(tmp, self.out_dir / name)
+        _fsync_file(tmp)
+        os.replace(tmp, self.staging / name)
         self._tmp_paths.discard(tmp)
 
     def _track_tmp(self, name: str) -> Path:
-        tmp = self.out_dir / f"{TMP_PREFIX}{name}"
+        tmp = self.staging / f"{TMP_PREFIX}{name}"
         self._tmp_paths.add(tmp)
         return tmp
 
@@ -327,28 +362,101 @@ def _check_copy_source(
 
 
 def _prepare_out_dir(out_dir: Path, *, overwrite: bool, ranks: _Ranks) -> None:
-    """Refuse a non-empty ``out_dir`` unless ``overwrite``; then clear old checkpoint files."""
+    """Refuse a non-empty ``out_dir`` unless ``overwrite``, and a killed run's staging directory
+    unless ``overwrite`` (then removed); create ``out_dir`` (proving its parent writable) and a
+    fresh staging directory beside it. Nothing of an existing checkpoint is touched."""
+    staging = staging_dir(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise NotADirectoryError(
             f"out_dir {out_dir} exists and is not a directory; pass a directory path"
+        )
+    if staging.exists() and not overwrite:
+        raise FileExistsError(
+            f"{staging} is left from an interrupted write into {out_dir}; pass overwrite=True "
+            "(--overwrite) to remove it, or delete it"
         )
     if not overwrite and out_dir.is_dir() and any(out_dir.iterdir()):
         raise FileExistsError(
             f"output directory {out_dir} exists and is not empty; pass overwrite=True "
             "(--overwrite on the command line) to replace its checkpoint, or choose a new directory"
         )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if overwrite and ranks.rank == 0:
-        _remove_old_hf_checkpoint(out_dir)
+    ranks.barrier()  # every rank has checked before rank 0 changes anything
+    if ranks.rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if staging.exists():
+            logger.info("overwrite: removing %s, left by an interrupted write", staging)
+            shutil.rmtree(staging)
+        staging.mkdir()
     ranks.barrier()
 
 
-def _remove_old_hf_checkpoint(out_dir: Path) -> None:
-    patterns = ("*.safetensors", "*.safetensors.index.json", f"{TMP_PREFIX}*")
-    old = {
-        p for pattern in patterns for p in out_dir.glob(pattern) if p.is_file() or p.is_symlink()
-    }
-    for path in sorted(old):
-        path.unlink()
-    if old:
-        logger.info("overwrite: removed %d old checkpoint files from %s", len(old), out_dir)
+def _is_checkpoint_file(path: Path) -> bool:
+    return any(path.match(pattern) for pattern in CHECKPOINT_PATTERNS)
+
+
+def _carry_over_unrelated_files(old: Path, new: Path) -> None:
+    """Hard-link (or copy) the entries of ``old`` that are not checkpoint files into ``new``;
+    ``old`` is not changed."""
+    for entry in sorted(old.iterdir()):
+        if _is_checkpoint_file(entry) or (new / entry.name).exists():
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.copytree(entry, new / entry.name, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(entry, new / entry.name)
+
+
+def _link_or_copy(source: str | Path, target: str | Path) -> None:
+    if Path(source).is_symlink():
+        os.symlink(os.readlink(source), target)
+        return
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
+def _swap_in(staging: Path, out_dir: Path) -> None:
+    """Make ``staging`` the content of ``out_dir`` atomically, then remove the old content."""
+    if _exchange(staging, out_dir):
+        shutil.rmtree(staging)  # now the old content
+    else:
+        old = out_dir.parent / f".{out_dir.name}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out_dir, old)
+        os.replace(staging, out_dir)
+        shutil.rmtree(old)
+    _fsync_dir(out_dir.parent)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """``renameat2(a, b, RENAME_EXCHANGE)``: True when done, False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, f"cannot swap {a} into {b}: {os.strerror(err)}")
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
