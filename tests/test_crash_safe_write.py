@@ -23,7 +23,7 @@ from conftest import REPO
 from oracle import read_checkpoint
 
 from mbridge_refit.sinks import ShardedSafetensorsWriter, drain
-from mbridge_refit.sinks.safetensors import staging_dir
+from mbridge_refit.checkpoints.publish import staging_dir
 
 OLD = {f"old.{i}": torch.full((16,), float(i)) for i in range(6)}
 NEW = {f"new.{i}": torch.full((16,), float(-i)) for i in range(7)}
@@ -49,9 +49,9 @@ CHILD = textwrap.dedent(
         return wrapped
 
     sink.save_file = pausing("save_file", sink.save_file, after=2)          # a shard written, more to come
-    sink._fsync_dir = pausing("fsync_staging", sink._fsync_dir)              # all written, before the swap
-    sink._exchange = pausing("exchange", sink._exchange)                     # right before the swap
-    sink._fsync_file = pausing("fsync_shard_renamed", sink._fsync_file, after=5)  # while side files are written
+    sink.fsync_dir = pausing("fsync_staging", sink.fsync_dir)              # all written, before the swap
+    sink.swap_in = pausing("exchange", sink.swap_in)                     # right before the swap
+    sink.fsync_file = pausing("fsync_shard_renamed", sink.fsync_file, after=5)  # while side files are written
     real_rmtree = sink.shutil.rmtree
     sink.shutil.rmtree = pausing("remove_old", real_rmtree)                  # swapped, old not yet removed
     real_replace = os.replace

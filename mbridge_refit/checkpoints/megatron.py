@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +32,7 @@ import torch.distributed as dist
 
 from mbridge_refit.plan.layout import ParallelLayout
 from mbridge_refit.checkpoints.hf import COPIED_FILE_NAMES
+from mbridge_refit.checkpoints.publish import carry_over, fresh_staging_dir, fsync_tree, leftover_error, staging_dir, swap_in
 
 logger = logging.getLogger(__name__)
 
@@ -145,21 +145,25 @@ def save_model(
 ) -> None:
     """Write ``chunks`` (this rank's part) and ``info`` to ``out``; collective over the default group.
 
-    With ``overwrite``, an earlier checkpoint of ours in ``out`` is replaced: its metadata goes
-    first, so an interrupted save never leaves a directory that reads as complete.
+    Crash-safe (``checkpoints.publish``): the checkpoint is built in a staging directory beside
+    ``out``, fsynced, and swapped in; ``out`` holds the complete old or new checkpoint whenever
+    the process dies. With ``overwrite``, entries of ``out`` that are not part of a checkpoint
+    are kept; a killed run's staging directory is removed (without it, refused by name).
     """
     from megatron.core import dist_checkpointing
 
     rank = dist.get_rank()
-    weights = out / WEIGHTS_DIR
+    leftover = leftover_error(out)
+    if leftover and not overwrite:
+        raise FileExistsError(leftover)
+    dist.barrier()
+    staging = staging_dir(out)
     if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        if overwrite:
-            _remove_old_megatron_checkpoint(out)
-        weights.mkdir()
+        fresh_staging_dir(out)
+        (staging / WEIGHTS_DIR).mkdir()
     dist.barrier()
     dist_checkpointing.save(
-        sharded_model_state(chunks), str(weights), sharded_strategy=_save_strategy(),
+        sharded_model_state(chunks), str(staging / WEIGHTS_DIR), sharded_strategy=_save_strategy(),
         content_metadata={"format": FORMAT_NAME},
     )
     dist.barrier()
@@ -167,10 +171,18 @@ def save_model(
         for name in SIDE_FILE_NAMES:
             source = copy_files_from / name
             if source.is_file():
-                _atomic_write(out / name, source.read_bytes())
-        _atomic_write(out / TRACKER_NAME, b"release\n")
-        _atomic_write(out / METADATA_NAME, info.to_json().encode())
+                shutil.copyfile(source, staging / name)
+        (staging / TRACKER_NAME).write_bytes(b"release\n")
+        if overwrite:
+            carry_over(out, staging, _is_checkpoint_entry)
+        (staging / METADATA_NAME).write_bytes(info.to_json().encode())
+        fsync_tree(staging)
+        swap_in(staging, out)
     dist.barrier()
+
+
+def _is_checkpoint_entry(path: Path) -> bool:
+    return path.name in (WEIGHTS_DIR, TRACKER_NAME, METADATA_NAME, *SIDE_FILE_NAMES) or path.name.startswith(TMP_PREFIX)
 
 
 def load_model(chunks: list[torch.nn.Module], path: Path) -> None:
@@ -252,17 +264,3 @@ def _save_strategy():
             )
 
     return SyncTorchDistSaveStrategy()
-
-
-def _remove_old_megatron_checkpoint(out: Path) -> None:
-    (out / METADATA_NAME).unlink(missing_ok=True)
-    (out / TRACKER_NAME).unlink(missing_ok=True)
-    if (out / WEIGHTS_DIR).is_dir():
-        shutil.rmtree(out / WEIGHTS_DIR)
-    logger.info("overwrite: removed the old checkpoint in %s", out)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)

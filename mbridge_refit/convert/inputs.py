@@ -7,6 +7,7 @@ Each check raises ``BadInput`` naming the path, option or tensor and the fix.
 from __future__ import annotations
 
 import argparse
+import os
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,10 +50,20 @@ def checked_layout(args: argparse.Namespace, config: Any) -> ParallelLayout:
 
 
 def check_output_dir(out: Path, overwrite: bool) -> None:
+    """Before any model is loaded: the output is a directory (or absent) we may write, empty
+    unless ``overwrite``, with no leftover of a killed run unless ``overwrite``."""
+    from mbridge_refit.checkpoints.publish import leftover_error
+
     if out.exists() and not out.is_dir():
         raise BadInput(f"output path {out} exists and is not a directory")
+    leftover = leftover_error(out)
+    if leftover and not overwrite:
+        raise BadInput(leftover.replace("overwrite=True (--overwrite)", "--overwrite"))
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise BadInput(f"output directory {out} exists and is not empty: pass --overwrite to replace it")
+    parent = next((p for p in (out, *out.parents) if p.exists()), Path("."))
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise BadInput(f"cannot write {out}: {parent} is not writable; choose another output directory")
 
 
 def check_distinct_dirs(source: Path, source_flag: str, out: Path, out_flag: str) -> None:

@@ -3,25 +3,16 @@
 Owns the on-disk HF layout (``model-0000K-of-0000N.safetensors`` plus
 ``model.safetensors.index.json``), the greedy shard plan that every rank computes identically
 from the stream, which rank writes which shard (shard ``k`` by rank ``k % world_size``), and the
-crash-safe publish protocol:
-
-1. Everything is written into a staging directory beside the output, ``.<name>.partial``:
-   shards under temporary names, renamed once the shard count is known, then the side files and
-   the index last. Every file and the directory are fsynced.
-2. The staging directory and the output directory are exchanged in one atomic step
-   (``renameat2(RENAME_EXCHANGE)`` on Linux; elsewhere two renames), then the old content is
-   removed. So the output path holds either the complete old checkpoint or the complete new one,
-   whenever the process dies. With ``overwrite``, files of the old directory that are not part
-   of a checkpoint (notes, subfolders) are carried over into the new one by hard links; old
-   shards, index, config and tokenizer files are not.
-3. A staging directory found at start is the leftover of a killed run: named in the error, and
-   removed by ``overwrite``.
+crash-safe publish (``checkpoints.publish``): everything is written into a staging directory
+beside the output, shards under temporary names renamed once the shard count is known, then the
+side files and the index last, all fsynced; then the staging directory is swapped in atomically.
+The output path holds the complete old or the complete new checkpoint whenever the process dies.
+With ``overwrite``, entries of the old directory that are not checkpoint files are kept; old
+shards, index, config and tokenizer files are not.
 """
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import json
 import logging
 import os
@@ -36,20 +27,22 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from mbridge_refit.checkpoints.hf import CONFIG_NAME, COPIED_FILE_NAMES, INDEX_NAME
+from mbridge_refit.checkpoints.publish import (
+    carry_over,
+    fresh_staging_dir,
+    fsync_dir,
+    fsync_file,
+    leftover_error,
+    staging_dir,
+    swap_in,
+)
 from mbridge_refit.sinks.base import WeightSink
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 TMP_PREFIX = ".tmp-"
-STAGING_SUFFIX = ".partial"
 CHECKPOINT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", f"{TMP_PREFIX}*", CONFIG_NAME, *COPIED_FILE_NAMES)
-
-
-def staging_dir(out_dir: Path) -> Path:
-    """Where a checkpoint for ``out_dir`` is built before it is swapped in: ``.<name>.partial``
-    beside it (same filesystem, so the swap is a rename)."""
-    return out_dir.parent / f".{out_dir.name}{STAGING_SUFFIX}"
 
 
 def shard_file_name(shard: int, num_shards: int) -> str:
@@ -217,10 +210,10 @@ class ShardedSafetensorsWriter(WeightSink):
         if self._ranks.rank == 0:
             self._copy_side_files()
             if self._overwrite:
-                _carry_over_unrelated_files(self.out_dir, self.staging)
+                carry_over(self.out_dir, self.staging, _is_checkpoint_file)
             self._write_index(num_shards)
-            _fsync_dir(self.staging)
-            _swap_in(self.staging, self.out_dir)
+            fsync_dir(self.staging)
+            swap_in(self.staging, self.out_dir)
         self._ranks.barrier()
         if self._ranks.rank == 0:
             logger.info(
@@ -260,7 +253,7 @@ class ShardedSafetensorsWriter(WeightSink):
         path = self.staging / _tmp_shard_name(shard)
         self._tmp_paths.add(path)
         save_file(self._buffer, str(path), metadata=self._metadata)
-        _fsync_file(path)
+        fsync_file(path)
         self._written[shard] = path
         self._buffer = {}
 
@@ -302,14 +295,14 @@ class ShardedSafetensorsWriter(WeightSink):
     def _atomic_copy(self, source: Path) -> None:
         tmp = self._track_tmp(source.name)
         shutil.copyfile(source, tmp)
-        _fsync_file(tmp)
+        fsync_file(tmp)
         os.replace(tmp, self.staging / source.name)
         self._tmp_paths.discard(tmp)
 
     def _atomic_write_text(self, name: str, text: str) -> None:
         tmp = self._track_tmp(name)
         tmp.write_text(text)
-        _fsync_file(tmp)
+        fsync_file(tmp)
         os.replace(tmp, self.staging / name)
         self._tmp_paths.discard(tmp)
 
@@ -362,19 +355,15 @@ def _check_copy_source(
 
 
 def _prepare_out_dir(out_dir: Path, *, overwrite: bool, ranks: _Ranks) -> None:
-    """Refuse a non-empty ``out_dir`` unless ``overwrite``, and a killed run's staging directory
-    unless ``overwrite`` (then removed); create ``out_dir`` (proving its parent writable) and a
-    fresh staging directory beside it. Nothing of an existing checkpoint is touched."""
-    staging = staging_dir(out_dir)
+    """Refuse a killed run's staging directory and a non-empty ``out_dir`` unless ``overwrite``;
+    then create ``out_dir`` and a fresh staging directory. An existing checkpoint is not touched."""
     if out_dir.exists() and not out_dir.is_dir():
         raise NotADirectoryError(
             f"out_dir {out_dir} exists and is not a directory; pass a directory path"
         )
-    if staging.exists() and not overwrite:
-        raise FileExistsError(
-            f"{staging} is left from an interrupted write into {out_dir}; pass overwrite=True "
-            "(--overwrite) to remove it, or delete it"
-        )
+    leftover = leftover_error(out_dir)
+    if leftover and not overwrite:
+        raise FileExistsError(leftover)
     if not overwrite and out_dir.is_dir() and any(out_dir.iterdir()):
         raise FileExistsError(
             f"output directory {out_dir} exists and is not empty; pass overwrite=True "
@@ -382,81 +371,11 @@ def _prepare_out_dir(out_dir: Path, *, overwrite: bool, ranks: _Ranks) -> None:
         )
     ranks.barrier()  # every rank has checked before rank 0 changes anything
     if ranks.rank == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        if staging.exists():
-            logger.info("overwrite: removing %s, left by an interrupted write", staging)
-            shutil.rmtree(staging)
-        staging.mkdir()
+        if leftover:
+            logger.info("overwrite: removing %s, left by an interrupted write", staging_dir(out_dir))
+        fresh_staging_dir(out_dir)
     ranks.barrier()
 
 
 def _is_checkpoint_file(path: Path) -> bool:
     return any(path.match(pattern) for pattern in CHECKPOINT_PATTERNS)
-
-
-def _carry_over_unrelated_files(old: Path, new: Path) -> None:
-    """Hard-link (or copy) the entries of ``old`` that are not checkpoint files into ``new``;
-    ``old`` is not changed."""
-    for entry in sorted(old.iterdir()):
-        if _is_checkpoint_file(entry) or (new / entry.name).exists():
-            continue
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.copytree(entry, new / entry.name, symlinks=True, copy_function=_link_or_copy)
-        else:
-            _link_or_copy(entry, new / entry.name)
-
-
-def _link_or_copy(source: str | Path, target: str | Path) -> None:
-    if Path(source).is_symlink():
-        os.symlink(os.readlink(source), target)
-        return
-    try:
-        os.link(source, target)
-    except OSError:
-        shutil.copy2(source, target)
-
-
-def _swap_in(staging: Path, out_dir: Path) -> None:
-    """Make ``staging`` the content of ``out_dir`` atomically, then remove the old content."""
-    if _exchange(staging, out_dir):
-        shutil.rmtree(staging)  # now the old content
-    else:
-        old = out_dir.parent / f".{out_dir.name}.old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out_dir, old)
-        os.replace(staging, out_dir)
-        shutil.rmtree(old)
-    _fsync_dir(out_dir.parent)
-
-
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """``renameat2(a, b, RENAME_EXCHANGE)``: True when done, False where unsupported."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, f"cannot swap {a} into {b}: {os.strerror(err)}")
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as handle:
-        os.fsync(handle.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
