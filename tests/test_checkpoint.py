@@ -188,3 +188,65 @@ def test_bitwise_compare_sees_nan_payload_and_signed_zero(tmp_path):
     (diff,) = compare_checkpoints(a, b)
     assert diff.startswith("byte mismatch: w: 2 of 2 elements differ")
     assert "max abs diff 0" in diff and "1 differing elements are NaN/inf" in diff
+
+
+# -- damaged checkpoints: bad input, never a "difference" ---------------------------------------
+
+
+def _verify(a: Path, b: Path, capsys) -> tuple[int, str]:
+    from mbridge_refit.convert import main
+
+    code = main(["verify", str(a), str(b)])
+    return code, capsys.readouterr().err
+
+
+def test_unlisted_second_copy_of_a_tensor_is_refused(tmp_path, capsys):
+    good = _save_hf(tmp_path / "a", _tensors())
+    bad = _save_hf(tmp_path / "b", _tensors())
+    first = sorted(bad.glob("model-00001-*.safetensors"))[0]
+    extra = {"norm.weight": torch.zeros(4, dtype=torch.bfloat16), "embed.weight": _tensors()["embed.weight"]}
+    save_file({**extra, "layers.0.w": _tensors()["layers.0.w"]}, first, metadata={"format": "pt"})
+    code, err = _verify(good, bad, capsys)
+    assert code == 2, err
+    assert "holds norm.weight, which the index does not list there" in err and first.name in err
+
+
+@pytest.mark.parametrize(
+    ("damage", "needle"),
+    [
+        ("truncate", "cannot read"),
+        ("garbage_header", "cannot read"),
+        ("huge_header", "cannot read"),
+        ("bad_index", "cannot read"),
+    ],
+)
+def test_damaged_checkpoint_is_bad_input(damage, needle, tmp_path, capsys):
+    good = _save_hf(tmp_path / "a", _tensors())
+    bad = _save_hf(tmp_path / "b", _tensors())
+    shard = sorted(bad.glob("*.safetensors"))[1]
+    data = shard.read_bytes()
+    if damage == "truncate":
+        shard.write_bytes(data[: len(data) - 7])
+    elif damage == "garbage_header":
+        shard.write_bytes(data[:8] + b"\x00not json" + data[17:])
+    elif damage == "huge_header":
+        shard.write_bytes(struct.pack("<Q", 1 << 40) + data[8:])
+    else:
+        (bad / INDEX).write_text("{not json")
+    code, err = _verify(good, bad, capsys)
+    assert code == 2, err
+    assert needle in err and (shard.name in err or INDEX in err)
+
+
+def test_roundtrip_refuses_a_damaged_source_before_any_work(tmp_path, capsys):
+    from mbridge_refit.convert import main
+    from mbridge_refit.tools import recipes
+
+    source = recipes.make_random_checkpoint(recipes.get_model_recipe("qwen3-tiny"), tmp_path / "src", seed=1, max_shard_bytes=64 * 1024)
+    shard = sorted(source.glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:-5])
+    code = main(["roundtrip", "--hf", str(source), "--out", str(tmp_path / "out"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert shard.name in err and "damaged" in err
+    assert not (tmp_path / "out").exists()

@@ -62,6 +62,10 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
+class CheckpointError(ValueError):
+    """A checkpoint's files are unreadable or disagree with its index (the message lists what)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class HFCheckpoint:
     """A safetensors checkpoint directory (sharded with an index, or one ``model.safetensors``).
@@ -98,6 +102,30 @@ class HFCheckpoint:
                 f"found safetensors files {found or 'none'}"
             )
         return cls(path=path, weight_map=weight_map)
+
+    def validate(self) -> None:
+        """Read every file's header and check it against the index, before anything is loaded.
+
+        Raises ``CheckpointError`` listing each problem: a file that cannot be read or whose
+        header does not parse (truncated, garbage, oversized), a tensor the index lists but its
+        file lacks, a tensor a file holds that the index does not list for that file (e.g. a
+        second copy of a tensor)."""
+        problems: list[str] = []
+        listed: dict[str, set[str]] = {}
+        for name, file_name in self.weight_map.items():
+            listed.setdefault(file_name, set()).add(name)
+        for file_name, names in sorted(listed.items()):
+            try:
+                with safe_open(self.path / file_name, framework="pt") as handle:
+                    held = set(handle.keys())
+            except Exception as err:  # safetensors raises its own error type for bad headers
+                problems.append(f"cannot read {self.path / file_name}: {type(err).__name__}: {err}")
+                continue
+            problems += [f"{file_name} lacks {name}, which the index lists there" for name in sorted(names - held)]
+            problems += [f"{file_name} holds {name}, which the index does not list there" for name in sorted(held - names)]
+        if problems:
+            shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+            raise CheckpointError(f"the checkpoint at {self.path} is damaged: {shown}. Re-export or re-download it")
 
     def names(self) -> list[str]:
         """All tensor names, sorted."""
@@ -144,8 +172,11 @@ class HFCheckpoint:
 
 
 def _read_index(path: Path) -> dict[str, str]:
-    index = json.loads((path / INDEX_NAME).read_text())
-    weight_map = index.get("weight_map")
+    try:
+        index = json.loads((path / INDEX_NAME).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"cannot read {path / INDEX_NAME}: {err}; the index must be the JSON an HF export writes") from err
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
         raise ValueError(
             f"{path / INDEX_NAME} has no 'weight_map' object; is it an HF safetensors index?"
@@ -163,11 +194,14 @@ def compare_checkpoints(a: str | os.PathLike[str], b: str | os.PathLike[str]) ->
     """Human-readable differences between checkpoints ``a`` and ``b``; ``[]`` means identical.
 
     Reports names only in A, names only in B, and for common names a shape, dtype or byte
-    mismatch. Bytes are compared exactly (so NaN payloads and -0.0 count); a byte mismatch
+    mismatch. A damaged checkpoint (``HFCheckpoint.validate``) raises ``CheckpointError``
+    instead: a corrupt file is not a difference. Bytes are compared exactly (so NaN payloads and -0.0 count); a byte mismatch
     reports the number of differing elements and the max abs difference in float32. Reads one
     tensor pair at a time.
     """
     ckpt_a, ckpt_b = HFCheckpoint.open(a), HFCheckpoint.open(b)
+    ckpt_a.validate()
+    ckpt_b.validate()
     names_a, names_b = set(ckpt_a.weight_map), set(ckpt_b.weight_map)
     diffs = [f"only in A ({ckpt_a.path}): {name}" for name in sorted(names_a - names_b)]
     diffs += [f"only in B ({ckpt_b.path}): {name}" for name in sorted(names_b - names_a)]

@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 from mbridge_refit.convert import commands
 from mbridge_refit.convert.exit_codes import BadInput, ExitCode
 from mbridge_refit.convert.parser import build_parser
+from mbridge_refit.checkpoints.hf import CheckpointError
 from mbridge_refit.checkpoints.loader import LoadError
 from mbridge_refit.convert.verify_refit import cmd_verify_refit
 from mbridge_refit.fp8.format import FP8FormatError
@@ -33,7 +34,7 @@ COMMANDS: dict[str, Callable] = {
 }
 
 # Library errors that mean "this input cannot work" (their messages name the fix).
-INPUT_ERRORS = (BadInput, LayoutError, FP8FormatError, LoadError)
+INPUT_ERRORS = (BadInput, LayoutError, FP8FormatError, LoadError, CheckpointError)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -127,6 +127,7 @@ def run_roundtrip(options: WriteArgs) -> int:
     from mbridge_refit.tools.model_builder import BuildOptions, build_model
 
     checkpoint = HFCheckpoint.open(options.source)
+    checkpoint.validate()  # every file readable and agreeing with the index, before any collective
     with distributed_session(options.layout, device=options.device, timeout=options.timeout) as env:
         bridge = RefitBridge.from_hf_pretrained(options.source)
         chunks = build_model(
@@ -196,6 +197,7 @@ def run_import(options: ImportArgs) -> int:
 
     cpu = torch.device("cpu")
     checkpoint = HFCheckpoint.open(options.hf)
+    checkpoint.validate()
     info = CheckpointInfo(
         saved_layout=options.layout,
         params_dtype=checkpoint_float_dtype(checkpoint),
