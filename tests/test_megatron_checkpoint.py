@@ -188,3 +188,46 @@ def test_export_layout_that_does_not_fit(qwen3_tp2, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "layout tp=2" in err and "--nproc-per-node 2" in err, err
     assert not (tmp_path / "o").exists()
+
+
+class _Payload:
+    """Unpickling this runs ``open(marker, "w")``: a stand-in for code a crafted checkpoint carries."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@multirank
+def test_export_refuses_a_crafted_index_without_running_it(qwen3_tp2, tmp_path, capsys):
+    import pickle
+
+    _, megatron = qwen3_tp2
+    crafted = tmp_path / "crafted"
+    shutil.copytree(megatron, crafted)
+    marker = tmp_path / "ran"
+    (crafted / WEIGHTS_DIR / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    assert main(["export", "--megatron", str(crafted), "--out", str(tmp_path / "o")]) == ExitCode.BAD_INPUT
+    err = capsys.readouterr().err
+    assert "refusing" in err and ".metadata" in err and "io.open is not a type a checkpoint index holds" in err
+    assert not marker.exists(), "the crafted index ran"
+    assert not (tmp_path / "o").exists()
+
+
+def test_byte_items_must_be_plain_data(tmp_path):
+    import io
+
+    import torch
+
+    from mbridge_refit.checkpoints.megatron import check_byte_item
+
+    plain = io.BytesIO()
+    torch.save({"a": torch.ones(2), "b": None}, plain)
+    check_byte_item(plain.getvalue())
+    crafted = io.BytesIO()
+    torch.save(_Payload(tmp_path / "ran"), crafted)
+    with pytest.raises(Exception, match="weights_only|Unsupported global"):
+        check_byte_item(crafted.getvalue())
+    assert not (tmp_path / "ran").exists()

@@ -20,8 +20,10 @@ datasets, megatron-energon, tensorboard and more, which this CPU conversion path
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import logging
+import pickle
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,10 +112,78 @@ class CheckpointInfo:
             if isinstance(err, NotAMegatronCheckpoint):
                 raise
             raise NotAMegatronCheckpoint(f"{meta} is unreadable ({err}): re-create the checkpoint with `import`") from err
-        for required in ("config.json", f"{WEIGHTS_DIR}/metadata.json"):
+        for required in ("config.json", f"{WEIGHTS_DIR}/metadata.json", f"{WEIGHTS_DIR}/.metadata"):
             if not (path / required).is_file():
                 raise NotAMegatronCheckpoint(f"{path} is incomplete: {required} is missing; re-create it with `import`")
+        check_pickled_parts(path / WEIGHTS_DIR)
         return info
+
+
+# --- pickled parts, checked before torch.distributed.checkpoint unpickles them ------------------
+#
+# A torch_dist checkpoint holds two kinds of pickles: ``.metadata`` (the index of every tensor,
+# read with pickle by torch.distributed.checkpoint) and byte items inside the ``.distcp`` files
+# (Megatron's ``_extra_state`` objects, read with torch.load). Both would run code a crafted file
+# names. ``check_pickled_parts`` reads them first with an unpickler that builds only the types a
+# checkpoint written by ``save_model`` contains, and torch.load(weights_only=True), so a crafted
+# checkpoint is refused (``NotAMegatronCheckpoint``) before anything executes its contents.
+
+_METADATA_MODULE_PREFIXES = ("torch.distributed.checkpoint.",)
+_METADATA_GLOBALS = {
+    "torch": {"Size"},
+    "torch.serialization": {"_get_layout"},
+    "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+    "builtins": {"set", "frozenset", "slice"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (
+            module.startswith(_METADATA_MODULE_PREFIXES)
+            or name in _METADATA_GLOBALS.get(module, ())
+            or (module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)))
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(f"{module}.{name} is not a type a checkpoint index holds")
+        return super().find_class(module, name)
+
+
+def check_pickled_parts(weights: Path) -> None:
+    """Refuse a checkpoint whose pickled parts would build anything but checkpoint data (see above)."""
+    index = weights / ".metadata"
+    try:
+        with open(index, "rb") as handle:
+            metadata = _MetadataUnpickler(handle).load()
+    except Exception as err:
+        raise NotAMegatronCheckpoint(
+            f"refusing {index}: {type(err).__name__}: {err}. It is not an index written by `import`; "
+            "re-create the checkpoint from the HF source"
+        ) from err
+    for fqn, location in _byte_items(metadata):
+        try:
+            with open(weights / location.relative_path, "rb") as handle:
+                handle.seek(location.offset)
+                check_byte_item(handle.read(location.length))
+        except Exception as err:
+            raise NotAMegatronCheckpoint(
+                f"refusing {weights / location.relative_path}: its object {fqn} is not plain data "
+                f"({type(err).__name__}: {err}); re-create the checkpoint from the HF source"
+            ) from err
+
+
+def check_byte_item(data: bytes) -> None:
+    """Raise unless ``data`` loads with ``torch.load(weights_only=True)`` (tensors and plain data only)."""
+    torch.load(io.BytesIO(data), weights_only=True)
+
+
+def _byte_items(metadata: Any) -> Iterator[tuple[str, Any]]:
+    """(fqn, storage location) of every byte item the index lists."""
+    entries = getattr(metadata, "state_dict_metadata", {})
+    for index, location in getattr(metadata, "storage_data", {}).items():
+        if type(entries.get(index.fqn)).__name__ == "BytesStorageMetadata":
+            yield index.fqn, location
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
