@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from conftest import torchrun
-from mbridge_refit.convert import ExitCode, build_parser
+from mbridge_refit.convert import ExitCode, build_parser, main
 
 
 def test_parser_knows_every_subcommand():
@@ -80,3 +80,12 @@ def test_ep_on_a_dense_model(source_checkpoints, tmp_path):
     run = roundtrip(1, source_checkpoints("qwen3-tiny"), tmp_path / "out", "--ep", "2")
     assert run.returncode == ExitCode.BAD_INPUT, run.output
     assert "mixture-of-experts" in run.output
+
+
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_shard_size_must_be_positive(value, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["roundtrip", "--hf", str(tmp_path), "--out", str(tmp_path / "o"), "--max-shard-bytes", value])
+    assert exit_info.value.code == 2
+    assert "--max-shard-bytes: must be a positive integer" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

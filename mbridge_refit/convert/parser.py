@@ -42,6 +42,14 @@ exit codes: 0 ok, 1 differences found (verify, verify-refit), 2 bad input (the m
 """
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer > 0 (argparse turns the ValueError into a usage error, exit 2)."""
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 # name -> (one-line help, description)
 COMMAND_TEXT: dict[str, tuple[str, str | None]] = {
     "make-tiny": ("write a tiny random HF checkpoint from a built-in recipe", None),
@@ -98,7 +106,7 @@ def _make_tiny_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipe", default=None, help="recipe name (default: qwen3-tiny); see --list")
     parser.add_argument("--out", type=Path, help="output directory")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
-    parser.add_argument("--max-shard-bytes", type=int, default=None, help="shard size; small values force sharding")
+    parser.add_argument("--max-shard-bytes", type=positive_int, default=None, help="shard size; small values force sharding")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     parser.add_argument("--list", action="store_true", help="list recipes and layouts, then exit")
 
@@ -144,7 +152,7 @@ def _add_hf_output_flags(parser: argparse.ArgumentParser) -> None:
     add_layout_flags(parser)
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     parser.add_argument(
-        "--max-shard-bytes", type=int, default=5 * 1024**3, help="output shard size (default: %(default)s)"
+        "--max-shard-bytes", type=positive_int, default=5 * 1024**3, help="output shard size in bytes, > 0 (default: %(default)s)"
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     add_fp8_flags(parser)
