@@ -72,13 +72,13 @@ def test_layout_records_views_and_round_trips():
     recorder.add("rows", base[2:5])
     recorder.add("cols", base[:, 1])
     recorder.add("other", other)
-    layout = recorder.layout()
-    assert layout.storage_bytes == (256, 6) and len(recorder.storages) == 2
+    layout, storages = recorder.layout()
+    assert layout.storage_bytes == (256, 6) and len(storages) == 2
     wire = pickle.loads(pickle.dumps(layout.to_wire()))
     assert SharedLayout.from_wire(wire) == layout
     assert SharedLayout.from_wire(wire).fingerprint == layout.fingerprint
     transport = LocalTransport()
-    payload = transport.share(recorder.storages)
+    payload = transport.share(storages)
     opened = dict(views(layout, transport.open(payload, torch.device("cpu")), torch.device("cpu")))
     assert torch.equal(opened["rows"], base[2:5]) and torch.equal(opened["cols"], base[:, 1])
     base[3, 1] = -1.0  # views, not copies
@@ -91,10 +91,11 @@ def test_layout_records_views_and_round_trips():
 def test_layout_refuses_storages_that_do_not_fit():
     recorder = LayoutRecorder()
     recorder.add("a", torch.zeros(4))
+    layout, _ = recorder.layout()
     with pytest.raises(SharingError, match="has 8 bytes, the layout says 16"):
-        views(recorder.layout(), [torch.zeros(2).untyped_storage()], torch.device("cpu"))
+        views(layout, [torch.zeros(2).untyped_storage()], torch.device("cpu"))
     with pytest.raises(SharingError, match="names 1 storages but 0"):
-        views(recorder.layout(), [], torch.device("cpu"))
+        views(layout, [], torch.device("cpu"))
 
 
 def test_ipc_payload_builds_only_torch_types():
@@ -151,10 +152,10 @@ def test_receiver_records_again_when_the_engine_replaced_a_parameter():
     a, b, s = torch.randn(2, 4), torch.randn(4, 4), torch.randn(4)
     for name, tensor in (("a", a), ("b", b), ("s", s)):
         recorder.add(name, tensor)
-    layout = recorder.layout()
+    layout, storages = recorder.layout()
     receiver = RefitReceiver(model, torch.device("cpu"))
     transport = LocalTransport()
-    report = receiver.open(layout.to_wire(), transport.share(recorder.storages), transport.name)
+    report = receiver.open(layout.to_wire(), transport.share(storages), transport.name)
     assert report["copies"] == 2 and report["via_loader"] == ["s"]
     model.fused = torch.nn.Parameter(torch.zeros(6, 4), requires_grad=False)  # e.g. a reload through another path
     a.add_(1.0)

@@ -23,6 +23,7 @@ import json
 import pickle
 import uuid
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Protocol
 
 import torch
@@ -55,13 +56,13 @@ class SharedLayout:
     def names(self) -> list[str]:
         return [ref.name for ref in self.refs]
 
-    @property
+    @cached_property
     def fingerprint(self) -> str:
         """Identifies the layout on both sides: the trainer sends it with every step, the engine
         refuses a step whose fingerprint is not the layout it opened."""
         return hashlib.sha256(json.dumps(self.to_wire(), sort_keys=True).encode()).hexdigest()[:16]
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         """Bytes of the exported tensors (not of the storages they live in)."""
         return sum(_numel(ref.shape) * _dtype(ref.dtype).itemsize for ref in self.refs)
@@ -83,36 +84,42 @@ class SharedLayout:
 
 
 class LayoutRecorder:
-    """Trainer side: builds the shared layout of one export while it is consumed.
+    """Trainer side: notes where each tensor of one export lives while the export is consumed.
 
-    Keeps every storage it saw referenced (so none is freed and reused while an engine may map
-    it); ``storage_keys`` identifies them (address and size) to tell whether the next export
-    lives in the same memory.
+    ``key`` (plain tuples: name, storage address and size, offset, shape, stride, dtype) is cheap
+    to build and compare, so a steady-state step only compares it with the previous step's;
+    ``layout()`` builds the shared layout and its storages when the key changed. The tensors are
+    referenced until the recorder is dropped, so no storage is freed and reused meanwhile.
     """
 
     def __init__(self) -> None:
-        self._refs: list[TensorRef] = []
-        self.storages: list[torch.UntypedStorage] = []
-        self._index: dict[tuple[int, int], int] = {}
+        self._keys: list[tuple] = []
+        self._tensors: list[torch.Tensor] = []
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         tensor = tensor.detach()
         storage = tensor.untyped_storage()
-        key = (storage.data_ptr(), storage.nbytes())
-        if key not in self._index:
-            self._index[key] = len(self.storages)
-            self.storages.append(storage)
-        self._refs.append(TensorRef(
-            name=name, storage=self._index[key], dtype=str(tensor.dtype).removeprefix("torch."),
-            shape=tuple(tensor.shape), stride=tuple(tensor.stride()), offset=tensor.storage_offset(),
-        ))
+        self._keys.append((name, storage.data_ptr(), storage.nbytes(), tensor.storage_offset(),
+                           tuple(tensor.shape), tensor.stride(), tensor.dtype))
+        self._tensors.append(tensor)
 
     @property
-    def storage_keys(self) -> tuple[tuple[int, int], ...]:
-        return tuple(self._index)
+    def key(self) -> tuple:
+        return tuple(self._keys)
 
-    def layout(self) -> SharedLayout:
-        return SharedLayout(refs=tuple(self._refs), storage_bytes=tuple(s.nbytes() for s in self.storages))
+    def layout(self) -> tuple[SharedLayout, list[torch.UntypedStorage]]:
+        """The shared layout and the storages it indexes (each once, in first-use order)."""
+        index: dict[tuple[int, int], int] = {}
+        storages: list[torch.UntypedStorage] = []
+        refs = []
+        for (name, ptr, nbytes, offset, shape, stride, dtype), tensor in zip(self._keys, self._tensors):
+            if (ptr, nbytes) not in index:
+                index[(ptr, nbytes)] = len(storages)
+                storages.append(tensor.untyped_storage())
+            refs.append(TensorRef(name=name, storage=index[(ptr, nbytes)], dtype=str(dtype).removeprefix("torch."),
+                                  shape=shape, stride=tuple(stride), offset=offset))
+        layout = SharedLayout(refs=tuple(refs), storage_bytes=tuple(st.nbytes() for st in storages))
+        return layout, storages
 
 
 def views(layout: SharedLayout, storages: list[torch.UntypedStorage], device: torch.device) -> list[tuple[str, torch.Tensor]]:

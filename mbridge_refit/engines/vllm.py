@@ -84,7 +84,7 @@ class VLLMRefit:
         self.allow_partial = allow_partial
         self.timeout_s = timeout_s
         self._layout: SharedLayout | None = None
-        self._keys: tuple | None = None
+        self._key: tuple | None = None
         self._held: list = []  # storages the engine maps: kept alive while it may read them
         self.last_report: dict[str, Any] | None = None
 
@@ -122,23 +122,23 @@ class VLLMRefit:
         if torch.cuda.is_initialized():
             torch.cuda.current_stream().synchronize()  # the engine reads from another process
         exported = time.perf_counter()
-        layout = recorder.layout()
-        if self._layout is not None and recorder.storage_keys == self._keys and layout == self._layout:
-            self._rpc("mbridge_refit_apply", layout.fingerprint)
+        if self._layout is not None and recorder.key == self._key:
+            self._rpc("mbridge_refit_apply", self._layout.fingerprint)
             report, opened = None, False
         else:
-            report, opened = self._open(layout, recorder), True
+            report, opened = self._open(recorder), True
         done = time.perf_counter()
-        return RefitStep(tensors=len(layout.refs), bytes=layout.nbytes, opened=opened,
+        return RefitStep(tensors=len(self._layout.refs), bytes=self._layout.nbytes, opened=opened,
                          export_ms=(exported - started) * 1e3, apply_ms=(done - exported) * 1e3, report=report)
 
-    def _open(self, layout: SharedLayout, recorder: LayoutRecorder) -> dict[str, Any]:
+    def _open(self, recorder: LayoutRecorder) -> dict[str, Any]:
         if self._layout is not None:
             logger.info("refit: the export's layout changed (other storages or tensors): sharing it anew")
-        payload = self.transport.share(recorder.storages)
+        layout, storages = recorder.layout()
+        payload = self.transport.share(storages)
         report = self._rpc("mbridge_refit_open", layout.to_wire(), payload, self.transport.name,
                            self.check_first_refit, self.allow_partial)
-        self._layout, self._keys, self._held = layout, recorder.storage_keys, recorder.storages
+        self._layout, self._key, self._held = layout, recorder.key, storages
         self.last_report = report
         return report
 
@@ -150,7 +150,7 @@ class VLLMRefit:
         """Tell the engine to forget the mapped tensors, then release them."""
         if self._layout is not None:
             self._rpc("mbridge_refit_close")
-        self._layout, self._keys, self._held = None, None, []
+        self._layout, self._key, self._held = None, None, []
 
     def _rpc(self, method: str, *args: Any) -> Any:
         results = self.llm.collective_rpc(method, timeout=self.timeout_s, args=args)
