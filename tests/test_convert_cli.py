@@ -67,6 +67,8 @@ def test_tp_not_dividing_kv_heads_fails_on_every_rank_without_hanging(source_che
     run = roundtrip(4, source_checkpoints("qwen3-tiny"), tmp_path / "out", "--tp", "4")
     assert run.returncode != 0
     assert "num_key_value_heads=2" in run.output and "tp=4" in run.output
+    assert run.output.count("num_key_value_heads=2") == 1, "the same message from every rank: rank 0 prints it once"
+    assert run.output.count("(exitcode: 2)") == 4 or "exitcode  : 2" in run.output, run.output[-3000:]
     assert not (tmp_path / "out").exists()
 
 

@@ -32,6 +32,10 @@ class LoadError(ValueError):
     """The checkpoint does not fit the model (missing tensor, wrong shape, uncovered parameter)."""
 
 
+class LoadFailedElsewhere(LoadError):
+    """Loading failed on another rank of this model; that rank's ``LoadError`` says why."""
+
+
 @dataclass(kw_only=True, slots=True)
 class LoadReport:
     """What a load did on this rank."""
@@ -113,7 +117,7 @@ def _agree_on_failure(error: LoadError | None) -> None:
     if error is not None:
         raise error
     if failed:
-        raise LoadError("loading the checkpoint failed on another rank (its message names the tensor and the fix)")
+        raise LoadFailedElsewhere("loading the checkpoint failed on another rank (its message names the tensor and the fix)")
 
 
 def _context(task: Any, config: Any) -> ShardContext:

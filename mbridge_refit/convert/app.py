@@ -16,10 +16,11 @@ from mbridge_refit.convert import commands
 from mbridge_refit.convert.exit_codes import BadInput, ExitCode
 from mbridge_refit.convert.parser import build_parser
 from mbridge_refit.checkpoints.hf import CheckpointError
-from mbridge_refit.checkpoints.loader import LoadError
+from mbridge_refit.checkpoints.loader import LoadError, LoadFailedElsewhere
 from mbridge_refit.convert.verify_refit import cmd_verify_refit
 from mbridge_refit.fp8.format import FP8FormatError
 from mbridge_refit.plan.layout import LayoutError
+from mbridge_refit.tools.launch import LaunchEnv
 
 logger = logging.getLogger("mbridge_refit.convert")
 
@@ -35,6 +36,9 @@ COMMANDS: dict[str, Callable] = {
 
 # Library errors that mean "this input cannot work" (their messages name the fix).
 INPUT_ERRORS = (BadInput, LayoutError, FP8FormatError, LoadError, CheckpointError)
+# Input errors every rank computes alike from the same input (and a rank's note that another rank
+# failed): rank 0 prints them, the other ranks only at debug level, so a message appears once.
+SAME_ON_EVERY_RANK = (BadInput, LayoutError, FP8FormatError, CheckpointError, LoadFailedElsewhere)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -43,7 +47,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(COMMANDS[args.command](args))
     except INPUT_ERRORS as err:
-        logger.error("%s", err)
+        quiet = isinstance(err, SAME_ON_EVERY_RANK) and LaunchEnv.from_environ().rank != 0
+        logger.log(logging.DEBUG if quiet else logging.ERROR, "%s", err)
         return ExitCode.BAD_INPUT
     except KeyboardInterrupt:
         logger.error("interrupted")
@@ -54,8 +59,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _configure_logging(verbose: bool) -> None:
-    from mbridge_refit.tools.launch import LaunchEnv
-
     rank = LaunchEnv.from_environ().rank
     level = logging.DEBUG if verbose else (logging.INFO if rank == 0 else logging.WARNING)
     logging.basicConfig(level=level, format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s", force=True)
