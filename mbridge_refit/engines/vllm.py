@@ -86,6 +86,7 @@ class VLLMRefit:
         self._layout: SharedLayout | None = None
         self._key: tuple | None = None
         self._held: list = []  # storages the engine maps: kept alive while it may read them
+        self._payload: bytes | None = None
         self.last_report: dict[str, Any] | None = None
 
     def refit(
@@ -138,7 +139,8 @@ class VLLMRefit:
         payload = self.transport.share(storages)
         report = self._rpc("mbridge_refit_open", layout.to_wire(), payload, self.transport.name,
                            self.check_first_refit, self.allow_partial)
-        self._layout, self._key, self._held = layout, recorder.key, storages
+        self._release_payload()
+        self._layout, self._key, self._held, self._payload = layout, recorder.key, storages, payload
         self.last_report = report
         return report
 
@@ -150,7 +152,14 @@ class VLLMRefit:
         """Tell the engine to forget the mapped tensors, then release them."""
         if self._layout is not None:
             self._rpc("mbridge_refit_close")
+        self._release_payload()
         self._layout, self._key, self._held = None, None, []
+
+    def _release_payload(self) -> None:
+        release = getattr(self.transport, "release", None)
+        if release is not None and self._payload is not None:
+            release(self._payload)  # the in-process transport keeps storages until told
+        self._payload = None
 
     def _rpc(self, method: str, *args: Any) -> Any:
         results = self.llm.collective_rpc(method, timeout=self.timeout_s, args=args)
