@@ -91,3 +91,68 @@ def test_shard_size_must_be_positive(value, tmp_path, capsys):
     assert exit_info.value.code == 2
     assert "--max-shard-bytes: must be a positive integer" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def launched(nproc: int, *args: str, timeout: float = 600):
+    """``python -m mbridge_refit.convert --nproc-per-node N ...`` as a user types it (no torchrun)."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO, Launch
+
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        env.pop(var, None)
+    cmd = [sys.executable, "-m", "mbridge_refit.convert", "--nproc-per-node", str(nproc), *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return Launch(proc.returncode, proc.stdout + proc.stderr)
+
+
+def test_launcher_success_is_zero_and_exact(source_checkpoints, tmp_path):
+    from oracle import assert_bitwise_equal_checkpoints
+
+    source = source_checkpoints("qwen3-tiny")
+    run = launched(2, "roundtrip", "--hf", str(source), "--out", str(tmp_path / "out"), "--tp", "2")
+    assert run.returncode == ExitCode.OK, run.output[-3000:]
+    assert_bitwise_equal_checkpoints(source, tmp_path / "out")
+
+
+def test_launcher_bad_input_is_two_printed_once(source_checkpoints, tmp_path):
+    """torchrun would exit 1 here; the launcher exits with the ranks' own code."""
+    run = launched(3, "roundtrip", "--hf", str(source_checkpoints("qwen3-tiny")), "--out", str(tmp_path / "out"), "--tp", "2")
+    assert run.returncode == ExitCode.BAD_INPUT, run.output[-3000:]
+    assert run.output.count("world size 3 is not divisible") == 1, run.output[-3000:]
+    assert "3 of 3 ranks failed" in run.output and "exit code 2" in run.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_launcher_differences_are_one(source_checkpoints, tmp_path):
+    """``verify`` on every rank finds the same difference: the launch exits 1, not torchrun's catch-all 1 for errors."""
+    source, other = source_checkpoints("qwen3-tiny"), source_checkpoints("qwen3-tiny-3layer")
+    run = launched(2, "verify", str(source), str(other))
+    assert run.returncode == ExitCode.DIFFERENCES, run.output[-3000:]
+
+
+def test_launcher_refuses_to_run_under_torchrun(source_checkpoints, tmp_path):
+    run = torchrun(2, ["mbridge_refit.convert", "--nproc-per-node", "2", "verify", str(tmp_path), str(tmp_path)])
+    assert "without torchrun" in run.output and run.output.count("(exitcode: 2)") == 2, run.output[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("codes", "expected"),
+    [
+        ({}, ExitCode.OK),
+        ({0: 2, 1: 2}, ExitCode.BAD_INPUT),
+        ({1: 3, 0: -15}, ExitCode.INTERNAL_ERROR),  # a rank's internal error; torchrun stopped the other
+        ({0: 2, 1: -15}, ExitCode.BAD_INPUT),
+        ({0: -9}, ExitCode.INTERNAL_ERROR),  # killed (e.g. out of memory): no rank explained it
+        ({0: 1, 1: 1}, ExitCode.DIFFERENCES),
+        ({0: 1, 1: 3}, ExitCode.INTERNAL_ERROR),
+        ({0: 77}, ExitCode.INTERNAL_ERROR),
+    ],
+)
+def test_launch_exit_code_is_the_most_severe(codes, expected):
+    from mbridge_refit.convert.launcher import launch_exit_code
+
+    assert launch_exit_code(codes) == expected

@@ -62,3 +62,41 @@ def test_mismatch_on_one_rank_fails_every_rank_without_a_hang(source_checkpoints
                        "--pp", "2", "--timeout-s", "120"], timeout=240)
     assert run.returncode != 0 and run.output.count("(exitcode: 2)") >= 1, run.output[-3000:]
     assert "model.norm.weight" in run.output and "another rank" in run.output
+
+
+def with_tensor_stored_as(source, dest, name, dtype, nudge: bool):
+    """Copy ``source`` to ``dest`` with tensor ``name`` stored as ``dtype``; with ``nudge`` one value
+    gets a low mantissa bit the model's dtype cannot hold."""
+    shutil.copytree(source, dest)
+    index = json.loads((dest / "model.safetensors.index.json").read_text())
+    shard = dest / index["weight_map"][name]
+    tensors = load_file(str(shard))
+    wide = tensors[name].to(dtype)
+    if nudge:
+        wide.view(-1)[3] = 1 + 2**-20  # needs 21 mantissa bits; bfloat16 has 7
+    tensors[name] = wide
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    return tensors[name]
+
+
+def test_lossy_dtype_is_refused(source_checkpoints, tmp_path):
+    """A float32 tensor with a value bfloat16 cannot hold: converting it would change the weight."""
+    name = "model.layers.1.mlp.up_proj.weight"
+    with_tensor_stored_as(source_checkpoints("qwen3-tiny"), tmp_path / "bad", name, torch.float32, nudge=True)
+    run = torchrun(1, ["mbridge_refit.convert", "roundtrip", "--hf", str(tmp_path / "bad"), "--out", str(tmp_path / "out")])
+    assert run.returncode == 2, run.output[-3000:]
+    assert f"{name!r}" in run.output and "float32" in run.output and "bfloat16" in run.output, run.output[-3000:]
+    assert "changes 1 of" in run.output and '"dtype"' in run.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_exact_dtype_cast_roundtrips_bit_for_bit(source_checkpoints, tmp_path):
+    """bfloat16 values saved as float32 load exactly and come back as the same float32 bytes."""
+    from oracle import assert_bitwise_equal_checkpoints
+
+    name = "model.layers.0.self_attn.o_proj.weight"
+    stored = with_tensor_stored_as(source_checkpoints("qwen3-tiny"), tmp_path / "wide", name, torch.float32, nudge=False)
+    assert stored.dtype == torch.float32
+    run = torchrun(1, ["mbridge_refit.convert", "roundtrip", "--hf", str(tmp_path / "wide"), "--out", str(tmp_path / "out")])
+    assert run.returncode == 0, run.output[-3000:]
+    assert_bitwise_equal_checkpoints(tmp_path / "wide", tmp_path / "out")

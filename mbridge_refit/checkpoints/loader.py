@@ -132,6 +132,7 @@ def _copy_slices(
         _check_shape(copy, extents[copy.hf_name][1], param, checkpoint, where)
         data = copy.read(checkpoint.slice(copy.hf_name))
         if data.dtype != param.dtype:
+            _check_cast_is_exact(data, param.dtype, copy.hf_name, checkpoint, where)
             report.cast_from[copy.hf_name] = data.dtype
         param.narrow(copy.dim, copy.local_start, copy.length).copy_(data)
         report.tensors_written += 1
@@ -152,6 +153,30 @@ def _check_shape(copy: SliceCopy, extent: int, param: torch.Tensor, checkpoint: 
             f"({where}) needs {list(expected)}: the checkpoint does not match its config.json. Fix the config "
             "(e.g. vocab_size, hidden_size, intermediate_size, head counts) or use the checkpoint it belongs to."
         )
+
+
+def _check_cast_is_exact(data: torch.Tensor, dtype: torch.dtype, hf_name: str, checkpoint: HFCheckpoint, where: str) -> None:
+    """A checkpoint tensor stored in another dtype than the model's parameter is accepted only if
+    the cast keeps every value bit for bit (e.g. bf16 values saved as fp32): a lossy cast would
+    change the weights silently, like a crop."""
+    back = data.to(dtype).to(data.dtype)
+    changed = int((_bits(back) != _bits(data)).reshape(max(back.numel(), 1), -1).any(dim=-1).sum())
+    if changed:
+        raise LoadError(
+            f"checkpoint tensor {hf_name!r} in {checkpoint.path} is {_dtype_name(data.dtype)}, but this model ({where}) "
+            f"keeps it as {_dtype_name(dtype)}, and the cast changes {changed} of the {data.numel()} values this rank reads: the model would "
+            f"not hold the checkpoint's weights. Fix: set \"dtype\" in config.json to \"{_dtype_name(data.dtype)}\" "
+            f"(the model then keeps {_dtype_name(data.dtype)} parameters), or save the checkpoint in {_dtype_name(dtype)}."
+        )
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes (so NaN payloads and -0 count as values)."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _tied_output_copies(model_bridge: Any, chunks: list[torch.nn.Module], config: Any):

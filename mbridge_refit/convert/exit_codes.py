@@ -8,7 +8,9 @@
 | 3 | internal error: anything else (a bug, a dead peer rank, a full disk); the traceback is logged |
 
 Under ``torchrun`` each rank exits with its own code (bad input is detected on every rank alike,
-before any collective); torchrun itself then exits 1 and lists each rank's code.
+before any collective); torchrun itself then exits 1 and lists each rank's code. ``convert
+--nproc-per-node N`` launches the ranks itself and exits with one code: the most severe any rank
+exited with (``launcher.launch_exit_code``).
 """
 
 from __future__ import annotations

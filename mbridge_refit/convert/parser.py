@@ -14,7 +14,7 @@ examples:
   python -m mbridge_refit.convert make-tiny --recipe qwen3-tiny --out /tmp/qwen3-tiny
 
   # HF -> Megatron (TP2 x PP2 on 4 CPU ranks) -> HF, then check the result bit for bit
-  torchrun --nproc-per-node 4 -m mbridge_refit.convert roundtrip \\
+  python -m mbridge_refit.convert --nproc-per-node 4 roundtrip \\
       --hf /tmp/qwen3-tiny --out /tmp/qwen3-tiny-rt --tp 2 --pp 2
   python -m mbridge_refit.convert verify /tmp/qwen3-tiny /tmp/qwen3-tiny-rt
 
@@ -38,7 +38,8 @@ examples:
   torchrun --nproc-per-node 2 -m mbridge_refit.convert plan --hf /tmp/qwen3-tiny --pp 2 --json plan.json
 
 exit codes: 0 ok, 1 differences found (verify, verify-refit), 2 bad input (the message names the fix),
-            3 internal error (traceback logged)
+            3 internal error (traceback logged). With --nproc-per-node, the most severe code of any rank;
+            under torchrun, each rank's own code (torchrun then exits 1 and lists them).
 """
 
 
@@ -94,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument(
+        "--nproc-per-node", type=positive_int, default=None, metavar="N",
+        help="launch N ranks on this machine (torchrun's machinery) and exit with one code for the whole launch: "
+        "the most severe of the ranks' codes (torchrun itself exits 1 for any failure). Goes before COMMAND.",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, add_flags in FLAGS.items():
         help_text, description = COMMAND_TEXT[name]

@@ -1,0 +1,61 @@
+"""``convert --nproc-per-node N COMMAND ...``: launch the ranks on this machine and exit with one code.
+
+Under ``torchrun`` each rank exits with its own code (``exit_codes``) and torchrun itself exits 1
+for any failure, so a script cannot tell bad input (2) from an internal error (3) or from
+``verify``'s differences (1). This launcher runs the same ranks through torchrun's own machinery
+(``torch.distributed.run``, standalone rendezvous on a free local port) and turns the ranks'
+codes into one, ``launch_exit_code``. The ranks print their messages themselves (rank 0 once for
+input errors every rank sees alike); the launcher adds one line naming which rank failed how.
+
+Called by ``convert.app.main`` in the parent process only; the ranks it starts are ordinary
+torchrun ranks (``python -m mbridge_refit.convert COMMAND ...`` with torchrun's environment).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Mapping, Sequence
+
+from mbridge_refit.convert.exit_codes import ExitCode
+
+logger = logging.getLogger("mbridge_refit.convert")
+
+KNOWN_CODES = frozenset(int(code) for code in ExitCode)
+
+
+def launch_exit_code(rank_codes: Mapping[int, int]) -> int:
+    """One exit code for a launch from the codes of the ranks that failed (0 when none did).
+
+    The most severe documented code wins (3 internal error > 2 bad input > 1 differences); a rank
+    ended by a signal or with an undocumented code (a crash, the launcher stopping the others)
+    counts as an internal error unless a documented code explains the failure.
+    """
+    documented = [code for code in rank_codes.values() if code in KNOWN_CODES and code != ExitCode.OK]
+    if documented:
+        return max(documented)
+    return ExitCode.INTERNAL_ERROR if rank_codes else ExitCode.OK
+
+
+def run_ranks(nproc_per_node: int, argv: Sequence[str]) -> int:
+    """Run ``python -m mbridge_refit.convert *argv`` as ``nproc_per_node`` ranks; return one exit code."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    args = get_args_parser().parse_args(
+        ["--standalone", "--nproc-per-node", str(nproc_per_node), "-m", "mbridge_refit.convert", *argv]
+    )
+    try:
+        run(args)
+    except ChildFailedError as failed:
+        codes = {rank: failure.exitcode for rank, failure in failed.failures.items()}
+        code = launch_exit_code(codes)
+        described = ", ".join(f"rank {rank}: {_describe(c)}" for rank, c in sorted(codes.items()))
+        logger.error("%d of %d ranks failed (%s): exit code %d", len(codes), nproc_per_node, described, code)
+        return code
+    return ExitCode.OK
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        return f"killed by signal {-code}"
+    return f"exit {code}" + (f" ({ExitCode(code).name.lower().replace('_', ' ')})" if code in KNOWN_CODES else "")
