@@ -28,7 +28,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Collection, Iterable, Iterator, Optional
 
 import torch
 from megatron.bridge import AutoBridge
@@ -45,6 +45,7 @@ from mbridge_refit.plan.storage import FP8_BLOCKWISE, is_quantized
 from mbridge_refit.runtime.buffers import ExportBuffers
 from mbridge_refit.runtime.collectives import current_rank_groups, is_rank_zero, replica_participants
 from mbridge_refit.runtime.exporter import DEFAULT_BUCKET_BYTES, PlanExporter
+from mbridge_refit.runtime.param_sync import finish_pending_param_gathers
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,8 @@ class _ModelState:
     plan_error: PlanError | None = None
     fp8: dict[BlockwiseFP8Config, FP8Export] = field(default_factory=dict)
     participants: dict[int, frozenset[int]] = field(default_factory=dict)  # replica -> ranks its export needs
+    group: Any = None  # the ranks the plan was built over (None: the whole job)
+    everyone: list[Any] | None = None  # those ranks' RankGroups (one object gather, when replicas are asked for)
 
 
 class RefitBridge(AutoBridge):
@@ -152,6 +155,7 @@ class RefitBridge(AutoBridge):
             tasks = state.model_bridge.build_conversion_tasks(self.hf_pretrained, unwrapped)
             state.plan = build_export_plan(state.model_bridge, self.hf_pretrained, unwrapped, tasks=tasks, group=group)
             state.tasks = tasks
+            state.group = group
         return state
 
     def _exporter(self, chunks: list[torch.nn.Module]) -> PlanExporter:
@@ -216,7 +220,7 @@ class RefitBridge(AutoBridge):
         """Whether this rank does export work in ``export_hf_weights(model, replica=replica)``.
 
         Collective on the first call for a model and replica (plan, then one object gather of
-        every rank's groups); cached afterwards. True on every rank where the model has no plan
+        the groups of every rank the plan was built over); cached afterwards. True on every rank where the model has no plan
         (the stock fallback needs them all).
         """
         chunks = _chunks(model)
@@ -224,11 +228,30 @@ class RefitBridge(AutoBridge):
             state = self._planned(chunks)
         except PlanError:
             return True
+        return torch.distributed.get_rank() in self._participants(state, replica)
+
+    def replica_ranks(self, model: list[torch.nn.Module] | torch.nn.Module) -> tuple[frozenset[int], ...]:
+        """For each data-parallel replica (index = its data-parallel rank), the global ranks its
+        export needs: its own and, where expert-parallel groups span replicas, theirs (then the
+        sets overlap). Any of them receives the full tensors, so a single sender of replica r
+        (packed broadcast) can be ``min(bridge.replica_ranks(model)[r])``. Collective on the
+        first call for a model over the ranks the plan is built over (``export_plan(group=)``);
+        the same on every one of them."""
+        state = self._planned(_chunks(model))
+        replicas = sorted({r.replica for r in self._everyone(state)})
+        return tuple(self._participants(state, r) for r in replicas)
+
+    def _everyone(self, state: _ModelState) -> list[Any]:
+        """Every trainer rank's groups, gathered over the ranks the plan was built over."""
+        if state.everyone is None:
+            state.everyone = [None] * torch.distributed.get_world_size(state.group)
+            torch.distributed.all_gather_object(state.everyone, current_rank_groups(), group=state.group)
+        return state.everyone
+
+    def _participants(self, state: _ModelState, replica: int) -> frozenset[int]:
         if replica not in state.participants:
-            everyone: list[Any] = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(everyone, current_rank_groups())
-            state.participants[replica] = replica_participants(everyone, replica)
-        return torch.distributed.get_rank() in state.participants[replica]
+            state.participants[replica] = replica_participants(self._everyone(state), replica)
+        return state.participants[replica]
 
     def export_diagnostics(self) -> ExportDiagnostics:
         """What this bridge holds for the model it exported last (local to this rank; no collective)."""
@@ -266,6 +289,7 @@ class RefitBridge(AutoBridge):
         hold_outputs: bool = False,
         fp8: BlockwiseFP8Config | str | None = None,
         replica: int | None = None,
+        only: Collection[str] | None = None,
     ) -> Iterable[tuple[str, torch.Tensor]]:
         """Yield ``(hf_name, tensor)`` for every HF weight of ``model``, in the bridge's order.
 
@@ -299,6 +323,18 @@ class RefitBridge(AutoBridge):
                 export to 128x128-blockwise e4m3fn, each followed by its fp32 ``weight_scale_inv``
                 (``export_plan(model, fp8=...)`` lists them). Checked before any export work:
                 raises ``FP8FormatError`` for a model that cannot be exported so.
+            only: yield only these HF names (of the plan, or with ``fp8`` of the FP8 plan), in
+                plan order, and skip the gather buckets that hold none of them. Every rank of the
+                model's groups passes the same names: one data-parallel replica exporting its
+                share of a checkpoint (``convert`` writes so). Raises ``KeyError`` for a name the
+                export does not yield.
+
+        Fresh weights: the export reads the model's parameters, in the model's dtype (e.g. bf16
+        parameters of a model trained with fp32 main parameters in the optimizer; never the
+        optimizer's copies). For a model wrapped in Megatron DDP whose parameter all-gathers are
+        deferred to the next forward pass (distributed optimizer with ``overlap_param_gather``),
+        this call first completes every pending gather (``runtime.param_sync``), so an export
+        right after ``optimizer.step()`` yields the updated weights on every rank.
 
         Tensor lifetime: a yielded tensor is valid until the generator advances. It may be a view
         of a live parameter (then it changes when the parameter does) or, with the cache on, a
@@ -307,13 +343,15 @@ class RefitBridge(AutoBridge):
         ``hold_outputs`` every yielded tensor stays valid until the next export call.
         """
         chunks = _chunks(model)
+        finish_pending_param_gathers(chunks)  # before any rank skips: collective over data-parallel groups
         state = self._state_for(chunks)
         fp8_config = _fp8_config(fp8)
         if replica is not None and not self.takes_part(chunks, replica):
             return iter(())
+        only = None if only is None else frozenset(only)
         if fp8_config is not None:
             buffers = self._export_buffers(reuse_buffer_from_cache, hold_outputs)
-            return self._export_fp8(chunks, fp8_config, buffers, cpu=cpu, show_progress=show_progress)
+            return self._export_fp8(chunks, fp8_config, buffers, cpu=cpu, show_progress=show_progress, only=only)
         fast_path = conversion_tasks is None and weight_dtype is None and self.export_weight_dtype != "fp8"
         if fast_path and state.plan_error is None:
             try:
@@ -323,11 +361,11 @@ class RefitBridge(AutoBridge):
                 state.plan_error = err
             else:
                 buffers = self._export_buffers(reuse_buffer_from_cache, hold_outputs)
-                return exporter.export(buffers, cpu=cpu, show_progress=show_progress and is_rank_zero())
+                return exporter.export(buffers, cpu=cpu, show_progress=show_progress and is_rank_zero(), needed=only)
         if conversion_tasks is None and self.export_weight_dtype == "fp8":
             self._validate_fp8_export_config(chunks)
             conversion_tasks = state.model_bridge.build_export_fp8_tasks(self.hf_pretrained, chunks)
-        return state.model_bridge.stream_weights_megatron_to_hf(
+        stream = state.model_bridge.stream_weights_megatron_to_hf(
             chunks,
             self.hf_pretrained,
             cpu=cpu,
@@ -336,19 +374,29 @@ class RefitBridge(AutoBridge):
             merge_adapter_weights=merge_adapter_weights,
             weight_dtype=weight_dtype,
         )
+        return stream if only is None else _only(stream, only)
 
     def _export_fp8(
-        self, chunks: list[torch.nn.Module], config: BlockwiseFP8Config, buffers: ExportBuffers, *, cpu: bool, show_progress: bool
+        self, chunks: list[torch.nn.Module], config: BlockwiseFP8Config, buffers: ExportBuffers, *, cpu: bool,
+        show_progress: bool, only: frozenset[str] | None,
     ) -> Iterable[tuple[str, torch.Tensor]]:
         """The FP8 stream: weights the trainer keeps as blockwise FP8 are shipped as they are, with
-        their scales; high-precision weights are quantized bucket by bucket into (cached) buffers."""
+        their scales; high-precision weights are quantized bucket by bucket into (cached) buffers.
+        With ``only``, the buckets of the selected weights (and of the weights whose scales are
+        selected) run; with trainer scales, whose stream follows the whole plan, every bucket runs."""
         fp8 = self.fp8_export(chunks, config)
+        needed = None
+        if only is not None and fp8.scales is None:
+            needed = frozenset(e.scale_of or e.hf_name for e in fp8.plan.entries if e.hf_name in only)
         buckets = fp8.weights.export_buckets(
-            buffers, show_progress=show_progress and is_rank_zero(), select_rows_lazily=True, bucket_sizes=fp8.bucket_sizes
+            buffers, show_progress=show_progress and is_rank_zero(), select_rows_lazily=True, bucket_sizes=fp8.bucket_sizes,
+            needed=needed,
         )
         stream = quantize_buckets(buckets, fp8.plan, buffers)
         if fp8.scales is not None:
             stream = _with_trainer_scales(stream, fp8.scales.export(buffers), fp8.shipped_scales)
+        if only is not None:
+            stream = _only(stream, only)
         return ((name, tensor.cpu()) for name, tensor in stream) if cpu else stream
 
     def export_hf_weights_stock(self, model, **kwargs) -> Iterable[tuple[str, torch.Tensor]]:
@@ -378,6 +426,10 @@ class RefitBridge(AutoBridge):
 
 def _chunks(model: list[torch.nn.Module] | torch.nn.Module) -> list[torch.nn.Module]:
     return model if isinstance(model, list) else [model]
+
+
+def _only(stream: Iterable[tuple[str, torch.Tensor]], names: frozenset[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    return ((name, tensor) for name, tensor in stream if name in names)
 
 
 def _fp8_config(fp8: BlockwiseFP8Config | str | None) -> BlockwiseFP8Config | None:

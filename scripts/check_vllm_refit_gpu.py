@@ -46,12 +46,12 @@ def prompts(vocab: int, count: int = 4, length: int = 48) -> list[list[int]]:
 
 def write_checkpoint(bridge, chunks, config, out: Path, fp8) -> None:
     """What ``convert export`` writes for these weights (same function)."""
-    from mbridge_refit.convert.writing import cast_to_dtypes, write_hf_checkpoint
+    from mbridge_refit.convert.writing import write_hf_checkpoint
 
     source = out.parent / (out.name + "-config")
     config.save_pretrained(source)
     dtypes = {e.hf_name: e.torch_dtype for e in bridge.export_plan(chunks).entries}
-    write_hf_checkpoint(bridge, chunks, out=out, source_dtypes=dtypes, fp8=fp8, adapt=cast_to_dtypes,
+    write_hf_checkpoint(bridge, chunks, out=out, source_dtypes=dtypes, fp8=fp8, only_source_names=False,
                         copy_files_from=source, max_shard_bytes=4 << 30, overwrite=True, show_progress=False)
 
 

@@ -169,3 +169,36 @@ def test_packed_broadcast_ranks(recipe, trainers, flags, source_checkpoints, tmp
     assert receiver["consumer"]["error"].startswith("ValueError: test consumer rejects")
     for trainer in (trainer0, *others):
         assert "consumer failed" in trainer["consumer"]["error"]
+
+
+REPLICA_CASES = {
+    "dp2_tp2": ("qwen3-tiny", ["--tp", "2"]),
+    "dp2_pp2": ("qwen3-tiny", ["--pp", "2"]),
+    "dp2_tp2_ep2": ("qwen3-moe-tiny", ["--tp", "2", "--ep", "2"]),
+}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", list(REPLICA_CASES))
+def test_packed_broadcast_from_one_replica(case, source_checkpoints, tmp_path):
+    """4 trainer ranks holding 2 data-parallel replicas + 1 receiver: replica 0 exports, rank 0 is
+    the only sender, replica 1 does no export work; the receiver's bytes equal the checkpoint."""
+    recipe, flags = REPLICA_CASES[case]
+    run = torchrun(5, [CHECKER, "--hf", str(source_checkpoints(recipe)), "--result", str(tmp_path), *flags], timeout=TIMEOUT_S)
+    assert run.returncode == 0, run.output[-6000:]
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(5)]
+    exporting = reports[0]["replica_ranks"]
+    assert 0 in exporting and len(exporting) == 2, exporting
+    idle = [reports[r] for r in range(4) if r not in exporting]
+    busy = [reports[r] for r in exporting]
+    receiver, stream = reports[-1], reports[-1]["stream_bytes"]
+    for case_name in ("split", "whole", "again"):
+        got = receiver[case_name]
+        assert got["ok"] and got["in_order"] and got["differing_from_disk"] == [] and got["pointers_kept"], got
+        assert [r[case_name]["sender"] for r in busy].count(True) == 1 and reports[0][case_name]["sender"]
+        assert reports[0][case_name]["bytes_sent"] >= stream["value"]
+        assert all(r[case_name]["bytes_sent"] == 0 for r in reports[1:4])
+        assert all(r[case_name]["ok"] and r[case_name]["tensors"] == 0 and not r[case_name]["sender"] for r in idle)
+    for case_name in ("mismatch", "config", "corrupt", "consumer"):  # the exporting ranks and the receiver fail, none hangs
+        assert not any(r[case_name]["ok"] for r in [*busy, receiver]), case_name
+        assert all(r[case_name]["seconds"] < 30 for r in reports), case_name

@@ -54,3 +54,42 @@ def test_layout_that_does_not_divide_the_world_names_both_numbers(source_checkpo
     assert run.returncode != 0 and run.output.count("(exitcode: 2)") >= 1, run.output[-3000:]
     assert "world size 3 is not divisible by tp*pp*cp" in run.output and "--nproc-per-node 2" in run.output
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("recipe", "flags"),
+    [("qwen3-tiny", ["--tp", "2"]), ("qwen3-moe-tiny", ["--tp", "2", "--ep", "2", "--fp8-blockwise"])],
+    ids=["qwen3-tp2", "qwen3-moe-tp2_ep2-fp8"],
+)
+def test_replicas_write_their_shares_in_parallel(recipe, flags, source_checkpoints, tmp_path):
+    """DP2 (4 ranks) writes the very files DP1 (2 ranks) writes, each replica its own shards; both
+    equal the checkpoint on disk (BF16) or each other (FP8, whose tensors test_fp8 checks)."""
+    source = source_checkpoints(recipe)
+    small = ["--max-shard-bytes", "40000"]  # many shards, so both replicas have some
+    outputs = {}
+    for ranks in (2, 4):
+        out = tmp_path / f"out{ranks}"
+        run = torchrun(ranks, ["mbridge_refit.convert", "roundtrip", "--hf", str(source), "--out", str(out), *flags, *small])
+        assert run.returncode == 0, run.output[-6000:]
+        replicas = 2 if ranks == 4 else 1
+        assert f"({replicas} replica{'s' if replicas > 1 else ''} writing in parallel)" in run.output, run.output[-3000:]
+        outputs[ranks] = out
+    files = sorted(p.name for p in outputs[2].iterdir())
+    assert len([f for f in files if f.endswith(".safetensors")]) >= 4, files
+    assert files == sorted(p.name for p in outputs[4].iterdir())
+    for name in files:
+        assert (outputs[2] / name).read_bytes() == (outputs[4] / name).read_bytes(), name
+    if "--fp8-blockwise" not in flags:
+        assert_bitwise_equal_checkpoints(source, outputs[4])
+
+
+def test_export_from_megatron_with_replicas(source_checkpoints, tmp_path):
+    """`export` (names from the Megatron checkpoint's record) at DP2 x TP2 writes the source's tensors exactly."""
+    source, megatron, out = source_checkpoints("qwen3-tiny"), tmp_path / "mcore", tmp_path / "out"
+    run = torchrun(2, ["mbridge_refit.convert", "import", "--hf", str(source), "--megatron", str(megatron), "--pp", "2"])
+    assert run.returncode == 0, run.output[-4000:]
+    run = torchrun(4, ["mbridge_refit.convert", "export", "--megatron", str(megatron), "--out", str(out), "--tp", "2",
+                       "--max-shard-bytes", "40000"])
+    assert run.returncode == 0, run.output[-6000:]
+    assert "(2 replicas writing in parallel)" in run.output
+    assert_bitwise_equal_checkpoints(source, out)

@@ -469,3 +469,60 @@ def test_two_ranks_each_shard_written_by_exactly_one_rank(tmp_path):
     )
     for i in range(9):
         assert torch.equal(ckpt.tensor(f"layers.{i}.weight"), torch.full((10,), float(i)))
+
+
+# -- a shard assignment fixed up front (replicas writing in parallel) -----------------------------
+
+
+def _sizes(stream):
+    return [(name, tensor.numel() * tensor.element_size()) for name, tensor in stream]
+
+
+def test_assignment_cuts_the_streamed_shards_and_spreads_them_over_replicas():
+    from mbridge_refit.sinks import ShardAssignment
+
+    stream = _tensors()
+    assignment = ShardAssignment.build(_sizes(stream), max_shard_bytes=100, replicas=[[0, 1], [2, 3]])
+    assert list(assignment.shard_of) == plan_shards([n for _, n in _sizes(stream)], max_shard_bytes=100)
+    # shard k -> replica k % 2, then that replica's ranks in turn
+    expected = [[0, 1], [2, 3]]
+    assert list(assignment.writers) == [expected[k % 2][(k // 2) % 2] for k in range(assignment.num_shards)]
+    mine = assignment.names_for([0, 1])
+    assert mine and mine | assignment.names_for([2, 3]) == {n for n, _ in stream} and not mine & assignment.names_for([2, 3])
+
+
+def test_assigned_writer_takes_any_subset_and_writes_what_the_stream_would(tmp_path):
+    """One process holding both 'replicas' (writers 0): the files equal a streamed write's, byte for byte,
+    although the tensors arrive with the other replica's tensors skipped and then the rest."""
+    from mbridge_refit.sinks import ShardAssignment
+
+    stream = _tensors()
+    drain(iter(stream), ShardedSafetensorsWriter(out_dir=tmp_path / "streamed", max_shard_bytes=100))
+    assignment = ShardAssignment.build(_sizes(stream), max_shard_bytes=100, replicas=[[0]])
+    odd_first = stream[1::2] + stream[0::2]
+    drain(iter(odd_first), ShardedSafetensorsWriter(out_dir=tmp_path / "assigned", max_shard_bytes=100, assignment=assignment))
+    names = sorted(p.name for p in (tmp_path / "streamed").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "assigned").iterdir())
+    for name in names:
+        assert (tmp_path / "streamed" / name).read_bytes() == (tmp_path / "assigned" / name).read_bytes(), name
+
+
+def test_assigned_writer_refuses_an_incomplete_share(tmp_path):
+    from mbridge_refit.sinks import ShardAssignment
+
+    stream = _tensors()
+    assignment = ShardAssignment.build(_sizes(stream), max_shard_bytes=100, replicas=[[0]])
+    writer = ShardedSafetensorsWriter(out_dir=tmp_path / "out", max_shard_bytes=100, assignment=assignment)
+    with pytest.raises(ValueError, match=f"missing \\['{stream[-1][0]}'\\]"):
+        drain(iter(stream[:-1]), writer)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_assigned_writer_refuses_unplanned_tensors(tmp_path):
+    from mbridge_refit.sinks import ShardAssignment
+
+    stream = _tensors()
+    assignment = ShardAssignment.build(_sizes(stream[:-1]), max_shard_bytes=100, replicas=[[0]])
+    writer = ShardedSafetensorsWriter(out_dir=tmp_path / "out", max_shard_bytes=100, assignment=assignment)
+    with pytest.raises(ValueError, match="not in the shard assignment"):
+        drain(iter(stream), writer)

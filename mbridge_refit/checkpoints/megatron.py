@@ -27,7 +27,7 @@ import pickle
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -271,33 +271,6 @@ def load_model(chunks: list[torch.nn.Module], path: Path) -> None:
     )
     for key, chunk in zip(model_keys(len(unwrapped)), unwrapped):
         chunk.load_state_dict(state[key], strict=True)
-
-
-def match_source_tensors(
-    stream: Iterable[tuple[str, torch.Tensor]], dtypes: Mapping[str, torch.dtype]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield exactly the source checkpoint's tensors (names in ``dtypes``), each in its source dtype.
-
-    A tensor the source did not store is skipped and logged: a config-only export (no HF weights
-    at hand) also yields names the source left out, e.g. the tied ``lm_head.weight``, which is
-    the embedding's data. A source tensor the export did not yield is an error naming it.
-    """
-    seen: set[str] = set()
-    skipped: list[str] = []
-    for name, tensor in stream:
-        dtype = dtypes.get(name)
-        if dtype is None:
-            skipped.append(name)
-            continue
-        seen.add(name)
-        yield name, (tensor if tensor.dtype == dtype else tensor.to(dtype))
-    if skipped:
-        logger.info("skipped %d exported tensors the source checkpoint did not store: %s", len(skipped), skipped[:10])
-    missing = sorted(set(dtypes) - seen)
-    if missing:
-        raise ValueError(
-            f"the export yielded no tensor for {len(missing)} names of the source checkpoint: {missing[:20]}"
-        )
 
 
 def _save_strategy():

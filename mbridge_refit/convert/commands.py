@@ -21,7 +21,7 @@ from mbridge_refit.convert.flags import device_from_flag, fp8_from_flags, timeou
 from mbridge_refit.convert.inputs import (
     check_distinct_dirs, check_output_dir, checked_hf_input, checked_layout, checkpoint_float_dtype, supported_config,
 )
-from mbridge_refit.convert.writing import cast_to_dtypes, write_hf_checkpoint
+from mbridge_refit.convert.writing import write_hf_checkpoint
 from mbridge_refit.plan.layout import ParallelLayout
 
 if TYPE_CHECKING:
@@ -137,7 +137,7 @@ def run_roundtrip(options: WriteArgs) -> int:
         logger.info("loaded %d slices (%.1f MB on this rank)", report.tensors_written, report.bytes_read / 1e6)
         count = write_hf_checkpoint(
             bridge, chunks, out=options.out, source_dtypes={name: checkpoint.dtype(name) for name in checkpoint.names()},
-            fp8=options.fp8, adapt=cast_to_dtypes, copy_files_from=options.source, max_shard_bytes=options.max_shard_bytes,
+            fp8=options.fp8, only_source_names=False, copy_files_from=options.source, max_shard_bytes=options.max_shard_bytes,
             overwrite=options.overwrite, show_progress=options.show_progress and env.rank == 0,
         )
     logger.info("wrote %d tensors to %s (layout %s)", count, options.out, options.layout.name)
@@ -220,7 +220,7 @@ def run_export(options: WriteArgs) -> int:
 
     from mbridge_refit.bridge import RefitBridge
     from mbridge_refit.checkpoints.hf import load_config
-    from mbridge_refit.checkpoints.megatron import CheckpointInfo, load_model, match_source_tensors
+    from mbridge_refit.checkpoints.megatron import CheckpointInfo, load_model
     from mbridge_refit.tools.launch import distributed_session
     from mbridge_refit.tools.model_builder import BuildOptions, build_model
 
@@ -233,7 +233,7 @@ def run_export(options: WriteArgs) -> int:
         load_model(chunks, options.source)
         logger.info("loaded %s (saved at layout %s) at layout %s", options.source, info.saved_layout.name, options.layout.name)
         count = write_hf_checkpoint(
-            bridge, chunks, out=options.out, source_dtypes=info.hf_dtypes, fp8=options.fp8, adapt=match_source_tensors,
+            bridge, chunks, out=options.out, source_dtypes=info.hf_dtypes, fp8=options.fp8, only_source_names=True,
             copy_files_from=options.source, max_shard_bytes=options.max_shard_bytes, overwrite=options.overwrite,
             show_progress=options.show_progress and env.rank == 0,
         )

@@ -78,15 +78,18 @@ class PlanExporter:
             cached = self._buckets_for[key] = (build_buckets(self._ops, self.bucket_bytes, self._groups, sizes), sizes)
         return cached[0]
 
-    def export(self, buffers: ExportBuffers, *, cpu: bool = False, show_progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(hf_name, tensor)`` for every plan entry (collective: every rank, to the end)."""
-        for bucket in self.export_buckets(buffers, show_progress=show_progress):
+    def export(
+        self, buffers: ExportBuffers, *, cpu: bool = False, show_progress: bool = False, needed: frozenset[str] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(hf_name, tensor)`` for every plan entry, or those ``needed`` (collective: every
+        rank, to the end; see ``export_buckets``)."""
+        for bucket in self.export_buckets(buffers, show_progress=show_progress, needed=needed):
             for name, tensor in bucket:
                 yield name, (tensor.cpu() if cpu else tensor)
 
     def export_buckets(
         self, buffers: ExportBuffers, *, show_progress: bool = False, select_rows_lazily: bool = False,
-        bucket_sizes: Mapping[str, int] | None = None,
+        bucket_sizes: Mapping[str, int] | None = None, needed: frozenset[str] | None = None,
     ) -> Iterator[list[tuple[str, torch.Tensor | RowSelection]]]:
         """Yield the ``(hf_name, tensor)`` pairs of one bucket at a time, in plan order.
 
@@ -99,14 +102,23 @@ class PlanExporter:
         materializes what it does not read by rows. ``bucket_sizes``: bytes each HF tensor counts
         for towards ``bucket_bytes`` (default: its plan entry's); a transform that yields another
         dtype (the FP8 export) sizes buckets by what it yields. The same mapping object must be
-        passed on every rank and every export (buckets are built once per mapping).
+        passed on every rank and every export (buckets are built once per mapping). ``needed``:
+        yield only these plan names, and run only the buckets that hold them (or what they
+        alias); every rank of the model's groups must pass the same names (a data-parallel
+        replica exporting its share of a checkpoint).
         """
-        progress = _progress(len(self.plan.entries), show_progress)
+        buckets = self.buckets(bucket_sizes)
+        run = None if needed is None else buckets_holding(buckets, needed, self.plan)
+        progress = _progress(len(self.plan.entries) if needed is None else len(needed), show_progress)
         yielded: dict[str, torch.Tensor] = {}
         with torch.no_grad():
-            for number, bucket in enumerate(self.buckets(bucket_sizes)):
+            for number, bucket in enumerate(buckets):
+                if run is not None and number not in run:
+                    continue
                 buffers.bucket = number
                 items = self._bucket_items(bucket, buffers, yielded, select_rows_lazily)
+                if needed is not None:
+                    items = [item for item in items if item[0] in needed]
                 yield items
                 progress.update(len(items))
         progress.close()
@@ -227,6 +239,17 @@ class PlanExporter:
             tensor = tensor.contiguous()
         broadcast_from(tensor, self._groups.pp, entry.pp_rank)
         return tensor
+
+
+def buckets_holding(buckets: list[Bucket], needed: frozenset[str], plan: ExportPlan) -> set[int]:
+    """Indices of the buckets that yield a ``needed`` name or the tensor a needed alias repeats.
+    Pure: the same on every rank. Raises ``KeyError`` for a name the plan does not yield."""
+    unknown = needed - {e.hf_name for e in plan.entries}
+    if unknown:
+        raise KeyError(f"not in the export plan: {sorted(unknown)[:5]}")
+    sources = {e.alias_of for e in plan.entries if e.hf_name in needed and e.alias_of is not None}
+    wanted = needed | sources
+    return {number for number, bucket in enumerate(buckets) if any(e.hf_name in wanted for op in bucket.ops for e in op.entries)}
 
 
 def _gather(local: torch.Tensor, group: Any, size: int, buffers: ExportBuffers, role: str, index: Any) -> torch.Tensor:

@@ -7,6 +7,7 @@ from mbridge_refit.sinks.base import WeightSink, drain
 from mbridge_refit.sinks.safetensors import (
     DEFAULT_MAX_SHARD_BYTES,
     INDEX_NAME,
+    ShardAssignment,
     ShardedSafetensorsWriter,
     ShardPlanner,
     plan_shards,
@@ -16,6 +17,7 @@ from mbridge_refit.sinks.safetensors import (
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
     "INDEX_NAME",
+    "ShardAssignment",
     "ShardPlanner",
     "ShardedSafetensorsWriter",
     "WeightSink",

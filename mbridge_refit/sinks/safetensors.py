@@ -97,6 +97,45 @@ def plan_shards(sizes: Iterable[int], *, max_shard_bytes: int) -> list[int]:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ShardAssignment:
+    """A checkpoint's shards and the rank that writes each, fixed before the export starts.
+
+    Built from the names and byte sizes the export will yield, in its order (from the export
+    plan), so every rank computes the same files as the streaming writer would (the same greedy
+    ``ShardPlanner``). ``writers[k]`` is the rank (in the writer's group) that writes shard ``k``:
+    shard ``k`` goes to replica ``k % R`` of the ``R`` groups in ``replicas``, and within it to
+    its ranks in turn. A replica then needs to export only ``names_for(its ranks)``.
+    """
+
+    names: tuple[str, ...]
+    nbytes: tuple[int, ...]
+    shard_of: tuple[int, ...]
+    writers: tuple[int, ...]
+
+    @classmethod
+    def build(
+        cls, tensors: Iterable[tuple[str, int]], *, max_shard_bytes: int, replicas: Iterable[Iterable[int]]
+    ) -> "ShardAssignment":
+        names, nbytes = zip(*tensors) if tensors else ((), ())
+        shard_of = tuple(plan_shards(nbytes, max_shard_bytes=max_shard_bytes))
+        groups = [sorted(ranks) for ranks in replicas]
+        if not groups or not all(groups):
+            raise ValueError(f"replicas must be non-empty rank lists, got {groups}")
+        count = (max(shard_of) + 1) if shard_of else 0
+        writers = tuple(groups[k % len(groups)][(k // len(groups)) % len(groups[k % len(groups)])] for k in range(count))
+        return cls(names=tuple(names), nbytes=tuple(nbytes), shard_of=shard_of, writers=writers)
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.writers)
+
+    def names_for(self, ranks: Iterable[int]) -> frozenset[str]:
+        """The tensors of the shards that ``ranks`` write."""
+        ranks = set(ranks)
+        return frozenset(n for n, k in zip(self.names, self.shard_of) if self.writers[k] in ranks)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class _Ranks:
     """This process's place in the group that iterates the export."""
 
@@ -126,10 +165,16 @@ class _Ranks:
 class ShardedSafetensorsWriter(WeightSink):
     """A :class:`WeightSink` that writes an HF-layout sharded safetensors checkpoint.
 
-    Every rank of the group must consume the same stream. Shard ``k`` is buffered and written by
-    rank ``k % world_size`` only (as a CPU copy, so the caller may reuse its buffer); other ranks
-    keep only names and sizes. Memory stays at about one shard per rank. In multi-rank use,
-    ``out_dir`` must be on a filesystem shared by all ranks.
+    Streaming (default): every rank of the group consumes the same stream, and the shards are
+    cut as it arrives. Shard ``k`` is buffered and written by rank ``k % world_size`` only (as a
+    CPU copy, so the caller may reuse its buffer); other ranks keep only names and sizes. Memory
+    stays at about one shard per rank. In multi-rank use, ``out_dir`` must be on a filesystem
+    shared by all ranks.
+
+    With ``assignment`` (a ``ShardAssignment``, the same on every rank) the files and writers are
+    fixed up front: a rank needs to consume only the tensors of the shards it writes (others are
+    ignored), in any subset of the export's order, so data-parallel replicas can each export
+    and write their own share. ``finish`` checks that every shard a rank writes was complete.
 
     Args:
         out_dir: output directory; created (with parents) if missing.
@@ -145,6 +190,7 @@ class ShardedSafetensorsWriter(WeightSink):
             torch.distributed is initialized, else a single process.
         metadata: extra string entries for each file's safetensors metadata, added to
             ``{"format": "pt"}``.
+        assignment: the shards and their writers, fixed before the export (see above).
     """
 
     def __init__(
@@ -157,6 +203,7 @@ class ShardedSafetensorsWriter(WeightSink):
         config_overrides: Mapping[str, Any] | None = None,
         group: Any = None,
         metadata: Mapping[str, str] | None = None,
+        assignment: ShardAssignment | None = None,
     ) -> None:
         self.out_dir = Path(out_dir)
         self.staging = staging_dir(self.out_dir)
@@ -173,6 +220,14 @@ class ShardedSafetensorsWriter(WeightSink):
         self._written: dict[int, Path] = {}
         self._tmp_paths: set[Path] = set()
         self._closed = False
+        self._assignment = assignment
+        if assignment is not None:
+            self._planned = {name: (k, n) for name, k, n in zip(assignment.names, assignment.shard_of, assignment.nbytes)}
+            self._missing = {k: 0 for k in range(assignment.num_shards) if assignment.writers[k] == self._ranks.rank}
+            for shard in assignment.shard_of:
+                if shard in self._missing:
+                    self._missing[shard] += 1
+            self._shard_buffers: dict[int, dict[str, torch.Tensor]] = {k: {} for k in self._missing}
         _prepare_out_dir(self.out_dir, overwrite=overwrite, ranks=self._ranks)
 
     # -- WeightSink ------------------------------------------------------------------------
@@ -185,6 +240,9 @@ class ShardedSafetensorsWriter(WeightSink):
                 "stream (check the export plan for duplicate mappings)"
             )
         nbytes = tensor_nbytes(tensor)
+        if self._assignment is not None:
+            self._consume_assigned(hf_name, tensor, nbytes)
+            return
         shard = self._planner.place(nbytes)
         if shard != self._open_shard:
             self._close_shard()
@@ -197,14 +255,16 @@ class ShardedSafetensorsWriter(WeightSink):
     def finish(self) -> None:
         self._check_open("finish")
         self._closed = True
-        if not self._weight_map:
+        if self._assignment is not None:
+            self._finish_assigned()
+        elif not self._weight_map:
             raise ValueError(
                 f"no tensors were consumed, so there is nothing to write to {self.out_dir}; "
                 "check that the export stream is not empty"
             )
         self._close_shard()
         self._ranks.barrier()
-        num_shards = self._planner.num_shards
+        num_shards = self._planner.num_shards if self._assignment is None else self._assignment.num_shards
         self._publish_shards(num_shards)
         self._ranks.barrier()
         if self._ranks.rank == 0:
@@ -242,9 +302,6 @@ class ShardedSafetensorsWriter(WeightSink):
                 "create a new writer for a new export"
             )
 
-    def _owns(self, shard: int) -> bool:
-        return shard % self._ranks.world_size == self._ranks.rank
-
     def _close_shard(self) -> None:
         """Write the open shard under its temporary name if this rank owns it."""
         shard = self._open_shard
@@ -256,6 +313,41 @@ class ShardedSafetensorsWriter(WeightSink):
         fsync_file(path)
         self._written[shard] = path
         self._buffer = {}
+
+    def _consume_assigned(self, hf_name: str, tensor: torch.Tensor, nbytes: int) -> None:
+        planned = self._planned.get(hf_name)
+        if planned is None:
+            raise ValueError(f"tensor {hf_name!r} is not in the shard assignment this writer was built with (from the export plan)")
+        shard, expected = planned
+        if nbytes != expected:
+            raise ValueError(f"tensor {hf_name!r} has {nbytes} bytes, the shard assignment planned {expected}")
+        if shard not in self._missing:
+            return  # another rank writes this shard
+        self._weight_map[hf_name] = shard
+        self._shard_buffers[shard][hf_name] = tensor.detach().to("cpu", copy=True).contiguous()
+        self._missing[shard] -= 1
+        if self._missing[shard] == 0:
+            self._buffer, self._open_shard = self._shard_buffers.pop(shard), shard
+            self._close_shard()
+            self._open_shard = None
+
+    def _finish_assigned(self) -> None:
+        """Every shard this rank writes must be complete; the index lists every planned tensor."""
+        incomplete = {k: left for k, left in self._missing.items() if left}
+        if incomplete:
+            planned = self._assignment
+            missing = [n for n, k in zip(planned.names, planned.shard_of) if k in incomplete and n not in self._weight_map]
+            raise ValueError(
+                f"the export stream ended before shards {sorted(incomplete)} were complete; missing {missing[:5]}"
+                f"{' ...' if len(missing) > 5 else ''}: this rank must consume every tensor of the shards it writes"
+            )
+        self._weight_map = dict(zip(self._assignment.names, self._assignment.shard_of))
+        self._total_bytes = sum(self._assignment.nbytes)
+
+    def _owns(self, shard: int) -> bool:
+        if self._assignment is not None:
+            return self._assignment.writers[shard] == self._ranks.rank
+        return shard % self._ranks.world_size == self._ranks.rank
 
     def _publish_shards(self, num_shards: int) -> None:
         for shard, tmp in sorted(self._written.items()):

@@ -5,6 +5,10 @@ Run under torchrun with N+1 processes. Ranks 0..N-1 are the trainer (a Megatron 
 the last rank is the receiver (no Megatron model) and applies what it receives to a fresh
 transformers model with ``HFModelUpdateSink``.
 
+With more trainer ranks than the layout needs, the rest are data-parallel replicas: replica 0
+exports (``export_hf_weights(replica=0)``) and rank 0 sends; the other replicas' ranks get an
+empty stream and build no sender.
+
 Groups: Megatron 0.19's ``initialize_model_parallel(local_world_size=N)`` builds its groups over
 ranks 0..N-1 only; ``new_group`` is collective over the default group, so the receiver makes the
 same call and belongs to none of them. The plan is built over the trainer group only
@@ -108,13 +112,18 @@ class FailingSink:
         self.inner.abort()
 
 
-def run_trainer(case, config, *, bridge, chunks, plan, refit, trainers):
+def run_trainer(case, config, *, bridge, chunks, plan, refit, trainers, replica):
+    """With ``replica`` set, only that replica's ranks (``trainers`` is their group) export and
+    build a sender; the other trainer ranks get an empty stream and must not send anything."""
     from mbridge_refit.sinks import drain
     from mbridge_refit.sinks.packed_broadcast import PackedBroadcastSender
 
+    stream = bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True, replica=replica)
+    if replica is not None and not bridge.takes_part(chunks, replica):
+        return {"tensors": sum(1 for _ in stream), "bytes_sent": 0, "sender": False}
     sender = PackedBroadcastSender(plan, config, group=refit, src=SRC, trainer_group=trainers)
-    count = drain(bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True), sender)
-    return {"tensors": count, "bytes_sent": sender.bytes_sent}
+    count = drain(stream, sender)
+    return {"tensors": count, "bytes_sent": sender.bytes_sent, "sender": sender.is_source}
 
 
 def run_receiver(case, config, *, plan_json, refit, expected, model, pointers, reference):
@@ -171,8 +180,9 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     layout = layout_from_flags(args)
     trainer_ranks, receiver_rank = tuple(range(world - 1)), world - 1
-    if len(trainer_ranks) != layout.expected_world_size:
-        raise SystemExit(f"run with {layout.expected_world_size} trainer ranks + 1 receiver for layout {layout.name}")
+    if len(trainer_ranks) % layout.model_parallel_size or len(trainer_ranks) < layout.expected_world_size:
+        raise SystemExit(f"run with a multiple of {layout.model_parallel_size} trainer ranks + 1 receiver for layout {layout.name}")
+    replica = 0 if len(trainer_ranks) > layout.expected_world_size else None  # data-parallel replicas: replica 0 sends
     ps.initialize_model_parallel(
         tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
         virtual_pipeline_model_parallel_size=args.vpp, expert_model_parallel_size=args.ep,
@@ -181,6 +191,7 @@ def main() -> None:
     )
     trainers = dist.new_group(list(trainer_ranks))
     refit = dist.new_group([SRC, receiver_rank])
+    senders = trainers  # the ranks that iterate the export and build a sender
     results: dict[str, dict] = {}
     try:
         if rank in trainer_ranks:
@@ -192,19 +203,26 @@ def main() -> None:
             bridge.load_hf_shards(chunks, args.hf)
             plan = bridge.export_plan(chunks, group=trainers)
             payload = [plan.to_json()]
-            run = lambda case, config: run_trainer(case, config, bridge=bridge, chunks=chunks, plan=plan, refit=refit, trainers=trainers)  # noqa: E731
+            exporting = [sorted(bridge.replica_ranks(chunks)[replica]) if replica is not None else None]
         else:
             from transformers import AutoConfig, AutoModelForCausalLM
 
             from mbridge_refit.plan.entries import ExportPlan
 
-            payload = [None]
+            payload, exporting = [None], [None]
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.hf), dtype=torch.bfloat16)
             pointers = {n: t.data_ptr() for n, t in model.state_dict().items()}
             reference = AutoModelForCausalLM.from_pretrained(args.hf, dtype=torch.bfloat16).state_dict()
             expected = read_checkpoint(args.hf)
         if rank in (SRC, receiver_rank):  # the receiver gets the plan from the trainer, as in production
             dist.broadcast_object_list(payload, src=SRC, group=refit)
+        if replica is not None:  # new_group is collective over every rank: all learn replica 0's ranks
+            dist.broadcast_object_list(exporting, src=SRC)
+            senders = dist.new_group(exporting[0])
+        if rank in trainer_ranks:
+            run = lambda case, config: run_trainer(  # noqa: E731
+                case, config, bridge=bridge, chunks=chunks, plan=plan, refit=refit, trainers=senders, replica=replica,
+            )
         if rank == receiver_rank:
             plan = ExportPlan.from_json(payload[0])
             run = lambda case, config: run_receiver(  # noqa: E731
@@ -221,6 +239,7 @@ def main() -> None:
             outcome["bucket_bytes"] = config.bucket_bytes
             results[case] = outcome
             print(f"[rank{rank}] {case}: ok={outcome['ok']} {outcome['error'] or ''}", flush=True)
+        results["replica_ranks"] = exporting[0]
         results["stream_bytes"] = {"ok": True, "value": sum(e.nbytes for e in plan.entries), "largest": max(e.nbytes for e in plan.entries)}
         args.result.mkdir(parents=True, exist_ok=True)
         (args.result / f"rank{rank}.json").write_text(json.dumps(results, indent=1))

@@ -12,7 +12,9 @@ Every rank loads the checkpoint into its shard, then checks against the checkpoi
     checkpoint; every other rank gets nothing (at DP > 1 without cross-replica expert groups,
     the other replica takes no part); a second call gives the same;
   * the FP8 export: every quantized weight and scale equals the reference quantizer of
-    tests/test_fp8.py applied to the checkpoint's tensor; kept tensors equal the checkpoint.
+    tests/test_fp8.py applied to the checkpoint's tensor; kept tensors equal the checkpoint;
+  * ``export_hf_weights(only=...)``, BF16 and FP8, each replica a different share (as the
+    parallel checkpoint write): exactly the share, in plan order, equal to the checkpoint.
 Writes DIR/rank<r>.json.
 """
 
@@ -46,22 +48,49 @@ def check_stream(stream, read, names: set[str], what: str) -> int:
 
 
 def check_fp8(stream, read, plan) -> int:
-    scales = {e.hf_name: e.scale_of for e in plan.entries if e.scale_of is not None}
-    quantized = set(scales.values())
+    quantized = {e.scale_of for e in plan.entries if e.scale_of is not None}
+    expected = fp8_expectation(plan, read)
     count = 0
     for name, tensor in stream:
-        if name in scales:
-            expected = reference_quantize(read(scales[name]))[1]
-        elif name in quantized:
-            expected = reference_quantize(read(name))[0]
-        else:
-            expected = read(name)
-        if not same_bits(tensor, expected):
+        if not same_bits(tensor, expected(name)):
             fail(f"FP8 export: {name} differs from the reference quantizer applied to the checkpoint")
         count += 1
     if count != len(plan.entries) or not quantized:
         fail(f"FP8 export yielded {count} tensors, plan has {len(plan.entries)} ({len(quantized)} quantized)")
     return count
+
+
+def check_only(bridge, chunks, plan, fp8_plan, read, replica: int, replicas: int) -> dict:
+    """Each replica exports a different share (``only=``), as the parallel checkpoint write does:
+    exactly those names, in plan order, each equal to the checkpoint (FP8: to the reference)."""
+    disjoint = sum(len(r) for r in bridge.replica_ranks(chunks)) == dist.get_world_size()
+    share = replica if disjoint else 0  # replicas that share expert groups must export alike
+    counts = {}
+    for fp8, entries in ((None, plan.entries), ("blockwise", fp8_plan.entries)):
+        expected = fp8_expectation(fp8_plan, read) if fp8 else read
+        wanted = [e.hf_name for i, e in enumerate(entries) if i % max(replicas, 2) == share]
+        got = []
+        for name, tensor in bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True, fp8=fp8, only=wanted):
+            got.append(name)
+            if not same_bits(tensor, expected(name)):
+                fail(f"only= export ({fp8 or 'bf16'}): {name} differs from the checkpoint (or the reference quantizer)")
+        if got != wanted:
+            fail(f"only= export ({fp8 or 'bf16'}) yielded {got[:4]}..., wanted {wanted[:4]}... in plan order")
+        counts[fp8 or "bf16"] = len(got)
+    return {"disjoint": disjoint, **counts}
+
+
+def fp8_expectation(fp8_plan, read):
+    """name -> what the FP8 export must yield for it, from the checkpoint and the reference quantizer."""
+    scales = {e.hf_name: e.scale_of for e in fp8_plan.entries if e.scale_of is not None}
+    quantized = set(scales.values())
+
+    def expected(name):
+        if name in scales:
+            return reference_quantize(read(scales[name]))[1]
+        return reference_quantize(read(name))[0] if name in quantized else read(name)
+
+    return expected
 
 
 def main() -> None:
@@ -112,11 +141,13 @@ def main() -> None:
         fp8_plan = bridge.export_plan(chunks, fp8="blockwise")
         fp8_count = check_fp8(bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True, fp8="blockwise"), read, fp8_plan)
 
+        only = check_only(bridge, chunks, plan, fp8_plan, read, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+
         args.result.mkdir(parents=True, exist_ok=True)
         (args.result / f"rank{rank}.json").write_text(json.dumps({
             "rank": rank, "replica": ps.get_data_parallel_rank(), "dp": ps.get_data_parallel_world_size(),
             "cp": ps.get_context_parallel_world_size(), "exported": exported, "takes_part_in_replica0": takes_part,
-            "fp8_tensors": fp8_count, "ok": True,
+            "fp8_tensors": fp8_count, "only": only, "ok": True,
         }))
 
 
