@@ -76,6 +76,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds over the rank counts")
     parser.add_argument("--max-shard-bytes", type=int, default=64 << 20, help="source and output shard size")
     parser.add_argument("--work", type=Path, default=None, help="scratch directory (default: a temporary one)")
+    parser.add_argument("--out-dir", type=Path, default=None, help="results folder (default: benchmarks/results/<date>-cpu<cores>/)")
     args = parser.parse_args()
 
     from mbridge_refit.checkpoints.hf import compare_checkpoints
@@ -110,7 +111,7 @@ def main() -> None:
               f"({row['export_write_speedup']}x), launch {row['wall_s']:.1f} s, identical {row['files_identical_to_first']}")
     print(f"output equals the source: {equal_to_source}")
     label = f"cpu{os.cpu_count()}"  # CPU ranks only: the folder names the core count, not a GPU
-    write_result(results_dir(label), "parallel_write.json", payload, device=f"{label} ({os.uname().nodename})")
+    write_result(args.out_dir or results_dir(label), "parallel_write.json", payload, device=f"{label} ({os.uname().nodename})")
     if not (equal_to_source and all(identical.values())):
         raise SystemExit("outputs differ")
 

@@ -10,8 +10,9 @@
 #   bash scripts/gpu_run.sh vllm-dense  # refit into vLLM == load from disk: Qwen3-1.7B BF16 and FP8 (after install-vllm.sh)
 #   bash scripts/gpu_run.sh vllm-moe    # the same for Qwen3-30B-A3B cut to 4 layers (128 experts each)
 #   bash scripts/gpu_run.sh vllm-bench  # bench_refit_vllm.py, Qwen3-8B, BF16 then FP8
+#   bash scripts/gpu_run.sh training    # export right after a Megatron DDP + distributed-optimizer step; parallel checkpoint write on the host's CPUs
 set -u
-part=${1:?usage: gpu_run.sh fp8|bench|sinks|vllm-dense|vllm-moe|vllm-bench}
+part=${1:?usage: gpu_run.sh fp8|bench|sinks|vllm-dense|vllm-moe|vllm-bench|training}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 RESULTS=/tmp/gpu_results_$part; rm -rf "$RESULTS"; mkdir -p "$RESULTS"
 trap 'tar czf "$OUT/$part.tgz" -C "$RESULTS" .' EXIT
@@ -68,6 +69,11 @@ case "$part" in
     export VLLM_ALLOW_INSECURE_SERIALIZATION=1
     step bench_refit_vllm_qwen3-8b 330 python3 scripts/bench_refit_vllm.py --model qwen3-8b --steps 5 --out-dir "$RESULTS"
     step bench_refit_vllm_qwen3-8b_fp8 240 python3 scripts/bench_refit_vllm.py --model qwen3-8b --steps 5 --fp8 --out-dir "$RESULTS"
+    ;;
+  training)
+    step ddp_export 240 "${one[@]}" scripts/check_ddp_export_gpu.py --out-dir "$RESULTS"
+    # CPU ranks (gloo) on the GPU host's cores: TP2 on 2, 4 and 8 ranks = 1, 2 and 4 replicas writing in parallel
+    step parallel_write 420 env CUDA_VISIBLE_DEVICES= python3 scripts/bench_parallel_write.py --ranks 2 4 8 --rounds 2 --work /tmp/pw --out-dir "$RESULTS"
     ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac

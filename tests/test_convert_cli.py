@@ -94,7 +94,7 @@ def test_shard_size_must_be_positive(value, tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
-def launched(nproc: int, *args: str, timeout: float = 600):
+def launched(nproc: int, *args: str, timeout: float = 600, env_extra: dict | None = None):
     """``python -m mbridge_refit.convert --nproc-per-node N ...`` as a user types it (no torchrun)."""
     import os
     import subprocess
@@ -102,7 +102,7 @@ def launched(nproc: int, *args: str, timeout: float = 600):
 
     from conftest import REPO, Launch
 
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env_extra or {})}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
         env.pop(var, None)
     cmd = [sys.executable, "-m", "mbridge_refit.convert", "--nproc-per-node", str(nproc), *args]
@@ -157,3 +157,37 @@ def test_launch_exit_code_is_the_most_severe(codes, expected):
     from mbridge_refit.convert.launcher import launch_exit_code
 
     assert launch_exit_code(codes) == expected
+
+
+DISK_FULL_ON_RANK_1 = """
+import os
+if os.environ.get("RANK") == "1":
+    import errno
+    import safetensors.torch
+
+    def save_file(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device (injected by the test)")
+
+    safetensors.torch.save_file = save_file
+"""
+
+
+def test_launcher_internal_error_on_one_rank_is_three_at_once(source_checkpoints, tmp_path):
+    """Rank 1's disk fills while it writes its shard (an internal error) while rank 0 waits in a
+    collective: the launch ends at once (the launcher stops rank 0) with exit 3, and the existing
+    output is untouched."""
+    import time
+
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(DISK_FULL_ON_RANK_1)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("old")
+    start = time.monotonic()
+    run = launched(2, "roundtrip", "--hf", str(source_checkpoints("qwen3-tiny")), "--out", str(out), "--tp", "2",
+                   "--overwrite", "--max-shard-bytes", "40000", env_extra={"PYTHONPATH": str(shim)})
+    assert run.returncode == ExitCode.INTERNAL_ERROR, run.output[-4000:]
+    assert time.monotonic() - start < 120, "the healthy rank must not wait for the process-group timeout"
+    assert "No space left on device (injected by the test)" in run.output and "rank 1: exit 3 (internal error)" in run.output
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"] and not list(tmp_path.glob(".out*"))

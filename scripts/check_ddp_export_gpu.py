@@ -1,0 +1,163 @@
+"""GPU check: export from a model trained by Megatron DDP with the distributed optimizer, right after a step.
+
+    torchrun --nproc-per-node 1 scripts/check_ddp_export_gpu.py --out-dir DIR
+
+For ``overlap_param_gather`` off and on, on a Qwen3 shape (``--model``, ``--layers``) built with
+Megatron's TE spec in bf16:
+
+1. the trainer: the model wrapped by Megatron DDP (``use_distributed_optimizer``,
+   ``overlap_grad_reduce``, fp32 gradient buffers), Megatron's distributed optimizer (SGD,
+   ``lr`` a power of two, no momentum, no weight decay, no clipping: the step is
+   ``main -= lr * grad`` in fp32, then the bf16 parameter is the fp32 main parameter rounded);
+2. one step on a real loss (next-token cross-entropy on seeded random tokens): forward,
+   backward, ``finish_grad_sync``, ``optimizer.step()``; the export runs right after the step,
+   before any forward pass (with ``overlap_param_gather`` that is when Megatron's parameter
+   all-gather is still deferred);
+3. the oracle, independent of the optimizer: a second model of the same shape without DDP,
+   given the same initial weights, updated *here* from the trainer's reduced gradients
+   (``param.main_grad``, read by Megatron parameter name) as ``bf16(fp32(p) - lr * g)``, and
+   exported by stock ``AutoBridge.export_hf_weights``.
+
+Checks (exit 1 on any failure): RefitBridge's export after the step equals the oracle bit for
+bit for every tensor; it differs from the pre-step export in every tensor the step changed (a
+check that an export of pre-step weights fails); with ``overlap_param_gather`` the export found
+deferred gathers and completed them. One data-parallel rank per GPU: with one GPU the
+data-parallel group has one rank, so the deferred gather has nothing to fetch from other ranks
+(the oracle still proves the export reads the post-step parameters). Writes
+``ddp_export_<model>.json`` (with its manifest) to --out-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from provenance import results_dir, write_result
+
+LR = 2.0**-4  # a power of two: lr * g is exact, so the optimizer's fused update and the oracle round alike
+
+
+def build(bridge, layout, ddp_config=None):
+    from mbridge_refit.tools.model_builder import BuildOptions, configure_provider
+
+    options = BuildOptions(device=torch.device("cuda"), params_dtype=torch.bfloat16)
+    provider = configure_provider(bridge.to_megatron_provider(load_weights=False), layout, options)
+    if ddp_config is None:
+        return provider.provide_distributed_model(wrap_with_ddp=False, mixed_precision_wrapper=None)
+    return provider.provide_distributed_model(wrap_with_ddp=True, ddp_config=ddp_config, bf16=True)
+
+
+def exported(bridge, chunks, stock: bool = False) -> dict[str, torch.Tensor]:
+    stream = bridge.export_hf_weights_stock(chunks) if stock else bridge.export_hf_weights(chunks, show_progress=False)
+    return {name: tensor.detach().to("cpu", copy=True) for name, tensor in stream}
+
+
+def unwrapped_params(chunks) -> dict[str, torch.nn.Parameter]:
+    from megatron.core.utils import unwrap_model
+
+    return {f"{i}.{name}": p for i, chunk in enumerate(unwrap_model(chunks)) for name, p in chunk.named_parameters()}
+
+
+def train_step(chunks, optimizer, vocab: int, seed: int) -> float:
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    tokens = torch.randint(0, vocab, (2, 65), generator=gen).cuda()
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    positions = torch.arange(inputs.shape[1], device="cuda").unsqueeze(0).expand_as(inputs)
+    optimizer.zero_grad()
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    losses = chunks[0](inputs, positions, None, labels=labels)
+    loss = losses.float().mean()
+    loss.backward()
+    for chunk in chunks:
+        chunk.finish_grad_sync()
+    ok, _, _ = optimizer.step()
+    if not ok:
+        raise RuntimeError("optimizer.step() reported an unsuccessful update")
+    return float(loss)
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def check(args, overlap: bool) -> dict:
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.plan.layout import ParallelLayout
+    from mbridge_refit.runtime.param_sync import deferred_gather_groups
+    from mbridge_refit.tools.recipes import full_size_config
+
+    config = full_size_config(args.model)
+    config.num_hidden_layers = args.layers
+    bridge, oracle_bridge = RefitBridge.from_hf_config(config), RefitBridge.from_hf_config(config)
+    layout = ParallelLayout()
+    ddp = DistributedDataParallelConfig(
+        use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=overlap, grad_reduce_in_fp32=True,
+    )
+    torch.manual_seed(1234)
+    trainer = build(bridge, layout, ddp)
+    oracle = build(oracle_bridge, layout)
+    trainer_params, oracle_params = unwrapped_params(trainer), unwrapped_params(oracle)
+    with torch.no_grad():
+        for name, param in oracle_params.items():
+            param.copy_(trainer_params[name])
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="sgd", lr=LR, min_lr=LR, weight_decay=0.0, sgd_momentum=0.0, bf16=True,
+                        use_distributed_optimizer=True, clip_grad=0.0, params_dtype=torch.bfloat16),
+        trainer,
+    )
+    before = exported(bridge, trainer)
+    loss = train_step(trainer, optimizer, config.vocab_size, seed=7)
+    deferred = len(deferred_gather_groups(trainer))
+    after = exported(bridge, trainer)  # right after the step: no forward pass in between
+    with torch.no_grad():
+        for name, param in oracle_params.items():
+            grad = trainer_params[name].main_grad.float()
+            param.copy_((param.float() - LR * grad).to(param.dtype))
+    expected = exported(oracle_bridge, oracle, stock=True)
+    differing = sorted(n for n in expected if n not in after or not same(after[n], expected[n]))
+    changed = sorted(n for n in expected if not same(before[n], expected[n]))
+    stale = sorted(n for n in changed if same(after[n], before[n]))
+    return {
+        "overlap_param_gather": overlap, "loss": loss, "tensors": len(expected), "changed_by_step": len(changed),
+        "deferred_gather_groups_before_export": deferred, "differing_from_oracle": differing[:10],
+        "stale_after_step": stale[:10], "dtypes": sorted({str(t.dtype) for t in after.values()}),
+        "ok": not differing and not stale and bool(changed) and set(after) == set(expected) and (deferred > 0) == overlap,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3-1.7b", help="a shape in recipes/shapes/")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--out-dir", type=Path, default=None)
+    args = parser.parse_args()
+
+    from megatron.core import parallel_state as ps
+
+    torch.cuda.set_device(int(__import__("os").environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=5))
+    ps.initialize_model_parallel()
+    results = [check(args, overlap) for overlap in (False, True)]
+    for row in results:
+        print(row, flush=True)
+    if dist.get_rank() == 0:
+        from provenance import device_name
+
+        payload = {"device": device_name(), "model": f"{args.model} ({args.layers} layers)", "dp": dist.get_world_size(),
+                   "lr": LR, "results": results}
+        write_result(args.out_dir or results_dir(), f"ddp_export_{args.model}.json", payload)
+    ok = all(r["ok"] for r in results)
+    dist.destroy_process_group()
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
