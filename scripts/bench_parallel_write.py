@@ -6,9 +6,10 @@ share of the shards. Every run's output must be byte-identical to the first one'
 same index) and equal to the source checkpoint tensor by tensor.
 
 Reports the export+write phase (rank 0's `export+write:` log line: planning, gathers, files,
-index, swap; what replicas divide) and the whole launch's wall time (which also holds process
-start and every rank loading its slices, which replicas do not divide), per rank count, in
-interleaved rounds. Needs as many CPU cores as the largest rank count to show the speed-up:
+index, swap; what replicas divide), rank 0's time in its own shard files, the disk floor (the
+same bytes written and fsynced by as many threads as there are ranks, no export), and the
+whole launch's wall time (which also holds process start and every rank loading its slices,
+which replicas do not divide), per rank count, in interleaved rounds. Needs as many CPU cores as the largest rank count to show the speed-up:
 
     python scripts/bench_parallel_write.py --ranks 2 4 8 --rounds 2
 """
@@ -37,7 +38,7 @@ BENCH_CONFIG = {
     "tie_word_embeddings": False, "use_sliding_window": False,
     "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
 }
-PHASE = re.compile(r"export\+write: (\d+) tensors in ([0-9.]+) s \((\d+) replica")
+PHASE = re.compile(r"export\+write: (\d+) tensors in ([0-9.]+) s, of which ([0-9.]+) s writing .* \((\d+) replica")
 
 
 def make_source(directory: Path, max_shard_bytes: int) -> Path:
@@ -59,7 +60,34 @@ def convert(ranks: int, source: Path, out: Path, layout: list[str]) -> dict:
     match = PHASE.search(proc.stdout + proc.stderr)
     if match is None:
         raise SystemExit(f"no export+write line in the output of {' '.join(cmd)}")
-    return {"export_write_s": float(match[2]), "wall_s": wall, "replicas": int(match[3])}
+    return {"export_write_s": float(match[2]), "rank0_files_s": float(match[3]), "wall_s": wall, "replicas": int(match[4])}
+
+
+def disk_floor(directory: Path, total_bytes: int, shard_bytes: int, writers: int) -> float:
+    """Seconds to write and fsync ``total_bytes`` as ``shard_bytes`` files from ``writers`` threads
+    (fsync and file writes release the GIL): what the files alone cost on this disk."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    directory.mkdir(parents=True, exist_ok=True)
+    block = os.urandom(min(shard_bytes, 1 << 20))
+    sizes = [min(shard_bytes, total_bytes - start) for start in range(0, total_bytes, shard_bytes)]
+
+    def write(index: int) -> None:
+        path = directory / f"floor-{index}.bin"
+        with path.open("wb") as handle:
+            left = sizes[index]
+            while left:
+                left -= handle.write(block[: min(left, len(block))])
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    start = time.monotonic()
+    with ThreadPoolExecutor(writers) as pool:
+        list(pool.map(write, range(len(sizes))))
+    seconds = time.monotonic() - start
+    for path in directory.glob("floor-*.bin"):
+        path.unlink()
+    return seconds
 
 
 def same_files(a: Path, b: Path) -> bool:
@@ -83,10 +111,12 @@ def main() -> None:
 
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-parallel-write-"))
     source = make_source(work / "source", 64 << 20) if not (work / "source").is_dir() else work / "source"
+    source_bytes = sum(f.stat().st_size for f in source.glob("*.safetensors"))
     runs: dict[int, list[dict]] = {n: [] for n in args.ranks}
     for round_number in range(args.rounds):
         for ranks in args.ranks:
             result = convert(ranks, source, work / f"out-{ranks}", args.layout)
+            result["disk_floor_s"] = disk_floor(work / "floor", source_bytes, args.max_shard_bytes, ranks)
             runs[ranks].append(result)
             print(f"round {round_number} ranks {ranks}: {result}", flush=True)
     first = work / f"out-{args.ranks[0]}"
@@ -95,6 +125,8 @@ def main() -> None:
     rows = [
         {"ranks": n, "replicas": runs[n][0]["replicas"],
          "export_write_s": statistics.median(r["export_write_s"] for r in runs[n]),
+         "rank0_files_s": statistics.median(r["rank0_files_s"] for r in runs[n]),
+         "disk_floor_s": statistics.median(r["disk_floor_s"] for r in runs[n]),
          "wall_s": statistics.median(r["wall_s"] for r in runs[n]), "files_identical_to_first": identical[n]}
         for n in args.ranks
     ]
@@ -102,13 +134,15 @@ def main() -> None:
     for row in rows:
         row["export_write_speedup"] = round(base / row["export_write_s"], 2)
     payload = {
-        "model": "qwen3 1024h x 12 layers, vocab 32768 (bf16)", "bytes": sum(f.stat().st_size for f in source.glob("*.safetensors")),
+        "model": "qwen3 1024h x 12 layers, vocab 32768 (bf16)", "bytes": source_bytes,
         "layout": " ".join(args.layout), "cpu_cores": os.cpu_count(), "rounds": args.rounds,
         "output_equals_source": equal_to_source, "rows": rows,
     }
     for row in rows:
         print(f"{row['ranks']} ranks ({row['replicas']} replicas): export+write {row['export_write_s']:.2f} s "
-              f"({row['export_write_speedup']}x), launch {row['wall_s']:.1f} s, identical {row['files_identical_to_first']}")
+              f"({row['export_write_speedup']}x; rank 0 in its files {row['rank0_files_s']:.2f} s; the same bytes written "
+              f"and synced by {row['ranks']} writers alone {row['disk_floor_s']:.2f} s), launch {row['wall_s']:.1f} s, "
+              f"identical {row['files_identical_to_first']}")
     print(f"output equals the source: {equal_to_source}")
     label = f"cpu{os.cpu_count()}"  # CPU ranks only: the folder names the core count, not a GPU
     write_result(args.out_dir or results_dir(label), "parallel_write.json", payload, device=f"{label} ({os.uname().nodename})")

@@ -140,11 +140,11 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, default=None)
     args = parser.parse_args()
 
-    from megatron.core import parallel_state as ps
+    from mbridge_refit.plan.layout import ParallelLayout
+    from mbridge_refit.tools.launch import init_model_parallel, init_process_group
 
-    torch.cuda.set_device(int(__import__("os").environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=5))
-    ps.initialize_model_parallel()
+    init_process_group(device=torch.device("cuda"), timeout=datetime.timedelta(minutes=5))
+    init_model_parallel(ParallelLayout(), seed=1234)  # also seeds Megatron's CUDA RNG tracker (TE layers)
     results = [check(args, overlap) for overlap in (False, True)]
     for row in results:
         print(row, flush=True)

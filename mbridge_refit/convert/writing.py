@@ -72,8 +72,9 @@ def write_hf_checkpoint(
         count = len(share.assignment.names)
     replicas = share.parallel_replicas if share is not None else 1
     logger.info(
-        "export+write: %d tensors in %.3f s (%d replica%s writing in parallel)",
-        count, time.monotonic() - start, replicas, "s" if replicas > 1 else "",
+        "export+write: %d tensors in %.3f s, of which %.3f s writing and syncing this rank's shard files "
+        "(%d replica%s writing in parallel)",
+        count, time.monotonic() - start, sink.file_seconds, replicas, "s" if replicas > 1 else "",
     )
     return count
 

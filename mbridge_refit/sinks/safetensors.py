@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -220,6 +221,7 @@ class ShardedSafetensorsWriter(WeightSink):
         self._written: dict[int, Path] = {}
         self._tmp_paths: set[Path] = set()
         self._closed = False
+        self.file_seconds = 0.0  # this rank's time in writing and syncing its shard files
         self._assignment = assignment
         if assignment is not None:
             self._planned = {name: (k, n) for name, k, n in zip(assignment.names, assignment.shard_of, assignment.nbytes)}
@@ -309,8 +311,10 @@ class ShardedSafetensorsWriter(WeightSink):
             return
         path = self.staging / _tmp_shard_name(shard)
         self._tmp_paths.add(path)
+        start = time.monotonic()
         save_file(self._buffer, str(path), metadata=self._metadata)
         fsync_file(path)
+        self.file_seconds += time.monotonic() - start
         self._written[shard] = path
         self._buffer = {}
 
