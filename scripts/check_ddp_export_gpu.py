@@ -6,25 +6,24 @@ For ``overlap_param_gather`` off and on, on a Qwen3 shape (``--model``, ``--laye
 Megatron's TE spec in bf16:
 
 1. the trainer: the model wrapped by Megatron DDP (``use_distributed_optimizer``,
-   ``overlap_grad_reduce``, fp32 gradient buffers), Megatron's distributed optimizer (SGD,
-   ``lr`` a power of two, no momentum, no weight decay, no clipping: the step is
-   ``main -= lr * grad`` in fp32, then the bf16 parameter is the fp32 main parameter rounded);
+   ``overlap_grad_reduce``, fp32 gradient buffers) and Megatron's distributed optimizer (Adam,
+   the only one it supports; fp32 main parameters beside the bf16 model parameters);
 2. one step on a real loss (next-token cross-entropy on seeded random tokens): forward,
    backward, ``finish_grad_sync``, ``optimizer.step()``; the export runs right after the step,
    before any forward pass (with ``overlap_param_gather`` that is when Megatron's parameter
    all-gather is still deferred);
-3. the oracle, independent of the optimizer: a second model of the same shape without DDP,
-   given the same initial weights, updated *here* from the trainer's reduced gradients
-   (``param.main_grad``, read by Megatron parameter name) as ``bf16(fp32(p) - lr * g)``, and
-   exported by stock ``AutoBridge.export_hf_weights``.
+3. the oracle, read back from the optimizer, not from the trainer's model: its fp32 main
+   parameters after the step (``shard_fp32_from_float16_groups``, matched to the model
+   parameters by ``model_float16_groups``), rounded to bf16 as Megatron's copy to the model
+   does, written into a second model of the same shape without DDP, and exported by stock
+   ``AutoBridge.export_hf_weights``.
 
 Checks (exit 1 on any failure): RefitBridge's export after the step equals the oracle bit for
 bit for every tensor; it differs from the pre-step export in every tensor the step changed (a
 check that an export of pre-step weights fails); with ``overlap_param_gather`` the export found
-deferred gathers and completed them. One data-parallel rank per GPU: with one GPU the
-data-parallel group has one rank, so the deferred gather has nothing to fetch from other ranks
-(the oracle still proves the export reads the post-step parameters). Writes
-``ddp_export_<model>.json`` (with its manifest) to --out-dir.
+deferred gathers and completed them. One data-parallel rank (one GPU): each optimizer shard is
+then a whole parameter, so the oracle reads it directly; the deferred gather has no other rank
+to fetch from. Writes ``ddp_export_<model>.json`` (with its manifest) to --out-dir.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ import torch
 import torch.distributed as dist
 from provenance import results_dir, write_result
 
-LR = 2.0**-4  # a power of two: lr * g is exact, so the optimizer's fused update and the oracle round alike
+LR = 1e-3
 
 
 def build(bridge, layout, ddp_config=None):
@@ -81,6 +80,22 @@ def train_step(chunks, optimizer, vocab: int, seed: int) -> float:
     return float(loss)
 
 
+def optimizer_main_params(optimizer, trainer_params: dict) -> dict[str, torch.Tensor]:
+    """Parameter name -> the distributed optimizer's fp32 main parameter after its step (read from
+    the optimizer's own groups; one data-parallel rank, so each shard is the whole parameter)."""
+    name_of = {id(p): name for name, p in trainer_params.items()}
+    mains = {}
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for model_group, main_group in zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups):
+            for model_param, main in zip(model_group, main_group):
+                if main.numel() != model_param.numel():
+                    raise SystemExit("run with one data-parallel rank: the oracle reads whole parameters from one optimizer shard")
+                mains[name_of[id(model_param)]] = main.detach()
+    if set(mains) != set(trainer_params):
+        raise SystemExit(f"the optimizer holds {len(mains)} of the model's {len(trainer_params)} parameters")
+    return mains
+
+
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
@@ -109,8 +124,8 @@ def check(args, overlap: bool) -> dict:
         for name, param in oracle_params.items():
             param.copy_(trainer_params[name])
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="sgd", lr=LR, min_lr=LR, weight_decay=0.0, sgd_momentum=0.0, bf16=True,
-                        use_distributed_optimizer=True, clip_grad=0.0, params_dtype=torch.bfloat16),
+        OptimizerConfig(optimizer="adam", lr=LR, min_lr=LR, weight_decay=0.0, bf16=True,
+                        use_distributed_optimizer=True, clip_grad=1.0, params_dtype=torch.bfloat16),
         trainer,
     )
     before = exported(bridge, trainer)
@@ -118,9 +133,9 @@ def check(args, overlap: bool) -> dict:
     deferred = len(deferred_gather_groups(trainer))
     after = exported(bridge, trainer)  # right after the step: no forward pass in between
     with torch.no_grad():
-        for name, param in oracle_params.items():
-            grad = trainer_params[name].main_grad.float()
-            param.copy_((param.float() - LR * grad).to(param.dtype))
+        for name, main in optimizer_main_params(optimizer, trainer_params).items():
+            param = oracle_params[name]
+            param.copy_(main.view(param.shape).to(param.dtype))
     expected = exported(oracle_bridge, oracle, stock=True)
     differing = sorted(n for n in expected if n not in after or not same(after[n], expected[n]))
     changed = sorted(n for n in expected if not same(before[n], expected[n]))
@@ -152,7 +167,7 @@ def main() -> None:
         from provenance import device_name
 
         payload = {"device": device_name(), "model": f"{args.model} ({args.layers} layers)", "dp": dist.get_world_size(),
-                   "lr": LR, "results": results}
+                   "optimizer": f"Megatron distributed Adam, lr {LR}", "results": results}
         write_result(args.out_dir or results_dir(), f"ddp_export_{args.model}.json", payload)
     ok = all(r["ok"] for r in results)
     dist.destroy_process_group()

@@ -105,10 +105,11 @@ class PlanExporter:
         passed on every rank and every export (buckets are built once per mapping). ``needed``:
         yield only these plan names, and run only the buckets that hold them (or what they
         alias); every rank of the model's groups must pass the same names (a data-parallel
-        replica exporting its share of a checkpoint).
+        replica exporting its share of a checkpoint). Within a bucket only the ops (parameters)
+        that yield a needed tensor gather anything.
         """
         buckets = self.buckets(bucket_sizes)
-        run = None if needed is None else buckets_holding(buckets, needed, self.plan)
+        run = None if needed is None else ops_holding(buckets, needed, self.plan)
         progress = _progress(len(self.plan.entries) if needed is None else len(needed), show_progress)
         yielded: dict[str, torch.Tensor] = {}
         with torch.no_grad():
@@ -116,7 +117,8 @@ class PlanExporter:
                 if run is not None and number not in run:
                     continue
                 buffers.bucket = number
-                items = self._bucket_items(bucket, buffers, yielded, select_rows_lazily)
+                slots = None if run is None else run[number]
+                items = self._bucket_items(bucket, buffers, yielded, select_rows_lazily, slots)
                 if needed is not None:
                     items = [item for item in items if item[0] in needed]
                 yield items
@@ -124,12 +126,16 @@ class PlanExporter:
         progress.close()
 
     def _bucket_items(
-        self, bucket: Bucket, buffers: ExportBuffers, yielded: dict[str, torch.Tensor], select_rows_lazily: bool
+        self, bucket: Bucket, buffers: ExportBuffers, yielded: dict[str, torch.Tensor], select_rows_lazily: bool,
+        slots: frozenset[int] | None = None,
     ) -> list[tuple[str, torch.Tensor | RowSelection]]:
-        assembled = self._assemble_bucket(bucket, buffers)
+        """The bucket's ``(hf_name, tensor)`` pairs; with ``slots``, only those ops' (the same on every rank)."""
+        assembled = self._assemble_bucket(bucket, buffers, slots)
         lazy = select_rows_lazily and self._groups.pp_size == 1
         items: list[tuple[str, torch.Tensor | RowSelection]] = []
         for slot, op in enumerate(bucket.ops):
+            if slots is not None and slot not in slots:
+                continue
             for index, entry in enumerate(op.entries):
                 if entry.alias_of is not None:
                     items.append((entry.hf_name, yielded.pop(entry.alias_of)))
@@ -144,20 +150,21 @@ class PlanExporter:
                 items.append((entry.hf_name, tensor))
         return items
 
-    def _assemble_bucket(self, bucket: Bucket, buffers: ExportBuffers) -> list[list[torch.Tensor] | None]:
+    def _assemble_bucket(
+        self, bucket: Bucket, buffers: ExportBuffers, slots: frozenset[int] | None = None
+    ) -> list[list[torch.Tensor] | None]:
         """Gather every op of ``bucket`` this stage owns (one coalesced group), then build the
-        HF tensors from the gathered shards; ``None`` for ops of other stages."""
+        HF tensors from the gathered shards; ``None`` for ops of other stages (and ops not in
+        ``slots``)."""
         if bucket.pp_rank != self._groups.pp_rank:
             return [None] * len(bucket.ops)
         group = self._groups.ep if bucket.expert else self._groups.tp
+        runs = [op.source is not None and (slots is None or slot in slots) for slot, op in enumerate(bucket.ops)]
         gathered: list[dict] = []
-        with coalesced(group, bucket.gathers, self.device):
+        with coalesced(group, bucket.gathers if slots is None else 0, self.device):  # a share: gathers one by one
             for slot, op in enumerate(bucket.ops):
-                gathered.append(self._launch_gathers(op, slot, buffers) if op.source is not None else {})
-        return [
-            self._assemble(op, slot, gathered[slot], buffers) if op.source is not None else None
-            for slot, op in enumerate(bucket.ops)
-        ]
+                gathered.append(self._launch_gathers(op, slot, buffers) if runs[slot] else {})
+        return [self._assemble(op, slot, gathered[slot], buffers) if runs[slot] else None for slot, op in enumerate(bucket.ops)]
 
     def _launch_gathers(self, op: Op, slot: int, buffers: ExportBuffers) -> dict:
         """Issue ``op``'s gathers: row gathers straight into outputs, or whole shards."""
@@ -241,15 +248,21 @@ class PlanExporter:
         return tensor
 
 
-def buckets_holding(buckets: list[Bucket], needed: frozenset[str], plan: ExportPlan) -> set[int]:
-    """Indices of the buckets that yield a ``needed`` name or the tensor a needed alias repeats.
-    Pure: the same on every rank. Raises ``KeyError`` for a name the plan does not yield."""
+def ops_holding(buckets: list[Bucket], needed: frozenset[str], plan: ExportPlan) -> dict[int, frozenset[int]]:
+    """Bucket number -> the slots of its ops that yield a ``needed`` name or the tensor a needed
+    alias repeats (buckets with none are left out). Pure: the same on every rank. Raises
+    ``KeyError`` for a name the plan does not yield."""
     unknown = needed - {e.hf_name for e in plan.entries}
     if unknown:
         raise KeyError(f"not in the export plan: {sorted(unknown)[:5]}")
     sources = {e.alias_of for e in plan.entries if e.hf_name in needed and e.alias_of is not None}
     wanted = needed | sources
-    return {number for number, bucket in enumerate(buckets) if any(e.hf_name in wanted for op in bucket.ops for e in op.entries)}
+    run: dict[int, frozenset[int]] = {}
+    for number, bucket in enumerate(buckets):
+        slots = frozenset(slot for slot, op in enumerate(bucket.ops) if any(e.hf_name in wanted for e in op.entries))
+        if slots:
+            run[number] = slots
+    return run
 
 
 def _gather(local: torch.Tensor, group: Any, size: int, buffers: ExportBuffers, role: str, index: Any) -> torch.Tensor:
