@@ -14,16 +14,19 @@ Megatron's TE spec in bf16:
    all-gather is still deferred);
 3. the oracle, read back from the optimizer, not from the trainer's model: its fp32 main
    parameters after the step (``shard_fp32_from_float16_groups``, matched to the model
-   parameters by ``model_float16_groups``), rounded to bf16 as Megatron's copy to the model
+   parameters by ``model_float16_groups``, each rank's ranges joined over the data-parallel
+   group), rounded to bf16 as Megatron's copy to the model
    does, written into a second model of the same shape without DDP, and exported by stock
    ``AutoBridge.export_hf_weights``.
 
 Checks (exit 1 on any failure): RefitBridge's export after the step equals the oracle bit for
 bit for every tensor; it differs from the pre-step export in every tensor the step changed (a
 check that an export of pre-step weights fails); with ``overlap_param_gather`` the export found
-deferred gathers and completed them. One data-parallel rank (one GPU): each optimizer shard is
-then a whole parameter, so the oracle reads it directly; the deferred gather has no other rank
-to fetch from. Writes ``ddp_export_<model>.json`` (with its manifest) to --out-dir.
+deferred gathers and completed them. One data-parallel replica per GPU, each training on its
+own tokens: with two or more, ``model_params_stale_before_export`` counts the parameters that
+still held pre-step values on the rank when the export started (the stale read it prevents);
+with one GPU the deferred gather has no other rank to fetch from, so that count is 0. Writes
+``ddp_export_<model>.json`` (with its manifest, rank 0's results and every rank's ok) to --out-dir.
 """
 
 from __future__ import annotations
@@ -81,19 +84,34 @@ def train_step(chunks, optimizer, vocab: int, seed: int) -> float:
 
 
 def optimizer_main_params(optimizer, trainer_params: dict) -> dict[str, torch.Tensor]:
-    """Parameter name -> the distributed optimizer's fp32 main parameter after its step (read from
-    the optimizer's own groups; one data-parallel rank, so each shard is the whole parameter)."""
-    name_of = {id(p): name for name, p in trainer_params.items()}
-    mains = {}
+    """Parameter name -> the distributed optimizer's fp32 main parameter after its step, whole.
+
+    Read from the optimizer's own groups: each data-parallel rank holds the main values of its
+    range of each parameter (``_get_model_param_range_map``); the ranges are joined by an
+    all-reduce of their bits (int32, zero elsewhere: exact, -0 kept). Collective over the
+    data-parallel group, every parameter in name order."""
+    local: dict[str, list] = {}
+    group = None
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        group = opt.data_parallel_group
+        name_of = {id(p): name for name, p in trainer_params.items()}
         for model_group, main_group in zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups):
             for model_param, main in zip(model_group, main_group):
-                if main.numel() != model_param.numel():
-                    raise SystemExit("run with one data-parallel rank: the oracle reads whole parameters from one optimizer shard")
-                mains[name_of[id(model_param)]] = main.detach()
-    if set(mains) != set(trainer_params):
-        raise SystemExit(f"the optimizer holds {len(mains)} of the model's {len(trainer_params)} parameters")
+                piece = opt._get_model_param_range_map(model_param)["param"]
+                local.setdefault(name_of[id(model_param)], []).append((piece.start, piece.end, main.detach()))
+    mains = {}
+    for name in sorted(trainer_params):
+        bits = torch.zeros(trainer_params[name].numel(), dtype=torch.int32, device="cuda")
+        for start, end, main in local.get(name, []):
+            bits[start:end] = main.reshape(-1).view(torch.int32)
+        dist.all_reduce(bits, group=group)
+        mains[name] = bits.view(torch.float32)
     return mains
+
+
+def stale_params(trainer_params: dict, mains: dict) -> list[str]:
+    """Parameters whose bf16 values on this rank are not the optimizer's result (before any export)."""
+    return sorted(n for n, p in trainer_params.items() if not same(p.detach(), mains[n].view(p.shape).to(p.dtype)))
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -129,22 +147,25 @@ def check(args, overlap: bool) -> dict:
         trainer,
     )
     before = exported(bridge, trainer)
-    loss = train_step(trainer, optimizer, config.vocab_size, seed=7)
+    loss = train_step(trainer, optimizer, config.vocab_size, seed=7 + dist.get_rank())  # each replica its own data
     deferred = len(deferred_gather_groups(trainer))
+    mains = optimizer_main_params(optimizer, trainer_params)
+    stale = stale_params(trainer_params, mains)  # what an export that did not finish the gathers would read
     after = exported(bridge, trainer)  # right after the step: no forward pass in between
     with torch.no_grad():
-        for name, main in optimizer_main_params(optimizer, trainer_params).items():
+        for name, main in mains.items():
             param = oracle_params[name]
             param.copy_(main.view(param.shape).to(param.dtype))
     expected = exported(oracle_bridge, oracle, stock=True)
     differing = sorted(n for n in expected if n not in after or not same(after[n], expected[n]))
     changed = sorted(n for n in expected if not same(before[n], expected[n]))
-    stale = sorted(n for n in changed if same(after[n], before[n]))
+    unchanged = sorted(n for n in changed if same(after[n], before[n]))
     return {
-        "overlap_param_gather": overlap, "loss": loss, "tensors": len(expected), "changed_by_step": len(changed),
-        "deferred_gather_groups_before_export": deferred, "differing_from_oracle": differing[:10],
-        "stale_after_step": stale[:10], "dtypes": sorted({str(t.dtype) for t in after.values()}),
-        "ok": not differing and not stale and bool(changed) and set(after) == set(expected) and (deferred > 0) == overlap,
+        "overlap_param_gather": overlap, "rank": dist.get_rank(), "loss": loss, "tensors": len(expected),
+        "changed_by_step": len(changed), "deferred_gather_groups_before_export": deferred,
+        "model_params_stale_before_export": len(stale), "differing_from_oracle": differing[:10],
+        "exported_pre_step_values": unchanged[:10], "dtypes": sorted({str(t.dtype) for t in after.values()}),
+        "ok": not differing and not unchanged and bool(changed) and set(after) == set(expected) and (deferred > 0) == overlap,
     }
 
 
@@ -163,13 +184,15 @@ def main() -> None:
     results = [check(args, overlap) for overlap in (False, True)]
     for row in results:
         print(row, flush=True)
+    everyone_ok = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone_ok, all(r["ok"] for r in results))
     if dist.get_rank() == 0:
         from provenance import device_name
 
         payload = {"device": device_name(), "model": f"{args.model} ({args.layers} layers)", "dp": dist.get_world_size(),
-                   "optimizer": f"Megatron distributed Adam, lr {LR}", "results": results}
+                   "optimizer": f"Megatron distributed Adam, lr {LR}", "results_rank0": results, "ok_per_rank": everyone_ok}
         write_result(args.out_dir or results_dir(), f"ddp_export_{args.model}.json", payload)
-    ok = all(r["ok"] for r in results)
+    ok = all(everyone_ok)
     dist.destroy_process_group()
     sys.exit(0 if ok else 1)
 

@@ -71,7 +71,8 @@ case "$part" in
     step bench_refit_vllm_qwen3-8b_fp8 240 python3 scripts/bench_refit_vllm.py --model qwen3-8b --steps 5 --fp8 --out-dir "$RESULTS"
     ;;
   training)
-    step ddp_export 240 "${one[@]}" scripts/check_ddp_export_gpu.py --out-dir "$RESULTS"
+    # one data-parallel replica per GPU: with two, the deferred parameter all-gather really has shards to fetch
+    step ddp_export 240 torchrun --nproc-per-node "$(nvidia-smi -L | wc -l)" scripts/check_ddp_export_gpu.py --out-dir "$RESULTS"
     # CPU ranks (gloo) on the GPU host's cores: TP2 on 2, 4 and 8 ranks = 1, 2 and 4 replicas writing in parallel
     step parallel_write 420 env CUDA_VISIBLE_DEVICES= python3 scripts/bench_parallel_write.py --ranks 2 4 8 --rounds 2 --work /tmp/pw --out-dir "$RESULTS"
     ;;
