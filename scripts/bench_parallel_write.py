@@ -48,10 +48,11 @@ def make_source(directory: Path, max_shard_bytes: int) -> Path:
     return make_random_checkpoint(recipe, directory, seed=7, max_shard_bytes=max_shard_bytes)
 
 
-def convert(ranks: int, source: Path, out: Path, layout: list[str]) -> dict:
+def convert(ranks: int, source: Path, out: Path, layout: list[str], max_shard_bytes: int) -> dict:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "mbridge_refit.convert", "--nproc-per-node", str(ranks), "roundtrip",
-           "--hf", str(source), "--out", str(out), "--overwrite", "--no-progress", *layout]
+           "--hf", str(source), "--out", str(out), "--overwrite", "--no-progress", "--max-shard-bytes", str(max_shard_bytes),
+           *layout]
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     wall = time.monotonic() - start
@@ -102,7 +103,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="rank counts to compare (default: 2 4)")
     parser.add_argument("--layout", nargs="*", default=["--tp", "2"], help="model-parallel layout flags (default: --tp 2)")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds over the rank counts")
-    parser.add_argument("--max-shard-bytes", type=int, default=64 << 20, help="source and output shard size")
+    parser.add_argument("--max-shard-bytes", type=int, default=32 << 20, help="source and output shard size (default 32 MiB: 14 files)")
     parser.add_argument("--work", type=Path, default=None, help="scratch directory (default: a temporary one)")
     parser.add_argument("--out-dir", type=Path, default=None, help="results folder (default: benchmarks/results/<date>-cpu<cores>/)")
     args = parser.parse_args()
@@ -110,12 +111,12 @@ def main() -> None:
     from mbridge_refit.checkpoints.hf import compare_checkpoints
 
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-parallel-write-"))
-    source = make_source(work / "source", 64 << 20) if not (work / "source").is_dir() else work / "source"
+    source = make_source(work / "source", args.max_shard_bytes) if not (work / "source").is_dir() else work / "source"
     source_bytes = sum(f.stat().st_size for f in source.glob("*.safetensors"))
     runs: dict[int, list[dict]] = {n: [] for n in args.ranks}
     for round_number in range(args.rounds):
         for ranks in args.ranks:
-            result = convert(ranks, source, work / f"out-{ranks}", args.layout)
+            result = convert(ranks, source, work / f"out-{ranks}", args.layout, args.max_shard_bytes)
             result["disk_floor_s"] = disk_floor(work / "floor", source_bytes, args.max_shard_bytes, ranks)
             runs[ranks].append(result)
             print(f"round {round_number} ranks {ranks}: {result}", flush=True)
