@@ -57,3 +57,21 @@ def test_gpu_export_matches_stock_bitwise(tiny_gpu_model):
     assert [n for n, _ in got] == [n for n, _ in expected]
     for (name, a), (_, b) in zip(got, expected):
         assert a.dtype == b.dtype and torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8)), name
+
+
+def test_export_right_after_a_ddp_step(tmp_path):
+    """Megatron DDP + distributed optimizer, overlap_param_gather off and on: the export right after
+    optimizer.step() equals the optimizer's own result (scripts/check_ddp_export_gpu.py, in a
+    fresh process with one rank per GPU)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    gpus = torch.cuda.device_count()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(gpus),
+           str(repo / "scripts" / "check_ddp_export_gpu.py"), "--out-dir", str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": str(repo), "NCCL_NVLS_ENABLE": "0"}
+    run = subprocess.run(cmd, cwd=repo / "scripts", env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]

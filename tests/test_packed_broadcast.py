@@ -175,20 +175,23 @@ REPLICA_CASES = {
     "dp2_tp2": ("qwen3-tiny", ["--tp", "2"]),
     "dp2_pp2": ("qwen3-tiny", ["--pp", "2"]),
     "dp2_tp2_ep2": ("qwen3-moe-tiny", ["--tp", "2", "--ep", "2"]),
+    "dp2_pp2_vpp2": ("qwen3-tiny", ["--pp", "2", "--vpp", "2"]),
+    "cp2_tp2": ("qwen3-tiny", ["--tp", "2", "--cp", "2"]),  # one replica of 4 ranks: every rank exports, rank 0 sends
 }
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("case", list(REPLICA_CASES))
 def test_packed_broadcast_from_one_replica(case, source_checkpoints, tmp_path):
-    """4 trainer ranks holding 2 data-parallel replicas + 1 receiver: replica 0 exports, rank 0 is
-    the only sender, replica 1 does no export work; the receiver's bytes equal the checkpoint."""
+    """4 trainer ranks holding 2 data-parallel replicas (or one CP2 x TP2 replica) + 1 receiver:
+    replica 0 exports, rank 0 is the only sender, replica 1 does no export work; the receiver's
+    bytes equal the checkpoint."""
     recipe, flags = REPLICA_CASES[case]
     run = torchrun(5, [CHECKER, "--hf", str(source_checkpoints(recipe)), "--result", str(tmp_path), *flags], timeout=TIMEOUT_S)
     assert run.returncode == 0, run.output[-6000:]
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(5)]
-    exporting = reports[0]["replica_ranks"]
-    assert 0 in exporting and len(exporting) == 2, exporting
+    exporting = reports[0]["replica_ranks"] or [0, 1, 2, 3]  # None: no data-parallel replicas, all export
+    assert 0 in exporting and len(exporting) == (4 if case == "cp2_tp2" else 2), exporting
     idle = [reports[r] for r in range(4) if r not in exporting]
     busy = [reports[r] for r in exporting]
     receiver, stream = reports[-1], reports[-1]["stream_bytes"]

@@ -186,6 +186,7 @@ def main() -> None:
     ps.initialize_model_parallel(
         tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
         virtual_pipeline_model_parallel_size=args.vpp, expert_model_parallel_size=args.ep,
+        context_parallel_size=layout.cp,
         expert_tensor_parallel_size=layout.etp,
         local_world_size=len(trainer_ranks),
     )
