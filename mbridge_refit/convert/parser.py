@@ -57,7 +57,9 @@ COMMAND_TEXT: dict[str, tuple[str, str | None]] = {
     "roundtrip": (
         "load HF weights into a Megatron layout and export them back to HF",
         "Load --hf into a Megatron model split as --tp/--pp/--vpp/--cp/--ep across the launched ranks (any "
-        "multiple of tp*pp*cp: the rest are data-parallel replicas), export it back with RefitBridge and write --out.",
+        "multiple of tp*pp*cp: the rest are data-parallel replicas), export it back with RefitBridge and write --out. "
+        "Replicas write in parallel: each exports and writes its own share of the shards (the files do not depend "
+        "on the number of ranks).",
     ),
     "import": (
         "HF checkpoint -> Megatron checkpoint (Megatron-Core dist_checkpointing, torch_dist)",
