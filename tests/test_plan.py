@@ -12,10 +12,15 @@ from oracle import read_checkpoint
 
 
 @pytest.mark.multirank
-def test_plan_cli_json_matches_the_checkpoint(source_checkpoints, tmp_path):
+@pytest.mark.parametrize(
+    ("ranks", "flags"),
+    [(2, ["--ep", "2"]), (4, ["--tp", "2", "--ep", "2"])],  # the second: DP2 x TP2 x EP2
+    ids=["ep2", "dp2_tp2_ep2"],
+)
+def test_plan_cli_json_matches_the_checkpoint(ranks, flags, source_checkpoints, tmp_path):
     source = source_checkpoints("qwen3-moe-tiny")
     out = tmp_path / "plan.json"
-    run = torchrun(2, ["mbridge_refit.convert", "plan", "--hf", str(source), "--ep", "2", "--json", str(out)])
+    run = torchrun(ranks, ["mbridge_refit.convert", "plan", "--hf", str(source), *flags, "--json", str(out)])
     assert run.returncode == 0, run.output[-4000:]
     entries = json.loads(out.read_text())["entries"]
     expected = read_checkpoint(source)

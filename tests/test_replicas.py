@@ -38,7 +38,7 @@ def test_replicated_layout_exports_exactly(case, source_checkpoints, tmp_path):
     assert sum(r["takes_part_in_replica0"] for r in reports) == expected["participants"]
 
 
-@pytest.mark.parametrize("case", ["dp2_tp2", "cp2_tp2"])
+@pytest.mark.parametrize("case", list(CASES))
 def test_roundtrip_cli_with_replicas(case, source_checkpoints, tmp_path):
     recipe, flags, _ = CASES[case]
     source, out = source_checkpoints(recipe), tmp_path / "out"

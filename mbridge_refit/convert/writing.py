@@ -97,7 +97,10 @@ def planned_share(
     groups = replicas if disjoint else [frozenset(range(dist.get_world_size()))]
     assignment = ShardAssignment.build(tensors, max_shard_bytes=max_shard_bytes, replicas=groups)
     mine = next(ranks for ranks in groups if dist.get_rank() in ranks)
-    names = assignment.names_for(mine) if len(groups) > 1 else None
+    if len(groups) > 1:
+        names = assignment.names_for(mine)
+    else:  # every rank exports what the checkpoint holds (the export may yield more, e.g. a tied lm_head)
+        names = frozenset(assignment.names) if len(assignment.names) < len(plan.entries) else None
     return WriteShare(assignment=assignment, names=names, parallel_replicas=len(groups))
 
 
