@@ -117,13 +117,14 @@ class ShardAssignment:
     def build(
         cls, tensors: Iterable[tuple[str, int]], *, max_shard_bytes: int, replicas: Iterable[Iterable[int]]
     ) -> "ShardAssignment":
+        tensors = list(tensors)
         names, nbytes = zip(*tensors) if tensors else ((), ())
         shard_of = tuple(plan_shards(nbytes, max_shard_bytes=max_shard_bytes))
         groups = [sorted(ranks) for ranks in replicas]
         if not groups or not all(groups):
             raise ValueError(f"replicas must be non-empty rank lists, got {groups}")
         count = (max(shard_of) + 1) if shard_of else 0
-        writers = tuple(groups[k % len(groups)][(k // len(groups)) % len(groups[k % len(groups)])] for k in range(count))
+        writers = tuple(_writer_of(k, groups) for k in range(count))
         return cls(names=tuple(names), nbytes=tuple(nbytes), shard_of=shard_of, writers=writers)
 
     @property
@@ -134,6 +135,12 @@ class ShardAssignment:
         """The tensors of the shards that ``ranks`` write."""
         ranks = set(ranks)
         return frozenset(n for n, k in zip(self.names, self.shard_of) if self.writers[k] in ranks)
+
+
+def _writer_of(shard: int, groups: list[list[int]]) -> int:
+    """Shard ``k`` goes to group ``k % R``; within it, the group's ranks take turns (``k // R``)."""
+    group = groups[shard % len(groups)]
+    return group[(shard // len(groups)) % len(group)]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
