@@ -324,7 +324,7 @@ class RefitBridge(AutoBridge):
                 (``export_plan(model, fp8=...)`` lists them). Checked before any export work:
                 raises ``FP8FormatError`` for a model that cannot be exported so.
             only: yield only these HF names (of the plan, or with ``fp8`` of the FP8 plan), in
-                plan order, and skip the gather buckets that hold none of them. Every rank of the
+                plan order; parameters that yield none of them are not gathered. Every rank of the
                 model's groups passes the same names: one data-parallel replica exporting its
                 share of a checkpoint (``convert`` writes so). Raises ``KeyError`` for a name the
                 export does not yield.
@@ -382,8 +382,8 @@ class RefitBridge(AutoBridge):
     ) -> Iterable[tuple[str, torch.Tensor]]:
         """The FP8 stream: weights the trainer keeps as blockwise FP8 are shipped as they are, with
         their scales; high-precision weights are quantized bucket by bucket into (cached) buffers.
-        With ``only``, the buckets of the selected weights (and of the weights whose scales are
-        selected) run; with trainer scales, whose stream follows the whole plan, every bucket runs."""
+        With ``only``, the selected weights (and the weights whose scales are selected) are
+        exported; with trainer scales, whose stream follows the whole plan, everything is."""
         fp8 = self.fp8_export(chunks, config)
         needed = None
         if only is not None and fp8.scales is None:

@@ -325,6 +325,23 @@ LAYOUT_CASES = [
 ]
 
 
+def assert_fp8_checkpoint_is_reference(source, out) -> set[str]:
+    """The FP8 checkpoint at ``out`` holds, for every linear weight of ``source``, the reference
+    quantizer's e4m3 data and scales, and every other tensor as it is; returns the quantized names."""
+    expected, written = read_checkpoint(source), read_checkpoint(out)
+    config = BlockwiseFP8Config()
+    quantized = {n for n, t in expected.items() if config.quantizes(n, tuple(t.shape), "bfloat16")}
+    assert sorted(written) == sorted(set(expected) | {f"{n}_scale_inv" for n in quantized})
+    for name, source_tensor in expected.items():
+        if name not in quantized:
+            assert same_bits(written[name], source_tensor), name
+            continue
+        ref_q, ref_s = reference_quantize(source_tensor)
+        assert same_bits(written[name], ref_q), name
+        assert same_bits(written[f"{name}_scale_inv"], ref_s), name
+    return quantized
+
+
 @pytest.mark.parametrize(
     ("model", "nproc", "flags"), LAYOUT_CASES, ids=["tp1", "tp2", "pp2", "pp2_vpp2", "tp2_pp2", "moe-ep2", "moe-tp2_ep2"]
 )
@@ -337,18 +354,8 @@ def test_roundtrip_fp8_matches_reference_quantizer(block_checkpoints, tmp_path, 
          "--device", "cpu", "--fp8-blockwise", *flags],
     )
     assert run.returncode == 0, run.output[-4000:]
-    expected, written = read_checkpoint(source), read_checkpoint(out)
-    config = BlockwiseFP8Config()
-    quantized = {n for n, t in expected.items() if config.quantizes(n, tuple(t.shape), "bfloat16")}
+    quantized = assert_fp8_checkpoint_is_reference(source, out)
     assert quantized and any("experts" in n for n in quantized) == (model == "moe")
-    assert sorted(written) == sorted(set(expected) | {f"{n}_scale_inv" for n in quantized})
-    for name, source_tensor in expected.items():
-        if name not in quantized:
-            assert same_bits(written[name], source_tensor), name
-            continue
-        ref_q, ref_s = reference_quantize(source_tensor)
-        assert same_bits(written[name], ref_q), name
-        assert same_bits(written[f"{name}_scale_inv"], ref_s), name
     quant = json.loads((out / "config.json").read_text())["quantization_config"]
     assert quant["quant_method"] == "fp8" and quant["weight_block_size"] == [128, 128] and quant["fmt"] == "e4m3"
     assert "lm_head" in quant["modules_to_not_convert"]

@@ -62,8 +62,8 @@ def test_layout_that_does_not_divide_the_world_names_both_numbers(source_checkpo
     ids=["qwen3-tp2", "qwen3-moe-tp2_ep2-fp8"],
 )
 def test_replicas_write_their_shares_in_parallel(recipe, flags, source_checkpoints, tmp_path):
-    """DP2 (4 ranks) writes the very files DP1 (2 ranks) writes, each replica its own shards; both
-    equal the checkpoint on disk (BF16) or each other (FP8, whose tensors test_fp8 checks)."""
+    """DP2 (4 ranks) writes the very files DP1 (2 ranks) writes, each replica its own shards, and
+    they equal the checkpoint on disk (BF16) or the reference quantizer applied to it (FP8)."""
     source = source_checkpoints(recipe)
     small = ["--max-shard-bytes", "40000"]  # many shards, so both replicas have some
     outputs = {}
@@ -79,7 +79,11 @@ def test_replicas_write_their_shares_in_parallel(recipe, flags, source_checkpoin
     assert files == sorted(p.name for p in outputs[4].iterdir())
     for name in files:
         assert (outputs[2] / name).read_bytes() == (outputs[4] / name).read_bytes(), name
-    if "--fp8-blockwise" not in flags:
+    if "--fp8-blockwise" in flags:
+        from test_fp8 import assert_fp8_checkpoint_is_reference
+
+        assert assert_fp8_checkpoint_is_reference(source, outputs[4])
+    else:
         assert_bitwise_equal_checkpoints(source, outputs[4])
 
 

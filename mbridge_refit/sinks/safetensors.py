@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import time
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -232,10 +233,8 @@ class ShardedSafetensorsWriter(WeightSink):
         self._assignment = assignment
         if assignment is not None:
             self._planned = {name: (k, n) for name, k, n in zip(assignment.names, assignment.shard_of, assignment.nbytes)}
-            self._missing = {k: 0 for k in range(assignment.num_shards) if assignment.writers[k] == self._ranks.rank}
-            for shard in assignment.shard_of:
-                if shard in self._missing:
-                    self._missing[shard] += 1
+            # tensors still to come of each shard this rank writes, and those already here
+            self._missing = Counter(k for k in assignment.shard_of if assignment.writers[k] == self._ranks.rank)
             self._shard_buffers: dict[int, dict[str, torch.Tensor]] = {k: {} for k in self._missing}
         _prepare_out_dir(self.out_dir, overwrite=overwrite, ranks=self._ranks)
 
@@ -258,7 +257,7 @@ class ShardedSafetensorsWriter(WeightSink):
             self._open_shard = shard
         self._weight_map[hf_name] = shard
         self._total_bytes += nbytes
-        if self._owns(shard):
+        if self._owns_streamed(shard):
             self._buffer[hf_name] = tensor.detach().to("cpu", copy=True).contiguous()
 
     def finish(self) -> None:
@@ -295,6 +294,8 @@ class ShardedSafetensorsWriter(WeightSink):
         directory is left as it was."""
         self._closed = True
         self._buffer.clear()
+        if self._assignment is not None:
+            self._shard_buffers.clear()
         for path in sorted(self._tmp_paths | set(self._written.values())):
             path.unlink(missing_ok=True)
         if self._ranks.rank == 0 and self.staging.exists():
@@ -312,18 +313,26 @@ class ShardedSafetensorsWriter(WeightSink):
             )
 
     def _close_shard(self) -> None:
-        """Write the open shard under its temporary name if this rank owns it."""
+        """Streaming: write the open shard if this rank owns it."""
         shard = self._open_shard
-        if shard is None or not self._owns(shard):
+        if shard is None or not self._owns_streamed(shard):
             return
+        self._write_shard(shard, self._buffer)
+        self._buffer = {}
+
+    def _owns_streamed(self, shard: int) -> bool:
+        """Streaming: shard ``k`` is written by rank ``k % world_size``."""
+        return shard % self._ranks.world_size == self._ranks.rank
+
+    def _write_shard(self, shard: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Write one shard under its temporary name, synced (renamed once the shard count is known)."""
         path = self.staging / _tmp_shard_name(shard)
         self._tmp_paths.add(path)
         start = time.monotonic()
-        save_file(self._buffer, str(path), metadata=self._metadata)
+        save_file(tensors, str(path), metadata=self._metadata)
         fsync_file(path)
         self.file_seconds += time.monotonic() - start
         self._written[shard] = path
-        self._buffer = {}
 
     def _consume_assigned(self, hf_name: str, tensor: torch.Tensor, nbytes: int) -> None:
         planned = self._planned.get(hf_name)
@@ -338,9 +347,7 @@ class ShardedSafetensorsWriter(WeightSink):
         self._shard_buffers[shard][hf_name] = tensor.detach().to("cpu", copy=True).contiguous()
         self._missing[shard] -= 1
         if self._missing[shard] == 0:
-            self._buffer, self._open_shard = self._shard_buffers.pop(shard), shard
-            self._close_shard()
-            self._open_shard = None
+            self._write_shard(shard, self._shard_buffers.pop(shard))
 
     def _finish_assigned(self) -> None:
         """Every shard this rank writes must be complete; the index lists every planned tensor."""
@@ -354,11 +361,6 @@ class ShardedSafetensorsWriter(WeightSink):
             )
         self._weight_map = dict(zip(self._assignment.names, self._assignment.shard_of))
         self._total_bytes = sum(self._assignment.nbytes)
-
-    def _owns(self, shard: int) -> bool:
-        if self._assignment is not None:
-            return self._assignment.writers[shard] == self._ranks.rank
-        return shard % self._ranks.world_size == self._ranks.rank
 
     def _publish_shards(self, num_shards: int) -> None:
         for shard, tmp in sorted(self._written.items()):
