@@ -40,12 +40,16 @@ from mbridge_refit.fp8.plan import fp8_plan, yielded_bytes
 from mbridge_refit.fp8.quantize import quantize_buckets
 from mbridge_refit.checkpoints.loader import LoadReport, load_hf_shards
 from mbridge_refit.plan.build import build_export_plan
+from mbridge_refit.plan.engine_layout import EngineLayout
 from mbridge_refit.plan.entries import ExportPlan, PlanError
+from mbridge_refit.plan.layout import ModelShape
 from mbridge_refit.plan.storage import FP8_BLOCKWISE, is_quantized
+from mbridge_refit.plan.transfer import TransferPlan, build_transfer_plan
 from mbridge_refit.runtime.buffers import ExportBuffers
-from mbridge_refit.runtime.collectives import current_rank_groups, is_rank_zero, replica_participants
+from mbridge_refit.runtime.collectives import current_rank_groups, current_trainer_rank, is_rank_zero, replica_participants
 from mbridge_refit.runtime.exporter import DEFAULT_BUCKET_BYTES, PlanExporter
 from mbridge_refit.runtime.param_sync import finish_pending_param_gathers
+from mbridge_refit.runtime.sharded_transfer import ShardedTransfer
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +95,7 @@ class _ModelState:
     participants: dict[int, frozenset[int]] = field(default_factory=dict)  # replica -> ranks its export needs
     group: Any = None  # the ranks the plan was built over (None: the whole job)
     everyone: list[Any] | None = None  # those ranks' RankGroups (one object gather, when replicas are asked for)
+    grid: tuple[Any, ...] | None = None  # those ranks' TrainerRank coordinates (one object gather, for transfer plans)
 
 
 class RefitBridge(AutoBridge):
@@ -240,6 +245,38 @@ class RefitBridge(AutoBridge):
         state = self._planned(_chunks(model))
         replicas = sorted({r.replica for r in self._everyone(state)})
         return tuple(self._participants(state, r) for r in replicas)
+
+    def transfer_plan(
+        self, model: list[torch.nn.Module] | torch.nn.Module, engine: EngineLayout | str, *,
+        engine_ranks: Iterable[int] | None = None, only: Iterable[str] | None = None,
+    ) -> TransferPlan:
+        """The sharded refit of ``model`` into an engine laid out as ``engine`` (``"tp2"``,
+        ``EngineLayout(tp=4)``), engine rank i on global rank ``engine_ranks[i]`` (default i):
+        which slice of which HF tensor each engine rank gets, from which trainer rank.
+
+        Collective on the first call for a model over the ranks the plan is built over (the plan,
+        then one object gather of every rank's grid coordinates); pure and cheap afterwards. The
+        same on every rank; ``to_json`` hands it to engine processes. Raises
+        ``EngineShardingError`` / ``TransferPlanError`` naming the tensor an engine cannot slice.
+        """
+        state = self._planned(_chunks(model))
+        if state.grid is None:
+            grid: list[Any] = [None] * torch.distributed.get_world_size(state.group)
+            torch.distributed.all_gather_object(grid, current_trainer_rank(), group=state.group)
+            state.grid = tuple(grid)
+        engine = EngineLayout.parse(engine) if isinstance(engine, str) else engine
+        shape = ModelShape.from_hf_config(self.hf_pretrained.config)
+        return build_transfer_plan(state.plan, state.grid, engine, shape, engine_ranks=engine_ranks, only=only)
+
+    def sharded_transfer(
+        self, model: list[torch.nn.Module] | torch.nn.Module, plan: TransferPlan, *, group: Any = None, checksum: bool = False
+    ) -> ShardedTransfer:
+        """A ``ShardedTransfer`` of ``plan`` reading this rank's parameters of ``model``; its ``run``
+        first completes Megatron DDP's deferred parameter gathers. Build it once on every rank
+        of ``group`` (default: the whole job) and call ``run(shards)`` every step. No collective."""
+        chunks = _chunks(model)
+        state = self._planned(chunks)
+        return ShardedTransfer(plan, params=_local_params(state.tasks), group=group, checksum=checksum, chunks=chunks)
 
     def _everyone(self, state: _ModelState) -> list[Any]:
         """Every trainer rank's groups, gathered over the ranks the plan was built over."""

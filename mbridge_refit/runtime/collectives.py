@@ -96,6 +96,18 @@ def current_rank_groups() -> RankGroups:
     )
 
 
+def current_trainer_rank() -> "TrainerRank":
+    """This rank's coordinates in the trainer's grid (Megatron's parallel state), for transfer plans."""
+    from megatron.core import parallel_state as ps
+
+    from mbridge_refit.plan.transfer import TrainerRank
+
+    return TrainerRank(
+        rank=dist.get_rank(), pp=ps.get_pipeline_model_parallel_rank(), tp=ps.get_tensor_model_parallel_rank(),
+        ep=ps.get_expert_model_parallel_rank(), replica=ps.get_data_parallel_rank(),
+    )
+
+
 def replica_participants(everyone: list[RankGroups], replica: int) -> frozenset[int]:
     """The ranks an export by data-parallel replica ``replica`` needs: the replica's ranks and
     every rank that shares a tensor-, pipeline- or expert-parallel group with a needed rank

@@ -1,0 +1,285 @@
+"""Running a transfer plan: each engine rank receives only its shards, straight from the trainer's
+parameters, with batched point-to-point sends and local copies.
+
+``ShardedTransfer`` is built on every rank of the job that takes part (trainer ranks that send,
+engine ranks that receive, most often the same ranks) from the same ``TransferPlan``
+(``plan.transfer``). Per ``run(shards)``, on every member of ``group``, in this order:
+
+1. handshake: one ``all_gather`` of int64 ``[plan fingerprint, status]``; a rank whose plan
+   differs, or whose shards or parameters do not fit the plan (checked locally first), makes
+   every member raise ``TransferMismatchError`` naming the ranks, before any data moves;
+2. for each peer, the parts it must receive are packed back to back (16-byte aligned) into one
+   cached send buffer; all sends and receives are posted together (``batch_isend_irecv``, one
+   NCCL group), the local parts are copied meanwhile, then received parts are unpacked into the
+   shards. With ``checksum=True`` each buffer's int64 word sum travels after it;
+3. status: one ``all_gather`` of int64 ``[status]``, so a checksum failure on one rank raises
+   ``TransferChecksumError`` on every rank (nobody is left waiting).
+
+Buffers are allocated on the first run and reused: a steady-state run allocates nothing (the
+caller owns the engine shards; ``allocate_shards`` makes a set once). Parameter and shard
+tensors are read and written only inside ``run``; the trainer must not update its parameters
+while a run is in flight on any rank.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mbridge_refit.plan.engine_layout import Box
+from mbridge_refit.plan.transfer import Move, TransferPlan
+from mbridge_refit.runtime.param_sync import finish_pending_param_gathers
+
+logger = logging.getLogger(__name__)
+
+ALIGN_BYTES = 16
+_OK, _BAD_INPUT, _BAD_CHECKSUM = 0, 1, 2
+
+
+class TransferMismatchError(RuntimeError):
+    """The ranks do not agree on the transfer plan, or a rank's tensors do not fit it."""
+
+
+class TransferChecksumError(RuntimeError):
+    """Bytes received in a sharded transfer differ from the bytes sent."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Packed:
+    move: Move
+    offset: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TransferStats:
+    """What one run moved on this rank."""
+
+    sent_bytes: int
+    received_bytes: int
+    local_bytes: int
+    peers: int
+
+
+class ShardedTransfer:
+    """Runs ``plan`` on this rank (module docstring for the protocol).
+
+    ``params``: this rank's local Megatron parameters by global name (empty on a rank that only
+    receives). ``chunks``: the model, whose deferred DDP parameter gathers each run completes
+    first (``RefitBridge.sharded_transfer`` passes it). ``group``: every rank that sends or receives (default: the whole job); it must
+    hold every rank the plan names. ``device``: where the buffers live (the parameters' device).
+    """
+
+    def __init__(
+        self, plan: TransferPlan, *, params: Mapping[str, torch.Tensor], group: Any = None,
+        device: torch.device | None = None, checksum: bool = False, chunks: list[torch.nn.Module] | None = None,
+    ) -> None:
+        self.plan = plan
+        self.params = params
+        self.group = group
+        self.rank = dist.get_rank()
+        self.device = device or _device_of(params)
+        self.checksum = checksum
+        self.chunks = chunks or []
+        self.sends = _packed(plan.moves, self.rank, outgoing=True)
+        self.receives = _packed(plan.moves, self.rank, outgoing=False)
+        self.local = [m for m in plan.moves if m.is_local and m.source_rank == self.rank]
+        self._send_buffers: dict[int, torch.Tensor] = {}
+        self._receive_buffers: dict[int, torch.Tensor] = {}
+        self._sums = torch.zeros(len(self.sends) + len(self.receives), dtype=torch.int64, device=self.device)
+        self._local_sum = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._control = _Control(dist.get_world_size(group), self.device)
+        self._corrupt_hook = None  # tests: called with (peer, send buffer) after its checksum
+
+    # --- the engine side's tensors ---------------------------------------------------------------
+
+    def allocate_shards(self, device: torch.device | None = None) -> dict[str, torch.Tensor]:
+        """Empty engine shards for this rank (hf_name -> tensor of the shard's shape), to be
+        allocated once and passed to every ``run``."""
+        return {
+            s.hf_name: torch.empty(s.shape, dtype=getattr(torch, s.dtype), device=device or self.device)
+            for s in self.plan.shards_on(self.rank)
+        }
+
+    def buffer_pointers(self) -> list[int]:
+        """Addresses of the cached send and receive buffers (a steady state keeps them)."""
+        return [b.data_ptr() for b in [*self._send_buffers.values(), *self._receive_buffers.values()]]
+
+    # --- one refit -----------------------------------------------------------------------------
+
+    def run(self, shards: Mapping[str, torch.Tensor]) -> TransferStats:
+        """Deliver this rank's shards (collective over ``group``; see the module docstring)."""
+        problem = self._input_problem(shards)
+        self._handshake(problem)
+        finish_pending_param_gathers(self.chunks)  # the weights of the last optimizer step
+        self._ensure_buffers()
+        for peer, parts in self.sends.items():
+            _pack(self._send_buffers[peer], parts, self.params)
+        works = self._post()
+        for move in self.local:
+            _view(shards[move.hf_name], move.shard_box).copy_(_view(self.params[move.megatron_param], move.source_box))
+        for work in works:
+            work.wait()
+        bad = self._bad_checksums()
+        if not bad:
+            for peer, parts in self.receives.items():
+                _unpack(self._receive_buffers[peer], parts, shards)
+        self._share_status(bad)
+        return TransferStats(
+            sent_bytes=sum(p.move.nbytes for parts in self.sends.values() for p in parts),
+            received_bytes=sum(p.move.nbytes for parts in self.receives.values() for p in parts),
+            local_bytes=sum(m.nbytes for m in self.local), peers=len(set(self.sends) | set(self.receives)),
+        )
+
+    def _input_problem(self, shards: Mapping[str, torch.Tensor]) -> str | None:
+        for shard in self.plan.shards_on(self.rank):
+            tensor = shards.get(shard.hf_name)
+            if tensor is None or tuple(tensor.shape) != shard.shape or tensor.dtype != getattr(torch, shard.dtype):
+                found = "missing" if tensor is None else f"{tuple(tensor.shape)} {tensor.dtype}"
+                return f"engine shard {shard.hf_name}: the plan needs {shard.shape} {shard.dtype}, got {found}"
+        for move in [*self.local, *(p.move for parts in self.sends.values() for p in parts)]:
+            param = self.params.get(move.megatron_param)
+            if param is None:
+                return f"{move.hf_name}: this rank has no parameter {move.megatron_param} (the plan was built for another trainer layout)"
+            if any(stop > size for (_, stop), size in zip(move.source_box, param.shape)) or len(move.source_box) != param.dim():
+                return f"{move.hf_name}: parameter {move.megatron_param} {tuple(param.shape)} does not hold {move.source_box}"
+        return None
+
+    def _handshake(self, problem: str | None) -> None:
+        everyone = self._control.exchange([self.plan.fingerprint, _BAD_INPUT if problem else _OK], self.group)
+        fingerprints = {int(row[0]) for row in everyone}
+        failed = [i for i, row in enumerate(everyone) if int(row[1]) != _OK]
+        if len(fingerprints) == 1 and not failed:
+            return
+        ranks = _group_ranks(self.group)
+        parts = []
+        if len(fingerprints) > 1:
+            by_plan = defaultdict(list)
+            for i, row in enumerate(everyone):
+                by_plan[f"{int(row[0]) & 0xFFFF_FFFF_FFFF_FFFF:#018x}"].append(ranks[i])
+            parts.append(f"the ranks hold different transfer plans ({dict(by_plan)})")
+        if failed:
+            parts.append(f"rank(s) {[ranks[i] for i in failed]} found tensors that do not fit the plan")
+        detail = f"; here: {problem}" if problem else ""
+        raise TransferMismatchError(
+            "sharded transfer refused before any data moved: " + "; ".join(parts) + detail
+            + ". Build every rank's ShardedTransfer from the same TransferPlan (TransferPlan.to_json on the trainer)"
+        )
+
+    def _ensure_buffers(self) -> None:
+        if self._send_buffers or self._receive_buffers or not (self.sends or self.receives):
+            return
+        for table, out in ((self.sends, self._send_buffers), (self.receives, self._receive_buffers)):
+            for peer, parts in table.items():
+                last = parts[-1]
+                out[peer] = torch.empty(_align(last.offset + last.move.nbytes), dtype=torch.uint8, device=self.device)
+
+    def _post(self) -> list[Any]:
+        ops, sums = [], 0
+        for peer, buffer in self._send_buffers.items():
+            ops.append(dist.P2POp(dist.isend, buffer, peer, self.group, tag=0))
+            if self.checksum:
+                _word_sum(buffer, out=self._sums[sums])  # a 0-dim view: written in place
+                if self._corrupt_hook is not None:
+                    self._corrupt_hook(peer, buffer)
+                ops.append(dist.P2POp(dist.isend, self._sums[sums : sums + 1], peer, self.group, tag=1))
+                sums += 1
+        for peer, buffer in self._receive_buffers.items():
+            ops.append(dist.P2POp(dist.irecv, buffer, peer, self.group, tag=0))
+            if self.checksum:
+                ops.append(dist.P2POp(dist.irecv, self._received_sum(peer), peer, self.group, tag=1))
+        return dist.batch_isend_irecv(ops) if ops else []
+
+    def _received_sum(self, peer: int) -> torch.Tensor:
+        index = len(self.sends) + list(self._receive_buffers).index(peer)
+        return self._sums[index : index + 1]
+
+    def _bad_checksums(self) -> list[int]:
+        if not self.checksum:
+            return []
+        bad = []
+        for peer, buffer in self._receive_buffers.items():
+            _word_sum(buffer, out=self._local_sum)
+            if int(self._local_sum) != int(self._received_sum(peer)):
+                bad.append(peer)
+        return bad
+
+    def _share_status(self, bad_peers: list[int]) -> None:
+        everyone = self._control.exchange([_BAD_CHECKSUM if bad_peers else _OK, 0], self.group)
+        failed = [rank for rank, row in zip(_group_ranks(self.group), everyone) if int(row[0]) != _OK]
+        if failed:
+            here = f"; here, from rank(s) {bad_peers}" if bad_peers else ""
+            raise TransferChecksumError(
+                f"sharded transfer: rank(s) {failed} received bytes whose checksum differs from the sender's{here}; "
+                "their shards were left unwritten from those peers. Retry the refit; a repeated failure points at the link or memory"
+            )
+
+
+def _packed(moves: tuple[Move, ...], rank: int, *, outgoing: bool) -> dict[int, list[_Packed]]:
+    """Peer -> the parts exchanged with it, in plan order, at their offsets in the peer's buffer."""
+    table: dict[int, list[_Packed]] = {}
+    offsets: dict[int, int] = defaultdict(int)
+    for move in moves:
+        if move.is_local:
+            continue
+        mine, peer = (move.source_rank, move.target_rank) if outgoing else (move.target_rank, move.source_rank)
+        if mine != rank:
+            continue
+        table.setdefault(peer, []).append(_Packed(move=move, offset=offsets[peer]))
+        offsets[peer] = _align(offsets[peer] + move.nbytes)
+    return dict(sorted(table.items()))
+
+
+def _pack(buffer: torch.Tensor, parts: list[_Packed], params: Mapping[str, torch.Tensor]) -> None:
+    for part in parts:
+        _slot(buffer, part).copy_(_view(params[part.move.megatron_param], part.move.source_box))
+
+
+def _unpack(buffer: torch.Tensor, parts: list[_Packed], shards: Mapping[str, torch.Tensor]) -> None:
+    for part in parts:
+        _view(shards[part.move.hf_name], part.move.shard_box).copy_(_slot(buffer, part))
+
+
+def _slot(buffer: torch.Tensor, part: _Packed) -> torch.Tensor:
+    move = part.move
+    return buffer[part.offset : part.offset + move.nbytes].view(getattr(torch, move.dtype)).view(move.shape)
+
+
+def _view(tensor: torch.Tensor, box: Box) -> torch.Tensor:
+    return tensor[tuple(slice(start, stop) for start, stop in box)]
+
+
+def _align(offset: int) -> int:
+    return -(-offset // ALIGN_BYTES) * ALIGN_BYTES
+
+
+def _word_sum(buffer: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+    """int64 sum of the buffer's int32 words into ``out`` (buffers are 16-byte aligned in length)."""
+    return torch.sum(buffer.view(torch.int32), dim=0, dtype=torch.int64, out=out)
+
+
+class _Control:
+    """The int64 rows of the handshake and the status, allocated once and all-gathered in place."""
+
+    def __init__(self, world: int, device: torch.device) -> None:
+        self.mine = torch.zeros(2, dtype=torch.int64, device=device)
+        self.everyone = [torch.zeros(2, dtype=torch.int64, device=device) for _ in range(world)]
+
+    def exchange(self, values: list[int], group: Any) -> list[torch.Tensor]:
+        for i, value in enumerate(values):
+            self.mine[i] = value
+        dist.all_gather(self.everyone, self.mine, group=group)
+        return self.everyone
+
+
+def _group_ranks(group: Any) -> list[int]:
+    return list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
+
+
+def _device_of(params: Mapping[str, torch.Tensor]) -> torch.device:
+    return next(iter(params.values())).device if params else torch.device("cpu")

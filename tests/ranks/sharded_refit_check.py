@@ -1,0 +1,190 @@
+"""Per-rank checks of the sharded refit (transfer plan + ShardedTransfer); run under torchrun by
+tests/test_sharded_refit.py (CPU, gloo, 4 ranks).
+
+Usage: sharded_refit_check.py --hf CKPT --result DIR --engines tp1 tp2 tp4 [--faults] [--tp N --pp N --ep N]
+
+Every rank loads the checkpoint into its shard of the trainer layout, then, failing with exit 1:
+  * the ranks' real Megatron coordinates equal ``megatron_rank_grid`` of the layout;
+  * for each engine layout (engine rank i on global rank i): the transfer plan survives JSON; a
+    run fills this rank's engine shards (pre-filled with a byte pattern), each equal to the
+    matching slice of the checkpoint on disk, cut by ``expected_shards`` below: the engine's
+    rules written again here from HF names and the config, not from the plan; the set of
+    tensors each rank holds is the one those rules give;
+  * after every trainer parameter is changed (+1) the next run delivers the changed values
+    (the checkpoint's tensors + 1), and the transfer's buffers are the same ones;
+  * ``--faults``: ranks holding different plans, a rank whose shards do not fit the plan, and a
+    byte flipped on its way (checksums on) each raise on every rank; a clean run follows.
+Writes DIR/rank<r>.json with each plan's summary (bytes moved, local, full-gather).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from rank_checks import fail, oracle, same_bytes  # noqa: E402
+
+from mbridge_refit.convert.flags import add_layout_flags, layout_from_flags  # noqa: E402
+
+PATTERN = 0xA5
+VOCAB_PADDING = 64
+
+
+def expected_shards(names, read, config, tp: int, ep: int, rank: int) -> dict[str, torch.Tensor]:
+    """What engine rank ``rank`` of an engine at ``tp`` (``ep``) holds: vLLM's sharding rules,
+    written from HF names and the config (an independent statement of plan.engine_layout)."""
+    kv_heads, experts = config.num_key_value_heads, getattr(config, "num_experts", 0) or 0
+    result = {}
+    for name in names:
+        full = read(name)
+        expert = re.search(r"\.experts\.(\d+)\.", name)
+        if expert and ep > 1:
+            if int(expert.group(1)) // (experts // ep) == rank:
+                result[name] = full
+            continue
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            per = -(-full.shape[0] // VOCAB_PADDING) * VOCAB_PADDING // tp
+            result[name] = full[min(rank * per, full.shape[0]) : (rank + 1) * per]
+        elif re.search(r"\.(k_proj|v_proj)\.", name) and kv_heads < tp:
+            rows = full.shape[0] // kv_heads
+            head = rank // (tp // kv_heads)
+            result[name] = full[head * rows : (head + 1) * rows]
+        elif re.search(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.", name):
+            result[name] = full.chunk(tp, dim=0)[rank]
+        elif re.search(r"\.(o_proj|down_proj)\.weight$", name):
+            result[name] = full.chunk(tp, dim=1)[rank]
+        elif name.endswith("norm.weight") or re.search(r"\.mlp\.gate\.weight$", name):
+            result[name] = full
+        else:
+            fail(f"the test's engine rules have no case for {name}")
+    return result
+
+
+def check_run(transfer, shards, expected: dict[str, torch.Tensor], what: str) -> None:
+    for tensor in shards.values():
+        tensor.view(torch.uint8).fill_(PATTERN)
+    transfer.run(shards)
+    if set(shards) != set(expected):
+        fail(f"{what}: this rank holds {sorted(set(shards) ^ set(expected))[:6]} against the engine rules")
+    for name, tensor in expected.items():
+        if not same_bytes(shards[name], tensor.contiguous()):
+            fail(f"{what}: engine shard {name} differs from the checkpoint's slice")
+
+
+def expect_raise(error_type, action, what: str) -> str:
+    try:
+        action()
+    except error_type as err:
+        return str(err)
+    fail(f"{what}: no {error_type.__name__} on rank {dist.get_rank()}")
+
+
+def run_faults(bridge, chunks, engines: list[str], shards_of) -> dict:
+    from mbridge_refit.runtime.sharded_transfer import TransferChecksumError, TransferMismatchError
+
+    rank = dist.get_rank()
+    plans = [bridge.transfer_plan(chunks, e) for e in engines]
+    mine = plans[1] if rank == 0 else plans[0]  # rank 0 holds another engine's plan
+    transfer = bridge.sharded_transfer(chunks, mine)
+    message = expect_raise(TransferMismatchError, lambda: transfer.run(shards_of(transfer)), "different plans")
+    if "different transfer plans" not in message:
+        fail(f"plan mismatch message does not say so: {message}")
+
+    transfer = bridge.sharded_transfer(chunks, plans[-1])
+    shards = shards_of(transfer)
+    if rank == 1 and shards:
+        shards.pop(next(iter(shards)))
+    message = expect_raise(TransferMismatchError, lambda: transfer.run(shards), "a missing shard")
+    if "[1]" not in message:
+        fail(f"the missing-shard refusal does not name rank 1: {message}")
+
+    moving = next(p for p in reversed(plans) if p.bytes_moved)
+    transfer = bridge.sharded_transfer(chunks, moving, checksum=True)
+    senders = sorted({m.source_rank for m in moving.moves if not m.is_local})
+    if rank == senders[0]:
+        def flip(peer, buffer):
+            buffer[0] ^= 1
+        transfer._corrupt_hook = flip
+    shards = shards_of(transfer)
+    message = expect_raise(TransferChecksumError, lambda: transfer.run(shards), "a flipped byte")
+    transfer._corrupt_hook = None
+    transfer.run(shards)  # the same transfer runs clean afterwards
+    return {"checksum_error": message[:200]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hf", type=Path, required=True)
+    parser.add_argument("--result", type=Path, required=True)
+    parser.add_argument("--engines", nargs="+", required=True)
+    parser.add_argument("--faults", action="store_true")
+    add_layout_flags(parser)
+    args = parser.parse_args()
+    layout = layout_from_flags(args)
+
+    from megatron.core import parallel_state as ps
+
+    from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.plan.transfer import TransferPlan, megatron_rank_grid
+    from mbridge_refit.runtime.collectives import current_trainer_rank
+    from mbridge_refit.tools.launch import distributed_session
+    from mbridge_refit.tools.model_builder import BuildOptions, build_model
+
+    cpu = torch.device("cpu")
+    read = oracle(args.hf)
+    with distributed_session(layout, device=cpu, timeout=datetime.timedelta(minutes=5)):
+        rank, world = dist.get_rank(), dist.get_world_size()
+        bridge = RefitBridge.from_hf_pretrained(args.hf)
+        chunks = build_model(bridge, layout, BuildOptions(device=cpu, params_dtype=torch.bfloat16))
+        bridge.load_hf_shards(chunks, args.hf)
+        config = bridge.hf_pretrained.config
+
+        grid = [None] * world
+        dist.all_gather_object(grid, current_trainer_rank())
+        dp = ps.get_data_parallel_world_size()
+        if tuple(grid) != megatron_rank_grid(tp=layout.tp, pp=layout.pp, ep=layout.ep, dp=dp):
+            fail(f"Megatron's rank coordinates {grid} differ from megatron_rank_grid")
+
+        names = bridge.export_plan(chunks).names()
+        summaries = {}
+        for engine_name in args.engines:
+            plan = bridge.transfer_plan(chunks, engine_name)
+            if TransferPlan.from_json(plan.to_json()) != plan:
+                fail(f"{engine_name}: the transfer plan does not survive JSON")
+            transfer = bridge.sharded_transfer(chunks, plan)
+            shards = transfer.allocate_shards()
+            expected = expected_shards(names, read, config, plan.engine.tp, plan.engine.ep, rank) if rank in plan.engine_ranks else {}
+            check_run(transfer, shards, expected, f"engine {engine_name}")
+            summaries[engine_name] = plan.summary()
+
+        last = args.engines[-1]
+        originals = [p.detach().clone() for chunk in chunks for p in chunk.parameters()]
+        with torch.no_grad():
+            for chunk in chunks:
+                for param in chunk.parameters():
+                    param.add_(1)
+        pointers = transfer.buffer_pointers()
+        bumped = {name: (tensor.to(torch.bfloat16) + 1) for name, tensor in expected.items()}
+        check_run(transfer, shards, bumped, f"engine {last} after the parameters changed")
+        if transfer.buffer_pointers() != pointers:
+            fail("the transfer allocated new buffers in a steady-state run")
+        with torch.no_grad():
+            for param, original in zip((p for chunk in chunks for p in chunk.parameters()), originals):
+                param.copy_(original)
+
+        faults = run_faults(bridge, chunks, args.engines, lambda t: t.allocate_shards()) if args.faults else {}
+
+        args.result.mkdir(parents=True, exist_ok=True)
+        (args.result / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "plans": summaries, "faults": faults, "ok": True}))
+
+
+if __name__ == "__main__":
+    main()
