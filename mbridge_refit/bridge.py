@@ -265,7 +265,8 @@ class RefitBridge(AutoBridge):
             torch.distributed.all_gather_object(grid, current_trainer_rank(), group=state.group)
             state.grid = tuple(grid)
         engine = EngineLayout.parse(engine) if isinstance(engine, str) else engine
-        shape = ModelShape.from_hf_config(self.hf_pretrained.config)
+        config = getattr(self.hf_pretrained, "config", None) or self.hf_pretrained  # from_hf_config keeps the config itself
+        shape = ModelShape.from_hf_config(config)
         return build_transfer_plan(state.plan, state.grid, engine, shape, engine_ranks=engine_ranks, only=only)
 
     def sharded_transfer(
