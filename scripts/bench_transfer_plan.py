@@ -32,6 +32,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-8b", help="a shape in recipes/shapes/")
     parser.add_argument("--engines", nargs="+", default=["tp2"], help="engine layouts: tp2, tp4, tp2_ep2, ...")
+    parser.add_argument("--engine-ranks", type=int, nargs="+", default=None,
+                        help="the global rank of each engine rank (default 0, 1, ...: colocated on the first ranks)")
     add_layout_flags(parser)
     args = parser.parse_args()
 
@@ -49,7 +51,7 @@ def main() -> None:
         trainer = f"{layout.name}_dp{dist.get_world_size() // layout.model_parallel_size}"
         for engine in args.engines:
             start = time.perf_counter()
-            plan = bridge.transfer_plan(chunks, engine)
+            plan = bridge.transfer_plan(chunks, engine, engine_ranks=args.engine_ranks)
             plan_s = time.perf_counter() - start
             if env.rank != 0:
                 continue
@@ -61,7 +63,8 @@ def main() -> None:
             )
             print(f"{args.model} {row['layout']}: moved {summary['bytes_moved'] / 1e9:.2f} GB, local {summary['bytes_local'] / 1e9:.2f} GB, "
                   f"full gather {summary['full_gather_bytes'] / 1e9:.2f} GB ({len(plan.moves)} moves, plan {plan_s:.2f} s)", flush=True)
-            write_result(results_dir("cpu"), f"transfer_bytes_{args.model}_{trainer}_to_{plan.engine.name}.json", row, device="cpu")
+            placed = "" if args.engine_ranks is None else "_on_" + "-".join(map(str, args.engine_ranks))
+            write_result(results_dir("cpu"), f"transfer_bytes_{args.model}_{trainer}_to_{plan.engine.name}{placed}.json", row, device="cpu")
 
 
 if __name__ == "__main__":
