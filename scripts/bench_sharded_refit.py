@@ -1,6 +1,6 @@
 """Benchmark: engine-sharded refit against the gathering export, in one run (one process per GPU).
 
-    torchrun --nproc-per-node 2 scripts/bench_sharded_refit.py --model qwen3-8b --tp 2 --engine tp2 --tp1-ms 5.08
+    torchrun --nproc-per-node 2 scripts/bench_sharded_refit.py --model qwen3-8b --tp 2 --engine tp2 --tp1-json /tmp/r/export_qwen3-8b_tp1.json
     torchrun --nproc-per-node 2 scripts/bench_sharded_refit.py --model qwen3-tiny --tp 2 --device cpu   # a smoke run (gloo)
 
 Trainer at ``--tp`` with random weights; engine ``--engine`` placed on the same ranks (engine rank
@@ -9,8 +9,8 @@ i on global rank i), its shards allocated once. Side by side, steady state (medi
 receives only its shard), ``gather_cached_ms`` (``export_hf_weights(reuse_buffer_from_cache=True)``
 consumed by a no-op: every rank receives full tensors), ``stock_steady_ms`` (stock
 ``AutoBridge.export_hf_weights``). ``tp1_ms`` is the cached TP1 export of the same shape, taken by
-``bench_export.py --tp 1`` on the same host just before (passed in; one process cannot hold a TP1
-and a TP2 model). Exactness rides along: every engine shard equals the matching box of the
+``bench_export.py --tp 1`` on the same host just before (``--tp1-json``; one process cannot hold
+a TP1 and a TP2 model; ``gpu_run.sh sharded`` runs both). Exactness rides along: every engine shard equals the matching box of the
 stock export's tensor. Writes ``sharded_refit_<model>_<layout>.json`` (rank 0) through
 ``scripts/provenance.py``.
 """
@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -52,6 +54,19 @@ def timed(action, device: torch.device, steps: int) -> tuple[list[float], int]:
     return times, _allocations(device) - before
 
 
+def same_weights_on_every_replica(chunks) -> None:
+    """Random weights differ between data-parallel replicas; a training job's do not. Broadcast
+    every parameter from the first replica (experts over the expert data-parallel group)."""
+    from megatron.core import parallel_state as ps
+
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            expert = ".experts." in name
+            group = ps.get_expert_data_parallel_group() if expert else ps.get_data_parallel_group()
+            if dist.get_world_size(group) > 1:
+                dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
+
+
 def drain(stream) -> None:
     for _ in stream:
         pass
@@ -74,7 +89,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="cut the shape to its first N layers")
     parser.add_argument("--engine", default=None, help="engine layout (default: the trainer's TP)")
     parser.add_argument("--steps", type=int, default=7)
-    parser.add_argument("--tp1-ms", type=float, default=None, help="cached TP1 export of the same shape (bench_export.py)")
+    parser.add_argument("--tp1-json", type=Path, default=None,
+                        help="bench_export.py --tp 1 result of the same shape on this host: its refit_cached_steady_ms is tp1_cached_ms")
+    parser.add_argument("--out-dir", type=Path, default=None, help="default: benchmarks/results/<date>-<device>/")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     add_layout_flags(parser)
     args = parser.parse_args()
@@ -91,6 +108,7 @@ def main() -> None:
         config = hf_config(args.model, args.layers)
         bridge, stock = RefitBridge.from_hf_config(config), AutoBridge.from_hf_config(hf_config(args.model, args.layers))
         chunks = build_model(bridge, layout, BuildOptions(device=device, params_dtype=torch.bfloat16))
+        same_weights_on_every_replica(chunks)
         plan = bridge.transfer_plan(chunks, args.engine or f"tp{layout.tp}")
         transfer = bridge.sharded_transfer(chunks, plan)
         shards = transfer.allocate_shards()
@@ -103,22 +121,23 @@ def main() -> None:
         row = torch.tensor([statistics.median(sharded), statistics.median(gather), statistics.median(stock_times),
                             mismatches, sharded_allocations], dtype=torch.float64, device=device)
         dist.all_reduce(row, op=dist.ReduceOp.MAX)  # the slowest rank, the most mismatches
+        tp1_ms = json.loads(args.tp1_json.read_text())["refit_cached_steady_ms"] if args.tp1_json else None
         if env.rank == 0:
             summary = plan.summary()
             result = dict(
                 device=_device_name(device), model=args.model, layers=config.num_hidden_layers,
                 layout=f"tp{layout.tp}->{plan.engine.name}", world_size=env.world_size,
-                sharded_ms=round(row[0].item(), 3), gather_cached_ms=round(row[1].item(), 3), tp1_cached_ms=args.tp1_ms,
+                sharded_ms=round(row[0].item(), 3), gather_cached_ms=round(row[1].item(), 3), tp1_cached_ms=tp1_ms,
                 stock_steady_ms=round(row[2].item(), 3), bytes_moved=summary["bytes_moved"],
                 full_gather_bytes=summary["full_gather_bytes"], shard_bytes=summary["shard_bytes"], moves=summary["moves"],
                 mismatches_vs_stock=int(row[3].item()), new_allocations_after_first=int(row[4].item()),
                 sharded_all_ms=[round(t, 3) for t in sharded],
             )
             result["speedup_vs_stock"] = round(result["stock_steady_ms"] / result["sharded_ms"], 2)
-            if args.tp1_ms:
-                result["sharded_vs_tp1"] = round(result["sharded_ms"] / args.tp1_ms, 2)
+            if tp1_ms:
+                result["sharded_vs_tp1"] = round(result["sharded_ms"] / tp1_ms, 2)
             print(result, flush=True)
-            write_result(results_dir(None if device.type == "cuda" else "cpu"),
+            write_result(args.out_dir or results_dir(None if device.type == "cuda" else "cpu"),
                          f"sharded_refit_{args.model}_{result['layout'].replace('->', '_to_')}.json", result)
 
 

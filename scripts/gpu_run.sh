@@ -10,9 +10,10 @@
 #   bash scripts/gpu_run.sh vllm-dense  # refit into vLLM == load from disk: Qwen3-1.7B BF16 and FP8 (after install-vllm.sh)
 #   bash scripts/gpu_run.sh vllm-moe    # the same for Qwen3-30B-A3B cut to 4 layers (128 experts each)
 #   bash scripts/gpu_run.sh vllm-bench  # bench_refit_vllm.py, Qwen3-8B, BF16 then FP8
+#   bash scripts/gpu_run.sh sharded     # engine-sharded refit, trainer TP2 -> engine TP2 on 2 GPUs, against the TP1 cached export and stock
 #   bash scripts/gpu_run.sh training    # export right after a Megatron DDP + distributed-optimizer step; parallel checkpoint write on the host's CPUs
 set -u
-part=${1:?usage: gpu_run.sh fp8|bench|sinks|vllm-dense|vllm-moe|vllm-bench|training}
+part=${1:?usage: gpu_run.sh fp8|bench|sinks|vllm-dense|vllm-moe|vllm-bench|sharded|training}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 RESULTS=/tmp/gpu_results_$part; rm -rf "$RESULTS"; mkdir -p "$RESULTS"
 trap 'tar czf "$OUT/$part.tgz" -C "$RESULTS" .' EXIT
@@ -35,6 +36,10 @@ case "$part" in
   bench)
     step bench_tp1_fp8 330 "${one[@]}" scripts/bench_export.py --model qwen3-8b --tp 1 --steady 15 --fp8 --fp8-compare-bucket-mib 256,1024 --out-dir "$RESULTS"
     step bench_tp2 240 "${two[@]}" scripts/bench_export.py --model qwen3-8b --tp 2 --steady 7 --compare-bucket-mib 128,1024 --out-dir "$RESULTS"
+    ;;
+  sharded)
+    step bench_tp1 200 "${one[@]}" scripts/bench_export.py --model qwen3-8b --tp 1 --steady 15 --out-dir "$RESULTS"
+    step sharded_tp2_to_tp2 240 "${two[@]}" scripts/bench_sharded_refit.py --model qwen3-8b --tp 2 --engine tp2 --tp1-json "$RESULTS/export_qwen3-8b_tp1.json" --out-dir "$RESULTS"
     ;;
   sinks)
     step bench_refit_broadcast 230 "${two[@]}" scripts/bench_refit_broadcast.py --model qwen3-8b --sweep 256x2,256x4,1024x2,2048x2 --stack-dump-s 220 --out-dir "$RESULTS"

@@ -51,3 +51,15 @@ def test_every_engine_rank_gets_its_slices_of_the_checkpoint(case, source_checkp
     if case == "tp2":  # the trainer's TP2 ranks are the engine's TP2 ranks: nothing crosses ranks
         assert plans["tp2"]["bytes_moved"] == 0 and plans["tp2"]["full_gather_bytes"] > 0
         assert 0 < plans["tp4"]["bytes_moved"] < plans["tp4"]["full_gather_bytes"]
+
+
+def test_benchmark_runs_exactly_on_cpu(tmp_path):
+    """scripts/bench_sharded_refit.py as the GPU host runs it, here on gloo with a tiny model: its
+    engine shards equal the stock export's tensors cut to their boxes, and it allocates nothing
+    after the first run (on CPU the allocation count is not observable: only exactness counts)."""
+    run = torchrun(4, [str(REPO / "scripts" / "bench_sharded_refit.py"), "--model", "qwen3-tiny", "--tp", "2",
+                       "--engine", "tp4", "--device", "cpu", "--steps", "2", "--out-dir", str(tmp_path)])
+    assert run.returncode == 0, run.output[-4000:]
+    result = json.loads((tmp_path / "sharded_refit_qwen3-tiny_tp2_to_tp4.json").read_text())
+    assert result["mismatches_vs_stock"] == 0 and result["bytes_moved"] > 0
+    assert result["layout"] == "tp2->tp4" and result["full_gather_bytes"] > result["bytes_moved"]
