@@ -89,6 +89,15 @@ class ShardedTransfer:
         self.sends = _packed(plan.moves, self.rank, outgoing=True)
         self.receives = _packed(plan.moves, self.rank, outgoing=False)
         self.local = [m for m in plan.moves if m.is_local and m.source_rank == self.rank]
+        self.fingerprint = plan.fingerprint  # hashing the plan costs milliseconds: once
+        self._shards_here = [(s.hf_name, s.shape, getattr(torch, s.dtype)) for s in plan.shards_on(self.rank)]
+        self._param_problem = self._params_problem()
+        self._stats = TransferStats(
+            sent_bytes=sum(p.move.nbytes for parts in self.sends.values() for p in parts),
+            received_bytes=sum(p.move.nbytes for parts in self.receives.values() for p in parts),
+            local_bytes=sum(m.nbytes for m in self.local), peers=len(set(self.sends) | set(self.receives)),
+        )
+        self._local_copies: tuple[tuple, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
         self._send_buffers: dict[int, torch.Tensor] = {}
         self._receive_buffers: dict[int, torch.Tensor] = {}
         self._sums = torch.zeros(len(self.sends) + len(self.receives), dtype=torch.int64, device=self.device)
@@ -114,15 +123,14 @@ class ShardedTransfer:
 
     def run(self, shards: Mapping[str, torch.Tensor]) -> TransferStats:
         """Deliver this rank's shards (collective over ``group``; see the module docstring)."""
-        problem = self._input_problem(shards)
-        self._handshake(problem)
+        self._handshake(self._param_problem or self._shards_problem(shards))
         finish_pending_param_gathers(self.chunks)  # the weights of the last optimizer step
         self._ensure_buffers()
         for peer, parts in self.sends.items():
             _pack(self._send_buffers[peer], parts, self.params)
         works = self._post()
-        for move in self.local:
-            _view(shards[move.hf_name], move.shard_box).copy_(_view(self.params[move.megatron_param], move.source_box))
+        for target, source in self._local_pairs(shards):
+            target.copy_(source)
         for work in works:
             work.wait()
         bad = self._bad_checksums()
@@ -130,18 +138,17 @@ class ShardedTransfer:
             for peer, parts in self.receives.items():
                 _unpack(self._receive_buffers[peer], parts, shards)
         self._share_status(bad)
-        return TransferStats(
-            sent_bytes=sum(p.move.nbytes for parts in self.sends.values() for p in parts),
-            received_bytes=sum(p.move.nbytes for parts in self.receives.values() for p in parts),
-            local_bytes=sum(m.nbytes for m in self.local), peers=len(set(self.sends) | set(self.receives)),
-        )
+        return self._stats
 
-    def _input_problem(self, shards: Mapping[str, torch.Tensor]) -> str | None:
-        for shard in self.plan.shards_on(self.rank):
-            tensor = shards.get(shard.hf_name)
-            if tensor is None or tuple(tensor.shape) != shard.shape or tensor.dtype != getattr(torch, shard.dtype):
+    def _shards_problem(self, shards: Mapping[str, torch.Tensor]) -> str | None:
+        for name, shape, dtype in self._shards_here:
+            tensor = shards.get(name)
+            if tensor is None or tensor.shape != shape or tensor.dtype != dtype:
                 found = "missing" if tensor is None else f"{tuple(tensor.shape)} {tensor.dtype}"
-                return f"engine shard {shard.hf_name}: the plan needs {shard.shape} {shard.dtype}, got {found}"
+                return f"engine shard {name}: the plan needs {shape} {dtype}, got {found}"
+        return None
+
+    def _params_problem(self) -> str | None:
         for move in [*self.local, *(p.move for parts in self.sends.values() for p in parts)]:
             param = self.params.get(move.megatron_param)
             if param is None:
@@ -150,8 +157,19 @@ class ShardedTransfer:
                 return f"{move.hf_name}: parameter {move.megatron_param} {tuple(param.shape)} does not hold {move.source_box}"
         return None
 
+    def _local_pairs(self, shards: Mapping[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(engine shard view, parameter view) of every local copy, runs of equally spaced parts
+        fused into one strided copy (q, k and v come in one part per query group); kept while the
+        shards and parameters keep their storage."""
+        key = (id(shards), *(t.data_ptr() for t in shards.values()), *(p.data_ptr() for p in self.params.values()))
+        if self._local_copies is None or self._local_copies[0] != key:
+            pairs = [(_strided_view(shards[run[0].hf_name], [m.shard_box for m in run]),
+                      _strided_view(self.params[run[0].megatron_param], [m.source_box for m in run])) for run in _even_runs(self.local)]
+            self._local_copies = (key, pairs)
+        return self._local_copies[1]
+
     def _handshake(self, problem: str | None) -> None:
-        everyone = self._control.exchange([self.plan.fingerprint, _BAD_INPUT if problem else _OK], self.group)
+        everyone = self._control.exchange([self.fingerprint, _BAD_INPUT if problem else _OK], self.group)
         fingerprints = {int(row[0]) for row in everyone}
         failed = [i for i, row in enumerate(everyone) if int(row[1]) != _OK]
         if len(fingerprints) == 1 and not failed:
@@ -254,6 +272,41 @@ def _view(tensor: torch.Tensor, box: Box) -> torch.Tensor:
     return tensor[tuple(slice(start, stop) for start, stop in box)]
 
 
+def _even_runs(moves: list[Move]) -> list[list[Move]]:
+    """Consecutive moves of one tensor from one parameter, of one shape, whose boxes differ only
+    in their start along dim 0, each by the same step on both sides: one strided copy each."""
+    runs: list[list[Move]] = []
+    for move in moves:
+        run = runs[-1] if runs else None
+        if run and _continues(run, move):
+            run.append(move)
+        else:
+            runs.append([move])
+    return runs
+
+
+def _continues(run: list[Move], move: Move) -> bool:
+    first, last = run[0], run[-1]
+    if (move.hf_name, move.megatron_param, move.shape) != (first.hf_name, first.megatron_param, first.shape):
+        return False
+    if move.source_box[1:] != first.source_box[1:] or move.shard_box[1:] != first.shard_box[1:]:
+        return False
+    source_step = move.source_box[0][0] - last.source_box[0][0]
+    shard_step = move.shard_box[0][0] - last.shard_box[0][0]
+    if len(run) == 1:
+        return source_step > 0 and shard_step > 0
+    return (source_step, shard_step) == (last.source_box[0][0] - run[-2].source_box[0][0], last.shard_box[0][0] - run[-2].shard_box[0][0])
+
+
+def _strided_view(tensor: torch.Tensor, boxes: list[Box]) -> torch.Tensor:
+    """``tensor[boxes[0]]`` alone, or the boxes of one even run as one view with a leading dimension."""
+    first = _view(tensor, boxes[0])
+    if len(boxes) == 1:
+        return first
+    step = (boxes[1][0][0] - boxes[0][0][0]) * tensor.stride(0)
+    return first.as_strided((len(boxes), *first.shape), (step, *first.stride()), first.storage_offset())
+
+
 def _align(offset: int) -> int:
     return -(-offset // ALIGN_BYTES) * ALIGN_BYTES
 
@@ -268,12 +321,16 @@ class _Control:
 
     def __init__(self, world: int, device: torch.device) -> None:
         self.mine = torch.zeros(2, dtype=torch.int64, device=device)
-        self.everyone = [torch.zeros(2, dtype=torch.int64, device=device) for _ in range(world)]
+        self.flat = torch.zeros(world * 2, dtype=torch.int64, device=device)
+        self.everyone = list(self.flat.view(world, 2))
 
     def exchange(self, values: list[int], group: Any) -> list[torch.Tensor]:
         for i, value in enumerate(values):
             self.mine[i] = value
-        dist.all_gather(self.everyone, self.mine, group=group)
+        if dist.get_backend(group) == "gloo":  # gloo has no all_gather_into_tensor
+            dist.all_gather(self.everyone, self.mine, group=group)
+        else:  # into the flat buffer: the list form would allocate a staging copy every call
+            dist.all_gather_into_tensor(self.flat, self.mine, group=group)
         return self.everyone
 
 
