@@ -41,17 +41,20 @@ def hf_config(name: str, layers: int | None):
 
 def timed(action, device: torch.device, steps: int) -> tuple[list[float], int]:
     """Milliseconds of ``steps`` synchronised calls after a first one, and the CUDA allocations
-    those steady calls made."""
+    those steady calls made (the barrier between calls, which allocates on NCCL, not counted)."""
     action()
-    times, before = [], _allocations(device)
+    times, new_allocations = [], 0
     for _ in range(steps):
         _synchronize(device)
         dist.barrier()
+        _synchronize(device)
+        before = _allocations(device)
         start = time.perf_counter()
         action()
         _synchronize(device)
         times.append((time.perf_counter() - start) * 1e3)
-    return times, _allocations(device) - before
+        new_allocations += _allocations(device) - before
+    return times, new_allocations
 
 
 def same_weights_on_every_replica(chunks) -> None:
