@@ -15,7 +15,9 @@ engine ranks that receive, most often the same ranks) from the same ``TransferPl
 3. status: one ``all_gather`` of int64 ``[status]``, so a checksum failure on one rank raises
    ``TransferChecksumError`` on every rank (nobody is left waiting).
 
-Buffers are allocated on the first run and reused: a steady-state run allocates nothing (the
+The handshake is each run's first collective over ``group``, so an NCCL communicator exists
+before the point-to-point group is issued (``batch_isend_irecv`` needs every rank of a new
+communicator in its first call). Buffers are allocated on the first run and reused: a steady-state run allocates nothing (the
 caller owns the engine shards; ``allocate_shards`` makes a set once). Parameter and shard
 tensors are read and written only inside ``run``; the trainer must not update its parameters
 while a run is in flight on any rank.

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import datetime
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -26,3 +29,30 @@ def fail(message: str):
     """Report a failed check on this rank and exit 1 (the test reads the exit code and the message)."""
     print(f"[rank{dist.get_rank()}] CHECK FAILED: {message}", file=sys.stderr, flush=True)
     sys.exit(1)
+
+
+def checker_parser() -> argparse.ArgumentParser:
+    """``--hf CKPT --result DIR`` and the layout flags: what every checkpoint-based checker takes."""
+    from mbridge_refit.convert.flags import add_layout_flags
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hf", type=Path, required=True)
+    parser.add_argument("--result", type=Path, required=True)
+    add_layout_flags(parser)
+    return parser
+
+
+@contextlib.contextmanager
+def checkpoint_session(path: Path, layout) -> Iterator[tuple]:
+    """Inside a CPU (gloo) session at ``layout``: ``(RefitBridge, model chunks)`` for the checkpoint
+    at ``path``, built in bf16 and loaded from the checkpoint."""
+    from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.tools.launch import distributed_session
+    from mbridge_refit.tools.model_builder import BuildOptions, build_model
+
+    cpu = torch.device("cpu")
+    with distributed_session(layout, device=cpu, timeout=datetime.timedelta(minutes=5)):
+        bridge = RefitBridge.from_hf_pretrained(path)
+        chunks = build_model(bridge, layout, BuildOptions(device=cpu, params_dtype=torch.bfloat16))
+        bridge.load_hf_shards(chunks, path)
+        yield bridge, chunks

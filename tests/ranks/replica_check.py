@@ -20,8 +20,6 @@ Writes DIR/rank<r>.json.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import sys
 from pathlib import Path
@@ -30,10 +28,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rank_checks import fail, oracle, same_bytes  # noqa: E402
+from rank_checks import checker_parser, checkpoint_session, fail, oracle, same_bytes  # noqa: E402
 from test_fp8 import reference_quantize, same_bits  # noqa: E402
 
-from mbridge_refit.convert.flags import add_layout_flags, layout_from_flags  # noqa: E402
+from mbridge_refit.convert.flags import layout_from_flags  # noqa: E402
 
 
 def check_stream(stream, read, names: set[str], what: str) -> int:
@@ -94,26 +92,16 @@ def fp8_expectation(fp8_plan, read):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--hf", type=Path, required=True)
-    parser.add_argument("--result", type=Path, required=True)
-    add_layout_flags(parser)
+    parser = checker_parser()
     args = parser.parse_args()
     layout = layout_from_flags(args)
 
     from megatron.core import parallel_state as ps
 
-    from mbridge_refit.bridge import RefitBridge
-    from mbridge_refit.tools.launch import distributed_session
-    from mbridge_refit.tools.model_builder import BuildOptions, build_model
 
-    cpu = torch.device("cpu")
     read = oracle(args.hf)
-    with distributed_session(layout, device=cpu, timeout=datetime.timedelta(minutes=5)):
+    with checkpoint_session(args.hf, layout) as (bridge, chunks):
         rank, world = dist.get_rank(), dist.get_world_size()
-        bridge = RefitBridge.from_hf_pretrained(args.hf)
-        chunks = build_model(bridge, layout, BuildOptions(device=cpu, params_dtype=torch.bfloat16))
-        bridge.load_hf_shards(chunks, args.hf)
 
         plan = bridge.export_plan(chunks)
         names = {e.hf_name for e in plan.entries}

@@ -19,8 +19,6 @@ Writes DIR/rank<r>.json with each plan's summary (bytes moved, local, full-gathe
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import re
 import sys
@@ -30,9 +28,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rank_checks import fail, oracle, same_bytes  # noqa: E402
+from rank_checks import checker_parser, checkpoint_session, fail, oracle, same_bytes  # noqa: E402
 
-from mbridge_refit.convert.flags import add_layout_flags, layout_from_flags  # noqa: E402
+from mbridge_refit.convert.flags import layout_from_flags  # noqa: E402
 
 PATTERN = 0xA5
 VOCAB_PADDING = 64
@@ -121,30 +119,20 @@ def run_faults(bridge, chunks, engines: list[str], shards_of) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--hf", type=Path, required=True)
-    parser.add_argument("--result", type=Path, required=True)
+    parser = checker_parser()
     parser.add_argument("--engines", nargs="+", required=True)
     parser.add_argument("--faults", action="store_true")
-    add_layout_flags(parser)
     args = parser.parse_args()
     layout = layout_from_flags(args)
 
     from megatron.core import parallel_state as ps
 
-    from mbridge_refit.bridge import RefitBridge
     from mbridge_refit.plan.transfer import TransferPlan, megatron_rank_grid
     from mbridge_refit.runtime.collectives import current_trainer_rank
-    from mbridge_refit.tools.launch import distributed_session
-    from mbridge_refit.tools.model_builder import BuildOptions, build_model
 
-    cpu = torch.device("cpu")
     read = oracle(args.hf)
-    with distributed_session(layout, device=cpu, timeout=datetime.timedelta(minutes=5)):
+    with checkpoint_session(args.hf, layout) as (bridge, chunks):
         rank, world = dist.get_rank(), dist.get_world_size()
-        bridge = RefitBridge.from_hf_pretrained(args.hf)
-        chunks = build_model(bridge, layout, BuildOptions(device=cpu, params_dtype=torch.bfloat16))
-        bridge.load_hf_shards(chunks, args.hf)
         config = bridge.hf_pretrained.config
 
         grid = [None] * world
