@@ -174,3 +174,83 @@ def test_loader_failure_names_the_tensor():
 
     with pytest.raises(ApplyPlanError, match=r"failed on b \(4, 4\).*load_merged_column_weight.*replaces its parameters"):
         ApplyPlan.record(Broken(), [("a", torch.zeros(2, 4)), ("b", torch.zeros(4, 4))])
+
+
+class _Processed(torch.nn.Module):
+    """A layer like vLLM's FP8 linear: its loader needs a method of the parameter it created, and
+    processing after loading re-registers the parameter (same bytes, or ``transform``'s) without it."""
+
+    def __init__(self, transform=None):
+        super().__init__()
+        self.transform = transform
+        self.weight = self.loadable(torch.zeros(4, 4))
+        self.process()
+
+    @staticmethod
+    def loadable(data):
+        param = torch.nn.Parameter(data, requires_grad=False)
+        param.load_rows = lambda loaded, start: param.data[start : start + loaded.shape[0]].copy_(loaded)
+        return param
+
+    def process(self):
+        data = self.weight.data if self.transform is None else self.transform(self.weight.data)
+        self.weight = torch.nn.Parameter(data, requires_grad=False)
+
+    def load_weights(self, weights):
+        for name, tensor in weights:
+            self.weight.load_rows(tensor, {"top": 0, "bottom": 2}[name])
+
+    def staged_load(self):
+        """Like vLLM's layerwise reload: loadable staging parameters in, processed bytes copied back
+        into the parameter the engine computes with."""
+        from mbridge_refit.engines.apply_plan import StagedLoad
+
+        kernel = {}
+
+        def begin():
+            kernel["weight"] = self.weight
+            self.weight = self.loadable(torch.empty_like(self.weight))
+
+        def end():
+            self.process()
+            kernel["weight"].data.copy_(self.weight)
+            self.weight = kernel["weight"]
+
+        return StagedLoad(begin=begin, end=end)
+
+
+def _open_on(model, staged, tensors):
+    from mbridge_refit.engines.receiver import RefitReceiver
+
+    recorder = LayoutRecorder()
+    for name, tensor in tensors.items():
+        recorder.add(name, tensor)
+    layout, storages = recorder.layout()
+    receiver = RefitReceiver(model, torch.device("cpu"), staged=staged)
+    transport = LocalTransport()
+    return receiver, layout, receiver.open(layout.to_wire(), transport.share(storages), transport.name)
+
+
+def test_an_engine_that_reprocesses_after_loading_is_recorded_through_its_reload():
+    from mbridge_refit.engines.apply_plan import ApplyPlanError
+
+    model = _Processed()
+    sources = {"top": torch.randn(2, 4), "bottom": torch.randn(2, 4)}
+    with pytest.raises(ApplyPlanError):  # the plain loader fails on the processed parameter
+        ApplyPlan.record(model, list(sources.items()))
+    computes_with = model.weight.data_ptr()
+    receiver, layout, report = _open_on(model, model.staged_load(), sources)
+    assert report["copies"] == 2 and report["via_loader"] == [] and report["checked_against_loader"]
+    assert torch.equal(model.weight.data, torch.cat([sources["top"], sources["bottom"]]))
+    sources["top"].add_(1.0)
+    receiver.apply(layout.fingerprint)  # a replay: straight into the parameter the engine computes with
+    assert model.weight.data_ptr() == computes_with
+    assert torch.equal(model.weight.data, torch.cat([sources["top"], sources["bottom"]]))
+
+
+def test_a_reload_that_changes_the_bytes_is_refused():
+    from mbridge_refit.engines.apply_plan import ApplyPlanError
+
+    model = _Processed(transform=lambda w: w * 2)  # e.g. scales re-encoded after loading
+    with pytest.raises(ApplyPlanError, match="does not reproduce the engine's loader"):
+        _open_on(model, model.staged_load(), {"top": torch.randn(2, 4), "bottom": torch.randn(2, 4)})

@@ -10,6 +10,14 @@ copies; the sources are views of the same shared storages, so a replay reads the
 bytes. A tensor whose loading is not plain copies from the source (a conversion into a
 temporary first, an in-place op on a parameter) is loaded by the engine's loader every step.
 
+Engines that rework a layer's weights after loading it (vLLM's FP8 layers re-register their
+parameters, so their loaders no longer run on the processed layer) are recorded through a
+*staged* load: the engine's own reload bracket (``StagedLoad``: vLLM's layerwise reload) puts the
+loadable parameters back, its loader writes into staging tensors, the layer is processed, and
+the results are copied into the parameters the engine computes with. The recorder composes the
+two copies (source → staging, staging → parameter) into one, source → parameter, which is exact
+when processing kept those bytes as they were; the check below proves that it did.
+
 ``check_against_loader`` proves a plan before it is trusted: after the recorded load, it
 fingerprints every written parameter, overwrites those parameters with a pattern, replays, and
 requires the same fingerprints bit for bit. Engine-agnostic: needs a module and its loader.
@@ -29,6 +37,15 @@ from mbridge_refit.engines.fingerprint import differing, named_fingerprints
 logger = logging.getLogger(__name__)
 
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], object]
+
+
+@dataclass(frozen=True)
+class StagedLoad:
+    """An engine's reload bracket: ``begin()`` before loading (the loaders write into staging
+    tensors), ``end()`` after the last tensor (every layer processed and copied back)."""
+
+    begin: Callable[[], object]
+    end: Callable[[], object]
 _SCRIBBLE = 0x5A
 
 
@@ -81,30 +98,46 @@ class ApplyPlan:
 
     @classmethod
     def record(
-        cls, model: torch.nn.Module, sources: list[tuple[str, torch.Tensor]], load_weights: LoadWeights | None = None
+        cls, model: torch.nn.Module, sources: list[tuple[str, torch.Tensor]], load_weights: LoadWeights | None = None,
+        staged: StagedLoad | None = None,
     ) -> "ApplyPlan":
         """Run ``load_weights`` (default ``model.load_weights``) once per source tensor, recording
-        its copies. This is the first refit's load: the model holds the sources afterwards."""
+        its copies. This is the first refit's load: the model holds the sources afterwards.
+        ``staged``: record through the engine's reload bracket (module docstring); every tensor
+        must then be plain copies, or the plan is refused."""
         load_weights = load_weights or model.load_weights
         params = _unique_tensors([*model.named_parameters(), *model.named_buffers()])
-        recorder = _CopyRecorder(params, sources)
+        recorder = _CopyRecorder(params, sources, compose_staged=staged is not None)
         steps = []
-        with torch.no_grad():
-            for name, tensor in sources:
-                step = _Step(name=name, source=tensor)
-                try:
-                    with recorder.recording(step):
-                        load_weights([(name, tensor)])
-                except Exception as err:
-                    raise ApplyPlanError(
-                        f"the engine's load_weights failed on {name} {tuple(tensor.shape)} {tensor.dtype}: "
-                        f"{type(err).__name__}: {err}. An engine that replaces its parameters after loading "
-                        "(vLLM's FP8 linear layers do) cannot be refit in place; see docs/architecture.md"
-                    ) from err
-                steps.append(step)
-        return cls(steps=steps, load_weights=load_weights, params=params, written=recorder.written,
+        if staged is not None:
+            staged.begin()
+        try:
+            with torch.no_grad():
+                for name, tensor in sources:
+                    step = _Step(name=name, source=tensor)
+                    try:
+                        with recorder.recording(step):
+                            load_weights([(name, tensor)])
+                    except Exception as err:
+                        raise ApplyPlanError(
+                            f"the engine's load_weights failed on {name} {tuple(tensor.shape)} {tensor.dtype}: "
+                            f"{type(err).__name__}: {err}. An engine that replaces its parameters after loading "
+                            "(vLLM's FP8 linear layers do) is recorded through its reload bracket (StagedLoad)"
+                        ) from err
+                    steps.append(step)
+        finally:
+            if staged is not None:
+                with torch.no_grad(), recorder.recording(None):
+                    staged.end()
+        plan = cls(steps=steps, load_weights=load_weights, params=params, written=recorder.written,
                    unexpected=sorted(recorder.silent),
                    parameter_names=frozenset(_unique_tensors(model.named_parameters())))
+        if staged is not None and plan.via_loader:
+            raise ApplyPlanError(
+                f"{len(plan.via_loader)} tensor(s) are not loaded by plain copies through the engine's reload, e.g. "
+                f"{plan.via_loader[:3]}: they cannot be replayed, and loading them alone outside a reload would fail"
+            )
+        return plan
 
     def targets_moved(self, model: torch.nn.Module) -> list[str]:
         """Written parameters whose storage ``model`` no longer uses (the engine replaced them,
@@ -142,7 +175,7 @@ class ApplyPlan:
 class _CopyRecorder(TorchFunctionMode):
     """Notes copies from a source tensor into a parameter while one source is being loaded."""
 
-    def __init__(self, params: dict[str, torch.Tensor], sources: list[tuple[str, torch.Tensor]]) -> None:
+    def __init__(self, params: dict[str, torch.Tensor], sources: list[tuple[str, torch.Tensor]], compose_staged: bool = False) -> None:
         super().__init__()
         self._param_of = {t.untyped_storage().data_ptr(): name for name, t in params.items() if t.numel()}
         self._sources = {t.untyped_storage().data_ptr() for _, t in sources if t.numel()}
@@ -150,6 +183,8 @@ class _CopyRecorder(TorchFunctionMode):
         self.silent: set[str] = set()
         self._step: _Step | None = None
         self._wrote = False
+        self._compose = compose_staged
+        self._staged: dict[int, list[tuple[torch.Tensor, torch.Tensor, _Step]]] = {}  # staging storage -> writes from sources
 
     class _Recording:
         def __init__(self, recorder: "_CopyRecorder", step: _Step) -> None:
@@ -161,11 +196,13 @@ class _CopyRecorder(TorchFunctionMode):
 
         def __exit__(self, *exc) -> None:
             self.recorder.__exit__(*exc)
-            if exc[0] is None and not self.recorder._wrote:
+            if exc[0] is None and self.step is not None and not self.recorder._wrote:
                 self.recorder.silent.add(self.step.name)
             self.recorder._step = None
 
-    def recording(self, step: _Step) -> "_CopyRecorder._Recording":
+    def recording(self, step: _Step | None) -> "_CopyRecorder._Recording":
+        """Record while ``step``'s source loads (None: the reload's final processing, which loads
+        nothing of its own but copies staged layers into the parameters)."""
         return self._Recording(self, step)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -177,25 +214,58 @@ class _CopyRecorder(TorchFunctionMode):
         elif name == "__setitem__":
             self._note(args[0][args[1]], args[2])
         elif name.endswith("_") and not name.endswith("__") and args and isinstance(args[0], torch.Tensor) and self._target(args[0]):
-            self._step.via_loader = True  # an in-place op other than a copy: replay cannot repeat it
+            self._loader_only()  # an in-place op other than a copy: replay cannot repeat it
         elif name == "__set__" and args and isinstance(args[0], torch.Tensor) and self._target(args[0]):
-            self._step.via_loader = True  # ``param.data = ...`` swaps the storage
+            self._loader_only()  # ``param.data = ...`` swaps the storage
         return result
 
+    def _loader_only(self) -> None:
+        if self._step is not None:  # outside a step (a reload's final processing) the check judges the result
+            self._step.via_loader = True
+
     def _target(self, tensor: torch.Tensor) -> str | None:
+        if tensor.device.type == "meta":
+            return None
         return self._param_of.get(tensor.untyped_storage().data_ptr())
 
+    def _is_source(self, tensor: object) -> bool:
+        return isinstance(tensor, torch.Tensor) and tensor.device.type != "meta" and tensor.untyped_storage().data_ptr() in self._sources
+
     def _note(self, destination: torch.Tensor, source: object) -> None:
-        target = self._target(destination) if isinstance(destination, torch.Tensor) else None
+        if not isinstance(destination, torch.Tensor) or destination.device.type == "meta":
+            return
+        target = self._target(destination)
         if target is None:
+            if self._compose and self._step is not None and self._is_source(source):
+                self._wrote = True  # into a staging tensor: composed when the staged layer is copied back
+                self._staged.setdefault(destination.untyped_storage().data_ptr(), []).append((destination, source, self._step))
+            return
+        if self._compose and isinstance(source, torch.Tensor) and self._compose_staged(destination, source, target):
             return
         self._wrote = True
         self.written[target] = self.written.get(target, 0) + _nbytes(destination)
-        from_source = isinstance(source, torch.Tensor) and source.untyped_storage().data_ptr() in self._sources
-        if from_source:
+        if self._step is None:
+            return  # the reload's own processing writing a parameter from elsewhere: the check judges it
+        if self._is_source(source):
             self._step.copies.append((destination, source))
         else:
-            self._step.via_loader = True  # a temporary or a scalar, made by the loader
+            self._loader_only()  # a temporary or a scalar, made by the loader
+
+    def _compose_staged(self, destination: torch.Tensor, staging: torch.Tensor, target: str) -> bool:
+        """``destination`` (a parameter) takes ``staging`` whole: each earlier source write into
+        that staging tensor becomes a write into the same place of the parameter."""
+        writes = self._staged.get(staging.untyped_storage().data_ptr()) if staging.device.type != "meta" else None
+        if not writes or (destination.shape, destination.stride(), destination.dtype) != (staging.shape, staging.stride(), staging.dtype):
+            return False
+        shift = destination.storage_offset() - staging.storage_offset()
+        for view, source, step in writes:
+            relative = view.storage_offset() - staging.storage_offset()
+            if relative < 0 or view.dtype != staging.dtype:
+                return False
+            placed = destination.as_strided(view.shape, view.stride(), view.storage_offset() + shift)
+            step.copies.append((placed, source))
+            self.written[target] = self.written.get(target, 0) + _nbytes(placed)
+        return True
 
 
 def _unique_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

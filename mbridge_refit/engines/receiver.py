@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from mbridge_refit.engines.apply_plan import ApplyPlan, LoadWeights
+from mbridge_refit.engines.apply_plan import ApplyPlan, ApplyPlanError, LoadWeights, StagedLoad
 from mbridge_refit.engines.sharing import TRANSPORTS, SharedLayout, SharingError, views
 
 logger = logging.getLogger(__name__)
@@ -62,10 +62,15 @@ class OpenReport:
 class RefitReceiver:
     """Engine-side state of one refit session (see the module docstring for the protocol)."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, load_weights: LoadWeights | None = None) -> None:
+    def __init__(
+        self, model: torch.nn.Module, device: torch.device, load_weights: LoadWeights | None = None,
+        staged: StagedLoad | None = None,
+    ) -> None:
         self.model = model
         self.device = device
         self._load_weights = load_weights
+        self._staged = staged  # the engine's reload bracket, for models whose loaders fail after processing
+        self._staged_in_use = False
         self._plan: ApplyPlan | None = None
         self._fingerprint: str | None = None
         self._storages: list = []
@@ -83,7 +88,7 @@ class RefitReceiver:
             sources = views(layout, storages, self.device)
         except SharingError as err:
             raise RefitError(f"cannot map the trainer's tensors: {err}") from err
-        plan = ApplyPlan.record(self.model, sources, self._load_weights)
+        plan = self._record(sources)
         _synchronize(self.device)
         if (plan.missing or plan.unexpected) and not allow_partial:
             raise RefitError(_mismatch_message(plan))
@@ -114,13 +119,27 @@ class RefitReceiver:
         if moved:
             logger.warning("refit: %d engine parameter(s) were reallocated since the layout was opened (e.g. %s): "
                            "recording the engine's loader again", len(moved), moved[:3])
-            self._plan = ApplyPlan.record(self.model, [(s.name, s.source) for s in self._plan.steps], self._load_weights)
+            self._plan = self._record([(s.name, s.source) for s in self._plan.steps])
         else:
             self._plan.replay()
         _synchronize(self.device)
 
     def close(self) -> None:
         self._plan, self._fingerprint, self._storages = None, None, []
+
+    def _record(self, sources: list[tuple[str, torch.Tensor]]) -> ApplyPlan:
+        """The engine's loader recorded plainly; where it fails (the engine replaced a parameter
+        after processing, as vLLM's FP8 layers do) and a reload bracket is known, through it."""
+        if not self._staged_in_use:
+            try:
+                return ApplyPlan.record(self.model, sources, self._load_weights)
+            except ApplyPlanError as err:
+                if self._staged is None:
+                    raise
+                logger.info("refit: the engine's loader fails on its processed parameters (%s); recording through "
+                            "its reload instead", err)
+        self._staged_in_use = True
+        return ApplyPlan.record(self.model, sources, self._load_weights, staged=self._staged)
 
     @property
     def is_open(self) -> bool:

@@ -3,8 +3,8 @@
 vLLM mixes this class into its GPU worker when the engine is started with
 ``worker_extension_cls=WORKER_EXTENSION`` (``engines.vllm.engine_kwargs()`` sets it). The trainer
 calls its methods through ``LLM.collective_rpc`` on every worker; arguments and results are
-plain data (msgpack). It imports nothing from vLLM: the worker provides ``self.model_runner``
-and ``self.device``.
+plain data (msgpack). It imports vLLM only for its layerwise reload (the bracket an FP8 engine is
+recorded through); the worker provides ``self.model_runner`` and ``self.device``.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from mbridge_refit.engines.fingerprint import named_fingerprints
+from mbridge_refit.engines.apply_plan import StagedLoad
 from mbridge_refit.engines.receiver import RefitReceiver
 
 WORKER_EXTENSION = "mbridge_refit.engines.vllm_worker.RefitWorkerExtension"
@@ -27,9 +28,18 @@ class RefitWorkerExtension:
         receiver = getattr(self, "_mbridge_refit_receiver", None)
         if receiver is None:
             model = self.model_runner.get_model()
-            receiver = RefitReceiver(model, torch.device(self.device))
+            receiver = RefitReceiver(model, torch.device(self.device), staged=self._mbridge_staged_load(model))
             self._mbridge_refit_receiver = receiver
         return receiver
+
+    def _mbridge_staged_load(self, model: torch.nn.Module) -> StagedLoad | None:
+        """vLLM's layerwise reload as the receiver's reload bracket (None where this vLLM has none)."""
+        try:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+        except ImportError:
+            return None
+        config = self.model_runner.model_config
+        return StagedLoad(begin=lambda: initialize_layerwise_reload(model), end=lambda: finalize_layerwise_reload(model, config))
 
     def mbridge_refit_open(self, wire: dict, payload: bytes, transport: str, check: bool, allow_partial: bool) -> dict:
         """Map the trainer's tensors, load them once through the model's ``load_weights`` while

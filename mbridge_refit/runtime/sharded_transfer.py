@@ -99,7 +99,7 @@ class ShardedTransfer:
             received_bytes=sum(p.move.nbytes for parts in self.receives.values() for p in parts),
             local_bytes=sum(m.nbytes for m in self.local), peers=len(set(self.sends) | set(self.receives)),
         )
-        self._local_copies: tuple[tuple, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+        self._copies: tuple[tuple, _Copies] | None = None
         self._send_buffers: dict[int, torch.Tensor] = {}
         self._receive_buffers: dict[int, torch.Tensor] = {}
         self._sums = torch.zeros(len(self.sends) + len(self.receives), dtype=torch.int64, device=self.device)
@@ -128,17 +128,15 @@ class ShardedTransfer:
         self._handshake(self._param_problem or self._shards_problem(shards))
         finish_pending_param_gathers(self.chunks)  # the weights of the last optimizer step
         self._ensure_buffers()
-        for peer, parts in self.sends.items():
-            _pack(self._send_buffers[peer], parts, self.params)
+        copies = self._views(shards)
+        _copy_all(copies.pack)
         works = self._post()
-        for target, source in self._local_pairs(shards):
-            target.copy_(source)
+        _copy_all(copies.local)
         for work in works:
             work.wait()
         bad = self._bad_checksums()
         if not bad:
-            for peer, parts in self.receives.items():
-                _unpack(self._receive_buffers[peer], parts, shards)
+            _copy_all(copies.unpack)
         self._share_status(bad)
         return self._stats
 
@@ -159,16 +157,23 @@ class ShardedTransfer:
                 return f"{move.hf_name}: parameter {move.megatron_param} {tuple(param.shape)} does not hold {move.source_box}"
         return None
 
-    def _local_pairs(self, shards: Mapping[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(engine shard view, parameter view) of every local copy, runs of equally spaced parts
-        fused into one strided copy (q, k and v come in one part per query group); kept while the
-        shards and parameters keep their storage."""
+    def _views(self, shards: Mapping[str, torch.Tensor]) -> "_Copies":
+        """Every copy of a run as (destination view, source view): packing into the send buffers,
+        local parts, unpacking from the receive buffers. Runs of equally spaced parts (q, k and v
+        come in one part per query group) are one strided copy. Built on the first run and kept
+        while the shards and parameters keep their storage."""
         key = (id(shards), *(t.data_ptr() for t in shards.values()), *(p.data_ptr() for p in self.params.values()))
-        if self._local_copies is None or self._local_copies[0] != key:
-            pairs = [(_strided_view(shards[run[0].hf_name], [m.shard_box for m in run]),
-                      _strided_view(self.params[run[0].megatron_param], [m.source_box for m in run])) for run in _even_runs(self.local)]
-            self._local_copies = (key, pairs)
-        return self._local_copies[1]
+        if self._copies is None or self._copies[0] != key:
+            params = self.params
+            self._copies = (key, _Copies(
+                pack=[(_slots(self._send_buffers[peer], run), _strided_view(params[run[0].move.megatron_param], [p.move.source_box for p in run]))
+                      for peer, parts in self.sends.items() for run in _even_runs(parts)],
+                local=[(_strided_view(shards[run[0].hf_name], [m.shard_box for m in run]),
+                        _strided_view(params[run[0].megatron_param], [m.source_box for m in run])) for run in _even_runs(self.local)],
+                unpack=[(_strided_view(shards[run[0].move.hf_name], [p.move.shard_box for p in run]), _slots(self._receive_buffers[peer], run))
+                        for peer, parts in self.receives.items() for run in _even_runs(parts)],
+            ))
+        return self._copies[1]
 
     def _handshake(self, problem: str | None) -> None:
         everyone = self._control.exchange([self.fingerprint, _BAD_INPUT if problem else _OK], self.group)
@@ -255,49 +260,59 @@ def _packed(moves: tuple[Move, ...], rank: int, *, outgoing: bool) -> dict[int, 
     return dict(sorted(table.items()))
 
 
-def _pack(buffer: torch.Tensor, parts: list[_Packed], params: Mapping[str, torch.Tensor]) -> None:
-    for part in parts:
-        _slot(buffer, part).copy_(_view(params[part.move.megatron_param], part.move.source_box))
+@dataclass(frozen=True, slots=True)
+class _Copies:
+    pack: list[tuple[torch.Tensor, torch.Tensor]]
+    local: list[tuple[torch.Tensor, torch.Tensor]]
+    unpack: list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def _unpack(buffer: torch.Tensor, parts: list[_Packed], shards: Mapping[str, torch.Tensor]) -> None:
-    for part in parts:
-        _view(shards[part.move.hf_name], part.move.shard_box).copy_(_slot(buffer, part))
+def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for target, source in pairs:
+        target.copy_(source)
 
 
-def _slot(buffer: torch.Tensor, part: _Packed) -> torch.Tensor:
-    move = part.move
-    return buffer[part.offset : part.offset + move.nbytes].view(getattr(torch, move.dtype)).view(move.shape)
+def _slots(buffer: torch.Tensor, run: list[_Packed]) -> torch.Tensor:
+    """The buffer bytes of a run of equally shaped parts at consecutive slots, as one typed view."""
+    move = run[0].move
+    first = buffer[run[0].offset : run[0].offset + move.nbytes].view(getattr(torch, move.dtype)).view(move.shape)
+    if len(run) == 1:
+        return first
+    step = (run[1].offset - run[0].offset) // first.element_size()
+    return first.as_strided((len(run), *first.shape), (step, *first.stride()), first.storage_offset())
 
 
 def _view(tensor: torch.Tensor, box: Box) -> torch.Tensor:
     return tensor[tuple(slice(start, stop) for start, stop in box)]
 
 
-def _even_runs(moves: list[Move]) -> list[list[Move]]:
-    """Consecutive moves of one tensor from one parameter, of one shape, whose boxes differ only
-    in their start along dim 0, each by the same step on both sides: one strided copy each."""
-    runs: list[list[Move]] = []
-    for move in moves:
-        run = runs[-1] if runs else None
-        if run and _continues(run, move):
-            run.append(move)
+def _even_runs(items: list) -> list[list]:
+    """Consecutive moves (or packed parts) of one tensor from one parameter, of one shape, whose
+    boxes differ only in their start along dim 0, each by the same step on both sides: one
+    strided copy each. Packed parts of one shape sit at equally spaced offsets already."""
+    runs: list[list] = []
+    for item in items:
+        if runs and _continues([_move(i) for i in runs[-1][-2:]], runs[-1][0], item):
+            runs[-1].append(item)
         else:
-            runs.append([move])
+            runs.append([item])
     return runs
 
 
-def _continues(run: list[Move], move: Move) -> bool:
-    first, last = run[0], run[-1]
+def _move(item) -> Move:
+    return item.move if isinstance(item, _Packed) else item
+
+
+def _continues(tail: list[Move], first_item, item) -> bool:
+    first, move, last = _move(first_item), _move(item), tail[-1]
     if (move.hf_name, move.megatron_param, move.shape) != (first.hf_name, first.megatron_param, first.shape):
         return False
     if move.source_box[1:] != first.source_box[1:] or move.shard_box[1:] != first.shard_box[1:]:
         return False
-    source_step = move.source_box[0][0] - last.source_box[0][0]
-    shard_step = move.shard_box[0][0] - last.shard_box[0][0]
-    if len(run) == 1:
-        return source_step > 0 and shard_step > 0
-    return (source_step, shard_step) == (last.source_box[0][0] - run[-2].source_box[0][0], last.shard_box[0][0] - run[-2].shard_box[0][0])
+    steps = (move.source_box[0][0] - last.source_box[0][0], move.shard_box[0][0] - last.shard_box[0][0])
+    if len(tail) == 1:
+        return steps[0] > 0 and steps[1] > 0
+    return steps == (last.source_box[0][0] - tail[0].source_box[0][0], last.shard_box[0][0] - tail[0].shard_box[0][0])
 
 
 def _strided_view(tensor: torch.Tensor, boxes: list[Box]) -> torch.Tensor:
