@@ -209,7 +209,17 @@ class _Processed(torch.nn.Module):
 
         def begin():
             kernel["weight"] = self.weight
-            self.weight = self.loadable(torch.empty_like(self.weight))
+            staging = self.loadable(torch.empty_like(self.weight))
+            load_rows, pending = staging.load_rows, []
+
+            def buffered(loaded, start):  # vLLM loads a layer once all its tensors have arrived
+                pending.append((loaded, start))
+                if len(pending) == 2:
+                    for args in pending:
+                        load_rows(*args)
+
+            staging.load_rows = buffered
+            self.weight = staging
 
         def end():
             self.process()

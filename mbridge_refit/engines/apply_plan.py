@@ -61,6 +61,7 @@ class _Step:
     source: torch.Tensor
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (destination, source view)
     via_loader: bool = False
+    wrote: bool = False  # some engine tensor took bytes of this source (perhaps while a later source loaded)
 
 
 @dataclass
@@ -130,7 +131,7 @@ class ApplyPlan:
                 with torch.no_grad(), recorder.recording(None):
                     staged.end()
         plan = cls(steps=steps, load_weights=load_weights, params=params, written=recorder.written,
-                   unexpected=sorted(recorder.silent),
+                   unexpected=sorted(step.name for step in steps if not step.wrote),
                    parameter_names=frozenset(_unique_tensors(model.named_parameters())))
         if staged is not None and plan.via_loader:
             raise ApplyPlanError(
@@ -180,9 +181,8 @@ class _CopyRecorder(TorchFunctionMode):
         self._param_of = {t.untyped_storage().data_ptr(): name for name, t in params.items() if t.numel()}
         self._sources = {t.untyped_storage().data_ptr() for _, t in sources if t.numel()}
         self.written: dict[str, int] = {}
-        self.silent: set[str] = set()
         self._step: _Step | None = None
-        self._wrote = False
+        self._spans: dict[int, list[tuple[int, int, _Step]]] = {}  # source storage -> (byte span, its step)
         self._compose = compose_staged
         self._staged: dict[int, list[tuple[torch.Tensor, torch.Tensor, _Step]]] = {}  # staging storage -> writes from sources
 
@@ -191,13 +191,13 @@ class _CopyRecorder(TorchFunctionMode):
             self.recorder, self.step = recorder, step
 
         def __enter__(self) -> None:
-            self.recorder._step, self.recorder._wrote = self.step, False
+            self.recorder._step = self.step
+            if self.step is not None:
+                self.recorder._register(self.step)
             self.recorder.__enter__()
 
         def __exit__(self, *exc) -> None:
             self.recorder.__exit__(*exc)
-            if exc[0] is None and self.step is not None and not self.recorder._wrote:
-                self.recorder.silent.add(self.step.name)
             self.recorder._step = None
 
     def recording(self, step: _Step | None) -> "_CopyRecorder._Recording":
@@ -219,6 +219,21 @@ class _CopyRecorder(TorchFunctionMode):
             self._loader_only()  # ``param.data = ...`` swaps the storage
         return result
 
+    def _register(self, step: _Step) -> None:
+        source = step.source
+        if source.numel():
+            start = source.storage_offset() * source.element_size()
+            self._spans.setdefault(source.untyped_storage().data_ptr(), []).append((start, start + _span_bytes(source), step))
+
+    def _owner(self, source: torch.Tensor) -> _Step | None:
+        """The step whose source tensor holds ``source``: a loader that buffers a layer's tensors
+        (vLLM's reload does) writes earlier sources while a later one loads."""
+        at = source.storage_offset() * source.element_size()
+        holders = [step for start, stop, step in self._spans.get(source.untyped_storage().data_ptr(), []) if start <= at < stop]
+        if self._step in holders or not holders:
+            return self._step
+        return holders[-1]
+
     def _loader_only(self) -> None:
         if self._step is not None:  # outside a step (a reload's final processing) the check judges the result
             self._step.via_loader = True
@@ -235,19 +250,21 @@ class _CopyRecorder(TorchFunctionMode):
         if not isinstance(destination, torch.Tensor) or destination.device.type == "meta":
             return
         target = self._target(destination)
+        from_source = self._is_source(source)
+        owner = self._owner(source) if from_source else self._step
         if target is None:
-            if self._compose and self._step is not None and self._is_source(source):
-                self._wrote = True  # into a staging tensor: composed when the staged layer is copied back
-                self._staged.setdefault(destination.untyped_storage().data_ptr(), []).append((destination, source, self._step))
+            if self._compose and from_source and owner is not None:
+                owner.wrote = True  # into a staging tensor: composed when the staged layer is copied back
+                self._staged.setdefault(destination.untyped_storage().data_ptr(), []).append((destination, source, owner))
             return
         if self._compose and isinstance(source, torch.Tensor) and self._compose_staged(destination, source, target):
             return
-        self._wrote = True
         self.written[target] = self.written.get(target, 0) + _nbytes(destination)
-        if self._step is None:
+        if owner is None:
             return  # the reload's own processing writing a parameter from elsewhere: the check judges it
-        if self._is_source(source):
-            self._step.copies.append((destination, source))
+        owner.wrote = True
+        if from_source:
+            owner.copies.append((destination, source))
         else:
             self._loader_only()  # a temporary or a scalar, made by the loader
 
@@ -278,6 +295,12 @@ def _unique_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torc
             seen.add(key)
             out[name] = tensor.data
     return out
+
+
+def _span_bytes(tensor: torch.Tensor) -> int:
+    """Bytes from a tensor's first element to its last, whatever its strides."""
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return (last + 1) * tensor.element_size()
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
