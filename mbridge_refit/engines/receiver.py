@@ -146,6 +146,11 @@ class RefitReceiver:
         return self._plan is not None
 
     @property
+    def staged_load(self) -> StagedLoad | None:
+        """The reload bracket the open layout was recorded through (None: plain loads)."""
+        return self._staged if self._staged_in_use else None
+
+    @property
     def plan(self) -> ApplyPlan | None:
         """The open layout's recorded plan (None before ``open``)."""
         return self._plan

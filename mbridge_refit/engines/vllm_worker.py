@@ -75,7 +75,8 @@ class RefitWorkerExtension:
     def mbridge_refit_time(self, what: str, repeats: int) -> list[float]:
         """Benchmarks: milliseconds of ``repeats`` engine-side applications of the open layout,
         ``what="replay"`` (the recorded copies) or ``"load_weights"`` (vLLM's own loader on the
-        same tensors, already on this GPU); each synchronized."""
+        same tensors, already on this GPU; inside its layerwise reload where the layout was
+        recorded through it, as for FP8 engines); each synchronized."""
         receiver = self._mbridge_receiver()
         if not receiver.is_open:
             raise RuntimeError("no refit layout is open: refit once before timing")
@@ -89,7 +90,7 @@ class RefitWorkerExtension:
             if what == "replay":
                 plan.replay()
             else:
-                model.load_weights(sources)
+                _load_as_the_engine_does(model, sources, receiver.staged_load)
             torch.cuda.synchronize(self.device)
             times.append((time.perf_counter() - started) * 1e3)
         return times
@@ -102,3 +103,13 @@ class RefitWorkerExtension:
             "reserved_bytes": torch.cuda.memory_reserved(self.device),
             "allocations": stats.get("allocation.all.allocated", 0),
         }
+
+
+def _load_as_the_engine_does(model: torch.nn.Module, sources: list, staged: StagedLoad | None) -> None:
+    if staged is not None:
+        staged.begin()
+    try:
+        model.load_weights(sources)
+    finally:
+        if staged is not None:
+            staged.end()
