@@ -90,6 +90,8 @@ class RefitReceiver:
             raise RefitError(f"cannot map the trainer's tensors: {err}") from err
         plan = self._record(sources)
         _synchronize(self.device)
+        if self._staged_in_use and self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the reload's staging tensors: return their blocks, not keep them reserved
         if (plan.missing or plan.unexpected) and not allow_partial:
             raise RefitError(_mismatch_message(plan))
         if check:

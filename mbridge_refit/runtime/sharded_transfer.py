@@ -267,6 +267,7 @@ class _Copies:
     unpack: list[tuple[torch.Tensor, torch.Tensor]]
 
 
+@torch.no_grad()
 def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     for target, source in pairs:
         target.copy_(source)
