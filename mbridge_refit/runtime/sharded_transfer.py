@@ -17,15 +17,14 @@ engine ranks that receive, most often the same ranks) from the same ``TransferPl
 
 The handshake is each run's first collective over ``group``, so an NCCL communicator exists
 before the point-to-point group is issued (``batch_isend_irecv`` needs every rank of a new
-communicator in its first call). Buffers are allocated on the first run and reused: a steady-state run allocates nothing (the
-caller owns the engine shards; ``allocate_shards`` makes a set once). Parameter and shard
-tensors are read and written only inside ``run``; the trainer must not update its parameters
-while a run is in flight on any rank.
+communicator in its first call). Buffers are allocated on the first run and reused: a
+steady-state run allocates nothing (the caller owns the engine shards; ``allocate_shards`` makes
+a set once). Parameter and shard tensors are read and written only inside ``run``; the trainer
+must not update its parameters while a run is in flight on any rank.
 """
 
 from __future__ import annotations
 
-import logging
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -37,8 +36,6 @@ import torch.distributed as dist
 from mbridge_refit.plan.engine_layout import Box
 from mbridge_refit.plan.transfer import Move, TransferPlan
 from mbridge_refit.runtime.param_sync import finish_pending_param_gathers
-
-logger = logging.getLogger(__name__)
 
 ALIGN_BYTES = 16
 _OK, _BAD_INPUT, _BAD_CHECKSUM = 0, 1, 2
