@@ -25,8 +25,10 @@ requires the same fingerprints bit for bit. Engine-agnostic: needs a module and 
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +41,9 @@ logger = logging.getLogger(__name__)
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], object]
 
 
+_SCRIBBLE = 0x5A
+
+
 @dataclass(frozen=True)
 class StagedLoad:
     """An engine's reload bracket: ``begin()`` before loading (the loaders write into staging
@@ -46,7 +51,16 @@ class StagedLoad:
 
     begin: Callable[[], object]
     end: Callable[[], object]
-_SCRIBBLE = 0x5A
+
+    @contextlib.contextmanager
+    def around(self, during_end: Callable[[], Any] = contextlib.nullcontext) -> Iterator[None]:
+        """``begin()``, the block, then ``end()`` (also when the block raises), inside ``during_end()``."""
+        self.begin()
+        try:
+            yield
+        finally:
+            with during_end():
+                self.end()
 
 
 class ApplyPlanError(RuntimeError):
@@ -110,26 +124,20 @@ class ApplyPlan:
         params = _unique_tensors([*model.named_parameters(), *model.named_buffers()])
         recorder = _CopyRecorder(params, sources, compose_staged=staged is not None)
         steps = []
-        if staged is not None:
-            staged.begin()
-        try:
-            with torch.no_grad():
-                for name, tensor in sources:
-                    step = _Step(name=name, source=tensor)
-                    try:
-                        with recorder.recording(step):
-                            load_weights([(name, tensor)])
-                    except Exception as err:
-                        raise ApplyPlanError(
-                            f"the engine's load_weights failed on {name} {tuple(tensor.shape)} {tensor.dtype}: "
-                            f"{type(err).__name__}: {err}. An engine that replaces its parameters after loading "
-                            "(vLLM's FP8 linear layers do) is recorded through its reload bracket (StagedLoad)"
-                        ) from err
-                    steps.append(step)
-        finally:
-            if staged is not None:
-                with torch.no_grad(), recorder.recording(None):
-                    staged.end()
+        bracket = staged.around(lambda: recorder.recording(None)) if staged is not None else contextlib.nullcontext()
+        with torch.no_grad(), bracket:
+            for name, tensor in sources:
+                step = _Step(name=name, source=tensor)
+                try:
+                    with recorder.recording(step):
+                        load_weights([(name, tensor)])
+                except Exception as err:
+                    raise ApplyPlanError(
+                        f"the engine's load_weights failed on {name} {tuple(tensor.shape)} {tensor.dtype}: "
+                        f"{type(err).__name__}: {err}. An engine that replaces its parameters after loading "
+                        "(vLLM's FP8 linear layers do) is recorded through its reload bracket (StagedLoad)"
+                    ) from err
+                steps.append(step)
         plan = cls(steps=steps, load_weights=load_weights, params=params, written=recorder.written,
                    unexpected=sorted(step.name for step in steps if not step.wrote),
                    parameter_names=frozenset(_unique_tensors(model.named_parameters())))
@@ -274,11 +282,10 @@ class _CopyRecorder(TorchFunctionMode):
         writes = self._staged.get(staging.untyped_storage().data_ptr()) if staging.device.type != "meta" else None
         if not writes or (destination.shape, destination.stride(), destination.dtype) != (staging.shape, staging.stride(), staging.dtype):
             return False
+        if any(view.storage_offset() < staging.storage_offset() or view.dtype != staging.dtype for view, _, _ in writes):
+            return False
         shift = destination.storage_offset() - staging.storage_offset()
         for view, source, step in writes:
-            relative = view.storage_offset() - staging.storage_offset()
-            if relative < 0 or view.dtype != staging.dtype:
-                return False
             placed = destination.as_strided(view.shape, view.stride(), view.storage_offset() + shift)
             step.copies.append((placed, source))
             self.written[target] = self.written.get(target, 0) + _nbytes(placed)

@@ -9,6 +9,7 @@ recorded through); the worker provides ``self.model_runner`` and ``self.device``
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -90,7 +91,9 @@ class RefitWorkerExtension:
             if what == "replay":
                 plan.replay()
             else:
-                _load_as_the_engine_does(model, sources, receiver.staged_load)
+                staged = receiver.staged_load
+                with staged.around() if staged is not None else contextlib.nullcontext():
+                    model.load_weights(sources)
             torch.cuda.synchronize(self.device)
             times.append((time.perf_counter() - started) * 1e3)
         return times
@@ -104,12 +107,3 @@ class RefitWorkerExtension:
             "allocations": stats.get("allocation.all.allocated", 0),
         }
 
-
-def _load_as_the_engine_does(model: torch.nn.Module, sources: list, staged: StagedLoad | None) -> None:
-    if staged is not None:
-        staged.begin()
-    try:
-        model.load_weights(sources)
-    finally:
-        if staged is not None:
-            staged.end()

@@ -142,7 +142,8 @@ def box_shape(box: Box) -> tuple[int, ...]:
     return tuple(stop - start for start, stop in box)
 
 
-def _with(box: Box, dim: int, start: int, stop: int) -> Box:
+def with_extent(box: Box, dim: int, start: int, stop: int) -> Box:
+    """``box`` with its extent along ``dim`` replaced by ``[start, stop)``."""
     return box[:dim] + ((start, stop),) + box[dim + 1 :]
 
 
@@ -154,7 +155,7 @@ def _split(tensor: EngineTensor, dim: int, parts: int, index: int, what: str) ->
             f"size dividing {size}"
         )
     step = size // parts
-    return _with(whole(tensor.shape), dim, index * step, (index + 1) * step)
+    return with_extent(whole(tensor.shape), dim, index * step, (index + 1) * step)
 
 
 def _column(tensor: EngineTensor, rank: int, layout: EngineLayout, shape: ModelShape) -> Box:
@@ -203,7 +204,7 @@ def _vocab(tensor: EngineTensor, rank: int, layout: EngineLayout, shape: ModelSh
         )
     per_rank = padded // layout.tp
     start = min(rank * per_rank, rows)
-    return _with(whole(tensor.shape), 0, start, min(start + per_rank, rows))
+    return with_extent(whole(tensor.shape), 0, start, min(start + per_rank, rows))
 
 
 def _expert(tensor: EngineTensor, rank: int, layout: EngineLayout, shape: ModelShape) -> Box | None:

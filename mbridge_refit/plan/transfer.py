@@ -19,6 +19,7 @@ or a weight the trainer keeps in another format is refused with the tensor named
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from collections import defaultdict
@@ -27,7 +28,7 @@ from typing import Any, Iterable
 
 import torch
 
-from mbridge_refit.plan.engine_layout import Box, EngineLayout, EngineTensor, box_shape, engine_box, engine_rule
+from mbridge_refit.plan.engine_layout import Box, EngineLayout, EngineTensor, box_shape, engine_box, engine_rule, with_extent
 from mbridge_refit.plan.entries import ExportPlan, PlanEntry, numel
 from mbridge_refit.plan.layout import ModelShape
 from mbridge_refit.plan.placement import SliceCopy
@@ -265,7 +266,7 @@ def _moves_for(entry: PlanEntry, shard: EngineShard, chooser: _SourceChooser) ->
                 continue
             if not holders:
                 raise TransferPlanError(f"{entry.hf_name}: no trainer rank of stage {entry.pp_rank} holds its piece {piece}")
-            source_box = _with_dim(part, piece.dim, part[piece.dim][0] - piece.hf_start + piece.local_start,
+            source_box = with_extent(part, piece.dim, part[piece.dim][0] - piece.hf_start + piece.local_start,
                                    part[piece.dim][1] - piece.hf_start + piece.local_start)
             shard_box = tuple((start - base, stop - base) for (start, stop), (base, _) in zip(part, shard.box))
             move = Move(hf_name=entry.hf_name, source_rank=0, target_rank=shard.target_rank, engine_rank=shard.engine_rank,
@@ -285,11 +286,7 @@ def _intersect(box: Box, piece: SliceCopy) -> Box | None:
     low, high = max(start, piece.hf_start), min(stop, piece.hf_stop)
     if low >= high or any(a >= b for a, b in box):
         return None
-    return _with_dim(box, piece.dim, low, high)
-
-
-def _with_dim(box: Box, dim: int, start: int, stop: int) -> Box:
-    return box[:dim] + ((start, stop),) + box[dim + 1 :]
+    return with_extent(box, piece.dim, low, high)
 
 
 def _missing_bytes(entry: PlanEntry, grid: tuple[TrainerRank, ...], target: int) -> int:
@@ -305,6 +302,7 @@ def _piece_shape(shape: tuple[int, ...], piece: SliceCopy) -> tuple[int, ...]:
     return shape[: piece.dim] + (piece.length,) + shape[piece.dim + 1 :]
 
 
+@functools.cache
 def _itemsize(dtype: str) -> int:
     return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
