@@ -49,6 +49,7 @@ from mbridge_refit.runtime.buffers import ExportBuffers
 from mbridge_refit.runtime.collectives import current_rank_groups, current_trainer_rank, is_rank_zero, replica_participants
 from mbridge_refit.runtime.exporter import DEFAULT_BUCKET_BYTES, PlanExporter
 from mbridge_refit.runtime.param_sync import finish_pending_param_gathers
+from mbridge_refit.runtime.selection import LiveRows
 from mbridge_refit.runtime.sharded_transfer import ShardedTransfer
 
 logger = logging.getLogger(__name__)
@@ -220,6 +221,37 @@ class RefitBridge(AutoBridge):
             cached = state.fp8[config] = _build_fp8_export(state, config, weights)
         cached.weights.bucket_bytes = self.bucket_bytes
         return cached
+
+    def live_rows(self, model: list[torch.nn.Module] | torch.nn.Module, *, fp8: BlockwiseFP8Config | str | None = None) -> dict[str, LiveRows]:
+        """HF names of ``export_hf_weights(model, fp8=fp8)`` whose tensor is, on this rank, rows of
+        one local parameter read as stored, with those rows (``runtime.selection.LiveRows``):
+        views of the parameter (most tensors without tensor parallelism) and row runs of one
+        (q, k, v of grouped-query attention). A consumer that maps the parameter's memory reads
+        every later step's weights there without exporting these names again.
+
+        Nothing else is live: gathered or pipeline-broadcast tensors, tensors the FP8 export
+        quantizes, shards converted on the way (TE FP8 parameters). The same names on every rank
+        of the model's groups (they depend on the plan and the layout), so every rank can export
+        the rest with ``only=`` in step. Empty for a model the plan cannot describe (the stock
+        fallback). Collective on the first call for a model (the plan), like ``export_plan``.
+        The parameters are referenced, not copied: a parameter whose ``.data`` is swapped is
+        followed (``LiveRows.source()``), its rows' meaning is not.
+        """
+        chunks, config = _chunks(model), _fp8_config(fp8)
+        if self.export_weight_dtype == "fp8":
+            return {}  # Megatron-Bridge's own FP8 export runs instead of the plan
+        try:
+            exporter = self._exporter(chunks)
+        except PlanError:
+            return {}
+        live = exporter.live_rows()
+        if config is None:
+            return live
+        fp8_export = self.fp8_export(chunks, config)
+        if fp8_export.weights is not exporter:
+            return {}  # weights read through converted shards (the trainer keeps FP8 parameters)
+        quantized = {e.scale_of for e in fp8_export.plan.entries if e.scale_of is not None}
+        return {name: rows for name, rows in live.items() if name not in quantized}
 
     def takes_part(self, model: list[torch.nn.Module] | torch.nn.Module, replica: int) -> bool:
         """Whether this rank does export work in ``export_hf_weights(model, replica=replica)``.

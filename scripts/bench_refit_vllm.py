@@ -8,8 +8,11 @@ from the FP8-blockwise config ``convert --fp8-blockwise`` writes). Side by side 
 steady steps first, then the baseline's: its layerwise reload may reallocate engine parameters,
 after which our next apply records the loader again):
 
-* ``ours_ms``: ``VLLMRefit.refit`` (our cached export, held outputs, one RPC, the engine replays
-  its recorded copies from the trainer's memory); export and apply are also reported apart.
+* ``ours_ms``: ``VLLMRefit.refit`` (the export of what is not live, one RPC, the engine replays
+  its recorded copies from the trainer's memory); export and apply are also reported apart, and
+  the apply split into the engine worker's own time (``ours_engine_ms``) and the rest, vLLM's
+  RPC (``ours_rpc_overhead_ms``). ``live_tensors``: tensors the engine reads straight from the
+  trainer's parameters (never exported after the first step).
 * ``vllm_native_stock_ms`` (BF16 only): ``AutoBridge.export_hf_weights`` (stock) into vLLM's
   native ``ipc`` weight-transfer backend: ``start_weight_update``, ``trainer_send_weights``
   (one handle per tensor, not packed), ``finish_weight_update``.
@@ -127,6 +130,7 @@ def run(args) -> dict:
         result["engine_extra_bytes"] = after_open["allocated_bytes"] - before_open["allocated_bytes"]
         result["engine_reserved_extra_bytes"] = after_open["reserved_bytes"] - before_open["reserved_bytes"]
         result["open_report"] = {k: (v if not isinstance(v, list) else v[:5]) for k, v in (first.report or {}).items()}
+        result["live_tensors"] = len(bridge.live_rows(chunks, fp8=fp8))
         result["floor_ms"] = round(floor_ms(first.bytes), 3)
 
         stock = None
@@ -152,7 +156,7 @@ def run(args) -> dict:
                 result["vllm_native_stock_error"] = f"{type(err).__name__}: {err}"[:2000]
                 stock = None
 
-        ours, export, apply, stock_times = [], [], [], []
+        ours, export, apply, engine, stock_times = [], [], [], [], []
         trainer_new, engine_new = 0, 0
         for _ in range(args.steps):
             trainer_before = allocations()
@@ -168,6 +172,7 @@ def run(args) -> dict:
             engine_new += llm.collective_rpc("mbridge_refit_memory")[0]["allocations"] - engine_before
             export.append(step.export_ms)
             apply.append(step.apply_ms)
+            engine.append(step.engine_ms)
             if step.opened:
                 raise RuntimeError("a steady refit reopened its layout: the export's storages changed")
         # the native backend's layerwise reload may reallocate engine parameters, which makes our next
@@ -177,6 +182,8 @@ def run(args) -> dict:
         result["ours_ms"] = summary(ours)
         result["ours_export_ms"] = summary(export)
         result["ours_apply_rpc_ms"] = summary(apply)
+        result["ours_engine_ms"] = summary(engine)
+        result["ours_rpc_overhead_ms"] = summary([a - e for a, e in zip(apply, engine)])
         result["vllm_native_stock_ms"] = summary(stock_times) if stock_times else None
         if fp8:
             result["ours_fp8_ms"] = result["ours_ms"]
@@ -210,7 +217,8 @@ def main() -> None:
     result = run(args)
     name = f"bench_refit_vllm_{result['model']}{'_fp8' if args.fp8 else ''}.json"
     path = write_result(args.out_dir or results_dir(), name, result)
-    print(json.dumps({k: result[k] for k in ("device", "model", "format", "bytes", "ours_ms", "floor_ms", "vllm_native_stock_ms",
+    print(json.dumps({k: result[k] for k in ("device", "model", "format", "bytes", "ours_ms", "ours_export_ms", "ours_engine_ms",
+                                             "ours_rpc_overhead_ms", "floor_ms", "vllm_native_stock_ms",
                                              "vllm_load_weights_ms", "engine_replay_ms", "new_allocations_after_first",
                                              "engine_extra_bytes", "ratios")}, indent=1))
     print("wrote", path)

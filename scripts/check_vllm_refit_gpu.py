@@ -16,6 +16,10 @@ GPU); the vLLM engine runs in its own process on the same GPU. Steps, each check
 4. A weight perturbed on its way (one exported tensor replaced by a copy with one element
    changed) must show in exactly the engine parameters it feeds; a clean refit afterwards is
    exact again. A second clean refit replays without reopening.
+5. The refit verifier against the engine itself (``tools.verify_refit.verify_vllm_refit``): the
+   engine's own prompt logprobs against the trainer's Megatron forward, within
+   ``VLLM_TOLERANCE`` after a clean refit (BF16; FP8 numbers are recorded), beyond it after a
+   refit with a perturbed weight.
 
 Writes DIR/vllm_refit_<model>[_fp8].json; exits 1 when a check fails.
 """
@@ -63,6 +67,21 @@ def perturbed(stream, victim: str):
             flat = tensor.view(-1).view(torch.uint8)
             flat[0] ^= 0x01
         yield name, tensor
+
+
+def verify_against_trainer(refit, bridge, chunks, tokens, fp8, victim: str, checks: dict) -> dict:
+    """Step 5: the verifier's numbers after a clean and after a perturbed refit."""
+    from dataclasses import asdict
+
+    from mbridge_refit.tools.verify_refit import VLLM_TOLERANCE, verify_vllm_refit
+
+    clean = verify_vllm_refit(refit, bridge, chunks, tokens, sender=True, fp8=fp8, tolerance=float("inf"))
+    perturbed_result = verify_vllm_refit(refit, bridge, chunks, tokens, sender=True, fp8=fp8, tolerance=float("inf"), perturb=victim)
+    refit.refit(bridge, chunks, fp8=fp8)
+    if fp8 is None:
+        checks["verifier_passes_after_clean_refit"] = clean.mean_abs_diff <= VLLM_TOLERANCE
+    checks["verifier_fails_after_perturbed_refit"] = perturbed_result.mean_abs_diff > VLLM_TOLERANCE
+    return {"tolerance": VLLM_TOLERANCE, "clean": asdict(clean), "perturbed": asdict(perturbed_result)}
 
 
 def run(args) -> dict:
@@ -136,6 +155,7 @@ def run(args) -> dict:
         refit.refit(bridge, chunks, fp8=fp8)
         checks["clean_refit_after_perturbation_equal_disk"] = not differing(disk, refit.fingerprints())
         checks["prompt_logprobs_equal_disk_at_end"] = prompt_logprobs(llm, batch) == disk_logprobs
+        result["verify"] = verify_against_trainer(refit, bridge, chunks, torch.tensor(batch, device=device), fp8, victim, checks)
         result["steady_step_ms"] = [round(refit.refit(bridge, chunks, fp8=fp8).apply_ms, 2) for _ in range(3)]
         refit.close()
     result["ok"] = all(checks.values())

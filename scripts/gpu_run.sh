@@ -9,11 +9,11 @@
 #   bash scripts/gpu_run.sh sinks       # packed broadcast benchmark, refit verifier, FP8 checkpoint in transformers
 #   bash scripts/gpu_run.sh vllm-dense  # refit into vLLM == load from disk: Qwen3-1.7B BF16 and FP8 (after install-vllm.sh)
 #   bash scripts/gpu_run.sh vllm-moe    # the same for Qwen3-30B-A3B cut to 4 layers (128 experts each)
-#   bash scripts/gpu_run.sh vllm-bench  # bench_refit_vllm.py, Qwen3-8B, BF16 then FP8
+#   bash scripts/gpu_run.sh vllm-bench  # bench_refit_vllm.py, Qwen3-8B, BF16 then FP8 (vllm-bench-bf16 / vllm-bench-fp8: one of them)
 #   bash scripts/gpu_run.sh sharded     # engine-sharded refit, trainer TP2 -> engine TP2 on 2 GPUs, against the TP1 cached export and stock
 #   bash scripts/gpu_run.sh training    # export right after a Megatron DDP + distributed-optimizer step; parallel checkpoint write on the host's CPUs
 set -u
-part=${1:?usage: gpu_run.sh fp8|bench|sinks|vllm-dense|vllm-moe|vllm-bench|sharded|training}
+part=${1:?usage: gpu_run.sh fp8|bench|sinks|vllm-dense|vllm-moe|vllm-bench|vllm-bench-bf16|vllm-bench-fp8|sharded|training}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 RESULTS=/tmp/gpu_results_$part; rm -rf "$RESULTS"; mkdir -p "$RESULTS"
 trap 'tar czf "$OUT/$part.tgz" -C "$RESULTS" .' EXIT
@@ -50,13 +50,13 @@ case "$part" in
     step verify_qwen3-tiny_tp1 60 python3 -m mbridge_refit.convert verify-refit --recipe qwen3-tiny --json "$RESULTS/verify_qwen3-tiny_tp1.json"
     step fp8_checkpoint 120 python3 scripts/check_fp8_checkpoint.py --work /tmp/fp8check --out-dir "$RESULTS"
     ;;
-  vllm-dense|vllm-moe|vllm-bench)
+  vllm-dense|vllm-moe|vllm-bench*)
     # block-FP8 engines on Hopper: DeepGEMM re-encodes the scales as powers of two after loading (E8M0),
     # which a refit that writes the checkpoint's scales would have to repeat; the CUTLASS path reads them as they are
     export VLLM_USE_DEEP_GEMM=0
     # prompt logprobs are compared bit for bit: without batch-invariant kernels vLLM's own logprobs differ
     # between two runs on the same weights (seen on the H100 for Qwen3-1.7B and Qwen3-30B-A3B)
-    [ "$part" = vllm-bench ] || export VLLM_BATCH_INVARIANT=1
+    case "$part" in vllm-bench*) ;; *) export VLLM_BATCH_INVARIANT=1 ;; esac
     ;;&
   vllm-dense)
     step vllm_refit_qwen3-1.7b 280 python3 scripts/check_vllm_refit_gpu.py --model qwen3-1.7b --out-dir "$RESULTS"
@@ -66,14 +66,14 @@ case "$part" in
     step vllm_refit_qwen3-30b-a3b 280 python3 scripts/check_vllm_refit_gpu.py --model qwen3-30b-a3b --layers 4 --out-dir "$RESULTS"
     step vllm_refit_qwen3-30b-a3b_fp8 280 python3 scripts/check_vllm_refit_gpu.py --model qwen3-30b-a3b --layers 4 --fp8 --out-dir "$RESULTS"
     ;;
-  vllm-bench)
+  vllm-bench*)
     # vLLM's ipc backend imports ray and requests at module top; its callable transport (used here) needs
     # neither, and the wheelhouse has no ray: an empty stand-in module satisfies the import.
     python3 -c "import ray" 2>/dev/null || export PYTHONPATH=$PYTHONPATH:$PWD/scripts/gpu/stubs
     # the native backend sends torch types inside its update_info: vLLM pickles them only when allowed
     export VLLM_ALLOW_INSECURE_SERIALIZATION=1
-    step bench_refit_vllm_qwen3-8b 330 python3 scripts/bench_refit_vllm.py --model qwen3-8b --steps 5 --out-dir "$RESULTS"
-    step bench_refit_vllm_qwen3-8b_fp8 240 python3 scripts/bench_refit_vllm.py --model qwen3-8b --steps 5 --fp8 --out-dir "$RESULTS"
+    [ "$part" = vllm-bench-fp8 ] || step bench_refit_vllm_qwen3-8b 330 python3 scripts/bench_refit_vllm.py --model qwen3-8b --steps 5 --out-dir "$RESULTS"
+    [ "$part" = vllm-bench-bf16 ] || step bench_refit_vllm_qwen3-8b_fp8 240 python3 scripts/bench_refit_vllm.py --model qwen3-8b --steps 5 --fp8 --out-dir "$RESULTS"
     ;;
   training)
     # one data-parallel replica per GPU: with two, the deferred parameter all-gather really has shards to fetch

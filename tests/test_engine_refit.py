@@ -264,3 +264,145 @@ def test_a_reload_that_changes_the_bytes_is_refused():
     model = _Processed(transform=lambda w: w * 2)  # e.g. scales re-encoded after loading
     with pytest.raises(ApplyPlanError, match="does not reproduce the engine's loader"):
         _open_on(model, model.staged_load(), {"top": torch.randn(2, 4), "bottom": torch.randn(2, 4)})
+
+
+class _Grouped(torch.nn.Module):
+    """A fused parameter whose first part is ``q``: rows of the trainer's grouped QKV (one run of
+    ``q_rows`` per group), loaded by a narrow and copy; ``bias`` whole."""
+
+    def __init__(self, q_rows: int, groups: int, width: int) -> None:
+        super().__init__()
+        self.fused = torch.nn.Parameter(torch.zeros(q_rows * groups + 3, width), requires_grad=False)
+        self.bias = torch.nn.Parameter(torch.zeros(2, width), requires_grad=False)
+
+    def load_weights(self, weights):
+        for name, tensor in weights:
+            if name == "q":
+                self.fused.data.narrow(0, 0, tensor.shape[0]).copy_(tensor)
+            elif name == "b":
+                self.bias.data.copy_(tensor)
+            elif name == "rest":
+                self.fused.data.narrow(0, self.fused.shape[0] - 3, 3).copy_(tensor)
+
+
+def _grouped_case(groups: int = 4, q_rows: int = 2, group_rows: int = 3, width: int = 5):
+    """The trainer side: a QKV-like origin [groups * group_rows, width]; ``q`` is rows
+    [g*group_rows, g*group_rows + q_rows) of every group, materialized; ``b`` rows 0-1 of another origin."""
+    qkv = torch.randn(groups * group_rows, width)
+    runs = tuple((g * q_rows, g * group_rows, q_rows) for g in range(groups))
+    q = torch.cat([qkv[start : start + count] for _, start, count in runs])
+    other = torch.randn(4, width)
+    b = other[1:3].clone()
+    return qkv, runs, q, other, b
+
+
+def test_rows_are_composed_to_read_the_origin():
+    from mbridge_refit.engines.receiver import RefitReceiver
+
+    qkv, runs, q, other, b = _grouped_case()
+    rest = torch.randn(3, 5)
+    recorder = LayoutRecorder()
+    recorder.add("q", q, rows=(qkv, runs))
+    recorder.add("b", b, rows=(other, ((0, 1, 2),)))
+    recorder.add("rest", rest)
+    layout, storages = recorder.layout()
+    model = _Grouped(q_rows=2, groups=4, width=5)
+    receiver = RefitReceiver(model, torch.device("cpu"))
+    transport = LocalTransport()
+    report = receiver.open(layout.to_wire(), transport.share(storages), transport.name)
+    assert report["composed"] == 2 and report["refreshed"] == [] and report["checked_against_loader"]
+    assert torch.equal(model.fused.data[:8], q) and torch.equal(model.bias.data, b)
+    step = next(s for s in receiver.plan.steps if s.name == "q")
+    assert len(step.copies) == 1 and step.copies[0][0].shape == (4, 2, 5)  # four equally spaced runs, one strided copy
+    qkv.mul_(-2.0).add_(1.0)  # the origins change; the materialized copies do not
+    other.add_(3.0)
+    receiver.apply(layout.fingerprint)
+    expected_q = torch.cat([qkv[start : start + count] for _, start, count in runs])
+    assert torch.equal(model.fused.data[:8], expected_q) and not torch.equal(expected_q, q)
+    assert torch.equal(model.bias.data, other[1:3])
+
+
+def test_rows_a_loader_reads_in_other_shapes_are_refreshed_before_each_replay():
+    from mbridge_refit.engines.receiver import RefitReceiver
+
+    class Transposing(_Grouped):
+        def load_weights(self, weights):
+            for name, tensor in weights:
+                if name == "q":
+                    self.fused.data[:8].copy_(tensor.t().contiguous().t())  # reads through a temporary: loader every step
+                else:
+                    super().load_weights([(name, tensor)])
+
+    class Columns(_Grouped):
+        def load_weights(self, weights):
+            for name, tensor in weights:
+                if name == "q":
+                    self.fused.data[:8, :2].copy_(tensor[:, :2])  # column slices: not whole rows
+                    self.fused.data[:8, 2:].copy_(tensor[:, 2:])
+                else:
+                    super().load_weights([(name, tensor)])
+
+    for engine in (Transposing, Columns):
+        qkv, runs, q, _, _ = _grouped_case()
+        recorder = LayoutRecorder()
+        recorder.add("q", q, rows=(qkv, runs))
+        recorder.add("rest", torch.randn(3, 5))
+        layout, storages = recorder.layout()
+        model = engine(q_rows=2, groups=4, width=5)
+        receiver = RefitReceiver(model, torch.device("cpu"))
+        transport = LocalTransport()
+        report = receiver.open(layout.to_wire(), transport.share(storages), transport.name, allow_partial=True)
+        assert report["composed"] == 0 and report["refreshed"] == ["q"], engine.__name__
+        qkv.add_(5.0)
+        receiver.apply(layout.fingerprint)
+        assert torch.equal(model.fused.data[:8], torch.cat([qkv[s : s + n] for _, s, n in runs])), engine.__name__
+
+
+def test_composed_rows_are_rebuilt_before_the_loader_is_recorded_again():
+    from mbridge_refit.engines.receiver import RefitReceiver
+
+    qkv, runs, q, _, _ = _grouped_case()
+    recorder = LayoutRecorder()
+    recorder.add("q", q, rows=(qkv, runs))
+    recorder.add("rest", torch.randn(3, 5))
+    layout, storages = recorder.layout()
+    model = _Grouped(q_rows=2, groups=4, width=5)
+    receiver = RefitReceiver(model, torch.device("cpu"))
+    transport = LocalTransport()
+    receiver.open(layout.to_wire(), transport.share(storages), transport.name, allow_partial=True)
+    model.fused = torch.nn.Parameter(torch.zeros_like(model.fused), requires_grad=False)  # the engine reloaded it
+    qkv.add_(7.0)
+    receiver.apply(layout.fingerprint)
+    assert torch.equal(model.fused.data[:8], torch.cat([qkv[s : s + n] for _, s, n in runs]))
+
+
+def test_row_runs_that_do_not_make_the_tensor_are_refused():
+    from mbridge_refit.engines.sharing import row_sources
+
+    qkv, runs, q, _, _ = _grouped_case()
+    for bad in (runs[:-1], (*runs[:-1], (6, 11, 2)), ((0, 0, 4), (2, 4, 6))):
+        recorder = LayoutRecorder()
+        recorder.add("q", q, rows=(qkv, bad))
+        layout, storages = recorder.layout()
+        with pytest.raises(SharingError, match="row runs"):
+            row_sources(layout, storages, torch.device("cpu"))
+    with pytest.raises(SharingError, match="cannot make"):
+        LayoutRecorder().add("q", q, rows=(qkv.double(), runs))
+
+
+def test_an_in_place_op_on_no_element_keeps_a_copy_replayable():
+    class Padded(torch.nn.Module):  # vLLM's vocabulary-parallel embedding: copy, then zero the padding
+        def __init__(self, rows: int, padded: int):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(padded, 4), requires_grad=False)
+            self.rows = rows
+
+        def load_weights(self, weights):
+            for _, tensor in weights:
+                self.weight.data[: tensor.shape[0]].copy_(tensor)
+                self.weight.data[tensor.shape[0] :].fill_(0)
+
+    unpadded = ApplyPlan.record(Padded(6, 6), [("w", torch.randn(6, 4))])
+    assert unpadded.via_loader == [] and unpadded.copies == 1
+    padded = ApplyPlan.record(Padded(6, 8), [("w", torch.randn(6, 4))])
+    assert padded.via_loader == ["w"]  # zeroing real padding rows is not a copy: the loader runs every step

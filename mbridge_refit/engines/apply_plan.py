@@ -18,6 +18,13 @@ the results are copied into the parameters the engine computes with. The recorde
 two copies (source → staging, staging → parameter) into one, source → parameter, which is exact
 when processing kept those bytes as they were; the check below proves that it did.
 
+A source that is a copy of row runs of another tensor (the trainer's q, k and v are runs of its
+fused QKV parameter) is *composed* (``compose_rows``): every recorded copy that reads whole rows
+of the copy is rewritten to read the same rows from the runs, equally spaced runs as one
+strided copy, so a replay moves each byte once, from where the trainer keeps it, and the copy is
+never refreshed. A source whose copies cannot be rewritten so is refreshed from its runs before
+each replay instead (correct, one copy more).
+
 ``check_against_loader`` proves a plan before it is trusted: after the recorded load, it
 fingerprints every written parameter, overwrites those parameters with a pattern, replays, and
 requires the same fingerprints bit for bit. Engine-agnostic: needs a module and its loader.
@@ -39,6 +46,8 @@ from mbridge_refit.engines.fingerprint import differing, named_fingerprints
 logger = logging.getLogger(__name__)
 
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], object]
+Runs = tuple[tuple[int, int, int], ...]  # (row of the source tensor, row of the rows' origin, rows)
+Copy = tuple[torch.Tensor, torch.Tensor]  # (destination, source)
 
 
 _SCRIBBLE = 0x5A
@@ -73,9 +82,11 @@ class _Step:
 
     name: str
     source: torch.Tensor
-    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (destination, source view)
+    copies: list[Copy] = field(default_factory=list)  # (destination, source view)
     via_loader: bool = False
     wrote: bool = False  # some engine tensor took bytes of this source (perhaps while a later source loaded)
+    refresh: list[Copy] = field(default_factory=list)  # run before the step: the source rebuilt from its rows
+    composed: bool = False  # the copies read the source's rows where they live, not the source
 
 
 @dataclass
@@ -93,6 +104,8 @@ class ApplyPlan:
     written: dict[str, int]
     unexpected: list[str]
     parameter_names: frozenset[str]
+    owners: dict[str, tuple[torch.nn.Module, str]] = field(default_factory=dict)  # parameter -> (module, attribute)
+    rows: dict[str, tuple[torch.Tensor, Runs]] = field(default_factory=dict)  # source name -> its rows (compose_rows)
 
     @property
     def copies(self) -> int:
@@ -140,7 +153,8 @@ class ApplyPlan:
                 steps.append(step)
         plan = cls(steps=steps, load_weights=load_weights, params=params, written=recorder.written,
                    unexpected=sorted(step.name for step in steps if not step.wrote),
-                   parameter_names=frozenset(_unique_tensors(model.named_parameters())))
+                   parameter_names=frozenset(_unique_tensors(model.named_parameters())),
+                   owners=_owners(model, recorder.written))
         if staged is not None and plan.via_loader:
             raise ApplyPlanError(
                 f"{len(plan.via_loader)} tensor(s) are not loaded by plain copies through the engine's reload, e.g. "
@@ -150,18 +164,54 @@ class ApplyPlan:
 
     def targets_moved(self, model: torch.nn.Module) -> list[str]:
         """Written parameters whose storage ``model`` no longer uses (the engine replaced them,
-        e.g. a weight reload or quantization post-processing): a replay would miss them."""
-        current = {name: t.untyped_storage().data_ptr() for name, t in [*model.named_parameters(), *model.named_buffers()]}
-        return sorted(name for name in self.written if current.get(name) != self.params[name].untyped_storage().data_ptr())
+        e.g. a weight reload or quantization post-processing): a replay would miss them. Reads
+        each written parameter's owning module attribute (no walk over the model)."""
+        moved = []
+        for name in self.written:
+            module, attribute = self.owners.get(name, (None, None))
+            current = getattr(module, attribute, None) if module is not None else None
+            if not isinstance(current, torch.Tensor) or current.untyped_storage().data_ptr() != self.params[name].untyped_storage().data_ptr():
+                moved.append(name)
+        return sorted(moved)
 
     def replay(self) -> None:
         """Apply the sources' current bytes (same stream as the engine's compute: no sync here)."""
         with torch.no_grad():
             for step in self.steps:
+                for destination, source in step.refresh:
+                    destination.copy_(source)
                 if step.via_loader:
                     self.load_weights([(step.name, step.source)])
                 else:
                     for destination, source in step.copies:
+                        destination.copy_(source)
+
+    def compose_rows(self, rows: dict[str, tuple[torch.Tensor, Runs]]) -> list[str]:
+        """Sources that are copies of row runs of another tensor (``{name: (origin, runs)}``):
+        rewrite their recorded copies to read the runs from ``origin`` (module docstring).
+        Returns the names that could not be composed; those are refreshed from their runs before
+        each replay instead. Call right after ``record``, before ``check_against_loader``."""
+        self.rows = dict(rows)
+        refreshed = []
+        for step in self.steps:
+            if step.name not in rows:
+                continue
+            origin, runs = rows[step.name]
+            composed = None if step.via_loader else _compose(step.copies, step.source, origin, runs)
+            if composed is None:
+                step.refresh = _row_copies(step.source, origin, runs)
+                refreshed.append(step.name)
+            else:
+                step.copies, step.composed = composed, True
+        return refreshed
+
+    def refresh_sources(self) -> None:
+        """Rebuild every composed source from its rows (before recording the loader again: a
+        composed source is not kept up to date by replays)."""
+        with torch.no_grad():
+            for step in self.steps:
+                if step.composed:
+                    for destination, source in _row_copies(step.source, *self.rows[step.name]):
                         destination.copy_(source)
 
     def check_against_loader(self) -> None:
@@ -221,8 +271,9 @@ class _CopyRecorder(TorchFunctionMode):
             self._note(args[0], args[1])
         elif name == "__setitem__":
             self._note(args[0][args[1]], args[2])
-        elif name.endswith("_") and not name.endswith("__") and args and isinstance(args[0], torch.Tensor) and self._target(args[0]):
-            self._loader_only()  # an in-place op other than a copy: replay cannot repeat it
+        elif name.endswith("_") and not name.endswith("__") and args and isinstance(args[0], torch.Tensor) and args[0].numel() \
+                and self._target(args[0]):
+            self._loader_only()  # an in-place op other than a copy: replay cannot repeat it (on no element it does nothing)
         elif name == "__set__" and args and isinstance(args[0], torch.Tensor) and self._target(args[0]):
             self._loader_only()  # ``param.data = ...`` swaps the storage
         return result
@@ -290,6 +341,95 @@ class _CopyRecorder(TorchFunctionMode):
             step.copies.append((placed, source))
             self.written[target] = self.written.get(target, 0) + _nbytes(placed)
         return True
+
+
+def _owners(model: torch.nn.Module, names: Iterable[str]) -> dict[str, tuple[torch.nn.Module, str]]:
+    """The module and attribute that hold each named parameter or buffer."""
+    out = {}
+    for name in names:
+        module_name, _, attribute = name.rpartition(".")
+        try:
+            out[name] = (model.get_submodule(module_name), attribute)
+        except AttributeError:
+            pass  # not reachable by name: reported as moved, then recorded again
+    return out
+
+
+def _compose(copies: list[Copy], source: torch.Tensor, origin: torch.Tensor, runs: Runs) -> list[Copy] | None:
+    """``copies`` from ``source`` rewritten to read ``source``'s rows from ``origin`` (``source``
+    row ``r`` of run ``(row, origin_row, count)`` is ``origin`` row ``origin_row + r - row``);
+    None unless every copy reads whole rows of ``source`` into a destination of its shape."""
+    composed: list[Copy] = []
+    for destination, view in copies:
+        rows = _rows_within(view, source)
+        if rows is None or destination.shape != view.shape:
+            return None
+        first, count = rows
+        pieces = []
+        for row, origin_row, length in runs:
+            low, high = max(row, first), min(row + length, first + count)
+            if low < high:
+                pieces.append((low - first, origin_row + low - row, high - low))
+        composed.extend(_pieces_copies(destination, origin, pieces))
+    return composed
+
+
+def _rows_within(view: torch.Tensor, whole: torch.Tensor) -> tuple[int, int] | None:
+    """``(first row, rows)`` when ``view`` is whole consecutive rows of ``whole`` (same storage,
+    dtype, trailing shape and strides), else None."""
+    if view.dim() == 0 or view.dim() != whole.dim() or view.dtype != whole.dtype:
+        return None
+    if view.untyped_storage().data_ptr() != whole.untyped_storage().data_ptr():
+        return None
+    if view.shape[1:] != whole.shape[1:] or view.stride()[1:] != whole.stride()[1:]:
+        return None
+    row = whole.stride(0)
+    delta = view.storage_offset() - whole.storage_offset()
+    if row <= 0 or delta % row or (view.shape[0] > 1 and view.stride(0) != row):
+        return None
+    first = delta // row
+    return (first, view.shape[0]) if 0 <= first and first + view.shape[0] <= whole.shape[0] else None
+
+
+def _row_copies(destination: torch.Tensor, origin: torch.Tensor, runs: Runs) -> list[Copy]:
+    """Copies that write ``runs`` of ``origin`` into their rows of ``destination``."""
+    return _pieces_copies(destination, origin, [(row, origin_row, count) for row, origin_row, count in runs])
+
+
+def _pieces_copies(destination: torch.Tensor, origin: torch.Tensor, pieces: list[tuple[int, int, int]]) -> list[Copy]:
+    """One copy per run of equally long, equally spaced pieces ``(destination row, origin row,
+    rows)``: a strided view on each side (q, k, v come as one piece per query group)."""
+    copies = []
+    for group in _even_groups(pieces):
+        first_row, first_origin, count = group[0]
+        if len(group) == 1:
+            copies.append((destination.narrow(0, first_row, count), origin.narrow(0, first_origin, count)))
+            continue
+        step, origin_step = group[1][0] - first_row, group[1][1] - first_origin
+        copies.append((_stacked(destination, first_row, step, count, len(group)),
+                       _stacked(origin, first_origin, origin_step, count, len(group))))
+    return copies
+
+
+def _even_groups(pieces: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
+    """Consecutive pieces of one length whose rows advance by the same positive steps."""
+    groups: list[list[tuple[int, int, int]]] = []
+    for piece in pieces:
+        group = groups[-1] if groups else None
+        if group and piece[2] == group[0][2]:
+            step = (piece[0] - group[-1][0], piece[1] - group[-1][1])
+            first_step = step if len(group) == 1 else (group[1][0] - group[0][0], group[1][1] - group[0][1])
+            if step == first_step and min(step) >= piece[2]:
+                group.append(piece)
+                continue
+        groups.append([piece])
+    return groups
+
+
+def _stacked(tensor: torch.Tensor, first: int, step: int, rows: int, count: int) -> torch.Tensor:
+    """``count`` blocks of ``rows`` rows of ``tensor``, ``step`` rows apart, as one [count, rows, ...] view."""
+    block = tensor.narrow(0, first, rows)
+    return tensor.as_strided((count, *block.shape), (step * tensor.stride(0), *block.stride()), block.storage_offset())
 
 
 def _unique_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -4,15 +4,17 @@ Protocol (the trainer side is ``engines.vllm.VLLMRefit``; any RPC that carries p
 
 1. ``open(wire, payload, transport)``: the trainer's first step, and every step whose layout
    changed. Maps the shared storages, runs the engine's loader once per tensor while recording
-   its copies (this *is* the step's load), optionally proves the recording against the loader
-   (``ApplyPlan.check_against_loader``), and returns a report: what was loaded against what the
-   engine holds (``missing`` parameters, ``unexpected`` tensors, ``partial`` parameters). Any
-   missing or unexpected name fails the open (``RefitError``) unless ``allow_partial``.
+   its copies (this *is* the step's load), composes the copies of tensors that name their rows
+   so they read those rows where the trainer keeps them (``ApplyPlan.compose_rows``), optionally
+   proves the recording against the loader (``ApplyPlan.check_against_loader``), and returns a
+   report: what was loaded against what the engine holds (``missing`` parameters,
+   ``unexpected`` tensors, ``partial`` parameters). Any missing or unexpected name fails the
+   open (``RefitError``) unless ``allow_partial``.
 2. ``apply(fingerprint)``: every later step. Refuses a fingerprint that is not the open layout's
    (the trainer's export changed without a new ``open``), replays, and waits for the copies, so
-   the trainer may overwrite its buffers once the call returns. If the engine has replaced a
-   parameter the plan writes (a weight reload through another path), it records its loader
-   again instead of replaying into the old storage.
+   the trainer may overwrite its buffers once the call returns; returns the milliseconds it
+   took. If the engine has replaced a parameter the plan writes (a weight reload through another
+   path), it records its loader again instead of replaying into the old storage.
 3. ``close()``: forgets the plan and the mapped storages.
 
 Lifetimes: the mapped storages belong to the trainer; the trainer keeps them alive and
@@ -30,7 +32,7 @@ from typing import Any
 import torch
 
 from mbridge_refit.engines.apply_plan import ApplyPlan, ApplyPlanError, LoadWeights, StagedLoad
-from mbridge_refit.engines.sharing import TRANSPORTS, SharedLayout, SharingError, views
+from mbridge_refit.engines.sharing import TRANSPORTS, SharedLayout, SharingError, row_sources, views
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +50,8 @@ class OpenReport:
     storages: int
     bytes: int
     copies: int
+    composed: int  # tensors read from the rows they are copies of (never from the copy)
+    refreshed: list[str]  # tensors with rows whose copies could not be composed: rebuilt before each replay
     via_loader: list[str]
     missing: list[str]
     unexpected: list[str]
@@ -74,6 +78,7 @@ class RefitReceiver:
         self._plan: ApplyPlan | None = None
         self._fingerprint: str | None = None
         self._storages: list = []
+        self._rows: dict = {}
 
     def open(
         self, wire: dict[str, Any], payload: bytes, transport: str, *, check: bool = True, allow_partial: bool = False
@@ -86,9 +91,11 @@ class RefitReceiver:
         try:
             storages = TRANSPORTS[transport]().open(payload, self.device)
             sources = views(layout, storages, self.device)
+            rows = row_sources(layout, storages, self.device)
         except SharingError as err:
             raise RefitError(f"cannot map the trainer's tensors: {err}") from err
         plan = self._record(sources)
+        refreshed = plan.compose_rows(rows)
         _synchronize(self.device)
         if self._staged_in_use and self.device.type == "cuda":
             torch.cuda.empty_cache()  # the reload's staging tensors: return their blocks, not keep them reserved
@@ -97,10 +104,10 @@ class RefitReceiver:
         if check:
             plan.check_against_loader()
             _synchronize(self.device)
-        self._plan, self._fingerprint, self._storages = plan, layout.fingerprint, storages
+        self._plan, self._fingerprint, self._storages, self._rows = plan, layout.fingerprint, storages, rows
         report = OpenReport(
             fingerprint=layout.fingerprint, tensors=len(layout.refs), storages=len(storages), bytes=layout.nbytes,
-            copies=plan.copies, via_loader=plan.via_loader, missing=plan.missing, unexpected=plan.unexpected,
+            copies=plan.copies, composed=len(rows) - len(refreshed), refreshed=refreshed, via_loader=plan.via_loader, missing=plan.missing, unexpected=plan.unexpected,
             partial=plan.partial, checked_against_loader=check, open_ms=(time.perf_counter() - started) * 1e3,
         )
         if plan.via_loader:
@@ -108,7 +115,8 @@ class RefitReceiver:
                         len(plan.via_loader), plan.via_loader[:3])
         return report.to_dict()
 
-    def apply(self, fingerprint: str) -> None:
+    def apply(self, fingerprint: str) -> float:
+        started = time.perf_counter()
         if self._plan is None:
             raise RefitError("no refit layout is open on this engine: the trainer must open one first "
                              "(VLLMRefit does on its first step)")
@@ -121,13 +129,17 @@ class RefitReceiver:
         if moved:
             logger.warning("refit: %d engine parameter(s) were reallocated since the layout was opened (e.g. %s): "
                            "recording the engine's loader again", len(moved), moved[:3])
-            self._plan = self._record([(s.name, s.source) for s in self._plan.steps])
+            self._plan.refresh_sources()
+            plan = self._record([(s.name, s.source) for s in self._plan.steps])
+            plan.compose_rows(self._rows)
+            self._plan = plan
         else:
             self._plan.replay()
         _synchronize(self.device)
+        return (time.perf_counter() - started) * 1e3
 
     def close(self) -> None:
-        self._plan, self._fingerprint, self._storages = None, None, []
+        self._plan, self._fingerprint, self._storages, self._rows = None, None, [], {}
 
     def _record(self, sources: list[tuple[str, torch.Tensor]]) -> ApplyPlan:
         """The engine's loader recorded plainly; where it fails (the engine replaced a parameter

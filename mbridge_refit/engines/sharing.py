@@ -10,6 +10,11 @@ same from one step to the next: the layout is shared once and each later step on
 the bytes are ready. A step whose layout differs (another model, a freed cache, a stream of
 fresh tensors) is shared anew.
 
+A tensor may also name the rows it is made of (``RowsRef``: row runs of another shared tensor,
+e.g. q, k and v as runs of the trainer's fused QKV parameter). The engine then reads those rows
+where they live, every step, and the exported copy is needed only while the engine records its
+loader.
+
 Transports hand the storages over: ``CudaIpcTransport`` (CUDA IPC handles, opened once by the
 engine process and kept) and ``LocalTransport`` (the same process: CPU tests, or an engine that
 runs inside the trainer's process). Lower layer of ``engines``: imports only torch.
@@ -33,9 +38,35 @@ class SharingError(RuntimeError):
     """The shared layout and the storages that arrived do not fit together."""
 
 
+Runs = tuple[tuple[int, int, int], ...]  # (row of the tensor, row of the source, rows)
+
+
+@dataclass(frozen=True)
+class RowsRef:
+    """The rows a tensor is made of: ``runs`` of a source tensor (same dtype, same trailing
+    shape) that is a view of a shared storage; ``offset`` and ``stride`` in elements."""
+
+    storage: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    runs: Runs
+
+    def to_wire(self) -> list:
+        return [self.storage, list(self.shape), list(self.stride), self.offset, [list(run) for run in self.runs]]
+
+    @classmethod
+    def from_wire(cls, wire: list | None) -> "RowsRef | None":
+        if wire is None:
+            return None
+        storage, shape, stride, offset, runs = wire
+        return cls(int(storage), tuple(shape), tuple(stride), int(offset), tuple(tuple(int(x) for x in run) for run in runs))
+
+
 @dataclass(frozen=True)
 class TensorRef:
-    """One exported tensor as a view of a shared storage (``offset`` and ``stride`` in elements)."""
+    """One exported tensor as a view of a shared storage (``offset`` and ``stride`` in elements),
+    and optionally the rows of another shared tensor it is a copy of."""
 
     name: str
     storage: int  # index into SharedLayout.storage_bytes
@@ -43,6 +74,7 @@ class TensorRef:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
+    rows: RowsRef | None = None
 
 
 @dataclass(frozen=True)
@@ -70,15 +102,16 @@ class SharedLayout:
     def to_wire(self) -> dict[str, Any]:
         """Plain lists and numbers (for an RPC that serializes with msgpack or JSON)."""
         return {
-            "refs": [[r.name, r.storage, r.dtype, list(r.shape), list(r.stride), r.offset] for r in self.refs],
+            "refs": [[r.name, r.storage, r.dtype, list(r.shape), list(r.stride), r.offset, r.rows and r.rows.to_wire()]
+                     for r in self.refs],
             "storage_bytes": list(self.storage_bytes),
         }
 
     @classmethod
     def from_wire(cls, wire: dict[str, Any]) -> "SharedLayout":
         refs = tuple(
-            TensorRef(name, int(storage), dtype, tuple(shape), tuple(stride), int(offset))
-            for name, storage, dtype, shape, stride, offset in wire["refs"]
+            TensorRef(name, int(storage), dtype, tuple(shape), tuple(stride), int(offset), RowsRef.from_wire(rows))
+            for name, storage, dtype, shape, stride, offset, rows in wire["refs"]
         )
         return cls(refs=refs, storage_bytes=tuple(int(n) for n in wire["storage_bytes"]))
 
@@ -95,13 +128,23 @@ class LayoutRecorder:
     def __init__(self) -> None:
         self._keys: list[tuple] = []
         self._tensors: list[torch.Tensor] = []
+        self._rows: list[tuple[torch.Tensor, Runs] | None] = []
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
+    def add(self, name: str, tensor: torch.Tensor, rows: tuple[torch.Tensor, Runs] | None = None) -> None:
+        """Note ``tensor``; with ``rows`` = ``(source, runs)``, also that it is a copy of those rows
+        of ``source`` (the engine then reads them from ``source``)."""
         tensor = tensor.detach()
-        storage = tensor.untyped_storage()
-        self._keys.append((name, storage.data_ptr(), storage.nbytes(), tensor.storage_offset(),
-                           tuple(tensor.shape), tensor.stride(), tensor.dtype))
+        key = (name, *_where(tensor))
+        if rows is not None:
+            source, runs = rows[0].detach(), tuple(rows[1])
+            if source.dtype != tensor.dtype or source.shape[1:] != tensor.shape[1:]:
+                raise SharingError(f"{name}: rows of a {source.dtype} {tuple(source.shape)} source cannot make a "
+                                   f"{tensor.dtype} {tuple(tensor.shape)} tensor")
+            key += (*_where(source), runs)
+            rows = (source, runs)
+        self._keys.append(key)
         self._tensors.append(tensor)
+        self._rows.append(rows)
 
     @property
     def key(self) -> tuple:
@@ -111,13 +154,25 @@ class LayoutRecorder:
         """The shared layout and the storages it indexes (each once, in first-use order)."""
         index: dict[tuple[int, int], int] = {}
         storages: list[torch.UntypedStorage] = []
+
+        def storage_of(tensor: torch.Tensor) -> int:
+            storage = tensor.untyped_storage()
+            key = (storage.data_ptr(), storage.nbytes())
+            if key not in index:
+                index[key] = len(storages)
+                storages.append(storage)
+            return index[key]
+
         refs = []
-        for (name, ptr, nbytes, offset, shape, stride, dtype), tensor in zip(self._keys, self._tensors):
-            if (ptr, nbytes) not in index:
-                index[(ptr, nbytes)] = len(storages)
-                storages.append(tensor.untyped_storage())
-            refs.append(TensorRef(name=name, storage=index[(ptr, nbytes)], dtype=str(dtype).removeprefix("torch."),
-                                  shape=shape, stride=tuple(stride), offset=offset))
+        for key, tensor, rows in zip(self._keys, self._tensors, self._rows):
+            rows_ref = None
+            if rows is not None:
+                source, runs = rows
+                rows_ref = RowsRef(storage=storage_of(source), shape=tuple(source.shape), stride=tuple(source.stride()),
+                                   offset=source.storage_offset(), runs=runs)
+            refs.append(TensorRef(name=key[0], storage=storage_of(tensor), dtype=str(tensor.dtype).removeprefix("torch."),
+                                  shape=tuple(tensor.shape), stride=tuple(tensor.stride()), offset=tensor.storage_offset(),
+                                  rows=rows_ref))
         layout = SharedLayout(refs=tuple(refs), storage_bytes=tuple(st.nbytes() for st in storages))
         return layout, storages
 
@@ -136,6 +191,33 @@ def views(layout: SharedLayout, storages: list[torch.UntypedStorage], device: to
         tensor.set_(storages[ref.storage], ref.offset, ref.shape, ref.stride)
         out.append((ref.name, tensor))
     return out
+
+
+def row_sources(layout: SharedLayout, storages: list[torch.UntypedStorage], device: torch.device) -> dict[str, tuple[torch.Tensor, Runs]]:
+    """Engine side: for every ref that names its rows, ``(source view, runs)`` over the opened
+    ``storages`` (call after ``views``, which checks the storages). Checks that the runs lie
+    inside the source and cover the tensor's rows exactly once."""
+    out = {}
+    for ref in layout.refs:
+        if ref.rows is None:
+            continue
+        rows = ref.rows
+        source = torch.empty(0, dtype=_dtype(ref.dtype), device=device)
+        source.set_(storages[rows.storage], rows.offset, rows.shape, rows.stride)
+        covered = sorted((hf_row, hf_row + count) for hf_row, _, count in rows.runs)
+        tiles = covered and covered[0][0] == 0 and covered[-1][1] == ref.shape[0] and all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
+        inside = all(0 <= start and start + count <= rows.shape[0] for _, start, count in rows.runs)
+        if not (tiles and inside and tuple(rows.shape[1:]) == tuple(ref.shape[1:])):
+            raise SharingError(f"{ref.name}: its row runs {list(rows.runs)[:4]} do not make a {ref.shape} tensor from a "
+                               f"{rows.shape} source")
+        out[ref.name] = (source, rows.runs)
+    return out
+
+
+def _where(tensor: torch.Tensor) -> tuple:
+    """Where a tensor's bytes are: storage address and size, offset, shape, stride, dtype."""
+    storage = tensor.untyped_storage()
+    return (storage.data_ptr(), storage.nbytes(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
 
 
 class Transport(Protocol):

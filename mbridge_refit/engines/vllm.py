@@ -2,9 +2,13 @@
 
 The engine maps the trainer's exported tensors (the parameters and the export's held buffers,
 ``engines.sharing``) and applies them with the copies its own ``load_weights`` makes, recorded
-on the first step (``engines.apply_plan``). Per step: the trainer's export fills its buffers, one
-RPC tells every worker to replay, the RPC returns when the engine's parameters hold the new
-weights. No bytes are packed or staged, nothing is allocated after the first step on either side.
+on the first step (``engines.apply_plan``). Tensors that are rows of a trainer parameter read as
+stored (``RefitBridge.live_rows``: without tensor parallelism nearly all of them, q, k and v
+included) are read by the engine from the parameter itself and never exported again; the export
+runs only for the rest (gathers, FP8 quantization), every rank of the model's groups exporting
+the same names. Per step: that export, one RPC telling every worker to replay, which returns
+when the engine's parameters hold the new weights. No bytes are packed or staged, nothing is
+allocated after the first step on either side.
 
 Who calls what:
 
@@ -32,6 +36,8 @@ import torch
 
 from mbridge_refit.engines.sharing import CudaIpcTransport, LayoutRecorder, SharedLayout, Transport
 from mbridge_refit.engines.vllm_worker import WORKER_EXTENSION
+from mbridge_refit.plan.entries import PlanError
+from mbridge_refit.runtime.selection import LiveRows
 from mbridge_refit.sinks.base import DiscardSink, drain
 
 logger = logging.getLogger(__name__)
@@ -56,7 +62,8 @@ def ignored_by_engine(bridge: Any) -> frozenset[str]:
 
 @dataclass
 class RefitStep:
-    """One refit: ``opened`` when the layout was (re)shared this step, with the engine's report."""
+    """One refit: ``opened`` when the layout was (re)shared this step, with the engine's report.
+    ``engine_ms``: the part of ``apply_ms`` the engine worker spent (the rest is the RPC's)."""
 
     tensors: int
     bytes: int
@@ -64,6 +71,18 @@ class RefitStep:
     export_ms: float
     apply_ms: float
     report: dict[str, Any] | None = None
+    engine_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class _Routes:
+    """How each engine tensor of one (bridge, model, fp8) reaches the engine, decided from the plan
+    (the same on every rank): read live from a trainer parameter, or exported every step."""
+
+    order: tuple[str, ...] | None  # engine tensors in plan order; None: the stream's own (stock fallback)
+    live: dict[str, LiveRows]
+    exported: frozenset[str] | None  # the export's ``only=`` (None: every tensor)
+    live_parameters: tuple[torch.Tensor, ...]  # distinct parameters the live tensors read
 
 
 class VLLMRefit:
@@ -87,6 +106,8 @@ class VLLMRefit:
         self._key: tuple | None = None
         self._held: list = []  # storages the engine maps: kept alive while it may read them
         self._payload: bytes | None = None
+        self._routes: dict[tuple, _Routes] = {}
+        self._rows_out: dict[str, torch.Tensor] = {}  # copies of live row runs the engine's loader reads at an open
         self.last_report: dict[str, Any] | None = None
 
     def refit(
@@ -94,45 +115,96 @@ class VLLMRefit:
     ) -> RefitStep | None:
         """Export ``model`` with ``bridge`` (held cached buffers) and apply it to the engine.
 
-        Collective like ``export_hf_weights``: every rank of the model's groups calls it; the
-        ranks with ``sender=False`` only iterate. ``through`` wraps the sender's stream (e.g. a
-        check that alters a tensor on its way). Returns the step on the sender."""
+        Collective like ``export_hf_weights``: every rank of the model's groups calls it, with
+        the same ``fp8``; the ranks with ``sender=False`` only take part in the export. Every
+        rank exports the same names (those not live on this layout). ``through`` wraps the
+        sender's stream of every engine tensor (e.g. a check that alters a tensor on its way);
+        such a step always shares its layout anew. Returns the step on the sender."""
         started = time.perf_counter()
+        routes = self._routes_for(bridge, model, fp8)
         stream = bridge.export_hf_weights(
-            model, reuse_buffer_from_cache=True, hold_outputs=True, fp8=fp8, show_progress=False
+            model, reuse_buffer_from_cache=True, hold_outputs=True, fp8=fp8, show_progress=False, only=routes.exported
         )
         if not sender:
             drain(stream, DiscardSink())
             return None
-        ignored = ignored_by_engine(bridge)
-        if ignored:
-            stream = ((name, tensor) for name, tensor in stream if name not in ignored)
-        if through is not None:
-            stream = through(stream)
-        return self.refit_stream(stream, started=started)
+        exported = LayoutRecorder()
+        tensors: dict[str, torch.Tensor] = {}
+        for name, tensor in stream:  # held outputs: valid until the next export
+            if routes.order is None and name in ignored_by_engine(bridge):
+                continue
+            exported.add(name, tensor)
+            tensors[name] = tensor
+        key = (exported.key, tuple(p.data_ptr() for p in routes.live_parameters))
+        _synchronize_trainer()  # the engine reads from another process
+        if through is None and self._layout is not None and key == self._key:
+            return self._apply(started)
+        return self._open_step(routes, tensors, key if through is None else None, through, started)
 
     def refit_stream(self, stream: Stream, *, started: float | None = None) -> RefitStep:
-        """Apply ``stream`` (``(hf_name, tensor)`` on this GPU, each valid until the stream ends)."""
+        """Apply ``stream`` (``(hf_name, tensor)`` on this GPU, each valid until the stream ends);
+        every tensor is read from the stream's memory (nothing is live)."""
         started = time.perf_counter() if started is None else started
         recorder = LayoutRecorder()
-        needs_cuda = isinstance(self.transport, CudaIpcTransport)
         for name, tensor in stream:
-            if needs_cuda and tensor.device.type != "cuda":
-                raise ValueError(f"{name} is on {tensor.device}: CUDA IPC shares GPU memory (export with cpu=False)")
+            self._check_device(name, tensor)
             recorder.add(name, tensor)
-        if torch.cuda.is_initialized():
-            torch.cuda.current_stream().synchronize()  # the engine reads from another process
-        exported = time.perf_counter()
+        _synchronize_trainer()
         if self._layout is not None and recorder.key == self._key:
-            self._rpc("mbridge_refit_apply", self._layout.fingerprint)
-            report, opened = None, False
-        else:
-            report, opened = self._open(recorder), True
-        done = time.perf_counter()
-        return RefitStep(tensors=len(self._layout.refs), bytes=self._layout.nbytes, opened=opened,
-                         export_ms=(exported - started) * 1e3, apply_ms=(done - exported) * 1e3, report=report)
+            return self._apply(started)
+        return self._open(recorder, recorder.key, started)
 
-    def _open(self, recorder: LayoutRecorder) -> dict[str, Any]:
+    def _routes_for(self, bridge: Any, model: Any, fp8: Any) -> _Routes:
+        chunks = model if isinstance(model, list) else [model]
+        cache_key = (id(bridge), tuple(id(c) for c in chunks), repr(fp8))
+        routes = self._routes.get(cache_key)
+        if routes is None:
+            routes = self._routes[cache_key] = _plan_routes(bridge, chunks, fp8)
+        return routes
+
+    def _open_step(self, routes: _Routes, tensors: dict[str, torch.Tensor], key: tuple | None,
+                   through: Callable[[Stream], Stream] | None, started: float) -> RefitStep:
+        """Share this step's layout: every engine tensor, live ones as views of the parameters
+        (row runs copied once, for the engine's loader, and named as rows)."""
+        order = routes.order if routes.order is not None else tuple(tensors)
+        pairs, rows_of = [], {}
+        for name in order:
+            live = routes.live.get(name)
+            if live is None:
+                pairs.append((name, tensors[name]))
+                continue
+            tensor = live.tensor() if live.is_view else live.tensor(out=self._rows_buffer(name, live))
+            if not live.is_view:
+                rows_of[name] = (tensor, (live.source(), live.runs))
+            pairs.append((name, tensor))
+        recorder = LayoutRecorder()
+        for name, tensor in (through(iter(pairs)) if through is not None else pairs):
+            self._check_device(name, tensor)
+            rows = rows_of.get(name)
+            recorder.add(name, tensor, rows=rows[1] if rows is not None and rows[0] is tensor else None)
+        _synchronize_trainer()
+        return self._open(recorder, key, started)
+
+    def _rows_buffer(self, name: str, live: LiveRows) -> torch.Tensor:
+        source = live.source()
+        buffer = self._rows_out.get(name)
+        if buffer is None or tuple(buffer.shape) != live.shape or buffer.dtype != source.dtype or buffer.device != source.device:
+            buffer = self._rows_out[name] = torch.empty(live.shape, dtype=source.dtype, device=source.device)
+        return buffer
+
+    def _check_device(self, name: str, tensor: torch.Tensor) -> None:
+        if isinstance(self.transport, CudaIpcTransport) and tensor.device.type != "cuda":
+            raise ValueError(f"{name} is on {tensor.device}: CUDA IPC shares GPU memory (export with cpu=False)")
+
+    def _apply(self, started: float) -> RefitStep:
+        exported = time.perf_counter()
+        engine_ms = self._rpc("mbridge_refit_apply", self._layout.fingerprint)
+        done = time.perf_counter()
+        return RefitStep(tensors=len(self._layout.refs), bytes=self._layout.nbytes, opened=False,
+                         export_ms=(exported - started) * 1e3, apply_ms=(done - exported) * 1e3, engine_ms=engine_ms)
+
+    def _open(self, recorder: LayoutRecorder, key: tuple | None, started: float) -> RefitStep:
+        exported = time.perf_counter()
         if self._layout is not None:
             logger.info("refit: the export's layout changed (other storages or tensors): sharing it anew")
         layout, storages = recorder.layout()
@@ -140,9 +212,11 @@ class VLLMRefit:
         report = self._rpc("mbridge_refit_open", layout.to_wire(), payload, self.transport.name,
                            self.check_first_refit, self.allow_partial)
         self._release_payload()
-        self._layout, self._key, self._held, self._payload = layout, recorder.key, storages, payload
+        self._layout, self._key, self._held, self._payload = layout, key, storages, payload
         self.last_report = report
-        return report
+        done = time.perf_counter()
+        return RefitStep(tensors=len(layout.refs), bytes=layout.nbytes, opened=True,
+                         export_ms=(exported - started) * 1e3, apply_ms=(done - exported) * 1e3, report=report)
 
     def fingerprints(self) -> dict[str, tuple[int, int]]:
         """The engine's exact per-parameter fingerprints (first worker)."""
@@ -153,7 +227,7 @@ class VLLMRefit:
         if self._layout is not None:
             self._rpc("mbridge_refit_close")
         self._release_payload()
-        self._layout, self._key, self._held = None, None, []
+        self._layout, self._key, self._held, self._rows_out = None, None, [], {}
 
     def _release_payload(self) -> None:
         release = getattr(self.transport, "release", None)
@@ -164,6 +238,26 @@ class VLLMRefit:
     def _rpc(self, method: str, *args: Any) -> Any:
         results = self.llm.collective_rpc(method, timeout=self.timeout_s, args=args)
         return results[0] if results else None
+
+
+def _plan_routes(bridge: Any, chunks: list, fp8: Any) -> _Routes:
+    """Which engine tensors are live and which the export yields (module docstring)."""
+    try:
+        plan = bridge.export_plan(chunks, fp8=fp8)
+    except PlanError:
+        return _Routes(order=None, live={}, exported=None, live_parameters=())
+    ignored = ignored_by_engine(bridge)
+    order = tuple(e.hf_name for e in plan.entries if e.hf_name not in ignored)
+    live = {name: rows for name, rows in bridge.live_rows(chunks, fp8=fp8).items() if name in order}
+    exported = frozenset(name for name in order if name not in live)
+    parameters = {id(rows.parameter): rows.parameter for rows in live.values()}
+    everything = not live and len(order) == len(plan.entries)
+    return _Routes(order=order, live=live, exported=None if everything else exported, live_parameters=tuple(parameters.values()))
+
+
+def _synchronize_trainer() -> None:
+    if torch.cuda.is_initialized():
+        torch.cuda.current_stream().synchronize()
 
 
 def prompt_logprobs(llm: Any, prompts: list[list[int]]) -> list[list[float]]:

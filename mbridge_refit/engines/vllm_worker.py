@@ -47,9 +47,10 @@ class RefitWorkerExtension:
         recording its copies, optionally prove the recording; returns the open report."""
         return self._mbridge_receiver().open(wire, payload, transport, check=check, allow_partial=allow_partial)
 
-    def mbridge_refit_apply(self, fingerprint: str) -> None:
-        """Replay the recorded copies from the trainer's (now updated) tensors; returns when done."""
-        self._mbridge_receiver().apply(fingerprint)
+    def mbridge_refit_apply(self, fingerprint: str) -> float:
+        """Replay the recorded copies from the trainer's (now updated) tensors; returns when done,
+        with the milliseconds the worker spent (the rest of the call's time is the RPC's)."""
+        return self._mbridge_receiver().apply(fingerprint)
 
     def mbridge_refit_close(self) -> None:
         self._mbridge_receiver().close()

@@ -22,8 +22,8 @@ import torch
 from mbridge_refit.plan.entries import ExportPlan, PlanEntry
 from mbridge_refit.runtime.buffers import ExportBuffers
 from mbridge_refit.runtime.collectives import ParallelGroups, broadcast_from, coalesced, current_groups, gather_into
-from mbridge_refit.runtime.schedule import Assembly, AssemblyKind, Bucket, Op, build_buckets, build_ops
-from mbridge_refit.runtime.selection import RowSelection
+from mbridge_refit.runtime.schedule import Assembly, AssemblyKind, Bucket, Op, build_buckets, build_ops, gather_count
+from mbridge_refit.runtime.selection import LiveRows, RowSelection
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,7 @@ class PlanExporter:
         self._aliased = {e.alias_of for e in self.plan.entries if e.alias_of is not None}
         self._groups: ParallelGroups = current_groups()
         self._ops = build_ops(self.plan, self.params, self._groups)
+        self._reads_parameters = self.shards is None  # shards are the parameters as stored
         if self.shards is None:
             self.shards = plain_shards(self.params)
         self._buckets_for: dict[tuple[int, int | None], tuple[list[Bucket], Any]] = {}
@@ -77,6 +78,32 @@ class PlanExporter:
             # the sizes are kept with the buckets built from them, so their id stays theirs
             cached = self._buckets_for[key] = (build_buckets(self._ops, self.bucket_bytes, self._groups, sizes), sizes)
         return cached[0]
+
+    def live_rows(self) -> dict[str, LiveRows]:
+        """The plan's HF tensors that are, on this rank, rows of one local parameter read as stored:
+        no gather, no pipeline broadcast, no conversion of the shard (``VIEW`` and ``INDEX``
+        assemblies of this stage's parameters, experts at expert-parallel size 1, and aliases of
+        such tensors). Pure: reads no tensor data; the same names on every rank of a layout
+        whose shards are the parameters themselves. Empty with pipeline parallelism (every
+        stage receives the other stages' tensors) and for shards that are converted (TE FP8)."""
+        if not self._reads_parameters or self._groups.pp_size > 1:
+            return {}
+        live: dict[str, LiveRows] = {}
+        for op in self._ops:
+            for entry, assembly in zip(op.entries, op.assemblies):
+                if entry.alias_of is not None:
+                    if entry.alias_of in live:
+                        live[entry.hf_name] = live[entry.alias_of]
+                    continue
+                reads_local = op.source is not None and (self._groups.ep_size == 1 or not op.expert)
+                if reads_local and assembly.kind is AssemblyKind.VIEW:
+                    runs = ((0, assembly.start, assembly.length),)
+                elif reads_local and assembly.kind is AssemblyKind.INDEX:
+                    runs = tuple(assembly.spans)
+                else:
+                    continue
+                live[entry.hf_name] = LiveRows(parameter=self.params[op.source], runs=runs, shape=tuple(entry.shape))
+        return live
 
     def export(
         self, buffers: ExportBuffers, *, cpu: bool = False, show_progress: bool = False, needed: frozenset[str] | None = None
@@ -160,8 +187,9 @@ class PlanExporter:
             return [None] * len(bucket.ops)
         group = self._groups.ep if bucket.expert else self._groups.tp
         runs = [op.source is not None and (slots is None or slot in slots) for slot, op in enumerate(bucket.ops)]
+        gathers = bucket.gathers if slots is None else sum(gather_count(op, self._groups) for op, run in zip(bucket.ops, runs) if run)
         gathered: list[dict] = []
-        with coalesced(group, bucket.gathers if slots is None else 0, self.device):  # a share: gathers one by one
+        with coalesced(group, gathers, self.device):
             for slot, op in enumerate(bucket.ops):
                 gathered.append(self._launch_gathers(op, slot, buffers) if runs[slot] else {})
         return [self._assemble(op, slot, gathered[slot], buffers) if runs[slot] else None for slot, op in enumerate(bucket.ops)]

@@ -9,7 +9,10 @@ Library use (e.g. after every refit in a training loop):
 
 ``verify_refit(bridge, chunks, hf_model, tokens)`` does the whole round: export through
 ``HFModelUpdateSink`` into ``hf_model`` on rank 0, both forwards, comparison (verdict shared by
-every rank, so all ranks return or raise alike).
+every rank, so all ranks return or raise alike). ``verify_vllm_refit(refit, bridge, chunks,
+tokens)`` does the same round into a vLLM engine (``engines.vllm.VLLMRefit``): the refit, then
+the engine's *own* prompt log-probabilities (``vllm_logprobs``: its kernels, its bf16 logits)
+against the trainer's.
 
 The command line is ``python -m mbridge_refit.convert verify-refit`` (``convert.verify_refit``).
 
@@ -33,6 +36,7 @@ from mbridge_refit.sinks.model_update import HFModelUpdateSink
 logger = logging.getLogger("mbridge_refit.verify_refit")
 
 DEFAULT_TOLERANCE = 1e-3
+VLLM_TOLERANCE = 2e-2  # mean |d logprob| between Megatron (fp32 logits) and a bf16 vLLM engine's own logprobs
 
 
 class RefitMismatch(AssertionError):
@@ -167,6 +171,59 @@ def _captured_input(module: torch.nn.Module):
         yield captured
     finally:
         handle.remove()
+
+
+def vllm_logprobs(llm: Any, tokens: torch.Tensor) -> torch.Tensor:
+    """A vLLM engine's own log p(tokens[:, t+1] | tokens[:, :t+1]), [batch, seq-1] in fp32, from
+    its prompt logprobs (``engines.vllm.prompt_logprobs``; greedy, one generated token)."""
+    from mbridge_refit.engines.vllm import prompt_logprobs
+
+    rows = prompt_logprobs(llm, tokens.tolist())
+    missing = sum(value is None for row in rows for value in row)
+    if missing or any(len(row) != tokens.shape[1] - 1 for row in rows):
+        raise VerifyInputError(f"the engine returned no log-probability for {missing} prompt token(s): start it with "
+                               "max_logprobs >= 0 and skip_tokenizer_init=True (token-id prompts)")
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def verify_vllm_refit(
+    refit: Any,
+    bridge: Any,
+    chunks: list[torch.nn.Module],
+    tokens: torch.Tensor,
+    *,
+    sender: bool,
+    tolerance: float = VLLM_TOLERANCE,
+    fp8: Any = None,
+    perturb: str | None = None,
+) -> LogprobComparison:
+    """Refit the engine of ``refit`` (a ``VLLMRefit``) from ``chunks``, then compare the engine's
+    own prompt log-probabilities on ``tokens`` with the trainer's (Megatron's forward, fp32 logits).
+
+    Collective over every rank of the model (PP=1): the refit's export and the trainer forward.
+    The rank with ``sender=True`` (one per engine) refits and asks the engine; the verdict is
+    shared by every rank, so all return the same comparison or raise the same ``RefitMismatch``.
+    The engine computes in its own kernels with bf16 logits, so its numbers differ from the
+    trainer's by more than a transformers model's do: ``VLLM_TOLERANCE`` is set for that, and a
+    wrong weight moves them far more (``perturb`` names a tensor to corrupt on its way: the
+    check must then fail). The engine must be idle (no generation in flight) during the call.
+    """
+    seen: set[str] = set()
+    through = None if perturb is None else (lambda stream: _perturbing(stream, perturb, seen))
+    step = refit.refit(bridge, chunks, fp8=fp8, sender=sender, through=through)
+    if sender and perturb is not None and perturb not in seen:
+        raise VerifyInputError(f"perturb={perturb!r} is not a tensor the refit sends")
+    reference = megatron_logprobs(chunks, tokens, _vocab_size(bridge))
+    result = compare_logprobs(reference, vllm_logprobs(refit.llm, tokens)) if sender else None
+    if step is not None:
+        logger.info("refit verified against the engine: %d tensors, %.1f ms", step.tensors, step.export_ms + step.apply_ms)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, result)
+        result = next((r for r in gathered if r is not None), None)
+    if result is None:
+        raise VerifyInputError("no rank passed sender=True: one rank per engine must hold it")
+    return result.check(tolerance)
 
 
 def fixed_tokens(vocab_size: int, batch: int, seq: int, device: torch.device, seed: int = 0) -> torch.Tensor:

@@ -9,12 +9,17 @@ this test the way vLLM lays weights out (q/k/v fused into ``qkv_proj``, gate/up 
 and copy, as vLLM's loaders do; norms through a temporary, which the recorder cannot replay).
 The session is ``VLLMRefit`` over an in-process RPC (arguments pickled, as across a process
 boundary) with ``LocalTransport``. Checks, failing with exit 1:
+  * every tensor ``RefitBridge.live_rows`` names is, read from its parameter's rows, the
+    checkpoint's tensor on disk; without tensor or pipeline parallelism that is every tensor;
   * the first refit opens the layout; the engine equals the checkpoint on disk, fused by
     ``expected_engine_state`` (the oracle); nothing missing or unexpected; norms via the loader;
+    live tensors made of several row runs (q, k, v at TP1) are composed, none refreshed;
   * after the trainer's parameters change in place, the next refit replays without reopening
     and the engine equals the stock export of the changed model; a third refit allocates no
     export buffer;
-  * a freed export cache changes the layout: the next refit reopens, still exact;
+  * a freed export cache changes the layout when anything is exported: the next refit reopens,
+    still exact; a live parameter whose storage is swapped (``param.data = ...``) reopens too;
+    the engine gets the new storage's values;
   * an engine without one parameter fails the open on the engine side, naming it, and the
     trainer gets that error; a step with another layout's fingerprint is refused by name;
   * a loader that changes a parameter where the recorder cannot see it is caught by the check
@@ -184,6 +189,13 @@ def main() -> None:
         bridge.bucket_bytes = 64 * 1024  # many buckets, so outputs of one export share shapes across buckets
         chunks = build_model(bridge, layout, BuildOptions(device=cpu, params_dtype=torch.bfloat16))
         bridge.load_hf_shards(chunks, args.hf)
+        live = bridge.live_rows(chunks)
+        plan_names = [e.hf_name for e in bridge.export_plan(chunks).entries]
+        wrong = [name for name, rows in live.items() if not same_bytes(rows.tensor(), on_disk[name])]
+        if wrong:
+            fail(f"live rows differ from the checkpoint on disk: {wrong[:4]}")
+        if layout.tp == layout.pp == layout.ep == 1 and set(live) != set(plan_names):
+            fail(f"without model parallelism every tensor is live; not: {sorted(set(plan_names) - set(live))[:4]}")
 
         engine = EngineModel(on_disk)
         refit = VLLMRefit(InProcessLLM(engine), transport=LocalTransport(), timeout_s=30.0)
@@ -194,6 +206,10 @@ def main() -> None:
         if not report["via_loader"] or not all(n.endswith("norm.weight") for n in report["via_loader"]):
             fail(f"first refit: expected exactly the norms through the loader, got {report['via_loader'][:4]}")
         engine_equals(engine, expected_engine_state(on_disk), "first refit vs checkpoint on disk")
+        several_runs = [name for name, rows in live.items() if not rows.is_view]
+        if report["composed"] != len(several_runs) or report["refreshed"]:
+            fail(f"first refit: expected {len(several_runs)} composed live tensors and none refreshed, got {report['composed']} "
+                 f"and {report['refreshed'][:4]}")
 
         with torch.no_grad():
             for chunk in chunks:
@@ -211,9 +227,18 @@ def main() -> None:
 
         bridge.release_export_buffers()
         third = refit.refit(bridge, chunks)
-        if not third.opened:
-            fail("a freed export cache must reopen the layout")
+        exports_something = set(live) != set(plan_names)
+        if third.opened != exports_something:
+            fail(f"a freed export cache must reopen the layout exactly when the refit exports tensors ({exports_something})")
         engine_equals(engine, expected_engine_state(changed), "refit after the cache was freed")
+
+        norm = next(p for chunk in chunks for n, p in chunk.named_parameters() if n.endswith("input_layernorm.weight"))
+        norm.data = norm.data.clone().add_(1.0)  # a new storage: a live view of the old one would be stale
+        swapped = {name: t.clone() for name, t in bridge.export_hf_weights_stock(chunks, show_progress=False)}
+        fourth = refit.refit(bridge, chunks)
+        if live and not fourth.opened:  # (an exported view of the parameter reopens too)
+            fail("a swapped storage of a live parameter must reopen the layout")
+        engine_equals(engine, expected_engine_state(swapped), "refit after a parameter's storage was swapped")
 
         bad = refit.llm.worker
         message = expect_error(RefitError, "plan mismatch", lambda: bad.mbridge_refit_apply("0" * 16), "stale fingerprint")
