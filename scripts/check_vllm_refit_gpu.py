@@ -19,7 +19,8 @@ GPU); the vLLM engine runs in its own process on the same GPU. Steps, each check
 5. The refit verifier against the engine itself (``tools.verify_refit.verify_vllm_refit``): the
    engine's own prompt logprobs against the trainer's Megatron forward, within
    ``VLLM_TOLERANCE`` after a clean refit (BF16; FP8 numbers are recorded), beyond it after a
-   refit with a perturbed weight.
+   refit with a perturbed weight that every token uses (an attention output projection: a
+   perturbed expert a prompt never routes to moves no logprob).
 
 Writes DIR/vllm_refit_<model>[_fp8].json; exits 1 when a check fails.
 """
@@ -155,7 +156,8 @@ def run(args) -> dict:
         refit.refit(bridge, chunks, fp8=fp8)
         checks["clean_refit_after_perturbation_equal_disk"] = not differing(disk, refit.fingerprints())
         checks["prompt_logprobs_equal_disk_at_end"] = prompt_logprobs(llm, batch) == disk_logprobs
-        result["verify"] = verify_against_trainer(refit, bridge, chunks, torch.tensor(batch, device=device), fp8, victim, checks)
+        every_token = next(e.hf_name for e in bridge.export_plan(chunks, fp8=fp8).entries if e.hf_name.endswith("self_attn.o_proj.weight"))
+        result["verify"] = verify_against_trainer(refit, bridge, chunks, torch.tensor(batch, device=device), fp8, every_token, checks)
         result["steady_step_ms"] = [round(refit.refit(bridge, chunks, fp8=fp8).apply_ms, 2) for _ in range(3)]
         refit.close()
     result["ok"] = all(checks.values())

@@ -36,7 +36,9 @@ from mbridge_refit.sinks.model_update import HFModelUpdateSink
 logger = logging.getLogger("mbridge_refit.verify_refit")
 
 DEFAULT_TOLERANCE = 1e-3
-VLLM_TOLERANCE = 2e-2  # mean |d logprob| between Megatron (fp32 logits) and a bf16 vLLM engine's own logprobs
+VLLM_TOLERANCE = 5e-2  # mean |d logprob| allowed between Megatron (fp32 logits) and a bf16 vLLM engine's own logprobs
+# (H100, random weights: 0.023 for the Qwen3-1.7B shape and 0.004 for Qwen3-30B-A3B cut to 4 layers
+# after an exact refit; 0.73 with one attention projection perturbed)
 
 
 class RefitMismatch(AssertionError):
@@ -276,9 +278,15 @@ def _perturbing(stream: Iterable[tuple[str, torch.Tensor]], name: str | None, se
 
 
 def _perturbed(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` plus noise of its own spread, clamped to its dtype's finite range (an FP8 weight
+    would otherwise overflow to NaN)."""
     gen = torch.Generator(device=tensor.device).manual_seed(1)
     noise = torch.randn(tensor.shape, generator=gen, device=tensor.device, dtype=torch.float32)
-    return (tensor.float() + noise * tensor.float().std()).to(tensor.dtype)
+    values = tensor.float() + noise * tensor.float().std()
+    if tensor.dtype.is_floating_point:
+        limit = torch.finfo(tensor.dtype).max
+        values = values.clamp(-limit, limit)
+    return values.to(tensor.dtype)
 
 
 def hf_config(bridge: Any) -> Any:
