@@ -102,3 +102,53 @@ def test_verifier_bad_input_exit_2(args, message):
     run = torchrun(1, ["mbridge_refit.convert", "verify-refit", *args])
     assert run.returncode == 2, run.output[-3000:]
     assert message in run.output
+
+
+class _StubLLM:
+    """``vllm.LLM.generate`` as far as prompt logprobs go: per prompt, None for the first token,
+    then ``{token: Logprob}`` dicts (``drop`` leaves one token's entry out)."""
+
+    def __init__(self, table: torch.Tensor, drop: tuple[int, int] | None = None) -> None:
+        self.table, self.drop = table, drop
+
+    def generate(self, prompts, params, use_tqdm=False):
+        from types import SimpleNamespace
+
+        outputs = []
+        for row, prompt in enumerate(prompts):
+            ids = prompt["prompt_token_ids"]
+            steps = [None] + [
+                {} if (row, t) == self.drop else {token: SimpleNamespace(logprob=float(self.table[row, t])), 999: SimpleNamespace(logprob=0.0)}
+                for t, token in enumerate(ids[1:])
+            ]
+            outputs.append(SimpleNamespace(prompt_logprobs=steps))
+        return outputs
+
+
+@pytest.fixture
+def stub_vllm(monkeypatch):
+    import sys
+    from types import ModuleType
+
+    module = ModuleType("vllm")
+    module.SamplingParams = lambda **kwargs: kwargs
+    monkeypatch.setitem(sys.modules, "vllm", module)
+
+
+def test_vllm_logprobs_reads_the_engines_prompt_logprobs(stub_vllm):
+    from mbridge_refit.tools.verify_refit import vllm_logprobs
+
+    tokens = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    table = -torch.rand(2, 3)
+    assert torch.equal(vllm_logprobs(_StubLLM(table), tokens), table.float())
+    with pytest.raises(VerifyInputError, match="no log-probability for 1 prompt token"):
+        vllm_logprobs(_StubLLM(table, drop=(1, 2)), tokens)
+
+
+def test_perturbation_stays_finite_in_fp8():
+    from mbridge_refit.tools.verify_refit import _perturbed
+
+    weight = (torch.randn(64, 64) * 200).clamp(-448, 448).to(torch.float8_e4m3fn)  # e4m3fn's finite range
+    perturbed = _perturbed(weight)
+    assert perturbed.dtype == weight.dtype and torch.isfinite(perturbed.float()).all()
+    assert not torch.equal(perturbed.view(torch.uint8), weight.view(torch.uint8))
