@@ -91,6 +91,7 @@ class VLLMRefit:
     ``check_first_refit``: the engine proves its recorded copies against its own loader on every
     open (costs one more pass over the weights, once). ``allow_partial``: accept an export that
     leaves engine parameters unwritten or has tensors the engine does not load (a subset refit).
+    The session references the last refit's model parameters and shared storages until ``close``.
     """
 
     def __init__(
@@ -106,7 +107,7 @@ class VLLMRefit:
         self._key: tuple | None = None
         self._held: list = []  # storages the engine maps: kept alive while it may read them
         self._payload: bytes | None = None
-        self._routes: dict[tuple, _Routes] = {}
+        self._routes: tuple[Any, tuple, str, _Routes] | None = None  # (bridge, chunks, fp8, routes) of the last refit
         self._rows_out: dict[str, torch.Tensor] = {}  # copies of live row runs the engine's loader reads at an open
         self.last_report: dict[str, Any] | None = None
 
@@ -155,11 +156,15 @@ class VLLMRefit:
         return self._open(recorder, recorder.key, started)
 
     def _routes_for(self, bridge: Any, model: Any, fp8: Any) -> _Routes:
-        chunks = model if isinstance(model, list) else [model]
-        cache_key = (id(bridge), tuple(id(c) for c in chunks), repr(fp8))
-        routes = self._routes.get(cache_key)
-        if routes is None:
-            routes = self._routes[cache_key] = _plan_routes(bridge, chunks, fp8)
+        """The routes of this (bridge, model, fp8), kept for the last one refit (held, and compared
+        by identity: a new model never inherits another's live parameters)."""
+        chunks = tuple(model if isinstance(model, list) else [model])
+        cached = self._routes
+        if cached is not None and cached[0] is bridge and cached[2] == repr(fp8) and len(cached[1]) == len(chunks) \
+                and all(a is b for a, b in zip(cached[1], chunks)):
+            return cached[3]
+        routes = _plan_routes(bridge, list(chunks), fp8)
+        self._routes = (bridge, chunks, repr(fp8), routes)
         return routes
 
     def _open_step(self, routes: _Routes, tensors: dict[str, torch.Tensor], key: tuple | None,
@@ -227,7 +232,7 @@ class VLLMRefit:
         if self._layout is not None:
             self._rpc("mbridge_refit_close")
         self._release_payload()
-        self._layout, self._key, self._held, self._rows_out = None, None, [], {}
+        self._layout, self._key, self._held, self._rows_out, self._routes = None, None, [], {}, None
 
     def _release_payload(self) -> None:
         release = getattr(self.transport, "release", None)
