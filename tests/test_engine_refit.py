@@ -323,8 +323,6 @@ def test_rows_are_composed_to_read_the_origin():
 
 
 def test_rows_a_loader_reads_in_other_shapes_are_refreshed_before_each_replay():
-    from mbridge_refit.engines.receiver import RefitReceiver
-
     class Transposing(_Grouped):
         def load_weights(self, weights):
             for name, tensor in weights:
@@ -343,22 +341,15 @@ def test_rows_a_loader_reads_in_other_shapes_are_refreshed_before_each_replay():
                     super().load_weights([(name, tensor)])
 
     for engine in (Transposing, Columns):
-        qkv, runs, q, _, _ = _grouped_case()
-        recorder = LayoutRecorder()
-        recorder.add("q", q, rows=(qkv, runs))
-        recorder.add("rest", torch.randn(3, 5))
-        layout, storages = recorder.layout()
-        model = engine(q_rows=2, groups=4, width=5)
-        receiver = RefitReceiver(model, torch.device("cpu"))
-        transport = LocalTransport()
-        report = receiver.open(layout.to_wire(), transport.share(storages), transport.name, allow_partial=True)
+        qkv, runs, model, receiver, layout, report = _open_q_only(engine)
         assert report["composed"] == 0 and report["refreshed"] == ["q"], engine.__name__
         qkv.add_(5.0)
         receiver.apply(layout.fingerprint)
         assert torch.equal(model.fused.data[:8], torch.cat([qkv[s : s + n] for _, s, n in runs])), engine.__name__
 
 
-def test_composed_rows_are_rebuilt_before_the_loader_is_recorded_again():
+def _open_q_only(engine: type):
+    """An engine of class ``engine`` opened on ``q`` (named as rows of the QKV origin) and ``rest``."""
     from mbridge_refit.engines.receiver import RefitReceiver
 
     qkv, runs, q, _, _ = _grouped_case()
@@ -366,10 +357,16 @@ def test_composed_rows_are_rebuilt_before_the_loader_is_recorded_again():
     recorder.add("q", q, rows=(qkv, runs))
     recorder.add("rest", torch.randn(3, 5))
     layout, storages = recorder.layout()
-    model = _Grouped(q_rows=2, groups=4, width=5)
+    model = engine(q_rows=2, groups=4, width=5)
     receiver = RefitReceiver(model, torch.device("cpu"))
     transport = LocalTransport()
-    receiver.open(layout.to_wire(), transport.share(storages), transport.name, allow_partial=True)
+    report = receiver.open(layout.to_wire(), transport.share(storages), transport.name, allow_partial=True)
+    return qkv, runs, model, receiver, layout, report
+
+
+def test_composed_rows_are_rebuilt_before_the_loader_is_recorded_again():
+    qkv, runs, model, receiver, layout, report = _open_q_only(_Grouped)
+    assert report["composed"] == 1
     model.fused = torch.nn.Parameter(torch.zeros_like(model.fused), requires_grad=False)  # the engine reloaded it
     qkv.add_(7.0)
     receiver.apply(layout.fingerprint)
