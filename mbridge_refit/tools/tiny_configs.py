@@ -48,6 +48,9 @@ NESTED_SIZES: Mapping[str, Mapping[str, Any]] = MappingProxyType({"text_config":
 # does not define.
 CONFIG_OVERRIDES: Mapping[str, Mapping[str, Any]] = MappingProxyType({
     "HYV3ForCausalLM": {"first_k_dense_replace": 1},
+    "GlmMoeDsaForCausalLM": {"indexer_rope_interleave": False},
+    "Glm4vMoeForConditionalGeneration": {"text_config": {"head_dim": 64, "use_qk_norm": False}},
+    "Ernie4_5_VLMoeForConditionalGeneration": {"text_config": {"moe_intermediate_size": [128, 128]}},
 })
 
 
@@ -103,11 +106,12 @@ def _config_class(architecture: str) -> type:
 
 
 def _small_fields(config: Any, sizes: Mapping[str, Any]) -> dict[str, Any]:
-    """The size fields ``config`` has, set small; per-layer type lists cut to ``HYBRID_LAYERS``."""
+    """The size fields ``config`` has, set small; per-layer type lists (``layer_types``,
+    ``mlp_layer_types``, ...) cut to their first ``HYBRID_LAYERS`` entries."""
     small = {k: v for k, v in sizes.items() if hasattr(config, k)}
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:
-        small.update(num_hidden_layers=HYBRID_LAYERS, layer_types=list(layer_types[:HYBRID_LAYERS]))
+    per_layer = {k: v for k, v in vars(config).items() if k.endswith("layer_types") and isinstance(v, (list, tuple)) and v}
+    if per_layer:
+        small.update(num_hidden_layers=HYBRID_LAYERS, **{k: list(v[:HYBRID_LAYERS]) for k, v in per_layer.items()})
     return small
 
 
