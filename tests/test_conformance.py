@@ -11,10 +11,13 @@ corrupted stream, so a passing cell means something.
 
 from __future__ import annotations
 
+import ast
+import re
+
 import pytest
 import torch
 
-from conftest import torchrun
+from conftest import REPO, torchrun
 from mbridge_refit.fp8.format import BlockwiseFP8Config, FP8FormatError
 from mbridge_refit.tools import conformance
 from mbridge_refit.tools.conformance import (
@@ -184,3 +187,13 @@ def test_recipe_families_take_the_fast_path(layout, architecture, matrix):
         cell = _assert_cell(matrix, layout, architecture, precision)
         assert cell.state is CellState.FAST_PATH_EXACT, f"{architecture} {layout} {precision}: {cell.state}: {cell.detail}"
 
+
+
+def test_matrix_page_links_name_tests_of_this_module():
+    """docs/conformance.md names its tests by id: each must be a test function here, with a known cell."""
+    page = (REPO / "docs" / "conformance.md").read_text()
+    functions = {node.name for node in ast.parse((REPO / "tests" / "test_conformance.py").read_text()).body if isinstance(node, ast.FunctionDef)}
+    named = re.findall(r'"(test_\w+)\[([\w.-]+)\]"', page)
+    assert named, "docs/conformance.md names no test"
+    assert {function for function, _ in named} <= functions
+    assert {cell_id for _, cell_id in named} <= set(CELL_IDS)
