@@ -139,6 +139,10 @@ def _concessions_table(matrix: dict[str, list]) -> list[str]:
     table = [
         "Provider settings a CPU build cannot honour, set to one it can (`CPU_CONCESSIONS` in",
         "`mbridge_refit/tools/conformance.py`); none changes a parameter's name, shape or mapping.",
+        "Every CPU build also runs with `torch.cuda.current_device()` answering `\"cpu\"`: Megatron-Core",
+        "allocates the MoE router's expert-bias buffers there whatever `use_cpu_initialization` says.",
+        "CPU builds use sequential experts (no grouped GEMM); a family whose mapping names only grouped",
+        "experts makes stock's export fail on them (`upstream broken`, the reason names the parameters).",
         "",
         "| setting | CPU value | why, and what it changes | architectures |",
         "| --- | --- | --- | --- |",

@@ -12,6 +12,7 @@ corrupted stream, so a passing cell means something.
 from __future__ import annotations
 
 import ast
+import os
 import re
 
 import pytest
@@ -197,3 +198,17 @@ def test_matrix_page_links_name_tests_of_this_module():
     assert named, "docs/conformance.md names no test"
     assert {function for function, _ in named} <= functions
     assert {cell_id for _, cell_id in named} <= set(CELL_IDS)
+
+
+def test_build_helpers_restore_what_they_change(monkeypatch):
+    """The CUDA-device answer and the environment are the build's only: both are back after it."""
+    current_device = torch.cuda.current_device
+    with conformance.cuda_device_queries_answer_cpu():
+        assert torch.cuda.current_device() == "cpu"
+    assert torch.cuda.current_device is current_device
+    monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
+    monkeypatch.delenv("NVTE_FLASH_ATTN", raising=False)
+    with conformance.restored_environment():
+        os.environ["NVTE_FUSED_ATTN"] = "1"
+        os.environ["NVTE_FLASH_ATTN"] = "1"
+    assert os.environ["NVTE_FUSED_ATTN"] == "0" and "NVTE_FLASH_ATTN" not in os.environ

@@ -11,6 +11,11 @@ values, and compares
   tensor the format quantizes (``BlockwiseFP8Config.quantizes``) replaced by the reference
   quantizer's data (``fp8.reference.quantize_reference``) followed by its scales.
 
+On a machine without CUDA the build runs with ``torch.cuda.current_device()`` answering ``"cpu"``
+(``cuda_device_queries_answer_cpu``) and with the ``CPU_CONCESSIONS`` the provider needs; where
+stock's export fails because the bridge maps no conversion task to some parameters of the build
+(sequential experts, which CPU builds use, are not in every family's mapping), the reason names them.
+
 The oracle is stock (and the reference quantizer on stock's tensors), never our own output. Each
 cell ends in one ``CellState``; ``DIFFERENT`` and ``OUR_EXPORT_FAILED`` are failures (bugs of ours
 until shown otherwise), the others are outcomes with their reason recorded.
@@ -55,15 +60,17 @@ SESSION_TIMEOUT = datetime.timedelta(minutes=2)  # a rank whose peer failed rais
 
 # The matrix: layout name -> the layout and which architectures run at it (None: every registered
 # one). Tensor parallelism runs on families that build on CPU and cover the placement kinds: QKV
-# with and without bias and QK norms, gated and plain MLPs, MoE experts, tied embeddings.
+# with and without bias and QK norms, gated and plain MLPs, MoE experts (with an expert bias and a
+# dense first layer in HY-V3), a vision-language model, tied embeddings, and two models the plan
+# refuses (their stock fallback and FP8 refusal at TP2).
 MATRIX_LAYOUTS: Mapping[str, tuple[ParallelLayout, tuple[str, ...] | None]] = MappingProxyType({
     "tp1": (ParallelLayout(), None),
     "tp2": (ParallelLayout(tp=2), (
-        "GemmaForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "NemotronForCausalLM",
-        "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+        "Gemma4ForCausalLM", "GemmaForCausalLM", "GptOssForCausalLM", "HYV3ForCausalLM", "LlamaForCausalLM",
+        "MistralForCausalLM", "NemotronForCausalLM", "Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration",
+        "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
     )),
 })
-
 
 # Provider settings a CPU build cannot honour: field -> (the value CPU builds use, what that changes).
 # Only conformance builds take them (``tools.model_builder`` leaves them to conversions, which must
@@ -220,11 +227,29 @@ def build_random_model(
     from mbridge_refit.tools.tiny_configs import tiny_config
 
     bridge = RefitBridge.from_hf_config(tiny_config(architecture))
-    concessions = cpu_concessions(bridge.to_megatron_provider(load_weights=False)) if device.type == "cpu" else {}
+    on_cpu = device.type == "cpu"
+    concessions = cpu_concessions(bridge.to_megatron_provider(load_weights=False)) if on_cpu else {}
     options = BuildOptions(device=device, params_dtype=torch.bfloat16, provider_overrides=concessions)
-    chunks = build_model(bridge, layout, options)
+    with cuda_device_queries_answer_cpu() if on_cpu and not torch.cuda.is_available() else contextlib.nullcontext():
+        chunks = build_model(bridge, layout, options)
     fill_random_weights(chunks)
     return bridge, chunks, tuple(concessions)
+
+
+@contextlib.contextmanager
+def cuda_device_queries_answer_cpu() -> Iterator[None]:
+    """``torch.cuda.current_device()`` returns ``"cpu"`` inside the block (a machine without CUDA).
+
+    Megatron-Core allocates a few buffers with ``device=torch.cuda.current_device()`` whatever
+    ``use_cpu_initialization`` says (the MoE router's expert-bias buffers); without a driver that
+    call raises, so those families could not be built on CPU at all.
+    """
+    current_device = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = current_device
 
 
 def cpu_concessions(provider: Any) -> dict[str, Any]:
@@ -264,8 +289,24 @@ def check_architecture(architecture: str, layout_name: str, *, device: torch.dev
     try:
         stock = [(name, tensor.clone()) for name, tensor in bridge.export_hf_weights_stock(chunks, show_progress=False)]
     except Exception as err:
-        return [cell(p, CellState.UPSTREAM_BROKEN, describe_error(err)) for p in PRECISIONS]
+        reason = describe_error(err) + _unmapped_note(bridge, chunks)
+        return [cell(p, CellState.UPSTREAM_BROKEN, reason) for p in PRECISIONS]
     return [check_bf16(bridge, chunks, stock, cell), check_fp8(bridge, chunks, stock, cell)]
+
+
+def _unmapped_note(bridge: Any, chunks: list[torch.nn.Module], limit: int = 2) -> str:
+    """``"; the bridge maps no parameter X, ..."`` when its conversion tasks leave parameters of
+    this model out (stock's export then fails on the missing task), else ``""``."""
+    try:
+        tasks = bridge.megatron_model_bridge(chunks).build_conversion_tasks(bridge.hf_pretrained, chunks)
+    except Exception as err:  # the note is a diagnosis only
+        logger.debug("no conversion tasks to diagnose with: %s", err)
+        return ""
+    mapped = {task.param_name for task in tasks if task is not None}
+    unmapped = [name for chunk in chunks for name, _ in chunk.named_parameters() if name not in mapped]
+    if not unmapped:
+        return ""
+    return f"; the bridge maps no task to {len(unmapped)} parameters of this build, e.g. {', '.join(unmapped[:limit])}"
 
 
 def _cell_maker(architecture: str, layout_name: str, concessions: tuple[str, ...]):
