@@ -12,6 +12,7 @@ corrupted stream, so a passing cell means something.
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 
@@ -21,9 +22,8 @@ import torch
 from conftest import REPO, torchrun
 from mbridge_refit.fp8.format import BlockwiseFP8Config, FP8FormatError
 from mbridge_refit.tools import conformance
-from mbridge_refit.tools.conformance import (
-    BF16, FP8, MATRIX_LAYOUTS, Cell, CellState, check_bf16, check_fp8, compare_stream, fp8_expected, read_cells,
-)
+from mbridge_refit.tools.conformance import BF16, FP8, MATRIX_LAYOUTS, Cell, CellState, check_bf16, check_fp8, read_cells
+from mbridge_refit.tools.export_comparison import compare_stream, fp8_expected
 from mbridge_refit.tools.recipes import MODEL_RECIPES
 
 MATRIX_TIMEOUT = 900  # seconds for one layout's ranks (TP1: every registered architecture)
@@ -129,6 +129,18 @@ def test_fp8_cell_states():
     failing = _FakeBridge([], fp8_error=RuntimeError("boom"))
     assert check_fp8(failing, [], stock, _cell).state is CellState.OUR_EXPORT_FAILED
     assert not CellState.OUR_EXPORT_FAILED.passes
+
+
+@pytest.mark.multirank
+def test_a_corrupted_real_export_is_different(tmp_path):
+    """A real model's fast-path export with one flipped bit ends in ``different``, BF16 and FP8."""
+    result = tmp_path / "cells.json"
+    checker = str(REPO / "tests" / "ranks" / "conformance_corruption_check.py")
+    run = torchrun(1, [checker, "--architecture", "Qwen3ForCausalLM", "--result", str(result)])
+    assert run.returncode == 0, run.output[-6000:]
+    cells = [Cell.from_json(c) for c in json.loads(result.read_text())]
+    assert [(c.precision, c.state) for c in cells] == [(BF16, CellState.DIFFERENT), (FP8, CellState.DIFFERENT)]
+    assert all("differing" in c.detail for c in cells)
 
 
 # --- The matrix. ----------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 Owns what one cell of the conformance matrix (architecture x layout x BF16/FP8) means and how it
 is decided. For an architecture (``tools.tiny_configs``) and a layout, every rank builds the
 Megatron model (``tools.model_builder``; CPU: gloo, local layer spec), fills it with seeded random
-values, and compares
+values, and compares (``tools.export_comparison``)
 
 * BF16: ``RefitBridge.export_hf_weights`` with stock ``export_hf_weights_stock`` on the same model:
   the same names in the same order, each tensor with the same dtype, shape and bytes;
@@ -43,13 +43,13 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from mbridge_refit.fp8.format import BlockwiseFP8Config, FP8FormatError, scale_name
-from mbridge_refit.fp8.reference import quantize_reference
+from mbridge_refit.fp8.format import BlockwiseFP8Config, FP8FormatError
 from mbridge_refit.plan.layout import ParallelLayout
+from mbridge_refit.tools.export_comparison import compare_stream, fp8_expected
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +73,8 @@ MATRIX_LAYOUTS: Mapping[str, tuple[ParallelLayout, tuple[str, ...] | None]] = Ma
 })
 
 # Provider settings a CPU build cannot honour: field -> (the value CPU builds use, what that changes).
-# Only conformance builds take them (``tools.model_builder`` leaves them to conversions, which must
-# not drop a tensor); a cell built with any names them.
+# Only conformance builds take them: a conversion keeps the forward (``convert verify-refit`` runs
+# it). A cell built with any names them.
 CPU_CONCESSIONS: Mapping[str, tuple[Any, str]] = MappingProxyType({
     "layernorm_zero_centered_gamma": (False, "torch norms lack it; it changes the forward, not the weights"),
 })
@@ -114,76 +114,6 @@ class Cell:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "Cell":
         return cls(**{**data, "state": CellState(data["state"]), "concessions": tuple(data["concessions"])})
-
-
-# --- Comparing a stream with its oracle. ---------------------------------------------------------
-
-
-def same_bytes(actual: torch.Tensor, expected: torch.Tensor) -> bool:
-    """Same dtype, shape and bytes (NaN payloads and signed zeros included)."""
-    if actual.dtype != expected.dtype or actual.shape != expected.shape:
-        return False
-    return torch.equal(_as_bytes(actual), _as_bytes(expected))
-
-
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().reshape(-1).view(torch.uint8).cpu()
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Comparison:
-    """A stream against the expected ``(name, tensor)`` list."""
-
-    compared: int
-    differing: tuple[str, ...]  # names whose dtype, shape or bytes differ
-    missing: tuple[str, ...]  # expected, never yielded
-    unexpected: tuple[str, ...]  # yielded, not expected (or yielded twice)
-    in_order: bool
-
-    @property
-    def exact(self) -> bool:
-        return self.in_order and not (self.differing or self.missing or self.unexpected)
-
-    def describe(self, limit: int = 5) -> str:
-        parts = [
-            f"{label} {list(names[:limit])}{' ...' if len(names) > limit else ''}"
-            for label, names in (("differing", self.differing), ("missing", self.missing), ("unexpected", self.unexpected))
-            if names
-        ]
-        if not self.in_order:
-            parts.append("names out of order")
-        return "; ".join(parts) or "exact"
-
-
-def compare_stream(expected: Sequence[tuple[str, torch.Tensor]], stream: Iterable[tuple[str, torch.Tensor]]) -> Comparison:
-    """Compare each yielded tensor as it comes (it may be valid only until the stream advances)."""
-    wanted = dict(expected)
-    seen: dict[str, None] = {}  # yielded expected names, in the order they came
-    differing, unexpected = [], []
-    for name, tensor in stream:
-        if name not in wanted or name in seen:
-            unexpected.append(name)
-            continue
-        seen[name] = None
-        if not same_bytes(tensor, wanted[name]):
-            differing.append(name)
-    order = [name for name, _ in expected]
-    return Comparison(
-        compared=len(seen), differing=tuple(differing), missing=tuple(name for name in order if name not in seen),
-        unexpected=tuple(unexpected), in_order=list(seen) == [name for name in order if name in seen],
-    )
-
-
-def fp8_expected(stock: Sequence[tuple[str, torch.Tensor]], config: BlockwiseFP8Config) -> list[tuple[str, torch.Tensor]]:
-    """The FP8 stream the format asks for, made from stock's tensors with the reference quantizer."""
-    expected: list[tuple[str, torch.Tensor]] = []
-    for name, tensor in stock:
-        if config.quantizes(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")):
-            data, scale = quantize_reference(tensor)
-            expected += [(name, data), (scale_name(name), scale)]
-        else:
-            expected.append((name, tensor))
-    return expected
 
 
 # --- Building a model with random weights. -------------------------------------------------------
@@ -319,7 +249,9 @@ def _cell_maker(architecture: str, layout_name: str, concessions: tuple[str, ...
     return cell
 
 
-def check_bf16(bridge: Any, chunks: list[torch.nn.Module], stock: list[tuple[str, torch.Tensor]], cell) -> Cell:
+def check_bf16(
+    bridge: Any, chunks: list[torch.nn.Module], stock: list[tuple[str, torch.Tensor]], cell: Callable[..., Cell]
+) -> Cell:
     """Our BF16 export (cached buffers, as refit runs it) against stock's tensors."""
     try:
         comparison = compare_stream(stock, bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True))
@@ -333,7 +265,9 @@ def check_bf16(bridge: Any, chunks: list[torch.nn.Module], stock: list[tuple[str
     return cell(BF16, CellState.FAST_PATH_EXACT, "", comparison.compared)
 
 
-def check_fp8(bridge: Any, chunks: list[torch.nn.Module], stock: list[tuple[str, torch.Tensor]], cell) -> Cell:
+def check_fp8(
+    bridge: Any, chunks: list[torch.nn.Module], stock: list[tuple[str, torch.Tensor]], cell: Callable[..., Cell]
+) -> Cell:
     """Our blockwise FP8 export against the reference quantizer applied to stock's tensors."""
     config = BlockwiseFP8Config()
     try:

@@ -14,14 +14,11 @@ random values.
 from __future__ import annotations
 
 import copy
-import logging
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Mapping
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
-
-logger = logging.getLogger(__name__)
 
 # Size fields of a language model, applied where the config class has the field.
 TEXT_SIZES: Mapping[str, Any] = MappingProxyType({
