@@ -203,13 +203,15 @@ def test_recipe_families_take_the_fast_path(layout, architecture, matrix):
 
 
 def test_matrix_page_links_name_tests_of_this_module():
-    """docs/conformance.md names its tests by id: each must be a test function here, with a known cell."""
+    """docs/conformance.md links each cell to a test here: the line of its function, a known cell id."""
     page = (REPO / "docs" / "conformance.md").read_text()
-    functions = {node.name for node in ast.parse((REPO / "tests" / "test_conformance.py").read_text()).body if isinstance(node, ast.FunctionDef)}
-    named = re.findall(r'"(test_\w+)\[([\w.-]+)\]"', page)
-    assert named, "docs/conformance.md names no test"
-    assert {function for function, _ in named} <= functions
-    assert {cell_id for _, cell_id in named} <= set(CELL_IDS)
+    tree = ast.parse((REPO / "tests" / "test_conformance.py").read_text())
+    function_lines = {node.name: node.lineno for node in tree.body if isinstance(node, ast.FunctionDef)}
+    links = re.findall(r'test_conformance\.py#L(\d+) "(test_\w+)\[([\w.-]+)\]"', page)
+    assert links, "docs/conformance.md links no test"
+    stale = {(line, function) for line, function, _ in links if function_lines.get(function) != int(line)}
+    assert not stale, f"links to lines that are not their test's (rerun scripts/conformance_matrix.py): {sorted(stale)}"
+    assert {cell_id for _, _, cell_id in links} <= set(CELL_IDS)
 
 
 def test_build_helpers_restore_what_they_change(monkeypatch):
