@@ -160,7 +160,7 @@ def _reasons_table(matrix: dict[str, list]) -> list[str]:
             if cell.detail:
                 rows.setdefault((cell.architecture, layout, str(cell.state), cell.detail), []).append(cell.precision.upper())
     table = ["| architecture | cells | state | reason |", "| --- | --- | --- | --- |"]
-    for (architecture, layout, state, detail), precisions in sorted(rows.items()):
+    for (architecture, layout, state, detail), precisions in sorted(rows.items(), key=lambda row: row[0][:2]):
         reason = detail.replace("|", "\\|").replace("\n", " ")
         table.append(f"| {architecture} | {layout.upper()} {'+'.join(precisions)} | {state} | {reason} |")
     return table

@@ -201,7 +201,6 @@ def test_recipe_families_take_the_fast_path(layout, architecture, matrix):
         assert cell.state is CellState.FAST_PATH_EXACT, f"{architecture} {layout} {precision}: {cell.state}: {cell.detail}"
 
 
-
 def test_matrix_page_links_name_tests_of_this_module():
     """docs/conformance.md links each cell to a test here: the line of its function, a known cell id."""
     page = (REPO / "docs" / "conformance.md").read_text()
