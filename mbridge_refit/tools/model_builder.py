@@ -6,6 +6,11 @@ weights are loaded right after (``loader.load_hf_weights``), which fills every p
 checks that none was left out. GPU builds use the Transformer Engine spec and the bridge's
 defaults.
 
+Layer specs on CPU (``cpu_layer_spec``): the bridge's default Transformer Engine spec becomes its
+local spec, and a spec built with a ``use_transformer_engine`` switch (Megatron's decoder block
+spec: multi-latent attention, dense first layers) is built with it off. A family's own spec is
+kept otherwise: it builds on CPU if it can, and fails naming what it needs if it cannot.
+
 Context parallelism on CPU. On CPU the model is built with the local layer spec, whose attention supports only
 ``context_parallel_size == 1`` (Megatron asserts it). A CPU build at ``layout.cp > 1`` therefore
 creates Megatron's process groups with the real CP size (``launch.init_model_parallel``) but
@@ -18,9 +23,11 @@ not split the sequence), and CPU builds never run one at CP > 1.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Mapping
 
 import torch
 
@@ -40,6 +47,7 @@ CPU_PROVIDER_OVERRIDES: dict[str, Any] = {
     "moe_permute_fusion": False,
     "moe_grouped_gemm": False,
     "moe_token_dispatcher_type": "allgather",
+    "moe_shared_expert_overlap": False,  # needs the alltoall or flex dispatcher
 }
 
 
@@ -54,12 +62,14 @@ class BuildOptions:
         fp8_param_recipe: GPU only; keep the linear weights as Transformer Engine FP8 parameters
             with this Megatron ``fp8_recipe`` (e.g. ``"blockwise"``: 128x128 e4m3 blocks), as an
             FP8 trainer does (``fp8="e4m3"``, ``fp8_param=True``).
+        provider_overrides: provider fields set last (after the layout and device settings).
     """
 
     device: torch.device
     params_dtype: torch.dtype | None = None
     materialize: bool = True
     fp8_param_recipe: str | None = None
+    provider_overrides: Mapping[str, Any] = MappingProxyType({})
 
 
 def configure_provider(provider: Any, layout: ParallelLayout, options: BuildOptions) -> Any:
@@ -85,14 +95,27 @@ def configure_provider(provider: Any, layout: ParallelLayout, options: BuildOpti
         provider.fp8_recipe = options.fp8_param_recipe
         provider.fp8_param = True
     if options.device.type == "cpu":
-        from megatron.bridge.models.gpt_provider import local_layer_spec
-
         for name, value in CPU_PROVIDER_OVERRIDES.items():
             if hasattr(provider, name):
                 setattr(provider, name, value)
-        provider.transformer_layer_spec = local_layer_spec
+        if hasattr(provider, "transformer_layer_spec"):  # hybrid (Mamba) providers build their own stack
+            provider.transformer_layer_spec = cpu_layer_spec(provider.transformer_layer_spec)
+    for name, value in options.provider_overrides.items():
+        setattr(provider, name, value)
     provider.finalize()
     return provider
+
+
+def cpu_layer_spec(spec: Any) -> Any:
+    """The spec to build ``spec``'s layers with on CPU (module docstring: layer specs on CPU)."""
+    from megatron.bridge.models import gpt_provider
+
+    if spec in (gpt_provider.default_layer_spec, gpt_provider.transformer_engine_layer_spec):
+        return gpt_provider.local_layer_spec
+    if isinstance(spec, functools.partial) and spec.keywords.get("use_transformer_engine"):
+        return functools.partial(spec.func, *spec.args, **{**spec.keywords, "use_transformer_engine": False})
+    logger.debug("layer spec %r has no known CPU variant: kept", spec)
+    return spec
 
 
 def build_model(bridge: Any, layout: ParallelLayout, options: BuildOptions) -> list[torch.nn.Module]:

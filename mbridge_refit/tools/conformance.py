@@ -1,0 +1,357 @@
+"""The conformance check: RefitBridge's export of a registered architecture against stock's.
+
+Owns what one cell of the conformance matrix (architecture x layout x BF16/FP8) means and how it
+is decided. For an architecture (``tools.tiny_configs``) and a layout, every rank builds the
+Megatron model (``tools.model_builder``; CPU: gloo, local layer spec), fills it with seeded random
+values, and compares (``tools.export_comparison``)
+
+* BF16: ``RefitBridge.export_hf_weights`` with stock ``export_hf_weights_stock`` on the same model:
+  the same names in the same order, each tensor with the same dtype, shape and bytes;
+* FP8 (``fp8="blockwise"``): the FP8 export with the stream expected from stock's tensors: every
+  tensor the format quantizes (``BlockwiseFP8Config.quantizes``) replaced by the reference
+  quantizer's data (``fp8.reference.quantize_reference``) followed by its scales.
+
+On a machine without CUDA the build runs with ``torch.cuda.current_device()`` answering ``"cpu"``
+(``cuda_device_queries_answer_cpu``) and with the ``CPU_CONCESSIONS`` the provider needs; where
+stock's export fails because the bridge maps no conversion task to some parameters of the build
+(sequential experts, which CPU builds use, are not in every family's mapping), the reason names them.
+
+The oracle is stock (and the reference quantizer on stock's tensors), never our own output. Each
+cell ends in one ``CellState``; ``DIFFERENT`` and ``OUR_EXPORT_FAILED`` are failures (bugs of ours
+until shown otherwise), the others are outcomes with their reason recorded.
+
+Run as ranks (what ``tests/test_conformance.py`` and ``scripts/conformance_matrix.py`` do)::
+
+    python -m mbridge_refit.tools.conformance --json cells.json [--only A,B]            # TP1
+    torchrun --nproc-per-node 2 -m mbridge_refit.tools.conformance --layout tp2 --json cells.json
+
+Each rank writes its cells to ``cells.rank<R>.json`` beside the path given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import enum
+import hashlib
+import json
+import logging
+import os
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+
+from mbridge_refit.fp8.format import BlockwiseFP8Config, FP8FormatError
+from mbridge_refit.plan.layout import ParallelLayout
+from mbridge_refit.tools.export_comparison import compare_stream, fp8_expected
+
+logger = logging.getLogger(__name__)
+
+BF16, FP8 = "bf16", "fp8"
+PRECISIONS = (BF16, FP8)
+RANDOM_STD = 0.02  # random weights ~ N(0, 0.02), seeded per parameter and shard
+SESSION_TIMEOUT = datetime.timedelta(minutes=2)  # a rank whose peer failed raises instead of hanging
+
+# The matrix: layout name -> the layout and which architectures run at it (None: every registered
+# one). Tensor parallelism runs on families that build on CPU and cover the placement kinds: QKV
+# with and without bias and QK norms, gated and plain MLPs, MoE experts (with an expert bias and a
+# dense first layer in HY-V3), a vision-language model, tied embeddings, and two models the plan
+# refuses (their stock fallback and FP8 refusal at TP2).
+MATRIX_LAYOUTS: Mapping[str, tuple[ParallelLayout, tuple[str, ...] | None]] = MappingProxyType({
+    "tp1": (ParallelLayout(), None),
+    "tp2": (ParallelLayout(tp=2), (
+        "Gemma4ForCausalLM", "GemmaForCausalLM", "GptOssForCausalLM", "HYV3ForCausalLM", "LlamaForCausalLM",
+        "MistralForCausalLM", "NemotronForCausalLM", "Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration",
+        "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+    )),
+})
+
+# Provider settings a CPU build cannot honour: field -> (the value CPU builds use, what that changes).
+# Only conformance builds take them: a conversion keeps the forward (``convert verify-refit`` runs
+# it). A cell built with any names them.
+CPU_CONCESSIONS: Mapping[str, tuple[Any, str]] = MappingProxyType({
+    "layernorm_zero_centered_gamma": (False, "torch norms lack it; it changes the forward, not the weights"),
+})
+
+
+class CellState(enum.StrEnum):
+    """How one cell ended."""
+
+    FAST_PATH_EXACT = "fast path, exact"
+    STOCK_FALLBACK_EXACT = "stock fallback, exact"  # the plan refused the model; the fallback is stock itself
+    FP8_REFUSED = "FP8 refused"  # FP8FormatError before any export work (e.g. a model without a plan)
+    CANNOT_BE_BUILT = "cannot be built here"  # config, bridge or model construction failed
+    UPSTREAM_BROKEN = "upstream broken"  # stock's own export failed
+    DIFFERENT = "different"  # a name, order, dtype, shape or byte differs from the oracle
+    OUR_EXPORT_FAILED = "our export failed"
+
+    @property
+    def passes(self) -> bool:
+        return self not in (CellState.DIFFERENT, CellState.OUR_EXPORT_FAILED)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Cell:
+    """The outcome of one architecture at one layout and precision."""
+
+    architecture: str
+    layout: str
+    precision: str  # BF16 | FP8
+    state: CellState
+    detail: str = ""  # the error, fallback reason or first differences; empty when exact on the fast path
+    tensors: int = 0  # tensors compared
+    concessions: tuple[str, ...] = ()  # CPU_CONCESSIONS fields the build set
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "state": str(self.state)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "Cell":
+        return cls(**{**data, "state": CellState(data["state"]), "concessions": tuple(data["concessions"])})
+
+
+# --- Building a model with random weights. -------------------------------------------------------
+
+
+def fill_random_weights(chunks: Sequence[torch.nn.Module], *, seed: int = 0) -> None:
+    """Fill every parameter with N(0, ``RANDOM_STD``) values seeded by its name and shard.
+
+    Shards of one tensor differ (the seed takes the tensor/expert-parallel rank of split
+    parameters) and replicas agree (a tensor-parallel replicated norm gets the same values on
+    every tensor-parallel rank, as in a real model).
+    """
+    from megatron.core import parallel_state as ps
+
+    pipeline_rank = ps.get_pipeline_model_parallel_rank()
+    with torch.no_grad():
+        for chunk_index, chunk in enumerate(chunks):
+            for name, param in chunk.named_parameters():
+                shard = (
+                    ps.get_tensor_model_parallel_rank() if getattr(param, "tensor_model_parallel", False) else 0,
+                    ps.get_expert_model_parallel_rank() if not getattr(param, "allreduce", True) else 0,
+                )
+                generator = torch.Generator().manual_seed(_seed(seed, name, pipeline_rank, chunk_index, *shard))
+                values = torch.randn(param.shape, generator=generator, dtype=torch.float32) * RANDOM_STD
+                param.copy_(values.to(param.dtype))
+
+
+def _seed(*parts: Any) -> int:
+    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def build_random_model(
+    architecture: str, layout: ParallelLayout, *, device: torch.device
+) -> tuple[Any, list[torch.nn.Module], tuple[str, ...]]:
+    """``(RefitBridge, model chunks, concessions)`` of ``architecture``'s tiny config at ``layout``,
+    in bf16 with random weights; on CPU with the ``CPU_CONCESSIONS`` it needs, whose fields are
+    returned (call inside a distributed session at ``layout``)."""
+    from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.tools.model_builder import BuildOptions, build_model
+    from mbridge_refit.tools.tiny_configs import tiny_config
+
+    bridge = RefitBridge.from_hf_config(tiny_config(architecture))
+    on_cpu = device.type == "cpu"
+    concessions = cpu_concessions(bridge.to_megatron_provider(load_weights=False)) if on_cpu else {}
+    options = BuildOptions(device=device, params_dtype=torch.bfloat16, provider_overrides=concessions)
+    with cuda_device_queries_answer_cpu() if on_cpu and not torch.cuda.is_available() else contextlib.nullcontext():
+        chunks = build_model(bridge, layout, options)
+    fill_random_weights(chunks)
+    return bridge, chunks, tuple(concessions)
+
+
+@contextlib.contextmanager
+def cuda_device_queries_answer_cpu() -> Iterator[None]:
+    """``torch.cuda.current_device()`` returns ``"cpu"`` inside the block (a machine without CUDA).
+
+    Megatron-Core allocates a few buffers with ``device=torch.cuda.current_device()`` whatever
+    ``use_cpu_initialization`` says (the MoE router's expert-bias buffers); without a driver that
+    call raises, so those families could not be built on CPU at all.
+    """
+    current_device = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = current_device
+
+
+def cpu_concessions(provider: Any) -> dict[str, Any]:
+    """The ``CPU_CONCESSIONS`` whose field ``provider`` sets to another value."""
+    return {
+        field: value for field, (value, _) in CPU_CONCESSIONS.items()
+        if hasattr(provider, field) and getattr(provider, field) != value
+    }
+
+
+@contextlib.contextmanager
+def restored_environment() -> Iterator[None]:
+    """``os.environ`` as it was, after the block: Megatron's model build sets Transformer Engine's
+    attention-backend variables and asserts them on the next build, so one architecture's build
+    would decide whether the next one builds."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+# --- Deciding the cells. -------------------------------------------------------------------------
+
+
+def check_architecture(architecture: str, layout_name: str, *, device: torch.device) -> list[Cell]:
+    """The BF16 and FP8 cells of ``architecture`` at ``MATRIX_LAYOUTS[layout_name]``."""
+    layout = MATRIX_LAYOUTS[layout_name][0]
+    cell = _cell_maker(architecture, layout_name, ())
+    try:
+        with restored_environment():
+            bridge, chunks, concessions = build_random_model(architecture, layout, device=device)
+    except Exception as err:  # recorded; the matrix goes on with the next architecture
+        return [cell(p, CellState.CANNOT_BE_BUILT, describe_error(err)) for p in PRECISIONS]
+    cell = _cell_maker(architecture, layout_name, concessions)
+    try:
+        stock = [(name, tensor.clone()) for name, tensor in bridge.export_hf_weights_stock(chunks, show_progress=False)]
+    except Exception as err:
+        reason = describe_error(err) + _unmapped_note(bridge, chunks)
+        return [cell(p, CellState.UPSTREAM_BROKEN, reason) for p in PRECISIONS]
+    return [check_bf16(bridge, chunks, stock, cell), check_fp8(bridge, chunks, stock, cell)]
+
+
+def _unmapped_note(bridge: Any, chunks: list[torch.nn.Module], limit: int = 2) -> str:
+    """``"; the bridge maps no parameter X, ..."`` when its conversion tasks leave parameters of
+    this model out (stock's export then fails on the missing task), else ``""``."""
+    try:
+        tasks = bridge.megatron_model_bridge(chunks).build_conversion_tasks(bridge.hf_pretrained, chunks)
+    except Exception as err:  # the note is a diagnosis only
+        logger.debug("no conversion tasks to diagnose with: %s", err)
+        return ""
+    mapped = {task.param_name for task in tasks if task is not None}
+    unmapped = [name for chunk in chunks for name, _ in chunk.named_parameters() if name not in mapped]
+    if not unmapped:
+        return ""
+    return f"; the bridge maps no task to {len(unmapped)} parameters of this build, e.g. {', '.join(unmapped[:limit])}"
+
+
+def _cell_maker(architecture: str, layout_name: str, concessions: tuple[str, ...]):
+    def cell(precision: str, state: CellState, detail: str = "", tensors: int = 0) -> Cell:
+        return Cell(
+            architecture=architecture, layout=layout_name, precision=precision, state=state, detail=detail,
+            tensors=tensors, concessions=concessions,
+        )
+
+    return cell
+
+
+def check_bf16(
+    bridge: Any, chunks: list[torch.nn.Module], stock: list[tuple[str, torch.Tensor]], cell: Callable[..., Cell]
+) -> Cell:
+    """Our BF16 export (cached buffers, as refit runs it) against stock's tensors."""
+    try:
+        comparison = compare_stream(stock, bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True))
+    except Exception as err:
+        return cell(BF16, CellState.OUR_EXPORT_FAILED, describe_error(err))
+    if not comparison.exact:
+        return cell(BF16, CellState.DIFFERENT, comparison.describe(), comparison.compared)
+    fallback = bridge.export_diagnostics().fallback_reason
+    if fallback:
+        return cell(BF16, CellState.STOCK_FALLBACK_EXACT, fallback, comparison.compared)
+    return cell(BF16, CellState.FAST_PATH_EXACT, "", comparison.compared)
+
+
+def check_fp8(
+    bridge: Any, chunks: list[torch.nn.Module], stock: list[tuple[str, torch.Tensor]], cell: Callable[..., Cell]
+) -> Cell:
+    """Our blockwise FP8 export against the reference quantizer applied to stock's tensors."""
+    config = BlockwiseFP8Config()
+    try:
+        stream = bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True, fp8=config)
+    except FP8FormatError as err:  # refused before any export work, with the reason
+        return cell(FP8, CellState.FP8_REFUSED, describe_error(err))
+    except Exception as err:
+        return cell(FP8, CellState.OUR_EXPORT_FAILED, describe_error(err))
+    try:
+        comparison = compare_stream(fp8_expected(stock, config), stream)
+    except Exception as err:
+        return cell(FP8, CellState.OUR_EXPORT_FAILED, describe_error(err))
+    if not comparison.exact:
+        return cell(FP8, CellState.DIFFERENT, comparison.describe(), comparison.compared)
+    return cell(FP8, CellState.FAST_PATH_EXACT, "", comparison.compared)
+
+
+def describe_error(err: BaseException, limit: int = 300) -> str:
+    """``Type: message (at file:line)``: the message on one line cut to ``limit`` characters, the
+    file of the innermost frame from its package down (the same on every machine)."""
+    frames = traceback.extract_tb(err.__traceback__)
+    where = f" (at {_package_path(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+    message = " ".join(str(err).split())
+    return f"{type(err).__name__}: {message[:limit]}{where}"
+
+
+def _package_path(filename: str) -> str:
+    path = filename.split("site-packages/")[-1]
+    own = path.rfind("/mbridge_refit/")
+    return path[own + 1:] if own >= 0 else path
+
+
+def architectures_at(layout_name: str) -> list[str]:
+    """The architectures the matrix runs at ``layout_name``."""
+    from mbridge_refit.tools.tiny_configs import registered_architectures
+
+    selected = MATRIX_LAYOUTS[layout_name][1]
+    return list(selected) if selected is not None else registered_architectures()
+
+
+def run_layout(layout_name: str, architectures: Sequence[str], *, device: torch.device) -> Iterator[Cell]:
+    """Every cell of ``architectures`` at ``layout_name`` (call inside a distributed session at that layout)."""
+    for architecture in architectures:
+        cells = check_architecture(architecture, layout_name, device=device)
+        for cell in cells:
+            logger.info("%s %s %s: %s %s", architecture, layout_name, cell.precision, cell.state, cell.detail[:200])
+        yield from cells
+
+
+# --- Running as ranks. ---------------------------------------------------------------------------
+
+
+def rank_result_path(json_path: Path, rank: int) -> Path:
+    """Where rank ``rank`` writes its cells for ``--json json_path``."""
+    return json_path.with_name(f"{json_path.stem}.rank{rank}{json_path.suffix}")
+
+
+def read_cells(json_path: Path, world_size: int) -> list[list[Cell]]:
+    """Every rank's cells of one run, rank by rank."""
+    return [
+        [Cell.from_json(c) for c in json.loads(rank_result_path(json_path, rank).read_text())]
+        for rank in range(world_size)
+    ]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    parser.add_argument("--layout", choices=sorted(MATRIX_LAYOUTS), default="tp1", help="a layout of MATRIX_LAYOUTS (default tp1)")
+    parser.add_argument("--only", default="", help="comma-separated architectures (default: the layout's)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--json", type=Path, required=True, help="cells go to <stem>.rank<R>.json beside it")
+    args = parser.parse_args(argv)
+    from mbridge_refit.tools.launch import LaunchEnv, distributed_session
+
+    logging.basicConfig(level=logging.INFO if LaunchEnv.from_environ().rank == 0 else logging.WARNING, format="%(message)s")
+    logging.getLogger("mbridge_refit.bridge").setLevel(logging.ERROR)  # the fallback warning is recorded in the cell
+
+    device = torch.device(args.device)
+    architectures = [a for a in args.only.split(",") if a] or architectures_at(args.layout)
+    with distributed_session(MATRIX_LAYOUTS[args.layout][0], device=device, timeout=SESSION_TIMEOUT) as env:
+        cells = [cell.to_json() for cell in run_layout(args.layout, architectures, device=device)]
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    rank_result_path(args.json, env.rank).write_text(json.dumps(cells, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Tiny Hugging Face configs for every architecture Megatron-Bridge registers.
+
+Owns the per-family config knowledge of the conformance checks (``tools.conformance``,
+``scripts/check_families_gpu.py``): for an architecture name, transformers' own config class for
+its model type, with the size fields it has set small (2 layers, hidden 256, 8 experts, ...), and
+a few per-architecture fields its defaults get wrong at that size. All of it is data: the size
+tables and ``CONFIG_OVERRIDES``. The architectures come from
+``AutoBridge.list_supported_models()`` (``registered_architectures``), never from a hand list.
+
+Nothing here makes weights: the conformance checks fill the built Megatron model with seeded
+random values.
+"""
+
+from __future__ import annotations
+
+import copy
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+# Size fields of a language model, applied where the config class has the field.
+TEXT_SIZES: Mapping[str, Any] = MappingProxyType({
+    "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 2048, "max_position_embeddings": 4096,
+    "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128, "num_experts": 8, "num_local_experts": 8,
+    "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1,
+    "q_lora_rank": 128, "kv_lora_rank": 64, "qk_rope_head_dim": 32, "qk_nope_head_dim": 32, "v_head_dim": 32,
+    "n_group": 1, "topk_group": 1, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32, "mamba_num_heads": 8, "mamba_head_dim": 32, "ssm_state_size": 16, "n_groups": 1,
+    "vocab_size_per_layer_input": 2048,
+})
+# Size fields of a vision tower (``vision_config``).
+VISION_SIZES: Mapping[str, Any] = MappingProxyType({
+    "depth": 2, "num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512, "num_heads": 4,
+    "num_attention_heads": 4, "out_hidden_size": 256, "embed_dim": 256,
+})
+# Configs with per-layer type lists keep the first this many entries: one period of the hybrids
+# registered today (linear/full attention, sliding/full) holds one layer of each kind.
+HYBRID_LAYERS = 4
+NESTED_SIZES: Mapping[str, Mapping[str, Any]] = MappingProxyType({"text_config": TEXT_SIZES, "vision_config": VISION_SIZES})
+
+# Architecture -> config fields set after the sizes (nested configs as dicts, merged). For
+# defaults that do not fit the tiny sizes, or fields the bridge reads that the config class
+# does not define.
+CONFIG_OVERRIDES: Mapping[str, Mapping[str, Any]] = MappingProxyType({
+    "HYV3ForCausalLM": {"first_k_dense_replace": 1},
+    "GlmMoeDsaForCausalLM": {"indexer_rope_interleave": False},
+    "Glm4vMoeForConditionalGeneration": {"text_config": {"head_dim": 64, "use_qk_norm": False}},
+    "Ernie4_5_VLMoeForConditionalGeneration": {"text_config": {"moe_intermediate_size": [128, 128]}},
+})
+
+
+class TinyConfigError(LookupError):
+    """An architecture this module cannot make a config for (the message says why)."""
+
+
+def registered_architectures() -> list[str]:
+    """Every architecture Megatron-Bridge registers a bridge for, sorted."""
+    from megatron.bridge import AutoBridge
+
+    return sorted(AutoBridge.list_supported_models())
+
+
+def tiny_config(architecture: str, *, dtype: str = "bfloat16") -> "PretrainedConfig":
+    """A tiny transformers config of ``architecture`` (deterministic: the same on every call).
+
+    Raises ``TinyConfigError`` when the installed transformers has no config class for it.
+    """
+    config_class = _config_class(architecture)
+    defaults = config_class()
+    kwargs = _small_fields(defaults, TEXT_SIZES)
+    for nested, sizes in NESTED_SIZES.items():
+        sub = getattr(defaults, nested, None)
+        if sub is not None:
+            kwargs[nested] = {**sub.to_dict(), **_small_fields(sub, sizes)}
+    _merge(kwargs, CONFIG_OVERRIDES.get(architecture, {}))
+    config = config_class(**kwargs)
+    config.architectures = [architecture]
+    config.torch_dtype = dtype
+    return config
+
+
+def _config_class(architecture: str) -> type:
+    """transformers' config class for the model type whose model class is ``architecture``."""
+    import transformers
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto import modeling_auto
+
+    mappings = (
+        modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+        modeling_auto.MODEL_MAPPING_NAMES,
+    )
+    for mapping in mappings:
+        model_type = next((t for t, arch in mapping.items() if arch == architecture), None)
+        if model_type is not None and model_type in CONFIG_MAPPING:
+            return CONFIG_MAPPING[model_type]
+    raise TinyConfigError(
+        f"transformers {transformers.__version__} has no config class for {architecture} "
+        f"(its checkpoints ship their own code)"
+    )
+
+
+def _small_fields(config: Any, sizes: Mapping[str, Any]) -> dict[str, Any]:
+    """The size fields ``config`` has, set small; per-layer type lists (``layer_types``,
+    ``mlp_layer_types``, ...) cut to their first ``HYBRID_LAYERS`` entries."""
+    small = {k: v for k, v in sizes.items() if hasattr(config, k)}
+    per_layer = {k: v for k, v in vars(config).items() if k.endswith("layer_types") and isinstance(v, (list, tuple)) and v}
+    if per_layer:
+        small.update(num_hidden_layers=HYBRID_LAYERS, **{k: list(v[:HYBRID_LAYERS]) for k, v in per_layer.items()})
+    return small
+
+
+def _merge(kwargs: dict[str, Any], overrides: Mapping[str, Any]) -> None:
+    """``overrides`` into ``kwargs``, dicts merged key by key (a nested config keeps its other fields)."""
+    for key, value in overrides.items():
+        if isinstance(value, Mapping) and isinstance(kwargs.get(key), dict):
+            _merge(kwargs[key], value)
+        else:
+            kwargs[key] = copy.deepcopy(value)

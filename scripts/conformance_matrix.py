@@ -1,0 +1,184 @@
+"""Write docs/conformance.md: the conformance matrix of every registered architecture on CPU.
+
+    python scripts/conformance_matrix.py [--out docs/conformance.md]
+
+Runs the checks ``tests/test_conformance.py`` runs (``python -m mbridge_refit.tools.conformance``,
+one launch per layout of ``MATRIX_LAYOUTS``, CPU ranks under torchrun), then writes the page: one
+row per architecture, a column per layout and precision, each cell's state linking to the test
+that proves it, the counts per state, and the reason of every cell that is not on the fast path.
+Exits 1 when a cell fails (``different`` or ``our export failed``); the page is written anyway.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import datetime
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from importlib import metadata
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TEST_MODULE = REPO / "tests" / "test_conformance.py"
+TEST_OF_PRECISION = {"bf16": "test_bf16_matches_stock", "fp8": "test_fp8_matches_reference"}  # in TEST_MODULE
+VERSIONS = ("torch", "megatron-core", "megatron-bridge", "transformers")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_layout(layout_name: str, nproc: int, json_path: Path) -> None:
+    """Run the layout's ranks (plain python for one rank, as the tests do); raise if they fail."""
+    module = ["-m", "mbridge_refit.tools.conformance", "--layout", layout_name, "--json", str(json_path)]
+    launcher = [] if nproc == 1 else [
+        "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+    ]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    subprocess.run([sys.executable, *launcher, *module], cwd=REPO, env=env, check=True)
+
+
+def run_matrix() -> dict[str, list]:
+    """layout name -> rank 0's cells (every rank's states checked equal)."""
+    from mbridge_refit.tools.conformance import MATRIX_LAYOUTS, read_cells
+
+    matrix = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for layout_name, (layout, _) in MATRIX_LAYOUTS.items():
+            path = Path(tmp) / f"{layout_name}.json"
+            launch_layout(layout_name, layout.expected_world_size, path)
+            ranks = read_cells(path, layout.expected_world_size)
+            disagreeing = [c.architecture for cells in zip(*ranks) for c in cells if c.state != cells[0].state]
+            if disagreeing or len({len(cells) for cells in ranks}) != 1:
+                raise SystemExit(f"{layout_name}: ranks disagree on {sorted(set(disagreeing))}")
+            matrix[layout_name] = ranks[0]
+    return matrix
+
+
+def test_lines() -> dict[str, int]:
+    """Test function name -> its line in TEST_MODULE (the cells link there)."""
+    tree = ast.parse(TEST_MODULE.read_text())
+    lines = {node.name: node.lineno for node in tree.body if isinstance(node, ast.FunctionDef)}
+    missing = set(TEST_OF_PRECISION.values()) - set(lines)
+    if missing:
+        raise SystemExit(f"{TEST_MODULE} lacks {sorted(missing)}: update TEST_OF_PRECISION")
+    return lines
+
+
+def cell_link(cell, lines: dict[str, int], page_dir: Path) -> str:
+    function = TEST_OF_PRECISION[cell.precision]
+    target = os.path.relpath(TEST_MODULE, page_dir)
+    return f'[{cell.state}]({target}#L{lines[function]} "{function}[{cell.layout}-{cell.architecture}]")'
+
+
+def render(matrix: dict[str, list], page_dir: Path) -> str:
+    lines = test_lines()
+    columns = [(layout, precision) for layout in matrix for precision in TEST_OF_PRECISION]
+    by_key = {(c.architecture, c.layout, c.precision): c for cells in matrix.values() for c in cells}
+    architectures = sorted({c.architecture for cells in matrix.values() for c in cells})
+    out = [*_header(), "| architecture | " + " | ".join(f"{l.upper()} {p.upper()}" for l, p in columns) + " |"]
+    out.append("| --- " * (len(columns) + 1) + "|")
+    for architecture in architectures:
+        row = [cell_link(by_key[k], lines, page_dir) if (k := (architecture, l, p)) in by_key else "–" for l, p in columns]
+        out.append(f"| {architecture} | " + " | ".join(row) + " |")
+    out += ["", "## Counts", "", *_counts_table(matrix, columns), "", "## CPU build concessions", ""]
+    out += _concessions_table(matrix)
+    out += ["", "## Reasons", "", *_reasons_table(matrix)]
+    return "\n".join(out) + "\n"
+
+
+def _header() -> list[str]:
+    versions = ", ".join(f"{name} {metadata.version(name)}" for name in VERSIONS)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    return [
+        "# Conformance matrix",
+        "",
+        "Every architecture Megatron-Bridge registers (`AutoBridge.list_supported_models()`), built as a tiny",
+        "random model on CPU ranks (gloo, Megatron's local layer spec): RefitBridge's export against stock",
+        "`export_hf_weights` on the same model (same names in the same order, same dtype, shape and bytes),",
+        "and its blockwise FP8 export against the reference quantizer applied to stock's tensors.",
+        "States: `fast path, exact`; `stock fallback, exact` (the plan refused the model, the export is",
+        "stock's); `FP8 refused` (FP8 needs the plan: refused before any work, with the reason);",
+        "`cannot be built here` (config, bridge or model construction failed on CPU); `upstream broken`",
+        "(stock's own export failed). A difference or a failure of our export fails the test.",
+        "Each state links to the test that proves it (its id in the link title).",
+        "",
+        f"Generated by `python scripts/conformance_matrix.py` on {datetime.date.today().isoformat()} at commit "
+        f"`{commit}` ({versions}); the tests run the same checks: `pytest tests/test_conformance.py`.",
+        "",
+    ]
+
+
+def _counts_table(matrix: dict[str, list], columns: list[tuple[str, str]]) -> list[str]:
+    from mbridge_refit.tools.conformance import CellState
+
+    counts = {(l, p): Counter(str(c.state) for c in matrix[l] if c.precision == p) for l, p in columns}
+    states = [str(state) for state in CellState]  # every state, the failing ones too (0 when none)
+    table = ["| state | " + " | ".join(f"{l.upper()} {p.upper()}" for l, p in columns) + " |", "| --- " * (len(columns) + 1) + "|"]
+    for state in states:
+        table.append(f"| {state} | " + " | ".join(str(counts[col][state]) for col in columns) + " |")
+    return table
+
+
+def _concessions_table(matrix: dict[str, list]) -> list[str]:
+    """Which architectures were built with which ``CPU_CONCESSIONS`` (and what each changes)."""
+    from mbridge_refit.tools.conformance import CPU_CONCESSIONS
+
+    users: dict[str, set[str]] = {}
+    for cells in matrix.values():
+        for cell in cells:
+            for field in cell.concessions:
+                users.setdefault(field, set()).add(cell.architecture)
+    table = [
+        "Provider settings a CPU build cannot honour, set to one it can (`CPU_CONCESSIONS` in",
+        "`mbridge_refit/tools/conformance.py`); none changes a parameter's name, shape or mapping.",
+        "Every CPU build also runs with `torch.cuda.current_device()` answering `\"cpu\"`: Megatron-Core",
+        "allocates the MoE router's expert-bias buffers there whatever `use_cpu_initialization` says.",
+        "CPU builds use sequential experts (no grouped GEMM); a family whose mapping names only grouped",
+        "experts makes stock's export fail on them (`upstream broken`, the reason names the parameters).",
+        "",
+        "| setting | CPU value | why, and what it changes | architectures |",
+        "| --- | --- | --- | --- |",
+    ]
+    for field, (value, why) in CPU_CONCESSIONS.items():
+        table.append(f"| `{field}` | `{value}` | {why} | {', '.join(sorted(users.get(field, ()))) or '–'} |")
+    return table
+
+
+def _reasons_table(matrix: dict[str, list]) -> list[str]:
+    """One row per architecture, layout and reason (BF16 and FP8 cells with the same reason share it)."""
+    rows: dict[tuple[str, str, str, str], list[str]] = {}
+    for layout, cells in matrix.items():
+        for cell in cells:
+            if cell.detail:
+                rows.setdefault((cell.architecture, layout, str(cell.state), cell.detail), []).append(cell.precision.upper())
+    table = ["| architecture | cells | state | reason |", "| --- | --- | --- | --- |"]
+    for (architecture, layout, state, detail), precisions in sorted(rows.items(), key=lambda row: row[0][:2]):
+        reason = detail.replace("|", "\\|").replace("\n", " ")
+        table.append(f"| {architecture} | {layout.upper()} {'+'.join(precisions)} | {state} | {reason} |")
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "conformance.md")
+    args = parser.parse_args()
+    sys.path.insert(0, str(REPO))
+    matrix = run_matrix()
+    args.out.write_text(render(matrix, args.out.resolve().parent))
+    failing = [c for cells in matrix.values() for c in cells if not c.state.passes]
+    print(f"wrote {args.out}; {sum(len(c) for c in matrix.values())} cells, {len(failing)} failing")
+    for cell in failing:
+        print(f"FAILING {cell.architecture} {cell.layout} {cell.precision}: {cell.state}: {cell.detail}")
+    sys.exit(1 if failing else 0)
+
+
+if __name__ == "__main__":
+    main()

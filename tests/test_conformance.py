@@ -1,0 +1,227 @@
+"""The conformance matrix: every architecture Megatron-Bridge registers, on CPU ranks (gloo, local
+layer spec), RefitBridge's export against stock's on the same model bit for bit (BF16), and its
+FP8 export against the reference quantizer applied to stock's tensors.
+
+The cells are decided inside the ranks by ``mbridge_refit.tools.conformance`` (run here under
+torchrun, once per layout of ``MATRIX_LAYOUTS``); each test below reads one cell. A cell passes in
+any state but ``different`` and ``our export failed``; ``docs/conformance.md`` is the same run
+written by ``scripts/conformance_matrix.py``. The first tests show the comparison failing on a
+corrupted stream, so a passing cell means something.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+
+import pytest
+import torch
+
+from conftest import REPO, torchrun
+from mbridge_refit.fp8.format import BlockwiseFP8Config, FP8FormatError
+from mbridge_refit.tools import conformance
+from mbridge_refit.tools.conformance import BF16, FP8, MATRIX_LAYOUTS, Cell, CellState, check_bf16, check_fp8, read_cells
+from mbridge_refit.tools.export_comparison import compare_stream, fp8_expected
+from mbridge_refit.tools.recipes import MODEL_RECIPES
+
+MATRIX_TIMEOUT = 900  # seconds for one layout's ranks (TP1: every registered architecture)
+CELLS = [(layout, architecture) for layout in MATRIX_LAYOUTS for architecture in conformance.architectures_at(layout)]
+CELL_IDS = [f"{layout}-{architecture}" for layout, architecture in CELLS]
+
+
+# --- The comparison fails when it should. ---------------------------------------------------------
+
+
+def _stream() -> list[tuple[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    return [
+        ("a.weight", torch.randn(130, 200, generator=generator).bfloat16()),
+        ("b.weight", torch.randn(64, generator=generator).bfloat16()),
+        ("c.weight", torch.randn(8, 8, generator=generator).bfloat16()),
+    ]
+
+
+def _flip_one_byte(tensor: torch.Tensor) -> torch.Tensor:
+    corrupted = tensor.clone()
+    corrupted.reshape(-1).view(torch.uint8)[7] ^= 1
+    return corrupted
+
+
+CORRUPTIONS = {
+    "one byte": lambda s: [(n, _flip_one_byte(t) if n == "c.weight" else t) for n, t in s],
+    "dtype": lambda s: [(n, t.float() if n == "b.weight" else t) for n, t in s],
+    "shape": lambda s: [(n, t.reshape(4, 16) if n == "b.weight" else t) for n, t in s],
+    "dropped name": lambda s: s[:-1],
+    "extra name": lambda s: [*s, ("d.weight", torch.zeros(1))],
+    "repeated name": lambda s: [*s, s[0]],
+    "swapped order": lambda s: [s[1], s[0], s[2]],
+    "renamed": lambda s: [("x.weight", s[0][1]), *s[1:]],
+}
+
+
+def test_an_equal_stream_is_exact():
+    expected = _stream()
+    comparison = compare_stream(expected, [(n, t.clone()) for n, t in expected])
+    assert comparison.exact and comparison.compared == 3, comparison.describe()
+
+
+@pytest.mark.parametrize("corruption", CORRUPTIONS)
+def test_a_corrupted_stream_is_caught(corruption):
+    expected = _stream()
+    comparison = compare_stream(expected, CORRUPTIONS[corruption]([(n, t.clone()) for n, t in expected]))
+    assert not comparison.exact, corruption
+    assert comparison.describe() != "exact"
+
+
+def test_fp8_expectation_quantizes_what_the_format_says_and_catches_a_bad_scale():
+    stock = _stream()
+    expected = fp8_expected(stock, BlockwiseFP8Config())
+    assert [n for n, _ in expected] == ["a.weight", "a.weight_scale_inv", "b.weight", "c.weight", "c.weight_scale_inv"]
+    assert expected[0][1].dtype == torch.float8_e4m3fn and expected[1][1].shape == (2, 2)
+    bad_scale = [(n, t * 2 if n == "a.weight_scale_inv" else t) for n, t in expected]
+    assert compare_stream(expected, bad_scale).differing == ("a.weight_scale_inv",)
+
+
+class _FakeBridge:
+    """Yields a given stream as its export; what ``check_bf16``/``check_fp8`` read from a bridge."""
+
+    def __init__(self, stream, *, fallback_reason=None, fp8_error=None):
+        self.stream, self.fallback_reason, self.fp8_error = stream, fallback_reason, fp8_error
+
+    def export_hf_weights(self, chunks, **kwargs):
+        if kwargs.get("fp8") is not None and self.fp8_error is not None:
+            raise self.fp8_error
+        return iter(self.stream)
+
+    def export_diagnostics(self):
+        return type("Diagnostics", (), {"fallback_reason": self.fallback_reason})()
+
+
+def _cell(precision, state, detail="", tensors=0):
+    return Cell(architecture="Fake", layout="tp1", precision=precision, state=state, detail=detail, tensors=tensors)
+
+
+@pytest.mark.parametrize(
+    ("bridge", "state"),
+    [
+        (_FakeBridge(_stream()), CellState.FAST_PATH_EXACT),
+        (_FakeBridge(_stream(), fallback_reason="no plan"), CellState.STOCK_FALLBACK_EXACT),
+        (_FakeBridge(CORRUPTIONS["one byte"](_stream())), CellState.DIFFERENT),
+        (_FakeBridge(CORRUPTIONS["one byte"](_stream()), fallback_reason="no plan"), CellState.DIFFERENT),
+    ],
+    ids=["fast", "fallback", "corrupted-fast", "corrupted-fallback"],
+)
+def test_bf16_cell_states(bridge, state):
+    cell = check_bf16(bridge, [], _stream(), _cell)
+    assert cell.state is state and cell.state.passes is (state is not CellState.DIFFERENT)
+
+
+def test_fp8_cell_states():
+    stock = _stream()
+    expected = fp8_expected(stock, BlockwiseFP8Config())
+    assert check_fp8(_FakeBridge(expected), [], stock, _cell).state is CellState.FAST_PATH_EXACT
+    off_by_one = [(n, _flip_one_byte(t) if n == "a.weight" else t) for n, t in expected]
+    assert check_fp8(_FakeBridge(off_by_one), [], stock, _cell).state is CellState.DIFFERENT
+    refusing = _FakeBridge([], fp8_error=FP8FormatError("no plan"))
+    assert check_fp8(refusing, [], stock, _cell).state is CellState.FP8_REFUSED
+    failing = _FakeBridge([], fp8_error=RuntimeError("boom"))
+    assert check_fp8(failing, [], stock, _cell).state is CellState.OUR_EXPORT_FAILED
+    assert not CellState.OUR_EXPORT_FAILED.passes
+
+
+@pytest.mark.multirank
+def test_a_corrupted_real_export_is_different(tmp_path):
+    """A real model's fast-path export with one flipped bit ends in ``different``, BF16 and FP8."""
+    result = tmp_path / "cells.json"
+    checker = str(REPO / "tests" / "ranks" / "conformance_corruption_check.py")
+    run = torchrun(1, [checker, "--architecture", "Qwen3ForCausalLM", "--result", str(result)])
+    assert run.returncode == 0, run.output[-6000:]
+    cells = [Cell.from_json(c) for c in json.loads(result.read_text())]
+    assert [(c.precision, c.state) for c in cells] == [(BF16, CellState.DIFFERENT), (FP8, CellState.DIFFERENT)]
+    assert all("differing" in c.detail for c in cells)
+
+
+# --- The matrix. ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    """layout name -> every rank's cells, from one launch of the layout's ranks (on first use)."""
+    runs: dict[str, dict[tuple[str, str], list[Cell]]] = {}
+
+    def cells_of(layout_name: str) -> dict[tuple[str, str], list[Cell]]:
+        if layout_name not in runs:
+            path = tmp_path_factory.mktemp(layout_name) / "cells.json"
+            nproc = MATRIX_LAYOUTS[layout_name][0].expected_world_size
+            run = torchrun(nproc, ["mbridge_refit.tools.conformance", "--layout", layout_name, "--json", str(path)], timeout=MATRIX_TIMEOUT)
+            assert run.returncode == 0, run.output[-6000:]
+            by_cell: dict[tuple[str, str], list[Cell]] = {}
+            for rank_cells in read_cells(path, nproc):
+                for cell in rank_cells:
+                    by_cell.setdefault((cell.architecture, cell.precision), []).append(cell)
+            runs[layout_name] = by_cell
+        return runs[layout_name]
+
+    return cells_of
+
+
+def _assert_cell(matrix, layout: str, architecture: str, precision: str) -> Cell:
+    cells = matrix(layout).get((architecture, precision), [])
+    nproc = MATRIX_LAYOUTS[layout][0].expected_world_size
+    assert len(cells) == nproc, f"{architecture} {layout} {precision}: {len(cells)} of {nproc} ranks reported"
+    assert len({c.state for c in cells}) == 1, f"ranks disagree: {[(c.state, c.detail) for c in cells]}"
+    cell = cells[0]
+    assert cell.state.passes, f"{architecture} {layout} {precision}: {cell.state}: {cell.detail}"
+    return cell
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(("layout", "architecture"), CELLS, ids=CELL_IDS)
+def test_bf16_matches_stock(layout, architecture, matrix):
+    _assert_cell(matrix, layout, architecture, BF16)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(("layout", "architecture"), CELLS, ids=CELL_IDS)
+def test_fp8_matches_reference(layout, architecture, matrix):
+    _assert_cell(matrix, layout, architecture, FP8)
+
+
+RECIPE_ARCHITECTURES = sorted({a for r in MODEL_RECIPES.values() for a in r.hf_config["architectures"]})
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(("layout", "architecture"), [c for c in CELLS if c[1] in RECIPE_ARCHITECTURES])
+def test_recipe_families_take_the_fast_path(layout, architecture, matrix):
+    """The families the repository's own recipes claim (README support matrix) never drop to a fallback."""
+    for precision in (BF16, FP8):
+        cell = _assert_cell(matrix, layout, architecture, precision)
+        assert cell.state is CellState.FAST_PATH_EXACT, f"{architecture} {layout} {precision}: {cell.state}: {cell.detail}"
+
+
+def test_matrix_page_links_name_tests_of_this_module():
+    """docs/conformance.md links each cell to a test here: the line of its function, a known cell id."""
+    page = (REPO / "docs" / "conformance.md").read_text()
+    tree = ast.parse((REPO / "tests" / "test_conformance.py").read_text())
+    function_lines = {node.name: node.lineno for node in tree.body if isinstance(node, ast.FunctionDef)}
+    links = re.findall(r'test_conformance\.py#L(\d+) "(test_\w+)\[([\w.-]+)\]"', page)
+    assert links, "docs/conformance.md links no test"
+    stale = {(line, function) for line, function, _ in links if function_lines.get(function) != int(line)}
+    assert not stale, f"links to lines that are not their test's (rerun scripts/conformance_matrix.py): {sorted(stale)}"
+    assert {cell_id for _, _, cell_id in links} <= set(CELL_IDS)
+
+
+def test_build_helpers_restore_what_they_change(monkeypatch):
+    """The CUDA-device answer and the environment are the build's only: both are back after it."""
+    current_device = torch.cuda.current_device
+    with conformance.cuda_device_queries_answer_cpu():
+        assert torch.cuda.current_device() == "cpu"
+    assert torch.cuda.current_device is current_device
+    monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
+    monkeypatch.delenv("NVTE_FLASH_ATTN", raising=False)
+    with conformance.restored_environment():
+        os.environ["NVTE_FUSED_ATTN"] = "1"
+        os.environ["NVTE_FLASH_ATTN"] = "1"
+    assert os.environ["NVTE_FUSED_ATTN"] == "0" and "NVTE_FLASH_ATTN" not in os.environ
