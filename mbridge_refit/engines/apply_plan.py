@@ -370,7 +370,7 @@ def _compose(copies: list[Copy], source: torch.Tensor, origin: torch.Tensor, run
             low, high = max(row, first), min(row + length, first + count)
             if low < high:
                 pieces.append((low - first, origin_row + low - row, high - low))
-        composed.extend(_pieces_copies(destination, origin, pieces))
+        composed.extend(_row_copies(destination, origin, pieces))
     return composed
 
 
@@ -391,16 +391,12 @@ def _rows_within(view: torch.Tensor, whole: torch.Tensor) -> tuple[int, int] | N
     return (first, view.shape[0]) if 0 <= first and first + view.shape[0] <= whole.shape[0] else None
 
 
-def _row_copies(destination: torch.Tensor, origin: torch.Tensor, runs: Runs) -> list[Copy]:
-    """Copies that write ``runs`` of ``origin`` into their rows of ``destination``."""
-    return _pieces_copies(destination, origin, [(row, origin_row, count) for row, origin_row, count in runs])
-
-
-def _pieces_copies(destination: torch.Tensor, origin: torch.Tensor, pieces: list[tuple[int, int, int]]) -> list[Copy]:
-    """One copy per run of equally long, equally spaced pieces ``(destination row, origin row,
-    rows)``: a strided view on each side (q, k, v come as one piece per query group)."""
+def _row_copies(destination: torch.Tensor, origin: torch.Tensor, pieces: Iterable[tuple[int, int, int]]) -> list[Copy]:
+    """Copies that write row runs ``(destination row, origin row, rows)`` of ``origin`` into
+    ``destination``: one per run of equally long, equally spaced pieces, a strided view on each
+    side (q, k, v come as one piece per query group)."""
     copies = []
-    for group in _even_groups(pieces):
+    for group in _even_groups(list(pieces)):
         first_row, first_origin, count = group[0]
         if len(group) == 1:
             copies.append((destination.narrow(0, first_row, count), origin.narrow(0, first_origin, count)))

@@ -78,7 +78,6 @@ class RefitReceiver:
         self._plan: ApplyPlan | None = None
         self._fingerprint: str | None = None
         self._storages: list = []
-        self._rows: dict = {}
 
     def open(
         self, wire: dict[str, Any], payload: bytes, transport: str, *, check: bool = True, allow_partial: bool = False
@@ -104,7 +103,7 @@ class RefitReceiver:
         if check:
             plan.check_against_loader()
             _synchronize(self.device)
-        self._plan, self._fingerprint, self._storages, self._rows = plan, layout.fingerprint, storages, rows
+        self._plan, self._fingerprint, self._storages = plan, layout.fingerprint, storages
         report = OpenReport(
             fingerprint=layout.fingerprint, tensors=len(layout.refs), storages=len(storages), bytes=layout.nbytes,
             copies=plan.copies, composed=len(rows) - len(refreshed), refreshed=refreshed, via_loader=plan.via_loader, missing=plan.missing, unexpected=plan.unexpected,
@@ -131,7 +130,7 @@ class RefitReceiver:
                            "recording the engine's loader again", len(moved), moved[:3])
             self._plan.refresh_sources()
             plan = self._record([(s.name, s.source) for s in self._plan.steps])
-            plan.compose_rows(self._rows)
+            plan.compose_rows(self._plan.rows)
             self._plan = plan
         else:
             self._plan.replay()
@@ -139,7 +138,7 @@ class RefitReceiver:
         return (time.perf_counter() - started) * 1e3
 
     def close(self) -> None:
-        self._plan, self._fingerprint, self._storages, self._rows = None, None, [], {}
+        self._plan, self._fingerprint, self._storages = None, None, []
 
     def _record(self, sources: list[tuple[str, torch.Tensor]]) -> ApplyPlan:
         """The engine's loader recorded plainly; where it fails (the engine replaced a parameter

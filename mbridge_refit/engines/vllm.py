@@ -79,10 +79,20 @@ class _Routes:
     """How each engine tensor of one (bridge, model, fp8) reaches the engine, decided from the plan
     (the same on every rank): read live from a trainer parameter, or exported every step."""
 
+    bridge: Any
+    chunks: tuple[torch.nn.Module, ...]
+    fp8: str  # repr of the fp8 argument
     order: tuple[str, ...] | None  # engine tensors in plan order; None: the stream's own (stock fallback)
+    ignored: frozenset[str]  # exported names the engine skips (``ignored_by_engine``)
     live: dict[str, LiveRows]
     exported: frozenset[str] | None  # the export's ``only=`` (None: every tensor)
     live_parameters: tuple[torch.Tensor, ...]  # distinct parameters the live tensors read
+
+    def serve(self, bridge: Any, chunks: tuple, fp8: str) -> bool:
+        """Whether these routes are for exactly these objects (identity: a new model never
+        inherits another's live parameters, whatever ids it reuses)."""
+        return (self.bridge is bridge and self.fp8 == fp8 and len(self.chunks) == len(chunks)
+                and all(a is b for a, b in zip(self.chunks, chunks)))
 
 
 class VLLMRefit:
@@ -107,7 +117,7 @@ class VLLMRefit:
         self._key: tuple | None = None
         self._held: list = []  # storages the engine maps: kept alive while it may read them
         self._payload: bytes | None = None
-        self._routes: tuple[Any, tuple, str, _Routes] | None = None  # (bridge, chunks, fp8, routes) of the last refit
+        self._routes: _Routes | None = None  # the last refit's (held until close)
         self._rows_out: dict[str, torch.Tensor] = {}  # copies of live row runs the engine's loader reads at an open
         self.last_report: dict[str, Any] | None = None
 
@@ -132,7 +142,7 @@ class VLLMRefit:
         exported = LayoutRecorder()
         tensors: dict[str, torch.Tensor] = {}
         for name, tensor in stream:  # held outputs: valid until the next export
-            if routes.order is None and name in ignored_by_engine(bridge):
+            if name in routes.ignored:
                 continue
             exported.add(name, tensor)
             tensors[name] = tensor
@@ -156,16 +166,11 @@ class VLLMRefit:
         return self._open(recorder, recorder.key, started)
 
     def _routes_for(self, bridge: Any, model: Any, fp8: Any) -> _Routes:
-        """The routes of this (bridge, model, fp8), kept for the last one refit (held, and compared
-        by identity: a new model never inherits another's live parameters)."""
+        """The routes of this (bridge, model, fp8); those of the last refit are kept."""
         chunks = tuple(model if isinstance(model, list) else [model])
-        cached = self._routes
-        if cached is not None and cached[0] is bridge and cached[2] == repr(fp8) and len(cached[1]) == len(chunks) \
-                and all(a is b for a, b in zip(cached[1], chunks)):
-            return cached[3]
-        routes = _plan_routes(bridge, list(chunks), fp8)
-        self._routes = (bridge, chunks, repr(fp8), routes)
-        return routes
+        if self._routes is None or not self._routes.serve(bridge, chunks, repr(fp8)):
+            self._routes = _plan_routes(bridge, chunks, fp8)
+        return self._routes
 
     def _open_step(self, routes: _Routes, tensors: dict[str, torch.Tensor], key: tuple | None,
                    through: Callable[[Stream], Stream] | None, started: float) -> RefitStep:
@@ -245,19 +250,21 @@ class VLLMRefit:
         return results[0] if results else None
 
 
-def _plan_routes(bridge: Any, chunks: list, fp8: Any) -> _Routes:
+def _plan_routes(bridge: Any, chunks: tuple, fp8: Any) -> _Routes:
     """Which engine tensors are live and which the export yields (module docstring)."""
-    try:
-        plan = bridge.export_plan(chunks, fp8=fp8)
-    except PlanError:
-        return _Routes(order=None, live={}, exported=None, live_parameters=())
     ignored = ignored_by_engine(bridge)
+    owner = {"bridge": bridge, "chunks": chunks, "fp8": repr(fp8), "ignored": ignored}
+    try:
+        plan = bridge.export_plan(list(chunks), fp8=fp8)
+    except PlanError:
+        return _Routes(**owner, order=None, live={}, exported=None, live_parameters=())
     order = tuple(e.hf_name for e in plan.entries if e.hf_name not in ignored)
-    live = {name: rows for name, rows in bridge.live_rows(chunks, fp8=fp8).items() if name in order}
+    live = {name: rows for name, rows in bridge.live_rows(list(chunks), fp8=fp8).items() if name not in ignored}
     exported = frozenset(name for name in order if name not in live)
     parameters = {id(rows.parameter): rows.parameter for rows in live.values()}
-    everything = not live and len(order) == len(plan.entries)
-    return _Routes(order=order, live=live, exported=None if everything else exported, live_parameters=tuple(parameters.values()))
+    everything = not live and not ignored
+    return _Routes(**owner, order=order, live=live, exported=None if everything else exported,
+                   live_parameters=tuple(parameters.values()))
 
 
 def _synchronize_trainer() -> None:
