@@ -128,8 +128,8 @@ def _counts_table(matrix: dict[str, list], columns: list[tuple[str, str]]) -> li
 
 
 def _concessions_table(matrix: dict[str, list]) -> list[str]:
-    """Which architectures were built with which ``CPU_CONCESSIONS`` (and what each changes)."""
-    from mbridge_refit.tools.conformance import CPU_CONCESSIONS
+    """Which architectures were built with which CPU concessions (and what each changes)."""
+    from mbridge_refit.tools.model_builder import CPU_WEIGHT_ONLY_CONCESSIONS
 
     users: dict[str, set[str]] = {}
     for cells in matrix.values():
@@ -137,8 +137,9 @@ def _concessions_table(matrix: dict[str, list]) -> list[str]:
             for field in cell.concessions:
                 users.setdefault(field, set()).add(cell.architecture)
     table = [
-        "Provider settings a CPU build cannot honour, set to one it can (`CPU_CONCESSIONS` in",
-        "`mbridge_refit/tools/conformance.py`); none changes a parameter's name, shape or mapping.",
+        "Provider settings a CPU build cannot honour, set to one it can (`CPU_WEIGHT_ONLY_CONCESSIONS` in",
+        "`mbridge_refit/tools/model_builder.py`, which `convert` takes too); none changes a parameter's name,",
+        "shape, mapping or bytes.",
         "Every CPU build also runs with `torch.cuda.current_device()` answering `\"cpu\"`: Megatron-Core",
         "allocates the MoE router's expert-bias buffers there whatever `use_cpu_initialization` says.",
         "CPU builds use sequential experts (no grouped GEMM); a family whose mapping names only grouped",
@@ -147,7 +148,7 @@ def _concessions_table(matrix: dict[str, list]) -> list[str]:
         "| setting | CPU value | why, and what it changes | architectures |",
         "| --- | --- | --- | --- |",
     ]
-    for field, (value, why) in CPU_CONCESSIONS.items():
+    for field, (value, why) in CPU_WEIGHT_ONLY_CONCESSIONS.items():
         table.append(f"| `{field}` | `{value}` | {why} | {', '.join(sorted(users.get(field, ()))) or '–'} |")
     return table
 

@@ -15,13 +15,16 @@ import ast
 import json
 import os
 import re
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from conftest import REPO, torchrun
 from mbridge_refit.fp8.format import BlockwiseFP8Config, FP8FormatError
-from mbridge_refit.tools import conformance
+from mbridge_refit.tools import conformance, conformance_roundtrip, model_builder
 from mbridge_refit.tools.conformance import BF16, FP8, MATRIX_LAYOUTS, Cell, CellState, check_bf16, check_fp8, read_cells
 from mbridge_refit.tools.export_comparison import compare_stream, fp8_expected
 from mbridge_refit.tools.recipes import MODEL_RECIPES
@@ -216,7 +219,7 @@ def test_matrix_page_links_name_tests_of_this_module():
 def test_build_helpers_restore_what_they_change(monkeypatch):
     """The CUDA-device answer and the environment are the build's only: both are back after it."""
     current_device = torch.cuda.current_device
-    with conformance.cuda_device_queries_answer_cpu():
+    with model_builder.cuda_device_queries_answer_cpu():
         assert torch.cuda.current_device() == "cpu"
     assert torch.cuda.current_device is current_device
     monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
@@ -225,3 +228,71 @@ def test_build_helpers_restore_what_they_change(monkeypatch):
         os.environ["NVTE_FUSED_ATTN"] = "1"
         os.environ["NVTE_FLASH_ATTN"] = "1"
     assert os.environ["NVTE_FUSED_ATTN"] == "0" and "NVTE_FLASH_ATTN" not in os.environ
+
+
+# --- The roundtrip column: `convert roundtrip` against the checkpoint on disk. --------------------
+
+
+def _fake_convert(write_output):
+    """A stand-in for ``convert roundtrip`` (exit 0) whose output ``write_output(source, out)`` writes."""
+
+    def run(source, out):
+        write_output(source, out)
+        return 0, conformance_roundtrip._ErrorRecords()
+
+    return run
+
+
+def _copy_with_one_flipped_bit(source, out):
+    from safetensors.torch import save_file
+
+    tensors = dict(conformance_roundtrip.checkpoint_tensors(source))
+    name = sorted(tensors)[-1]
+    tensors[name] = _flip_one_byte(tensors[name])
+    out.mkdir()
+    save_file(tensors, str(out / "model.safetensors"))
+
+
+def test_roundtrip_cell_catches_a_flipped_bit_and_a_dropped_tensor(tmp_path, monkeypatch):
+    """The roundtrip cell compares with the checkpoint on disk: one flipped bit, or one tensor
+    missing, ends in ``different``; the unchanged files are ``exact``."""
+    from safetensors.torch import save_file
+
+    def copy(source, out):
+        shutil.copytree(source, out)
+
+    def drop_one(source, out):
+        tensors = dict(conformance_roundtrip.checkpoint_tensors(source))
+        tensors.pop(sorted(tensors)[0])
+        out.mkdir()
+        save_file(tensors, str(out / "model.safetensors"))
+
+    for write_output, state in ((copy, CellState.EXACT), (_copy_with_one_flipped_bit, CellState.DIFFERENT), (drop_one, CellState.DIFFERENT)):
+        monkeypatch.setattr(conformance_roundtrip, "_run_convert_roundtrip", _fake_convert(write_output))
+        cell = conformance_roundtrip.check_roundtrip("LlamaForCausalLM", tmp_path / write_output.__name__)
+        assert cell.state is state, cell.detail
+    assert not CellState.DIFFERENT.passes and CellState.EXACT.passes and CellState.REFUSED.passes
+
+
+@pytest.fixture(scope="module")
+def roundtrip_cells(tmp_path_factory):
+    """architecture -> its roundtrip cell, from one run of ``tools.conformance_roundtrip``."""
+    path = tmp_path_factory.mktemp("roundtrip") / "cells.json"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    run = subprocess.run(
+        [sys.executable, "-m", "mbridge_refit.tools.conformance_roundtrip", "--json", str(path), "--only", ",".join(ROUNDTRIP_ARCHITECTURES)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=MATRIX_TIMEOUT,
+    )
+    assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
+    return {cell.architecture: cell for cell in map(Cell.from_json, json.loads(path.read_text()))}
+
+
+ROUNDTRIP_ARCHITECTURES = conformance.architectures_at("tp1")
+
+
+@pytest.mark.parametrize("architecture", ROUNDTRIP_ARCHITECTURES)
+def test_roundtrip_matches_disk(architecture, roundtrip_cells):
+    cell = roundtrip_cells[architecture]
+    assert cell.state.passes, f"{architecture} roundtrip: {cell.state}: {cell.detail}"
+    if architecture in RECIPE_ARCHITECTURES:
+        assert cell.state is CellState.EXACT, f"{architecture} roundtrip: {cell.state}: {cell.detail}"

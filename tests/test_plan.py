@@ -78,6 +78,30 @@ def test_layout_errors_name_the_problem(kwargs, message):
         ParallelLayout(**kwargs).validate_model(shape)
 
 
+@pytest.mark.parametrize(
+    ("architecture", "expected"),
+    [
+        # vision-language: the language model's dimensions live in text_config
+        ("Qwen2_5_VLForConditionalGeneration", dict(num_attention_heads=4, num_key_value_heads=2, vocab_size=2048, num_experts=0)),
+        # DeepSeek names its routed expert count n_routed_experts
+        ("DeepseekV3ForCausalLM", dict(num_attention_heads=4, num_experts=8)),
+        ("Qwen3MoeForCausalLM", dict(num_attention_heads=4, num_experts=8)),
+    ],
+)
+def test_model_shape_reads_the_language_model_of_any_config(architecture, expected):
+    """The layout checks read a VLM's text_config and every family's expert count (tiny_configs
+    sets these sizes: heads 4, kv heads 2, vocab 2048, 8 experts)."""
+    from mbridge_refit.plan.layout import LayoutError, ModelShape, ParallelLayout
+    from mbridge_refit.tools.tiny_configs import tiny_config
+
+    shape = ModelShape.from_hf_config(tiny_config(architecture))
+    assert {k: getattr(shape, k) for k in expected} == expected
+    if shape.num_experts:
+        ParallelLayout(ep=2).validate_model(shape)
+        with pytest.raises(LayoutError, match="ep=3 does not divide num_experts=8"):
+            ParallelLayout(ep=3).validate_model(shape)
+
+
 def test_mapping_with_its_own_export_conversion_is_refused_by_name():
     """A mapping subclass that overrides megatron_to_hf (e.g. Ernie 4.5's expert bias, unsqueezed
     to [1, N] on export) may change data or shape: the plan refuses it (the model then falls back

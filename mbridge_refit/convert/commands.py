@@ -130,9 +130,8 @@ def run_roundtrip(options: WriteArgs) -> int:
     checkpoint.validate()  # every file readable and agreeing with the index, before any collective
     with distributed_session(options.layout, device=options.device, timeout=options.timeout) as env:
         bridge = RefitBridge.from_hf_pretrained(options.source)
-        chunks = build_model(
-            bridge, options.layout, BuildOptions(device=options.device, params_dtype=checkpoint_float_dtype(checkpoint))
-        )
+        build = BuildOptions(device=options.device, params_dtype=checkpoint_float_dtype(checkpoint), weights_only=True)
+        chunks = build_model(bridge, options.layout, build)
         report = bridge.load_hf_shards(chunks, options.source)
         logger.info("loaded %d slices (%.1f MB on this rank)", report.tensors_written, report.bytes_read / 1e6)
         count = write_hf_checkpoint(
@@ -206,7 +205,7 @@ def run_import(options: ImportArgs) -> int:
     )
     with distributed_session(options.layout, device=cpu, timeout=options.timeout):
         bridge = RefitBridge.from_hf_pretrained(options.hf)
-        chunks = build_model(bridge, options.layout, BuildOptions(device=cpu, params_dtype=info.params_dtype))
+        chunks = build_model(bridge, options.layout, BuildOptions(device=cpu, params_dtype=info.params_dtype, weights_only=True))
         report = bridge.load_hf_shards(chunks, options.hf)
         logger.info("loaded %d slices (%.1f MB on this rank)", report.tensors_written, report.bytes_read / 1e6)
         save_model(chunks, options.megatron, info=info, copy_files_from=options.hf, overwrite=options.overwrite)
@@ -229,7 +228,7 @@ def run_export(options: WriteArgs) -> int:
     with distributed_session(options.layout, device=cpu, timeout=options.timeout) as env:
         # Config only: the checkpoint holds no HF weights; the names to write come from `info`.
         bridge = RefitBridge.from_hf_config(load_config(options.source))
-        chunks = build_model(bridge, options.layout, BuildOptions(device=cpu, params_dtype=info.params_dtype))
+        chunks = build_model(bridge, options.layout, BuildOptions(device=cpu, params_dtype=info.params_dtype, weights_only=True))
         load_model(chunks, options.source)
         logger.info("loaded %s (saved at layout %s) at layout %s", options.source, info.saved_layout.name, options.layout.name)
         count = write_hf_checkpoint(
@@ -262,7 +261,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     dtype = checkpoint_float_dtype(HFCheckpoint.open(args.hf))
     with distributed_session(layout, device=cpu, timeout=timeout_from_flag(args)) as env:
         bridge = RefitBridge.from_hf_pretrained(args.hf)
-        chunks = build_model(bridge, layout, BuildOptions(device=cpu, params_dtype=dtype, materialize=False))
+        chunks = build_model(bridge, layout, BuildOptions(device=cpu, params_dtype=dtype, materialize=False, weights_only=True))
         try:
             plan = bridge.export_plan(chunks, fp8=fp8)
         except FP8FormatError as err:

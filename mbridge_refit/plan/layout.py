@@ -190,13 +190,20 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, config: Any) -> "ModelShape":
-        heads = config.num_attention_heads
-        num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+        """The language model's dimensions: a vision-language config's ``text_config`` (transformers'
+        ``get_text_config``) holds them; expert counts under any of their families' field names."""
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = text.num_attention_heads
+        experts = next((getattr(text, f) for f in _EXPERT_COUNT_FIELDS if getattr(text, f, None)), 0)
         return cls(
-            num_layers=config.num_hidden_layers,
+            num_layers=text.num_hidden_layers,
             num_attention_heads=heads,
-            num_key_value_heads=getattr(config, "num_key_value_heads", None) or heads,
-            vocab_size=config.vocab_size,
-            intermediate_size=config.intermediate_size,
-            num_experts=num_experts,
+            num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
+            vocab_size=text.vocab_size,
+            intermediate_size=getattr(text, "intermediate_size", None) or 0,
+            num_experts=experts,
         )
+
+
+# HF config fields that count a mixture-of-experts layer's routed experts, by family.
+_EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")

@@ -11,8 +11,8 @@ values, and compares (``tools.export_comparison``)
   tensor the format quantizes (``BlockwiseFP8Config.quantizes``) replaced by the reference
   quantizer's data (``fp8.reference.quantize_reference``) followed by its scales.
 
-On a machine without CUDA the build runs with ``torch.cuda.current_device()`` answering ``"cpu"``
-(``cuda_device_queries_answer_cpu``) and with the ``CPU_CONCESSIONS`` the provider needs; where
+On CPU the build is a weights-only build (``tools.model_builder``: the concessions it takes are
+recorded in the cell); where
 stock's export fails because the bridge maps no conversion task to some parameters of the build
 (sequential experts, which CPU builds use, are not in every family's mapping), the reason names them.
 
@@ -72,14 +72,6 @@ MATRIX_LAYOUTS: Mapping[str, tuple[ParallelLayout, tuple[str, ...] | None]] = Ma
     )),
 })
 
-# Provider settings a CPU build cannot honour: field -> (the value CPU builds use, what that changes).
-# Only conformance builds take them: a conversion keeps the forward (``convert verify-refit`` runs
-# it). A cell built with any names them.
-CPU_CONCESSIONS: Mapping[str, tuple[Any, str]] = MappingProxyType({
-    "layernorm_zero_centered_gamma": (False, "torch norms lack it; it changes the forward, not the weights"),
-})
-
-
 class CellState(enum.StrEnum):
     """How one cell ended."""
 
@@ -87,7 +79,9 @@ class CellState(enum.StrEnum):
     STOCK_FALLBACK_EXACT = "stock fallback, exact"  # the plan refused the model; the fallback is stock itself
     FP8_REFUSED = "FP8 refused"  # FP8FormatError before any export work (e.g. a model without a plan)
     CANNOT_BE_BUILT = "cannot be built here"  # config, bridge or model construction failed
-    UPSTREAM_BROKEN = "upstream broken"  # stock's own export failed
+    UPSTREAM_BROKEN = "upstream broken"  # stock's own export failed (roundtrip: the bridge maps no task to some parameters)
+    EXACT = "exact"  # roundtrip column: every tensor back bit for bit
+    REFUSED = "refused"  # roundtrip column: convert exited with an input error naming why
     DIFFERENT = "different"  # a name, order, dtype, shape or byte differs from the oracle
     OUR_EXPORT_FAILED = "our export failed"
 
@@ -106,7 +100,7 @@ class Cell:
     state: CellState
     detail: str = ""  # the error, fallback reason or first differences; empty when exact on the fast path
     tensors: int = 0  # tensors compared
-    concessions: tuple[str, ...] = ()  # CPU_CONCESSIONS fields the build set
+    concessions: tuple[str, ...] = ()  # model_builder.CPU_WEIGHT_ONLY_CONCESSIONS fields the build set
 
     def to_json(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "state": str(self.state)}
@@ -150,44 +144,17 @@ def build_random_model(
     architecture: str, layout: ParallelLayout, *, device: torch.device
 ) -> tuple[Any, list[torch.nn.Module], tuple[str, ...]]:
     """``(RefitBridge, model chunks, concessions)`` of ``architecture``'s tiny config at ``layout``,
-    in bf16 with random weights; on CPU with the ``CPU_CONCESSIONS`` it needs, whose fields are
-    returned (call inside a distributed session at ``layout``)."""
+    in bf16 with random weights, built for weights only (on CPU: with the concessions whose fields
+    are returned; call inside a distributed session at ``layout``)."""
     from mbridge_refit.bridge import RefitBridge
-    from mbridge_refit.tools.model_builder import BuildOptions, build_model
+    from mbridge_refit.tools.model_builder import BuildOptions, build_model, cpu_concessions
     from mbridge_refit.tools.tiny_configs import tiny_config
 
     bridge = RefitBridge.from_hf_config(tiny_config(architecture))
-    on_cpu = device.type == "cpu"
-    concessions = cpu_concessions(bridge.to_megatron_provider(load_weights=False)) if on_cpu else {}
-    options = BuildOptions(device=device, params_dtype=torch.bfloat16, provider_overrides=concessions)
-    with cuda_device_queries_answer_cpu() if on_cpu and not torch.cuda.is_available() else contextlib.nullcontext():
-        chunks = build_model(bridge, layout, options)
+    concessions = cpu_concessions(bridge.to_megatron_provider(load_weights=False)) if device.type == "cpu" else {}
+    chunks = build_model(bridge, layout, BuildOptions(device=device, params_dtype=torch.bfloat16, weights_only=True))
     fill_random_weights(chunks)
     return bridge, chunks, tuple(concessions)
-
-
-@contextlib.contextmanager
-def cuda_device_queries_answer_cpu() -> Iterator[None]:
-    """``torch.cuda.current_device()`` returns ``"cpu"`` inside the block (a machine without CUDA).
-
-    Megatron-Core allocates a few buffers with ``device=torch.cuda.current_device()`` whatever
-    ``use_cpu_initialization`` says (the MoE router's expert-bias buffers); without a driver that
-    call raises, so those families could not be built on CPU at all.
-    """
-    current_device = torch.cuda.current_device
-    torch.cuda.current_device = lambda: "cpu"
-    try:
-        yield
-    finally:
-        torch.cuda.current_device = current_device
-
-
-def cpu_concessions(provider: Any) -> dict[str, Any]:
-    """The ``CPU_CONCESSIONS`` whose field ``provider`` sets to another value."""
-    return {
-        field: value for field, (value, _) in CPU_CONCESSIONS.items()
-        if hasattr(provider, field) and getattr(provider, field) != value
-    }
 
 
 @contextlib.contextmanager

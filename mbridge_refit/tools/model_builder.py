@@ -11,6 +11,15 @@ local spec, and a spec built with a ``use_transformer_engine`` switch (Megatron'
 spec: multi-latent attention, dense first layers) is built with it off. A family's own spec is
 kept otherwise: it builds on CPU if it can, and fails naming what it needs if it cannot.
 
+Weights-only builds on CPU (``BuildOptions(weights_only=True)``: conversion, export, conformance
+checks, never a forward). Two things a CPU build cannot do do not change what any parameter
+holds, so such builds work around them: provider settings without a torch implementation are
+set to the value in ``CPU_WEIGHT_ONLY_CONCESSIONS`` (zero-centered norm gamma: the stored tensor is
+the same, only the forward reads it as ``1 + gamma``), and on a machine without CUDA the few
+buffers Megatron-Core always allocates at ``torch.cuda.current_device()`` (the MoE router's
+expert-bias buffers) are allocated on the CPU (``cuda_device_queries_answer_cpu``). A build that
+runs the forward (``convert verify-refit``) takes neither and fails naming what it needs.
+
 Context parallelism on CPU. On CPU the model is built with the local layer spec, whose attention supports only
 ``context_parallel_size == 1`` (Megatron asserts it). A CPU build at ``layout.cp > 1`` therefore
 creates Megatron's process groups with the real CP size (``launch.init_model_parallel``) but
@@ -23,11 +32,12 @@ not split the sequence), and CPU builds never run one at CP > 1.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -50,6 +60,12 @@ CPU_PROVIDER_OVERRIDES: dict[str, Any] = {
     "moe_shared_expert_overlap": False,  # needs the alltoall or flex dispatcher
 }
 
+# Provider settings a CPU build cannot honour that change the forward, not the weights:
+# field -> (the value weights-only CPU builds use, what that changes).
+CPU_WEIGHT_ONLY_CONCESSIONS: Mapping[str, tuple[Any, str]] = MappingProxyType({
+    "layernorm_zero_centered_gamma": (False, "torch norms lack it; it changes the forward, not the weights"),
+})
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class BuildOptions:
@@ -63,6 +79,8 @@ class BuildOptions:
             with this Megatron ``fp8_recipe`` (e.g. ``"blockwise"``: 128x128 e4m3 blocks), as an
             FP8 trainer does (``fp8="e4m3"``, ``fp8_param=True``).
         provider_overrides: provider fields set last (after the layout and device settings).
+        weights_only: the model only moves weights and never runs a forward; a CPU build then
+            takes ``CPU_WEIGHT_ONLY_CONCESSIONS`` (module docstring: weights-only builds on CPU).
     """
 
     device: torch.device
@@ -70,6 +88,7 @@ class BuildOptions:
     materialize: bool = True
     fp8_param_recipe: str | None = None
     provider_overrides: Mapping[str, Any] = MappingProxyType({})
+    weights_only: bool = False
 
 
 def configure_provider(provider: Any, layout: ParallelLayout, options: BuildOptions) -> Any:
@@ -100,6 +119,12 @@ def configure_provider(provider: Any, layout: ParallelLayout, options: BuildOpti
                 setattr(provider, name, value)
         if hasattr(provider, "transformer_layer_spec"):  # hybrid (Mamba) providers build their own stack
             provider.transformer_layer_spec = cpu_layer_spec(provider.transformer_layer_spec)
+    if options.weights_only and options.device.type == "cpu":
+        concessions = cpu_concessions(provider)
+        if concessions:
+            logger.info("CPU build for weights only: %s (module docstring: weights-only builds on CPU)", concessions)
+        for name, value in concessions.items():
+            setattr(provider, name, value)
     for name, value in options.provider_overrides.items():
         setattr(provider, name, value)
     provider.finalize()
@@ -127,12 +152,14 @@ def build_model(bridge: Any, layout: ParallelLayout, options: BuildOptions) -> l
     provider = configure_provider(bridge.to_megatron_provider(load_weights=False), layout, options)
     on_cpu = options.device.type == "cpu"
     provider.perform_initialization = not on_cpu
-    chunks = provider.provide_distributed_model(
-        wrap_with_ddp=False,
-        use_cpu_initialization=on_cpu,
-        init_model_with_meta_device=on_cpu,
-        mixed_precision_wrapper=None,
-    )
+    no_cuda = on_cpu and options.weights_only and not torch.cuda.is_available()
+    with cuda_device_queries_answer_cpu() if no_cuda else contextlib.nullcontext():
+        chunks = provider.provide_distributed_model(
+            wrap_with_ddp=False,
+            use_cpu_initialization=on_cpu,
+            init_model_with_meta_device=on_cpu,
+            mixed_precision_wrapper=None,
+        )
     if on_cpu and options.materialize:
         chunks = [chunk.to_empty(device="cpu") for chunk in chunks]
     if on_cpu and options.params_dtype is not None:
@@ -140,3 +167,27 @@ def build_model(bridge: Any, layout: ParallelLayout, options: BuildOptions) -> l
         # conversion path every parameter takes the checkpoint's dtype so exports keep it.
         chunks = [chunk.to(dtype=options.params_dtype) for chunk in chunks]
     return chunks
+
+
+def cpu_concessions(provider: Any) -> dict[str, Any]:
+    """The ``CPU_WEIGHT_ONLY_CONCESSIONS`` whose field ``provider`` sets to another value."""
+    return {
+        field: value for field, (value, _) in CPU_WEIGHT_ONLY_CONCESSIONS.items()
+        if hasattr(provider, field) and getattr(provider, field) != value
+    }
+
+
+@contextlib.contextmanager
+def cuda_device_queries_answer_cpu() -> Iterator[None]:
+    """``torch.cuda.current_device()`` returns ``"cpu"`` inside the block (a machine without CUDA).
+
+    Megatron-Core allocates a few buffers with ``device=torch.cuda.current_device()`` whatever
+    ``use_cpu_initialization`` says (the MoE router's expert-bias buffers); without a driver that
+    call raises, so those families could not be built on CPU at all.
+    """
+    current_device = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = current_device

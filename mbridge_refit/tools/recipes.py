@@ -284,7 +284,9 @@ def _tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def _random_values(name: str, like: "torch.Tensor", seed: int) -> "torch.Tensor":
+def seeded_random_values(name: str, like: "torch.Tensor", seed: int) -> "torch.Tensor":
+    """Random values for the HF tensor ``name`` shaped and typed like ``like``: seeded by (seed, name),
+    norms near 1, other tensors small (what the random checkpoints hold)."""
     import torch
 
     gen = torch.Generator(device="cpu").manual_seed(_tensor_seed(seed, name))
@@ -308,7 +310,7 @@ def build_random_model(recipe: ModelRecipe | str, *, seed: int = 0) -> "PreTrain
     model = AutoModelForCausalLM.from_config(recipe.to_hf_config(), dtype=torch.bfloat16)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.copy_(_random_values(name, param, seed))
+            param.copy_(seeded_random_values(name, param, seed))
     return model.eval()
 
 
