@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from conftest import REPO, torchrun
+from conftest import REPO, free_port, torchrun
 from mbridge_refit.plan.entries import ExportPlan, PlanEntry, TensorSharding
 from mbridge_refit.sinks.packed_broadcast import (
     ALIGN_BYTES,
@@ -121,15 +121,17 @@ LAYOUT_CASES = [  # (recipe, trainer ranks, layout flags): every foundation layo
     ("qwen3-tiny", 4, ["--tp", "2", "--pp", "2"]),
     ("qwen3-moe-tiny", 2, ["--ep", "2"]),
     ("qwen3-moe-tiny", 2, ["--tp", "2", "--ep", "2"]),
+    ("qwen3-tiny", 2, ["--tp", "2", "--store-group", "PORT"]),  # the group joined by address (StoreGroup)
 ]
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize(
     ("recipe", "trainers", "flags"), LAYOUT_CASES,
-    ids=["qwen3-tp1", "qwen3-tp2", "qwen3-pp2", "qwen3-pp2_vpp2", "qwen3-tp2_pp2", "qwen3-moe-ep2", "qwen3-moe-tp2_ep2"],
+    ids=["qwen3-tp1", "qwen3-tp2", "qwen3-pp2", "qwen3-pp2_vpp2", "qwen3-tp2_pp2", "qwen3-moe-ep2", "qwen3-moe-tp2_ep2", "qwen3-tp2-store_group"],
 )
 def test_packed_broadcast_ranks(recipe, trainers, flags, source_checkpoints, tmp_path):
+    flags = [str(free_port()) if flag == "PORT" else flag for flag in flags]
     run = torchrun(trainers + 1, [CHECKER, "--hf", str(source_checkpoints(recipe)), "--result", str(tmp_path), *flags], timeout=TIMEOUT_S)
     assert run.returncode == 0, run.output[-6000:]
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(trainers + 1)]

@@ -8,7 +8,9 @@ every rank instead of hanging, the rotating buffers that overlap packing with br
 the optional per-buffer checksums.
 
 Protocol over ``group`` (the source rank plus the receiver ranks; other trainer ranks are not
-members), in this order on every member:
+members): a ``torch.distributed`` group, or a ``runtime.broadcast_group.StoreGroup`` that members
+of different worlds join by address (a trainer rank and a separately launched inference engine's
+workers); ``src`` is the source's rank as the group counts ranks. In this order on every member:
 
 1. handshake: ``broadcast`` of the source's header (int64[8]: magic, version, plan fingerprint,
    stream bytes, bucket bytes, buffers, checksum flag, entry count) from ``src``; then an
@@ -43,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from mbridge_refit.plan.entries import ExportPlan, PlanEntry
+from mbridge_refit.runtime.broadcast_group import BroadcastGroup, as_broadcast_group
 from mbridge_refit.sinks.base import WeightSink
 
 logger = logging.getLogger(__name__)
@@ -199,39 +202,35 @@ def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
 # --- the handshake --------------------------------------------------------------------------
 
 
-def _group_rank(group: Any) -> int:
-    rank = dist.get_rank(group)
-    if rank < 0:
+def _check_member(group: BroadcastGroup) -> None:
+    if not group.is_member():
         raise ValueError(
             "this process is not a member of `group`; the packed-broadcast group must hold the source "
-            "rank and every receiver rank (create it with torch.distributed.new_group on all ranks)"
+            "rank and every receiver rank (torch.distributed.new_group on all ranks, or a StoreGroup)"
         )
-    return rank
 
 
 def _handshake(
-    *, plan: ExportPlan, packing: StreamPacking, config: PackedBroadcastConfig, group: Any, src: int,
+    *, plan: ExportPlan, packing: StreamPacking, config: PackedBroadcastConfig, group: BroadcastGroup, src: int,
     device: torch.device, is_source: bool,
 ) -> None:
     """Step 1 of the protocol (collective over ``group``); raises PlanMismatchError on every member."""
     mine = _header(packing, config)
     header = torch.tensor(mine, dtype=torch.int64, device=device)
-    dist.broadcast(header, src=src, group=group)
+    group.broadcast(header, src)
     theirs = [int(v) for v in header.tolist()]
     mismatch = 0 if is_source or theirs == mine else 1
     verdict = torch.tensor([mismatch, packing.fingerprint if mismatch else torch.iinfo(torch.int64).min], dtype=torch.int64, device=device)
-    dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=group)
+    group.all_reduce(verdict, dist.ReduceOp.MAX)
     if int(verdict[0]) == 0:
         return
     receiver_fingerprint = int(verdict[1])
     # Failure path only: locate the first differing entry, on every member, then raise.
-    signature = [plan_signature(plan) if is_source else None]
-    dist.broadcast_object_list(signature, src=src, group=group, device=device if device.type == "cuda" else None)
-    source_signature = signature[0]
+    source_signature = group.broadcast_object(plan_signature(plan) if is_source else None, src, device)
     first = _first_difference(source_signature, plan_signature(plan)) if not is_source else None
     limit = torch.iinfo(torch.int64).max
     index = torch.tensor([first if first is not None else limit], dtype=torch.int64, device=device)
-    dist.all_reduce(index, op=dist.ReduceOp.MIN, group=group)
+    group.all_reduce(index, dist.ReduceOp.MIN)
     first = int(index) if int(index) != limit else None
     raise PlanMismatchError(_mismatch_message(
         source=theirs if not is_source else mine, receiver=mine if not is_source else None,
@@ -287,18 +286,17 @@ def _hex(value: int) -> str:
     return f"{value & 0xFFFF_FFFF_FFFF_FFFF:#018x}"
 
 
-def _share_verdict(trainer_group: Any, src: int, error: BaseException | None, device: torch.device) -> None:
+def _share_verdict(trainer_group: BroadcastGroup, src: int, error: BaseException | None, device: torch.device) -> None:
     """Broadcast the source's outcome to the trainer ranks so all of them raise the same error
     (on ``device``: an NCCL group takes CUDA tensors only)."""
     flag = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=device)
-    dist.broadcast(flag, src=src, group=trainer_group)
+    trainer_group.broadcast(flag, src)
     if int(flag) == 0:
         return
-    message = [f"{type(error).__name__}: {error}" if error is not None else None]
-    dist.broadcast_object_list(message, src=src, group=trainer_group, device=device if device.type == "cuda" else None)
+    message = trainer_group.broadcast_object(f"{type(error).__name__}: {error}" if error is not None else None, src, device)
     if error is not None:
         raise error
-    raise RefitStatusError(f"the packed-broadcast source rank {src} failed: {message[0]}")
+    raise RefitStatusError(f"the packed-broadcast source rank {src} failed: {message}")
 
 
 # --- sender ---------------------------------------------------------------------------------
@@ -308,15 +306,15 @@ class PackedBroadcastSender(WeightSink):
     """A :class:`WeightSink` that broadcasts the export stream from ``src`` in packed buckets.
 
     Construct on every trainer rank that iterates the export, at the same time as the receivers
-    construct theirs. Only the source rank (``dist.get_rank() == src``) is a member of ``group``
-    and sends; on the other trainer ranks the sender only checks the stream against the plan and
+    construct theirs. Only the source rank (``src`` in ``group``) is a member of ``group`` and
+    sends (the other trainer ranks may pass ``group=None``); on the other trainer ranks the sender only checks the stream against the plan and
     discards it (``drain(bridge.export_hf_weights(...), sender)`` on every trainer rank is the
     whole recipe; ``for _ in stream: pass`` would do as well, without the check).
 
     The constructor runs the handshake on the source rank (collective over ``group``) and raises
     :class:`PlanMismatchError` if any receiver disagrees. With ``trainer_group`` (the ranks
-    iterating the export, ``src`` among them) the source's handshake and ``finish`` outcomes are
-    shared with the other trainer ranks, so every trainer raises the same error instead of
+    iterating the export, a ``torch.distributed`` group; the source is its rank ``trainer_src``,
+    default ``src``) the source's handshake and ``finish`` outcomes are shared with the other trainer ranks, so every trainer raises the same error instead of
     entering a collective export alone. ``finish`` raises :class:`RefitStatusError` if a receiver
     reported a bad checksum or a failed consumer.
 
@@ -325,7 +323,7 @@ class PackedBroadcastSender(WeightSink):
     sender's lifetime. A consumed tensor is copied into the current buffer before ``consume``
     returns, so the exporter may reuse its own buffer right after.
 
-    Overlap: each full buffer goes out with ``dist.broadcast(..., async_op=True)``; the Work is
+    Overlap: each full buffer goes out with an asynchronous broadcast; the Work is
     waited for only before that buffer is packed again. On CUDA, packing runs on a dedicated
     stream that first waits (event) for the exporter's stream, and the exporter's stream waits
     for the packing copy before it may overwrite the source tensor; the Work's ``wait`` is issued
@@ -344,11 +342,14 @@ class PackedBroadcastSender(WeightSink):
         group: Any,
         src: int,
         trainer_group: Any = None,
+        trainer_src: int | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         self.plan, self.config, self.packing, self.device = _endpoint(plan, config, device)
-        self.group, self.src, self.trainer_group = group, src, trainer_group
-        self.is_source = dist.get_rank() == src
+        self.group, self.src = as_broadcast_group(group) if group is not None else None, src
+        self.trainer_group = as_broadcast_group(trainer_group) if trainer_group is not None else None
+        self.trainer_src = src if trainer_src is None else trainer_src
+        self.is_source = self.group is not None and self.group.is_source(src)
         self._next = 0
         self._closed = False
         self._buffers: list[torch.Tensor] = []
@@ -359,14 +360,14 @@ class PackedBroadcastSender(WeightSink):
         self.bytes_sent = 0
         error = None
         if self.is_source:
-            _group_rank(group)
+            _check_member(self.group)
             try:
-                _handshake(plan=self.plan, packing=self.packing, config=config, group=group, src=src,
+                _handshake(plan=self.plan, packing=self.packing, config=config, group=self.group, src=src,
                            device=self.device, is_source=True)
             except PlanMismatchError as err:
                 error = err
-        if trainer_group is not None:
-            _share_verdict(trainer_group, src, error, self.device)
+        if self.trainer_group is not None:
+            _share_verdict(self.trainer_group, self.trainer_src, error, self.device)
         elif error is not None:
             raise error
 
@@ -403,7 +404,7 @@ class PackedBroadcastSender(WeightSink):
                 raise error  # receivers are left waiting: see the class docstring
             error = self._finish_source()
         if self.trainer_group is not None:
-            _share_verdict(self.trainer_group, self.src, error, self.device)
+            _share_verdict(self.trainer_group, self.trainer_src, error, self.device)
         elif error is not None:
             raise error
 
@@ -474,10 +475,10 @@ class PackedBroadcastSender(WeightSink):
     def _send(self, bucket: int) -> None:
         index = bucket % self.config.num_buffers
         data = self._buffers[index][: self.packing.bucket_length(bucket)]
-        works = [dist.broadcast(data, src=self.src, group=self.group, async_op=True)]
+        works = [self.group.broadcast(data, self.src, async_op=True)]
         if self.config.checksum:
             self._sums[index].copy_(checksum(data))
-            works.append(dist.broadcast(self._sums[index], src=self.src, group=self.group, async_op=True))
+            works.append(self.group.broadcast(self._sums[index], self.src, async_op=True))
         self._works[index] = works
         self.bytes_sent += data.numel()
 
@@ -496,7 +497,7 @@ class PackedBroadcastSender(WeightSink):
                 work.wait()
         self._works = [[] for _ in self._works]
         status = torch.zeros(2, dtype=torch.int64, device=self.device)
-        dist.all_reduce(status, op=dist.ReduceOp.MAX, group=self.group)
+        self.group.all_reduce(status, dist.ReduceOp.MAX)
         code, bucket = (int(v) for v in status.tolist())
         self._buffers, self._sums = [], []
         if code == _STATUS_OK:
@@ -545,13 +546,13 @@ class PackedBroadcastReceiver:
     def __init__(self, plan: ExportPlan | str, config: PackedBroadcastConfig, *, group: Any, src: int,
                  device: torch.device | str | None = None) -> None:
         self.plan, self.config, self.packing, self.device = _endpoint(plan, config, device)
-        self.group, self.src = group, src
+        self.group, self.src = as_broadcast_group(group), src
         self._corrupt_hook: Callable[[int, torch.Tensor], None] | None = None
         self._used = False
-        _group_rank(group)
-        if dist.get_rank() == src:
+        _check_member(self.group)
+        if self.group.is_source(src):
             raise ValueError(f"rank {src} is the source of the broadcast; construct PackedBroadcastSender there")
-        _handshake(plan=self.plan, packing=self.packing, config=config, group=group, src=src,
+        _handshake(plan=self.plan, packing=self.packing, config=config, group=self.group, src=src,
                    device=self.device, is_source=False)
 
     def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -574,9 +575,9 @@ class PackedBroadcastReceiver:
             if bucket < packing.num_buckets:
                 index = bucket % len(buffers)
                 data = buffers[index][: packing.bucket_length(bucket)]
-                works[bucket] = [dist.broadcast(data, src=self.src, group=self.group, async_op=True)]
+                works[bucket] = [self.group.broadcast(data, self.src, async_op=True)]
                 if config.checksum:
-                    works[bucket].append(dist.broadcast(sums[index], src=self.src, group=self.group, async_op=True))
+                    works[bucket].append(self.group.broadcast(sums[index], self.src, async_op=True))
 
         status, failed_bucket, error = _STATUS_OK, 0, None
         next_post, at_yield = 0, False
@@ -629,7 +630,7 @@ class PackedBroadcastReceiver:
                 for work in works.pop(bucket):
                     work.wait()
         report = torch.tensor([status, failed_bucket], dtype=torch.int64, device=self.device)
-        dist.all_reduce(report, op=dist.ReduceOp.MAX, group=self.group)
+        self.group.all_reduce(report, dist.ReduceOp.MAX)
 
 
 def _tensors_completed_in(

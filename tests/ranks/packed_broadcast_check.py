@@ -12,7 +12,10 @@ empty stream and build no sender.
 Groups: Megatron 0.19's ``initialize_model_parallel(local_world_size=N)`` builds its groups over
 ranks 0..N-1 only; ``new_group`` is collective over the default group, so the receiver makes the
 same call and belongs to none of them. The plan is built over the trainer group only
-(``export_plan(..., group=trainers)``). The broadcast group is ``new_group([0, receiver])``.
+(``export_plan(..., group=trainers)``). The broadcast group is ``new_group([0, receiver])``, or,
+with ``--store-group PORT``, a ``StoreGroup`` the source and the receiver join by address (as a
+separately launched engine does), in which the receiver is rank 0 and the source rank 1, so its
+``src`` (1) differs from the source's trainer rank (0); the other trainer ranks pass ``group=None``.
 
 Cases, in one launch, in this order (every rank runs every case; an expected error is caught and
 recorded, then the next case runs on the same groups, which also proves no rank was left behind):
@@ -112,7 +115,7 @@ class FailingSink:
         self.inner.abort()
 
 
-def run_trainer(case, config, *, bridge, chunks, plan, refit, trainers, replica):
+def run_trainer(case, config, *, bridge, chunks, plan, refit, src, trainers, replica):
     """With ``replica`` set, only that replica's ranks (``trainers`` is their group) export and
     build a sender; the other trainer ranks get an empty stream and must not send anything."""
     from mbridge_refit.sinks import drain
@@ -121,12 +124,12 @@ def run_trainer(case, config, *, bridge, chunks, plan, refit, trainers, replica)
     stream = bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True, replica=replica)
     if replica is not None and not bridge.takes_part(chunks, replica):
         return {"tensors": sum(1 for _ in stream), "bytes_sent": 0, "sender": False}
-    sender = PackedBroadcastSender(plan, config, group=refit, src=SRC, trainer_group=trainers)
+    sender = PackedBroadcastSender(plan, config, group=refit, src=src, trainer_group=trainers, trainer_src=SRC)
     count = drain(stream, sender)
     return {"tensors": count, "bytes_sent": sender.bytes_sent, "sender": sender.is_source}
 
 
-def run_receiver(case, config, *, plan_json, refit, expected, model, pointers, reference):
+def run_receiver(case, config, *, plan_json, refit, src, expected, model, pointers, reference):
     from mbridge_refit.plan.entries import ExportPlan
     from mbridge_refit.sinks import drain
     from mbridge_refit.sinks.model_update import HFModelUpdateSink
@@ -139,7 +142,7 @@ def run_receiver(case, config, *, plan_json, refit, expected, model, pointers, r
         plan_json = dataclasses.replace(plan, entries=tuple(entries)).to_json()
     if case == "config":
         config = dataclasses.replace(config, bucket_bytes=config.bucket_bytes * 2)
-    receiver = PackedBroadcastReceiver(plan_json, config, group=refit, src=SRC, device="cpu")
+    receiver = PackedBroadcastReceiver(plan_json, config, group=refit, src=src, device="cpu")
     if case == "corrupt":
         def flip(bucket, data):
             if bucket == 1:
@@ -168,6 +171,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hf", type=Path, required=True)
     parser.add_argument("--result", type=Path, required=True)
+    parser.add_argument("--store-group", type=int, metavar="PORT", help="broadcast over a StoreGroup at this port")
     add_layout_flags(parser)
     args = parser.parse_args()
 
@@ -191,7 +195,14 @@ def main() -> None:
         local_world_size=len(trainer_ranks),
     )
     trainers = dist.new_group(list(trainer_ranks))
-    refit = dist.new_group([SRC, receiver_rank])
+    refit, src = dist.new_group([SRC, receiver_rank]), SRC
+    if args.store_group is not None:
+        from mbridge_refit.runtime.broadcast_group import StoreGroup
+
+        store_ranks = {receiver_rank: 0, SRC: 1}
+        src = store_ranks[SRC]
+        refit = StoreGroup(host="127.0.0.1", port=args.store_group, rank=store_ranks[rank], world_size=2, device=cpu,
+                           timeout=datetime.timedelta(seconds=90)) if rank in store_ranks else None
     senders = trainers  # the ranks that iterate the export and build a sender
     results: dict[str, dict] = {}
     try:
@@ -216,18 +227,21 @@ def main() -> None:
             reference = AutoModelForCausalLM.from_pretrained(args.hf, dtype=torch.bfloat16).state_dict()
             expected = read_checkpoint(args.hf)
         if rank in (SRC, receiver_rank):  # the receiver gets the plan from the trainer, as in production
-            dist.broadcast_object_list(payload, src=SRC, group=refit)
+            if args.store_group is not None:
+                payload = [refit.broadcast_object(payload[0], src, cpu)]
+            else:
+                dist.broadcast_object_list(payload, src=SRC, group=refit)
         if replica is not None:  # new_group is collective over every rank: all learn replica 0's ranks
             dist.broadcast_object_list(exporting, src=SRC)
             senders = dist.new_group(exporting[0])
         if rank in trainer_ranks:
             run = lambda case, config: run_trainer(  # noqa: E731
-                case, config, bridge=bridge, chunks=chunks, plan=plan, refit=refit, trainers=senders, replica=replica,
+                case, config, bridge=bridge, chunks=chunks, plan=plan, refit=refit, src=src, trainers=senders, replica=replica,
             )
         if rank == receiver_rank:
             plan = ExportPlan.from_json(payload[0])
             run = lambda case, config: run_receiver(  # noqa: E731
-                case, config, plan_json=payload[0], refit=refit, expected=expected, model=model,
+                case, config, plan_json=payload[0], refit=refit, src=src, expected=expected, model=model,
                 pointers=pointers, reference=reference,
             )
         for case, config in configs(plan).items():
