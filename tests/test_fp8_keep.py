@@ -105,6 +105,11 @@ FAMILIES: dict[str, tuple[list[str], set[str]]] = {
          "model.layers.0.moe.up_proj.weight", "model.layers.0.share_expert.up_proj.weight"],
         {*TEXT_ENDS, "model.layers.0.moe.gate.weight"},
     ),
+    "HYV3ForCausalLM": (
+        [*TEXT_ENDS, *ATTENTION, "model.layers.1.mlp.router.gate.weight", "model.layers.1.mlp.shared_mlp.up_proj.weight",
+         "model.layers.1.mlp.experts.0.up_proj.weight"],
+        {*TEXT_ENDS, "model.layers.1.mlp.router.gate.weight"},
+    ),
     "DeepseekV4ForCausalLM": (
         ["embed.weight", "head.weight", "layers.0.attn.wq_a.weight", "layers.0.ffn.gate.weight", "layers.0.ffn.experts.0.w1.weight"],
         {"embed.weight", "head.weight", "layers.0.ffn.gate.weight"},

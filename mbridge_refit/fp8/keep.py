@@ -57,6 +57,7 @@ ROUTERS = (
     "*.mlp.gate.weight",  # DeepSeek, Qwen MoE, GLM, Ernie, OLMoE, EXAONE MoE, MiMo, Sarvam, Kimi
     "*.mlp.shared_expert_gate.weight",  # Qwen2/3 MoE, Qwen3-Next, Qwen3.5 MoE
     "*.mlp.router.weight",  # gpt-oss
+    "*.mlp.router.gate.weight",  # HY-V3 (vLLM hy_v3.py: a GateLinear)
     "*.block_sparse_moe.gate.weight",  # MiniMax-M2/M3 (Mixtral naming)
     "*.moe.gate.weight",  # Step-3.5, Step-3.7
     "*.mixer.gate.weight",  # Nemotron-H
