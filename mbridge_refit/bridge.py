@@ -199,8 +199,21 @@ class RefitBridge(AutoBridge):
         """
         chunks = _chunks(model)
         plan = self._planned(chunks, group).plan
-        config = _fp8_config(fp8)
+        config = self.fp8_config(fp8)
         return plan if config is None else self.fp8_export(chunks, config).plan
+
+    def fp8_config(self, fp8: BlockwiseFP8Config | str | None) -> BlockwiseFP8Config | None:
+        """The config an export with ``fp8=fp8`` runs: ``"blockwise"`` or a ``BlockwiseFP8Config``
+        without ``keep_patterns`` gets the keep patterns of this model's family (``fp8.keep``, by
+        the HF config's ``architectures[0]``); explicit ``keep_patterns`` are kept as given."""
+        if fp8 is None:
+            return None
+        if fp8 == "blockwise":
+            fp8 = BlockwiseFP8Config()
+        if not isinstance(fp8, BlockwiseFP8Config):
+            raise FP8FormatError(f"fp8={fp8!r} is not a known FP8 format: use 'blockwise' or a BlockwiseFP8Config")
+        architectures = getattr(self._hf_config(), "architectures", None) or [None]
+        return fp8.for_architecture(architectures[0])
 
     def fp8_export(self, model: list[torch.nn.Module] | torch.nn.Module, config: BlockwiseFP8Config | str) -> FP8Export:
         """The FP8 plan for ``config`` and the exporters that run it; built once per model and config.
@@ -210,7 +223,7 @@ class RefitBridge(AutoBridge):
         ``scale_inv`` shards (None when the model has none). Collective on the first call (the
         plan); raises ``FP8FormatError`` for a model that cannot be exported so.
         """
-        chunks, config = _chunks(model), _fp8_config(config)
+        chunks, config = _chunks(model), self.fp8_config(config)
         try:
             state = self._planned(chunks)
         except PlanError as err:
@@ -237,7 +250,7 @@ class RefitBridge(AutoBridge):
         The parameters are referenced, not copied: a parameter whose ``.data`` is swapped is
         followed (``LiveRows.source()``), its rows' meaning is not.
         """
-        chunks, config = _chunks(model), _fp8_config(fp8)
+        chunks, config = _chunks(model), self.fp8_config(fp8)
         if self.export_weight_dtype == "fp8":
             return {}  # Megatron-Bridge's own FP8 export runs instead of the plan
         try:
@@ -297,8 +310,7 @@ class RefitBridge(AutoBridge):
             torch.distributed.all_gather_object(grid, current_trainer_rank(), group=state.group)
             state.grid = tuple(grid)
         engine = EngineLayout.parse(engine) if isinstance(engine, str) else engine
-        config = getattr(self.hf_pretrained, "config", None) or self.hf_pretrained  # from_hf_config keeps the config itself
-        shape = ModelShape.from_hf_config(config)
+        shape = ModelShape.from_hf_config(self._hf_config())
         return build_transfer_plan(state.plan, state.grid, engine, shape, engine_ranks=engine_ranks, only=only)
 
     def sharded_transfer(
@@ -415,7 +427,7 @@ class RefitBridge(AutoBridge):
         chunks = _chunks(model)
         finish_pending_param_gathers(chunks)  # before any rank skips: collective over data-parallel groups
         state = self._state_for(chunks)
-        fp8_config = _fp8_config(fp8)
+        fp8_config = self.fp8_config(fp8)
         if replica is not None and not self.takes_part(chunks, replica):
             return iter(())
         only = None if only is None else frozenset(only)
@@ -485,6 +497,9 @@ class RefitBridge(AutoBridge):
         chunks = _chunks(model)
         return load_hf_shards(self.megatron_model_bridge(chunks), self.hf_pretrained, chunks, checkpoint)
 
+    def _hf_config(self) -> Any:
+        return getattr(self.hf_pretrained, "config", None) or self.hf_pretrained  # from_hf_config keeps the config itself
+
     def _checkpoint_path(self) -> Path:
         path = getattr(self.hf_pretrained, "model_name_or_path", None)
         if path is None or not Path(path).is_dir():
@@ -500,14 +515,6 @@ def _chunks(model: list[torch.nn.Module] | torch.nn.Module) -> list[torch.nn.Mod
 
 def _only(stream: Iterable[tuple[str, torch.Tensor]], names: frozenset[str]) -> Iterator[tuple[str, torch.Tensor]]:
     return ((name, tensor) for name, tensor in stream if name in names)
-
-
-def _fp8_config(fp8: BlockwiseFP8Config | str | None) -> BlockwiseFP8Config | None:
-    if fp8 is None or isinstance(fp8, BlockwiseFP8Config):
-        return fp8
-    if fp8 == "blockwise":
-        return BlockwiseFP8Config()
-    raise FP8FormatError(f"fp8={fp8!r} is not a known FP8 format: use 'blockwise' or a BlockwiseFP8Config")
 
 
 def _build_fp8_export(state: _ModelState, config: BlockwiseFP8Config, bf16_exporter: PlanExporter) -> FP8Export:

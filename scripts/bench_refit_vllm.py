@@ -111,7 +111,7 @@ def run(args) -> dict:
         result["vllm"] = vllm.__version__
         bridge = RefitBridge.from_hf_config(config)
         chunks = build_model(bridge, layout, BuildOptions(device=device, params_dtype=torch.bfloat16))
-        quantization = fp8.quantization_config(bridge.export_plan(chunks, fp8=fp8)) if fp8 else None
+        quantization = bridge.fp8_config(fp8).quantization_config(bridge.export_plan(chunks, fp8=fp8)) if fp8 else None
         directory = engine_config(config, Path(work) / "engine", quantization)
         extra = {}
         if not fp8:

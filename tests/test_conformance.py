@@ -78,9 +78,12 @@ def test_a_corrupted_stream_is_caught(corruption):
     assert comparison.describe() != "exact"
 
 
+KEEP_B = BlockwiseFP8Config(keep_patterns=("b.weight",))
+
+
 def test_fp8_expectation_quantizes_what_the_format_says_and_catches_a_bad_scale():
     stock = _stream()
-    expected = fp8_expected(stock, BlockwiseFP8Config())
+    expected = fp8_expected(stock, KEEP_B)
     assert [n for n, _ in expected] == ["a.weight", "a.weight_scale_inv", "b.weight", "c.weight", "c.weight_scale_inv"]
     assert expected[0][1].dtype == torch.float8_e4m3fn and expected[1][1].shape == (2, 2)
     bad_scale = [(n, t * 2 if n == "a.weight_scale_inv" else t) for n, t in expected]
@@ -97,6 +100,9 @@ class _FakeBridge:
         if kwargs.get("fp8") is not None and self.fp8_error is not None:
             raise self.fp8_error
         return iter(self.stream)
+
+    def fp8_config(self, fp8):
+        return KEEP_B
 
     def export_diagnostics(self):
         return type("Diagnostics", (), {"fallback_reason": self.fallback_reason})()
@@ -123,7 +129,7 @@ def test_bf16_cell_states(bridge, state):
 
 def test_fp8_cell_states():
     stock = _stream()
-    expected = fp8_expected(stock, BlockwiseFP8Config())
+    expected = fp8_expected(stock, KEEP_B)
     assert check_fp8(_FakeBridge(expected), [], stock, _cell).state is CellState.FAST_PATH_EXACT
     off_by_one = [(n, _flip_one_byte(t) if n == "a.weight" else t) for n, t in expected]
     assert check_fp8(_FakeBridge(off_by_one), [], stock, _cell).state is CellState.DIFFERENT

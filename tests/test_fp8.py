@@ -225,6 +225,8 @@ def _plan_with(names_shapes) -> ExportPlan:
     return ExportPlan(entries=entries, layer_map={0: (0, 0)}, tp=1, pp=1, ep=1, vpp=1)
 
 
+# What Qwen3 / Qwen3-MoE FP8 checkpoints keep, written here (the per-family table is tested in test_fp8_keep.py).
+KEEP = BlockwiseFP8Config(keep_patterns=("*embed_tokens.weight", "lm_head.weight", "*norm.weight", "*.mlp.gate.weight"))
 PLAN_ITEMS = [
     ("model.embed_tokens.weight", (512, 192)),
     ("model.layers.0.input_layernorm.weight", (192,)),
@@ -237,7 +239,7 @@ PLAN_ITEMS = [
 
 
 def test_fp8_plan_names_shapes_dtypes():
-    plan = fp8_plan(_plan_with(PLAN_ITEMS), BlockwiseFP8Config())
+    plan = fp8_plan(_plan_with(PLAN_ITEMS), KEEP)
     got = [(e.hf_name, e.shape, e.dtype) for e in plan.entries]
     assert got == [
         ("model.embed_tokens.weight", (512, 192), "bfloat16"),
@@ -258,7 +260,7 @@ def test_fp8_plan_names_shapes_dtypes():
 
 
 def test_quantization_config_lists_unconverted_modules():
-    config = BlockwiseFP8Config().quantization_config(_plan_with(PLAN_ITEMS))
+    config = KEEP.quantization_config(_plan_with(PLAN_ITEMS))
     assert config == {
         "quant_method": "fp8",
         "fmt": "e4m3",
@@ -270,9 +272,9 @@ def test_quantization_config_lists_unconverted_modules():
 
 def test_engine_tp_that_cannot_block_is_refused_with_the_fix():
     plan = _plan_with(PLAN_ITEMS)
-    check_fp8_exportable(plan, BlockwiseFP8Config(engine_tp_size=2))  # 256/2 = 128 rows, 256/2 = 128 cols
+    check_fp8_exportable(plan, dataclasses.replace(KEEP, engine_tp_size=2))  # 256/2 = 128 rows, 256/2 = 128 cols
     with pytest.raises(FP8FormatError, match=r"q_proj.weight output size 256 / tp 4 is not a multiple of 128.*smaller"):
-        check_fp8_exportable(plan, BlockwiseFP8Config(engine_tp_size=4))
+        check_fp8_exportable(plan, dataclasses.replace(KEEP, engine_tp_size=4))
 
 
 def test_nothing_to_quantize_is_refused():
@@ -329,7 +331,7 @@ def assert_fp8_checkpoint_is_reference(source, out) -> set[str]:
     """The FP8 checkpoint at ``out`` holds, for every linear weight of ``source``, the reference
     quantizer's e4m3 data and scales, and every other tensor as it is; returns the quantized names."""
     expected, written = read_checkpoint(source), read_checkpoint(out)
-    config = BlockwiseFP8Config()
+    config = KEEP  # what Qwen3 / Qwen3-MoE FP8 checkpoints keep, written independently of fp8.keep
     quantized = {n for n, t in expected.items() if config.quantizes(n, tuple(t.shape), "bfloat16")}
     assert sorted(written) == sorted(set(expected) | {f"{n}_scale_inv" for n in quantized})
     for name, source_tensor in expected.items():
@@ -399,7 +401,7 @@ def test_megatron_checkpoint_export_to_fp8(block_checkpoints, tmp_path):
                        "--no-progress", "--fp8-blockwise"])
     assert run.returncode == 0, run.output[-4000:]
     expected, written = read_checkpoint(source), read_checkpoint(out)
-    config = BlockwiseFP8Config()
+    config = KEEP  # what Qwen3 FP8 checkpoints keep, written independently of fp8.keep
     for name, source_tensor in expected.items():
         if not config.quantizes(name, tuple(source_tensor.shape), "bfloat16"):
             assert same_bits(written[name], source_tensor), name

@@ -64,8 +64,8 @@ def add_fp8_flags(parser: argparse.ArgumentParser) -> None:
         "--fp8-keep",
         action="append",
         metavar="PATTERN",
-        help="fnmatch pattern of HF names kept in their dtype (repeatable; replaces the defaults: "
-        "embeddings, output layer, norms, MoE routers)",
+        help="fnmatch pattern of HF names kept in their dtype (repeatable; replaces the model family's "
+        "patterns from mbridge_refit.fp8.keep: embeddings, output layer, norms, MoE routers, encoders, ...)",
     )
     group.add_argument(
         "--fp8-engine-tp",
@@ -77,7 +77,7 @@ def add_fp8_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def fp8_from_flags(args: argparse.Namespace) -> "BlockwiseFP8Config | None":
-    from mbridge_refit.fp8.format import DEFAULT_KEEP_PATTERNS, BlockwiseFP8Config
+    from mbridge_refit.fp8.format import BlockwiseFP8Config
 
     if not args.fp8_blockwise:
         if args.fp8_keep or args.fp8_engine_tp is not None:
@@ -85,7 +85,7 @@ def fp8_from_flags(args: argparse.Namespace) -> "BlockwiseFP8Config | None":
         return None
     if args.fp8_engine_tp is not None and args.fp8_engine_tp < 1:
         raise BadInput(f"--fp8-engine-tp must be >= 1, got {args.fp8_engine_tp}")
-    keep = tuple(args.fp8_keep) if args.fp8_keep else DEFAULT_KEEP_PATTERNS
+    keep = tuple(args.fp8_keep) if args.fp8_keep else None  # None: the model family's (fp8.keep)
     return BlockwiseFP8Config(keep_patterns=keep, engine_tp_size=args.fp8_engine_tp)
 
 

@@ -162,4 +162,4 @@ def output_dtypes(
     scales = [e for e in plan.entries if e.scale_of is not None]
     changed = {e.hf_name: e.torch_dtype for e in plan.entries if e.scale_of is not None or e.torch_dtype == FP8_DTYPE}
     logger.info("FP8 blockwise: %d of %d tensors quantized", len(scales), len(plan.entries) - len(scales))
-    return {**source_dtypes, **changed}, {"quantization_config": fp8.quantization_config(plan)}
+    return {**source_dtypes, **changed}, {"quantization_config": bridge.fp8_config(fp8).quantization_config(plan)}

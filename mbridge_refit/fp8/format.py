@@ -28,23 +28,29 @@ Choices, all in this module:
   agree bit for bit. NaN or inf in a block make that block's scale NaN/inf (not checked: it
   would cost a device sync per tensor).
 * **What is quantized.** 2-D ``*.weight`` tensors of linear layers; names matching
-  ``BlockwiseFP8Config.keep_patterns`` (embeddings, output layer, norms, MoE routers by default)
-  stay in their dtype and are listed in the config's ``modules_to_not_convert``.
+  ``BlockwiseFP8Config.keep_patterns`` stay in their dtype and are listed in the config's
+  ``modules_to_not_convert``. By default the patterns are the model family's (``fp8.keep``:
+  what its published FP8 checkpoint keeps, e.g. embeddings, output layer, norms, MoE routers,
+  vision towers), picked by ``for_architecture``.
 
-The package: ``format`` (this), ``plan`` (the FP8 export plan), ``reference`` (the torch
-quantizer that defines the bits), ``kernels`` (Triton kernels that reproduce them on CUDA),
-``quantize`` (the export transform) and ``te`` (Transformer Engine FP8 parameters as sources).
+The package: ``format`` (this), ``keep`` (the per-family keep table), ``plan`` (the FP8 export
+plan), ``reference`` (the torch quantizer that defines the bits), ``kernels`` (Triton kernels
+that reproduce them on CUDA), ``quantize`` (the export transform) and ``te`` (Transformer Engine
+FP8 parameters as sources).
 """
 
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from mbridge_refit.fp8.keep import keep_patterns_for
 
 if TYPE_CHECKING:
     from mbridge_refit.plan.entries import ExportPlan
@@ -56,12 +62,6 @@ SCALE_DTYPE = torch.float32
 SCALE_SUFFIX = "_scale_inv"  # <module>.weight -> <module>.weight_scale_inv
 FP8_DTYPE_NAME = str(FP8_DTYPE).removeprefix("torch.")  # as plan entries name dtypes
 SCALE_DTYPE_NAME = str(SCALE_DTYPE).removeprefix("torch.")
-DEFAULT_KEEP_PATTERNS = (
-    "*embed_tokens.weight",
-    "lm_head.weight",
-    "*norm.weight",
-    "*.mlp.gate.weight",  # MoE router
-)
 
 
 class FP8FormatError(ValueError):
@@ -73,18 +73,32 @@ class BlockwiseFP8Config:
     """What to quantize and how an engine will shard it.
 
     Args:
-        keep_patterns: ``fnmatch`` patterns of HF names that stay in their source dtype.
+        keep_patterns: ``fnmatch`` patterns of HF names that stay in their source dtype; None
+            (the default) means the model family's (``fp8.keep``), which the bridge fills in
+            with ``for_architecture`` before any use.
         engine_tp_size: if set, check that an inference engine running at this tensor-parallel
             size can shard every quantized weight on block boundaries (vLLM requires each
             output partition of q/k/v, gate/up and column-parallel weights, and each input
             partition of row-parallel weights, to be a multiple of 128).
     """
 
-    keep_patterns: tuple[str, ...] = DEFAULT_KEEP_PATTERNS
+    keep_patterns: tuple[str, ...] | None = None
     engine_tp_size: int | None = None
+
+    def for_architecture(self, architecture: str | None) -> "BlockwiseFP8Config":
+        """This config with the keep patterns of ``architecture`` (an HF ``architectures[0]``)
+        filled in, unless patterns were given (explicit patterns win)."""
+        if self.keep_patterns is not None:
+            return self
+        return dataclasses.replace(self, keep_patterns=keep_patterns_for(architecture))
 
     def quantizes(self, hf_name: str, shape: tuple[int, ...], dtype: str) -> bool:
         """Whether the export turns this HF tensor into FP8 data + scales."""
+        if self.keep_patterns is None:
+            raise FP8FormatError(
+                "this BlockwiseFP8Config has no keep_patterns yet: call config.for_architecture(hf_architecture) "
+                "(RefitBridge.fp8_config does) or pass keep_patterns="
+            )
         return (
             len(shape) == 2
             and hf_name.endswith(".weight")

@@ -47,7 +47,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from mbridge_refit.fp8.format import BlockwiseFP8Config, FP8FormatError
+from mbridge_refit.fp8.format import FP8FormatError
 from mbridge_refit.plan.layout import ParallelLayout
 from mbridge_refit.tools.export_comparison import compare_stream, fp8_expected
 
@@ -235,9 +235,10 @@ def check_bf16(
 def check_fp8(
     bridge: Any, chunks: list[torch.nn.Module], stock: list[tuple[str, torch.Tensor]], cell: Callable[..., Cell]
 ) -> Cell:
-    """Our blockwise FP8 export against the reference quantizer applied to stock's tensors."""
-    config = BlockwiseFP8Config()
+    """Our blockwise FP8 export against the reference quantizer applied to stock's tensors, with
+    the keep patterns of the model's family (the config ``fp8="blockwise"`` exports with)."""
     try:
+        config = bridge.fp8_config("blockwise")
         stream = bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True, fp8=config)
     except FP8FormatError as err:  # refused before any export work, with the reason
         return cell(FP8, CellState.FP8_REFUSED, describe_error(err))

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from oracle import read_checkpoint  # noqa: E402
-from test_fp8 import reference_quantize, same_bits  # noqa: E402
+from test_fp8 import KEEP, reference_quantize, same_bits  # noqa: E402
 
 
 def main() -> None:
@@ -31,7 +31,6 @@ def main() -> None:
     from megatron.core import parallel_state as ps
 
     from mbridge_refit.tools.launch import init_process_group, teardown
-    from mbridge_refit.fp8.format import BlockwiseFP8Config
     from mbridge_refit.plan.entries import ExportPlan
     from mbridge_refit.sinks import drain
     from mbridge_refit.sinks.packed_broadcast import PackedBroadcastConfig, PackedBroadcastReceiver, PackedBroadcastSender
@@ -63,7 +62,7 @@ def main() -> None:
             return
         plan = ExportPlan.from_json(payload[0])
         received = {name: t.clone() for name, t in PackedBroadcastReceiver(plan, config, group=refit, src=0, device=cpu).receive()}
-        expected, fp8, differing = read_checkpoint(args.hf), BlockwiseFP8Config(), []
+        expected, fp8, differing = read_checkpoint(args.hf), KEEP, []
         for name, tensor in expected.items():
             if not fp8.quantizes(name, tuple(tensor.shape), "bfloat16"):
                 differing += [] if same_bits(received[name], tensor) else [name]
