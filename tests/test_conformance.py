@@ -23,8 +23,9 @@ import pytest
 import torch
 
 from conftest import REPO, torchrun
+from mbridge_refit.convert import roundtrip_conformance
 from mbridge_refit.fp8.format import BlockwiseFP8Config, FP8FormatError
-from mbridge_refit.tools import conformance, conformance_roundtrip, model_builder
+from mbridge_refit.tools import conformance, model_builder
 from mbridge_refit.tools.conformance import BF16, FP8, MATRIX_LAYOUTS, Cell, CellState, check_bf16, check_fp8, read_cells
 from mbridge_refit.tools.export_comparison import compare_stream, fp8_expected
 from mbridge_refit.tools.recipes import MODEL_RECIPES
@@ -244,7 +245,7 @@ def _fake_convert(write_output):
 
     def run(source, out):
         write_output(source, out)
-        return 0, conformance_roundtrip._ErrorRecords()
+        return 0, roundtrip_conformance._ErrorRecords()
 
     return run
 
@@ -252,7 +253,7 @@ def _fake_convert(write_output):
 def _copy_with_one_flipped_bit(source, out):
     from safetensors.torch import save_file
 
-    tensors = dict(conformance_roundtrip.checkpoint_tensors(source))
+    tensors = dict(roundtrip_conformance.checkpoint_tensors(source))
     name = sorted(tensors)[-1]
     tensors[name] = _flip_one_byte(tensors[name])
     out.mkdir()
@@ -268,25 +269,25 @@ def test_roundtrip_cell_catches_a_flipped_bit_and_a_dropped_tensor(tmp_path, mon
         shutil.copytree(source, out)
 
     def drop_one(source, out):
-        tensors = dict(conformance_roundtrip.checkpoint_tensors(source))
+        tensors = dict(roundtrip_conformance.checkpoint_tensors(source))
         tensors.pop(sorted(tensors)[0])
         out.mkdir()
         save_file(tensors, str(out / "model.safetensors"))
 
     for write_output, state in ((copy, CellState.EXACT), (_copy_with_one_flipped_bit, CellState.DIFFERENT), (drop_one, CellState.DIFFERENT)):
-        monkeypatch.setattr(conformance_roundtrip, "_run_convert_roundtrip", _fake_convert(write_output))
-        cell = conformance_roundtrip.check_roundtrip("LlamaForCausalLM", tmp_path / write_output.__name__)
+        monkeypatch.setattr(roundtrip_conformance, "_run_convert_roundtrip", _fake_convert(write_output))
+        cell = roundtrip_conformance.check_roundtrip("LlamaForCausalLM", tmp_path / write_output.__name__)
         assert cell.state is state, cell.detail
     assert not CellState.DIFFERENT.passes and CellState.EXACT.passes and CellState.REFUSED.passes
 
 
 @pytest.fixture(scope="module")
 def roundtrip_cells(tmp_path_factory):
-    """architecture -> its roundtrip cell, from one run of ``tools.conformance_roundtrip``."""
+    """architecture -> its roundtrip cell, from one run of ``convert.roundtrip_conformance``."""
     path = tmp_path_factory.mktemp("roundtrip") / "cells.json"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     run = subprocess.run(
-        [sys.executable, "-m", "mbridge_refit.tools.conformance_roundtrip", "--json", str(path), "--only", ",".join(ROUNDTRIP_ARCHITECTURES)],
+        [sys.executable, "-m", "mbridge_refit.convert.roundtrip_conformance", "--json", str(path), "--only", ",".join(ROUNDTRIP_ARCHITECTURES)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=MATRIX_TIMEOUT,
     )
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]

@@ -1,6 +1,7 @@
-"""The colocated engine refit protocol without vLLM: shared layouts, recorded apply plans,
+"""The engine refit protocols without vLLM: colocated (shared layouts, recorded apply plans,
 fingerprints, held export outputs, and the whole loop from a Megatron model into an engine laid
-out like vLLM (tests/ranks/engine_refit_check.py, under torchrun on CPU).
+out like vLLM: tests/ranks/engine_refit_check.py) and by broadcast to an engine in a process group
+of its own (tests/ranks/engine_broadcast_check.py), under torchrun on CPU.
 
 The vLLM engine itself is checked on the GPU host (scripts/check_vllm_refit_gpu.py).
 """
@@ -13,7 +14,7 @@ import pickle
 import pytest
 import torch
 
-from conftest import REPO, torchrun
+from conftest import REPO, free_port, torchrun
 from test_roundtrip import layout_flags
 
 from mbridge_refit.engines import fingerprint as fp
@@ -28,6 +29,7 @@ from mbridge_refit.engines.sharing import (
 )
 
 CHECKER = str(REPO / "tests" / "ranks" / "engine_refit_check.py")
+BROADCAST_CHECKER = str(REPO / "tests" / "ranks" / "engine_broadcast_check.py")
 
 
 @pytest.mark.multirank
@@ -39,6 +41,32 @@ def test_refit_into_engine_layout(recipe, layout, source_checkpoints, tmp_path):
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
     assert all(r["ok"] for r in reports)
     assert reports[0]["copies"] > 0 and reports[0]["via_loader"] > 0
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(("recipe", "layout"), [("qwen3-tiny", "tp2"), ("qwen3-moe-tiny", "ep2")])
+def test_broadcast_refit_into_engine_layout(recipe, layout, source_checkpoints, tmp_path):
+    """``VLLMBroadcastRefit`` from trainer ranks into an engine worker joined by address: exact
+    against the checkpoint and the changed model's stock export; an unloaded engine parameter, a
+    failing loader and a plan mismatch fail on every rank, none hangs, and the next refit is exact."""
+    nproc, flags = layout_flags(layout)
+    port = free_port()
+    run = torchrun(nproc, [BROADCAST_CHECKER, "--hf", str(source_checkpoints(recipe)), "--result", str(tmp_path),
+                           "--port", str(port), *flags])
+    assert run.returncode == 0, run.output[-6000:]
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
+    source, others = reports[0], reports[1:]
+    assert all(r["ok"] for r in reports)
+    for case in ("unloaded", "loader", "mismatch"):
+        assert not any(r[case]["ok"] for r in reports), case
+        assert all(r[case]["seconds"] < 30 for r in reports), case
+    assert source["unloaded"]["error"].startswith("BroadcastRefitError") and "['extra']" in source["unloaded"]["error"]
+    assert source["loader"]["error"].startswith("ValueError: test loader rejects the 5th tensor"), source["loader"]
+    assert source["mismatch"]["error"].startswith("PlanMismatchError") and "first differing entry #3" in source["mismatch"]["error"]
+    for other in others:
+        assert other["unloaded"]["error"].startswith("RefitStatusError") and "['extra']" in other["unloaded"]["error"]
+        assert "test loader rejects" in other["loader"]["error"] or "consumer failed" in other["loader"]["error"], other
+        assert "PlanMismatchError" in other["mismatch"]["error"], other
 
 
 def test_fingerprint_is_exact():

@@ -1,4 +1,5 @@
-"""The vLLM worker extension: the engine side of ``engines.vllm.VLLMRefit``.
+"""The vLLM worker extension: the engine side of ``engines.vllm.VLLMRefit`` (colocated, CUDA IPC)
+and of ``engines.vllm_broadcast.VLLMBroadcastRefit`` (other GPUs, the packed broadcast).
 
 vLLM mixes this class into its GPU worker when the engine is started with
 ``worker_extension_cls=WORKER_EXTENSION`` (``engines.vllm.engine_kwargs()`` sets it). The trainer
@@ -15,8 +16,9 @@ from typing import Any
 
 import torch
 
-from mbridge_refit.engines.fingerprint import named_fingerprints
 from mbridge_refit.engines.apply_plan import StagedLoad
+from mbridge_refit.engines.broadcast_receiver import BroadcastTarget
+from mbridge_refit.engines.fingerprint import named_fingerprints
 from mbridge_refit.engines.receiver import RefitReceiver
 
 WORKER_EXTENSION = "mbridge_refit.engines.vllm_worker.RefitWorkerExtension"
@@ -54,6 +56,34 @@ class RefitWorkerExtension:
 
     def mbridge_refit_close(self) -> None:
         self._mbridge_receiver().close()
+
+    def mbridge_broadcast_join(self, host: str, port: int, rank_offset: int, world_size: int, plan_json: str,
+                               config: dict, backend: str | None, allow_partial: bool, timeout_s: float) -> int:
+        """Join the trainer's broadcast group as rank ``rank_offset`` + this worker's index among the
+        engine's workers (data-parallel replicas included); returns that rank. Blocks until the
+        trainer joins (``engines.broadcast_receiver``)."""
+        model = self.model_runner.get_model()
+        target = BroadcastTarget(model.load_weights, (n for n, _ in model.named_parameters()), torch.device(self.device),
+                                 staged=self._mbridge_staged_load(model) if _quantized(self) else None,
+                                 allow_partial=allow_partial)
+        rank = rank_offset + _worker_index(self)
+        target.join(host=host, port=port, rank=rank, world_size=world_size, plan_json=plan_json, config=config,
+                    backend=backend, timeout_s=timeout_s)
+        self._mbridge_broadcast_target = target
+        return rank
+
+    def mbridge_broadcast_receive(self) -> dict:
+        """Receive one refit from the trainer and load it; returns the worker's report."""
+        target = getattr(self, "_mbridge_broadcast_target", None)
+        if target is None:
+            raise RuntimeError("no broadcast refit was joined on this worker: call mbridge_broadcast_join first")
+        return target.receive()
+
+    def mbridge_broadcast_close(self) -> None:
+        target = getattr(self, "_mbridge_broadcast_target", None)
+        if target is not None:
+            target.close()
+        self._mbridge_broadcast_target = None
 
     def mbridge_refit_fingerprints(self) -> dict[str, list[int]]:
         """``{parameter name: [sum, weighted sum]}`` of every model parameter (exact; see
@@ -108,3 +138,17 @@ class RefitWorkerExtension:
             "allocations": stats.get("allocation.all.allocated", 0),
         }
 
+
+def _worker_index(worker: Any) -> int:
+    """This worker's index among all workers of the engine: data-parallel replica, then its rank
+    within the replica (as vLLM's own weight transfer numbers them); 0 without a parallel config."""
+    config = getattr(worker, "parallel_config", None)
+    if config is None:
+        return 0
+    return config.data_parallel_index * config.world_size + config.rank
+
+
+def _quantized(worker: Any) -> bool:
+    """Whether the engine's model is quantized (its loaders then run inside vLLM's layerwise reload)."""
+    model_config = getattr(getattr(worker, "model_runner", None), "model_config", None)
+    return getattr(model_config, "quantization", None) is not None

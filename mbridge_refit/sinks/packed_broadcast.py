@@ -286,9 +286,10 @@ def _hex(value: int) -> str:
     return f"{value & 0xFFFF_FFFF_FFFF_FFFF:#018x}"
 
 
-def _share_verdict(trainer_group: BroadcastGroup, src: int, error: BaseException | None, device: torch.device) -> None:
-    """Broadcast the source's outcome to the trainer ranks so all of them raise the same error
-    (on ``device``: an NCCL group takes CUDA tensors only)."""
+def share_verdict(trainer_group: BroadcastGroup, src: int, error: BaseException | None, device: torch.device) -> None:
+    """Broadcast the source's outcome (``error`` there; ignored elsewhere) to the trainer ranks so all
+    of them raise the same error (on ``device``: an NCCL group takes CUDA tensors only). Collective
+    over ``trainer_group``; ``src`` is the source's rank as that group counts ranks."""
     flag = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=device)
     trainer_group.broadcast(flag, src)
     if int(flag) == 0:
@@ -367,7 +368,7 @@ class PackedBroadcastSender(WeightSink):
             except PlanMismatchError as err:
                 error = err
         if self.trainer_group is not None:
-            _share_verdict(self.trainer_group, self.trainer_src, error, self.device)
+            share_verdict(self.trainer_group, self.trainer_src, error, self.device)
         elif error is not None:
             raise error
 
@@ -404,7 +405,7 @@ class PackedBroadcastSender(WeightSink):
                 raise error  # receivers are left waiting: see the class docstring
             error = self._finish_source()
         if self.trainer_group is not None:
-            _share_verdict(self.trainer_group, self.trainer_src, error, self.device)
+            share_verdict(self.trainer_group, self.trainer_src, error, self.device)
         elif error is not None:
             raise error
 
@@ -682,4 +683,5 @@ __all__ = [
     "StreamPacking",
     "plan_fingerprint",
     "plan_signature",
+    "share_verdict",
 ]

@@ -20,7 +20,7 @@ A cell ends as (``tools.conformance.CellState``):
 
 Run (what ``tests/test_conformance.py`` and ``scripts/conformance_matrix.py`` do)::
 
-    python -m mbridge_refit.tools.conformance_roundtrip --json cells.json [--only A,B]
+    python -m mbridge_refit.convert.roundtrip_conformance --json cells.json [--only A,B]
 """
 
 from __future__ import annotations

@@ -1,0 +1,143 @@
+"""The engine side of a broadcast refit, engine-agnostic: join the group, receive each refit, load it.
+
+The trainer side is ``engines.vllm_broadcast.VLLMBroadcastRefit``: one trainer rank sends the
+export by the packed broadcast (``sinks.packed_broadcast``) over a ``StoreGroup`` that the engine's
+workers join by address (``runtime.broadcast_group``), so the engine may run on other GPUs, other
+hosts, and in a ``torch.distributed`` world of its own. Every worker receives every tensor and
+loads it through the engine's own ``load_weights`` (which takes each worker's shard), as vLLM's
+native weight transfer does; the received tensors are views of the receive buffers.
+
+Protocol (any RPC that carries plain data calls these, on every worker):
+
+1. ``BroadcastTarget(model, device, ...)`` then ``join(host, port, rank, world_size, plan_json,
+   config)``: once per session; returns when every member joined (the trainer joins at the same
+   time: the call blocks until it does, or raises after the timeout).
+2. ``receive()``: every step, at the time the trainer sends. Runs the whole broadcast protocol
+   (handshake, buckets, status), so a mismatch or a failure on either side raises on both and
+   neither is left waiting. Returns the report: tensors, bytes, what the engine did not load.
+3. ``close()``: leaves the group.
+
+Loading under a reload bracket (``StagedLoad``: vLLM's layerwise reload, which FP8 engines need
+so their loaders write the e4m3 data and scales and their layers are processed again) keeps
+references to the loaded tensors until each layer is complete, so there each received tensor is
+copied first (the copies live until the layer is processed); without one, the loader copies each
+view into its parameter at once and nothing is allocated but the receive buffers.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from mbridge_refit.engines.apply_plan import StagedLoad
+from mbridge_refit.runtime.broadcast_group import StoreGroup
+from mbridge_refit.sinks.packed_broadcast import PackedBroadcastConfig, PackedBroadcastReceiver
+
+logger = logging.getLogger(__name__)
+
+LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
+SOURCE_RANK = 0  # the trainer's rank in the group; workers are 1..world_size-1
+
+
+class BroadcastRefitError(RuntimeError):
+    """A broadcast refit the engine cannot apply as asked (names the problem and the fix)."""
+
+
+@dataclass
+class ReceiveReport:
+    """What one ``receive`` did (plain data, returned to the trainer)."""
+
+    tensors: int
+    bytes: int
+    unloaded: list[str]  # engine parameters the loader did not report as loaded (when it reports)
+    receive_ms: float
+
+
+class BroadcastTarget:
+    """One engine worker's end of a broadcast refit (module docstring).
+
+    ``load_weights``: the engine's loader (``model.load_weights``); if it returns the names it
+    loaded (vLLM's do), parameters it left out are reported, and fail the step unless
+    ``allow_partial``. ``parameter_names``: every parameter of the engine, for that report.
+    """
+
+    def __init__(
+        self, load_weights: LoadWeights, parameter_names: Iterable[str], device: torch.device | str, *,
+        staged: StagedLoad | None = None, allow_partial: bool = False,
+    ) -> None:
+        self.load_weights, self.device = load_weights, torch.device(device)
+        self.parameter_names = frozenset(parameter_names)
+        self.staged, self.allow_partial = staged, allow_partial
+        self.group: StoreGroup | None = None
+        self.plan_json: str | None = None
+        self.config: PackedBroadcastConfig | None = None
+
+    def join(self, *, host: str, port: int, rank: int, world_size: int, plan_json: str, config: dict,
+             backend: str | None = None, timeout_s: float = 600.0) -> int:
+        """Join the trainer's group as ``rank``; keep the plan and the buffer config for every step."""
+        if not SOURCE_RANK < rank < world_size:
+            raise BroadcastRefitError(f"worker rank {rank} is outside 1..{world_size - 1}: rank {SOURCE_RANK} is the trainer's")
+        self.close()
+        self.config = PackedBroadcastConfig(**config)
+        self.plan_json = plan_json
+        self.group = StoreGroup(host=host, port=port, rank=rank, world_size=world_size, device=self.device,
+                                backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+        logger.info("broadcast refit: joined %s:%d as rank %d of %d (%s)", host, port, rank, world_size, self.group.backend)
+        return rank
+
+    def receive(self) -> dict[str, Any]:
+        """Receive one refit and load it (module docstring); collective with the trainer's send."""
+        if self.group is None:
+            raise BroadcastRefitError("no broadcast group: call join() before receive()")
+        started = time.perf_counter()
+        receiver = PackedBroadcastReceiver(self.plan_json, self.config, group=self.group, src=SOURCE_RANK, device=self.device)
+        stream = receiver.receive()
+        counter = _Counter(stream, copy=self.staged is not None)
+        try:
+            if self.staged is not None:
+                with self.staged.around():
+                    loaded = self.load_weights(counter)
+            else:
+                loaded = self.load_weights(counter)
+            counter.drain()  # a loader that stops early still runs the protocol to its end
+        except BaseException:
+            stream.close()  # stopped at a tensor: the receiver runs the protocol to its end, reporting the failure
+            raise
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        unloaded = sorted(self.parameter_names - set(loaded)) if isinstance(loaded, (set, frozenset)) else []
+        report = ReceiveReport(tensors=counter.tensors, bytes=counter.bytes, unloaded=unloaded,
+                               receive_ms=(time.perf_counter() - started) * 1e3)
+        if unloaded and not self.allow_partial:
+            raise BroadcastRefitError(
+                f"the refit left {len(unloaded)} engine parameters unloaded, e.g. {unloaded[:4]}: the trainer's export "
+                "does not cover this engine's model (another model or a subset); pass allow_partial=True for a subset refit"
+            )
+        return asdict(report)
+
+    def close(self) -> None:
+        self.group, self.plan_json, self.config = None, None, None
+
+
+class _Counter:
+    """The received stream as the loader reads it, counted; copied first under a reload bracket."""
+
+    def __init__(self, stream: Iterator[tuple[str, torch.Tensor]], *, copy: bool) -> None:
+        self.stream, self.copy = stream, copy
+        self.tensors = self.bytes = 0
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self.stream:
+            self.tensors += 1
+            self.bytes += tensor.numel() * tensor.element_size()
+            yield name, tensor.clone() if self.copy else tensor
+
+    def drain(self) -> None:
+        for _ in self:
+            pass
