@@ -1,0 +1,112 @@
+"""Stacked expert tensors (``plan.stacking``) against the bridge's own grouped-export conversion.
+
+The oracle is upstream: each GPT-OSS expert mapping's ``megatron_to_hf`` on one expert's random
+tensor (single process: every parallel size is 1), stacked over experts as stock's grouped export
+does. Ours is the stack the rule table picks for the mapping, written slot by slot with
+``ExpertStack.copy_into`` into one output buffer. Shapes keep hidden != ffn so that a missing or
+extra transpose cannot pass, and a deliberately wrong stack is shown to differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+EXPERTS, HIDDEN, FFN = 3, 6, 4
+LAYER = "decoder.layers.0.mlp.experts.local_experts.{e}"
+HF = "model.layers.0.mlp.experts."
+
+
+def _module(kind: str) -> torch.nn.Module:
+    # AutoMapping detects column/row parallelism from the module's class name.
+    name = {"column": "TEColumnParallelGroupedLinear", "row": "TERowParallelGroupedLinear"}[kind]
+    return type(name, (torch.nn.Module,), {})()
+
+
+def _cases():
+    from megatron.bridge.models.gpt_oss.gpt_oss_bridge import GPTOSSMLPDownProjMapping, GPTOSSMLPGateUpProjMapping
+
+    return [  # mapping class, Megatron suffix, HF name, module kind, local shape
+        (GPTOSSMLPGateUpProjMapping, "linear_fc1.weight", "gate_up_proj", "column", (2 * FFN, HIDDEN)),
+        (GPTOSSMLPGateUpProjMapping, "linear_fc1.bias", "gate_up_proj_bias", "column", (2 * FFN,)),
+        (GPTOSSMLPDownProjMapping, "linear_fc2.weight", "down_proj", "row", (HIDDEN, FFN)),
+        (GPTOSSMLPDownProjMapping, "linear_fc2.bias", "down_proj_bias", "row", (HIDDEN,)),
+    ]
+
+
+CASE_IDS = ["gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"]
+
+
+def _upstream_and_ours(case, stack_override=None):
+    from mbridge_refit.plan.stacking import STACKED_KIND, stacked_placement
+
+    mapping_class, suffix, hf_suffix, kind, local_shape = case
+    generator = torch.Generator().manual_seed(0)
+    locals_ = [torch.randn(local_shape, generator=generator, dtype=torch.float32).to(torch.bfloat16) for _ in range(EXPERTS)]
+    module = _module(kind)
+    upstream = []
+    for e, local in enumerate(locals_):
+        mapping = mapping_class(megatron_param=f"{LAYER.format(e=e)}.{suffix}", hf_param=HF + hf_suffix)
+        (name, tensor), = mapping.megatron_to_hf(local, module).items()
+        assert name == HF + hf_suffix
+        upstream.append(tensor)
+    expected = torch.stack(upstream, dim=0)
+
+    mapping = mapping_class(megatron_param=f"{LAYER.format(e=0)}.{suffix}", hf_param=HF + hf_suffix)
+    placement, stack = stacked_placement(mapping, local_shape)
+    assert placement.kind == STACKED_KIND and placement.hf_names == (HF + hf_suffix,)
+    stack = stack_override(stack) if stack_override else stack
+    out = torch.full((EXPERTS, *stack.expert_shape(local_shape)), float("nan"), dtype=torch.bfloat16)
+    for e, local in enumerate(locals_):
+        stack.copy_into(out[e], local)
+    return expected, out, stack, locals_
+
+
+@pytest.mark.parametrize("case", range(4), ids=CASE_IDS)
+def test_stack_matches_the_upstream_grouped_export(case):
+    expected, ours, stack, locals_ = _upstream_and_ours(_cases()[case])
+    assert ours.shape == expected.shape and ours.dtype == expected.dtype
+    assert torch.equal(ours.view(torch.int16), expected.view(torch.int16))  # bitwise
+    assert all(torch.equal(stack.read_from(ours[e]), local) for e, local in enumerate(locals_))  # the inverse
+
+
+@pytest.mark.parametrize(
+    ("case", "corrupt"),
+    [
+        (0, lambda s: dataclasses.replace(s, interleave=1)),  # gate and up blocks instead of alternating rows
+        (1, lambda s: dataclasses.replace(s, interleave=4)),  # alternating in 4 blocks
+    ],
+    ids=["gate_up_proj-no-interleave", "gate_up_proj_bias-wrong-interleave"],
+)
+def test_a_wrong_stack_is_caught(case, corrupt):
+    expected, ours, _, _ = _upstream_and_ours(_cases()[case], corrupt)
+    assert ours.shape == expected.shape
+    assert not torch.equal(ours.view(torch.int16), expected.view(torch.int16))
+
+
+def test_a_missing_transpose_changes_the_shape():
+    from mbridge_refit.plan.stacking import ExpertStack
+
+    assert ExpertStack(interleave=2, transpose=True).expert_shape((2 * FFN, HIDDEN)) == (HIDDEN, 2 * FFN)
+    assert ExpertStack(interleave=2).expert_shape((2 * FFN, HIDDEN)) != (HIDDEN, 2 * FFN)
+
+
+def test_unknown_grouped_mapping_is_refused_by_name():
+    from megatron.bridge.models.conversion.param_mapping import FusedExpertMapping
+
+    from mbridge_refit.plan.placement import PlacementError
+    from mbridge_refit.plan.stacking import stacked_placement
+
+    mapping = FusedExpertMapping("decoder.layers.0.mlp.experts.linear_fc2.weight*", "model.layers.0.mlp.experts.down_proj")
+    with pytest.raises(PlacementError, match=r"FusedExpertMapping.*no stacking rule.*GPTOSSMLPGateUpProjMapping"):
+        stacked_placement(mapping, (HIDDEN, FFN))
+
+
+def test_odd_rows_cannot_be_interleaved():
+    from mbridge_refit.plan.placement import PlacementError
+    from mbridge_refit.plan.stacking import ExpertStack
+
+    with pytest.raises(PlacementError, match="5 rows cannot be interleaved in 2 blocks"):
+        ExpertStack(interleave=2).check((5, HIDDEN))
