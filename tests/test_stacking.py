@@ -110,3 +110,36 @@ def test_odd_rows_cannot_be_interleaved():
 
     with pytest.raises(PlacementError, match="5 rows cannot be interleaved in 2 blocks"):
         ExpertStack(interleave=2).check((5, HIDDEN))
+
+
+def _stacked_entry():
+    from mbridge_refit.plan.entries import PlanEntry, TensorSharding
+    from mbridge_refit.plan.stacking import STACKED_KIND, ExpertStack
+
+    sharding = TensorSharding(
+        mesh_dims=("ep", "edp"), mesh_shape=(2, 1), placements=("Shard(0)", "Replicate()"), pieces=(),
+        local_shape=(2 * FFN, HIDDEN), stack=ExpertStack(interleave=2, transpose=True, num_experts=4),
+    )
+    return PlanEntry(hf_name=HF + "gate_up_proj", shape=(4, HIDDEN, 2 * FFN), dtype="bfloat16",
+                     megatron_param=f"{LAYER.format(e=0)}.linear_fc1.weight", pp_rank=0, vpp_stage=0,
+                     is_expert=True, kind=STACKED_KIND, sharding=sharding)
+
+
+def test_stacked_entry_survives_the_plan_json():
+    from mbridge_refit.plan.entries import ExportPlan
+
+    plan = ExportPlan(entries=(_stacked_entry(),), layer_map={0: (0, 0)}, tp=1, pp=1, ep=2, vpp=1)
+    assert ExportPlan.from_json(plan.to_json()) == plan
+
+
+def test_sharded_refit_refuses_stacked_tensors_by_name():
+    from mbridge_refit.plan.engine_layout import EngineLayout
+    from mbridge_refit.plan.entries import ExportPlan
+    from mbridge_refit.plan.layout import ModelShape
+    from mbridge_refit.plan.transfer import TransferPlanError, build_transfer_plan, megatron_rank_grid
+
+    plan = ExportPlan(entries=(_stacked_entry(),), layer_map={0: (0, 0)}, tp=1, pp=1, ep=2, vpp=1)
+    shape = ModelShape(num_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=8,
+                       intermediate_size=FFN, num_experts=4)
+    with pytest.raises(TransferPlanError, match=r"gate_up_proj: a stacked expert tensor.*packed broadcast"):
+        build_transfer_plan(plan, megatron_rank_grid(tp=1, ep=2, dp=2), EngineLayout(tp=2, ep=2), shape)
