@@ -10,6 +10,8 @@ extra transpose cannot pass, and a deliberately wrong stack is shown to differ.
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -143,3 +145,17 @@ def test_sharded_refit_refuses_stacked_tensors_by_name():
                        intermediate_size=FFN, num_experts=4)
     with pytest.raises(TransferPlanError, match=r"gate_up_proj: a stacked expert tensor.*packed broadcast"):
         build_transfer_plan(plan, megatron_rank_grid(tp=1, ep=2, dp=2), EngineLayout(tp=2, ep=2), shape)
+
+
+@pytest.mark.multirank
+def test_gpt_oss_cached_export_at_tp2_ep2(tmp_path):
+    """TP2 x EP2 (2 CPU ranks, experts split over the tensor-parallel ranks): stacked tensors gathered over EP equal stock's, twice, and the
+    second export writes them into the first one's buffers without allocating."""
+    from conftest import REPO, torchrun
+
+    result = tmp_path / "stacked.json"
+    run = torchrun(2, [str(REPO / "tests" / "ranks" / "stacked_export_check.py"), "--tp", "2", "--ep", "2", "--result", str(result)])
+    assert run.returncode == 0, run.output[-6000:]
+    reports = [json.loads(Path(f"{result}.rank{rank}").read_text()) for rank in range(2)]
+    assert all(r["stacked"] > 0 for r in reports)
+    assert [r["failures"] for r in reports] == [[]] * 2
