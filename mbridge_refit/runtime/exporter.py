@@ -5,8 +5,8 @@ of the bucket is issued in one coalesced NCCL group, then the HF tensors are bui
 entry's ``Assembly`` says (views where the HF tensor is a slice of a shard, all-gathers straight
 into the output, one copy per piece otherwise); experts are gathered over the expert-parallel
 group (a stacked expert tensor: each local expert copied into its slot, then the slots
-all-gathered into the output); each HF tensor is then broadcast from the owning stage to the other pipeline stages.
-Every rank yields every tensor, in plan order (the stock export's order).
+all-gathered into the output); each HF tensor is then broadcast from the owning stage to the
+other pipeline stages. Every rank yields every tensor, in plan order (the stock export's order).
 
 Buffers (gather, output, receive) come from ``ExportBuffers``; with a persistent pool they are
 allocated on the first export and reused by every later one.
@@ -235,16 +235,13 @@ class PlanExporter:
         output itself at ep 1), then all-gather the shares over the expert-parallel group into the
         output (rank k's share is slots [k*E/ep, (k+1)*E/ep): the output's k-th chunk)."""
         (entry,) = op.entries
-        stack, ep_size = entry.sharding.stack, self._groups.ep_size
-        share = out = None
-        for index, name in enumerate(op.sources):
-            local = self.shards(name, entry, (slot, index), buffers).detach()
-            if out is None:
-                out = buffers.get("out", (slot, 0), entry.shape, local.dtype, local.device)
-                share = out if ep_size == 1 else buffers.get(
-                    "pack", (slot, 0), (len(op.sources), *entry.shape[1:]), local.dtype, local.device
-                )
-            stack.copy_into(share[index], local)
+        ep_size = self._groups.ep_size
+        experts = [self.shards(name, entry, (slot, index), buffers).detach() for index, name in enumerate(op.sources)]
+        dtype, device = experts[0].dtype, experts[0].device
+        out = buffers.get("out", (slot, 0), entry.shape, dtype, device)
+        share = out if ep_size == 1 else buffers.get("pack", (slot, 0), (len(experts), *entry.shape[1:]), dtype, device)
+        for expert_slot, expert in zip(share, experts):
+            entry.sharding.stack.copy_into(expert_slot, expert)
         if ep_size > 1:
             gather_into(out, share, self._groups.ep, ep_size)
         return out
