@@ -211,6 +211,16 @@ def test_recipe_families_take_the_fast_path(layout, architecture, matrix):
         assert cell.state is CellState.FAST_PATH_EXACT, f"{architecture} {layout} {precision}: {cell.state}: {cell.detail}"
 
 
+STACKED_EXPERT_ARCHITECTURES = ("GptOssForCausalLM",)  # families whose experts plan.stacking plans
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(("layout", "architecture"), [c for c in CELLS if c[1] in STACKED_EXPERT_ARCHITECTURES])
+def test_stacked_expert_families_take_the_fast_path(layout, architecture, matrix):
+    """Stacked expert tensors (GPT-OSS's gate_up_proj, down_proj) keep their family on the fast path."""
+    test_recipe_families_take_the_fast_path(layout, architecture, matrix)
+
+
 def test_matrix_page_links_name_tests_of_this_module():
     """docs/conformance.md links each cell to a test here: the line of its function, a known cell id."""
     page = (REPO / "docs" / "conformance.md").read_text()

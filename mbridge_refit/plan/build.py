@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from mbridge_refit.plan.entries import ExportPlan, PlanEntry, PlanError, TensorSharding, expert_number, with_expert_number
 from mbridge_refit.plan.placement import PlacementError, PlacementKind, ShardContext, SliceCopy, placement_kind, slices_for
+from mbridge_refit.plan.stacking import ExpertStack, stacked_placement
 from mbridge_refit.plan.storage import PLAIN, storage_format
 
 
@@ -38,6 +39,7 @@ class ParamSpec:
     vpp_stage: int
     is_expert: bool
     source_format: str = PLAIN
+    stack: ExpertStack | None = None  # a grouped-export expert parameter (``plan.stacking``)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -151,11 +153,12 @@ def _sort_key(name: str):
 
 
 def _local_spec(task: Any, pp_rank: int) -> ParamSpec:
+    weight = task.param_weight
     try:
-        placement = placement_kind(task.mapping, task.megatron_module)
+        stacked = stacked_placement(task.mapping, tuple(weight.shape))
+        placement, stack = stacked if stacked is not None else (placement_kind(task.mapping, task.megatron_module), None)
     except PlacementError as err:
         raise PlanError(f"cannot plan {task.global_param_name}: {err}") from err
-    weight = task.param_weight
     return ParamSpec(
         global_name=task.global_param_name,
         placement=placement,
@@ -165,11 +168,14 @@ def _local_spec(task: Any, pp_rank: int) -> ParamSpec:
         vpp_stage=task.vp_stage or 0,
         is_expert=bool(task.mapping.is_expert),
         source_format=storage_format(weight),
+        stack=stack,
     )
 
 
 def _entries_for(specs: dict[str, ParamSpec], name: str, sizes: ParallelSizes, config: Any) -> list[PlanEntry]:
     spec = specs[name]
+    if spec.stack is not None:
+        return _stacked_entries(specs, name, sizes)
     if not spec.is_expert:
         return _dense_entries(spec, sizes, config)
     expert = expert_number(name)
@@ -221,6 +227,35 @@ def _expert_entry(
         local_expert_index=local_index,
     )
     return _entry(spec, hf_name, _hf_shape(spec.local_shape, pieces), sharding)
+
+
+def _stacked_entries(specs: dict[str, ParamSpec], name: str, sizes: ParallelSizes) -> list[PlanEntry]:
+    """A stacked expert tensor, planned once at expert 0's parameter: one entry, all E experts.
+
+    Stock yields it when its last expert has been converted; a layer's expert parameters sort
+    together, so expert 0's place gives the same order among the other tensors.
+    """
+    if expert_number(name) != 0:
+        return []
+    spec = specs[name]
+    members = [specs.get(with_expert_number(name, e)) for e in range(sizes.num_experts)]
+    odd = [e for e, m in enumerate(members) if m is None or (m.local_shape, m.stack) != (spec.local_shape, spec.stack)]
+    if odd or not sizes.num_experts or sizes.num_experts % sizes.ep:
+        raise PlacementError(
+            f"the stacked expert tensor {spec.placement.hf_names[0]} needs all {sizes.num_experts} experts alike, "
+            f"divided evenly over ep={sizes.ep}; experts {odd[:5]} are missing or differ"
+        )
+    stack = dataclasses.replace(spec.stack, num_experts=sizes.num_experts)
+    sharding = TensorSharding(
+        mesh_dims=("ep", "edp"),
+        mesh_shape=(sizes.ep, sizes.edp),
+        placements=("Shard(0)" if sizes.ep > 1 else "Replicate()", "Replicate()"),
+        pieces=(),
+        local_shape=spec.local_shape,
+        stack=stack,
+    )
+    shape = (sizes.num_experts, *stack.expert_shape(spec.local_shape))
+    return [_entry(spec, spec.placement.hf_names[0], shape, sharding)]
 
 
 def _entry(spec: ParamSpec, hf_name: str, shape: tuple[int, ...], sharding: TensorSharding) -> PlanEntry:

@@ -23,6 +23,7 @@ from typing import Any, Iterable
 import torch
 
 from mbridge_refit.plan.placement import SliceCopy
+from mbridge_refit.plan.stacking import ExpertStack
 from mbridge_refit.plan.storage import PLAIN
 
 
@@ -39,6 +40,11 @@ class TensorSharding:
     reads like DTensor's: ``Shard(d)`` or ``Replicate()`` for each mesh dimension.
     ``pieces[r]`` lists where tensor-parallel rank ``r`` keeps its slices of this HF tensor
     inside its local Megatron parameter (one entry when not tensor-parallel).
+
+    A stacked expert tensor (``stack`` set, ``plan.stacking``) holds every expert of its layer:
+    slot ``e`` is expert ``e``'s whole local parameter re-laid out as ``stack`` says, so it has no
+    slice pieces; expert-parallel rank ``k`` holds slots ``[k*E/ep, (k+1)*E/ep)``
+    (``Shard(0)`` over ``ep``).
     """
 
     mesh_dims: tuple[str, str]
@@ -48,6 +54,7 @@ class TensorSharding:
     local_shape: tuple[int, ...]
     owner_ep_rank: int | None = None
     local_expert_index: int | None = None
+    stack: ExpertStack | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -110,6 +117,8 @@ class ExportPlan:
 def _entry_from_dict(raw: dict[str, Any]) -> PlanEntry:
     sharding = dict(raw.pop("sharding"))
     sharding["pieces"] = tuple(tuple(SliceCopy(**p) for p in rank) for rank in sharding["pieces"])
+    if sharding.get("stack") is not None:
+        sharding["stack"] = ExpertStack(**sharding["stack"])
     for key in ("mesh_dims", "mesh_shape", "placements", "local_shape"):
         sharding[key] = tuple(sharding[key])
     return PlanEntry(**{**raw, "shape": tuple(raw["shape"]), "sharding": TensorSharding(**sharding)})

@@ -213,6 +213,12 @@ def _with_roles(plan: ExportPlan) -> list[tuple[PlanEntry, int]]:
 
 
 def _check_plannable(entry: PlanEntry) -> None:
+    if entry.sharding.stack is not None:
+        raise TransferPlanError(
+            f"{entry.hf_name}: a stacked expert tensor (every expert of the layer, each re-laid out) is not a box of "
+            "slices of the trainer's parameters, which is all a sharded refit moves; refit this model with the "
+            "packed broadcast (full export) instead"
+        )
     if entry.scale_of is not None or entry.source_format != PLAIN:
         raise TransferPlanError(
             f"{entry.hf_name}: a sharded refit moves the trainer's parameters as they are stored, in their own dtype; "

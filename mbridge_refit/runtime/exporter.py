@@ -4,8 +4,9 @@ For each bucket (``schedule.build_buckets``), on the pipeline stage that owns it
 of the bucket is issued in one coalesced NCCL group, then the HF tensors are built as each
 entry's ``Assembly`` says (views where the HF tensor is a slice of a shard, all-gathers straight
 into the output, one copy per piece otherwise); experts are gathered over the expert-parallel
-group; each HF tensor is then broadcast from the owning stage to the other pipeline stages.
-Every rank yields every tensor, in plan order (the stock export's order).
+group (a stacked expert tensor: each local expert copied into its slot, then the slots
+all-gathered into the output); each HF tensor is then broadcast from the owning stage to the
+other pipeline stages. Every rank yields every tensor, in plan order (the stock export's order).
 
 Buffers (gather, output, receive) come from ``ExportBuffers``; with a persistent pool they are
 allocated on the first export and reused by every later one.
@@ -197,6 +198,8 @@ class PlanExporter:
     def _launch_gathers(self, op: Op, slot: int, buffers: ExportBuffers) -> dict:
         """Issue ``op``'s gathers: row gathers straight into outputs, or whole shards."""
         groups = self._groups
+        if op.sources:
+            return {"stacked": self._gather_stack(op, slot, buffers)}
         local = self.shards(op.source, op.entries[0], slot, buffers).detach()
         if op.expert:
             return {"whole": _gather(local, groups.ep, groups.ep_size, buffers, "ep_gather", slot)}
@@ -209,6 +212,8 @@ class PlanExporter:
         return launched
 
     def _assemble(self, op: Op, slot: int, launched: dict, buffers: ExportBuffers) -> list[torch.Tensor]:
+        if "stacked" in launched:
+            return [launched["stacked"]]
         if op.expert:
             whole = launched["whole"]
             return [
@@ -224,6 +229,22 @@ class PlanExporter:
             else:
                 outputs.append(self._from_pieces(entry, assembly, launched["local"].unsqueeze(0), buffers, (slot, i)))
         return outputs
+
+    def _gather_stack(self, op: Op, slot: int, buffers: ExportBuffers) -> torch.Tensor:
+        """``STACK``: copy each local expert into its slot of this rank's share of the stack (the
+        output itself at ep 1), then all-gather the shares over the expert-parallel group into the
+        output (rank k's share is slots [k*E/ep, (k+1)*E/ep): the output's k-th chunk)."""
+        (entry,) = op.entries
+        ep_size = self._groups.ep_size
+        experts = [self.shards(name, entry, (slot, index), buffers).detach() for index, name in enumerate(op.sources)]
+        dtype, device = experts[0].dtype, experts[0].device
+        out = buffers.get("out", (slot, 0), entry.shape, dtype, device)
+        share = out if ep_size == 1 else buffers.get("pack", (slot, 0), (len(experts), *entry.shape[1:]), dtype, device)
+        for expert_slot, expert in zip(share, experts):
+            entry.sharding.stack.copy_into(expert_slot, expert)
+        if ep_size > 1:
+            gather_into(out, share, self._groups.ep, ep_size)
+        return out
 
     def _gather_rows(
         self, entry: PlanEntry, assembly: Assembly, local: torch.Tensor, buffers: ExportBuffers, index: tuple

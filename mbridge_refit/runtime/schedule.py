@@ -10,7 +10,10 @@ index over the expert-parallel ranks) with the plan entries it yields and, per e
   tensor parallelism; yielded lazily as a ``RowSelection``);
 * ``GATHER_ROWS``: tensor-parallel rank r owns HF rows [r*n, (r+1)*n) (column-parallel weights,
   gate and up, q, k, v): pack this rank's rows and all-gather them straight into the output;
-* ``PIECES``: gather whole shards, then one copy per slice piece (row-parallel weights).
+* ``PIECES``: gather whole shards, then one copy per slice piece (row-parallel weights);
+* ``STACK``: a stacked expert tensor (``plan.stacking``): each of this rank's local experts is
+  copied, re-laid out, into its slot of this rank's share of the stack, which is all-gathered
+  over the expert-parallel group straight into the output (at ep 1 the share is the output).
 
 ``build_buckets`` packs consecutive whole layers of one pipeline stage and gather group into
 buckets whose gathers are issued together (one coalesced NCCL group). Every rank computes the
@@ -35,6 +38,7 @@ class AssemblyKind(enum.Enum):
     INDEX = "index"
     GATHER_ROWS = "gather_rows"
     PIECES = "pieces"
+    STACK = "stack"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,9 +65,10 @@ class Op:
 
     entries: list[PlanEntry]
     assemblies: list[Assembly]
-    source: str | None  # the local parameter's global name; None where this rank holds no shard
+    source: str | None  # the local parameter's global name (``STACK``: the first of ``sources``); None where this rank holds no shard
     sharded_over_tp: bool
     expert: bool
+    sources: tuple[str, ...] = ()  # ``STACK``: this rank's local expert parameters, in slot order
 
     @property
     def nbytes(self) -> int:
@@ -100,18 +105,23 @@ def build_ops(plan: ExportPlan, params: Mapping[str, torch.Tensor], groups: Para
             ops[-1].entries.append(entry)
             ops[-1].assemblies.append(plan_assembly(entry, groups))
             continue
-        source = None
+        sources: tuple[str, ...] = ()
         if entry.alias_of is None and entry.pp_rank == groups.pp_rank:
-            source = entry.megatron_param if not entry.is_expert else _my_expert_param(entry, experts_per_rank, groups)
-            if source not in params:
-                raise KeyError(f"the plan places {source} on this rank, which does not hold it")
+            if entry.sharding.stack is not None:
+                sources = _my_stacked_params(entry, plan.ep, groups)
+            else:
+                sources = (entry.megatron_param if not entry.is_expert else _my_expert_param(entry, experts_per_rank, groups),)
+            for source in sources:
+                if source not in params:
+                    raise KeyError(f"the plan places {source} on this rank, which does not hold it")
         ops.append(
             Op(
                 entries=[entry],
                 assemblies=[plan_assembly(entry, groups)],
-                source=source,
+                source=sources[0] if sources else None,
                 sharded_over_tp=not entry.is_expert and len(entry.sharding.pieces) > 1,
                 expert=entry.is_expert,
+                sources=sources if entry.sharding.stack is not None else (),
             )
         )
     return ops
@@ -171,6 +181,8 @@ def layer_of(megatron_param: str) -> int | str:
 
 def plan_assembly(entry: PlanEntry, groups: ParallelGroups) -> Assembly:
     """Choose how to build ``entry`` on this rank from its slice pieces (decided once)."""
+    if entry.sharding.stack is not None:
+        return Assembly(kind=AssemblyKind.STACK)
     pieces = entry.sharding.pieces
     if len(pieces) > 1 and not entry.is_expert:
         return _tp_assembly(entry, groups.tp_rank)
@@ -229,8 +241,15 @@ def _my_expert_param(entry: PlanEntry, experts_per_rank: int, groups: ParallelGr
     return with_expert_number(entry.megatron_param, entry.sharding.local_expert_index + groups.ep_rank * experts_per_rank)
 
 
+def _my_stacked_params(entry: PlanEntry, ep: int, groups: ParallelGroups) -> tuple[str, ...]:
+    """The global names of this EP rank's experts of a stacked entry, in slot order."""
+    per_rank = entry.sharding.stack.num_experts // ep
+    first = groups.ep_rank * per_rank
+    return tuple(with_expert_number(entry.megatron_param, first + k) for k in range(per_rank))
+
+
 def _experts_per_rank(plan: ExportPlan) -> int:
-    indices = {e.sharding.local_expert_index for e in plan.entries if e.is_expert}
+    indices = {e.sharding.local_expert_index for e in plan.entries if e.is_expert and e.sharding.stack is None}
     return max(indices) + 1 if indices else 1
 
 

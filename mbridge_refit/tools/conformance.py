@@ -61,8 +61,9 @@ SESSION_TIMEOUT = datetime.timedelta(minutes=2)  # a rank whose peer failed rais
 # The matrix: layout name -> the layout and which architectures run at it (None: every registered
 # one). Tensor parallelism runs on families that build on CPU and cover the placement kinds: QKV
 # with and without bias and QK norms, gated and plain MLPs, MoE experts (with an expert bias and a
-# dense first layer in HY-V3), a vision-language model, tied embeddings, and two models the plan
-# refuses (their stock fallback and FP8 refusal at TP2).
+# dense first layer in HY-V3; stacked experts in GPT-OSS), a vision-language model, tied
+# embeddings, and a model the plan refuses (its stock fallback and FP8 refusal at TP2). Expert
+# parallelism runs on per-expert and stacked expert tensors.
 MATRIX_LAYOUTS: Mapping[str, tuple[ParallelLayout, tuple[str, ...] | None]] = MappingProxyType({
     "tp1": (ParallelLayout(), None),
     "tp2": (ParallelLayout(tp=2), (
@@ -70,6 +71,7 @@ MATRIX_LAYOUTS: Mapping[str, tuple[ParallelLayout, tuple[str, ...] | None]] = Ma
         "MistralForCausalLM", "NemotronForCausalLM", "Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration",
         "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
     )),
+    "ep2": (ParallelLayout(ep=2), ("GptOssForCausalLM", "Qwen3MoeForCausalLM")),
 })
 
 class CellState(enum.StrEnum):
