@@ -15,6 +15,7 @@ import argparse
 import ast
 import datetime
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -76,6 +77,11 @@ def test_lines() -> dict[str, int]:
     return lines
 
 
+def layout_label(layout_name: str) -> str:
+    """``tp2ep2`` -> ``TP2×EP2``: a layout name as the page writes it."""
+    return re.sub(r"(?<=\d)(?=[A-Z])", "×", layout_name.upper())
+
+
 def cell_link(cell, lines: dict[str, int], page_dir: Path) -> str:
     function = TEST_OF_PRECISION[cell.precision]
     target = os.path.relpath(TEST_MODULE, page_dir)
@@ -88,7 +94,7 @@ def render(matrix: dict[str, list], page_dir: Path) -> str:
     by_key = {(c.architecture, c.layout, c.precision): c for cells in matrix.values() for c in cells}
     architectures = sorted({c.architecture for cells in matrix.values() for c in cells})
     out = [*_header(), "## Counts", "", *_counts_table(matrix, columns), "", "## Cells", ""]
-    out.append("| architecture | " + " | ".join(f"{l.upper()} {p.upper()}" for l, p in columns) + " |")
+    out.append("| architecture | " + " | ".join(f"{layout_label(l)} {p.upper()}" for l, p in columns) + " |")
     out.append("| --- " * (len(columns) + 1) + "|")
     for architecture in architectures:
         row = [cell_link(by_key[k], lines, page_dir) if (k := (architecture, l, p)) in by_key else "–" for l, p in columns]
@@ -134,7 +140,7 @@ def _counts_table(matrix: dict[str, list], columns: list[tuple[str, str]]) -> li
     for layout, precision in columns:
         counts = Counter(str(c.state) for c in matrix[layout] if c.precision == precision)
         ranks = MATRIX_LAYOUTS[layout][0].expected_world_size
-        table.append(f"| {layout.upper()} | {ranks} | {precision.upper()} | " + " | ".join(str(counts[s]) for s in states) + " |")
+        table.append(f"| {layout_label(layout)} | {ranks} | {precision.upper()} | " + " | ".join(str(counts[s]) for s in states) + " |")
     return table
 
 
@@ -173,7 +179,7 @@ def _reasons_table(matrix: dict[str, list]) -> list[str]:
     table = ["| architecture | cells | state | reason |", "| --- | --- | --- | --- |"]
     for (architecture, layout, state, detail), precisions in sorted(rows.items(), key=lambda row: row[0][:2]):
         reason = detail.replace("|", "\\|").replace("\n", " ")
-        table.append(f"| {architecture} | {layout.upper()} {'+'.join(precisions)} | {state} | {reason} |")
+        table.append(f"| {architecture} | {layout_label(layout)} {'+'.join(precisions)} | {state} | {reason} |")
     return table
 
 
