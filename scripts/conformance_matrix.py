@@ -3,7 +3,7 @@
     python scripts/conformance_matrix.py [--out docs/conformance.md]
 
 Runs the checks ``tests/test_conformance.py`` runs (``python -m mbridge_refit.tools.conformance``,
-one launch per layout of ``MATRIX_LAYOUTS``, CPU ranks under torchrun), then writes the page: one
+one launch per world size for the layouts of ``MATRIX_LAYOUTS``, CPU ranks under torchrun), then writes the page: one
 row per architecture, a column per layout and precision, each cell's state linking to the test
 that proves it, the counts per state, and the reason of every cell that is not on the fast path.
 Exits 1 when a cell fails (``different`` or ``our export failed``); the page is written anyway.
@@ -15,6 +15,7 @@ import argparse
 import ast
 import datetime
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -35,9 +36,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch_layout(layout_name: str, nproc: int, json_path: Path) -> None:
-    """Run the layout's ranks (plain python for one rank, as the tests do); raise if they fail."""
-    module = ["-m", "mbridge_refit.tools.conformance", "--layout", layout_name, "--json", str(json_path)]
+def launch(layout_names: list[str], nproc: int, json_path: Path) -> None:
+    """Run the layouts' ranks, one launch (plain python for one rank, as the tests do); raise if they fail."""
+    module = ["-m", "mbridge_refit.tools.conformance", "--layout", ",".join(layout_names), "--json", str(json_path)]
     launcher = [] if nproc == 1 else [
         "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
     ]
@@ -46,19 +47,23 @@ def launch_layout(layout_name: str, nproc: int, json_path: Path) -> None:
 
 
 def run_matrix() -> dict[str, list]:
-    """layout name -> rank 0's cells (every rank's states checked equal)."""
+    """layout name -> rank 0's cells (every rank's states checked equal), in ``MATRIX_LAYOUTS`` order."""
     from mbridge_refit.tools.conformance import MATRIX_LAYOUTS, read_cells
 
-    matrix = {}
+    by_world_size: dict[int, list[str]] = {}
+    for layout_name, (layout, _) in MATRIX_LAYOUTS.items():
+        by_world_size.setdefault(layout.expected_world_size, []).append(layout_name)
+    matrix: dict[str, list] = {name: [] for name in MATRIX_LAYOUTS}
     with tempfile.TemporaryDirectory() as tmp:
-        for layout_name, (layout, _) in MATRIX_LAYOUTS.items():
-            path = Path(tmp) / f"{layout_name}.json"
-            launch_layout(layout_name, layout.expected_world_size, path)
-            ranks = read_cells(path, layout.expected_world_size)
+        for nproc, layout_names in by_world_size.items():
+            path = Path(tmp) / f"ranks{nproc}.json"
+            launch(layout_names, nproc, path)
+            ranks = read_cells(path, nproc)
             disagreeing = [c.architecture for cells in zip(*ranks) for c in cells if c.state != cells[0].state]
             if disagreeing or len({len(cells) for cells in ranks}) != 1:
-                raise SystemExit(f"{layout_name}: ranks disagree on {sorted(set(disagreeing))}")
-            matrix[layout_name] = ranks[0]
+                raise SystemExit(f"{layout_names}: ranks disagree on {sorted(set(disagreeing))}")
+            for cell in ranks[0]:
+                matrix[cell.layout].append(cell)
     return matrix
 
 
@@ -72,6 +77,11 @@ def test_lines() -> dict[str, int]:
     return lines
 
 
+def layout_label(layout_name: str) -> str:
+    """``tp2ep2`` -> ``TP2×EP2``: a layout name as the page writes it."""
+    return re.sub(r"(?<=\d)(?=[A-Z])", "×", layout_name.upper())
+
+
 def cell_link(cell, lines: dict[str, int], page_dir: Path) -> str:
     function = TEST_OF_PRECISION[cell.precision]
     target = os.path.relpath(TEST_MODULE, page_dir)
@@ -83,12 +93,13 @@ def render(matrix: dict[str, list], page_dir: Path) -> str:
     columns = [(layout, precision) for layout in matrix for precision in TEST_OF_PRECISION]
     by_key = {(c.architecture, c.layout, c.precision): c for cells in matrix.values() for c in cells}
     architectures = sorted({c.architecture for cells in matrix.values() for c in cells})
-    out = [*_header(), "| architecture | " + " | ".join(f"{l.upper()} {p.upper()}" for l, p in columns) + " |"]
+    out = [*_header(), "## Counts", "", *_counts_table(matrix, columns), "", "## Cells", ""]
+    out.append("| architecture | " + " | ".join(f"{layout_label(l)} {p.upper()}" for l, p in columns) + " |")
     out.append("| --- " * (len(columns) + 1) + "|")
     for architecture in architectures:
         row = [cell_link(by_key[k], lines, page_dir) if (k := (architecture, l, p)) in by_key else "–" for l, p in columns]
         out.append(f"| {architecture} | " + " | ".join(row) + " |")
-    out += ["", "## Counts", "", *_counts_table(matrix, columns), "", "## CPU build concessions", ""]
+    out += ["", "## CPU build concessions", ""]
     out += _concessions_table(matrix)
     out += ["", "## Reasons", "", *_reasons_table(matrix)]
     return "\n".join(out) + "\n"
@@ -103,7 +114,10 @@ def _header() -> list[str]:
         "Every architecture Megatron-Bridge registers (`AutoBridge.list_supported_models()`), built as a tiny",
         "random model on CPU ranks (gloo, Megatron's local layer spec): RefitBridge's export against stock",
         "`export_hf_weights` on the same model (same names in the same order, same dtype, shape and bytes),",
-        "and its blockwise FP8 export against the reference quantizer applied to stock's tensors.",
+        "and its blockwise FP8 export against the reference quantizer applied to stock's tensors. Every",
+        "architecture runs at TP1; TP2, PP2, EP2 and TP2×EP2 (2 ranks each) run the families that build on",
+        "CPU, chosen to cover the placement kinds each layout splits (`MATRIX_LAYOUTS` in",
+        "`mbridge_refit/tools/conformance.py` says which and why; `–`: not run at that layout).",
         "States: `fast path, exact`; `stock fallback, exact` (the plan refused the model, the export is",
         "stock's); `FP8 refused` (FP8 needs the plan: refused before any work, with the reason);",
         "`cannot be built here` (config, bridge or model construction failed on CPU); `upstream broken`",
@@ -117,13 +131,15 @@ def _header() -> list[str]:
 
 
 def _counts_table(matrix: dict[str, list], columns: list[tuple[str, str]]) -> list[str]:
-    from mbridge_refit.tools.conformance import CellState
+    """One row per layout and precision: its ranks, architectures, and cells in each state."""
+    from mbridge_refit.tools.conformance import MATRIX_LAYOUTS, CellState
 
-    counts = {(l, p): Counter(str(c.state) for c in matrix[l] if c.precision == p) for l, p in columns}
     states = [str(state) for state in CellState]  # every state, the failing ones too (0 when none)
-    table = ["| state | " + " | ".join(f"{l.upper()} {p.upper()}" for l, p in columns) + " |", "| --- " * (len(columns) + 1) + "|"]
-    for state in states:
-        table.append(f"| {state} | " + " | ".join(str(counts[col][state]) for col in columns) + " |")
+    table = ["| layout | ranks | precision | " + " | ".join(states) + " |", "| --- " * (len(states) + 3) + "|"]
+    for layout, precision in columns:
+        counts = Counter(str(c.state) for c in matrix[layout] if c.precision == precision)
+        ranks = MATRIX_LAYOUTS[layout][0].expected_world_size
+        table.append(f"| {layout_label(layout)} | {ranks} | {precision.upper()} | " + " | ".join(str(counts[s]) for s in states) + " |")
     return table
 
 
@@ -163,7 +179,7 @@ def _reasons_table(matrix: dict[str, list]) -> list[str]:
     table = ["| architecture | cells | state | reason |", "| --- | --- | --- | --- |"]
     for (architecture, layout, state, detail), precisions in sorted(rows.items(), key=lambda row: row[0][:2]):
         reason = detail.replace("|", "\\|").replace("\n", " ")
-        table.append(f"| {architecture} | {layout.upper()} {'+'.join(precisions)} | {state} | {reason} |")
+        table.append(f"| {architecture} | {layout_label(layout)} {'+'.join(precisions)} | {state} | {reason} |")
     return table
 
 

@@ -61,3 +61,34 @@ def source_checkpoints(tmp_path_factory):
         return made[name]
 
     return get
+
+
+# --- The slow marker: left out of a run unless asked for. -------------------------------------------
+
+
+def pytest_collection_modifyitems(config, items):
+    """Deselect tests marked ``slow`` unless the run names a marker expression (``-m slow``,
+    ``-m "slow or not slow"``) or names the test itself (``path::test`` or ``path::test[id]``)."""
+    if config.option.markexpr:
+        return
+    named = _named_tests(config)
+    slow = [item for item in items if item.get_closest_marker("slow") and not _is_named(item.nodeid, named)]
+    if slow:
+        slow_ids = {id(item) for item in slow}
+        items[:] = [item for item in items if id(item) not in slow_ids]
+        config.hook.pytest_deselected(items=slow)
+
+
+def _named_tests(config) -> list[str]:
+    """The ``path::name`` arguments of the command line as node ids (relative to the root)."""
+    named = []
+    for arg in config.args:
+        path, sep, rest = arg.partition("::")
+        if sep:
+            relative = os.path.relpath(Path(config.invocation_params.dir, path).resolve(), config.rootpath)
+            named.append(f"{Path(relative).as_posix()}::{rest}")
+    return named
+
+
+def _is_named(nodeid: str, named: list[str]) -> bool:
+    return any(nodeid == n or nodeid.startswith((f"{n}[", f"{n}::")) for n in named)

@@ -2,9 +2,10 @@
 layer spec), RefitBridge's export against stock's on the same model bit for bit (BF16), and its
 FP8 export against the reference quantizer applied to stock's tensors.
 
-The cells are decided inside the ranks by ``mbridge_refit.tools.conformance`` (run here under
-torchrun, once per layout of ``MATRIX_LAYOUTS``); each test below reads one cell. A cell passes in
-any state but ``different`` and ``our export failed``; ``docs/conformance.md`` is the same run
+The cells are decided inside the ranks by ``mbridge_refit.tools.conformance``, run here under
+torchrun once per world size (every layout of ``MATRIX_LAYOUTS`` with that many ranks, the cells
+this session selected, so ``-k`` runs only those); each test below reads one cell. A cell passes
+in any state but ``different`` and ``our export failed``; ``docs/conformance.md`` is the same run
 written by ``scripts/conformance_matrix.py``. The first tests show the comparison failing on a
 corrupted stream, so a passing cell means something.
 """
@@ -30,7 +31,7 @@ from mbridge_refit.tools.conformance import BF16, FP8, MATRIX_LAYOUTS, Cell, Cel
 from mbridge_refit.tools.export_comparison import compare_stream, fp8_expected
 from mbridge_refit.tools.recipes import MODEL_RECIPES
 
-MATRIX_TIMEOUT = 900  # seconds for one layout's ranks (TP1: every registered architecture)
+MATRIX_TIMEOUT = 900  # seconds for one launch (TP1: every registered architecture; 2 ranks: every 2-rank layout)
 CELLS = [(layout, architecture) for layout in MATRIX_LAYOUTS for architecture in conformance.architectures_at(layout)]
 CELL_IDS = [f"{layout}-{architecture}" for layout, architecture in CELLS]
 
@@ -156,22 +157,38 @@ def test_a_corrupted_real_export_is_different(tmp_path):
 # --- The matrix. ----------------------------------------------------------------------------------
 
 
+def _selected_architectures(items) -> dict[str, list[str]]:
+    """layout name -> the architectures of the matrix cells among ``items`` (this session's tests
+    after ``-k``/``-m`` selection), in the layout's order."""
+    selected = set()
+    for item in items:
+        params = item.callspec.params if hasattr(item, "callspec") else {}
+        if getattr(item, "module", None) is sys.modules[__name__] and "architecture" in params:
+            selected.add((params["layout"], params["architecture"]))
+    return {layout: [a for a in conformance.architectures_at(layout) if (layout, a) in selected] for layout in MATRIX_LAYOUTS}
+
+
 @pytest.fixture(scope="module")
-def matrix(tmp_path_factory):
-    """layout name -> every rank's cells, from one launch of the layout's ranks (on first use)."""
+def matrix(request, tmp_path_factory):
+    """layout name -> every rank's cells, from one launch (on first use) of the ranks of every
+    layout of that world size, running the cells this session selected."""
     runs: dict[str, dict[tuple[str, str], list[Cell]]] = {}
+    selected = _selected_architectures(request.session.items)
 
     def cells_of(layout_name: str) -> dict[tuple[str, str], list[Cell]]:
         if layout_name not in runs:
-            path = tmp_path_factory.mktemp(layout_name) / "cells.json"
             nproc = MATRIX_LAYOUTS[layout_name][0].expected_world_size
-            run = torchrun(nproc, ["mbridge_refit.tools.conformance", "--layout", layout_name, "--json", str(path)], timeout=MATRIX_TIMEOUT)
+            layouts = [name for name, (layout, _) in MATRIX_LAYOUTS.items() if layout.expected_world_size == nproc and selected[name]]
+            only = ",".join(f"{name}:{architecture}" for name in layouts for architecture in selected[name])
+            path = tmp_path_factory.mktemp(f"ranks{nproc}") / "cells.json"
+            args = ["mbridge_refit.tools.conformance", "--layout", ",".join(layouts), "--only", only, "--json", str(path)]
+            run = torchrun(nproc, args, timeout=MATRIX_TIMEOUT)
             assert run.returncode == 0, run.output[-6000:]
-            by_cell: dict[tuple[str, str], list[Cell]] = {}
+            for name in layouts:
+                runs[name] = {}
             for rank_cells in read_cells(path, nproc):
                 for cell in rank_cells:
-                    by_cell.setdefault((cell.architecture, cell.precision), []).append(cell)
-            runs[layout_name] = by_cell
+                    runs[cell.layout].setdefault((cell.architecture, cell.precision), []).append(cell)
         return runs[layout_name]
 
     return cells_of

@@ -24,6 +24,12 @@ Run as ranks (what ``tests/test_conformance.py`` and ``scripts/conformance_matri
 
     python -m mbridge_refit.tools.conformance --json cells.json [--only A,B]            # TP1
     torchrun --nproc-per-node 2 -m mbridge_refit.tools.conformance --layout tp2 --json cells.json
+    torchrun --nproc-per-node 2 -m mbridge_refit.tools.conformance --layout tp2,pp2,ep2,tp2ep2 \
+        --only pp2:Qwen3ForCausalLM,ep2:Qwen3MoeForCausalLM --json cells.json
+
+``--nproc-per-node`` is the layouts' ``expected_world_size`` (2 for every layout but TP1). Several
+layouts of one world size run in one launch, one after the other (Megatron's groups are made
+again for each): the ranks start once, which is most of a small layout's time on CPU.
 
 Each rank writes its cells to ``cells.rank<R>.json`` beside the path given.
 """
@@ -59,11 +65,20 @@ RANDOM_STD = 0.02  # random weights ~ N(0, 0.02), seeded per parameter and shard
 SESSION_TIMEOUT = datetime.timedelta(minutes=2)  # a rank whose peer failed raises instead of hanging
 
 # The matrix: layout name -> the layout and which architectures run at it (None: every registered
-# one). Tensor parallelism runs on families that build on CPU and cover the placement kinds: QKV
-# with and without bias and QK norms, gated and plain MLPs, MoE experts (with an expert bias and a
-# dense first layer in HY-V3; stacked experts in GPT-OSS), a vision-language model, tied
-# embeddings, and a model the plan refuses (its stock fallback and FP8 refusal at TP2). Expert
-# parallelism runs on per-expert and stacked expert tensors.
+# one). Beyond TP1 the matrix runs the families that build on CPU (tiny configs: 2 or 4 layers,
+# 8 experts), chosen to cover the placement kinds each layout splits:
+# * TP2: QKV with and without bias and QK norms, gated and plain MLPs, MoE experts (with an expert
+#   bias and a dense first layer in HY-V3; stacked experts in GPT-OSS), a vision-language model,
+#   tied embeddings, and a model the plan refuses (its stock fallback and FP8 refusal at TP2).
+# * PP2: the same families but Gemma 4 (its provider supports PP=1 only): stages split the layers,
+#   the embedding and the head (tied in Gemma: the head is the first stage's embedding), the
+#   vision tower (first stage only) and dense and MoE layers (HY-V3's stages differ in kind).
+# * EP2 and TP2xEP2 (2 ranks: the experts split across the tensor-parallel ranks, Megatron's
+#   expert tensor parallel size 1): every MoE family whose CPU build stock can export: Qwen3-MoE
+#   (per-expert tensors), HY-V3 (expert bias, dense first layer) and GPT-OSS (stacked experts,
+#   gathered over EP). The other MoE families fail at TP1 already (multi-latent attention and OLMoE's
+#   attention need Transformer Engine on CPU; GLM-4.5 and MiniMax-M3 map only grouped experts):
+#   the TP1 column records why.
 MATRIX_LAYOUTS: Mapping[str, tuple[ParallelLayout, tuple[str, ...] | None]] = MappingProxyType({
     "tp1": (ParallelLayout(), None),
     "tp2": (ParallelLayout(tp=2), (
@@ -71,7 +86,13 @@ MATRIX_LAYOUTS: Mapping[str, tuple[ParallelLayout, tuple[str, ...] | None]] = Ma
         "MistralForCausalLM", "NemotronForCausalLM", "Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration",
         "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
     )),
-    "ep2": (ParallelLayout(ep=2), ("GptOssForCausalLM", "Qwen3MoeForCausalLM")),
+    "pp2": (ParallelLayout(pp=2), (
+        "GemmaForCausalLM", "GptOssForCausalLM", "HYV3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
+        "NemotronForCausalLM", "Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration", "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
+    )),
+    "ep2": (ParallelLayout(ep=2), ("GptOssForCausalLM", "HYV3ForCausalLM", "Qwen3MoeForCausalLM")),
+    "tp2ep2": (ParallelLayout(tp=2, ep=2), ("GptOssForCausalLM", "HYV3ForCausalLM", "Qwen3MoeForCausalLM")),
 })
 
 class CellState(enum.StrEnum):
@@ -303,22 +324,53 @@ def read_cells(json_path: Path, world_size: int) -> list[list[Cell]]:
     ]
 
 
+def selected_cells(layout_names: Sequence[str], only: Sequence[str] = ()) -> list[tuple[str, list[str]]]:
+    """``(layout, architectures)`` to run, layout by layout: each layout's own (``architectures_at``),
+    or the entries of ``only``: ``ARCH`` runs at every layout, ``LAYOUT:ARCH`` at that one only."""
+    unknown = sorted({e.partition(":")[0] for e in only if ":" in e} - set(layout_names))
+    if unknown:
+        raise ValueError(f"--only names layouts this run does not launch: {unknown} (launched: {list(layout_names)})")
+    if not only:
+        return [(name, architectures_at(name)) for name in layout_names]
+    return [
+        (name, [e.partition(":")[2] or e for e in only if ":" not in e or e.partition(":")[0] == name])
+        for name in layout_names
+    ]
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
-    parser.add_argument("--layout", choices=sorted(MATRIX_LAYOUTS), default="tp1", help="a layout of MATRIX_LAYOUTS (default tp1)")
-    parser.add_argument("--only", default="", help="comma-separated architectures (default: the layout's)")
+    parser.add_argument(
+        "--layout", default="tp1",
+        help=f"comma-separated layouts of MATRIX_LAYOUTS ({', '.join(MATRIX_LAYOUTS)}) with one world size, run one after "
+        "the other in this launch (default tp1)",
+    )
+    parser.add_argument("--only", default="", help="comma-separated ARCH (at every layout) or LAYOUT:ARCH (default: each layout's)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--json", type=Path, required=True, help="cells go to <stem>.rank<R>.json beside it")
     args = parser.parse_args(argv)
-    from mbridge_refit.tools.launch import LaunchEnv, distributed_session
+    layout_names = [name for name in args.layout.split(",") if name]
+    unknown = [name for name in layout_names if name not in MATRIX_LAYOUTS]
+    if unknown or not layout_names:
+        parser.error(f"--layout {args.layout!r}: choose from {', '.join(MATRIX_LAYOUTS)}")
+    world_sizes = {MATRIX_LAYOUTS[name][0].expected_world_size for name in layout_names}
+    if len(world_sizes) != 1:
+        parser.error(f"--layout {args.layout!r}: one launch runs layouts of one world size, these need {sorted(world_sizes)} ranks")
+    try:
+        plan = selected_cells(layout_names, [e for e in args.only.split(",") if e])
+    except ValueError as err:
+        parser.error(str(err))
+    from mbridge_refit.tools.launch import LaunchEnv, distributed_session, init_model_parallel
 
     logging.basicConfig(level=logging.INFO if LaunchEnv.from_environ().rank == 0 else logging.WARNING, format="%(message)s")
     logging.getLogger("mbridge_refit.bridge").setLevel(logging.ERROR)  # the fallback warning is recorded in the cell
 
     device = torch.device(args.device)
-    architectures = [a for a in args.only.split(",") if a] or architectures_at(args.layout)
-    with distributed_session(MATRIX_LAYOUTS[args.layout][0], device=device, timeout=SESSION_TIMEOUT) as env:
-        cells = [cell.to_json() for cell in run_layout(args.layout, architectures, device=device)]
+    cells = []
+    with distributed_session(MATRIX_LAYOUTS[layout_names[0]][0], device=device, timeout=SESSION_TIMEOUT) as env:
+        for layout_name, architectures in plan:
+            init_model_parallel(MATRIX_LAYOUTS[layout_name][0])  # Megatron's groups of this layout, the ranks kept
+            cells += [cell.to_json() for cell in run_layout(layout_name, architectures, device=device)]
     args.json.parent.mkdir(parents=True, exist_ok=True)
     rank_result_path(args.json, env.rank).write_text(json.dumps(cells, indent=1))
 
