@@ -8,7 +8,12 @@ more HF tensors. Examples for tensor-parallel rank ``r`` of ``t``:
 * replicated (norms, routers): the whole HF tensor;
 * gated MLP ``linear_fc1``: this rank's rows of ``gate`` followed by its rows of ``up``;
 * fused QKV with grouped-query heads: for each query group this rank owns, the group's query
-  heads, then its key head, then its value head (Megatron's interleaved layout).
+  heads, then its key head, then its value head (Megatron's interleaved layout); with an
+  attention output gate, the group's gate heads follow its query heads (HF keeps each head's
+  query and gate rows next to each other in ``q_proj``);
+* gated delta net ``in_proj``: this rank's rows of each component (q, k, v, z, b, a) in turn,
+  each component's rows interleaved per key head in HF's fused tensors (Qwen3-Next) or flat in
+  separate ones (Qwen3.5); its ``conv1d``: this rank's rows of q, k, v.
 
 ``SliceCopy`` records one such piece exactly. The rules are a table keyed by the bridge's
 mapping class (``placement_rules``), then a table keyed by placement kind (``SLICE_RULES``);
@@ -121,6 +126,129 @@ def place_qkv(q: str, k: str, v: str, ctx: ShardContext) -> list[SliceCopy]:
     return copies
 
 
+def place_qkv_gated(q: str, k: str, v: str, ctx: ShardContext) -> list[SliceCopy]:
+    """QKV with ``attention_output_gate`` (Megatron-Bridge's ``split_qkv_weights``): each local
+    query group holds its query heads, its gate heads, its key head, its value head; HF's
+    ``q_proj`` holds, per query head, the head's query rows then its gate rows."""
+    config = ctx.config
+    if not getattr(config, "attention_output_gate", False):
+        raise PlacementError("qkv_gated placement on a model without attention_output_gate")
+    heads, groups = config.num_attention_heads, config.num_query_groups
+    head_dim = config.kv_channels or config.hidden_size // heads
+    if groups % ctx.tp_size:
+        raise PlacementError(
+            f"num_query_groups={groups} is not divisible by tp={ctx.tp_size}: replicated KV heads are not supported"
+        )
+    heads_per_group = heads // groups
+    local_groups = groups // ctx.tp_size
+    query_rows = RowLayout(hf_name=q, base=0, chunk=head_dim, stride=2 * head_dim)
+    gate_rows = RowLayout(hf_name=q, base=head_dim, chunk=head_dim, stride=2 * head_dim)
+    copies: list[SliceCopy] = []
+    for group in range(ctx.tp_rank * local_groups, (ctx.tp_rank + 1) * local_groups):
+        head_rows = (group * heads_per_group * head_dim, (group + 1) * heads_per_group * head_dim)
+        copies += query_rows.slices(*head_rows, local_start=_covered(copies))
+        copies += gate_rows.slices(*head_rows, local_start=_covered(copies))
+        for name in (k, v):
+            copies += RowLayout(hf_name=name).slices(group * head_dim, (group + 1) * head_dim, local_start=_covered(copies))
+    if _covered(copies) != ctx.local_shape[0]:
+        raise PlacementError(f"gated QKV slices cover {_covered(copies)} rows but the local shard has {ctx.local_shape[0]}")
+    return copies
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RowLayout:
+    """Where the rows of one component (e.g. GDN's ``k``) sit in an HF tensor: row ``j`` of the
+    component is HF row ``base + (j // chunk) * stride + j % chunk`` (chunks of ``chunk`` rows,
+    ``stride`` apart: a component interleaved per head with others); ``chunk=None``: rows
+    ``base + j`` (the component stored contiguously)."""
+
+    hf_name: str
+    base: int = 0
+    chunk: int | None = None
+    stride: int | None = None
+
+    def slices(self, start: int, stop: int, *, local_start: int) -> list[SliceCopy]:
+        """The HF slices of component rows ``[start, stop)``, placed from ``local_start`` on."""
+        copies, row = [], start
+        while row < stop:
+            if self.chunk is None:
+                end, hf_row = stop, self.base + row
+            else:
+                end = min(stop, (row // self.chunk + 1) * self.chunk)
+                hf_row = self.base + (row // self.chunk) * self.stride + row % self.chunk
+            copies.append(SliceCopy(
+                hf_name=self.hf_name, dim=0, hf_start=hf_row, hf_stop=hf_row + end - row, local_start=local_start + row - start,
+            ))
+            row = end
+        return copies
+
+
+def _covered(copies: list[SliceCopy]) -> int:
+    return sum(c.length for c in copies)
+
+
+def place_components(components: list[tuple[int, RowLayout]], ctx: ShardContext) -> list[SliceCopy]:
+    """A local shard made of this rank's even share of each component in turn (GDN's ``in_proj``
+    and ``conv1d``): ``components`` lists each one's global row count and HF layout."""
+    copies: list[SliceCopy] = []
+    for rows, layout in components:
+        if rows % ctx.tp_size:
+            raise PlacementError(f"{layout.hf_name}: a component of {rows} rows does not split over tp={ctx.tp_size}")
+        start, stop = _even_split(rows // ctx.tp_size, ctx.tp_rank)
+        copies += layout.slices(start, stop, local_start=_covered(copies))
+    return copies
+
+
+def _gdn_dims(config: Any) -> tuple[int, int, int, int]:
+    """(key head dim, key heads, value rows per key head, value heads per key head) of a GDN layer."""
+    key_heads, value_heads = config.linear_num_key_heads, config.linear_num_value_heads
+    if value_heads % key_heads:
+        raise PlacementError(f"linear_num_value_heads={value_heads} is not a multiple of linear_num_key_heads={key_heads}")
+    per_key = value_heads // key_heads
+    return config.linear_key_head_dim, key_heads, per_key * config.linear_value_head_dim, per_key
+
+
+def place_gdn_in_proj(qkvz: str, ba: str, ctx: ShardContext) -> list[SliceCopy]:
+    """GDN ``in_proj`` against Qwen3-Next's fused tensors (``split_gdn_linear_weights``): per key
+    head, ``in_proj_qkvz`` holds the head's q, k, v, z rows and ``in_proj_ba`` its b, a rows."""
+    key_dim, key_heads, value_rows, per_key = _gdn_dims(ctx.config)
+    qkvz_stride, ba_stride = 2 * key_dim + 2 * value_rows, 2 * per_key
+    return place_components([
+        (key_heads * key_dim, RowLayout(hf_name=qkvz, base=0, chunk=key_dim, stride=qkvz_stride)),
+        (key_heads * key_dim, RowLayout(hf_name=qkvz, base=key_dim, chunk=key_dim, stride=qkvz_stride)),
+        (key_heads * value_rows, RowLayout(hf_name=qkvz, base=2 * key_dim, chunk=value_rows, stride=qkvz_stride)),
+        (key_heads * value_rows, RowLayout(hf_name=qkvz, base=2 * key_dim + value_rows, chunk=value_rows, stride=qkvz_stride)),
+        (key_heads * per_key, RowLayout(hf_name=ba, base=0, chunk=per_key, stride=ba_stride)),
+        (key_heads * per_key, RowLayout(hf_name=ba, base=per_key, chunk=per_key, stride=ba_stride)),
+    ], ctx)
+
+
+def place_gdn_in_proj_separate(qkv: str, z: str, b: str, a: str, ctx: ShardContext) -> list[SliceCopy]:
+    """GDN ``in_proj`` against Qwen3.5's separate tensors: ``in_proj_qkv`` = [q; k; v] flat,
+    ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` whole components."""
+    key_dim, key_heads, value_rows, per_key = _gdn_dims(ctx.config)
+    qk_rows = key_heads * key_dim
+    return place_components([
+        (qk_rows, RowLayout(hf_name=qkv, base=0)),
+        (qk_rows, RowLayout(hf_name=qkv, base=qk_rows)),
+        (key_heads * value_rows, RowLayout(hf_name=qkv, base=2 * qk_rows)),
+        (key_heads * value_rows, RowLayout(hf_name=z)),
+        (key_heads * per_key, RowLayout(hf_name=b)),
+        (key_heads * per_key, RowLayout(hf_name=a)),
+    ], ctx)
+
+
+def place_gdn_conv1d(conv: str, ctx: ShardContext) -> list[SliceCopy]:
+    """GDN ``conv1d`` (weight or bias; ``GDNConv1dMapping``): HF's channels are [q; k; v] flat."""
+    key_dim, key_heads, value_rows, _ = _gdn_dims(ctx.config)
+    qk_rows = key_heads * key_dim
+    return place_components([
+        (qk_rows, RowLayout(hf_name=conv, base=0)),
+        (qk_rows, RowLayout(hf_name=conv, base=qk_rows)),
+        (key_heads * value_rows, RowLayout(hf_name=conv, base=2 * qk_rows)),
+    ], ctx)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PlacementKind:
     """How one Megatron parameter is built from HF tensors: a rule name and its HF tensor names.
@@ -129,7 +257,7 @@ class PlacementKind:
     tell column from row parallel) and sends it to ranks that do not own the parameter.
     """
 
-    kind: str  # "column" | "row" | "replicated" | "gated" | "qkv"
+    kind: str  # a key of SLICE_RULES: "column", "row", "replicated", "gated", "qkv", "qkv_gated", "gdn_*"
     hf_names: tuple[str, ...]
 
 
@@ -143,6 +271,10 @@ SLICE_RULES: dict[str, Callable[[tuple[str, ...], ShardContext], list[SliceCopy]
     "replicated": _slices_single(place_replicated),
     "gated": lambda names, ctx: place_gated(*names, ctx),
     "qkv": lambda names, ctx: place_qkv(*names, ctx),
+    "qkv_gated": lambda names, ctx: place_qkv_gated(*names, ctx),
+    "gdn_in_proj": lambda names, ctx: place_gdn_in_proj(*names, ctx),
+    "gdn_in_proj_separate": lambda names, ctx: place_gdn_in_proj_separate(*names, ctx),
+    "gdn_conv1d": _slices_single(place_gdn_conv1d),
 }
 
 
@@ -177,13 +309,25 @@ def _fixed_kind(kind: str) -> Callable[[Any, torch.nn.Module], PlacementKind]:
     return lambda mapping, module: PlacementKind(kind=kind, hf_names=(mapping.hf_param,))
 
 
+def _qkv_kind(mapping: Any, module: torch.nn.Module) -> PlacementKind:
+    """``qkv``, or ``qkv_gated`` when the layer's config has an attention output gate (read from
+    the module: the bridge's split reads the same config)."""
+    gated = getattr(getattr(module, "config", None), "attention_output_gate", False)
+    names = (mapping.hf_param["q"], mapping.hf_param["k"], mapping.hf_param["v"])
+    return PlacementKind(kind="qkv_gated" if gated else "qkv", hf_names=names)
+
+
 @functools.cache
 def placement_rules() -> list[tuple[type, Callable[[Any, torch.nn.Module], PlacementKind]]]:
     """Mapping class -> how to name its placement. Most specific first: the first isinstance match wins."""
     from megatron.bridge.models.conversion import param_mapping as pm
 
     return [
-        (pm.QKVMapping, lambda m, _: PlacementKind(kind="qkv", hf_names=(m.hf_param["q"], m.hf_param["k"], m.hf_param["v"]))),
+        (pm.QKVMapping, _qkv_kind),
+        (pm.GDNLinearMapping, lambda m, _: PlacementKind(kind="gdn_in_proj", hf_names=(m.hf_param["qkvz"], m.hf_param["ba"]))),
+        (pm.GDNLinearMappingSeparate, lambda m, _: PlacementKind(
+            kind="gdn_in_proj_separate", hf_names=tuple(m.hf_param[c] for c in ("qkv", "z", "b", "a")))),
+        (pm.GDNConv1dMapping, _fixed_kind("gdn_conv1d")),
         (pm.GatedMLPMapping, lambda m, _: PlacementKind(kind="gated", hf_names=(m.hf_param["gate"], m.hf_param["up"]))),
         (pm.ColumnParallelMapping, _fixed_kind("column")),
         (pm.RowParallelMapping, _fixed_kind("row")),

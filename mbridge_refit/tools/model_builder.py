@@ -8,8 +8,9 @@ defaults.
 
 Layer specs on CPU (``cpu_layer_spec``): the bridge's default Transformer Engine spec becomes its
 local spec, and a spec built with a ``use_transformer_engine`` switch (Megatron's decoder block
-spec: multi-latent attention, dense first layers) is built with it off. A family's own spec is
-kept otherwise: it builds on CPU if it can, and fails naming what it needs if it cannot.
+spec: multi-latent attention, dense first layers) is built with it off, and the hybrid block spec
+of experimental attention variants (gated delta net), which has no switch, is built with local
+modules (``tools.cpu_specs``). A family's own spec is kept otherwise: it builds on CPU if it can, and fails naming what it needs if it cannot.
 
 Weights-only builds on CPU (``BuildOptions(weights_only=True)``: conversion, export, conformance
 checks, never a forward). Two things a CPU build cannot do do not change what any parameter
@@ -134,9 +135,14 @@ def configure_provider(provider: Any, layout: ParallelLayout, options: BuildOpti
 def cpu_layer_spec(spec: Any) -> Any:
     """The spec to build ``spec``'s layers with on CPU (module docstring: layer specs on CPU)."""
     from megatron.bridge.models import gpt_provider
+    from megatron.core.models.gpt import experimental_attention_variant_module_specs as experimental
+
+    from mbridge_refit.tools import cpu_specs
 
     if spec in (gpt_provider.default_layer_spec, gpt_provider.transformer_engine_layer_spec):
         return gpt_provider.local_layer_spec
+    if spec is experimental.get_transformer_block_with_experimental_attention_variant_spec:
+        return cpu_specs.experimental_attention_block_spec
     if isinstance(spec, functools.partial) and spec.keywords.get("use_transformer_engine"):
         return functools.partial(spec.func, *spec.args, **{**spec.keywords, "use_transformer_engine": False})
     logger.debug("layer spec %r has no known CPU variant: kept", spec)

@@ -4,7 +4,7 @@ Owns the per-family config knowledge of the conformance checks (``tools.conforma
 ``scripts/check_families_gpu.py``): for an architecture name, transformers' own config class for
 its model type, with the size fields it has set small (2 layers, hidden 256, 8 experts, ...), and
 a few per-architecture fields its defaults get wrong at that size. All of it is data: the size
-tables and ``CONFIG_OVERRIDES``. The architectures come from
+tables, ``MODEL_TYPES`` and ``CONFIG_OVERRIDES``. The architectures come from
 ``AutoBridge.list_supported_models()`` (``registered_architectures``), never from a hand list.
 
 Nothing here makes weights: the conformance checks fill the built Megatron model with seeded
@@ -52,6 +52,15 @@ CONFIG_OVERRIDES: Mapping[str, Mapping[str, Any]] = MappingProxyType({
 })
 
 
+# Architecture -> the model type whose config class to use, where transformers maps several model
+# types to one model class and the first is not the one the bridge reads (a composite config whose
+# language fields sit under ``text_config``).
+MODEL_TYPES: Mapping[str, str] = MappingProxyType({
+    "Qwen3_5ForCausalLM": "qwen3_5_text",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
+})
+
+
 class TinyConfigError(LookupError):
     """An architecture this module cannot make a config for (the message says why)."""
 
@@ -87,6 +96,9 @@ def _config_class(architecture: str) -> type:
     import transformers
     from transformers import CONFIG_MAPPING
     from transformers.models.auto import modeling_auto
+
+    if architecture in MODEL_TYPES:
+        return CONFIG_MAPPING[MODEL_TYPES[architecture]]
 
     mappings = (
         modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,

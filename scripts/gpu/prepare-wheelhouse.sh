@@ -28,7 +28,8 @@ if [ ! -f .gpu/big/done ]; then
   ( cd .gpu/big && md5sum transformer_engine_cu13-*.whl > ../p0/te_core.md5 && rm -f transformer_engine_cu13-*.whl && touch done )
 fi
 dl .gpu/p0 transformer-engine==2.20.2 megatron-core==0.19.2 megatron-bridge==0.6.2 transformers==5.12.1 \
-   tokenizers==0.22.2 omegaconf==2.3.0 pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 "$@"
+   tokenizers==0.22.2 omegaconf==2.3.0 pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 \
+   flash-linear-attention==0.6.0 fla-core==0.6.0 "$@"
 sdist .gpu/p0 transformer-engine-torch==2.20.2 antlr4-python3-runtime==4.9.3
 cp "$here/install.sh" .gpu/p0/install.sh
 du -sh .gpu/p* | sed 's/^/  /'

@@ -1,0 +1,162 @@
+"""The slice rules of gated QKV and gated delta net layers against Megatron-Bridge's own export.
+
+Oracle: the upstream mapping's ``megatron_to_hf`` (its gather and split) run on every
+tensor-parallel rank's random shard, with a stand-in for the tensor-parallel all-gather. Each
+rank's ``slice_copies`` are then scattered into empty HF tensors: together they must rebuild
+upstream's HF tensors exactly, every element written once.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+HIDDEN = 16
+
+GATED_QKV = [  # (attention heads, query groups, head dim)
+    (4, 2, 8), (8, 4, 4), (16, 4, 8), (8, 8, 4),
+]
+GDN = [  # (key heads, value heads, key head dim, value head dim)
+    (4, 8, 8, 4), (4, 4, 8, 8), (8, 16, 4, 8), (4, 12, 4, 4),
+]
+TP_SIZES = (1, 2, 4)
+
+
+class FakeTensorParallel:
+    """Every tensor-parallel rank's shard of one parameter, and an all-gather over them.
+
+    Shards hold distinct values, so the rows a mapping hands the gather identify which rows of
+    its own shard they are; the gather returns the same rows of every rank's shard.
+    """
+
+    def __init__(self, global_shape: tuple[int, ...], tp: int):
+        total = torch.Size(global_shape).numel()
+        values = torch.randperm(total, generator=torch.Generator().manual_seed(0)).to(torch.float64)
+        self.shards = list(values.reshape(global_shape).chunk(tp, dim=0))
+        self.rank = 0
+
+    def gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        mine = self.shards[self.rank].reshape(self.shards[self.rank].shape[0], -1)
+        index = {row[0].item(): i for i, row in enumerate(mine)}
+        rows = torch.tensor([index[row[0].item()] for row in tensor.reshape(tensor.shape[0], -1)])
+        return [shard[rows] for shard in self.shards]
+
+
+def column_parallel_module(config) -> torch.nn.Module:
+    """A module the bridge reads as a column-parallel linear of a layer with ``config``."""
+    module = torch.nn.Module()
+    module.config, module.tensor_model_parallel, module.partition_dim = config, True, 0
+    return module
+
+
+def upstream_export(mapping, fake: FakeTensorParallel, config, tp: int, monkeypatch) -> dict[str, torch.Tensor]:
+    """``mapping.megatron_to_hf`` on rank 0 of ``tp`` ranks (pipeline size 1)."""
+    from megatron.bridge.models.conversion import param_mapping as pm
+
+    monkeypatch.setattr(pm.MegatronParamMapping, "tp_size", property(lambda self: tp))
+    monkeypatch.setattr(pm.MegatronParamMapping, "tp_rank", property(lambda self: fake.rank))
+    monkeypatch.setattr(pm.MegatronParamMapping, "pp_size", property(lambda self: 1))
+    monkeypatch.setattr(pm.MegatronParamMapping, "gather_from_tp_ranks", lambda _, tensor: fake.gather(tensor))
+    module = column_parallel_module(config)
+    fake.rank = 0
+    return mapping.megatron_to_hf(fake.shards[0], module)
+
+
+def rebuilt_from_slices(mapping, fake: FakeTensorParallel, config, tp: int, reference: dict[str, torch.Tensor]):
+    """The HF tensors rebuilt from every rank's ``slice_copies``, and how often each element was written."""
+    from mbridge_refit.plan.placement import ShardContext, check_tiling, placement_kind, slices_for
+
+    module = column_parallel_module(config)
+    kind = placement_kind(mapping, module)
+    rebuilt = {name: torch.full_like(t, float("nan")) for name, t in reference.items()}
+    writes = {name: torch.zeros(t.shape[0], dtype=torch.int64) for name, t in reference.items()}
+    for rank, shard in enumerate(fake.shards):
+        ctx = ShardContext(local_shape=tuple(shard.shape), tp_rank=rank, tp_size=tp, config=config)
+        copies = slices_for(kind, ctx)
+        check_tiling(mapping.megatron_param, ctx.local_shape, copies)
+        for copy in copies:
+            assert copy.dim == 0
+            rebuilt[copy.hf_name][copy.hf_start : copy.hf_stop] = shard[copy.local_start : copy.local_start + copy.length]
+            writes[copy.hf_name][copy.hf_start : copy.hf_stop] += 1
+    return kind, rebuilt, writes
+
+
+def assert_rebuilds(mapping, global_shape, config, tp, monkeypatch, expected_kind):
+    fake = FakeTensorParallel(global_shape, tp)
+    reference = upstream_export(mapping, fake, config, tp, monkeypatch)
+    kind, rebuilt, writes = rebuilt_from_slices(mapping, fake, config, tp, reference)
+    assert kind.kind == expected_kind
+    assert sorted(rebuilt) == sorted(reference)
+    for name, tensor in reference.items():
+        assert torch.equal(writes[name], torch.ones_like(writes[name])), f"{name}: rows written {writes[name].tolist()}"
+        assert torch.equal(rebuilt[name], tensor), name
+
+
+def gdn_config(key_heads, value_heads, key_dim, value_dim):
+    return types.SimpleNamespace(
+        hidden_size=HIDDEN, linear_num_key_heads=key_heads, linear_num_value_heads=value_heads,
+        linear_key_head_dim=key_dim, linear_value_head_dim=value_dim,
+    )
+
+
+def gdn_in_proj_rows(key_heads, value_heads, key_dim, value_dim):
+    return 2 * key_heads * key_dim + 2 * value_heads * value_dim + 2 * value_heads
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize(("heads", "groups", "head_dim"), GATED_QKV)
+@pytest.mark.parametrize("bias", [False, True], ids=["weight", "bias"])
+def test_gated_qkv_slices_rebuild_upstream_split(heads, groups, head_dim, tp, bias, monkeypatch):
+    if groups % tp:
+        pytest.skip("Megatron needs query groups divisible by tp")
+    from megatron.bridge.models.conversion.param_mapping import QKVMapping
+
+    config = types.SimpleNamespace(
+        hidden_size=HIDDEN, num_attention_heads=heads, num_query_groups=groups, kv_channels=head_dim,
+        attention_output_gate=True,
+    )
+    suffix = "bias" if bias else "weight"
+    mapping = QKVMapping(f"decoder.layers.0.self_attention.linear_qkv.{suffix}", *(f"l.0.{p}_proj.{suffix}" for p in "qkv"))
+    rows = (2 * heads + 2 * groups) * head_dim
+    assert_rebuilds(mapping, (rows,) if bias else (rows, HIDDEN), config, tp, monkeypatch, "qkv_gated")
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("dims", GDN, ids=lambda d: "kh{}_vh{}_kd{}_vd{}".format(*d))
+def test_gdn_in_proj_slices_rebuild_upstream_split(dims, tp, monkeypatch):
+    if dims[0] % tp:
+        pytest.skip("Megatron needs key heads divisible by tp")
+    from megatron.bridge.models.conversion.param_mapping import GDNLinearMapping
+
+    mapping = GDNLinearMapping("decoder.layers.0.self_attention.in_proj.weight", "l.0.in_proj_qkvz.weight", "l.0.in_proj_ba.weight")
+    assert_rebuilds(mapping, (gdn_in_proj_rows(*dims), HIDDEN), gdn_config(*dims), tp, monkeypatch, "gdn_in_proj")
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("dims", GDN, ids=lambda d: "kh{}_vh{}_kd{}_vd{}".format(*d))
+def test_gdn_separate_in_proj_slices_rebuild_upstream_split(dims, tp, monkeypatch):
+    if dims[0] % tp:
+        pytest.skip("Megatron needs key heads divisible by tp")
+    from megatron.bridge.models.conversion.param_mapping import GDNLinearMappingSeparate
+
+    mapping = GDNLinearMappingSeparate(
+        "decoder.layers.0.self_attention.in_proj.weight", *(f"l.0.in_proj_{c}.weight" for c in ("qkv", "z", "b", "a"))
+    )
+    assert_rebuilds(mapping, (gdn_in_proj_rows(*dims), HIDDEN), gdn_config(*dims), tp, monkeypatch, "gdn_in_proj_separate")
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("dims", GDN, ids=lambda d: "kh{}_vh{}_kd{}_vd{}".format(*d))
+@pytest.mark.parametrize("bias", [False, True], ids=["weight", "bias"])
+def test_gdn_conv1d_slices_rebuild_upstream_merge(dims, tp, bias, monkeypatch):
+    if dims[0] % tp:
+        pytest.skip("Megatron needs key heads divisible by tp")
+    from megatron.bridge.models.conversion.param_mapping import GDNConv1dMapping
+
+    key_heads, value_heads, key_dim, value_dim = dims
+    channels = 2 * key_heads * key_dim + value_heads * value_dim
+    suffix = "bias" if bias else "weight"
+    mapping = GDNConv1dMapping(f"decoder.layers.0.self_attention.conv1d.{suffix}", f"l.0.conv1d.{suffix}")
+    assert_rebuilds(mapping, (channels,) if bias else (channels, 1, 4), gdn_config(*dims), tp, monkeypatch, "gdn_conv1d")
