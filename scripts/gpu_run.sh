@@ -13,9 +13,10 @@
 #                                           # (engine on GPU 1 over NCCL when there are 2 GPUs, else on the trainer's GPU over gloo)
 #   bash scripts/gpu_run.sh vllm-bench  # bench_refit_vllm.py, Qwen3-8B, BF16 then FP8 (vllm-bench-bf16 / vllm-bench-fp8: one of them)
 #   bash scripts/gpu_run.sh sharded     # engine-sharded refit, trainer TP2 -> engine TP2 on 2 GPUs, against the TP1 cached export and stock
+#   bash scripts/gpu_run.sh families    # every registered architecture at TP1 with the TE spec against stock (check_families_gpu.py)
 #   bash scripts/gpu_run.sh training    # export right after a Megatron DDP + distributed-optimizer step; parallel checkpoint write on the host's CPUs
 set -u
-part=${1:?usage: gpu_run.sh fp8|bench|sinks|vllm-dense|vllm-moe|vllm-broadcast|vllm-bench|vllm-bench-bf16|vllm-bench-fp8|sharded|training}
+part=${1:?usage: gpu_run.sh fp8|bench|sinks|vllm-dense|vllm-moe|vllm-broadcast|vllm-bench|vllm-bench-bf16|vllm-bench-fp8|sharded|families|training}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 RESULTS=/tmp/gpu_results_$part; rm -rf "$RESULTS"; mkdir -p "$RESULTS"
 trap 'tar czf "$OUT/$part.tgz" -C "$RESULTS" .' EXIT
@@ -82,6 +83,9 @@ case "$part" in
     export VLLM_ALLOW_INSECURE_SERIALIZATION=1
     [ "$part" = vllm-bench-fp8 ] || step bench_refit_vllm_qwen3-8b 330 python3 scripts/bench_refit_vllm.py --model qwen3-8b --steps 5 --out-dir "$RESULTS"
     [ "$part" = vllm-bench-bf16 ] || step bench_refit_vllm_qwen3-8b_fp8 240 python3 scripts/bench_refit_vllm.py --model qwen3-8b --steps 5 --fp8 --out-dir "$RESULTS"
+    ;;
+  families)
+    step families_tp1 540 "${one[@]}" scripts/check_families_gpu.py --out-dir "$RESULTS"
     ;;
   training)
     # one data-parallel replica per GPU: with two, the deferred parameter all-gather really has shards to fetch
