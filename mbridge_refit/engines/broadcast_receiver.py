@@ -64,15 +64,14 @@ class BroadcastTarget:
 
     ``load_weights``: the engine's loader (``model.load_weights``); if it returns the names it
     loaded (vLLM's do), parameters it left out are reported, and fail the step unless
-    ``allow_partial``. ``parameter_names``: every parameter of the engine, for that report.
+    ``allow_partial``. ``model``: the engine's module, whose parameters that report is about.
     """
 
     def __init__(
-        self, load_weights: LoadWeights, parameter_names: Iterable[str], device: torch.device | str, *,
+        self, load_weights: LoadWeights, model: torch.nn.Module, device: torch.device | str, *,
         staged: StagedLoad | None = None, allow_partial: bool = False,
     ) -> None:
-        self.load_weights, self.device = load_weights, torch.device(device)
-        self.parameter_names = frozenset(parameter_names)
+        self.load_weights, self.model, self.device = load_weights, model, torch.device(device)
         self.staged, self.allow_partial = staged, allow_partial
         self.group: StoreGroup | None = None
         self.plan_json: str | None = None
@@ -111,7 +110,7 @@ class BroadcastTarget:
             raise
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        unloaded = sorted(self.parameter_names - set(loaded)) if isinstance(loaded, (set, frozenset)) else []
+        unloaded = self._unloaded(loaded) if isinstance(loaded, (set, frozenset)) else []
         report = ReceiveReport(tensors=counter.tensors, bytes=counter.bytes, unloaded=unloaded,
                                receive_ms=(time.perf_counter() - started) * 1e3)
         if unloaded and not self.allow_partial:
@@ -123,6 +122,20 @@ class BroadcastTarget:
 
     def close(self) -> None:
         self.group, self.plan_json, self.config = None, None, None
+
+    def _unloaded(self, loaded: set[str]) -> list[str]:
+        """Parameters (by identity, under any of their names) no loaded name reaches. A loader may
+        name parameters as they were when it was written (an engine that moves a layer's
+        parameters into a submodule after loading, as vLLM's fused experts do): names it returns
+        that are no parameter of the model now make the report unknowable, and it is skipped."""
+        every_name = dict(self.model.named_parameters(remove_duplicate=False))
+        unknown = sorted(name for name in loaded if name not in every_name)
+        if unknown:
+            logger.warning("broadcast refit: the loader reports %d names the model has no parameter of (e.g. %s): "
+                           "unloaded parameters cannot be told", len(unknown), unknown[:2])
+            return []
+        reached = {id(every_name[name]) for name in loaded}
+        return sorted(name for name, param in self.model.named_parameters() if id(param) not in reached)
 
 
 class _Counter:

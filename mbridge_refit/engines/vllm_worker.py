@@ -63,7 +63,7 @@ class RefitWorkerExtension:
         engine's workers (data-parallel replicas included); returns that rank. Blocks until the
         trainer joins (``engines.broadcast_receiver``)."""
         model = self.model_runner.get_model()
-        target = BroadcastTarget(model.load_weights, (n for n, _ in model.named_parameters()), torch.device(self.device),
+        target = BroadcastTarget(model.load_weights, model, torch.device(self.device),
                                  staged=self._mbridge_staged_load(model) if _quantized(self) else None,
                                  allow_partial=allow_partial)
         rank = rank_offset + _worker_index(self)
