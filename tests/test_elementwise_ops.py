@@ -125,3 +125,21 @@ def test_the_loader_applies_the_inverse_op_as_the_mapping_does(single_rank, tmp_
     expected = mapping.hf_to_megatron(stored, module).to(torch.bfloat16)
     assert torch.equal(param.view(torch.int16), expected.view(torch.int16))
     assert not torch.equal(stored.view(torch.int16), expected.view(torch.int16))  # no inverse: caught
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("tp", [1, 2])
+def test_qwen3_next_cached_export_applies_the_op_once_and_leaves_the_norms_alone(tp, tmp_path):
+    """Tiny Qwen3-Next on ``tp`` CPU ranks: two cached exports equal stock, the norm parameters
+    are unchanged, ``live_rows`` names no tensor with an op (``ranks/elementwise_op_export_check.py``)."""
+    import json
+    from pathlib import Path
+
+    from conftest import REPO, torchrun
+
+    result = tmp_path / "op.json"
+    run = torchrun(tp, [str(REPO / "tests" / "ranks" / "elementwise_op_export_check.py"), "--tp", str(tp), "--result", str(result)])
+    assert run.returncode == 0, run.output[-6000:]
+    reports = [json.loads(Path(f"{result}.rank{rank}").read_text()) for rank in range(tp)]
+    assert all(r["with_op"] > 0 for r in reports)
+    assert [r["failures"] for r in reports] == [[]] * tp
