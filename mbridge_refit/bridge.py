@@ -243,7 +243,8 @@ class RefitBridge(AutoBridge):
         every later step's weights there without exporting these names again.
 
         Nothing else is live: gathered or pipeline-broadcast tensors, tensors the FP8 export
-        quantizes, shards converted on the way (TE FP8 parameters). The same names on every rank
+        quantizes, shards converted on the way (TE FP8 parameters), tensors whose export applies
+        an elementwise op (Qwen3-Next's zero-centred norms, ``+ 1``). The same names on every rank
         of the model's groups (they depend on the plan and the layout), so every rank can export
         the rest with ``only=`` in step. Empty for a model the plan cannot describe (the stock
         fallback). Collective on the first call for a model (the plan), like ``export_plan``.

@@ -163,7 +163,7 @@ def _selected_architectures(items) -> dict[str, list[str]]:
     selected = set()
     for item in items:
         params = item.callspec.params if hasattr(item, "callspec") else {}
-        if getattr(item, "module", None) is sys.modules[__name__] and "architecture" in params:
+        if getattr(item, "module", None) is sys.modules[__name__] and "layout" in params:
             selected.add((params["layout"], params["architecture"]))
     return {layout: [a for a in conformance.architectures_at(layout) if (layout, a) in selected] for layout in MATRIX_LAYOUTS}
 

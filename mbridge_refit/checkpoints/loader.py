@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from mbridge_refit.checkpoints.hf import HFCheckpoint
 from mbridge_refit.plan.placement import (
-    PlacementError, ShardContext, SliceCopy, hf_extents, place_column, placement_kind, slice_copies,
+    ELEMENTWISE_OPS, PlacementError, ShardContext, SliceCopy, hf_extents, place_column, placement_kind, slice_copies,
 )
 
 logger = logging.getLogger(__name__)
@@ -89,10 +89,11 @@ def _load_tasks(
                 continue  # the parameter lives on another pipeline stage
             try:
                 copies = slice_copies(task.mapping, task.megatron_module, task.param_weight, config)
-                extents = hf_extents(placement_kind(task.mapping, task.megatron_module), _context(task, config))
+                kind = placement_kind(task.mapping, task.megatron_module)
+                extents = hf_extents(kind, _context(task, config))
             except PlacementError as err:
                 raise LoadError(f"cannot load {task.global_param_name}: {err}") from err
-            _copy_slices(task.param_weight, copies, extents, checkpoint, report, task.global_param_name)
+            _copy_slices(task.param_weight, copies, extents, checkpoint, report, task.global_param_name, kind.elementwise_op)
             written.add(id(task.param_weight))
         for output_weight, embedding_copies, extents in _tied_output_copies(model_bridge, chunks, config):
             _copy_slices(output_weight, embedding_copies, extents, checkpoint, report, "output_layer.weight (tied)")
@@ -126,11 +127,16 @@ def _context(task: Any, config: Any) -> ShardContext:
 
 def _copy_slices(
     param: torch.Tensor, copies: Iterable[SliceCopy], extents: dict[str, tuple[int, int]], checkpoint: HFCheckpoint,
-    report: LoadReport, where: str,
+    report: LoadReport, where: str, elementwise_op: str | None = None,
 ) -> None:
+    """Copy each slice into ``param``; with ``elementwise_op``, its inverse is applied to the
+    slice first, in the checkpoint's dtype (as the mapping's ``hf_to_megatron`` does)."""
     for copy in copies:
         _check_shape(copy, extents[copy.hf_name][1], param, checkpoint, where)
         data = copy.read(checkpoint.slice(copy.hf_name))
+        if elementwise_op is not None:
+            data = data.clone()
+            ELEMENTWISE_OPS[elementwise_op].load(data)
         if data.dtype != param.dtype:
             _check_cast_is_exact(data, param.dtype, copy.hf_name, checkpoint, where)
             report.cast_from[copy.hf_name] = data.dtype

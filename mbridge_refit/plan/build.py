@@ -270,6 +270,7 @@ def _entry(spec: ParamSpec, hf_name: str, shape: tuple[int, ...], sharding: Tens
         kind=spec.placement.kind,
         sharding=sharding,
         source_format=spec.source_format,
+        elementwise_op=spec.placement.elementwise_op,
     )
 
 

@@ -73,6 +73,7 @@ class PlanEntry:
     alias_of: str | None = None  # tied output weight: the same data as this entry
     scale_of: str | None = None  # FP8 export: the blockwise scale of this weight entry (``fp8``)
     source_format: str = PLAIN  # how the trainer stores the parameter (``plan.storage``)
+    elementwise_op: str | None = None  # applied to the assembled slices (``placement.ELEMENTWISE_OPS``)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -20,10 +20,16 @@ mapping class (``placement_rules``), then a table keyed by placement kind (``SLI
 a mapping class without a rule is reported by name.
 The same description drives the CPU loader (each rank reads only its slices from disk) and the
 export plan's source layout.
+
+A few mappings convert values as well: the exported tensor is the base class's slices followed by
+an elementwise op that stock applies in the parameter's dtype (Qwen3-Next's zero-centred RMSNorm:
+``+ 1``). ``elementwise_op_rules`` names them (mapping class -> op name, a key of
+``ELEMENTWISE_OPS``); ``PlacementKind.elementwise_op`` carries the op into the plan.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
@@ -259,6 +265,7 @@ class PlacementKind:
 
     kind: str  # a key of SLICE_RULES: "column", "row", "replicated", "gated", "qkv", "qkv_gated", "gdn_*"
     hf_names: tuple[str, ...]
+    elementwise_op: str | None = None  # a key of ELEMENTWISE_OPS, applied after the slices on export
 
 
 def _slices_single(rule: Callable[[str, ShardContext], list[SliceCopy]]):
@@ -337,6 +344,31 @@ def placement_rules() -> list[tuple[type, Callable[[Any, torch.nn.Module], Place
     ]
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ElementwiseOp:
+    """An elementwise conversion a mapping applies on top of its base class's slices, in the
+    parameter's dtype and in place, exactly as the mapping does: ``export`` as its
+    ``megatron_to_hf`` does, ``load`` (the inverse) as its ``hf_to_megatron`` does."""
+
+    export: Callable[[torch.Tensor], Any]
+    load: Callable[[torch.Tensor], Any]
+
+
+ELEMENTWISE_OPS: dict[str, ElementwiseOp] = {
+    # RMSNorm2ZeroCenteredRMSNormMapping: ``value.data += 1`` on export, ``-= 1`` on import
+    "add_one": ElementwiseOp(export=lambda t: t.add_(1), load=lambda t: t.sub_(1)),
+}
+
+
+@functools.cache
+def elementwise_op_rules() -> dict[type, str]:
+    """Mapping class -> the op its ``megatron_to_hf`` applies to its base class's result (exact
+    classes only: a subclass may convert differently and is refused like any other override)."""
+    from megatron.bridge.models.conversion import param_mapping as pm
+
+    return {pm.RMSNorm2ZeroCenteredRMSNormMapping: "add_one"}
+
+
 def placement_kind(mapping: Any, module: torch.nn.Module) -> PlacementKind:
     """Name the placement of ``mapping``'s parameter (call on a rank that holds ``module``).
 
@@ -345,8 +377,9 @@ def placement_kind(mapping: Any, module: torch.nn.Module) -> PlacementKind:
     if not getattr(mapping, "is_grouped_export", False):
         for mapping_type, rule in placement_rules():
             if isinstance(mapping, mapping_type):
-                _check_no_custom_conversion(mapping, mapping_type)
-                return rule(mapping, module)
+                op = _elementwise_op(mapping, mapping_type)
+                kind = rule(mapping, module)
+                return kind if op is None else dataclasses.replace(kind, elementwise_op=op)
     supported = ", ".join(t.__name__ for t, _ in placement_rules())
     raise PlacementError(
         f"parameter {mapping.megatron_param!r} uses {type(mapping).__name__}, which has no slice "
@@ -354,15 +387,23 @@ def placement_kind(mapping: Any, module: torch.nn.Module) -> PlacementKind:
     )
 
 
-def _check_no_custom_conversion(mapping: Any, mapping_type: type) -> None:
-    """A subclass that overrides the export conversion may change data or shape (e.g. Ernie 4.5's
-    expert bias, unsqueezed to [1, N] on export): the slice rules describe only the base class, so
-    such a mapping is refused by name and the model falls back to the stock export."""
-    if type(mapping).megatron_to_hf is not mapping_type.megatron_to_hf:
-        raise PlacementError(
-            f"parameter {mapping.megatron_param!r} uses {type(mapping).__name__}, which overrides "
-            f"{mapping_type.__name__}.megatron_to_hf (a conversion the slice rules cannot describe)"
-        )
+def _elementwise_op(mapping: Any, mapping_type: type) -> str | None:
+    """None for a mapping that exports as ``mapping_type`` does; the op name for a class of
+    ``elementwise_op_rules`` directly over ``mapping_type`` (its base's slices, then the op).
+
+    Any other subclass that overrides the export conversion may change data or shape (e.g. Ernie
+    4.5's expert bias, unsqueezed to [1, N] on export): the slice rules describe only the base
+    class, so such a mapping is refused by name and the model falls back to the stock export."""
+    cls = type(mapping)
+    if cls.megatron_to_hf is mapping_type.megatron_to_hf:
+        return None
+    op = elementwise_op_rules().get(cls)
+    if op is not None and cls.__base__.megatron_to_hf is mapping_type.megatron_to_hf:
+        return op
+    raise PlacementError(
+        f"parameter {mapping.megatron_param!r} uses {type(mapping).__name__}, which overrides "
+        f"{mapping_type.__name__}.megatron_to_hf (a conversion the slice rules cannot describe)"
+    )
 
 
 def slices_for(kind: PlacementKind, ctx: ShardContext) -> list[SliceCopy]:

@@ -7,6 +7,8 @@ into the output, one copy per piece otherwise); experts are gathered over the ex
 group (a stacked expert tensor: each local expert copied into its slot, then the slots
 all-gathered into the output); each HF tensor is then broadcast from the owning stage to the
 other pipeline stages. Every rank yields every tensor, in plan order (the stock export's order).
+An entry with an ``elementwise_op`` is assembled into its own output buffer (never a view of a
+parameter) and the op is applied there in place, on the owning stage, before any broadcast.
 
 Buffers (gather, output, receive) come from ``ExportBuffers``; with a persistent pool they are
 allocated on the first export and reused by every later one.
@@ -21,6 +23,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from mbridge_refit.plan.entries import ExportPlan, PlanEntry
+from mbridge_refit.plan.placement import ELEMENTWISE_OPS
 from mbridge_refit.runtime.buffers import ExportBuffers
 from mbridge_refit.runtime.collectives import ParallelGroups, broadcast_from, coalesced, current_groups, gather_into
 from mbridge_refit.runtime.schedule import Assembly, AssemblyKind, Bucket, Op, build_buckets, build_ops, gather_count
@@ -82,8 +85,8 @@ class PlanExporter:
 
     def live_rows(self) -> dict[str, LiveRows]:
         """The plan's HF tensors that are, on this rank, rows of one local parameter read as stored:
-        no gather, no pipeline broadcast, no conversion of the shard (``VIEW`` and ``INDEX``
-        assemblies of this stage's parameters, experts at expert-parallel size 1, and aliases of
+        no gather, no pipeline broadcast, no conversion of the shard or of the values (``VIEW`` and
+        ``INDEX`` assemblies of this stage's parameters, never an entry with an ``elementwise_op``, experts at expert-parallel size 1, and aliases of
         such tensors). Pure: reads no tensor data; the same names on every rank of a layout
         whose shards are the parameters themselves. Empty with pipeline parallelism (every
         stage receives the other stages' tensors) and for shards that are converted (TE FP8)."""
@@ -97,6 +100,7 @@ class PlanExporter:
                         live[entry.hf_name] = live[entry.alias_of]
                     continue
                 reads_local = op.source is not None and (self._groups.ep_size == 1 or not op.expert)
+                reads_local = reads_local and entry.elementwise_op is None
                 if reads_local and assembly.kind is AssemblyKind.VIEW:
                     runs = ((0, assembly.start, assembly.length),)
                 elif reads_local and assembly.kind is AssemblyKind.INDEX:
@@ -212,6 +216,15 @@ class PlanExporter:
         return launched
 
     def _assemble(self, op: Op, slot: int, launched: dict, buffers: ExportBuffers) -> list[torch.Tensor]:
+        outputs = self._assemble_slices(op, slot, launched, buffers)
+        for entry, assembly, tensor in zip(op.entries, op.assemblies, outputs):
+            if entry.elementwise_op is not None:
+                if assembly.kind in (AssemblyKind.VIEW, AssemblyKind.INDEX, AssemblyKind.STACK):
+                    raise AssertionError(f"{entry.hf_name}: an elementwise op on a {assembly.kind} assembly")
+                ELEMENTWISE_OPS[entry.elementwise_op].export(tensor)
+        return outputs
+
+    def _assemble_slices(self, op: Op, slot: int, launched: dict, buffers: ExportBuffers) -> list[torch.Tensor]:
         if "stacked" in launched:
             return [launched["stacked"]]
         if op.expert:

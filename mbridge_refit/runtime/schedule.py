@@ -15,6 +15,10 @@ index over the expert-parallel ranks) with the plan entries it yields and, per e
   copied, re-laid out, into its slot of this rank's share of the stack, which is all-gathered
   over the expert-parallel group straight into the output (at ep 1 the share is the output).
 
+An entry with an ``elementwise_op`` (``placement.ELEMENTWISE_OPS``) is never a ``VIEW`` or an
+``INDEX``: it is always built in its own output buffer (``PIECES`` where it would be a view),
+to which the exporter applies the op in place on every export.
+
 ``build_buckets`` packs consecutive whole layers of one pipeline stage and gather group into
 buckets whose gathers are issued together (one coalesced NCCL group). Every rank computes the
 same buckets: they read only the plan.
@@ -182,7 +186,20 @@ def layer_of(megatron_param: str) -> int | str:
 def plan_assembly(entry: PlanEntry, groups: ParallelGroups) -> Assembly:
     """Choose how to build ``entry`` on this rank from its slice pieces (decided once)."""
     if entry.sharding.stack is not None:
+        if entry.elementwise_op is not None:
+            raise ValueError(f"{entry.hf_name}: a stacked expert tensor with an elementwise op has no assembly")
         return Assembly(kind=AssemblyKind.STACK)
+    assembly = _slices_assembly(entry, groups)
+    if entry.elementwise_op is not None and assembly.kind in (AssemblyKind.VIEW, AssemblyKind.INDEX):
+        return _pieces_assembly(entry.sharding.pieces)  # into a buffer of its own: the op must not touch the parameter
+    return assembly
+
+
+def _pieces_assembly(pieces) -> Assembly:
+    return Assembly(kind=AssemblyKind.PIECES, pieces=tuple((r, c) for r, rank in enumerate(pieces) for c in rank))
+
+
+def _slices_assembly(entry: PlanEntry, groups: ParallelGroups) -> Assembly:
     pieces = entry.sharding.pieces
     if len(pieces) > 1 and not entry.is_expert:
         return _tp_assembly(entry, groups.tp_rank)
@@ -196,7 +213,7 @@ def plan_assembly(entry: PlanEntry, groups: ParallelGroups) -> Assembly:
         return Assembly(kind=AssemblyKind.INDEX, rows=_rows(spans), spans=tuple(spans))
     if len(pieces) == 1 and len(pieces[0]) == 1 and pieces[0][0].length == entry.shape[dim]:
         return Assembly(kind=AssemblyKind.VIEW, start=0, length=entry.shape[0])
-    return Assembly(kind=AssemblyKind.PIECES, pieces=tuple((r, c) for r, rank in enumerate(pieces) for c in rank))
+    return _pieces_assembly(pieces)
 
 
 def _tp_assembly(entry: PlanEntry, tp_rank: int) -> Assembly:
@@ -211,7 +228,7 @@ def _tp_assembly(entry: PlanEntry, tp_rank: int) -> Assembly:
         for r, rank in enumerate(pieces)
     )
     if not row_split:
-        return Assembly(kind=AssemblyKind.PIECES, pieces=tuple((r, c) for r, rank in enumerate(pieces) for c in rank))
+        return _pieces_assembly(pieces)
     mine = sorted(pieces[tp_rank], key=lambda c: c.hf_start)
     spans = [(c.hf_start, c.local_start, c.length) for c in mine]
     if all(local == mine[0].local_start + hf - mine[0].hf_start for hf, local, _ in spans):

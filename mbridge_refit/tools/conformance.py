@@ -84,7 +84,7 @@ MATRIX_LAYOUTS: Mapping[str, tuple[ParallelLayout, tuple[str, ...] | None]] = Ma
     "tp2": (ParallelLayout(tp=2), (
         "Gemma4ForCausalLM", "GemmaForCausalLM", "GptOssForCausalLM", "HYV3ForCausalLM", "LlamaForCausalLM",
         "MistralForCausalLM", "NemotronForCausalLM", "Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration",
-        "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+        "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
     )),
     "pp2": (ParallelLayout(pp=2), (
         "GemmaForCausalLM", "GptOssForCausalLM", "HYV3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
