@@ -24,9 +24,7 @@ Writes DIR/vllm_broadcast_<model>[_fp8].json; exits 1 when a check fails.
 
 from __future__ import annotations
 
-import argparse
 import datetime
-import json
 import logging
 import os
 import socket
@@ -39,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from check_vllm_refit_gpu import prompts, write_checkpoint  # noqa: E402
+from check_vllm_refit_gpu import parser_with_engine_arguments, prompts, report, write_checkpoint  # noqa: E402
 
 logger = logging.getLogger("check_vllm_broadcast")
 
@@ -134,25 +132,13 @@ def run(args) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="qwen3-1.7b", help="full-size shape of recipes/shapes/ (default qwen3-1.7b)")
-    parser.add_argument("--layers", type=int, default=None, help="keep only this many layers (default: all)")
-    parser.add_argument("--fp8", action="store_true", help="blockwise FP8 checkpoint, engine and refit")
+    parser = parser_with_engine_arguments(__doc__)
     parser.add_argument("--engine-gpu", type=int, default=None, help="the engine's GPU (default: the trainer's, over gloo)")
     parser.add_argument("--bucket-mib", type=int, default=256, help="packed-broadcast bucket size in MiB (default 256)")
     parser.add_argument("--repeats", type=int, default=3, help="steady refits timed (default 3)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share of its GPU (default 0.3)")
-    parser.add_argument("--work", default=os.environ.get("TMPDIR", "/tmp"), help="folder for the checkpoint (deleted after)")
-    parser.add_argument("--out-dir", type=Path, required=True, help="folder for the JSON result")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    result = run(args)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    name = f"vllm_broadcast_{result['model']}{'_fp8' if args.fp8 else ''}.json"
-    (args.out_dir / name).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result["checks"], indent=2))
-    print("OK" if result["ok"] else "FAILED", name)
-    sys.exit(0 if result["ok"] else 1)
+    report(run(args), args, prefix="vllm_broadcast")
 
 
 if __name__ == "__main__":

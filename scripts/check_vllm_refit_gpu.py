@@ -164,19 +164,28 @@ def run(args) -> dict:
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser_with_engine_arguments(description: str) -> argparse.ArgumentParser:
+    """The options every vLLM check shares: the model shape, FP8, the engine's memory, the folders."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-1.7b", help="full-size shape of recipes/shapes/ (default qwen3-1.7b)")
     parser.add_argument("--layers", type=int, default=None, help="keep only this many layers (default: all)")
     parser.add_argument("--fp8", action="store_true", help="blockwise FP8 checkpoint, engine and refit")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share of the GPU (default 0.3)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share of its GPU (default 0.3)")
     parser.add_argument("--work", default=os.environ.get("TMPDIR", "/tmp"), help="folder for the checkpoint (deleted after)")
     parser.add_argument("--out-dir", type=Path, required=True, help="folder for the JSON result")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = parser_with_engine_arguments(__doc__).parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    result = run(args)
+    report(run(args), args, prefix="vllm_refit")
+
+
+def report(result: dict, args: argparse.Namespace, *, prefix: str) -> None:
+    """Write ``result`` to ``args.out_dir``/<prefix>_<model>[_fp8].json, print its checks, exit 1 if one failed."""
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    name = f"vllm_refit_{result['model']}{'_fp8' if args.fp8 else ''}.json"
+    name = f"{prefix}_{result['model']}{'_fp8' if args.fp8 else ''}.json"
     (args.out_dir / name).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result["checks"], indent=2))
     print("OK" if result["ok"] else "FAILED", name)

@@ -105,20 +105,35 @@ def place_gated(gate: str, up: str, ctx: ShardContext) -> list[SliceCopy]:
     ]
 
 
-def place_qkv(q: str, k: str, v: str, ctx: ShardContext) -> list[SliceCopy]:
+class _QueryGroups(NamedTuple):
+    """This rank's query groups of a QKV layer: their global indices, heads per group, head size."""
+
+    groups: range
+    heads_per_group: int
+    head_dim: int
+
+
+def _query_groups(ctx: ShardContext, *, gated: bool) -> _QueryGroups:
+    """The query groups ``ctx``'s rank holds; refuses a layer whose gate setting is not ``gated``
+    and KV heads that tensor parallelism would have to replicate."""
     config = ctx.config
-    if getattr(config, "attention_output_gate", False):
-        raise PlacementError("QKV with attention_output_gate has no slice description yet")
+    if bool(getattr(config, "attention_output_gate", False)) != gated:
+        raise PlacementError(f"QKV placement {'with' if gated else 'without'} an attention output gate on a model "
+                             f"{'without' if gated else 'with'} one")
     heads, groups = config.num_attention_heads, config.num_query_groups
-    head_dim = config.kv_channels or config.hidden_size // heads
     if groups % ctx.tp_size:
         raise PlacementError(
             f"num_query_groups={groups} is not divisible by tp={ctx.tp_size}: replicated KV heads are not supported"
         )
-    heads_per_group = heads // groups
     local_groups = groups // ctx.tp_size
+    return _QueryGroups(groups=range(ctx.tp_rank * local_groups, (ctx.tp_rank + 1) * local_groups),
+                        heads_per_group=heads // groups, head_dim=config.kv_channels or config.hidden_size // heads)
+
+
+def place_qkv(q: str, k: str, v: str, ctx: ShardContext) -> list[SliceCopy]:
+    local_groups, heads_per_group, head_dim = _query_groups(ctx, gated=False)
     copies, local = [], 0
-    for group in range(ctx.tp_rank * local_groups, (ctx.tp_rank + 1) * local_groups):
+    for group in local_groups:
         q_rows = heads_per_group * head_dim
         for name, start, length in (
             (q, group * q_rows, q_rows),
@@ -136,21 +151,11 @@ def place_qkv_gated(q: str, k: str, v: str, ctx: ShardContext) -> list[SliceCopy
     """QKV with ``attention_output_gate`` (Megatron-Bridge's ``split_qkv_weights``): each local
     query group holds its query heads, its gate heads, its key head, its value head; HF's
     ``q_proj`` holds, per query head, the head's query rows then its gate rows."""
-    config = ctx.config
-    if not getattr(config, "attention_output_gate", False):
-        raise PlacementError("qkv_gated placement on a model without attention_output_gate")
-    heads, groups = config.num_attention_heads, config.num_query_groups
-    head_dim = config.kv_channels or config.hidden_size // heads
-    if groups % ctx.tp_size:
-        raise PlacementError(
-            f"num_query_groups={groups} is not divisible by tp={ctx.tp_size}: replicated KV heads are not supported"
-        )
-    heads_per_group = heads // groups
-    local_groups = groups // ctx.tp_size
+    local_groups, heads_per_group, head_dim = _query_groups(ctx, gated=True)
     query_rows = RowLayout(hf_name=q, base=0, chunk=head_dim, stride=2 * head_dim)
     gate_rows = RowLayout(hf_name=q, base=head_dim, chunk=head_dim, stride=2 * head_dim)
     copies: list[SliceCopy] = []
-    for group in range(ctx.tp_rank * local_groups, (ctx.tp_rank + 1) * local_groups):
+    for group in local_groups:
         head_rows = (group * heads_per_group * head_dim, (group + 1) * heads_per_group * head_dim)
         copies += query_rows.slices(*head_rows, local_start=_covered(copies))
         copies += gate_rows.slices(*head_rows, local_start=_covered(copies))
