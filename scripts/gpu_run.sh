@@ -85,6 +85,8 @@ case "$part" in
     [ "$part" = vllm-bench-bf16 ] || step bench_refit_vllm_qwen3-8b_fp8 240 python3 scripts/bench_refit_vllm.py --model qwen3-8b --steps 5 --fp8 --out-dir "$RESULTS"
     ;;
   families)
+    # Nemotron-H builds with mamba-ssm's Triton ops; its package imports a CUDA extension the wheelhouse leaves out
+    export PYTHONPATH=$PYTHONPATH:$PWD/scripts/gpu/stubs
     step families_tp1 540 "${one[@]}" scripts/check_families_gpu.py --out-dir "$RESULTS"
     ;;
   training)

@@ -31,6 +31,13 @@ dl .gpu/p0 transformer-engine==2.20.2 megatron-core==0.19.2 megatron-bridge==0.6
    tokenizers==0.22.2 omegaconf==2.3.0 pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 \
    flash-linear-attention==0.6.0 fla-core==0.6.0 "$@"
 sdist .gpu/p0 transformer-engine-torch==2.20.2 antlr4-python3-runtime==4.9.3
+# mamba-ssm (Nemotron-H's Mamba layers): Megatron builds them from its Triton ops only; the sdist's own
+# build would download a prebuilt CUDA wheel, so it is built here without its CUDA extension
+# (its package still imports one: scripts/gpu/stubs/selective_scan_cuda stands in for it)
+if ! ls .gpu/p0/mamba_ssm-*.whl >/dev/null 2>&1; then
+  sdist /tmp/mamba-sdist --no-binary :all: --no-build-isolation mamba-ssm==2.3.2.post1
+  MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE "$PY" -m pip wheel -q --no-deps --no-build-isolation -w .gpu/p0 /tmp/mamba-sdist/mamba_ssm-*.tar.gz
+fi
 cp "$here/install.sh" .gpu/p0/install.sh
 du -sh .gpu/p* | sed 's/^/  /'
 echo "wheelhouse ready in .gpu/ (upload p1..p$(ls -d .gpu/p[1-9] | wc -l), then p0; then run: bash .gpu/p0/install.sh)"
