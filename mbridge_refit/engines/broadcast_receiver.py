@@ -121,6 +121,8 @@ class BroadcastTarget:
         return asdict(report)
 
     def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
         self.group, self.plan_json, self.config = None, None, None
 
     def _unloaded(self, loaded: set[str]) -> list[str]:

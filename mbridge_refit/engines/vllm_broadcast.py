@@ -147,8 +147,10 @@ class VLLMBroadcastRefit:
             raise error
 
     def close(self) -> None:
+        """End the session: the workers leave the group, then this rank."""
         if self.source and self.group is not None:
             self.llm.collective_rpc("mbridge_broadcast_close", timeout=self.timeout_s)
+            self.group.close()
         self.group, self._session = None, None
 
 
