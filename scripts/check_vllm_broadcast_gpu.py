@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from check_vllm_refit_gpu import parser_with_engine_arguments, prompts, report, write_checkpoint  # noqa: E402
+from check_vllm_refit_gpu import model_config, parser_with_engine_arguments, prompts, report, write_checkpoint  # noqa: E402
 
 logger = logging.getLogger("check_vllm_broadcast")
 
@@ -67,16 +67,13 @@ def run(args) -> dict:
     from mbridge_refit.sinks.packed_broadcast import PackedBroadcastConfig
     from mbridge_refit.tools.launch import distributed_session
     from mbridge_refit.tools.model_builder import BuildOptions, build_model
-    from mbridge_refit.tools.recipes import full_size_config
 
     own_gpu = args.engine_gpu is not None and args.engine_gpu != 0
     backend = "nccl" if own_gpu else "gloo"
     result: dict = {"model": args.model if args.layers is None else f"{args.model}-{args.layers}layers", "fp8": args.fp8,
                     "device": torch.cuda.get_device_name(), "engine_gpu": args.engine_gpu or 0, "backend": backend, "checks": {}}
     checks = result["checks"]
-    config = full_size_config(args.model)
-    if args.layers is not None:
-        config.num_hidden_layers = args.layers
+    config = model_config(args)
     fp8 = "blockwise" if args.fp8 else None
     device = torch.device("cuda", 0)
     layout = ParallelLayout(tp=1, pp=1, ep=1)

@@ -95,14 +95,11 @@ def run(args) -> dict:
     from mbridge_refit.plan.layout import ParallelLayout
     from mbridge_refit.tools.launch import distributed_session
     from mbridge_refit.tools.model_builder import BuildOptions, build_model
-    from mbridge_refit.tools.recipes import full_size_config
 
     result: dict = {"model": args.model if args.layers is None else f"{args.model}-{args.layers}layers",
                     "fp8": args.fp8, "device": torch.cuda.get_device_name(), "checks": {}}
     checks = result["checks"]
-    config = full_size_config(args.model)
-    if args.layers is not None:
-        config.num_hidden_layers = args.layers
+    config = model_config(args)
     fp8 = BlockwiseFP8Config() if args.fp8 else None
     device = torch.device("cuda")
     layout = ParallelLayout(tp=1, pp=1, ep=1)
@@ -162,6 +159,18 @@ def run(args) -> dict:
         refit.close()
     result["ok"] = all(checks.values())
     return result
+
+
+def model_config(args: argparse.Namespace):
+    """The HF config of ``args.model``, cut to ``args.layers`` layers (per-layer lists cut too)."""
+    from mbridge_refit.tools.recipes import full_size_config
+
+    config = full_size_config(args.model)
+    if args.layers is not None:
+        config.num_hidden_layers = args.layers
+        if getattr(config, "layer_types", None):
+            config.layer_types = config.layer_types[: args.layers]
+    return config
 
 
 def parser_with_engine_arguments(description: str) -> argparse.ArgumentParser:

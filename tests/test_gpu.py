@@ -75,3 +75,30 @@ def test_export_right_after_a_ddp_step(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(repo), "NCCL_NVLS_ENABLE": "0"}
     run = subprocess.run(cmd, cwd=repo / "scripts", env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+
+
+VLLM_CHECKS = {  # script -> what it proves (each a process of its own: vLLM starts its engine in another)
+    "check_vllm_refit_gpu.py": "colocated refit (CUDA IPC)",
+    "check_vllm_broadcast_gpu.py": "broadcast refit (StoreGroup)",
+}
+
+
+@pytest.mark.parametrize("script", list(VLLM_CHECKS))
+def test_vllm_refit_equals_loading_from_disk(script, tmp_path):
+    """The engine path into a real vLLM engine: a 2-layer Qwen3-1.7B shape refit equals the engine
+    loaded from the checkpoint ``convert`` writes (every parameter fingerprint, prompt logprobs, a
+    perturbed weight caught in its parameter); the scripts' docstrings list each check."""
+    pytest.importorskip("vllm", reason="needs vLLM (the GPU host installs it with scripts/gpu/install-vllm.sh)")
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_USE_DEEP_GEMM": "0", "VLLM_BATCH_INVARIANT": "1"}
+    run = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / script), "--model", "qwen3-1.7b", "--layers", "2", "--out-dir", str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=540,
+    )
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    assert run.stdout.rstrip().splitlines()[-1].startswith("OK"), run.stdout[-2000:]
