@@ -37,7 +37,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from check_vllm_refit_gpu import model_config, parser_with_engine_arguments, prompts, report, write_checkpoint  # noqa: E402
+from check_vllm_refit_gpu import (  # noqa: E402
+    model_config, parser_with_engine_arguments, prompts, report, start_engine, write_checkpoint,
+)
 
 logger = logging.getLogger("check_vllm_broadcast")
 
@@ -57,11 +59,9 @@ def first_weight(chunks, part: str) -> torch.Tensor:
 
 
 def run(args) -> dict:
-    from vllm import LLM
-
     from mbridge_refit.bridge import RefitBridge
     from mbridge_refit.engines.fingerprint import differing
-    from mbridge_refit.engines.vllm import engine_kwargs, prompt_logprobs
+    from mbridge_refit.engines.vllm import prompt_logprobs
     from mbridge_refit.engines.vllm_broadcast import VLLMBroadcastRefit
     from mbridge_refit.plan.layout import ParallelLayout
     from mbridge_refit.sinks.packed_broadcast import PackedBroadcastConfig
@@ -86,8 +86,7 @@ def run(args) -> dict:
 
         if own_gpu:  # the engine process sees only its GPU (the trainer's CUDA context already exists)
             os.environ["CUDA_VISIBLE_DEVICES"] = str(args.engine_gpu)
-        llm = LLM(model=str(checkpoint), skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", max_model_len=256,
-                  gpu_memory_utilization=args.gpu_memory_utilization, seed=0, **engine_kwargs())
+        llm = start_engine(checkpoint, args)
         batch = prompts(config.vocab_size)
         disk, disk_logprobs = fingerprints(llm), prompt_logprobs(llm, batch)
         llm.collective_rpc("mbridge_refit_scramble", args=(7,))

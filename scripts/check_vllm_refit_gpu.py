@@ -86,11 +86,9 @@ def verify_against_trainer(refit, bridge, chunks, tokens, fp8, victim: str, chec
 
 
 def run(args) -> dict:
-    from vllm import LLM
-
     from mbridge_refit.bridge import RefitBridge
     from mbridge_refit.engines.fingerprint import differing
-    from mbridge_refit.engines.vllm import VLLMRefit, engine_kwargs, prompt_logprobs
+    from mbridge_refit.engines.vllm import VLLMRefit, prompt_logprobs
     from mbridge_refit.fp8.format import BlockwiseFP8Config
     from mbridge_refit.plan.layout import ParallelLayout
     from mbridge_refit.tools.launch import distributed_session
@@ -113,8 +111,7 @@ def run(args) -> dict:
         result["write_checkpoint_s"] = round(time.perf_counter() - started, 1)
 
         started = time.perf_counter()
-        llm = LLM(model=str(checkpoint), skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
-                  max_model_len=256, gpu_memory_utilization=args.gpu_memory_utilization, seed=0, **engine_kwargs())
+        llm = start_engine(checkpoint, args)
         result["engine_start_s"] = round(time.perf_counter() - started, 1)
         refit = VLLMRefit(llm, timeout_s=300)
         batch = prompts(config.vocab_size)
@@ -159,6 +156,16 @@ def run(args) -> dict:
         refit.close()
     result["ok"] = all(checks.values())
     return result
+
+
+def start_engine(checkpoint: Path, args: argparse.Namespace):
+    """A vLLM engine loaded from ``checkpoint`` (vLLM's own loader) with the refit worker extension."""
+    from vllm import LLM
+
+    from mbridge_refit.engines.vllm import engine_kwargs
+
+    return LLM(model=str(checkpoint), skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", max_model_len=256,
+               gpu_memory_utilization=args.gpu_memory_utilization, seed=0, **engine_kwargs())
 
 
 def model_config(args: argparse.Namespace):

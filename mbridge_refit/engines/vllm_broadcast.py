@@ -109,9 +109,7 @@ class VLLMBroadcastRefit:
     def refit(self, bridge: Any, model: Any, *, fp8: Any = None) -> BroadcastStep | None:
         """Export ``model`` and broadcast it into the engine; returns the step on the source rank."""
         chunks = model if isinstance(model, list) else [model]
-        if self._session is None or self._session[0] is not bridge or self._session[2] != repr(fp8) or not all(
-            a is b for a, b in zip(self._session[1], chunks)
-        ) or len(self._session[1]) != len(chunks):
+        if not self._serves(bridge, chunks, fp8):
             raise RuntimeError("refit() of another bridge, model or fp8 than the open session: call open() for it first")
         started = time.perf_counter()
         plan = self._session[3]
@@ -138,6 +136,14 @@ class VLLMBroadcastRefit:
             workers, error = [], err
         self._share(error)
         return BroadcastStep(tensors=count, bytes=sender.bytes_sent, ms=(time.perf_counter() - started) * 1e3, workers=workers)
+
+    def _serves(self, bridge: Any, chunks: list, fp8: Any) -> bool:
+        """Whether the open session is for exactly these objects (identity, as ``open`` saw them)."""
+        if self._session is None:
+            return False
+        open_bridge, open_chunks, open_fp8, _ = self._session
+        return (open_bridge is bridge and open_fp8 == repr(fp8) and len(open_chunks) == len(chunks)
+                and all(a is b for a, b in zip(open_chunks, chunks)))
 
     def _share(self, error: BaseException | None) -> None:
         """The engine's outcome of this step, on every trainer rank (only the source learns it)."""

@@ -237,12 +237,9 @@ def place_gdn_in_proj(qkvz: str, ba: str, ctx: ShardContext) -> list[SliceCopy]:
 def place_gdn_in_proj_separate(qkv: str, z: str, b: str, a: str, ctx: ShardContext) -> list[SliceCopy]:
     """GDN ``in_proj`` against Qwen3.5's separate tensors: ``in_proj_qkv`` = [q; k; v] flat,
     ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` whole components."""
-    key_dim, key_heads, value_rows, per_key = _gdn_dims(ctx.config)
-    qk_rows = key_heads * key_dim
+    _, key_heads, value_rows, per_key = _gdn_dims(ctx.config)
     return place_components([
-        (qk_rows, RowLayout(hf_name=qkv, base=0)),
-        (qk_rows, RowLayout(hf_name=qkv, base=qk_rows)),
-        (key_heads * value_rows, RowLayout(hf_name=qkv, base=2 * qk_rows)),
+        *_flat_qkv_components(qkv, ctx.config),
         (key_heads * value_rows, RowLayout(hf_name=z)),
         (key_heads * per_key, RowLayout(hf_name=b)),
         (key_heads * per_key, RowLayout(hf_name=a)),
@@ -251,13 +248,18 @@ def place_gdn_in_proj_separate(qkv: str, z: str, b: str, a: str, ctx: ShardConte
 
 def place_gdn_conv1d(conv: str, ctx: ShardContext) -> list[SliceCopy]:
     """GDN ``conv1d`` (weight or bias; ``GDNConv1dMapping``): HF's channels are [q; k; v] flat."""
-    key_dim, key_heads, value_rows, _ = _gdn_dims(ctx.config)
+    return place_components(_flat_qkv_components(conv, ctx.config), ctx)
+
+
+def _flat_qkv_components(name: str, config: Any) -> list[tuple[int, RowLayout]]:
+    """GDN's q, k and v stored one after the other in ``name`` (Qwen3.5's ``in_proj_qkv``, ``conv1d``)."""
+    key_dim, key_heads, value_rows, _ = _gdn_dims(config)
     qk_rows = key_heads * key_dim
-    return place_components([
-        (qk_rows, RowLayout(hf_name=conv, base=0)),
-        (qk_rows, RowLayout(hf_name=conv, base=qk_rows)),
-        (key_heads * value_rows, RowLayout(hf_name=conv, base=2 * qk_rows)),
-    ], ctx)
+    return [
+        (qk_rows, RowLayout(hf_name=name, base=0)),
+        (qk_rows, RowLayout(hf_name=name, base=qk_rows)),
+        (key_heads * value_rows, RowLayout(hf_name=name, base=2 * qk_rows)),
+    ]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
