@@ -163,7 +163,7 @@ def _selected_architectures(items) -> dict[str, list[str]]:
     selected = set()
     for item in items:
         params = item.callspec.params if hasattr(item, "callspec") else {}
-        if getattr(item, "module", None) is sys.modules[__name__] and "layout" in params:
+        if getattr(item, "module", None) is sys.modules[__name__] and "layout" in params and item.originalname != "test_roundtrip_matches_disk":
             selected.add((params["layout"], params["architecture"]))
     return {layout: [a for a in conformance.architectures_at(layout) if (layout, a) in selected] for layout in MATRIX_LAYOUTS}
 
@@ -247,7 +247,7 @@ def test_matrix_page_links_name_tests_of_this_module():
     assert links, "docs/conformance.md links no test"
     stale = {(line, function) for line, function, _ in links if function_lines.get(function) != int(line)}
     assert not stale, f"links to lines that are not their test's (rerun scripts/conformance_matrix.py): {sorted(stale)}"
-    assert {cell_id for _, _, cell_id in links} <= set(CELL_IDS) | set(ROUNDTRIP_ARCHITECTURES)
+    assert {cell_id for _, _, cell_id in links} <= set(CELL_IDS)
 
 
 def test_build_helpers_restore_what_they_change(monkeypatch):
@@ -270,9 +270,9 @@ def test_build_helpers_restore_what_they_change(monkeypatch):
 def _fake_convert(write_output):
     """A stand-in for ``convert roundtrip`` (exit 0) whose output ``write_output(source, out)`` writes."""
 
-    def run(source, out):
+    def run(source, out, layout):
         write_output(source, out)
-        return 0, roundtrip_conformance._ErrorRecords()
+        return 0, roundtrip_conformance.ConvertErrors()
 
     return run
 
@@ -308,25 +308,70 @@ def test_roundtrip_cell_catches_a_flipped_bit_and_a_dropped_tensor(tmp_path, mon
     assert not CellState.DIFFERENT.passes and CellState.EXACT.passes and CellState.REFUSED.passes
 
 
+def test_errors_of_launched_ranks_are_read_from_their_log():
+    """A launched roundtrip's refusal and internal error are read from the ranks' log: each message
+    once, and whether the exception came from the model's build (``cannot be built here``)."""
+    log = "\n".join([
+        "[rank0] INFO mbridge_refit.convert.commands: loading /tmp/source",
+        "[rank0] ERROR mbridge_refit.convert.app: cannot load decoder.layers.0.x: no slice description",
+        "[rank1] ERROR mbridge_refit.convert.app: roundtrip failed (internal error: please report it with this traceback)",
+        "Traceback (most recent call last):",
+        '  File "/x/mbridge_refit/tools/model_builder.py", line 160, in build_model',
+        "    chunks = provider.provide_distributed_model(",
+        "RuntimeError: TransformerEngine needs CUDA.",
+        "[rank0] ERROR mbridge_refit.convert.launcher: 2 of 2 ranks failed (2, 3): exit code 3",
+        "[rank0] ERROR mbridge_refit.convert.app: cannot load decoder.layers.0.x: no slice description",
+    ])
+    errors = roundtrip_conformance.ConvertErrors.from_log(log)
+    assert errors.messages == [
+        "cannot load decoder.layers.0.x: no slice description",
+        "roundtrip failed (internal error: please report it with this traceback)",
+        "RuntimeError: TransformerEngine needs CUDA.",
+        "2 of 2 ranks failed (2, 3): exit code 3",
+    ]
+    assert errors.in_model_build
+    assert not roundtrip_conformance.ConvertErrors.from_log("\n".join(log.splitlines()[:2])).in_model_build
+
+
+# The roundtrip cells the default run launches at layouts of more than one rank (each is a launch of
+# its own, ~30-60 s on 2 cores): one per layout kind, on families the recipe tests of
+# tests/test_roundtrip.py do not already roundtrip there; the rest are marked slow.
+ROUNDTRIP_DEFAULT_MULTIRANK = frozenset({
+    ("tp2", "Qwen3_5MoeForCausalLM"),  # gated delta net, gated QKV, the zero-centred norm's +1, experts
+    ("pp2", "Qwen2_5_VLForConditionalGeneration"),  # a vision tower beside a split language model
+    ("tp2ep2", "HYV3ForCausalLM"),  # routed and shared experts over expert ranks, attention over tensor ranks
+})
+ROUNDTRIP_CELLS = [
+    pytest.param(layout, architecture, id=f"{layout}-{architecture}", marks=() if (
+        MATRIX_LAYOUTS[layout][0].expected_world_size == 1 or (layout, architecture) in ROUNDTRIP_DEFAULT_MULTIRANK
+    ) else pytest.mark.slow)
+    for layout, architecture in CELLS
+]
+
+
 @pytest.fixture(scope="module")
-def roundtrip_cells(tmp_path_factory):
-    """architecture -> its roundtrip cell, from one run of ``convert.roundtrip_conformance``."""
+def roundtrip_cells(request, tmp_path_factory):
+    """(layout, architecture) -> its roundtrip cell, from one run of ``convert.roundtrip_conformance``
+    over the roundtrip cells this session selected."""
+    selected = [
+        (item.callspec.params["layout"], item.callspec.params["architecture"]) for item in request.session.items
+        if getattr(item, "originalname", None) == "test_roundtrip_matches_disk" and item.module is sys.modules[__name__]
+    ]
+    layouts = [name for name in MATRIX_LAYOUTS if any(layout == name for layout, _ in selected)]
     path = tmp_path_factory.mktemp("roundtrip") / "cells.json"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    only = ",".join(f"{layout}:{architecture}" for layout, architecture in selected)
     run = subprocess.run(
-        [sys.executable, "-m", "mbridge_refit.convert.roundtrip_conformance", "--json", str(path), "--only", ",".join(ROUNDTRIP_ARCHITECTURES)],
+        [sys.executable, "-m", "mbridge_refit.convert.roundtrip_conformance", "--json", str(path), "--layout", ",".join(layouts), "--only", only],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=MATRIX_TIMEOUT,
     )
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
-    return {cell.architecture: cell for cell in map(Cell.from_json, json.loads(path.read_text()))}
+    return {(cell.layout, cell.architecture): cell for cell in map(Cell.from_json, json.loads(path.read_text()))}
 
 
-ROUNDTRIP_ARCHITECTURES = conformance.architectures_at("tp1")
-
-
-@pytest.mark.parametrize("architecture", ROUNDTRIP_ARCHITECTURES)
-def test_roundtrip_matches_disk(architecture, roundtrip_cells):
-    cell = roundtrip_cells[architecture]
-    assert cell.state.passes, f"{architecture} roundtrip: {cell.state}: {cell.detail}"
+@pytest.mark.parametrize(("layout", "architecture"), ROUNDTRIP_CELLS)
+def test_roundtrip_matches_disk(layout, architecture, roundtrip_cells):
+    cell = roundtrip_cells[layout, architecture]
+    assert cell.state.passes, f"{architecture} {layout} roundtrip: {cell.state}: {cell.detail}"
     if architecture in RECIPE_ARCHITECTURES:
-        assert cell.state is CellState.EXACT, f"{architecture} roundtrip: {cell.state}: {cell.detail}"
+        assert cell.state is CellState.EXACT, f"{architecture} {layout} roundtrip: {cell.state}: {cell.detail}"

@@ -1,7 +1,7 @@
 """Flags that several commands (and the scripts under ``scripts/``) share, and their parsing.
 
 ``add_layout_flags`` / ``layout_from_flags``: the parallel layout (--tp, --pp, --vpp, --ep,
---first-stage-layers, --last-stage-layers). ``add_fp8_flags`` / ``fp8_from_flags``: blockwise FP8
+--first-stage-layers, --last-stage-layers); ``layout_flags`` writes a layout back as those flags. ``add_fp8_flags`` / ``fp8_from_flags``: blockwise FP8
 output. ``add_device_flag`` / ``device_from_flag`` and ``add_timeout_flag``. Parsing raises
 ``BadInput`` naming the flag and the fix.
 """
@@ -46,6 +46,16 @@ def layout_from_flags(args: argparse.Namespace) -> ParallelLayout:
         )
     except LayoutError as err:
         raise BadInput(f"layout {describe_flags(args)}: {err}") from err
+
+
+def layout_flags(layout: ParallelLayout) -> list[str]:
+    """The flags ``layout_from_flags`` reads back as ``layout`` (defaults left out)."""
+    values = {
+        "--tp": layout.tp, "--pp": layout.pp, "--vpp": layout.vpp, "--cp": layout.cp, "--ep": layout.ep,
+        "--first-stage-layers": layout.first_stage_layers, "--last-stage-layers": layout.last_stage_layers,
+    }
+    defaults = {"--tp": 1, "--pp": 1, "--cp": 1, "--ep": 1}
+    return [part for flag, value in values.items() if value is not None and value != defaults.get(flag) for part in (flag, str(value))]
 
 
 def describe_flags(args: argparse.Namespace) -> str:

@@ -2,10 +2,15 @@
 
 Owns what a roundtrip cell means and how it is decided. For an architecture
 (``tools.tiny_configs``), a tiny transformers model of it with seeded random values is saved as
-an HF checkpoint (``write_tiny_checkpoint``); ``convert roundtrip`` (HF -> Megatron -> HF, one
-process, CPU) writes it back; every tensor of the output must equal the source file's tensor:
-the same names, dtypes, shapes and bytes, read with plain ``safetensors`` (the oracle is the
-checkpoint on disk, never our own output).
+an HF checkpoint (``write_tiny_checkpoint``); ``convert roundtrip`` (HF -> Megatron -> HF, on CPU)
+writes it back at one layout of ``tools.conformance.MATRIX_LAYOUTS``; every tensor of the output
+must equal the source file's tensor: the same names, dtypes, shapes and bytes, read with plain
+``safetensors`` (the oracle is the checkpoint on disk, never our own output).
+
+At TP1 ``convert`` runs in this process. At a layout of more ranks it runs as a user runs it,
+``python -m mbridge_refit.convert --nproc-per-node N roundtrip --tp ...``, in a child process whose
+log this module reads (``ConvertErrors.from_log``): a torch process group cannot be formed again in
+one torchrun world once ``convert`` has destroyed it, so the ranks are launched per cell.
 
 A cell ends as (``tools.conformance.CellState``):
 
@@ -20,7 +25,7 @@ A cell ends as (``tools.conformance.CellState``):
 
 Run (what ``tests/test_conformance.py`` and ``scripts/conformance_matrix.py`` do)::
 
-    python -m mbridge_refit.convert.roundtrip_conformance --json cells.json [--only A,B]
+    python -m mbridge_refit.convert.roundtrip_conformance --json cells.json [--layout tp1,tp2] [--only A,tp2:B]
 """
 
 from __future__ import annotations
@@ -28,7 +33,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import re
 import shutil
+import subprocess
+import sys
 import tempfile
 import traceback
 from pathlib import Path
@@ -36,14 +45,16 @@ from typing import Sequence
 
 import torch
 
-from mbridge_refit.tools.conformance import Cell, CellState, describe_error, restored_environment
+from mbridge_refit.convert.flags import layout_flags
+from mbridge_refit.plan.layout import ParallelLayout
+from mbridge_refit.tools.conformance import MATRIX_LAYOUTS, Cell, CellState, describe_error, restored_environment, selected_cells
 from mbridge_refit.tools.export_comparison import compare_stream
 
 logger = logging.getLogger(__name__)
 
 ROUNDTRIP = "roundtrip"  # the cell's precision column: the source checkpoint's own dtypes
-LAYOUT = "tp1"
 SEED = 0
+RANKS_TIMEOUT_S = 600  # one launched roundtrip of a tiny model (2 CPU ranks take well under a minute)
 
 
 def write_tiny_checkpoint(architecture: str, out_dir: Path, *, seed: int = SEED) -> Path:
@@ -77,45 +88,77 @@ def checkpoint_tensors(checkpoint_dir: Path) -> list[tuple[str, torch.Tensor]]:
     return sorted(tensors.items())
 
 
-def check_roundtrip(architecture: str, work_dir: Path) -> Cell:
-    """The roundtrip cell of ``architecture``; its files go under ``work_dir`` (removed after)."""
+def check_roundtrip(architecture: str, work_dir: Path, layout_name: str = "tp1") -> Cell:
+    """The roundtrip cell of ``architecture`` at ``MATRIX_LAYOUTS[layout_name]``; its files go
+    under ``work_dir`` (removed after)."""
     source, out = work_dir / "source", work_dir / "roundtrip"
+
+    def cell(state: CellState, detail: str = "", tensors: int = 0) -> Cell:
+        return Cell(architecture=architecture, layout=layout_name, precision=ROUNDTRIP, state=state, detail=detail, tensors=tensors)
+
     try:
         write_tiny_checkpoint(architecture, source)
     except Exception as err:
-        return _cell(architecture, CellState.CANNOT_BE_BUILT, describe_error(err))
-    code, errors = _run_convert_roundtrip(source, out)
+        return cell(CellState.CANNOT_BE_BUILT, describe_error(err))
+    code, errors = _run_convert_roundtrip(source, out, MATRIX_LAYOUTS[layout_name][0])
     if code == 2:
         reason = " ".join(errors.messages) or "convert roundtrip exited 2"
         state = CellState.UPSTREAM_BROKEN if _names_unmapped_parameters(reason) else CellState.REFUSED
-        return _cell(architecture, state, reason[:600])
+        return cell(state, reason[:600])
     if code != 0:
         state = CellState.CANNOT_BE_BUILT if errors.in_model_build else CellState.OUR_EXPORT_FAILED
-        return _cell(architecture, state, (" ".join(errors.messages) or f"exit {code}")[:600])
+        return cell(state, (" ".join(errors.messages) or f"exit {code}")[:600])
     comparison = compare_stream(checkpoint_tensors(source), checkpoint_tensors(out))
     if not comparison.exact:
-        return _cell(architecture, CellState.DIFFERENT, comparison.describe(), comparison.compared)
-    return _cell(architecture, CellState.EXACT, "", comparison.compared)
+        return cell(CellState.DIFFERENT, comparison.describe(), comparison.compared)
+    return cell(CellState.EXACT, "", comparison.compared)
 
 
-def _run_convert_roundtrip(source: Path, out: Path) -> tuple[int, "_ErrorRecords"]:
-    """``convert roundtrip --hf source --out out`` in this process: its exit code and errors."""
+def _run_convert_roundtrip(source: Path, out: Path, layout: ParallelLayout) -> tuple[int, "ConvertErrors"]:
+    """``convert roundtrip --hf source --out out`` at ``layout`` on CPU: its exit code and errors
+    (in this process at one rank, else launched as the layout's ranks: module docstring)."""
+    argv = ["roundtrip", "--hf", str(source), "--out", str(out), "--device", "cpu", "--no-progress", *layout_flags(layout)]
+    if layout.expected_world_size > 1:
+        return _launch_convert(["--nproc-per-node", str(layout.expected_world_size), *argv])
     from mbridge_refit.convert.app import main as convert_main
 
-    errors = _ErrorRecords()
+    errors = ConvertErrors()
     convert_logger = logging.getLogger("mbridge_refit.convert")
     convert_logger.addHandler(errors)
     try:
         with restored_environment():  # Megatron's build sets attention-backend variables the next build asserts
-            code = convert_main(["roundtrip", "--hf", str(source), "--out", str(out), "--device", "cpu", "--no-progress"])
+            code = convert_main(argv)
     finally:
         convert_logger.removeHandler(errors)
     return code, errors
 
 
-class _ErrorRecords(logging.Handler):
-    """The error records ``convert`` logs: their messages (with the exception, for internal errors)
-    and whether an exception was raised inside the Megatron model's build (``build_model``)."""
+def _launch_convert(argv: list[str]) -> tuple[int, "ConvertErrors"]:
+    """``python -m mbridge_refit.convert *argv`` in a child process (CPU only): exit code, errors."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    try:
+        run = subprocess.run(
+            [sys.executable, "-m", "mbridge_refit.convert", *argv],
+            env=env, capture_output=True, text=True, timeout=RANKS_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired as err:
+        errors = ConvertErrors()
+        errors.messages.append(f"convert did not finish within {RANKS_TIMEOUT_S} s")
+        logger.debug("convert's output before the timeout: %s", err.output)
+        return 3, errors
+    return run.returncode, ConvertErrors.from_log(run.stdout + run.stderr)
+
+
+class ConvertErrors(logging.Handler):
+    """The errors ``convert`` logged: their messages (with the exception, for internal errors) and
+    whether an exception was raised inside the Megatron model's build (``build_model``).
+
+    A logging handler on ``convert``'s logger in this process, or read from the log of launched
+    ranks (``from_log``)."""
+
+    RANK_ERROR = re.compile(r"^\[rank\d+\] ERROR [\w.]+: (?P<message>.*)$")
+    IN_MODEL_BUILD = re.compile(r'model_builder\.py", line \d+, in build_model$')
+    EXCEPTION = re.compile(r"^(?P<type>[A-Za-z_][\w.]*(Error|Exception)): (?P<message>.*)$")
 
     def __init__(self) -> None:
         super().__init__(level=logging.ERROR)
@@ -130,39 +173,64 @@ class _ErrorRecords(logging.Handler):
             frames = traceback.extract_tb(err.__traceback__)
             self.in_model_build |= any(f.name == "build_model" and f.filename.endswith("model_builder.py") for f in frames)
 
+    @classmethod
+    def from_log(cls, log: str) -> "ConvertErrors":
+        """The errors of launched ranks' log (``[rankR] ERROR logger: message`` lines, each rank's
+        exception line after its traceback), each message once, in order of first appearance."""
+        errors = cls()
+        for line in log.splitlines():
+            line = line.rstrip()
+            found = cls.RANK_ERROR.match(line) or cls.EXCEPTION.match(line)
+            if found:
+                message = " ".join(found.group("message").split())
+                if found.re is cls.EXCEPTION:
+                    message = f"{found.group('type')}: {message}"
+                if message not in errors.messages:
+                    errors.messages.append(message)
+            errors.in_model_build |= bool(cls.IN_MODEL_BUILD.search(line.strip()))
+        return errors
+
 
 def _names_unmapped_parameters(reason: str) -> bool:
     """The loader's refusal for parameters no mapping of the bridge covers (its ``LoadError``)."""
     return "were not loaded from the checkpoint (no mapping or no HF tensor)" in reason
 
 
-def _cell(architecture: str, state: CellState, detail: str = "", tensors: int = 0) -> Cell:
-    return Cell(architecture=architecture, layout=LAYOUT, precision=ROUNDTRIP, state=state, detail=detail, tensors=tensors)
-
-
-def run(architectures: Sequence[str]) -> list[Cell]:
-    """The roundtrip cell of every architecture, each in a temporary directory of its own."""
+def run(plan: Sequence[tuple[str, Sequence[str]]]) -> list[Cell]:
+    """The roundtrip cell of every ``(layout, architectures)`` of ``plan``, each cell in a
+    temporary directory of its own."""
     cells = []
-    for architecture in architectures:
-        work_dir = Path(tempfile.mkdtemp(prefix=f"roundtrip-{architecture}-"))
-        try:
-            cell = check_roundtrip(architecture, work_dir)
-        finally:
-            shutil.rmtree(work_dir, ignore_errors=True)
-        logger.info("%s roundtrip: %s %s", architecture, cell.state, cell.detail[:200])
-        cells.append(cell)
+    for layout_name, architectures in plan:
+        for architecture in architectures:
+            work_dir = Path(tempfile.mkdtemp(prefix=f"roundtrip-{layout_name}-{architecture}-"))
+            try:
+                cell = check_roundtrip(architecture, work_dir, layout_name)
+            finally:
+                shutil.rmtree(work_dir, ignore_errors=True)
+            logger.info("%s %s roundtrip: %s %s", architecture, layout_name, cell.state, cell.detail[:200])
+            cells.append(cell)
     return cells
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from mbridge_refit.tools.tiny_configs import registered_architectures
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
-    parser.add_argument("--only", default="", help="comma-separated architectures (default: every registered one)")
+    parser.add_argument(
+        "--layout", default="tp1",
+        help=f"comma-separated layouts of MATRIX_LAYOUTS ({', '.join(MATRIX_LAYOUTS)}), run one after the other (default tp1)",
+    )
+    parser.add_argument("--only", default="", help="comma-separated ARCH (at every layout) or LAYOUT:ARCH (default: each layout's)")
     parser.add_argument("--json", type=Path, required=True, help="where the cells go (a JSON list)")
     args = parser.parse_args(argv)
-    architectures = [a for a in args.only.split(",") if a] or registered_architectures()
-    cells = run(architectures)  # convert's own logging setup applies from the first cell on
+    layout_names = [name for name in args.layout.split(",") if name]
+    unknown = [name for name in layout_names if name not in MATRIX_LAYOUTS]
+    if unknown or not layout_names:
+        parser.error(f"--layout {args.layout!r}: choose from {', '.join(MATRIX_LAYOUTS)}")
+    try:
+        plan = selected_cells(layout_names, [e for e in args.only.split(",") if e])
+    except ValueError as err:
+        parser.error(str(err))
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # convert's own setup replaces it from its first TP1 cell on
+    cells = run(plan)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps([cell.to_json() for cell in cells], indent=1))
 
