@@ -9,6 +9,8 @@ import pytest
 
 from conftest import torchrun
 from mbridge_refit.convert import ExitCode, build_parser, main
+from mbridge_refit.convert.flags import layout_flags, layout_from_flags
+from mbridge_refit.plan.layout import ParallelLayout
 
 
 def test_parser_knows_every_subcommand():
@@ -18,6 +20,15 @@ def test_parser_knows_every_subcommand():
     assert parser.parse_args(["verify", "x", "y"]).command == "verify"
     with pytest.raises(SystemExit):
         parser.parse_args(["roundtrip", "--hf", "a", "--out", "b", "--t", "2"])  # no abbreviations
+
+
+@pytest.mark.parametrize("layout", [
+    ParallelLayout(), ParallelLayout(tp=2), ParallelLayout(pp=2, vpp=2), ParallelLayout(tp=2, ep=2, cp=2),
+    ParallelLayout(pp=4, first_stage_layers=1, last_stage_layers=3),
+], ids=lambda layout: layout.name)
+def test_layout_flags_parse_back_to_the_layout(layout):
+    args = build_parser().parse_args(["roundtrip", "--hf", "a", "--out", "b", *layout_flags(layout)])
+    assert layout_from_flags(args) == layout
 
 
 def test_help_has_examples(capsys):
