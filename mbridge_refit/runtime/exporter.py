@@ -202,7 +202,7 @@ class PlanExporter:
     def _launch_gathers(self, op: Op, slot: int, buffers: ExportBuffers) -> dict:
         """Issue ``op``'s gathers: row gathers straight into outputs, or whole shards."""
         groups = self._groups
-        if op.sources:
+        if op.stacked:
             return {"stacked": self._gather_stack(op, slot, buffers)}
         local = self.shards(op.source, op.entries[0], slot, buffers).detach()
         if op.expert:

@@ -69,10 +69,21 @@ class Op:
 
     entries: list[PlanEntry]
     assemblies: list[Assembly]
-    source: str | None  # the local parameter's global name (``STACK``: the first of ``sources``); None where this rank holds no shard
+    # The global names of the local parameters the op reads: one, or for ``STACK`` this rank's
+    # expert parameters in slot order; empty where this rank holds no shard.
+    sources: tuple[str, ...]
     sharded_over_tp: bool
     expert: bool
-    sources: tuple[str, ...] = ()  # ``STACK``: this rank's local expert parameters, in slot order
+
+    @property
+    def source(self) -> str | None:
+        """The (first) local parameter the op reads; None where this rank holds no shard."""
+        return self.sources[0] if self.sources else None
+
+    @property
+    def stacked(self) -> bool:
+        """Whether the op stacks several local expert parameters into one tensor (``STACK``)."""
+        return self.entries[0].sharding.stack is not None
 
     @property
     def nbytes(self) -> int:
@@ -122,10 +133,9 @@ def build_ops(plan: ExportPlan, params: Mapping[str, torch.Tensor], groups: Para
             Op(
                 entries=[entry],
                 assemblies=[plan_assembly(entry, groups)],
-                source=sources[0] if sources else None,
+                sources=sources,
                 sharded_over_tp=not entry.is_expert and len(entry.sharding.pieces) > 1,
                 expert=entry.is_expert,
-                sources=sources if entry.sharding.stack is not None else (),
             )
         )
     return ops
