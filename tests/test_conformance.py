@@ -238,13 +238,15 @@ def test_stacked_expert_families_take_the_fast_path(layout, architecture, matrix
     test_recipe_families_take_the_fast_path(layout, architecture, matrix)
 
 
-def test_matrix_page_links_name_tests_of_this_module():
-    """docs/conformance.md links each cell to a test here: the line of its function, a known cell id."""
-    page = (REPO / "docs" / "conformance.md").read_text()
+@pytest.mark.parametrize("page", ["docs/conformance.md", "README.md"])
+def test_matrix_page_links_name_tests_of_this_module(page):
+    """docs/conformance.md and the README's support matrix link each cell to a test here: the line
+    of its function, a known cell id."""
+    text = (REPO / page).read_text()
     tree = ast.parse((REPO / "tests" / "test_conformance.py").read_text())
     function_lines = {node.name: node.lineno for node in tree.body if isinstance(node, ast.FunctionDef)}
-    links = re.findall(r'test_conformance\.py#L(\d+) "(test_\w+)\[([\w.-]+)\]"', page)
-    assert links, "docs/conformance.md links no test"
+    links = re.findall(r'test_conformance\.py#L(\d+) "(test_\w+)\[([\w.-]+)\]', text)
+    assert links, f"{page} links no test"
     stale = {(line, function) for line, function, _ in links if function_lines.get(function) != int(line)}
     assert not stale, f"links to lines that are not their test's (rerun scripts/conformance_matrix.py): {sorted(stale)}"
     assert {cell_id for _, _, cell_id in links} <= set(CELL_IDS)

@@ -9,7 +9,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-README_MAX_LINES = 170
+README_MAX_LINES = 220  # the generated support matrix is about 35 of them
 
 
 def relative_links(page: Path) -> list[str]:
