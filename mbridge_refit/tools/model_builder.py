@@ -183,12 +183,27 @@ def build_model(bridge: Any, layout: ParallelLayout, options: BuildOptions) -> l
             mixed_precision_wrapper=None,
         )
     if on_cpu and options.materialize:
-        chunks = [chunk.to_empty(device="cpu") for chunk in chunks]
+        chunks = [materialize_on_cpu(chunk) for chunk in chunks]
     if on_cpu and options.params_dtype is not None:
         # The local spec builds its torch norms in fp32 whatever params_dtype says; on this
         # conversion path every parameter takes the checkpoint's dtype so exports keep it.
         chunks = [chunk.to(dtype=options.params_dtype) for chunk in chunks]
     return chunks
+
+
+def materialize_on_cpu(chunk: torch.nn.Module) -> torch.nn.Module:
+    """``chunk.to_empty(device="cpu")`` keeping the attributes Megatron set on each parameter.
+
+    ``to_empty`` replaces every meta parameter by a new ``Parameter``, which drops what Megatron
+    set on the old one (``tensor_model_parallel``, ``partition_dim``, ``allreduce`` ...); readers
+    of the materialised model (the conformance check's per-shard random values) need them.
+    """
+    attributes = {name: dict(vars(param)) for name, param in chunk.named_parameters()}
+    chunk = chunk.to_empty(device="cpu")
+    for name, param in chunk.named_parameters():
+        for key, value in attributes[name].items():
+            setattr(param, key, value)
+    return chunk
 
 
 def cpu_concessions(provider: Any) -> dict[str, Any]:
