@@ -66,6 +66,19 @@ def source_checkpoints(tmp_path_factory):
 # --- The slow marker: left out of a run unless asked for. -------------------------------------------
 
 
+# Conformance cells of the grouped-expert families (MATRIX_LAYOUTS) that repeat at a layout what
+# a default cell of that layout proves: by default DeepSeek-V3 runs at every 2-rank layout
+# (multi-latent attention, grouped experts with an expert bias, a dense first layer), GLM-4.5 at
+# TP2 and EP2 (grouped experts behind GQA attention), MiniMax-M3 at TP2 (its replicated
+# indexers and vision tower) and GLM-4.5V at PP2 (the vision tower on the first stage).
+GROUPED_EXPERT_REPEATS = (
+    *(f"{layout}-{arch}" for layout in ("tp2", "pp2", "ep2", "tp2ep2") for arch in ("DeepseekV2ForCausalLM", "Glm4MoeLiteForCausalLM")),
+    "tp2-Glm4vMoeForConditionalGeneration", "ep2-Glm4vMoeForConditionalGeneration", "tp2ep2-Glm4vMoeForConditionalGeneration",
+    "pp2-Glm4MoeForCausalLM", "tp2ep2-Glm4MoeForCausalLM",
+    "pp2-MiniMaxM3SparseForConditionalGeneration", "ep2-MiniMaxM3SparseForConditionalGeneration",
+    "tp2ep2-MiniMaxM3SparseForConditionalGeneration",
+)
+
 # Multi-rank cases marked slow here (28-46 s each on 2 cores in the full run at 68949ce): each repeats,
 # at another layout or precision, what a faster case of the same test proves in the default run.
 SLOW_CASES = frozenset({
@@ -79,6 +92,11 @@ SLOW_CASES = frozenset({
     "tests/test_megatron_checkpoint.py::test_import_export_across_layouts[tied-pp2-to-tp1]",
     "tests/test_fp8.py::test_fp8_parameters_export_their_own_data_and_scales[tp2_pp2]",
     "tests/test_fp8.py::test_roundtrip_fp8_matches_reference_quantizer[tp2_pp2]",
+    *(
+        f"tests/test_conformance.py::{test}[{cell}]"
+        for test in ("test_bf16_matches_stock", "test_fp8_matches_reference")
+        for cell in GROUPED_EXPERT_REPEATS
+    ),
 })
 
 

@@ -14,7 +14,8 @@ values, and compares (``tools.export_comparison``)
 On CPU the build is a weights-only build (``tools.model_builder``: the concessions it takes are
 recorded in the cell); where
 stock's export fails because the bridge maps no conversion task to some parameters of the build
-(sequential experts, which CPU builds use, are not in every family's mapping), the reason names them.
+(a family whose CPU build has sequential experts, ``local_experts.N``, and whose mapping has
+grouped ones only), the reason names them.
 
 The oracle is stock (and the reference quantizer on stock's tensors), never our own output. Each
 cell ends in one ``CellState``; ``DIFFERENT`` and ``OUR_EXPORT_FAILED`` are failures (bugs of ours
@@ -68,38 +69,45 @@ SESSION_TIMEOUT = datetime.timedelta(minutes=2)  # a rank whose peer failed rais
 # one). Beyond TP1 the matrix runs the families that build on CPU (tiny configs: 2 or 4 layers,
 # 8 experts), chosen to cover the placement kinds each layout splits:
 # * TP2: QKV with and without bias and QK norms, gated and plain MLPs, MoE experts (with an expert
-#   bias and a dense first layer in HY-V3; stacked experts in GPT-OSS), a vision-language model,
-#   tied embeddings, and a model the plan refuses (its stock fallback and FP8 refusal at TP2).
-#   Gemma 3 adds Transformer Engine's module structure (built from its stand-ins, tools.cpu_specs):
-#   norms fused into the column-parallel linears (``layer_norm_weight``) and replicated norms inside
-#   the row-parallel ones (``post_layernorm``); Qwen3-VL a vision tower with deepstack mergers
-#   built inside its provider (its cells are stock's until the plan maps the tower's QKV).
+#   bias and a dense first layer in HY-V3; stacked experts in GPT-OSS; grouped experts, TE's
+#   ``weightN``, in the decoder-block-spec families), multi-latent attention (DeepSeek-V2/V3,
+#   GLM-4.7-Flash: down projections duplicated over TP, norms fused into the up projections), a
+#   vision-language model, tied embeddings, and a model the plan refuses (its stock fallback and
+#   FP8 refusal at TP2). Gemma 3 adds Transformer Engine's module structure (built from its
+#   stand-ins, tools.cpu_specs): norms fused into the column-parallel linears
+#   (``layer_norm_weight``) and replicated norms inside the row-parallel ones (``post_layernorm``);
+#   Qwen3-VL a vision tower with deepstack mergers built inside its provider.
 # * PP2: the same families but Gemma 4 (its provider supports PP=1 only): stages split the layers,
 #   the embedding and the head (tied in Gemma: the head is the first stage's embedding), the
 #   vision towers (first stage only: Qwen2.5-VL's, and Qwen3-VL's whose deepstack features feed the
-#   first stage's layers) and dense and MoE layers (HY-V3's stages differ in kind).
+#   first stage's layers) and dense and MoE layers (HY-V3's and DeepSeek's stages differ in kind).
 # * EP2 and TP2xEP2 (2 ranks: the experts split across the tensor-parallel ranks, Megatron's
 #   expert tensor parallel size 1): every MoE family whose CPU build stock can export: Qwen3-MoE
-#   (per-expert tensors), HY-V3 (expert bias, dense first layer) and GPT-OSS (stacked experts,
-#   gathered over EP). The other MoE families fail at TP1 already (multi-latent attention and OLMoE's
-#   attention need Transformer Engine on CPU; GLM-4.5, MiniMax-M2 and MiniMax-M3 map only grouped
-#   experts; Qwen3-VL-MoE builds grouped experts only) or are stock's (ERNIE 4.5's own mappings):
-#   the TP1 column records why.
+#   (per-expert tensors), HY-V3 (expert bias, dense first layer), GPT-OSS (stacked experts,
+#   gathered over EP) and the grouped-expert families (DeepSeek, GLM-4.5, MiniMax-M3). The other
+#   MoE families are stock's (ERNIE 4.5's own mappings) or fail at TP1 already: the TP1 column
+#   records why.
+# Cells that repeat a placement kind a faster default cell of the same layout proves are marked
+# slow in ``tests/conftest.py::SLOW_CASES`` (the matrix page shows them all).
+GROUPED_EXPERT_FAMILIES = (
+    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM",
+    "Glm4vMoeForConditionalGeneration", "MiniMaxM3SparseForConditionalGeneration",
+)
 MATRIX_LAYOUTS: Mapping[str, tuple[ParallelLayout, tuple[str, ...] | None]] = MappingProxyType({
     "tp1": (ParallelLayout(), None),
     "tp2": (ParallelLayout(tp=2), (
         "Gemma3ForCausalLM", "Gemma4ForCausalLM", "GemmaForCausalLM", "GptOssForCausalLM", "HYV3ForCausalLM",
         "LlamaForCausalLM", "MistralForCausalLM", "NemotronForCausalLM", "Qwen2ForCausalLM",
         "Qwen2_5_VLForConditionalGeneration", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM",
-        "Qwen3VLForConditionalGeneration", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+        "Qwen3VLForConditionalGeneration", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", *GROUPED_EXPERT_FAMILIES,
     )),
     "pp2": (ParallelLayout(pp=2), (
         "Gemma3ForCausalLM", "GemmaForCausalLM", "GptOssForCausalLM", "HYV3ForCausalLM", "LlamaForCausalLM",
         "MistralForCausalLM", "NemotronForCausalLM", "Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration",
-        "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3VLForConditionalGeneration",
+        "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3VLForConditionalGeneration", *GROUPED_EXPERT_FAMILIES,
     )),
-    "ep2": (ParallelLayout(ep=2), ("GptOssForCausalLM", "HYV3ForCausalLM", "Qwen3MoeForCausalLM")),
-    "tp2ep2": (ParallelLayout(tp=2, ep=2), ("GptOssForCausalLM", "HYV3ForCausalLM", "Qwen3MoeForCausalLM")),
+    "ep2": (ParallelLayout(ep=2), ("GptOssForCausalLM", "HYV3ForCausalLM", "Qwen3MoeForCausalLM", *GROUPED_EXPERT_FAMILIES)),
+    "tp2ep2": (ParallelLayout(tp=2, ep=2), ("GptOssForCausalLM", "HYV3ForCausalLM", "Qwen3MoeForCausalLM", *GROUPED_EXPERT_FAMILIES)),
 })
 
 class CellState(enum.StrEnum):

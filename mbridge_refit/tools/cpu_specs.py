@@ -20,6 +20,19 @@ are built inside ``te_modules_built_local``: while it is active, constructing a 
 class constructs its stand-in instead (``te_to_local``, and ``te_subclass_stand_ins`` for the
 subclasses Megatron-Bridge defines). A subclass with no stand-in raises, naming itself: mapping it
 to its base's stand-in could drop the parameters it adds.
+Megatron's decoder block spec (``get_gpt_decoder_block_spec``, bound with
+``use_transformer_engine``: DeepSeek-V2/V3, GLM-4.5, MiniMax-M3 ...) has a local variant, but its
+parameters differ from the Transformer Engine build: local multi-latent attention splits the
+q/kv down projections over tensor-parallel ranks (TE duplicates them) and keeps the q/kv norms
+apart (TE fuses them into the up projections), and local experts are ``SequentialMLP``
+(``local_experts.N.linear_fc1.weight``) where TE's are grouped (``experts.linear_fc1.weightN``),
+which some bridges map only. ``transformer_engine_block_spec`` therefore builds the TE spec with
+stand-ins (``mla_and_grouped_expert_stand_ins``): Megatron's modelopt ``Linear`` for the
+duplicated ``TELinear`` (the bridge is told it is replicated, as it detects ``TELinear``), a
+``DotProductAttention`` taking TE's ``k_channels``/``v_channels`` (core attention has no
+parameters), and grouped linears with TE's ``weight0..weightN-1`` and the attributes Megatron
+sets on them. Multi-latent attention asks ``config.transformer_impl``'s backend which module is
+the fused norm + linear; ``stand_in_backend`` answers with the stand-in while a CPU model is built.
 """
 
 from __future__ import annotations
@@ -28,6 +41,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import math
 from typing import Any, Iterator, Optional
 
 import torch
@@ -92,21 +106,122 @@ def normalize(input_: torch.Tensor, normalization: str, weight: torch.Tensor, bi
     if normalization == "LayerNorm":
         return torch.nn.functional.layer_norm(input_, shape, gamma, bias, eps)
     return torch.nn.functional.rms_norm(input_, shape, gamma, eps)
+class CoreAttention(DotProductAttention):
+    """Megatron's local ``DotProductAttention`` taking Transformer Engine's ``k_channels`` and
+    ``v_channels`` (multi-latent attention's key and value head sizes differ from ``kv_channels``).
+
+    Core attention has no parameters; the value head size sets the width of its output.
+    """
+
+    def __init__(self, *args: Any, k_channels: Optional[int] = None, v_channels: Optional[int] = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        if v_channels is not None:
+            self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+        if k_channels is not None and kwargs.get("softmax_scale") is None:
+            self.softmax_scale = 1.0 / math.sqrt(k_channels)
+
+
+class _GroupedLinear(torch.nn.Module):
+    """The parameters of Transformer Engine's grouped linear (``TEGroupedLinear``), on CPU.
+
+    One weight per local expert, ``weight0`` .. ``weight{N-1}`` (and ``bias0`` ..), split over the
+    expert tensor-parallel ranks like Megatron's ``TEColumnParallelGroupedLinear`` /
+    ``TERowParallelGroupedLinear`` split them, with the attributes Megatron sets on them
+    (``_set_expert_parameter_attributes``): ``allreduce`` (False where gradients reduce over the
+    expert data-parallel group), ``tensor_model_parallel``, ``partition_dim``, ``partition_stride``.
+    The module carries ``tensor_model_parallel`` and ``partition_dim`` too: the bridge's
+    ``AutoMapping`` detects column/row placement from them as it does from TE's class names.
+    The forward is not implemented: these builds move weights and run no experts.
+    """
+
+    partition_dim: int  # 0: column parallel (output features split), 1: row parallel (input features split)
+
+    def __init__(
+        self, num_gemms: int, input_size: int, output_size: int, *, config: Any, init_method: Any, bias: bool,
+        skip_bias_add: bool, is_expert: bool, tp_comm_buffer_name: Optional[str] = None,
+        pg_collection: Any = None, name: Optional[str] = None,
+    ):
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        from megatron.core.utils import divide, get_pg_size
+
+        super().__init__()
+        if not is_expert:
+            raise ValueError("a grouped linear holds experts (Megatron: TEGroupedLinear only supports expert parallelism)")
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        tp_size = get_pg_size(pg_collection.expt_tp)
+        if self.partition_dim == 0:
+            output_size = divide(output_size, tp_size)
+        else:
+            input_size = divide(input_size, tp_size)
+        self.config = config
+        self.num_gemms, self.in_features, self.out_features = num_gemms, input_size, output_size
+        self.tensor_model_parallel = True
+        self.te_return_bias = skip_bias_add and bias
+        expert_groups = (
+            config.expert_model_parallel_size > 1 or config.expert_tensor_parallel_size != config.tensor_model_parallel_size
+        )
+        for i in range(num_gemms):
+            weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+            if config.perform_initialization:
+                init_method(weight)
+            self._register(f"weight{i}", weight, split=True, expert_groups=expert_groups)
+            if bias:
+                bias_param = torch.nn.Parameter(torch.zeros(output_size, dtype=config.params_dtype))
+                self._register(f"bias{i}", bias_param, split=self.partition_dim == 0, expert_groups=expert_groups)
+
+    def _register(self, name: str, param: torch.nn.Parameter, *, split: bool, expert_groups: bool) -> None:
+        param.allreduce = not expert_groups
+        param.tensor_model_parallel = split
+        if split:
+            param.partition_dim = self.partition_dim
+            param.partition_stride = 1
+        self.register_parameter(name, param)
+
+    def forward(self, *args: Any, **kwargs: Any):
+        raise NotImplementedError(
+            f"{type(self).__name__} is a CPU stand-in holding grouped expert weights for weight transfers; "
+            "run the forward on a GPU build (Transformer Engine's grouped GEMM)"
+        )
+
+
+class ColumnParallelGroupedLinear(_GroupedLinear):
+    """CPU stand-in for ``TEColumnParallelGroupedLinear`` (experts' ``linear_fc1``)."""
+
+    partition_dim = 0
+
+
+class RowParallelGroupedLinear(_GroupedLinear):
+    """CPU stand-in for ``TERowParallelGroupedLinear`` (experts' ``linear_fc2``)."""
+
+    partition_dim = 1
 
 
 @functools.cache
 def te_to_local() -> dict[type, Any]:
     """Transformer Engine module class -> the class a CPU build uses instead (None: leave unset)."""
     from megatron.core.extensions import transformer_engine as te
-    from megatron.core.tensor_parallel.layers import RowParallelLinear
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
     return {
         te.TELayerNormColumnParallelLinear: LayerNormColumnParallelLinear,
         te.TEColumnParallelLinear: ColumnParallelLinear,
         te.TERowParallelLinear: RowParallelLinear,
-        te.TEDotProductAttention: DotProductAttention,
         te.TENorm: TorchNorm,
         te.TEActivationOp: None,  # MLP then uses config.activation_func
+        **mla_and_grouped_expert_stand_ins(),
+    }
+
+
+def mla_and_grouped_expert_stand_ins() -> dict[type, Any]:
+    """The stand-ins multi-latent attention and grouped experts need (module docstring)."""
+    from megatron.core.extensions import transformer_engine as te
+    from megatron.core.post_training.modelopt.layers import Linear
+
+    return {
+        te.TEDotProductAttention: CoreAttention,
+        te.TELinear: Linear,  # MLA's down projections: duplicated over tensor-parallel ranks
+        te.TEColumnParallelGroupedLinear: ColumnParallelGroupedLinear,
+        te.TERowParallelGroupedLinear: RowParallelGroupedLinear,
     }
 
 
@@ -238,3 +353,55 @@ def te_modules_built_local() -> Iterator[None]:
                 cls.__new__ = own_new[cls]
             else:
                 del cls.__new__
+def transformer_engine_block_spec(spec: functools.partial, config: Any, vp_stage: Optional[int] = None) -> Any:
+    """A block spec builder that takes ``use_transformer_engine`` (Megatron's decoder block spec:
+    multi-latent attention, grouped experts, dense first layers) built for CPU: its Transformer
+    Engine spec, the same layers and parameters as the GPU build, with local modules (``to_local``).
+    Bind ``spec`` with ``functools.partial``; the provider passes ``config`` and ``vp_stage``."""
+    import inspect
+
+    register_stand_in_types()
+    keywords = {**spec.keywords, "use_transformer_engine": True}
+    if "vp_stage" in inspect.signature(spec.func).parameters:
+        keywords["vp_stage"] = vp_stage
+    return to_local(spec.func(config, *spec.args, **keywords))
+
+
+def register_stand_in_types() -> None:
+    """Tell the bridge's ``AutoMapping`` how the stand-ins without a detectable class name are
+    placed: ``Linear`` (for ``TELinear``, which multi-latent attention builds duplicated) is
+    replicated over tensor-parallel ranks, as the bridge detects ``TELinear(parallel_mode="duplicated")``."""
+    from megatron.bridge.models.conversion.param_mapping import AutoMapping
+
+    AutoMapping.register_module_type("Linear", "replicated")
+
+
+class _StandInBackend:
+    """Transformer Engine's spec provider answering with the CPU stand-ins (``to_local``)."""
+
+    def __init__(self) -> None:
+        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+        self._te = TESpecProvider()
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._te, name)
+        return lambda *args, **kwargs: to_local(method(*args, **kwargs))
+
+
+@contextlib.contextmanager
+def stand_in_backend() -> Iterator[None]:
+    """Inside the block, multi-latent attention resolves its norm placement against the CPU
+    stand-ins: Megatron's ``QKNormConfigResolver`` asks the backend of ``config.transformer_impl``
+    (Transformer Engine) which class is the fused norm + linear and builds that class where the
+    spec leaves the q/kv norms out, so without this a CPU build would get TE's CUDA module back."""
+    from megatron.core.transformer import mla_qk_norm_config
+
+    get_backend = mla_qk_norm_config.get_backend
+    mla_qk_norm_config.get_backend = (
+        lambda impl: _StandInBackend() if impl == "transformer_engine" else get_backend(impl)
+    )
+    try:
+        yield
+    finally:
+        mla_qk_norm_config.get_backend = get_backend

@@ -7,16 +7,17 @@ checks that none was left out. GPU builds use the Transformer Engine spec and th
 defaults.
 
 Layer specs on CPU (``cpu_layer_spec``): the bridge's default Transformer Engine spec becomes its
-local spec, and a spec built with a ``use_transformer_engine`` switch (Megatron's decoder block
-spec: multi-latent attention, dense first layers) is built with it off, and the hybrid block spec
-of experimental attention variants (gated delta net), which has no switch, is built with local
-modules (``tools.cpu_specs``). A family's own spec is kept otherwise, and the whole CPU build runs
-inside ``cpu_specs.te_modules_built_local``: a Transformer Engine module the spec names (Gemma 2
-and 3, MiniMax-M2, ERNIE 4.5), or that a provider builds out of the spec's reach (the Qwen3-VL
-and Qwen3.5 towers, Gemma 3's vision projector), is constructed as its local stand-in with the
-same parameters, and one without a stand-in fails naming itself. Parts a provider builds with
-their own ``TransformerConfig`` (Gemma 3's vision projector) get the provider's CPU initialisation
-settings (``nested_transformer_configs``).
+local spec; a spec built with a ``use_transformer_engine`` switch (Megatron's decoder block spec:
+multi-latent attention, grouped experts, dense first layers) and the hybrid block spec of
+experimental attention variants (gated delta net) are built as their Transformer Engine spec with
+local modules and CPU stand-ins, the GPU build's parameters (``tools.cpu_specs``); the former keep
+the provider's ``moe_grouped_gemm`` (grouped experts, as on the GPU). A family's own spec is kept
+otherwise, and the whole CPU build runs inside ``cpu_specs.te_modules_built_local``: a Transformer
+Engine module the spec names (Gemma 2 and 3, MiniMax-M2, ERNIE 4.5), or that a provider builds out
+of the spec's reach (the Qwen3-VL and Qwen3.5 towers, Gemma 3's vision projector), is constructed
+as its local stand-in with the same parameters, and one without a stand-in fails naming itself.
+Parts a provider builds with their own ``TransformerConfig`` (Gemma 3's vision projector) get the
+provider's CPU initialisation settings (``nested_transformer_configs``).
 
 Weights-only builds on CPU (``BuildOptions(weights_only=True)``: conversion, export, conformance
 checks, never a forward). Two things a CPU build cannot do do not change what any parameter
@@ -63,7 +64,7 @@ CPU_PROVIDER_OVERRIDES: dict[str, Any] = {
     "persist_layer_norm": False,
     "cross_entropy_loss_fusion": False,
     "moe_permute_fusion": False,
-    "moe_grouped_gemm": False,
+    "moe_grouped_gemm": False,  # the local spec's grouped MLP needs the grouped_gemm package (TE specs keep it: cpu_layer_spec)
     "moe_token_dispatcher_type": "allgather",
     "moe_shared_expert_overlap": False,  # needs the alltoall or flex dispatcher
     "fused_residual_rmsnorm": False,  # a Transformer Engine norm
@@ -123,11 +124,14 @@ def configure_provider(provider: Any, layout: ParallelLayout, options: BuildOpti
         provider.fp8_recipe = options.fp8_param_recipe
         provider.fp8_param = True
     if options.device.type == "cpu":
+        grouped_experts = getattr(provider, "moe_grouped_gemm", False)
         for name, value in CPU_PROVIDER_OVERRIDES.items():
             if hasattr(provider, name):
                 setattr(provider, name, value)
         if hasattr(provider, "transformer_layer_spec"):  # hybrid (Mamba) providers build their own stack
             provider.transformer_layer_spec = cpu_layer_spec(provider.transformer_layer_spec)
+            if _builds_transformer_engine_spec(provider.transformer_layer_spec):
+                provider.moe_grouped_gemm = grouped_experts  # TE's grouped linear has a CPU stand-in
     if options.weights_only and options.device.type == "cpu":
         concessions = cpu_concessions(provider)
         if concessions:
@@ -152,9 +156,15 @@ def cpu_layer_spec(spec: Any) -> Any:
     if spec is experimental.get_transformer_block_with_experimental_attention_variant_spec:
         return cpu_specs.experimental_attention_block_spec
     if isinstance(spec, functools.partial) and spec.keywords.get("use_transformer_engine"):
-        return functools.partial(spec.func, *spec.args, **{**spec.keywords, "use_transformer_engine": False})
+        return functools.partial(cpu_specs.transformer_engine_block_spec, spec)
     logger.debug("layer spec %r has no known CPU variant: kept", spec)
     return spec
+
+
+def _builds_transformer_engine_spec(spec: Any) -> bool:
+    from mbridge_refit.tools import cpu_specs
+
+    return isinstance(spec, functools.partial) and spec.func is cpu_specs.transformer_engine_block_spec
 
 
 def build_model(bridge: Any, layout: ParallelLayout, options: BuildOptions) -> list[torch.nn.Module]:
@@ -176,6 +186,7 @@ def build_model(bridge: Any, layout: ParallelLayout, options: BuildOptions) -> l
     with contextlib.ExitStack() as build_context:
         if on_cpu:
             build_context.enter_context(cpu_specs.te_modules_built_local())
+            build_context.enter_context(cpu_specs.stand_in_backend())
         if no_cuda:
             build_context.enter_context(cuda_device_queries_answer_cpu())
         chunks = provider.provide_distributed_model(

@@ -48,6 +48,7 @@ CONFIG_OVERRIDES: Mapping[str, Mapping[str, Any]] = MappingProxyType({
     "HYV3ForCausalLM": {"first_k_dense_replace": 1},
     "GlmMoeDsaForCausalLM": {"indexer_rope_interleave": False},
     "Glm4vMoeForConditionalGeneration": {"text_config": {"head_dim": 64, "use_qk_norm": False}},
+    "Glm4MoeLiteForCausalLM": {"head_dim": 32},  # an alias of qk_rope_head_dim there: keep it TEXT_SIZES'
     "Ernie4_5_VLMoeForConditionalGeneration": {"text_config": {"moe_intermediate_size": [128, 128]}},
     # Deepstack features feed the first language layers: at most as many as the first stage holds (PP2: 1).
     "Qwen3VLForConditionalGeneration": {"vision_config": {"deepstack_visual_indexes": [1]}},
