@@ -69,10 +69,12 @@ SESSION_TIMEOUT = datetime.timedelta(minutes=2)  # a rank whose peer failed rais
 # 8 experts), chosen to cover the placement kinds each layout splits:
 # * TP2: QKV with and without bias and QK norms, gated and plain MLPs, MoE experts (with an expert
 #   bias and a dense first layer in HY-V3; stacked experts in GPT-OSS), a vision-language model,
-#   tied embeddings, and a model the plan refuses (its stock fallback and FP8 refusal at TP2).
+#   tied embeddings, a hybrid Mamba model (Nemotron-H: the mixer's in_proj and conv1d split per
+#   component, two Mamba groups), and a model the plan refuses (its stock fallback and FP8 refusal at TP2).
 # * PP2: the same families but Gemma 4 (its provider supports PP=1 only): stages split the layers,
 #   the embedding and the head (tied in Gemma: the head is the first stage's embedding), the
-#   vision tower (first stage only) and dense and MoE layers (HY-V3's stages differ in kind).
+#   vision tower (first stage only) and dense and MoE layers (HY-V3's stages differ in kind;
+#   Nemotron-H's hold Mamba and MoE, then attention and MLP layers).
 # * EP2 and TP2xEP2 (2 ranks: the experts split across the tensor-parallel ranks, Megatron's
 #   expert tensor parallel size 1): every MoE family whose CPU build stock can export: Qwen3-MoE
 #   (per-expert tensors), HY-V3 (expert bias, dense first layer) and GPT-OSS (stacked experts,
@@ -83,13 +85,14 @@ MATRIX_LAYOUTS: Mapping[str, tuple[ParallelLayout, tuple[str, ...] | None]] = Ma
     "tp1": (ParallelLayout(), None),
     "tp2": (ParallelLayout(tp=2), (
         "Gemma4ForCausalLM", "GemmaForCausalLM", "GptOssForCausalLM", "HYV3ForCausalLM", "LlamaForCausalLM",
-        "MistralForCausalLM", "NemotronForCausalLM", "Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration",
-        "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+        "MistralForCausalLM", "NemotronForCausalLM", "NemotronHForCausalLM", "Qwen2ForCausalLM",
+        "Qwen2_5_VLForConditionalGeneration", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM",
+        "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
     )),
     "pp2": (ParallelLayout(pp=2), (
         "GemmaForCausalLM", "GptOssForCausalLM", "HYV3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
-        "NemotronForCausalLM", "Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration", "Qwen3ForCausalLM",
-        "Qwen3MoeForCausalLM",
+        "NemotronForCausalLM", "NemotronHForCausalLM", "Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration",
+        "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
     )),
     "ep2": (ParallelLayout(ep=2), ("GptOssForCausalLM", "HYV3ForCausalLM", "Qwen3MoeForCausalLM")),
     "tp2ep2": (ParallelLayout(tp=2, ep=2), ("GptOssForCausalLM", "HYV3ForCausalLM", "Qwen3MoeForCausalLM")),
