@@ -340,3 +340,15 @@ def test_roundtrip_matches_disk(architecture, roundtrip_cells):
     assert cell.state.passes, f"{architecture} roundtrip: {cell.state}: {cell.detail}"
     if architecture in RECIPE_ARCHITECTURES:
         assert cell.state is CellState.EXACT, f"{architecture} roundtrip: {cell.state}: {cell.detail}"
+
+
+def test_a_cpu_build_without_cuda_forks_no_cuda_rng_state():
+    """Inside the build helper the CUDA RNG tracker's fork is Megatron's no-op (the Mamba mixer
+    initialises in one); the tracker there was before is back after it."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    before = get_cuda_rng_tracker()
+    with model_builder.cuda_device_queries_answer_cpu():
+        with get_cuda_rng_tracker().fork():
+            pass
+    assert get_cuda_rng_tracker() is before

@@ -204,15 +204,16 @@ def cuda_device_queries_answer_cpu() -> Iterator[None]:
     those families could not be built on CPU at all. The Mamba mixer also draws its initial values
     inside ``get_cuda_rng_tracker().fork()``, which reads and sets the CUDA RNG state: Megatron's
     inference tracker (whose ``fork`` is a no-op) stands in while the model is built, and the
-    default tracker is back afterwards. Weights-only builds overwrite every value (load or fill).
+    tracker there was before is back afterwards. Weights-only builds overwrite every value.
     """
     from megatron.core.tensor_parallel import random as megatron_random
 
     current_device = torch.cuda.current_device
+    tracker = megatron_random._CUDA_RNG_STATE_TRACKER, megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED
     torch.cuda.current_device = lambda: "cpu"
     megatron_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     try:
         yield
     finally:
         torch.cuda.current_device = current_device
-        megatron_random.initialize_rng_tracker(force_reset=True)
+        megatron_random._CUDA_RNG_STATE_TRACKER, megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = tracker
