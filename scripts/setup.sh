@@ -13,6 +13,7 @@ venv="$root/.venv"
 reqs="$root/scripts/requirements.txt"
 BRIDGE_PIN="megatron-bridge==0.6.2"
 TE_PIN="transformer-engine[pytorch,core_cu13]==2.20.2"
+MAMBA_PIN="mamba-ssm==2.3.2.post1"
 log() { echo "[setup] $*" >&2; }
 
 find_python312() {
@@ -30,7 +31,7 @@ find_python312() {
 stamp_value="$(cat "$reqs" "$0" "$root/pyproject.toml" | sha256sum | cut -c1-16)"
 stamp="$venv/.setup-stamp"
 if [ -x "$venv/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$stamp_value" ] \
-   && "$venv/bin/python" -c "import torch, transformer_engine.pytorch, megatron.bridge, mbridge_refit" 2>/dev/null; then
+   && "$venv/bin/python" -c "import torch, transformer_engine.pytorch, megatron.bridge, mamba_ssm, mbridge_refit" 2>/dev/null; then
   log "environment up to date: $venv"
   exit 0
 fi
@@ -56,7 +57,19 @@ if ! "$venv/bin/python" -c "import torch, transformer_engine.pytorch" 2>/dev/nul
   pip install -q --no-build-isolation "$TE_PIN"
 fi
 
+# Mamba layers (Nemotron-H): Megatron-Core builds them from mamba-ssm's Triton ops only. Its sdist
+# would download or compile CUDA extensions: built without them here (seconds). The package still
+# imports one at the top (selective_scan_cuda): where none is installed, the project's stand-in,
+# which raises if anything calls into it, is put beside it (models build; no Mamba forward runs).
+if ! "$venv/bin/python" -c "import mamba_ssm" 2>/dev/null; then
+  site="$("$venv/bin/python" -c 'import site; print(site.getsitepackages()[0])')"
+  log "installing $MAMBA_PIN without its CUDA extensions"
+  MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE pip install -q --no-deps --no-build-isolation "$MAMBA_PIN"
+  "$venv/bin/python" -c "import selective_scan_cuda" 2>/dev/null \
+    || cp -r "$root/scripts/gpu/stubs/selective_scan_cuda" "$site/"
+fi
+
 log "installing mbridge_refit (editable)"
 pip install -q --no-deps --no-build-isolation -e "$root"
-"$venv/bin/python" -c "import torch, transformer_engine.pytorch, megatron.bridge, mbridge_refit; print('[setup] ready: torch', torch.__version__)"
+"$venv/bin/python" -c "import torch, transformer_engine.pytorch, megatron.bridge, mamba_ssm, mbridge_refit; print('[setup] ready: torch', torch.__version__)"
 echo "$stamp_value" > "$stamp"

@@ -238,6 +238,16 @@ def test_stacked_expert_families_take_the_fast_path(layout, architecture, matrix
     test_recipe_families_take_the_fast_path(layout, architecture, matrix)
 
 
+MAMBA_ARCHITECTURES = ("NemotronHForCausalLM",)  # families whose Mamba mixers plan.placement plans
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(("layout", "architecture"), [c for c in CELLS if c[1] in MAMBA_ARCHITECTURES])
+def test_mamba_families_take_the_fast_path(layout, architecture, matrix):
+    """Mamba mixers (in_proj's z, x, B, C, dt; conv1d's x, B, C) keep their family on the fast path."""
+    test_recipe_families_take_the_fast_path(layout, architecture, matrix)
+
+
 @pytest.mark.parametrize("page", ["docs/conformance.md", "README.md"])
 def test_matrix_page_links_name_tests_of_this_module(page):
     """docs/conformance.md and the README's support matrix link each cell to a test here: the line
@@ -377,3 +387,16 @@ def test_roundtrip_matches_disk(layout, architecture, roundtrip_cells):
     assert cell.state.passes, f"{architecture} {layout} roundtrip: {cell.state}: {cell.detail}"
     if architecture in RECIPE_ARCHITECTURES:
         assert cell.state is CellState.EXACT, f"{architecture} {layout} roundtrip: {cell.state}: {cell.detail}"
+
+
+
+def test_a_cpu_build_without_cuda_forks_no_cuda_rng_state():
+    """Inside the build helper the CUDA RNG tracker's fork is Megatron's no-op (the Mamba mixer
+    initialises in one); the tracker there was before is back after it."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    before = get_cuda_rng_tracker()
+    with model_builder.cuda_device_queries_answer_cpu():
+        with get_cuda_rng_tracker().fork():
+            pass
+    assert get_cuda_rng_tracker() is before

@@ -1,4 +1,4 @@
-"""The slice rules of gated QKV and gated delta net layers against Megatron-Bridge's own export.
+"""The slice rules of gated QKV, gated delta net and Mamba layers against Megatron-Bridge's own export.
 
 Oracle: the upstream mapping's ``megatron_to_hf`` (its gather and split) run on every
 tensor-parallel rank's random shard, with a stand-in for the tensor-parallel all-gather. Each
@@ -20,6 +20,9 @@ GATED_QKV = [  # (attention heads, query groups, head dim)
 ]
 GDN = [  # (key heads, value heads, key head dim, value head dim)
     (4, 8, 8, 4), (4, 4, 8, 8), (8, 16, 4, 8), (4, 12, 4, 4),
+]
+MAMBA = [  # (heads, head dim, groups, state size)
+    (8, 4, 2, 4), (4, 8, 1, 8), (8, 2, 8, 2), (12, 2, 4, 4),
 ]
 TP_SIZES = (1, 2, 4)
 
@@ -160,3 +163,49 @@ def test_gdn_conv1d_slices_rebuild_upstream_merge(dims, tp, bias, monkeypatch):
     suffix = "bias" if bias else "weight"
     mapping = GDNConv1dMapping(f"decoder.layers.0.self_attention.conv1d.{suffix}", f"l.0.conv1d.{suffix}")
     assert_rebuilds(mapping, (channels,) if bias else (channels, 1, 4), gdn_config(*dims), tp, monkeypatch, "gdn_conv1d")
+
+
+def mamba_config(heads, head_dim, groups, state):
+    return types.SimpleNamespace(
+        hidden_size=HIDDEN, mamba_num_heads=heads, mamba_head_dim=head_dim, mamba_num_groups=groups, mamba_state_dim=state,
+    )
+
+
+def skip_unless_megatron_splits_mamba(heads, groups, tp):
+    if heads % tp or groups % tp:
+        pytest.skip("Megatron needs Mamba heads and groups divisible by tp")
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("dims", MAMBA, ids=lambda d: "h{}_hd{}_g{}_s{}".format(*d))
+def test_mamba_in_proj_slices_rebuild_upstream_merge(dims, tp, monkeypatch):
+    heads, head_dim, groups, state = dims
+    skip_unless_megatron_splits_mamba(heads, groups, tp)
+    from megatron.bridge.models.conversion.param_mapping import MambaInProjMapping
+
+    mapping = MambaInProjMapping("decoder.layers.0.mixer.in_proj.weight", "l.0.mixer.in_proj.weight")
+    rows = 2 * heads * head_dim + 2 * groups * state + heads  # z, x, B, C, dt
+    assert_rebuilds(mapping, (rows, HIDDEN), mamba_config(*dims), tp, monkeypatch, "mamba_in_proj")
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("dims", MAMBA, ids=lambda d: "h{}_hd{}_g{}_s{}".format(*d))
+@pytest.mark.parametrize("bias", [False, True], ids=["weight", "bias"])
+def test_mamba_conv1d_slices_rebuild_upstream_merge(dims, tp, bias, monkeypatch):
+    heads, head_dim, groups, state = dims
+    skip_unless_megatron_splits_mamba(heads, groups, tp)
+    from megatron.bridge.models.conversion.param_mapping import MambaConv1dMapping
+
+    channels = heads * head_dim + 2 * groups * state  # x, B, C
+    suffix = "bias" if bias else "weight"
+    mapping = MambaConv1dMapping(f"decoder.layers.0.mixer.conv1d_{suffix}", f"l.0.mixer.conv1d.{suffix}")
+    assert_rebuilds(mapping, (channels,) if bias else (channels, 1, 4), mamba_config(*dims), tp, monkeypatch, "mamba_conv1d")
+
+
+def test_a_mamba_mixer_without_a_head_count_is_refused():
+    from mbridge_refit.plan.placement import PlacementError, PlacementKind, ShardContext, slices_for
+
+    config = types.SimpleNamespace(**{**vars(mamba_config(8, 4, 2, 4)), "mamba_num_heads": None})
+    ctx = ShardContext(local_shape=(80, HIDDEN), tp_rank=0, tp_size=1, config=config)
+    with pytest.raises(PlacementError, match="mamba_num_heads"):
+        slices_for(PlacementKind(kind="mamba_in_proj", hf_names=("l.0.mixer.in_proj.weight",)), ctx)

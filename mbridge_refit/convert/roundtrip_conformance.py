@@ -2,10 +2,11 @@
 
 Owns what a roundtrip cell means and how it is decided. For an architecture
 (``tools.tiny_configs``), a tiny transformers model of it with seeded random values is saved as
-an HF checkpoint (``write_tiny_checkpoint``); ``convert roundtrip`` (HF -> Megatron -> HF, on CPU)
-writes it back at one layout of ``tools.conformance.MATRIX_LAYOUTS``; every tensor of the output
-must equal the source file's tensor: the same names, dtypes, shapes and bytes, read with plain
-``safetensors`` (the oracle is the checkpoint on disk, never our own output).
+an HF checkpoint (``write_tiny_checkpoint``; a tensor transformers saves under another name than
+the family's published checkpoints is renamed to theirs: ``PUBLISHED_NAMES``); ``convert roundtrip``
+(HF -> Megatron -> HF, on CPU) writes it back at one layout of ``tools.conformance.MATRIX_LAYOUTS``;
+every tensor of the output must equal the source file's tensor: the same names, dtypes, shapes and
+bytes, read with plain ``safetensors`` (the oracle is the checkpoint on disk, never our own output).
 
 At TP1 ``convert`` runs in this process. At a layout of more ranks it runs as a user runs it,
 ``python -m mbridge_refit.convert --nproc-per-node N roundtrip --tp ...``, in a child process whose
@@ -41,7 +42,8 @@ import sys
 import tempfile
 import traceback
 from pathlib import Path
-from typing import Sequence
+from types import MappingProxyType
+from typing import Mapping, Sequence
 
 import torch
 
@@ -55,6 +57,15 @@ logger = logging.getLogger(__name__)
 ROUNDTRIP = "roundtrip"  # the cell's precision column: the source checkpoint's own dtypes
 SEED = 0
 RANKS_TIMEOUT_S = 600  # one launched roundtrip of a tiny model (2 CPU ranks take well under a minute)
+
+# Architecture -> {name transformers writes: name the family's published checkpoints use}, where
+# ``save_pretrained(save_original_format=True)`` writes a tensor under another name than the
+# published checkpoints (and Megatron-Bridge's mapping) do. transformers 5.12.1 undoes its
+# Nemotron-H load rename ``embedding.weight -> embeddings.weight`` (meant for checkpoints in
+# Mamba's own naming) on save; NVIDIA's Nemotron-H checkpoints name it ``backbone.embeddings.weight``.
+PUBLISHED_NAMES: Mapping[str, Mapping[str, str]] = MappingProxyType({
+    "NemotronHForCausalLM": MappingProxyType({"backbone.embedding.weight": "backbone.embeddings.weight"}),
+})
 
 
 def write_tiny_checkpoint(architecture: str, out_dir: Path, *, seed: int = SEED) -> Path:
@@ -74,7 +85,29 @@ def write_tiny_checkpoint(architecture: str, out_dir: Path, *, seed: int = SEED)
         for name, param in model.named_parameters():
             param.copy_(seeded_random_values(name, param, seed))
     model.save_pretrained(out_dir, save_original_format=True)
+    _rename_tensors(out_dir, PUBLISHED_NAMES.get(architecture, {}))
     return out_dir
+
+
+def _rename_tensors(checkpoint_dir: Path, renames: Mapping[str, str]) -> None:
+    """Rename tensors of the checkpoint in place (``PUBLISHED_NAMES``): their files and the index."""
+    if not renames:
+        return
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    for path in sorted(checkpoint_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            if not renames.keys() & set(handle.keys()):
+                continue
+            metadata = handle.metadata()
+            tensors = {renames.get(name, name): handle.get_tensor(name) for name in handle.keys()}
+        save_file(tensors, str(path), metadata=metadata)
+    index = checkpoint_dir / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"] = {renames.get(name, name): file for name, file in data["weight_map"].items()}
+        index.write_text(json.dumps(data, indent=2))
 
 
 def checkpoint_tensors(checkpoint_dir: Path) -> list[tuple[str, torch.Tensor]]:

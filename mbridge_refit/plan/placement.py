@@ -13,7 +13,9 @@ more HF tensors. Examples for tensor-parallel rank ``r`` of ``t``:
   query and gate rows next to each other in ``q_proj``);
 * gated delta net ``in_proj``: this rank's rows of each component (q, k, v, z, b, a) in turn,
   each component's rows interleaved per key head in HF's fused tensors (Qwen3-Next) or flat in
-  separate ones (Qwen3.5); its ``conv1d``: this rank's rows of q, k, v.
+  separate ones (Qwen3.5); its ``conv1d``: this rank's rows of q, k, v;
+* Mamba mixer ``in_proj``: this rank's rows of z, x, B, C and dt in turn, each stored flat in
+  HF's ``in_proj``; its ``conv1d`` (weight and bias): this rank's rows of x, B, C.
 
 ``SliceCopy`` records one such piece exactly. The rules are a table keyed by the bridge's
 mapping class (``placement_rules``), then a table keyed by placement kind (``SLICE_RULES``);
@@ -262,6 +264,33 @@ def _flat_qkv_components(name: str, config: Any) -> list[tuple[int, RowLayout]]:
     ]
 
 
+def _mamba_dims(config: Any) -> tuple[int, int, int]:
+    """(inner rows ``heads * head_dim``, B or C rows ``groups * state``, heads) of a Mamba mixer."""
+    heads = config.mamba_num_heads
+    if heads is None:
+        raise PlacementError("a Mamba mixer without mamba_num_heads has no slice description (the bridge's mappings read it)")
+    return heads * config.mamba_head_dim, config.mamba_num_groups * config.mamba_state_dim, heads
+
+
+def place_mamba_in_proj(in_proj: str, ctx: ShardContext) -> list[SliceCopy]:
+    """Mamba ``in_proj`` (``MambaInProjMapping``): HF's rows are [z; x; B; C; dt] flat, and each
+    rank holds its even share of each component in turn (Megatron's ``partition_sizes``)."""
+    inner, ssm, heads = _mamba_dims(ctx.config)
+    return place_components(_flat_components(in_proj, (inner, inner, ssm, ssm, heads)), ctx)
+
+
+def place_mamba_conv1d(conv: str, ctx: ShardContext) -> list[SliceCopy]:
+    """Mamba ``conv1d`` weight or bias (``MambaConv1dMapping``): HF's channels are [x; B; C] flat."""
+    inner, ssm, _ = _mamba_dims(ctx.config)
+    return place_components(_flat_components(conv, (inner, ssm, ssm)), ctx)
+
+
+def _flat_components(name: str, rows: tuple[int, ...]) -> list[tuple[int, RowLayout]]:
+    """Components of ``rows`` rows each, stored one after the other in ``name``."""
+    bases = [sum(rows[:i]) for i in range(len(rows))]
+    return [(count, RowLayout(hf_name=name, base=base)) for count, base in zip(rows, bases)]
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PlacementKind:
     """How one Megatron parameter is built from HF tensors: a rule name and its HF tensor names.
@@ -270,7 +299,7 @@ class PlacementKind:
     tell column from row parallel) and sends it to ranks that do not own the parameter.
     """
 
-    kind: str  # a key of SLICE_RULES: "column", "row", "replicated", "gated", "qkv", "qkv_gated", "gdn_*"
+    kind: str  # a key of SLICE_RULES: "column", "row", "replicated", "gated", "qkv", "qkv_gated", "gdn_*", "mamba_*"
     hf_names: tuple[str, ...]
     elementwise_op: str | None = None  # a key of ELEMENTWISE_OPS, applied after the slices on export
 
@@ -289,6 +318,8 @@ SLICE_RULES: dict[str, Callable[[tuple[str, ...], ShardContext], list[SliceCopy]
     "gdn_in_proj": lambda names, ctx: place_gdn_in_proj(*names, ctx),
     "gdn_in_proj_separate": lambda names, ctx: place_gdn_in_proj_separate(*names, ctx),
     "gdn_conv1d": _slices_single(place_gdn_conv1d),
+    "mamba_in_proj": _slices_single(place_mamba_in_proj),
+    "mamba_conv1d": _slices_single(place_mamba_conv1d),
 }
 
 
@@ -342,6 +373,8 @@ def placement_rules() -> list[tuple[type, Callable[[Any, torch.nn.Module], Place
         (pm.GDNLinearMappingSeparate, lambda m, _: PlacementKind(
             kind="gdn_in_proj_separate", hf_names=tuple(m.hf_param[c] for c in ("qkv", "z", "b", "a")))),
         (pm.GDNConv1dMapping, _fixed_kind("gdn_conv1d")),
+        (pm.MambaInProjMapping, _fixed_kind("mamba_in_proj")),
+        (pm.MambaConv1dMapping, _fixed_kind("mamba_conv1d")),
         (pm.GatedMLPMapping, lambda m, _: PlacementKind(kind="gated", hf_names=(m.hf_param["gate"], m.hf_param["up"]))),
         (pm.ColumnParallelMapping, _fixed_kind("column")),
         (pm.RowParallelMapping, _fixed_kind("row")),

@@ -72,15 +72,17 @@ SESSION_TIMEOUT = datetime.timedelta(minutes=2)  # a rank whose peer failed rais
 #   bias and a dense first layer in HY-V3; stacked experts in GPT-OSS; grouped experts, TE's
 #   ``weightN``, in the decoder-block-spec families), multi-latent attention (DeepSeek-V2/V3,
 #   GLM-4.7-Flash: down projections duplicated over TP, norms fused into the up projections), a
-#   vision-language model, tied embeddings, and a model the plan refuses (its stock fallback and
-#   FP8 refusal at TP2). Gemma 3 adds Transformer Engine's module structure (built from its
-#   stand-ins, tools.cpu_specs): norms fused into the column-parallel linears
+#   vision-language model, tied embeddings, a hybrid Mamba model (Nemotron-H: the mixer's in_proj
+#   and conv1d split per component, two Mamba groups), and a model the plan refuses (its stock
+#   fallback and FP8 refusal at TP2). Gemma 3 adds Transformer Engine's module structure (built
+#   from its stand-ins, tools.cpu_specs): norms fused into the column-parallel linears
 #   (``layer_norm_weight``) and replicated norms inside the row-parallel ones (``post_layernorm``);
 #   Qwen3-VL a vision tower with deepstack mergers built inside its provider.
 # * PP2: the same families but Gemma 4 (its provider supports PP=1 only): stages split the layers,
 #   the embedding and the head (tied in Gemma: the head is the first stage's embedding), the
 #   vision towers (first stage only: Qwen2.5-VL's, and Qwen3-VL's whose deepstack features feed the
-#   first stage's layers) and dense and MoE layers (HY-V3's and DeepSeek's stages differ in kind).
+#   first stage's layers) and dense and MoE layers (HY-V3's and DeepSeek's stages differ in kind;
+#   Nemotron-H's hold Mamba and MoE, then attention and MLP layers).
 # * EP2 and TP2xEP2 (2 ranks: the experts split across the tensor-parallel ranks, Megatron's
 #   expert tensor parallel size 1): every MoE family whose CPU build stock can export: Qwen3-MoE
 #   (per-expert tensors), HY-V3 (expert bias, dense first layer), GPT-OSS (stacked experts,
@@ -97,14 +99,15 @@ MATRIX_LAYOUTS: Mapping[str, tuple[ParallelLayout, tuple[str, ...] | None]] = Ma
     "tp1": (ParallelLayout(), None),
     "tp2": (ParallelLayout(tp=2), (
         "Gemma3ForCausalLM", "Gemma4ForCausalLM", "GemmaForCausalLM", "GptOssForCausalLM", "HYV3ForCausalLM",
-        "LlamaForCausalLM", "MistralForCausalLM", "NemotronForCausalLM", "Qwen2ForCausalLM",
+        "LlamaForCausalLM", "MistralForCausalLM", "NemotronForCausalLM", "NemotronHForCausalLM", "Qwen2ForCausalLM",
         "Qwen2_5_VLForConditionalGeneration", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM",
         "Qwen3VLForConditionalGeneration", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", *GROUPED_EXPERT_FAMILIES,
     )),
     "pp2": (ParallelLayout(pp=2), (
         "Gemma3ForCausalLM", "GemmaForCausalLM", "GptOssForCausalLM", "HYV3ForCausalLM", "LlamaForCausalLM",
-        "MistralForCausalLM", "NemotronForCausalLM", "Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration",
-        "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3VLForConditionalGeneration", *GROUPED_EXPERT_FAMILIES,
+        "MistralForCausalLM", "NemotronForCausalLM", "NemotronHForCausalLM", "Qwen2ForCausalLM",
+        "Qwen2_5_VLForConditionalGeneration", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3VLForConditionalGeneration",
+        *GROUPED_EXPERT_FAMILIES,
     )),
     "ep2": (ParallelLayout(ep=2), ("GptOssForCausalLM", "HYV3ForCausalLM", "Qwen3MoeForCausalLM", *GROUPED_EXPERT_FAMILIES)),
     "tp2ep2": (ParallelLayout(tp=2, ep=2), ("GptOssForCausalLM", "HYV3ForCausalLM", "Qwen3MoeForCausalLM", *GROUPED_EXPERT_FAMILIES)),

@@ -41,6 +41,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import inspect
 import math
 from typing import Any, Iterator, Optional
 
@@ -405,3 +406,28 @@ def stand_in_backend() -> Iterator[None]:
         yield
     finally:
         mla_qk_norm_config.get_backend = get_backend
+def hybrid_stack_spec(configured: Any, config: Any) -> Any:
+    """Megatron-Core's hybrid stack spec (Mamba, attention, MLP and MoE layers: Nemotron-H) built
+    for CPU: the spec the provider resolves from ``configured`` (its ``hybrid_stack_spec`` field:
+    None for Megatron-Bridge's default, a ``ModuleSpec``, or a builder), with local modules.
+
+    The stack's Transformer Engine classes are replaced as in ``to_local``. Its MoE layer is built
+    upstream with Transformer Engine's grouped experts (``TEGroupedMLP``, ``weight0..N``); the CPU
+    build uses Megatron's sequential experts (``local_experts.N``), as every CPU build here does:
+    the bridge maps both to the same HF tensors.
+    """
+    from megatron.bridge.models.hybrid.hybrid_provider import get_default_hybrid_stack_spec
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if configured is None:
+        spec = get_default_hybrid_stack_spec(config)
+    elif isinstance(configured, ModuleSpec):
+        spec = configured
+    else:
+        spec = configured(config) if inspect.signature(configured).parameters else configured()
+    local = to_local(spec)
+    moe_layer = local.submodules.moe_layer
+    sequential_moe = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts or 1, moe_grouped_gemm=False)
+    moe_layer = dataclasses.replace(moe_layer, submodules=dataclasses.replace(moe_layer.submodules, mlp=sequential_moe))
+    return dataclasses.replace(local, submodules=dataclasses.replace(local.submodules, moe_layer=moe_layer))

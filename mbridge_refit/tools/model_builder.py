@@ -128,10 +128,12 @@ def configure_provider(provider: Any, layout: ParallelLayout, options: BuildOpti
         for name, value in CPU_PROVIDER_OVERRIDES.items():
             if hasattr(provider, name):
                 setattr(provider, name, value)
-        if hasattr(provider, "transformer_layer_spec"):  # hybrid (Mamba) providers build their own stack
+        if hasattr(provider, "transformer_layer_spec"):
             provider.transformer_layer_spec = cpu_layer_spec(provider.transformer_layer_spec)
             if _builds_transformer_engine_spec(provider.transformer_layer_spec):
                 provider.moe_grouped_gemm = grouped_experts  # TE's grouped linear has a CPU stand-in
+        if hasattr(provider, "hybrid_stack_spec"):  # hybrid (Mamba) providers build their own stack
+            provider.hybrid_stack_spec = cpu_hybrid_stack_spec(provider.hybrid_stack_spec)
     if options.weights_only and options.device.type == "cpu":
         concessions = cpu_concessions(provider)
         if concessions:
@@ -165,6 +167,12 @@ def _builds_transformer_engine_spec(spec: Any) -> bool:
     from mbridge_refit.tools import cpu_specs
 
     return isinstance(spec, functools.partial) and spec.func is cpu_specs.transformer_engine_block_spec
+def cpu_hybrid_stack_spec(configured: Any) -> Any:
+    """The ``hybrid_stack_spec`` a hybrid (Mamba) provider builds its stack with on CPU: a builder
+    the provider calls with itself (``tools.cpu_specs.hybrid_stack_spec``)."""
+    from mbridge_refit.tools import cpu_specs
+
+    return functools.partial(cpu_specs.hybrid_stack_spec, configured)
 
 
 def build_model(bridge: Any, layout: ParallelLayout, options: BuildOptions) -> list[torch.nn.Module]:
@@ -240,15 +248,25 @@ def cpu_concessions(provider: Any) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def cuda_device_queries_answer_cpu() -> Iterator[None]:
-    """``torch.cuda.current_device()`` returns ``"cpu"`` inside the block (a machine without CUDA).
+    """``torch.cuda.current_device()`` returns ``"cpu"`` and the CUDA RNG tracker's ``fork`` does
+    nothing inside the block (a machine without CUDA).
 
     Megatron-Core allocates a few buffers with ``device=torch.cuda.current_device()`` whatever
-    ``use_cpu_initialization`` says (the MoE router's expert-bias buffers); without a driver that
-    call raises, so those families could not be built on CPU at all.
+    ``use_cpu_initialization`` says (the MoE router's expert-bias buffers, the Mamba mixer's
+    ``conv1d``, ``dt_bias``, ``A_log``, ``D`` and norm); without a driver that call raises, so
+    those families could not be built on CPU at all. The Mamba mixer also draws its initial values
+    inside ``get_cuda_rng_tracker().fork()``, which reads and sets the CUDA RNG state: Megatron's
+    inference tracker (whose ``fork`` is a no-op) stands in while the model is built, and the
+    tracker there was before is back afterwards. Weights-only builds overwrite every value.
     """
+    from megatron.core.tensor_parallel import random as megatron_random
+
     current_device = torch.cuda.current_device
+    tracker = megatron_random._CUDA_RNG_STATE_TRACKER, megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED
     torch.cuda.current_device = lambda: "cpu"
+    megatron_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     try:
         yield
     finally:
         torch.cuda.current_device = current_device
+        megatron_random._CUDA_RNG_STATE_TRACKER, megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = tracker

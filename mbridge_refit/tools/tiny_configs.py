@@ -28,7 +28,7 @@ TEXT_SIZES: Mapping[str, Any] = MappingProxyType({
     "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1,
     "q_lora_rank": 128, "kv_lora_rank": 64, "qk_rope_head_dim": 32, "qk_nope_head_dim": 32, "v_head_dim": 32,
     "n_group": 1, "topk_group": 1, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
-    "linear_value_head_dim": 32, "mamba_num_heads": 8, "mamba_head_dim": 32, "ssm_state_size": 16, "n_groups": 1,
+    "linear_value_head_dim": 32, "mamba_num_heads": 8, "mamba_head_dim": 32, "ssm_state_size": 16, "n_groups": 2,
     "vocab_size_per_layer_input": 2048,
 })
 # Size fields of a vision tower (``vision_config``).

@@ -1,10 +1,10 @@
-"""Stand-in for mamba-ssm's CUDA extension ``selective_scan_cuda`` on the GPU host (checks only,
-never installed with the package).
+"""Stand-in for mamba-ssm's CUDA extension ``selective_scan_cuda`` where mamba-ssm is built without it.
 
-The wheelhouse builds mamba-ssm without its CUDA extensions (``prepare-wheelhouse.sh``): Megatron's
-Mamba layers use only its Triton ops, but ``import mamba_ssm`` imports this extension. The export
-checks build Nemotron-H models and never run a Mamba forward; anything that calls into the
-extension fails loudly here.
+The GPU wheelhouse (``prepare-wheelhouse.sh``) and ``scripts/setup.sh`` build mamba-ssm without its
+CUDA extensions: Megatron's Mamba layers use only its Triton ops, but ``import mamba_ssm`` imports
+this extension. On the GPU host the checks put this directory on ``PYTHONPATH``; ``setup.sh``
+copies this module into the environment when no real extension is installed. The model builds
+and exports here never run a Mamba forward; anything that calls into the extension fails loudly.
 """
 
 
