@@ -64,8 +64,9 @@ def upstream_export(mapping, fake: FakeTensorParallel, config, tp: int, monkeypa
     return mapping.megatron_to_hf(fake.shards[0], module)
 
 
-def rebuilt_from_slices(mapping, fake: FakeTensorParallel, config, tp: int, reference: dict[str, torch.Tensor]):
-    """The HF tensors rebuilt from every rank's ``slice_copies``, and how often each element was written."""
+def rebuilt_from_slices(mapping, fake: FakeTensorParallel, config, tp: int, reference: dict[str, torch.Tensor], model_config=None):
+    """The HF tensors rebuilt from every rank's ``slice_copies``, and how often each element was written.
+    ``config``: the layer module's; ``model_config``: the model's (the plan's ``ShardContext``), default the same."""
     from mbridge_refit.plan.placement import ShardContext, check_tiling, placement_kind, slices_for
 
     module = column_parallel_module(config)
@@ -73,7 +74,7 @@ def rebuilt_from_slices(mapping, fake: FakeTensorParallel, config, tp: int, refe
     rebuilt = {name: torch.full_like(t, float("nan")) for name, t in reference.items()}
     writes = {name: torch.zeros(t.shape[0], dtype=torch.int64) for name, t in reference.items()}
     for rank, shard in enumerate(fake.shards):
-        ctx = ShardContext(local_shape=tuple(shard.shape), tp_rank=rank, tp_size=tp, config=config)
+        ctx = ShardContext(local_shape=tuple(shard.shape), tp_rank=rank, tp_size=tp, config=model_config or config)
         copies = slices_for(kind, ctx)
         check_tiling(mapping.megatron_param, ctx.local_shape, copies)
         for copy in copies:
@@ -83,10 +84,10 @@ def rebuilt_from_slices(mapping, fake: FakeTensorParallel, config, tp: int, refe
     return kind, rebuilt, writes
 
 
-def assert_rebuilds(mapping, global_shape, config, tp, monkeypatch, expected_kind):
+def assert_rebuilds(mapping, global_shape, config, tp, monkeypatch, expected_kind, model_config=None):
     fake = FakeTensorParallel(global_shape, tp)
     reference = upstream_export(mapping, fake, config, tp, monkeypatch)
-    kind, rebuilt, writes = rebuilt_from_slices(mapping, fake, config, tp, reference)
+    kind, rebuilt, writes = rebuilt_from_slices(mapping, fake, config, tp, reference, model_config)
     assert kind.kind == expected_kind
     assert sorted(rebuilt) == sorted(reference)
     for name, tensor in reference.items():
@@ -121,6 +122,31 @@ def test_gated_qkv_slices_rebuild_upstream_split(heads, groups, head_dim, tp, bi
     mapping = QKVMapping(f"decoder.layers.0.self_attention.linear_qkv.{suffix}", *(f"l.0.{p}_proj.{suffix}" for p in "qkv"))
     rows = (2 * heads + 2 * groups) * head_dim
     assert_rebuilds(mapping, (rows,) if bias else (rows, HIDDEN), config, tp, monkeypatch, "qkv_gated")
+
+
+LAYER_HEADS = [  # (model's query groups, head dim; the layer's query groups, head dim), 4 query heads
+    (2, 8, 2, 32), (2, 8, 4, 16), (4, 16, 2, 8),
+]
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize(("model_groups", "model_head_dim", "groups", "head_dim"), LAYER_HEADS)
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_qkv_slices_follow_the_layers_own_heads(model_groups, model_head_dim, groups, head_dim, tp, gated, monkeypatch):
+    """A layer whose config has other heads than the model's (Gemma 4's full-attention layers: their own
+    head size and KV heads) is split with its own, as the bridge's split reads the module's config."""
+    if groups % tp or model_groups % tp:
+        pytest.skip("Megatron needs query groups divisible by tp")
+    from megatron.bridge.models.conversion.param_mapping import QKVMapping
+
+    def heads(query_groups, size):
+        return types.SimpleNamespace(hidden_size=HIDDEN, num_attention_heads=4, num_query_groups=query_groups,
+                                     kv_channels=size, attention_output_gate=gated)
+
+    mapping = QKVMapping("decoder.layers.3.self_attention.linear_qkv.weight", *(f"l.3.{p}_proj.weight" for p in "qkv"))
+    rows = ((2 if gated else 1) * 4 + 2 * groups) * head_dim
+    assert_rebuilds(mapping, (rows, HIDDEN), heads(groups, head_dim), tp, monkeypatch, "qkv_gated" if gated else "qkv",
+                    model_config=heads(model_groups, model_head_dim))
 
 
 @pytest.mark.parametrize("tp", TP_SIZES)

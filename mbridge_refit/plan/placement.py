@@ -10,7 +10,8 @@ more HF tensors. Examples for tensor-parallel rank ``r`` of ``t``:
 * fused QKV with grouped-query heads: for each query group this rank owns, the group's query
   heads, then its key head, then its value head (Megatron's interleaved layout); with an
   attention output gate, the group's gate heads follow its query heads (HF keeps each head's
-  query and gate rows next to each other in ``q_proj``);
+  query and gate rows next to each other in ``q_proj``); the head counts and size are the
+  layer's own (``AttentionHeads``: Gemma 4's full-attention layers differ from its sliding ones);
 * gated delta net ``in_proj``: this rank's rows of each component (q, k, v, z, b, a) in turn,
   each component's rows interleaved per key head in HF's fused tensors (Qwen3-Next) or flat in
   separate ones (Qwen3.5); its ``conv1d``: this rank's rows of q, k, v.
@@ -113,9 +114,37 @@ class _QueryGroups(NamedTuple):
     head_dim: int
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AttentionHeads:
+    """The head layout a fused-QKV mapping's split reads from its layer's own config (the
+    bridge's ``_get_config(module)``), recorded per layer: a model may vary it from layer to layer
+    (Gemma 4's full-attention layers have their own head size and KV heads) or hold attention
+    with other heads (a vision tower). Field names are ``TransformerConfig``'s."""
+
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int | None
+    hidden_size: int
+    attention_output_gate: bool = False
+
+    @classmethod
+    def of_module(cls, module: torch.nn.Module) -> "AttentionHeads":
+        config = getattr(module, "config", None)
+        if config is None:
+            raise PlacementError(f"{type(module).__name__} has no config to read its attention heads from")
+        return cls(
+            num_attention_heads=config.num_attention_heads,
+            num_query_groups=config.num_query_groups or config.num_attention_heads,
+            kv_channels=config.kv_channels,
+            hidden_size=config.hidden_size,
+            attention_output_gate=bool(getattr(config, "attention_output_gate", False)),
+        )
+
+
 def _query_groups(ctx: ShardContext, *, gated: bool) -> _QueryGroups:
     """The query groups ``ctx``'s rank holds; refuses a layer whose gate setting is not ``gated``
-    and KV heads that tensor parallelism would have to replicate."""
+    and KV heads that tensor parallelism would have to replicate. ``ctx.config``: the layer's
+    ``AttentionHeads`` (``slices_for`` puts them there) or a config with the same fields."""
     config = ctx.config
     if bool(getattr(config, "attention_output_gate", False)) != gated:
         raise PlacementError(f"QKV placement {'with' if gated else 'without'} an attention output gate on a model "
@@ -273,6 +302,7 @@ class PlacementKind:
     kind: str  # a key of SLICE_RULES: "column", "row", "replicated", "gated", "qkv", "qkv_gated", "gdn_*"
     hf_names: tuple[str, ...]
     elementwise_op: str | None = None  # a key of ELEMENTWISE_OPS, applied after the slices on export
+    heads: AttentionHeads | None = None  # the layer's own head layout: the rule reads it instead of the model's config
 
 
 def _slices_single(rule: Callable[[str, ShardContext], list[SliceCopy]]):
@@ -324,11 +354,11 @@ def _fixed_kind(kind: str) -> Callable[[Any, torch.nn.Module], PlacementKind]:
 
 
 def _qkv_kind(mapping: Any, module: torch.nn.Module) -> PlacementKind:
-    """``qkv``, or ``qkv_gated`` when the layer's config has an attention output gate (read from
-    the module: the bridge's split reads the same config)."""
-    gated = getattr(getattr(module, "config", None), "attention_output_gate", False)
+    """``qkv``, or ``qkv_gated`` when the layer has an attention output gate, with the layer's
+    heads read from the module's config (the config the bridge's split reads)."""
+    heads = AttentionHeads.of_module(module)
     names = (mapping.hf_param["q"], mapping.hf_param["k"], mapping.hf_param["v"])
-    return PlacementKind(kind="qkv_gated" if gated else "qkv", hf_names=names)
+    return PlacementKind(kind="qkv_gated" if heads.attention_output_gate else "qkv", hf_names=names, heads=heads)
 
 
 @functools.cache
@@ -414,7 +444,10 @@ def _elementwise_op(mapping: Any, mapping_type: type) -> str | None:
 
 
 def slices_for(kind: PlacementKind, ctx: ShardContext) -> list[SliceCopy]:
-    """The HF slices making up the local shard described by ``ctx`` (pure: any rank can ask)."""
+    """The HF slices making up the local shard described by ``ctx`` (pure: any rank can ask).
+    A placement that recorded its layer's ``heads`` is placed with them, not the model's config."""
+    if kind.heads is not None:
+        ctx = ctx._replace(config=kind.heads)
     return SLICE_RULES[kind.kind](kind.hf_names, ctx)
 
 
