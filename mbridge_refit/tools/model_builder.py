@@ -10,7 +10,13 @@ Layer specs on CPU (``cpu_layer_spec``): the bridge's default Transformer Engine
 local spec, and a spec built with a ``use_transformer_engine`` switch (Megatron's decoder block
 spec: multi-latent attention, dense first layers) is built with it off, and the hybrid block spec
 of experimental attention variants (gated delta net), which has no switch, is built with local
-modules (``tools.cpu_specs``). A family's own spec is kept otherwise: it builds on CPU if it can, and fails naming what it needs if it cannot.
+modules (``tools.cpu_specs``). A family's own spec is kept otherwise, and the whole CPU build runs
+inside ``cpu_specs.te_modules_built_local``: a Transformer Engine module the spec names (Gemma 2
+and 3, MiniMax-M2, ERNIE 4.5), or that a provider builds out of the spec's reach (the Qwen3-VL
+and Qwen3.5 towers, Gemma 3's vision projector), is constructed as its local stand-in with the
+same parameters, and one without a stand-in fails naming itself. Parts a provider builds with
+their own ``TransformerConfig`` (Gemma 3's vision projector) get the provider's CPU initialisation
+settings (``nested_transformer_configs``).
 
 Weights-only builds on CPU (``BuildOptions(weights_only=True)``: conversion, export, conformance
 checks, never a forward). Two things a CPU build cannot do do not change what any parameter
@@ -34,6 +40,7 @@ not split the sequence), and CPU builds never run one at CP > 1.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
@@ -59,6 +66,7 @@ CPU_PROVIDER_OVERRIDES: dict[str, Any] = {
     "moe_grouped_gemm": False,
     "moe_token_dispatcher_type": "allgather",
     "moe_shared_expert_overlap": False,  # needs the alltoall or flex dispatcher
+    "fused_residual_rmsnorm": False,  # a Transformer Engine norm
 }
 
 # Provider settings a CPU build cannot honour that change the forward, not the weights:
@@ -155,11 +163,21 @@ def build_model(bridge: Any, layout: ParallelLayout, options: BuildOptions) -> l
     Call on every rank after ``distributed.init_model_parallel(layout)``. On CPU the chunks are
     materialised with ``to_empty``: load weights into them before use.
     """
+    from mbridge_refit.tools import cpu_specs
+
     provider = configure_provider(bridge.to_megatron_provider(load_weights=False), layout, options)
     on_cpu = options.device.type == "cpu"
     provider.perform_initialization = not on_cpu
+    if on_cpu:
+        for config in nested_transformer_configs(provider):  # provide_distributed_model sets the provider's only
+            config.use_cpu_initialization = True
+            config.perform_initialization = False
     no_cuda = on_cpu and options.weights_only and not torch.cuda.is_available()
-    with cuda_device_queries_answer_cpu() if no_cuda else contextlib.nullcontext():
+    with contextlib.ExitStack() as build_context:
+        if on_cpu:
+            build_context.enter_context(cpu_specs.te_modules_built_local())
+        if no_cuda:
+            build_context.enter_context(cuda_device_queries_answer_cpu())
         chunks = provider.provide_distributed_model(
             wrap_with_ddp=False,
             use_cpu_initialization=on_cpu,
@@ -173,6 +191,15 @@ def build_model(bridge: Any, layout: ParallelLayout, options: BuildOptions) -> l
         # conversion path every parameter takes the checkpoint's dtype so exports keep it.
         chunks = [chunk.to(dtype=options.params_dtype) for chunk in chunks]
     return chunks
+
+
+def nested_transformer_configs(provider: Any) -> list[Any]:
+    """The Megatron ``TransformerConfig``s a provider holds for parts it builds with their own config
+    (Gemma 3's vision projector): a CPU build sets their initialisation settings as the provider's."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    values = (getattr(provider, field.name, None) for field in dataclasses.fields(provider))
+    return [value for value in values if isinstance(value, TransformerConfig) and value is not provider]
 
 
 def cpu_concessions(provider: Any) -> dict[str, Any]:

@@ -49,6 +49,9 @@ CONFIG_OVERRIDES: Mapping[str, Mapping[str, Any]] = MappingProxyType({
     "GlmMoeDsaForCausalLM": {"indexer_rope_interleave": False},
     "Glm4vMoeForConditionalGeneration": {"text_config": {"head_dim": 64, "use_qk_norm": False}},
     "Ernie4_5_VLMoeForConditionalGeneration": {"text_config": {"moe_intermediate_size": [128, 128]}},
+    # Deepstack features feed the first language layers: at most as many as the first stage holds (PP2: 1).
+    "Qwen3VLForConditionalGeneration": {"vision_config": {"deepstack_visual_indexes": [1]}},
+    "Qwen3VLMoeForConditionalGeneration": {"vision_config": {"deepstack_visual_indexes": [1]}},
 })
 
 
