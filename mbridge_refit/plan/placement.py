@@ -12,6 +12,9 @@ more HF tensors. Examples for tensor-parallel rank ``r`` of ``t``:
   attention output gate, the group's gate heads follow its query heads (HF keeps each head's
   query and gate rows next to each other in ``q_proj``); the head counts and size are the
   layer's own (``AttentionHeads``: Gemma 4's full-attention layers differ from its sliding ones);
+  against one concatenated HF ``qkv`` tensor (vision towers), the same pieces at the offsets of
+  its q, k and v blocks;
+* MiniMax-M2's full-dimension QK norm: this rank's heads' rows (column-parallel);
 * gated delta net ``in_proj``: this rank's rows of each component (q, k, v, z, b, a) in turn,
   each component's rows interleaved per key head in HF's fused tensors (Qwen3-Next) or flat in
   separate ones (Qwen3.5); its ``conv1d``: this rank's rows of q, k, v.
@@ -160,19 +163,29 @@ def _query_groups(ctx: ShardContext, *, gated: bool) -> _QueryGroups:
 
 
 def place_qkv(q: str, k: str, v: str, ctx: ShardContext) -> list[SliceCopy]:
+    return _qkv_slices(RowLayout(hf_name=q), RowLayout(hf_name=k), RowLayout(hf_name=v), ctx)
+
+
+def place_qkv_concatenated(qkv: str, ctx: ShardContext) -> list[SliceCopy]:
+    """QKV against one HF tensor holding all query heads, then all key heads, then all value heads
+    (``ConcatenatedQKVMapping``: stock's split, concatenated; vision towers' ``attn.qkv``)."""
+    heads = ctx.config
+    head_dim = heads.kv_channels or heads.hidden_size // heads.num_attention_heads
+    q_rows, kv_rows = heads.num_attention_heads * head_dim, heads.num_query_groups * head_dim
+    return _qkv_slices(RowLayout(hf_name=qkv), RowLayout(hf_name=qkv, base=q_rows), RowLayout(hf_name=qkv, base=q_rows + kv_rows), ctx)
+
+
+def _qkv_slices(q: "RowLayout", k: "RowLayout", v: "RowLayout", ctx: ShardContext) -> list[SliceCopy]:
+    """For each local query group: its query heads' rows of ``q``, its key head's of ``k``, its value head's of ``v``."""
     local_groups, heads_per_group, head_dim = _query_groups(ctx, gated=False)
-    copies, local = [], 0
+    q_rows = heads_per_group * head_dim
+    copies: list[SliceCopy] = []
     for group in local_groups:
-        q_rows = heads_per_group * head_dim
-        for name, start, length in (
-            (q, group * q_rows, q_rows),
-            (k, group * head_dim, head_dim),
-            (v, group * head_dim, head_dim),
-        ):
-            copies.append(SliceCopy(hf_name=name, dim=0, hf_start=start, hf_stop=start + length, local_start=local))
-            local += length
-    if local != ctx.local_shape[0]:
-        raise PlacementError(f"QKV slices cover {local} rows but the local shard has {ctx.local_shape[0]}")
+        copies += q.slices(group * q_rows, (group + 1) * q_rows, local_start=_covered(copies))
+        for layout in (k, v):
+            copies += layout.slices(group * head_dim, (group + 1) * head_dim, local_start=_covered(copies))
+    if _covered(copies) != ctx.local_shape[0]:
+        raise PlacementError(f"QKV slices cover {_covered(copies)} rows but the local shard has {ctx.local_shape[0]}")
     return copies
 
 
@@ -299,7 +312,7 @@ class PlacementKind:
     tell column from row parallel) and sends it to ranks that do not own the parameter.
     """
 
-    kind: str  # a key of SLICE_RULES: "column", "row", "replicated", "gated", "qkv", "qkv_gated", "gdn_*"
+    kind: str  # a key of SLICE_RULES: "column", "row", "replicated", "gated", "qkv", "qkv_gated", "qkv_concatenated", "gdn_*"
     hf_names: tuple[str, ...]
     elementwise_op: str | None = None  # a key of ELEMENTWISE_OPS, applied after the slices on export
     heads: AttentionHeads | None = None  # the layer's own head layout: the rule reads it instead of the model's config
@@ -316,6 +329,7 @@ SLICE_RULES: dict[str, Callable[[tuple[str, ...], ShardContext], list[SliceCopy]
     "gated": lambda names, ctx: place_gated(*names, ctx),
     "qkv": lambda names, ctx: place_qkv(*names, ctx),
     "qkv_gated": lambda names, ctx: place_qkv_gated(*names, ctx),
+    "qkv_concatenated": _slices_single(place_qkv_concatenated),
     "gdn_in_proj": lambda names, ctx: place_gdn_in_proj(*names, ctx),
     "gdn_in_proj_separate": lambda names, ctx: place_gdn_in_proj_separate(*names, ctx),
     "gdn_conv1d": _slices_single(place_gdn_conv1d),
@@ -361,13 +375,39 @@ def _qkv_kind(mapping: Any, module: torch.nn.Module) -> PlacementKind:
     return PlacementKind(kind="qkv_gated" if heads.attention_output_gate else "qkv", hf_names=names, heads=heads)
 
 
+def _concatenated_qkv_kind(mapping: Any, module: torch.nn.Module) -> PlacementKind:
+    return PlacementKind(kind="qkv_concatenated", hf_names=(str(mapping.hf_param),), heads=AttentionHeads.of_module(module))
+
+
+def _full_dim_qk_norm_kind(mapping: Any, module: torch.nn.Module) -> PlacementKind:
+    """MiniMax-M2's norm over all query (key) heads at once (``_FullDimQKNormMapping``): each rank
+    holds the rows of its own heads, so column-parallel, unless the module's ``global_dim`` says
+    ranks share heads (fewer KV heads than tensor-parallel ranks), which the plan refuses as for QKV."""
+    local, global_dim = module.weight.shape[0], getattr(module, "global_dim", None)
+    if global_dim is not None and global_dim != local * mapping.tp_size:
+        raise PlacementError(
+            f"a full-dimension QK norm of {global_dim} rows held as {local} rows on each of tp={mapping.tp_size} ranks: "
+            "replicated KV heads are not supported"
+        )
+    return PlacementKind(kind="column", hf_names=(str(mapping.hf_param),))
+
+
+def _family_rules() -> list[tuple[type, Callable[[Any, torch.nn.Module], PlacementKind]]]:
+    """Rules for mapping classes a model family's bridge defines for itself."""
+    from megatron.bridge.models.minimax_m2.minimax_m2_bridge import _FullDimQKNormMapping
+
+    return [(_FullDimQKNormMapping, _full_dim_qk_norm_kind)]
+
+
 @functools.cache
 def placement_rules() -> list[tuple[type, Callable[[Any, torch.nn.Module], PlacementKind]]]:
     """Mapping class -> how to name its placement. Most specific first: the first isinstance match wins."""
     from megatron.bridge.models.conversion import param_mapping as pm
 
     return [
+        *_family_rules(),
         (pm.QKVMapping, _qkv_kind),
+        (pm.ConcatenatedQKVMapping, _concatenated_qkv_kind),
         (pm.GDNLinearMapping, lambda m, _: PlacementKind(kind="gdn_in_proj", hf_names=(m.hf_param["qkvz"], m.hf_param["ba"]))),
         (pm.GDNLinearMappingSeparate, lambda m, _: PlacementKind(
             kind="gdn_in_proj_separate", hf_names=tuple(m.hf_param[c] for c in ("qkv", "z", "b", "a")))),
