@@ -241,3 +241,20 @@ def test_gdn_conv1d_slices_rebuild_upstream_merge(dims, tp, bias, monkeypatch):
     suffix = "bias" if bias else "weight"
     mapping = GDNConv1dMapping(f"decoder.layers.0.self_attention.conv1d.{suffix}", f"l.0.conv1d.{suffix}")
     assert_rebuilds(mapping, (channels,) if bias else (channels, 1, 4), gdn_config(*dims), tp, monkeypatch, "gdn_conv1d")
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_pp_safe_gated_mlp_slices_rebuild_upstream_split(tp, monkeypatch):
+    """Ernie 4.5's ``_PPSafeGatedMLPMapping`` exports as ``GatedMLPMapping`` for a parameter a rank
+    holds (its override only turns "no stage holds it" into ``{}``); its expert-bias mapping, which
+    reshapes on export, stays refused."""
+    from megatron.bridge.models.ernie.ernie_45_bridge import _PPSafeGatedMLPMapping, _SqueezeBiasMapping
+
+    from mbridge_refit.plan.placement import PlacementError, placement_kind
+
+    config = types.SimpleNamespace(hidden_size=HIDDEN)
+    mapping = _PPSafeGatedMLPMapping("decoder.layers.0.mlp.linear_fc1.weight", "l.0.mlp.gate_proj.weight", "l.0.mlp.up_proj.weight")
+    assert_rebuilds(mapping, (8 * tp, HIDDEN), config, tp, monkeypatch, "gated")
+    squeeze = _SqueezeBiasMapping("decoder.layers.1.mlp.router.expert_bias", "l.1.mlp.moe_statics.e_score_correction_bias")
+    with pytest.raises(PlacementError, match="_SqueezeBiasMapping, which overrides ReplicatedMapping.megatron_to_hf"):
+        placement_kind(squeeze, column_parallel_module(config))

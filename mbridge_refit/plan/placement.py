@@ -464,6 +464,25 @@ def placement_kind(mapping: Any, module: torch.nn.Module) -> PlacementKind:
     )
 
 
+@functools.cache
+def passthrough_exports() -> frozenset[Callable]:
+    """``megatron_to_hf`` overrides that return their base class's result unchanged for every
+    parameter a rank holds (the only ones the plan places): Ernie 4.5's ``_PPSafeMixin`` only
+    turns the error of a parameter no pipeline stage holds (a dense layer's router) into ``{}``."""
+    from megatron.bridge.models.ernie.ernie_45_bridge import _PPSafeMixin
+
+    return frozenset({_PPSafeMixin.megatron_to_hf})
+
+
+def _effective_export(cls: type) -> Callable:
+    """The ``megatron_to_hf`` that decides ``cls``'s output: the first in its MRO that is not a passthrough."""
+    for klass in cls.__mro__:
+        own = klass.__dict__.get("megatron_to_hf")
+        if own is not None and own not in passthrough_exports():
+            return own
+    return cls.megatron_to_hf
+
+
 def _elementwise_op(mapping: Any, mapping_type: type) -> str | None:
     """None for a mapping that exports as ``mapping_type`` does; the op name for a class of
     ``elementwise_op_rules`` directly over ``mapping_type`` (its base's slices, then the op).
@@ -472,7 +491,7 @@ def _elementwise_op(mapping: Any, mapping_type: type) -> str | None:
     4.5's expert bias, unsqueezed to [1, N] on export): the slice rules describe only the base
     class, so such a mapping is refused by name and the model falls back to the stock export."""
     cls = type(mapping)
-    if cls.megatron_to_hf is mapping_type.megatron_to_hf:
+    if _effective_export(cls) is mapping_type.megatron_to_hf:
         return None
     op = elementwise_op_rules().get(cls)
     if op is not None and cls.__base__.megatron_to_hf is mapping_type.megatron_to_hf:
