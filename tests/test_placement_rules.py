@@ -54,7 +54,7 @@ def column_parallel_module(config) -> torch.nn.Module:
     return module
 
 
-def upstream_export(mapping, fake: FakeTensorParallel, config, tp: int, monkeypatch) -> dict[str, torch.Tensor]:
+def upstream_export(mapping, fake: FakeTensorParallel, config, tp: int, monkeypatch, module=None) -> dict[str, torch.Tensor]:
     """``mapping.megatron_to_hf`` on rank 0 of ``tp`` ranks (pipeline size 1)."""
     from megatron.bridge.models.conversion import param_mapping as pm
 
@@ -62,21 +62,21 @@ def upstream_export(mapping, fake: FakeTensorParallel, config, tp: int, monkeypa
     monkeypatch.setattr(pm.MegatronParamMapping, "tp_rank", property(lambda self: fake.rank))
     monkeypatch.setattr(pm.MegatronParamMapping, "pp_size", property(lambda self: 1))
     monkeypatch.setattr(pm.MegatronParamMapping, "gather_from_tp_ranks", lambda _, tensor: fake.gather(tensor))
-    module = column_parallel_module(config)
+    module = module or column_parallel_module(config)
     fake.rank = 0
     return mapping.megatron_to_hf(fake.shards[0], module)
 
 
-def rebuilt_from_slices(mapping, fake: FakeTensorParallel, config, tp: int, reference: dict[str, torch.Tensor]):
-    """The HF tensors rebuilt from every rank's ``slice_copies``, and how often each element was written."""
+def rebuilt_from_slices(mapping, fake: FakeTensorParallel, config, tp: int, reference: dict[str, torch.Tensor], model_config=None, module=None):
+    """The HF tensors rebuilt from every rank's ``slice_copies``, and how often each element was written.
+    ``config``: the layer module's; ``model_config``: the model's (the plan's ``ShardContext``), default the same."""
     from mbridge_refit.plan.placement import ShardContext, check_tiling, placement_kind, slices_for
 
-    module = column_parallel_module(config)
-    kind = placement_kind(mapping, module)
+    kind = placement_kind(mapping, module or column_parallel_module(config))
     rebuilt = {name: torch.full_like(t, float("nan")) for name, t in reference.items()}
     writes = {name: torch.zeros(t.shape[0], dtype=torch.int64) for name, t in reference.items()}
     for rank, shard in enumerate(fake.shards):
-        ctx = ShardContext(local_shape=tuple(shard.shape), tp_rank=rank, tp_size=tp, config=config)
+        ctx = ShardContext(local_shape=tuple(shard.shape), tp_rank=rank, tp_size=tp, config=model_config or config)
         copies = slices_for(kind, ctx)
         check_tiling(mapping.megatron_param, ctx.local_shape, copies)
         for copy in copies:
@@ -86,10 +86,10 @@ def rebuilt_from_slices(mapping, fake: FakeTensorParallel, config, tp: int, refe
     return kind, rebuilt, writes
 
 
-def assert_rebuilds(mapping, global_shape, config, tp, monkeypatch, expected_kind):
+def assert_rebuilds(mapping, global_shape, config, tp, monkeypatch, expected_kind, model_config=None, module=None):
     fake = FakeTensorParallel(global_shape, tp)
-    reference = upstream_export(mapping, fake, config, tp, monkeypatch)
-    kind, rebuilt, writes = rebuilt_from_slices(mapping, fake, config, tp, reference)
+    reference = upstream_export(mapping, fake, config, tp, monkeypatch, module)
+    kind, rebuilt, writes = rebuilt_from_slices(mapping, fake, config, tp, reference, model_config, module)
     assert kind.kind == expected_kind
     assert sorted(rebuilt) == sorted(reference)
     for name, tensor in reference.items():
@@ -124,6 +124,87 @@ def test_gated_qkv_slices_rebuild_upstream_split(heads, groups, head_dim, tp, bi
     mapping = QKVMapping(f"decoder.layers.0.self_attention.linear_qkv.{suffix}", *(f"l.0.{p}_proj.{suffix}" for p in "qkv"))
     rows = (2 * heads + 2 * groups) * head_dim
     assert_rebuilds(mapping, (rows,) if bias else (rows, HIDDEN), config, tp, monkeypatch, "qkv_gated")
+
+
+LAYER_HEADS = [  # (model's query groups, head dim; the layer's query groups, head dim), 4 query heads
+    (2, 8, 2, 32), (2, 8, 4, 16), (4, 16, 2, 8),
+]
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize(("model_groups", "model_head_dim", "groups", "head_dim"), LAYER_HEADS)
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_qkv_slices_follow_the_layers_own_heads(model_groups, model_head_dim, groups, head_dim, tp, gated, monkeypatch):
+    """A layer whose config has other heads than the model's (Gemma 4's full-attention layers: their own
+    head size and KV heads) is split with its own, as the bridge's split reads the module's config."""
+    if groups % tp or model_groups % tp:
+        pytest.skip("Megatron needs query groups divisible by tp")
+    from megatron.bridge.models.conversion.param_mapping import QKVMapping
+
+    def heads(query_groups, size):
+        return types.SimpleNamespace(hidden_size=HIDDEN, num_attention_heads=4, num_query_groups=query_groups,
+                                     kv_channels=size, attention_output_gate=gated)
+
+    mapping = QKVMapping("decoder.layers.3.self_attention.linear_qkv.weight", *(f"l.3.{p}_proj.weight" for p in "qkv"))
+    rows = ((2 if gated else 1) * 4 + 2 * groups) * head_dim
+    assert_rebuilds(mapping, (rows, HIDDEN), heads(groups, head_dim), tp, monkeypatch, "qkv_gated" if gated else "qkv",
+                    model_config=heads(model_groups, model_head_dim))
+
+
+CONCATENATED_QKV = [  # (attention heads, query groups, head dim): a vision tower's MHA, and GQA
+    (4, 4, 8), (8, 2, 4), (16, 4, 8),
+]
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize(("heads", "groups", "head_dim"), CONCATENATED_QKV)
+@pytest.mark.parametrize("bias", [False, True], ids=["weight", "bias"])
+def test_concatenated_qkv_slices_rebuild_upstream_split(heads, groups, head_dim, tp, bias, monkeypatch):
+    """``ConcatenatedQKVMapping`` (Qwen3.5's vision tower ``attn.qkv``): stock's q, k, v concatenated in
+    one tensor; the layer's heads are the vision tower's, not the language model's (``model_config``)."""
+    if groups % tp:
+        pytest.skip("Megatron needs query groups divisible by tp")
+    from megatron.bridge.models.conversion.param_mapping import ConcatenatedQKVMapping
+
+    config = types.SimpleNamespace(hidden_size=HIDDEN, num_attention_heads=heads, num_query_groups=groups, kv_channels=head_dim)
+    language = types.SimpleNamespace(hidden_size=HIDDEN, num_attention_heads=32, num_query_groups=8, kv_channels=2)
+    suffix = "bias" if bias else "weight"
+    mapping = ConcatenatedQKVMapping(f"vision_model.decoder.layers.0.self_attention.linear_qkv.{suffix}", f"v.blocks.0.attn.qkv.{suffix}")
+    rows = (heads + 2 * groups) * head_dim
+    assert_rebuilds(mapping, (rows,) if bias else (rows, HIDDEN), config, tp, monkeypatch, "qkv_concatenated", model_config=language)
+
+
+FULL_DIM_NORMS = [(4, 8), (8, 16), (2, 32)]  # (heads, head dim) of MiniMax-M2's q_norm / k_norm
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize(("heads", "head_dim"), FULL_DIM_NORMS)
+def test_full_dim_qk_norm_slices_rebuild_upstream_gather(heads, head_dim, tp, monkeypatch):
+    """MiniMax-M2's norm over all heads at once (``_FullDimQKNormMapping``): each rank's heads' rows."""
+    if heads % tp:
+        pytest.skip("the norm's heads split over tp ranks")
+    from megatron.bridge.models.minimax_m2.minimax_m2_bridge import _FullDimQKNormMapping
+
+    global_dim = heads * head_dim
+    module = column_parallel_module(types.SimpleNamespace(hidden_size=HIDDEN))
+    module.weight, module.global_dim = torch.empty(global_dim // tp), global_dim
+    mapping = _FullDimQKNormMapping("decoder.layers.0.self_attention.k_layernorm.weight", "l.0.self_attn.k_norm.weight")
+    assert_rebuilds(mapping, (global_dim,), module.config, tp, monkeypatch, "column", module=module)
+
+
+def test_full_dim_qk_norm_shared_by_ranks_is_refused(monkeypatch):
+    """Fewer KV heads than ranks: ranks hold copies of one shard (stock keeps one of each); refused by name."""
+    from megatron.bridge.models.conversion import param_mapping as pm
+    from megatron.bridge.models.minimax_m2.minimax_m2_bridge import _FullDimQKNormMapping
+
+    from mbridge_refit.plan.placement import PlacementError, placement_kind
+
+    monkeypatch.setattr(pm.MegatronParamMapping, "tp_size", property(lambda self: 4))
+    module = column_parallel_module(types.SimpleNamespace(hidden_size=HIDDEN))
+    module.weight, module.global_dim = torch.empty(16), 32  # 2 KV heads of 16 over 4 ranks
+    mapping = _FullDimQKNormMapping("decoder.layers.0.self_attention.k_layernorm.weight", "l.0.self_attn.k_norm.weight")
+    with pytest.raises(PlacementError, match="replicated KV heads are not supported"):
+        placement_kind(mapping, module)
 
 
 @pytest.mark.parametrize("tp", TP_SIZES)
@@ -209,3 +290,18 @@ def test_a_mamba_mixer_without_a_head_count_is_refused():
     ctx = ShardContext(local_shape=(80, HIDDEN), tp_rank=0, tp_size=1, config=config)
     with pytest.raises(PlacementError, match="mamba_num_heads"):
         slices_for(PlacementKind(kind="mamba_in_proj", hf_names=("l.0.mixer.in_proj.weight",)), ctx)
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_pp_safe_gated_mlp_slices_rebuild_upstream_split(tp, monkeypatch):
+    """Ernie 4.5's ``_PPSafeGatedMLPMapping`` exports as ``GatedMLPMapping`` for a parameter a rank
+    holds (its override only turns "no stage holds it" into ``{}``); its expert-bias mapping, which
+    reshapes on export, stays refused."""
+    from megatron.bridge.models.ernie.ernie_45_bridge import _PPSafeGatedMLPMapping, _SqueezeBiasMapping
+
+    from mbridge_refit.plan.placement import PlacementError, placement_kind
+
+    config = types.SimpleNamespace(hidden_size=HIDDEN)
+    mapping = _PPSafeGatedMLPMapping("decoder.layers.0.mlp.linear_fc1.weight", "l.0.mlp.gate_proj.weight", "l.0.mlp.up_proj.weight")
+    assert_rebuilds(mapping, (8 * tp, HIDDEN), config, tp, monkeypatch, "gated")
+    squeeze = _SqueezeBiasMapping("decoder.layers.1.mlp.router.expert_bias", "l.1.mlp.moe_statics.e_score_correction_bias")
+    with pytest.raises(PlacementError, match="_SqueezeBiasMapping, which overrides ReplicatedMapping.megatron_to_hf"):
+        placement_kind(squeeze, column_parallel_module(config))

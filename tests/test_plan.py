@@ -118,3 +118,67 @@ def test_mapping_with_its_own_export_conversion_is_refused_by_name():
     assert placement_kind(ReplicatedMapping(name, "h.bias"), torch.nn.Linear(2, 2)).kind == "replicated"  # control
     with pytest.raises(PlacementError, match=r"expert_bias.*Unsqueezing.*overrides ReplicatedMapping\.megatron_to_hf"):
         placement_kind(Unsqueezing(name, "h.bias"), torch.nn.Linear(2, 2))
+
+
+def _qkv_spec(layer: int):
+    from mbridge_refit.plan.build import ParamSpec
+    from mbridge_refit.plan.placement import PlacementKind
+
+    names = tuple(f"model.layers.{layer}.self_attn.{p}_proj.weight" for p in "qkv")
+    return ParamSpec(global_name=f"decoder.layers.{layer}.self_attention.linear_qkv.weight", local_shape=(8, 4),
+                     placement=PlacementKind(kind="qkv", hf_names=names), dtype="bfloat16", pp_rank=0, vpp_stage=0, is_expert=False)
+
+
+def _task(spec):
+    import types
+
+    return types.SimpleNamespace(global_param_name=spec.global_name, weight_dtype=None)
+
+
+def test_names_a_bridge_drops_on_export_are_left_out_of_the_plan():
+    """Gemma 4's export hook drops the KV projections that exist only in Megatron (``attention_k_eq_v``:
+    a full-attention layer's ``v_proj``; KV-shared layers: ``k_proj`` and ``v_proj``). The plan asks the
+    bridge's own hook (the oracle) which names it keeps."""
+    from megatron.bridge.models.gemma.gemma4_bridge import Gemma4Bridge
+
+    from mbridge_refit.plan.build import _names_the_bridge_drops
+    from mbridge_refit.tools.tiny_configs import tiny_config
+
+    config = tiny_config("Gemma4ForCausalLM")
+    config.attention_k_eq_v, config.num_kv_shared_layers = True, 1
+    assert config.layer_types == ["sliding_attention"] * 3 + ["full_attention"]
+    bridge = Gemma4Bridge()
+    bridge.hf_config = config
+    dropped = {layer: _names_the_bridge_drops(bridge, _task(_qkv_spec(layer)), _qkv_spec(layer), {}) for layer in range(4)}
+    assert dropped[0] == dropped[1] == dropped[2] == frozenset()
+    assert dropped[3] == {"model.layers.3.self_attn.k_proj.weight", "model.layers.3.self_attn.v_proj.weight"}  # KV-shared
+    config.num_kv_shared_layers = 0
+    assert _names_the_bridge_drops(bridge, _task(_qkv_spec(3)), _qkv_spec(3), {}) == {"model.layers.3.self_attn.v_proj.weight"}
+
+
+@pytest.mark.parametrize(("hook", "message"), [
+    (lambda task, weights, state: {**weights, "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(2)}, "adds or replaces"),
+    (lambda task, weights, state: {name: t.clone() for name, t in weights.items()}, "adds or replaces"),
+    (lambda task, weights, state: {name: t.cpu() for name, t in weights.items()}, "fails on metadata"),
+], ids=["adds", "replaces", "reads-values"])
+def test_an_export_hook_that_converts_is_refused_by_name(hook, message):
+    """A bridge whose export hook adds tensors or converts values (requantization, MTP aliases, swapped
+    halves) makes the plan refuse the model (the stock export then runs), naming the hook."""
+    from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
+
+    from mbridge_refit.plan.build import _names_the_bridge_drops
+    from mbridge_refit.plan.entries import PlanError
+
+    class Converting(MegatronModelBridge):
+        def maybe_modify_converted_hf_weight(self, task, converted_weights_dict, hf_state_dict):
+            return hook(task, converted_weights_dict, hf_state_dict)
+
+        def provider_bridge(self, hf_pretrained):
+            raise NotImplementedError
+
+        def mapping_registry(self):
+            raise NotImplementedError
+
+    spec = _qkv_spec(0)
+    with pytest.raises(PlanError, match=rf"linear_qkv\.weight: Converting\.maybe_modify_converted_hf_weight {message}"):
+        _names_the_bridge_drops(Converting(), _task(spec), spec, {})

@@ -40,6 +40,7 @@ class ParamSpec:
     is_expert: bool
     source_format: str = PLAIN
     stack: ExpertStack | None = None  # a grouped-export expert parameter (``plan.stacking``)
+    dropped: frozenset[str] = frozenset()  # HF names the bridge's export hook leaves out (``_names_the_bridge_drops``)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -85,10 +86,14 @@ def rank_contribution(
         tasks = model_bridge.build_conversion_tasks(hf_pretrained, chunks)
     specs, errors = [], _unsupported_features(model_bridge, chunks)
     pp_rank = ps.get_pipeline_model_parallel_rank()
+    hf_state = hf_pretrained.state if hasattr(hf_pretrained, "state") else {}  # what stock hands its export hook
     for task in tasks:
         if task is not None and task.megatron_module is not None:
             try:
-                specs.append(_local_spec(task, pp_rank))
+                spec = _local_spec(task, pp_rank)
+                if spec.stack is None:  # stock runs the hook on every task but grouped-export ones
+                    spec = dataclasses.replace(spec, dropped=_names_the_bridge_drops(model_bridge, task, spec, hf_state))
+                specs.append(spec)
             except PlanError as err:
                 errors.append(str(err))
     return RankContribution(specs=tuple(specs), layer_map=_local_layer_map(chunks, pp_rank), errors=tuple(errors))
@@ -172,6 +177,32 @@ def _local_spec(task: Any, pp_rank: int) -> ParamSpec:
     )
 
 
+def _names_the_bridge_drops(model_bridge: Any, task: Any, spec: ParamSpec, hf_state: Any) -> frozenset[str]:
+    """The HF names of ``task`` that the bridge's export hook removes from stock's output.
+
+    Stock passes each task's converted tensors through ``maybe_modify_converted_hf_weight``. A
+    bridge may drop names there (Gemma 4: the KV projections that exist only in Megatron, on
+    KV-shared layers and, with ``attention_k_eq_v``, the full-attention layers' ``v_proj``), add
+    names or replace tensors (requantization, aliases, swapped halves). The hook is run on empty
+    meta tensors: names it drops are left out of the plan; a name it adds, a tensor it replaces or
+    an error it raises is a conversion the plan cannot describe, and the model falls back."""
+    from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
+
+    hook = type(model_bridge).maybe_modify_converted_hf_weight
+    if hook is MegatronModelBridge.maybe_modify_converted_hf_weight:
+        return frozenset()
+    probes = {name: torch.empty(0, device="meta") for name in spec.placement.hf_names}
+    where = f"cannot plan {spec.global_name}: {type(model_bridge).__name__}.maybe_modify_converted_hf_weight"
+    try:
+        kept = model_bridge.maybe_modify_converted_hf_weight(task, dict(probes), hf_state)
+    except Exception as err:  # the hook needs real values: it converts them
+        raise PlanError(f"{where} fails on metadata ({type(err).__name__}: {err}), so it converts values") from err
+    changed = sorted(name for name, tensor in kept.items() if probes.get(name) is not tensor)
+    if changed:
+        raise PlanError(f"{where} adds or replaces {changed[:3]}, a conversion the slice rules cannot describe")
+    return frozenset(probes) - frozenset(kept)
+
+
 def _entries_for(specs: dict[str, ParamSpec], name: str, sizes: ParallelSizes, config: Any) -> list[PlanEntry]:
     spec = specs[name]
     if spec.stack is not None:
@@ -186,7 +217,8 @@ def _entries_for(specs: dict[str, ParamSpec], name: str, sizes: ParallelSizes, c
     entries: list[PlanEntry] = []
     for output_index in range(len(spec.placement.hf_names)):
         for owner, member in enumerate(group):
-            entries.append(_expert_entry(member, output_index, owner, expert, sizes, config))
+            if member.placement.hf_names[output_index] not in member.dropped:
+                entries.append(_expert_entry(member, output_index, owner, expert, sizes, config))
     return entries
 
 
@@ -196,7 +228,7 @@ def _dense_entries(spec: ParamSpec, sizes: ParallelSizes, config: Any) -> list[P
         for r in range(sizes.tp)
     ]
     entries = []
-    for hf_name in spec.placement.hf_names:
+    for hf_name in (name for name in spec.placement.hf_names if name not in spec.dropped):
         pieces = tuple(tuple(c for c in rank if c.hf_name == hf_name) for rank in per_rank)
         replicated = all(rank == pieces[0] for rank in pieces)  # norms, routers, row-parallel biases
         shard_dim = pieces[0][0].dim

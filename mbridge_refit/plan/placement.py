@@ -10,7 +10,11 @@ more HF tensors. Examples for tensor-parallel rank ``r`` of ``t``:
 * fused QKV with grouped-query heads: for each query group this rank owns, the group's query
   heads, then its key head, then its value head (Megatron's interleaved layout); with an
   attention output gate, the group's gate heads follow its query heads (HF keeps each head's
-  query and gate rows next to each other in ``q_proj``);
+  query and gate rows next to each other in ``q_proj``); the head counts and size are the
+  layer's own (``AttentionHeads``: Gemma 4's full-attention layers differ from its sliding ones);
+  against one concatenated HF ``qkv`` tensor (vision towers), the same pieces at the offsets of
+  its q, k and v blocks;
+* MiniMax-M2's full-dimension QK norm: this rank's heads' rows (column-parallel);
 * gated delta net ``in_proj``: this rank's rows of each component (q, k, v, z, b, a) in turn,
   each component's rows interleaved per key head in HF's fused tensors (Qwen3-Next) or flat in
   separate ones (Qwen3.5); its ``conv1d``: this rank's rows of q, k, v;
@@ -115,9 +119,37 @@ class _QueryGroups(NamedTuple):
     head_dim: int
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AttentionHeads:
+    """The head layout a fused-QKV mapping's split reads from its layer's own config (the
+    bridge's ``_get_config(module)``), recorded per layer: a model may vary it from layer to layer
+    (Gemma 4's full-attention layers have their own head size and KV heads) or hold attention
+    with other heads (a vision tower). Field names are ``TransformerConfig``'s."""
+
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int | None
+    hidden_size: int
+    attention_output_gate: bool = False
+
+    @classmethod
+    def of_module(cls, module: torch.nn.Module) -> "AttentionHeads":
+        config = getattr(module, "config", None)
+        if config is None:
+            raise PlacementError(f"{type(module).__name__} has no config to read its attention heads from")
+        return cls(
+            num_attention_heads=config.num_attention_heads,
+            num_query_groups=config.num_query_groups or config.num_attention_heads,
+            kv_channels=config.kv_channels,
+            hidden_size=config.hidden_size,
+            attention_output_gate=bool(getattr(config, "attention_output_gate", False)),
+        )
+
+
 def _query_groups(ctx: ShardContext, *, gated: bool) -> _QueryGroups:
     """The query groups ``ctx``'s rank holds; refuses a layer whose gate setting is not ``gated``
-    and KV heads that tensor parallelism would have to replicate."""
+    and KV heads that tensor parallelism would have to replicate. ``ctx.config``: the layer's
+    ``AttentionHeads`` (``slices_for`` puts them there) or a config with the same fields."""
     config = ctx.config
     if bool(getattr(config, "attention_output_gate", False)) != gated:
         raise PlacementError(f"QKV placement {'with' if gated else 'without'} an attention output gate on a model "
@@ -133,19 +165,29 @@ def _query_groups(ctx: ShardContext, *, gated: bool) -> _QueryGroups:
 
 
 def place_qkv(q: str, k: str, v: str, ctx: ShardContext) -> list[SliceCopy]:
+    return _qkv_slices(RowLayout(hf_name=q), RowLayout(hf_name=k), RowLayout(hf_name=v), ctx)
+
+
+def place_qkv_concatenated(qkv: str, ctx: ShardContext) -> list[SliceCopy]:
+    """QKV against one HF tensor holding all query heads, then all key heads, then all value heads
+    (``ConcatenatedQKVMapping``: stock's split, concatenated; vision towers' ``attn.qkv``)."""
+    heads = ctx.config
+    head_dim = heads.kv_channels or heads.hidden_size // heads.num_attention_heads
+    q_rows, kv_rows = heads.num_attention_heads * head_dim, heads.num_query_groups * head_dim
+    return _qkv_slices(RowLayout(hf_name=qkv), RowLayout(hf_name=qkv, base=q_rows), RowLayout(hf_name=qkv, base=q_rows + kv_rows), ctx)
+
+
+def _qkv_slices(q: "RowLayout", k: "RowLayout", v: "RowLayout", ctx: ShardContext) -> list[SliceCopy]:
+    """For each local query group: its query heads' rows of ``q``, its key head's of ``k``, its value head's of ``v``."""
     local_groups, heads_per_group, head_dim = _query_groups(ctx, gated=False)
-    copies, local = [], 0
+    q_rows = heads_per_group * head_dim
+    copies: list[SliceCopy] = []
     for group in local_groups:
-        q_rows = heads_per_group * head_dim
-        for name, start, length in (
-            (q, group * q_rows, q_rows),
-            (k, group * head_dim, head_dim),
-            (v, group * head_dim, head_dim),
-        ):
-            copies.append(SliceCopy(hf_name=name, dim=0, hf_start=start, hf_stop=start + length, local_start=local))
-            local += length
-    if local != ctx.local_shape[0]:
-        raise PlacementError(f"QKV slices cover {local} rows but the local shard has {ctx.local_shape[0]}")
+        copies += q.slices(group * q_rows, (group + 1) * q_rows, local_start=_covered(copies))
+        for layout in (k, v):
+            copies += layout.slices(group * head_dim, (group + 1) * head_dim, local_start=_covered(copies))
+    if _covered(copies) != ctx.local_shape[0]:
+        raise PlacementError(f"QKV slices cover {_covered(copies)} rows but the local shard has {ctx.local_shape[0]}")
     return copies
 
 
@@ -299,9 +341,10 @@ class PlacementKind:
     tell column from row parallel) and sends it to ranks that do not own the parameter.
     """
 
-    kind: str  # a key of SLICE_RULES: "column", "row", "replicated", "gated", "qkv", "qkv_gated", "gdn_*", "mamba_*"
+    kind: str  # a key of SLICE_RULES: "column", "row", "replicated", "gated", "qkv", "qkv_gated", "qkv_concatenated", "gdn_*", "mamba_*"
     hf_names: tuple[str, ...]
     elementwise_op: str | None = None  # a key of ELEMENTWISE_OPS, applied after the slices on export
+    heads: AttentionHeads | None = None  # the layer's own head layout: the rule reads it instead of the model's config
 
 
 def _slices_single(rule: Callable[[str, ShardContext], list[SliceCopy]]):
@@ -315,6 +358,7 @@ SLICE_RULES: dict[str, Callable[[tuple[str, ...], ShardContext], list[SliceCopy]
     "gated": lambda names, ctx: place_gated(*names, ctx),
     "qkv": lambda names, ctx: place_qkv(*names, ctx),
     "qkv_gated": lambda names, ctx: place_qkv_gated(*names, ctx),
+    "qkv_concatenated": _slices_single(place_qkv_concatenated),
     "gdn_in_proj": lambda names, ctx: place_gdn_in_proj(*names, ctx),
     "gdn_in_proj_separate": lambda names, ctx: place_gdn_in_proj_separate(*names, ctx),
     "gdn_conv1d": _slices_single(place_gdn_conv1d),
@@ -355,11 +399,35 @@ def _fixed_kind(kind: str) -> Callable[[Any, torch.nn.Module], PlacementKind]:
 
 
 def _qkv_kind(mapping: Any, module: torch.nn.Module) -> PlacementKind:
-    """``qkv``, or ``qkv_gated`` when the layer's config has an attention output gate (read from
-    the module: the bridge's split reads the same config)."""
-    gated = getattr(getattr(module, "config", None), "attention_output_gate", False)
+    """``qkv``, or ``qkv_gated`` when the layer has an attention output gate, with the layer's
+    heads read from the module's config (the config the bridge's split reads)."""
+    heads = AttentionHeads.of_module(module)
     names = (mapping.hf_param["q"], mapping.hf_param["k"], mapping.hf_param["v"])
-    return PlacementKind(kind="qkv_gated" if gated else "qkv", hf_names=names)
+    return PlacementKind(kind="qkv_gated" if heads.attention_output_gate else "qkv", hf_names=names, heads=heads)
+
+
+def _concatenated_qkv_kind(mapping: Any, module: torch.nn.Module) -> PlacementKind:
+    return PlacementKind(kind="qkv_concatenated", hf_names=(str(mapping.hf_param),), heads=AttentionHeads.of_module(module))
+
+
+def _full_dim_qk_norm_kind(mapping: Any, module: torch.nn.Module) -> PlacementKind:
+    """MiniMax-M2's norm over all query (key) heads at once (``_FullDimQKNormMapping``): each rank
+    holds the rows of its own heads, so column-parallel, unless the module's ``global_dim`` says
+    ranks share heads (fewer KV heads than tensor-parallel ranks), which the plan refuses as for QKV."""
+    local, global_dim = module.weight.shape[0], getattr(module, "global_dim", None)
+    if global_dim is not None and global_dim != local * mapping.tp_size:
+        raise PlacementError(
+            f"a full-dimension QK norm of {global_dim} rows held as {local} rows on each of tp={mapping.tp_size} ranks: "
+            "replicated KV heads are not supported"
+        )
+    return PlacementKind(kind="column", hf_names=(str(mapping.hf_param),))
+
+
+def _family_rules() -> list[tuple[type, Callable[[Any, torch.nn.Module], PlacementKind]]]:
+    """Rules for mapping classes a model family's bridge defines for itself."""
+    from megatron.bridge.models.minimax_m2.minimax_m2_bridge import _FullDimQKNormMapping
+
+    return [(_FullDimQKNormMapping, _full_dim_qk_norm_kind)]
 
 
 @functools.cache
@@ -368,7 +436,9 @@ def placement_rules() -> list[tuple[type, Callable[[Any, torch.nn.Module], Place
     from megatron.bridge.models.conversion import param_mapping as pm
 
     return [
+        *_family_rules(),
         (pm.QKVMapping, _qkv_kind),
+        (pm.ConcatenatedQKVMapping, _concatenated_qkv_kind),
         (pm.GDNLinearMapping, lambda m, _: PlacementKind(kind="gdn_in_proj", hf_names=(m.hf_param["qkvz"], m.hf_param["ba"]))),
         (pm.GDNLinearMappingSeparate, lambda m, _: PlacementKind(
             kind="gdn_in_proj_separate", hf_names=tuple(m.hf_param[c] for c in ("qkv", "z", "b", "a")))),
@@ -427,6 +497,25 @@ def placement_kind(mapping: Any, module: torch.nn.Module) -> PlacementKind:
     )
 
 
+@functools.cache
+def passthrough_exports() -> frozenset[Callable]:
+    """``megatron_to_hf`` overrides that return their base class's result unchanged for every
+    parameter a rank holds (the only ones the plan places): Ernie 4.5's ``_PPSafeMixin`` only
+    turns the error of a parameter no pipeline stage holds (a dense layer's router) into ``{}``."""
+    from megatron.bridge.models.ernie.ernie_45_bridge import _PPSafeMixin
+
+    return frozenset({_PPSafeMixin.megatron_to_hf})
+
+
+def _effective_export(cls: type) -> Callable:
+    """The ``megatron_to_hf`` that decides ``cls``'s output: the first in its MRO that is not a passthrough."""
+    for klass in cls.__mro__:
+        own = klass.__dict__.get("megatron_to_hf")
+        if own is not None and own not in passthrough_exports():
+            return own
+    return cls.megatron_to_hf
+
+
 def _elementwise_op(mapping: Any, mapping_type: type) -> str | None:
     """None for a mapping that exports as ``mapping_type`` does; the op name for a class of
     ``elementwise_op_rules`` directly over ``mapping_type`` (its base's slices, then the op).
@@ -435,7 +524,7 @@ def _elementwise_op(mapping: Any, mapping_type: type) -> str | None:
     4.5's expert bias, unsqueezed to [1, N] on export): the slice rules describe only the base
     class, so such a mapping is refused by name and the model falls back to the stock export."""
     cls = type(mapping)
-    if cls.megatron_to_hf is mapping_type.megatron_to_hf:
+    if _effective_export(cls) is mapping_type.megatron_to_hf:
         return None
     op = elementwise_op_rules().get(cls)
     if op is not None and cls.__base__.megatron_to_hf is mapping_type.megatron_to_hf:
@@ -447,7 +536,10 @@ def _elementwise_op(mapping: Any, mapping_type: type) -> str | None:
 
 
 def slices_for(kind: PlacementKind, ctx: ShardContext) -> list[SliceCopy]:
-    """The HF slices making up the local shard described by ``ctx`` (pure: any rank can ask)."""
+    """The HF slices making up the local shard described by ``ctx`` (pure: any rank can ask).
+    A placement that recorded its layer's ``heads`` is placed with them, not the model's config."""
+    if kind.heads is not None:
+        ctx = ctx._replace(config=kind.heads)
     return SLICE_RULES[kind.kind](kind.hf_names, ctx)
 
 
