@@ -2,7 +2,8 @@
 registered architecture on CPU.
 
     python scripts/conformance_matrix.py [--out docs/conformance.md] [--readme README.md] [--cells cells.json]
-    python scripts/conformance_matrix.py --from-cells cells.json     # render again without running
+    python scripts/conformance_matrix.py --from-cells a.json b.json  # render again without running
+    python scripts/conformance_matrix.py --parts roundtrip --jobs 8 --cells b.json  # a part, cells 8 at a time
 
 Runs the checks ``tests/test_conformance.py`` runs (``python -m mbridge_refit.tools.conformance``,
 one launch per world size for the layouts of ``MATRIX_LAYOUTS``, CPU ranks under torchrun; the
@@ -61,15 +62,15 @@ def launch(layout_names: list[str], nproc: int, json_path: Path) -> None:
     subprocess.run([sys.executable, *launcher, *module], cwd=REPO, env=env, check=True)
 
 
-def run_roundtrip() -> list:
+def run_roundtrip(jobs: int) -> list:
     """The roundtrip columns: ``convert roundtrip`` of every architecture of every layout against
-    its file (TP1 in one process, each cell at more ranks launched on its own)."""
+    its file (TP1 in one process, each cell at more ranks launched on its own, ``jobs`` at a time)."""
     from mbridge_refit.tools.conformance import MATRIX_LAYOUTS, Cell
 
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "roundtrip.json"
-        module = ["-m", "mbridge_refit.convert.roundtrip_conformance", "--layout", ",".join(MATRIX_LAYOUTS), "--json", str(path)]
+        module = ["-m", "mbridge_refit.convert.roundtrip_conformance", "--layout", ",".join(MATRIX_LAYOUTS), "--json", str(path), "--jobs", str(jobs)]
         subprocess.run([sys.executable, *module], cwd=REPO, env=env, check=True)
         return [Cell.from_json(c) for c in json.loads(path.read_text())]
 
@@ -273,20 +274,26 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "conformance.md")
     parser.add_argument("--readme", type=Path, default=REPO / "README.md", help="the page whose support matrix block is rewritten")
     parser.add_argument("--cells", type=Path, default=None, help="also write every cell (JSON) here")
-    parser.add_argument("--from-cells", type=Path, default=None, help="render the cells of an earlier run (--cells) instead of running")
+    parser.add_argument("--from-cells", type=Path, nargs="+", default=None,
+                        help="render the cells of earlier runs (--cells; the run facts of the first) instead of running")
+    parser.add_argument("--parts", default="export,roundtrip", help="what to run: export (the BF16/FP8 cells), roundtrip, or both")
+    parser.add_argument("--jobs", type=int, default=1, help="roundtrip cells of more than one rank run this many at a time")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    if not parts or parts - {"export", "roundtrip"}:
+        parser.error(f"--parts {args.parts!r}: choose export, roundtrip or both")
     sys.path.insert(0, str(REPO))
     from mbridge_refit.tools.conformance import MATRIX_LAYOUTS, Cell
 
     if args.from_cells:
-        saved = json.loads(args.from_cells.read_text())
-        run, matrix = saved["run"], {name: [] for name in MATRIX_LAYOUTS}
-        for cell in map(Cell.from_json, saved["cells"]):
+        saved = [json.loads(path.read_text()) for path in args.from_cells]
+        run, matrix = saved[0]["run"], {name: [] for name in MATRIX_LAYOUTS}
+        for cell in (Cell.from_json(c) for one in saved for c in one["cells"]):
             matrix[cell.layout].append(cell)
     else:
         run = this_run()
-        matrix = run_matrix()
-        for cell in run_roundtrip():
+        matrix = run_matrix() if "export" in parts else {name: [] for name in MATRIX_LAYOUTS}
+        for cell in run_roundtrip(args.jobs) if "roundtrip" in parts else ():
             matrix[cell.layout].append(cell)
     if args.cells:
         cells = [c.to_json() for layout_cells in matrix.values() for c in layout_cells]

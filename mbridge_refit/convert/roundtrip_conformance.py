@@ -32,6 +32,7 @@ Run (what ``tests/test_conformance.py`` and ``scripts/conformance_matrix.py`` do
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import logging
 import os
@@ -123,28 +124,39 @@ def checkpoint_tensors(checkpoint_dir: Path) -> list[tuple[str, torch.Tensor]]:
 
 def check_roundtrip(architecture: str, work_dir: Path, layout_name: str = "tp1") -> Cell:
     """The roundtrip cell of ``architecture`` at ``MATRIX_LAYOUTS[layout_name]``; its files go
-    under ``work_dir`` (removed after)."""
-    source, out = work_dir / "source", work_dir / "roundtrip"
+    under ``work_dir``."""
+    return write_source(architecture, work_dir, layout_name) or convert_and_compare(architecture, work_dir, layout_name)
 
-    def cell(state: CellState, detail: str = "", tensors: int = 0) -> Cell:
-        return Cell(architecture=architecture, layout=layout_name, precision=ROUNDTRIP, state=state, detail=detail, tensors=tensors)
 
+def write_source(architecture: str, work_dir: Path, layout_name: str) -> Cell | None:
+    """Write the cell's source checkpoint under ``work_dir``: None, or the cell when it cannot be
+    built. Call from the main thread (transformers' lazy module resolves classes unguarded)."""
     try:
-        write_tiny_checkpoint(architecture, source)
+        write_tiny_checkpoint(architecture, work_dir / "source")
     except Exception as err:
-        return cell(CellState.CANNOT_BE_BUILT, describe_error(err))
+        return _cell(architecture, layout_name, CellState.CANNOT_BE_BUILT, describe_error(err))
+    return None
+
+
+def convert_and_compare(architecture: str, work_dir: Path, layout_name: str) -> Cell:
+    """``convert roundtrip`` of ``work_dir``'s source at the layout, compared with the source."""
+    source, out = work_dir / "source", work_dir / "roundtrip"
     code, errors = _run_convert_roundtrip(source, out, MATRIX_LAYOUTS[layout_name][0])
     if code == 2:
         reason = " ".join(errors.messages) or "convert roundtrip exited 2"
         state = CellState.UPSTREAM_BROKEN if _names_unmapped_parameters(reason) else CellState.REFUSED
-        return cell(state, reason[:600])
+        return _cell(architecture, layout_name, state, reason[:600])
     if code != 0:
         state = CellState.CANNOT_BE_BUILT if errors.in_model_build else CellState.OUR_EXPORT_FAILED
-        return cell(state, (" ".join(errors.messages) or f"exit {code}")[:600])
+        return _cell(architecture, layout_name, state, (" ".join(errors.messages) or f"exit {code}")[:600])
     comparison = compare_stream(checkpoint_tensors(source), checkpoint_tensors(out))
     if not comparison.exact:
-        return cell(CellState.DIFFERENT, comparison.describe(), comparison.compared)
-    return cell(CellState.EXACT, "", comparison.compared)
+        return _cell(architecture, layout_name, CellState.DIFFERENT, comparison.describe(), comparison.compared)
+    return _cell(architecture, layout_name, CellState.EXACT, "", comparison.compared)
+
+
+def _cell(architecture: str, layout_name: str, state: CellState, detail: str = "", tensors: int = 0) -> Cell:
+    return Cell(architecture=architecture, layout=layout_name, precision=ROUNDTRIP, state=state, detail=detail, tensors=tensors)
 
 
 def _run_convert_roundtrip(source: Path, out: Path, layout: ParallelLayout) -> tuple[int, "ConvertErrors"]:
@@ -229,20 +241,29 @@ def _names_unmapped_parameters(reason: str) -> bool:
     return "were not loaded from the checkpoint (no mapping or no HF tensor)" in reason
 
 
-def run(plan: Sequence[tuple[str, Sequence[str]]]) -> list[Cell]:
-    """The roundtrip cell of every ``(layout, architectures)`` of ``plan``, each cell in a
-    temporary directory of its own."""
-    cells = []
-    for layout_name, architectures in plan:
-        for architecture in architectures:
-            work_dir = Path(tempfile.mkdtemp(prefix=f"roundtrip-{layout_name}-{architecture}-"))
-            try:
-                cell = check_roundtrip(architecture, work_dir, layout_name)
-            finally:
-                shutil.rmtree(work_dir, ignore_errors=True)
-            logger.info("%s %s roundtrip: %s %s", architecture, layout_name, cell.state, cell.detail[:200])
-            cells.append(cell)
-    return cells
+def run(plan: Sequence[tuple[str, Sequence[str]]], *, jobs: int = 1) -> list[Cell]:
+    """The roundtrip cell of every ``(layout, architectures)`` of ``plan``, in plan order, each cell
+    in a temporary directory of its own. TP1 cells run one after the other in this process; cells
+    of more ranks (launched processes) run ``jobs`` at a time, their sources written first."""
+    cells = [(layout_name, architecture) for layout_name, architectures in plan for architecture in architectures]
+    work_dirs = {c: Path(tempfile.mkdtemp(prefix=f"roundtrip-{c[0]}-{c[1]}-")) for c in cells}
+    done: dict[tuple[str, str], Cell] = {}
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            launched = {}
+            for c in (c for c in cells if MATRIX_LAYOUTS[c[0]][0].expected_world_size > 1):
+                done[c] = write_source(c[1], work_dirs[c], c[0])
+                if done[c] is None:
+                    launched[c] = pool.submit(convert_and_compare, c[1], work_dirs[c], c[0])
+            for c in (c for c in cells if c not in done):
+                done[c] = check_roundtrip(c[1], work_dirs[c], c[0])
+            done.update((c, future.result()) for c, future in launched.items())
+    finally:
+        for work_dir in work_dirs.values():
+            shutil.rmtree(work_dir, ignore_errors=True)
+    for cell in (done[c] for c in cells):
+        logger.info("%s %s roundtrip: %s %s", cell.architecture, cell.layout, cell.state, cell.detail[:200])
+    return [done[c] for c in cells]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -253,6 +274,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--only", default="", help="comma-separated ARCH (at every layout) or LAYOUT:ARCH (default: each layout's)")
     parser.add_argument("--json", type=Path, required=True, help="where the cells go (a JSON list)")
+    parser.add_argument("--jobs", type=int, default=1, help="cells of more than one rank run this many at a time (default 1)")
     args = parser.parse_args(argv)
     layout_names = [name for name in args.layout.split(",") if name]
     unknown = [name for name in layout_names if name not in MATRIX_LAYOUTS]
@@ -263,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ValueError as err:
         parser.error(str(err))
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # convert's own setup replaces it from its first TP1 cell on
-    cells = run(plan)
+    cells = run(plan, jobs=args.jobs)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps([cell.to_json() for cell in cells], indent=1))
 
