@@ -158,7 +158,6 @@ class _GroupedLinear(torch.nn.Module):
         self.config = config
         self.num_gemms, self.in_features, self.out_features = num_gemms, input_size, output_size
         self.tensor_model_parallel = True
-        self.te_return_bias = skip_bias_add and bias
         expert_groups = (
             config.expert_model_parallel_size > 1 or config.expert_tensor_parallel_size != config.tensor_model_parallel_size
         )
