@@ -1,4 +1,4 @@
-"""CPU variants of Transformer Engine layer specs that have no local-spec switch.
+"""CPU builds of Transformer Engine layer specs and modules: local stand-ins with the same parameters.
 
 Megatron-Core's hybrid block spec with an experimental attention variant (Qwen3-Next's and
 Qwen3.5's gated delta net, ``get_transformer_block_with_experimental_attention_variant_spec``)
