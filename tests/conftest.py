@@ -79,6 +79,9 @@ SLOW_CASES = frozenset({
     "tests/test_megatron_checkpoint.py::test_import_export_across_layouts[tied-pp2-to-tp1]",
     "tests/test_fp8.py::test_fp8_parameters_export_their_own_data_and_scales[tp2_pp2]",
     "tests/test_fp8.py::test_roundtrip_fp8_matches_reference_quantizer[tp2_pp2]",
+    # ConcatenatedQKVMapping at TP2/TP4 is proved against stock by tests/test_placement_rules.py and
+    # Qwen3.5-VL at TP1 by the matrix's TP1 column; its TP2 build adds ~50 s to the TP2 launch.
+    *(f"tests/test_conformance.py::{t}[tp2-Qwen3_5ForConditionalGeneration]" for t in ("test_bf16_matches_stock", "test_fp8_matches_reference")),
 })
 
 

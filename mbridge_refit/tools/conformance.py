@@ -67,9 +67,10 @@ SESSION_TIMEOUT = datetime.timedelta(minutes=2)  # a rank whose peer failed rais
 # The matrix: layout name -> the layout and which architectures run at it (None: every registered
 # one). Beyond TP1 the matrix runs the families that build on CPU (tiny configs: 2 or 4 layers,
 # 8 experts), chosen to cover the placement kinds each layout splits:
-# * TP2: QKV with and without bias and QK norms, gated and plain MLPs, MoE experts (with an expert
-#   bias and a dense first layer in HY-V3; stacked experts in GPT-OSS), a vision-language model,
-#   tied embeddings, and a model the plan refuses (its stock fallback and FP8 refusal at TP2).
+# * TP2: QKV with and without bias and QK norms, per-layer head layouts (Gemma 4), gated and plain
+#   MLPs, MoE experts (with an expert bias and a dense first layer in HY-V3; stacked experts in
+#   GPT-OSS), vision-language models (Qwen3.5-VL's concatenated vision QKV), tied embeddings, and a
+#   model the plan refuses (ERNIE 4.5's reshaped expert bias: its stock fallback and FP8 refusal at TP2).
 # * PP2: the same families but Gemma 4 (its provider supports PP=1 only): stages split the layers,
 #   the embedding and the head (tied in Gemma: the head is the first stage's embedding), the
 #   vision tower (first stage only) and dense and MoE layers (HY-V3's stages differ in kind).
@@ -82,9 +83,10 @@ SESSION_TIMEOUT = datetime.timedelta(minutes=2)  # a rank whose peer failed rais
 MATRIX_LAYOUTS: Mapping[str, tuple[ParallelLayout, tuple[str, ...] | None]] = MappingProxyType({
     "tp1": (ParallelLayout(), None),
     "tp2": (ParallelLayout(tp=2), (
-        "Gemma4ForCausalLM", "GemmaForCausalLM", "GptOssForCausalLM", "HYV3ForCausalLM", "LlamaForCausalLM",
-        "MistralForCausalLM", "NemotronForCausalLM", "Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration",
-        "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+        "Ernie4_5_MoeForCausalLM", "Gemma4ForCausalLM", "GemmaForCausalLM", "GptOssForCausalLM", "HYV3ForCausalLM",
+        "LlamaForCausalLM", "MistralForCausalLM", "NemotronForCausalLM", "Qwen2ForCausalLM",
+        "Qwen2_5_VLForConditionalGeneration", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM",
+        "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
     )),
     "pp2": (ParallelLayout(pp=2), (
         "GemmaForCausalLM", "GptOssForCausalLM", "HYV3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
