@@ -2,7 +2,7 @@
 
 Owns what one cell of the conformance matrix (architecture x layout x BF16/FP8) means and how it
 is decided. For an architecture (``tools.tiny_configs``) and a layout, every rank builds the
-Megatron model (``tools.model_builder``; CPU: gloo, local layer spec), fills it with seeded random
+Megatron model (``tools.model_builder``; CPU: gloo, local modules), fills it with seeded random
 values, and compares (``tools.export_comparison``)
 
 * BF16: ``RefitBridge.export_hf_weights`` with stock ``export_hf_weights_stock`` on the same model:
@@ -69,29 +69,36 @@ SESSION_TIMEOUT = datetime.timedelta(minutes=2)  # a rank whose peer failed rais
 # 8 experts), chosen to cover the placement kinds each layout splits:
 # * TP2: QKV with and without bias and QK norms, per-layer head layouts (Gemma 4), gated and plain
 #   MLPs, MoE experts (with an expert bias and a dense first layer in HY-V3; stacked experts in
-#   GPT-OSS), vision-language models (Qwen3.5-VL's concatenated vision QKV), tied embeddings, and a
-#   model the plan refuses (ERNIE 4.5's reshaped expert bias: its stock fallback and FP8 refusal at TP2).
+#   GPT-OSS), vision-language models (Qwen3.5-VL's and Qwen3-VL's concatenated vision QKV), tied
+#   embeddings, and a model the plan refuses (ERNIE 4.5's reshaped expert bias: its stock fallback
+#   and FP8 refusal at TP2).
+#   Gemma 3 adds Transformer Engine's module structure (built from its stand-ins, tools.cpu_specs):
+#   norms fused into the column-parallel linears (``layer_norm_weight``) and replicated norms inside
+#   the row-parallel ones (``post_layernorm``); Qwen3-VL a vision tower with deepstack mergers
+#   built inside its provider.
 # * PP2: the same families but Gemma 4 (its provider supports PP=1 only): stages split the layers,
 #   the embedding and the head (tied in Gemma: the head is the first stage's embedding), the
-#   vision tower (first stage only) and dense and MoE layers (HY-V3's stages differ in kind).
+#   vision towers (first stage only: Qwen2.5-VL's, and Qwen3-VL's whose deepstack features feed the
+#   first stage's layers) and dense and MoE layers (HY-V3's stages differ in kind).
 # * EP2 and TP2xEP2 (2 ranks: the experts split across the tensor-parallel ranks, Megatron's
 #   expert tensor parallel size 1): every MoE family whose CPU build stock can export: Qwen3-MoE
 #   (per-expert tensors), HY-V3 (expert bias, dense first layer) and GPT-OSS (stacked experts,
 #   gathered over EP). The other MoE families fail at TP1 already (multi-latent attention and OLMoE's
-#   attention need Transformer Engine on CPU; GLM-4.5 and MiniMax-M3 map only grouped experts):
+#   attention need Transformer Engine on CPU; GLM-4.5, MiniMax-M2 and MiniMax-M3 map only grouped
+#   experts; Qwen3-VL-MoE builds grouped experts only) or are stock's (ERNIE 4.5's own mappings):
 #   the TP1 column records why.
 MATRIX_LAYOUTS: Mapping[str, tuple[ParallelLayout, tuple[str, ...] | None]] = MappingProxyType({
     "tp1": (ParallelLayout(), None),
     "tp2": (ParallelLayout(tp=2), (
-        "Ernie4_5_MoeForCausalLM", "Gemma4ForCausalLM", "GemmaForCausalLM", "GptOssForCausalLM", "HYV3ForCausalLM",
-        "LlamaForCausalLM", "MistralForCausalLM", "NemotronForCausalLM", "Qwen2ForCausalLM",
+        "Ernie4_5_MoeForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM", "GemmaForCausalLM", "GptOssForCausalLM",
+        "HYV3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "NemotronForCausalLM", "Qwen2ForCausalLM",
         "Qwen2_5_VLForConditionalGeneration", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM",
-        "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
+        "Qwen3VLForConditionalGeneration", "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
     )),
     "pp2": (ParallelLayout(pp=2), (
-        "GemmaForCausalLM", "GptOssForCausalLM", "HYV3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
-        "NemotronForCausalLM", "Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration", "Qwen3ForCausalLM",
-        "Qwen3MoeForCausalLM",
+        "Gemma3ForCausalLM", "GemmaForCausalLM", "GptOssForCausalLM", "HYV3ForCausalLM", "LlamaForCausalLM",
+        "MistralForCausalLM", "NemotronForCausalLM", "Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration",
+        "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3VLForConditionalGeneration",
     )),
     "ep2": (ParallelLayout(ep=2), ("GptOssForCausalLM", "HYV3ForCausalLM", "Qwen3MoeForCausalLM")),
     "tp2ep2": (ParallelLayout(tp=2, ep=2), ("GptOssForCausalLM", "HYV3ForCausalLM", "Qwen3MoeForCausalLM")),

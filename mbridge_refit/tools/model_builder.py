@@ -185,12 +185,29 @@ def build_model(bridge: Any, layout: ParallelLayout, options: BuildOptions) -> l
             mixed_precision_wrapper=None,
         )
     if on_cpu and options.materialize:
-        chunks = [chunk.to_empty(device="cpu") for chunk in chunks]
+        chunks = [keeping_parameter_attributes(chunk, lambda c: c.to_empty(device="cpu")) for chunk in chunks]
     if on_cpu and options.params_dtype is not None:
         # The local spec builds its torch norms in fp32 whatever params_dtype says; on this
         # conversion path every parameter takes the checkpoint's dtype so exports keep it.
-        chunks = [chunk.to(dtype=options.params_dtype) for chunk in chunks]
+        chunks = [keeping_parameter_attributes(chunk, lambda c: c.to(dtype=options.params_dtype)) for chunk in chunks]
     return chunks
+
+
+def keeping_parameter_attributes(chunk: torch.nn.Module, convert: Any) -> torch.nn.Module:
+    """``convert(chunk)`` with each parameter's Python attributes as they were before.
+
+    Megatron marks parameters with what they are (``tensor_model_parallel``, ``partition_dim``,
+    ``allreduce`` for expert-parallel ones, ...); a conversion that replaces the parameter objects
+    (``to_empty`` from the meta device does) would drop them, and readers of these marks (the
+    bridge's broadcasts, the conformance checks' per-shard random values) would take every
+    parameter for a replicated one.
+    """
+    marks = {name: dict(vars(param)) for name, param in chunk.named_parameters()}
+    converted = convert(chunk)
+    for name, param in converted.named_parameters():
+        for attribute, value in marks[name].items():
+            setattr(param, attribute, value)
+    return converted
 
 
 def nested_transformer_configs(provider: Any) -> list[Any]:

@@ -1,0 +1,88 @@
+"""CPU builds of Transformer Engine modules (``mbridge_refit/tools/cpu_specs.py``) and the CPU
+materialisation of a model (``model_builder.keeping_parameter_attributes``).
+
+What a whole family's CPU build holds is checked by the conformance matrix (tests/test_conformance.py:
+stock's export of the same model, every parameter mapped); here, the parts: a Transformer Engine
+norm built as its stand-in has Transformer Engine's parameters and computes its norm, a Transformer
+Engine class with no stand-in is refused by name, the classes are as they were after the build,
+and a parameter keeps Megatron's marks when the model leaves the meta device.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megatron.core.extensions import transformer_engine as te
+from megatron.core.transformer.transformer_config import TransformerConfig
+from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+
+from mbridge_refit.tools import cpu_specs
+from mbridge_refit.tools.model_builder import keeping_parameter_attributes
+
+
+def _config(normalization: str, zero_centered_gamma: bool) -> TransformerConfig:
+    return TransformerConfig(
+        num_layers=1, hidden_size=16, num_attention_heads=2, normalization=normalization,
+        layernorm_zero_centered_gamma=zero_centered_gamma, params_dtype=torch.bfloat16,
+    )
+
+
+@pytest.mark.parametrize(("normalization", "zero_centered_gamma", "names"), [
+    ("RMSNorm", True, ["weight"]), ("RMSNorm", False, ["weight"]), ("LayerNorm", False, ["weight", "bias"]),
+])
+def test_te_norm_is_built_as_a_norm_with_its_parameters(normalization, zero_centered_gamma, names):
+    """TENorm inside the build context: Transformer Engine's parameter names, shape and dtype, and
+    the norm it computes (``1 + weight`` when zero-centered) against torch's own functional norm."""
+    config = _config(normalization, zero_centered_gamma)
+    with cpu_specs.te_modules_built_local():
+        norm = te.TENorm(config, 16, eps=1e-6)
+    assert isinstance(norm, cpu_specs.TorchNorm)
+    assert [(n, tuple(p.shape), p.dtype) for n, p in norm.named_parameters()] == [(n, (16,), torch.bfloat16) for n in names]
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in norm.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator))
+    x = torch.randn(3, 16, generator=generator, dtype=torch.bfloat16)
+    gamma = norm.weight + 1 if zero_centered_gamma else norm.weight
+    if normalization == "LayerNorm":
+        expected = torch.nn.functional.layer_norm(x, (16,), gamma, norm.bias, 1e-6)
+    else:
+        expected = torch.nn.functional.rms_norm(x, (16,), gamma, 1e-6)
+    assert torch.equal(norm(x), expected)
+
+
+def test_te_classes_are_as_they_were_after_the_build():
+    te_norm_new = te.TENorm.__dict__["__new__"]
+    with cpu_specs.te_modules_built_local():
+        assert TransformerEngineBaseModule.__dict__.get("__new__") is not None
+    assert te.TENorm.__dict__["__new__"] is te_norm_new
+    assert "__new__" not in TransformerEngineBaseModule.__dict__
+    assert "__new__" not in te.TELayerNormColumnParallelLinear.__dict__
+
+
+def test_a_te_class_without_a_stand_in_is_refused_by_name():
+    """A subclass adds what its base lacks (Megatron-Bridge's post-norm linear adds a norm): it is
+    never built as its base's stand-in, and the error names it and where a stand-in goes."""
+
+    class PostNormLinear(te.TERowParallelLinear):
+        pass
+
+    config = _config("RMSNorm", False)
+    with cpu_specs.te_modules_built_local(), pytest.raises(NotImplementedError, match="PostNormLinear.*te_subclass_stand_ins"):
+        PostNormLinear(16, 16, config=config, init_method=None, bias=False, input_is_parallel=True, skip_bias_add=True, is_expert=False)
+
+
+def test_parameters_keep_their_marks_off_the_meta_device():
+    """``to_empty`` from the meta device makes new parameters; Megatron's marks (tensor parallel,
+    partition dim, expert parallel) come back, and the bare conversion would have dropped them."""
+    with torch.device("meta"):
+        module = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
+    module[0].weight.tensor_model_parallel, module[0].weight.partition_dim = True, 0
+    module[1].weight.allreduce = False
+    kept = keeping_parameter_attributes(module, lambda m: m.to_empty(device="cpu"))
+    assert kept[0].weight.device.type == "cpu"
+    assert (kept[0].weight.tensor_model_parallel, kept[0].weight.partition_dim, kept[1].weight.allreduce) == (True, 0, False)
+    with torch.device("meta"):
+        bare = torch.nn.Linear(4, 8)
+    bare.weight.tensor_model_parallel = True
+    assert not hasattr(bare.to_empty(device="cpu").weight, "tensor_model_parallel")
