@@ -228,6 +228,19 @@ def test_recipe_families_take_the_fast_path(layout, architecture, matrix):
         assert cell.state is CellState.FAST_PATH_EXACT, f"{architecture} {layout} {precision}: {cell.state}: {cell.detail}"
 
 
+# Families the plan places through rules beyond the plain mapping classes: a layer's own heads (Gemma 4),
+# a concatenated vision QKV (Qwen3-VL, Qwen3.5-VL). A regression to the stock fallback fails here.
+FAMILY_RULE_ARCHITECTURES = (
+    "Gemma4ForCausalLM", "Qwen3VLForConditionalGeneration", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
+)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(("layout", "architecture"), [c for c in CELLS if c[1] in FAMILY_RULE_ARCHITECTURES])
+def test_family_rule_architectures_take_the_fast_path(layout, architecture, matrix):
+    test_recipe_families_take_the_fast_path(layout, architecture, matrix)
+
+
 STACKED_EXPERT_ARCHITECTURES = ("GptOssForCausalLM",)  # families whose experts plan.stacking plans
 
 

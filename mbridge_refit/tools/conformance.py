@@ -68,16 +68,17 @@ SESSION_TIMEOUT = datetime.timedelta(minutes=2)  # a rank whose peer failed rais
 # The matrix: layout name -> the layout and which architectures run at it (None: every registered
 # one). Beyond TP1 the matrix runs the families that build on CPU (tiny configs: 2 or 4 layers,
 # 8 experts), chosen to cover the placement kinds each layout splits:
-# * TP2: QKV with and without bias and QK norms, gated and plain MLPs, MoE experts (with an expert
-#   bias and a dense first layer in HY-V3; stacked experts in GPT-OSS; grouped experts, TE's
-#   ``weightN``, in the decoder-block-spec families), multi-latent attention (DeepSeek-V2/V3,
-#   GLM-4.7-Flash: down projections duplicated over TP, norms fused into the up projections), a
-#   vision-language model, tied embeddings, a hybrid Mamba model (Nemotron-H: the mixer's in_proj
-#   and conv1d split per component, two Mamba groups), and a model the plan refuses (its stock
-#   fallback and FP8 refusal at TP2). Gemma 3 adds Transformer Engine's module structure (built
-#   from its stand-ins, tools.cpu_specs): norms fused into the column-parallel linears
-#   (``layer_norm_weight``) and replicated norms inside the row-parallel ones (``post_layernorm``);
-#   Qwen3-VL a vision tower with deepstack mergers built inside its provider.
+# * TP2: QKV with and without bias and QK norms, per-layer head layouts (Gemma 4), gated and plain
+#   MLPs, MoE experts (with an expert bias and a dense first layer in HY-V3; stacked experts in
+#   GPT-OSS; grouped experts, TE's ``weightN``, in the decoder-block-spec families), multi-latent
+#   attention (DeepSeek-V2/V3, GLM-4.7-Flash: down projections duplicated over TP, norms fused into
+#   the up projections), vision-language models (Qwen3.5-VL's and Qwen3-VL's concatenated vision
+#   QKV), tied embeddings, a hybrid Mamba model (Nemotron-H: the mixer's in_proj and conv1d split
+#   per component, two Mamba groups), and a model the plan refuses (ERNIE 4.5's reshaped expert
+#   bias: its stock fallback and FP8 refusal at TP2). Gemma 3 adds Transformer Engine's module
+#   structure (built from its stand-ins, tools.cpu_specs): norms fused into the column-parallel
+#   linears (``layer_norm_weight``) and replicated norms inside the row-parallel ones
+#   (``post_layernorm``); Qwen3-VL a vision tower with deepstack mergers built inside its provider.
 # * PP2: the same families but Gemma 4 (its provider supports PP=1 only): stages split the layers,
 #   the embedding and the head (tied in Gemma: the head is the first stage's embedding), the
 #   vision towers (first stage only: Qwen2.5-VL's, and Qwen3-VL's whose deepstack features feed the
@@ -98,10 +99,11 @@ GROUPED_EXPERT_FAMILIES = (
 MATRIX_LAYOUTS: Mapping[str, tuple[ParallelLayout, tuple[str, ...] | None]] = MappingProxyType({
     "tp1": (ParallelLayout(), None),
     "tp2": (ParallelLayout(tp=2), (
-        "Gemma3ForCausalLM", "Gemma4ForCausalLM", "GemmaForCausalLM", "GptOssForCausalLM", "HYV3ForCausalLM",
-        "LlamaForCausalLM", "MistralForCausalLM", "NemotronForCausalLM", "NemotronHForCausalLM", "Qwen2ForCausalLM",
-        "Qwen2_5_VLForConditionalGeneration", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM",
-        "Qwen3VLForConditionalGeneration", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", *GROUPED_EXPERT_FAMILIES,
+        "Ernie4_5_MoeForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM", "GemmaForCausalLM", "GptOssForCausalLM",
+        "HYV3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "NemotronForCausalLM", "NemotronHForCausalLM",
+        "Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+        "Qwen3NextForCausalLM", "Qwen3VLForConditionalGeneration", "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
+        "Qwen3_5MoeForCausalLM", *GROUPED_EXPERT_FAMILIES,
     )),
     "pp2": (ParallelLayout(pp=2), (
         "Gemma3ForCausalLM", "GemmaForCausalLM", "GptOssForCausalLM", "HYV3ForCausalLM", "LlamaForCausalLM",
