@@ -238,16 +238,6 @@ def test_stacked_expert_families_take_the_fast_path(layout, architecture, matrix
     test_recipe_families_take_the_fast_path(layout, architecture, matrix)
 
 
-MAMBA_ARCHITECTURES = ("NemotronHForCausalLM",)  # families whose Mamba mixers plan.placement plans
-
-
-@pytest.mark.multirank
-@pytest.mark.parametrize(("layout", "architecture"), [c for c in CELLS if c[1] in MAMBA_ARCHITECTURES])
-def test_mamba_families_take_the_fast_path(layout, architecture, matrix):
-    """Mamba mixers (in_proj's z, x, B, C, dt; conv1d's x, B, C) keep their family on the fast path."""
-    test_recipe_families_take_the_fast_path(layout, architecture, matrix)
-
-
 def test_matrix_page_links_name_tests_of_this_module():
     """docs/conformance.md links each cell to a test here: the line of its function, a known cell id."""
     page = (REPO / "docs" / "conformance.md").read_text()
@@ -352,3 +342,13 @@ def test_a_cpu_build_without_cuda_forks_no_cuda_rng_state():
         with get_cuda_rng_tracker().fork():
             pass
     assert get_cuda_rng_tracker() is before
+
+
+MAMBA_ARCHITECTURES = ("NemotronHForCausalLM",)  # families whose Mamba mixers plan.placement plans
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(("layout", "architecture"), [c for c in CELLS if c[1] in MAMBA_ARCHITECTURES])
+def test_mamba_families_take_the_fast_path(layout, architecture, matrix):
+    """Mamba mixers (in_proj's z, x, B, C, dt; conv1d's x, B, C) keep their family on the fast path."""
+    test_recipe_families_take_the_fast_path(layout, architecture, matrix)
