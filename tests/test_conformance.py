@@ -251,16 +251,6 @@ def test_stacked_expert_families_take_the_fast_path(layout, architecture, matrix
     test_recipe_families_take_the_fast_path(layout, architecture, matrix)
 
 
-MAMBA_ARCHITECTURES = ("NemotronHForCausalLM",)  # families whose Mamba mixers plan.placement plans
-
-
-@pytest.mark.multirank
-@pytest.mark.parametrize(("layout", "architecture"), [c for c in CELLS if c[1] in MAMBA_ARCHITECTURES])
-def test_mamba_families_take_the_fast_path(layout, architecture, matrix):
-    """Mamba mixers (in_proj's z, x, B, C, dt; conv1d's x, B, C) keep their family on the fast path."""
-    test_recipe_families_take_the_fast_path(layout, architecture, matrix)
-
-
 @pytest.mark.parametrize("page", ["docs/conformance.md", "README.md"])
 def test_matrix_page_links_name_tests_of_this_module(page):
     """docs/conformance.md and the README's support matrix link each cell to a test here: the line
@@ -402,7 +392,6 @@ def test_roundtrip_matches_disk(layout, architecture, roundtrip_cells):
         assert cell.state is CellState.EXACT, f"{architecture} {layout} roundtrip: {cell.state}: {cell.detail}"
 
 
-
 def test_a_cpu_build_without_cuda_forks_no_cuda_rng_state():
     """Inside the build helper the CUDA RNG tracker's fork is Megatron's no-op (the Mamba mixer
     initialises in one); the tracker there was before is back after it."""
@@ -413,3 +402,13 @@ def test_a_cpu_build_without_cuda_forks_no_cuda_rng_state():
         with get_cuda_rng_tracker().fork():
             pass
     assert get_cuda_rng_tracker() is before
+
+
+MAMBA_ARCHITECTURES = ("NemotronHForCausalLM",)  # families whose Mamba mixers plan.placement plans
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(("layout", "architecture"), [c for c in CELLS if c[1] in MAMBA_ARCHITECTURES])
+def test_mamba_families_take_the_fast_path(layout, architecture, matrix):
+    """Mamba mixers (in_proj's z, x, B, C, dt; conv1d's x, B, C) keep their family on the fast path."""
+    test_recipe_families_take_the_fast_path(layout, architecture, matrix)

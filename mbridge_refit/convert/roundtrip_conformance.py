@@ -3,10 +3,11 @@
 Owns what a roundtrip cell means and how it is decided. For an architecture
 (``tools.tiny_configs``), a tiny transformers model of it with seeded random values is saved as
 an HF checkpoint (``write_tiny_checkpoint``; a tensor transformers saves under another name than
-the family's published checkpoints is renamed to theirs: ``PUBLISHED_NAMES``); ``convert roundtrip``
-(HF -> Megatron -> HF, on CPU) writes it back at one layout of ``tools.conformance.MATRIX_LAYOUTS``;
-every tensor of the output must equal the source file's tensor: the same names, dtypes, shapes and
-bytes, read with plain ``safetensors`` (the oracle is the checkpoint on disk, never our own output).
+the family's published checkpoints is renamed to theirs, ``PUBLISHED_NAMES``, and tensors they
+store in float32 are stored so, ``FLOAT32_TENSORS``); ``convert roundtrip`` (HF -> Megatron -> HF,
+on CPU) writes it back at one layout of ``tools.conformance.MATRIX_LAYOUTS``; every tensor of the
+output must equal the source file's tensor: the same names, dtypes, shapes and bytes, read with
+plain ``safetensors`` (the oracle is the checkpoint on disk, never our own output).
 
 At TP1 ``convert`` runs in this process. At a layout of more ranks it runs as a user runs it,
 ``python -m mbridge_refit.convert --nproc-per-node N roundtrip --tp ...``, in a child process whose
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import fnmatch
 import json
 import logging
 import os
@@ -68,6 +70,14 @@ PUBLISHED_NAMES: Mapping[str, Mapping[str, str]] = MappingProxyType({
     "NemotronHForCausalLM": MappingProxyType({"backbone.embedding.weight": "backbone.embeddings.weight"}),
 })
 
+# Architecture -> HF tensors the tiny checkpoint stores in float32, as the family's checkpoints do
+# and as Megatron-Core holds them (``tools.model_builder.FLOAT32_PARAMETERS``): Nemotron-H's Mamba
+# A_log and D (radixark/miles#1546: its checkpoints are mixed dtype, Mamba's A_log, D, dt_bias in
+# fp32; Megatron keeps dt_bias in the model dtype, so a roundtrip returns it in bf16: kept bf16 here).
+FLOAT32_TENSORS: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    "NemotronHForCausalLM": ("*.mixer.A_log", "*.mixer.D"),
+})
+
 
 def write_tiny_checkpoint(architecture: str, out_dir: Path, *, seed: int = SEED) -> Path:
     """Save a tiny transformers model of ``architecture`` (bf16, seeded random values per tensor
@@ -82,9 +92,12 @@ def write_tiny_checkpoint(architecture: str, out_dir: Path, *, seed: int = SEED)
     if model_class is None:
         raise TinyConfigError(f"transformers {transformers.__version__} has no model class {architecture}")
     model = model_class._from_config(tiny_config(architecture), dtype=torch.bfloat16)
+    float32 = FLOAT32_TENSORS.get(architecture, ())
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(seeded_random_values(name, param, seed))
+            if any(fnmatch.fnmatchcase(name, pattern) for pattern in float32):
+                param.data = param.data.float()
     model.save_pretrained(out_dir, save_original_format=True)
     _rename_tensors(out_dir, PUBLISHED_NAMES.get(architecture, {}))
     return out_dir

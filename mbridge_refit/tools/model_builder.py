@@ -70,6 +70,13 @@ CPU_PROVIDER_OVERRIDES: dict[str, Any] = {
     "fused_residual_rmsnorm": False,  # a Transformer Engine norm
 }
 
+# Parameters Megatron-Core creates in float32 whatever params_dtype says (module class name ->
+# parameter names): the CPU build's cast to the checkpoint dtype leaves them, so they are what the
+# GPU build holds (and exports). The Mamba mixer keeps A_log and D in fp32 (megatron/core/ssm/mamba_mixer.py).
+FLOAT32_PARAMETERS: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    "MambaMixer": ("A_log", "D"),
+})
+
 # Provider settings a CPU build cannot honour that change the forward, not the weights:
 # field -> (the value weights-only CPU builds use, what that changes).
 CPU_WEIGHT_ONLY_CONCESSIONS: Mapping[str, tuple[Any, str]] = MappingProxyType({
@@ -207,8 +214,9 @@ def build_model(bridge: Any, layout: ParallelLayout, options: BuildOptions) -> l
         chunks = [keeping_parameter_attributes(chunk, lambda c: c.to_empty(device="cpu")) for chunk in chunks]
     if on_cpu and options.params_dtype is not None:
         # The local spec builds its torch norms in fp32 whatever params_dtype says; on this
-        # conversion path every parameter takes the checkpoint's dtype so exports keep it.
-        chunks = [keeping_parameter_attributes(chunk, lambda c: c.to(dtype=options.params_dtype)) for chunk in chunks]
+        # conversion path every parameter takes the checkpoint's dtype so exports keep it,
+        # but those Megatron-Core keeps in float32 on any device (FLOAT32_PARAMETERS).
+        chunks = [keeping_parameter_attributes(chunk, lambda c: _to_params_dtype(c, options.params_dtype)) for chunk in chunks]
     return chunks
 
 
@@ -236,6 +244,18 @@ def nested_transformer_configs(provider: Any) -> list[Any]:
 
     values = (getattr(provider, field.name, None) for field in dataclasses.fields(provider))
     return [value for value in values if isinstance(value, TransformerConfig) and value is not provider]
+
+
+def _to_params_dtype(chunk: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``chunk`` in ``dtype``, with ``FLOAT32_PARAMETERS`` back in float32 (as the GPU build holds
+    them; values are not kept: CPU builds are filled after this)."""
+    chunk = chunk.to(dtype=dtype)
+    for module in chunk.modules():
+        for name in FLOAT32_PARAMETERS.get(type(module).__name__, ()):
+            param = getattr(module, name, None)
+            if isinstance(param, torch.nn.Parameter):
+                param.data = param.data.float()
+    return chunk
 
 
 def cpu_concessions(provider: Any) -> dict[str, Any]:
