@@ -59,6 +59,10 @@ logger = logging.getLogger(__name__)
 
 ROUNDTRIP = "roundtrip"  # the cell's precision column: the source checkpoint's own dtypes
 SEED = 0
+# The environment launched cells start from, taken before any cell runs: a TP1 cell running in this
+# process meanwhile has Megatron's attention-backend variables set (restored_environment puts them
+# back after it), which a launched build would inherit and assert against.
+LAUNCH_ENVIRONMENT = dict(os.environ)
 RANKS_TIMEOUT_S = 600  # one launched roundtrip of a tiny model (2 CPU ranks take well under a minute)
 
 # Architecture -> {name transformers writes: name the family's published checkpoints use}, where
@@ -193,7 +197,7 @@ def _run_convert_roundtrip(source: Path, out: Path, layout: ParallelLayout) -> t
 
 def _launch_convert(argv: list[str]) -> tuple[int, "ConvertErrors"]:
     """``python -m mbridge_refit.convert *argv`` in a child process (CPU only): exit code, errors."""
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    env = {**LAUNCH_ENVIRONMENT, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     try:
         run = subprocess.run(
             [sys.executable, "-m", "mbridge_refit.convert", *argv],

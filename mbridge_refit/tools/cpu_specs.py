@@ -338,6 +338,8 @@ def te_modules_built_local() -> Iterator[None]:
     def construct_stand_in(cls: type, *args: Any, **kwargs: Any) -> Any:
         return stand_in_for(cls)(*args, **kwargs)  # not a cls instance: Python skips cls.__init__
 
+    register_stand_in_types()
+
     from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
 
     # Every Transformer Engine module derives from its base module; TENorm and TEActivationOp are factories.
@@ -370,10 +372,14 @@ def transformer_engine_block_spec(spec: functools.partial, config: Any, vp_stage
 def register_stand_in_types() -> None:
     """Tell the bridge's ``AutoMapping`` how the stand-ins without a detectable class name are
     placed: ``Linear`` (for ``TELinear``, which multi-latent attention builds duplicated) is
-    replicated over tensor-parallel ranks, as the bridge detects ``TELinear(parallel_mode="duplicated")``."""
+    replicated over tensor-parallel ranks, as the bridge detects ``TELinear(parallel_mode="duplicated")``;
+    ``RowParallelLinearLayerNorm`` is row parallel, as the bridge registers
+    ``TERowParallelLinearLayerNorm`` (unregistered, its name's "Norm" makes the bridge take it for a
+    replicated norm: stock and the plan would agree on a wrong TP split, which the roundtrip shows)."""
     from megatron.bridge.models.conversion.param_mapping import AutoMapping
 
     AutoMapping.register_module_type("Linear", "replicated")
+    AutoMapping.register_module_type(RowParallelLinearLayerNorm.__name__, "row")
 
 
 class _StandInBackend:
