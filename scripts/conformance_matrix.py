@@ -141,7 +141,9 @@ def _header(runs: list[dict[str, str]]) -> list[str]:
         versions = ", ".join(f"{name} {run[name]}" for name in VERSIONS)
         return f"on {run['date']} at commit `{run['commit']}` on CPU ranks of {run.get('machine', 'this machine')} ({versions})"
 
-    generated = described(runs[0]) + "".join(f"; cells of a later run replace its cells: {described(run)}" for run in runs[1:])
+    generated = described(runs[0]) if len(runs) == 1 else "from these runs (a later run's cell replaces an earlier one's): " + "; ".join(
+        f"({i}) {described(run)}" for i, run in enumerate(runs, 1)
+    )
     return [
         "# Conformance matrix",
         "",
