@@ -254,8 +254,16 @@ def render_readme_block(matrix: dict[str, list], readme_dir: Path) -> list[str]:
             for c in cells
         )
 
+    def counts(layout: str, precision: str) -> str:
+        found = Counter(STATE_LETTERS[str(c.state)] for c in matrix[layout] if c.precision == precision)
+        return ", ".join(f"{n} {letter}" for letter, n in sorted(found.items(), key=lambda item: -item[1])) or "–"
+
     out = [
         README_BEGIN,
+        "| cells per state | " + " | ".join(p.upper() for p in PRECISIONS) + " |",
+        "| --- " * (len(PRECISIONS) + 1) + "|",
+        *(f"| {layout_label(layout)} | " + " | ".join(counts(layout, p) for p in PRECISIONS) + " |" for layout in matrix),
+        "",
         "| architecture (BF16 FP8 ROUNDTRIP) | " + " | ".join(layout_label(layout) for layout in matrix) + " |",
         "| --- " * (len(matrix) + 1) + "|",
     ]

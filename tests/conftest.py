@@ -71,6 +71,12 @@ def source_checkpoints(tmp_path_factory):
 # (multi-latent attention, grouped experts with an expert bias, a dense first layer), GLM-4.5 at
 # TP2 and EP2 (grouped experts behind GQA attention), MiniMax-M3 at TP2 (its replicated
 # indexers and vision tower) and GLM-4.5V at PP2 (the vision tower on the first stage).
+# Likewise the hybrid families beyond TP2: by default Qwen3.5-MoE at PP2, EP2 and TP2xEP2 (gated
+# delta nets, gated attention, experts) and Nemotron-H at PP2 and EP2 (Mamba mixers and experts).
+HYBRID_REPEATS = (
+    "pp2-Qwen3NextForCausalLM", "pp2-Qwen3_5ForCausalLM", "ep2-Qwen3NextForCausalLM", "tp2ep2-Qwen3NextForCausalLM",
+    "tp2ep2-NemotronHForCausalLM",
+)
 GROUPED_EXPERT_REPEATS = (
     *(f"{layout}-{arch}" for layout in ("tp2", "pp2", "ep2", "tp2ep2") for arch in ("DeepseekV2ForCausalLM", "Glm4MoeLiteForCausalLM")),
     "tp2-Glm4vMoeForConditionalGeneration", "ep2-Glm4vMoeForConditionalGeneration", "tp2ep2-Glm4vMoeForConditionalGeneration",
@@ -94,8 +100,8 @@ SLOW_CASES = frozenset({
     "tests/test_fp8.py::test_roundtrip_fp8_matches_reference_quantizer[tp2_pp2]",
     *(
         f"tests/test_conformance.py::{test}[{cell}]"
-        for test in ("test_bf16_matches_stock", "test_fp8_matches_reference")
-        for cell in GROUPED_EXPERT_REPEATS
+        for test in ("test_bf16_matches_stock", "test_fp8_matches_reference", "test_mamba_families_take_the_fast_path")
+        for cell in (*GROUPED_EXPERT_REPEATS, *HYBRID_REPEATS)
     ),
     # ConcatenatedQKVMapping at TP2/TP4 is proved against stock by tests/test_placement_rules.py and
     # Qwen3.5-VL at TP1 by the matrix's TP1 column; its TP2 build adds ~50 s to the TP2 launch.

@@ -83,15 +83,18 @@ SESSION_TIMEOUT = datetime.timedelta(minutes=2)  # a rank whose peer failed rais
 #   the embedding and the head (tied in Gemma: the head is the first stage's embedding), the
 #   vision towers (first stage only: Qwen2.5-VL's, and Qwen3-VL's whose deepstack features feed the
 #   first stage's layers) and dense and MoE layers (HY-V3's and DeepSeek's stages differ in kind;
-#   Nemotron-H's hold Mamba and MoE, then attention and MLP layers).
+#   Nemotron-H's hold Mamba and MoE, then attention and MLP layers; Qwen3-Next's and Qwen3.5's
+#   gated-delta-net and attention layers).
 # * EP2 and TP2xEP2 (2 ranks: the experts split across the tensor-parallel ranks, Megatron's
 #   expert tensor parallel size 1): every MoE family whose CPU build stock can export: Qwen3-MoE
 #   (per-expert tensors), HY-V3 (expert bias, dense first layer), GPT-OSS (stacked experts,
-#   gathered over EP) and the grouped-expert families (DeepSeek, GLM-4.5, MiniMax-M3). The other
+#   gathered over EP), the hybrid MoE families (Nemotron-H, Qwen3-Next, Qwen3.5-MoE: experts beside
+#   Mamba or gated-delta-net layers) and the grouped-expert families (DeepSeek, GLM-4.5, MiniMax-M3). The other
 #   MoE families are stock's (ERNIE 4.5's own mappings) or fail at TP1 already: the TP1 column
 #   records why.
 # Cells that repeat a placement kind a faster default cell of the same layout proves are marked
 # slow in ``tests/conftest.py::SLOW_CASES`` (the matrix page shows them all).
+HYBRID_MOE_FAMILIES = ("NemotronHForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM")  # MoE beside Mamba / gated delta nets
 GROUPED_EXPERT_FAMILIES = (
     "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM",
     "Glm4vMoeForConditionalGeneration", "MiniMaxM3SparseForConditionalGeneration",
@@ -108,11 +111,13 @@ MATRIX_LAYOUTS: Mapping[str, tuple[ParallelLayout, tuple[str, ...] | None]] = Ma
     "pp2": (ParallelLayout(pp=2), (
         "Gemma3ForCausalLM", "GemmaForCausalLM", "GptOssForCausalLM", "HYV3ForCausalLM", "LlamaForCausalLM",
         "MistralForCausalLM", "NemotronForCausalLM", "NemotronHForCausalLM", "Qwen2ForCausalLM",
-        "Qwen2_5_VLForConditionalGeneration", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3VLForConditionalGeneration",
-        *GROUPED_EXPERT_FAMILIES,
+        "Qwen2_5_VLForConditionalGeneration", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM",
+        "Qwen3VLForConditionalGeneration", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", *GROUPED_EXPERT_FAMILIES,
     )),
-    "ep2": (ParallelLayout(ep=2), ("GptOssForCausalLM", "HYV3ForCausalLM", "Qwen3MoeForCausalLM", *GROUPED_EXPERT_FAMILIES)),
-    "tp2ep2": (ParallelLayout(tp=2, ep=2), ("GptOssForCausalLM", "HYV3ForCausalLM", "Qwen3MoeForCausalLM", *GROUPED_EXPERT_FAMILIES)),
+    "ep2": (ParallelLayout(ep=2), ("GptOssForCausalLM", "HYV3ForCausalLM", "Qwen3MoeForCausalLM", *HYBRID_MOE_FAMILIES, *GROUPED_EXPERT_FAMILIES)),
+    "tp2ep2": (ParallelLayout(tp=2, ep=2), (
+        "GptOssForCausalLM", "HYV3ForCausalLM", "Qwen3MoeForCausalLM", *HYBRID_MOE_FAMILIES, *GROUPED_EXPERT_FAMILIES,
+    )),
 })
 
 class CellState(enum.StrEnum):
