@@ -271,7 +271,7 @@ def render_readme_block(matrix: dict[str, list], readme_dir: Path) -> list[str]:
     out += [
         "",
         "`E` exact (the fast path for BF16/FP8), `S` stock fallback, exact, `r` refused with the reason (FP8 needs the "
-        "plan; the loader lacks a mapping), `U` upstream broken, `·` not run, `–` layout not run; every letter links "
+        "plan; the loader lacks a mapping), `U` upstream broken, `n` cannot be built on CPU, `·` not run, `–` layout not run; every letter links "
         f"to its test. Not built on CPU ({len(unbuilt)}): {', '.join(unbuilt)} "
         "([why](docs/conformance.md#reasons)).",
         README_END,
