@@ -98,6 +98,22 @@ SLOW_CASES = frozenset({
     "tests/test_megatron_checkpoint.py::test_import_export_across_layouts[tied-pp2-to-tp1]",
     "tests/test_fp8.py::test_fp8_parameters_export_their_own_data_and_scales[tp2_pp2]",
     "tests/test_fp8.py::test_roundtrip_fp8_matches_reference_quantizer[tp2_pp2]",
+    # The full run at f705bc0 (954 passed, 59:50 on 2 cores) put these 25-57 s repeats on the default
+    # path: each layout stays proven by another default case of the same test (TP2 and PP2 apart,
+    # TP2xPP2 by the MoE roundtrip, EP2 by TP2xEP2, PP2 of the MoE recipe by Qwen3's).
+    "tests/test_packed_broadcast.py::test_packed_broadcast_ranks[qwen3-tp2_pp2]",
+    "tests/test_packed_broadcast.py::test_packed_broadcast_ranks[qwen3-pp2]",
+    "tests/test_packed_broadcast.py::test_packed_broadcast_ranks[qwen3-moe-ep2]",
+    *(f"tests/test_roundtrip.py::test_roundtrip_is_bitwise_exact[{c}]" for c in ("qwen3-tiny-tp2_pp2", "qwen3-moe-tiny-pp2_vpp2", "qwen3-moe-tiny-ep2")),
+    *(f"tests/test_export.py::test_plan_and_cached_export[{c}]" for c in (
+        "qwen3-moe-tiny-tp2_pp2", "qwen3-tiny-tp2_pp2", "llama-tied-tiny-tp2", "qwen3-moe-tiny-tp2", "qwen3-moe-tiny-pp2",
+        "qwen3-moe-tiny-pp2_vpp2", "qwen3-tiny-pp2",
+    )),
+    "tests/test_sharded_refit.py::test_every_engine_rank_gets_its_slices_of_the_checkpoint[tp2]",
+    "tests/test_sharded_refit.py::test_benchmark_runs_exactly_on_cpu",  # the benchmark script's CPU smoke run
+    "tests/test_replicas.py::test_replicated_layout_exports_exactly[dp2_tp2]",
+    "tests/test_replicas.py::test_replicas_write_their_shares_in_parallel[qwen3-tp2]",  # as test_roundtrip_cli_with_replicas[dp2_tp2]
+    "tests/test_plan.py::test_plan_cli_json_matches_the_checkpoint[dp2_tp2_ep2]",
     *(
         f"tests/test_conformance.py::{test}[{cell}]"
         for test in ("test_bf16_matches_stock", "test_fp8_matches_reference", "test_mamba_families_take_the_fast_path")
