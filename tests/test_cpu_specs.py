@@ -6,8 +6,7 @@ stock's export of the same model, every parameter mapped); here, the parts: a Tr
 norm built as its stand-in has Transformer Engine's parameters and computes its norm, a Transformer
 Engine class with no stand-in is refused by name, the classes are as they were after the build;
 the grouped linears' shapes and attributes against Megatron's own ``_set_expert_parameter_attributes``
-(what ``TEGroupedLinear`` runs on its parameters); multi-latent attention's norm resolver answered
-by the stand-ins; and a parameter keeps Megatron's marks when the model leaves the meta device.
+(what ``TEGroupedLinear`` runs on its parameters); and a parameter keeps Megatron's marks when the model leaves the meta device.
 """
 
 from __future__ import annotations
@@ -151,16 +150,3 @@ def test_grouped_linear_stand_in_refuses_a_forward_and_dense_use():
         module(torch.zeros(1, 4), [1, 0])
     with pytest.raises(ValueError, match="expert"):
         cpu_specs.ColumnParallelGroupedLinear(2, 4, 4, is_expert=False, **kwargs)
-
-
-def test_stand_in_backend_answers_multi_latent_attention_while_it_is_open():
-    """MLA's norm resolver gets the CPU fused norm + linear inside the block, TE's after it."""
-    from megatron.core.extensions.transformer_engine import TELayerNormColumnParallelLinear
-    from megatron.core.transformer import mla_qk_norm_config
-
-    get_backend = mla_qk_norm_config.get_backend
-    with cpu_specs.stand_in_backend():
-        backend = mla_qk_norm_config.get_backend("transformer_engine")
-        assert backend.column_parallel_layer_norm_linear() is cpu_specs.LayerNormColumnParallelLinear
-    assert mla_qk_norm_config.get_backend is get_backend
-    assert get_backend("transformer_engine").column_parallel_layer_norm_linear() is TELayerNormColumnParallelLinear

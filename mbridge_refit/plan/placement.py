@@ -298,12 +298,7 @@ def place_gdn_conv1d(conv: str, ctx: ShardContext) -> list[SliceCopy]:
 def _flat_qkv_components(name: str, config: Any) -> list[tuple[int, RowLayout]]:
     """GDN's q, k and v stored one after the other in ``name`` (Qwen3.5's ``in_proj_qkv``, ``conv1d``)."""
     key_dim, key_heads, value_rows, _ = _gdn_dims(config)
-    qk_rows = key_heads * key_dim
-    return [
-        (qk_rows, RowLayout(hf_name=name, base=0)),
-        (qk_rows, RowLayout(hf_name=name, base=qk_rows)),
-        (key_heads * value_rows, RowLayout(hf_name=name, base=2 * qk_rows)),
-    ]
+    return _flat_components(name, (key_heads * key_dim, key_heads * key_dim, key_heads * value_rows))
 
 
 def _mamba_dims(config: Any) -> tuple[int, int, int]:

@@ -31,8 +31,8 @@ stand-ins (``mla_and_grouped_expert_stand_ins``): Megatron's modelopt ``Linear``
 duplicated ``TELinear`` (the bridge is told it is replicated, as it detects ``TELinear``), a
 ``DotProductAttention`` taking TE's ``k_channels``/``v_channels`` (core attention has no
 parameters), and grouped linears with TE's ``weight0..weightN-1`` and the attributes Megatron
-sets on them. Multi-latent attention asks ``config.transformer_impl``'s backend which module is
-the fused norm + linear; ``stand_in_backend`` answers with the stand-in while a CPU model is built.
+sets on them. The fused norm + linear that multi-latent attention's norm resolver asks Transformer
+Engine's backend for is built as its stand-in too (``te_modules_built_local``, below).
 """
 
 from __future__ import annotations
@@ -355,14 +355,13 @@ def te_modules_built_local() -> Iterator[None]:
                 cls.__new__ = own_new[cls]
             else:
                 del cls.__new__
+
+
 def transformer_engine_block_spec(spec: functools.partial, config: Any, vp_stage: Optional[int] = None) -> Any:
     """A block spec builder that takes ``use_transformer_engine`` (Megatron's decoder block spec:
     multi-latent attention, grouped experts, dense first layers) built for CPU: its Transformer
     Engine spec, the same layers and parameters as the GPU build, with local modules (``to_local``).
     Bind ``spec`` with ``functools.partial``; the provider passes ``config`` and ``vp_stage``."""
-    import inspect
-
-    register_stand_in_types()
     keywords = {**spec.keywords, "use_transformer_engine": True}
     if "vp_stage" in inspect.signature(spec.func).parameters:
         keywords["vp_stage"] = vp_stage
@@ -382,35 +381,6 @@ def register_stand_in_types() -> None:
     AutoMapping.register_module_type(RowParallelLinearLayerNorm.__name__, "row")
 
 
-class _StandInBackend:
-    """Transformer Engine's spec provider answering with the CPU stand-ins (``to_local``)."""
-
-    def __init__(self) -> None:
-        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
-
-        self._te = TESpecProvider()
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self._te, name)
-        return lambda *args, **kwargs: to_local(method(*args, **kwargs))
-
-
-@contextlib.contextmanager
-def stand_in_backend() -> Iterator[None]:
-    """Inside the block, multi-latent attention resolves its norm placement against the CPU
-    stand-ins: Megatron's ``QKNormConfigResolver`` asks the backend of ``config.transformer_impl``
-    (Transformer Engine) which class is the fused norm + linear and builds that class where the
-    spec leaves the q/kv norms out, so without this a CPU build would get TE's CUDA module back."""
-    from megatron.core.transformer import mla_qk_norm_config
-
-    get_backend = mla_qk_norm_config.get_backend
-    mla_qk_norm_config.get_backend = (
-        lambda impl: _StandInBackend() if impl == "transformer_engine" else get_backend(impl)
-    )
-    try:
-        yield
-    finally:
-        mla_qk_norm_config.get_backend = get_backend
 def hybrid_stack_spec(configured: Any, config: Any) -> Any:
     """Megatron-Core's hybrid stack spec (Mamba, attention, MLP and MoE layers: Nemotron-H) built
     for CPU: the spec the provider resolves from ``configured`` (its ``hybrid_stack_spec`` field:

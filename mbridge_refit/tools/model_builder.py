@@ -201,7 +201,6 @@ def build_model(bridge: Any, layout: ParallelLayout, options: BuildOptions) -> l
     with contextlib.ExitStack() as build_context:
         if on_cpu:
             build_context.enter_context(cpu_specs.te_modules_built_local())
-            build_context.enter_context(cpu_specs.stand_in_backend())
         if no_cuda:
             build_context.enter_context(cuda_device_queries_answer_cpu())
         chunks = provider.provide_distributed_model(
