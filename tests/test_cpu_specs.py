@@ -1,4 +1,4 @@
-"""CPU stand-ins for Transformer Engine modules (``mbridge_refit/tools/cpu_specs.py``) and the CPU
+"""CPU stand-ins for Transformer Engine modules (``mbridge_refit/tools/cpu_stand_ins.py``, ``cpu_specs.py``) and the CPU
 materialisation of a model (``model_builder.keeping_parameter_attributes``).
 
 What a whole family's CPU build holds is checked by the conformance matrix (tests/test_conformance.py:
@@ -20,7 +20,7 @@ from megatron.core.extensions import transformer_engine as te
 from megatron.core.transformer.transformer_config import TransformerConfig
 from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
 
-from mbridge_refit.tools import cpu_specs
+from mbridge_refit.tools import cpu_specs, cpu_stand_ins
 from mbridge_refit.tools.model_builder import keeping_parameter_attributes
 
 ATTRIBUTES = ("allreduce", "tensor_model_parallel", "partition_dim", "partition_stride")
@@ -42,7 +42,7 @@ def test_te_norm_is_built_as_a_norm_with_its_parameters(normalization, zero_cent
     config = _config(normalization, zero_centered_gamma)
     with cpu_specs.te_modules_built_local():
         norm = te.TENorm(config, 16, eps=1e-6)
-    assert isinstance(norm, cpu_specs.TorchNorm)
+    assert isinstance(norm, cpu_stand_ins.TorchNorm)
     assert [(n, tuple(p.shape), p.dtype) for n, p in norm.named_parameters()] == [(n, (16,), torch.bfloat16) for n in names]
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -121,7 +121,7 @@ def _megatron_attributes(module: torch.nn.Module, parallel_mode: str, use_expert
 
 
 @pytest.mark.parametrize(("stand_in", "parallel_mode"), [
-    (cpu_specs.ColumnParallelGroupedLinear, "column"), (cpu_specs.RowParallelGroupedLinear, "row"),
+    (cpu_stand_ins.ColumnParallelGroupedLinear, "column"), (cpu_stand_ins.RowParallelGroupedLinear, "row"),
 ])
 @pytest.mark.parametrize(("ep", "etp", "tp"), [(1, 1, 1), (2, 1, 1), (1, 2, 2), (2, 1, 2)])
 def test_grouped_linear_stand_ins_carry_megatrons_expert_attributes(stand_in, parallel_mode, ep, etp, tp, monkeypatch):
@@ -145,8 +145,8 @@ def test_grouped_linear_stand_ins_carry_megatrons_expert_attributes(stand_in, pa
 def test_grouped_linear_stand_in_refuses_a_forward_and_dense_use():
     config = _expert_config(ep=1, etp=1, tp=1)
     kwargs = dict(config=config, init_method=None, bias=False, skip_bias_add=False, pg_collection=SimpleNamespace(expt_tp=_Group(1)))
-    module = cpu_specs.ColumnParallelGroupedLinear(2, 4, 4, is_expert=True, **kwargs)
+    module = cpu_stand_ins.ColumnParallelGroupedLinear(2, 4, 4, is_expert=True, **kwargs)
     with pytest.raises(NotImplementedError, match="GPU build"):
         module(torch.zeros(1, 4), [1, 0])
     with pytest.raises(ValueError, match="expert"):
-        cpu_specs.ColumnParallelGroupedLinear(2, 4, 4, is_expert=False, **kwargs)
+        cpu_stand_ins.ColumnParallelGroupedLinear(2, 4, 4, is_expert=False, **kwargs)
