@@ -4,6 +4,7 @@ Run on the GPU host, one process per GPU:
 
     torchrun --nproc-per-node 1 scripts/bench_export.py --model qwen3-8b --tp 1
     torchrun --nproc-per-node 2 scripts/bench_export.py --model qwen3-8b --tp 2
+    torchrun --nproc-per-node 1 scripts/bench_export.py --model qwen3-vl-30b-a3b --layers 4 --from-checkpoint
 
 All numbers of one run are taken side by side in that run. Each export is consumed by a no-op
 consumer (the loop only touches each yielded tensor), then the device is synchronised, so the
@@ -23,6 +24,7 @@ import datetime
 import logging
 import pstats
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,13 +38,37 @@ logger = logging.getLogger("bench_export")
 
 def hf_config(name: str, layers: int | None = None):
     """A full-size shape from recipes/shapes/ (config only; the weights are random), optionally
-    cut to its first ``layers`` layers (every layer keeps the shape's widths and expert count)."""
+    cut to its first ``layers`` language layers (every layer keeps the shape's widths and expert
+    count; a vision tower is kept whole)."""
     from mbridge_refit.tools.recipes import full_size_config
 
     config = full_size_config(name)
     if layers is not None:
-        config.num_hidden_layers = layers
+        getattr(config, "text_config", config).num_hidden_layers = layers
     return config
+
+
+def bridges(args, work_dir: Path, rank: int):
+    """(RefitBridge, stock AutoBridge) of the shape: from its config, or with ``--from-checkpoint``
+    from a checkpoint shell written by rank 0 (the shape's tensor names and shapes in the published
+    layout, uninitialized values: ``tools.tiny_checkpoints.write_checkpoint_shell``), so each
+    bridge picks its mappings from the checkpoint as users' bridges do (packed experts)."""
+    from megatron.bridge import AutoBridge
+
+    from mbridge_refit.bridge import RefitBridge
+
+    config = hf_config(args.model, args.layers)
+    if not args.from_checkpoint:
+        return RefitBridge.from_hf_config(config), AutoBridge.from_hf_config(hf_config(args.model, args.layers))
+    from mbridge_refit.tools.tiny_checkpoints import write_checkpoint_shell
+
+    shared = [str(work_dir / "checkpoint")]
+    dist.broadcast_object_list(shared, src=0)  # rank 0's directory: one host, so every rank reads it
+    shell = Path(shared[0])
+    if rank == 0:
+        write_checkpoint_shell(config, shell)
+    dist.barrier()
+    return RefitBridge.from_hf_pretrained(shell), AutoBridge.from_hf_pretrained(shell)
 
 
 def timed_export(make_stream) -> tuple[float, int, int, int]:
@@ -294,18 +320,15 @@ def allocations() -> int:
 
 
 def run(args) -> dict:
-    from mbridge_refit.bridge import RefitBridge
     from mbridge_refit.tools.launch import distributed_session
     from mbridge_refit.tools.model_builder import BuildOptions, build_model
 
     layout = layout_from_flags(args)
     device = torch.device("cuda")
-    with distributed_session(layout, device=device, timeout=datetime.timedelta(minutes=10)) as env:
-        bridge = RefitBridge.from_hf_config(hf_config(args.model, args.layers))
+    with distributed_session(layout, device=device, timeout=datetime.timedelta(minutes=10)) as env, \
+            tempfile.TemporaryDirectory(prefix="bench-export-") as work_dir:
+        bridge, stock_bridge = bridges(args, Path(work_dir), env.rank)  # stock: the unmodified upstream class
         chunks = build_model(bridge, layout, BuildOptions(device=device, params_dtype=torch.bfloat16))
-        from megatron.bridge import AutoBridge
-
-        stock_bridge = AutoBridge.from_hf_config(hf_config(args.model, args.layers))  # the unmodified upstream class
         steady = args.steady
 
         def stock():
@@ -358,6 +381,7 @@ def run(args) -> dict:
         gather_floor = gather_floor_ms(plan.total_bytes)
         row = dict(
             device=torch.cuda.get_device_name(), world_size=env.world_size, model=args.model if args.layers is None else f"{args.model}-{args.layers}layers", layout=layout.name,
+            from_checkpoint=args.from_checkpoint,
             tensors=len(plan.entries), bytes=plan.total_bytes, plan_build_ms=plan_ms, clone_floor_ms=floor,
             gather_floor_ms=gather_floor,
             stock_first_ms=results["stock"]["first_ms"], stock_steady_ms=results["stock"]["steady_ms"],
@@ -475,6 +499,11 @@ def main() -> None:
     parser.add_argument("--model", default="qwen3-8b", help="a shape in recipes/shapes/ (default: %(default)s)")
     parser.add_argument("--layers", type=int, default=None, help="keep only this many layers of the shape (default: all)")
     add_layout_flags(parser)
+    parser.add_argument(
+        "--from-checkpoint", action="store_true",
+        help="build both bridges from a checkpoint shell of the shape (names and shapes in the published layout) instead of its "
+        "config: what a bridge whose mappings depend on the checkpoint (packed experts) exports",
+    )
     parser.add_argument("--steady", type=int, default=5, help="steady-state calls to take the median of")
     parser.add_argument(
         "--compare-bucket-mib", type=lambda text: [int(x) for x in text.split(",") if x], default=[],
@@ -499,7 +528,7 @@ def main() -> None:
     if row:
         print_table(row)
         variant = "_" + args.fp8_launch.replace("=", "").replace(",", "_") if args.fp8_launch else ""
-        name = f"export_{row['model']}_{row['layout']}{'_fp8' if args.fp8 else ''}{variant}.json"
+        name = f"export_{row['model']}_{row['layout']}{'_fp8' if args.fp8 else ''}{'_from_checkpoint' if args.from_checkpoint else ''}{variant}.json"
         path = write_result(args.out_dir or results_dir(), name, row)
         print(f"wrote {path}")
 

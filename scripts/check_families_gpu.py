@@ -6,7 +6,8 @@ against the reference quantizer applied to stock's tensors.
 
 The checks are the conformance matrix's (``mbridge_refit.tools.conformance``, which the CPU tests
 and ``docs/conformance.md`` run with the local layer spec): the architectures come from
-``AutoBridge.list_supported_models()``, each gets the tiny config of ``tools.tiny_configs`` and
+``AutoBridge.list_supported_models()`` (and the matrix's checkpoint variants, e.g. packed experts,
+whose bridge is built from their tiny checkpoint), each gets the tiny config of ``tools.tiny_configs`` and
 seeded random weights, and each of its BF16 and FP8 cells ends in one ``CellState`` (``fast path,
 exact``, ``stock fallback, exact``, ``FP8 refused``, ``cannot be built here``, ``upstream broken``;
 ``different`` and ``our export failed`` are bugs of ours until shown otherwise).
@@ -29,16 +30,15 @@ from provenance import results_dir, write_result
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="", help="comma-separated architectures (default: every registered one)")
+    parser.add_argument("--only", default="", help="comma-separated architectures (default: every registered one and the variants)")
     parser.add_argument("--out-dir", type=Path, default=None, help="default: benchmarks/results/<date>-<device>/")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     from mbridge_refit.plan.layout import ParallelLayout
-    from mbridge_refit.tools.conformance import check_architecture
+    from mbridge_refit.tools.conformance import architectures_at, check_architecture
     from mbridge_refit.tools.launch import distributed_session
-    from mbridge_refit.tools.tiny_configs import registered_architectures
 
-    architectures = [a for a in args.only.split(",") if a] or registered_architectures()
+    architectures = [a for a in args.only.split(",") if a] or architectures_at("tp1")
     device, rows = torch.device("cuda"), []
     with distributed_session(ParallelLayout(), device=device, timeout=datetime.timedelta(minutes=5)):
         for architecture in architectures:

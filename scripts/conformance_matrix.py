@@ -4,6 +4,7 @@ registered architecture on CPU.
     python scripts/conformance_matrix.py [--out docs/conformance.md] [--readme README.md] [--cells cells.json]
     python scripts/conformance_matrix.py --from-cells a.json b.json  # render again without running
     python scripts/conformance_matrix.py --parts roundtrip --jobs 8 --cells b.json  # a part, cells 8 at a time
+    python scripts/conformance_matrix.py --only GptOssForCausalLM,tp1:LlamaForCausalLM --cells c.json  # some cells
 
 Runs the checks ``tests/test_conformance.py`` runs (``python -m mbridge_refit.tools.conformance``,
 one launch per world size for the layouts of ``MATRIX_LAYOUTS``, CPU ranks under torchrun; the
@@ -42,7 +43,7 @@ VERSIONS = ("torch", "megatron-core", "megatron-bridge", "transformers")
 README_FAMILIES = (  # the README's rows: the families RL users refit most (issue #17); the page has all
     "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM", "DeepseekV3ForCausalLM",
     "Glm4MoeForCausalLM", "GptOssForCausalLM", "NemotronHForCausalLM", "Gemma3ForCausalLM", "Qwen2ForCausalLM",
-    "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration+packed_experts",
 )
 README_BEGIN = "<!-- support matrix: written by scripts/conformance_matrix.py -->"
 README_END = "<!-- end of support matrix -->"
@@ -58,9 +59,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(layout_names: list[str], nproc: int, json_path: Path) -> None:
+def launch(layout_names: list[str], nproc: int, json_path: Path, only: str) -> None:
     """Run the layouts' ranks, one launch (plain python for one rank, as the tests do); raise if they fail."""
-    module = ["-m", "mbridge_refit.tools.conformance", "--layout", ",".join(layout_names), "--json", str(json_path)]
+    module = ["-m", "mbridge_refit.tools.conformance", "--layout", ",".join(layout_names), "--json", str(json_path), "--only", only]
     launcher = [] if nproc == 1 else [
         "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
     ]
@@ -68,7 +69,7 @@ def launch(layout_names: list[str], nproc: int, json_path: Path) -> None:
     subprocess.run([sys.executable, *launcher, *module], cwd=REPO, env=env, check=True)
 
 
-def run_roundtrip(jobs: int) -> list:
+def run_roundtrip(jobs: int, only: str) -> list:
     """The roundtrip columns: ``convert roundtrip`` of every architecture of every layout against
     its file (TP1 in one process, each cell at more ranks launched on its own, ``jobs`` at a time)."""
     from mbridge_refit.tools.conformance import MATRIX_LAYOUTS, Cell
@@ -76,12 +77,17 @@ def run_roundtrip(jobs: int) -> list:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "roundtrip.json"
-        module = ["-m", "mbridge_refit.convert.roundtrip_conformance", "--layout", ",".join(MATRIX_LAYOUTS), "--json", str(path), "--jobs", str(jobs)]
+        module = ["-m", "mbridge_refit.convert.roundtrip_conformance", "--layout", ",".join(MATRIX_LAYOUTS), "--json", str(path), "--jobs", str(jobs), "--only", only]
         subprocess.run([sys.executable, *module], cwd=REPO, env=env, check=True)
         return [Cell.from_json(c) for c in json.loads(path.read_text())]
 
 
-def run_matrix() -> dict[str, list]:
+def only_at(layout_names: list[str], only: str) -> str:
+    """The entries of ``--only`` (``ARCH`` or ``LAYOUT:ARCH``) that run at ``layout_names``."""
+    return ",".join(e for e in only.split(",") if e and (":" not in e or e.partition(":")[0] in layout_names))
+
+
+def run_matrix(only: str) -> dict[str, list]:
     """layout name -> rank 0's cells (every rank's states checked equal), in ``MATRIX_LAYOUTS`` order."""
     from mbridge_refit.tools.conformance import MATRIX_LAYOUTS, read_cells
 
@@ -92,7 +98,10 @@ def run_matrix() -> dict[str, list]:
     with tempfile.TemporaryDirectory() as tmp:
         for nproc, layout_names in by_world_size.items():
             path = Path(tmp) / f"ranks{nproc}.json"
-            launch(layout_names, nproc, path)
+            mine = only_at(layout_names, only)
+            if only and not mine:
+                continue  # none of ``only`` runs at these layouts
+            launch(layout_names, nproc, path, mine)
             ranks = read_cells(path, nproc)
             disagreeing = [c.architecture for cells in zip(*ranks) for c in cells if c.state != cells[0].state]
             if disagreeing or len({len(cells) for cells in ranks}) != 1:
@@ -296,6 +305,7 @@ def main() -> None:
                         help="render the cells of earlier runs (--cells) instead of running; a later run's cell replaces an earlier one's")
     parser.add_argument("--parts", default="export,roundtrip", help="what to run: export (the BF16/FP8 cells), roundtrip, or both")
     parser.add_argument("--jobs", type=int, default=1, help="roundtrip cells of more than one rank run this many at a time")
+    parser.add_argument("--only", default="", help="comma-separated ARCH (at every layout) or LAYOUT:ARCH (default: every cell)")
     parser.add_argument("--commit", default=None, help="the commit the cells are run at (default: the checkout's HEAD)")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
@@ -314,8 +324,8 @@ def main() -> None:
             matrix[cell.layout].append(cell)
     else:
         runs = [this_run(args.commit)]
-        matrix = run_matrix() if "export" in parts else {name: [] for name in MATRIX_LAYOUTS}
-        for cell in run_roundtrip(args.jobs) if "roundtrip" in parts else ():
+        matrix = run_matrix(args.only) if "export" in parts else {name: [] for name in MATRIX_LAYOUTS}
+        for cell in run_roundtrip(args.jobs, args.only) if "roundtrip" in parts else ():
             matrix[cell.layout].append(cell)
     if args.cells:
         cells = [c.to_json() for layout_cells in matrix.values() for c in layout_cells]

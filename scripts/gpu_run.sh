@@ -14,9 +14,11 @@
 #   bash scripts/gpu_run.sh vllm-bench  # bench_refit_vllm.py, Qwen3-8B, BF16 then FP8 (vllm-bench-bf16 / vllm-bench-fp8: one of them)
 #   bash scripts/gpu_run.sh sharded     # engine-sharded refit, trainer TP2 -> engine TP2 on 2 GPUs, against the TP1 cached export and stock
 #   bash scripts/gpu_run.sh families    # every registered architecture at TP1 with the TE spec against stock (check_families_gpu.py)
+#   bash scripts/gpu_run.sh moe-bench   # export speed against stock, MoE shapes of 128 experts (4 layers): Qwen3-VL-30B-A3B
+#                                       # from its published packed checkpoint layout, Qwen3-30B-A3B per-expert
 #   bash scripts/gpu_run.sh training    # export right after a Megatron DDP + distributed-optimizer step; parallel checkpoint write on the host's CPUs
 set -u
-part=${1:?usage: gpu_run.sh fp8|bench|sinks|vllm-dense|vllm-moe|vllm-broadcast|vllm-bench|vllm-bench-bf16|vllm-bench-fp8|sharded|families|training}
+part=${1:?usage: gpu_run.sh fp8|bench|sinks|vllm-dense|vllm-moe|vllm-broadcast|vllm-bench|vllm-bench-bf16|vllm-bench-fp8|sharded|families|moe-bench|training}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 RESULTS=/tmp/gpu_results_$part; rm -rf "$RESULTS"; mkdir -p "$RESULTS"
 trap 'tar czf "$OUT/$part.tgz" -C "$RESULTS" .' EXIT
@@ -88,6 +90,10 @@ case "$part" in
     # Nemotron-H builds with mamba-ssm's Triton ops; its package imports a CUDA extension the wheelhouse leaves out
     export PYTHONPATH=$PYTHONPATH:$PWD/scripts/gpu/stubs
     step families_tp1 540 "${one[@]}" scripts/check_families_gpu.py --out-dir "$RESULTS"
+    ;;
+  moe-bench)
+    step bench_qwen3-vl-30b-a3b_4layers 300 "${one[@]}" scripts/bench_export.py --model qwen3-vl-30b-a3b --layers 4 --from-checkpoint --steady 7 --out-dir "$RESULTS"
+    step bench_qwen3-30b-a3b_4layers 200 "${one[@]}" scripts/bench_export.py --model qwen3-30b-a3b --layers 4 --steady 7 --out-dir "$RESULTS"
     ;;
   training)
     # one data-parallel replica per GPU: with two, the deferred parameter all-gather really has shards to fetch

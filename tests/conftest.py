@@ -84,6 +84,16 @@ GROUPED_EXPERT_REPEATS = (
     "pp2-MiniMaxM3SparseForConditionalGeneration", "ep2-MiniMaxM3SparseForConditionalGeneration",
     "tp2ep2-MiniMaxM3SparseForConditionalGeneration",
 )
+# The packed-expert checkpoint variants beyond TP1: by default Qwen3-VL-MoE (its published transposed
+# stack) and Qwen3.5-MoE at EP2, GLM-4.5 at TP2xEP2.
+PACKED = "+packed_experts"
+PACKED_REPEATS = (
+    *(f"ep2-{arch}{PACKED}" for arch in ("Glm4MoeForCausalLM", "Glm4vMoeForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")),
+    *(f"tp2ep2-{arch}{PACKED}" for arch in (
+        "Glm4vMoeForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration", "Qwen3_5MoeForCausalLM",
+        "Qwen3_5MoeForConditionalGeneration",
+    )),
+)
 
 # Multi-rank cases marked slow here (28-46 s each on 2 cores in the full run at 68949ce): each repeats,
 # at another layout or precision, what a faster case of the same test proves in the default run.
@@ -116,8 +126,11 @@ SLOW_CASES = frozenset({
     "tests/test_plan.py::test_plan_cli_json_matches_the_checkpoint[dp2_tp2_ep2]",
     *(
         f"tests/test_conformance.py::{test}[{cell}]"
-        for test in ("test_bf16_matches_stock", "test_fp8_matches_reference", "test_mamba_families_take_the_fast_path")
-        for cell in (*GROUPED_EXPERT_REPEATS, *HYBRID_REPEATS)
+        for test in (
+            "test_bf16_matches_stock", "test_fp8_matches_reference", "test_mamba_families_take_the_fast_path",
+            "test_stacked_expert_families_take_the_fast_path",
+        )
+        for cell in (*GROUPED_EXPERT_REPEATS, *HYBRID_REPEATS, *PACKED_REPEATS)
     ),
     # ConcatenatedQKVMapping at TP2/TP4 is proved against stock by tests/test_placement_rules.py and
     # Qwen3.5-VL at TP1 by the matrix's TP1 column; its TP2 build adds ~50 s to the TP2 launch.

@@ -26,7 +26,7 @@ import torch
 from conftest import REPO, torchrun
 from mbridge_refit.convert import roundtrip_conformance
 from mbridge_refit.fp8.format import BlockwiseFP8Config, FP8FormatError
-from mbridge_refit.tools import conformance, model_builder
+from mbridge_refit.tools import conformance, model_builder, tiny_checkpoints
 from mbridge_refit.tools.conformance import BF16, FP8, MATRIX_LAYOUTS, Cell, CellState, check_bf16, check_fp8, read_cells
 from mbridge_refit.tools.export_comparison import compare_stream, fp8_expected
 from mbridge_refit.tools.recipes import MODEL_RECIPES
@@ -241,13 +241,15 @@ def test_family_rule_architectures_take_the_fast_path(layout, architecture, matr
     test_recipe_families_take_the_fast_path(layout, architecture, matrix)
 
 
-STACKED_EXPERT_ARCHITECTURES = ("GptOssForCausalLM",)  # families whose experts plan.stacking plans
+# Families whose experts plan.stacking plans: GPT-OSS, and the checkpoint variants whose experts are packed.
+STACKED_EXPERT_ARCHITECTURES = ("GptOssForCausalLM", *conformance.PACKED_EXPERT_MODELS)
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize(("layout", "architecture"), [c for c in CELLS if c[1] in STACKED_EXPERT_ARCHITECTURES])
 def test_stacked_expert_families_take_the_fast_path(layout, architecture, matrix):
-    """Stacked expert tensors (GPT-OSS's gate_up_proj, down_proj) keep their family on the fast path."""
+    """Stacked expert tensors (GPT-OSS's gate_up_proj, down_proj; packed experts, Qwen3-VL-MoE's
+    published ones transposed) keep their family on the fast path."""
     test_recipe_families_take_the_fast_path(layout, architecture, matrix)
 
 
@@ -258,7 +260,7 @@ def test_matrix_page_links_name_tests_of_this_module(page):
     text = (REPO / page).read_text()
     tree = ast.parse((REPO / "tests" / "test_conformance.py").read_text())
     function_lines = {node.name: node.lineno for node in tree.body if isinstance(node, ast.FunctionDef)}
-    links = re.findall(r'test_conformance\.py#L(\d+) "(test_\w+)\[([\w.-]+)\]', text)
+    links = re.findall(r'test_conformance\.py#L(\d+) "(test_\w+)\[([\w.+-]+)\]', text)
     assert links, f"{page} links no test"
     stale = {(line, function) for line, function, _ in links if function_lines.get(function) != int(line)}
     assert not stale, f"links to lines that are not their test's (rerun scripts/conformance_matrix.py): {sorted(stale)}"
@@ -295,7 +297,7 @@ def _fake_convert(write_output):
 def _copy_with_one_flipped_bit(source, out):
     from safetensors.torch import save_file
 
-    tensors = dict(roundtrip_conformance.checkpoint_tensors(source))
+    tensors = dict(tiny_checkpoints.checkpoint_tensors(source))
     name = sorted(tensors)[-1]
     tensors[name] = _flip_one_byte(tensors[name])
     out.mkdir()
@@ -311,7 +313,7 @@ def test_roundtrip_cell_catches_a_flipped_bit_and_a_dropped_tensor(tmp_path, mon
         shutil.copytree(source, out)
 
     def drop_one(source, out):
-        tensors = dict(roundtrip_conformance.checkpoint_tensors(source))
+        tensors = dict(tiny_checkpoints.checkpoint_tensors(source))
         tensors.pop(sorted(tensors)[0])
         out.mkdir()
         save_file(tensors, str(out / "model.safetensors"))
@@ -355,6 +357,7 @@ ROUNDTRIP_DEFAULT_MULTIRANK = frozenset({
     ("tp2", "Qwen3_5MoeForCausalLM"),  # gated delta net, gated QKV, the zero-centred norm's +1, experts
     ("pp2", "Qwen2_5_VLForConditionalGeneration"),  # a vision tower beside a split language model
     ("tp2ep2", "HYV3ForCausalLM"),  # routed and shared experts over expert ranks, attention over tensor ranks
+    ("ep2", "Qwen3VLMoeForConditionalGeneration+packed_experts"),  # each rank's slots of a published transposed stack
 })
 ROUNDTRIP_CELLS = [
     pytest.param(layout, architecture, id=f"{layout}-{architecture}", marks=() if (
@@ -388,7 +391,7 @@ def roundtrip_cells(request, tmp_path_factory):
 def test_roundtrip_matches_disk(layout, architecture, roundtrip_cells):
     cell = roundtrip_cells[layout, architecture]
     assert cell.state.passes, f"{architecture} {layout} roundtrip: {cell.state}: {cell.detail}"
-    if architecture in RECIPE_ARCHITECTURES:
+    if architecture in (*RECIPE_ARCHITECTURES, *STACKED_EXPERT_ARCHITECTURES):  # the loader reads stacked experts too
         assert cell.state is CellState.EXACT, f"{architecture} {layout} roundtrip: {cell.state}: {cell.detail}"
 
 

@@ -1,10 +1,14 @@
 """Stacked expert tensors (``plan.stacking``) against the bridge's own grouped-export conversion.
 
-The oracle is upstream: each GPT-OSS expert mapping's ``megatron_to_hf`` on one expert's random
-tensor (single process: every parallel size is 1), stacked over experts as stock's grouped export
-does. Ours is the stack the rule table picks for the mapping, written slot by slot with
-``ExpertStack.copy_into`` into one output buffer. Shapes keep hidden != ffn so that a missing or
-extra transpose cannot pass, and a deliberately wrong stack is shown to differ.
+The oracle is upstream: each expert mapping's ``megatron_to_hf`` on one expert's random tensor
+(single process: every parallel size is 1), stacked over experts as stock's grouped export does
+(GPT-OSS: ``torch.stack``; the packed-expert mappings: stock's own accumulation,
+``MegatronModelBridge._accumulate_grouped_export``, with its adaptive transpose decided from the
+checkpoint's stored shape). Ours is the stack the rule table picks for the mapping, written slot
+by slot with ``ExpertStack.copy_into`` into one output buffer, and read back with ``read_from``
+(the loader's inverse). Shapes keep hidden != ffn so that a missing or extra transpose cannot
+pass (one case is square on purpose: stock never transposes it), and a deliberately wrong stack
+is shown to differ.
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ def _upstream_and_ours(case, stack_override=None):
     expected = torch.stack(upstream, dim=0)
 
     mapping = mapping_class(megatron_param=f"{LAYER.format(e=0)}.{suffix}", hf_param=HF + hf_suffix)
-    placement, stack = stacked_placement(mapping, local_shape)
+    placement, stack = stacked_placement(mapping, local_shape, num_experts=EXPERTS)
     assert placement.kind == STACKED_KIND and placement.hf_names == (HF + hf_suffix,)
     stack = stack_override(stack) if stack_override else stack
     out = torch.full((EXPERTS, *stack.expert_shape(local_shape)), float("nan"), dtype=torch.bfloat16)
@@ -95,15 +99,101 @@ def test_a_missing_transpose_changes_the_shape():
     assert ExpertStack(interleave=2).expert_shape((2 * FFN, HIDDEN)) != (HIDDEN, 2 * FFN)
 
 
-def test_unknown_grouped_mapping_is_refused_by_name():
+GROUPED = "decoder.layers.0.mlp.experts.linear_fc{fc}.weight{e}"  # TE grouped experts: weight0..N-1
+PACKED_CASES = {  # id: (mapping class name, fc, HF name, module kind, local shape)
+    "gate_up_proj": ("FusedGatedExpertMapping", 1, "gate_up_proj", "column", (2 * FFN, HIDDEN)),
+    "down_proj": ("FusedExpertMapping", 2, "down_proj", "row", (HIDDEN, FFN)),
+    "square gate_up_proj": ("FusedGatedExpertMapping", 1, "gate_up_proj", "column", (2 * FFN, 2 * FFN)),
+}
+# What the checkpoint holds: nothing (a bridge from a config), the stacked shape (transformers 5's
+# in-memory layout), the transposed one (Qwen3-VL-MoE's published checkpoints).
+STORED = {
+    "absent": lambda shape: None,
+    "stacked": lambda shape: (EXPERTS, *shape),
+    "transposed": lambda shape: (EXPERTS, shape[1], shape[0]),
+}
+
+
+class _AccumulatingBridge:
+    """The object ``MegatronModelBridge._accumulate_grouped_export`` runs on (it reads nothing of it)."""
+
+
+def _stock_packed_export(mapping_class, fc, hf_name, kind, locals_, transpose_on_export, stored_shape, monkeypatch):
+    """Stock's grouped export of one packed-expert tensor: each expert's ``megatron_to_hf``, fed to
+    stock's own accumulation (expert-parallel size 1), with the checkpoint holding ``stored_shape``."""
+    from megatron.bridge.models.conversion import model_bridge
+    from megatron.core import parallel_state
+
+    monkeypatch.setattr(parallel_state, "get_expert_model_parallel_world_size", lambda: 1)
+    config = type("Config", (), {"num_moe_experts": len(locals_)})()
+    hf_state = {} if stored_shape is None else {HF + hf_name: torch.empty(stored_shape)}
+    buffers, merged = {}, None
+    for e, local in enumerate(locals_):
+        mapping = mapping_class(GROUPED.format(fc=fc, e=e), HF + hf_name, transpose_on_export=transpose_on_export)
+        task = type("Task", (), {"param_name": mapping.megatron_param, "mapping": mapping})()
+        converted = mapping.megatron_to_hf(local, _module(kind))
+        merged = model_bridge.MegatronModelBridge._accumulate_grouped_export(
+            _AccumulatingBridge(), task, converted, config, buffers, hf_state)
+    (name, tensor), = merged.items()
+    assert name == HF + hf_name
+    return tensor
+
+
+@pytest.mark.parametrize("stored", STORED)
+@pytest.mark.parametrize("transpose_on_export", [False, True], ids=["as-stacked", "transpose_on_export"])
+@pytest.mark.parametrize("case", PACKED_CASES)
+def test_packed_expert_stack_matches_stocks_grouped_export(case, transpose_on_export, stored, monkeypatch):
+    from megatron.bridge.models.conversion import param_mapping
+
+    from mbridge_refit.plan.stacking import STACKED_KIND, stacked_placement
+
+    class_name, fc, hf_name, kind, local_shape = PACKED_CASES[case]
+    mapping_class = getattr(param_mapping, class_name)
+    generator = torch.Generator().manual_seed(1)
+    locals_ = [torch.randn(local_shape, generator=generator).to(torch.bfloat16) for _ in range(EXPERTS)]
+    stored_shape = STORED[stored](local_shape)
+    expected = _stock_packed_export(mapping_class, fc, hf_name, kind, locals_, transpose_on_export, stored_shape, monkeypatch)
+
+    mapping = mapping_class(GROUPED.format(fc=fc, e=0), HF + hf_name, transpose_on_export=transpose_on_export)
+    placement, stack = stacked_placement(mapping, local_shape, num_experts=EXPERTS, stored_shape=stored_shape)
+    assert placement.kind == STACKED_KIND and placement.hf_names == (HF + hf_name,)
+    out = torch.full((EXPERTS, *stack.expert_shape(local_shape)), float("nan"), dtype=torch.bfloat16)
+    for e, local in enumerate(locals_):
+        stack.copy_into(out[e], local)
+    assert out.shape == expected.shape
+    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))  # bitwise
+    assert all(torch.equal(stack.read_from(out[e]), local) for e, local in enumerate(locals_))
+
+
+def test_a_transpose_stock_makes_is_not_missed():
+    """Qwen3-VL-MoE's published layout: the stock stack is transposed; without the transpose the
+    slots differ in shape, so an exporter ignoring ``transpose_on_export`` cannot pass."""
+    from megatron.bridge.models.conversion.param_mapping import FusedExpertMapping
+
+    from mbridge_refit.plan.stacking import stacked_placement
+
+    mapping = FusedExpertMapping(GROUPED.format(fc=2, e=0), HF + "down_proj", transpose_on_export=True)
+    _, stack = stacked_placement(mapping, (HIDDEN, FFN), num_experts=EXPERTS, stored_shape=(EXPERTS, FFN, HIDDEN))
+    assert stack.transpose and stack.expert_shape((HIDDEN, FFN)) == (FFN, HIDDEN)
+    _, square = stacked_placement(mapping, (FFN, FFN), num_experts=EXPERTS, stored_shape=(EXPERTS, FFN, FFN))
+    assert not square.transpose  # stock keeps a square slot as stacked
+
+
+def test_grouped_mapping_without_a_rule_is_refused_by_name():
     from megatron.bridge.models.conversion.param_mapping import FusedExpertMapping
 
     from mbridge_refit.plan.placement import PlacementError
     from mbridge_refit.plan.stacking import stacked_placement
 
-    mapping = FusedExpertMapping("decoder.layers.0.mlp.experts.linear_fc2.weight*", "model.layers.0.mlp.experts.down_proj")
-    with pytest.raises(PlacementError, match=r"FusedExpertMapping.*no stacking rule.*GPTOSSMLPGateUpProjMapping"):
-        stacked_placement(mapping, (HIDDEN, FFN))
+    class _OwnExport(FusedExpertMapping):  # a subclass may convert differently: no rule by inheritance
+        pass
+
+    mapping = _OwnExport(GROUPED.format(fc=2, e=0), HF + "down_proj")
+    with pytest.raises(PlacementError, match=r"_OwnExport.*no stacking rule.*GPTOSSMLPGateUpProjMapping.*FusedExpertMapping"):
+        stacked_placement(mapping, (HIDDEN, FFN), num_experts=EXPERTS)
+    permuted = FusedExpertMapping(GROUPED.format(fc=2, e=0), HF + "down_proj", permute_dims=(1, 0))
+    with pytest.raises(PlacementError, match="permutes its export's dimensions"):
+        stacked_placement(permuted, (HIDDEN, FFN), num_experts=EXPERTS)
 
 
 def test_odd_rows_cannot_be_interleaved():

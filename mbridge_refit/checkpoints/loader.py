@@ -7,6 +7,11 @@ every rank reads, through ``safe_open(...).get_slice``, exactly the bytes of its
 name exchange while building the conversion tasks, no collective runs, so it works on CPU with
 gloo, on GPU, and for checkpoint conversion on machines without a GPU.
 
+A stacked expert tensor ([E, ...]: GPT-OSS's, or a checkpoint that keeps experts packed) is read
+one slot at a time: each rank reads the slots of its own experts and puts each back in the
+parameter's layout through the same ``ExpertStack`` the export plan writes it with
+(``plan.stacking``, decided from the checkpoint's stored shape as the export decides it).
+
 Every parameter of every chunk must be written exactly once; anything left over is an error
 that lists the parameter names (the model may have been built with ``to_empty``).
 """
@@ -21,9 +26,11 @@ import torch
 import torch.distributed as dist
 
 from mbridge_refit.checkpoints.hf import HFCheckpoint
+from mbridge_refit.plan.entries import expert_number
 from mbridge_refit.plan.placement import (
     ELEMENTWISE_OPS, PlacementError, ShardContext, SliceCopy, hf_extents, place_column, placement_kind, slice_copies,
 )
+from mbridge_refit.plan.stacking import stacked_placement
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +94,10 @@ def _load_tasks(
         for task in tasks:
             if task.megatron_module is None or task.param_weight is None:
                 continue  # the parameter lives on another pipeline stage
+            if getattr(task.mapping, "is_grouped_export", False):
+                _copy_expert_slot(task, config, checkpoint, report)
+                written.add(id(task.param_weight))
+                continue
             try:
                 copies = slice_copies(task.mapping, task.megatron_module, task.param_weight, config)
                 kind = placement_kind(task.mapping, task.megatron_module)
@@ -137,12 +148,40 @@ def _copy_slices(
         if elementwise_op is not None:
             data = data.clone()
             ELEMENTWISE_OPS[elementwise_op].load(data)
-        if data.dtype != param.dtype:
-            _check_cast_is_exact(data, param.dtype, copy.hf_name, checkpoint, where)
-            report.cast_from[copy.hf_name] = data.dtype
-        param.narrow(copy.dim, copy.local_start, copy.length).copy_(data)
-        report.tensors_written += 1
-        report.bytes_read += data.numel() * data.element_size()
+        _write(param.narrow(copy.dim, copy.local_start, copy.length), data, copy.hf_name, checkpoint, report, where)
+
+
+def _write(target: torch.Tensor, data: torch.Tensor, hf_name: str, checkpoint: HFCheckpoint, report: LoadReport, where: str) -> None:
+    """Copy ``data`` (read from ``hf_name``) into ``target``, a cast only where it keeps every value."""
+    if data.dtype != target.dtype:
+        _check_cast_is_exact(data, target.dtype, hf_name, checkpoint, where)
+        report.cast_from[hf_name] = data.dtype
+    target.copy_(data)
+    report.tensors_written += 1
+    report.bytes_read += data.numel() * data.element_size()
+
+
+def _copy_expert_slot(task: Any, config: Any, checkpoint: HFCheckpoint, report: LoadReport) -> None:
+    """Fill one expert's parameter from its slot of a stacked HF tensor [E, ...] (only that slot is read)."""
+    param, where = task.param_weight, task.global_param_name
+    hf_name = str(task.mapping.hf_param)
+    if hf_name not in checkpoint.weight_map:
+        raise LoadError(f"{where}: tensor {hf_name!r} is not in the checkpoint {checkpoint.path}")
+    stored = tuple(checkpoint.shape(hf_name))
+    try:
+        _, stack = stacked_placement(task.mapping, tuple(param.shape), num_experts=config.num_moe_experts or 0, stored_shape=stored)
+    except PlacementError as err:
+        raise LoadError(f"cannot load {where}: {err}") from err
+    expected = (stack.num_experts, *stack.expert_shape(tuple(param.shape)))
+    if stored != expected:
+        raise LoadError(
+            f"checkpoint tensor {hf_name!r} in {checkpoint.path} has shape {list(stored)}, but this model ({where}) "
+            f"needs {list(expected)} (all {stack.num_experts} experts stacked): the checkpoint does not match its "
+            "config.json. Fix the config (num_experts, hidden_size, moe_intermediate_size) or use the checkpoint it belongs to."
+        )
+    expert = expert_number(where)
+    slot = checkpoint.slice(hf_name)[expert : expert + 1][0]
+    _write(param, stack.read_from(slot), hf_name, checkpoint, report, where)
 
 
 def _check_shape(copy: SliceCopy, extent: int, param: torch.Tensor, checkpoint: HFCheckpoint, where: str) -> None:

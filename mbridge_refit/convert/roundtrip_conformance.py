@@ -1,13 +1,12 @@
 """The roundtrip column of the conformance matrix: ``convert roundtrip`` against the checkpoint on disk.
 
-Owns what a roundtrip cell means and how it is decided. For an architecture
-(``tools.tiny_configs``), a tiny transformers model of it with seeded random values is saved as
-an HF checkpoint (``write_tiny_checkpoint``; a tensor transformers saves under another name than
-the family's published checkpoints is renamed to theirs, ``PUBLISHED_NAMES``, and tensors they
-store in float32 are stored so, ``FLOAT32_TENSORS``); ``convert roundtrip`` (HF -> Megatron -> HF,
-on CPU) writes it back at one layout of ``tools.conformance.MATRIX_LAYOUTS``; every tensor of the
-output must equal the source file's tensor: the same names, dtypes, shapes and bytes, read with
-plain ``safetensors`` (the oracle is the checkpoint on disk, never our own output).
+Owns what a roundtrip cell means and how it is decided. For a matrix model (an architecture of
+``tools.tiny_configs``, or one with a checkpoint variant), a tiny HF checkpoint with seeded random
+values is written in the family's published layout (``tools.tiny_checkpoints``); ``convert
+roundtrip`` (HF -> Megatron -> HF, on CPU) writes it back at one layout of
+``tools.conformance.MATRIX_LAYOUTS``; every tensor of the output must equal the source file's
+tensor: the same names, dtypes, shapes and bytes, read with plain ``safetensors`` (the oracle is
+the checkpoint on disk, never our own output).
 
 At TP1 ``convert`` runs in this process. At a layout of more ranks it runs as a user runs it,
 ``python -m mbridge_refit.convert --nproc-per-node N roundtrip --tp ...``, in a child process whose
@@ -34,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import fnmatch
 import json
 import logging
 import os
@@ -45,99 +43,22 @@ import sys
 import tempfile
 import traceback
 from pathlib import Path
-from types import MappingProxyType
-from typing import Mapping, Sequence
-
-import torch
+from typing import Sequence
 
 from mbridge_refit.convert.flags import layout_flags
 from mbridge_refit.plan.layout import ParallelLayout
 from mbridge_refit.tools.conformance import MATRIX_LAYOUTS, Cell, CellState, describe_error, restored_environment, selected_cells
 from mbridge_refit.tools.export_comparison import compare_stream
+from mbridge_refit.tools.tiny_checkpoints import checkpoint_tensors, write_tiny_checkpoint
 
 logger = logging.getLogger(__name__)
 
 ROUNDTRIP = "roundtrip"  # the cell's precision column: the source checkpoint's own dtypes
-SEED = 0
 # The environment launched cells start from, taken before any cell runs: a TP1 cell running in this
 # process meanwhile has Megatron's attention-backend variables set (restored_environment puts them
 # back after it), which a launched build would inherit and assert against.
 LAUNCH_ENVIRONMENT = dict(os.environ)
 RANKS_TIMEOUT_S = 600  # one launched roundtrip of a tiny model (2 CPU ranks take well under a minute)
-
-# Architecture -> {name transformers writes: name the family's published checkpoints use}, where
-# ``save_pretrained(save_original_format=True)`` writes a tensor under another name than the
-# published checkpoints (and Megatron-Bridge's mapping) do. transformers 5.12.1 undoes its
-# Nemotron-H load rename ``embedding.weight -> embeddings.weight`` (meant for checkpoints in
-# Mamba's own naming) on save; NVIDIA's Nemotron-H checkpoints name it ``backbone.embeddings.weight``.
-PUBLISHED_NAMES: Mapping[str, Mapping[str, str]] = MappingProxyType({
-    "NemotronHForCausalLM": MappingProxyType({"backbone.embedding.weight": "backbone.embeddings.weight"}),
-})
-
-# Architecture -> HF tensors the tiny checkpoint stores in float32, as the family's checkpoints do
-# and as Megatron-Core holds them (``tools.model_builder.FLOAT32_PARAMETERS``): Nemotron-H's Mamba
-# A_log and D (radixark/miles#1546: its checkpoints are mixed dtype, Mamba's A_log, D, dt_bias in
-# fp32; Megatron keeps dt_bias in the model dtype, so a roundtrip returns it in bf16: kept bf16 here).
-FLOAT32_TENSORS: Mapping[str, tuple[str, ...]] = MappingProxyType({
-    "NemotronHForCausalLM": ("*.mixer.A_log", "*.mixer.D"),
-})
-
-
-def write_tiny_checkpoint(architecture: str, out_dir: Path, *, seed: int = SEED) -> Path:
-    """Save a tiny transformers model of ``architecture`` (bf16, seeded random values per tensor
-    name) as an HF checkpoint in ``out_dir``, with per-expert tensor names (the layout
-    Megatron-Bridge's mappings read)."""
-    import transformers
-
-    from mbridge_refit.tools.recipes import seeded_random_values
-    from mbridge_refit.tools.tiny_configs import TinyConfigError, tiny_config
-
-    model_class = getattr(transformers, architecture, None)
-    if model_class is None:
-        raise TinyConfigError(f"transformers {transformers.__version__} has no model class {architecture}")
-    model = model_class._from_config(tiny_config(architecture), dtype=torch.bfloat16)
-    float32 = FLOAT32_TENSORS.get(architecture, ())
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(seeded_random_values(name, param, seed))
-            if any(fnmatch.fnmatchcase(name, pattern) for pattern in float32):
-                param.data = param.data.float()
-    model.save_pretrained(out_dir, save_original_format=True)
-    _rename_tensors(out_dir, PUBLISHED_NAMES.get(architecture, {}))
-    return out_dir
-
-
-def _rename_tensors(checkpoint_dir: Path, renames: Mapping[str, str]) -> None:
-    """Rename tensors of the checkpoint in place (``PUBLISHED_NAMES``): their files and the index."""
-    if not renames:
-        return
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    for path in sorted(checkpoint_dir.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as handle:
-            if not renames.keys() & set(handle.keys()):
-                continue
-            metadata = handle.metadata()
-            tensors = {renames.get(name, name): handle.get_tensor(name) for name in handle.keys()}
-        save_file(tensors, str(path), metadata=metadata)
-    index = checkpoint_dir / "model.safetensors.index.json"
-    if index.exists():
-        data = json.loads(index.read_text())
-        data["weight_map"] = {renames.get(name, name): file for name, file in data["weight_map"].items()}
-        index.write_text(json.dumps(data, indent=2))
-
-
-def checkpoint_tensors(checkpoint_dir: Path) -> list[tuple[str, torch.Tensor]]:
-    """Every tensor of the safetensors files in ``checkpoint_dir``, sorted by name (plain safetensors)."""
-    from safetensors import safe_open
-
-    tensors: dict[str, torch.Tensor] = {}
-    for path in sorted(checkpoint_dir.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as handle:
-            tensors.update((name, handle.get_tensor(name)) for name in handle.keys())
-    return sorted(tensors.items())
-
 
 def check_roundtrip(architecture: str, work_dir: Path, layout_name: str = "tp1") -> Cell:
     """The roundtrip cell of ``architecture`` at ``MATRIX_LAYOUTS[layout_name]``; its files go

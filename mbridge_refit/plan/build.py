@@ -87,10 +87,12 @@ def rank_contribution(
     specs, errors = [], _unsupported_features(model_bridge, chunks)
     pp_rank = ps.get_pipeline_model_parallel_rank()
     hf_state = hf_pretrained.state if hasattr(hf_pretrained, "state") else {}  # what stock hands its export hook
+    stored = StoredShapes(hf_pretrained)
+    num_experts = chunks[0].config.num_moe_experts or 0
     for task in tasks:
         if task is not None and task.megatron_module is not None:
             try:
-                spec = _local_spec(task, pp_rank)
+                spec = _local_spec(task, pp_rank, num_experts, stored)
                 if spec.stack is None:  # stock runs the hook on every task but grouped-export ones
                     spec = dataclasses.replace(spec, dropped=_names_the_bridge_drops(model_bridge, task, spec, hf_state))
                 specs.append(spec)
@@ -157,10 +159,13 @@ def _sort_key(name: str):
     return extract_sort_key(name)
 
 
-def _local_spec(task: Any, pp_rank: int) -> ParamSpec:
+def _local_spec(task: Any, pp_rank: int, num_experts: int, stored: "StoredShapes") -> ParamSpec:
     weight = task.param_weight
     try:
-        stacked = stacked_placement(task.mapping, tuple(weight.shape))
+        stacked = None
+        if getattr(task.mapping, "is_grouped_export", False):
+            stored_shape = stored.shape(str(task.mapping.hf_param))
+            stacked = stacked_placement(task.mapping, tuple(weight.shape), num_experts=num_experts, stored_shape=stored_shape)
         placement, stack = stacked if stacked is not None else (placement_kind(task.mapping, task.megatron_module), None)
     except PlacementError as err:
         raise PlanError(f"cannot plan {task.global_param_name}: {err}") from err
@@ -175,6 +180,39 @@ def _local_spec(task: Any, pp_rank: int) -> ParamSpec:
         source_format=storage_format(weight),
         stack=stack,
     )
+
+
+class StoredShapes:
+    """The shapes the source checkpoint stores tensors in, read from its metadata (safetensors
+    headers, or an in-memory state's tensors), once per name; None for a tensor it does not hold
+    or a bridge without a checkpoint. What stock decides an adaptive transpose from (it loads the
+    tensor to read its shape)."""
+
+    def __init__(self, hf_pretrained: Any):
+        self._source = getattr(getattr(hf_pretrained, "state", None), "source", None)
+        self._shapes: dict[str, tuple[int, ...] | None] = {}
+        self._keys: set[str] | None = None
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        if name not in self._shapes:
+            self._shapes[name] = self._read(name)
+        return self._shapes[name]
+
+    def _read(self, name: str) -> tuple[int, ...] | None:
+        source = self._source
+        if source is None:
+            return None
+        if self._keys is None:
+            self._keys = set(source.get_all_keys())
+        if name not in self._keys:
+            return None
+        files = getattr(source, "key_to_filename_map", None)
+        if files and name in files:
+            from safetensors import safe_open
+
+            with safe_open(str(source.path / files[name]), framework="pt") as handle:
+                return tuple(handle.get_slice(name).get_shape())
+        return tuple(source[name].shape)
 
 
 def _names_the_bridge_drops(model_bridge: Any, task: Any, spec: ParamSpec, hf_state: Any) -> frozenset[str]:

@@ -16,13 +16,24 @@ Both are views, so building a slot is one strided ``copy_`` from the parameter i
 the output (``ExpertStack.copy_into``), with no temporary. Expert tensor parallelism must be 1
 (each rank holds whole experts, as ``plan.layout`` requires).
 
-``STACKING_RULES`` is the per-mapping table: the bridge's grouped-export mapping class -> the
+``stacking_rules`` is the per-mapping table: the bridge's grouped-export mapping class -> the
 stack its conversion produces. A grouped-export mapping without a row (or a subclass that
 overrides the conversion) keeps the model on the stock export, named in the plan's error.
+
+Checkpoints that keep experts packed (``experts.gate_up_proj`` [E, 2*ffn, hidden] and
+``experts.down_proj`` [E, hidden, ffn]: transformers 5's own layout, Gemma 4, Qwen3-VL-MoE) are
+read by ``FusedGatedExpertMapping`` / ``FusedExpertMapping``: slot ``e`` is expert ``e``'s
+parameter as it is (Megatron's ``linear_fc1`` already holds gate rows, then up rows). A mapping
+with ``transpose_on_export`` (Qwen3-VL-MoE, whose published checkpoints store [E, hidden,
+2*ffn]) has stock transpose the stacked tensor's last two dimensions, adaptively: when the
+checkpoint holds the tensor, only if its stored shape is the transposed one and not the stacked
+one (``transposed_by_stock``); so the stack is decided from the checkpoint's shape, as stock
+decides it. The loader reads slot ``e`` back through the same stack (``ExpertStack.read_from``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -82,23 +93,53 @@ def _gpt_oss_down(mapping: Any, local_shape: tuple[int, ...]) -> ExpertStack:
     return ExpertStack(transpose=len(local_shape) >= 2 and not str(mapping.hf_param).endswith("_bias"))
 
 
+def _as_it_is(mapping: Any, local_shape: tuple[int, ...]) -> ExpertStack:
+    # FusedGatedExpertMapping.megatron_to_hf: the gated mapping's gate and up halves (at expert
+    # tensor parallel size 1, the parameter's first and second half of rows) concatenated again;
+    # FusedExpertMapping.megatron_to_hf: AutoMapping's, the whole parameter. Either way the parameter.
+    return ExpertStack()
+
+
 @functools.cache
 def stacking_rules() -> dict[type, Callable[[Any, tuple[int, ...]], ExpertStack]]:
     """Grouped-export mapping class -> the stack its conversion builds (exact class match)."""
+    from megatron.bridge.models.conversion import param_mapping as pm
     from megatron.bridge.models.gpt_oss import gpt_oss_bridge as gpt_oss
 
     return {
         gpt_oss.GPTOSSMLPGateUpProjMapping: _gpt_oss_gate_up,
         gpt_oss.GPTOSSMLPDownProjMapping: _gpt_oss_down,
+        pm.FusedGatedExpertMapping: _as_it_is,
+        pm.FusedExpertMapping: _as_it_is,
     }
 
 
-def stacked_placement(mapping: Any, local_shape: tuple[int, ...]) -> tuple[PlacementKind, ExpertStack] | None:
+def transposed_by_stock(mapping: Any, slot_shape: tuple[int, ...], num_experts: int, stored_shape: tuple[int, ...] | None) -> bool:
+    """Whether stock's grouped export transposes the stacked tensor [E, *slot_shape] in its last
+    two dimensions (``MegatronModelBridge._accumulate_grouped_export``): never without
+    ``transpose_on_export``; with it, always when the checkpoint does not hold the tensor
+    (``stored_shape`` None), else only when the stored shape is the transposed one and not the
+    stacked one (a square slot is therefore never transposed)."""
+    if not getattr(mapping, "transpose_on_export", False):
+        return False
+    stacked = (num_experts, *slot_shape)
+    if stored_shape is None:
+        return True
+    transposed = (*stacked[:-2], stacked[-1], stacked[-2])
+    return tuple(stored_shape) != stacked and tuple(stored_shape) == transposed
+
+
+def stacked_placement(
+    mapping: Any, local_shape: tuple[int, ...], *, num_experts: int, stored_shape: tuple[int, ...] | None = None,
+) -> tuple[PlacementKind, ExpertStack] | None:
     """The placement and stack of a grouped-export expert parameter; None for any other mapping.
 
-    Raises ``PlacementError`` naming the parameter for a grouped-export mapping without a rule, or
-    one whose export the rule cannot describe (permuted dims, an adaptive transpose, expert tensor
-    parallelism, a shape the stack does not fit).
+    ``num_experts``: the model's expert count (E); ``stored_shape``: the shape the checkpoint
+    stores the stacked tensor in, None where there is no checkpoint or it lacks the tensor (stock
+    decides an adaptive transpose from it: ``transposed_by_stock``). Raises ``PlacementError``
+    naming the parameter for a grouped-export mapping without a rule, or one whose export the rule
+    cannot describe (permuted dims, expert tensor parallelism, a transpose of a 1-D slot, a shape
+    the stack does not fit).
     """
     if not getattr(mapping, "is_grouped_export", False):
         return None
@@ -107,10 +148,14 @@ def stacked_placement(mapping: Any, local_shape: tuple[int, ...]) -> tuple[Place
     if rule is None:
         supported = ", ".join(t.__name__ for t in stacking_rules())
         raise PlacementError(f"{where} has no stacking rule (supported: {supported})")
-    if getattr(mapping, "permute_dims", None) is not None or getattr(mapping, "transpose_on_export", False):
-        raise PlacementError(f"{where} permutes or adaptively transposes its export, which no stacking rule describes")
+    if getattr(mapping, "permute_dims", None) is not None:
+        raise PlacementError(f"{where} permutes its export's dimensions, which no stacking rule describes")
     if not mapping.is_expert or mapping.tp_size != 1:  # an expert mapping's tp group is expert-TP
         raise PlacementError(f"{where} needs whole experts on each rank (expert tensor parallel size 1)")
     stack = rule(mapping, tuple(local_shape))
     stack.check(tuple(local_shape))
-    return PlacementKind(kind=STACKED_KIND, hf_names=(str(mapping.hf_param),)), stack
+    if transposed_by_stock(mapping, stack.expert_shape(tuple(local_shape)), num_experts, stored_shape):
+        if len(local_shape) != 2:
+            raise PlacementError(f"{where}: stock transposes a stack of 1-D slots (the expert dimension with the other)")
+        stack = dataclasses.replace(stack, transpose=not stack.transpose)
+    return PlacementKind(kind=STACKED_KIND, hf_names=(str(mapping.hf_param),)), dataclasses.replace(stack, num_experts=num_experts)

@@ -46,6 +46,7 @@ import hashlib
 import json
 import logging
 import os
+import tempfile
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +58,7 @@ import torch
 from mbridge_refit.fp8.format import FP8FormatError
 from mbridge_refit.plan.layout import ParallelLayout
 from mbridge_refit.tools.export_comparison import compare_stream, fp8_expected
+from mbridge_refit.tools.tiny_configs import PACKED_EXPERTS
 
 logger = logging.getLogger(__name__)
 
@@ -89,9 +91,11 @@ SESSION_TIMEOUT = datetime.timedelta(minutes=2)  # a rank whose peer failed rais
 #   expert tensor parallel size 1): every MoE family whose CPU build stock can export: Qwen3-MoE
 #   (per-expert tensors), HY-V3 (expert bias, dense first layer), GPT-OSS (stacked experts,
 #   gathered over EP), the hybrid MoE families (Nemotron-H, Qwen3-Next, Qwen3.5-MoE: experts beside
-#   Mamba or gated-delta-net layers) and the grouped-expert families (DeepSeek, GLM-4.5, MiniMax-M3). The other
-#   MoE families are stock's (ERNIE 4.5's own mappings) or fail at TP1 already: the TP1 column
-#   records why.
+#   Mamba or gated-delta-net layers) and the grouped-expert families (DeepSeek, GLM-4.5, MiniMax-M3),
+#   and the packed-expert checkpoint variants (one [E, ...] tensor per projection, stacked over EP;
+#   Qwen3-VL-MoE's published one transposed). The other MoE families are stock's (ERNIE 4.5's own
+#   mappings) or fail at TP1 already: the TP1 column records why.
+# TP1 runs every registered architecture and the checkpoint variants (``MATRIX_VARIANTS``).
 # Cells that repeat a placement kind a faster default cell of the same layout proves are marked
 # slow in ``tests/conftest.py::SLOW_CASES`` (the matrix page shows them all).
 HYBRID_MOE_FAMILIES = ("NemotronHForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM")  # MoE beside Mamba / gated delta nets
@@ -99,6 +103,14 @@ GROUPED_EXPERT_FAMILIES = (
     "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM",
     "Glm4vMoeForConditionalGeneration", "MiniMaxM3SparseForConditionalGeneration",
 )
+# The families whose bridge reads routed experts packed ([E, ...] per projection) when the checkpoint
+# holds them so, as checkpoint variants (``tiny_configs.CHECKPOINT_VARIANTS``): their bridge is built
+# from the tiny checkpoint, as users build it, and maps the experts with its packed-expert mappings.
+PACKED_EXPERT_MODELS = tuple(f"{architecture}+{PACKED_EXPERTS}" for architecture in (
+    "Glm4MoeForCausalLM", "Glm4vMoeForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
+    "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
+))
+MATRIX_VARIANTS = PACKED_EXPERT_MODELS  # the variant models every layout of None (TP1) runs beside the registered architectures
 MATRIX_LAYOUTS: Mapping[str, tuple[ParallelLayout, tuple[str, ...] | None]] = MappingProxyType({
     "tp1": (ParallelLayout(), None),
     "tp2": (ParallelLayout(tp=2), (
@@ -114,9 +126,13 @@ MATRIX_LAYOUTS: Mapping[str, tuple[ParallelLayout, tuple[str, ...] | None]] = Ma
         "Qwen2_5_VLForConditionalGeneration", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM",
         "Qwen3VLForConditionalGeneration", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", *GROUPED_EXPERT_FAMILIES,
     )),
-    "ep2": (ParallelLayout(ep=2), ("GptOssForCausalLM", "HYV3ForCausalLM", "Qwen3MoeForCausalLM", *HYBRID_MOE_FAMILIES, *GROUPED_EXPERT_FAMILIES)),
+    "ep2": (ParallelLayout(ep=2), (
+        "GptOssForCausalLM", "HYV3ForCausalLM", "Qwen3MoeForCausalLM", *HYBRID_MOE_FAMILIES, *GROUPED_EXPERT_FAMILIES,
+        *PACKED_EXPERT_MODELS,
+    )),
     "tp2ep2": (ParallelLayout(tp=2, ep=2), (
         "GptOssForCausalLM", "HYV3ForCausalLM", "Qwen3MoeForCausalLM", *HYBRID_MOE_FAMILIES, *GROUPED_EXPERT_FAMILIES,
+        *PACKED_EXPERT_MODELS,
     )),
 })
 
@@ -189,16 +205,24 @@ def _seed(*parts: Any) -> int:
 
 
 def build_random_model(
-    architecture: str, layout: ParallelLayout, *, device: torch.device
+    model: str, layout: ParallelLayout, *, device: torch.device, work_dir: Path | None = None
 ) -> tuple[Any, list[torch.nn.Module], tuple[str, ...]]:
-    """``(RefitBridge, model chunks, concessions)`` of ``architecture``'s tiny config at ``layout``,
-    in bf16 with random weights, built for weights only (on CPU: with the concessions whose fields
-    are returned; call inside a distributed session at ``layout``)."""
+    """``(RefitBridge, model chunks, concessions)`` of ``model``'s tiny config at ``layout``, in
+    bf16 with random weights, built for weights only (on CPU: with the concessions whose fields are
+    returned; call inside a distributed session at ``layout``). An architecture's bridge is built
+    from its config; a checkpoint variant's (``architecture+variant``) from its tiny checkpoint,
+    written under ``work_dir`` (which must outlive the bridge: stock reads it while exporting)."""
     from mbridge_refit.bridge import RefitBridge
     from mbridge_refit.tools.model_builder import BuildOptions, build_model, cpu_concessions
-    from mbridge_refit.tools.tiny_configs import tiny_config
+    from mbridge_refit.tools.tiny_checkpoints import write_tiny_checkpoint
+    from mbridge_refit.tools.tiny_configs import split_variant, tiny_config
 
-    bridge = RefitBridge.from_hf_config(tiny_config(architecture))
+    if split_variant(model)[1] is None:
+        bridge = RefitBridge.from_hf_config(tiny_config(model))
+    elif work_dir is None:
+        raise ValueError(f"{model}: a checkpoint variant's bridge is built from a checkpoint: pass work_dir")
+    else:
+        bridge = RefitBridge.from_hf_pretrained(write_tiny_checkpoint(model, work_dir / "checkpoint"))
     concessions = cpu_concessions(bridge.to_megatron_provider(load_weights=False)) if device.type == "cpu" else {}
     chunks = build_model(bridge, layout, BuildOptions(device=device, params_dtype=torch.bfloat16, weights_only=True))
     fill_random_weights(chunks)
@@ -223,11 +247,16 @@ def restored_environment() -> Iterator[None]:
 
 def check_architecture(architecture: str, layout_name: str, *, device: torch.device) -> list[Cell]:
     """The BF16 and FP8 cells of ``architecture`` at ``MATRIX_LAYOUTS[layout_name]``."""
+    with tempfile.TemporaryDirectory(prefix="conformance-") as work_dir:
+        return _check_architecture(architecture, layout_name, device=device, work_dir=Path(work_dir))
+
+
+def _check_architecture(architecture: str, layout_name: str, *, device: torch.device, work_dir: Path) -> list[Cell]:
     layout = MATRIX_LAYOUTS[layout_name][0]
     cell = _cell_maker(architecture, layout_name, ())
     try:
         with restored_environment():
-            bridge, chunks, concessions = build_random_model(architecture, layout, device=device)
+            bridge, chunks, concessions = build_random_model(architecture, layout, device=device, work_dir=work_dir)
     except Exception as err:  # recorded; the matrix goes on with the next architecture
         return [cell(p, CellState.CANNOT_BE_BUILT, describe_error(err)) for p in PRECISIONS]
     cell = _cell_maker(architecture, layout_name, concessions)
@@ -321,7 +350,7 @@ def architectures_at(layout_name: str) -> list[str]:
     from mbridge_refit.tools.tiny_configs import registered_architectures
 
     selected = MATRIX_LAYOUTS[layout_name][1]
-    return list(selected) if selected is not None else registered_architectures()
+    return list(selected) if selected is not None else [*registered_architectures(), *MATRIX_VARIANTS]
 
 
 def run_layout(layout_name: str, architectures: Sequence[str], *, device: torch.device) -> Iterator[Cell]:

@@ -7,6 +7,11 @@ a few per-architecture fields its defaults get wrong at that size. All of it is 
 tables, ``MODEL_TYPES`` and ``CONFIG_OVERRIDES``. The architectures come from
 ``AutoBridge.list_supported_models()`` (``registered_architectures``), never from a hand list.
 
+A matrix model is an architecture name, or an architecture with a checkpoint variant:
+``"<architecture>+<variant>"`` (``split_variant``; ``CHECKPOINT_VARIANTS`` says what each means).
+A variant keeps the architecture's config and changes how its tiny checkpoint is written
+(``tools.tiny_checkpoints``), which a bridge built from that checkpoint reads with other mappings.
+
 Nothing here makes weights: the conformance checks fill the built Megatron model with seeded
 random values.
 """
@@ -52,7 +57,16 @@ CONFIG_OVERRIDES: Mapping[str, Mapping[str, Any]] = MappingProxyType({
     "Ernie4_5_VLMoeForConditionalGeneration": {"text_config": {"moe_intermediate_size": [128, 128]}},
     # Deepstack features feed the first language layers: at most as many as the first stage holds (PP2: 1).
     "Qwen3VLForConditionalGeneration": {"vision_config": {"deepstack_visual_indexes": [1]}},
-    "Qwen3VLMoeForConditionalGeneration": {"vision_config": {"deepstack_visual_indexes": [1]}},
+    # ffn 64 so an expert's gate_up slot [2*ffn, hidden] is not square: its published checkpoints
+    # store it transposed, which stock tells (and a transposed read shows) only from a non-square shape.
+    "Qwen3VLMoeForConditionalGeneration": {"vision_config": {"deepstack_visual_indexes": [1]}, "text_config": {"moe_intermediate_size": 64}},
+})
+
+# Checkpoint variant -> what its tiny checkpoint holds differently (``tools.tiny_checkpoints``).
+PACKED_EXPERTS = "packed_experts"
+CHECKPOINT_VARIANTS: Mapping[str, str] = MappingProxyType({
+    PACKED_EXPERTS: "routed experts packed in one tensor per projection ([E, ...]: transformers' own layout, "
+                    "which checkpoints saved without save_original_format hold), read by the bridge's packed-expert mappings",
 })
 
 
@@ -76,11 +90,20 @@ def registered_architectures() -> list[str]:
     return sorted(AutoBridge.list_supported_models())
 
 
-def tiny_config(architecture: str, *, dtype: str = "bfloat16") -> "PretrainedConfig":
-    """A tiny transformers config of ``architecture`` (deterministic: the same on every call).
+def split_variant(model: str) -> tuple[str, str | None]:
+    """``(architecture, variant)`` of a matrix model name (``variant`` None for a plain architecture)."""
+    architecture, _, variant = model.partition("+")
+    if variant and variant not in CHECKPOINT_VARIANTS:
+        raise TinyConfigError(f"{model}: unknown checkpoint variant {variant!r} (known: {', '.join(CHECKPOINT_VARIANTS)})")
+    return architecture, variant or None
+
+
+def tiny_config(model: str, *, dtype: str = "bfloat16") -> "PretrainedConfig":
+    """A tiny transformers config of ``model``'s architecture (deterministic: the same on every call).
 
     Raises ``TinyConfigError`` when the installed transformers has no config class for it.
     """
+    architecture, _ = split_variant(model)
     config_class = _config_class(architecture)
     defaults = config_class()
     kwargs = _small_fields(defaults, TEXT_SIZES)
