@@ -33,10 +33,11 @@ dl .gpu/p0 transformer-engine==2.20.2 megatron-core==0.19.2 megatron-bridge==0.6
 sdist .gpu/p0 transformer-engine-torch==2.20.2 antlr4-python3-runtime==4.9.3
 # mamba-ssm (Nemotron-H's Mamba layers): Megatron builds them from its Triton ops only; the sdist's own
 # build would download a prebuilt CUDA wheel, so it is built here without its CUDA extension
-# (its package still imports one: scripts/gpu/stubs/selective_scan_cuda stands in for it)
+# (its package still imports one: scripts/gpu/stubs/selective_scan_cuda stands in for it). The build
+# imports torch and setuptools: it runs in the project's environment (bash scripts/setup.sh makes it).
 if ! ls .gpu/p0/mamba_ssm-*.whl >/dev/null 2>&1; then
-  sdist /tmp/mamba-sdist --no-binary :all: --no-build-isolation mamba-ssm==2.3.2.post1
-  MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE "$PY" -m pip wheel -q --no-deps --no-build-isolation -w .gpu/p0 /tmp/mamba-sdist/mamba_ssm-*.tar.gz
+  [ -x .venv/bin/python ] || bash scripts/setup.sh
+  MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE .venv/bin/python -m pip wheel -q --no-deps --no-build-isolation -w .gpu/p0 mamba-ssm==2.3.2.post1
 fi
 cp "$here/install.sh" .gpu/p0/install.sh
 du -sh .gpu/p* | sed 's/^/  /'
