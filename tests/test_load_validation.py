@@ -100,3 +100,26 @@ def test_exact_dtype_cast_roundtrips_bit_for_bit(source_checkpoints, tmp_path):
     run = torchrun(1, ["mbridge_refit.convert", "roundtrip", "--hf", str(tmp_path / "wide"), "--out", str(tmp_path / "out")])
     assert run.returncode == 0, run.output[-3000:]
     assert_bitwise_equal_checkpoints(tmp_path / "wide", tmp_path / "out")
+
+
+def test_packed_expert_tensor_of_another_expert_count_is_refused(tmp_path):
+    """A packed expert tensor ([E, ...], one tensor for every expert of a layer) with one expert fewer
+    than the config's is refused by name with both shapes, never read slot by slot into a model
+    whose last expert it lacks."""
+    from safetensors import safe_open
+
+    from mbridge_refit.tools.tiny_checkpoints import write_tiny_checkpoint
+
+    bad = write_tiny_checkpoint("Glm4MoeForCausalLM+packed_experts", tmp_path / "bad")
+    (shard,) = bad.glob("*.safetensors")
+    with safe_open(str(shard), framework="pt") as handle:
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    name = next(n for n in sorted(tensors) if n.endswith("mlp.experts.gate_up_proj"))
+    expected = list(tensors[name].shape)
+    tensors[name] = tensors[name][:-1].clone()
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    run = torchrun(1, ["mbridge_refit.convert", "roundtrip", "--hf", str(bad), "--out", str(tmp_path / "out")])
+    assert run.returncode == 2, run.output[-3000:]
+    found = [expected[0] - 1, *expected[1:]]
+    assert f"{name!r}" in run.output and str(found) in run.output and str(expected) in run.output, run.output[-3000:]
+    assert not (tmp_path / "out").exists()
