@@ -69,10 +69,17 @@ class ExpertStack:
 
     def copy_into(self, slot: torch.Tensor, local: torch.Tensor) -> None:
         """Write ``local`` (one expert's parameter) into ``slot`` (its HF slot, any strides)."""
+        target, source = self.slot_views(slot, local)
+        target.copy_(source)
+
+    def slot_views(self, slot: torch.Tensor, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(target, source)``: views of ``slot`` and ``local`` of one shape, so that
+        ``target.copy_(source)`` is ``copy_into`` (many experts' pairs can go to one
+        ``torch._foreach_copy_``)."""
         target = slot.transpose(0, 1) if self.transpose else slot  # now laid out like ``local``
         k = self.interleave
         rows = local.shape[0] // k
-        target.unflatten(0, (rows, k)).copy_(local.unflatten(0, (k, rows)).transpose(0, 1))
+        return target.unflatten(0, (rows, k)), local.unflatten(0, (k, rows)).transpose(0, 1)
 
     def read_from(self, slot: torch.Tensor) -> torch.Tensor:
         """The expert's parameter from its HF slot (the inverse of ``copy_into``; a new tensor)."""

@@ -28,6 +28,7 @@ from mbridge_refit.runtime.buffers import ExportBuffers
 from mbridge_refit.runtime.collectives import ParallelGroups, broadcast_from, coalesced, current_groups, gather_into
 from mbridge_refit.runtime.schedule import Assembly, AssemblyKind, Bucket, Op, build_buckets, build_ops, gather_count
 from mbridge_refit.runtime.selection import LiveRows, RowSelection
+from mbridge_refit.runtime.stack_fill import fill_stack
 
 logger = logging.getLogger(__name__)
 
@@ -253,8 +254,7 @@ class PlanExporter:
         dtype, device = experts[0].dtype, experts[0].device
         out = buffers.get("out", (slot, 0), entry.shape, dtype, device)
         share = out if ep_size == 1 else buffers.get("pack", (slot, 0), (len(experts), *entry.shape[1:]), dtype, device)
-        for expert_slot, expert in zip(share, experts):
-            entry.sharding.stack.copy_into(expert_slot, expert)
+        fill_stack(entry.sharding.stack, share, experts, buffers.memo)
         if ep_size > 1:
             gather_into(out, share, self._groups.ep, ep_size)
         return out
