@@ -7,10 +7,11 @@ H100 for 128 experts of Qwen3-VL-30B-A3B's sizes (``scripts/bench_stacked_expert
 
 * a plain stack (no re-layout: transformers' packed layout): one ``torch.stack`` into the output,
   at the copy floor (0.57 ms; 1.9-2.4 ms for a copy per expert);
-* a transposed stack (Qwen3-VL-MoE's published layout): one launch of ``stack_kernels``' tiled
-  transpose where Triton is there and its probe passed (a copy per expert, a ``_foreach_copy_``
-  or a staged stack plus one transposing copy all take 3.5 ms: PyTorch does not tile transposes);
-* anything else (GPT-OSS's interleaved rows, tensors of other strides): a copy per expert.
+* a transposed stack (Qwen3-VL-MoE's published layout; GPT-OSS's, its gate/up rows interleaved
+  too): one launch of ``stack_kernels``' tiled transpose where Triton is there and its probe
+  passed, 0.76 ms (a copy per expert, a ``_foreach_copy_`` or a staged stack plus one transposing
+  copy all take 3.5 ms: PyTorch does not tile transposes);
+* anything else (1-D interleaved biases, CPU tensors, other strides): a copy per expert.
 """
 
 from __future__ import annotations
@@ -32,14 +33,14 @@ def fill_stack(stack: ExpertStack, out: torch.Tensor, experts: list[torch.Tensor
     if stack.interleave == 1 and not stack.transpose and out.is_contiguous():
         torch.stack(experts, out=out)
         return
-    if stack.interleave == 1 and stack.transpose and _transposes_on_device(out, experts):
+    if stack.transpose and _transposes_on_device(out, experts):
         from mbridge_refit.runtime import stack_kernels
 
         key = ("expert_addresses", tuple(x.data_ptr() for x in experts))
         table = memo.get(key)
         if table is None:
             table = memo[key] = stack_kernels.address_table(experts)
-        stack_kernels.transpose_experts(out, table, tuple(experts[0].shape))
+        stack_kernels.transpose_experts(out, table, tuple(experts[0].shape), stack.interleave)
         return
     for slot, expert in zip(out, experts):
         stack.copy_into(slot, expert)
