@@ -33,7 +33,7 @@ def fill_stack(stack: ExpertStack, out: torch.Tensor, experts: list[torch.Tensor
     if stack.interleave == 1 and not stack.transpose and out.is_contiguous():
         torch.stack(experts, out=out)
         return
-    if stack.transpose and _transposes_on_device(out, experts):
+    if stack.transpose and _transposes_on_device(stack, out, experts):
         from mbridge_refit.runtime import stack_kernels
 
         key = ("expert_addresses", tuple(x.data_ptr() for x in experts))
@@ -46,11 +46,11 @@ def fill_stack(stack: ExpertStack, out: torch.Tensor, experts: list[torch.Tensor
         stack.copy_into(slot, expert)
 
 
-def _transposes_on_device(out: torch.Tensor, experts: list[torch.Tensor]) -> bool:
+def _transposes_on_device(stack: ExpertStack, out: torch.Tensor, experts: list[torch.Tensor]) -> bool:
     if not out.is_cuda:
         return False
     try:
         from mbridge_refit.runtime import stack_kernels
     except ImportError:  # no Triton: the torch path
         return False
-    return stack_kernels.takes(out, experts) and stack_kernels.usable(out.device.index)
+    return stack.interleave in stack_kernels.INTERLEAVES and stack_kernels.takes(out, experts) and stack_kernels.usable(out.device.index)

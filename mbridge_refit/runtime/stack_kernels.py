@@ -1,5 +1,5 @@
-"""A CUDA kernel that writes a transposed stack of experts in one launch: ``out[e] = experts[e].T``,
-its columns optionally interleaved (GPT-OSS's gate/up rows).
+"""CUDA kernels that write a transposed stack of experts in one launch: ``out[e] = experts[e].T``,
+its columns optionally interleaved in pairs (GPT-OSS's gate/up rows).
 
 Imported lazily by ``runtime.stack_fill`` (an ImportError where Triton is missing means the
 torch path runs). A stacked expert tensor in a checkpoint's transposed layout (Qwen3-VL-MoE's
@@ -9,13 +9,16 @@ transpose: on an H100 it runs at about a sixth of a plain copy's bandwidth, whet
 expert, as one ``_foreach_copy_`` or as one copy of a staged stack
 (``scripts/bench_stacked_experts.py``). This kernel moves one tile of one expert per program:
 a coalesced load of a ``BLOCK`` x ``BLOCK`` tile of the expert, transposed in registers
-(``tl.trans``), a store into the output (coalesced; with ``interleave`` k, parameter row
-``b*(n/k) + i`` lands in output column ``i*k + b``, as ``ExpertStack`` lays it out); the experts'
-addresses come from an int64 table (they are separate tensors).
+(``tl.trans``), a coalesced store into the output; the experts' addresses come from an int64
+table (they are separate tensors). Interleaved in pairs (``ExpertStack(interleave=2)``:
+parameter row ``b*(n/2) + i`` lands in output column ``2*i + b``), a program loads the tile of
+gate rows and the tile of up rows beside it and stores them joined (``tl.join``), so the store
+stays contiguous: storing one tile at a column stride of 2 ran at half the speed of a copy per
+expert on an H100.
 
 It only moves bytes, so its output is the torch path's bit for bit; it is used only after it
 reproduced the torch path on probe shapes (partial tiles in both dimensions, one expert, several,
-interleaved in 2 and 3 blocks) on this device (``usable``: once per process).
+interleaved in pairs) on this device (``usable``: once per process).
 """
 
 from __future__ import annotations
@@ -35,20 +38,38 @@ BLOCK = 64
 
 
 @triton.jit
-def _transpose_experts(table, out_ptr, rows, cols, interleave, BLOCK_SIZE: tl.constexpr):
+def _transpose_experts(table, out_ptr, rows, cols, BLOCK_SIZE: tl.constexpr):
     """Program (tile row, tile column, expert e): rows [r, r+B) x columns [c, c+B) of expert e
-    ([rows, cols], contiguous, at address ``table[e]``) into out[e] ([cols, rows], contiguous),
-    row r into column (r % (rows / interleave)) * interleave + r // (rows / interleave)."""
+    ([rows, cols], contiguous, at address ``table[e]``) into out[e] ([cols, rows], contiguous)."""
     expert = tl.program_id(2).to(tl.int64)
     source = tl.load(table + expert).to(tl.pointer_type(out_ptr.dtype.element_ty))
     r = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     c = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = (r[:, None] < rows) & (c[None, :] < cols)
     tile = tl.load(source + r[:, None].to(tl.int64) * cols + c[None, :], mask=mask)
-    block_rows = rows // interleave
-    column = (r % block_rows) * interleave + r // block_rows
     target = out_ptr + expert * rows * cols
-    tl.store(target + c[:, None].to(tl.int64) * rows + column[None, :], tl.trans(tile), mask=tl.trans(mask))
+    tl.store(target + c[:, None].to(tl.int64) * rows + r[None, :], tl.trans(tile), mask=tl.trans(mask))
+
+
+@triton.jit
+def _transpose_expert_pairs(table, out_ptr, rows, cols, BLOCK_SIZE: tl.constexpr):
+    """Program (tile row, tile column, expert e): gate rows [i, i+B) and up rows [h+i, h+i+B)
+    (h = rows / 2) x columns [c, c+B) of expert e into out[e] columns [2i, 2i+2B), gate and up
+    alternating: out[e][c, 2*i + b] = expert[b*h + i, c]."""
+    expert = tl.program_id(2).to(tl.int64)
+    source = tl.load(table + expert).to(tl.pointer_type(out_ptr.dtype.element_ty))
+    half = rows // 2
+    i = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    c = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = (i[:, None] < half) & (c[None, :] < cols)
+    offsets = i[:, None].to(tl.int64) * cols + c[None, :]
+    gate = tl.load(source + offsets, mask=mask)
+    up = tl.load(source + offsets + half.to(tl.int64) * cols, mask=mask)
+    pairs = tl.reshape(tl.permute(tl.join(gate, up), (1, 0, 2)), (BLOCK_SIZE, 2 * BLOCK_SIZE))  # [c, 2i + b]
+    column = tl.program_id(0) * 2 * BLOCK_SIZE + tl.arange(0, 2 * BLOCK_SIZE)
+    target = out_ptr + expert * rows * cols
+    store_mask = (c[:, None] < cols) & (column[None, :] < rows)
+    tl.store(target + c[:, None].to(tl.int64) * rows + column[None, :], pairs, mask=store_mask)
 
 
 def takes(out: torch.Tensor, experts: list[torch.Tensor]) -> bool:
@@ -67,14 +88,18 @@ def address_table(experts: list[torch.Tensor]) -> torch.Tensor:
     return torch.tensor([x.data_ptr() for x in experts], dtype=torch.int64, device=experts[0].device)
 
 
+INTERLEAVES = (1, 2)  # the ``ExpertStack.interleave`` values a kernel here writes
+
+
 def transpose_experts(out: torch.Tensor, table: torch.Tensor, expert_shape: tuple[int, int], interleave: int = 1) -> None:
     """``out[e] = expert_e.T`` for every expert of ``table`` (``address_table``), its columns
-    interleaved in ``interleave`` blocks (which must divide the expert's rows), one launch."""
+    interleaved in pairs with ``interleave=2`` (the rows must be even), one launch."""
     rows, cols = expert_shape
-    if rows % interleave:
-        raise ValueError(f"{rows} rows cannot be interleaved in {interleave} blocks")
-    grid = (triton.cdiv(rows, BLOCK), triton.cdiv(cols, BLOCK), table.numel())
-    _transpose_experts[grid](table, out, rows, cols, interleave, BLOCK_SIZE=BLOCK)
+    if interleave not in INTERLEAVES or rows % interleave:
+        raise ValueError(f"no kernel interleaves {rows} rows in {interleave} blocks (kernels: {INTERLEAVES})")
+    grid = (triton.cdiv(rows // interleave, BLOCK), triton.cdiv(cols, BLOCK), table.numel())
+    kernel = _transpose_experts if interleave == 1 else _transpose_expert_pairs
+    kernel[grid](table, out, rows, cols, BLOCK_SIZE=BLOCK)
 
 
 @functools.cache
@@ -85,7 +110,7 @@ def usable(device_index: int) -> bool:
         device = torch.device("cuda", device_index)
         generator = torch.Generator().manual_seed(0)
         for experts_count, shape, interleave in ((3, (130, 70), 1), (1, (64, 64), 1), (5, (1, 200), 1), (2, (257, 3), 1),
-                                                 (3, (130, 70), 2), (2, (192, 40), 3)):
+                                                 (3, (130, 70), 2), (2, (256, 40), 2), (1, (2, 5), 2)):
             experts = [torch.randn(shape, generator=generator).to(torch.bfloat16).to(device) for _ in range(experts_count)]
             out = torch.full((experts_count, shape[1], shape[0]), float("nan"), dtype=torch.bfloat16, device=device)
             transpose_experts(out, address_table(experts), shape, interleave)
