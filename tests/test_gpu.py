@@ -102,3 +102,27 @@ def test_vllm_refit_equals_loading_from_disk(script, tmp_path):
     )
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     assert run.stdout.rstrip().splitlines()[-1].startswith("OK"), run.stdout[-2000:]
+
+
+@pytest.mark.parametrize(("interleave", "shape"), [(1, (1536, 2048)), (1, (2048, 768)), (2, (5760, 2880)), (1, (130, 70)), (2, (6, 3))],
+                         ids=["qwen3-vl-gate-up", "qwen3-vl-down", "gpt-oss-gate-up", "partial-tiles", "tiny-pairs"])
+def test_stack_kernels_write_what_copy_into_writes(interleave, shape):
+    """The Triton transposed stack (``runtime.stack_kernels``, through ``runtime.stack_fill``) against
+    ``ExpertStack.copy_into`` per expert, bitwise; twice, the second from the memoised address table."""
+    from mbridge_refit.plan.stacking import ExpertStack
+    from mbridge_refit.runtime import stack_kernels
+    from mbridge_refit.runtime.stack_fill import fill_stack
+
+    assert stack_kernels.usable(torch.cuda.current_device())
+    stack = ExpertStack(interleave=interleave, transpose=True)
+    generator = torch.Generator().manual_seed(0)
+    experts = [torch.randn(shape, generator=generator).to(torch.bfloat16).cuda() for _ in range(4)]
+    expected = torch.empty((4, *stack.expert_shape(shape)), dtype=torch.bfloat16, device="cuda")
+    for slot, expert in zip(expected, experts):
+        stack.copy_into(slot, expert)
+    memo: dict = {}
+    for _ in range(2):
+        out = torch.full_like(expected, float("nan"))
+        fill_stack(stack, out, experts, memo)
+        assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+    assert len(memo) == 1
