@@ -85,9 +85,12 @@ GROUPED_EXPERT_REPEATS = (
     "tp2ep2-MiniMaxM3SparseForConditionalGeneration",
 )
 # The packed-expert checkpoint variants beyond TP1: by default Qwen3-VL-MoE (its published transposed
-# stack) and Qwen3.5-MoE at EP2, GLM-4.5 at TP2xEP2.
+# stack) at PP2 and EP2, Qwen3.5-MoE at EP2, GLM-4.5 at TP2xEP2.
 PACKED = "+packed_experts"
 PACKED_REPEATS = (
+    *(f"pp2-{arch}{PACKED}" for arch in (
+        "Glm4MoeForCausalLM", "Glm4vMoeForConditionalGeneration", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
+    )),
     *(f"ep2-{arch}{PACKED}" for arch in ("Glm4MoeForCausalLM", "Glm4vMoeForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")),
     *(f"tp2ep2-{arch}{PACKED}" for arch in (
         "Glm4vMoeForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration", "Qwen3_5MoeForCausalLM",

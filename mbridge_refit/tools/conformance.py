@@ -93,7 +93,7 @@ SESSION_TIMEOUT = datetime.timedelta(minutes=2)  # a rank whose peer failed rais
 #   gathered over EP), the hybrid MoE families (Nemotron-H, Qwen3-Next, Qwen3.5-MoE: experts beside
 #   Mamba or gated-delta-net layers) and the grouped-expert families (DeepSeek, GLM-4.5, MiniMax-M3),
 #   and the packed-expert checkpoint variants (one [E, ...] tensor per projection, stacked over EP;
-#   Qwen3-VL-MoE's published one transposed). The other MoE families are stock's (ERNIE 4.5's own
+#   Qwen3-VL-MoE's published one transposed; at PP2 too, their stacks on either stage). The other MoE families are stock's (ERNIE 4.5's own
 #   mappings) or fail at TP1 already: the TP1 column records why.
 # TP1 runs every registered architecture and the checkpoint variants (``MATRIX_VARIANTS``).
 # Cells that repeat a placement kind a faster default cell of the same layout proves are marked
@@ -125,6 +125,7 @@ MATRIX_LAYOUTS: Mapping[str, tuple[ParallelLayout, tuple[str, ...] | None]] = Ma
         "MistralForCausalLM", "NemotronForCausalLM", "NemotronHForCausalLM", "Qwen2ForCausalLM",
         "Qwen2_5_VLForConditionalGeneration", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM",
         "Qwen3VLForConditionalGeneration", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", *GROUPED_EXPERT_FAMILIES,
+        *PACKED_EXPERT_MODELS,
     )),
     "ep2": (ParallelLayout(ep=2), (
         "GptOssForCausalLM", "HYV3ForCausalLM", "Qwen3MoeForCausalLM", *HYBRID_MOE_FAMILIES, *GROUPED_EXPERT_FAMILIES,
