@@ -293,15 +293,122 @@ def test_a_mamba_mixer_without_a_head_count_is_refused():
 @pytest.mark.parametrize("tp", TP_SIZES)
 def test_pp_safe_gated_mlp_slices_rebuild_upstream_split(tp, monkeypatch):
     """Ernie 4.5's ``_PPSafeGatedMLPMapping`` exports as ``GatedMLPMapping`` for a parameter a rank
-    holds (its override only turns "no stage holds it" into ``{}``); its expert-bias mapping, which
-    reshapes on export, stays refused."""
-    from megatron.bridge.models.ernie.ernie_45_bridge import _PPSafeGatedMLPMapping, _SqueezeBiasMapping
-
-    from mbridge_refit.plan.placement import PlacementError, placement_kind
+    holds (its override only turns "no stage holds it" into ``{}``)."""
+    from megatron.bridge.models.ernie.ernie_45_bridge import _PPSafeGatedMLPMapping
 
     config = types.SimpleNamespace(hidden_size=HIDDEN)
     mapping = _PPSafeGatedMLPMapping("decoder.layers.0.mlp.linear_fc1.weight", "l.0.mlp.gate_proj.weight", "l.0.mlp.up_proj.weight")
     assert_rebuilds(mapping, (8 * tp, HIDDEN), config, tp, monkeypatch, "gated")
-    squeeze = _SqueezeBiasMapping("decoder.layers.1.mlp.router.expert_bias", "l.1.mlp.moe_statics.e_score_correction_bias")
-    with pytest.raises(PlacementError, match="_SqueezeBiasMapping, which overrides ReplicatedMapping.megatron_to_hf"):
-        placement_kind(squeeze, column_parallel_module(config))
+
+
+def replicated_module(config) -> torch.nn.Module:
+    """A module the bridge reads as replicated over tensor-parallel ranks (a router, a norm)."""
+    module = torch.nn.Module()
+    module.config, module.tensor_model_parallel = config, False
+    return module
+
+
+def _relayout_cases():
+    from megatron.bridge.models.conversion.param_mapping import AutoMapping
+    from megatron.bridge.models.ernie.ernie_45_bridge import _SqueezeBiasMapping
+
+    return {  # mapping, its module, a global shape (tp scales dim 0), the relayout
+        # Gemma 3 VL's projector: AutoMapping(permute_dims=(1, 0)), the gathered tensor transposed
+        "transposed-column": (AutoMapping("multi_modal_projector.proj.weight", "m.mm_input_projection_weight", permute_dims=(1, 0)),
+                              column_parallel_module, (4, HIDDEN + 3), "transpose"),
+        "transposed-replicated": (AutoMapping("vision_model.proj.weight", "v.proj", permute_dims=(1, 0)),
+                                  replicated_module, (HIDDEN + 3, 5), "transpose"),
+        # Ernie 4.5's expert bias: [N] -> [1, N] on export
+        "unsqueezed-bias": (_SqueezeBiasMapping("decoder.layers.1.mlp.router.expert_bias", "l.1.mlp.moe_statics.e_score_correction_bias"),
+                            replicated_module, (8,), "unsqueeze0"),
+    }
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("case", ["transposed-column", "transposed-replicated", "unsqueezed-bias"])
+def test_relaid_tensors_rebuild_upstream_export(case, tp, monkeypatch):
+    """A mapping that re-lays its base class's whole tensor out (``placement.RELAYOUTS``): every
+    rank's slices rebuild the tensor before the relayout, and the relayout of it is upstream's
+    export bit for bit, shape included; its load view gives back the rebuilt tensor."""
+    from mbridge_refit.plan.placement import RELAYOUTS
+
+    mapping, module_of, shape, relayout = _relayout_cases()[case]
+    config = types.SimpleNamespace(hidden_size=HIDDEN)
+    if module_of is replicated_module and tp > 1:
+        pytest.skip("a replicated tensor is whole on every rank: tp=1 says it all")
+    fake = FakeTensorParallel((shape[0] * tp, *shape[1:]), tp)
+    module = module_of(config)
+    upstream = upstream_export(mapping, fake, config, tp, monkeypatch, module)
+    (name, exported), = upstream.items()
+    base = {name: RELAYOUTS[relayout].load(exported)}
+    kind, rebuilt, writes = rebuilt_from_slices(mapping, fake, config, tp, base, module=module)
+    assert kind.relayout == relayout
+    assert torch.equal(writes[name], torch.ones_like(writes[name]))
+    relaid = RELAYOUTS[relayout].export(rebuilt[name])
+    assert relaid.shape == exported.shape and RELAYOUTS[relayout].export_shape(tuple(rebuilt[name].shape)) == tuple(exported.shape)
+    assert torch.equal(relaid, exported)
+
+
+def test_a_missing_relayout_is_caught():
+    """Without its relayout the projector's rebuilt tensor is not upstream's (the shapes differ)."""
+    from megatron.bridge.models.conversion.param_mapping import AutoMapping
+
+    mapping = AutoMapping("multi_modal_projector.proj.weight", "m.w", permute_dims=(1, 0))
+    plain = AutoMapping("multi_modal_projector.proj.weight", "m.w")
+    fake = FakeTensorParallel((4, HIDDEN + 3), 1)
+    config = types.SimpleNamespace(hidden_size=HIDDEN)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        transposed = upstream_export(mapping, fake, config, 1, monkeypatch)["m.w"]
+        as_stored = upstream_export(plain, fake, config, 1, monkeypatch)["m.w"]
+    assert transposed.shape != as_stored.shape
+
+
+def test_permutations_other_than_a_transpose_and_unknown_overrides_are_refused():
+    from megatron.bridge.models.conversion.param_mapping import AutoMapping, ReplicatedMapping
+
+    from mbridge_refit.plan.placement import PlacementError, placement_kind
+
+    config = types.SimpleNamespace(hidden_size=HIDDEN)
+    with pytest.raises(PlacementError, match=r"permute_dims=\(0, 2, 1\)"):
+        placement_kind(AutoMapping("a.weight", "h.a", permute_dims=(0, 2, 1)), column_parallel_module(config))
+
+    class Doubling(ReplicatedMapping):  # an override with no rule: it may change data or shape
+        def megatron_to_hf(self, megatron_weights, megatron_module):
+            return {k: v * 2 for k, v in super().megatron_to_hf(megatron_weights, megatron_module).items()}
+
+    with pytest.raises(PlacementError, match="Doubling, which overrides ReplicatedMapping.megatron_to_hf"):
+        placement_kind(Doubling("decoder.layers.0.mlp.router.expert_bias", "h.bias"), replicated_module(config))
+
+
+def _projector_entry(relayout: str | None):
+    from mbridge_refit.plan.entries import PlanEntry, TensorSharding
+    from mbridge_refit.plan.placement import SliceCopy
+
+    name = "multi_modal_projector.mm_input_projection_weight"
+    piece = SliceCopy(hf_name=name, dim=0, hf_start=0, hf_stop=4, local_start=0)
+    sharding = TensorSharding(mesh_dims=("tp", "dp"), mesh_shape=(1, 1), placements=("Replicate()", "Replicate()"),
+                              pieces=((piece,),), local_shape=(4, 6))
+    return PlanEntry(hf_name=name, shape=(6, 4) if relayout else (4, 6), dtype="bfloat16", megatron_param="multi_modal_projector.proj.weight",
+                     pp_rank=0, vpp_stage=0, is_expert=False, kind="replicated", sharding=sharding, relayout=relayout)
+
+
+def test_a_relaid_entry_is_built_as_its_base_in_a_buffer_and_round_trips_as_json():
+    from mbridge_refit.plan.entries import ExportPlan
+    from mbridge_refit.runtime.collectives import ParallelGroups
+    from mbridge_refit.runtime.schedule import AssemblyKind, base_entry, plan_assembly
+
+    groups = ParallelGroups(tp=None, ep=None, pp=None, tp_size=1, ep_size=1, pp_size=1, pp_rank=0, ep_rank=0, tp_rank=0)
+    assert plan_assembly(_projector_entry(None), groups).kind is AssemblyKind.VIEW  # control
+    relaid = _projector_entry("transpose")
+    assert plan_assembly(relaid, groups).kind is AssemblyKind.PIECES  # its own buffer: never a view of the parameter
+    assert relaid.base_shape == (4, 6) and base_entry(relaid).shape == (4, 6) and base_entry(relaid).relayout is None
+    plan = ExportPlan(entries=(relaid,), layer_map={0: (0, 0)}, tp=1, pp=1, ep=1, vpp=1)
+    assert ExportPlan.from_json(plan.to_json()) == plan
+
+
+def test_the_sharded_transfer_refuses_a_relaid_entry():
+    from mbridge_refit.plan.transfer import TransferPlanError, _check_plannable
+
+    _check_plannable(_projector_entry(None))  # control
+    with pytest.raises(TransferPlanError, match=r"mm_input_projection_weight.*'transpose'.*packed broadcast"):
+        _check_plannable(_projector_entry("transpose"))

@@ -103,9 +103,10 @@ def test_model_shape_reads_the_language_model_of_any_config(architecture, expect
 
 
 def test_mapping_with_its_own_export_conversion_is_refused_by_name():
-    """A mapping subclass that overrides megatron_to_hf (e.g. Ernie 4.5's expert bias, unsqueezed
-    to [1, N] on export) may change data or shape: the plan refuses it (the model then falls back
-    to the stock export) instead of exporting the base class's slices."""
+    """A mapping subclass that overrides megatron_to_hf with no rule for it (here one that
+    unsqueezes, as Ernie 4.5's expert bias does, but is not that class) may change data or shape:
+    the plan refuses it (the model then falls back to the stock export) instead of exporting the
+    base class's slices."""
     from megatron.bridge.models.conversion.param_mapping import ReplicatedMapping
 
     from mbridge_refit.plan.placement import PlacementError, placement_kind

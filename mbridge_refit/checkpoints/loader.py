@@ -28,7 +28,7 @@ import torch.distributed as dist
 from mbridge_refit.checkpoints.hf import HFCheckpoint
 from mbridge_refit.plan.entries import expert_number
 from mbridge_refit.plan.placement import (
-    ELEMENTWISE_OPS, PlacementError, ShardContext, SliceCopy, hf_extents, place_column, placement_kind, slice_copies,
+    ELEMENTWISE_OPS, RELAYOUTS, PlacementError, ShardContext, SliceCopy, hf_extents, place_column, placement_kind, slice_copies,
 )
 from mbridge_refit.plan.stacking import stacked_placement
 
@@ -104,7 +104,7 @@ def _load_tasks(
                 extents = hf_extents(kind, _context(task, config))
             except PlacementError as err:
                 raise LoadError(f"cannot load {task.global_param_name}: {err}") from err
-            _copy_slices(task.param_weight, copies, extents, checkpoint, report, task.global_param_name, kind.elementwise_op)
+            _copy_slices(task.param_weight, copies, extents, checkpoint, report, task.global_param_name, kind.elementwise_op, kind.relayout)
             written.add(id(task.param_weight))
         for output_weight, embedding_copies, extents in _tied_output_copies(model_bridge, chunks, config):
             _copy_slices(output_weight, embedding_copies, extents, checkpoint, report, "output_layer.weight (tied)")
@@ -138,13 +138,16 @@ def _context(task: Any, config: Any) -> ShardContext:
 
 def _copy_slices(
     param: torch.Tensor, copies: Iterable[SliceCopy], extents: dict[str, tuple[int, int]], checkpoint: HFCheckpoint,
-    report: LoadReport, where: str, elementwise_op: str | None = None,
+    report: LoadReport, where: str, elementwise_op: str | None = None, relayout: str | None = None,
 ) -> None:
     """Copy each slice into ``param``; with ``elementwise_op``, its inverse is applied to the
-    slice first, in the checkpoint's dtype (as the mapping's ``hf_to_megatron`` does)."""
+    slice first, in the checkpoint's dtype (as the mapping's ``hf_to_megatron`` does). With a
+    ``relayout`` the slices are of the stored tensor laid out back (``RELAYOUTS[relayout].load``),
+    which is read whole (such tensors are small: a projector, a bias)."""
     for copy in copies:
-        _check_shape(copy, extents[copy.hf_name][1], param, checkpoint, where)
-        data = copy.read(checkpoint.slice(copy.hf_name))
+        _check_shape(copy, extents[copy.hf_name][1], param, checkpoint, where, relayout)
+        source = checkpoint.slice(copy.hf_name) if relayout is None else RELAYOUTS[relayout].load(checkpoint.tensor(copy.hf_name))
+        data = copy.read(source)
         if elementwise_op is not None:
             data = data.clone()
             ELEMENTWISE_OPS[elementwise_op].load(data)
@@ -184,14 +187,21 @@ def _copy_expert_slot(task: Any, config: Any, checkpoint: HFCheckpoint, report: 
     _write(param, stack.read_from(slot), hf_name, checkpoint, report, where)
 
 
-def _check_shape(copy: SliceCopy, extent: int, param: torch.Tensor, checkpoint: HFCheckpoint, where: str) -> None:
+def _check_shape(
+    copy: SliceCopy, extent: int, param: torch.Tensor, checkpoint: HFCheckpoint, where: str, relayout: str | None = None,
+) -> None:
     """The checkpoint tensor must have exactly the shape the model needs: its split dimension as long
-    as all tensor-parallel ranks' slices together, every other dimension the local shard's. A
-    larger tensor is refused, never cropped."""
+    as all tensor-parallel ranks' slices together, every other dimension the local shard's (then
+    relaid, with a ``relayout``). A larger tensor is refused, never cropped."""
     if copy.hf_name not in checkpoint.weight_map:
         raise LoadError(f"{where}: tensor {copy.hf_name!r} is not in the checkpoint {checkpoint.path}")
     hf_shape = tuple(checkpoint.shape(copy.hf_name))
     expected = tuple(extent if d == copy.dim else size for d, size in enumerate(param.shape))
+    if relayout is not None:
+        relaid = RELAYOUTS[relayout].export_shape(expected)
+        if relaid is None:
+            raise LoadError(f"cannot load {where}: its {relayout!r} relayout has no description for shape {list(expected)}")
+        expected = relaid
     if hf_shape != expected:
         raise LoadError(
             f"checkpoint tensor {copy.hf_name!r} in {checkpoint.path} has shape {list(hf_shape)}, but this model "
@@ -225,25 +235,35 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _tied_output_copies(model_bridge: Any, chunks: list[torch.nn.Module], config: Any):
-    """With tied embeddings and PP>1 the last stage keeps its own copy of the embedding: fill it too."""
+    """With tied embeddings and PP>1 the last stage keeps its own copy of the embedding: fill it too.
+
+    Found by parameter name (``<prefix>output_layer.weight``: a vision-language model's language
+    model holds it under ``language_model.``), filled from the HF tensor of the same prefix's
+    ``embedding.word_embeddings.weight``. At PP=1 the output layer has no weight of its own."""
     if not getattr(config, "share_embeddings_and_output_weights", False):
         return
-    embedding_hf_name = model_bridge.mapping_registry().megatron_to_hf_lookup("embedding.word_embeddings.weight").hf_param
     from megatron.core import parallel_state
 
+    registry = model_bridge.mapping_registry()
     for chunk in chunks:
-        output_layer = getattr(chunk, "output_layer", None)
-        weight = getattr(output_layer, "weight", None)
-        if weight is None or getattr(chunk, "pre_process", False):
-            continue  # PP=1: the output layer uses the embedding parameter itself
-        ctx = ShardContext(
-            local_shape=tuple(weight.shape),
-            tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-            tp_size=parallel_state.get_tensor_model_parallel_world_size(),
-            config=config,
-        )
-        extent = ctx.tp_size * weight.shape[0]  # column-parallel rows of the embedding
-        yield weight, place_column(embedding_hf_name, ctx), {embedding_hf_name: (0, extent)}
+        for name, weight in chunk.named_parameters():
+            if not name.endswith("output_layer.weight"):
+                continue
+            prefix = name[: -len("output_layer.weight")]
+            owner = chunk.get_submodule(prefix.rstrip(".")) if prefix else chunk
+            if getattr(owner, "pre_process", False):
+                continue  # the first stage: the output layer reads the embedding parameter itself
+            mapping = registry.megatron_to_hf_lookup(prefix + "embedding.word_embeddings.weight")
+            if mapping is None:
+                raise LoadError(f"{name}: tied to an embedding the bridge maps no HF tensor to ({prefix}embedding.word_embeddings.weight)")
+            ctx = ShardContext(
+                local_shape=tuple(weight.shape),
+                tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+                tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+                config=config,
+            )
+            extent = ctx.tp_size * weight.shape[0]  # column-parallel rows of the embedding
+            yield weight, place_column(str(mapping.hf_param), ctx), {str(mapping.hf_param): (0, extent)}
 
 
 def _check_every_parameter_written(chunks: list[torch.nn.Module], written: set[int]) -> None:

@@ -36,10 +36,11 @@ def fp8_plan(plan: ExportPlan, config: BlockwiseFP8Config) -> ExportPlan:
             entries.append(entry)
             continue
         native = entry.source_format == FP8_BLOCKWISE
-        if native and entry.elementwise_op is not None:
+        conversion = entry.elementwise_op or entry.relayout
+        if native and conversion is not None:
             raise FP8FormatError(
-                f"{entry.hf_name}: its export applies {entry.elementwise_op!r} to the values, which cannot be done on the "
-                "trainer's FP8 data; keep this parameter in BF16 (out of TE's FP8 storage)"
+                f"{entry.hf_name}: its export applies {conversion!r} to the values, which cannot be done on the "
+                "trainer's FP8 data and scales; keep this parameter in BF16 (out of TE's FP8 storage)"
             )
         entries.append(dataclasses.replace(entry, dtype=FP8_DTYPE_NAME))
         entries.append(

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from mbridge_refit.plan.entries import ExportPlan, PlanEntry, PlanError, TensorSharding, expert_number, with_expert_number
-from mbridge_refit.plan.placement import PlacementError, PlacementKind, ShardContext, SliceCopy, placement_kind, slices_for
+from mbridge_refit.plan.placement import RELAYOUTS, PlacementError, PlacementKind, ShardContext, SliceCopy, placement_kind, slices_for
 from mbridge_refit.plan.stacking import ExpertStack, stacked_placement
 from mbridge_refit.plan.storage import PLAIN, storage_format
 
@@ -277,13 +277,26 @@ def _dense_entries(spec: ParamSpec, sizes: ParallelSizes, config: Any) -> list[P
             pieces=pieces if not replicated else pieces[:1],
             local_shape=spec.local_shape,
         )
-        entries.append(_entry(spec, hf_name, _hf_shape(spec.local_shape, sharding.pieces), sharding))
+        entries.append(_entry(spec, hf_name, _relaid_shape(spec, _hf_shape(spec.local_shape, sharding.pieces)), sharding))
     return entries
+
+
+def _relaid_shape(spec: ParamSpec, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The exported shape of a tensor the slices make in ``shape``, after the spec's relayout."""
+    relayout = spec.placement.relayout
+    if relayout is None:
+        return shape
+    relaid = RELAYOUTS[relayout].export_shape(shape)
+    if relaid is None:
+        raise PlacementError(f"its {relayout!r} relayout has no description for a tensor of shape {list(shape)}")
+    return relaid
 
 
 def _expert_entry(
     spec: ParamSpec, output_index: int, owner: int, local_index: int, sizes: ParallelSizes, config: Any
 ) -> PlanEntry:
+    if spec.placement.relayout is not None:
+        raise PlacementError(f"an expert parameter with a {spec.placement.relayout!r} relayout has no expert assembly")
     hf_name = spec.placement.hf_names[output_index]
     ctx = ShardContext(local_shape=spec.local_shape, tp_rank=0, tp_size=1, config=config)
     pieces = (tuple(c for c in slices_for(spec.placement, ctx) if c.hf_name == hf_name),)
@@ -341,6 +354,7 @@ def _entry(spec: ParamSpec, hf_name: str, shape: tuple[int, ...], sharding: Tens
         sharding=sharding,
         source_format=spec.source_format,
         elementwise_op=spec.placement.elementwise_op,
+        relayout=spec.placement.relayout,
     )
 
 

@@ -22,7 +22,7 @@ from typing import Any, Iterable
 
 import torch
 
-from mbridge_refit.plan.placement import SliceCopy
+from mbridge_refit.plan.placement import RELAYOUTS, SliceCopy
 from mbridge_refit.plan.stacking import ExpertStack
 from mbridge_refit.plan.storage import PLAIN
 
@@ -74,6 +74,14 @@ class PlanEntry:
     scale_of: str | None = None  # FP8 export: the blockwise scale of this weight entry (``fp8``)
     source_format: str = PLAIN  # how the trainer stores the parameter (``plan.storage``)
     elementwise_op: str | None = None  # applied to the assembled slices (``placement.ELEMENTWISE_OPS``)
+    relayout: str | None = None  # applied to the whole assembled tensor (``placement.RELAYOUTS``); ``shape`` is after it
+
+    @property
+    def base_shape(self) -> tuple[int, ...]:
+        """The shape of the tensor the slices make: ``shape`` before the entry's relayout."""
+        if self.relayout is None:
+            return self.shape
+        return RELAYOUTS[self.relayout].base_shape(self.shape)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -31,6 +31,13 @@ A few mappings convert values as well: the exported tensor is the base class's s
 an elementwise op that stock applies in the parameter's dtype (Qwen3-Next's zero-centred RMSNorm:
 ``+ 1``). ``elementwise_op_rules`` names them (mapping class -> op name, a key of
 ``ELEMENTWISE_OPS``); ``PlacementKind.elementwise_op`` carries the op into the plan.
+
+Others re-lay the whole tensor out: the exported tensor is the base class's whole tensor
+transposed (``AutoMapping(permute_dims=(1, 0))``: Gemma 3 VL's projector) or given a leading
+dimension of 1 (ERNIE 4.5's expert bias, ``_SqueezeBiasMapping``). ``RELAYOUTS`` describes each
+(its shape and a view of the tensor either way), ``relayout_rules`` names the mapping classes
+that apply one, and ``PlacementKind.relayout`` carries it into the plan; the slices describe
+the tensor before the re-layout.
 """
 
 from __future__ import annotations
@@ -339,6 +346,7 @@ class PlacementKind:
     kind: str  # a key of SLICE_RULES: "column", "row", "replicated", "gated", "qkv", "qkv_gated", "qkv_concatenated", "gdn_*", "mamba_*"
     hf_names: tuple[str, ...]
     elementwise_op: str | None = None  # a key of ELEMENTWISE_OPS, applied after the slices on export
+    relayout: str | None = None  # a key of RELAYOUTS, applied to the whole tensor the slices make
     heads: AttentionHeads | None = None  # the layer's own head layout: the rule reads it instead of the model's config
 
 
@@ -363,9 +371,11 @@ SLICE_RULES: dict[str, Callable[[tuple[str, ...], ShardContext], list[SliceCopy]
 
 
 def _auto_kind(mapping: Any, module: torch.nn.Module) -> PlacementKind:
-    if getattr(mapping, "permute_dims", None) is not None:
+    permute = getattr(mapping, "permute_dims", None)
+    if permute is not None and tuple(permute) != (1, 0):
         raise PlacementError(f"AutoMapping with permute_dims={mapping.permute_dims} has no slice description")
-    return PlacementKind(kind=_detected_kind(mapping, module), hf_names=(mapping.hf_param,))
+    # AutoMapping.megatron_to_hf permutes the gathered tensor with permute_dims: (1, 0) is a transpose
+    return PlacementKind(kind=_detected_kind(mapping, module), hf_names=(mapping.hf_param,), relayout=None if permute is None else "transpose")
 
 
 _DETECTED: dict[tuple, str] = {}
@@ -465,6 +475,47 @@ ELEMENTWISE_OPS: dict[str, ElementwiseOp] = {
 }
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Relayout:
+    """A re-layout a mapping applies to the whole tensor its base class's conversion makes:
+    ``export_shape`` of the base tensor's shape (None where the mapping leaves such a tensor as
+    it is), ``base_shape`` the inverse, ``export`` a view of the base tensor laid out as exported
+    (the exporter copies it into the output), ``load`` a view of the stored tensor laid out as
+    the base (what the CPU loader slices)."""
+
+    export_shape: Callable[[tuple[int, ...]], tuple[int, ...] | None]
+    base_shape: Callable[[tuple[int, ...]], tuple[int, ...]]
+    export: Callable[[torch.Tensor], torch.Tensor]
+    load: Callable[[torch.Tensor], torch.Tensor]
+
+
+RELAYOUTS: dict[str, Relayout] = {
+    # AutoMapping(permute_dims=(1, 0)).megatron_to_hf: torch.permute(gathered, (1, 0)).contiguous(), 2-D only
+    "transpose": Relayout(
+        export_shape=lambda shape: (shape[1], shape[0]) if len(shape) == 2 else None,
+        base_shape=lambda shape: (shape[1], shape[0]),
+        export=lambda tensor: tensor.t(),
+        load=lambda tensor: tensor.t(),
+    ),
+    # _SqueezeBiasMapping.megatron_to_hf: v.unsqueeze(0) if v.ndim == 1 else v
+    "unsqueeze0": Relayout(
+        export_shape=lambda shape: (1, *shape) if len(shape) == 1 else None,
+        base_shape=lambda shape: tuple(shape[1:]),
+        export=lambda tensor: tensor.unsqueeze(0),
+        load=lambda tensor: tensor.squeeze(0),
+    ),
+}
+
+
+@functools.cache
+def relayout_rules() -> dict[type, str]:
+    """Mapping class -> the relayout its ``megatron_to_hf`` applies to its base class's result
+    (exact classes). ``AutoMapping``'s ``permute_dims`` is read from the mapping itself."""
+    from megatron.bridge.models.ernie.ernie_45_bridge import _SqueezeBiasMapping
+
+    return {_SqueezeBiasMapping: "unsqueeze0"}
+
+
 @functools.cache
 def elementwise_op_rules() -> dict[type, str]:
     """Mapping class -> the op its ``megatron_to_hf`` applies to its base class's result (exact
@@ -482,9 +533,13 @@ def placement_kind(mapping: Any, module: torch.nn.Module) -> PlacementKind:
     if not getattr(mapping, "is_grouped_export", False):
         for mapping_type, rule in placement_rules():
             if isinstance(mapping, mapping_type):
-                op = _elementwise_op(mapping, mapping_type)
+                op, relayout = _conversion_on_top(mapping, mapping_type)
                 kind = rule(mapping, module)
-                return kind if op is None else dataclasses.replace(kind, elementwise_op=op)
+                if op is not None:
+                    kind = dataclasses.replace(kind, elementwise_op=op)
+                if relayout is not None:
+                    kind = dataclasses.replace(kind, relayout=relayout)
+                return kind
     supported = ", ".join(t.__name__ for t, _ in placement_rules())
     raise PlacementError(
         f"parameter {mapping.megatron_param!r} uses {type(mapping).__name__}, which has no slice "
@@ -511,19 +566,22 @@ def _effective_export(cls: type) -> Callable:
     return cls.megatron_to_hf
 
 
-def _elementwise_op(mapping: Any, mapping_type: type) -> str | None:
-    """None for a mapping that exports as ``mapping_type`` does; the op name for a class of
-    ``elementwise_op_rules`` directly over ``mapping_type`` (its base's slices, then the op).
+def _conversion_on_top(mapping: Any, mapping_type: type) -> tuple[str | None, str | None]:
+    """``(elementwise op, relayout)`` a mapping applies on top of ``mapping_type``'s conversion:
+    ``(None, None)`` for one that exports as ``mapping_type`` does; the op of a class of
+    ``elementwise_op_rules``, or the relayout of a class of ``relayout_rules``, whose base class
+    exports as ``mapping_type`` does (its base's slices, then the op or the relayout).
 
-    Any other subclass that overrides the export conversion may change data or shape (e.g. Ernie
-    4.5's expert bias, unsqueezed to [1, N] on export): the slice rules describe only the base
-    class, so such a mapping is refused by name and the model falls back to the stock export."""
+    Any other subclass that overrides the export conversion may change data or shape in ways the
+    slice rules do not describe: such a mapping is refused by name and the model falls back to
+    the stock export."""
     cls = type(mapping)
     if _effective_export(cls) is mapping_type.megatron_to_hf:
-        return None
-    op = elementwise_op_rules().get(cls)
-    if op is not None and cls.__base__.megatron_to_hf is mapping_type.megatron_to_hf:
-        return op
+        return None, None
+    over_base = _effective_export(cls.__base__) is mapping_type.megatron_to_hf
+    op, relayout = elementwise_op_rules().get(cls), relayout_rules().get(cls)
+    if over_base and (op is not None or relayout is not None):
+        return op, relayout
     raise PlacementError(
         f"parameter {mapping.megatron_param!r} uses {type(mapping).__name__}, which overrides "
         f"{mapping_type.__name__}.megatron_to_hf (a conversion the slice rules cannot describe)"

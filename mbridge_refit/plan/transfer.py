@@ -224,6 +224,11 @@ def _check_plannable(entry: PlanEntry) -> None:
             f"{entry.hf_name}: its export applies {entry.elementwise_op!r} to the trainer's values, and a sharded refit "
             "moves the values as they are stored; refit this model with the packed broadcast (full export) instead"
         )
+    if entry.relayout is not None:
+        raise TransferPlanError(
+            f"{entry.hf_name}: its export lays the trainer's tensor out anew ({entry.relayout!r}), and a sharded refit "
+            "moves boxes of the tensor as the trainer stores it; refit this model with the packed broadcast (full export) instead"
+        )
     if entry.scale_of is not None or entry.source_format != PLAIN:
         raise TransferPlanError(
             f"{entry.hf_name}: a sharded refit moves the trainer's parameters as they are stored, in their own dtype; "

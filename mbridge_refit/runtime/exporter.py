@@ -8,7 +8,9 @@ group (a stacked expert tensor: each local expert copied into its slot, then the
 all-gathered into the output); each HF tensor is then broadcast from the owning stage to the
 other pipeline stages. Every rank yields every tensor, in plan order (the stock export's order).
 An entry with an ``elementwise_op`` is assembled into its own output buffer (never a view of a
-parameter) and the op is applied there in place, on the owning stage, before any broadcast.
+parameter) and the op is applied there in place, on the owning stage, before any broadcast; an
+entry with a ``relayout`` is assembled as it is before the relayout and copied, relaid, into an
+output buffer of its own there.
 
 Buffers (gather, output, receive) come from ``ExportBuffers``; with a persistent pool they are
 allocated on the first export and reused by every later one.
@@ -23,7 +25,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from mbridge_refit.plan.entries import ExportPlan, PlanEntry
-from mbridge_refit.plan.placement import ELEMENTWISE_OPS
+from mbridge_refit.plan.placement import ELEMENTWISE_OPS, RELAYOUTS
 from mbridge_refit.runtime.buffers import ExportBuffers
 from mbridge_refit.runtime.collectives import ParallelGroups, broadcast_from, coalesced, current_groups, gather_into
 from mbridge_refit.runtime.schedule import Assembly, AssemblyKind, Bucket, Op, build_buckets, build_ops, gather_count
@@ -211,18 +213,23 @@ class PlanExporter:
         launched: dict = {"local": local}
         for i, assembly in enumerate(op.assemblies):
             if assembly.kind is AssemblyKind.GATHER_ROWS:
-                launched[i] = self._gather_rows(op.entries[i], assembly, local, buffers, (slot, i))
+                launched[i] = self._gather_rows(op.builds[i], assembly, local, buffers, (slot, i))
         if op.gathers_whole_shards:
             launched["whole"] = _gather(local, groups.tp, groups.tp_size, buffers, "tp_gather", slot)
         return launched
 
     def _assemble(self, op: Op, slot: int, launched: dict, buffers: ExportBuffers) -> list[torch.Tensor]:
         outputs = self._assemble_slices(op, slot, launched, buffers)
-        for entry, assembly, tensor in zip(op.entries, op.assemblies, outputs):
+        for i, (entry, assembly, tensor) in enumerate(zip(op.entries, op.assemblies, outputs)):
+            if entry.elementwise_op is None and entry.relayout is None:
+                continue
+            if assembly.kind in (AssemblyKind.VIEW, AssemblyKind.INDEX, AssemblyKind.STACK):
+                raise AssertionError(f"{entry.hf_name}: a conversion on a {assembly.kind} assembly")
             if entry.elementwise_op is not None:
-                if assembly.kind in (AssemblyKind.VIEW, AssemblyKind.INDEX, AssemblyKind.STACK):
-                    raise AssertionError(f"{entry.hf_name}: an elementwise op on a {assembly.kind} assembly")
                 ELEMENTWISE_OPS[entry.elementwise_op].export(tensor)
+            if entry.relayout is not None:
+                outputs[i] = buffers.get("relaid", (slot, i), entry.shape, tensor.dtype, tensor.device)
+                outputs[i].copy_(RELAYOUTS[entry.relayout].export(tensor))
         return outputs
 
     def _assemble_slices(self, op: Op, slot: int, launched: dict, buffers: ExportBuffers) -> list[torch.Tensor]:
@@ -235,7 +242,7 @@ class PlanExporter:
                 for i, (entry, assembly) in enumerate(zip(op.entries, op.assemblies))
             ]
         outputs: list[torch.Tensor] = []
-        for i, (entry, assembly) in enumerate(zip(op.entries, op.assemblies)):
+        for i, (entry, assembly) in enumerate(zip(op.builds, op.assemblies)):
             if i in launched:
                 outputs.append(launched[i])
             elif assembly.kind is AssemblyKind.PIECES and op.sharded_over_tp:

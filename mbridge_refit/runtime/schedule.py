@@ -17,7 +17,10 @@ index over the expert-parallel ranks) with the plan entries it yields and, per e
 
 An entry with an ``elementwise_op`` (``placement.ELEMENTWISE_OPS``) is never a ``VIEW`` or an
 ``INDEX``: it is always built in its own output buffer (``PIECES`` where it would be a view),
-to which the exporter applies the op in place on every export.
+to which the exporter applies the op in place on every export. An entry with a ``relayout``
+(``placement.RELAYOUTS``: a transpose, a leading dimension of 1) is assembled as its
+``build`` (the entry before the relayout: ``base_entry``), likewise never a view, and the
+exporter copies the relaid tensor into the entry's own output buffer.
 
 ``build_buckets`` packs consecutive whole layers of one pipeline stage and gather group into
 buckets whose gathers are issued together (one coalesced NCCL group). Every rank computes the
@@ -26,6 +29,7 @@ same buckets: they read only the plan.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import re
 from dataclasses import dataclass
@@ -68,7 +72,8 @@ class Op:
     """One gather unit: a Megatron parameter (or one local expert index) and the entries it yields."""
 
     entries: list[PlanEntry]
-    assemblies: list[Assembly]
+    assemblies: list[Assembly]  # how each entry's ``build`` is assembled
+    builds: list[PlanEntry]  # per entry, what its slices make: the entry, or before its relayout (``base_entry``)
     # The global names of the local parameters the op reads: one, or for ``STACK`` this rank's
     # expert parameters in slot order; empty where this rank holds no shard.
     sources: tuple[str, ...]
@@ -119,6 +124,7 @@ def build_ops(plan: ExportPlan, params: Mapping[str, torch.Tensor], groups: Para
         if ops and _op_key(ops[-1].entries[0]) == key and entry.alias_of is None:
             ops[-1].entries.append(entry)
             ops[-1].assemblies.append(plan_assembly(entry, groups))
+            ops[-1].builds.append(base_entry(entry))
             continue
         sources: tuple[str, ...] = ()
         if entry.alias_of is None and entry.pp_rank == groups.pp_rank:
@@ -133,6 +139,7 @@ def build_ops(plan: ExportPlan, params: Mapping[str, torch.Tensor], groups: Para
             Op(
                 entries=[entry],
                 assemblies=[plan_assembly(entry, groups)],
+                builds=[base_entry(entry)],
                 sources=sources,
                 sharded_over_tp=not entry.is_expert and len(entry.sharding.pieces) > 1,
                 expert=entry.is_expert,
@@ -193,14 +200,23 @@ def layer_of(megatron_param: str) -> int | str:
     return int(match.group(1)) if match else megatron_param
 
 
+def base_entry(entry: PlanEntry) -> PlanEntry:
+    """What ``entry``'s slices make: the entry itself, or, for one with a relayout, the tensor
+    before it (its ``base_shape``, no relayout)."""
+    if entry.relayout is None:
+        return entry
+    return dataclasses.replace(entry, shape=entry.base_shape, relayout=None)
+
+
 def plan_assembly(entry: PlanEntry, groups: ParallelGroups) -> Assembly:
-    """Choose how to build ``entry`` on this rank from its slice pieces (decided once)."""
+    """Choose how to build ``entry`` (its ``base_entry``) on this rank from its slice pieces (decided once)."""
     if entry.sharding.stack is not None:
-        if entry.elementwise_op is not None:
-            raise ValueError(f"{entry.hf_name}: a stacked expert tensor with an elementwise op has no assembly")
+        if entry.elementwise_op is not None or entry.relayout is not None:
+            raise ValueError(f"{entry.hf_name}: a stacked expert tensor with an elementwise op or a relayout has no assembly")
         return Assembly(kind=AssemblyKind.STACK)
-    assembly = _slices_assembly(entry, groups)
-    if entry.elementwise_op is not None and assembly.kind in (AssemblyKind.VIEW, AssemblyKind.INDEX):
+    assembly = _slices_assembly(base_entry(entry), groups)
+    converted = entry.elementwise_op is not None or entry.relayout is not None
+    if converted and assembly.kind in (AssemblyKind.VIEW, AssemblyKind.INDEX):
         return _pieces_assembly(entry.sharding.pieces)  # into a buffer of its own: the op must not touch the parameter
     return assembly
 

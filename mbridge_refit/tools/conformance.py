@@ -76,8 +76,9 @@ SESSION_TIMEOUT = datetime.timedelta(minutes=2)  # a rank whose peer failed rais
 #   attention (DeepSeek-V2/V3, GLM-4.7-Flash: down projections duplicated over TP, norms fused into
 #   the up projections), vision-language models (Qwen3.5-VL's and Qwen3-VL's concatenated vision
 #   QKV), tied embeddings, a hybrid Mamba model (Nemotron-H: the mixer's in_proj and conv1d split
-#   per component, two Mamba groups), and a model the plan refuses (ERNIE 4.5's reshaped expert
-#   bias: its stock fallback and FP8 refusal at TP2). Gemma 3 adds Transformer Engine's module
+#   per component, two Mamba groups), relaid tensors (Gemma 3 VL's transposed projector, ERNIE
+#   4.5's expert bias given a leading dimension), and a model the plan refuses (EXAONE 4.5's vision
+#   QKV: its stock fallback and FP8 refusal at TP2). Gemma 3 adds Transformer Engine's module
 #   structure (built from its stand-ins, tools.cpu_specs): norms fused into the column-parallel
 #   linears (``layer_norm_weight``) and replicated norms inside the row-parallel ones
 #   (``post_layernorm``); Qwen3-VL a vision tower with deepstack mergers built inside its provider.
@@ -86,15 +87,16 @@ SESSION_TIMEOUT = datetime.timedelta(minutes=2)  # a rank whose peer failed rais
 #   vision towers (first stage only: Qwen2.5-VL's, and Qwen3-VL's whose deepstack features feed the
 #   first stage's layers) and dense and MoE layers (HY-V3's and DeepSeek's stages differ in kind;
 #   Nemotron-H's hold Mamba and MoE, then attention and MLP layers; Qwen3-Next's and Qwen3.5's
-#   gated-delta-net and attention layers).
+#   gated-delta-net and attention layers; Gemma 3 VL's tied head on the last stage of a VLM).
 # * EP2 and TP2xEP2 (2 ranks: the experts split across the tensor-parallel ranks, Megatron's
 #   expert tensor parallel size 1): every MoE family whose CPU build stock can export: Qwen3-MoE
-#   (per-expert tensors), HY-V3 (expert bias, dense first layer), GPT-OSS (stacked experts,
+#   (per-expert tensors), HY-V3 and ERNIE 4.5 (expert bias, dense first layer), GPT-OSS (stacked experts,
 #   gathered over EP), the hybrid MoE families (Nemotron-H, Qwen3-Next, Qwen3.5-MoE: experts beside
 #   Mamba or gated-delta-net layers) and the grouped-expert families (DeepSeek, GLM-4.5, MiniMax-M3),
 #   and the packed-expert checkpoint variants (one [E, ...] tensor per projection, stacked over EP;
-#   Qwen3-VL-MoE's published one transposed; at PP2 too, their stacks on either stage). The other MoE families are stock's (ERNIE 4.5's own
-#   mappings) or fail at TP1 already: the TP1 column records why.
+#   Qwen3-VL-MoE's published one transposed; at PP2 too, their stacks on either stage). The other
+#   MoE families are stock's (ERNIE 4.5 VL's stateful expert-bias mapping) or fail at TP1 already:
+#   the TP1 column records why.
 # TP1 runs every registered architecture and the checkpoint variants (``MATRIX_VARIANTS``).
 # Cells that repeat a placement kind a faster default cell of the same layout proves are marked
 # slow in ``tests/conftest.py::SLOW_CASES`` (the matrix page shows them all).
@@ -114,25 +116,26 @@ MATRIX_VARIANTS = PACKED_EXPERT_MODELS  # the variant models every layout of Non
 MATRIX_LAYOUTS: Mapping[str, tuple[ParallelLayout, tuple[str, ...] | None]] = MappingProxyType({
     "tp1": (ParallelLayout(), None),
     "tp2": (ParallelLayout(tp=2), (
-        "Ernie4_5_MoeForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM", "GemmaForCausalLM", "GptOssForCausalLM",
+        "Ernie4_5_MoeForCausalLM", "Exaone4_5_ForConditionalGeneration", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
+        "Gemma4ForCausalLM", "GemmaForCausalLM", "GptOssForCausalLM",
         "HYV3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "NemotronForCausalLM", "NemotronHForCausalLM",
         "Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
         "Qwen3NextForCausalLM", "Qwen3VLForConditionalGeneration", "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
         "Qwen3_5MoeForCausalLM", *GROUPED_EXPERT_FAMILIES,
     )),
     "pp2": (ParallelLayout(pp=2), (
-        "Gemma3ForCausalLM", "GemmaForCausalLM", "GptOssForCausalLM", "HYV3ForCausalLM", "LlamaForCausalLM",
+        "Ernie4_5_MoeForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "GemmaForCausalLM", "GptOssForCausalLM", "HYV3ForCausalLM", "LlamaForCausalLM",
         "MistralForCausalLM", "NemotronForCausalLM", "NemotronHForCausalLM", "Qwen2ForCausalLM",
         "Qwen2_5_VLForConditionalGeneration", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM",
         "Qwen3VLForConditionalGeneration", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", *GROUPED_EXPERT_FAMILIES,
         *PACKED_EXPERT_MODELS,
     )),
     "ep2": (ParallelLayout(ep=2), (
-        "GptOssForCausalLM", "HYV3ForCausalLM", "Qwen3MoeForCausalLM", *HYBRID_MOE_FAMILIES, *GROUPED_EXPERT_FAMILIES,
+        "Ernie4_5_MoeForCausalLM", "GptOssForCausalLM", "HYV3ForCausalLM", "Qwen3MoeForCausalLM", *HYBRID_MOE_FAMILIES, *GROUPED_EXPERT_FAMILIES,
         *PACKED_EXPERT_MODELS,
     )),
     "tp2ep2": (ParallelLayout(tp=2, ep=2), (
-        "GptOssForCausalLM", "HYV3ForCausalLM", "Qwen3MoeForCausalLM", *HYBRID_MOE_FAMILIES, *GROUPED_EXPERT_FAMILIES,
+        "Ernie4_5_MoeForCausalLM", "GptOssForCausalLM", "HYV3ForCausalLM", "Qwen3MoeForCausalLM", *HYBRID_MOE_FAMILIES, *GROUPED_EXPERT_FAMILIES,
         *PACKED_EXPERT_MODELS,
     )),
 })

@@ -57,6 +57,9 @@ CONFIG_OVERRIDES: Mapping[str, Mapping[str, Any]] = MappingProxyType({
     "Ernie4_5_VLMoeForConditionalGeneration": {"text_config": {"moe_intermediate_size": [128, 128]}},
     # Deepstack features feed the first language layers: at most as many as the first stage holds (PP2: 1).
     "Qwen3VLForConditionalGeneration": {"vision_config": {"deepstack_visual_indexes": [1]}},
+    # Gemma 3's published configs switch SigLIP's attention-pooling head off (their checkpoints have
+    # none, and Megatron-Bridge maps none); transformers' SigLIP builds one unless told so.
+    "Gemma3ForConditionalGeneration": {"vision_config": {"vision_use_head": False}},
     # ffn 64 so an expert's gate_up slot [2*ffn, hidden] is not square: its published checkpoints
     # store it transposed, which stock tells (and a transposed read shows) only from a non-square shape.
     "Qwen3VLMoeForConditionalGeneration": {"vision_config": {"deepstack_visual_indexes": [1]}, "text_config": {"moe_intermediate_size": 64}},
