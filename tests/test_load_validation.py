@@ -123,3 +123,32 @@ def test_packed_expert_tensor_of_another_expert_count_is_refused(tmp_path):
     found = [expected[0] - 1, *expected[1:]]
     assert f"{name!r}" in run.output and str(found) in run.output and str(expected) in run.output, run.output[-3000:]
     assert not (tmp_path / "out").exists()
+
+
+def test_float32_expert_bias_loads_as_megatron_keeps_it(tmp_path):
+    """Routers' expert biases are float32 in Megatron-Core (it switches them before loading a state
+    dict); ERNIE 4.5's float32 ``e_score_correction_bias`` (values bf16 cannot hold) comes back bit
+    for bit, where a load into the bf16 buffer of the CPU build refuses it as a lossy cast. (Its
+    router weights, float32 in transformers' checkpoints too, are stored in bf16 here: a float32
+    router weight into the bf16 model is refused, as it should be.)"""
+    from safetensors import safe_open
+
+    from mbridge_refit.tools.tiny_checkpoints import checkpoint_tensors, write_tiny_checkpoint
+
+    source = write_tiny_checkpoint("Ernie4_5_MoeForCausalLM", tmp_path / "source")
+    (shard,) = source.glob("*.safetensors")
+    with safe_open(str(shard), framework="pt") as handle:
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    biases = [n for n in tensors if n.endswith("e_score_correction_bias")]
+    assert biases and all(tensors[n].dtype == torch.float32 for n in biases)
+    for name in biases:
+        tensors[name] = tensors[name] + 2**-20  # needs 21 mantissa bits near 1: not a bf16 value
+    for name in [n for n in tensors if n.endswith("mlp.gate.weight")]:
+        tensors[name] = tensors[name].to(torch.bfloat16)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    run = torchrun(1, ["mbridge_refit.convert", "roundtrip", "--hf", str(source), "--out", str(tmp_path / "out")])
+    assert run.returncode == 0, run.output[-3000:]
+    written = dict(checkpoint_tensors(tmp_path / "out"))
+    assert sorted(written) == sorted(tensors)
+    for name, tensor in tensors.items():
+        assert written[name].dtype == tensor.dtype and torch.equal(written[name], tensor), name

@@ -67,6 +67,7 @@ def load_hf_shards(
 
     unwrapped = unwrap_model(chunks)
     config = unwrapped[0].config
+    _float32_router_state(unwrapped)
     tasks = [t for t in model_bridge.build_conversion_tasks(hf_pretrained, unwrapped) if t is not None]
     report = LoadReport()
     written: set[int] = set()
@@ -109,6 +110,19 @@ def _load_tasks(
         for output_weight, embedding_copies, extents in _tied_output_copies(model_bridge, chunks, config):
             _copy_slices(output_weight, embedding_copies, extents, checkpoint, report, "output_layer.weight (tied)")
             written.add(id(output_weight))
+
+
+def _float32_router_state(chunks: list[torch.nn.Module]) -> None:
+    """Switch routers' expert biases to float32 before loading, as Megatron-Core does before it
+    loads a state dict (``TopKRouter._maintain_float32_expert_bias``, its load pre-hook; it keeps
+    them in float32 while training): a checkpoint's float32 expert bias (ERNIE 4.5's
+    ``e_score_correction_bias``) is then held as stored, not refused as a lossy cast to the model's
+    bf16, and a bf16 one is widened exactly."""
+    for chunk in chunks:
+        for module in chunk.modules():
+            maintain = getattr(module, "_maintain_float32_expert_bias", None)
+            if callable(maintain):
+                maintain()
 
 
 def _agree_on_failure(error: LoadError | None) -> None:
