@@ -14,7 +14,7 @@ def _entry(name: str, nbytes: int, scale_of: str | None = None) -> SimpleNamespa
 
 
 def _layers_per_bucket(entries: list, bucket_bytes: int, sizes=None) -> list[list]:
-    ops = [Op(entries=[e], assemblies=[], sources=(), sharded_over_tp=False, expert=False) for e in entries]
+    ops = [Op(entries=[e], builds=[e], assemblies=[], sources=(), sharded_over_tp=False, expert=False) for e in entries]
     buckets = build_buckets(ops, bucket_bytes, SimpleNamespace(), sizes)
     return [list(dict.fromkeys(layer_of(op.entries[0].megatron_param) for op in bucket.ops)) for bucket in buckets]
 

@@ -152,3 +152,21 @@ def test_float32_expert_bias_loads_as_megatron_keeps_it(tmp_path):
     assert sorted(written) == sorted(tensors)
     for name, tensor in tensors.items():
         assert written[name].dtype == tensor.dtype and torch.equal(written[name], tensor), name
+
+
+def test_a_source_tensor_no_mapping_reads_is_named_in_a_warning(source_checkpoints, tmp_path):
+    """A checkpoint tensor no mapping of the bridge reads cannot come back (the Megatron model has no
+    place for it); the roundtrip writes the rest and names it in a warning instead of dropping it
+    silently."""
+    source = tmp_path / "source"
+    shutil.copytree(source_checkpoints("qwen3-tiny"), source)
+    index = json.loads((source / "model.safetensors.index.json").read_text())
+    shard_name = next(iter(index["weight_map"].values()))
+    tensors = load_file(str(source / shard_name))
+    tensors["model.pooling_head.weight"] = torch.zeros(4, 4, dtype=torch.bfloat16)
+    save_file(tensors, str(source / shard_name), metadata={"format": "pt"})
+    index["weight_map"]["model.pooling_head.weight"] = shard_name
+    (source / "model.safetensors.index.json").write_text(json.dumps(index))
+    run = torchrun(1, ["mbridge_refit.convert", "roundtrip", "--hf", str(source), "--out", str(tmp_path / "out")])
+    assert run.returncode == 0, run.output[-3000:]
+    assert "the output lacks 1 tensors of the source checkpoint" in run.output and "model.pooling_head.weight" in run.output, run.output[-3000:]

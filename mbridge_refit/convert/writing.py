@@ -65,7 +65,9 @@ def write_hf_checkpoint(
     if share is None:  # no plan: the stock export, streamed
         stream = bridge.export_hf_weights(chunks, show_progress=show_progress, fp8=fp8)
         adapted = matching_source(stream, dtypes) if only_source_names else cast_to_dtypes(stream, dtypes)
-        count = drain(adapted, sink)
+        written: list[str] = []
+        count = drain(_recording_names(adapted, written), sink)
+        warn_unwritten(source_dtypes, written)
     else:
         stream = bridge.export_hf_weights(chunks, show_progress=show_progress, fp8=fp8, only=share.names)
         drain(cast_to_dtypes(stream, dtypes), sink)
@@ -77,6 +79,26 @@ def write_hf_checkpoint(
         count, time.monotonic() - start, sink.file_seconds, replicas, "s" if replicas > 1 else "",
     )
     return count
+
+
+def _recording_names(stream: Stream, names: list[str]) -> Iterator[tuple[str, "torch.Tensor"]]:
+    for name, tensor in stream:
+        names.append(name)
+        yield name, tensor
+
+
+def warn_unwritten(source_dtypes: Mapping[str, "torch.dtype"], written: list[str]) -> None:
+    """Warn, naming them, about tensors of the source checkpoint the output lacks: no mapping of the
+    bridge reads them (a plan covers every source tensor or the export falls back to stock, which
+    drops them without a word; e.g. a vision tower's pooling head the Megatron model does not have)."""
+    import torch.distributed as dist
+
+    missing = sorted(set(source_dtypes) - set(written))
+    if missing and (not dist.is_initialized() or dist.get_rank() == 0):  # every rank wrote the same stream
+        logger.warning(
+            "the output lacks %d tensors of the source checkpoint, which no mapping of the bridge reads: %s%s",
+            len(missing), missing[:10], " ..." if len(missing) > 10 else "",
+        )
 
 
 def planned_share(
