@@ -6,24 +6,21 @@ fastest way that gives the same bytes as ``ExpertStack.copy_into`` per expert, m
 H100 for 128 experts of Qwen3-VL-30B-A3B's sizes (``scripts/bench_stacked_experts.py``, 768 MiB):
 
 * a plain stack (no re-layout: transformers' packed layout): one ``torch.stack`` into the output,
-  at the copy floor (0.57 ms; 1.9-2.4 ms for a copy per expert);
+  at the copy floor (0.57-0.59 ms; 1.9-4.7 ms for a copy per expert, over four calls);
 * a transposed stack (Qwen3-VL-MoE's published layout; GPT-OSS's, its gate/up rows interleaved
   too): one launch of ``stack_kernels``' tiled transpose where Triton is there and its probe
-  passed, 0.76 ms (a copy per expert, a ``_foreach_copy_`` or a staged stack plus one transposing
-  copy all take 3.5 ms: PyTorch does not tile transposes);
+  passed, 0.76-0.84 ms (a copy per expert, a ``_foreach_copy_`` or a staged stack plus one
+  transposing copy all take 3.5 ms: PyTorch does not tile transposes);
 * anything else (1-D interleaved biases, CPU tensors, other strides): a copy per expert.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 
 from mbridge_refit.plan.stacking import ExpertStack
-
-logger = logging.getLogger(__name__)
 
 
 def fill_stack(stack: ExpertStack, out: torch.Tensor, experts: list[torch.Tensor], memo: dict[Any, Any]) -> None:
