@@ -173,6 +173,8 @@ def _header(runs: list[dict[str, str]]) -> list[str]:
         "Rows `ARCH+packed_experts` are checkpoint variants: the bridge is built from the tiny checkpoint, whose",
         "routed experts are packed in one tensor per projection (Qwen3-VL-MoE's in its published transposed",
         "layout), so it maps them with its packed-expert mappings (`mbridge_refit/tools/tiny_checkpoints.py`).",
+        "`Gemma4ForCausalLM+moe_block` is Gemma 4's MoE model (`enable_moe_block`: 26B-A4B), which the bridge builds",
+        "with another provider and layer spec (`VARIANT_CONFIG_OVERRIDES` in `mbridge_refit/tools/tiny_configs.py`).",
         "States: `fast path, exact`; `stock fallback, exact` (the plan refused the model, the export is",
         "stock's); `FP8 refused` (FP8 needs the plan: refused before any work, with the reason);",
         "`cannot be built here` (config, bridge or model construction failed on CPU); `upstream broken`",

@@ -112,6 +112,9 @@ PACKED_REPEATS = (
     )),
 )
 
+# Gemma 4 MoE (a MoE block beside each dense MLP, its experts packed) by default at TP1, TP2 and EP2.
+MOE_BLOCK_REPEATS = ("pp2-Gemma4ForCausalLM+moe_block", "tp2ep2-Gemma4ForCausalLM+moe_block")
+
 # ERNIE 4.5 MoE (expert bias with a leading dimension, experts) by default at TP2 and TP2xEP2.
 RELAID_REPEATS = ("pp2-Ernie4_5_MoeForCausalLM", "ep2-Ernie4_5_MoeForCausalLM")
 
@@ -150,7 +153,7 @@ SLOW_CASES = frozenset({
             "test_bf16_matches_stock", "test_fp8_matches_reference", "test_mamba_families_take_the_fast_path",
             "test_stacked_expert_families_take_the_fast_path", "test_family_rule_architectures_take_the_fast_path",
         )
-        for cell in (*GROUPED_EXPERT_REPEATS, *HYBRID_REPEATS, *PACKED_REPEATS, *RELAID_REPEATS)
+        for cell in (*GROUPED_EXPERT_REPEATS, *HYBRID_REPEATS, *PACKED_REPEATS, *MOE_BLOCK_REPEATS, *RELAID_REPEATS)
     ),
     # ConcatenatedQKVMapping at TP2/TP4 is proved against stock by tests/test_placement_rules.py and
     # Qwen3.5-VL at TP1 by the matrix's TP1 column; its TP2 build adds ~50 s to the TP2 launch.

@@ -243,8 +243,8 @@ def test_family_rule_architectures_take_the_fast_path(layout, architecture, matr
     test_recipe_families_take_the_fast_path(layout, architecture, matrix)
 
 
-# Families whose experts plan.stacking plans: GPT-OSS, and the checkpoint variants whose experts are packed.
-STACKED_EXPERT_ARCHITECTURES = ("GptOssForCausalLM", *conformance.PACKED_EXPERT_MODELS)
+# Families whose experts plan.stacking plans: GPT-OSS, the checkpoint variants whose experts are packed, Gemma 4 MoE.
+STACKED_EXPERT_ARCHITECTURES = ("GptOssForCausalLM", *conformance.PACKED_EXPERT_MODELS, *conformance.MOE_BLOCK_MODELS)
 
 
 @pytest.mark.multirank

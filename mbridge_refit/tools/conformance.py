@@ -58,7 +58,7 @@ import torch
 from mbridge_refit.fp8.format import FP8FormatError
 from mbridge_refit.plan.layout import ParallelLayout
 from mbridge_refit.tools.export_comparison import compare_stream, fp8_expected
-from mbridge_refit.tools.tiny_configs import PACKED_EXPERTS
+from mbridge_refit.tools.tiny_configs import MOE_BLOCK, PACKED_EXPERTS
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,9 @@ PACKED_EXPERT_MODELS = tuple(f"{architecture}+{PACKED_EXPERTS}" for architecture
     "Glm4MoeForCausalLM", "Glm4vMoeForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
     "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
 ))
-MATRIX_VARIANTS = PACKED_EXPERT_MODELS  # the variant models every layout of None (TP1) runs beside the registered architectures
+# Gemma 4's MoE model: the same model class as the dense one, another provider and layer spec.
+MOE_BLOCK_MODELS = (f"Gemma4ForCausalLM+{MOE_BLOCK}",)
+MATRIX_VARIANTS = (*PACKED_EXPERT_MODELS, *MOE_BLOCK_MODELS)  # the variant models every layout of None (TP1) runs beside the registered architectures
 MATRIX_LAYOUTS: Mapping[str, tuple[ParallelLayout, tuple[str, ...] | None]] = MappingProxyType({
     "tp1": (ParallelLayout(), None),
     "tp2": (ParallelLayout(tp=2), (
@@ -121,22 +123,22 @@ MATRIX_LAYOUTS: Mapping[str, tuple[ParallelLayout, tuple[str, ...] | None]] = Ma
         "HYV3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "NemotronForCausalLM", "NemotronHForCausalLM",
         "Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
         "Qwen3NextForCausalLM", "Qwen3VLForConditionalGeneration", "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
-        "Qwen3_5MoeForCausalLM", *GROUPED_EXPERT_FAMILIES,
+        "Qwen3_5MoeForCausalLM", *GROUPED_EXPERT_FAMILIES, *MOE_BLOCK_MODELS,
     )),
     "pp2": (ParallelLayout(pp=2), (
         "Ernie4_5_MoeForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "GemmaForCausalLM", "GptOssForCausalLM", "HYV3ForCausalLM", "LlamaForCausalLM",
         "MistralForCausalLM", "NemotronForCausalLM", "NemotronHForCausalLM", "Qwen2ForCausalLM",
         "Qwen2_5_VLForConditionalGeneration", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM",
         "Qwen3VLForConditionalGeneration", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", *GROUPED_EXPERT_FAMILIES,
-        *PACKED_EXPERT_MODELS,
+        *PACKED_EXPERT_MODELS, *MOE_BLOCK_MODELS,
     )),
     "ep2": (ParallelLayout(ep=2), (
         "Ernie4_5_MoeForCausalLM", "GptOssForCausalLM", "HYV3ForCausalLM", "Qwen3MoeForCausalLM", *HYBRID_MOE_FAMILIES, *GROUPED_EXPERT_FAMILIES,
-        *PACKED_EXPERT_MODELS,
+        *PACKED_EXPERT_MODELS, *MOE_BLOCK_MODELS,
     )),
     "tp2ep2": (ParallelLayout(tp=2, ep=2), (
         "Ernie4_5_MoeForCausalLM", "GptOssForCausalLM", "HYV3ForCausalLM", "Qwen3MoeForCausalLM", *HYBRID_MOE_FAMILIES, *GROUPED_EXPERT_FAMILIES,
-        *PACKED_EXPERT_MODELS,
+        *PACKED_EXPERT_MODELS, *MOE_BLOCK_MODELS,
     )),
 })
 

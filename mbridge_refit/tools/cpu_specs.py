@@ -50,6 +50,7 @@ from mbridge_refit.tools.cpu_stand_ins import (
     ColumnParallelGroupedLinear,
     CoreAttention,
     Gemma3DotProductAttention,
+    Gemma4DotProductAttention,
     LayerNormColumnParallelLinear,
     RowParallelGroupedLinear,
     RowParallelLinearLayerNorm,
@@ -133,10 +134,12 @@ def te_subclass_stand_ins() -> dict[type, type]:
     """Megatron-Bridge's subclasses of Transformer Engine modules -> the class a CPU build uses."""
     from megatron.bridge.models.common.te_layers import TERowParallelLinearLayerNorm
     from megatron.bridge.models.gemma.gemma3_provider import Gemma3TEDotProductAttention
+    from megatron.bridge.models.gemma.modeling_gemma4 import Gemma4TEDotProductAttention
 
     return {
         TERowParallelLinearLayerNorm: RowParallelLinearLayerNorm,
         Gemma3TEDotProductAttention: Gemma3DotProductAttention,
+        Gemma4TEDotProductAttention: Gemma4DotProductAttention,
     }
 
 

@@ -205,6 +205,21 @@ class Gemma3DotProductAttention(DotProductAttention):
         super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout, **kwargs)
 
 
+
+class Gemma4DotProductAttention(DotProductAttention):
+    """Megatron-Bridge's ``Gemma4TEDotProductAttention`` (Gemma 4's MoE layers) on CPU (no
+    parameters): a sliding window of ``config.window_size`` on the local layers, global attention
+    on the others."""
+
+    def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
+                 attention_dropout: Optional[float] = None, **kwargs: Any):
+        from megatron.bridge.models.gemma.modeling_gemma4 import _is_local_attn_layer
+
+        config = copy.deepcopy(config)
+        local = _is_local_attn_layer(layer_number, config.interleaved_attn_pattern)
+        config.window_size = (config.window_size - 1, 0) if local else None
+        super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout, **kwargs)
+
 def register_stand_in_types() -> None:
     """Tell the bridge's ``AutoMapping`` how the stand-ins without a detectable class name are
     placed: ``Linear`` (for ``TELinear``, which multi-latent attention builds duplicated) is

@@ -9,8 +9,9 @@ tables, ``MODEL_TYPES`` and ``CONFIG_OVERRIDES``. The architectures come from
 
 A matrix model is an architecture name, or an architecture with a checkpoint variant:
 ``"<architecture>+<variant>"`` (``split_variant``; ``CHECKPOINT_VARIANTS`` says what each means).
-A variant keeps the architecture's config and changes how its tiny checkpoint is written
-(``tools.tiny_checkpoints``), which a bridge built from that checkpoint reads with other mappings.
+A variant changes how its tiny checkpoint is written (``tools.tiny_checkpoints``) or a few config
+fields (``VARIANT_CONFIG_OVERRIDES``), and a bridge built from that checkpoint reads it with other
+mappings.
 
 Nothing here makes weights: the conformance checks fill the built Megatron model with seeded
 random values.
@@ -67,9 +68,18 @@ CONFIG_OVERRIDES: Mapping[str, Mapping[str, Any]] = MappingProxyType({
 
 # Checkpoint variant -> what its tiny checkpoint holds differently (``tools.tiny_checkpoints``).
 PACKED_EXPERTS = "packed_experts"
+MOE_BLOCK = "moe_block"
 CHECKPOINT_VARIANTS: Mapping[str, str] = MappingProxyType({
     PACKED_EXPERTS: "routed experts packed in one tensor per projection ([E, ...]: transformers' own layout, "
                     "which checkpoints saved without save_original_format hold), read by the bridge's packed-expert mappings",
+    MOE_BLOCK: "Gemma 4's MoE model (enable_moe_block: 26B-A4B), which the bridge builds with other layers "
+               "(a MoE block beside each dense MLP, experts packed as the checkpoints hold them)",
+})
+# Variant -> config fields set after the architecture's own (a variant of one model class whose
+# config switches the bridge to another provider). Gemma 4's MoE provider maps no per-layer input
+# embeddings (the MoE checkpoints have none: hidden_size_per_layer_input 0).
+VARIANT_CONFIG_OVERRIDES: Mapping[str, Mapping[str, Any]] = MappingProxyType({
+    MOE_BLOCK: {"enable_moe_block": True, "hidden_size_per_layer_input": 0, "top_k_experts": 2},
 })
 
 
@@ -106,7 +116,7 @@ def tiny_config(model: str, *, dtype: str = "bfloat16") -> "PretrainedConfig":
 
     Raises ``TinyConfigError`` when the installed transformers has no config class for it.
     """
-    architecture, _ = split_variant(model)
+    architecture, variant = split_variant(model)
     config_class = _config_class(architecture)
     defaults = config_class()
     kwargs = _small_fields(defaults, TEXT_SIZES)
@@ -115,6 +125,7 @@ def tiny_config(model: str, *, dtype: str = "bfloat16") -> "PretrainedConfig":
         if sub is not None:
             kwargs[nested] = {**sub.to_dict(), **_small_fields(sub, sizes)}
     _merge(kwargs, CONFIG_OVERRIDES.get(architecture, {}))
+    _merge(kwargs, VARIANT_CONFIG_OVERRIDES.get(variant, {}))
     config = config_class(**kwargs)
     config.architectures = [architecture]
     config.torch_dtype = dtype
