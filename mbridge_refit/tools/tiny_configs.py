@@ -77,7 +77,8 @@ CHECKPOINT_VARIANTS: Mapping[str, str] = MappingProxyType({
 })
 # Variant -> config fields set after the architecture's own (a variant of one model class whose
 # config switches the bridge to another provider). Gemma 4's MoE provider maps no per-layer input
-# embeddings (the MoE checkpoints have none: hidden_size_per_layer_input 0).
+# embeddings (with them, the plan sees checkpoint tensors no mapping reads and falls back to stock,
+# which drops them): hidden_size_per_layer_input 0.
 VARIANT_CONFIG_OVERRIDES: Mapping[str, Mapping[str, Any]] = MappingProxyType({
     MOE_BLOCK: {"enable_moe_block": True, "hidden_size_per_layer_input": 0, "top_k_experts": 2},
 })
