@@ -34,3 +34,15 @@ def assert_bitwise_equal_checkpoints(source: Path, exported: Path) -> None:
         assert got.dtype == want.dtype, f"{name}: dtype {got.dtype} != {want.dtype}"
         assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
         assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), f"{name}: bytes differ"
+
+
+def stacked_experts(experts: list[torch.Tensor], *, interleave: int, transpose: bool) -> torch.Tensor:
+    """The stacked HF tensor of ``experts`` by its definition, with plain indexing: parameter row
+    ``b*h + i`` (``h`` = rows / ``interleave``) lands in slot row ``interleave*i + b``; with
+    ``transpose`` each slot's two dimensions are swapped (Qwen3-VL-MoE's published, GPT-OSS's layout)."""
+    slots = []
+    for expert in experts:
+        h = expert.shape[0] // interleave
+        slot = expert[[b * h + i for i in range(h) for b in range(interleave)]]
+        slots.append(slot.t() if transpose else slot)
+    return torch.stack(slots)

@@ -108,7 +108,10 @@ def test_vllm_refit_equals_loading_from_disk(script, tmp_path):
                          ids=["qwen3-vl-gate-up", "qwen3-vl-down", "gpt-oss-gate-up", "partial-tiles", "tiny-pairs"])
 def test_stack_kernels_write_what_copy_into_writes(interleave, shape):
     """The Triton transposed stack (``runtime.stack_kernels``, through ``runtime.stack_fill``) against
-    ``ExpertStack.copy_into`` per expert, bitwise; twice, the second from the memoised address table."""
+    the layout's definition (``oracle.stacked_experts``), bitwise; twice, the second from the
+    memoised address table."""
+    from oracle import stacked_experts
+
     from mbridge_refit.plan.stacking import ExpertStack
     from mbridge_refit.runtime import stack_kernels
     from mbridge_refit.runtime.stack_fill import fill_stack
@@ -117,9 +120,7 @@ def test_stack_kernels_write_what_copy_into_writes(interleave, shape):
     stack = ExpertStack(interleave=interleave, transpose=True)
     generator = torch.Generator().manual_seed(0)
     experts = [torch.randn(shape, generator=generator).to(torch.bfloat16).cuda() for _ in range(4)]
-    expected = torch.empty((4, *stack.expert_shape(shape)), dtype=torch.bfloat16, device="cuda")
-    for slot, expert in zip(expected, experts):
-        stack.copy_into(slot, expert)
+    expected = stacked_experts(experts, interleave=interleave, transpose=True)
     memo: dict = {}
     for _ in range(2):
         out = torch.full_like(expected, float("nan"))

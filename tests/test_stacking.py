@@ -256,16 +256,17 @@ def test_gpt_oss_cached_export_at_tp2_ep2(tmp_path):
 ], ids=["plain", "transposed", "interleaved-transposed", "interleaved-bias"])
 def test_fill_stack_writes_what_copy_into_writes(interleave, transpose, shape):
     """``runtime.stack_fill`` (a ``torch.stack`` for plain stacks, a copy per expert otherwise on CPU;
-    the Triton kernels are checked on the GPU: tests/test_gpu.py) against ``copy_into`` per expert."""
+    the Triton kernels are checked on the GPU: tests/test_gpu.py) against the layout's definition
+    (``oracle.stacked_experts``)."""
+    from oracle import stacked_experts
+
     from mbridge_refit.plan.stacking import ExpertStack
     from mbridge_refit.runtime.stack_fill import fill_stack
 
     stack = ExpertStack(interleave=interleave, transpose=transpose)
     generator = torch.Generator().manual_seed(2)
     experts = [torch.randn(shape, generator=generator).to(torch.bfloat16) for _ in range(EXPERTS)]
-    expected = torch.empty((EXPERTS, *stack.expert_shape(shape)), dtype=torch.bfloat16)
-    for slot, expert in zip(expected, experts):
-        stack.copy_into(slot, expert)
+    expected = stacked_experts(experts, interleave=interleave, transpose=transpose)
     out = torch.full_like(expected, float("nan"))
     fill_stack(stack, out, experts, {})
     assert torch.equal(out.view(torch.int16), expected.view(torch.int16))

@@ -28,7 +28,8 @@ import torch.distributed as dist
 from mbridge_refit.checkpoints.hf import HFCheckpoint
 from mbridge_refit.plan.entries import expert_number
 from mbridge_refit.plan.placement import (
-    ELEMENTWISE_OPS, RELAYOUTS, PlacementError, ShardContext, SliceCopy, hf_extents, place_column, placement_kind, slice_copies,
+    ELEMENTWISE_OPS, RELAYOUTS, PlacementError, ShardContext, SliceCopy, hf_extents, place_column, placement_kind, relaid_shape,
+    slice_copies,
 )
 from mbridge_refit.plan.stacking import stacked_placement
 
@@ -211,11 +212,10 @@ def _check_shape(
         raise LoadError(f"{where}: tensor {copy.hf_name!r} is not in the checkpoint {checkpoint.path}")
     hf_shape = tuple(checkpoint.shape(copy.hf_name))
     expected = tuple(extent if d == copy.dim else size for d, size in enumerate(param.shape))
-    if relayout is not None:
-        relaid = RELAYOUTS[relayout].export_shape(expected)
-        if relaid is None:
-            raise LoadError(f"cannot load {where}: its {relayout!r} relayout has no description for shape {list(expected)}")
-        expected = relaid
+    try:
+        expected = relaid_shape(relayout, expected)
+    except PlacementError as err:
+        raise LoadError(f"cannot load {where}: {err}") from err
     if hf_shape != expected:
         raise LoadError(
             f"checkpoint tensor {copy.hf_name!r} in {checkpoint.path} has shape {list(hf_shape)}, but this model "

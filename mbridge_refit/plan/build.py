@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from mbridge_refit.plan.entries import ExportPlan, PlanEntry, PlanError, TensorSharding, expert_number, with_expert_number
-from mbridge_refit.plan.placement import RELAYOUTS, PlacementError, PlacementKind, ShardContext, SliceCopy, placement_kind, slices_for
+from mbridge_refit.plan.placement import PlacementError, PlacementKind, ShardContext, SliceCopy, placement_kind, relaid_shape, slices_for
 from mbridge_refit.plan.stacking import ExpertStack, stacked_placement
 from mbridge_refit.plan.storage import PLAIN, storage_format
 
@@ -277,19 +277,8 @@ def _dense_entries(spec: ParamSpec, sizes: ParallelSizes, config: Any) -> list[P
             pieces=pieces if not replicated else pieces[:1],
             local_shape=spec.local_shape,
         )
-        entries.append(_entry(spec, hf_name, _relaid_shape(spec, _hf_shape(spec.local_shape, sharding.pieces)), sharding))
+        entries.append(_entry(spec, hf_name, relaid_shape(spec.placement.relayout, _hf_shape(spec.local_shape, sharding.pieces)), sharding))
     return entries
-
-
-def _relaid_shape(spec: ParamSpec, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The exported shape of a tensor the slices make in ``shape``, after the spec's relayout."""
-    relayout = spec.placement.relayout
-    if relayout is None:
-        return shape
-    relaid = RELAYOUTS[relayout].export_shape(shape)
-    if relaid is None:
-        raise PlacementError(f"its {relayout!r} relayout has no description for a tensor of shape {list(shape)}")
-    return relaid
 
 
 def _expert_entry(

@@ -507,6 +507,17 @@ RELAYOUTS: dict[str, Relayout] = {
 }
 
 
+def relaid_shape(relayout: str | None, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape a tensor of ``shape`` is exported in after ``relayout`` (``shape`` itself for
+    None); a ``PlacementError`` where the relayout has no description for such a tensor."""
+    if relayout is None:
+        return tuple(shape)
+    relaid = RELAYOUTS[relayout].export_shape(tuple(shape))
+    if relaid is None:
+        raise PlacementError(f"its {relayout!r} relayout has no description for a tensor of shape {list(shape)}")
+    return relaid
+
+
 @functools.cache
 def relayout_rules() -> dict[type, str]:
     """Mapping class -> the relayout its ``megatron_to_hf`` applies to its base class's result

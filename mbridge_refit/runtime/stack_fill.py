@@ -24,30 +24,33 @@ from mbridge_refit.plan.stacking import ExpertStack
 
 
 def fill_stack(stack: ExpertStack, out: torch.Tensor, experts: list[torch.Tensor], memo: dict[Any, Any]) -> None:
-    """``out[e]`` := expert ``e`` laid out as ``stack`` says, for every expert. ``memo``: where the
-    transposing kernel keeps the experts' address table between exports (``ExportBuffers.memo``:
-    it lives as long as the buffers)."""
+    """``out[e]`` := expert ``e`` laid out as ``stack`` says, for every expert. ``memo``: where a
+    transposed stack keeps, per output and experts' addresses, the kernel's address table (or None
+    where the kernel does not take them) between exports (``ExportBuffers.memo``: it lives as long
+    as the buffers), so the checks run once, not on every export."""
     if stack.interleave == 1 and not stack.transpose and out.is_contiguous():
         torch.stack(experts, out=out)
         return
-    if stack.transpose and _transposes_on_device(stack, out, experts):
-        from mbridge_refit.runtime import stack_kernels
+    if stack.transpose and out.is_cuda:
+        key = ("expert_addresses", stack, out.data_ptr(), out.dtype, tuple(out.shape), tuple(x.data_ptr() for x in experts))
+        if key not in memo:
+            memo[key] = _kernel_address_table(stack, out, experts)
+        table = memo[key]
+        if table is not None:
+            from mbridge_refit.runtime import stack_kernels
 
-        key = ("expert_addresses", tuple(x.data_ptr() for x in experts))
-        table = memo.get(key)
-        if table is None:
-            table = memo[key] = stack_kernels.address_table(experts)
-        stack_kernels.transpose_experts(out, table, tuple(experts[0].shape), stack.interleave)
-        return
+            stack_kernels.transpose_experts(out, table, tuple(experts[0].shape), stack.interleave)
+            return
     for slot, expert in zip(out, experts):
         stack.copy_into(slot, expert)
 
 
-def _transposes_on_device(stack: ExpertStack, out: torch.Tensor, experts: list[torch.Tensor]) -> bool:
-    if not out.is_cuda:
-        return False
+def _kernel_address_table(stack: ExpertStack, out: torch.Tensor, experts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The experts' address table where the transposing kernel writes this stack on this device
+    (Triton there, its probe passed, the tensors of the layout it takes); None otherwise."""
     try:
         from mbridge_refit.runtime import stack_kernels
     except ImportError:  # no Triton: the torch path
-        return False
-    return stack.interleave in stack_kernels.INTERLEAVES and stack_kernels.takes(out, experts) and stack_kernels.usable(out.device.index)
+        return None
+    takes = stack.interleave in stack_kernels.INTERLEAVES and stack_kernels.takes(out, experts)
+    return stack_kernels.address_table(experts) if takes and stack_kernels.usable(out.device.index) else None

@@ -94,7 +94,8 @@ SESSION_TIMEOUT = datetime.timedelta(minutes=2)  # a rank whose peer failed rais
 #   gathered over EP), the hybrid MoE families (Nemotron-H, Qwen3-Next, Qwen3.5-MoE: experts beside
 #   Mamba or gated-delta-net layers) and the grouped-expert families (DeepSeek, GLM-4.5, MiniMax-M3),
 #   and the packed-expert checkpoint variants (one [E, ...] tensor per projection, stacked over EP;
-#   Qwen3-VL-MoE's published one transposed; at PP2 too, their stacks on either stage). The other
+#   Qwen3-VL-MoE's published one transposed; at PP2 too, their stacks on either stage) and Gemma 4's
+#   MoE model (a MoE block beside each dense MLP; at TP2 and PP2 too). The other
 #   MoE families are stock's (ERNIE 4.5 VL's stateful expert-bias mapping) or fail at TP1 already:
 #   the TP1 column records why.
 # TP1 runs every registered architecture and the checkpoint variants (``MATRIX_VARIANTS``).
@@ -115,6 +116,10 @@ PACKED_EXPERT_MODELS = tuple(f"{architecture}+{PACKED_EXPERTS}" for architecture
 # Gemma 4's MoE model: the same model class as the dense one, another provider and layer spec.
 MOE_BLOCK_MODELS = (f"Gemma4ForCausalLM+{MOE_BLOCK}",)
 MATRIX_VARIANTS = (*PACKED_EXPERT_MODELS, *MOE_BLOCK_MODELS)  # the variant models every layout of None (TP1) runs beside the registered architectures
+EXPERT_PARALLEL_MODELS = (  # the models EP2 and TP2xEP2 run
+    "Ernie4_5_MoeForCausalLM", "GptOssForCausalLM", "HYV3ForCausalLM", "Qwen3MoeForCausalLM", *HYBRID_MOE_FAMILIES, *GROUPED_EXPERT_FAMILIES,
+    *PACKED_EXPERT_MODELS, *MOE_BLOCK_MODELS,
+)
 MATRIX_LAYOUTS: Mapping[str, tuple[ParallelLayout, tuple[str, ...] | None]] = MappingProxyType({
     "tp1": (ParallelLayout(), None),
     "tp2": (ParallelLayout(tp=2), (
@@ -132,14 +137,8 @@ MATRIX_LAYOUTS: Mapping[str, tuple[ParallelLayout, tuple[str, ...] | None]] = Ma
         "Qwen3VLForConditionalGeneration", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", *GROUPED_EXPERT_FAMILIES,
         *PACKED_EXPERT_MODELS, *MOE_BLOCK_MODELS,
     )),
-    "ep2": (ParallelLayout(ep=2), (
-        "Ernie4_5_MoeForCausalLM", "GptOssForCausalLM", "HYV3ForCausalLM", "Qwen3MoeForCausalLM", *HYBRID_MOE_FAMILIES, *GROUPED_EXPERT_FAMILIES,
-        *PACKED_EXPERT_MODELS, *MOE_BLOCK_MODELS,
-    )),
-    "tp2ep2": (ParallelLayout(tp=2, ep=2), (
-        "Ernie4_5_MoeForCausalLM", "GptOssForCausalLM", "HYV3ForCausalLM", "Qwen3MoeForCausalLM", *HYBRID_MOE_FAMILIES, *GROUPED_EXPERT_FAMILIES,
-        *PACKED_EXPERT_MODELS, *MOE_BLOCK_MODELS,
-    )),
+    "ep2": (ParallelLayout(ep=2), EXPERT_PARALLEL_MODELS),
+    "tp2ep2": (ParallelLayout(tp=2, ep=2), EXPERT_PARALLEL_MODELS),
 })
 
 class CellState(enum.StrEnum):
