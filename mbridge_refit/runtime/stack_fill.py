@@ -25,14 +25,14 @@ from mbridge_refit.plan.stacking import ExpertStack
 
 def fill_stack(stack: ExpertStack, out: torch.Tensor, experts: list[torch.Tensor], memo: dict[Any, Any]) -> None:
     """``out[e]`` := expert ``e`` laid out as ``stack`` says, for every expert. ``memo``: where a
-    transposed stack keeps, per output and experts' addresses, the kernel's address table (or None
+    transposed stack keeps, per output layout and experts' addresses, the kernel's address table (or None
     where the kernel does not take them) between exports (``ExportBuffers.memo``: it lives as long
     as the buffers), so the checks run once, not on every export."""
     if stack.interleave == 1 and not stack.transpose and out.is_contiguous():
         torch.stack(experts, out=out)
         return
     if stack.transpose and out.is_cuda:
-        key = ("expert_addresses", stack, out.data_ptr(), out.dtype, tuple(out.shape), tuple(x.data_ptr() for x in experts))
+        key = ("expert_addresses", stack, out.dtype, tuple(out.shape), out.is_contiguous(), tuple(x.data_ptr() for x in experts))
         if key not in memo:
             memo[key] = _kernel_address_table(stack, out, experts)
         table = memo[key]
