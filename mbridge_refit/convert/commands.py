@@ -281,7 +281,7 @@ def format_plan(plan) -> str:
     header = f"{'hf_name':60s} {'shape':>16s} {'dtype':>9s} {'bytes':>12s} {'pp/vpp':>6s} {'mesh':>14s}  placements"
     lines = [header]
     for e in plan.entries:
-        mesh = f"{e.sharding.mesh_dims[0]}{e.sharding.mesh_shape[0]}x{e.sharding.mesh_dims[1]}{e.sharding.mesh_shape[1]}"
+        mesh = "x".join(f"{dim}{size}" for dim, size in zip(e.sharding.mesh_dims, e.sharding.mesh_shape))
         owner = f" owner ep{e.sharding.owner_ep_rank}" if e.sharding.owner_ep_rank is not None and plan.ep > 1 else ""
         alias = f" (same data as {e.alias_of})" if e.alias_of else ""
         lines.append(

@@ -1,6 +1,6 @@
 """Flags that several commands (and the scripts under ``scripts/``) share, and their parsing.
 
-``add_layout_flags`` / ``layout_from_flags``: the parallel layout (--tp, --pp, --vpp, --ep,
+``add_layout_flags`` / ``layout_from_flags``: the parallel layout (--tp, --pp, --vpp, --ep, --etp,
 --first-stage-layers, --last-stage-layers); ``layout_flags`` writes a layout back as those flags. ``add_fp8_flags`` / ``fp8_from_flags``: blockwise FP8
 output. ``add_device_flag`` / ``device_from_flag`` and ``add_timeout_flag``. Parsing raises
 ``BadInput`` naming the flag and the fix.
@@ -33,6 +33,11 @@ def add_layout_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per PP rank")
     group.add_argument("--cp", type=int, default=1, help="context parallel size: splits sequences, not weights (default: 1)")
     group.add_argument("--ep", type=int, default=1, help="expert parallel size, MoE only (default: 1)")
+    group.add_argument(
+        "--etp", type=int, default=1,
+        help="expert tensor parallel size, MoE only: each routed expert split over this many ranks "
+        "(default: 1; Megatron-Core's own default, when a provider leaves it unset, is the --tp size)",
+    )
     group.add_argument("--first-stage-layers", type=int, default=None, help="layers on the first PP stage (uneven split)")
     group.add_argument("--last-stage-layers", type=int, default=None, help="layers on the last PP stage (uneven split)")
 
@@ -41,7 +46,7 @@ def layout_from_flags(args: argparse.Namespace) -> ParallelLayout:
     """The layout the flags describe (not yet checked against a model or a world size)."""
     try:
         return ParallelLayout(
-            tp=args.tp, pp=args.pp, vpp=args.vpp, cp=getattr(args, "cp", 1), ep=args.ep,
+            tp=args.tp, pp=args.pp, vpp=args.vpp, cp=getattr(args, "cp", 1), ep=args.ep, etp=getattr(args, "etp", 1),
             first_stage_layers=getattr(args, "first_stage_layers", None), last_stage_layers=getattr(args, "last_stage_layers", None),
         )
     except LayoutError as err:
@@ -51,15 +56,15 @@ def layout_from_flags(args: argparse.Namespace) -> ParallelLayout:
 def layout_flags(layout: ParallelLayout) -> list[str]:
     """The flags ``layout_from_flags`` reads back as ``layout`` (defaults left out)."""
     values = {
-        "--tp": layout.tp, "--pp": layout.pp, "--vpp": layout.vpp, "--cp": layout.cp, "--ep": layout.ep,
+        "--tp": layout.tp, "--pp": layout.pp, "--vpp": layout.vpp, "--cp": layout.cp, "--ep": layout.ep, "--etp": layout.etp,
         "--first-stage-layers": layout.first_stage_layers, "--last-stage-layers": layout.last_stage_layers,
     }
-    defaults = {"--tp": 1, "--pp": 1, "--cp": 1, "--ep": 1}
+    defaults = {"--tp": 1, "--pp": 1, "--cp": 1, "--ep": 1, "--etp": 1}
     return [part for flag, value in values.items() if value is not None and value != defaults.get(flag) for part in (flag, str(value))]
 
 
 def describe_flags(args: argparse.Namespace) -> str:
-    return f"tp={args.tp} pp={args.pp} vpp={args.vpp} cp={getattr(args, 'cp', 1)} ep={args.ep}"
+    return f"tp={args.tp} pp={args.pp} vpp={args.vpp} cp={getattr(args, 'cp', 1)} ep={args.ep} etp={getattr(args, 'etp', 1)}"
 
 
 def add_fp8_flags(parser: argparse.ArgumentParser) -> None:

@@ -41,6 +41,7 @@ class ParamSpec:
     source_format: str = PLAIN
     stack: ExpertStack | None = None  # a grouped-export expert parameter (``plan.stacking``)
     dropped: frozenset[str] = frozenset()  # HF names the bridge's export hook leaves out (``_names_the_bridge_drops``)
+    split_over: int = 1  # ranks the live parameter is split over (its tensor- or expert-tensor-parallel group), 1: whole
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -109,6 +110,7 @@ def current_sizes(chunks: list[torch.nn.Module]) -> "ParallelSizes":
         tp=ps.get_tensor_model_parallel_world_size(),
         pp=ps.get_pipeline_model_parallel_world_size(),
         ep=ps.get_expert_model_parallel_world_size(),
+        etp=ps.get_expert_tensor_parallel_world_size(),
         dp=ps.get_data_parallel_world_size(),
         edp=ps.get_expert_data_parallel_world_size(),
         vpp=len(chunks),
@@ -135,6 +137,7 @@ def assemble_plan(
             raise PlanError(f"cannot plan {name}: {err}") from err
     entries = _add_tied_output(entries, model_bridge, hf_pretrained, config)
     _check_complete(entries, _expected_hf_keys(hf_pretrained))
+    _check_stored_shapes(entries, StoredShapes(hf_pretrained))
     return ExportPlan(entries=tuple(entries), layer_map=dict(sorted(layer_map.items())), tp=sizes.tp, pp=sizes.pp, ep=sizes.ep, vpp=sizes.vpp)
 
 
@@ -147,6 +150,7 @@ class ParallelSizes:
     edp: int
     vpp: int
     num_experts: int
+    etp: int = 1  # expert tensor-parallel size (Megatron's default: the tensor-parallel size)
 
     @property
     def experts_per_rank(self) -> int:
@@ -179,7 +183,19 @@ def _local_spec(task: Any, pp_rank: int, num_experts: int, stored: "StoredShapes
         is_expert=bool(task.mapping.is_expert),
         source_format=storage_format(weight),
         stack=stack,
+        split_over=split_size(weight, expert=bool(task.mapping.is_expert)),
     )
+
+
+def split_size(param: torch.Tensor, *, expert: bool) -> int:
+    """Over how many ranks the live model splits ``param``: Megatron marks a split parameter with
+    ``tensor_model_parallel``; the group is the expert tensor-parallel group for a routed expert's
+    parameter and the tensor-parallel group otherwise (as the bridge's mappings gather them)."""
+    from megatron.core import parallel_state as ps
+
+    if not getattr(param, "tensor_model_parallel", False):
+        return 1
+    return ps.get_expert_tensor_parallel_world_size() if expert else ps.get_tensor_model_parallel_world_size()
 
 
 class StoredShapes:
@@ -192,6 +208,7 @@ class StoredShapes:
         self._source = getattr(getattr(hf_pretrained, "state", None), "source", None)
         self._shapes: dict[str, tuple[int, ...] | None] = {}
         self._keys: set[str] | None = None
+        self._files_read: set[str] = set()
 
     def shape(self, name: str) -> tuple[int, ...] | None:
         if name not in self._shapes:
@@ -208,11 +225,33 @@ class StoredShapes:
             return None
         files = getattr(source, "key_to_filename_map", None)
         if files and name in files:
-            from safetensors import safe_open
-
-            with safe_open(str(source.path / files[name]), framework="pt") as handle:
-                return tuple(handle.get_slice(name).get_shape())
+            self._read_header(files[name])
+            return self._shapes.get(name)
         return tuple(source[name].shape)
+
+    def _read_header(self, file_name: str) -> None:
+        """Every shape one safetensors file stores (its header only), once per file."""
+        if file_name in self._files_read:
+            return
+        from safetensors import safe_open
+
+        self._files_read.add(file_name)
+        with safe_open(str(self._source.path / file_name), framework="pt") as handle:
+            for key in handle.keys():
+                self._shapes[key] = tuple(handle.get_slice(key).get_shape())
+
+
+def _check_stored_shapes(entries: list[PlanEntry], stored: "StoredShapes") -> None:
+    """Every planned tensor the source checkpoint holds has the shape it is stored with there
+    (its safetensors headers; no data is read): the plan is checked against an oracle the model
+    did not derive, where the bridge has one."""
+    wrong = [(e.hf_name, e.shape, shape) for e in entries if (shape := stored.shape(e.hf_name)) is not None and shape != e.shape]
+    if wrong:
+        name, planned, shape = wrong[0]
+        raise PlanError(
+            f"the export plan's shapes differ from the source checkpoint's for {len(wrong)} tensor(s), e.g. {name}: "
+            f"planned {list(planned)}, stored {list(shape)}"
+        )
 
 
 def _names_the_bridge_drops(model_bridge: Any, task: Any, spec: ParamSpec, hf_state: Any) -> frozenset[str]:
@@ -245,8 +284,35 @@ def _entries_for(specs: dict[str, ParamSpec], name: str, sizes: ParallelSizes, c
     spec = specs[name]
     if spec.stack is not None:
         return _stacked_entries(specs, name, sizes)
-    if not spec.is_expert:
-        return _dense_entries(spec, sizes, config)
+    entries = _dense_entries(spec, sizes, config) if not spec.is_expert else _expert_entries(specs, name, sizes, config)
+    for entry in entries:
+        member = specs[entry.megatron_param]
+        _check_split(member, entry, sizes.etp if member.is_expert else sizes.tp)
+    return entries
+
+
+def _check_split(spec: ParamSpec, entry: PlanEntry, sliced_over: int) -> None:
+    """The plan cuts ``entry`` as the live model splits its parameter (``ParamSpec.split_over``,
+    read from the parameter's own marks and the groups the model was built with): a plan that
+    would read one rank's shard as the whole tensor (a split it does not know of), or assemble a
+    parameter every rank holds whole from several ranks, is refused here rather than exported
+    with another shape or other values."""
+    group = "expert tensor-parallel" if spec.is_expert else "tensor-parallel"
+    if spec.split_over > 1 and spec.split_over != sliced_over:
+        raise PlacementError(
+            f"the live model splits {spec.global_name} {list(spec.local_shape)} over {spec.split_over} ranks of its {group} "
+            f"group, but the plan cuts {entry.hf_name} over {sliced_over}"
+        )
+    if spec.split_over == 1 and len(entry.sharding.pieces) > 1:
+        raise PlacementError(
+            f"the live model holds {spec.global_name} {list(spec.local_shape)} whole on every rank (no tensor_model_parallel "
+            f"mark), but its placement {spec.placement.kind!r} assembles {entry.hf_name} from {len(entry.sharding.pieces)} "
+            f"ranks of the {group} group"
+        )
+
+
+def _expert_entries(specs: dict[str, ParamSpec], name: str, sizes: ParallelSizes, config: Any) -> list[PlanEntry]:
+    spec = specs[name]
     expert = expert_number(name)
     per_rank = sizes.experts_per_rank
     if expert >= per_rank:
@@ -284,19 +350,27 @@ def _dense_entries(spec: ParamSpec, sizes: ParallelSizes, config: Any) -> list[P
 def _expert_entry(
     spec: ParamSpec, output_index: int, owner: int, local_index: int, sizes: ParallelSizes, config: Any
 ) -> PlanEntry:
+    """One HF tensor of one expert: owned by expert-parallel rank ``owner``, split over the
+    expert tensor-parallel group as the expert's mapping splits it (``pieces[r]``: expert-TP rank
+    r's slices; one entry where every expert-TP rank holds the same slices)."""
     if spec.placement.relayout is not None:
         raise PlacementError(f"an expert parameter with a {spec.placement.relayout!r} relayout has no expert assembly")
     hf_name = spec.placement.hf_names[output_index]
-    ctx = ShardContext(local_shape=spec.local_shape, tp_rank=0, tp_size=1, config=config)
-    pieces = (tuple(c for c in slices_for(spec.placement, ctx) if c.hf_name == hf_name),)
+    per_rank = tuple(
+        tuple(c for c in slices_for(spec.placement, ShardContext(local_shape=spec.local_shape, tp_rank=r, tp_size=sizes.etp, config=config))
+              if c.hf_name == hf_name)
+        for r in range(sizes.etp)
+    )
+    replicated = all(rank == per_rank[0] for rank in per_rank)
+    pieces = per_rank[:1] if replicated else per_rank
+    owned = "Owned()" if sizes.ep > 1 else "Replicate()"
+    if sizes.etp == 1:
+        mesh = dict(mesh_dims=("ep", "edp"), mesh_shape=(sizes.ep, sizes.edp), placements=(owned, "Replicate()"))
+    else:
+        split = "Replicate()" if replicated else f"Shard({pieces[0][0].dim})"
+        mesh = dict(mesh_dims=("ep", "etp", "edp"), mesh_shape=(sizes.ep, sizes.etp, sizes.edp), placements=(owned, split, "Replicate()"))
     sharding = TensorSharding(
-        mesh_dims=("ep", "edp"),
-        mesh_shape=(sizes.ep, sizes.edp),
-        placements=("Owned()" if sizes.ep > 1 else "Replicate()", "Replicate()"),
-        pieces=pieces,
-        local_shape=spec.local_shape,
-        owner_ep_rank=owner,
-        local_expert_index=local_index,
+        **mesh, pieces=pieces, local_shape=spec.local_shape, owner_ep_rank=owner, local_expert_index=local_index,
     )
     return _entry(spec, hf_name, _hf_shape(spec.local_shape, pieces), sharding)
 
@@ -310,6 +384,11 @@ def _stacked_entries(specs: dict[str, ParamSpec], name: str, sizes: ParallelSize
     if expert_number(name) != 0:
         return []
     spec = specs[name]
+    if sizes.etp > 1:
+        raise PlacementError(
+            f"the stacked expert tensor {spec.placement.hf_names[0]} under expert tensor parallelism "
+            f"(etp={sizes.etp}) has no stack assembly here"
+        )
     members = [specs.get(with_expert_number(name, e)) for e in range(sizes.num_experts)]
     odd = [e for e, m in enumerate(members) if m is None or (m.local_shape, m.stack) != (spec.local_shape, spec.stack)]
     if odd or not sizes.num_experts or sizes.num_experts % sizes.ep:

@@ -36,10 +36,12 @@ class TensorSharding:
     """How one HF tensor is laid out across the trainer's ranks, in HF coordinates.
 
     Non-expert tensors live on the (tp, dp) mesh of their pipeline stage; expert tensors on the
-    (ep, expert-dp) mesh with expert-TP 1, owned whole by ``owner_ep_rank``. ``placements``
-    reads like DTensor's: ``Shard(d)`` or ``Replicate()`` for each mesh dimension.
-    ``pieces[r]`` lists where tensor-parallel rank ``r`` keeps its slices of this HF tensor
-    inside its local Megatron parameter (one entry when not tensor-parallel).
+    (ep, expert-dp) mesh, owned by ``owner_ep_rank`` (with expert tensor parallelism, etp > 1,
+    on the (ep, etp, expert-dp) mesh: the owner's expert-TP group splits them as the expert's
+    mapping does). ``placements`` reads like DTensor's: ``Shard(d)`` or ``Replicate()`` for
+    each mesh dimension. ``pieces[r]`` lists where tensor-parallel rank ``r`` (expert-TP rank
+    ``r`` for an expert) keeps its slices of this HF tensor inside its local Megatron parameter
+    (one entry when not split).
 
     A stacked expert tensor (``stack`` set, ``plan.stacking``) holds every expert of its layer:
     slot ``e`` is expert ``e``'s whole local parameter re-laid out as ``stack`` says, so it has no
@@ -47,9 +49,9 @@ class TensorSharding:
     (``Shard(0)`` over ``ep``).
     """
 
-    mesh_dims: tuple[str, str]
-    mesh_shape: tuple[int, int]
-    placements: tuple[str, str]
+    mesh_dims: tuple[str, ...]
+    mesh_shape: tuple[int, ...]
+    placements: tuple[str, ...]
     pieces: tuple[tuple[SliceCopy, ...], ...]
     local_shape: tuple[int, ...]
     owner_ep_rank: int | None = None

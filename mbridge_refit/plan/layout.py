@@ -31,7 +31,8 @@ class ParallelLayout:
             holds the same weights as its tensor/pipeline peers).
         vpp: virtual pipeline stages per PP rank (None = no interleaving).
         ep: expert-parallel size (MoE only).
-        etp: expert tensor-parallel size (only 1 is supported: experts are whole on each rank).
+        etp: expert tensor-parallel size: each routed expert split over this many ranks (Megatron-Core's
+            own default, when a provider leaves it unset, is the tensor-parallel size; 1 keeps experts whole).
         first_stage_layers / last_stage_layers: uneven pipeline splits (Megatron's
             ``num_layers_in_first/last_pipeline_stage``); the middle stages share the rest evenly.
     """
@@ -55,8 +56,6 @@ class ParallelLayout:
                 raise LayoutError(f"vpp must be a positive integer or None, got {self.vpp!r}")
             if self.pp == 1 and self.vpp > 1:
                 raise LayoutError(f"vpp={self.vpp} needs pp > 1: interleaving stages needs a pipeline.")
-        if self.etp != 1:
-            raise LayoutError(f"etp={self.etp} is not supported: use expert tensor parallel size 1.")
         if self.uneven and self.pp == 1:
             raise LayoutError("first/last stage layer counts need pp > 1.")
         if self.uneven and self.vpp_stages > 1:
@@ -89,6 +88,8 @@ class ParallelLayout:
             parts.append(f"cp{self.cp}")
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
+        if self.etp > 1:
+            parts.append(f"etp{self.etp}")
         return "_".join(parts) or "tp1"
 
     def data_parallel_size(self, world_size: int) -> int:
@@ -130,12 +131,13 @@ class ParallelLayout:
             (shape.num_key_value_heads, self.tp, "num_key_value_heads", "tp"),
             (shape.vocab_size, self.tp, "vocab_size", "tp"),
         ]
-        if not shape.num_experts:  # expert FFNs are whole on each rank (etp=1): only dense FFNs split
+        if not shape.num_experts:  # a MoE model's dense FFN size is checked by its mapping, experts below
             checks.append((shape.intermediate_size, self.tp, "intermediate_size", "tp"))
         if shape.num_experts:
             checks.append((shape.num_experts, self.ep, "num_experts", "ep"))
-        elif self.ep > 1:
-            raise LayoutError(f"ep={self.ep} needs a mixture-of-experts model; this model has no experts.")
+            checks.append((shape.expert_intermediate_size, self.etp, "the experts' intermediate size", "etp"))
+        elif self.ep > 1 or self.etp > 1:
+            raise LayoutError(f"ep={self.ep}, etp={self.etp} need a mixture-of-experts model; this model has no experts.")
         for size, parts, what, flag in checks:
             if size % parts:
                 raise LayoutError(
@@ -187,6 +189,7 @@ class ModelShape:
     vocab_size: int
     intermediate_size: int
     num_experts: int = 0
+    expert_intermediate_size: int = 0  # one routed expert's FFN size (what expert tensor parallelism splits)
 
     @classmethod
     def from_hf_config(cls, config: Any) -> "ModelShape":
@@ -195,15 +198,19 @@ class ModelShape:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = text.num_attention_heads
         experts = next((getattr(text, f) for f in _EXPERT_COUNT_FIELDS if getattr(text, f, None)), 0)
+        intermediate = getattr(text, "intermediate_size", None) or 0
         return cls(
             num_layers=text.num_hidden_layers,
             num_attention_heads=heads,
             num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
             vocab_size=text.vocab_size,
-            intermediate_size=getattr(text, "intermediate_size", None) or 0,
+            intermediate_size=intermediate,
             num_experts=experts,
+            expert_intermediate_size=next((getattr(text, f) for f in _EXPERT_SIZE_FIELDS if getattr(text, f, None)), intermediate),
         )
 
 
 # HF config fields that count a mixture-of-experts layer's routed experts, by family.
 _EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+# HF config fields that hold one routed expert's FFN size, by family (else ``intermediate_size``).
+_EXPERT_SIZE_FIELDS = ("moe_intermediate_size", "expert_intermediate_size")

@@ -41,14 +41,15 @@ class TransferPlanError(ValueError):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainerRank:
-    """Where one trainer rank sits: its global rank, pipeline stage, tensor- and expert-parallel
-    ranks, and data-parallel replica."""
+    """Where one trainer rank sits: its global rank, pipeline stage, tensor-, expert- and
+    expert-tensor-parallel ranks, and data-parallel replica."""
 
     rank: int
     pp: int
     tp: int
     ep: int
     replica: int
+    etp: int = 0  # its rank in the expert tensor-parallel group (which expert slices it holds)
 
 
 def megatron_rank_grid(*, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, dp: int = 1) -> tuple[TrainerRank, ...]:
@@ -246,11 +247,13 @@ def _global_expert(entry: PlanEntry, plan: ExportPlan, shape: ModelShape) -> int
 
 
 def _holders(entry: PlanEntry, tp_index: int, grid: tuple[TrainerRank, ...]) -> list[int]:
-    """Global ranks holding tensor-parallel piece ``tp_index`` of ``entry`` (every tensor-parallel
-    rank holds a tensor with one piece list: replicated or TP 1)."""
+    """Global ranks holding tensor-parallel piece ``tp_index`` of ``entry`` (for an expert: the
+    owner's expert-tensor-parallel rank ``tp_index``; every rank holds a tensor with one piece
+    list: replicated or TP 1)."""
     stage = [r for r in grid if r.pp == entry.pp_rank]
     if entry.is_expert:
-        return [r.rank for r in stage if r.ep == entry.sharding.owner_ep_rank]
+        owners = [r for r in stage if r.ep == entry.sharding.owner_ep_rank]
+        return [r.rank for r in owners if len(entry.sharding.pieces) == 1 or r.etp == tp_index]
     if len(entry.sharding.pieces) == 1:
         return [r.rank for r in stage]
     return [r.rank for r in stage if r.tp == tp_index]

@@ -29,17 +29,22 @@ class ParallelGroups:
     pp_rank: int
     ep_rank: int
     tp_rank: int
+    etp: Any = None  # expert tensor-parallel group (experts split within it; size 1: whole experts)
+    etp_size: int = 1
+    etp_rank: int = 0
 
 
 def current_groups() -> ParallelGroups:
-    """This rank's tensor-, expert- and pipeline-parallel groups (Megatron's parallel state), with
-    each group's size and this rank's place in it."""
+    """This rank's tensor-, expert-, expert-tensor- and pipeline-parallel groups (Megatron's parallel
+    state), with each group's size and this rank's place in it."""
     from megatron.core import parallel_state as ps
 
     tp, ep, pp = ps.get_tensor_model_parallel_group(), ps.get_expert_model_parallel_group(), ps.get_pipeline_model_parallel_group()
+    etp = ps.get_expert_tensor_parallel_group()
     size, rank = dist.get_world_size, dist.get_rank
     return ParallelGroups(
         tp=tp, ep=ep, pp=pp, tp_size=size(tp), ep_size=size(ep), pp_size=size(pp), tp_rank=rank(tp), ep_rank=rank(ep), pp_rank=rank(pp),
+        etp=etp, etp_size=size(etp), etp_rank=rank(etp),
     )
 
 
@@ -82,13 +87,16 @@ class RankGroups:
 
     rank: int
     replica: int  # data-parallel rank (context-parallel ranks of a replica share its index)
-    groups: tuple[tuple[int, ...], ...]  # tensor-, pipeline- and expert-parallel group ranks
+    groups: tuple[tuple[int, ...], ...]  # tensor-, pipeline-, expert- and expert-tensor-parallel group ranks
 
 
 def current_rank_groups() -> RankGroups:
     from megatron.core import parallel_state as ps
 
-    groups = (ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group(), ps.get_expert_model_parallel_group())
+    groups = (
+        ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group(), ps.get_expert_model_parallel_group(),
+        ps.get_expert_tensor_parallel_group(),
+    )
     return RankGroups(
         rank=dist.get_rank(),
         replica=ps.get_data_parallel_rank(),
@@ -104,13 +112,13 @@ def current_trainer_rank() -> "TrainerRank":
 
     return TrainerRank(
         rank=dist.get_rank(), pp=ps.get_pipeline_model_parallel_rank(), tp=ps.get_tensor_model_parallel_rank(),
-        ep=ps.get_expert_model_parallel_rank(), replica=ps.get_data_parallel_rank(),
+        ep=ps.get_expert_model_parallel_rank(), replica=ps.get_data_parallel_rank(), etp=ps.get_expert_tensor_parallel_rank(),
     )
 
 
 def replica_participants(everyone: list[RankGroups], replica: int) -> frozenset[int]:
     """The ranks an export by data-parallel replica ``replica`` needs: the replica's ranks and
-    every rank that shares a tensor-, pipeline- or expert-parallel group with a needed rank
+    every rank that shares a tensor-, pipeline-, expert- or expert-tensor-parallel group with a needed rank
     (transitively: expert-parallel groups can span replicas, and a rank that joins an expert
     gather also runs its own tensor and pipeline collectives). Pure; the same on every rank."""
     needed = {r.rank for r in everyone if r.replica == replica}

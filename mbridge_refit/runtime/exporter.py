@@ -4,7 +4,8 @@ For each bucket (``schedule.build_buckets``), on the pipeline stage that owns it
 of the bucket is issued in one coalesced NCCL group, then the HF tensors are built as each
 entry's ``Assembly`` says (views where the HF tensor is a slice of a shard, all-gathers straight
 into the output, one copy per piece otherwise); experts are gathered over the expert-parallel
-group (a stacked expert tensor: each local expert copied into its slot, then the slots
+group, after their expert tensor-parallel group where that splits them (a stacked expert
+tensor: each local expert copied into its slot, then the slots
 all-gathered into the output); each HF tensor is then broadcast from the owning stage to the
 other pipeline stages. Every rank yields every tensor, in plan order (the stock export's order).
 An entry with an ``elementwise_op`` is assembled into its own output buffer (never a view of a
@@ -89,7 +90,8 @@ class PlanExporter:
     def live_rows(self) -> dict[str, LiveRows]:
         """The plan's HF tensors that are, on this rank, rows of one local parameter read as stored:
         no gather, no pipeline broadcast, no conversion of the shard or of the values (``VIEW`` and
-        ``INDEX`` assemblies of this stage's parameters, never an entry with an ``elementwise_op``, experts at expert-parallel size 1, and aliases of
+        ``INDEX`` assemblies of this stage's parameters, never an entry with an ``elementwise_op``, experts at expert-parallel
+        and expert tensor-parallel size 1, and aliases of
         such tensors). Pure: reads no tensor data; the same names on every rank of a layout
         whose shards are the parameters themselves. Empty with pipeline parallelism (every
         stage receives the other stages' tensors) and for shards that are converted (TE FP8)."""
@@ -102,7 +104,7 @@ class PlanExporter:
                     if entry.alias_of in live:
                         live[entry.hf_name] = live[entry.alias_of]
                     continue
-                reads_local = op.source is not None and (self._groups.ep_size == 1 or not op.expert)
+                reads_local = op.source is not None and (not op.expert or self._groups.ep_size == self._groups.etp_size == 1)
                 reads_local = reads_local and entry.elementwise_op is None
                 if reads_local and assembly.kind is AssemblyKind.VIEW:
                     runs = ((0, assembly.start, assembly.length),)
@@ -193,14 +195,35 @@ class PlanExporter:
         ``slots``)."""
         if bucket.pp_rank != self._groups.pp_rank:
             return [None] * len(bucket.ops)
-        group = self._groups.ep if bucket.expert else self._groups.tp
         runs = [op.source is not None and (slots is None or slot in slots) for slot, op in enumerate(bucket.ops)]
-        gathers = bucket.gathers if slots is None else sum(gather_count(op, self._groups) for op, run in zip(bucket.ops, runs) if run)
-        gathered: list[dict] = []
-        with coalesced(group, gathers, self.device):
-            for slot, op in enumerate(bucket.ops):
-                gathered.append(self._launch_gathers(op, slot, buffers) if runs[slot] else {})
+        if bucket.expert and self._groups.etp_size > 1 and not bucket.ops[0].stacked:
+            gathered = self._gather_expert_shards(bucket, runs, buffers)
+        else:
+            group = self._groups.ep if bucket.expert else self._groups.tp
+            gathers = bucket.gathers if slots is None else sum(gather_count(op, self._groups) for op, run in zip(bucket.ops, runs) if run)
+            gathered = []
+            with coalesced(group, gathers, self.device):
+                for slot, op in enumerate(bucket.ops):
+                    gathered.append(self._launch_gathers(op, slot, buffers) if runs[slot] else {})
         return [self._assemble(op, slot, gathered[slot], buffers) if runs[slot] else None for slot, op in enumerate(bucket.ops)]
+
+    def _gather_expert_shards(self, bucket: Bucket, runs: list[bool], buffers: ExportBuffers) -> list[dict]:
+        """Experts split over an expert tensor-parallel group: all-gather each local expert's shard
+        over that group ([etp, *local], one coalesced group), then those over the expert-parallel
+        group ([ep, etp, *local], another): two phases, since the second reads what the first
+        wrote. The groups are Megatron's own, as the stock export gathers over them."""
+        groups = self._groups
+        count = sum(runs)
+        shards: list[torch.Tensor | None] = []
+        with coalesced(groups.etp, count, self.device):
+            for slot, op in enumerate(bucket.ops):
+                local = self.shards(op.source, op.entries[0], slot, buffers).detach() if runs[slot] else None
+                shards.append(None if local is None else _gather(local, groups.etp, groups.etp_size, buffers, "etp_gather", slot))
+        gathered: list[dict] = []
+        with coalesced(groups.ep, count if groups.ep_size > 1 else 0, self.device):
+            for slot, shard in enumerate(shards):
+                gathered.append({} if shard is None else {"whole": _gather(shard, groups.ep, groups.ep_size, buffers, "ep_gather", slot)})
+        return gathered
 
     def _launch_gathers(self, op: Op, slot: int, buffers: ExportBuffers) -> dict:
         """Issue ``op``'s gathers: row gathers straight into outputs, or whole shards."""
@@ -235,10 +258,11 @@ class PlanExporter:
     def _assemble_slices(self, op: Op, slot: int, launched: dict, buffers: ExportBuffers) -> list[torch.Tensor]:
         if "stacked" in launched:
             return [launched["stacked"]]
-        if op.expert:
+        if op.expert:  # "whole": [ep, *local], or [ep, etp, *local] with expert tensor parallelism
             whole = launched["whole"]
+            split = self._groups.etp_size > 1
             return [
-                self._from_pieces(entry, assembly, whole[entry.sharding.owner_ep_rank].unsqueeze(0), buffers, (slot, i))
+                self._from_pieces(entry, assembly, whole[entry.sharding.owner_ep_rank] if split else whole[entry.sharding.owner_ep_rank].unsqueeze(0), buffers, (slot, i))
                 for i, (entry, assembly) in enumerate(zip(op.entries, op.assemblies))
             ]
         outputs: list[torch.Tensor] = []

@@ -186,7 +186,7 @@ def gather_count(op: Op, groups: ParallelGroups) -> int:
     if op.source is None:
         return 0
     if op.expert:
-        return int(groups.ep_size > 1)
+        return int(groups.ep_size > 1) + int(groups.etp_size > 1)
     rows = sum(a.kind is AssemblyKind.GATHER_ROWS for a in op.assemblies)
     return rows + int(op.gathers_whole_shards)
 

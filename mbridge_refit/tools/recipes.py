@@ -220,12 +220,13 @@ def _load_layouts() -> tuple[dict[str, ParallelLayout], frozenset[str]]:
             raise RecipeError(
                 f"{path}: layout {name!r} describes {layout.name!r}; rename the key to {layout.name!r}."
             )
-        if bool(entry.get("requires_moe", False)) != (layout.ep > 1):
+        needs_experts = layout.ep > 1 or layout.etp > 1
+        if bool(entry.get("requires_moe", False)) != needs_experts:
             raise RecipeError(
-                f"{path}: layout {name!r} must set requires_moe to {layout.ep > 1} (ep={layout.ep})."
+                f"{path}: layout {name!r} must set requires_moe to {needs_experts} (ep={layout.ep}, etp={layout.etp})."
             )
         layouts[name] = layout
-        if layout.ep > 1:
+        if needs_experts:
             moe_only.add(name)
     return layouts, frozenset(moe_only)
 

@@ -202,6 +202,7 @@ def check_reassembly(bridge, chunks, plan, read) -> None:
     params = {t.global_param_name: t.param_weight for t in bridge.megatron_model_bridge(chunks).build_conversion_tasks(bridge.hf_pretrained, chunks)
               if t is not None and t.param_weight is not None}
     tp_rank, ep_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    etp_rank = ps.get_expert_tensor_parallel_rank()
     contributions = []
     for entry in plan.entries:
         if entry.alias_of is not None or entry.pp_rank != pp_rank:
@@ -210,7 +211,7 @@ def check_reassembly(bridge, chunks, plan, read) -> None:
         if entry.is_expert:
             if layout.owner_ep_rank != ep_rank:
                 continue
-            pieces = layout.pieces[0]
+            pieces = layout.pieces[etp_rank if len(layout.pieces) > 1 else 0]
         else:
             pieces = layout.pieces[tp_rank if len(layout.pieces) > 1 else 0]
         local = params[entry.megatron_param]
