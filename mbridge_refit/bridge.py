@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Collection, Iterable, Iterator, Optional
@@ -37,7 +38,7 @@ from mbridge_refit.checkpoints.hf import HFCheckpoint, load_config
 from mbridge_refit.fp8 import te as te_fp8
 from mbridge_refit.fp8.format import FP8_DTYPE_NAME, BlockwiseFP8Config, FP8FormatError, scale_name
 from mbridge_refit.fp8.plan import fp8_plan, yielded_bytes
-from mbridge_refit.fp8.quantize import quantize_buckets
+from mbridge_refit.fp8.quantize import quantize_bucket_lists
 from mbridge_refit.checkpoints.loader import LoadReport, load_hf_shards
 from mbridge_refit.plan.build import build_export_plan
 from mbridge_refit.plan.engine_layout import EngineLayout
@@ -48,6 +49,9 @@ from mbridge_refit.plan.transfer import TransferPlan, build_transfer_plan
 from mbridge_refit.runtime.buffers import ExportBuffers
 from mbridge_refit.runtime.collectives import current_rank_groups, current_trainer_rank, is_rank_zero, replica_participants
 from mbridge_refit.runtime.exporter import DEFAULT_BUCKET_BYTES, PlanExporter
+from mbridge_refit.runtime.handshake import DEFAULT_TIMEOUT_S, CollectiveCall
+from mbridge_refit.runtime.lifetime import guard_buckets, guard_tensors, lifetime_checks_from_environment
+from mbridge_refit.runtime.live_params import LiveParams
 from mbridge_refit.runtime.param_sync import finish_pending_param_gathers
 from mbridge_refit.runtime.selection import LiveRows
 from mbridge_refit.runtime.sharded_transfer import ShardedTransfer
@@ -82,14 +86,16 @@ class ExportDiagnostics:
     fallback_reason: str | None  # why the export runs the stock path, if it does
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, weakref_slot=True)
 class _ModelState:
-    """Everything the bridge derives from one model; replaced when the model changes."""
+    """Everything the bridge derives from one model; replaced when the model changes, dropped when
+    the model is garbage-collected. Refers to the model's chunks weakly; holds its parameters
+    (``live``) only while the chunks live."""
 
-    key: tuple[int, ...]  # ids of the model chunks
+    chunks: tuple[weakref.ref, ...]  # the model's chunks, as the caller passes them
     model_bridge: Any
     plan: ExportPlan | None = None
-    tasks: list | None = None
+    live: LiveParams | None = None  # this rank's parameters by global name, kept current
     exporter: PlanExporter | None = None
     plan_error: PlanError | None = None
     fp8: dict[BlockwiseFP8Config, FP8Export] = field(default_factory=dict)
@@ -114,6 +120,8 @@ class RefitBridge(AutoBridge):
 
     def __init__(self, hf_pretrained: Any) -> None:
         self.bucket_bytes = DEFAULT_BUCKET_BYTES
+        self.collective_timeout_s: float | None = DEFAULT_TIMEOUT_S
+        self.check_lifetime = lifetime_checks_from_environment()
         self._model_state: _ModelState | None = None
         self._buffers: ExportBuffers | None = None
         super().__init__(hf_pretrained)
@@ -139,12 +147,29 @@ class RefitBridge(AutoBridge):
         return super()._model_bridge
 
     def _state_for(self, model: list[torch.nn.Module] | torch.nn.Module) -> _ModelState:
-        """The state of ``model``, made anew (with a new model bridge) when the model changes."""
-        key = tuple(id(chunk) for chunk in _chunks(model))
-        if self._model_state is None or self._model_state.key != key:
-            self._model_state = _ModelState(key=key, model_bridge=AutoBridge._model_bridge.fget(self))
-        self._model_state.model_bridge.export_weight_dtype = self.export_weight_dtype
-        return self._model_state
+        """The state of ``model``, made anew (with a new model bridge) when the model changes; its
+        parameters swapped in where the model replaced them since the last call
+        (``runtime.live_params``: one integer comparison when nothing was replaced)."""
+        chunks = _chunks(model)
+        state = self._model_state
+        if state is None or not _same_chunks(state.chunks, chunks):
+            state = self._model_state = _ModelState(
+                chunks=tuple(weakref.ref(chunk) for chunk in chunks), model_bridge=AutoBridge._model_bridge.fget(self)
+            )
+            weakref.finalize(chunks[0], _drop_state, weakref.ref(self), weakref.ref(state))
+        elif state.live is not None:
+            replaced = state.live.refresh()
+            if replaced:
+                logger.info("%d parameter(s) of the model were replaced since the last export, e.g. %s: reading the new ones",
+                            len(replaced), replaced[0])
+        state.model_bridge.export_weight_dtype = self.export_weight_dtype
+        return state
+
+    def forget_model(self) -> None:
+        """Drop everything derived from the current model (plan, exporters, parameter references);
+        the next call plans again (collective). For a model changed in a way the plan cannot
+        follow (a parameter of another shape): call on every rank, then export."""
+        self._model_state = None
 
     def megatron_model_bridge(self, model: list[torch.nn.Module] | torch.nn.Module) -> Any:
         """The Megatron-Bridge ``MegatronModelBridge`` this bridge uses for ``model`` (kept for the
@@ -160,14 +185,14 @@ class RefitBridge(AutoBridge):
             unwrapped = unwrap_model(chunks)
             tasks = state.model_bridge.build_conversion_tasks(self.hf_pretrained, unwrapped)
             state.plan = build_export_plan(state.model_bridge, self.hf_pretrained, unwrapped, tasks=tasks, group=group)
-            state.tasks = tasks
+            state.live = LiveParams(unwrapped, tasks)  # the tasks themselves (they hold modules) are not kept
             state.group = group
         return state
 
     def _exporter(self, chunks: list[torch.nn.Module]) -> PlanExporter:
         state = self._planned(chunks)
         if state.exporter is None:
-            params = _local_params(state.tasks)
+            params = state.live.params
             shards = te_fp8.dequantized_shards(params) if any(is_quantized(p) for p in params.values()) else None
             state.exporter = PlanExporter(plan=state.plan, params=params, device=_device_of(params), shards=shards)
         state.exporter.bucket_bytes = self.bucket_bytes
@@ -322,7 +347,7 @@ class RefitBridge(AutoBridge):
         of ``group`` (default: the whole job) and call ``run(shards)`` every step. No collective."""
         chunks = _chunks(model)
         state = self._planned(chunks)
-        return ShardedTransfer(plan, params=_local_params(state.tasks), group=group, checksum=checksum, chunks=chunks)
+        return ShardedTransfer(plan, params=state.live.params, group=group, checksum=checksum, chunks=chunks)
 
     def _everyone(self, state: _ModelState) -> list[Any]:
         """Every trainer rank's groups, gathered over the ranks the plan was built over."""
@@ -426,44 +451,114 @@ class RefitBridge(AutoBridge):
         ``hold_outputs`` every yielded tensor stays valid until the next export call.
         """
         chunks = _chunks(model)
+        call = self._begin_collective(chunks, "export_hf_weights")
+        stream = self._export(
+            chunks, _ExportOptions(
+                cpu=cpu, show_progress=show_progress, conversion_tasks=conversion_tasks, merge_adapter_weights=merge_adapter_weights,
+                weight_dtype=weight_dtype, reuse_buffer_from_cache=reuse_buffer_from_cache, hold_outputs=hold_outputs, fp8=fp8,
+                replica=replica, only=None if only is None else frozenset(only),
+            ), in_buckets=False,
+        )
+        stream = call.guard(stream)
+        return guard_tensors(stream) if self.check_lifetime else stream
+
+    def export_hf_weight_buckets(
+        self,
+        model: list[torch.nn.Module] | torch.nn.Module,
+        *,
+        cpu: bool = False,
+        show_progress: bool = True,
+        reuse_buffer_from_cache: bool = False,
+        fp8: BlockwiseFP8Config | str | None = None,
+        replica: int | None = None,
+        only: Collection[str] | None = None,
+    ) -> Iterable[list[tuple[str, torch.Tensor]]]:
+        """``export_hf_weights``, one bucket at a time: lists of ``(hf_name, tensor)`` in plan order.
+
+        For packers that collect tensors and send them together (an HTTP or ZMQ flush, a packed
+        buffer): every tensor of a bucket stays valid until the next bucket is requested, so a
+        bucket can be sent whole without copying; what is kept longer must be copied. Buckets are
+        the export's own (``bucket_bytes`` of output, whole layers; with ``fp8``, sized by what the
+        FP8 export yields); a model on the stock fallback is cut into lists of ``bucket_bytes``.
+        Collective and fresh exactly as ``export_hf_weights`` (same arguments, same contract).
+        """
+        chunks = _chunks(model)
+        call = self._begin_collective(chunks, "export_hf_weight_buckets")
+        buckets = self._export(
+            chunks, _ExportOptions(
+                cpu=cpu, show_progress=show_progress, reuse_buffer_from_cache=reuse_buffer_from_cache, fp8=fp8,
+                replica=replica, only=None if only is None else frozenset(only),
+            ), in_buckets=True,
+        )
+        buckets = call.guard(buckets)
+        return guard_buckets(buckets) if self.check_lifetime else buckets
+
+    def _begin_collective(self, chunks: list[torch.nn.Module], what: str) -> CollectiveCall:
+        """Check that every rank the export needs calls it (``runtime.handshake``), before any collective."""
+        state = self._model_state if self._model_state is not None and _same_chunks(self._model_state.chunks, chunks) else None
+        group = state.group if state is not None else None
+        participants = torch.distributed.get_process_group_ranks(group) if group is not None else range(torch.distributed.get_world_size())
+        call = CollectiveCall(what, participants, timeout_s=self.collective_timeout_s)
+        call.arrive()
+        return call
+
+    def _export(self, chunks: list[torch.nn.Module], options: "_ExportOptions", *, in_buckets: bool) -> Iterable:
+        """The export stream (tensor by tensor, or ``in_buckets``): the plan's fast path, its FP8
+        form, or the stock export where the plan cannot describe the model."""
         finish_pending_param_gathers(chunks)  # before any rank skips: collective over data-parallel groups
         state = self._state_for(chunks)
-        fp8_config = self.fp8_config(fp8)
-        if replica is not None and not self.takes_part(chunks, replica):
+        fp8_config = self.fp8_config(options.fp8)
+        if options.replica is not None and not self.takes_part(chunks, options.replica):
             return iter(())
-        only = None if only is None else frozenset(only)
+        show_progress = options.show_progress and is_rank_zero()
         if fp8_config is not None:
-            buffers = self._export_buffers(reuse_buffer_from_cache, hold_outputs)
-            return self._export_fp8(chunks, fp8_config, buffers, cpu=cpu, show_progress=show_progress, only=only)
-        fast_path = conversion_tasks is None and weight_dtype is None and self.export_weight_dtype != "fp8"
-        if fast_path and state.plan_error is None:
-            try:
-                exporter = self._exporter(chunks)
-            except PlanError as err:
-                logger.warning("export plan unavailable (%s): using the stock Megatron-Bridge export", err)
-                state.plan_error = err
-            else:
-                buffers = self._export_buffers(reuse_buffer_from_cache, hold_outputs)
-                return exporter.export(buffers, cpu=cpu, show_progress=show_progress and is_rank_zero(), needed=only)
+            buffers = self._export_buffers(options.reuse_buffer_from_cache, options.hold_outputs)
+            buckets = self._export_fp8(chunks, fp8_config, buffers, show_progress=show_progress, only=options.only, in_buckets=in_buckets)
+            return _on_cpu(buckets, options.cpu) if in_buckets else _flat(_on_cpu(buckets, options.cpu))
+        exporter = self._fast_exporter(chunks, state, options)
+        if exporter is not None:
+            buffers = self._export_buffers(options.reuse_buffer_from_cache, options.hold_outputs)
+            if in_buckets:
+                return _on_cpu(exporter.export_buckets(buffers, show_progress=show_progress, needed=options.only), options.cpu)
+            return exporter.export(buffers, cpu=options.cpu, show_progress=show_progress, needed=options.only)
+        stream = self._stock_stream(chunks, state, options)
+        return _in_lists(stream, self.bucket_bytes) if in_buckets else stream
+
+    def _fast_exporter(self, chunks: list[torch.nn.Module], state: _ModelState, options: "_ExportOptions") -> PlanExporter | None:
+        """The plan's exporter, or None where the stock export runs (its reason logged once and
+        kept in ``export_diagnostics().fallback_reason``)."""
+        fast_path = options.conversion_tasks is None and options.weight_dtype is None and self.export_weight_dtype != "fp8"
+        if not fast_path or state.plan_error is not None:
+            return None
+        try:
+            return self._exporter(chunks)
+        except PlanError as err:
+            logger.warning("export plan unavailable (%s): using the stock Megatron-Bridge export", err)
+            state.plan_error = err
+            return None
+
+    def _stock_stream(self, chunks: list[torch.nn.Module], state: _ModelState, options: "_ExportOptions") -> Iterable[tuple[str, torch.Tensor]]:
+        conversion_tasks = options.conversion_tasks
         if conversion_tasks is None and self.export_weight_dtype == "fp8":
             self._validate_fp8_export_config(chunks)
             conversion_tasks = state.model_bridge.build_export_fp8_tasks(self.hf_pretrained, chunks)
         stream = state.model_bridge.stream_weights_megatron_to_hf(
             chunks,
             self.hf_pretrained,
-            cpu=cpu,
-            show_progress=show_progress,
+            cpu=options.cpu,
+            show_progress=options.show_progress,
             conversion_tasks=conversion_tasks,
-            merge_adapter_weights=merge_adapter_weights,
-            weight_dtype=weight_dtype,
+            merge_adapter_weights=options.merge_adapter_weights,
+            weight_dtype=options.weight_dtype,
         )
-        return stream if only is None else _only(stream, only)
+        return stream if options.only is None else _only(stream, options.only)
 
     def _export_fp8(
-        self, chunks: list[torch.nn.Module], config: BlockwiseFP8Config, buffers: ExportBuffers, *, cpu: bool,
-        show_progress: bool, only: frozenset[str] | None,
-    ) -> Iterable[tuple[str, torch.Tensor]]:
-        """The FP8 stream: weights the trainer keeps as blockwise FP8 are shipped as they are, with
+        self, chunks: list[torch.nn.Module], config: BlockwiseFP8Config, buffers: ExportBuffers, *,
+        show_progress: bool, only: frozenset[str] | None, in_buckets: bool,
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The FP8 export, in lists (one per BF16-plan bucket, or one per tensor unless
+        ``in_buckets``): weights the trainer keeps as blockwise FP8 are shipped as they are, with
         their scales; high-precision weights are quantized bucket by bucket into (cached) buffers.
         With ``only``, the selected weights (and the weights whose scales are selected) are
         exported; with trainer scales, whose stream follows the whole plan, everything is."""
@@ -472,15 +567,14 @@ class RefitBridge(AutoBridge):
         if only is not None and fp8.scales is None:
             needed = frozenset(e.scale_of or e.hf_name for e in fp8.plan.entries if e.hf_name in only)
         buckets = fp8.weights.export_buckets(
-            buffers, show_progress=show_progress and is_rank_zero(), select_rows_lazily=True, bucket_sizes=fp8.bucket_sizes,
-            needed=needed,
+            buffers, show_progress=show_progress, select_rows_lazily=True, bucket_sizes=fp8.bucket_sizes, needed=needed,
         )
-        stream = quantize_buckets(buckets, fp8.plan, buffers)
+        buckets = quantize_bucket_lists(buckets, fp8.plan, buffers)
         if fp8.scales is not None:
-            stream = _with_trainer_scales(stream, fp8.scales.export(buffers), fp8.shipped_scales)
+            buckets = _with_trainer_scales(buckets, fp8.scales.export(buffers), fp8.shipped_scales, in_buckets=in_buckets)
         if only is not None:
-            stream = _only(stream, only)
-        return ((name, tensor.cpu()) for name, tensor in stream) if cpu else stream
+            buckets = ([(name, tensor) for name, tensor in bucket if name in only] for bucket in buckets)
+        return buckets
 
     def export_hf_weights_stock(self, model, **kwargs) -> Iterable[tuple[str, torch.Tensor]]:
         """The unmodified Megatron-Bridge export (for comparison and benchmarks)."""
@@ -525,7 +619,7 @@ def _build_fp8_export(state: _ModelState, config: BlockwiseFP8Config, bf16_expor
     native_weights = frozenset(e.scale_of for e in native_scales)
     weights, scales = bf16_exporter, None
     if native_scales:
-        params = _local_params(state.tasks)
+        params = state.live.params
         weights_plan = dataclasses.replace(
             base, entries=tuple(dataclasses.replace(e, dtype=FP8_DTYPE_NAME) if e.hf_name in native_weights else e for e in base.entries)
         )
@@ -540,9 +634,16 @@ def _build_fp8_export(state: _ModelState, config: BlockwiseFP8Config, bf16_expor
     )
 
 
-def _local_params(tasks: list) -> dict[str, torch.Tensor]:
-    """Global Megatron name -> this rank's parameter, for the parameters this rank holds."""
-    return {t.global_param_name: t.param_weight for t in tasks if t is not None and t.param_weight is not None}
+def _same_chunks(refs: tuple[weakref.ref, ...], chunks: list[torch.nn.Module]) -> bool:
+    return len(refs) == len(chunks) and all(ref() is chunk for ref, chunk in zip(refs, chunks))
+
+
+def _drop_state(bridge_ref: weakref.ref, state_ref: weakref.ref) -> None:
+    """The model of ``state_ref`` was garbage-collected: its bridge lets go of the state (and with
+    it the parameters it read), unless it moved on to another model already."""
+    bridge, state = bridge_ref(), state_ref()
+    if bridge is not None and state is not None and bridge._model_state is state:
+        bridge._model_state = None
 
 
 def _device_of(params: dict[str, torch.Tensor]) -> torch.device:
@@ -550,17 +651,72 @@ def _device_of(params: dict[str, torch.Tensor]) -> torch.device:
 
 
 def _with_trainer_scales(
-    weights: Iterable[tuple[str, torch.Tensor]], scales: Iterable[tuple[str, torch.Tensor]], has_scale: frozenset[str]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Interleave the trainer-side scale stream after each weight named in ``has_scale``.
+    buckets: Iterable[list[tuple[str, torch.Tensor]]], scales: Iterable[tuple[str, torch.Tensor]], has_scale: frozenset[str],
+    *, in_buckets: bool,
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Put the trainer-side scale stream after each weight named in ``has_scale``.
 
     Both streams are collective; every rank advances them at the same points (the plan's), so
-    their gathers and pipeline broadcasts are issued in the same order everywhere.
+    their gathers and pipeline broadcasts are issued in the same order everywhere. The scale
+    stream reuses its buffers as it advances, so a scale is valid only until the next one is
+    read: ``in_buckets`` copies each (scales are 1/16384 of their weights' elements) so that a
+    bucket's tensors stay valid together; otherwise one list per tensor, read before the next.
     """
     scales = iter(scales)
-    for name, tensor in weights:
-        yield name, tensor
-        if name in has_scale:
-            expected_name, scale = next(scales)
-            assert expected_name == scale_name(name), (expected_name, name)
-            yield expected_name, scale
+    for bucket in buckets:
+        merged = []
+        for name, tensor in bucket:
+            if not in_buckets:
+                yield [(name, tensor)]
+            else:
+                merged.append((name, tensor))
+            if name in has_scale:
+                expected_name, scale = next(scales)
+                assert expected_name == scale_name(name), (expected_name, name)
+                if in_buckets:
+                    merged.append((expected_name, scale.clone()))
+                else:
+                    yield [(expected_name, scale)]
+        if in_buckets:
+            yield merged
+
+
+def _flat(buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> Iterator[tuple[str, torch.Tensor]]:
+    for bucket in buckets:
+        yield from bucket
+
+
+def _on_cpu(buckets: Iterable[list[tuple[str, Any]]], cpu: bool) -> Iterable[list[tuple[str, Any]]]:
+    if not cpu:
+        return buckets
+    return ([(name, tensor.cpu()) for name, tensor in bucket] for bucket in buckets)
+
+
+def _in_lists(stream: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The stock export's stream cut into lists of up to ``bucket_bytes`` (its tensors are fresh
+    allocations or the parameters themselves, valid after the stream advances)."""
+    bucket, size = [], 0
+    for name, tensor in stream:
+        bucket.append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _ExportOptions:
+    """The arguments of one export call (``export_hf_weights`` / ``export_hf_weight_buckets``)."""
+
+    cpu: bool = False
+    show_progress: bool = True
+    conversion_tasks: list | None = None
+    merge_adapter_weights: bool = True
+    weight_dtype: torch.dtype | None = None
+    reuse_buffer_from_cache: bool = False
+    hold_outputs: bool = False
+    fp8: BlockwiseFP8Config | str | None = None
+    replica: int | None = None
+    only: frozenset[str] | None = None

@@ -51,6 +51,15 @@ def quantize_buckets(
     A ``RowSelection`` whose runs start on block rows (and are whole blocks, but for the
     tensor's last) is quantized run by run from its source: the same blocks, no copy.
     """
+    for bucket in quantize_bucket_lists(buckets, plan, buffers):
+        yield from bucket
+
+
+def quantize_bucket_lists(
+    buckets: Iterable[list[tuple[str, torch.Tensor | RowSelection]]], plan: ExportPlan, buffers: ExportBuffers
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """``quantize_buckets``, one list per BF16 bucket: its tensors all stay valid until the next
+    list is requested."""
     scales = {e.scale_of: e for e in plan.entries if e.scale_of is not None}
     for bucket in buckets:
         names = tuple(name for name, _ in bucket)
@@ -58,13 +67,15 @@ def quantize_buckets(
         if quantizer is None:
             quantizer = buffers.memo[("fp8", names)] = BucketQuantizer.build(bucket, scales, buffers)
         quantizer.run([bucket[i][1] for i in quantizer.positions], buffers)
+        out: list[tuple[str, torch.Tensor]] = []
         for position, (name, tensor) in enumerate(bucket):
             job = quantizer.job_at.get(position)
             if job is None:
-                yield name, materialized(tensor)
+                out.append((name, materialized(tensor)))
             else:
-                yield name, quantizer.q[job]
-                yield quantizer.scale_names[job], quantizer.scales[job]
+                out.append((name, quantizer.q[job]))
+                out.append((quantizer.scale_names[job], quantizer.scales[job]))
+        yield out
 
 
 def _block_runs(selection: RowSelection) -> tuple[tuple[int, int, int], ...] | None:

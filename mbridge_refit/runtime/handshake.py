@@ -1,0 +1,147 @@
+"""The collective contract of an export, checked: every participating rank starts it, none leaves early.
+
+An export is collective: each rank's gathers and pipeline broadcasts wait for its peers. A rank
+that calls it alone, or that stops iterating while its peers go on, leaves the others blocked in
+a gather until the process group's timeout (minutes), which then reports a raw gloo/NCCL error.
+
+``CollectiveCall`` makes both mistakes loud within a bounded time, through the job's key-value
+store (the default group's ``TCPStore``; no collective, no device work):
+
+* ``arrive``: each participant adds its bit to the call's key; the last one to arrive sets the
+  call's "everyone is here" key, which the others wait for. A rank still waiting after
+  ``timeout_s`` raises ``CollectiveMisuseError`` naming the ranks that did not call.
+* ``guard``: wraps the export's stream. A rank whose consumer stops early (closes the generator,
+  e.g. ``break``) records that it left, then runs the rest of the export without yielding it,
+  so its peers' collectives complete; every peer raises ``CollectiveMisuseError`` naming it when
+  its own export ends.
+
+One call costs each rank two store round trips (arrival, and the "left" check at the end; the
+last arrival three more); calls of a single participant skip the store. Calls are numbered per
+set of participants, so every participant must make the same calls in the same order, as the
+contract says anyway. A generator that is abandoned without being closed cannot be noticed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from typing import Any, Iterable, Iterator, Sequence
+
+import torch.distributed as dist
+
+__all__ = ["CollectiveCall", "CollectiveMisuseError", "DEFAULT_TIMEOUT_S"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 30.0
+_CONTRACT = (
+    "is collective: every rank of the model's groups must call it, with the same arguments, and iterate it to the end"
+)
+_MASK_BITS = 62  # participants identified by their bit of one integer key (store.add); more are only counted
+
+
+class CollectiveMisuseError(RuntimeError):
+    """A rank broke the collective contract of an export (called it alone, or left it early)."""
+
+
+class CollectiveCall:
+    """One collective operation (``what``, e.g. an export) among ``participants`` (global ranks).
+
+    Calls are numbered per set of participants, process-wide: the k-th call on one rank meets
+    the k-th call on every other participant, which is what the collective contract asks of a
+    program anyway (collectives pair up in order).
+    """
+
+    def __init__(self, what: str, participants: Sequence[int], *, timeout_s: float | None) -> None:
+        self.what = what
+        self.participants = tuple(sorted(participants))
+        self.timeout_s = timeout_s
+        self._store = _default_store() if len(self.participants) > 1 and timeout_s is not None else None
+        self._rank = dist.get_rank() if self._store is not None else 0
+        self.number = _CALLS[self.participants] = _CALLS.get(self.participants, 0) + 1
+        self._prefix = f"mbridge_refit/calls/{_digest(self.participants)}"
+
+    def arrive(self) -> None:
+        """Wait until every participant has made this call (bounded by ``timeout_s``)."""
+        if self._store is None:
+            return
+        key = self._key(self.number)
+        index = self.participants.index(self._rank)
+        full = _full_mask(len(self.participants))
+        arrived = self._store.add(f"{key}/arrived", _bit(index, len(self.participants)))
+        if arrived == full:
+            self._store.set(f"{key}/all", b"1")
+            if self.number > 1:  # everyone has passed the previous call: its keys can go
+                for suffix in ("arrived", "all", "left"):
+                    self._store.delete_key(f"{self._key(self.number - 1)}/{suffix}")
+            return
+        try:
+            self._store.wait([f"{key}/all"], datetime.timedelta(seconds=self.timeout_s))
+        except Exception as err:  # the store's timeout (DistStoreError / RuntimeError, by version)
+            arrived = self._store.add(f"{key}/arrived", 0)
+            raise CollectiveMisuseError(
+                f"{self.what} {_CONTRACT}. Rank {self._rank} waited {self.timeout_s:g} s (call #{self.number} among "
+                f"ranks {list(self.participants)}) for {_missing(arrived, self.participants)}: call it on every rank "
+                "(a rank with nothing to keep iterates it into a DiscardSink)"
+            ) from err
+
+    def guard(self, stream: Iterable[Any]) -> Iterable[Any]:
+        """``stream`` (this call's), with an early stop on this rank made loud on every rank (module docstring)."""
+        if self._store is None:
+            return stream
+        return self._guarded(iter(stream), self._key(self.number))
+
+    def _guarded(self, items: Iterator[Any], key: str) -> Iterator[Any]:
+        count = 0
+        try:
+            for item in items:
+                count += 1
+                yield item
+        except GeneratorExit:
+            self._leave_early(key, items, count)
+            raise
+        if self._store.check([f"{key}/left"]):
+            note = self._store.get(f"{key}/left").decode()
+            raise CollectiveMisuseError(f"{self.what} {_CONTRACT}: {note}; this rank's export completed")
+
+    def _leave_early(self, key: str, items: Iterator[Any], count: int) -> None:
+        note = f"rank {self._rank} stopped iterating after {count} item(s) it was given (call #{self.number})"
+        self._store.set(f"{key}/left", note.encode())
+        logger.error("%s %s: %s; running the rest of it so the other ranks' collectives complete", self.what, _CONTRACT, note)
+        for _ in items:
+            pass
+
+    def _key(self, number: int) -> str:
+        return f"{self._prefix}/{number}"
+
+
+_CALLS: dict[tuple[int, ...], int] = {}
+
+
+def _digest(participants: tuple[int, ...]) -> str:
+    import hashlib
+
+    return hashlib.sha1(",".join(map(str, participants)).encode()).hexdigest()[:16]
+
+
+def _default_store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # no default group, or a backend without a store: nothing to check with
+        logger.debug("no default store: collective calls are not checked")
+        return None
+
+
+def _bit(index: int, count: int) -> int:
+    return 1 << index if count <= _MASK_BITS else 1
+
+
+def _full_mask(count: int) -> int:
+    return (1 << count) - 1 if count <= _MASK_BITS else count
+
+
+def _missing(arrived: int, participants: tuple[int, ...]) -> str:
+    if len(participants) > _MASK_BITS:
+        return f"{len(participants) - arrived} of {len(participants)} ranks"
+    missing = [rank for index, rank in enumerate(participants) if not arrived >> index & 1]
+    return f"rank(s) {missing}"

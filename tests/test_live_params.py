@@ -1,0 +1,78 @@
+"""``runtime.live_params`` and ``runtime.lifetime`` on their own (one process, no ranks)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mbridge_refit.runtime.lifetime import ExpiredTensorError, guard_buckets, guard_tensors
+from mbridge_refit.runtime.live_params import LiveParams, ModelChangedError, registration_count
+
+
+def _model_and_tasks():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Sequential(torch.nn.Linear(3, 2)))
+    tasks = [
+        SimpleNamespace(global_param_name=f"g.{name}", param_name=name, vp_stage=None, param_weight=param)
+        for name, param in model.named_parameters()
+    ]
+    return model, tasks
+
+
+def test_nothing_replaced_costs_no_lookup():
+    model, tasks = _model_and_tasks()
+    live = LiveParams([model], tasks)
+    assert live.refresh() == []
+    assert all(live.params[t.global_param_name] is t.param_weight for t in tasks)
+
+
+def test_a_replaced_parameter_is_swapped_into_the_same_dict():
+    model, tasks = _model_and_tasks()
+    live = LiveParams([model], tasks)
+    params = live.params
+    before = registration_count()
+    new = torch.nn.Parameter(torch.ones(2, 3))
+    model[1][0].weight = new
+    assert registration_count() > before
+    assert live.refresh() == ["g.1.0.weight"]
+    assert live.params is params and params["g.1.0.weight"] is new
+
+
+def test_load_state_dict_assign_is_followed():
+    model, tasks = _model_and_tasks()
+    live = LiveParams([model], tasks)
+    state = {k: torch.full_like(v, 7.0) for k, v in model.state_dict().items()}
+    model.load_state_dict(state, assign=True)
+    assert sorted(live.refresh()) == sorted(t.global_param_name for t in tasks)
+    assert all(torch.equal(p, torch.full_like(p, 7.0)) for p in live.params.values())
+
+
+def test_a_replacement_of_another_shape_is_refused_by_name():
+    model, tasks = _model_and_tasks()
+    live = LiveParams([model], tasks)
+    model[0].weight = torch.nn.Parameter(torch.ones(5, 4))
+    with pytest.raises(ModelChangedError, match=r"0\.weight.*\[5, 4\].*\[3, 4\].*forget_model"):
+        live.refresh()
+
+
+def test_a_lost_parameter_is_named():
+    model, tasks = _model_and_tasks()
+    live = LiveParams([model], tasks)
+    model[1] = torch.nn.Identity()
+    with pytest.raises(ModelChangedError, match=r"no longer has the parameter 1\.0\.weight"):
+        live.refresh()
+
+
+def test_guarded_tensors_refuse_use_after_their_lifetime():
+    stream = guard_tensors((f"t{i}", torch.full((2,), float(i))) for i in range(3))
+    name, first = next(stream)
+    assert first.sum().item() == 0.0  # valid until the generator advances
+    kept = [(name, first), *stream]
+    with pytest.raises(ExpiredTensorError, match="t0 was used after the export moved on"):
+        kept[0][1].sum()
+    with pytest.raises(ExpiredTensorError, match="t2 was used"):  # the generator ended: the last one expired too
+        kept[2][1].add(1)
+    buckets = list(guard_buckets([[("a", torch.ones(1)), ("b", torch.ones(1))], [("c", torch.ones(1))]]))
+    with pytest.raises(ExpiredTensorError, match="b was used after the export moved on to the next bucket"):
+        torch.equal(buckets[0][1][1], torch.ones(1))

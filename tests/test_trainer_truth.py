@@ -1,0 +1,48 @@
+"""The export inside a trainer as RL frameworks drive it (tests/ranks/trainer_truth_check.py):
+Megatron's default expert-TP, parameters replaced under a bridge, packers that keep a bucket,
+ranks that break the collective contract. Real ranks under torchrun (CPU, gloo); the oracle is
+the checkpoint on disk or stock's export of the same live model.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import REPO, torchrun
+
+pytestmark = pytest.mark.multirank
+CHECKER = str(REPO / "tests" / "ranks" / "trainer_truth_check.py")
+
+
+def _run(case: str, recipe: str, flags: list[str], source_checkpoints, tmp_path) -> list[dict]:
+    run = torchrun(2, [CHECKER, "--hf", str(source_checkpoints(recipe)), "--result", str(tmp_path), "--case", case, *flags])
+    assert run.returncode == 0, run.output[-6000:]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_megatron_default_expert_tp_exports_whole_experts(source_checkpoints, tmp_path):
+    """A MoE model at TP 2 with expert-TP left to Megatron (= 2): fast path, equal to the checkpoint and stock."""
+    reports = _run("megatron-default-etp", "qwen3-moe-tiny", [], source_checkpoints, tmp_path)
+    assert {r["expert_tp"] for r in reports} == {2} and all(r["split_expert_tensors"] for r in reports)
+
+
+@pytest.mark.parametrize("flags", [["--tp", "2"]], ids=["tp2"])
+def test_replaced_parameters_are_exported_fresh(flags, source_checkpoints, tmp_path):
+    reports = _run("replaced-params", "qwen3-tiny", flags, source_checkpoints, tmp_path)
+    assert all(r["replaced"] for r in reports)
+
+
+def test_bucket_api_keeps_a_bucket_valid_and_the_checking_mode_catches_kept_tensors(source_checkpoints, tmp_path):
+    reports = _run("buckets", "qwen3-tiny", ["--tp", "2"], source_checkpoints, tmp_path)
+    assert all(r["buckets"] > 10 for r in reports)
+
+
+def test_an_export_called_on_one_rank_alone_fails_within_its_timeout(source_checkpoints, tmp_path):
+    reports = _run("lone-rank", "qwen3-tiny", ["--tp", "2"], source_checkpoints, tmp_path)
+    assert reports[0]["seconds"] < 20, reports[0]
+
+
+def test_a_rank_leaving_early_is_named_on_its_peers(source_checkpoints, tmp_path):
+    _run("early-exit", "qwen3-tiny", ["--tp", "2"], source_checkpoints, tmp_path)
