@@ -359,7 +359,18 @@ def run(args) -> dict:
 
             return export
 
+        def without_handshake():
+            """The cached export without the collective-contract check (``runtime.handshake``: store round trips at world > 1)."""
+            timeout = bridge.collective_timeout_s
+            bridge.collective_timeout_s = None
+            try:
+                yield from refit(True)()
+            finally:
+                bridge.collective_timeout_s = timeout
+
         variants = [("stock", stock), ("refit", refit(False)), ("refit_cached", refit(True))]
+        if env.world_size > 1:
+            variants.append(("refit_cached_without_handshake", without_handshake))
         if args.tp > 1:
             variants.append(("refit_cached_per_parameter", with_bucket(0)))
             variants.extend((f"refit_cached_bucket{mib}", with_bucket(mib)) for mib in args.compare_bucket_mib)
@@ -393,6 +404,7 @@ def run(args) -> dict:
             refit_cached_peak_extra_bytes=results["refit_cached"]["peak_extra_bytes"],
             refit_cached_buffer_bytes=results["refit_cached"]["buffer_bytes"],
             refit_cached_per_parameter_steady_ms=results.get("refit_cached_per_parameter", {}).get("steady_ms"),
+            refit_cached_without_handshake_steady_ms=results.get("refit_cached_without_handshake", {}).get("steady_ms"),
             bucket_bytes=bridge.bucket_bytes,
             bucket_variants={
                 label: {k: v for k, v in result.items() if k in ("steady_ms", "peak_extra_bytes", "buffer_bytes")}

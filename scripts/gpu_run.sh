@@ -16,9 +16,11 @@
 #   bash scripts/gpu_run.sh families    # every registered architecture at TP1 with the TE spec against stock (check_families_gpu.py)
 #   bash scripts/gpu_run.sh moe-bench   # export speed against stock, MoE shapes of 128 experts (4 layers): Qwen3-VL-30B-A3B
 #                                       # from its published packed checkpoint layout, Qwen3-30B-A3B per-expert
+#   bash scripts/gpu_run.sh trainer-truth  # MoE built with Megatron's expert-TP default (TP1, TP2 on 2 GPUs) against stock,
+#                                          # parameters replaced under the bridge, the freshness check's cost; MoE export TP2 x ETP2
 #   bash scripts/gpu_run.sh training    # export right after a Megatron DDP + distributed-optimizer step; parallel checkpoint write on the host's CPUs
 set -u
-part=${1:?usage: gpu_run.sh fp8|bench|sinks|vllm-dense|vllm-moe|vllm-broadcast|vllm-bench|vllm-bench-bf16|vllm-bench-fp8|sharded|families|moe-bench|training}
+part=${1:?usage: gpu_run.sh fp8|bench|sinks|vllm-dense|vllm-moe|vllm-broadcast|vllm-bench|vllm-bench-bf16|vllm-bench-fp8|sharded|families|moe-bench|trainer-truth|training}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 RESULTS=/tmp/gpu_results_$part; rm -rf "$RESULTS"; mkdir -p "$RESULTS"
 trap 'tar czf "$OUT/$part.tgz" -C "$RESULTS" .' EXIT
@@ -94,6 +96,13 @@ case "$part" in
   moe-bench)
     step bench_qwen3-vl-30b-a3b_4layers 300 "${one[@]}" scripts/bench_export.py --model qwen3-vl-30b-a3b --layers 4 --from-checkpoint --steady 7 --out-dir "$RESULTS"
     step bench_qwen3-30b-a3b_4layers 200 "${one[@]}" scripts/bench_export.py --model qwen3-30b-a3b --layers 4 --steady 7 --out-dir "$RESULTS"
+    ;;
+  trainer-truth)
+    step trainer_truth_tp1 200 "${one[@]}" scripts/check_trainer_truth_gpu.py --model qwen3-30b-a3b --layers 4 --out-dir "$RESULTS"
+    if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+      step trainer_truth_tp2 240 "${two[@]}" scripts/check_trainer_truth_gpu.py --model qwen3-30b-a3b --layers 4 --out-dir "$RESULTS"
+      step bench_qwen3-30b-a3b_4layers_tp2_etp2 240 "${two[@]}" scripts/bench_export.py --model qwen3-30b-a3b --layers 4 --tp 2 --etp 2 --steady 5 --out-dir "$RESULTS"
+    fi
     ;;
   training)
     # one data-parallel replica per GPU: with two, the deferred parameter all-gather really has shards to fetch
