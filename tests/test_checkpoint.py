@@ -250,3 +250,56 @@ def test_roundtrip_refuses_a_damaged_source_before_any_work(tmp_path, capsys):
     assert code == 2, err
     assert shard.name in err and "damaged" in err
     assert not (tmp_path / "out").exists()
+
+
+def _without_file_permission_override() -> None:
+    """In the child, before exec: drop CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH from the bounding
+    set, so even root is denied a file its mode denies (as a user without those rights is)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for capability in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+        if libc.prctl(24, capability, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "cannot drop a capability")
+
+
+def test_an_unreadable_shard_is_reported_with_its_real_reason(tmp_path):
+    """safetensors reports a shard it may not open as "No such file or directory": the message
+    must say permission denied (a real one: mode 000, read by a process without the override)."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    good = _save_hf(tmp_path / "a", _tensors())
+    bad = _save_hf(tmp_path / "b", _tensors())
+    shard = sorted(bad.glob("*.safetensors"))[1]
+    shard.chmod(0)
+    try:
+        run = subprocess.run(
+            [sys.executable, "-m", "mbridge_refit.convert", "verify", str(good), str(bad)], cwd=REPO,
+            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True, timeout=300,
+            preexec_fn=_without_file_permission_override if os.geteuid() == 0 else None,
+        )
+    except subprocess.SubprocessError as err:
+        if "preexec_fn" in str(err):  # _without_file_permission_override failed: no CAP_SETPCAP
+            pytest.skip("running as root without CAP_SETPCAP: cannot make a file unreadable to the child")
+        raise
+    finally:
+        shard.chmod(0o644)
+    output = run.stdout + run.stderr
+    assert run.returncode == 2, output[-3000:]
+    assert f"cannot read {shard}: PermissionError" in output and "Permission denied" in output, output[-3000:]
+    assert "No such file" not in output, output[-3000:]
+
+
+def test_a_directory_in_place_of_a_shard_is_reported_as_one(tmp_path, capsys):
+    good = _save_hf(tmp_path / "a", _tensors())
+    bad = _save_hf(tmp_path / "b", _tensors())
+    shard = sorted(bad.glob("*.safetensors"))[1]
+    shard.unlink()
+    shard.mkdir()
+    code, err = _verify(good, bad, capsys)
+    assert code == 2, err
+    assert f"cannot read {shard}: IsADirectoryError" in err, err

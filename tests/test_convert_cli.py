@@ -202,3 +202,36 @@ def test_launcher_internal_error_on_one_rank_is_three_at_once(source_checkpoints
     assert time.monotonic() - start < 120, "the healthy rank must not wait for the process-group timeout"
     assert "No space left on device (injected by the test)" in run.output and "rank 1: exit 3 (internal error)" in run.output
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt"] and not list(tmp_path.glob(".out*"))
+
+
+def test_an_output_another_writer_holds_is_refused_before_any_work(source_checkpoints, tmp_path, capsys):
+    """Another writer (a process with a ShardedSafetensorsWriter open on --out) is writing it:
+    exit 2 naming it (pid, host, since when) before the model is loaded; the output is untouched."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("old")
+    holding = (
+        "import sys, time\nfrom mbridge_refit.sinks import ShardedSafetensorsWriter\n"
+        "w = ShardedSafetensorsWriter(out_dir=sys.argv[1], overwrite=True)\nprint('HOLDING', flush=True)\ntime.sleep(300)\n"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", holding, str(out)], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""})
+    try:
+        line = holder.stdout.readline()
+        assert line.startswith("HOLDING"), line
+        code = main(["roundtrip", "--hf", str(source_checkpoints("qwen3-tiny")), "--out", str(out), "--overwrite"])
+    finally:
+        os.killpg(holder.pid, signal.SIGKILL)
+        holder.wait(timeout=30)
+    err = capsys.readouterr().err
+    assert code == ExitCode.BAD_INPUT, err[-3000:]
+    assert f"{out} is being written by another writer (pid {holder.pid} on host " in err and "wait until" in err, err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]

@@ -10,11 +10,13 @@ the output directory back with plain safetensors (tests/oracle.py) and compares 
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +25,7 @@ from conftest import REPO
 from oracle import read_checkpoint
 
 from mbridge_refit.sinks import ShardedSafetensorsWriter, drain
-from mbridge_refit.checkpoints.publish import staging_dir
+from mbridge_refit.checkpoints.publish import leftovers
 
 OLD = {f"old.{i}": torch.full((16,), float(i)) for i in range(6)}
 NEW = {f"new.{i}": torch.full((16,), float(-i)) for i in range(7)}
@@ -33,6 +35,7 @@ CHILD = textwrap.dedent(
     import os, sys, time
     from pathlib import Path
     import torch
+    import mbridge_refit.checkpoints.publish as publish
     import mbridge_refit.sinks.safetensors as sink
     from mbridge_refit.sinks import ShardedSafetensorsWriter, drain
 
@@ -50,7 +53,7 @@ CHILD = textwrap.dedent(
 
     sink.save_file = pausing("save_file", sink.save_file, after=2)          # a shard written, more to come
     sink.fsync_dir = pausing("fsync_staging", sink.fsync_dir)              # all written, before the swap
-    sink.swap_in = pausing("exchange", sink.swap_in)                     # right before the swap
+    publish.swap_in = pausing("exchange", publish.swap_in)               # right before the swap
     sink.fsync_file = pausing("fsync_shard_renamed", sink.fsync_file, after=5)  # while side files are written
     real_rmtree = sink.shutil.rmtree
     sink.shutil.rmtree = pausing("remove_old", real_rmtree)                  # swapped, old not yet removed
@@ -103,13 +106,13 @@ def test_kill_during_overwrite_leaves_old_or_new(point, tmp_path):
     assert (out / "notes.txt").read_text() == "mine"
     assert (point in ("remove_old",)) == (expected is NEW), f"{point}: the swap happened {'after' if expected is NEW else 'before'} it"
 
-    leftover = staging_dir(out)
-    if leftover.exists():  # a rerun without --overwrite names it; with --overwrite it is removed
+    if leftovers(out):  # a rerun without --overwrite names it; with --overwrite it is removed
         with pytest.raises(FileExistsError, match=r"left from an interrupted write.*--overwrite"):
             ShardedSafetensorsWriter(out_dir=out)
-    _write(out, NEW, overwrite=True)
-    assert read_checkpoint(out).keys() == NEW.keys() and not leftover.exists()
+    _write(out, NEW, overwrite=True)  # the killed writer's lock is taken over
+    assert read_checkpoint(out).keys() == NEW.keys()
     assert (out / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["child.py", "out"], "a staging directory or lock left"
 
 
 def test_overwrite_drops_old_checkpoint_files_and_keeps_others(tmp_path):
@@ -126,6 +129,7 @@ def test_overwrite_drops_old_checkpoint_files_and_keeps_others(tmp_path):
 
 
 def test_failure_in_finish_leaves_the_old_checkpoint(tmp_path, monkeypatch):
+    import mbridge_refit.checkpoints.publish as publish
     import mbridge_refit.sinks.safetensors as sink
 
     out = tmp_path / "out"
@@ -138,4 +142,73 @@ def test_failure_in_finish_leaves_the_old_checkpoint(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="No space left"):
         _write(out, NEW, overwrite=True)
     assert read_checkpoint(out).keys() == OLD.keys()
-    assert not staging_dir(out).exists(), "abort must remove everything the writer created"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"], "abort must remove everything the writer created"
+
+
+# Files an older checkpoint in the output may hold, each one a loader could read (weights of
+# other formats and their temporaries, their indexes, processor and tokenizer files).
+OLD_LOADER_FILES = [
+    "pytorch_model.bin", "pytorch_model.bin.index.json", "pytorch_model-00001-of-00002.bin", "training_args.bin",
+    "model.safetensors", "model-00001-of-00009.safetensors.tmp", "adapter_model.safetensors", "consolidated.00.pth",
+    "model.pt", "tf_model.h5", "flax_model.msgpack", "model.gguf", "preprocessor_config.json",
+    "processor_config.json", "video_preprocessor_config.json", "tokenizer.model", "spiece.model",
+    "special_tokens_map.json", "vocab.txt", "chat_template.json", "chat_template.jinja", ".tmp-model-00003.safetensors",
+]
+
+
+def test_overwrite_leaves_no_file_of_the_old_checkpoint_a_loader_could_read(tmp_path):
+    from mbridge_refit.checkpoints.hf import COPIED_FILE_NAMES
+
+    out = tmp_path / "out"
+    out.mkdir()
+    old_files = [*OLD_LOADER_FILES, "config.json", *COPIED_FILE_NAMES]
+    for name in old_files:
+        (out / name).write_bytes(b"old")
+    (out / "README.md").write_text("mine")
+    (out / "results").mkdir()
+    (out / "results" / "eval.json").write_text("{}")
+    _write(out, NEW, overwrite=True)
+    names = sorted(p.name for p in out.iterdir())
+    assert [n for n in names if n in old_files] == [], names
+    assert "README.md" in names and (out / "results" / "eval.json").read_text() == "{}"
+    assert read_checkpoint(out).keys() == NEW.keys()
+
+
+def test_symlinked_out_is_written_through(tmp_path):
+    """The link stays and keeps pointing at its directory, which now holds the new checkpoint;
+    the staging directory and the lock lie beside that directory; a rerun works alike."""
+    real = tmp_path / "disk" / "ckpt"
+    _write(real, OLD)
+    (real / "notes.txt").write_text("mine")
+    (tmp_path / "links").mkdir()
+    out = tmp_path / "links" / "out"
+    out.symlink_to(real, target_is_directory=True)
+    for tensors in (NEW, OLD):
+        _write(out, tensors, overwrite=True)
+        assert out.is_symlink() and out.resolve() == real.resolve()
+        assert read_checkpoint(real).keys() == tensors.keys() and (real / "notes.txt").read_text() == "mine"
+        assert [p.name for p in (tmp_path / "links").iterdir()] == ["out"]
+        assert [p.name for p in (tmp_path / "disk").iterdir()] == ["ckpt"]
+
+
+def test_old_content_that_cannot_be_removed_leaves_the_new_checkpoint_and_a_warning(tmp_path, monkeypatch, caplog):
+    import shutil
+
+    out = tmp_path / "out"
+    _write(out, OLD)
+    real_rmtree = shutil.rmtree
+
+    def undeletable(path, *args, **kwargs):
+        if Path(path).name.startswith(".out.partial"):  # after the swap: the old content
+            raise PermissionError(13, "Permission denied (injected by the test)", str(path))
+        return real_rmtree(path, *args, **kwargs)
+
+    (out / "notes.txt").write_text("mine")
+    monkeypatch.setattr(shutil, "rmtree", undeletable)
+    with caplog.at_level(logging.WARNING, logger="mbridge_refit"):
+        _write(out, NEW, overwrite=True)
+    assert read_checkpoint(out).keys() == NEW.keys()
+    [old] = leftovers(out)
+    assert f"{out} now holds the new checkpoint, but its old content could not be removed from {old}" in caplog.text
+    assert "Permission denied (injected by the test)" in caplog.text
+    assert read_checkpoint(old).keys() == OLD.keys()

@@ -116,31 +116,39 @@ def test_import_refuses_non_empty_output(source_checkpoints, tmp_path, capsys):
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
 
-def test_import_names_a_killed_runs_leftover(source_checkpoints, tmp_path, capsys):
-    from mbridge_refit.checkpoints.publish import staging_dir
+def killed_runs_staging(out):
+    """The staging directory a killed writer (pid 4242) left beside ``out``."""
+    staging = out.parent / f".{out.name}.partial-4242-{0:015x}"
+    staging.mkdir()
+    return staging
 
+
+def test_import_names_a_killed_runs_leftover(source_checkpoints, tmp_path, capsys):
     out = tmp_path / "m"
-    staging_dir(out).mkdir()
+    staging = killed_runs_staging(out)
     assert main(["import", "--hf", str(source_checkpoints("qwen3-tiny")), "--megatron", str(out)]) == ExitCode.BAD_INPUT
     err = capsys.readouterr().err
-    assert str(staging_dir(out)) in err and "interrupted" in err and "--overwrite" in err
+    assert str(staging) in err and "interrupted" in err and "--overwrite" in err
     assert not out.exists()
 
 
 @multirank
 def test_import_overwrite_replaces_the_checkpoint_and_keeps_other_files(qwen3_tp2, tmp_path):
-    from mbridge_refit.checkpoints.publish import staging_dir
-
     source, megatron = qwen3_tp2
     out = tmp_path / "m"
     shutil.copytree(megatron, out)
     (out / "notes.txt").write_text("mine")
     (out / WEIGHTS_DIR / "stale.distcp").write_text("old")
-    staging_dir(out).mkdir()  # a killed run's leftover: --overwrite removes it
+    old_loader_entries = ["pytorch_model.bin", "preprocessor_config.json", "model.safetensors", "iter_0000100"]
+    for name in old_loader_entries[:-1]:
+        (out / name).write_text("old")
+    (out / "iter_0000100").mkdir()
+    staging = killed_runs_staging(out)  # --overwrite removes it
     run = import_(1, source, out, "--overwrite")
     assert run.returncode == 0, run.output[-4000:]
     assert (out / "notes.txt").read_text() == "mine"
-    assert not (out / WEIGHTS_DIR / "stale.distcp").exists() and not staging_dir(out).exists()
+    assert not [name for name in old_loader_entries if (out / name).exists()], "old files a loader could read are left"
+    assert not (out / WEIGHTS_DIR / "stale.distcp").exists() and not staging.exists()
     assert json.loads((out / METADATA_NAME).read_text())["saved_layout"]["tp"] == 1
     exported = tmp_path / "hf"
     run = export(1, out, exported)

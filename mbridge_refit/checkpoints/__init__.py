@@ -1,2 +1,3 @@
 """Checkpoints on disk: the HF safetensors reader (``hf``), Megatron-Core ``torch_dist``
-checkpoints (``megatron``) and the sliced HF -> Megatron loader (``loader``)."""
+checkpoints (``megatron``), the sliced HF -> Megatron loader (``loader``), and how a checkpoint
+directory is written (``publish``: crash-safe swap; ``output_lock``: one writer per output)."""

@@ -93,8 +93,11 @@ class HFCheckpoint:
         if (path / INDEX_NAME).is_file():
             weight_map = _read_index(path)
         elif (path / SINGLE_FILE_NAME).is_file():
-            with safe_open(path / SINGLE_FILE_NAME, framework="pt") as f:
-                weight_map = {name: SINGLE_FILE_NAME for name in f.keys()}
+            try:
+                with _safe_open(path / SINGLE_FILE_NAME) as f:
+                    weight_map = {name: SINGLE_FILE_NAME for name in f.keys()}
+            except Exception as err:  # safetensors raises its own error type for bad headers
+                raise CheckpointError(f"cannot read {path / SINGLE_FILE_NAME}: {type(err).__name__}: {err}") from err
         else:
             found = sorted(p.name for p in path.glob("*.safetensors"))
             raise FileNotFoundError(
@@ -116,7 +119,7 @@ class HFCheckpoint:
             listed.setdefault(file_name, set()).add(name)
         for file_name, names in sorted(listed.items()):
             try:
-                with safe_open(self.path / file_name, framework="pt") as handle:
+                with _safe_open(self.path / file_name) as handle:
                     held = set(handle.keys())
             except Exception as err:  # safetensors raises its own error type for bad headers
                 problems.append(f"cannot read {self.path / file_name}: {type(err).__name__}: {err}")
@@ -164,11 +167,20 @@ class HFCheckpoint:
         file_name = self.weight_map[name]
         handle = self._handles.pop(file_name, None)
         if handle is None:
-            handle = safe_open(self.path / file_name, framework="pt")
+            handle = _safe_open(self.path / file_name)
         self._handles[file_name] = handle
         while len(self._handles) > _MAX_OPEN_HANDLES:
             self._handles.popitem(last=False)
         return handle
+
+
+def _safe_open(path: Path) -> Any:
+    """safetensors' reader of ``path``; where the file cannot be opened, the OSError that says why
+    (safetensors reports every failure to open, permission denied included, as "No such file or
+    directory", and a directory as "No such device")."""
+    with open(path, "rb"):
+        pass
+    return safe_open(path, framework="pt")
 
 
 def _read_index(path: Path) -> dict[str, str]:
@@ -181,7 +193,7 @@ def _read_index(path: Path) -> dict[str, str]:
         raise ValueError(
             f"{path / INDEX_NAME} has no 'weight_map' object; is it an HF safetensors index?"
         )
-    missing = sorted({f for f in weight_map.values() if not (path / f).is_file()})
+    missing = sorted({f for f in weight_map.values() if not (path / f).exists()})
     if missing:
         raise FileNotFoundError(
             f"{path / INDEX_NAME} names shard files that do not exist: {missing}; "

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from mbridge_refit.plan.layout import ParallelLayout
 from mbridge_refit.checkpoints.hf import COPIED_FILE_NAMES
-from mbridge_refit.checkpoints.publish import carry_over, fresh_staging_dir, fsync_tree, leftover_error, staging_dir, swap_in
+from mbridge_refit.checkpoints.publish import begin_publication, carry_over, fsync_tree, is_loader_file
 
 logger = logging.getLogger(__name__)
 
@@ -215,44 +215,51 @@ def save_model(
 ) -> None:
     """Write ``chunks`` (this rank's part) and ``info`` to ``out``; collective over the default group.
 
-    Crash-safe (``checkpoints.publish``): the checkpoint is built in a staging directory beside
-    ``out``, fsynced, and swapped in; ``out`` holds the complete old or new checkpoint whenever
-    the process dies. With ``overwrite``, entries of ``out`` that are not part of a checkpoint
-    are kept; a killed run's staging directory is removed (without it, refused by name).
+    Crash-safe (``checkpoints.publish``): rank 0 locks ``out`` (another writer's lock is refused
+    by name, ``OutputRefused``), the checkpoint is built in this write's own staging directory
+    beside ``out``, fsynced, and swapped in; ``out`` holds the complete old or new checkpoint
+    whenever the process dies. With ``overwrite``, the new checkpoint only: old files a loader
+    could read (``publish.is_loader_file``) and Megatron checkpoint entries (``release/``,
+    ``iter_*/``, the tracker, our metadata) are dropped, other entries kept; a killed run's
+    staging directory is removed (without ``overwrite``, refused by name). A failure on rank 0
+    removes the staging directory and releases the lock.
     """
     from megatron.core import dist_checkpointing
 
-    rank = dist.get_rank()
-    leftover = leftover_error(out)
-    if leftover and not overwrite:
-        raise FileExistsError(leftover)
-    dist.barrier()
-    staging = staging_dir(out)
-    if rank == 0:
-        fresh_staging_dir(out)
-        (staging / WEIGHTS_DIR).mkdir()
-    dist.barrier()
-    dist_checkpointing.save(
-        sharded_model_state(chunks), str(staging / WEIGHTS_DIR), sharded_strategy=_save_strategy(),
-        content_metadata={"format": FORMAT_NAME},
-    )
-    dist.barrier()
-    if rank == 0:
-        for name in SIDE_FILE_NAMES:
-            source = copy_files_from / name
-            if source.is_file():
-                shutil.copyfile(source, staging / name)
-        (staging / TRACKER_NAME).write_bytes(b"release\n")
-        if overwrite:
-            carry_over(out, staging, _is_checkpoint_entry)
-        (staging / METADATA_NAME).write_bytes(info.to_json().encode())
-        fsync_tree(staging)
-        swap_in(staging, out)
+    publication = begin_publication(out, overwrite=overwrite, distributed=True)
+    staging = publication.staging
+    try:
+        if publication.is_first_rank:
+            (staging / WEIGHTS_DIR).mkdir()
+        dist.barrier()
+        dist_checkpointing.save(
+            sharded_model_state(chunks), str(staging / WEIGHTS_DIR), sharded_strategy=_save_strategy(),
+            content_metadata={"format": FORMAT_NAME},
+        )
+        dist.barrier()
+        if publication.is_first_rank:
+            for name in SIDE_FILE_NAMES:
+                source = copy_files_from / name
+                if source.is_file():
+                    shutil.copyfile(source, staging / name)
+            (staging / TRACKER_NAME).write_bytes(b"release\n")
+            if overwrite:
+                carry_over(publication.target, staging, _is_checkpoint_entry)
+            (staging / METADATA_NAME).write_bytes(info.to_json().encode())
+            fsync_tree(staging)
+            publication.swap_in()
+    except BaseException:
+        publication.abandon()
+        raise
     dist.barrier()
 
 
 def _is_checkpoint_entry(path: Path) -> bool:
-    return path.name in (WEIGHTS_DIR, TRACKER_NAME, METADATA_NAME, *SIDE_FILE_NAMES) or path.name.startswith(TMP_PREFIX)
+    """Megatron checkpoint entries (the weights, Megatron-LM's iteration folders and tracker, our
+    metadata), and any file a loader could read."""
+    name = path.name
+    megatron_entry = name in (WEIGHTS_DIR, TRACKER_NAME, METADATA_NAME) or name.startswith(("iter_", TMP_PREFIX))
+    return megatron_entry or is_loader_file(path)
 
 
 def load_model(chunks: list[torch.nn.Module], path: Path) -> None:

@@ -1,58 +1,234 @@
-"""Publishing a checkpoint directory crash-safely: build beside, fsync, swap in atomically.
+"""Publishing a checkpoint directory crash-safely: lock, build beside, fsync, swap in atomically.
 
 Owns the protocol both checkpoint writers follow (``sinks.safetensors`` for HF checkpoints,
-``checkpoints.megatron`` for Megatron ones):
+``checkpoints.megatron`` for Megatron ones), in a ``Publication``:
 
-1. Build the whole checkpoint in ``staging_dir(out)`` (``.<name>.partial`` beside ``out``, so on
-   the same filesystem) and fsync every file and the directory.
-2. ``swap_in(staging, out)``: exchange the two directories in one atomic step
+0. ``begin_publication(out, ...)``: the first rank locks the output (``checkpoints.output_lock``:
+   one writer at a time; a second one is refused naming the holder), then checks the output
+   under the lock and creates this writer's own staging directory,
+   ``.<name>.partial-<pid>-<token>`` beside it (same filesystem, so the swap is a rename). The
+   other ranks learn the outcome and the staging path from one broadcast.
+1. Every rank builds its part of the checkpoint in the staging directory; everything is fsynced.
+2. ``carry_over(old, new, is_checkpoint_file)``: with overwrite, entries of the old directory
+   that are not checkpoint files (notes, folders of the user's) are hard-linked (or copied) into
+   the new one before the swap; the old directory is never changed before the swap.
+3. ``Publication.swap_in()``: exchange the two directories in one atomic step
    (``renameat2(RENAME_EXCHANGE)`` on Linux; elsewhere two renames, with a window in which
-   ``out`` is missing but ``.<name>.old`` is complete), then remove the old content and fsync the
-   parent. Whenever the process dies, ``out`` holds the complete old or the complete new content.
-3. ``carry_over(old, new, is_checkpoint_file)``: with overwrite, entries of the old directory that
-   are not checkpoint files (notes, folders of the user's) are hard-linked (or copied) into the
-   new one before the swap; the old directory is never changed before the swap.
+   ``out`` is missing but ``<staging>.old`` is complete), fsync the parent, remove the old
+   content, release the lock. Whenever the process dies, ``out`` holds the complete old or the
+   complete new content. Old content that cannot be removed leaves a warning naming it: the new
+   checkpoint is in place, so the write succeeded. ``abandon()`` removes the staging directory
+   and releases the lock instead.
 
-A staging directory found when a write starts is the leftover of a killed run
-(``leftover_error`` names it; overwrite removes it).
+Overwrite means the new checkpoint only: every old file a loader could read is dropped (see
+``is_loader_file``); other entries are kept. An ``out`` that is a symlink is written through:
+the link stays, the directory it points to is the one replaced (``output_target``), and the lock
+and staging directory are beside that directory. A staging directory found under the lock is
+the leftover of a killed run (``leftover_error`` names it; overwrite removes it).
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import fnmatch
+import logging
 import os
+import secrets
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from mbridge_refit.checkpoints.output_lock import LockHeld, LockHolder, OutputLock
+
+logger = logging.getLogger(__name__)
 
 STAGING_SUFFIX = ".partial"
 
+# Files of a checkpoint a loader (transformers, vLLM, llama.cpp, Megatron-LM, torch) may read:
+# weights in any format and their temporary or partial forms, indexes, model/generation/tokenizer/
+# processor configs, tokenizer vocabularies and chat templates, and our own temporary files.
+# Matched against the lower-cased file name; an overwrite drops every old file that matches.
+LOADER_FILE_PATTERNS = (
+    "*.safetensors", "*.safetensors.*", "*.bin", "*.bin.*", "*.pt", "*.pth", "*.ckpt", "*.h5", "*.h5.*",
+    "*.msgpack", "*.msgpack.*", "*.gguf", "*.onnx", "*.onnx_data", "*.distcp", "*.index.json",
+    "*config.json", "tokenizer*", "*.tiktoken", "*.model", "vocab.*", "merges.txt", "special_tokens_map.json",
+    "added_tokens.json", "chat_template.*", "*.jinja", ".tmp-*",
+)
 
-def staging_dir(out_dir: Path) -> Path:
-    """Where a checkpoint for ``out_dir`` is built before it is swapped in: ``.<name>.partial``
-    beside it (same filesystem, so the swap is a rename)."""
-    return out_dir.parent / f".{out_dir.name}{STAGING_SUFFIX}"
+
+class OutputRefused(FileExistsError):
+    """The output directory cannot be written as asked (another writer holds it, it is not empty
+    and overwrite is off, a killed run's staging directory lies beside it, it is not a directory);
+    the message names the path and the fix."""
 
 
-def leftover_error(out_dir: Path) -> str | None:
-    """The message for a killed run's staging directory beside ``out_dir``, if there is one."""
-    staging = staging_dir(out_dir)
-    if not staging.exists():
+def output_target(out: Path) -> Path:
+    """The directory a write into ``out`` replaces: ``out``, or where it points if it is a symlink."""
+    return Path(os.path.realpath(out)) if out.is_symlink() else out
+
+
+def is_loader_file(path: Path) -> bool:
+    """Whether ``path`` (a file or symlink; directories are never) matches ``LOADER_FILE_PATTERNS``."""
+    if path.is_dir() and not path.is_symlink():
+        return False
+    name = path.name.lower()
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in LOADER_FILE_PATTERNS)
+
+
+def leftovers(out: Path) -> list[Path]:
+    """The staging directories beside ``out`` (its target): a killed run's, or a running writer's."""
+    target = output_target(out)
+    prefix = f".{target.name}{STAGING_SUFFIX}"
+    if not target.parent.is_dir():
+        return []
+    return sorted(p for p in target.parent.iterdir() if p.name == prefix or p.name.startswith(f"{prefix}-"))
+
+
+def leftover_error(out: Path) -> str | None:
+    """The message for staging directories of killed runs beside ``out``, if there are any."""
+    found = leftovers(out)
+    if not found:
         return None
-    return (f"{staging} is left from an interrupted write into {out_dir}; pass overwrite=True "
-            "(--overwrite) to remove it, or delete it")
+    names = ", ".join(str(p) for p in found)
+    return (f"{names} {'is' if len(found) == 1 else 'are'} left from an interrupted write into {out}; pass "
+            "overwrite=True (--overwrite) to remove it, or delete it")
 
 
-def fresh_staging_dir(out_dir: Path) -> Path:
-    """Create ``out_dir`` if missing (its parent must be writable) and an empty staging
-    directory, removing a leftover one."""
-    staging = staging_dir(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir()
-    return staging
+def busy_error(out: Path, holder: LockHolder) -> str:
+    """The message for an output another writer holds."""
+    return (f"{out} is being written by another writer ({holder.describe()}): wait until it has finished, "
+            "or write to another directory")
+
+
+@dataclass(kw_only=True)
+class Publication:
+    """One write of a checkpoint directory, on one rank (see the module docstring).
+
+    Attributes:
+        out: the output as given.
+        target: the directory replaced (``out``, or where it points if it is a symlink).
+        staging: this write's staging directory (the same on every rank).
+        lock: the output's lock, on the first rank only (None elsewhere).
+    """
+
+    out: Path
+    target: Path
+    staging: Path
+    lock: OutputLock | None = None
+
+    @property
+    def is_first_rank(self) -> bool:
+        """Whether this rank holds the lock, and so swaps in, abandons and writes the side files."""
+        return self.lock is not None
+
+    def swap_in(self) -> None:
+        """First rank: make the staging directory the content of the output, remove the old
+        content, release the lock."""
+        try:
+            swap_in(self.staging, self.target)
+        finally:
+            self._release()
+
+    def abandon(self) -> None:
+        """First rank: remove the staging directory and release the lock; the output is unchanged."""
+        try:
+            if self.is_first_rank:
+                shutil.rmtree(self.staging, ignore_errors=True)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+
+
+_OK, _REFUSED, _FAILED = 0, 1, 2
+
+
+def begin_publication(out: Path, *, overwrite: bool, group: Any = None, distributed: bool = False) -> Publication:
+    """Start writing ``out``: the first rank (of ``group``, when ``distributed``) locks it, checks
+    it and creates the staging directory; every rank learns the outcome from one broadcast and
+    raises alike (``OutputRefused`` with the first rank's message there, a short note elsewhere).
+
+    Refused (``OutputRefused``): another writer holds ``out``; ``out`` is not a directory;
+    without ``overwrite``, ``out`` is not empty or a killed run's staging directory lies beside
+    it. With ``overwrite``, such staging directories are removed. ``out`` is created if missing.
+    """
+    import torch.distributed as dist
+
+    first = not distributed or dist.get_rank(group) == 0
+    status, owner, error, publication = _OK, [0, 0], None, None
+    if first:
+        try:
+            publication = _begin_here(out, overwrite=overwrite)
+            pid, token = publication.staging.name.rsplit("-", 2)[-2:]
+            owner = [int(pid), int(token, 16)]
+        except OutputRefused as err:
+            status, error = _REFUSED, err
+        except Exception as err:
+            status, error = _FAILED, err
+    if distributed:
+        status, *owner = _broadcast_from_first([status, *owner], group)
+    if error is not None:
+        raise error
+    if status == _REFUSED:
+        raise OutputRefused(f"the first rank refused to write {out} (its message names the path and the fix)")
+    if status == _FAILED:
+        raise RuntimeError(f"the first rank failed to prepare {out} (its traceback names the error)")
+    if publication is None:
+        target = output_target(out)
+        publication = Publication(out=out, target=target, staging=_staging_dir(target, *owner))
+    return publication
+
+
+def _begin_here(out: Path, *, overwrite: bool) -> Publication:
+    target = output_target(out)
+    if target.exists() and not target.is_dir():
+        raise OutputRefused(f"output {out} exists and is not a directory; pass a directory path")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        lock = OutputLock.acquire(target)
+    except LockHeld as held:
+        raise OutputRefused(busy_error(out, held.holder)) from None
+    try:
+        found = leftovers(target)
+        if found and not overwrite:
+            raise OutputRefused(leftover_error(out))
+        if not overwrite and target.is_dir() and any(target.iterdir()):
+            raise OutputRefused(
+                f"output directory {out} exists and is not empty; pass overwrite=True "
+                "(--overwrite on the command line) to replace its checkpoint, or choose a new directory"
+            )
+        for path in found:
+            logger.info("overwrite: removing %s, left by an interrupted write", path)
+            shutil.rmtree(path)
+        if out != target:
+            logger.info("%s is a symlink: writing the directory it points to, %s", out, target)
+        target.mkdir(exist_ok=True)
+        staging = _staging_dir(target, os.getpid(), secrets.randbits(60))
+        staging.mkdir()
+    except BaseException:
+        lock.release()
+        raise
+    return Publication(out=out, target=target, staging=staging, lock=lock)
+
+
+def _staging_dir(target: Path, pid: int, token: int) -> Path:
+    return target.parent / f".{target.name}{STAGING_SUFFIX}-{pid}-{token:015x}"
+
+
+def _broadcast_from_first(values: list[int], group: Any) -> list[int]:
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.tensor(values, dtype=torch.int64)
+    if dist.get_backend(group) == "nccl":
+        tensor = tensor.cuda()
+    dist.broadcast(tensor, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return [int(v) for v in tensor.tolist()]
 
 
 def carry_over(old: Path, new: Path, is_checkpoint_file: Callable[[Path], bool]) -> None:
@@ -68,16 +244,22 @@ def carry_over(old: Path, new: Path, is_checkpoint_file: Callable[[Path], bool])
 
 
 def swap_in(staging: Path, out_dir: Path) -> None:
-    """Make ``staging`` the content of ``out_dir`` atomically, then remove the old content."""
+    """Make ``staging`` the content of ``out_dir`` atomically, then remove the old content (a
+    warning names it where it cannot be removed: the new content is in place)."""
     if exchange(staging, out_dir):
-        shutil.rmtree(staging)  # now the old content
+        old = staging  # now the old content
     else:
-        old = out_dir.parent / f".{out_dir.name}.old"
-        shutil.rmtree(old, ignore_errors=True)
+        old = staging.with_name(f"{staging.name}.old")
         os.replace(out_dir, old)
         os.replace(staging, out_dir)
-        shutil.rmtree(old)
     fsync_dir(out_dir.parent)
+    try:
+        shutil.rmtree(old)
+    except OSError as err:
+        logger.warning(
+            "%s now holds the new checkpoint, but its old content could not be removed from %s (%s): delete it",
+            out_dir, old, err,
+        )
 
 
 _RENAME_EXCHANGE = 2
@@ -134,3 +316,4 @@ def _link_or_copy(source: str | Path, target: str | Path) -> None:
         os.link(source, target)
     except OSError:
         shutil.copy2(source, target)
+

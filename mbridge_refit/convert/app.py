@@ -5,8 +5,9 @@ Runs as one process (``python -m``), as N ranks (``torchrun --nproc-per-node N -
 launches N ranks itself (``python -m mbridge_refit.convert --nproc-per-node N COMMAND``, see
 ``launcher``) and exits with one code for all of them.
 Bad input (``BadInput``, and the library's own input errors: a layout that does not fit, a model
-the FP8 format cannot hold, a checkpoint whose tensors do not match its config) ends with its message and exit code 2; anything
-else with its traceback and exit code 3.
+the FP8 format cannot hold, a checkpoint whose tensors do not match its config, an output another
+writer holds) ends with its message and exit code 2; anything else with its traceback and exit
+code 3.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from mbridge_refit.convert.launcher import run_ranks
 from mbridge_refit.convert.parser import build_parser
 from mbridge_refit.checkpoints.hf import CheckpointError
 from mbridge_refit.checkpoints.loader import LoadError, LoadFailedElsewhere
+from mbridge_refit.checkpoints.publish import OutputRefused
 from mbridge_refit.convert.verify_refit import cmd_verify_refit
 from mbridge_refit.fp8.format import FP8FormatError
 from mbridge_refit.plan.layout import LayoutError
@@ -38,11 +40,13 @@ COMMANDS: dict[str, Callable] = {
     "verify-refit": cmd_verify_refit,
 }
 
-# Library errors that mean "this input cannot work" (their messages name the fix).
-INPUT_ERRORS = (BadInput, LayoutError, FP8FormatError, LoadError, CheckpointError)
+# Library errors that mean "this input cannot work" (their messages name the fix); an output
+# another writer holds, or one that changed after the first checks (``OutputRefused``), too.
+INPUT_ERRORS = (BadInput, LayoutError, FP8FormatError, LoadError, CheckpointError, OutputRefused)
 # Input errors every rank computes alike from the same input (and a rank's note that another rank
 # failed): rank 0 prints them, the other ranks only at debug level, so a message appears once.
-SAME_ON_EVERY_RANK = (BadInput, LayoutError, FP8FormatError, CheckpointError, LoadFailedElsewhere)
+# ``OutputRefused`` is decided on rank 0 and shared with the others.
+SAME_ON_EVERY_RANK = (BadInput, LayoutError, FP8FormatError, CheckpointError, LoadFailedElsewhere, OutputRefused)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -50,18 +50,27 @@ def checked_layout(args: argparse.Namespace, config: Any) -> ParallelLayout:
 
 
 def check_output_dir(out: Path, overwrite: bool) -> None:
-    """Before any model is loaded: the output is a directory (or absent) we may write, empty
-    unless ``overwrite``, with no leftover of a killed run unless ``overwrite``."""
-    from mbridge_refit.checkpoints.publish import leftover_error
+    """Before any model is loaded: the output is a directory (or absent; a symlink is written
+    through to the directory it points to) we may write, no other writer holds it, it is empty
+    unless ``overwrite``, with no leftover of a killed run unless ``overwrite``.
 
-    if out.exists() and not out.is_dir():
+    The writer checks again under the output's lock (``checkpoints.publish``); this look only
+    ends a doomed run before its model is loaded."""
+    from mbridge_refit.checkpoints.output_lock import held_by
+    from mbridge_refit.checkpoints.publish import busy_error, leftover_error, output_target
+
+    target = output_target(out)
+    if target.exists() and not target.is_dir():
         raise BadInput(f"output path {out} exists and is not a directory")
-    leftover = leftover_error(out)
+    leftover = leftover_error(out)  # listed before the look at the lock: a writer's own staging is then held
+    holder = held_by(target) if target.parent.is_dir() else None
+    if holder is not None:
+        raise BadInput(busy_error(out, holder))
     if leftover and not overwrite:
         raise BadInput(leftover.replace("overwrite=True (--overwrite)", "--overwrite"))
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
+    if target.is_dir() and any(target.iterdir()) and not overwrite:
         raise BadInput(f"output directory {out} exists and is not empty: pass --overwrite to replace it")
-    parent = next((p for p in (out, *out.parents) if p.exists()), Path("."))
+    parent = next((p for p in (target, *target.parents) if p.exists()), Path("."))
     if not os.access(parent, os.W_OK | os.X_OK):
         raise BadInput(f"cannot write {out}: {parent} is not writable; choose another output directory")
 

@@ -3,12 +3,14 @@
 Owns the on-disk HF layout (``model-0000K-of-0000N.safetensors`` plus
 ``model.safetensors.index.json``), the greedy shard plan that every rank computes identically
 from the stream, which rank writes which shard (shard ``k`` by rank ``k % world_size``), and the
-crash-safe publish (``checkpoints.publish``): everything is written into a staging directory
+crash-safe publish (``checkpoints.publish``): rank 0 locks the output (a second writer is
+refused naming the holder), everything is written into this writer's own staging directory
 beside the output, shards under temporary names renamed once the shard count is known, then the
 side files and the index last, all fsynced; then the staging directory is swapped in atomically.
 The output path holds the complete old or the complete new checkpoint whenever the process dies.
-With ``overwrite``, entries of the old directory that are not checkpoint files are kept; old
-shards, index, config and tokenizer files are not.
+With ``overwrite``, the new checkpoint only: every old file a loader could read
+(``publish.is_loader_file``: weights of any format, indexes, configs, tokenizer and processor
+files) is dropped, other entries (notes, folders of one's own) are kept.
 """
 
 from __future__ import annotations
@@ -29,22 +31,13 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from mbridge_refit.checkpoints.hf import CONFIG_NAME, COPIED_FILE_NAMES, INDEX_NAME
-from mbridge_refit.checkpoints.publish import (
-    carry_over,
-    fresh_staging_dir,
-    fsync_dir,
-    fsync_file,
-    leftover_error,
-    staging_dir,
-    swap_in,
-)
+from mbridge_refit.checkpoints.publish import begin_publication, carry_over, fsync_dir, fsync_file, is_loader_file
 from mbridge_refit.sinks.base import WeightSink
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 TMP_PREFIX = ".tmp-"
-CHECKPOINT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", f"{TMP_PREFIX}*", CONFIG_NAME, *COPIED_FILE_NAMES)
 
 
 def shard_file_name(shard: int, num_shards: int) -> str:
@@ -185,12 +178,18 @@ class ShardedSafetensorsWriter(WeightSink):
     ignored), in any subset of the export's order, so data-parallel replicas can each export
     and write their own share. ``finish`` checks that every shard a rank writes was complete.
 
+    One writer at a time: rank 0 locks ``out_dir`` in the constructor (``OutputRefused`` naming
+    the holder if another writer has it) and releases it when ``finish`` has swapped the new
+    checkpoint in, or in ``abort``; a writer never finished or aborted holds it until its process
+    ends.
+
     Args:
-        out_dir: output directory; created (with parents) if missing.
+        out_dir: output directory; created (with parents) if missing. A symlink is written through
+            (the link stays; the directory it points to is replaced).
         max_shard_bytes: shard size limit (default 5 GiB).
         overwrite: allow a non-empty ``out_dir``: its checkpoint is replaced only once the new one
-            is complete (files that are not part of a checkpoint are kept); also removes the
-            leftover staging directory of a killed run.
+            is complete (old files a loader could read are dropped, other entries kept); also
+            removes the leftover staging directory of a killed run.
         copy_files_from: an HF model directory whose ``config.json``, generation config and
             tokenizer files (:data:`COPIED_FILE_NAMES`) are copied when present.
         config_overrides: top-level keys merged into the copied ``config.json`` (needs
@@ -215,7 +214,6 @@ class ShardedSafetensorsWriter(WeightSink):
         assignment: ShardAssignment | None = None,
     ) -> None:
         self.out_dir = Path(out_dir)
-        self.staging = staging_dir(self.out_dir)
         self._overwrite = overwrite
         self._planner = ShardPlanner(max_shard_bytes)
         self._copy_from = _check_copy_source(copy_files_from, config_overrides, self.out_dir)
@@ -236,7 +234,10 @@ class ShardedSafetensorsWriter(WeightSink):
             # tensors still to come of each shard this rank writes, and those already here
             self._missing = Counter(k for k in assignment.shard_of if assignment.writers[k] == self._ranks.rank)
             self._shard_buffers: dict[int, dict[str, torch.Tensor]] = {k: {} for k in self._missing}
-        _prepare_out_dir(self.out_dir, overwrite=overwrite, ranks=self._ranks)
+        self._publication = begin_publication(
+            self.out_dir, overwrite=overwrite, group=self._ranks.group, distributed=self._ranks.distributed
+        )
+        self.staging = self._publication.staging
 
     # -- WeightSink ------------------------------------------------------------------------
 
@@ -278,10 +279,10 @@ class ShardedSafetensorsWriter(WeightSink):
         if self._ranks.rank == 0:
             self._copy_side_files()
             if self._overwrite:
-                carry_over(self.out_dir, self.staging, _is_checkpoint_file)
+                carry_over(self._publication.target, self.staging, is_loader_file)
             self._write_index(num_shards)
             fsync_dir(self.staging)
-            swap_in(self.staging, self.out_dir)
+            self._publication.swap_in()
         self._ranks.barrier()
         if self._ranks.rank == 0:
             logger.info(
@@ -290,16 +291,15 @@ class ShardedSafetensorsWriter(WeightSink):
             )
 
     def abort(self) -> None:
-        """Remove what this rank wrote (rank 0: the whole staging directory); the output
-        directory is left as it was."""
+        """Remove what this rank wrote (rank 0: the whole staging directory, and release the
+        lock); the output directory is left as it was."""
         self._closed = True
         self._buffer.clear()
         if self._assignment is not None:
             self._shard_buffers.clear()
         for path in sorted(self._tmp_paths | set(self._written.values())):
             path.unlink(missing_ok=True)
-        if self._ranks.rank == 0 and self.staging.exists():
-            shutil.rmtree(self.staging, ignore_errors=True)
+        self._publication.abandon()
         logger.warning("aborted writing %s: removed what rank %d had written", self.out_dir, self._ranks.rank)
         self._tmp_paths.clear()
 
@@ -457,30 +457,3 @@ def _check_copy_source(
             "write to a new directory"
         )
     return source
-
-
-def _prepare_out_dir(out_dir: Path, *, overwrite: bool, ranks: _Ranks) -> None:
-    """Refuse a killed run's staging directory and a non-empty ``out_dir`` unless ``overwrite``;
-    then create ``out_dir`` and a fresh staging directory. An existing checkpoint is not touched."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise NotADirectoryError(
-            f"out_dir {out_dir} exists and is not a directory; pass a directory path"
-        )
-    leftover = leftover_error(out_dir)
-    if leftover and not overwrite:
-        raise FileExistsError(leftover)
-    if not overwrite and out_dir.is_dir() and any(out_dir.iterdir()):
-        raise FileExistsError(
-            f"output directory {out_dir} exists and is not empty; pass overwrite=True "
-            "(--overwrite on the command line) to replace its checkpoint, or choose a new directory"
-        )
-    ranks.barrier()  # every rank has checked before rank 0 changes anything
-    if ranks.rank == 0:
-        if leftover:
-            logger.info("overwrite: removing %s, left by an interrupted write", staging_dir(out_dir))
-        fresh_staging_dir(out_dir)
-    ranks.barrier()
-
-
-def _is_checkpoint_file(path: Path) -> bool:
-    return any(path.match(pattern) for pattern in CHECKPOINT_PATTERNS)
