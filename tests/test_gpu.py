@@ -77,6 +77,26 @@ def test_export_right_after_a_ddp_step(tmp_path):
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
 
 
+@pytest.mark.parametrize("gpus", [1, 2], ids=["tp1", "tp2"])
+def test_moe_with_megatrons_expert_tp_default_matches_stock(gpus, tmp_path):
+    """A Qwen3-30B-A3B-shaped MoE (4 layers) built with the TE spec and Megatron's expert settings
+    left at their defaults (expert-TP = TP): fast path, equal to stock, fresh after
+    load_state_dict(assign=True) (scripts/check_trainer_truth_gpu.py, one rank per GPU)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} GPUs")
+    repo = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(gpus),
+           str(repo / "scripts" / "check_trainer_truth_gpu.py"), "--pairs", "1", "--out-dir", str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": str(repo), "NCCL_NVLS_ENABLE": "0"}
+    run = subprocess.run(cmd, cwd=repo / "scripts", env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+
+
 VLLM_CHECKS = {  # script -> what it proves (each a process of its own: vLLM starts its engine in another)
     "check_vllm_refit_gpu.py": "colocated refit (CUDA IPC)",
     "check_vllm_broadcast_gpu.py": "broadcast refit (StoreGroup)",

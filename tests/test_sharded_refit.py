@@ -25,6 +25,8 @@ CASES = {
     "tp2_pp2": ("qwen3-tiny", ["--tp", "2", "--pp", "2"], DENSE_ENGINES, []),
     "ep2": ("qwen3-moe-tiny", ["--ep", "2"], MOE_ENGINES, []),
     "tp2_ep2": ("qwen3-moe-tiny", ["--tp", "2", "--ep", "2"], MOE_ENGINES, ["--faults"]),
+    # Megatron's default expert-TP at TP2: each expert's halves on the two ranks of its expert-TP group
+    "tp2_ep2_etp2": ("qwen3-moe-tiny", ["--tp", "2", "--ep", "2", "--etp", "2"], MOE_ENGINES, []),
 }
 
 

@@ -270,3 +270,26 @@ def test_fill_stack_writes_what_copy_into_writes(interleave, transpose, shape):
     out = torch.full_like(expected, float("nan"))
     fill_stack(stack, out, experts, {})
     assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+
+
+@pytest.mark.parametrize("kind", ["gated", "rows", "columns"])
+@pytest.mark.parametrize("split", [2, 4])
+def test_expert_shards_join_as_the_bridge_concatenates_them(kind, split):
+    """``ExpertStack.join_into`` / ``shard_of`` against the definition written with torch.cat: a gated
+    ``linear_fc1`` shard holds its gate rows, then its up rows (the whole: every gate, then every up);
+    a column-parallel shard is a block of rows, a row-parallel one a block of columns."""
+    from mbridge_refit.plan.stacking import ExpertStack
+
+    torch.manual_seed(split)
+    shards = [torch.randn(6, 5) for _ in range(split)]
+    if kind == "gated":
+        whole = torch.cat([torch.cat([s[:3] for s in shards]), torch.cat([s[3:] for s in shards])])
+    else:
+        whole = torch.cat(shards, dim=1 if kind == "columns" else 0)
+    stack = ExpertStack(split=split, split_kind=kind)
+    assert stack.whole_shape((6, 5)) == tuple(whole.shape)
+    joined = torch.empty_like(whole)
+    stack.join_into(joined, torch.stack(shards))
+    assert torch.equal(joined, whole)
+    for rank, shard in enumerate(shards):
+        assert torch.equal(stack.shard_of(whole, rank), shard)

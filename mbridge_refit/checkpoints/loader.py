@@ -9,8 +9,9 @@ gloo, on GPU, and for checkpoint conversion on machines without a GPU.
 
 A stacked expert tensor ([E, ...]: GPT-OSS's, or a checkpoint that keeps experts packed) is read
 one slot at a time: each rank reads the slots of its own experts and puts each back in the
-parameter's layout through the same ``ExpertStack`` the export plan writes it with
-(``plan.stacking``, decided from the checkpoint's stored shape as the export decides it).
+parameter's layout (with expert tensor parallelism, its shard of it) through the same
+``ExpertStack`` the export plan writes it with (``plan.stacking``, decided from the
+checkpoint's stored shape as the export decides it).
 
 Every parameter of every chunk must be written exactly once; anything left over is an error
 that lists the parameter names (the model may have been built with ``to_empty``).
@@ -187,7 +188,10 @@ def _copy_expert_slot(task: Any, config: Any, checkpoint: HFCheckpoint, report: 
         raise LoadError(f"{where}: tensor {hf_name!r} is not in the checkpoint {checkpoint.path}")
     stored = tuple(checkpoint.shape(hf_name))
     try:
-        _, stack = stacked_placement(task.mapping, tuple(param.shape), num_experts=config.num_moe_experts or 0, stored_shape=stored)
+        _, stack = stacked_placement(
+            task.mapping, tuple(param.shape), num_experts=config.num_moe_experts or 0, stored_shape=stored,
+            partition_dim=getattr(param, "partition_dim", None),
+        )
     except PlacementError as err:
         raise LoadError(f"cannot load {where}: {err}") from err
     expected = (stack.num_experts, *stack.expert_shape(tuple(param.shape)))
@@ -199,7 +203,8 @@ def _copy_expert_slot(task: Any, config: Any, checkpoint: HFCheckpoint, report: 
         )
     expert = expert_number(where)
     slot = checkpoint.slice(hf_name)[expert : expert + 1][0]
-    _write(param, stack.read_from(slot), hf_name, checkpoint, report, where)
+    whole = stack.read_from(slot)  # the whole expert; with expert tensor parallelism this rank keeps its shard
+    _write(param, stack.shard_of(whole, task.mapping.tp_rank), hf_name, checkpoint, report, where)
 
 
 def _check_shape(

@@ -169,7 +169,10 @@ def _local_spec(task: Any, pp_rank: int, num_experts: int, stored: "StoredShapes
         stacked = None
         if getattr(task.mapping, "is_grouped_export", False):
             stored_shape = stored.shape(str(task.mapping.hf_param))
-            stacked = stacked_placement(task.mapping, tuple(weight.shape), num_experts=num_experts, stored_shape=stored_shape)
+            stacked = stacked_placement(
+                task.mapping, tuple(weight.shape), num_experts=num_experts, stored_shape=stored_shape,
+                partition_dim=getattr(weight, "partition_dim", None),
+            )
         placement, stack = stacked if stacked is not None else (placement_kind(task.mapping, task.megatron_module), None)
     except PlacementError as err:
         raise PlanError(f"cannot plan {task.global_param_name}: {err}") from err
@@ -292,22 +295,17 @@ def _entries_for(specs: dict[str, ParamSpec], name: str, sizes: ParallelSizes, c
 
 
 def _check_split(spec: ParamSpec, entry: PlanEntry, sliced_over: int) -> None:
-    """The plan cuts ``entry`` as the live model splits its parameter (``ParamSpec.split_over``,
-    read from the parameter's own marks and the groups the model was built with): a plan that
-    would read one rank's shard as the whole tensor (a split it does not know of), or assemble a
-    parameter every rank holds whole from several ranks, is refused here rather than exported
-    with another shape or other values."""
-    group = "expert tensor-parallel" if spec.is_expert else "tensor-parallel"
+    """The plan cuts ``entry`` over as many ranks as the live model splits its parameter over
+    (``ParamSpec.split_over``: the parameter's ``tensor_model_parallel`` mark and the size of the
+    group it was built with); a plan that would read one rank's shard as the whole tensor (a
+    split it does not know of, as expert tensor parallelism was) is refused here rather than
+    exported with another shape. (An unmarked parameter proves nothing: Megatron leaves some
+    split ones unmarked, e.g. the attention sinks' ``softmax_offset``.)"""
     if spec.split_over > 1 and spec.split_over != sliced_over:
+        group = "expert tensor-parallel" if spec.is_expert else "tensor-parallel"
         raise PlacementError(
             f"the live model splits {spec.global_name} {list(spec.local_shape)} over {spec.split_over} ranks of its {group} "
             f"group, but the plan cuts {entry.hf_name} over {sliced_over}"
-        )
-    if spec.split_over == 1 and len(entry.sharding.pieces) > 1:
-        raise PlacementError(
-            f"the live model holds {spec.global_name} {list(spec.local_shape)} whole on every rank (no tensor_model_parallel "
-            f"mark), but its placement {spec.placement.kind!r} assembles {entry.hf_name} from {len(entry.sharding.pieces)} "
-            f"ranks of the {group} group"
         )
 
 
@@ -384,10 +382,10 @@ def _stacked_entries(specs: dict[str, ParamSpec], name: str, sizes: ParallelSize
     if expert_number(name) != 0:
         return []
     spec = specs[name]
-    if sizes.etp > 1:
+    if spec.stack.split not in (1, sizes.etp) or (spec.split_over > 1 and spec.split_over != spec.stack.split):
         raise PlacementError(
-            f"the stacked expert tensor {spec.placement.hf_names[0]} under expert tensor parallelism "
-            f"(etp={sizes.etp}) has no stack assembly here"
+            f"the stacked expert tensor {spec.placement.hf_names[0]} is split over {spec.stack.split} rank(s), the live "
+            f"parameter over {spec.split_over} and the expert tensor-parallel group has {sizes.etp}"
         )
     members = [specs.get(with_expert_number(name, e)) for e in range(sizes.num_experts)]
     odd = [e for e, m in enumerate(members) if m is None or (m.local_shape, m.stack) != (spec.local_shape, spec.stack)]

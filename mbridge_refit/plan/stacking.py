@@ -13,8 +13,16 @@ re-layout of all of it, which ``ExpertStack`` describes:
 * ``transpose``: the HF slot is the transpose of the (interleaved) 2-D parameter.
 
 Both are views, so building a slot is one strided ``copy_`` from the parameter into a view of
-the output (``ExpertStack.copy_into``), with no temporary. Expert tensor parallelism must be 1
-(each rank holds whole experts, as ``plan.layout`` requires).
+the output (``ExpertStack.copy_into``), with no temporary.
+
+With expert tensor parallelism (``split`` ranks; Megatron's default at TP > 1) each rank holds a
+shard of each expert, cut as the expert's linear layer is: ``"gated"`` (``linear_fc1`` of a
+gated MLP: each rank holds its rows of the gate, then its rows of the up projection),
+``"rows"`` (column-parallel) or ``"columns"`` (row-parallel ``linear_fc2``). ``join_into``
+rebuilds the whole parameter from the shards gathered over the expert-TP group (what the
+bridge's own mapping gathers and concatenates), which is then stacked as above; ``shard_of`` is
+its inverse for the loader. Only the packed-expert mappings are split so (Megatron builds no
+expert biases, hence no GPT-OSS experts, with expert-TP > 1).
 
 ``stacking_rules`` is the per-mapping table: the bridge's grouped-export mapping class -> the
 stack its conversion produces. A grouped-export mapping without a row (or a subclass that
@@ -53,19 +61,54 @@ class ExpertStack:
     interleave: int = 1
     transpose: bool = False
     num_experts: int = 0
+    split: int = 1  # ranks of the expert tensor-parallel group each expert is split over
+    split_kind: str = ""  # how: "gated", "rows" or "columns" (module docstring); "" when whole
+
+    def whole_shape(self, local_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of the whole expert parameter, from this rank's shard of it."""
+        if self.split == 1:
+            return tuple(local_shape)
+        dim = 1 if self.split_kind == "columns" else 0
+        return tuple(size * self.split if d == dim else size for d, size in enumerate(local_shape))
 
     def expert_shape(self, local_shape: tuple[int, ...]) -> tuple[int, ...]:
-        """The shape of one HF slot, from the expert's local parameter shape."""
-        self.check(local_shape)
-        return tuple(reversed(local_shape)) if self.transpose else tuple(local_shape)
+        """The shape of one HF slot, from the expert's local parameter (shard) shape."""
+        whole = self.whole_shape(local_shape)
+        self.check(whole)
+        return tuple(reversed(whole)) if self.transpose else whole
 
-    def check(self, local_shape: tuple[int, ...]) -> None:
-        if self.transpose and len(local_shape) != 2:
-            raise PlacementError(f"a transposed expert slot needs a 2-D parameter, not shape {local_shape}")
-        if self.interleave < 1 or local_shape[0] % self.interleave:
+    def check(self, whole_shape: tuple[int, ...]) -> None:
+        if self.transpose and len(whole_shape) != 2:
+            raise PlacementError(f"a transposed expert slot needs a 2-D parameter, not shape {whole_shape}")
+        if self.interleave < 1 or whole_shape[0] % self.interleave:
             raise PlacementError(
-                f"an expert parameter of {local_shape[0]} rows cannot be interleaved in {self.interleave} blocks"
+                f"an expert parameter of {whole_shape[0]} rows cannot be interleaved in {self.interleave} blocks"
             )
+
+    def join_into(self, whole: torch.Tensor, shards: torch.Tensor) -> None:
+        """``whole`` := the expert parameter the ``split`` shards [split, *shard] make (module docstring)."""
+        whole.copy_(self._whole_view(shards))
+
+    def _whole_view(self, shards: torch.Tensor) -> torch.Tensor:
+        k = shards.shape[0]
+        if self.split_kind == "gated":  # [k, 2n, ...] -> gates of every rank, then ups of every rank
+            half = shards.shape[1] // 2
+            return shards.unflatten(1, (2, half)).transpose(0, 1).reshape(2 * k * half, *shards.shape[2:])
+        if self.split_kind == "columns":  # [k, rows, n] -> [rows, k*n]
+            return shards.permute(1, 0, *range(2, shards.dim())).reshape(shards.shape[1], -1, *shards.shape[3:])
+        return shards.reshape(k * shards.shape[1], *shards.shape[2:])  # "rows"
+
+    def shard_of(self, whole: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s shard of the whole expert parameter (the inverse of ``join_into``; a new tensor)."""
+        if self.split == 1:
+            return whole
+        k = self.split
+        if self.split_kind == "gated":
+            half = whole.shape[0] // (2 * k)
+            return whole.unflatten(0, (2, k, half))[:, rank].reshape(2 * half, *whole.shape[1:]).contiguous()
+        if self.split_kind == "columns":
+            return whole.unflatten(1, (k, whole.shape[1] // k))[:, rank].contiguous()
+        return whole.unflatten(0, (k, whole.shape[0] // k))[rank].contiguous()
 
     def copy_into(self, slot: torch.Tensor, local: torch.Tensor) -> None:
         """Write ``local`` (one expert's parameter) into ``slot`` (its HF slot, any strides)."""
@@ -98,6 +141,16 @@ def _gpt_oss_gate_up(mapping: Any, local_shape: tuple[int, ...]) -> ExpertStack:
 def _gpt_oss_down(mapping: Any, local_shape: tuple[int, ...]) -> ExpertStack:
     # GPTOSSMLPDownProjMapping.megatron_to_hf: weights transposed, "_bias" tensors as they are.
     return ExpertStack(transpose=len(local_shape) >= 2 and not str(mapping.hf_param).endswith("_bias"))
+
+
+def split_kind(mapping: Any, partition_dim: int | None) -> str:
+    """How an expert's packed-expert mapping is cut over expert-TP ranks (module docstring): the
+    gated mapping's halves, else the rows or columns of the parameter's ``partition_dim``."""
+    from megatron.bridge.models.conversion import param_mapping as pm
+
+    if type(mapping) is pm.FusedGatedExpertMapping:
+        return "gated"
+    return "columns" if partition_dim == 1 else "rows"
 
 
 def _as_it_is(mapping: Any, local_shape: tuple[int, ...]) -> ExpertStack:
@@ -138,15 +191,18 @@ def transposed_by_stock(mapping: Any, slot_shape: tuple[int, ...], num_experts: 
 
 def stacked_placement(
     mapping: Any, local_shape: tuple[int, ...], *, num_experts: int, stored_shape: tuple[int, ...] | None = None,
+    partition_dim: int | None = None,
 ) -> tuple[PlacementKind, ExpertStack] | None:
     """The placement and stack of a grouped-export expert parameter; None for any other mapping.
 
     ``num_experts``: the model's expert count (E); ``stored_shape``: the shape the checkpoint
     stores the stacked tensor in, None where there is no checkpoint or it lacks the tensor (stock
-    decides an adaptive transpose from it: ``transposed_by_stock``). Raises ``PlacementError``
-    naming the parameter for a grouped-export mapping without a rule, or one whose export the rule
-    cannot describe (permuted dims, expert tensor parallelism, a transpose of a 1-D slot, a shape
-    the stack does not fit).
+    decides an adaptive transpose from it: ``transposed_by_stock``); ``partition_dim``: the
+    dimension the parameter is split on over its expert-TP group (Megatron's mark), when it is.
+    Raises ``PlacementError`` naming the parameter for a grouped-export mapping without a rule, or
+    one whose export the rule cannot describe (permuted dims, expert tensor parallelism of a
+    mapping other than the packed-expert ones, a transpose of a 1-D slot, a shape the stack does
+    not fit).
     """
     if not getattr(mapping, "is_grouped_export", False):
         return None
@@ -157,10 +213,14 @@ def stacked_placement(
         raise PlacementError(f"{where} has no stacking rule (supported: {supported})")
     if getattr(mapping, "permute_dims", None) is not None:
         raise PlacementError(f"{where} permutes its export's dimensions, which no stacking rule describes")
-    if not mapping.is_expert or mapping.tp_size != 1:  # an expert mapping's tp group is expert-TP
-        raise PlacementError(f"{where} needs whole experts on each rank (expert tensor parallel size 1)")
+    if not mapping.is_expert:
+        raise PlacementError(f"{where} is not an expert mapping")
     stack = rule(mapping, tuple(local_shape))
-    stack.check(tuple(local_shape))
+    if mapping.tp_size != 1:  # an expert mapping's tp group is expert-TP
+        if rule is not _as_it_is:
+            raise PlacementError(f"{where} needs whole experts on each rank (expert tensor parallel size 1)")
+        stack = dataclasses.replace(stack, split=mapping.tp_size, split_kind=split_kind(mapping, partition_dim))
+    stack.check(stack.whole_shape(tuple(local_shape)))
     if transposed_by_stock(mapping, stack.expert_shape(tuple(local_shape)), num_experts, stored_shape):
         if len(local_shape) != 2:
             raise PlacementError(f"{where}: stock transposes a stack of 1-D slots (the expert dimension with the other)")

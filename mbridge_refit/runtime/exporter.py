@@ -196,7 +196,7 @@ class PlanExporter:
         if bucket.pp_rank != self._groups.pp_rank:
             return [None] * len(bucket.ops)
         runs = [op.source is not None and (slots is None or slot in slots) for slot, op in enumerate(bucket.ops)]
-        if bucket.expert and self._groups.etp_size > 1 and not bucket.ops[0].stacked:
+        if bucket.expert and self._groups.etp_size > 1:
             gathered = self._gather_expert_shards(bucket, runs, buffers)
         else:
             group = self._groups.ep if bucket.expert else self._groups.tp
@@ -209,21 +209,39 @@ class PlanExporter:
 
     def _gather_expert_shards(self, bucket: Bucket, runs: list[bool], buffers: ExportBuffers) -> list[dict]:
         """Experts split over an expert tensor-parallel group: all-gather each local expert's shard
-        over that group ([etp, *local], one coalesced group), then those over the expert-parallel
-        group ([ep, etp, *local], another): two phases, since the second reads what the first
-        wrote. The groups are Megatron's own, as the stock export gathers over them."""
+        over that group ([etp, *local], one coalesced group), then over the expert-parallel group
+        ([ep, etp, *local], another): two phases, since the second reads what the first wrote. A
+        stacked op joins each expert's shards into the whole expert before it stacks them. The
+        groups are Megatron's own, as the stock export gathers over them."""
         groups = self._groups
-        count = sum(runs)
-        shards: list[torch.Tensor | None] = []
-        with coalesced(groups.etp, count, self.device):
+        shards: list[list[torch.Tensor] | None] = []
+        with coalesced(groups.etp, sum(len(op.sources) for op, run in zip(bucket.ops, runs) if run), self.device):
             for slot, op in enumerate(bucket.ops):
-                local = self.shards(op.source, op.entries[0], slot, buffers).detach() if runs[slot] else None
-                shards.append(None if local is None else _gather(local, groups.etp, groups.etp_size, buffers, "etp_gather", slot))
+                if not runs[slot]:
+                    shards.append(None)
+                    continue
+                locals_ = [self.shards(name, op.entries[0], (slot, k), buffers).detach() for k, name in enumerate(op.sources)]
+                shards.append([_gather(x, groups.etp, groups.etp_size, buffers, "etp_gather", (slot, k)) for k, x in enumerate(locals_)])
         gathered: list[dict] = []
-        with coalesced(groups.ep, count if groups.ep_size > 1 else 0, self.device):
-            for slot, shard in enumerate(shards):
-                gathered.append({} if shard is None else {"whole": _gather(shard, groups.ep, groups.ep_size, buffers, "ep_gather", slot)})
+        with coalesced(groups.ep, sum(runs) if groups.ep_size > 1 else 0, self.device):
+            for slot, (op, parts) in enumerate(zip(bucket.ops, shards)):
+                if parts is None:
+                    gathered.append({})
+                elif op.stacked:
+                    gathered.append({"stacked": self._gather_stack(op, slot, buffers, self._whole_experts(op, slot, parts, buffers))})
+                else:
+                    gathered.append({"whole": _gather(parts[0], groups.ep, groups.ep_size, buffers, "ep_gather", slot)})
         return gathered
+
+    def _whole_experts(self, op: Op, slot: int, parts: list[torch.Tensor], buffers: ExportBuffers) -> list[torch.Tensor]:
+        """Each local expert of a stacked op, whole, from its shards gathered over the expert-TP group."""
+        stack = op.entries[0].sharding.stack
+        wholes = []
+        for k, shards in enumerate(parts):
+            whole = buffers.get("whole_expert", (slot, k), stack.whole_shape(tuple(shards.shape[1:])), shards.dtype, shards.device)
+            stack.join_into(whole, shards)
+            wholes.append(whole)
+        return wholes
 
     def _launch_gathers(self, op: Op, slot: int, buffers: ExportBuffers) -> dict:
         """Issue ``op``'s gathers: row gathers straight into outputs, or whole shards."""
@@ -275,13 +293,15 @@ class PlanExporter:
                 outputs.append(self._from_pieces(entry, assembly, launched["local"].unsqueeze(0), buffers, (slot, i)))
         return outputs
 
-    def _gather_stack(self, op: Op, slot: int, buffers: ExportBuffers) -> torch.Tensor:
+    def _gather_stack(self, op: Op, slot: int, buffers: ExportBuffers, experts: list[torch.Tensor] | None = None) -> torch.Tensor:
         """``STACK``: copy each local expert into its slot of this rank's share of the stack (the
         output itself at ep 1), then all-gather the shares over the expert-parallel group into the
-        output (rank k's share is slots [k*E/ep, (k+1)*E/ep): the output's k-th chunk)."""
+        output (rank k's share is slots [k*E/ep, (k+1)*E/ep): the output's k-th chunk). ``experts``:
+        the local experts whole, where they are split over an expert-TP group (else read here)."""
         (entry,) = op.entries
         ep_size = self._groups.ep_size
-        experts = [self.shards(name, entry, (slot, index), buffers).detach() for index, name in enumerate(op.sources)]
+        if experts is None:
+            experts = [self.shards(name, entry, (slot, index), buffers).detach() for index, name in enumerate(op.sources)]
         dtype, device = experts[0].dtype, experts[0].device
         out = buffers.get("out", (slot, 0), entry.shape, dtype, device)
         share = out if ep_size == 1 else buffers.get("pack", (slot, 0), (len(experts), *entry.shape[1:]), dtype, device)

@@ -139,6 +139,8 @@ MATRIX_LAYOUTS: Mapping[str, tuple[ParallelLayout, tuple[str, ...] | None]] = Ma
     )),
     "ep2": (ParallelLayout(ep=2), EXPERT_PARALLEL_MODELS),
     "tp2ep2": (ParallelLayout(tp=2, ep=2), EXPERT_PARALLEL_MODELS),
+    # Megatron-Core's own default for a MoE model at TP2 (expert-TP = TP): each routed expert split in two
+    "tp2etp2": (ParallelLayout(tp=2, etp=2), EXPERT_PARALLEL_MODELS),
 })
 
 class CellState(enum.StrEnum):
