@@ -1,2 +1,3 @@
 """Checkpoints on disk: the HF safetensors reader (``hf``), Megatron-Core ``torch_dist``
-checkpoints (``megatron``) and the sliced HF -> Megatron loader (``loader``)."""
+checkpoints (``megatron``, their pickles read by ``dcp_pickles``) and the sliced HF -> Megatron
+loader (``loader``)."""
