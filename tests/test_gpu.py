@@ -97,6 +97,40 @@ def test_moe_with_megatrons_expert_tp_default_matches_stock(gpus, tmp_path):
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
 
 
+_IPC_ENGINE = """
+import sys, torch
+from mbridge_refit.engines.sharing import CudaIpcTransport
+(storage,) = CudaIpcTransport().open(open(sys.argv[1], "rb").read(), torch.device("cuda", 0))
+data = torch.empty(0, dtype=torch.uint8, device="cuda").set_(storage)
+print(storage.nbytes(), int(data.sum(dtype=torch.int64)))
+data[1] = 7
+torch.cuda.synchronize()
+"""
+
+
+def test_cuda_ipc_transport_opens_the_same_memory_in_another_process(tmp_path):
+    """``CudaIpcTransport``'s JSON payload (no pickle) opens in another process as the trainer's own
+    memory: the engine reads the trainer's bytes, and the trainer sees the engine's write."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from mbridge_refit.engines.sharing import CudaIpcTransport
+
+    source = (torch.arange(3001, device="cuda") % 251).to(torch.uint8)
+    payload = CudaIpcTransport().share([source.untyped_storage()])
+    (tmp_path / "payload").write_bytes(payload)
+    torch.cuda.synchronize()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    run = subprocess.run([sys.executable, "-c", _IPC_ENGINE, str(tmp_path / "payload")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    nbytes, total = map(int, run.stdout.split()[-2:])
+    assert (nbytes, total) == (source.untyped_storage().nbytes(), int(source.sum(dtype=torch.int64)))
+    assert int(source[1]) == 7, "the engine wrote into other memory than the trainer's"
+
+
 VLLM_CHECKS = {  # script -> what it proves (each a process of its own: vLLM starts its engine in another)
     "check_vllm_refit_gpu.py": "colocated refit (CUDA IPC)",
     "check_vllm_broadcast_gpu.py": "broadcast refit (StoreGroup)",

@@ -224,6 +224,42 @@ def test_export_refuses_a_crafted_index_without_running_it(qwen3_tp2, tmp_path, 
     assert not (tmp_path / "o").exists()
 
 
+class _System:
+    """Unpickling this runs ``os.system(command)``."""
+
+    def __init__(self, command):
+        self.command = command
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (self.command,))
+
+
+@multirank
+def test_export_refuses_a_dotted_call_in_a_genuine_index_without_running_it(qwen3_tp2, tmp_path, capsys):
+    # The checkpoint's own index with one field made by os.system, named through a module the
+    # old unpickler allowed ("torch.distributed.checkpoint.filesystem" + "os.system", resolved
+    # attribute by attribute at protocol 4): it ran, and `export` went on to exit 0.
+    import pickle
+
+    _, megatron = qwen3_tp2
+    crafted = tmp_path / "crafted"
+    shutil.copytree(megatron, crafted)
+    marker = tmp_path / "ran"
+    index_path = crafted / WEIGHTS_DIR / ".metadata"
+    index = pickle.loads(index_path.read_bytes())  # the test's own checkpoint
+    index.storage_meta.save_id = _System(f"touch {marker}")
+    data = pickle.dumps(index, protocol=2)
+    dotted = b"ctorch.distributed.checkpoint.filesystem\nos.system\n"
+    index_path.write_bytes(b"\x80\x04" + data[2:].replace(b"cposix\nsystem\n", dotted))
+    assert main(["export", "--megatron", str(crafted), "--out", str(tmp_path / "o")]) == ExitCode.BAD_INPUT
+    err = capsys.readouterr().err
+    assert "refusing" in err and ".metadata" in err and "dotted name" in err, err
+    assert not marker.exists(), "the crafted index ran"
+    assert not (tmp_path / "o").exists()
+
+
 def test_byte_items_must_be_plain_data(tmp_path):
     import io
 

@@ -20,19 +20,24 @@ datasets, megatron-energon, tensorboard and more, which this CPU conversion path
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import logging
-import pickle
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from mbridge_refit.plan.layout import ParallelLayout
+from mbridge_refit.checkpoints.dcp_pickles import (
+    INDEX_NAME,
+    byte_items,
+    check_byte_item,
+    checked_megatron_reads,
+    load_index,
+)
 from mbridge_refit.checkpoints.hf import COPIED_FILE_NAMES
 from mbridge_refit.checkpoints.publish import begin_publication, carry_over, fsync_tree, is_loader_file
 
@@ -45,6 +50,7 @@ METADATA_NAME = "mbridge_refit_megatron.json"
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 WEIGHTS_DIR = "release"
 TMP_PREFIX = ".tmp-"
+COMMON_STATE_NAME = "common.pt"  # Megatron's legacy common state file (torch.load), never written by `import`
 # Copied from the HF source next to the weights, so ``export`` needs nothing else.
 SIDE_FILE_NAMES = ("config.json", *COPIED_FILE_NAMES)
 
@@ -112,56 +118,38 @@ class CheckpointInfo:
             if isinstance(err, NotAMegatronCheckpoint):
                 raise
             raise NotAMegatronCheckpoint(f"{meta} is unreadable ({err}): re-create the checkpoint with `import`") from err
-        for required in ("config.json", f"{WEIGHTS_DIR}/metadata.json", f"{WEIGHTS_DIR}/.metadata"):
+        for required in ("config.json", f"{WEIGHTS_DIR}/metadata.json", f"{WEIGHTS_DIR}/{INDEX_NAME}"):
             if not (path / required).is_file():
                 raise NotAMegatronCheckpoint(f"{path} is incomplete: {required} is missing; re-create it with `import`")
         check_pickled_parts(path / WEIGHTS_DIR)
         return info
 
 
-# --- pickled parts, checked before torch.distributed.checkpoint unpickles them ------------------
+# --- pickled parts, checked before anything else reads them ------------------------------------
 #
-# A torch_dist checkpoint holds two kinds of pickles: ``.metadata`` (the index of every tensor,
-# read with pickle by torch.distributed.checkpoint) and byte items inside the ``.distcp`` files
-# (Megatron's ``_extra_state`` objects, read with torch.load). Both would run code a crafted file
-# names. ``check_pickled_parts`` reads them first with an unpickler that builds only the types a
-# checkpoint written by ``save_model`` contains, and torch.load(weights_only=True), so a crafted
-# checkpoint is refused (``NotAMegatronCheckpoint``) before anything executes its contents.
-
-_METADATA_MODULE_PREFIXES = ("torch.distributed.checkpoint.",)
-_METADATA_GLOBALS = {
-    "torch": {"Size"},
-    "torch.serialization": {"_get_layout"},
-    "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
-    "collections": {"OrderedDict"},
-    "builtins": {"set", "frozenset", "slice"},
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        allowed = (
-            module.startswith(_METADATA_MODULE_PREFIXES)
-            or name in _METADATA_GLOBALS.get(module, ())
-            or (module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)))
-        )
-        if not allowed:
-            raise pickle.UnpicklingError(f"{module}.{name} is not a type a checkpoint index holds")
-        return super().find_class(module, name)
+# The index ``.metadata`` and the byte items in the ``.distcp`` files are pickles (``dcp_pickles``
+# says why and how they are read here). ``check_pickled_parts`` reads them all before the first
+# collective, so a crafted checkpoint is refused (exit 2) with the file named; ``load_model`` reads
+# through ``checked_megatron_reads``, so what it loads is what passed the same checks.
 
 
 def check_pickled_parts(weights: Path) -> None:
     """Refuse a checkpoint whose pickled parts would build anything but checkpoint data (see above)."""
-    index = weights / ".metadata"
+    legacy_common = weights / COMMON_STATE_NAME
+    if legacy_common.exists():
+        raise NotAMegatronCheckpoint(
+            f"refusing {legacy_common}: `import` never writes it (the common state lives in the torch_dist "
+            "checkpoint); re-create the checkpoint from the HF source"
+        )
+    index_path = weights / INDEX_NAME
     try:
-        with open(index, "rb") as handle:
-            metadata = _MetadataUnpickler(handle).load()
+        index = load_index(index_path.read_bytes())
     except Exception as err:
         raise NotAMegatronCheckpoint(
-            f"refusing {index}: {type(err).__name__}: {err}. It is not an index written by `import`; "
+            f"refusing {index_path}: {type(err).__name__}: {err}. It is not an index written by `import`; "
             "re-create the checkpoint from the HF source"
         ) from err
-    for fqn, location in _byte_items(metadata):
+    for fqn, location in byte_items(index):
         try:
             with open(weights / location.relative_path, "rb") as handle:
                 handle.seek(location.offset)
@@ -171,19 +159,6 @@ def check_pickled_parts(weights: Path) -> None:
                 f"refusing {weights / location.relative_path}: its object {fqn} is not plain data "
                 f"({type(err).__name__}: {err}); re-create the checkpoint from the HF source"
             ) from err
-
-
-def check_byte_item(data: bytes) -> None:
-    """Raise unless ``data`` loads with ``torch.load(weights_only=True)`` (tensors and plain data only)."""
-    torch.load(io.BytesIO(data), weights_only=True)
-
-
-def _byte_items(metadata: Any) -> Iterator[tuple[str, Any]]:
-    """(fqn, storage location) of every byte item the index lists."""
-    entries = getattr(metadata, "state_dict_metadata", {})
-    for index, location in getattr(metadata, "storage_data", {}).items():
-        if type(entries.get(index.fqn)).__name__ == "BytesStorageMetadata":
-            yield index.fqn, location
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -266,16 +241,18 @@ def load_model(chunks: list[torch.nn.Module], path: Path) -> None:
     """Fill every parameter of ``chunks`` from the checkpoint in ``path``; collective.
 
     The chunks may use a different layout than the one saved. Raises if the checkpoint lacks a
-    tensor the model needs or a tensor's global shape differs.
+    tensor the model needs or a tensor's global shape differs, or if a pickled part read now would
+    build anything but checkpoint data (``dcp_pickles``), whatever passed ``check_pickled_parts`` before.
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
     from megatron.core.utils import unwrap_model
 
     unwrapped = unwrap_model(chunks)
-    state = dist_checkpointing.load(
-        sharded_model_state(unwrapped), str(path / WEIGHTS_DIR), strict=StrictHandling.RAISE_ALL
-    )
+    with checked_megatron_reads():
+        state = dist_checkpointing.load(
+            sharded_model_state(unwrapped), str(path / WEIGHTS_DIR), strict=StrictHandling.RAISE_ALL
+        )
     for key, chunk in zip(model_keys(len(unwrapped)), unwrapped):
         chunk.load_state_dict(state[key], strict=True)
 

@@ -17,21 +17,22 @@ loader.
 
 Transports hand the storages over: ``CudaIpcTransport`` (CUDA IPC handles, opened once by the
 engine process and kept) and ``LocalTransport`` (the same process: CPU tests, or an engine that
-runs inside the trainer's process). Lower layer of ``engines``: imports only torch.
+runs inside the trainer's process). Lower layer of ``engines``: imports only torch (and
+``ipc_handles``, the CUDA IPC payload's format).
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
-import pickle
 import uuid
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Protocol
 
 import torch
+
+from mbridge_refit.engines.ipc_handles import BadIpcPayload, decode_payload, encode_payload
 
 
 class SharingError(RuntimeError):
@@ -238,26 +239,33 @@ class CudaIpcTransport:
     """CUDA IPC: the engine maps the trainer's allocations (same GPU, another process).
 
     The payload holds one handle per storage, keyed by the GPU's UUID (device indices differ
-    between processes with different ``CUDA_VISIBLE_DEVICES``). Opening reads it with an
-    unpickler that builds nothing but torch's own types.
+    between processes with different ``CUDA_VISIBLE_DEVICES``). It is JSON (``ipc_handles``), not
+    a pickle: opening it builds the arguments of ``rebuild_cuda_tensor`` field by field, of fixed
+    types, and nothing a payload names.
     """
 
     name = "cuda_ipc"
 
     def share(self, storages: list[torch.UntypedStorage]) -> bytes:
-        from torch.multiprocessing.reductions import reduce_tensor
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
         handles = []
         for storage in storages:
             whole = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-            _, args = reduce_tensor(whole)
+            rebuild, args = reduce_tensor(whole)
+            if rebuild is not rebuild_cuda_tensor:
+                raise SharingError(f"a {storage.device} storage cannot be shared by CUDA IPC "
+                                   f"(torch reduces it with {rebuild.__name__})")
             handles.append({_gpu_uuid(storage.device): args})
-        return pickle.dumps(handles)
+        return encode_payload(handles)
 
     def open(self, payload: bytes, device: torch.device) -> list[torch.UntypedStorage]:
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-        handles = _TorchOnlyUnpickler(io.BytesIO(payload)).load()
+        try:
+            handles = decode_payload(payload)
+        except BadIpcPayload as err:
+            raise SharingError(f"refusing a CUDA IPC payload: {err}") from err
         gpu = _gpu_uuid(device)
         storages = []
         for handle in handles:
@@ -298,13 +306,6 @@ class LocalTransport:
 
 
 TRANSPORTS: dict[str, type] = {CudaIpcTransport.name: CudaIpcTransport, LocalTransport.name: LocalTransport}
-
-
-class _TorchOnlyUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch" or module.startswith("torch."):
-            return super().find_class(module, name)
-        raise SharingError(f"refusing to unpickle {module}.{name} from a CUDA IPC payload (only torch types)")
 
 
 def _gpu_uuid(device: torch.device) -> str:

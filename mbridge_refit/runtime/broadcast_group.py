@@ -2,7 +2,8 @@
 
 The packed broadcast (``sinks.packed_broadcast``) needs five things of its group: whether this
 process is the source, ``broadcast`` (also asynchronous), ``all_reduce`` (MAX/MIN), and
-``broadcast_object`` (the failure path only). ``BroadcastGroup`` names them; two kinds provide them:
+``broadcast_object`` (the failure path only: the plan's signature and an error message, JSON data).
+``BroadcastGroup`` names them; two kinds provide them:
 
 * ``TorchGroup``: a group of this process's ``torch.distributed`` world (``new_group``); ``src`` is a
   global rank, as ``torch.distributed`` has it.
@@ -23,7 +24,7 @@ communicators (checked with NCCL on an H100 with one member: two on one GPU are 
 from __future__ import annotations
 
 import datetime
-import pickle
+import json
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -122,15 +123,16 @@ class StoreGroup:
         self.process_group.allreduce([tensor], options).wait()
 
     def broadcast_object(self, obj: Any, src: int, device: torch.device) -> Any:
-        """``obj`` of ``src``, pickled (trusted peers only: the members of one refit)."""
-        payload = pickle.dumps(obj) if self.rank == src else b""
+        """``obj`` of ``src`` (JSON data: a member joined by address may be another program, so
+        what arrives is parsed, never unpickled; tuples arrive as lists)."""
+        payload = json.dumps(obj).encode() if self.rank == src else b""
         size = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
         self.broadcast(size, src)
         data = torch.empty(int(size), dtype=torch.uint8, device=self.device)
         if self.rank == src:
             data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
         self.broadcast(data, src)
-        return obj if self.rank == src else pickle.loads(data.cpu().numpy().tobytes())
+        return obj if self.rank == src else json.loads(data.cpu().numpy().tobytes())
 
 
 def _process_group(backend: str, store: Any, rank: int, world_size: int, timeout: datetime.timedelta) -> Any:

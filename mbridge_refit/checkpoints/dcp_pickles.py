@@ -1,0 +1,286 @@
+"""The pickled parts of a torch_dist checkpoint, read so that nothing in them can run code.
+
+A torch_dist checkpoint (torch.distributed.checkpoint, "DCP") holds two kinds of pickles: the
+index ``.metadata`` (every tensor's global shape, dtype and chunks, and where each item lies in
+the ``.distcp`` files) and byte items inside the ``.distcp`` files (Megatron's ``_extra_state``
+objects and its ``common_state``, written with ``torch.save``). DCP reads the index with plain
+``pickle.load`` and byte items with ``torch.load(weights_only=False)``: either runs whatever a
+crafted file names. Here:
+
+* ``load_index`` unpickles an index with ``IndexUnpickler``. Its ``find_class`` resolves only the
+  exact (module, name) pairs of ``index_globals`` (the classes DCP's index is made of, torch
+  dtypes, a layout lookup, ``PosixPath``) to objects chosen here, never imports, and refuses a
+  dotted name (which pickle's own ``find_class`` resolves attribute by attribute from protocol 4
+  on, reaching e.g. ``os.system`` through any allowed module). The extension opcodes, which
+  pickle resolves through copyreg's cache without ``find_class``, are refused; REDUCE, NEWOBJ and
+  OBJ call only allowed objects; BUILD sets state only on instances of the index's dataclasses
+  (never on a class, an enum member or a dtype, which would change them for the whole process).
+  None of the allowed objects runs code when called or given state, so an index that loads is data.
+* ``check_byte_item`` loads a byte item with ``torch.load(weights_only=True)``.
+* ``CheckedFileSystemReader`` is DCP's reader with both checks built in: the index through
+  ``load_index``, every byte item through ``check_byte_item`` before DCP loads the same bytes.
+  ``checked_megatron_reads`` makes Megatron-Core's ``dist_checkpointing.load`` read through it,
+  so what is loaded is what was checked, however the files change after a first check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import io
+import logging
+import pathlib
+import pickle
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Iterator, Mapping
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
+
+logger = logging.getLogger(__name__)
+
+INDEX_NAME = ".metadata"
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_DCP_FILESYSTEM = "torch.distributed.checkpoint.filesystem"
+
+
+class UnsafePickle(pickle.UnpicklingError):
+    """A pickled part of a checkpoint names something an index or a byte item never holds."""
+
+
+@functools.cache
+def index_globals() -> Mapping[tuple[str, str], Any]:
+    """Every global a DCP index names, and the object it resolves to (nothing else resolves).
+
+    Found by reading the index of checkpoints written by ``convert import`` (dense, MoE, PP) and
+    DCP's ``metadata`` and ``filesystem`` modules: ``Metadata`` and ``StorageMeta`` (with a
+    ``PosixPath`` checkpoint id), ``MetadataIndex`` keys, ``_StorageInfo`` locations, tensor entries
+    (``TensorStorageMetadata`` of ``TensorProperties``, whose memory format is the enum
+    ``_MEM_FORMAT_ENCODING``, and ``ChunkStorageMetadata`` of ``torch.Size``), ``BytesStorageMetadata``,
+    dtypes by name and layouts through ``torch.serialization._get_layout`` (here a lookup of torch's
+    layouts by name).
+    """
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    names: dict[tuple[str, str], Any] = {
+        (_DCP_METADATA, cls.__name__): cls for cls in _index_dataclasses()
+        if cls.__module__ == _DCP_METADATA
+    }
+    names.update({
+        (_DCP_METADATA, "_MEM_FORMAT_ENCODING"): metadata._MEM_FORMAT_ENCODING,
+        (_DCP_FILESYSTEM, "_StorageInfo"): filesystem._StorageInfo,
+        ("torch", "Size"): torch.Size,
+        ("torch.serialization", "_get_layout"): _layout_named,
+        ("pathlib", "PosixPath"): pathlib.PosixPath,
+    })
+    names.update({("torch", name): value for name, value in vars(torch).items() if isinstance(value, torch.dtype)})
+    return MappingProxyType(names)
+
+
+@functools.cache
+def _index_dataclasses() -> tuple[type, ...]:
+    """The classes whose instances an index holds with state (BUILD may set it on these only)."""
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    return (
+        metadata.Metadata, metadata.StorageMeta, metadata.MetadataIndex, metadata.TensorStorageMetadata,
+        metadata.BytesStorageMetadata, metadata.ChunkStorageMetadata, metadata.TensorProperties,
+        filesystem._StorageInfo,
+    )
+
+
+@functools.cache
+def _allowed_ids() -> frozenset[int]:
+    """Identities of the objects ``index_globals`` resolves to (kept alive by it)."""
+    return frozenset(id(value) for value in index_globals().values())
+
+
+def _layout_named(name: str) -> torch.layout:
+    """``torch.serialization._get_layout`` as an index uses it: torch's layout called ``name``."""
+    layout = _layouts().get(name) if isinstance(name, str) else None
+    if layout is None:
+        raise UnsafePickle(f"{name!r:.80} is not a torch layout")
+    return layout
+
+
+@functools.cache
+def _layouts() -> Mapping[str, torch.layout]:
+    return MappingProxyType({str(value): value for value in vars(torch).values() if isinstance(value, torch.layout)})
+
+
+class IndexUnpickler(pickle._Unpickler):
+    """Builds a DCP index and nothing else (module docstring).
+
+    pickle's Python implementation, so each opcode that can reach code is checked here: the C
+    unpickler resolves the extension opcodes from copyreg's cache and calls whatever REDUCE finds
+    on its stack, out of reach of a subclass.
+    """
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
+    def find_class(self, module: str, name: str) -> Any:
+        if "." in name:
+            raise UnsafePickle(f"{module}.{name}: a dotted name (an attribute of an attribute) is never in an index")
+        try:
+            return index_globals()[(module, name)]
+        except (KeyError, TypeError):
+            raise UnsafePickle(f"{module}.{name} is not a type a checkpoint index holds") from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafePickle("an index holds no persistent ids")
+
+    def _require_allowed(self, obj: Any, opcode: str) -> None:
+        if id(obj) not in _allowed_ids():
+            raise UnsafePickle(f"{opcode} on {type(obj).__name__} {obj!r:.80}: an index calls only the types it holds")
+
+    def _load_reduce(self) -> None:
+        self._require_allowed(self.stack[-2], "REDUCE")
+        pickle._Unpickler.load_reduce(self)
+
+    def _load_newobj(self) -> None:
+        self._require_allowed(self.stack[-2], "NEWOBJ")
+        pickle._Unpickler.load_newobj(self)
+
+    def _load_newobj_ex(self) -> None:
+        self._require_allowed(self.stack[-3], "NEWOBJ_EX")
+        pickle._Unpickler.load_newobj_ex(self)
+
+    def _load_obj(self) -> None:
+        self._require_allowed(self.stack[0] if self.stack else None, "OBJ")
+        pickle._Unpickler.load_obj(self)
+
+    def _load_build(self) -> None:
+        target = self.stack[-2]
+        if type(target) not in _index_dataclasses():
+            raise UnsafePickle(
+                f"BUILD on {type(target).__name__} {target!r:.80}: an index sets state only on its own records"
+            )
+        pickle._Unpickler.load_build(self)
+
+    def _load_ext(self) -> None:
+        raise UnsafePickle("an extension code (EXT1/EXT2/EXT4) is never in an index")
+
+    dispatch[pickle.REDUCE[0]] = _load_reduce
+    dispatch[pickle.NEWOBJ[0]] = _load_newobj
+    dispatch[pickle.NEWOBJ_EX[0]] = _load_newobj_ex
+    dispatch[pickle.OBJ[0]] = _load_obj
+    dispatch[pickle.BUILD[0]] = _load_build
+    for _ext in (pickle.EXT1, pickle.EXT2, pickle.EXT4):
+        dispatch[_ext[0]] = _load_ext
+    del _ext
+
+
+def load_index(data: bytes) -> Metadata:
+    """The DCP index pickled in ``data``; raises (``UnsafePickle`` and others) for anything else."""
+    index = IndexUnpickler(io.BytesIO(data)).load()
+    if type(index) is not Metadata:
+        raise UnsafePickle(f"the pickle holds a {type(index).__name__}, not a {Metadata.__name__}")
+    return index
+
+
+def check_byte_item(data: bytes) -> None:
+    """Raise unless ``data`` loads with ``torch.load(weights_only=True)`` (tensors and plain data only)."""
+    torch.load(io.BytesIO(data), weights_only=True)
+
+
+def byte_items(index: Metadata) -> Iterator[tuple[str, Any]]:
+    """(fqn, storage location) of every byte item ``index`` lists."""
+    for key, location in (index.storage_data or {}).items():
+        if isinstance(index.state_dict_metadata.get(key.fqn), BytesStorageMetadata):
+            yield key.fqn, location
+
+
+class CheckedFileSystemReader(FileSystemReader):
+    """DCP's file system reader, reading the index with ``load_index`` and checking every byte
+    item with ``check_byte_item`` before DCP's planner loads those same bytes (module docstring).
+
+    ``read_metadata`` takes no ``rank``: DCP then never falls back to a per-rank index, which
+    ``convert import`` never writes. DCP's load swallows an exception of ``read_metadata`` (and
+    then fails with "metadata is None"), so a refusal is logged too.
+    """
+
+    def read_metadata(self) -> Metadata:
+        path = Path(self.path) / INDEX_NAME
+        try:
+            index = load_index(path.read_bytes())
+        except Exception as err:
+            logger.error("refusing %s: %s: %s", path, type(err).__name__, err)
+            raise
+        if index.storage_meta is None:
+            index.storage_meta = StorageMeta()
+        index.storage_meta.load_id = self.load_id
+        return index
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        return super().read_data(plan, _CheckedBytesPlanner(planner))
+
+
+class _CheckedBytesPlanner:
+    """``planner`` with ``load_bytes`` checking the bytes first (they are in memory: DCP reads a
+    byte item whole into a BytesIO before handing it over)."""
+
+    def __init__(self, planner: Any) -> None:
+        self._planner = planner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        try:
+            check_byte_item(value.getvalue())
+        except Exception as err:
+            fqn = read_item.dest_index.fqn
+            raise UnsafePickle(f"byte item {fqn} is not plain data ({type(err).__name__}: {err})") from err
+        value.seek(0)
+        self._planner.load_bytes(read_item, value)
+
+
+# Megatron-Core 0.19 builds every reader of dist_checkpointing.load with _get_filesystem_reader (the
+# sharded load, the strict-mode metadata check, the common state) and reads a legacy common.pt
+# with torch.load when _legacy_common_state_exists; none of them takes a reader from the caller.
+_MEGATRON_SERIALIZATION = "megatron.core.dist_checkpointing.serialization"
+_MEGATRON_TORCH_STRATEGY = "megatron.core.dist_checkpointing.strategies.torch"
+
+
+def _checked_reader(checkpoint_dir: Any, *args: Any, **kwargs: Any) -> CheckedFileSystemReader:
+    return CheckedFileSystemReader(checkpoint_dir)
+
+
+def _no_legacy_common_state(checkpoint_dir: Any) -> bool:
+    return False
+
+
+_MEGATRON_READS = {
+    (_MEGATRON_TORCH_STRATEGY, "_get_filesystem_reader"): _checked_reader,
+    (_MEGATRON_SERIALIZATION, "_get_filesystem_reader"): _checked_reader,
+    (_MEGATRON_SERIALIZATION, "_legacy_common_state_exists"): _no_legacy_common_state,
+}
+
+
+@contextlib.contextmanager
+def checked_megatron_reads() -> Iterator[None]:
+    """While active, Megatron-Core's ``dist_checkpointing`` reads checkpoints only through
+    ``CheckedFileSystemReader`` (the common state from the checkpoint, never a ``common.pt``).
+
+    Process-wide while active (it replaces the functions above in Megatron's modules, and
+    restores them on exit). Raises if this Megatron-Core lacks one of them: it then reads
+    checkpoints in a way this module does not know.
+    """
+    modules = {name: importlib.import_module(name) for name in {module for module, _ in _MEGATRON_READS}}
+    missing = [f"{module}.{attr}" for module, attr in _MEGATRON_READS if not hasattr(modules[module], attr)]
+    if missing:
+        raise RuntimeError(
+            f"megatron-core has no {', '.join(missing)}: its checkpoint reads cannot be checked; "
+            "install the megatron-core that scripts/requirements.txt pins"
+        )
+    saved = {(module, attr): getattr(modules[module], attr) for module, attr in _MEGATRON_READS}
+    try:
+        for (module, attr), replacement in _MEGATRON_READS.items():
+            setattr(modules[module], attr, replacement)
+        yield
+    finally:
+        for (module, attr), original in saved.items():
+            setattr(modules[module], attr, original)

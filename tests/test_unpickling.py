@@ -1,0 +1,417 @@
+"""Nothing we read runs code: crafted pickles at every entry point that reads one.
+
+Entry points: a Megatron checkpoint's index (``release/.metadata``) and its byte items
+(``_extra_state``, the common state), read by ``check_pickled_parts`` and again by Megatron's
+``dist_checkpointing.load`` under ``checked_megatron_reads``; the CUDA IPC payload of
+``CudaIpcTransport.open``; what a ``StoreGroup`` member receives from ``broadcast_object``.
+
+Every crafted payload would create a marker file if anything ran it (``os.system``,
+``subprocess``, ``eval``/``exec``, ``open``, a ``getattr`` chain; through GLOBAL, STACK_GLOBAL,
+INST, OBJ, REDUCE, dotted names, the extension registry, at pickle protocols 0-5); each test
+checks that it is refused and that the marker does not exist. The CLI-level refusal of a real
+checkpoint with a crafted index is in test_megatron_checkpoint.py.
+"""
+
+from __future__ import annotations
+
+import builtins
+import copyreg
+import io
+import os
+import pickle
+import subprocess
+import threading
+
+import pytest
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+from conftest import free_port
+from mbridge_refit.checkpoints.megatron import NotAMegatronCheckpoint, check_byte_item, check_pickled_parts
+from mbridge_refit.engines.sharing import CudaIpcTransport, SharingError
+
+ALLOWED_INDEX_MODULES = ("torch.distributed.checkpoint.filesystem", "torch.distributed.checkpoint.metadata", "torch")
+
+
+class _Call:
+    """Pickles as ``func(*args)``. Callable, so that it can stand for the function another
+    ``_Call`` calls (``_Call(_Call(getattr, m, "system"), cmd)`` pickles ``getattr(m, "system")(cmd)``)."""
+
+    def __init__(self, func, *args):
+        self.func, self.args = func, args
+
+    def __reduce__(self):
+        return self.func, self.args
+
+    def __call__(self, *args):
+        raise AssertionError("never called: only pickled")
+
+
+def _reduce_payloads(marker) -> dict[str, object]:
+    """Objects whose unpickling creates ``marker``, each through another callable."""
+    touch = f"open({str(marker)!r}, 'w').close()"
+    return {
+        "os.system": _Call(os.system, f"touch {marker}"),
+        "subprocess": _Call(subprocess.check_call, ["touch", str(marker)]),
+        "eval": _Call(builtins.eval, touch),
+        "exec": _Call(builtins.exec, touch),
+        "open": _Call(open, str(marker), "w"),
+        "getattr-chain": _Call(_Call(getattr, _Call(builtins.__import__, "os"), "system"), f"touch {marker}"),
+    }
+
+
+def _text(value: str) -> bytes:
+    return value.encode()
+
+
+def _short_unicode(value: str) -> bytes:
+    data = value.encode()
+    return b"\x8c" + bytes([len(data)]) + data
+
+
+def _unicode(value: str) -> bytes:
+    data = value.encode()
+    return b"X" + len(data).to_bytes(4, "little") + data
+
+
+def _raw_payloads(marker) -> dict[str, bytes]:
+    """Hand-made opcode streams: dotted names (PROTO 4, where pickle resolves them attribute by
+    attribute) through a module an unpickler allows, INST and OBJ (protocol 0 and 1), and
+    GLOBAL / STACK_GLOBAL nested in the arguments of a call."""
+    cmd = f"touch {marker}"
+    payloads = {}
+    for module in ALLOWED_INDEX_MODULES:
+        payloads[f"dotted-GLOBAL-{module}"] = (
+            b"\x80\x04c" + _text(f"{module}\nos.system\n") + _unicode(cmd) + b"\x85R."
+        )
+        payloads[f"dotted-STACK_GLOBAL-{module}"] = (
+            b"\x80\x04" + _short_unicode(module) + _short_unicode("os.system") + b"\x93" + _unicode(cmd) + b"\x85R."
+        )
+    payloads["dotted-INST-torch"] = b"\x80\x04(" + _unicode(cmd) + b"itorch\nos.system\n."
+    payloads["INST"] = b"(S'" + _text(cmd) + b"'\nios\nsystem\n."
+    payloads["OBJ"] = b"(cos\nsystem\nS'" + _text(cmd) + b"'\no."
+    payloads["nested-GLOBAL"] = (
+        b"cbuiltins\ngetattr\n(cbuiltins\n__import__\n(S'os'\ntRS'system'\ntR(S'" + _text(cmd) + b"'\ntR."
+    )
+    payloads["nested-STACK_GLOBAL"] = (
+        b"\x80\x04" + _short_unicode("builtins") + _short_unicode("getattr") + b"\x93"
+        + _short_unicode("builtins") + _short_unicode("__import__") + b"\x93" + _short_unicode("os") + b"\x85R"
+        + _short_unicode("system") + b"\x86R" + _unicode(cmd) + b"\x85R."
+    )
+    return payloads
+
+
+def _payload_cases() -> list[tuple[str, object]]:
+    """(id, builder(marker) -> bytes) for every crafted payload."""
+    cases = []
+    for name in _reduce_payloads("m"):
+        for protocol in range(6):
+            build = lambda marker, n=name, p=protocol: pickle.dumps(_reduce_payloads(marker)[n], protocol=p)  # noqa: E731
+            cases.append((f"{name}-p{protocol}", build))
+    for name in _raw_payloads("m"):
+        cases.append((name, lambda marker, n=name: _raw_payloads(marker)[n]))
+    return cases
+
+
+PAYLOADS = _payload_cases()
+payloads = pytest.mark.parametrize("build", [build for _, build in PAYLOADS], ids=[name for name, _ in PAYLOADS])
+
+
+def test_the_payloads_run_when_unpickled(tmp_path):
+    """The crafted payloads are live: plain pickle runs each (else the refusals below prove nothing)."""
+    for name, build in PAYLOADS:
+        marker = tmp_path / f"ran-{name}"
+        try:
+            pickle.loads(build(marker))
+        except Exception:
+            pass
+        assert marker.exists(), f"{name} did not run under plain pickle"
+
+
+# --- the Megatron checkpoint's index and byte items ------------------------------------------
+
+
+@payloads
+def test_index_refuses_crafted_pickles(build, tmp_path):
+    marker = tmp_path / "ran"
+    (tmp_path / ".metadata").write_bytes(build(marker))
+    with pytest.raises(NotAMegatronCheckpoint, match=r"refusing .*\.metadata"):
+        check_pickled_parts(tmp_path)
+    assert not marker.exists(), "the crafted index ran"
+
+
+def _genuine_index(tmp_path):
+    """The index DCP writes for a small state dict (tensors of two dtypes and a byte item)."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"a": torch.ones(3, 4, dtype=torch.bfloat16), "b": io.BytesIO(b"x"), "c": torch.zeros(2)}
+    dcp.save(state, checkpoint_id=tmp_path / "genuine", no_dist=True)
+    return pickle.loads((tmp_path / "genuine" / ".metadata").read_bytes())
+
+
+def test_index_refuses_a_dotted_call_inside_a_genuine_index(tmp_path):
+    # A whole, valid index with os.system reached through an allowed module in one field: the
+    # old unpickler ran it and returned a correct index (so `export` then exited 0).
+    marker = tmp_path / "ran"
+    index = _genuine_index(tmp_path)
+    index.storage_meta.save_id = _Call(os.system, f"touch {marker}")
+    data = pickle.dumps(index, protocol=2)
+    data = b"\x80\x04" + data[2:].replace(b"cposix\nsystem\n", b"ctorch.distributed.checkpoint.filesystem\nos.system\n")
+    (tmp_path / ".metadata").write_bytes(data)
+    with pytest.raises(NotAMegatronCheckpoint, match="dotted name"):
+        check_pickled_parts(tmp_path)
+    assert not marker.exists(), "the crafted index ran"
+
+
+def test_index_reads_a_genuine_index_unchanged(tmp_path):
+    from mbridge_refit.checkpoints.dcp_pickles import load_index
+
+    index = _genuine_index(tmp_path)
+    for protocol in range(2, 6):  # DCP pickles with the default protocol; any protocol builds the same index
+        assert load_index(pickle.dumps(index, protocol=protocol)) == index
+
+
+def test_index_refuses_state_on_a_class(tmp_path):
+    # BUILD with slot state on an allowed class would set a class attribute for the whole process.
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    (tmp_path / ".metadata").write_bytes(
+        b"\x80\x04ctorch.distributed.checkpoint.metadata\nMetadata\nN}"
+        + _short_unicode("crafted_attr") + b"K\x01s\x86b."
+    )
+    try:
+        with pytest.raises(NotAMegatronCheckpoint, match="BUILD on"):
+            check_pickled_parts(tmp_path)
+        assert not hasattr(Metadata, "crafted_attr"), "the crafted index changed a class"
+    finally:
+        if hasattr(Metadata, "crafted_attr"):
+            del Metadata.crafted_attr
+
+
+def test_index_refuses_extension_codes(tmp_path):
+    # copyreg's extension cache hands a resolved global to the unpickler without find_class.
+    marker = tmp_path / "ran"
+    code = 0xF1
+    copyreg.add_extension("posix", "system", code)
+    try:
+        pickle.loads(b"\x80\x02\x82" + bytes([code]) + b".")  # another reader resolved it once: now cached
+        (tmp_path / ".metadata").write_bytes(b"\x80\x02\x82" + bytes([code]) + _unicode(f"touch {marker}") + b"\x85R.")
+        with pytest.raises(NotAMegatronCheckpoint, match="refusing"):
+            check_pickled_parts(tmp_path)
+    finally:
+        copyreg.remove_extension("posix", "system", code)
+    assert not marker.exists(), "the crafted index ran"
+
+
+@payloads
+def test_byte_items_refuse_crafted_pickles(build, tmp_path):
+    marker = tmp_path / "ran"
+    with pytest.raises(Exception):
+        check_byte_item(build(marker))
+    assert not marker.exists(), "the crafted byte item ran"
+
+
+@pytest.mark.parametrize("protocol", range(2, 6))
+def test_byte_items_refuse_crafted_torch_saves(protocol, tmp_path):
+    for name, payload in _reduce_payloads(tmp_path / "ran").items():
+        buffer = io.BytesIO()
+        torch.save({"state": payload}, buffer, pickle_protocol=protocol)
+        with pytest.raises(Exception, match="weights_only|Unsupported global"):
+            check_byte_item(buffer.getvalue())
+        assert not (tmp_path / "ran").exists(), f"the crafted byte item ({name}) ran"
+
+
+# --- what Megatron's dist_checkpointing.load reads after the check --------------------------
+
+
+class _RawBytesPlanner:
+    """DCP's save planner writing byte items as they are (Megatron's own planner does the same)."""
+
+    @staticmethod
+    def make():
+        from torch.distributed.checkpoint import DefaultSavePlanner
+
+        class Planner(DefaultSavePlanner):
+            def transform_object(self, write_item, object):
+                return object
+
+        return Planner()
+
+
+def _megatron_dir(path, common_state: bytes):
+    """A torch_dist checkpoint as Megatron lays it out: a tensor, the common state, metadata.json."""
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    key = ShardedObject("common_state", None, (1,), (0,)).unique_key
+    state = {"w": torch.arange(6.0).reshape(2, 3), key: io.BytesIO(common_state)}
+    dcp.save(state, checkpoint_id=path, planner=_RawBytesPlanner.make(), no_dist=True)
+    save_config(CheckpointingConfig("torch_dist", 1), str(path))
+    return path
+
+
+def _saved(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def test_index_refuses_a_legacy_common_state_file(tmp_path):
+    path = _megatron_dir(tmp_path / "ckpt", _saved([{"answer": 42}]))
+    check_pickled_parts(path)
+    (path / "common.pt").write_bytes(_saved({"from": "common.pt"}))
+    with pytest.raises(NotAMegatronCheckpoint, match="common.pt: `import` never writes it"):
+        check_pickled_parts(path)
+
+
+def test_megatron_reads_a_genuine_checkpoint_through_the_checks(tmp_path):
+    from megatron.core.dist_checkpointing.serialization import load_common_state_dict, load_sharded_metadata
+
+    from mbridge_refit.checkpoints.dcp_pickles import checked_megatron_reads
+
+    path = _megatron_dir(tmp_path / "ckpt", _saved([{"answer": 42}]))
+    (path / "common.pt").write_bytes(_saved({"from": "common.pt"}))  # never read while checked
+    with checked_megatron_reads():
+        assert load_common_state_dict(str(path)) == {"answer": 42}
+        assert sorted(load_sharded_metadata(str(path))) == ["common_state/shard_0_1", "w"]
+
+
+def test_megatron_load_refuses_a_byte_item_crafted_after_the_check(tmp_path):
+    from megatron.core.dist_checkpointing.serialization import load_common_state_dict
+
+    from mbridge_refit.checkpoints.dcp_pickles import checked_megatron_reads
+
+    marker = tmp_path / "ran"
+    path = _megatron_dir(tmp_path / "ckpt", _saved([_Call(open, str(marker), "w")]))
+    with pytest.raises(Exception):  # unchecked, Megatron runs it (torch.load with weights_only=False)
+        load_common_state_dict(str(path))
+        raise AssertionError("no error")
+    assert marker.exists(), "the crafted common state is not live: this test proves nothing"
+    marker.unlink()
+    with checked_megatron_reads(), pytest.raises(CheckpointException, match="is not plain data"):
+        load_common_state_dict(str(path))
+    assert not marker.exists(), "the crafted common state ran"
+
+
+@pytest.mark.parametrize("name", ["os.system-p5", "dotted-STACK_GLOBAL-torch.distributed.checkpoint.filesystem"])
+def test_megatron_load_refuses_an_index_crafted_after_the_check(name, tmp_path):
+    from megatron.core.dist_checkpointing.serialization import load_common_state_dict, load_sharded_metadata
+
+    from mbridge_refit.checkpoints.dcp_pickles import UnsafePickle, checked_megatron_reads
+
+    marker = tmp_path / "ran"
+    path = _megatron_dir(tmp_path / "ckpt", _saved([{"answer": 42}]))
+    (path / ".metadata").write_bytes(dict(PAYLOADS)[name](marker))
+    with checked_megatron_reads():
+        with pytest.raises(UnsafePickle):
+            load_sharded_metadata(str(path))
+        with pytest.raises(CheckpointException, match="metadata is None"):  # DCP swallows read_metadata's error
+            load_common_state_dict(str(path))
+    assert not marker.exists(), "the crafted index ran"
+
+
+# --- the CUDA IPC payload ---------------------------------------------------------------------
+
+
+@payloads
+def test_ipc_payload_refuses_crafted_pickles(build, tmp_path):
+    marker = tmp_path / "ran"
+    with pytest.raises(SharingError, match="refusing"):
+        CudaIpcTransport().open(build(marker), torch.device("cpu"))
+    assert not marker.exists(), "the crafted IPC payload ran"
+
+
+def _ipc_args(handle: bytes | None = b"\x01\x02" * 32) -> tuple:
+    """rebuild_cuda_tensor's arguments as reduce_tensor makes them for a whole uint8 storage."""
+    return (
+        torch.Tensor, torch.Size([4096]), (1,), 0, torch.storage.TypedStorage, torch.uint8, 3, handle, 4096, 512,
+        False, b"/torch_1234_5678_0", 7, b"\x09" * 64, True,
+    )
+
+
+@pytest.mark.parametrize("args", [_ipc_args(), _ipc_args(handle=None)], ids=["handle", "empty"])
+def test_ipc_payload_round_trip(args):
+    from mbridge_refit.engines.ipc_handles import decode_payload, encode_payload
+
+    payload = encode_payload([{"GPU-aaaa": args}, {"GPU-aaaa": args, "GPU-bbbb": args}])
+    decoded = decode_payload(payload)
+    assert decoded == [{"GPU-aaaa": args}, {"GPU-aaaa": args, "GPU-bbbb": args}]
+    assert [type(value) for value in decoded[0]["GPU-aaaa"]] == [type(value) for value in args]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("tensor_cls", "os.system", "tensor class 'os.system'"),
+        ("storage_cls", "torch.storage.UntypedStorage", "storage class"),
+        ("dtype", "float32", "dtype 'float32'"),
+        ("device", True, "non-negative integer"),
+        ("size", [4096, -1], "non-negative integer"),
+        ("handle", "not base64!", "not base64"),
+        ("requires_grad", 0, "true or false"),
+        ("extra", 1, "a handle has the fields"),
+    ],
+)
+def test_ipc_payload_refuses_crafted_fields(field, value, message):
+    import json
+
+    from mbridge_refit.engines.ipc_handles import encode_payload
+
+    wire = json.loads(encode_payload([{"GPU-aaaa": _ipc_args()}]))
+    wire["storages"][0]["GPU-aaaa"][field] = value
+    with pytest.raises(SharingError, match=message):
+        CudaIpcTransport().open(json.dumps(wire).encode(), torch.device("cpu"))
+
+
+def test_ipc_payload_refuses_another_format():
+    with pytest.raises(SharingError, match="is not mbridge_refit.cuda_ipc version 1"):
+        CudaIpcTransport().open(b'{"format": "x", "version": 1, "storages": []}', torch.device("cpu"))
+    with pytest.raises(SharingError, match="not JSON"):
+        CudaIpcTransport().open(pickle.dumps([{"gpu": (1, 2)}]), torch.device("cpu"))
+
+
+# --- what a StoreGroup member receives ---------------------------------------------------------
+
+
+def _store_group_pair(send):
+    """Two StoreGroup members on CPU (gloo), in two threads: member 0 runs ``send(group)``,
+    member 1 returns what ``broadcast_object`` gives it (or the exception it raised)."""
+    from mbridge_refit.runtime.broadcast_group import StoreGroup
+
+    port, result = free_port(), {}
+
+    def member(rank):
+        try:
+            group = StoreGroup(host="127.0.0.1", port=port, rank=rank, world_size=2, device="cpu")
+            result[rank] = send(group) if rank == 0 else group.broadcast_object(None, 0, torch.device("cpu"))
+            group.close()
+        except Exception as err:  # noqa: BLE001 - handed to the test
+            result[rank] = err
+
+    threads = [threading.Thread(target=member, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    return result[1]
+
+
+@pytest.mark.parametrize("name", ["os.system-p5", "getattr-chain-p0", "dotted-STACK_GLOBAL-torch"])
+def test_store_group_receives_data_not_code(name, tmp_path):
+    marker = tmp_path / "ran"
+    crafted = dict(PAYLOADS)[name](marker)
+
+    def send_crafted(group):  # what broadcast_object's source sends, with a crafted body
+        group.broadcast(torch.tensor([len(crafted)], dtype=torch.int64), 0)
+        group.broadcast(torch.frombuffer(bytearray(crafted), dtype=torch.uint8), 0)
+
+    received = _store_group_pair(send_crafted)
+    assert isinstance(received, ValueError), received
+    assert not marker.exists(), "the crafted broadcast ran"
+
+
+def test_store_group_broadcasts_json_data():
+    signature = [("model.embed_tokens.weight", (8, 4), "bfloat16"), ("lm_head.weight", (8, 4), "bfloat16")]
+    received = _store_group_pair(lambda group: group.broadcast_object(signature, 0, torch.device("cpu")))
+    assert received == [[name, list(shape), dtype] for name, shape, dtype in signature]
