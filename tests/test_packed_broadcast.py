@@ -122,13 +122,15 @@ LAYOUT_CASES = [  # (recipe, trainer ranks, layout flags): every foundation layo
     ("qwen3-moe-tiny", 2, ["--ep", "2"]),
     ("qwen3-moe-tiny", 2, ["--tp", "2", "--ep", "2"]),
     ("qwen3-tiny", 2, ["--tp", "2", "--store-group", "PORT"]),  # the group joined by address (StoreGroup)
+    ("qwen3-moe-tiny", 2, ["--tp", "2", "--etp", "2"]),  # Megatron's default expert-TP at TP2
 ]
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize(
     ("recipe", "trainers", "flags"), LAYOUT_CASES,
-    ids=["qwen3-tp1", "qwen3-tp2", "qwen3-pp2", "qwen3-pp2_vpp2", "qwen3-tp2_pp2", "qwen3-moe-ep2", "qwen3-moe-tp2_ep2", "qwen3-tp2-store_group"],
+    ids=["qwen3-tp1", "qwen3-tp2", "qwen3-pp2", "qwen3-pp2_vpp2", "qwen3-tp2_pp2", "qwen3-moe-ep2", "qwen3-moe-tp2_ep2", "qwen3-tp2-store_group",
+         "qwen3-moe-tp2_etp2"],
 )
 def test_packed_broadcast_ranks(recipe, trainers, flags, source_checkpoints, tmp_path):
     flags = [str(free_port()) if flag == "PORT" else flag for flag in flags]
