@@ -33,7 +33,7 @@ from typing import Any, Collection, Iterable, Iterator, Optional
 import torch
 from megatron.bridge import AutoBridge
 
-from mbridge_refit.checkpoints.hf import HFCheckpoint, load_config
+from mbridge_refit.checkpoints.hf import HFCheckpoint, remote_code_refusal
 from mbridge_refit.fp8 import te as te_fp8
 from mbridge_refit.fp8.format import FP8_DTYPE_NAME, BlockwiseFP8Config, FP8FormatError, scale_name
 from mbridge_refit.fp8.plan import fp8_plan, yielded_bytes
@@ -120,14 +120,23 @@ class RefitBridge(AutoBridge):
 
     @classmethod
     def from_hf_pretrained(cls, path: str | Path, **kwargs: Any) -> "RefitBridge":
-        """``AutoBridge.from_hf_pretrained`` that never runs code from the checkpoint: a local
-        checkpoint's config is read with ``checkpoints.hf.load_config`` first (an ``auto_map``
-        entry raises ``RemoteCodeError``), and ``trust_remote_code`` is always False."""
-        if kwargs.pop("trust_remote_code", False):
-            raise ValueError("RefitBridge never runs code from a checkpoint: trust_remote_code=True is not accepted")
-        if Path(path).is_dir():
-            load_config(path)
-        return super().from_hf_pretrained(path, trust_remote_code=False, **kwargs)
+        """``AutoBridge.from_hf_pretrained`` with the caller's arguments, ``trust_remote_code``
+        included (default False, as stock; True is logged as a warning).
+
+        Without it no code from the checkpoint runs (transformers gets ``trust_remote_code=False``):
+        a ``model_type`` transformers has built in loads with its built-in class whatever
+        ``auto_map`` says, and a local checkpoint whose architecture exists only as its own code
+        (``auto_map`` with an unknown ``model_type``) raises ``RemoteCodeError`` at once, naming
+        the opt-in (stock retries the load and reports a load failure). That check reads two keys
+        of ``config.json`` as JSON; the config itself is read once, by stock's loader.
+        """
+        if kwargs.get("trust_remote_code"):
+            logger.warning("from_hf_pretrained(%s, trust_remote_code=True): the checkpoint's own code may run", path)
+        elif Path(path).is_dir():
+            refusal = remote_code_refusal(path)
+            if refusal is not None:
+                raise refusal
+        return super().from_hf_pretrained(path, **kwargs)
 
     # --- per-model state ----------------------------------------------------------------------
 
