@@ -11,8 +11,11 @@ every stock method keeps its signature. What changes:
 * ``export_hf_weights(..., reuse_buffer_from_cache=...)`` runs that plan
   (``runtime.exporter.PlanExporter``): views where the HF tensor is a slice of the local shard,
   bucketed gathers, and, with the cache on, output buffers owned by the bridge and reused on
-  every call. Models the plan cannot describe (adapters, ...) fall back to the stock export,
-  with a warning.
+  every call, for the stock arguments RL frameworks pass too (``conversion_tasks`` from
+  ``get_conversion_tasks``). Models the plan cannot describe (adapters, ...) and arguments it
+  cannot honour fall back to the stock export, with the reason (logged once, and in
+  ``export_diagnostics``). The model bridge is the one ``_model_bridge`` gives (a subclass's
+  override included), kept per model.
 * ``load_hf_shards``: HF → Megatron where each rank reads only its own slices from the
   safetensors files (works on CPU at any TP/PP/EP; the stock loader needs CUDA at TP>1).
 
@@ -43,10 +46,13 @@ from mbridge_refit.plan.build import build_export_plan
 from mbridge_refit.plan.engine_layout import EngineLayout
 from mbridge_refit.plan.entries import ExportPlan, PlanError
 from mbridge_refit.plan.layout import ModelShape
+from mbridge_refit.plan.task_selection import TaskMismatch, names_for_tasks
 from mbridge_refit.plan.storage import FP8_BLOCKWISE, is_quantized
 from mbridge_refit.plan.transfer import TransferPlan, build_transfer_plan
 from mbridge_refit.runtime.buffers import ExportBuffers
-from mbridge_refit.runtime.collectives import current_rank_groups, current_trainer_rank, is_rank_zero, replica_participants
+from mbridge_refit.runtime.collectives import (
+    all_true, current_groups, current_rank_groups, current_trainer_rank, is_rank_zero, replica_participants,
+)
 from mbridge_refit.runtime.exporter import DEFAULT_BUCKET_BYTES, PlanExporter
 from mbridge_refit.runtime.param_sync import finish_pending_param_gathers
 from mbridge_refit.runtime.selection import LiveRows
@@ -72,14 +78,14 @@ class FP8Export:
 class ExportDiagnostics:
     """What the bridge holds for its current model's export (``RefitBridge.export_diagnostics``)."""
 
-    planned: bool  # whether the plan has been built (a stock fallback never plans)
+    planned: bool  # whether the plan has been built (False where the model has none)
     tensors: int  # HF tensors one BF16 export yields (0 before planning)
     plan_bytes: int  # bytes one BF16 export yields
     buckets: int  # gather buckets of the BF16 export on this rank
     buffer_bytes: int  # bytes held by the persistent output buffers
     buffers: int  # persistent output buffers
     allocations: int  # tensors the persistent pool has allocated so far (flat in the steady state)
-    fallback_reason: str | None  # why the export runs the stock path, if it does
+    fallback_reason: str | None  # why the last export ran the stock path (None: it ran the plan)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -91,7 +97,9 @@ class _ModelState:
     plan: ExportPlan | None = None
     tasks: list | None = None
     exporter: PlanExporter | None = None
-    plan_error: PlanError | None = None
+    plan_error: PlanError | None = None  # why this model has no plan (every rank alike; never retried)
+    fallback_reason: str | None = None  # why the last export of this model ran the stock path (None: the plan ran)
+    logged: set[str] = field(default_factory=set)  # fallback reasons already logged for this model
     fp8: dict[BlockwiseFP8Config, FP8Export] = field(default_factory=dict)
     participants: dict[int, frozenset[int]] = field(default_factory=dict)  # replica -> ranks its export needs
     group: Any = None  # the ranks the plan was built over (None: the whole job)
@@ -148,10 +156,13 @@ class RefitBridge(AutoBridge):
         return super()._model_bridge
 
     def _state_for(self, model: list[torch.nn.Module] | torch.nn.Module) -> _ModelState:
-        """The state of ``model``, made anew (with a new model bridge) when the model changes."""
+        """The state of ``model``, made anew (with a new model bridge) when the model changes. The
+        new model bridge comes from ``self._model_bridge`` with no state held, so a subclass's
+        (or a patch's) ``_model_bridge`` is the one the state keeps."""
         key = tuple(id(chunk) for chunk in _chunks(model))
         if self._model_state is None or self._model_state.key != key:
-            self._model_state = _ModelState(key=key, model_bridge=AutoBridge._model_bridge.fget(self))
+            self._model_state = None
+            self._model_state = _ModelState(key=key, model_bridge=self._model_bridge)
         self._model_state.model_bridge.export_weight_dtype = self.export_weight_dtype
         return self._model_state
 
@@ -161,17 +172,38 @@ class RefitBridge(AutoBridge):
         return self._state_for(model).model_bridge
 
     def _planned(self, chunks: list[torch.nn.Module], group=None) -> _ModelState:
-        """The state of ``chunks`` with its plan and conversion tasks built (once per model)."""
-        state = self._state_for(chunks)
-        if state.plan is None:
-            from megatron.core.utils import unwrap_model
+        """The state of ``chunks`` with its plan and conversion tasks built (once per model).
 
-            unwrapped = unwrap_model(chunks)
-            tasks = state.model_bridge.build_conversion_tasks(self.hf_pretrained, unwrapped)
-            state.plan = build_export_plan(state.model_bridge, self.hf_pretrained, unwrapped, tasks=tasks, group=group)
-            state.tasks = tasks
+        Raises ``PlanError`` where the model has no plan, on every rank alike: a failure of this
+        rank's part (building the tasks, describing a parameter: any exception) travels to every
+        rank with the plan's one object exchange (``RankContribution.errors``), a failure of the
+        assembly is the same everywhere (it is pure), and the verdict is kept (never retried).
+        """
+        state = self._state_for(chunks)
+        if state.plan_error is not None:
+            raise state.plan_error
+        if state.plan is None:
+            try:
+                state.plan, state.tasks = self._build_plan(state.model_bridge, chunks, group)
+            except PlanError as err:
+                state.plan_error = err
+                raise
+            except Exception as err:
+                state.plan_error = PlanError(f"planning failed: {_describe(err)}")
+                raise state.plan_error from err
             state.group = group
         return state
+
+    def _build_plan(self, model_bridge: Any, chunks: list[torch.nn.Module], group: Any) -> tuple[ExportPlan, list]:
+        from megatron.core.utils import unwrap_model
+
+        unwrapped = unwrap_model(chunks)
+        try:
+            tasks, failure = model_bridge.build_conversion_tasks(self.hf_pretrained, unwrapped), ()
+        except Exception as err:  # still take part in the plan's exchange, so every rank learns of it
+            tasks, failure = [], (f"building the conversion tasks failed: {_describe(err)}",)
+        plan = build_export_plan(model_bridge, self.hf_pretrained, unwrapped, tasks=tasks, group=group, errors=failure)
+        return plan, tasks
 
     def _exporter(self, chunks: list[torch.nn.Module]) -> PlanExporter:
         state = self._planned(chunks)
@@ -350,7 +382,9 @@ class RefitBridge(AutoBridge):
         state, buffers = self._model_state, self._buffers
         plan = state.plan if state is not None else None
         exporter = state.exporter if state is not None else None
-        error = state.plan_error if state is not None else None
+        reason = state.fallback_reason if state is not None else None
+        if reason is None and state is not None and state.plan_error is not None:
+            reason = f"no export plan for this model: {state.plan_error}"
         return ExportDiagnostics(
             planned=plan is not None,
             tensors=len(plan.entries) if plan is not None else 0,
@@ -359,7 +393,7 @@ class RefitBridge(AutoBridge):
             buffer_bytes=buffers.nbytes if buffers is not None else 0,
             buffers=len(buffers) if buffers is not None else 0,
             allocations=buffers.allocations if buffers is not None else 0,
-            fallback_reason=str(error) if error is not None else None,
+            fallback_reason=reason,
         )
 
     def release_export_buffers(self) -> None:
@@ -396,13 +430,26 @@ class RefitBridge(AutoBridge):
         other rank gets an empty iterator and issues no gather and touches no buffer. Every rank
         must still call this with the same ``replica`` (the first call for a model builds the
         plan and the participant set collectively); the ranks that get tensors iterate to the end.
-        A model the plan cannot describe falls back to the stock export on every rank.
+        A model the plan cannot describe falls back to the stock export on every rank, and so
+        does a call whose stock arguments the plan cannot honour (see ``conversion_tasks``,
+        ``weight_dtype``; ``export_weight_dtype='fp8'``), with the reason (``export_diagnostics``).
 
         Args:
             model: the Megatron model chunks (one per virtual pipeline stage), wrapped or not.
             cpu: move each tensor to CPU before yielding it.
             show_progress: progress bar on rank 0.
-            conversion_tasks: prebuilt tasks (``get_conversion_tasks``); built if None.
+            conversion_tasks: tasks from ``get_conversion_tasks(model)``: all of them (``None``
+                dropped, as NeMo-RL passes them) or a part, in their order. The export yields what
+                stock yields for them (their tensors, in their order), from the plan. Tasks the plan
+                does not stand for (another model's, carrying replaced tensors, out of order, a lazy
+                iterable: ``plan.task_selection``) run the stock path instead, every rank alike
+                (one all-reduce of one integer per call agrees on it), the reason logged once and
+                kept in ``export_diagnostics().fallback_reason``.
+            merge_adapter_weights: as stock; the plan covers only models without adapters, where it
+                changes nothing.
+            weight_dtype: as stock. The plan runs it where every floating-point tensor of the
+                export has that dtype already (stock's cast is then the identity); another dtype
+                runs the stock path (which casts), with the reason.
             reuse_buffer_from_cache: write outputs into buffers owned by this bridge, allocated on
                 the first call and reused by every later call (steady-state exports allocate
                 nothing). Free them with ``release_export_buffers()``.
@@ -438,27 +485,36 @@ class RefitBridge(AutoBridge):
         finish_pending_param_gathers(chunks)  # before any rank skips: collective over data-parallel groups
         state = self._state_for(chunks)
         fp8_config = self.fp8_config(fp8)
+        if fp8_config is not None and (conversion_tasks is not None or weight_dtype is not None):
+            raise ValueError(
+                "fp8= exports the plan as blockwise FP8; conversion_tasks and weight_dtype shape stock's export: pass "
+                "one or the other (select the FP8 export's tensors with only=)"
+            )
+        route = None
+        if fp8_config is None and conversion_tasks is not None:  # agreed over every rank, before any leaves
+            route = self._route(state, chunks, conversion_tasks, weight_dtype)
         if replica is not None and not self.takes_part(chunks, replica):
             return iter(())
         only = None if only is None else frozenset(only)
         if fp8_config is not None:
             buffers = self._export_buffers(reuse_buffer_from_cache, hold_outputs)
             return self._export_fp8(chunks, fp8_config, buffers, cpu=cpu, show_progress=show_progress, only=only)
-        fast_path = conversion_tasks is None and weight_dtype is None and self.export_weight_dtype != "fp8"
-        if fast_path and state.plan_error is None:
-            try:
-                exporter = self._exporter(chunks)
-            except PlanError as err:
-                logger.warning("export plan unavailable (%s): using the stock Megatron-Bridge export", err)
-                state.plan_error = err
-            else:
-                buffers = self._export_buffers(reuse_buffer_from_cache, hold_outputs)
-                return exporter.export(buffers, cpu=cpu, show_progress=show_progress and is_rank_zero(), needed=only)
+        route = route or self._route(state, chunks, conversion_tasks, weight_dtype)
+        state.fallback_reason = route.reason
+        if route.reason is None:
+            buffers = self._export_buffers(reuse_buffer_from_cache, hold_outputs)
+            needed = _selected(only, route.names, state.plan)
+            progress = show_progress and is_rank_zero()
+            return route.exporter.export(buffers, cpu=cpu, show_progress=progress, needed=needed)
+        if route.reason not in state.logged:
+            state.logged.add(route.reason)
+            logger.warning("export_hf_weights runs the stock Megatron-Bridge export: %s", route.reason)
         if conversion_tasks is None and self.export_weight_dtype == "fp8":
-            self._validate_fp8_export_config(chunks)
-            conversion_tasks = state.model_bridge.build_export_fp8_tasks(self.hf_pretrained, chunks)
+            model = _chunks(model)
+            self._validate_fp8_export_config(model)
+            conversion_tasks = state.model_bridge.build_export_fp8_tasks(self.hf_pretrained, model)
         stream = state.model_bridge.stream_weights_megatron_to_hf(
-            chunks,
+            model,  # as given, as stock passes it
             self.hf_pretrained,
             cpu=cpu,
             show_progress=show_progress,
@@ -467,6 +523,39 @@ class RefitBridge(AutoBridge):
             weight_dtype=weight_dtype,
         )
         return stream if only is None else _only(stream, only)
+
+    def _route(
+        self, state: _ModelState, chunks: list[torch.nn.Module], conversion_tasks: Any,
+        weight_dtype: Optional[torch.dtype],
+    ) -> "_Route":
+        """How ``export_hf_weights`` runs with these stock arguments: the plan (its exporter and, for
+        ``conversion_tasks``, the names they stand for), or the stock path with the reason. The same
+        on every rank: each input but the tasks' tensors is the same everywhere (the plan's verdict
+        travels with its exchange), and a verdict on conversion_tasks is agreed over the plan's
+        ranks (one all-reduce of one integer per call that passes them)."""
+        if self.export_weight_dtype == "fp8":
+            return _Route(reason="export_weight_dtype='fp8' selects Megatron-Bridge's own FP8 export")
+        if conversion_tasks is not None and weight_dtype is not None:
+            return _Route(reason="weight_dtype with conversion_tasks (the stock export refuses the pair)")
+        try:
+            exporter = self._exporter(chunks)
+        except Exception as err:  # PlanError on every rank alike (``_planned``), or this rank's exporter failed
+            return _Route(reason=f"no export plan for this model: {_describe(err)}")
+        if weight_dtype is not None:
+            dtypes = {e.dtype for e in state.plan.entries if e.torch_dtype.is_floating_point}
+            cast = sorted(dtypes - {str(weight_dtype).removeprefix("torch.")})
+            if cast:
+                return _Route(reason=f"weight_dtype={weight_dtype} casts the export's {', '.join(cast)} tensors")
+        if conversion_tasks is None:
+            return _Route(exporter=exporter)
+        try:
+            ep_rank = current_groups().ep_rank
+            names, mismatch = names_for_tasks(conversion_tasks, state.tasks, state.plan, ep_rank=ep_rank), None
+        except TaskMismatch as err:
+            names, mismatch = None, str(err)
+        if not all_true(mismatch is None, state.group, exporter.device):
+            return _Route(reason=mismatch or "another rank's conversion_tasks are not its model's tasks (see its log)")
+        return _Route(exporter=exporter, names=names)
 
     def _export_fp8(
         self, chunks: list[torch.nn.Module], config: BlockwiseFP8Config, buffers: ExportBuffers, *, cpu: bool,
@@ -519,8 +608,30 @@ class RefitBridge(AutoBridge):
         return Path(path)
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Route:
+    """How one export runs: the plan's ``exporter`` (yielding ``names``, None: all), or the stock
+    path for ``reason``."""
+
+    exporter: PlanExporter | None = None
+    names: frozenset[str] | None = None
+    reason: str | None = None
+
+
 def _chunks(model: list[torch.nn.Module] | torch.nn.Module) -> list[torch.nn.Module]:
     return model if isinstance(model, list) else [model]
+
+
+def _selected(only: frozenset[str] | None, names: frozenset[str] | None, plan: ExportPlan) -> frozenset[str] | None:
+    """What an export yields given ``only`` and the names of its conversion tasks (None: no limit);
+    names of ``only`` outside the plan stay, for the exporter to refuse."""
+    if only is None or names is None:
+        return only if names is None else names
+    return (only & names) | (only - {e.hf_name for e in plan.entries})
+
+
+def _describe(err: BaseException) -> str:
+    return str(err) if isinstance(err, PlanError) else f"{type(err).__name__}: {err}"
 
 
 def _only(stream: Iterable[tuple[str, torch.Tensor]], names: frozenset[str]) -> Iterator[tuple[str, torch.Tensor]]:
