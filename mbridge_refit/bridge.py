@@ -11,8 +11,11 @@ every stock method keeps its signature. What changes:
 * ``export_hf_weights(..., reuse_buffer_from_cache=...)`` runs that plan
   (``runtime.exporter.PlanExporter``): views where the HF tensor is a slice of the local shard,
   bucketed gathers, and, with the cache on, output buffers owned by the bridge and reused on
-  every call. Models the plan cannot describe (adapters, ...) fall back to the stock export,
-  with a warning.
+  every call, for the stock arguments RL frameworks pass too (``conversion_tasks`` from
+  ``get_conversion_tasks``). Models the plan cannot describe (adapters, ...) and arguments it
+  cannot honour fall back to the stock export, with the reason (logged once, and in
+  ``export_diagnostics``). The model bridge is the one ``_model_bridge`` gives (a subclass's
+  override included), kept per model.
 * ``load_hf_shards``: HF → Megatron where each rank reads only its own slices from the
   safetensors files (works on CPU at any TP/PP/EP; the stock loader needs CUDA at TP>1).
 
@@ -34,7 +37,7 @@ from typing import Any, Collection, Iterable, Iterator, Optional
 import torch
 from megatron.bridge import AutoBridge
 
-from mbridge_refit.checkpoints.hf import HFCheckpoint, load_config
+from mbridge_refit.checkpoints.hf import HFCheckpoint, remote_code_refusal
 from mbridge_refit.fp8 import te as te_fp8
 from mbridge_refit.fp8.format import FP8_DTYPE_NAME, BlockwiseFP8Config, FP8FormatError, scale_name
 from mbridge_refit.fp8.plan import fp8_plan, yielded_bytes
@@ -44,10 +47,13 @@ from mbridge_refit.plan.build import build_export_plan
 from mbridge_refit.plan.engine_layout import EngineLayout
 from mbridge_refit.plan.entries import ExportPlan, PlanError
 from mbridge_refit.plan.layout import ModelShape
+from mbridge_refit.plan.task_selection import TaskMismatch, names_for_tasks
 from mbridge_refit.plan.storage import FP8_BLOCKWISE, is_quantized
 from mbridge_refit.plan.transfer import TransferPlan, build_transfer_plan
 from mbridge_refit.runtime.buffers import ExportBuffers
-from mbridge_refit.runtime.collectives import current_rank_groups, current_trainer_rank, is_rank_zero, replica_participants
+from mbridge_refit.runtime.collectives import (
+    all_true, current_groups, current_rank_groups, current_trainer_rank, is_rank_zero, replica_participants,
+)
 from mbridge_refit.runtime.exporter import DEFAULT_BUCKET_BYTES, PlanExporter
 from mbridge_refit.runtime.handshake import DEFAULT_TIMEOUT_S, CollectiveCall
 from mbridge_refit.runtime.lifetime import guard_buckets, guard_tensors, lifetime_checks_from_environment
@@ -76,28 +82,31 @@ class FP8Export:
 class ExportDiagnostics:
     """What the bridge holds for its current model's export (``RefitBridge.export_diagnostics``)."""
 
-    planned: bool  # whether the plan has been built (a stock fallback never plans)
+    planned: bool  # whether the plan has been built (False where the model has none)
     tensors: int  # HF tensors one BF16 export yields (0 before planning)
     plan_bytes: int  # bytes one BF16 export yields
     buckets: int  # gather buckets of the BF16 export on this rank
     buffer_bytes: int  # bytes held by the persistent output buffers
     buffers: int  # persistent output buffers
     allocations: int  # tensors the persistent pool has allocated so far (flat in the steady state)
-    fallback_reason: str | None  # why the export runs the stock path, if it does
+    fallback_reason: str | None  # why the last export ran the stock path (None: it ran the plan)
 
 
 @dataclass(kw_only=True, slots=True, weakref_slot=True)
 class _ModelState:
     """Everything the bridge derives from one model; replaced when the model changes, dropped when
-    the model is garbage-collected. Refers to the model's chunks weakly; holds its parameters
-    (``live``) only while the chunks live."""
+    the model's first chunk is garbage-collected (``_drop_state``). Refers to the chunks weakly;
+    its conversion tasks and parameters hold only submodules and parameters, so the chunks can die."""
 
     chunks: tuple[weakref.ref, ...]  # the model's chunks, as the caller passes them
     model_bridge: Any
     plan: ExportPlan | None = None
+    tasks: list | None = None  # the bridge's conversion tasks, with the parameters the model holds now
     live: LiveParams | None = None  # this rank's parameters by global name, kept current
     exporter: PlanExporter | None = None
-    plan_error: PlanError | None = None
+    plan_error: PlanError | None = None  # why this model has no plan (every rank alike; never retried)
+    fallback_reason: str | None = None  # why the last export of this model ran the stock path (None: the plan ran)
+    logged: set[str] = field(default_factory=set)  # fallback reasons already logged for this model
     fp8: dict[BlockwiseFP8Config, FP8Export] = field(default_factory=dict)
     participants: dict[int, frozenset[int]] = field(default_factory=dict)  # replica -> ranks its export needs
     group: Any = None  # the ranks the plan was built over (None: the whole job)
@@ -128,14 +137,23 @@ class RefitBridge(AutoBridge):
 
     @classmethod
     def from_hf_pretrained(cls, path: str | Path, **kwargs: Any) -> "RefitBridge":
-        """``AutoBridge.from_hf_pretrained`` that never runs code from the checkpoint: a local
-        checkpoint's config is read with ``checkpoints.hf.load_config`` first (an ``auto_map``
-        entry raises ``RemoteCodeError``), and ``trust_remote_code`` is always False."""
-        if kwargs.pop("trust_remote_code", False):
-            raise ValueError("RefitBridge never runs code from a checkpoint: trust_remote_code=True is not accepted")
-        if Path(path).is_dir():
-            load_config(path)
-        return super().from_hf_pretrained(path, trust_remote_code=False, **kwargs)
+        """``AutoBridge.from_hf_pretrained`` with the caller's arguments, ``trust_remote_code``
+        included (default False, as stock; True is logged as a warning).
+
+        Without it no code from the checkpoint runs (transformers gets ``trust_remote_code=False``):
+        a ``model_type`` transformers has built in loads with its built-in class whatever
+        ``auto_map`` says, and a local checkpoint whose architecture exists only as its own code
+        (``auto_map`` with an unknown ``model_type``) raises ``RemoteCodeError`` at once, naming
+        the opt-in (stock retries the load and reports a load failure). That check reads two keys
+        of ``config.json`` as JSON; the config itself is read once, by stock's loader.
+        """
+        if kwargs.get("trust_remote_code"):
+            logger.warning("from_hf_pretrained(%s, trust_remote_code=True): the checkpoint's own code may run", path)
+        elif Path(path).is_dir():
+            refusal = remote_code_refusal(path)
+            if refusal is not None:
+                raise refusal
+        return super().from_hf_pretrained(path, **kwargs)
 
     # --- per-model state ----------------------------------------------------------------------
 
@@ -149,17 +167,19 @@ class RefitBridge(AutoBridge):
     def _state_for(self, model: list[torch.nn.Module] | torch.nn.Module) -> _ModelState:
         """The state of ``model``, made anew (with a new model bridge) when the model changes; its
         parameters swapped in where the model replaced them since the last call
-        (``runtime.live_params``: one integer comparison when nothing was replaced)."""
+        (``runtime.live_params``: one integer comparison when nothing was replaced). The new
+        model bridge comes from ``self._model_bridge`` with no state held, so a subclass's (or a
+        patch's) ``_model_bridge`` is the one the state keeps."""
         chunks = _chunks(model)
         state = self._model_state
         if state is None or not _same_chunks(state.chunks, chunks):
-            state = self._model_state = _ModelState(
-                chunks=tuple(weakref.ref(chunk) for chunk in chunks), model_bridge=AutoBridge._model_bridge.fget(self)
-            )
+            self._model_state = None
+            state = self._model_state = _ModelState(chunks=tuple(weakref.ref(chunk) for chunk in chunks), model_bridge=self._model_bridge)
             weakref.finalize(chunks[0], _drop_state, weakref.ref(self), weakref.ref(state))
         elif state.live is not None:
             replaced = state.live.refresh()
             if replaced:
+                state.tasks = _with_current_params(state.tasks, state.live.params, frozenset(replaced))
                 logger.info("%d parameter(s) of the model were replaced since the last export, e.g. %s: reading the new ones",
                             len(replaced), replaced[0])
         state.model_bridge.export_weight_dtype = self.export_weight_dtype
@@ -177,17 +197,39 @@ class RefitBridge(AutoBridge):
         return self._state_for(model).model_bridge
 
     def _planned(self, chunks: list[torch.nn.Module], group=None) -> _ModelState:
-        """The state of ``chunks`` with its plan and conversion tasks built (once per model)."""
-        state = self._state_for(chunks)
-        if state.plan is None:
-            from megatron.core.utils import unwrap_model
+        """The state of ``chunks`` with its plan and conversion tasks built (once per model).
 
-            unwrapped = unwrap_model(chunks)
-            tasks = state.model_bridge.build_conversion_tasks(self.hf_pretrained, unwrapped)
-            state.plan = build_export_plan(state.model_bridge, self.hf_pretrained, unwrapped, tasks=tasks, group=group)
-            state.live = LiveParams(unwrapped, tasks)  # the tasks themselves (they hold modules) are not kept
+        Raises ``PlanError`` where the model has no plan, on every rank alike: a failure of this
+        rank's part (building the tasks, describing a parameter: any exception) travels to every
+        rank with the plan's one object exchange (``RankContribution.errors``), a failure of the
+        assembly is the same everywhere (it is pure), and the verdict is kept (never retried).
+        """
+        state = self._state_for(chunks)
+        if state.plan_error is not None:
+            raise state.plan_error
+        if state.plan is None:
+            try:
+                state.plan, state.tasks = self._build_plan(state.model_bridge, chunks, group)
+                state.live = LiveParams(_unwrapped(chunks), state.tasks)
+            except PlanError as err:
+                state.plan_error = err
+                raise
+            except Exception as err:
+                state.plan_error = PlanError(f"planning failed: {_describe(err)}")
+                raise state.plan_error from err
             state.group = group
         return state
+
+    def _build_plan(self, model_bridge: Any, chunks: list[torch.nn.Module], group: Any) -> tuple[ExportPlan, list]:
+        from megatron.core.utils import unwrap_model
+
+        unwrapped = unwrap_model(chunks)
+        try:
+            tasks, failure = model_bridge.build_conversion_tasks(self.hf_pretrained, unwrapped), ()
+        except Exception as err:  # still take part in the plan's exchange, so every rank learns of it
+            tasks, failure = [], (f"building the conversion tasks failed: {_describe(err)}",)
+        plan = build_export_plan(model_bridge, self.hf_pretrained, unwrapped, tasks=tasks, group=group, errors=failure)
+        return plan, tasks
 
     def _exporter(self, chunks: list[torch.nn.Module]) -> PlanExporter:
         state = self._planned(chunks)
@@ -366,7 +408,9 @@ class RefitBridge(AutoBridge):
         state, buffers = self._model_state, self._buffers
         plan = state.plan if state is not None else None
         exporter = state.exporter if state is not None else None
-        error = state.plan_error if state is not None else None
+        reason = state.fallback_reason if state is not None else None
+        if reason is None and state is not None and state.plan_error is not None:
+            reason = f"no export plan for this model: {state.plan_error}"
         return ExportDiagnostics(
             planned=plan is not None,
             tensors=len(plan.entries) if plan is not None else 0,
@@ -375,7 +419,7 @@ class RefitBridge(AutoBridge):
             buffer_bytes=buffers.nbytes if buffers is not None else 0,
             buffers=len(buffers) if buffers is not None else 0,
             allocations=buffers.allocations if buffers is not None else 0,
-            fallback_reason=str(error) if error is not None else None,
+            fallback_reason=reason,
         )
 
     def release_export_buffers(self) -> None:
@@ -412,13 +456,26 @@ class RefitBridge(AutoBridge):
         other rank gets an empty iterator and issues no gather and touches no buffer. Every rank
         must still call this with the same ``replica`` (the first call for a model builds the
         plan and the participant set collectively); the ranks that get tensors iterate to the end.
-        A model the plan cannot describe falls back to the stock export on every rank.
+        A model the plan cannot describe falls back to the stock export on every rank, and so
+        does a call whose stock arguments the plan cannot honour (see ``conversion_tasks``,
+        ``weight_dtype``; ``export_weight_dtype='fp8'``), with the reason (``export_diagnostics``).
 
         Args:
             model: the Megatron model chunks (one per virtual pipeline stage), wrapped or not.
             cpu: move each tensor to CPU before yielding it.
             show_progress: progress bar on rank 0.
-            conversion_tasks: prebuilt tasks (``get_conversion_tasks``); built if None.
+            conversion_tasks: tasks from ``get_conversion_tasks(model)``: all of them (``None``
+                dropped, as NeMo-RL passes them) or a part, in their order. The export yields what
+                stock yields for them (their tensors, in their order), from the plan. Tasks the plan
+                does not stand for (another model's, carrying replaced tensors, out of order, a lazy
+                iterable: ``plan.task_selection``) run the stock path instead, every rank alike
+                (one all-reduce of one integer per call agrees on it), the reason logged once and
+                kept in ``export_diagnostics().fallback_reason``.
+            merge_adapter_weights: as stock; the plan covers only models without adapters, where it
+                changes nothing.
+            weight_dtype: as stock. The plan runs it where every floating-point tensor of the
+                export has that dtype already (stock's cast is then the identity); another dtype
+                runs the stock path (which casts), with the reason.
             reuse_buffer_from_cache: write outputs into buffers owned by this bridge, allocated on
                 the first call and reused by every later call (steady-state exports allocate
                 nothing). Free them with ``release_export_buffers()``.
@@ -502,12 +559,22 @@ class RefitBridge(AutoBridge):
         call.arrive()
         return call
 
-    def _export(self, chunks: list[torch.nn.Module], options: "_ExportOptions", *, in_buckets: bool) -> Iterable:
+    def _export(self, model: Any, options: "_ExportOptions", *, in_buckets: bool) -> Iterable:
         """The export stream (tensor by tensor, or ``in_buckets``): the plan's fast path, its FP8
-        form, or the stock export where the plan cannot describe the model."""
+        form, or the stock export where the plan cannot run what the caller asked (the reason
+        logged once and kept in ``export_diagnostics().fallback_reason``)."""
+        chunks = _chunks(model)
         finish_pending_param_gathers(chunks)  # before any rank skips: collective over data-parallel groups
         state = self._state_for(chunks)
         fp8_config = self.fp8_config(options.fp8)
+        if fp8_config is not None and (options.conversion_tasks is not None or options.weight_dtype is not None):
+            raise ValueError(
+                "fp8= exports the plan as blockwise FP8; conversion_tasks and weight_dtype shape stock's export: pass "
+                "one or the other (select the FP8 export's tensors with only=)"
+            )
+        route = None
+        if fp8_config is None and options.conversion_tasks is not None:  # agreed over every rank, before any leaves
+            route = self._route(state, chunks, options.conversion_tasks, options.weight_dtype)
         if options.replica is not None and not self.takes_part(chunks, options.replica):
             return iter(())
         show_progress = options.show_progress and is_rank_zero()
@@ -515,35 +582,28 @@ class RefitBridge(AutoBridge):
             buffers = self._export_buffers(options.reuse_buffer_from_cache, options.hold_outputs)
             buckets = self._export_fp8(chunks, fp8_config, buffers, show_progress=show_progress, only=options.only, in_buckets=in_buckets)
             return _on_cpu(buckets, options.cpu) if in_buckets else _flat(_on_cpu(buckets, options.cpu))
-        exporter = self._fast_exporter(chunks, state, options)
-        if exporter is not None:
+        route = route or self._route(state, chunks, options.conversion_tasks, options.weight_dtype)
+        state.fallback_reason = route.reason
+        if route.reason is None:
             buffers = self._export_buffers(options.reuse_buffer_from_cache, options.hold_outputs)
+            needed = _selected(options.only, route.names, state.plan)
             if in_buckets:
-                return _on_cpu(exporter.export_buckets(buffers, show_progress=show_progress, needed=options.only), options.cpu)
-            return exporter.export(buffers, cpu=options.cpu, show_progress=show_progress, needed=options.only)
-        stream = self._stock_stream(chunks, state, options)
+                return _on_cpu(route.exporter.export_buckets(buffers, show_progress=show_progress, needed=needed), options.cpu)
+            return route.exporter.export(buffers, cpu=options.cpu, show_progress=show_progress, needed=needed)
+        if route.reason not in state.logged:
+            state.logged.add(route.reason)
+            logger.warning("export_hf_weights runs the stock Megatron-Bridge export: %s", route.reason)
+        stream = self._stock_stream(model, state, options)
         return _in_lists(stream, self.bucket_bytes) if in_buckets else stream
 
-    def _fast_exporter(self, chunks: list[torch.nn.Module], state: _ModelState, options: "_ExportOptions") -> PlanExporter | None:
-        """The plan's exporter, or None where the stock export runs (its reason logged once and
-        kept in ``export_diagnostics().fallback_reason``)."""
-        fast_path = options.conversion_tasks is None and options.weight_dtype is None and self.export_weight_dtype != "fp8"
-        if not fast_path or state.plan_error is not None:
-            return None
-        try:
-            return self._exporter(chunks)
-        except PlanError as err:
-            logger.warning("export plan unavailable (%s): using the stock Megatron-Bridge export", err)
-            state.plan_error = err
-            return None
-
-    def _stock_stream(self, chunks: list[torch.nn.Module], state: _ModelState, options: "_ExportOptions") -> Iterable[tuple[str, torch.Tensor]]:
+    def _stock_stream(self, model: Any, state: _ModelState, options: "_ExportOptions") -> Iterable[tuple[str, torch.Tensor]]:
         conversion_tasks = options.conversion_tasks
         if conversion_tasks is None and self.export_weight_dtype == "fp8":
-            self._validate_fp8_export_config(chunks)
-            conversion_tasks = state.model_bridge.build_export_fp8_tasks(self.hf_pretrained, chunks)
+            model = _chunks(model)
+            self._validate_fp8_export_config(model)
+            conversion_tasks = state.model_bridge.build_export_fp8_tasks(self.hf_pretrained, model)
         stream = state.model_bridge.stream_weights_megatron_to_hf(
-            chunks,
+            model,  # as given, as stock passes it
             self.hf_pretrained,
             cpu=options.cpu,
             show_progress=options.show_progress,
@@ -552,6 +612,39 @@ class RefitBridge(AutoBridge):
             weight_dtype=options.weight_dtype,
         )
         return stream if options.only is None else _only(stream, options.only)
+
+    def _route(
+        self, state: _ModelState, chunks: list[torch.nn.Module], conversion_tasks: Any,
+        weight_dtype: Optional[torch.dtype],
+    ) -> "_Route":
+        """How ``export_hf_weights`` runs with these stock arguments: the plan (its exporter and, for
+        ``conversion_tasks``, the names they stand for), or the stock path with the reason. The same
+        on every rank: each input but the tasks' tensors is the same everywhere (the plan's verdict
+        travels with its exchange), and a verdict on conversion_tasks is agreed over the plan's
+        ranks (one all-reduce of one integer per call that passes them)."""
+        if self.export_weight_dtype == "fp8":
+            return _Route(reason="export_weight_dtype='fp8' selects Megatron-Bridge's own FP8 export")
+        if conversion_tasks is not None and weight_dtype is not None:
+            return _Route(reason="weight_dtype with conversion_tasks (the stock export refuses the pair)")
+        try:
+            exporter = self._exporter(chunks)
+        except Exception as err:  # PlanError on every rank alike (``_planned``), or this rank's exporter failed
+            return _Route(reason=f"no export plan for this model: {_describe(err)}")
+        if weight_dtype is not None:
+            dtypes = {e.dtype for e in state.plan.entries if e.torch_dtype.is_floating_point}
+            cast = sorted(dtypes - {str(weight_dtype).removeprefix("torch.")})
+            if cast:
+                return _Route(reason=f"weight_dtype={weight_dtype} casts the export's {', '.join(cast)} tensors")
+        if conversion_tasks is None:
+            return _Route(exporter=exporter)
+        try:
+            ep_rank = current_groups().ep_rank
+            names, mismatch = names_for_tasks(conversion_tasks, state.tasks, state.plan, ep_rank=ep_rank), None
+        except TaskMismatch as err:
+            names, mismatch = None, str(err)
+        if not all_true(mismatch is None, state.group, exporter.device):
+            return _Route(reason=mismatch or "another rank's conversion_tasks are not its model's tasks (see its log)")
+        return _Route(exporter=exporter, names=names)
 
     def _export_fp8(
         self, chunks: list[torch.nn.Module], config: BlockwiseFP8Config, buffers: ExportBuffers, *,
@@ -604,8 +697,46 @@ class RefitBridge(AutoBridge):
         return Path(path)
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Route:
+    """How one export runs: the plan's ``exporter`` (yielding ``names``, None: all), or the stock
+    path for ``reason``."""
+
+    exporter: PlanExporter | None = None
+    names: frozenset[str] | None = None
+    reason: str | None = None
+
+
 def _chunks(model: list[torch.nn.Module] | torch.nn.Module) -> list[torch.nn.Module]:
     return model if isinstance(model, list) else [model]
+
+
+def _with_current_params(tasks: list, params: dict[str, torch.Tensor], replaced: frozenset[str]) -> list:
+    """The bridge's conversion tasks with the parameters the model holds now where it replaced
+    them (what a caller's tasks are compared with, ``plan.task_selection``)."""
+    return [
+        dataclasses.replace(task, param_weight=params[task.global_param_name])
+        if task is not None and task.global_param_name in replaced else task
+        for task in tasks
+    ]
+
+
+def _unwrapped(chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    from megatron.core.utils import unwrap_model
+
+    return unwrap_model(chunks)
+
+
+def _selected(only: frozenset[str] | None, names: frozenset[str] | None, plan: ExportPlan) -> frozenset[str] | None:
+    """What an export yields given ``only`` and the names of its conversion tasks (None: no limit);
+    names of ``only`` outside the plan stay, for the exporter to refuse."""
+    if only is None or names is None:
+        return only if names is None else names
+    return (only & names) | (only - {e.hf_name for e in plan.entries})
+
+
+def _describe(err: BaseException) -> str:
+    return str(err) if isinstance(err, PlanError) else f"{type(err).__name__}: {err}"
 
 
 def _only(stream: Iterable[tuple[str, torch.Tensor]], names: frozenset[str]) -> Iterator[tuple[str, torch.Tensor]]:

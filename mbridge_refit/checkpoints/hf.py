@@ -2,12 +2,14 @@
 
 Owns :class:`HFCheckpoint` (names, shapes, dtypes and tensors of a checkpoint directory, read
 through safetensors' own reader, never through our writer) and :func:`compare_checkpoints`, the
-bitwise comparison used by tests and by ``verify``.
+bitwise comparison used by tests and by ``verify``; and :func:`load_config`, a checkpoint's
+``config.json`` read without running the checkpoint's own code unless the caller asks for it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -33,6 +35,8 @@ COPIED_FILE_NAMES = (
     "tokenizer.model",
 )
 _MAX_OPEN_HANDLES = 8
+
+logger = logging.getLogger(__name__)
 
 # safetensors dtype codes -> torch dtypes (optional ones only where this torch has them).
 _DTYPES: dict[str, torch.dtype] = {
@@ -259,24 +263,56 @@ def _describe_difference(x: torch.Tensor, y: torch.Tensor) -> str:
 
 
 class RemoteCodeError(ValueError):
-    """A checkpoint whose config asks to run its own Python code (refused: this package never does)."""
+    """A checkpoint whose architecture exists only as its own Python code (``auto_map``), which runs
+    only where the caller asks for it (``trust_remote_code=True``, the CLI's ``--trust-remote-code``)."""
 
 
-def load_config(checkpoint_dir: str | os.PathLike[str]) -> Any:
-    """The checkpoint's ``config.json`` as a transformers config, never running the checkpoint's code.
+def load_config(checkpoint_dir: str | os.PathLike[str], *, trust_remote_code: bool = False) -> Any:
+    """The checkpoint's ``config.json`` as a transformers config, read once, by transformers.
 
-    A config with ``auto_map`` (custom modeling code shipped with the checkpoint) is refused before
-    transformers sees it, and transformers is called with ``trust_remote_code=False``, so an unknown
-    ``model_type`` fails instead of prompting to run code.
+    Without ``trust_remote_code`` no code from the checkpoint runs: transformers is called with
+    ``trust_remote_code=False``, so a ``model_type`` it has built in loads with its built-in class
+    whatever ``auto_map`` says (NVIDIA's Nemotron-H checkpoints carry both), and a config whose
+    architecture exists only as the checkpoint's own code raises ``RemoteCodeError``. With it,
+    transformers decides as it does for any caller (an ``auto_map`` class is then imported and run).
     """
     from transformers import AutoConfig
 
+    if trust_remote_code:
+        logger.warning("reading %s with trust_remote_code=True: the checkpoint's own code may run", checkpoint_dir)
+    try:
+        config = AutoConfig.from_pretrained(Path(checkpoint_dir), trust_remote_code=trust_remote_code)
+    except ValueError as err:
+        refusal = remote_code_refusal(checkpoint_dir) if not trust_remote_code else None
+        if refusal is not None:
+            raise refusal from err
+        raise
+    if not trust_remote_code and getattr(config, "auto_map", None):
+        logger.info("%s: model_type %r is built in; auto_map not used", checkpoint_dir, config.model_type)
+    return config
+
+
+def remote_code_refusal(checkpoint_dir: str | os.PathLike[str]) -> RemoteCodeError | None:
+    """The ``RemoteCodeError`` for a local checkpoint whose ``model_type`` transformers does not have
+    built in and whose config names the checkpoint's own code for it (``auto_map``); None for any
+    other directory, config or unreadable file (transformers then reports what it finds). Reads
+    ``config.json`` as JSON: nothing is imported."""
+    from transformers import __version__ as transformers_version
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
     path = Path(checkpoint_dir) / CONFIG_NAME
-    raw = json.loads(path.read_text())
-    if isinstance(raw, dict) and "auto_map" in raw:
-        raise RemoteCodeError(
-            f"{path} has an auto_map entry: the checkpoint ships its own Python code, which this package never runs. "
-            f"Use an architecture transformers ships (model_type {raw.get('model_type')!r} is not one it knows as "
-            "built-in code here) or remove auto_map if the architecture is built in."
-        )
-    return AutoConfig.from_pretrained(Path(checkpoint_dir), trust_remote_code=False)
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(raw, dict) or not isinstance(raw.get("auto_map"), dict) or "AutoConfig" not in raw["auto_map"]:
+        return None
+    model_type = raw.get("model_type")
+    if isinstance(model_type, str) and model_type in CONFIG_MAPPING:
+        return None
+    return RemoteCodeError(
+        f"{path}: model_type {model_type!r} is not built into transformers {transformers_version}; its auto_map names "
+        f"the checkpoint's own Python code ({raw['auto_map']['AutoConfig']}), which runs only if you ask for it: "
+        "trust_remote_code=True (Python API) or --trust-remote-code (command line), for checkpoints you trust. "
+        "Or use a transformers release that has this architecture built in."
+    )

@@ -46,6 +46,7 @@ class WriteArgs:
     timeout: datetime.timedelta
     fp8: "BlockwiseFP8Config | None" = None
     device: "torch.device | None" = None  # roundtrip only: export is CPU-only
+    trust_remote_code: bool = False  # --trust-remote-code: the checkpoint's own code may run
 
 
 # --- make-tiny ---------------------------------------------------------------------------------
@@ -116,7 +117,7 @@ def _validate_roundtrip(args: argparse.Namespace) -> WriteArgs:
 def _write_args(args: argparse.Namespace, **checked) -> WriteArgs:
     return WriteArgs(
         out=args.out, overwrite=args.overwrite, max_shard_bytes=args.max_shard_bytes, show_progress=not args.no_progress,
-        timeout=timeout_from_flag(args), fp8=fp8_from_flags(args), **checked,
+        timeout=timeout_from_flag(args), fp8=fp8_from_flags(args), trust_remote_code=args.trust_remote_code, **checked,
     )
 
 
@@ -129,7 +130,7 @@ def run_roundtrip(options: WriteArgs) -> int:
     checkpoint = HFCheckpoint.open(options.source)
     checkpoint.validate()  # every file readable and agreeing with the index, before any collective
     with distributed_session(options.layout, device=options.device, timeout=options.timeout) as env:
-        bridge = RefitBridge.from_hf_pretrained(options.source)
+        bridge = RefitBridge.from_hf_pretrained(options.source, trust_remote_code=options.trust_remote_code)
         build = BuildOptions(device=options.device, params_dtype=checkpoint_float_dtype(checkpoint), weights_only=True)
         chunks = build_model(bridge, options.layout, build)
         report = bridge.load_hf_shards(chunks, options.source)
@@ -155,6 +156,7 @@ class ImportArgs:
     layout: ParallelLayout
     overwrite: bool
     timeout: datetime.timedelta
+    trust_remote_code: bool = False  # --trust-remote-code: the checkpoint's own code may run
 
 
 def cmd_import(args: argparse.Namespace) -> int:
@@ -164,7 +166,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     return run_import(
         ImportArgs(
             hf=args.hf, megatron=args.megatron, layout=layout, overwrite=args.overwrite,
-            timeout=timeout_from_flag(args),
+            timeout=timeout_from_flag(args), trust_remote_code=args.trust_remote_code,
         )
     )
 
@@ -178,7 +180,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         CheckpointInfo.read(args.megatron)
     except NotAMegatronCheckpoint as err:
         raise BadInput(f"--megatron {args.megatron}: {err}") from err
-    layout = checked_layout(args, supported_config(args.megatron))
+    layout = checked_layout(args, supported_config(args.megatron, trust_remote_code=args.trust_remote_code))
     check_distinct_dirs(args.megatron, "--megatron", args.out, "--out")
     check_output_dir(args.out, args.overwrite)
     return run_export(_write_args(args, source=args.megatron, layout=layout))
@@ -204,7 +206,7 @@ def run_import(options: ImportArgs) -> int:
         source=str(options.hf.resolve()),
     )
     with distributed_session(options.layout, device=cpu, timeout=options.timeout):
-        bridge = RefitBridge.from_hf_pretrained(options.hf)
+        bridge = RefitBridge.from_hf_pretrained(options.hf, trust_remote_code=options.trust_remote_code)
         chunks = build_model(bridge, options.layout, BuildOptions(device=cpu, params_dtype=info.params_dtype, weights_only=True))
         report = bridge.load_hf_shards(chunks, options.hf)
         logger.info("loaded %d slices (%.1f MB on this rank)", report.tensors_written, report.bytes_read / 1e6)
@@ -227,7 +229,7 @@ def run_export(options: WriteArgs) -> int:
     info = CheckpointInfo.read(options.source)
     with distributed_session(options.layout, device=cpu, timeout=options.timeout) as env:
         # Config only: the checkpoint holds no HF weights; the names to write come from `info`.
-        bridge = RefitBridge.from_hf_config(load_config(options.source))
+        bridge = RefitBridge.from_hf_config(load_config(options.source, trust_remote_code=options.trust_remote_code))
         chunks = build_model(bridge, options.layout, BuildOptions(device=cpu, params_dtype=info.params_dtype, weights_only=True))
         load_model(chunks, options.source)
         logger.info("loaded %s (saved at layout %s) at layout %s", options.source, info.saved_layout.name, options.layout.name)
@@ -260,7 +262,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cpu = torch.device("cpu")
     dtype = checkpoint_float_dtype(HFCheckpoint.open(args.hf))
     with distributed_session(layout, device=cpu, timeout=timeout_from_flag(args)) as env:
-        bridge = RefitBridge.from_hf_pretrained(args.hf)
+        bridge = RefitBridge.from_hf_pretrained(args.hf, trust_remote_code=args.trust_remote_code)
         chunks = build_model(bridge, layout, BuildOptions(device=cpu, params_dtype=dtype, materialize=False, weights_only=True))
         try:
             plan = bridge.export_plan(chunks, fp8=fp8)

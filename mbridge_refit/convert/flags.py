@@ -2,7 +2,8 @@
 
 ``add_layout_flags`` / ``layout_from_flags``: the parallel layout (--tp, --pp, --vpp, --ep, --etp,
 --first-stage-layers, --last-stage-layers); ``layout_flags`` writes a layout back as those flags. ``add_fp8_flags`` / ``fp8_from_flags``: blockwise FP8
-output. ``add_device_flag`` / ``device_from_flag`` and ``add_timeout_flag``. Parsing raises
+output. ``add_device_flag`` / ``device_from_flag``, ``add_timeout_flag`` and
+``add_remote_code_flag``. Parsing raises
 ``BadInput`` naming the flag and the fix.
 """
 
@@ -116,6 +117,15 @@ def device_from_flag(args: argparse.Namespace) -> "torch.device":
     if args.device == "cuda" and not torch.cuda.is_available():
         raise BadInput("--device cuda but no CUDA device is visible: use --device cpu")
     return torch.device(args.device)
+
+
+def add_remote_code_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--trust-remote-code", action="store_true",
+        help="let a checkpoint whose model_type transformers does not have built in run its own Python code (the "
+        "auto_map of its config.json): only for checkpoints you trust. Without it such a checkpoint is refused "
+        "(exit 2); a built-in model_type loads with transformers' own class whatever auto_map says",
+    )
 
 
 def add_timeout_flag(parser: argparse.ArgumentParser) -> None:

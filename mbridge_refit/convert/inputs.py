@@ -33,7 +33,7 @@ def checked_hf_input(args: argparse.Namespace) -> ParallelLayout:
         HFCheckpoint.open(args.hf)
     except FileNotFoundError as err:
         raise BadInput(str(err)) from err
-    return checked_layout(args, supported_config(args.hf))
+    return checked_layout(args, supported_config(args.hf, trust_remote_code=args.trust_remote_code))
 
 
 def checked_layout(args: argparse.Namespace, config: Any) -> ParallelLayout:
@@ -80,13 +80,14 @@ def check_distinct_dirs(source: Path, source_flag: str, out: Path, out_flag: str
         raise BadInput(f"{out_flag} must differ from {source_flag}")
 
 
-def supported_config(checkpoint_dir: Path) -> Any:
-    """The checkpoint's HF config, if Megatron-Bridge has a bridge for its architecture."""
+def supported_config(checkpoint_dir: Path, *, trust_remote_code: bool = False) -> Any:
+    """The checkpoint's HF config, if Megatron-Bridge has a bridge for its architecture (read by
+    ``checkpoints.hf.load_config``: the checkpoint's own code runs only with ``trust_remote_code``)."""
     from mbridge_refit.bridge import RefitBridge
     from mbridge_refit.checkpoints.hf import RemoteCodeError, load_config
 
     try:
-        config = load_config(checkpoint_dir)
+        config = load_config(checkpoint_dir, trust_remote_code=trust_remote_code)
     except RemoteCodeError as err:
         raise BadInput(str(err)) from err
     except (ValueError, KeyError, OSError) as err:

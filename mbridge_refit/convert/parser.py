@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from mbridge_refit.convert.flags import add_device_flag, add_fp8_flags, add_layout_flags, add_timeout_flag
+from mbridge_refit.convert.flags import (
+    add_device_flag, add_fp8_flags, add_layout_flags, add_remote_code_flag, add_timeout_flag,
+)
 from mbridge_refit.convert.verify_refit import add_verify_refit_parser
 
 EPILOG = """\
@@ -131,6 +133,7 @@ def _import_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--megatron", type=Path, required=True, help="output Megatron checkpoint directory")
     add_layout_flags(parser)
     parser.add_argument("--overwrite", action="store_true", help="replace a checkpoint in an existing output directory")
+    add_remote_code_flag(parser)
     add_timeout_flag(parser)
 
 
@@ -147,6 +150,7 @@ def _plan_flags(parser: argparse.ArgumentParser) -> None:
     add_layout_flags(parser)
     parser.add_argument("--json", type=Path, default=None, help="also write the plan as JSON to this file")
     add_fp8_flags(parser)
+    add_remote_code_flag(parser)
     add_timeout_flag(parser)
 
 
@@ -164,6 +168,7 @@ def _add_hf_output_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     add_fp8_flags(parser)
+    add_remote_code_flag(parser)
     add_timeout_flag(parser)
 
 

@@ -57,20 +57,27 @@ class RankContribution:
 
 
 def build_export_plan(
-    model_bridge: Any, hf_pretrained: Any, chunks: list[torch.nn.Module], tasks: list | None = None, group: Any = None
+    model_bridge: Any, hf_pretrained: Any, chunks: list[torch.nn.Module], tasks: list | None = None, group: Any = None,
+    errors: tuple[str, ...] = (),
 ) -> ExportPlan:
     """Build the plan for ``chunks`` on this rank; collective over ``group``.
 
     ``group``: the process group of all ranks holding the model (default: the whole job; pass the
     trainer ranks' group when other ranks, e.g. refit receivers, share the job).
     ``tasks``: the bridge's conversion tasks for ``chunks`` if the caller has them already.
+    ``errors``: what this rank's caller already failed at (building the tasks): contributed like
+    this rank's own errors, so every rank raises the same ``PlanError``.
     Communication: the bridge's one exchange of parameter names over the pipeline group (inside
     ``build_conversion_tasks``) and one ``all_gather_object`` of ``RankContribution`` here.
     """
     from megatron.core.utils import unwrap_model
 
     chunks = unwrap_model(chunks)
-    mine = rank_contribution(model_bridge, hf_pretrained, chunks, tasks)
+    try:
+        mine = rank_contribution(model_bridge, hf_pretrained, chunks, tasks)
+    except Exception as err:  # any failure of this rank's part travels with the exchange: no rank is left waiting
+        mine = RankContribution(specs=(), layer_map={}, errors=(f"{type(err).__name__}: {err}",))
+    mine = dataclasses.replace(mine, errors=(*errors, *mine.errors))
     # One object exchange for the whole job; errors travel with it so every rank raises the same.
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine, group=group)
@@ -93,12 +100,16 @@ def rank_contribution(
     for task in tasks:
         if task is not None and task.megatron_module is not None:
             try:
+                if getattr(task, "export_hook", None) is not None:
+                    raise PlanError(f"cannot plan {task.global_param_name}: its task has an export_hook (not planned)")
                 spec = _local_spec(task, pp_rank, num_experts, stored)
                 if spec.stack is None:  # stock runs the hook on every task but grouped-export ones
                     spec = dataclasses.replace(spec, dropped=_names_the_bridge_drops(model_bridge, task, spec, hf_state))
                 specs.append(spec)
             except PlanError as err:
                 errors.append(str(err))
+            except Exception as err:  # an unexpected bridge or parameter: this model falls back, on every rank
+                errors.append(f"cannot plan {task.global_param_name}: {type(err).__name__}: {err}")
     return RankContribution(specs=tuple(specs), layer_map=_local_layer_map(chunks, pp_rank), errors=tuple(errors))
 
 

@@ -1,4 +1,5 @@
-"""Process groups the export uses, and the gathers and broadcasts it issues over them.
+"""Process groups the export uses, and the gathers and broadcasts it issues over them (and
+``all_true``, the one agreement an export may need: whether every rank can run the plan).
 
 ``ParallelGroups`` is read once from Megatron's parallel state when an exporter is built. Gathers
 write straight into caller-given buffers (``all_gather_into_tensor`` on NCCL; gloo, which lacks
@@ -46,6 +47,14 @@ def current_groups() -> ParallelGroups:
         tp=tp, ep=ep, pp=pp, tp_size=size(tp), ep_size=size(ep), pp_size=size(pp), tp_rank=rank(tp), ep_rank=rank(ep), pp_rank=rank(pp),
         etp=etp, etp_size=size(etp), etp_rank=rank(etp),
     )
+
+
+def all_true(flag: bool, group: Any, device: torch.device) -> bool:
+    """Whether ``flag`` is True on every rank of ``group`` (collective: one all-reduce of one
+    integer on ``device``, a device ``group``'s backend takes)."""
+    value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
+    return bool(value.item())
 
 
 def is_rank_zero() -> bool:
