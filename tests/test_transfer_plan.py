@@ -34,6 +34,8 @@ def test_megatron_rank_grid_follows_the_default_order():
     assert grid[5] == TrainerRank(rank=5, pp=1, tp=1, ep=1, replica=0)
     assert grid[2] == TrainerRank(rank=2, pp=0, tp=0, ep=0, replica=1)
     assert [r.ep for r in megatron_rank_grid(tp=1, ep=2, dp=4)] == [0, 1, 0, 1]
+    # expert-TP 2 (Megatron's default at TP2): the expert-TP rank runs fastest, then the expert-parallel rank
+    assert [(r.etp, r.ep) for r in megatron_rank_grid(tp=2, ep=2, dp=2, etp=2)] == [(0, 0), (1, 0), (0, 1), (1, 1)]
 
 
 def test_trainer_tp2_into_engine_tp4_moves_what_the_colocated_rank_lacks():

@@ -52,16 +52,21 @@ class TrainerRank:
     etp: int = 0  # its rank in the expert tensor-parallel group (which expert slices it holds)
 
 
-def megatron_rank_grid(*, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, dp: int = 1) -> tuple[TrainerRank, ...]:
+def megatron_rank_grid(
+    *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, dp: int = 1, etp: int = 1,
+) -> tuple[TrainerRank, ...]:
     """The trainer ranks of a Megatron-Core job in its default order (``tp-cp-ep-dp-pp``; experts on
-    the ``tp-ep-dp-pp`` grid with expert-TP 1), for planning a job that is not running (bytes moved
-    for a full-size model). A running job gathers its real coordinates instead
-    (``RefitBridge.transfer_plan``)."""
+    the ``tp-ep-dp-pp`` grid whose ``tp`` is the expert-TP size), for planning a job that is not
+    running (bytes moved for a full-size model). A running job gathers its real coordinates
+    instead (``RefitBridge.transfer_plan``)."""
     stage = tp * cp * dp
-    if stage % ep:
-        raise TransferPlanError(f"ep={ep} must divide tp*cp*dp = {stage}")
+    if stage % (ep * etp):
+        raise TransferPlanError(f"ep*etp = {ep}*{etp} must divide tp*cp*dp = {stage}")
     return tuple(
-        TrainerRank(rank=rank, pp=rank // stage, tp=rank % stage % tp, ep=rank % stage % ep, replica=rank % stage // (tp * cp))
+        TrainerRank(
+            rank=rank, pp=rank // stage, tp=rank % stage % tp, ep=rank % stage // etp % ep, replica=rank % stage // (tp * cp),
+            etp=rank % stage % etp,
+        )
         for rank in range(stage * pp)
     )
 

@@ -138,7 +138,7 @@ def main() -> None:
         grid = [None] * world
         dist.all_gather_object(grid, current_trainer_rank())
         dp = ps.get_data_parallel_world_size()
-        if tuple(grid) != megatron_rank_grid(tp=layout.tp, pp=layout.pp, ep=layout.ep, dp=dp):
+        if tuple(grid) != megatron_rank_grid(tp=layout.tp, pp=layout.pp, ep=layout.ep, dp=dp, etp=layout.etp):
             fail(f"Megatron's rank coordinates {grid} differ from megatron_rank_grid")
 
         names = bridge.export_plan(chunks).names()
