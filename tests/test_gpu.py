@@ -119,6 +119,7 @@ def test_cuda_ipc_transport_opens_the_same_memory_in_another_process(tmp_path):
     from mbridge_refit.engines.sharing import CudaIpcTransport
 
     source = (torch.arange(3001, device="cuda") % 251).to(torch.uint8)
+    expected = (source.untyped_storage().nbytes(), int(source.sum(dtype=torch.int64)))  # before the engine writes
     payload = CudaIpcTransport().share([source.untyped_storage()])
     (tmp_path / "payload").write_bytes(payload)
     torch.cuda.synchronize()
@@ -127,7 +128,7 @@ def test_cuda_ipc_transport_opens_the_same_memory_in_another_process(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     nbytes, total = map(int, run.stdout.split()[-2:])
-    assert (nbytes, total) == (source.untyped_storage().nbytes(), int(source.sum(dtype=torch.int64)))
+    assert (nbytes, total) == expected
     assert int(source[1]) == 7, "the engine wrote into other memory than the trainer's"
 
 
