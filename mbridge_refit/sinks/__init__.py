@@ -3,7 +3,7 @@
 The contract lives in :mod:`.base`; each other module owns one sink.
 """
 
-from mbridge_refit.sinks.base import WeightSink, drain
+from mbridge_refit.sinks.base import DiscardSink, WeightSink, drain
 from mbridge_refit.sinks.safetensors import (
     DEFAULT_MAX_SHARD_BYTES,
     INDEX_NAME,
@@ -16,6 +16,7 @@ from mbridge_refit.sinks.safetensors import (
 
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
+    "DiscardSink",
     "INDEX_NAME",
     "ShardAssignment",
     "ShardPlanner",
