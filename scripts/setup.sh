@@ -2,9 +2,9 @@
 # Create or reuse the project environment at .venv/ (Python 3.12) with the pinned stack.
 #
 # Idempotent: a second run with unchanged pins only checks the imports (seconds). The slow part
-# of a first run is Transformer Engine's torch extension, which is built from source (~16 min on
-# 2 cores); pip keeps the built wheel in its cache, so later fresh venvs on the same machine
-# install it in seconds.
+# of a first run is Transformer Engine's torch extension, which is built from source (~16 of the
+# ~20 minutes a first setup takes on 2 cores); pip keeps the built wheel in its cache, so later
+# fresh venvs on the same machine install it in seconds.
 #
 #   bash scripts/setup.sh            # then: .venv/bin/python -c "import torch, mbridge_refit"
 set -euo pipefail

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test command (README "Tests"; .ci/run calls it): set up .venv if needed, then run pytest.
+# The test command (README "Two commands"; .ci/run calls it): set up .venv if needed, then run pytest.
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -k roundtrip -x`.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

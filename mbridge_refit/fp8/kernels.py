@@ -58,9 +58,8 @@ def _quantize_block(x_ptr, q_ptr, s_ptr, rows, cols, stride_x, stride_q, n_block
 
     Per element, after the block's amax (taken in the source dtype: abs and max are exact there,
     and only the source tile is live across the reduction): a widening, two multiplies, two FMAs
-    and half a conversion. That is all: this kernel was instruction-bound before it looked like
-    this (Qwen3-8B shape on H200: 5.78 ms with a clamp and a division branch, 5.24 ms now, 4.95 ms
-    for the same loads and stores with the amax alone; README "FP8 export").
+    and half a conversion. That is all: the kernel is instruction-bound, so a clamp or a division
+    branch shows in its time (measured in docs/fp8.md).
 
     * The quotient x / scale, correctly rounded, by one reciprocal per block and two FMAs: with
       recip = RN(1/scale) and q0 = RN(x * recip) within 1 ulp, the residual x - q0 * scale is
@@ -138,8 +137,8 @@ class LaunchConfig:
         return f"{chunks}, {self.num_warps} warps"
 
 
-# The fastest of the configs scripts/bench_fp8_kernels.py times, on H200 for the Qwen3-8B shape
-# (README "FP8 export" lists the configs and kernel shapes measured).
+# The fastest of the configs scripts/bench_fp8_kernels.py times (docs/fp8.md lists the configs
+# and kernel shapes measured).
 DEFAULT_CONFIG = LaunchConfig()
 
 

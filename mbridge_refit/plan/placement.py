@@ -384,7 +384,7 @@ _DETECTED: dict[tuple, str] = {}
 def _detected_kind(mapping: Any, module: torch.nn.Module) -> str:
     """The bridge's own column/row/replicated detection, memoised on everything it reads.
 
-    (Upstream retries an optional import on every call: ~0.25 ms per parameter, seconds for a MoE.)
+    (Upstream retries an optional import on every call: seconds over a MoE's parameters.)
     """
     key = (
         type(module),

@@ -2,15 +2,15 @@
 
 A stacked tensor (``plan.stacking``: GPT-OSS's experts, a checkpoint's packed experts) is no
 slice of one parameter, so the export writes all of it each time. ``fill_stack`` picks the
-fastest way that gives the same bytes as ``ExpertStack.copy_into`` per expert, measured on an
-H100 for 128 experts of Qwen3-VL-30B-A3B's sizes (``scripts/bench_stacked_experts.py``, 768 MiB):
+fastest way that gives the same bytes as ``ExpertStack.copy_into`` per expert
+(``scripts/bench_stacked_experts.py`` times each; docs/benchmarks.md has the numbers):
 
 * a plain stack (no re-layout: transformers' packed layout): one ``torch.stack`` into the output,
-  at the copy floor (0.57-0.59 ms; 1.9-4.7 ms for a copy per expert, over four calls);
+  at the copy floor, where a copy per expert pays a launch per expert;
 * a transposed stack (Qwen3-VL-MoE's published layout; GPT-OSS's, its gate/up rows interleaved
   too): one launch of ``stack_kernels``' tiled transpose where Triton is there and its probe
-  passed, 0.76-0.84 ms (a copy per expert, a ``_foreach_copy_`` or a staged stack plus one
-  transposing copy all take 3.5 ms: PyTorch does not tile transposes);
+  passed (a copy per expert, a ``_foreach_copy_`` or a staged stack plus one transposing copy
+  are several times slower: PyTorch does not tile transposes);
 * anything else (1-D interleaved biases, CPU tensors, other strides): a copy per expert.
 """
 

@@ -5,16 +5,15 @@ Imported lazily by ``runtime.stack_fill`` (an ImportError where Triton is missin
 torch path runs). A stacked expert tensor in a checkpoint's transposed layout (Qwen3-VL-MoE's
 published ``gate_up_proj`` [E, hidden, 2*ffn]: ``plan.stacking``) is written from E separate
 expert parameters on every export. PyTorch's copy into a transposed view does not tile the
-transpose: on an H100 it runs at about a sixth of a plain copy's bandwidth, whether issued per
-expert, as one ``_foreach_copy_`` or as one copy of a staged stack
-(``scripts/bench_stacked_experts.py``). This kernel moves one tile of one expert per program:
+transpose: it runs at a fraction of a plain copy's bandwidth, whether issued per expert, as one
+``_foreach_copy_`` or as one copy of a staged stack (``scripts/bench_stacked_experts.py``;
+docs/benchmarks.md). This kernel moves one tile of one expert per program:
 a coalesced load of a ``BLOCK`` x ``BLOCK`` tile of the expert, transposed in registers
 (``tl.trans``), a coalesced store into the output; the experts' addresses come from an int64
 table (they are separate tensors). Interleaved in pairs (``ExpertStack(interleave=2)``:
 parameter row ``b*(n/2) + i`` lands in output column ``2*i + b``), a program loads the tile of
 gate rows and the tile of up rows beside it and stores them joined (``tl.join``), so the store
-stays contiguous: storing one tile at a column stride of 2 ran at half the speed of a copy per
-expert on an H100.
+stays contiguous (a tile stored at a column stride of 2 is slower than a copy per expert).
 
 It only moves bytes, so its output is the torch path's bit for bit; it is used only after it
 reproduced the torch path on probe shapes (partial tiles in both dimensions, one expert, several,
