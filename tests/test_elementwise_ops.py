@@ -8,7 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mbridge_refit.plan.placement import ELEMENTWISE_OPS, PlacementError, placement_kind
+from mbridge_refit.plan.slices import PlacementError
+
+from mbridge_refit.plan.conversions import ELEMENTWISE_OPS
+
+from mbridge_refit.plan.placement import placement_kind
 
 NORM = "decoder.layers.0.self_attention.out_norm.weight"
 HF_NORM = "model.layers.0.linear_attn.norm.weight"
@@ -77,7 +81,7 @@ def test_a_subclass_of_an_op_mapping_that_converts_again_is_refused():
 
 def _norm_entry(op: str | None):
     from mbridge_refit.plan.entries import PlanEntry, TensorSharding
-    from mbridge_refit.plan.placement import SliceCopy
+    from mbridge_refit.plan.slices import SliceCopy
 
     piece = SliceCopy(hf_name=HF_NORM, dim=0, hf_start=0, hf_stop=8, local_start=0)
     sharding = TensorSharding(mesh_dims=("tp", "dp"), mesh_shape=(1, 1), placements=("Replicate()", "Replicate()"),
@@ -113,7 +117,7 @@ def test_the_loader_applies_the_inverse_op_as_the_mapping_does(single_rank, tmp_
 
     from mbridge_refit.checkpoints.hf import HFCheckpoint
     from mbridge_refit.checkpoints.loader import LoadReport, _copy_slices
-    from mbridge_refit.plan.placement import slices_for, ShardContext
+    from mbridge_refit.plan.slices import ShardContext, slices_for
 
     mapping, module = _zero_centred_mapping(), RMSNorm(512)
     stored = _random_bf16(512, seed=2) + 1

@@ -210,7 +210,7 @@ def test_grouped_kernel_writes_what_the_single_kernel_writes():
 
 
 def _plan_with(names_shapes) -> ExportPlan:
-    from mbridge_refit.plan.placement import SliceCopy
+    from mbridge_refit.plan.slices import SliceCopy
     from mbridge_refit.plan.entries import PlanEntry, TensorSharding
 
     def entry(name, shape, kind="column"):

@@ -70,7 +70,8 @@ def upstream_export(mapping, fake: FakeTensorParallel, config, tp: int, monkeypa
 def rebuilt_from_slices(mapping, fake: FakeTensorParallel, config, tp: int, reference: dict[str, torch.Tensor], model_config=None, module=None):
     """The HF tensors rebuilt from every rank's ``slice_copies``, and how often each element was written.
     ``config``: the layer module's; ``model_config``: the model's (the plan's ``ShardContext``), default the same."""
-    from mbridge_refit.plan.placement import ShardContext, check_tiling, placement_kind, slices_for
+    from mbridge_refit.plan.slices import check_tiling, ShardContext, slices_for
+    from mbridge_refit.plan.placement import placement_kind
 
     kind = placement_kind(mapping, module or column_parallel_module(config))
     rebuilt = {name: torch.full_like(t, float("nan")) for name, t in reference.items()}
@@ -197,7 +198,9 @@ def test_full_dim_qk_norm_shared_by_ranks_is_refused(monkeypatch):
     from megatron.bridge.models.conversion import param_mapping as pm
     from megatron.bridge.models.minimax_m2.minimax_m2_bridge import _FullDimQKNormMapping
 
-    from mbridge_refit.plan.placement import PlacementError, placement_kind
+    from mbridge_refit.plan.slices import PlacementError
+
+    from mbridge_refit.plan.placement import placement_kind
 
     monkeypatch.setattr(pm.MegatronParamMapping, "tp_size", property(lambda self: 4))
     module = column_parallel_module(types.SimpleNamespace(hidden_size=HIDDEN))
@@ -284,7 +287,7 @@ def test_mamba_conv1d_slices_rebuild_upstream_merge(dims, tp, bias, monkeypatch)
 
 
 def test_a_mamba_mixer_without_a_head_count_is_refused():
-    from mbridge_refit.plan.placement import PlacementError, PlacementKind, ShardContext, slices_for
+    from mbridge_refit.plan.slices import PlacementError, PlacementKind, ShardContext, slices_for
 
     config = types.SimpleNamespace(**{**vars(mamba_config(8, 4, 2, 4)), "mamba_num_heads": None})
     ctx = ShardContext(local_shape=(80, HIDDEN), tp_rank=0, tp_size=1, config=config)
@@ -327,10 +330,10 @@ def _relayout_cases():
 @pytest.mark.parametrize("tp", TP_SIZES)
 @pytest.mark.parametrize("case", ["transposed-column", "transposed-replicated", "unsqueezed-bias"])
 def test_relaid_tensors_rebuild_upstream_export(case, tp, monkeypatch):
-    """A mapping that re-lays its base class's whole tensor out (``placement.RELAYOUTS``): every
+    """A mapping that re-lays its base class's whole tensor out (``conversions.RELAYOUTS``): every
     rank's slices rebuild the tensor before the relayout, and the relayout of it is upstream's
     export bit for bit, shape included; its load view gives back the rebuilt tensor."""
-    from mbridge_refit.plan.placement import RELAYOUTS
+    from mbridge_refit.plan.conversions import RELAYOUTS
 
     mapping, module_of, shape, relayout = _relayout_cases()[case]
     config = types.SimpleNamespace(hidden_size=HIDDEN)
@@ -366,7 +369,9 @@ def test_a_missing_relayout_is_caught():
 def test_permutations_other_than_a_transpose_and_unknown_overrides_are_refused():
     from megatron.bridge.models.conversion.param_mapping import AutoMapping, ReplicatedMapping
 
-    from mbridge_refit.plan.placement import PlacementError, placement_kind
+    from mbridge_refit.plan.slices import PlacementError
+
+    from mbridge_refit.plan.placement import placement_kind
 
     config = types.SimpleNamespace(hidden_size=HIDDEN)
     with pytest.raises(PlacementError, match=r"permute_dims=\(0, 2, 1\)"):
@@ -382,7 +387,7 @@ def test_permutations_other_than_a_transpose_and_unknown_overrides_are_refused()
 
 def _projector_entry(relayout: str | None):
     from mbridge_refit.plan.entries import PlanEntry, TensorSharding
-    from mbridge_refit.plan.placement import SliceCopy
+    from mbridge_refit.plan.slices import SliceCopy
 
     name = "multi_modal_projector.mm_input_projection_weight"
     piece = SliceCopy(hf_name=name, dim=0, hf_start=0, hf_stop=4, local_start=0)

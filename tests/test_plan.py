@@ -35,7 +35,7 @@ def test_plan_cli_json_matches_the_checkpoint(ranks, flags, source_checkpoints, 
 
 
 def test_plan_roundtrips_through_json():
-    from mbridge_refit.plan.placement import SliceCopy
+    from mbridge_refit.plan.slices import SliceCopy
     from mbridge_refit.plan.entries import ExportPlan, PlanEntry, TensorSharding
 
     sharding = TensorSharding(
@@ -54,7 +54,9 @@ def test_plan_roundtrips_through_json():
 def test_unmappable_parameter_is_named():
     from megatron.bridge.models.conversion.param_mapping import KVMapping
 
-    from mbridge_refit.plan.placement import PlacementError, placement_kind
+    from mbridge_refit.plan.slices import PlacementError
+
+    from mbridge_refit.plan.placement import placement_kind
 
     mapping = KVMapping("decoder.layers.0.self_attention.linear_kv.weight", k="a.k", v="a.v")
     with pytest.raises(PlacementError, match=r"decoder\.layers\.0\.self_attention\.linear_kv\.weight.*KVMapping"):
@@ -109,7 +111,9 @@ def test_mapping_with_its_own_export_conversion_is_refused_by_name():
     base class's slices."""
     from megatron.bridge.models.conversion.param_mapping import ReplicatedMapping
 
-    from mbridge_refit.plan.placement import PlacementError, placement_kind
+    from mbridge_refit.plan.slices import PlacementError
+
+    from mbridge_refit.plan.placement import placement_kind
 
     class Unsqueezing(ReplicatedMapping):
         def megatron_to_hf(self, megatron_weights, megatron_module):
@@ -123,7 +127,7 @@ def test_mapping_with_its_own_export_conversion_is_refused_by_name():
 
 def _qkv_spec(layer: int):
     from mbridge_refit.plan.build import ParamSpec
-    from mbridge_refit.plan.placement import PlacementKind
+    from mbridge_refit.plan.slices import PlacementKind
 
     names = tuple(f"model.layers.{layer}.self_attn.{p}_proj.weight" for p in "qkv")
     return ParamSpec(global_name=f"decoder.layers.{layer}.self_attention.linear_qkv.weight", local_shape=(8, 4),

@@ -182,7 +182,7 @@ def test_a_transpose_stock_makes_is_not_missed():
 def test_grouped_mapping_without_a_rule_is_refused_by_name():
     from megatron.bridge.models.conversion.param_mapping import FusedExpertMapping
 
-    from mbridge_refit.plan.placement import PlacementError
+    from mbridge_refit.plan.slices import PlacementError
     from mbridge_refit.plan.stacking import stacked_placement
 
     class _OwnExport(FusedExpertMapping):  # a subclass may convert differently: no rule by inheritance
@@ -197,7 +197,7 @@ def test_grouped_mapping_without_a_rule_is_refused_by_name():
 
 
 def test_odd_rows_cannot_be_interleaved():
-    from mbridge_refit.plan.placement import PlacementError
+    from mbridge_refit.plan.slices import PlacementError
     from mbridge_refit.plan.stacking import ExpertStack
 
     with pytest.raises(PlacementError, match="5 rows cannot be interleaved in 2 blocks"):

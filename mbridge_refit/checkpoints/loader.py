@@ -28,10 +28,9 @@ import torch.distributed as dist
 
 from mbridge_refit.checkpoints.hf import HFCheckpoint
 from mbridge_refit.plan.entries import expert_number
-from mbridge_refit.plan.placement import (
-    ELEMENTWISE_OPS, RELAYOUTS, PlacementError, ShardContext, SliceCopy, hf_extents, place_column, placement_kind, relaid_shape,
-    slice_copies,
-)
+from mbridge_refit.plan.slices import hf_extents, place_column, PlacementError, ShardContext, SliceCopy
+from mbridge_refit.plan.conversions import ELEMENTWISE_OPS, relaid_shape, RELAYOUTS
+from mbridge_refit.plan.placement import placement_kind, slice_copies
 from mbridge_refit.plan.stacking import stacked_placement
 
 logger = logging.getLogger(__name__)

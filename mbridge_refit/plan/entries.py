@@ -22,7 +22,9 @@ from typing import Any, Iterable
 
 import torch
 
-from mbridge_refit.plan.placement import RELAYOUTS, SliceCopy
+from mbridge_refit.plan.slices import SliceCopy
+
+from mbridge_refit.plan.conversions import RELAYOUTS
 from mbridge_refit.plan.stacking import ExpertStack
 from mbridge_refit.plan.storage import PLAIN
 
@@ -75,8 +77,8 @@ class PlanEntry:
     alias_of: str | None = None  # tied output weight: the same data as this entry
     scale_of: str | None = None  # FP8 export: the blockwise scale of this weight entry (``fp8``)
     source_format: str = PLAIN  # how the trainer stores the parameter (``plan.storage``)
-    elementwise_op: str | None = None  # applied to the assembled slices (``placement.ELEMENTWISE_OPS``)
-    relayout: str | None = None  # applied to the whole assembled tensor (``placement.RELAYOUTS``); ``shape`` is after it
+    elementwise_op: str | None = None  # applied to the assembled slices (``conversions.ELEMENTWISE_OPS``)
+    relayout: str | None = None  # applied to the whole assembled tensor (``conversions.RELAYOUTS``); ``shape`` is after it
 
     @property
     def base_shape(self) -> tuple[int, ...]:

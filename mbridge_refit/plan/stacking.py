@@ -48,7 +48,7 @@ from typing import Any, Callable
 
 import torch
 
-from mbridge_refit.plan.placement import PlacementError, PlacementKind
+from mbridge_refit.plan.slices import PlacementError, PlacementKind
 
 STACKED_KIND = "stacked_experts"  # PlanEntry.kind / PlacementKind.kind of a stacked expert tensor
 

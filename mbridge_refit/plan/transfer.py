@@ -31,7 +31,7 @@ import torch
 from mbridge_refit.plan.engine_layout import Box, EngineLayout, EngineTensor, box_shape, engine_box, engine_rule, with_extent
 from mbridge_refit.plan.entries import ExportPlan, PlanEntry, numel
 from mbridge_refit.plan.layout import ModelShape
-from mbridge_refit.plan.placement import SliceCopy
+from mbridge_refit.plan.slices import SliceCopy
 from mbridge_refit.plan.storage import PLAIN
 
 

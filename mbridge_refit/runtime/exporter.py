@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from mbridge_refit.plan.entries import ExportPlan, PlanEntry
-from mbridge_refit.plan.placement import ELEMENTWISE_OPS, RELAYOUTS
+from mbridge_refit.plan.conversions import ELEMENTWISE_OPS, RELAYOUTS
 from mbridge_refit.runtime.buffers import ExportBuffers
 from mbridge_refit.runtime.collectives import ParallelGroups, broadcast_from, coalesced, current_groups, gather_into
 from mbridge_refit.runtime.schedule import Assembly, AssemblyKind, Bucket, Op, build_buckets, build_ops, gather_count

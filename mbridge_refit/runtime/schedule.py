@@ -15,10 +15,10 @@ index over the expert-parallel ranks) with the plan entries it yields and, per e
   copied, re-laid out, into its slot of this rank's share of the stack, which is all-gathered
   over the expert-parallel group straight into the output (at ep 1 the share is the output).
 
-An entry with an ``elementwise_op`` (``placement.ELEMENTWISE_OPS``) is never a ``VIEW`` or an
+An entry with an ``elementwise_op`` (``conversions.ELEMENTWISE_OPS``) is never a ``VIEW`` or an
 ``INDEX``: it is always built in its own output buffer (``PIECES`` where it would be a view),
 to which the exporter applies the op in place on every export. An entry with a ``relayout``
-(``placement.RELAYOUTS``: a transpose, a leading dimension of 1) is assembled as its
+(``conversions.RELAYOUTS``: a transpose, a leading dimension of 1) is assembled as its
 ``build`` (the entry before the relayout: ``base_entry``), likewise never a view, and the
 exporter copies the relaid tensor into the entry's own output buffer.
 
