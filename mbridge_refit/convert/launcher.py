@@ -6,6 +6,8 @@ for any failure, so a script cannot tell bad input (2) from an internal error (3
 (``torch.distributed.run``, standalone rendezvous on a free local port) and turns the ranks'
 codes into one, ``launch_exit_code``. The ranks print their messages themselves (rank 0 once for
 input errors every rank sees alike); the launcher adds one line naming which rank failed how.
+A signal to the launcher (SIGTERM, SIGINT, SIGHUP, SIGQUIT: torchrun's machinery stops the ranks
+and raises ``SignalException``) ends it with exit code 3 and one line naming the signal.
 
 Called by ``convert.app.main`` in the parent process only; the ranks it starts are ordinary
 torchrun ranks (``python -m mbridge_refit.convert COMMAND ...`` with torchrun's environment).
@@ -26,9 +28,11 @@ KNOWN_CODES = frozenset(int(code) for code in ExitCode)
 def launch_exit_code(rank_codes: Mapping[int, int]) -> int:
     """One exit code for a launch from the codes of the ranks that failed (0 when none did).
 
-    The most severe documented code wins (3 internal error > 2 bad input > 1 differences); a rank
-    ended by a signal or with an undocumented code (a crash, the launcher stopping the others)
-    counts as an internal error unless a documented code explains the failure.
+    The most severe documented code wins (4 environment > 3 internal error > 2 bad input > 1
+    differences: a rank whose disk filled up can make its peers fail with internal errors, and the
+    cause is what to report); a rank ended by a signal or with an undocumented code (a crash, the
+    launcher stopping the others) counts as an internal error unless a documented code explains
+    the failure.
     """
     documented = [code for code in rank_codes.values() if code in KNOWN_CODES and code != ExitCode.OK]
     if documented:
@@ -38,6 +42,9 @@ def launch_exit_code(rank_codes: Mapping[int, int]) -> int:
 
 def run_ranks(nproc_per_node: int, argv: Sequence[str]) -> int:
     """Run ``python -m mbridge_refit.convert *argv`` as ``nproc_per_node`` ranks; return one exit code."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -52,6 +59,13 @@ def run_ranks(nproc_per_node: int, argv: Sequence[str]) -> int:
         described = ", ".join(f"rank {rank}: {_describe(c)}" for rank, c in sorted(codes.items()))
         logger.error("%d of %d ranks failed (%s): exit code %d", len(codes), nproc_per_node, described, code)
         return code
+    except SignalException as stopped:
+        name = signal.Signals(stopped.sigval).name
+        logger.error("stopped by %s: the %d ranks were shut down (exit code 3)", name, nproc_per_node)
+        return ExitCode.INTERNAL_ERROR
+    except KeyboardInterrupt:  # before torchrun installed its handlers
+        logger.error("interrupted: the ranks were shut down (exit code 3)")
+        return ExitCode.INTERNAL_ERROR
     return ExitCode.OK
 
 
