@@ -120,7 +120,13 @@ def test_export_refuses_an_unreadable_weights_item(megatron, tmp_path, capsys):
 
 # --- item 4: a config far larger than its weights is refused before anything is allocated ----------
 
-BOMBS = {"vocab": {"vocab_size": 10**9}, "hidden": {"hidden_size": 10**9}, "intermediate": {"intermediate_size": 8_400_000}}
+BOMBS = {  # name -> (config changes, refused by the size bound of config.json (else by the element bound))
+    "vocab-1e9": ({"vocab_size": 10**9}, True),
+    "hidden-1e9": ({"hidden_size": 10**9}, True),
+    "vocab-1e7": ({"vocab_size": 10**7}, False),
+    "hidden-1e7": ({"hidden_size": 10**7}, False),
+    "intermediate-8.4M": ({"intermediate_size": 8_400_000}, False),
+}
 ADDRESS_SPACE_LIMIT = 12 * 2**30  # torch's import needs ~5 GiB of address space; each bomb asks for more than this
 
 BOMB_DRIVER = """
@@ -138,11 +144,12 @@ print("MAXRSS_KB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 
 
 def test_a_config_far_larger_than_its_weights_is_refused_before_allocation(single_file, tmp_path):
-    """hidden_size or vocab_size 1e9, intermediate_size 8.4M over a 214k-element checkpoint: refused
-    from the meta-device model with both element counts, the process never larger than 2 GiB
-    (before: the model was built first; only the address-space limit stopped it, exit 3)."""
+    """hidden_size or vocab_size 1e9 or 1e7, intermediate_size 8.4M over a 214k-element checkpoint:
+    refused by the size bound of config.json (1e9 > 2**24) or from the meta-device model with both
+    element counts, the process never larger than 2 GiB (before: the model was built first; only
+    the address-space limit stopped it, exit 3)."""
     runs = []
-    for name, changes in BOMBS.items():
+    for name, (changes, _) in BOMBS.items():
         source = copy_with_config(single_file, tmp_path / name, **changes)
         runs.append(["roundtrip", "--hf", str(source), "--out", str(tmp_path / f"out-{name}"), "--no-progress"])
     driver = BOMB_DRIVER.format(limit=ADDRESS_SPACE_LIMIT)
@@ -152,7 +159,9 @@ def test_a_config_far_larger_than_its_weights_is_refused_before_allocation(singl
     assert proc.returncode == 0, output[-4000:]
     codes = json.loads(output.split("CODES ", 1)[1].splitlines()[0])
     assert codes == [ExitCode.BAD_INPUT] * len(BOMBS), output[-4000:]
-    assert output.count("stores only 213,696 elements") == len(BOMBS) and "Traceback" not in output
+    by_size = [next(iter(changes.items())) for changes, sized in BOMBS.values() if sized]
+    assert all(f"{field}={value}" in output for field, value in by_size), output[-4000:]
+    assert output.count("stores only 213,696 elements") == len(BOMBS) - len(by_size) and "Traceback" not in output
     assert int(output.split("MAXRSS_KB ", 1)[1].split()[0]) < 2 * 2**20, "the model was allocated"
     assert not list(tmp_path.glob("out-*"))
 

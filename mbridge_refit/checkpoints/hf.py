@@ -17,10 +17,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from safetensors import safe_open
@@ -43,6 +44,8 @@ COPIED_FILE_NAMES = (
 _MAX_OPEN_HANDLES = 8
 # safetensors refuses headers longer than this (its MAX_HEADER_SIZE); checked before reading one.
 MAX_HEADER_BYTES = 100_000_000
+# An index lists one line per tensor: 100k tensors take about 10 MB.
+MAX_INDEX_BYTES = 256 * 2**20
 # The longest file name most filesystems hold (NAME_MAX), in bytes.
 MAX_NAME_BYTES = 255
 
@@ -245,6 +248,8 @@ def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 def _read_index(path: Path) -> dict[str, str]:
     index_file = path / INDEX_NAME
     try:
+        if index_file.stat().st_size > MAX_INDEX_BYTES:
+            raise CheckpointError(f"{index_file.stat().st_size} bytes, more than the {MAX_INDEX_BYTES} of any HF index")
         index = json.loads(index_file.read_bytes())
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:
         raise CheckpointError(
@@ -352,7 +357,6 @@ def load_config(checkpoint_dir: str | os.PathLike[str]) -> Any:
     transformers sees it, and transformers is called with ``trust_remote_code=False``, so an unknown
     ``model_type`` fails instead of prompting to run code.
     """
-    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
     path = Path(checkpoint_dir) / CONFIG_NAME
@@ -365,12 +369,30 @@ def load_config(checkpoint_dir: str | os.PathLike[str]) -> Any:
         )
     try:
         return AutoConfig.from_pretrained(Path(checkpoint_dir), trust_remote_code=False)
-    except (ValueError, TypeError, KeyError, StrictDataclassError) as err:  # transformers' checks of the fields
+    except OSError:
+        raise
+    except Exception as err:  # its checks of the fields (StrictDataclassError, ValueError, ...), or a field it chokes on
         raise ConfigError(f"{path}: transformers refuses it ({type(err).__name__}: {err})") from err
 
 
+# What a config.json may ask for before anything compares it with the weights. transformers expands
+# a layer count into per-layer lists and the model is built one module per layer and per expert, so
+# a count of 1e9 would take minutes and gigabytes before any check sees the checkpoint. Published
+# models stay far below (about 200 layers, 512 routed experts); their config.json is kilobytes.
+MAX_MODULE_COUNT = 16_384
+MAX_CONFIG_BYTES = 16 * 2**20
+_MODULE_COUNT_KEY = re.compile(r"(layers|layer|depth|experts)$")
+
+
 def read_config_json(path: Path) -> dict[str, Any]:
-    """``path`` (a ``config.json``) parsed; ``ConfigError`` unless it is a JSON object."""
+    """``path`` (a ``config.json``) parsed; ``ConfigError`` unless it is a JSON object of at most
+    ``MAX_CONFIG_BYTES`` whose layer and expert counts (keys ending in ``layers``, ``layer``,
+    ``depth`` or ``experts``, at any depth) are at most ``MAX_MODULE_COUNT``."""
+    size = path.stat().st_size
+    if size > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"{path} has {size} bytes (more than {MAX_CONFIG_BYTES}): it is not the config.json of an HF model"
+        )
     try:
         raw = json.loads(path.read_bytes())
     except (UnicodeDecodeError, ValueError, RecursionError) as err:
@@ -381,4 +403,20 @@ def read_config_json(path: Path) -> dict[str, Any]:
         raise ConfigError(
             f"{path} holds a JSON {type(raw).__name__}, not an object: it must be the config.json of an HF model"
         )
+    too_many = [f"{key}={value}" for key, value in _module_counts(raw) if value > MAX_MODULE_COUNT]
+    if too_many:
+        raise ConfigError(
+            f"{path} asks for {', '.join(too_many[:3])}: more than {MAX_MODULE_COUNT} layers or experts, which no "
+            "checkpoint holds (it would take minutes and gigabytes to build before any check). Fix config.json"
+        )
     return raw
+
+
+def _module_counts(value: Any, depth: int = 0) -> Iterator[tuple[str, int]]:
+    """(key, count) of every integer whose key names layers or experts, at any depth of ``value``."""
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(item, int) and not isinstance(item, bool) and _MODULE_COUNT_KEY.search(str(key)):
+            yield str(key), item
+        elif isinstance(item, (dict, list)) and depth < 32:
+            yield from _module_counts(item, depth + 1)

@@ -119,7 +119,7 @@ class CheckpointInfo:
                 hf_dtypes={name: _dtype_from_name(d) for name, d in data["hf_dtypes"].items()},
                 source=str(data.get("source", "")),
             )
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+        except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as err:  # any JSON, any field
             if isinstance(err, NotAMegatronCheckpoint):
                 raise
             raise NotAMegatronCheckpoint(f"{meta} is unreadable ({err}): re-create the checkpoint with `import`") from err

@@ -18,7 +18,11 @@ torch.distributed.checkpoint's ``CheckpointException``, which derives from ``Bas
   that does not fit, a model the FP8 format cannot hold, a damaged or hostile checkpoint or
   config, a checkpoint whose tensors do not match its config); their messages name the file and
   the fix;
+- a collective that lost a peer rank (gloo's "connection closed by peer", ...) is exit 3 in one
+  line: the peer failed first and its own message says why;
 - anything else is an internal error (exit 3) and is logged with its traceback.
+
+A rank records its code for the ``--nproc-per-node`` launcher before it logs (``launcher``).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from typing import Callable, Iterator, Sequence
 
 from mbridge_refit.convert import commands
 from mbridge_refit.convert.exit_codes import BadInput, ExitCode
-from mbridge_refit.convert.launcher import run_ranks
+from mbridge_refit.convert.launcher import record_exit_code, run_ranks
 from mbridge_refit.convert.parser import build_parser
 from mbridge_refit.checkpoints.hf import CheckpointError, ConfigError
 from mbridge_refit.checkpoints.loader import LoadError, LoadFailedElsewhere
@@ -77,6 +81,8 @@ ENVIRONMENT_ERRNOS: dict[int, str] = {
     errno.EIO: "the device reported an I/O error: check the disk (dmesg) before running again",
     errno.ENOMEM: "not enough memory: use a machine with more, or more ranks (a smaller share each)",
 }
+# How a collective tells a rank that a peer died first (gloo, NCCL): a consequence, not this rank's bug.
+_PEER_LOST = re.compile(r"Connection (closed|reset) by peer|Broken pipe|remote process exited|communicator was aborted")
 # How safetensors' writer reports an OS error: its own exception type, the errno only in the text.
 _SAFETENSORS_OS_ERROR = re.compile(r"(?P<strerror>[^:]*) \(os error (?P<errno>\d+)\)")
 
@@ -117,6 +123,13 @@ def classify(err: BaseException, *, output: Path | None = None) -> Failure:
             return Failure(ExitCode.BAD_INPUT, str(inner), same_on_every_rank=isinstance(inner, SAME_ON_EVERY_RANK))
     if isinstance(err, KeyboardInterrupt):
         return Failure(ExitCode.INTERNAL_ERROR, "interrupted")
+    lost = next((e for e in _wrapped(err) if isinstance(e, RuntimeError) and _PEER_LOST.search(str(e))), None)
+    if lost is not None:
+        first_line = str(lost).strip().splitlines()[0]
+        return Failure(
+            ExitCode.INTERNAL_ERROR,
+            f"another rank of this job failed first (its own message says why); this rank lost it: {first_line}",
+        )
     return Failure(ExitCode.INTERNAL_ERROR, "internal error: please report it with this traceback", traceback=True)
 
 
@@ -152,6 +165,7 @@ def _wrapped(err: BaseException) -> Iterator[BaseException]:
 
 
 def _report(command: str, err: BaseException, failure: Failure) -> int:
+    record_exit_code(failure.code)  # first: the launcher may stop this rank while it logs
     if failure.traceback:
         logger.error("%s failed (%s)", command, failure.message, exc_info=err)
     else:

@@ -52,7 +52,11 @@ def checked_layout(args: argparse.Namespace, config: Any) -> ParallelLayout:
 
 
 # Config fields that size a model: each must be a positive integer where the config has it (the
-# first four in every config a bridge reads), so that nothing downstream divides by a string.
+# first four in every config a bridge reads), so that nothing downstream divides by a string, and
+# at most MAX_SIZE: the meta-device build still allocates a few small tensors on the CPU from these
+# sizes (the rotary embedding's frequencies, from head_dim), and published models stay far below it
+# (hidden sizes to 2**15, vocabularies to 2**18, context lengths to 2**23.3).
+MAX_SIZE = 2**24
 REQUIRED_SIZES = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
 OPTIONAL_SIZES = (
     "intermediate_size", "num_key_value_heads", "head_dim", "moe_intermediate_size", "max_position_embeddings",
@@ -71,13 +75,13 @@ def check_config_numbers(config: Any) -> None:
             continue
         values = value if isinstance(value, list) and value and name not in REQUIRED_SIZES else [value]  # per modality
         least = 0 if name in EXPERT_COUNTS else 1
-        if any(isinstance(v, bool) or not isinstance(v, int) or v < least for v in values):
+        if any(isinstance(v, bool) or not isinstance(v, int) or not least <= v <= MAX_SIZE for v in values):
             problems.append(f"{name}={value!r}")
     if problems:
         where = getattr(config, "_name_or_path", "") or "the checkpoint"
         raise BadInput(
-            f"config.json of {where}: {', '.join(problems)}: each must be a positive integer (expert counts may be 0). "
-            "Fix config.json "
+            f"config.json of {where}: {', '.join(problems)}: each must be an integer from 1 (expert counts: 0) to "
+            f"{MAX_SIZE}. Fix config.json "
             "(it must be the config the weights were saved with)"
         )
 

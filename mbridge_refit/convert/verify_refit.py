@@ -4,7 +4,7 @@ Builds the trainer model from an HF checkpoint (``--hf``), a tiny recipe (``--re
 checkpoint) or a full-size shape (``--shape``, Megatron's random initialisation on the GPU),
 exports it into a fresh ``transformers`` model through ``HFModelUpdateSink`` and compares
 per-token log-probabilities on a fixed random token batch (``tools.verify_refit``). Exit 0 within
-tolerance, 1 beyond it, 2 bad input, 3 internal error.
+tolerance, 1 beyond it, 2 bad input, 3 internal error, 4 environment (exit_codes).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def add_verify_refit_parser(sub: Any) -> None:
         "  torchrun --nproc-per-node 2 -m mbridge_refit.convert verify-refit --shape qwen3-1.7b --tp 2\n"
         "  python -m mbridge_refit.convert verify-refit --recipe qwen3-tiny --perturb "
         "model.layers.0.self_attn.o_proj.weight   # must fail\n"
-        "exit codes: 0 within tolerance, 1 mismatch, 2 bad input, 3 failure",
+        "exit codes: 0 within tolerance, 1 mismatch, 2 bad input, 3 failure, 4 environment (disk, permissions)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
