@@ -309,6 +309,9 @@ def test_config_that_is_not_an_object_is_bad_input(single_file, text, needle, tm
     ({"intermediate_size": -128}, "intermediate_size=-128"),
     ({"num_hidden_layers": True}, "Field 'num_hidden_layers' expected int, got bool"),  # transformers' check
     ({"num_hidden_layers": 3}, "`num_hidden_layers` (3) must be equal to the number of `layer_types` (4)"),  # transformers' check
+    # before transformers reads it: it expands a layer count into per-layer lists (1e9: minutes, gigabytes)
+    ({"num_hidden_layers": 10**9}, "asks for num_hidden_layers=1000000000: more than 16384 layers or experts"),
+    ({"head_dim": 2**36}, "head_dim=68719476736"),  # the meta build allocates the rotary frequencies on the CPU
 ])
 def test_config_sizes_must_be_positive_integers(single_file, changes, needle, tmp_path, capsys):
     bad = copy_with_config(single_file, tmp_path / "bad", **changes)
@@ -402,3 +405,46 @@ def test_a_signal_to_the_launcher_is_exit_three_in_one_line(single_file, sig, tm
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == ExitCode.INTERNAL_ERROR, output[-4000:]
     assert f"stopped by {sig.name}" in output and "Traceback" not in output, output[-4000:]
+
+
+# --- the order of a GPU build's checks ----------------------------------------------------------------
+
+
+def test_a_gpu_build_is_checked_on_a_cpu_meta_build_first(monkeypatch):
+    """The GPU model is built only after its CPU meta-device twin passed the check; a refused check
+    builds nothing on the GPU, and a family the CPU cannot build is checked right after its GPU build."""
+    import torch
+
+    from mbridge_refit.convert import preflight
+    from mbridge_refit.plan.layout import ParallelLayout
+    from mbridge_refit.tools.model_builder import BuildOptions
+
+    calls: list = []
+
+    def build(bridge, layout, options):
+        calls.append(("build", options.device.type, options.materialize))
+        return [f"{options.device.type} model"]
+
+    def refuse(chunks):
+        calls.append(("check", chunks))
+        raise preflight.BadInput("mismatch")
+
+    monkeypatch.setattr(preflight, "build_model", build)
+    gpu = BuildOptions(device=torch.device("cuda"))
+    chunks = preflight.build_checked(None, ParallelLayout(), gpu, lambda c: calls.append(("check", c)))
+    assert chunks == ["cuda model"]
+    assert calls == [("build", "cpu", False), ("check", ["cpu model"]), ("build", "cuda", True)]
+    calls.clear()
+    with pytest.raises(preflight.BadInput):
+        preflight.build_checked(None, ParallelLayout(), gpu, refuse)
+    assert calls == [("build", "cpu", False), ("check", ["cpu model"])]
+
+    def no_cpu_build(bridge, layout, options):
+        if options.device.type == "cpu":
+            raise AssertionError("a Transformer Engine module without a CPU stand-in")
+        return build(bridge, layout, options)
+
+    calls.clear()
+    monkeypatch.setattr(preflight, "build_model", no_cpu_build)
+    assert preflight.build_checked(None, ParallelLayout(), gpu, lambda c: calls.append(("check", c))) == ["cuda model"]
+    assert calls == [("build", "cuda", True), ("check", ["cuda model"])]

@@ -15,7 +15,6 @@ files inside the checkpoint directory, checked before any of them is opened.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from collections import OrderedDict
@@ -176,10 +175,6 @@ class HFCheckpoint:
                 f"build cannot represent; known dtypes: {sorted(_DTYPES)}"
             )
         return _DTYPES[code]
-
-    def nbytes(self) -> int:
-        """Bytes of all tensors, from the file headers (no data read)."""
-        return sum(math.prod(self.shape(name)) * self.dtype(name).itemsize for name in self.weight_map)
 
     def config(self) -> dict[str, Any] | None:
         """Parsed ``config.json``, or None if the directory has none."""

@@ -123,6 +123,8 @@ class CheckpointInfo:
             if isinstance(err, NotAMegatronCheckpoint):
                 raise
             raise NotAMegatronCheckpoint(f"{meta} is unreadable ({err}): re-create the checkpoint with `import`") from err
+        if not info.params_dtype.is_floating_point:  # `import` records the checkpoint's floating-point dtype
+            raise NotAMegatronCheckpoint(f"{meta}: params_dtype {_dtype_name(info.params_dtype)} is not a floating-point dtype")
         for required in ("config.json", f"{WEIGHTS_DIR}/metadata.json", f"{WEIGHTS_DIR}/.metadata"):
             if not (path / required).is_file():
                 raise NotAMegatronCheckpoint(f"{path} is incomplete: {required} is missing; re-create it with `import`")
@@ -219,41 +221,66 @@ class StoredTensors:
 
 
 def read_stored(path: Path) -> StoredTensors:
-    """The tensors of the checkpoint in ``path`` (``CheckpointInfo.read`` accepted it), from its index alone."""
+    """The tensors of the checkpoint in ``path`` (``CheckpointInfo.read`` accepted it), from its index
+    alone; ``NotAMegatronCheckpoint`` if the index does not hold what torch_dist writes there."""
     weights = path / WEIGHTS_DIR
     check_pickled_parts(weights)
     with open(weights / ".metadata", "rb") as handle:
         index = _MetadataUnpickler(handle).load()
+    try:
+        return _stored(weights, index)
+    except (AttributeError, TypeError, ValueError, KeyError, IndexError, OverflowError) as err:
+        raise NotAMegatronCheckpoint(
+            f"{weights / '.metadata'} does not describe tensors as torch_dist writes them ({type(err).__name__}: "
+            f"{err}): re-create the checkpoint with `import`"
+        ) from err
+
+
+def _stored(weights: Path, index: Any) -> StoredTensors:
     tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     objects: set[str] = set()
     problems = _storage_problems(weights, index)
-    for key, entry in getattr(index, "state_dict_metadata", {}).items():
+    for key, entry in index.state_dict_metadata.items():
         if type(entry).__name__ == "BytesStorageMetadata":
-            objects.add(key)
+            objects.add(str(key))
             continue
-        shape = tuple(int(n) for n in entry.size)
-        tensors[key] = (shape, entry.properties.dtype)
-        problems += _tiling_problems(key, shape, [(tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks], index)
+        shape = tuple(_count(n) for n in entry.size)
+        dtype = entry.properties.dtype
+        if not isinstance(key, str) or not isinstance(dtype, torch.dtype):
+            raise TypeError(f"entry {key!r}: a {type(key).__name__} key with dtype {dtype!r}")
+        tensors[key] = (shape, dtype)
+        chunks = [(tuple(_count(o) for o in c.offsets), tuple(_count(n) for n in c.sizes)) for c in entry.chunks]
+        problems += _tiling_problems(key, shape, chunks, index)
     nbytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in tensors.values())
     return StoredTensors(tensors=tensors, objects=frozenset(objects), nbytes=nbytes, problems=problems)
+
+
+def _count(value: Any) -> int:
+    """A size or offset of the index: a non-negative int."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{value!r} is not a size")
+    return value
 
 
 def _storage_problems(weights: Path, index: Any) -> list[str]:
     """Every stored piece lies inside a file of ``weights`` (a truncated ``.distcp`` shows here)."""
     sizes: dict[str, int | None] = {}
     problems = []
-    for where, location in getattr(index, "storage_data", {}).items():
-        name = str(location.relative_path)
+    for where, location in index.storage_data.items():
+        name = location.relative_path
+        if not isinstance(name, str) or not isinstance(where.fqn, str):
+            raise TypeError(f"a storage entry names {name!r} for {where!r}")
+        end = _count(location.offset) + _count(location.length)
         if name not in sizes:
             unsafe = name.startswith("/") or any(part in ("", ".", "..") for part in name.split("/"))
             sizes[name] = None if unsafe or not (weights / name).is_file() else (weights / name).stat().st_size
             if sizes[name] is None:
                 problems.append(f"{weights}: the index names {name!r}, which is not a file of the checkpoint")
         size = sizes[name]
-        if size is not None and location.offset + location.length > size:
+        if size is not None and end > size:
             problems.append(
-                f"{weights / name} has {size} bytes, but {where.fqn} is stored at bytes {location.offset}.."
-                f"{location.offset + location.length}: the file is truncated"
+                f"{weights / name} has {size} bytes, but {where.fqn} is stored at bytes {location.offset}..{end}: "
+                "the file is truncated"
             )
     return problems
 
