@@ -94,14 +94,15 @@ def fresh(tmp_path: Path, source: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory) -> Path:
-    return recipes.make_random_checkpoint(
-        recipes.get_model_recipe("qwen3-tiny"), tmp_path_factory.mktemp("fuzz") / "sharded", seed=5, max_shard_bytes=96 * 1024
-    )
+    out = tmp_path_factory.mktemp("fuzz") / "sharded"
+    recipe = recipes.get_model_recipe("qwen3-tiny")
+    return recipes.make_random_checkpoint(recipe, out, seed=5, max_shard_bytes=96 * 1024)
 
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory) -> Path:
-    return recipes.make_random_checkpoint(recipes.get_model_recipe("qwen3-tiny"), tmp_path_factory.mktemp("fuzz") / "single", seed=5)
+    out = tmp_path_factory.mktemp("fuzz") / "single"
+    return recipes.make_random_checkpoint(recipes.get_model_recipe("qwen3-tiny"), out, seed=5)
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +186,8 @@ def _edit_entry(raw: bytes, kind: str, pick: int, value) -> bytes:
 
 
 INDEX_VALUES = st.one_of(
-    JSON_SCALARS, st.sampled_from(["../sharded/model-00001-of-00005.safetensors", "/etc/passwd", "", ".", "a/../b", "x" * 300]),
+    JSON_SCALARS,
+    st.sampled_from(["../sharded/model-00001-of-00005.safetensors", "/etc/passwd", "", ".", "a/../b", "x" * 300]),
 )
 
 
@@ -224,7 +226,8 @@ CONFIG_FIELDS = [
     "layer_types", "dtype", "rope_parameters",
 ]
 CONFIG_NUMBERS = st.one_of(
-    st.sampled_from([0, -1, 1, 3, 7, 63, 65, 128, 256, 1024, 8_400_000, 10**9, 2**31, 2**63]), st.integers(-(2**40), 2**40),
+    st.sampled_from([0, -1, 1, 3, 7, 63, 65, 128, 256, 1024, 8_400_000, 10**9, 2**31, 2**63]),
+    st.integers(-(2**40), 2**40),
 )
 
 
@@ -257,7 +260,10 @@ def megatron_mutations(draw):
     kind = draw(st.sampled_from(["index-bytes", "index-truncate", "info", "distcp-truncate", "config"]))
     if kind == "config":
         _, edit = draw(config_mutations())
-        return kind, lambda path: (path / "config.json").write_text(edit(json.loads((path / "config.json").read_text())))
+        def edit_config(path: Path) -> None:
+            (path / "config.json").write_text(edit(json.loads((path / "config.json").read_text())))
+
+        return kind, edit_config
     if kind == "info":
         field = draw(st.sampled_from(["saved_layout", "params_dtype", "hf_dtypes", "format", "version", "weights_dir"]))
         value = draw(st.one_of(JSON_VALUES, st.sampled_from(["float64", "bfloat16", "float16", "int8", {"tp": 2}])))
@@ -271,7 +277,8 @@ def megatron_mutations(draw):
     at, junk, cut = draw(st.integers(0, 20000)), draw(st.binary(min_size=1, max_size=8)), draw(st.floats(0, 1))
 
     def edit_file(path: Path) -> None:
-        target = path / "release" / ".metadata" if kind.startswith("index") else next((path / "release").glob("*.distcp"))
+        weights = path / "release"
+        target = weights / ".metadata" if kind.startswith("index") else next(weights.glob("*.distcp"))
         raw = target.read_bytes()
         if kind == "index-bytes":
             at_ = at % len(raw)

@@ -40,7 +40,8 @@ def convert(*argv) -> int:
 @pytest.fixture(scope="module")
 def single_file(tmp_path_factory) -> Path:
     """qwen3-tiny as one ``model.safetensors`` (vocab 512, hidden 64)."""
-    return recipes.make_random_checkpoint(recipes.get_model_recipe("qwen3-tiny"), tmp_path_factory.mktemp("single") / "hf", seed=3)
+    out = tmp_path_factory.mktemp("single") / "hf"
+    return recipes.make_random_checkpoint(recipes.get_model_recipe("qwen3-tiny"), out, seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -61,14 +62,19 @@ def copy_with_config(source: Path, dest: Path, **changes) -> Path:
 
 # --- item 3 (and 6): export never crops, pads or fails as a "difference" ----------------------------
 
+EMBEDDING = "embedding.word_embeddings.weight"
+
 
 @pytest.mark.parametrize(
     ("changes", "needle"),
     [
-        ({"vocab_size": 256}, "embedding.word_embeddings.weight: stored as [512, 64], but the model of config.json needs [256, 64]"),
-        ({"vocab_size": 1024}, "embedding.word_embeddings.weight: stored as [512, 64], but the model of config.json needs [1024, 64]"),
-        ({"hidden_size": 128}, "decoder.final_layernorm.weight: stored as [64], but the model of config.json needs [128]"),
-        ({"num_hidden_layers": 3, "layer_types": ["full_attention"] * 3}, "stored as [4, 64], but the model of config.json needs [3, 64]"),
+        ({"vocab_size": 256}, f"{EMBEDDING}: stored as [512, 64], but the model of config.json needs [256, 64]"),
+        ({"vocab_size": 1024}, f"{EMBEDDING}: stored as [512, 64], but the model of config.json needs [1024, 64]"),
+        ({"hidden_size": 128}, "final_layernorm.weight: stored as [64], but the model of config.json needs [128]"),
+        (
+            {"num_hidden_layers": 3, "layer_types": ["full_attention"] * 3},
+            "stored as [4, 64], but the model of config.json needs [3, 64]",
+        ),
     ],
     ids=["vocab-smaller", "vocab-larger", "hidden-larger", "fewer-layers"],
 )
@@ -154,7 +160,8 @@ def test_a_config_far_larger_than_its_weights_is_refused_before_allocation(singl
         runs.append(["roundtrip", "--hf", str(source), "--out", str(tmp_path / f"out-{name}"), "--no-progress"])
     driver = BOMB_DRIVER.format(limit=ADDRESS_SPACE_LIMIT)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", driver, json.dumps(runs)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    command = [sys.executable, "-c", driver, json.dumps(runs)]
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     codes = json.loads(output.split("CODES ", 1)[1].splitlines()[0])
@@ -207,7 +214,8 @@ def _duplicate_key(raw: bytes) -> bytes:
     header, body = _header(raw)
     first = _names(header)[0]
     text = json.dumps(header).encode()
-    return _with_header(text[:-1] + b", " + json.dumps(first).encode() + b": " + json.dumps(header[first]).encode() + b"}", body)
+    again = json.dumps(first).encode() + b": " + json.dumps(header[first]).encode()
+    return _with_header(text[:-1] + b", " + again + b"}", body)
 
 
 SINGLE_FILE_DAMAGE = {
@@ -244,9 +252,9 @@ def test_damaged_single_file_checkpoint_is_bad_input(single_file, damage, comman
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory) -> Path:
-    return recipes.make_random_checkpoint(
-        recipes.get_model_recipe("qwen3-tiny"), tmp_path_factory.mktemp("sharded") / "hf", seed=3, max_shard_bytes=64 * 1024
-    )
+    out = tmp_path_factory.mktemp("sharded") / "hf"
+    recipe = recipes.get_model_recipe("qwen3-tiny")
+    return recipes.make_random_checkpoint(recipe, out, seed=3, max_shard_bytes=64 * 1024)
 
 
 def _index_pointing(sharded: Path, dest: Path, value) -> tuple[Path, str]:
@@ -281,7 +289,12 @@ def test_index_entries_must_name_files_inside_the_checkpoint(sharded, value, nee
     bad, _ = _index_pointing(sharded, tmp_path / "bad", value)
     opened: list[str] = []
     real_safe_open = hf.safe_open
-    monkeypatch.setattr(hf, "safe_open", lambda path, *a, **k: opened.append(str(path)) or real_safe_open(path, *a, **k))
+
+    def recording(path, *args, **kwargs):
+        opened.append(str(path))
+        return real_safe_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(hf, "safe_open", recording)
     for argv in (["verify", sharded, bad], ["roundtrip", "--hf", bad, "--out", tmp_path / "out", "--no-progress"]):
         code = convert(*argv)
         err = capsys.readouterr().err
@@ -291,7 +304,9 @@ def test_index_entries_must_name_files_inside_the_checkpoint(sharded, value, nee
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize(("text", "needle"), [("[1, 2]", "holds a JSON list, not an object"), ('"qwen3"', "holds a JSON str")])
+@pytest.mark.parametrize(
+    ("text", "needle"), [("[1, 2]", "holds a JSON list, not an object"), ('"qwen3"', "holds a JSON str")]
+)
 def test_config_that_is_not_an_object_is_bad_input(single_file, text, needle, tmp_path, capsys):
     """A config.json holding a list was an internal error (TypeError in transformers)."""
     bad = tmp_path / "bad"
@@ -308,7 +323,8 @@ def test_config_that_is_not_an_object_is_bad_input(single_file, text, needle, tm
     ({"num_attention_heads": 0}, "num_attention_heads=0"),
     ({"intermediate_size": -128}, "intermediate_size=-128"),
     ({"num_hidden_layers": True}, "Field 'num_hidden_layers' expected int, got bool"),  # transformers' check
-    ({"num_hidden_layers": 3}, "`num_hidden_layers` (3) must be equal to the number of `layer_types` (4)"),  # transformers' check
+    # transformers' check
+    ({"num_hidden_layers": 3}, "`num_hidden_layers` (3) must be equal to the number of `layer_types` (4)"),
     # before transformers reads it: it expands a layer count into per-layer lists (1e9: minutes, gigabytes)
     ({"num_hidden_layers": 10**9}, "asks for num_hidden_layers=1000000000: more than 16384 layers or experts"),
     ({"head_dim": 2**36}, "head_dim=68719476736"),  # the meta build allocates the rotary frequencies on the CPU
@@ -374,6 +390,13 @@ def test_classifier_finds_the_errno_inside_what_torch_wraps():
     assert failure.code == ExitCode.ENVIRONMENT and not failure.traceback
     assert failure.message.startswith("writing /data/out: No space left on device [errno 28 ENOSPC]")
     assert classify(ValueError("our bug")).code == ExitCode.INTERNAL_ERROR and classify(ValueError("x")).traceback
+    safetensors_error = type("SafetensorError", (Exception,), {})  # safetensors' writer: errno only in the text
+    written = safetensors_error("Error while serializing: I/O error: File too large (os error 27)")
+    assert classify(written, output=Path("/o")).message.startswith("writing /o: File too large [errno 27 EFBIG]")
+    cpu_oom = RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: 8 GB")
+    assert classify(cpu_oom).code == ExitCode.ENVIRONMENT and "out of memory" in classify(cpu_oom).message
+    peer = RuntimeError("[gloo/transport/tcp/pair.cc:547] Connection closed by peer [127.0.0.1]:31648")
+    assert classify(peer).code == ExitCode.INTERNAL_ERROR and not classify(peer).traceback
 
 
 # --- item 6: a signal to the --nproc-per-node launcher ------------------------------------------------

@@ -214,7 +214,8 @@ def _header_names(file: Path) -> list[str]:
             if length > min(MAX_HEADER_BYTES, size - 8):
                 raise CheckpointError(
                     f"cannot read {file}: its header length is {length} bytes, but the file has {size - 8} "
-                    f"bytes after the length (and safetensors reads at most {MAX_HEADER_BYTES}): truncated or not a safetensors file"
+                    f"bytes after the length (and safetensors reads at most {MAX_HEADER_BYTES}): truncated or not "
+                    "a safetensors file"
                 )
             raw = handle.read(length)
     except OSError as err:
@@ -366,7 +367,7 @@ def load_config(checkpoint_dir: str | os.PathLike[str]) -> Any:
         return AutoConfig.from_pretrained(Path(checkpoint_dir), trust_remote_code=False)
     except OSError:
         raise
-    except Exception as err:  # its checks of the fields (StrictDataclassError, ValueError, ...), or a field it chokes on
+    except Exception as err:  # its field checks (StrictDataclassError, ValueError...) or a field it chokes on
         raise ConfigError(f"{path}: transformers refuses it ({type(err).__name__}: {err})") from err
 
 

@@ -124,7 +124,8 @@ class CheckpointInfo:
                 raise
             raise NotAMegatronCheckpoint(f"{meta} is unreadable ({err}): re-create the checkpoint with `import`") from err
         if not info.params_dtype.is_floating_point:  # `import` records the checkpoint's floating-point dtype
-            raise NotAMegatronCheckpoint(f"{meta}: params_dtype {_dtype_name(info.params_dtype)} is not a floating-point dtype")
+            dtype = _dtype_name(info.params_dtype)
+            raise NotAMegatronCheckpoint(f"{meta}: params_dtype {dtype} is not a floating-point dtype: re-create it")
         for required in ("config.json", f"{WEIGHTS_DIR}/metadata.json", f"{WEIGHTS_DIR}/.metadata"):
             if not (path / required).is_file():
                 raise NotAMegatronCheckpoint(f"{path} is incomplete: {required} is missing; re-create it with `import`")

@@ -11,9 +11,10 @@ torch.distributed.checkpoint's ``CheckpointException``, which derives from ``Bas
 
 - environment (exit 4): an ``OSError`` whose errno says the machine refused (``ENVIRONMENT_ERRNOS``:
   disk full, quota, file-size limit, permissions, read-only filesystem, open-file limits, I/O
-  error), the same error as safetensors' writer reports it (``... (os error 28)``), or
-  ``MemoryError``; one line names the path (the file, or the command's output when the error
-  names none), the errno and what to do;
+  error), the same error as safetensors' writer reports it (``... (os error 28)``), or an
+  allocation that failed (``MemoryError``, torch's "can't allocate memory", CUDA out of memory: the
+  model matches its checkpoint by then, so the machine is too small); one line names the path
+  (the file, or the command's output when the error names none), the errno and what to do;
 - bad input (exit 2): ``BadInput`` and the library's own input errors (``INPUT_ERRORS``: a layout
   that does not fit, a model the FP8 format cannot hold, a damaged or hostile checkpoint or
   config, a checkpoint whose tensors do not match its config); their messages name the file and
@@ -83,6 +84,8 @@ ENVIRONMENT_ERRNOS: dict[int, str] = {
 }
 # How a collective tells a rank that a peer died first (gloo, NCCL): a consequence, not this rank's bug.
 _PEER_LOST = re.compile(r"Connection (closed|reset) by peer|Broken pipe|remote process exited|communicator was aborted")
+# How torch reports an allocation it could not make (CPU: "can't allocate memory"; CUDA: OutOfMemoryError).
+_OUT_OF_MEMORY = re.compile(r"can't allocate memory|CUDA out of memory|out of memory")
 # How safetensors' writer reports an OS error: its own exception type, the errno only in the text.
 _SAFETENSORS_OS_ERROR = re.compile(r"(?P<strerror>[^:]*) \(os error (?P<errno>\d+)\)")
 
@@ -135,8 +138,9 @@ def classify(err: BaseException, *, output: Path | None = None) -> Failure:
 
 def environment_message(err: BaseException, output: Path | None) -> str | None:
     """The line an environment failure ends with (path, errno, what to do), or None if ``err`` is none."""
-    if isinstance(err, MemoryError):
-        return f"out of memory ({type(err).__name__}): {ENVIRONMENT_ERRNOS[errno.ENOMEM]}"
+    if isinstance(err, MemoryError) or (isinstance(err, RuntimeError) and _OUT_OF_MEMORY.search(str(err))):
+        first_line = (str(err).strip().splitlines() or [""])[0][:300]
+        return f"out of memory ({type(err).__name__}: {first_line}): {ENVIRONMENT_ERRNOS[errno.ENOMEM]}"
     number, strerror, path = None, None, None
     if isinstance(err, OSError) and err.errno in ENVIRONMENT_ERRNOS:
         number, strerror, path = err.errno, err.strerror, err.filename
@@ -160,8 +164,9 @@ def _wrapped(err: BaseException) -> Iterator[BaseException]:
         seen.add(id(current))
         yield current
         pending += [current.__cause__, current.__context__]
-        for failure in (getattr(current, "failures", None) or {}).values():  # torch's CheckpointException
-            pending.append(failure[0] if isinstance(failure, tuple) else getattr(failure, "exc", None))
+        failures = getattr(current, "failures", None)  # torch's CheckpointException: rank -> (exception, traceback)
+        for failure in failures.values() if isinstance(failures, dict) else ():
+            pending.append(failure[0] if isinstance(failure, tuple) and failure else getattr(failure, "exc", None))
 
 
 def _report(command: str, err: BaseException, failure: Failure) -> int:

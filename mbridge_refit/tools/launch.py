@@ -1,8 +1,8 @@
 """Process groups: start and stop torch.distributed and Megatron's model-parallel state.
 
 This is the one module that reads the launcher's environment (``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK`` set by ``torchrun``; ``EXIT_RECORDS_VARIABLE`` set by ``convert --nproc-per-node``). CPU runs use gloo; GPU runs use NCCL with one device per
-local rank. A plain ``python -m ...`` without torchrun gets a one-process group, so the same
+``LOCAL_RANK`` set by ``torchrun``; ``EXIT_RECORDS_VARIABLE`` set by ``convert --nproc-per-node``).
+CPU runs use gloo; GPU runs use NCCL with one device per local rank. A plain ``python -m ...`` without torchrun gets a one-process group, so the same
 code path serves one process and N ranks.
 """
 
