@@ -120,7 +120,7 @@ def raise_on_every_rank(problems: list[str], source: Path, *, gathered: bool = F
     every = problems if gathered else [p for rank in _gathered(problems) for p in rank]
     if every:
         raise BadInput(
-            f"the checkpoint at {source} does not match its config.json: {_joined(every)}. Nothing was allocated or "
+            f"the checkpoint at {source} does not match its config.json: {_joined(every)}. No weight was read or "
             "written. Fix config.json or use the checkpoint it belongs to"
         )
 
