@@ -42,7 +42,7 @@ from mbridge_refit.fp8 import te as te_fp8
 from mbridge_refit.fp8.format import FP8_DTYPE_NAME, BlockwiseFP8Config, FP8FormatError, scale_name
 from mbridge_refit.fp8.plan import fp8_plan, yielded_bytes
 from mbridge_refit.fp8.quantize import quantize_bucket_lists
-from mbridge_refit.checkpoints.loader import LoadReport, load_hf_shards
+from mbridge_refit.checkpoints.loader import LoadReport, check_hf_shapes, load_hf_shards
 from mbridge_refit.plan.build import build_export_plan
 from mbridge_refit.plan.engine_layout import EngineLayout
 from mbridge_refit.plan.entries import ExportPlan, PlanError
@@ -684,6 +684,13 @@ class RefitBridge(AutoBridge):
         checkpoint = HFCheckpoint.open(path)
         chunks = _chunks(model)
         return load_hf_shards(self.megatron_model_bridge(chunks), self.hf_pretrained, chunks, checkpoint)
+
+    def check_hf_shapes(self, model: list[torch.nn.Module], hf_path: str | Path | None = None) -> None:
+        """Every name and shape check of ``load_hf_shards``, reading no data and writing no
+        parameter (``model`` may be on the meta device); collective like ``load_hf_shards``."""
+        path = Path(hf_path) if hf_path is not None else self._checkpoint_path()
+        chunks = _chunks(model)
+        check_hf_shapes(self.megatron_model_bridge(chunks), self.hf_pretrained, chunks, HFCheckpoint.open(path))
 
     def _hf_config(self) -> Any:
         return getattr(self.hf_pretrained, "config", None) or self.hf_pretrained  # from_hf_config keeps the config itself

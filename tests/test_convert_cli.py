@@ -162,6 +162,8 @@ def test_launcher_refuses_to_run_under_torchrun(source_checkpoints, tmp_path):
         ({0: 1, 1: 1}, ExitCode.DIFFERENCES),
         ({0: 1, 1: 3}, ExitCode.INTERNAL_ERROR),
         ({0: 77}, ExitCode.INTERNAL_ERROR),
+        ({1: 4, 0: -15}, ExitCode.ENVIRONMENT),  # a rank's disk filled up; torchrun stopped the other
+        ({0: 3, 1: 4}, ExitCode.ENVIRONMENT),  # the peer of a rank whose disk filled up failed too
     ],
 )
 def test_launch_exit_code_is_the_most_severe(codes, expected):
@@ -183,10 +185,10 @@ if os.environ.get("RANK") == "1":
 """
 
 
-def test_launcher_internal_error_on_one_rank_is_three_at_once(source_checkpoints, tmp_path):
-    """Rank 1's disk fills while it writes its shard (an internal error) while rank 0 waits in a
-    collective: the launch ends at once (the launcher stops rank 0) with exit 3, and the existing
-    output is untouched."""
+def test_launcher_disk_full_on_one_rank_is_four_at_once(source_checkpoints, tmp_path):
+    """Rank 1's disk fills while it writes its shard (an environment failure) while rank 0 waits in
+    a collective: the launch ends at once (the launcher stops rank 0) with exit 4 and one line naming
+    the output, the errno and the fix, and the existing output is untouched."""
     import time
 
     shim = tmp_path / "shim"
@@ -198,9 +200,10 @@ def test_launcher_internal_error_on_one_rank_is_three_at_once(source_checkpoints
     start = time.monotonic()
     run = launched(2, "roundtrip", "--hf", str(source_checkpoints("qwen3-tiny")), "--out", str(out), "--tp", "2",
                    "--overwrite", "--max-shard-bytes", "40000", env_extra={"PYTHONPATH": str(shim)})
-    assert run.returncode == ExitCode.INTERNAL_ERROR, run.output[-4000:]
+    assert run.returncode == ExitCode.ENVIRONMENT, run.output[-4000:]
     assert time.monotonic() - start < 120, "the healthy rank must not wait for the process-group timeout"
-    assert "No space left on device (injected by the test)" in run.output and "rank 1: exit 3 (internal error)" in run.output
+    assert "No space left on device (injected by the test) [errno 28 ENOSPC]: free space" in run.output
+    assert "rank 1: exit 4 (environment)" in run.output and "Traceback" not in run.output
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt"] and not list(tmp_path.glob(".out*"))
 
 

@@ -4,6 +4,13 @@ Owns :class:`HFCheckpoint` (names, shapes, dtypes and tensors of a checkpoint di
 through safetensors' own reader, never through our writer) and :func:`compare_checkpoints`, the
 bitwise comparison used by tests and by ``verify``; and :func:`load_config`, a checkpoint's
 ``config.json`` read without running the checkpoint's own code unless the caller asks for it.
+
+Everything read here is input: a damaged or hostile file raises ``CheckpointError`` (a
+``config.json`` that cannot describe a model: ``ConfigError``) naming the file and what is wrong,
+never a reader's own exception. Every safetensors file, the single ``model.safetensors`` as each
+shard of an index, has its header checked the same way (``_header_names``: the length, the JSON,
+a name given twice, then safetensors' own checks of dtypes and offsets); index entries must name
+files inside the checkpoint directory, checked before any of them is opened.
 """
 
 from __future__ import annotations
@@ -11,10 +18,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from safetensors import safe_open
@@ -35,6 +43,12 @@ COPIED_FILE_NAMES = (
     "tokenizer.model",
 )
 _MAX_OPEN_HANDLES = 8
+# safetensors refuses headers longer than this (its MAX_HEADER_SIZE); checked before reading one.
+MAX_HEADER_BYTES = 100_000_000
+# An index lists one line per tensor: 100k tensors take about 10 MB.
+MAX_INDEX_BYTES = 256 * 2**20
+# The longest file name most filesystems hold (NAME_MAX), in bytes.
+MAX_NAME_BYTES = 255
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +84,10 @@ class CheckpointError(ValueError):
     """A checkpoint's files are unreadable or disagree with its index (the message lists what)."""
 
 
+class ConfigError(ValueError):
+    """A ``config.json`` that is not a JSON object describing a model (the message names the file)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class HFCheckpoint:
     """A safetensors checkpoint directory (sharded with an index, or one ``model.safetensors``).
@@ -98,10 +116,12 @@ class HFCheckpoint:
             weight_map = _read_index(path)
         elif (path / SINGLE_FILE_NAME).is_file():
             try:
-                with _safe_open(path / SINGLE_FILE_NAME) as f:
-                    weight_map = {name: SINGLE_FILE_NAME for name in f.keys()}
-            except Exception as err:  # safetensors raises its own error type for bad headers
-                raise CheckpointError(f"cannot read {path / SINGLE_FILE_NAME}: {type(err).__name__}: {err}") from err
+                names = _header_names(path / SINGLE_FILE_NAME)
+            except CheckpointError as err:
+                raise CheckpointError(
+                    f"the checkpoint at {path} is damaged: {err}. Re-export or re-download it"
+                ) from err
+            weight_map = dict.fromkeys(names, SINGLE_FILE_NAME)
         else:
             found = sorted(p.name for p in path.glob("*.safetensors"))
             raise FileNotFoundError(
@@ -114,19 +134,19 @@ class HFCheckpoint:
         """Read every file's header and check it against the index, before anything is loaded.
 
         Raises ``CheckpointError`` listing each problem: a file that cannot be read or whose
-        header does not parse (truncated, garbage, oversized), a tensor the index lists but its
-        file lacks, a tensor a file holds that the index does not list for that file (e.g. a
-        second copy of a tensor)."""
+        header does not parse (truncated, garbage, oversized, a name given twice, offsets outside
+        the file or overlapping, an unknown dtype: ``_header_names``), a tensor the index lists
+        but its file lacks, a tensor a file holds that the index does not list for that file (e.g.
+        a second copy of a tensor)."""
         problems: list[str] = []
         listed: dict[str, set[str]] = {}
         for name, file_name in self.weight_map.items():
             listed.setdefault(file_name, set()).add(name)
         for file_name, names in sorted(listed.items()):
             try:
-                with _safe_open(self.path / file_name) as handle:
-                    held = set(handle.keys())
-            except Exception as err:  # safetensors raises its own error type for bad headers
-                problems.append(f"cannot read {self.path / file_name}: {type(err).__name__}: {err}")
+                held = set(_header_names(self.path / file_name))
+            except CheckpointError as err:
+                problems.append(str(err))
                 continue
             problems += [f"{file_name} lacks {name}, which the index lists there" for name in sorted(names - held)]
             problems += [f"{file_name} holds {name}, which the index does not list there" for name in sorted(held - names)]
@@ -154,7 +174,7 @@ class HFCheckpoint:
         """torch dtype of ``name``, from the file header (no data read)."""
         code = self.slice(name).get_dtype()
         if code not in _DTYPES:
-            raise ValueError(
+            raise CheckpointError(
                 f"tensor {name!r} in {self.path} has safetensors dtype {code}, which this torch "
                 f"build cannot represent; known dtypes: {sorted(_DTYPES)}"
             )
@@ -163,7 +183,7 @@ class HFCheckpoint:
     def config(self) -> dict[str, Any] | None:
         """Parsed ``config.json``, or None if the directory has none."""
         config = self.path / CONFIG_NAME
-        return json.loads(config.read_text()) if config.is_file() else None
+        return read_config_json(config) if config.is_file() else None
 
     def _handle(self, name: str) -> Any:
         if name not in self.weight_map:
@@ -187,15 +207,73 @@ def _safe_open(path: Path) -> Any:
     return safe_open(path, framework="pt")
 
 
-def _read_index(path: Path) -> dict[str, str]:
+def _header_names(file: Path) -> list[str]:
+    """The tensor names in the safetensors ``file``'s header, once the whole header is checked.
+
+    Checked here: the file holds the 8-byte length and that many header bytes (at most
+    ``MAX_HEADER_BYTES``), the header is a JSON object (not nested past the JSON parser's depth)
+    naming no key twice (safetensors would keep the last silently); then safetensors' own reader
+    checks each entry's dtype and that the offsets tile the data exactly. Raises
+    ``CheckpointError`` naming the file and what is wrong."""
     try:
-        index = json.loads((path / INDEX_NAME).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"cannot read {path / INDEX_NAME}: {err}; the index must be the JSON an HF export writes") from err
+        with open(file, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                raise CheckpointError(
+                    f"cannot read {file}: it has {size} bytes, fewer than the 8 of a safetensors header length"
+                )
+            length = int.from_bytes(prefix, "little")
+            if length > min(MAX_HEADER_BYTES, size - 8):
+                raise CheckpointError(
+                    f"cannot read {file}: its header length is {length} bytes, but the file has {size - 8} "
+                    f"bytes after the length (and safetensors reads at most {MAX_HEADER_BYTES}): truncated or not "
+                    "a safetensors file"
+                )
+            raw = handle.read(length)
+    except OSError as err:
+        raise CheckpointError(f"cannot read {file}: {err}") from err
+    try:
+        json.loads(raw, object_pairs_hook=_refuse_duplicate_keys)
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:  # JSONDecodeError is a ValueError
+        raise CheckpointError(
+            f"cannot read {file}: its header is not the JSON safetensors writes ({type(err).__name__}: {err})"
+        ) from err
+    try:
+        with safe_open(file, framework="pt") as handle:
+            return list(handle.keys())
+    except Exception as err:  # safetensors raises its own error type (SafetensorError) for bad headers
+        raise CheckpointError(f"cannot read {file}: {type(err).__name__}: {err}") from err
+
+
+def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [key for key, _ in pairs]
+    repeated = sorted({key for key in keys if keys.count(key) > 1}) if len(set(keys)) < len(keys) else []
+    if repeated:
+        raise ValueError(f"the header names {repeated[:3]} more than once")
+    return dict(pairs)
+
+
+def _read_index(path: Path) -> dict[str, str]:
+    index_file = path / INDEX_NAME
+    try:
+        if index_file.stat().st_size > MAX_INDEX_BYTES:
+            raise CheckpointError(f"{index_file.stat().st_size} bytes, more than the {MAX_INDEX_BYTES} of any HF index")
+        index = json.loads(index_file.read_bytes())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise CheckpointError(
+            f"cannot read {index_file}: {err}; the index must be the JSON an HF export writes"
+        ) from err
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
-        raise ValueError(
-            f"{path / INDEX_NAME} has no 'weight_map' object; is it an HF safetensors index?"
+        raise CheckpointError(f"{index_file} has no 'weight_map' object; is it an HF safetensors index?")
+    problems = {name: _shard_name_problem(file) for name, file in weight_map.items()}
+    bad = sorted(f"{name!r}: {problem}" for name, problem in problems.items() if problem)
+    if bad:
+        raise CheckpointError(
+            f"{index_file} maps tensors to files that cannot be this checkpoint's shards ({'; '.join(bad[:5])}"
+            f"{f'; and {len(bad) - 5} more' if len(bad) > 5 else ''}): every value of weight_map must be the name of a "
+            f"file in {path}. Re-export or re-download the checkpoint"
         )
     missing = sorted({f for f in weight_map.values() if not (path / f).exists()})
     if missing:
@@ -204,6 +282,21 @@ def _read_index(path: Path) -> dict[str, str]:
             "the checkpoint is incomplete (re-run the export)"
         )
     return dict(weight_map)
+
+
+def _shard_name_problem(file: Any) -> str | None:
+    """Why ``file`` (a value of an index's weight_map) cannot name a shard inside the checkpoint
+    directory, or None: a relative path without ``..`` whose every part a filesystem can hold.
+    Checked on the text alone, so nothing outside the checkpoint is opened or even looked up."""
+    if not isinstance(file, str):
+        return f"{type(file).__name__} {str(file)[:40]!r} is not a file name"
+    parts = file.split("/")
+    if not file or "\0" in file or file.startswith("/") or any(part in ("", ".", "..") for part in parts):
+        return f"{file[:80]!r} is not a plain relative path inside the checkpoint"
+    longest = max(len(part.encode("utf-8", "surrogatepass")) for part in parts)
+    if longest > MAX_NAME_BYTES:
+        return f"a {longest}-byte file name, longer than the {MAX_NAME_BYTES} bytes a filesystem holds"
+    return None
 
 
 def compare_checkpoints(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> list[str]:
@@ -275,18 +368,23 @@ def load_config(checkpoint_dir: str | os.PathLike[str], *, trust_remote_code: bo
     whatever ``auto_map`` says (NVIDIA's Nemotron-H checkpoints carry both), and a config whose
     architecture exists only as the checkpoint's own code raises ``RemoteCodeError``. With it,
     transformers decides as it does for any caller (an ``auto_map`` class is then imported and run).
+    The file is checked first (``read_config_json``: a JSON object of bounded size, layer and expert
+    counts); a config transformers refuses is a ``ConfigError`` naming why.
     """
     from transformers import AutoConfig
 
+    read_config_json(Path(checkpoint_dir) / CONFIG_NAME)
     if trust_remote_code:
         logger.warning("reading %s with trust_remote_code=True: the checkpoint's own code may run", checkpoint_dir)
     try:
         config = AutoConfig.from_pretrained(Path(checkpoint_dir), trust_remote_code=trust_remote_code)
-    except ValueError as err:
+    except OSError:
+        raise
+    except Exception as err:  # a type that needs its own code, or transformers' field checks (StrictDataclassError, ValueError...)
         refusal = remote_code_refusal(checkpoint_dir) if not trust_remote_code else None
         if refusal is not None:
             raise refusal from err
-        raise
+        raise ConfigError(f"{Path(checkpoint_dir) / CONFIG_NAME}: transformers refuses it ({type(err).__name__}: {err})") from err
     if not trust_remote_code and getattr(config, "auto_map", None):
         logger.info("%s: model_type %r is built in; auto_map not used", checkpoint_dir, config.model_type)
     return config
@@ -316,3 +414,50 @@ def remote_code_refusal(checkpoint_dir: str | os.PathLike[str]) -> RemoteCodeErr
         "trust_remote_code=True (Python API) or --trust-remote-code (command line), for checkpoints you trust. "
         "Or use a transformers release that has this architecture built in."
     )
+
+
+# What a config.json may ask for before anything compares it with the weights. transformers expands
+# a layer count into per-layer lists and the model is built one module per layer and per expert, so
+# a count of 1e9 would take minutes and gigabytes before any check sees the checkpoint. Published
+# models stay far below (about 200 layers, 512 routed experts); their config.json is kilobytes.
+MAX_MODULE_COUNT = 16_384
+MAX_CONFIG_BYTES = 16 * 2**20
+_MODULE_COUNT_KEY = re.compile(r"(layers|layer|depth|experts)$")
+
+
+def read_config_json(path: Path) -> dict[str, Any]:
+    """``path`` (a ``config.json``) parsed; ``ConfigError`` unless it is a JSON object of at most
+    ``MAX_CONFIG_BYTES`` whose layer and expert counts (keys ending in ``layers``, ``layer``,
+    ``depth`` or ``experts``, at any depth) are at most ``MAX_MODULE_COUNT``."""
+    size = path.stat().st_size
+    if size > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"{path} has {size} bytes (more than {MAX_CONFIG_BYTES}): it is not the config.json of an HF model"
+        )
+    try:
+        raw = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise ConfigError(
+            f"{path} is not JSON ({type(err).__name__}: {err}); it must be the config.json of an HF model"
+        ) from err
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"{path} holds a JSON {type(raw).__name__}, not an object: it must be the config.json of an HF model"
+        )
+    too_many = [f"{key}={value}" for key, value in _module_counts(raw) if value > MAX_MODULE_COUNT]
+    if too_many:
+        raise ConfigError(
+            f"{path} asks for {', '.join(too_many[:3])}: more than {MAX_MODULE_COUNT} layers or experts, which no "
+            "checkpoint holds (it would take minutes and gigabytes to build before any check). Fix config.json"
+        )
+    return raw
+
+
+def _module_counts(value: Any, depth: int = 0) -> Iterator[tuple[str, int]]:
+    """(key, count) of every integer whose key names layers or experts, at any depth of ``value``."""
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(item, int) and not isinstance(item, bool) and _MODULE_COUNT_KEY.search(str(key)):
+            yield str(key), item
+        elif isinstance(item, (dict, list)) and depth < 32:
+            yield from _module_counts(item, depth + 1)

@@ -15,6 +15,10 @@ checkpoint's stored shape as the export decides it).
 
 Every parameter of every chunk must be written exactly once; anything left over is an error
 that lists the parameter names (the model may have been built with ``to_empty``).
+
+``check_hf_shapes`` runs the same walk without reading any data or writing any parameter: every
+name and shape check of the load, on a model still on the meta device, so a checkpoint that does
+not match its config is refused before the model is given memory.
 """
 
 from __future__ import annotations
@@ -67,18 +71,8 @@ def load_hf_shards(
     from megatron.core.utils import unwrap_model
 
     unwrapped = unwrap_model(chunks)
-    config = unwrapped[0].config
     _float32_router_state(unwrapped)
-    tasks = [t for t in model_bridge.build_conversion_tasks(hf_pretrained, unwrapped) if t is not None]
-    report = LoadReport()
-    written: set[int] = set()
-    error: LoadError | None = None
-    try:
-        _load_tasks(tasks, model_bridge, unwrapped, config, checkpoint, report, written)
-    except LoadError as err:
-        error = err
-    _agree_on_failure(error)
-    _check_every_parameter_written(unwrapped, written)
+    report = _walk(model_bridge, hf_pretrained, unwrapped, checkpoint, read=True)
     if report.cast_from:
         logger.warning(
             "cast %d checkpoint tensors to the model's parameter dtype (e.g. %s)",
@@ -88,16 +82,45 @@ def load_hf_shards(
     return report
 
 
+def check_hf_shapes(
+    model_bridge: Any, hf_pretrained: Any, chunks: list[torch.nn.Module], checkpoint: HFCheckpoint
+) -> None:
+    """Every check ``load_hf_shards`` makes (each tensor present with exactly the shape the model
+    needs, every parameter covered), reading no tensor data and writing no parameter: ``chunks``
+    may be on the meta device. Collective like ``load_hf_shards``; raises ``LoadError`` on every
+    rank of the model if any rank's check fails."""
+    from megatron.core.utils import unwrap_model
+
+    _walk(model_bridge, hf_pretrained, unwrap_model(chunks), checkpoint, read=False)
+
+
+def _walk(
+    model_bridge: Any, hf_pretrained: Any, chunks: list[torch.nn.Module], checkpoint: HFCheckpoint, *, read: bool
+) -> LoadReport:
+    """Check (and with ``read``, load) every parameter of ``chunks``; agree on failure across the model's ranks."""
+    tasks = [t for t in model_bridge.build_conversion_tasks(hf_pretrained, chunks) if t is not None]
+    report = LoadReport()
+    written: set[int] = set()
+    error: LoadError | None = None
+    try:
+        _load_tasks(tasks, model_bridge, chunks, chunks[0].config, checkpoint, report, written, read=read)
+        _check_every_parameter_written(chunks, written)
+    except LoadError as err:
+        error = err
+    _agree_on_failure(error)
+    return report
+
+
 def _load_tasks(
     tasks: list, model_bridge: Any, chunks: list[torch.nn.Module], config: Any, checkpoint: HFCheckpoint,
-    report: LoadReport, written: set[int],
+    report: LoadReport, written: set[int], *, read: bool = True,
 ) -> None:
     with torch.no_grad():
         for task in tasks:
             if task.megatron_module is None or task.param_weight is None:
                 continue  # the parameter lives on another pipeline stage
             if getattr(task.mapping, "is_grouped_export", False):
-                _copy_expert_slot(task, config, checkpoint, report)
+                _copy_expert_slot(task, config, checkpoint, report, read=read)
                 written.add(id(task.param_weight))
                 continue
             try:
@@ -106,10 +129,14 @@ def _load_tasks(
                 extents = hf_extents(kind, _context(task, config))
             except PlacementError as err:
                 raise LoadError(f"cannot load {task.global_param_name}: {err}") from err
-            _copy_slices(task.param_weight, copies, extents, checkpoint, report, task.global_param_name, kind.elementwise_op, kind.relayout)
+            _copy_slices(
+                task.param_weight, copies, extents, checkpoint, report, task.global_param_name, kind.elementwise_op,
+                kind.relayout, read=read,
+            )
             written.add(id(task.param_weight))
         for output_weight, embedding_copies, extents in _tied_output_copies(model_bridge, chunks, config):
-            _copy_slices(output_weight, embedding_copies, extents, checkpoint, report, "output_layer.weight (tied)")
+            where = "output_layer.weight (tied)"
+            _copy_slices(output_weight, embedding_copies, extents, checkpoint, report, where, read=read)
             written.add(id(output_weight))
 
 
@@ -153,14 +180,18 @@ def _context(task: Any, config: Any) -> ShardContext:
 
 def _copy_slices(
     param: torch.Tensor, copies: Iterable[SliceCopy], extents: dict[str, tuple[int, int]], checkpoint: HFCheckpoint,
-    report: LoadReport, where: str, elementwise_op: str | None = None, relayout: str | None = None,
+    report: LoadReport, where: str, elementwise_op: str | None = None, relayout: str | None = None, *,
+    read: bool = True,
 ) -> None:
     """Copy each slice into ``param``; with ``elementwise_op``, its inverse is applied to the
     slice first, in the checkpoint's dtype (as the mapping's ``hf_to_megatron`` does). With a
     ``relayout`` the slices are of the stored tensor laid out back (``RELAYOUTS[relayout].load``),
-    which is read whole (such tensors are small: a projector, a bias)."""
+    which is read whole (such tensors are small: a projector, a bias). Without ``read``, only the
+    shapes are checked."""
     for copy in copies:
         _check_shape(copy, extents[copy.hf_name][1], param, checkpoint, where, relayout)
+        if not read:
+            continue
         source = checkpoint.slice(copy.hf_name) if relayout is None else RELAYOUTS[relayout].load(checkpoint.tensor(copy.hf_name))
         data = copy.read(source)
         if elementwise_op is not None:
@@ -179,8 +210,11 @@ def _write(target: torch.Tensor, data: torch.Tensor, hf_name: str, checkpoint: H
     report.bytes_read += data.numel() * data.element_size()
 
 
-def _copy_expert_slot(task: Any, config: Any, checkpoint: HFCheckpoint, report: LoadReport) -> None:
-    """Fill one expert's parameter from its slot of a stacked HF tensor [E, ...] (only that slot is read)."""
+def _copy_expert_slot(
+    task: Any, config: Any, checkpoint: HFCheckpoint, report: LoadReport, *, read: bool = True
+) -> None:
+    """Fill one expert's parameter from its slot of a stacked HF tensor [E, ...] (only that slot is
+    read; without ``read``, only the shape is checked)."""
     param, where = task.param_weight, task.global_param_name
     hf_name = str(task.mapping.hf_param)
     if hf_name not in checkpoint.weight_map:
@@ -200,6 +234,8 @@ def _copy_expert_slot(task: Any, config: Any, checkpoint: HFCheckpoint, report: 
             f"needs {list(expected)} (all {stack.num_experts} experts stacked): the checkpoint does not match its "
             "config.json. Fix the config (num_experts, hidden_size, moe_intermediate_size) or use the checkpoint it belongs to."
         )
+    if not read:
+        return
     expert = expert_number(where)
     slot = checkpoint.slice(hf_name)[expert : expert + 1][0]
     whole = stack.read_from(slot)  # the whole expert; with expert tensor parallelism this rank keeps its shard

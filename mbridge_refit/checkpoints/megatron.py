@@ -9,6 +9,14 @@ metadata that lets ``export`` rebuild the model and its HF checkpoint without th
       release/                                      torch_dist checkpoint (metadata.json, .metadata, __R_0.distcp)
       mbridge_refit_megatron.json                   written last: its presence marks a complete checkpoint
 
+Before a model is given memory, ``export`` compares it with the checkpoint: ``read_stored`` reads the
+DCP index (through the restricted unpickler below) and checks that every stored piece lies inside
+its file and that each tensor's pieces tile it; ``model_tensors`` lists the global shape and dtype
+of every tensor a (meta-device) model would load; ``fit_problems`` compares the two. Megatron
+marks the embedding and output layer ``allow_shape_mismatch`` (for padded vocabularies), so
+without this check a vocabulary the config and the weights disagree on is cropped or zero-padded
+by the load, silently.
+
 The weights are Megatron-Core's ``sharded_state_dict()`` of the model chunks, stored under the
 keys Megatron-LM uses (``model`` for one chunk, ``model0..N`` with virtual pipeline stages). Each
 tensor is stored once, under its global name and shape, so a checkpoint saved at one layout
@@ -19,16 +27,19 @@ datasets, megatron-energon, tensorboard and more, which this CPU conversion path
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
+import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 from mbridge_refit.plan.layout import ParallelLayout
 from mbridge_refit.checkpoints.dcp_pickles import (
@@ -114,10 +125,13 @@ class CheckpointInfo:
                 hf_dtypes={name: _dtype_from_name(d) for name, d in data["hf_dtypes"].items()},
                 source=str(data.get("source", "")),
             )
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+        except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as err:  # any JSON, any field
             if isinstance(err, NotAMegatronCheckpoint):
                 raise
             raise NotAMegatronCheckpoint(f"{meta} is unreadable ({err}): re-create the checkpoint with `import`") from err
+        if not info.params_dtype.is_floating_point:  # `import` records the checkpoint's floating-point dtype
+            dtype = _dtype_name(info.params_dtype)
+            raise NotAMegatronCheckpoint(f"{meta}: params_dtype {dtype} is not a floating-point dtype: re-create it")
         for required in ("config.json", f"{WEIGHTS_DIR}/metadata.json", f"{WEIGHTS_DIR}/{INDEX_NAME}"):
             if not (path / required).is_file():
                 raise NotAMegatronCheckpoint(f"{path} is incomplete: {required} is missing; re-create it with `import`")
@@ -150,6 +164,12 @@ def check_pickled_parts(weights: Path) -> None:
             "re-create the checkpoint from the HF source"
         ) from err
     for fqn, location in byte_items(index):
+        name = location.relative_path
+        if not isinstance(name, str) or name.startswith("/") or any(part in ("", ".", "..") for part in name.split("/")):
+            raise NotAMegatronCheckpoint(
+                f"refusing {index_path}: its object {fqn} is stored at {name!r}, outside the checkpoint; re-create "
+                "the checkpoint from the HF source"
+            )
         try:
             with open(weights / location.relative_path, "rb") as handle:
                 handle.seek(location.offset)
@@ -159,6 +179,156 @@ def check_pickled_parts(weights: Path) -> None:
                 f"refusing {weights / location.relative_path}: its object {fqn} is not plain data "
                 f"({type(err).__name__}: {err}); re-create the checkpoint from the HF source"
             ) from err
+
+
+# --- the stored tensors against a model's, before anything is allocated or read -----------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StoredTensors:
+    """What a checkpoint's DCP index says it holds.
+
+    Attributes:
+        tensors: key -> (global shape, dtype) of every stored tensor.
+        objects: keys of the stored byte items (``_extra_state``).
+        nbytes: bytes of all stored tensors.
+        problems: pieces outside their file, pieces that do not tile their tensor (a damaged or
+            crafted index, or truncated ``.distcp`` files).
+    """
+
+    tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    objects: frozenset[str]
+    nbytes: int
+    problems: list[str]
+
+
+def read_stored(path: Path) -> StoredTensors:
+    """The tensors of the checkpoint in ``path`` (``CheckpointInfo.read`` accepted it), from its index
+    alone; ``NotAMegatronCheckpoint`` if the index does not hold what torch_dist writes there."""
+    weights = path / WEIGHTS_DIR
+    check_pickled_parts(weights)
+    index = load_index((weights / INDEX_NAME).read_bytes())
+    try:
+        return _stored(weights, index)
+    except (AttributeError, TypeError, ValueError, KeyError, IndexError, OverflowError) as err:
+        raise NotAMegatronCheckpoint(
+            f"{weights / '.metadata'} does not describe tensors as torch_dist writes them ({type(err).__name__}: "
+            f"{err}): re-create the checkpoint with `import`"
+        ) from err
+
+
+def _stored(weights: Path, index: Any) -> StoredTensors:
+    tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    objects: set[str] = set()
+    problems = _storage_problems(weights, index)
+    for key, entry in index.state_dict_metadata.items():
+        if type(entry).__name__ == "BytesStorageMetadata":
+            objects.add(str(key))
+            continue
+        shape = tuple(_count(n) for n in entry.size)
+        dtype = entry.properties.dtype
+        if not isinstance(key, str) or not isinstance(dtype, torch.dtype):
+            raise TypeError(f"entry {key!r}: a {type(key).__name__} key with dtype {dtype!r}")
+        tensors[key] = (shape, dtype)
+        chunks = [(tuple(_count(o) for o in c.offsets), tuple(_count(n) for n in c.sizes)) for c in entry.chunks]
+        problems += _tiling_problems(key, shape, chunks, index)
+    nbytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in tensors.values())
+    return StoredTensors(tensors=tensors, objects=frozenset(objects), nbytes=nbytes, problems=problems)
+
+
+def _count(value: Any) -> int:
+    """A size or offset of the index: a non-negative int."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{value!r} is not a size")
+    return value
+
+
+def _storage_problems(weights: Path, index: Any) -> list[str]:
+    """Every stored piece lies inside a file of ``weights`` (a truncated ``.distcp`` shows here)."""
+    sizes: dict[str, int | None] = {}
+    problems = []
+    for where, location in index.storage_data.items():
+        name = location.relative_path
+        if not isinstance(name, str) or not isinstance(where.fqn, str):
+            raise TypeError(f"a storage entry names {name!r} for {where!r}")
+        end = _count(location.offset) + _count(location.length)
+        if name not in sizes:
+            unsafe = name.startswith("/") or any(part in ("", ".", "..") for part in name.split("/"))
+            sizes[name] = None if unsafe or not (weights / name).is_file() else (weights / name).stat().st_size
+            if sizes[name] is None:
+                problems.append(f"{weights}: the index names {name!r}, which is not a file of the checkpoint")
+        size = sizes[name]
+        if size is not None and end > size:
+            problems.append(
+                f"{weights / name} has {size} bytes, but {where.fqn} is stored at bytes {location.offset}..{end}: "
+                "the file is truncated"
+            )
+    return problems
+
+
+def _tiling_problems(key: str, shape: tuple[int, ...], chunks: list[tuple[tuple, tuple]], index: Any) -> list[str]:
+    """The stored pieces of tensor ``key`` cover it exactly once, and each has a place in a file."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    inside = all(
+        len(offsets) == len(shape) == len(sizes)
+        and all(0 <= o and o + n <= d for o, n, d in zip(offsets, sizes, shape))
+        for offsets, sizes in chunks
+    )
+    covered = sum(math.prod(sizes) for _, sizes in chunks)
+    if not inside or covered != math.prod(shape) or _any_overlap(chunks):
+        return [f"{key}: the index's pieces of this {list(shape)} tensor do not cover it exactly once"]
+    storage = getattr(index, "storage_data", {})
+    unstored = [offsets for offsets, _ in chunks if MetadataIndex(key, torch.Size(offsets)) not in storage]
+    return [f"{key}: the index places no bytes for its piece at {list(unstored[0])}"] if unstored else []
+
+
+def _any_overlap(chunks: list[tuple[tuple, tuple]]) -> bool:
+    for i, (a_offsets, a_sizes) in enumerate(chunks):
+        for b_offsets, b_sizes in chunks[i + 1:]:
+            if all(a < b + m and b < a + n for a, n, b, m in zip(a_offsets, a_sizes, b_offsets, b_sizes)):
+                return True
+    return False
+
+
+def model_tensors(
+    chunks: list[torch.nn.Module],
+) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], frozenset[str]]:
+    """(key -> (global shape, dtype) of every tensor, keys of byte items) that ``load_model`` would
+    read for this rank's ``chunks``; works on meta-device chunks (nothing is allocated or read)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
+    from megatron.core.utils import unwrap_model
+
+    state = sharded_model_state(unwrap_model(chunks))
+    apply_factories(state)
+    tensors, objects = {}, set()
+    for item in nested_values(state):
+        if isinstance(item, ShardedTensor):
+            tensors[item.key] = (tuple(int(n) for n in item.global_shape), item.dtype)
+        elif isinstance(item, ShardedObject):
+            objects.add(item.unique_key)
+    return tensors, frozenset(objects)
+
+
+def fit_problems(
+    model: dict[str, tuple[tuple[int, ...], torch.dtype]], model_objects: frozenset[str], stored: StoredTensors,
+) -> list[str]:
+    """Each tensor this rank's model reads must be stored with exactly its global shape and dtype
+    (never cropped, padded or cast), and each byte item must be stored."""
+    problems = []
+    for key, (shape, dtype) in sorted(model.items()):
+        if key not in stored.tensors:
+            problems.append(f"{key}: the model has it ({list(shape)}), the checkpoint does not")
+            continue
+        stored_shape, stored_dtype = stored.tensors[key]
+        if stored_shape != shape:
+            problems.append(f"{key}: stored as {list(stored_shape)}, but the model of config.json needs {list(shape)}")
+        elif stored_dtype != dtype:
+            problems.append(f"{key}: stored as {_dtype_name(stored_dtype)}, but the model keeps {_dtype_name(dtype)}")
+    missing_objects = sorted(model_objects - stored.objects)
+    problems += [f"{key}: the model has this object, the checkpoint does not" for key in missing_objects]
+    return problems
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -240,21 +410,42 @@ def _is_checkpoint_entry(path: Path) -> bool:
 def load_model(chunks: list[torch.nn.Module], path: Path) -> None:
     """Fill every parameter of ``chunks`` from the checkpoint in ``path``; collective.
 
-    The chunks may use a different layout than the one saved. Raises if the checkpoint lacks a
-    tensor the model needs or a tensor's global shape differs, or if a pickled part read now would
-    build anything but checkpoint data (``dcp_pickles``), whatever passed ``check_pickled_parts`` before.
+    The chunks may use a different layout than the one saved. Raises ``NotAMegatronCheckpoint`` if
+    the checkpoint lacks a tensor the model needs, a tensor's global shape differs or a stored
+    piece cannot be read (``export`` refuses the first two before building the model: ``fit_problems``),
+    or if a pickled part read now would build anything but checkpoint data (``dcp_pickles``),
+    whatever passed ``check_pickled_parts`` before.
     """
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException
     from megatron.core.dist_checkpointing.validation import StrictHandling
     from megatron.core.utils import unwrap_model
+    from torch.distributed.checkpoint.api import CheckpointException
 
     unwrapped = unwrap_model(chunks)
-    with checked_megatron_reads():
-        state = dist_checkpointing.load(
-            sharded_model_state(unwrapped), str(path / WEIGHTS_DIR), strict=StrictHandling.RAISE_ALL
-        )
+    try:
+        with checked_megatron_reads():
+            state = dist_checkpointing.load(
+                sharded_model_state(unwrapped), str(path / WEIGHTS_DIR), strict=StrictHandling.RAISE_ALL
+            )
+    except (CheckpointException, CheckpointingException) as err:  # the first is a BaseException
+        raise NotAMegatronCheckpoint(
+            f"cannot read the weights in {path / WEIGHTS_DIR}: {_first_line(err)}. The checkpoint is damaged or does "
+            "not match its config.json: re-create it with `import`"
+        ) from err
     for key, chunk in zip(model_keys(len(unwrapped)), unwrapped):
         chunk.load_state_dict(state[key], strict=True)
+
+
+def _first_line(err: BaseException) -> str:
+    """``err`` in one line; for torch's ``CheckpointException``, its first rank's failure."""
+    failures = getattr(err, "failures", None)
+    if failures:
+        rank, failure = next(iter(sorted(failures.items(), key=lambda item: item[0])))
+        inner = failure[0] if isinstance(failure, tuple) else getattr(failure, "exc", failure)
+        return f"rank {rank}: {type(inner).__name__}: {str(inner).splitlines()[0] if str(inner) else ''}"
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _save_strategy():
@@ -273,6 +464,7 @@ def _save_strategy():
     )
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint import save as dcp_save
+    from torch.distributed.checkpoint.api import CheckpointException
 
     class SyncTorchDistSaveStrategy(TorchDistSaveShardedStrategy):
         def save(self, sharded_state_dict, checkpoint_dir) -> None:
@@ -280,14 +472,62 @@ def _save_strategy():
                 sharded_state_dict, self.keep_only_main_replica
             )
             pyt_state_dict = mcore_to_pyt_state_dict(sharded_state_dict, False)
-            dcp_save(
-                pyt_state_dict,
-                storage_writer=FileSystemWriter(str(checkpoint_dir), thread_count=self.thread_count),
-                planner=MCoreSavePlanner(
-                    dedup_replicated_tensors=not self.keep_only_main_replica,
-                    flatten_state_dict=False,
-                    flatten_sharded_tensors=False,
-                ),
-            )
+            writer = FileSystemWriter(str(checkpoint_dir), thread_count=self.thread_count)
+            writer.fs = _ErrnoKeepingFileSystem()
+            try:
+                dcp_save(
+                    pyt_state_dict,
+                    storage_writer=writer,
+                    planner=MCoreSavePlanner(
+                        dedup_replicated_tensors=not self.keep_only_main_replica,
+                        flatten_state_dict=False,
+                        flatten_sharded_tensors=False,
+                    ),
+                )
+            except CheckpointException as err:
+                if writer.fs.os_error is not None:  # the cause on this rank, with its errno and file
+                    raise writer.fs.os_error from err
+                raise
 
     return SyncTorchDistSaveStrategy()
+
+
+class _ErrnoKeepingFileSystem(FileSystem):
+    """torch's DCP file system, keeping the first ``OSError`` of a file it writes (with the file's
+    path). DCP reports a rank's failure as a pickled copy that drops the exception's context, and
+    ``torch.save`` turns a failed write into a ``RuntimeError``: both lose the errno (disk full,
+    file-size limit) that the command's error message names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.os_error: OSError | None = None
+
+    @contextlib.contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        try:
+            with super().create_stream(path, mode) as stream:
+                yield _ErrorKeepingStream(stream, lambda err: self.keep(err, path))
+        except OSError as err:
+            self.keep(err, path)
+            raise
+
+    def keep(self, err: OSError, path: Any) -> None:
+        if self.os_error is None:
+            self.os_error = OSError(err.errno, err.strerror, str(path))
+
+
+class _ErrorKeepingStream:
+    """A writable stream that passes an ``OSError`` of ``write`` to ``keep`` before raising it."""
+
+    def __init__(self, stream: Any, keep: Any) -> None:
+        self._stream, self._keep = stream, keep
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._stream.write(data)
+        except OSError as err:
+            self._keep(err)
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)

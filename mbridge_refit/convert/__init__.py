@@ -3,13 +3,33 @@
 ``app`` (entry point: parse, log, dispatch, map errors to exit codes), ``parser`` (subcommands
 and help), ``flags`` (the flags several commands and scripts share: layout, FP8, device,
 timeout), ``exit_codes`` (the one table of exit codes), ``inputs`` (checks of paths, configs and
-layouts that run on every rank before any collective), ``commands`` (one function per
-subcommand), ``writing`` (the export-to-checkpoint path that ``roundtrip`` and ``export`` share)
-and ``verify_refit`` (the ``verify-refit`` subcommand).
+layouts that run on every rank before any collective), ``preflight`` (the model a config
+describes against the checkpoint's tensors, before any weight memory is allocated), ``commands``
+(one function per subcommand), ``writing`` (the export-to-checkpoint path that ``roundtrip`` and
+``export`` share) and ``verify_refit`` (the ``verify-refit`` subcommand).
+
+The public names are imported lazily, so that ``python -m mbridge_refit.convert`` reaches its
+``__main__`` (which turns an interrupt while torch is being imported into one line) before
+anything heavy is imported.
 """
 
-from mbridge_refit.convert.app import main
-from mbridge_refit.convert.exit_codes import BadInput, ExitCode
-from mbridge_refit.convert.parser import build_parser
+from __future__ import annotations
 
-__all__ = ["BadInput", "ExitCode", "build_parser", "main"]
+import importlib
+from typing import Any
+
+_PUBLIC = {
+    "main": "mbridge_refit.convert.app",
+    "BadInput": "mbridge_refit.convert.exit_codes",
+    "ExitCode": "mbridge_refit.convert.exit_codes",
+    "build_parser": "mbridge_refit.convert.parser",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mbridge_refit.convert' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -1,7 +1,22 @@
-"""``python -m mbridge_refit.convert``."""
+"""``python -m mbridge_refit.convert``.
 
+An interrupt (SIGINT: Ctrl-C, or the ``--nproc-per-node`` launcher stopping its ranks) that comes
+while torch is still being imported, before ``app.main`` handles it, ends with one line and exit
+code 3 (internal error, as ``app.main`` ends an interrupt), not a traceback.
+"""
+
+import logging
 import sys
 
-from mbridge_refit.convert.app import main
 
-sys.exit(main())
+def _run() -> int:
+    try:
+        from mbridge_refit.convert.app import main
+
+        return main()
+    except KeyboardInterrupt:
+        logging.getLogger("mbridge_refit.convert").error("interrupted while starting (exit code 3)")
+        return 3
+
+
+sys.exit(_run())

@@ -4,25 +4,47 @@ turn every outcome into one exit code (``exit_codes``).
 Runs as one process (``python -m``), as N ranks (``torchrun --nproc-per-node N -m ...``), or
 launches N ranks itself (``python -m mbridge_refit.convert --nproc-per-node N COMMAND``, see
 ``launcher``) and exits with one code for all of them.
-Bad input (``BadInput``, and the library's own input errors: a layout that does not fit, a model
-the FP8 format cannot hold, a checkpoint whose tensors do not match its config, an output another
-writer holds) ends with its message and exit code 2; anything else with its traceback and exit
-code 3.
+
+Every failure of a command goes through one classifier, ``classify``, which looks at the exception
+and at everything it wraps (``__cause__``, ``__context__``, and the per-rank failures of
+torch.distributed.checkpoint's ``CheckpointException``, which derives from ``BaseException``):
+
+- environment (exit 4): an ``OSError`` whose errno says the machine refused (``ENVIRONMENT_ERRNOS``:
+  disk full, quota, file-size limit, permissions, read-only filesystem, open-file limits, I/O
+  error), the same error as safetensors' writer reports it (``... (os error 28)``), or an
+  allocation that failed (``MemoryError``, torch's "can't allocate memory", CUDA out of memory: the
+  model matches its checkpoint by then, so the machine is too small); one line names the path
+  (the file, or the command's output when the error names none), the errno and what to do;
+- bad input (exit 2): ``BadInput`` and the library's own input errors (``INPUT_ERRORS``: a layout
+  that does not fit, a model the FP8 format cannot hold, a damaged or hostile checkpoint or
+  config, a checkpoint whose tensors do not match its config, an output another writer holds);
+  their messages name the file and the fix;
+- a collective that lost a peer rank (gloo's "connection closed by peer", ...) is exit 3 in one
+  line: the peer failed first and its own message says why;
+- anything else is an internal error (exit 3) and is logged with its traceback.
+
+A rank records its code for the ``--nproc-per-node`` launcher before it logs (``launcher``).
 """
 
 from __future__ import annotations
 
+import argparse
+import errno
 import logging
+import re
 import sys
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
 
 from mbridge_refit.convert import commands
 from mbridge_refit.convert.exit_codes import BadInput, ExitCode
-from mbridge_refit.convert.launcher import run_ranks
+from mbridge_refit.convert.launcher import record_exit_code, run_ranks
 from mbridge_refit.convert.parser import build_parser
-from mbridge_refit.checkpoints.hf import CheckpointError
+from mbridge_refit.checkpoints.hf import CheckpointError, ConfigError
 from mbridge_refit.checkpoints.loader import LoadError, LoadFailedElsewhere
 from mbridge_refit.checkpoints.publish import OutputRefused
+from mbridge_refit.checkpoints.megatron import NotAMegatronCheckpoint
 from mbridge_refit.convert.verify_refit import cmd_verify_refit
 from mbridge_refit.fp8.format import FP8FormatError
 from mbridge_refit.plan.layout import LayoutError
@@ -40,13 +62,47 @@ COMMANDS: dict[str, Callable] = {
     "verify-refit": cmd_verify_refit,
 }
 
-# Library errors that mean "this input cannot work" (their messages name the fix); an output
-# another writer holds, or one that changed after the first checks (``OutputRefused``), too.
-INPUT_ERRORS = (BadInput, LayoutError, FP8FormatError, LoadError, CheckpointError, OutputRefused)
+# Library errors that mean "this input cannot work" (their messages name the file and the fix).
+INPUT_ERRORS = (
+    BadInput, LayoutError, FP8FormatError, LoadError, CheckpointError, ConfigError, NotAMegatronCheckpoint, OutputRefused,
+)
 # Input errors every rank computes alike from the same input (and a rank's note that another rank
 # failed): rank 0 prints them, the other ranks only at debug level, so a message appears once.
-# ``OutputRefused`` is decided on rank 0 and shared with the others.
-SAME_ON_EVERY_RANK = (BadInput, LayoutError, FP8FormatError, CheckpointError, LoadFailedElsewhere, OutputRefused)
+SAME_ON_EVERY_RANK = (
+    BadInput, LayoutError, FP8FormatError, CheckpointError, ConfigError, NotAMegatronCheckpoint, LoadFailedElsewhere,
+    OutputRefused,  # decided on rank 0 and shared with the others
+)
+# errno -> what to do about it: the machine refused what the input asked for (exit code 4).
+ENVIRONMENT_ERRNOS: dict[int, str] = {
+    errno.ENOSPC: "free space on that filesystem, or write the output elsewhere",
+    errno.EDQUOT: "raise the disk quota, or write the output elsewhere",
+    errno.EFBIG: "a file-size limit (`ulimit -f`, or the filesystem's largest file) is below the file's size: "
+    "raise it, or write the output elsewhere",
+    errno.EACCES: "give this user access to the path, or use another one",
+    errno.EPERM: "give this user access to the path, or use another one",
+    errno.EROFS: "the filesystem is mounted read-only: write the output elsewhere",
+    errno.EMFILE: "this process may open no more files: raise the limit (`ulimit -n`)",
+    errno.ENFILE: "the system may open no more files: close other programs' files or raise fs.file-max",
+    errno.EIO: "the device reported an I/O error: check the disk (dmesg) before running again",
+    errno.ENOMEM: "not enough memory: use a machine with more, or more ranks (a smaller share each)",
+}
+# How a collective tells a rank that a peer died first (gloo, NCCL): a consequence, not this rank's bug.
+_PEER_LOST = re.compile(r"Connection (closed|reset) by peer|Broken pipe|remote process exited|communicator was aborted")
+# How torch reports an allocation it could not make (CPU: "can't allocate memory"; CUDA: OutOfMemoryError).
+_OUT_OF_MEMORY = re.compile(r"can't allocate memory|CUDA out of memory|out of memory")
+# How safetensors' writer reports an OS error: its own exception type, the errno only in the text.
+_SAFETENSORS_OS_ERROR = re.compile(r"(?P<strerror>[^:]*) \(os error (?P<errno>\d+)\)")
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """What a failed command ends with: its exit code, the line to log, and whether the traceback
+    goes with it (internal errors only)."""
+
+    code: ExitCode
+    message: str
+    traceback: bool = False
+    same_on_every_rank: bool = False
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -57,16 +113,82 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _launch(args.nproc_per_node, argv)
     try:
         return int(COMMANDS[args.command](args))
-    except INPUT_ERRORS as err:
-        quiet = isinstance(err, SAME_ON_EVERY_RANK) and LaunchEnv.from_environ().rank != 0
-        logger.log(logging.DEBUG if quiet else logging.ERROR, "%s", err)
-        return ExitCode.BAD_INPUT
-    except KeyboardInterrupt:
-        logger.error("interrupted")
-        return ExitCode.INTERNAL_ERROR
-    except Exception:
-        logger.exception("%s failed (internal error: please report it with this traceback)", args.command)
-        return ExitCode.INTERNAL_ERROR
+    except (SystemExit, GeneratorExit):
+        raise
+    except BaseException as err:  # CheckpointException and KeyboardInterrupt derive from BaseException only
+        return _report(args.command, err, classify(err, output=_output_of(args)))
+
+
+def classify(err: BaseException, *, output: Path | None = None) -> Failure:
+    """Environment (4), bad input (2) or internal error (3): see the module docstring."""
+    for inner in _wrapped(err):
+        environment = environment_message(inner, output)
+        if environment is not None:
+            return Failure(ExitCode.ENVIRONMENT, environment)
+    for inner in _wrapped(err):
+        if isinstance(inner, INPUT_ERRORS):
+            return Failure(ExitCode.BAD_INPUT, str(inner), same_on_every_rank=isinstance(inner, SAME_ON_EVERY_RANK))
+    if isinstance(err, KeyboardInterrupt):
+        return Failure(ExitCode.INTERNAL_ERROR, "interrupted")
+    lost = next((e for e in _wrapped(err) if isinstance(e, RuntimeError) and _PEER_LOST.search(str(e))), None)
+    if lost is not None:
+        first_line = str(lost).strip().splitlines()[0]
+        return Failure(
+            ExitCode.INTERNAL_ERROR,
+            f"another rank of this job failed first (its own message says why); this rank lost it: {first_line}",
+        )
+    return Failure(ExitCode.INTERNAL_ERROR, "internal error: please report it with this traceback", traceback=True)
+
+
+def environment_message(err: BaseException, output: Path | None) -> str | None:
+    """The line an environment failure ends with (path, errno, what to do), or None if ``err`` is none."""
+    if isinstance(err, MemoryError) or (isinstance(err, RuntimeError) and _OUT_OF_MEMORY.search(str(err))):
+        first_line = (str(err).strip().splitlines() or [""])[0][:300]
+        return f"out of memory ({type(err).__name__}: {first_line}): {ENVIRONMENT_ERRNOS[errno.ENOMEM]}"
+    number, strerror, path = None, None, None
+    if isinstance(err, OSError) and err.errno in ENVIRONMENT_ERRNOS:
+        number, strerror, path = err.errno, err.strerror, err.filename
+    elif type(err).__name__ == "SafetensorError" and (match := _SAFETENSORS_OS_ERROR.search(str(err))):
+        number, strerror = int(match["errno"]), match["strerror"].rsplit(": ", 1)[-1].strip()
+    if number not in ENVIRONMENT_ERRNOS:
+        return None
+    where = str(path) if path is not None else (f"writing {output}" if output is not None else "(no path given)")
+    name = errno.errorcode.get(number, "?")
+    return f"{where}: {strerror or 'error'} [errno {number} {name}]: {ENVIRONMENT_ERRNOS[number]}"
+
+
+def _wrapped(err: BaseException) -> Iterator[BaseException]:
+    """``err`` and everything it wraps: causes, contexts, and CheckpointException's per-rank failures."""
+    seen: set[int] = set()
+    pending = [err]
+    while pending and len(seen) < 64:
+        current = pending.pop(0)
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        pending += [current.__cause__, current.__context__]
+        failures = getattr(current, "failures", None)  # torch's CheckpointException: rank -> (exception, traceback)
+        for failure in failures.values() if isinstance(failures, dict) else ():
+            pending.append(failure[0] if isinstance(failure, tuple) and failure else getattr(failure, "exc", None))
+
+
+def _report(command: str, err: BaseException, failure: Failure) -> int:
+    record_exit_code(failure.code)  # first: the launcher may stop this rank while it logs
+    if failure.traceback:
+        logger.error("%s failed (%s)", command, failure.message, exc_info=err)
+    else:
+        quiet = failure.same_on_every_rank and LaunchEnv.from_environ().rank != 0
+        logger.log(logging.DEBUG if quiet else logging.ERROR, "%s", failure.message)
+    return failure.code
+
+
+def _output_of(args: argparse.Namespace) -> Path | None:
+    """What the command writes, named by environment failures whose error names no file."""
+    for flag in ("megatron", "out", "json") if args.command == "import" else ("out", "json"):
+        if isinstance(getattr(args, flag, None), Path):
+            return getattr(args, flag)
+    return None
 
 
 def _launch(nproc_per_node: int, argv: list[str]) -> int:

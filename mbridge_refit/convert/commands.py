@@ -3,7 +3,9 @@
 ``make-tiny`` (random test checkpoints), ``roundtrip`` (HF -> Megatron -> HF in memory),
 ``import`` / ``export`` (HF <-> a Megatron checkpoint on disk, see ``checkpoint`` modules),
 ``plan`` (what an export yields) and ``verify`` (compare two HF checkpoints). Each validates its
-input on every rank before the first collective (``inputs``), then runs (``run_<name>``).
+input on every rank before the first collective (``inputs``), then runs (``run_<name>``); a
+command that loads weights builds its model on the meta device first and compares it with the
+checkpoint before giving it memory (``preflight``).
 Returns an ``ExitCode``; raises ``BadInput`` for input that cannot work.
 """
 
@@ -124,15 +126,16 @@ def _write_args(args: argparse.Namespace, **checked) -> WriteArgs:
 def run_roundtrip(options: WriteArgs) -> int:
     from mbridge_refit.bridge import RefitBridge
     from mbridge_refit.checkpoints.hf import HFCheckpoint
+    from mbridge_refit.convert.preflight import build_checked, check_hf_source
     from mbridge_refit.tools.launch import distributed_session
-    from mbridge_refit.tools.model_builder import BuildOptions, build_model
+    from mbridge_refit.tools.model_builder import BuildOptions
 
     checkpoint = HFCheckpoint.open(options.source)
     checkpoint.validate()  # every file readable and agreeing with the index, before any collective
     with distributed_session(options.layout, device=options.device, timeout=options.timeout) as env:
         bridge = RefitBridge.from_hf_pretrained(options.source, trust_remote_code=options.trust_remote_code)
         build = BuildOptions(device=options.device, params_dtype=checkpoint_float_dtype(checkpoint), weights_only=True)
-        chunks = build_model(bridge, options.layout, build)
+        chunks = build_checked(bridge, options.layout, build, lambda meta: check_hf_source(bridge, meta, checkpoint))
         report = bridge.load_hf_shards(chunks, options.source)
         logger.info("loaded %d slices (%.1f MB on this rank)", report.tensors_written, report.bytes_read / 1e6)
         count = write_hf_checkpoint(
@@ -194,7 +197,8 @@ def run_import(options: ImportArgs) -> int:
     from mbridge_refit.checkpoints.hf import HFCheckpoint
     from mbridge_refit.tools.launch import distributed_session
     from mbridge_refit.checkpoints.megatron import CheckpointInfo, save_model
-    from mbridge_refit.tools.model_builder import BuildOptions, build_model
+    from mbridge_refit.convert.preflight import build_checked, check_hf_source
+    from mbridge_refit.tools.model_builder import BuildOptions
 
     cpu = torch.device("cpu")
     checkpoint = HFCheckpoint.open(options.hf)
@@ -207,7 +211,8 @@ def run_import(options: ImportArgs) -> int:
     )
     with distributed_session(options.layout, device=cpu, timeout=options.timeout):
         bridge = RefitBridge.from_hf_pretrained(options.hf, trust_remote_code=options.trust_remote_code)
-        chunks = build_model(bridge, options.layout, BuildOptions(device=cpu, params_dtype=info.params_dtype, weights_only=True))
+        build = BuildOptions(device=cpu, params_dtype=info.params_dtype, weights_only=True)
+        chunks = build_checked(bridge, options.layout, build, lambda meta: check_hf_source(bridge, meta, checkpoint))
         report = bridge.load_hf_shards(chunks, options.hf)
         logger.info("loaded %d slices (%.1f MB on this rank)", report.tensors_written, report.bytes_read / 1e6)
         save_model(chunks, options.megatron, info=info, copy_files_from=options.hf, overwrite=options.overwrite)
@@ -222,15 +227,17 @@ def run_export(options: WriteArgs) -> int:
     from mbridge_refit.bridge import RefitBridge
     from mbridge_refit.checkpoints.hf import load_config
     from mbridge_refit.checkpoints.megatron import CheckpointInfo, load_model
+    from mbridge_refit.convert.preflight import build_checked, check_megatron_source
     from mbridge_refit.tools.launch import distributed_session
-    from mbridge_refit.tools.model_builder import BuildOptions, build_model
+    from mbridge_refit.tools.model_builder import BuildOptions
 
     cpu = torch.device("cpu")
     info = CheckpointInfo.read(options.source)
     with distributed_session(options.layout, device=cpu, timeout=options.timeout) as env:
         # Config only: the checkpoint holds no HF weights; the names to write come from `info`.
         bridge = RefitBridge.from_hf_config(load_config(options.source, trust_remote_code=options.trust_remote_code))
-        chunks = build_model(bridge, options.layout, BuildOptions(device=cpu, params_dtype=info.params_dtype, weights_only=True))
+        build = BuildOptions(device=cpu, params_dtype=info.params_dtype, weights_only=True)
+        chunks = build_checked(bridge, options.layout, build, lambda meta: check_megatron_source(meta, options.source))
         load_model(chunks, options.source)
         logger.info("loaded %s (saved at layout %s) at layout %s", options.source, info.saved_layout.name, options.layout.name)
         count = write_hf_checkpoint(

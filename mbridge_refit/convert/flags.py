@@ -128,14 +128,29 @@ def add_remote_code_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# The longest --timeout-s (about 115 days): longer ones overflow the process group's millisecond count.
+MAX_TIMEOUT_S = 1e7
+
+
+def positive_seconds(text: str) -> float:
+    """argparse type: seconds in (0, ``MAX_TIMEOUT_S``] (``nan`` and ``inf`` parse as floats but are no timeout)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not (0 < value <= MAX_TIMEOUT_S):  # also false for nan
+        raise argparse.ArgumentTypeError(f"must be a number of seconds in (0, {MAX_TIMEOUT_S:.0e}], got {text!r}")
+    return value
+
+
 def add_timeout_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--timeout-s", type=float, default=600.0,
+        "--timeout-s", type=positive_seconds, default=600.0,
         help="bound on every collective, so a rank whose peer died fails instead of hanging (default: %(default)s)",
     )
 
 
 def timeout_from_flag(args: argparse.Namespace) -> datetime.timedelta:
-    if args.timeout_s <= 0:
-        raise BadInput(f"--timeout-s must be positive, got {args.timeout_s}")
+    if not (0 < args.timeout_s <= MAX_TIMEOUT_S):  # the parser refuses these; a Namespace made by hand may not
+        raise BadInput(f"--timeout-s must be a number of seconds in (0, {MAX_TIMEOUT_S:.0e}], got {args.timeout_s}")
     return datetime.timedelta(seconds=args.timeout_s)

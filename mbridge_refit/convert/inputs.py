@@ -41,12 +41,73 @@ def checked_layout(args: argparse.Namespace, config: Any) -> ParallelLayout:
     from mbridge_refit.tools.launch import LaunchEnv
 
     layout = layout_from_flags(args)
+    check_config_numbers(config)
     try:
         layout.validate_model(ModelShape.from_hf_config(config))
         layout.validate_world_size(LaunchEnv.from_environ().world_size)
     except LayoutError as err:
         raise BadInput(f"layout {describe_flags(args)}: {err}") from err
+    check_provider(config, layout)
     return layout
+
+
+# Config fields that size a model: each must be a positive integer where the config has it (the
+# first four in every config a bridge reads), so that nothing downstream divides by a string, and
+# at most MAX_SIZE: the meta-device build still allocates a few small tensors on the CPU from these
+# sizes (the rotary embedding's frequencies, from head_dim), and published models stay far below it
+# (hidden sizes to 2**15, vocabularies to 2**18, context lengths to 2**23.3).
+MAX_SIZE = 2**24
+REQUIRED_SIZES = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
+OPTIONAL_SIZES = (
+    "intermediate_size", "num_key_value_heads", "head_dim", "moe_intermediate_size", "max_position_embeddings",
+)
+# Expert counts: 0 (or absent) on a dense model.
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok")
+
+
+def check_config_numbers(config: Any) -> None:
+    """The size fields of ``config`` (its text config for a vision-language model) are positive integers."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    problems = []
+    for name in (*REQUIRED_SIZES, *OPTIONAL_SIZES, *EXPERT_COUNTS):
+        value = getattr(text, name, None)
+        if value is None and name not in REQUIRED_SIZES:
+            continue
+        values = value if isinstance(value, list) and value and name not in REQUIRED_SIZES else [value]  # per modality
+        least = 0 if name in EXPERT_COUNTS else 1
+        if any(isinstance(v, bool) or not isinstance(v, int) or not least <= v <= MAX_SIZE for v in values):
+            problems.append(f"{name}={value!r}")
+    if problems:
+        where = getattr(config, "_name_or_path", "") or "the checkpoint"
+        raise BadInput(
+            f"config.json of {where}: {', '.join(problems)}: each must be an integer from 1 (expert counts: 0) to "
+            f"{MAX_SIZE}. Fix config.json "
+            "(it must be the config the weights were saved with)"
+        )
+
+
+def check_provider(config: Any, layout: ParallelLayout) -> None:
+    """Megatron-Core accepts the sizes of ``config`` at ``layout``: the bridge's provider is
+    finalised here, where Megatron-Core's own checks of the sizes (heads and groups dividing,
+    ...) run, before any process group. A provider the bridge cannot make at all is left to the
+    model build, which raises it again where it is reported as the bridge's failure."""
+    import torch
+
+    from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.tools.model_builder import BuildOptions, configure_provider
+
+    try:
+        provider = RefitBridge.from_hf_config(config).to_megatron_provider(load_weights=False)
+    except Exception:  # not a size check: see the docstring
+        return
+    try:
+        configure_provider(provider, layout, BuildOptions(device=torch.device("cpu"), weights_only=True))
+    except (ValueError, AssertionError, ZeroDivisionError) as err:
+        where = getattr(config, "_name_or_path", "") or "the checkpoint"
+        raise BadInput(
+            f"config.json of {where} describes no model Megatron-Core can build at layout {layout.name} "
+            f"({type(err).__name__}: {err}). Fix config.json (it must be the config the weights were saved with)"
+        ) from err
 
 
 def check_output_dir(out: Path, overwrite: bool) -> None:

@@ -6,6 +6,14 @@ for any failure, so a script cannot tell bad input (2) from an internal error (3
 (``torch.distributed.run``, standalone rendezvous on a free local port) and turns the ranks'
 codes into one, ``launch_exit_code``. The ranks print their messages themselves (rank 0 once for
 input errors every rank sees alike); the launcher adds one line naming which rank failed how.
+A signal to the launcher (SIGTERM, SIGINT, SIGHUP, SIGQUIT: torchrun's machinery stops the ranks
+and raises ``SignalException``) ends it with exit code 3 and one line naming the signal.
+
+Each rank also records its exit code in a directory the launcher names (``record_exit_code``,
+``tools.launch.EXIT_RECORDS_VARIABLE``) as soon as it has decided it. A rank that fails closes its
+connections before its process ends, so a peer waiting in a collective may fail ("connection
+closed by peer") and exit first, and torchrun then stops the failing rank by a signal: its own
+code, the cause, would be lost without the record.
 
 Called by ``convert.app.main`` in the parent process only; the ranks it starts are ordinary
 torchrun ranks (``python -m mbridge_refit.convert COMMAND ...`` with torchrun's environment).
@@ -14,9 +22,14 @@ torchrun ranks (``python -m mbridge_refit.convert COMMAND ...`` with torchrun's 
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Mapping, Sequence
 
 from mbridge_refit.convert.exit_codes import ExitCode
+from mbridge_refit.tools.launch import EXIT_RECORDS_VARIABLE, LaunchEnv
 
 logger = logging.getLogger("mbridge_refit.convert")
 
@@ -26,9 +39,11 @@ KNOWN_CODES = frozenset(int(code) for code in ExitCode)
 def launch_exit_code(rank_codes: Mapping[int, int]) -> int:
     """One exit code for a launch from the codes of the ranks that failed (0 when none did).
 
-    The most severe documented code wins (3 internal error > 2 bad input > 1 differences); a rank
-    ended by a signal or with an undocumented code (a crash, the launcher stopping the others)
-    counts as an internal error unless a documented code explains the failure.
+    The most severe documented code wins (4 environment > 3 internal error > 2 bad input > 1
+    differences: a rank whose disk filled up can make its peers fail with internal errors, and the
+    cause is what to report); a rank ended by a signal or with an undocumented code (a crash, the
+    launcher stopping the others) counts as an internal error unless a documented code explains
+    the failure.
     """
     documented = [code for code in rank_codes.values() if code in KNOWN_CODES and code != ExitCode.OK]
     if documented:
@@ -38,24 +53,62 @@ def launch_exit_code(rank_codes: Mapping[int, int]) -> int:
 
 def run_ranks(nproc_per_node: int, argv: Sequence[str]) -> int:
     """Run ``python -m mbridge_refit.convert *argv`` as ``nproc_per_node`` ranks; return one exit code."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     args = get_args_parser().parse_args(
         ["--standalone", "--nproc-per-node", str(nproc_per_node), "-m", "mbridge_refit.convert", *argv]
     )
+    records = Path(tempfile.mkdtemp(prefix="mbridge-refit-exit-codes-"))
+    os.environ[EXIT_RECORDS_VARIABLE] = str(records)  # the ranks inherit this process's environment
     try:
         run(args)
     except ChildFailedError as failed:
-        codes = {rank: failure.exitcode for rank, failure in failed.failures.items()}
+        ended = {rank: failure.exitcode for rank, failure in failed.failures.items()}
+        recorded = _recorded_codes(records)
+        codes = {rank: recorded.get(rank, code) for rank, code in ended.items()}
         code = launch_exit_code(codes)
-        described = ", ".join(f"rank {rank}: {_describe(c)}" for rank, c in sorted(codes.items()))
+        described = ", ".join(f"rank {rank}: {_describe(c, recorded.get(rank))}" for rank, c in sorted(ended.items()))
         logger.error("%d of %d ranks failed (%s): exit code %d", len(codes), nproc_per_node, described, code)
         return code
+    except SignalException as stopped:
+        name = signal.Signals(stopped.sigval).name
+        logger.error("stopped by %s: the %d ranks were shut down (exit code 3)", name, nproc_per_node)
+        return ExitCode.INTERNAL_ERROR
+    except KeyboardInterrupt:  # before torchrun installed its handlers
+        logger.error("interrupted: the ranks were shut down (exit code 3)")
+        return ExitCode.INTERNAL_ERROR
+    finally:
+        os.environ.pop(EXIT_RECORDS_VARIABLE, None)
+        shutil.rmtree(records, ignore_errors=True)
     return ExitCode.OK
 
 
-def _describe(code: int) -> str:
+def record_exit_code(code: int) -> None:
+    """In a rank of ``run_ranks``: record the exit code this rank decided on (else nothing)."""
+    env = LaunchEnv.from_environ()
+    if env.exit_records is not None:
+        try:
+            (Path(env.exit_records) / f"rank{env.rank}").write_text(str(int(code)))
+        except OSError:  # the launcher's directory is gone or full: its own view of the exit stands
+            pass
+
+
+def _recorded_codes(records: Path) -> dict[int, int]:
+    codes = {}
+    for record in records.glob("rank*"):
+        try:
+            codes[int(record.name.removeprefix("rank"))] = int(record.read_text())
+        except (OSError, ValueError):
+            continue
+    return codes
+
+
+def _describe(code: int, recorded: int | None = None) -> str:
     if code < 0:
-        return f"killed by signal {-code}"
+        stopped = f"killed by signal {-code}"
+        return stopped if recorded is None else f"{_describe(recorded)}, then {stopped}"
     return f"exit {code}" + (f" ({ExitCode(code).name.lower().replace('_', ' ')})" if code in KNOWN_CODES else "")

@@ -40,8 +40,9 @@ examples:
   torchrun --nproc-per-node 2 -m mbridge_refit.convert plan --hf /tmp/qwen3-tiny --pp 2 --json plan.json
 
 exit codes: 0 ok, 1 differences found (verify, verify-refit), 2 bad input (the message names the fix),
-            3 internal error (traceback logged). With --nproc-per-node, the most severe code of any rank;
-            under torchrun, each rank's own code (torchrun then exits 1 and lists them).
+            3 internal error (traceback logged), 4 environment (disk full, file-size limit, permissions:
+            the path, the errno and the fix in one line). With --nproc-per-node, the most severe code of
+            any rank; under torchrun, each rank's own code (torchrun then exits 1 and lists them).
 """
 
 

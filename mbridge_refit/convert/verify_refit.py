@@ -4,7 +4,7 @@ Builds the trainer model from an HF checkpoint (``--hf``), a tiny recipe (``--re
 checkpoint) or a full-size shape (``--shape``, Megatron's random initialisation on the GPU),
 exports it into a fresh ``transformers`` model through ``HFModelUpdateSink`` and compares
 per-token log-probabilities on a fixed random token batch (``tools.verify_refit``). Exit 0 within
-tolerance, 1 beyond it, 2 bad input, 3 internal error.
+tolerance, 1 beyond it, 2 bad input, 3 internal error, 4 environment (exit_codes).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from mbridge_refit.convert.exit_codes import BadInput, ExitCode
 from mbridge_refit.convert.flags import add_device_flag, add_timeout_flag, device_from_flag, timeout_from_flag
+from mbridge_refit.convert.inputs import check_config_numbers, check_provider, supported_config
 from mbridge_refit.plan.layout import LayoutError, ParallelLayout
 from mbridge_refit.tools.verify_refit import (
     DEFAULT_TOLERANCE, LogprobComparison, RefitMismatch, VerifyInputError, compare_logprobs, fixed_tokens, hf_config,
@@ -61,7 +62,7 @@ def add_verify_refit_parser(sub: Any) -> None:
         "  torchrun --nproc-per-node 2 -m mbridge_refit.convert verify-refit --shape qwen3-1.7b --tp 2\n"
         "  python -m mbridge_refit.convert verify-refit --recipe qwen3-tiny --perturb "
         "model.layers.0.self_attn.o_proj.weight   # must fail\n"
-        "exit codes: 0 within tolerance, 1 mismatch, 2 bad input, 3 failure",
+        "exit codes: 0 within tolerance, 1 mismatch, 2 bad input, 3 failure, 4 environment (disk, permissions)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
@@ -100,6 +101,7 @@ def verify_options(args: argparse.Namespace) -> VerifyArgs:
         raise VerifyInputError(f"directory {args.json.parent} for --json does not exist")
     if args.hf is not None and not (args.hf / "config.json").is_file():
         raise VerifyInputError(f"--hf {args.hf}: no config.json there; pass an HF checkpoint directory")
+    config = _checked_hf_source(args.hf) if args.hf is not None else None
     device = device_from_flag(args)
     if args.shape is not None and device.type != "cuda":
         raise VerifyInputError("--shape uses Megatron's GPU initialisation: run it on a GPU, or use --recipe on CPU")
@@ -108,6 +110,8 @@ def verify_options(args: argparse.Namespace) -> VerifyArgs:
         layout.validate_world_size(LaunchEnv.from_environ().world_size)
     except LayoutError as err:
         raise VerifyInputError(f"--tp {args.tp} --ep {args.ep}: {err}") from err
+    if config is not None:
+        check_provider(config, layout)
     source, name = next((k, str(v)) for k, v in (("hf", args.hf), ("recipe", args.recipe), ("shape", args.shape)) if v is not None)
     return VerifyArgs(
         source=source, name=name, layout=layout, device=device, batch=args.batch, seq=args.seq,
@@ -115,6 +119,19 @@ def verify_options(args: argparse.Namespace) -> VerifyArgs:
         fp32_logits=not args.model_dtype_logits,
         timeout=timeout_from_flag(args),
     )
+
+
+def _checked_hf_source(path: Path) -> Any:
+    """The config of the HF checkpoint ``path``, its files and sizes checked as ``roundtrip`` checks them."""
+    from mbridge_refit.checkpoints.hf import HFCheckpoint
+
+    try:
+        HFCheckpoint.open(path).validate()
+    except FileNotFoundError as err:
+        raise VerifyInputError(str(err)) from err
+    config = supported_config(path)
+    check_config_numbers(config)
+    return config
 
 
 def cmd_verify_refit(args: argparse.Namespace) -> int:
@@ -149,6 +166,8 @@ def _verify(options: VerifyArgs, checkpoint: Path | None, rank: int, device: tor
     from transformers import AutoModelForCausalLM
 
     from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.checkpoints.hf import HFCheckpoint
+    from mbridge_refit.convert.preflight import build_checked, check_hf_source
     from mbridge_refit.tools.model_builder import BuildOptions, build_model
 
     if checkpoint is not None:
@@ -164,9 +183,13 @@ def _verify(options: VerifyArgs, checkpoint: Path | None, rank: int, device: tor
             "the CPU forward covers dense models only (Megatron's MoE router and dispatch need CUDA): "
             "verify mixture-of-experts models on a GPU"
         )
-    chunks = build_model(bridge, options.layout, BuildOptions(device=options.device, params_dtype=options.dtype))
+    build = BuildOptions(device=options.device, params_dtype=options.dtype)
     if checkpoint is not None:
+        source = HFCheckpoint.open(checkpoint)
+        chunks = build_checked(bridge, options.layout, build, lambda meta: check_hf_source(bridge, meta, source))
         bridge.load_hf_shards(chunks, checkpoint)
+    else:
+        chunks = build_model(bridge, options.layout, build)
     hf_model = None
     if rank == 0:
         with device:

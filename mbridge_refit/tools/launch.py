@@ -1,8 +1,8 @@
 """Process groups: start and stop torch.distributed and Megatron's model-parallel state.
 
 This is the one module that reads the launcher's environment (``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK`` set by ``torchrun``). CPU runs use gloo; GPU runs use NCCL with one device per
-local rank. A plain ``python -m ...`` without torchrun gets a one-process group, so the same
+``LOCAL_RANK`` set by ``torchrun``; ``EXIT_RECORDS_VARIABLE`` set by ``convert --nproc-per-node``).
+CPU runs use gloo; GPU runs use NCCL with one device per local rank. A plain ``python -m ...`` without torchrun gets a one-process group, so the same
 code path serves one process and N ranks.
 """
 
@@ -22,6 +22,9 @@ from mbridge_refit.plan.layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
 
+# Set by ``convert --nproc-per-node`` for its ranks (``convert.launcher``): a directory for their exit codes.
+EXIT_RECORDS_VARIABLE = "MBRIDGE_REFIT_EXIT_RECORDS"
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LaunchEnv:
@@ -30,6 +33,7 @@ class LaunchEnv:
     rank: int
     world_size: int
     local_rank: int
+    exit_records: str | None = None  # where ``convert --nproc-per-node`` collects its ranks' exit codes
 
     @property
     def launched_by_torchrun(self) -> bool:
@@ -41,6 +45,7 @@ class LaunchEnv:
             rank=int(os.environ.get("RANK", "0")),
             world_size=int(os.environ.get("WORLD_SIZE", "1")),
             local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+            exit_records=os.environ.get(EXIT_RECORDS_VARIABLE) or None,
         )
 
 

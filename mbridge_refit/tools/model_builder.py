@@ -210,13 +210,20 @@ def build_model(bridge: Any, layout: ParallelLayout, options: BuildOptions) -> l
             mixed_precision_wrapper=None,
         )
     if on_cpu and options.materialize:
-        chunks = [keeping_parameter_attributes(chunk, lambda c: c.to_empty(device="cpu")) for chunk in chunks]
+        chunks = materialize(chunks)
     if on_cpu and options.params_dtype is not None:
         # The local spec builds its torch norms in fp32 whatever params_dtype says; on this
         # conversion path every parameter takes the checkpoint's dtype so exports keep it,
         # but those Megatron-Core keeps in float32 on any device (FLOAT32_PARAMETERS).
         chunks = [keeping_parameter_attributes(chunk, lambda c: _to_params_dtype(c, options.params_dtype)) for chunk in chunks]
     return chunks
+
+
+def materialize(chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """CPU chunks built with ``materialize=False`` (on the meta device) given uninitialised CPU
+    memory, as ``build_model`` returns them with ``materialize=True`` (the dtype conversion of
+    ``params_dtype`` done on the meta device carries over: ``to_empty`` keeps each dtype)."""
+    return [keeping_parameter_attributes(chunk, lambda c: c.to_empty(device="cpu")) for chunk in chunks]
 
 
 def keeping_parameter_attributes(chunk: torch.nn.Module, convert: Any) -> torch.nn.Module:
