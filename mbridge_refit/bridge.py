@@ -38,25 +38,39 @@ import torch
 from megatron.bridge import AutoBridge
 
 from mbridge_refit.checkpoints.hf import HFCheckpoint, remote_code_refusal
+from mbridge_refit.checkpoints.loader import LoadReport, check_hf_shapes, load_hf_shards
 from mbridge_refit.fp8 import te as te_fp8
-from mbridge_refit.fp8.format import FP8_DTYPE_NAME, BlockwiseFP8Config, FP8FormatError, scale_name
+from mbridge_refit.fp8.format import (
+    FP8_DTYPE_NAME,
+    BlockwiseFP8Config,
+    FP8FormatError,
+    scale_name,
+)
 from mbridge_refit.fp8.plan import fp8_plan, yielded_bytes
 from mbridge_refit.fp8.quantize import quantize_bucket_lists
-from mbridge_refit.checkpoints.loader import LoadReport, check_hf_shapes, load_hf_shards
 from mbridge_refit.plan.build import build_export_plan
 from mbridge_refit.plan.engine_layout import EngineLayout
 from mbridge_refit.plan.entries import ExportPlan, PlanError
 from mbridge_refit.plan.layout import ModelShape
-from mbridge_refit.plan.task_selection import TaskMismatch, names_for_tasks
 from mbridge_refit.plan.storage import FP8_BLOCKWISE, is_quantized
+from mbridge_refit.plan.task_selection import TaskMismatch, names_for_tasks
 from mbridge_refit.plan.transfer import TransferPlan, build_transfer_plan
 from mbridge_refit.runtime.buffers import ExportBuffers
 from mbridge_refit.runtime.collectives import (
-    all_true, current_groups, current_rank_groups, current_trainer_rank, is_rank_zero, replica_participants,
+    all_true,
+    current_groups,
+    current_rank_groups,
+    current_trainer_rank,
+    is_rank_zero,
+    replica_participants,
 )
 from mbridge_refit.runtime.exporter import DEFAULT_BUCKET_BYTES, PlanExporter
 from mbridge_refit.runtime.handshake import DEFAULT_TIMEOUT_S, CollectiveCall
-from mbridge_refit.runtime.lifetime import guard_buckets, guard_tensors, lifetime_checks_from_environment
+from mbridge_refit.runtime.lifetime import (
+    guard_buckets,
+    guard_tensors,
+    lifetime_checks_from_environment,
+)
 from mbridge_refit.runtime.live_params import LiveParams
 from mbridge_refit.runtime.param_sync import finish_pending_param_gathers
 from mbridge_refit.runtime.selection import LiveRows

@@ -17,6 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "mbridge_refit"
 
 # Lowest first. A module may import modules of its own layer or of lower layers only.
 LAYERS = (
+    ("errors",),
     ("plan",),
     ("runtime",),
     ("fp8",),
@@ -137,3 +138,20 @@ def test_cycle_finder_finds_a_cycle(tmp_path):
     (package / "sub" / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import a\n")
     cycle = find_cycle(import_graph(package_modules(package)))
     assert cycle is not None and set(cycle) == {"pkg.a", "pkg.sub.b"}
+
+
+def test_every_error_class_has_the_package_root():
+    """Every exception class the package defines derives from ``errors.RefitError``, so callers
+    catch by kind and the command line maps kinds (``InputError``: exit 2) without a list of classes."""
+    import importlib
+    import inspect
+
+    from mbridge_refit.errors import RefitError
+
+    strays = []
+    for module in sorted(m for m in MODULES if not m.endswith(".__main__")):
+        for name, value in vars(importlib.import_module(module)).items():
+            if inspect.isclass(value) and issubclass(value, BaseException) and value.__module__ == module:
+                if not issubclass(value, RefitError):
+                    strays.append(f"{module}.{name}")
+    assert not strays, f"exception classes outside the hierarchy of mbridge_refit.errors: {strays}"

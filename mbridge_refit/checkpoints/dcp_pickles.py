@@ -38,7 +38,13 @@ from typing import Any, Iterator, Mapping
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    StorageMeta,
+)
+
+from mbridge_refit.errors import InputError
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +53,7 @@ _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 _DCP_FILESYSTEM = "torch.distributed.checkpoint.filesystem"
 
 
-class UnsafePickle(pickle.UnpicklingError):
+class UnsafePickle(InputError, pickle.UnpicklingError):
     """A pickled part of a checkpoint names something an index or a byte item never holds."""
 
 

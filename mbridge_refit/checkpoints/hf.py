@@ -27,6 +27,8 @@ from typing import Any, Iterator
 import torch
 from safetensors import safe_open
 
+from mbridge_refit.errors import InputError
+
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -80,11 +82,11 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError):
     """A checkpoint's files are unreadable or disagree with its index (the message lists what)."""
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """A ``config.json`` that is not a JSON object describing a model (the message names the file)."""
 
 
@@ -355,7 +357,7 @@ def _describe_difference(x: torch.Tensor, y: torch.Tensor) -> str:
     return text
 
 
-class RemoteCodeError(ValueError):
+class RemoteCodeError(InputError):
     """A checkpoint whose architecture exists only as its own Python code (``auto_map``), which runs
     only where the caller asks for it (``trust_remote_code=True``, the CLI's ``--trust-remote-code``)."""
 

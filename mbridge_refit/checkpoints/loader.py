@@ -31,16 +31,23 @@ import torch
 import torch.distributed as dist
 
 from mbridge_refit.checkpoints.hf import HFCheckpoint
+from mbridge_refit.errors import InputError
+from mbridge_refit.plan.conversions import ELEMENTWISE_OPS, RELAYOUTS, relaid_shape
 from mbridge_refit.plan.entries import expert_number
-from mbridge_refit.plan.slices import hf_extents, place_column, PlacementError, ShardContext, SliceCopy
-from mbridge_refit.plan.conversions import ELEMENTWISE_OPS, relaid_shape, RELAYOUTS
 from mbridge_refit.plan.placement import placement_kind, slice_copies
+from mbridge_refit.plan.slices import (
+    PlacementError,
+    ShardContext,
+    SliceCopy,
+    hf_extents,
+    place_column,
+)
 from mbridge_refit.plan.stacking import stacked_placement
 
 logger = logging.getLogger(__name__)
 
 
-class LoadError(ValueError):
+class LoadError(InputError):
     """The checkpoint does not fit the model (missing tensor, wrong shape, uncovered parameter)."""
 
 

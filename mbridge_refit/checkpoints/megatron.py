@@ -41,7 +41,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from mbridge_refit.plan.layout import ParallelLayout
 from mbridge_refit.checkpoints.dcp_pickles import (
     INDEX_NAME,
     byte_items,
@@ -50,7 +49,14 @@ from mbridge_refit.checkpoints.dcp_pickles import (
     load_index,
 )
 from mbridge_refit.checkpoints.hf import COPIED_FILE_NAMES
-from mbridge_refit.checkpoints.publish import begin_publication, carry_over, fsync_tree, is_loader_file
+from mbridge_refit.checkpoints.publish import (
+    begin_publication,
+    carry_over,
+    fsync_tree,
+    is_loader_file,
+)
+from mbridge_refit.errors import InputError
+from mbridge_refit.plan.layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +72,7 @@ COMMON_STATE_NAME = "common.pt"  # Megatron's legacy common state file (torch.lo
 SIDE_FILE_NAMES = ("config.json", *COPIED_FILE_NAMES)
 
 
-class NotAMegatronCheckpoint(ValueError):
+class NotAMegatronCheckpoint(InputError):
     """The directory holds no complete checkpoint written by ``save_model``; the message says why."""
 
 
@@ -297,7 +303,11 @@ def model_tensors(
     """(key -> (global shape, dtype) of every tensor, keys of byte items) that ``load_model`` would
     read for this rank's ``chunks``; works on meta-device chunks (nothing is allocated or read)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedObject,
+        ShardedTensor,
+        apply_factories,
+    )
     from megatron.core.utils import unwrap_model
 
     state = sharded_model_state(unwrap_model(chunks))

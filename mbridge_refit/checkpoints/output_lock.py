@@ -30,6 +30,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from mbridge_refit.errors import InputError
+
 logger = logging.getLogger(__name__)
 
 LOCK_SUFFIX = ".lock"
@@ -78,7 +80,7 @@ class LockHolder:
 UNKNOWN_HOLDER = LockHolder(pid=None, host=None, since=None)
 
 
-class LockHeld(Exception):
+class LockHeld(InputError):
     """Another writer holds the lock of an output directory."""
 
     def __init__(self, path: Path, holder: LockHolder) -> None:

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from mbridge_refit.checkpoints.output_lock import LockHeld, LockHolder, OutputLock
+from mbridge_refit.errors import InputError
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ LOADER_FILE_PATTERNS = (
 )
 
 
-class OutputRefused(FileExistsError):
+class OutputRefused(InputError, FileExistsError):
     """The output directory cannot be written as asked (another writer holds it, it is not empty
     and overwrite is off, a killed run's staging directory lies beside it, it is not a directory);
     the message names the path and the fix."""

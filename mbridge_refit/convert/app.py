@@ -37,15 +37,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
+from mbridge_refit.checkpoints.hf import CheckpointError, ConfigError
+from mbridge_refit.checkpoints.loader import LoadFailedElsewhere
+from mbridge_refit.checkpoints.megatron import NotAMegatronCheckpoint
+from mbridge_refit.checkpoints.publish import OutputRefused
 from mbridge_refit.convert import commands
 from mbridge_refit.convert.exit_codes import BadInput, ExitCode
 from mbridge_refit.convert.launcher import record_exit_code, run_ranks
 from mbridge_refit.convert.parser import build_parser
-from mbridge_refit.checkpoints.hf import CheckpointError, ConfigError
-from mbridge_refit.checkpoints.loader import LoadError, LoadFailedElsewhere
-from mbridge_refit.checkpoints.publish import OutputRefused
-from mbridge_refit.checkpoints.megatron import NotAMegatronCheckpoint
 from mbridge_refit.convert.verify_refit import cmd_verify_refit
+from mbridge_refit.errors import InputError
 from mbridge_refit.fp8.format import FP8FormatError
 from mbridge_refit.plan.layout import LayoutError
 from mbridge_refit.tools.launch import LaunchEnv
@@ -62,10 +63,9 @@ COMMANDS: dict[str, Callable] = {
     "verify-refit": cmd_verify_refit,
 }
 
-# Library errors that mean "this input cannot work" (their messages name the file and the fix).
-INPUT_ERRORS = (
-    BadInput, LayoutError, FP8FormatError, LoadError, CheckpointError, ConfigError, NotAMegatronCheckpoint, OutputRefused,
-)
+# Errors that mean "this input cannot work" (their messages name the file and the fix): every one
+# the library raises so derives from ``errors.InputError``.
+INPUT_ERRORS = (InputError,)
 # Input errors every rank computes alike from the same input (and a rank's note that another rank
 # failed): rank 0 prints them, the other ranks only at debug level, so a message appears once.
 SAME_ON_EVERY_RANK = (

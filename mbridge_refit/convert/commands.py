@@ -19,9 +19,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mbridge_refit.convert.exit_codes import BadInput, ExitCode
-from mbridge_refit.convert.flags import device_from_flag, fp8_from_flags, timeout_from_flag
+from mbridge_refit.convert.flags import (
+    device_from_flag,
+    fp8_from_flags,
+    timeout_from_flag,
+)
 from mbridge_refit.convert.inputs import (
-    check_distinct_dirs, check_output_dir, checked_hf_input, checked_layout, checkpoint_float_dtype, supported_config,
+    check_distinct_dirs,
+    check_output_dir,
+    checked_hf_input,
+    checked_layout,
+    checkpoint_float_dtype,
+    supported_config,
 )
 from mbridge_refit.convert.writing import write_hf_checkpoint
 from mbridge_refit.plan.layout import ParallelLayout
@@ -175,7 +184,10 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from mbridge_refit.checkpoints.megatron import CheckpointInfo, NotAMegatronCheckpoint
+    from mbridge_refit.checkpoints.megatron import (
+        CheckpointInfo,
+        NotAMegatronCheckpoint,
+    )
 
     if not args.megatron.is_dir():
         raise BadInput(f"input checkpoint directory {args.megatron} does not exist (--megatron)")
@@ -195,9 +207,9 @@ def run_import(options: ImportArgs) -> int:
 
     from mbridge_refit.bridge import RefitBridge
     from mbridge_refit.checkpoints.hf import HFCheckpoint
-    from mbridge_refit.tools.launch import distributed_session
     from mbridge_refit.checkpoints.megatron import CheckpointInfo, save_model
     from mbridge_refit.convert.preflight import build_checked, check_hf_source
+    from mbridge_refit.tools.launch import distributed_session
     from mbridge_refit.tools.model_builder import BuildOptions
 
     cpu = torch.device("cpu")
@@ -255,10 +267,9 @@ def run_export(options: WriteArgs) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     import torch
 
-    from mbridge_refit.fp8.format import FP8FormatError
-
     from mbridge_refit.bridge import RefitBridge
     from mbridge_refit.checkpoints.hf import HFCheckpoint
+    from mbridge_refit.fp8.format import FP8FormatError
     from mbridge_refit.tools.launch import distributed_session
     from mbridge_refit.tools.model_builder import BuildOptions, build_model
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import enum
 
+from mbridge_refit.errors import InputError
+
 
 class ExitCode(enum.IntEnum):
     OK = 0
@@ -33,5 +35,5 @@ class ExitCode(enum.IntEnum):
     ENVIRONMENT = 4
 
 
-class BadInput(Exception):
+class BadInput(InputError):
     """User input that cannot work; the message names the problem and the fix."""

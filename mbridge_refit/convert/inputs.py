@@ -118,7 +118,11 @@ def check_output_dir(out: Path, overwrite: bool) -> None:
     The writer checks again under the output's lock (``checkpoints.publish``); this look only
     ends a doomed run before its model is loaded."""
     from mbridge_refit.checkpoints.output_lock import held_by
-    from mbridge_refit.checkpoints.publish import busy_error, leftover_error, output_target
+    from mbridge_refit.checkpoints.publish import (
+        busy_error,
+        leftover_error,
+        output_target,
+    )
 
     target = output_target(out)
     if target.exists() and not target.is_dir():

@@ -6,7 +6,11 @@ import argparse
 from pathlib import Path
 
 from mbridge_refit.convert.flags import (
-    add_device_flag, add_fp8_flags, add_layout_flags, add_remote_code_flag, add_timeout_flag,
+    add_device_flag,
+    add_fp8_flags,
+    add_layout_flags,
+    add_remote_code_flag,
+    add_timeout_flag,
 )
 from mbridge_refit.convert.verify_refit import add_verify_refit_parser
 

@@ -81,7 +81,12 @@ def check_hf_source(bridge: Any, chunks: list[torch.nn.Module], checkpoint: Any)
 
 def check_megatron_source(chunks: list[torch.nn.Module], path: Path) -> None:
     """``chunks`` (meta) against the Megatron checkpoint in ``path`` (its DCP index; no data read)."""
-    from mbridge_refit.checkpoints.megatron import NotAMegatronCheckpoint, fit_problems, model_tensors, read_stored
+    from mbridge_refit.checkpoints.megatron import (
+        NotAMegatronCheckpoint,
+        fit_problems,
+        model_tensors,
+        read_stored,
+    )
 
     stored = read_stored(path)
     if stored.problems:  # read from the same files on every rank: the same verdict everywhere, no collective

@@ -47,9 +47,19 @@ from typing import Sequence
 
 from mbridge_refit.convert.flags import layout_flags
 from mbridge_refit.plan.layout import ParallelLayout
-from mbridge_refit.tools.conformance import MATRIX_LAYOUTS, Cell, CellState, describe_error, restored_environment, selected_cells
+from mbridge_refit.tools.conformance import (
+    MATRIX_LAYOUTS,
+    Cell,
+    CellState,
+    describe_error,
+    restored_environment,
+    selected_cells,
+)
 from mbridge_refit.tools.export_comparison import compare_stream
-from mbridge_refit.tools.tiny_checkpoints import checkpoint_tensors, write_tiny_checkpoint
+from mbridge_refit.tools.tiny_checkpoints import (
+    checkpoint_tensors,
+    write_tiny_checkpoint,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -35,13 +35,14 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from mbridge_refit.engines.fingerprint import differing, named_fingerprints
+from mbridge_refit.errors import EngineError
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ class StagedLoad:
                 self.end()
 
 
-class ApplyPlanError(RuntimeError):
+class ApplyPlanError(EngineError):
     """The engine's loader cannot be recorded, or a replay does not reproduce it."""
 
 

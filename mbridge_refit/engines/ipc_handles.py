@@ -20,6 +20,8 @@ from typing import Any, Callable
 
 import torch
 
+from mbridge_refit.errors import InputError
+
 FORMAT = "mbridge_refit.cuda_ipc"
 VERSION = 1
 
@@ -28,7 +30,7 @@ _STORAGE_CLASSES: dict[str, type] = {"TypedStorage": torch.storage.TypedStorage}
 _DTYPES: dict[str, torch.dtype] = {"uint8": torch.uint8}
 
 
-class BadIpcPayload(ValueError):
+class BadIpcPayload(InputError):
     """A CUDA IPC payload that is not what ``encode_payload`` writes; the message says which part."""
 
 

@@ -31,8 +31,19 @@ from typing import Any
 
 import torch
 
-from mbridge_refit.engines.apply_plan import ApplyPlan, ApplyPlanError, LoadWeights, StagedLoad
-from mbridge_refit.engines.sharing import TRANSPORTS, SharedLayout, SharingError, row_sources, views
+from mbridge_refit.engines.apply_plan import (
+    ApplyPlan,
+    ApplyPlanError,
+    LoadWeights,
+    StagedLoad,
+)
+from mbridge_refit.engines.sharing import (
+    TRANSPORTS,
+    SharedLayout,
+    SharingError,
+    row_sources,
+    views,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -32,10 +32,15 @@ from typing import Any, Protocol
 
 import torch
 
-from mbridge_refit.engines.ipc_handles import BadIpcPayload, decode_payload, encode_payload
+from mbridge_refit.engines.ipc_handles import (
+    BadIpcPayload,
+    decode_payload,
+    encode_payload,
+)
+from mbridge_refit.errors import EngineError
 
 
-class SharingError(RuntimeError):
+class SharingError(EngineError):
     """The shared layout and the storages that arrived do not fit together."""
 
 

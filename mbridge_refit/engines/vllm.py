@@ -34,7 +34,12 @@ from typing import Any
 
 import torch
 
-from mbridge_refit.engines.sharing import CudaIpcTransport, LayoutRecorder, SharedLayout, Transport
+from mbridge_refit.engines.sharing import (
+    CudaIpcTransport,
+    LayoutRecorder,
+    SharedLayout,
+    Transport,
+)
 from mbridge_refit.engines.vllm_worker import WORKER_EXTENSION
 from mbridge_refit.plan.entries import PlanError
 from mbridge_refit.runtime.selection import LiveRows

@@ -38,7 +38,10 @@ class RefitWorkerExtension:
     def _mbridge_staged_load(self, model: torch.nn.Module) -> StagedLoad | None:
         """vLLM's layerwise reload as the receiver's reload bracket (None where this vLLM has none)."""
         try:
-            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+            from vllm.model_executor.model_loader.reload import (
+                finalize_layerwise_reload,
+                initialize_layerwise_reload,
+            )
         except ImportError:
             return None
         config = self.model_runner.model_config

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mbridge_refit.errors import InputError
 from mbridge_refit.fp8.keep import keep_patterns_for
 
 if TYPE_CHECKING:
@@ -64,7 +65,7 @@ FP8_DTYPE_NAME = str(FP8_DTYPE).removeprefix("torch.")  # as plan entries name d
 SCALE_DTYPE_NAME = str(SCALE_DTYPE).removeprefix("torch.")
 
 
-class FP8FormatError(ValueError):
+class FP8FormatError(InputError):
     """A model or option that cannot be exported as blockwise FP8 (the message says why and what to do)."""
 
 

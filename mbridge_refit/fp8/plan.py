@@ -13,7 +13,13 @@ import math
 from typing import Any
 
 from mbridge_refit.fp8.format import (
-    BLOCK, FP8_DTYPE_NAME, SCALE_DTYPE_NAME, BlockwiseFP8Config, FP8FormatError, scale_name, scale_shape,
+    BLOCK,
+    FP8_DTYPE_NAME,
+    SCALE_DTYPE_NAME,
+    BlockwiseFP8Config,
+    FP8FormatError,
+    scale_name,
+    scale_shape,
 )
 from mbridge_refit.plan.entries import ExportPlan, PlanEntry, TensorSharding
 from mbridge_refit.plan.slices import SliceCopy

@@ -21,10 +21,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mbridge_refit.plan.entries import ExportPlan, PlanEntry, PlanError, TensorSharding, expert_number, with_expert_number
-from mbridge_refit.plan.slices import PlacementError, PlacementKind, ShardContext, SliceCopy, slices_for
 from mbridge_refit.plan.conversions import relaid_shape
+from mbridge_refit.plan.entries import (
+    ExportPlan,
+    PlanEntry,
+    PlanError,
+    TensorSharding,
+    expert_number,
+    with_expert_number,
+)
 from mbridge_refit.plan.placement import placement_kind
+from mbridge_refit.plan.slices import (
+    PlacementError,
+    PlacementKind,
+    ShardContext,
+    SliceCopy,
+    slices_for,
+)
 from mbridge_refit.plan.stacking import ExpertStack, stacked_placement
 from mbridge_refit.plan.storage import PLAIN, storage_format
 

@@ -19,6 +19,7 @@ import torch
 
 from mbridge_refit.plan.slices import PlacementError
 
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ElementwiseOp:
     """An elementwise conversion a mapping applies on top of its base class's slices, in the

@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from mbridge_refit.errors import InputError
 from mbridge_refit.plan.entries import PlanEntry
 from mbridge_refit.plan.layout import ModelShape
 
@@ -50,7 +51,7 @@ ENGINE_RULES: dict[tuple[str, int | None], str] = {
 }
 
 
-class EngineShardingError(ValueError):
+class EngineShardingError(InputError):
     """An engine layout that cannot slice a tensor (the tensor, the numbers and the fix named)."""
 
 

@@ -22,14 +22,14 @@ from typing import Any, Iterable
 
 import torch
 
-from mbridge_refit.plan.slices import SliceCopy
-
+from mbridge_refit.errors import InputError
 from mbridge_refit.plan.conversions import RELAYOUTS
+from mbridge_refit.plan.slices import SliceCopy
 from mbridge_refit.plan.stacking import ExpertStack
 from mbridge_refit.plan.storage import PLAIN
 
 
-class PlanError(ValueError):
+class PlanError(InputError):
     """The model has a parameter the plan cannot describe (named in the message)."""
 
 

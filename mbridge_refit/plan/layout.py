@@ -15,8 +15,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from mbridge_refit.errors import InputError
 
-class LayoutError(ValueError):
+
+class LayoutError(InputError):
     """A parallel layout that cannot hold the requested model or world size."""
 
 

@@ -17,8 +17,15 @@ from typing import Any, Callable
 import torch
 
 from mbridge_refit.plan.slices import (
-    AttentionHeads, PlacementError, PlacementKind, ShardContext, SliceCopy, check_tiling, slices_for,
+    AttentionHeads,
+    PlacementError,
+    PlacementKind,
+    ShardContext,
+    SliceCopy,
+    check_tiling,
+    slices_for,
 )
+
 
 def _auto_kind(mapping: Any, module: torch.nn.Module) -> PlacementKind:
     permute = getattr(mapping, "permute_dims", None)
@@ -80,7 +87,9 @@ def _full_dim_qk_norm_kind(mapping: Any, module: torch.nn.Module) -> PlacementKi
 
 def _family_rules() -> list[tuple[type, Callable[[Any, torch.nn.Module], PlacementKind]]]:
     """Rules for mapping classes a model family's bridge defines for itself."""
-    from megatron.bridge.models.minimax_m2.minimax_m2_bridge import _FullDimQKNormMapping
+    from megatron.bridge.models.minimax_m2.minimax_m2_bridge import (
+        _FullDimQKNormMapping,
+    )
 
     return [(_FullDimQKNormMapping, _full_dim_qk_norm_kind)]
 

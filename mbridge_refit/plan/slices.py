@@ -35,7 +35,10 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-class PlacementError(ValueError):
+from mbridge_refit.errors import InputError
+
+
+class PlacementError(InputError):
     """A parameter whose mapping or shape has no exact slice description."""
 
 

@@ -22,10 +22,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from mbridge_refit.errors import InputError
 from mbridge_refit.plan.entries import ExportPlan, PlanEntry, with_expert_number
 
 
-class TaskMismatch(ValueError):
+class TaskMismatch(InputError):
     """Conversion tasks the plan cannot run as stock would (the message names the task and why)."""
 
 

@@ -28,14 +28,23 @@ from typing import Any, Iterable
 
 import torch
 
-from mbridge_refit.plan.engine_layout import Box, EngineLayout, EngineTensor, box_shape, engine_box, engine_rule, with_extent
+from mbridge_refit.errors import InputError
+from mbridge_refit.plan.engine_layout import (
+    Box,
+    EngineLayout,
+    EngineTensor,
+    box_shape,
+    engine_box,
+    engine_rule,
+    with_extent,
+)
 from mbridge_refit.plan.entries import ExportPlan, PlanEntry, numel
 from mbridge_refit.plan.layout import ModelShape
 from mbridge_refit.plan.slices import SliceCopy
 from mbridge_refit.plan.storage import PLAIN
 
 
-class TransferPlanError(ValueError):
+class TransferPlanError(InputError):
     """A sharded refit that cannot be planned (the tensor and the reason named)."""
 
 

@@ -29,6 +29,8 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import torch.distributed as dist
 
+from mbridge_refit.errors import UsageError
+
 __all__ = ["CollectiveCall", "CollectiveMisuseError", "DEFAULT_TIMEOUT_S"]
 
 logger = logging.getLogger(__name__)
@@ -40,7 +42,7 @@ _CONTRACT = (
 _MASK_BITS = 62  # participants identified by their bit of one integer key (store.add); more are only counted
 
 
-class CollectiveMisuseError(RuntimeError):
+class CollectiveMisuseError(UsageError):
     """A rank broke the collective contract of an export (called it alone, or left it early)."""
 
 

@@ -20,6 +20,8 @@ from typing import Iterable, Iterator
 
 import torch
 
+from mbridge_refit.errors import UsageError
+
 __all__ = [
     "ENVIRONMENT_VARIABLE", "ExpiredTensorError", "GuardedTensor", "guard_buckets", "guard_tensors",
     "lifetime_checks_from_environment",
@@ -28,7 +30,7 @@ __all__ = [
 ENVIRONMENT_VARIABLE = "MBRIDGE_REFIT_CHECK_LIFETIME"
 
 
-class ExpiredTensorError(RuntimeError):
+class ExpiredTensorError(UsageError):
     """A yielded tensor was used after the export moved past it (its memory may hold another tensor)."""
 
 

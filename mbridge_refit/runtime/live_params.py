@@ -28,10 +28,12 @@ from typing import Any, Iterable
 
 import torch
 
+from mbridge_refit.errors import InputError
+
 __all__ = ["LiveParams", "ModelChangedError", "registration_count"]
 
 
-class ModelChangedError(ValueError):
+class ModelChangedError(InputError):
     """A parameter the export plan describes was replaced by one the plan cannot read."""
 
 

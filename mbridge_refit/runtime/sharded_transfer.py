@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mbridge_refit.errors import TransportError
 from mbridge_refit.plan.engine_layout import Box
 from mbridge_refit.plan.transfer import Move, TransferPlan
 from mbridge_refit.runtime.param_sync import finish_pending_param_gathers
@@ -41,11 +42,11 @@ ALIGN_BYTES = 16
 _OK, _BAD_INPUT, _BAD_CHECKSUM = 0, 1, 2
 
 
-class TransferMismatchError(RuntimeError):
+class TransferMismatchError(TransportError):
     """The ranks do not agree on the transfer plan, or a rank's tensors do not fit it."""
 
 
-class TransferChecksumError(RuntimeError):
+class TransferChecksumError(TransportError):
     """Bytes received in a sharded transfer differ from the bytes sent."""
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mbridge_refit.errors import EngineError
 from mbridge_refit.sinks.base import WeightSink
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ FUSED_TENSOR_RULES: tuple[FusedTensorRule, ...] = (
 )
 
 
-class WeightUpdateError(ValueError):
+class WeightUpdateError(EngineError, ValueError):
     """The stream does not fit the model (names, shapes or dtypes; listed in the message)."""
 
 

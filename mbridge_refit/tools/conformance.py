@@ -220,7 +220,11 @@ def build_random_model(
     from its config; a checkpoint variant's (``architecture+variant``) from its tiny checkpoint,
     written under ``work_dir`` (which must outlive the bridge: stock reads it while exporting)."""
     from mbridge_refit.bridge import RefitBridge
-    from mbridge_refit.tools.model_builder import BuildOptions, build_model, cpu_concessions
+    from mbridge_refit.tools.model_builder import (
+        BuildOptions,
+        build_model,
+        cpu_concessions,
+    )
     from mbridge_refit.tools.tiny_checkpoints import write_tiny_checkpoint
     from mbridge_refit.tools.tiny_configs import split_variant, tiny_config
 
@@ -421,7 +425,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         plan = selected_cells(layout_names, [e for e in args.only.split(",") if e])
     except ValueError as err:
         parser.error(str(err))
-    from mbridge_refit.tools.launch import LaunchEnv, distributed_session, init_model_parallel
+    from mbridge_refit.tools.launch import (
+        LaunchEnv,
+        distributed_session,
+        init_model_parallel,
+    )
 
     logging.basicConfig(level=logging.INFO if LaunchEnv.from_environ().rank == 0 else logging.WARNING, format="%(message)s")
     logging.getLogger("mbridge_refit.bridge").setLevel(logging.ERROR)  # the fallback warning is recorded in the cell

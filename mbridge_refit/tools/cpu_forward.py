@@ -55,7 +55,9 @@ class _NoRNGTracker:
 
 
 def _swap_cuda_only_modules(chunks: list[torch.nn.Module]) -> None:
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import (
+        RotaryEmbedding,
+    )
     from transformer_engine.pytorch import RMSNorm
 
     rotary, _, norm = _classes()
@@ -75,7 +77,9 @@ def _classes() -> tuple[type, type, type]:
     global _CLASSES
     if _CLASSES is not None:
         return _CLASSES
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import (
+        RotaryEmbedding,
+    )
     from megatron.core.utils import GlobalMemoryBuffer
     from transformer_engine.pytorch import RMSNorm
 

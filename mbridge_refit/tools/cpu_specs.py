@@ -108,7 +108,9 @@ def experimental_attention_block_spec(config: Any, vp_stage: Optional[int] = Non
     """``get_transformer_block_with_experimental_attention_variant_spec`` built for CPU: the same
     layers (its per-layer attention / MLP patterns and pipeline slicing) with local modules."""
     from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
-    from megatron.core.models.gpt import experimental_attention_variant_module_specs as specs
+    from megatron.core.models.gpt import (
+        experimental_attention_variant_module_specs as specs,
+    )
 
     layer_specs = specs.get_transformer_layer_with_experimental_attention_variant_spec(config=config, backend=TESpecProvider())
     if config.pipeline_model_parallel_layout is not None:
@@ -205,7 +207,9 @@ def hybrid_stack_spec(configured: Any, config: Any) -> Any:
     build uses Megatron's sequential experts (``local_experts.N``), as every CPU build here does:
     the bridge maps both to the same HF tensors.
     """
-    from megatron.bridge.models.hybrid.hybrid_provider import get_default_hybrid_stack_spec
+    from megatron.bridge.models.hybrid.hybrid_provider import (
+        get_default_hybrid_stack_spec,
+    )
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
 

@@ -156,7 +156,9 @@ def configure_provider(provider: Any, layout: ParallelLayout, options: BuildOpti
 def cpu_layer_spec(spec: Any) -> Any:
     """The spec to build ``spec``'s layers with on CPU (module docstring: layer specs on CPU)."""
     from megatron.bridge.models import gpt_provider
-    from megatron.core.models.gpt import experimental_attention_variant_module_specs as experimental
+    from megatron.core.models.gpt import (
+        experimental_attention_variant_module_specs as experimental,
+    )
 
     from mbridge_refit.tools import cpu_specs
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Mapping
 
+from mbridge_refit.errors import InputError
 from mbridge_refit.plan.layout import LayoutError, ModelShape, ParallelLayout
 
 if TYPE_CHECKING:  # transformers and torch are imported lazily: loading recipes stays cheap
@@ -80,11 +81,11 @@ _FAMILY_LAYER_GROUPS: Mapping[str, tuple[str, ...]] = MappingProxyType(
 )
 
 
-class RecipeError(ValueError):
+class RecipeError(InputError):
     """A recipe file that is missing or malformed."""
 
 
-class UnknownRecipeError(KeyError, ValueError):
+class UnknownRecipeError(InputError, KeyError):
     """A model or layout name that is not registered; the message lists the registered ones."""
 
     def __str__(self) -> str:  # KeyError would repr() the message and show the quotes

@@ -34,7 +34,12 @@ from typing import TYPE_CHECKING, Callable, Mapping
 
 import torch
 
-from mbridge_refit.tools.tiny_configs import PACKED_EXPERTS, TinyConfigError, split_variant, tiny_config
+from mbridge_refit.tools.tiny_configs import (
+    PACKED_EXPERTS,
+    TinyConfigError,
+    split_variant,
+    tiny_config,
+)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

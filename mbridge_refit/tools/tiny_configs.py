@@ -23,6 +23,8 @@ import copy
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Mapping
 
+from mbridge_refit.errors import InputError
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
@@ -93,7 +95,7 @@ MODEL_TYPES: Mapping[str, str] = MappingProxyType({
 })
 
 
-class TinyConfigError(LookupError):
+class TinyConfigError(InputError, LookupError):
     """An architecture this module cannot make a config for (the message says why)."""
 
 
