@@ -80,7 +80,8 @@ def reference_numerics(llm, bridge, chunks, tokens):
     return compare_logprobs(megatron_logprobs(chunks, tokens, hf_config(bridge).vocab_size), vllm_logprobs(llm, tokens))
 
 
-def verify_against_trainer(refit, bridge, chunks, tokens, fp8, victim: str, disk: dict, reference, checks: dict) -> dict:
+def verify_against_trainer(refit, bridge, chunks, tokens, fp8, victim: str, disk: dict, reference,
+                           checks: dict) -> dict:
     """Step 5: the verifier's two answers after a clean and after a perturbed refit."""
     from dataclasses import asdict
 
@@ -164,8 +165,8 @@ def run(args) -> dict:
         checks["clean_refit_after_perturbation_equal_disk"] = not differing(disk, refit.fingerprints())
         checks["prompt_logprobs_equal_disk_at_end"] = prompt_logprobs(llm, batch) == disk_logprobs
         every_token = next(e.hf_name for e in bridge.export_plan(chunks, fp8=fp8).entries if e.hf_name.endswith("self_attn.o_proj.weight"))
-        result["verify"] = verify_against_trainer(refit, bridge, chunks, torch.tensor(batch, device=device), fp8, every_token,
-                                                  disk, reference, checks)
+        result["verify"] = verify_against_trainer(refit, bridge, chunks, torch.tensor(batch, device=device), fp8,
+                                                  every_token, disk, reference, checks)
         result["steady_step_ms"] = [round(refit.refit(bridge, chunks, fp8=fp8).apply_ms, 2) for _ in range(3)]
         refit.close()
     result["ok"] = all(checks.values())

@@ -22,7 +22,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from conftest import REPO, free_port
 from test_packed_broadcast import _plan
@@ -45,7 +44,13 @@ from mbridge_refit.sinks.packed_broadcast import (
     StreamPacking,
 )
 
-PLAN = _plan(("a", (3,), "bfloat16"), ("b", (10, 7), "float32"), ("c", (0,), "bfloat16"), ("d", (5,), "int8"), ("e", (), "float32"))
+PLAN = _plan(
+    ("a", (3,), "bfloat16"),
+    ("b", (10, 7), "float32"),
+    ("c", (0,), "bfloat16"),
+    ("d", (5,), "int8"),
+    ("e", (), "float32"),
+)
 CONFIG = PackedBroadcastConfig(bucket_bytes=64, num_buffers=2, checksum=True)
 BUCKETS = StreamPacking.build(PLAN, CONFIG.bucket_bytes).num_buckets
 GROUP_TIMEOUT_S = 45.0  # a wait the failure channel does not cut short lasts this long (> BOUND_S)
@@ -149,8 +154,13 @@ def _recorded_pair(receiver_plan, *, consumer_fails: bool = False, corrupt: bool
 def test_sender_and_receiver_issue_the_same_collectives():
     """Clean, plan mismatch, bad checksum, failing consumer: the two ends issue the same collectives,
     in the same order, of the same dtypes and sizes (guards the protocol; this held before the fix too)."""
-    renamed = _plan(("a", (3,), "bfloat16"), ("b.renamed", (10, 7), "float32"), ("c", (0,), "bfloat16"),
-                    ("d", (5,), "int8"), ("e", (), "float32"))
+    renamed = _plan(
+        ("a", (3,), "bfloat16"),
+        ("b.renamed", (10, 7), "float32"),
+        ("c", (0,), "bfloat16"),
+        ("d", (5,), "int8"),
+        ("e", (), "float32"),
+    )
     (sent, received), source, receiver = _recorded_pair(PLAN)
     assert sent[0] is None and [n for n, _ in received[0]] == list("abcde")
     assert BUCKETS > 3 and source == receiver
@@ -173,14 +183,23 @@ def test_sender_and_receiver_issue_the_same_collectives():
 
 
 VLLM_BATCH_INVARIANT_NCCL = {  # what vLLM's batch-invariant mode sets in its workers (vLLM 0.26)
-    "NCCL_LAUNCH_MODE": "GROUP", "NCCL_COLLNET_ENABLE": "0", "NCCL_NVLS_ENABLE": "0", "NCCL_P2P_NET_DISABLE": "1",
-    "NCCL_MIN_NCHANNELS": "1", "NCCL_MAX_NCHANNELS": "1", "NCCL_PROTO": "Simple", "NCCL_ALGO": "allreduce:tree",
-    "NCCL_NTHREADS": "1", "NCCL_SOCKET_NTHREADS": "1",
+    "NCCL_LAUNCH_MODE": "GROUP",
+    "NCCL_COLLNET_ENABLE": "0",
+    "NCCL_NVLS_ENABLE": "0",
+    "NCCL_P2P_NET_DISABLE": "1",
+    "NCCL_MIN_NCHANNELS": "1",
+    "NCCL_MAX_NCHANNELS": "1",
+    "NCCL_PROTO": "Simple",
+    "NCCL_ALGO": "allreduce:tree",
+    "NCCL_NTHREADS": "1",
+    "NCCL_SOCKET_NTHREADS": "1",
 }
 
 
 def test_nccl_settings_are_the_communicator_shaping_variables():
-    trainer = group_settings("nccl", {"NCCL_NVLS_ENABLE": "0", "NCCL_DEBUG": "INFO", "NCCL_SOCKET_IFNAME": "eth0", "PATH": "/bin"})
+    trainer = group_settings(
+        "nccl", {"NCCL_NVLS_ENABLE": "0", "NCCL_DEBUG": "INFO", "NCCL_SOCKET_IFNAME": "eth0", "PATH": "/bin"}
+    )
     assert trainer["nccl_env"] == {"NCCL_NVLS_ENABLE": "0"} and trainer["nccl_version"].count(".") == 2
     assert "nccl_env" not in group_settings("gloo", VLLM_BATCH_INVARIANT_NCCL)
     engine = group_settings("nccl", {**VLLM_BATCH_INVARIANT_NCCL, "NCCL_DEBUG": "WARN"})
@@ -195,14 +214,18 @@ def test_members_whose_settings_differ_refuse_before_connecting(monkeypatch):
     """The trainer's plain environment and a vLLM worker's batch-invariant one: both members raise
     SettingsMismatchError naming the variables, and no process group is created."""
     settings = {0: group_settings("gloo"), 1: {**group_settings("gloo"), "nccl_env": VLLM_BATCH_INVARIANT_NCCL}}
-    monkeypatch.setattr(broadcast_group, "group_settings", lambda backend: settings[int(threading.current_thread().name[-1])])
+    monkeypatch.setattr(
+        broadcast_group, "group_settings", lambda backend: settings[int(threading.current_thread().name[-1])]
+    )
     created = []
     monkeypatch.setattr(broadcast_group, "_process_group", lambda *a: created.append(a))
     port = free_port()
 
     def member(rank: int):
         threading.current_thread().name = f"member-{rank}"
-        return StoreGroup(host="127.0.0.1", port=port, rank=rank, world_size=2, device="cpu", timeout=_seconds(GROUP_TIMEOUT_S))
+        return StoreGroup(
+            host="127.0.0.1", port=port, rank=rank, world_size=2, device="cpu", timeout=_seconds(GROUP_TIMEOUT_S)
+        )
 
     results = run_members(member, member)
     for error, seconds in results:
@@ -278,8 +301,9 @@ class Bridge:
 def _session(llm, bridge, chunks):
     from mbridge_refit.engines.vllm_broadcast import VLLMBroadcastRefit
 
-    refit = VLLMBroadcastRefit(llm, host="127.0.0.1", port=free_port(), backend="gloo", device="cpu",
-                               timeout_s=GROUP_TIMEOUT_S, config=CONFIG)
+    refit = VLLMBroadcastRefit(
+        llm, host="127.0.0.1", port=free_port(), backend="gloo", device="cpu", timeout_s=GROUP_TIMEOUT_S, config=CONFIG
+    )
     refit.open(bridge, chunks)
     return refit
 
@@ -317,7 +341,7 @@ def test_the_trainers_export_failing_mid_stream_reaches_the_engine():
     error, seconds = _refit_raises(refit, bridge, chunks)
     assert isinstance(error, ValueError) and "injected: the trainer's export failed" in str(error)
     assert seconds < BOUND_S
-    (method, engine_error, _), = llm.errors
+    ((method, engine_error, _),) = llm.errors
     assert method == "mbridge_broadcast_receive" and isinstance(engine_error, PeerFailedError), engine_error
     assert "member 0 failed" in str(engine_error) and "injected: the trainer's export failed" in str(engine_error)
     refit.close()
@@ -360,7 +384,8 @@ from mbridge_refit.sinks.packed_broadcast import PackedBroadcastConfig, PackedBr
 import torch
 plan = ExportPlan.from_json({plan!r})
 group = StoreGroup(host="127.0.0.1", port={port}, rank=0, world_size=2, device="cpu")
-sender = PackedBroadcastSender(plan, PackedBroadcastConfig(bucket_bytes=64, num_buffers=2), group=group, src=0, device="cpu")
+config = PackedBroadcastConfig(bucket_bytes=64, num_buffers=2)
+sender = PackedBroadcastSender(plan, config, group=group, src=0, device="cpu")
 print("handshake done", flush=True)
 time.sleep(1.0)
 os.kill(os.getpid(), signal.{signal})
@@ -378,10 +403,16 @@ def test_the_trainers_process_dying_or_stopping_reaches_the_engine(how, tmp_path
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER.format(repo=str(REPO), plan=PLAN.to_json(), port=port, signal=how))
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    trainer = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    trainer = subprocess.Popen(
+        [sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
-        group = StoreGroup(host="127.0.0.1", port=port, rank=1, world_size=2, device="cpu", timeout=_seconds(GROUP_TIMEOUT_S))
-        receiver = PackedBroadcastReceiver(PLAN, PackedBroadcastConfig(bucket_bytes=64, num_buffers=2), group=group, src=0, device="cpu")
+        group = StoreGroup(
+            host="127.0.0.1", port=port, rank=1, world_size=2, device="cpu", timeout=_seconds(GROUP_TIMEOUT_S)
+        )
+        receiver = PackedBroadcastReceiver(
+            PLAN, PackedBroadcastConfig(bucket_bytes=64, num_buffers=2), group=group, src=0, device="cpu"
+        )
         started = time.monotonic()
         with pytest.raises(Exception) as caught:
             for _ in receiver.receive():

@@ -64,7 +64,8 @@ def test_derived_tolerance_is_the_dtypes_eps_or_the_engines_own_spread():
     noisy = LogprobComparison(tokens=8, mean_abs_diff=0.025, max_abs_diff=0.1, mult_prob_error=1.03)
     tolerance, source = numerics_tolerance(torch.bfloat16, noisy)
     assert tolerance == pytest.approx(0.1) and "eager-vs-default attention" in source
-    assert tolerance_from_reference(LogprobComparison(tokens=8, mean_abs_diff=0.2, max_abs_diff=1, mult_prob_error=1.2)) == pytest.approx(0.8)
+    reference = LogprobComparison(tokens=8, mean_abs_diff=0.2, max_abs_diff=1, mult_prob_error=1.2)
+    assert tolerance_from_reference(reference) == pytest.approx(0.8)
 
 
 def _engine_sink():
@@ -96,10 +97,10 @@ def test_verdict_names_the_failed_question():
     close = LogprobComparison(tokens=4, mean_abs_diff=0.2, max_abs_diff=0.5, mult_prob_error=1.2)
     exact = WeightsCheck(against="the oracle", compared=3, differing=())
     assert RefitVerdict(weights=exact, numerics=close, tolerance=None, tolerance_from="none").check().passed
-    with pytest.raises(RefitMismatch, match=r"weights are not the trainer's: 1 of 3 tensors differ bit for bit from the oracle"):
+    with pytest.raises(RefitMismatch, match=r"not the trainer's: 1 of 3 tensors differ bit for bit from the oracle"):
         RefitVerdict(weights=WeightsCheck(against="the oracle", compared=3, differing=("w",)), numerics=close,
                      tolerance=1.0, tolerance_from="given").check()
-    with pytest.raises(RefitMismatch, match=r"weights are exact \(3 tensors bit for bit\), but .* 2\.000e-01 > tolerance 1\.000e-01"):
+    with pytest.raises(RefitMismatch, match=r"exact \(3 tensors bit for bit\), but .* 2\.000e-01 > tolerance 1\.000e-01"):
         RefitVerdict(weights=exact, numerics=close, tolerance=0.1, tolerance_from="given").check()
 
 
@@ -133,16 +134,20 @@ def test_vllm_verifier_separates_weights_from_numerics(monkeypatch):
     assert module.verify_vllm_refit(_StubRefit(disk), reference_fingerprints=disk,
                                     tolerance=tolerance_from_reference(reference), **kwargs).passed
     with pytest.raises(RefitMismatch, match=r"1 of 2 tensors differ .*\['b'\]"):
-        module.verify_vllm_refit(_StubRefit({**disk, "b": (3, 5)}), reference_fingerprints=disk, tolerance=1.0, **kwargs)
+        wrong = _StubRefit({**disk, "b": (3, 5)})
+        module.verify_vllm_refit(wrong, reference_fingerprints=disk, tolerance=1.0, **kwargs)
     with pytest.raises(VerifyInputError, match="nothing to check"):
         module.verify_vllm_refit(_StubRefit(disk), **kwargs)
+
+
+README_EXAMPLE = ["mbridge_refit.convert", "verify-refit", "--recipe", "qwen3-tiny", "--device", "cpu"]
 
 
 def test_readme_example_passes_by_default(tmp_path):
     """``convert verify-refit --recipe qwen3-tiny --device cpu``, the README's and ``--help``'s
     example, in its default bf16: weights exact, log-probabilities within the derived tolerance."""
     out = tmp_path / "result.json"
-    run = torchrun(1, ["mbridge_refit.convert", "verify-refit", "--recipe", "qwen3-tiny", "--device", "cpu", "--json", str(out)])
+    run = torchrun(1, [*README_EXAMPLE, "--json", str(out)])
     assert run.returncode == 0, run.output[-4000:]
     result = json.loads(out.read_text())
     assert result["passed"] and result["weights"]["exact"] and result["weights"]["compared"] > 10
@@ -152,8 +157,7 @@ def test_readme_example_passes_by_default(tmp_path):
 def test_a_perturbed_weight_fails_the_weights_check_by_default(tmp_path):
     out = tmp_path / "result.json"
     victim = "model.layers.1.mlp.down_proj.weight"
-    run = torchrun(1, ["mbridge_refit.convert", "verify-refit", "--recipe", "qwen3-tiny", "--device", "cpu", "--batch", "1",
-                       "--seq", "16", "--perturb", victim, "--json", str(out)])
+    run = torchrun(1, [*README_EXAMPLE, "--batch", "1", "--seq", "16", "--perturb", victim, "--json", str(out)])
     assert run.returncode == 1, run.output[-4000:]
     assert "the engine's weights are not the trainer's" in run.output and victim in run.output
     result = json.loads(out.read_text())
@@ -161,8 +165,7 @@ def test_a_perturbed_weight_fails_the_weights_check_by_default(tmp_path):
 
 
 def test_numerics_beyond_a_given_tolerance_fail_with_exact_weights(tmp_path):
-    run = torchrun(1, ["mbridge_refit.convert", "verify-refit", "--recipe", "qwen3-tiny", "--device", "cpu", "--batch", "1",
-                       "--seq", "16", "--tolerance", "1e-9"])
+    run = torchrun(1, [*README_EXAMPLE, "--batch", "1", "--seq", "16", "--tolerance", "1e-9"])
     assert run.returncode == 1, run.output[-4000:]
     assert "the engine's weights are exact" in run.output and "> tolerance 1.000e-09 (given" in run.output
 

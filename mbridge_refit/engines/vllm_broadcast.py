@@ -113,9 +113,13 @@ class VLLMBroadcastRefit:
         world = 1 + self.engine_workers
         join = _Call(self.llm, "mbridge_broadcast_join", self.host, self.port, 1, world, plan.to_json(),
                      dataclasses.asdict(self.config), self.backend, self.allow_partial, self.timeout_s)
-        self.group = StoreGroup(host=self.host, port=self.port, rank=SOURCE_RANK, world_size=world, device=self.device,
-                                backend=self.backend, timeout=datetime.timedelta(seconds=self.timeout_s),
-                                peer_failure=join.failure)
+        try:
+            self.group = StoreGroup(host=self.host, port=self.port, rank=SOURCE_RANK, world_size=world,
+                                    device=self.device, backend=self.backend, peer_failure=join.failure,
+                                    timeout=datetime.timedelta(seconds=self.timeout_s))
+        except BaseException as err:
+            err.add_note(_engine_outcome(join.error(PEER_SILENT_S), "joined"))
+            raise
         ranks = join.result(self.timeout_s)
         logger.info("broadcast refit: %d engine workers joined (ranks %s)", len(ranks), ranks)
 
@@ -147,6 +151,7 @@ class VLLMBroadcastRefit:
             engine_error = receive.error(PEER_SILENT_S)
             if engine_error is not None and isinstance(sent, (RefitStatusError, PeerFailedError)):
                 raise engine_error from sent  # the engine's own error says more than "a receiver failed"
+            sent.add_note(_engine_outcome(engine_error, "completed their receive"))
             raise
         try:
             workers, error = receive.result(self.timeout_s), None
@@ -176,6 +181,13 @@ class VLLMBroadcastRefit:
             self.llm.collective_rpc("mbridge_broadcast_close", timeout=self.timeout_s)
             self.group.close()
         self.group, self._session = None, None
+
+
+def _engine_outcome(error: BaseException | None, done: str) -> str:
+    """What the engine's workers did, as a note on the trainer's error."""
+    if error is None:
+        return f"the engine's workers {done}"
+    return f"the engine's workers: {type(error).__name__}: {error}"
 
 
 class _Call:

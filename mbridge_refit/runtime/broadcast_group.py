@@ -415,8 +415,8 @@ class StoreGroup:
                 failure = self._peer_failure(store, beats)
                 self._last_round = time.monotonic()
             except Exception as err:  # noqa: BLE001 - a store that does not answer is the failure seen
-                failure = (f"the group's store at {self.host}:{self.port} does not answer ({type(err).__name__}: {err}); "
-                           "its host, member 0, is gone")
+                failure = (f"the group's store at {self.host}:{self.port} does not answer "
+                           f"({type(err).__name__}: {err}); its host, member 0, is gone")
             if failure is not None:
                 if not self._stop.is_set():
                     self._mark_failed(failure)
@@ -453,7 +453,8 @@ class StoreGroup:
             absent = [member for member, key in enumerate(keys) if not self.store.check([key])]
             return GroupSetupError(
                 f"members {absent} did not join the group at {self.host}:{self.port} within "
-                f"{self.timeout.total_seconds():.0f} s: start them with the same host, port and world size ({self.world_size})"
+                f"{self.timeout.total_seconds():.0f} s: start them with the same host, port and world size "
+                f"({self.world_size})"
             )
 
         self._wait_until(lambda: self.store.check(keys), "joining the group", poll_s=0.05, on_deadline=missing)
@@ -484,14 +485,16 @@ class StoreGroup:
         thread.start()
         self._wait_until(lambda: not thread.is_alive(), f"connecting the {self.backend} group", poll_s=0.01)
         if "error" in outcome:
+            agreed = f"NCCL {group_settings(self.backend)['nccl_version']}" if self.backend == "nccl" else "gloo"
             raise GroupSetupError(
                 f"connecting the {self.backend} group at {self.host}:{self.port} failed on member {self.rank}: "
-                f"{type(outcome['error']).__name__}: {outcome['error']}. The members' settings agree "
-                f"({'NCCL ' + group_settings(self.backend).get('nccl_version', '') if self.backend == 'nccl' else 'gloo'}); "
+                f"{type(outcome['error']).__name__}: {outcome['error']}. The members' settings agree ({agreed}); "
                 "an NCCL_* variable set in a process after its first NCCL call takes no effect there"
             ) from outcome["error"]
         if outcome["members"] != self.world_size:
-            raise GroupSetupError(f"the group's first all-reduce counted {outcome['members']} members, not {self.world_size}")
+            raise GroupSetupError(
+                f"the group's first all-reduce counted {outcome['members']} members, not {self.world_size}"
+            )
 
 
 class _WatchedWork:

@@ -136,8 +136,9 @@ class RefitVerdict:
             exact = f"exact ({self.weights.compared} tensors bit for bit), but " if self.weights is not None else ""
             raise RefitMismatch(
                 f"refit mismatch: the engine's weights are {exact}its log-probabilities differ from Megatron's by "
-                f"mean |d logprob| {numbers.mean_abs_diff:.3e} > tolerance {self.tolerance:.3e} ({self.tolerance_from}; "
-                f"max {numbers.max_abs_diff:.3e}, mult prob error {numbers.mult_prob_error:.5f}, {numbers.tokens} tokens): "
+                f"mean |d logprob| {numbers.mean_abs_diff:.3e} > tolerance {self.tolerance:.3e} "
+                f"({self.tolerance_from}; max {numbers.max_abs_diff:.3e}, mult prob error "
+                f"{numbers.mult_prob_error:.5f}, {numbers.tokens} tokens): "
                 "the two forwards differ by more than their numerics (another config, scaling or kernel)"
             )
         return self
@@ -349,8 +350,8 @@ def verify_vllm_refit(
     weights = None
     if sender and reference_fingerprints is not None:
         wrong = differing(reference_fingerprints, refit.fingerprints())
-        weights = WeightsCheck(against="the reference engine's parameter fingerprints", compared=len(reference_fingerprints),
-                               differing=tuple(wrong))
+        weights = WeightsCheck(against="the reference engine's parameter fingerprints",
+                               compared=len(reference_fingerprints), differing=tuple(wrong))
     reference = megatron_logprobs(chunks, tokens, _vocab_size(bridge))
     result = None
     if sender:
@@ -425,7 +426,9 @@ def verify_refit(
     return result[0].check() if check else result[0]
 
 
-def engine_attention_noise(hf_model: torch.nn.Module, tokens: torch.Tensor, fp32_logits: bool = True) -> LogprobComparison | None:
+def engine_attention_noise(
+    hf_model: torch.nn.Module, tokens: torch.Tensor, fp32_logits: bool = True
+) -> LogprobComparison | None:
     """The engine model against itself with another attention implementation (``eager`` vs the
     one it runs, same weights): how far two correct implementations drift apart in this dtype.
     None where the model runs eager attention already or cannot switch."""
