@@ -16,11 +16,14 @@ GPU); the vLLM engine runs in its own process on the same GPU. Steps, each check
 4. A weight perturbed on its way (one exported tensor replaced by a copy with one element
    changed) must show in exactly the engine parameters it feeds; a clean refit afterwards is
    exact again. A second clean refit replays without reopening.
-5. The refit verifier against the engine itself (``tools.verify_refit.verify_vllm_refit``): the
-   engine's own prompt logprobs against the trainer's Megatron forward, within
-   ``VLLM_TOLERANCE`` after a clean refit (BF16; FP8 numbers are recorded), beyond it after a
-   refit with a perturbed weight that every token uses (an attention output projection: a
-   perturbed expert a prompt never routes to moves no logprob).
+5. The refit verifier against the engine itself (``tools.verify_refit.verify_vllm_refit``), its
+   two answers apart: the weights (the engine's fingerprints against the disk-loaded engine's,
+   exact) and the numerics (the engine's own prompt logprobs against the trainer's Megatron
+   forward, within ``tolerance_from_reference`` of the disk-loaded engine's own comparison with
+   Megatron: the reference run, which an exact refit reproduces). It must pass after a clean
+   refit (BF16 and FP8) and fail, in its weights check, after a refit with a perturbed weight
+   that every token uses (an attention output projection: a perturbed expert a prompt never
+   routes to moves no logprob, but its fingerprint).
 
 Writes DIR/vllm_refit_<model>[_fp8].json; exits 1 when a check fails.
 """
@@ -70,19 +73,29 @@ def perturbed(stream, victim: str):
         yield name, tensor
 
 
-def verify_against_trainer(refit, bridge, chunks, tokens, fp8, victim: str, checks: dict) -> dict:
-    """Step 5: the verifier's numbers after a clean and after a perturbed refit."""
+def reference_numerics(llm, bridge, chunks, tokens):
+    """The reference run of step 5: the disk-loaded engine's own logprobs against the trainer's."""
+    from mbridge_refit.tools.verify_refit import compare_logprobs, hf_config, megatron_logprobs, vllm_logprobs
+
+    return compare_logprobs(megatron_logprobs(chunks, tokens, hf_config(bridge).vocab_size), vllm_logprobs(llm, tokens))
+
+
+def verify_against_trainer(refit, bridge, chunks, tokens, fp8, victim: str, disk: dict, reference,
+                           checks: dict) -> dict:
+    """Step 5: the verifier's two answers after a clean and after a perturbed refit."""
     from dataclasses import asdict
 
-    from mbridge_refit.tools.verify_refit import VLLM_TOLERANCE, verify_vllm_refit
+    from mbridge_refit.tools.verify_refit import tolerance_from_reference, verify_vllm_refit
 
-    clean = verify_vllm_refit(refit, bridge, chunks, tokens, sender=True, fp8=fp8, tolerance=float("inf"))
-    perturbed_result = verify_vllm_refit(refit, bridge, chunks, tokens, sender=True, fp8=fp8, tolerance=float("inf"), perturb=victim)
+    tolerance = tolerance_from_reference(reference)
+    common = dict(sender=True, fp8=fp8, tolerance=tolerance, reference_fingerprints=disk, check=False)
+    clean = verify_vllm_refit(refit, bridge, chunks, tokens, **common)
+    perturbed_result = verify_vllm_refit(refit, bridge, chunks, tokens, perturb=victim, **common)
     refit.refit(bridge, chunks, fp8=fp8)
-    if fp8 is None:
-        checks["verifier_passes_after_clean_refit"] = clean.mean_abs_diff <= VLLM_TOLERANCE
-    checks["verifier_fails_after_perturbed_refit"] = perturbed_result.mean_abs_diff > VLLM_TOLERANCE
-    return {"tolerance": VLLM_TOLERANCE, "clean": asdict(clean), "perturbed": asdict(perturbed_result)}
+    checks["verifier_passes_after_clean_refit"] = clean.passed
+    checks["verifier_weights_check_fails_after_perturbed_refit"] = not perturbed_result.weights.exact
+    return {"reference": asdict(reference), "tolerance": tolerance, "clean": asdict(clean),
+            "perturbed": asdict(perturbed_result)}
 
 
 def run(args) -> dict:
@@ -117,6 +130,7 @@ def run(args) -> dict:
         batch = prompts(config.vocab_size)
         disk = refit.fingerprints()
         disk_logprobs = prompt_logprobs(llm, batch)
+        reference = reference_numerics(llm, bridge, chunks, torch.tensor(batch, device=device))
         result["engine_logprobs_repeatable_on_disk_weights"] = prompt_logprobs(llm, batch) == disk_logprobs
         result["engine_parameters"] = len(disk)
 
@@ -151,7 +165,8 @@ def run(args) -> dict:
         checks["clean_refit_after_perturbation_equal_disk"] = not differing(disk, refit.fingerprints())
         checks["prompt_logprobs_equal_disk_at_end"] = prompt_logprobs(llm, batch) == disk_logprobs
         every_token = next(e.hf_name for e in bridge.export_plan(chunks, fp8=fp8).entries if e.hf_name.endswith("self_attn.o_proj.weight"))
-        result["verify"] = verify_against_trainer(refit, bridge, chunks, torch.tensor(batch, device=device), fp8, every_token, checks)
+        result["verify"] = verify_against_trainer(refit, bridge, chunks, torch.tensor(batch, device=device), fp8,
+                                                  every_token, disk, reference, checks)
         result["steady_step_ms"] = [round(refit.refit(bridge, chunks, fp8=fp8).apply_ms, 2) for _ in range(3)]
         refit.close()
     result["ok"] = all(checks.values())

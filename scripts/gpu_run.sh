@@ -9,7 +9,10 @@
 #   bash scripts/gpu_run.sh sinks       # packed broadcast benchmark, refit verifier, FP8 checkpoint in transformers
 #   bash scripts/gpu_run.sh vllm-dense  # refit into vLLM == load from disk: Qwen3-1.7B BF16 and FP8 (after install-vllm.sh)
 #   bash scripts/gpu_run.sh vllm-moe    # the same for Qwen3-30B-A3B cut to 4 layers (128 experts each)
-#   bash scripts/gpu_run.sh vllm-broadcast  # broadcast refit into vLLM == load from disk: Qwen3-1.7B BF16 and FP8, Qwen3-30B-A3B 4 layers
+#   bash scripts/gpu_run.sh nccl-group      # StoreGroup over NCCL between 2 processes (GPU 0, GPU 1), no vLLM: exact transfer,
+#                                           # NCCL settings mismatch refused, failures and killed members raise on both within 30 s
+#   bash scripts/gpu_run.sh vllm-broadcast  # broadcast refit into vLLM == load from disk: Qwen3-1.7B BF16 and FP8, with faults
+#   bash scripts/gpu_run.sh vllm-broadcast-moe  # the same for Qwen3-30B-A3B cut to 4 layers, BF16 and FP8
 #                                           # (engine on GPU 1 over NCCL when there are 2 GPUs, else on the trainer's GPU over gloo)
 #   bash scripts/gpu_run.sh vllm-bench  # bench_refit_vllm.py, Qwen3-8B, BF16 then FP8 (vllm-bench-bf16 / vllm-bench-fp8: one of them)
 #   bash scripts/gpu_run.sh sharded     # engine-sharded refit, trainer TP2 -> engine TP2 on 2 GPUs, against the TP1 cached export and stock
@@ -20,7 +23,7 @@
 #                                          # parameters replaced under the bridge, the freshness check's cost; MoE export TP2 x ETP2
 #   bash scripts/gpu_run.sh training    # export right after a Megatron DDP + distributed-optimizer step; parallel checkpoint write on the host's CPUs
 set -u
-part=${1:?usage: gpu_run.sh fp8|bench|sinks|vllm-dense|vllm-moe|vllm-broadcast|vllm-bench|vllm-bench-bf16|vllm-bench-fp8|sharded|families|moe-bench|trainer-truth|training}
+part=${1:?usage: gpu_run.sh fp8|bench|sinks|nccl-group|vllm-dense|vllm-moe|vllm-broadcast|vllm-broadcast-moe|vllm-bench|vllm-bench-bf16|vllm-bench-fp8|sharded|families|moe-bench|trainer-truth|training}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 RESULTS=/tmp/gpu_results_$part; rm -rf "$RESULTS"; mkdir -p "$RESULTS"
 trap 'tar czf "$OUT/$part.tgz" -C "$RESULTS" .' EXIT
@@ -57,7 +60,10 @@ case "$part" in
     step verify_qwen3-tiny_tp1 60 python3 -m mbridge_refit.convert verify-refit --recipe qwen3-tiny --json "$RESULTS/verify_qwen3-tiny_tp1.json"
     step fp8_checkpoint 120 python3 scripts/check_fp8_checkpoint.py --work /tmp/fp8check --out-dir "$RESULTS"
     ;;
-  vllm-dense|vllm-moe|vllm-broadcast|vllm-bench*)
+  nccl-group)
+    step store_group_nccl 400 python3 scripts/check_store_group_nccl_gpu.py --out-dir "$RESULTS"
+    ;;
+  vllm-dense|vllm-moe|vllm-broadcast*|vllm-bench*)
     # block-FP8 engines on Hopper: DeepGEMM re-encodes the scales as powers of two after loading (E8M0),
     # which a refit that writes the checkpoint's scales would have to repeat; the CUTLASS path reads them as they are
     export VLLM_USE_DEEP_GEMM=0
@@ -75,9 +81,13 @@ case "$part" in
     ;;
   vllm-broadcast)
     engine_gpu=(); [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && engine_gpu=(--engine-gpu 1)
-    step vllm_broadcast_qwen3-1.7b 200 python3 scripts/check_vllm_broadcast_gpu.py --model qwen3-1.7b "${engine_gpu[@]}" --out-dir "$RESULTS"
-    step vllm_broadcast_qwen3-1.7b_fp8 200 python3 scripts/check_vllm_broadcast_gpu.py --model qwen3-1.7b --fp8 "${engine_gpu[@]}" --out-dir "$RESULTS"
-    step vllm_broadcast_qwen3-30b-a3b 200 python3 scripts/check_vllm_broadcast_gpu.py --model qwen3-30b-a3b --layers 4 "${engine_gpu[@]}" --out-dir "$RESULTS"
+    step vllm_broadcast_qwen3-1.7b 270 python3 scripts/check_vllm_broadcast_gpu.py --model qwen3-1.7b "${engine_gpu[@]}" --out-dir "$RESULTS"
+    step vllm_broadcast_qwen3-1.7b_fp8 270 python3 scripts/check_vllm_broadcast_gpu.py --model qwen3-1.7b --fp8 "${engine_gpu[@]}" --out-dir "$RESULTS"
+    ;;
+  vllm-broadcast-moe)
+    engine_gpu=(); [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && engine_gpu=(--engine-gpu 1)
+    step vllm_broadcast_qwen3-30b-a3b 270 python3 scripts/check_vllm_broadcast_gpu.py --model qwen3-30b-a3b --layers 4 "${engine_gpu[@]}" --out-dir "$RESULTS"
+    step vllm_broadcast_qwen3-30b-a3b_fp8 270 python3 scripts/check_vllm_broadcast_gpu.py --model qwen3-30b-a3b --layers 4 --fp8 "${engine_gpu[@]}" --out-dir "$RESULTS"
     ;;
   vllm-bench*)
     # vLLM's ipc backend imports ray and requests at module top; its callable transport (used here) needs

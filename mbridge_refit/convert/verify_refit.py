@@ -1,10 +1,14 @@
-"""``verify-refit``: export a Megatron model into a fresh ``transformers`` model and compare them.
+"""``verify-refit``: export a Megatron model into a fresh ``transformers`` model and check it.
 
 Builds the trainer model from an HF checkpoint (``--hf``), a tiny recipe (``--recipe``, random
 checkpoint) or a full-size shape (``--shape``, Megatron's random initialisation on the GPU),
-exports it into a fresh ``transformers`` model through ``HFModelUpdateSink`` and compares
-per-token log-probabilities on a fixed random token batch (``tools.verify_refit``). Exit 0 within
-tolerance, 1 beyond it, 2 bad input, 3 internal error, 4 environment (exit_codes).
+exports it into a fresh ``transformers`` model through ``HFModelUpdateSink`` and answers two
+questions (``tools.verify_refit``): are the engine's weights the trainer's (every tensor against
+Megatron-Bridge's own export, bit for bit), and how far are the two forwards' per-token
+log-probabilities on a fixed random token batch (within ``--tolerance``, by default derived from
+the dtype's eps and the engine's own eager-vs-default attention spread). Exit 0 when both pass,
+1 when either fails (the message says which), 2 bad input, 3 internal error, 4 environment
+(exit_codes).
 """
 
 from __future__ import annotations
@@ -27,8 +31,7 @@ from mbridge_refit.convert.flags import add_device_flag, add_timeout_flag, devic
 from mbridge_refit.convert.inputs import check_config_numbers, check_provider, supported_config
 from mbridge_refit.plan.layout import LayoutError, ParallelLayout
 from mbridge_refit.tools.verify_refit import (
-    DEFAULT_TOLERANCE, LogprobComparison, RefitMismatch, VerifyInputError, compare_logprobs, fixed_tokens, hf_config,
-    hf_logprobs, verify_refit,
+    EPS_FACTOR, NOISE_FACTOR, RefitMismatch, RefitVerdict, VerifyInputError, fixed_tokens, hf_config, verify_refit,
 )
 
 logger = logging.getLogger(__name__)
@@ -42,7 +45,7 @@ class VerifyArgs:
     device: torch.device
     batch: int
     seq: int
-    tolerance: float
+    tolerance: float | None
     perturb: str | None
     dtype: torch.dtype
     fp32_logits: bool
@@ -54,15 +57,16 @@ def add_verify_refit_parser(sub: Any) -> None:
     """Add the ``verify-refit`` subcommand to the convert parser's subparsers."""
     parser = sub.add_parser(
         "verify-refit",
-        help="export a Megatron model into a transformers model and compare their log-probabilities",
-        description="Export a Megatron model into a transformers model (in-place update sink) and compare "
-        "per-token log-probabilities of both on a fixed token batch.",
+        help="export a Megatron model into a transformers model: its weights bit for bit, its log-probabilities",
+        description="Export a Megatron model into a transformers model (in-place update sink); check every tensor "
+        "against Megatron-Bridge's own export bit for bit, and compare per-token log-probabilities of both "
+        "models on a fixed token batch.",
         epilog="examples:\n"
         "  python -m mbridge_refit.convert verify-refit --recipe qwen3-tiny --device cpu\n"
         "  torchrun --nproc-per-node 2 -m mbridge_refit.convert verify-refit --shape qwen3-1.7b --tp 2\n"
         "  python -m mbridge_refit.convert verify-refit --recipe qwen3-tiny --perturb "
         "model.layers.0.self_attn.o_proj.weight   # must fail\n"
-        "exit codes: 0 within tolerance, 1 mismatch, 2 bad input, 3 failure, 4 environment (disk, permissions)",
+        "exit codes: 0 weights exact and log-probabilities within tolerance, 1 mismatch, 2 bad input, 3 failure, 4 environment (disk, permissions)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
@@ -85,7 +89,11 @@ def add_verify_refit_parser(sub: Any) -> None:
     )
     parser.add_argument("--batch", type=int, default=4, help="sequences in the token batch (default: %(default)s)")
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence (default: %(default)s)")
-    parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE, help="max mean |d logprob| (default: %(default)s)")
+    parser.add_argument(
+        "--tolerance", type=float, default=None,
+        help=f"max mean |d logprob| between the two forwards (default: derived, the larger of {EPS_FACTOR:g} x the "
+        f"dtype's eps and {NOISE_FACTOR:g} x the engine's own eager-vs-default attention difference)",
+    )
     parser.add_argument("--perturb", default=None, metavar="HF_NAME", help="corrupt this tensor on its way to the engine")
     parser.add_argument("--json", type=Path, default=None, help="write the comparison as JSON here")
     add_timeout_flag(parser)
@@ -95,6 +103,8 @@ def verify_options(args: argparse.Namespace) -> VerifyArgs:
     """The parsed ``verify-refit`` flags, checked (``VerifyInputError`` names the fix)."""
     from mbridge_refit.tools.launch import LaunchEnv
 
+    if args.tolerance is not None and not args.tolerance >= 0:
+        raise VerifyInputError(f"--tolerance must be a number >= 0, got {args.tolerance}")
     if args.batch < 1 or args.seq < 2:
         raise VerifyInputError(f"--batch must be >= 1 and --seq >= 2, got {args.batch} and {args.seq}")
     if args.json is not None and not args.json.parent.is_dir():
@@ -135,7 +145,7 @@ def _checked_hf_source(path: Path) -> Any:
 
 
 def cmd_verify_refit(args: argparse.Namespace) -> int:
-    """Exit code 0 within tolerance, 1 (``RefitMismatch``) beyond it, 2 (``VerifyInputError``) bad input."""
+    """Exit code 0 when both checks pass, 1 (``RefitMismatch``) when one fails, 2 (``VerifyInputError``) bad input."""
     try:
         return run(verify_options(args))
     except VerifyInputError as err:
@@ -153,16 +163,15 @@ def run(options: VerifyArgs) -> int:
         device = torch.device("cuda", torch.cuda.current_device()) if options.device.type == "cuda" else options.device
         checkpoint = _source_checkpoint(options, env.rank)
         try:
-            passed, result = _verify(options, checkpoint, env.rank, device)
+            verdict = _verify(options, checkpoint, env.rank, device)
         finally:
             if options.source == "recipe":
                 _remove_scratch(checkpoint.parent, env.rank)
-    if not passed:
-        raise RefitMismatch(f"mean |d logprob| {result.mean_abs_diff:.3e} > tolerance {options.tolerance:.1e}")
+    verdict.check()  # RefitMismatch names the failed question
     return ExitCode.OK
 
 
-def _verify(options: VerifyArgs, checkpoint: Path | None, rank: int, device: torch.device) -> tuple[bool, LogprobComparison]:
+def _verify(options: VerifyArgs, checkpoint: Path | None, rank: int, device: torch.device) -> RefitVerdict:
     from transformers import AutoModelForCausalLM
 
     from mbridge_refit.bridge import RefitBridge
@@ -195,31 +204,11 @@ def _verify(options: VerifyArgs, checkpoint: Path | None, rank: int, device: tor
         with device:
             hf_model = AutoModelForCausalLM.from_config(config, dtype=options.dtype).eval()
     tokens = fixed_tokens(config.vocab_size, options.batch, options.seq, device)
-    result = verify_refit(
-        bridge, chunks, hf_model, tokens, tolerance=float("inf"), perturb=options.perturb, fp32_logits=options.fp32_logits
-    )
-    passed = result.mean_abs_diff <= options.tolerance
+    verdict = verify_refit(bridge, chunks, hf_model, tokens, tolerance=options.tolerance, perturb=options.perturb,
+                           fp32_logits=options.fp32_logits, check=False)
     if rank == 0:
-        _report(options, result, passed, engine_noise=_engine_attention_noise(hf_model, tokens, options.fp32_logits))
-    return passed, result
-
-
-def _engine_attention_noise(hf_model: torch.nn.Module, tokens: torch.Tensor, fp32_logits: bool) -> LogprobComparison | None:
-    """The engine model against itself with another attention implementation (``eager`` vs
-    the one it runs, same weights): how far two correct implementations drift apart in this
-    dtype. A context for the trainer-vs-engine number, reported, never used to pass or fail."""
-    current = getattr(hf_model.config, "_attn_implementation", None)
-    if current in (None, "eager"):
-        return None
-    baseline = hf_logprobs(hf_model, tokens, fp32_logits=fp32_logits)
-    try:
-        hf_model.set_attn_implementation("eager")
-        return compare_logprobs(baseline, hf_logprobs(hf_model, tokens, fp32_logits=fp32_logits))
-    except (ValueError, ImportError) as err:  # an implementation this model or machine lacks
-        logger.info("engine attention noise not measured: %s", err)
-        return None
-    finally:
-        hf_model.set_attn_implementation(current)
+        _report(options, verdict)
+    return verdict
 
 
 def _source_checkpoint(options: VerifyArgs, rank: int) -> Path | None:
@@ -259,13 +248,20 @@ def _check_layout(layout: ParallelLayout, config: Any) -> None:
         raise VerifyInputError(f"layout {layout.name}: {err}") from err
 
 
-def _report(options: VerifyArgs, result: LogprobComparison, passed: bool, engine_noise: LogprobComparison | None = None) -> None:
-    verdict = "PASS" if passed else "FAIL"
+def _report(options: VerifyArgs, verdict: RefitVerdict) -> None:
+    result, weights, engine_noise = verdict.numerics, verdict.weights, verdict.engine_noise
     logger.info(
-        "%s %s %s %s: %d tokens, mean |d logprob| %.3e, max %.3e, mult prob error %.6f (tolerance %.1e)%s",
-        verdict, options.source, options.name, options.layout.name, result.tokens, result.mean_abs_diff,
-        result.max_abs_diff, result.mult_prob_error, options.tolerance,
+        "%s %s %s %s%s", "PASS" if verdict.passed else "FAIL", options.source, options.name, options.layout.name,
         f", perturbed {options.perturb}" if options.perturb else "",
+    )
+    logger.info(
+        "weights: %s: %d tensors compared bit for bit with %s%s", "exact" if weights.exact else "DIFFERENT",
+        weights.compared, weights.against, f", differing: {list(weights.differing[:8])}" if weights.differing else "",
+    )
+    logger.info(
+        "numerics: %d tokens, mean |d logprob| %.3e, max %.3e, mult prob error %.6f: %s tolerance %.3e (%s)",
+        result.tokens, result.mean_abs_diff, result.max_abs_diff, result.mult_prob_error,
+        "within" if verdict.numerics_within else "BEYOND", verdict.tolerance, verdict.tolerance_from,
     )
     if engine_noise is not None:
         logger.info(
@@ -276,9 +272,11 @@ def _report(options: VerifyArgs, result: LogprobComparison, passed: bool, engine
         payload = {
             "source": options.source, "model": options.name, "layout": options.layout.name,
             "device": torch.cuda.get_device_name() if options.device.type == "cuda" else "cpu",
-            "dtype": str(options.dtype).removeprefix("torch."), "batch": options.batch, "seq": options.seq, "tolerance": options.tolerance,
+            "dtype": str(options.dtype).removeprefix("torch."), "batch": options.batch, "seq": options.seq,
+            "tolerance": verdict.tolerance, "tolerance_from": verdict.tolerance_from,
             "perturb": options.perturb, "logits": "fp32 projection" if options.fp32_logits else "model dtype",
-            "passed": passed, **asdict(result),
+            "passed": verdict.passed, "weights": {**asdict(weights), "exact": weights.exact},
+            "numerics_within_tolerance": verdict.numerics_within, **asdict(result),
             "engine_eager_vs_default_attention": asdict(engine_noise) if engine_noise is not None else None,
         }
         options.json.write_text(json.dumps(payload, indent=1) + "\n")

@@ -14,7 +14,10 @@ Protocol (any RPC that carries plain data calls these, on every worker):
    time: the call blocks until it does, or raises after the timeout).
 2. ``receive()``: every step, at the time the trainer sends. Runs the whole broadcast protocol
    (handshake, buckets, status), so a mismatch or a failure on either side raises on both and
-   neither is left waiting. Returns the report: tensors, bytes, what the engine did not load.
+   neither is left waiting: a failure that stops this worker before its protocol settled (the
+   plan does not parse, a receive buffer does not fit, a collective fails) is posted to the
+   group, and the trainer raises it within seconds (``runtime.broadcast_group``). Returns the
+   report: tensors, bytes, what the engine did not load.
 3. ``close()``: leaves the group.
 
 Loading under a reload bracket (``StagedLoad``: vLLM's layerwise reload, which FP8 engines need
@@ -37,7 +40,9 @@ import torch
 
 from mbridge_refit.engines.apply_plan import StagedLoad
 from mbridge_refit.runtime.broadcast_group import StoreGroup
-from mbridge_refit.sinks.packed_broadcast import PackedBroadcastConfig, PackedBroadcastReceiver
+from mbridge_refit.sinks.packed_broadcast import (
+    PackedBroadcastConfig, PackedBroadcastReceiver, PlanMismatchError, post_failure,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -95,21 +100,18 @@ class BroadcastTarget:
         if self.group is None:
             raise BroadcastRefitError("no broadcast group: call join() before receive()")
         started = time.perf_counter()
-        receiver = PackedBroadcastReceiver(self.plan_json, self.config, group=self.group, src=SOURCE_RANK, device=self.device)
-        stream = receiver.receive()
-        counter = _Counter(stream, copy=self.staged is not None)
+        receiver = None
         try:
-            if self.staged is not None:
-                with self.staged.around():
-                    loaded = self.load_weights(counter)
-            else:
-                loaded = self.load_weights(counter)
-            counter.drain()  # a loader that stops early still runs the protocol to its end
-        except BaseException:
-            stream.close()  # stopped at a tensor: the receiver runs the protocol to its end, reporting the failure
+            receiver = PackedBroadcastReceiver(self.plan_json, self.config, group=self.group, src=SOURCE_RANK,
+                                               device=self.device)
+            counter = self._load(receiver.receive())
+            self.group.synchronize()  # watched: a load waiting for a broadcast whose sender failed ends
+        except BaseException as err:
+            if not isinstance(err, PlanMismatchError) and (receiver is None or not receiver.settled):
+                # the trainer may still wait in the protocol (a plan mismatch is settled by the handshake)
+                post_failure(self.group, f"engine worker {self.group.rank}", err)
             raise
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        loaded = counter.loaded
         unloaded = self._unloaded(loaded) if isinstance(loaded, (set, frozenset)) else []
         report = ReceiveReport(tensors=counter.tensors, bytes=counter.bytes, unloaded=unloaded,
                                receive_ms=(time.perf_counter() - started) * 1e3)
@@ -119,6 +121,21 @@ class BroadcastTarget:
                 "does not cover this engine's model (another model or a subset); pass allow_partial=True for a subset refit"
             )
         return asdict(report)
+
+    def _load(self, stream: Iterator[tuple[str, torch.Tensor]]) -> "_Counter":
+        """Feed the received stream to the engine's loader (inside its reload bracket, if any)."""
+        counter = _Counter(stream, copy=self.staged is not None)
+        try:
+            if self.staged is not None:
+                with self.staged.around():
+                    counter.loaded = self.load_weights(counter)
+            else:
+                counter.loaded = self.load_weights(counter)
+            counter.drain()  # a loader that stops early still runs the protocol to its end
+        except BaseException:
+            stream.close()  # stopped at a tensor: the receiver runs the protocol to its end, reporting the failure
+            raise
+        return counter
 
     def close(self) -> None:
         if self.group is not None:
@@ -146,6 +163,7 @@ class _Counter:
     def __init__(self, stream: Iterator[tuple[str, torch.Tensor]], *, copy: bool) -> None:
         self.stream, self.copy = stream, copy
         self.tensors = self.bytes = 0
+        self.loaded: Any = None  # what the loader returned
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self.stream:

@@ -20,7 +20,16 @@ Who calls what:
 
 The engine's workers are called through ``llm.collective_rpc`` from a thread of the source rank
 while it sends (each side's call returns when the other side's does). ``timeout_s`` bounds the
-join and every collective of both sides.
+join and every collective of both sides. A failure on either side reaches the other within
+seconds (``runtime.broadcast_group``): each side posts what stops it before its protocol
+settled, and the source also treats the workers' RPC ending in an error while it still waits as
+the engine's failure. After such a failure the group is closed for good: ``close()`` and
+``open()`` again.
+
+The group's members must run NCCL with the same ``NCCL_*`` settings (``runtime.broadcast_group``
+checks them when the group forms). vLLM's batch-invariant mode (``VLLM_BATCH_INVARIANT=1``) sets
+some in its workers (one channel, the Simple protocol, ...): set the same in the trainer's
+environment before its first NCCL call.
 """
 
 from __future__ import annotations
@@ -39,7 +48,10 @@ from mbridge_refit.engines.broadcast_receiver import SOURCE_RANK
 from mbridge_refit.engines.vllm import ignored_by_engine
 from mbridge_refit.runtime.broadcast_group import StoreGroup, as_broadcast_group
 from mbridge_refit.sinks.base import DiscardSink, drain
-from mbridge_refit.sinks.packed_broadcast import PackedBroadcastConfig, PackedBroadcastSender, share_verdict
+from mbridge_refit.runtime.broadcast_group import PEER_SILENT_S, PeerFailedError
+from mbridge_refit.sinks.packed_broadcast import (
+    PackedBroadcastConfig, PackedBroadcastSender, PlanMismatchError, RefitStatusError, post_failure, share_verdict,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +113,13 @@ class VLLMBroadcastRefit:
         world = 1 + self.engine_workers
         join = _Call(self.llm, "mbridge_broadcast_join", self.host, self.port, 1, world, plan.to_json(),
                      dataclasses.asdict(self.config), self.backend, self.allow_partial, self.timeout_s)
-        self.group = StoreGroup(host=self.host, port=self.port, rank=SOURCE_RANK, world_size=world, device=self.device,
-                                backend=self.backend, timeout=datetime.timedelta(seconds=self.timeout_s))
+        try:
+            self.group = StoreGroup(host=self.host, port=self.port, rank=SOURCE_RANK, world_size=world,
+                                    device=self.device, backend=self.backend, peer_failure=join.failure,
+                                    timeout=datetime.timedelta(seconds=self.timeout_s))
+        except BaseException as err:
+            err.add_note(_engine_outcome(join.error(PEER_SILENT_S), "joined"))
+            raise
         ranks = join.result(self.timeout_s)
         logger.info("broadcast refit: %d engine workers joined (ranks %s)", len(ranks), ranks)
 
@@ -121,14 +138,20 @@ class VLLMBroadcastRefit:
             self._share(None)
             return None
         receive = _Call(self.llm, "mbridge_broadcast_receive")
-        sender = PackedBroadcastSender(plan, self.config, group=self.group, src=SOURCE_RANK, device=self.device,
-                                       trainer_group=self.trainer_group, trainer_src=self.trainer_src)
+        sender = None
         try:
-            count = drain(stream, sender)  # the sender's own failures reach every trainer rank in there
+            with self.group.watching(receive.failure):
+                sender = PackedBroadcastSender(plan, self.config, group=self.group, src=SOURCE_RANK, device=self.device,
+                                               trainer_group=self.trainer_group, trainer_src=self.trainer_src)
+                count = drain(stream, sender)  # the sender's own failures reach every trainer rank in there
         except BaseException as sent:
-            engine_error = receive.error(self.timeout_s)
-            if engine_error is not None:  # the engine's own error says more than "a receiver failed"
-                raise engine_error from sent
+            if not isinstance(sent, PlanMismatchError) and (sender is None or not sender.settled):
+                # the workers may still wait in the protocol (a plan mismatch is settled by the handshake)
+                post_failure(self.group, "the trainer", sent)
+            engine_error = receive.error(PEER_SILENT_S)
+            if engine_error is not None and isinstance(sent, (RefitStatusError, PeerFailedError)):
+                raise engine_error from sent  # the engine's own error says more than "a receiver failed"
+            sent.add_note(_engine_outcome(engine_error, "completed their receive"))
             raise
         try:
             workers, error = receive.result(self.timeout_s), None
@@ -160,6 +183,13 @@ class VLLMBroadcastRefit:
         self.group, self._session = None, None
 
 
+def _engine_outcome(error: BaseException | None, done: str) -> str:
+    """What the engine's workers did, as a note on the trainer's error."""
+    if error is None:
+        return f"the engine's workers {done}"
+    return f"the engine's workers: {type(error).__name__}: {error}"
+
+
 class _Call:
     """``llm.collective_rpc(method, args)`` on a thread of its own: the workers' side of a
     collective this thread takes part in at the same time."""
@@ -175,6 +205,12 @@ class _Call:
             self._result = llm.collective_rpc(method, args=args)
         except BaseException as err:  # re-raised in the caller's thread
             self._error = err
+
+    def failure(self) -> str | None:
+        """The call's error as text once it ended with one; None while it runs or after it returned."""
+        if self._thread.is_alive() or self._error is None:
+            return None
+        return f"the engine's workers' RPC ended with {type(self._error).__name__}: {self._error}"
 
     def error(self, timeout_s: float) -> BaseException | None:
         """Wait for the call; its error, or None."""

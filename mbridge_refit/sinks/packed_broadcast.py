@@ -25,6 +25,15 @@ workers); ``src`` is the source's rank as the group counts ranks. In this order 
    checksum or whose consumer failed still runs the remaining bulk broadcasts (discarding them)
    and reports here, so the source raises instead of blocking in a broadcast nobody receives.
 
+Every member issues the same collectives in the same order with the same sizes in each of these
+outcomes (``tests/test_broadcast_faults.py`` records them). A failure that leaves a member unable
+to go on (a collective or a copy raised, the export stream ended early or differs from the plan,
+the trainer's export raised) is posted to the group (``BroadcastGroup.post_error``) before the
+member raises: over a ``StoreGroup`` every other member then raises ``PeerFailedError`` within
+seconds instead of waiting for the group's timeout. ``settled`` on either end says whether its
+protocol ended in a state every member knows (done, or a failure the protocol itself reported),
+so a caller knows whether an error it meets around the protocol must be posted.
+
 The stream packing: tensors back to back in plan order, each starting at a multiple of
 :data:`ALIGN_BYTES` (so a tensor that lies inside one bucket is received as a zero-copy view of
 any dtype), cut into buckets at ``bucket_bytes`` boundaries. A tensor larger than a bucket (or
@@ -37,6 +46,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -286,6 +296,15 @@ def _hex(value: int) -> str:
     return f"{value & 0xFFFF_FFFF_FFFF_FFFF:#018x}"
 
 
+def post_failure(group: BroadcastGroup, who: str, error: BaseException) -> None:
+    """Post ``error`` to ``group`` for its other members (``BroadcastGroup.post_error``); never
+    raises: the caller is raising ``error`` itself."""
+    try:
+        group.post_error(f"{who}: {type(error).__name__}: {error}")
+    except Exception:  # noqa: BLE001 - must not hide the error being raised
+        logger.exception("could not post a failure to the packed-broadcast group")
+
+
 def share_verdict(trainer_group: BroadcastGroup, src: int, error: BaseException | None, device: torch.device) -> None:
     """Broadcast the source's outcome (``error`` there; ignored elsewhere) to the trainer ranks so all
     of them raise the same error (on ``device``: an NCCL group takes CUDA tensors only). Collective
@@ -331,8 +350,10 @@ class PackedBroadcastSender(WeightSink):
     on the packing stream, so the exporter's kernels never wait for a broadcast except through a
     full set of buffers in flight.
 
-    Limitation: a stream that disagrees with the sender's own plan raises on the source rank after
-    the handshake; the receivers then wait in a broadcast until the group's timeout.
+    A stream that disagrees with the sender's own plan, ends early, or raises (``drain`` then
+    calls ``abort``) after the handshake is posted to the group (module docstring), so receivers
+    over a ``StoreGroup`` raise too instead of waiting in a broadcast; over a ``TorchGroup`` they
+    wait for the group's timeout.
     """
 
     def __init__(
@@ -359,6 +380,8 @@ class PackedBroadcastSender(WeightSink):
         self._bucket = -1  # the bucket being packed
         self._stream = None
         self.bytes_sent = 0
+        self.settled = not self.is_source  # the source's protocol is settled once its status (or verdict) is known
+        self._abandoned = False
         error = None
         if self.is_source:
             _check_member(self.group)
@@ -366,7 +389,10 @@ class PackedBroadcastSender(WeightSink):
                 _handshake(plan=self.plan, packing=self.packing, config=config, group=self.group, src=src,
                            device=self.device, is_source=True)
             except PlanMismatchError as err:
-                error = err
+                error, self.settled = err, True
+            except BaseException as err:
+                self._abandon(err)
+                raise
         if self.trainer_group is not None:
             share_verdict(self.trainer_group, self.trainer_src, error, self.device)
         elif error is not None:
@@ -377,15 +403,19 @@ class PackedBroadcastSender(WeightSink):
     def consume(self, hf_name: str, tensor: torch.Tensor) -> None:
         if self._closed:
             raise RuntimeError("PackedBroadcastSender.consume() after finish() or abort(); create a new sender")
-        slot = self._check(hf_name, tensor)
-        self._next += 1
-        if not self.is_source or slot.nbytes == 0:
-            return
-        data = _flat_bytes(tensor)
-        if self.device.type == "cuda":
-            self._pack_cuda(slot, data)
-        else:
-            self._pack(slot, data)
+        try:
+            slot = self._check(hf_name, tensor)
+            self._next += 1
+            if not self.is_source or slot.nbytes == 0:
+                return
+            data = _flat_bytes(tensor)
+            if self.device.type == "cuda":
+                self._pack_cuda(slot, data)
+            else:
+                self._pack(slot, data)
+        except BaseException as err:
+            self._abandon(err)
+            raise
 
     def finish(self) -> None:
         if self._closed:
@@ -402,16 +432,32 @@ class PackedBroadcastSender(WeightSink):
                 raise error
         if self.is_source:
             if error is not None:
-                raise error  # receivers are left waiting: see the class docstring
-            error = self._finish_source()
+                self._abandon(error)
+                raise error
+            try:
+                error = self._finish_source()
+            except BaseException as err:
+                self._abandon(err)
+                raise
+            self.settled = True
         if self.trainer_group is not None:
             share_verdict(self.trainer_group, self.trainer_src, error, self.device)
         elif error is not None:
             raise error
 
     def abort(self) -> None:
+        """Drop the buffers; on the source, in the middle of the protocol, post the error being
+        handled (``drain`` calls this from its ``except``) so the receivers raise too."""
         self._closed = True
         self._buffers, self._sums = [], []
+        error = sys.exc_info()[1]
+        self._abandon(error if error is not None else RuntimeError("the sender was aborted"))
+
+    def _abandon(self, error: BaseException) -> None:
+        """Post ``error`` once, if this is the source and its protocol is not settled."""
+        if self.is_source and not self.settled and not self._abandoned:
+            self._abandoned = True
+            post_failure(self.group, "the packed-broadcast source", error)
 
     # -- internals -------------------------------------------------------------------------
 
@@ -550,11 +596,19 @@ class PackedBroadcastReceiver:
         self.group, self.src = as_broadcast_group(group), src
         self._corrupt_hook: Callable[[int, torch.Tensor], None] | None = None
         self._used = False
+        self.settled = False  # the protocol ended in a state every member knows (module docstring)
         _check_member(self.group)
         if self.group.is_source(src):
             raise ValueError(f"rank {src} is the source of the broadcast; construct PackedBroadcastSender there")
-        _handshake(plan=self.plan, packing=self.packing, config=config, group=self.group, src=src,
-                   device=self.device, is_source=False)
+        try:
+            _handshake(plan=self.plan, packing=self.packing, config=config, group=self.group, src=src,
+                       device=self.device, is_source=False)
+        except PlanMismatchError:
+            self.settled = True
+            raise
+        except BaseException as err:
+            post_failure(self.group, "a packed-broadcast receiver", err)
+            raise
 
     def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Run the bulk broadcasts and yield every tensor of the plan (once per receiver)."""
@@ -566,9 +620,14 @@ class PackedBroadcastReceiver:
     def _receive(self) -> Iterator[tuple[str, torch.Tensor]]:
         packing, config = self.packing, self.config
         n = config.num_buffers
-        buffers = [torch.empty(config.bucket_bytes, dtype=torch.uint8, device=self.device) for _ in range(min(n, max(packing.num_buckets, 1)))]
-        sums = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in buffers]
-        scratch = torch.empty(packing.max_split_bytes(), dtype=torch.uint8, device=self.device)
+        try:
+            buffers = [torch.empty(config.bucket_bytes, dtype=torch.uint8, device=self.device)
+                       for _ in range(min(n, max(packing.num_buckets, 1)))]
+            sums = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in buffers]
+            scratch = torch.empty(packing.max_split_bytes(), dtype=torch.uint8, device=self.device)
+        except BaseException as err:  # e.g. out of memory: the sender is about to broadcast
+            post_failure(self.group, "a packed-broadcast receiver", err)
+            raise
         works: dict[int, list[Any]] = {}
         events = _bucket_events(packing)
 
@@ -609,9 +668,10 @@ class PackedBroadcastReceiver:
                     at_yield = False
                 post(next_post)  # this bucket's buffer is free again
                 next_post += 1
-        except BaseException:
-            if not at_yield:
-                raise  # a collective or a copy failed: the protocol is broken, run no more collectives
+        except BaseException as err:
+            if not at_yield:  # a collective or a copy failed: the protocol is broken, run no more collectives
+                post_failure(self.group, "a packed-broadcast receiver", err)
+                raise
             status = _STATUS_CONSUMER  # the consumer raised or stopped early
             self._finish_protocol(works, post, next_post, status, failed_bucket)
             raise
@@ -622,16 +682,21 @@ class PackedBroadcastReceiver:
     def _finish_protocol(self, works, post, next_post: int, status: int, failed_bucket: int) -> None:
         """Step 3: after a local failure, run the remaining bulk broadcasts (data discarded) so
         the sender is not left blocked; then report the status to every member."""
-        if status != _STATUS_OK:
-            for bucket in sorted(works):
-                for work in works.pop(bucket):
-                    work.wait()
-            for bucket in range(next_post, self.packing.num_buckets):
-                post(bucket)
-                for work in works.pop(bucket):
-                    work.wait()
-        report = torch.tensor([status, failed_bucket], dtype=torch.int64, device=self.device)
-        self.group.all_reduce(report, dist.ReduceOp.MAX)
+        try:
+            if status != _STATUS_OK:
+                for bucket in sorted(works):
+                    for work in works.pop(bucket):
+                        work.wait()
+                for bucket in range(next_post, self.packing.num_buckets):
+                    post(bucket)
+                    for work in works.pop(bucket):
+                        work.wait()
+            report = torch.tensor([status, failed_bucket], dtype=torch.int64, device=self.device)
+            self.group.all_reduce(report, dist.ReduceOp.MAX)
+        except BaseException as err:
+            post_failure(self.group, "a packed-broadcast receiver", err)
+            raise
+        self.settled = True
 
 
 def _tensors_completed_in(
@@ -683,5 +748,6 @@ __all__ = [
     "StreamPacking",
     "plan_fingerprint",
     "plan_signature",
+    "post_failure",
     "share_verdict",
 ]

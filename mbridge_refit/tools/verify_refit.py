@@ -1,18 +1,35 @@
-"""Refit verifier: after a refit, does the engine's model compute what the trainer's model computes?
+"""Refit verifier: after a refit, are the engine's weights the trainer's, and how far are its numerics?
+
+Two questions, answered apart (a ``RefitVerdict`` holds both):
+
+* Weights, exact: every engine tensor against an oracle, bit for bit. ``verify_refit`` (into a
+  ``transformers`` model) compares each tensor the refit wrote with Megatron-Bridge's own export
+  of the same model (``export_hf_weights_stock``: another code path); ``verify_vllm_refit``
+  compares the engine's parameter fingerprints with those of an engine loaded from a checkpoint
+  of the same weights (``reference_fingerprints``). A wrong weight fails here whatever the
+  numerics, and a right one passes whatever they are.
+* Numerics, measured: per-token log-probabilities of the engine against Megatron's forward on a
+  fixed token batch. Two correct implementations differ by their kernels and dtype (bf16: 1e-3
+  on CPU for a tiny model, 0.02 on an H100 for the Qwen3-1.7B shape, 0.2 for the DeepSeek-V3
+  shape in vLLM), so the number is checked against a tolerance the caller gives or derives:
+  ``numerics_tolerance`` (from the dtype's eps and the engine's own spread between two attention
+  implementations) or ``tolerance_from_reference`` (from a reference run: an engine loaded from
+  a checkpoint of the same weights, which an exact refit reproduces). It catches what the weights
+  check cannot: a forward that differs (another config, a missing scaling, a broken kernel).
 
 Library use (e.g. after every refit in a training loop):
 
     ref = megatron_logprobs(chunks, tokens)          # every trainer rank (PP=1), collective over TP
     got = hf_logprobs(hf_model, tokens)              # wherever the engine-side model lives
     report = compare_logprobs(ref, got)              # mean / max |d logprob|, multiplicative error
-    report.check(tolerance=1e-3)                     # raises RefitMismatch with the numbers
+    report.check(tolerance)                          # raises RefitMismatch with the numbers
 
 ``verify_refit(bridge, chunks, hf_model, tokens)`` does the whole round: export through
-``HFModelUpdateSink`` into ``hf_model`` on rank 0, both forwards, comparison (verdict shared by
-every rank, so all ranks return or raise alike). ``verify_vllm_refit(refit, bridge, chunks,
-tokens)`` does the same round into a vLLM engine (``engines.vllm.VLLMRefit``): the refit, then
-the engine's *own* prompt log-probabilities (``vllm_logprobs``: its kernels, its bf16 logits)
-against the trainer's.
+``HFModelUpdateSink`` into ``hf_model`` on rank 0, the weights check, both forwards, the
+comparison (verdict shared by every rank, so all ranks return or raise alike).
+``verify_vllm_refit(refit, bridge, chunks, tokens)`` does the same round into a vLLM engine
+(``engines.vllm.VLLMRefit``): the refit, the fingerprints, then the engine's *own* prompt
+log-probabilities (``vllm_logprobs``: its kernels, its bf16 logits) against the trainer's.
 
 The command line is ``python -m mbridge_refit.convert verify-refit`` (``convert.verify_refit``).
 
@@ -30,19 +47,23 @@ from typing import Any, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from mbridge_refit.engines.fingerprint import differing
 from mbridge_refit.sinks.base import DiscardSink, drain
 from mbridge_refit.sinks.model_update import HFModelUpdateSink
 
 logger = logging.getLogger("mbridge_refit.verify_refit")
 
-DEFAULT_TOLERANCE = 1e-3
-VLLM_TOLERANCE = 5e-2  # mean |d logprob| allowed between Megatron (fp32 logits) and a bf16 vLLM engine's own logprobs
-# (H100, random weights: 0.023 for the Qwen3-1.7B shape and 0.004 for Qwen3-30B-A3B cut to 4 layers
-# after an exact refit; 0.73 with one attention projection perturbed)
+# The derived numerics tolerance (``numerics_tolerance``): the larger of EPS_FACTOR x the dtype's
+# eps and NOISE_FACTOR x the engine's own spread. Measured mean |d logprob| after exact refits
+# (engine vs Megatron / the engine against itself, eager vs default attention): bf16 CPU qwen3-tiny
+# 1.1e-3 / 8.8e-4; bf16 H200 Qwen3-1.7B shape 0.018 / 0.025 (TP2: 0.025 / 0.026); fp32 CPU
+# 1.0e-7 / 1.0e-7; fp32 H200 without TF32 3.3e-6 / 2.7e-6. A perturbed weight: 0.26 (bf16, H200).
+EPS_FACTOR = 4.0
+NOISE_FACTOR = 4.0
 
 
 class RefitMismatch(AssertionError):
-    """The engine-side model's log-probabilities differ from the trainer's beyond the tolerance."""
+    """The engine's weights differ from the trainer's, or its log-probabilities differ beyond the tolerance."""
 
 
 class VerifyInputError(ValueError):
@@ -58,7 +79,7 @@ class LogprobComparison:
     max_abs_diff: float
     mult_prob_error: float  # mean(exp(|d logprob|)); 1.0 = identical
 
-    def check(self, tolerance: float = DEFAULT_TOLERANCE) -> "LogprobComparison":
+    def check(self, tolerance: float) -> "LogprobComparison":
         """Raise ``RefitMismatch`` unless ``mean_abs_diff <= tolerance``; return self."""
         if not self.mean_abs_diff <= tolerance:  # NaN fails too
             raise RefitMismatch(
@@ -67,6 +88,101 @@ class LogprobComparison:
                 "the engine's weights do not reproduce the trainer's model"
             )
         return self
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WeightsCheck:
+    """The engine's tensors against an oracle, bit for bit."""
+
+    against: str  # what the oracle was
+    compared: int  # tensors (or engine parameters) compared
+    differing: tuple[str, ...]  # names whose bytes, shape or dtype differ, or that one side lacks
+
+    @property
+    def exact(self) -> bool:
+        return self.compared > 0 and not self.differing
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RefitVerdict:
+    """Both answers of a verification (module docstring). ``weights`` is None where no oracle was
+    given; ``tolerance`` None where the numerics are reported only; ``tolerance_from`` says how
+    the tolerance was set; ``engine_noise`` is the engine against itself with eager attention."""
+
+    weights: WeightsCheck | None
+    numerics: LogprobComparison
+    tolerance: float | None
+    tolerance_from: str
+    engine_noise: LogprobComparison | None = None
+
+    @property
+    def numerics_within(self) -> bool | None:
+        return None if self.tolerance is None else bool(self.numerics.mean_abs_diff <= self.tolerance)  # NaN: False
+
+    @property
+    def passed(self) -> bool:
+        return (self.weights is None or self.weights.exact) and self.numerics_within is not False
+
+    def check(self) -> "RefitVerdict":
+        """Raise ``RefitMismatch`` naming the failed question; return self when both pass."""
+        if self.weights is not None and not self.weights.exact:
+            shown = list(self.weights.differing[:8])
+            raise RefitMismatch(
+                f"refit mismatch: the engine's weights are not the trainer's: {len(self.weights.differing)} of "
+                f"{self.weights.compared} tensors differ bit for bit from {self.weights.against}, e.g. {shown}"
+            )
+        if self.numerics_within is False:
+            numbers = self.numerics
+            exact = f"exact ({self.weights.compared} tensors bit for bit), but " if self.weights is not None else ""
+            raise RefitMismatch(
+                f"refit mismatch: the engine's weights are {exact}its log-probabilities differ from Megatron's by "
+                f"mean |d logprob| {numbers.mean_abs_diff:.3e} > tolerance {self.tolerance:.3e} "
+                f"({self.tolerance_from}; max {numbers.max_abs_diff:.3e}, mult prob error "
+                f"{numbers.mult_prob_error:.5f}, {numbers.tokens} tokens): "
+                "the two forwards differ by more than their numerics (another config, scaling or kernel)"
+            )
+        return self
+
+
+def numerics_tolerance(dtype: torch.dtype, engine_noise: LogprobComparison | None = None) -> tuple[float, str]:
+    """The derived numerics tolerance and how it was derived: the larger of ``EPS_FACTOR`` x the
+    eps of ``dtype`` (the dtype both forwards compute in) and ``NOISE_FACTOR`` x ``engine_noise``
+    (the engine against itself with another attention implementation: the spread of two correct
+    implementations in this dtype, for this model)."""
+    from_eps = EPS_FACTOR * torch.finfo(dtype).eps
+    from_noise = NOISE_FACTOR * engine_noise.mean_abs_diff if engine_noise is not None else 0.0
+    if from_noise > from_eps:
+        return from_noise, f"derived: {NOISE_FACTOR:g} x the engine's eager-vs-default attention difference"
+    return from_eps, f"derived: {EPS_FACTOR:g} x {str(dtype).removeprefix('torch.')} eps"
+
+
+def tolerance_from_reference(reference: LogprobComparison) -> float:
+    """A numerics tolerance from a reference run: ``reference`` is the same comparison for an
+    engine loaded from a checkpoint of the same weights (e.g. the one ``convert`` wrote), which
+    an exact refit reproduces (bit for bit in vLLM's batch-invariant mode); ``NOISE_FACTOR`` x
+    its mean leaves room for run-to-run kernel differences."""
+    return NOISE_FACTOR * reference.mean_abs_diff
+
+
+def same_bytes(left: torch.Tensor, right: torch.Tensor) -> bool:
+    """Whether two tensors hold the same dtype, shape and bytes (``-0.0 != 0.0``; NaNs by payload)."""
+    if left.dtype != right.dtype or tuple(left.shape) != tuple(right.shape):
+        return False
+    as_bytes = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in (left, right.to(left.device))]
+    return bool(torch.equal(*as_bytes))
+
+
+def compare_weights(sink: HFModelUpdateSink, oracle: Iterable[tuple[str, torch.Tensor]], against: str) -> WeightsCheck:
+    """Each oracle tensor against the engine tensor ``sink`` wrote it into, bit for bit."""
+    compared, wrong = 0, []
+    for name, tensor in oracle:
+        target = sink.target_view(name)
+        compared += 1
+        if target is None:
+            wrong.append(f"{name} (no engine tensor)")
+        elif not same_bytes(target, tensor):
+            wrong.append(name)
+    return WeightsCheck(against=against, compared=compared, differing=tuple(wrong))
 
 
 def compare_logprobs(reference: torch.Tensor, candidate: torch.Tensor) -> LogprobComparison:
@@ -195,28 +311,53 @@ def verify_vllm_refit(
     tokens: torch.Tensor,
     *,
     sender: bool,
-    tolerance: float = VLLM_TOLERANCE,
+    tolerance: float | None = None,
+    reference_fingerprints: dict[str, tuple[int, int]] | None = None,
     fp8: Any = None,
     perturb: str | None = None,
-) -> LogprobComparison:
-    """Refit the engine of ``refit`` (a ``VLLMRefit``) from ``chunks``, then compare the engine's
-    own prompt log-probabilities on ``tokens`` with the trainer's (Megatron's forward, fp32 logits).
+    check: bool = True,
+) -> RefitVerdict:
+    """Refit the engine of ``refit`` (a ``VLLMRefit``) from ``chunks``, then answer both questions
+    (module docstring): the engine's parameter fingerprints against ``reference_fingerprints``
+    (those of an engine loaded from a checkpoint of the same weights: ``refit.fingerprints()``
+    after starting it from the checkpoint ``convert`` wrote), and the engine's own prompt
+    log-probabilities on ``tokens`` against the trainer's (Megatron's forward, fp32 logits),
+    within ``tolerance`` (e.g. ``tolerance_from_reference`` of that engine's comparison).
+
+    The engine computes in its own kernels with bf16 logits, so how far its numbers may be from
+    the trainer's depends on the model (0.02 for the Qwen3-1.7B shape, 0.2 for DeepSeek-V3's on
+    an H100): no tolerance is assumed. Give ``reference_fingerprints`` (on the sender), a
+    ``tolerance`` (the same on every rank), or both; with neither nothing would be checked and
+    the sender raises ``VerifyInputError``. ``perturb`` names a tensor to corrupt on its way (the
+    check must then fail).
 
     Collective over every rank of the model (PP=1): the refit's export and the trainer forward.
     The rank with ``sender=True`` (one per engine) refits and asks the engine; the verdict is
-    shared by every rank, so all return the same comparison or raise the same ``RefitMismatch``.
-    The engine computes in its own kernels with bf16 logits, so its numbers differ from the
-    trainer's by more than a transformers model's do: ``VLLM_TOLERANCE`` is set for that, and a
-    wrong weight moves them far more (``perturb`` names a tensor to corrupt on its way: the
-    check must then fail). The engine must be idle (no generation in flight) during the call.
+    shared by every rank, so all return the same verdict or (``check``) raise the same
+    ``RefitMismatch``. The engine must be idle (no generation in flight) during the call.
     """
+    if sender and tolerance is None and reference_fingerprints is None:
+        raise VerifyInputError(
+            "verify_vllm_refit has nothing to check: pass reference_fingerprints= (an engine loaded from a checkpoint "
+            "of these weights: refit.fingerprints()) for the exact weights check and/or tolerance= for the numerics "
+            "(tolerance_from_reference(that engine's comparison with Megatron))"
+        )
     seen: set[str] = set()
     through = None if perturb is None else (lambda stream: _perturbing(stream, perturb, seen))
     step = refit.refit(bridge, chunks, fp8=fp8, sender=sender, through=through)
     if sender and perturb is not None and perturb not in seen:
         raise VerifyInputError(f"perturb={perturb!r} is not a tensor the refit sends")
+    weights = None
+    if sender and reference_fingerprints is not None:
+        wrong = differing(reference_fingerprints, refit.fingerprints())
+        weights = WeightsCheck(against="the reference engine's parameter fingerprints",
+                               compared=len(reference_fingerprints), differing=tuple(wrong))
     reference = megatron_logprobs(chunks, tokens, _vocab_size(bridge))
-    result = compare_logprobs(reference, vllm_logprobs(refit.llm, tokens)) if sender else None
+    result = None
+    if sender:
+        numerics = compare_logprobs(reference, vllm_logprobs(refit.llm, tokens))
+        result = RefitVerdict(weights=weights, numerics=numerics, tolerance=tolerance,
+                              tolerance_from="given" if tolerance is not None else "none: reported only")
     if step is not None:
         logger.info("refit verified against the engine: %d tensors, %.1f ms", step.tensors, step.export_ms + step.apply_ms)
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -225,7 +366,7 @@ def verify_vllm_refit(
         result = next((r for r in gathered if r is not None), None)
     if result is None:
         raise VerifyInputError("no rank passed sender=True: one rank per engine must hold it")
-    return result.check(tolerance)
+    return result.check() if check else result
 
 
 def fixed_tokens(vocab_size: int, batch: int, seq: int, device: torch.device, seed: int = 0) -> torch.Tensor:
@@ -240,16 +381,20 @@ def verify_refit(
     hf_model: torch.nn.Module | None,
     tokens: torch.Tensor,
     *,
-    tolerance: float = DEFAULT_TOLERANCE,
+    tolerance: float | None = None,
     perturb: str | None = None,
     fp32_logits: bool = True,
-) -> LogprobComparison:
-    """Export ``chunks`` into ``hf_model`` (rank 0's; None elsewhere), then compare log-probabilities.
+    check: bool = True,
+) -> RefitVerdict:
+    """Export ``chunks`` into ``hf_model`` (rank 0's; None elsewhere), then answer both questions
+    (module docstring): every tensor written against Megatron-Bridge's own export, bit for bit,
+    and the log-probabilities of both forwards, within ``tolerance`` (default: ``numerics_tolerance``
+    of ``hf_model``'s dtype and its own eager-vs-default attention spread).
 
     Collective over every rank of the model. Rank 0 applies the stream with ``HFModelUpdateSink``
-    (strict: a missing or unexpected name raises) and compares; the result is broadcast, so every
-    rank returns the same comparison or raises the same ``RefitMismatch``. ``perturb`` names an HF
-    tensor to corrupt on its way into the engine (a self-test: the check must then fail).
+    (strict: a missing or unexpected name raises) and compares; the verdict is broadcast, so every
+    rank returns the same verdict or (``check``) raises the same ``RefitMismatch``. ``perturb``
+    names an HF tensor to corrupt on its way into the engine (a self-test: the check must then fail).
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0 and hf_model is None:
@@ -260,12 +405,45 @@ def verify_refit(
     drain(_perturbing(stream, perturb, seen), sink)
     if rank == 0 and perturb is not None and perturb not in seen:
         raise VerifyInputError(f"--perturb {perturb!r} is not a name the export yields")
+    oracle = bridge.export_hf_weights_stock(chunks, show_progress=False)  # collective: every rank iterates it
+    if rank == 0:
+        weights = compare_weights(sink, oracle, against="Megatron-Bridge's own export of the trainer model")
+    else:
+        drain(oracle, DiscardSink())
     vocab_size = _vocab_size(bridge)
     reference = megatron_logprobs(chunks, tokens, vocab_size, fp32_logits=fp32_logits)
-    result = [compare_logprobs(reference, hf_logprobs(hf_model, tokens, fp32_logits=fp32_logits)) if rank == 0 else None]
+    result: list[Any] = [None]
+    if rank == 0:
+        numerics = compare_logprobs(reference, hf_logprobs(hf_model, tokens, fp32_logits=fp32_logits))
+        noise = engine_attention_noise(hf_model, tokens, fp32_logits)
+        tolerance_from = "given"
+        if tolerance is None:
+            tolerance, tolerance_from = numerics_tolerance(next(hf_model.parameters()).dtype, noise)
+        result = [RefitVerdict(weights=weights, numerics=numerics, tolerance=tolerance, tolerance_from=tolerance_from,
+                               engine_noise=noise)]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(result, src=0)
-    return result[0].check(tolerance)
+    return result[0].check() if check else result[0]
+
+
+def engine_attention_noise(
+    hf_model: torch.nn.Module, tokens: torch.Tensor, fp32_logits: bool = True
+) -> LogprobComparison | None:
+    """The engine model against itself with another attention implementation (``eager`` vs the
+    one it runs, same weights): how far two correct implementations drift apart in this dtype.
+    None where the model runs eager attention already or cannot switch."""
+    current = getattr(hf_model.config, "_attn_implementation", None)
+    if current in (None, "eager"):
+        return None
+    baseline = hf_logprobs(hf_model, tokens, fp32_logits=fp32_logits)
+    try:
+        hf_model.set_attn_implementation("eager")
+        return compare_logprobs(baseline, hf_logprobs(hf_model, tokens, fp32_logits=fp32_logits))
+    except (ValueError, ImportError) as err:  # an implementation this model or machine lacks
+        logger.info("engine attention noise not measured: %s", err)
+        return None
+    finally:
+        hf_model.set_attn_implementation(current)
 
 
 def _perturbing(stream: Iterable[tuple[str, torch.Tensor]], name: str | None, seen: set[str]) -> Iterator[tuple[str, torch.Tensor]]:

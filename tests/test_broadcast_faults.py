@@ -1,0 +1,427 @@
+"""The packed broadcast over a ``StoreGroup`` on CPU (gloo), sender and receivers in threads of
+this process (the trainer's death and stop in a child process): the collectives both ends issue,
+the settings members must share, and failures that must reach every member within seconds.
+
+Issue #31: into an engine on another GPU, NCCL failed in its bootstrap ("Message truncated:
+received 12288 bytes instead of 512") because vLLM's batch-invariant mode had set
+``NCCL_MAX_NCHANNELS=1`` (and more) in the engine's worker only, and the trainer then waited for
+the group's timeout. The collective sequences of both ends were already identical (the first
+test below shows it); the settings check and the failure channel are what the fix adds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import REPO, free_port
+from test_packed_broadcast import _plan
+
+from mbridge_refit.runtime import broadcast_group
+from mbridge_refit.runtime.broadcast_group import (
+    PeerFailedError,
+    SettingsMismatchError,
+    StoreGroup,
+    group_settings,
+    settings_differences,
+)
+from mbridge_refit.sinks.packed_broadcast import (
+    ChecksumError,
+    PackedBroadcastConfig,
+    PackedBroadcastReceiver,
+    PackedBroadcastSender,
+    PlanMismatchError,
+    RefitStatusError,
+    StreamPacking,
+)
+
+PLAN = _plan(
+    ("a", (3,), "bfloat16"),
+    ("b", (10, 7), "float32"),
+    ("c", (0,), "bfloat16"),
+    ("d", (5,), "int8"),
+    ("e", (), "float32"),
+)
+CONFIG = PackedBroadcastConfig(bucket_bytes=64, num_buffers=2, checksum=True)
+BUCKETS = StreamPacking.build(PLAN, CONFIG.bucket_bytes).num_buckets
+GROUP_TIMEOUT_S = 45.0  # a wait the failure channel does not cut short lasts this long (> BOUND_S)
+BOUND_S = 30.0  # what the issue asks: every member raises within this
+
+
+def plan_tensors(plan, seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for entry in plan.entries:
+        values = torch.randn(entry.shape, generator=gen) * 10
+        out.append((entry.hf_name, values.to(entry.torch_dtype)))
+    return out
+
+
+def run_members(*targets, join_s: float = 120.0) -> list:
+    """Run ``targets[i](rank=i)`` in threads; each result is its return value or the exception it raised,
+    with the seconds it took."""
+    results: list = [None] * len(targets)
+
+    def run(index: int) -> None:
+        started = time.monotonic()
+        try:
+            value = targets[index](index)
+        except BaseException as err:  # noqa: BLE001 - handed to the test
+            value = err
+        results[index] = (value, time.monotonic() - started)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(targets))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(join_s)
+    assert all(r is not None for r in results), f"a member is still running after {join_s} s: {results}"
+    return results
+
+
+# --- the collectives each end issues ----------------------------------------------------------
+
+
+class RecordingGroup:
+    """A ``StoreGroup`` that records each collective it issues: (op, dtype, numel, src)."""
+
+    def __init__(self, group: StoreGroup) -> None:
+        self.inner, self.calls = group, []
+        self.rank, self.device = group.rank, group.device
+
+    def is_member(self) -> bool:
+        return True
+
+    def is_source(self, src: int) -> bool:
+        return self.inner.is_source(src)
+
+    def broadcast(self, tensor, src, *, async_op=False):
+        self.calls.append(("broadcast", str(tensor.dtype), tensor.numel(), src))
+        return self.inner.broadcast(tensor, src, async_op=async_op)
+
+    def all_reduce(self, tensor, op):
+        self.calls.append(("all_reduce", str(tensor.dtype), tensor.numel(), str(op)))
+        return self.inner.all_reduce(tensor, op)
+
+    def broadcast_object(self, obj, src, device):
+        return StoreGroup.broadcast_object(self, obj, src, device)  # its size and payload broadcasts, recorded
+
+    def post_error(self, message: str) -> None:
+        self.calls.append(("post_error",))
+        self.inner.post_error(message)
+
+
+def _recorded_pair(receiver_plan, *, consumer_fails: bool = False, corrupt: bool = False):
+    port = free_port()
+    groups: dict[int, RecordingGroup] = {}
+
+    def join(rank: int) -> RecordingGroup:
+        groups[rank] = RecordingGroup(StoreGroup(host="127.0.0.1", port=port, rank=rank, world_size=2, device="cpu"))
+        return groups[rank]
+
+    def send(rank: int):
+        sender = PackedBroadcastSender(PLAN, CONFIG, group=join(rank), src=0, device="cpu")
+        for name, tensor in plan_tensors(PLAN):
+            sender.consume(name, tensor)
+        sender.finish()
+
+    def receive(rank: int):
+        receiver = PackedBroadcastReceiver(receiver_plan, CONFIG, group=join(rank), src=0, device="cpu")
+        if corrupt:
+            receiver._corrupt_hook = lambda bucket, data: data[:1].add_(1) if bucket == 2 else None
+        got = []
+        for name, tensor in receiver.receive():
+            if consumer_fails and len(got) == 1:
+                raise ValueError("test consumer rejects the 2nd tensor")
+            got.append((name, tensor.clone()))
+        return got
+
+    results = run_members(send, receive)
+    for group in groups.values():
+        group.inner.close()
+    return results, groups[0].calls, groups[1].calls
+
+
+def test_sender_and_receiver_issue_the_same_collectives():
+    """Clean, plan mismatch, bad checksum, failing consumer: the two ends issue the same collectives,
+    in the same order, of the same dtypes and sizes (guards the protocol; this held before the fix too)."""
+    renamed = _plan(
+        ("a", (3,), "bfloat16"),
+        ("b.renamed", (10, 7), "float32"),
+        ("c", (0,), "bfloat16"),
+        ("d", (5,), "int8"),
+        ("e", (), "float32"),
+    )
+    (sent, received), source, receiver = _recorded_pair(PLAN)
+    assert sent[0] is None and [n for n, _ in received[0]] == list("abcde")
+    assert BUCKETS > 3 and source == receiver
+    assert len(source) == 2 + 2 * BUCKETS + 1  # header, verdict, per bucket its bytes and checksum, status
+
+    (sent, received), source, receiver = _recorded_pair(renamed)
+    assert isinstance(sent[0], PlanMismatchError) and isinstance(received[0], PlanMismatchError)
+    assert source == receiver and ("broadcast", "torch.uint8", source[3][2], 0) in source  # the signature's bytes
+
+    (sent, received), source, receiver = _recorded_pair(PLAN, corrupt=True)
+    assert isinstance(sent[0], RefitStatusError) and isinstance(received[0], ChecksumError)
+    assert source == receiver
+
+    (sent, received), source, receiver = _recorded_pair(PLAN, consumer_fails=True)
+    assert isinstance(sent[0], RefitStatusError) and isinstance(received[0], ValueError)
+    assert source == receiver and ("post_error",) not in source + receiver  # settled by the protocol itself
+
+
+# --- settings members must share ------------------------------------------------------------------
+
+
+VLLM_BATCH_INVARIANT_NCCL = {  # what vLLM's batch-invariant mode sets in its workers (vLLM 0.26)
+    "NCCL_LAUNCH_MODE": "GROUP",
+    "NCCL_COLLNET_ENABLE": "0",
+    "NCCL_NVLS_ENABLE": "0",
+    "NCCL_P2P_NET_DISABLE": "1",
+    "NCCL_MIN_NCHANNELS": "1",
+    "NCCL_MAX_NCHANNELS": "1",
+    "NCCL_PROTO": "Simple",
+    "NCCL_ALGO": "allreduce:tree",
+    "NCCL_NTHREADS": "1",
+    "NCCL_SOCKET_NTHREADS": "1",
+}
+
+
+def test_nccl_settings_are_the_communicator_shaping_variables():
+    trainer = group_settings(
+        "nccl", {"NCCL_NVLS_ENABLE": "0", "NCCL_DEBUG": "INFO", "NCCL_SOCKET_IFNAME": "eth0", "PATH": "/bin"}
+    )
+    assert trainer["nccl_env"] == {"NCCL_NVLS_ENABLE": "0"} and trainer["nccl_version"].count(".") == 2
+    assert "nccl_env" not in group_settings("gloo", VLLM_BATCH_INVARIANT_NCCL)
+    engine = group_settings("nccl", {**VLLM_BATCH_INVARIANT_NCCL, "NCCL_DEBUG": "WARN"})
+    differences = settings_differences({0: trainer, 1: engine})
+    assert "NCCL_MAX_NCHANNELS: member 0 <unset>, member 1 1" in differences
+    assert "NCCL_PROTO: member 0 <unset>, member 1 Simple" in differences
+    assert not any(d.startswith(("NCCL_NVLS_ENABLE", "NCCL_DEBUG", "nccl_version")) for d in differences)
+    assert settings_differences({0: engine, 1: dict(engine), 2: dict(engine)}) == []
+
+
+def test_members_whose_settings_differ_refuse_before_connecting(monkeypatch):
+    """The trainer's plain environment and a vLLM worker's batch-invariant one: both members raise
+    SettingsMismatchError naming the variables, and no process group is created."""
+    settings = {0: group_settings("gloo"), 1: {**group_settings("gloo"), "nccl_env": VLLM_BATCH_INVARIANT_NCCL}}
+    monkeypatch.setattr(
+        broadcast_group, "group_settings", lambda backend: settings[int(threading.current_thread().name[-1])]
+    )
+    created = []
+    monkeypatch.setattr(broadcast_group, "_process_group", lambda *a: created.append(a))
+    port = free_port()
+
+    def member(rank: int):
+        threading.current_thread().name = f"member-{rank}"
+        return StoreGroup(
+            host="127.0.0.1", port=port, rank=rank, world_size=2, device="cpu", timeout=_seconds(GROUP_TIMEOUT_S)
+        )
+
+    results = run_members(member, member)
+    for error, seconds in results:
+        assert isinstance(error, SettingsMismatchError), error
+        assert "NCCL_MAX_NCHANNELS: member 0 <unset>, member 1 1" in str(error) and "VLLM_BATCH_INVARIANT" in str(error)
+        assert seconds < 10
+    assert created == []
+
+
+def _seconds(value: float):
+    import datetime
+
+    return datetime.timedelta(seconds=value)
+
+
+# --- failures reach every member -------------------------------------------------------------------
+
+
+class Engine(torch.nn.Module):
+    """An engine model whose loader keeps copies of what it receives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.got: dict[str, torch.Tensor] = {}
+
+    def load_weights(self, weights):
+        for name, tensor in weights:
+            self.got[name] = tensor.clone()
+
+
+class InProcessLLM:
+    """``LLM.collective_rpc`` onto a ``RefitWorkerExtension`` in this process; each worker call's
+    exception is kept. ``fail`` names a method that raises before it runs (the worker's RPC failing
+    outside the refit's code)."""
+
+    def __init__(self, engine: Engine, fail: str | None = None) -> None:
+        from mbridge_refit.engines.vllm_worker import RefitWorkerExtension
+
+        self.worker = RefitWorkerExtension()
+        self.worker.model_runner = SimpleNamespace(get_model=lambda: engine)
+        self.worker.device = "cpu"
+        self.fail, self.errors = fail, []
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        try:
+            if method == self.fail:
+                raise RuntimeError(f"injected: the worker's {method} RPC died")
+            return [getattr(self.worker, method)(*args)]
+        except BaseException as err:
+            self.errors.append((method, err, time.monotonic()))
+            raise
+
+
+class Bridge:
+    """What ``VLLMBroadcastRefit`` asks of a bridge: the plan and the export stream (which raises
+    after ``fail_after`` tensors when set)."""
+
+    hf_pretrained = SimpleNamespace(config=SimpleNamespace(tie_word_embeddings=False))
+
+    def __init__(self, fail_after: int | None = None) -> None:
+        self.fail_after = fail_after
+
+    def export_plan(self, chunks, fp8=None):
+        return PLAN
+
+    def export_hf_weights(self, chunks, **kwargs):
+        for index, item in enumerate(plan_tensors(PLAN)):
+            if index == self.fail_after:
+                raise ValueError("injected: the trainer's export failed")
+            yield item
+
+
+def _session(llm, bridge, chunks):
+    from mbridge_refit.engines.vllm_broadcast import VLLMBroadcastRefit
+
+    refit = VLLMBroadcastRefit(
+        llm, host="127.0.0.1", port=free_port(), backend="gloo", device="cpu", timeout_s=GROUP_TIMEOUT_S, config=CONFIG
+    )
+    refit.open(bridge, chunks)
+    return refit
+
+
+def _refit_raises(refit, bridge, chunks) -> tuple[BaseException, float]:
+    started = time.monotonic()
+    with pytest.raises(Exception) as caught:
+        refit.refit(bridge, chunks)
+    return caught.value, time.monotonic() - started
+
+
+def test_receiver_failing_in_the_handshake_reaches_the_trainer():
+    """The issue's case: the engine worker's first collective (the header broadcast) raises; the
+    trainer raises that error within the bound instead of waiting for the group's timeout."""
+    llm, chunks, bridge = InProcessLLM(Engine()), [torch.nn.Linear(1, 1)], Bridge()
+    refit = _session(llm, bridge, chunks)
+    group = llm.worker._mbridge_broadcast_target.group
+
+    def broken(tensor, src, *, async_op=False):
+        raise RuntimeError("injected: ncclInternalError: Message truncated: received 12288 bytes instead of 512")
+
+    group.broadcast = broken
+    error, seconds = _refit_raises(refit, bridge, chunks)
+    assert seconds < BOUND_S, f"the trainer raised after {seconds:.0f} s"
+    assert "Message truncated" in str(error)
+    assert [m for m, _, _ in llm.errors] == ["mbridge_broadcast_receive"]
+    with pytest.raises(PeerFailedError, match="failed group"):  # the group stays failed: open() a new one
+        refit.group.broadcast(torch.zeros(1), 0)
+    refit.close()
+
+
+def test_the_trainers_export_failing_mid_stream_reaches_the_engine():
+    llm, chunks, bridge = InProcessLLM(Engine()), [torch.nn.Linear(1, 1)], Bridge(fail_after=2)
+    refit = _session(llm, bridge, chunks)
+    error, seconds = _refit_raises(refit, bridge, chunks)
+    assert isinstance(error, ValueError) and "injected: the trainer's export failed" in str(error)
+    assert seconds < BOUND_S
+    ((method, engine_error, _),) = llm.errors
+    assert method == "mbridge_broadcast_receive" and isinstance(engine_error, PeerFailedError), engine_error
+    assert "member 0 failed" in str(engine_error) and "injected: the trainer's export failed" in str(engine_error)
+    refit.close()
+
+
+def test_the_engines_rpc_failing_outside_the_protocol_reaches_the_trainer():
+    """The worker's RPC fails before it reaches the receiver (nothing posted from the engine): the
+    trainer, waiting in the handshake, treats the RPC's error as the engine's failure."""
+    llm, chunks, bridge = InProcessLLM(Engine(), fail="mbridge_broadcast_receive"), [torch.nn.Linear(1, 1)], Bridge()
+    refit = _session(llm, bridge, chunks)
+    error, seconds = _refit_raises(refit, bridge, chunks)
+    assert seconds < BOUND_S and "injected: the worker's mbridge_broadcast_receive RPC died" in str(error)
+    refit.close()
+
+
+def test_a_plan_mismatch_raises_on_both_and_the_group_stays_usable():
+    llm, chunks, bridge = InProcessLLM(Engine()), [torch.nn.Linear(1, 1)], Bridge()
+    refit = _session(llm, bridge, chunks)
+    target = llm.worker._mbridge_broadcast_target
+    right = target.plan_json
+    plan = json.loads(right)
+    plan["entries"][1] = {**plan["entries"][1], "hf_name": "b.renamed"}
+    target.plan_json = json.dumps(plan)
+    error, seconds = _refit_raises(refit, bridge, chunks)
+    assert isinstance(error, PlanMismatchError) and seconds < BOUND_S
+    assert isinstance(llm.errors[0][1], PlanMismatchError)
+    target.plan_json = right
+    engine = llm.worker.model_runner.get_model()
+    assert refit.refit(bridge, chunks).tensors == 5  # a failure the protocol reports leaves the group in step
+    assert all(torch.equal(engine.got[name], tensor) for name, tensor in plan_tensors(PLAN))
+    refit.close()
+
+
+TRAINER = r"""
+import json, os, signal, sys, time
+sys.path.insert(0, {repo!r})
+from mbridge_refit.plan.entries import ExportPlan
+from mbridge_refit.runtime.broadcast_group import StoreGroup
+from mbridge_refit.sinks.packed_broadcast import PackedBroadcastConfig, PackedBroadcastSender
+import torch
+plan = ExportPlan.from_json({plan!r})
+group = StoreGroup(host="127.0.0.1", port={port}, rank=0, world_size=2, device="cpu")
+config = PackedBroadcastConfig(bucket_bytes=64, num_buffers=2)
+sender = PackedBroadcastSender(plan, config, group=group, src=0, device="cpu")
+print("handshake done", flush=True)
+time.sleep(1.0)
+os.kill(os.getpid(), signal.{signal})
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"], ids=["dies", "stops"])
+def test_the_trainers_process_dying_or_stopping_reaches_the_engine(how, tmp_path):
+    """The trainer's process is killed, or stopped (its sockets stay open: a process that no longer
+    answers), after the handshake while the receiver waits for the first bucket: the receiver
+    raises within the bound (a killed peer closes gloo's sockets; a stopped one is seen by its
+    silent store and heartbeat)."""
+    port = free_port()
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER.format(repo=str(REPO), plan=PLAN.to_json(), port=port, signal=how))
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    trainer = subprocess.Popen(
+        [sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        group = StoreGroup(
+            host="127.0.0.1", port=port, rank=1, world_size=2, device="cpu", timeout=_seconds(GROUP_TIMEOUT_S)
+        )
+        receiver = PackedBroadcastReceiver(
+            PLAN, PackedBroadcastConfig(bucket_bytes=64, num_buffers=2), group=group, src=0, device="cpu"
+        )
+        started = time.monotonic()
+        with pytest.raises(Exception) as caught:
+            for _ in receiver.receive():
+                pass
+        seconds = time.monotonic() - started
+        assert seconds < BOUND_S, f"the receiver raised after {seconds:.0f} s: {caught.value}"
+        if how == "SIGSTOP":
+            assert isinstance(caught.value, PeerFailedError) and "has not answered" in str(caught.value), caught.value
+        group.close()
+    finally:
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait(timeout=30)
