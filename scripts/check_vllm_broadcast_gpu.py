@@ -304,6 +304,12 @@ def run(args) -> dict:
             from mbridge_refit.runtime.broadcast_group import group_settings, settings_differences
 
             engine_env = llm.collective_rpc(worker_nccl_env)[0]
+            # what vLLM's worker set beyond its invariance function (seen: NCCL_COLLNET_ENABLE=0), before
+            # the trainer's first communicator of the group
+            adopted = {k: v for k, v in engine_env.items() if os.environ.get(k) != v}
+            os.environ.update(adopted)
+            matched.update(adopted)
+            result["trainer_nccl_adopted_from_engine"] = adopted
             trainer_env = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
             result["engine_nccl_env"], result["trainer_nccl_env"] = engine_env, trainer_env
             result["nccl_settings_differences"] = settings_differences(
