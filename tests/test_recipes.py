@@ -108,16 +108,20 @@ def test_layouts_file_matches_parallel_layout():
         "ep2": ParallelLayout(ep=2),
         "tp2_ep2": ParallelLayout(tp=2, ep=2, etp=1),
         "tp2_pp2": ParallelLayout(tp=2, pp=2),
+        "tp2_etp2": ParallelLayout(tp=2, etp=2),
+        "tp2_pp2_etp2": ParallelLayout(tp=2, pp=2, etp=2),
+        "tp2_ep2_etp2": ParallelLayout(tp=2, ep=2, etp=2),
+        "etp2": ParallelLayout(etp=2),
     }
     assert dict(LAYOUTS) == expected
     for name, entry in entries.items():
         layout = ParallelLayout(**entry["parallel"])
         assert layout == LAYOUTS[name] and layout.name == name
-        assert entry["requires_moe"] == (layout.ep > 1) == (name in recipes.MOE_ONLY_LAYOUTS)
+        assert entry["requires_moe"] == (layout.ep > 1 or layout.etp > 1) == (name in recipes.MOE_ONLY_LAYOUTS)
 
 
 def test_compatible_layouts_table():
-    everything, moe_only = set(LAYOUTS), {"ep2", "tp2_ep2"}
+    everything, moe_only = set(LAYOUTS), {"ep2", "tp2_ep2", "tp2_etp2", "tp2_pp2_etp2", "tp2_ep2_etp2", "etp2"}
     assert set(compatible_layouts("qwen3-tiny")) == everything - moe_only
     assert set(compatible_layouts("llama-tied-tiny")) == everything - moe_only
     assert set(compatible_layouts("qwen3-moe-tiny")) == everything

@@ -234,7 +234,7 @@ def _header_names(file: Path) -> list[str]:
                 )
             raw = handle.read(length)
     except OSError as err:
-        raise CheckpointError(f"cannot read {file}: {err}") from err
+        raise CheckpointError(f"cannot read {file}: {type(err).__name__}: {err}") from err
     try:
         json.loads(raw, object_pairs_hook=_refuse_duplicate_keys)
     except (UnicodeDecodeError, ValueError, RecursionError) as err:  # JSONDecodeError is a ValueError

@@ -39,9 +39,13 @@ from typing import Any
 import torch
 
 from mbridge_refit.engines.apply_plan import StagedLoad
+from mbridge_refit.errors import EngineError
 from mbridge_refit.runtime.broadcast_group import StoreGroup
 from mbridge_refit.sinks.packed_broadcast import (
-    PackedBroadcastConfig, PackedBroadcastReceiver, PlanMismatchError, post_failure,
+    PackedBroadcastConfig,
+    PackedBroadcastReceiver,
+    PlanMismatchError,
+    post_failure,
 )
 
 logger = logging.getLogger(__name__)
@@ -50,7 +54,7 @@ LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
 SOURCE_RANK = 0  # the trainer's rank in the group; workers are 1..world_size-1
 
 
-class BroadcastRefitError(RuntimeError):
+class BroadcastRefitError(EngineError):
     """A broadcast refit the engine cannot apply as asked (names the problem and the fix)."""
 
 

@@ -9,7 +9,7 @@ Protocol (the trainer side is ``engines.vllm.VLLMRefit``; any RPC that carries p
    proves the recording against the loader (``ApplyPlan.check_against_loader``), and returns a
    report: what was loaded against what the engine holds (``missing`` parameters,
    ``unexpected`` tensors, ``partial`` parameters). Any missing or unexpected name fails the
-   open (``RefitError``) unless ``allow_partial``.
+   open (``EngineRefitError``) unless ``allow_partial``.
 2. ``apply(fingerprint)``: every later step. Refuses a fingerprint that is not the open layout's
    (the trainer's export changed without a new ``open``), replays, and waits for the copies, so
    the trainer may overwrite its buffers once the call returns; returns the milliseconds it
@@ -44,11 +44,12 @@ from mbridge_refit.engines.sharing import (
     row_sources,
     views,
 )
+from mbridge_refit.errors import EngineError
 
 logger = logging.getLogger(__name__)
 
 
-class RefitError(RuntimeError):
+class EngineRefitError(EngineError):
     """A refit cannot be applied as asked (names the problem and the fix)."""
 
 
@@ -97,20 +98,20 @@ class RefitReceiver:
         self.close()
         layout = SharedLayout.from_wire(wire)
         if transport not in TRANSPORTS:
-            raise RefitError(f"unknown transport {transport!r}; known: {sorted(TRANSPORTS)}")
+            raise EngineRefitError(f"unknown transport {transport!r}; known: {sorted(TRANSPORTS)}")
         try:
             storages = TRANSPORTS[transport]().open(payload, self.device)
             sources = views(layout, storages, self.device)
             rows = row_sources(layout, storages, self.device)
         except SharingError as err:
-            raise RefitError(f"cannot map the trainer's tensors: {err}") from err
+            raise EngineRefitError(f"cannot map the trainer's tensors: {err}") from err
         plan = self._record(sources)
         refreshed = plan.compose_rows(rows)
         _synchronize(self.device)
         if self._staged_in_use and self.device.type == "cuda":
             torch.cuda.empty_cache()  # the reload's staging tensors: return their blocks, not keep them reserved
         if (plan.missing or plan.unexpected) and not allow_partial:
-            raise RefitError(_mismatch_message(plan))
+            raise EngineRefitError(_mismatch_message(plan))
         if check:
             plan.check_against_loader()
             _synchronize(self.device)
@@ -128,10 +129,10 @@ class RefitReceiver:
     def apply(self, fingerprint: str) -> float:
         started = time.perf_counter()
         if self._plan is None:
-            raise RefitError("no refit layout is open on this engine: the trainer must open one first "
+            raise EngineRefitError("no refit layout is open on this engine: the trainer must open one first "
                              "(VLLMRefit does on its first step)")
         if fingerprint != self._fingerprint:
-            raise RefitError(
+            raise EngineRefitError(
                 f"plan mismatch: the trainer's step has layout {fingerprint} but this engine opened {self._fingerprint}; "
                 "the trainer must open the new layout (VLLMRefit does when its export changes)"
             )

@@ -67,6 +67,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
+from mbridge_refit.errors import TransportError
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
@@ -86,7 +88,7 @@ _HOST_LOCAL_NCCL_VARIABLES = frozenset({
 })
 
 
-class BroadcastGroupError(RuntimeError):
+class BroadcastGroupError(TransportError):
     """The group cannot run a collective (the subclass says why)."""
 
 

@@ -107,11 +107,23 @@ class CollectiveCall:
             raise CollectiveMisuseError(f"{self.what} {_CONTRACT}: {note}; this rank's export completed")
 
     def _leave_early(self, key: str, items: Iterator[Any], count: int) -> None:
+        """Record that this rank left, then run the rest of the export so its peers' collectives complete.
+
+        Also reached when the consumer failed (its exception closes the stream): then the job may
+        already be broken (a dead peer, a destroyed process group). Nothing here may replace the
+        consumer's own error, so a failure to record or to finish is logged, not raised."""
         note = f"rank {self._rank} stopped iterating after {count} item(s) it was given (call #{self.number})"
-        self._store.set(f"{key}/left", note.encode())
-        logger.error("%s %s: %s; running the rest of it so the other ranks' collectives complete", self.what, _CONTRACT, note)
-        for _ in items:
-            pass
+        try:
+            self._store.set(f"{key}/left", note.encode())
+            if not dist.is_initialized():
+                return
+            logger.error("%s %s: %s; running the rest of it so the other ranks' collectives complete",
+                         self.what, _CONTRACT, note)
+            for _ in items:
+                pass
+        except Exception as err:  # the job is already failing: its peers fail on their own
+            logger.warning("%s: rank %d could not finish it for its peers after leaving early (%s: %s)",
+                           self.what, self._rank, type(err).__name__, err)
 
     def _key(self, number: int) -> str:
         return f"{self._prefix}/{number}"

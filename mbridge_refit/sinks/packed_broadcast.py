@@ -54,6 +54,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mbridge_refit.errors import TransportError
 from mbridge_refit.plan.entries import ExportPlan, PlanEntry
 from mbridge_refit.runtime.broadcast_group import BroadcastGroup, as_broadcast_group
 from mbridge_refit.sinks.base import WeightSink
@@ -70,15 +71,15 @@ _HEADER_FIELDS = (
 _STATUS_OK, _STATUS_CHECKSUM, _STATUS_CONSUMER = 0, 1, 2
 
 
-class PlanMismatchError(RuntimeError):
+class PlanMismatchError(TransportError):
     """Sender and receiver do not agree on the plan or the buffer configuration."""
 
 
-class ChecksumError(RuntimeError):
+class ChecksumError(TransportError):
     """A received buffer's checksum differs from the sender's."""
 
 
-class RefitStatusError(RuntimeError):
+class RefitStatusError(TransportError):
     """A peer of the packed broadcast reported a failure (named in the message)."""
 
 

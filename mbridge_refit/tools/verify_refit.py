@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from mbridge_refit.engines.fingerprint import differing
+from mbridge_refit.errors import EngineError, InputError
 from mbridge_refit.sinks.base import DiscardSink, drain
 from mbridge_refit.sinks.model_update import HFModelUpdateSink
 
@@ -62,11 +63,11 @@ EPS_FACTOR = 4.0
 NOISE_FACTOR = 4.0
 
 
-class RefitMismatch(AssertionError):
+class RefitMismatch(EngineError, AssertionError):
     """The engine's weights differ from the trainer's, or its log-probabilities differ beyond the tolerance."""
 
 
-class VerifyInputError(ValueError):
+class VerifyInputError(InputError):
     """A model or option the verifier cannot use (the message names the fix)."""
 
 

@@ -175,7 +175,7 @@ def main() -> None:
 
     from mbridge_refit.bridge import RefitBridge
     from mbridge_refit.engines.apply_plan import ApplyPlanError
-    from mbridge_refit.engines.receiver import RefitError
+    from mbridge_refit.engines.receiver import EngineRefitError
     from mbridge_refit.engines.sharing import LocalTransport
     from mbridge_refit.engines.vllm import VLLMRefit
     from mbridge_refit.tools.launch import distributed_session
@@ -241,10 +241,10 @@ def main() -> None:
         engine_equals(engine, expected_engine_state(swapped), "refit after a parameter's storage was swapped")
 
         bad = refit.llm.worker
-        message = expect_error(RefitError, "plan mismatch", lambda: bad.mbridge_refit_apply("0" * 16), "stale fingerprint")
+        message = expect_error(EngineRefitError, "plan mismatch", lambda: bad.mbridge_refit_apply("0" * 16), "stale fingerprint")
         dropped = next(n for n in expected_engine_state(on_disk) if n.endswith("post_attention_layernorm.weight"))
         partial = VLLMRefit(InProcessLLM(EngineModel(on_disk, drop=dropped)), transport=LocalTransport())
-        missing = expect_error(RefitError, "not loaded by the engine", lambda: partial.refit(bridge, chunks), "engine without a parameter")
+        missing = expect_error(EngineRefitError, "not loaded by the engine", lambda: partial.refit(bridge, chunks), "engine without a parameter")
         if dropped not in missing:
             fail(f"the mismatch error does not name {dropped}: {missing}")
         sneaky = VLLMRefit(InProcessLLM(EngineModel(on_disk, sneaky=True)), transport=LocalTransport())
