@@ -145,6 +145,19 @@ def test_failure_in_finish_leaves_the_old_checkpoint(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"], "abort must remove everything the writer created"
 
 
+def test_failure_writing_a_new_output_leaves_nothing(tmp_path, monkeypatch):
+    """The output directory a failed write created is removed with its staging directory and lock."""
+    import mbridge_refit.sinks.safetensors as sink
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sink.ShardedSafetensorsWriter, "_write_index", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        _write(tmp_path / "new", NEW)
+    assert list(tmp_path.iterdir()) == [], "abort must remove everything the writer created"
+
+
 # Files an older checkpoint in the output may hold, each one a loader could read (weights of
 # other formats and their temporaries, their indexes, processor and tokenizer files).
 OLD_LOADER_FILES = [

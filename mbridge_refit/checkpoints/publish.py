@@ -29,6 +29,7 @@ the leftover of a killed run (``leftover_error`` names it; overwrite removes it)
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fnmatch
@@ -113,12 +114,14 @@ class Publication:
         target: the directory replaced (``out``, or where it points if it is a symlink).
         staging: this write's staging directory (the same on every rank).
         lock: the output's lock, on the first rank only (None elsewhere).
+        created_target: whether this write created ``target`` (then abandoning removes it again).
     """
 
     out: Path
     target: Path
     staging: Path
     lock: OutputLock | None = None
+    created_target: bool = False
 
     @property
     def is_first_rank(self) -> bool:
@@ -134,10 +137,14 @@ class Publication:
             self._release()
 
     def abandon(self) -> None:
-        """First rank: remove the staging directory and release the lock; the output is unchanged."""
+        """First rank: remove the staging directory (and the output directory if this write created
+        it and it is still empty) and release the lock; the output is as it was before."""
         try:
             if self.is_first_rank:
                 shutil.rmtree(self.staging, ignore_errors=True)
+                if self.created_target:
+                    with contextlib.suppress(OSError):  # not empty: someone else wrote there since
+                        self.target.rmdir()
         finally:
             self._release()
 
@@ -208,13 +215,14 @@ def _begin_here(out: Path, *, overwrite: bool) -> Publication:
             shutil.rmtree(path)
         if out != target:
             logger.info("%s is a symlink: writing the directory it points to, %s", out, target)
+        created = not target.exists()
         target.mkdir(exist_ok=True)
         staging = _staging_dir(target, os.getpid(), secrets.randbits(60))
         staging.mkdir()
     except BaseException:
         lock.release()
         raise
-    return Publication(out=out, target=target, staging=staging, lock=lock)
+    return Publication(out=out, target=target, staging=staging, lock=lock, created_target=created)
 
 
 def _staging_dir(target: Path, pid: int, token: int) -> Path:
