@@ -76,6 +76,8 @@ from mbridge_refit.runtime.param_sync import finish_pending_param_gathers
 from mbridge_refit.runtime.selection import LiveRows
 from mbridge_refit.runtime.sharded_transfer import ShardedTransfer
 
+__all__ = ["ExportDiagnostics", "FP8Export", "RefitBridge"]
+
 logger = logging.getLogger(__name__)
 
 

@@ -155,3 +155,47 @@ def test_every_error_class_has_the_package_root():
                 if not issubclass(value, RefitError):
                     strays.append(f"{module}.{name}")
     assert not strays, f"exception classes outside the hierarchy of mbridge_refit.errors: {strays}"
+
+
+def _defines_something(tree: ast.Module) -> bool:
+    """Whether a module has more than a docstring and imports (a package ``__init__`` with only its
+    docstring has no names to declare)."""
+    return any(not isinstance(node, (ast.Import, ast.ImportFrom, ast.Expr)) for node in tree.body)
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if not m.endswith(".__main__")))
+def test_every_module_declares_its_public_names(module):
+    """``__all__`` in every module that defines names, listing only names the module has: what a
+    reader may use from it is written down, the rest is the module's own."""
+    relative = module.split(".")[1:]
+    path = PACKAGE.joinpath(*relative).with_suffix(".py")
+    if not path.exists():
+        path = PACKAGE.joinpath(*relative, "__init__.py")
+    tree = ast.parse(path.read_text())
+    declared = [
+        node for node in tree.body
+        if isinstance(node, (ast.Assign, ast.AnnAssign))
+        and any(isinstance(t, ast.Name) and t.id == "__all__" for t in getattr(node, "targets", [getattr(node, "target", None)]))
+    ]
+    if not _defines_something(tree):
+        return
+    assert declared, f"{path}: no __all__; list the names other modules and users may import"
+    try:
+        names = ast.literal_eval(declared[0].value)
+    except ValueError:  # computed (a lazy package __init__): every name must resolve
+        import importlib
+
+        loaded = importlib.import_module(module)
+        unresolved = [name for name in loaded.__all__ if not hasattr(loaded, name)]
+        assert not unresolved, f"{module}.__all__ names what it cannot give: {unresolved}"
+        return
+    bound = {
+        getattr(node, "name", None) for node in tree.body
+    } | {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)} | {
+        node.target.id for node in tree.body if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+    } | {
+        (alias.asname or alias.name).split(".")[0]
+        for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names
+    }
+    missing = sorted(set(names) - bound)
+    assert not missing, f"{path}: __all__ names what the module does not define: {missing}"

@@ -46,6 +46,11 @@ from torch.distributed.checkpoint.metadata import (
 
 from mbridge_refit.errors import InputError
 
+__all__ = [
+    "CheckedFileSystemReader", "INDEX_NAME", "IndexUnpickler", "UnsafePickle", "byte_items", "check_byte_item",
+    "checked_megatron_reads", "index_globals", "load_index"
+]
+
 logger = logging.getLogger(__name__)
 
 INDEX_NAME = ".metadata"

@@ -29,6 +29,13 @@ from safetensors import safe_open
 
 from mbridge_refit.errors import InputError
 
+__all__ = [
+    "CONFIG_NAME", "COPIED_FILE_NAMES", "CheckpointError", "ConfigError", "HFCheckpoint", "INDEX_NAME",
+    "MAX_CONFIG_BYTES", "MAX_HEADER_BYTES", "MAX_INDEX_BYTES", "MAX_MODULE_COUNT", "MAX_NAME_BYTES",
+    "RemoteCodeError", "SINGLE_FILE_NAME", "compare_checkpoints", "load_config", "read_config_json",
+    "remote_code_refusal"
+]
+
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"

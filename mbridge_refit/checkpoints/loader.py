@@ -44,6 +44,8 @@ from mbridge_refit.plan.slices import (
 )
 from mbridge_refit.plan.stacking import stacked_placement
 
+__all__ = ["LoadError", "LoadFailedElsewhere", "LoadReport", "check_hf_shapes", "load_hf_shards"]
+
 logger = logging.getLogger(__name__)
 
 

@@ -58,6 +58,13 @@ from mbridge_refit.checkpoints.publish import (
 from mbridge_refit.errors import InputError
 from mbridge_refit.plan.layout import ParallelLayout
 
+__all__ = [
+    "COMMON_STATE_NAME", "CheckpointInfo", "FORMAT_NAME", "FORMAT_VERSION", "METADATA_NAME",
+    "NotAMegatronCheckpoint", "SIDE_FILE_NAMES", "StoredTensors", "TMP_PREFIX", "TRACKER_NAME", "WEIGHTS_DIR",
+    "check_pickled_parts", "fit_problems", "load_model", "model_keys", "model_tensors", "read_stored",
+    "save_model", "sharded_model_state"
+]
+
 logger = logging.getLogger(__name__)
 
 FORMAT_NAME = "mbridge_refit.checkpoints.megatron"

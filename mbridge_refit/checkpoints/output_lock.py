@@ -32,6 +32,8 @@ from pathlib import Path
 
 from mbridge_refit.errors import InputError
 
+__all__ = ["LOCK_SUFFIX", "LockHeld", "LockHolder", "OutputLock", "UNKNOWN_HOLDER", "held_by", "lock_path"]
+
 logger = logging.getLogger(__name__)
 
 LOCK_SUFFIX = ".lock"

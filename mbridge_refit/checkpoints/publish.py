@@ -45,6 +45,12 @@ from typing import Any
 from mbridge_refit.checkpoints.output_lock import LockHeld, LockHolder, OutputLock
 from mbridge_refit.errors import InputError
 
+__all__ = [
+    "LOADER_FILE_PATTERNS", "OutputRefused", "Publication", "STAGING_SUFFIX", "begin_publication", "busy_error",
+    "carry_over", "exchange", "fsync_dir", "fsync_file", "fsync_tree", "is_loader_file", "leftover_error",
+    "leftovers", "output_target", "swap_in"
+]
+
 logger = logging.getLogger(__name__)
 
 STAGING_SUFFIX = ".partial"

@@ -51,6 +51,11 @@ from mbridge_refit.fp8.format import FP8FormatError
 from mbridge_refit.plan.layout import LayoutError
 from mbridge_refit.tools.launch import LaunchEnv
 
+__all__ = [
+    "COMMANDS", "ENVIRONMENT_ERRNOS", "Failure", "INPUT_ERRORS", "SAME_ON_EVERY_RANK", "classify",
+    "environment_message", "main"
+]
+
 logger = logging.getLogger("mbridge_refit.convert")
 
 COMMANDS: dict[str, Callable] = {

@@ -40,6 +40,11 @@ if TYPE_CHECKING:
 
     from mbridge_refit.fp8.format import BlockwiseFP8Config
 
+__all__ = [
+    "ImportArgs", "WriteArgs", "cmd_export", "cmd_import", "cmd_make_tiny", "cmd_plan", "cmd_roundtrip",
+    "cmd_verify", "format_plan", "run_export", "run_import", "run_roundtrip"
+]
+
 logger = logging.getLogger(__name__)
 
 

@@ -26,6 +26,8 @@ import enum
 
 from mbridge_refit.errors import InputError
 
+__all__ = ["BadInput", "ExitCode"]
+
 
 class ExitCode(enum.IntEnum):
     OK = 0

@@ -21,6 +21,12 @@ if TYPE_CHECKING:
 
     from mbridge_refit.fp8.format import BlockwiseFP8Config
 
+__all__ = [
+    "MAX_TIMEOUT_S", "add_device_flag", "add_fp8_flags", "add_layout_flags", "add_remote_code_flag",
+    "add_timeout_flag", "describe_flags", "device_from_flag", "fp8_from_flags", "layout_flags",
+    "layout_from_flags", "positive_seconds", "timeout_from_flag"
+]
+
 
 def add_layout_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(

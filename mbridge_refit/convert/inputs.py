@@ -19,6 +19,12 @@ from mbridge_refit.plan.layout import LayoutError, ModelShape, ParallelLayout
 if TYPE_CHECKING:
     import torch
 
+__all__ = [
+    "EXPERT_COUNTS", "MAX_SIZE", "OPTIONAL_SIZES", "REQUIRED_SIZES", "check_config_numbers",
+    "check_distinct_dirs", "check_output_dir", "check_provider", "checked_hf_input", "checked_layout",
+    "checkpoint_float_dtype", "supported_config"
+]
+
 
 def checked_hf_input(args: argparse.Namespace) -> ParallelLayout:
     """``--hf`` is a readable HF checkpoint of a supported architecture, and the layout flags fit

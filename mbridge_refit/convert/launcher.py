@@ -31,6 +31,8 @@ from typing import Mapping, Sequence
 from mbridge_refit.convert.exit_codes import ExitCode
 from mbridge_refit.tools.launch import EXIT_RECORDS_VARIABLE, LaunchEnv
 
+__all__ = ["KNOWN_CODES", "launch_exit_code", "record_exit_code", "run_ranks"]
+
 logger = logging.getLogger("mbridge_refit.convert")
 
 KNOWN_CODES = frozenset(int(code) for code in ExitCode)

@@ -14,6 +14,8 @@ from mbridge_refit.convert.flags import (
 )
 from mbridge_refit.convert.verify_refit import add_verify_refit_parser
 
+__all__ = ["COMMAND_TEXT", "EPILOG", "FLAGS", "build_parser", "positive_int"]
+
 EPILOG = """\
 examples:
   # a tiny random Qwen3 checkpoint from a built-in recipe (no downloads)

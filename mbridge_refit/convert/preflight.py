@@ -41,6 +41,11 @@ from mbridge_refit.convert.exit_codes import BadInput
 from mbridge_refit.plan.layout import ParallelLayout
 from mbridge_refit.tools.model_builder import BuildOptions, build_model, materialize
 
+__all__ = [
+    "PARAMETER_SLACK", "build_checked", "check_hf_source", "check_megatron_source", "parameter_problem",
+    "raise_on_every_rank"
+]
+
 logger = logging.getLogger(__name__)
 
 # How many times the checkpoint's elements this rank's parameters may hold (see the module docstring).

@@ -34,6 +34,8 @@ from mbridge_refit.tools.verify_refit import (
     EPS_FACTOR, NOISE_FACTOR, RefitMismatch, RefitVerdict, VerifyInputError, fixed_tokens, hf_config, verify_refit,
 )
 
+__all__ = ["VerifyArgs", "add_verify_refit_parser", "cmd_verify_refit", "run", "verify_options"]
+
 logger = logging.getLogger(__name__)
 
 

@@ -30,6 +30,11 @@ from mbridge_refit.sinks import ShardAssignment, ShardedSafetensorsWriter, drain
 if TYPE_CHECKING:
     import torch
 
+__all__ = [
+    "Stream", "WriteShare", "cast_to_dtypes", "matching_source", "output_dtypes", "planned_share",
+    "warn_unwritten", "write_hf_checkpoint", "written_tensors"
+]
+
 logger = logging.getLogger(__name__)
 
 Stream = Iterable[tuple[str, "torch.Tensor"]]

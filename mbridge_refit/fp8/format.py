@@ -56,6 +56,11 @@ from mbridge_refit.fp8.keep import keep_patterns_for
 if TYPE_CHECKING:
     from mbridge_refit.plan.entries import ExportPlan
 
+__all__ = [
+    "BLOCK", "BlockwiseFP8Config", "E4M3_MAX", "FP8FormatError", "FP8_DTYPE", "FP8_DTYPE_NAME", "SCALE_DTYPE",
+    "SCALE_DTYPE_NAME", "SCALE_SUFFIX", "row_piece", "scale_name", "scale_shape"
+]
+
 BLOCK = 128
 E4M3_MAX = 448.0
 FP8_DTYPE = torch.float8_e4m3fn

@@ -50,6 +50,12 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Mapping
 
+__all__ = [
+    "DSA_INDEXER_WEIGHTS", "EMBEDDINGS", "ENCODERS", "GATED_DELTA_NET_SMALL_PROJECTIONS",
+    "KEEP_BY_ARCHITECTURE", "KEEP_DEFAULT", "MTP_INPUT_PROJECTIONS", "NORMS", "OUTPUT_LAYERS", "ROUTERS",
+    "keep_patterns_for"
+]
+
 EMBEDDINGS = ("*embed_tokens.weight", "*backbone.embeddings.weight", "*word_embeddings.weight", "embed.weight")
 OUTPUT_LAYERS = ("*lm_head.weight", "head.weight", "*.shared_head.head.weight", "diffusion_head.weight")
 NORMS = ("*norm.weight",)

@@ -40,6 +40,12 @@ import triton.language as tl
 from mbridge_refit.fp8.format import BLOCK, FP8_DTYPE, row_piece, scale_shape
 from mbridge_refit.fp8.reference import quantize_reference
 
+__all__ = [
+    "ALIGNMENT", "DEFAULT_CONFIG", "DESCRIPTOR_FIELDS", "GroupedLaunch", "LaunchConfig", "RESCALE_BELOW",
+    "TINY_SCALE_FACTOR", "grouped_launch", "grouped_takes", "launch_grouped", "quantize_single", "root_cause",
+    "usable"
+]
+
 logger = logging.getLogger(__name__)
 
 DESCRIPTOR_FIELDS = 8

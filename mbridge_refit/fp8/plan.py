@@ -25,6 +25,8 @@ from mbridge_refit.plan.entries import ExportPlan, PlanEntry, TensorSharding
 from mbridge_refit.plan.slices import SliceCopy
 from mbridge_refit.plan.storage import FP8_BLOCKWISE, QUANTIZABLE
 
+__all__ = ["check_fp8_exportable", "fp8_plan", "scale_sharding", "yielded_bytes"]
+
 
 def fp8_plan(plan: ExportPlan, config: BlockwiseFP8Config) -> ExportPlan:
     """``plan`` as the FP8 export yields it: each quantized weight becomes ``float8_e4m3fn``

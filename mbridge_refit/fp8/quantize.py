@@ -27,6 +27,8 @@ from mbridge_refit.plan.entries import ExportPlan
 from mbridge_refit.runtime.buffers import ExportBuffers
 from mbridge_refit.runtime.selection import RowSelection, materialized
 
+__all__ = ["BucketQuantizer", "quantize_blockwise", "quantize_bucket_lists", "quantize_buckets", "quantizer_path"]
+
 
 def quantize_blockwise(
     x: torch.Tensor, *, out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None, work: torch.Tensor | None = None

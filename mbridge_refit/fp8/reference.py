@@ -23,6 +23,8 @@ from mbridge_refit.fp8.format import (
     scale_shape,
 )
 
+__all__ = ["dequantize_blockwise", "padded_shape", "quantize_reference"]
+
 
 def quantize_reference(
     x: torch.Tensor, *, out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None, work: torch.Tensor | None = None

@@ -27,6 +27,11 @@ from mbridge_refit.plan.storage import FP8_BLOCKWISE, is_quantized, storage_form
 from mbridge_refit.runtime.buffers import ExportBuffers
 from mbridge_refit.runtime.exporter import ShardSource
 
+__all__ = [
+    "dequantized", "dequantized_shards", "fp8_data", "fp8_data_shards", "fp8_scale", "fp8_scale_shards",
+    "has_quantized_params"
+]
+
 
 def fp8_data(param: torch.Tensor) -> torch.Tensor:
     """The row-wise e4m3 data of a blockwise FP8 parameter, as ``float8_e4m3fn`` (a view)."""

@@ -41,6 +41,11 @@ from mbridge_refit.plan.slices import (
 from mbridge_refit.plan.stacking import ExpertStack, stacked_placement
 from mbridge_refit.plan.storage import PLAIN, storage_format
 
+__all__ = [
+    "ParallelSizes", "ParamSpec", "RankContribution", "StoredShapes", "assemble_plan", "build_export_plan",
+    "current_sizes", "rank_contribution", "split_size"
+]
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ParamSpec:

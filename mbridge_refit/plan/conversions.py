@@ -19,6 +19,8 @@ import torch
 
 from mbridge_refit.plan.slices import PlacementError
 
+__all__ = ["ELEMENTWISE_OPS", "ElementwiseOp", "RELAYOUTS", "Relayout", "relaid_shape"]
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ElementwiseOp:

@@ -32,6 +32,11 @@ from mbridge_refit.errors import InputError
 from mbridge_refit.plan.entries import PlanEntry
 from mbridge_refit.plan.layout import ModelShape
 
+__all__ = [
+    "Box", "ENGINE_RULES", "EngineLayout", "EngineShardingError", "EngineTensor", "RULES", "VLLM_VOCAB_PADDING",
+    "VOCAB_PARAMS", "box_shape", "engine_box", "engine_rule", "whole", "with_extent"
+]
+
 Box = tuple[tuple[int, int], ...]
 
 VLLM_VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE for VocabParallelEmbedding / ParallelLMHead

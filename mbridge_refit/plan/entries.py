@@ -28,6 +28,8 @@ from mbridge_refit.plan.slices import SliceCopy
 from mbridge_refit.plan.stacking import ExpertStack
 from mbridge_refit.plan.storage import PLAIN
 
+__all__ = ["ExportPlan", "PlanEntry", "PlanError", "TensorSharding", "expert_number", "numel", "with_expert_number"]
+
 
 class PlanError(InputError):
     """The model has a parameter the plan cannot describe (named in the message)."""

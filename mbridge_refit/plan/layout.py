@@ -17,6 +17,8 @@ from typing import Any
 
 from mbridge_refit.errors import InputError
 
+__all__ = ["LayoutError", "ModelShape", "ParallelLayout"]
+
 
 class LayoutError(InputError):
     """A parallel layout that cannot hold the requested model or world size."""

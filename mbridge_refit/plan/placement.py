@@ -26,6 +26,11 @@ from mbridge_refit.plan.slices import (
     slices_for,
 )
 
+__all__ = [
+    "elementwise_op_rules", "passthrough_exports", "placement_kind", "placement_rules", "relayout_rules",
+    "slice_copies"
+]
+
 
 def _auto_kind(mapping: Any, module: torch.nn.Module) -> PlacementKind:
     permute = getattr(mapping, "permute_dims", None)

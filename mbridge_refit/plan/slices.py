@@ -37,6 +37,14 @@ import torch
 
 from mbridge_refit.errors import InputError
 
+__all__ = [
+    "AttentionHeads", "PlacementError", "PlacementKind", "RowLayout", "SLICE_RULES", "ShardContext",
+    "SliceCopy", "check_tiling", "hf_extents", "place_column", "place_components", "place_gated",
+    "place_gdn_conv1d", "place_gdn_in_proj", "place_gdn_in_proj_separate", "place_mamba_conv1d",
+    "place_mamba_in_proj", "place_qkv", "place_qkv_concatenated", "place_qkv_gated", "place_replicated",
+    "place_row", "slices_for"
+]
+
 
 class PlacementError(InputError):
     """A parameter whose mapping or shape has no exact slice description."""

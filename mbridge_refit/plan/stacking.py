@@ -50,6 +50,8 @@ import torch
 
 from mbridge_refit.plan.slices import PlacementError, PlacementKind
 
+__all__ = ["ExpertStack", "STACKED_KIND", "split_kind", "stacked_placement", "stacking_rules", "transposed_by_stock"]
+
 STACKED_KIND = "stacked_experts"  # PlanEntry.kind / PlacementKind.kind of a stacked expert tensor
 
 

@@ -13,6 +13,8 @@ import functools
 
 import torch
 
+__all__ = ["FP8_BLOCKWISE", "PLAIN", "QUANTIZABLE", "is_quantized", "quantized_tensor_class", "storage_format"]
+
 PLAIN = "plain"  # a high-precision tensor: quantized on an FP8 export
 FP8_BLOCKWISE = "fp8_blockwise"  # TE 128x128 blockwise e4m3, row-wise data: shipped as stored
 QUANTIZABLE = (PLAIN, FP8_BLOCKWISE)  # what the blockwise FP8 export accepts

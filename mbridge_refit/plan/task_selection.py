@@ -25,6 +25,8 @@ from typing import Any
 from mbridge_refit.errors import InputError
 from mbridge_refit.plan.entries import ExportPlan, PlanEntry, with_expert_number
 
+__all__ = ["TaskMismatch", "names_for_tasks"]
+
 
 class TaskMismatch(InputError):
     """Conversion tasks the plan cannot run as stock would (the message names the task and why)."""

@@ -43,6 +43,11 @@ from mbridge_refit.plan.layout import ModelShape
 from mbridge_refit.plan.slices import SliceCopy
 from mbridge_refit.plan.storage import PLAIN
 
+__all__ = [
+    "EngineShard", "Move", "TrainerRank", "TransferPlan", "TransferPlanError", "build_transfer_plan",
+    "megatron_rank_grid"
+]
+
 
 class TransferPlanError(InputError):
     """A sharded refit that cannot be planned (the tensor and the reason named)."""

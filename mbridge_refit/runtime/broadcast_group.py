@@ -69,6 +69,12 @@ import torch.distributed as dist
 
 from mbridge_refit.errors import TransportError
 
+__all__ = [
+    "BroadcastGroup", "BroadcastGroupError", "DEFAULT_TIMEOUT", "GroupSetupError", "OUTSIDE_GRACE_S",
+    "PEER_CHECK_S", "PEER_SILENT_S", "POST_WAIT_S", "PeerFailedError", "SettingsMismatchError", "StoreGroup",
+    "TorchGroup", "as_broadcast_group", "group_settings", "settings_differences"
+]
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)

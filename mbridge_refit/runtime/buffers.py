@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+__all__ = ["ExportBuffers", "SCRATCH_ROLES"]
+
 SCRATCH_ROLES = frozenset({"pack", "fp8_work"})  # consumed inside their bucket, never yielded
 
 

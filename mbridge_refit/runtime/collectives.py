@@ -11,10 +11,19 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from mbridge_refit.plan.transfer import TrainerRank
+
+__all__ = [
+    "ParallelGroups", "RankGroups", "all_true", "broadcast_from", "coalesced", "current_groups",
+    "current_rank_groups", "current_trainer_rank", "gather_into", "is_rank_zero", "replica_participants",
+    "wire_view"
+]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -113,7 +122,7 @@ def current_rank_groups() -> RankGroups:
     )
 
 
-def current_trainer_rank() -> "TrainerRank":
+def current_trainer_rank() -> TrainerRank:
     """This rank's coordinates in the trainer's grid (Megatron's parallel state), for transfer plans."""
     from megatron.core import parallel_state as ps
 

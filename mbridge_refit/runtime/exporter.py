@@ -47,6 +47,8 @@ from mbridge_refit.runtime.schedule import (
 from mbridge_refit.runtime.selection import LiveRows, RowSelection
 from mbridge_refit.runtime.stack_fill import fill_stack
 
+__all__ = ["DEFAULT_BUCKET_BYTES", "PlanExporter", "ShardSource", "ops_holding", "plain_shards"]
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 512 << 20

@@ -26,6 +26,8 @@ from typing import Any, Iterable
 
 import torch
 
+__all__ = ["deferred_gather_groups", "finish_pending_param_gathers"]
+
 logger = logging.getLogger(__name__)
 
 

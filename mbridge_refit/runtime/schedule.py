@@ -40,6 +40,11 @@ import torch
 from mbridge_refit.plan.entries import ExportPlan, PlanEntry, with_expert_number
 from mbridge_refit.runtime.collectives import ParallelGroups
 
+__all__ = [
+    "Assembly", "AssemblyKind", "Bucket", "Op", "base_entry", "build_buckets", "build_ops", "gather_count",
+    "layer_of", "plan_assembly"
+]
+
 
 class AssemblyKind(enum.Enum):
     VIEW = "view"

@@ -18,6 +18,8 @@ from typing import Callable
 
 import torch
 
+__all__ = ["LiveRows", "RowSelection", "Runs", "materialized"]
+
 
 class RowSelection:
     """Rows of ``source`` that form one HF tensor.

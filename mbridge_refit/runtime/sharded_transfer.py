@@ -38,6 +38,8 @@ from mbridge_refit.plan.engine_layout import Box
 from mbridge_refit.plan.transfer import Move, TransferPlan
 from mbridge_refit.runtime.param_sync import finish_pending_param_gathers
 
+__all__ = ["ALIGN_BYTES", "ShardedTransfer", "TransferChecksumError", "TransferMismatchError", "TransferStats"]
+
 ALIGN_BYTES = 16
 _OK, _BAD_INPUT, _BAD_CHECKSUM = 0, 1, 2
 

@@ -22,6 +22,8 @@ import torch
 
 from mbridge_refit.plan.stacking import ExpertStack
 
+__all__ = ["fill_stack"]
+
 
 def fill_stack(stack: ExpertStack, out: torch.Tensor, experts: list[torch.Tensor], memo: dict[Any, Any]) -> None:
     """``out[e]`` := expert ``e`` laid out as ``stack`` says, for every expert. ``memo``: where a

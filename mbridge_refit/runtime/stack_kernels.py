@@ -31,6 +31,8 @@ import triton.language as tl
 
 from mbridge_refit.plan.stacking import ExpertStack
 
+__all__ = ["BLOCK", "INTERLEAVES", "address_table", "takes", "transpose_experts", "usable"]
+
 logger = logging.getLogger(__name__)
 
 BLOCK = 64

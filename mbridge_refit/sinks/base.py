@@ -13,6 +13,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+__all__ = ["DiscardSink", "WeightSink", "drain"]
+
 logger = logging.getLogger(__name__)
 
 

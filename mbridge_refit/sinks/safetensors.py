@@ -40,6 +40,11 @@ from mbridge_refit.checkpoints.publish import (
 )
 from mbridge_refit.sinks.base import WeightSink
 
+__all__ = [
+    "DEFAULT_MAX_SHARD_BYTES", "ShardAssignment", "ShardPlanner", "ShardedSafetensorsWriter", "TMP_PREFIX",
+    "plan_shards", "shard_file_name", "tensor_nbytes"
+]
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
