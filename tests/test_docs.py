@@ -31,3 +31,75 @@ def test_link_check_sees_a_broken_link(tmp_path):
     page = tmp_path / "page.md"
     page.write_text("[ok](page.md) [gone](missing.md) [web](https://example.org/x)")
     assert [link for link in relative_links(page) if not (page.parent / link).exists()] == ["missing.md"]
+
+
+def test_performance_table_is_rendered_from_committed_results(tmp_path):
+    """The README's performance block is what scripts/render_performance.py renders from the result
+    files it names; a number edited by hand makes the check fail (the control below)."""
+    import subprocess
+    import sys
+
+    script = REPO / "scripts" / "render_performance.py"
+    run = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    edited = tmp_path / "README.md"
+    text = (REPO / "README.md").read_text()
+    begin = text.index("<!-- performance:")
+    row = text.index("| [", begin)
+    edited.write_text(text[:row] + text[row:].replace(" ms |", " ms (edited) |", 1))
+    run = subprocess.run([sys.executable, str(script), "--check", "--readme", str(edited)], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 1 and "differs" in run.stdout
+
+
+# Dotted names the README shows in backticks under the package's subpackages, e.g. `sinks.WeightSink`.
+_SUBPACKAGES = ("engines", "sinks", "plan", "runtime", "checkpoints", "fp8", "convert", "errors")
+_DOTTED = re.compile(r"`((?:mbridge_refit\.)?(?:" + "|".join(_SUBPACKAGES) + r")(?:\.[A-Za-z_]\w*)+)`")
+
+
+def _readme_names() -> list[str]:
+    """Every ``from mbridge_refit... import a, b`` of the README's code blocks, as ``module:name``, and
+    every backticked dotted package name of its text."""
+    text = (REPO / "README.md").read_text()
+    names = []
+    for module, imported in re.findall(r"^\s*from (mbridge_refit[\w.]*) import ([\w, ]+)", text, re.M):
+        names += [f"{module}:{name.strip()}" for name in imported.split(",")]
+    for dotted in _DOTTED.findall(text):
+        dotted = dotted if dotted.startswith("mbridge_refit.") else f"mbridge_refit.{dotted}"
+        names.append(dotted)
+    names += [f"mbridge_refit.bridge.RefitBridge.{method}" for method in re.findall(r"\bbridge\.([a-z_]\w*)", text)]
+    sinks = text[text.index("## Sinks"):].split("\n## ", 1)[0]  # its table names the sinks by class
+    names += [f"mbridge_refit.sinks:{name}" for name in re.findall(r"`([A-Z]\w+)`", sinks)]
+    return sorted(set(names))
+
+
+def _resolves(name: str) -> bool:
+    import importlib
+
+    if ":" in name:
+        module, attribute = name.split(":")
+        return hasattr(importlib.import_module(module), attribute)
+    parts = name.split(".")
+    for cut in range(len(parts), 0, -1):  # the longest importable module prefix, then attributes
+        try:
+            value = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for attribute in parts[cut:]:
+            if not hasattr(value, attribute):
+                return False
+            value = getattr(value, attribute)
+        return True
+    return False
+
+
+def test_every_name_the_readme_shows_exists():
+    names = _readme_names()
+    assert len(names) >= 10, f"the README shows few package names; the scan found {names}"
+    missing = [name for name in names if not _resolves(name)]
+    assert not missing, f"README.md names what the package does not have: {missing}"
+
+
+def test_name_check_sees_a_missing_name():
+    assert _resolves("mbridge_refit.sinks.DiscardSink") and not _resolves("mbridge_refit.sinks.NoSuchSink")
+    assert not _resolves("mbridge_refit.no_such_module:Thing".replace(":", ".")) and not _resolves("mbridge_refit.errors:Nope")
