@@ -71,24 +71,27 @@ def bridges(args, work_dir: Path, rank: int):
     return RefitBridge.from_hf_pretrained(shell), AutoBridge.from_hf_pretrained(shell)
 
 
-def timed_export(make_stream) -> tuple[float, int, int, int]:
-    """(ms, peak extra bytes, tensors, CUDA allocations) for one full pass over an export stream."""
+def timed_export(make_stream) -> tuple[float, int, int, int, float]:
+    """(ms, peak extra bytes, tensors, CUDA allocations, host ms) for one full pass over an export
+    stream; host ms is this thread's CPU time over the pass (``time.thread_time``), the host work
+    apart from the device's."""
     torch.cuda.synchronize()
     dist.barrier()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     allocations_before = allocations()
-    start = time.perf_counter()
+    start, host_start = time.perf_counter(), time.thread_time()
     count = 0
     for _, tensor in make_stream():
         count += 1
         del tensor
+    host = (time.thread_time() - host_start) * 1e3
     torch.cuda.synchronize()
     elapsed = (time.perf_counter() - start) * 1e3
     new_allocations = allocations() - allocations_before
     peak = torch.cuda.max_memory_allocated() - base
-    return elapsed, peak, count, new_allocations
+    return elapsed, peak, count, new_allocations, host
 
 
 def clone_floor_ms(total_bytes: int, repeats: int = 7) -> float:
@@ -394,6 +397,8 @@ def run(args) -> dict:
                 first_ms=first[0], steady_ms=statistics.median(r[0] for r in runs),
                 peak_extra_bytes=max(r[1] for r in [first, *runs]), tensors=first[2],
                 new_allocations_after_first=sum(r[3] for r in runs),
+                host_us_per_tensor=statistics.median(r[4] for r in runs) * 1e3 / first[2],
+                host_us_per_tensor_range=[min(r[4] for r in runs) * 1e3 / first[2], max(r[4] for r in runs) * 1e3 / first[2]],
                 buffer_bytes=bridge.export_diagnostics().buffer_bytes,
             )
         mismatches = compare_with_stock(stock(), refit(True)())
@@ -408,6 +413,9 @@ def run(args) -> dict:
             refit_steady_ms=results["refit"]["steady_ms"], refit_first_ms=results["refit"]["first_ms"],
             refit_cached_first_ms=results["refit_cached"]["first_ms"],
             refit_cached_steady_ms=results["refit_cached"]["steady_ms"],
+            refit_cached_host_us_per_tensor=results["refit_cached"]["host_us_per_tensor"],
+            refit_cached_host_us_per_tensor_range=results["refit_cached"]["host_us_per_tensor_range"],
+            stock_host_us_per_tensor=results["stock"]["host_us_per_tensor"],
             stock_peak_extra_bytes=results["stock"]["peak_extra_bytes"],
             refit_peak_extra_bytes=results["refit"]["peak_extra_bytes"],
             refit_cached_peak_extra_bytes=results["refit_cached"]["peak_extra_bytes"],
@@ -478,6 +486,9 @@ def print_table(row: dict) -> None:
         f"speedup vs stock (steady): {row['speedup_vs_stock_steady']:.1f}x   cached/floor: {row['cached_steady_over_floor']:.2f}x   "
         f"first/steady: {row['first_over_steady']:.2f}x   new allocations after first cached call: {row['cached_new_allocations_after_first']}",
         f"bitwise vs stock: {row['tensors'] - len(row['mismatches_vs_stock'])}/{row['tensors']} tensors equal",
+        f"host CPU per yielded tensor, cached steady: {row['refit_cached_host_us_per_tensor']:.2f} us "
+        f"(range {row['refit_cached_host_us_per_tensor_range'][0]:.2f}-{row['refit_cached_host_us_per_tensor_range'][1]:.2f}); "
+        f"stock {row['stock_host_us_per_tensor']:.2f} us",
         *(
             [
                 f"{'RefitBridge, cache on, FP8':28s}{row['fp8_first_ms']:10.1f}{row['fp8_steady_ms']:11.2f}{row['fp8_peak_extra_bytes'] / gb:15.3f}",

@@ -209,3 +209,19 @@ def _named_tests(config) -> list[str]:
 
 def _is_named(nodeid: str, named: list[str]) -> bool:
     return any(nodeid == n or nodeid.startswith((f"{n}[", f"{n}::")) for n in named)
+
+
+# --- Per-test times as they happen: MBRIDGE_TEST_TIMES=FILE appends "seconds nodeid" per test. -----
+# pytest's --durations prints only once the run ends; a long run on 2 cores is read while it runs.
+_TIMES = os.environ.get("MBRIDGE_TEST_TIMES")
+_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Sum setup, call and teardown of each test; write the sum when its teardown is reported."""
+    if not _TIMES:
+        return
+    _SECONDS[report.nodeid] = _SECONDS.get(report.nodeid, 0.0) + report.duration
+    if report.when == "teardown":
+        with open(_TIMES, "a") as handle:
+            handle.write(f"{_SECONDS.pop(report.nodeid):.1f} {report.nodeid}\n")

@@ -28,9 +28,13 @@ def test_megatron_default_expert_tp_exports_whole_experts(source_checkpoints, tm
     assert {r["expert_tp"] for r in reports} == {2} and all(r["split_expert_tensors"] for r in reports)
 
 
-@pytest.mark.parametrize("flags", [["--tp", "2"]], ids=["tp2"])
-def test_replaced_parameters_are_exported_fresh(flags, source_checkpoints, tmp_path):
-    reports = _run("replaced-params", "qwen3-tiny", flags, source_checkpoints, tmp_path)
+@pytest.mark.parametrize(
+    "recipe,flags",
+    [("qwen3-tiny", ["--tp", "2"]), ("qwen3-moe-tiny", ["--tp", "1"])],
+    ids=["qwen3-tp2", "qwen3-moe-tp1"],  # TP1: every tensor a view of its parameter, reused while it stays
+)
+def test_replaced_parameters_are_exported_fresh(recipe, flags, source_checkpoints, tmp_path):
+    reports = _run("replaced-params", recipe, flags, source_checkpoints, tmp_path)
     assert all(r["replaced"] for r in reports)
 
 

@@ -14,7 +14,10 @@ entry with a ``relayout`` is assembled as it is before the relayout and copied, 
 output buffer of its own there.
 
 Buffers (gather, output, receive) come from ``ExportBuffers``; with a persistent pool they are
-allocated on the first export and reused by every later one.
+allocated on the first export and reused by every later one. HF tensors that are views of a local
+parameter (nothing gathered or converted: TP1, experts at EP1 and ETP1, replicated norms) are
+made once and reused while the parameter's data stays at the same address, so the steady export
+of a many-expert model does no torch work per tensor for them (``tests/test_host_work.py``).
 """
 
 from __future__ import annotations
@@ -93,6 +96,11 @@ class PlanExporter:
         if self.shards is None:
             self.shards = plain_shards(self.params)
         self._buckets_for: dict[tuple[int, int | None], tuple[list[Bucket], Any]] = {}
+        # Ops whose HF tensors are views of their one local parameter, on this rank (no gather, no
+        # conversion): their views are made once and reused while the parameter's data stays where
+        # it was (``_views_of``), so a steady export does no per-tensor torch work for them.
+        self._view_ops = frozenset(id(op) for op in self._ops if self._only_views(op))
+        self._views: dict[int, tuple[int, list[torch.Tensor]]] = {}
 
     def buckets(self, sizes: Mapping[str, int] | None = None) -> list[Bucket]:
         """The buckets an export runs (built once per ``bucket_bytes`` and ``sizes`` mapping)."""
@@ -212,16 +220,45 @@ class PlanExporter:
         if bucket.pp_rank != self._groups.pp_rank:
             return [None] * len(bucket.ops)
         runs = [op.source is not None and (slots is None or slot in slots) for slot, op in enumerate(bucket.ops)]
+        views = [runs[slot] and id(op) in self._view_ops for slot, op in enumerate(bucket.ops)]
+        launch = [run and not view for run, view in zip(runs, views)]
         if bucket.expert and self._groups.etp_size > 1:
-            gathered = self._gather_expert_shards(bucket, runs, buffers)
-        else:
+            gathered = self._gather_expert_shards(bucket, launch, buffers)
+        elif any(launch):
             group = self._groups.ep if bucket.expert else self._groups.tp
             gathers = bucket.gathers if slots is None else sum(gather_count(op, self._groups) for op, run in zip(bucket.ops, runs) if run)
             gathered = []
             with coalesced(group, gathers, self.device):
                 for slot, op in enumerate(bucket.ops):
-                    gathered.append(self._launch_gathers(op, slot, buffers) if runs[slot] else {})
-        return [self._assemble(op, slot, gathered[slot], buffers) if runs[slot] else None for slot, op in enumerate(bucket.ops)]
+                    gathered.append(self._launch_gathers(op, slot, buffers) if launch[slot] else {})
+        return [
+            self._views_of(op, slot, buffers) if views[slot]
+            else self._assemble(op, slot, gathered[slot], buffers) if launch[slot]
+            else None
+            for slot, op in enumerate(bucket.ops)
+        ]
+
+    def _only_views(self, op: Op) -> bool:
+        """Whether every HF tensor of ``op`` is, on this rank, a view of its one local parameter read
+        as stored: no gather at this rank's group sizes, no stack, no conversion of shard or values."""
+        if not self._reads_parameters or op.source is None or op.stacked or gather_count(op, self._groups):
+            return False
+        return all(
+            assembly.kind is AssemblyKind.VIEW and entry.elementwise_op is None and entry.relayout is None
+            for entry, assembly in zip(op.entries, op.assemblies)
+        )
+
+    def _views_of(self, op: Op, slot: int, buffers: ExportBuffers) -> list[torch.Tensor]:
+        """``op``'s HF tensors, views of its parameter: made on the first export, reused while the
+        parameter's data is where the views point (a ``.data`` swap or an offload that re-creates
+        the storage moves it, and the views are made again from the parameter as it is now)."""
+        address = self.params[op.source].data_ptr()
+        cached = self._views.get(id(op))
+        if cached is not None and cached[0] == address:
+            return cached[1]
+        views = self._assemble(op, slot, self._launch_gathers(op, slot, buffers), buffers)
+        self._views[id(op)] = (address, views)
+        return views
 
     def _gather_expert_shards(self, bucket: Bucket, runs: list[bool], buffers: ExportBuffers) -> list[dict]:
         """Experts split over an expert tensor-parallel group: all-gather each local expert's shard

@@ -113,7 +113,8 @@ def replaced_params(args) -> dict:
             fail("load_state_dict(assign=True) replaced no parameter: the case tests nothing")
         expect_stock("after load_state_dict(assign=True)")
 
-        name, param = next((n, p) for n, p in chunks[0].named_parameters() if "linear_fc1" in n)
+        fc1 = [(n, p) for n, p in chunks[0].named_parameters() if "linear_fc1" in n]
+        name, param = next(((n, p) for n, p in fc1 if "expert" in n), fc1[0])  # an expert's where there are experts
         param.data = torch.randn_like(param, dtype=torch.float32).to(param.dtype)
         expect_stock(f"after {name}.data = ...")
 

@@ -1,0 +1,35 @@
+"""Host work per yielded tensor of a steady cached export stays flat (issue #32): the calls a third
+export makes are counted (tests/ranks/host_work_check.py), not timed, so a loaded machine cannot
+hide a regression or fake one.
+
+The bound is on the marginal cost: the calls that 56 more experts' tensors add, per tensor. At
+1529460 (views made anew every export) that was 7.3 Python calls and 7.0 calls into C per tensor
+(narrow, unsqueeze, reshape, detach among them); with views reused it is 3.0 and 4.7.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import REPO
+
+MAX_PYTHON_CALLS_PER_TENSOR = 4.0
+MAX_C_CALLS_PER_TENSOR = 5.5
+
+
+def test_steady_export_host_calls_per_tensor_do_not_grow(tmp_path):
+    result = tmp_path / "host_work.json"
+    run = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "ranks" / "host_work_check.py"), "--experts", "8", "64", "--result", str(result)],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    few, many = (json.loads(result.read_text())[k] for k in ("8", "64"))
+    added = many["tensors"] - few["tensors"]
+    assert added > 500, (few, many)
+    python_per_tensor = (many["python_calls"] - few["python_calls"]) / added
+    c_per_tensor = (many["c_calls"] - few["c_calls"]) / added
+    assert python_per_tensor <= MAX_PYTHON_CALLS_PER_TENSOR, (python_per_tensor, few, many)
+    assert c_per_tensor <= MAX_C_CALLS_PER_TENSOR, (c_per_tensor, few, many)
