@@ -98,7 +98,7 @@ def main() -> None:
     layout = layout_from_flags(args)
 
     from mbridge_refit.bridge import RefitBridge
-    from mbridge_refit.engines.vllm_broadcast import VLLMBroadcastRefit
+    from mbridge_refit.engines.vllm import VLLMBroadcastRefit
     from mbridge_refit.sinks.packed_broadcast import PackedBroadcastConfig
     from mbridge_refit.tools.launch import distributed_session
     from mbridge_refit.tools.model_builder import BuildOptions, build_model
