@@ -7,7 +7,7 @@ an ``engines.base.RefitStep``, and call the engine's workers through ``llm.colle
 * ``VLLMRefit`` (transport ``ipc``): the engine runs on this trainer rank's GPU.
 * ``VLLMBroadcastRefit`` (transport ``broadcast``): the engine runs on other GPUs or hosts.
 
-Colocated, by CUDA IPC, every step. The engine maps the trainer's exported tensors (the
+``VLLMRefit``: colocated, by CUDA IPC, every step. The engine maps the trainer's exported tensors (the
 parameters and the export's held buffers, ``engines.sharing``) and applies them with the copies
 its own ``load_weights`` makes, recorded on the first step (``engines.apply_plan``, engine side
 ``engines.ipc``). Tensors that are rows of a trainer parameter read as stored
@@ -16,7 +16,7 @@ are read by the engine from the parameter itself and never exported again; the e
 for the rest (gathers, FP8 quantization), every rank of the model's groups exporting the same
 names. Per step: that export, one RPC telling every worker to replay, which returns when the
 engine's parameters hold the new weights. No bytes are packed or staged, nothing is allocated
-after the first step on either side.
+after the first step on either side. Who calls what:
 
 * Start the engine with ``LLM(..., **engine_kwargs())`` (adds the worker extension).
 * On the trainer rank that shares the engine's GPU: ``refit = VLLMRefit(llm)``, then each step
@@ -30,8 +30,7 @@ Scope: one trainer rank feeds one engine worker on its GPU (engine tensor parall
 engine process must not be the trainer's own (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` runs it
 inside; then pass ``transport=LocalTransport()``). Every call is bounded by ``timeout_s``.
 
-On other GPUs: the packed broadcast from one trainer rank, every step.
-
+``VLLMBroadcastRefit``: on other GPUs, the packed broadcast from one trainer rank, every step.
 The source trainer rank and every worker of the engine form a ``StoreGroup`` (NCCL; joined by
 address, so the engine keeps its own ``torch.distributed`` world); the export is packed into
 rotating buffers and broadcast bucket by bucket (``sinks.packed_broadcast``: a plan handshake
@@ -39,9 +38,7 @@ first, checksums optional, a status at the end, so a mismatch or a failure on ei
 on both and no rank waits forever); each worker loads what it receives through the model's own
 ``load_weights`` (``engines.broadcast``). The four phases of vLLM's native weight
 transfer (init, start, update, finish) map to ``open`` (the group, once) and ``refit`` (start,
-update and finish, in one call on each side).
-
-Who calls what:
+update and finish, in one call on each side). Who calls what:
 
 * Start the engine with ``LLM(..., **engine_kwargs())`` (the worker extension).
 * On every trainer rank of the model's groups: ``refit = VLLMBroadcastRefit(llm, host=, port=,
