@@ -301,7 +301,10 @@ def run(args) -> dict:
             os.environ["CUDA_VISIBLE_DEVICES"] = str(args.engine_gpu)
         llm = start_engine(checkpoint, args)
         if own_gpu:
-            from mbridge_refit.runtime.broadcast_group import group_settings, settings_differences
+            from mbridge_refit.runtime.broadcast_group import (
+                group_settings,
+                settings_differences,
+            )
 
             engine_env = llm.collective_rpc(worker_nccl_env)[0]
             # what vLLM's worker set beyond its invariance function (seen: NCCL_COLLNET_ENABLE=0), before

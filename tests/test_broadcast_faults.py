@@ -22,7 +22,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from conftest import REPO, free_port
 from test_packed_broadcast import _plan
 

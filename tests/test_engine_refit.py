@@ -13,7 +13,6 @@ import pickle
 
 import pytest
 import torch
-
 from conftest import REPO, free_port, torchrun
 from test_roundtrip import layout_flags
 

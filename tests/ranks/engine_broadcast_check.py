@@ -23,7 +23,6 @@ Writes DIR/rank<r>.json.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import sys
@@ -35,7 +34,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_refit_check import EngineModel, InProcessLLM, engine_equals, expected_engine_state  # noqa: E402
+from engine_refit_check import (  # noqa: E402
+    EngineModel,
+    InProcessLLM,
+    engine_equals,
+    expected_engine_state,
+)
 from oracle import read_checkpoint  # noqa: E402
 from rank_checks import fail  # noqa: E402
 
