@@ -141,6 +141,9 @@ class RefitBridge(AutoBridge):
     ``bucket_bytes``: the gathers of consecutive whole layers, up to this many output bytes, are
     issued together (one coalesced NCCL group); larger buckets keep more gathered layers alive.
     Set it on every rank alike, before an export.
+
+    Implements ``runtime.weight_source.ExportsWeights``, what refit sessions and other consumers
+    that drive an export ask of a bridge.
     """
 
     def __init__(self, hf_pretrained: Any) -> None:
@@ -498,7 +501,7 @@ class RefitBridge(AutoBridge):
             hold_outputs: with ``reuse_buffer_from_cache``, every yielded tensor stays valid and in
                 place until the next export call (one cached buffer per output, not per bucket
                 position). For consumers that read the export after it ended, e.g. an engine
-                mapping these tensors by CUDA IPC (``engines.vllm``). Switching the mode of a
+                mapping these tensors by CUDA IPC (``engines.ipc``). Switching the mode of a
                 bridge frees its cache.
             fp8: ``"blockwise"`` (or a ``BlockwiseFP8Config``) quantizes BF16/FP32 linear weights on
                 export to 128x128-blockwise e4m3fn, each followed by its fp32 ``weight_scale_inv``

@@ -5,7 +5,7 @@
 
 One process is the trainer (a Megatron model of a full-size shape, random weights, TP1 on GPU 0);
 the vLLM engine runs in its own process, on ``--engine-gpu`` (default: the trainer's GPU). The
-refit is ``engines.vllm_broadcast.VLLMBroadcastRefit``: the packed broadcast over a ``StoreGroup``
+refit is ``engines.vllm.VLLMBroadcastRefit``: the packed broadcast over a ``StoreGroup``
 the engine's worker joins by address; NCCL when the engine has a GPU of its own, gloo (CUDA
 tensors through host memory) when it shares the trainer's, since NCCL refuses two members on one
 GPU. Steps, each checked:
@@ -145,7 +145,7 @@ def error_text(err: BaseException) -> str:
 
 def settings_refused(llm, bridge, chunks, fp8, config, device, matched: dict) -> dict:
     """Step 0's negative check: a session opened with the trainer's own NCCL settings."""
-    from mbridge_refit.engines.vllm_broadcast import VLLMBroadcastRefit
+    from mbridge_refit.engines.vllm import VLLMBroadcastRefit
 
     saved = {name: os.environ.pop(name) for name in matched if name in os.environ}
     started = time.monotonic()
@@ -240,7 +240,7 @@ def run_fault(fault: str, session, llm, bridge, chunks, fp8, disk: dict) -> tupl
 
 
 def open_session(llm, bridge, chunks, fp8, backend, device, config):
-    from mbridge_refit.engines.vllm_broadcast import VLLMBroadcastRefit
+    from mbridge_refit.engines.vllm import VLLMBroadcastRefit
 
     session = VLLMBroadcastRefit(
         llm, host="127.0.0.1", port=free_port(), backend=backend, device=device, timeout_s=300, config=config
@@ -301,7 +301,10 @@ def run(args) -> dict:
             os.environ["CUDA_VISIBLE_DEVICES"] = str(args.engine_gpu)
         llm = start_engine(checkpoint, args)
         if own_gpu:
-            from mbridge_refit.runtime.broadcast_group import group_settings, settings_differences
+            from mbridge_refit.runtime.broadcast_group import (
+                group_settings,
+                settings_differences,
+            )
 
             engine_env = llm.collective_rpc(worker_nccl_env)[0]
             # what vLLM's worker set beyond its invariance function (seen: NCCL_COLLNET_ENABLE=0), before

@@ -22,7 +22,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from conftest import REPO, free_port
 from test_packed_broadcast import _plan
 
@@ -262,7 +261,7 @@ class InProcessLLM:
     outside the refit's code)."""
 
     def __init__(self, engine: Engine, fail: str | None = None) -> None:
-        from mbridge_refit.engines.vllm_worker import RefitWorkerExtension
+        from mbridge_refit.engines.vllm.worker import RefitWorkerExtension
 
         self.worker = RefitWorkerExtension()
         self.worker.model_runner = SimpleNamespace(get_model=lambda: engine)
@@ -299,7 +298,7 @@ class Bridge:
 
 
 def _session(llm, bridge, chunks):
-    from mbridge_refit.engines.vllm_broadcast import VLLMBroadcastRefit
+    from mbridge_refit.engines.vllm import VLLMBroadcastRefit
 
     refit = VLLMBroadcastRefit(
         llm, host="127.0.0.1", port=free_port(), backend="gloo", device="cpu", timeout_s=GROUP_TIMEOUT_S, config=CONFIG
@@ -329,7 +328,7 @@ def test_receiver_failing_in_the_handshake_reaches_the_trainer():
     error, seconds = _refit_raises(refit, bridge, chunks)
     assert seconds < BOUND_S, f"the trainer raised after {seconds:.0f} s"
     assert "Message truncated" in str(error)
-    assert [m for m, _, _ in llm.errors] == ["mbridge_broadcast_receive"]
+    assert [m for m, _, _ in llm.errors] == ["mbridge_refit_receive"]
     with pytest.raises(PeerFailedError, match="failed group"):  # the group stays failed: open() a new one
         refit.group.broadcast(torch.zeros(1), 0)
     refit.close()
@@ -342,7 +341,7 @@ def test_the_trainers_export_failing_mid_stream_reaches_the_engine():
     assert isinstance(error, ValueError) and "injected: the trainer's export failed" in str(error)
     assert seconds < BOUND_S
     ((method, engine_error, _),) = llm.errors
-    assert method == "mbridge_broadcast_receive" and isinstance(engine_error, PeerFailedError), engine_error
+    assert method == "mbridge_refit_receive" and isinstance(engine_error, PeerFailedError), engine_error
     assert "member 0 failed" in str(engine_error) and "injected: the trainer's export failed" in str(engine_error)
     refit.close()
 
@@ -350,10 +349,10 @@ def test_the_trainers_export_failing_mid_stream_reaches_the_engine():
 def test_the_engines_rpc_failing_outside_the_protocol_reaches_the_trainer():
     """The worker's RPC fails before it reaches the receiver (nothing posted from the engine): the
     trainer, waiting in the handshake, treats the RPC's error as the engine's failure."""
-    llm, chunks, bridge = InProcessLLM(Engine(), fail="mbridge_broadcast_receive"), [torch.nn.Linear(1, 1)], Bridge()
+    llm, chunks, bridge = InProcessLLM(Engine(), fail="mbridge_refit_receive"), [torch.nn.Linear(1, 1)], Bridge()
     refit = _session(llm, bridge, chunks)
     error, seconds = _refit_raises(refit, bridge, chunks)
-    assert seconds < BOUND_S and "injected: the worker's mbridge_broadcast_receive RPC died" in str(error)
+    assert seconds < BOUND_S and "injected: the worker's mbridge_refit_receive RPC died" in str(error)
     refit.close()
 
 

@@ -13,7 +13,6 @@ import pickle
 
 import pytest
 import torch
-
 from conftest import REPO, free_port, torchrun
 from test_roundtrip import layout_flags
 
@@ -170,7 +169,7 @@ def test_apply_plan_reports_missing_and_partial():
 
 
 def test_receiver_records_again_when_the_engine_replaced_a_parameter():
-    from mbridge_refit.engines.receiver import RefitReceiver
+    from mbridge_refit.engines.ipc import RefitReceiver
 
     model = _Fused()
     recorder = LayoutRecorder()
@@ -255,7 +254,7 @@ class _Processed(torch.nn.Module):
 
 
 def _open_on(model, staged, tensors):
-    from mbridge_refit.engines.receiver import RefitReceiver
+    from mbridge_refit.engines.ipc import RefitReceiver
 
     recorder = LayoutRecorder()
     for name, tensor in tensors.items():
@@ -322,7 +321,7 @@ def _grouped_case(groups: int = 4, q_rows: int = 2, group_rows: int = 3, width: 
 
 
 def test_rows_are_composed_to_read_the_origin():
-    from mbridge_refit.engines.receiver import RefitReceiver
+    from mbridge_refit.engines.ipc import RefitReceiver
 
     qkv, runs, q, other, b = _grouped_case()
     rest = torch.randn(3, 5)
@@ -375,7 +374,7 @@ def test_rows_a_loader_reads_in_other_shapes_are_refreshed_before_each_replay():
 
 def _open_q_only(engine: type):
     """An engine of class ``engine`` opened on ``q`` (named as rows of the QKV origin) and ``rest``."""
-    from mbridge_refit.engines.receiver import RefitReceiver
+    from mbridge_refit.engines.ipc import RefitReceiver
 
     qkv, runs, q, _, _ = _grouped_case()
     recorder = LayoutRecorder()

@@ -1,9 +1,14 @@
 """Inference engines as refit targets.
 
-``sharing`` (the export's tensors described and shared by reference; ``ipc_handles``, its CUDA
-IPC payload as JSON), ``apply_plan`` (the
-copies an engine's own loader performs, recorded once and replayed), ``receiver`` (the engine
-side of a refit, engine-agnostic), ``fingerprint`` (exact per-tensor checksums), and for vLLM:
-``vllm_worker`` (the worker extension vLLM loads) and ``vllm`` (the trainer side). Nothing here
-imports vLLM at module import: it is an optional extra (``mbridge_refit[vllm]``).
+``base`` (the contracts: ``RefitSession``, the trainer side; ``RefitWorker``, the engine side's
+RPCs; ``RefitStep``; the registry of engine adapters), the two transports, engine-agnostic:
+``ipc`` (colocated: the engine maps the trainer's memory and replays its recorded loader;
+engine side ``RefitReceiver``) and ``broadcast`` (other GPUs: the packed broadcast over a group
+the workers join; engine side ``BroadcastTarget``), what they stand on: ``sharing`` (the export's
+tensors described and shared by reference), ``ipc_handles`` (its CUDA IPC payload as JSON),
+``apply_plan`` (the copies an engine's own loader performs, recorded once and replayed),
+``fingerprint`` (exact per-tensor checksums); and one package per engine adapter, the only code
+that names its engine: ``vllm/`` (``trainer``: ``VLLMRefit``, ``VLLMBroadcastRefit``;
+``worker``: the worker extension vLLM loads). Nothing here imports an engine at module import:
+each is an optional extra (``mbridge_refit[vllm]``).
 """

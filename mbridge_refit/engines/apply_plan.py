@@ -44,6 +44,8 @@ from torch.overrides import TorchFunctionMode
 from mbridge_refit.engines.fingerprint import differing, named_fingerprints
 from mbridge_refit.errors import EngineError
 
+__all__ = ["ApplyPlan", "ApplyPlanError", "Copy", "LoadWeights", "Runs", "StagedLoad"]
+
 logger = logging.getLogger(__name__)
 
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], object]

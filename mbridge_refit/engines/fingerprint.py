@@ -14,6 +14,8 @@ from collections.abc import Iterable
 
 import torch
 
+__all__ = ["differing", "named_fingerprints", "tensor_fingerprint"]
+
 _CHUNK_WORDS = 1 << 24  # bounds the temporaries: 64 Mi words in int64 per step
 _WEIGHT_PERIOD = 65521
 

@@ -22,6 +22,16 @@ import torch
 
 from mbridge_refit.errors import InputError
 
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "BadIpcPayload",
+    "decode_handle",
+    "decode_payload",
+    "encode_handle",
+    "encode_payload",
+]
+
 FORMAT = "mbridge_refit.cuda_ipc"
 VERSION = 1
 

@@ -39,6 +39,21 @@ from mbridge_refit.engines.ipc_handles import (
 )
 from mbridge_refit.errors import EngineError
 
+__all__ = [
+    "TRANSPORTS",
+    "CudaIpcTransport",
+    "LayoutRecorder",
+    "LocalTransport",
+    "RowsRef",
+    "Runs",
+    "SharedLayout",
+    "SharingError",
+    "TensorRef",
+    "Transport",
+    "row_sources",
+    "views",
+]
+
 
 class SharingError(EngineError):
     """The shared layout and the storages that arrived do not fit together."""

@@ -23,7 +23,6 @@ Writes DIR/rank<r>.json.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import sys
@@ -35,7 +34,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_refit_check import EngineModel, InProcessLLM, engine_equals, expected_engine_state  # noqa: E402
+from engine_refit_check import (  # noqa: E402
+    EngineModel,
+    InProcessLLM,
+    engine_equals,
+    expected_engine_state,
+)
 from oracle import read_checkpoint  # noqa: E402
 from rank_checks import fail  # noqa: E402
 
@@ -98,7 +102,7 @@ def main() -> None:
     layout = layout_from_flags(args)
 
     from mbridge_refit.bridge import RefitBridge
-    from mbridge_refit.engines.vllm_broadcast import VLLMBroadcastRefit
+    from mbridge_refit.engines.vllm import VLLMBroadcastRefit
     from mbridge_refit.sinks.packed_broadcast import PackedBroadcastConfig
     from mbridge_refit.tools.launch import distributed_session
     from mbridge_refit.tools.model_builder import BuildOptions, build_model

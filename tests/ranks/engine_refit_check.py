@@ -129,7 +129,7 @@ class InProcessLLM:
     processes; the worker is ``RefitWorkerExtension`` over ``model``."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        from mbridge_refit.engines.vllm_worker import RefitWorkerExtension
+        from mbridge_refit.engines.vllm.worker import RefitWorkerExtension
 
         class Runner:
             def get_model(self):
@@ -175,7 +175,7 @@ def main() -> None:
 
     from mbridge_refit.bridge import RefitBridge
     from mbridge_refit.engines.apply_plan import ApplyPlanError
-    from mbridge_refit.engines.receiver import EngineRefitError
+    from mbridge_refit.engines.ipc import EngineRefitError
     from mbridge_refit.engines.sharing import LocalTransport
     from mbridge_refit.engines.vllm import VLLMRefit
     from mbridge_refit.tools.launch import distributed_session

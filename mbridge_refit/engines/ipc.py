@@ -1,6 +1,9 @@
-"""The engine side of a refit, engine-agnostic: open a shared layout, apply steps, report.
+"""The colocated transport's engine side, engine-agnostic: open a shared layout, apply steps, report.
 
-Protocol (the trainer side is ``engines.vllm.VLLMRefit``; any RPC that carries plain data works):
+The trainer side is an engine adapter's ``ipc`` session (``engines.base``; for vLLM
+``engines.vllm.VLLMRefit``), which shares the export's storages by CUDA IPC (``engines.sharing``);
+the engine's worker extension hands its RPCs to a ``RefitReceiver``. Protocol (any RPC that
+carries plain data works):
 
 1. ``open(wire, payload, transport)``: the trainer's first step, and every step whose layout
    changed. Maps the shared storages, runs the engine's loader once per tensor while recording
@@ -45,6 +48,8 @@ from mbridge_refit.engines.sharing import (
     views,
 )
 from mbridge_refit.errors import EngineError
+
+__all__ = ["EngineRefitError", "OpenReport", "RefitReceiver"]
 
 logger = logging.getLogger(__name__)
 
@@ -130,11 +135,11 @@ class RefitReceiver:
         started = time.perf_counter()
         if self._plan is None:
             raise EngineRefitError("no refit layout is open on this engine: the trainer must open one first "
-                             "(VLLMRefit does on its first step)")
+                             "(its refit session does on its first step)")
         if fingerprint != self._fingerprint:
             raise EngineRefitError(
                 f"plan mismatch: the trainer's step has layout {fingerprint} but this engine opened {self._fingerprint}; "
-                "the trainer must open the new layout (VLLMRefit does when its export changes)"
+                "the trainer must open the new layout (its refit session does when its export changes)"
             )
         moved = self._plan.targets_moved(self.model)
         if moved:

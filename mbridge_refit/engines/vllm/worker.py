@@ -1,11 +1,15 @@
-"""The vLLM worker extension: the engine side of ``engines.vllm.VLLMRefit`` (colocated, CUDA IPC)
-and of ``engines.vllm_broadcast.VLLMBroadcastRefit`` (other GPUs, the packed broadcast).
+"""The vLLM adapter's engine side: the worker extension vLLM loads, an ``engines.base.RefitWorker``.
 
-vLLM mixes this class into its GPU worker when the engine is started with
-``worker_extension_cls=WORKER_EXTENSION`` (``engines.vllm.engine_kwargs()`` sets it). The trainer
-calls its methods through ``LLM.collective_rpc`` on every worker; arguments and results are
-plain data (msgpack). It imports vLLM only for its layerwise reload (the bracket an FP8 engine is
-recorded through); the worker provides ``self.model_runner`` and ``self.device``.
+vLLM mixes ``RefitWorkerExtension`` into its GPU worker when the engine is started with
+``worker_extension_cls=WORKER_EXTENSION`` (``engines.vllm.engine_kwargs()`` sets it). The trainer's
+sessions (``engines.vllm.trainer``) call its methods through ``LLM.collective_rpc`` on every
+worker, each named ``mbridge_refit_<verb>``; arguments and results are plain data (msgpack).
+Each RPC hands over to a transport's engine side: ``open`` / ``apply`` / ``close`` to
+``engines.ipc.RefitReceiver`` (colocated, CUDA IPC), ``join`` / ``receive`` / ``leave`` to
+``engines.broadcast.BroadcastTarget`` (other GPUs, the packed broadcast). ``scramble``, ``time``
+and ``memory`` serve the GPU checks and benchmarks. It imports vLLM only for its layerwise reload
+(the bracket an FP8 engine is recorded through); the worker provides ``self.model_runner`` and
+``self.device``.
 """
 
 from __future__ import annotations
@@ -17,11 +21,13 @@ from typing import Any
 import torch
 
 from mbridge_refit.engines.apply_plan import StagedLoad
-from mbridge_refit.engines.broadcast_receiver import BroadcastTarget
+from mbridge_refit.engines.broadcast import BroadcastTarget
 from mbridge_refit.engines.fingerprint import named_fingerprints
-from mbridge_refit.engines.receiver import RefitReceiver
+from mbridge_refit.engines.ipc import RefitReceiver
 
-WORKER_EXTENSION = "mbridge_refit.engines.vllm_worker.RefitWorkerExtension"
+__all__ = ["WORKER_EXTENSION", "RefitWorkerExtension"]
+
+WORKER_EXTENSION = "mbridge_refit.engines.vllm.worker.RefitWorkerExtension"  # vLLM's worker_extension_cls
 
 
 class RefitWorkerExtension:
@@ -58,13 +64,14 @@ class RefitWorkerExtension:
         return self._mbridge_receiver().apply(fingerprint)
 
     def mbridge_refit_close(self) -> None:
+        """Forget the open layout and the mapped storages (the trainer's session closes)."""
         self._mbridge_receiver().close()
 
-    def mbridge_broadcast_join(self, host: str, port: int, rank_offset: int, world_size: int, plan_json: str,
-                               config: dict, backend: str | None, allow_partial: bool, timeout_s: float) -> int:
+    def mbridge_refit_join(self, host: str, port: int, rank_offset: int, world_size: int, plan_json: str,
+                           config: dict, backend: str | None, allow_partial: bool, timeout_s: float) -> int:
         """Join the trainer's broadcast group as rank ``rank_offset`` + this worker's index among the
         engine's workers (data-parallel replicas included); returns that rank. Blocks until the
-        trainer joins (``engines.broadcast_receiver``)."""
+        trainer joins (``engines.broadcast``)."""
         model = self.model_runner.get_model()
         target = BroadcastTarget(model.load_weights, model, torch.device(self.device),
                                  staged=self._mbridge_staged_load(model) if _quantized(self) else None,
@@ -75,14 +82,15 @@ class RefitWorkerExtension:
         self._mbridge_broadcast_target = target
         return rank
 
-    def mbridge_broadcast_receive(self) -> dict:
+    def mbridge_refit_receive(self) -> dict:
         """Receive one refit from the trainer and load it; returns the worker's report."""
         target = getattr(self, "_mbridge_broadcast_target", None)
         if target is None:
-            raise RuntimeError("no broadcast refit was joined on this worker: call mbridge_broadcast_join first")
+            raise RuntimeError("no broadcast refit was joined on this worker: call mbridge_refit_join first")
         return target.receive()
 
-    def mbridge_broadcast_close(self) -> None:
+    def mbridge_refit_leave(self) -> None:
+        """Leave the broadcast group (the trainer's session closes)."""
         target = getattr(self, "_mbridge_broadcast_target", None)
         if target is not None:
             target.close()

@@ -1,6 +1,7 @@
-"""The engine side of a broadcast refit, engine-agnostic: join the group, receive each refit, load it.
+"""The broadcast transport's engine side, engine-agnostic: join the group, receive each refit, load it.
 
-The trainer side is ``engines.vllm_broadcast.VLLMBroadcastRefit``: one trainer rank sends the
+The trainer side is an engine adapter's ``broadcast`` session (``engines.base``; for vLLM
+``engines.vllm.VLLMBroadcastRefit``): one trainer rank sends the
 export by the packed broadcast (``sinks.packed_broadcast``) over a ``StoreGroup`` that the engine's
 workers join by address (``runtime.broadcast_group``), so the engine may run on other GPUs, other
 hosts, and in a ``torch.distributed`` world of its own. Every worker receives every tensor and
@@ -32,13 +33,13 @@ from __future__ import annotations
 import datetime
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
-from mbridge_refit.engines.apply_plan import StagedLoad
+from mbridge_refit.engines.apply_plan import LoadWeights, StagedLoad
 from mbridge_refit.errors import EngineError
 from mbridge_refit.runtime.broadcast_group import StoreGroup
 from mbridge_refit.sinks.packed_broadcast import (
@@ -48,9 +49,10 @@ from mbridge_refit.sinks.packed_broadcast import (
     post_failure,
 )
 
+__all__ = ["SOURCE_RANK", "BroadcastRefitError", "BroadcastTarget", "ReceiveReport"]
+
 logger = logging.getLogger(__name__)
 
-LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
 SOURCE_RANK = 0  # the trainer's rank in the group; workers are 1..world_size-1
 
 

@@ -1,0 +1,168 @@
+"""The engines layer's contracts: a refit session (trainer side), a refit worker (engine side), the
+step result, and the registry of engine adapters. Imports no engine and no transport.
+
+Two transports move the weights (each an engine-agnostic module of its own): ``ipc``, colocated
+(the engine maps the trainer's memory by CUDA IPC and replays its recorded loader,
+``engines.ipc``), and ``broadcast``, to engines on other GPUs (the packed broadcast over a group
+the workers join by address, ``engines.broadcast``). An engine adapter (``engines.<name>/``, e.g.
+``engines.vllm``) is the only code that names its engine: a trainer-side ``RefitSession`` per
+transport, the worker extension the engine loads (a ``RefitWorker``), and the arguments that start
+the engine with it. It registers itself here with ``register_adapter`` when imported;
+``engine_adapter(name)`` imports ``mbridge_refit.engines.<name>`` on first use.
+
+The trainer calls its session; the session calls the engine's workers by RPC (plain data in and
+out), every RPC named ``RPC_PREFIX + verb``; the worker runs the transport's engine side.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from mbridge_refit.errors import InputError
+from mbridge_refit.runtime.weight_source import ExportsWeights, Model
+
+__all__ = [
+    "BROADCAST",
+    "IPC",
+    "RPC_PREFIX",
+    "TRANSPORT_NAMES",
+    "EngineAdapter",
+    "RefitSession",
+    "RefitStep",
+    "RefitWorker",
+    "engine_adapter",
+    "register_adapter",
+    "registered_adapters",
+]
+
+IPC = "ipc"  # colocated: CUDA IPC, the engine's loader recorded once and replayed (engines.ipc)
+BROADCAST = "broadcast"  # other GPUs: the packed broadcast over a group joined by address (engines.broadcast)
+TRANSPORT_NAMES = (IPC, BROADCAST)
+RPC_PREFIX = "mbridge_refit_"  # every worker RPC's name starts so
+
+
+@dataclass(frozen=True, kw_only=True)
+class RefitStep:
+    """One refit, as the sending trainer rank saw it (plain data but for the engine's reports).
+
+    ``ms``: from the start of the export until the engine held the new weights. ``opened``: the
+    step (re)shared its layout with the engine (``ipc``: the first step, or one whose export
+    moved), and ``report`` is the engine's report of that open. ``export_ms``, ``apply_ms``,
+    ``engine_ms`` (``ipc``): the export, the RPC that applied it, and the part of that the engine's
+    worker spent. ``workers`` (``broadcast``): each worker's report of its receive.
+    """
+
+    tensors: int
+    bytes: int
+    ms: float
+    opened: bool = False
+    report: dict[str, Any] | None = None
+    export_ms: float | None = None
+    apply_ms: float | None = None
+    engine_ms: float | None = None
+    workers: list[dict[str, Any]] = field(default_factory=list)
+
+
+@runtime_checkable
+class RefitSession(Protocol):
+    """The trainer side of refits into one engine, over one transport.
+
+    Every rank of the model's groups holds a session and calls it alike (the export is
+    collective); one rank sends (it holds the engine's handle). ``open``: once, before the first
+    refit (collective: the export plan; a transport may also form its group with the engine).
+    ``refit``: every step, with the same ``bridge``, ``model`` and ``fp8`` as ``open``; returns the
+    step on the sending rank (None on the others); raises on every rank when the engine could not
+    take the weights. ``close``: before the trainer frees the model or the bridge's buffers; the
+    engine forgets what it mapped or leaves the group. Implementations may take more keyword
+    options.
+    """
+
+    def open(self, bridge: ExportsWeights, model: Model, *, fp8: Any = None) -> None: ...
+
+    def refit(self, bridge: ExportsWeights, model: Model, *, fp8: Any = None) -> RefitStep | None: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class RefitWorker(Protocol):
+    """The RPCs an engine's worker extension answers, on every worker of the engine (arguments and
+    results plain data). Each method hands over to a transport's engine side, which holds the
+    contract: ``open``, ``apply``, ``close`` to ``engines.ipc.RefitReceiver``; ``join``,
+    ``receive``, ``leave`` to ``engines.broadcast.BroadcastTarget``. ``fingerprints``: the exact
+    per-parameter fingerprints of the engine's model (``engines.fingerprint``)."""
+
+    def mbridge_refit_open(self, wire: dict, payload: bytes, transport: str, check: bool, allow_partial: bool) -> dict: ...
+
+    def mbridge_refit_apply(self, fingerprint: str) -> float: ...
+
+    def mbridge_refit_close(self) -> None: ...
+
+    def mbridge_refit_join(self, host: str, port: int, rank_offset: int, world_size: int, plan_json: str,
+                           config: dict, backend: str | None, allow_partial: bool, timeout_s: float) -> int: ...
+
+    def mbridge_refit_receive(self) -> dict: ...
+
+    def mbridge_refit_leave(self) -> None: ...
+
+    def mbridge_refit_fingerprints(self) -> dict[str, list[int]]: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineAdapter:
+    """An inference engine as a refit target.
+
+    ``sessions``: transport name (``TRANSPORT_NAMES``) -> the trainer-side session class or
+    factory, called as ``factory(engine, **options)``. ``worker_extension``: the dotted path of
+    the engine's worker class (a ``RefitWorker``). ``engine_kwargs``: the keyword arguments that
+    start the engine with that worker class (given overrides merged in).
+    """
+
+    name: str
+    sessions: Mapping[str, Callable[..., RefitSession]]
+    worker_extension: str
+    engine_kwargs: Callable[..., dict[str, Any]]
+
+    def session(self, transport: str, engine: Any, **options: Any) -> RefitSession:
+        """A trainer-side session over ``transport`` into ``engine`` (the engine's handle)."""
+        factory = self.sessions.get(transport)
+        if factory is None:
+            raise InputError(f"the {self.name} adapter has no {transport!r} transport; it has {sorted(self.sessions)}")
+        return factory(engine, **options)
+
+
+_ADAPTERS: dict[str, EngineAdapter] = {}
+
+
+def register_adapter(adapter: EngineAdapter) -> EngineAdapter:
+    """Make ``adapter`` known by its name (an adapter's package calls this when imported)."""
+    unknown = sorted(set(adapter.sessions) - set(TRANSPORT_NAMES))
+    if unknown:
+        raise InputError(f"engine adapter {adapter.name!r} names unknown transports {unknown}; known: {list(TRANSPORT_NAMES)}")
+    _ADAPTERS[adapter.name] = adapter
+    return adapter
+
+
+def engine_adapter(name: str) -> EngineAdapter:
+    """The adapter registered as ``name``, importing ``mbridge_refit.engines.<name>`` on first use."""
+    if name not in _ADAPTERS and name in _adapter_packages():
+        importlib.import_module(f"{__package__}.{name}")
+    adapter = _ADAPTERS.get(name)
+    if adapter is None:
+        raise InputError(f"no engine adapter {name!r}; known: {registered_adapters()} (an adapter is the package "
+                         f"mbridge_refit.engines.<name>, which calls register_adapter when imported)")
+    return adapter
+
+
+def registered_adapters() -> list[str]:
+    """Names of the adapters registered or shipped as packages under ``engines/``."""
+    return sorted(set(_ADAPTERS) | set(_adapter_packages()))
+
+
+def _adapter_packages() -> list[str]:
+    """Subpackages of ``engines/`` (each an engine adapter), found without importing them."""
+    return sorted(path.parent.name for path in Path(__file__).parent.glob("*/__init__.py"))
