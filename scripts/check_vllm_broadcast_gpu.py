@@ -260,12 +260,12 @@ def run(args) -> dict:
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of this script's functions
 
     from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.convert.session import distributed_session
     from mbridge_refit.engines.fingerprint import differing
     from mbridge_refit.engines.vllm import prompt_logprobs
+    from mbridge_refit.models.builder import BuildOptions, build_model
     from mbridge_refit.plan.layout import ParallelLayout
     from mbridge_refit.sinks.packed_broadcast import PackedBroadcastConfig
-    from mbridge_refit.tools.launch import distributed_session
-    from mbridge_refit.tools.model_builder import BuildOptions, build_model
 
     faults = (
         [f for f in args.inject_fault.split(",") if f]
@@ -301,7 +301,10 @@ def run(args) -> dict:
             os.environ["CUDA_VISIBLE_DEVICES"] = str(args.engine_gpu)
         llm = start_engine(checkpoint, args)
         if own_gpu:
-            from mbridge_refit.runtime.broadcast_group import group_settings, settings_differences
+            from mbridge_refit.runtime.broadcast_group import (
+                group_settings,
+                settings_differences,
+            )
 
             engine_env = llm.collective_rpc(worker_nccl_env)[0]
             # what vLLM's worker set beyond its invariance function (seen: NCCL_COLLNET_ENABLE=0), before

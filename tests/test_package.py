@@ -25,8 +25,9 @@ LAYERS = (
     ("sinks",),
     ("engines", "transfer"),
     ("bridge",),
-    ("tools",),
+    ("models",),
     ("convert", "cli"),
+    ("testing",),
 )
 
 
