@@ -6,6 +6,9 @@ Owns the ``recipes/`` folder at the repository root (data only): one JSON file p
 loads them into typed objects, says which layouts apply to which model, lists the tensor names a
 model's Hugging Face checkpoint holds, and writes seeded random checkpoints whose every tensor is
 distinct, so that an export can be checked against the checkpoint on disk by exact equality.
+That seeding (``seeded_random_values``, ``seed_parameters``) is the one every tiny model takes: the
+tiny models of every registered architecture (``mbridge_refit.testing.tiny_models``, test support)
+are filled by it too.
 
 Nothing here downloads anything: models are built from their configs with random weights.
 """
