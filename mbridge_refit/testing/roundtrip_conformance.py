@@ -47,19 +47,10 @@ from typing import Sequence
 
 from mbridge_refit.convert.flags import layout_flags
 from mbridge_refit.plan.layout import ParallelLayout
-from mbridge_refit.testing.conformance import (
-    MATRIX_LAYOUTS,
-    Cell,
-    CellState,
-    describe_error,
-    restored_environment,
-    selected_cells,
-)
+from mbridge_refit.testing import conformance
+from mbridge_refit.testing.conformance import MATRIX_LAYOUTS, Cell, CellState
 from mbridge_refit.testing.export_comparison import compare_stream
-from mbridge_refit.testing.tiny_models import (
-    checkpoint_tensors,
-    write_tiny_checkpoint,
-)
+from mbridge_refit.testing.tiny_models import checkpoint_tensors, write_tiny_checkpoint
 
 __all__ = [
     "ConvertErrors", "LAUNCH_ENVIRONMENT", "RANKS_TIMEOUT_S", "ROUNDTRIP", "check_roundtrip", "convert_and_compare",
@@ -87,7 +78,7 @@ def write_source(architecture: str, work_dir: Path, layout_name: str) -> Cell | 
     try:
         write_tiny_checkpoint(architecture, work_dir / "source")
     except Exception as err:
-        return _cell(architecture, layout_name, CellState.CANNOT_BE_BUILT, describe_error(err))
+        return _cell(architecture, layout_name, CellState.CANNOT_BE_BUILT, conformance.describe_error(err))
     return None
 
 
@@ -124,7 +115,7 @@ def _run_convert_roundtrip(source: Path, out: Path, layout: ParallelLayout) -> t
     convert_logger = logging.getLogger("mbridge_refit.convert")
     convert_logger.addHandler(errors)
     try:
-        with restored_environment():  # Megatron's build sets attention-backend variables the next build asserts
+        with conformance.restored_environment():  # Megatron's build sets attention-backend variables the next build asserts
             code = convert_main(argv)
     finally:
         convert_logger.removeHandler(errors)
@@ -167,7 +158,7 @@ class ConvertErrors(logging.Handler):
         self.messages.append(" ".join(record.getMessage().split()))
         if record.exc_info and record.exc_info[1] is not None:
             err = record.exc_info[1]
-            self.messages.append(describe_error(err))
+            self.messages.append(conformance.describe_error(err))
             frames = traceback.extract_tb(err.__traceback__)
             self.in_model_build |= any(f.name == "build_model" and f.filename.endswith("models/builder.py") for f in frames)
 
@@ -234,7 +225,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if unknown or not layout_names:
         parser.error(f"--layout {args.layout!r}: choose from {', '.join(MATRIX_LAYOUTS)}")
     try:
-        plan = selected_cells(layout_names, [e for e in args.only.split(",") if e])
+        plan = conformance.selected_cells(layout_names, [e for e in args.only.split(",") if e])
     except ValueError as err:
         parser.error(str(err))
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # convert's own setup replaces it from its first TP1 cell on
