@@ -115,7 +115,8 @@ def _run_convert_roundtrip(source: Path, out: Path, layout: ParallelLayout) -> t
     convert_logger = logging.getLogger("mbridge_refit.convert")
     convert_logger.addHandler(errors)
     try:
-        with conformance.restored_environment():  # Megatron's build sets attention-backend variables the next build asserts
+        # Megatron's build sets attention-backend variables the next build asserts
+        with conformance.restored_environment():
             code = convert_main(argv)
     finally:
         convert_logger.removeHandler(errors)
