@@ -30,8 +30,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from mbridge_refit.convert.flags import add_layout_flags, layout_from_flags
 from provenance import results_dir, write_result
+
+from mbridge_refit.convert.flags import add_layout_flags, layout_from_flags
 
 logger = logging.getLogger("bench_export")
 
@@ -40,7 +41,7 @@ def hf_config(name: str, layers: int | None = None):
     """A full-size shape from recipes/shapes/ (config only; the weights are random), optionally
     cut to its first ``layers`` language layers (every layer keeps the shape's widths and expert
     count; a vision tower is kept whole)."""
-    from mbridge_refit.tools.recipes import full_size_config
+    from mbridge_refit.models.recipes import full_size_config
 
     config = full_size_config(name)
     if layers is not None:
@@ -51,7 +52,7 @@ def hf_config(name: str, layers: int | None = None):
 def bridges(args, work_dir: Path, rank: int):
     """(RefitBridge, stock AutoBridge) of the shape: from its config, or with ``--from-checkpoint``
     from a checkpoint shell written by rank 0 (the shape's tensor names and shapes in the published
-    layout, uninitialized values: ``tools.tiny_checkpoints.write_checkpoint_shell``), so each
+    layout, uninitialized values: ``testing.tiny_models.write_checkpoint_shell``), so each
     bridge picks its mappings from the checkpoint as users' bridges do (packed experts)."""
     from megatron.bridge import AutoBridge
 
@@ -60,7 +61,7 @@ def bridges(args, work_dir: Path, rank: int):
     config = hf_config(args.model, args.layers)
     if not args.from_checkpoint:
         return RefitBridge.from_hf_config(config), AutoBridge.from_hf_config(hf_config(args.model, args.layers))
-    from mbridge_refit.tools.tiny_checkpoints import write_checkpoint_shell
+    from mbridge_refit.testing.tiny_models import write_checkpoint_shell
 
     shared = [str(work_dir / "checkpoint")]
     dist.broadcast_object_list(shared, src=0)  # rank 0's directory: one host, so every rank reads it
@@ -150,8 +151,8 @@ def check_fp8_export(fp8_stream, bf16_stream, cpu_checks: int = 8) -> list[str]:
     reference path on the GPU for every quantized tensor, and against the CPU torch path for the
     first ``cpu_checks``: names of mismatches. ``bf16_stream`` must own its tensors (cache off)."""
     from mbridge_refit.fp8.format import SCALE_SUFFIX
-    from mbridge_refit.fp8.reference import quantize_reference
     from mbridge_refit.fp8.quantize import quantize_blockwise
+    from mbridge_refit.fp8.reference import quantize_reference
 
     def same(a, b):
         return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
@@ -188,9 +189,9 @@ def fp8_breakdown(bridge, chunks, repeats: int = 5) -> dict:
     export runs them (grouped launches prepared once), and one launch per job
     (``quantize_blockwise``; a job is a weight, or a run of q/k/v rows in the fused QKV)."""
     from mbridge_refit.fp8 import kernels as fp8_kernels
-    from mbridge_refit.runtime.buffers import ExportBuffers
     from mbridge_refit.fp8.format import BlockwiseFP8Config
     from mbridge_refit.fp8.quantize import BucketQuantizer, quantize_blockwise
+    from mbridge_refit.runtime.buffers import ExportBuffers
 
     def median_of(fn) -> tuple[float, float]:
         hosts, devices = [], []
@@ -323,8 +324,8 @@ def allocations() -> int:
 
 
 def run(args) -> dict:
-    from mbridge_refit.tools.launch import distributed_session
-    from mbridge_refit.tools.model_builder import BuildOptions, build_model
+    from mbridge_refit.convert.session import distributed_session
+    from mbridge_refit.models.builder import BuildOptions, build_model
 
     layout = layout_from_flags(args)
     device = torch.device("cuda")

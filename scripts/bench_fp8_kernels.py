@@ -82,8 +82,10 @@ def te_blockwise(jobs: list[tuple], repeats: int) -> dict:
     the same pieces, one call per piece replayed from a CUDA graph (so host launch costs do not
     count): its device time, and how many pieces' bytes and scales equal ours (TE scales by
     multiplying with 448/amax, we divide by amax/448: the rounding may differ)."""
-    from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
     import transformer_engine_torch as tex  # registered by the import above
+    from transformer_engine.pytorch.tensor.float8_blockwise_tensor import (
+        Float8BlockQuantizer,
+    )
 
     quantizer = Float8BlockQuantizer(tex.DType.kFloat8E4M3, rowwise=True, columnwise=False, force_pow_2_scales=False)
     pairs = [(x, quantizer(x)) for x, _, _ in jobs]
@@ -141,7 +143,7 @@ def main() -> None:
     from mbridge_refit.fp8 import kernels as fp8_kernels
     from mbridge_refit.fp8.format import FP8_DTYPE, SCALE_DTYPE, scale_shape
     from mbridge_refit.fp8.reference import quantize_reference
-    from mbridge_refit.tools.recipes import full_size_config
+    from mbridge_refit.models.recipes import full_size_config
 
     config = full_size_config(args.model)
     layers = args.layers or config.num_hidden_layers

@@ -42,7 +42,7 @@ PHASE = re.compile(r"export\+write: (\d+) tensors in ([0-9.]+) s, of which ([0-9
 
 
 def make_source(directory: Path, max_shard_bytes: int) -> Path:
-    from mbridge_refit.tools.recipes import ModelRecipe, make_random_checkpoint
+    from mbridge_refit.models.recipes import ModelRecipe, make_random_checkpoint
 
     recipe = ModelRecipe(name="qwen3-bench-write", hf_config=BENCH_CONFIG, description="parallel-write benchmark")
     return make_random_checkpoint(recipe, directory, seed=7, max_shard_bytes=max_shard_bytes)

@@ -79,11 +79,15 @@ def main() -> None:
 
     from megatron.core import parallel_state as ps
 
-    from mbridge_refit.tools.launch import init_process_group, teardown
+    from mbridge_refit.convert.session import init_process_group, teardown
+    from mbridge_refit.models.recipes import full_size_config
     from mbridge_refit.plan.entries import ExportPlan
-    from mbridge_refit.tools.recipes import full_size_config
     from mbridge_refit.sinks import HFModelUpdateSink, drain
-    from mbridge_refit.sinks.packed_broadcast import PackedBroadcastConfig, PackedBroadcastReceiver, PackedBroadcastSender
+    from mbridge_refit.sinks.packed_broadcast import (
+        PackedBroadcastConfig,
+        PackedBroadcastReceiver,
+        PackedBroadcastSender,
+    )
 
     # A short collective timeout: a rank stuck in a collective fails with the collective's name.
     env = init_process_group(device=torch.device("cuda"), timeout=datetime.timedelta(seconds=150))
@@ -101,8 +105,8 @@ def main() -> None:
             from megatron.core import tensor_parallel
 
             from mbridge_refit.bridge import RefitBridge
+            from mbridge_refit.models.builder import BuildOptions, build_model
             from mbridge_refit.plan.layout import ParallelLayout
-            from mbridge_refit.tools.model_builder import BuildOptions, build_model
 
             tensor_parallel.model_parallel_cuda_manual_seed(0)
             bridge = RefitBridge.from_hf_config(full_size_config(args.model))

@@ -89,12 +89,12 @@ def run(args) -> dict:
     from vllm import LLM
 
     from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.convert.session import distributed_session
     from mbridge_refit.engines.vllm import VLLMRefit, engine_kwargs
     from mbridge_refit.fp8.format import BlockwiseFP8Config
+    from mbridge_refit.models.builder import BuildOptions, build_model
+    from mbridge_refit.models.recipes import full_size_config
     from mbridge_refit.plan.layout import ParallelLayout
-    from mbridge_refit.tools.launch import distributed_session
-    from mbridge_refit.tools.model_builder import BuildOptions, build_model
-    from mbridge_refit.tools.recipes import full_size_config
 
     config = full_size_config(args.model)
     if args.layers is not None:
@@ -136,7 +136,10 @@ def run(args) -> dict:
         stock = None
         if not fp8:
             from megatron.bridge import AutoBridge
-            from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerSendWeightsArgs, IPCWeightTransferEngine
+            from vllm.distributed.weight_transfer.ipc_engine import (
+                IPCTrainerSendWeightsArgs,
+                IPCWeightTransferEngine,
+            )
 
             stock_bridge = AutoBridge.from_hf_config(config)
             llm.init_weight_transfer_engine({"init_info": {}})

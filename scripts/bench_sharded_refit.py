@@ -26,12 +26,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from mbridge_refit.convert.flags import add_layout_flags, layout_from_flags
 from provenance import results_dir, write_result
+
+from mbridge_refit.convert.flags import add_layout_flags, layout_from_flags
 
 
 def hf_config(name: str, layers: int | None):
-    from mbridge_refit.tools import recipes
+    from mbridge_refit.models import recipes
 
     config = recipes.full_size_config(name) if name in recipes.full_size_shapes() else recipes.get_model_recipe(name).to_hf_config()
     if layers is not None:
@@ -102,8 +103,8 @@ def main() -> None:
     from megatron.bridge import AutoBridge
 
     from mbridge_refit.bridge import RefitBridge
-    from mbridge_refit.tools.launch import distributed_session
-    from mbridge_refit.tools.model_builder import BuildOptions, build_model
+    from mbridge_refit.convert.session import distributed_session
+    from mbridge_refit.models.builder import BuildOptions, build_model
 
     layout = layout_from_flags(args)
     device = torch.device(args.device)

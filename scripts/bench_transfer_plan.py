@@ -24,8 +24,9 @@ import time
 
 import torch
 import torch.distributed as dist
-from mbridge_refit.convert.flags import add_layout_flags, layout_from_flags
 from provenance import results_dir, write_result
+
+from mbridge_refit.convert.flags import add_layout_flags, layout_from_flags
 
 
 def main() -> None:
@@ -38,9 +39,9 @@ def main() -> None:
     args = parser.parse_args()
 
     from mbridge_refit.bridge import RefitBridge
-    from mbridge_refit.tools.launch import distributed_session
-    from mbridge_refit.tools.model_builder import BuildOptions, build_model
-    from mbridge_refit.tools.recipes import full_size_config
+    from mbridge_refit.convert.session import distributed_session
+    from mbridge_refit.models.builder import BuildOptions, build_model
+    from mbridge_refit.models.recipes import full_size_config
 
     layout = layout_from_flags(args)
     cpu = torch.device("cpu")

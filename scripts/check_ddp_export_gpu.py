@@ -44,7 +44,7 @@ LR = 1e-3
 
 
 def build(bridge, layout, ddp_config=None):
-    from mbridge_refit.tools.model_builder import BuildOptions, configure_provider
+    from mbridge_refit.models.builder import BuildOptions, configure_provider
 
     options = BuildOptions(device=torch.device("cuda"), params_dtype=torch.bfloat16)
     provider = configure_provider(bridge.to_megatron_provider(load_weights=False), layout, options)
@@ -123,9 +123,9 @@ def check(args, overlap: bool) -> dict:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.models.recipes import full_size_config
     from mbridge_refit.plan.layout import ParallelLayout
     from mbridge_refit.runtime.param_sync import deferred_gather_groups
-    from mbridge_refit.tools.recipes import full_size_config
 
     config = full_size_config(args.model)
     config.num_hidden_layers = args.layers
@@ -176,8 +176,8 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, default=None)
     args = parser.parse_args()
 
+    from mbridge_refit.convert.session import init_model_parallel, init_process_group
     from mbridge_refit.plan.layout import ParallelLayout
-    from mbridge_refit.tools.launch import init_model_parallel, init_process_group
 
     init_process_group(device=torch.device("cuda"), timeout=datetime.timedelta(minutes=5))
     init_model_parallel(ParallelLayout(), seed=1234)  # also seeds Megatron's CUDA RNG tracker (TE layers)

@@ -4,10 +4,10 @@ against the reference quantizer applied to stock's tensors.
 
     torchrun --nproc-per-node 1 scripts/check_families_gpu.py [--only Qwen3ForCausalLM,...]
 
-The checks are the conformance matrix's (``mbridge_refit.tools.conformance``, which the CPU tests
+The checks are the conformance matrix's (``mbridge_refit.testing.conformance``, which the CPU tests
 and ``docs/conformance.md`` run with the local layer spec): the architectures come from
 ``AutoBridge.list_supported_models()`` (and the matrix's checkpoint variants, e.g. packed experts,
-whose bridge is built from their tiny checkpoint), each gets the tiny config of ``tools.tiny_configs`` and
+whose bridge is built from their tiny checkpoint), each gets the tiny config of ``testing.tiny_models`` and
 seeded random weights, and each of its BF16 and FP8 cells ends in one ``CellState`` (``fast path,
 exact``, ``stock fallback, exact``, ``FP8 refused``, ``cannot be built here``, ``upstream broken``;
 ``different`` and ``our export failed`` are bugs of ours until shown otherwise).
@@ -24,7 +24,6 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-
 from provenance import results_dir, write_result
 
 
@@ -34,9 +33,9 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, default=None, help="default: benchmarks/results/<date>-<device>/")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    from mbridge_refit.convert.session import distributed_session
     from mbridge_refit.plan.layout import ParallelLayout
-    from mbridge_refit.tools.conformance import architectures_at, check_architecture
-    from mbridge_refit.tools.launch import distributed_session
+    from mbridge_refit.testing.conformance import architectures_at, check_architecture
 
     architectures = [a for a in args.only.split(",") if a] or architectures_at("tp1")
     device, rows = torch.device("cuda"), []

@@ -59,8 +59,12 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from mbridge_refit.tools import recipes
-    from mbridge_refit.tools.verify_refit import compare_logprobs, fixed_tokens, token_logprobs
+    from mbridge_refit.convert.refit_verifier import (
+        compare_logprobs,
+        fixed_tokens,
+        token_logprobs,
+    )
+    from mbridge_refit.models import recipes
 
     bf16_dir, fp8_dir = args.work / "bf16", args.work / "fp8"
     recipe = recipes.ModelRecipe(name="qwen3-fp8-check", hf_config=CONFIG)

@@ -43,9 +43,9 @@ BLOCK = 128
 
 def build(args, recipe: str):
     from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.models.builder import BuildOptions, build_model
+    from mbridge_refit.models.recipes import full_size_config
     from mbridge_refit.plan.layout import ParallelLayout
-    from mbridge_refit.tools.model_builder import BuildOptions, build_model
-    from mbridge_refit.tools.recipes import full_size_config
 
     config = full_size_config(args.model)
     config.num_hidden_layers = args.layers
@@ -212,7 +212,7 @@ def main() -> None:
 
     from megatron.bridge import AutoBridge
 
-    from mbridge_refit.tools.launch import distributed_session
+    from mbridge_refit.convert.session import distributed_session
     from mbridge_refit.fp8.reference import dequantize_blockwise
     from mbridge_refit.plan.layout import ParallelLayout
     from mbridge_refit.plan.storage import FP8_BLOCKWISE

@@ -71,11 +71,11 @@ def main() -> int:
     from megatron.core import parallel_state
 
     from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.convert.session import init_process_group, teardown
+    from mbridge_refit.models.builder import BuildOptions, configure_provider
+    from mbridge_refit.models.recipes import full_size_config
     from mbridge_refit.plan.layout import ParallelLayout
     from mbridge_refit.runtime.live_params import registration_count
-    from mbridge_refit.tools.launch import init_process_group, teardown
-    from mbridge_refit.tools.model_builder import BuildOptions, configure_provider
-    from mbridge_refit.tools.recipes import full_size_config
 
     env = init_process_group(device=torch.device("cuda"), timeout=datetime.timedelta(minutes=10))
     tp = dist.get_world_size()

@@ -260,12 +260,12 @@ def run(args) -> dict:
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of this script's functions
 
     from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.convert.session import distributed_session
     from mbridge_refit.engines.fingerprint import differing
     from mbridge_refit.engines.vllm import prompt_logprobs
+    from mbridge_refit.models.builder import BuildOptions, build_model
     from mbridge_refit.plan.layout import ParallelLayout
     from mbridge_refit.sinks.packed_broadcast import PackedBroadcastConfig
-    from mbridge_refit.tools.launch import distributed_session
-    from mbridge_refit.tools.model_builder import BuildOptions, build_model
 
     faults = (
         [f for f in args.inject_fault.split(",") if f]

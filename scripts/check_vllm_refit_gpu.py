@@ -16,7 +16,7 @@ GPU); the vLLM engine runs in its own process on the same GPU. Steps, each check
 4. A weight perturbed on its way (one exported tensor replaced by a copy with one element
    changed) must show in exactly the engine parameters it feeds; a clean refit afterwards is
    exact again. A second clean refit replays without reopening.
-5. The refit verifier against the engine itself (``tools.verify_refit.verify_vllm_refit``), its
+5. The refit verifier against the engine itself (``convert.refit_verifier.verify_vllm_refit``), its
    two answers apart: the weights (the engine's fingerprints against the disk-loaded engine's,
    exact) and the numerics (the engine's own prompt logprobs against the trainer's Megatron
    forward, within ``tolerance_from_reference`` of the disk-loaded engine's own comparison with
@@ -75,7 +75,12 @@ def perturbed(stream, victim: str):
 
 def reference_numerics(llm, bridge, chunks, tokens):
     """The reference run of step 5: the disk-loaded engine's own logprobs against the trainer's."""
-    from mbridge_refit.tools.verify_refit import compare_logprobs, hf_config, megatron_logprobs, vllm_logprobs
+    from mbridge_refit.convert.refit_verifier import (
+        compare_logprobs,
+        hf_config,
+        megatron_logprobs,
+        vllm_logprobs,
+    )
 
     return compare_logprobs(megatron_logprobs(chunks, tokens, hf_config(bridge).vocab_size), vllm_logprobs(llm, tokens))
 
@@ -85,7 +90,10 @@ def verify_against_trainer(refit, bridge, chunks, tokens, fp8, victim: str, disk
     """Step 5: the verifier's two answers after a clean and after a perturbed refit."""
     from dataclasses import asdict
 
-    from mbridge_refit.tools.verify_refit import tolerance_from_reference, verify_vllm_refit
+    from mbridge_refit.convert.refit_verifier import (
+        tolerance_from_reference,
+        verify_vllm_refit,
+    )
 
     tolerance = tolerance_from_reference(reference)
     common = dict(sender=True, fp8=fp8, tolerance=tolerance, reference_fingerprints=disk, check=False)
@@ -100,12 +108,12 @@ def verify_against_trainer(refit, bridge, chunks, tokens, fp8, victim: str, disk
 
 def run(args) -> dict:
     from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.convert.session import distributed_session
     from mbridge_refit.engines.fingerprint import differing
     from mbridge_refit.engines.vllm import VLLMRefit, prompt_logprobs
     from mbridge_refit.fp8.format import BlockwiseFP8Config
+    from mbridge_refit.models.builder import BuildOptions, build_model
     from mbridge_refit.plan.layout import ParallelLayout
-    from mbridge_refit.tools.launch import distributed_session
-    from mbridge_refit.tools.model_builder import BuildOptions, build_model
 
     result: dict = {"model": args.model if args.layers is None else f"{args.model}-{args.layers}layers",
                     "fp8": args.fp8, "device": torch.cuda.get_device_name(), "checks": {}}
@@ -185,7 +193,7 @@ def start_engine(checkpoint: Path, args: argparse.Namespace):
 
 def model_config(args: argparse.Namespace):
     """The HF config of ``args.model``, cut to ``args.layers`` layers (per-layer lists cut too)."""
-    from mbridge_refit.tools.recipes import full_size_config
+    from mbridge_refit.models.recipes import full_size_config
 
     config = full_size_config(args.model)
     if args.layers is not None:

@@ -6,9 +6,9 @@ registered architecture on CPU.
     python scripts/conformance_matrix.py --parts roundtrip --jobs 8 --cells b.json  # a part, cells 8 at a time
     python scripts/conformance_matrix.py --only GptOssForCausalLM,tp1:LlamaForCausalLM --cells c.json  # some cells
 
-Runs the checks ``tests/test_conformance.py`` runs (``python -m mbridge_refit.tools.conformance``,
+Runs the checks ``tests/test_conformance.py`` runs (``python -m mbridge_refit.testing.conformance``,
 one launch per world size for the layouts of ``MATRIX_LAYOUTS``, CPU ranks under torchrun; the
-roundtrip columns through ``mbridge_refit.convert.roundtrip_conformance``), then writes the page:
+roundtrip columns through ``mbridge_refit.testing.roundtrip_conformance``), then writes the page:
 one row per architecture, a column per layout and precision, each cell's state linking to the
 test that proves it, the counts per state, and the reason of every cell that is not on the fast
 path. The README's block between ``README_BEGIN`` and ``README_END`` gets the counts and the cells
@@ -61,7 +61,7 @@ def free_port() -> int:
 
 def launch(layout_names: list[str], nproc: int, json_path: Path, only: str) -> None:
     """Run the layouts' ranks, one launch (plain python for one rank, as the tests do); raise if they fail."""
-    module = ["-m", "mbridge_refit.tools.conformance", "--layout", ",".join(layout_names), "--json", str(json_path), "--only", only]
+    module = ["-m", "mbridge_refit.testing.conformance", "--layout", ",".join(layout_names), "--json", str(json_path), "--only", only]
     launcher = [] if nproc == 1 else [
         "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
     ]
@@ -72,12 +72,12 @@ def launch(layout_names: list[str], nproc: int, json_path: Path, only: str) -> N
 def run_roundtrip(jobs: int, only: str) -> list:
     """The roundtrip columns: ``convert roundtrip`` of every architecture of every layout against
     its file (TP1 in one process, each cell at more ranks launched on its own, ``jobs`` at a time)."""
-    from mbridge_refit.tools.conformance import MATRIX_LAYOUTS, Cell
+    from mbridge_refit.testing.conformance import MATRIX_LAYOUTS, Cell
 
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "roundtrip.json"
-        module = ["-m", "mbridge_refit.convert.roundtrip_conformance", "--layout", ",".join(MATRIX_LAYOUTS), "--json", str(path), "--jobs", str(jobs), "--only", only]
+        module = ["-m", "mbridge_refit.testing.roundtrip_conformance", "--layout", ",".join(MATRIX_LAYOUTS), "--json", str(path), "--jobs", str(jobs), "--only", only]
         subprocess.run([sys.executable, *module], cwd=REPO, env=env, check=True)
         return [Cell.from_json(c) for c in json.loads(path.read_text())]
 
@@ -89,7 +89,7 @@ def only_at(layout_names: list[str], only: str) -> str:
 
 def run_matrix(only: str) -> dict[str, list]:
     """layout name -> rank 0's cells (every rank's states checked equal), in ``MATRIX_LAYOUTS`` order."""
-    from mbridge_refit.tools.conformance import MATRIX_LAYOUTS, read_cells
+    from mbridge_refit.testing.conformance import MATRIX_LAYOUTS, read_cells
 
     by_world_size: dict[int, list[str]] = {}
     for layout_name, (layout, _) in MATRIX_LAYOUTS.items():
@@ -170,18 +170,18 @@ def _header(runs: list[dict[str, str]]) -> list[str]:
         "",
         "Every architecture Megatron-Bridge registers (`AutoBridge.list_supported_models()`), built as a tiny",
         "random model on CPU ranks (gloo; Megatron's local layer spec, or a Transformer Engine spec with CPU",
-        "stand-ins holding the GPU build's parameters: `mbridge_refit/tools/cpu_specs.py`): RefitBridge's",
+        "stand-ins holding the GPU build's parameters: `mbridge_refit/models/cpu_specs.py`): RefitBridge's",
         "export against stock `export_hf_weights` on the same model (same names in the same order, same",
         "dtype, shape and bytes),",
         "and its blockwise FP8 export against the reference quantizer applied to stock's tensors. Every",
         "architecture runs at TP1; TP2, PP2, EP2 and TP2×EP2 (2 ranks each) run the families that build on",
         "CPU, chosen to cover the placement kinds each layout splits (`MATRIX_LAYOUTS` in",
-        "`mbridge_refit/tools/conformance.py` says which and why; `–`: not run at that layout).",
+        "`mbridge_refit/testing/conformance.py` says which and why; `–`: not run at that layout).",
         "Rows `ARCH+packed_experts` are checkpoint variants: the bridge is built from the tiny checkpoint, whose",
         "routed experts are packed in one tensor per projection (Qwen3-VL-MoE's in its published transposed",
-        "layout), so it maps them with its packed-expert mappings (`mbridge_refit/tools/tiny_checkpoints.py`).",
+        "layout), so it maps them with its packed-expert mappings (`mbridge_refit/testing/tiny_models.py`).",
         "`Gemma4ForCausalLM+moe_block` is Gemma 4's MoE model (`enable_moe_block`: 26B-A4B), which the bridge builds",
-        "with another provider and layer spec (`VARIANT_CONFIG_OVERRIDES` in `mbridge_refit/tools/tiny_configs.py`).",
+        "with another provider and layer spec (`VARIANT_CONFIG_OVERRIDES` in `mbridge_refit/testing/tiny_models.py`).",
         "States: `fast path, exact`; `stock fallback, exact` (the plan refused the model, the export is",
         "stock's); `FP8 refused` (FP8 needs the plan: refused before any work, with the reason);",
         "`cannot be built here` (config, bridge or model construction failed on CPU); `upstream broken`",
@@ -201,7 +201,7 @@ def _header(runs: list[dict[str, str]]) -> list[str]:
 
 def _counts_table(matrix: dict[str, list], columns: list[tuple[str, str]]) -> list[str]:
     """One row per layout and precision: its ranks, architectures, and cells in each state."""
-    from mbridge_refit.tools.conformance import MATRIX_LAYOUTS, CellState
+    from mbridge_refit.testing.conformance import MATRIX_LAYOUTS, CellState
 
     states = [str(state) for state in CellState]  # every state, the failing ones too (0 when none)
     table = ["| layout | ranks | precision | " + " | ".join(states) + " |", "| --- " * (len(states) + 3) + "|"]
@@ -214,7 +214,7 @@ def _counts_table(matrix: dict[str, list], columns: list[tuple[str, str]]) -> li
 
 def _concessions_table(matrix: dict[str, list]) -> list[str]:
     """Which architectures were built with which CPU concessions (and what each changes)."""
-    from mbridge_refit.tools.model_builder import CPU_WEIGHT_ONLY_CONCESSIONS
+    from mbridge_refit.models.builder import CPU_WEIGHT_ONLY_CONCESSIONS
 
     users: dict[str, set[str]] = {}
     for cells in matrix.values():
@@ -223,7 +223,7 @@ def _concessions_table(matrix: dict[str, list]) -> list[str]:
                 users.setdefault(field, set()).add(cell.architecture)
     table = [
         "Provider settings a CPU build cannot honour, set to one it can (`CPU_WEIGHT_ONLY_CONCESSIONS` in",
-        "`mbridge_refit/tools/model_builder.py`, which `convert` takes too); none changes a parameter's name,",
+        "`mbridge_refit/models/builder.py`, which `convert` takes too); none changes a parameter's name,",
         "shape, mapping or bytes.",
         "Every CPU build also runs with `torch.cuda.current_device()` answering `\"cpu\"`: Megatron-Core",
         "allocates the MoE router's expert-bias buffers there whatever `use_cpu_initialization` says.",
@@ -321,7 +321,7 @@ def main() -> None:
     if not parts or parts - {"export", "roundtrip"}:
         parser.error(f"--parts {args.parts!r}: choose export, roundtrip or both")
     sys.path.insert(0, str(REPO))
-    from mbridge_refit.tools.conformance import MATRIX_LAYOUTS, Cell
+    from mbridge_refit.testing.conformance import MATRIX_LAYOUTS, Cell
 
     if args.from_cells:
         saved = [json.loads(path.read_text()) for path in args.from_cells]

@@ -33,10 +33,10 @@ def main() -> None:
     args = parser.parse_args()
 
     from mbridge_refit.bridge import RefitBridge
-    from mbridge_refit.tools.launch import distributed_session
+    from mbridge_refit.convert.session import distributed_session
+    from mbridge_refit.models.builder import BuildOptions, build_model
+    from mbridge_refit.models.recipes import full_size_config
     from mbridge_refit.plan.layout import ParallelLayout
-    from mbridge_refit.tools.model_builder import BuildOptions, build_model
-    from mbridge_refit.tools.recipes import full_size_config
 
     layout = ParallelLayout(tp=args.tp)
     device = torch.device("cuda")

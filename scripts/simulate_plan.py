@@ -39,8 +39,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from bench_plan import (  # the sibling benchmark (scripts/ is on sys.path)
+    append_jsonl,
+    peak_rss_gib,
+)
 from provenance import results_dir
-from bench_plan import append_jsonl, peak_rss_gib  # the sibling benchmark (scripts/ is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -76,8 +79,8 @@ def meta_model(model: str, layout):
     import torch
 
     from mbridge_refit.bridge import RefitBridge
-    from mbridge_refit.tools.model_builder import BuildOptions, build_model
-    from mbridge_refit.tools.recipes import full_size_config
+    from mbridge_refit.models.builder import BuildOptions, build_model
+    from mbridge_refit.models.recipes import full_size_config
 
     bridge = RefitBridge.from_hf_config(full_size_config(model))
     options = BuildOptions(device=torch.device("cpu"), params_dtype=torch.bfloat16, materialize=False)

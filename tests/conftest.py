@@ -62,7 +62,7 @@ def lost_its_port(launch: Launch) -> bool:
 @pytest.fixture(scope="session")
 def source_checkpoints(tmp_path_factory):
     """Tiny random HF checkpoints, one per recipe, sharded so the index is exercised."""
-    from mbridge_refit.tools import recipes
+    from mbridge_refit.models import recipes
 
     root = tmp_path_factory.mktemp("sources")
     made: dict[str, Path] = {}

@@ -240,7 +240,7 @@ def test_damaged_checkpoint_is_bad_input(damage, needle, tmp_path, capsys):
 
 def test_roundtrip_refuses_a_damaged_source_before_any_work(tmp_path, capsys):
     from mbridge_refit.convert import main
-    from mbridge_refit.tools import recipes
+    from mbridge_refit.models import recipes
 
     source = recipes.make_random_checkpoint(recipes.get_model_recipe("qwen3-tiny"), tmp_path / "src", seed=1, max_shard_bytes=64 * 1024)
     shard = sorted(source.glob("*.safetensors"))[0]

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO
 from oracle import read_checkpoint
 
@@ -259,7 +258,7 @@ safetensors.torch.save_file = save_file
 
 @pytest.fixture(scope="module")
 def three_sources(tmp_path_factory):
-    from mbridge_refit.tools import recipes
+    from mbridge_refit.models import recipes
 
     root = tmp_path_factory.mktemp("seeded")
     recipe = recipes.get_model_recipe("qwen3-tiny")

@@ -2,7 +2,7 @@
 layer spec), RefitBridge's export against stock's on the same model bit for bit (BF16), and its
 FP8 export against the reference quantizer applied to stock's tensors.
 
-The cells are decided inside the ranks by ``mbridge_refit.tools.conformance``, run here under
+The cells are decided inside the ranks by ``mbridge_refit.testing.conformance``, run here under
 torchrun once per world size (every layout of ``MATRIX_LAYOUTS`` with that many ranks, the cells
 this session selected, so ``-k`` runs only those); each test below reads one cell. A cell passes
 in any state but ``different`` and ``our export failed``; ``docs/conformance.md`` is the same run
@@ -22,14 +22,23 @@ import sys
 
 import pytest
 import torch
-
 from conftest import REPO, torchrun
-from mbridge_refit.convert import roundtrip_conformance
+
 from mbridge_refit.fp8.format import BlockwiseFP8Config, FP8FormatError
-from mbridge_refit.tools import conformance, model_builder, tiny_checkpoints
-from mbridge_refit.tools.conformance import BF16, FP8, MATRIX_LAYOUTS, Cell, CellState, check_bf16, check_fp8, read_cells
-from mbridge_refit.tools.export_comparison import compare_stream, fp8_expected
-from mbridge_refit.tools.recipes import MODEL_RECIPES
+from mbridge_refit.models import builder
+from mbridge_refit.models.recipes import MODEL_RECIPES
+from mbridge_refit.testing import conformance, roundtrip_conformance, tiny_models
+from mbridge_refit.testing.conformance import (
+    BF16,
+    FP8,
+    MATRIX_LAYOUTS,
+    Cell,
+    CellState,
+    check_bf16,
+    check_fp8,
+    read_cells,
+)
+from mbridge_refit.testing.export_comparison import compare_stream, fp8_expected
 
 MATRIX_TIMEOUT = 900  # seconds for one launch (TP1: every registered architecture; 2 ranks: every 2-rank layout)
 CELLS = [(layout, architecture) for layout in MATRIX_LAYOUTS for architecture in conformance.architectures_at(layout)]
@@ -181,7 +190,7 @@ def matrix(request, tmp_path_factory):
             layouts = [name for name, (layout, _) in MATRIX_LAYOUTS.items() if layout.expected_world_size == nproc and selected[name]]
             only = ",".join(f"{name}:{architecture}" for name in layouts for architecture in selected[name])
             path = tmp_path_factory.mktemp(f"ranks{nproc}") / "cells.json"
-            args = ["mbridge_refit.tools.conformance", "--layout", ",".join(layouts), "--only", only, "--json", str(path)]
+            args = ["mbridge_refit.testing.conformance", "--layout", ",".join(layouts), "--only", only, "--json", str(path)]
             run = torchrun(nproc, args, timeout=MATRIX_TIMEOUT)
             assert run.returncode == 0, run.output[-6000:]
             for name in layouts:
@@ -272,7 +281,7 @@ def test_matrix_page_links_name_tests_of_this_module(page):
 def test_build_helpers_restore_what_they_change(monkeypatch):
     """The CUDA-device answer and the environment are the build's only: both are back after it."""
     current_device = torch.cuda.current_device
-    with model_builder.cuda_device_queries_answer_cpu():
+    with builder.cuda_device_queries_answer_cpu():
         assert torch.cuda.current_device() == "cpu"
     assert torch.cuda.current_device is current_device
     monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
@@ -299,7 +308,7 @@ def _fake_convert(write_output):
 def _copy_with_one_flipped_bit(source, out):
     from safetensors.torch import save_file
 
-    tensors = dict(tiny_checkpoints.checkpoint_tensors(source))
+    tensors = dict(tiny_models.checkpoint_tensors(source))
     name = sorted(tensors)[-1]
     tensors[name] = _flip_one_byte(tensors[name])
     out.mkdir()
@@ -315,7 +324,7 @@ def test_roundtrip_cell_catches_a_flipped_bit_and_a_dropped_tensor(tmp_path, mon
         shutil.copytree(source, out)
 
     def drop_one(source, out):
-        tensors = dict(tiny_checkpoints.checkpoint_tensors(source))
+        tensors = dict(tiny_models.checkpoint_tensors(source))
         tensors.pop(sorted(tensors)[0])
         out.mkdir()
         save_file(tensors, str(out / "model.safetensors"))
@@ -335,7 +344,7 @@ def test_errors_of_launched_ranks_are_read_from_their_log():
         "[rank0] ERROR mbridge_refit.convert.app: cannot load decoder.layers.0.x: no slice description",
         "[rank1] ERROR mbridge_refit.convert.app: roundtrip failed (internal error: please report it with this traceback)",
         "Traceback (most recent call last):",
-        '  File "/x/mbridge_refit/tools/model_builder.py", line 160, in build_model',
+        '  File "/x/mbridge_refit/models/builder.py", line 160, in build_model',
         "    chunks = provider.provide_distributed_model(",
         "RuntimeError: TransformerEngine needs CUDA.",
         "[rank0] ERROR mbridge_refit.convert.launcher: 2 of 2 ranks failed (2, 3): exit code 3",
@@ -371,7 +380,7 @@ ROUNDTRIP_CELLS = [
 
 @pytest.fixture(scope="module")
 def roundtrip_cells(request, tmp_path_factory):
-    """(layout, architecture) -> its roundtrip cell, from one run of ``convert.roundtrip_conformance``
+    """(layout, architecture) -> its roundtrip cell, from one run of ``testing.roundtrip_conformance``
     over the roundtrip cells this session selected."""
     selected = [
         (item.callspec.params["layout"], item.callspec.params["architecture"]) for item in request.session.items
@@ -382,7 +391,7 @@ def roundtrip_cells(request, tmp_path_factory):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     only = ",".join(f"{layout}:{architecture}" for layout, architecture in selected)
     run = subprocess.run(
-        [sys.executable, "-m", "mbridge_refit.convert.roundtrip_conformance", "--json", str(path), "--layout", ",".join(layouts), "--only", only],
+        [sys.executable, "-m", "mbridge_refit.testing.roundtrip_conformance", "--json", str(path), "--layout", ",".join(layouts), "--only", only],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=MATRIX_TIMEOUT,
     )
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
@@ -404,7 +413,7 @@ def test_a_cpu_build_without_cuda_forks_no_cuda_rng_state():
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     before = get_cuda_rng_tracker()
-    with model_builder.cuda_device_queries_answer_cpu():
+    with builder.cuda_device_queries_answer_cpu():
         with get_cuda_rng_tracker().fork():
             pass
     assert get_cuda_rng_tracker() is before

@@ -1,5 +1,5 @@
-"""CPU stand-ins for Transformer Engine modules (``mbridge_refit/tools/cpu_stand_ins.py``, ``cpu_specs.py``) and the CPU
-materialisation of a model (``model_builder.keeping_parameter_attributes``).
+"""CPU stand-ins for Transformer Engine modules (``mbridge_refit/models/cpu_stand_ins.py``, ``cpu_specs.py``) and the CPU
+materialisation of a model (``models.builder.keeping_parameter_attributes``).
 
 What a whole family's CPU build holds is checked by the conformance matrix (tests/test_conformance.py:
 stock's export of the same model, every parameter mapped); here, the parts: a Transformer Engine
@@ -20,8 +20,8 @@ from megatron.core.extensions import transformer_engine as te
 from megatron.core.transformer.transformer_config import TransformerConfig
 from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
 
-from mbridge_refit.tools import cpu_specs, cpu_stand_ins
-from mbridge_refit.tools.model_builder import keeping_parameter_attributes
+from mbridge_refit.models import cpu_specs, cpu_stand_ins
+from mbridge_refit.models.builder import keeping_parameter_attributes
 
 ATTRIBUTES = ("allreduce", "tensor_model_parallel", "partition_dim", "partition_stride")
 
@@ -111,7 +111,9 @@ def _expert_config(*, ep: int, etp: int, tp: int) -> SimpleNamespace:
 
 def _megatron_attributes(module: torch.nn.Module, parallel_mode: str, use_expert_pgs: bool) -> dict:
     """The attributes Megatron's ``TEGroupedLinear`` sets on parameters like ``module``'s."""
-    from megatron.core.extensions.transformer_engine import _set_expert_parameter_attributes
+    from megatron.core.extensions.transformer_engine import (
+        _set_expert_parameter_attributes,
+    )
 
     reference = torch.nn.Module()
     for name, param in module.named_parameters(recurse=False):

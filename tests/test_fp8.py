@@ -16,15 +16,15 @@ import weakref
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
 from conftest import REPO, torchrun
 from oracle import read_checkpoint
-from mbridge_refit.tools import recipes
+from safetensors.torch import load_file, save_file
+
 from mbridge_refit.fp8.format import BlockwiseFP8Config, FP8FormatError
 from mbridge_refit.fp8.plan import check_fp8_exportable, fp8_plan
-from mbridge_refit.fp8.reference import dequantize_blockwise
 from mbridge_refit.fp8.quantize import quantize_blockwise
+from mbridge_refit.fp8.reference import dequantize_blockwise
+from mbridge_refit.models import recipes
 from mbridge_refit.plan.entries import ExportPlan
 
 E4M3_MAX = 448.0
@@ -119,9 +119,9 @@ def test_quantizer_rejects_non_2d():
 def test_bucket_quantizer_follows_new_data_and_reuses_buffers():
     """A persistent pool's bucket quantizer is decided once; later exports with new values still
     give the reference bits, into the same buffers, with nothing allocated."""
-    from mbridge_refit.runtime.buffers import ExportBuffers
     from mbridge_refit.fp8.format import SCALE_SUFFIX
     from mbridge_refit.fp8.quantize import quantize_buckets
+    from mbridge_refit.runtime.buffers import ExportBuffers
 
     weight, norm = "model.layers.0.mlp.up_proj.weight", "model.layers.0.input_layernorm.weight"
     shapes = {weight: (300, 200), norm: (200,)}
@@ -149,10 +149,10 @@ def test_row_selections_are_quantized_from_their_source():
     at TP1): runs of whole block rows are quantized straight from the fused tensor (the selection
     is never copied out), runs off block rows are copied out first; both give the reference
     bits of the HF tensor, export after export."""
-    from mbridge_refit.runtime.buffers import ExportBuffers
-    from mbridge_refit.runtime.selection import RowSelection
     from mbridge_refit.fp8.format import SCALE_SUFFIX
     from mbridge_refit.fp8.quantize import quantize_buckets
+    from mbridge_refit.runtime.buffers import ExportBuffers
+    from mbridge_refit.runtime.selection import RowSelection
 
     group_rows = {"q": 256, "k": 128, "v": 72}  # per KV group, in this order; v's runs are off block rows
     offsets = {"q": 0, "k": 256, "v": 384}
@@ -210,8 +210,8 @@ def test_grouped_kernel_writes_what_the_single_kernel_writes():
 
 
 def _plan_with(names_shapes) -> ExportPlan:
-    from mbridge_refit.plan.slices import SliceCopy
     from mbridge_refit.plan.entries import PlanEntry, TensorSharding
+    from mbridge_refit.plan.slices import SliceCopy
 
     def entry(name, shape, kind="column"):
         sharding = TensorSharding(

@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 
 import pytest
+from test_fp8 import _plan_with
 
 from mbridge_refit.fp8.format import BlockwiseFP8Config, FP8FormatError
 from mbridge_refit.fp8.keep import KEEP_BY_ARCHITECTURE
 from mbridge_refit.fp8.plan import fp8_plan
-from test_fp8 import _plan_with
 
 ATTENTION = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
              "model.layers.0.self_attn.v_proj.weight", "model.layers.0.self_attn.o_proj.weight"]
@@ -170,7 +170,7 @@ def test_a_config_without_patterns_refuses_to_decide():
 
 def test_the_bridge_picks_the_row_of_its_architecture_and_keeps_explicit_patterns():
     from mbridge_refit.bridge import RefitBridge
-    from mbridge_refit.tools.tiny_configs import tiny_config
+    from mbridge_refit.testing.tiny_models import tiny_config
 
     bridge = RefitBridge.from_hf_config(tiny_config("Qwen3_5MoeForConditionalGeneration"))
     names, kept = FAMILIES["Qwen3_5MoeForConditionalGeneration"]

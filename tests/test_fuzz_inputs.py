@@ -25,8 +25,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from mbridge_refit.convert import ExitCode, main
-from mbridge_refit.tools import recipes
-from mbridge_refit.tools.conformance import restored_environment
+from mbridge_refit.models import recipes
+from mbridge_refit.testing.conformance import restored_environment
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

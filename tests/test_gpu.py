@@ -18,11 +18,11 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def tiny_gpu_model():
-    from mbridge_refit.tools import recipes
     from mbridge_refit.bridge import RefitBridge
-    from mbridge_refit.tools.launch import distributed_session
+    from mbridge_refit.convert.session import distributed_session
+    from mbridge_refit.models import recipes
+    from mbridge_refit.models.builder import BuildOptions, build_model
     from mbridge_refit.plan.layout import ParallelLayout
-    from mbridge_refit.tools.model_builder import BuildOptions, build_model
 
     layout = ParallelLayout()
     device = torch.device("cuda")
@@ -116,6 +116,7 @@ def test_cuda_ipc_transport_opens_the_same_memory_in_another_process(tmp_path):
     import sys
 
     from conftest import REPO
+
     from mbridge_refit.engines.sharing import CudaIpcTransport
 
     source = (torch.arange(3001, device="cuda") % 251).to(torch.uint8)

@@ -20,12 +20,11 @@ import time
 from pathlib import Path
 
 import pytest
-from safetensors import safe_open
-
 from conftest import REPO
+
 from mbridge_refit.convert import ExitCode, main
-from mbridge_refit.tools import recipes
-from mbridge_refit.tools.conformance import restored_environment
+from mbridge_refit.models import recipes
+from mbridge_refit.testing.conformance import restored_environment
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -139,7 +138,7 @@ BOMB_DRIVER = """
 import json, resource, sys
 resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit}))
 from mbridge_refit.convert import main
-from mbridge_refit.tools.conformance import restored_environment
+from mbridge_refit.testing.conformance import restored_environment
 codes = []
 for argv in json.loads(sys.argv[1]):
     with restored_environment():
@@ -439,8 +438,8 @@ def test_a_gpu_build_is_checked_on_a_cpu_meta_build_first(monkeypatch):
     import torch
 
     from mbridge_refit.convert import preflight
+    from mbridge_refit.models.builder import BuildOptions
     from mbridge_refit.plan.layout import ParallelLayout
-    from mbridge_refit.tools.model_builder import BuildOptions
 
     calls: list = []
 

@@ -11,9 +11,8 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
 from conftest import torchrun
+from safetensors.torch import load_file, save_file
 
 pytestmark = pytest.mark.multirank
 
@@ -108,7 +107,7 @@ def test_packed_expert_tensor_of_another_expert_count_is_refused(tmp_path):
     whose last expert it lacks."""
     from safetensors import safe_open
 
-    from mbridge_refit.tools.tiny_checkpoints import write_tiny_checkpoint
+    from mbridge_refit.testing.tiny_models import write_tiny_checkpoint
 
     bad = write_tiny_checkpoint("Glm4MoeForCausalLM+packed_experts", tmp_path / "bad")
     (shard,) = bad.glob("*.safetensors")
@@ -133,7 +132,10 @@ def test_float32_expert_bias_loads_as_megatron_keeps_it(tmp_path):
     router weight into the bf16 model is refused, as it should be.)"""
     from safetensors import safe_open
 
-    from mbridge_refit.tools.tiny_checkpoints import checkpoint_tensors, write_tiny_checkpoint
+    from mbridge_refit.testing.tiny_models import (
+        checkpoint_tensors,
+        write_tiny_checkpoint,
+    )
 
     source = write_tiny_checkpoint("Ernie4_5_MoeForCausalLM", tmp_path / "source")
     (shard,) = source.glob("*.safetensors")

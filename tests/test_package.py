@@ -1,4 +1,5 @@
-"""The package's structure: every module imports on its own, no import cycle, layers point down.
+"""The package's structure: every module imports on its own, no import cycle, layers point down,
+production code never imports the test support (``mbridge_refit.testing``).
 
 The import graph is read from the source (AST), counting imports inside functions and under
 ``TYPE_CHECKING`` too: a lazy import is still a dependency.
@@ -25,8 +26,9 @@ LAYERS = (
     ("sinks",),
     ("engines", "transfer"),
     ("bridge",),
-    ("tools",),
+    ("models",),
     ("convert", "cli"),
+    ("testing",),
 )
 
 
@@ -198,6 +200,47 @@ def test_cycle_finder_finds_a_cycle(tmp_path):
     assert cycle is not None and set(cycle) == {"pkg.a", "pkg.sub.b"}
 
 
+def support_importers(modules: dict[str, Path], support: str) -> list[str]:
+    """``"module imports target"`` for every module outside ``support`` whose source names it: an
+    import statement (in a function or under ``TYPE_CHECKING`` too) or a string constant naming a
+    module of it (a lazy ``importlib`` table such as the package's ``_PUBLIC``)."""
+    def names_support(target: str) -> bool:
+        return target == support or target.startswith(support + ".")
+
+    found = []
+    for name, path in sorted(modules.items()):
+        if names_support(name):
+            continue
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = _import_targets(node, name, is_package)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                targets = [node.value]
+            found += [f"{name} imports {target}" for target in targets if names_support(target)]
+    return sorted(set(found))
+
+
+def test_production_code_never_imports_the_test_support():
+    """The shipped package stands without ``mbridge_refit.testing`` (which the wheel leaves out):
+    no module outside it imports it, eagerly or lazily."""
+    importers = support_importers(MODULES, "mbridge_refit.testing")
+    assert not importers, "production modules import the test support:\n" + "\n".join(importers)
+
+
+def test_support_check_names_the_importer(tmp_path):
+    """Control: a production module importing the test support lazily, or naming it in a lazy
+    import table, is caught by name; the test support importing production code is fine."""
+    package = tmp_path / "pkg"
+    (package / "testing").mkdir(parents=True)
+    (package / "__init__.py").write_text('_PUBLIC = {"helper": "pkg.testing.helpers"}\n')
+    (package / "testing" / "__init__.py").write_text("")
+    (package / "testing" / "helpers.py").write_text("from pkg import core\n")
+    (package / "core.py").write_text("def f():\n    from .testing import helpers\n")
+    (package / "clean.py").write_text("import pkg.core\n")
+    importers = support_importers(package_modules(package), "pkg.testing")
+    assert importers == ["pkg imports pkg.testing.helpers", "pkg.core imports pkg.testing", "pkg.core imports pkg.testing.helpers"]
+
+
 def test_every_error_class_has_the_package_root():
     """Every exception class the package defines derives from ``errors.RefitError``, so callers
     catch by kind and the command line maps kinds (``InputError``: exit 2) without a list of classes."""
@@ -249,7 +292,10 @@ def test_every_module_declares_its_public_names(module):
         return
     bound = {
         getattr(node, "name", None) for node in tree.body
-    } | {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)} | {
+    } | {
+        t.id for node in tree.body if isinstance(node, ast.Assign) for target in node.targets
+        for t in (target.elts if isinstance(target, ast.Tuple) else [target]) if isinstance(t, ast.Name)
+    } | {
         node.target.id for node in tree.body if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
     } | {
         (alias.asname or alias.name).split(".")[0]

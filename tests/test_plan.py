@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-
 from conftest import torchrun
 from oracle import read_checkpoint
 
@@ -35,8 +34,8 @@ def test_plan_cli_json_matches_the_checkpoint(ranks, flags, source_checkpoints, 
 
 
 def test_plan_roundtrips_through_json():
-    from mbridge_refit.plan.slices import SliceCopy
     from mbridge_refit.plan.entries import ExportPlan, PlanEntry, TensorSharding
+    from mbridge_refit.plan.slices import SliceCopy
 
     sharding = TensorSharding(
         mesh_dims=("tp", "dp"), mesh_shape=(2, 1), placements=("Shard(0)", "Replicate()"),
@@ -54,9 +53,8 @@ def test_plan_roundtrips_through_json():
 def test_unmappable_parameter_is_named():
     from megatron.bridge.models.conversion.param_mapping import KVMapping
 
-    from mbridge_refit.plan.slices import PlacementError
-
     from mbridge_refit.plan.placement import placement_kind
+    from mbridge_refit.plan.slices import PlacementError
 
     mapping = KVMapping("decoder.layers.0.self_attention.linear_kv.weight", k="a.k", v="a.v")
     with pytest.raises(PlacementError, match=r"decoder\.layers\.0\.self_attention\.linear_kv\.weight.*KVMapping"):
@@ -91,10 +89,10 @@ def test_layout_errors_name_the_problem(kwargs, message):
     ],
 )
 def test_model_shape_reads_the_language_model_of_any_config(architecture, expected):
-    """The layout checks read a VLM's text_config and every family's expert count (tiny_configs
+    """The layout checks read a VLM's text_config and every family's expert count (tiny_models
     sets these sizes: heads 4, kv heads 2, vocab 2048, 8 experts)."""
     from mbridge_refit.plan.layout import LayoutError, ModelShape, ParallelLayout
-    from mbridge_refit.tools.tiny_configs import tiny_config
+    from mbridge_refit.testing.tiny_models import tiny_config
 
     shape = ModelShape.from_hf_config(tiny_config(architecture))
     assert {k: getattr(shape, k) for k in expected} == expected
@@ -111,9 +109,8 @@ def test_mapping_with_its_own_export_conversion_is_refused_by_name():
     base class's slices."""
     from megatron.bridge.models.conversion.param_mapping import ReplicatedMapping
 
-    from mbridge_refit.plan.slices import PlacementError
-
     from mbridge_refit.plan.placement import placement_kind
+    from mbridge_refit.plan.slices import PlacementError
 
     class Unsqueezing(ReplicatedMapping):
         def megatron_to_hf(self, megatron_weights, megatron_module):
@@ -147,7 +144,7 @@ def test_names_a_bridge_drops_on_export_are_left_out_of_the_plan():
     from megatron.bridge.models.gemma.gemma4_bridge import Gemma4Bridge
 
     from mbridge_refit.plan.build import _names_the_bridge_drops
-    from mbridge_refit.tools.tiny_configs import tiny_config
+    from mbridge_refit.testing.tiny_models import tiny_config
 
     config = tiny_config("Gemma4ForCausalLM")
     config.attention_k_eq_v, config.num_kv_shared_layers = True, 1

@@ -1,4 +1,4 @@
-"""Tests for mbridge_refit.tools.recipes: every recipe builds a checkpoint that transformers loads back
+"""Tests for mbridge_refit.models.recipes: every recipe builds a checkpoint that transformers loads back
 exactly, with the checkpoint names Megatron-Bridge expects; layouts load and fit their models."""
 
 from __future__ import annotations
@@ -13,20 +13,20 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from mbridge_refit.tools import recipes
-from mbridge_refit.plan.layout import LayoutError, ModelShape, ParallelLayout
-from mbridge_refit.tools.recipes import (
+from mbridge_refit.models import recipes
+from mbridge_refit.models.recipes import (
     LAYOUTS,
     MODEL_RECIPES,
     ModelRecipe,
     RecipeError,
     UnknownRecipeError,
-    build_random_model,
     compatible_layouts,
     get_layout,
     get_model_recipe,
     make_random_checkpoint,
+    random_hf_model,
 )
+from mbridge_refit.plan.layout import LayoutError, ModelShape, ParallelLayout
 
 RECIPE_NAMES = sorted(MODEL_RECIPES)
 DENSE = [n for n in RECIPE_NAMES if not MODEL_RECIPES[n].is_moe]
@@ -174,7 +174,7 @@ def test_checkpoint_names_dtypes_and_roundtrip(name, tmp_path):
 
     loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert {k: v for k, v in info.items() if v} == {}, info  # no missing/unexpected/mismatched keys
-    reference = build_random_model(name, seed=3).state_dict()
+    reference = random_hf_model(name, seed=3).state_dict()
     state = loaded.state_dict()
     assert set(state) == set(reference)
     for key, tensor in reference.items():
@@ -202,7 +202,7 @@ def test_per_expert_tensors_split_the_fused_ones(name, tmp_path):
     in-memory experts (gate first, then up), in the layout Megatron-Bridge's mappings read."""
     recipe = get_model_recipe(name)
     tensors = read_checkpoint(make_random_checkpoint(name, tmp_path / "ckpt", seed=1))
-    model = build_random_model(name, seed=1)
+    model = random_hf_model(name, seed=1)
     inter, hidden = recipe.hf_config["moe_intermediate_size"], recipe.hf_config["hidden_size"]
     for layer in range(recipe.hf_config["num_hidden_layers"]):
         experts = model.model.layers[layer].mlp.experts

@@ -8,10 +8,10 @@ from __future__ import annotations
 import shutil
 
 import pytest
-
-from mbridge_refit.tools import recipes
-from oracle import assert_bitwise_equal_checkpoints, read_checkpoint
 from conftest import torchrun
+from oracle import assert_bitwise_equal_checkpoints, read_checkpoint
+
+from mbridge_refit.models import recipes
 
 pytestmark = pytest.mark.multirank
 

@@ -13,9 +13,9 @@ import json
 
 import pytest
 import torch
-
 from conftest import torchrun
-from mbridge_refit.tools.verify_refit import (
+
+from mbridge_refit.convert.refit_verifier import (
     LogprobComparison,
     RefitMismatch,
     RefitVerdict,
@@ -120,7 +120,7 @@ class _StubRefit:
 def test_vllm_verifier_separates_weights_from_numerics(monkeypatch):
     """Issue #31: an exact refit of a model whose engine numerics sit 0.2 from Megatron's (the
     DeepSeek-V3 shape in bf16) passes; a wrong parameter fails whatever the numerics."""
-    from mbridge_refit.tools import verify_refit as module
+    from mbridge_refit.convert import refit_verifier as module
 
     trainer = -torch.rand(2, 5)
     monkeypatch.setattr(module, "megatron_logprobs", lambda chunks, tokens, vocab: trainer)
@@ -256,7 +256,7 @@ def stub_vllm(monkeypatch):
 
 
 def test_vllm_logprobs_reads_the_engines_prompt_logprobs(stub_vllm):
-    from mbridge_refit.tools.verify_refit import vllm_logprobs
+    from mbridge_refit.convert.refit_verifier import vllm_logprobs
 
     tokens = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
     table = -torch.rand(2, 3)
@@ -266,7 +266,7 @@ def test_vllm_logprobs_reads_the_engines_prompt_logprobs(stub_vllm):
 
 
 def test_perturbation_stays_finite_in_fp8():
-    from mbridge_refit.tools.verify_refit import _perturbed
+    from mbridge_refit.convert.refit_verifier import _perturbed
 
     weight = (torch.randn(64, 64) * 200).clamp(-448, 448).to(torch.float8_e4m3fn)  # e4m3fn's finite range
     perturbed = _perturbed(weight)

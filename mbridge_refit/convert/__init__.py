@@ -6,7 +6,10 @@ timeout), ``exit_codes`` (the one table of exit codes), ``inputs`` (checks of pa
 layouts that run on every rank before any collective), ``preflight`` (the model a config
 describes against the checkpoint's tensors, before any weight memory is allocated), ``commands``
 (one function per subcommand), ``writing`` (the export-to-checkpoint path that ``roundtrip`` and
-``export`` share) and ``verify_refit`` (the ``verify-refit`` subcommand).
+``export`` share), ``launcher`` (``--nproc-per-node``: N ranks, one exit code), ``session``
+(process groups: torchrun's environment, gloo or NCCL, Megatron's model-parallel state),
+``verify_refit`` (the ``verify-refit`` subcommand) and ``refit_verifier`` (what it checks, as a
+library: a refit model's weights and log-probabilities against Megatron's).
 
 The public names are imported lazily, so that ``python -m mbridge_refit.convert`` reaches its
 ``__main__`` (which turns an interrupt while torch is being imported into one line) before

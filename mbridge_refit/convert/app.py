@@ -45,11 +45,11 @@ from mbridge_refit.convert import commands
 from mbridge_refit.convert.exit_codes import BadInput, ExitCode
 from mbridge_refit.convert.launcher import record_exit_code, run_ranks
 from mbridge_refit.convert.parser import build_parser
+from mbridge_refit.convert.session import LaunchEnv
 from mbridge_refit.convert.verify_refit import cmd_verify_refit
 from mbridge_refit.errors import InputError
 from mbridge_refit.fp8.format import FP8FormatError
 from mbridge_refit.plan.layout import LayoutError
-from mbridge_refit.tools.launch import LaunchEnv
 
 __all__ = [
     "COMMANDS", "ENVIRONMENT_ERRNOS", "Failure", "INPUT_ERRORS", "SAME_ON_EVERY_RANK", "classify",

@@ -69,7 +69,7 @@ class WriteArgs:
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
-    from mbridge_refit.tools import recipes
+    from mbridge_refit.models import recipes
 
     if args.list:
         for name, recipe in recipes.MODEL_RECIPES.items():
@@ -141,8 +141,8 @@ def run_roundtrip(options: WriteArgs) -> int:
     from mbridge_refit.bridge import RefitBridge
     from mbridge_refit.checkpoints.hf import HFCheckpoint
     from mbridge_refit.convert.preflight import build_checked, check_hf_source
-    from mbridge_refit.tools.launch import distributed_session
-    from mbridge_refit.tools.model_builder import BuildOptions
+    from mbridge_refit.convert.session import distributed_session
+    from mbridge_refit.models.builder import BuildOptions
 
     checkpoint = HFCheckpoint.open(options.source)
     checkpoint.validate()  # every file readable and agreeing with the index, before any collective
@@ -214,8 +214,8 @@ def run_import(options: ImportArgs) -> int:
     from mbridge_refit.checkpoints.hf import HFCheckpoint
     from mbridge_refit.checkpoints.megatron import CheckpointInfo, save_model
     from mbridge_refit.convert.preflight import build_checked, check_hf_source
-    from mbridge_refit.tools.launch import distributed_session
-    from mbridge_refit.tools.model_builder import BuildOptions
+    from mbridge_refit.convert.session import distributed_session
+    from mbridge_refit.models.builder import BuildOptions
 
     cpu = torch.device("cpu")
     checkpoint = HFCheckpoint.open(options.hf)
@@ -245,8 +245,8 @@ def run_export(options: WriteArgs) -> int:
     from mbridge_refit.checkpoints.hf import load_config
     from mbridge_refit.checkpoints.megatron import CheckpointInfo, load_model
     from mbridge_refit.convert.preflight import build_checked, check_megatron_source
-    from mbridge_refit.tools.launch import distributed_session
-    from mbridge_refit.tools.model_builder import BuildOptions
+    from mbridge_refit.convert.session import distributed_session
+    from mbridge_refit.models.builder import BuildOptions
 
     cpu = torch.device("cpu")
     info = CheckpointInfo.read(options.source)
@@ -274,9 +274,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from mbridge_refit.bridge import RefitBridge
     from mbridge_refit.checkpoints.hf import HFCheckpoint
+    from mbridge_refit.convert.session import distributed_session
     from mbridge_refit.fp8.format import FP8FormatError
-    from mbridge_refit.tools.launch import distributed_session
-    from mbridge_refit.tools.model_builder import BuildOptions, build_model
+    from mbridge_refit.models.builder import BuildOptions, build_model
 
     layout = checked_hf_input(args)
     if args.json is not None and not args.json.parent.is_dir():

@@ -44,7 +44,7 @@ def checked_hf_input(args: argparse.Namespace) -> ParallelLayout:
 
 def checked_layout(args: argparse.Namespace, config: Any) -> ParallelLayout:
     """The layout flags against the model (HF ``config``) and the launched world size."""
-    from mbridge_refit.tools.launch import LaunchEnv
+    from mbridge_refit.convert.session import LaunchEnv
 
     layout = layout_from_flags(args)
     check_config_numbers(config)
@@ -100,7 +100,7 @@ def check_provider(config: Any, layout: ParallelLayout) -> None:
     import torch
 
     from mbridge_refit.bridge import RefitBridge
-    from mbridge_refit.tools.model_builder import BuildOptions, configure_provider
+    from mbridge_refit.models.builder import BuildOptions, configure_provider
 
     try:
         provider = RefitBridge.from_hf_config(config).to_megatron_provider(load_weights=False)

@@ -10,7 +10,7 @@ A signal to the launcher (SIGTERM, SIGINT, SIGHUP, SIGQUIT: torchrun's machinery
 and raises ``SignalException``) ends it with exit code 3 and one line naming the signal.
 
 Each rank also records its exit code in a directory the launcher names (``record_exit_code``,
-``tools.launch.EXIT_RECORDS_VARIABLE``) as soon as it has decided it. A rank that fails closes its
+``convert.session.EXIT_RECORDS_VARIABLE``) as soon as it has decided it. A rank that fails closes its
 connections before its process ends, so a peer waiting in a collective may fail ("connection
 closed by peer") and exit first, and torchrun then stops the failing rank by a signal: its own
 code, the cause, would be lost without the record.
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from mbridge_refit.convert.exit_codes import ExitCode
-from mbridge_refit.tools.launch import EXIT_RECORDS_VARIABLE, LaunchEnv
+from mbridge_refit.convert.session import EXIT_RECORDS_VARIABLE, LaunchEnv
 
 __all__ = ["KNOWN_CODES", "launch_exit_code", "record_exit_code", "run_ranks"]
 

@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 
 from mbridge_refit.convert.exit_codes import BadInput
+from mbridge_refit.models.builder import BuildOptions, build_model, materialize
 from mbridge_refit.plan.layout import ParallelLayout
-from mbridge_refit.tools.model_builder import BuildOptions, build_model, materialize
 
 __all__ = [
     "PARAMETER_SLACK", "build_checked", "check_hf_source", "check_megatron_source", "parameter_problem",

@@ -3,7 +3,7 @@
 Builds the trainer model from an HF checkpoint (``--hf``), a tiny recipe (``--recipe``, random
 checkpoint) or a full-size shape (``--shape``, Megatron's random initialisation on the GPU),
 exports it into a fresh ``transformers`` model through ``HFModelUpdateSink`` and answers two
-questions (``tools.verify_refit``): are the engine's weights the trainer's (every tensor against
+questions (``convert.refit_verifier``): are the engine's weights the trainer's (every tensor against
 Megatron-Bridge's own export, bit for bit), and how far are the two forwards' per-token
 log-probabilities on a fixed random token batch (within ``--tolerance``, by default derived from
 the dtype's eps and the engine's own eager-vs-default attention spread). Exit 0 when both pass,
@@ -27,12 +27,28 @@ import torch
 import torch.distributed as dist
 
 from mbridge_refit.convert.exit_codes import BadInput, ExitCode
-from mbridge_refit.convert.flags import add_device_flag, add_timeout_flag, device_from_flag, timeout_from_flag
-from mbridge_refit.convert.inputs import check_config_numbers, check_provider, supported_config
-from mbridge_refit.plan.layout import LayoutError, ParallelLayout
-from mbridge_refit.tools.verify_refit import (
-    EPS_FACTOR, NOISE_FACTOR, RefitMismatch, RefitVerdict, VerifyInputError, fixed_tokens, hf_config, verify_refit,
+from mbridge_refit.convert.flags import (
+    add_device_flag,
+    add_timeout_flag,
+    device_from_flag,
+    timeout_from_flag,
 )
+from mbridge_refit.convert.inputs import (
+    check_config_numbers,
+    check_provider,
+    supported_config,
+)
+from mbridge_refit.convert.refit_verifier import (
+    EPS_FACTOR,
+    NOISE_FACTOR,
+    RefitMismatch,
+    RefitVerdict,
+    VerifyInputError,
+    fixed_tokens,
+    hf_config,
+    verify_refit,
+)
+from mbridge_refit.plan.layout import LayoutError, ParallelLayout
 
 __all__ = ["VerifyArgs", "add_verify_refit_parser", "cmd_verify_refit", "run", "verify_options"]
 
@@ -103,7 +119,7 @@ def add_verify_refit_parser(sub: Any) -> None:
 
 def verify_options(args: argparse.Namespace) -> VerifyArgs:
     """The parsed ``verify-refit`` flags, checked (``VerifyInputError`` names the fix)."""
-    from mbridge_refit.tools.launch import LaunchEnv
+    from mbridge_refit.convert.session import LaunchEnv
 
     if args.tolerance is not None and not args.tolerance >= 0:
         raise VerifyInputError(f"--tolerance must be a number >= 0, got {args.tolerance}")
@@ -159,7 +175,7 @@ def cmd_verify_refit(args: argparse.Namespace) -> int:
 
 def run(options: VerifyArgs) -> int:
     """The CLI's job on this rank (every rank of the launch)."""
-    from mbridge_refit.tools.launch import distributed_session
+    from mbridge_refit.convert.session import distributed_session
 
     with distributed_session(options.layout, device=options.device, timeout=options.timeout) as env:
         device = torch.device("cuda", torch.cuda.current_device()) if options.device.type == "cuda" else options.device
@@ -179,12 +195,12 @@ def _verify(options: VerifyArgs, checkpoint: Path | None, rank: int, device: tor
     from mbridge_refit.bridge import RefitBridge
     from mbridge_refit.checkpoints.hf import HFCheckpoint
     from mbridge_refit.convert.preflight import build_checked, check_hf_source
-    from mbridge_refit.tools.model_builder import BuildOptions, build_model
+    from mbridge_refit.models.builder import BuildOptions, build_model
 
     if checkpoint is not None:
         bridge = RefitBridge.from_hf_pretrained(checkpoint)
     else:
-        from mbridge_refit.tools.recipes import full_size_config
+        from mbridge_refit.models.recipes import full_size_config
 
         bridge = RefitBridge.from_hf_config(full_size_config(options.name))
     config = hf_config(bridge)
@@ -219,7 +235,7 @@ def _source_checkpoint(options: VerifyArgs, rank: int) -> Path | None:
         return Path(options.name)
     if options.source == "shape":
         return None
-    from mbridge_refit.tools import recipes
+    from mbridge_refit.models import recipes
 
     scratch = [tempfile.mkdtemp(prefix="verify_refit_") if rank == 0 else None]
     if dist.get_world_size() > 1:

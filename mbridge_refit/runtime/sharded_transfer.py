@@ -105,7 +105,6 @@ class ShardedTransfer:
         self._sums = torch.zeros(len(self.sends) + len(self.receives), dtype=torch.int64, device=self.device)
         self._local_sum = torch.zeros((), dtype=torch.int64, device=self.device)
         self._control = _Control(dist.get_world_size(group), self.device)
-        self._corrupt_hook = None  # tests: called with (peer, send buffer) after its checksum
 
     # --- the engine side's tensors ---------------------------------------------------------------
 
@@ -210,8 +209,6 @@ class ShardedTransfer:
             ops.append(dist.P2POp(dist.isend, buffer, peer, self.group, tag=0))
             if self.checksum:
                 _word_sum(buffer, out=self._sums[sums])  # a 0-dim view: written in place
-                if self._corrupt_hook is not None:
-                    self._corrupt_hook(peer, buffer)
                 ops.append(dist.P2POp(dist.isend, self._sums[sums : sums + 1], peer, self.group, tag=1))
                 sums += 1
         for peer, buffer in self._receive_buffers.items():

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from rank_checks import fail, oracle, same_bytes
 from torch.utils._python_dispatch import TorchDispatchMode
+
 from mbridge_refit.convert.flags import add_layout_flags, layout_from_flags
 
 TENSOR_COLLECTIVES = ("all_gather", "all_gather_into_tensor", "broadcast", "all_reduce", "reduce_scatter_tensor", "scatter", "send", "recv")
@@ -99,8 +100,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from mbridge_refit.bridge import RefitBridge
-    from mbridge_refit.tools.launch import distributed_session
-    from mbridge_refit.tools.model_builder import BuildOptions, build_model
+    from mbridge_refit.convert.session import distributed_session
+    from mbridge_refit.models.builder import BuildOptions, build_model
 
     layout = layout_from_flags(args)
     cpu = torch.device("cpu")

@@ -3,7 +3,7 @@
 Usage: conformance_corruption_check.py --architecture NAME --result FILE
 
 Wraps ``RefitBridge.export_hf_weights`` so that the sixth tensor it yields (BF16 and FP8 streams
-alike) has one bit flipped, runs ``tools.conformance.check_architecture`` at TP1 on CPU, and
+alike) has one bit flipped, runs ``testing.conformance.check_architecture`` at TP1 on CPU, and
 writes the cells to FILE for test_conformance.py to read.
 """
 
@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from mbridge_refit.bridge import RefitBridge
+from mbridge_refit.convert.session import distributed_session
 from mbridge_refit.plan.layout import ParallelLayout
-from mbridge_refit.tools import conformance
-from mbridge_refit.tools.launch import distributed_session
+from mbridge_refit.testing import conformance
 
 CORRUPTED_INDEX = 5
 

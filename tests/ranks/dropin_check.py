@@ -211,7 +211,7 @@ def check_reordered_tasks(ctx: Context) -> None:
 def check_foreign_tasks(ctx: Context) -> None:
     """Tasks of another model (another build of the same architecture): stock's export of that
     model, with the reason."""
-    from mbridge_refit.tools.model_builder import BuildOptions, build_model
+    from mbridge_refit.models.builder import BuildOptions, build_model
 
     layout = layout_from_flags(ARGS)
     other = build_model(ctx.stock, layout, BuildOptions(device=torch.device("cpu"), params_dtype=torch.bfloat16))

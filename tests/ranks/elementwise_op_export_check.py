@@ -2,7 +2,7 @@
 
 Usage: elementwise_op_export_check.py --tp T --result FILE  (under torchrun, CPU ranks)
 
-Builds the tiny random Qwen3-Next model (``tools.conformance.build_random_model``), exports it
+Builds the tiny random Qwen3-Next model (``testing.conformance.random_megatron_model``), exports it
 with stock ``export_hf_weights`` (the oracle) and twice with ``RefitBridge.export_hf_weights``
 and the buffer cache on. Checks, on every rank: the fast path ran and planned the op; both
 exports equal stock (names, order, dtype, shape, bytes), so the op is applied once per export
@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from mbridge_refit.convert.session import distributed_session
 from mbridge_refit.plan.layout import ParallelLayout
-from mbridge_refit.tools.conformance import build_random_model
-from mbridge_refit.tools.launch import distributed_session
+from mbridge_refit.testing.conformance import random_megatron_model
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -31,7 +31,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def check(tp: int) -> tuple[list[str], int]:
-    bridge, chunks, _ = build_random_model("Qwen3NextForCausalLM", ParallelLayout(tp=tp), device=torch.device("cpu"))
+    bridge, chunks, _ = random_megatron_model("Qwen3NextForCausalLM", ParallelLayout(tp=tp), device=torch.device("cpu"))
     norms = {n: p.detach().clone() for chunk in chunks for n, p in chunk.named_parameters() if n.endswith("out_norm.weight")}
     stock = [(n, t.clone()) for n, t in bridge.export_hf_weights_stock(chunks, show_progress=False)]
     exports = [

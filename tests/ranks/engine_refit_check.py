@@ -178,8 +178,8 @@ def main() -> None:
     from mbridge_refit.engines.ipc import EngineRefitError
     from mbridge_refit.engines.sharing import LocalTransport
     from mbridge_refit.engines.vllm import VLLMRefit
-    from mbridge_refit.tools.launch import distributed_session
-    from mbridge_refit.tools.model_builder import BuildOptions, build_model
+    from mbridge_refit.convert.session import distributed_session
+    from mbridge_refit.models.builder import BuildOptions, build_model
 
     cpu = torch.device("cpu")
     on_disk = read_checkpoint(args.hf)

@@ -30,10 +30,14 @@ def main() -> None:
 
     from megatron.core import parallel_state as ps
 
-    from mbridge_refit.tools.launch import init_process_group, teardown
+    from mbridge_refit.convert.session import init_process_group, teardown
     from mbridge_refit.plan.entries import ExportPlan
     from mbridge_refit.sinks import drain
-    from mbridge_refit.sinks.packed_broadcast import PackedBroadcastConfig, PackedBroadcastReceiver, PackedBroadcastSender
+    from mbridge_refit.sinks.packed_broadcast import (
+        PackedBroadcastConfig,
+        PackedBroadcastReceiver,
+        PackedBroadcastSender,
+    )
 
     cpu = torch.device("cpu")
     init_process_group(device=cpu, timeout=datetime.timedelta(seconds=90))
@@ -44,8 +48,8 @@ def main() -> None:
     try:
         if rank == 0:
             from mbridge_refit.bridge import RefitBridge
+            from mbridge_refit.models.builder import BuildOptions, build_model
             from mbridge_refit.plan.layout import ParallelLayout
-            from mbridge_refit.tools.model_builder import BuildOptions, build_model
 
             bridge = RefitBridge.from_hf_pretrained(args.hf)
             chunks = build_model(bridge, ParallelLayout(), BuildOptions(device=cpu, params_dtype=torch.bfloat16))

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from rank_checks import fail, oracle, same_bytes
+
 from mbridge_refit.convert.flags import add_layout_flags, layout_from_flags
 
 BLOCK = 128
@@ -56,7 +57,10 @@ def te_style_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def te_parameter(local: torch.Tensor) -> torch.nn.Parameter:
     """A TE Float8BlockwiseQTensor parameter holding ``local`` quantized as TE would."""
     import transformer_engine_torch as tex
-    from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer, Float8BlockwiseQTensor
+    from transformer_engine.pytorch.tensor.float8_blockwise_tensor import (
+        Float8BlockQuantizer,
+        Float8BlockwiseQTensor,
+    )
 
     q, scales = te_style_quantize(local)
     padded_cols = -(-scales.shape[1] // 4) * 4
@@ -96,10 +100,10 @@ def main() -> None:
     args = parser.parse_args()
 
     from mbridge_refit.bridge import RefitBridge
-    from mbridge_refit.tools.launch import distributed_session
+    from mbridge_refit.convert.session import distributed_session
     from mbridge_refit.fp8.format import FP8FormatError
     from mbridge_refit.fp8.reference import dequantize_blockwise
-    from mbridge_refit.tools.model_builder import BuildOptions, build_model
+    from mbridge_refit.models.builder import BuildOptions, build_model
 
     layout = layout_from_flags(args)
     cpu = torch.device("cpu")

@@ -52,13 +52,18 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from oracle import read_checkpoint  # noqa: E402
 from rank_checks import same_bytes  # noqa: E402
+
 from mbridge_refit.convert.flags import add_layout_flags, layout_from_flags
 
 SRC = 0  # trainer rank that sends; ranks 0..N-2 are trainers, the last rank is the receiver
 
 
 def configs(plan):
-    from mbridge_refit.sinks.packed_broadcast import ALIGN_BYTES, PackedBroadcastConfig, StreamPacking
+    from mbridge_refit.sinks.packed_broadcast import (
+        ALIGN_BYTES,
+        PackedBroadcastConfig,
+        StreamPacking,
+    )
 
     largest = max(e.nbytes for e in plan.entries)
     small = max(ALIGN_BYTES, largest // 3 // ALIGN_BYTES * ALIGN_BYTES)
@@ -177,7 +182,7 @@ def main() -> None:
 
     from megatron.core import parallel_state as ps
 
-    from mbridge_refit.tools.launch import init_process_group, teardown
+    from mbridge_refit.convert.session import init_process_group, teardown
 
     cpu = torch.device("cpu")
     init_process_group(device=cpu, timeout=datetime.timedelta(seconds=90))
@@ -208,7 +213,7 @@ def main() -> None:
     try:
         if rank in trainer_ranks:
             from mbridge_refit.bridge import RefitBridge
-            from mbridge_refit.tools.model_builder import BuildOptions, build_model
+            from mbridge_refit.models.builder import BuildOptions, build_model
 
             bridge = RefitBridge.from_hf_pretrained(args.hf)
             chunks = build_model(bridge, layout, BuildOptions(device=cpu, params_dtype=torch.bfloat16))

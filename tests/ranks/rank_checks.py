@@ -47,8 +47,8 @@ def checkpoint_session(path: Path, layout) -> Iterator[tuple]:
     """Inside a CPU (gloo) session at ``layout``: ``(RefitBridge, model chunks)`` for the checkpoint
     at ``path``, built in bf16 and loaded from the checkpoint."""
     from mbridge_refit.bridge import RefitBridge
-    from mbridge_refit.tools.launch import distributed_session
-    from mbridge_refit.tools.model_builder import BuildOptions, build_model
+    from mbridge_refit.convert.session import distributed_session
+    from mbridge_refit.models.builder import BuildOptions, build_model
 
     cpu = torch.device("cpu")
     with distributed_session(layout, device=cpu, timeout=datetime.timedelta(minutes=5)):

@@ -19,6 +19,7 @@ Writes DIR/rank<r>.json with each plan's summary (bytes moved, local, full-gathe
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import sys
@@ -31,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rank_checks import checker_parser, checkpoint_session, fail, oracle, same_bytes  # noqa: E402
 
 from mbridge_refit.convert.flags import layout_from_flags  # noqa: E402
+from mbridge_refit.runtime import sharded_transfer  # noqa: E402
 
 PATTERN = 0xA5
 VOCAB_PADDING = 64
@@ -86,7 +88,10 @@ def expect_raise(error_type, action, what: str) -> str:
 
 
 def run_faults(bridge, chunks, engines: list[str], shards_of) -> dict:
-    from mbridge_refit.runtime.sharded_transfer import TransferChecksumError, TransferMismatchError
+    from mbridge_refit.runtime.sharded_transfer import (
+        TransferChecksumError,
+        TransferMismatchError,
+    )
 
     rank = dist.get_rank()
     plans = [bridge.transfer_plan(chunks, e) for e in engines]
@@ -107,15 +112,32 @@ def run_faults(bridge, chunks, engines: list[str], shards_of) -> dict:
     moving = next(p for p in reversed(plans) if p.bytes_moved)
     transfer = bridge.sharded_transfer(chunks, moving, checksum=True)
     senders = sorted({m.source_rank for m in moving.moves if not m.is_local})
-    if rank == senders[0]:
-        def flip(peer, buffer):
-            buffer[0] ^= 1
-        transfer._corrupt_hook = flip
     shards = shards_of(transfer)
-    message = expect_raise(TransferChecksumError, lambda: transfer.run(shards), "a flipped byte")
-    transfer._corrupt_hook = None
+    with flipping_sent_bytes(transfer, flip=rank == senders[0]):
+        message = expect_raise(TransferChecksumError, lambda: transfer.run(shards), "a flipped byte")
     transfer.run(shards)  # the same transfer runs clean afterwards
     return {"checksum_error": message[:200]}
+
+
+@contextlib.contextmanager
+def flipping_sent_bytes(transfer, *, flip: bool):
+    """Inside the block, each buffer this rank sends has its first byte flipped right after its
+    checksum is taken (as a bad link would), through the module's checksum function: the
+    transfer's own code is unchanged. Received buffers (summed into ``_local_sum``) are left alone."""
+    original = sharded_transfer._word_sum
+
+    def summed_then_flipped(buffer, *, out):
+        result = original(buffer, out=out)
+        if out is not transfer._local_sum:
+            buffer[0] ^= 1
+        return result
+
+    if flip:
+        sharded_transfer._word_sum = summed_then_flipped
+    try:
+        yield
+    finally:
+        sharded_transfer._word_sum = original
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 
 Usage: stacked_export_check.py --tp T --ep E --result FILE  (under torchrun, CPU ranks)
 
-Builds the tiny random GPT-OSS model (``tools.conformance.build_random_model``), exports it
+Builds the tiny random GPT-OSS model (``testing.conformance.random_megatron_model``), exports it
 with stock ``export_hf_weights`` (the oracle) and twice with ``RefitBridge.export_hf_weights``
 and the buffer cache on. Checks, on every rank: the fast path ran; both exports equal stock
 (names, order, dtype, shape, bytes); the second export wrote every stacked tensor into the
@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from mbridge_refit.convert.session import distributed_session
 from mbridge_refit.plan.layout import ParallelLayout
 from mbridge_refit.plan.stacking import STACKED_KIND
-from mbridge_refit.tools.conformance import build_random_model
-from mbridge_refit.tools.launch import distributed_session
+from mbridge_refit.testing.conformance import random_megatron_model
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -33,7 +33,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 def check(tp: int, ep: int) -> tuple[list[str], int]:
     layout = ParallelLayout(tp=tp, ep=ep)
     cpu = torch.device("cpu")
-    bridge, chunks, _ = build_random_model("GptOssForCausalLM", layout, device=cpu)
+    bridge, chunks, _ = random_megatron_model("GptOssForCausalLM", layout, device=cpu)
     stock = [(n, t.clone()) for n, t in bridge.export_hf_weights_stock(chunks, show_progress=False)]
     first = [(n, t.data_ptr(), t.clone()) for n, t in bridge.export_hf_weights(chunks, reuse_buffer_from_cache=True, show_progress=False)]
     after_first = bridge.export_diagnostics()

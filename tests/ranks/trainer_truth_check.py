@@ -50,9 +50,9 @@ def megatron_default_etp(args) -> dict:
     from megatron.core import parallel_state
 
     from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.convert.session import init_process_group, teardown
+    from mbridge_refit.models.builder import BuildOptions, build_model
     from mbridge_refit.plan.layout import ParallelLayout
-    from mbridge_refit.tools.launch import init_process_group, teardown
-    from mbridge_refit.tools.model_builder import BuildOptions, build_model
 
     init_process_group(device=CPU, timeout=datetime.timedelta(minutes=5))
     try:
@@ -123,7 +123,7 @@ def replaced_params(args) -> dict:
 
 def deleted_model_is_freed(bridge, layout, path: Path) -> bool:
     """A model the bridge exported (cached) and the caller then deleted is garbage-collected."""
-    from mbridge_refit.tools.model_builder import BuildOptions, build_model
+    from mbridge_refit.models.builder import BuildOptions, build_model
 
     model = build_model(bridge, layout, BuildOptions(device=CPU, params_dtype=torch.bfloat16))
     bridge.load_hf_shards(model, path)

@@ -1,5 +1,5 @@
 """CPU builds of Transformer Engine layer specs and modules: which local stand-in with the same
-parameters (``tools.cpu_stand_ins``) replaces each Transformer Engine class, and how a build gets it.
+parameters (``models.cpu_stand_ins``) replaces each Transformer Engine class, and how a build gets it.
 
 Megatron-Core's hybrid block spec with an experimental attention variant (Qwen3-Next's and
 Qwen3.5's gated delta net, ``get_transformer_block_with_experimental_attention_variant_spec``)
@@ -46,7 +46,7 @@ from typing import Any, Iterator, Optional
 
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-from mbridge_refit.tools.cpu_stand_ins import (
+from mbridge_refit.models.cpu_stand_ins import (
     ColumnParallelGroupedLinear,
     CoreAttention,
     Gemma3DotProductAttention,
@@ -57,6 +57,11 @@ from mbridge_refit.tools.cpu_stand_ins import (
     TorchNorm,
     register_stand_in_types,
 )
+
+__all__ = [
+    "experimental_attention_block_spec", "hybrid_stack_spec", "mla_and_grouped_expert_stand_ins", "stand_in_for",
+    "te_modules_built_local", "te_subclass_stand_ins", "te_to_local", "to_local", "transformer_engine_block_spec"
+]
 
 
 @functools.cache
@@ -152,7 +157,7 @@ def stand_in_for(te_class: type) -> type:
     if stand_in is None:
         raise NotImplementedError(
             f"{te_class.__module__}.{te_class.__qualname__} is a Transformer Engine module with no CPU stand-in "
-            "with the same parameters: add one to mbridge_refit/tools/cpu_stand_ins.py and map it in mbridge_refit/tools/cpu_specs.py "
+            "with the same parameters: add one to mbridge_refit/models/cpu_stand_ins.py and map it in mbridge_refit/models/cpu_specs.py "
             "(te_to_local for Megatron-Core's classes, te_subclass_stand_ins for Megatron-Bridge's), or build on a GPU."
         )
     return stand_in

@@ -1,9 +1,9 @@
 """The conformance check: RefitBridge's export of a registered architecture against stock's.
 
 Owns what one cell of the conformance matrix (architecture x layout x BF16/FP8) means and how it
-is decided. For an architecture (``tools.tiny_configs``) and a layout, every rank builds the
-Megatron model (``tools.model_builder``; CPU: gloo, local modules), fills it with seeded random
-values, and compares (``tools.export_comparison``)
+is decided. For an architecture (``testing.tiny_models``) and a layout, every rank builds the
+Megatron model (``models.builder``; CPU: gloo, local modules), fills it with seeded random
+values, and compares (``testing.export_comparison``)
 
 * BF16: ``RefitBridge.export_hf_weights`` with stock ``export_hf_weights_stock`` on the same model:
   the same names in the same order, each tensor with the same dtype, shape and bytes;
@@ -11,7 +11,7 @@ values, and compares (``tools.export_comparison``)
   tensor the format quantizes (``BlockwiseFP8Config.quantizes``) replaced by the reference
   quantizer's data (``fp8.reference.quantize_reference``) followed by its scales.
 
-On CPU the build is a weights-only build (``tools.model_builder``: the concessions it takes are
+On CPU the build is a weights-only build (``models.builder``: the concessions it takes are
 recorded in the cell); where
 stock's export fails because the bridge maps no conversion task to some parameters of the build
 (a family whose CPU build has sequential experts, ``local_experts.N``, and whose mapping has
@@ -23,9 +23,9 @@ until shown otherwise), the others are outcomes with their reason recorded.
 
 Run as ranks (what ``tests/test_conformance.py`` and ``scripts/conformance_matrix.py`` do)::
 
-    python -m mbridge_refit.tools.conformance --json cells.json [--only A,B]            # TP1
-    torchrun --nproc-per-node 2 -m mbridge_refit.tools.conformance --layout tp2 --json cells.json
-    torchrun --nproc-per-node 2 -m mbridge_refit.tools.conformance --layout tp2,pp2,ep2,tp2ep2 \
+    python -m mbridge_refit.testing.conformance --json cells.json [--only A,B]            # TP1
+    torchrun --nproc-per-node 2 -m mbridge_refit.testing.conformance --layout tp2 --json cells.json
+    torchrun --nproc-per-node 2 -m mbridge_refit.testing.conformance --layout tp2,pp2,ep2,tp2ep2 \
         --only pp2:Qwen3ForCausalLM,ep2:Qwen3MoeForCausalLM --json cells.json
 
 ``--nproc-per-node`` is the layouts' ``expected_world_size`` (2 for every layout but TP1). Several
@@ -57,8 +57,16 @@ import torch
 
 from mbridge_refit.fp8.format import FP8FormatError
 from mbridge_refit.plan.layout import ParallelLayout
-from mbridge_refit.tools.export_comparison import compare_stream, fp8_expected
-from mbridge_refit.tools.tiny_configs import MOE_BLOCK, PACKED_EXPERTS
+from mbridge_refit.testing.export_comparison import compare_stream, fp8_expected
+from mbridge_refit.testing.tiny_models import MOE_BLOCK, PACKED_EXPERTS
+
+__all__ = [
+    "BF16", "Cell", "CellState", "EXPERT_PARALLEL_MODELS", "FP8", "GROUPED_EXPERT_FAMILIES", "HYBRID_MOE_FAMILIES",
+    "MATRIX_LAYOUTS", "MATRIX_VARIANTS", "MOE_BLOCK_MODELS", "PACKED_EXPERT_MODELS", "PRECISIONS", "RANDOM_STD",
+    "SESSION_TIMEOUT", "architectures_at", "check_architecture", "check_bf16", "check_fp8", "describe_error",
+    "fill_random_weights", "main", "random_megatron_model", "rank_result_path", "read_cells", "restored_environment",
+    "run_layout", "selected_cells"
+]
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +87,7 @@ SESSION_TIMEOUT = datetime.timedelta(minutes=2)  # a rank whose peer failed rais
 #   per component, two Mamba groups), relaid tensors (Gemma 3 VL's transposed projector, ERNIE
 #   4.5's expert bias given a leading dimension), and a model the plan refuses (EXAONE 4.5's vision
 #   QKV: its stock fallback and FP8 refusal at TP2). Gemma 3 adds Transformer Engine's module
-#   structure (built from its stand-ins, tools.cpu_specs): norms fused into the column-parallel
+#   structure (built from its stand-ins, models.cpu_specs): norms fused into the column-parallel
 #   linears (``layer_norm_weight``) and replicated norms inside the row-parallel ones
 #   (``post_layernorm``); Qwen3-VL a vision tower with deepstack mergers built inside its provider.
 # * PP2: the same families but Gemma 4 (its provider supports PP=1 only): stages split the layers,
@@ -107,7 +115,7 @@ GROUPED_EXPERT_FAMILIES = (
     "Glm4vMoeForConditionalGeneration", "MiniMaxM3SparseForConditionalGeneration",
 )
 # The families whose bridge reads routed experts packed ([E, ...] per projection) when the checkpoint
-# holds them so, as checkpoint variants (``tiny_configs.CHECKPOINT_VARIANTS``): their bridge is built
+# holds them so, as checkpoint variants (``testing.tiny_models.CHECKPOINT_VARIANTS``): their bridge is built
 # from the tiny checkpoint, as users build it, and maps the experts with its packed-expert mappings.
 PACKED_EXPERT_MODELS = tuple(f"{architecture}+{PACKED_EXPERTS}" for architecture in (
     "Glm4MoeForCausalLM", "Glm4vMoeForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
@@ -171,7 +179,7 @@ class Cell:
     state: CellState
     detail: str = ""  # the error, fallback reason or first differences; empty when exact on the fast path
     tensors: int = 0  # tensors compared
-    concessions: tuple[str, ...] = ()  # model_builder.CPU_WEIGHT_ONLY_CONCESSIONS fields the build set
+    concessions: tuple[str, ...] = ()  # models.builder.CPU_WEIGHT_ONLY_CONCESSIONS fields the build set
 
     def to_json(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "state": str(self.state)}
@@ -211,7 +219,7 @@ def _seed(*parts: Any) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def build_random_model(
+def random_megatron_model(
     model: str, layout: ParallelLayout, *, device: torch.device, work_dir: Path | None = None
 ) -> tuple[Any, list[torch.nn.Module], tuple[str, ...]]:
     """``(RefitBridge, model chunks, concessions)`` of ``model``'s tiny config at ``layout``, in
@@ -220,13 +228,16 @@ def build_random_model(
     from its config; a checkpoint variant's (``architecture+variant``) from its tiny checkpoint,
     written under ``work_dir`` (which must outlive the bridge: stock reads it while exporting)."""
     from mbridge_refit.bridge import RefitBridge
-    from mbridge_refit.tools.model_builder import (
+    from mbridge_refit.models.builder import (
         BuildOptions,
         build_model,
         cpu_concessions,
     )
-    from mbridge_refit.tools.tiny_checkpoints import write_tiny_checkpoint
-    from mbridge_refit.tools.tiny_configs import split_variant, tiny_config
+    from mbridge_refit.testing.tiny_models import (
+        split_variant,
+        tiny_config,
+        write_tiny_checkpoint,
+    )
 
     if split_variant(model)[1] is None:
         bridge = RefitBridge.from_hf_config(tiny_config(model))
@@ -267,7 +278,7 @@ def _check_architecture(architecture: str, layout_name: str, *, device: torch.de
     cell = _cell_maker(architecture, layout_name, ())
     try:
         with restored_environment():
-            bridge, chunks, concessions = build_random_model(architecture, layout, device=device, work_dir=work_dir)
+            bridge, chunks, concessions = random_megatron_model(architecture, layout, device=device, work_dir=work_dir)
     except Exception as err:  # recorded; the matrix goes on with the next architecture
         return [cell(p, CellState.CANNOT_BE_BUILT, describe_error(err)) for p in PRECISIONS]
     cell = _cell_maker(architecture, layout_name, concessions)
@@ -358,7 +369,7 @@ def _package_path(filename: str) -> str:
 
 def architectures_at(layout_name: str) -> list[str]:
     """The architectures the matrix runs at ``layout_name``."""
-    from mbridge_refit.tools.tiny_configs import registered_architectures
+    from mbridge_refit.testing.tiny_models import registered_architectures
 
     selected = MATRIX_LAYOUTS[layout_name][1]
     return list(selected) if selected is not None else [*registered_architectures(), *MATRIX_VARIANTS]
@@ -425,7 +436,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         plan = selected_cells(layout_names, [e for e in args.only.split(",") if e])
     except ValueError as err:
         parser.error(str(err))
-    from mbridge_refit.tools.launch import (
+    from mbridge_refit.convert.session import (
         LaunchEnv,
         distributed_session,
         init_model_parallel,

@@ -52,6 +52,13 @@ from mbridge_refit.errors import EngineError, InputError
 from mbridge_refit.sinks.base import DiscardSink, drain
 from mbridge_refit.sinks.model_update import HFModelUpdateSink
 
+__all__ = [
+    "EPS_FACTOR", "LogprobComparison", "NOISE_FACTOR", "RefitMismatch", "RefitVerdict", "VerifyInputError",
+    "WeightsCheck", "compare_logprobs", "compare_weights", "engine_attention_noise", "fixed_tokens", "hf_config",
+    "hf_logprobs", "megatron_logprobs", "numerics_tolerance", "projected_in_fp32", "same_bytes", "token_logprobs",
+    "tolerance_from_reference", "verify_refit", "verify_vllm_refit", "vllm_logprobs"
+]
+
 logger = logging.getLogger("mbridge_refit.verify_refit")
 
 # The derived numerics tolerance (``numerics_tolerance``): the larger of EPS_FACTOR x the dtype's
@@ -249,7 +256,7 @@ def _gather_vocab(logits: torch.Tensor, tp_group: Any) -> torch.Tensor:
 def _forward_context(chunks: list[torch.nn.Module], device: torch.device):
     if device.type != "cpu":
         return contextlib.nullcontext()
-    from mbridge_refit.tools.cpu_forward import cpu_forward
+    from mbridge_refit.models.cpu_forward import cpu_forward
 
     return cpu_forward(chunks)
 

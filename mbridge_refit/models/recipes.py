@@ -6,12 +6,16 @@ Owns the ``recipes/`` folder at the repository root (data only): one JSON file p
 loads them into typed objects, says which layouts apply to which model, lists the tensor names a
 model's Hugging Face checkpoint holds, and writes seeded random checkpoints whose every tensor is
 distinct, so that an export can be checked against the checkpoint on disk by exact equality.
+That seeding (``seeded_random_values``, ``seed_parameters``) is the one every tiny model takes: the
+tiny models of every registered architecture (``mbridge_refit.testing.tiny_models``, test support)
+are filled by it too.
 
 Nothing here downloads anything: models are built from their configs with random weights.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import logging
@@ -26,6 +30,13 @@ from mbridge_refit.plan.layout import LayoutError, ModelShape, ParallelLayout
 if TYPE_CHECKING:  # transformers and torch are imported lazily: loading recipes stays cheap
     import torch
     from transformers import PretrainedConfig, PreTrainedModel
+
+__all__ = [
+    "DEFAULT_LAYOUT", "DEFAULT_MODEL", "LAYOUTS", "LAYOUTS_FILE", "MODEL_RECIPES", "MOE_ONLY_LAYOUTS", "ModelRecipe",
+    "RECIPES_DIR", "RecipeError", "SHAPES_DIR", "UnknownRecipeError", "compatible_layouts", "full_size_config",
+    "full_size_shapes", "get_layout", "get_model_recipe", "make_random_checkpoint", "random_hf_model",
+    "seed_parameters", "seeded_random_values"
+]
 
 logger = logging.getLogger(__name__)
 
@@ -300,20 +311,31 @@ def seeded_random_values(name: str, like: "torch.Tensor", seed: int) -> "torch.T
     return values.to(like.dtype)
 
 
-def build_random_model(recipe: ModelRecipe | str, *, seed: int = 0) -> "PreTrainedModel":
-    """The transformers model for ``recipe`` on CPU in bfloat16, every parameter seeded-random.
+def seed_parameters(model: "torch.nn.Module", *, seed: int = 0, float32: tuple[str, ...] = ()) -> "torch.nn.Module":
+    """``model`` (a transformers model) with every parameter set to ``seeded_random_values`` of its
+    name, and those whose name matches a pattern of ``float32`` (fnmatch) made float32 afterwards.
 
     Tied parameters are filled once (``named_parameters`` lists a shared tensor once).
     """
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(seeded_random_values(name, param, seed))
+            if any(fnmatch.fnmatchcase(name, pattern) for pattern in float32):
+                param.data = param.data.float()
+    return model
+
+
+def random_hf_model(recipe: ModelRecipe | str, *, seed: int = 0) -> "PreTrainedModel":
+    """The transformers model for ``recipe`` on CPU in bfloat16, every parameter seeded-random
+    (``seed_parameters``)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     recipe = get_model_recipe(recipe)
     model = AutoModelForCausalLM.from_config(recipe.to_hf_config(), dtype=torch.bfloat16)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(seeded_random_values(name, param, seed))
-    return model.eval()
+    return seed_parameters(model, seed=seed).eval()
 
 
 def _checkpoint_files(out_dir: Path) -> list[Path]:
@@ -367,7 +389,7 @@ def make_random_checkpoint(
         logger.info("overwrite: removed %d checkpoint files from %s", len(stale), out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    model = build_random_model(recipe, seed=seed)
+    model = random_hf_model(recipe, seed=seed)
     save_kwargs: dict[str, Any] = {"save_original_format": True}  # per-expert names, not fused ones
     if max_shard_bytes is not None:
         save_kwargs["max_shard_size"] = int(max_shard_bytes)

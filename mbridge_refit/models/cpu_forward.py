@@ -21,6 +21,10 @@ from typing import Iterator
 
 import torch
 
+__all__ = [
+    "cpu_forward"
+]
+
 
 @contextlib.contextmanager
 def cpu_forward(chunks: list[torch.nn.Module]) -> Iterator[None]:

@@ -1,10 +1,10 @@
 """The roundtrip column of the conformance matrix: ``convert roundtrip`` against the checkpoint on disk.
 
 Owns what a roundtrip cell means and how it is decided. For a matrix model (an architecture of
-``tools.tiny_configs``, or one with a checkpoint variant), a tiny HF checkpoint with seeded random
-values is written in the family's published layout (``tools.tiny_checkpoints``); ``convert
+``testing.tiny_models``, or one with a checkpoint variant), a tiny HF checkpoint with seeded random
+values is written in the family's published layout (``testing.tiny_models``); ``convert
 roundtrip`` (HF -> Megatron -> HF, on CPU) writes it back at one layout of
-``tools.conformance.MATRIX_LAYOUTS``; every tensor of the output must equal the source file's
+``testing.conformance.MATRIX_LAYOUTS``; every tensor of the output must equal the source file's
 tensor: the same names, dtypes, shapes and bytes, read with plain ``safetensors`` (the oracle is
 the checkpoint on disk, never our own output).
 
@@ -13,7 +13,7 @@ At TP1 ``convert`` runs in this process. At a layout of more ranks it runs as a 
 log this module reads (``ConvertErrors.from_log``): a torch process group cannot be formed again in
 one torchrun world once ``convert`` has destroyed it, so the ranks are launched per cell.
 
-A cell ends as (``tools.conformance.CellState``):
+A cell ends as (``testing.conformance.CellState``):
 
 * ``exact``: every tensor came back bit for bit;
 * ``refused``: ``convert`` exited with an input error naming why (e.g. a mapping the loader has no
@@ -26,7 +26,7 @@ A cell ends as (``tools.conformance.CellState``):
 
 Run (what ``tests/test_conformance.py`` and ``scripts/conformance_matrix.py`` do)::
 
-    python -m mbridge_refit.convert.roundtrip_conformance --json cells.json [--layout tp1,tp2] [--only A,tp2:B]
+    python -m mbridge_refit.testing.roundtrip_conformance --json cells.json [--layout tp1,tp2] [--only A,tp2:B]
 """
 
 from __future__ import annotations
@@ -47,19 +47,15 @@ from typing import Sequence
 
 from mbridge_refit.convert.flags import layout_flags
 from mbridge_refit.plan.layout import ParallelLayout
-from mbridge_refit.tools.conformance import (
-    MATRIX_LAYOUTS,
-    Cell,
-    CellState,
-    describe_error,
-    restored_environment,
-    selected_cells,
-)
-from mbridge_refit.tools.export_comparison import compare_stream
-from mbridge_refit.tools.tiny_checkpoints import (
-    checkpoint_tensors,
-    write_tiny_checkpoint,
-)
+from mbridge_refit.testing import conformance
+from mbridge_refit.testing.conformance import MATRIX_LAYOUTS, Cell, CellState
+from mbridge_refit.testing.export_comparison import compare_stream
+from mbridge_refit.testing.tiny_models import checkpoint_tensors, write_tiny_checkpoint
+
+__all__ = [
+    "ConvertErrors", "LAUNCH_ENVIRONMENT", "RANKS_TIMEOUT_S", "ROUNDTRIP", "check_roundtrip", "convert_and_compare",
+    "main", "run", "write_source"
+]
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +78,7 @@ def write_source(architecture: str, work_dir: Path, layout_name: str) -> Cell | 
     try:
         write_tiny_checkpoint(architecture, work_dir / "source")
     except Exception as err:
-        return _cell(architecture, layout_name, CellState.CANNOT_BE_BUILT, describe_error(err))
+        return _cell(architecture, layout_name, CellState.CANNOT_BE_BUILT, conformance.describe_error(err))
     return None
 
 
@@ -119,7 +115,8 @@ def _run_convert_roundtrip(source: Path, out: Path, layout: ParallelLayout) -> t
     convert_logger = logging.getLogger("mbridge_refit.convert")
     convert_logger.addHandler(errors)
     try:
-        with restored_environment():  # Megatron's build sets attention-backend variables the next build asserts
+        # Megatron's build sets attention-backend variables the next build asserts
+        with conformance.restored_environment():
             code = convert_main(argv)
     finally:
         convert_logger.removeHandler(errors)
@@ -150,7 +147,7 @@ class ConvertErrors(logging.Handler):
     ranks (``from_log``)."""
 
     RANK_ERROR = re.compile(r"^\[rank\d+\] ERROR [\w.]+: (?P<message>.*)$")
-    IN_MODEL_BUILD = re.compile(r'model_builder\.py", line \d+, in build_model$')
+    IN_MODEL_BUILD = re.compile(r'models/builder\.py", line \d+, in build_model$')
     EXCEPTION = re.compile(r"^(?P<type>[A-Za-z_][\w.]*(Error|Exception)): (?P<message>.*)$")
 
     def __init__(self) -> None:
@@ -162,9 +159,9 @@ class ConvertErrors(logging.Handler):
         self.messages.append(" ".join(record.getMessage().split()))
         if record.exc_info and record.exc_info[1] is not None:
             err = record.exc_info[1]
-            self.messages.append(describe_error(err))
+            self.messages.append(conformance.describe_error(err))
             frames = traceback.extract_tb(err.__traceback__)
-            self.in_model_build |= any(f.name == "build_model" and f.filename.endswith("model_builder.py") for f in frames)
+            self.in_model_build |= any(f.name == "build_model" and f.filename.endswith("models/builder.py") for f in frames)
 
     @classmethod
     def from_log(cls, log: str) -> "ConvertErrors":
@@ -229,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if unknown or not layout_names:
         parser.error(f"--layout {args.layout!r}: choose from {', '.join(MATRIX_LAYOUTS)}")
     try:
-        plan = selected_cells(layout_names, [e for e in args.only.split(",") if e])
+        plan = conformance.selected_cells(layout_names, [e for e in args.only.split(",") if e])
     except ValueError as err:
         parser.error(str(err))
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # convert's own setup replaces it from its first TP1 cell on

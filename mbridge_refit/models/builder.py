@@ -10,7 +10,7 @@ Layer specs on CPU (``cpu_layer_spec``): the bridge's default Transformer Engine
 local spec; a spec built with a ``use_transformer_engine`` switch (Megatron's decoder block spec:
 multi-latent attention, grouped experts, dense first layers) and the hybrid block spec of
 experimental attention variants (gated delta net) are built as their Transformer Engine spec with
-local modules and CPU stand-ins, the GPU build's parameters (``tools.cpu_specs``); the former keep
+local modules and CPU stand-ins, the GPU build's parameters (``models.cpu_specs``); the former keep
 the provider's ``moe_grouped_gemm`` (grouped experts, as on the GPU). A family's own spec is kept
 otherwise, and the whole CPU build runs inside ``cpu_specs.te_modules_built_local``: a Transformer
 Engine module the spec names (Gemma 2 and 3, MiniMax-M2, ERNIE 4.5), or that a provider builds out
@@ -51,6 +51,12 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from mbridge_refit.plan.layout import ParallelLayout
+
+__all__ = [
+    "BuildOptions", "CPU_PROVIDER_OVERRIDES", "CPU_WEIGHT_ONLY_CONCESSIONS", "FLOAT32_PARAMETERS", "build_model",
+    "configure_provider", "cpu_concessions", "cpu_hybrid_stack_spec", "cpu_layer_spec",
+    "cuda_device_queries_answer_cpu", "keeping_parameter_attributes", "materialize", "nested_transformer_configs"
+]
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +166,7 @@ def cpu_layer_spec(spec: Any) -> Any:
         experimental_attention_variant_module_specs as experimental,
     )
 
-    from mbridge_refit.tools import cpu_specs
+    from mbridge_refit.models import cpu_specs
 
     if spec in (gpt_provider.default_layer_spec, gpt_provider.transformer_engine_layer_spec):
         return gpt_provider.local_layer_spec
@@ -173,13 +179,13 @@ def cpu_layer_spec(spec: Any) -> Any:
 
 
 def _builds_transformer_engine_spec(spec: Any) -> bool:
-    from mbridge_refit.tools import cpu_specs
+    from mbridge_refit.models import cpu_specs
 
     return isinstance(spec, functools.partial) and spec.func is cpu_specs.transformer_engine_block_spec
 def cpu_hybrid_stack_spec(configured: Any) -> Any:
     """The ``hybrid_stack_spec`` a hybrid (Mamba) provider builds its stack with on CPU: a builder
-    the provider calls with itself (``tools.cpu_specs.hybrid_stack_spec``)."""
-    from mbridge_refit.tools import cpu_specs
+    the provider calls with itself (``models.cpu_specs.hybrid_stack_spec``)."""
+    from mbridge_refit.models import cpu_specs
 
     return functools.partial(cpu_specs.hybrid_stack_spec, configured)
 
@@ -190,7 +196,7 @@ def build_model(bridge: Any, layout: ParallelLayout, options: BuildOptions) -> l
     Call on every rank after ``distributed.init_model_parallel(layout)``. On CPU the chunks are
     materialised with ``to_empty``: load weights into them before use.
     """
-    from mbridge_refit.tools import cpu_specs
+    from mbridge_refit.models import cpu_specs
 
     provider = configure_provider(bridge.to_megatron_provider(load_weights=False), layout, options)
     on_cpu = options.device.type == "cpu"

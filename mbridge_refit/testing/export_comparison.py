@@ -1,6 +1,6 @@
 """Comparing an export stream with its oracle: names, order, dtype, shape and bytes.
 
-Owns the comparison the conformance checks (``tools.conformance``) decide their cells with: a
+Owns the comparison the conformance checks (``testing.conformance``) decide their cells with: a
 stream of ``(name, tensor)`` against the expected list, each tensor compared as it is yielded (an
 export's tensor may be valid only until the stream advances), and the FP8 stream the blockwise
 format asks for, made from the BF16 oracle's tensors with the reference quantizer.
@@ -15,6 +15,10 @@ import torch
 
 from mbridge_refit.fp8.format import BlockwiseFP8Config, scale_name
 from mbridge_refit.fp8.reference import quantize_reference
+
+__all__ = [
+    "Comparison", "compare_stream", "fp8_expected", "same_bytes"
+]
 
 
 def same_bytes(actual: torch.Tensor, expected: torch.Tensor) -> bool:

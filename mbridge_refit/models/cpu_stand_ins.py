@@ -4,7 +4,7 @@ Each class here has the signature and the parameters (names, shapes, dtypes, ten
 attributes) of one Transformer Engine module, or of a Megatron-Bridge subclass of one, built from
 Megatron-Core's local layers and torch: what an export reads is the same as on the GPU build.
 Which stand-in replaces which class, and how a CPU build comes to construct it, is
-``tools.cpu_specs``'s business; ``register_stand_in_types`` tells the bridge how the stand-ins
+``models.cpu_specs``'s business; ``register_stand_in_types`` tells the bridge how the stand-ins
 whose class names it cannot read are placed over tensor-parallel ranks.
 """
 
@@ -17,6 +17,12 @@ from typing import Any, Optional
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+__all__ = [
+    "ColumnParallelGroupedLinear", "CoreAttention", "Gemma3DotProductAttention", "Gemma4DotProductAttention",
+    "LayerNormColumnParallelLinear", "RowParallelGroupedLinear", "RowParallelLinearLayerNorm", "TorchNorm",
+    "normalize", "register_stand_in_types"
+]
 
 
 class LayerNormColumnParallelLinear(ColumnParallelLinear):
@@ -47,7 +53,7 @@ class TorchNorm(torch.nn.Module):
     Transformer Engine's norms (``weight``, and ``bias`` for LayerNorm, in ``config.params_dtype``)
     and their zero-centered gamma (``1 + weight`` when ``config.layernorm_zero_centered_gamma``).
     ``has_residual`` asks for a residual fused into the norm when ``config.fused_residual_rmsnorm``
-    is set, which CPU builds turn off (``model_builder.CPU_PROVIDER_OVERRIDES``)."""
+    is set, which CPU builds turn off (``models.builder.CPU_PROVIDER_OVERRIDES``)."""
 
     def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, has_residual: bool = False):
         super().__init__()

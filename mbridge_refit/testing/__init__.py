@@ -1,0 +1,12 @@
+"""Test support: what the tests and the conformance scripts use, and no production module imports
+(``tests/test_package.py`` checks it; the wheel leaves this package out).
+
+``conformance`` (one cell of the conformance matrix: RefitBridge's export of a registered
+architecture against stock's, run as ranks), ``roundtrip_conformance`` (the matrix's roundtrip
+column: ``convert roundtrip`` against the tiny checkpoint on disk), ``export_comparison`` (a stream
+against its oracle: names, order, dtype, shape, bytes; the FP8 stream the reference quantizer
+expects) and ``tiny_models`` (a tiny config of every registered architecture and its seeded random
+checkpoint in the family's published layout).
+"""
+
+__all__: list[str] = []
