@@ -189,9 +189,9 @@ def main() -> None:
     casts = [[(x, q) for x, q, _ in layer] for layer in jobs]
     results["torch_cast_ms"] = device_ms(lambda: [q.copy_(x) for layer in casts for x, q in layer], args.repeats)
     flat = torch.empty(nbytes // 4, dtype=torch.bfloat16, device="cuda")  # a clone reads and writes nbytes / 2
-    results["clone_floor_ms"] = device_ms(lambda: flat.clone(), args.repeats)
+    results["clone_floor_ms"] = device_ms(lambda flat=flat: flat.clone(), args.repeats)
     del flat
-    results["baseline_ms"] = device_ms(lambda: [fp8_kernels.launch_grouped(l) for l in baseline], args.repeats)
+    results["baseline_ms"] = device_ms(lambda: [fp8_kernels.launch_grouped(launch) for launch in baseline], args.repeats)
     logger.info("clone floor %.2f ms, torch cast %.2f ms, baseline (2d, whole tensors) %.2f ms (%.0f GB/s)", results["clone_floor_ms"], results["torch_cast_ms"],
                 results["baseline_ms"], nbytes / results["baseline_ms"] / 1e6)
 
@@ -209,7 +209,7 @@ def main() -> None:
             results["configs"][launch_config.label] = {"error": fp8_kernels.root_cause(err)}
             continue
         exact = same_as_reference()
-        ms = device_ms(lambda: [fp8_kernels.launch_grouped(l) for l in launches], args.repeats)
+        ms = device_ms(lambda launches=launches: [fp8_kernels.launch_grouped(one) for one in launches], args.repeats)
         results["configs"][launch_config.label] = {"ms": ms, "gb_s": nbytes / ms / 1e6, "exact": exact}
         logger.info("%-40s %7.2f ms  %5.0f GB/s  exact=%s", launch_config.label, ms, nbytes / ms / 1e6, exact)
 

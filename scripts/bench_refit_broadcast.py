@@ -130,7 +130,7 @@ def main() -> None:
 
         # (a) the floor: one broadcast of the same number of bytes
         raw = torch.empty(total, dtype=torch.uint8, device=device)
-        raw_ms, _ = timed(lambda: dist.broadcast(raw, src=TRAINER, group=refit), args.repeats)
+        raw_ms, _ = timed(lambda raw=raw: dist.broadcast(raw, src=TRAINER, group=refit), args.repeats)
         del raw
 
         phase(rank, f"raw broadcast {raw_ms:.1f} ms; packed transport")

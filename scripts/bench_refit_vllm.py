@@ -65,7 +65,7 @@ def floor_ms(nbytes: int, repeats: int = 5) -> float:
     half = (nbytes // 2 + 255) // 256 * 256
     buffer = torch.empty(2 * half, dtype=torch.uint8, device="cuda")
     low, high = buffer[:half], buffer[half:]
-    times = [timed(lambda: (high.copy_(low), low.copy_(high))) for _ in range(repeats)]
+    times = [timed(lambda high=high, low=low: (high.copy_(low), low.copy_(high))) for _ in range(repeats)]
     del buffer, low, high
     torch.cuda.empty_cache()
     return min(times)

@@ -27,9 +27,9 @@ import time
 from pathlib import Path
 
 import torch
+from provenance import results_dir, write_result
 
 from mbridge_refit.runtime.stack_fill import fill_stack
-from provenance import results_dir, write_result
 
 
 def timed(fn, device: torch.device, repeats: int) -> float:
@@ -100,7 +100,7 @@ def run(args) -> dict:
         nbytes = reference.numel() * reference.element_size()
         floor_source = torch.empty(nbytes, dtype=torch.uint8, device=device)
         floor_out = torch.empty_like(floor_source)
-        row = {"bytes": nbytes, "clone_floor_ms": timed(lambda: floor_out.copy_(floor_source), device, args.repeats)}
+        row = {"bytes": nbytes, "clone_floor_ms": timed(lambda out=floor_out, source=floor_source: out.copy_(source), device, args.repeats)}
         for name, fn in candidates(stack, experts, out, staging).items():
             out.fill_(float("nan"))
             fn()

@@ -146,10 +146,10 @@ def render(matrix: dict[str, list], page_dir: Path, runs: list[dict[str, str]]) 
     by_key = {(c.architecture, c.layout, c.precision): c for cells in matrix.values() for c in cells}
     architectures = sorted({c.architecture for cells in matrix.values() for c in cells})
     out = [*_header(runs), "## Counts", "", *_counts_table(matrix, columns), "", "## Cells", "", tests_legend(matrix, lines, page_dir), ""]
-    out.append("| architecture | " + " | ".join(f"{layout_label(l)} {p.upper()}" for l, p in columns) + " |")
+    out.append("| architecture | " + " | ".join(f"{layout_label(layout)} {p.upper()}" for layout, p in columns) + " |")
     out.append("| --- " * (len(columns) + 1) + "|")
     for architecture in architectures:
-        row = [str(by_key[k].state) if (k := (architecture, l, p)) in by_key else "–" for l, p in columns]
+        row = [str(by_key[k].state) if (k := (architecture, layout, p)) in by_key else "–" for layout, p in columns]
         out.append(f"| {architecture} | " + " | ".join(row) + " |")
     out += ["", "## CPU build concessions", ""]
     out += _concessions_table(matrix)

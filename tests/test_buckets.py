@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from mbridge_refit.runtime.schedule import build_buckets, layer_of, Op
 from mbridge_refit.fp8.plan import yielded_bytes
+from mbridge_refit.runtime.schedule import Op, build_buckets, layer_of
 
 
 def _entry(name: str, nbytes: int, scale_of: str | None = None) -> SimpleNamespace:

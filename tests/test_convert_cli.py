@@ -6,8 +6,8 @@ import json
 import shutil
 
 import pytest
-
 from conftest import torchrun
+
 from mbridge_refit.convert import ExitCode, build_parser, main
 from mbridge_refit.convert.flags import layout_flags, layout_from_flags
 from mbridge_refit.plan.layout import ParallelLayout

@@ -20,12 +20,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO
 from oracle import read_checkpoint
 
-from mbridge_refit.sinks import ShardedSafetensorsWriter, drain
 from mbridge_refit.checkpoints.publish import leftovers
+from mbridge_refit.sinks import ShardedSafetensorsWriter, drain
 
 OLD = {f"old.{i}": torch.full((16,), float(i)) for i in range(6)}
 NEW = {f"new.{i}": torch.full((16,), float(-i)) for i in range(7)}
@@ -129,7 +128,6 @@ def test_overwrite_drops_old_checkpoint_files_and_keeps_others(tmp_path):
 
 
 def test_failure_in_finish_leaves_the_old_checkpoint(tmp_path, monkeypatch):
-    import mbridge_refit.checkpoints.publish as publish
     import mbridge_refit.sinks.safetensors as sink
 
     out = tmp_path / "out"

@@ -8,11 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mbridge_refit.plan.slices import PlacementError
-
 from mbridge_refit.plan.conversions import ELEMENTWISE_OPS
-
 from mbridge_refit.plan.placement import placement_kind
+from mbridge_refit.plan.slices import PlacementError
 
 NORM = "decoder.layers.0.self_attention.out_norm.weight"
 HF_NORM = "model.layers.0.linear_attn.norm.weight"

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import REPO, torchrun
 from test_roundtrip import CASES, layout_flags
 
@@ -17,7 +16,7 @@ pytestmark = pytest.mark.multirank
 CHECKER = str(REPO / "tests" / "ranks" / "check_export.py")
 
 
-@pytest.mark.parametrize(("recipe", "layout"), CASES, ids=[f"{r}-{l}" for r, l in CASES])
+@pytest.mark.parametrize(("recipe", "layout"), CASES, ids=[f"{r}-{layout}" for r, layout in CASES])
 def test_plan_and_cached_export(recipe, layout, source_checkpoints, tmp_path):
     nproc, flags = layout_flags(layout)
     run = torchrun(nproc, [CHECKER, "--hf", str(source_checkpoints(recipe)), "--result", str(tmp_path), *flags])

@@ -11,11 +11,11 @@ import json
 import shutil
 
 import pytest
-
 from conftest import torchrun
-from mbridge_refit.convert import ExitCode, build_parser, main
-from mbridge_refit.checkpoints.megatron import METADATA_NAME, WEIGHTS_DIR
 from oracle import assert_bitwise_equal_checkpoints
+
+from mbridge_refit.checkpoints.megatron import METADATA_NAME, WEIGHTS_DIR
+from mbridge_refit.convert import ExitCode, build_parser, main
 
 multirank = pytest.mark.multirank
 

@@ -12,10 +12,10 @@ import logging
 
 import pytest
 import torch
+from oracle import read_checkpoint
 
 from mbridge_refit.sinks import drain
 from mbridge_refit.sinks.model_update import FUSED_TENSOR_RULES, HFModelUpdateSink, WeightUpdateError
-from oracle import read_checkpoint
 
 
 def _fresh_model(path):

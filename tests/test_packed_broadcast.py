@@ -13,8 +13,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import REPO, free_port, torchrun
+
 from mbridge_refit.plan.entries import ExportPlan, PlanEntry, TensorSharding
 from mbridge_refit.sinks.packed_broadcast import (
     ALIGN_BYTES,

@@ -70,8 +70,8 @@ def upstream_export(mapping, fake: FakeTensorParallel, config, tp: int, monkeypa
 def rebuilt_from_slices(mapping, fake: FakeTensorParallel, config, tp: int, reference: dict[str, torch.Tensor], model_config=None, module=None):
     """The HF tensors rebuilt from every rank's ``slice_copies``, and how often each element was written.
     ``config``: the layer module's; ``model_config``: the model's (the plan's ``ShardContext``), default the same."""
-    from mbridge_refit.plan.slices import check_tiling, ShardContext, slices_for
     from mbridge_refit.plan.placement import placement_kind
+    from mbridge_refit.plan.slices import ShardContext, check_tiling, slices_for
 
     kind = placement_kind(mapping, module or column_parallel_module(config))
     rebuilt = {name: torch.full_like(t, float("nan")) for name, t in reference.items()}
@@ -198,9 +198,8 @@ def test_full_dim_qk_norm_shared_by_ranks_is_refused(monkeypatch):
     from megatron.bridge.models.conversion import param_mapping as pm
     from megatron.bridge.models.minimax_m2.minimax_m2_bridge import _FullDimQKNormMapping
 
-    from mbridge_refit.plan.slices import PlacementError
-
     from mbridge_refit.plan.placement import placement_kind
+    from mbridge_refit.plan.slices import PlacementError
 
     monkeypatch.setattr(pm.MegatronParamMapping, "tp_size", property(lambda self: 4))
     module = column_parallel_module(types.SimpleNamespace(hidden_size=HIDDEN))
@@ -369,9 +368,8 @@ def test_a_missing_relayout_is_caught():
 def test_permutations_other_than_a_transpose_and_unknown_overrides_are_refused():
     from megatron.bridge.models.conversion.param_mapping import AutoMapping, ReplicatedMapping
 
-    from mbridge_refit.plan.slices import PlacementError
-
     from mbridge_refit.plan.placement import placement_kind
+    from mbridge_refit.plan.slices import PlacementError
 
     config = types.SimpleNamespace(hidden_size=HIDDEN)
     with pytest.raises(PlacementError, match=r"permute_dims=\(0, 2, 1\)"):

@@ -139,7 +139,7 @@ def test_three_layer_recipe_fits_pp2_only_with_explicit_stage_sizes():
 
 @pytest.mark.parametrize(
     "name,layout",
-    [(n, l) for n in RECIPE_NAMES for l in compatible_layouts(n)],
+    [(n, layout) for n in RECIPE_NAMES for layout in compatible_layouts(n)],
 )
 def test_compatible_pairs_validate(name, layout):
     shape = ModelShape.from_hf_config(get_model_recipe(name).to_hf_config())

@@ -11,7 +11,6 @@ import logging
 import shutil
 
 import pytest
-
 from conftest import torchrun
 
 

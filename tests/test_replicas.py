@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import REPO, torchrun
 from oracle import assert_bitwise_equal_checkpoints
 

@@ -32,7 +32,7 @@ def layout_flags(name: str) -> tuple[int, list[str]]:
     return layout.expected_world_size, flags
 
 
-@pytest.mark.parametrize(("recipe", "layout"), CASES, ids=[f"{r}-{l}" for r, l in CASES])
+@pytest.mark.parametrize(("recipe", "layout"), CASES, ids=[f"{r}-{layout}" for r, layout in CASES])
 def test_roundtrip_is_bitwise_exact(recipe, layout, source_checkpoints, tmp_path):
     source = source_checkpoints(recipe)
     out = tmp_path / "out"

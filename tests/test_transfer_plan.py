@@ -11,7 +11,13 @@ from mbridge_refit.plan.engine_layout import EngineLayout, EngineShardingError
 from mbridge_refit.plan.entries import ExportPlan, PlanEntry, TensorSharding
 from mbridge_refit.plan.layout import ModelShape
 from mbridge_refit.plan.slices import SliceCopy
-from mbridge_refit.plan.transfer import TransferPlan, TransferPlanError, TrainerRank, build_transfer_plan, megatron_rank_grid
+from mbridge_refit.plan.transfer import (
+    TrainerRank,
+    TransferPlan,
+    TransferPlanError,
+    build_transfer_plan,
+    megatron_rank_grid,
+)
 
 SHAPE = ModelShape(num_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=8, intermediate_size=8)
 

@@ -24,9 +24,9 @@ import threading
 
 import pytest
 import torch
+from conftest import free_port
 from torch.distributed.checkpoint.api import CheckpointException
 
-from conftest import free_port
 from mbridge_refit.checkpoints.megatron import NotAMegatronCheckpoint, check_byte_item, check_pickled_parts
 from mbridge_refit.engines.sharing import CudaIpcTransport, SharingError
 

@@ -102,10 +102,10 @@ def main() -> None:
     layout = layout_from_flags(args)
 
     from mbridge_refit.bridge import RefitBridge
-    from mbridge_refit.engines.vllm import VLLMBroadcastRefit
-    from mbridge_refit.sinks.packed_broadcast import PackedBroadcastConfig
     from mbridge_refit.convert.session import distributed_session
+    from mbridge_refit.engines.vllm import VLLMBroadcastRefit
     from mbridge_refit.models.builder import BuildOptions, build_model
+    from mbridge_refit.sinks.packed_broadcast import PackedBroadcastConfig
 
     cpu = torch.device("cpu")
     on_disk = read_checkpoint(args.hf)

@@ -174,11 +174,11 @@ def main() -> None:
     layout = layout_from_flags(args)
 
     from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.convert.session import distributed_session
     from mbridge_refit.engines.apply_plan import ApplyPlanError
     from mbridge_refit.engines.ipc import EngineRefitError
     from mbridge_refit.engines.sharing import LocalTransport
     from mbridge_refit.engines.vllm import VLLMRefit
-    from mbridge_refit.convert.session import distributed_session
     from mbridge_refit.models.builder import BuildOptions, build_model
 
     cpu = torch.device("cpu")

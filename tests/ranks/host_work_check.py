@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 
 from mbridge_refit.bridge import RefitBridge
+from mbridge_refit.convert.session import distributed_session
+from mbridge_refit.models import recipes
+from mbridge_refit.models.builder import BuildOptions, build_model
 from mbridge_refit.plan.layout import ParallelLayout
-from mbridge_refit.tools import recipes
-from mbridge_refit.tools.launch import distributed_session
-from mbridge_refit.tools.model_builder import BuildOptions, build_model
 
 
 def count_calls(export) -> dict[str, int]:
