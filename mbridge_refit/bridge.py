@@ -193,14 +193,19 @@ class RefitBridge(AutoBridge):
         state = self._model_state
         if state is None or not _same_chunks(state.chunks, chunks):
             self._model_state = None
-            state = self._model_state = _ModelState(chunks=tuple(weakref.ref(chunk) for chunk in chunks), model_bridge=self._model_bridge)
+            state = self._model_state = _ModelState(
+                chunks=tuple(weakref.ref(chunk) for chunk in chunks), model_bridge=self._model_bridge
+            )
             weakref.finalize(chunks[0], _drop_state, weakref.ref(self), weakref.ref(state))
         elif state.live is not None:
             replaced = state.live.refresh()
             if replaced:
                 state.tasks = _with_current_params(state.tasks, state.live.params, frozenset(replaced))
-                logger.info("%d parameter(s) of the model were replaced since the last export, e.g. %s: reading the new ones",
-                            len(replaced), replaced[0])
+                logger.info(
+                    "%d parameter(s) of the model were replaced since the last export, e.g. %s: reading the new ones",
+                    len(replaced),
+                    replaced[0],
+                )
         state.model_bridge.export_weight_dtype = self.export_weight_dtype
         return state
 
@@ -313,7 +318,9 @@ class RefitBridge(AutoBridge):
         try:
             state = self._planned(chunks)
         except PlanError as err:
-            raise FP8FormatError(f"the FP8 export runs from the export plan, which this model has none of: {err}") from err
+            raise FP8FormatError(
+                f"the FP8 export runs from the export plan, which this model has none of: {err}"
+            ) from err
         weights = self._exporter(chunks)
         cached = state.fp8.get(config)
         if cached is None:
@@ -321,7 +328,9 @@ class RefitBridge(AutoBridge):
         cached.weights.bucket_bytes = self.bucket_bytes
         return cached
 
-    def live_rows(self, model: list[torch.nn.Module] | torch.nn.Module, *, fp8: BlockwiseFP8Config | str | None = None) -> dict[str, LiveRows]:
+    def live_rows(
+        self, model: list[torch.nn.Module] | torch.nn.Module, *, fp8: BlockwiseFP8Config | str | None = None
+    ) -> dict[str, LiveRows]:
         """HF names of ``export_hf_weights(model, fp8=fp8)`` whose tensor is, on this rank, rows of
         one local parameter read as stored, with those rows (``runtime.selection.LiveRows``):
         views of the parameter (most tensors without tensor parallelism) and row runs of one
@@ -379,8 +388,12 @@ class RefitBridge(AutoBridge):
         return tuple(self._participants(state, r) for r in replicas)
 
     def transfer_plan(
-        self, model: list[torch.nn.Module] | torch.nn.Module, engine: EngineLayout | str, *,
-        engine_ranks: Iterable[int] | None = None, only: Iterable[str] | None = None,
+        self,
+        model: list[torch.nn.Module] | torch.nn.Module,
+        engine: EngineLayout | str,
+        *,
+        engine_ranks: Iterable[int] | None = None,
+        only: Iterable[str] | None = None,
     ) -> TransferPlan:
         """The sharded refit of ``model`` into an engine laid out as ``engine`` (``"tp2"``,
         ``EngineLayout(tp=4)``), engine rank i on global rank ``engine_ranks[i]`` (default i):
@@ -401,7 +414,12 @@ class RefitBridge(AutoBridge):
         return build_transfer_plan(state.plan, state.grid, engine, shape, engine_ranks=engine_ranks, only=only)
 
     def sharded_transfer(
-        self, model: list[torch.nn.Module] | torch.nn.Module, plan: TransferPlan, *, group: Any = None, checksum: bool = False
+        self,
+        model: list[torch.nn.Module] | torch.nn.Module,
+        plan: TransferPlan,
+        *,
+        group: Any = None,
+        checksum: bool = False,
     ) -> ShardedTransfer:
         """A ``ShardedTransfer`` of ``plan`` reading this rank's parameters of ``model``; its ``run``
         first completes Megatron DDP's deferred parameter gathers. Build it once on every rank
@@ -529,11 +547,20 @@ class RefitBridge(AutoBridge):
         chunks = _chunks(model)
         call = self._begin_collective(chunks, "export_hf_weights")
         stream = self._export(
-            chunks, _ExportOptions(
-                cpu=cpu, show_progress=show_progress, conversion_tasks=conversion_tasks, merge_adapter_weights=merge_adapter_weights,
-                weight_dtype=weight_dtype, reuse_buffer_from_cache=reuse_buffer_from_cache, hold_outputs=hold_outputs, fp8=fp8,
-                replica=replica, only=None if only is None else frozenset(only),
-            ), in_buckets=False,
+            chunks,
+            _ExportOptions(
+                cpu=cpu,
+                show_progress=show_progress,
+                conversion_tasks=conversion_tasks,
+                merge_adapter_weights=merge_adapter_weights,
+                weight_dtype=weight_dtype,
+                reuse_buffer_from_cache=reuse_buffer_from_cache,
+                hold_outputs=hold_outputs,
+                fp8=fp8,
+                replica=replica,
+                only=None if only is None else frozenset(only),
+            ),
+            in_buckets=False,
         )
         stream = call.guard(stream)
         return guard_tensors(stream) if self.check_lifetime else stream
@@ -561,19 +588,33 @@ class RefitBridge(AutoBridge):
         chunks = _chunks(model)
         call = self._begin_collective(chunks, "export_hf_weight_buckets")
         buckets = self._export(
-            chunks, _ExportOptions(
-                cpu=cpu, show_progress=show_progress, reuse_buffer_from_cache=reuse_buffer_from_cache, fp8=fp8,
-                replica=replica, only=None if only is None else frozenset(only),
-            ), in_buckets=True,
+            chunks,
+            _ExportOptions(
+                cpu=cpu,
+                show_progress=show_progress,
+                reuse_buffer_from_cache=reuse_buffer_from_cache,
+                fp8=fp8,
+                replica=replica,
+                only=None if only is None else frozenset(only),
+            ),
+            in_buckets=True,
         )
         buckets = call.guard(buckets)
         return guard_buckets(buckets) if self.check_lifetime else buckets
 
     def _begin_collective(self, chunks: list[torch.nn.Module], what: str) -> CollectiveCall:
         """Check that every rank the export needs calls it (``runtime.handshake``), before any collective."""
-        state = self._model_state if self._model_state is not None and _same_chunks(self._model_state.chunks, chunks) else None
+        state = (
+            self._model_state
+            if self._model_state is not None and _same_chunks(self._model_state.chunks, chunks)
+            else None
+        )
         group = state.group if state is not None else None
-        participants = torch.distributed.get_process_group_ranks(group) if group is not None else range(torch.distributed.get_world_size())
+        participants = (
+            torch.distributed.get_process_group_ranks(group)
+            if group is not None
+            else range(torch.distributed.get_world_size())
+        )
         call = CollectiveCall(what, participants, timeout_s=self.collective_timeout_s)
         call.arrive()
         return call
@@ -599,7 +640,9 @@ class RefitBridge(AutoBridge):
         show_progress = options.show_progress and is_rank_zero()
         if fp8_config is not None:
             buffers = self._export_buffers(options.reuse_buffer_from_cache, options.hold_outputs)
-            buckets = self._export_fp8(chunks, fp8_config, buffers, show_progress=show_progress, only=options.only, in_buckets=in_buckets)
+            buckets = self._export_fp8(
+                chunks, fp8_config, buffers, show_progress=show_progress, only=options.only, in_buckets=in_buckets
+            )
             return _on_cpu(buckets, options.cpu) if in_buckets else _flat(_on_cpu(buckets, options.cpu))
         route = route or self._route(state, chunks, options.conversion_tasks, options.weight_dtype)
         state.fallback_reason = route.reason
@@ -607,7 +650,9 @@ class RefitBridge(AutoBridge):
             buffers = self._export_buffers(options.reuse_buffer_from_cache, options.hold_outputs)
             needed = _selected(options.only, route.names, state.plan)
             if in_buckets:
-                return _on_cpu(route.exporter.export_buckets(buffers, show_progress=show_progress, needed=needed), options.cpu)
+                return _on_cpu(
+                    route.exporter.export_buckets(buffers, show_progress=show_progress, needed=needed), options.cpu
+                )
             return route.exporter.export(buffers, cpu=options.cpu, show_progress=show_progress, needed=needed)
         if route.reason not in state.logged:
             state.logged.add(route.reason)
@@ -615,7 +660,9 @@ class RefitBridge(AutoBridge):
         stream = self._stock_stream(model, state, options)
         return _in_lists(stream, self.bucket_bytes) if in_buckets else stream
 
-    def _stock_stream(self, model: Any, state: _ModelState, options: "_ExportOptions") -> Iterable[tuple[str, torch.Tensor]]:
+    def _stock_stream(
+        self, model: Any, state: _ModelState, options: "_ExportOptions"
+    ) -> Iterable[tuple[str, torch.Tensor]]:
         conversion_tasks = options.conversion_tasks
         if conversion_tasks is None and self.export_weight_dtype == "fp8":
             model = _chunks(model)
@@ -633,7 +680,10 @@ class RefitBridge(AutoBridge):
         return stream if options.only is None else _only(stream, options.only)
 
     def _route(
-        self, state: _ModelState, chunks: list[torch.nn.Module], conversion_tasks: Any,
+        self,
+        state: _ModelState,
+        chunks: list[torch.nn.Module],
+        conversion_tasks: Any,
         weight_dtype: Optional[torch.dtype],
     ) -> "_Route":
         """How ``export_hf_weights`` runs with these stock arguments: the plan (its exporter and, for
@@ -666,8 +716,14 @@ class RefitBridge(AutoBridge):
         return _Route(exporter=exporter, names=names)
 
     def _export_fp8(
-        self, chunks: list[torch.nn.Module], config: BlockwiseFP8Config, buffers: ExportBuffers, *,
-        show_progress: bool, only: frozenset[str] | None, in_buckets: bool,
+        self,
+        chunks: list[torch.nn.Module],
+        config: BlockwiseFP8Config,
+        buffers: ExportBuffers,
+        *,
+        show_progress: bool,
+        only: frozenset[str] | None,
+        in_buckets: bool,
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The FP8 export, in lists (one per BF16-plan bucket, or one per tensor unless
         ``in_buckets``): weights the trainer keeps as blockwise FP8 are shipped as they are, with
@@ -679,11 +735,17 @@ class RefitBridge(AutoBridge):
         if only is not None and fp8.scales is None:
             needed = frozenset(e.scale_of or e.hf_name for e in fp8.plan.entries if e.hf_name in only)
         buckets = fp8.weights.export_buckets(
-            buffers, show_progress=show_progress, select_rows_lazily=True, bucket_sizes=fp8.bucket_sizes, needed=needed,
+            buffers,
+            show_progress=show_progress,
+            select_rows_lazily=True,
+            bucket_sizes=fp8.bucket_sizes,
+            needed=needed,
         )
         buckets = quantize_bucket_lists(buckets, fp8.plan, buffers)
         if fp8.scales is not None:
-            buckets = _with_trainer_scales(buckets, fp8.scales.export(buffers), fp8.shipped_scales, in_buckets=in_buckets)
+            buckets = _with_trainer_scales(
+                buckets, fp8.scales.export(buffers), fp8.shipped_scales, in_buckets=in_buckets
+            )
         if only is not None:
             buckets = ([(name, tensor) for name, tensor in bucket if name in only] for bucket in buckets)
         return buckets
@@ -691,7 +753,9 @@ class RefitBridge(AutoBridge):
     def export_hf_weights_stock(self, model, **kwargs) -> Iterable[tuple[str, torch.Tensor]]:
         """The unmodified Megatron-Bridge export (for comparison and benchmarks)."""
         chunks = _chunks(model)
-        return self.megatron_model_bridge(chunks).stream_weights_megatron_to_hf(chunks, self.hf_pretrained, **{"cpu": False, **kwargs})
+        return self.megatron_model_bridge(chunks).stream_weights_megatron_to_hf(
+            chunks, self.hf_pretrained, **{"cpu": False, **kwargs}
+        )
 
     def load_hf_shards(self, model: list[torch.nn.Module], hf_path: str | Path | None = None) -> LoadReport:
         """Load HF safetensors weights into ``model``; each rank reads only its own slices.
@@ -712,7 +776,9 @@ class RefitBridge(AutoBridge):
         check_hf_shapes(self.megatron_model_bridge(chunks), self.hf_pretrained, chunks, HFCheckpoint.open(path))
 
     def _hf_config(self) -> Any:
-        return getattr(self.hf_pretrained, "config", None) or self.hf_pretrained  # from_hf_config keeps the config itself
+        return (
+            getattr(self.hf_pretrained, "config", None) or self.hf_pretrained
+        )  # from_hf_config keeps the config itself
 
     def _checkpoint_path(self) -> Path:
         path = getattr(self.hf_pretrained, "model_name_or_path", None)
@@ -742,7 +808,8 @@ def _with_current_params(tasks: list, params: dict[str, torch.Tensor], replaced:
     them (what a caller's tasks are compared with, ``plan.task_selection``)."""
     return [
         dataclasses.replace(task, param_weight=params[task.global_param_name])
-        if task is not None and task.global_param_name in replaced else task
+        if task is not None and task.global_param_name in replaced
+        else task
         for task in tasks
     ]
 
@@ -778,15 +845,27 @@ def _build_fp8_export(state: _ModelState, config: BlockwiseFP8Config, bf16_expor
     if native_scales:
         params = state.live.params
         weights_plan = dataclasses.replace(
-            base, entries=tuple(dataclasses.replace(e, dtype=FP8_DTYPE_NAME) if e.hf_name in native_weights else e for e in base.entries)
+            base,
+            entries=tuple(
+                dataclasses.replace(e, dtype=FP8_DTYPE_NAME) if e.hf_name in native_weights else e for e in base.entries
+            ),
         )
-        weights = PlanExporter(plan=weights_plan, params=params, device=bf16_exporter.device, shards=te_fp8.fp8_data_shards(params))
+        weights = PlanExporter(
+            plan=weights_plan, params=params, device=bf16_exporter.device, shards=te_fp8.fp8_data_shards(params)
+        )
         scales = PlanExporter(
-            plan=dataclasses.replace(plan, entries=native_scales), params=params, device=bf16_exporter.device,
+            plan=dataclasses.replace(plan, entries=native_scales),
+            params=params,
+            device=bf16_exporter.device,
             shards=te_fp8.fp8_scale_shards(params),
         )
     return FP8Export(
-        base=base, config=config, plan=plan, weights=weights, scales=scales, shipped_scales=native_weights,
+        base=base,
+        config=config,
+        plan=plan,
+        weights=weights,
+        scales=scales,
+        shipped_scales=native_weights,
         bucket_sizes=yielded_bytes(plan),
     )
 
@@ -808,8 +887,11 @@ def _device_of(params: dict[str, torch.Tensor]) -> torch.device:
 
 
 def _with_trainer_scales(
-    buckets: Iterable[list[tuple[str, torch.Tensor]]], scales: Iterable[tuple[str, torch.Tensor]], has_scale: frozenset[str],
-    *, in_buckets: bool,
+    buckets: Iterable[list[tuple[str, torch.Tensor]]],
+    scales: Iterable[tuple[str, torch.Tensor]],
+    has_scale: frozenset[str],
+    *,
+    in_buckets: bool,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Put the trainer-side scale stream after each weight named in ``has_scale``.
 
@@ -849,7 +931,9 @@ def _on_cpu(buckets: Iterable[list[tuple[str, Any]]], cpu: bool) -> Iterable[lis
     return ([(name, tensor.cpu()) for name, tensor in bucket] for bucket in buckets)
 
 
-def _in_lists(stream: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def _in_lists(
+    stream: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """The stock export's stream cut into lists of up to ``bucket_bytes`` (its tensors are fresh
     allocations or the parameters themselves, valid after the stream advances)."""
     bucket, size = [], 0

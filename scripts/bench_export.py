@@ -235,13 +235,18 @@ def fp8_breakdown(bridge, chunks, repeats: int = 5) -> dict:
     grouped_host, grouped_device = median_of(as_exported)
     quantized = sum(source.numel() * (source.element_size() + 1) for source, _, _ in jobs)
     return dict(
-        fp8_export_host_ms=export_host, fp8_export_device_ms=export_device,
-        quantize_per_weight_host_ms=per_host, quantize_per_weight_device_ms=per_device,
-        quantize_grouped_host_ms=grouped_host, quantize_grouped_device_ms=grouped_device,
+        fp8_export_host_ms=export_host,
+        fp8_export_device_ms=export_device,
+        quantize_per_weight_host_ms=per_host,
+        quantize_per_weight_device_ms=per_device,
+        quantize_grouped_host_ms=grouped_host,
+        quantize_grouped_device_ms=grouped_device,
         quantize_launches_per_weight=len(jobs),
         quantize_launches_grouped=sum(quantizer.launches for quantizer, _ in quantizers),
-        quantize_bytes_moved=quantized, quantize_grouped_gb_s=quantized / grouped_device / 1e6,
-        quantize_per_weight_gb_s=quantized / per_device / 1e6, quantizer_launch=fp8_kernels.DEFAULT_CONFIG.label,
+        quantize_bytes_moved=quantized,
+        quantize_grouped_gb_s=quantized / grouped_device / 1e6,
+        quantize_per_weight_gb_s=quantized / per_device / 1e6,
+        quantizer_launch=fp8_kernels.DEFAULT_CONFIG.label,
     )
 
 
@@ -255,9 +260,15 @@ def interleaved(make_bf16, make_fp8, pairs: int) -> dict:
     for _ in range(pairs):
         bf16.append(timed_export(make_bf16)[0])
         fp8.append(timed_export(make_fp8)[0])
-    return dict(bf16_ms=statistics.median(bf16), fp8_ms=statistics.median(fp8),
-                fp8_over_bf16=statistics.median(f / b for f, b in zip(fp8, bf16)), pairs=pairs,
-                bf16_min_ms=min(bf16), fp8_min_ms=min(fp8), fp8_over_bf16_min=min(fp8) / min(bf16))
+    return dict(
+        bf16_ms=statistics.median(bf16),
+        fp8_ms=statistics.median(fp8),
+        fp8_over_bf16=statistics.median(f / b for f, b in zip(fp8, bf16)),
+        pairs=pairs,
+        bf16_min_ms=min(bf16),
+        fp8_min_ms=min(fp8),
+        fp8_over_bf16_min=min(fp8) / min(bf16),
+    )
 
 
 def device_timeline(make_stream) -> dict:
@@ -289,8 +300,12 @@ def device_timeline(make_stream) -> dict:
     for _, _, name in export:
         names[name[:60]] = names.get(name[:60], 0) + 1
     return dict(
-        kernels=len(export), lead_in_us=export[0][0] - marker_end, busy_us=sum(end - start for start, end, _ in export),
-        gaps_us=gaps, span_us=export[-1][1] - marker_end, kernel_names=names,
+        kernels=len(export),
+        lead_in_us=export[0][0] - marker_end,
+        busy_us=sum(end - start for start, end, _ in export),
+        gaps_us=gaps,
+        span_us=export[-1][1] - marker_end,
+        kernel_names=names,
     )
 
 
@@ -315,7 +330,10 @@ def set_fp8_launch(text: str) -> None:
     """Make the launch config described by ``text`` (``field=value`` pairs) the export's."""
     from mbridge_refit.fp8 import kernels as fp8_kernels
 
-    values = {name: None if value.lower() == "none" else int(value) for name, value in (item.split("=", 1) for item in text.split(",") if item)}
+    values = {
+        name: None if value.lower() == "none" else int(value)
+        for name, value in (item.split("=", 1) for item in text.split(",") if item)
+    }
     fp8_kernels.DEFAULT_CONFIG = fp8_kernels.LaunchConfig(**values)
 
 
@@ -329,8 +347,10 @@ def run(args) -> dict:
 
     layout = layout_from_flags(args)
     device = torch.device("cuda")
-    with distributed_session(layout, device=device, timeout=datetime.timedelta(minutes=10)) as env, \
-            tempfile.TemporaryDirectory(prefix="bench-export-") as work_dir:
+    with (
+        distributed_session(layout, device=device, timeout=datetime.timedelta(minutes=10)) as env,
+        tempfile.TemporaryDirectory(prefix="bench-export-") as work_dir,
+    ):
         bridge, stock_bridge = bridges(args, Path(work_dir), env.rank)  # stock: the unmodified upstream class
         chunks = build_model(bridge, layout, BuildOptions(device=device, params_dtype=torch.bfloat16))
         steady = args.steady
@@ -380,8 +400,12 @@ def run(args) -> dict:
             module.weight = module.weight
             return refit(True)()
 
-        variants = [("stock", stock), ("refit", refit(False)), ("refit_cached", refit(True)),
-                    ("refit_cached_after_registration", after_registration)]
+        variants = [
+            ("stock", stock),
+            ("refit", refit(False)),
+            ("refit_cached", refit(True)),
+            ("refit_cached_after_registration", after_registration),
+        ]
         if env.world_size > 1:
             variants.append(("refit_cached_without_handshake", without_handshake))
         if args.tp > 1:
@@ -389,29 +413,44 @@ def run(args) -> dict:
             variants.extend((f"refit_cached_bucket{mib}", with_bucket(mib)) for mib in args.compare_bucket_mib)
         if args.fp8:
             variants.append(("refit_cached_fp8", refit_fp8))
-            variants.extend((f"refit_cached_fp8_bucket{mib}", with_bucket(mib, refit_fp8)) for mib in args.fp8_compare_bucket_mib)
+            variants.extend(
+                (f"refit_cached_fp8_bucket{mib}", with_bucket(mib, refit_fp8)) for mib in args.fp8_compare_bucket_mib
+            )
         for label, make in variants:
             bridge.release_export_buffers()  # each variant starts cold and keeps only its own buffers
             first = timed_export(make)
             runs = [timed_export(make) for _ in range(steady)]
             results[label] = dict(
-                first_ms=first[0], steady_ms=statistics.median(r[0] for r in runs),
-                peak_extra_bytes=max(r[1] for r in [first, *runs]), tensors=first[2],
+                first_ms=first[0],
+                steady_ms=statistics.median(r[0] for r in runs),
+                peak_extra_bytes=max(r[1] for r in [first, *runs]),
+                tensors=first[2],
                 new_allocations_after_first=sum(r[3] for r in runs),
                 host_us_per_tensor=statistics.median(r[4] for r in runs) * 1e3 / first[2],
-                host_us_per_tensor_range=[min(r[4] for r in runs) * 1e3 / first[2], max(r[4] for r in runs) * 1e3 / first[2]],
+                host_us_per_tensor_range=[
+                    min(r[4] for r in runs) * 1e3 / first[2],
+                    max(r[4] for r in runs) * 1e3 / first[2],
+                ],
                 buffer_bytes=bridge.export_diagnostics().buffer_bytes,
             )
         mismatches = compare_with_stock(stock(), refit(True)())
         floor = clone_floor_ms(plan.total_bytes)
         gather_floor = gather_floor_ms(plan.total_bytes)
         row = dict(
-            device=torch.cuda.get_device_name(), world_size=env.world_size, model=args.model if args.layers is None else f"{args.model}-{args.layers}layers", layout=layout.name,
+            device=torch.cuda.get_device_name(),
+            world_size=env.world_size,
+            model=args.model if args.layers is None else f"{args.model}-{args.layers}layers",
+            layout=layout.name,
             from_checkpoint=args.from_checkpoint,
-            tensors=len(plan.entries), bytes=plan.total_bytes, plan_build_ms=plan_ms, clone_floor_ms=floor,
+            tensors=len(plan.entries),
+            bytes=plan.total_bytes,
+            plan_build_ms=plan_ms,
+            clone_floor_ms=floor,
             gather_floor_ms=gather_floor,
-            stock_first_ms=results["stock"]["first_ms"], stock_steady_ms=results["stock"]["steady_ms"],
-            refit_steady_ms=results["refit"]["steady_ms"], refit_first_ms=results["refit"]["first_ms"],
+            stock_first_ms=results["stock"]["first_ms"],
+            stock_steady_ms=results["stock"]["steady_ms"],
+            refit_steady_ms=results["refit"]["steady_ms"],
+            refit_first_ms=results["refit"]["first_ms"],
             refit_cached_first_ms=results["refit_cached"]["first_ms"],
             refit_cached_steady_ms=results["refit_cached"]["steady_ms"],
             refit_cached_host_us_per_tensor=results["refit_cached"]["host_us_per_tensor"],
@@ -427,11 +466,15 @@ def run(args) -> dict:
             bucket_bytes=bridge.bucket_bytes,
             bucket_variants={
                 label: {k: v for k, v in result.items() if k in ("steady_ms", "peak_extra_bytes", "buffer_bytes")}
-                for label, result in results.items() if label.startswith("refit_cached_bucket")
+                for label, result in results.items()
+                if label.startswith("refit_cached_bucket")
             },
             cached_new_allocations_after_first=results["refit_cached"]["new_allocations_after_first"],
-            stock_tensors=results["stock"]["tensors"], steady_runs=steady, mismatches_vs_stock=mismatches,
-            torch=torch.__version__, date=datetime.date.today().isoformat(),
+            stock_tensors=results["stock"]["tensors"],
+            steady_runs=steady,
+            mismatches_vs_stock=mismatches,
+            torch=torch.__version__,
+            date=datetime.date.today().isoformat(),
         )
         row["speedup_vs_stock_steady"] = row["stock_steady_ms"] / row["refit_cached_steady_ms"]
         row["freshness_lookup_ms"] = row["refit_cached_after_registration_steady_ms"] - row["refit_cached_steady_ms"]
@@ -440,7 +483,9 @@ def run(args) -> dict:
         if args.fp8:
             fp8 = results["refit_cached_fp8"]
             row.update(
-                fp8_tensors=fp8["tensors"], fp8_first_ms=fp8["first_ms"], fp8_steady_ms=fp8["steady_ms"],
+                fp8_tensors=fp8["tensors"],
+                fp8_first_ms=fp8["first_ms"],
+                fp8_steady_ms=fp8["steady_ms"],
                 fp8_peak_extra_bytes=fp8["peak_extra_bytes"],
                 fp8_new_allocations_after_first=fp8["new_allocations_after_first"],
                 fp8_over_bf16_cached=fp8["steady_ms"] / row["refit_cached_steady_ms"],
@@ -450,16 +495,26 @@ def run(args) -> dict:
                 fp8_quantizer=quantizer_path(),
             )
             row["fp8_bucket_variants"] = {
-                label: {k: v for k, v in result.items() if k in ("steady_ms", "peak_extra_bytes", "buffer_bytes", "new_allocations_after_first")}
-                for label, result in results.items() if label.startswith("refit_cached_fp8_bucket")
+                label: {
+                    k: v
+                    for k, v in result.items()
+                    if k in ("steady_ms", "peak_extra_bytes", "buffer_bytes", "new_allocations_after_first")
+                }
+                for label, result in results.items()
+                if label.startswith("refit_cached_fp8_bucket")
             }
             for mib in args.fp8_compare_bucket_mib:
                 bridge.release_export_buffers()
-                row["fp8_bucket_variants"][f"refit_cached_fp8_bucket{mib}"]["interleaved"] = interleaved(refit(True), with_bucket(mib, refit_fp8), args.steady)
+                row["fp8_bucket_variants"][f"refit_cached_fp8_bucket{mib}"]["interleaved"] = interleaved(
+                    refit(True), with_bucket(mib, refit_fp8), args.steady
+                )
             if env.world_size == 1:
                 bridge.release_export_buffers()
                 timed_export(refit(True)), timed_export(refit_fp8)  # buffers and launch tables in place
-                row["device_timeline"] = {"bf16_cached": device_timeline(refit(True)), "fp8_cached": device_timeline(refit_fp8)}
+                row["device_timeline"] = {
+                    "bf16_cached": device_timeline(refit(True)),
+                    "fp8_cached": device_timeline(refit_fp8),
+                }
                 for mib in args.fp8_compare_bucket_mib:
                     timed_export(with_bucket(mib, refit_fp8))
                     row["device_timeline"][f"fp8_cached_bucket{mib}"] = device_timeline(with_bucket(mib, refit_fp8))
@@ -479,7 +534,8 @@ def print_table(row: dict) -> None:
         f"{'RefitBridge, cache on':28s}{row['refit_cached_first_ms']:10.1f}{row['refit_cached_steady_ms']:11.2f}{row['refit_cached_peak_extra_bytes'] / gb:15.3f}",
         *(
             [f"{'  same, per-parameter groups':28s}{'':10s}{row['refit_cached_per_parameter_steady_ms']:11.2f}"]
-            if row["refit_cached_per_parameter_steady_ms"] is not None else []
+            if row["refit_cached_per_parameter_steady_ms"] is not None
+            else []
         ),
         f"{'  same, after a registration':28s}{'':10s}{row['refit_cached_after_registration_steady_ms']:11.2f}",
         f"{'clone floor (same bytes)':28s}{'':10s}{row['clone_floor_ms']:11.2f}",
@@ -497,9 +553,12 @@ def print_table(row: dict) -> None:
                 f"{row['fp8_new_allocations_after_first']}   quantizer: {row['fp8_quantizer']}   mismatches vs torch path: "
                 f"{len(row['fp8_kernel_mismatches'])}",
                 "interleaved ({pairs} pairs): BF16 cached {bf16_ms:.2f} ms, FP8 {fp8_ms:.2f} ms, FP8/BF16 per pair (median) "
-                "{fp8_over_bf16:.2f}x; minima {fp8_min_ms:.2f} / {bf16_min_ms:.2f} ms = {fp8_over_bf16_min:.2f}x".format(**row["fp8_interleaved"]),
+                "{fp8_over_bf16:.2f}x; minima {fp8_min_ms:.2f} / {bf16_min_ms:.2f} ms = {fp8_over_bf16_min:.2f}x".format(
+                    **row["fp8_interleaved"]
+                ),
             ]
-            if "fp8_steady_ms" in row else []
+            if "fp8_steady_ms" in row
+            else []
         ),
         *(
             [
@@ -514,7 +573,8 @@ def print_table(row: dict) -> None:
             [
                 f"device timeline, {label}: lead-in {t['lead_in_us']:.0f} us, kernels {t['busy_us']:.0f} us in {t['kernels']}, "
                 f"gaps {t['gaps_us']:.0f} us, span {t['span_us']:.0f} us"
-                for label, t in row.get("device_timeline", {}).items() if t.get("kernels")
+                for label, t in row.get("device_timeline", {}).items()
+                if t.get("kernels")
             ]
         ),
         *(
@@ -522,9 +582,12 @@ def print_table(row: dict) -> None:
                 "FP8 breakdown (ms, host / device): export {fp8_export_host_ms:.2f} / {fp8_export_device_ms:.2f}; "
                 "quantize one launch per job ({quantize_launches_per_weight}) {quantize_per_weight_host_ms:.2f} / "
                 "{quantize_per_weight_device_ms:.2f}; as exported ({quantize_launches_grouped} launches) "
-                "{quantize_grouped_host_ms:.2f} / {quantize_grouped_device_ms:.2f} = {quantize_grouped_gb_s:.0f} GB/s".format(**row["fp8_breakdown"])
+                "{quantize_grouped_host_ms:.2f} / {quantize_grouped_device_ms:.2f} = {quantize_grouped_gb_s:.0f} GB/s".format(
+                    **row["fp8_breakdown"]
+                )
             ]
-            if "fp8_breakdown" in row else []
+            if "fp8_breakdown" in row
+            else []
         ),
     ]
     print("\n".join(lines), flush=True)
@@ -533,25 +596,34 @@ def print_table(row: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-8b", help="a shape in recipes/shapes/ (default: %(default)s)")
-    parser.add_argument("--layers", type=int, default=None, help="keep only this many layers of the shape (default: all)")
+    parser.add_argument(
+        "--layers", type=int, default=None, help="keep only this many layers of the shape (default: all)"
+    )
     add_layout_flags(parser)
     parser.add_argument(
-        "--from-checkpoint", action="store_true",
+        "--from-checkpoint",
+        action="store_true",
         help="build both bridges from a checkpoint shell of the shape (names and shapes in the published layout) instead of its "
         "config: what a bridge whose mappings depend on the checkpoint (packed experts) exports",
     )
     parser.add_argument("--steady", type=int, default=5, help="steady-state calls to take the median of")
     parser.add_argument(
-        "--compare-bucket-mib", type=lambda text: [int(x) for x in text.split(",") if x], default=[],
+        "--compare-bucket-mib",
+        type=lambda text: [int(x) for x in text.split(",") if x],
+        default=[],
         help="TP>1: also time the cached export with these gather bucket sizes, e.g. 128,1024",
     )
     parser.add_argument("--fp8", action="store_true", help="also time the BF16 -> blockwise FP8 cached export")
     parser.add_argument(
-        "--fp8-compare-bucket-mib", type=lambda text: [int(x) for x in text.split(",") if x], default=[],
+        "--fp8-compare-bucket-mib",
+        type=lambda text: [int(x) for x in text.split(",") if x],
+        default=[],
         help="with --fp8: also time the cached FP8 export with these bucket sizes, e.g. 1024 (two Qwen3-8B layers per launch)",
     )
     parser.add_argument(
-        "--fp8-launch", default="", metavar="FIELD=VALUE,...",
+        "--fp8-launch",
+        default="",
+        metavar="FIELD=VALUE,...",
         help="launch config of the FP8 kernel (fp8_kernels.LaunchConfig fields, e.g. chunk_blocks=256,num_warps=8; "
         "default: fp8_kernels.DEFAULT_CONFIG)",
     )

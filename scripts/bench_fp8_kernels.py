@@ -99,7 +99,9 @@ def te_blockwise(jobs: list[tuple], repeats: int) -> dict:
     for (x, q, scale), (_, dst) in zip(jobs, pairs):
         meta = dst.get_metadata()
         te_scale = meta["rowwise_scale_inv"][: scale.shape[0], : scale.shape[1]]
-        equal += torch.equal(meta["rowwise_data"].view(torch.uint8), q.view(torch.uint8)) and torch.equal(te_scale, scale)
+        equal += torch.equal(meta["rowwise_data"].view(torch.uint8), q.view(torch.uint8)) and torch.equal(
+            te_scale, scale
+        )
     return {"ms": device_ms(graph.replay, repeats), "pieces": len(jobs), "pieces_equal_to_ours": equal}
 
 
@@ -125,8 +127,10 @@ def host_launch_costs(launches, repeats: int) -> dict:
         torch.cuda.synchronize()
         return statistics.median(times[1:])
 
-    costs = {"triton": host_us(lambda: [fp8_kernels.launch_grouped(launch) for launch in launches]),
-             "cuda_graph_replay": host_us(lambda: [graph.replay() for graph in graphs])}
+    costs = {
+        "triton": host_us(lambda: [fp8_kernels.launch_grouped(launch) for launch in launches]),
+        "cuda_graph_replay": host_us(lambda: [graph.replay() for graph in graphs]),
+    }
     return costs
 
 
@@ -135,7 +139,9 @@ def main() -> None:
     parser.add_argument("--model", default="qwen3-8b", help="a shape in recipes/shapes/ (default: %(default)s)")
     parser.add_argument("--layers", type=int, default=None, help="layers to quantize (default: the shape's)")
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--te", action="store_true", help="also time Transformer Engine's blockwise quantizer on the same pieces")
+    parser.add_argument(
+        "--te", action="store_true", help="also time Transformer Engine's blockwise quantizer on the same pieces"
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -153,8 +159,10 @@ def main() -> None:
         return (torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32) * 0.02).to(torch.bfloat16)
 
     def outputs(x):
-        return (torch.empty(x.shape, dtype=FP8_DTYPE, device="cuda"),
-                torch.empty(scale_shape(tuple(x.shape)), dtype=SCALE_DTYPE, device="cuda"))
+        return (
+            torch.empty(x.shape, dtype=FP8_DTYPE, device="cuda"),
+            torch.empty(scale_shape(tuple(x.shape)), dtype=SCALE_DTYPE, device="cuda"),
+        )
 
     jobs = []  # per layer: (source, q, scale) triples, q, k and v quantized run by run from the fused QKV
     for _ in range(layers):
@@ -167,8 +175,13 @@ def main() -> None:
         layer += [(x, *outputs(x)) for _, x in tensors[1:]]
         jobs.append(layer)
     nbytes = sum(x.numel() * (x.element_size() + 1) for layer in jobs for x, _, _ in layer)
-    logger.info("%s: %d layers, %d jobs (q, k, v by runs of the fused QKV), %.1f GB read + written", args.model, layers,
-                sum(map(len, jobs)), nbytes / 1e9)
+    logger.info(
+        "%s: %d layers, %d jobs (q, k, v by runs of the fused QKV), %.1f GB read + written",
+        args.model,
+        layers,
+        sum(map(len, jobs)),
+        nbytes / 1e9,
+    )
 
     previous = fp8_kernels.LaunchConfig(chunk_blocks=None)  # whole tensors, one table row each
     baseline = [fp8_kernels.grouped_launch(layer, previous) for layer in jobs]
@@ -178,22 +191,40 @@ def main() -> None:
     for x, q, s in jobs[0]:
         ref_q, ref_s = torch.empty_like(q), torch.empty_like(s)
         quantize_reference(x, out=ref_q, scale_out=ref_s)
-        assert torch.equal(ref_q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(ref_s, s), "baseline != torch path"
+        assert torch.equal(ref_q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(ref_s, s), (
+            "baseline != torch path"
+        )
 
     def same_as_reference() -> bool:
-        return all(torch.equal(q.view(torch.uint8), rq) and torch.equal(s, rs)
-                   for layer, refs in zip(jobs, reference) for (_, q, s), (rq, rs) in zip(layer, refs))
+        return all(
+            torch.equal(q.view(torch.uint8), rq) and torch.equal(s, rs)
+            for layer, refs in zip(jobs, reference)
+            for (_, q, s), (rq, rs) in zip(layer, refs)
+        )
 
-    results = {"model": args.model, "layers": layers, "bytes": nbytes, "device": torch.cuda.get_device_name(),
-               "torch": torch.__version__, "configs": {}}
+    results = {
+        "model": args.model,
+        "layers": layers,
+        "bytes": nbytes,
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "configs": {},
+    }
     casts = [[(x, q) for x, q, _ in layer] for layer in jobs]
     results["torch_cast_ms"] = device_ms(lambda: [q.copy_(x) for layer in casts for x, q in layer], args.repeats)
     flat = torch.empty(nbytes // 4, dtype=torch.bfloat16, device="cuda")  # a clone reads and writes nbytes / 2
     results["clone_floor_ms"] = device_ms(lambda flat=flat: flat.clone(), args.repeats)
     del flat
-    results["baseline_ms"] = device_ms(lambda: [fp8_kernels.launch_grouped(launch) for launch in baseline], args.repeats)
-    logger.info("clone floor %.2f ms, torch cast %.2f ms, baseline (2d, whole tensors) %.2f ms (%.0f GB/s)", results["clone_floor_ms"], results["torch_cast_ms"],
-                results["baseline_ms"], nbytes / results["baseline_ms"] / 1e6)
+    results["baseline_ms"] = device_ms(
+        lambda: [fp8_kernels.launch_grouped(launch) for launch in baseline], args.repeats
+    )
+    logger.info(
+        "clone floor %.2f ms, torch cast %.2f ms, baseline (2d, whole tensors) %.2f ms (%.0f GB/s)",
+        results["clone_floor_ms"],
+        results["torch_cast_ms"],
+        results["baseline_ms"],
+        nbytes / results["baseline_ms"] / 1e6,
+    )
 
     for launch_config in candidate_configs():
         for _, q, s in (j for layer in jobs for j in layer):
@@ -215,16 +246,25 @@ def main() -> None:
 
     whole = fp8_kernels.grouped_launch([job for layer in jobs for job in layer])
     results["default_one_launch_ms"] = device_ms(lambda: fp8_kernels.launch_grouped(whole), args.repeats)
-    logger.info("%-40s %7.2f ms in one launch for all layers", fp8_kernels.DEFAULT_CONFIG.label, results["default_one_launch_ms"])
-    results["host_us_per_launch"] = host_launch_costs([fp8_kernels.grouped_launch(layer) for layer in jobs], args.repeats)
+    logger.info(
+        "%-40s %7.2f ms in one launch for all layers",
+        fp8_kernels.DEFAULT_CONFIG.label,
+        results["default_one_launch_ms"],
+    )
+    results["host_us_per_launch"] = host_launch_costs(
+        [fp8_kernels.grouped_launch(layer) for layer in jobs], args.repeats
+    )
     logger.info("host time per grouped launch: %s", results["host_us_per_launch"])
 
     if args.te:
         for launch in [fp8_kernels.grouped_launch(layer) for layer in jobs]:
             fp8_kernels.launch_grouped(launch)  # ours, for the comparison of bits
         results["te_blockwise"] = te_blockwise([job for layer in jobs for job in layer], args.repeats)
-        logger.info("Transformer Engine blockwise quantizer (CUDA graph of %d calls): %s", results["te_blockwise"]["pieces"],
-                    results["te_blockwise"])
+        logger.info(
+            "Transformer Engine blockwise quantizer (CUDA graph of %d calls): %s",
+            results["te_blockwise"]["pieces"],
+            results["te_blockwise"],
+        )
 
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

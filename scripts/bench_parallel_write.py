@@ -31,11 +31,25 @@ from provenance import REPO, results_dir, write_result
 
 # Qwen3 dense, about 0.4 GB in bf16: big enough that gathers and file writes dominate.
 BENCH_CONFIG = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024, "head_dim": 64,
-    "num_attention_heads": 16, "num_key_value_heads": 8, "max_position_embeddings": 4096, "rms_norm_eps": 1e-06,
-    "hidden_act": "silu", "attention_bias": False, "initializer_range": 0.02, "bos_token_id": 1, "eos_token_id": 2,
-    "dtype": "bfloat16", "num_hidden_layers": 12, "intermediate_size": 3072, "vocab_size": 32768,
-    "tie_word_embeddings": False, "use_sliding_window": False,
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_size": 1024,
+    "head_dim": 64,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-06,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "initializer_range": 0.02,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "dtype": "bfloat16",
+    "num_hidden_layers": 12,
+    "intermediate_size": 3072,
+    "vocab_size": 32768,
+    "tie_word_embeddings": False,
+    "use_sliding_window": False,
     "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
 }
 PHASE = re.compile(r"export\+write: (\d+) tensors in ([0-9.]+) s, of which ([0-9.]+) s writing .* \((\d+) replica")
@@ -50,9 +64,23 @@ def make_source(directory: Path, max_shard_bytes: int) -> Path:
 
 def convert(ranks: int, source: Path, out: Path, layout: list[str], max_shard_bytes: int) -> dict:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "mbridge_refit.convert", "--nproc-per-node", str(ranks), "roundtrip",
-           "--hf", str(source), "--out", str(out), "--overwrite", "--no-progress", "--max-shard-bytes", str(max_shard_bytes),
-           *layout]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mbridge_refit.convert",
+        "--nproc-per-node",
+        str(ranks),
+        "roundtrip",
+        "--hf",
+        str(source),
+        "--out",
+        str(out),
+        "--overwrite",
+        "--no-progress",
+        "--max-shard-bytes",
+        str(max_shard_bytes),
+        *layout,
+    ]
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     wall = time.monotonic() - start
@@ -61,7 +89,12 @@ def convert(ranks: int, source: Path, out: Path, layout: list[str], max_shard_by
     match = PHASE.search(proc.stdout + proc.stderr)
     if match is None:
         raise SystemExit(f"no export+write line in the output of {' '.join(cmd)}")
-    return {"export_write_s": float(match[2]), "rank0_files_s": float(match[3]), "wall_s": wall, "replicas": int(match[4])}
+    return {
+        "export_write_s": float(match[2]),
+        "rank0_files_s": float(match[3]),
+        "wall_s": wall,
+        "replicas": int(match[4]),
+    }
 
 
 def disk_floor(directory: Path, total_bytes: int, shard_bytes: int, writers: int) -> float:
@@ -101,11 +134,17 @@ def same_files(a: Path, b: Path) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="rank counts to compare (default: 2 4)")
-    parser.add_argument("--layout", nargs="*", default=["--tp", "2"], help="model-parallel layout flags (default: --tp 2)")
+    parser.add_argument(
+        "--layout", nargs="*", default=["--tp", "2"], help="model-parallel layout flags (default: --tp 2)"
+    )
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds over the rank counts")
-    parser.add_argument("--max-shard-bytes", type=int, default=32 << 20, help="source and output shard size (default 32 MiB: 14 files)")
+    parser.add_argument(
+        "--max-shard-bytes", type=int, default=32 << 20, help="source and output shard size (default 32 MiB: 14 files)"
+    )
     parser.add_argument("--work", type=Path, default=None, help="scratch directory (default: a temporary one)")
-    parser.add_argument("--out-dir", type=Path, default=None, help="results folder (default: benchmarks/results/<date>-cpu<cores>/)")
+    parser.add_argument(
+        "--out-dir", type=Path, default=None, help="results folder (default: benchmarks/results/<date>-cpu<cores>/)"
+    )
     args = parser.parse_args()
 
     from mbridge_refit.checkpoints.hf import compare_checkpoints
@@ -124,29 +163,41 @@ def main() -> None:
     identical = {n: same_files(first, work / f"out-{n}") for n in args.ranks}
     equal_to_source = compare_checkpoints(source, first) == []
     rows = [
-        {"ranks": n, "replicas": runs[n][0]["replicas"],
-         "export_write_s": statistics.median(r["export_write_s"] for r in runs[n]),
-         "rank0_files_s": statistics.median(r["rank0_files_s"] for r in runs[n]),
-         "disk_floor_s": statistics.median(r["disk_floor_s"] for r in runs[n]),
-         "wall_s": statistics.median(r["wall_s"] for r in runs[n]), "files_identical_to_first": identical[n]}
+        {
+            "ranks": n,
+            "replicas": runs[n][0]["replicas"],
+            "export_write_s": statistics.median(r["export_write_s"] for r in runs[n]),
+            "rank0_files_s": statistics.median(r["rank0_files_s"] for r in runs[n]),
+            "disk_floor_s": statistics.median(r["disk_floor_s"] for r in runs[n]),
+            "wall_s": statistics.median(r["wall_s"] for r in runs[n]),
+            "files_identical_to_first": identical[n],
+        }
         for n in args.ranks
     ]
     base = rows[0]["export_write_s"]
     for row in rows:
         row["export_write_speedup"] = round(base / row["export_write_s"], 2)
     payload = {
-        "model": "qwen3 1024h x 12 layers, vocab 32768 (bf16)", "bytes": source_bytes,
-        "layout": " ".join(args.layout), "cpu_cores": os.cpu_count(), "rounds": args.rounds,
-        "output_equals_source": equal_to_source, "rows": rows,
+        "model": "qwen3 1024h x 12 layers, vocab 32768 (bf16)",
+        "bytes": source_bytes,
+        "layout": " ".join(args.layout),
+        "cpu_cores": os.cpu_count(),
+        "rounds": args.rounds,
+        "output_equals_source": equal_to_source,
+        "rows": rows,
     }
     for row in rows:
-        print(f"{row['ranks']} ranks ({row['replicas']} replicas): export+write {row['export_write_s']:.2f} s "
-              f"({row['export_write_speedup']}x; rank 0 in its files {row['rank0_files_s']:.2f} s; the same bytes written "
-              f"and synced by {row['ranks']} writers alone {row['disk_floor_s']:.2f} s), launch {row['wall_s']:.1f} s, "
-              f"identical {row['files_identical_to_first']}")
+        print(
+            f"{row['ranks']} ranks ({row['replicas']} replicas): export+write {row['export_write_s']:.2f} s "
+            f"({row['export_write_speedup']}x; rank 0 in its files {row['rank0_files_s']:.2f} s; the same bytes written "
+            f"and synced by {row['ranks']} writers alone {row['disk_floor_s']:.2f} s), launch {row['wall_s']:.1f} s, "
+            f"identical {row['files_identical_to_first']}"
+        )
     print(f"output equals the source: {equal_to_source}")
     label = f"cpu{os.cpu_count()}"  # CPU ranks only: the folder names the core count, not a GPU
-    write_result(args.out_dir or results_dir(label), "parallel_write.json", payload, device=f"{label} ({os.uname().nodename})")
+    write_result(
+        args.out_dir or results_dir(label), "parallel_write.json", payload, device=f"{label} ({os.uname().nodename})"
+    )
     if not (equal_to_source and all(identical.values())):
         raise SystemExit("outputs differ")
 

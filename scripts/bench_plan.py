@@ -42,7 +42,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-235b-a22b", help="a shape in recipes/shapes/")
     add_layout_flags(parser)
-    parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/<date>-cpu/plan_scale.jsonl")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="default: benchmarks/results/<date>-cpu/plan_scale.jsonl"
+    )
     args = parser.parse_args()
 
     from mbridge_refit.bridge import RefitBridge
@@ -65,9 +67,16 @@ def main() -> None:
         dist.all_reduce(local, op=dist.ReduceOp.MAX)
         if env.rank == 0:
             row = dict(
-                model=args.model, layout=layout.name, world_size=env.world_size, entries=len(plan.entries),
-                plan_gb=plan.total_bytes / 1e9, meta_build_s=local[0].item(), plan_s=local[1].item(),
-                peak_rss_gib=local[2].item(), rss_after_imports_gib=rss_start, host_cpus=torch.get_num_threads(),
+                model=args.model,
+                layout=layout.name,
+                world_size=env.world_size,
+                entries=len(plan.entries),
+                plan_gb=plan.total_bytes / 1e9,
+                meta_build_s=local[0].item(),
+                plan_s=local[1].item(),
+                peak_rss_gib=local[2].item(),
+                rss_after_imports_gib=rss_start,
+                host_cpus=torch.get_num_threads(),
                 date=datetime.date.today().isoformat(),
             )
             print(

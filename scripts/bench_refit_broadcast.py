@@ -66,11 +66,19 @@ def main() -> None:
     parser.add_argument("--buffers", type=int, default=2, help="rotating buffers (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
-        "--sweep", type=_configs, default=[], metavar="MIBxN,...",
+        "--sweep",
+        type=_configs,
+        default=[],
+        metavar="MIBxN,...",
         help="also time the transport alone with these buffer configurations (e.g. 256x2,256x4,1024x2)",
     )
     parser.add_argument("--out-dir", type=Path, default=None, help="default: benchmarks/results/<date>-<device>/")
-    parser.add_argument("--stack-dump-s", type=float, default=None, help="print every thread's Python stack and exit after this many seconds (diagnosing a stuck rank)")
+    parser.add_argument(
+        "--stack-dump-s",
+        type=float,
+        default=None,
+        help="print every thread's Python stack and exit after this many seconds (diagnosing a stuck rank)",
+    )
     args = parser.parse_args()
     if args.stack_dump_s:
         import faulthandler
@@ -136,22 +144,37 @@ def main() -> None:
         phase(rank, f"raw broadcast {raw_ms:.1f} ms; packed transport")
         # (b) transport alone: pack + broadcast pre-exported tensors; the receiver only drains
         if rank == TRAINER:
-            exported = [(n, t.clone()) for n, t in bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True)]
+            exported = [
+                (n, t.clone())
+                for n, t in bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True)
+            ]
 
             def transport_with(cfg):
-                return lambda: drain(iter(exported), PackedBroadcastSender(plan, cfg, group=refit, src=TRAINER, trainer_group=trainers))
+                return lambda: drain(
+                    iter(exported), PackedBroadcastSender(plan, cfg, group=refit, src=TRAINER, trainer_group=trainers)
+                )
         else:
+
             def transport_with(cfg):
                 def transport():
                     for _ in PackedBroadcastReceiver(plan, cfg, group=refit, src=TRAINER, device=device).receive():
                         pass
+
                 return transport
+
         transport_ms, _ = timed(transport_with(config), args.repeats)
         sweep = []
         for mib, buffers in args.sweep:
             other = PackedBroadcastConfig(bucket_bytes=mib * 1024**2, num_buffers=buffers)
             other_ms, _ = timed(transport_with(other), args.repeats)
-            sweep.append(dict(bucket_mib=mib, buffers=buffers, packed_transport_ms=other_ms, transport_bandwidth_fraction=raw_ms / other_ms))
+            sweep.append(
+                dict(
+                    bucket_mib=mib,
+                    buffers=buffers,
+                    packed_transport_ms=other_ms,
+                    transport_bandwidth_fraction=raw_ms / other_ms,
+                )
+            )
             phase(rank, f"transport {mib} MiB x {buffers}: {other_ms:.1f} ms")
             torch.cuda.empty_cache()
         if rank == TRAINER:
@@ -161,13 +184,16 @@ def main() -> None:
         phase(rank, f"packed transport {transport_ms:.1f} ms; packed end to end")
         # (c) packed end to end: export -> pack/broadcast -> receive -> in-place update
         if rank == TRAINER:
+
             def packed():
                 stream = bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True)
                 drain(stream, PackedBroadcastSender(plan, config, group=refit, src=TRAINER, trainer_group=trainers))
         else:
+
             def packed():
                 receiver = PackedBroadcastReceiver(plan, config, group=refit, src=TRAINER, device=device)
                 drain(receiver.receive(), HFModelUpdateSink(model))
+
         packed_ms, packed_times = timed(packed, args.repeats)
 
         # bitwise check of the packed refit: the engine's tensors vs the trainer's export
@@ -181,10 +207,12 @@ def main() -> None:
         phase(rank, f"packed end to end {packed_ms:.1f} ms; stock end to end")
         # (d) stock: stock export, one broadcast per tensor, the same update sink
         if rank == TRAINER:
+
             def stock():
                 for _, tensor in stock_bridge.export_hf_weights(chunks, cpu=False, show_progress=False):
                     dist.broadcast(tensor.contiguous(), src=TRAINER, group=refit)
         else:
+
             def stock():
                 sink = HFModelUpdateSink(model)
                 for entry in plan.entries:
@@ -192,19 +220,33 @@ def main() -> None:
                     dist.broadcast(tensor, src=TRAINER, group=refit)
                     sink.consume(entry.hf_name, tensor)
                 sink.finish()
+
         stock_ms, _ = timed(stock, args.repeats)
 
         result = [mismatched]
         dist.broadcast_object_list(result, src=ENGINE, group=refit)
         if rank == TRAINER:
             row = dict(
-                device=torch.cuda.get_device_name(), model=args.model, layout="tp1", bytes=total,
-                tensors=len(plan.entries), bucket_bytes=config.bucket_bytes, num_buffers=config.num_buffers,
-                raw_broadcast_ms=raw_ms, packed_transport_ms=transport_ms, packed_end_to_end_ms=packed_ms,
-                packed_end_to_end_all_ms=packed_times, stock_end_to_end_ms=stock_ms,
-                transport_bandwidth_fraction=raw_ms / transport_ms, speedup_vs_stock=stock_ms / packed_ms,
-                raw_broadcast_gb_s=total / raw_ms / 1e6, packed_transport_gb_s=total / transport_ms / 1e6,
-                engine_tensors_differing=result[0], transport_sweep=sweep, repeats=args.repeats, torch=torch.__version__,
+                device=torch.cuda.get_device_name(),
+                model=args.model,
+                layout="tp1",
+                bytes=total,
+                tensors=len(plan.entries),
+                bucket_bytes=config.bucket_bytes,
+                num_buffers=config.num_buffers,
+                raw_broadcast_ms=raw_ms,
+                packed_transport_ms=transport_ms,
+                packed_end_to_end_ms=packed_ms,
+                packed_end_to_end_all_ms=packed_times,
+                stock_end_to_end_ms=stock_ms,
+                transport_bandwidth_fraction=raw_ms / transport_ms,
+                speedup_vs_stock=stock_ms / packed_ms,
+                raw_broadcast_gb_s=total / raw_ms / 1e6,
+                packed_transport_gb_s=total / transport_ms / 1e6,
+                engine_tensors_differing=result[0],
+                transport_sweep=sweep,
+                repeats=args.repeats,
+                torch=torch.__version__,
                 date=datetime.date.today().isoformat(),
             )
             print_table(row)

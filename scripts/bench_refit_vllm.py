@@ -82,7 +82,11 @@ def engine_config(config, out: Path, quantization_config: dict | None) -> Path:
 
 
 def summary(values: list[float]) -> dict:
-    return {"median": round(statistics.median(values), 3), "min": round(min(values), 3), "all": [round(v, 3) for v in values]}
+    return {
+        "median": round(statistics.median(values), 3),
+        "min": round(min(values), 3),
+        "all": [round(v, 3) for v in values],
+    }
 
 
 def run(args) -> dict:
@@ -102,10 +106,16 @@ def run(args) -> dict:
     fp8 = BlockwiseFP8Config() if args.fp8 else None
     layout = ParallelLayout(tp=1, pp=1, ep=1)
     device = torch.device("cuda")
-    result: dict = {"device": torch.cuda.get_device_name(), "model": args.model if args.layers is None else f"{args.model}-{args.layers}layers",
-                    "format": "fp8-blockwise" if fp8 else "bf16", "torch": torch.__version__}
-    with distributed_session(layout, device=device, timeout=datetime.timedelta(minutes=10)), \
-            tempfile.TemporaryDirectory(dir=args.work) as work:
+    result: dict = {
+        "device": torch.cuda.get_device_name(),
+        "model": args.model if args.layers is None else f"{args.model}-{args.layers}layers",
+        "format": "fp8-blockwise" if fp8 else "bf16",
+        "torch": torch.__version__,
+    }
+    with (
+        distributed_session(layout, device=device, timeout=datetime.timedelta(minutes=10)),
+        tempfile.TemporaryDirectory(dir=args.work) as work,
+    ):
         import vllm
 
         result["vllm"] = vllm.__version__
@@ -118,8 +128,16 @@ def run(args) -> dict:
             from vllm.config import WeightTransferConfig
 
             extra["weight_transfer_config"] = WeightTransferConfig(backend="ipc")
-        llm = LLM(model=str(directory), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
-                  max_model_len=256, gpu_memory_utilization=args.gpu_memory_utilization, **engine_kwargs(**extra))
+        llm = LLM(
+            model=str(directory),
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            enforce_eager=True,
+            dtype="bfloat16",
+            max_model_len=256,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            **engine_kwargs(**extra),
+        )
         refit = VLLMRefit(llm, timeout_s=300)
 
         before_open = llm.collective_rpc("mbridge_refit_memory")[0]
@@ -197,7 +215,9 @@ def run(args) -> dict:
         ours_median = result["ours_ms"]["median"]
         result["ratios"] = {
             "ours_over_floor": round(ours_median / result["floor_ms"], 2),
-            "stock_native_over_ours": round(result["vllm_native_stock_ms"]["median"] / ours_median, 2) if stock_times else None,
+            "stock_native_over_ours": round(result["vllm_native_stock_ms"]["median"] / ours_median, 2)
+            if stock_times
+            else None,
             "load_weights_over_floor": round(result["vllm_load_weights_ms"]["median"] / result["floor_ms"], 2),
         }
         refit.close()
@@ -210,9 +230,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="keep only this many layers (default: all)")
     parser.add_argument("--fp8", action="store_true", help="FP8-blockwise engine and refit (no native baseline)")
     parser.add_argument("--steps", type=int, default=5, help="steady-state steps per side (default 5)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share of the GPU (default 0.3)")
+    parser.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share of the GPU (default 0.3)"
+    )
     parser.add_argument("--work", default=os.environ.get("TMPDIR", "/tmp"), help="folder for the engine's config")
-    parser.add_argument("--out-dir", type=Path, default=None, help="results folder (default benchmarks/results/<date>-<device>/)")
+    parser.add_argument(
+        "--out-dir", type=Path, default=None, help="results folder (default benchmarks/results/<date>-<device>/)"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from provenance import results_dir, write_result
@@ -220,10 +244,31 @@ def main() -> None:
     result = run(args)
     name = f"bench_refit_vllm_{result['model']}{'_fp8' if args.fp8 else ''}.json"
     path = write_result(args.out_dir or results_dir(), name, result)
-    print(json.dumps({k: result[k] for k in ("device", "model", "format", "bytes", "ours_ms", "ours_export_ms", "ours_engine_ms",
-                                             "ours_rpc_overhead_ms", "floor_ms", "vllm_native_stock_ms",
-                                             "vllm_load_weights_ms", "engine_replay_ms", "new_allocations_after_first",
-                                             "engine_extra_bytes", "ratios")}, indent=1))
+    print(
+        json.dumps(
+            {
+                k: result[k]
+                for k in (
+                    "device",
+                    "model",
+                    "format",
+                    "bytes",
+                    "ours_ms",
+                    "ours_export_ms",
+                    "ours_engine_ms",
+                    "ours_rpc_overhead_ms",
+                    "floor_ms",
+                    "vllm_native_stock_ms",
+                    "vllm_load_weights_ms",
+                    "engine_replay_ms",
+                    "new_allocations_after_first",
+                    "engine_extra_bytes",
+                    "ratios",
+                )
+            },
+            indent=1,
+        )
+    )
     print("wrote", path)
 
 

@@ -34,7 +34,11 @@ from mbridge_refit.convert.flags import add_layout_flags, layout_from_flags
 def hf_config(name: str, layers: int | None):
     from mbridge_refit.models import recipes
 
-    config = recipes.full_size_config(name) if name in recipes.full_size_shapes() else recipes.get_model_recipe(name).to_hf_config()
+    config = (
+        recipes.full_size_config(name)
+        if name in recipes.full_size_shapes()
+        else recipes.get_model_recipe(name).to_hf_config()
+    )
     if layers is not None:
         config.num_hidden_layers = layers
     return config
@@ -83,7 +87,9 @@ def check_against_stock(stock_stream, transfer, shards) -> int:
     for name, tensor in stock_stream:
         if name in boxes:
             expected = tensor[tuple(slice(a, b) for a, b in boxes[name])]
-            mismatches += not torch.equal(expected.reshape(-1).view(torch.uint8), shards[name].reshape(-1).view(torch.uint8))
+            mismatches += not torch.equal(
+                expected.reshape(-1).view(torch.uint8), shards[name].reshape(-1).view(torch.uint8)
+            )
     return mismatches
 
 
@@ -93,8 +99,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="cut the shape to its first N layers")
     parser.add_argument("--engine", default=None, help="engine layout (default: the trainer's TP)")
     parser.add_argument("--steps", type=int, default=7)
-    parser.add_argument("--tp1-json", type=Path, default=None,
-                        help="bench_export.py --tp 1 result of the same shape on this host: its refit_cached_steady_ms is tp1_cached_ms")
+    parser.add_argument(
+        "--tp1-json",
+        type=Path,
+        default=None,
+        help="bench_export.py --tp 1 result of the same shape on this host: its refit_cached_steady_ms is tp1_cached_ms",
+    )
     parser.add_argument("--out-dir", type=Path, default=None, help="default: benchmarks/results/<date>-<device>/")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     add_layout_flags(parser)
@@ -110,7 +120,10 @@ def main() -> None:
     device = torch.device(args.device)
     with distributed_session(layout, device=device, timeout=datetime.timedelta(minutes=10)) as env:
         config = hf_config(args.model, args.layers)
-        bridge, stock = RefitBridge.from_hf_config(config), AutoBridge.from_hf_config(hf_config(args.model, args.layers))
+        bridge, stock = (
+            RefitBridge.from_hf_config(config),
+            AutoBridge.from_hf_config(hf_config(args.model, args.layers)),
+        )
         chunks = build_model(bridge, layout, BuildOptions(device=device, params_dtype=torch.bfloat16))
         same_weights_on_every_replica(chunks)
         plan = bridge.transfer_plan(chunks, args.engine or f"tp{layout.tp}")
@@ -118,31 +131,62 @@ def main() -> None:
         shards = transfer.allocate_shards()
 
         sharded, sharded_allocations = timed(lambda: transfer.run(shards), device, args.steps)
-        mismatches = check_against_stock(stock.export_hf_weights(chunks, cpu=device.type == "cpu", show_progress=False), transfer, shards)
-        gather, _ = timed(lambda: drain(bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True)), device, args.steps)
-        stock_times, _ = timed(lambda: drain(stock.export_hf_weights(chunks, cpu=device.type == "cpu", show_progress=False)), device, max(2, args.steps // 3))
+        mismatches = check_against_stock(
+            stock.export_hf_weights(chunks, cpu=device.type == "cpu", show_progress=False), transfer, shards
+        )
+        gather, _ = timed(
+            lambda: drain(bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True)),
+            device,
+            args.steps,
+        )
+        stock_times, _ = timed(
+            lambda: drain(stock.export_hf_weights(chunks, cpu=device.type == "cpu", show_progress=False)),
+            device,
+            max(2, args.steps // 3),
+        )
 
-        row = torch.tensor([statistics.median(sharded), statistics.median(gather), statistics.median(stock_times),
-                            mismatches, sharded_allocations], dtype=torch.float64, device=device)
+        row = torch.tensor(
+            [
+                statistics.median(sharded),
+                statistics.median(gather),
+                statistics.median(stock_times),
+                mismatches,
+                sharded_allocations,
+            ],
+            dtype=torch.float64,
+            device=device,
+        )
         dist.all_reduce(row, op=dist.ReduceOp.MAX)  # the slowest rank, the most mismatches
         tp1_ms = json.loads(args.tp1_json.read_text())["refit_cached_steady_ms"] if args.tp1_json else None
         if env.rank == 0:
             summary = plan.summary()
             result = dict(
-                device=_device_name(device), model=args.model, layers=config.num_hidden_layers,
-                layout=f"tp{layout.tp}->{plan.engine.name}", world_size=env.world_size,
-                sharded_ms=round(row[0].item(), 3), gather_cached_ms=round(row[1].item(), 3), tp1_cached_ms=tp1_ms,
-                stock_steady_ms=round(row[2].item(), 3), bytes_moved=summary["bytes_moved"],
-                full_gather_bytes=summary["full_gather_bytes"], shard_bytes=summary["shard_bytes"], moves=summary["moves"],
-                mismatches_vs_stock=int(row[3].item()), new_allocations_after_first=int(row[4].item()),
+                device=_device_name(device),
+                model=args.model,
+                layers=config.num_hidden_layers,
+                layout=f"tp{layout.tp}->{plan.engine.name}",
+                world_size=env.world_size,
+                sharded_ms=round(row[0].item(), 3),
+                gather_cached_ms=round(row[1].item(), 3),
+                tp1_cached_ms=tp1_ms,
+                stock_steady_ms=round(row[2].item(), 3),
+                bytes_moved=summary["bytes_moved"],
+                full_gather_bytes=summary["full_gather_bytes"],
+                shard_bytes=summary["shard_bytes"],
+                moves=summary["moves"],
+                mismatches_vs_stock=int(row[3].item()),
+                new_allocations_after_first=int(row[4].item()),
                 sharded_all_ms=[round(t, 3) for t in sharded],
             )
             result["speedup_vs_stock"] = round(result["stock_steady_ms"] / result["sharded_ms"], 2)
             if tp1_ms:
                 result["sharded_vs_tp1"] = round(result["sharded_ms"] / tp1_ms, 2)
             print(result, flush=True)
-            write_result(args.out_dir or results_dir(None if device.type == "cuda" else "cpu"),
-                         f"sharded_refit_{args.model}_{result['layout'].replace('->', '_to_')}.json", result)
+            write_result(
+                args.out_dir or results_dir(None if device.type == "cuda" else "cpu"),
+                f"sharded_refit_{args.model}_{result['layout'].replace('->', '_to_')}.json",
+                result,
+            )
 
 
 def _synchronize(device: torch.device) -> None:

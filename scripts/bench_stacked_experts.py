@@ -88,7 +88,10 @@ def run(args) -> dict:
         "gate_up transposed (Qwen3-VL-MoE published)": (ExpertStack(transpose=True), (2 * args.ffn, args.hidden)),
         "down transposed (Qwen3-VL-MoE published)": (ExpertStack(transpose=True), (args.hidden, args.ffn)),
         "gate_up as stacked (transformers' layout)": (ExpertStack(), (2 * args.ffn, args.hidden)),
-        "gate_up interleaved, transposed (GPT-OSS)": (ExpertStack(interleave=2, transpose=True), (2 * args.ffn, args.hidden)),
+        "gate_up interleaved, transposed (GPT-OSS)": (
+            ExpertStack(interleave=2, transpose=True),
+            (2 * args.ffn, args.hidden),
+        ),
     }
     for label, (stack, shape) in cases.items():
         experts = [torch.randn(shape, generator=generator).to(torch.bfloat16).to(device) for _ in range(args.experts)]
@@ -100,26 +103,42 @@ def run(args) -> dict:
         nbytes = reference.numel() * reference.element_size()
         floor_source = torch.empty(nbytes, dtype=torch.uint8, device=device)
         floor_out = torch.empty_like(floor_source)
-        row = {"bytes": nbytes, "clone_floor_ms": timed(lambda out=floor_out, source=floor_source: out.copy_(source), device, args.repeats)}
+        row = {
+            "bytes": nbytes,
+            "clone_floor_ms": timed(lambda out=floor_out, source=floor_source: out.copy_(source), device, args.repeats),
+        }
         for name, fn in candidates(stack, experts, out, staging).items():
             out.fill_(float("nan"))
             fn()
             exact = torch.equal(out.view(torch.int16), reference.view(torch.int16))
             row[name] = {"ms": timed(fn, device, args.repeats), "bitwise_equal": exact}
         rows[label] = row
-        print(f"{label}: {nbytes / 2**20:.0f} MiB, copy floor {row['clone_floor_ms']:.3f} ms; "
-              + ", ".join(f"{n} {r['ms']:.3f} ms{'' if r['bitwise_equal'] else ' (DIFFERENT)'}" for n, r in row.items() if isinstance(r, dict)),
-              flush=True)
+        print(
+            f"{label}: {nbytes / 2**20:.0f} MiB, copy floor {row['clone_floor_ms']:.3f} ms; "
+            + ", ".join(
+                f"{n} {r['ms']:.3f} ms{'' if r['bitwise_equal'] else ' (DIFFERENT)'}"
+                for n, r in row.items()
+                if isinstance(r, dict)
+            ),
+            flush=True,
+        )
         del experts, reference, staging, out, floor_source, floor_out
     return {
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "experts": args.experts,
-        "hidden": args.hidden, "ffn": args.ffn, "repeats": args.repeats, "cases": rows,
-        "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "experts": args.experts,
+        "hidden": args.hidden,
+        "ffn": args.ffn,
+        "repeats": args.repeats,
+        "cases": rows,
+        "torch": torch.__version__,
+        "date": datetime.date.today().isoformat(),
     }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--ffn", type=int, default=768)

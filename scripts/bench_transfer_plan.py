@@ -33,8 +33,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-8b", help="a shape in recipes/shapes/")
     parser.add_argument("--engines", nargs="+", default=["tp2"], help="engine layouts: tp2, tp4, tp2_ep2, ...")
-    parser.add_argument("--engine-ranks", type=int, nargs="+", default=None,
-                        help="the global rank of each engine rank (default 0, 1, ...: colocated on the first ranks)")
+    parser.add_argument(
+        "--engine-ranks",
+        type=int,
+        nargs="+",
+        default=None,
+        help="the global rank of each engine rank (default 0, 1, ...: colocated on the first ranks)",
+    )
     add_layout_flags(parser)
     args = parser.parse_args()
 
@@ -58,14 +63,28 @@ def main() -> None:
                 continue
             summary = plan.summary()
             row = dict(
-                model=args.model, layout=f"{trainer}->{plan.engine.name}", world_size=env.world_size,
-                model_bytes=export_plan.total_bytes, transfer_plan_s=round(plan_s, 3), **summary,
-                moved_vs_full_gather=round(summary["bytes_moved"] / summary["full_gather_bytes"], 4) if summary["full_gather_bytes"] else None,
+                model=args.model,
+                layout=f"{trainer}->{plan.engine.name}",
+                world_size=env.world_size,
+                model_bytes=export_plan.total_bytes,
+                transfer_plan_s=round(plan_s, 3),
+                **summary,
+                moved_vs_full_gather=round(summary["bytes_moved"] / summary["full_gather_bytes"], 4)
+                if summary["full_gather_bytes"]
+                else None,
             )
-            print(f"{args.model} {row['layout']}: moved {summary['bytes_moved'] / 1e9:.2f} GB, local {summary['bytes_local'] / 1e9:.2f} GB, "
-                  f"full gather {summary['full_gather_bytes'] / 1e9:.2f} GB ({len(plan.moves)} moves, plan {plan_s:.2f} s)", flush=True)
+            print(
+                f"{args.model} {row['layout']}: moved {summary['bytes_moved'] / 1e9:.2f} GB, local {summary['bytes_local'] / 1e9:.2f} GB, "
+                f"full gather {summary['full_gather_bytes'] / 1e9:.2f} GB ({len(plan.moves)} moves, plan {plan_s:.2f} s)",
+                flush=True,
+            )
             placed = "" if args.engine_ranks is None else "_on_" + "-".join(map(str, args.engine_ranks))
-            write_result(results_dir("cpu"), f"transfer_bytes_{args.model}_{trainer}_to_{plan.engine.name}{placed}.json", row, device="cpu")
+            write_result(
+                results_dir("cpu"),
+                f"transfer_bytes_{args.model}_{trainer}_to_{plan.engine.name}{placed}.json",
+                row,
+                device="cpu",
+            )
 
 
 if __name__ == "__main__":

@@ -115,7 +115,11 @@ def stale_params(trainer_params: dict, mains: dict) -> list[str]:
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
 
 
 def check(args, overlap: bool) -> dict:
@@ -132,7 +136,10 @@ def check(args, overlap: bool) -> dict:
     bridge, oracle_bridge = RefitBridge.from_hf_config(config), RefitBridge.from_hf_config(config)
     layout = ParallelLayout()
     ddp = DistributedDataParallelConfig(
-        use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=overlap, grad_reduce_in_fp32=True,
+        use_distributed_optimizer=True,
+        overlap_grad_reduce=True,
+        overlap_param_gather=overlap,
+        grad_reduce_in_fp32=True,
     )
     torch.manual_seed(1234)
     trainer = build(bridge, layout, ddp)
@@ -142,8 +149,16 @@ def check(args, overlap: bool) -> dict:
         for name, param in oracle_params.items():
             param.copy_(trainer_params[name])
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=LR, min_lr=LR, weight_decay=0.0, bf16=True,
-                        use_distributed_optimizer=True, clip_grad=1.0, params_dtype=torch.bfloat16),
+        OptimizerConfig(
+            optimizer="adam",
+            lr=LR,
+            min_lr=LR,
+            weight_decay=0.0,
+            bf16=True,
+            use_distributed_optimizer=True,
+            clip_grad=1.0,
+            params_dtype=torch.bfloat16,
+        ),
         trainer,
     )
     before = exported(bridge, trainer)
@@ -161,11 +176,21 @@ def check(args, overlap: bool) -> dict:
     changed = sorted(n for n in expected if not same(before[n], expected[n]))
     unchanged = sorted(n for n in changed if same(after[n], before[n]))
     return {
-        "overlap_param_gather": overlap, "rank": dist.get_rank(), "loss": loss, "tensors": len(expected),
-        "changed_by_step": len(changed), "deferred_gather_groups_before_export": deferred,
-        "model_params_stale_before_export": len(stale), "differing_from_oracle": differing[:10],
-        "exported_pre_step_values": unchanged[:10], "dtypes": sorted({str(t.dtype) for t in after.values()}),
-        "ok": not differing and not unchanged and bool(changed) and set(after) == set(expected) and (deferred > 0) == overlap,
+        "overlap_param_gather": overlap,
+        "rank": dist.get_rank(),
+        "loss": loss,
+        "tensors": len(expected),
+        "changed_by_step": len(changed),
+        "deferred_gather_groups_before_export": deferred,
+        "model_params_stale_before_export": len(stale),
+        "differing_from_oracle": differing[:10],
+        "exported_pre_step_values": unchanged[:10],
+        "dtypes": sorted({str(t.dtype) for t in after.values()}),
+        "ok": not differing
+        and not unchanged
+        and bool(changed)
+        and set(after) == set(expected)
+        and (deferred > 0) == overlap,
     }
 
 
@@ -189,8 +214,14 @@ def main() -> None:
     if dist.get_rank() == 0:
         from provenance import device_name
 
-        payload = {"device": device_name(), "model": f"{args.model} ({args.layers} layers)", "dp": dist.get_world_size(),
-                   "optimizer": f"Megatron distributed Adam, lr {LR}", "results_rank0": results, "ok_per_rank": everyone_ok}
+        payload = {
+            "device": device_name(),
+            "model": f"{args.model} ({args.layers} layers)",
+            "dp": dist.get_world_size(),
+            "optimizer": f"Megatron distributed Adam, lr {LR}",
+            "results_rank0": results,
+            "ok_per_rank": everyone_ok,
+        }
         write_result(args.out_dir or results_dir(), f"ddp_export_{args.model}.json", payload)
     ok = all(everyone_ok)
     dist.destroy_process_group()

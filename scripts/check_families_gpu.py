@@ -29,7 +29,9 @@ from provenance import results_dir, write_result
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="", help="comma-separated architectures (default: every registered one and the variants)")
+    parser.add_argument(
+        "--only", default="", help="comma-separated architectures (default: every registered one and the variants)"
+    )
     parser.add_argument("--out-dir", type=Path, default=None, help="default: benchmarks/results/<date>-<device>/")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -43,13 +45,25 @@ def main() -> None:
         for architecture in architectures:
             cells = check_architecture(architecture, "tp1", device=device)
             rows.append({"architecture": architecture, **{c.precision: c.to_json() for c in cells}})
-            print(f"{architecture:48s} " + "  ".join(f"{c.precision}: {c.state}" for c in cells) + f"  {cells[0].detail[:300]}", flush=True)
+            print(
+                f"{architecture:48s} "
+                + "  ".join(f"{c.precision}: {c.state}" for c in cells)
+                + f"  {cells[0].detail[:300]}",
+                flush=True,
+            )
             torch.cuda.empty_cache()
     counts = {precision: dict(Counter(row[precision]["state"] for row in rows)) for precision in ("bf16", "fp8")}
     print(counts)
-    path = write_result(args.out_dir or results_dir(), "families_tp1.json", {
-        "device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "counts": counts, "rows": rows,
-    })
+    path = write_result(
+        args.out_dir or results_dir(),
+        "families_tp1.json",
+        {
+            "device": torch.cuda.get_device_name(),
+            "date": datetime.date.today().isoformat(),
+            "counts": counts,
+            "rows": rows,
+        },
+    )
     print(f"wrote {path}")
 
 

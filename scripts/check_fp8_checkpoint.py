@@ -39,11 +39,25 @@ import torch
 from provenance import results_dir, write_result
 
 CONFIG = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024, "head_dim": 128,
-    "num_attention_heads": 8, "num_key_value_heads": 4, "intermediate_size": 3072, "num_hidden_layers": 4,
-    "vocab_size": 4096, "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "hidden_act": "silu",
-    "attention_bias": False, "tie_word_embeddings": False, "dtype": "bfloat16", "bos_token_id": 1,
-    "eos_token_id": 2, "initializer_range": 0.02, "use_sliding_window": False,
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_size": 1024,
+    "head_dim": 128,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 4,
+    "vocab_size": 4096,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "initializer_range": 0.02,
+    "use_sliding_window": False,
     "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
 }
 FIRST_GUESS = dict(relative_logit_error=0.1, mean_abs_logprob_diff=0.05)  # reported, no longer judged
@@ -70,8 +84,21 @@ def main() -> None:
     recipe = recipes.ModelRecipe(name="qwen3-fp8-check", hf_config=CONFIG)
     recipes.make_random_checkpoint(recipe, bf16_dir, seed=0, overwrite=True)
     subprocess.run(
-        [sys.executable, "-m", "mbridge_refit.convert", "roundtrip", "--hf", str(bf16_dir), "--out", str(fp8_dir),
-         "--overwrite", "--no-progress", "--device", "cuda", "--fp8-blockwise"],
+        [
+            sys.executable,
+            "-m",
+            "mbridge_refit.convert",
+            "roundtrip",
+            "--hf",
+            str(bf16_dir),
+            "--out",
+            str(fp8_dir),
+            "--overwrite",
+            "--no-progress",
+            "--device",
+            "cuda",
+            "--fp8-blockwise",
+        ],
         check=True,
     )
     tokens = fixed_tokens(CONFIG["vocab_size"], 4, 128, torch.device("cuda"))
@@ -84,7 +111,9 @@ def main() -> None:
 
             # transformers' FP8 matmul needs the `kernels` package; without it, load the same FP8
             # checkpoint through the same quantizer and dequantize the weights to bf16 on load.
-            extra["quantization_config"] = FineGrainedFP8Config(dequantize=True, modules_to_not_convert=fp8_keep(fp8_dir))
+            extra["quantization_config"] = FineGrainedFP8Config(
+                dequantize=True, modules_to_not_convert=fp8_keep(fp8_dir)
+            )
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda", **extra).eval()
         quantized = sum("FP8" in type(m).__name__ for m in model.modules())
         with torch.no_grad():
@@ -103,24 +132,32 @@ def main() -> None:
     control_logprobs = compare_logprobs(token_logprobs(ref, tokens), token_logprobs(control, tokens))
     worst_weight = max(weight_errors.values())
     row = dict(
-        device=torch.cuda.get_device_name(), config=CONFIG, fp8_linear_modules=fp8_modules, load_mode=load_mode,
-        relative_logit_error=relative, mean_abs_logprob_diff=logprobs.mean_abs_diff,
-        max_abs_logprob_diff=logprobs.max_abs_diff, mult_prob_error=logprobs.mult_prob_error,
+        device=torch.cuda.get_device_name(),
+        config=CONFIG,
+        fp8_linear_modules=fp8_modules,
+        load_mode=load_mode,
+        relative_logit_error=relative,
+        mean_abs_logprob_diff=logprobs.mean_abs_diff,
+        max_abs_logprob_diff=logprobs.max_abs_diff,
+        mult_prob_error=logprobs.mult_prob_error,
         top1_agreement=(got.argmax(-1) == ref.argmax(-1)).float().mean().item(),
         # transformers' reading of the files vs the format's definition, applied here by hand:
         max_abs_logit_diff_vs_files_dequantized=(got - dequantized).abs().max().item(),
         weight_relative_rms_error_max=worst_weight,
         weight_relative_rms_error_mean=sum(weight_errors.values()) / len(weight_errors),
-        control_relative_logit_error=control_relative, control_mean_abs_logprob_diff=control_logprobs.mean_abs_diff,
+        control_relative_logit_error=control_relative,
+        control_mean_abs_logprob_diff=control_logprobs.mean_abs_diff,
         control_top1_agreement=(control.argmax(-1) == ref.argmax(-1)).float().mean().item(),
         tolerance=dict(
-            logits_equal_files_dequantized=0.0, weight_relative_rms_error=MAX_WEIGHT_RELATIVE_RMS,
+            logits_equal_files_dequantized=0.0,
+            weight_relative_rms_error=MAX_WEIGHT_RELATIVE_RMS,
             relative_logit_error=MAX_OVER_CONTROL * control_relative,
             mean_abs_logprob_diff=MAX_OVER_CONTROL * control_logprobs.mean_abs_diff,
         ),
         first_guess_tolerance=FIRST_GUESS,
         fp8_config=json.loads((fp8_dir / "config.json").read_text())["quantization_config"],
-        torch=torch.__version__, date=datetime.date.today().isoformat(),
+        torch=torch.__version__,
+        date=datetime.date.today().isoformat(),
     )
     row["passed"] = (
         (fp8_modules > 0 or load_mode != "fp8 matmul")
@@ -187,7 +224,9 @@ def _control_model(bf16_dir: Path, fp8_dir: Path, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
 
     def noisy_weight(name, original, dequantized):
-        relative = torch.where(original != 0, (dequantized - original) / original.where(original != 0, 1.0), 0.0).reshape(-1)
+        relative = torch.where(
+            original != 0, (dequantized - original) / original.where(original != 0, 1.0), 0.0
+        ).reshape(-1)
         return original * (1 + relative[torch.randperm(relative.numel(), generator=gen)].reshape(original.shape))
 
     return _bf16_model_with(bf16_dir, fp8_dir, noisy_weight)

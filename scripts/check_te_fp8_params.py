@@ -120,7 +120,9 @@ def expected_hf_fp8(config, per_rank: list[dict], tp: int, ep: int) -> dict[str,
                 fc1 = [by_tp[r][prefix + "mlp.linear_fc1.weight"][index] for r in range(tp)]
                 out[f"{hf}mlp.gate_proj{suffix}"] = torch.cat([s[: s.shape[0] // 2] for s in fc1], 0)
                 out[f"{hf}mlp.up_proj{suffix}"] = torch.cat([s[s.shape[0] // 2 :] for s in fc1], 0)
-                out[f"{hf}mlp.down_proj{suffix}"] = torch.cat([by_tp[r][prefix + "mlp.linear_fc2.weight"][index] for r in range(tp)], 1)
+                out[f"{hf}mlp.down_proj{suffix}"] = torch.cat(
+                    [by_tp[r][prefix + "mlp.linear_fc2.weight"][index] for r in range(tp)], 1
+                )
                 continue
             for rank in per_rank:
                 for local in range(experts_per_rank):
@@ -198,12 +200,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-8b", help="a shape in recipes/shapes/")
     parser.add_argument("--layers", type=int, default=2, help="decoder layers to build (default: %(default)s)")
-    parser.add_argument("--experts", type=int, default=None, help="MoE: override the number of experts (default: the shape's)")
+    parser.add_argument(
+        "--experts", type=int, default=None, help="MoE: override the number of experts (default: the shape's)"
+    )
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
-    parser.add_argument("--check-refusal", action="store_true", help="also build a tensorwise-recipe model and expect a refusal")
+    parser.add_argument(
+        "--check-refusal", action="store_true", help="also build a tensorwise-recipe model and expect a refusal"
+    )
     parser.add_argument("--out-dir", type=Path, default=None, help="default: benchmarks/results/<date>-<device>/")
-    parser.add_argument("--stack-dump-s", type=float, default=None, help="print every thread's Python stack and exit after this many seconds (diagnosing a stuck rank)")
+    parser.add_argument(
+        "--stack-dump-s",
+        type=float,
+        default=None,
+        help="print every thread's Python stack and exit after this many seconds (diagnosing a stuck rank)",
+    )
     args = parser.parse_args()
     if args.stack_dump_s:
         import faulthandler
@@ -219,7 +230,10 @@ def main() -> None:
 
     layout = ParallelLayout(tp=args.tp, ep=args.ep)
     # A short collective timeout: a rank stuck in a collective fails with the collective's name.
-    with distributed_session(layout, device=torch.device("cuda"), timeout=datetime.timedelta(seconds=120)) as env, _report_first():
+    with (
+        distributed_session(layout, device=torch.device("cuda"), timeout=datetime.timedelta(seconds=120)) as env,
+        _report_first(),
+    ):
         phase("build the FP8-parameter model")
         config, bridge, chunks = build(args, "blockwise")
         phase("plan")
@@ -230,7 +244,9 @@ def main() -> None:
         dist.all_gather_object(gathered, local_fp8_params(chunks))
         phase("FP8 export")
         exported = {}
-        for name, tensor in bridge.export_hf_weights(chunks, fp8="blockwise", reuse_buffer_from_cache=True, show_progress=False):
+        for name, tensor in bridge.export_hf_weights(
+            chunks, fp8="blockwise", reuse_buffer_from_cache=True, show_progress=False
+        ):
             if env.rank == 0 and (tensor.dtype == torch.float8_e4m3fn or name.endswith("_scale_inv")):
                 exported[name] = tensor.cpu()
         problems, compared = [], 0
@@ -260,21 +276,36 @@ def main() -> None:
                     problems.append(f"BF16 export {name2} differs from stock {name}")
                 if name in exported:
                     dequant_checked += 1
-                    dequant = dequantize_blockwise(exported[name].cuda(), exported[name + "_scale_inv"].cuda()).to(want.dtype)
+                    dequant = dequantize_blockwise(exported[name].cuda(), exported[name + "_scale_inv"].cuda()).to(
+                        want.dtype
+                    )
                     if not same_bytes(dequant, want):
                         problems.append(f"{name}: dequantized FP8 export differs from stock BF16 export")
         phase("timing")
-        fp8_ms = timed(lambda: bridge.export_hf_weights(chunks, fp8="blockwise", reuse_buffer_from_cache=True, show_progress=False))
+        fp8_ms = timed(
+            lambda: bridge.export_hf_weights(chunks, fp8="blockwise", reuse_buffer_from_cache=True, show_progress=False)
+        )
         bf16_ms = timed(lambda: bridge.export_hf_weights(chunks, reuse_buffer_from_cache=True, show_progress=False))
         refusal = check_refusal(args) if args.check_refusal else None
         if env.rank == 0:
             row = dict(
-                device=torch.cuda.get_device_name(), world_size=env.world_size, model=args.model, layers=args.layers,
-                layout=layout.name, plan_entries=len(plan.entries), scales_from_fp8_params=len(shipped),
-                tensors_compared_with_te=compared, dequantized_compared_with_stock=dequant_checked,
-                bf16_tensors_compared_with_stock=bf16_checked, problems=problems[:20], passed=not problems and compared > 0,
-                fp8_cached_steady_ms=fp8_ms, bf16_cached_steady_ms=bf16_ms, refusal_message=refusal,
-                torch=torch.__version__, date=datetime.date.today().isoformat(),
+                device=torch.cuda.get_device_name(),
+                world_size=env.world_size,
+                model=args.model,
+                layers=args.layers,
+                layout=layout.name,
+                plan_entries=len(plan.entries),
+                scales_from_fp8_params=len(shipped),
+                tensors_compared_with_te=compared,
+                dequantized_compared_with_stock=dequant_checked,
+                bf16_tensors_compared_with_stock=bf16_checked,
+                problems=problems[:20],
+                passed=not problems and compared > 0,
+                fp8_cached_steady_ms=fp8_ms,
+                bf16_cached_steady_ms=bf16_ms,
+                refusal_message=refusal,
+                torch=torch.__version__,
+                date=datetime.date.today().isoformat(),
             )
             print(json.dumps(row, indent=1), flush=True)
             write_result(args.out_dir or results_dir(), f"te_fp8_params_{args.model}_{layout.name}.json", row)

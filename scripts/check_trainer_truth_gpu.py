@@ -34,7 +34,11 @@ from provenance import results_dir, write_result
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
 
 
 def compare(bridge, stock_bridge, chunks, what: str) -> list[str]:
@@ -87,11 +91,19 @@ def main() -> int:
         config = full_size_config(args.model)
         config.num_hidden_layers = args.layers
         bridge, stock_bridge = RefitBridge.from_hf_config(config), AutoBridge.from_hf_config(config)
-        options = BuildOptions(device=torch.device("cuda"), params_dtype=torch.bfloat16, provider_overrides={"expert_tensor_parallel_size": None})
+        options = BuildOptions(
+            device=torch.device("cuda"),
+            params_dtype=torch.bfloat16,
+            provider_overrides={"expert_tensor_parallel_size": None},
+        )
         provider = configure_provider(bridge.to_megatron_provider(load_weights=False), ParallelLayout(tp=tp), options)
         chunks = provider.provide_distributed_model(wrap_with_ddp=False, mixed_precision_wrapper=None)
-        result: dict = {"model": f"{args.model}-{args.layers}layers", "tp": tp, "device": torch.cuda.get_device_name(),
-                        "expert_tp": chunks[0].config.expert_tensor_parallel_size}
+        result: dict = {
+            "model": f"{args.model}-{args.layers}layers",
+            "tp": tp,
+            "device": torch.cuda.get_device_name(),
+            "expert_tp": chunks[0].config.expert_tensor_parallel_size,
+        }
         problems = [] if result["expert_tp"] == tp else [f"provider expert-TP {result['expert_tp']}, expected {tp}"]
         plan = bridge.export_plan(chunks)
         result["tensors"] = len(plan.entries)
@@ -106,8 +118,11 @@ def main() -> int:
             problems.append(f"not on the fast path: {diagnostics.fallback_reason}")
 
         torch.manual_seed(4321 + dist.get_rank())
-        state = {k: torch.randn_like(v, dtype=torch.float32).to(v.dtype) for k, v in chunks[0].state_dict().items()
-                 if isinstance(v, torch.Tensor) and v.is_floating_point() and "_extra_state" not in k}
+        state = {
+            k: torch.randn_like(v, dtype=torch.float32).to(v.dtype)
+            for k, v in chunks[0].state_dict().items()
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and "_extra_state" not in k
+        }
         chunks[0].load_state_dict(state, strict=False, assign=True)
         problems += compare(bridge, stock_bridge, chunks, "after load_state_dict(assign=True)")
 
@@ -128,9 +143,11 @@ def main() -> int:
         for _ in range(100_000):
             registration_count()
         result.update(
-            cached_steady_ms=statistics.median(steady), cached_after_registration_ms=statistics.median(looked_up),
+            cached_steady_ms=statistics.median(steady),
+            cached_after_registration_ms=statistics.median(looked_up),
             freshness_lookup_cost_ms=statistics.median(b - a for a, b in zip(steady, looked_up)),
-            registration_count_ns=(time.perf_counter() - count_start) * 1e4, pairs=args.pairs,
+            registration_count_ns=(time.perf_counter() - count_start) * 1e4,
+            pairs=args.pairs,
             parameters=sum(1 for _ in chunks[0].parameters()),
         )
         result["problems"] = problems

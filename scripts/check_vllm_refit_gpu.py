@@ -59,8 +59,18 @@ def write_checkpoint(bridge, chunks, config, out: Path, fp8) -> None:
     source = out.parent / (out.name + "-config")
     config.save_pretrained(source)
     dtypes = {e.hf_name: e.torch_dtype for e in bridge.export_plan(chunks).entries}
-    write_hf_checkpoint(bridge, chunks, out=out, source_dtypes=dtypes, fp8=fp8, only_source_names=False,
-                        copy_files_from=source, max_shard_bytes=4 << 30, overwrite=True, show_progress=False)
+    write_hf_checkpoint(
+        bridge,
+        chunks,
+        out=out,
+        source_dtypes=dtypes,
+        fp8=fp8,
+        only_source_names=False,
+        copy_files_from=source,
+        max_shard_bytes=4 << 30,
+        overwrite=True,
+        show_progress=False,
+    )
 
 
 def perturbed(stream, victim: str):
@@ -85,8 +95,9 @@ def reference_numerics(llm, bridge, chunks, tokens):
     return compare_logprobs(megatron_logprobs(chunks, tokens, hf_config(bridge).vocab_size), vllm_logprobs(llm, tokens))
 
 
-def verify_against_trainer(refit, bridge, chunks, tokens, fp8, victim: str, disk: dict, reference,
-                           checks: dict) -> dict:
+def verify_against_trainer(
+    refit, bridge, chunks, tokens, fp8, victim: str, disk: dict, reference, checks: dict
+) -> dict:
     """Step 5: the verifier's two answers after a clean and after a perturbed refit."""
     from dataclasses import asdict
 
@@ -102,8 +113,12 @@ def verify_against_trainer(refit, bridge, chunks, tokens, fp8, victim: str, disk
     refit.refit(bridge, chunks, fp8=fp8)
     checks["verifier_passes_after_clean_refit"] = clean.passed
     checks["verifier_weights_check_fails_after_perturbed_refit"] = not perturbed_result.weights.exact
-    return {"reference": asdict(reference), "tolerance": tolerance, "clean": asdict(clean),
-            "perturbed": asdict(perturbed_result)}
+    return {
+        "reference": asdict(reference),
+        "tolerance": tolerance,
+        "clean": asdict(clean),
+        "perturbed": asdict(perturbed_result),
+    }
 
 
 def run(args) -> dict:
@@ -115,15 +130,21 @@ def run(args) -> dict:
     from mbridge_refit.models.builder import BuildOptions, build_model
     from mbridge_refit.plan.layout import ParallelLayout
 
-    result: dict = {"model": args.model if args.layers is None else f"{args.model}-{args.layers}layers",
-                    "fp8": args.fp8, "device": torch.cuda.get_device_name(), "checks": {}}
+    result: dict = {
+        "model": args.model if args.layers is None else f"{args.model}-{args.layers}layers",
+        "fp8": args.fp8,
+        "device": torch.cuda.get_device_name(),
+        "checks": {},
+    }
     checks = result["checks"]
     config = model_config(args)
     fp8 = BlockwiseFP8Config() if args.fp8 else None
     device = torch.device("cuda")
     layout = ParallelLayout(tp=1, pp=1, ep=1)
-    with distributed_session(layout, device=device, timeout=datetime.timedelta(minutes=10)), \
-            tempfile.TemporaryDirectory(dir=args.work) as work:
+    with (
+        distributed_session(layout, device=device, timeout=datetime.timedelta(minutes=10)),
+        tempfile.TemporaryDirectory(dir=args.work) as work,
+    ):
         bridge = RefitBridge.from_hf_config(config)
         chunks = build_model(bridge, layout, BuildOptions(device=device, params_dtype=torch.bfloat16))
         checkpoint = Path(work) / "hf"
@@ -163,8 +184,11 @@ def run(args) -> dict:
         checks["second_refit_replays_without_reopening"] = not second.opened
         checks["second_refit_fingerprints_equal_disk"] = not differing(disk, refit.fingerprints())
 
-        victim = next(e.hf_name for e in bridge.export_plan(chunks, fp8=fp8).entries if e.hf_name.endswith("mlp.down_proj.weight")
-                      or e.hf_name.endswith("experts.0.down_proj.weight"))
+        victim = next(
+            e.hf_name
+            for e in bridge.export_plan(chunks, fp8=fp8).entries
+            if e.hf_name.endswith("mlp.down_proj.weight") or e.hf_name.endswith("experts.0.down_proj.weight")
+        )
         refit.refit(bridge, chunks, fp8=fp8, through=lambda stream: perturbed(stream, victim))
         caught = differing(disk, refit.fingerprints())
         result["perturbed"] = {"tensor": victim, "engine_parameters_changed": caught}
@@ -172,9 +196,14 @@ def run(args) -> dict:
         refit.refit(bridge, chunks, fp8=fp8)
         checks["clean_refit_after_perturbation_equal_disk"] = not differing(disk, refit.fingerprints())
         checks["prompt_logprobs_equal_disk_at_end"] = prompt_logprobs(llm, batch) == disk_logprobs
-        every_token = next(e.hf_name for e in bridge.export_plan(chunks, fp8=fp8).entries if e.hf_name.endswith("self_attn.o_proj.weight"))
-        result["verify"] = verify_against_trainer(refit, bridge, chunks, torch.tensor(batch, device=device), fp8,
-                                                  every_token, disk, reference, checks)
+        every_token = next(
+            e.hf_name
+            for e in bridge.export_plan(chunks, fp8=fp8).entries
+            if e.hf_name.endswith("self_attn.o_proj.weight")
+        )
+        result["verify"] = verify_against_trainer(
+            refit, bridge, chunks, torch.tensor(batch, device=device), fp8, every_token, disk, reference, checks
+        )
         result["steady_step_ms"] = [round(refit.refit(bridge, chunks, fp8=fp8).apply_ms, 2) for _ in range(3)]
         refit.close()
     result["ok"] = all(checks.values())
@@ -187,8 +216,16 @@ def start_engine(checkpoint: Path, args: argparse.Namespace):
 
     from mbridge_refit.engines.vllm import engine_kwargs
 
-    return LLM(model=str(checkpoint), skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", max_model_len=256,
-               gpu_memory_utilization=args.gpu_memory_utilization, seed=0, **engine_kwargs())
+    return LLM(
+        model=str(checkpoint),
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="bfloat16",
+        max_model_len=256,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        seed=0,
+        **engine_kwargs(),
+    )
 
 
 def model_config(args: argparse.Namespace):
@@ -209,8 +246,12 @@ def parser_with_engine_arguments(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--model", default="qwen3-1.7b", help="full-size shape of recipes/shapes/ (default qwen3-1.7b)")
     parser.add_argument("--layers", type=int, default=None, help="keep only this many layers (default: all)")
     parser.add_argument("--fp8", action="store_true", help="blockwise FP8 checkpoint, engine and refit")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share of its GPU (default 0.3)")
-    parser.add_argument("--work", default=os.environ.get("TMPDIR", "/tmp"), help="folder for the checkpoint (deleted after)")
+    parser.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share of its GPU (default 0.3)"
+    )
+    parser.add_argument(
+        "--work", default=os.environ.get("TMPDIR", "/tmp"), help="folder for the checkpoint (deleted after)"
+    )
     parser.add_argument("--out-dir", type=Path, required=True, help="folder for the JSON result")
     return parser
 

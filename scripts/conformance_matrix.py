@@ -36,20 +36,39 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 TEST_MODULE = REPO / "tests" / "test_conformance.py"
 TEST_OF_PRECISION = {  # in TEST_MODULE
-    "bf16": "test_bf16_matches_stock", "fp8": "test_fp8_matches_reference", "roundtrip": "test_roundtrip_matches_disk",
+    "bf16": "test_bf16_matches_stock",
+    "fp8": "test_fp8_matches_reference",
+    "roundtrip": "test_roundtrip_matches_disk",
 }
 PRECISIONS = ("bf16", "fp8", "roundtrip")  # a column per layout each
 VERSIONS = ("torch", "megatron-core", "megatron-bridge", "transformers")
 README_FAMILIES = (  # the README's rows: the families RL users refit most (issue #17); the page has all
-    "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM", "DeepseekV3ForCausalLM",
-    "Glm4MoeForCausalLM", "GptOssForCausalLM", "NemotronHForCausalLM", "Gemma3ForCausalLM", "Qwen2ForCausalLM",
-    "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration+packed_experts",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Qwen3NextForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "Glm4MoeForCausalLM",
+    "GptOssForCausalLM",
+    "NemotronHForCausalLM",
+    "Gemma3ForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration+packed_experts",
 )
 README_BEGIN = "<!-- support matrix: written by scripts/conformance_matrix.py -->"
 README_END = "<!-- end of support matrix -->"
 STATE_LETTERS = {  # the README's one letter per cell state (the page spells them out)
-    "fast path, exact": "E", "exact": "E", "stock fallback, exact": "S", "FP8 refused": "r", "refused": "r",
-    "upstream broken": "U", "cannot be built here": "n", "different": "DIFFERENT", "our export failed": "FAILED",
+    "fast path, exact": "E",
+    "exact": "E",
+    "stock fallback, exact": "S",
+    "FP8 refused": "r",
+    "refused": "r",
+    "upstream broken": "U",
+    "cannot be built here": "n",
+    "different": "DIFFERENT",
+    "our export failed": "FAILED",
 }
 
 
@@ -61,10 +80,30 @@ def free_port() -> int:
 
 def launch(layout_names: list[str], nproc: int, json_path: Path, only: str) -> None:
     """Run the layouts' ranks, one launch (plain python for one rank, as the tests do); raise if they fail."""
-    module = ["-m", "mbridge_refit.testing.conformance", "--layout", ",".join(layout_names), "--json", str(json_path), "--only", only]
-    launcher = [] if nproc == 1 else [
-        "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+    module = [
+        "-m",
+        "mbridge_refit.testing.conformance",
+        "--layout",
+        ",".join(layout_names),
+        "--json",
+        str(json_path),
+        "--only",
+        only,
     ]
+    launcher = (
+        []
+        if nproc == 1
+        else [
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+        ]
+    )
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     subprocess.run([sys.executable, *launcher, *module], cwd=REPO, env=env, check=True)
 
@@ -77,7 +116,18 @@ def run_roundtrip(jobs: int, only: str) -> list:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "roundtrip.json"
-        module = ["-m", "mbridge_refit.testing.roundtrip_conformance", "--layout", ",".join(MATRIX_LAYOUTS), "--json", str(path), "--jobs", str(jobs), "--only", only]
+        module = [
+            "-m",
+            "mbridge_refit.testing.roundtrip_conformance",
+            "--layout",
+            ",".join(MATRIX_LAYOUTS),
+            "--json",
+            str(path),
+            "--jobs",
+            str(jobs),
+            "--only",
+            only,
+        ]
         subprocess.run([sys.executable, *module], cwd=REPO, env=env, check=True)
         return [Cell.from_json(c) for c in json.loads(path.read_text())]
 
@@ -145,7 +195,17 @@ def render(matrix: dict[str, list], page_dir: Path, runs: list[dict[str, str]]) 
     columns = [(layout, precision) for layout in matrix for precision in PRECISIONS if (layout, precision) in present]
     by_key = {(c.architecture, c.layout, c.precision): c for cells in matrix.values() for c in cells}
     architectures = sorted({c.architecture for cells in matrix.values() for c in cells})
-    out = [*_header(runs), "## Counts", "", *_counts_table(matrix, columns), "", "## Cells", "", tests_legend(matrix, lines, page_dir), ""]
+    out = [
+        *_header(runs),
+        "## Counts",
+        "",
+        *_counts_table(matrix, columns),
+        "",
+        "## Cells",
+        "",
+        tests_legend(matrix, lines, page_dir),
+        "",
+    ]
     out.append("| architecture | " + " | ".join(f"{layout_label(layout)} {p.upper()}" for layout, p in columns) + " |")
     out.append("| --- " * (len(columns) + 1) + "|")
     for architecture in architectures:
@@ -162,8 +222,11 @@ def _header(runs: list[dict[str, str]]) -> list[str]:
         versions = ", ".join(f"{name} {run[name]}" for name in VERSIONS)
         return f"on {run['date']} at commit `{run['commit']}` on CPU ranks of {run.get('machine', 'this machine')} ({versions})"
 
-    generated = described(runs[0]) if len(runs) == 1 else "from these runs (a later run's cell replaces an earlier one's): " + "; ".join(
-        f"({i}) {described(run)}" for i, run in enumerate(runs, 1)
+    generated = (
+        described(runs[0])
+        if len(runs) == 1
+        else "from these runs (a later run's cell replaces an earlier one's): "
+        + "; ".join(f"({i}) {described(run)}" for i, run in enumerate(runs, 1))
     )
     return [
         "# Conformance matrix",
@@ -208,7 +271,11 @@ def _counts_table(matrix: dict[str, list], columns: list[tuple[str, str]]) -> li
     for layout, precision in columns:
         counts = Counter(str(c.state) for c in matrix[layout] if c.precision == precision)
         ranks = MATRIX_LAYOUTS[layout][0].expected_world_size
-        table.append(f"| {layout_label(layout)} | {ranks} | {precision.upper()} | " + " | ".join(str(counts[s]) for s in states) + " |")
+        table.append(
+            f"| {layout_label(layout)} | {ranks} | {precision.upper()} | "
+            + " | ".join(str(counts[s]) for s in states)
+            + " |"
+        )
     return table
 
 
@@ -225,7 +292,7 @@ def _concessions_table(matrix: dict[str, list]) -> list[str]:
         "Provider settings a CPU build cannot honour, set to one it can (`CPU_WEIGHT_ONLY_CONCESSIONS` in",
         "`mbridge_refit/models/builder.py`, which `convert` takes too); none changes a parameter's name,",
         "shape, mapping or bytes.",
-        "Every CPU build also runs with `torch.cuda.current_device()` answering `\"cpu\"`: Megatron-Core",
+        'Every CPU build also runs with `torch.cuda.current_device()` answering `"cpu"`: Megatron-Core',
         "allocates the MoE router's expert-bias buffers there whatever `use_cpu_initialization` says.",
         "CPU builds use sequential experts (no grouped GEMM); a family whose mapping names only grouped",
         "experts makes stock's export fail on them (`upstream broken`, the reason names the parameters).",
@@ -244,7 +311,9 @@ def _reasons_table(matrix: dict[str, list]) -> list[str]:
     for layout, cells in matrix.items():
         for cell in cells:
             if cell.detail:
-                rows.setdefault((cell.architecture, layout, str(cell.state), cell.detail), []).append(cell.precision.upper())
+                rows.setdefault((cell.architecture, layout, str(cell.state), cell.detail), []).append(
+                    cell.precision.upper()
+                )
     table = ["| architecture | cells | state | reason |", "| --- | --- | --- | --- |"]
     for (architecture, layout, state, detail), precisions in sorted(rows.items(), key=lambda row: row[0][:2]):
         reason = detail.replace("|", "\\|").replace("\n", " ")
@@ -256,10 +325,16 @@ def this_run(commit: str | None = None) -> dict[str, str]:
     """The date, the commit (default: the one checked out), the machine and the versions the cells
     are run with."""
     if commit is None:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+        ).stdout.strip()
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs"
-    return {"date": datetime.date.today().isoformat(), "commit": commit, "machine": machine,
-            **{name: metadata.version(name) for name in VERSIONS}}
+    return {
+        "date": datetime.date.today().isoformat(),
+        "commit": commit,
+        "machine": machine,
+        **{name: metadata.version(name) for name in VERSIONS},
+    }
 
 
 def render_readme_block(matrix: dict[str, list], readme_dir: Path) -> list[str]:
@@ -283,7 +358,10 @@ def render_readme_block(matrix: dict[str, list], readme_dir: Path) -> list[str]:
         README_BEGIN,
         "| cells per state | " + " | ".join(p.upper() for p in PRECISIONS) + " |",
         "| --- " * (len(PRECISIONS) + 1) + "|",
-        *(f"| {layout_label(layout)} | " + " | ".join(counts(layout, p) for p in PRECISIONS) + " |" for layout in matrix),
+        *(
+            f"| {layout_label(layout)} | " + " | ".join(counts(layout, p) for p in PRECISIONS) + " |"
+            for layout in matrix
+        ),
         "",
         "| family (BF16 FP8 ROUNDTRIP) | " + " | ".join(layout_label(layout) for layout in matrix) + " |",
         "| --- " * (len(matrix) + 1) + "|",
@@ -301,20 +379,37 @@ def write_readme_block(readme: Path, block: list[str]) -> None:
     text = readme.read_text()
     begin, end = text.find(README_BEGIN), text.find(README_END)
     if begin < 0 or end < begin:
-        raise SystemExit(f"{readme} lacks the markers {README_BEGIN!r} ... {README_END!r}: add them where the matrix goes")
-    readme.write_text(text[:begin] + "\n".join(block) + text[end + len(README_END):])
+        raise SystemExit(
+            f"{readme} lacks the markers {README_BEGIN!r} ... {README_END!r}: add them where the matrix goes"
+        )
+    readme.write_text(text[:begin] + "\n".join(block) + text[end + len(README_END) :])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "conformance.md")
-    parser.add_argument("--readme", type=Path, default=REPO / "README.md", help="the page whose support matrix block is rewritten")
+    parser.add_argument(
+        "--readme", type=Path, default=REPO / "README.md", help="the page whose support matrix block is rewritten"
+    )
     parser.add_argument("--cells", type=Path, default=None, help="also write every cell (JSON) here")
-    parser.add_argument("--from-cells", type=Path, nargs="+", default=None,
-                        help="render the cells of earlier runs (--cells) instead of running; a later run's cell replaces an earlier one's")
-    parser.add_argument("--parts", default="export,roundtrip", help="what to run: export (the BF16/FP8 cells), roundtrip, or both")
-    parser.add_argument("--jobs", type=int, default=1, help="roundtrip cells of more than one rank run this many at a time")
-    parser.add_argument("--only", default="", help="comma-separated ARCH (at every layout) or LAYOUT:ARCH (default: every cell)")
+    parser.add_argument(
+        "--from-cells",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="render the cells of earlier runs (--cells) instead of running; a later run's cell replaces an earlier one's",
+    )
+    parser.add_argument(
+        "--parts", default="export,roundtrip", help="what to run: export (the BF16/FP8 cells), roundtrip, or both"
+    )
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="roundtrip cells of more than one rank run this many at a time"
+    )
+    parser.add_argument(
+        "--only", default="", help="comma-separated ARCH (at every layout) or LAYOUT:ARCH (default: every cell)"
+    )
     parser.add_argument("--commit", default=None, help="the commit the cells are run at (default: the checkout's HEAD)")
     args = parser.parse_args()
     parts = set(args.parts.split(","))

@@ -18,7 +18,13 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-FAMILIES = (("nccl", "nccl"), ("index", "index"), ("copy", "copy"), ("elementwise", "elementwise"), ("memcpy", "memcpy"))
+FAMILIES = (
+    ("nccl", "nccl"),
+    ("index", "index"),
+    ("copy", "copy"),
+    ("elementwise", "elementwise"),
+    ("memcpy", "memcpy"),
+)
 
 
 def family(name: str) -> str:

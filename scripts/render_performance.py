@@ -37,14 +37,23 @@ class Row:
 ROWS = (
     Row("Qwen3-8B shape (399 tensors, 16.4 GB)", "2026-11-24-h100/export_qwen3-8b_tp1.json"),
     Row("Qwen3-8B shape, blockwise FP8", "2026-11-23-h100/export_qwen3-8b_tp1_fp8.json", fp8=True),
-    Row("Qwen3-30B-A3B shape, 4 layers (128 experts, 1575 tensors)", "2026-11-26-h200/export_qwen3-30b-a3b-4layers_tp1_new_round2.json"),
-    Row("Qwen3-30B-A3B shape, 24 layers (9435 tensors, 28.5 GB)", "2026-11-26-h200/export_qwen3-30b-a3b-24layers_tp1.json"),
+    Row(
+        "Qwen3-30B-A3B shape, 4 layers (128 experts, 1575 tensors)",
+        "2026-11-26-h200/export_qwen3-30b-a3b-4layers_tp1_new_round2.json",
+    ),
+    Row(
+        "Qwen3-30B-A3B shape, 24 layers (9435 tensors, 28.5 GB)",
+        "2026-11-26-h200/export_qwen3-30b-a3b-24layers_tp1.json",
+    ),
     Row(
         "Qwen3-VL-30B-A3B shape, 4 layers, packed experts from its checkpoint (398 tensors)",
         "2026-11-25-h100/export_qwen3-vl-30b-a3b-4layers_tp1_from_checkpoint.json",
     ),
     Row("Qwen3-8B shape", "2026-11-23-h200x2/export_qwen3-8b_tp2.json"),
-    Row("Qwen3-30B-A3B shape, 4 layers, Megatron's default expert-TP", "2026-11-25-h100x2/export_qwen3-30b-a3b-4layers_tp2_etp2.json"),
+    Row(
+        "Qwen3-30B-A3B shape, 4 layers, Megatron's default expert-TP",
+        "2026-11-25-h100x2/export_qwen3-30b-a3b-4layers_tp2_etp2.json",
+    ),
 )
 
 HEADER = (
@@ -80,13 +89,18 @@ def render_row(row: Row) -> str:
     else:
         ours, stock = result["refit_cached_steady_ms"], result["stock_steady_ms"]
         memory = ", ".join(
-            _gb(result.get(key)) for key in ("stock_peak_extra_bytes", "refit_peak_extra_bytes", "refit_cached_peak_extra_bytes")
+            _gb(result.get(key))
+            for key in ("stock_peak_extra_bytes", "refit_peak_extra_bytes", "refit_cached_peak_extra_bytes")
         )
     cells = (
-        f"[{_device(result)}](benchmarks/results/{row.result})", row.label, result["layout"].upper().replace("_", "×"),
-        "–" if stock is None else f"{stock:.1f} ms", f"{ours:.2f} ms",
+        f"[{_device(result)}](benchmarks/results/{row.result})",
+        row.label,
+        result["layout"].upper().replace("_", "×"),
+        "–" if stock is None else f"{stock:.1f} ms",
+        f"{ours:.2f} ms",
         "–" if stock is None else f"{stock / ours:.1f}×",
-        f"{ours / floor_ms:.2f}× the {floor_ms:.2f} ms {floor_name}", memory,
+        f"{ours / floor_ms:.2f}× the {floor_ms:.2f} ms {floor_name}",
+        memory,
     )
     return "| " + " | ".join(cells) + " |"
 
@@ -99,7 +113,7 @@ def replace_block(text: str, block: list[str]) -> str:
     begin, end = text.find(BEGIN), text.find(END)
     if begin < 0 or end < begin:
         raise SystemExit(f"the README lacks the markers {BEGIN!r} ... {END!r}: add them where the table goes")
-    return text[:begin] + "\n".join(block) + text[end + len(END):]
+    return text[:begin] + "\n".join(block) + text[end + len(END) :]
 
 
 def main(argv: list[str] | None = None) -> int:

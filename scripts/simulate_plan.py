@@ -52,7 +52,11 @@ def layout_of(args):
     from mbridge_refit.plan.layout import ParallelLayout
 
     return ParallelLayout(
-        tp=args.tp, pp=args.pp, ep=args.ep, first_stage_layers=args.first_stage_layers, last_stage_layers=args.last_stage_layers
+        tp=args.tp,
+        pp=args.pp,
+        ep=args.ep,
+        first_stage_layers=args.first_stage_layers,
+        last_stage_layers=args.last_stage_layers,
     )
 
 
@@ -121,10 +125,18 @@ def step_rank(args) -> None:
     contribution_s = time.perf_counter() - start
     payload = pickle.dumps(contribution)
     (args.work / f"rank{args.rank}.pkl").write_bytes(payload)
-    (args.work / f"rank{args.rank}.json").write_text(json.dumps(dict(
-        rank=args.rank, meta_build_s=build_s, contribution_s=contribution_s, specs=len(contribution.specs),
-        payload_bytes=len(payload), peak_rss_gib=peak_rss_gib(),
-    )))
+    (args.work / f"rank{args.rank}.json").write_text(
+        json.dumps(
+            dict(
+                rank=args.rank,
+                meta_build_s=build_s,
+                contribution_s=contribution_s,
+                specs=len(contribution.specs),
+                payload_bytes=len(payload),
+                peak_rss_gib=peak_rss_gib(),
+            )
+        )
+    )
 
 
 def _exchange_worker(rank: int, world: int, work: str, port: int, result: str) -> None:
@@ -141,7 +153,9 @@ def _exchange_worker(rank: int, world: int, work: str, port: int, result: str) -
     times = [None] * world
     dist.all_gather_object(times, (elapsed, peak_rss_gib()))
     if rank == 0:
-        Path(result).write_text(json.dumps({"exchange_s": max(t for t, _ in times), "peak_rss_gib": max(r for _, r in times)}))
+        Path(result).write_text(
+            json.dumps({"exchange_s": max(t for t, _ in times), "peak_rss_gib": max(r for _, r in times)})
+        )
     dist.destroy_process_group()
 
 
@@ -173,7 +187,13 @@ def step_assemble(args) -> dict:
     contributions = [pickle.loads((args.work / f"rank{r}.pkl").read_bytes()) for r in range(world)]
     unpickle_s = time.perf_counter() - start  # the CPU share of the exchange on each rank
     start = time.perf_counter()
-    plan = assemble_plan(contributions, current_sizes(chunks), chunks[0].config, bridge.megatron_model_bridge(chunks), bridge.hf_pretrained)
+    plan = assemble_plan(
+        contributions,
+        current_sizes(chunks),
+        chunks[0].config,
+        bridge.megatron_model_bridge(chunks),
+        bridge.hf_pretrained,
+    )
     assemble_s = time.perf_counter() - start
     reference = sorted(json.loads((args.work / "names.json").read_text())["reference"])
     got = sorted([e.hf_name, list(e.shape), e.dtype] for e in plan.entries)
@@ -183,16 +203,36 @@ def step_assemble(args) -> dict:
         None if len(got) == len(reference) else ("length", len(got), len(reference)),
     )
     return dict(
-        first_difference_from_tp1=first_difference, unpickle_all_s=unpickle_s,
-        assemble_s=assemble_s, entries=len(plan.entries), plan_gb=plan.total_bytes / 1e9,
-        matches_tp1_plan=got == reference, expert_owners=len(owners), layer_stages=sorted(set(plan.layer_map.values())),
+        first_difference_from_tp1=first_difference,
+        unpickle_all_s=unpickle_s,
+        assemble_s=assemble_s,
+        entries=len(plan.entries),
+        plan_gb=plan.total_bytes / 1e9,
+        matches_tp1_plan=got == reference,
+        expert_owners=len(owners),
+        layer_stages=sorted(set(plan.layer_map.values())),
         assemble_peak_rss_gib=peak_rss_gib(),
     )
 
 
 def run_step(args, step: str, *extra: str) -> None:
-    cmd = [sys.executable, __file__, "--model", args.model, "--tp", str(args.tp), "--pp", str(args.pp),
-           "--ep", str(args.ep), "--work", str(args.work), "--step", step, *extra]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--model",
+        args.model,
+        "--tp",
+        str(args.tp),
+        "--pp",
+        str(args.pp),
+        "--ep",
+        str(args.ep),
+        "--work",
+        str(args.work),
+        "--step",
+        step,
+        *extra,
+    ]
     for flag in ("first_stage_layers", "last_stage_layers"):
         if getattr(args, flag) is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
@@ -218,16 +258,25 @@ def orchestrate(args) -> None:
     assembled = json.loads((args.work / "assemble.json").read_text())
     slowest = max(ranks, key=lambda r: r["contribution_s"])
     row = dict(
-        model=args.model, layout=layout.name, world_size=world, simulated=True, entries=assembled["entries"],
-        plan_gb=assembled["plan_gb"], matches_tp1_plan=assembled["matches_tp1_plan"],
+        model=args.model,
+        layout=layout.name,
+        world_size=world,
+        simulated=True,
+        entries=assembled["entries"],
+        plan_gb=assembled["plan_gb"],
+        matches_tp1_plan=assembled["matches_tp1_plan"],
         first_difference_from_tp1=assembled["first_difference_from_tp1"],
-        rank_contribution_s_max=slowest["contribution_s"], exchange_s=exchange["exchange_s"],
-        exchange_note=f"{world} gloo processes on {os.cpu_count()} CPU cores", unpickle_all_s=assembled["unpickle_all_s"],
+        rank_contribution_s_max=slowest["contribution_s"],
+        exchange_s=exchange["exchange_s"],
+        exchange_note=f"{world} gloo processes on {os.cpu_count()} CPU cores",
+        unpickle_all_s=assembled["unpickle_all_s"],
         assemble_s=assembled["assemble_s"],
         plan_s=slowest["contribution_s"] + exchange["exchange_s"] + assembled["assemble_s"],
-        payload_bytes_total=sum(r["payload_bytes"] for r in ranks), meta_build_s_max=max(r["meta_build_s"] for r in ranks),
+        payload_bytes_total=sum(r["payload_bytes"] for r in ranks),
+        meta_build_s_max=max(r["meta_build_s"] for r in ranks),
         peak_rss_gib=max(max(r["peak_rss_gib"] for r in ranks), assembled["assemble_peak_rss_gib"]),
-        exchange_peak_rss_gib=exchange["peak_rss_gib"], date=datetime.date.today().isoformat(),
+        exchange_peak_rss_gib=exchange["peak_rss_gib"],
+        date=datetime.date.today().isoformat(),
     )
     print(
         f"{row['model']} {row['layout']} ({world} simulated ranks): {row['entries']} entries, same entries as the TP1 plan: "
@@ -238,7 +287,9 @@ def orchestrate(args) -> None:
     )
     append_jsonl(args.out or results_dir("cpu") / "plan_scale.jsonl", row)
     if not row["matches_tp1_plan"]:
-        raise SystemExit(f"the simulated plan's (name, shape, dtype) list differs from the TP1 plan: {row['first_difference_from_tp1']}")
+        raise SystemExit(
+            f"the simulated plan's (name, shape, dtype) list differs from the TP1 plan: {row['first_difference_from_tp1']}"
+        )
 
 
 def main() -> None:
@@ -247,11 +298,15 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=4)
     parser.add_argument("--pp", type=int, default=4)
     parser.add_argument("--ep", type=int, default=8)
-    parser.add_argument("--first-stage-layers", type=int, default=None, help="uneven pipeline: layers on the first stage")
+    parser.add_argument(
+        "--first-stage-layers", type=int, default=None, help="uneven pipeline: layers on the first stage"
+    )
     parser.add_argument("--last-stage-layers", type=int, default=None, help="uneven pipeline: layers on the last stage")
     parser.add_argument("--jobs", type=int, default=2, help="simulated ranks built at a time (default: %(default)s)")
     parser.add_argument("--work", type=Path, default=None, help="scratch directory (default: a temporary one)")
-    parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/<date>-cpu/plan_scale.jsonl")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="default: benchmarks/results/<date>-cpu/plan_scale.jsonl"
+    )
     parser.add_argument("--step", choices=["names", "rank", "assemble"], default=None, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()

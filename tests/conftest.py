@@ -39,8 +39,16 @@ def torchrun(nproc: int, module_args: list[str], *, timeout: float = 600) -> Lau
             cmd = [sys.executable, *target]
         else:
             cmd = [
-                sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *target,
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node",
+                str(nproc),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(free_port()),
+                *target,
             ]
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
         launch = Launch(proc.returncode, proc.stdout + proc.stderr)
@@ -88,28 +96,53 @@ def source_checkpoints(tmp_path_factory):
 # Likewise the hybrid families beyond TP2: by default Qwen3.5-MoE at PP2, EP2 and TP2xEP2 (gated
 # delta nets, gated attention, experts) and Nemotron-H at PP2 and EP2 (Mamba mixers and experts).
 HYBRID_REPEATS = (
-    "pp2-Qwen3NextForCausalLM", "pp2-Qwen3_5ForCausalLM", "ep2-Qwen3NextForCausalLM", "tp2ep2-Qwen3NextForCausalLM",
+    "pp2-Qwen3NextForCausalLM",
+    "pp2-Qwen3_5ForCausalLM",
+    "ep2-Qwen3NextForCausalLM",
+    "tp2ep2-Qwen3NextForCausalLM",
     "tp2ep2-NemotronHForCausalLM",
 )
 GROUPED_EXPERT_REPEATS = (
-    *(f"{layout}-{arch}" for layout in ("tp2", "pp2", "ep2", "tp2ep2") for arch in ("DeepseekV2ForCausalLM", "Glm4MoeLiteForCausalLM")),
-    "tp2-Glm4vMoeForConditionalGeneration", "ep2-Glm4vMoeForConditionalGeneration", "tp2ep2-Glm4vMoeForConditionalGeneration",
-    "pp2-Glm4MoeForCausalLM", "tp2ep2-Glm4MoeForCausalLM",
-    "pp2-MiniMaxM3SparseForConditionalGeneration", "ep2-MiniMaxM3SparseForConditionalGeneration",
+    *(
+        f"{layout}-{arch}"
+        for layout in ("tp2", "pp2", "ep2", "tp2ep2")
+        for arch in ("DeepseekV2ForCausalLM", "Glm4MoeLiteForCausalLM")
+    ),
+    "tp2-Glm4vMoeForConditionalGeneration",
+    "ep2-Glm4vMoeForConditionalGeneration",
+    "tp2ep2-Glm4vMoeForConditionalGeneration",
+    "pp2-Glm4MoeForCausalLM",
+    "tp2ep2-Glm4MoeForCausalLM",
+    "pp2-MiniMaxM3SparseForConditionalGeneration",
+    "ep2-MiniMaxM3SparseForConditionalGeneration",
     "tp2ep2-MiniMaxM3SparseForConditionalGeneration",
 )
 # The packed-expert checkpoint variants beyond TP1: by default Qwen3-VL-MoE (its published transposed
 # stack) at PP2 and EP2, Qwen3.5-MoE at EP2, GLM-4.5 at TP2xEP2.
 PACKED = "+packed_experts"
 PACKED_REPEATS = (
-    *(f"pp2-{arch}{PACKED}" for arch in (
-        "Glm4MoeForCausalLM", "Glm4vMoeForConditionalGeneration", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
-    )),
-    *(f"ep2-{arch}{PACKED}" for arch in ("Glm4MoeForCausalLM", "Glm4vMoeForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")),
-    *(f"tp2ep2-{arch}{PACKED}" for arch in (
-        "Glm4vMoeForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration", "Qwen3_5MoeForCausalLM",
-        "Qwen3_5MoeForConditionalGeneration",
-    )),
+    *(
+        f"pp2-{arch}{PACKED}"
+        for arch in (
+            "Glm4MoeForCausalLM",
+            "Glm4vMoeForConditionalGeneration",
+            "Qwen3_5MoeForCausalLM",
+            "Qwen3_5MoeForConditionalGeneration",
+        )
+    ),
+    *(
+        f"ep2-{arch}{PACKED}"
+        for arch in ("Glm4MoeForCausalLM", "Glm4vMoeForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
+    ),
+    *(
+        f"tp2ep2-{arch}{PACKED}"
+        for arch in (
+            "Glm4vMoeForConditionalGeneration",
+            "Qwen3VLMoeForConditionalGeneration",
+            "Qwen3_5MoeForCausalLM",
+            "Qwen3_5MoeForConditionalGeneration",
+        )
+    ),
 )
 
 # Gemma 4 MoE (a MoE block beside each dense MLP, its experts packed) by default at TP1, TP2 and EP2.
@@ -122,60 +155,124 @@ RELAID_REPEATS = ("pp2-Ernie4_5_MoeForCausalLM", "ep2-Ernie4_5_MoeForCausalLM")
 # by default Qwen3-MoE (per-expert grouped linears), DeepSeek-V3 (shared experts, MLA beside them)
 # and Qwen3-VL-MoE's packed experts (a transposed stack of joined shards).
 ETP_REPEATS = tuple(
-    f"tp2etp2-{arch}" for arch in (
-        "Ernie4_5_MoeForCausalLM", "GptOssForCausalLM", "HYV3ForCausalLM", "NemotronHForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM", "DeepseekV2ForCausalLM",
-        "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "Glm4vMoeForConditionalGeneration", "MiniMaxM3SparseForConditionalGeneration",
-        *(f"{a}{PACKED}" for a in ("Glm4MoeForCausalLM", "Glm4vMoeForConditionalGeneration", "Qwen3_5MoeForCausalLM",
-                                    "Qwen3_5MoeForConditionalGeneration")),
+    f"tp2etp2-{arch}"
+    for arch in (
+        "Ernie4_5_MoeForCausalLM",
+        "GptOssForCausalLM",
+        "HYV3ForCausalLM",
+        "NemotronHForCausalLM",
+        "Qwen3NextForCausalLM",
+        "Qwen3_5MoeForCausalLM",
+        "DeepseekV2ForCausalLM",
+        "Glm4MoeForCausalLM",
+        "Glm4MoeLiteForCausalLM",
+        "Glm4vMoeForConditionalGeneration",
+        "MiniMaxM3SparseForConditionalGeneration",
+        *(
+            f"{a}{PACKED}"
+            for a in (
+                "Glm4MoeForCausalLM",
+                "Glm4vMoeForConditionalGeneration",
+                "Qwen3_5MoeForCausalLM",
+                "Qwen3_5MoeForConditionalGeneration",
+            )
+        ),
         "Gemma4ForCausalLM+moe_block",
     )
 )
 
 # Multi-rank cases marked slow here (28-46 s each on 2 cores in the full run at 68949ce): each repeats,
 # at another layout or precision, what a faster case of the same test proves in the default run.
-SLOW_CASES = frozenset({
-    "tests/test_replicas.py::test_replicas_write_their_shares_in_parallel[qwen3-moe-tp2_ep2-fp8]",
-    *(f"tests/test_replicas.py::test_roundtrip_cli_with_replicas[{c}]" for c in ("dp2_pp2", "dp2_pp2_vpp2", "cp2_tp2", "dp2_tp2_ep2")),
-    *(f"tests/test_replicas.py::test_replicated_layout_exports_exactly[{c}]" for c in ("dp2_pp2", "dp2_pp2_vpp2", "cp2_tp2")),
-    *(f"tests/test_packed_broadcast.py::test_packed_broadcast_from_one_replica[{c}]" for c in ("dp2_pp2", "dp2_pp2_vpp2", "cp2_tp2", "dp2_tp2_ep2")),
-    *(f"tests/test_sharded_refit.py::test_every_engine_rank_gets_its_slices_of_the_checkpoint[{c}]" for c in ("tp1", "ep2", "tp2_pp2")),
-    "tests/test_roundtrip.py::test_roundtrip_is_bitwise_exact[llama-tied-tiny-tp2_pp2]",
-    # expert-TP 2 beyond TP2xETP2 (roundtrip) and TP2xEP2xETP2 (export), which the default run keeps
-    *(f"tests/test_roundtrip.py::test_roundtrip_is_bitwise_exact[qwen3-moe-tiny-{c}]" for c in ("tp2_ep2_etp2", "tp2_pp2_etp2")),
-    *(f"tests/test_export.py::test_plan_and_cached_export[qwen3-moe-tiny-{c}]" for c in ("tp2_etp2", "tp2_pp2_etp2", "etp2")),
-    "tests/test_export.py::test_plan_and_cached_export[llama-tied-tiny-tp2_pp2]",
-    "tests/test_megatron_checkpoint.py::test_import_export_across_layouts[tied-pp2-to-tp1]",
-    "tests/test_fp8.py::test_fp8_parameters_export_their_own_data_and_scales[tp2_pp2]",
-    "tests/test_fp8.py::test_roundtrip_fp8_matches_reference_quantizer[tp2_pp2]",
-    # The full run at f705bc0 (954 passed, 59:50 on 2 cores) put these 25-57 s repeats on the default
-    # path: each layout stays proven by another default case of the same test (TP2 and PP2 apart,
-    # TP2xPP2 by the MoE roundtrip, EP2 by TP2xEP2, PP2 of the MoE recipe by Qwen3's).
-    "tests/test_packed_broadcast.py::test_packed_broadcast_ranks[qwen3-tp2_pp2]",
-    "tests/test_packed_broadcast.py::test_packed_broadcast_ranks[qwen3-pp2]",
-    "tests/test_packed_broadcast.py::test_packed_broadcast_ranks[qwen3-moe-ep2]",
-    *(f"tests/test_roundtrip.py::test_roundtrip_is_bitwise_exact[{c}]" for c in ("qwen3-tiny-tp2_pp2", "qwen3-moe-tiny-pp2_vpp2", "qwen3-moe-tiny-ep2")),
-    *(f"tests/test_export.py::test_plan_and_cached_export[{c}]" for c in (
-        "qwen3-moe-tiny-tp2_pp2", "qwen3-tiny-tp2_pp2", "llama-tied-tiny-tp2", "qwen3-moe-tiny-tp2", "qwen3-moe-tiny-pp2",
-        "qwen3-moe-tiny-pp2_vpp2", "qwen3-tiny-pp2",
-    )),
-    "tests/test_sharded_refit.py::test_every_engine_rank_gets_its_slices_of_the_checkpoint[tp2]",
-    "tests/test_sharded_refit.py::test_benchmark_runs_exactly_on_cpu",  # the benchmark script's CPU smoke run
-    "tests/test_replicas.py::test_replicated_layout_exports_exactly[dp2_tp2]",
-    "tests/test_replicas.py::test_replicas_write_their_shares_in_parallel[qwen3-tp2]",  # as test_roundtrip_cli_with_replicas[dp2_tp2]
-    "tests/test_plan.py::test_plan_cli_json_matches_the_checkpoint[dp2_tp2_ep2]",
-    *(
-        f"tests/test_conformance.py::{test}[{cell}]"
-        for test in (
-            "test_bf16_matches_stock", "test_fp8_matches_reference", "test_mamba_families_take_the_fast_path",
-            "test_stacked_expert_families_take_the_fast_path", "test_family_rule_architectures_take_the_fast_path",
-        )
-        for cell in (*GROUPED_EXPERT_REPEATS, *HYBRID_REPEATS, *PACKED_REPEATS, *MOE_BLOCK_REPEATS, *RELAID_REPEATS, *ETP_REPEATS)
-    ),
-    # ConcatenatedQKVMapping at TP2/TP4 is proved against stock by tests/test_placement_rules.py and
-    # Qwen3.5-VL at TP1 by the matrix's TP1 column; its TP2 build adds ~50 s to the TP2 launch.
-    *(f"tests/test_conformance.py::{t}[tp2-Qwen3_5ForConditionalGeneration]"
-      for t in ("test_bf16_matches_stock", "test_fp8_matches_reference", "test_family_rule_architectures_take_the_fast_path")),
-})
+SLOW_CASES = frozenset(
+    {
+        "tests/test_replicas.py::test_replicas_write_their_shares_in_parallel[qwen3-moe-tp2_ep2-fp8]",
+        *(
+            f"tests/test_replicas.py::test_roundtrip_cli_with_replicas[{c}]"
+            for c in ("dp2_pp2", "dp2_pp2_vpp2", "cp2_tp2", "dp2_tp2_ep2")
+        ),
+        *(
+            f"tests/test_replicas.py::test_replicated_layout_exports_exactly[{c}]"
+            for c in ("dp2_pp2", "dp2_pp2_vpp2", "cp2_tp2")
+        ),
+        *(
+            f"tests/test_packed_broadcast.py::test_packed_broadcast_from_one_replica[{c}]"
+            for c in ("dp2_pp2", "dp2_pp2_vpp2", "cp2_tp2", "dp2_tp2_ep2")
+        ),
+        *(
+            f"tests/test_sharded_refit.py::test_every_engine_rank_gets_its_slices_of_the_checkpoint[{c}]"
+            for c in ("tp1", "ep2", "tp2_pp2")
+        ),
+        "tests/test_roundtrip.py::test_roundtrip_is_bitwise_exact[llama-tied-tiny-tp2_pp2]",
+        # expert-TP 2 beyond TP2xETP2 (roundtrip) and TP2xEP2xETP2 (export), which the default run keeps
+        *(
+            f"tests/test_roundtrip.py::test_roundtrip_is_bitwise_exact[qwen3-moe-tiny-{c}]"
+            for c in ("tp2_ep2_etp2", "tp2_pp2_etp2")
+        ),
+        *(
+            f"tests/test_export.py::test_plan_and_cached_export[qwen3-moe-tiny-{c}]"
+            for c in ("tp2_etp2", "tp2_pp2_etp2", "etp2")
+        ),
+        "tests/test_export.py::test_plan_and_cached_export[llama-tied-tiny-tp2_pp2]",
+        "tests/test_megatron_checkpoint.py::test_import_export_across_layouts[tied-pp2-to-tp1]",
+        "tests/test_fp8.py::test_fp8_parameters_export_their_own_data_and_scales[tp2_pp2]",
+        "tests/test_fp8.py::test_roundtrip_fp8_matches_reference_quantizer[tp2_pp2]",
+        # The full run at f705bc0 (954 passed, 59:50 on 2 cores) put these 25-57 s repeats on the default
+        # path: each layout stays proven by another default case of the same test (TP2 and PP2 apart,
+        # TP2xPP2 by the MoE roundtrip, EP2 by TP2xEP2, PP2 of the MoE recipe by Qwen3's).
+        "tests/test_packed_broadcast.py::test_packed_broadcast_ranks[qwen3-tp2_pp2]",
+        "tests/test_packed_broadcast.py::test_packed_broadcast_ranks[qwen3-pp2]",
+        "tests/test_packed_broadcast.py::test_packed_broadcast_ranks[qwen3-moe-ep2]",
+        *(
+            f"tests/test_roundtrip.py::test_roundtrip_is_bitwise_exact[{c}]"
+            for c in ("qwen3-tiny-tp2_pp2", "qwen3-moe-tiny-pp2_vpp2", "qwen3-moe-tiny-ep2")
+        ),
+        *(
+            f"tests/test_export.py::test_plan_and_cached_export[{c}]"
+            for c in (
+                "qwen3-moe-tiny-tp2_pp2",
+                "qwen3-tiny-tp2_pp2",
+                "llama-tied-tiny-tp2",
+                "qwen3-moe-tiny-tp2",
+                "qwen3-moe-tiny-pp2",
+                "qwen3-moe-tiny-pp2_vpp2",
+                "qwen3-tiny-pp2",
+            )
+        ),
+        "tests/test_sharded_refit.py::test_every_engine_rank_gets_its_slices_of_the_checkpoint[tp2]",
+        "tests/test_sharded_refit.py::test_benchmark_runs_exactly_on_cpu",  # the benchmark script's CPU smoke run
+        "tests/test_replicas.py::test_replicated_layout_exports_exactly[dp2_tp2]",
+        "tests/test_replicas.py::test_replicas_write_their_shares_in_parallel[qwen3-tp2]",  # as test_roundtrip_cli_with_replicas[dp2_tp2]
+        "tests/test_plan.py::test_plan_cli_json_matches_the_checkpoint[dp2_tp2_ep2]",
+        *(
+            f"tests/test_conformance.py::{test}[{cell}]"
+            for test in (
+                "test_bf16_matches_stock",
+                "test_fp8_matches_reference",
+                "test_mamba_families_take_the_fast_path",
+                "test_stacked_expert_families_take_the_fast_path",
+                "test_family_rule_architectures_take_the_fast_path",
+            )
+            for cell in (
+                *GROUPED_EXPERT_REPEATS,
+                *HYBRID_REPEATS,
+                *PACKED_REPEATS,
+                *MOE_BLOCK_REPEATS,
+                *RELAID_REPEATS,
+                *ETP_REPEATS,
+            )
+        ),
+        # ConcatenatedQKVMapping at TP2/TP4 is proved against stock by tests/test_placement_rules.py and
+        # Qwen3.5-VL at TP1 by the matrix's TP1 column; its TP2 build adds ~50 s to the TP2 launch.
+        *(
+            f"tests/test_conformance.py::{t}[tp2-Qwen3_5ForConditionalGeneration]"
+            for t in (
+                "test_bf16_matches_stock",
+                "test_fp8_matches_reference",
+                "test_family_rule_architectures_take_the_fast_path",
+            )
+        ),
+    }
+)
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` selects: the cases of SLOW_CASES carry the marker by then

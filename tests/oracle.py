@@ -14,7 +14,9 @@ from safetensors import safe_open
 
 def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
     index = path / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    )
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         with safe_open(str(path / file), framework="pt") as handle:
@@ -33,7 +35,9 @@ def assert_bitwise_equal_checkpoints(source: Path, exported: Path) -> None:
         got = actual[name]
         assert got.dtype == want.dtype, f"{name}: dtype {got.dtype} != {want.dtype}"
         assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-        assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), f"{name}: bytes differ"
+        assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), (
+            f"{name}: bytes differ"
+        )
 
 
 def stacked_experts(experts: list[torch.Tensor], *, interleave: int, transpose: bool) -> torch.Tensor:

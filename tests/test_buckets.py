@@ -10,7 +10,9 @@ from mbridge_refit.runtime.schedule import Op, build_buckets, layer_of
 
 def _entry(name: str, nbytes: int, scale_of: str | None = None) -> SimpleNamespace:
     """What bucketing and ``yielded_bytes`` read of a plan entry."""
-    return SimpleNamespace(hf_name=name, megatron_param=name, pp_rank=0, alias_of=None, nbytes=nbytes, scale_of=scale_of)
+    return SimpleNamespace(
+        hf_name=name, megatron_param=name, pp_rank=0, alias_of=None, nbytes=nbytes, scale_of=scale_of
+    )
 
 
 def _layers_per_bucket(entries: list, bucket_bytes: int, sizes=None) -> list[list]:
@@ -30,7 +32,9 @@ def test_fp8_buckets_hold_what_the_fp8_export_yields():
         fp8 += [_entry(weight, 500), _entry(weight + "_scale_inv", 4, scale_of=weight), _entry(norm, 10)]
 
     sizes = yielded_bytes(SimpleNamespace(entries=fp8))
-    assert sizes["model.layers.0.q.weight"] == 504 and sizes["model.layers.0.norm.weight"] == 10 and sizes["embed"] == 3000
+    assert (
+        sizes["model.layers.0.q.weight"] == 504 and sizes["model.layers.0.norm.weight"] == 10 and sizes["embed"] == 3000
+    )
     assert _layers_per_bucket(bf16, 2100) == [["embed"], [0], [1, 2], [3]]
     assert _layers_per_bucket(bf16, 2100, sizes) == [["embed"], [0], [1, 2, 3]]
     # control: a mapping with the plan's own sizes buckets as the plan does

@@ -144,9 +144,7 @@ def test_dtype_change(tmp_path):
     tensors = _tensors()
     a = _save_hf(tmp_path / "a", tensors)
     b = _save_hf(tmp_path / "b", tensors | {"norm.weight": tensors["norm.weight"].float()})
-    assert compare_checkpoints(a, b) == [
-        "dtype mismatch: norm.weight: A torch.bfloat16 vs B torch.float32"
-    ]
+    assert compare_checkpoints(a, b) == ["dtype mismatch: norm.weight: A torch.bfloat16 vs B torch.float32"]
 
 
 def test_shape_change(tmp_path):
@@ -174,9 +172,7 @@ def test_one_changed_element_in_0d_tensor(tmp_path):
     tensors = _tensors()
     a = _save_hf(tmp_path / "a", tensors)
     b = _save_hf(tmp_path / "b", tensors | {"layers.0.scale": torch.tensor(0.5)})
-    assert compare_checkpoints(a, b) == [
-        "byte mismatch: layers.0.scale: 1 of 1 elements differ, max abs diff 0.25"
-    ]
+    assert compare_checkpoints(a, b) == ["byte mismatch: layers.0.scale: 1 of 1 elements differ, max abs diff 0.25"]
 
 
 def test_bitwise_compare_sees_nan_payload_and_signed_zero(tmp_path):
@@ -242,7 +238,9 @@ def test_roundtrip_refuses_a_damaged_source_before_any_work(tmp_path, capsys):
     from mbridge_refit.convert import main
     from mbridge_refit.models import recipes
 
-    source = recipes.make_random_checkpoint(recipes.get_model_recipe("qwen3-tiny"), tmp_path / "src", seed=1, max_shard_bytes=64 * 1024)
+    source = recipes.make_random_checkpoint(
+        recipes.get_model_recipe("qwen3-tiny"), tmp_path / "src", seed=1, max_shard_bytes=64 * 1024
+    )
     shard = sorted(source.glob("*.safetensors"))[0]
     shard.write_bytes(shard.read_bytes()[:-5])
     code = main(["roundtrip", "--hf", str(source), "--out", str(tmp_path / "out"), "--no-progress"])
@@ -278,8 +276,12 @@ def test_an_unreadable_shard_is_reported_with_its_real_reason(tmp_path):
     shard.chmod(0)
     try:
         run = subprocess.run(
-            [sys.executable, "-m", "mbridge_refit.convert", "verify", str(good), str(bad)], cwd=REPO,
-            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True, timeout=300,
+            [sys.executable, "-m", "mbridge_refit.convert", "verify", str(good), str(bad)],
+            cwd=REPO,
+            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+            capture_output=True,
+            text=True,
+            timeout=300,
             preexec_fn=_without_file_permission_override if os.geteuid() == 0 else None,
         )
     except subprocess.SubprocessError as err:

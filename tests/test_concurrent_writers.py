@@ -87,8 +87,14 @@ def test_writers_started_together_leave_one_complete_checkpoint_of_one_of_them(t
     script = work / "writer.py"
     script.write_text(WRITER)
     procs = [
-        subprocess.Popen([sys.executable, str(script), str(work), str(out), str(i), str(ROUNDS)], env=CHILD_ENV,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        subprocess.Popen(
+            [sys.executable, str(script), str(work), str(out), str(i), str(ROUNDS)],
+            env=CHILD_ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         for i in range(WRITERS)
     ]
     try:
@@ -172,8 +178,14 @@ HOLDER = textwrap.dedent(
 def test_a_killed_writers_lock_is_taken_over_with_a_log_line(tmp_path, caplog):
     out = tmp_path / "out"
     _write(out, {"old": torch.ones(3)})
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(out)], env=CHILD_ENV, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(out)],
+        env=CHILD_ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         line = holder.stdout.readline()
         assert line.startswith("HOLDING"), line + holder.communicate(timeout=60)[0][-3000:]
@@ -212,14 +224,23 @@ def test_every_rank_learns_rank_0s_verdict_on_a_held_output(tmp_path):
     from test_safetensors_sink import _free_port
 
     out = tmp_path / "out"
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(out)], env=CHILD_ENV, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(out)],
+        env=CHILD_ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     line = holder.stdout.readline()
     assert line.startswith("HOLDING"), line
     port = str(_free_port())
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", RANK_WRITER, str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [sys.executable, "-c", RANK_WRITER, str(out)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
             env=CHILD_ENV | {"RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
         )
         for r in range(2)
@@ -287,9 +308,26 @@ def test_roundtrips_started_together_write_one_source_and_the_others_exit_2(thre
     flags = ["--overwrite"] if overwrite else []
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "mbridge_refit.convert", "roundtrip", "--hf", str(source), "--out", str(out),
-             "--no-progress", "--max-shard-bytes", "40000", *flags],
-            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                "mbridge_refit.convert",
+                "roundtrip",
+                "--hf",
+                str(source),
+                "--out",
+                str(out),
+                "--no-progress",
+                "--max-shard-bytes",
+                "40000",
+                *flags,
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
         )
         for source in (three_sources if overwrite else three_sources[:2])
     ]

@@ -172,9 +172,16 @@ def _selected_architectures(items) -> dict[str, list[str]]:
     selected = set()
     for item in items:
         params = item.callspec.params if hasattr(item, "callspec") else {}
-        if getattr(item, "module", None) is sys.modules[__name__] and "layout" in params and item.originalname != "test_roundtrip_matches_disk":
+        if (
+            getattr(item, "module", None) is sys.modules[__name__]
+            and "layout" in params
+            and item.originalname != "test_roundtrip_matches_disk"
+        ):
             selected.add((params["layout"], params["architecture"]))
-    return {layout: [a for a in conformance.architectures_at(layout) if (layout, a) in selected] for layout in MATRIX_LAYOUTS}
+    return {
+        layout: [a for a in conformance.architectures_at(layout) if (layout, a) in selected]
+        for layout in MATRIX_LAYOUTS
+    }
 
 
 @pytest.fixture(scope="module")
@@ -187,10 +194,22 @@ def matrix(request, tmp_path_factory):
     def cells_of(layout_name: str) -> dict[tuple[str, str], list[Cell]]:
         if layout_name not in runs:
             nproc = MATRIX_LAYOUTS[layout_name][0].expected_world_size
-            layouts = [name for name, (layout, _) in MATRIX_LAYOUTS.items() if layout.expected_world_size == nproc and selected[name]]
+            layouts = [
+                name
+                for name, (layout, _) in MATRIX_LAYOUTS.items()
+                if layout.expected_world_size == nproc and selected[name]
+            ]
             only = ",".join(f"{name}:{architecture}" for name in layouts for architecture in selected[name])
             path = tmp_path_factory.mktemp(f"ranks{nproc}") / "cells.json"
-            args = ["mbridge_refit.testing.conformance", "--layout", ",".join(layouts), "--only", only, "--json", str(path)]
+            args = [
+                "mbridge_refit.testing.conformance",
+                "--layout",
+                ",".join(layouts),
+                "--only",
+                only,
+                "--json",
+                str(path),
+            ]
             run = torchrun(nproc, args, timeout=MATRIX_TIMEOUT)
             assert run.returncode == 0, run.output[-6000:]
             for name in layouts:
@@ -234,15 +253,21 @@ def test_recipe_families_take_the_fast_path(layout, architecture, matrix):
     """The families the repository's own recipes claim (README support matrix) never drop to a fallback."""
     for precision in (BF16, FP8):
         cell = _assert_cell(matrix, layout, architecture, precision)
-        assert cell.state is CellState.FAST_PATH_EXACT, f"{architecture} {layout} {precision}: {cell.state}: {cell.detail}"
+        assert cell.state is CellState.FAST_PATH_EXACT, (
+            f"{architecture} {layout} {precision}: {cell.state}: {cell.detail}"
+        )
 
 
 # Families the plan places through rules beyond the plain mapping classes: a layer's own heads (Gemma 4),
 # a concatenated vision QKV (Qwen3-VL, Qwen3.5-VL), relayouts (Gemma 3 VL, ERNIE 4.5). A regression to
 # the stock fallback fails here.
 FAMILY_RULE_ARCHITECTURES = (
-    "Gemma4ForCausalLM", "Qwen3VLForConditionalGeneration", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
-    "Gemma3ForConditionalGeneration", "Ernie4_5_MoeForCausalLM",  # relaid tensors: a transposed projector, an unsqueezed expert bias
+    "Gemma4ForCausalLM",
+    "Qwen3VLForConditionalGeneration",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
+    "Gemma3ForConditionalGeneration",
+    "Ernie4_5_MoeForCausalLM",  # relaid tensors: a transposed projector, an unsqueezed expert bias
 )
 
 
@@ -329,7 +354,11 @@ def test_roundtrip_cell_catches_a_flipped_bit_and_a_dropped_tensor(tmp_path, mon
         out.mkdir()
         save_file(tensors, str(out / "model.safetensors"))
 
-    for write_output, state in ((copy, CellState.EXACT), (_copy_with_one_flipped_bit, CellState.DIFFERENT), (drop_one, CellState.DIFFERENT)):
+    for write_output, state in (
+        (copy, CellState.EXACT),
+        (_copy_with_one_flipped_bit, CellState.DIFFERENT),
+        (drop_one, CellState.DIFFERENT),
+    ):
         monkeypatch.setattr(roundtrip_conformance, "_run_convert_roundtrip", _fake_convert(write_output))
         cell = roundtrip_conformance.check_roundtrip("LlamaForCausalLM", tmp_path / write_output.__name__)
         assert cell.state is state, cell.detail
@@ -339,17 +368,19 @@ def test_roundtrip_cell_catches_a_flipped_bit_and_a_dropped_tensor(tmp_path, mon
 def test_errors_of_launched_ranks_are_read_from_their_log():
     """A launched roundtrip's refusal and internal error are read from the ranks' log: each message
     once, and whether the exception came from the model's build (``cannot be built here``)."""
-    log = "\n".join([
-        "[rank0] INFO mbridge_refit.convert.commands: loading /tmp/source",
-        "[rank0] ERROR mbridge_refit.convert.app: cannot load decoder.layers.0.x: no slice description",
-        "[rank1] ERROR mbridge_refit.convert.app: roundtrip failed (internal error: please report it with this traceback)",
-        "Traceback (most recent call last):",
-        '  File "/x/mbridge_refit/models/builder.py", line 160, in build_model',
-        "    chunks = provider.provide_distributed_model(",
-        "RuntimeError: TransformerEngine needs CUDA.",
-        "[rank0] ERROR mbridge_refit.convert.launcher: 2 of 2 ranks failed (2, 3): exit code 3",
-        "[rank0] ERROR mbridge_refit.convert.app: cannot load decoder.layers.0.x: no slice description",
-    ])
+    log = "\n".join(
+        [
+            "[rank0] INFO mbridge_refit.convert.commands: loading /tmp/source",
+            "[rank0] ERROR mbridge_refit.convert.app: cannot load decoder.layers.0.x: no slice description",
+            "[rank1] ERROR mbridge_refit.convert.app: roundtrip failed (internal error: please report it with this traceback)",
+            "Traceback (most recent call last):",
+            '  File "/x/mbridge_refit/models/builder.py", line 160, in build_model',
+            "    chunks = provider.provide_distributed_model(",
+            "RuntimeError: TransformerEngine needs CUDA.",
+            "[rank0] ERROR mbridge_refit.convert.launcher: 2 of 2 ranks failed (2, 3): exit code 3",
+            "[rank0] ERROR mbridge_refit.convert.app: cannot load decoder.layers.0.x: no slice description",
+        ]
+    )
     errors = roundtrip_conformance.ConvertErrors.from_log(log)
     assert errors.messages == [
         "cannot load decoder.layers.0.x: no slice description",
@@ -364,16 +395,26 @@ def test_errors_of_launched_ranks_are_read_from_their_log():
 # The roundtrip cells the default run launches at layouts of more than one rank (each is a launch of
 # its own, ~30-60 s on 2 cores): one per layout kind, on families the recipe tests of
 # tests/test_roundtrip.py do not already roundtrip there; the rest are marked slow.
-ROUNDTRIP_DEFAULT_MULTIRANK = frozenset({
-    ("tp2", "Qwen3_5MoeForCausalLM"),  # gated delta net, gated QKV, the zero-centred norm's +1, experts
-    ("pp2", "Qwen2_5_VLForConditionalGeneration"),  # a vision tower beside a split language model
-    ("tp2ep2", "HYV3ForCausalLM"),  # routed and shared experts over expert ranks, attention over tensor ranks
-    ("ep2", "Qwen3VLMoeForConditionalGeneration+packed_experts"),  # each rank's slots of a published transposed stack
-})
+ROUNDTRIP_DEFAULT_MULTIRANK = frozenset(
+    {
+        ("tp2", "Qwen3_5MoeForCausalLM"),  # gated delta net, gated QKV, the zero-centred norm's +1, experts
+        ("pp2", "Qwen2_5_VLForConditionalGeneration"),  # a vision tower beside a split language model
+        ("tp2ep2", "HYV3ForCausalLM"),  # routed and shared experts over expert ranks, attention over tensor ranks
+        (
+            "ep2",
+            "Qwen3VLMoeForConditionalGeneration+packed_experts",
+        ),  # each rank's slots of a published transposed stack
+    }
+)
 ROUNDTRIP_CELLS = [
-    pytest.param(layout, architecture, id=f"{layout}-{architecture}", marks=() if (
-        MATRIX_LAYOUTS[layout][0].expected_world_size == 1 or (layout, architecture) in ROUNDTRIP_DEFAULT_MULTIRANK
-    ) else pytest.mark.slow)
+    pytest.param(
+        layout,
+        architecture,
+        id=f"{layout}-{architecture}",
+        marks=()
+        if (MATRIX_LAYOUTS[layout][0].expected_world_size == 1 or (layout, architecture) in ROUNDTRIP_DEFAULT_MULTIRANK)
+        else pytest.mark.slow,
+    )
     for layout, architecture in CELLS
 ]
 
@@ -383,7 +424,8 @@ def roundtrip_cells(request, tmp_path_factory):
     """(layout, architecture) -> its roundtrip cell, from one run of ``testing.roundtrip_conformance``
     over the roundtrip cells this session selected."""
     selected = [
-        (item.callspec.params["layout"], item.callspec.params["architecture"]) for item in request.session.items
+        (item.callspec.params["layout"], item.callspec.params["architecture"])
+        for item in request.session.items
         if getattr(item, "originalname", None) == "test_roundtrip_matches_disk" and item.module is sys.modules[__name__]
     ]
     layouts = [name for name in MATRIX_LAYOUTS if any(layout == name for layout, _ in selected)]
@@ -391,8 +433,22 @@ def roundtrip_cells(request, tmp_path_factory):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     only = ",".join(f"{layout}:{architecture}" for layout, architecture in selected)
     run = subprocess.run(
-        [sys.executable, "-m", "mbridge_refit.testing.roundtrip_conformance", "--json", str(path), "--layout", ",".join(layouts), "--only", only],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=MATRIX_TIMEOUT,
+        [
+            sys.executable,
+            "-m",
+            "mbridge_refit.testing.roundtrip_conformance",
+            "--json",
+            str(path),
+            "--layout",
+            ",".join(layouts),
+            "--only",
+            only,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=MATRIX_TIMEOUT,
     )
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
     return {(cell.layout, cell.architecture): cell for cell in map(Cell.from_json, json.loads(path.read_text()))}

@@ -22,10 +22,17 @@ def test_parser_knows_every_subcommand():
         parser.parse_args(["roundtrip", "--hf", "a", "--out", "b", "--t", "2"])  # no abbreviations
 
 
-@pytest.mark.parametrize("layout", [
-    ParallelLayout(), ParallelLayout(tp=2), ParallelLayout(pp=2, vpp=2), ParallelLayout(tp=2, ep=2, cp=2),
-    ParallelLayout(pp=4, first_stage_layers=1, last_stage_layers=3),
-], ids=lambda layout: layout.name)
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ParallelLayout(),
+        ParallelLayout(tp=2),
+        ParallelLayout(pp=2, vpp=2),
+        ParallelLayout(tp=2, ep=2, cp=2),
+        ParallelLayout(pp=4, first_stage_layers=1, last_stage_layers=3),
+    ],
+    ids=lambda layout: layout.name,
+)
 def test_layout_flags_parse_back_to_the_layout(layout):
     args = build_parser().parse_args(["roundtrip", "--hf", "a", "--out", "b", *layout_flags(layout)])
     assert layout_from_flags(args) == layout
@@ -42,7 +49,9 @@ def test_help_has_examples(capsys):
 
 
 def roundtrip(nproc, source, out, *flags):
-    return torchrun(nproc, ["mbridge_refit.convert", "roundtrip", "--hf", str(source), "--out", str(out), *flags], timeout=300)
+    return torchrun(
+        nproc, ["mbridge_refit.convert", "roundtrip", "--hf", str(source), "--out", str(out), *flags], timeout=300
+    )
 
 
 def test_missing_input_directory(tmp_path):
@@ -113,7 +122,13 @@ def launched(nproc: int, *args: str, timeout: float = 600, env_extra: dict | Non
 
     from conftest import REPO, Launch
 
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env_extra or {})}
+    env = {
+        **os.environ,
+        "CUDA_VISIBLE_DEVICES": "",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        **(env_extra or {}),
+    }
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
         env.pop(var, None)
     cmd = [sys.executable, "-m", "mbridge_refit.convert", "--nproc-per-node", str(nproc), *args]
@@ -132,7 +147,9 @@ def test_launcher_success_is_zero_and_exact(source_checkpoints, tmp_path):
 
 def test_launcher_bad_input_is_two_printed_once(source_checkpoints, tmp_path):
     """torchrun would exit 1 here; the launcher exits with the ranks' own code."""
-    run = launched(3, "roundtrip", "--hf", str(source_checkpoints("qwen3-tiny")), "--out", str(tmp_path / "out"), "--tp", "2")
+    run = launched(
+        3, "roundtrip", "--hf", str(source_checkpoints("qwen3-tiny")), "--out", str(tmp_path / "out"), "--tp", "2"
+    )
     assert run.returncode == ExitCode.BAD_INPUT, run.output[-3000:]
     assert run.output.count("world size 3 is not divisible") == 1, run.output[-3000:]
     assert "3 of 3 ranks failed" in run.output and "exit code 2" in run.output
@@ -148,7 +165,9 @@ def test_launcher_differences_are_one(source_checkpoints, tmp_path):
 
 def test_launcher_refuses_to_run_under_torchrun(source_checkpoints, tmp_path):
     run = torchrun(2, ["mbridge_refit.convert", "--nproc-per-node", "2", "verify", str(tmp_path), str(tmp_path)])
-    assert run.returncode != 0 and "without torchrun" in run.output and "exitcode  : 2" in run.output, run.output[-3000:]
+    assert run.returncode != 0 and "without torchrun" in run.output and "exitcode  : 2" in run.output, run.output[
+        -3000:
+    ]
 
 
 @pytest.mark.parametrize(
@@ -198,8 +217,20 @@ def test_launcher_disk_full_on_one_rank_is_four_at_once(source_checkpoints, tmp_
     out.mkdir()
     (out / "keep.txt").write_text("old")
     start = time.monotonic()
-    run = launched(2, "roundtrip", "--hf", str(source_checkpoints("qwen3-tiny")), "--out", str(out), "--tp", "2",
-                   "--overwrite", "--max-shard-bytes", "40000", env_extra={"PYTHONPATH": str(shim)})
+    run = launched(
+        2,
+        "roundtrip",
+        "--hf",
+        str(source_checkpoints("qwen3-tiny")),
+        "--out",
+        str(out),
+        "--tp",
+        "2",
+        "--overwrite",
+        "--max-shard-bytes",
+        "40000",
+        env_extra={"PYTHONPATH": str(shim)},
+    )
     assert run.returncode == ExitCode.ENVIRONMENT, run.output[-4000:]
     assert time.monotonic() - start < 120, "the healthy rank must not wait for the process-group timeout"
     assert "No space left on device (injected by the test) [errno 28 ENOSPC]: free space" in run.output
@@ -224,9 +255,15 @@ def test_an_output_another_writer_holds_is_refused_before_any_work(source_checkp
         "import sys, time\nfrom mbridge_refit.sinks import ShardedSafetensorsWriter\n"
         "w = ShardedSafetensorsWriter(out_dir=sys.argv[1], overwrite=True)\nprint('HOLDING', flush=True)\ntime.sleep(300)\n"
     )
-    holder = subprocess.Popen([sys.executable, "-c", holding, str(out)], cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                              env={**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""})
+    holder = subprocess.Popen(
+        [sys.executable, "-c", holding, str(out)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""},
+    )
     try:
         line = holder.stdout.readline()
         assert line.startswith("HOLDING"), line

@@ -28,14 +28,23 @@ ATTRIBUTES = ("allreduce", "tensor_model_parallel", "partition_dim", "partition_
 
 def _config(normalization: str, zero_centered_gamma: bool) -> TransformerConfig:
     return TransformerConfig(
-        num_layers=1, hidden_size=16, num_attention_heads=2, normalization=normalization,
-        layernorm_zero_centered_gamma=zero_centered_gamma, params_dtype=torch.bfloat16,
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=2,
+        normalization=normalization,
+        layernorm_zero_centered_gamma=zero_centered_gamma,
+        params_dtype=torch.bfloat16,
     )
 
 
-@pytest.mark.parametrize(("normalization", "zero_centered_gamma", "names"), [
-    ("RMSNorm", True, ["weight"]), ("RMSNorm", False, ["weight"]), ("LayerNorm", False, ["weight", "bias"]),
-])
+@pytest.mark.parametrize(
+    ("normalization", "zero_centered_gamma", "names"),
+    [
+        ("RMSNorm", True, ["weight"]),
+        ("RMSNorm", False, ["weight"]),
+        ("LayerNorm", False, ["weight", "bias"]),
+    ],
+)
 def test_te_norm_is_built_as_a_norm_with_its_parameters(normalization, zero_centered_gamma, names):
     """TENorm inside the build context: Transformer Engine's parameter names, shape and dtype, and
     the norm it computes (``1 + weight`` when zero-centered) against torch's own functional norm."""
@@ -43,7 +52,9 @@ def test_te_norm_is_built_as_a_norm_with_its_parameters(normalization, zero_cent
     with cpu_specs.te_modules_built_local():
         norm = te.TENorm(config, 16, eps=1e-6)
     assert isinstance(norm, cpu_stand_ins.TorchNorm)
-    assert [(n, tuple(p.shape), p.dtype) for n, p in norm.named_parameters()] == [(n, (16,), torch.bfloat16) for n in names]
+    assert [(n, tuple(p.shape), p.dtype) for n, p in norm.named_parameters()] == [
+        (n, (16,), torch.bfloat16) for n in names
+    ]
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for param in norm.parameters():
@@ -74,8 +85,20 @@ def test_a_te_class_without_a_stand_in_is_refused_by_name():
         pass
 
     config = _config("RMSNorm", False)
-    with cpu_specs.te_modules_built_local(), pytest.raises(NotImplementedError, match="PostNormLinear.*te_subclass_stand_ins"):
-        PostNormLinear(16, 16, config=config, init_method=None, bias=False, input_is_parallel=True, skip_bias_add=True, is_expert=False)
+    with (
+        cpu_specs.te_modules_built_local(),
+        pytest.raises(NotImplementedError, match="PostNormLinear.*te_subclass_stand_ins"),
+    ):
+        PostNormLinear(
+            16,
+            16,
+            config=config,
+            init_method=None,
+            bias=False,
+            input_is_parallel=True,
+            skip_bias_add=True,
+            is_expert=False,
+        )
 
 
 def test_parameters_keep_their_marks_off_the_meta_device():
@@ -87,7 +110,11 @@ def test_parameters_keep_their_marks_off_the_meta_device():
     module[1].weight.allreduce = False
     kept = keeping_parameter_attributes(module, lambda m: m.to_empty(device="cpu"))
     assert kept[0].weight.device.type == "cpu"
-    assert (kept[0].weight.tensor_model_parallel, kept[0].weight.partition_dim, kept[1].weight.allreduce) == (True, 0, False)
+    assert (kept[0].weight.tensor_model_parallel, kept[0].weight.partition_dim, kept[1].weight.allreduce) == (
+        True,
+        0,
+        False,
+    )
     with torch.device("meta"):
         bare = torch.nn.Linear(4, 8)
     bare.weight.tensor_model_parallel = True
@@ -104,8 +131,11 @@ class _Group:
 
 def _expert_config(*, ep: int, etp: int, tp: int) -> SimpleNamespace:
     return SimpleNamespace(
-        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp, tensor_model_parallel_size=tp,
-        params_dtype=torch.bfloat16, perform_initialization=False,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        tensor_model_parallel_size=tp,
+        params_dtype=torch.bfloat16,
+        perform_initialization=False,
     )
 
 
@@ -122,16 +152,27 @@ def _megatron_attributes(module: torch.nn.Module, parallel_mode: str, use_expert
     return {name: {a: getattr(p, a, None) for a in ATTRIBUTES} for name, p in reference.named_parameters()}
 
 
-@pytest.mark.parametrize(("stand_in", "parallel_mode"), [
-    (cpu_stand_ins.ColumnParallelGroupedLinear, "column"), (cpu_stand_ins.RowParallelGroupedLinear, "row"),
-])
+@pytest.mark.parametrize(
+    ("stand_in", "parallel_mode"),
+    [
+        (cpu_stand_ins.ColumnParallelGroupedLinear, "column"),
+        (cpu_stand_ins.RowParallelGroupedLinear, "row"),
+    ],
+)
 @pytest.mark.parametrize(("ep", "etp", "tp"), [(1, 1, 1), (2, 1, 1), (1, 2, 2), (2, 1, 2)])
 def test_grouped_linear_stand_ins_carry_megatrons_expert_attributes(stand_in, parallel_mode, ep, etp, tp, monkeypatch):
     """``weight0..N-1`` (and biases) with TE's per-rank shapes and Megatron's expert attributes."""
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)  # get_pg_size reads the group
     config = _expert_config(ep=ep, etp=etp, tp=tp)
     module = stand_in(
-        3, 8, 12, config=config, init_method=None, bias=True, skip_bias_add=False, is_expert=True,
+        3,
+        8,
+        12,
+        config=config,
+        init_method=None,
+        bias=True,
+        skip_bias_add=False,
+        is_expert=True,
         pg_collection=SimpleNamespace(expt_tp=_Group(etp)),
     )
     names = [f"{kind}{i}" for i, kind in itertools.product(range(3), ("weight", "bias"))]
@@ -146,7 +187,13 @@ def test_grouped_linear_stand_ins_carry_megatrons_expert_attributes(stand_in, pa
 
 def test_grouped_linear_stand_in_refuses_a_forward_and_dense_use():
     config = _expert_config(ep=1, etp=1, tp=1)
-    kwargs = dict(config=config, init_method=None, bias=False, skip_bias_add=False, pg_collection=SimpleNamespace(expt_tp=_Group(1)))
+    kwargs = dict(
+        config=config,
+        init_method=None,
+        bias=False,
+        skip_bias_add=False,
+        pg_collection=SimpleNamespace(expt_tp=_Group(1)),
+    )
     module = cpu_stand_ins.ColumnParallelGroupedLinear(2, 4, 4, is_expert=True, **kwargs)
     with pytest.raises(NotImplementedError, match="GPU build"):
         module(torch.zeros(1, 4), [1, 0])

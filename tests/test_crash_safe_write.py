@@ -85,8 +85,14 @@ def test_kill_during_overwrite_leaves_old_or_new(point, tmp_path):
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
-    child = subprocess.Popen([sys.executable, str(script), str(out), point], stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    child = subprocess.Popen(
+        [sys.executable, str(script), str(out), point],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
         seen = []
         for line in child.stdout:
@@ -103,7 +109,9 @@ def test_kill_during_overwrite_leaves_old_or_new(point, tmp_path):
     expected = OLD if on_disk.keys() == OLD.keys() else NEW
     assert all(torch.equal(on_disk[name], expected[name]) for name in expected)
     assert (out / "notes.txt").read_text() == "mine"
-    assert (point in ("remove_old",)) == (expected is NEW), f"{point}: the swap happened {'after' if expected is NEW else 'before'} it"
+    assert (point in ("remove_old",)) == (expected is NEW), (
+        f"{point}: the swap happened {'after' if expected is NEW else 'before'} it"
+    )
 
     if leftovers(out):  # a rerun without --overwrite names it; with --overwrite it is removed
         with pytest.raises(FileExistsError, match=r"left from an interrupted write.*--overwrite"):
@@ -159,11 +167,28 @@ def test_failure_writing_a_new_output_leaves_nothing(tmp_path, monkeypatch):
 # Files an older checkpoint in the output may hold, each one a loader could read (weights of
 # other formats and their temporaries, their indexes, processor and tokenizer files).
 OLD_LOADER_FILES = [
-    "pytorch_model.bin", "pytorch_model.bin.index.json", "pytorch_model-00001-of-00002.bin", "training_args.bin",
-    "model.safetensors", "model-00001-of-00009.safetensors.tmp", "adapter_model.safetensors", "consolidated.00.pth",
-    "model.pt", "tf_model.h5", "flax_model.msgpack", "model.gguf", "preprocessor_config.json",
-    "processor_config.json", "video_preprocessor_config.json", "tokenizer.model", "spiece.model",
-    "special_tokens_map.json", "vocab.txt", "chat_template.json", "chat_template.jinja", ".tmp-model-00003.safetensors",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+    "pytorch_model-00001-of-00002.bin",
+    "training_args.bin",
+    "model.safetensors",
+    "model-00001-of-00009.safetensors.tmp",
+    "adapter_model.safetensors",
+    "consolidated.00.pth",
+    "model.pt",
+    "tf_model.h5",
+    "flax_model.msgpack",
+    "model.gguf",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
+    "tokenizer.model",
+    "spiece.model",
+    "special_tokens_map.json",
+    "vocab.txt",
+    "chat_template.json",
+    "chat_template.jinja",
+    ".tmp-model-00003.safetensors",
 ]
 
 

@@ -47,8 +47,9 @@ def test_performance_table_is_rendered_from_committed_results(tmp_path):
     begin = text.index("<!-- performance:")
     row = text.index("| [", begin)
     edited.write_text(text[:row] + text[row:].replace(" ms |", " ms (edited) |", 1))
-    run = subprocess.run([sys.executable, str(script), "--check", "--readme", str(edited)], capture_output=True,
-                         text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, str(script), "--check", "--readme", str(edited)], capture_output=True, text=True, timeout=120
+    )
     assert run.returncode == 1 and "differs" in run.stdout
 
 
@@ -68,7 +69,7 @@ def _readme_names() -> list[str]:
         dotted = dotted if dotted.startswith("mbridge_refit.") else f"mbridge_refit.{dotted}"
         names.append(dotted)
     names += [f"mbridge_refit.bridge.RefitBridge.{method}" for method in re.findall(r"\bbridge\.([a-z_]\w*)", text)]
-    sinks = text[text.index("## Sinks"):].split("\n## ", 1)[0]  # its table names the sinks by class
+    sinks = text[text.index("## Sinks") :].split("\n## ", 1)[0]  # its table names the sinks by class
     names += [f"mbridge_refit.sinks:{name}" for name in re.findall(r"`([A-Z]\w+)`", sinks)]
     return sorted(set(names))
 
@@ -102,4 +103,6 @@ def test_every_name_the_readme_shows_exists():
 
 def test_name_check_sees_a_missing_name():
     assert _resolves("mbridge_refit.sinks.DiscardSink") and not _resolves("mbridge_refit.sinks.NoSuchSink")
-    assert not _resolves("mbridge_refit.no_such_module:Thing".replace(":", ".")) and not _resolves("mbridge_refit.errors:Nope")
+    assert not _resolves("mbridge_refit.no_such_module:Thing".replace(":", ".")) and not _resolves(
+        "mbridge_refit.errors:Nope"
+    )

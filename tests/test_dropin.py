@@ -27,8 +27,16 @@ LAYOUTS = {  # name -> (recipe, flags, ranks)
 }
 CHECKS = {
     "tp1": [
-        "nemo_rl_tasks", "task_subsets", "lazy_tasks", "replaced_weights", "reordered_tasks", "foreign_tasks",
-        "weight_dtype_same", "weight_dtype_other", "model_bridge_override", "planning_error",
+        "nemo_rl_tasks",
+        "task_subsets",
+        "lazy_tasks",
+        "replaced_weights",
+        "reordered_tasks",
+        "foreign_tasks",
+        "weight_dtype_same",
+        "weight_dtype_other",
+        "model_bridge_override",
+        "planning_error",
     ],
     "tp2": ["nemo_rl_tasks", "task_subsets", "replaced_on_one_rank", "planning_error_on_one_rank"],
     "pp2-tied": ["nemo_rl_tasks", "task_subsets"],

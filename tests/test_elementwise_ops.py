@@ -51,7 +51,7 @@ def test_zero_centred_norm_op_is_the_mappings_own_conversion(single_rank):
     assert (kind.kind, kind.hf_names, kind.elementwise_op) == ("replicated", (HF_NORM,), "add_one")
     weight = _random_bf16(512, seed=0)
     kept = weight.clone()
-    (name, expected), = mapping.megatron_to_hf(weight, module).items()
+    ((name, expected),) = mapping.megatron_to_hf(weight, module).items()
     ours = weight.clone()
     ELEMENTWISE_OPS[kind.elementwise_op].export(ours)
     assert name == HF_NORM and ours.dtype == expected.dtype == torch.bfloat16
@@ -82,10 +82,25 @@ def _norm_entry(op: str | None):
     from mbridge_refit.plan.slices import SliceCopy
 
     piece = SliceCopy(hf_name=HF_NORM, dim=0, hf_start=0, hf_stop=8, local_start=0)
-    sharding = TensorSharding(mesh_dims=("tp", "dp"), mesh_shape=(1, 1), placements=("Replicate()", "Replicate()"),
-                              pieces=((piece,),), local_shape=(8,))
-    return PlanEntry(hf_name=HF_NORM, shape=(8,), dtype="bfloat16", megatron_param=NORM, pp_rank=0, vpp_stage=0,
-                     is_expert=False, kind="replicated", sharding=sharding, elementwise_op=op)
+    sharding = TensorSharding(
+        mesh_dims=("tp", "dp"),
+        mesh_shape=(1, 1),
+        placements=("Replicate()", "Replicate()"),
+        pieces=((piece,),),
+        local_shape=(8,),
+    )
+    return PlanEntry(
+        hf_name=HF_NORM,
+        shape=(8,),
+        dtype="bfloat16",
+        megatron_param=NORM,
+        pp_rank=0,
+        vpp_stage=0,
+        is_expert=False,
+        kind="replicated",
+        sharding=sharding,
+        elementwise_op=op,
+    )
 
 
 def test_an_entry_with_an_op_is_built_in_a_buffer_and_round_trips_as_json():
@@ -123,7 +138,9 @@ def test_the_loader_applies_the_inverse_op_as_the_mapping_does(single_rank, tmp_
     kind = placement_kind(mapping, module)
     copies = slices_for(kind, ShardContext(local_shape=(512,), tp_rank=0, tp_size=1, config=None))
     param = torch.empty(512, dtype=torch.bfloat16)
-    _copy_slices(param, copies, {HF_NORM: (0, 512)}, HFCheckpoint.open(tmp_path), LoadReport(), NORM, kind.elementwise_op)
+    _copy_slices(
+        param, copies, {HF_NORM: (0, 512)}, HFCheckpoint.open(tmp_path), LoadReport(), NORM, kind.elementwise_op
+    )
     expected = mapping.hf_to_megatron(stored, module).to(torch.bfloat16)
     assert torch.equal(param.view(torch.int16), expected.view(torch.int16))
     assert not torch.equal(stored.view(torch.int16), expected.view(torch.int16))  # no inverse: caught
@@ -140,7 +157,9 @@ def test_qwen3_next_cached_export_applies_the_op_once_and_leaves_the_norms_alone
     from conftest import REPO, torchrun
 
     result = tmp_path / "op.json"
-    run = torchrun(tp, [str(REPO / "tests" / "ranks" / "elementwise_op_export_check.py"), "--tp", str(tp), "--result", str(result)])
+    run = torchrun(
+        tp, [str(REPO / "tests" / "ranks" / "elementwise_op_export_check.py"), "--tp", str(tp), "--result", str(result)]
+    )
     assert run.returncode == 0, run.output[-6000:]
     reports = [json.loads(Path(f"{result}.rank{rank}").read_text()) for rank in range(tp)]
     assert all(r["with_op"] > 0 for r in reports)

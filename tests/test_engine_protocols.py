@@ -39,7 +39,9 @@ def test_each_session_has_the_trainer_protocols_methods(session):
     for method in _protocol_methods(base.RefitSession):
         params = inspect.signature(getattr(cls, method)).parameters
         expected = inspect.signature(getattr(base.RefitSession, method)).parameters
-        assert list(expected) == list(params)[: len(expected)], f"{session}.{method}{inspect.signature(getattr(cls, method))}"
+        assert list(expected) == list(params)[: len(expected)], (
+            f"{session}.{method}{inspect.signature(getattr(cls, method))}"
+        )
 
 
 def test_the_worker_extension_answers_every_rpc_under_one_prefix():
@@ -52,7 +54,8 @@ def test_the_worker_extension_answers_every_rpc_under_one_prefix():
     assert [name for name in public if not name.startswith(base.RPC_PREFIX)] == []
     for name in rpcs:
         assert list(inspect.signature(getattr(base.RefitWorker, name)).parameters) == list(
-            inspect.signature(getattr(RefitWorkerExtension, name)).parameters), name
+            inspect.signature(getattr(RefitWorkerExtension, name)).parameters
+        ), name
 
 
 def test_the_bridge_accepts_what_exports_weights_names():
@@ -72,15 +75,21 @@ def test_an_unknown_adapter_or_transport_is_named_with_what_exists():
     with pytest.raises(InputError, match=r"no 'carrier-pigeon' transport; it has \['broadcast', 'ipc'\]"):
         base.engine_adapter("vllm").session("carrier-pigeon", object())
     with pytest.raises(InputError, match="unknown transports"):
-        base.register_adapter(base.EngineAdapter(name="x", sessions={"smoke": object}, worker_extension="x.Y",
-                                                 engine_kwargs=dict))
+        base.register_adapter(
+            base.EngineAdapter(name="x", sessions={"smoke": object}, worker_extension="x.Y", engine_kwargs=dict)
+        )
 
 
 def test_a_second_adapter_plugs_in_without_the_transports_knowing():
     calls = []
-    adapter = base.register_adapter(base.EngineAdapter(
-        name="stand_in", sessions={base.IPC: lambda engine, **options: calls.append((engine, options)) or "session"},
-        worker_extension="tests.StandIn", engine_kwargs=dict))
+    adapter = base.register_adapter(
+        base.EngineAdapter(
+            name="stand_in",
+            sessions={base.IPC: lambda engine, **options: calls.append((engine, options)) or "session"},
+            worker_extension="tests.StandIn",
+            engine_kwargs=dict,
+        )
+    )
     try:
         assert base.engine_adapter("stand_in") is adapter
         assert adapter.session(base.IPC, "engine", timeout_s=1.0) == "session"
@@ -90,8 +99,10 @@ def test_a_second_adapter_plugs_in_without_the_transports_knowing():
 
 
 def test_the_transports_import_without_any_engine_adapter():
-    code = ("import sys, mbridge_refit.engines.ipc, mbridge_refit.engines.broadcast, mbridge_refit.engines.base; "
-            "print(sorted(m for m in sys.modules if m.startswith('mbridge_refit.engines.vllm') or m == 'vllm'))")
+    code = (
+        "import sys, mbridge_refit.engines.ipc, mbridge_refit.engines.broadcast, mbridge_refit.engines.base; "
+        "print(sorted(m for m in sys.modules if m.startswith('mbridge_refit.engines.vllm') or m == 'vllm'))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"

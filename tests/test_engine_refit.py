@@ -32,7 +32,10 @@ BROADCAST_CHECKER = str(REPO / "tests" / "ranks" / "engine_broadcast_check.py")
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize(("recipe", "layout"), [("qwen3-tiny", "tp1"), ("qwen3-tiny", "tp2"), ("qwen3-moe-tiny", "tp2_ep2"), ("llama-tied-tiny", "pp2")])
+@pytest.mark.parametrize(
+    ("recipe", "layout"),
+    [("qwen3-tiny", "tp1"), ("qwen3-tiny", "tp2"), ("qwen3-moe-tiny", "tp2_ep2"), ("llama-tied-tiny", "pp2")],
+)
 def test_refit_into_engine_layout(recipe, layout, source_checkpoints, tmp_path):
     nproc, flags = layout_flags(layout)
     run = torchrun(nproc, [CHECKER, "--hf", str(source_checkpoints(recipe)), "--result", str(tmp_path), *flags])
@@ -50,8 +53,19 @@ def test_broadcast_refit_into_engine_layout(recipe, layout, source_checkpoints, 
     failing loader and a plan mismatch fail on every rank, none hangs, and the next refit is exact."""
     nproc, flags = layout_flags(layout)
     port = free_port()
-    run = torchrun(nproc, [BROADCAST_CHECKER, "--hf", str(source_checkpoints(recipe)), "--result", str(tmp_path),
-                           "--port", str(port), *flags])
+    run = torchrun(
+        nproc,
+        [
+            BROADCAST_CHECKER,
+            "--hf",
+            str(source_checkpoints(recipe)),
+            "--result",
+            str(tmp_path),
+            "--port",
+            str(port),
+            *flags,
+        ],
+    )
     assert run.returncode == 0, run.output[-6000:]
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
     source, others = reports[0], reports[1:]
@@ -61,7 +75,10 @@ def test_broadcast_refit_into_engine_layout(recipe, layout, source_checkpoints, 
         assert all(r[case]["seconds"] < 30 for r in reports), case
     assert source["unloaded"]["error"].startswith("BroadcastRefitError") and "['extra']" in source["unloaded"]["error"]
     assert source["loader"]["error"].startswith("ValueError: test loader rejects the 5th tensor"), source["loader"]
-    assert source["mismatch"]["error"].startswith("PlanMismatchError") and "first differing entry #3" in source["mismatch"]["error"]
+    assert (
+        source["mismatch"]["error"].startswith("PlanMismatchError")
+        and "first differing entry #3" in source["mismatch"]["error"]
+    )
     for other in others:
         assert other["unloaded"]["error"].startswith("RefitStatusError") and "['extra']" in other["unloaded"]["error"]
         assert "test loader rejects" in other["loader"]["error"] or "consumer failed" in other["loader"]["error"], other
@@ -196,7 +213,9 @@ def test_loader_failure_names_the_tensor():
                 if name == "b":
                     raise AttributeError("'Parameter' object has no attribute 'load_merged_column_weight'")
 
-    with pytest.raises(ApplyPlanError, match=r"failed on b \(4, 4\).*load_merged_column_weight.*replaces its parameters"):
+    with pytest.raises(
+        ApplyPlanError, match=r"failed on b \(4, 4\).*load_merged_column_weight.*replaces its parameters"
+    ):
         ApplyPlan.record(Broken(), [("a", torch.zeros(2, 4)), ("b", torch.zeros(4, 4))])
 
 
@@ -351,7 +370,9 @@ def test_rows_a_loader_reads_in_other_shapes_are_refreshed_before_each_replay():
         def load_weights(self, weights):
             for name, tensor in weights:
                 if name == "q":
-                    self.fused.data[:8].copy_(tensor.t().contiguous().t())  # reads through a temporary: loader every step
+                    self.fused.data[:8].copy_(
+                        tensor.t().contiguous().t()
+                    )  # reads through a temporary: loader every step
                 else:
                     super().load_weights([(name, tensor)])
 

@@ -42,4 +42,3 @@ def test_layer_map(recipe, flags, expected, source_checkpoints, tmp_path):
     for rank in range(2):
         layer_map = json.loads((tmp_path / f"rank{rank}.json").read_text())["layer_map"]
         assert {int(k): v for k, v in layer_map.items()} == expected
-

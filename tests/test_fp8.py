@@ -53,7 +53,11 @@ def reference_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
 
 
 def special_values(shape: tuple[int, int], seed: int) -> torch.Tensor:
@@ -79,7 +83,11 @@ SHAPES = [(128, 128), (256, 384), (300, 200), (1, 7), (129, 257), (64, 64)]
 @pytest.mark.parametrize("values", ["normal", "special"])
 def test_quantizer_matches_reference_bitwise(shape, values):
     gen = torch.Generator().manual_seed(7)
-    w = (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16) if values == "normal" else special_values(shape, 3)
+    w = (
+        (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
+        if values == "normal"
+        else special_values(shape, 3)
+    )
     q, s = quantize_blockwise(w)
     ref_q, ref_s = reference_quantize(w)
     assert s.shape == (math.ceil(shape[0] / 128), math.ceil(shape[1] / 128)) and s.dtype == torch.float32
@@ -167,13 +175,13 @@ def test_row_selections_are_quantized_from_their_source():
         def selection(key):
             n = group_rows[key]
             runs = tuple((g * n, g * 456 + offsets[key], n) for g in range(groups))
-            rows = torch.cat([fused[src:src + n] for _, src, n in runs])
+            rows = torch.cat([fused[src : src + n] for _, src, n in runs])
             return RowSelection(fused, runs, tuple(rows.shape), lambda: copies.append(key) or rows)
 
         bucket = [(names[key], selection(key)) for key in group_rows]
         got = dict(quantize_buckets([bucket], plan, buffers))
         for key, n in group_rows.items():
-            expected = torch.cat([fused[g * 456 + offsets[key]:][:n] for g in range(groups)])
+            expected = torch.cat([fused[g * 456 + offsets[key] :][:n] for g in range(groups)])
             q, scale = reference_quantize(expected)
             assert same_bits(got[names[key]], q) and same_bits(got[names[key] + SCALE_SUFFIX], scale), key
         assert copies == ["v"]
@@ -215,11 +223,23 @@ def _plan_with(names_shapes) -> ExportPlan:
 
     def entry(name, shape, kind="column"):
         sharding = TensorSharding(
-            mesh_dims=("tp", "dp"), mesh_shape=(1, 1), placements=("Replicate()", "Replicate()"),
-            pieces=((SliceCopy(hf_name=name, dim=0, hf_start=0, hf_stop=shape[0], local_start=0),),), local_shape=shape,
+            mesh_dims=("tp", "dp"),
+            mesh_shape=(1, 1),
+            placements=("Replicate()", "Replicate()"),
+            pieces=((SliceCopy(hf_name=name, dim=0, hf_start=0, hf_stop=shape[0], local_start=0),),),
+            local_shape=shape,
         )
-        return PlanEntry(hf_name=name, shape=shape, dtype="bfloat16", megatron_param=name, pp_rank=0, vpp_stage=0,
-                         is_expert=False, kind=kind, sharding=sharding)
+        return PlanEntry(
+            hf_name=name,
+            shape=shape,
+            dtype="bfloat16",
+            megatron_param=name,
+            pp_rank=0,
+            vpp_stage=0,
+            is_expert=False,
+            kind=kind,
+            sharding=sharding,
+        )
 
     entries = tuple(entry(*item) for item in names_shapes)
     return ExportPlan(entries=entries, layer_map={0: (0, 0)}, tp=1, pp=1, ep=1, vpp=1)
@@ -253,7 +273,8 @@ def test_fp8_plan_names_shapes_dtypes():
         ("lm_head.weight", (512, 192), "bfloat16"),
     ]
     assert [e.scale_of for e in plan.entries if e.scale_of] == [
-        "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.o_proj.weight"
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.o_proj.weight",
     ]
     assert plan.entries[3].nbytes == 2 * 2 * 4
     assert ExportPlan.from_json(plan.to_json()) == plan
@@ -285,8 +306,12 @@ def test_nothing_to_quantize_is_refused():
 # --- through the export, every layout ---------------------------------------------------------
 
 DENSE_CONFIG = {
-    "hidden_size": 192, "head_dim": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "intermediate_size": 320, "vocab_size": 512,
+    "hidden_size": 192,
+    "head_dim": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 320,
+    "vocab_size": 512,
 }
 MOE_CONFIG = {**DENSE_CONFIG, "moe_intermediate_size": 160}
 
@@ -311,7 +336,9 @@ def _plant_special_values(path):
     for file in files:
         tensors = load_file(str(file))
         for key in list(tensors):
-            if key.endswith(("layers.0.self_attn.q_proj.weight", "layers.1.mlp.down_proj.weight", "experts.1.up_proj.weight")):
+            if key.endswith(
+                ("layers.0.self_attn.q_proj.weight", "layers.1.mlp.down_proj.weight", "experts.1.up_proj.weight")
+            ):
                 tensors[key] = special_values(tuple(tensors[key].shape), seed=len(key))
         save_file(tensors, str(file), metadata={"format": "pt"})
 
@@ -345,15 +372,28 @@ def assert_fp8_checkpoint_is_reference(source, out) -> set[str]:
 
 
 @pytest.mark.parametrize(
-    ("model", "nproc", "flags"), LAYOUT_CASES, ids=["tp1", "tp2", "pp2", "pp2_vpp2", "tp2_pp2", "moe-ep2", "moe-tp2_ep2"]
+    ("model", "nproc", "flags"),
+    LAYOUT_CASES,
+    ids=["tp1", "tp2", "pp2", "pp2_vpp2", "tp2_pp2", "moe-ep2", "moe-tp2_ep2"],
 )
 def test_roundtrip_fp8_matches_reference_quantizer(block_checkpoints, tmp_path, model, nproc, flags):
     source = block_checkpoints[model]
     out = tmp_path / "fp8"
     run = torchrun(
         nproc,
-        ["mbridge_refit.convert", "roundtrip", "--hf", str(source), "--out", str(out), "--no-progress",
-         "--device", "cpu", "--fp8-blockwise", *flags],
+        [
+            "mbridge_refit.convert",
+            "roundtrip",
+            "--hf",
+            str(source),
+            "--out",
+            str(out),
+            "--no-progress",
+            "--device",
+            "cpu",
+            "--fp8-blockwise",
+            *flags,
+        ],
     )
     assert run.returncode == 0, run.output[-4000:]
     quantized = assert_fp8_checkpoint_is_reference(source, out)
@@ -368,8 +408,20 @@ def test_fp8_engine_tp_refused_before_export(block_checkpoints, tmp_path):
     out = tmp_path / "fp8"
     run = torchrun(
         1,
-        ["mbridge_refit.convert", "roundtrip", "--hf", str(block_checkpoints["dense"]), "--out", str(out),
-         "--no-progress", "--device", "cpu", "--fp8-blockwise", "--fp8-engine-tp", "2"],
+        [
+            "mbridge_refit.convert",
+            "roundtrip",
+            "--hf",
+            str(block_checkpoints["dense"]),
+            "--out",
+            str(out),
+            "--no-progress",
+            "--device",
+            "cpu",
+            "--fp8-blockwise",
+            "--fp8-engine-tp",
+            "2",
+        ],
     )
     assert run.returncode == 2, run.output[-3000:]
     assert "tensor-parallel size 2 cannot shard" in run.output and "not a multiple of 128" in run.output
@@ -378,8 +430,18 @@ def test_fp8_engine_tp_refused_before_export(block_checkpoints, tmp_path):
 
 def test_plan_cli_lists_scales(block_checkpoints, tmp_path):
     out = tmp_path / "plan.json"
-    run = torchrun(1, ["mbridge_refit.convert", "plan", "--hf", str(block_checkpoints["dense"]), "--fp8-blockwise",
-                       "--json", str(out)])
+    run = torchrun(
+        1,
+        [
+            "mbridge_refit.convert",
+            "plan",
+            "--hf",
+            str(block_checkpoints["dense"]),
+            "--fp8-blockwise",
+            "--json",
+            str(out),
+        ],
+    )
     assert run.returncode == 0, run.output[-3000:]
     entries = json.loads(out.read_text())["entries"]
     by_name = {e["hf_name"]: e for e in entries}
@@ -395,10 +457,25 @@ def test_megatron_checkpoint_export_to_fp8(block_checkpoints, tmp_path):
     """HF -> Megatron checkpoint (TP2) -> FP8 HF checkpoint at PP2."""
     source = block_checkpoints["dense"]
     megatron, out = tmp_path / "megatron", tmp_path / "fp8"
-    run = torchrun(2, ["mbridge_refit.convert", "import", "--hf", str(source), "--megatron", str(megatron), "--tp", "2"])
+    run = torchrun(
+        2, ["mbridge_refit.convert", "import", "--hf", str(source), "--megatron", str(megatron), "--tp", "2"]
+    )
     assert run.returncode == 0, run.output[-4000:]
-    run = torchrun(2, ["mbridge_refit.convert", "export", "--megatron", str(megatron), "--out", str(out), "--pp", "2",
-                       "--no-progress", "--fp8-blockwise"])
+    run = torchrun(
+        2,
+        [
+            "mbridge_refit.convert",
+            "export",
+            "--megatron",
+            str(megatron),
+            "--out",
+            str(out),
+            "--pp",
+            "2",
+            "--no-progress",
+            "--fp8-blockwise",
+        ],
+    )
     assert run.returncode == 0, run.output[-4000:]
     expected, written = read_checkpoint(source), read_checkpoint(out)
     config = KEEP  # what Qwen3 FP8 checkpoints keep, written independently of fp8.keep
@@ -416,19 +493,34 @@ def test_fp8_stream_through_packed_broadcast(block_checkpoints, tmp_path):
     """Trainer rank 0 -> receiver rank 1: the FP8 plan sizes the receiver; bytes equal the reference."""
     from conftest import REPO
 
-    run = torchrun(2, [str(REPO / "tests" / "ranks" / "fp8_broadcast_check.py"), "--hf", str(block_checkpoints["dense"]),
-                       "--result", str(tmp_path)])
+    run = torchrun(
+        2,
+        [
+            str(REPO / "tests" / "ranks" / "fp8_broadcast_check.py"),
+            "--hf",
+            str(block_checkpoints["dense"]),
+            "--result",
+            str(tmp_path),
+        ],
+    )
     assert run.returncode == 0, run.output[-4000:]
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["differing"] == []
-    assert result["scales"] > 0 and len(result["names"]) == result["plan_entries"] == len(result["expected_names"]) + result["scales"]
+    assert (
+        result["scales"] > 0
+        and len(result["names"]) == result["plan_entries"] == len(result["expected_names"]) + result["scales"]
+    )
 
 
 # --- FP8 parameters (TE fp8_param models): the trainer's own FP8 data and scales --------------
 
 ALIGNED_CONFIG = {
-    "hidden_size": 320, "head_dim": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "intermediate_size": 512, "vocab_size": 512,
+    "hidden_size": 320,
+    "head_dim": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 512,
+    "vocab_size": 512,
 }
 NATIVE_CHECKER = str(REPO / "tests" / "ranks" / "native_fp8_check.py")
 
@@ -483,6 +575,16 @@ def test_fp8_parameters_export_their_own_data_and_scales(aligned_checkpoints, mo
 @pytest.mark.multirank
 def test_fp8_parameters_off_block_boundaries_are_refused(block_checkpoints):
     """head_dim 64 at TP2: q/k/v shards are half blocks; the export must refuse, naming the tensor."""
-    run = torchrun(2, [NATIVE_CHECKER, "--hf", str(block_checkpoints["dense"]), "--tp", "2",
-                       "--expect-error", "not a run of whole 128-element blocks"])
+    run = torchrun(
+        2,
+        [
+            NATIVE_CHECKER,
+            "--hf",
+            str(block_checkpoints["dense"]),
+            "--tp",
+            "2",
+            "--expect-error",
+            "not a run of whole 128-element blocks",
+        ],
+    )
     assert run.returncode == 0, run.output[-6000:]

@@ -17,12 +17,23 @@ from mbridge_refit.fp8.format import BlockwiseFP8Config, FP8FormatError
 from mbridge_refit.fp8.keep import KEEP_BY_ARCHITECTURE
 from mbridge_refit.fp8.plan import fp8_plan
 
-ATTENTION = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
-             "model.layers.0.self_attn.v_proj.weight", "model.layers.0.self_attn.o_proj.weight"]
-DENSE_MLP = ["model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.down_proj.weight"]
+ATTENTION = [
+    "model.layers.0.self_attn.q_proj.weight",
+    "model.layers.0.self_attn.k_proj.weight",
+    "model.layers.0.self_attn.v_proj.weight",
+    "model.layers.0.self_attn.o_proj.weight",
+]
+DENSE_MLP = [
+    "model.layers.0.mlp.gate_proj.weight",
+    "model.layers.0.mlp.up_proj.weight",
+    "model.layers.0.mlp.down_proj.weight",
+]
 EXPERTS = [f"model.layers.0.mlp.experts.0.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
 SHARED_EXPERTS = [f"model.layers.0.mlp.shared_experts.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
-MLA = [f"model.layers.0.self_attn.{p}.weight" for p in ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")]
+MLA = [
+    f"model.layers.0.self_attn.{p}.weight"
+    for p in ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+]
 TEXT_ENDS = ["model.embed_tokens.weight", "lm_head.weight"]
 
 
@@ -32,7 +43,8 @@ def _qwen3_next_names(layer: str, *, linear_attention: bool) -> list[str]:
         *(f"{layer}.self_attn.{p}_proj.weight" for p in "qkvo"),
         *(f"{layer}.mlp.experts.0.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")),
         *(f"{layer}.mlp.shared_expert.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")),
-        f"{layer}.mlp.gate.weight", f"{layer}.mlp.shared_expert_gate.weight",
+        f"{layer}.mlp.gate.weight",
+        f"{layer}.mlp.shared_expert_gate.weight",
     ]
 
 
@@ -50,68 +62,146 @@ FAMILIES: dict[str, tuple[list[str], set[str]]] = {
     ),
     # MiniMaxAI/MiniMax-M2: attention and experts FP8; router (fp32), embeddings, lm_head not.
     "MiniMaxM2ForCausalLM": (
-        [*TEXT_ENDS, *ATTENTION, "model.layers.0.block_sparse_moe.gate.weight",
-         *(f"model.layers.0.block_sparse_moe.experts.0.w{i}.weight" for i in (1, 2, 3))],
+        [
+            *TEXT_ENDS,
+            *ATTENTION,
+            "model.layers.0.block_sparse_moe.gate.weight",
+            *(f"model.layers.0.block_sparse_moe.experts.0.w{i}.weight" for i in (1, 2, 3)),
+        ],
         {*TEXT_ENDS, "model.layers.0.block_sparse_moe.gate.weight"},
     ),
     # Qwen3.6-FP8 (same gated-delta-net layers): in_proj_ba kept; vLLM builds gate and
     # shared_expert_gate unquantized; the MTP input projection kept like DeepSeek-V3's eh_proj.
     "Qwen3NextForCausalLM": (
-        [*TEXT_ENDS, *_qwen3_next_names("model.layers.0", linear_attention=True),
-         *_qwen3_next_names("mtp.layers.0", linear_attention=False), "mtp.fc.weight"],
-        {*TEXT_ENDS, "model.layers.0.linear_attn.in_proj_ba.weight", "model.layers.0.mlp.gate.weight",
-         "model.layers.0.mlp.shared_expert_gate.weight", "mtp.layers.0.mlp.gate.weight", "mtp.layers.0.mlp.shared_expert_gate.weight", "mtp.fc.weight"},
+        [
+            *TEXT_ENDS,
+            *_qwen3_next_names("model.layers.0", linear_attention=True),
+            *_qwen3_next_names("mtp.layers.0", linear_attention=False),
+            "mtp.fc.weight",
+        ],
+        {
+            *TEXT_ENDS,
+            "model.layers.0.linear_attn.in_proj_ba.weight",
+            "model.layers.0.mlp.gate.weight",
+            "model.layers.0.mlp.shared_expert_gate.weight",
+            "mtp.layers.0.mlp.gate.weight",
+            "mtp.layers.0.mlp.shared_expert_gate.weight",
+            "mtp.fc.weight",
+        },
     ),
     # Qwen3.6-35B-A3B-FP8 (Qwen3.5 MoE VL architecture): in_proj_a / in_proj_b and the vision tower kept.
     "Qwen3_5MoeForConditionalGeneration": (
-        ["lm_head.weight", "model.language_model.embed_tokens.weight",
-         "model.language_model.layers.0.linear_attn.in_proj_qkv.weight", "model.language_model.layers.0.linear_attn.in_proj_z.weight",
-         "model.language_model.layers.0.linear_attn.in_proj_a.weight", "model.language_model.layers.0.linear_attn.in_proj_b.weight",
-         "model.language_model.layers.0.linear_attn.out_proj.weight", "model.language_model.layers.0.mlp.gate.weight",
-         "model.language_model.layers.0.mlp.shared_expert_gate.weight", "model.language_model.layers.0.mlp.experts.0.up_proj.weight",
-         "model.visual.blocks.0.attn.qkv.weight", "model.visual.merger.linear_fc1.weight", "model.visual.pos_embed.weight"],
-        {"lm_head.weight", "model.language_model.embed_tokens.weight",
-         "model.language_model.layers.0.linear_attn.in_proj_a.weight", "model.language_model.layers.0.linear_attn.in_proj_b.weight",
-         "model.language_model.layers.0.mlp.gate.weight", "model.language_model.layers.0.mlp.shared_expert_gate.weight",
-         "model.visual.blocks.0.attn.qkv.weight", "model.visual.merger.linear_fc1.weight", "model.visual.pos_embed.weight"},
+        [
+            "lm_head.weight",
+            "model.language_model.embed_tokens.weight",
+            "model.language_model.layers.0.linear_attn.in_proj_qkv.weight",
+            "model.language_model.layers.0.linear_attn.in_proj_z.weight",
+            "model.language_model.layers.0.linear_attn.in_proj_a.weight",
+            "model.language_model.layers.0.linear_attn.in_proj_b.weight",
+            "model.language_model.layers.0.linear_attn.out_proj.weight",
+            "model.language_model.layers.0.mlp.gate.weight",
+            "model.language_model.layers.0.mlp.shared_expert_gate.weight",
+            "model.language_model.layers.0.mlp.experts.0.up_proj.weight",
+            "model.visual.blocks.0.attn.qkv.weight",
+            "model.visual.merger.linear_fc1.weight",
+            "model.visual.pos_embed.weight",
+        ],
+        {
+            "lm_head.weight",
+            "model.language_model.embed_tokens.weight",
+            "model.language_model.layers.0.linear_attn.in_proj_a.weight",
+            "model.language_model.layers.0.linear_attn.in_proj_b.weight",
+            "model.language_model.layers.0.mlp.gate.weight",
+            "model.language_model.layers.0.mlp.shared_expert_gate.weight",
+            "model.visual.blocks.0.attn.qkv.weight",
+            "model.visual.merger.linear_fc1.weight",
+            "model.visual.pos_embed.weight",
+        },
     ),
     # zai-org/GLM-5.x FP8: mlp.gate, lm_head, embed_tokens, eh_proj and the indexer's weights_proj unquantized.
     "GlmMoeDsaForCausalLM": (
-        [*TEXT_ENDS, *MLA, *EXPERTS, "model.layers.0.mlp.gate.weight", "model.layers.0.self_attn.indexer.wq_b.weight",
-         "model.layers.0.self_attn.indexer.wk.weight", "model.layers.0.self_attn.indexer.weights_proj.weight",
-         "model.layers.1.eh_proj.weight"],
-        {*TEXT_ENDS, "model.layers.0.mlp.gate.weight", "model.layers.0.self_attn.indexer.weights_proj.weight",
-         "model.layers.1.eh_proj.weight"},
+        [
+            *TEXT_ENDS,
+            *MLA,
+            *EXPERTS,
+            "model.layers.0.mlp.gate.weight",
+            "model.layers.0.self_attn.indexer.wq_b.weight",
+            "model.layers.0.self_attn.indexer.wk.weight",
+            "model.layers.0.self_attn.indexer.weights_proj.weight",
+            "model.layers.1.eh_proj.weight",
+        ],
+        {
+            *TEXT_ENDS,
+            "model.layers.0.mlp.gate.weight",
+            "model.layers.0.self_attn.indexer.weights_proj.weight",
+            "model.layers.1.eh_proj.weight",
+        },
     ),
     # No FP8 checkpoints: the safe default (embeddings, output layer, routers, encoders).
-    "GptOssForCausalLM": ([*TEXT_ENDS, *ATTENTION, "model.layers.0.mlp.router.weight"], {*TEXT_ENDS, "model.layers.0.mlp.router.weight"}),
+    "GptOssForCausalLM": (
+        [*TEXT_ENDS, *ATTENTION, "model.layers.0.mlp.router.weight"],
+        {*TEXT_ENDS, "model.layers.0.mlp.router.weight"},
+    ),
     "Qwen2_5_VLForConditionalGeneration": (
         [*TEXT_ENDS, *ATTENTION, *DENSE_MLP, "visual.blocks.0.attn.qkv.weight", "visual.merger.mlp.0.weight"],
         {*TEXT_ENDS, "visual.blocks.0.attn.qkv.weight", "visual.merger.mlp.0.weight"},
     ),
     "Mistral3ForConditionalGeneration": (
-        ["language_model.lm_head.weight", "language_model.model.embed_tokens.weight", "language_model.model.layers.0.mlp.up_proj.weight",
-         "vision_tower.transformer.layers.0.attention.q_proj.weight", "multi_modal_projector.linear_1.weight"],
-        {"language_model.lm_head.weight", "language_model.model.embed_tokens.weight",
-         "vision_tower.transformer.layers.0.attention.q_proj.weight", "multi_modal_projector.linear_1.weight"},
+        [
+            "language_model.lm_head.weight",
+            "language_model.model.embed_tokens.weight",
+            "language_model.model.layers.0.mlp.up_proj.weight",
+            "vision_tower.transformer.layers.0.attention.q_proj.weight",
+            "multi_modal_projector.linear_1.weight",
+        ],
+        {
+            "language_model.lm_head.weight",
+            "language_model.model.embed_tokens.weight",
+            "vision_tower.transformer.layers.0.attention.q_proj.weight",
+            "multi_modal_projector.linear_1.weight",
+        },
     ),
     "NemotronHForCausalLM": (
-        ["backbone.embeddings.weight", "lm_head.weight", "backbone.layers.0.mixer.in_proj.weight", "backbone.layers.0.mixer.out_proj.weight",
-         "backbone.layers.0.mixer.gate.weight", "backbone.layers.0.mixer.experts.0.up_proj.weight", "backbone.layers.0.mixer.q_proj.weight"],
+        [
+            "backbone.embeddings.weight",
+            "lm_head.weight",
+            "backbone.layers.0.mixer.in_proj.weight",
+            "backbone.layers.0.mixer.out_proj.weight",
+            "backbone.layers.0.mixer.gate.weight",
+            "backbone.layers.0.mixer.experts.0.up_proj.weight",
+            "backbone.layers.0.mixer.q_proj.weight",
+        ],
         {"backbone.embeddings.weight", "lm_head.weight", "backbone.layers.0.mixer.gate.weight"},
     ),
     "Step3p5ForCausalLM": (
-        [*TEXT_ENDS, *ATTENTION, "model.layers.0.self_attn.g_proj.weight", "model.layers.0.moe.gate.weight",
-         "model.layers.0.moe.up_proj.weight", "model.layers.0.share_expert.up_proj.weight"],
+        [
+            *TEXT_ENDS,
+            *ATTENTION,
+            "model.layers.0.self_attn.g_proj.weight",
+            "model.layers.0.moe.gate.weight",
+            "model.layers.0.moe.up_proj.weight",
+            "model.layers.0.share_expert.up_proj.weight",
+        ],
         {*TEXT_ENDS, "model.layers.0.moe.gate.weight"},
     ),
     "HYV3ForCausalLM": (
-        [*TEXT_ENDS, *ATTENTION, "model.layers.1.mlp.router.gate.weight", "model.layers.1.mlp.shared_mlp.up_proj.weight",
-         "model.layers.1.mlp.experts.0.up_proj.weight"],
+        [
+            *TEXT_ENDS,
+            *ATTENTION,
+            "model.layers.1.mlp.router.gate.weight",
+            "model.layers.1.mlp.shared_mlp.up_proj.weight",
+            "model.layers.1.mlp.experts.0.up_proj.weight",
+        ],
         {*TEXT_ENDS, "model.layers.1.mlp.router.gate.weight"},
     ),
     "DeepseekV4ForCausalLM": (
-        ["embed.weight", "head.weight", "layers.0.attn.wq_a.weight", "layers.0.ffn.gate.weight", "layers.0.ffn.experts.0.w1.weight"],
+        [
+            "embed.weight",
+            "head.weight",
+            "layers.0.attn.wq_a.weight",
+            "layers.0.ffn.gate.weight",
+            "layers.0.ffn.experts.0.w1.weight",
+        ],
         {"embed.weight", "head.weight", "layers.0.ffn.gate.weight"},
     ),
 }
@@ -142,7 +232,9 @@ def test_every_table_row_has_an_oracle():
 @pytest.mark.parametrize("architecture", ["MiniMaxM2ForCausalLM", "Qwen3_5MoeForConditionalGeneration"])
 def test_quantization_config_lists_exactly_the_kept_linear_modules(architecture):
     names, kept = FAMILIES[architecture]
-    plan = _plan_with([(n, (256, 256)) for n in names] + [("model.norm.weight", (256,)), ("model.layers.0.mlp.gate.bias", (256,))])
+    plan = _plan_with(
+        [(n, (256, 256)) for n in names] + [("model.norm.weight", (256,)), ("model.layers.0.mlp.gate.bias", (256,))]
+    )
     config = BlockwiseFP8Config().for_architecture(architecture)
     written = config.quantization_config(fp8_plan(plan, config))["modules_to_not_convert"]
     assert written == sorted(n.removesuffix(".weight") for n in kept)
@@ -180,7 +272,9 @@ def test_the_bridge_picks_the_row_of_its_architecture_and_keeps_explicit_pattern
     assert bridge.fp8_config(explicit) is explicit and bridge.fp8_config(None) is None
 
 
-@pytest.mark.parametrize(("keep", "expected"), [(None, None), (["*gate.weight", "lm_head.weight"], ("*gate.weight", "lm_head.weight"))])
+@pytest.mark.parametrize(
+    ("keep", "expected"), [(None, None), (["*gate.weight", "lm_head.weight"], ("*gate.weight", "lm_head.weight"))]
+)
 def test_convert_flags_leave_the_choice_to_the_family_unless_fp8_keep_is_given(keep, expected):
     from mbridge_refit.convert.flags import fp8_from_flags
 

@@ -33,7 +33,10 @@ SINGLE = "model.safetensors"
 # Seconds of examples per property; the examples after it return at once (the total time bound).
 BUDGET_S = 15.0
 FUZZ = settings(
-    derandomize=True, database=None, deadline=None, print_blob=False,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    print_blob=False,
     phases=[Phase.explicit, Phase.generate],  # no shrinking: the first failing example is reported as found
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
 )
@@ -118,12 +121,16 @@ def megatron(single, tmp_path_factory) -> Path:
 # --- mutations ----------------------------------------------------------------------------------------
 
 JSON_SCALARS = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-(2**63), max_value=2**64),
-    st.sampled_from([0, -1, 1, 2**31, 2**63, 10**9, 8_400_000]), st.floats(allow_nan=True, allow_infinity=True),
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**63), max_value=2**64),
+    st.sampled_from([0, -1, 1, 2**31, 2**63, 10**9, 8_400_000]),
+    st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=12),
 )
 JSON_VALUES = st.recursive(
-    JSON_SCALARS, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    JSON_SCALARS,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12,
 )
 DTYPES = st.sampled_from(["BF16", "F16", "F32", "F64", "I64", "U8", "BOOL", "F8_E4M3", "F4", "Q7", "", "bf16"])
@@ -142,7 +149,7 @@ def header_mutations(draw):
         return kind, lambda raw: raw[: int(len(raw) * cut)]
     if kind == "bytes":
         at, junk = draw(st.integers(0, 4000)), draw(st.binary(min_size=1, max_size=16))
-        return kind, lambda raw: raw[:at] + junk + raw[at + len(junk):]
+        return kind, lambda raw: raw[:at] + junk + raw[at + len(junk) :]
     if kind == "json":
         value = draw(JSON_VALUES)
         return kind, lambda raw: _with_header(json.dumps(value).encode(), _split(raw)[1])
@@ -223,9 +230,21 @@ def index_mutations(draw):
 
 
 CONFIG_FIELDS = [
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-    "head_dim", "max_position_embeddings", "tie_word_embeddings", "architectures", "model_type", "rms_norm_eps",
-    "layer_types", "dtype", "rope_parameters",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "architectures",
+    "model_type",
+    "rms_norm_eps",
+    "layer_types",
+    "dtype",
+    "rope_parameters",
 ]
 CONFIG_NUMBERS = st.one_of(
     st.sampled_from([0, -1, 1, 3, 7, 63, 65, 128, 256, 1024, 8_400_000, 10**9, 2**31, 2**63]),
@@ -262,6 +281,7 @@ def megatron_mutations(draw):
     kind = draw(st.sampled_from(["index-bytes", "index-truncate", "info", "distcp-truncate", "config"]))
     if kind == "config":
         _, edit = draw(config_mutations())
+
         def edit_config(path: Path) -> None:
             (path / "config.json").write_text(edit(json.loads((path / "config.json").read_text())))
 
@@ -284,7 +304,7 @@ def megatron_mutations(draw):
         raw = target.read_bytes()
         if kind == "index-bytes":
             at_ = at % len(raw)
-            raw = raw[:at_] + junk + raw[at_ + len(junk):]
+            raw = raw[:at_] + junk + raw[at_ + len(junk) :]
         else:
             raw = raw[: int(len(raw) * cut)]
         target.write_bytes(raw)

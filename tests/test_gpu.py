@@ -36,7 +36,9 @@ def tiny_gpu_model():
 
 def test_cached_export_allocates_nothing_after_first_call(tiny_gpu_model):
     bridge, chunks = tiny_gpu_model
-    first = [(n, t.clone()) for n, t in bridge.export_hf_weights(chunks, reuse_buffer_from_cache=True, show_progress=False)]
+    first = [
+        (n, t.clone()) for n, t in bridge.export_hf_weights(chunks, reuse_buffer_from_cache=True, show_progress=False)
+    ]
     torch.cuda.synchronize()
     before = torch.cuda.memory_stats()["allocation.all.allocated"]
     for _ in range(3):
@@ -53,7 +55,9 @@ def test_gpu_export_matches_stock_bitwise(tiny_gpu_model):
     bridge, chunks = tiny_gpu_model
     stock = AutoBridge(bridge.hf_pretrained)
     expected = [(n, t.clone()) for n, t in stock.export_hf_weights(chunks, show_progress=False)]
-    got = [(n, t.clone()) for n, t in bridge.export_hf_weights(chunks, reuse_buffer_from_cache=True, show_progress=False)]
+    got = [
+        (n, t.clone()) for n, t in bridge.export_hf_weights(chunks, reuse_buffer_from_cache=True, show_progress=False)
+    ]
     assert [n for n, _ in got] == [n for n, _ in expected]
     for (name, a), (_, b) in zip(got, expected):
         assert a.dtype == b.dtype and torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8)), name
@@ -70,8 +74,17 @@ def test_export_right_after_a_ddp_step(tmp_path):
 
     repo = Path(__file__).resolve().parents[1]
     gpus = torch.cuda.device_count()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(gpus),
-           str(repo / "scripts" / "check_ddp_export_gpu.py"), "--out-dir", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(gpus),
+        str(repo / "scripts" / "check_ddp_export_gpu.py"),
+        "--out-dir",
+        str(tmp_path),
+    ]
     env = {**os.environ, "PYTHONPATH": str(repo), "NCCL_NVLS_ENABLE": "0"}
     run = subprocess.run(cmd, cwd=repo / "scripts", env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
@@ -90,8 +103,19 @@ def test_moe_with_megatrons_expert_tp_default_matches_stock(gpus, tmp_path):
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"needs {gpus} GPUs")
     repo = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(gpus),
-           str(repo / "scripts" / "check_trainer_truth_gpu.py"), "--pairs", "1", "--out-dir", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(gpus),
+        str(repo / "scripts" / "check_trainer_truth_gpu.py"),
+        "--pairs",
+        "1",
+        "--out-dir",
+        str(tmp_path),
+    ]
     env = {**os.environ, "PYTHONPATH": str(repo), "NCCL_NVLS_ENABLE": "0"}
     run = subprocess.run(cmd, cwd=repo / "scripts", env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
@@ -125,8 +149,13 @@ def test_cuda_ipc_transport_opens_the_same_memory_in_another_process(tmp_path):
     (tmp_path / "payload").write_bytes(payload)
     torch.cuda.synchronize()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    run = subprocess.run([sys.executable, "-c", _IPC_ENGINE, str(tmp_path / "payload")], env=env,
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", _IPC_ENGINE, str(tmp_path / "payload")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     nbytes, total = map(int, run.stdout.split()[-2:])
     assert (nbytes, total) == expected
@@ -153,15 +182,30 @@ def test_vllm_refit_equals_loading_from_disk(script, tmp_path):
 
     env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_USE_DEEP_GEMM": "0", "VLLM_BATCH_INVARIANT": "1"}
     run = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / script), "--model", "qwen3-1.7b", "--layers", "2", "--out-dir", str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=540,
+        [
+            sys.executable,
+            str(REPO / "scripts" / script),
+            "--model",
+            "qwen3-1.7b",
+            "--layers",
+            "2",
+            "--out-dir",
+            str(tmp_path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
     )
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     assert run.stdout.rstrip().splitlines()[-1].startswith("OK"), run.stdout[-2000:]
 
 
-@pytest.mark.parametrize(("interleave", "shape"), [(1, (1536, 2048)), (1, (2048, 768)), (2, (5760, 2880)), (1, (130, 70)), (2, (6, 3))],
-                         ids=["qwen3-vl-gate-up", "qwen3-vl-down", "gpt-oss-gate-up", "partial-tiles", "tiny-pairs"])
+@pytest.mark.parametrize(
+    ("interleave", "shape"),
+    [(1, (1536, 2048)), (1, (2048, 768)), (2, (5760, 2880)), (1, (130, 70)), (2, (6, 3))],
+    ids=["qwen3-vl-gate-up", "qwen3-vl-down", "gpt-oss-gate-up", "partial-tiles", "tiny-pairs"],
+)
 def test_stack_kernels_write_what_copy_into_writes(interleave, shape):
     """The Triton transposed stack (``runtime.stack_kernels``, through ``runtime.stack_fill``) against
     the layout's definition (``oracle.stacked_experts``), bitwise; twice, the second from the

@@ -22,8 +22,19 @@ MAX_C_CALLS_PER_TENSOR = 5.5
 def test_steady_export_host_calls_per_tensor_do_not_grow(tmp_path):
     result = tmp_path / "host_work.json"
     run = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "ranks" / "host_work_check.py"), "--experts", "8", "64", "--result", str(result)],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            str(REPO / "tests" / "ranks" / "host_work_check.py"),
+            "--experts",
+            "8",
+            "64",
+            "--result",
+            str(result),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     few, many = (json.loads(result.read_text())[k] for k in ("8", "64"))

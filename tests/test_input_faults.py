@@ -317,17 +317,20 @@ def test_config_that_is_not_an_object_is_bad_input(single_file, text, needle, tm
     assert needle in err and str(bad / "config.json") in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize(("changes", "needle"), [
-    ({"hidden_size": "64"}, "Field 'hidden_size' expected int, got str"),  # transformers' check
-    ({"num_attention_heads": 0}, "num_attention_heads=0"),
-    ({"intermediate_size": -128}, "intermediate_size=-128"),
-    ({"num_hidden_layers": True}, "Field 'num_hidden_layers' expected int, got bool"),  # transformers' check
-    # transformers' check
-    ({"num_hidden_layers": 3}, "`num_hidden_layers` (3) must be equal to the number of `layer_types` (4)"),
-    # before transformers reads it: it expands a layer count into per-layer lists (1e9: minutes, gigabytes)
-    ({"num_hidden_layers": 10**9}, "asks for num_hidden_layers=1000000000: more than 16384 layers or experts"),
-    ({"head_dim": 2**36}, "head_dim=68719476736"),  # the meta build allocates the rotary frequencies on the CPU
-])
+@pytest.mark.parametrize(
+    ("changes", "needle"),
+    [
+        ({"hidden_size": "64"}, "Field 'hidden_size' expected int, got str"),  # transformers' check
+        ({"num_attention_heads": 0}, "num_attention_heads=0"),
+        ({"intermediate_size": -128}, "intermediate_size=-128"),
+        ({"num_hidden_layers": True}, "Field 'num_hidden_layers' expected int, got bool"),  # transformers' check
+        # transformers' check
+        ({"num_hidden_layers": 3}, "`num_hidden_layers` (3) must be equal to the number of `layer_types` (4)"),
+        # before transformers reads it: it expands a layer count into per-layer lists (1e9: minutes, gigabytes)
+        ({"num_hidden_layers": 10**9}, "asks for num_hidden_layers=1000000000: more than 16384 layers or experts"),
+        ({"head_dim": 2**36}, "head_dim=68719476736"),  # the meta build allocates the rotary frequencies on the CPU
+    ],
+)
 def test_config_sizes_must_be_positive_integers(single_file, changes, needle, tmp_path, capsys):
     bad = copy_with_config(single_file, tmp_path / "bad", **changes)
     code = convert("roundtrip", "--hf", bad, "--out", tmp_path / "out", "--no-progress")
@@ -416,8 +419,14 @@ def test_a_signal_to_the_launcher_is_exit_three_in_one_line(single_file, sig, tm
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
         env.pop(var, None)
     argv = ["--nproc-per-node", "2", "roundtrip", "--hf", str(single_file), "--out", str(tmp_path / "out"), "--tp", "2"]
-    proc = subprocess.Popen([sys.executable, "-m", "mbridge_refit.convert", *argv], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mbridge_refit.convert", *argv],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while len(_children(proc.pid)) < 2 and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.2)

@@ -33,6 +33,8 @@ def test_ruff_sees_a_violation(tmp_path):
     (tmp_path / "pyproject.toml").write_text((REPO / "pyproject.toml").read_text())
     (tmp_path / "bad.py").write_text("import sys\nimport os\nx=( 1 )\nprint(os, sys, x)\n")
     check = subprocess.run([*_ruff(), "check", "."], cwd=tmp_path, capture_output=True, text=True, timeout=60)
-    form = subprocess.run([*_ruff(), "format", "--check", "."], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    form = subprocess.run(
+        [*_ruff(), "format", "--check", "."], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
     assert check.returncode == 1 and "I001" in check.stdout
     assert form.returncode == 1

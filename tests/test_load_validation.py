@@ -57,8 +57,22 @@ def test_mismatch_on_one_rank_fails_every_rank_without_a_hang(source_checkpoints
     """At PP2 only the last stage holds the final norm: the first stage must fail too, at once."""
     bad = tmp_path / "bad"
     with_tensor_reshaped(source_checkpoints("qwen3-tiny"), bad, "model.norm.weight", 0, 1)
-    run = torchrun(2, ["mbridge_refit.convert", "roundtrip", "--hf", str(bad), "--out", str(tmp_path / "out"),
-                       "--pp", "2", "--timeout-s", "120"], timeout=240)
+    run = torchrun(
+        2,
+        [
+            "mbridge_refit.convert",
+            "roundtrip",
+            "--hf",
+            str(bad),
+            "--out",
+            str(tmp_path / "out"),
+            "--pp",
+            "2",
+            "--timeout-s",
+            "120",
+        ],
+        timeout=240,
+    )
     assert run.returncode != 0 and run.output.count("(exitcode: 2)") >= 1, run.output[-3000:]
     assert "model.norm.weight" in run.output and "another rank" in run.output
 
@@ -82,7 +96,9 @@ def test_lossy_dtype_is_refused(source_checkpoints, tmp_path):
     """A float32 tensor with a value bfloat16 cannot hold: converting it would change the weight."""
     name = "model.layers.1.mlp.up_proj.weight"
     with_tensor_stored_as(source_checkpoints("qwen3-tiny"), tmp_path / "bad", name, torch.float32, nudge=True)
-    run = torchrun(1, ["mbridge_refit.convert", "roundtrip", "--hf", str(tmp_path / "bad"), "--out", str(tmp_path / "out")])
+    run = torchrun(
+        1, ["mbridge_refit.convert", "roundtrip", "--hf", str(tmp_path / "bad"), "--out", str(tmp_path / "out")]
+    )
     assert run.returncode == 2, run.output[-3000:]
     assert f"{name!r}" in run.output and "float32" in run.output and "bfloat16" in run.output, run.output[-3000:]
     assert "changes 1 of" in run.output and '"dtype"' in run.output
@@ -94,9 +110,13 @@ def test_exact_dtype_cast_roundtrips_bit_for_bit(source_checkpoints, tmp_path):
     from oracle import assert_bitwise_equal_checkpoints
 
     name = "model.layers.0.self_attn.o_proj.weight"
-    stored = with_tensor_stored_as(source_checkpoints("qwen3-tiny"), tmp_path / "wide", name, torch.float32, nudge=False)
+    stored = with_tensor_stored_as(
+        source_checkpoints("qwen3-tiny"), tmp_path / "wide", name, torch.float32, nudge=False
+    )
     assert stored.dtype == torch.float32
-    run = torchrun(1, ["mbridge_refit.convert", "roundtrip", "--hf", str(tmp_path / "wide"), "--out", str(tmp_path / "out")])
+    run = torchrun(
+        1, ["mbridge_refit.convert", "roundtrip", "--hf", str(tmp_path / "wide"), "--out", str(tmp_path / "out")]
+    )
     assert run.returncode == 0, run.output[-3000:]
     assert_bitwise_equal_checkpoints(tmp_path / "wide", tmp_path / "out")
 
@@ -171,4 +191,7 @@ def test_a_source_tensor_no_mapping_reads_is_named_in_a_warning(source_checkpoin
     (source / "model.safetensors.index.json").write_text(json.dumps(index))
     run = torchrun(1, ["mbridge_refit.convert", "roundtrip", "--hf", str(source), "--out", str(tmp_path / "out")])
     assert run.returncode == 0, run.output[-3000:]
-    assert "the output lacks 1 tensors of the source checkpoint" in run.output and "model.pooling_head.weight" in run.output, run.output[-3000:]
+    assert (
+        "the output lacks 1 tensors of the source checkpoint" in run.output
+        and "model.pooling_head.weight" in run.output
+    ), run.output[-3000:]

@@ -192,7 +192,9 @@ def test_export_refuses_non_empty_output(qwen3_tp2, tmp_path, capsys):
 def test_export_layout_that_does_not_fit(qwen3_tp2, tmp_path, capsys):
     # Same check as roundtrip's (test_convert_cli launches real ranks for it): world size 1, tp=2.
     _, megatron = qwen3_tp2
-    assert main(["export", "--megatron", str(megatron), "--out", str(tmp_path / "o"), "--tp", "2"]) == ExitCode.BAD_INPUT
+    assert (
+        main(["export", "--megatron", str(megatron), "--out", str(tmp_path / "o"), "--tp", "2"]) == ExitCode.BAD_INPUT
+    )
     err = capsys.readouterr().err
     assert "layout tp=2" in err and "--nproc-per-node 2" in err, err
     assert not (tmp_path / "o").exists()

@@ -32,7 +32,11 @@ def _loaded_model(path):
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
 
 
 @pytest.mark.parametrize("recipe", ["qwen3-tiny", "qwen3-moe-tiny", "llama-tied-tiny"])
@@ -78,7 +82,10 @@ def test_tied_stream_without_lm_head(source_checkpoints):
 
 @pytest.mark.parametrize(
     ("recipe", "dropped"),
-    [("qwen3-tiny", "model.layers.1.self_attn.k_norm.weight"), ("qwen3-moe-tiny", "model.layers.1.mlp.experts.2.up_proj.weight")],
+    [
+        ("qwen3-tiny", "model.layers.1.self_attn.k_norm.weight"),
+        ("qwen3-moe-tiny", "model.layers.1.mlp.experts.2.up_proj.weight"),
+    ],
 )
 def test_missing_name_is_named(recipe, dropped, source_checkpoints):
     path = source_checkpoints(recipe)
@@ -93,7 +100,10 @@ def test_unknown_name_is_named(source_checkpoints):
     stream = read_checkpoint(path)
     stream["model.layers.0.mlp.experts.9.gate_proj.weight"] = stream["model.layers.0.mlp.experts.0.gate_proj.weight"]
     stream["model.layers.0.mlp.bogus.weight"] = torch.zeros(2)
-    with pytest.raises(WeightUpdateError, match=r"2 unexpected \['model\.layers\.0\.mlp\.bogus\.weight', 'model\.layers\.0\.mlp\.experts\.9\.gate_proj\.weight'\]"):
+    with pytest.raises(
+        WeightUpdateError,
+        match=r"2 unexpected \['model\.layers\.0\.mlp\.bogus\.weight', 'model\.layers\.0\.mlp\.experts\.9\.gate_proj\.weight'\]",
+    ):
         drain(stream.items(), HFModelUpdateSink(_fresh_model(path)))
 
 
@@ -110,7 +120,11 @@ def test_not_strict_warns(source_checkpoints, caplog):
     ("name", "change", "message"),
     [
         ("model.layers.0.self_attn.q_proj.weight", lambda t: t[:-1], r"q_proj\.weight: stream tensor \[63, 64\]"),
-        ("model.layers.0.mlp.experts.1.up_proj.weight", lambda t: t.float(), r"experts\.1\.up_proj\.weight: .*torch\.float32.*\[expert 1, part 1\]"),
+        (
+            "model.layers.0.mlp.experts.1.up_proj.weight",
+            lambda t: t.float(),
+            r"experts\.1\.up_proj\.weight: .*torch\.float32.*\[expert 1, part 1\]",
+        ),
     ],
     ids=["shape", "dtype-fused"],
 )
@@ -126,7 +140,9 @@ def test_duplicate_name_raises(source_checkpoints):
     path = source_checkpoints("qwen3-tiny")
     stream = list(read_checkpoint(path).items())
     with pytest.raises(WeightUpdateError, match="model.norm.weight was written twice"):
-        drain([*stream, ("model.norm.weight", dict(stream)["model.norm.weight"])], HFModelUpdateSink(_fresh_model(path)))
+        drain(
+            [*stream, ("model.norm.weight", dict(stream)["model.norm.weight"])], HFModelUpdateSink(_fresh_model(path))
+        )
 
 
 def test_tied_stream_with_both_names(source_checkpoints):

@@ -84,7 +84,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (cycle := visit(nxt)):
                 return cycle
         path.pop()
@@ -143,8 +143,14 @@ for line in sys.stdin:
 
 @pytest.fixture(scope="module")
 def import_server():
-    proc = subprocess.Popen([sys.executable, "-c", _IMPORT_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, cwd=PACKAGE.parent)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _IMPORT_SERVER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=PACKAGE.parent,
+    )
     assert proc.stdout.readline().strip() == "ready", "the import server did not start"
     yield proc
     proc.stdin.close()
@@ -182,8 +188,10 @@ def test_lower_layers_never_import_higher_ones():
     graph = import_graph(MODULES)
     upward = [
         f"{module} (layer {layer_of_module(module)}) imports {target} (layer {layer_of_module(target)})"
-        for module, targets in graph.items() if module != "mbridge_refit"
-        for target in targets if target != "mbridge_refit" and layer_of_module(target) > layer_of_module(module)
+        for module, targets in graph.items()
+        if module != "mbridge_refit"
+        for target in targets
+        if target != "mbridge_refit" and layer_of_module(target) > layer_of_module(module)
     ]
     assert not upward, "\n".join(upward)
 
@@ -195,7 +203,9 @@ def test_cycle_finder_finds_a_cycle(tmp_path):
     (package / "__init__.py").write_text("")
     (package / "sub" / "__init__.py").write_text("")
     (package / "a.py").write_text("def f():\n    from pkg.sub import b\n")
-    (package / "sub" / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import a\n")
+    (package / "sub" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import a\n"
+    )
     cycle = find_cycle(import_graph(package_modules(package)))
     assert cycle is not None and set(cycle) == {"pkg.a", "pkg.sub.b"}
 
@@ -204,6 +214,7 @@ def support_importers(modules: dict[str, Path], support: str) -> list[str]:
     """``"module imports target"`` for every module outside ``support`` whose source names it: an
     import statement (in a function or under ``TYPE_CHECKING`` too) or a string constant naming a
     module of it (a lazy ``importlib`` table such as the package's ``_PUBLIC``)."""
+
     def names_support(target: str) -> bool:
         return target == support or target.startswith(support + ".")
 
@@ -238,7 +249,11 @@ def test_support_check_names_the_importer(tmp_path):
     (package / "core.py").write_text("def f():\n    from .testing import helpers\n")
     (package / "clean.py").write_text("import pkg.core\n")
     importers = support_importers(package_modules(package), "pkg.testing")
-    assert importers == ["pkg imports pkg.testing.helpers", "pkg.core imports pkg.testing", "pkg.core imports pkg.testing.helpers"]
+    assert importers == [
+        "pkg imports pkg.testing.helpers",
+        "pkg.core imports pkg.testing",
+        "pkg.core imports pkg.testing.helpers",
+    ]
 
 
 def test_every_error_class_has_the_package_root():
@@ -274,9 +289,13 @@ def test_every_module_declares_its_public_names(module):
         path = PACKAGE.joinpath(*relative, "__init__.py")
     tree = ast.parse(path.read_text())
     declared = [
-        node for node in tree.body
+        node
+        for node in tree.body
         if isinstance(node, (ast.Assign, ast.AnnAssign))
-        and any(isinstance(t, ast.Name) and t.id == "__all__" for t in getattr(node, "targets", [getattr(node, "target", None)]))
+        and any(
+            isinstance(t, ast.Name) and t.id == "__all__"
+            for t in getattr(node, "targets", [getattr(node, "target", None)])
+        )
     ]
     if not _defines_something(tree):
         return
@@ -290,16 +309,27 @@ def test_every_module_declares_its_public_names(module):
         unresolved = [name for name in loaded.__all__ if not hasattr(loaded, name)]
         assert not unresolved, f"{module}.__all__ names what it cannot give: {unresolved}"
         return
-    bound = {
-        getattr(node, "name", None) for node in tree.body
-    } | {
-        t.id for node in tree.body if isinstance(node, ast.Assign) for target in node.targets
-        for t in (target.elts if isinstance(target, ast.Tuple) else [target]) if isinstance(t, ast.Name)
-    } | {
-        node.target.id for node in tree.body if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-    } | {
-        (alias.asname or alias.name).split(".")[0]
-        for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names
-    }
+    bound = (
+        {getattr(node, "name", None) for node in tree.body}
+        | {
+            t.id
+            for node in tree.body
+            if isinstance(node, ast.Assign)
+            for target in node.targets
+            for t in (target.elts if isinstance(target, ast.Tuple) else [target])
+            if isinstance(t, ast.Name)
+        }
+        | {
+            node.target.id
+            for node in tree.body
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+        }
+        | {
+            (alias.asname or alias.name).split(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Import, ast.ImportFrom))
+            for alias in node.names
+        }
+    )
     missing = sorted(set(names) - bound)
     assert not missing, f"{path}: __all__ names what the module does not define: {missing}"

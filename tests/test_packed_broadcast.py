@@ -31,15 +31,37 @@ TIMEOUT_S = 300  # a hang fails the test instead of blocking the suite
 
 
 def _plan(*specs: tuple[str, tuple[int, ...], str]) -> ExportPlan:
-    sharding = TensorSharding(mesh_dims=("tp", "dp"), mesh_shape=(1, 1), placements=("Replicate()", "Replicate()"), pieces=((),), local_shape=())
+    sharding = TensorSharding(
+        mesh_dims=("tp", "dp"),
+        mesh_shape=(1, 1),
+        placements=("Replicate()", "Replicate()"),
+        pieces=((),),
+        local_shape=(),
+    )
     entries = tuple(
-        PlanEntry(hf_name=n, shape=s, dtype=d, megatron_param=n, pp_rank=0, vpp_stage=0, is_expert=False, kind="x", sharding=sharding)
+        PlanEntry(
+            hf_name=n,
+            shape=s,
+            dtype=d,
+            megatron_param=n,
+            pp_rank=0,
+            vpp_stage=0,
+            is_expert=False,
+            kind="x",
+            sharding=sharding,
+        )
         for n, s, d in specs
     )
     return ExportPlan(entries=entries, layer_map={}, tp=1, pp=1, ep=1, vpp=1)
 
 
-PLAN = _plan(("a", (3,), "bfloat16"), ("b", (10, 7), "float32"), ("c", (0,), "bfloat16"), ("d", (5,), "int8"), ("e", (), "float32"))
+PLAN = _plan(
+    ("a", (3,), "bfloat16"),
+    ("b", (10, 7), "float32"),
+    ("c", (0,), "bfloat16"),
+    ("d", (5,), "int8"),
+    ("e", (), "float32"),
+)
 
 
 # --- pure logic -----------------------------------------------------------------------------
@@ -47,7 +69,11 @@ PLAN = _plan(("a", (3,), "bfloat16"), ("b", (10, 7), "float32"), ("c", (0,), "bf
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"bucket_bytes": 0}, "positive multiple of 16"), ({"bucket_bytes": 24}, "multiple of 16"), ({"num_buffers": 0}, "num_buffers")],
+    [
+        ({"bucket_bytes": 0}, "positive multiple of 16"),
+        ({"bucket_bytes": 24}, "multiple of 16"),
+        ({"num_buffers": 0}, "num_buffers"),
+    ],
 )
 def test_config_rejects(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -56,7 +82,9 @@ def test_config_rejects(kwargs, message):
 
 def test_config_default_is_512_mib_and_frozen():
     config = PackedBroadcastConfig()
-    assert config.bucket_bytes == DEFAULT_BUCKET_BYTES == 512 * 1024**2 and config.num_buffers == 2 and not config.checksum
+    assert (
+        config.bucket_bytes == DEFAULT_BUCKET_BYTES == 512 * 1024**2 and config.num_buffers == 2 and not config.checksum
+    )
     with pytest.raises(AttributeError):
         config.bucket_bytes = 16  # type: ignore[misc]
 
@@ -128,13 +156,27 @@ LAYOUT_CASES = [  # (recipe, trainer ranks, layout flags): every foundation layo
 
 @pytest.mark.multirank
 @pytest.mark.parametrize(
-    ("recipe", "trainers", "flags"), LAYOUT_CASES,
-    ids=["qwen3-tp1", "qwen3-tp2", "qwen3-pp2", "qwen3-pp2_vpp2", "qwen3-tp2_pp2", "qwen3-moe-ep2", "qwen3-moe-tp2_ep2", "qwen3-tp2-store_group",
-         "qwen3-moe-tp2_etp2"],
+    ("recipe", "trainers", "flags"),
+    LAYOUT_CASES,
+    ids=[
+        "qwen3-tp1",
+        "qwen3-tp2",
+        "qwen3-pp2",
+        "qwen3-pp2_vpp2",
+        "qwen3-tp2_pp2",
+        "qwen3-moe-ep2",
+        "qwen3-moe-tp2_ep2",
+        "qwen3-tp2-store_group",
+        "qwen3-moe-tp2_etp2",
+    ],
 )
 def test_packed_broadcast_ranks(recipe, trainers, flags, source_checkpoints, tmp_path):
     flags = [str(free_port()) if flag == "PORT" else flag for flag in flags]
-    run = torchrun(trainers + 1, [CHECKER, "--hf", str(source_checkpoints(recipe)), "--result", str(tmp_path), *flags], timeout=TIMEOUT_S)
+    run = torchrun(
+        trainers + 1,
+        [CHECKER, "--hf", str(source_checkpoints(recipe)), "--result", str(tmp_path), *flags],
+        timeout=TIMEOUT_S,
+    )
     assert run.returncode == 0, run.output[-6000:]
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(trainers + 1)]
     trainer0, others, receiver = reports[0], reports[1:-1], reports[-1]
@@ -147,7 +189,9 @@ def test_packed_broadcast_ranks(recipe, trainers, flags, source_checkpoints, tmp
         assert got["in_order"] and got["differing_from_disk"] == [] and got["differing_from_pretrained"] == []
         assert got["pointers_kept"], "the receiver's transformers model was re-allocated"
         assert trainer0[case]["bytes_sent"] >= stream["value"] and all(t[case]["bytes_sent"] == 0 for t in others)
-    assert receiver["split"]["bucket_bytes"] < stream["largest"] and receiver["split"]["split_bytes"] == stream["largest"]
+    assert (
+        receiver["split"]["bucket_bytes"] < stream["largest"] and receiver["split"]["split_bytes"] == stream["largest"]
+    )
     assert receiver["split"]["buckets"] > 3
     assert receiver["whole"]["bucket_bytes"] > stream["value"] and receiver["whole"]["buckets"] == 1
 
@@ -156,11 +200,21 @@ def test_packed_broadcast_ranks(recipe, trainers, flags, source_checkpoints, tmp
         assert all(r[case]["seconds"] < 30 for r in reports), case
 
     mismatch = receiver["mismatch"]["error"]
-    assert mismatch.startswith("PlanMismatchError") and "sender fingerprint 0x" in mismatch and "receiver fingerprint 0x" in mismatch
+    assert (
+        mismatch.startswith("PlanMismatchError")
+        and "sender fingerprint 0x" in mismatch
+        and "receiver fingerprint 0x" in mismatch
+    )
     assert "first differing entry #7" in mismatch and ".renamed" in mismatch
-    assert trainer0["mismatch"]["error"].startswith("PlanMismatchError") and "first differing entry #7" in trainer0["mismatch"]["error"]
+    assert (
+        trainer0["mismatch"]["error"].startswith("PlanMismatchError")
+        and "first differing entry #7" in trainer0["mismatch"]["error"]
+    )
     for trainer in others:
-        assert trainer["mismatch"]["error"].startswith("RefitStatusError") and "PlanMismatchError" in trainer["mismatch"]["error"]
+        assert (
+            trainer["mismatch"]["error"].startswith("RefitStatusError")
+            and "PlanMismatchError" in trainer["mismatch"]["error"]
+        )
 
     assert "bucket_bytes: sender" in receiver["config"]["error"]
     assert "PackedBroadcastConfig differs" in trainer0["config"]["error"]
@@ -191,7 +245,9 @@ def test_packed_broadcast_from_one_replica(case, source_checkpoints, tmp_path):
     replica 0 exports, rank 0 is the only sender, replica 1 does no export work; the receiver's
     bytes equal the checkpoint."""
     recipe, flags = REPLICA_CASES[case]
-    run = torchrun(5, [CHECKER, "--hf", str(source_checkpoints(recipe)), "--result", str(tmp_path), *flags], timeout=TIMEOUT_S)
+    run = torchrun(
+        5, [CHECKER, "--hf", str(source_checkpoints(recipe)), "--result", str(tmp_path), *flags], timeout=TIMEOUT_S
+    )
     assert run.returncode == 0, run.output[-6000:]
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(5)]
     exporting = reports[0]["replica_ranks"] or [0, 1, 2, 3]  # None: no data-parallel replicas, all export
@@ -206,6 +262,11 @@ def test_packed_broadcast_from_one_replica(case, source_checkpoints, tmp_path):
         assert reports[0][case_name]["bytes_sent"] >= stream["value"]
         assert all(r[case_name]["bytes_sent"] == 0 for r in reports[1:4])
         assert all(r[case_name]["ok"] and r[case_name]["tensors"] == 0 and not r[case_name]["sender"] for r in idle)
-    for case_name in ("mismatch", "config", "corrupt", "consumer"):  # the exporting ranks and the receiver fail, none hangs
+    for case_name in (
+        "mismatch",
+        "config",
+        "corrupt",
+        "consumer",
+    ):  # the exporting ranks and the receiver fail, none hangs
         assert not any(r[case_name]["ok"] for r in [*busy, receiver]), case_name
         assert all(r[case_name]["seconds"] < 30 for r in reports), case_name

@@ -42,7 +42,12 @@ def test_pending_groups_are_completed_once_and_only_they():
     chunks = [ddp_chunk(True, [after_step, in_flight, done], [expert])]
     assert deferred_gather_groups(chunks) == [after_step, in_flight, expert]
     assert finish_pending_param_gathers(chunks) == 3
-    assert [g.calls for g in (after_step, in_flight, done, expert)] == [[{"force_sync": True}], [{"force_sync": True}], [], [{"force_sync": True}]]
+    assert [g.calls for g in (after_step, in_flight, done, expert)] == [
+        [{"force_sync": True}],
+        [{"force_sync": True}],
+        [],
+        [{"force_sync": True}],
+    ]
     assert finish_pending_param_gathers(chunks) == 0  # nothing left: a second export gathers nothing
 
 

@@ -16,13 +16,22 @@ import torch
 HIDDEN = 16
 
 GATED_QKV = [  # (attention heads, query groups, head dim)
-    (4, 2, 8), (8, 4, 4), (16, 4, 8), (8, 8, 4),
+    (4, 2, 8),
+    (8, 4, 4),
+    (16, 4, 8),
+    (8, 8, 4),
 ]
 GDN = [  # (key heads, value heads, key head dim, value head dim)
-    (4, 8, 8, 4), (4, 4, 8, 8), (8, 16, 4, 8), (4, 12, 4, 4),
+    (4, 8, 8, 4),
+    (4, 4, 8, 8),
+    (8, 16, 4, 8),
+    (4, 12, 4, 4),
 ]
 MAMBA = [  # (heads, head dim, groups, state size)
-    (8, 4, 2, 4), (4, 8, 1, 8), (8, 2, 8, 2), (12, 2, 4, 4),
+    (8, 4, 2, 4),
+    (4, 8, 1, 8),
+    (8, 2, 8, 2),
+    (12, 2, 4, 4),
 ]
 TP_SIZES = (1, 2, 4)
 
@@ -54,7 +63,9 @@ def column_parallel_module(config) -> torch.nn.Module:
     return module
 
 
-def upstream_export(mapping, fake: FakeTensorParallel, config, tp: int, monkeypatch, module=None) -> dict[str, torch.Tensor]:
+def upstream_export(
+    mapping, fake: FakeTensorParallel, config, tp: int, monkeypatch, module=None
+) -> dict[str, torch.Tensor]:
     """``mapping.megatron_to_hf`` on rank 0 of ``tp`` ranks (pipeline size 1)."""
     from megatron.bridge.models.conversion import param_mapping as pm
 
@@ -67,7 +78,15 @@ def upstream_export(mapping, fake: FakeTensorParallel, config, tp: int, monkeypa
     return mapping.megatron_to_hf(fake.shards[0], module)
 
 
-def rebuilt_from_slices(mapping, fake: FakeTensorParallel, config, tp: int, reference: dict[str, torch.Tensor], model_config=None, module=None):
+def rebuilt_from_slices(
+    mapping,
+    fake: FakeTensorParallel,
+    config,
+    tp: int,
+    reference: dict[str, torch.Tensor],
+    model_config=None,
+    module=None,
+):
     """The HF tensors rebuilt from every rank's ``slice_copies``, and how often each element was written.
     ``config``: the layer module's; ``model_config``: the model's (the plan's ``ShardContext``), default the same."""
     from mbridge_refit.plan.placement import placement_kind
@@ -82,7 +101,9 @@ def rebuilt_from_slices(mapping, fake: FakeTensorParallel, config, tp: int, refe
         check_tiling(mapping.megatron_param, ctx.local_shape, copies)
         for copy in copies:
             assert copy.dim == 0
-            rebuilt[copy.hf_name][copy.hf_start : copy.hf_stop] = shard[copy.local_start : copy.local_start + copy.length]
+            rebuilt[copy.hf_name][copy.hf_start : copy.hf_stop] = shard[
+                copy.local_start : copy.local_start + copy.length
+            ]
             writes[copy.hf_name][copy.hf_start : copy.hf_stop] += 1
     return kind, rebuilt, writes
 
@@ -100,8 +121,11 @@ def assert_rebuilds(mapping, global_shape, config, tp, monkeypatch, expected_kin
 
 def gdn_config(key_heads, value_heads, key_dim, value_dim):
     return types.SimpleNamespace(
-        hidden_size=HIDDEN, linear_num_key_heads=key_heads, linear_num_value_heads=value_heads,
-        linear_key_head_dim=key_dim, linear_value_head_dim=value_dim,
+        hidden_size=HIDDEN,
+        linear_num_key_heads=key_heads,
+        linear_num_value_heads=value_heads,
+        linear_key_head_dim=key_dim,
+        linear_value_head_dim=value_dim,
     )
 
 
@@ -118,17 +142,24 @@ def test_gated_qkv_slices_rebuild_upstream_split(heads, groups, head_dim, tp, bi
     from megatron.bridge.models.conversion.param_mapping import QKVMapping
 
     config = types.SimpleNamespace(
-        hidden_size=HIDDEN, num_attention_heads=heads, num_query_groups=groups, kv_channels=head_dim,
+        hidden_size=HIDDEN,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=head_dim,
         attention_output_gate=True,
     )
     suffix = "bias" if bias else "weight"
-    mapping = QKVMapping(f"decoder.layers.0.self_attention.linear_qkv.{suffix}", *(f"l.0.{p}_proj.{suffix}" for p in "qkv"))
+    mapping = QKVMapping(
+        f"decoder.layers.0.self_attention.linear_qkv.{suffix}", *(f"l.0.{p}_proj.{suffix}" for p in "qkv")
+    )
     rows = (2 * heads + 2 * groups) * head_dim
     assert_rebuilds(mapping, (rows,) if bias else (rows, HIDDEN), config, tp, monkeypatch, "qkv_gated")
 
 
 LAYER_HEADS = [  # (model's query groups, head dim; the layer's query groups, head dim), 4 query heads
-    (2, 8, 2, 32), (2, 8, 4, 16), (4, 16, 2, 8),
+    (2, 8, 2, 32),
+    (2, 8, 4, 16),
+    (4, 16, 2, 8),
 ]
 
 
@@ -143,17 +174,31 @@ def test_qkv_slices_follow_the_layers_own_heads(model_groups, model_head_dim, gr
     from megatron.bridge.models.conversion.param_mapping import QKVMapping
 
     def heads(query_groups, size):
-        return types.SimpleNamespace(hidden_size=HIDDEN, num_attention_heads=4, num_query_groups=query_groups,
-                                     kv_channels=size, attention_output_gate=gated)
+        return types.SimpleNamespace(
+            hidden_size=HIDDEN,
+            num_attention_heads=4,
+            num_query_groups=query_groups,
+            kv_channels=size,
+            attention_output_gate=gated,
+        )
 
     mapping = QKVMapping("decoder.layers.3.self_attention.linear_qkv.weight", *(f"l.3.{p}_proj.weight" for p in "qkv"))
     rows = ((2 if gated else 1) * 4 + 2 * groups) * head_dim
-    assert_rebuilds(mapping, (rows, HIDDEN), heads(groups, head_dim), tp, monkeypatch, "qkv_gated" if gated else "qkv",
-                    model_config=heads(model_groups, model_head_dim))
+    assert_rebuilds(
+        mapping,
+        (rows, HIDDEN),
+        heads(groups, head_dim),
+        tp,
+        monkeypatch,
+        "qkv_gated" if gated else "qkv",
+        model_config=heads(model_groups, model_head_dim),
+    )
 
 
 CONCATENATED_QKV = [  # (attention heads, query groups, head dim): a vision tower's MHA, and GQA
-    (4, 4, 8), (8, 2, 4), (16, 4, 8),
+    (4, 4, 8),
+    (8, 2, 4),
+    (16, 4, 8),
 ]
 
 
@@ -167,12 +212,18 @@ def test_concatenated_qkv_slices_rebuild_upstream_split(heads, groups, head_dim,
         pytest.skip("Megatron needs query groups divisible by tp")
     from megatron.bridge.models.conversion.param_mapping import ConcatenatedQKVMapping
 
-    config = types.SimpleNamespace(hidden_size=HIDDEN, num_attention_heads=heads, num_query_groups=groups, kv_channels=head_dim)
+    config = types.SimpleNamespace(
+        hidden_size=HIDDEN, num_attention_heads=heads, num_query_groups=groups, kv_channels=head_dim
+    )
     language = types.SimpleNamespace(hidden_size=HIDDEN, num_attention_heads=32, num_query_groups=8, kv_channels=2)
     suffix = "bias" if bias else "weight"
-    mapping = ConcatenatedQKVMapping(f"vision_model.decoder.layers.0.self_attention.linear_qkv.{suffix}", f"v.blocks.0.attn.qkv.{suffix}")
+    mapping = ConcatenatedQKVMapping(
+        f"vision_model.decoder.layers.0.self_attention.linear_qkv.{suffix}", f"v.blocks.0.attn.qkv.{suffix}"
+    )
     rows = (heads + 2 * groups) * head_dim
-    assert_rebuilds(mapping, (rows,) if bias else (rows, HIDDEN), config, tp, monkeypatch, "qkv_concatenated", model_config=language)
+    assert_rebuilds(
+        mapping, (rows,) if bias else (rows, HIDDEN), config, tp, monkeypatch, "qkv_concatenated", model_config=language
+    )
 
 
 FULL_DIM_NORMS = [(4, 8), (8, 16), (2, 32)]  # (heads, head dim) of MiniMax-M2's q_norm / k_norm
@@ -216,7 +267,9 @@ def test_gdn_in_proj_slices_rebuild_upstream_split(dims, tp, monkeypatch):
         pytest.skip("Megatron needs key heads divisible by tp")
     from megatron.bridge.models.conversion.param_mapping import GDNLinearMapping
 
-    mapping = GDNLinearMapping("decoder.layers.0.self_attention.in_proj.weight", "l.0.in_proj_qkvz.weight", "l.0.in_proj_ba.weight")
+    mapping = GDNLinearMapping(
+        "decoder.layers.0.self_attention.in_proj.weight", "l.0.in_proj_qkvz.weight", "l.0.in_proj_ba.weight"
+    )
     assert_rebuilds(mapping, (gdn_in_proj_rows(*dims), HIDDEN), gdn_config(*dims), tp, monkeypatch, "gdn_in_proj")
 
 
@@ -230,7 +283,9 @@ def test_gdn_separate_in_proj_slices_rebuild_upstream_split(dims, tp, monkeypatc
     mapping = GDNLinearMappingSeparate(
         "decoder.layers.0.self_attention.in_proj.weight", *(f"l.0.in_proj_{c}.weight" for c in ("qkv", "z", "b", "a"))
     )
-    assert_rebuilds(mapping, (gdn_in_proj_rows(*dims), HIDDEN), gdn_config(*dims), tp, monkeypatch, "gdn_in_proj_separate")
+    assert_rebuilds(
+        mapping, (gdn_in_proj_rows(*dims), HIDDEN), gdn_config(*dims), tp, monkeypatch, "gdn_in_proj_separate"
+    )
 
 
 @pytest.mark.parametrize("tp", TP_SIZES)
@@ -245,12 +300,18 @@ def test_gdn_conv1d_slices_rebuild_upstream_merge(dims, tp, bias, monkeypatch):
     channels = 2 * key_heads * key_dim + value_heads * value_dim
     suffix = "bias" if bias else "weight"
     mapping = GDNConv1dMapping(f"decoder.layers.0.self_attention.conv1d.{suffix}", f"l.0.conv1d.{suffix}")
-    assert_rebuilds(mapping, (channels,) if bias else (channels, 1, 4), gdn_config(*dims), tp, monkeypatch, "gdn_conv1d")
+    assert_rebuilds(
+        mapping, (channels,) if bias else (channels, 1, 4), gdn_config(*dims), tp, monkeypatch, "gdn_conv1d"
+    )
 
 
 def mamba_config(heads, head_dim, groups, state):
     return types.SimpleNamespace(
-        hidden_size=HIDDEN, mamba_num_heads=heads, mamba_head_dim=head_dim, mamba_num_groups=groups, mamba_state_dim=state,
+        hidden_size=HIDDEN,
+        mamba_num_heads=heads,
+        mamba_head_dim=head_dim,
+        mamba_num_groups=groups,
+        mamba_state_dim=state,
     )
 
 
@@ -282,7 +343,9 @@ def test_mamba_conv1d_slices_rebuild_upstream_merge(dims, tp, bias, monkeypatch)
     channels = heads * head_dim + 2 * groups * state  # x, B, C
     suffix = "bias" if bias else "weight"
     mapping = MambaConv1dMapping(f"decoder.layers.0.mixer.conv1d_{suffix}", f"l.0.mixer.conv1d.{suffix}")
-    assert_rebuilds(mapping, (channels,) if bias else (channels, 1, 4), mamba_config(*dims), tp, monkeypatch, "mamba_conv1d")
+    assert_rebuilds(
+        mapping, (channels,) if bias else (channels, 1, 4), mamba_config(*dims), tp, monkeypatch, "mamba_conv1d"
+    )
 
 
 def test_a_mamba_mixer_without_a_head_count_is_refused():
@@ -292,6 +355,8 @@ def test_a_mamba_mixer_without_a_head_count_is_refused():
     ctx = ShardContext(local_shape=(80, HIDDEN), tp_rank=0, tp_size=1, config=config)
     with pytest.raises(PlacementError, match="mamba_num_heads"):
         slices_for(PlacementKind(kind="mamba_in_proj", hf_names=("l.0.mixer.in_proj.weight",)), ctx)
+
+
 @pytest.mark.parametrize("tp", TP_SIZES)
 def test_pp_safe_gated_mlp_slices_rebuild_upstream_split(tp, monkeypatch):
     """Ernie 4.5's ``_PPSafeGatedMLPMapping`` exports as ``GatedMLPMapping`` for a parameter a rank
@@ -299,7 +364,9 @@ def test_pp_safe_gated_mlp_slices_rebuild_upstream_split(tp, monkeypatch):
     from megatron.bridge.models.ernie.ernie_45_bridge import _PPSafeGatedMLPMapping
 
     config = types.SimpleNamespace(hidden_size=HIDDEN)
-    mapping = _PPSafeGatedMLPMapping("decoder.layers.0.mlp.linear_fc1.weight", "l.0.mlp.gate_proj.weight", "l.0.mlp.up_proj.weight")
+    mapping = _PPSafeGatedMLPMapping(
+        "decoder.layers.0.mlp.linear_fc1.weight", "l.0.mlp.gate_proj.weight", "l.0.mlp.up_proj.weight"
+    )
     assert_rebuilds(mapping, (8 * tp, HIDDEN), config, tp, monkeypatch, "gated")
 
 
@@ -316,13 +383,27 @@ def _relayout_cases():
 
     return {  # mapping, its module, a global shape (tp scales dim 0), the relayout
         # Gemma 3 VL's projector: AutoMapping(permute_dims=(1, 0)), the gathered tensor transposed
-        "transposed-column": (AutoMapping("multi_modal_projector.proj.weight", "m.mm_input_projection_weight", permute_dims=(1, 0)),
-                              column_parallel_module, (4, HIDDEN + 3), "transpose"),
-        "transposed-replicated": (AutoMapping("vision_model.proj.weight", "v.proj", permute_dims=(1, 0)),
-                                  replicated_module, (HIDDEN + 3, 5), "transpose"),
+        "transposed-column": (
+            AutoMapping("multi_modal_projector.proj.weight", "m.mm_input_projection_weight", permute_dims=(1, 0)),
+            column_parallel_module,
+            (4, HIDDEN + 3),
+            "transpose",
+        ),
+        "transposed-replicated": (
+            AutoMapping("vision_model.proj.weight", "v.proj", permute_dims=(1, 0)),
+            replicated_module,
+            (HIDDEN + 3, 5),
+            "transpose",
+        ),
         # Ernie 4.5's expert bias: [N] -> [1, N] on export
-        "unsqueezed-bias": (_SqueezeBiasMapping("decoder.layers.1.mlp.router.expert_bias", "l.1.mlp.moe_statics.e_score_correction_bias"),
-                            replicated_module, (8,), "unsqueeze0"),
+        "unsqueezed-bias": (
+            _SqueezeBiasMapping(
+                "decoder.layers.1.mlp.router.expert_bias", "l.1.mlp.moe_statics.e_score_correction_bias"
+            ),
+            replicated_module,
+            (8,),
+            "unsqueeze0",
+        ),
     }
 
 
@@ -341,13 +422,15 @@ def test_relaid_tensors_rebuild_upstream_export(case, tp, monkeypatch):
     fake = FakeTensorParallel((shape[0] * tp, *shape[1:]), tp)
     module = module_of(config)
     upstream = upstream_export(mapping, fake, config, tp, monkeypatch, module)
-    (name, exported), = upstream.items()
+    ((name, exported),) = upstream.items()
     base = {name: RELAYOUTS[relayout].load(exported)}
     kind, rebuilt, writes = rebuilt_from_slices(mapping, fake, config, tp, base, module=module)
     assert kind.relayout == relayout
     assert torch.equal(writes[name], torch.ones_like(writes[name]))
     relaid = RELAYOUTS[relayout].export(rebuilt[name])
-    assert relaid.shape == exported.shape and RELAYOUTS[relayout].export_shape(tuple(rebuilt[name].shape)) == tuple(exported.shape)
+    assert relaid.shape == exported.shape and RELAYOUTS[relayout].export_shape(tuple(rebuilt[name].shape)) == tuple(
+        exported.shape
+    )
     assert torch.equal(relaid, exported)
 
 
@@ -389,10 +472,25 @@ def _projector_entry(relayout: str | None):
 
     name = "multi_modal_projector.mm_input_projection_weight"
     piece = SliceCopy(hf_name=name, dim=0, hf_start=0, hf_stop=4, local_start=0)
-    sharding = TensorSharding(mesh_dims=("tp", "dp"), mesh_shape=(1, 1), placements=("Replicate()", "Replicate()"),
-                              pieces=((piece,),), local_shape=(4, 6))
-    return PlanEntry(hf_name=name, shape=(6, 4) if relayout else (4, 6), dtype="bfloat16", megatron_param="multi_modal_projector.proj.weight",
-                     pp_rank=0, vpp_stage=0, is_expert=False, kind="replicated", sharding=sharding, relayout=relayout)
+    sharding = TensorSharding(
+        mesh_dims=("tp", "dp"),
+        mesh_shape=(1, 1),
+        placements=("Replicate()", "Replicate()"),
+        pieces=((piece,),),
+        local_shape=(4, 6),
+    )
+    return PlanEntry(
+        hf_name=name,
+        shape=(6, 4) if relayout else (4, 6),
+        dtype="bfloat16",
+        megatron_param="multi_modal_projector.proj.weight",
+        pp_rank=0,
+        vpp_stage=0,
+        is_expert=False,
+        kind="replicated",
+        sharding=sharding,
+        relayout=relayout,
+    )
 
 
 def test_a_relaid_entry_is_built_as_its_base_in_a_buffer_and_round_trips_as_json():

@@ -38,13 +38,26 @@ def test_plan_roundtrips_through_json():
     from mbridge_refit.plan.slices import SliceCopy
 
     sharding = TensorSharding(
-        mesh_dims=("tp", "dp"), mesh_shape=(2, 1), placements=("Shard(0)", "Replicate()"),
-        pieces=((SliceCopy(hf_name="w", dim=0, hf_start=0, hf_stop=2, local_start=0),),
-                (SliceCopy(hf_name="w", dim=0, hf_start=2, hf_stop=4, local_start=0),)),
+        mesh_dims=("tp", "dp"),
+        mesh_shape=(2, 1),
+        placements=("Shard(0)", "Replicate()"),
+        pieces=(
+            (SliceCopy(hf_name="w", dim=0, hf_start=0, hf_stop=2, local_start=0),),
+            (SliceCopy(hf_name="w", dim=0, hf_start=2, hf_stop=4, local_start=0),),
+        ),
         local_shape=(2, 3),
     )
-    entry = PlanEntry(hf_name="w", shape=(4, 3), dtype="bfloat16", megatron_param="p", pp_rank=0,
-                      vpp_stage=0, is_expert=False, kind="column", sharding=sharding)
+    entry = PlanEntry(
+        hf_name="w",
+        shape=(4, 3),
+        dtype="bfloat16",
+        megatron_param="p",
+        pp_rank=0,
+        vpp_stage=0,
+        is_expert=False,
+        kind="column",
+        sharding=sharding,
+    )
     plan = ExportPlan(entries=(entry,), layer_map={0: (0, 0)}, tp=2, pp=1, ep=1, vpp=1)
     assert ExportPlan.from_json(plan.to_json()) == plan
     assert plan.total_bytes == 4 * 3 * 2
@@ -73,7 +86,9 @@ def test_unmappable_parameter_is_named():
 def test_layout_errors_name_the_problem(kwargs, message):
     from mbridge_refit.plan.layout import LayoutError, ModelShape, ParallelLayout
 
-    shape = ModelShape(num_layers=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=512, intermediate_size=128)
+    shape = ModelShape(
+        num_layers=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=512, intermediate_size=128
+    )
     with pytest.raises(LayoutError, match=message):
         ParallelLayout(**kwargs).validate_model(shape)
 
@@ -82,7 +97,10 @@ def test_layout_errors_name_the_problem(kwargs, message):
     ("architecture", "expected"),
     [
         # vision-language: the language model's dimensions live in text_config
-        ("Qwen2_5_VLForConditionalGeneration", dict(num_attention_heads=4, num_key_value_heads=2, vocab_size=2048, num_experts=0)),
+        (
+            "Qwen2_5_VLForConditionalGeneration",
+            dict(num_attention_heads=4, num_key_value_heads=2, vocab_size=2048, num_experts=0),
+        ),
         # DeepSeek names its routed expert count n_routed_experts
         ("DeepseekV3ForCausalLM", dict(num_attention_heads=4, num_experts=8)),
         ("Qwen3MoeForCausalLM", dict(num_attention_heads=4, num_experts=8)),
@@ -127,8 +145,15 @@ def _qkv_spec(layer: int):
     from mbridge_refit.plan.slices import PlacementKind
 
     names = tuple(f"model.layers.{layer}.self_attn.{p}_proj.weight" for p in "qkv")
-    return ParamSpec(global_name=f"decoder.layers.{layer}.self_attention.linear_qkv.weight", local_shape=(8, 4),
-                     placement=PlacementKind(kind="qkv", hf_names=names), dtype="bfloat16", pp_rank=0, vpp_stage=0, is_expert=False)
+    return ParamSpec(
+        global_name=f"decoder.layers.{layer}.self_attention.linear_qkv.weight",
+        local_shape=(8, 4),
+        placement=PlacementKind(kind="qkv", hf_names=names),
+        dtype="bfloat16",
+        pp_rank=0,
+        vpp_stage=0,
+        is_expert=False,
+    )
 
 
 def _task(spec):
@@ -151,18 +176,32 @@ def test_names_a_bridge_drops_on_export_are_left_out_of_the_plan():
     assert config.layer_types == ["sliding_attention"] * 3 + ["full_attention"]
     bridge = Gemma4Bridge()
     bridge.hf_config = config
-    dropped = {layer: _names_the_bridge_drops(bridge, _task(_qkv_spec(layer)), _qkv_spec(layer), {}) for layer in range(4)}
+    dropped = {
+        layer: _names_the_bridge_drops(bridge, _task(_qkv_spec(layer)), _qkv_spec(layer), {}) for layer in range(4)
+    }
     assert dropped[0] == dropped[1] == dropped[2] == frozenset()
-    assert dropped[3] == {"model.layers.3.self_attn.k_proj.weight", "model.layers.3.self_attn.v_proj.weight"}  # KV-shared
+    assert dropped[3] == {
+        "model.layers.3.self_attn.k_proj.weight",
+        "model.layers.3.self_attn.v_proj.weight",
+    }  # KV-shared
     config.num_kv_shared_layers = 0
-    assert _names_the_bridge_drops(bridge, _task(_qkv_spec(3)), _qkv_spec(3), {}) == {"model.layers.3.self_attn.v_proj.weight"}
+    assert _names_the_bridge_drops(bridge, _task(_qkv_spec(3)), _qkv_spec(3), {}) == {
+        "model.layers.3.self_attn.v_proj.weight"
+    }
 
 
-@pytest.mark.parametrize(("hook", "message"), [
-    (lambda task, weights, state: {**weights, "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(2)}, "adds or replaces"),
-    (lambda task, weights, state: {name: t.clone() for name, t in weights.items()}, "adds or replaces"),
-    (lambda task, weights, state: {name: t.cpu() for name, t in weights.items()}, "fails on metadata"),
-], ids=["adds", "replaces", "reads-values"])
+@pytest.mark.parametrize(
+    ("hook", "message"),
+    [
+        (
+            lambda task, weights, state: {**weights, "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(2)},
+            "adds or replaces",
+        ),
+        (lambda task, weights, state: {name: t.clone() for name, t in weights.items()}, "adds or replaces"),
+        (lambda task, weights, state: {name: t.cpu() for name, t in weights.items()}, "fails on metadata"),
+    ],
+    ids=["adds", "replaces", "reads-values"],
+)
 def test_an_export_hook_that_converts_is_refused_by_name(hook, message):
     """A bridge whose export hook adds tensors or converts values (requantization, MTP aliases, swapped
     halves) makes the plan refuse the model (the stock export then runs), naming the hook."""

@@ -265,7 +265,10 @@ def test_refuses_non_empty_dir_unless_overwrite(tmp_path):
         make_random_checkpoint("qwen3-tiny", out)
     make_random_checkpoint("qwen3-tiny", out, seed=1, overwrite=True)  # unsharded this time
     assert {p.name for p in out.iterdir()} == {
-        "config.json", "generation_config.json", "model.safetensors", "notes.txt",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "notes.txt",
     }
     empty = tmp_path / "empty"
     empty.mkdir()

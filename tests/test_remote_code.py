@@ -78,8 +78,12 @@ def test_cli_trust_remote_code_flag_parses(command):
     """Every command that reads a checkpoint's config takes the flag (off by default)."""
     from mbridge_refit.convert.parser import build_parser
 
-    inputs = {"roundtrip": ["--hf", "A", "--out", "B"], "import": ["--hf", "A", "--megatron", "B"],
-              "export": ["--megatron", "A", "--out", "B"], "plan": ["--hf", "A"]}[command]
+    inputs = {
+        "roundtrip": ["--hf", "A", "--out", "B"],
+        "import": ["--hf", "A", "--megatron", "B"],
+        "export": ["--megatron", "A", "--out", "B"],
+        "plan": ["--hf", "A"],
+    }[command]
     assert build_parser().parse_args([command, *inputs, "--trust-remote-code"]).trust_remote_code is True
     assert build_parser().parse_args([command, *inputs]).trust_remote_code is False
 

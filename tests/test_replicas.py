@@ -47,8 +47,19 @@ def test_roundtrip_cli_with_replicas(case, source_checkpoints, tmp_path):
 
 
 def test_layout_that_does_not_divide_the_world_names_both_numbers(source_checkpoints, tmp_path):
-    run = torchrun(3, ["mbridge_refit.convert", "roundtrip", "--hf", str(source_checkpoints("qwen3-tiny")),
-                       "--out", str(tmp_path / "out"), "--tp", "2"])
+    run = torchrun(
+        3,
+        [
+            "mbridge_refit.convert",
+            "roundtrip",
+            "--hf",
+            str(source_checkpoints("qwen3-tiny")),
+            "--out",
+            str(tmp_path / "out"),
+            "--tp",
+            "2",
+        ],
+    )
     # every rank exits 2 (bad input); torchrun itself then exits 1 and lists each rank's code
     assert run.returncode != 0 and run.output.count("(exitcode: 2)") >= 1, run.output[-3000:]
     assert "world size 3 is not divisible by tp*pp*cp" in run.output and "--nproc-per-node 2" in run.output
@@ -68,10 +79,14 @@ def test_replicas_write_their_shares_in_parallel(recipe, flags, source_checkpoin
     outputs = {}
     for ranks in (2, 4):
         out = tmp_path / f"out{ranks}"
-        run = torchrun(ranks, ["mbridge_refit.convert", "roundtrip", "--hf", str(source), "--out", str(out), *flags, *small])
+        run = torchrun(
+            ranks, ["mbridge_refit.convert", "roundtrip", "--hf", str(source), "--out", str(out), *flags, *small]
+        )
         assert run.returncode == 0, run.output[-6000:]
         replicas = 2 if ranks == 4 else 1
-        assert f"({replicas} replica{'s' if replicas > 1 else ''} writing in parallel)" in run.output, run.output[-3000:]
+        assert f"({replicas} replica{'s' if replicas > 1 else ''} writing in parallel)" in run.output, run.output[
+            -3000:
+        ]
         outputs[ranks] = out
     files = sorted(p.name for p in outputs[2].iterdir())
     assert len([f for f in files if f.endswith(".safetensors")]) >= 4, files
@@ -89,10 +104,25 @@ def test_replicas_write_their_shares_in_parallel(recipe, flags, source_checkpoin
 def test_export_from_megatron_with_replicas(source_checkpoints, tmp_path):
     """`export` (names from the Megatron checkpoint's record) at DP2 x TP2 writes the source's tensors exactly."""
     source, megatron, out = source_checkpoints("qwen3-tiny"), tmp_path / "mcore", tmp_path / "out"
-    run = torchrun(2, ["mbridge_refit.convert", "import", "--hf", str(source), "--megatron", str(megatron), "--pp", "2"])
+    run = torchrun(
+        2, ["mbridge_refit.convert", "import", "--hf", str(source), "--megatron", str(megatron), "--pp", "2"]
+    )
     assert run.returncode == 0, run.output[-4000:]
-    run = torchrun(4, ["mbridge_refit.convert", "export", "--megatron", str(megatron), "--out", str(out), "--tp", "2",
-                       "--max-shard-bytes", "40000"])
+    run = torchrun(
+        4,
+        [
+            "mbridge_refit.convert",
+            "export",
+            "--megatron",
+            str(megatron),
+            "--out",
+            str(out),
+            "--tp",
+            "2",
+            "--max-shard-bytes",
+            "40000",
+        ],
+    )
     assert run.returncode == 0, run.output[-6000:]
     assert "(2 replicas writing in parallel)" in run.output
     assert_bitwise_equal_checkpoints(source, out)

@@ -16,7 +16,18 @@ from mbridge_refit.models import recipes
 pytestmark = pytest.mark.multirank
 
 DENSE_LAYOUTS = ["tp1", "tp2", "pp2", "pp2_vpp2", "tp2_pp2"]
-MOE_LAYOUTS = ["tp2", "pp2", "pp2_vpp2", "ep2", "tp2_ep2", "tp2_pp2", "tp2_etp2", "tp2_ep2_etp2", "tp2_pp2_etp2", "etp2"]
+MOE_LAYOUTS = [
+    "tp2",
+    "pp2",
+    "pp2_vpp2",
+    "ep2",
+    "tp2_ep2",
+    "tp2_pp2",
+    "tp2_etp2",
+    "tp2_ep2_etp2",
+    "tp2_pp2_etp2",
+    "etp2",
+]
 CASES = (
     [("qwen3-tiny", layout) for layout in DENSE_LAYOUTS]
     + [("llama-tied-tiny", layout) for layout in DENSE_LAYOUTS if layout != "tp1"]

@@ -309,9 +309,7 @@ def test_copies_config_and_tokenizer_files(tmp_path):
 def test_config_overrides_are_merged(tmp_path):
     source = _hf_source_dir(tmp_path / "src")
     overrides = {"quantization_config": {"quant_method": "fp8"}, "hidden_size": 8}
-    out = _write(
-        tmp_path / "out", [("w", torch.ones(2))], copy_files_from=source, config_overrides=overrides
-    )
+    out = _write(tmp_path / "out", [("w", torch.ones(2))], copy_files_from=source, config_overrides=overrides)
     assert HFCheckpoint.open(out).config() == {"model_type": "llama", **overrides}
 
 
@@ -320,9 +318,7 @@ def test_config_overrides_need_a_config(tmp_path):
         ShardedSafetensorsWriter(out_dir=tmp_path / "out", config_overrides={"a": 1})
     (tmp_path / "src").mkdir()
     with pytest.raises(FileNotFoundError, match="config.json"):
-        ShardedSafetensorsWriter(
-            out_dir=tmp_path / "out", copy_files_from=tmp_path / "src", config_overrides={"a": 1}
-        )
+        ShardedSafetensorsWriter(out_dir=tmp_path / "out", copy_files_from=tmp_path / "src", config_overrides={"a": 1})
     assert not (tmp_path / "out").exists()
 
 
@@ -458,15 +454,13 @@ def test_two_ranks_each_shard_written_by_exactly_one_rank(tmp_path):
     assert sorted(tmp_names) == [f".tmp-model-{k:05d}.safetensors" for k in range(1, 6)]
     for rank, writes in by_rank.items():
         for w in writes:
-            shard = int(w["path"][len(".tmp-model-"):-len(".safetensors")]) - 1
+            shard = int(w["path"][len(".tmp-model-") : -len(".safetensors")]) - 1
             assert shard % 2 == rank
     all_names = [n for r in (0, 1) for w in by_rank[r] for n in w["names"]]
     assert sorted(all_names) == sorted(f"layers.{i}.weight" for i in range(9))
 
     ckpt = HFCheckpoint.open(out)
-    assert sorted(p.name for p in out.iterdir()) == sorted(
-        [INDEX_NAME, *(shard_file_name(k, 5) for k in range(5))]
-    )
+    assert sorted(p.name for p in out.iterdir()) == sorted([INDEX_NAME, *(shard_file_name(k, 5) for k in range(5))])
     for i in range(9):
         assert torch.equal(ckpt.tensor(f"layers.{i}.weight"), torch.full((10,), float(i)))
 
@@ -488,7 +482,11 @@ def test_assignment_cuts_the_streamed_shards_and_spreads_them_over_replicas():
     expected = [[0, 1], [2, 3]]
     assert list(assignment.writers) == [expected[k % 2][(k // 2) % 2] for k in range(assignment.num_shards)]
     mine = assignment.names_for([0, 1])
-    assert mine and mine | assignment.names_for([2, 3]) == {n for n, _ in stream} and not mine & assignment.names_for([2, 3])
+    assert (
+        mine
+        and mine | assignment.names_for([2, 3]) == {n for n, _ in stream}
+        and not mine & assignment.names_for([2, 3])
+    )
 
 
 def test_assigned_writer_takes_any_subset_and_writes_what_the_stream_would(tmp_path):
@@ -500,7 +498,10 @@ def test_assigned_writer_takes_any_subset_and_writes_what_the_stream_would(tmp_p
     drain(iter(stream), ShardedSafetensorsWriter(out_dir=tmp_path / "streamed", max_shard_bytes=100))
     assignment = ShardAssignment.build(_sizes(stream), max_shard_bytes=100, replicas=[[0]])
     odd_first = stream[1::2] + stream[0::2]
-    drain(iter(odd_first), ShardedSafetensorsWriter(out_dir=tmp_path / "assigned", max_shard_bytes=100, assignment=assignment))
+    drain(
+        iter(odd_first),
+        ShardedSafetensorsWriter(out_dir=tmp_path / "assigned", max_shard_bytes=100, assignment=assignment),
+    )
     names = sorted(p.name for p in (tmp_path / "streamed").iterdir())
     assert names == sorted(p.name for p in (tmp_path / "assigned").iterdir())
     for name in names:

@@ -31,8 +31,20 @@ CASES = {
 
 def _run(case, source_checkpoints, tmp_path) -> list[dict]:
     recipe, flags, engines, extra = CASES[case]
-    run = torchrun(4, [CHECKER, "--hf", str(source_checkpoints(recipe)), "--result", str(tmp_path),
-                       "--engines", *engines, *flags, *extra])
+    run = torchrun(
+        4,
+        [
+            CHECKER,
+            "--hf",
+            str(source_checkpoints(recipe)),
+            "--result",
+            str(tmp_path),
+            "--engines",
+            *engines,
+            *flags,
+            *extra,
+        ],
+    )
     assert run.returncode == 0, run.output[-6000:]
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     assert all(r["ok"] for r in reports)
@@ -58,8 +70,24 @@ def test_benchmark_runs_exactly_on_cpu(tmp_path):
     """scripts/bench_sharded_refit.py as the GPU host runs it, here on gloo with a tiny model: its
     engine shards equal the stock export's tensors cut to their boxes, and it allocates nothing
     after the first run (on CPU the allocation count is not observable: only exactness counts)."""
-    run = torchrun(4, [str(REPO / "scripts" / "bench_sharded_refit.py"), "--model", "qwen3-tiny", "--tp", "2",
-                       "--engine", "tp4", "--device", "cpu", "--steps", "2", "--out-dir", str(tmp_path)])
+    run = torchrun(
+        4,
+        [
+            str(REPO / "scripts" / "bench_sharded_refit.py"),
+            "--model",
+            "qwen3-tiny",
+            "--tp",
+            "2",
+            "--engine",
+            "tp4",
+            "--device",
+            "cpu",
+            "--steps",
+            "2",
+            "--out-dir",
+            str(tmp_path),
+        ],
+    )
     assert run.returncode == 0, run.output[-4000:]
     result = json.loads((tmp_path / "sharded_refit_qwen3-tiny_tp2_to_tp4.json").read_text())
     assert result["mismatches_vs_stock"] == 0 and result["bytes_moved"] > 0

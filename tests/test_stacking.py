@@ -50,12 +50,14 @@ def _upstream_and_ours(case, stack_override=None):
 
     mapping_class, suffix, hf_suffix, kind, local_shape = case
     generator = torch.Generator().manual_seed(0)
-    locals_ = [torch.randn(local_shape, generator=generator, dtype=torch.float32).to(torch.bfloat16) for _ in range(EXPERTS)]
+    locals_ = [
+        torch.randn(local_shape, generator=generator, dtype=torch.float32).to(torch.bfloat16) for _ in range(EXPERTS)
+    ]
     module = _module(kind)
     upstream = []
     for e, local in enumerate(locals_):
         mapping = mapping_class(megatron_param=f"{LAYER.format(e=e)}.{suffix}", hf_param=HF + hf_suffix)
-        (name, tensor), = mapping.megatron_to_hf(local, module).items()
+        ((name, tensor),) = mapping.megatron_to_hf(local, module).items()
         assert name == HF + hf_suffix
         upstream.append(tensor)
     expected = torch.stack(upstream, dim=0)
@@ -133,8 +135,9 @@ def _stock_packed_export(mapping_class, fc, hf_name, kind, locals_, transpose_on
         task = type("Task", (), {"param_name": mapping.megatron_param, "mapping": mapping})()
         converted = mapping.megatron_to_hf(local, _module(kind))
         merged = model_bridge.MegatronModelBridge._accumulate_grouped_export(
-            _AccumulatingBridge(), task, converted, config, buffers, hf_state)
-    (name, tensor), = merged.items()
+            _AccumulatingBridge(), task, converted, config, buffers, hf_state
+        )
+    ((name, tensor),) = merged.items()
     assert name == HF + hf_name
     return tensor
 
@@ -152,7 +155,9 @@ def test_packed_expert_stack_matches_stocks_grouped_export(case, transpose_on_ex
     generator = torch.Generator().manual_seed(1)
     locals_ = [torch.randn(local_shape, generator=generator).to(torch.bfloat16) for _ in range(EXPERTS)]
     stored_shape = STORED[stored](local_shape)
-    expected = _stock_packed_export(mapping_class, fc, hf_name, kind, locals_, transpose_on_export, stored_shape, monkeypatch)
+    expected = _stock_packed_export(
+        mapping_class, fc, hf_name, kind, locals_, transpose_on_export, stored_shape, monkeypatch
+    )
 
     mapping = mapping_class(GROUPED.format(fc=fc, e=0), HF + hf_name, transpose_on_export=transpose_on_export)
     placement, stack = stacked_placement(mapping, local_shape, num_experts=EXPERTS, stored_shape=stored_shape)
@@ -189,7 +194,9 @@ def test_grouped_mapping_without_a_rule_is_refused_by_name():
         pass
 
     mapping = _OwnExport(GROUPED.format(fc=2, e=0), HF + "down_proj")
-    with pytest.raises(PlacementError, match=r"_OwnExport.*no stacking rule.*GPTOSSMLPGateUpProjMapping.*FusedExpertMapping"):
+    with pytest.raises(
+        PlacementError, match=r"_OwnExport.*no stacking rule.*GPTOSSMLPGateUpProjMapping.*FusedExpertMapping"
+    ):
         stacked_placement(mapping, (HIDDEN, FFN), num_experts=EXPERTS)
     permuted = FusedExpertMapping(GROUPED.format(fc=2, e=0), HF + "down_proj", permute_dims=(1, 0))
     with pytest.raises(PlacementError, match="permutes its export's dimensions"):
@@ -209,12 +216,24 @@ def _stacked_entry():
     from mbridge_refit.plan.stacking import STACKED_KIND, ExpertStack
 
     sharding = TensorSharding(
-        mesh_dims=("ep", "edp"), mesh_shape=(2, 1), placements=("Shard(0)", "Replicate()"), pieces=(),
-        local_shape=(2 * FFN, HIDDEN), stack=ExpertStack(interleave=2, transpose=True, num_experts=4),
+        mesh_dims=("ep", "edp"),
+        mesh_shape=(2, 1),
+        placements=("Shard(0)", "Replicate()"),
+        pieces=(),
+        local_shape=(2 * FFN, HIDDEN),
+        stack=ExpertStack(interleave=2, transpose=True, num_experts=4),
     )
-    return PlanEntry(hf_name=HF + "gate_up_proj", shape=(4, HIDDEN, 2 * FFN), dtype="bfloat16",
-                     megatron_param=f"{LAYER.format(e=0)}.linear_fc1.weight", pp_rank=0, vpp_stage=0,
-                     is_expert=True, kind=STACKED_KIND, sharding=sharding)
+    return PlanEntry(
+        hf_name=HF + "gate_up_proj",
+        shape=(4, HIDDEN, 2 * FFN),
+        dtype="bfloat16",
+        megatron_param=f"{LAYER.format(e=0)}.linear_fc1.weight",
+        pp_rank=0,
+        vpp_stage=0,
+        is_expert=True,
+        kind=STACKED_KIND,
+        sharding=sharding,
+    )
 
 
 def test_stacked_entry_survives_the_plan_json():
@@ -231,8 +250,9 @@ def test_sharded_refit_refuses_stacked_tensors_by_name():
     from mbridge_refit.plan.transfer import TransferPlanError, build_transfer_plan, megatron_rank_grid
 
     plan = ExportPlan(entries=(_stacked_entry(),), layer_map={0: (0, 0)}, tp=1, pp=1, ep=2, vpp=1)
-    shape = ModelShape(num_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=8,
-                       intermediate_size=FFN, num_experts=4)
+    shape = ModelShape(
+        num_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=8, intermediate_size=FFN, num_experts=4
+    )
     with pytest.raises(TransferPlanError, match=r"gate_up_proj: a stacked expert tensor.*packed broadcast"):
         build_transfer_plan(plan, megatron_rank_grid(tp=1, ep=2, dp=2), EngineLayout(tp=2, ep=2), shape)
 
@@ -244,16 +264,26 @@ def test_gpt_oss_cached_export_at_tp2_ep2(tmp_path):
     from conftest import REPO, torchrun
 
     result = tmp_path / "stacked.json"
-    run = torchrun(2, [str(REPO / "tests" / "ranks" / "stacked_export_check.py"), "--tp", "2", "--ep", "2", "--result", str(result)])
+    run = torchrun(
+        2,
+        [str(REPO / "tests" / "ranks" / "stacked_export_check.py"), "--tp", "2", "--ep", "2", "--result", str(result)],
+    )
     assert run.returncode == 0, run.output[-6000:]
     reports = [json.loads(Path(f"{result}.rank{rank}").read_text()) for rank in range(2)]
     assert all(r["stacked"] > 0 for r in reports)
     assert [r["failures"] for r in reports] == [[]] * 2
 
 
-@pytest.mark.parametrize(("interleave", "transpose", "shape"), [
-    (1, False, (2 * FFN, HIDDEN)), (1, True, (2 * FFN, HIDDEN)), (2, True, (2 * FFN, HIDDEN)), (2, False, (2 * FFN,)),
-], ids=["plain", "transposed", "interleaved-transposed", "interleaved-bias"])
+@pytest.mark.parametrize(
+    ("interleave", "transpose", "shape"),
+    [
+        (1, False, (2 * FFN, HIDDEN)),
+        (1, True, (2 * FFN, HIDDEN)),
+        (2, True, (2 * FFN, HIDDEN)),
+        (2, False, (2 * FFN,)),
+    ],
+    ids=["plain", "transposed", "interleaved-transposed", "interleaved-bias"],
+)
 def test_fill_stack_writes_what_copy_into_writes(interleave, transpose, shape):
     """``runtime.stack_fill`` (a ``torch.stack`` for plain stacks, a copy per expert otherwise on CPU;
     the Triton kernels are checked on the GPU: tests/test_gpu.py) against the layout's definition

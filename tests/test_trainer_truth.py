@@ -16,7 +16,9 @@ CHECKER = str(REPO / "tests" / "ranks" / "trainer_truth_check.py")
 
 
 def _run(case: str, recipe: str, flags: list[str], source_checkpoints, tmp_path) -> list[dict]:
-    run = torchrun(2, [CHECKER, "--hf", str(source_checkpoints(recipe)), "--result", str(tmp_path), "--case", case, *flags])
+    run = torchrun(
+        2, [CHECKER, "--hf", str(source_checkpoints(recipe)), "--result", str(tmp_path), "--case", case, *flags]
+    )
     assert run.returncode == 0, run.output[-6000:]
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 

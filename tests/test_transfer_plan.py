@@ -22,13 +22,31 @@ from mbridge_refit.plan.transfer import (
 SHAPE = ModelShape(num_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=8, intermediate_size=8)
 
 
-def column_entry(name="w", rows=4, tp=2, kind="column", megatron_param="decoder.layers.0.mlp.linear_fc2.weight") -> PlanEntry:
+def column_entry(
+    name="w", rows=4, tp=2, kind="column", megatron_param="decoder.layers.0.mlp.linear_fc2.weight"
+) -> PlanEntry:
     per = rows // tp
-    pieces = tuple((SliceCopy(hf_name=name, dim=0, hf_start=r * per, hf_stop=(r + 1) * per, local_start=0),) for r in range(tp))
-    sharding = TensorSharding(mesh_dims=("tp", "dp"), mesh_shape=(tp, 1), placements=("Shard(0)", "Replicate()"),
-                              pieces=pieces, local_shape=(per, 3))
-    return PlanEntry(hf_name=name, shape=(rows, 3), dtype="bfloat16", megatron_param=megatron_param, pp_rank=0,
-                     vpp_stage=0, is_expert=False, kind=kind, sharding=sharding)
+    pieces = tuple(
+        (SliceCopy(hf_name=name, dim=0, hf_start=r * per, hf_stop=(r + 1) * per, local_start=0),) for r in range(tp)
+    )
+    sharding = TensorSharding(
+        mesh_dims=("tp", "dp"),
+        mesh_shape=(tp, 1),
+        placements=("Shard(0)", "Replicate()"),
+        pieces=pieces,
+        local_shape=(per, 3),
+    )
+    return PlanEntry(
+        hf_name=name,
+        shape=(rows, 3),
+        dtype="bfloat16",
+        megatron_param=megatron_param,
+        pp_rank=0,
+        vpp_stage=0,
+        is_expert=False,
+        kind=kind,
+        sharding=sharding,
+    )
 
 
 def plan_of(*entries: PlanEntry, tp=2) -> ExportPlan:
@@ -65,7 +83,9 @@ def test_agreeing_layouts_move_nothing():
 
 
 def test_engine_ranks_elsewhere_receive_everything():
-    plan = build_transfer_plan(plan_of(column_entry()), megatron_rank_grid(tp=2), EngineLayout(tp=2), SHAPE, engine_ranks=[2, 3])
+    plan = build_transfer_plan(
+        plan_of(column_entry()), megatron_rank_grid(tp=2), EngineLayout(tp=2), SHAPE, engine_ranks=[2, 3]
+    )
     assert plan.bytes_moved == 4 * 3 * 2 and {m.target_rank for m in plan.moves} == {2, 3}
 
 
@@ -82,16 +102,39 @@ def test_kv_heads_are_replicated_when_the_engine_has_more_ranks():
     [
         (lambda: EngineLayout(tp=2, ep=4), "ep must be 1 or 2"),
         (lambda: EngineLayout.parse("pp2"), "write e.g. tp2"),
-        (lambda: build_transfer_plan(plan_of(column_entry(rows=6)), megatron_rank_grid(tp=2), EngineLayout(tp=4), SHAPE),
-         "w: engine tp=4 does not divide its dimension 0 (6)"),
-        (lambda: build_transfer_plan(plan_of(column_entry(kind="mystery")), megatron_rank_grid(tp=2), EngineLayout(tp=2), SHAPE),
-         "w: the export plan's kind 'mystery'"),
-        (lambda: build_transfer_plan(plan_of(dataclasses.replace(column_entry(), source_format="fp8_blockwise")),
-                                     megatron_rank_grid(tp=2), EngineLayout(tp=2), SHAPE), "w: a sharded refit moves"),
-        (lambda: build_transfer_plan(plan_of(column_entry()), megatron_rank_grid(tp=2), EngineLayout(tp=2), SHAPE, only=["x"]),
-         "only= names tensors the export plan does not have"),
-        (lambda: build_transfer_plan(plan_of(column_entry()), megatron_rank_grid(tp=2), EngineLayout(tp=2), SHAPE, engine_ranks=[0, 0]),
-         "needs 2 distinct ranks"),
+        (
+            lambda: build_transfer_plan(
+                plan_of(column_entry(rows=6)), megatron_rank_grid(tp=2), EngineLayout(tp=4), SHAPE
+            ),
+            "w: engine tp=4 does not divide its dimension 0 (6)",
+        ),
+        (
+            lambda: build_transfer_plan(
+                plan_of(column_entry(kind="mystery")), megatron_rank_grid(tp=2), EngineLayout(tp=2), SHAPE
+            ),
+            "w: the export plan's kind 'mystery'",
+        ),
+        (
+            lambda: build_transfer_plan(
+                plan_of(dataclasses.replace(column_entry(), source_format="fp8_blockwise")),
+                megatron_rank_grid(tp=2),
+                EngineLayout(tp=2),
+                SHAPE,
+            ),
+            "w: a sharded refit moves",
+        ),
+        (
+            lambda: build_transfer_plan(
+                plan_of(column_entry()), megatron_rank_grid(tp=2), EngineLayout(tp=2), SHAPE, only=["x"]
+            ),
+            "only= names tensors the export plan does not have",
+        ),
+        (
+            lambda: build_transfer_plan(
+                plan_of(column_entry()), megatron_rank_grid(tp=2), EngineLayout(tp=2), SHAPE, engine_ranks=[0, 0]
+            ),
+            "needs 2 distinct ranks",
+        ),
     ],
     ids=["ep", "parse", "indivisible", "unknown-kind", "fp8-source", "only", "ranks"],
 )

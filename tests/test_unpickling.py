@@ -81,9 +81,7 @@ def _raw_payloads(marker) -> dict[str, bytes]:
     cmd = f"touch {marker}"
     payloads = {}
     for module in ALLOWED_INDEX_MODULES:
-        payloads[f"dotted-GLOBAL-{module}"] = (
-            b"\x80\x04c" + _text(f"{module}\nos.system\n") + _unicode(cmd) + b"\x85R."
-        )
+        payloads[f"dotted-GLOBAL-{module}"] = b"\x80\x04c" + _text(f"{module}\nos.system\n") + _unicode(cmd) + b"\x85R."
         payloads[f"dotted-STACK_GLOBAL-{module}"] = (
             b"\x80\x04" + _short_unicode(module) + _short_unicode("os.system") + b"\x93" + _unicode(cmd) + b"\x85R."
         )
@@ -94,9 +92,19 @@ def _raw_payloads(marker) -> dict[str, bytes]:
         b"cbuiltins\ngetattr\n(cbuiltins\n__import__\n(S'os'\ntRS'system'\ntR(S'" + _text(cmd) + b"'\ntR."
     )
     payloads["nested-STACK_GLOBAL"] = (
-        b"\x80\x04" + _short_unicode("builtins") + _short_unicode("getattr") + b"\x93"
-        + _short_unicode("builtins") + _short_unicode("__import__") + b"\x93" + _short_unicode("os") + b"\x85R"
-        + _short_unicode("system") + b"\x86R" + _unicode(cmd) + b"\x85R."
+        b"\x80\x04"
+        + _short_unicode("builtins")
+        + _short_unicode("getattr")
+        + b"\x93"
+        + _short_unicode("builtins")
+        + _short_unicode("__import__")
+        + b"\x93"
+        + _short_unicode("os")
+        + b"\x85R"
+        + _short_unicode("system")
+        + b"\x86R"
+        + _unicode(cmd)
+        + b"\x85R."
     )
     return payloads
 
@@ -177,7 +185,8 @@ def test_index_refuses_state_on_a_class(tmp_path):
 
     (tmp_path / ".metadata").write_bytes(
         b"\x80\x04ctorch.distributed.checkpoint.metadata\nMetadata\nN}"
-        + _short_unicode("crafted_attr") + b"K\x01s\x86b."
+        + _short_unicode("crafted_attr")
+        + b"K\x01s\x86b."
     )
     try:
         with pytest.raises(NotAMegatronCheckpoint, match="BUILD on"):
@@ -325,8 +334,21 @@ def test_ipc_payload_refuses_crafted_pickles(build, tmp_path):
 def _ipc_args(handle: bytes | None = b"\x01\x02" * 32) -> tuple:
     """rebuild_cuda_tensor's arguments as reduce_tensor makes them for a whole uint8 storage."""
     return (
-        torch.Tensor, torch.Size([4096]), (1,), 0, torch.storage.TypedStorage, torch.uint8, 3, handle, 4096, 512,
-        False, b"/torch_1234_5678_0", 7, b"\x09" * 64, True,
+        torch.Tensor,
+        torch.Size([4096]),
+        (1,),
+        0,
+        torch.storage.TypedStorage,
+        torch.uint8,
+        3,
+        handle,
+        4096,
+        512,
+        False,
+        b"/torch_1234_5678_0",
+        7,
+        b"\x09" * 64,
+        True,
     )
 
 

@@ -98,9 +98,15 @@ def test_verdict_names_the_failed_question():
     exact = WeightsCheck(against="the oracle", compared=3, differing=())
     assert RefitVerdict(weights=exact, numerics=close, tolerance=None, tolerance_from="none").check().passed
     with pytest.raises(RefitMismatch, match=r"not the trainer's: 1 of 3 tensors differ bit for bit from the oracle"):
-        RefitVerdict(weights=WeightsCheck(against="the oracle", compared=3, differing=("w",)), numerics=close,
-                     tolerance=1.0, tolerance_from="given").check()
-    with pytest.raises(RefitMismatch, match=r"exact \(3 tensors bit for bit\), but .* 2\.000e-01 > tolerance 1\.000e-01"):
+        RefitVerdict(
+            weights=WeightsCheck(against="the oracle", compared=3, differing=("w",)),
+            numerics=close,
+            tolerance=1.0,
+            tolerance_from="given",
+        ).check()
+    with pytest.raises(
+        RefitMismatch, match=r"exact \(3 tensors bit for bit\), but .* 2\.000e-01 > tolerance 1\.000e-01"
+    ):
         RefitVerdict(weights=exact, numerics=close, tolerance=0.1, tolerance_from="given").check()
 
 
@@ -131,8 +137,9 @@ def test_vllm_verifier_separates_weights_from_numerics(monkeypatch):
     verdict = module.verify_vllm_refit(_StubRefit(disk), reference_fingerprints=disk, **kwargs)
     assert verdict.weights.exact and verdict.numerics.mean_abs_diff == pytest.approx(0.2) and verdict.tolerance is None
     reference = LogprobComparison(tokens=10, mean_abs_diff=0.2, max_abs_diff=0.2, mult_prob_error=1.22)
-    assert module.verify_vllm_refit(_StubRefit(disk), reference_fingerprints=disk,
-                                    tolerance=tolerance_from_reference(reference), **kwargs).passed
+    assert module.verify_vllm_refit(
+        _StubRefit(disk), reference_fingerprints=disk, tolerance=tolerance_from_reference(reference), **kwargs
+    ).passed
     with pytest.raises(RefitMismatch, match=r"1 of 2 tensors differ .*\['b'\]"):
         wrong = _StubRefit({**disk, "b": (3, 5)})
         module.verify_vllm_refit(wrong, reference_fingerprints=disk, tolerance=1.0, **kwargs)
@@ -182,8 +189,25 @@ def test_verifier_passes_after_refit(tmp_path, recipe, nproc, flags):
     out = tmp_path / "result.json"
     run = torchrun(
         nproc,
-        ["mbridge_refit.convert", "verify-refit", "--recipe", recipe, "--device", "cpu", "--batch", "2", "--seq", "32",
-         "--dtype", "float32", "--tolerance", "1e-5", "--json", str(out), *flags],
+        [
+            "mbridge_refit.convert",
+            "verify-refit",
+            "--recipe",
+            recipe,
+            "--device",
+            "cpu",
+            "--batch",
+            "2",
+            "--seq",
+            "32",
+            "--dtype",
+            "float32",
+            "--tolerance",
+            "1e-5",
+            "--json",
+            str(out),
+            *flags,
+        ],
     )
     assert run.returncode == 0, run.output[-4000:]
     result = json.loads(out.read_text())
@@ -197,9 +221,28 @@ def test_verifier_fails_loudly_on_a_perturbed_weight(tmp_path):
     out = tmp_path / "result.json"
     run = torchrun(
         2,
-        ["mbridge_refit.convert", "verify-refit", "--recipe", "qwen3-tiny", "--device", "cpu", "--tp", "2", "--batch", "2",
-         "--seq", "32", "--dtype", "float32", "--tolerance", "1e-5", "--perturb", "model.layers.1.mlp.down_proj.weight",
-         "--json", str(out)],
+        [
+            "mbridge_refit.convert",
+            "verify-refit",
+            "--recipe",
+            "qwen3-tiny",
+            "--device",
+            "cpu",
+            "--tp",
+            "2",
+            "--batch",
+            "2",
+            "--seq",
+            "32",
+            "--dtype",
+            "float32",
+            "--tolerance",
+            "1e-5",
+            "--perturb",
+            "model.layers.1.mlp.down_proj.weight",
+            "--json",
+            str(out),
+        ],
     )
     assert run.returncode == 1, run.output[-4000:]
     assert "refit mismatch" in run.output
@@ -238,7 +281,9 @@ class _StubLLM:
         for row, prompt in enumerate(prompts):
             ids = prompt["prompt_token_ids"]
             steps = [None] + [
-                {} if (row, t) == self.drop else {token: SimpleNamespace(logprob=float(self.table[row, t])), 999: SimpleNamespace(logprob=0.0)}
+                {}
+                if (row, t) == self.drop
+                else {token: SimpleNamespace(logprob=float(self.table[row, t])), 999: SimpleNamespace(logprob=0.0)}
                 for t, token in enumerate(ids[1:])
             ]
             outputs.append(SimpleNamespace(prompt_logprobs=steps))

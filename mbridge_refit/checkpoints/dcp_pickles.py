@@ -47,8 +47,15 @@ from torch.distributed.checkpoint.metadata import (
 from mbridge_refit.errors import InputError
 
 __all__ = [
-    "CheckedFileSystemReader", "INDEX_NAME", "IndexUnpickler", "UnsafePickle", "byte_items", "check_byte_item",
-    "checked_megatron_reads", "index_globals", "load_index"
+    "CheckedFileSystemReader",
+    "INDEX_NAME",
+    "IndexUnpickler",
+    "UnsafePickle",
+    "byte_items",
+    "check_byte_item",
+    "checked_megatron_reads",
+    "index_globals",
+    "load_index",
 ]
 
 logger = logging.getLogger(__name__)
@@ -77,16 +84,17 @@ def index_globals() -> Mapping[tuple[str, str], Any]:
     from torch.distributed.checkpoint import filesystem, metadata
 
     names: dict[tuple[str, str], Any] = {
-        (_DCP_METADATA, cls.__name__): cls for cls in _index_dataclasses()
-        if cls.__module__ == _DCP_METADATA
+        (_DCP_METADATA, cls.__name__): cls for cls in _index_dataclasses() if cls.__module__ == _DCP_METADATA
     }
-    names.update({
-        (_DCP_METADATA, "_MEM_FORMAT_ENCODING"): metadata._MEM_FORMAT_ENCODING,
-        (_DCP_FILESYSTEM, "_StorageInfo"): filesystem._StorageInfo,
-        ("torch", "Size"): torch.Size,
-        ("torch.serialization", "_get_layout"): _layout_named,
-        ("pathlib", "PosixPath"): pathlib.PosixPath,
-    })
+    names.update(
+        {
+            (_DCP_METADATA, "_MEM_FORMAT_ENCODING"): metadata._MEM_FORMAT_ENCODING,
+            (_DCP_FILESYSTEM, "_StorageInfo"): filesystem._StorageInfo,
+            ("torch", "Size"): torch.Size,
+            ("torch.serialization", "_get_layout"): _layout_named,
+            ("pathlib", "PosixPath"): pathlib.PosixPath,
+        }
+    )
     names.update({("torch", name): value for name, value in vars(torch).items() if isinstance(value, torch.dtype)})
     return MappingProxyType(names)
 
@@ -97,8 +105,13 @@ def _index_dataclasses() -> tuple[type, ...]:
     from torch.distributed.checkpoint import filesystem, metadata
 
     return (
-        metadata.Metadata, metadata.StorageMeta, metadata.MetadataIndex, metadata.TensorStorageMetadata,
-        metadata.BytesStorageMetadata, metadata.ChunkStorageMetadata, metadata.TensorProperties,
+        metadata.Metadata,
+        metadata.StorageMeta,
+        metadata.MetadataIndex,
+        metadata.TensorStorageMetadata,
+        metadata.BytesStorageMetadata,
+        metadata.ChunkStorageMetadata,
+        metadata.TensorProperties,
         filesystem._StorageInfo,
     )
 

@@ -30,10 +30,23 @@ from safetensors import safe_open
 from mbridge_refit.errors import InputError
 
 __all__ = [
-    "CONFIG_NAME", "COPIED_FILE_NAMES", "CheckpointError", "ConfigError", "HFCheckpoint", "INDEX_NAME",
-    "MAX_CONFIG_BYTES", "MAX_HEADER_BYTES", "MAX_INDEX_BYTES", "MAX_MODULE_COUNT", "MAX_NAME_BYTES",
-    "RemoteCodeError", "SINGLE_FILE_NAME", "compare_checkpoints", "load_config", "read_config_json",
-    "remote_code_refusal"
+    "CONFIG_NAME",
+    "COPIED_FILE_NAMES",
+    "CheckpointError",
+    "ConfigError",
+    "HFCheckpoint",
+    "INDEX_NAME",
+    "MAX_CONFIG_BYTES",
+    "MAX_HEADER_BYTES",
+    "MAX_INDEX_BYTES",
+    "MAX_MODULE_COUNT",
+    "MAX_NAME_BYTES",
+    "RemoteCodeError",
+    "SINGLE_FILE_NAME",
+    "compare_checkpoints",
+    "load_config",
+    "read_config_json",
+    "remote_code_refusal",
 ]
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -108,9 +121,7 @@ class HFCheckpoint:
 
     path: Path
     weight_map: dict[str, str]
-    _handles: OrderedDict[str, Any] = field(
-        default_factory=OrderedDict, init=False, repr=False, compare=False
-    )
+    _handles: OrderedDict[str, Any] = field(default_factory=OrderedDict, init=False, repr=False, compare=False)
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> HFCheckpoint:
@@ -158,7 +169,9 @@ class HFCheckpoint:
                 problems.append(str(err))
                 continue
             problems += [f"{file_name} lacks {name}, which the index lists there" for name in sorted(names - held)]
-            problems += [f"{file_name} holds {name}, which the index does not list there" for name in sorted(held - names)]
+            problems += [
+                f"{file_name} holds {name}, which the index does not list there" for name in sorted(held - names)
+            ]
         if problems:
             shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
             raise CheckpointError(f"the checkpoint at {self.path} is damaged: {shown}. Re-export or re-download it")
@@ -389,11 +402,15 @@ def load_config(checkpoint_dir: str | os.PathLike[str], *, trust_remote_code: bo
         config = AutoConfig.from_pretrained(Path(checkpoint_dir), trust_remote_code=trust_remote_code)
     except OSError:
         raise
-    except Exception as err:  # a type that needs its own code, or transformers' field checks (StrictDataclassError, ValueError...)
+    except (
+        Exception
+    ) as err:  # a type that needs its own code, or transformers' field checks (StrictDataclassError, ValueError...)
         refusal = remote_code_refusal(checkpoint_dir) if not trust_remote_code else None
         if refusal is not None:
             raise refusal from err
-        raise ConfigError(f"{Path(checkpoint_dir) / CONFIG_NAME}: transformers refuses it ({type(err).__name__}: {err})") from err
+        raise ConfigError(
+            f"{Path(checkpoint_dir) / CONFIG_NAME}: transformers refuses it ({type(err).__name__}: {err})"
+        ) from err
     if not trust_remote_code and getattr(config, "auto_map", None):
         logger.info("%s: model_type %r is built in; auto_map not used", checkpoint_dir, config.model_type)
     return config

@@ -121,8 +121,15 @@ def _walk(
 
 
 def _load_tasks(
-    tasks: list, model_bridge: Any, chunks: list[torch.nn.Module], config: Any, checkpoint: HFCheckpoint,
-    report: LoadReport, written: set[int], *, read: bool = True,
+    tasks: list,
+    model_bridge: Any,
+    chunks: list[torch.nn.Module],
+    config: Any,
+    checkpoint: HFCheckpoint,
+    report: LoadReport,
+    written: set[int],
+    *,
+    read: bool = True,
 ) -> None:
     with torch.no_grad():
         for task in tasks:
@@ -139,8 +146,15 @@ def _load_tasks(
             except PlacementError as err:
                 raise LoadError(f"cannot load {task.global_param_name}: {err}") from err
             _copy_slices(
-                task.param_weight, copies, extents, checkpoint, report, task.global_param_name, kind.elementwise_op,
-                kind.relayout, read=read,
+                task.param_weight,
+                copies,
+                extents,
+                checkpoint,
+                report,
+                task.global_param_name,
+                kind.elementwise_op,
+                kind.relayout,
+                read=read,
             )
             written.add(id(task.param_weight))
         for output_weight, embedding_copies, extents in _tied_output_copies(model_bridge, chunks, config):
@@ -180,16 +194,30 @@ def _agree_on_failure(error: LoadError | None) -> None:
     if error is not None:
         raise error
     if failed:
-        raise LoadFailedElsewhere("loading the checkpoint failed on another rank (its message names the tensor and the fix)")
+        raise LoadFailedElsewhere(
+            "loading the checkpoint failed on another rank (its message names the tensor and the fix)"
+        )
 
 
 def _context(task: Any, config: Any) -> ShardContext:
-    return ShardContext(local_shape=tuple(task.param_weight.shape), tp_rank=task.mapping.tp_rank, tp_size=task.mapping.tp_size, config=config)
+    return ShardContext(
+        local_shape=tuple(task.param_weight.shape),
+        tp_rank=task.mapping.tp_rank,
+        tp_size=task.mapping.tp_size,
+        config=config,
+    )
 
 
 def _copy_slices(
-    param: torch.Tensor, copies: Iterable[SliceCopy], extents: dict[str, tuple[int, int]], checkpoint: HFCheckpoint,
-    report: LoadReport, where: str, elementwise_op: str | None = None, relayout: str | None = None, *,
+    param: torch.Tensor,
+    copies: Iterable[SliceCopy],
+    extents: dict[str, tuple[int, int]],
+    checkpoint: HFCheckpoint,
+    report: LoadReport,
+    where: str,
+    elementwise_op: str | None = None,
+    relayout: str | None = None,
+    *,
     read: bool = True,
 ) -> None:
     """Copy each slice into ``param``; with ``elementwise_op``, its inverse is applied to the
@@ -201,7 +229,11 @@ def _copy_slices(
         _check_shape(copy, extents[copy.hf_name][1], param, checkpoint, where, relayout)
         if not read:
             continue
-        source = checkpoint.slice(copy.hf_name) if relayout is None else RELAYOUTS[relayout].load(checkpoint.tensor(copy.hf_name))
+        source = (
+            checkpoint.slice(copy.hf_name)
+            if relayout is None
+            else RELAYOUTS[relayout].load(checkpoint.tensor(copy.hf_name))
+        )
         data = copy.read(source)
         if elementwise_op is not None:
             data = data.clone()
@@ -209,7 +241,9 @@ def _copy_slices(
         _write(param.narrow(copy.dim, copy.local_start, copy.length), data, copy.hf_name, checkpoint, report, where)
 
 
-def _write(target: torch.Tensor, data: torch.Tensor, hf_name: str, checkpoint: HFCheckpoint, report: LoadReport, where: str) -> None:
+def _write(
+    target: torch.Tensor, data: torch.Tensor, hf_name: str, checkpoint: HFCheckpoint, report: LoadReport, where: str
+) -> None:
     """Copy ``data`` (read from ``hf_name``) into ``target``, a cast only where it keeps every value."""
     if data.dtype != target.dtype:
         _check_cast_is_exact(data, target.dtype, hf_name, checkpoint, where)
@@ -231,7 +265,10 @@ def _copy_expert_slot(
     stored = tuple(checkpoint.shape(hf_name))
     try:
         _, stack = stacked_placement(
-            task.mapping, tuple(param.shape), num_experts=config.num_moe_experts or 0, stored_shape=stored,
+            task.mapping,
+            tuple(param.shape),
+            num_experts=config.num_moe_experts or 0,
+            stored_shape=stored,
             partition_dim=getattr(param, "partition_dim", None),
         )
     except PlacementError as err:
@@ -252,7 +289,12 @@ def _copy_expert_slot(
 
 
 def _check_shape(
-    copy: SliceCopy, extent: int, param: torch.Tensor, checkpoint: HFCheckpoint, where: str, relayout: str | None = None,
+    copy: SliceCopy,
+    extent: int,
+    param: torch.Tensor,
+    checkpoint: HFCheckpoint,
+    where: str,
+    relayout: str | None = None,
 ) -> None:
     """The checkpoint tensor must have exactly the shape the model needs: its split dimension as long
     as all tensor-parallel ranks' slices together, every other dimension the local shard's (then
@@ -273,7 +315,9 @@ def _check_shape(
         )
 
 
-def _check_cast_is_exact(data: torch.Tensor, dtype: torch.dtype, hf_name: str, checkpoint: HFCheckpoint, where: str) -> None:
+def _check_cast_is_exact(
+    data: torch.Tensor, dtype: torch.dtype, hf_name: str, checkpoint: HFCheckpoint, where: str
+) -> None:
     """A checkpoint tensor stored in another dtype than the model's parameter is accepted only if
     the cast keeps every value bit for bit (e.g. bf16 values saved as fp32): a lossy cast would
     change the weights silently, like a crop."""
@@ -283,7 +327,7 @@ def _check_cast_is_exact(data: torch.Tensor, dtype: torch.dtype, hf_name: str, c
         raise LoadError(
             f"checkpoint tensor {hf_name!r} in {checkpoint.path} is {_dtype_name(data.dtype)}, but this model ({where}) "
             f"keeps it as {_dtype_name(dtype)}, and the cast changes {changed} of the {data.numel()} values this rank reads: the model would "
-            f"not hold the checkpoint's weights. Fix: set \"dtype\" in config.json to \"{_dtype_name(data.dtype)}\" "
+            f'not hold the checkpoint\'s weights. Fix: set "dtype" in config.json to "{_dtype_name(data.dtype)}" '
             f"(the model then keeps {_dtype_name(data.dtype)} parameters), or save the checkpoint in {_dtype_name(dtype)}."
         )
 
@@ -318,7 +362,9 @@ def _tied_output_copies(model_bridge: Any, chunks: list[torch.nn.Module], config
                 continue  # the first stage: the output layer reads the embedding parameter itself
             mapping = registry.megatron_to_hf_lookup(prefix + "embedding.word_embeddings.weight")
             if mapping is None:
-                raise LoadError(f"{name}: tied to an embedding the bridge maps no HF tensor to ({prefix}embedding.word_embeddings.weight)")
+                raise LoadError(
+                    f"{name}: tied to an embedding the bridge maps no HF tensor to ({prefix}embedding.word_embeddings.weight)"
+                )
             ctx = ShardContext(
                 local_shape=tuple(weight.shape),
                 tp_rank=parallel_state.get_tensor_model_parallel_rank(),

@@ -59,10 +59,25 @@ from mbridge_refit.errors import InputError
 from mbridge_refit.plan.layout import ParallelLayout
 
 __all__ = [
-    "COMMON_STATE_NAME", "CheckpointInfo", "FORMAT_NAME", "FORMAT_VERSION", "METADATA_NAME",
-    "NotAMegatronCheckpoint", "SIDE_FILE_NAMES", "StoredTensors", "TMP_PREFIX", "TRACKER_NAME", "WEIGHTS_DIR",
-    "check_pickled_parts", "fit_problems", "load_model", "model_keys", "model_tensors", "read_stored",
-    "save_model", "sharded_model_state"
+    "COMMON_STATE_NAME",
+    "CheckpointInfo",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "METADATA_NAME",
+    "NotAMegatronCheckpoint",
+    "SIDE_FILE_NAMES",
+    "StoredTensors",
+    "TMP_PREFIX",
+    "TRACKER_NAME",
+    "WEIGHTS_DIR",
+    "check_pickled_parts",
+    "fit_problems",
+    "load_model",
+    "model_keys",
+    "model_tensors",
+    "read_stored",
+    "save_model",
+    "sharded_model_state",
 ]
 
 logger = logging.getLogger(__name__)
@@ -124,7 +139,9 @@ class CheckpointInfo:
                 if (path / "config.json").is_file() and any(path.glob("*.safetensors*"))
                 else "write one with `python -m mbridge_refit.convert import --hf HF_DIR --megatron DIR`"
             )
-            raise NotAMegatronCheckpoint(f"{path} has no {METADATA_NAME}, so it is not a complete checkpoint of ours: {hint}")
+            raise NotAMegatronCheckpoint(
+                f"{path} has no {METADATA_NAME}, so it is not a complete checkpoint of ours: {hint}"
+            )
         try:
             data = json.loads(meta.read_text())
             if data.get("format") != FORMAT_NAME or data.get("version") != FORMAT_VERSION:
@@ -141,7 +158,9 @@ class CheckpointInfo:
         except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as err:  # any JSON, any field
             if isinstance(err, NotAMegatronCheckpoint):
                 raise
-            raise NotAMegatronCheckpoint(f"{meta} is unreadable ({err}): re-create the checkpoint with `import`") from err
+            raise NotAMegatronCheckpoint(
+                f"{meta} is unreadable ({err}): re-create the checkpoint with `import`"
+            ) from err
         if not info.params_dtype.is_floating_point:  # `import` records the checkpoint's floating-point dtype
             dtype = _dtype_name(info.params_dtype)
             raise NotAMegatronCheckpoint(f"{meta}: params_dtype {dtype} is not a floating-point dtype: re-create it")
@@ -178,7 +197,11 @@ def check_pickled_parts(weights: Path) -> None:
         ) from err
     for fqn, location in byte_items(index):
         name = location.relative_path
-        if not isinstance(name, str) or name.startswith("/") or any(part in ("", ".", "..") for part in name.split("/")):
+        if (
+            not isinstance(name, str)
+            or name.startswith("/")
+            or any(part in ("", ".", "..") for part in name.split("/"))
+        ):
             raise NotAMegatronCheckpoint(
                 f"refusing {index_path}: its object {fqn} is stored at {name!r}, outside the checkpoint; re-create "
                 "the checkpoint from the HF source"
@@ -298,7 +321,7 @@ def _tiling_problems(key: str, shape: tuple[int, ...], chunks: list[tuple[tuple,
 
 def _any_overlap(chunks: list[tuple[tuple, tuple]]) -> bool:
     for i, (a_offsets, a_sizes) in enumerate(chunks):
-        for b_offsets, b_sizes in chunks[i + 1:]:
+        for b_offsets, b_sizes in chunks[i + 1 :]:
             if all(a < b + m and b < a + n for a, n, b, m in zip(a_offsets, a_sizes, b_offsets, b_sizes)):
                 return True
     return False
@@ -329,7 +352,9 @@ def model_tensors(
 
 
 def fit_problems(
-    model: dict[str, tuple[tuple[int, ...], torch.dtype]], model_objects: frozenset[str], stored: StoredTensors,
+    model: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    model_objects: frozenset[str],
+    stored: StoredTensors,
 ) -> list[str]:
     """Each tensor this rank's model reads must be stored with exactly its global shape and dtype
     (never cropped, padded or cast), and each byte item must be stored."""
@@ -395,7 +420,9 @@ def save_model(
             (staging / WEIGHTS_DIR).mkdir()
         dist.barrier()
         dist_checkpointing.save(
-            sharded_model_state(chunks), str(staging / WEIGHTS_DIR), sharded_strategy=_save_strategy(),
+            sharded_model_state(chunks),
+            str(staging / WEIGHTS_DIR),
+            sharded_strategy=_save_strategy(),
             content_metadata={"format": FORMAT_NAME},
         )
         dist.barrier()

@@ -121,7 +121,9 @@ class OutputLock:
                     raise
                 logger.warning(
                     "cannot lock %s (%s): this filesystem has no flock, so another writer into %s is not excluded",
-                    path, os.strerror(err.errno), target,
+                    path,
+                    os.strerror(err.errno),
+                    target,
                 )
                 return cls(path, None)
             if not _is_at(fd, path):  # its holder unlinked it before we locked: lock the new file

@@ -46,9 +46,22 @@ from mbridge_refit.checkpoints.output_lock import LockHeld, LockHolder, OutputLo
 from mbridge_refit.errors import InputError
 
 __all__ = [
-    "LOADER_FILE_PATTERNS", "OutputRefused", "Publication", "STAGING_SUFFIX", "begin_publication", "busy_error",
-    "carry_over", "exchange", "fsync_dir", "fsync_file", "fsync_tree", "is_loader_file", "leftover_error",
-    "leftovers", "output_target", "swap_in"
+    "LOADER_FILE_PATTERNS",
+    "OutputRefused",
+    "Publication",
+    "STAGING_SUFFIX",
+    "begin_publication",
+    "busy_error",
+    "carry_over",
+    "exchange",
+    "fsync_dir",
+    "fsync_file",
+    "fsync_tree",
+    "is_loader_file",
+    "leftover_error",
+    "leftovers",
+    "output_target",
+    "swap_in",
 ]
 
 logger = logging.getLogger(__name__)
@@ -60,10 +73,33 @@ STAGING_SUFFIX = ".partial"
 # processor configs, tokenizer vocabularies and chat templates, and our own temporary files.
 # Matched against the lower-cased file name; an overwrite drops every old file that matches.
 LOADER_FILE_PATTERNS = (
-    "*.safetensors", "*.safetensors.*", "*.bin", "*.bin.*", "*.pt", "*.pth", "*.ckpt", "*.h5", "*.h5.*",
-    "*.msgpack", "*.msgpack.*", "*.gguf", "*.onnx", "*.onnx_data", "*.distcp", "*.index.json",
-    "*config.json", "tokenizer*", "*.tiktoken", "*.model", "vocab.*", "merges.txt", "special_tokens_map.json",
-    "added_tokens.json", "chat_template.*", "*.jinja", ".tmp-*",
+    "*.safetensors",
+    "*.safetensors.*",
+    "*.bin",
+    "*.bin.*",
+    "*.pt",
+    "*.pth",
+    "*.ckpt",
+    "*.h5",
+    "*.h5.*",
+    "*.msgpack",
+    "*.msgpack.*",
+    "*.gguf",
+    "*.onnx",
+    "*.onnx_data",
+    "*.distcp",
+    "*.index.json",
+    "*config.json",
+    "tokenizer*",
+    "*.tiktoken",
+    "*.model",
+    "vocab.*",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.*",
+    "*.jinja",
+    ".tmp-*",
 )
 
 
@@ -101,14 +137,18 @@ def leftover_error(out: Path) -> str | None:
     if not found:
         return None
     names = ", ".join(str(p) for p in found)
-    return (f"{names} {'is' if len(found) == 1 else 'are'} left from an interrupted write into {out}; pass "
-            "overwrite=True (--overwrite) to remove it, or delete it")
+    return (
+        f"{names} {'is' if len(found) == 1 else 'are'} left from an interrupted write into {out}; pass "
+        "overwrite=True (--overwrite) to remove it, or delete it"
+    )
 
 
 def busy_error(out: Path, holder: LockHolder) -> str:
     """The message for an output another writer holds."""
-    return (f"{out} is being written by another writer ({holder.describe()}): wait until it has finished, "
-            "or write to another directory")
+    return (
+        f"{out} is being written by another writer ({holder.describe()}): wait until it has finished, "
+        "or write to another directory"
+    )
 
 
 @dataclass(kw_only=True)
@@ -273,7 +313,9 @@ def swap_in(staging: Path, out_dir: Path) -> None:
     except OSError as err:
         logger.warning(
             "%s now holds the new checkpoint, but its old content could not be removed from %s (%s): delete it",
-            out_dir, old, err,
+            out_dir,
+            old,
+            err,
         )
 
 
@@ -331,4 +373,3 @@ def _link_or_copy(source: str | Path, target: str | Path) -> None:
         os.link(source, target)
     except OSError:
         shutil.copy2(source, target)
-

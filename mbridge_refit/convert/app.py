@@ -52,8 +52,14 @@ from mbridge_refit.fp8.format import FP8FormatError
 from mbridge_refit.plan.layout import LayoutError
 
 __all__ = [
-    "COMMANDS", "ENVIRONMENT_ERRNOS", "Failure", "INPUT_ERRORS", "SAME_ON_EVERY_RANK", "classify",
-    "environment_message", "main"
+    "COMMANDS",
+    "ENVIRONMENT_ERRNOS",
+    "Failure",
+    "INPUT_ERRORS",
+    "SAME_ON_EVERY_RANK",
+    "classify",
+    "environment_message",
+    "main",
 ]
 
 logger = logging.getLogger("mbridge_refit.convert")
@@ -74,7 +80,13 @@ INPUT_ERRORS = (InputError,)
 # Input errors every rank computes alike from the same input (and a rank's note that another rank
 # failed): rank 0 prints them, the other ranks only at debug level, so a message appears once.
 SAME_ON_EVERY_RANK = (
-    BadInput, LayoutError, FP8FormatError, CheckpointError, ConfigError, NotAMegatronCheckpoint, LoadFailedElsewhere,
+    BadInput,
+    LayoutError,
+    FP8FormatError,
+    CheckpointError,
+    ConfigError,
+    NotAMegatronCheckpoint,
+    LoadFailedElsewhere,
     OutputRefused,  # decided on rank 0 and shared with the others
 )
 # errno -> what to do about it: the machine refused what the input asked for (exit code 4).
@@ -198,7 +210,9 @@ def _output_of(args: argparse.Namespace) -> Path | None:
 
 def _launch(nproc_per_node: int, argv: list[str]) -> int:
     if LaunchEnv.from_environ().launched_by_torchrun:
-        logger.error("--nproc-per-node starts the ranks itself: run it without torchrun, or drop the flag under torchrun")
+        logger.error(
+            "--nproc-per-node starts the ranks itself: run it without torchrun, or drop the flag under torchrun"
+        )
         return ExitCode.BAD_INPUT
     return run_ranks(nproc_per_node, _without_nproc_flag(argv))
 

@@ -41,8 +41,18 @@ if TYPE_CHECKING:
     from mbridge_refit.fp8.format import BlockwiseFP8Config
 
 __all__ = [
-    "ImportArgs", "WriteArgs", "cmd_export", "cmd_import", "cmd_make_tiny", "cmd_plan", "cmd_roundtrip",
-    "cmd_verify", "format_plan", "run_export", "run_import", "run_roundtrip"
+    "ImportArgs",
+    "WriteArgs",
+    "cmd_export",
+    "cmd_import",
+    "cmd_make_tiny",
+    "cmd_plan",
+    "cmd_roundtrip",
+    "cmd_verify",
+    "format_plan",
+    "run_export",
+    "run_import",
+    "run_roundtrip",
 ]
 
 logger = logging.getLogger(__name__)
@@ -132,8 +142,14 @@ def _validate_roundtrip(args: argparse.Namespace) -> WriteArgs:
 
 def _write_args(args: argparse.Namespace, **checked) -> WriteArgs:
     return WriteArgs(
-        out=args.out, overwrite=args.overwrite, max_shard_bytes=args.max_shard_bytes, show_progress=not args.no_progress,
-        timeout=timeout_from_flag(args), fp8=fp8_from_flags(args), trust_remote_code=args.trust_remote_code, **checked,
+        out=args.out,
+        overwrite=args.overwrite,
+        max_shard_bytes=args.max_shard_bytes,
+        show_progress=not args.no_progress,
+        timeout=timeout_from_flag(args),
+        fp8=fp8_from_flags(args),
+        trust_remote_code=args.trust_remote_code,
+        **checked,
     )
 
 
@@ -153,9 +169,16 @@ def run_roundtrip(options: WriteArgs) -> int:
         report = bridge.load_hf_shards(chunks, options.source)
         logger.info("loaded %d slices (%.1f MB on this rank)", report.tensors_written, report.bytes_read / 1e6)
         count = write_hf_checkpoint(
-            bridge, chunks, out=options.out, source_dtypes={name: checkpoint.dtype(name) for name in checkpoint.names()},
-            fp8=options.fp8, only_source_names=False, copy_files_from=options.source, max_shard_bytes=options.max_shard_bytes,
-            overwrite=options.overwrite, show_progress=options.show_progress and env.rank == 0,
+            bridge,
+            chunks,
+            out=options.out,
+            source_dtypes={name: checkpoint.dtype(name) for name in checkpoint.names()},
+            fp8=options.fp8,
+            only_source_names=False,
+            copy_files_from=options.source,
+            max_shard_bytes=options.max_shard_bytes,
+            overwrite=options.overwrite,
+            show_progress=options.show_progress and env.rank == 0,
         )
     logger.info("wrote %d tensors to %s (layout %s)", count, options.out, options.layout.name)
     return ExitCode.OK
@@ -182,8 +205,12 @@ def cmd_import(args: argparse.Namespace) -> int:
     check_output_dir(args.megatron, args.overwrite)
     return run_import(
         ImportArgs(
-            hf=args.hf, megatron=args.megatron, layout=layout, overwrite=args.overwrite,
-            timeout=timeout_from_flag(args), trust_remote_code=args.trust_remote_code,
+            hf=args.hf,
+            megatron=args.megatron,
+            layout=layout,
+            overwrite=args.overwrite,
+            timeout=timeout_from_flag(args),
+            trust_remote_code=args.trust_remote_code,
         )
     )
 
@@ -256,10 +283,19 @@ def run_export(options: WriteArgs) -> int:
         build = BuildOptions(device=cpu, params_dtype=info.params_dtype, weights_only=True)
         chunks = build_checked(bridge, options.layout, build, lambda meta: check_megatron_source(meta, options.source))
         load_model(chunks, options.source)
-        logger.info("loaded %s (saved at layout %s) at layout %s", options.source, info.saved_layout.name, options.layout.name)
+        logger.info(
+            "loaded %s (saved at layout %s) at layout %s", options.source, info.saved_layout.name, options.layout.name
+        )
         count = write_hf_checkpoint(
-            bridge, chunks, out=options.out, source_dtypes=info.hf_dtypes, fp8=options.fp8, only_source_names=True,
-            copy_files_from=options.source, max_shard_bytes=options.max_shard_bytes, overwrite=options.overwrite,
+            bridge,
+            chunks,
+            out=options.out,
+            source_dtypes=info.hf_dtypes,
+            fp8=options.fp8,
+            only_source_names=True,
+            copy_files_from=options.source,
+            max_shard_bytes=options.max_shard_bytes,
+            overwrite=options.overwrite,
             show_progress=options.show_progress and env.rank == 0,
         )
     logger.info("wrote %d tensors to %s (layout %s)", count, options.out, options.layout.name)
@@ -286,7 +322,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     dtype = checkpoint_float_dtype(HFCheckpoint.open(args.hf))
     with distributed_session(layout, device=cpu, timeout=timeout_from_flag(args)) as env:
         bridge = RefitBridge.from_hf_pretrained(args.hf, trust_remote_code=args.trust_remote_code)
-        chunks = build_model(bridge, layout, BuildOptions(device=cpu, params_dtype=dtype, materialize=False, weights_only=True))
+        chunks = build_model(
+            bridge, layout, BuildOptions(device=cpu, params_dtype=dtype, materialize=False, weights_only=True)
+        )
         try:
             plan = bridge.export_plan(chunks, fp8=fp8)
         except FP8FormatError as err:

@@ -22,9 +22,19 @@ if TYPE_CHECKING:
     from mbridge_refit.fp8.format import BlockwiseFP8Config
 
 __all__ = [
-    "MAX_TIMEOUT_S", "add_device_flag", "add_fp8_flags", "add_layout_flags", "add_remote_code_flag",
-    "add_timeout_flag", "describe_flags", "device_from_flag", "fp8_from_flags", "layout_flags",
-    "layout_from_flags", "positive_seconds", "timeout_from_flag"
+    "MAX_TIMEOUT_S",
+    "add_device_flag",
+    "add_fp8_flags",
+    "add_layout_flags",
+    "add_remote_code_flag",
+    "add_timeout_flag",
+    "describe_flags",
+    "device_from_flag",
+    "fp8_from_flags",
+    "layout_flags",
+    "layout_from_flags",
+    "positive_seconds",
+    "timeout_from_flag",
 ]
 
 
@@ -38,14 +48,20 @@ def add_layout_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tp", type=int, default=1, help="tensor parallel size (default: 1)")
     group.add_argument("--pp", type=int, default=1, help="pipeline parallel size (default: 1)")
     group.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per PP rank")
-    group.add_argument("--cp", type=int, default=1, help="context parallel size: splits sequences, not weights (default: 1)")
+    group.add_argument(
+        "--cp", type=int, default=1, help="context parallel size: splits sequences, not weights (default: 1)"
+    )
     group.add_argument("--ep", type=int, default=1, help="expert parallel size, MoE only (default: 1)")
     group.add_argument(
-        "--etp", type=int, default=1,
+        "--etp",
+        type=int,
+        default=1,
         help="expert tensor parallel size, MoE only: each routed expert split over this many ranks "
         "(default: 1; Megatron-Core's own default, when a provider leaves it unset, is the --tp size)",
     )
-    group.add_argument("--first-stage-layers", type=int, default=None, help="layers on the first PP stage (uneven split)")
+    group.add_argument(
+        "--first-stage-layers", type=int, default=None, help="layers on the first PP stage (uneven split)"
+    )
     group.add_argument("--last-stage-layers", type=int, default=None, help="layers on the last PP stage (uneven split)")
 
 
@@ -53,8 +69,14 @@ def layout_from_flags(args: argparse.Namespace) -> ParallelLayout:
     """The layout the flags describe (not yet checked against a model or a world size)."""
     try:
         return ParallelLayout(
-            tp=args.tp, pp=args.pp, vpp=args.vpp, cp=getattr(args, "cp", 1), ep=args.ep, etp=getattr(args, "etp", 1),
-            first_stage_layers=getattr(args, "first_stage_layers", None), last_stage_layers=getattr(args, "last_stage_layers", None),
+            tp=args.tp,
+            pp=args.pp,
+            vpp=args.vpp,
+            cp=getattr(args, "cp", 1),
+            ep=args.ep,
+            etp=getattr(args, "etp", 1),
+            first_stage_layers=getattr(args, "first_stage_layers", None),
+            last_stage_layers=getattr(args, "last_stage_layers", None),
         )
     except LayoutError as err:
         raise BadInput(f"layout {describe_flags(args)}: {err}") from err
@@ -63,11 +85,22 @@ def layout_from_flags(args: argparse.Namespace) -> ParallelLayout:
 def layout_flags(layout: ParallelLayout) -> list[str]:
     """The flags ``layout_from_flags`` reads back as ``layout`` (defaults left out)."""
     values = {
-        "--tp": layout.tp, "--pp": layout.pp, "--vpp": layout.vpp, "--cp": layout.cp, "--ep": layout.ep, "--etp": layout.etp,
-        "--first-stage-layers": layout.first_stage_layers, "--last-stage-layers": layout.last_stage_layers,
+        "--tp": layout.tp,
+        "--pp": layout.pp,
+        "--vpp": layout.vpp,
+        "--cp": layout.cp,
+        "--ep": layout.ep,
+        "--etp": layout.etp,
+        "--first-stage-layers": layout.first_stage_layers,
+        "--last-stage-layers": layout.last_stage_layers,
     }
     defaults = {"--tp": 1, "--pp": 1, "--cp": 1, "--ep": 1, "--etp": 1}
-    return [part for flag, value in values.items() if value is not None and value != defaults.get(flag) for part in (flag, str(value))]
+    return [
+        part
+        for flag, value in values.items()
+        if value is not None and value != defaults.get(flag)
+        for part in (flag, str(value))
+    ]
 
 
 def describe_flags(args: argparse.Namespace) -> str:
@@ -127,7 +160,8 @@ def device_from_flag(args: argparse.Namespace) -> "torch.device":
 
 def add_remote_code_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--trust-remote-code", action="store_true",
+        "--trust-remote-code",
+        action="store_true",
         help="let a checkpoint whose model_type transformers does not have built in run its own Python code (the "
         "auto_map of its config.json): only for checkpoints you trust. Without it such a checkpoint is refused "
         "(exit 2); a built-in model_type loads with transformers' own class whatever auto_map says",
@@ -151,7 +185,9 @@ def positive_seconds(text: str) -> float:
 
 def add_timeout_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--timeout-s", type=positive_seconds, default=600.0,
+        "--timeout-s",
+        type=positive_seconds,
+        default=600.0,
         help="bound on every collective, so a rank whose peer died fails instead of hanging (default: %(default)s)",
     )
 

@@ -20,9 +20,18 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "EXPERT_COUNTS", "MAX_SIZE", "OPTIONAL_SIZES", "REQUIRED_SIZES", "check_config_numbers",
-    "check_distinct_dirs", "check_output_dir", "check_provider", "checked_hf_input", "checked_layout",
-    "checkpoint_float_dtype", "supported_config"
+    "EXPERT_COUNTS",
+    "MAX_SIZE",
+    "OPTIONAL_SIZES",
+    "REQUIRED_SIZES",
+    "check_config_numbers",
+    "check_distinct_dirs",
+    "check_output_dir",
+    "check_provider",
+    "checked_hf_input",
+    "checked_layout",
+    "checkpoint_float_dtype",
+    "supported_config",
 ]
 
 
@@ -65,7 +74,11 @@ def checked_layout(args: argparse.Namespace, config: Any) -> ParallelLayout:
 MAX_SIZE = 2**24
 REQUIRED_SIZES = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
 OPTIONAL_SIZES = (
-    "intermediate_size", "num_key_value_heads", "head_dim", "moe_intermediate_size", "max_position_embeddings",
+    "intermediate_size",
+    "num_key_value_heads",
+    "head_dim",
+    "moe_intermediate_size",
+    "max_position_embeddings",
 )
 # Expert counts: 0 (or absent) on a dense model.
 EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok")

@@ -107,7 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument(
-        "--nproc-per-node", type=positive_int, default=None, metavar="N",
+        "--nproc-per-node",
+        type=positive_int,
+        default=None,
+        metavar="N",
         help="launch N ranks on this machine (torchrun's machinery) and exit with one code for the whole launch: "
         "the most severe of the ranks' codes (torchrun itself exits 1 for any failure). Goes before COMMAND.",
     )
@@ -123,7 +126,9 @@ def _make_tiny_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipe", default=None, help="recipe name (default: qwen3-tiny); see --list")
     parser.add_argument("--out", type=Path, help="output directory")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
-    parser.add_argument("--max-shard-bytes", type=positive_int, default=None, help="shard size; small values force sharding")
+    parser.add_argument(
+        "--max-shard-bytes", type=positive_int, default=None, help="shard size; small values force sharding"
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     parser.add_argument("--list", action="store_true", help="list recipes and layouts, then exit")
 
@@ -145,14 +150,19 @@ def _import_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _export_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--megatron", type=Path, required=True, help="input Megatron checkpoint directory (from `import`)")
+    parser.add_argument(
+        "--megatron", type=Path, required=True, help="input Megatron checkpoint directory (from `import`)"
+    )
     parser.add_argument("--out", type=Path, required=True, help="output HF checkpoint directory")
     _add_hf_output_flags(parser)
 
 
 def _plan_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--hf", type=Path, required=True, help="HF checkpoint directory (only config.json and the tensor index are read, no weights)"
+        "--hf",
+        type=Path,
+        required=True,
+        help="HF checkpoint directory (only config.json and the tensor index are read, no weights)",
     )
     add_layout_flags(parser)
     parser.add_argument("--json", type=Path, default=None, help="also write the plan as JSON to this file")
@@ -171,7 +181,10 @@ def _add_hf_output_flags(parser: argparse.ArgumentParser) -> None:
     add_layout_flags(parser)
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     parser.add_argument(
-        "--max-shard-bytes", type=positive_int, default=5 * 1024**3, help="output shard size in bytes, > 0 (default: %(default)s)"
+        "--max-shard-bytes",
+        type=positive_int,
+        default=5 * 1024**3,
+        help="output shard size in bytes, > 0 (default: %(default)s)",
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     add_fp8_flags(parser)

@@ -42,8 +42,12 @@ from mbridge_refit.models.builder import BuildOptions, build_model, materialize
 from mbridge_refit.plan.layout import ParallelLayout
 
 __all__ = [
-    "PARAMETER_SLACK", "build_checked", "check_hf_source", "check_megatron_source", "parameter_problem",
-    "raise_on_every_rank"
+    "PARAMETER_SLACK",
+    "build_checked",
+    "check_hf_source",
+    "check_megatron_source",
+    "parameter_problem",
+    "raise_on_every_rank",
 ]
 
 logger = logging.getLogger(__name__)
@@ -148,4 +152,3 @@ def _gathered(obj: Any) -> list[Any]:
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, obj)
     return every
-

@@ -53,10 +53,28 @@ from mbridge_refit.sinks.base import DiscardSink, drain
 from mbridge_refit.sinks.model_update import HFModelUpdateSink
 
 __all__ = [
-    "EPS_FACTOR", "LogprobComparison", "NOISE_FACTOR", "RefitMismatch", "RefitVerdict", "VerifyInputError",
-    "WeightsCheck", "compare_logprobs", "compare_weights", "engine_attention_noise", "fixed_tokens", "hf_config",
-    "hf_logprobs", "megatron_logprobs", "numerics_tolerance", "projected_in_fp32", "same_bytes", "token_logprobs",
-    "tolerance_from_reference", "verify_refit", "verify_vllm_refit", "vllm_logprobs"
+    "EPS_FACTOR",
+    "LogprobComparison",
+    "NOISE_FACTOR",
+    "RefitMismatch",
+    "RefitVerdict",
+    "VerifyInputError",
+    "WeightsCheck",
+    "compare_logprobs",
+    "compare_weights",
+    "engine_attention_noise",
+    "fixed_tokens",
+    "hf_config",
+    "hf_logprobs",
+    "megatron_logprobs",
+    "numerics_tolerance",
+    "projected_in_fp32",
+    "same_bytes",
+    "token_logprobs",
+    "tolerance_from_reference",
+    "verify_refit",
+    "verify_vllm_refit",
+    "vllm_logprobs",
 ]
 
 logger = logging.getLogger("mbridge_refit.verify_refit")
@@ -237,7 +255,9 @@ def megatron_logprobs(
         logits = model(input_ids=tokens, position_ids=positions, attention_mask=mask)
         if fp32_logits:  # Megatron's output layer takes [seq, batch, hidden] and may be given the tied weight
             hidden, weight = captured["input"], captured.get("weight")
-            logits = projected_in_fp32(hidden, weight if weight is not None else model.output_layer.weight).transpose(0, 1)
+            logits = projected_in_fp32(hidden, weight if weight is not None else model.output_layer.weight).transpose(
+                0, 1
+            )
         logits = _gather_vocab(logits, parallel_state.get_tensor_model_parallel_group())[..., :vocab_size]
     model.train(was_training)
     return token_logprobs(logits, tokens)
@@ -307,8 +327,10 @@ def vllm_logprobs(llm: Any, tokens: torch.Tensor) -> torch.Tensor:
     rows = prompt_logprobs(llm, tokens.tolist())
     missing = sum(value is None for row in rows for value in row)
     if missing or any(len(row) != tokens.shape[1] - 1 for row in rows):
-        raise VerifyInputError(f"the engine returned no log-probability for {missing} prompt token(s): start it with "
-                               "max_logprobs >= 0 and skip_tokenizer_init=True (token-id prompts)")
+        raise VerifyInputError(
+            f"the engine returned no log-probability for {missing} prompt token(s): start it with "
+            "max_logprobs >= 0 and skip_tokenizer_init=True (token-id prompts)"
+        )
     return torch.tensor(rows, dtype=torch.float32)
 
 
@@ -358,16 +380,25 @@ def verify_vllm_refit(
     weights = None
     if sender and reference_fingerprints is not None:
         wrong = differing(reference_fingerprints, refit.fingerprints())
-        weights = WeightsCheck(against="the reference engine's parameter fingerprints",
-                               compared=len(reference_fingerprints), differing=tuple(wrong))
+        weights = WeightsCheck(
+            against="the reference engine's parameter fingerprints",
+            compared=len(reference_fingerprints),
+            differing=tuple(wrong),
+        )
     reference = megatron_logprobs(chunks, tokens, _vocab_size(bridge))
     result = None
     if sender:
         numerics = compare_logprobs(reference, vllm_logprobs(refit.llm, tokens))
-        result = RefitVerdict(weights=weights, numerics=numerics, tolerance=tolerance,
-                              tolerance_from="given" if tolerance is not None else "none: reported only")
+        result = RefitVerdict(
+            weights=weights,
+            numerics=numerics,
+            tolerance=tolerance,
+            tolerance_from="given" if tolerance is not None else "none: reported only",
+        )
     if step is not None:
-        logger.info("refit verified against the engine: %d tensors, %.1f ms", step.tensors, step.export_ms + step.apply_ms)
+        logger.info(
+            "refit verified against the engine: %d tensors, %.1f ms", step.tensors, step.export_ms + step.apply_ms
+        )
     if dist.is_initialized() and dist.get_world_size() > 1:
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, result)
@@ -427,8 +458,15 @@ def verify_refit(
         tolerance_from = "given"
         if tolerance is None:
             tolerance, tolerance_from = numerics_tolerance(next(hf_model.parameters()).dtype, noise)
-        result = [RefitVerdict(weights=weights, numerics=numerics, tolerance=tolerance, tolerance_from=tolerance_from,
-                               engine_noise=noise)]
+        result = [
+            RefitVerdict(
+                weights=weights,
+                numerics=numerics,
+                tolerance=tolerance,
+                tolerance_from=tolerance_from,
+                engine_noise=noise,
+            )
+        ]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(result, src=0)
     return result[0].check() if check else result[0]
@@ -454,7 +492,9 @@ def engine_attention_noise(
         hf_model.set_attn_implementation(current)
 
 
-def _perturbing(stream: Iterable[tuple[str, torch.Tensor]], name: str | None, seen: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def _perturbing(
+    stream: Iterable[tuple[str, torch.Tensor]], name: str | None, seen: set[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """``stream`` with the tensor called ``name`` corrupted (recorded in ``seen``)."""
     for hf_name, tensor in stream:
         if hf_name == name:

@@ -21,8 +21,13 @@ import torch.distributed as dist
 from mbridge_refit.plan.layout import ParallelLayout
 
 __all__ = [
-    "EXIT_RECORDS_VARIABLE", "LaunchEnv", "default_device", "distributed_session", "init_model_parallel",
-    "init_process_group", "teardown"
+    "EXIT_RECORDS_VARIABLE",
+    "LaunchEnv",
+    "default_device",
+    "distributed_session",
+    "init_model_parallel",
+    "init_process_group",
+    "teardown",
 ]
 
 logger = logging.getLogger(__name__)

@@ -96,23 +96,30 @@ def add_verify_refit_parser(sub: Any) -> None:
     parser.add_argument("--ep", type=int, default=1, help="expert parallel size, MoE only (default: 1)")
     add_device_flag(parser)
     parser.add_argument(
-        "--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        default="bfloat16",
         help="parameter and compute dtype of both models (default: %(default)s; float32 separates refit errors "
         "from bf16 kernel noise)",
     )
     parser.add_argument(
-        "--model-dtype-logits", action="store_true",
+        "--model-dtype-logits",
+        action="store_true",
         help="compare the models' own logits (bf16 with --dtype bfloat16) instead of projecting the final hidden "
         "states in fp32 on both sides",
     )
     parser.add_argument("--batch", type=int, default=4, help="sequences in the token batch (default: %(default)s)")
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence (default: %(default)s)")
     parser.add_argument(
-        "--tolerance", type=float, default=None,
+        "--tolerance",
+        type=float,
+        default=None,
         help=f"max mean |d logprob| between the two forwards (default: derived, the larger of {EPS_FACTOR:g} x the "
         f"dtype's eps and {NOISE_FACTOR:g} x the engine's own eager-vs-default attention difference)",
     )
-    parser.add_argument("--perturb", default=None, metavar="HF_NAME", help="corrupt this tensor on its way to the engine")
+    parser.add_argument(
+        "--perturb", default=None, metavar="HF_NAME", help="corrupt this tensor on its way to the engine"
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the comparison as JSON here")
     add_timeout_flag(parser)
 
@@ -140,10 +147,20 @@ def verify_options(args: argparse.Namespace) -> VerifyArgs:
         raise VerifyInputError(f"--tp {args.tp} --ep {args.ep}: {err}") from err
     if config is not None:
         check_provider(config, layout)
-    source, name = next((k, str(v)) for k, v in (("hf", args.hf), ("recipe", args.recipe), ("shape", args.shape)) if v is not None)
+    source, name = next(
+        (k, str(v)) for k, v in (("hf", args.hf), ("recipe", args.recipe), ("shape", args.shape)) if v is not None
+    )
     return VerifyArgs(
-        source=source, name=name, layout=layout, device=device, batch=args.batch, seq=args.seq,
-        tolerance=args.tolerance, perturb=args.perturb, dtype=getattr(torch, args.dtype), json=args.json,
+        source=source,
+        name=name,
+        layout=layout,
+        device=device,
+        batch=args.batch,
+        seq=args.seq,
+        tolerance=args.tolerance,
+        perturb=args.perturb,
+        dtype=getattr(torch, args.dtype),
+        json=args.json,
         fp32_logits=not args.model_dtype_logits,
         timeout=timeout_from_flag(args),
     )
@@ -222,8 +239,16 @@ def _verify(options: VerifyArgs, checkpoint: Path | None, rank: int, device: tor
         with device:
             hf_model = AutoModelForCausalLM.from_config(config, dtype=options.dtype).eval()
     tokens = fixed_tokens(config.vocab_size, options.batch, options.seq, device)
-    verdict = verify_refit(bridge, chunks, hf_model, tokens, tolerance=options.tolerance, perturb=options.perturb,
-                           fp32_logits=options.fp32_logits, check=False)
+    verdict = verify_refit(
+        bridge,
+        chunks,
+        hf_model,
+        tokens,
+        tolerance=options.tolerance,
+        perturb=options.perturb,
+        fp32_logits=options.fp32_logits,
+        check=False,
+    )
     if rank == 0:
         _report(options, verdict)
     return verdict
@@ -269,32 +294,53 @@ def _check_layout(layout: ParallelLayout, config: Any) -> None:
 def _report(options: VerifyArgs, verdict: RefitVerdict) -> None:
     result, weights, engine_noise = verdict.numerics, verdict.weights, verdict.engine_noise
     logger.info(
-        "%s %s %s %s%s", "PASS" if verdict.passed else "FAIL", options.source, options.name, options.layout.name,
+        "%s %s %s %s%s",
+        "PASS" if verdict.passed else "FAIL",
+        options.source,
+        options.name,
+        options.layout.name,
         f", perturbed {options.perturb}" if options.perturb else "",
     )
     logger.info(
-        "weights: %s: %d tensors compared bit for bit with %s%s", "exact" if weights.exact else "DIFFERENT",
-        weights.compared, weights.against, f", differing: {list(weights.differing[:8])}" if weights.differing else "",
+        "weights: %s: %d tensors compared bit for bit with %s%s",
+        "exact" if weights.exact else "DIFFERENT",
+        weights.compared,
+        weights.against,
+        f", differing: {list(weights.differing[:8])}" if weights.differing else "",
     )
     logger.info(
         "numerics: %d tokens, mean |d logprob| %.3e, max %.3e, mult prob error %.6f: %s tolerance %.3e (%s)",
-        result.tokens, result.mean_abs_diff, result.max_abs_diff, result.mult_prob_error,
-        "within" if verdict.numerics_within else "BEYOND", verdict.tolerance, verdict.tolerance_from,
+        result.tokens,
+        result.mean_abs_diff,
+        result.max_abs_diff,
+        result.mult_prob_error,
+        "within" if verdict.numerics_within else "BEYOND",
+        verdict.tolerance,
+        verdict.tolerance_from,
     )
     if engine_noise is not None:
         logger.info(
             "for scale: the engine model against itself with eager attention (same weights): mean |d logprob| %.3e, max %.3e",
-            engine_noise.mean_abs_diff, engine_noise.max_abs_diff,
+            engine_noise.mean_abs_diff,
+            engine_noise.max_abs_diff,
         )
     if options.json is not None:
         payload = {
-            "source": options.source, "model": options.name, "layout": options.layout.name,
+            "source": options.source,
+            "model": options.name,
+            "layout": options.layout.name,
             "device": torch.cuda.get_device_name() if options.device.type == "cuda" else "cpu",
-            "dtype": str(options.dtype).removeprefix("torch."), "batch": options.batch, "seq": options.seq,
-            "tolerance": verdict.tolerance, "tolerance_from": verdict.tolerance_from,
-            "perturb": options.perturb, "logits": "fp32 projection" if options.fp32_logits else "model dtype",
-            "passed": verdict.passed, "weights": {**asdict(weights), "exact": weights.exact},
-            "numerics_within_tolerance": verdict.numerics_within, **asdict(result),
+            "dtype": str(options.dtype).removeprefix("torch."),
+            "batch": options.batch,
+            "seq": options.seq,
+            "tolerance": verdict.tolerance,
+            "tolerance_from": verdict.tolerance_from,
+            "perturb": options.perturb,
+            "logits": "fp32 projection" if options.fp32_logits else "model dtype",
+            "passed": verdict.passed,
+            "weights": {**asdict(weights), "exact": weights.exact},
+            "numerics_within_tolerance": verdict.numerics_within,
+            **asdict(result),
             "engine_eager_vs_default_attention": asdict(engine_noise) if engine_noise is not None else None,
         }
         options.json.write_text(json.dumps(payload, indent=1) + "\n")

@@ -31,8 +31,15 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "Stream", "WriteShare", "cast_to_dtypes", "matching_source", "output_dtypes", "planned_share",
-    "warn_unwritten", "write_hf_checkpoint", "written_tensors"
+    "Stream",
+    "WriteShare",
+    "cast_to_dtypes",
+    "matching_source",
+    "output_dtypes",
+    "planned_share",
+    "warn_unwritten",
+    "write_hf_checkpoint",
+    "written_tensors",
 ]
 
 logger = logging.getLogger(__name__)
@@ -50,8 +57,17 @@ class WriteShare:
 
 
 def write_hf_checkpoint(
-    bridge: Any, chunks: list, *, out: Path, source_dtypes: Mapping[str, "torch.dtype"], fp8: BlockwiseFP8Config | None,
-    only_source_names: bool, copy_files_from: Path, max_shard_bytes: int, overwrite: bool, show_progress: bool,
+    bridge: Any,
+    chunks: list,
+    *,
+    out: Path,
+    source_dtypes: Mapping[str, "torch.dtype"],
+    fp8: BlockwiseFP8Config | None,
+    only_source_names: bool,
+    copy_files_from: Path,
+    max_shard_bytes: int,
+    overwrite: bool,
+    show_progress: bool,
 ) -> int:
     """Export ``chunks`` into an HF checkpoint at ``out``; returns the tensors the checkpoint holds.
 
@@ -62,10 +78,16 @@ def write_hf_checkpoint(
     """
     start = time.monotonic()
     dtypes, config_overrides = output_dtypes(bridge, chunks, source_dtypes, fp8)
-    share = planned_share(bridge, chunks, dtypes, fp8=fp8, only_source_names=only_source_names, max_shard_bytes=max_shard_bytes)
+    share = planned_share(
+        bridge, chunks, dtypes, fp8=fp8, only_source_names=only_source_names, max_shard_bytes=max_shard_bytes
+    )
     sink = ShardedSafetensorsWriter(
-        out_dir=out, max_shard_bytes=max_shard_bytes, overwrite=overwrite, copy_files_from=copy_files_from,
-        config_overrides=config_overrides, assignment=share.assignment if share is not None else None,
+        out_dir=out,
+        max_shard_bytes=max_shard_bytes,
+        overwrite=overwrite,
+        copy_files_from=copy_files_from,
+        config_overrides=config_overrides,
+        assignment=share.assignment if share is not None else None,
     )
     if share is None:  # no plan: the stock export, streamed
         stream = bridge.export_hf_weights(chunks, show_progress=show_progress, fp8=fp8)
@@ -81,7 +103,11 @@ def write_hf_checkpoint(
     logger.info(
         "export+write: %d tensors in %.3f s, of which %.3f s writing and syncing this rank's shard files "
         "(%d replica%s writing in parallel)",
-        count, time.monotonic() - start, sink.file_seconds, replicas, "s" if replicas > 1 else "",
+        count,
+        time.monotonic() - start,
+        sink.file_seconds,
+        replicas,
+        "s" if replicas > 1 else "",
     )
     return count
 
@@ -102,13 +128,20 @@ def warn_unwritten(source_dtypes: Mapping[str, "torch.dtype"], written: list[str
     if missing and (not dist.is_initialized() or dist.get_rank() == 0):  # every rank wrote the same stream
         logger.warning(
             "the output lacks %d tensors of the source checkpoint, which no mapping of the bridge reads: %s%s",
-            len(missing), missing[:10], " ..." if len(missing) > 10 else "",
+            len(missing),
+            missing[:10],
+            " ..." if len(missing) > 10 else "",
         )
 
 
 def planned_share(
-    bridge: Any, chunks: list, dtypes: Mapping[str, "torch.dtype"], *, fp8: BlockwiseFP8Config | None,
-    only_source_names: bool, max_shard_bytes: int,
+    bridge: Any,
+    chunks: list,
+    dtypes: Mapping[str, "torch.dtype"],
+    *,
+    fp8: BlockwiseFP8Config | None,
+    only_source_names: bool,
+    max_shard_bytes: int,
 ) -> WriteShare | None:
     """The files of the checkpoint and this rank's share of them, from the export plan; None for
     a model without a plan. Collective on the first call for a model (plan, replica ranks)."""
@@ -145,7 +178,9 @@ def written_tensors(
             )
         skipped = [e.hf_name for e in plan.entries if e.hf_name not in dtypes]
         if skipped:
-            logger.info("not writing %d exported tensors the source checkpoint did not store: %s", len(skipped), skipped[:10])
+            logger.info(
+                "not writing %d exported tensors the source checkpoint did not store: %s", len(skipped), skipped[:10]
+            )
     return [(e.hf_name, math.prod(e.shape) * dtypes.get(e.hf_name, e.torch_dtype).itemsize) for e in entries]
 
 
@@ -159,7 +194,9 @@ def matching_source(stream: Stream, dtypes: Mapping[str, "torch.dtype"]) -> Iter
             yield name, tensor
     missing = sorted(set(dtypes) - seen)
     if missing:
-        raise ValueError(f"the export yielded no tensor for {len(missing)} names of the source checkpoint: {missing[:20]}")
+        raise ValueError(
+            f"the export yielded no tensor for {len(missing)} names of the source checkpoint: {missing[:20]}"
+        )
 
 
 def cast_to_dtypes(stream: Stream, dtypes: Mapping[str, "torch.dtype"]) -> Iterator[tuple[str, "torch.Tensor"]]:

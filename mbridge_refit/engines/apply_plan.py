@@ -129,7 +129,10 @@ class ApplyPlan:
 
     @classmethod
     def record(
-        cls, model: torch.nn.Module, sources: list[tuple[str, torch.Tensor]], load_weights: LoadWeights | None = None,
+        cls,
+        model: torch.nn.Module,
+        sources: list[tuple[str, torch.Tensor]],
+        load_weights: LoadWeights | None = None,
         staged: StagedLoad | None = None,
     ) -> "ApplyPlan":
         """Run ``load_weights`` (default ``model.load_weights``) once per source tensor, recording
@@ -154,10 +157,15 @@ class ApplyPlan:
                         "(vLLM's FP8 linear layers do) is recorded through its reload bracket (StagedLoad)"
                     ) from err
                 steps.append(step)
-        plan = cls(steps=steps, load_weights=load_weights, params=params, written=recorder.written,
-                   unexpected=sorted(step.name for step in steps if not step.wrote),
-                   parameter_names=frozenset(_unique_tensors(model.named_parameters())),
-                   owners=_owners(model, recorder.written))
+        plan = cls(
+            steps=steps,
+            load_weights=load_weights,
+            params=params,
+            written=recorder.written,
+            unexpected=sorted(step.name for step in steps if not step.wrote),
+            parameter_names=frozenset(_unique_tensors(model.named_parameters())),
+            owners=_owners(model, recorder.written),
+        )
         if staged is not None and plan.via_loader:
             raise ApplyPlanError(
                 f"{len(plan.via_loader)} tensor(s) are not loaded by plain copies through the engine's reload, e.g. "
@@ -173,7 +181,10 @@ class ApplyPlan:
         for name in self.written:
             module, attribute = self.owners.get(name, (None, None))
             current = getattr(module, attribute, None) if module is not None else None
-            if not isinstance(current, torch.Tensor) or current.untyped_storage().data_ptr() != self.params[name].untyped_storage().data_ptr():
+            if (
+                not isinstance(current, torch.Tensor)
+                or current.untyped_storage().data_ptr() != self.params[name].untyped_storage().data_ptr()
+            ):
                 moved.append(name)
         return sorted(moved)
 
@@ -237,7 +248,9 @@ class ApplyPlan:
 class _CopyRecorder(TorchFunctionMode):
     """Notes copies from a source tensor into a parameter while one source is being loaded."""
 
-    def __init__(self, params: dict[str, torch.Tensor], sources: list[tuple[str, torch.Tensor]], compose_staged: bool = False) -> None:
+    def __init__(
+        self, params: dict[str, torch.Tensor], sources: list[tuple[str, torch.Tensor]], compose_staged: bool = False
+    ) -> None:
         super().__init__()
         self._param_of = {t.untyped_storage().data_ptr(): name for name, t in params.items() if t.numel()}
         self._sources = {t.untyped_storage().data_ptr() for _, t in sources if t.numel()}
@@ -245,7 +258,9 @@ class _CopyRecorder(TorchFunctionMode):
         self._step: _Step | None = None
         self._spans: dict[int, list[tuple[int, int, _Step]]] = {}  # source storage -> (byte span, its step)
         self._compose = compose_staged
-        self._staged: dict[int, list[tuple[torch.Tensor, torch.Tensor, _Step]]] = {}  # staging storage -> writes from sources
+        self._staged: dict[
+            int, list[tuple[torch.Tensor, torch.Tensor, _Step]]
+        ] = {}  # staging storage -> writes from sources
 
     class _Recording:
         def __init__(self, recorder: "_CopyRecorder", step: _Step) -> None:
@@ -274,8 +289,14 @@ class _CopyRecorder(TorchFunctionMode):
             self._note(args[0], args[1])
         elif name == "__setitem__":
             self._note(args[0][args[1]], args[2])
-        elif name.endswith("_") and not name.endswith("__") and args and isinstance(args[0], torch.Tensor) and args[0].numel() \
-                and self._target(args[0]):
+        elif (
+            name.endswith("_")
+            and not name.endswith("__")
+            and args
+            and isinstance(args[0], torch.Tensor)
+            and args[0].numel()
+            and self._target(args[0])
+        ):
             self._loader_only()  # an in-place op other than a copy: replay cannot repeat it (on no element it does nothing)
         elif name == "__set__" and args and isinstance(args[0], torch.Tensor) and self._target(args[0]):
             self._loader_only()  # ``param.data = ...`` swaps the storage
@@ -285,13 +306,17 @@ class _CopyRecorder(TorchFunctionMode):
         source = step.source
         if source.numel():
             start = source.storage_offset() * source.element_size()
-            self._spans.setdefault(source.untyped_storage().data_ptr(), []).append((start, start + _span_bytes(source), step))
+            self._spans.setdefault(source.untyped_storage().data_ptr(), []).append(
+                (start, start + _span_bytes(source), step)
+            )
 
     def _owner(self, source: torch.Tensor) -> _Step | None:
         """The step whose source tensor holds ``source``: a loader that buffers a layer's tensors
         (vLLM's reload does) writes earlier sources while a later one loads."""
         at = source.storage_offset() * source.element_size()
-        holders = [step for start, stop, step in self._spans.get(source.untyped_storage().data_ptr(), []) if start <= at < stop]
+        holders = [
+            step for start, stop, step in self._spans.get(source.untyped_storage().data_ptr(), []) if start <= at < stop
+        ]
         if self._step in holders or not holders:
             return self._step
         return holders[-1]
@@ -306,7 +331,11 @@ class _CopyRecorder(TorchFunctionMode):
         return self._param_of.get(tensor.untyped_storage().data_ptr())
 
     def _is_source(self, tensor: object) -> bool:
-        return isinstance(tensor, torch.Tensor) and tensor.device.type != "meta" and tensor.untyped_storage().data_ptr() in self._sources
+        return (
+            isinstance(tensor, torch.Tensor)
+            and tensor.device.type != "meta"
+            and tensor.untyped_storage().data_ptr() in self._sources
+        )
 
     def _note(self, destination: torch.Tensor, source: object) -> None:
         if not isinstance(destination, torch.Tensor) or destination.device.type == "meta":
@@ -317,7 +346,9 @@ class _CopyRecorder(TorchFunctionMode):
         if target is None:
             if self._compose and from_source and owner is not None:
                 owner.wrote = True  # into a staging tensor: composed when the staged layer is copied back
-                self._staged.setdefault(destination.untyped_storage().data_ptr(), []).append((destination, source, owner))
+                self._staged.setdefault(destination.untyped_storage().data_ptr(), []).append(
+                    (destination, source, owner)
+                )
             return
         if self._compose and isinstance(source, torch.Tensor) and self._compose_staged(destination, source, target):
             return
@@ -334,9 +365,15 @@ class _CopyRecorder(TorchFunctionMode):
         """``destination`` (a parameter) takes ``staging`` whole: each earlier source write into
         that staging tensor becomes a write into the same place of the parameter."""
         writes = self._staged.get(staging.untyped_storage().data_ptr()) if staging.device.type != "meta" else None
-        if not writes or (destination.shape, destination.stride(), destination.dtype) != (staging.shape, staging.stride(), staging.dtype):
+        if not writes or (destination.shape, destination.stride(), destination.dtype) != (
+            staging.shape,
+            staging.stride(),
+            staging.dtype,
+        ):
             return False
-        if any(view.storage_offset() < staging.storage_offset() or view.dtype != staging.dtype for view, _, _ in writes):
+        if any(
+            view.storage_offset() < staging.storage_offset() or view.dtype != staging.dtype for view, _, _ in writes
+        ):
             return False
         shift = destination.storage_offset() - staging.storage_offset()
         for view, source, step in writes:
@@ -405,8 +442,12 @@ def _row_copies(destination: torch.Tensor, origin: torch.Tensor, pieces: Iterabl
             copies.append((destination.narrow(0, first_row, count), origin.narrow(0, first_origin, count)))
             continue
         step, origin_step = group[1][0] - first_row, group[1][1] - first_origin
-        copies.append((_stacked(destination, first_row, step, count, len(group)),
-                       _stacked(origin, first_origin, origin_step, count, len(group))))
+        copies.append(
+            (
+                _stacked(destination, first_row, step, count, len(group)),
+                _stacked(origin, first_origin, origin_step, count, len(group)),
+            )
+        )
     return copies
 
 

@@ -96,14 +96,26 @@ class RefitWorker(Protocol):
     ``receive``, ``leave`` to ``engines.broadcast.BroadcastTarget``. ``fingerprints``: the exact
     per-parameter fingerprints of the engine's model (``engines.fingerprint``)."""
 
-    def mbridge_refit_open(self, wire: dict, payload: bytes, transport: str, check: bool, allow_partial: bool) -> dict: ...
+    def mbridge_refit_open(
+        self, wire: dict, payload: bytes, transport: str, check: bool, allow_partial: bool
+    ) -> dict: ...
 
     def mbridge_refit_apply(self, fingerprint: str) -> float: ...
 
     def mbridge_refit_close(self) -> None: ...
 
-    def mbridge_refit_join(self, host: str, port: int, rank_offset: int, world_size: int, plan_json: str,
-                           config: dict, backend: str | None, allow_partial: bool, timeout_s: float) -> int: ...
+    def mbridge_refit_join(
+        self,
+        host: str,
+        port: int,
+        rank_offset: int,
+        world_size: int,
+        plan_json: str,
+        config: dict,
+        backend: str | None,
+        allow_partial: bool,
+        timeout_s: float,
+    ) -> int: ...
 
     def mbridge_refit_receive(self) -> dict: ...
 
@@ -142,7 +154,9 @@ def register_adapter(adapter: EngineAdapter) -> EngineAdapter:
     """Make ``adapter`` known by its name (an adapter's package calls this when imported)."""
     unknown = sorted(set(adapter.sessions) - set(TRANSPORT_NAMES))
     if unknown:
-        raise InputError(f"engine adapter {adapter.name!r} names unknown transports {unknown}; known: {list(TRANSPORT_NAMES)}")
+        raise InputError(
+            f"engine adapter {adapter.name!r} names unknown transports {unknown}; known: {list(TRANSPORT_NAMES)}"
+        )
     _ADAPTERS[adapter.name] = adapter
     return adapter
 
@@ -153,8 +167,10 @@ def engine_adapter(name: str) -> EngineAdapter:
         importlib.import_module(f"{__package__}.{name}")
     adapter = _ADAPTERS.get(name)
     if adapter is None:
-        raise InputError(f"no engine adapter {name!r}; known: {registered_adapters()} (an adapter is the package "
-                         f"mbridge_refit.engines.<name>, which calls register_adapter when imported)")
+        raise InputError(
+            f"no engine adapter {name!r}; known: {registered_adapters()} (an adapter is the package "
+            f"mbridge_refit.engines.<name>, which calls register_adapter when imported)"
+        )
     return adapter
 
 

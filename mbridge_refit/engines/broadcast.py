@@ -79,8 +79,13 @@ class BroadcastTarget:
     """
 
     def __init__(
-        self, load_weights: LoadWeights, model: torch.nn.Module, device: torch.device | str, *,
-        staged: StagedLoad | None = None, allow_partial: bool = False,
+        self,
+        load_weights: LoadWeights,
+        model: torch.nn.Module,
+        device: torch.device | str,
+        *,
+        staged: StagedLoad | None = None,
+        allow_partial: bool = False,
     ) -> None:
         self.load_weights, self.model, self.device = load_weights, model, torch.device(device)
         self.staged, self.allow_partial = staged, allow_partial
@@ -88,17 +93,38 @@ class BroadcastTarget:
         self.plan_json: str | None = None
         self.config: PackedBroadcastConfig | None = None
 
-    def join(self, *, host: str, port: int, rank: int, world_size: int, plan_json: str, config: dict,
-             backend: str | None = None, timeout_s: float = 600.0) -> int:
+    def join(
+        self,
+        *,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        plan_json: str,
+        config: dict,
+        backend: str | None = None,
+        timeout_s: float = 600.0,
+    ) -> int:
         """Join the trainer's group as ``rank``; keep the plan and the buffer config for every step."""
         if not SOURCE_RANK < rank < world_size:
-            raise BroadcastRefitError(f"worker rank {rank} is outside 1..{world_size - 1}: rank {SOURCE_RANK} is the trainer's")
+            raise BroadcastRefitError(
+                f"worker rank {rank} is outside 1..{world_size - 1}: rank {SOURCE_RANK} is the trainer's"
+            )
         self.close()
         self.config = PackedBroadcastConfig(**config)
         self.plan_json = plan_json
-        self.group = StoreGroup(host=host, port=port, rank=rank, world_size=world_size, device=self.device,
-                                backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
-        logger.info("broadcast refit: joined %s:%d as rank %d of %d (%s)", host, port, rank, world_size, self.group.backend)
+        self.group = StoreGroup(
+            host=host,
+            port=port,
+            rank=rank,
+            world_size=world_size,
+            device=self.device,
+            backend=backend,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        logger.info(
+            "broadcast refit: joined %s:%d as rank %d of %d (%s)", host, port, rank, world_size, self.group.backend
+        )
         return rank
 
     def receive(self) -> dict[str, Any]:
@@ -108,8 +134,9 @@ class BroadcastTarget:
         started = time.perf_counter()
         receiver = None
         try:
-            receiver = PackedBroadcastReceiver(self.plan_json, self.config, group=self.group, src=SOURCE_RANK,
-                                               device=self.device)
+            receiver = PackedBroadcastReceiver(
+                self.plan_json, self.config, group=self.group, src=SOURCE_RANK, device=self.device
+            )
             counter = self._load(receiver.receive())
             self.group.synchronize()  # watched: a load waiting for a broadcast whose sender failed ends
         except BaseException as err:
@@ -119,8 +146,12 @@ class BroadcastTarget:
             raise
         loaded = counter.loaded
         unloaded = self._unloaded(loaded) if isinstance(loaded, (set, frozenset)) else []
-        report = ReceiveReport(tensors=counter.tensors, bytes=counter.bytes, unloaded=unloaded,
-                               receive_ms=(time.perf_counter() - started) * 1e3)
+        report = ReceiveReport(
+            tensors=counter.tensors,
+            bytes=counter.bytes,
+            unloaded=unloaded,
+            receive_ms=(time.perf_counter() - started) * 1e3,
+        )
         if unloaded and not self.allow_partial:
             raise BroadcastRefitError(
                 f"the refit left {len(unloaded)} engine parameters unloaded, e.g. {unloaded[:4]}: the trainer's export "
@@ -156,8 +187,12 @@ class BroadcastTarget:
         every_name = dict(self.model.named_parameters(remove_duplicate=False))
         unknown = sorted(name for name in loaded if name not in every_name)
         if unknown:
-            logger.warning("broadcast refit: the loader reports %d names the model has no parameter of (e.g. %s): "
-                           "unloaded parameters cannot be told", len(unknown), unknown[:2])
+            logger.warning(
+                "broadcast refit: the loader reports %d names the model has no parameter of (e.g. %s): "
+                "unloaded parameters cannot be told",
+                len(unknown),
+                unknown[:2],
+            )
             return []
         reached = {id(every_name[name]) for name in loaded}
         return sorted(name for name, param in self.model.named_parameters() if id(param) not in reached)

@@ -32,7 +32,7 @@ def tensor_fingerprint(tensor: torch.Tensor) -> tuple[int, int]:
     plain = torch.zeros((), dtype=torch.int64, device=words.device)
     weighted = torch.zeros((), dtype=torch.int64, device=words.device)
     for start in range(0, words.numel(), _CHUNK_WORDS):
-        chunk = words[start:start + _CHUNK_WORDS].to(torch.int64)
+        chunk = words[start : start + _CHUNK_WORDS].to(torch.int64)
         weights = torch.arange(start, start + chunk.numel(), device=words.device, dtype=torch.int64)
         weights = weights % _WEIGHT_PERIOD + 1
         plain += chunk.sum()

@@ -84,7 +84,10 @@ class RefitReceiver:
     """Engine-side state of one refit session (see the module docstring for the protocol)."""
 
     def __init__(
-        self, model: torch.nn.Module, device: torch.device, load_weights: LoadWeights | None = None,
+        self,
+        model: torch.nn.Module,
+        device: torch.device,
+        load_weights: LoadWeights | None = None,
         staged: StagedLoad | None = None,
     ) -> None:
         self.model = model
@@ -122,20 +125,35 @@ class RefitReceiver:
             _synchronize(self.device)
         self._plan, self._fingerprint, self._storages = plan, layout.fingerprint, storages
         report = OpenReport(
-            fingerprint=layout.fingerprint, tensors=len(layout.refs), storages=len(storages), bytes=layout.nbytes,
-            copies=plan.copies, composed=len(rows) - len(refreshed), refreshed=refreshed, via_loader=plan.via_loader, missing=plan.missing, unexpected=plan.unexpected,
-            partial=plan.partial, checked_against_loader=check, open_ms=(time.perf_counter() - started) * 1e3,
+            fingerprint=layout.fingerprint,
+            tensors=len(layout.refs),
+            storages=len(storages),
+            bytes=layout.nbytes,
+            copies=plan.copies,
+            composed=len(rows) - len(refreshed),
+            refreshed=refreshed,
+            via_loader=plan.via_loader,
+            missing=plan.missing,
+            unexpected=plan.unexpected,
+            partial=plan.partial,
+            checked_against_loader=check,
+            open_ms=(time.perf_counter() - started) * 1e3,
         )
         if plan.via_loader:
-            logger.info("refit: %d tensor(s) go through the engine's loader every step, e.g. %s",
-                        len(plan.via_loader), plan.via_loader[:3])
+            logger.info(
+                "refit: %d tensor(s) go through the engine's loader every step, e.g. %s",
+                len(plan.via_loader),
+                plan.via_loader[:3],
+            )
         return report.to_dict()
 
     def apply(self, fingerprint: str) -> float:
         started = time.perf_counter()
         if self._plan is None:
-            raise EngineRefitError("no refit layout is open on this engine: the trainer must open one first "
-                             "(its refit session does on its first step)")
+            raise EngineRefitError(
+                "no refit layout is open on this engine: the trainer must open one first "
+                "(its refit session does on its first step)"
+            )
         if fingerprint != self._fingerprint:
             raise EngineRefitError(
                 f"plan mismatch: the trainer's step has layout {fingerprint} but this engine opened {self._fingerprint}; "
@@ -143,8 +161,12 @@ class RefitReceiver:
             )
         moved = self._plan.targets_moved(self.model)
         if moved:
-            logger.warning("refit: %d engine parameter(s) were reallocated since the layout was opened (e.g. %s): "
-                           "recording the engine's loader again", len(moved), moved[:3])
+            logger.warning(
+                "refit: %d engine parameter(s) were reallocated since the layout was opened (e.g. %s): "
+                "recording the engine's loader again",
+                len(moved),
+                moved[:3],
+            )
             self._plan.refresh_sources()
             plan = self._record([(s.name, s.source) for s in self._plan.steps])
             plan.compose_rows(self._plan.rows)
@@ -166,8 +188,11 @@ class RefitReceiver:
             except ApplyPlanError as err:
                 if self._staged is None:
                     raise
-                logger.info("refit: the engine's loader fails on its processed parameters (%s); recording through "
-                            "its reload instead", err)
+                logger.info(
+                    "refit: the engine's loader fails on its processed parameters (%s); recording through "
+                    "its reload instead",
+                    err,
+                )
         self._staged_in_use = True
         return ApplyPlan.record(self.model, sources, self._load_weights, staged=self._staged)
 
@@ -191,10 +216,15 @@ def _mismatch_message(plan: ApplyPlan) -> str:
     if plan.missing:
         parts.append(f"{len(plan.missing)} engine parameter(s) received nothing, e.g. {plan.missing[:5]}")
     if plan.unexpected:
-        parts.append(f"{len(plan.unexpected)} exported tensor(s) were not loaded by the engine, e.g. {plan.unexpected[:5]}")
-    return ("the export does not match the engine's model: " + "; ".join(parts)
-            + ". Check that the engine was started from the same architecture and config (and the same FP8 "
-              "quantization_config for an FP8 refit); pass allow_partial=True to refit a subset on purpose")
+        parts.append(
+            f"{len(plan.unexpected)} exported tensor(s) were not loaded by the engine, e.g. {plan.unexpected[:5]}"
+        )
+    return (
+        "the export does not match the engine's model: "
+        + "; ".join(parts)
+        + ". Check that the engine was started from the same architecture and config (and the same FP8 "
+        "quantization_config for an FP8 refit); pass allow_partial=True to refit a subset on purpose"
+    )
 
 
 def _synchronize(device: torch.device) -> None:

@@ -81,7 +81,9 @@ class RowsRef:
         if wire is None:
             return None
         storage, shape, stride, offset, runs = wire
-        return cls(int(storage), tuple(shape), tuple(stride), int(offset), tuple(tuple(int(x) for x in run) for run in runs))
+        return cls(
+            int(storage), tuple(shape), tuple(stride), int(offset), tuple(tuple(int(x) for x in run) for run in runs)
+        )
 
 
 @dataclass(frozen=True)
@@ -123,8 +125,10 @@ class SharedLayout:
     def to_wire(self) -> dict[str, Any]:
         """Plain lists and numbers (for an RPC that serializes with msgpack or JSON)."""
         return {
-            "refs": [[r.name, r.storage, r.dtype, list(r.shape), list(r.stride), r.offset, r.rows and r.rows.to_wire()]
-                     for r in self.refs],
+            "refs": [
+                [r.name, r.storage, r.dtype, list(r.shape), list(r.stride), r.offset, r.rows and r.rows.to_wire()]
+                for r in self.refs
+            ],
             "storage_bytes": list(self.storage_bytes),
         }
 
@@ -159,8 +163,10 @@ class LayoutRecorder:
         if rows is not None:
             source, runs = rows[0].detach(), tuple(rows[1])
             if source.dtype != tensor.dtype or source.shape[1:] != tensor.shape[1:]:
-                raise SharingError(f"{name}: rows of a {source.dtype} {tuple(source.shape)} source cannot make a "
-                                   f"{tensor.dtype} {tuple(tensor.shape)} tensor")
+                raise SharingError(
+                    f"{name}: rows of a {source.dtype} {tuple(source.shape)} source cannot make a "
+                    f"{tensor.dtype} {tuple(tensor.shape)} tensor"
+                )
             key += (*_where(source), runs)
             rows = (source, runs)
         self._keys.append(key)
@@ -189,16 +195,31 @@ class LayoutRecorder:
             rows_ref = None
             if rows is not None:
                 source, runs = rows
-                rows_ref = RowsRef(storage=storage_of(source), shape=tuple(source.shape), stride=tuple(source.stride()),
-                                   offset=source.storage_offset(), runs=runs)
-            refs.append(TensorRef(name=key[0], storage=storage_of(tensor), dtype=str(tensor.dtype).removeprefix("torch."),
-                                  shape=tuple(tensor.shape), stride=tuple(tensor.stride()), offset=tensor.storage_offset(),
-                                  rows=rows_ref))
+                rows_ref = RowsRef(
+                    storage=storage_of(source),
+                    shape=tuple(source.shape),
+                    stride=tuple(source.stride()),
+                    offset=source.storage_offset(),
+                    runs=runs,
+                )
+            refs.append(
+                TensorRef(
+                    name=key[0],
+                    storage=storage_of(tensor),
+                    dtype=str(tensor.dtype).removeprefix("torch."),
+                    shape=tuple(tensor.shape),
+                    stride=tuple(tensor.stride()),
+                    offset=tensor.storage_offset(),
+                    rows=rows_ref,
+                )
+            )
         layout = SharedLayout(refs=tuple(refs), storage_bytes=tuple(st.nbytes() for st in storages))
         return layout, storages
 
 
-def views(layout: SharedLayout, storages: list[torch.UntypedStorage], device: torch.device) -> list[tuple[str, torch.Tensor]]:
+def views(
+    layout: SharedLayout, storages: list[torch.UntypedStorage], device: torch.device
+) -> list[tuple[str, torch.Tensor]]:
     """Engine side: ``(hf_name, tensor)`` for every ref, as views of the opened ``storages``
     (no copy, no allocation). Checks that the storages are the ones the layout describes."""
     if len(storages) != len(layout.storage_bytes):
@@ -214,7 +235,9 @@ def views(layout: SharedLayout, storages: list[torch.UntypedStorage], device: to
     return out
 
 
-def row_sources(layout: SharedLayout, storages: list[torch.UntypedStorage], device: torch.device) -> dict[str, tuple[torch.Tensor, Runs]]:
+def row_sources(
+    layout: SharedLayout, storages: list[torch.UntypedStorage], device: torch.device
+) -> dict[str, tuple[torch.Tensor, Runs]]:
     """Engine side: for every ref that names its rows, ``(source view, runs)`` over the opened
     ``storages`` (call after ``views``, which checks the storages). Checks that the runs lie
     inside the source and cover the tensor's rows exactly once."""
@@ -226,11 +249,18 @@ def row_sources(layout: SharedLayout, storages: list[torch.UntypedStorage], devi
         source = torch.empty(0, dtype=_dtype(ref.dtype), device=device)
         source.set_(storages[rows.storage], rows.offset, rows.shape, rows.stride)
         covered = sorted((hf_row, hf_row + count) for hf_row, _, count in rows.runs)
-        tiles = covered and covered[0][0] == 0 and covered[-1][1] == ref.shape[0] and all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
+        tiles = (
+            covered
+            and covered[0][0] == 0
+            and covered[-1][1] == ref.shape[0]
+            and all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
+        )
         inside = all(0 <= start and start + count <= rows.shape[0] for _, start, count in rows.runs)
         if not (tiles and inside and tuple(rows.shape[1:]) == tuple(ref.shape[1:])):
-            raise SharingError(f"{ref.name}: its row runs {list(rows.runs)[:4]} do not make a {ref.shape} tensor from a "
-                               f"{rows.shape} source")
+            raise SharingError(
+                f"{ref.name}: its row runs {list(rows.runs)[:4]} do not make a {ref.shape} tensor from a "
+                f"{rows.shape} source"
+            )
         out[ref.name] = (source, rows.runs)
     return out
 
@@ -238,7 +268,14 @@ def row_sources(layout: SharedLayout, storages: list[torch.UntypedStorage], devi
 def _where(tensor: torch.Tensor) -> tuple:
     """Where a tensor's bytes are: storage address and size, offset, shape, stride, dtype."""
     storage = tensor.untyped_storage()
-    return (storage.data_ptr(), storage.nbytes(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+    return (
+        storage.data_ptr(),
+        storage.nbytes(),
+        tensor.storage_offset(),
+        tuple(tensor.shape),
+        tensor.stride(),
+        tensor.dtype,
+    )
 
 
 class Transport(Protocol):
@@ -274,8 +311,10 @@ class CudaIpcTransport:
             whole = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
             rebuild, args = reduce_tensor(whole)
             if rebuild is not rebuild_cuda_tensor:
-                raise SharingError(f"a {storage.device} storage cannot be shared by CUDA IPC "
-                                   f"(torch reduces it with {rebuild.__name__})")
+                raise SharingError(
+                    f"a {storage.device} storage cannot be shared by CUDA IPC "
+                    f"(torch reduces it with {rebuild.__name__})"
+                )
             handles.append({_gpu_uuid(storage.device): args})
         return encode_payload(handles)
 
@@ -317,8 +356,10 @@ class LocalTransport:
         try:
             return _LOCAL[payload.decode()]
         except KeyError:
-            raise SharingError("the local transport's storages are not in this process: the engine runs in "
-                               "another process, use CudaIpcTransport") from None
+            raise SharingError(
+                "the local transport's storages are not in this process: the engine runs in "
+                "another process, use CudaIpcTransport"
+            ) from None
 
     @staticmethod
     def release(payload: bytes) -> None:

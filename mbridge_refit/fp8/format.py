@@ -39,7 +39,6 @@ that reproduce them on CUDA), ``quantize`` (the export transform) and ``te`` (Tr
 FP8 parameters as sources).
 """
 
-
 from __future__ import annotations
 
 import dataclasses
@@ -57,8 +56,18 @@ if TYPE_CHECKING:
     from mbridge_refit.plan.entries import ExportPlan
 
 __all__ = [
-    "BLOCK", "BlockwiseFP8Config", "E4M3_MAX", "FP8FormatError", "FP8_DTYPE", "FP8_DTYPE_NAME", "SCALE_DTYPE",
-    "SCALE_DTYPE_NAME", "SCALE_SUFFIX", "row_piece", "scale_name", "scale_shape"
+    "BLOCK",
+    "BlockwiseFP8Config",
+    "E4M3_MAX",
+    "FP8FormatError",
+    "FP8_DTYPE",
+    "FP8_DTYPE_NAME",
+    "SCALE_DTYPE",
+    "SCALE_DTYPE_NAME",
+    "SCALE_SUFFIX",
+    "row_piece",
+    "scale_name",
+    "scale_shape",
 ]
 
 BLOCK = 128

@@ -51,9 +51,17 @@ from types import MappingProxyType
 from typing import Mapping
 
 __all__ = [
-    "DSA_INDEXER_WEIGHTS", "EMBEDDINGS", "ENCODERS", "GATED_DELTA_NET_SMALL_PROJECTIONS",
-    "KEEP_BY_ARCHITECTURE", "KEEP_DEFAULT", "MTP_INPUT_PROJECTIONS", "NORMS", "OUTPUT_LAYERS", "ROUTERS",
-    "keep_patterns_for"
+    "DSA_INDEXER_WEIGHTS",
+    "EMBEDDINGS",
+    "ENCODERS",
+    "GATED_DELTA_NET_SMALL_PROJECTIONS",
+    "KEEP_BY_ARCHITECTURE",
+    "KEEP_DEFAULT",
+    "MTP_INPUT_PROJECTIONS",
+    "NORMS",
+    "OUTPUT_LAYERS",
+    "ROUTERS",
+    "keep_patterns_for",
 ]
 
 EMBEDDINGS = ("*embed_tokens.weight", "*backbone.embeddings.weight", "*word_embeddings.weight", "embed.weight")
@@ -75,29 +83,45 @@ ROUTERS = (
 # (ReplicatedLinear without quant_config); Qwen3-Next / EXAONE name it ``mtp.fc``.
 MTP_INPUT_PROJECTIONS = ("*.eh_proj.weight", "mtp.fc.weight", "*.mtp_layers.*.input_proj.weight")
 ENCODERS = (  # vision and audio towers with their projectors into the language model
-    "*visual.*", "*vision_tower.*", "*vision_model.*", "*audio_tower.*", "*sound_encoder.*", "sound_projection.*",
-    "*multi_modal_projector.*", "mm_projector.*", "patch_merge_mlp.*", "mlp1.*", "vit_large_projector.weight",
-    "model.resampler_model.*", "*embed_vision.*", "*embed_audio.*",
+    "*visual.*",
+    "*vision_tower.*",
+    "*vision_model.*",
+    "*audio_tower.*",
+    "*sound_encoder.*",
+    "sound_projection.*",
+    "*multi_modal_projector.*",
+    "mm_projector.*",
+    "patch_merge_mlp.*",
+    "mlp1.*",
+    "vit_large_projector.weight",
+    "model.resampler_model.*",
+    "*embed_vision.*",
+    "*embed_audio.*",
 )
 KEEP_DEFAULT = EMBEDDINGS + OUTPUT_LAYERS + NORMS + ROUTERS + MTP_INPUT_PROJECTIONS + ENCODERS
 
 GATED_DELTA_NET_SMALL_PROJECTIONS = (
-    "*.linear_attn.in_proj_ba.weight", "*.linear_attn.in_proj_a.weight", "*.linear_attn.in_proj_b.weight",
+    "*.linear_attn.in_proj_ba.weight",
+    "*.linear_attn.in_proj_a.weight",
+    "*.linear_attn.in_proj_b.weight",
 )
 DSA_INDEXER_WEIGHTS = ("*.self_attn.indexer.weights_proj.weight",)
 
 # HF architecture -> patterns kept; a row per family whose published FP8 checkpoint was read.
-KEEP_BY_ARCHITECTURE: Mapping[str, tuple[str, ...]] = MappingProxyType({
-    "DeepseekV3ForCausalLM": KEEP_DEFAULT,  # deepseek-ai/DeepSeek-V3
-    "KimiK2ForCausalLM": KEEP_DEFAULT,  # moonshotai/Kimi-K2-Instruct: DeepSeek-V3's architecture, FP8 (maxtext Run_Kimi.md)
-    "MiniMaxM2ForCausalLM": KEEP_DEFAULT,  # MiniMaxAI/MiniMax-M2
-    "GlmMoeDsaForCausalLM": KEEP_DEFAULT + DSA_INDEXER_WEIGHTS,  # zai-org/GLM-5.x FP8
-    "Qwen3NextForCausalLM": KEEP_DEFAULT + GATED_DELTA_NET_SMALL_PROJECTIONS,  # Qwen/Qwen3.6-35B-A3B-FP8 (same GDN layers)
-    "Qwen3_5ForCausalLM": KEEP_DEFAULT + GATED_DELTA_NET_SMALL_PROJECTIONS,
-    "Qwen3_5MoeForCausalLM": KEEP_DEFAULT + GATED_DELTA_NET_SMALL_PROJECTIONS,
-    "Qwen3_5ForConditionalGeneration": KEEP_DEFAULT + GATED_DELTA_NET_SMALL_PROJECTIONS,
-    "Qwen3_5MoeForConditionalGeneration": KEEP_DEFAULT + GATED_DELTA_NET_SMALL_PROJECTIONS,
-})
+KEEP_BY_ARCHITECTURE: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {
+        "DeepseekV3ForCausalLM": KEEP_DEFAULT,  # deepseek-ai/DeepSeek-V3
+        "KimiK2ForCausalLM": KEEP_DEFAULT,  # moonshotai/Kimi-K2-Instruct: DeepSeek-V3's architecture, FP8 (maxtext Run_Kimi.md)
+        "MiniMaxM2ForCausalLM": KEEP_DEFAULT,  # MiniMaxAI/MiniMax-M2
+        "GlmMoeDsaForCausalLM": KEEP_DEFAULT + DSA_INDEXER_WEIGHTS,  # zai-org/GLM-5.x FP8
+        "Qwen3NextForCausalLM": KEEP_DEFAULT
+        + GATED_DELTA_NET_SMALL_PROJECTIONS,  # Qwen/Qwen3.6-35B-A3B-FP8 (same GDN layers)
+        "Qwen3_5ForCausalLM": KEEP_DEFAULT + GATED_DELTA_NET_SMALL_PROJECTIONS,
+        "Qwen3_5MoeForCausalLM": KEEP_DEFAULT + GATED_DELTA_NET_SMALL_PROJECTIONS,
+        "Qwen3_5ForConditionalGeneration": KEEP_DEFAULT + GATED_DELTA_NET_SMALL_PROJECTIONS,
+        "Qwen3_5MoeForConditionalGeneration": KEEP_DEFAULT + GATED_DELTA_NET_SMALL_PROJECTIONS,
+    }
+)
 
 
 def keep_patterns_for(architecture: str | None) -> tuple[str, ...]:

@@ -41,9 +41,19 @@ from mbridge_refit.fp8.format import BLOCK, FP8_DTYPE, row_piece, scale_shape
 from mbridge_refit.fp8.reference import quantize_reference
 
 __all__ = [
-    "ALIGNMENT", "DEFAULT_CONFIG", "DESCRIPTOR_FIELDS", "GroupedLaunch", "LaunchConfig", "RESCALE_BELOW",
-    "TINY_SCALE_FACTOR", "grouped_launch", "grouped_takes", "launch_grouped", "quantize_single", "root_cause",
-    "usable"
+    "ALIGNMENT",
+    "DEFAULT_CONFIG",
+    "DESCRIPTOR_FIELDS",
+    "GroupedLaunch",
+    "LaunchConfig",
+    "RESCALE_BELOW",
+    "TINY_SCALE_FACTOR",
+    "grouped_launch",
+    "grouped_takes",
+    "launch_grouped",
+    "quantize_single",
+    "root_cause",
+    "usable",
 ]
 
 logger = logging.getLogger(__name__)
@@ -59,7 +69,9 @@ ALIGNMENT = 16  # the grouped kernel needs x and q pointers, cols and row stride
 
 
 @triton.jit
-def _quantize_block(x_ptr, q_ptr, s_ptr, rows, cols, stride_x, stride_q, n_block_cols, block_row, block_col, BLOCK_SIZE: tl.constexpr):
+def _quantize_block(
+    x_ptr, q_ptr, s_ptr, rows, cols, stride_x, stride_q, n_block_cols, block_row, block_col, BLOCK_SIZE: tl.constexpr
+):
     """Quantize block (block_row, block_col), read once and held in registers.
 
     Per element, after the block's amax (taken in the source dtype: abs and max are exact there,
@@ -98,7 +110,19 @@ def _quantize_block(x_ptr, q_ptr, s_ptr, rows, cols, stride_x, stride_q, n_block
 
 @triton.jit
 def _single_kernel(x_ptr, q_ptr, s_ptr, rows, cols, stride_x, stride_q, n_block_cols, BLOCK_SIZE: tl.constexpr):
-    _quantize_block(x_ptr, q_ptr, s_ptr, rows, cols, stride_x, stride_q, n_block_cols, tl.program_id(0), tl.program_id(1), BLOCK_SIZE)
+    _quantize_block(
+        x_ptr,
+        q_ptr,
+        s_ptr,
+        rows,
+        cols,
+        stride_x,
+        stride_q,
+        n_block_cols,
+        tl.program_id(0),
+        tl.program_id(1),
+        BLOCK_SIZE,
+    )
 
 
 @triton.jit
@@ -114,8 +138,14 @@ def _grouped_kernel(desc_ptr, X_DTYPE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
             tl.multiple_of(tl.load(d).to(tl.pointer_type(X_DTYPE)), 16),
             tl.multiple_of(tl.load(d + 1).to(tl.pointer_type(tl.float8e4nv)), 16),
             tl.load(d + 2).to(tl.pointer_type(tl.float32)),
-            rows, tl.multiple_of(tl.load(d + 4), 16), tl.multiple_of(tl.load(d + 5), 16), tl.multiple_of(tl.load(d + 6), 16),
-            n_block_cols, block // n_block_cols, block % n_block_cols, BLOCK_SIZE,
+            rows,
+            tl.multiple_of(tl.load(d + 4), 16),
+            tl.multiple_of(tl.load(d + 5), 16),
+            tl.multiple_of(tl.load(d + 6), 16),
+            n_block_cols,
+            block // n_block_cols,
+            block % n_block_cols,
+            BLOCK_SIZE,
         )
 
 
@@ -155,7 +185,15 @@ def quantize_single(x: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor)
     rows, cols = x.shape
     block_rows, block_cols = scale_out.shape
     _single_kernel[(block_rows, block_cols)](
-        x, out, scale_out, rows, cols, x.stride(0), out.stride(0), block_cols, BLOCK_SIZE=BLOCK,
+        x,
+        out,
+        scale_out,
+        rows,
+        cols,
+        x.stride(0),
+        out.stride(0),
+        block_cols,
+        BLOCK_SIZE=BLOCK,
         num_warps=DEFAULT_CONFIG.num_warps,
     )
 
@@ -164,7 +202,10 @@ def grouped_takes(x: torch.Tensor) -> bool:
     """Whether the grouped kernel reads ``x`` in place: a CUDA 2-D tensor of a float dtype it
     knows, rows contiguous, pointer, width and row stride aligned to ``ALIGNMENT``."""
     return (
-        x.is_cuda and x.dim() == 2 and x.stride(1) == 1 and x.dtype in _TRITON_DTYPES
+        x.is_cuda
+        and x.dim() == 2
+        and x.stride(1) == 1
+        and x.dtype in _TRITON_DTYPES
         and not (x.data_ptr() % ALIGNMENT or x.stride(0) % ALIGNMENT or x.shape[1] % ALIGNMENT)
     )
 
@@ -181,7 +222,9 @@ class GroupedLaunch:
     num_warps: int
 
 
-def grouped_launch(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], config: LaunchConfig | None = None) -> GroupedLaunch:
+def grouped_launch(
+    jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], config: LaunchConfig | None = None
+) -> GroupedLaunch:
     """The launch for ``(source, q, scale)`` triples of one dtype and device that ``grouped_takes``
     (builds the descriptor table: one host-to-device copy); ``DEFAULT_CONFIG`` unless given."""
     config = config or DEFAULT_CONFIG
@@ -191,8 +234,13 @@ def grouped_launch(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], 
         for x, q, s in pieces
     ]
     table = torch.tensor(rows, dtype=torch.int64, device=jobs[0][0].device)
-    return GroupedLaunch(table=table, count=len(rows), max_blocks=max(s.numel() for _, _, s in pieces),
-                         dtype=jobs[0][0].dtype, num_warps=config.num_warps)
+    return GroupedLaunch(
+        table=table,
+        count=len(rows),
+        max_blocks=max(s.numel() for _, _, s in pieces),
+        dtype=jobs[0][0].dtype,
+        num_warps=config.num_warps,
+    )
 
 
 def _chunks(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, chunk_blocks: int | None) -> list[tuple]:
@@ -200,7 +248,9 @@ def _chunks(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, chunk_blocks: int
     cut): each run is a job of its own with the same blocks."""
     rows, block_cols = x.shape[0], s.shape[1]
     step = rows if chunk_blocks is None else max(1, chunk_blocks // block_cols) * BLOCK
-    return [row_piece(x, q, s, x_row=start, q_row=start, rows=min(step, rows - start)) for start in range(0, rows, step)]
+    return [
+        row_piece(x, q, s, x_row=start, q_row=start, rows=min(step, rows - start)) for start in range(0, rows, step)
+    ]
 
 
 def launch_grouped(launch: GroupedLaunch) -> None:
@@ -218,8 +268,14 @@ def usable(kind: str) -> bool:
     probe tensors on this device (checked once per process; a failure is logged with its cause)."""
     try:
         probes = [x for x in _probe_tensors() if kind == "single" or grouped_takes(x)]
-        outputs = [(x, torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device),
-                    torch.empty(scale_shape(tuple(x.shape)), device=x.device)) for x in probes]
+        outputs = [
+            (
+                x,
+                torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device),
+                torch.empty(scale_shape(tuple(x.shape)), device=x.device),
+            )
+            for x in probes
+        ]
         if kind == "single":
             for x, q, s in outputs:
                 quantize_single(x, q, s)
@@ -252,9 +308,13 @@ def _probe_tensors() -> list[torch.Tensor]:
     # scale 3 (its reciprocal is inexact) with exact e4m3 ties, and a block of values so small
     # (scale < 2^-90) that the kernel rescales it by 2^100
     odd = (torch.randn(256, 256, generator=gen) * 0.05).to(torch.bfloat16)
-    odd[0, :12] = 3 * torch.tensor([448.0, 168.0, -168.0, 0.5625, 17.0, 9.5, -9.5, 208.0, 13.0, 26.0, 416.0, 0.02734375])
+    odd[0, :12] = 3 * torch.tensor(
+        [448.0, 168.0, -168.0, 0.5625, 17.0, 9.5, -9.5, 208.0, 13.0, 26.0, 416.0, 0.02734375]
+    )
     odd[128:, 128:] = (torch.randn(128, 128, generator=gen) * 1e-27).to(torch.bfloat16)
-    tall = (torch.randn(129 * 128 + 5, 32, generator=gen) * 2).to(torch.bfloat16)  # 2 chunks of 128 blocks, the last partial
+    tall = (torch.randn(129 * 128 + 5, 32, generator=gen) * 2).to(
+        torch.bfloat16
+    )  # 2 chunks of 128 blocks, the last partial
     return [tie.cuda(), wide.cuda(), wide.cuda()[:, 16:400], wide.cuda()[:, 7:400], odd.cuda(), tall.cuda()]
 
 

@@ -89,13 +89,18 @@ def scale_sharding(entry: PlanEntry) -> TensorSharding:
     otherwise, naming the weight and the slice.
     """
     local_shape = entry.sharding.local_shape
-    pieces = tuple(tuple(_scale_piece(entry, copy, rank) for copy in rank_pieces) for rank, rank_pieces in enumerate(entry.sharding.pieces))
+    pieces = tuple(
+        tuple(_scale_piece(entry, copy, rank) for copy in rank_pieces)
+        for rank, rank_pieces in enumerate(entry.sharding.pieces)
+    )
     return dataclasses.replace(entry.sharding, pieces=pieces, local_shape=scale_shape(local_shape))
 
 
 def _scale_piece(entry: PlanEntry, copy: Any, rank: int) -> Any:
     hf_extent, local_extent = entry.shape[copy.dim], entry.sharding.local_shape[copy.dim]
-    whole_blocks = copy.length % BLOCK == 0 or (copy.hf_stop == hf_extent and copy.local_start + copy.length == local_extent)
+    whole_blocks = copy.length % BLOCK == 0 or (
+        copy.hf_stop == hf_extent and copy.local_start + copy.length == local_extent
+    )
     if copy.hf_start % BLOCK or copy.local_start % BLOCK or not whole_blocks:
         what = "rows" if copy.dim == 0 else "columns"
         raise FP8FormatError(

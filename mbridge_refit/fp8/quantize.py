@@ -31,7 +31,11 @@ __all__ = ["BucketQuantizer", "quantize_blockwise", "quantize_bucket_lists", "qu
 
 
 def quantize_blockwise(
-    x: torch.Tensor, *, out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None, work: torch.Tensor | None = None
+    x: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    scale_out: torch.Tensor | None = None,
+    work: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_reference``'s bits, by the single-tensor Triton kernel on CUDA where it is
     usable (then ``work`` is not used), else by the reference itself."""
@@ -124,8 +128,12 @@ class BucketQuantizer:
             s.append(buffers.get("fp8_scale", index, entry.shape, SCALE_DTYPE, tensor.device))
             runs.append(_block_runs(tensor) if isinstance(tensor, RowSelection) else None)
         return cls(
-            positions=tuple(positions), job_at={p: i for i, p in enumerate(positions)}, scale_names=tuple(scale_names),
-            q=tuple(q), scales=tuple(s), runs=tuple(runs),
+            positions=tuple(positions),
+            job_at={p: i for i, p in enumerate(positions)},
+            scale_names=tuple(scale_names),
+            q=tuple(q),
+            scales=tuple(s),
+            runs=tuple(runs),
         )
 
     def run(self, sources: list, buffers: ExportBuffers) -> None:
@@ -169,7 +177,9 @@ class BucketQuantizer:
             if runs is None:
                 yield source, q, scale
             else:
-                yield from (row_piece(source, q, scale, x_row=x_row, q_row=q_row, rows=rows) for q_row, x_row, rows in runs)
+                yield from (
+                    row_piece(source, q, scale, x_row=x_row, q_row=q_row, rows=rows) for q_row, x_row, rows in runs
+                )
 
     def _plan_launches(self, sources: list[torch.Tensor]) -> None:
         kernels = _cuda_kernels() if _kernel_usable("grouped") else None

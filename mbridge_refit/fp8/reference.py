@@ -27,7 +27,11 @@ __all__ = ["dequantize_blockwise", "padded_shape", "quantize_reference"]
 
 
 def quantize_reference(
-    x: torch.Tensor, *, out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None, work: torch.Tensor | None = None
+    x: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    scale_out: torch.Tensor | None = None,
+    work: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2-D tensor to (e4m3fn data, fp32 ``scale_inv``) with torch ops.
 
@@ -38,7 +42,9 @@ def quantize_reference(
     if x.dim() != 2:
         raise FP8FormatError(f"blockwise FP8 needs a 2-D tensor, got shape {tuple(x.shape)}")
     out = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device) if out is None else out
-    scale_out = torch.empty(scale_shape(tuple(x.shape)), dtype=SCALE_DTYPE, device=x.device) if scale_out is None else scale_out
+    scale_out = (
+        torch.empty(scale_shape(tuple(x.shape)), dtype=SCALE_DTYPE, device=x.device) if scale_out is None else scale_out
+    )
     work = torch.empty(padded_shape(tuple(x.shape)), dtype=torch.float32, device=x.device) if work is None else work
     _quantize_into(x, out, scale_out, work)
     return out, scale_out

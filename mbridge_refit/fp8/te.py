@@ -28,8 +28,13 @@ from mbridge_refit.runtime.buffers import ExportBuffers
 from mbridge_refit.runtime.exporter import ShardSource
 
 __all__ = [
-    "dequantized", "dequantized_shards", "fp8_data", "fp8_data_shards", "fp8_scale", "fp8_scale_shards",
-    "has_quantized_params"
+    "dequantized",
+    "dequantized_shards",
+    "fp8_data",
+    "fp8_data_shards",
+    "fp8_scale",
+    "fp8_scale_shards",
+    "has_quantized_params",
 ]
 
 
@@ -43,7 +48,9 @@ def _check_e4m3(name: str, param: torch.Tensor) -> None:
 
     fp8_dtype = TE_DType_To_Torch.get(param.get_metadata().get("fp8_dtype"))
     if fp8_dtype != FP8_DTYPE:
-        raise ValueError(f"{name}: FP8 parameter data is {fp8_dtype}, not {FP8_DTYPE}: the HF blockwise format stores e4m3")
+        raise ValueError(
+            f"{name}: FP8 parameter data is {fp8_dtype}, not {FP8_DTYPE}: the HF blockwise format stores e4m3"
+        )
 
 
 def fp8_scale(param: torch.Tensor) -> torch.Tensor:

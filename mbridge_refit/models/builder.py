@@ -53,9 +53,19 @@ import torch
 from mbridge_refit.plan.layout import ParallelLayout
 
 __all__ = [
-    "BuildOptions", "CPU_PROVIDER_OVERRIDES", "CPU_WEIGHT_ONLY_CONCESSIONS", "FLOAT32_PARAMETERS", "build_model",
-    "configure_provider", "cpu_concessions", "cpu_hybrid_stack_spec", "cpu_layer_spec",
-    "cuda_device_queries_answer_cpu", "keeping_parameter_attributes", "materialize", "nested_transformer_configs"
+    "BuildOptions",
+    "CPU_PROVIDER_OVERRIDES",
+    "CPU_WEIGHT_ONLY_CONCESSIONS",
+    "FLOAT32_PARAMETERS",
+    "build_model",
+    "configure_provider",
+    "cpu_concessions",
+    "cpu_hybrid_stack_spec",
+    "cpu_layer_spec",
+    "cuda_device_queries_answer_cpu",
+    "keeping_parameter_attributes",
+    "materialize",
+    "nested_transformer_configs",
 ]
 
 logger = logging.getLogger(__name__)
@@ -79,15 +89,19 @@ CPU_PROVIDER_OVERRIDES: dict[str, Any] = {
 # Parameters Megatron-Core creates in float32 whatever params_dtype says (module class name ->
 # parameter names): the CPU build's cast to the checkpoint dtype leaves them, so they are what the
 # GPU build holds (and exports). The Mamba mixer keeps A_log and D in fp32 (megatron/core/ssm/mamba_mixer.py).
-FLOAT32_PARAMETERS: Mapping[str, tuple[str, ...]] = MappingProxyType({
-    "MambaMixer": ("A_log", "D"),
-})
+FLOAT32_PARAMETERS: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {
+        "MambaMixer": ("A_log", "D"),
+    }
+)
 
 # Provider settings a CPU build cannot honour that change the forward, not the weights:
 # field -> (the value weights-only CPU builds use, what that changes).
-CPU_WEIGHT_ONLY_CONCESSIONS: Mapping[str, tuple[Any, str]] = MappingProxyType({
-    "layernorm_zero_centered_gamma": (False, "torch norms lack it; it changes the forward, not the weights"),
-})
+CPU_WEIGHT_ONLY_CONCESSIONS: Mapping[str, tuple[Any, str]] = MappingProxyType(
+    {
+        "layernorm_zero_centered_gamma": (False, "torch norms lack it; it changes the forward, not the weights"),
+    }
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -121,7 +135,9 @@ def configure_provider(provider: Any, layout: ParallelLayout, options: BuildOpti
     provider.virtual_pipeline_model_parallel_size = layout.vpp if layout.pp > 1 else None
     provider.expert_model_parallel_size = layout.ep
     provider.expert_tensor_parallel_size = layout.etp
-    provider.context_parallel_size = layout.cp if options.device.type == "cuda" else 1  # module docstring: context parallelism on CPU
+    provider.context_parallel_size = (
+        layout.cp if options.device.type == "cuda" else 1
+    )  # module docstring: context parallelism on CPU
     provider.sequence_parallel = False
     provider.gradient_accumulation_fusion = False  # needs apex; these builds never train
     provider.num_layers_in_first_pipeline_stage = layout.first_stage_layers
@@ -182,6 +198,8 @@ def _builds_transformer_engine_spec(spec: Any) -> bool:
     from mbridge_refit.models import cpu_specs
 
     return isinstance(spec, functools.partial) and spec.func is cpu_specs.transformer_engine_block_spec
+
+
 def cpu_hybrid_stack_spec(configured: Any) -> Any:
     """The ``hybrid_stack_spec`` a hybrid (Mamba) provider builds its stack with on CPU: a builder
     the provider calls with itself (``models.cpu_specs.hybrid_stack_spec``)."""
@@ -223,7 +241,9 @@ def build_model(bridge: Any, layout: ParallelLayout, options: BuildOptions) -> l
         # The local spec builds its torch norms in fp32 whatever params_dtype says; on this
         # conversion path every parameter takes the checkpoint's dtype so exports keep it,
         # but those Megatron-Core keeps in float32 on any device (FLOAT32_PARAMETERS).
-        chunks = [keeping_parameter_attributes(chunk, lambda c: _to_params_dtype(c, options.params_dtype)) for chunk in chunks]
+        chunks = [
+            keeping_parameter_attributes(chunk, lambda c: _to_params_dtype(c, options.params_dtype)) for chunk in chunks
+        ]
     return chunks
 
 
@@ -275,7 +295,8 @@ def _to_params_dtype(chunk: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Mod
 def cpu_concessions(provider: Any) -> dict[str, Any]:
     """The ``CPU_WEIGHT_ONLY_CONCESSIONS`` whose field ``provider`` sets to another value."""
     return {
-        field: value for field, (value, _) in CPU_WEIGHT_ONLY_CONCESSIONS.items()
+        field: value
+        for field, (value, _) in CPU_WEIGHT_ONLY_CONCESSIONS.items()
         if hasattr(provider, field) and getattr(provider, field) != value
     }
 

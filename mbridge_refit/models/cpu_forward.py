@@ -21,9 +21,7 @@ from typing import Iterator
 
 import torch
 
-__all__ = [
-    "cpu_forward"
-]
+__all__ = ["cpu_forward"]
 
 
 @contextlib.contextmanager

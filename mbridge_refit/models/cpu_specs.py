@@ -59,8 +59,15 @@ from mbridge_refit.models.cpu_stand_ins import (
 )
 
 __all__ = [
-    "experimental_attention_block_spec", "hybrid_stack_spec", "mla_and_grouped_expert_stand_ins", "stand_in_for",
-    "te_modules_built_local", "te_subclass_stand_ins", "te_to_local", "to_local", "transformer_engine_block_spec"
+    "experimental_attention_block_spec",
+    "hybrid_stack_spec",
+    "mla_and_grouped_expert_stand_ins",
+    "stand_in_for",
+    "te_modules_built_local",
+    "te_subclass_stand_ins",
+    "te_to_local",
+    "to_local",
+    "transformer_engine_block_spec",
 ]
 
 
@@ -99,17 +106,21 @@ def to_local(spec: Any) -> Any:
     if isinstance(spec, type) and spec in table:
         return table[spec]
     if isinstance(spec, functools.partial):
-        return functools.partial(to_local(spec.func), *map(to_local, spec.args), **{k: to_local(v) for k, v in spec.keywords.items()})
+        return functools.partial(
+            to_local(spec.func), *map(to_local, spec.args), **{k: to_local(v) for k, v in spec.keywords.items()}
+        )
     if isinstance(spec, list):
         return [to_local(item) for item in spec]
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        return dataclasses.replace(spec, **{
-            f.name: to_local(getattr(spec, f.name)) for f in dataclasses.fields(spec) if f.init
-        })
+        return dataclasses.replace(
+            spec, **{f.name: to_local(getattr(spec, f.name)) for f in dataclasses.fields(spec) if f.init}
+        )
     return spec
 
 
-def experimental_attention_block_spec(config: Any, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None) -> Any:
+def experimental_attention_block_spec(
+    config: Any, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None
+) -> Any:
     """``get_transformer_block_with_experimental_attention_variant_spec`` built for CPU: the same
     layers (its per-layer attention / MLP patterns and pipeline slicing) with local modules."""
     from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
@@ -117,7 +128,9 @@ def experimental_attention_block_spec(config: Any, vp_stage: Optional[int] = Non
         experimental_attention_variant_module_specs as specs,
     )
 
-    layer_specs = specs.get_transformer_layer_with_experimental_attention_variant_spec(config=config, backend=TESpecProvider())
+    layer_specs = specs.get_transformer_layer_with_experimental_attention_variant_spec(
+        config=config, backend=TESpecProvider()
+    )
     if config.pipeline_model_parallel_layout is not None:
         local_ids = config.pipeline_model_parallel_layout.get_layer_id_list(
             layer_type=specs.LayerType.decoder, vp_stage=vp_stage, pp_rank=pp_rank
@@ -177,7 +190,10 @@ def te_modules_built_local() -> Iterator[None]:
     from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
 
     # Every Transformer Engine module derives from its base module; TENorm and TEActivationOp are factories.
-    te_classes = [TransformerEngineBaseModule, *(cls for cls in te_to_local() if not issubclass(cls, TransformerEngineBaseModule))]
+    te_classes = [
+        TransformerEngineBaseModule,
+        *(cls for cls in te_to_local() if not issubclass(cls, TransformerEngineBaseModule)),
+    ]
     own_new = {cls: cls.__dict__["__new__"] for cls in te_classes if "__new__" in cls.__dict__}
     try:
         for cls in te_classes:

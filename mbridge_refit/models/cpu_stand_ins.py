@@ -19,9 +19,16 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 __all__ = [
-    "ColumnParallelGroupedLinear", "CoreAttention", "Gemma3DotProductAttention", "Gemma4DotProductAttention",
-    "LayerNormColumnParallelLinear", "RowParallelGroupedLinear", "RowParallelLinearLayerNorm", "TorchNorm",
-    "normalize", "register_stand_in_types"
+    "ColumnParallelGroupedLinear",
+    "CoreAttention",
+    "Gemma3DotProductAttention",
+    "Gemma4DotProductAttention",
+    "LayerNormColumnParallelLinear",
+    "RowParallelGroupedLinear",
+    "RowParallelLinearLayerNorm",
+    "TorchNorm",
+    "normalize",
+    "register_stand_in_types",
 ]
 
 
@@ -44,7 +51,9 @@ class LayerNormColumnParallelLinear(ColumnParallelLinear):
             self.layer_norm_bias = torch.nn.Parameter(torch.zeros(input_size, dtype=config.params_dtype))
 
     def forward(self, input_: torch.Tensor, *args: Any, **kwargs: Any):
-        normed = normalize(input_, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps, self.zero_centered_gamma)
+        normed = normalize(
+            input_, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps, self.zero_centered_gamma
+        )
         return super().forward(normed, *args, **kwargs)
 
 
@@ -74,8 +83,14 @@ class TorchNorm(torch.nn.Module):
         return normalize(input_, self.normalization, self.weight, self.bias, self.eps, self.zero_centered_gamma)
 
 
-def normalize(input_: torch.Tensor, normalization: str, weight: torch.Tensor, bias: Optional[torch.Tensor],
-              eps: float, zero_centered_gamma: bool) -> torch.Tensor:
+def normalize(
+    input_: torch.Tensor,
+    normalization: str,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    eps: float,
+    zero_centered_gamma: bool,
+) -> torch.Tensor:
     """LayerNorm or RMSNorm of ``input_``'s last dimension, the gamma ``1 + weight`` when zero-centered."""
     gamma = weight + 1 if zero_centered_gamma else weight
     shape = (input_.shape[-1],)
@@ -115,16 +130,28 @@ class _GroupedLinear(torch.nn.Module):
     partition_dim: int  # 0: column parallel (output features split), 1: row parallel (input features split)
 
     def __init__(
-        self, num_gemms: int, input_size: int, output_size: int, *, config: Any, init_method: Any, bias: bool,
-        skip_bias_add: bool, is_expert: bool, tp_comm_buffer_name: Optional[str] = None,
-        pg_collection: Any = None, name: Optional[str] = None,
+        self,
+        num_gemms: int,
+        input_size: int,
+        output_size: int,
+        *,
+        config: Any,
+        init_method: Any,
+        bias: bool,
+        skip_bias_add: bool,
+        is_expert: bool,
+        tp_comm_buffer_name: Optional[str] = None,
+        pg_collection: Any = None,
+        name: Optional[str] = None,
     ):
         from megatron.core.process_groups_config import ProcessGroupCollection
         from megatron.core.utils import divide, get_pg_size
 
         super().__init__()
         if not is_expert:
-            raise ValueError("a grouped linear holds experts (Megatron: TEGroupedLinear only supports expert parallelism)")
+            raise ValueError(
+                "a grouped linear holds experts (Megatron: TEGroupedLinear only supports expert parallelism)"
+            )
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups()
         tp_size = get_pg_size(pg_collection.expt_tp)
@@ -136,7 +163,8 @@ class _GroupedLinear(torch.nn.Module):
         self.num_gemms, self.in_features, self.out_features = num_gemms, input_size, output_size
         self.tensor_model_parallel = True
         expert_groups = (
-            config.expert_model_parallel_size > 1 or config.expert_tensor_parallel_size != config.tensor_model_parallel_size
+            config.expert_model_parallel_size > 1
+            or config.expert_tensor_parallel_size != config.tensor_model_parallel_size
         )
         for i in range(num_gemms):
             weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
@@ -189,7 +217,9 @@ class RowParallelLinearLayerNorm(RowParallelLinear):
     def forward(self, input_: torch.Tensor):
         output, bias = super().forward(input_)
         if bias is not None:
-            raise ValueError("RowParallelLinearLayerNorm needs add_bias_linear=False: a deferred bias would be added after the norm.")
+            raise ValueError(
+                "RowParallelLinearLayerNorm needs add_bias_linear=False: a deferred bias would be added after the norm."
+            )
         return self.post_layernorm(output), bias
 
 
@@ -198,8 +228,15 @@ class Gemma3DotProductAttention(DotProductAttention):
     ``config.window_size`` on Gemma 3's local layers, global attention on the others, and the
     vision-language model's own mask (no mask type: its attention bias carries it)."""
 
-    def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
-                 attention_dropout: Optional[float] = None, **kwargs: Any):
+    def __init__(
+        self,
+        config: Any,
+        layer_number: int,
+        attn_mask_type: Any,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        **kwargs: Any,
+    ):
         from megatron.bridge.models.gemma.gemma3_provider import _is_local_attn_layer
         from megatron.core.transformer.enums import AttnMaskType
 
@@ -211,20 +248,27 @@ class Gemma3DotProductAttention(DotProductAttention):
         super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout, **kwargs)
 
 
-
 class Gemma4DotProductAttention(DotProductAttention):
     """Megatron-Bridge's ``Gemma4TEDotProductAttention`` (Gemma 4's MoE layers) on CPU (no
     parameters): a sliding window of ``config.window_size`` on the local layers, global attention
     on the others."""
 
-    def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
-                 attention_dropout: Optional[float] = None, **kwargs: Any):
+    def __init__(
+        self,
+        config: Any,
+        layer_number: int,
+        attn_mask_type: Any,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        **kwargs: Any,
+    ):
         from megatron.bridge.models.gemma.modeling_gemma4 import _is_local_attn_layer
 
         config = copy.deepcopy(config)
         local = _is_local_attn_layer(layer_number, config.interleaved_attn_pattern)
         config.window_size = (config.window_size - 1, 0) if local else None
         super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout, **kwargs)
+
 
 def register_stand_in_types() -> None:
     """Tell the bridge's ``AutoMapping`` how the stand-ins without a detectable class name are

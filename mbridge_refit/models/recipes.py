@@ -32,10 +32,26 @@ if TYPE_CHECKING:  # transformers and torch are imported lazily: loading recipes
     from transformers import PretrainedConfig, PreTrainedModel
 
 __all__ = [
-    "DEFAULT_LAYOUT", "DEFAULT_MODEL", "LAYOUTS", "LAYOUTS_FILE", "MODEL_RECIPES", "MOE_ONLY_LAYOUTS", "ModelRecipe",
-    "RECIPES_DIR", "RecipeError", "SHAPES_DIR", "UnknownRecipeError", "compatible_layouts", "full_size_config",
-    "full_size_shapes", "get_layout", "get_model_recipe", "make_random_checkpoint", "random_hf_model",
-    "seed_parameters", "seeded_random_values"
+    "DEFAULT_LAYOUT",
+    "DEFAULT_MODEL",
+    "LAYOUTS",
+    "LAYOUTS_FILE",
+    "MODEL_RECIPES",
+    "MOE_ONLY_LAYOUTS",
+    "ModelRecipe",
+    "RECIPES_DIR",
+    "RecipeError",
+    "SHAPES_DIR",
+    "UnknownRecipeError",
+    "compatible_layouts",
+    "full_size_config",
+    "full_size_shapes",
+    "get_layout",
+    "get_model_recipe",
+    "make_random_checkpoint",
+    "random_hf_model",
+    "seed_parameters",
+    "seeded_random_values",
 ]
 
 logger = logging.getLogger(__name__)
@@ -161,9 +177,7 @@ class ModelRecipe:
             for group in _FAMILY_LAYER_GROUPS[self.model_type]:
                 if group == "dense_mlp" and self.is_moe_layer(layer):
                     names += [prefix + n for n in _LAYER_NAME_GROUPS["router"]]
-                    names += [
-                        prefix + n.format(expert=e) for e in range(self.num_experts) for n in _EXPERT_NAMES
-                    ]
+                    names += [prefix + n.format(expert=e) for e in range(self.num_experts) for n in _EXPERT_NAMES]
                 else:
                     names += [prefix + n for n in _LAYER_NAME_GROUPS[group]]
         return tuple(sorted(names))
@@ -198,9 +212,7 @@ def _load_model_recipe(path: Path) -> ModelRecipe:
         raise RecipeError(f"{path} needs an 'hf_config' object holding the Hugging Face config.json content.")
     missing = [k for k in _REQUIRED_CONFIG_KEYS if k not in hf_config]
     if missing:
-        raise RecipeError(
-            f"{path}: hf_config lacks {missing}; every recipe must set {list(_REQUIRED_CONFIG_KEYS)}."
-        )
+        raise RecipeError(f"{path}: hf_config lacks {missing}; every recipe must set {list(_REQUIRED_CONFIG_KEYS)}.")
     if hf_config["dtype"] != _REQUIRED_DTYPE:
         raise RecipeError(f"{path}: dtype is {hf_config['dtype']!r}; recipes are {_REQUIRED_DTYPE!r}.")
     return ModelRecipe(name=path.stem, hf_config=hf_config, description=data.get("description", ""))
@@ -229,9 +241,7 @@ def _load_layouts() -> tuple[dict[str, ParallelLayout], frozenset[str]]:
         except (TypeError, LayoutError) as exc:
             raise RecipeError(f"{path}: layout {name!r} is not a valid ParallelLayout: {exc}") from exc
         if layout.name != name:
-            raise RecipeError(
-                f"{path}: layout {name!r} describes {layout.name!r}; rename the key to {layout.name!r}."
-            )
+            raise RecipeError(f"{path}: layout {name!r} describes {layout.name!r}; rename the key to {layout.name!r}.")
         needs_experts = layout.ep > 1 or layout.etp > 1
         if bool(entry.get("requires_moe", False)) != needs_experts:
             raise RecipeError(
@@ -404,7 +414,11 @@ def make_random_checkpoint(
         )
     logger.info(
         "wrote random checkpoint %s (seed %d, %d tensors, %d safetensors files) to %s",
-        recipe.name, seed, len(written), len(list(out_dir.glob("*.safetensors"))), out_dir,
+        recipe.name,
+        seed,
+        len(written),
+        len(list(out_dir.glob("*.safetensors"))),
+        out_dir,
     )
     return out_dir
 

@@ -42,8 +42,15 @@ from mbridge_refit.plan.stacking import ExpertStack, stacked_placement
 from mbridge_refit.plan.storage import PLAIN, storage_format
 
 __all__ = [
-    "ParallelSizes", "ParamSpec", "RankContribution", "StoredShapes", "assemble_plan", "build_export_plan",
-    "current_sizes", "rank_contribution", "split_size"
+    "ParallelSizes",
+    "ParamSpec",
+    "RankContribution",
+    "StoredShapes",
+    "assemble_plan",
+    "build_export_plan",
+    "current_sizes",
+    "rank_contribution",
+    "split_size",
 ]
 
 
@@ -61,7 +68,9 @@ class ParamSpec:
     source_format: str = PLAIN
     stack: ExpertStack | None = None  # a grouped-export expert parameter (``plan.stacking``)
     dropped: frozenset[str] = frozenset()  # HF names the bridge's export hook leaves out (``_names_the_bridge_drops``)
-    split_over: int = 1  # ranks the live parameter is split over (its tensor- or expert-tensor-parallel group), 1: whole
+    split_over: int = (
+        1  # ranks the live parameter is split over (its tensor- or expert-tensor-parallel group), 1: whole
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -77,7 +86,11 @@ class RankContribution:
 
 
 def build_export_plan(
-    model_bridge: Any, hf_pretrained: Any, chunks: list[torch.nn.Module], tasks: list | None = None, group: Any = None,
+    model_bridge: Any,
+    hf_pretrained: Any,
+    chunks: list[torch.nn.Module],
+    tasks: list | None = None,
+    group: Any = None,
     errors: tuple[str, ...] = (),
 ) -> ExportPlan:
     """Build the plan for ``chunks`` on this rank; collective over ``group``.
@@ -124,7 +137,9 @@ def rank_contribution(
                     raise PlanError(f"cannot plan {task.global_param_name}: its task has an export_hook (not planned)")
                 spec = _local_spec(task, pp_rank, num_experts, stored)
                 if spec.stack is None:  # stock runs the hook on every task but grouped-export ones
-                    spec = dataclasses.replace(spec, dropped=_names_the_bridge_drops(model_bridge, task, spec, hf_state))
+                    spec = dataclasses.replace(
+                        spec, dropped=_names_the_bridge_drops(model_bridge, task, spec, hf_state)
+                    )
                 specs.append(spec)
             except PlanError as err:
                 errors.append(str(err))
@@ -156,7 +171,9 @@ def assemble_plan(
     Megatron model config (QKV placement reads its head counts)."""
     all_errors = sorted({error for c in contributions for error in c.errors})
     if all_errors:
-        raise PlanError("; ".join(all_errors[:5]) + (f" (and {len(all_errors) - 5} more)" if len(all_errors) > 5 else ""))
+        raise PlanError(
+            "; ".join(all_errors[:5]) + (f" (and {len(all_errors) - 5} more)" if len(all_errors) > 5 else "")
+        )
     specs = {spec.global_name: spec for c in contributions for spec in c.specs}
     layer_map = {layer: where for c in contributions for layer, where in c.layer_map.items()}
     names = sorted(specs, key=_sort_key)
@@ -169,7 +186,14 @@ def assemble_plan(
     entries = _add_tied_output(entries, model_bridge, hf_pretrained, config)
     _check_complete(entries, _expected_hf_keys(hf_pretrained))
     _check_stored_shapes(entries, StoredShapes(hf_pretrained))
-    return ExportPlan(entries=tuple(entries), layer_map=dict(sorted(layer_map.items())), tp=sizes.tp, pp=sizes.pp, ep=sizes.ep, vpp=sizes.vpp)
+    return ExportPlan(
+        entries=tuple(entries),
+        layer_map=dict(sorted(layer_map.items())),
+        tp=sizes.tp,
+        pp=sizes.pp,
+        ep=sizes.ep,
+        vpp=sizes.vpp,
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -201,10 +225,15 @@ def _local_spec(task: Any, pp_rank: int, num_experts: int, stored: "StoredShapes
         if getattr(task.mapping, "is_grouped_export", False):
             stored_shape = stored.shape(str(task.mapping.hf_param))
             stacked = stacked_placement(
-                task.mapping, tuple(weight.shape), num_experts=num_experts, stored_shape=stored_shape,
+                task.mapping,
+                tuple(weight.shape),
+                num_experts=num_experts,
+                stored_shape=stored_shape,
                 partition_dim=getattr(weight, "partition_dim", None),
             )
-        placement, stack = stacked if stacked is not None else (placement_kind(task.mapping, task.megatron_module), None)
+        placement, stack = (
+            stacked if stacked is not None else (placement_kind(task.mapping, task.megatron_module), None)
+        )
     except PlacementError as err:
         raise PlanError(f"cannot plan {task.global_param_name}: {err}") from err
     return ParamSpec(
@@ -279,7 +308,11 @@ def _check_stored_shapes(entries: list[PlanEntry], stored: "StoredShapes") -> No
     """Every planned tensor the source checkpoint holds has the shape it is stored with there
     (its safetensors headers; no data is read): the plan is checked against an oracle the model
     did not derive, where the bridge has one."""
-    wrong = [(e.hf_name, e.shape, shape) for e in entries if (shape := stored.shape(e.hf_name)) is not None and shape != e.shape]
+    wrong = [
+        (e.hf_name, e.shape, shape)
+        for e in entries
+        if (shape := stored.shape(e.hf_name)) is not None and shape != e.shape
+    ]
     if wrong:
         name, planned, shape = wrong[0]
         raise PlanError(
@@ -357,7 +390,9 @@ def _expert_entries(specs: dict[str, ParamSpec], name: str, sizes: ParallelSizes
 
 def _dense_entries(spec: ParamSpec, sizes: ParallelSizes, config: Any) -> list[PlanEntry]:
     per_rank = [
-        slices_for(spec.placement, ShardContext(local_shape=spec.local_shape, tp_rank=r, tp_size=sizes.tp, config=config))
+        slices_for(
+            spec.placement, ShardContext(local_shape=spec.local_shape, tp_rank=r, tp_size=sizes.tp, config=config)
+        )
         for r in range(sizes.tp)
     ]
     entries = []
@@ -372,7 +407,14 @@ def _dense_entries(spec: ParamSpec, sizes: ParallelSizes, config: Any) -> list[P
             pieces=pieces if not replicated else pieces[:1],
             local_shape=spec.local_shape,
         )
-        entries.append(_entry(spec, hf_name, relaid_shape(spec.placement.relayout, _hf_shape(spec.local_shape, sharding.pieces)), sharding))
+        entries.append(
+            _entry(
+                spec,
+                hf_name,
+                relaid_shape(spec.placement.relayout, _hf_shape(spec.local_shape, sharding.pieces)),
+                sharding,
+            )
+        )
     return entries
 
 
@@ -386,8 +428,13 @@ def _expert_entry(
         raise PlacementError(f"an expert parameter with a {spec.placement.relayout!r} relayout has no expert assembly")
     hf_name = spec.placement.hf_names[output_index]
     per_rank = tuple(
-        tuple(c for c in slices_for(spec.placement, ShardContext(local_shape=spec.local_shape, tp_rank=r, tp_size=sizes.etp, config=config))
-              if c.hf_name == hf_name)
+        tuple(
+            c
+            for c in slices_for(
+                spec.placement, ShardContext(local_shape=spec.local_shape, tp_rank=r, tp_size=sizes.etp, config=config)
+            )
+            if c.hf_name == hf_name
+        )
         for r in range(sizes.etp)
     )
     replicated = all(rank == per_rank[0] for rank in per_rank)
@@ -397,9 +444,17 @@ def _expert_entry(
         mesh = dict(mesh_dims=("ep", "edp"), mesh_shape=(sizes.ep, sizes.edp), placements=(owned, "Replicate()"))
     else:
         split = "Replicate()" if replicated else f"Shard({pieces[0][0].dim})"
-        mesh = dict(mesh_dims=("ep", "etp", "edp"), mesh_shape=(sizes.ep, sizes.etp, sizes.edp), placements=(owned, split, "Replicate()"))
+        mesh = dict(
+            mesh_dims=("ep", "etp", "edp"),
+            mesh_shape=(sizes.ep, sizes.etp, sizes.edp),
+            placements=(owned, split, "Replicate()"),
+        )
     sharding = TensorSharding(
-        **mesh, pieces=pieces, local_shape=spec.local_shape, owner_ep_rank=owner, local_expert_index=local_index,
+        **mesh,
+        pieces=pieces,
+        local_shape=spec.local_shape,
+        owner_ep_rank=owner,
+        local_expert_index=local_index,
     )
     return _entry(spec, hf_name, _hf_shape(spec.local_shape, pieces), sharding)
 
@@ -515,5 +570,3 @@ def _check_complete(entries: list[PlanEntry], expected: set[str] | None) -> None
         raise PlanError(
             f"the export plan does not cover the checkpoint: missing {missing[:10]}, duplicated {duplicates[:10]}"
         )
-
-

@@ -33,8 +33,19 @@ from mbridge_refit.plan.entries import PlanEntry
 from mbridge_refit.plan.layout import ModelShape
 
 __all__ = [
-    "Box", "ENGINE_RULES", "EngineLayout", "EngineShardingError", "EngineTensor", "RULES", "VLLM_VOCAB_PADDING",
-    "VOCAB_PARAMS", "box_shape", "engine_box", "engine_rule", "whole", "with_extent"
+    "Box",
+    "ENGINE_RULES",
+    "EngineLayout",
+    "EngineShardingError",
+    "EngineTensor",
+    "RULES",
+    "VLLM_VOCAB_PADDING",
+    "VOCAB_PARAMS",
+    "box_shape",
+    "engine_box",
+    "engine_rule",
+    "whole",
+    "with_extent",
 ]
 
 Box = tuple[tuple[int, int], ...]
@@ -190,7 +201,9 @@ def _kv_heads(tensor: EngineTensor, rank: int, layout: EngineLayout, shape: Mode
     kv = shape.num_key_value_heads
     if kv >= layout.tp:
         if kv % layout.tp:
-            raise EngineShardingError(f"{tensor.hf_name}: engine tp={layout.tp} does not divide num_key_value_heads={kv}")
+            raise EngineShardingError(
+                f"{tensor.hf_name}: engine tp={layout.tp} does not divide num_key_value_heads={kv}"
+            )
         return _split(tensor, 0, layout.tp, rank, "tp")
     if layout.tp % kv:
         raise EngineShardingError(

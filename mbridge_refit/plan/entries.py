@@ -80,7 +80,9 @@ class PlanEntry:
     scale_of: str | None = None  # FP8 export: the blockwise scale of this weight entry (``fp8``)
     source_format: str = PLAIN  # how the trainer stores the parameter (``plan.storage``)
     elementwise_op: str | None = None  # applied to the assembled slices (``conversions.ELEMENTWISE_OPS``)
-    relayout: str | None = None  # applied to the whole assembled tensor (``conversions.RELAYOUTS``); ``shape`` is after it
+    relayout: str | None = (
+        None  # applied to the whole assembled tensor (``conversions.RELAYOUTS``); ``shape`` is after it
+    )
 
     @property
     def base_shape(self) -> tuple[int, ...]:
@@ -139,7 +141,6 @@ def _entry_from_dict(raw: dict[str, Any]) -> PlanEntry:
     return PlanEntry(**{**raw, "shape": tuple(raw["shape"]), "sharding": TensorSharding(**sharding)})
 
 
-
 _EXPERT_NUMBER = re.compile(r"(local_experts\.)(\d+)(\.)|(\.weight|\.bias)(\d+)$")
 
 
@@ -155,7 +156,7 @@ def with_expert_number(name: str, number: int) -> str:
     if match is None:
         raise PlanError(f"cannot find the expert number in {name!r}")
     digits = 2 if match.group(1) else 5
-    return f"{name[: match.start(digits)]}{number}{name[match.end(digits):]}"
+    return f"{name[: match.start(digits)]}{number}{name[match.end(digits) :]}"
 
 
 def numel(shape: Iterable[int]) -> int:

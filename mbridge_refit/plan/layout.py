@@ -141,12 +141,12 @@ class ParallelLayout:
             checks.append((shape.num_experts, self.ep, "num_experts", "ep"))
             checks.append((shape.expert_intermediate_size, self.etp, "the experts' intermediate size", "etp"))
         elif self.ep > 1 or self.etp > 1:
-            raise LayoutError(f"ep={self.ep}, etp={self.etp} need a mixture-of-experts model; this model has no experts.")
+            raise LayoutError(
+                f"ep={self.ep}, etp={self.etp} need a mixture-of-experts model; this model has no experts."
+            )
         for size, parts, what, flag in checks:
             if size % parts:
-                raise LayoutError(
-                    f"{flag}={parts} does not divide {what}={size}: choose a {flag} that divides {size}."
-                )
+                raise LayoutError(f"{flag}={parts} does not divide {what}={size}: choose a {flag} that divides {size}.")
         stages = self.pp * self.vpp_stages
         if self.uneven:
             self._validate_uneven(shape.num_layers)
@@ -171,8 +171,10 @@ class ParallelLayout:
             raise LayoutError(f"first/last stage layer counts must be positive, got {edges}")
         middle_layers = num_layers - sum(edges)
         middle_stages = self.pp - len(edges)
-        if middle_layers < middle_stages or (middle_stages == 0 and middle_layers != 0) or (
-            middle_stages > 0 and middle_layers % middle_stages
+        if (
+            middle_layers < middle_stages
+            or (middle_stages == 0 and middle_layers != 0)
+            or (middle_stages > 0 and middle_layers % middle_stages)
         ):
             raise LayoutError(
                 f"first/last stage layers {self.first_stage_layers}/{self.last_stage_layers} leave {middle_layers} "
@@ -210,7 +212,9 @@ class ModelShape:
             vocab_size=text.vocab_size,
             intermediate_size=intermediate,
             num_experts=experts,
-            expert_intermediate_size=next((getattr(text, f) for f in _EXPERT_SIZE_FIELDS if getattr(text, f, None)), intermediate),
+            expert_intermediate_size=next(
+                (getattr(text, f) for f in _EXPERT_SIZE_FIELDS if getattr(text, f, None)), intermediate
+            ),
         )
 
 

@@ -27,8 +27,12 @@ from mbridge_refit.plan.slices import (
 )
 
 __all__ = [
-    "elementwise_op_rules", "passthrough_exports", "placement_kind", "placement_rules", "relayout_rules",
-    "slice_copies"
+    "elementwise_op_rules",
+    "passthrough_exports",
+    "placement_kind",
+    "placement_rules",
+    "relayout_rules",
+    "slice_copies",
 ]
 
 
@@ -37,7 +41,11 @@ def _auto_kind(mapping: Any, module: torch.nn.Module) -> PlacementKind:
     if permute is not None and tuple(permute) != (1, 0):
         raise PlacementError(f"AutoMapping with permute_dims={mapping.permute_dims} has no slice description")
     # AutoMapping.megatron_to_hf permutes the gathered tensor with permute_dims: (1, 0) is a transpose
-    return PlacementKind(kind=_detected_kind(mapping, module), hf_names=(mapping.hf_param,), relayout=None if permute is None else "transpose")
+    return PlacementKind(
+        kind=_detected_kind(mapping, module),
+        hf_names=(mapping.hf_param,),
+        relayout=None if permute is None else "transpose",
+    )
 
 
 _DETECTED: dict[tuple, str] = {}
@@ -74,7 +82,9 @@ def _qkv_kind(mapping: Any, module: torch.nn.Module) -> PlacementKind:
 
 
 def _concatenated_qkv_kind(mapping: Any, module: torch.nn.Module) -> PlacementKind:
-    return PlacementKind(kind="qkv_concatenated", hf_names=(str(mapping.hf_param),), heads=AttentionHeads.of_module(module))
+    return PlacementKind(
+        kind="qkv_concatenated", hf_names=(str(mapping.hf_param),), heads=AttentionHeads.of_module(module)
+    )
 
 
 def _full_dim_qk_norm_kind(mapping: Any, module: torch.nn.Module) -> PlacementKind:
@@ -108,9 +118,16 @@ def placement_rules() -> list[tuple[type, Callable[[Any, torch.nn.Module], Place
         *_family_rules(),
         (pm.QKVMapping, _qkv_kind),
         (pm.ConcatenatedQKVMapping, _concatenated_qkv_kind),
-        (pm.GDNLinearMapping, lambda m, _: PlacementKind(kind="gdn_in_proj", hf_names=(m.hf_param["qkvz"], m.hf_param["ba"]))),
-        (pm.GDNLinearMappingSeparate, lambda m, _: PlacementKind(
-            kind="gdn_in_proj_separate", hf_names=tuple(m.hf_param[c] for c in ("qkv", "z", "b", "a")))),
+        (
+            pm.GDNLinearMapping,
+            lambda m, _: PlacementKind(kind="gdn_in_proj", hf_names=(m.hf_param["qkvz"], m.hf_param["ba"])),
+        ),
+        (
+            pm.GDNLinearMappingSeparate,
+            lambda m, _: PlacementKind(
+                kind="gdn_in_proj_separate", hf_names=tuple(m.hf_param[c] for c in ("qkv", "z", "b", "a"))
+            ),
+        ),
         (pm.GDNConv1dMapping, _fixed_kind("gdn_conv1d")),
         (pm.MambaInProjMapping, _fixed_kind("mamba_in_proj")),
         (pm.MambaConv1dMapping, _fixed_kind("mamba_conv1d")),

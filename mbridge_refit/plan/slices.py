@@ -38,11 +38,29 @@ import torch
 from mbridge_refit.errors import InputError
 
 __all__ = [
-    "AttentionHeads", "PlacementError", "PlacementKind", "RowLayout", "SLICE_RULES", "ShardContext",
-    "SliceCopy", "check_tiling", "hf_extents", "place_column", "place_components", "place_gated",
-    "place_gdn_conv1d", "place_gdn_in_proj", "place_gdn_in_proj_separate", "place_mamba_conv1d",
-    "place_mamba_in_proj", "place_qkv", "place_qkv_concatenated", "place_qkv_gated", "place_replicated",
-    "place_row", "slices_for"
+    "AttentionHeads",
+    "PlacementError",
+    "PlacementKind",
+    "RowLayout",
+    "SLICE_RULES",
+    "ShardContext",
+    "SliceCopy",
+    "check_tiling",
+    "hf_extents",
+    "place_column",
+    "place_components",
+    "place_gated",
+    "place_gdn_conv1d",
+    "place_gdn_in_proj",
+    "place_gdn_in_proj_separate",
+    "place_mamba_conv1d",
+    "place_mamba_in_proj",
+    "place_qkv",
+    "place_qkv_concatenated",
+    "place_qkv_gated",
+    "place_replicated",
+    "place_row",
+    "slices_for",
 ]
 
 
@@ -155,16 +173,21 @@ def _query_groups(ctx: ShardContext, *, gated: bool) -> _QueryGroups:
     ``AttentionHeads`` (``slices_for`` puts them there) or a config with the same fields."""
     config = ctx.config
     if bool(getattr(config, "attention_output_gate", False)) != gated:
-        raise PlacementError(f"QKV placement {'with' if gated else 'without'} an attention output gate on a model "
-                             f"{'without' if gated else 'with'} one")
+        raise PlacementError(
+            f"QKV placement {'with' if gated else 'without'} an attention output gate on a model "
+            f"{'without' if gated else 'with'} one"
+        )
     heads, groups = config.num_attention_heads, config.num_query_groups
     if groups % ctx.tp_size:
         raise PlacementError(
             f"num_query_groups={groups} is not divisible by tp={ctx.tp_size}: replicated KV heads are not supported"
         )
     local_groups = groups // ctx.tp_size
-    return _QueryGroups(groups=range(ctx.tp_rank * local_groups, (ctx.tp_rank + 1) * local_groups),
-                        heads_per_group=heads // groups, head_dim=config.kv_channels or config.hidden_size // heads)
+    return _QueryGroups(
+        groups=range(ctx.tp_rank * local_groups, (ctx.tp_rank + 1) * local_groups),
+        heads_per_group=heads // groups,
+        head_dim=config.kv_channels or config.hidden_size // heads,
+    )
 
 
 def place_qkv(q: str, k: str, v: str, ctx: ShardContext) -> list[SliceCopy]:
@@ -177,7 +200,9 @@ def place_qkv_concatenated(qkv: str, ctx: ShardContext) -> list[SliceCopy]:
     heads = ctx.config
     head_dim = heads.kv_channels or heads.hidden_size // heads.num_attention_heads
     q_rows, kv_rows = heads.num_attention_heads * head_dim, heads.num_query_groups * head_dim
-    return _qkv_slices(RowLayout(hf_name=qkv), RowLayout(hf_name=qkv, base=q_rows), RowLayout(hf_name=qkv, base=q_rows + kv_rows), ctx)
+    return _qkv_slices(
+        RowLayout(hf_name=qkv), RowLayout(hf_name=qkv, base=q_rows), RowLayout(hf_name=qkv, base=q_rows + kv_rows), ctx
+    )
 
 
 def _qkv_slices(q: "RowLayout", k: "RowLayout", v: "RowLayout", ctx: ShardContext) -> list[SliceCopy]:
@@ -207,9 +232,13 @@ def place_qkv_gated(q: str, k: str, v: str, ctx: ShardContext) -> list[SliceCopy
         copies += query_rows.slices(*head_rows, local_start=_covered(copies))
         copies += gate_rows.slices(*head_rows, local_start=_covered(copies))
         for name in (k, v):
-            copies += RowLayout(hf_name=name).slices(group * head_dim, (group + 1) * head_dim, local_start=_covered(copies))
+            copies += RowLayout(hf_name=name).slices(
+                group * head_dim, (group + 1) * head_dim, local_start=_covered(copies)
+            )
     if _covered(copies) != ctx.local_shape[0]:
-        raise PlacementError(f"gated QKV slices cover {_covered(copies)} rows but the local shard has {ctx.local_shape[0]}")
+        raise PlacementError(
+            f"gated QKV slices cover {_covered(copies)} rows but the local shard has {ctx.local_shape[0]}"
+        )
     return copies
 
 
@@ -234,9 +263,15 @@ class RowLayout:
             else:
                 end = min(stop, (row // self.chunk + 1) * self.chunk)
                 hf_row = self.base + (row // self.chunk) * self.stride + row % self.chunk
-            copies.append(SliceCopy(
-                hf_name=self.hf_name, dim=0, hf_start=hf_row, hf_stop=hf_row + end - row, local_start=local_start + row - start,
-            ))
+            copies.append(
+                SliceCopy(
+                    hf_name=self.hf_name,
+                    dim=0,
+                    hf_start=hf_row,
+                    hf_stop=hf_row + end - row,
+                    local_start=local_start + row - start,
+                )
+            )
             row = end
         return copies
 
@@ -261,7 +296,9 @@ def _gdn_dims(config: Any) -> tuple[int, int, int, int]:
     """(key head dim, key heads, value rows per key head, value heads per key head) of a GDN layer."""
     key_heads, value_heads = config.linear_num_key_heads, config.linear_num_value_heads
     if value_heads % key_heads:
-        raise PlacementError(f"linear_num_value_heads={value_heads} is not a multiple of linear_num_key_heads={key_heads}")
+        raise PlacementError(
+            f"linear_num_value_heads={value_heads} is not a multiple of linear_num_key_heads={key_heads}"
+        )
     per_key = value_heads // key_heads
     return config.linear_key_head_dim, key_heads, per_key * config.linear_value_head_dim, per_key
 
@@ -271,26 +308,35 @@ def place_gdn_in_proj(qkvz: str, ba: str, ctx: ShardContext) -> list[SliceCopy]:
     head, ``in_proj_qkvz`` holds the head's q, k, v, z rows and ``in_proj_ba`` its b, a rows."""
     key_dim, key_heads, value_rows, per_key = _gdn_dims(ctx.config)
     qkvz_stride, ba_stride = 2 * key_dim + 2 * value_rows, 2 * per_key
-    return place_components([
-        (key_heads * key_dim, RowLayout(hf_name=qkvz, base=0, chunk=key_dim, stride=qkvz_stride)),
-        (key_heads * key_dim, RowLayout(hf_name=qkvz, base=key_dim, chunk=key_dim, stride=qkvz_stride)),
-        (key_heads * value_rows, RowLayout(hf_name=qkvz, base=2 * key_dim, chunk=value_rows, stride=qkvz_stride)),
-        (key_heads * value_rows, RowLayout(hf_name=qkvz, base=2 * key_dim + value_rows, chunk=value_rows, stride=qkvz_stride)),
-        (key_heads * per_key, RowLayout(hf_name=ba, base=0, chunk=per_key, stride=ba_stride)),
-        (key_heads * per_key, RowLayout(hf_name=ba, base=per_key, chunk=per_key, stride=ba_stride)),
-    ], ctx)
+    return place_components(
+        [
+            (key_heads * key_dim, RowLayout(hf_name=qkvz, base=0, chunk=key_dim, stride=qkvz_stride)),
+            (key_heads * key_dim, RowLayout(hf_name=qkvz, base=key_dim, chunk=key_dim, stride=qkvz_stride)),
+            (key_heads * value_rows, RowLayout(hf_name=qkvz, base=2 * key_dim, chunk=value_rows, stride=qkvz_stride)),
+            (
+                key_heads * value_rows,
+                RowLayout(hf_name=qkvz, base=2 * key_dim + value_rows, chunk=value_rows, stride=qkvz_stride),
+            ),
+            (key_heads * per_key, RowLayout(hf_name=ba, base=0, chunk=per_key, stride=ba_stride)),
+            (key_heads * per_key, RowLayout(hf_name=ba, base=per_key, chunk=per_key, stride=ba_stride)),
+        ],
+        ctx,
+    )
 
 
 def place_gdn_in_proj_separate(qkv: str, z: str, b: str, a: str, ctx: ShardContext) -> list[SliceCopy]:
     """GDN ``in_proj`` against Qwen3.5's separate tensors: ``in_proj_qkv`` = [q; k; v] flat,
     ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` whole components."""
     _, key_heads, value_rows, per_key = _gdn_dims(ctx.config)
-    return place_components([
-        *_flat_qkv_components(qkv, ctx.config),
-        (key_heads * value_rows, RowLayout(hf_name=z)),
-        (key_heads * per_key, RowLayout(hf_name=b)),
-        (key_heads * per_key, RowLayout(hf_name=a)),
-    ], ctx)
+    return place_components(
+        [
+            *_flat_qkv_components(qkv, ctx.config),
+            (key_heads * value_rows, RowLayout(hf_name=z)),
+            (key_heads * per_key, RowLayout(hf_name=b)),
+            (key_heads * per_key, RowLayout(hf_name=a)),
+        ],
+        ctx,
+    )
 
 
 def place_gdn_conv1d(conv: str, ctx: ShardContext) -> list[SliceCopy]:
@@ -308,7 +354,9 @@ def _mamba_dims(config: Any) -> tuple[int, int, int]:
     """(inner rows ``heads * head_dim``, B or C rows ``groups * state``, heads) of a Mamba mixer."""
     heads = config.mamba_num_heads
     if heads is None:
-        raise PlacementError("a Mamba mixer without mamba_num_heads has no slice description (the bridge's mappings read it)")
+        raise PlacementError(
+            "a Mamba mixer without mamba_num_heads has no slice description (the bridge's mappings read it)"
+        )
     return heads * config.mamba_head_dim, config.mamba_num_groups * config.mamba_state_dim, heads
 
 
@@ -398,6 +446,4 @@ def check_tiling(where: str, local_shape: tuple[int, ...], copies: list[SliceCop
             raise PlacementError(f"{where}: slices leave a gap or overlap at {cursor}")
         cursor = stop
     if len(local_shape) <= dim or cursor != local_shape[dim]:
-        raise PlacementError(
-            f"{where}: slices cover {cursor} along dim {dim}, local shard shape is {local_shape}"
-        )
+        raise PlacementError(f"{where}: slices cover {cursor} along dim {dim}, local shard shape is {local_shape}")

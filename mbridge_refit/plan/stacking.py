@@ -176,7 +176,9 @@ def stacking_rules() -> dict[type, Callable[[Any, tuple[int, ...]], ExpertStack]
     }
 
 
-def transposed_by_stock(mapping: Any, slot_shape: tuple[int, ...], num_experts: int, stored_shape: tuple[int, ...] | None) -> bool:
+def transposed_by_stock(
+    mapping: Any, slot_shape: tuple[int, ...], num_experts: int, stored_shape: tuple[int, ...] | None
+) -> bool:
     """Whether stock's grouped export transposes the stacked tensor [E, *slot_shape] in its last
     two dimensions (``MegatronModelBridge._accumulate_grouped_export``): never without
     ``transpose_on_export``; with it, always when the checkpoint does not hold the tensor
@@ -192,7 +194,11 @@ def transposed_by_stock(mapping: Any, slot_shape: tuple[int, ...], num_experts: 
 
 
 def stacked_placement(
-    mapping: Any, local_shape: tuple[int, ...], *, num_experts: int, stored_shape: tuple[int, ...] | None = None,
+    mapping: Any,
+    local_shape: tuple[int, ...],
+    *,
+    num_experts: int,
+    stored_shape: tuple[int, ...] | None = None,
     partition_dim: int | None = None,
 ) -> tuple[PlacementKind, ExpertStack] | None:
     """The placement and stack of a grouped-export expert parameter; None for any other mapping.
@@ -225,6 +231,10 @@ def stacked_placement(
     stack.check(stack.whole_shape(tuple(local_shape)))
     if transposed_by_stock(mapping, stack.expert_shape(tuple(local_shape)), num_experts, stored_shape):
         if len(local_shape) != 2:
-            raise PlacementError(f"{where}: stock transposes a stack of 1-D slots (the expert dimension with the other)")
+            raise PlacementError(
+                f"{where}: stock transposes a stack of 1-D slots (the expert dimension with the other)"
+            )
         stack = dataclasses.replace(stack, transpose=not stack.transpose)
-    return PlacementKind(kind=STACKED_KIND, hf_names=(str(mapping.hf_param),)), dataclasses.replace(stack, num_experts=num_experts)
+    return PlacementKind(kind=STACKED_KIND, hf_names=(str(mapping.hf_param),)), dataclasses.replace(
+        stack, num_experts=num_experts
+    )

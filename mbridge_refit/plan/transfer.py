@@ -44,8 +44,13 @@ from mbridge_refit.plan.slices import SliceCopy
 from mbridge_refit.plan.storage import PLAIN
 
 __all__ = [
-    "EngineShard", "Move", "TrainerRank", "TransferPlan", "TransferPlanError", "build_transfer_plan",
-    "megatron_rank_grid"
+    "EngineShard",
+    "Move",
+    "TrainerRank",
+    "TransferPlan",
+    "TransferPlanError",
+    "build_transfer_plan",
+    "megatron_rank_grid",
 ]
 
 
@@ -67,7 +72,13 @@ class TrainerRank:
 
 
 def megatron_rank_grid(
-    *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, dp: int = 1, etp: int = 1,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+    dp: int = 1,
+    etp: int = 1,
 ) -> tuple[TrainerRank, ...]:
     """The trainer ranks of a Megatron-Core job in its default order (``tp-cp-ep-dp-pp``; experts on
     the ``tp-ep-dp-pp`` grid whose ``tp`` is the expert-TP size), for planning a job that is not
@@ -78,7 +89,11 @@ def megatron_rank_grid(
         raise TransferPlanError(f"ep*etp = {ep}*{etp} must divide tp*cp*dp = {stage}")
     return tuple(
         TrainerRank(
-            rank=rank, pp=rank // stage, tp=rank % stage % tp, ep=rank % stage // etp % ep, replica=rank % stage // (tp * cp),
+            rank=rank,
+            pp=rank // stage,
+            tp=rank % stage % tp,
+            ep=rank % stage // etp % ep,
+            replica=rank % stage // (tp * cp),
             etp=rank % stage % etp,
         )
         for rank in range(stage * pp)
@@ -139,7 +154,9 @@ class TransferPlan:
     engine_ranks: tuple[int, ...]
     shards: tuple[EngineShard, ...]
     moves: tuple[Move, ...]
-    full_gather_bytes: int  # what a gathering export moves so that every engine rank's trainer rank holds every tensor whole
+    full_gather_bytes: (
+        int  # what a gathering export moves so that every engine rank's trainer rank holds every tensor whole
+    )
 
     @property
     def bytes_moved(self) -> int:
@@ -156,9 +173,14 @@ class TransferPlan:
 
     def summary(self) -> dict[str, Any]:
         return {
-            "engine": self.engine.name, "engine_ranks": list(self.engine_ranks), "shards": len(self.shards),
-            "moves": len(self.moves), "shard_bytes": sum(s.nbytes for s in self.shards), "bytes_moved": self.bytes_moved,
-            "bytes_local": self.bytes_local, "full_gather_bytes": self.full_gather_bytes,
+            "engine": self.engine.name,
+            "engine_ranks": list(self.engine_ranks),
+            "shards": len(self.shards),
+            "moves": len(self.moves),
+            "shard_bytes": sum(s.nbytes for s in self.shards),
+            "bytes_moved": self.bytes_moved,
+            "bytes_local": self.bytes_local,
+            "full_gather_bytes": self.full_gather_bytes,
         }
 
     @property
@@ -177,14 +199,22 @@ class TransferPlan:
             engine=EngineLayout(**raw["engine"]),
             engine_ranks=tuple(raw["engine_ranks"]),
             shards=tuple(EngineShard(**{**s, "box": _box(s["box"])}) for s in raw["shards"]),
-            moves=tuple(Move(**{**m, "source_box": _box(m["source_box"]), "shard_box": _box(m["shard_box"])}) for m in raw["moves"]),
+            moves=tuple(
+                Move(**{**m, "source_box": _box(m["source_box"]), "shard_box": _box(m["shard_box"])})
+                for m in raw["moves"]
+            ),
             full_gather_bytes=raw["full_gather_bytes"],
         )
 
 
 def build_transfer_plan(
-    plan: ExportPlan, grid: Iterable[TrainerRank], engine: EngineLayout, shape: ModelShape, *,
-    engine_ranks: Iterable[int] | None = None, only: Iterable[str] | None = None,
+    plan: ExportPlan,
+    grid: Iterable[TrainerRank],
+    engine: EngineLayout,
+    shape: ModelShape,
+    *,
+    engine_ranks: Iterable[int] | None = None,
+    only: Iterable[str] | None = None,
 ) -> TransferPlan:
     """The transfer plan of ``plan`` (a BF16 export plan) from the trainer ranks ``grid`` into
     ``engine`` placed on ``engine_ranks`` (default: engine rank i on global rank i). ``shape``:
@@ -203,17 +233,26 @@ def build_transfer_plan(
     shards, moves = [], []
     for entry, role in entries:
         _check_plannable(entry)
-        tensor = EngineTensor(hf_name=entry.hf_name, shape=entry.shape, rule=engine_rule(entry, role, engine),
-                              expert=_global_expert(entry, plan, shape))
+        tensor = EngineTensor(
+            hf_name=entry.hf_name,
+            shape=entry.shape,
+            rule=engine_rule(entry, role, engine),
+            expert=_global_expert(entry, plan, shape),
+        )
         for engine_rank, target in enumerate(engine_ranks):
             box = engine_box(tensor, engine_rank, engine, shape)
             if box is None:
                 continue
-            shard = EngineShard(hf_name=entry.hf_name, engine_rank=engine_rank, target_rank=target, box=box, dtype=entry.dtype)
+            shard = EngineShard(
+                hf_name=entry.hf_name, engine_rank=engine_rank, target_rank=target, box=box, dtype=entry.dtype
+            )
             shards.append(shard)
             moves.extend(_moves_for(entry, shard, chooser))
     return TransferPlan(
-        engine=engine, engine_ranks=engine_ranks, shards=tuple(shards), moves=tuple(moves),
+        engine=engine,
+        engine_ranks=engine_ranks,
+        shards=tuple(shards),
+        moves=tuple(moves),
         full_gather_bytes=sum(_missing_bytes(e, grid, target) for e, _ in entries for target in engine_ranks),
     )
 
@@ -261,7 +300,9 @@ def _global_expert(entry: PlanEntry, plan: ExportPlan, shape: ModelShape) -> int
     if not entry.is_expert:
         return None
     if not shape.num_experts or shape.num_experts % plan.ep:
-        raise TransferPlanError(f"{entry.hf_name}: the model shape has {shape.num_experts} experts, not a multiple of the trainer's ep={plan.ep}")
+        raise TransferPlanError(
+            f"{entry.hf_name}: the model shape has {shape.num_experts} experts, not a multiple of the trainer's ep={plan.ep}"
+        )
     return entry.sharding.owner_ep_rank * (shape.num_experts // plan.ep) + entry.sharding.local_expert_index
 
 
@@ -303,12 +344,26 @@ def _moves_for(entry: PlanEntry, shard: EngineShard, chooser: _SourceChooser) ->
             if part is None:
                 continue
             if not holders:
-                raise TransferPlanError(f"{entry.hf_name}: no trainer rank of stage {entry.pp_rank} holds its piece {piece}")
-            source_box = with_extent(part, piece.dim, part[piece.dim][0] - piece.hf_start + piece.local_start,
-                                   part[piece.dim][1] - piece.hf_start + piece.local_start)
+                raise TransferPlanError(
+                    f"{entry.hf_name}: no trainer rank of stage {entry.pp_rank} holds its piece {piece}"
+                )
+            source_box = with_extent(
+                part,
+                piece.dim,
+                part[piece.dim][0] - piece.hf_start + piece.local_start,
+                part[piece.dim][1] - piece.hf_start + piece.local_start,
+            )
             shard_box = tuple((start - base, stop - base) for (start, stop), (base, _) in zip(part, shard.box))
-            move = Move(hf_name=entry.hf_name, source_rank=0, target_rank=shard.target_rank, engine_rank=shard.engine_rank,
-                        megatron_param=entry.megatron_param, source_box=source_box, shard_box=shard_box, dtype=entry.dtype)
+            move = Move(
+                hf_name=entry.hf_name,
+                source_rank=0,
+                target_rank=shard.target_rank,
+                engine_rank=shard.engine_rank,
+                megatron_param=entry.megatron_param,
+                source_box=source_box,
+                shard_box=shard_box,
+                dtype=entry.dtype,
+            )
             moves.append(dataclasses.replace(move, source_rank=chooser.choose(holders, shard.target_rank, move.nbytes)))
             delivered += numel(box_shape(part))
     if delivered != numel(shard.shape):

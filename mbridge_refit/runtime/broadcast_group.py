@@ -70,9 +70,21 @@ import torch.distributed as dist
 from mbridge_refit.errors import TransportError
 
 __all__ = [
-    "BroadcastGroup", "BroadcastGroupError", "DEFAULT_TIMEOUT", "GroupSetupError", "OUTSIDE_GRACE_S",
-    "PEER_CHECK_S", "PEER_SILENT_S", "POST_WAIT_S", "PeerFailedError", "SettingsMismatchError", "StoreGroup",
-    "TorchGroup", "as_broadcast_group", "group_settings", "settings_differences"
+    "BroadcastGroup",
+    "BroadcastGroupError",
+    "DEFAULT_TIMEOUT",
+    "GroupSetupError",
+    "OUTSIDE_GRACE_S",
+    "PEER_CHECK_S",
+    "PEER_SILENT_S",
+    "POST_WAIT_S",
+    "PeerFailedError",
+    "SettingsMismatchError",
+    "StoreGroup",
+    "TorchGroup",
+    "as_broadcast_group",
+    "group_settings",
+    "settings_differences",
 ]
 
 logger = logging.getLogger(__name__)
@@ -87,11 +99,22 @@ _PROTOCOL = 2  # the layout of those keys; members of other versions do not agre
 _UNSET = "<unset>"
 _FAILED_GLOO_GROUPS: list[Any] = []  # kept, not destroyed: see StoreGroup.close
 # NCCL variables members may set differently: diagnostics and names of this host's devices and files.
-_HOST_LOCAL_NCCL_VARIABLES = frozenset({
-    "NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_DEBUG_FILE", "NCCL_DEBUG_TIMESTAMP_FORMAT", "NCCL_DEBUG_TIMESTAMP_LEVELS",
-    "NCCL_WARN_ENABLE_DEBUG_INFO", "NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "NCCL_HOSTID", "NCCL_TOPO_FILE",
-    "NCCL_TOPO_DUMP_FILE", "NCCL_GRAPH_DUMP_FILE",
-})
+_HOST_LOCAL_NCCL_VARIABLES = frozenset(
+    {
+        "NCCL_DEBUG",
+        "NCCL_DEBUG_SUBSYS",
+        "NCCL_DEBUG_FILE",
+        "NCCL_DEBUG_TIMESTAMP_FORMAT",
+        "NCCL_DEBUG_TIMESTAMP_LEVELS",
+        "NCCL_WARN_ENABLE_DEBUG_INFO",
+        "NCCL_SOCKET_IFNAME",
+        "NCCL_IB_HCA",
+        "NCCL_HOSTID",
+        "NCCL_TOPO_FILE",
+        "NCCL_TOPO_DUMP_FILE",
+        "NCCL_GRAPH_DUMP_FILE",
+    }
+)
 
 
 class BroadcastGroupError(TransportError):
@@ -167,7 +190,8 @@ def group_settings(backend: str, environ: Mapping[str, str] | None = None) -> di
     if backend == "nccl":
         settings["nccl_version"] = ".".join(str(part) for part in torch.cuda.nccl.version())
         settings["nccl_env"] = {
-            name: value for name, value in sorted(environ.items())
+            name: value
+            for name, value in sorted(environ.items())
             if name.startswith("NCCL_") and name not in _HOST_LOCAL_NCCL_VARIABLES
         }
     return settings
@@ -220,8 +244,15 @@ class StoreGroup:
     """
 
     def __init__(
-        self, *, host: str, port: int, rank: int, world_size: int, device: torch.device | str,
-        backend: str | None = None, timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+        self,
+        *,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        device: torch.device | str,
+        backend: str | None = None,
+        timeout: datetime.timedelta = DEFAULT_TIMEOUT,
         peer_failure: Callable[[], str | None] | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
@@ -240,8 +271,9 @@ class StoreGroup:
         self.store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
         self._post_store = self.store.clone()
         self._last_round = time.monotonic()  # when the watchdog last heard from the store
-        self._watchdog = threading.Thread(target=self._watch, args=(self.store.clone(),), daemon=True,
-                                          name=f"store-group-watchdog-{rank}")
+        self._watchdog = threading.Thread(
+            target=self._watch, args=(self.store.clone(),), daemon=True, name=f"store-group-watchdog-{rank}"
+        )
         self._watchdog.start()
         try:
             with self.watching(peer_failure) if peer_failure is not None else contextlib.nullcontext():
@@ -337,15 +369,20 @@ class StoreGroup:
                     index = self._post_store.add(_KEYS + "errors", 1)
                     self._post_store.set(f"{_KEYS}error/{index}", record)
             except Exception as err:  # noqa: BLE001 - the store's host may be gone; the caller raises its own error
-                logger.warning("could not post this member's failure to the group's store at %s:%d: %s",
-                               self.host, self.port, err)
+                logger.warning(
+                    "could not post this member's failure to the group's store at %s:%d: %s", self.host, self.port, err
+                )
 
         poster = threading.Thread(target=post, daemon=True, name=f"store-group-post-{self.rank}")
         poster.start()
         poster.join(POST_WAIT_S)  # a store that does not answer must not hold up the caller's own error
         if poster.is_alive():
-            logger.warning("the group's store at %s:%d did not take this member's failure within %.0f s",
-                           self.host, self.port, POST_WAIT_S)
+            logger.warning(
+                "the group's store at %s:%d did not take this member's failure within %.0f s",
+                self.host,
+                self.port,
+                POST_WAIT_S,
+            )
 
     @contextlib.contextmanager
     def watching(self, check: Callable[[], str | None]) -> Iterator[None]:
@@ -385,8 +422,14 @@ class StoreGroup:
                 raise PeerFailedError(f"{what}: {self._failure}") from err
             raise
 
-    def _wait_until(self, done: Callable[[], bool], what: str, *, poll_s: float = 0.002,
-                    on_deadline: Callable[[], BaseException] | None = None) -> None:
+    def _wait_until(
+        self,
+        done: Callable[[], bool],
+        what: str,
+        *,
+        poll_s: float = 0.002,
+        on_deadline: Callable[[], BaseException] | None = None,
+    ) -> None:
         """Poll ``done`` until it is true; raise ``PeerFailedError`` once the group failed or an
         outside check's failure stood ``OUTSIDE_GRACE_S``, and past the timeout (posting it)."""
         deadline = time.monotonic() + self.timeout.total_seconds()
@@ -396,8 +439,10 @@ class StoreGroup:
                 raise PeerFailedError(f"{what} on member {self.rank}: {self._failure}")
             now = time.monotonic()
             if now - self._last_round > PEER_SILENT_S:  # the watchdog is stuck in a store call that gets no answer
-                self._mark_failed(f"the group's store at {self.host}:{self.port} has not answered for "
-                                  f"{PEER_SILENT_S:.0f} s: its host, member 0, is stopped or unreachable")
+                self._mark_failed(
+                    f"the group's store at {self.host}:{self.port} has not answered for "
+                    f"{PEER_SILENT_S:.0f} s: its host, member 0, is stopped or unreachable"
+                )
                 continue
             outside = next((message for message in (check() for check in self._outside) if message), None)
             outside_since = None if outside is None else (outside_since or now)
@@ -405,9 +450,13 @@ class StoreGroup:
                 self.post_error(f"{what} cannot complete: {outside}")
                 raise PeerFailedError(f"{what} on member {self.rank}: {outside}")
             if now > deadline:
-                error = on_deadline() if on_deadline is not None else PeerFailedError(
-                    f"{what} did not complete within {self.timeout.total_seconds():.0f} s on member {self.rank}: "
-                    "a member is not taking part (it has not called it, or it is blocked)"
+                error = (
+                    on_deadline()
+                    if on_deadline is not None
+                    else PeerFailedError(
+                        f"{what} did not complete within {self.timeout.total_seconds():.0f} s on member {self.rank}: "
+                        "a member is not taking part (it has not called it, or it is blocked)"
+                    )
                 )
                 self.post_error(str(error))
                 raise error
@@ -423,8 +472,10 @@ class StoreGroup:
                 failure = self._peer_failure(store, beats)
                 self._last_round = time.monotonic()
             except Exception as err:  # noqa: BLE001 - a store that does not answer is the failure seen
-                failure = (f"the group's store at {self.host}:{self.port} does not answer "
-                           f"({type(err).__name__}: {err}); its host, member 0, is gone")
+                failure = (
+                    f"the group's store at {self.host}:{self.port} does not answer "
+                    f"({type(err).__name__}: {err}); its host, member 0, is gone"
+                )
             if failure is not None:
                 if not self._stop.is_set():
                     self._mark_failed(failure)

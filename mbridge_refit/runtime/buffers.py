@@ -48,7 +48,9 @@ class ExportBuffers:
         self.memo: dict[Any, Any] = {}
         self.allocations = 0
 
-    def get(self, role: str, index: Any, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def get(
+        self, role: str, index: Any, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         key = (role, index, tuple(shape), dtype, str(device))
         if self.hold_whole_export and role not in SCRATCH_ROLES:
             key += (self.bucket,)

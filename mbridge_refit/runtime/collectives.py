@@ -20,9 +20,18 @@ if TYPE_CHECKING:
     from mbridge_refit.plan.transfer import TrainerRank
 
 __all__ = [
-    "ParallelGroups", "RankGroups", "all_true", "broadcast_from", "coalesced", "current_groups",
-    "current_rank_groups", "current_trainer_rank", "gather_into", "is_rank_zero", "replica_participants",
-    "wire_view"
+    "ParallelGroups",
+    "RankGroups",
+    "all_true",
+    "broadcast_from",
+    "coalesced",
+    "current_groups",
+    "current_rank_groups",
+    "current_trainer_rank",
+    "gather_into",
+    "is_rank_zero",
+    "replica_participants",
+    "wire_view",
 ]
 
 
@@ -49,12 +58,26 @@ def current_groups() -> ParallelGroups:
     state), with each group's size and this rank's place in it."""
     from megatron.core import parallel_state as ps
 
-    tp, ep, pp = ps.get_tensor_model_parallel_group(), ps.get_expert_model_parallel_group(), ps.get_pipeline_model_parallel_group()
+    tp, ep, pp = (
+        ps.get_tensor_model_parallel_group(),
+        ps.get_expert_model_parallel_group(),
+        ps.get_pipeline_model_parallel_group(),
+    )
     etp = ps.get_expert_tensor_parallel_group()
     size, rank = dist.get_world_size, dist.get_rank
     return ParallelGroups(
-        tp=tp, ep=ep, pp=pp, tp_size=size(tp), ep_size=size(ep), pp_size=size(pp), tp_rank=rank(tp), ep_rank=rank(ep), pp_rank=rank(pp),
-        etp=etp, etp_size=size(etp), etp_rank=rank(etp),
+        tp=tp,
+        ep=ep,
+        pp=pp,
+        tp_size=size(tp),
+        ep_size=size(ep),
+        pp_size=size(pp),
+        tp_rank=rank(tp),
+        ep_rank=rank(ep),
+        pp_rank=rank(pp),
+        etp=etp,
+        etp_size=size(etp),
+        etp_rank=rank(etp),
     )
 
 
@@ -112,7 +135,9 @@ def current_rank_groups() -> RankGroups:
     from megatron.core import parallel_state as ps
 
     groups = (
-        ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group(), ps.get_expert_model_parallel_group(),
+        ps.get_tensor_model_parallel_group(),
+        ps.get_pipeline_model_parallel_group(),
+        ps.get_expert_model_parallel_group(),
         ps.get_expert_tensor_parallel_group(),
     )
     return RankGroups(
@@ -129,8 +154,12 @@ def current_trainer_rank() -> TrainerRank:
     from mbridge_refit.plan.transfer import TrainerRank
 
     return TrainerRank(
-        rank=dist.get_rank(), pp=ps.get_pipeline_model_parallel_rank(), tp=ps.get_tensor_model_parallel_rank(),
-        ep=ps.get_expert_model_parallel_rank(), replica=ps.get_data_parallel_rank(), etp=ps.get_expert_tensor_parallel_rank(),
+        rank=dist.get_rank(),
+        pp=ps.get_pipeline_model_parallel_rank(),
+        tp=ps.get_tensor_model_parallel_rank(),
+        ep=ps.get_expert_model_parallel_rank(),
+        replica=ps.get_data_parallel_rank(),
+        etp=ps.get_expert_tensor_parallel_rank(),
     )
 
 
@@ -141,7 +170,9 @@ def replica_participants(everyone: list[RankGroups], replica: int) -> frozenset[
     gather also runs its own tensor and pipeline collectives). Pure; the same on every rank."""
     needed = {r.rank for r in everyone if r.replica == replica}
     if not needed:
-        raise ValueError(f"no rank belongs to data-parallel replica {replica} (replicas: {sorted({r.replica for r in everyone})})")
+        raise ValueError(
+            f"no rank belongs to data-parallel replica {replica} (replicas: {sorted({r.replica for r in everyone})})"
+        )
     by_rank = {r.rank: r for r in everyone}
     frontier = list(needed)
     while frontier:

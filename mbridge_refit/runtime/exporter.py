@@ -128,7 +128,9 @@ class PlanExporter:
                     if entry.alias_of in live:
                         live[entry.hf_name] = live[entry.alias_of]
                     continue
-                reads_local = op.source is not None and (not op.expert or self._groups.ep_size == self._groups.etp_size == 1)
+                reads_local = op.source is not None and (
+                    not op.expert or self._groups.ep_size == self._groups.etp_size == 1
+                )
                 reads_local = reads_local and entry.elementwise_op is None
                 if reads_local and assembly.kind is AssemblyKind.VIEW:
                     runs = ((0, assembly.start, assembly.length),)
@@ -140,7 +142,12 @@ class PlanExporter:
         return live
 
     def export(
-        self, buffers: ExportBuffers, *, cpu: bool = False, show_progress: bool = False, needed: frozenset[str] | None = None
+        self,
+        buffers: ExportBuffers,
+        *,
+        cpu: bool = False,
+        show_progress: bool = False,
+        needed: frozenset[str] | None = None,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(hf_name, tensor)`` for every plan entry, or those ``needed`` (collective: every
         rank, to the end; see ``export_buckets``)."""
@@ -149,8 +156,13 @@ class PlanExporter:
                 yield name, (tensor.cpu() if cpu else tensor)
 
     def export_buckets(
-        self, buffers: ExportBuffers, *, show_progress: bool = False, select_rows_lazily: bool = False,
-        bucket_sizes: Mapping[str, int] | None = None, needed: frozenset[str] | None = None,
+        self,
+        buffers: ExportBuffers,
+        *,
+        show_progress: bool = False,
+        select_rows_lazily: bool = False,
+        bucket_sizes: Mapping[str, int] | None = None,
+        needed: frozenset[str] | None = None,
     ) -> Iterator[list[tuple[str, torch.Tensor | RowSelection]]]:
         """Yield the ``(hf_name, tensor)`` pairs of one bucket at a time, in plan order.
 
@@ -187,7 +199,11 @@ class PlanExporter:
         progress.close()
 
     def _bucket_items(
-        self, bucket: Bucket, buffers: ExportBuffers, yielded: dict[str, torch.Tensor], select_rows_lazily: bool,
+        self,
+        bucket: Bucket,
+        buffers: ExportBuffers,
+        yielded: dict[str, torch.Tensor],
+        select_rows_lazily: bool,
         slots: frozenset[int] | None = None,
     ) -> list[tuple[str, torch.Tensor | RowSelection]]:
         """The bucket's ``(hf_name, tensor)`` pairs; with ``slots``, only those ops' (the same on every rank)."""
@@ -226,14 +242,20 @@ class PlanExporter:
             gathered = self._gather_expert_shards(bucket, launch, buffers)
         elif any(launch):
             group = self._groups.ep if bucket.expert else self._groups.tp
-            gathers = bucket.gathers if slots is None else sum(gather_count(op, self._groups) for op, run in zip(bucket.ops, runs) if run)
+            gathers = (
+                bucket.gathers
+                if slots is None
+                else sum(gather_count(op, self._groups) for op, run in zip(bucket.ops, runs) if run)
+            )
             gathered = []
             with coalesced(group, gathers, self.device):
                 for slot, op in enumerate(bucket.ops):
                     gathered.append(self._launch_gathers(op, slot, buffers) if launch[slot] else {})
         return [
-            self._views_of(op, slot, buffers) if views[slot]
-            else self._assemble(op, slot, gathered[slot], buffers) if launch[slot]
+            self._views_of(op, slot, buffers)
+            if views[slot]
+            else self._assemble(op, slot, gathered[slot], buffers)
+            if launch[slot]
             else None
             for slot, op in enumerate(bucket.ops)
         ]
@@ -273,25 +295,42 @@ class PlanExporter:
                 if not runs[slot]:
                     shards.append(None)
                     continue
-                locals_ = [self.shards(name, op.entries[0], (slot, k), buffers).detach() for k, name in enumerate(op.sources)]
-                shards.append([_gather(x, groups.etp, groups.etp_size, buffers, "etp_gather", (slot, k)) for k, x in enumerate(locals_)])
+                locals_ = [
+                    self.shards(name, op.entries[0], (slot, k), buffers).detach() for k, name in enumerate(op.sources)
+                ]
+                shards.append(
+                    [
+                        _gather(x, groups.etp, groups.etp_size, buffers, "etp_gather", (slot, k))
+                        for k, x in enumerate(locals_)
+                    ]
+                )
         gathered: list[dict] = []
         with coalesced(groups.ep, sum(runs) if groups.ep_size > 1 else 0, self.device):
             for slot, (op, parts) in enumerate(zip(bucket.ops, shards)):
                 if parts is None:
                     gathered.append({})
                 elif op.stacked:
-                    gathered.append({"stacked": self._gather_stack(op, slot, buffers, self._whole_experts(op, slot, parts, buffers))})
+                    gathered.append(
+                        {
+                            "stacked": self._gather_stack(
+                                op, slot, buffers, self._whole_experts(op, slot, parts, buffers)
+                            )
+                        }
+                    )
                 else:
                     gathered.append({"whole": _gather(parts[0], groups.ep, groups.ep_size, buffers, "ep_gather", slot)})
         return gathered
 
-    def _whole_experts(self, op: Op, slot: int, parts: list[torch.Tensor], buffers: ExportBuffers) -> list[torch.Tensor]:
+    def _whole_experts(
+        self, op: Op, slot: int, parts: list[torch.Tensor], buffers: ExportBuffers
+    ) -> list[torch.Tensor]:
         """Each local expert of a stacked op, whole, from its shards gathered over the expert-TP group."""
         stack = op.entries[0].sharding.stack
         wholes = []
         for k, shards in enumerate(parts):
-            whole = buffers.get("whole_expert", (slot, k), stack.whole_shape(tuple(shards.shape[1:])), shards.dtype, shards.device)
+            whole = buffers.get(
+                "whole_expert", (slot, k), stack.whole_shape(tuple(shards.shape[1:])), shards.dtype, shards.device
+            )
             stack.join_into(whole, shards)
             wholes.append(whole)
         return wholes
@@ -333,7 +372,13 @@ class PlanExporter:
             whole = launched["whole"]
             split = self._groups.etp_size > 1
             return [
-                self._from_pieces(entry, assembly, whole[entry.sharding.owner_ep_rank] if split else whole[entry.sharding.owner_ep_rank].unsqueeze(0), buffers, (slot, i))
+                self._from_pieces(
+                    entry,
+                    assembly,
+                    whole[entry.sharding.owner_ep_rank] if split else whole[entry.sharding.owner_ep_rank].unsqueeze(0),
+                    buffers,
+                    (slot, i),
+                )
                 for i, (entry, assembly) in enumerate(zip(op.entries, op.assemblies))
             ]
         outputs: list[torch.Tensor] = []
@@ -346,7 +391,9 @@ class PlanExporter:
                 outputs.append(self._from_pieces(entry, assembly, launched["local"].unsqueeze(0), buffers, (slot, i)))
         return outputs
 
-    def _gather_stack(self, op: Op, slot: int, buffers: ExportBuffers, experts: list[torch.Tensor] | None = None) -> torch.Tensor:
+    def _gather_stack(
+        self, op: Op, slot: int, buffers: ExportBuffers, experts: list[torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """``STACK``: copy each local expert into its slot of this rank's share of the stack (the
         output itself at ep 1), then all-gather the shares over the expert-parallel group into the
         output (rank k's share is slots [k*E/ep, (k+1)*E/ep): the output's k-th chunk). ``experts``:
@@ -354,7 +401,9 @@ class PlanExporter:
         (entry,) = op.entries
         ep_size = self._groups.ep_size
         if experts is None:
-            experts = [self.shards(name, entry, (slot, index), buffers).detach() for index, name in enumerate(op.sources)]
+            experts = [
+                self.shards(name, entry, (slot, index), buffers).detach() for index, name in enumerate(op.sources)
+            ]
         dtype, device = experts[0].dtype, experts[0].device
         out = buffers.get("out", (slot, 0), entry.shape, dtype, device)
         share = out if ep_size == 1 else buffers.get("pack", (slot, 0), (len(experts), *entry.shape[1:]), dtype, device)
@@ -385,10 +434,17 @@ class PlanExporter:
             return flat.narrow(0, assembly.start, assembly.length)
         if assembly.kind is AssemblyKind.INDEX:
             flat = gathered.reshape(-1, *gathered.shape[2:])
-            return RowSelection(flat, assembly.spans, entry.shape, lambda: torch.index_select(
-                flat, 0, self._device_rows(entry, assembly),
-                out=buffers.get("out", index, entry.shape, gathered.dtype, gathered.device),
-            ))
+            return RowSelection(
+                flat,
+                assembly.spans,
+                entry.shape,
+                lambda: torch.index_select(
+                    flat,
+                    0,
+                    self._device_rows(entry, assembly),
+                    out=buffers.get("out", index, entry.shape, gathered.dtype, gathered.device),
+                ),
+            )
         out = buffers.get("out", index, entry.shape, gathered.dtype, gathered.device)
         for rank, copy in assembly.pieces:
             out.narrow(copy.dim, copy.hf_start, copy.length).copy_(

@@ -117,13 +117,19 @@ class CollectiveCall:
             self._store.set(f"{key}/left", note.encode())
             if not dist.is_initialized():
                 return
-            logger.error("%s %s: %s; running the rest of it so the other ranks' collectives complete",
-                         self.what, _CONTRACT, note)
+            logger.error(
+                "%s %s: %s; running the rest of it so the other ranks' collectives complete", self.what, _CONTRACT, note
+            )
             for _ in items:
                 pass
         except Exception as err:  # the job is already failing: its peers fail on their own
-            logger.warning("%s: rank %d could not finish it for its peers after leaving early (%s: %s)",
-                           self.what, self._rank, type(err).__name__, err)
+            logger.warning(
+                "%s: rank %d could not finish it for its peers after leaving early (%s: %s)",
+                self.what,
+                self._rank,
+                type(err).__name__,
+                err,
+            )
 
     def _key(self, number: int) -> str:
         return f"{self._prefix}/{number}"

@@ -23,7 +23,11 @@ import torch
 from mbridge_refit.errors import UsageError
 
 __all__ = [
-    "ENVIRONMENT_VARIABLE", "ExpiredTensorError", "GuardedTensor", "guard_buckets", "guard_tensors",
+    "ENVIRONMENT_VARIABLE",
+    "ExpiredTensorError",
+    "GuardedTensor",
+    "guard_buckets",
+    "guard_tensors",
     "lifetime_checks_from_environment",
 ]
 

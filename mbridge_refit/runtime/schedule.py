@@ -41,8 +41,16 @@ from mbridge_refit.plan.entries import ExportPlan, PlanEntry, with_expert_number
 from mbridge_refit.runtime.collectives import ParallelGroups
 
 __all__ = [
-    "Assembly", "AssemblyKind", "Bucket", "Op", "base_entry", "build_buckets", "build_ops", "gather_count",
-    "layer_of", "plan_assembly"
+    "Assembly",
+    "AssemblyKind",
+    "Bucket",
+    "Op",
+    "base_entry",
+    "build_buckets",
+    "build_ops",
+    "gather_count",
+    "layer_of",
+    "plan_assembly",
 ]
 
 
@@ -136,7 +144,9 @@ def build_ops(plan: ExportPlan, params: Mapping[str, torch.Tensor], groups: Para
             if entry.sharding.stack is not None:
                 sources = _my_stacked_params(entry, plan.ep, groups)
             else:
-                sources = (entry.megatron_param if not entry.is_expert else _my_expert_param(entry, experts_per_rank, groups),)
+                sources = (
+                    entry.megatron_param if not entry.is_expert else _my_expert_param(entry, experts_per_rank, groups),
+                )
             for source in sources:
                 if source not in params:
                     raise KeyError(f"the plan places {source} on this rank, which does not hold it")
@@ -153,7 +163,9 @@ def build_ops(plan: ExportPlan, params: Mapping[str, torch.Tensor], groups: Para
     return ops
 
 
-def build_buckets(ops: list[Op], bucket_bytes: int, groups: ParallelGroups, sizes: Mapping[str, int] | None = None) -> list[Bucket]:
+def build_buckets(
+    ops: list[Op], bucket_bytes: int, groups: ParallelGroups, sizes: Mapping[str, int] | None = None
+) -> list[Bucket]:
     """Pack consecutive whole layers of one stage and gather group into buckets of at most
     ``bucket_bytes`` output bytes (a layer larger than that is a bucket of its own), counting each
     HF tensor as ``sizes`` says (default: its plan entry's bytes); with ``bucket_bytes <= 0``, one
@@ -170,7 +182,12 @@ def build_buckets(ops: list[Op], bucket_bytes: int, groups: ParallelGroups, size
         for unit in _layer_units(ops):
             unit_bytes = sum(_op_bytes(op, sizes) for op in unit)
             kind = _unit_kind(unit)
-            if groupings and not closed and kind == _unit_kind(groupings[-1]) and pending_bytes + unit_bytes <= bucket_bytes:
+            if (
+                groupings
+                and not closed
+                and kind == _unit_kind(groupings[-1])
+                and pending_bytes + unit_bytes <= bucket_bytes
+            ):
                 groupings[-1].extend(unit)
                 pending_bytes += unit_bytes
             else:
@@ -180,8 +197,12 @@ def build_buckets(ops: list[Op], bucket_bytes: int, groups: ParallelGroups, size
             if closed:
                 started.add(kind)
     return [
-        Bucket(ops=bucket, expert=bucket[0].expert, pp_rank=bucket[0].entries[0].pp_rank,
-               gathers=sum(gather_count(op, groups) for op in bucket))
+        Bucket(
+            ops=bucket,
+            expert=bucket[0].expert,
+            pp_rank=bucket[0].entries[0].pp_rank,
+            gathers=sum(gather_count(op, groups) for op in bucket),
+        )
         for bucket in groupings
     ]
 
@@ -217,7 +238,9 @@ def plan_assembly(entry: PlanEntry, groups: ParallelGroups) -> Assembly:
     """Choose how to build ``entry`` (its ``base_entry``) on this rank from its slice pieces (decided once)."""
     if entry.sharding.stack is not None:
         if entry.elementwise_op is not None or entry.relayout is not None:
-            raise ValueError(f"{entry.hf_name}: a stacked expert tensor with an elementwise op or a relayout has no assembly")
+            raise ValueError(
+                f"{entry.hf_name}: a stacked expert tensor with an elementwise op or a relayout has no assembly"
+            )
         return Assembly(kind=AssemblyKind.STACK)
     assembly = _slices_assembly(base_entry(entry), groups)
     converted = entry.elementwise_op is not None or entry.relayout is not None
@@ -237,7 +260,9 @@ def _slices_assembly(entry: PlanEntry, groups: ParallelGroups) -> Assembly:
     local_rows = entry.sharding.local_shape[0]
     dim = pieces[0][0].dim
     if dim == 0:
-        spans = sorted((c.hf_start, r * local_rows + c.local_start, c.length) for r, rank in enumerate(pieces) for c in rank)
+        spans = sorted(
+            (c.hf_start, r * local_rows + c.local_start, c.length) for r, rank in enumerate(pieces) for c in rank
+        )
         first = spans[0][1]
         if all(source == first + hf_start for hf_start, source, _ in spans):
             return Assembly(kind=AssemblyKind.VIEW, start=first, length=entry.shape[0])
@@ -286,7 +311,9 @@ def _op_key(entry: PlanEntry) -> tuple:
 
 def _my_expert_param(entry: PlanEntry, experts_per_rank: int, groups: ParallelGroups) -> str:
     """The global name of the parameter this EP rank holds for the entry's local expert index."""
-    return with_expert_number(entry.megatron_param, entry.sharding.local_expert_index + groups.ep_rank * experts_per_rank)
+    return with_expert_number(
+        entry.megatron_param, entry.sharding.local_expert_index + groups.ep_rank * experts_per_rank
+    )
 
 
 def _my_stacked_params(entry: PlanEntry, ep: int, groups: ParallelGroups) -> tuple[str, ...]:

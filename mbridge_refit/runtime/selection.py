@@ -31,8 +31,13 @@ class RowSelection:
 
     __slots__ = ("source", "runs", "shape", "_build", "_tensor")
 
-    def __init__(self, source: torch.Tensor, runs: tuple[tuple[int, int, int], ...], shape: tuple[int, ...],
-                 build: Callable[[], torch.Tensor]) -> None:
+    def __init__(
+        self,
+        source: torch.Tensor,
+        runs: tuple[tuple[int, int, int], ...],
+        shape: tuple[int, ...],
+        build: Callable[[], torch.Tensor],
+    ) -> None:
         self.source, self.runs, self.shape, self._build = source, runs, tuple(shape), build
         self._tensor: torch.Tensor | None = None
 

@@ -78,8 +78,14 @@ class ShardedTransfer:
     """
 
     def __init__(
-        self, plan: TransferPlan, *, params: Mapping[str, torch.Tensor], group: Any = None,
-        device: torch.device | None = None, checksum: bool = False, chunks: list[torch.nn.Module] | None = None,
+        self,
+        plan: TransferPlan,
+        *,
+        params: Mapping[str, torch.Tensor],
+        group: Any = None,
+        device: torch.device | None = None,
+        checksum: bool = False,
+        chunks: list[torch.nn.Module] | None = None,
     ) -> None:
         self.plan = plan
         self.params = params
@@ -97,7 +103,8 @@ class ShardedTransfer:
         self._stats = TransferStats(
             sent_bytes=sum(p.move.nbytes for parts in self.sends.values() for p in parts),
             received_bytes=sum(p.move.nbytes for parts in self.receives.values() for p in parts),
-            local_bytes=sum(m.nbytes for m in self.local), peers=len(set(self.sends) | set(self.receives)),
+            local_bytes=sum(m.nbytes for m in self.local),
+            peers=len(set(self.sends) | set(self.receives)),
         )
         self._copies: tuple[tuple, _Copies] | None = None
         self._send_buffers: dict[int, torch.Tensor] = {}
@@ -152,7 +159,10 @@ class ShardedTransfer:
             param = self.params.get(move.megatron_param)
             if param is None:
                 return f"{move.hf_name}: this rank has no parameter {move.megatron_param} (the plan was built for another trainer layout)"
-            if any(stop > size for (_, stop), size in zip(move.source_box, param.shape)) or len(move.source_box) != param.dim():
+            if (
+                any(stop > size for (_, stop), size in zip(move.source_box, param.shape))
+                or len(move.source_box) != param.dim()
+            ):
                 return f"{move.hf_name}: parameter {move.megatron_param} {tuple(param.shape)} does not hold {move.source_box}"
         return None
 
@@ -164,14 +174,34 @@ class ShardedTransfer:
         key = (id(shards), *(t.data_ptr() for t in shards.values()), *(p.data_ptr() for p in self.params.values()))
         if self._copies is None or self._copies[0] != key:
             params = self.params
-            self._copies = (key, _Copies(
-                pack=[(_slots(self._send_buffers[peer], run), _strided_view(params[run[0].move.megatron_param], [p.move.source_box for p in run]))
-                      for peer, parts in self.sends.items() for run in _even_runs(parts)],
-                local=[(_strided_view(shards[run[0].hf_name], [m.shard_box for m in run]),
-                        _strided_view(params[run[0].megatron_param], [m.source_box for m in run])) for run in _even_runs(self.local)],
-                unpack=[(_strided_view(shards[run[0].move.hf_name], [p.move.shard_box for p in run]), _slots(self._receive_buffers[peer], run))
-                        for peer, parts in self.receives.items() for run in _even_runs(parts)],
-            ))
+            self._copies = (
+                key,
+                _Copies(
+                    pack=[
+                        (
+                            _slots(self._send_buffers[peer], run),
+                            _strided_view(params[run[0].move.megatron_param], [p.move.source_box for p in run]),
+                        )
+                        for peer, parts in self.sends.items()
+                        for run in _even_runs(parts)
+                    ],
+                    local=[
+                        (
+                            _strided_view(shards[run[0].hf_name], [m.shard_box for m in run]),
+                            _strided_view(params[run[0].megatron_param], [m.source_box for m in run]),
+                        )
+                        for run in _even_runs(self.local)
+                    ],
+                    unpack=[
+                        (
+                            _strided_view(shards[run[0].move.hf_name], [p.move.shard_box for p in run]),
+                            _slots(self._receive_buffers[peer], run),
+                        )
+                        for peer, parts in self.receives.items()
+                        for run in _even_runs(parts)
+                    ],
+                ),
+            )
         return self._copies[1]
 
     def _handshake(self, problem: str | None) -> None:
@@ -191,7 +221,9 @@ class ShardedTransfer:
             parts.append(f"rank(s) {[ranks[i] for i in failed]} found tensors that do not fit the plan")
         detail = f"; here: {problem}" if problem else ""
         raise TransferMismatchError(
-            "sharded transfer refused before any data moved: " + "; ".join(parts) + detail
+            "sharded transfer refused before any data moved: "
+            + "; ".join(parts)
+            + detail
             + ". Build every rank's ShardedTransfer from the same TransferPlan (TransferPlan.to_json on the trainer)"
         )
 

@@ -34,7 +34,14 @@ def fill_stack(stack: ExpertStack, out: torch.Tensor, experts: list[torch.Tensor
         torch.stack(experts, out=out)
         return
     if stack.transpose and out.is_cuda:
-        key = ("expert_addresses", stack, out.dtype, tuple(out.shape), out.is_contiguous(), tuple(x.data_ptr() for x in experts))
+        key = (
+            "expert_addresses",
+            stack,
+            out.dtype,
+            tuple(out.shape),
+            out.is_contiguous(),
+            tuple(x.data_ptr() for x in experts),
+        )
         if key not in memo:
             memo[key] = _kernel_address_table(stack, out, experts)
         table = memo[key]

@@ -78,8 +78,18 @@ def takes(out: torch.Tensor, experts: list[torch.Tensor]) -> bool:
     all on one CUDA device, contiguous, of one dtype and shape."""
     first = experts[0]
     return (
-        out.is_cuda and out.is_contiguous() and first.dim() == 2 and out.shape == (len(experts), first.shape[1], first.shape[0])
-        and all(x.is_cuda and x.is_contiguous() and x.dtype == out.dtype and x.shape == first.shape and x.device == out.device for x in experts)
+        out.is_cuda
+        and out.is_contiguous()
+        and first.dim() == 2
+        and out.shape == (len(experts), first.shape[1], first.shape[0])
+        and all(
+            x.is_cuda
+            and x.is_contiguous()
+            and x.dtype == out.dtype
+            and x.shape == first.shape
+            and x.device == out.device
+            for x in experts
+        )
     )
 
 
@@ -92,7 +102,9 @@ def address_table(experts: list[torch.Tensor]) -> torch.Tensor:
 INTERLEAVES = (1, 2)  # the ``ExpertStack.interleave`` values a kernel here writes
 
 
-def transpose_experts(out: torch.Tensor, table: torch.Tensor, expert_shape: tuple[int, int], interleave: int = 1) -> None:
+def transpose_experts(
+    out: torch.Tensor, table: torch.Tensor, expert_shape: tuple[int, int], interleave: int = 1
+) -> None:
     """``out[e] = expert_e.T`` for every expert of ``table`` (``address_table``), its columns
     interleaved in pairs with ``interleave=2`` (the rows must be even), one launch."""
     rows, cols = expert_shape
@@ -110,16 +122,27 @@ def usable(device_index: int) -> bool:
     try:
         device = torch.device("cuda", device_index)
         generator = torch.Generator().manual_seed(0)
-        for experts_count, shape, interleave in ((3, (130, 70), 1), (1, (64, 64), 1), (5, (1, 200), 1), (2, (257, 3), 1),
-                                                 (3, (130, 70), 2), (2, (256, 40), 2), (1, (2, 5), 2)):
-            experts = [torch.randn(shape, generator=generator).to(torch.bfloat16).to(device) for _ in range(experts_count)]
+        for experts_count, shape, interleave in (
+            (3, (130, 70), 1),
+            (1, (64, 64), 1),
+            (5, (1, 200), 1),
+            (2, (257, 3), 1),
+            (3, (130, 70), 2),
+            (2, (256, 40), 2),
+            (1, (2, 5), 2),
+        ):
+            experts = [
+                torch.randn(shape, generator=generator).to(torch.bfloat16).to(device) for _ in range(experts_count)
+            ]
             out = torch.full((experts_count, shape[1], shape[0]), float("nan"), dtype=torch.bfloat16, device=device)
             transpose_experts(out, address_table(experts), shape, interleave)
             expected = torch.empty_like(out)
             for slot, expert in zip(expected, experts):
                 ExpertStack(interleave=interleave, transpose=True).copy_into(slot, expert)
             if not torch.equal(out.view(torch.int16), expected.view(torch.int16)):
-                logger.warning("the Triton expert-transpose kernel does not match torch's copy on this device: not used")
+                logger.warning(
+                    "the Triton expert-transpose kernel does not match torch's copy on this device: not used"
+                )
                 return False
     except Exception as err:  # a compiler or driver that cannot build it: the torch path still works
         logger.warning("the Triton expert-transpose kernel failed to run (%s: %s): not used", type(err).__name__, err)

@@ -40,6 +40,12 @@ class ExportsWeights(Protocol):
     def live_rows(self, model: Model, *, fp8: Any = None) -> dict[str, LiveRows]: ...
 
     def export_hf_weights(
-        self, model: Model, *, show_progress: bool = True, reuse_buffer_from_cache: bool = False,
-        hold_outputs: bool = False, fp8: Any = None, only: Collection[str] | None = None,
+        self,
+        model: Model,
+        *,
+        show_progress: bool = True,
+        reuse_buffer_from_cache: bool = False,
+        hold_outputs: bool = False,
+        fp8: Any = None,
+        only: Collection[str] | None = None,
     ) -> Iterable[tuple[str, torch.Tensor]]: ...

@@ -41,7 +41,9 @@ class FusedTensorRule:
 
     @property
     def pattern(self) -> re.Pattern[str]:
-        text = re.escape(self.source).replace(r"\{experts\}", "(?P<experts>.+)").replace(r"\{expert\}", r"(?P<expert>\d+)")
+        text = (
+            re.escape(self.source).replace(r"\{experts\}", "(?P<experts>.+)").replace(r"\{expert\}", r"(?P<expert>\d+)")
+        )
         return re.compile(text)
 
     def target_suffix(self) -> str:
@@ -91,7 +93,11 @@ class HFModelUpdateSink(WeightSink):
     """
 
     def __init__(
-        self, model: torch.nn.Module, *, strict: bool = True, fused_layouts: Iterable[FusedTensorRule] = FUSED_TENSOR_RULES
+        self,
+        model: torch.nn.Module,
+        *,
+        strict: bool = True,
+        fused_layouts: Iterable[FusedTensorRule] = FUSED_TENSOR_RULES,
     ) -> None:
         self.model = model
         self.strict = strict
@@ -117,7 +123,9 @@ class HFModelUpdateSink(WeightSink):
         if write in self._written:
             if self._is_tied_copy(hf_name, write, target, tensor):
                 return
-            raise WeightUpdateError(f"{hf_name} was written twice (as {write}); every tensor must appear once in the stream")
+            raise WeightUpdateError(
+                f"{hf_name} was written twice (as {write}); every tensor must appear once in the stream"
+            )
         if tuple(tensor.shape) != tuple(target.view.shape) or tensor.dtype != target.view.dtype:
             raise WeightUpdateError(
                 f"{hf_name}: stream tensor {list(tensor.shape)} {tensor.dtype} does not fit model tensor "

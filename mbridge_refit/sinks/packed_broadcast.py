@@ -66,7 +66,14 @@ ALIGN_BYTES = 16
 _MAGIC = 0x5042_5246  # "PBRF"
 _VERSION = 1
 _HEADER_FIELDS = (
-    "magic", "version", "fingerprint", "stream_bytes", "bucket_bytes", "num_buffers", "checksum", "entries",
+    "magic",
+    "version",
+    "fingerprint",
+    "stream_bytes",
+    "bucket_bytes",
+    "num_buffers",
+    "checksum",
+    "entries",
 )
 _STATUS_OK, _STATUS_CHECKSUM, _STATUS_CONSUMER = 0, 1, 2
 
@@ -154,7 +161,9 @@ class StreamPacking:
             offset = _align(offset)
             slots.append(_Slot(index=index, entry=entry, offset=offset, nbytes=entry.nbytes))
             offset += entry.nbytes
-        return cls(slots=tuple(slots), stream_bytes=offset, bucket_bytes=bucket_bytes, fingerprint=plan_fingerprint(plan))
+        return cls(
+            slots=tuple(slots), stream_bytes=offset, bucket_bytes=bucket_bytes, fingerprint=plan_fingerprint(plan)
+        )
 
     @property
     def num_buckets(self) -> int:
@@ -169,7 +178,11 @@ class StreamPacking:
 
     def max_split_bytes(self) -> int:
         """Bytes of the largest tensor that straddles a bucket boundary (the scratch size)."""
-        split = [s.nbytes for s in self.slots if s.nbytes and s.offset // self.bucket_bytes != (s.end - 1) // self.bucket_bytes]
+        split = [
+            s.nbytes
+            for s in self.slots
+            if s.nbytes and s.offset // self.bucket_bytes != (s.end - 1) // self.bucket_bytes
+        ]
         return max(split, default=0)
 
 
@@ -190,8 +203,14 @@ def _align(offset: int) -> int:
 
 def _header(packing: StreamPacking, config: PackedBroadcastConfig) -> list[int]:
     return [
-        _MAGIC, _VERSION, packing.fingerprint, packing.stream_bytes, config.bucket_bytes,
-        config.num_buffers, int(config.checksum), len(packing.slots),
+        _MAGIC,
+        _VERSION,
+        packing.fingerprint,
+        packing.stream_bytes,
+        config.bucket_bytes,
+        config.num_buffers,
+        int(config.checksum),
+        len(packing.slots),
     ]
 
 
@@ -222,8 +241,14 @@ def _check_member(group: BroadcastGroup) -> None:
 
 
 def _handshake(
-    *, plan: ExportPlan, packing: StreamPacking, config: PackedBroadcastConfig, group: BroadcastGroup, src: int,
-    device: torch.device, is_source: bool,
+    *,
+    plan: ExportPlan,
+    packing: StreamPacking,
+    config: PackedBroadcastConfig,
+    group: BroadcastGroup,
+    src: int,
+    device: torch.device,
+    is_source: bool,
 ) -> None:
     """Step 1 of the protocol (collective over ``group``); raises PlanMismatchError on every member."""
     mine = _header(packing, config)
@@ -231,7 +256,9 @@ def _handshake(
     group.broadcast(header, src)
     theirs = [int(v) for v in header.tolist()]
     mismatch = 0 if is_source or theirs == mine else 1
-    verdict = torch.tensor([mismatch, packing.fingerprint if mismatch else torch.iinfo(torch.int64).min], dtype=torch.int64, device=device)
+    verdict = torch.tensor(
+        [mismatch, packing.fingerprint if mismatch else torch.iinfo(torch.int64).min], dtype=torch.int64, device=device
+    )
     group.all_reduce(verdict, dist.ReduceOp.MAX)
     if int(verdict[0]) == 0:
         return
@@ -243,11 +270,17 @@ def _handshake(
     index = torch.tensor([first if first is not None else limit], dtype=torch.int64, device=device)
     group.all_reduce(index, dist.ReduceOp.MIN)
     first = int(index) if int(index) != limit else None
-    raise PlanMismatchError(_mismatch_message(
-        source=theirs if not is_source else mine, receiver=mine if not is_source else None,
-        receiver_fingerprint=receiver_fingerprint, first=first, source_signature=source_signature,
-        local_signature=None if is_source else plan_signature(plan), is_source=is_source,
-    ))
+    raise PlanMismatchError(
+        _mismatch_message(
+            source=theirs if not is_source else mine,
+            receiver=mine if not is_source else None,
+            receiver_fingerprint=receiver_fingerprint,
+            first=first,
+            source_signature=source_signature,
+            local_signature=None if is_source else plan_signature(plan),
+            is_source=is_source,
+        )
+    )
 
 
 def _first_difference(a: Sequence, b: Sequence) -> int | None:
@@ -265,14 +298,21 @@ def _describe(signature: Sequence | None, index: int) -> str:
 
 
 def _mismatch_message(
-    *, source: list[int], receiver: list[int] | None, receiver_fingerprint: int, first: int | None,
-    source_signature: Sequence, local_signature: Sequence | None, is_source: bool,
+    *,
+    source: list[int],
+    receiver: list[int] | None,
+    receiver_fingerprint: int,
+    first: int | None,
+    source_signature: Sequence,
+    local_signature: Sequence | None,
+    is_source: bool,
 ) -> str:
     fields = ""
     if receiver is not None:
         differing = [
             f"{f}: sender {_hex(s) if f == 'fingerprint' else s}, receiver {_hex(r) if f == 'fingerprint' else r}"
-            for f, s, r in zip(_HEADER_FIELDS, source, receiver) if s != r
+            for f, s, r in zip(_HEADER_FIELDS, source, receiver)
+            if s != r
         ]
         fields = "; differing header fields: " + ", ".join(differing)
     where = ""
@@ -314,7 +354,9 @@ def share_verdict(trainer_group: BroadcastGroup, src: int, error: BaseException 
     trainer_group.broadcast(flag, src)
     if int(flag) == 0:
         return
-    message = trainer_group.broadcast_object(f"{type(error).__name__}: {error}" if error is not None else None, src, device)
+    message = trainer_group.broadcast_object(
+        f"{type(error).__name__}: {error}" if error is not None else None, src, device
+    )
     if error is not None:
         raise error
     raise RefitStatusError(f"the packed-broadcast source rank {src} failed: {message}")
@@ -387,8 +429,15 @@ class PackedBroadcastSender(WeightSink):
         if self.is_source:
             _check_member(self.group)
             try:
-                _handshake(plan=self.plan, packing=self.packing, config=config, group=self.group, src=src,
-                           device=self.device, is_source=True)
+                _handshake(
+                    plan=self.plan,
+                    packing=self.packing,
+                    config=config,
+                    group=self.group,
+                    src=src,
+                    device=self.device,
+                    is_source=True,
+                )
             except PlanMismatchError as err:
                 error, self.settled = err, True
             except BaseException as err:
@@ -424,7 +473,7 @@ class PackedBroadcastSender(WeightSink):
         self._closed = True
         error: BaseException | None = None
         if self._next != len(self.packing.slots):
-            missing = [s.entry.hf_name for s in self.packing.slots[self._next:]]
+            missing = [s.entry.hf_name for s in self.packing.slots[self._next :]]
             error = ValueError(
                 f"the export stream ended after {self._next} of {len(self.packing.slots)} planned tensors; "
                 f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}"
@@ -489,7 +538,7 @@ class PackedBroadcastSender(WeightSink):
             buffer = self._enter(bucket)
             length = min(slot.end - position, bucket_bytes - within)
             start = position - slot.offset
-            buffer[within:within + length].copy_(data[start:start + length])
+            buffer[within : within + length].copy_(data[start : start + length])
             position += length
 
     def _pack_cuda(self, slot: _Slot, data: torch.Tensor) -> None:
@@ -514,7 +563,9 @@ class PackedBroadcastSender(WeightSink):
         index = bucket % self.config.num_buffers
         if not self._buffers:
             n = self.config.num_buffers
-            self._buffers = [torch.zeros(self.config.bucket_bytes, dtype=torch.uint8, device=self.device) for _ in range(n)]
+            self._buffers = [
+                torch.zeros(self.config.bucket_bytes, dtype=torch.uint8, device=self.device) for _ in range(n)
+            ]
             self._sums = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(n)]
         for work in self._works[index]:
             work.wait()  # on CUDA: the packing stream waits for the broadcast of this buffer
@@ -563,7 +614,12 @@ def _endpoint(
 ) -> tuple[ExportPlan, PackedBroadcastConfig, "StreamPacking", torch.device]:
     """What both ends derive from their arguments: the plan, the config, the stream packing, the device."""
     plan = ExportPlan.from_json(plan) if isinstance(plan, str) else plan
-    return plan, config, StreamPacking.build(plan, config.bucket_bytes), torch.device(device) if device is not None else _default_device()
+    return (
+        plan,
+        config,
+        StreamPacking.build(plan, config.bucket_bytes),
+        torch.device(device) if device is not None else _default_device(),
+    )
 
 
 def _default_device() -> torch.device:
@@ -591,8 +647,15 @@ class PackedBroadcastReceiver:
     ``_corrupt_hook(bucket, data)``, test-only, may modify a received bucket before the check.
     """
 
-    def __init__(self, plan: ExportPlan | str, config: PackedBroadcastConfig, *, group: Any, src: int,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        plan: ExportPlan | str,
+        config: PackedBroadcastConfig,
+        *,
+        group: Any,
+        src: int,
+        device: torch.device | str | None = None,
+    ) -> None:
         self.plan, self.config, self.packing, self.device = _endpoint(plan, config, device)
         self.group, self.src = as_broadcast_group(group), src
         self._corrupt_hook: Callable[[int, torch.Tensor], None] | None = None
@@ -602,8 +665,15 @@ class PackedBroadcastReceiver:
         if self.group.is_source(src):
             raise ValueError(f"rank {src} is the source of the broadcast; construct PackedBroadcastSender there")
         try:
-            _handshake(plan=self.plan, packing=self.packing, config=config, group=self.group, src=src,
-                       device=self.device, is_source=False)
+            _handshake(
+                plan=self.plan,
+                packing=self.packing,
+                config=config,
+                group=self.group,
+                src=src,
+                device=self.device,
+                is_source=False,
+            )
         except PlanMismatchError:
             self.settled = True
             raise
@@ -622,8 +692,10 @@ class PackedBroadcastReceiver:
         packing, config = self.packing, self.config
         n = config.num_buffers
         try:
-            buffers = [torch.empty(config.bucket_bytes, dtype=torch.uint8, device=self.device)
-                       for _ in range(min(n, max(packing.num_buckets, 1)))]
+            buffers = [
+                torch.empty(config.bucket_bytes, dtype=torch.uint8, device=self.device)
+                for _ in range(min(n, max(packing.num_buckets, 1)))
+            ]
             sums = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in buffers]
             scratch = torch.empty(packing.max_split_bytes(), dtype=torch.uint8, device=self.device)
         except BaseException as err:  # e.g. out of memory: the sender is about to broadcast
@@ -711,9 +783,9 @@ def _tensors_completed_in(
             yield entry.hf_name, torch.empty(entry.shape, dtype=entry.torch_dtype, device=device)
             continue
         if length == slot.nbytes:
-            view = data[within:within + length]
+            view = data[within : within + length]
         else:
-            scratch[start:start + length].copy_(data[within:within + length])
+            scratch[start : start + length].copy_(data[within : within + length])
             if not complete:
                 continue
             view = scratch[: slot.nbytes]

@@ -41,8 +41,14 @@ from mbridge_refit.checkpoints.publish import (
 from mbridge_refit.sinks.base import WeightSink
 
 __all__ = [
-    "DEFAULT_MAX_SHARD_BYTES", "ShardAssignment", "ShardPlanner", "ShardedSafetensorsWriter", "TMP_PREFIX",
-    "plan_shards", "shard_file_name", "tensor_nbytes"
+    "DEFAULT_MAX_SHARD_BYTES",
+    "ShardAssignment",
+    "ShardPlanner",
+    "ShardedSafetensorsWriter",
+    "TMP_PREFIX",
+    "plan_shards",
+    "shard_file_name",
+    "tensor_nbytes",
 ]
 
 logger = logging.getLogger(__name__)
@@ -241,7 +247,9 @@ class ShardedSafetensorsWriter(WeightSink):
         self.file_seconds = 0.0  # this rank's time in writing and syncing its shard files
         self._assignment = assignment
         if assignment is not None:
-            self._planned = {name: (k, n) for name, k, n in zip(assignment.names, assignment.shard_of, assignment.nbytes)}
+            self._planned = {
+                name: (k, n) for name, k, n in zip(assignment.names, assignment.shard_of, assignment.nbytes)
+            }
             # tensors still to come of each shard this rank writes, and those already here
             self._missing = Counter(k for k in assignment.shard_of if assignment.writers[k] == self._ranks.rank)
             self._shard_buffers: dict[int, dict[str, torch.Tensor]] = {k: {} for k in self._missing}
@@ -298,7 +306,10 @@ class ShardedSafetensorsWriter(WeightSink):
         if self._ranks.rank == 0:
             logger.info(
                 "wrote %d safetensors files, %d tensors, %d bytes to %s",
-                num_shards, len(self._weight_map), self._total_bytes, self.out_dir,
+                num_shards,
+                len(self._weight_map),
+                self._total_bytes,
+                self.out_dir,
             )
 
     def abort(self) -> None:
@@ -348,7 +359,9 @@ class ShardedSafetensorsWriter(WeightSink):
     def _consume_assigned(self, hf_name: str, tensor: torch.Tensor, nbytes: int) -> None:
         planned = self._planned.get(hf_name)
         if planned is None:
-            raise ValueError(f"tensor {hf_name!r} is not in the shard assignment this writer was built with (from the export plan)")
+            raise ValueError(
+                f"tensor {hf_name!r} is not in the shard assignment this writer was built with (from the export plan)"
+            )
         shard, expected = planned
         if nbytes != expected:
             raise ValueError(f"tensor {hf_name!r} has {nbytes} bytes, the shard assignment planned {expected}")
@@ -365,7 +378,9 @@ class ShardedSafetensorsWriter(WeightSink):
         incomplete = {k: left for k, left in self._missing.items() if left}
         if incomplete:
             planned = self._assignment
-            missing = [n for n, k in zip(planned.names, planned.shard_of) if k in incomplete and n not in self._weight_map]
+            missing = [
+                n for n, k in zip(planned.names, planned.shard_of) if k in incomplete and n not in self._weight_map
+            ]
             raise ValueError(
                 f"the export stream ended before shards {sorted(incomplete)} were complete; missing {missing[:5]}"
                 f"{' ...' if len(missing) > 5 else ''}: this rank must consume every tensor of the shards it writes"
@@ -402,9 +417,7 @@ class ShardedSafetensorsWriter(WeightSink):
     def _write_index(self, num_shards: int) -> None:
         index = {
             "metadata": {"total_size": self._total_bytes},
-            "weight_map": {
-                name: shard_file_name(shard, num_shards) for name, shard in self._weight_map.items()
-            },
+            "weight_map": {name: shard_file_name(shard, num_shards) for name, shard in self._weight_map.items()},
         }
         self._atomic_write_text(INDEX_NAME, json.dumps(index, indent=2, sort_keys=True) + "\n")
 
@@ -446,10 +459,7 @@ def _check_copy_source(
 ) -> Path | None:
     if copy_files_from is None:
         if config_overrides:
-            raise ValueError(
-                "config_overrides needs a config.json to merge into; "
-                "pass copy_files_from=<HF model dir>"
-            )
+            raise ValueError("config_overrides needs a config.json to merge into; pass copy_files_from=<HF model dir>")
         return None
     source = Path(copy_files_from)
     if not source.is_dir():
@@ -463,8 +473,5 @@ def _check_copy_source(
             "copy_files_from must hold a config.json to merge into"
         )
     if out_dir.exists() and source.resolve() == out_dir.resolve():
-        raise ValueError(
-            f"copy_files_from and out_dir are the same directory ({source}); "
-            "write to a new directory"
-        )
+        raise ValueError(f"copy_files_from and out_dir are the same directory ({source}); write to a new directory")
     return source

@@ -61,11 +61,33 @@ from mbridge_refit.testing.export_comparison import compare_stream, fp8_expected
 from mbridge_refit.testing.tiny_models import MOE_BLOCK, PACKED_EXPERTS
 
 __all__ = [
-    "BF16", "Cell", "CellState", "EXPERT_PARALLEL_MODELS", "FP8", "GROUPED_EXPERT_FAMILIES", "HYBRID_MOE_FAMILIES",
-    "MATRIX_LAYOUTS", "MATRIX_VARIANTS", "MOE_BLOCK_MODELS", "PACKED_EXPERT_MODELS", "PRECISIONS", "RANDOM_STD",
-    "SESSION_TIMEOUT", "architectures_at", "check_architecture", "check_bf16", "check_fp8", "describe_error",
-    "fill_random_weights", "main", "random_megatron_model", "rank_result_path", "read_cells", "restored_environment",
-    "run_layout", "selected_cells"
+    "BF16",
+    "Cell",
+    "CellState",
+    "EXPERT_PARALLEL_MODELS",
+    "FP8",
+    "GROUPED_EXPERT_FAMILIES",
+    "HYBRID_MOE_FAMILIES",
+    "MATRIX_LAYOUTS",
+    "MATRIX_VARIANTS",
+    "MOE_BLOCK_MODELS",
+    "PACKED_EXPERT_MODELS",
+    "PRECISIONS",
+    "RANDOM_STD",
+    "SESSION_TIMEOUT",
+    "architectures_at",
+    "check_architecture",
+    "check_bf16",
+    "check_fp8",
+    "describe_error",
+    "fill_random_weights",
+    "main",
+    "random_megatron_model",
+    "rank_result_path",
+    "read_cells",
+    "restored_environment",
+    "run_layout",
+    "selected_cells",
 ]
 
 logger = logging.getLogger(__name__)
@@ -109,47 +131,112 @@ SESSION_TIMEOUT = datetime.timedelta(minutes=2)  # a rank whose peer failed rais
 # TP1 runs every registered architecture and the checkpoint variants (``MATRIX_VARIANTS``).
 # Cells that repeat a placement kind a faster default cell of the same layout proves are marked
 # slow in ``tests/conftest.py::SLOW_CASES`` (the matrix page shows them all).
-HYBRID_MOE_FAMILIES = ("NemotronHForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM")  # MoE beside Mamba / gated delta nets
+HYBRID_MOE_FAMILIES = (
+    "NemotronHForCausalLM",
+    "Qwen3NextForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+)  # MoE beside Mamba / gated delta nets
 GROUPED_EXPERT_FAMILIES = (
-    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM",
-    "Glm4vMoeForConditionalGeneration", "MiniMaxM3SparseForConditionalGeneration",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "Glm4MoeForCausalLM",
+    "Glm4MoeLiteForCausalLM",
+    "Glm4vMoeForConditionalGeneration",
+    "MiniMaxM3SparseForConditionalGeneration",
 )
 # The families whose bridge reads routed experts packed ([E, ...] per projection) when the checkpoint
 # holds them so, as checkpoint variants (``testing.tiny_models.CHECKPOINT_VARIANTS``): their bridge is built
 # from the tiny checkpoint, as users build it, and maps the experts with its packed-expert mappings.
-PACKED_EXPERT_MODELS = tuple(f"{architecture}+{PACKED_EXPERTS}" for architecture in (
-    "Glm4MoeForCausalLM", "Glm4vMoeForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
-    "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
-))
+PACKED_EXPERT_MODELS = tuple(
+    f"{architecture}+{PACKED_EXPERTS}"
+    for architecture in (
+        "Glm4MoeForCausalLM",
+        "Glm4vMoeForConditionalGeneration",
+        "Qwen3VLMoeForConditionalGeneration",
+        "Qwen3_5MoeForCausalLM",
+        "Qwen3_5MoeForConditionalGeneration",
+    )
+)
 # Gemma 4's MoE model: the same model class as the dense one, another provider and layer spec.
 MOE_BLOCK_MODELS = (f"Gemma4ForCausalLM+{MOE_BLOCK}",)
-MATRIX_VARIANTS = (*PACKED_EXPERT_MODELS, *MOE_BLOCK_MODELS)  # the variant models every layout of None (TP1) runs beside the registered architectures
+MATRIX_VARIANTS = (
+    *PACKED_EXPERT_MODELS,
+    *MOE_BLOCK_MODELS,
+)  # the variant models every layout of None (TP1) runs beside the registered architectures
 EXPERT_PARALLEL_MODELS = (  # the models EP2 and TP2xEP2 run
-    "Ernie4_5_MoeForCausalLM", "GptOssForCausalLM", "HYV3ForCausalLM", "Qwen3MoeForCausalLM", *HYBRID_MOE_FAMILIES, *GROUPED_EXPERT_FAMILIES,
-    *PACKED_EXPERT_MODELS, *MOE_BLOCK_MODELS,
+    "Ernie4_5_MoeForCausalLM",
+    "GptOssForCausalLM",
+    "HYV3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    *HYBRID_MOE_FAMILIES,
+    *GROUPED_EXPERT_FAMILIES,
+    *PACKED_EXPERT_MODELS,
+    *MOE_BLOCK_MODELS,
 )
-MATRIX_LAYOUTS: Mapping[str, tuple[ParallelLayout, tuple[str, ...] | None]] = MappingProxyType({
-    "tp1": (ParallelLayout(), None),
-    "tp2": (ParallelLayout(tp=2), (
-        "Ernie4_5_MoeForCausalLM", "Exaone4_5_ForConditionalGeneration", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
-        "Gemma4ForCausalLM", "GemmaForCausalLM", "GptOssForCausalLM",
-        "HYV3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "NemotronForCausalLM", "NemotronHForCausalLM",
-        "Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-        "Qwen3NextForCausalLM", "Qwen3VLForConditionalGeneration", "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
-        "Qwen3_5MoeForCausalLM", *GROUPED_EXPERT_FAMILIES, *MOE_BLOCK_MODELS,
-    )),
-    "pp2": (ParallelLayout(pp=2), (
-        "Ernie4_5_MoeForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "GemmaForCausalLM", "GptOssForCausalLM", "HYV3ForCausalLM", "LlamaForCausalLM",
-        "MistralForCausalLM", "NemotronForCausalLM", "NemotronHForCausalLM", "Qwen2ForCausalLM",
-        "Qwen2_5_VLForConditionalGeneration", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM",
-        "Qwen3VLForConditionalGeneration", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", *GROUPED_EXPERT_FAMILIES,
-        *PACKED_EXPERT_MODELS, *MOE_BLOCK_MODELS,
-    )),
-    "ep2": (ParallelLayout(ep=2), EXPERT_PARALLEL_MODELS),
-    "tp2ep2": (ParallelLayout(tp=2, ep=2), EXPERT_PARALLEL_MODELS),
-    # Megatron-Core's own default for a MoE model at TP2 (expert-TP = TP): each routed expert split in two
-    "tp2etp2": (ParallelLayout(tp=2, etp=2), EXPERT_PARALLEL_MODELS),
-})
+MATRIX_LAYOUTS: Mapping[str, tuple[ParallelLayout, tuple[str, ...] | None]] = MappingProxyType(
+    {
+        "tp1": (ParallelLayout(), None),
+        "tp2": (
+            ParallelLayout(tp=2),
+            (
+                "Ernie4_5_MoeForCausalLM",
+                "Exaone4_5_ForConditionalGeneration",
+                "Gemma3ForCausalLM",
+                "Gemma3ForConditionalGeneration",
+                "Gemma4ForCausalLM",
+                "GemmaForCausalLM",
+                "GptOssForCausalLM",
+                "HYV3ForCausalLM",
+                "LlamaForCausalLM",
+                "MistralForCausalLM",
+                "NemotronForCausalLM",
+                "NemotronHForCausalLM",
+                "Qwen2ForCausalLM",
+                "Qwen2_5_VLForConditionalGeneration",
+                "Qwen3ForCausalLM",
+                "Qwen3MoeForCausalLM",
+                "Qwen3NextForCausalLM",
+                "Qwen3VLForConditionalGeneration",
+                "Qwen3_5ForCausalLM",
+                "Qwen3_5ForConditionalGeneration",
+                "Qwen3_5MoeForCausalLM",
+                *GROUPED_EXPERT_FAMILIES,
+                *MOE_BLOCK_MODELS,
+            ),
+        ),
+        "pp2": (
+            ParallelLayout(pp=2),
+            (
+                "Ernie4_5_MoeForCausalLM",
+                "Gemma3ForCausalLM",
+                "Gemma3ForConditionalGeneration",
+                "GemmaForCausalLM",
+                "GptOssForCausalLM",
+                "HYV3ForCausalLM",
+                "LlamaForCausalLM",
+                "MistralForCausalLM",
+                "NemotronForCausalLM",
+                "NemotronHForCausalLM",
+                "Qwen2ForCausalLM",
+                "Qwen2_5_VLForConditionalGeneration",
+                "Qwen3ForCausalLM",
+                "Qwen3MoeForCausalLM",
+                "Qwen3NextForCausalLM",
+                "Qwen3VLForConditionalGeneration",
+                "Qwen3_5ForCausalLM",
+                "Qwen3_5MoeForCausalLM",
+                *GROUPED_EXPERT_FAMILIES,
+                *PACKED_EXPERT_MODELS,
+                *MOE_BLOCK_MODELS,
+            ),
+        ),
+        "ep2": (ParallelLayout(ep=2), EXPERT_PARALLEL_MODELS),
+        "tp2ep2": (ParallelLayout(tp=2, ep=2), EXPERT_PARALLEL_MODELS),
+        # Megatron-Core's own default for a MoE model at TP2 (expert-TP = TP): each routed expert split in two
+        "tp2etp2": (ParallelLayout(tp=2, etp=2), EXPERT_PARALLEL_MODELS),
+    }
+)
+
 
 class CellState(enum.StrEnum):
     """How one cell ended."""
@@ -158,7 +245,9 @@ class CellState(enum.StrEnum):
     STOCK_FALLBACK_EXACT = "stock fallback, exact"  # the plan refused the model; the fallback is stock itself
     FP8_REFUSED = "FP8 refused"  # FP8FormatError before any export work (e.g. a model without a plan)
     CANNOT_BE_BUILT = "cannot be built here"  # config, bridge or model construction failed
-    UPSTREAM_BROKEN = "upstream broken"  # stock's own export failed (roundtrip: the bridge maps no task to some parameters)
+    UPSTREAM_BROKEN = (
+        "upstream broken"  # stock's own export failed (roundtrip: the bridge maps no task to some parameters)
+    )
     EXACT = "exact"  # roundtrip column: every tensor back bit for bit
     REFUSED = "refused"  # roundtrip column: convert exited with an input error naming why
     DIFFERENT = "different"  # a name, order, dtype, shape or byte differs from the oracle
@@ -308,8 +397,13 @@ def _unmapped_note(bridge: Any, chunks: list[torch.nn.Module], limit: int = 2) -
 def _cell_maker(architecture: str, layout_name: str, concessions: tuple[str, ...]):
     def cell(precision: str, state: CellState, detail: str = "", tensors: int = 0) -> Cell:
         return Cell(
-            architecture=architecture, layout=layout_name, precision=precision, state=state, detail=detail,
-            tensors=tensors, concessions=concessions,
+            architecture=architecture,
+            layout=layout_name,
+            precision=precision,
+            state=state,
+            detail=detail,
+            tensors=tensors,
+            concessions=concessions,
         )
 
     return cell
@@ -320,7 +414,9 @@ def check_bf16(
 ) -> Cell:
     """Our BF16 export (cached buffers, as refit runs it) against stock's tensors."""
     try:
-        comparison = compare_stream(stock, bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True))
+        comparison = compare_stream(
+            stock, bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True)
+        )
     except Exception as err:
         return cell(BF16, CellState.OUR_EXPORT_FAILED, describe_error(err))
     if not comparison.exact:
@@ -364,7 +460,7 @@ def describe_error(err: BaseException, limit: int = 300) -> str:
 def _package_path(filename: str) -> str:
     path = filename.split("site-packages/")[-1]
     own = path.rfind("/mbridge_refit/")
-    return path[own + 1:] if own >= 0 else path
+    return path[own + 1 :] if own >= 0 else path
 
 
 def architectures_at(layout_name: str) -> list[str]:
@@ -415,13 +511,18 @@ def selected_cells(layout_names: Sequence[str], only: Sequence[str] = ()) -> lis
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument(
-        "--layout", default="tp1",
+        "--layout",
+        default="tp1",
         help=f"comma-separated layouts of MATRIX_LAYOUTS ({', '.join(MATRIX_LAYOUTS)}) with one world size, run one after "
         "the other in this launch (default tp1)",
     )
-    parser.add_argument("--only", default="", help="comma-separated ARCH (at every layout) or LAYOUT:ARCH (default: each layout's)")
+    parser.add_argument(
+        "--only", default="", help="comma-separated ARCH (at every layout) or LAYOUT:ARCH (default: each layout's)"
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--json", type=Path, required=True, help="cells go to <stem>.rank<R>.json beside it")
     args = parser.parse_args(argv)
@@ -431,7 +532,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(f"--layout {args.layout!r}: choose from {', '.join(MATRIX_LAYOUTS)}")
     world_sizes = {MATRIX_LAYOUTS[name][0].expected_world_size for name in layout_names}
     if len(world_sizes) != 1:
-        parser.error(f"--layout {args.layout!r}: one launch runs layouts of one world size, these need {sorted(world_sizes)} ranks")
+        parser.error(
+            f"--layout {args.layout!r}: one launch runs layouts of one world size, these need {sorted(world_sizes)} ranks"
+        )
     try:
         plan = selected_cells(layout_names, [e for e in args.only.split(",") if e])
     except ValueError as err:
@@ -442,7 +545,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         init_model_parallel,
     )
 
-    logging.basicConfig(level=logging.INFO if LaunchEnv.from_environ().rank == 0 else logging.WARNING, format="%(message)s")
+    logging.basicConfig(
+        level=logging.INFO if LaunchEnv.from_environ().rank == 0 else logging.WARNING, format="%(message)s"
+    )
     logging.getLogger("mbridge_refit.bridge").setLevel(logging.ERROR)  # the fallback warning is recorded in the cell
 
     device = torch.device(args.device)

@@ -16,9 +16,7 @@ import torch
 from mbridge_refit.fp8.format import BlockwiseFP8Config, scale_name
 from mbridge_refit.fp8.reference import quantize_reference
 
-__all__ = [
-    "Comparison", "compare_stream", "fp8_expected", "same_bytes"
-]
+__all__ = ["Comparison", "compare_stream", "fp8_expected", "same_bytes"]
 
 
 def same_bytes(actual: torch.Tensor, expected: torch.Tensor) -> bool:
@@ -49,7 +47,11 @@ class Comparison:
     def describe(self, limit: int = 5) -> str:
         parts = [
             f"{label} {list(names[:limit])}{' ...' if len(names) > limit else ''}"
-            for label, names in (("differing", self.differing), ("missing", self.missing), ("unexpected", self.unexpected))
+            for label, names in (
+                ("differing", self.differing),
+                ("missing", self.missing),
+                ("unexpected", self.unexpected),
+            )
             if names
         ]
         if not self.in_order:
@@ -57,7 +59,9 @@ class Comparison:
         return "; ".join(parts) or "exact"
 
 
-def compare_stream(expected: Sequence[tuple[str, torch.Tensor]], stream: Iterable[tuple[str, torch.Tensor]]) -> Comparison:
+def compare_stream(
+    expected: Sequence[tuple[str, torch.Tensor]], stream: Iterable[tuple[str, torch.Tensor]]
+) -> Comparison:
     """Compare each yielded tensor as it comes (it may be valid only until the stream advances)."""
     wanted = dict(expected)
     seen: dict[str, None] = {}  # yielded expected names, in the order they came
@@ -71,12 +75,17 @@ def compare_stream(expected: Sequence[tuple[str, torch.Tensor]], stream: Iterabl
             differing.append(name)
     order = [name for name, _ in expected]
     return Comparison(
-        compared=len(seen), differing=tuple(differing), missing=tuple(name for name in order if name not in seen),
-        unexpected=tuple(unexpected), in_order=list(seen) == [name for name in order if name in seen],
+        compared=len(seen),
+        differing=tuple(differing),
+        missing=tuple(name for name in order if name not in seen),
+        unexpected=tuple(unexpected),
+        in_order=list(seen) == [name for name in order if name in seen],
     )
 
 
-def fp8_expected(stock: Sequence[tuple[str, torch.Tensor]], config: BlockwiseFP8Config) -> list[tuple[str, torch.Tensor]]:
+def fp8_expected(
+    stock: Sequence[tuple[str, torch.Tensor]], config: BlockwiseFP8Config
+) -> list[tuple[str, torch.Tensor]]:
     """The FP8 stream the format asks for, made from stock's tensors with the reference quantizer."""
     expected: list[tuple[str, torch.Tensor]] = []
     for name, tensor in stock:

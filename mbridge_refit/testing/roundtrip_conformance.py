@@ -53,8 +53,15 @@ from mbridge_refit.testing.export_comparison import compare_stream
 from mbridge_refit.testing.tiny_models import checkpoint_tensors, write_tiny_checkpoint
 
 __all__ = [
-    "ConvertErrors", "LAUNCH_ENVIRONMENT", "RANKS_TIMEOUT_S", "ROUNDTRIP", "check_roundtrip", "convert_and_compare",
-    "main", "run", "write_source"
+    "ConvertErrors",
+    "LAUNCH_ENVIRONMENT",
+    "RANKS_TIMEOUT_S",
+    "ROUNDTRIP",
+    "check_roundtrip",
+    "convert_and_compare",
+    "main",
+    "run",
+    "write_source",
 ]
 
 logger = logging.getLogger(__name__)
@@ -65,6 +72,7 @@ ROUNDTRIP = "roundtrip"  # the cell's precision column: the source checkpoint's 
 # back after it), which a launched build would inherit and assert against.
 LAUNCH_ENVIRONMENT = dict(os.environ)
 RANKS_TIMEOUT_S = 600  # one launched roundtrip of a tiny model (2 CPU ranks take well under a minute)
+
 
 def check_roundtrip(architecture: str, work_dir: Path, layout_name: str = "tp1") -> Cell:
     """The roundtrip cell of ``architecture`` at ``MATRIX_LAYOUTS[layout_name]``; its files go
@@ -100,13 +108,25 @@ def convert_and_compare(architecture: str, work_dir: Path, layout_name: str) -> 
 
 
 def _cell(architecture: str, layout_name: str, state: CellState, detail: str = "", tensors: int = 0) -> Cell:
-    return Cell(architecture=architecture, layout=layout_name, precision=ROUNDTRIP, state=state, detail=detail, tensors=tensors)
+    return Cell(
+        architecture=architecture, layout=layout_name, precision=ROUNDTRIP, state=state, detail=detail, tensors=tensors
+    )
 
 
 def _run_convert_roundtrip(source: Path, out: Path, layout: ParallelLayout) -> tuple[int, "ConvertErrors"]:
     """``convert roundtrip --hf source --out out`` at ``layout`` on CPU: its exit code and errors
     (in this process at one rank, else launched as the layout's ranks: module docstring)."""
-    argv = ["roundtrip", "--hf", str(source), "--out", str(out), "--device", "cpu", "--no-progress", *layout_flags(layout)]
+    argv = [
+        "roundtrip",
+        "--hf",
+        str(source),
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--no-progress",
+        *layout_flags(layout),
+    ]
     if layout.expected_world_size > 1:
         return _launch_convert(["--nproc-per-node", str(layout.expected_world_size), *argv])
     from mbridge_refit.convert.app import main as convert_main
@@ -129,7 +149,10 @@ def _launch_convert(argv: list[str]) -> tuple[int, "ConvertErrors"]:
     try:
         run = subprocess.run(
             [sys.executable, "-m", "mbridge_refit.convert", *argv],
-            env=env, capture_output=True, text=True, timeout=RANKS_TIMEOUT_S,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=RANKS_TIMEOUT_S,
         )
     except subprocess.TimeoutExpired as err:
         errors = ConvertErrors()
@@ -161,7 +184,9 @@ class ConvertErrors(logging.Handler):
             err = record.exc_info[1]
             self.messages.append(conformance.describe_error(err))
             frames = traceback.extract_tb(err.__traceback__)
-            self.in_model_build |= any(f.name == "build_model" and f.filename.endswith("models/builder.py") for f in frames)
+            self.in_model_build |= any(
+                f.name == "build_model" and f.filename.endswith("models/builder.py") for f in frames
+            )
 
     @classmethod
     def from_log(cls, log: str) -> "ConvertErrors":
@@ -212,14 +237,21 @@ def run(plan: Sequence[tuple[str, Sequence[str]]], *, jobs: int = 1) -> list[Cel
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument(
-        "--layout", default="tp1",
+        "--layout",
+        default="tp1",
         help=f"comma-separated layouts of MATRIX_LAYOUTS ({', '.join(MATRIX_LAYOUTS)}), run one after the other (default tp1)",
     )
-    parser.add_argument("--only", default="", help="comma-separated ARCH (at every layout) or LAYOUT:ARCH (default: each layout's)")
+    parser.add_argument(
+        "--only", default="", help="comma-separated ARCH (at every layout) or LAYOUT:ARCH (default: each layout's)"
+    )
     parser.add_argument("--json", type=Path, required=True, help="where the cells go (a JSON list)")
-    parser.add_argument("--jobs", type=int, default=1, help="cells of more than one rank run this many at a time (default 1)")
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="cells of more than one rank run this many at a time (default 1)"
+    )
     args = parser.parse_args(argv)
     layout_names = [name for name in args.layout.split(",") if name]
     unknown = [name for name in layout_names if name not in MATRIX_LAYOUTS]
@@ -229,7 +261,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         plan = conformance.selected_cells(layout_names, [e for e in args.only.split(",") if e])
     except ValueError as err:
         parser.error(str(err))
-    logging.basicConfig(level=logging.INFO, format="%(message)s")  # convert's own setup replaces it from its first TP1 cell on
+    logging.basicConfig(
+        level=logging.INFO, format="%(message)s"
+    )  # convert's own setup replaces it from its first TP1 cell on
     cells = run(plan, jobs=args.jobs)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps([cell.to_json() for cell in cells], indent=1))

@@ -53,77 +53,142 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 __all__ = [
-    "CHECKPOINT_VARIANTS", "CONFIG_OVERRIDES", "FLOAT32_TENSORS", "HYBRID_LAYERS", "MODEL_TYPES", "MOE_BLOCK",
-    "NESTED_SIZES", "PACKED_EXPERTS", "PACKED_EXPERT_TENSORS", "PUBLISHED_NAMES", "PUBLISHED_TRANSPOSED", "SEED",
-    "TEXT_SIZES", "TinyConfigError", "VARIANT_CONFIG_OVERRIDES", "VISION_SIZES", "checkpoint_tensors",
-    "registered_architectures", "split_variant", "tiny_config", "write_checkpoint_shell", "write_tiny_checkpoint"
+    "CHECKPOINT_VARIANTS",
+    "CONFIG_OVERRIDES",
+    "FLOAT32_TENSORS",
+    "HYBRID_LAYERS",
+    "MODEL_TYPES",
+    "MOE_BLOCK",
+    "NESTED_SIZES",
+    "PACKED_EXPERTS",
+    "PACKED_EXPERT_TENSORS",
+    "PUBLISHED_NAMES",
+    "PUBLISHED_TRANSPOSED",
+    "SEED",
+    "TEXT_SIZES",
+    "TinyConfigError",
+    "VARIANT_CONFIG_OVERRIDES",
+    "VISION_SIZES",
+    "checkpoint_tensors",
+    "registered_architectures",
+    "split_variant",
+    "tiny_config",
+    "write_checkpoint_shell",
+    "write_tiny_checkpoint",
 ]
 
 # Size fields of a language model, applied where the config class has the field.
-TEXT_SIZES: Mapping[str, Any] = MappingProxyType({
-    "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 2048, "max_position_embeddings": 4096,
-    "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128, "num_experts": 8, "num_local_experts": 8,
-    "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1,
-    "q_lora_rank": 128, "kv_lora_rank": 64, "qk_rope_head_dim": 32, "qk_nope_head_dim": 32, "v_head_dim": 32,
-    "n_group": 1, "topk_group": 1, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
-    "linear_value_head_dim": 32, "mamba_num_heads": 8, "mamba_head_dim": 32, "ssm_state_size": 16, "n_groups": 2,
-    "vocab_size_per_layer_input": 2048,
-})
+TEXT_SIZES: Mapping[str, Any] = MappingProxyType(
+    {
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "vocab_size": 2048,
+        "max_position_embeddings": 4096,
+        "moe_intermediate_size": 128,
+        "shared_expert_intermediate_size": 128,
+        "num_experts": 8,
+        "num_local_experts": 8,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "q_lora_rank": 128,
+        "kv_lora_rank": 64,
+        "qk_rope_head_dim": 32,
+        "qk_nope_head_dim": 32,
+        "v_head_dim": 32,
+        "n_group": 1,
+        "topk_group": 1,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32,
+        "mamba_num_heads": 8,
+        "mamba_head_dim": 32,
+        "ssm_state_size": 16,
+        "n_groups": 2,
+        "vocab_size_per_layer_input": 2048,
+    }
+)
 # Size fields of a vision tower (``vision_config``).
-VISION_SIZES: Mapping[str, Any] = MappingProxyType({
-    "depth": 2, "num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512, "num_heads": 4,
-    "num_attention_heads": 4, "out_hidden_size": 256, "embed_dim": 256,
-})
+VISION_SIZES: Mapping[str, Any] = MappingProxyType(
+    {
+        "depth": 2,
+        "num_hidden_layers": 2,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_heads": 4,
+        "num_attention_heads": 4,
+        "out_hidden_size": 256,
+        "embed_dim": 256,
+    }
+)
 # Configs with per-layer type lists keep the first this many entries: one period of the hybrids
 # registered today (linear/full attention, sliding/full) holds one layer of each kind.
 HYBRID_LAYERS = 4
-NESTED_SIZES: Mapping[str, Mapping[str, Any]] = MappingProxyType({"text_config": TEXT_SIZES, "vision_config": VISION_SIZES})
+NESTED_SIZES: Mapping[str, Mapping[str, Any]] = MappingProxyType(
+    {"text_config": TEXT_SIZES, "vision_config": VISION_SIZES}
+)
 
 # Architecture -> config fields set after the sizes (nested configs as dicts, merged). For
 # defaults that do not fit the tiny sizes, or fields the bridge reads that the config class
 # does not define.
-CONFIG_OVERRIDES: Mapping[str, Mapping[str, Any]] = MappingProxyType({
-    "HYV3ForCausalLM": {"first_k_dense_replace": 1},
-    "GlmMoeDsaForCausalLM": {"indexer_rope_interleave": False},
-    "Glm4vMoeForConditionalGeneration": {"text_config": {"head_dim": 64, "use_qk_norm": False}},
-    "Glm4MoeLiteForCausalLM": {"head_dim": 32},  # an alias of qk_rope_head_dim there: keep it TEXT_SIZES'
-    "Ernie4_5_VLMoeForConditionalGeneration": {"text_config": {"moe_intermediate_size": [128, 128]}},
-    # Deepstack features feed the first language layers: at most as many as the first stage holds (PP2: 1).
-    "Qwen3VLForConditionalGeneration": {"vision_config": {"deepstack_visual_indexes": [1]}},
-    # Gemma 3's published configs switch SigLIP's attention-pooling head off (their checkpoints have
-    # none, and Megatron-Bridge maps none); transformers' SigLIP builds one unless told so.
-    "Gemma3ForConditionalGeneration": {"vision_config": {"vision_use_head": False}},
-    # ffn 64 so an expert's gate_up slot [2*ffn, hidden] is not square: its published checkpoints
-    # store it transposed, which stock tells (and a transposed read shows) only from a non-square shape.
-    "Qwen3VLMoeForConditionalGeneration": {"vision_config": {"deepstack_visual_indexes": [1]}, "text_config": {"moe_intermediate_size": 64}},
-})
+CONFIG_OVERRIDES: Mapping[str, Mapping[str, Any]] = MappingProxyType(
+    {
+        "HYV3ForCausalLM": {"first_k_dense_replace": 1},
+        "GlmMoeDsaForCausalLM": {"indexer_rope_interleave": False},
+        "Glm4vMoeForConditionalGeneration": {"text_config": {"head_dim": 64, "use_qk_norm": False}},
+        "Glm4MoeLiteForCausalLM": {"head_dim": 32},  # an alias of qk_rope_head_dim there: keep it TEXT_SIZES'
+        "Ernie4_5_VLMoeForConditionalGeneration": {"text_config": {"moe_intermediate_size": [128, 128]}},
+        # Deepstack features feed the first language layers: at most as many as the first stage holds (PP2: 1).
+        "Qwen3VLForConditionalGeneration": {"vision_config": {"deepstack_visual_indexes": [1]}},
+        # Gemma 3's published configs switch SigLIP's attention-pooling head off (their checkpoints have
+        # none, and Megatron-Bridge maps none); transformers' SigLIP builds one unless told so.
+        "Gemma3ForConditionalGeneration": {"vision_config": {"vision_use_head": False}},
+        # ffn 64 so an expert's gate_up slot [2*ffn, hidden] is not square: its published checkpoints
+        # store it transposed, which stock tells (and a transposed read shows) only from a non-square shape.
+        "Qwen3VLMoeForConditionalGeneration": {
+            "vision_config": {"deepstack_visual_indexes": [1]},
+            "text_config": {"moe_intermediate_size": 64},
+        },
+    }
+)
 
 # Checkpoint variant -> what its tiny checkpoint holds differently (``write_tiny_checkpoint``).
 PACKED_EXPERTS = "packed_experts"
 MOE_BLOCK = "moe_block"
-CHECKPOINT_VARIANTS: Mapping[str, str] = MappingProxyType({
-    PACKED_EXPERTS: "routed experts packed in one tensor per projection ([E, ...]: transformers' own layout, "
-                    "which checkpoints saved without save_original_format hold), read by the bridge's packed-expert mappings",
-    MOE_BLOCK: "Gemma 4's MoE model (enable_moe_block: 26B-A4B), which the bridge builds with other layers "
-               "(a MoE block beside each dense MLP, experts packed as the checkpoints hold them)",
-})
+CHECKPOINT_VARIANTS: Mapping[str, str] = MappingProxyType(
+    {
+        PACKED_EXPERTS: "routed experts packed in one tensor per projection ([E, ...]: transformers' own layout, "
+        "which checkpoints saved without save_original_format hold), read by the bridge's packed-expert mappings",
+        MOE_BLOCK: "Gemma 4's MoE model (enable_moe_block: 26B-A4B), which the bridge builds with other layers "
+        "(a MoE block beside each dense MLP, experts packed as the checkpoints hold them)",
+    }
+)
 # Variant -> config fields set after the architecture's own (a variant of one model class whose
 # config switches the bridge to another provider). Gemma 4's MoE provider maps no per-layer input
 # embeddings (with them, the plan sees checkpoint tensors no mapping reads and falls back to stock,
 # which drops them): hidden_size_per_layer_input 0.
-VARIANT_CONFIG_OVERRIDES: Mapping[str, Mapping[str, Any]] = MappingProxyType({
-    MOE_BLOCK: {"enable_moe_block": True, "hidden_size_per_layer_input": 0, "top_k_experts": 2},
-})
+VARIANT_CONFIG_OVERRIDES: Mapping[str, Mapping[str, Any]] = MappingProxyType(
+    {
+        MOE_BLOCK: {"enable_moe_block": True, "hidden_size_per_layer_input": 0, "top_k_experts": 2},
+    }
+)
 
 
 # Architecture -> the model type whose config class to use, where transformers maps several model
 # types to one model class and the first is not the one the bridge reads (a composite config whose
 # language fields sit under ``text_config``).
-MODEL_TYPES: Mapping[str, str] = MappingProxyType({
-    "Qwen3_5ForCausalLM": "qwen3_5_text",
-    "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
-})
+MODEL_TYPES: Mapping[str, str] = MappingProxyType(
+    {
+        "Qwen3_5ForCausalLM": "qwen3_5_text",
+        "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
+    }
+)
 
 
 class TinyConfigError(InputError, LookupError):
@@ -141,7 +206,9 @@ def split_variant(model: str) -> tuple[str, str | None]:
     """``(architecture, variant)`` of a matrix model name (``variant`` None for a plain architecture)."""
     architecture, _, variant = model.partition("+")
     if variant and variant not in CHECKPOINT_VARIANTS:
-        raise TinyConfigError(f"{model}: unknown checkpoint variant {variant!r} (known: {', '.join(CHECKPOINT_VARIANTS)})")
+        raise TinyConfigError(
+            f"{model}: unknown checkpoint variant {variant!r} (known: {', '.join(CHECKPOINT_VARIANTS)})"
+        )
     return architecture, variant or None
 
 
@@ -194,7 +261,9 @@ def _small_fields(config: Any, sizes: Mapping[str, Any]) -> dict[str, Any]:
     """The size fields ``config`` has, set small; per-layer type lists (``layer_types``,
     ``mlp_layer_types``, ...) cut to their first ``HYBRID_LAYERS`` entries."""
     small = {k: v for k, v in sizes.items() if hasattr(config, k)}
-    per_layer = {k: v for k, v in vars(config).items() if k.endswith("layer_types") and isinstance(v, (list, tuple)) and v}
+    per_layer = {
+        k: v for k, v in vars(config).items() if k.endswith("layer_types") and isinstance(v, (list, tuple)) and v
+    }
     if per_layer:
         small.update(num_hidden_layers=HYBRID_LAYERS, **{k: list(v[:HYBRID_LAYERS]) for k, v in per_layer.items()})
     return small
@@ -218,27 +287,36 @@ SEED = 0
 # published checkpoints (and Megatron-Bridge's mapping) do. transformers 5.12.1 undoes its
 # Nemotron-H load rename ``embedding.weight -> embeddings.weight`` (meant for checkpoints in
 # Mamba's own naming) on save; NVIDIA's Nemotron-H checkpoints name it ``backbone.embeddings.weight``.
-PUBLISHED_NAMES: Mapping[str, Mapping[str, str]] = MappingProxyType({
-    "NemotronHForCausalLM": MappingProxyType({"backbone.embedding.weight": "backbone.embeddings.weight"}),
-})
+PUBLISHED_NAMES: Mapping[str, Mapping[str, str]] = MappingProxyType(
+    {
+        "NemotronHForCausalLM": MappingProxyType({"backbone.embedding.weight": "backbone.embeddings.weight"}),
+    }
+)
 
 # Architecture -> HF tensors the tiny checkpoint stores in float32, as the family's checkpoints do
 # and as Megatron-Core holds them (``models.builder.FLOAT32_PARAMETERS``): Nemotron-H's Mamba
 # A_log and D (radixark/miles#1546: its checkpoints are mixed dtype, Mamba's A_log, D, dt_bias in
 # fp32; Megatron keeps dt_bias in the model dtype, so a roundtrip returns it in bf16: kept bf16 here).
-FLOAT32_TENSORS: Mapping[str, tuple[str, ...]] = MappingProxyType({
-    "NemotronHForCausalLM": ("*.mixer.A_log", "*.mixer.D"),
-})
+FLOAT32_TENSORS: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {
+        "NemotronHForCausalLM": ("*.mixer.A_log", "*.mixer.D"),
+    }
+)
 
 # Architecture -> packed expert tensors its published checkpoints store transposed in their last two
 # dimensions relative to transformers' in-memory layout (Qwen/Qwen3-VL-30B-A3B-Instruct:
 # gate_up_proj [128, 2048, 1536] = [E, hidden, 2*ffn]; transformers' conversion_mapping
 # transposes both on load).
-PUBLISHED_TRANSPOSED: Mapping[str, tuple[str, ...]] = MappingProxyType({
-    "Qwen3VLMoeForConditionalGeneration": ("*.mlp.experts.gate_up_proj", "*.mlp.experts.down_proj"),
-})
+PUBLISHED_TRANSPOSED: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {
+        "Qwen3VLMoeForConditionalGeneration": ("*.mlp.experts.gate_up_proj", "*.mlp.experts.down_proj"),
+    }
+)
 
-PACKED_EXPERT_TENSORS = ("*.experts.gate_up_proj*", "*.experts.down_proj*")  # what a packed-experts checkpoint must hold
+PACKED_EXPERT_TENSORS = (
+    "*.experts.gate_up_proj*",
+    "*.experts.down_proj*",
+)  # what a packed-experts checkpoint must hold
 
 
 def write_tiny_checkpoint(model: str, out_dir: Path, *, seed: int = SEED) -> Path:
@@ -258,12 +336,17 @@ def write_tiny_checkpoint(model: str, out_dir: Path, *, seed: int = SEED) -> Pat
     hf_model.save_pretrained(out_dir, save_original_format=variant != PACKED_EXPERTS)
     transposed = PUBLISHED_TRANSPOSED.get(architecture, ())
     _rewrite_tensors(
-        Path(out_dir), PUBLISHED_NAMES.get(architecture, {}),
+        Path(out_dir),
+        PUBLISHED_NAMES.get(architecture, {}),
         lambda name, tensor: tensor.transpose(-1, -2).contiguous() if _matches(name, transposed) else tensor,
         touches=lambda name: _matches(name, transposed),
     )
-    if variant == PACKED_EXPERTS and not any(_matches(name, PACKED_EXPERT_TENSORS) for name, _ in checkpoint_tensors(Path(out_dir))):
-        raise TinyConfigError(f"{model}: transformers saves no packed expert tensor for {architecture} (the variant does not apply)")
+    if variant == PACKED_EXPERTS and not any(
+        _matches(name, PACKED_EXPERT_TENSORS) for name, _ in checkpoint_tensors(Path(out_dir))
+    ):
+        raise TinyConfigError(
+            f"{model}: transformers saves no packed expert tensor for {architecture} (the variant does not apply)"
+        )
     return Path(out_dir)
 
 
@@ -283,7 +366,9 @@ def _matches(name: str, patterns: tuple[str, ...]) -> bool:
 
 
 def _rewrite_tensors(
-    checkpoint_dir: Path, renames: Mapping[str, str], transform: Callable[[str, torch.Tensor], torch.Tensor],
+    checkpoint_dir: Path,
+    renames: Mapping[str, str],
+    transform: Callable[[str, torch.Tensor], torch.Tensor],
     touches: Callable[[str], bool],
 ) -> None:
     """Rewrite the checkpoint's files that hold a tensor to rename (``renames``) or to change

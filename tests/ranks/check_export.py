@@ -33,7 +33,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mbridge_refit.convert.flags import add_layout_flags, layout_from_flags
 
-TENSOR_COLLECTIVES = ("all_gather", "all_gather_into_tensor", "broadcast", "all_reduce", "reduce_scatter_tensor", "scatter", "send", "recv")
+TENSOR_COLLECTIVES = (
+    "all_gather",
+    "all_gather_into_tensor",
+    "broadcast",
+    "all_reduce",
+    "reduce_scatter_tensor",
+    "scatter",
+    "send",
+    "recv",
+)
 OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
 # Plan building exchanges objects twice: the bridge's parameter names over the pipeline group and
 # one RankContribution per rank; a count that grew with the model would show up here.
@@ -72,7 +81,19 @@ class AllocationProbe(TorchDispatchMode):
     collectives pickle into uint8 and exchange int64 sizes) count as ``object_bytes``.
     """
 
-    FACTORIES = {"empty", "empty_strided", "zeros", "ones", "full", "rand", "randn", "empty_like", "zeros_like", "clone", "cat"}
+    FACTORIES = {
+        "empty",
+        "empty_strided",
+        "zeros",
+        "ones",
+        "full",
+        "rand",
+        "randn",
+        "empty_like",
+        "zeros_like",
+        "clone",
+        "cat",
+    }
 
     def __init__(self):
         super().__init__()
@@ -82,7 +103,11 @@ class AllocationProbe(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func.overloadpacket.__name__ in self.FACTORIES and isinstance(out, torch.Tensor) and out.device.type != "meta":
+        if (
+            func.overloadpacket.__name__ in self.FACTORIES
+            and isinstance(out, torch.Tensor)
+            and out.device.type != "meta"
+        ):
             nbytes = out.numel() * out.element_size()
             if not out.is_floating_point():
                 self.object_bytes += nbytes
@@ -125,7 +150,9 @@ def main() -> None:
 
         # 2. the same plan from a model built on the meta device.
         meta_bridge = RefitBridge.from_hf_pretrained(args.hf)
-        meta_chunks = build_model(meta_bridge, layout, BuildOptions(device=cpu, params_dtype=torch.bfloat16, materialize=False))
+        meta_chunks = build_model(
+            meta_bridge, layout, BuildOptions(device=cpu, params_dtype=torch.bfloat16, materialize=False)
+        )
         params = [p for c in meta_chunks for p in c.parameters()]
         off_meta = sum(p.numel() for p in params if p.device.type != "meta")
         if off_meta * 100 > sum(p.numel() for p in params):  # Megatron puts the final norm on CPU
@@ -146,12 +173,17 @@ def main() -> None:
                 fail(f"export (cache={cache}) order/shape/dtype differs from the plan: {got[:3]} vs {expected[:3]}")
         stock = [(n, tuple(t.shape), t.dtype) for n, t in bridge.export_hf_weights_stock(chunks, show_progress=False)]
         if stock != expected:
-            fail(f"stock export differs from the plan: stock {len(stock)} entries, plan {len(expected)}; "
-                 f"first difference {next((a, b) for a, b in zip(stock, expected) if a != b) if len(stock) == len(expected) else 'length'}")
+            fail(
+                f"stock export differs from the plan: stock {len(stock)} entries, plan {len(expected)}; "
+                f"first difference {next((a, b) for a, b in zip(stock, expected) if a != b) if len(stock) == len(expected) else 'length'}"
+            )
 
         # 4. cache: second call reuses and overwrites the first call's buffers.
         allocations_after_first = bridge.export_diagnostics().allocations
-        first = {n: (t.data_ptr(), t) for n, t in bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True)}
+        first = {
+            n: (t.data_ptr(), t)
+            for n, t in bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True)
+        }
         params = {p.data_ptr() for c in chunks for p in c.parameters()}
         owned = [n for n, (ptr, _) in first.items() if _is_buffer_backed(ptr, params, chunks)]
         for name in owned:
@@ -180,10 +212,17 @@ def main() -> None:
                     fail(f"layer {layer.layer_number - 1}: layer map says {where}")
 
         args.result.mkdir(parents=True, exist_ok=True)
-        (args.result / f"rank{rank}.json").write_text(json.dumps({
-            "entries": len(plan.entries), "buffers_owned": len(owned), "buffer_bytes": bridge.export_diagnostics().buffer_bytes,
-            "layer_map": {str(k): v for k, v in plan.layer_map.items()}, "ok": True,
-        }))
+        (args.result / f"rank{rank}.json").write_text(
+            json.dumps(
+                {
+                    "entries": len(plan.entries),
+                    "buffers_owned": len(owned),
+                    "buffer_bytes": bridge.export_diagnostics().buffer_bytes,
+                    "layer_map": {str(k): v for k, v in plan.layer_map.items()},
+                    "ok": True,
+                }
+            )
+        )
 
 
 def _is_buffer_backed(ptr: int, param_ptrs: set[int], chunks) -> bool:
@@ -200,9 +239,16 @@ def check_reassembly(bridge, chunks, plan, read) -> None:
     """Rebuild every HF tensor from each rank's local shard using only the plan's placements."""
     from megatron.core import parallel_state as ps
 
-    params = {t.global_param_name: t.param_weight for t in bridge.megatron_model_bridge(chunks).build_conversion_tasks(bridge.hf_pretrained, chunks)
-              if t is not None and t.param_weight is not None}
-    tp_rank, ep_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    params = {
+        t.global_param_name: t.param_weight
+        for t in bridge.megatron_model_bridge(chunks).build_conversion_tasks(bridge.hf_pretrained, chunks)
+        if t is not None and t.param_weight is not None
+    }
+    tp_rank, ep_rank, pp_rank = (
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_expert_model_parallel_rank(),
+        ps.get_pipeline_model_parallel_rank(),
+    )
     etp_rank = ps.get_expert_tensor_parallel_rank()
     contributions = []
     for entry in plan.entries:

@@ -67,7 +67,7 @@ def expect_same(ours, stock, what: str) -> None:
         first = next((i for i, (a, b) in pairs if a != b), min(len(names), len(stock_names)))
         raise CheckFailed(
             f"{what}: {len(names)} names vs stock's {len(stock_names)}; first difference at {first}: "
-            f"{names[first:first + 2]} vs {stock_names[first:first + 2]}"
+            f"{names[first : first + 2]} vs {stock_names[first : first + 2]}"
         )
     for (name, a), (_, b) in zip(ours, stock):
         if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(_bytes(a), _bytes(b)):
@@ -115,8 +115,10 @@ def ours_on_stock(ctx: Context, what: str, reason_says: str, **kwargs) -> list:
         ours = snapshot(ctx.bridge.export_hf_weights(ctx.chunks, show_progress=False, **kwargs))
     reason = ctx.bridge.export_diagnostics().fallback_reason
     if len(calls) != 1 or reason is None or reason_says not in reason:
-        raise CheckFailed(f"{what}: expected the stock path with a reason naming {reason_says!r}; "
-                          f"stock stream called {len(calls)} times, fallback_reason={reason!r}")
+        raise CheckFailed(
+            f"{what}: expected the stock path with a reason naming {reason_says!r}; "
+            f"stock stream called {len(calls)} times, fallback_reason={reason!r}"
+        )
     return ours
 
 
@@ -140,7 +142,7 @@ def check_task_subsets(ctx: Context) -> None:
     yielding exactly what stock yields for them, in stock's order."""
     tasks = ctx.tasks()
     third = len(tasks) // 3
-    subsets = {"middle third": tasks[third:2 * third], "every third": tasks[::3], "first task": tasks[:1], "none": []}
+    subsets = {"middle third": tasks[third : 2 * third], "every third": tasks[::3], "first task": tasks[:1], "none": []}
     for what, subset in subsets.items():
         ours = ours_on_the_plan(ctx, what, conversion_tasks=subset)
         expect_same(ours, ctx.stock_export(conversion_tasks=subset), what)
@@ -177,8 +179,9 @@ def doubled(tasks, rank: int | None = None):
     rank or on ``rank`` only."""
     if rank is not None and dist.get_rank() != rank:
         return tasks
-    return [t if t.param_weight is None else dataclasses.replace(t, param_weight=2 * t.param_weight.detach())
-            for t in tasks]
+    return [
+        t if t.param_weight is None else dataclasses.replace(t, param_weight=2 * t.param_weight.detach()) for t in tasks
+    ]
 
 
 @check

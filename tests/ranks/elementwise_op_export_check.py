@@ -27,12 +27,18 @@ from mbridge_refit.testing.conformance import random_megatron_model
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    )
 
 
 def check(tp: int) -> tuple[list[str], int]:
     bridge, chunks, _ = random_megatron_model("Qwen3NextForCausalLM", ParallelLayout(tp=tp), device=torch.device("cpu"))
-    norms = {n: p.detach().clone() for chunk in chunks for n, p in chunk.named_parameters() if n.endswith("out_norm.weight")}
+    norms = {
+        n: p.detach().clone() for chunk in chunks for n, p in chunk.named_parameters() if n.endswith("out_norm.weight")
+    }
     stock = [(n, t.clone()) for n, t in bridge.export_hf_weights_stock(chunks, show_progress=False)]
     exports = [
         [(n, t.clone()) for n, t in bridge.export_hf_weights(chunks, reuse_buffer_from_cache=True, show_progress=False)]
@@ -45,7 +51,9 @@ def check(tp: int) -> tuple[list[str], int]:
     for label, ours in zip(("first", "second"), exports):
         if [n for n, _ in ours] != [n for n, _ in stock]:
             failures.append(f"{label} export: names or order differ from stock")
-        failures += [f"{label} export: {n} differs from stock" for (n, t), (_, s) in zip(ours, stock) if not _same(t, s)]
+        failures += [
+            f"{label} export: {n} differs from stock" for (n, t), (_, s) in zip(ours, stock) if not _same(t, s)
+        ]
     now = {n: p.detach() for chunk in chunks for n, p in chunk.named_parameters() if n in norms}
     failures += [f"parameter {n} changed by the export" for n, kept in norms.items() if not _same(now[n], kept)]
     live = with_op & set(bridge.live_rows(chunks))
@@ -61,7 +69,9 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--result", type=Path, required=True)
     args = parser.parse_args()
-    with distributed_session(ParallelLayout(tp=args.tp), device=torch.device("cpu"), timeout=datetime.timedelta(minutes=2)):
+    with distributed_session(
+        ParallelLayout(tp=args.tp), device=torch.device("cpu"), timeout=datetime.timedelta(minutes=2)
+    ):
         failures, with_op = check(args.tp)
         rank = dist.get_rank()
     Path(f"{args.result}.rank{rank}").write_text(json.dumps({"rank": rank, "failures": failures, "with_op": with_op}))

@@ -119,9 +119,18 @@ def main() -> None:
         sessions = iter(range(args.port, args.port + 16))
 
         def session(engine):
-            refit = VLLMBroadcastRefit(InProcessLLM(engine) if source else None, host="127.0.0.1", port=next(sessions),
-                                       source=source, trainer_group=dist.group.WORLD, trainer_src=SOURCE, config=config,
-                                       backend="gloo", device=cpu, timeout_s=60.0)
+            refit = VLLMBroadcastRefit(
+                InProcessLLM(engine) if source else None,
+                host="127.0.0.1",
+                port=next(sessions),
+                source=source,
+                trainer_group=dist.group.WORLD,
+                trainer_src=SOURCE,
+                config=config,
+                backend="gloo",
+                device=cpu,
+                timeout_s=60.0,
+            )
             refit.open(bridge, chunks)
             return refit
 

@@ -55,7 +55,11 @@ def engine_name(hf_name: str) -> tuple[str, int | None, int]:
     match = EXPERT.match(hf_name)
     if match:
         prefix, expert, part = match.groups()
-        return (f"{prefix}.w2" if part == "down_proj" else f"{prefix}.w13"), int(expert), ("gate_proj", "up_proj", "down_proj").index(part) % 2
+        return (
+            (f"{prefix}.w2" if part == "down_proj" else f"{prefix}.w13"),
+            int(expert),
+            ("gate_proj", "up_proj", "down_proj").index(part) % 2,
+        )
     for fused, parts in FUSED:
         for index, part in enumerate(parts):
             if f".{part}." in hf_name:
@@ -72,12 +76,14 @@ def expected_engine_state(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     state = {}
     for target, pieces in groups.items():
         if pieces[0][0] is None:
-            state[target] = torch.cat([t for _, _, t in sorted(pieces, key=lambda p: p[1])]) if len(pieces) > 1 else pieces[0][2]
+            state[target] = (
+                torch.cat([t for _, _, t in sorted(pieces, key=lambda p: p[1])]) if len(pieces) > 1 else pieces[0][2]
+            )
         else:
             experts = sorted({e for e, _, _ in pieces})
-            state[target] = torch.stack([
-                torch.cat([t for e, _, t in sorted(pieces, key=lambda p: p[1]) if e == expert]) for expert in experts
-            ])
+            state[target] = torch.stack(
+                [torch.cat([t for e, _, t in sorted(pieces, key=lambda p: p[1]) if e == expert]) for expert in experts]
+            )
     return state
 
 
@@ -208,8 +214,10 @@ def main() -> None:
         engine_equals(engine, expected_engine_state(on_disk), "first refit vs checkpoint on disk")
         several_runs = [name for name, rows in live.items() if not rows.is_view]
         if report["composed"] != len(several_runs) or report["refreshed"]:
-            fail(f"first refit: expected {len(several_runs)} composed live tensors and none refreshed, got {report['composed']} "
-                 f"and {report['refreshed'][:4]}")
+            fail(
+                f"first refit: expected {len(several_runs)} composed live tensors and none refreshed, got {report['composed']} "
+                f"and {report['refreshed'][:4]}"
+            )
 
         with torch.no_grad():
             for chunk in chunks:
@@ -229,7 +237,9 @@ def main() -> None:
         third = refit.refit(bridge, chunks)
         exports_something = set(live) != set(plan_names)
         if third.opened != exports_something:
-            fail(f"a freed export cache must reopen the layout exactly when the refit exports tensors ({exports_something})")
+            fail(
+                f"a freed export cache must reopen the layout exactly when the refit exports tensors ({exports_something})"
+            )
         engine_equals(engine, expected_engine_state(changed), "refit after the cache was freed")
 
         norm = next(p for chunk in chunks for n, p in chunk.named_parameters() if n.endswith("input_layernorm.weight"))
@@ -241,17 +251,32 @@ def main() -> None:
         engine_equals(engine, expected_engine_state(swapped), "refit after a parameter's storage was swapped")
 
         bad = refit.llm.worker
-        message = expect_error(EngineRefitError, "plan mismatch", lambda: bad.mbridge_refit_apply("0" * 16), "stale fingerprint")
+        message = expect_error(
+            EngineRefitError, "plan mismatch", lambda: bad.mbridge_refit_apply("0" * 16), "stale fingerprint"
+        )
         dropped = next(n for n in expected_engine_state(on_disk) if n.endswith("post_attention_layernorm.weight"))
         partial = VLLMRefit(InProcessLLM(EngineModel(on_disk, drop=dropped)), transport=LocalTransport())
-        missing = expect_error(EngineRefitError, "not loaded by the engine", lambda: partial.refit(bridge, chunks), "engine without a parameter")
+        missing = expect_error(
+            EngineRefitError,
+            "not loaded by the engine",
+            lambda: partial.refit(bridge, chunks),
+            "engine without a parameter",
+        )
         if dropped not in missing:
             fail(f"the mismatch error does not name {dropped}: {missing}")
         sneaky = VLLMRefit(InProcessLLM(EngineModel(on_disk, sneaky=True)), transport=LocalTransport())
-        expect_error(ApplyPlanError, "does not reproduce", lambda: sneaky.refit(bridge, chunks), "invisible loader write")
+        expect_error(
+            ApplyPlanError, "does not reproduce", lambda: sneaky.refit(bridge, chunks), "invisible loader write"
+        )
 
-        result = {"rank": rank, "ok": True, "tensors": first.tensors, "copies": report["copies"],
-                  "via_loader": len(report["via_loader"]), "stale_message": message}
+        result = {
+            "rank": rank,
+            "ok": True,
+            "tensors": first.tensors,
+            "copies": report["copies"],
+            "via_loader": len(report["via_loader"]),
+            "stale_message": message,
+        }
         (args.result / f"rank{rank}.json").write_text(json.dumps(result))
 
 

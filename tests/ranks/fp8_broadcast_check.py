@@ -61,11 +61,16 @@ def main() -> None:
         dist.broadcast_object_list(payload, src=0, group=refit)
         if rank == 0:
             sender = PackedBroadcastSender(plan, config, group=refit, src=0, trainer_group=trainers)
-            stream = bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True, fp8="blockwise")
+            stream = bridge.export_hf_weights(
+                chunks, show_progress=False, reuse_buffer_from_cache=True, fp8="blockwise"
+            )
             drain(stream, sender)
             return
         plan = ExportPlan.from_json(payload[0])
-        received = {name: t.clone() for name, t in PackedBroadcastReceiver(plan, config, group=refit, src=0, device=cpu).receive()}
+        received = {
+            name: t.clone()
+            for name, t in PackedBroadcastReceiver(plan, config, group=refit, src=0, device=cpu).receive()
+        }
         expected, fp8, differing = read_checkpoint(args.hf), KEEP, []
         for name, tensor in expected.items():
             if not fp8.quantizes(name, tuple(tensor.shape), "bfloat16"):
@@ -75,10 +80,17 @@ def main() -> None:
             if not (same_bits(received[name], q) and same_bits(received[name + "_scale_inv"], s)):
                 differing.append(name)
         args.result.mkdir(parents=True, exist_ok=True)
-        (args.result / "result.json").write_text(json.dumps({
-            "names": sorted(received), "expected_names": sorted(expected), "differing": differing,
-            "scales": sum(n.endswith("_scale_inv") for n in received), "plan_entries": len(plan.entries),
-        }))
+        (args.result / "result.json").write_text(
+            json.dumps(
+                {
+                    "names": sorted(received),
+                    "expected_names": sorted(expected),
+                    "differing": differing,
+                    "scales": sum(n.endswith("_scale_inv") for n in received),
+                    "plan_entries": len(plan.entries),
+                }
+            )
+        )
     finally:
         teardown()
 

@@ -32,18 +32,27 @@ base = (torch.randn(300, 528, generator=gen) * 2).to(torch.bfloat16)
 base[:128, :128] = 0
 base[128:256, 128:256] *= 1e-30  # scale_inv < 2^-90: rescaled by 2^100 in the kernel
 jobs = [
-    job("partial", base), job("narrowed", base[:, 16:400]), job("row_slice", base[130:259]),
-    job("one_block", torch.randn(64, 128, generator=gen).to(torch.bfloat16)), job("fp32", torch.randn(200, 144, generator=gen)),
+    job("partial", base),
+    job("narrowed", base[:, 16:400]),
+    job("row_slice", base[130:259]),
+    job("one_block", torch.randn(64, 128, generator=gen).to(torch.bfloat16)),
+    job("fp32", torch.randn(200, 144, generator=gen)),
 ]
 # the default launch, tensors cut into one-block-row chunks (base has 5 block columns), whole tensors
-configs = [fp8_kernels.DEFAULT_CONFIG, fp8_kernels.LaunchConfig(chunk_blocks=1), fp8_kernels.LaunchConfig(chunk_blocks=None)]
+configs = [
+    fp8_kernels.DEFAULT_CONFIG,
+    fp8_kernels.LaunchConfig(chunk_blocks=1),
+    fp8_kernels.LaunchConfig(chunk_blocks=None),
+]
 problems = []
 for config in configs:
     for _, _, q, s in jobs:
         q.view(torch.uint8).fill_(0xFF)
         s.fill_(-1.0)
     for dtype in (torch.bfloat16, torch.float32):
-        fp8_kernels.launch_grouped(fp8_kernels.grouped_launch([(x, q, s) for _, x, q, s in jobs if x.dtype == dtype], config))
+        fp8_kernels.launch_grouped(
+            fp8_kernels.grouped_launch([(x, q, s) for _, x, q, s in jobs if x.dtype == dtype], config)
+        )
     for name, source, grouped_q, grouped_s in jobs:
         x = source.contiguous()
         q, s = torch.empty_like(grouped_q), torch.empty_like(grouped_s)

@@ -68,9 +68,16 @@ def te_parameter(local: torch.Tensor) -> torch.nn.Parameter:
     padded[:, : scales.shape[1]] = scales
     quantizer = Float8BlockQuantizer(tex.DType.kFloat8E4M3, rowwise=True, columnwise=False, block_scaling_dim=2)
     tensor = Float8BlockwiseQTensor(
-        shape=tuple(local.shape), dtype=local.dtype, rowwise_data=q.view(torch.uint8), rowwise_scale_inv=padded,
-        columnwise_data=None, columnwise_scale_inv=None, fp8_dtype=tex.DType.kFloat8E4M3, quantizer=quantizer,
-        is_2D_scaled=True, device=local.device,
+        shape=tuple(local.shape),
+        dtype=local.dtype,
+        rowwise_data=q.view(torch.uint8),
+        rowwise_scale_inv=padded,
+        columnwise_data=None,
+        columnwise_scale_inv=None,
+        fp8_dtype=tex.DType.kFloat8E4M3,
+        quantizer=quantizer,
+        is_2D_scaled=True,
+        device=local.device,
     )
     return torch.nn.Parameter(tensor, requires_grad=False)
 
@@ -84,12 +91,6 @@ def quantize_parameters_like_te(chunks) -> int:
                     setattr(module, attr, te_parameter(param.detach()))
                     replaced += 1
     return replaced
-
-
-
-
-
-
 
 
 def main() -> None:
@@ -132,7 +133,9 @@ def main() -> None:
         first = {}
         for attempt in range(2):
             got = []
-            for name, tensor in bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True, fp8="blockwise"):
+            for name, tensor in bridge.export_hf_weights(
+                chunks, show_progress=False, reuse_buffer_from_cache=True, fp8="blockwise"
+            ):
                 got.append((name, tuple(tensor.shape), tensor.dtype))
                 if attempt == 0:
                     first[name] = tensor.clone()

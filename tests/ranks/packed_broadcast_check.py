@@ -149,9 +149,11 @@ def run_receiver(case, config, *, plan_json, refit, src, expected, model, pointe
         config = dataclasses.replace(config, bucket_bytes=config.bucket_bytes * 2)
     receiver = PackedBroadcastReceiver(plan_json, config, group=refit, src=src, device="cpu")
     if case == "corrupt":
+
         def flip(bucket, data):
             if bucket == 1:
                 data[5] ^= 0x40
+
         receiver._corrupt_hook = flip
     with torch.no_grad():  # start from zeros so every case must write every tensor again
         for tensor in model.state_dict().values():
@@ -190,11 +192,15 @@ def main() -> None:
     layout = layout_from_flags(args)
     trainer_ranks, receiver_rank = tuple(range(world - 1)), world - 1
     if len(trainer_ranks) % layout.model_parallel_size or len(trainer_ranks) < layout.expected_world_size:
-        raise SystemExit(f"run with a multiple of {layout.model_parallel_size} trainer ranks + 1 receiver for layout {layout.name}")
+        raise SystemExit(
+            f"run with a multiple of {layout.model_parallel_size} trainer ranks + 1 receiver for layout {layout.name}"
+        )
     replica = 0 if len(trainer_ranks) > layout.expected_world_size else None  # data-parallel replicas: replica 0 sends
     ps.initialize_model_parallel(
-        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
-        virtual_pipeline_model_parallel_size=args.vpp, expert_model_parallel_size=args.ep,
+        tensor_model_parallel_size=args.tp,
+        pipeline_model_parallel_size=args.pp,
+        virtual_pipeline_model_parallel_size=args.vpp,
+        expert_model_parallel_size=args.ep,
         context_parallel_size=layout.cp,
         expert_tensor_parallel_size=layout.etp,
         local_world_size=len(trainer_ranks),
@@ -206,8 +212,18 @@ def main() -> None:
 
         store_ranks = {receiver_rank: 0, SRC: 1}
         src = store_ranks[SRC]
-        refit = StoreGroup(host="127.0.0.1", port=args.store_group, rank=store_ranks[rank], world_size=2, device=cpu,
-                           timeout=datetime.timedelta(seconds=90)) if rank in store_ranks else None
+        refit = (
+            StoreGroup(
+                host="127.0.0.1",
+                port=args.store_group,
+                rank=store_ranks[rank],
+                world_size=2,
+                device=cpu,
+                timeout=datetime.timedelta(seconds=90),
+            )
+            if rank in store_ranks
+            else None
+        )
     senders = trainers  # the ranks that iterate the export and build a sender
     results: dict[str, dict] = {}
     try:
@@ -241,26 +257,49 @@ def main() -> None:
             senders = dist.new_group(exporting[0])
         if rank in trainer_ranks:
             run = lambda case, config: run_trainer(  # noqa: E731
-                case, config, bridge=bridge, chunks=chunks, plan=plan, refit=refit, src=src, trainers=senders, replica=replica,
+                case,
+                config,
+                bridge=bridge,
+                chunks=chunks,
+                plan=plan,
+                refit=refit,
+                src=src,
+                trainers=senders,
+                replica=replica,
             )
         if rank == receiver_rank:
             plan = ExportPlan.from_json(payload[0])
             run = lambda case, config: run_receiver(  # noqa: E731
-                case, config, plan_json=payload[0], refit=refit, src=src, expected=expected, model=model,
-                pointers=pointers, reference=reference,
+                case,
+                config,
+                plan_json=payload[0],
+                refit=refit,
+                src=src,
+                expected=expected,
+                model=model,
+                pointers=pointers,
+                reference=reference,
             )
         for case, config in configs(plan).items():
             start = time.monotonic()
             try:
                 outcome = {"ok": True, "error": None, **run(case, config)}
             except Exception as err:  # recorded; the test decides whether it was expected
-                outcome = {"ok": False, "error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()[-3000:]}
+                outcome = {
+                    "ok": False,
+                    "error": f"{type(err).__name__}: {err}",
+                    "trace": traceback.format_exc()[-3000:],
+                }
             outcome["seconds"] = round(time.monotonic() - start, 2)
             outcome["bucket_bytes"] = config.bucket_bytes
             results[case] = outcome
             print(f"[rank{rank}] {case}: ok={outcome['ok']} {outcome['error'] or ''}", flush=True)
         results["replica_ranks"] = exporting[0]
-        results["stream_bytes"] = {"ok": True, "value": sum(e.nbytes for e in plan.entries), "largest": max(e.nbytes for e in plan.entries)}
+        results["stream_bytes"] = {
+            "ok": True,
+            "value": sum(e.nbytes for e in plan.entries),
+            "largest": max(e.nbytes for e in plan.entries),
+        }
         args.result.mkdir(parents=True, exist_ok=True)
         (args.result / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
     finally:

@@ -40,7 +40,9 @@ def check_stream(stream, read, names: set[str], what: str) -> int:
             fail(f"{what}: {name} differs from the checkpoint on disk")
         seen.add(name)
     if seen != names:
-        fail(f"{what}: names differ from the checkpoint: missing {sorted(names - seen)[:5]}, extra {sorted(seen - names)[:5]}")
+        fail(
+            f"{what}: names differ from the checkpoint: missing {sorted(names - seen)[:5]}, extra {sorted(seen - names)[:5]}"
+        )
     return len(seen)
 
 
@@ -67,7 +69,9 @@ def check_only(bridge, chunks, plan, fp8_plan, read, replica: int, replicas: int
         expected = fp8_expectation(fp8_plan, read) if fp8 else read
         wanted = [e.hf_name for i, e in enumerate(entries) if i % max(replicas, 2) == share]
         got = []
-        for name, tensor in bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True, fp8=fp8, only=wanted):
+        for name, tensor in bridge.export_hf_weights(
+            chunks, show_progress=False, reuse_buffer_from_cache=True, fp8=fp8, only=wanted
+        ):
             got.append(name)
             if not same_bits(tensor, expected(name)):
                 fail(f"only= export ({fp8 or 'bf16'}): {name} differs from the checkpoint (or the reference quantizer)")
@@ -97,7 +101,6 @@ def main() -> None:
 
     from megatron.core import parallel_state as ps
 
-
     read = oracle(args.hf)
     with checkpoint_session(args.hf, layout) as (bridge, chunks):
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -113,29 +116,50 @@ def main() -> None:
         if any(s != signature for s in everyone):
             fail("ranks disagree on the plan")
 
-        exported = check_stream(bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True), read, names, "export on every rank")
+        exported = check_stream(
+            bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True),
+            read,
+            names,
+            "export on every rank",
+        )
 
         takes_part = bridge.takes_part(chunks, 0)
         for attempt in range(2):  # a yielded tensor is valid until the generator advances: check as it comes
             stream = bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True, replica=0)
             if takes_part:
                 check_stream(stream, read, names, f"replica 0 export (call {attempt + 1})")
-            elif (count := sum(1 for _ in stream)):
+            elif count := sum(1 for _ in stream):
                 fail(f"rank {rank} is not needed by replica 0 but got {count} tensors")
         if ps.get_data_parallel_rank() == 0 and not takes_part:
             fail("a rank of replica 0 does not take part in replica 0's export")
 
         fp8_plan = bridge.export_plan(chunks, fp8="blockwise")
-        fp8_count = check_fp8(bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True, fp8="blockwise"), read, fp8_plan)
+        fp8_count = check_fp8(
+            bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True, fp8="blockwise"),
+            read,
+            fp8_plan,
+        )
 
-        only = check_only(bridge, chunks, plan, fp8_plan, read, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+        only = check_only(
+            bridge, chunks, plan, fp8_plan, read, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        )
 
         args.result.mkdir(parents=True, exist_ok=True)
-        (args.result / f"rank{rank}.json").write_text(json.dumps({
-            "rank": rank, "replica": ps.get_data_parallel_rank(), "dp": ps.get_data_parallel_world_size(),
-            "cp": ps.get_context_parallel_world_size(), "exported": exported, "takes_part_in_replica0": takes_part,
-            "fp8_tensors": fp8_count, "only": only, "ok": True,
-        }))
+        (args.result / f"rank{rank}.json").write_text(
+            json.dumps(
+                {
+                    "rank": rank,
+                    "replica": ps.get_data_parallel_rank(),
+                    "dp": ps.get_data_parallel_world_size(),
+                    "cp": ps.get_context_parallel_world_size(),
+                    "exported": exported,
+                    "takes_part_in_replica0": takes_part,
+                    "fp8_tensors": fp8_count,
+                    "only": only,
+                    "ok": True,
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -171,7 +171,11 @@ def main() -> None:
                 fail(f"{engine_name}: the transfer plan does not survive JSON")
             transfer = bridge.sharded_transfer(chunks, plan)
             shards = transfer.allocate_shards()
-            expected = expected_shards(names, read, config, plan.engine.tp, plan.engine.ep, rank) if rank in plan.engine_ranks else {}
+            expected = (
+                expected_shards(names, read, config, plan.engine.tp, plan.engine.ep, rank)
+                if rank in plan.engine_ranks
+                else {}
+            )
             check_run(transfer, shards, expected, f"engine {engine_name}")
             summaries[engine_name] = plan.summary()
 
@@ -193,7 +197,9 @@ def main() -> None:
         faults = run_faults(bridge, chunks, args.engines, lambda t: t.allocate_shards()) if args.faults else {}
 
         args.result.mkdir(parents=True, exist_ok=True)
-        (args.result / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "plans": summaries, "faults": faults, "ok": True}))
+        (args.result / f"rank{rank}.json").write_text(
+            json.dumps({"rank": rank, "plans": summaries, "faults": faults, "ok": True})
+        )
 
 
 if __name__ == "__main__":

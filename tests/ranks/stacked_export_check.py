@@ -27,7 +27,11 @@ from mbridge_refit.testing.conformance import random_megatron_model
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    )
 
 
 def check(tp: int, ep: int) -> tuple[list[str], int]:
@@ -35,9 +39,15 @@ def check(tp: int, ep: int) -> tuple[list[str], int]:
     cpu = torch.device("cpu")
     bridge, chunks, _ = random_megatron_model("GptOssForCausalLM", layout, device=cpu)
     stock = [(n, t.clone()) for n, t in bridge.export_hf_weights_stock(chunks, show_progress=False)]
-    first = [(n, t.data_ptr(), t.clone()) for n, t in bridge.export_hf_weights(chunks, reuse_buffer_from_cache=True, show_progress=False)]
+    first = [
+        (n, t.data_ptr(), t.clone())
+        for n, t in bridge.export_hf_weights(chunks, reuse_buffer_from_cache=True, show_progress=False)
+    ]
     after_first = bridge.export_diagnostics()
-    second = [(n, t.data_ptr(), t.clone()) for n, t in bridge.export_hf_weights(chunks, reuse_buffer_from_cache=True, show_progress=False)]
+    second = [
+        (n, t.data_ptr(), t.clone())
+        for n, t in bridge.export_hf_weights(chunks, reuse_buffer_from_cache=True, show_progress=False)
+    ]
     after_second = bridge.export_diagnostics()
     stacked = {e.hf_name for e in bridge.export_plan(chunks).entries if e.kind == STACKED_KIND}
     failures = []
@@ -46,7 +56,9 @@ def check(tp: int, ep: int) -> tuple[list[str], int]:
     for label, ours in (("first", first), ("second", second)):
         if [n for n, *_ in ours] != [n for n, _ in stock]:
             failures.append(f"{label} export: names or order differ from stock")
-        failures += [f"{label} export: {n} differs from stock" for (n, _, t), (_, s) in zip(ours, stock) if not _same(t, s)]
+        failures += [
+            f"{label} export: {n} differs from stock" for (n, _, t), (_, s) in zip(ours, stock) if not _same(t, s)
+        ]
     moved = [n for (n, p1, _), (_, p2, _) in zip(first, second) if n in stacked and p1 != p2]
     if moved:
         failures.append(f"stacked tensors not written into the cached buffers: {moved[:3]}")

@@ -58,10 +58,14 @@ def megatron_default_etp(args) -> dict:
     try:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)  # expert-TP left to Megatron
         bridge = RefitBridge.from_hf_pretrained(args.hf)
-        options = BuildOptions(device=CPU, params_dtype=torch.bfloat16, provider_overrides={"expert_tensor_parallel_size": None})
+        options = BuildOptions(
+            device=CPU, params_dtype=torch.bfloat16, provider_overrides={"expert_tensor_parallel_size": None}
+        )
         chunks = build_model(bridge, ParallelLayout(tp=2), options)
         if chunks[0].config.expert_tensor_parallel_size != 2:
-            fail(f"the provider's default expert-TP is {chunks[0].config.expert_tensor_parallel_size}, expected the TP size 2")
+            fail(
+                f"the provider's default expert-TP is {chunks[0].config.expert_tensor_parallel_size}, expected the TP size 2"
+            )
         bridge.load_hf_shards(chunks, args.hf)
         read = oracle(args.hf)
         plan = bridge.export_plan(chunks)
@@ -70,7 +74,12 @@ def megatron_default_etp(args) -> dict:
         if not split:
             fail("no expert tensor is planned as split over the expert-TP ranks: the case tests nothing")
         for cache in (False, True, True):
-            check_stream(bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=cache), read, names, f"BF16 cache={cache}")
+            check_stream(
+                bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=cache),
+                read,
+                names,
+                f"BF16 cache={cache}",
+            )
         stock = dict(bridge.export_hf_weights_stock(chunks, show_progress=False))
         for name, tensor in bridge.export_hf_weights(chunks, show_progress=False):
             if not same_bytes(tensor, stock[name]):
@@ -78,9 +87,16 @@ def megatron_default_etp(args) -> dict:
         diagnostics = bridge.export_diagnostics()
         if not diagnostics.planned or diagnostics.fallback_reason is not None:
             fail(f"expected the fast path, got {diagnostics}")
-        check_fp8(bridge.export_hf_weights(chunks, show_progress=False, fp8="blockwise", reuse_buffer_from_cache=True),
-                  read, bridge.export_plan(chunks, fp8="blockwise"))
-        return {"expert_tp": chunks[0].config.expert_tensor_parallel_size, "tensors": len(names), "split_expert_tensors": len(split)}
+        check_fp8(
+            bridge.export_hf_weights(chunks, show_progress=False, fp8="blockwise", reuse_buffer_from_cache=True),
+            read,
+            bridge.export_plan(chunks, fp8="blockwise"),
+        )
+        return {
+            "expert_tp": chunks[0].config.expert_tensor_parallel_size,
+            "tensors": len(names),
+            "split_expert_tensors": len(split),
+        }
     finally:
         teardown()
 
@@ -89,6 +105,7 @@ def replaced_params(args) -> dict:
     """Parameters replaced under a bridge that already exported the model."""
     layout = layout_from_flags(args)
     with checkpoint_session(args.hf, layout) as (bridge, chunks):
+
         def expect_stock(what: str) -> int:
             stock = {n: t.clone() for n, t in bridge.export_hf_weights_stock(chunks, show_progress=False)}
             count = 0
@@ -105,8 +122,11 @@ def replaced_params(args) -> dict:
             fail("a steady-state export with no parameter change allocated new buffers")
 
         torch.manual_seed(dist.get_rank())  # each rank its own shard values
-        state = {k: torch.randn_like(v, dtype=torch.float32).to(v.dtype) if v.is_floating_point() else v
-                 for k, v in chunks[0].state_dict().items() if isinstance(v, torch.Tensor)}
+        state = {
+            k: torch.randn_like(v, dtype=torch.float32).to(v.dtype) if v.is_floating_point() else v
+            for k, v in chunks[0].state_dict().items()
+            if isinstance(v, torch.Tensor)
+        }
         chunks[0].load_state_dict(state, strict=False, assign=True)
         replaced = sum(1 for n, p in chunks[0].named_parameters() if p.data_ptr() == state[n].data_ptr())
         if not replaced:
@@ -157,13 +177,28 @@ def buckets(args) -> dict:
             for name in names:
                 if not same_bytes(sent[name], read(name)):
                     fail(f"bucket API: {name} differs from the checkpoint")
-        check_stream(_flatten(bridge.export_hf_weight_buckets(chunks, show_progress=False, reuse_buffer_from_cache=True, fp8=None)),
-                     read, names, "bucket API, flattened")
-        check_fp8(_flatten(bridge.export_hf_weight_buckets(chunks, show_progress=False, reuse_buffer_from_cache=True, fp8="blockwise")),
-                  read, bridge.export_plan(chunks, fp8="blockwise"))
+        check_stream(
+            _flatten(
+                bridge.export_hf_weight_buckets(chunks, show_progress=False, reuse_buffer_from_cache=True, fp8=None)
+            ),
+            read,
+            names,
+            "bucket API, flattened",
+        )
+        check_fp8(
+            _flatten(
+                bridge.export_hf_weight_buckets(
+                    chunks, show_progress=False, reuse_buffer_from_cache=True, fp8="blockwise"
+                )
+            ),
+            read,
+            bridge.export_plan(chunks, fp8="blockwise"),
+        )
 
         bridge.check_lifetime = True
-        kept = list(bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True))  # the wrong pattern
+        kept = list(
+            bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True)
+        )  # the wrong pattern
         try:
             kept[0][1].sum()
         except ExpiredTensorError as err:
@@ -212,25 +247,40 @@ def early_exit(args) -> dict:
         names = {e.hf_name for e in bridge.export_plan(chunks).entries}
         result = {}
         if dist.get_rank() == 1:
-            for index, _ in enumerate(bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True)):
+            for index, _ in enumerate(
+                bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True)
+            ):
                 if index == 2:
                     break
         else:
             try:
-                check_stream(bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True), read, names, "peer")
+                check_stream(
+                    bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True),
+                    read,
+                    names,
+                    "peer",
+                )
             except CollectiveMisuseError as err:
                 result["error"] = str(err)
             else:
                 fail("rank 1 left the export early, and rank 0 was not told")
             if "rank 1 stopped iterating after 3 item(s)" not in result["error"]:
                 fail(f"the error does not name the rank that left: {result['error']}")
-        check_stream(bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True), read, names, "next export")
+        check_stream(
+            bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True),
+            read,
+            names,
+            "next export",
+        )
         return result
 
 
 CASES = {
-    "megatron-default-etp": megatron_default_etp, "replaced-params": replaced_params, "buckets": buckets,
-    "lone-rank": lone_rank, "early-exit": early_exit,
+    "megatron-default-etp": megatron_default_etp,
+    "replaced-params": replaced_params,
+    "buckets": buckets,
+    "lone-rank": lone_rank,
+    "early-exit": early_exit,
 }
 
 

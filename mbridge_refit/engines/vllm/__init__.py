@@ -28,7 +28,11 @@ __all__ = [
     "prompt_logprobs",
 ]
 
-ADAPTER = register_adapter(EngineAdapter(
-    name="vllm", sessions={IPC: VLLMRefit, BROADCAST: VLLMBroadcastRefit}, worker_extension=WORKER_EXTENSION,
-    engine_kwargs=engine_kwargs,
-))
+ADAPTER = register_adapter(
+    EngineAdapter(
+        name="vllm",
+        sessions={IPC: VLLMRefit, BROADCAST: VLLMBroadcastRefit},
+        worker_extension=WORKER_EXTENSION,
+        engine_kwargs=engine_kwargs,
+    )
+)

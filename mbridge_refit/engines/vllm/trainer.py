@@ -148,8 +148,12 @@ class _Routes:
     def serve(self, bridge: ExportsWeights, chunks: tuple, fp8: str) -> bool:
         """Whether these routes are for exactly these objects (identity: a new model never
         inherits another's live parameters, whatever ids it reuses)."""
-        return (self.bridge is bridge and self.fp8 == fp8 and len(self.chunks) == len(chunks)
-                and all(a is b for a, b in zip(self.chunks, chunks)))
+        return (
+            self.bridge is bridge
+            and self.fp8 == fp8
+            and len(self.chunks) == len(chunks)
+            and all(a is b for a, b in zip(self.chunks, chunks))
+        )
 
 
 class VLLMRefit:
@@ -162,8 +166,13 @@ class VLLMRefit:
     """
 
     def __init__(
-        self, llm: Any, *, transport: Transport | None = None, check_first_refit: bool = True,
-        allow_partial: bool = False, timeout_s: float = 600.0,
+        self,
+        llm: Any,
+        *,
+        transport: Transport | None = None,
+        check_first_refit: bool = True,
+        allow_partial: bool = False,
+        timeout_s: float = 600.0,
     ) -> None:
         self.llm = llm
         self.transport = transport or CudaIpcTransport()
@@ -185,7 +194,12 @@ class VLLMRefit:
         self._routes_for(bridge, model, fp8)
 
     def refit(
-        self, bridge: ExportsWeights, model: Model, *, fp8: Any = None, sender: bool = True,
+        self,
+        bridge: ExportsWeights,
+        model: Model,
+        *,
+        fp8: Any = None,
+        sender: bool = True,
         through: Callable[[Stream], Stream] | None = None,
     ) -> RefitStep | None:
         """Export ``model`` with ``bridge`` (held cached buffers) and apply it to the engine.
@@ -236,8 +250,14 @@ class VLLMRefit:
             self._routes = _plan_routes(bridge, chunks, fp8)
         return self._routes
 
-    def _open_step(self, routes: _Routes, tensors: dict[str, torch.Tensor], key: tuple | None,
-                   through: Callable[[Stream], Stream] | None, started: float) -> RefitStep:
+    def _open_step(
+        self,
+        routes: _Routes,
+        tensors: dict[str, torch.Tensor],
+        key: tuple | None,
+        through: Callable[[Stream], Stream] | None,
+        started: float,
+    ) -> RefitStep:
         """Share this step's layout: every engine tensor, live ones as views of the parameters
         (row runs copied once, for the engine's loader, and named as rows)."""
         order = routes.order if routes.order is not None else tuple(tensors)
@@ -252,7 +272,7 @@ class VLLMRefit:
                 rows_of[name] = (tensor, (live.source(), live.runs))
             pairs.append((name, tensor))
         recorder = LayoutRecorder()
-        for name, tensor in (through(iter(pairs)) if through is not None else pairs):
+        for name, tensor in through(iter(pairs)) if through is not None else pairs:
             self._check_device(name, tensor)
             rows = rows_of.get(name)
             recorder.add(name, tensor, rows=rows[1] if rows is not None and rows[0] is tensor else None)
@@ -262,7 +282,12 @@ class VLLMRefit:
     def _rows_buffer(self, name: str, live: LiveRows) -> torch.Tensor:
         source = live.source()
         buffer = self._rows_out.get(name)
-        if buffer is None or tuple(buffer.shape) != live.shape or buffer.dtype != source.dtype or buffer.device != source.device:
+        if (
+            buffer is None
+            or tuple(buffer.shape) != live.shape
+            or buffer.dtype != source.dtype
+            or buffer.device != source.device
+        ):
             buffer = self._rows_out[name] = torch.empty(live.shape, dtype=source.dtype, device=source.device)
         return buffer
 
@@ -274,9 +299,15 @@ class VLLMRefit:
         exported = time.perf_counter()
         engine_ms = self._rpc("mbridge_refit_apply", self._layout.fingerprint)
         done = time.perf_counter()
-        return RefitStep(tensors=len(self._layout.refs), bytes=self._layout.nbytes, ms=(done - started) * 1e3,
-                         opened=False, export_ms=(exported - started) * 1e3, apply_ms=(done - exported) * 1e3,
-                         engine_ms=engine_ms)
+        return RefitStep(
+            tensors=len(self._layout.refs),
+            bytes=self._layout.nbytes,
+            ms=(done - started) * 1e3,
+            opened=False,
+            export_ms=(exported - started) * 1e3,
+            apply_ms=(done - exported) * 1e3,
+            engine_ms=engine_ms,
+        )
 
     def _open(self, recorder: LayoutRecorder, key: tuple | None, started: float) -> RefitStep:
         exported = time.perf_counter()
@@ -284,14 +315,27 @@ class VLLMRefit:
             logger.info("refit: the export's layout changed (other storages or tensors): sharing it anew")
         layout, storages = recorder.layout()
         payload = self.transport.share(storages)
-        report = self._rpc("mbridge_refit_open", layout.to_wire(), payload, self.transport.name,
-                           self.check_first_refit, self.allow_partial)
+        report = self._rpc(
+            "mbridge_refit_open",
+            layout.to_wire(),
+            payload,
+            self.transport.name,
+            self.check_first_refit,
+            self.allow_partial,
+        )
         self._release_payload()
         self._layout, self._key, self._held, self._payload = layout, key, storages, payload
         self.last_report = report
         done = time.perf_counter()
-        return RefitStep(tensors=len(layout.refs), bytes=layout.nbytes, ms=(done - started) * 1e3, opened=True,
-                         export_ms=(exported - started) * 1e3, apply_ms=(done - exported) * 1e3, report=report)
+        return RefitStep(
+            tensors=len(layout.refs),
+            bytes=layout.nbytes,
+            ms=(done - started) * 1e3,
+            opened=True,
+            export_ms=(exported - started) * 1e3,
+            apply_ms=(done - exported) * 1e3,
+            report=report,
+        )
 
     def fingerprints(self) -> dict[str, tuple[int, int]]:
         """The engine's exact per-parameter fingerprints (first worker)."""
@@ -328,14 +372,18 @@ def _plan_routes(bridge: ExportsWeights, chunks: tuple, fp8: Any) -> _Routes:
     exported = frozenset(name for name in order if name not in live)
     parameters = {id(rows.parameter): rows.parameter for rows in live.values()}
     everything = not live and not ignored
-    return _Routes(**owner, order=order, live=live, exported=None if everything else exported,
-                   live_parameters=tuple(parameters.values()))
+    return _Routes(
+        **owner,
+        order=order,
+        live=live,
+        exported=None if everything else exported,
+        live_parameters=tuple(parameters.values()),
+    )
 
 
 def _synchronize_trainer() -> None:
     if torch.cuda.is_initialized():
         torch.cuda.current_stream().synchronize()
-
 
 
 class VLLMBroadcastRefit:
@@ -355,9 +403,19 @@ class VLLMBroadcastRefit:
     """
 
     def __init__(
-        self, llm: Any, *, host: str, port: int, engine_workers: int = 1, source: bool = True,
-        trainer_group: Any = None, trainer_src: int = 0, config: PackedBroadcastConfig | None = None,
-        backend: str | None = None, allow_partial: bool = False, timeout_s: float = 600.0,
+        self,
+        llm: Any,
+        *,
+        host: str,
+        port: int,
+        engine_workers: int = 1,
+        source: bool = True,
+        trainer_group: Any = None,
+        trainer_src: int = 0,
+        config: PackedBroadcastConfig | None = None,
+        backend: str | None = None,
+        allow_partial: bool = False,
+        timeout_s: float = 600.0,
         device: torch.device | str | None = None,
     ) -> None:
         if source and llm is None:
@@ -377,17 +435,37 @@ class VLLMBroadcastRefit:
         plan = bridge.export_plan(chunks, fp8=fp8)
         ignored = ignored_by_engine(bridge)
         if ignored & {e.hf_name for e in plan.entries}:
-            logger.info("broadcast refit: the engine skips %s (tied to the embedding); it is sent anyway", sorted(ignored))
+            logger.info(
+                "broadcast refit: the engine skips %s (tied to the embedding); it is sent anyway", sorted(ignored)
+            )
         self._session = (bridge, tuple(chunks), repr(fp8), plan)
         if not self.source:
             return
         world = 1 + self.engine_workers
-        join = _Call(self.llm, "mbridge_refit_join", self.host, self.port, 1, world, plan.to_json(),
-                     dataclasses.asdict(self.config), self.backend, self.allow_partial, self.timeout_s)
+        join = _Call(
+            self.llm,
+            "mbridge_refit_join",
+            self.host,
+            self.port,
+            1,
+            world,
+            plan.to_json(),
+            dataclasses.asdict(self.config),
+            self.backend,
+            self.allow_partial,
+            self.timeout_s,
+        )
         try:
-            self.group = StoreGroup(host=self.host, port=self.port, rank=SOURCE_RANK, world_size=world,
-                                    device=self.device, backend=self.backend, peer_failure=join.failure,
-                                    timeout=datetime.timedelta(seconds=self.timeout_s))
+            self.group = StoreGroup(
+                host=self.host,
+                port=self.port,
+                rank=SOURCE_RANK,
+                world_size=world,
+                device=self.device,
+                backend=self.backend,
+                peer_failure=join.failure,
+                timeout=datetime.timedelta(seconds=self.timeout_s),
+            )
         except BaseException as err:
             err.add_note(_engine_outcome(join.error(PEER_SILENT_S), "joined"))
             raise
@@ -398,22 +476,42 @@ class VLLMBroadcastRefit:
         """Export ``model`` and broadcast it into the engine; returns the step on the source rank."""
         chunks = model if isinstance(model, list) else [model]
         if not self._serves(bridge, chunks, fp8):
-            raise RuntimeError("refit() of another bridge, model or fp8 than the open session: call open() for it first")
+            raise RuntimeError(
+                "refit() of another bridge, model or fp8 than the open session: call open() for it first"
+            )
         started = time.perf_counter()
         plan = self._session[3]
         stream = bridge.export_hf_weights(chunks, reuse_buffer_from_cache=True, fp8=fp8, show_progress=False)
         if not self.source:
-            drain(stream, PackedBroadcastSender(plan, self.config, group=None, src=SOURCE_RANK, device=self.device,
-                                                trainer_group=self.trainer_group, trainer_src=self.trainer_src)
-                  if self.trainer_group is not None else DiscardSink())
+            drain(
+                stream,
+                PackedBroadcastSender(
+                    plan,
+                    self.config,
+                    group=None,
+                    src=SOURCE_RANK,
+                    device=self.device,
+                    trainer_group=self.trainer_group,
+                    trainer_src=self.trainer_src,
+                )
+                if self.trainer_group is not None
+                else DiscardSink(),
+            )
             self._share(None)
             return None
         receive = _Call(self.llm, "mbridge_refit_receive")
         sender = None
         try:
             with self.group.watching(receive.failure):
-                sender = PackedBroadcastSender(plan, self.config, group=self.group, src=SOURCE_RANK, device=self.device,
-                                               trainer_group=self.trainer_group, trainer_src=self.trainer_src)
+                sender = PackedBroadcastSender(
+                    plan,
+                    self.config,
+                    group=self.group,
+                    src=SOURCE_RANK,
+                    device=self.device,
+                    trainer_group=self.trainer_group,
+                    trainer_src=self.trainer_src,
+                )
                 count = drain(stream, sender)  # the sender's own failures reach every trainer rank in there
         except BaseException as sent:
             if not isinstance(sent, PlanMismatchError) and (sender is None or not sender.settled):
@@ -429,15 +527,21 @@ class VLLMBroadcastRefit:
         except Exception as err:
             workers, error = [], err
         self._share(error)
-        return RefitStep(tensors=count, bytes=sender.bytes_sent, ms=(time.perf_counter() - started) * 1e3, workers=workers)
+        return RefitStep(
+            tensors=count, bytes=sender.bytes_sent, ms=(time.perf_counter() - started) * 1e3, workers=workers
+        )
 
     def _serves(self, bridge: ExportsWeights, chunks: list, fp8: Any) -> bool:
         """Whether the open session is for exactly these objects (identity, as ``open`` saw them)."""
         if self._session is None:
             return False
         open_bridge, open_chunks, open_fp8, _ = self._session
-        return (open_bridge is bridge and open_fp8 == repr(fp8) and len(open_chunks) == len(chunks)
-                and all(a is b for a, b in zip(open_chunks, chunks)))
+        return (
+            open_bridge is bridge
+            and open_fp8 == repr(fp8)
+            and len(open_chunks) == len(chunks)
+            and all(a is b for a, b in zip(open_chunks, chunks))
+        )
 
     def _share(self, error: BaseException | None) -> None:
         """The engine's outcome of this step, on every trainer rank (only the source learns it)."""

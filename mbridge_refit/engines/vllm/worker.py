@@ -51,7 +51,9 @@ class RefitWorkerExtension:
         except ImportError:
             return None
         config = self.model_runner.model_config
-        return StagedLoad(begin=lambda: initialize_layerwise_reload(model), end=lambda: finalize_layerwise_reload(model, config))
+        return StagedLoad(
+            begin=lambda: initialize_layerwise_reload(model), end=lambda: finalize_layerwise_reload(model, config)
+        )
 
     def mbridge_refit_open(self, wire: dict, payload: bytes, transport: str, check: bool, allow_partial: bool) -> dict:
         """Map the trainer's tensors, load them once through the model's ``load_weights`` while
@@ -67,18 +69,40 @@ class RefitWorkerExtension:
         """Forget the open layout and the mapped storages (the trainer's session closes)."""
         self._mbridge_receiver().close()
 
-    def mbridge_refit_join(self, host: str, port: int, rank_offset: int, world_size: int, plan_json: str,
-                           config: dict, backend: str | None, allow_partial: bool, timeout_s: float) -> int:
+    def mbridge_refit_join(
+        self,
+        host: str,
+        port: int,
+        rank_offset: int,
+        world_size: int,
+        plan_json: str,
+        config: dict,
+        backend: str | None,
+        allow_partial: bool,
+        timeout_s: float,
+    ) -> int:
         """Join the trainer's broadcast group as rank ``rank_offset`` + this worker's index among the
         engine's workers (data-parallel replicas included); returns that rank. Blocks until the
         trainer joins (``engines.broadcast``)."""
         model = self.model_runner.get_model()
-        target = BroadcastTarget(model.load_weights, model, torch.device(self.device),
-                                 staged=self._mbridge_staged_load(model) if _quantized(self) else None,
-                                 allow_partial=allow_partial)
+        target = BroadcastTarget(
+            model.load_weights,
+            model,
+            torch.device(self.device),
+            staged=self._mbridge_staged_load(model) if _quantized(self) else None,
+            allow_partial=allow_partial,
+        )
         rank = rank_offset + _worker_index(self)
-        target.join(host=host, port=port, rank=rank, world_size=world_size, plan_json=plan_json, config=config,
-                    backend=backend, timeout_s=timeout_s)
+        target.join(
+            host=host,
+            port=port,
+            rank=rank,
+            world_size=world_size,
+            plan_json=plan_json,
+            config=config,
+            backend=backend,
+            timeout_s=timeout_s,
+        )
         self._mbridge_broadcast_target = target
         return rank
 
@@ -110,7 +134,9 @@ class RefitWorkerExtension:
         with torch.no_grad():
             for _, param in self.model_runner.get_model().named_parameters():
                 noise = torch.rand(param.shape, generator=generator, device=param.device, dtype=torch.float32)
-                param.data.copy_(noise.to(param.dtype) if param.dtype.is_floating_point else noise.mul(7).to(param.dtype))
+                param.data.copy_(
+                    noise.to(param.dtype) if param.dtype.is_floating_point else noise.mul(7).to(param.dtype)
+                )
                 count += 1
         torch.cuda.synchronize(self.device)
         return count

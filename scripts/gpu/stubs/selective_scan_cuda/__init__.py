@@ -9,4 +9,6 @@ and exports here never run a Mamba forward; anything that calls into the extensi
 
 
 def __getattr__(name):
-    raise ImportError(f"selective_scan_cuda.{name}: mamba-ssm was built without its CUDA extension (this module is a stand-in)")
+    raise ImportError(
+        f"selective_scan_cuda.{name}: mamba-ssm was built without its CUDA extension (this module is a stand-in)"
+    )
