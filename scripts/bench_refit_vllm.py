@@ -99,6 +99,7 @@ def run(args) -> dict:
     from mbridge_refit.models.builder import BuildOptions, build_model
     from mbridge_refit.models.recipes import full_size_config
     from mbridge_refit.plan.layout import ParallelLayout
+    from mbridge_refit.testing.vllm_worker import TESTING_WORKER_EXTENSION
 
     config = full_size_config(args.model)
     if args.layers is not None:
@@ -136,7 +137,7 @@ def run(args) -> dict:
             dtype="bfloat16",
             max_model_len=256,
             gpu_memory_utilization=args.gpu_memory_utilization,
-            **engine_kwargs(**extra),
+            **engine_kwargs(worker_extension_cls=TESTING_WORKER_EXTENSION, **extra),
         )
         refit = VLLMRefit(llm, timeout_s=300)
 

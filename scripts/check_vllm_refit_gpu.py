@@ -211,10 +211,12 @@ def run(args) -> dict:
 
 
 def start_engine(checkpoint: Path, args: argparse.Namespace):
-    """A vLLM engine loaded from ``checkpoint`` (vLLM's own loader) with the refit worker extension."""
+    """A vLLM engine loaded from ``checkpoint`` (vLLM's own loader) with the refit worker extension
+    and the checks' own RPCs (``testing.vllm_worker``: scramble)."""
     from vllm import LLM
 
     from mbridge_refit.engines.vllm import engine_kwargs
+    from mbridge_refit.testing.vllm_worker import TESTING_WORKER_EXTENSION
 
     return LLM(
         model=str(checkpoint),
@@ -224,7 +226,7 @@ def start_engine(checkpoint: Path, args: argparse.Namespace):
         max_model_len=256,
         gpu_memory_utilization=args.gpu_memory_utilization,
         seed=0,
-        **engine_kwargs(),
+        **engine_kwargs(worker_extension_cls=TESTING_WORKER_EXTENSION),
     )
 
 

@@ -56,6 +56,15 @@ GROUP_TIMEOUT_S = 45.0  # a wait the failure channel does not cut short lasts th
 BOUND_S = 30.0  # what the issue asks: every member raises within this
 
 
+class CorruptingReceiver(PackedBroadcastReceiver):
+    """A receiver whose third bucket (bucket 2) arrives with its first byte changed, before the check."""
+
+    def _verify(self, bucket, data, sent):
+        if bucket == 2:
+            data[:1].add_(1)
+        return super()._verify(bucket, data, sent)
+
+
 def plan_tensors(plan, seed: int = 0) -> list[tuple[str, torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
     out = []
@@ -134,9 +143,8 @@ def _recorded_pair(receiver_plan, *, consumer_fails: bool = False, corrupt: bool
         sender.finish()
 
     def receive(rank: int):
-        receiver = PackedBroadcastReceiver(receiver_plan, CONFIG, group=join(rank), src=0, device="cpu")
-        if corrupt:
-            receiver._corrupt_hook = lambda bucket, data: data[:1].add_(1) if bucket == 2 else None
+        receiving = CorruptingReceiver if corrupt else PackedBroadcastReceiver
+        receiver = receiving(receiver_plan, CONFIG, group=join(rank), src=0, device="cpu")
         got = []
         for name, tensor in receiver.receive():
             if consumer_fails and len(got) == 1:

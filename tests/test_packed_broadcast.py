@@ -16,12 +16,12 @@ import torch
 from conftest import REPO, free_port, torchrun
 
 from mbridge_refit.plan.entries import ExportPlan, PlanEntry, TensorSharding
+from mbridge_refit.sinks import broadcast_wire
 from mbridge_refit.sinks.packed_broadcast import (
     ALIGN_BYTES,
     DEFAULT_BUCKET_BYTES,
     PackedBroadcastConfig,
     StreamPacking,
-    _bucket_events,
     checksum,
     plan_fingerprint,
 )
@@ -100,7 +100,7 @@ def test_layout_aligns_every_tensor():
 @pytest.mark.parametrize("bucket", [16, 32, 48, 304, 320, 1024])
 def test_bucket_events_cover_each_byte_once(bucket):
     layout = StreamPacking.build(PLAN, bucket)
-    events = _bucket_events(layout)
+    events = broadcast_wire.bucket_events(layout)
     covered = {s.entry.hf_name: 0 for s in layout.slots}
     completed = []
     for index, bucket_events in enumerate(events):

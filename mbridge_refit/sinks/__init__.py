@@ -1,6 +1,7 @@
 """Sinks: consumers of the exported ``(hf_name, tensor)`` stream.
 
-The contract lives in :mod:`.base`; each other module owns one sink.
+The contract lives in :mod:`.base`; each other module owns one sink, except
+:mod:`.broadcast_wire`, the wire format both ends of :mod:`.packed_broadcast` share.
 """
 
 from mbridge_refit.sinks.base import DiscardSink, WeightSink, drain

@@ -43,324 +43,61 @@ scratch tensor sized for the largest such tensor.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from mbridge_refit.errors import TransportError
-from mbridge_refit.plan.entries import ExportPlan, PlanEntry
-from mbridge_refit.runtime.broadcast_group import BroadcastGroup, as_broadcast_group
+from mbridge_refit.plan.entries import ExportPlan
+from mbridge_refit.runtime.broadcast_group import as_broadcast_group
 from mbridge_refit.sinks.base import WeightSink
+from mbridge_refit.sinks.broadcast_wire import (
+    ALIGN_BYTES,
+    DEFAULT_BUCKET_BYTES,
+    STATUS_CHECKSUM,
+    STATUS_CONSUMER,
+    STATUS_OK,
+    ChecksumError,
+    PackedBroadcastConfig,
+    PlanMismatchError,
+    RefitStatusError,
+    StreamPacking,
+    StreamSlot,
+    bucket_events,
+    check_member,
+    checksum,
+    flat_bytes,
+    handshake,
+    hex64,
+    plan_fingerprint,
+    plan_signature,
+    post_failure,
+    share_verdict,
+    tensors_completed_in,
+)
+
+# The wire format's public names are re-exported: importers name the packed broadcast, one module.
+__all__ = [
+    "ALIGN_BYTES",
+    "DEFAULT_BUCKET_BYTES",
+    "ChecksumError",
+    "PackedBroadcastConfig",
+    "PackedBroadcastReceiver",
+    "PackedBroadcastSender",
+    "PlanMismatchError",
+    "RefitStatusError",
+    "StreamPacking",
+    "checksum",
+    "plan_fingerprint",
+    "plan_signature",
+    "post_failure",
+    "share_verdict",
+]
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_BUCKET_BYTES = 512 * 1024**2
-ALIGN_BYTES = 16
-_MAGIC = 0x5042_5246  # "PBRF"
-_VERSION = 1
-_HEADER_FIELDS = (
-    "magic",
-    "version",
-    "fingerprint",
-    "stream_bytes",
-    "bucket_bytes",
-    "num_buffers",
-    "checksum",
-    "entries",
-)
-_STATUS_OK, _STATUS_CHECKSUM, _STATUS_CONSUMER = 0, 1, 2
-
-
-class PlanMismatchError(TransportError):
-    """Sender and receiver do not agree on the plan or the buffer configuration."""
-
-
-class ChecksumError(TransportError):
-    """A received buffer's checksum differs from the sender's."""
-
-
-class RefitStatusError(TransportError):
-    """A peer of the packed broadcast reported a failure (named in the message)."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PackedBroadcastConfig:
-    """Buffer sizing and integrity options of a packed broadcast (same on both sides).
-
-    Attributes:
-        bucket_bytes: size of each rotating buffer, and of each broadcast. The default,
-            :data:`DEFAULT_BUCKET_BYTES` (512 MiB), is a starting point to tune, chosen because
-            a broadcast of 512 MiB runs for ~10 ms on NVLink and ~25-50 ms on 100-200 Gb/s IB,
-            so the fixed per-collective cost (tens of microseconds) is well under 1%, while
-            ``num_buffers`` x 512 MiB (1 GiB with 2 buffers) still fits beside a trainer's model
-            shard and optimizer state on an 80 GB GPU. Must be a positive multiple of
-            :data:`ALIGN_BYTES`.
-        num_buffers: rotating buffers per side (>= 1). With 2, packing bucket ``i+1`` overlaps
-            the broadcast of bucket ``i``; more buffers only help when packing is bursty.
-        checksum: compute and compare a checksum of every bucket (off by default). The checksum
-            is the sum of the bucket's int32 words accumulated in int64 (plus its trailing
-            bytes): one read of the bucket per side, no allocation. Memory-bound: about
-            0.3-0.5 ms per GB on an H100 (3 TB/s HBM), 0.1-0.3 s per GB on one CPU core, plus
-            one 8-byte broadcast per bucket. Detects any single corrupted byte and truncated or
-            stale buckets; it is order-insensitive at the 4-byte-word level, so it does not
-            detect two words swapped.
-    """
-
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    num_buffers: int = 2
-    checksum: bool = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.bucket_bytes, int) or self.bucket_bytes <= 0 or self.bucket_bytes % ALIGN_BYTES:
-            raise ValueError(
-                f"bucket_bytes must be a positive multiple of {ALIGN_BYTES}, got {self.bucket_bytes!r} "
-                f"(e.g. {DEFAULT_BUCKET_BYTES} for 512 MiB)"
-            )
-        if not isinstance(self.num_buffers, int) or self.num_buffers < 1:
-            raise ValueError(f"num_buffers must be an integer >= 1, got {self.num_buffers!r}")
-
-
-# --- the stream packing, from the plan alone ---------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _Slot:
-    """Where one plan entry lies in the byte stream."""
-
-    index: int
-    entry: PlanEntry
-    offset: int
-    nbytes: int
-
-    @property
-    def end(self) -> int:
-        return self.offset + self.nbytes
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class StreamPacking:
-    """Byte offsets of every plan entry and the bucket cut; identical on every rank."""
-
-    slots: tuple[_Slot, ...]
-    stream_bytes: int
-    bucket_bytes: int
-    fingerprint: int
-
-    @classmethod
-    def build(cls, plan: ExportPlan | str, bucket_bytes: int) -> StreamPacking:
-        plan = ExportPlan.from_json(plan) if isinstance(plan, str) else plan
-        slots, offset = [], 0
-        for index, entry in enumerate(plan.entries):
-            offset = _align(offset)
-            slots.append(_Slot(index=index, entry=entry, offset=offset, nbytes=entry.nbytes))
-            offset += entry.nbytes
-        return cls(
-            slots=tuple(slots), stream_bytes=offset, bucket_bytes=bucket_bytes, fingerprint=plan_fingerprint(plan)
-        )
-
-    @property
-    def num_buckets(self) -> int:
-        return -(-self.stream_bytes // self.bucket_bytes)
-
-    def bucket_length(self, bucket: int) -> int:
-        return min(self.bucket_bytes, self.stream_bytes - bucket * self.bucket_bytes)
-
-    def names_in(self, bucket: int) -> list[str]:
-        start, stop = bucket * self.bucket_bytes, (bucket + 1) * self.bucket_bytes
-        return [s.entry.hf_name for s in self.slots if s.offset < stop and s.end > start]
-
-    def max_split_bytes(self) -> int:
-        """Bytes of the largest tensor that straddles a bucket boundary (the scratch size)."""
-        split = [
-            s.nbytes
-            for s in self.slots
-            if s.nbytes and s.offset // self.bucket_bytes != (s.end - 1) // self.bucket_bytes
-        ]
-        return max(split, default=0)
-
-
-def plan_signature(plan: ExportPlan) -> list[tuple[str, tuple[int, ...], str]]:
-    """What both sides must agree on: ``(hf_name, shape, dtype)`` of every entry, in order."""
-    return [(e.hf_name, tuple(e.shape), e.dtype) for e in plan.entries]
-
-
-def plan_fingerprint(plan: ExportPlan) -> int:
-    """A signed 64-bit hash of :func:`plan_signature` (fits an int64 tensor)."""
-    text = json.dumps(plan_signature(plan), separators=(",", ":"))
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
-
-
-def _align(offset: int) -> int:
-    return -(-offset // ALIGN_BYTES) * ALIGN_BYTES
-
-
-def _header(packing: StreamPacking, config: PackedBroadcastConfig) -> list[int]:
-    return [
-        _MAGIC,
-        _VERSION,
-        packing.fingerprint,
-        packing.stream_bytes,
-        config.bucket_bytes,
-        config.num_buffers,
-        int(config.checksum),
-        len(packing.slots),
-    ]
-
-
-def checksum(data: torch.Tensor) -> torch.Tensor:
-    """int64 sum of ``data``'s int32 words (trailing bytes added as bytes); ``data`` is uint8."""
-    words = data.numel() // 4 * 4
-    total = data[:words].view(torch.int32).sum(dtype=torch.int64)
-    if words < data.numel():
-        total = total + data[words:].sum(dtype=torch.int64)
-    return total.reshape(1)
-
-
-def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of ``tensor`` (a copy only if it is not contiguous)."""
-    flat = tensor.detach().contiguous().reshape(-1)
-    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8, device=tensor.device)
-
-
-# --- the handshake --------------------------------------------------------------------------
-
-
-def _check_member(group: BroadcastGroup) -> None:
-    if not group.is_member():
-        raise ValueError(
-            "this process is not a member of `group`; the packed-broadcast group must hold the source "
-            "rank and every receiver rank (torch.distributed.new_group on all ranks, or a StoreGroup)"
-        )
-
-
-def _handshake(
-    *,
-    plan: ExportPlan,
-    packing: StreamPacking,
-    config: PackedBroadcastConfig,
-    group: BroadcastGroup,
-    src: int,
-    device: torch.device,
-    is_source: bool,
-) -> None:
-    """Step 1 of the protocol (collective over ``group``); raises PlanMismatchError on every member."""
-    mine = _header(packing, config)
-    header = torch.tensor(mine, dtype=torch.int64, device=device)
-    group.broadcast(header, src)
-    theirs = [int(v) for v in header.tolist()]
-    mismatch = 0 if is_source or theirs == mine else 1
-    verdict = torch.tensor(
-        [mismatch, packing.fingerprint if mismatch else torch.iinfo(torch.int64).min], dtype=torch.int64, device=device
-    )
-    group.all_reduce(verdict, dist.ReduceOp.MAX)
-    if int(verdict[0]) == 0:
-        return
-    receiver_fingerprint = int(verdict[1])
-    # Failure path only: locate the first differing entry, on every member, then raise.
-    source_signature = group.broadcast_object(plan_signature(plan) if is_source else None, src, device)
-    first = _first_difference(source_signature, plan_signature(plan)) if not is_source else None
-    limit = torch.iinfo(torch.int64).max
-    index = torch.tensor([first if first is not None else limit], dtype=torch.int64, device=device)
-    group.all_reduce(index, dist.ReduceOp.MIN)
-    first = int(index) if int(index) != limit else None
-    raise PlanMismatchError(
-        _mismatch_message(
-            source=theirs if not is_source else mine,
-            receiver=mine if not is_source else None,
-            receiver_fingerprint=receiver_fingerprint,
-            first=first,
-            source_signature=source_signature,
-            local_signature=None if is_source else plan_signature(plan),
-            is_source=is_source,
-        )
-    )
-
-
-def _first_difference(a: Sequence, b: Sequence) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if (x[0], tuple(x[1]), x[2]) != (y[0], tuple(y[1]), y[2]):
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def _describe(signature: Sequence | None, index: int) -> str:
-    if signature is None or index >= len(signature):
-        return "<none: the plan ends here>"
-    name, shape, dtype = signature[index]
-    return f"{name} {list(shape)} {dtype}"
-
-
-def _mismatch_message(
-    *,
-    source: list[int],
-    receiver: list[int] | None,
-    receiver_fingerprint: int,
-    first: int | None,
-    source_signature: Sequence,
-    local_signature: Sequence | None,
-    is_source: bool,
-) -> str:
-    fields = ""
-    if receiver is not None:
-        differing = [
-            f"{f}: sender {_hex(s) if f == 'fingerprint' else s}, receiver {_hex(r) if f == 'fingerprint' else r}"
-            for f, s, r in zip(_HEADER_FIELDS, source, receiver)
-            if s != r
-        ]
-        fields = "; differing header fields: " + ", ".join(differing)
-    where = ""
-    if first is not None:
-        where = f"; first differing entry #{first}: sender has {_describe(source_signature, first)}"
-        if local_signature is not None:
-            where += f", receiver has {_describe(local_signature, first)}"
-    if is_source:
-        who = "a receiver rejected the sender's header"
-        if receiver_fingerprint == source[2]:
-            who += ": the plans agree, the PackedBroadcastConfig differs (the receiver's error names the field)"
-    else:
-        who = "this receiver's plan/config differs from the sender's"
-    return (
-        f"packed broadcast plan mismatch ({who}): sender fingerprint {_hex(source[2])}, receiver fingerprint "
-        f"{_hex(receiver_fingerprint)}{fields}{where}. Build the receiver from the sender's plan "
-        "(ExportPlan.to_json on the trainer) and the same PackedBroadcastConfig; no weight data was sent."
-    )
-
-
-def _hex(value: int) -> str:
-    return f"{value & 0xFFFF_FFFF_FFFF_FFFF:#018x}"
-
-
-def post_failure(group: BroadcastGroup, who: str, error: BaseException) -> None:
-    """Post ``error`` to ``group`` for its other members (``BroadcastGroup.post_error``); never
-    raises: the caller is raising ``error`` itself."""
-    try:
-        group.post_error(f"{who}: {type(error).__name__}: {error}")
-    except Exception:  # noqa: BLE001 - must not hide the error being raised
-        logger.exception("could not post a failure to the packed-broadcast group")
-
-
-def share_verdict(trainer_group: BroadcastGroup, src: int, error: BaseException | None, device: torch.device) -> None:
-    """Broadcast the source's outcome (``error`` there; ignored elsewhere) to the trainer ranks so all
-    of them raise the same error (on ``device``: an NCCL group takes CUDA tensors only). Collective
-    over ``trainer_group``; ``src`` is the source's rank as that group counts ranks."""
-    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=device)
-    trainer_group.broadcast(flag, src)
-    if int(flag) == 0:
-        return
-    message = trainer_group.broadcast_object(
-        f"{type(error).__name__}: {error}" if error is not None else None, src, device
-    )
-    if error is not None:
-        raise error
-    raise RefitStatusError(f"the packed-broadcast source rank {src} failed: {message}")
-
 
 # --- sender ---------------------------------------------------------------------------------
 
@@ -427,9 +164,9 @@ class PackedBroadcastSender(WeightSink):
         self._abandoned = False
         error = None
         if self.is_source:
-            _check_member(self.group)
+            check_member(self.group)
             try:
-                _handshake(
+                handshake(
                     plan=self.plan,
                     packing=self.packing,
                     config=config,
@@ -458,7 +195,7 @@ class PackedBroadcastSender(WeightSink):
             self._next += 1
             if not self.is_source or slot.nbytes == 0:
                 return
-            data = _flat_bytes(tensor)
+            data = flat_bytes(tensor)
             if self.device.type == "cuda":
                 self._pack_cuda(slot, data)
             else:
@@ -511,7 +248,7 @@ class PackedBroadcastSender(WeightSink):
 
     # -- internals -------------------------------------------------------------------------
 
-    def _check(self, hf_name: str, tensor: torch.Tensor) -> _Slot:
+    def _check(self, hf_name: str, tensor: torch.Tensor) -> StreamSlot:
         if self._next >= len(self.packing.slots):
             raise ValueError(
                 f"the export stream has more tensors than the plan ({len(self.packing.slots)}); "
@@ -529,7 +266,7 @@ class PackedBroadcastSender(WeightSink):
             )
         return slot
 
-    def _pack(self, slot: _Slot, data: torch.Tensor) -> None:
+    def _pack(self, slot: StreamSlot, data: torch.Tensor) -> None:
         """Copy ``data`` into the buckets that hold ``slot``, sending each bucket as it fills."""
         bucket_bytes = self.config.bucket_bytes
         position = slot.offset
@@ -541,7 +278,7 @@ class PackedBroadcastSender(WeightSink):
             buffer[within : within + length].copy_(data[start : start + length])
             position += length
 
-    def _pack_cuda(self, slot: _Slot, data: torch.Tensor) -> None:
+    def _pack_cuda(self, slot: StreamSlot, data: torch.Tensor) -> None:
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=self.device)
         producer = torch.cuda.current_stream(self.device)
@@ -599,9 +336,9 @@ class PackedBroadcastSender(WeightSink):
         self.group.all_reduce(status, dist.ReduceOp.MAX)
         code, bucket = (int(v) for v in status.tolist())
         self._buffers, self._sums = [], []
-        if code == _STATUS_OK:
+        if code == STATUS_OK:
             return None
-        if code == _STATUS_CHECKSUM:
+        if code == STATUS_CHECKSUM:
             return RefitStatusError(
                 f"a receiver found a checksum mismatch in buffer {bucket} (tensors {self.packing.names_in(bucket)}); "
                 "the receivers' weights are not trustworthy: run the refit again"
@@ -644,7 +381,8 @@ class PackedBroadcastReceiver:
     With checksums on, a bucket whose checksum differs raises :class:`ChecksumError` (naming the
     bucket and its tensors) before any of its tensors is yielded; the receiver first runs the
     rest of the protocol (discarding the data) so the sender learns the failure and raises too.
-    ``_corrupt_hook(bucket, data)``, test-only, may modify a received bucket before the check.
+    The check is the method ``_verify(bucket, data, sent)`` (a subclass may extend it: the fault
+    tests corrupt a bucket there before the check runs).
     """
 
     def __init__(
@@ -658,14 +396,13 @@ class PackedBroadcastReceiver:
     ) -> None:
         self.plan, self.config, self.packing, self.device = _endpoint(plan, config, device)
         self.group, self.src = as_broadcast_group(group), src
-        self._corrupt_hook: Callable[[int, torch.Tensor], None] | None = None
         self._used = False
         self.settled = False  # the protocol ended in a state every member knows (module docstring)
-        _check_member(self.group)
+        check_member(self.group)
         if self.group.is_source(src):
             raise ValueError(f"rank {src} is the source of the broadcast; construct PackedBroadcastSender there")
         try:
-            _handshake(
+            handshake(
                 plan=self.plan,
                 packing=self.packing,
                 config=config,
@@ -680,6 +417,18 @@ class PackedBroadcastReceiver:
         except BaseException as err:
             post_failure(self.group, "a packed-broadcast receiver", err)
             raise
+
+    def _verify(self, bucket: int, data: torch.Tensor, sent: int) -> ChecksumError | None:
+        """The error for received bucket ``data`` if its checksum differs from the sender's ``sent``."""
+        local = int(checksum(data))
+        if local == sent:
+            return None
+        packing = self.packing
+        return ChecksumError(
+            f"checksum mismatch in packed-broadcast buffer {bucket} of {packing.num_buckets} "
+            f"(sender {hex64(sent)}, received {hex64(local)}); it held tensors {packing.names_in(bucket)}. "
+            "The transfer is corrupt: run the refit again"
+        )
 
     def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Run the bulk broadcasts and yield every tensor of the plan (once per receiver)."""
@@ -702,7 +451,7 @@ class PackedBroadcastReceiver:
             post_failure(self.group, "a packed-broadcast receiver", err)
             raise
         works: dict[int, list[Any]] = {}
-        events = _bucket_events(packing)
+        events = bucket_events(packing)
 
         def post(bucket: int) -> None:
             if bucket < packing.num_buckets:
@@ -712,7 +461,7 @@ class PackedBroadcastReceiver:
                 if config.checksum:
                     works[bucket].append(self.group.broadcast(sums[index], self.src, async_op=True))
 
-        status, failed_bucket, error = _STATUS_OK, 0, None
+        status, failed_bucket, error = STATUS_OK, 0, None
         next_post, at_yield = 0, False
         try:
             for _ in buffers:
@@ -723,19 +472,12 @@ class PackedBroadcastReceiver:
                     work.wait()
                 index = bucket % len(buffers)
                 data = buffers[index][: packing.bucket_length(bucket)]
-                if self._corrupt_hook is not None:
-                    self._corrupt_hook(bucket, data)
                 if config.checksum:
-                    local, sent = int(checksum(data)), int(sums[index])
-                    if local != sent:
-                        status, failed_bucket = _STATUS_CHECKSUM, bucket
-                        error = ChecksumError(
-                            f"checksum mismatch in packed-broadcast buffer {bucket} of {packing.num_buckets} "
-                            f"(sender {_hex(sent)}, received {_hex(local)}); it held tensors {packing.names_in(bucket)}. "
-                            "The transfer is corrupt: run the refit again"
-                        )
+                    error = self._verify(bucket, data, int(sums[index]))
+                    if error is not None:
+                        status, failed_bucket = STATUS_CHECKSUM, bucket
                         break
-                for item in _tensors_completed_in(bucket, events[bucket], data, scratch, self.device):
+                for item in tensors_completed_in(bucket, events[bucket], data, scratch, self.device):
                     at_yield = True
                     yield item
                     at_yield = False
@@ -745,7 +487,7 @@ class PackedBroadcastReceiver:
             if not at_yield:  # a collective or a copy failed: the protocol is broken, run no more collectives
                 post_failure(self.group, "a packed-broadcast receiver", err)
                 raise
-            status = _STATUS_CONSUMER  # the consumer raised or stopped early
+            status = STATUS_CONSUMER  # the consumer raised or stopped early
             self._finish_protocol(works, post, next_post, status, failed_bucket)
             raise
         self._finish_protocol(works, post, next_post, status, failed_bucket)
@@ -756,7 +498,7 @@ class PackedBroadcastReceiver:
         """Step 3: after a local failure, run the remaining bulk broadcasts (data discarded) so
         the sender is not left blocked; then report the status to every member."""
         try:
-            if status != _STATUS_OK:
+            if status != STATUS_OK:
                 for bucket in sorted(works):
                     for work in works.pop(bucket):
                         work.wait()
@@ -770,57 +512,3 @@ class PackedBroadcastReceiver:
             post_failure(self.group, "a packed-broadcast receiver", err)
             raise
         self.settled = True
-
-
-def _tensors_completed_in(
-    bucket: int, events: list, data: torch.Tensor, scratch: torch.Tensor, device: torch.device
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield the tensors whose last byte is in ``bucket``: views of ``data``, or of ``scratch``
-    for a tensor that began in an earlier bucket (its earlier pieces were copied there)."""
-    for slot, within, start, length, complete in events:
-        entry = slot.entry
-        if slot.nbytes == 0:
-            yield entry.hf_name, torch.empty(entry.shape, dtype=entry.torch_dtype, device=device)
-            continue
-        if length == slot.nbytes:
-            view = data[within : within + length]
-        else:
-            scratch[start : start + length].copy_(data[within : within + length])
-            if not complete:
-                continue
-            view = scratch[: slot.nbytes]
-        yield entry.hf_name, view.view(entry.torch_dtype).view(entry.shape)
-
-
-def _bucket_events(packing: StreamPacking) -> list[list[tuple[_Slot, int, int, int, bool]]]:
-    """Per bucket, in stream order: (slot, offset in bucket, offset in tensor, length, tensor complete)."""
-    events: list[list[tuple[_Slot, int, int, int, bool]]] = [[] for _ in range(max(packing.num_buckets, 1))]
-    size = packing.bucket_bytes
-    for slot in packing.slots:
-        if slot.nbytes == 0:
-            events[min(slot.offset // size, len(events) - 1)].append((slot, 0, 0, 0, True))
-            continue
-        position = slot.offset
-        while position < slot.end:
-            bucket, within = divmod(position, size)
-            length = min(slot.end - position, size - within)
-            events[bucket].append((slot, within, position - slot.offset, length, position + length == slot.end))
-            position += length
-    return events
-
-
-__all__ = [
-    "ALIGN_BYTES",
-    "DEFAULT_BUCKET_BYTES",
-    "ChecksumError",
-    "PackedBroadcastConfig",
-    "PackedBroadcastReceiver",
-    "PackedBroadcastSender",
-    "PlanMismatchError",
-    "RefitStatusError",
-    "StreamPacking",
-    "plan_fingerprint",
-    "plan_signature",
-    "post_failure",
-    "share_verdict",
-]

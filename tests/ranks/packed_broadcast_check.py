@@ -147,14 +147,17 @@ def run_receiver(case, config, *, plan_json, refit, src, expected, model, pointe
         plan_json = dataclasses.replace(plan, entries=tuple(entries)).to_json()
     if case == "config":
         config = dataclasses.replace(config, bucket_bytes=config.bucket_bytes * 2)
-    receiver = PackedBroadcastReceiver(plan_json, config, group=refit, src=src, device="cpu")
-    if case == "corrupt":
 
-        def flip(bucket, data):
+    class FlippingReceiver(PackedBroadcastReceiver):
+        """Bucket 1 arrives with one bit of its byte 5 flipped, before the checksum check."""
+
+        def _verify(self, bucket, data, sent):
             if bucket == 1:
                 data[5] ^= 0x40
+            return super()._verify(bucket, data, sent)
 
-        receiver._corrupt_hook = flip
+    receiving = FlippingReceiver if case == "corrupt" else PackedBroadcastReceiver
+    receiver = receiving(plan_json, config, group=refit, src=src, device="cpu")
     with torch.no_grad():  # start from zeros so every case must write every tensor again
         for tensor in model.state_dict().values():
             tensor.zero_()

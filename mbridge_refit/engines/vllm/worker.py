@@ -6,16 +6,15 @@ sessions (``engines.vllm.trainer``) call its methods through ``LLM.collective_rp
 worker, each named ``mbridge_refit_<verb>``; arguments and results are plain data (msgpack).
 Each RPC hands over to a transport's engine side: ``open`` / ``apply`` / ``close`` to
 ``engines.ipc.RefitReceiver`` (colocated, CUDA IPC), ``join`` / ``receive`` / ``leave`` to
-``engines.broadcast.BroadcastTarget`` (other GPUs, the packed broadcast). ``scramble``, ``time``
-and ``memory`` serve the GPU checks and benchmarks. It imports vLLM only for its layerwise reload
+``engines.broadcast.BroadcastTarget`` (other GPUs, the packed broadcast); ``fingerprints`` reads
+the engine's weights exactly. The GPU checks' and benchmarks' own RPCs (scramble, time, memory)
+live in a subclass in the test support (``testing.vllm_worker``). It imports vLLM only for its layerwise reload
 (the bracket an FP8 engine is recorded through); the worker provides ``self.model_runner`` and
 ``self.device``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import time
 from typing import Any
 
 import torch
@@ -125,55 +124,6 @@ class RefitWorkerExtension:
         ``engines.fingerprint``)."""
         model = self.model_runner.get_model()
         return {name: list(fp) for name, fp in named_fingerprints(model.named_parameters()).items()}
-
-    def mbridge_refit_scramble(self, seed: int) -> int:
-        """Overwrite every floating-point parameter with noise (tests: a later refit must write
-        everything back); returns how many parameters it changed."""
-        generator = torch.Generator(device=self.device).manual_seed(seed)
-        count = 0
-        with torch.no_grad():
-            for _, param in self.model_runner.get_model().named_parameters():
-                noise = torch.rand(param.shape, generator=generator, device=param.device, dtype=torch.float32)
-                param.data.copy_(
-                    noise.to(param.dtype) if param.dtype.is_floating_point else noise.mul(7).to(param.dtype)
-                )
-                count += 1
-        torch.cuda.synchronize(self.device)
-        return count
-
-    def mbridge_refit_time(self, what: str, repeats: int) -> list[float]:
-        """Benchmarks: milliseconds of ``repeats`` engine-side applications of the open layout,
-        ``what="replay"`` (the recorded copies) or ``"load_weights"`` (vLLM's own loader on the
-        same tensors, already on this GPU; inside its layerwise reload where the layout was
-        recorded through it, as for FP8 engines); each synchronized."""
-        receiver = self._mbridge_receiver()
-        if not receiver.is_open:
-            raise RuntimeError("no refit layout is open: refit once before timing")
-        plan = receiver.plan
-        model = self.model_runner.get_model()
-        sources = [(step.name, step.source) for step in plan.steps]
-        times = []
-        for _ in range(repeats):
-            torch.cuda.synchronize(self.device)
-            started = time.perf_counter()
-            if what == "replay":
-                plan.replay()
-            else:
-                staged = receiver.staged_load
-                with staged.around() if staged is not None else contextlib.nullcontext():
-                    model.load_weights(sources)
-            torch.cuda.synchronize(self.device)
-            times.append((time.perf_counter() - started) * 1e3)
-        return times
-
-    def mbridge_refit_memory(self) -> dict[str, Any]:
-        """The worker's CUDA caching-allocator counters (mapped IPC memory is not among them)."""
-        stats = torch.cuda.memory_stats(self.device)
-        return {
-            "allocated_bytes": torch.cuda.memory_allocated(self.device),
-            "reserved_bytes": torch.cuda.memory_reserved(self.device),
-            "allocations": stats.get("allocation.all.allocated", 0),
-        }
 
 
 def _worker_index(worker: Any) -> int:

@@ -1,0 +1,74 @@
+"""The vLLM worker extension the GPU checks and benchmarks load: the production extension
+(``engines.vllm.worker.RefitWorkerExtension``) plus RPCs only they call (overwrite every
+parameter with noise, time the engine-side application, read the allocator's counters).
+
+``engine_kwargs(worker_extension_cls=TESTING_WORKER_EXTENSION)`` starts an engine with it. Test
+support: production code never imports this module (``tests/test_package.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import torch
+
+from mbridge_refit.engines.vllm.worker import RefitWorkerExtension
+
+__all__ = ["TESTING_WORKER_EXTENSION", "TestingWorkerExtension"]
+
+TESTING_WORKER_EXTENSION = "mbridge_refit.testing.vllm_worker.TestingWorkerExtension"
+
+
+class TestingWorkerExtension(RefitWorkerExtension):
+    """``RefitWorkerExtension`` with the checks' and benchmarks' own RPCs (same prefix)."""
+
+    def mbridge_refit_scramble(self, seed: int) -> int:
+        """Overwrite every floating-point parameter with noise (tests: a later refit must write
+        everything back); returns how many parameters it changed."""
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        count = 0
+        with torch.no_grad():
+            for _, param in self.model_runner.get_model().named_parameters():
+                noise = torch.rand(param.shape, generator=generator, device=param.device, dtype=torch.float32)
+                param.data.copy_(
+                    noise.to(param.dtype) if param.dtype.is_floating_point else noise.mul(7).to(param.dtype)
+                )
+                count += 1
+        torch.cuda.synchronize(self.device)
+        return count
+
+    def mbridge_refit_time(self, what: str, repeats: int) -> list[float]:
+        """Benchmarks: milliseconds of ``repeats`` engine-side applications of the open layout,
+        ``what="replay"`` (the recorded copies) or ``"load_weights"`` (vLLM's own loader on the
+        same tensors, already on this GPU; inside its layerwise reload where the layout was
+        recorded through it, as for FP8 engines); each synchronized."""
+        receiver = self._mbridge_receiver()
+        if not receiver.is_open:
+            raise RuntimeError("no refit layout is open: refit once before timing")
+        plan = receiver.plan
+        model = self.model_runner.get_model()
+        sources = [(step.name, step.source) for step in plan.steps]
+        times = []
+        for _ in range(repeats):
+            torch.cuda.synchronize(self.device)
+            started = time.perf_counter()
+            if what == "replay":
+                plan.replay()
+            else:
+                staged = receiver.staged_load
+                with staged.around() if staged is not None else contextlib.nullcontext():
+                    model.load_weights(sources)
+            torch.cuda.synchronize(self.device)
+            times.append((time.perf_counter() - started) * 1e3)
+        return times
+
+    def mbridge_refit_memory(self) -> dict[str, Any]:
+        """The worker's CUDA caching-allocator counters (mapped IPC memory is not among them)."""
+        stats = torch.cuda.memory_stats(self.device)
+        return {
+            "allocated_bytes": torch.cuda.memory_allocated(self.device),
+            "reserved_bytes": torch.cuda.memory_reserved(self.device),
+            "allocations": stats.get("allocation.all.allocated", 0),
+        }
