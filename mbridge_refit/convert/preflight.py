@@ -32,7 +32,7 @@ import dataclasses
 import logging
 import math
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,9 @@ import torch.distributed as dist
 from mbridge_refit.convert.exit_codes import BadInput
 from mbridge_refit.models.builder import BuildOptions, build_model, materialize
 from mbridge_refit.plan.layout import ParallelLayout
+
+if TYPE_CHECKING:
+    from mbridge_refit.bridge import RefitBridge
 
 __all__ = [
     "PARAMETER_SLACK",
@@ -58,7 +61,7 @@ _SHOWN_PROBLEMS = 8
 
 
 def build_checked(
-    bridge: Any, layout: ParallelLayout, options: BuildOptions, check: Callable[[list[torch.nn.Module]], None]
+    bridge: RefitBridge, layout: ParallelLayout, options: BuildOptions, check: Callable[[list[torch.nn.Module]], None]
 ) -> list[torch.nn.Module]:
     """``build_model(bridge, layout, options)``, after ``check`` accepted the same model on the meta device."""
     if options.device.type == "cpu":
@@ -80,7 +83,7 @@ def build_checked(
     return build_model(bridge, layout, options)
 
 
-def check_hf_source(bridge: Any, chunks: list[torch.nn.Module], checkpoint: Any) -> None:
+def check_hf_source(bridge: RefitBridge, chunks: list[torch.nn.Module], checkpoint: Any) -> None:
     """``chunks`` (meta) against the HF checkpoint ``checkpoint`` (an ``HFCheckpoint``)."""
     stored = sum(math.prod(checkpoint.shape(name)) for name in checkpoint.names())
     problem = parameter_problem(chunks, stored, checkpoint.path)

@@ -42,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,9 @@ from mbridge_refit.engines.fingerprint import differing
 from mbridge_refit.errors import EngineError, InputError
 from mbridge_refit.sinks.base import DiscardSink, drain
 from mbridge_refit.sinks.model_update import HFModelUpdateSink
+
+if TYPE_CHECKING:
+    from mbridge_refit.bridge import RefitBridge
 
 __all__ = [
     "EPS_FACTOR",
@@ -336,7 +339,7 @@ def vllm_logprobs(llm: Any, tokens: torch.Tensor) -> torch.Tensor:
 
 def verify_vllm_refit(
     refit: Any,
-    bridge: Any,
+    bridge: RefitBridge,
     chunks: list[torch.nn.Module],
     tokens: torch.Tensor,
     *,
@@ -415,7 +418,7 @@ def fixed_tokens(vocab_size: int, batch: int, seq: int, device: torch.device, se
 
 
 def verify_refit(
-    bridge: Any,
+    bridge: RefitBridge,
     chunks: list[torch.nn.Module],
     hf_model: torch.nn.Module | None,
     tokens: torch.Tensor,
@@ -515,10 +518,10 @@ def _perturbed(tensor: torch.Tensor) -> torch.Tensor:
     return values.to(tensor.dtype)
 
 
-def hf_config(bridge: Any) -> Any:
+def hf_config(bridge: RefitBridge) -> Any:
     """The bridge's HF config (``from_hf_pretrained`` keeps it on the model wrapper, ``from_hf_config`` bare)."""
     return getattr(bridge.hf_pretrained, "config", bridge.hf_pretrained)
 
 
-def _vocab_size(bridge: Any) -> int:
+def _vocab_size(bridge: RefitBridge) -> int:
     return int(hf_config(bridge).vocab_size)

@@ -20,7 +20,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Iterable, Iterator, Mapping
 
 from mbridge_refit.convert.exit_codes import BadInput
 from mbridge_refit.fp8.format import FP8_DTYPE, BlockwiseFP8Config, FP8FormatError
@@ -29,6 +29,8 @@ from mbridge_refit.sinks import ShardAssignment, ShardedSafetensorsWriter, drain
 
 if TYPE_CHECKING:
     import torch
+
+    from mbridge_refit.bridge import RefitBridge
 
 __all__ = [
     "Stream",
@@ -57,7 +59,7 @@ class WriteShare:
 
 
 def write_hf_checkpoint(
-    bridge: Any,
+    bridge: RefitBridge,
     chunks: list,
     *,
     out: Path,
@@ -135,7 +137,7 @@ def warn_unwritten(source_dtypes: Mapping[str, "torch.dtype"], written: list[str
 
 
 def planned_share(
-    bridge: Any,
+    bridge: RefitBridge,
     chunks: list,
     dtypes: Mapping[str, "torch.dtype"],
     *,
@@ -209,7 +211,7 @@ def cast_to_dtypes(stream: Stream, dtypes: Mapping[str, "torch.dtype"]) -> Itera
 
 
 def output_dtypes(
-    bridge: Any, chunks: list, source_dtypes: Mapping[str, "torch.dtype"], fp8: BlockwiseFP8Config | None
+    bridge: RefitBridge, chunks: list, source_dtypes: Mapping[str, "torch.dtype"], fp8: BlockwiseFP8Config | None
 ) -> tuple[dict, dict | None]:
     """(dtype of every tensor to write, config.json overrides): the source checkpoint's dtypes,
     and with ``fp8`` the FP8 weights and their scales plus the ``quantization_config``.

@@ -46,11 +46,14 @@ import functools
 import logging
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
 
 from mbridge_refit.plan.layout import ParallelLayout
+
+if TYPE_CHECKING:
+    from megatron.bridge import AutoBridge
 
 __all__ = [
     "BuildOptions",
@@ -208,7 +211,7 @@ def cpu_hybrid_stack_spec(configured: Any) -> Any:
     return functools.partial(cpu_specs.hybrid_stack_spec, configured)
 
 
-def build_model(bridge: Any, layout: ParallelLayout, options: BuildOptions) -> list[torch.nn.Module]:
+def build_model(bridge: AutoBridge, layout: ParallelLayout, options: BuildOptions) -> list[torch.nn.Module]:
     """Build the model chunks (one per virtual stage) for this rank; weights are uninitialised.
 
     Call on every rank after ``distributed.init_model_parallel(layout)``. On CPU the chunks are
