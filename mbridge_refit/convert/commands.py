@@ -168,18 +168,24 @@ def run_roundtrip(options: WriteArgs) -> int:
         chunks = build_checked(bridge, options.layout, build, lambda meta: check_hf_source(bridge, meta, checkpoint))
         report = bridge.load_hf_shards(chunks, options.source)
         logger.info("loaded %d slices (%.1f MB on this rank)", report.tensors_written, report.bytes_read / 1e6)
-        count = write_hf_checkpoint(
-            bridge,
-            chunks,
-            out=options.out,
-            source_dtypes={name: checkpoint.dtype(name) for name in checkpoint.names()},
-            fp8=options.fp8,
-            only_source_names=False,
-            copy_files_from=options.source,
-            max_shard_bytes=options.max_shard_bytes,
-            overwrite=options.overwrite,
-            show_progress=options.show_progress and env.rank == 0,
-        )
+        source_dtypes = {name: checkpoint.dtype(name) for name in checkpoint.names()}
+        return _write_hf(bridge, chunks, options, source_dtypes, only_source_names=False, rank=env.rank)
+
+
+def _write_hf(bridge, chunks, options: WriteArgs, source_dtypes, *, only_source_names: bool, rank: int) -> int:
+    """The HF checkpoint at ``options.out`` from the loaded ``chunks`` (collective), logged; exit code 0."""
+    count = write_hf_checkpoint(
+        bridge,
+        chunks,
+        out=options.out,
+        source_dtypes=source_dtypes,
+        fp8=options.fp8,
+        only_source_names=only_source_names,
+        copy_files_from=options.source,
+        max_shard_bytes=options.max_shard_bytes,
+        overwrite=options.overwrite,
+        show_progress=options.show_progress and rank == 0,
+    )
     logger.info("wrote %d tensors to %s (layout %s)", count, options.out, options.layout.name)
     return ExitCode.OK
 
@@ -286,20 +292,7 @@ def run_export(options: WriteArgs) -> int:
         logger.info(
             "loaded %s (saved at layout %s) at layout %s", options.source, info.saved_layout.name, options.layout.name
         )
-        count = write_hf_checkpoint(
-            bridge,
-            chunks,
-            out=options.out,
-            source_dtypes=info.hf_dtypes,
-            fp8=options.fp8,
-            only_source_names=True,
-            copy_files_from=options.source,
-            max_shard_bytes=options.max_shard_bytes,
-            overwrite=options.overwrite,
-            show_progress=options.show_progress and env.rank == 0,
-        )
-    logger.info("wrote %d tensors to %s (layout %s)", count, options.out, options.layout.name)
-    return ExitCode.OK
+        return _write_hf(bridge, chunks, options, info.hf_dtypes, only_source_names=True, rank=env.rank)
 
 
 # --- plan --------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import json
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -230,17 +231,11 @@ def check_member(group: BroadcastGroup) -> None:
         )
 
 
-def handshake(
-    *,
-    plan: ExportPlan,
-    packing: StreamPacking,
-    config: PackedBroadcastConfig,
-    group: BroadcastGroup,
-    src: int,
-    device: torch.device,
-    is_source: bool,
-) -> None:
-    """Step 1 of the protocol (collective over ``group``); raises PlanMismatchError on every member."""
+def handshake(end: Any, *, is_source: bool) -> None:
+    """Step 1 of the protocol (collective over ``end.group``); raises PlanMismatchError on every
+    member. ``end``: the sender or receiver (its ``plan``, ``packing``, ``config``, ``group``,
+    ``src`` and ``device``)."""
+    plan, packing, config, group, src, device = end.plan, end.packing, end.config, end.group, end.src, end.device
     mine = _header(packing, config)
     header = torch.tensor(mine, dtype=torch.int64, device=device)
     group.broadcast(header, src)

@@ -166,15 +166,7 @@ class PackedBroadcastSender(WeightSink):
         if self.is_source:
             check_member(self.group)
             try:
-                handshake(
-                    plan=self.plan,
-                    packing=self.packing,
-                    config=config,
-                    group=self.group,
-                    src=src,
-                    device=self.device,
-                    is_source=True,
-                )
+                handshake(self, is_source=True)
             except PlanMismatchError as err:
                 error, self.settled = err, True
             except BaseException as err:
@@ -402,15 +394,7 @@ class PackedBroadcastReceiver:
         if self.group.is_source(src):
             raise ValueError(f"rank {src} is the source of the broadcast; construct PackedBroadcastSender there")
         try:
-            handshake(
-                plan=self.plan,
-                packing=self.packing,
-                config=config,
-                group=self.group,
-                src=src,
-                device=self.device,
-                is_source=False,
-            )
+            handshake(self, is_source=False)
         except PlanMismatchError:
             self.settled = True
             raise
