@@ -14,6 +14,8 @@
 #   bash scripts/gpu_run.sh vllm-broadcast  # broadcast refit into vLLM == load from disk: Qwen3-1.7B BF16 and FP8, with faults
 #   bash scripts/gpu_run.sh vllm-broadcast-moe  # the same for Qwen3-30B-A3B cut to 4 layers, BF16 and FP8
 #                                           # (engine on GPU 1 over NCCL when there are 2 GPUs, else on the trainer's GPU over gloo)
+#   bash scripts/gpu_run.sh vllm-bench-broadcast  # engine on GPU 1 over NCCL: ours against the raw broadcast of the
+#                                                 # same bytes and vLLM's native nccl backend fed by stock (2 GPUs)
 #   bash scripts/gpu_run.sh vllm-bench  # bench_refit_vllm.py, Qwen3-8B, BF16 then FP8 (vllm-bench-bf16 / vllm-bench-fp8: one of them)
 #   bash scripts/gpu_run.sh sharded     # engine-sharded refit, trainer TP2 -> engine TP2 on 2 GPUs, against the TP1 cached export and stock
 #   bash scripts/gpu_run.sh families    # every registered architecture at TP1 with the TE spec against stock (check_families_gpu.py)
@@ -23,7 +25,7 @@
 #                                          # parameters replaced under the bridge, the freshness check's cost; MoE export TP2 x ETP2
 #   bash scripts/gpu_run.sh training    # export right after a Megatron DDP + distributed-optimizer step; parallel checkpoint write on the host's CPUs
 set -u
-part=${1:?usage: gpu_run.sh fp8|bench|sinks|nccl-group|vllm-dense|vllm-moe|vllm-broadcast|vllm-broadcast-moe|vllm-bench|vllm-bench-bf16|vllm-bench-fp8|sharded|families|moe-bench|trainer-truth|training}
+part=${1:?usage: gpu_run.sh fp8|bench|sinks|nccl-group|vllm-dense|vllm-moe|vllm-broadcast|vllm-broadcast-moe|vllm-bench-broadcast|vllm-bench|vllm-bench-bf16|vllm-bench-fp8|sharded|families|moe-bench|trainer-truth|training}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 RESULTS=/tmp/gpu_results_$part; rm -rf "$RESULTS"; mkdir -p "$RESULTS"
 trap 'tar czf "$OUT/$part.tgz" -C "$RESULTS" .' EXIT
@@ -88,6 +90,13 @@ case "$part" in
     engine_gpu=(); [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && engine_gpu=(--engine-gpu 1)
     step vllm_broadcast_qwen3-30b-a3b 270 python3 scripts/check_vllm_broadcast_gpu.py --model qwen3-30b-a3b --layers 4 "${engine_gpu[@]}" --out-dir "$RESULTS"
     step vllm_broadcast_qwen3-30b-a3b_fp8 270 python3 scripts/check_vllm_broadcast_gpu.py --model qwen3-30b-a3b --layers 4 --fp8 "${engine_gpu[@]}" --out-dir "$RESULTS"
+    ;;
+  vllm-bench-broadcast)
+    # trainer GPU 0, engine GPU 1 over NCCL (NCCL's own defaults: no batch-invariant mode): ours, the raw
+    # broadcast of the same bytes and vLLM's native nccl backend fed by stock, in rounds
+    python3 -c "import ray" 2>/dev/null || export PYTHONPATH=$PYTHONPATH:$PWD/scripts/gpu/stubs
+    step bench_refit_vllm_broadcast_qwen3-1.7b 240 python3 scripts/bench_refit_vllm_broadcast.py --model qwen3-1.7b --out-dir "$RESULTS"
+    step bench_refit_vllm_broadcast_qwen3-8b 300 python3 scripts/bench_refit_vllm_broadcast.py --model qwen3-8b --out-dir "$RESULTS"
     ;;
   vllm-bench*)
     # vLLM's ipc backend imports ray and requests at module top; its callable transport (used here) needs

@@ -1,0 +1,331 @@
+"""Benchmark: a refit into a vLLM engine on another GPU over NCCL, against the bytes' own broadcast
+and against vLLM's native NCCL weight transfer fed by the stock export.
+
+    python3 scripts/bench_refit_vllm_broadcast.py --model qwen3-1.7b --engine-gpu 1 [--fp8] --out-dir DIR
+
+The trainer (a Megatron model of the shape, random weights, TP1) runs on GPU 0; the vLLM engine in
+its own process on ``--engine-gpu``, started with dummy weights from the shape's config (with
+``--fp8`` from the blockwise-FP8 config ``convert --fp8-blockwise`` writes). No batch-invariant
+mode: NCCL runs with its own defaults on both sides (the trainer adopts any ``NCCL_*`` the worker
+set, so the group's settings agree). Side by side in one run, in rounds (ours, raw, native; then
+again), wall clock with both GPUs synchronized:
+
+* ``ours_ms``: ``VLLMBroadcastRefit.refit`` (the cached export, the packed broadcast over the
+  session's ``StoreGroup``, the engine's ``load_weights`` on every received tensor, the outcome
+  returned to the trainer).
+* ``raw_broadcast_ms``: one NCCL broadcast of the same byte count over the same group, trainer
+  to worker, the transport's floor (the receiver checks the bytes once: a floor that moved no
+  data would be no floor).
+* ``vllm_native_nccl_stock_ms`` (BF16 only): vLLM's own ``nccl`` weight-transfer backend (packed)
+  fed by ``AutoBridge.export_hf_weights`` (stock): ``start_weight_update``, ``update_weights`` in
+  the engine while ``NCCLWeightTransferEngine.trainer_send_weights`` sends, ``finish_weight_update``.
+
+Medians and minima of ``--repeats`` per side after one warm-up each. Writes
+DIR/bench_refit_vllm_broadcast_<model>[_fp8].json with its manifest (``provenance.write_result``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_refit_vllm import engine_config  # noqa: E402
+from check_vllm_broadcast_gpu import free_port, worker_nccl_env  # noqa: E402
+from check_vllm_refit_gpu import model_config  # noqa: E402
+
+logger = logging.getLogger("bench_refit_vllm_broadcast")
+
+RAW_CHECK_BYTES = 1 << 20  # the receiver sums this many leading and trailing bytes of the raw broadcast
+
+
+def timed(fn) -> float:
+    """Wall ms of ``fn`` with the trainer's GPU synchronized on both ends (the engine's side is
+    inside ``fn``: each of the three returns only once the engine has its bytes)."""
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - started) * 1e3
+
+
+def summary(values: list[float]) -> dict:
+    return {
+        "median": round(statistics.median(values), 3),
+        "min": round(min(values), 3),
+        "all": [round(v, 3) for v in values],
+    }
+
+
+class Background:
+    """``fn(*args)`` on a thread (an engine RPC that blocks until the trainer has sent)."""
+
+    def __init__(self, fn, *args) -> None:
+        self.value, self.error = None, None
+        self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn, args) -> None:
+        try:
+            self.value = fn(*args)
+        except BaseException as err:  # noqa: BLE001 - handed to join()
+            self.error = err
+
+    def join(self, timeout: float = 300.0):
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError("the engine's side did not return")
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+# --- the raw broadcast, engine side (runs on the worker through collective_rpc) -----------------------
+
+
+def worker_raw_broadcast(worker, nbytes: int, repeats: int) -> list[int]:
+    """Receive ``repeats`` broadcasts of ``nbytes`` from the trainer over the refit session's group;
+    return the sums of the last one's leading and trailing ``RAW_CHECK_BYTES``."""
+    from mbridge_refit.engines.broadcast import SOURCE_RANK
+
+    group = worker._mbridge_broadcast_target.group
+    buffer = getattr(worker, "_bench_raw_buffer", None)
+    if buffer is None or buffer.numel() != nbytes:
+        buffer = worker._bench_raw_buffer = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    for _ in range(repeats):
+        group.broadcast(buffer, SOURCE_RANK)
+        torch.cuda.synchronize()
+    head, tail = buffer[:RAW_CHECK_BYTES], buffer[-RAW_CHECK_BYTES:]
+    return [int(head.sum(dtype=torch.int64)), int(tail.sum(dtype=torch.int64))]
+
+
+def worker_drop_raw_buffer(worker) -> None:
+    worker._bench_raw_buffer = None
+    torch.cuda.empty_cache()
+
+
+def raw_broadcast(llm, group, nbytes: int, repeats: int) -> tuple[list[float], bool]:
+    """Trainer side of ``worker_raw_broadcast``: per-broadcast ms, and whether the bytes arrived."""
+    from mbridge_refit.engines.broadcast import SOURCE_RANK
+
+    buffer = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
+    expected = [
+        int(buffer[:RAW_CHECK_BYTES].sum(dtype=torch.int64)),
+        int(buffer[-RAW_CHECK_BYTES:].sum(dtype=torch.int64)),
+    ]
+    engine = Background(lambda: llm.collective_rpc(worker_raw_broadcast, args=(nbytes, repeats)))
+    times = [timed(lambda: group.broadcast(buffer, SOURCE_RANK)) for _ in range(repeats)]
+    received = engine.join()[0]
+    llm.collective_rpc(worker_drop_raw_buffer)
+    return times, received == expected
+
+
+# --- vLLM's native NCCL backend fed by stock --------------------------------------------------------
+
+
+class NativeNccl:
+    """vLLM's ``nccl`` weight-transfer backend, trainer rank 0, the engine's workers from rank 1."""
+
+    def __init__(self, llm, stock_bridge, chunks) -> None:
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+        self.llm, self.stock_bridge, self.chunks = llm, stock_bridge, chunks
+        port = free_port()
+        info = {"master_address": "127.0.0.1", "master_port": port, "world_size": 2}
+        engine = Background(llm.init_weight_transfer_engine, {"init_info": {**info, "rank_offset": 1}})
+        self.group = NCCLWeightTransferEngine.trainer_init(info)
+        engine.join()
+        names, dtypes, shapes = [], [], []
+        for name, tensor in stock_bridge.export_hf_weights(chunks, cpu=False, show_progress=False):
+            names.append(name)
+            dtypes.append(str(tensor.dtype).removeprefix("torch."))
+            shapes.append(list(tensor.shape))
+        self.update_info = {"names": names, "dtype_names": dtypes, "shapes": shapes, "packed": True}
+
+    def step(self) -> None:
+        from vllm.distributed.weight_transfer.nccl_engine import (
+            NCCLTrainerSendWeightsArgs,
+            NCCLWeightTransferEngine,
+        )
+
+        self.llm.start_weight_update()
+        engine = Background(self.llm.update_weights, {"update_info": self.update_info})
+        NCCLWeightTransferEngine.trainer_send_weights(
+            self.stock_bridge.export_hf_weights(self.chunks, cpu=False, show_progress=False),
+            NCCLTrainerSendWeightsArgs(group=self.group, packed=True),
+        )
+        engine.join()
+        self.llm.finish_weight_update()
+
+
+# --- the run ----------------------------------------------------------------------------------------
+
+
+def start_engine(directory: Path, args, native: bool):
+    from vllm import LLM
+
+    from mbridge_refit.engines.vllm import engine_kwargs
+    from mbridge_refit.testing.vllm_worker import TESTING_WORKER_EXTENSION
+
+    extra = {}
+    if native:
+        from vllm.config import WeightTransferConfig
+
+        extra["weight_transfer_config"] = WeightTransferConfig(backend="nccl")
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(args.engine_gpu)  # the engine process sees only its GPU
+    return LLM(
+        model=str(directory),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="bfloat16",
+        max_model_len=256,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        **engine_kwargs(worker_extension_cls=TESTING_WORKER_EXTENSION, **extra),
+    )
+
+
+def run(args) -> dict:
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of this script's functions
+    from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.convert.session import distributed_session
+    from mbridge_refit.engines.vllm import VLLMBroadcastRefit
+    from mbridge_refit.fp8.format import BlockwiseFP8Config
+    from mbridge_refit.models.builder import BuildOptions, build_model
+    from mbridge_refit.plan.layout import ParallelLayout
+    from mbridge_refit.sinks.packed_broadcast import PackedBroadcastConfig
+
+    config = model_config(args)
+    fp8 = BlockwiseFP8Config() if args.fp8 else None
+    layout = ParallelLayout(tp=1, pp=1, ep=1)
+    device = torch.device("cuda", 0)
+    buffers = PackedBroadcastConfig(bucket_bytes=args.bucket_mib << 20, num_buffers=2)
+    result: dict = {
+        "device": torch.cuda.get_device_name(),
+        "gpus": torch.cuda.device_count(),
+        "model": args.model if args.layers is None else f"{args.model}-{args.layers}layers",
+        "format": "fp8-blockwise" if fp8 else "bf16",
+        "engine_gpu": args.engine_gpu,
+        "backend": "nccl",
+        "bucket_mib": args.bucket_mib,
+        "torch": torch.__version__,
+    }
+    with (
+        distributed_session(layout, device=device, timeout=datetime.timedelta(minutes=10)),
+        tempfile.TemporaryDirectory(dir=args.work) as work,
+    ):
+        import vllm
+
+        result["vllm"] = vllm.__version__
+        bridge = RefitBridge.from_hf_config(config)
+        chunks = build_model(bridge, layout, BuildOptions(device=device, params_dtype=torch.bfloat16))
+        quantization = bridge.fp8_config(fp8).quantization_config(bridge.export_plan(chunks, fp8=fp8)) if fp8 else None
+        llm = start_engine(engine_config(config, Path(work) / "engine", quantization), args, native=not fp8)
+        adopted = {k: v for k, v in llm.collective_rpc(worker_nccl_env)[0].items() if os.environ.get(k) != v}
+        os.environ.update(adopted)  # before the trainer's first NCCL communicator of the group
+        result["trainer_nccl_adopted_from_engine"] = adopted
+
+        session = VLLMBroadcastRefit(
+            llm, host="127.0.0.1", port=free_port(), backend="nccl", device=device, timeout_s=300, config=buffers
+        )
+        session.open(bridge, chunks, fp8=fp8)
+        first = session.refit(bridge, chunks, fp8=fp8)
+        worker = first.workers[0]
+        result["bytes"], result["tensors"] = first.bytes, first.tensors
+        result["first_refit_ms"] = round(first.ms, 1)
+        result["engine_loaded_every_tensor_sent"] = worker["tensors"] == first.tensors and not worker["unloaded"]
+
+        native = None
+        if not fp8:
+            from megatron.bridge import AutoBridge
+
+            try:
+                native = NativeNccl(llm, AutoBridge.from_hf_config(config), chunks)
+                result["vllm_native_nccl_stock_first_ms"] = round(timed(native.step), 1)
+            except Exception as err:  # noqa: BLE001 - the baseline's failure is a result
+                logger.exception("vLLM's native nccl backend failed")
+                result["vllm_native_nccl_stock_error"] = f"{type(err).__name__}: {err}"[:2000]
+                native = None
+
+        ours, steps, raw, native_times, raw_ok = [], [], [], [], True
+        timed(lambda: session.refit(bridge, chunks, fp8=fp8))  # warm-up after the baseline's reload
+        warm, ok = raw_broadcast(llm, session.group, first.bytes, 1)
+        raw_ok &= ok
+        for _ in range(args.rounds):
+            for _ in range(args.repeats):
+                step = None
+
+                def ours_step():
+                    nonlocal step
+                    step = session.refit(bridge, chunks, fp8=fp8)
+
+                ours.append(timed(ours_step))
+                steps.append(step.ms)
+            times, ok = raw_broadcast(llm, session.group, first.bytes, args.repeats)
+            raw += times
+            raw_ok &= ok
+            if native is not None:
+                native_times += [timed(native.step) for _ in range(args.repeats)]
+        session.refit(bridge, chunks, fp8=fp8)  # after the native reload: the engine holds ours again
+        session.close()
+
+        result["ours_ms"] = summary(ours)
+        result["ours_step_ms"] = summary(steps)  # the session's own: export start to the engine's outcome
+        result["raw_broadcast_ms"] = summary(raw)
+        result["raw_broadcast_bytes_arrived"] = raw_ok
+        result["vllm_native_nccl_stock_ms"] = summary(native_times) if native_times else None
+        median = result["ours_ms"]["median"]
+        result["ratios"] = {
+            "raw_over_ours": round(result["raw_broadcast_ms"]["median"] / median, 3),
+            "native_stock_over_ours": round(result["vllm_native_nccl_stock_ms"]["median"] / median, 2)
+            if native_times
+            else None,
+        }
+        result["ok"] = result["engine_loaded_every_tensor_sent"] and raw_ok
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3-1.7b", help="full-size shape of recipes/shapes/ (default qwen3-1.7b)")
+    parser.add_argument("--layers", type=int, default=None, help="keep only this many layers (default: all)")
+    parser.add_argument("--fp8", action="store_true", help="blockwise-FP8 engine and refit (no native baseline)")
+    parser.add_argument("--engine-gpu", type=int, default=1, help="the engine's GPU (default 1; the trainer is on 0)")
+    parser.add_argument("--bucket-mib", type=int, default=256, help="packed-broadcast bucket size in MiB (default 256)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps per side in each round (default 3)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of (ours, raw, native) (default 2)")
+    parser.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share of its GPU (default 0.3)"
+    )
+    parser.add_argument("--work", default=os.environ.get("TMPDIR", "/tmp"), help="folder for the engine's config")
+    parser.add_argument(
+        "--out-dir", type=Path, default=None, help="results folder (default benchmarks/results/<date>-<device>/)"
+    )
+    args = parser.parse_args()
+    if args.engine_gpu == 0:
+        parser.error("--engine-gpu must be another GPU than the trainer's (0): NCCL refuses two members on one GPU")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from provenance import results_dir, write_result
+
+    result = run(args)
+    name = f"bench_refit_vllm_broadcast_{result['model']}{'_fp8' if args.fp8 else ''}.json"
+    path = write_result(args.out_dir or results_dir(), name, result)
+    keys = ("device", "model", "format", "bytes", "ours_ms", "raw_broadcast_ms", "vllm_native_nccl_stock_ms", "ratios")
+    print(json.dumps({k: result.get(k) for k in keys}, indent=1))
+    print("wrote", path)
+    sys.exit(0 if result["ok"] else 1)
+
+
+if __name__ == "__main__":
+    main()
