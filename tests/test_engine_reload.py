@@ -49,11 +49,18 @@ class Experts(torch.nn.Module):
 
 
 class KvB(torch.nn.Module):
-    """``kv_b_proj``: [heads * (nope + v), kv_lora] (BF16 here: the FP8 dequantization is not the point)."""
+    """``kv_b_proj``: [heads * (nope + v), kv_lora]; with ``scale`` a stand-in for a block-FP8 layer
+    (``weight_scale_inv``: dequantizing makes a new tensor), without it a BF16 layer."""
 
-    def __init__(self, heads: int, nope: int, v: int, lora: int):
+    def __init__(self, heads: int, nope: int, v: int, lora: int, quantized: bool):
         super().__init__()
         self.weight = _param(torch.zeros(heads * (nope + v), lora))
+        self.scale = _param(torch.ones(1)) if quantized else None
+
+    def dequantized(self) -> torch.Tensor:
+        """quant_utils.get_and_maybe_dequant_weights: ``weight.to(out_dtype)`` unquantized (the weight
+        itself when the dtype is already right), ``scaled_dequantize(weight, weight_scales, ...)`` for FP8."""
+        return self.weight.to(torch.float32) if self.scale is None else self.weight * self.scale
 
 
 class MLA(torch.nn.Module):
@@ -61,8 +68,9 @@ class MLA(torch.nn.Module):
     (mla_attention.py:948-1035): ``kv_b_proj_weight = get_and_maybe_dequant_weights(self.kv_b_proj, ...).T``,
     ``W_UK, W_UV = kv_b_proj_weight.view(L, N, P + V).split([P, V], dim=-1)``,
     ``replace_parameter(self, "W_UV", W_UV.transpose(0, 1), prefer_copy=True)``,
-    ``replace_parameter(self, "W_UK_T", W_UK.permute(1, 2, 0), prefer_copy=True)`` (an in-place ``copy_``
-    when the parameter exists: model_executor/utils.py:47-86)."""
+    ``replace_parameter(self, "W_UK_T", W_UK.permute(1, 2, 0), prefer_copy=True)``. replace_parameter
+    (model_executor/utils.py:47-86) wraps the view itself in a Parameter the first time (two strided views of
+    one tensor: the dequantized weight, or the BF16 weight itself) and ``copy_``s into it later."""
 
     def __init__(self, kv_b: KvB, heads: int, nope: int, v: int, lora: int):
         super().__init__()
@@ -70,14 +78,14 @@ class MLA(torch.nn.Module):
         self.process_weights_after_loading()
 
     def process_weights_after_loading(self) -> None:
-        weight = self.kv_b_proj.weight.to(torch.float32).T.view(self.lora, self.heads, self.nope + self.v)
+        weight = self.kv_b_proj.dequantized().T.view(self.lora, self.heads, self.nope + self.v)
         w_uk, w_uv = weight.split([self.nope, self.v], dim=-1)
         for name, value in (("W_UV", w_uv.transpose(0, 1)), ("W_UK_T", w_uk.permute(1, 2, 0))):
             old = getattr(self, name, None)
             if old is not None and old.shape == value.shape:
                 old.copy_(value)
             else:
-                setattr(self, name, _param(value.contiguous()))
+                setattr(self, name, _param(value))
 
 
 class DeepseekLayer(torch.nn.Module):
@@ -86,13 +94,13 @@ class DeepseekLayer(torch.nn.Module):
 
     EXPERTS, HIDDEN, HEADS, NOPE, V, LORA = 4, 8, 2, 3, 2, 5
 
-    def __init__(self, router: bool = True, mla: bool = True):
+    def __init__(self, router: bool = True, mla: bool = True, quantized: bool = True):
         super().__init__()
         if router:
             self.gate = Gate(self.EXPERTS, self.HIDDEN)
             self.experts = Experts(self.gate, self.EXPERTS, self.HIDDEN)
         if mla:
-            self.kv_b_proj = KvB(self.HEADS, self.NOPE, self.V, self.LORA)
+            self.kv_b_proj = KvB(self.HEADS, self.NOPE, self.V, self.LORA, quantized)
             self.mla_attn = MLA(self.kv_b_proj, self.HEADS, self.NOPE, self.V, self.LORA)
 
     def layers(self) -> list[torch.nn.Module]:
@@ -109,6 +117,8 @@ class DeepseekLayer(torch.nn.Module):
                 out[f"experts.{expert}.w13"] = torch.randn(2, self.HIDDEN, generator=generator)
         if hasattr(self, "mla_attn"):
             out["kv_b_proj.weight"] = torch.randn(self.HEADS * (self.NOPE + self.V), self.LORA, generator=generator)
+            if self.kv_b_proj.scale is not None:
+                out["kv_b_proj.scale"] = torch.rand(1, generator=generator) + 0.5
         return out
 
     def process(self) -> None:
@@ -249,7 +259,8 @@ def test_parameters_the_engine_derives_after_a_reload_are_recomputed_each_step()
     model = DeepseekLayer(router=False)
     sources = model.sources()
     plan = _record_staged(model, sources, recompute=recompute_attention)
-    assert plan.recomputed == ["mla_attn"] and plan.derived == ["mla_attn.W_UK_T", "mla_attn.W_UV"]
+    assert plan.recomputed == ["mla_attn"] and plan.derived == ["mla_attn.W_UV"]
+    assert list(plan.aliases) == ["mla_attn.W_UK_T"]  # a view of the same dequantized tensor: checked too
     w_uv = model.mla_attn.W_UV.data_ptr()
     _next_step(sources)
     plan.replay()
@@ -268,7 +279,7 @@ def test_a_deepseek_layer_through_the_receiver():
 
 
 def test_parameters_a_plain_loader_leaves_to_processing_are_recomputed_each_step():
-    """A BF16 engine loads without a reload: W_UV/W_UK_T are never loaded, only derived."""
+    """An engine that loads quantized weights without a reload: W_UV/W_UK_T are never loaded, only derived."""
     model = DeepseekLayer(router=False)
     sources = model.sources()
     receiver, layout, report = _open(model, sources, recompute=recompute_attention)
@@ -276,6 +287,18 @@ def test_parameters_a_plain_loader_leaves_to_processing_are_recomputed_each_step
     _next_step(sources)
     receiver.apply(layout.fingerprint)
     _assert_engine_is(model, _expected(sources, router=False))
+
+
+def test_bf16_mla_needs_no_recompute_its_derived_parameters_are_views_of_the_weight():
+    """BF16: get_and_maybe_dequant_weights returns kv_b_proj's weight itself, so W_UV/W_UK_T are strided views
+    of it, and the copies into kv_b_proj.weight are all a refit needs."""
+    model = DeepseekLayer(router=False, quantized=False)
+    sources = model.sources()
+    receiver, layout, report = _open(model, sources, recompute=recompute_attention)
+    assert report["missing"] == [] and report["recomputed"] == [] and report["via_loader"] == []
+    _next_step(sources)
+    receiver.apply(layout.fingerprint)
+    _assert_engine_is(model, _expected(sources, router=False, quantized=False))
 
 
 def test_derived_parameters_without_a_way_to_recompute_them_are_refused_by_name():

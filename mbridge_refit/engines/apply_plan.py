@@ -40,8 +40,9 @@ never refreshed. A source whose copies cannot be rewritten so is refreshed from 
 each replay instead (correct, one copy more).
 
 ``check_against_loader`` proves a plan before it is trusted: after the recorded load, it
-fingerprints every written parameter, overwrites those parameters with a pattern, replays, and
-requires the same fingerprints bit for bit. Engine-agnostic: needs a module and its loader.
+fingerprints every written parameter (and every other parameter viewing a derived one's memory:
+vLLM registers ``W_UV`` and ``W_UK_T`` as strided views of one tensor), overwrites them with a
+pattern, replays, and requires the same fingerprints bit for bit. Engine-agnostic: needs a module and its loader.
 """
 
 from __future__ import annotations
@@ -128,6 +129,7 @@ class ApplyPlan:
     rows: dict[str, tuple[torch.Tensor, Runs]] = field(default_factory=dict)  # source name -> its rows (compose_rows)
     derived: list[str] = field(default_factory=list)  # parameters the engine's processing computes from others
     recomputations: list[tuple[str, Callable[[], object]]] = field(default_factory=list)  # (module, its recompute)
+    aliases: dict[str, torch.Tensor] = field(default_factory=dict)  # other parameters viewing a derived one's memory
 
     @property
     def recomputed(self) -> list[str]:
@@ -183,7 +185,7 @@ class ApplyPlan:
                         "(vLLM's FP8 linear layers do) is recorded through its reload bracket (StagedLoad)"
                     ) from err
                 steps.append(step)
-        parameter_names = frozenset(_unique_tensors(model.named_parameters()))
+        parameter_names = frozenset(_unique_tensors(model.named_parameters()))  # one name per storage
         unwritten = sorted(name for name in parameter_names if name not in recorder.written)
         recomputations = _recompute(model, unwritten if staged is None else sorted(recorder.derived), recompute)
         if staged is None:
@@ -200,6 +202,7 @@ class ApplyPlan:
             owners=_owners(model, recorder.written),
             derived=sorted(recorder.derived),
             recomputations=recomputations,
+            aliases=_aliases(model, params, recorder.derived),
         )
         if staged is not None and plan.via_loader:
             loaded = [f"{step.name} ({step.reason})" for step in steps if step.via_loader]
@@ -270,11 +273,11 @@ class ApplyPlan:
     def check_against_loader(self) -> None:
         """Raise ``ApplyPlanError`` unless a replay rewrites every written parameter exactly as the
         loader did (call right after ``record``; the parameters keep the loaded values)."""
-        written = {name: self.params[name] for name in self.written}
+        written = {name: self.params[name] for name in self.written} | self.aliases
         expected = named_fingerprints(written.items())
         with torch.no_grad():
             for tensor in written.values():
-                _bytes_of(tensor).fill_(_SCRIBBLE)
+                _scribble(tensor)
         self.replay()
         wrong = differing(expected, named_fingerprints(written.items()))
         if wrong:
@@ -454,6 +457,19 @@ def _recompute(
     return out
 
 
+def _aliases(
+    model: torch.nn.Module, params: dict[str, torch.Tensor], derived: Iterable[str]
+) -> dict[str, torch.Tensor]:
+    """Parameters other than ``params``' that view the memory of a derived parameter (vLLM's MLA
+    registers ``W_UV`` and ``W_UK_T`` as views of one dequantized tensor): checked with it."""
+    memory = {params[name].untyped_storage().data_ptr() for name in derived}
+    return {
+        name: tensor.data
+        for name, tensor in model.named_parameters()
+        if name not in params and tensor.numel() and tensor.untyped_storage().data_ptr() in memory
+    }
+
+
 def _module_of(parameter: str) -> str:
     return parameter.rpartition(".")[0]
 
@@ -584,7 +600,12 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
-    if not tensor.is_contiguous():
-        raise ApplyPlanError("a written parameter is not contiguous: cannot check it byte for byte")
-    return tensor.reshape(-1).view(torch.uint8)
+def _scribble(tensor: torch.Tensor) -> None:
+    """Overwrite every element of ``tensor`` with the pattern byte (a strided view through a
+    same-dtype copy, which moves bits unchanged)."""
+    if tensor.is_contiguous():
+        tensor.reshape(-1).view(torch.uint8).fill_(_SCRIBBLE)
+        return
+    pattern = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+    pattern.reshape(-1).view(torch.uint8).fill_(_SCRIBBLE)
+    tensor.copy_(pattern)
