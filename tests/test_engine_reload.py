@@ -158,7 +158,7 @@ class Reload:
         return StagedLoad(begin=self.begin, end=self.end)
 
     def begin(self) -> None:
-        """initialize_layerwise_reload (layerwise.py:104-133): keep the kernel tensors, put loadable
+        """initialize_layerwise_reload (layerwise.py:84-130): keep the kernel tensors, put loadable
         staging tensors in their place, wrap their loaders to buffer until the layer is complete."""
         for layer in self.model.layers():
             self.kernel[layer] = dict(layer._parameters)
@@ -175,10 +175,10 @@ class Reload:
                 setattr(layer, name, staging)
 
     def _buffering(self, layer, name, pending, size):
-        def online_process_loader(param, tensor, expert):  # layerwise.py:143-225
+        def online_process_loader(param, tensor, expert):  # layerwise.py:157-225
             pending.append((name, tensor, expert))
             if sum(t.numel() for _, t, _ in pending) >= size:
-                for param_name, loaded, index in pending:  # _layerwise_process, layerwise.py:356-360
+                for param_name, loaded, index in pending:  # _layerwise_process, layerwise.py:357-361
                     target = getattr(layer, param_name)
                     _default_loader(target, loaded, index)
                 self._copy_and_restore(layer)
@@ -194,7 +194,7 @@ class Reload:
             setattr(layer, name, param)
 
     def end(self) -> None:
-        """_finalize_attention_layer (layerwise.py:287-300): nothing loaded into MLA itself, so its kernel
+        """_finalize_attention_layer (layerwise.py:293-307): nothing loaded into MLA itself, so its kernel
         tensors go back and ``layer.process_weights_after_loading(model_config.dtype)`` runs."""
         for attn in [layer for layer in self.model.layers() if isinstance(layer, MLA)]:
             for name, param in self.kernel[attn].items():
@@ -204,7 +204,7 @@ class Reload:
 
 def recompute_attention(module: torch.nn.Module):
     """The vLLM adapter's rule, for this model: attention layers are processed by their own
-    ``process_weights_after_loading`` after every reload (layerwise.py:290-300)."""
+    ``process_weights_after_loading`` after every reload (layerwise.py:293-307)."""
     return module.process_weights_after_loading if isinstance(module, MLA) else None
 
 
