@@ -171,6 +171,9 @@ def run(args) -> dict:
         report = step.report or {}
         result["open"] = {k: report.get(k) for k in ("tensors", "storages", "bytes", "copies", "open_ms")}
         result["open"]["via_loader"] = report.get("via_loader", [])[:10]
+        result["open"]["recomputed"] = report.get("recomputed", [])[
+            :10
+        ]  # modules whose derived parameters vLLM recomputes
         checks["open_reports_no_missing_or_unexpected"] = not report.get("missing") and not report.get("unexpected")
         after = refit.fingerprints()
         wrong = differing(disk, after)

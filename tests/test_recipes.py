@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
@@ -145,6 +146,31 @@ def test_compatible_pairs_validate(name, layout):
     shape = ModelShape.from_hf_config(get_model_recipe(name).to_hf_config())
     get_layout(layout).validate_model(shape)
     assert get_model_recipe(name).shape() == shape
+
+
+def test_deepseek_v3_shape_is_what_vllm_builds_as_deepseek_v3():
+    """recipes/shapes/deepseek-v3-cut.json (the GPU refit check's DeepSeek-V3): V3's MLA, a router vLLM
+    builds with e_score_correction_bias, groups the grouped top-k can choose from, block-FP8 tileable sizes;
+    and the GPU script takes it."""
+    import importlib.util
+
+    config = recipes.full_size_config("deepseek-v3-cut")
+    assert config.architectures == ["DeepseekV3ForCausalLM"]
+    # vllm deepseek_v2.py:314: the bias exists only for noaux_tc; fused_moe's grouped top-k scores with sigmoid
+    assert (config.topk_method, config.scoring_func) == ("noaux_tc", "sigmoid")
+    mla = (config.q_lora_rank, config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim)
+    assert mla == (1536, 512, 128, 64, 128)  # V3's
+    per_group = config.n_routed_experts // config.n_group
+    assert config.n_routed_experts % config.n_group == 0 and config.num_experts_per_tok <= config.topk_group * per_group
+    assert (config.first_k_dense_replace, config.n_shared_experts, config.num_hidden_layers) == (1, 1, 4)
+    heads = config.num_attention_heads
+    blocked = (config.hidden_size, config.intermediate_size, config.moe_intermediate_size, heads * config.v_head_dim)
+    assert all(size % 128 == 0 for size in blocked)  # Fp8MoEMethod refuses partitions block_n does not divide
+    spec = importlib.util.spec_from_file_location("check_vllm_refit_gpu", REPO / "scripts" / "check_vllm_refit_gpu.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    args = script.parser_with_engine_arguments("").parse_args(["--model", "deepseek-v3-cut", "--fp8", "--out-dir", "x"])
+    assert script.model_config(args).to_dict() == config.to_dict()
 
 
 @pytest.mark.parametrize("name", DENSE)

@@ -16,7 +16,21 @@ parameters, so their loaders no longer run on the processed layer) are recorded 
 loadable parameters back, its loader writes into staging tensors, the layer is processed, and
 the results are copied into the parameters the engine computes with. The recorder composes the
 two copies (source → staging, staging → parameter) into one, source → parameter, which is exact
-when processing kept those bytes as they were; the check below proves that it did.
+when processing kept those bytes as they were; the check below proves that it did. A copy of a
+tensor onto itself is no copy and is not recorded (vLLM's reload copies every kernel tensor back,
+also those it never staged, such as DeepSeek's ``e_score_correction_bias``).
+
+Some parameters are not loaded at all but *derived* by the engine's processing from others
+(vLLM's MLA computes ``W_UV`` and ``W_UK_T`` from ``kv_b_proj``, dequantized, after every load).
+The engine names how to recompute a module's derived parameters through its own code
+(``Recompute``); a plan runs that after its copies on every replay, in recording order. Derived
+parameters are what the reload's final processing writes from anything but a staged source, or,
+without a reload, the parameters the loader left unwritten. A derived parameter the engine cannot
+recompute is refused by name. Under a reload every tensor must be plain copies: replaying the
+loader for one tensor outside the bracket writes checkpoint-format data into processed parameters
+(or fails on them), and inside it only a complete layer is ever processed, so one tensor would
+cost reloading its whole layer and a walk over every module each step; the plan refuses instead,
+naming each tensor with what its loader did.
 
 A source that is a copy of row runs of another tensor (the trainer's q, k and v are runs of its
 fused QKV parameter) is *composed* (``compose_rows``): every recorded copy that reads whole rows
@@ -26,8 +40,9 @@ never refreshed. A source whose copies cannot be rewritten so is refreshed from 
 each replay instead (correct, one copy more).
 
 ``check_against_loader`` proves a plan before it is trusted: after the recorded load, it
-fingerprints every written parameter, overwrites those parameters with a pattern, replays, and
-requires the same fingerprints bit for bit. Engine-agnostic: needs a module and its loader.
+fingerprints every written parameter (and every other parameter viewing a derived one's memory:
+vLLM registers ``W_UV`` and ``W_UK_T`` as strided views of one tensor), overwrites them with a
+pattern, replays, and requires the same fingerprints bit for bit. Engine-agnostic: needs a module and its loader.
 """
 
 from __future__ import annotations
@@ -44,13 +59,15 @@ from torch.overrides import TorchFunctionMode
 from mbridge_refit.engines.fingerprint import differing, named_fingerprints
 from mbridge_refit.errors import EngineError
 
-__all__ = ["ApplyPlan", "ApplyPlanError", "Copy", "LoadWeights", "Runs", "StagedLoad"]
+__all__ = ["ApplyPlan", "ApplyPlanError", "Copy", "LoadWeights", "Recompute", "Runs", "StagedLoad"]
 
 logger = logging.getLogger(__name__)
 
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], object]
 Runs = tuple[tuple[int, int, int], ...]  # (row of the source tensor, row of the rows' origin, rows)
 Copy = tuple[torch.Tensor, torch.Tensor]  # (destination, source)
+# an engine module -> the engine's own code that recomputes its derived parameters in place (None: none)
+Recompute = Callable[[torch.nn.Module], Callable[[], object] | None]
 
 
 _SCRIBBLE = 0x5A
@@ -87,6 +104,7 @@ class _Step:
     source: torch.Tensor
     copies: list[Copy] = field(default_factory=list)  # (destination, source view)
     via_loader: bool = False
+    reason: str = ""  # why the loader's work is not plain copies (the first thing seen)
     wrote: bool = False  # some engine tensor took bytes of this source (perhaps while a later source loaded)
     refresh: list[Copy] = field(default_factory=list)  # run before the step: the source rebuilt from its rows
     composed: bool = False  # the copies read the source's rows where they live, not the source
@@ -109,6 +127,14 @@ class ApplyPlan:
     parameter_names: frozenset[str]
     owners: dict[str, tuple[torch.nn.Module, str]] = field(default_factory=dict)  # parameter -> (module, attribute)
     rows: dict[str, tuple[torch.Tensor, Runs]] = field(default_factory=dict)  # source name -> its rows (compose_rows)
+    derived: list[str] = field(default_factory=list)  # parameters the engine's processing computes from others
+    recomputations: list[tuple[str, Callable[[], object]]] = field(default_factory=list)  # (module, its recompute)
+    aliases: dict[str, torch.Tensor] = field(default_factory=dict)  # other parameters viewing a derived one's memory
+
+    @property
+    def recomputed(self) -> list[str]:
+        """Modules whose derived parameters the engine recomputes after each replay's copies."""
+        return [name for name, _ in self.recomputations]
 
     @property
     def copies(self) -> int:
@@ -134,11 +160,13 @@ class ApplyPlan:
         sources: list[tuple[str, torch.Tensor]],
         load_weights: LoadWeights | None = None,
         staged: StagedLoad | None = None,
+        recompute: Recompute | None = None,
     ) -> "ApplyPlan":
         """Run ``load_weights`` (default ``model.load_weights``) once per source tensor, recording
         its copies. This is the first refit's load: the model holds the sources afterwards.
         ``staged``: record through the engine's reload bracket (module docstring); every tensor
-        must then be plain copies, or the plan is refused."""
+        must then be plain copies, or the plan is refused. ``recompute``: how the engine
+        recomputes a module's derived parameters (module docstring)."""
         load_weights = load_weights or model.load_weights
         params = _unique_tensors([*model.named_parameters(), *model.named_buffers()])
         recorder = _CopyRecorder(params, sources, compose_staged=staged is not None)
@@ -157,19 +185,31 @@ class ApplyPlan:
                         "(vLLM's FP8 linear layers do) is recorded through its reload bracket (StagedLoad)"
                     ) from err
                 steps.append(step)
+        parameter_names = frozenset(_unique_tensors(model.named_parameters()))  # one name per storage
+        unwritten = sorted(name for name in parameter_names if name not in recorder.written)
+        recomputations = _recompute(model, unwritten if staged is None else sorted(recorder.derived), recompute)
+        if staged is None:
+            with torch.no_grad(), recorder.recording(None):  # processing the plain loader left to the engine
+                for _, function in recomputations:
+                    function()
         plan = cls(
             steps=steps,
             load_weights=load_weights,
             params=params,
             written=recorder.written,
             unexpected=sorted(step.name for step in steps if not step.wrote),
-            parameter_names=frozenset(_unique_tensors(model.named_parameters())),
+            parameter_names=parameter_names,
             owners=_owners(model, recorder.written),
+            derived=sorted(recorder.derived),
+            recomputations=recomputations,
+            aliases=_aliases(model, params, recorder.derived),
         )
         if staged is not None and plan.via_loader:
+            loaded = [f"{step.name} ({step.reason})" for step in steps if step.via_loader]
             raise ApplyPlanError(
-                f"{len(plan.via_loader)} tensor(s) are not loaded by plain copies through the engine's reload, e.g. "
-                f"{plan.via_loader[:3]}: they cannot be replayed, and loading them alone outside a reload would fail"
+                f"{len(loaded)} tensor(s) are not loaded by plain copies through the engine's reload, e.g. "
+                f"{loaded[:3]}: they cannot be replayed, and loading them alone outside a reload would write "
+                "checkpoint-format data into processed parameters"
             )
         return plan
 
@@ -199,6 +239,8 @@ class ApplyPlan:
                 else:
                     for destination, source in step.copies:
                         destination.copy_(source)
+            for _, function in self.recomputations:
+                function()
 
     def compose_rows(self, rows: dict[str, tuple[torch.Tensor, Runs]]) -> list[str]:
         """Sources that are copies of row runs of another tensor (``{name: (origin, runs)}``):
@@ -231,17 +273,25 @@ class ApplyPlan:
     def check_against_loader(self) -> None:
         """Raise ``ApplyPlanError`` unless a replay rewrites every written parameter exactly as the
         loader did (call right after ``record``; the parameters keep the loaded values)."""
-        written = {name: self.params[name] for name in self.written}
+        written = {name: self.params[name] for name in self.written} | self.aliases
         expected = named_fingerprints(written.items())
         with torch.no_grad():
             for tensor in written.values():
-                _bytes_of(tensor).fill_(_SCRIBBLE)
+                _scribble(tensor)
         self.replay()
         wrong = differing(expected, named_fingerprints(written.items()))
         if wrong:
+            recomputed = {name for name, _ in self.recomputations}
+            orphans = [name for name in wrong if name in self.derived and _module_of(name) not in recomputed]
             raise ApplyPlanError(
                 f"replaying the recorded copies does not reproduce the engine's loader for {len(wrong)} "
                 f"parameter(s), e.g. {wrong[:5]}"
+                + (
+                    f"; {len(orphans)} of them ({orphans[:5]}) are derived by the engine's processing from other "
+                    "tensors (not copies of an exported tensor), and the engine names no way to recompute them"
+                    if orphans
+                    else ""
+                )
             )
 
 
@@ -255,6 +305,7 @@ class _CopyRecorder(TorchFunctionMode):
         self._param_of = {t.untyped_storage().data_ptr(): name for name, t in params.items() if t.numel()}
         self._sources = {t.untyped_storage().data_ptr() for _, t in sources if t.numel()}
         self.written: dict[str, int] = {}
+        self.derived: set[str] = set()  # written outside any source's load, from no staged source
         self._step: _Step | None = None
         self._spans: dict[int, list[tuple[int, int, _Step]]] = {}  # source storage -> (byte span, its step)
         self._compose = compose_staged
@@ -286,7 +337,8 @@ class _CopyRecorder(TorchFunctionMode):
         result = func(*args, **kwargs)
         name = getattr(func, "__name__", "")
         if name == "copy_":
-            self._note(args[0], args[1])
+            if not _same_view(args[0], args[1]):  # a tensor copied onto itself (vLLM's reload does) is no write
+                self._note(args[0], args[1])
         elif name == "__setitem__":
             self._note(args[0][args[1]], args[2])
         elif (
@@ -297,9 +349,10 @@ class _CopyRecorder(TorchFunctionMode):
             and args[0].numel()
             and self._target(args[0])
         ):
-            self._loader_only()  # an in-place op other than a copy: replay cannot repeat it (on no element it does nothing)
+            # an in-place op other than a copy: replay cannot repeat it (on no element it does nothing)
+            self._loader_only(f"in-place {name} on {self._target(args[0])}")
         elif name == "__set__" and args and isinstance(args[0], torch.Tensor) and self._target(args[0]):
-            self._loader_only()  # ``param.data = ...`` swaps the storage
+            self._loader_only(f"swaps the storage of {self._target(args[0])}")  # ``param.data = ...``
         return result
 
     def _register(self, step: _Step) -> None:
@@ -321,8 +374,10 @@ class _CopyRecorder(TorchFunctionMode):
             return self._step
         return holders[-1]
 
-    def _loader_only(self) -> None:
+    def _loader_only(self, reason: str) -> None:
         if self._step is not None:  # outside a step (a reload's final processing) the check judges the result
+            if not self._step.via_loader:
+                self._step.reason = reason
             self._step.via_loader = True
 
     def _target(self, tensor: torch.Tensor) -> str | None:
@@ -354,12 +409,16 @@ class _CopyRecorder(TorchFunctionMode):
             return
         self.written[target] = self.written.get(target, 0) + _nbytes(destination)
         if owner is None:
-            return  # the reload's own processing writing a parameter from elsewhere: the check judges it
+            self.derived.add(target)  # the engine's own processing, from elsewhere: recomputed, or the check judges it
+            return
         owner.wrote = True
         if from_source:
             owner.copies.append((destination, source))
-        else:
-            self._loader_only()  # a temporary or a scalar, made by the loader
+        else:  # a temporary or a scalar, made by the loader
+            self._loader_only(
+                f"writes {target} from a {'tensor' if isinstance(source, torch.Tensor) else 'scalar'} "
+                "that is not the source"
+            )
 
     def _compose_staged(self, destination: torch.Tensor, staging: torch.Tensor, target: str) -> bool:
         """``destination`` (a parameter) takes ``staging`` whole: each earlier source write into
@@ -381,6 +440,53 @@ class _CopyRecorder(TorchFunctionMode):
             step.copies.append((placed, source))
             self.written[target] = self.written.get(target, 0) + _nbytes(placed)
         return True
+
+
+def _recompute(
+    model: torch.nn.Module, derived: list[str], recompute: Recompute | None
+) -> list[tuple[str, Callable[[], object]]]:
+    """The engine's recomputations of the modules that own ``derived`` parameters, one per module,
+    in name order; modules it has none for are left out (their parameters stay missing, or fail the check)."""
+    if recompute is None:
+        return []
+    out = []
+    for module_name in dict.fromkeys(_module_of(name) for name in derived):
+        function = recompute(model.get_submodule(module_name))
+        if function is not None:
+            out.append((module_name, function))
+    return out
+
+
+def _aliases(
+    model: torch.nn.Module, params: dict[str, torch.Tensor], derived: Iterable[str]
+) -> dict[str, torch.Tensor]:
+    """Parameters other than ``params``' that view the memory of a derived parameter (vLLM's MLA
+    registers ``W_UV`` and ``W_UK_T`` as views of one dequantized tensor): checked with it."""
+    memory = {params[name].untyped_storage().data_ptr() for name in derived}
+    return {
+        name: tensor.data
+        for name, tensor in model.named_parameters()
+        if name not in params and tensor.numel() and tensor.untyped_storage().data_ptr() in memory
+    }
+
+
+def _module_of(parameter: str) -> str:
+    return parameter.rpartition(".")[0]
+
+
+def _same_view(a: object, b: object) -> bool:
+    """Whether two tensors are the same elements of the same memory (a copy between them changes nothing)."""
+    return (
+        isinstance(a, torch.Tensor)
+        and isinstance(b, torch.Tensor)
+        and a.device.type != "meta"
+        and a.device == b.device
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.storage_offset() == b.storage_offset()
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    )
 
 
 def _owners(model: torch.nn.Module, names: Iterable[str]) -> dict[str, tuple[torch.nn.Module, str]]:
@@ -494,7 +600,12 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
-    if not tensor.is_contiguous():
-        raise ApplyPlanError("a written parameter is not contiguous: cannot check it byte for byte")
-    return tensor.reshape(-1).view(torch.uint8)
+def _scribble(tensor: torch.Tensor) -> None:
+    """Overwrite every element of ``tensor`` with the pattern byte (a strided view through a
+    same-dtype copy, which moves bits unchanged)."""
+    if tensor.is_contiguous():
+        tensor.reshape(-1).view(torch.uint8).fill_(_SCRIBBLE)
+        return
+    pattern = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+    pattern.reshape(-1).view(torch.uint8).fill_(_SCRIBBLE)
+    tensor.copy_(pattern)

@@ -38,6 +38,7 @@ from mbridge_refit.engines.apply_plan import (
     ApplyPlan,
     ApplyPlanError,
     LoadWeights,
+    Recompute,
     StagedLoad,
 )
 from mbridge_refit.engines.sharing import (
@@ -70,6 +71,7 @@ class OpenReport:
     composed: int  # tensors read from the rows they are copies of (never from the copy)
     refreshed: list[str]  # tensors with rows whose copies could not be composed: rebuilt before each replay
     via_loader: list[str]
+    recomputed: list[str]  # modules whose derived parameters the engine recomputes after each replay
     missing: list[str]
     unexpected: list[str]
     partial: list[str]
@@ -89,12 +91,14 @@ class RefitReceiver:
         device: torch.device,
         load_weights: LoadWeights | None = None,
         staged: StagedLoad | None = None,
+        recompute: Recompute | None = None,
     ) -> None:
         self.model = model
         self.device = device
         self._load_weights = load_weights
         self._staged = staged  # the engine's reload bracket, for models whose loaders fail after processing
         self._staged_in_use = False
+        self._recompute = recompute  # the engine's own code for parameters it derives from others
         self._plan: ApplyPlan | None = None
         self._fingerprint: str | None = None
         self._storages: list = []
@@ -133,6 +137,7 @@ class RefitReceiver:
             composed=len(rows) - len(refreshed),
             refreshed=refreshed,
             via_loader=plan.via_loader,
+            recomputed=plan.recomputed,
             missing=plan.missing,
             unexpected=plan.unexpected,
             partial=plan.partial,
@@ -144,6 +149,12 @@ class RefitReceiver:
                 "refit: %d tensor(s) go through the engine's loader every step, e.g. %s",
                 len(plan.via_loader),
                 plan.via_loader[:3],
+            )
+        if plan.recomputed:
+            logger.info(
+                "refit: the engine recomputes the derived parameters of %d module(s) after every replay, e.g. %s",
+                len(plan.recomputed),
+                plan.recomputed[:3],
             )
         return report.to_dict()
 
@@ -184,7 +195,7 @@ class RefitReceiver:
         after processing, as vLLM's FP8 layers do) and a reload bracket is known, through it."""
         if not self._staged_in_use:
             try:
-                return ApplyPlan.record(self.model, sources, self._load_weights)
+                return ApplyPlan.record(self.model, sources, self._load_weights, recompute=self._recompute)
             except ApplyPlanError as err:
                 if self._staged is None:
                     raise
@@ -194,7 +205,7 @@ class RefitReceiver:
                     err,
                 )
         self._staged_in_use = True
-        return ApplyPlan.record(self.model, sources, self._load_weights, staged=self._staged)
+        return ApplyPlan.record(self.model, sources, self._load_weights, staged=self._staged, recompute=self._recompute)
 
     @property
     def is_open(self) -> bool:

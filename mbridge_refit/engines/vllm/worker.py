@@ -9,17 +9,19 @@ Each RPC hands over to a transport's engine side: ``open`` / ``apply`` / ``close
 ``engines.broadcast.BroadcastTarget`` (other GPUs, the packed broadcast); ``fingerprints`` reads
 the engine's weights exactly. The GPU checks' and benchmarks' own RPCs (scramble, time, memory)
 live in a subclass in the test support (``testing.vllm_worker``). It imports vLLM only for its layerwise reload
-(the bracket an FP8 engine is recorded through); the worker provides ``self.model_runner`` and
-``self.device``.
+(the bracket an FP8 engine is recorded through) and its attention layers (whose parameters derived after loading,
+such as MLA's ``W_UV``/``W_UK_T``, the receiver has recomputed after each replay); the worker provides
+``self.model_runner`` and ``self.device``.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
-from mbridge_refit.engines.apply_plan import StagedLoad
+from mbridge_refit.engines.apply_plan import Recompute, StagedLoad
 from mbridge_refit.engines.broadcast import BroadcastTarget
 from mbridge_refit.engines.fingerprint import named_fingerprints
 from mbridge_refit.engines.ipc import RefitReceiver
@@ -36,7 +38,12 @@ class RefitWorkerExtension:
         receiver = getattr(self, "_mbridge_refit_receiver", None)
         if receiver is None:
             model = self.model_runner.get_model()
-            receiver = RefitReceiver(model, torch.device(self.device), staged=self._mbridge_staged_load(model))
+            receiver = RefitReceiver(
+                model,
+                torch.device(self.device),
+                staged=self._mbridge_staged_load(model),
+                recompute=self._mbridge_recompute(),
+            )
             self._mbridge_refit_receiver = receiver
         return receiver
 
@@ -53,6 +60,24 @@ class RefitWorkerExtension:
         return StagedLoad(
             begin=lambda: initialize_layerwise_reload(model), end=lambda: finalize_layerwise_reload(model, config)
         )
+
+    def _mbridge_recompute(self) -> Recompute | None:
+        """vLLM's own recomputation of a module's derived parameters: its attention layers (``Attention``,
+        ``MLAAttention``) run ``process_weights_after_loading(model_config.dtype)`` after every reload with
+        their kernel tensors in place (``model_loader/reload/layerwise.py`` ``_finalize_attention_layer``);
+        other layers have none (None where this vLLM lacks those classes)."""
+        try:
+            from vllm.model_executor.layers.attention import Attention, MLAAttention
+        except ImportError:
+            return None
+        dtype = self.model_runner.model_config.dtype
+
+        def recompute(module: torch.nn.Module):
+            if isinstance(module, (Attention, MLAAttention)):
+                return functools.partial(module.process_weights_after_loading, dtype)
+            return None
+
+        return recompute
 
     def mbridge_refit_open(self, wire: dict, payload: bytes, transport: str, check: bool, allow_partial: bool) -> dict:
         """Map the trainer's tensors, load them once through the model's ``load_weights`` while
