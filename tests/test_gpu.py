@@ -162,17 +162,33 @@ def test_cuda_ipc_transport_opens_the_same_memory_in_another_process(tmp_path):
     assert int(source[1]) == 7, "the engine wrote into other memory than the trainer's"
 
 
-VLLM_CHECKS = {  # script -> what it proves (each a process of its own: vLLM starts its engine in another)
-    "check_vllm_refit_gpu.py": "colocated refit (CUDA IPC)",
-    "check_vllm_broadcast_gpu.py": "broadcast refit (StoreGroup)",
+VLLM_CHECKS = {  # id -> (script, arguments, GPUs needed); each a process of its own (vLLM starts its engine in another)
+    "colocated-ipc": ("check_vllm_refit_gpu.py", ["--model", "qwen3-1.7b", "--layers", "2"], 1),
+    "broadcast-gloo-one-gpu": ("check_vllm_broadcast_gpu.py", ["--model", "qwen3-1.7b", "--layers", "2"], 1),
+    "broadcast-nccl-other-gpu": (
+        "check_vllm_broadcast_gpu.py",
+        ["--model", "qwen3-1.7b", "--layers", "2", "--engine-gpu", "1"],
+        2,
+    ),
+    "broadcast-nccl-other-gpu-fp8": (
+        "check_vllm_broadcast_gpu.py",
+        ["--model", "qwen3-1.7b", "--layers", "2", "--engine-gpu", "1", "--fp8"],
+        2,
+    ),
+    "colocated-deepseek-v3-fp8": (
+        "check_vllm_refit_gpu.py",
+        ["--model", "deepseek-v3-cut", "--layers", "2", "--fp8"],
+        1,
+    ),
 }
 
 
-@pytest.mark.parametrize("script", list(VLLM_CHECKS))
-def test_vllm_refit_equals_loading_from_disk(script, tmp_path):
-    """The engine path into a real vLLM engine: a 2-layer Qwen3-1.7B shape refit equals the engine
-    loaded from the checkpoint ``convert`` writes (every parameter fingerprint, prompt logprobs, a
-    perturbed weight caught in its parameter); the scripts' docstrings list each check."""
+@pytest.mark.parametrize("case", list(VLLM_CHECKS))
+def test_vllm_refit_equals_loading_from_disk(case, tmp_path):
+    """The engine paths into a real vLLM engine: a cut shape refit equals the engine loaded from
+    the checkpoint ``convert`` writes (every parameter fingerprint, prompt logprobs, a perturbed
+    weight caught in its parameter; over NCCL also unmatched settings refused and injected faults
+    raised on both sides); the scripts' docstrings list each check."""
     pytest.importorskip("vllm", reason="needs vLLM (the GPU host installs it with scripts/gpu/install-vllm.sh)")
     import os
     import subprocess
@@ -180,18 +196,12 @@ def test_vllm_refit_equals_loading_from_disk(script, tmp_path):
 
     from conftest import REPO
 
+    script, arguments, gpus = VLLM_CHECKS[case]
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} GPUs")
     env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_USE_DEEP_GEMM": "0", "VLLM_BATCH_INVARIANT": "1"}
     run = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "scripts" / script),
-            "--model",
-            "qwen3-1.7b",
-            "--layers",
-            "2",
-            "--out-dir",
-            str(tmp_path),
-        ],
+        [sys.executable, str(REPO / "scripts" / script), *arguments, "--out-dir", str(tmp_path)],
         env=env,
         capture_output=True,
         text=True,
