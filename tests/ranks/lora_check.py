@@ -17,7 +17,10 @@ True)`` and ``export_adapter_weights``, compared name by name, in order, bit for
   * merge_adapter_weights=False: the stock path (named), equal to stock;
   * adapter export: equal to stock's, names in PEFT's layout; ``adapter_facts`` equal to what
     Megatron-Bridge infers for adapter_config.json from stock's tensors;
-  * ``live_rows`` names no adapted weight; a transfer plan is refused.
+  * ``live_rows`` names no adapted weight; a transfer plan is refused;
+  * FP8 on top: the merged weights quantized as the reference quantizer quantizes stock's merged
+    tensors (refused by name where the adapters have no plan);
+  * stock's ``save_hf_adapter`` through RefitBridge writes stock's PEFT checkpoint (config and tensors).
 Writes DIR/rank<R>.json with each check's verdict.
 """
 
@@ -170,13 +173,58 @@ def check_consumers(bridge, stock, chunks, expect_fallback: str | None) -> None:
             raise CheckFailed("a transfer plan of an adapted model was not refused")
 
 
+def check_fp8_merged(bridge, stock, chunks, expect_fallback: str | None) -> None:
+    """FP8 on top: the merged weights quantized, as the reference quantizer quantizes stock's merged tensors."""
+    from mbridge_refit.fp8.format import FP8FormatError
+    from mbridge_refit.testing.export_comparison import compare_stream, fp8_expected
+
+    config = bridge.fp8_config("blockwise")
+    if expect_fallback is not None:
+        try:
+            list(bridge.export_hf_weights(chunks, show_progress=False, fp8=config))
+        except FP8FormatError as err:
+            if expect_fallback not in str(err):
+                raise CheckFailed(f"the FP8 refusal does not name {expect_fallback!r}: {err}") from err
+            return
+        raise CheckFailed("an FP8 export of adapters with no merge plan was not refused")
+    reference = snapshot(stock.export_hf_weights(chunks, show_progress=False, cpu=True, merge_adapter_weights=True))
+    for call in range(2):
+        stream = bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True, fp8=config)
+        comparison = compare_stream(fp8_expected(reference, config), stream)
+        if comparison.differing or comparison.missing or comparison.unexpected or not comparison.in_order:
+            raise CheckFailed(f"FP8 merged export, call {call + 1}: {comparison}")
+
+
+def check_peft_checkpoint(bridge, stock, chunks, expect_fallback: str | None) -> None:
+    """Stock's ``save_hf_adapter`` through RefitBridge's adapter export writes stock's checkpoint."""
+    from safetensors.torch import load_file
+
+    out = RESULT / "peft"
+    bridge.save_hf_adapter(chunks, out / "ours", peft_config=LORA, show_progress=False)
+    stock.save_hf_adapter(chunks, out / "stock", peft_config=LORA, show_progress=False)
+    if dist.get_rank() != 0:
+        return
+    configs = [json.loads((out / side / "adapter_config.json").read_text()) for side in ("ours", "stock")]
+    if configs[0] != configs[1]:
+        raise CheckFailed(f"adapter_config.json differs: {configs[0]} vs {configs[1]}")
+    ours, theirs = (load_file(out / side / "adapter_model.safetensors") for side in ("ours", "stock"))
+    if sorted(ours) != sorted(theirs) or not all(same_bytes(ours[k], theirs[k]) for k in ours):
+        raise CheckFailed("adapter_model.safetensors differs from stock's")
+    if not all(k.startswith("base_model.model.") for k in ours):
+        raise CheckFailed(f"not PEFT's names: {sorted(ours)[:2]}")
+
+
 CHECKS = {
     "merged": check_merged,
     "changed_adapter": check_changed_adapter,
     "unmerged": check_unmerged,
     "adapter_export": check_adapter_export,
     "consumers": check_consumers,
+    "fp8_merged": check_fp8_merged,
+    "peft_checkpoint": check_peft_checkpoint,
 }
+LORA = None  # the LoRA the model was wrapped with (its config goes into adapter_config.json)
+RESULT = None
 
 
 def main() -> None:
@@ -190,8 +238,10 @@ def main() -> None:
         from megatron.bridge import AutoBridge
         from megatron.bridge.peft.lora import LoRA
 
+        global LORA, RESULT
         targets = {"target_modules": args.targets.split(",")} if args.targets else {}
-        chunks = LoRA(dim=RANK, alpha=ALPHA, **targets)(chunks, training=True)
+        LORA, RESULT = LoRA(dim=RANK, alpha=ALPHA, **targets), args.result
+        chunks = LORA(chunks, training=True)
         seed_adapters(chunks)
         stock = AutoBridge.from_hf_pretrained(args.hf)
         for name in args.checks.split(","):
