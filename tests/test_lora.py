@@ -47,7 +47,7 @@ def test_lora_refit_matches_stock(recipe, layout, extra, source_checkpoints, tmp
     failed = {f"rank{r}:{name}": v for r, checks in enumerate(verdicts) for name, v in checks.items() if v}
     assert not failed, failed
     assert run.returncode == 0, run.output[-6000:]
-    assert all(len(checks) == 7 for checks in verdicts), verdicts
+    assert all(len(checks) == 8 for checks in verdicts), verdicts
 
 
 def _stock_merge(base, a, b, alpha, dim):

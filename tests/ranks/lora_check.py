@@ -17,6 +17,7 @@ True)`` and ``export_adapter_weights``, compared name by name, in order, bit for
   * merge_adapter_weights=False: the stock path (named), equal to stock;
   * adapter export: equal to stock's, names in PEFT's layout; ``adapter_facts`` equal to what
     Megatron-Bridge infers for adapter_config.json from stock's tensors;
+  * NeMo-RL's ``conversion_tasks`` (all and a part) and the bucket API: equal to stock's merged export;
   * ``live_rows`` names no adapted weight; a transfer plan is refused;
   * FP8 on top: the merged weights quantized as the reference quantizer quantizes stock's merged
     tensors (refused by name where the adapters have no plan);
@@ -173,6 +174,23 @@ def check_consumers(bridge, stock, chunks, expect_fallback: str | None) -> None:
             raise CheckFailed("a transfer plan of an adapted model was not refused")
 
 
+def check_stock_calls(bridge, stock, chunks, expect_fallback: str | None) -> None:
+    """The calls RL frameworks make: NeMo-RL's ``conversion_tasks`` (all, ``None`` dropped, and a part) and the
+    bucket API, merged as stock merges them."""
+    tasks = [t for t in bridge.get_conversion_tasks(chunks) if t is not None]
+    stock_tasks = [t for t in stock.get_conversion_tasks(chunks) if t is not None]
+    for part in (slice(None), slice(len(tasks) // 3, 2 * len(tasks) // 3)):
+        ours = snapshot(bridge.export_hf_weights(chunks, show_progress=False, conversion_tasks=tasks[part]))
+        reason = bridge.export_diagnostics().fallback_reason
+        if expect_fallback is None and reason is not None:
+            raise CheckFailed(f"conversion_tasks fell back to stock: {reason}")
+        reference = stock.export_hf_weights(chunks, show_progress=False, conversion_tasks=stock_tasks[part])
+        expect_same(ours, snapshot(reference), f"conversion_tasks[{part.start}:{part.stop}]")
+    buckets = bridge.export_hf_weight_buckets(chunks, show_progress=False, reuse_buffer_from_cache=True)
+    ours = [(name, tensor.clone()) for bucket in buckets for name, tensor in bucket]
+    expect_same(ours, snapshot(stock.export_hf_weights(chunks, show_progress=False, cpu=True)), "bucket API")
+
+
 def check_fp8_merged(bridge, stock, chunks, expect_fallback: str | None) -> None:
     """FP8 on top: the merged weights quantized, as the reference quantizer quantizes stock's merged tensors."""
     from mbridge_refit.fp8.format import FP8FormatError
@@ -220,6 +238,7 @@ CHECKS = {
     "unmerged": check_unmerged,
     "adapter_export": check_adapter_export,
     "consumers": check_consumers,
+    "stock_calls": check_stock_calls,
     "fp8_merged": check_fp8_merged,
     "peft_checkpoint": check_peft_checkpoint,
 }
