@@ -48,10 +48,11 @@ from mbridge_refit.fp8.format import (
 )
 from mbridge_refit.fp8.plan import fp8_plan, yielded_bytes
 from mbridge_refit.fp8.quantize import quantize_bucket_lists
-from mbridge_refit.plan.build import build_export_plan
+from mbridge_refit.plan.build import build_export_plan, current_sizes
 from mbridge_refit.plan.engine_layout import EngineLayout
 from mbridge_refit.plan.entries import ExportPlan, PlanError
 from mbridge_refit.plan.layout import ModelShape
+from mbridge_refit.plan.lora import adapted_params, build_lora_plan
 from mbridge_refit.plan.storage import FP8_BLOCKWISE, is_quantized
 from mbridge_refit.plan.task_selection import TaskMismatch, names_for_tasks
 from mbridge_refit.plan.transfer import TransferPlan, build_transfer_plan
@@ -71,7 +72,8 @@ from mbridge_refit.runtime.lifetime import (
     guard_tensors,
     lifetime_checks_from_environment,
 )
-from mbridge_refit.runtime.live_params import LiveParams
+from mbridge_refit.runtime.live_params import LiveParams, registration_count
+from mbridge_refit.runtime.lora import AdapterExport
 from mbridge_refit.runtime.param_sync import finish_pending_param_gathers
 from mbridge_refit.runtime.selection import LiveRows
 from mbridge_refit.runtime.sharded_transfer import ShardedTransfer
@@ -128,6 +130,11 @@ class _ModelState:
     group: Any = None  # the ranks the plan was built over (None: the whole job)
     everyone: list[Any] | None = None  # those ranks' RankGroups (one object gather, when replicas are asked for)
     grid: tuple[Any, ...] | None = None  # those ranks' TrainerRank coordinates (one object gather, for transfer plans)
+    adapted: frozenset[str] | None = None  # the plan's base weights that LoRA adapters wrap
+    registrations: int = 0  # ``registration_count()`` when the state was made (a PEFT wrap before planning shows)
+    lora: AdapterExport | None = None  # the model's LoRA adapters (``plan.lora``), built on first use
+    lora_live: LiveParams | None = None  # their factor parameters, kept current
+    lora_error: PlanError | None = None  # why they have no plan (every rank alike; never retried)
 
 
 class RefitBridge(AutoBridge):
@@ -191,13 +198,17 @@ class RefitBridge(AutoBridge):
         patch's) ``_model_bridge`` is the one the state keeps."""
         chunks = _chunks(model)
         state = self._model_state
-        if state is None or not _same_chunks(state.chunks, chunks):
+        if state is None or not _same_chunks(state.chunks, chunks) or _rewrapped(state):
             self._model_state = None
             state = self._model_state = _ModelState(
-                chunks=tuple(weakref.ref(chunk) for chunk in chunks), model_bridge=self._model_bridge
+                chunks=tuple(weakref.ref(chunk) for chunk in chunks),
+                model_bridge=self._model_bridge,
+                registrations=registration_count(),
             )
             weakref.finalize(chunks[0], _drop_state, weakref.ref(self), weakref.ref(state))
         elif state.live is not None:
+            if state.lora_live is not None:
+                state.lora_live.refresh()
             replaced = state.live.refresh()
             if replaced:
                 state.tasks = _with_current_params(state.tasks, state.live.params, frozenset(replaced))
@@ -263,6 +274,30 @@ class RefitBridge(AutoBridge):
             state.exporter = PlanExporter(plan=state.plan, params=params, device=_device_of(params), shards=shards)
         state.exporter.bucket_bytes = self.bucket_bytes
         return state.exporter
+
+    def _adapter_export(self, chunks: list[torch.nn.Module]) -> AdapterExport | None:
+        """The export of the model's LoRA adapters (``plan.lora``), None for a model without any.
+        Collective on the first call for a model; raises ``PlanError`` on every rank alike for
+        adapters the plan does not describe (kept: never retried)."""
+        state = self._planned(chunks)
+        if state.adapted is None:
+            state.adapted = adapted_params(state.plan)
+        if not state.adapted:
+            return None
+        if state.lora_error is not None:
+            raise state.lora_error
+        if state.lora is None:
+            unwrapped = _unwrapped(chunks)
+            try:
+                lora, params, tasks = build_lora_plan(
+                    state.model_bridge, unwrapped, state.plan, state.tasks, current_sizes(unwrapped), state.group
+                )
+            except PlanError as err:
+                state.lora_error = err
+                raise
+            state.lora_live = LiveParams(unwrapped, tasks)
+            state.lora = AdapterExport(lora, state.lora_live.params, _device_of(state.live.params))
+        return state.lora
 
     def _export_buffers(self, persistent: bool, hold_outputs: bool = False) -> ExportBuffers:
         if hold_outputs and not persistent:
@@ -354,6 +389,12 @@ class RefitBridge(AutoBridge):
         except PlanError:
             return {}
         live = exporter.live_rows()
+        try:
+            lora = self._adapter_export(chunks)
+        except PlanError:
+            return {}  # the stock path exports this model
+        if lora is not None:  # merged weights are rows of no parameter
+            live = {name: rows for name, rows in live.items() if name not in lora.targets}
         if config is None:
             return live
         fp8_export = self.fp8_export(chunks, config)
@@ -405,6 +446,7 @@ class RefitBridge(AutoBridge):
         ``EngineShardingError`` / ``TransferPlanError`` naming the tensor an engine cannot slice.
         """
         state = self._planned(_chunks(model))
+        _refuse_adapters(state, "a transfer plan")
         if state.grid is None:
             grid: list[Any] = [None] * torch.distributed.get_world_size(state.group)
             torch.distributed.all_gather_object(grid, current_trainer_rank(), group=state.group)
@@ -426,6 +468,7 @@ class RefitBridge(AutoBridge):
         of ``group`` (default: the whole job) and call ``run(shards)`` every step. No collective."""
         chunks = _chunks(model)
         state = self._planned(chunks)
+        _refuse_adapters(state, "a sharded transfer")
         return ShardedTransfer(plan, params=state.live.params, group=group, checksum=checksum, chunks=chunks)
 
     def _everyone(self, state: _ModelState) -> list[Any]:
@@ -464,6 +507,8 @@ class RefitBridge(AutoBridge):
         if self._buffers is not None:
             self._buffers.release()
             self._buffers = None
+        if self._model_state is not None and self._model_state.lora is not None:
+            self._model_state.lora.held.release()
 
     def export_hf_weights(
         self,
@@ -634,7 +679,9 @@ class RefitBridge(AutoBridge):
             )
         route = None
         if fp8_config is None and options.conversion_tasks is not None:  # agreed over every rank, before any leaves
-            route = self._route(state, chunks, options.conversion_tasks, options.weight_dtype)
+            route = self._route(state, chunks, options)
+        if self.export_weight_dtype != "fp8":
+            self._lora_route(chunks, options.merge_adapter_weights)  # collective once per model: before replicas part
         if options.replica is not None and not self.takes_part(chunks, options.replica):
             return iter(())
         show_progress = options.show_progress and is_rank_zero()
@@ -644,11 +691,15 @@ class RefitBridge(AutoBridge):
                 chunks, fp8_config, buffers, show_progress=show_progress, only=options.only, in_buckets=in_buckets
             )
             return _on_cpu(buckets, options.cpu) if in_buckets else _flat(_on_cpu(buckets, options.cpu))
-        route = route or self._route(state, chunks, options.conversion_tasks, options.weight_dtype)
+        route = route or self._route(state, chunks, options)
         state.fallback_reason = route.reason
         if route.reason is None:
             buffers = self._export_buffers(options.reuse_buffer_from_cache, options.hold_outputs)
             needed = _selected(options.only, route.names, state.plan)
+            if route.lora is not None:  # adapted weights merged on their way out
+                buckets = route.exporter.export_buckets(buffers, show_progress=show_progress, needed=needed)
+                buckets = _on_cpu(route.lora.merged(buckets, buffers), options.cpu)
+                return buckets if in_buckets else _flat(buckets)
             if in_buckets:
                 return _on_cpu(
                     route.exporter.export_buckets(buffers, show_progress=show_progress, needed=needed), options.cpu
@@ -679,18 +730,15 @@ class RefitBridge(AutoBridge):
         )
         return stream if options.only is None else _only(stream, options.only)
 
-    def _route(
-        self,
-        state: _ModelState,
-        chunks: list[torch.nn.Module],
-        conversion_tasks: Any,
-        weight_dtype: Optional[torch.dtype],
-    ) -> "_Route":
+    def _route(self, state: _ModelState, chunks: list[torch.nn.Module], options: "_ExportOptions") -> "_Route":
         """How ``export_hf_weights`` runs with these stock arguments: the plan (its exporter and, for
         ``conversion_tasks``, the names they stand for), or the stock path with the reason. The same
         on every rank: each input but the tasks' tensors is the same everywhere (the plan's verdict
         travels with its exchange), and a verdict on conversion_tasks is agreed over the plan's
-        ranks (one all-reduce of one integer per call that passes them)."""
+        ranks (one all-reduce of one integer per call that passes them). A model with LoRA
+        adapters runs the plan with its adapters merged (``runtime.lora``), or the stock path
+        where the adapters have no plan or ``merge_adapter_weights`` is False."""
+        conversion_tasks, weight_dtype = options.conversion_tasks, options.weight_dtype
         if self.export_weight_dtype == "fp8":
             return _Route(reason="export_weight_dtype='fp8' selects Megatron-Bridge's own FP8 export")
         if conversion_tasks is not None and weight_dtype is not None:
@@ -699,13 +747,16 @@ class RefitBridge(AutoBridge):
             exporter = self._exporter(chunks)
         except Exception as err:  # PlanError on every rank alike (``_planned``), or this rank's exporter failed
             return _Route(reason=f"no export plan for this model: {_describe(err)}")
+        lora, reason = self._lora_route(chunks, options.merge_adapter_weights)
+        if reason is not None:
+            return _Route(reason=reason)
         if weight_dtype is not None:
             dtypes = {e.dtype for e in state.plan.entries if e.torch_dtype.is_floating_point}
             cast = sorted(dtypes - {str(weight_dtype).removeprefix("torch.")})
             if cast:
                 return _Route(reason=f"weight_dtype={weight_dtype} casts the export's {', '.join(cast)} tensors")
         if conversion_tasks is None:
-            return _Route(exporter=exporter)
+            return _Route(exporter=exporter, lora=lora)
         try:
             ep_rank = current_groups().ep_rank
             names, mismatch = names_for_tasks(conversion_tasks, state.tasks, state.plan, ep_rank=ep_rank), None
@@ -713,7 +764,21 @@ class RefitBridge(AutoBridge):
             names, mismatch = None, str(err)
         if not all_true(mismatch is None, state.group, exporter.device):
             return _Route(reason=mismatch or "another rank's conversion_tasks are not its model's tasks (see its log)")
-        return _Route(exporter=exporter, names=names)
+        return _Route(exporter=exporter, names=names, lora=lora)
+
+    def _lora_route(self, chunks: list[torch.nn.Module], merge: bool) -> tuple[AdapterExport | None, str | None]:
+        """``(the adapters' export, None)`` for the plan (None: the model has no adapters), or
+        ``(None, why the stock path runs)``; the same on every rank (the plan's verdicts are)."""
+        try:
+            lora = self._adapter_export(chunks)
+        except PlanError as err:
+            return None, f"no merge plan for this model's LoRA adapters: {err}"
+        if lora is not None and not merge:
+            return None, (
+                "merge_adapter_weights=False: stock yields adapted weights unmerged under '...base_layer.weight' "
+                "names, which the plan does not"
+            )
+        return lora, None
 
     def _export_fp8(
         self,
@@ -729,18 +794,22 @@ class RefitBridge(AutoBridge):
         ``in_buckets``): weights the trainer keeps as blockwise FP8 are shipped as they are, with
         their scales; high-precision weights are quantized bucket by bucket into (cached) buffers.
         With ``only``, the selected weights (and the weights whose scales are selected) are
-        exported; with trainer scales, whose stream follows the whole plan, everything is."""
+        exported; with trainer scales, whose stream follows the whole plan, everything is.
+        LoRA adapters are merged into their weights before those are quantized."""
         fp8 = self.fp8_export(chunks, config)
+        lora = self._fp8_adapters(chunks, fp8)
         needed = None
         if only is not None and fp8.scales is None:
             needed = frozenset(e.scale_of or e.hf_name for e in fp8.plan.entries if e.hf_name in only)
         buckets = fp8.weights.export_buckets(
             buffers,
             show_progress=show_progress,
-            select_rows_lazily=True,
+            select_rows_lazily=lora is None,
             bucket_sizes=fp8.bucket_sizes,
             needed=needed,
         )
+        if lora is not None:
+            buckets = lora.merged(buckets, buffers)
         buckets = quantize_bucket_lists(buckets, fp8.plan, buffers)
         if fp8.scales is not None:
             buckets = _with_trainer_scales(
@@ -749,6 +818,72 @@ class RefitBridge(AutoBridge):
         if only is not None:
             buckets = ([(name, tensor) for name, tensor in bucket if name in only] for bucket in buckets)
         return buckets
+
+    def export_adapter_weights(
+        self,
+        model: list[torch.nn.Module] | torch.nn.Module,
+        cpu: bool = True,
+        show_progress: bool = True,
+        exclude_adapter_base_prefixes: Iterable[str] | None = None,
+        *,
+        reuse_buffer_from_cache: bool = False,
+    ) -> Iterable[Any]:
+        """Stock's adapter export from the adapters' plan: ``HFWeightTuple(name, tensor)`` with
+        PEFT's names (``model.layers.0.self_attn.q_proj.lora_A.weight``, ``...lora_B.weight``: A
+        then B per adapted HF weight, in stock's order), gathered over TP/PP as stock gathers them.
+
+        Collective like ``export_hf_weights``. With ``reuse_buffer_from_cache`` the tensors are
+        views of the adapters' parameters or buffers this bridge holds, all valid until the next
+        export of this model (none allocated after the first call); otherwise each is a copy the
+        caller keeps. Adapters the plan does not describe (see ``plan.lora``) and
+        ``exclude_adapter_base_prefixes`` run the stock export, with the reason
+        (``export_diagnostics().fallback_reason``). ``adapter_facts`` gives what
+        ``adapter_config.json`` says of them.
+        """
+        from megatron.bridge.models.conversion.model_bridge import HFWeightTuple
+
+        chunks = _chunks(model)
+        call = self._begin_collective(chunks, "export_adapter_weights")
+        state = self._state_for(chunks)
+        lora, reason = None, "exclude_adapter_base_prefixes is passed"
+        if exclude_adapter_base_prefixes is None:
+            lora, reason = self._lora_route(chunks, merge=True)
+            if lora is None and reason is None:
+                reason = "the model has no LoRA adapters"
+        state.fallback_reason = reason
+        if lora is None:
+            logger.warning("export_adapter_weights runs the stock Megatron-Bridge export: %s", reason)
+            stream = state.model_bridge.stream_adapter_weights_megatron_to_hf(
+                chunks,
+                cpu=cpu,
+                show_progress=show_progress,
+                exclude_adapter_base_prefixes=exclude_adapter_base_prefixes,
+            )
+            return call.guard(stream)
+        return call.guard(_adapter_tuples(lora.stream(), HFWeightTuple, cpu=cpu, keep=not reuse_buffer_from_cache))
+
+    def adapter_facts(self, model: list[torch.nn.Module] | torch.nn.Module) -> dict[str, Any]:
+        """What an HF PEFT ``adapter_config.json`` says of the model's LoRA adapters: ``r``,
+        ``lora_alpha``, ``target_modules`` (and rank / alpha patterns where modules differ).
+        Collective on the first call for a model (the adapters' plan); raises ``PlanError`` for
+        a model without adapters or with adapters the plan does not describe."""
+        lora = self._adapter_export(_chunks(model))
+        if lora is None:
+            raise PlanError("the model has no LoRA adapters")
+        return lora.lora.facts()
+
+    def _fp8_adapters(self, chunks: list[torch.nn.Module], fp8: FP8Export) -> AdapterExport | None:
+        """The adapters an FP8 export merges before quantizing (None: the model has none); raises
+        ``FP8FormatError`` where they cannot be merged (the FP8 export has no stock path)."""
+        try:
+            lora = self._adapter_export(chunks)
+        except PlanError as err:
+            raise FP8FormatError(f"the FP8 export merges LoRA adapters from their plan, which fails: {err}") from err
+        if lora is not None and fp8.scales is not None:
+            raise FP8FormatError(
+                "the trainer keeps FP8 weights that LoRA adapters wrap: merging needs the high-precision weights"
+            )
+        return lora
 
     def export_hf_weights_stock(self, model, **kwargs) -> Iterable[tuple[str, torch.Tensor]]:
         """The unmodified Megatron-Bridge export (for comparison and benchmarks)."""
@@ -797,6 +932,7 @@ class _Route:
     exporter: PlanExporter | None = None
     names: frozenset[str] | None = None
     reason: str | None = None
+    lora: AdapterExport | None = None  # the model's adapters, merged into what the exporter yields
 
 
 def _chunks(model: list[torch.nn.Module] | torch.nn.Module) -> list[torch.nn.Module]:
@@ -870,6 +1006,22 @@ def _build_fp8_export(state: _ModelState, config: BlockwiseFP8Config, bf16_expor
     )
 
 
+def _refuse_adapters(state: _ModelState, what: str) -> None:
+    if adapted_params(state.plan):
+        raise PlanError(
+            f"{what} reads the parameters themselves; this model's LoRA adapters would not be merged "
+            "(export_hf_weights merges them)"
+        )
+
+
+def _rewrapped(state: _ModelState) -> bool:
+    """Whether a state not yet planned may describe the model before it changed shape: modules or
+    parameters were registered since it was made (a PEFT wrap after ``load_hf_shards``, whose
+    model bridge cached the names before the wrap). Planning has not started, so a fresh state is
+    the same on every rank's next (collective) call."""
+    return state.plan is None and state.plan_error is None and state.registrations != registration_count()
+
+
 def _same_chunks(refs: tuple[weakref.ref, ...], chunks: list[torch.nn.Module]) -> bool:
     return len(refs) == len(chunks) and all(ref() is chunk for ref, chunk in zip(refs, chunks))
 
@@ -918,6 +1070,13 @@ def _with_trainer_scales(
                     yield [(expected_name, scale)]
         if in_buckets:
             yield merged
+
+
+def _adapter_tuples(stream: Iterable[tuple[str, torch.Tensor]], make: Any, *, cpu: bool, keep: bool) -> Iterator[Any]:
+    """Stock's ``HFWeightTuple``s of the adapter stream: on the CPU if asked, copies if the caller keeps them."""
+    for name, tensor in stream:
+        moved = tensor.cpu() if cpu else tensor
+        yield make(name, tensor.clone() if keep and moved is tensor else moved)
 
 
 def _flat(buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -49,6 +49,7 @@ __all__ = [
     "assemble_plan",
     "build_export_plan",
     "current_sizes",
+    "plan_entries",
     "rank_contribution",
     "split_size",
 ]
@@ -125,7 +126,7 @@ def rank_contribution(
 
     if tasks is None:
         tasks = model_bridge.build_conversion_tasks(hf_pretrained, chunks)
-    specs, errors = [], _unsupported_features(model_bridge, chunks)
+    specs, errors = [], []
     pp_rank = ps.get_pipeline_model_parallel_rank()
     hf_state = hf_pretrained.state if hasattr(hf_pretrained, "state") else {}  # what stock hands its export hook
     stored = StoredShapes(hf_pretrained)
@@ -176,14 +177,7 @@ def assemble_plan(
         )
     specs = {spec.global_name: spec for c in contributions for spec in c.specs}
     layer_map = {layer: where for c in contributions for layer, where in c.layer_map.items()}
-    names = sorted(specs, key=_sort_key)
-    entries: list[PlanEntry] = []
-    for name in names:
-        try:
-            entries.extend(_entries_for(specs, name, sizes, config))
-        except PlacementError as err:  # the same on every rank: every rank falls back alike
-            raise PlanError(f"cannot plan {name}: {err}") from err
-    entries = _add_tied_output(entries, model_bridge, hf_pretrained, config)
+    entries = _add_tied_output(plan_entries(specs, sizes, config), model_bridge, hf_pretrained, config)
     _check_complete(entries, _expected_hf_keys(hf_pretrained))
     _check_stored_shapes(entries, StoredShapes(hf_pretrained))
     return ExportPlan(
@@ -194,6 +188,19 @@ def assemble_plan(
         ep=sizes.ep,
         vpp=sizes.vpp,
     )
+
+
+def plan_entries(specs: dict[str, ParamSpec], sizes: "ParallelSizes", config: Any) -> list[PlanEntry]:
+    """The entries of every parameter of ``specs`` (every rank's, by global name), in the stock
+    export's order (pure: the same on every rank). Raises ``PlanError`` naming a parameter whose
+    slices the rules cannot place."""
+    entries: list[PlanEntry] = []
+    for name in sorted(specs, key=_sort_key):
+        try:
+            entries.extend(_entries_for(specs, name, sizes, config))
+        except PlacementError as err:  # the same on every rank: every rank falls back alike
+            raise PlanError(f"cannot plan {name}: {err}") from err
+    return entries
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -552,13 +559,6 @@ def _add_tied_output(entries: list[PlanEntry], model_bridge: Any, hf_pretrained:
 def _expected_hf_keys(hf_pretrained: Any) -> set[str] | None:
     source = getattr(getattr(hf_pretrained, "state", None), "source", None)
     return set(source.get_all_keys()) if source is not None else None
-
-
-def _unsupported_features(model_bridge: Any, chunks: list[torch.nn.Module]) -> list[str]:
-    adapters = [n for c in chunks for n, _ in c.named_parameters() if model_bridge._is_adapter_param_name(n)]
-    if adapters:
-        return [f"adapter (LoRA) parameters are not supported by the export plan, e.g. {adapters[0]}"]
-    return []
 
 
 def _check_complete(entries: list[PlanEntry], expected: set[str] | None) -> None:

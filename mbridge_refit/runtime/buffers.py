@@ -22,7 +22,7 @@ import torch
 
 __all__ = ["ExportBuffers", "SCRATCH_ROLES"]
 
-SCRATCH_ROLES = frozenset({"pack", "fp8_work"})  # consumed inside their bucket, never yielded
+SCRATCH_ROLES = frozenset({"pack", "fp8_work", "lora_work"})  # consumed inside their bucket, never yielded
 
 
 class ExportBuffers:
