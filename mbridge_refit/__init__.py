@@ -6,8 +6,7 @@ argument checks and ``--help`` should not wait for it.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from mbridge_refit.lazy_exports import lazy_getattr
 
 _PUBLIC = {
     "RefitBridge": "mbridge_refit.bridge",
@@ -22,8 +21,4 @@ _PUBLIC = {
 __all__ = sorted(_PUBLIC)
 
 
-def __getattr__(name: str) -> Any:
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module 'mbridge_refit' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_getattr(__name__, _PUBLIC)

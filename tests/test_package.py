@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "mbridge_refit"
 
 # Lowest first. A module may import modules of its own layer or of lower layers only.
 LAYERS = (
-    ("errors",),
+    ("errors", "lazy_exports"),
     ("plan",),
     ("runtime",),
     ("fp8",),

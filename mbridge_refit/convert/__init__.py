@@ -18,8 +18,7 @@ anything heavy is imported.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from mbridge_refit.lazy_exports import lazy_getattr
 
 _PUBLIC = {
     "main": "mbridge_refit.convert.app",
@@ -31,8 +30,4 @@ _PUBLIC = {
 __all__ = sorted(_PUBLIC)
 
 
-def __getattr__(name: str) -> Any:
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module 'mbridge_refit.convert' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_getattr(__name__, _PUBLIC)

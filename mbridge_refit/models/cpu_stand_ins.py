@@ -23,6 +23,7 @@ __all__ = [
     "CoreAttention",
     "Gemma3DotProductAttention",
     "Gemma4DotProductAttention",
+    "LocalWindowAttention",
     "LayerNormColumnParallelLinear",
     "RowParallelGroupedLinear",
     "RowParallelLinearLayerNorm",
@@ -223,10 +224,10 @@ class RowParallelLinearLayerNorm(RowParallelLinear):
         return self.post_layernorm(output), bias
 
 
-class Gemma3DotProductAttention(DotProductAttention):
-    """Megatron-Bridge's ``Gemma3TEDotProductAttention`` on CPU (no parameters): a sliding window of
-    ``config.window_size`` on Gemma 3's local layers, global attention on the others, and the
-    vision-language model's own mask (no mask type: its attention bias carries it)."""
+class LocalWindowAttention(DotProductAttention):
+    """Core attention on CPU (no parameters) with a sliding window of ``config.window_size`` on the
+    local layers of an interleaved pattern and global attention on the others; subclasses name the
+    model's own test for a local layer (``is_local_layer``) and may change window and mask."""
 
     def __init__(
         self,
@@ -237,37 +238,47 @@ class Gemma3DotProductAttention(DotProductAttention):
         attention_dropout: Optional[float] = None,
         **kwargs: Any,
     ):
-        from megatron.bridge.models.gemma.gemma3_provider import _is_local_attn_layer
-        from megatron.core.transformer.enums import AttnMaskType
-
         config = copy.deepcopy(config)
-        local = _is_local_attn_layer(layer_number, config.interleaved_attn_pattern)
-        config.window_size = (config.window_size - 1, 0) if local and not config.is_vision_language else None
-        if config.is_vision_language:
-            attn_mask_type = AttnMaskType.no_mask
+        local = self.is_local_layer(layer_number, config.interleaved_attn_pattern)
+        config.window_size, attn_mask_type = self.window_and_mask(config, local, attn_mask_type)
         super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout, **kwargs)
 
+    @staticmethod
+    def is_local_layer(layer_number: int, pattern: Any) -> bool:
+        raise NotImplementedError
 
-class Gemma4DotProductAttention(DotProductAttention):
-    """Megatron-Bridge's ``Gemma4TEDotProductAttention`` (Gemma 4's MoE layers) on CPU (no
-    parameters): a sliding window of ``config.window_size`` on the local layers, global attention
-    on the others."""
+    @staticmethod
+    def window_and_mask(config: Any, local: bool, attn_mask_type: Any) -> tuple[Any, Any]:
+        return ((config.window_size - 1, 0) if local else None), attn_mask_type
 
-    def __init__(
-        self,
-        config: Any,
-        layer_number: int,
-        attn_mask_type: Any,
-        attention_type: str,
-        attention_dropout: Optional[float] = None,
-        **kwargs: Any,
-    ):
+
+class Gemma3DotProductAttention(LocalWindowAttention):
+    """Megatron-Bridge's ``Gemma3TEDotProductAttention`` on CPU: Gemma 3's local layers, and the
+    vision-language model's own mask (no window, no mask type: its attention bias carries it)."""
+
+    @staticmethod
+    def is_local_layer(layer_number: int, pattern: Any) -> bool:
+        from megatron.bridge.models.gemma.gemma3_provider import _is_local_attn_layer
+
+        return _is_local_attn_layer(layer_number, pattern)
+
+    @staticmethod
+    def window_and_mask(config: Any, local: bool, attn_mask_type: Any) -> tuple[Any, Any]:
+        if config.is_vision_language:
+            from megatron.core.transformer.enums import AttnMaskType
+
+            return None, AttnMaskType.no_mask
+        return LocalWindowAttention.window_and_mask(config, local, attn_mask_type)
+
+
+class Gemma4DotProductAttention(LocalWindowAttention):
+    """Megatron-Bridge's ``Gemma4TEDotProductAttention`` (Gemma 4's MoE layers) on CPU."""
+
+    @staticmethod
+    def is_local_layer(layer_number: int, pattern: Any) -> bool:
         from megatron.bridge.models.gemma.modeling_gemma4 import _is_local_attn_layer
 
-        config = copy.deepcopy(config)
-        local = _is_local_attn_layer(layer_number, config.interleaved_attn_pattern)
-        config.window_size = (config.window_size - 1, 0) if local else None
-        super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout, **kwargs)
+        return _is_local_attn_layer(layer_number, pattern)
 
 
 def register_stand_in_types() -> None:

@@ -1,0 +1,28 @@
+"""Lazy public names for a package's ``__init__``: each name is imported from its module on first use.
+
+Importing Megatron-Bridge takes seconds; a package that re-exports names from modules that import
+it (``mbridge_refit``, ``mbridge_refit.convert``) would make every import of the package, and the
+CLI's ``--help``, wait for it. ``lazy_getattr`` is the module-level ``__getattr__`` (PEP 562) that
+defers each import to the first access of its name.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__ = ["lazy_getattr"]
+
+
+def lazy_getattr(package: str, public: Mapping[str, str]) -> Callable[[str], Any]:
+    """A ``__getattr__`` for ``package`` that imports ``public[name]`` (a module's dotted name) and
+    returns its attribute ``name``; other names raise ``AttributeError`` as Python's own would."""
+
+    def __getattr__(name: str) -> Any:
+        module = public.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(module), name)
+
+    return __getattr__
