@@ -73,6 +73,32 @@ class ParamSpec:
         1  # ranks the live parameter is split over (its tensor- or expert-tensor-parallel group), 1: whole
     )
 
+    @classmethod
+    def of_task(
+        cls,
+        task: Any,
+        placement: PlacementKind,
+        *,
+        pp_rank: int,
+        expert: bool,
+        stack: ExpertStack | None = None,
+        source_format: str = PLAIN,
+    ) -> "ParamSpec":
+        """The spec of a conversion task's local parameter (``task.param_weight``) placed so."""
+        weight = task.param_weight
+        return cls(
+            global_name=task.global_param_name,
+            placement=placement,
+            local_shape=tuple(weight.shape),
+            dtype=str(weight.dtype).removeprefix("torch."),
+            pp_rank=pp_rank,
+            vpp_stage=task.vp_stage or 0,
+            is_expert=expert,
+            source_format=source_format,
+            stack=stack,
+            split_over=split_size(weight, expert=expert),
+        )
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RankContribution:
@@ -243,17 +269,13 @@ def _local_spec(task: Any, pp_rank: int, num_experts: int, stored: "StoredShapes
         )
     except PlacementError as err:
         raise PlanError(f"cannot plan {task.global_param_name}: {err}") from err
-    return ParamSpec(
-        global_name=task.global_param_name,
-        placement=placement,
-        local_shape=tuple(weight.shape),
-        dtype=str(weight.dtype).removeprefix("torch."),
+    return ParamSpec.of_task(
+        task,
+        placement,
         pp_rank=pp_rank,
-        vpp_stage=task.vp_stage or 0,
-        is_expert=bool(task.mapping.is_expert),
-        source_format=storage_format(weight),
+        expert=bool(task.mapping.is_expert),
         stack=stack,
-        split_over=split_size(weight, expert=bool(task.mapping.is_expert)),
+        source_format=storage_format(weight),
     )
 
 

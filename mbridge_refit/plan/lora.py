@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mbridge_refit.plan.build import ParallelSizes, ParamSpec, plan_entries, split_size
+from mbridge_refit.plan.build import ParallelSizes, ParamSpec, plan_entries
 from mbridge_refit.plan.entries import ExportPlan, PlanError
 from mbridge_refit.plan.placement import placement_kind
 from mbridge_refit.plan.slices import PlacementKind
@@ -232,8 +232,15 @@ def _factor_specs(adapter: Any, base_kind: PlacementKind, expert: bool, pp_rank:
     a_names = tuple(lora_name(b, "A") for b in bases)
     b_names = tuple(lora_name(b, "B") for b in bases)
     specs = (
-        _spec(adapter.linear_in_task, PlacementKind(kind=a_kind, hf_names=a_names[:1]), expert, pp_rank),
-        _spec(adapter.linear_out_task, dataclasses.replace(base_kind, kind=b_kind, hf_names=b_names), expert, pp_rank),
+        ParamSpec.of_task(
+            adapter.linear_in_task, PlacementKind(kind=a_kind, hf_names=a_names[:1]), pp_rank=pp_rank, expert=expert
+        ),
+        ParamSpec.of_task(
+            adapter.linear_out_task,
+            dataclasses.replace(base_kind, kind=b_kind, hf_names=b_names),
+            pp_rank=pp_rank,
+            expert=expert,
+        ),
     )
     targets = tuple(
         AdapterTarget(
@@ -242,17 +249,3 @@ def _factor_specs(adapter: Any, base_kind: PlacementKind, expert: bool, pp_rank:
         for b, a, bn in zip(bases, a_names, b_names)
     )
     return *specs, targets
-
-
-def _spec(task: Any, placement: PlacementKind, expert: bool, pp_rank: int) -> ParamSpec:
-    weight = task.param_weight
-    return ParamSpec(
-        global_name=task.global_param_name,
-        placement=placement,
-        local_shape=tuple(weight.shape),
-        dtype=str(weight.dtype).removeprefix("torch."),
-        pp_rank=pp_rank,
-        vpp_stage=task.vp_stage or 0,
-        is_expert=expert,
-        split_over=split_size(weight, expert=expert),
-    )
