@@ -61,6 +61,8 @@ from mbridge_refit.testing.export_comparison import compare_stream, fp8_expected
 from mbridge_refit.testing.tiny_models import MOE_BLOCK, PACKED_EXPERTS
 
 __all__ = [
+    "add_selection_arguments",
+    "selection",
     "BF16",
     "Cell",
     "CellState",
@@ -489,35 +491,47 @@ def selected_cells(layout_names: Sequence[str], only: Sequence[str] = ()) -> lis
     ]
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
-    )
+def add_selection_arguments(parser: argparse.ArgumentParser, *, layouts_run: str) -> None:
+    """``--layout`` and ``--only``, the cells a conformance launch runs (``selection``)."""
     parser.add_argument(
         "--layout",
         default="tp1",
-        help=f"comma-separated layouts of MATRIX_LAYOUTS ({', '.join(MATRIX_LAYOUTS)}) with one world size, run one after "
-        "the other in this launch (default tp1)",
+        help=f"comma-separated layouts of MATRIX_LAYOUTS ({', '.join(MATRIX_LAYOUTS)}){layouts_run} (default tp1)",
     )
     parser.add_argument(
         "--only", default="", help="comma-separated ARCH (at every layout) or LAYOUT:ARCH (default: each layout's)"
     )
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--json", type=Path, required=True, help="cells go to <stem>.rank<R>.json beside it")
-    args = parser.parse_args(argv)
+
+
+def selection(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> tuple[list[str], list[tuple[str, list[str]]]]:
+    """The layouts named by ``--layout`` and the cells to run (``selected_cells``); a wrong name
+    ends the command through ``parser.error``."""
     layout_names = [name for name in args.layout.split(",") if name]
     unknown = [name for name in layout_names if name not in MATRIX_LAYOUTS]
     if unknown or not layout_names:
         parser.error(f"--layout {args.layout!r}: choose from {', '.join(MATRIX_LAYOUTS)}")
+    try:
+        return layout_names, selected_cells(layout_names, [e for e in args.only.split(",") if e])
+    except ValueError as err:
+        parser.error(str(err))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
+    add_selection_arguments(parser, layouts_run=" with one world size, run one after the other in this launch")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--json", type=Path, required=True, help="cells go to <stem>.rank<R>.json beside it")
+    args = parser.parse_args(argv)
+    layout_names, plan = selection(parser, args)
     world_sizes = {MATRIX_LAYOUTS[name][0].expected_world_size for name in layout_names}
     if len(world_sizes) != 1:
         parser.error(
             f"--layout {args.layout!r}: one launch runs layouts of one world size, these need {sorted(world_sizes)} ranks"
         )
-    try:
-        plan = selected_cells(layout_names, [e for e in args.only.split(",") if e])
-    except ValueError as err:
-        parser.error(str(err))
     from mbridge_refit.convert.session import (
         LaunchEnv,
         distributed_session,

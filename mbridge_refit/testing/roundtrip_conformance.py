@@ -240,27 +240,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
-    parser.add_argument(
-        "--layout",
-        default="tp1",
-        help=f"comma-separated layouts of MATRIX_LAYOUTS ({', '.join(MATRIX_LAYOUTS)}), run one after the other (default tp1)",
-    )
-    parser.add_argument(
-        "--only", default="", help="comma-separated ARCH (at every layout) or LAYOUT:ARCH (default: each layout's)"
-    )
+    conformance.add_selection_arguments(parser, layouts_run=", run one after the other")
     parser.add_argument("--json", type=Path, required=True, help="where the cells go (a JSON list)")
     parser.add_argument(
         "--jobs", type=int, default=1, help="cells of more than one rank run this many at a time (default 1)"
     )
     args = parser.parse_args(argv)
-    layout_names = [name for name in args.layout.split(",") if name]
-    unknown = [name for name in layout_names if name not in MATRIX_LAYOUTS]
-    if unknown or not layout_names:
-        parser.error(f"--layout {args.layout!r}: choose from {', '.join(MATRIX_LAYOUTS)}")
-    try:
-        plan = conformance.selected_cells(layout_names, [e for e in args.only.split(",") if e])
-    except ValueError as err:
-        parser.error(str(err))
+    _, plan = conformance.selection(parser, args)
     logging.basicConfig(
         level=logging.INFO, format="%(message)s"
     )  # convert's own setup replaces it from its first TP1 cell on
