@@ -56,6 +56,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from mbridge_refit.engines.copy_batches import CopySchedule
 from mbridge_refit.engines.fingerprint import differing, named_fingerprints
 from mbridge_refit.errors import EngineError
 
@@ -130,6 +131,7 @@ class ApplyPlan:
     derived: list[str] = field(default_factory=list)  # parameters the engine's processing computes from others
     recomputations: list[tuple[str, Callable[[], object]]] = field(default_factory=list)  # (module, its recompute)
     aliases: dict[str, torch.Tensor] = field(default_factory=dict)  # other parameters viewing a derived one's memory
+    _schedule: CopySchedule | None = field(default=None, repr=False)  # the replay, built at its first run
 
     @property
     def recomputed(self) -> list[str]:
@@ -229,18 +231,32 @@ class ApplyPlan:
         return sorted(moved)
 
     def replay(self) -> None:
-        """Apply the sources' current bytes (same stream as the engine's compute: no sync here)."""
+        """Apply the sources' current bytes (same stream as the engine's compute: no sync here):
+        the recorded copies in groups of independent ones (``engines.copy_batches``), the loader
+        where a tensor is not plain copies, then the recomputations."""
+        if self._schedule is None:
+            self._schedule = self._replay_schedule()
         with torch.no_grad():
-            for step in self.steps:
-                for destination, source in step.refresh:
-                    destination.copy_(source)
-                if step.via_loader:
-                    self.load_weights([(step.name, step.source)])
-                else:
-                    for destination, source in step.copies:
-                        destination.copy_(source)
-            for _, function in self.recomputations:
-                function()
+            self._schedule.run()
+
+    def _replay_schedule(self) -> CopySchedule:
+        """The steps in order as a ``CopySchedule``: a step's refresh before its copies (the
+        schedule orders a copy reading what an earlier one wrote), a loader call after every
+        earlier copy and before every later one."""
+        schedule = CopySchedule()
+        for step in self.steps:
+            for destination, source in step.refresh:
+                schedule.add(destination, source)
+            if step.via_loader:
+                schedule.call(lambda step=step: self.load_weights([(step.name, step.source)]))
+            else:
+                for destination, source in step.copies:
+                    schedule.add(destination, source)
+        for _, function in self.recomputations:
+            schedule.call(function)
+        schedule.barrier()
+        logger.debug("replay: %d copies in %d calls", schedule.copies, len(schedule.calls))
+        return schedule
 
     def compose_rows(self, rows: dict[str, tuple[torch.Tensor, Runs]]) -> list[str]:
         """Sources that are copies of row runs of another tensor (``{name: (origin, runs)}``):
@@ -248,6 +264,7 @@ class ApplyPlan:
         Returns the names that could not be composed; those are refreshed from their runs before
         each replay instead. Call right after ``record``, before ``check_against_loader``."""
         self.rows = dict(rows)
+        self._schedule = None
         refreshed = []
         for step in self.steps:
             if step.name not in rows:
