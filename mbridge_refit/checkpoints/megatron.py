@@ -32,10 +32,11 @@ import dataclasses
 import json
 import logging
 import math
+import pickle
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -71,13 +72,16 @@ __all__ = [
     "TRACKER_NAME",
     "WEIGHTS_DIR",
     "check_pickled_parts",
+    "cpu_save_strategy",
     "fit_problems",
     "load_model",
+    "load_weights",
     "model_keys",
     "model_tensors",
     "read_stored",
     "save_model",
     "sharded_model_state",
+    "stored_in",
 ]
 
 logger = logging.getLogger(__name__)
@@ -243,13 +247,20 @@ def read_stored(path: Path) -> StoredTensors:
     alone; ``NotAMegatronCheckpoint`` if the index does not hold what torch_dist writes there."""
     weights = path / WEIGHTS_DIR
     check_pickled_parts(weights)
-    index = load_index((weights / INDEX_NAME).read_bytes())
+    return stored_in(weights, fix="re-create the checkpoint with `import`")
+
+
+def stored_in(weights: Path, *, fix: str) -> StoredTensors:
+    """The tensors of the torch_dist checkpoint in the directory ``weights``, from its index alone (read
+    through ``dcp_pickles.load_index``; its byte items are not read); ``NotAMegatronCheckpoint`` naming
+    ``fix`` if the index is not one torch_dist writes."""
+    index_path = weights / INDEX_NAME
     try:
+        index = load_index(index_path.read_bytes())
         return _stored(weights, index)
-    except (AttributeError, TypeError, ValueError, KeyError, IndexError, OverflowError) as err:
+    except (AttributeError, TypeError, ValueError, KeyError, IndexError, OverflowError, pickle.UnpicklingError) as err:
         raise NotAMegatronCheckpoint(
-            f"{weights / '.metadata'} does not describe tensors as torch_dist writes them ({type(err).__name__}: "
-            f"{err}): re-create the checkpoint with `import`"
+            f"{index_path} does not describe tensors as torch_dist writes them ({type(err).__name__}: {err}): {fix}"
         ) from err
 
 
@@ -328,10 +339,11 @@ def _any_overlap(chunks: list[tuple[tuple, tuple]]) -> bool:
 
 
 def model_tensors(
-    chunks: list[torch.nn.Module],
+    chunks: list[torch.nn.Module], keep: Callable[[str], bool] | None = None
 ) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], frozenset[str]]:
-    """(key -> (global shape, dtype) of every tensor, keys of byte items) that ``load_model`` would
-    read for this rank's ``chunks``; works on meta-device chunks (nothing is allocated or read)."""
+    """(key -> (global shape, dtype) of every tensor, keys of byte items) that ``load_model`` (or
+    ``load_weights`` with ``keep``) would read for this rank's ``chunks``; works on meta-device chunks
+    (nothing is allocated or read)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import (
         ShardedObject,
@@ -340,7 +352,7 @@ def model_tensors(
     )
     from megatron.core.utils import unwrap_model
 
-    state = sharded_model_state(unwrap_model(chunks))
+    state = sharded_model_state(unwrap_model(chunks), keep)
     apply_factories(state)
     tensors, objects = {}, set()
     for item in nested_values(state):
@@ -389,12 +401,16 @@ def model_keys(num_chunks: int) -> list[str]:
     return ["model"] if num_chunks == 1 else [f"model{i}" for i in range(num_chunks)]
 
 
-def sharded_model_state(chunks: list[torch.nn.Module]) -> dict[str, Any]:
-    """``{"model" | "model<i>": chunk.sharded_state_dict()}`` for this rank's chunks."""
+def sharded_model_state(chunks: list[torch.nn.Module], keep: Callable[[str], bool] | None = None) -> dict[str, Any]:
+    """``{"model" | "model<i>": chunk.sharded_state_dict()}`` for this rank's chunks; with ``keep``,
+    only the entries whose state-dict name it keeps (as Megatron-Bridge filters a PEFT checkpoint)."""
     from megatron.core.utils import unwrap_model
 
     unwrapped = unwrap_model(chunks)
-    return {key: chunk.sharded_state_dict() for key, chunk in zip(model_keys(len(unwrapped)), unwrapped)}
+    states = {key: chunk.sharded_state_dict() for key, chunk in zip(model_keys(len(unwrapped)), unwrapped)}
+    if keep is None:
+        return states
+    return {key: {name: item for name, item in state.items() if keep(name)} for key, state in states.items()}
 
 
 def save_model(
@@ -422,7 +438,7 @@ def save_model(
         dist_checkpointing.save(
             sharded_model_state(chunks),
             str(staging / WEIGHTS_DIR),
-            sharded_strategy=_save_strategy(),
+            sharded_strategy=cpu_save_strategy(),
             content_metadata={"format": FORMAT_NAME},
         )
         dist.barrier()
@@ -460,6 +476,16 @@ def load_model(chunks: list[torch.nn.Module], path: Path) -> None:
     or if a pickled part read now would build anything but checkpoint data (``dcp_pickles``),
     whatever passed ``check_pickled_parts`` before.
     """
+    load_weights(chunks, path / WEIGHTS_DIR, fix="re-create it with `import`")
+
+
+def load_weights(
+    chunks: list[torch.nn.Module], weights: Path, *, fix: str, keep: Callable[[str], bool] | None = None
+) -> None:
+    """Fill the parameters of ``chunks`` (those ``keep`` keeps, or all) from the torch_dist checkpoint
+    in the directory ``weights``, read only through ``dcp_pickles``' checks; collective. Stored tensors
+    the model does not ask for (an optimizer's, say) are not read. Raises ``NotAMegatronCheckpoint``
+    naming ``fix`` when a tensor is missing, does not fit or cannot be read."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from megatron.core.dist_checkpointing.validation import StrictHandling
@@ -467,18 +493,21 @@ def load_model(chunks: list[torch.nn.Module], path: Path) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
     unwrapped = unwrap_model(chunks)
+    strict = StrictHandling.RAISE_ALL if keep is None else StrictHandling.RAISE_UNEXPECTED
     try:
         with checked_megatron_reads():
-            state = dist_checkpointing.load(
-                sharded_model_state(unwrapped), str(path / WEIGHTS_DIR), strict=StrictHandling.RAISE_ALL
-            )
+            state = dist_checkpointing.load(sharded_model_state(unwrapped, keep), str(weights), strict=strict)
     except (CheckpointException, CheckpointingException) as err:  # the first is a BaseException
         raise NotAMegatronCheckpoint(
-            f"cannot read the weights in {path / WEIGHTS_DIR}: {_first_line(err)}. The checkpoint is damaged or does "
-            "not match its config.json: re-create it with `import`"
+            f"cannot read the weights in {weights}: {_first_line(err)}. The checkpoint is damaged or does "
+            f"not match its config: {fix}"
         ) from err
     for key, chunk in zip(model_keys(len(unwrapped)), unwrapped):
-        chunk.load_state_dict(state[key], strict=True)
+        if keep is None:
+            chunk.load_state_dict(state[key], strict=True)
+            continue
+        missing = [name for name in chunk.load_state_dict(state[key], strict=False).missing_keys if keep(name)]
+        assert not missing, f"asked for, not loaded: {missing[:5]}"  # the load above raises first
 
 
 def _first_line(err: BaseException) -> str:
@@ -492,7 +521,7 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
 
 
-def _save_strategy():
+def cpu_save_strategy():
     """Megatron-Core's torch_dist save strategy, written synchronously through torch's DCP writer.
 
     Same files and metadata as ``TorchDistSaveShardedStrategy`` (it is one, so

@@ -43,6 +43,7 @@ from mbridge_refit.checkpoints.megatron import NotAMegatronCheckpoint
 from mbridge_refit.checkpoints.publish import OutputRefused
 from mbridge_refit.convert import commands
 from mbridge_refit.convert.exit_codes import BadInput, ExitCode
+from mbridge_refit.convert.export_adapter import cmd_export_adapter
 from mbridge_refit.convert.launcher import record_exit_code, run_ranks
 from mbridge_refit.convert.parser import build_parser
 from mbridge_refit.convert.session import LaunchEnv
@@ -69,6 +70,7 @@ COMMANDS: dict[str, Callable] = {
     "roundtrip": commands.cmd_roundtrip,
     "import": commands.cmd_import,
     "export": commands.cmd_export,
+    "export-adapter": cmd_export_adapter,
     "plan": commands.cmd_plan,
     "verify": commands.cmd_verify,
     "verify-refit": cmd_verify_refit,

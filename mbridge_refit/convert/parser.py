@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from mbridge_refit.convert.export_adapter import add_export_adapter_parser
 from mbridge_refit.convert.flags import (
     add_device_flag,
     add_fp8_flags,
@@ -34,6 +35,9 @@ examples:
       --hf /tmp/qwen3-tiny --megatron /tmp/qwen3-tiny-mcore --tp 2
   torchrun --nproc-per-node 2 -m mbridge_refit.convert export \\
       --megatron /tmp/qwen3-tiny-mcore --out /tmp/qwen3-tiny-hf --pp 2
+
+  # an HF PEFT adapter from a Megatron-Bridge LoRA training run's checkpoints, onto its base model
+  python -m mbridge_refit.convert export-adapter --megatron RUN/checkpoints --hf BASE_HF --out ADAPTER
 
   # an HF FP8 checkpoint (128x128 blockwise e4m3 + weight_scale_inv) from a bf16 one
   torchrun --nproc-per-node 2 -m mbridge_refit.convert roundtrip \\
@@ -118,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, add_flags in FLAGS.items():
         help_text, description = COMMAND_TEXT[name]
         add_flags(sub.add_parser(name, help=help_text, description=description, allow_abbrev=False))
+    add_export_adapter_parser(sub)
     add_verify_refit_parser(sub)
     return parser
 

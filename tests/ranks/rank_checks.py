@@ -47,9 +47,9 @@ def checker_parser() -> argparse.ArgumentParser:
 
 
 @contextlib.contextmanager
-def checkpoint_session(path: Path, layout) -> Iterator[tuple]:
+def checkpoint_session(path: Path, layout, params_dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple]:
     """Inside a CPU (gloo) session at ``layout``: ``(RefitBridge, model chunks)`` for the checkpoint
-    at ``path``, built in bf16 and loaded from the checkpoint."""
+    at ``path``, built in ``params_dtype`` and loaded from the checkpoint."""
     from mbridge_refit.bridge import RefitBridge
     from mbridge_refit.convert.session import distributed_session
     from mbridge_refit.models.builder import BuildOptions, build_model
@@ -57,6 +57,6 @@ def checkpoint_session(path: Path, layout) -> Iterator[tuple]:
     cpu = torch.device("cpu")
     with distributed_session(layout, device=cpu, timeout=datetime.timedelta(minutes=5)):
         bridge = RefitBridge.from_hf_pretrained(path)
-        chunks = build_model(bridge, layout, BuildOptions(device=cpu, params_dtype=torch.bfloat16))
+        chunks = build_model(bridge, layout, BuildOptions(device=cpu, params_dtype=params_dtype))
         bridge.load_hf_shards(chunks, path)
         yield bridge, chunks
