@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,8 +38,10 @@ __all__ = [
     "StreamPacking",
     "StreamSlot",
     "bucket_events",
-    "checksum",
     "check_member",
+    "checksum",
+    "completed_views",
+    "copy_pieces",
     "flat_bytes",
     "handshake",
     "hex64",
@@ -47,7 +49,6 @@ __all__ = [
     "plan_signature",
     "post_failure",
     "share_verdict",
-    "tensors_completed_in",
 ]
 
 logger = logging.getLogger(__name__)
@@ -347,24 +348,33 @@ def share_verdict(trainer_group: BroadcastGroup, src: int, error: BaseException 
     raise RefitStatusError(f"the packed-broadcast source rank {src} failed: {message}")
 
 
-def tensors_completed_in(
-    bucket: int, events: list, data: torch.Tensor, scratch: torch.Tensor, device: torch.device
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield the tensors whose last byte is in ``bucket``: views of ``data``, or of ``scratch``
-    for a tensor that began in an earlier bucket (its earlier pieces were copied there)."""
+def copy_pieces(events: list, data: torch.Tensor, scratch: torch.Tensor, *, completing: bool) -> None:
+    """Copy into ``scratch`` the pieces in bucket ``data`` of tensors split across buckets: those whose
+    last byte is in this bucket (``completing``), or those that go on into the next one. The
+    receiver copies the completing pieces before it hands the bucket's tensors out and the others
+    after, so one scratch serves every split tensor (at most one completes, and one begins, per bucket)."""
     for slot, within, start, length, complete in events:
-        entry = slot.entry
-        if slot.nbytes == 0:
-            yield entry.hf_name, torch.empty(entry.shape, dtype=entry.torch_dtype, device=device)
-            continue
-        if length == slot.nbytes:
-            view = data[within : within + length]
-        else:
+        if complete == completing and 0 < length < slot.nbytes:
             scratch[start : start + length].copy_(data[within : within + length])
-            if not complete:
-                continue
-            view = scratch[: slot.nbytes]
-        yield entry.hf_name, view.view(entry.torch_dtype).view(entry.shape)
+
+
+def completed_views(
+    events: list, data: torch.Tensor, scratch: torch.Tensor, device: torch.device
+) -> list[tuple[str, torch.Tensor]]:
+    """The tensors whose last byte is in bucket ``data``: views of ``data``, or of ``scratch`` for a
+    tensor split across buckets (its pieces copied there). The same memory every refit, so the
+    views may be made once and kept."""
+    out = []
+    for slot, within, _, length, complete in events:
+        entry = slot.entry
+        if not complete:
+            continue
+        if slot.nbytes == 0:
+            out.append((entry.hf_name, torch.empty(entry.shape, dtype=entry.torch_dtype, device=device)))
+            continue
+        view = data[within : within + length] if length == slot.nbytes else scratch[: slot.nbytes]
+        out.append((entry.hf_name, view.view(entry.torch_dtype).view(entry.shape)))
+    return out
 
 
 def bucket_events(packing: StreamPacking) -> list[list[tuple[StreamSlot, int, int, int, bool]]]:

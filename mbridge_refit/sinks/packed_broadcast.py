@@ -69,6 +69,8 @@ from mbridge_refit.sinks.broadcast_wire import (
     bucket_events,
     check_member,
     checksum,
+    completed_views,
+    copy_pieces,
     flat_bytes,
     handshake,
     hex64,
@@ -76,7 +78,6 @@ from mbridge_refit.sinks.broadcast_wire import (
     plan_signature,
     post_failure,
     share_verdict,
-    tensors_completed_in,
 )
 
 # The wire format's public names are re-exported: importers name the packed broadcast, one module.
@@ -88,6 +89,7 @@ __all__ = [
     "PackedBroadcastReceiver",
     "PackedBroadcastSender",
     "PlanMismatchError",
+    "ReceiveBuffers",
     "RefitStatusError",
     "StreamPacking",
     "checksum",
@@ -358,17 +360,51 @@ def _default_device() -> torch.device:
 # --- receiver -------------------------------------------------------------------------------
 
 
+class ReceiveBuffers:
+    """A receiving end's memory, kept from one refit to the next: the rotating buffers, their
+    checksum slots, the scratch for tensors split across buckets, and each bucket's tensors as
+    views of them, made once.
+
+    Bucket ``b`` always lands in buffer ``b % len(buffers)`` and a split tensor always ends in
+    ``scratch``, so a tensor is the same view of the same memory every refit: a consumer may keep
+    references to those views (``engines.broadcast`` replays recorded copies from them) as long
+    as it keeps this object. Pass it to each refit's :class:`PackedBroadcastReceiver`.
+    """
+
+    def __init__(self, plan: ExportPlan | str, config: PackedBroadcastConfig, device: torch.device | str) -> None:
+        self.plan, self.config, self.packing, self.device = _endpoint(plan, config, device)
+        count = min(config.num_buffers, max(self.packing.num_buckets, 1))
+        self.buffers = [torch.empty(config.bucket_bytes, dtype=torch.uint8, device=self.device) for _ in range(count)]
+        self.sums = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in self.buffers]
+        self.scratch = torch.empty(self.packing.max_split_bytes(), dtype=torch.uint8, device=self.device)
+        self.events = bucket_events(self.packing)
+        self.data = [self.buffers[b % count][: self.packing.bucket_length(b)] for b in range(self.packing.num_buckets)]
+        self.tensors = [
+            completed_views(self.events[b], data, self.scratch, self.device) for b, data in enumerate(self.data)
+        ]
+
+    def storages(self) -> list[torch.Tensor]:
+        """The tensors whose memory every received view lies in (buffers and scratch)."""
+        return [*self.buffers, self.scratch]
+
+
 class PackedBroadcastReceiver:
     """Receives a packed broadcast and yields ``(hf_name, tensor)`` in plan order.
 
     Construct on each receiver rank, with the sender's plan (an :class:`ExportPlan` or its JSON)
     and the same :class:`PackedBroadcastConfig`; the constructor runs the handshake (collective
     over ``group``) and raises :class:`PlanMismatchError` naming both fingerprints and the first
-    differing entry. Then iterate :meth:`receive` (or ``drain(receiver.receive(), sink)``).
+    differing entry. Then iterate :meth:`receive` (or ``drain(receiver.receive(), sink)``), or
+    :meth:`receive_buckets` for the tensors one bucket at a time.
+
+    ``buffers``: the :class:`ReceiveBuffers` of earlier refits of the same plan and config (their
+    memory and views are reused, and the plan is not parsed again); default: allocated for this
+    refit alone.
 
     Tensor lifetime: each yielded tensor is a view of a receive buffer (or of one scratch tensor
-    for a tensor split across buffers) and is valid until the generator advances; copy it to
-    keep it. ``num_buffers - 1`` buckets are in flight while one is consumed.
+    for a tensor split across buffers) and is valid until the generator advances past its bucket
+    (:meth:`receive`: until it advances; :meth:`receive_buckets`: until the next bucket); copy it
+    to keep it. ``num_buffers - 1`` buckets are in flight while one is consumed.
 
     With checksums on, a bucket whose checksum differs raises :class:`ChecksumError` (naming the
     bucket and its tensors) before any of its tensors is yielded; the receiver first runs the
@@ -385,9 +421,18 @@ class PackedBroadcastReceiver:
         group: Any,
         src: int,
         device: torch.device | str | None = None,
+        buffers: ReceiveBuffers | None = None,
     ) -> None:
-        self.plan, self.config, self.packing, self.device = _endpoint(plan, config, device)
+        if buffers is None:
+            self.plan, self.config, self.packing, self.device = _endpoint(plan, config, device)
+        elif buffers.plan is not plan or buffers.config != config:
+            raise ValueError(
+                "`buffers` were made for another plan or config: make ReceiveBuffers(plan, config, device)"
+            )
+        else:
+            self.plan, self.config, self.packing, self.device = plan, config, buffers.packing, buffers.device
         self.group, self.src = as_broadcast_group(group), src
+        self._buffers = buffers
         self._used = False
         self.settled = False  # the protocol ended in a state every member knows (module docstring)
         check_member(self.group)
@@ -416,34 +461,31 @@ class PackedBroadcastReceiver:
 
     def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Run the bulk broadcasts and yield every tensor of the plan (once per receiver)."""
+        return _each_tensor(self.receive_buckets())
+
+    def receive_buckets(self) -> Iterator[tuple[int, list[tuple[str, torch.Tensor]]]]:
+        """Run the bulk broadcasts and yield ``(bucket, its tensors)`` for every bucket, in order:
+        the tensors whose last byte is in that bucket (once per receiver)."""
         if self._used:
             raise RuntimeError("PackedBroadcastReceiver.receive() runs once; construct a new receiver per refit")
         self._used = True
         return self._receive()
 
-    def _receive(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _receive(self) -> Iterator[tuple[int, list[tuple[str, torch.Tensor]]]]:
         packing, config = self.packing, self.config
-        n = config.num_buffers
         try:
-            buffers = [
-                torch.empty(config.bucket_bytes, dtype=torch.uint8, device=self.device)
-                for _ in range(min(n, max(packing.num_buckets, 1)))
-            ]
-            sums = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in buffers]
-            scratch = torch.empty(packing.max_split_bytes(), dtype=torch.uint8, device=self.device)
+            memory = self._buffers or ReceiveBuffers(self.plan, config, self.device)
         except BaseException as err:  # e.g. out of memory: the sender is about to broadcast
             post_failure(self.group, "a packed-broadcast receiver", err)
             raise
+        buffers, sums, data = memory.buffers, memory.sums, memory.data
         works: dict[int, list[Any]] = {}
-        events = bucket_events(packing)
 
         def post(bucket: int) -> None:
             if bucket < packing.num_buckets:
-                index = bucket % len(buffers)
-                data = buffers[index][: packing.bucket_length(bucket)]
-                works[bucket] = [self.group.broadcast(data, self.src, async_op=True)]
+                works[bucket] = [self.group.broadcast(data[bucket], self.src, async_op=True)]
                 if config.checksum:
-                    works[bucket].append(self.group.broadcast(sums[index], self.src, async_op=True))
+                    works[bucket].append(self.group.broadcast(sums[bucket % len(buffers)], self.src, async_op=True))
 
         status, failed_bucket, error = STATUS_OK, 0, None
         next_post, at_yield = 0, False
@@ -454,17 +496,17 @@ class PackedBroadcastReceiver:
             for bucket in range(packing.num_buckets):
                 for work in works.pop(bucket):
                     work.wait()
-                index = bucket % len(buffers)
-                data = buffers[index][: packing.bucket_length(bucket)]
                 if config.checksum:
-                    error = self._verify(bucket, data, int(sums[index]))
+                    error = self._verify(bucket, data[bucket], int(sums[bucket % len(buffers)]))
                     if error is not None:
                         status, failed_bucket = STATUS_CHECKSUM, bucket
                         break
-                for item in tensors_completed_in(bucket, events[bucket], data, scratch, self.device):
-                    at_yield = True
-                    yield item
-                    at_yield = False
+                events = memory.events[bucket]
+                copy_pieces(events, data[bucket], memory.scratch, completing=True)
+                at_yield = True
+                yield bucket, memory.tensors[bucket]
+                at_yield = False
+                copy_pieces(events, data[bucket], memory.scratch, completing=False)
                 post(next_post)  # this bucket's buffer is free again
                 next_post += 1
         except BaseException as err:
@@ -496,3 +538,15 @@ class PackedBroadcastReceiver:
             post_failure(self.group, "a packed-broadcast receiver", err)
             raise
         self.settled = True
+
+
+def _each_tensor(
+    buckets: Iterator[tuple[int, list[tuple[str, torch.Tensor]]]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The buckets' tensors one by one; closing this closes the buckets' generator (the receiver
+    then reports the consumer's failure, as if it had stopped at the bucket)."""
+    try:
+        for _, tensors in buckets:
+            yield from tensors
+    finally:
+        buckets.close()
