@@ -59,7 +59,7 @@ from torch.overrides import TorchFunctionMode
 from mbridge_refit.engines.fingerprint import differing, named_fingerprints
 from mbridge_refit.errors import EngineError
 
-__all__ = ["ApplyPlan", "ApplyPlanError", "Copy", "LoadWeights", "Recompute", "Runs", "StagedLoad"]
+__all__ = ["ApplyPlan", "ApplyPlanError", "Copy", "LoadRecording", "LoadWeights", "Recompute", "Runs", "StagedLoad"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +108,7 @@ class _Step:
     wrote: bool = False  # some engine tensor took bytes of this source (perhaps while a later source loaded)
     refresh: list[Copy] = field(default_factory=list)  # run before the step: the source rebuilt from its rows
     composed: bool = False  # the copies read the source's rows where they live, not the source
+    targets: set[str] = field(default_factory=set)  # engine tensors this source's load wrote (seen)
 
 
 @dataclass
@@ -167,51 +168,19 @@ class ApplyPlan:
         ``staged``: record through the engine's reload bracket (module docstring); every tensor
         must then be plain copies, or the plan is refused. ``recompute``: how the engine
         recomputes a module's derived parameters (module docstring)."""
-        load_weights = load_weights or model.load_weights
-        params = _unique_tensors([*model.named_parameters(), *model.named_buffers()])
-        recorder = _CopyRecorder(params, sources, compose_staged=staged is not None)
-        steps = []
-        bracket = staged.around(lambda: recorder.recording(None)) if staged is not None else contextlib.nullcontext()
+        recording = LoadRecording(model, [t for _, t in sources], load_weights, staged=staged, recompute=recompute)
+        bracket = staged.around(recording.processing) if staged is not None else contextlib.nullcontext()
         with torch.no_grad(), bracket:
             for name, tensor in sources:
-                step = _Step(name=name, source=tensor)
                 try:
-                    with recorder.recording(step):
-                        load_weights([(name, tensor)])
+                    recording.load(name, tensor)
                 except Exception as err:
                     raise ApplyPlanError(
                         f"the engine's load_weights failed on {name} {tuple(tensor.shape)} {tensor.dtype}: "
                         f"{type(err).__name__}: {err}. An engine that replaces its parameters after loading "
                         "(vLLM's FP8 linear layers do) is recorded through its reload bracket (StagedLoad)"
                     ) from err
-                steps.append(step)
-        parameter_names = frozenset(_unique_tensors(model.named_parameters()))  # one name per storage
-        unwritten = sorted(name for name in parameter_names if name not in recorder.written)
-        recomputations = _recompute(model, unwritten if staged is None else sorted(recorder.derived), recompute)
-        if staged is None:
-            with torch.no_grad(), recorder.recording(None):  # processing the plain loader left to the engine
-                for _, function in recomputations:
-                    function()
-        plan = cls(
-            steps=steps,
-            load_weights=load_weights,
-            params=params,
-            written=recorder.written,
-            unexpected=sorted(step.name for step in steps if not step.wrote),
-            parameter_names=parameter_names,
-            owners=_owners(model, recorder.written),
-            derived=sorted(recorder.derived),
-            recomputations=recomputations,
-            aliases=_aliases(model, params, recorder.derived),
-        )
-        if staged is not None and plan.via_loader:
-            loaded = [f"{step.name} ({step.reason})" for step in steps if step.via_loader]
-            raise ApplyPlanError(
-                f"{len(loaded)} tensor(s) are not loaded by plain copies through the engine's reload, e.g. "
-                f"{loaded[:3]}: they cannot be replayed, and loading them alone outside a reload would write "
-                "checkpoint-format data into processed parameters"
-            )
-        return plan
+        return recording.finish()
 
     def targets_moved(self, model: torch.nn.Module) -> list[str]:
         """Written parameters whose storage ``model`` no longer uses (the engine replaced them,
@@ -231,16 +200,22 @@ class ApplyPlan:
     def replay(self) -> None:
         """Apply the sources' current bytes (same stream as the engine's compute: no sync here)."""
         with torch.no_grad():
-            for step in self.steps:
-                for destination, source in step.refresh:
-                    destination.copy_(source)
-                if step.via_loader:
-                    self.load_weights([(step.name, step.source)])
-                else:
-                    for destination, source in step.copies:
-                        destination.copy_(source)
+            _replay_steps(self.steps, self.load_weights)
             for _, function in self.recomputations:
                 function()
+
+    def replay_steps(self, steps: Iterable[_Step]) -> None:
+        """Apply the current bytes of some sources only (a streamed refit: the sources that just
+        arrived; derived parameters are not recomputed here)."""
+        with torch.no_grad():
+            _replay_steps(steps, self.load_weights)
+
+    def load_every_step(self, names: Iterable[str], reason: str) -> None:
+        """Send the named sources through the engine's loader on every replay (``reason``: why)."""
+        wanted = set(names)
+        for step in self.steps:
+            if step.name in wanted and not step.via_loader:
+                step.via_loader, step.reason = True, reason
 
     def compose_rows(self, rows: dict[str, tuple[torch.Tensor, Runs]]) -> list[str]:
         """Sources that are copies of row runs of another tensor (``{name: (origin, runs)}``):
@@ -274,12 +249,7 @@ class ApplyPlan:
         """Raise ``ApplyPlanError`` unless a replay rewrites every written parameter exactly as the
         loader did (call right after ``record``; the parameters keep the loaded values)."""
         written = {name: self.params[name] for name in self.written} | self.aliases
-        expected = named_fingerprints(written.items())
-        with torch.no_grad():
-            for tensor in written.values():
-                _scribble(tensor)
-        self.replay()
-        wrong = differing(expected, named_fingerprints(written.items()))
+        wrong = _replay_differs(written, named_fingerprints(written.items()), self.replay)
         if wrong:
             recomputed = {name for name, _ in self.recomputations}
             orphans = [name for name in wrong if name in self.derived and _module_of(name) not in recomputed]
@@ -295,15 +265,115 @@ class ApplyPlan:
             )
 
 
+class LoadRecording:
+    """The engine's loader recorded one source at a time, as the sources arrive: ``load`` each,
+    then ``finish`` for the plan (``ApplyPlan.record`` is this over a list). ``sources``: tensors
+    whose memory holds every source that will be loaded (a streamed refit names its receive
+    buffers). ``staged``: recorded inside the engine's reload bracket, entered by the caller with
+    ``processing`` as its ``during_end`` (``StagedLoad.around(recording.processing)``).
+
+    ``check(steps)`` proves some steps while their sources still hold what was loaded (a streamed
+    refit overwrites its buffers): the loader and the replay each run again from the same
+    scribbled parameters and must leave the same bytes; the parameters then get back what the
+    recorded load wrote. ``loaded``: the union of what the loader returned, if it returns the
+    names it loaded (vLLM's do), else None.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        sources: Iterable[torch.Tensor],
+        load_weights: LoadWeights | None = None,
+        *,
+        staged: StagedLoad | None = None,
+        recompute: Recompute | None = None,
+    ) -> None:
+        self.model, self.load_weights = model, load_weights or model.load_weights
+        self.staged, self.recompute = staged, recompute
+        self.params = _unique_tensors([*model.named_parameters(), *model.named_buffers()])
+        self.recorder = _CopyRecorder(self.params, sources, compose_staged=staged is not None)
+        self.steps: list[_Step] = []
+        self.loaded: set[str] | None = set()
+
+    def processing(self) -> "_CopyRecorder._Recording":
+        """Recording while the reload bracket processes its layers (no source of its own)."""
+        return self.recorder.recording(None)
+
+    def load(self, name: str, tensor: torch.Tensor) -> _Step:
+        """Load one source through the engine's loader, recording its copies (errors as the loader raises them)."""
+        step = _Step(name=name, source=tensor)
+        with torch.no_grad(), self.recorder.recording(step):
+            result = self.load_weights([(name, tensor)])
+        self.steps.append(step)
+        self.loaded = (
+            self.loaded | set(result) if isinstance(result, (set, frozenset)) and self.loaded is not None else None
+        )
+        return step
+
+    def check(self, steps: list[_Step]) -> None:
+        """Raise ``ApplyPlanError`` unless replaying ``steps`` writes what the loader writes from
+        their sources as they are now (class docstring)."""
+        tensors = {name: self.params[name] for name in sorted({t for step in steps for t in step.targets})}
+        kept = {name: tensor.clone() for name, tensor in tensors.items()}
+        try:
+            with torch.no_grad():
+                for tensor in tensors.values():
+                    _scribble(tensor)
+                for step in steps:
+                    self.load_weights([(step.name, step.source)])
+            expected = named_fingerprints(tensors.items())
+            wrong = _replay_differs(tensors, expected, lambda: _replay_steps(steps, self.load_weights))
+        finally:
+            with torch.no_grad():
+                for name, tensor in tensors.items():
+                    tensor.copy_(kept[name])
+        if wrong:
+            raise ApplyPlanError(
+                f"replaying the recorded copies does not reproduce the engine's loader for {len(wrong)} "
+                f"parameter(s), e.g. {wrong[:5]} (loading {[step.name for step in steps][:5]})"
+            )
+
+    def finish(self) -> ApplyPlan:
+        """The plan of everything loaded (the recorded load itself has written the engine)."""
+        recorder, staged, model = self.recorder, self.staged, self.model
+        parameter_names = frozenset(_unique_tensors(model.named_parameters()))  # one name per storage
+        unwritten = sorted(name for name in parameter_names if name not in recorder.written)
+        recomputations = _recompute(model, unwritten if staged is None else sorted(recorder.derived), self.recompute)
+        if staged is None:
+            with torch.no_grad(), recorder.recording(None):  # processing the plain loader left to the engine
+                for _, function in recomputations:
+                    function()
+        plan = ApplyPlan(
+            steps=self.steps,
+            load_weights=self.load_weights,
+            params=self.params,
+            written=recorder.written,
+            unexpected=sorted(step.name for step in self.steps if not step.wrote),
+            parameter_names=parameter_names,
+            owners=_owners(model, recorder.written),
+            derived=sorted(recorder.derived),
+            recomputations=recomputations,
+            aliases=_aliases(model, self.params, recorder.derived),
+        )
+        if staged is not None and plan.via_loader:
+            loaded = [f"{step.name} ({step.reason})" for step in self.steps if step.via_loader]
+            raise ApplyPlanError(
+                f"{len(loaded)} tensor(s) are not loaded by plain copies through the engine's reload, e.g. "
+                f"{loaded[:3]}: they cannot be replayed, and loading them alone outside a reload would write "
+                "checkpoint-format data into processed parameters"
+            )
+        return plan
+
+
 class _CopyRecorder(TorchFunctionMode):
     """Notes copies from a source tensor into a parameter while one source is being loaded."""
 
     def __init__(
-        self, params: dict[str, torch.Tensor], sources: list[tuple[str, torch.Tensor]], compose_staged: bool = False
+        self, params: dict[str, torch.Tensor], sources: Iterable[torch.Tensor], compose_staged: bool = False
     ) -> None:
         super().__init__()
         self._param_of = {t.untyped_storage().data_ptr(): name for name, t in params.items() if t.numel()}
-        self._sources = {t.untyped_storage().data_ptr() for _, t in sources if t.numel()}
+        self._sources = {t.untyped_storage().data_ptr() for t in sources if t.numel()}
         self.written: dict[str, int] = {}
         self.derived: set[str] = set()  # written outside any source's load, from no staged source
         self._step: _Step | None = None
@@ -412,6 +482,7 @@ class _CopyRecorder(TorchFunctionMode):
             self.derived.add(target)  # the engine's own processing, from elsewhere: recomputed, or the check judges it
             return
         owner.wrote = True
+        owner.targets.add(target)
         if from_source:
             owner.copies.append((destination, source))
         else:  # a temporary or a scalar, made by the loader
@@ -438,8 +509,32 @@ class _CopyRecorder(TorchFunctionMode):
         for view, source, step in writes:
             placed = destination.as_strided(view.shape, view.stride(), view.storage_offset() + shift)
             step.copies.append((placed, source))
+            step.targets.add(target)
             self.written[target] = self.written.get(target, 0) + _nbytes(placed)
         return True
+
+
+def _replay_steps(steps: Iterable[_Step], load_weights: LoadWeights) -> None:
+    """Each step's recorded copies, or its load through the engine's loader (under ``no_grad``)."""
+    for step in steps:
+        for destination, source in step.refresh:
+            destination.copy_(source)
+        if step.via_loader:
+            load_weights([(step.name, step.source)])
+        else:
+            for destination, source in step.copies:
+                destination.copy_(source)
+
+
+def _replay_differs(
+    tensors: dict[str, torch.Tensor], expected: dict[str, tuple[int, int]], replay: Callable[[], None]
+) -> list[str]:
+    """Names among ``tensors`` whose fingerprints after scribbling them and running ``replay`` are not ``expected``."""
+    with torch.no_grad():
+        for tensor in tensors.values():
+            _scribble(tensor)
+    replay()
+    return differing(expected, named_fingerprints(tensors.items()))
 
 
 def _recompute(
