@@ -46,11 +46,15 @@ def test_refit_into_engine_layout(recipe, layout, source_checkpoints, tmp_path):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize(("recipe", "layout"), [("qwen3-tiny", "tp2"), ("qwen3-moe-tiny", "ep2")])
+@pytest.mark.parametrize(
+    ("recipe", "layout"), [("qwen3-tiny", "tp1"), ("qwen3-tiny", "tp2"), ("qwen3-moe-tiny", "ep2")]
+)
 def test_broadcast_refit_into_engine_layout(recipe, layout, source_checkpoints, tmp_path):
-    """``VLLMBroadcastRefit`` from trainer ranks into an engine worker joined by address: exact
-    against the checkpoint and the changed model's stock export; an unloaded engine parameter, a
-    failing loader and a plan mismatch fail on every rank, none hangs, and the next refit is exact."""
+    """``VLLMBroadcastRefit`` from trainer ranks into an engine worker joined by address: the first
+    refit records the engine's loader and is exact against the checkpoint; the next two replay the
+    recorded copies and are exact against the changed model's stock export; a loader the recorder
+    cannot see through, an unloaded engine parameter, a failing loader and a plan mismatch fail on
+    every rank, none hangs, and the next refit is exact."""
     nproc, flags = layout_flags(layout)
     port = free_port()
     run = torchrun(
@@ -70,9 +74,12 @@ def test_broadcast_refit_into_engine_layout(recipe, layout, source_checkpoints, 
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
     source, others = reports[0], reports[1:]
     assert all(r["ok"] for r in reports)
-    for case in ("unloaded", "loader", "mismatch"):
+    assert source["modes"] == ["recorded", "replayed", "replayed"], source["modes"]
+    assert all(count > 0 for count in source["via_loader"]), source["via_loader"]  # the norms, through a temporary
+    for case in ("sneaky", "unloaded", "loader", "mismatch"):
         assert not any(r[case]["ok"] for r in reports), case
         assert all(r[case]["seconds"] < 30 for r in reports), case
+    assert source["sneaky"]["error"].startswith("ApplyPlanError") and "does not reproduce" in source["sneaky"]["error"]
     assert source["unloaded"]["error"].startswith("BroadcastRefitError") and "['extra']" in source["unloaded"]["error"]
     assert source["loader"]["error"].startswith("ValueError: test loader rejects the 5th tensor"), source["loader"]
     assert (
@@ -83,6 +90,7 @@ def test_broadcast_refit_into_engine_layout(recipe, layout, source_checkpoints, 
         assert other["unloaded"]["error"].startswith("RefitStatusError") and "['extra']" in other["unloaded"]["error"]
         assert "test loader rejects" in other["loader"]["error"] or "consumer failed" in other["loader"]["error"], other
         assert "PlanMismatchError" in other["mismatch"]["error"], other
+        assert "does not reproduce" in other["sneaky"]["error"] or "consumer failed" in other["sneaky"]["error"], other
 
 
 def test_fingerprint_is_exact():

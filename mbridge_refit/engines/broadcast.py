@@ -39,13 +39,14 @@ from typing import Any
 
 import torch
 
-from mbridge_refit.engines.apply_plan import LoadWeights, StagedLoad
+from mbridge_refit.engines.apply_plan import ApplyPlan, LoadRecording, LoadWeights, StagedLoad
 from mbridge_refit.errors import EngineError
 from mbridge_refit.runtime.broadcast_group import StoreGroup
 from mbridge_refit.sinks.packed_broadcast import (
     PackedBroadcastConfig,
     PackedBroadcastReceiver,
     PlanMismatchError,
+    ReceiveBuffers,
     post_failure,
 )
 
@@ -68,6 +69,8 @@ class ReceiveReport:
     bytes: int
     unloaded: list[str]  # engine parameters the loader did not report as loaded (when it reports)
     receive_ms: float
+    mode: str  # "recorded" (the loader, its copies recorded and proven), "replayed", or "loader" (every tensor)
+    via_loader: int  # tensors that went through the engine's loader
 
 
 class BroadcastTarget:
@@ -86,12 +89,18 @@ class BroadcastTarget:
         *,
         staged: StagedLoad | None = None,
         allow_partial: bool = False,
+        check: bool = True,
     ) -> None:
         self.load_weights, self.model, self.device = load_weights, model, torch.device(device)
-        self.staged, self.allow_partial = staged, allow_partial
+        self.staged, self.allow_partial, self.check = staged, allow_partial, check
         self.group: StoreGroup | None = None
         self.plan_json: str | None = None
         self.config: PackedBroadcastConfig | None = None
+        self._memory: ReceiveBuffers | None = None  # kept across the session's refits
+        self._memory_for: tuple = ()
+        self._plan: ApplyPlan | None = None  # the loader's copies, recorded from views of self._memory
+        self._steps: list[list] = []  # the plan's steps by the bucket their tensors complete in
+        self._unloaded_now: list[str] = []
 
     def join(
         self,
@@ -134,50 +143,112 @@ class BroadcastTarget:
         started = time.perf_counter()
         receiver = None
         try:
+            memory = self._receive_buffers()
             receiver = PackedBroadcastReceiver(
-                self.plan_json, self.config, group=self.group, src=SOURCE_RANK, device=self.device
+                memory.plan, self.config, group=self.group, src=SOURCE_RANK, device=self.device, buffers=memory
             )
-            counter = self._load(receiver.receive())
+            mode = self._apply(receiver, memory)
             self.group.synchronize()  # watched: a load waiting for a broadcast whose sender failed ends
         except BaseException as err:
             if not isinstance(err, PlanMismatchError) and (receiver is None or not receiver.settled):
                 # the trainer may still wait in the protocol (a plan mismatch is settled by the handshake)
                 post_failure(self.group, f"engine worker {self.group.rank}", err)
             raise
-        loaded = counter.loaded
-        unloaded = self._unloaded(loaded) if isinstance(loaded, (set, frozenset)) else []
         report = ReceiveReport(
-            tensors=counter.tensors,
-            bytes=counter.bytes,
-            unloaded=unloaded,
+            tensors=len(memory.packing.slots),
+            bytes=sum(slot.nbytes for slot in memory.packing.slots),
+            unloaded=self._unloaded_now,
             receive_ms=(time.perf_counter() - started) * 1e3,
+            mode=mode,
+            via_loader=len(self._plan.via_loader) if self._plan is not None else len(memory.packing.slots),
         )
-        if unloaded and not self.allow_partial:
+        if report.unloaded and not self.allow_partial:
             raise BroadcastRefitError(
-                f"the refit left {len(unloaded)} engine parameters unloaded, e.g. {unloaded[:4]}: the trainer's export "
-                "does not cover this engine's model (another model or a subset); pass allow_partial=True for a subset refit"
+                f"the refit left {len(report.unloaded)} engine parameters unloaded, e.g. {report.unloaded[:4]}: the "
+                "trainer's export does not cover this engine's model (another model or a subset); pass "
+                "allow_partial=True for a subset refit"
             )
         return asdict(report)
 
-    def _load(self, stream: Iterator[tuple[str, torch.Tensor]]) -> "_Counter":
-        """Feed the received stream to the engine's loader (inside its reload bracket, if any)."""
-        counter = _Counter(stream, copy=self.staged is not None)
+    def _receive_buffers(self) -> ReceiveBuffers:
+        """The session's receive buffers; made again (and the recording dropped) when the plan or config changed."""
+        memory = self._memory
+        if memory is None or self._memory_for != (self.plan_json, self.config):
+            self._memory = self._plan = None  # free the old buffers first
+            memory = ReceiveBuffers(self.plan_json, self.config, self.device)
+            self._memory, self._memory_for = memory, (self.plan_json, self.config)
+        return memory
+
+    def _apply(self, receiver: PackedBroadcastReceiver, memory: ReceiveBuffers) -> str:
+        """Load the received refit: replay the recorded copies bucket by bucket, or record them
+        (the first refit, or the engine moved a parameter the plan writes), or, under a reload
+        bracket, hand every tensor to the loader. Returns which it did."""
+        if self.staged is not None:
+            self._unloaded_now = self._load(receiver.receive())
+            return "loader"
+        moved = self._plan.targets_moved(self.model) if self._plan is not None else []
+        if moved:
+            logger.warning(
+                "broadcast refit: %d engine parameter(s) were reallocated since the copies were recorded (e.g. %s): "
+                "recording the engine's loader again",
+                len(moved),
+                moved[:3],
+            )
+        buckets = receiver.receive_buckets()
         try:
-            if self.staged is not None:
-                with self.staged.around():
-                    counter.loaded = self.load_weights(counter)
-            else:
+            if self._plan is not None and not moved:
+                for bucket, _ in buckets:
+                    self._plan.replay_steps(self._steps[bucket])
+                return "replayed"
+            self._plan = None
+            self._record(buckets, memory)
+            return "recorded"
+        except BaseException:
+            buckets.close()  # stopped at a bucket: the receiver runs the protocol to its end, reporting the failure
+            raise
+
+    def _record(self, buckets: Iterator[tuple[int, list[tuple[str, torch.Tensor]]]], memory: ReceiveBuffers) -> None:
+        """This refit loaded through the engine's loader, one tensor at a time, its copies recorded
+        and each bucket's proven (``check``) before its buffer is received into again."""
+        recording = LoadRecording(self.model, memory.storages(), self.load_weights)
+        steps = []
+        for _, tensors in buckets:
+            loaded = [recording.load(name, tensor) for name, tensor in tensors]
+            if self.check:
+                recording.check(loaded)
+            steps.append(loaded)
+        plan = recording.finish()
+        if plan.unexpected:
+            plan.load_every_step(plan.unexpected, "the engine's loader wrote no parameter from it")
+        if plan.via_loader:
+            logger.info(
+                "broadcast refit: %d tensor(s) go through the engine's loader every step, e.g. %s",
+                len(plan.via_loader),
+                [f"{s.name} ({s.reason})" for s in plan.steps if s.via_loader][:3],
+            )
+        loaded = recording.loaded
+        self._unloaded_now = self._unloaded(loaded) if loaded is not None else []
+        self._plan, self._steps = plan, steps
+
+    def _load(self, stream: Iterator[tuple[str, torch.Tensor]]) -> list[str]:
+        """Feed the received stream to the engine's loader inside its reload bracket; the parameters
+        it left unloaded."""
+        counter = _Counter(stream, copy=True)
+        try:
+            with self.staged.around():
                 counter.loaded = self.load_weights(counter)
             counter.drain()  # a loader that stops early still runs the protocol to its end
         except BaseException:
             stream.close()  # stopped at a tensor: the receiver runs the protocol to its end, reporting the failure
             raise
-        return counter
+        loaded = counter.loaded
+        return self._unloaded(loaded) if isinstance(loaded, (set, frozenset)) else []
 
     def close(self) -> None:
         if self.group is not None:
             self.group.close()
         self.group, self.plan_json, self.config = None, None, None
+        self._memory, self._plan, self._steps = None, None, []
 
     def _unloaded(self, loaded: set[str]) -> list[str]:
         """Parameters (by identity, under any of their names) no loaded name reaches. A loader may
@@ -199,17 +270,14 @@ class BroadcastTarget:
 
 
 class _Counter:
-    """The received stream as the loader reads it, counted; copied first under a reload bracket."""
+    """The received stream as the loader reads it under a reload bracket: each tensor copied first."""
 
     def __init__(self, stream: Iterator[tuple[str, torch.Tensor]], *, copy: bool) -> None:
         self.stream, self.copy = stream, copy
-        self.tensors = self.bytes = 0
         self.loaded: Any = None  # what the loader returned
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self.stream:
-            self.tensors += 1
-            self.bytes += tensor.numel() * tensor.element_size()
             yield name, tensor.clone() if self.copy else tensor
 
     def drain(self) -> None:

@@ -41,7 +41,6 @@ __all__ = [
     "check_member",
     "checksum",
     "completed_views",
-    "copy_pieces",
     "flat_bytes",
     "handshake",
     "hex64",
@@ -49,6 +48,7 @@ __all__ = [
     "plan_signature",
     "post_failure",
     "share_verdict",
+    "split_pieces",
 ]
 
 logger = logging.getLogger(__name__)
@@ -348,14 +348,19 @@ def share_verdict(trainer_group: BroadcastGroup, src: int, error: BaseException 
     raise RefitStatusError(f"the packed-broadcast source rank {src} failed: {message}")
 
 
-def copy_pieces(events: list, data: torch.Tensor, scratch: torch.Tensor, *, completing: bool) -> None:
-    """Copy into ``scratch`` the pieces in bucket ``data`` of tensors split across buckets: those whose
-    last byte is in this bucket (``completing``), or those that go on into the next one. The
-    receiver copies the completing pieces before it hands the bucket's tensors out and the others
-    after, so one scratch serves every split tensor (at most one completes, and one begins, per bucket)."""
-    for slot, within, start, length, complete in events:
-        if complete == completing and 0 < length < slot.nbytes:
-            scratch[start : start + length].copy_(data[within : within + length])
+def split_pieces(
+    events: list, data: torch.Tensor, scratch: torch.Tensor, *, completing: bool
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(scratch view, data view)`` of each piece in bucket ``data`` of a tensor split across
+    buckets: of those whose last byte is in this bucket (``completing``), or of those that go on
+    into the next one. The receiver copies the completing pieces before it hands the bucket's
+    tensors out and the others after, so one scratch serves every split tensor (at most one
+    completes, and one begins, per bucket)."""
+    return [
+        (scratch[start : start + length], data[within : within + length])
+        for slot, within, start, length, complete in events
+        if complete == completing and 0 < length < slot.nbytes
+    ]
 
 
 def completed_views(

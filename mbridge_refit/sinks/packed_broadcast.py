@@ -70,7 +70,6 @@ from mbridge_refit.sinks.broadcast_wire import (
     check_member,
     checksum,
     completed_views,
-    copy_pieces,
     flat_bytes,
     handshake,
     hex64,
@@ -78,6 +77,7 @@ from mbridge_refit.sinks.broadcast_wire import (
     plan_signature,
     post_failure,
     share_verdict,
+    split_pieces,
 )
 
 # The wire format's public names are re-exported: importers name the packed broadcast, one module.
@@ -382,6 +382,10 @@ class ReceiveBuffers:
         self.tensors = [
             completed_views(self.events[b], data, self.scratch, self.device) for b, data in enumerate(self.data)
         ]
+        self.pieces = [  # per bucket: the split tensors' pieces to copy (before, after) its tensors are used
+            tuple(split_pieces(self.events[b], data, self.scratch, completing=c) for c in (True, False))
+            for b, data in enumerate(self.data)
+        ]
 
     def storages(self) -> list[torch.Tensor]:
         """The tensors whose memory every received view lies in (buffers and scratch)."""
@@ -501,12 +505,14 @@ class PackedBroadcastReceiver:
                     if error is not None:
                         status, failed_bucket = STATUS_CHECKSUM, bucket
                         break
-                events = memory.events[bucket]
-                copy_pieces(events, data[bucket], memory.scratch, completing=True)
+                completing, continuing = memory.pieces[bucket]
+                for piece, received in completing:
+                    piece.copy_(received)
                 at_yield = True
                 yield bucket, memory.tensors[bucket]
                 at_yield = False
-                copy_pieces(events, data[bucket], memory.scratch, completing=False)
+                for piece, received in continuing:
+                    piece.copy_(received)
                 post(next_post)  # this bucket's buffer is free again
                 next_post += 1
         except BaseException as err:
