@@ -5,8 +5,9 @@ calls the fourth refit of a session makes in the engine's thread are counted
 Marginal cost per tensor (4 -> 32 vLLM-like layers, 224 tensors and 14 buckets more), checksums on:
 before the replay (the engine's loader on every tensor every step, the plan parsed and the receive
 buffers allocated every step) 34 Python calls, 29 calls into C, 2 host reads and 2 broadcasts per
-bucket; replayed 3.0 Python calls and 6.6 calls into C per tensor, 3 host reads and one broadcast
-per bucket plus two per refit, no allocation, no call of the loader.
+bucket; replayed (each bucket's copies one ``torch._foreach_copy_``) 1.7 Python calls and 5.2 calls
+into C per tensor (per bucket and per engine parameter: the check that none was reallocated), 3 host
+reads and one broadcast per bucket plus two per refit, no allocation, no call of the loader.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import sys
 
 from conftest import REPO
 
-MAX_PYTHON_CALLS_PER_TENSOR = 4.0
-MAX_C_CALLS_PER_TENSOR = 8.0
+MAX_PYTHON_CALLS_PER_TENSOR = 2.5
+MAX_C_CALLS_PER_TENSOR = 6.5
 HOST_READS_PER_REFIT = 3  # the handshake's header and verdict, the status
 
 

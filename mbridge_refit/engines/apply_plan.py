@@ -48,6 +48,7 @@ pattern, replays, and requires the same fingerprints bit for bit. Engine-agnosti
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -131,6 +132,7 @@ class ApplyPlan:
     derived: list[str] = field(default_factory=list)  # parameters the engine's processing computes from others
     recomputations: list[tuple[str, Callable[[], object]]] = field(default_factory=list)  # (module, its recompute)
     aliases: dict[str, torch.Tensor] = field(default_factory=dict)  # other parameters viewing a derived one's memory
+    pointers: dict[str, int] = field(default_factory=dict)  # written parameter -> its storage, as recorded
 
     @property
     def recomputed(self) -> list[str]:
@@ -185,15 +187,15 @@ class ApplyPlan:
     def targets_moved(self, model: torch.nn.Module) -> list[str]:
         """Written parameters whose storage ``model`` no longer uses (the engine replaced them,
         e.g. a weight reload or quantization post-processing): a replay would miss them. Reads
-        each written parameter's owning module attribute (no walk over the model)."""
+        each written parameter's owning module attribute (no walk over the model; a parameter read
+        from the module's table, as ``getattr`` would find it, without a Python call per parameter)."""
         moved = []
-        for name in self.written:
+        for name, pointer in self.pointers.items():
             module, attribute = self.owners.get(name, (None, None))
-            current = getattr(module, attribute, None) if module is not None else None
-            if (
-                not isinstance(current, torch.Tensor)
-                or current.untyped_storage().data_ptr() != self.params[name].untyped_storage().data_ptr()
-            ):
+            current = None if module is None else module._parameters.get(attribute)
+            if current is None and module is not None:
+                current = getattr(module, attribute, None)
+            if not isinstance(current, torch.Tensor) or current.untyped_storage().data_ptr() != pointer:
                 moved.append(name)
         return sorted(moved)
 
@@ -203,19 +205,6 @@ class ApplyPlan:
             _replay_steps(self.steps, self.load_weights)
             for _, function in self.recomputations:
                 function()
-
-    def replay_steps(self, steps: Iterable[_Step]) -> None:
-        """Apply the current bytes of some sources only (a streamed refit: the sources that just
-        arrived; derived parameters are not recomputed here)."""
-        with torch.no_grad():
-            _replay_steps(steps, self.load_weights)
-
-    def load_every_step(self, names: Iterable[str], reason: str) -> None:
-        """Send the named sources through the engine's loader on every replay (``reason``: why)."""
-        wanted = set(names)
-        for step in self.steps:
-            if step.name in wanted and not step.via_loader:
-                step.via_loader, step.reason = True, reason
 
     def compose_rows(self, rows: dict[str, tuple[torch.Tensor, Runs]]) -> list[str]:
         """Sources that are copies of row runs of another tensor (``{name: (origin, runs)}``):
@@ -273,10 +262,12 @@ class LoadRecording:
     ``processing`` as its ``during_end`` (``StagedLoad.around(recording.processing)``).
 
     ``check(steps)`` proves some steps while their sources still hold what was loaded (a streamed
-    refit overwrites its buffers): the loader and the replay each run again from the same
-    scribbled parameters and must leave the same bytes; the parameters then get back what the
-    recorded load wrote. ``loaded``: the union of what the loader returned, if it returns the
-    names it loaded (vLLM's do), else None.
+    refit overwrites its buffers) and returns their replay (``replayer``): the loader and that
+    replay each run again from the same scribbled parameters and must leave the same bytes; the
+    parameters then get back what the recorded load wrote. A step whose copies change after it
+    was proven (a loader that keeps references to earlier sources and writes from them later)
+    fails ``finish``. ``loaded``: the union of what the loader returned, if it returns the names
+    it loaded (vLLM's do), else None.
     """
 
     def __init__(
@@ -294,6 +285,7 @@ class LoadRecording:
         self.recorder = _CopyRecorder(self.params, sources, compose_staged=staged is not None)
         self.steps: list[_Step] = []
         self.loaded: set[str] | None = set()
+        self._proven: list[tuple[_Step, int]] = []  # (step, its copies when proven)
 
     def processing(self) -> "_CopyRecorder._Recording":
         """Recording while the reload bracket processes its layers (no source of its own)."""
@@ -310,9 +302,20 @@ class LoadRecording:
         )
         return step
 
-    def check(self, steps: list[_Step]) -> None:
-        """Raise ``ApplyPlanError`` unless replaying ``steps`` writes what the loader writes from
-        their sources as they are now (class docstring)."""
+    def load_every_step(self, steps: Iterable[_Step], reason: str) -> None:
+        """Send ``steps``' sources through the engine's loader on every replay (``reason``: why)."""
+        for step in steps:
+            if not step.via_loader:
+                step.via_loader, step.reason = True, reason
+
+    def replayer(self, steps: list[_Step]) -> Callable[[], None]:
+        """``steps`` replayed as one call (``_batched_replay``)."""
+        return _batched_replay(steps, self.load_weights)
+
+    def check(self, steps: list[_Step]) -> Callable[[], None]:
+        """``steps``' replay, proven: raises ``ApplyPlanError`` unless it writes what the loader
+        writes from their sources as they are now (class docstring)."""
+        replay = self.replayer(steps)
         tensors = {name: self.params[name] for name in sorted({t for step in steps for t in step.targets})}
         kept = {name: tensor.clone() for name, tensor in tensors.items()}
         try:
@@ -322,7 +325,7 @@ class LoadRecording:
                 for step in steps:
                     self.load_weights([(step.name, step.source)])
             expected = named_fingerprints(tensors.items())
-            wrong = _replay_differs(tensors, expected, lambda: _replay_steps(steps, self.load_weights))
+            wrong = _replay_differs(tensors, expected, replay)
         finally:
             with torch.no_grad():
                 for name, tensor in tensors.items():
@@ -332,10 +335,18 @@ class LoadRecording:
                 f"replaying the recorded copies does not reproduce the engine's loader for {len(wrong)} "
                 f"parameter(s), e.g. {wrong[:5]} (loading {[step.name for step in steps][:5]})"
             )
+        self._proven.extend((step, len(step.copies)) for step in steps)
+        return replay
 
     def finish(self) -> ApplyPlan:
         """The plan of everything loaded (the recorded load itself has written the engine)."""
         recorder, staged, model = self.recorder, self.staged, self.model
+        changed = [step.name for step, copies in self._proven if len(step.copies) != copies]
+        if changed:
+            raise ApplyPlanError(
+                f"the engine's loader wrote from {len(changed)} source(s) after later ones arrived, e.g. {changed[:3]}: "
+                "it keeps references to the tensors it is given, whose memory a streamed refit reuses"
+            )
         parameter_names = frozenset(_unique_tensors(model.named_parameters()))  # one name per storage
         unwritten = sorted(name for name in parameter_names if name not in recorder.written)
         recomputations = _recompute(model, unwritten if staged is None else sorted(recorder.derived), self.recompute)
@@ -354,6 +365,7 @@ class LoadRecording:
             derived=sorted(recorder.derived),
             recomputations=recomputations,
             aliases=_aliases(model, self.params, recorder.derived),
+            pointers={name: self.params[name].untyped_storage().data_ptr() for name in recorder.written},
         )
         if staged is not None and plan.via_loader:
             loaded = [f"{step.name} ({step.reason})" for step in self.steps if step.via_loader]
@@ -524,6 +536,53 @@ def _replay_steps(steps: Iterable[_Step], load_weights: LoadWeights) -> None:
         else:
             for destination, source in step.copies:
                 destination.copy_(source)
+
+
+def _batched_replay(steps: list[_Step], load_weights: LoadWeights) -> Callable[[], None]:
+    """One call that replays ``steps`` in order: each run of plain copies whose destinations
+    overlap no other memory of the run as one ``torch._foreach_copy_`` (one launch for many
+    tensors on CUDA), a loader step or a rebuilt source between them as ``_replay_steps`` does."""
+    actions: list[Callable[[], object]] = []
+    destinations: list[torch.Tensor] = []
+    sources: list[torch.Tensor] = []
+    written: dict[int, list[tuple[int, int]]] = {}  # storage -> byte spans of the run's destinations
+    read: dict[int, list[tuple[int, int]]] = {}  # and of its sources
+
+    def cut() -> None:
+        if destinations:
+            actions.append(functools.partial(torch._foreach_copy_, list(destinations), list(sources)))
+        destinations.clear(), sources.clear(), written.clear(), read.clear()
+
+    for step in steps:
+        if step.refresh or step.via_loader:
+            cut()
+            actions.append(functools.partial(_replay_steps, [step], load_weights))
+            continue
+        for destination, source in step.copies:
+            to, of = _byte_span(destination), _byte_span(source)
+            if _overlaps(to, written) or _overlaps(to, read) or _overlaps(of, written):
+                cut()
+            destinations.append(destination), sources.append(source)
+            written.setdefault(to[0], []).append(to[1:]), read.setdefault(of[0], []).append(of[1:])
+    cut()
+
+    def replay() -> None:
+        with torch.no_grad():
+            for action in actions:
+                action()
+
+    return replay
+
+
+def _byte_span(tensor: torch.Tensor) -> tuple[int, int, int]:
+    """(storage, first byte, end byte) of the memory ``tensor`` may touch."""
+    start = tensor.storage_offset() * tensor.element_size()
+    return tensor.untyped_storage().data_ptr(), start, start + (_span_bytes(tensor) if tensor.numel() else 0)
+
+
+def _overlaps(span: tuple[int, int, int], spans: dict[int, list[tuple[int, int]]]) -> bool:
+    storage, start, end = span
+    return any(start < other_end and other_start < end for other_start, other_end in spans.get(storage, ()))
 
 
 def _replay_differs(

@@ -98,8 +98,9 @@ class BroadcastTarget:
         self.config: PackedBroadcastConfig | None = None
         self._memory: ReceiveBuffers | None = None  # kept across the session's refits
         self._memory_for: tuple = ()
+        self._bytes = 0  # the tensors' bytes in a refit
         self._plan: ApplyPlan | None = None  # the loader's copies, recorded from views of self._memory
-        self._steps: list[list] = []  # the plan's steps by the bucket their tensors complete in
+        self._replays: list = []  # each bucket's replay (LoadRecording.check), by bucket
         self._unloaded_now: list[str] = []
 
     def join(
@@ -156,7 +157,7 @@ class BroadcastTarget:
             raise
         report = ReceiveReport(
             tensors=len(memory.packing.slots),
-            bytes=sum(slot.nbytes for slot in memory.packing.slots),
+            bytes=self._bytes,
             unloaded=self._unloaded_now,
             receive_ms=(time.perf_counter() - started) * 1e3,
             mode=mode,
@@ -177,6 +178,7 @@ class BroadcastTarget:
             self._memory = self._plan = None  # free the old buffers first
             memory = ReceiveBuffers(self.plan_json, self.config, self.device)
             self._memory, self._memory_for = memory, (self.plan_json, self.config)
+            self._bytes = sum(slot.nbytes for slot in memory.packing.slots)
         return memory
 
     def _apply(self, receiver: PackedBroadcastReceiver, memory: ReceiveBuffers) -> str:
@@ -198,7 +200,7 @@ class BroadcastTarget:
         try:
             if self._plan is not None and not moved:
                 for bucket, _ in buckets:
-                    self._plan.replay_steps(self._steps[bucket])
+                    self._replays[bucket]()
                 return "replayed"
             self._plan = None
             self._record(buckets, memory)
@@ -211,15 +213,13 @@ class BroadcastTarget:
         """This refit loaded through the engine's loader, one tensor at a time, its copies recorded
         and each bucket's proven (``check``) before its buffer is received into again."""
         recording = LoadRecording(self.model, memory.storages(), self.load_weights)
-        steps = []
+        replays = []
         for _, tensors in buckets:
             loaded = [recording.load(name, tensor) for name, tensor in tensors]
-            if self.check:
-                recording.check(loaded)
-            steps.append(loaded)
+            unwritten = [step for step in loaded if not step.wrote]  # e.g. names the engine skips: as they were
+            recording.load_every_step(unwritten, "the engine's loader wrote no parameter from it")
+            replays.append(recording.check(loaded) if self.check else recording.replayer(loaded))
         plan = recording.finish()
-        if plan.unexpected:
-            plan.load_every_step(plan.unexpected, "the engine's loader wrote no parameter from it")
         if plan.via_loader:
             logger.info(
                 "broadcast refit: %d tensor(s) go through the engine's loader every step, e.g. %s",
@@ -228,7 +228,7 @@ class BroadcastTarget:
             )
         loaded = recording.loaded
         self._unloaded_now = self._unloaded(loaded) if loaded is not None else []
-        self._plan, self._steps = plan, steps
+        self._plan, self._replays = plan, replays
 
     def _load(self, stream: Iterator[tuple[str, torch.Tensor]]) -> list[str]:
         """Feed the received stream to the engine's loader inside its reload bracket; the parameters
@@ -248,7 +248,7 @@ class BroadcastTarget:
         if self.group is not None:
             self.group.close()
         self.group, self.plan_json, self.config = None, None, None
-        self._memory, self._plan, self._steps = None, None, []
+        self._memory, self._plan, self._replays = None, None, []
 
     def _unloaded(self, loaded: set[str]) -> list[str]:
         """Parameters (by identity, under any of their names) no loaded name reaches. A loader may
