@@ -52,9 +52,9 @@ def test_refit_into_engine_layout(recipe, layout, source_checkpoints, tmp_path):
 def test_broadcast_refit_into_engine_layout(recipe, layout, source_checkpoints, tmp_path):
     """``VLLMBroadcastRefit`` from trainer ranks into an engine worker joined by address: the first
     refit records the engine's loader and is exact against the checkpoint; the next two replay the
-    recorded copies and are exact against the changed model's stock export; a loader the recorder
-    cannot see through, an unloaded engine parameter, a failing loader and a plan mismatch fail on
-    every rank, none hangs, and the next refit is exact."""
+    recorded copies and are exact against the changed model's stock export; a replaced loader is
+    recorded again; a loader the recorder cannot see through, an unloaded engine parameter, a
+    failing loader and a plan mismatch fail on every rank, none hangs, and the next refit is exact."""
     nproc, flags = layout_flags(layout)
     port = free_port()
     run = torchrun(
@@ -76,9 +76,11 @@ def test_broadcast_refit_into_engine_layout(recipe, layout, source_checkpoints, 
     assert all(r["ok"] for r in reports)
     assert source["modes"] == ["recorded", "replayed", "replayed"], source["modes"]
     assert all(count > 0 for count in source["via_loader"]), source["via_loader"]  # the norms, through a temporary
-    for case in ("sneaky", "unloaded", "loader", "mismatch"):
+    assert source["mode_after_replaced_loader"] == "recorded"
+    for case in ("replaced_loader", "sneaky", "unloaded", "loader", "mismatch"):
         assert not any(r[case]["ok"] for r in reports), case
         assert all(r[case]["seconds"] < 30 for r in reports), case
+    assert "injected: the engine's loader failed" in source["replaced_loader"]["error"], source["replaced_loader"]
     assert source["sneaky"]["error"].startswith("ApplyPlanError") and "does not reproduce" in source["sneaky"]["error"]
     assert source["unloaded"]["error"].startswith("BroadcastRefitError") and "['extra']" in source["unloaded"]["error"]
     assert source["loader"]["error"].startswith("ValueError: test loader rejects the 5th tensor"), source["loader"]
@@ -91,6 +93,7 @@ def test_broadcast_refit_into_engine_layout(recipe, layout, source_checkpoints, 
         assert "test loader rejects" in other["loader"]["error"] or "consumer failed" in other["loader"]["error"], other
         assert "PlanMismatchError" in other["mismatch"]["error"], other
         assert "does not reproduce" in other["sneaky"]["error"] or "consumer failed" in other["sneaky"]["error"], other
+        assert any(s in other["replaced_loader"]["error"] for s in ("injected", "consumer failed")), other
 
 
 def test_fingerprint_is_exact():

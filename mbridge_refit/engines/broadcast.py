@@ -188,17 +188,10 @@ class BroadcastTarget:
         if self.staged is not None:
             self._unloaded_now = self._load(receiver.receive())
             return "loader"
-        moved = self._plan.targets_moved(self.model) if self._plan is not None else []
-        if moved:
-            logger.warning(
-                "broadcast refit: %d engine parameter(s) were reallocated since the copies were recorded (e.g. %s): "
-                "recording the engine's loader again",
-                len(moved),
-                moved[:3],
-            )
+        stale = self._stale()
         buckets = receiver.receive_buckets()
         try:
-            if self._plan is not None and not moved:
+            if self._plan is not None and not stale:
                 for bucket, _ in buckets:
                     self._replays[bucket]()
                 return "replayed"
@@ -208,6 +201,26 @@ class BroadcastTarget:
         except BaseException:
             buckets.close()  # stopped at a bucket: the receiver runs the protocol to its end, reporting the failure
             raise
+
+    def _stale(self) -> bool:
+        """Whether the recorded copies no longer describe the engine: a parameter they write was
+        reallocated, or the loader they were recorded from was replaced (``load_weights`` set anew)."""
+        if self._plan is None:
+            return False
+        if self._plan.load_weights is not self.load_weights:
+            logger.warning(
+                "broadcast refit: the engine's loader was replaced since it was recorded: recording it again"
+            )
+            return True
+        moved = self._plan.targets_moved(self.model)
+        if moved:
+            logger.warning(
+                "broadcast refit: %d engine parameter(s) were reallocated since the copies were recorded (e.g. %s): "
+                "recording the engine's loader again",
+                len(moved),
+                moved[:3],
+            )
+        return bool(moved)
 
     def _record(self, buckets: Iterator[tuple[int, list[tuple[str, torch.Tensor]]]], memory: ReceiveBuffers) -> None:
         """This refit loaded through the engine's loader, one tensor at a time, its copies recorded

@@ -14,6 +14,8 @@ exit 1:
     parameters change in place, each of the next two refits replays the recorded copies
     (``mode`` "replayed") and the engine equals the stock export of the changed model, fused the
     same way; norms (loaded through a temporary) go through the loader every step;
+  * the engine's loader replaced by a failing one after those refits: the next refit records it
+    again and fails on every rank; the one after records the restored loader and is exact;
   * an engine whose loader changes a parameter where the recorder cannot see it: the first refit
     fails on the engine (the check against the loader) and on every trainer rank;
   * an engine whose loader reports the names it loaded and has one parameter no tensor reaches:
@@ -95,6 +97,19 @@ class FailingEngine(EngineModel):
         super().load_weights(until_fifth())
 
 
+def replace_loader(target) -> None:
+    """The engine's loader replaced by one that raises at its first tensor and puts the old one back
+    (as the GPU check injects it): a replay recorded from the old loader must not go on."""
+    load = target.load_weights
+
+    def failing(weights):
+        target.load_weights = load
+        for _ in weights:
+            raise RuntimeError("injected: the engine's loader failed at its first tensor")
+
+    target.load_weights = failing
+
+
 def outcome(action) -> dict:
     started = time.monotonic()
     try:
@@ -170,6 +185,12 @@ def main() -> None:
         if source:
             results["modes"] = [step.workers[0]["mode"] for step in steps]
             results["via_loader"] = [step.workers[0]["via_loader"] for step in steps]
+            replace_loader(refit.llm.worker._mbridge_broadcast_target)
+        results["replaced_loader"] = outcome(lambda: refit.refit(bridge, chunks))
+        after = refit.refit(bridge, chunks)
+        if source:
+            engine_equals(engine, expected_engine_state(changed), "the refit after the replaced loader failed")
+            results["mode_after_replaced_loader"] = after.workers[0]["mode"]
         refit.close()
 
         results["sneaky"] = outcome(lambda: session(EngineModel(on_disk, sneaky=True)).refit(bridge, chunks))
