@@ -12,11 +12,7 @@ reads and one broadcast per bucket plus two per refit, no allocation, no call of
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
-from conftest import REPO
+from conftest import marginal_calls
 
 MAX_PYTHON_CALLS_PER_TENSOR = 2.5
 MAX_C_CALLS_PER_TENSOR = 6.5
@@ -24,32 +20,12 @@ HOST_READS_PER_REFIT = 3  # the handshake's header and verdict, the status
 
 
 def test_steady_broadcast_refit_host_calls_per_tensor_do_not_grow(tmp_path):
-    result = tmp_path / "host_work.json"
-    run = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "tests" / "ranks" / "broadcast_host_work_check.py"),
-            "--layers",
-            "4",
-            "32",
-            "--result",
-            str(result),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
-    few, many = (json.loads(result.read_text())[k] for k in ("4", "32"))
-    added = many["tensors"] - few["tensors"]
-    assert added > 200 and many["buckets"] > few["buckets"] + 10, (few, many)
-    for counts in (few, many):
+    calls = marginal_calls("broadcast_host_work_check.py", "--layers", (4, 32), tmp_path / "host_work.json")
+    assert calls.added > 200 and calls.many["buckets"] > calls.few["buckets"] + 10, calls
+    for counts in (calls.few, calls.many):
         assert counts["report"]["mode"] == "replayed" and counts["loader_calls"] == 0, counts
         assert counts["host_reads"] == HOST_READS_PER_REFIT, counts
         assert counts["collectives"] == {"broadcast": counts["buckets"] + 2, "all_reduce": 2}, counts
         assert "empty" not in counts["named"] and "zeros" not in counts["named"], counts  # nothing allocated
-    python_per_tensor = (many["python_calls"] - few["python_calls"]) / added
-    c_per_tensor = (many["c_calls"] - few["c_calls"]) / added
-    assert python_per_tensor <= MAX_PYTHON_CALLS_PER_TENSOR, (python_per_tensor, few, many)
-    assert c_per_tensor <= MAX_C_CALLS_PER_TENSOR, (c_per_tensor, few, many)
+    assert calls.python_per_tensor <= MAX_PYTHON_CALLS_PER_TENSOR, calls
+    assert calls.c_per_tensor <= MAX_C_CALLS_PER_TENSOR, calls

@@ -80,7 +80,7 @@ def test_broadcast_refit_into_engine_layout(recipe, layout, source_checkpoints, 
     for case in ("replaced_loader", "sneaky", "unloaded", "loader", "mismatch"):
         assert not any(r[case]["ok"] for r in reports), case
         assert all(r[case]["seconds"] < 30 for r in reports), case
-    assert "injected: the engine's loader failed" in source["replaced_loader"]["error"], source["replaced_loader"]
+    assert "injected receiver-load" in source["replaced_loader"]["error"], source["replaced_loader"]
     assert source["sneaky"]["error"].startswith("ApplyPlanError") and "does not reproduce" in source["sneaky"]["error"]
     assert source["unloaded"]["error"].startswith("BroadcastRefitError") and "['extra']" in source["unloaded"]["error"]
     assert source["loader"]["error"].startswith("ValueError: test loader rejects the 5th tensor"), source["loader"]

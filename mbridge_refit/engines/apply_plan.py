@@ -199,6 +199,18 @@ class ApplyPlan:
                 moved.append(name)
         return sorted(moved)
 
+    def reallocated(self, model: torch.nn.Module) -> bool:
+        """Whether ``targets_moved`` names any parameter (logged: the caller records the loader again)."""
+        moved = self.targets_moved(model)
+        if moved:
+            logger.warning(
+                "refit: %d engine parameter(s) were reallocated since the copies were recorded (e.g. %s): "
+                "recording the engine's loader again",
+                len(moved),
+                moved[:3],
+            )
+        return bool(moved)
+
     def replay(self) -> None:
         """Apply the sources' current bytes (same stream as the engine's compute: no sync here)."""
         with torch.no_grad():

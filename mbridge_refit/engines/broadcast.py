@@ -212,15 +212,7 @@ class BroadcastTarget:
                 "broadcast refit: the engine's loader was replaced since it was recorded: recording it again"
             )
             return True
-        moved = self._plan.targets_moved(self.model)
-        if moved:
-            logger.warning(
-                "broadcast refit: %d engine parameter(s) were reallocated since the copies were recorded (e.g. %s): "
-                "recording the engine's loader again",
-                len(moved),
-                moved[:3],
-            )
-        return bool(moved)
+        return self._plan.reallocated(self.model)
 
     def _record(self, buckets: Iterator[tuple[int, list[tuple[str, torch.Tensor]]]], memory: ReceiveBuffers) -> None:
         """This refit loaded through the engine's loader, one tensor at a time, its copies recorded

@@ -14,8 +14,9 @@ exit 1:
     parameters change in place, each of the next two refits replays the recorded copies
     (``mode`` "replayed") and the engine equals the stock export of the changed model, fused the
     same way; norms (loaded through a temporary) go through the loader every step;
-  * the engine's loader replaced by a failing one after those refits: the next refit records it
-    again and fails on every rank; the one after records the restored loader and is exact;
+  * the engine's loader replaced after those refits by the GPU check's ``inject_load_fault`` (one
+    that raises at its first tensor and puts the old one back): the next refit records it again
+    and fails on every rank; the one after records the restored loader and is exact;
   * an engine whose loader changes a parameter where the recorder cannot see it: the first refit
     fails on the engine (the check against the loader) and on every trainer rank;
   * an engine whose loader reports the names it loaded and has one parameter no tensor reaches:
@@ -47,6 +48,9 @@ from engine_refit_check import (  # noqa: E402
     expected_engine_state,
 )
 from oracle import read_checkpoint  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from check_vllm_broadcast_gpu import inject_load_fault  # noqa: E402
 from rank_checks import fail  # noqa: E402
 
 from mbridge_refit.convert.flags import add_layout_flags, layout_from_flags  # noqa: E402
@@ -95,19 +99,6 @@ class FailingEngine(EngineModel):
                 yield item
 
         super().load_weights(until_fifth())
-
-
-def replace_loader(target) -> None:
-    """The engine's loader replaced by one that raises at its first tensor and puts the old one back
-    (as the GPU check injects it): a replay recorded from the old loader must not go on."""
-    load = target.load_weights
-
-    def failing(weights):
-        target.load_weights = load
-        for _ in weights:
-            raise RuntimeError("injected: the engine's loader failed at its first tensor")
-
-    target.load_weights = failing
 
 
 def outcome(action) -> dict:
@@ -185,7 +176,7 @@ def main() -> None:
         if source:
             results["modes"] = [step.workers[0]["mode"] for step in steps]
             results["via_loader"] = [step.workers[0]["via_loader"] for step in steps]
-            replace_loader(refit.llm.worker._mbridge_broadcast_target)
+            inject_load_fault(refit.llm.worker)  # as the GPU check does
         results["replaced_loader"] = outcome(lambda: refit.refit(bridge, chunks))
         after = refit.refit(bridge, chunks)
         if source:
