@@ -276,9 +276,9 @@ class LoadRecording:
     ``check(steps)`` proves some steps while their sources still hold what was loaded (a streamed
     refit overwrites its buffers) and returns their replay (``replayer``): the loader and that
     replay each run again from the same scribbled parameters and must leave the same bytes; the
-    parameters then get back what the recorded load wrote. A step whose copies change after it
-    was proven (a loader that keeps references to earlier sources and writes from them later)
-    fails ``finish``. ``loaded``: the union of what the loader returned, if it returns the names
+    parameters then get back what the recorded load wrote. A step whose copies change after its
+    replay was made (a loader that keeps references to earlier sources and writes from them
+    later) fails ``finish``. ``loaded``: the union of what the loader returned, if it returns the names
     it loaded (vLLM's do), else None.
     """
 
@@ -297,7 +297,7 @@ class LoadRecording:
         self.recorder = _CopyRecorder(self.params, sources, compose_staged=staged is not None)
         self.steps: list[_Step] = []
         self.loaded: set[str] | None = set()
-        self._proven: list[tuple[_Step, int]] = []  # (step, its copies when proven)
+        self._compiled: list[tuple[_Step, int]] = []  # (step, its copies when its replay was made)
 
     def processing(self) -> "_CopyRecorder._Recording":
         """Recording while the reload bracket processes its layers (no source of its own)."""
@@ -321,7 +321,9 @@ class LoadRecording:
                 step.via_loader, step.reason = True, reason
 
     def replayer(self, steps: list[_Step]) -> Callable[[], None]:
-        """``steps`` replayed as one call (``_batched_replay``)."""
+        """``steps`` replayed as one call (``_batched_replay``); their copies must not change after
+        this (``finish`` checks)."""
+        self._compiled.extend((step, len(step.copies)) for step in steps)
         return _batched_replay(steps, self.load_weights)
 
     def check(self, steps: list[_Step]) -> Callable[[], None]:
@@ -347,13 +349,12 @@ class LoadRecording:
                 f"replaying the recorded copies does not reproduce the engine's loader for {len(wrong)} "
                 f"parameter(s), e.g. {wrong[:5]} (loading {[step.name for step in steps][:5]})"
             )
-        self._proven.extend((step, len(step.copies)) for step in steps)
         return replay
 
     def finish(self) -> ApplyPlan:
         """The plan of everything loaded (the recorded load itself has written the engine)."""
         recorder, staged, model = self.recorder, self.staged, self.model
-        changed = [step.name for step, copies in self._proven if len(step.copies) != copies]
+        changed = [step.name for step, copies in self._compiled if len(step.copies) != copies]
         if changed:
             raise ApplyPlanError(
                 f"the engine's loader wrote from {len(changed)} source(s) after later ones arrived, e.g. {changed[:3]}: "
