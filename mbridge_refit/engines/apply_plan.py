@@ -43,6 +43,15 @@ each replay instead (correct, one copy more).
 fingerprints every written parameter (and every other parameter viewing a derived one's memory:
 vLLM registers ``W_UV`` and ``W_UK_T`` as strided views of one tensor), overwrites them with a
 pattern, replays, and requires the same fingerprints bit for bit. Engine-agnostic: needs a module and its loader.
+
+Sources that arrive a few at a time into memory that is then reused (the broadcast transport's
+rotating receive buffers) are recorded with ``LoadRecording`` one source at a time (``record`` is
+it over a list). Such a plan cannot be proven at the end, when most sources have been
+overwritten, so each group of sources is proven while it is still there (``LoadRecording.check``:
+the loader and the replay each run again from the same scribbled parameters and must leave the
+same bytes, then the recorded load's bytes are put back) and compiled into one call that replays
+it: each run of copies into disjoint memory as one ``torch._foreach_copy_`` (one launch on CUDA
+however many tensors), a loader step or overlapping memory cutting the run.
 """
 
 from __future__ import annotations

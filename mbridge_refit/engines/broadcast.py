@@ -1,31 +1,48 @@
-"""The broadcast transport's engine side, engine-agnostic: join the group, receive each refit, load it.
+"""The broadcast transport's engine side, engine-agnostic: join the group, receive each refit, apply it.
 
 The trainer side is an engine adapter's ``broadcast`` session (``engines.base``; for vLLM
 ``engines.vllm.VLLMBroadcastRefit``): one trainer rank sends the
 export by the packed broadcast (``sinks.packed_broadcast``) over a ``StoreGroup`` that the engine's
 workers join by address (``runtime.broadcast_group``), so the engine may run on other GPUs, other
-hosts, and in a ``torch.distributed`` world of its own. Every worker receives every tensor and
-loads it through the engine's own ``load_weights`` (which takes each worker's shard), as vLLM's
-native weight transfer does; the received tensors are views of the receive buffers.
+hosts, and in a ``torch.distributed`` world of its own. Every worker receives every tensor; the
+engine's own ``load_weights`` decides where it lands (each worker takes its shard, as with vLLM's
+native weight transfer).
+
+Recorded once, replayed after (``engines.apply_plan``, as the colocated transport does). The
+receive buffers (``ReceiveBuffers``) live as long as the session, bucket ``b`` always lands in
+buffer ``b % num_buffers`` and a tensor split across buckets in one scratch, so each tensor is the
+same view of the same memory every refit. The session's first refit hands each received tensor
+to the loader, one per call, recording its copies (``LoadRecording``); after each bucket its
+copies are proven against the loader (``LoadRecording.check``: loader and replay each rerun from
+scribbled parameters, bit for bit) while the bucket's bytes are still there, and compiled into one
+replay (one ``torch._foreach_copy_`` per run of copies into disjoint memory). Every later refit
+runs bucket ``b``'s replay right after ``b`` lands and before the receiver posts bucket
+``b + num_buffers`` into the same buffer: no loader, no name parsing, no per-tensor Python. A
+tensor the loader reads through a temporary (a conversion, an in-place op) or writes no parameter
+from (names the engine skips) goes through the loader every refit, logged with the reason; a
+write the recorder cannot see fails the check on both sides. A parameter reallocated since the
+recording, or a loader replaced (``load_weights`` set anew), records again.
 
 Protocol (any RPC that carries plain data calls these, on every worker):
 
-1. ``BroadcastTarget(model, device, ...)`` then ``join(host, port, rank, world_size, plan_json,
-   config)``: once per session; returns when every member joined (the trainer joins at the same
-   time: the call blocks until it does, or raises after the timeout).
+1. ``BroadcastTarget(load_weights, model, device, ...)`` then ``join(host, port, rank, world_size,
+   plan_json, config)``: once per session; returns when every member joined (the trainer joins at
+   the same time: the call blocks until it does, or raises after the timeout).
 2. ``receive()``: every step, at the time the trainer sends. Runs the whole broadcast protocol
-   (handshake, buckets, status), so a mismatch or a failure on either side raises on both and
-   neither is left waiting: a failure that stops this worker before its protocol settled (the
-   plan does not parse, a receive buffer does not fit, a collective fails) is posted to the
-   group, and the trainer raises it within seconds (``runtime.broadcast_group``). Returns the
-   report: tensors, bytes, what the engine did not load.
-3. ``close()``: leaves the group.
+   (handshake, buckets, checksums, status), so a mismatch or a failure on either side raises on
+   both and neither is left waiting: a failure that stops this worker before its protocol settled
+   (the plan does not parse, a receive buffer does not fit, a collective fails) is posted to the
+   group, and the trainer raises it within seconds (``runtime.broadcast_group``); a loader or a
+   check failing in a bucket is reported by the protocol's status. Returns the report: tensors,
+   bytes, what the engine did not load, ``mode`` ("recorded", "replayed", or "loader").
+3. ``close()``: leaves the group, frees the receive buffers and forgets the recording.
 
 Loading under a reload bracket (``StagedLoad``: vLLM's layerwise reload, which FP8 engines need
 so their loaders write the e4m3 data and scales and their layers are processed again) keeps
 references to the loaded tensors until each layer is complete, so there each received tensor is
-copied first (the copies live until the layer is processed); without one, the loader copies each
-view into its parameter at once and nothing is allocated but the receive buffers.
+copied first (the copies live until the layer is processed) and every tensor goes through the
+loader every refit (``mode`` "loader"): recording through the reload would need the sources of a
+whole layer alive at once, which streamed buffers do not keep.
 """
 
 from __future__ import annotations
@@ -78,7 +95,11 @@ class BroadcastTarget:
 
     ``load_weights``: the engine's loader (``model.load_weights``); if it returns the names it
     loaded (vLLM's do), parameters it left out are reported, and fail the step unless
-    ``allow_partial``. ``model``: the engine's module, whose parameters that report is about.
+    ``allow_partial``. ``model``: the engine's module, whose parameters that report is about and
+    whose parameters the recorded copies write. ``staged``: the engine's reload bracket (FP8
+    engines): every tensor through the loader inside it, every refit. ``check``: prove each
+    bucket's recorded copies against the loader before trusting them (default; off only to
+    measure what the proof costs, once per session).
     """
 
     def __init__(
@@ -238,15 +259,15 @@ class BroadcastTarget:
     def _load(self, stream: Iterator[tuple[str, torch.Tensor]]) -> list[str]:
         """Feed the received stream to the engine's loader inside its reload bracket; the parameters
         it left unloaded."""
-        counter = _Counter(stream, copy=True)
+        copied = _Copied(stream)
         try:
             with self.staged.around():
-                counter.loaded = self.load_weights(counter)
-            counter.drain()  # a loader that stops early still runs the protocol to its end
+                copied.loaded = self.load_weights(copied)
+            copied.drain()  # a loader that stops early still runs the protocol to its end
         except BaseException:
             stream.close()  # stopped at a tensor: the receiver runs the protocol to its end, reporting the failure
             raise
-        loaded = counter.loaded
+        loaded = copied.loaded
         return self._unloaded(loaded) if isinstance(loaded, (set, frozenset)) else []
 
     def close(self) -> None:
@@ -274,16 +295,16 @@ class BroadcastTarget:
         return sorted(name for name, param in self.model.named_parameters() if id(param) not in reached)
 
 
-class _Counter:
+class _Copied:
     """The received stream as the loader reads it under a reload bracket: each tensor copied first."""
 
-    def __init__(self, stream: Iterator[tuple[str, torch.Tensor]], *, copy: bool) -> None:
-        self.stream, self.copy = stream, copy
+    def __init__(self, stream: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self.stream = stream
         self.loaded: Any = None  # what the loader returned
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self.stream:
-            yield name, tensor.clone() if self.copy else tensor
+            yield name, tensor.clone()
 
     def drain(self) -> None:
         for _ in self:

@@ -42,6 +42,13 @@ The stream packing: tensors back to back in plan order, each starting at a multi
 any dtype), cut into buckets at ``bucket_bytes`` boundaries. A tensor larger than a bucket (or
 straddling a boundary) simply continues in the next bucket; the receiver reassembles it in one
 scratch tensor sized for the largest such tensor.
+
+The receiver's memory (``ReceiveBuffers``) may be kept from one refit to the next: bucket ``b``
+lands in buffer ``b % num_buffers`` every time and each tensor is the same view every time, made
+once, so a consumer can record what it does with them once and replay it
+(``engines.broadcast``); ``receive_buckets`` hands a bucket's tensors over together, right after
+the bucket landed and before its buffer is posted for bucket ``b + num_buffers``. Per bucket the
+receiver issues one broadcast and reads nothing to the host.
 """
 
 from __future__ import annotations
