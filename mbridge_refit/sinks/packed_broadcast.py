@@ -316,9 +316,9 @@ class PackedBroadcastSender(WeightSink):
     def _send(self, bucket: int) -> None:
         index = bucket % self.config.num_buffers
         data = self._buffers[index][: self.packing.bucket_length(bucket)]
-        if self.config.checksum:  # on the packing stream, before the buffer is packed again
-            self._sums[bucket : bucket + 1].copy_(checksum(data))
         self._works[index] = [self.group.broadcast(data, self.src, async_op=True)]
+        if self.config.checksum:  # beside the broadcast (both only read), before the buffer is packed again
+            self._sums[bucket : bucket + 1].copy_(checksum(data))
         self.bytes_sent += data.numel()
 
     def _finish_source(self) -> BaseException | None:
