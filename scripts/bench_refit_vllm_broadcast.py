@@ -1,7 +1,8 @@
 """Benchmark: a refit into a vLLM engine on another GPU over NCCL, against the bytes' own broadcast
 and against vLLM's native NCCL weight transfer fed by the stock export.
 
-    python3 scripts/bench_refit_vllm_broadcast.py --model qwen3-1.7b --engine-gpu 1 [--fp8] --out-dir DIR
+    python3 scripts/bench_refit_vllm_broadcast.py --model qwen3-1.7b --engine-gpu 1 [--fp8] [--bucket-mib N]
+        [--no-checksum] --out-dir DIR
 
 The trainer (a Megatron model of the shape, random weights, TP1) runs on GPU 0; the vLLM engine in
 its own process on ``--engine-gpu``, started with dummy weights from the shape's config (with
@@ -11,8 +12,10 @@ set, so the group's settings agree). Side by side in one run, in rounds (ours, r
 again), wall clock with both GPUs synchronized:
 
 * ``ours_ms``: ``VLLMBroadcastRefit.refit`` (the cached export, the packed broadcast over the
-  session's ``StoreGroup``, the engine's ``load_weights`` on every received tensor, the outcome
-  returned to the trainer).
+  session's ``StoreGroup`` with the library's defaults unless told (512 MiB buckets, checksums on),
+  the engine replaying the copies its ``load_weights`` made on the first refit, bucket by bucket,
+  or under FP8 its loader on every tensor; the outcome returned to the trainer).
+  ``ours_engine_modes`` counts how the engine took each timed step (BF16: all ``replayed``).
 * ``raw_broadcast_ms``: one NCCL broadcast of the same byte count over the same group, trainer
   to worker, the transport's floor (the receiver checks the bytes once: a floor that moved no
   data would be no floor).
@@ -21,7 +24,7 @@ again), wall clock with both GPUs synchronized:
   the engine while ``NCCLWeightTransferEngine.trainer_send_weights`` sends, ``finish_weight_update``.
 
 Medians and minima of ``--repeats`` per side after one warm-up each. Writes
-DIR/bench_refit_vllm_broadcast_<model>[_fp8].json with its manifest (``provenance.write_result``).
+DIR/bench_refit_vllm_broadcast_<model>[_fp8][_bucket<N>][_nochecksum].json with its manifest (``provenance.write_result``).
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_refit_vllm import engine_config  # noqa: E402
 from check_vllm_broadcast_gpu import free_port, worker_nccl_env  # noqa: E402
 from check_vllm_refit_gpu import model_config  # noqa: E402
+
+from mbridge_refit.sinks.packed_broadcast import DEFAULT_BUCKET_BYTES  # noqa: E402
 
 logger = logging.getLogger("bench_refit_vllm_broadcast")
 
@@ -210,7 +215,7 @@ def run(args) -> dict:
     fp8 = BlockwiseFP8Config() if args.fp8 else None
     layout = ParallelLayout(tp=1, pp=1, ep=1)
     device = torch.device("cuda", 0)
-    buffers = PackedBroadcastConfig(bucket_bytes=args.bucket_mib << 20, num_buffers=2)
+    buffers = PackedBroadcastConfig(bucket_bytes=args.bucket_mib << 20, num_buffers=2, checksum=not args.no_checksum)
     result: dict = {
         "device": torch.cuda.get_device_name(),
         "gpus": torch.cuda.device_count(),
@@ -219,6 +224,7 @@ def run(args) -> dict:
         "engine_gpu": args.engine_gpu,
         "backend": "nccl",
         "bucket_mib": args.bucket_mib,
+        "checksum": buffers.checksum,
         "torch": torch.__version__,
     }
     with (
@@ -245,6 +251,7 @@ def run(args) -> dict:
         result["bytes"], result["tensors"] = first.bytes, first.tensors
         result["first_refit_ms"] = round(first.ms, 1)
         result["engine_loaded_every_tensor_sent"] = worker["tensors"] == first.tensors and not worker["unloaded"]
+        result["first_refit_mode"], result["engine_via_loader"] = worker["mode"], worker["via_loader"]
 
         native = None
         if not fp8:
@@ -258,7 +265,7 @@ def run(args) -> dict:
                 result["vllm_native_nccl_stock_error"] = f"{type(err).__name__}: {err}"[:2000]
                 native = None
 
-        ours, steps, raw, native_times, raw_ok = [], [], [], [], True
+        ours, steps, raw, native_times, raw_ok, modes = [], [], [], [], True, []
         timed(lambda: session.refit(bridge, chunks, fp8=fp8))  # warm-up after the baseline's reload
         warm, ok = raw_broadcast(llm, session.group, first.bytes, 1)
         raw_ok &= ok
@@ -272,6 +279,7 @@ def run(args) -> dict:
 
                 ours.append(timed(ours_step))
                 steps.append(step.ms)
+                modes.append(step.workers[0]["mode"])
             times, ok = raw_broadcast(llm, session.group, first.bytes, args.repeats)
             raw += times
             raw_ok &= ok
@@ -282,6 +290,7 @@ def run(args) -> dict:
 
         result["ours_ms"] = summary(ours)
         result["ours_step_ms"] = summary(steps)  # the session's own: export start to the engine's outcome
+        result["ours_engine_modes"] = {mode: modes.count(mode) for mode in sorted(set(modes))}  # BF16: all "replayed"
         result["raw_broadcast_ms"] = summary(raw)
         result["raw_broadcast_bytes_arrived"] = raw_ok
         result["vllm_native_nccl_stock_ms"] = summary(native_times) if native_times else None
@@ -302,7 +311,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="keep only this many layers (default: all)")
     parser.add_argument("--fp8", action="store_true", help="blockwise-FP8 engine and refit (no native baseline)")
     parser.add_argument("--engine-gpu", type=int, default=1, help="the engine's GPU (default 1; the trainer is on 0)")
-    parser.add_argument("--bucket-mib", type=int, default=256, help="packed-broadcast bucket size in MiB (default 256)")
+    parser.add_argument(
+        "--bucket-mib",
+        type=int,
+        default=DEFAULT_BUCKET_BYTES >> 20,
+        help=f"packed-broadcast bucket size in MiB (default {DEFAULT_BUCKET_BYTES >> 20}, the library's)",
+    )
+    parser.add_argument("--no-checksum", action="store_true", help="PackedBroadcastConfig(checksum=False)")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per side in each round (default 3)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of (ours, raw, native) (default 2)")
     parser.add_argument(
@@ -319,7 +334,14 @@ def main() -> None:
     from provenance import results_dir, write_result
 
     result = run(args)
-    name = f"bench_refit_vllm_broadcast_{result['model']}{'_fp8' if args.fp8 else ''}.json"
+    variant = "".join(
+        (
+            "_fp8" if args.fp8 else "",
+            f"_bucket{args.bucket_mib}" if args.bucket_mib != DEFAULT_BUCKET_BYTES >> 20 else "",
+            "_nochecksum" if args.no_checksum else "",
+        )
+    )
+    name = f"bench_refit_vllm_broadcast_{result['model']}{variant}.json"
     path = write_result(args.out_dir or results_dir(), name, result)
     keys = ("device", "model", "format", "bytes", "ours_ms", "raw_broadcast_ms", "vllm_native_nccl_stock_ms", "ratios")
     print(json.dumps({k: result.get(k) for k in keys}, indent=1))

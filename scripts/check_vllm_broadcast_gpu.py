@@ -21,14 +21,15 @@ GPU. Steps, each checked:
 2. A vLLM engine starts from that checkpoint; its exact parameter fingerprints and prompt
    logprobs on a fixed batch are the oracle.
 3. Every engine parameter is overwritten with noise; a broadcast refit must bring back every
-   fingerprint and every prompt logprob, bit for bit; a second refit too.
+   fingerprint and every prompt logprob, bit for bit; overwritten again, a second refit too (BF16:
+   the first records the engine's loader, the second replays it, ``engine_modes``).
 4. One element of one trainer weight changed: the next refit changes exactly the engine parameter
    it feeds; restored, the next refit is exact again.
 5. Injected faults (``--inject-fault``; default all three with NCCL, ``receiver-load`` alone over
    gloo, where a failed group's pending operations would hold both processes until the timeout),
    each raising on both sides within 30 s, then a refit that is exact again:
-   ``receiver-load`` the engine's loader raises at its first tensor (the trainer raises that
-   error; the same session goes on); ``receiver-handshake`` the engine's first broadcast of the
+   ``receiver-load`` the engine's loader raises at its first tensor (a replaced loader is
+   recorded again; the trainer raises that error; the same session goes on); ``receiver-handshake`` the engine's first broadcast of the
    refit raises, as NCCL did in the issue (the trainer raises it; a new session); ``trainer-export``
    the trainer's export raises after 3 tensors (the trainer raises it, with the engine's
    ``PeerFailedError`` in its notes; a new session).
@@ -353,8 +354,14 @@ def run(args) -> dict:
         result["different_after_refit"] = wrong[:10]
         checks["refit_fingerprints_equal_disk"] = not wrong
         checks["prompt_logprobs_equal_disk"] = prompt_logprobs(llm, batch) == disk_logprobs
-        refit.refit(bridge, chunks, fp8=fp8)
+        llm.collective_rpc("mbridge_refit_scramble", args=(8,))  # the next refit must write everything again
+        second = refit.refit(bridge, chunks, fp8=fp8)
         checks["second_refit_fingerprints_equal_disk"] = not differing(disk, fingerprints(llm))
+        result["engine_modes"] = [step.workers[0]["mode"], second.workers[0]["mode"]]
+        # BF16: the first refit records the engine's loader, the next ones replay it; FP8: its loader every step
+        checks["engine_recorded_then_replayed"] = result["engine_modes"] == (
+            ["loader", "loader"] if fp8 else ["recorded", "replayed"]
+        )
 
         weight = first_weight(chunks, "linear_fc2.weight")  # layer 0's MLP (its first expert in a MoE)
         kept = weight.data[0, 0].clone()

@@ -101,7 +101,10 @@ case "$part" in
     # trainer GPU 0, engine GPU 1 over NCCL (NCCL's own defaults: no batch-invariant mode): ours, the raw
     # broadcast of the same bytes and vLLM's native nccl backend fed by stock, in rounds
     python3 -c "import ray" 2>/dev/null || export PYTHONPATH=$PYTHONPATH:$PWD/scripts/gpu/stubs
+    # the library's defaults (512 MiB buckets, checksums on), then what the checksum and smaller buckets cost
     step bench_refit_vllm_broadcast_qwen3-1.7b 240 python3 scripts/bench_refit_vllm_broadcast.py --model qwen3-1.7b --out-dir "$RESULTS"
+    step bench_refit_vllm_broadcast_qwen3-1.7b_nochecksum 240 python3 scripts/bench_refit_vllm_broadcast.py --model qwen3-1.7b --no-checksum --out-dir "$RESULTS"
+    step bench_refit_vllm_broadcast_qwen3-1.7b_bucket256 240 python3 scripts/bench_refit_vllm_broadcast.py --model qwen3-1.7b --bucket-mib 256 --out-dir "$RESULTS"
     step bench_refit_vllm_broadcast_qwen3-8b 300 python3 scripts/bench_refit_vllm_broadcast.py --model qwen3-8b --out-dir "$RESULTS"
     ;;
   vllm-bench*)

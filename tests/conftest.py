@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -65,6 +66,42 @@ def lost_its_port(launch: Launch) -> bool:
     host can take it in between (more likely while other work runs beside the suite): that
     failure, and only that one, is worth a launch on another port."""
     return launch.returncode != 0 and "address already in use" in launch.output.lower()
+
+
+@dataclass(frozen=True)
+class MarginalCalls:
+    """Host calls a counting script measured at a smaller and a larger size, and their difference
+    per tensor (``tests/ranks/*host_work_check.py``: counted, not timed)."""
+
+    few: dict
+    many: dict
+    python_per_tensor: float
+    c_per_tensor: float
+
+    @property
+    def added(self) -> int:
+        return self.many["tensors"] - self.few["tensors"]
+
+
+def marginal_calls(script: str, flag: str, sizes: tuple[int, int], result: Path) -> MarginalCalls:
+    """Run ``tests/ranks/<script> <flag> <small> <large> --result <result>`` in a process of its own
+    and read the counts of the two sizes."""
+    run = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "ranks" / script), flag, *map(str, sizes), "--result", str(result)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    few, many = (json.loads(result.read_text())[str(size)] for size in sizes)
+    added = many["tensors"] - few["tensors"]
+    return MarginalCalls(
+        few=few,
+        many=many,
+        python_per_tensor=(many["python_calls"] - few["python_calls"]) / added,
+        c_per_tensor=(many["c_calls"] - few["c_calls"]) / added,
+    )
 
 
 @pytest.fixture(scope="session")

@@ -46,10 +46,14 @@ def test_refit_into_engine_layout(recipe, layout, source_checkpoints, tmp_path):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize(("recipe", "layout"), [("qwen3-tiny", "tp2"), ("qwen3-moe-tiny", "ep2")])
+@pytest.mark.parametrize(
+    ("recipe", "layout"), [("qwen3-tiny", "tp1"), ("qwen3-tiny", "tp2"), ("qwen3-moe-tiny", "ep2")]
+)
 def test_broadcast_refit_into_engine_layout(recipe, layout, source_checkpoints, tmp_path):
-    """``VLLMBroadcastRefit`` from trainer ranks into an engine worker joined by address: exact
-    against the checkpoint and the changed model's stock export; an unloaded engine parameter, a
+    """``VLLMBroadcastRefit`` from trainer ranks into an engine worker joined by address: the first
+    refit records the engine's loader and is exact against the checkpoint; the next two replay the
+    recorded copies and are exact against the changed model's stock export; a replaced loader is
+    recorded again; a loader the recorder cannot see through, an unloaded engine parameter, a
     failing loader and a plan mismatch fail on every rank, none hangs, and the next refit is exact."""
     nproc, flags = layout_flags(layout)
     port = free_port()
@@ -70,9 +74,14 @@ def test_broadcast_refit_into_engine_layout(recipe, layout, source_checkpoints, 
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
     source, others = reports[0], reports[1:]
     assert all(r["ok"] for r in reports)
-    for case in ("unloaded", "loader", "mismatch"):
+    assert source["modes"] == ["recorded", "replayed", "replayed"], source["modes"]
+    assert all(count > 0 for count in source["via_loader"]), source["via_loader"]  # the norms, through a temporary
+    assert source["mode_after_replaced_loader"] == "recorded"
+    for case in ("replaced_loader", "sneaky", "unloaded", "loader", "mismatch"):
         assert not any(r[case]["ok"] for r in reports), case
         assert all(r[case]["seconds"] < 30 for r in reports), case
+    assert "injected receiver-load" in source["replaced_loader"]["error"], source["replaced_loader"]
+    assert source["sneaky"]["error"].startswith("ApplyPlanError") and "does not reproduce" in source["sneaky"]["error"]
     assert source["unloaded"]["error"].startswith("BroadcastRefitError") and "['extra']" in source["unloaded"]["error"]
     assert source["loader"]["error"].startswith("ValueError: test loader rejects the 5th tensor"), source["loader"]
     assert (
@@ -83,6 +92,8 @@ def test_broadcast_refit_into_engine_layout(recipe, layout, source_checkpoints, 
         assert other["unloaded"]["error"].startswith("RefitStatusError") and "['extra']" in other["unloaded"]["error"]
         assert "test loader rejects" in other["loader"]["error"] or "consumer failed" in other["loader"]["error"], other
         assert "PlanMismatchError" in other["mismatch"]["error"], other
+        assert "does not reproduce" in other["sneaky"]["error"] or "consumer failed" in other["sneaky"]["error"], other
+        assert any(s in other["replaced_loader"]["error"] for s in ("injected", "consumer failed")), other
 
 
 def test_fingerprint_is_exact():
@@ -202,6 +213,103 @@ def test_receiver_records_again_when_the_engine_replaced_a_parameter():
     a.add_(1.0)
     receiver.apply(layout.fingerprint)
     assert torch.equal(model.fused.data, torch.cat([a, b]))
+
+
+def _streamed(model, buffers, buckets, *, check=True):
+    """Record ``model``'s loader bucket by bucket, bucket i landing in ``buffers[i % len(buffers)]``
+    (as a broadcast receiver rotates them); returns each bucket's proven replay and the recording."""
+    from mbridge_refit.engines.apply_plan import LoadRecording
+
+    recording = LoadRecording(model, buffers)
+    replays = []
+    for index, bucket in enumerate(buckets):
+        buffer, loaded = buffers[index % len(buffers)], []
+        for name, values in bucket:
+            view = buffer[: values.numel()].view(values.shape)
+            view.copy_(values)
+            loaded.append(recording.load(name, view))
+        replays.append(recording.check(loaded) if check else recording.replayer(loaded))
+    return replays, recording
+
+
+def test_streamed_recording_replays_each_bucket_from_its_reused_buffer():
+    """The broadcast transport's recording: a and b arrive in one buffer one after the other; each
+    bucket's replay, run right after its bytes land, rebuilds the engine exactly; s goes through the loader."""
+    model, buffer = _Fused(), torch.zeros(16)
+    a, b, s = torch.randn(2, 4), torch.randn(4, 4), torch.randn(4)
+    replays, recording = _streamed(model, [buffer], [[("a", a)], [("b", b), ("s", s)]])
+    plan = recording.finish()
+    assert plan.copies == 2 and plan.via_loader == ["s"] and plan.missing == []
+    assert torch.equal(model.fused.data, torch.cat([a, b])) and torch.equal(model.scale.data, s * 2)
+    new_a, new_b = a + 1, b * 3
+    buffer[:8].copy_(new_a.reshape(-1))
+    replays[0]()
+    buffer[:16].copy_(new_b.reshape(-1))
+    buffer[16:] = 0
+    replays[1]()  # s is read from buffer[:4] by its loader: b's first row now
+    assert torch.equal(model.fused.data, torch.cat([new_a, new_b]))
+
+
+def test_streamed_check_catches_a_write_the_recorder_cannot_see():
+    from mbridge_refit.engines.apply_plan import ApplyPlanError
+
+    class Sneaky(_Fused):
+        def load_weights(self, weights):
+            super().load_weights(weights)
+            self.fused.data.numpy()[5, 3] += 1.0  # invisible to the recorder
+
+    with pytest.raises(ApplyPlanError, match=r"does not reproduce.*\['fused'\]"):
+        _streamed(Sneaky(), [torch.zeros(16)], [[("a", torch.randn(2, 4)), ("b", torch.randn(4, 4))]])
+
+
+def test_a_loader_that_keeps_its_sources_fails_the_streamed_recording():
+    """A loader writing from a tensor of an earlier bucket while a later one loads (with more buckets
+    than buffers, that memory is received into again before the write): the later bucket's check
+    fails, and without the check the recording is refused, naming the source."""
+    from mbridge_refit.engines.apply_plan import ApplyPlanError
+
+    class Keeping(_Fused):
+        held = None
+
+        def load_weights(self, weights):
+            for name, tensor in weights:
+                if name == "b" and self.held is not None:
+                    self.fused.data[:2] = self.held  # a's tensor, written when b arrives
+                if name == "a":
+                    self.held = tensor
+                super().load_weights([(name, tensor)])
+
+    buckets = [[("a", torch.randn(2, 4))], [("b", torch.randn(4, 4))]]
+    with pytest.raises(ApplyPlanError, match=r"does not reproduce.*\(loading \['b'\]\)"):
+        _streamed(Keeping(), [torch.zeros(16), torch.zeros(16)], buckets)
+    _, recording = _streamed(Keeping(), [torch.zeros(16), torch.zeros(16)], buckets, check=False)
+    with pytest.raises(ApplyPlanError, match=r"wrote from 1 source\(s\) after later ones arrived, e.g. \['a'\]"):
+        recording.finish()
+
+
+def test_batched_replay_cuts_a_run_where_destinations_overlap():
+    """Copies into disjoint memory go as one ``_foreach_copy_``; a copy into memory an earlier copy of
+    the run wrote starts another, so the later write lands last."""
+    from torch.overrides import TorchFunctionMode
+
+    class Twice(_Fused):
+        def load_weights(self, weights):
+            for name, tensor in weights:
+                self.fused.data.narrow(0, 0, 2).copy_(tensor[:2])  # a and b both write rows 0-1
+
+    class Count(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Count.calls += getattr(func, "__name__", "") == "_foreach_copy_"
+            return func(*args, **(kwargs or {}))
+
+    for model, runs in ((_Fused(), 1), (Twice(), 2)):
+        replays, _ = _streamed(model, [torch.zeros(32)], [[("a", torch.randn(2, 4)), ("b", torch.randn(4, 4))]])
+        Count.calls = 0
+        with Count():
+            replays[0]()
+        assert Count.calls == runs, (type(model).__name__, Count.calls)
 
 
 def test_loader_failure_names_the_tensor():

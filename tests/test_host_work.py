@@ -9,38 +9,14 @@ The bound is on the marginal cost: the calls that 56 more experts' tensors add, 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
-from conftest import REPO
+from conftest import marginal_calls
 
 MAX_PYTHON_CALLS_PER_TENSOR = 4.0
 MAX_C_CALLS_PER_TENSOR = 5.5
 
 
 def test_steady_export_host_calls_per_tensor_do_not_grow(tmp_path):
-    result = tmp_path / "host_work.json"
-    run = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "tests" / "ranks" / "host_work_check.py"),
-            "--experts",
-            "8",
-            "64",
-            "--result",
-            str(result),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
-    few, many = (json.loads(result.read_text())[k] for k in ("8", "64"))
-    added = many["tensors"] - few["tensors"]
-    assert added > 500, (few, many)
-    python_per_tensor = (many["python_calls"] - few["python_calls"]) / added
-    c_per_tensor = (many["c_calls"] - few["c_calls"]) / added
-    assert python_per_tensor <= MAX_PYTHON_CALLS_PER_TENSOR, (python_per_tensor, few, many)
-    assert c_per_tensor <= MAX_C_CALLS_PER_TENSOR, (c_per_tensor, few, many)
+    calls = marginal_calls("host_work_check.py", "--experts", (8, 64), tmp_path / "host_work.json")
+    assert calls.added > 500, calls
+    assert calls.python_per_tensor <= MAX_PYTHON_CALLS_PER_TENSOR, calls
+    assert calls.c_per_tensor <= MAX_C_CALLS_PER_TENSOR, calls

@@ -80,11 +80,9 @@ def test_config_rejects(kwargs, message):
         PackedBroadcastConfig(**kwargs)
 
 
-def test_config_default_is_512_mib_and_frozen():
+def test_config_default_is_512_mib_checksummed_and_frozen():
     config = PackedBroadcastConfig()
-    assert (
-        config.bucket_bytes == DEFAULT_BUCKET_BYTES == 512 * 1024**2 and config.num_buffers == 2 and not config.checksum
-    )
+    assert config.bucket_bytes == DEFAULT_BUCKET_BYTES == 512 * 1024**2 and config.num_buffers == 2 and config.checksum
     with pytest.raises(AttributeError):
         config.bucket_bytes = 16  # type: ignore[misc]
 

@@ -43,11 +43,21 @@ each replay instead (correct, one copy more).
 fingerprints every written parameter (and every other parameter viewing a derived one's memory:
 vLLM registers ``W_UV`` and ``W_UK_T`` as strided views of one tensor), overwrites them with a
 pattern, replays, and requires the same fingerprints bit for bit. Engine-agnostic: needs a module and its loader.
+
+Sources that arrive a few at a time into memory that is then reused (the broadcast transport's
+rotating receive buffers) are recorded with ``LoadRecording`` one source at a time (``record`` is
+it over a list). Such a plan cannot be proven at the end, when most sources have been
+overwritten, so each group of sources is proven while it is still there (``LoadRecording.check``:
+the loader and the replay each run again from the same scribbled parameters and must leave the
+same bytes, then the recorded load's bytes are put back) and compiled into one call that replays
+it: each run of copies into disjoint memory as one ``torch._foreach_copy_`` (one launch on CUDA
+however many tensors), a loader step or overlapping memory cutting the run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -56,11 +66,11 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from mbridge_refit.engines.copy_batches import CopySchedule
+from mbridge_refit.engines.copy_batches import CopySchedule, byte_span
 from mbridge_refit.engines.fingerprint import differing, named_fingerprints
 from mbridge_refit.errors import EngineError
 
-__all__ = ["ApplyPlan", "ApplyPlanError", "Copy", "LoadWeights", "Recompute", "Runs", "StagedLoad"]
+__all__ = ["ApplyPlan", "ApplyPlanError", "Copy", "LoadRecording", "LoadWeights", "Recompute", "Runs", "StagedLoad"]
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +119,7 @@ class _Step:
     wrote: bool = False  # some engine tensor took bytes of this source (perhaps while a later source loaded)
     refresh: list[Copy] = field(default_factory=list)  # run before the step: the source rebuilt from its rows
     composed: bool = False  # the copies read the source's rows where they live, not the source
+    targets: set[str] = field(default_factory=set)  # engine tensors this source's load wrote (seen)
 
 
 @dataclass
@@ -131,6 +142,7 @@ class ApplyPlan:
     derived: list[str] = field(default_factory=list)  # parameters the engine's processing computes from others
     recomputations: list[tuple[str, Callable[[], object]]] = field(default_factory=list)  # (module, its recompute)
     aliases: dict[str, torch.Tensor] = field(default_factory=dict)  # other parameters viewing a derived one's memory
+    pointers: dict[str, int] = field(default_factory=dict)  # written parameter -> its storage, as recorded
     _schedule: CopySchedule | None = field(default=None, repr=False)  # the replay, built at its first run
 
     @property
@@ -169,94 +181,55 @@ class ApplyPlan:
         ``staged``: record through the engine's reload bracket (module docstring); every tensor
         must then be plain copies, or the plan is refused. ``recompute``: how the engine
         recomputes a module's derived parameters (module docstring)."""
-        load_weights = load_weights or model.load_weights
-        params = _unique_tensors([*model.named_parameters(), *model.named_buffers()])
-        recorder = _CopyRecorder(params, sources, compose_staged=staged is not None)
-        steps = []
-        bracket = staged.around(lambda: recorder.recording(None)) if staged is not None else contextlib.nullcontext()
+        recording = LoadRecording(model, [t for _, t in sources], load_weights, staged=staged, recompute=recompute)
+        bracket = staged.around(recording.processing) if staged is not None else contextlib.nullcontext()
         with torch.no_grad(), bracket:
             for name, tensor in sources:
-                step = _Step(name=name, source=tensor)
                 try:
-                    with recorder.recording(step):
-                        load_weights([(name, tensor)])
+                    recording.load(name, tensor)
                 except Exception as err:
                     raise ApplyPlanError(
                         f"the engine's load_weights failed on {name} {tuple(tensor.shape)} {tensor.dtype}: "
                         f"{type(err).__name__}: {err}. An engine that replaces its parameters after loading "
                         "(vLLM's FP8 linear layers do) is recorded through its reload bracket (StagedLoad)"
                     ) from err
-                steps.append(step)
-        parameter_names = frozenset(_unique_tensors(model.named_parameters()))  # one name per storage
-        unwritten = sorted(name for name in parameter_names if name not in recorder.written)
-        recomputations = _recompute(model, unwritten if staged is None else sorted(recorder.derived), recompute)
-        if staged is None:
-            with torch.no_grad(), recorder.recording(None):  # processing the plain loader left to the engine
-                for _, function in recomputations:
-                    function()
-        plan = cls(
-            steps=steps,
-            load_weights=load_weights,
-            params=params,
-            written=recorder.written,
-            unexpected=sorted(step.name for step in steps if not step.wrote),
-            parameter_names=parameter_names,
-            owners=_owners(model, recorder.written),
-            derived=sorted(recorder.derived),
-            recomputations=recomputations,
-            aliases=_aliases(model, params, recorder.derived),
-        )
-        if staged is not None and plan.via_loader:
-            loaded = [f"{step.name} ({step.reason})" for step in steps if step.via_loader]
-            raise ApplyPlanError(
-                f"{len(loaded)} tensor(s) are not loaded by plain copies through the engine's reload, e.g. "
-                f"{loaded[:3]}: they cannot be replayed, and loading them alone outside a reload would write "
-                "checkpoint-format data into processed parameters"
-            )
-        return plan
+        return recording.finish()
 
     def targets_moved(self, model: torch.nn.Module) -> list[str]:
         """Written parameters whose storage ``model`` no longer uses (the engine replaced them,
         e.g. a weight reload or quantization post-processing): a replay would miss them. Reads
-        each written parameter's owning module attribute (no walk over the model)."""
+        each written parameter's owning module attribute (no walk over the model; a parameter read
+        from the module's table, as ``getattr`` would find it, without a Python call per parameter)."""
         moved = []
-        for name in self.written:
+        for name, pointer in self.pointers.items():
             module, attribute = self.owners.get(name, (None, None))
-            current = getattr(module, attribute, None) if module is not None else None
-            if (
-                not isinstance(current, torch.Tensor)
-                or current.untyped_storage().data_ptr() != self.params[name].untyped_storage().data_ptr()
-            ):
+            current = None if module is None else module._parameters.get(attribute)
+            if current is None and module is not None:
+                current = getattr(module, attribute, None)
+            if not isinstance(current, torch.Tensor) or current.untyped_storage().data_ptr() != pointer:
                 moved.append(name)
         return sorted(moved)
+
+    def reallocated(self, model: torch.nn.Module) -> bool:
+        """Whether ``targets_moved`` names any parameter (logged: the caller records the loader again)."""
+        moved = self.targets_moved(model)
+        if moved:
+            logger.warning(
+                "refit: %d engine parameter(s) were reallocated since the copies were recorded (e.g. %s): "
+                "recording the engine's loader again",
+                len(moved),
+                moved[:3],
+            )
+        return bool(moved)
 
     def replay(self) -> None:
         """Apply the sources' current bytes (same stream as the engine's compute: no sync here):
         the recorded copies in groups of independent ones (``engines.copy_batches``), the loader
         where a tensor is not plain copies, then the recomputations."""
         if self._schedule is None:
-            self._schedule = self._replay_schedule()
+            self._schedule = _replay_schedule(self.steps, self.load_weights, self.recomputations)
         with torch.no_grad():
             self._schedule.run()
-
-    def _replay_schedule(self) -> CopySchedule:
-        """The steps in order as a ``CopySchedule``: a step's refresh before its copies (the
-        schedule orders a copy reading what an earlier one wrote), a loader call after every
-        earlier copy and before every later one."""
-        schedule = CopySchedule()
-        for step in self.steps:
-            for destination, source in step.refresh:
-                schedule.add(destination, source)
-            if step.via_loader:
-                schedule.call(lambda step=step: self.load_weights([(step.name, step.source)]))
-            else:
-                for destination, source in step.copies:
-                    schedule.add(destination, source)
-        for _, function in self.recomputations:
-            schedule.call(function)
-        schedule.barrier()
-        logger.debug("replay: %d copies in %d calls", schedule.copies, len(schedule.calls))
-        return schedule
 
     def compose_rows(self, rows: dict[str, tuple[torch.Tensor, Runs]]) -> list[str]:
         """Sources that are copies of row runs of another tensor (``{name: (origin, runs)}``):
@@ -291,12 +264,7 @@ class ApplyPlan:
         """Raise ``ApplyPlanError`` unless a replay rewrites every written parameter exactly as the
         loader did (call right after ``record``; the parameters keep the loaded values)."""
         written = {name: self.params[name] for name in self.written} | self.aliases
-        expected = named_fingerprints(written.items())
-        with torch.no_grad():
-            for tensor in written.values():
-                _scribble(tensor)
-        self.replay()
-        wrong = differing(expected, named_fingerprints(written.items()))
+        wrong = _replay_differs(written, named_fingerprints(written.items()), self.replay)
         if wrong:
             recomputed = {name for name, _ in self.recomputations}
             orphans = [name for name in wrong if name in self.derived and _module_of(name) not in recomputed]
@@ -312,15 +280,139 @@ class ApplyPlan:
             )
 
 
+class LoadRecording:
+    """The engine's loader recorded one source at a time, as the sources arrive: ``load`` each,
+    then ``finish`` for the plan (``ApplyPlan.record`` is this over a list). ``sources``: tensors
+    whose memory holds every source that will be loaded (a streamed refit names its receive
+    buffers). ``staged``: recorded inside the engine's reload bracket, entered by the caller with
+    ``processing`` as its ``during_end`` (``StagedLoad.around(recording.processing)``).
+
+    ``check(steps)`` proves some steps while their sources still hold what was loaded (a streamed
+    refit overwrites its buffers) and returns their replay (``replayer``): the loader and that
+    replay each run again from the same scribbled parameters and must leave the same bytes; the
+    parameters then get back what the recorded load wrote. A step whose copies change after its
+    replay was made (a loader that keeps references to earlier sources and writes from them
+    later) fails ``finish``. ``loaded``: the union of what the loader returned, if it returns the names
+    it loaded (vLLM's do), else None.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        sources: Iterable[torch.Tensor],
+        load_weights: LoadWeights | None = None,
+        *,
+        staged: StagedLoad | None = None,
+        recompute: Recompute | None = None,
+    ) -> None:
+        self.model, self.load_weights = model, load_weights or model.load_weights
+        self.staged, self.recompute = staged, recompute
+        self.params = _unique_tensors([*model.named_parameters(), *model.named_buffers()])
+        self.recorder = _CopyRecorder(self.params, sources, compose_staged=staged is not None)
+        self.steps: list[_Step] = []
+        self.loaded: set[str] | None = set()
+        self._compiled: list[tuple[_Step, int]] = []  # (step, its copies when its replay was made)
+
+    def processing(self) -> "_CopyRecorder._Recording":
+        """Recording while the reload bracket processes its layers (no source of its own)."""
+        return self.recorder.recording(None)
+
+    def load(self, name: str, tensor: torch.Tensor) -> _Step:
+        """Load one source through the engine's loader, recording its copies (errors as the loader raises them)."""
+        step = _Step(name=name, source=tensor)
+        with torch.no_grad(), self.recorder.recording(step):
+            result = self.load_weights([(name, tensor)])
+        self.steps.append(step)
+        self.loaded = (
+            self.loaded | set(result) if isinstance(result, (set, frozenset)) and self.loaded is not None else None
+        )
+        return step
+
+    def load_every_step(self, steps: Iterable[_Step], reason: str) -> None:
+        """Send ``steps``' sources through the engine's loader on every replay (``reason``: why)."""
+        for step in steps:
+            if not step.via_loader:
+                step.via_loader, step.reason = True, reason
+
+    def replayer(self, steps: list[_Step]) -> Callable[[], None]:
+        """``steps`` replayed as one call (``_batched_replay``); their copies must not change after
+        this (``finish`` checks)."""
+        self._compiled.extend((step, len(step.copies)) for step in steps)
+        return _batched_replay(steps, self.load_weights)
+
+    def check(self, steps: list[_Step]) -> Callable[[], None]:
+        """``steps``' replay, proven: raises ``ApplyPlanError`` unless it writes what the loader
+        writes from their sources as they are now (class docstring)."""
+        replay = self.replayer(steps)
+        tensors = {name: self.params[name] for name in sorted({t for step in steps for t in step.targets})}
+        kept = {name: tensor.clone() for name, tensor in tensors.items()}
+        try:
+            with torch.no_grad():
+                for tensor in tensors.values():
+                    _scribble(tensor)
+                for step in steps:
+                    self.load_weights([(step.name, step.source)])
+            expected = named_fingerprints(tensors.items())
+            wrong = _replay_differs(tensors, expected, replay)
+        finally:
+            with torch.no_grad():
+                for name, tensor in tensors.items():
+                    tensor.copy_(kept[name])
+        if wrong:
+            raise ApplyPlanError(
+                f"replaying the recorded copies does not reproduce the engine's loader for {len(wrong)} "
+                f"parameter(s), e.g. {wrong[:5]} (loading {[step.name for step in steps][:5]})"
+            )
+        return replay
+
+    def finish(self) -> ApplyPlan:
+        """The plan of everything loaded (the recorded load itself has written the engine)."""
+        recorder, staged, model = self.recorder, self.staged, self.model
+        changed = [step.name for step, copies in self._compiled if len(step.copies) != copies]
+        if changed:
+            raise ApplyPlanError(
+                f"the engine's loader wrote from {len(changed)} source(s) after later ones arrived, e.g. {changed[:3]}: "
+                "it keeps references to the tensors it is given, whose memory a streamed refit reuses"
+            )
+        parameter_names = frozenset(_unique_tensors(model.named_parameters()))  # one name per storage
+        unwritten = sorted(name for name in parameter_names if name not in recorder.written)
+        recomputations = _recompute(model, unwritten if staged is None else sorted(recorder.derived), self.recompute)
+        if staged is None:
+            with torch.no_grad(), recorder.recording(None):  # processing the plain loader left to the engine
+                for _, function in recomputations:
+                    function()
+        plan = ApplyPlan(
+            steps=self.steps,
+            load_weights=self.load_weights,
+            params=self.params,
+            written=recorder.written,
+            unexpected=sorted(step.name for step in self.steps if not step.wrote),
+            parameter_names=parameter_names,
+            owners=_owners(model, recorder.written),
+            derived=sorted(recorder.derived),
+            recomputations=recomputations,
+            aliases=_aliases(model, self.params, recorder.derived),
+            pointers={name: self.params[name].untyped_storage().data_ptr() for name in recorder.written},
+        )
+        if staged is not None and plan.via_loader:
+            loaded = [f"{step.name} ({step.reason})" for step in self.steps if step.via_loader]
+            raise ApplyPlanError(
+                f"{len(loaded)} tensor(s) are not loaded by plain copies through the engine's reload, e.g. "
+                f"{loaded[:3]}: they cannot be replayed, and loading them alone outside a reload would write "
+                "checkpoint-format data into processed parameters"
+            )
+        return plan
+
+
 class _CopyRecorder(TorchFunctionMode):
     """Notes copies from a source tensor into a parameter while one source is being loaded."""
 
     def __init__(
-        self, params: dict[str, torch.Tensor], sources: list[tuple[str, torch.Tensor]], compose_staged: bool = False
+        self, params: dict[str, torch.Tensor], sources: Iterable[torch.Tensor], compose_staged: bool = False
     ) -> None:
         super().__init__()
         self._param_of = {t.untyped_storage().data_ptr(): name for name, t in params.items() if t.numel()}
-        self._sources = {t.untyped_storage().data_ptr() for _, t in sources if t.numel()}
+        self._sources = {t.untyped_storage().data_ptr() for t in sources if t.numel()}
         self.written: dict[str, int] = {}
         self.derived: set[str] = set()  # written outside any source's load, from no staged source
         self._step: _Step | None = None
@@ -375,10 +467,8 @@ class _CopyRecorder(TorchFunctionMode):
     def _register(self, step: _Step) -> None:
         source = step.source
         if source.numel():
-            start = source.storage_offset() * source.element_size()
-            self._spans.setdefault(source.untyped_storage().data_ptr(), []).append(
-                (start, start + _span_bytes(source), step)
-            )
+            storage, start, end = byte_span(source)
+            self._spans.setdefault(storage, []).append((start, end, step))
 
     def _owner(self, source: torch.Tensor) -> _Step | None:
         """The step whose source tensor holds ``source``: a loader that buffers a layer's tensors
@@ -429,6 +519,7 @@ class _CopyRecorder(TorchFunctionMode):
             self.derived.add(target)  # the engine's own processing, from elsewhere: recomputed, or the check judges it
             return
         owner.wrote = True
+        owner.targets.add(target)
         if from_source:
             owner.copies.append((destination, source))
         else:  # a temporary or a scalar, made by the loader
@@ -455,8 +546,54 @@ class _CopyRecorder(TorchFunctionMode):
         for view, source, step in writes:
             placed = destination.as_strided(view.shape, view.stride(), view.storage_offset() + shift)
             step.copies.append((placed, source))
+            step.targets.add(target)
             self.written[target] = self.written.get(target, 0) + _nbytes(placed)
         return True
+
+
+def _replay_schedule(
+    steps: Iterable[_Step], load_weights: LoadWeights, recomputations: Iterable[tuple[str, Callable[[], object]]] = ()
+) -> CopySchedule:
+    """``steps`` in order as a ``CopySchedule`` (``engines.copy_batches``): the recorded copies in
+    groups of independent ones, a step's refresh before its copies (the schedule orders a copy that
+    reads what an earlier one wrote), a loader step after every earlier copy and before every
+    later one, then the recomputations."""
+    schedule = CopySchedule()
+    for step in steps:
+        for destination, source in step.refresh:
+            schedule.add(destination, source)
+        if step.via_loader:
+            schedule.call(functools.partial(load_weights, [(step.name, step.source)]))
+        else:
+            for destination, source in step.copies:
+                schedule.add(destination, source)
+    for _, function in recomputations:
+        schedule.call(function)
+    schedule.barrier()
+    logger.debug("replay: %d copies in %d calls", schedule.copies, len(schedule.calls))
+    return schedule
+
+
+def _batched_replay(steps: list[_Step], load_weights: LoadWeights) -> Callable[[], None]:
+    """One call that replays ``steps`` in order (``_replay_schedule``) under ``no_grad``."""
+    schedule = _replay_schedule(steps, load_weights)
+
+    def replay() -> None:
+        with torch.no_grad():
+            schedule.run()
+
+    return replay
+
+
+def _replay_differs(
+    tensors: dict[str, torch.Tensor], expected: dict[str, tuple[int, int]], replay: Callable[[], None]
+) -> list[str]:
+    """Names among ``tensors`` whose fingerprints after scribbling them and running ``replay`` are not ``expected``."""
+    with torch.no_grad():
+        for tensor in tensors.values():
+            _scribble(tensor)
+    replay()
+    return differing(expected, named_fingerprints(tensors.items()))
 
 
 def _recompute(
@@ -605,12 +742,6 @@ def _unique_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torc
             seen.add(key)
             out[name] = tensor.data
     return out
-
-
-def _span_bytes(tensor: torch.Tensor) -> int:
-    """Bytes from a tensor's first element to its last, whatever its strides."""
-    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
-    return (last + 1) * tensor.element_size()
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -1,31 +1,48 @@
-"""The broadcast transport's engine side, engine-agnostic: join the group, receive each refit, load it.
+"""The broadcast transport's engine side, engine-agnostic: join the group, receive each refit, apply it.
 
 The trainer side is an engine adapter's ``broadcast`` session (``engines.base``; for vLLM
 ``engines.vllm.VLLMBroadcastRefit``): one trainer rank sends the
 export by the packed broadcast (``sinks.packed_broadcast``) over a ``StoreGroup`` that the engine's
 workers join by address (``runtime.broadcast_group``), so the engine may run on other GPUs, other
-hosts, and in a ``torch.distributed`` world of its own. Every worker receives every tensor and
-loads it through the engine's own ``load_weights`` (which takes each worker's shard), as vLLM's
-native weight transfer does; the received tensors are views of the receive buffers.
+hosts, and in a ``torch.distributed`` world of its own. Every worker receives every tensor; the
+engine's own ``load_weights`` decides where it lands (each worker takes its shard, as with vLLM's
+native weight transfer).
+
+Recorded once, replayed after (``engines.apply_plan``, as the colocated transport does). The
+receive buffers (``ReceiveBuffers``) live as long as the session, bucket ``b`` always lands in
+buffer ``b % num_buffers`` and a tensor split across buckets in one scratch, so each tensor is the
+same view of the same memory every refit. The session's first refit hands each received tensor
+to the loader, one per call, recording its copies (``LoadRecording``); after each bucket its
+copies are proven against the loader (``LoadRecording.check``: loader and replay each rerun from
+scribbled parameters, bit for bit) while the bucket's bytes are still there, and compiled into one
+replay (one ``torch._foreach_copy_`` per run of copies into disjoint memory). Every later refit
+runs bucket ``b``'s replay right after ``b`` lands and before the receiver posts bucket
+``b + num_buffers`` into the same buffer: no loader, no name parsing, no per-tensor Python. A
+tensor the loader reads through a temporary (a conversion, an in-place op) or writes no parameter
+from (names the engine skips) goes through the loader every refit, logged with the reason; a
+write the recorder cannot see fails the check on both sides. A parameter reallocated since the
+recording, or a loader replaced (``load_weights`` set anew), records again.
 
 Protocol (any RPC that carries plain data calls these, on every worker):
 
-1. ``BroadcastTarget(model, device, ...)`` then ``join(host, port, rank, world_size, plan_json,
-   config)``: once per session; returns when every member joined (the trainer joins at the same
-   time: the call blocks until it does, or raises after the timeout).
+1. ``BroadcastTarget(load_weights, model, device, ...)`` then ``join(host, port, rank, world_size,
+   plan_json, config)``: once per session; returns when every member joined (the trainer joins at
+   the same time: the call blocks until it does, or raises after the timeout).
 2. ``receive()``: every step, at the time the trainer sends. Runs the whole broadcast protocol
-   (handshake, buckets, status), so a mismatch or a failure on either side raises on both and
-   neither is left waiting: a failure that stops this worker before its protocol settled (the
-   plan does not parse, a receive buffer does not fit, a collective fails) is posted to the
-   group, and the trainer raises it within seconds (``runtime.broadcast_group``). Returns the
-   report: tensors, bytes, what the engine did not load.
-3. ``close()``: leaves the group.
+   (handshake, buckets, checksums, status), so a mismatch or a failure on either side raises on
+   both and neither is left waiting: a failure that stops this worker before its protocol settled
+   (the plan does not parse, a receive buffer does not fit, a collective fails) is posted to the
+   group, and the trainer raises it within seconds (``runtime.broadcast_group``); a loader or a
+   check failing in a bucket is reported by the protocol's status. Returns the report: tensors,
+   bytes, what the engine did not load, ``mode`` ("recorded", "replayed", or "loader").
+3. ``close()``: leaves the group, frees the receive buffers and forgets the recording.
 
 Loading under a reload bracket (``StagedLoad``: vLLM's layerwise reload, which FP8 engines need
 so their loaders write the e4m3 data and scales and their layers are processed again) keeps
 references to the loaded tensors until each layer is complete, so there each received tensor is
-copied first (the copies live until the layer is processed); without one, the loader copies each
-view into its parameter at once and nothing is allocated but the receive buffers.
+copied first (the copies live until the layer is processed) and every tensor goes through the
+loader every refit (``mode`` "loader"): recording through the reload would need the sources of a
+whole layer alive at once, which streamed buffers do not keep.
 """
 
 from __future__ import annotations
@@ -39,13 +56,14 @@ from typing import Any
 
 import torch
 
-from mbridge_refit.engines.apply_plan import LoadWeights, StagedLoad
+from mbridge_refit.engines.apply_plan import ApplyPlan, LoadRecording, LoadWeights, StagedLoad
 from mbridge_refit.errors import EngineError
 from mbridge_refit.runtime.broadcast_group import StoreGroup
 from mbridge_refit.sinks.packed_broadcast import (
     PackedBroadcastConfig,
     PackedBroadcastReceiver,
     PlanMismatchError,
+    ReceiveBuffers,
     post_failure,
 )
 
@@ -68,6 +86,8 @@ class ReceiveReport:
     bytes: int
     unloaded: list[str]  # engine parameters the loader did not report as loaded (when it reports)
     receive_ms: float
+    mode: str  # "recorded" (the loader, its copies recorded and proven), "replayed", or "loader" (every tensor)
+    via_loader: int  # tensors that went through the engine's loader
 
 
 class BroadcastTarget:
@@ -75,7 +95,11 @@ class BroadcastTarget:
 
     ``load_weights``: the engine's loader (``model.load_weights``); if it returns the names it
     loaded (vLLM's do), parameters it left out are reported, and fail the step unless
-    ``allow_partial``. ``model``: the engine's module, whose parameters that report is about.
+    ``allow_partial``. ``model``: the engine's module, whose parameters that report is about and
+    whose parameters the recorded copies write. ``staged``: the engine's reload bracket (FP8
+    engines): every tensor through the loader inside it, every refit. ``check``: prove each
+    bucket's recorded copies against the loader before trusting them (default; off only to
+    measure what the proof costs, once per session).
     """
 
     def __init__(
@@ -86,12 +110,19 @@ class BroadcastTarget:
         *,
         staged: StagedLoad | None = None,
         allow_partial: bool = False,
+        check: bool = True,
     ) -> None:
         self.load_weights, self.model, self.device = load_weights, model, torch.device(device)
-        self.staged, self.allow_partial = staged, allow_partial
+        self.staged, self.allow_partial, self.check = staged, allow_partial, check
         self.group: StoreGroup | None = None
         self.plan_json: str | None = None
         self.config: PackedBroadcastConfig | None = None
+        self._memory: ReceiveBuffers | None = None  # kept across the session's refits
+        self._memory_for: tuple = ()
+        self._bytes = 0  # the tensors' bytes in a refit
+        self._plan: ApplyPlan | None = None  # the loader's copies, recorded from views of self._memory
+        self._replays: list = []  # each bucket's replay (LoadRecording.check), by bucket
+        self._unloaded_now: list[str] = []
 
     def join(
         self,
@@ -134,50 +165,116 @@ class BroadcastTarget:
         started = time.perf_counter()
         receiver = None
         try:
+            memory = self._receive_buffers()
             receiver = PackedBroadcastReceiver(
-                self.plan_json, self.config, group=self.group, src=SOURCE_RANK, device=self.device
+                memory.plan, self.config, group=self.group, src=SOURCE_RANK, device=self.device, buffers=memory
             )
-            counter = self._load(receiver.receive())
+            mode = self._apply(receiver, memory)
             self.group.synchronize()  # watched: a load waiting for a broadcast whose sender failed ends
         except BaseException as err:
             if not isinstance(err, PlanMismatchError) and (receiver is None or not receiver.settled):
                 # the trainer may still wait in the protocol (a plan mismatch is settled by the handshake)
                 post_failure(self.group, f"engine worker {self.group.rank}", err)
             raise
-        loaded = counter.loaded
-        unloaded = self._unloaded(loaded) if isinstance(loaded, (set, frozenset)) else []
         report = ReceiveReport(
-            tensors=counter.tensors,
-            bytes=counter.bytes,
-            unloaded=unloaded,
+            tensors=len(memory.packing.slots),
+            bytes=self._bytes,
+            unloaded=self._unloaded_now,
             receive_ms=(time.perf_counter() - started) * 1e3,
+            mode=mode,
+            via_loader=len(self._plan.via_loader) if self._plan is not None else len(memory.packing.slots),
         )
-        if unloaded and not self.allow_partial:
+        if report.unloaded and not self.allow_partial:
             raise BroadcastRefitError(
-                f"the refit left {len(unloaded)} engine parameters unloaded, e.g. {unloaded[:4]}: the trainer's export "
-                "does not cover this engine's model (another model or a subset); pass allow_partial=True for a subset refit"
+                f"the refit left {len(report.unloaded)} engine parameters unloaded, e.g. {report.unloaded[:4]}: the "
+                "trainer's export does not cover this engine's model (another model or a subset); pass "
+                "allow_partial=True for a subset refit"
             )
         return asdict(report)
 
-    def _load(self, stream: Iterator[tuple[str, torch.Tensor]]) -> "_Counter":
-        """Feed the received stream to the engine's loader (inside its reload bracket, if any)."""
-        counter = _Counter(stream, copy=self.staged is not None)
+    def _receive_buffers(self) -> ReceiveBuffers:
+        """The session's receive buffers; made again (and the recording dropped) when the plan or config changed."""
+        memory = self._memory
+        if memory is None or self._memory_for != (self.plan_json, self.config):
+            self._memory = self._plan = None  # free the old buffers first
+            memory = ReceiveBuffers(self.plan_json, self.config, self.device)
+            self._memory, self._memory_for = memory, (self.plan_json, self.config)
+            self._bytes = sum(slot.nbytes for slot in memory.packing.slots)
+        return memory
+
+    def _apply(self, receiver: PackedBroadcastReceiver, memory: ReceiveBuffers) -> str:
+        """Load the received refit: replay the recorded copies bucket by bucket, or record them
+        (the first refit, or the engine moved a parameter the plan writes), or, under a reload
+        bracket, hand every tensor to the loader. Returns which it did."""
+        if self.staged is not None:
+            self._unloaded_now = self._load(receiver.receive())
+            return "loader"
+        stale = self._stale()
+        buckets = receiver.receive_buckets()
         try:
-            if self.staged is not None:
-                with self.staged.around():
-                    counter.loaded = self.load_weights(counter)
-            else:
-                counter.loaded = self.load_weights(counter)
-            counter.drain()  # a loader that stops early still runs the protocol to its end
+            if self._plan is not None and not stale:
+                for bucket, _ in buckets:
+                    self._replays[bucket]()
+                return "replayed"
+            self._plan = None
+            self._record(buckets, memory)
+            return "recorded"
+        except BaseException:
+            buckets.close()  # stopped at a bucket: the receiver runs the protocol to its end, reporting the failure
+            raise
+
+    def _stale(self) -> bool:
+        """Whether the recorded copies no longer describe the engine: a parameter they write was
+        reallocated, or the loader they were recorded from was replaced (``load_weights`` set anew)."""
+        if self._plan is None:
+            return False
+        if self._plan.load_weights is not self.load_weights:
+            logger.warning(
+                "broadcast refit: the engine's loader was replaced since it was recorded: recording it again"
+            )
+            return True
+        return self._plan.reallocated(self.model)
+
+    def _record(self, buckets: Iterator[tuple[int, list[tuple[str, torch.Tensor]]]], memory: ReceiveBuffers) -> None:
+        """This refit loaded through the engine's loader, one tensor at a time, its copies recorded
+        and each bucket's proven (``check``) before its buffer is received into again."""
+        recording = LoadRecording(self.model, memory.storages(), self.load_weights)
+        replays = []
+        for _, tensors in buckets:
+            loaded = [recording.load(name, tensor) for name, tensor in tensors]
+            unwritten = [step for step in loaded if not step.wrote]  # e.g. names the engine skips: as they were
+            recording.load_every_step(unwritten, "the engine's loader wrote no parameter from it")
+            replays.append(recording.check(loaded) if self.check else recording.replayer(loaded))
+        plan = recording.finish()
+        if plan.via_loader:
+            logger.info(
+                "broadcast refit: %d tensor(s) go through the engine's loader every step, e.g. %s",
+                len(plan.via_loader),
+                [f"{s.name} ({s.reason})" for s in plan.steps if s.via_loader][:3],
+            )
+        loaded = recording.loaded
+        self._unloaded_now = self._unloaded(loaded) if loaded is not None else []
+        self._plan, self._replays = plan, replays
+
+    def _load(self, stream: Iterator[tuple[str, torch.Tensor]]) -> list[str]:
+        """Feed the received stream to the engine's loader inside its reload bracket; the parameters
+        it left unloaded."""
+        copied = _Copied(stream)
+        try:
+            with self.staged.around():
+                copied.loaded = self.load_weights(copied)
+            copied.drain()  # a loader that stops early still runs the protocol to its end
         except BaseException:
             stream.close()  # stopped at a tensor: the receiver runs the protocol to its end, reporting the failure
             raise
-        return counter
+        loaded = copied.loaded
+        return self._unloaded(loaded) if isinstance(loaded, (set, frozenset)) else []
 
     def close(self) -> None:
         if self.group is not None:
             self.group.close()
         self.group, self.plan_json, self.config = None, None, None
+        self._memory, self._plan, self._replays = None, None, []
 
     def _unloaded(self, loaded: set[str]) -> list[str]:
         """Parameters (by identity, under any of their names) no loaded name reaches. A loader may
@@ -198,19 +295,16 @@ class BroadcastTarget:
         return sorted(name for name, param in self.model.named_parameters() if id(param) not in reached)
 
 
-class _Counter:
-    """The received stream as the loader reads it, counted; copied first under a reload bracket."""
+class _Copied:
+    """The received stream as the loader reads it under a reload bracket: each tensor copied first."""
 
-    def __init__(self, stream: Iterator[tuple[str, torch.Tensor]], *, copy: bool) -> None:
-        self.stream, self.copy = stream, copy
-        self.tensors = self.bytes = 0
+    def __init__(self, stream: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self.stream = stream
         self.loaded: Any = None  # what the loader returned
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self.stream:
-            self.tensors += 1
-            self.bytes += tensor.numel() * tensor.element_size()
-            yield name, tensor.clone() if self.copy else tensor
+            yield name, tensor.clone()
 
     def drain(self) -> None:
         for _ in self:

@@ -170,14 +170,7 @@ class RefitReceiver:
                 f"plan mismatch: the trainer's step has layout {fingerprint} but this engine opened {self._fingerprint}; "
                 "the trainer must open the new layout (its refit session does when its export changes)"
             )
-        moved = self._plan.targets_moved(self.model)
-        if moved:
-            logger.warning(
-                "refit: %d engine parameter(s) were reallocated since the layout was opened (e.g. %s): "
-                "recording the engine's loader again",
-                len(moved),
-                moved[:3],
-            )
+        if self._plan.reallocated(self.model):
             self._plan.refresh_sources()
             plan = self._record([(s.name, s.source) for s in self._plan.steps])
             plan.compose_rows(self._plan.rows)

@@ -5,7 +5,7 @@ source trainer rank) and :class:`PackedBroadcastReceiver` (on each inference ran
 packing of the stream (``StreamPacking``) (computed from the :class:`~mbridge_refit.plan.entries.ExportPlan` alone, so no
 per-tensor metadata travels), the header/verdict handshake that makes a plan mismatch fail on
 every rank instead of hanging, the rotating buffers that overlap packing with broadcasting, and
-the optional per-buffer checksums.
+the per-bucket checksums (on by default).
 
 Protocol over ``group`` (the source rank plus the receiver ranks; other trainer ranks are not
 members): a ``torch.distributed`` group, or a ``runtime.broadcast_group.StoreGroup`` that members
@@ -19,11 +19,14 @@ workers); ``src`` is the source's rank as the group counts ranks. In this order 
    (object broadcast) and a second ``all_reduce(MIN)`` agrees on the first differing entry;
    then every member raises :class:`PlanMismatchError`. No bulk data has moved.
 2. bulk: for each bucket ``b`` of ``ceil(stream_bytes / bucket_bytes)``, ``broadcast`` of the
-   bucket's bytes (the last one only as long as it is full) and, with checksums on, a
-   ``broadcast`` of the source's int64 checksum of that bucket.
-3. status: ``all_reduce(MAX)`` of int64[2] ``[status, bucket]``; a receiver that found a bad
-   checksum or whose consumer failed still runs the remaining bulk broadcasts (discarding them)
-   and reports here, so the source raises instead of blocking in a broadcast nobody receives.
+   bucket's bytes (the last one only as long as it is full). With checksums on, each end computes
+   every bucket's checksum on its device as the bucket goes out or lands (no host read), and after
+   the last bucket the source broadcasts its int64[buckets] checksums (one collective per refit).
+3. status: ``all_reduce(MAX)`` of int64[2] ``[status, bucket]``, each receiver's computed on its
+   device (its checksums against the source's, first bad bucket); a receiver whose consumer
+   failed still runs the remaining bulk broadcasts (discarding them) and reports here, so the
+   source raises instead of blocking in a broadcast nobody receives. The status is the one read
+   to the host per refit (the handshake's verdict aside).
 
 Every member issues the same collectives in the same order with the same sizes in each of these
 outcomes (``tests/test_broadcast_faults.py`` records them). A failure that leaves a member unable
@@ -39,10 +42,18 @@ The stream packing: tensors back to back in plan order, each starting at a multi
 any dtype), cut into buckets at ``bucket_bytes`` boundaries. A tensor larger than a bucket (or
 straddling a boundary) simply continues in the next bucket; the receiver reassembles it in one
 scratch tensor sized for the largest such tensor.
+
+The receiver's memory (``ReceiveBuffers``) may be kept from one refit to the next: bucket ``b``
+lands in buffer ``b % num_buffers`` every time and each tensor is the same view every time, made
+once, so a consumer can record what it does with them once and replay it
+(``engines.broadcast``); ``receive_buckets`` hands a bucket's tensors over together, right after
+the bucket landed and before its buffer is posted for bucket ``b + num_buffers``. Per bucket the
+receiver issues one broadcast and reads nothing to the host.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from collections.abc import Iterator
@@ -69,6 +80,7 @@ from mbridge_refit.sinks.broadcast_wire import (
     bucket_events,
     check_member,
     checksum,
+    completed_views,
     flat_bytes,
     handshake,
     hex64,
@@ -76,7 +88,7 @@ from mbridge_refit.sinks.broadcast_wire import (
     plan_signature,
     post_failure,
     share_verdict,
-    tensors_completed_in,
+    split_pieces,
 )
 
 # The wire format's public names are re-exported: importers name the packed broadcast, one module.
@@ -88,6 +100,7 @@ __all__ = [
     "PackedBroadcastReceiver",
     "PackedBroadcastSender",
     "PlanMismatchError",
+    "ReceiveBuffers",
     "RefitStatusError",
     "StreamPacking",
     "checksum",
@@ -155,7 +168,7 @@ class PackedBroadcastSender(WeightSink):
         self._next = 0
         self._closed = False
         self._buffers: list[torch.Tensor] = []
-        self._sums: list[torch.Tensor] = []
+        self._sums: torch.Tensor | None = None  # int64[buckets]: each bucket's checksum, sent after the last bucket
         self._works: list[list[Any]] = [[] for _ in range(config.num_buffers)]
         self._bucket = -1  # the bucket being packed
         self._stream = None
@@ -228,7 +241,7 @@ class PackedBroadcastSender(WeightSink):
         """Drop the buffers; on the source, in the middle of the protocol, post the error being
         handled (``drain`` calls this from its ``except``) so the receivers raise too."""
         self._closed = True
-        self._buffers, self._sums = [], []
+        self._buffers, self._sums = [], None
         error = sys.exc_info()[1]
         self._abandon(error if error is not None else RuntimeError("the sender was aborted"))
 
@@ -295,7 +308,7 @@ class PackedBroadcastSender(WeightSink):
             self._buffers = [
                 torch.zeros(self.config.bucket_bytes, dtype=torch.uint8, device=self.device) for _ in range(n)
             ]
-            self._sums = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(n)]
+            self._sums = torch.zeros(max(self.packing.num_buckets, 1), dtype=torch.int64, device=self.device)
         for work in self._works[index]:
             work.wait()  # on CUDA: the packing stream waits for the broadcast of this buffer
         self._works[index] = []
@@ -303,31 +316,29 @@ class PackedBroadcastSender(WeightSink):
     def _send(self, bucket: int) -> None:
         index = bucket % self.config.num_buffers
         data = self._buffers[index][: self.packing.bucket_length(bucket)]
-        works = [self.group.broadcast(data, self.src, async_op=True)]
-        if self.config.checksum:
-            self._sums[index].copy_(checksum(data))
-            works.append(self.group.broadcast(self._sums[index], self.src, async_op=True))
-        self._works[index] = works
+        self._works[index] = [self.group.broadcast(data, self.src, async_op=True)]
+        if self.config.checksum:  # beside the broadcast (both only read), before the buffer is packed again
+            self._sums[bucket : bucket + 1].copy_(checksum(data))
         self.bytes_sent += data.numel()
 
     def _finish_source(self) -> BaseException | None:
         last = self.packing.num_buckets - 1
-        if last >= 0:
-            if self._stream is not None:
-                with torch.cuda.stream(self._stream):
-                    self._enter(last)
-                    self._send(last)
-            else:
+        with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+            if last >= 0:
                 self._enter(last)
                 self._send(last)
-        for works in self._works:
-            for work in works:
-                work.wait()
-        self._works = [[] for _ in self._works]
+            for works in self._works:
+                for work in works:
+                    work.wait()
+            self._works = [[] for _ in self._works]
+            if self.config.checksum:
+                if self._sums is None:  # nothing was packed: an empty stream
+                    self._acquire(0)
+                self.group.broadcast(self._sums, self.src, async_op=True).wait()
         status = torch.zeros(2, dtype=torch.int64, device=self.device)
         self.group.all_reduce(status, dist.ReduceOp.MAX)
         code, bucket = (int(v) for v in status.tolist())
-        self._buffers, self._sums = [], []
+        self._buffers, self._sums = [], None
         if code == STATUS_OK:
             return None
         if code == STATUS_CHECKSUM:
@@ -358,23 +369,65 @@ def _default_device() -> torch.device:
 # --- receiver -------------------------------------------------------------------------------
 
 
+class ReceiveBuffers:
+    """A receiving end's memory, kept from one refit to the next: the rotating buffers, their
+    checksum slots, the scratch for tensors split across buckets, and each bucket's tensors as
+    views of them, made once.
+
+    Bucket ``b`` always lands in buffer ``b % len(buffers)`` and a split tensor always ends in
+    ``scratch``, so a tensor is the same view of the same memory every refit: a consumer may keep
+    references to those views (``engines.broadcast`` replays recorded copies from them) as long
+    as it keeps this object. Pass it to each refit's :class:`PackedBroadcastReceiver`.
+    """
+
+    def __init__(self, plan: ExportPlan | str, config: PackedBroadcastConfig, device: torch.device | str) -> None:
+        self.plan, self.config, self.packing, self.device = _endpoint(plan, config, device)
+        count = min(config.num_buffers, max(self.packing.num_buckets, 1))
+        self.buffers = [torch.empty(config.bucket_bytes, dtype=torch.uint8, device=self.device) for _ in range(count)]
+        # each bucket's checksum as received and as the sender computed it (sent after the last bucket)
+        self.sums, self.sent_sums = (
+            torch.zeros(max(self.packing.num_buckets, 1), dtype=torch.int64, device=self.device) for _ in range(2)
+        )
+        self.scratch = torch.empty(self.packing.max_split_bytes(), dtype=torch.uint8, device=self.device)
+        self.events = bucket_events(self.packing)
+        self.data = [self.buffers[b % count][: self.packing.bucket_length(b)] for b in range(self.packing.num_buckets)]
+        self.tensors = [
+            completed_views(self.events[b], data, self.scratch, self.device) for b, data in enumerate(self.data)
+        ]
+        self.pieces = [  # per bucket: the split tensors' pieces to copy (before, after) its tensors are used
+            tuple(split_pieces(self.events[b], data, self.scratch, completing=c) for c in (True, False))
+            for b, data in enumerate(self.data)
+        ]
+
+    def storages(self) -> list[torch.Tensor]:
+        """The tensors whose memory every received view lies in (buffers and scratch)."""
+        return [*self.buffers, self.scratch]
+
+
 class PackedBroadcastReceiver:
     """Receives a packed broadcast and yields ``(hf_name, tensor)`` in plan order.
 
     Construct on each receiver rank, with the sender's plan (an :class:`ExportPlan` or its JSON)
     and the same :class:`PackedBroadcastConfig`; the constructor runs the handshake (collective
     over ``group``) and raises :class:`PlanMismatchError` naming both fingerprints and the first
-    differing entry. Then iterate :meth:`receive` (or ``drain(receiver.receive(), sink)``).
+    differing entry. Then iterate :meth:`receive` (or ``drain(receiver.receive(), sink)``), or
+    :meth:`receive_buckets` for the tensors one bucket at a time.
+
+    ``buffers``: the :class:`ReceiveBuffers` of earlier refits of the same plan and config (their
+    memory and views are reused, and the plan is not parsed again); default: allocated for this
+    refit alone.
 
     Tensor lifetime: each yielded tensor is a view of a receive buffer (or of one scratch tensor
-    for a tensor split across buffers) and is valid until the generator advances; copy it to
-    keep it. ``num_buffers - 1`` buckets are in flight while one is consumed.
+    for a tensor split across buffers) and is valid until the generator advances past its bucket
+    (:meth:`receive`: until it advances; :meth:`receive_buckets`: until the next bucket); copy it
+    to keep it. ``num_buffers - 1`` buckets are in flight while one is consumed.
 
-    With checksums on, a bucket whose checksum differs raises :class:`ChecksumError` (naming the
-    bucket and its tensors) before any of its tensors is yielded; the receiver first runs the
-    rest of the protocol (discarding the data) so the sender learns the failure and raises too.
-    The check is the method ``_verify(bucket, data, sent)`` (a subclass may extend it: the fault
-    tests corrupt a bucket there before the check runs).
+    With checksums on, each bucket's checksum is computed on the device as it arrives (the method
+    ``_checksum(bucket, data)``: a subclass may extend it, the fault tests corrupt a bucket there
+    first) and compared with the sender's after the last bucket, with no host read per bucket: a
+    mismatch raises :class:`ChecksumError` naming the first bad bucket and its tensors once the
+    protocol ended (the sender raises too). The bucket's tensors have been yielded by then: a
+    refit that raises leaves its consumer's weights untrustworthy, as any failed refit does.
     """
 
     def __init__(
@@ -385,9 +438,19 @@ class PackedBroadcastReceiver:
         group: Any,
         src: int,
         device: torch.device | str | None = None,
+        buffers: ReceiveBuffers | None = None,
     ) -> None:
-        self.plan, self.config, self.packing, self.device = _endpoint(plan, config, device)
+        if buffers is None:
+            self.plan, self.config, self.packing, self.device = _endpoint(plan, config, device)
+        elif buffers.plan is not plan or buffers.config != config:
+            raise ValueError(
+                "`buffers` were made for another plan or config: make ReceiveBuffers(plan, config, device)"
+            )
+        else:
+            self.plan, self.config, self.packing, self.device = plan, config, buffers.packing, buffers.device
         self.group, self.src = as_broadcast_group(group), src
+        self._buffers = buffers
+        self._memory: ReceiveBuffers | None = None  # this refit's (``buffers``, or its own)
         self._used = False
         self.settled = False  # the protocol ended in a state every member knows (module docstring)
         check_member(self.group)
@@ -402,12 +465,21 @@ class PackedBroadcastReceiver:
             post_failure(self.group, "a packed-broadcast receiver", err)
             raise
 
-    def _verify(self, bucket: int, data: torch.Tensor, sent: int) -> ChecksumError | None:
-        """The error for received bucket ``data`` if its checksum differs from the sender's ``sent``."""
-        local = int(checksum(data))
-        if local == sent:
-            return None
-        packing = self.packing
+    def _checksum(self, bucket: int, data: torch.Tensor) -> None:
+        """Queue the checksum of received bucket ``data`` into its slot (no host read)."""
+        self._memory.sums[bucket : bucket + 1].copy_(checksum(data))
+
+    def _checksum_report(self) -> torch.Tensor:
+        """``[STATUS_CHECKSUM, first bad bucket]`` if a received bucket's checksum differs from the
+        sender's, else ``[STATUS_OK, 0]``, computed on the device."""
+        memory = self._memory
+        bad = memory.sums != memory.sent_sums
+        found = bad.any().to(torch.int64)
+        return torch.stack([found * STATUS_CHECKSUM, found * bad.to(torch.int64).argmax()])
+
+    def _checksum_error(self, bucket: int) -> ChecksumError:
+        packing, memory = self.packing, self._memory
+        local, sent = int(memory.sums[bucket]), int(memory.sent_sums[bucket])
         return ChecksumError(
             f"checksum mismatch in packed-broadcast buffer {bucket} of {packing.num_buckets} "
             f"(sender {hex64(sent)}, received {hex64(local)}); it held tensors {packing.names_in(bucket)}. "
@@ -416,83 +488,93 @@ class PackedBroadcastReceiver:
 
     def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Run the bulk broadcasts and yield every tensor of the plan (once per receiver)."""
+        return _each_tensor(self.receive_buckets())
+
+    def receive_buckets(self) -> Iterator[tuple[int, list[tuple[str, torch.Tensor]]]]:
+        """Run the bulk broadcasts and yield ``(bucket, its tensors)`` for every bucket, in order:
+        the tensors whose last byte is in that bucket (once per receiver)."""
         if self._used:
             raise RuntimeError("PackedBroadcastReceiver.receive() runs once; construct a new receiver per refit")
         self._used = True
         return self._receive()
 
-    def _receive(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _receive(self) -> Iterator[tuple[int, list[tuple[str, torch.Tensor]]]]:
         packing, config = self.packing, self.config
-        n = config.num_buffers
         try:
-            buffers = [
-                torch.empty(config.bucket_bytes, dtype=torch.uint8, device=self.device)
-                for _ in range(min(n, max(packing.num_buckets, 1)))
-            ]
-            sums = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in buffers]
-            scratch = torch.empty(packing.max_split_bytes(), dtype=torch.uint8, device=self.device)
+            memory = self._memory = self._buffers or ReceiveBuffers(self.plan, config, self.device)
         except BaseException as err:  # e.g. out of memory: the sender is about to broadcast
             post_failure(self.group, "a packed-broadcast receiver", err)
             raise
-        works: dict[int, list[Any]] = {}
-        events = bucket_events(packing)
+        data = memory.data
+        works: dict[int, Any] = {}
 
         def post(bucket: int) -> None:
             if bucket < packing.num_buckets:
-                index = bucket % len(buffers)
-                data = buffers[index][: packing.bucket_length(bucket)]
-                works[bucket] = [self.group.broadcast(data, self.src, async_op=True)]
-                if config.checksum:
-                    works[bucket].append(self.group.broadcast(sums[index], self.src, async_op=True))
+                works[bucket] = self.group.broadcast(data[bucket], self.src, async_op=True)
 
-        status, failed_bucket, error = STATUS_OK, 0, None
         next_post, at_yield = 0, False
         try:
-            for _ in buffers:
+            for _ in memory.buffers:
                 post(next_post)
                 next_post += 1
             for bucket in range(packing.num_buckets):
-                for work in works.pop(bucket):
-                    work.wait()
-                index = bucket % len(buffers)
-                data = buffers[index][: packing.bucket_length(bucket)]
+                works.pop(bucket).wait()
                 if config.checksum:
-                    error = self._verify(bucket, data, int(sums[index]))
-                    if error is not None:
-                        status, failed_bucket = STATUS_CHECKSUM, bucket
-                        break
-                for item in tensors_completed_in(bucket, events[bucket], data, scratch, self.device):
-                    at_yield = True
-                    yield item
-                    at_yield = False
+                    self._checksum(bucket, data[bucket])
+                completing, continuing = memory.pieces[bucket]
+                for piece, received in completing:
+                    piece.copy_(received)
+                at_yield = True
+                yield bucket, memory.tensors[bucket]
+                at_yield = False
+                for piece, received in continuing:
+                    piece.copy_(received)
                 post(next_post)  # this bucket's buffer is free again
                 next_post += 1
         except BaseException as err:
             if not at_yield:  # a collective or a copy failed: the protocol is broken, run no more collectives
                 post_failure(self.group, "a packed-broadcast receiver", err)
                 raise
-            status = STATUS_CONSUMER  # the consumer raised or stopped early
-            self._finish_protocol(works, post, next_post, status, failed_bucket)
+            self._finish_protocol(works, post, next_post, STATUS_CONSUMER)  # the consumer raised or stopped early
             raise
-        self._finish_protocol(works, post, next_post, status, failed_bucket)
-        if error is not None:
-            raise error
+        self._finish_protocol(works, post, next_post, STATUS_OK)
 
-    def _finish_protocol(self, works, post, next_post: int, status: int, failed_bucket: int) -> None:
-        """Step 3: after a local failure, run the remaining bulk broadcasts (data discarded) so
-        the sender is not left blocked; then report the status to every member."""
+    def _finish_protocol(self, works: dict[int, Any], post, next_post: int, status: int) -> None:
+        """Steps 3 and 4: after a local failure, run the remaining bulk broadcasts (data discarded)
+        so the sender is not left blocked; receive the sender's checksums; report the status to
+        every member. Raises ``ChecksumError`` if a bucket's checksum differed."""
+        checksum_on = self.config.checksum
         try:
             if status != STATUS_OK:
                 for bucket in sorted(works):
-                    for work in works.pop(bucket):
-                        work.wait()
+                    works.pop(bucket).wait()
                 for bucket in range(next_post, self.packing.num_buckets):
                     post(bucket)
-                    for work in works.pop(bucket):
-                        work.wait()
-            report = torch.tensor([status, failed_bucket], dtype=torch.int64, device=self.device)
+                    works.pop(bucket).wait()
+            if checksum_on:  # ordered before the comparison on the device; the status below is the host's one wait
+                self.group.broadcast(self._memory.sent_sums, self.src, async_op=True).wait()
+            if checksum_on and status == STATUS_OK:
+                mine = self._checksum_report()
+            else:
+                mine = torch.tensor([status, 0], dtype=torch.int64, device=self.device)
+            report = mine.clone()
             self.group.all_reduce(report, dist.ReduceOp.MAX)
+            code, bucket = (int(v) for v in mine.tolist()) if checksum_on else (status, 0)
         except BaseException as err:
             post_failure(self.group, "a packed-broadcast receiver", err)
             raise
         self.settled = True
+        if code == STATUS_CHECKSUM:
+            raise self._checksum_error(bucket)
+
+
+def _each_tensor(
+    buckets: Iterator[tuple[int, list[tuple[str, torch.Tensor]]]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The buckets' tensors one by one; closing this closes the buckets' generator (the receiver
+    then reports the consumer's failure, as if it had stopped at the bucket)."""
+    try:
+        for _, tensors in buckets:
+            yield from tensors
+    finally:
+        buckets.close()

@@ -10,8 +10,15 @@ Every rank is a trainer rank; rank 0 is the source and holds the engine: ``Engin
 source, so it is in no ``torch.distributed`` world the trainer ranks share. Checks, failing with
 exit 1:
   * the first refit: the engine equals the checkpoint on disk fused by ``expected_engine_state``;
-  * after the trainer's parameters change in place, the next refit: the engine equals the stock
-    export of the changed model, fused the same way;
+  * the first refit records the engine's loader (``mode`` "recorded"); after the trainer's
+    parameters change in place, each of the next two refits replays the recorded copies
+    (``mode`` "replayed") and the engine equals the stock export of the changed model, fused the
+    same way; norms (loaded through a temporary) go through the loader every step;
+  * the engine's loader replaced after those refits by the GPU check's ``inject_load_fault`` (one
+    that raises at its first tensor and puts the old one back): the next refit records it again
+    and fails on every rank; the one after records the restored loader and is exact;
+  * an engine whose loader changes a parameter where the recorder cannot see it: the first refit
+    fails on the engine (the check against the loader) and on every trainer rank;
   * an engine whose loader reports the names it loaded and has one parameter no tensor reaches:
     the refit fails on the engine naming it, and on every trainer rank, without a hang;
   * an engine whose loader raises at the 5th tensor: that error on the source, RefitStatusError
@@ -41,6 +48,9 @@ from engine_refit_check import (  # noqa: E402
     expected_engine_state,
 )
 from oracle import read_checkpoint  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from check_vllm_broadcast_gpu import inject_load_fault  # noqa: E402
 from rank_checks import fail  # noqa: E402
 
 from mbridge_refit.convert.flags import add_layout_flags, layout_from_flags  # noqa: E402
@@ -73,10 +83,18 @@ class ReportingEngine(EngineModel):
 
 
 class FailingEngine(EngineModel):
+    """A loader that raises at the 5th tensor it is given, counted over its calls (the broadcast
+    target records it one tensor per call)."""
+
+    def __init__(self, hf) -> None:
+        super().__init__(hf)
+        self.seen = 0
+
     def load_weights(self, weights):
         def until_fifth():
-            for index, item in enumerate(weights):
-                if index == 4:
+            for item in weights:
+                self.seen += 1
+                if self.seen == 5:
                     raise ValueError("test loader rejects the 5th tensor")
                 yield item
 
@@ -143,15 +161,30 @@ def main() -> None:
             if first.workers[0]["unloaded"] or first.workers[0]["tensors"] != first.tensors:
                 fail(f"first refit: engine report {first.workers[0]} against {first.tensors} tensors sent")
 
-        with torch.no_grad():
-            for chunk in chunks:
-                for param in chunk.parameters():
-                    param.mul_(1.5).add_(0.25)
-        changed = {name: t.clone() for name, t in bridge.export_hf_weights_stock(chunks, show_progress=False)}
-        refit.refit(bridge, chunks)
+        steps = [first]
+        for step in (2, 3):  # replayed: each change of the trainer's weights shows in the engine
+            with torch.no_grad():
+                for chunk in chunks:
+                    for param in chunk.parameters():
+                        param.mul_(1.5).add_(0.25 * step)
+            changed = {name: t.clone() for name, t in bridge.export_hf_weights_stock(chunks, show_progress=False)}
+            steps.append(refit.refit(bridge, chunks))
+            if source:
+                engine_equals(
+                    engine, expected_engine_state(changed), f"refit {step} vs stock export of the changed model"
+                )
         if source:
-            engine_equals(engine, expected_engine_state(changed), "second refit vs stock export of the changed model")
+            results["modes"] = [step.workers[0]["mode"] for step in steps]
+            results["via_loader"] = [step.workers[0]["via_loader"] for step in steps]
+            inject_load_fault(refit.llm.worker)  # as the GPU check does
+        results["replaced_loader"] = outcome(lambda: refit.refit(bridge, chunks))
+        after = refit.refit(bridge, chunks)
+        if source:
+            engine_equals(engine, expected_engine_state(changed), "the refit after the replaced loader failed")
+            results["mode_after_replaced_loader"] = after.workers[0]["mode"]
         refit.close()
+
+        results["sneaky"] = outcome(lambda: session(EngineModel(on_disk, sneaky=True)).refit(bridge, chunks))
 
         results["unloaded"] = outcome(lambda: session(ReportingEngine(on_disk, extra=True)).refit(bridge, chunks))
 

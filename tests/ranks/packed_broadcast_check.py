@@ -149,12 +149,12 @@ def run_receiver(case, config, *, plan_json, refit, src, expected, model, pointe
         config = dataclasses.replace(config, bucket_bytes=config.bucket_bytes * 2)
 
     class FlippingReceiver(PackedBroadcastReceiver):
-        """Bucket 1 arrives with one bit of its byte 5 flipped, before the checksum check."""
+        """Bucket 1 arrives with one bit of its byte 5 flipped, before its checksum."""
 
-        def _verify(self, bucket, data, sent):
+        def _checksum(self, bucket, data):
             if bucket == 1:
                 data[5] ^= 0x40
-            return super()._verify(bucket, data, sent)
+            super()._checksum(bucket, data)
 
     receiving = FlippingReceiver if case == "corrupt" else PackedBroadcastReceiver
     receiver = receiving(plan_json, config, group=refit, src=src, device="cpu")
