@@ -39,6 +39,10 @@ strided copy, so a replay moves each byte once, from where the trainer keeps it,
 never refreshed. A source whose copies cannot be rewritten so is refreshed from its runs before
 each replay instead (correct, one copy more).
 
+A source may be an engine rank's shard of the HF tensor the loader expects (a sharded refit): the
+loader is recorded against a full-size tensor built around the shard, and ``read_from_shards``
+moves every recorded read into the shard (``engines.shard_remap``).
+
 ``check_against_loader`` proves a plan before it is trusted: after the recorded load, it
 fingerprints every written parameter (and every other parameter viewing a derived one's memory:
 vLLM registers ``W_UV`` and ``W_UK_T`` as strided views of one tensor), overwrites them with a
@@ -58,6 +62,7 @@ from torch.overrides import TorchFunctionMode
 
 from mbridge_refit.engines.copy_batches import CopySchedule
 from mbridge_refit.engines.fingerprint import differing, named_fingerprints
+from mbridge_refit.engines.shard_remap import OUTSIDE_PATTERNS, Box, box_view, fill_outside, remap
 from mbridge_refit.errors import EngineError
 
 __all__ = ["ApplyPlan", "ApplyPlanError", "Copy", "LoadWeights", "Recompute", "Runs", "StagedLoad"]
@@ -131,6 +136,7 @@ class ApplyPlan:
     derived: list[str] = field(default_factory=list)  # parameters the engine's processing computes from others
     recomputations: list[tuple[str, Callable[[], object]]] = field(default_factory=list)  # (module, its recompute)
     aliases: dict[str, torch.Tensor] = field(default_factory=dict)  # other parameters viewing a derived one's memory
+    expanded: list[tuple[torch.Tensor, torch.Tensor, Box]] = field(default_factory=list)  # (full, shard, box) kept
     _schedule: CopySchedule | None = field(default=None, repr=False)  # the replay, built at its first run
 
     @property
@@ -278,6 +284,24 @@ class ApplyPlan:
                 step.copies, step.composed = composed, True
         return refreshed
 
+    def read_from_shards(self, shards: dict[str, tuple[torch.Tensor, Box]]) -> None:
+        """Sources recorded as full-size tensors built around a shard (``{name: (shard, box)}``):
+        every recorded read moves into the shard (``shard_remap.remap``; a read outside the box
+        raises ``ShardRemapError``); a tensor loaded by the loader keeps its full-size tensor,
+        which each replay refreshes from the shard first. Call right after ``record``, before
+        ``check_against_loader``."""
+        self._schedule = None
+        for step in self.steps:
+            if step.name not in shards:
+                continue
+            shard, box = shards[step.name]
+            if step.via_loader:
+                step.refresh = [(box_view(step.source, box), shard)]
+                self.expanded.append((step.source, shard, box))
+                continue
+            step.copies = [(dest, remap(view, step.source, shard, box, step.name)) for dest, view in step.copies]
+            step.source = shard
+
     def refresh_sources(self) -> None:
         """Rebuild every composed source from its rows (before recording the loader again: a
         composed source is not kept up to date by replays)."""
@@ -295,6 +319,8 @@ class ApplyPlan:
         with torch.no_grad():
             for tensor in written.values():
                 _scribble(tensor)
+            for full, shard, box in self.expanded:  # the loader must not read outside a shard's box
+                fill_outside(full, shard, box, OUTSIDE_PATTERNS[1])
         self.replay()
         wrong = differing(expected, named_fingerprints(written.items()))
         if wrong:
@@ -307,6 +333,12 @@ class ApplyPlan:
                     f"; {len(orphans)} of them ({orphans[:5]}) are derived by the engine's processing from other "
                     "tensors (not copies of an exported tensor), and the engine names no way to recompute them"
                     if orphans
+                    else ""
+                )
+                + (
+                    f"; {len(self.expanded)} tensor(s) go through the loader from a full-size tensor around their shard: "
+                    "a loader that reads outside the shard's box (the transfer plan's rule is not the engine's) fails here"
+                    if self.expanded
                     else ""
                 )
             )

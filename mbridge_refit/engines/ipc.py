@@ -20,6 +20,12 @@ carries plain data works):
    path), it records its loader again instead of replaying into the old storage.
 3. ``close()``: forgets the plan and the mapped storages.
 
+A layout whose tensors are an engine rank's shards (``sharing.ShardBox``: a sharded refit, each
+engine rank fed its part by ``runtime.sharded_transfer``) opens the same way, the loader recorded
+against full-size tensors built around the shards and every recorded read moved into its shard
+(``engines.shard_remap``, ``ApplyPlan.read_from_shards``); the full-size tensors are freed after
+the open but for those the loader loads every step.
+
 Lifetimes: the mapped storages belong to the trainer; the trainer keeps them alive and
 unchanged from the start of its export until ``open``/``apply`` returns. No engine memory is
 allocated after ``open`` (the plan holds views only).
@@ -41,8 +47,10 @@ from mbridge_refit.engines.apply_plan import (
     Recompute,
     StagedLoad,
 )
+from mbridge_refit.engines.shard_remap import Box, expand
 from mbridge_refit.engines.sharing import (
     TRANSPORTS,
+    ShardBox,
     SharedLayout,
     SharingError,
     row_sources,
@@ -69,6 +77,7 @@ class OpenReport:
     bytes: int
     copies: int
     composed: int  # tensors read from the rows they are copies of (never from the copy)
+    shards: int  # tensors that are this engine rank's shards (recorded full-size, read from the shard)
     refreshed: list[str]  # tensors with rows whose copies could not be composed: rebuilt before each replay
     via_loader: list[str]
     recomputed: list[str]  # modules whose derived parameters the engine recomputes after each replay
@@ -102,6 +111,7 @@ class RefitReceiver:
         self._plan: ApplyPlan | None = None
         self._fingerprint: str | None = None
         self._storages: list = []
+        self._shards: dict[str, tuple[torch.Tensor, ShardBox]] = {}
 
     def open(
         self, wire: dict[str, Any], payload: bytes, transport: str, *, check: bool = True, allow_partial: bool = False
@@ -117,7 +127,9 @@ class RefitReceiver:
             rows = row_sources(layout, storages, self.device)
         except SharingError as err:
             raise EngineRefitError(f"cannot map the trainer's tensors: {err}") from err
-        plan = self._record(sources)
+        shards = _shards(layout, sources)
+        plan = self._record(_full_size(sources, shards))
+        plan.read_from_shards(_boxes(shards))
         refreshed = plan.compose_rows(rows)
         _synchronize(self.device)
         if self._staged_in_use and self.device.type == "cuda":
@@ -127,7 +139,7 @@ class RefitReceiver:
         if check:
             plan.check_against_loader()
             _synchronize(self.device)
-        self._plan, self._fingerprint, self._storages = plan, layout.fingerprint, storages
+        self._plan, self._fingerprint, self._storages, self._shards = plan, layout.fingerprint, storages, shards
         report = OpenReport(
             fingerprint=layout.fingerprint,
             tensors=len(layout.refs),
@@ -135,6 +147,7 @@ class RefitReceiver:
             bytes=layout.nbytes,
             copies=plan.copies,
             composed=len(rows) - len(refreshed),
+            shards=len(shards),
             refreshed=refreshed,
             via_loader=plan.via_loader,
             recomputed=plan.recomputed,
@@ -179,7 +192,8 @@ class RefitReceiver:
                 moved[:3],
             )
             self._plan.refresh_sources()
-            plan = self._record([(s.name, s.source) for s in self._plan.steps])
+            plan = self._record(_full_size([(s.name, s.source) for s in self._plan.steps], self._shards))
+            plan.read_from_shards(_boxes(self._shards))
             plan.compose_rows(self._plan.rows)
             self._plan = plan
         else:
@@ -188,7 +202,7 @@ class RefitReceiver:
         return (time.perf_counter() - started) * 1e3
 
     def close(self) -> None:
-        self._plan, self._fingerprint, self._storages = None, None, []
+        self._plan, self._fingerprint, self._storages, self._shards = None, None, [], {}
 
     def _record(self, sources: list[tuple[str, torch.Tensor]]) -> ApplyPlan:
         """The engine's loader recorded plainly; where it fails (the engine replaced a parameter
@@ -220,6 +234,26 @@ class RefitReceiver:
     def plan(self) -> ApplyPlan | None:
         """The open layout's recorded plan (None before ``open``)."""
         return self._plan
+
+
+def _shards(layout: SharedLayout, sources: list[tuple[str, torch.Tensor]]) -> dict[str, tuple[torch.Tensor, ShardBox]]:
+    """``{name: (shard view, where)}`` of the layout's tensors that are shards of larger HF tensors."""
+    tensors = dict(sources)
+    return {ref.name: (tensors[ref.name], ref.shard) for ref in layout.refs if ref.shard is not None}
+
+
+def _boxes(shards: dict[str, tuple[torch.Tensor, ShardBox]]) -> dict[str, tuple[torch.Tensor, Box]]:
+    return {name: (shard, where.box) for name, (shard, where) in shards.items()}
+
+
+def _full_size(
+    sources: list[tuple[str, torch.Tensor]], shards: dict[str, tuple[torch.Tensor, ShardBox]]
+) -> list[tuple[str, torch.Tensor]]:
+    """The tensors the engine's loader expects: each shard inside a full-size tensor of its HF shape."""
+    return [
+        (name, expand(shards[name][0], shards[name][1].shape, shards[name][1].box) if name in shards else tensor)
+        for name, tensor in sources
+    ]
 
 
 def _mismatch_message(plan: ApplyPlan) -> str:

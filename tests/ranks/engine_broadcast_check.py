@@ -41,7 +41,7 @@ from engine_refit_check import (  # noqa: E402
     expected_engine_state,
 )
 from oracle import read_checkpoint  # noqa: E402
-from rank_checks import fail  # noqa: E402
+from rank_checks import change_weights, fail  # noqa: E402
 
 from mbridge_refit.convert.flags import add_layout_flags, layout_from_flags  # noqa: E402
 
@@ -143,11 +143,7 @@ def main() -> None:
             if first.workers[0]["unloaded"] or first.workers[0]["tensors"] != first.tensors:
                 fail(f"first refit: engine report {first.workers[0]} against {first.tensors} tensors sent")
 
-        with torch.no_grad():
-            for chunk in chunks:
-                for param in chunk.parameters():
-                    param.mul_(1.5).add_(0.25)
-        changed = {name: t.clone() for name, t in bridge.export_hf_weights_stock(chunks, show_progress=False)}
+        changed = change_weights(bridge, chunks)
         refit.refit(bridge, chunks)
         if source:
             engine_equals(engine, expected_engine_state(changed), "second refit vs stock export of the changed model")
