@@ -213,9 +213,9 @@ def run(args) -> dict:
     return result
 
 
-def start_engine(checkpoint: Path, args: argparse.Namespace):
+def start_engine(checkpoint: Path, args: argparse.Namespace, **overrides):
     """A vLLM engine loaded from ``checkpoint`` (vLLM's own loader) with the refit worker extension
-    and the checks' own RPCs (``testing.vllm_worker``: scramble)."""
+    and the checks' own RPCs (``testing.vllm_worker``: scramble); ``overrides``: more ``LLM`` arguments."""
     from vllm import LLM
 
     from mbridge_refit.engines.vllm import engine_kwargs
@@ -230,6 +230,7 @@ def start_engine(checkpoint: Path, args: argparse.Namespace):
         gpu_memory_utilization=args.gpu_memory_utilization,
         seed=0,
         **engine_kwargs(worker_extension_cls=TESTING_WORKER_EXTENSION),
+        **overrides,
     )
 
 

@@ -22,9 +22,12 @@ Who holds a handle: a multi-process engine (vLLM's default executor) is reached 
 rank, whose call reaches every worker; an engine that runs inside the trainer's processes (vLLM's
 ``external_launcher``, the CPU tests) is reached by every rank, each call reaching its own worker.
 Either way every worker gets every rank's entry and picks its own. The outcome of each call is
-shared over ``group`` (one object gather), so an engine's refusal raises on every trainer rank.
+shared over the group (one object gather), so an engine's refusal raises on every trainer rank.
 Before a call the ranks pass a barrier: a worker reads another trainer rank's buffers only once
-that rank's transfer is done.
+that rank's transfer is done (each rank synchronizes its stream first). These control messages go
+over a gloo group of the same ranks, made at the first ``open`` (collective over the whole job, as
+``torch.distributed.new_group`` is): a rank waiting for the engine's answer then waits on the CPU,
+not in an NCCL kernel that would share its GPU with the engine worker replaying there.
 
 Refused by name: FP8 (a blockwise scale of a box is a scale of the whole tensor only where the box
 is block-aligned; the transfer plan moves BF16 only), and a step with another model or bridge than
@@ -111,6 +114,7 @@ class ShardedIpcSession:
         self._payload: bytes | None = None
         self._held: list = []  # this rank's shard storages the worker maps
         self._hf_shapes: dict[str, tuple[int, ...]] = {}
+        self._control: Any = None  # gloo group of the same ranks, for the control messages
         self.last_reports: list[dict] = []
 
     def open(self, bridge: Any, model: Any, *, fp8: Any = None) -> None:
@@ -130,6 +134,8 @@ class ShardedIpcSession:
                 only=[n for n in names if n not in ignored] if ignored & set(names) else None,
             )
             self._transfer = bridge.sharded_transfer(list(chunks), self.plan, group=self.group)
+            if self._control is None:
+                self._control = _control_group(self.group)
             self._shards = self._transfer.allocate_shards()
             self._hf_shapes = {e.hf_name: tuple(e.shape) for e in bridge.export_plan(list(chunks)).entries}
             self._owner = (bridge, chunks)
@@ -208,7 +214,7 @@ class ShardedIpcSession:
     def _call(self, method: str, *args: Any) -> list:
         """``method`` on the workers from every rank with a handle, after every rank's transfer;
         its outcome shared over ``group`` (every rank raises if one call failed)."""
-        dist.barrier(group=self.group)
+        dist.barrier(group=self._control)
         results, failure = [], None
         if self.call_workers is not None:
             try:
@@ -223,13 +229,21 @@ class ShardedIpcSession:
         return results
 
     def _gather(self, item: Any) -> list:
-        out = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(out, item, group=self.group)
+        out = [None] * dist.get_world_size(self._control)
+        dist.all_gather_object(out, item, group=self._control)
         return out
 
     def _engine_rank(self) -> int | None:
         rank = dist.get_rank()
         return self.plan.engine_ranks.index(rank) if rank in self.plan.engine_ranks else None
+
+
+def _control_group(group: Any) -> Any:
+    """A gloo group of ``group``'s ranks (``group`` itself when it is gloo already)."""
+    if dist.get_backend(group) == dist.Backend.GLOO:
+        return group
+    ranks = None if group is None else dist.get_process_group_ranks(group)
+    return dist.new_group(ranks=ranks, backend="gloo")
 
 
 def _refuse_fp8(fp8: Any) -> None:
