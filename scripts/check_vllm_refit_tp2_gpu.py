@@ -17,8 +17,8 @@ checked on rank 0 and shared:
    against full-size tensors around them, moves the reads into the shards and proves it against the
    loader. Every worker's fingerprints and the prompt logprobs must equal the oracle's, bit for bit.
 3. A second refit replays without reopening, exact. One trainer weight element changed on every rank
-   (layer 0's ``linear_fc2``, row-parallel: each rank's own columns) shows in exactly
-   ``model.layers.0.mlp.down_proj.weight`` on both workers; put back, the next refit is exact again.
+   (layer 0's attention ``linear_proj``, row-parallel: each rank's own columns; dense and MoE alike)
+   shows in exactly ``model.layers.0.self_attn.o_proj.weight`` on both workers; put back, the next refit is exact again.
 4. Timing, same GPUs, same engine: steady sharded refits (transfer + replay) against the baseline,
    each trainer rank's gathering export (``export_hf_weights``, full tensors) shared with the worker on
    its GPU and loaded by vLLM's own ``load_weights`` (``testing.vllm_worker``); the baseline's
@@ -83,8 +83,11 @@ def shared_checkpoint_dir(work: str) -> Path:
     return Path(folder[0]) / "hf"
 
 
-def fc2_weight(chunks) -> torch.nn.Parameter:
-    return next(p for c in chunks for n, p in c.named_parameters() if n.endswith("layers.0.mlp.linear_fc2.weight"))
+def attention_output_weight(chunks) -> torch.nn.Parameter:
+    """Layer 0's attention output projection (row-parallel: this rank's columns of ``o_proj``)."""
+    return next(
+        p for c in chunks for n, p in c.named_parameters() if n.endswith("layers.0.self_attention.linear_proj.weight")
+    )
 
 
 def gathering_baseline(llm, bridge, chunks, steps: int) -> list[dict]:
@@ -179,7 +182,7 @@ def run(args) -> dict:
             checks["second_refit_replays_without_reopening"] = not second.opened
             checks["second_refit_equal_disk"] = not any(differing_per_worker(disk, fingerprints(llm)))
 
-        weight = fc2_weight(chunks)
+        weight = attention_output_weight(chunks)
         with torch.no_grad():
             original = weight[0, 0].clone()
             weight[0, 0] += 1.0
@@ -187,8 +190,8 @@ def run(args) -> dict:
         if llm is not None:
             caught = differing_per_worker(disk, fingerprints(llm))
             result["perturbed"] = caught
-            checks["perturbed_element_caught_in_down_proj_of_each_worker"] = (
-                caught == [["model.layers.0.mlp.down_proj.weight"]] * 2
+            checks["perturbed_element_caught_in_o_proj_of_each_worker"] = (
+                caught == [["model.layers.0.self_attn.o_proj.weight"]] * 2
             )
         with torch.no_grad():
             weight[0, 0] = original

@@ -138,3 +138,25 @@ def test_sharded_refit_into_a_tp2_engine(recipe, flags, source_checkpoints, tmp_
     assert all(r["ok"] for r in reports) and all(r["copies"] > 0 and r["via_loader"] > 0 for r in reports)
     if flags == ["--tp", "2"]:
         assert reports[0]["bytes_moved"] == 0  # agreeing layouts: every shard from the rank itself
+
+
+@pytest.mark.multirank
+def test_sharded_refit_from_tp2_into_a_tp4_engine(source_checkpoints, tmp_path):
+    """The plan for TP4 on 4 CPU ranks: a trainer at TP2 (two replicas) into an engine at TP4, whose
+    2 kv heads are each replicated on two engine ranks (vLLM's ``tp_rank // num_kv_head_replicas``):
+    exact, the halves a trainer rank does not hold moved from another rank."""
+    recipe, flags = "qwen3-tiny", ["--tp", "2", "--engine-tp", "4"]
+    run = torchrun(4, [CHECKER, "--hf", str(source_checkpoints(recipe)), "--result", str(tmp_path), *flags])
+    assert run.returncode == 0, run.output[-6000:]
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert all(r["ok"] for r in reports) and reports[0]["bytes_moved"] > 0
+
+
+def test_a_worker_without_an_entry_is_refused_by_name():
+    from mbridge_refit.engines.sharded_ipc import ShardedRefitError, worker_entry
+
+    assert worker_entry(["a", "b"], 1, "layout") == "b"
+    with pytest.raises(ShardedRefitError, match=r"no layout for engine rank 2: the trainer sent 2 engine ranks"):
+        worker_entry(["a", "b"], 2, "layout")
+    with pytest.raises(ShardedRefitError, match=r"no layout for engine rank 0.*\[1\] filled"):
+        worker_entry([None, "b"], 0, "layout")

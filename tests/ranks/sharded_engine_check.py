@@ -1,10 +1,10 @@
 """Per-rank checks of the sharded colocated refit into a tensor-parallel engine, without vLLM; run
 under torchrun by tests/test_sharded_engine_refit.py (CPU, gloo, 2 ranks).
 
-Usage: sharded_engine_check.py --hf CKPT --result DIR [--tp N --ep N]
+Usage: sharded_engine_check.py --hf CKPT --result DIR [--engine-tp N] [--tp N --ep N]
 
-Trainer rank r hosts engine rank r of a TP2 engine (``tp_engine.TPEngine``: vLLM's Qwen3 layout and
-loaders at ``tensor_parallel_size=2``) in its own process; the session is ``VLLMShardedRefit`` over an
+Trainer rank r hosts engine rank r of an engine at TP N (default 2; ``tp_engine.TPEngine``: vLLM's
+Qwen3 layout and loaders at ``tensor_parallel_size=N``, as many ranks as the engine) in its own process; the session is ``VLLMShardedRefit`` over an
 in-process RPC (arguments pickled) with ``LocalTransport``, each rank reaching its own worker (as
 vLLM's ``external_launcher`` would). Checks, failing with exit 1:
   * the first refit opens: nothing missing or unexpected, every tensor a shard, exactly the norms
@@ -34,18 +34,16 @@ from tp_engine import TPEngine  # noqa: E402
 
 from mbridge_refit.convert.flags import layout_from_flags  # noqa: E402
 
-ENGINE_TP = 2
-
 
 def worker_llm(engine: TPEngine, rank: int) -> InProcessLLM:
     """``collective_rpc`` into this rank's worker, which knows its engine rank as vLLM's does."""
     llm = InProcessLLM(engine)
-    llm.worker.parallel_config = SimpleNamespace(rank=rank, world_size=ENGINE_TP, data_parallel_index=0)
+    llm.worker.parallel_config = SimpleNamespace(rank=rank, world_size=engine.tp, data_parallel_index=0)
     return llm
 
 
-def loaded_by_its_loader(shapes, config, rank: int, tensors: dict[str, torch.Tensor]) -> TPEngine:
-    engine = TPEngine(shapes, config, rank=rank, tp=ENGINE_TP)
+def loaded_by_its_loader(shapes, config, rank: int, tp: int, tensors: dict[str, torch.Tensor]) -> TPEngine:
+    engine = TPEngine(shapes, config, rank=rank, tp=tp)
     with torch.no_grad():
         engine.load_weights(tensors.items())
     return engine
@@ -59,7 +57,10 @@ def engine_equals(engine: TPEngine, reference: TPEngine, what: str) -> None:
 
 
 def main() -> None:
-    args = checker_parser().parse_args()
+    parser = checker_parser()
+    parser.add_argument("--engine-tp", type=int, default=2)
+    args = parser.parse_args()
+    tp = args.engine_tp
     layout = layout_from_flags(args)
 
     from mbridge_refit.engines.sharded_ipc import ShardedRefitError
@@ -74,26 +75,30 @@ def main() -> None:
         shapes = {e.hf_name: tuple(e.shape) for e in entries}
         on_disk = {name: read(name) for name in shapes}
 
-        engine = TPEngine(shapes, config, rank=rank, tp=ENGINE_TP)
-        refit = VLLMShardedRefit(worker_llm(engine, rank), engine=f"tp{ENGINE_TP}", transport=LocalTransport())
+        engine = TPEngine(shapes, config, rank=rank, tp=tp)
+        refit = VLLMShardedRefit(worker_llm(engine, rank), engine=f"tp{tp}", transport=LocalTransport())
         first = refit.refit(bridge, chunks)
         report = first.report or {}
         if not first.opened or report.get("missing") or report.get("unexpected"):
             fail(f"first refit: expected a clean open, got {report}")
         if report["shards"] != len(shapes) or not all(n.endswith("norm.weight") for n in report["via_loader"]):
             fail(f"first refit: expected {len(shapes)} shards and only norms via the loader, got {report}")
-        engine_equals(engine, loaded_by_its_loader(shapes, config, rank, on_disk), "first refit vs checkpoint on disk")
+        engine_equals(
+            engine, loaded_by_its_loader(shapes, config, rank, tp, on_disk), "first refit vs checkpoint on disk"
+        )
 
         changed = change_weights(bridge, chunks)
         second = refit.refit(bridge, chunks)
         if second.opened:
             fail("second refit reopened although nothing changed but the weights")
-        engine_equals(engine, loaded_by_its_loader(shapes, config, rank, changed), "second refit vs the changed model")
+        engine_equals(
+            engine, loaded_by_its_loader(shapes, config, rank, tp, changed), "second refit vs the changed model"
+        )
         moved = refit.plan.bytes_moved
         refit.close()
 
-        other = TPEngine(shapes, config, rank=rank, tp=ENGINE_TP, full_size=(".self_attn.o_proj.",))
-        mismatched = VLLMShardedRefit(worker_llm(other, rank), engine=f"tp{ENGINE_TP}", transport=LocalTransport())
+        other = TPEngine(shapes, config, rank=rank, tp=tp, full_size=(".self_attn.o_proj.",))
+        mismatched = VLLMShardedRefit(worker_llm(other, rank), engine=f"tp{tp}", transport=LocalTransport())
         try:
             mismatched.refit(bridge, chunks)
             fail("an engine whose o_proj loader reads outside the shard was not refused")
