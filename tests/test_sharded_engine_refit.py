@@ -1,5 +1,5 @@
 """The sharded colocated refit into a tensor-parallel engine without vLLM: recorded reads moved into
-shards (engines.shard_remap, ApplyPlan.read_from_shards, RefitReceiver on a layout of shards), and
+shards (engines.shard_remap, ApplyPlan.record(shards=...), RefitReceiver on a layout of shards), and
 the whole loop from a Megatron model through the sharded transfer into a vLLM-like TP2 engine
 (tests/ranks/tp_engine.py) on 2 CPU ranks (tests/ranks/sharded_engine_check.py).
 
@@ -52,10 +52,7 @@ def _shards() -> dict[str, torch.Tensor]:
 
 
 def _recorded(model, shards):
-    full = [(name, expand(shard, FULL[name], BOXES[name])) for name, shard in shards.items()]
-    plan = ApplyPlan.record(model, full)
-    plan.read_from_shards({name: (shards[name], BOXES[name]) for name in shards})
-    return plan
+    return ApplyPlan.record(model, list(shards.items()), shards={n: (t, FULL[n], BOXES[n]) for n, t in shards.items()})
 
 
 def test_expand_puts_the_shard_in_its_box():
@@ -83,6 +80,8 @@ def test_a_plan_recorded_full_size_replays_from_the_shards():
     model, shards = _RankOfTwo(), _shards()
     plan = _recorded(model, shards)
     assert plan.copies == 2 and plan.via_loader == ["n"]
+    kept = {step.name: step.source for step in plan.steps}  # full-size only where the loader runs every step
+    assert kept["w"] is shards["w"] and kept["o"] is shards["o"] and kept["n"].shape == FULL["n"]
     plan.check_against_loader()
     for shard in shards.values():
         shard.add_(1.0)

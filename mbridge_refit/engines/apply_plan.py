@@ -39,9 +39,12 @@ strided copy, so a replay moves each byte once, from where the trainer keeps it,
 never refreshed. A source whose copies cannot be rewritten so is refreshed from its runs before
 each replay instead (correct, one copy more).
 
-A source may be an engine rank's shard of the HF tensor the loader expects (a sharded refit): the
-loader is recorded against a full-size tensor built around the shard, and ``read_from_shards``
-moves every recorded read into the shard (``engines.shard_remap``).
+A source may be an engine rank's shard of the HF tensor the loader expects (a sharded refit,
+``record(shards=...)``): the loader is recorded against a full-size tensor built around the shard,
+and every recorded read is moved into the shard (``engines.shard_remap``). In a plain recording
+that happens right after the tensor's load, so one full-size tensor is alive at a time (but for
+those the loader loads every step); under a reload bracket, which may hold a layer's tensors until
+the layer is complete, after the bracket.
 
 ``check_against_loader`` proves a plan before it is trusted: after the recorded load, it
 fingerprints every written parameter (and every other parameter viewing a derived one's memory:
@@ -62,10 +65,10 @@ from torch.overrides import TorchFunctionMode
 
 from mbridge_refit.engines.copy_batches import CopySchedule
 from mbridge_refit.engines.fingerprint import differing, named_fingerprints
-from mbridge_refit.engines.shard_remap import OUTSIDE_PATTERNS, Box, box_view, fill_outside, remap
+from mbridge_refit.engines.shard_remap import OUTSIDE_PATTERNS, Box, box_view, expand, fill_outside, remap
 from mbridge_refit.errors import EngineError
 
-__all__ = ["ApplyPlan", "ApplyPlanError", "Copy", "LoadWeights", "Recompute", "Runs", "StagedLoad"]
+__all__ = ["ApplyPlan", "ApplyPlanError", "Copy", "LoadWeights", "Recompute", "Runs", "Shards", "StagedLoad"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +77,7 @@ Runs = tuple[tuple[int, int, int], ...]  # (row of the source tensor, row of the
 Copy = tuple[torch.Tensor, torch.Tensor]  # (destination, source)
 # an engine module -> the engine's own code that recomputes its derived parameters in place (None: none)
 Recompute = Callable[[torch.nn.Module], Callable[[], object] | None]
+Shards = dict[str, tuple[torch.Tensor, tuple[int, ...], Box]]  # source name -> (its shard, HF shape, box)
 
 
 _SCRIBBLE = 0x5A
@@ -169,30 +173,42 @@ class ApplyPlan:
         load_weights: LoadWeights | None = None,
         staged: StagedLoad | None = None,
         recompute: Recompute | None = None,
+        shards: Shards | None = None,
     ) -> "ApplyPlan":
         """Run ``load_weights`` (default ``model.load_weights``) once per source tensor, recording
         its copies. This is the first refit's load: the model holds the sources afterwards.
         ``staged``: record through the engine's reload bracket (module docstring); every tensor
         must then be plain copies, or the plan is refused. ``recompute``: how the engine
-        recomputes a module's derived parameters (module docstring)."""
+        recomputes a module's derived parameters (module docstring). ``shards``: sources that are
+        shards of larger HF tensors (module docstring; a read outside a shard's box raises
+        ``ShardRemapError``)."""
         load_weights = load_weights or model.load_weights
+        shards = shards or {}
         params = _unique_tensors([*model.named_parameters(), *model.named_buffers()])
         recorder = _CopyRecorder(params, sources, compose_staged=staged is not None)
-        steps = []
+        steps: list[_Step] = []
+        expanded: list[tuple[torch.Tensor, torch.Tensor, Box]] = []
         bracket = staged.around(lambda: recorder.recording(None)) if staged is not None else contextlib.nullcontext()
         with torch.no_grad(), bracket:
             for name, tensor in sources:
-                step = _Step(name=name, source=tensor)
+                loaded = expand(*shards[name]) if name in shards else tensor
+                step = _Step(name=name, source=loaded)
                 try:
                     with recorder.recording(step):
-                        load_weights([(name, tensor)])
+                        load_weights([(name, loaded)])
                 except Exception as err:
                     raise ApplyPlanError(
-                        f"the engine's load_weights failed on {name} {tuple(tensor.shape)} {tensor.dtype}: "
+                        f"the engine's load_weights failed on {name} {tuple(loaded.shape)} {loaded.dtype}: "
                         f"{type(err).__name__}: {err}. An engine that replaces its parameters after loading "
                         "(vLLM's FP8 linear layers do) is recorded through its reload bracket (StagedLoad)"
                     ) from err
                 steps.append(step)
+                if name in shards and staged is None:
+                    _read_from_shard(step, shards[name], expanded, recorder)
+                del loaded
+        for step in steps if staged is not None else []:
+            if step.name in shards:
+                _read_from_shard(step, shards[step.name], expanded, recorder)
         parameter_names = frozenset(_unique_tensors(model.named_parameters()))  # one name per storage
         unwritten = sorted(name for name in parameter_names if name not in recorder.written)
         recomputations = _recompute(model, unwritten if staged is None else sorted(recorder.derived), recompute)
@@ -211,6 +227,7 @@ class ApplyPlan:
             derived=sorted(recorder.derived),
             recomputations=recomputations,
             aliases=_aliases(model, params, recorder.derived),
+            expanded=expanded,
         )
         if staged is not None and plan.via_loader:
             loaded = [f"{step.name} ({step.reason})" for step in steps if step.via_loader]
@@ -283,24 +300,6 @@ class ApplyPlan:
             else:
                 step.copies, step.composed = composed, True
         return refreshed
-
-    def read_from_shards(self, shards: dict[str, tuple[torch.Tensor, Box]]) -> None:
-        """Sources recorded as full-size tensors built around a shard (``{name: (shard, box)}``):
-        every recorded read moves into the shard (``shard_remap.remap``; a read outside the box
-        raises ``ShardRemapError``); a tensor loaded by the loader keeps its full-size tensor,
-        which each replay refreshes from the shard first. Call right after ``record``, before
-        ``check_against_loader``."""
-        self._schedule = None
-        for step in self.steps:
-            if step.name not in shards:
-                continue
-            shard, box = shards[step.name]
-            if step.via_loader:
-                step.refresh = [(box_view(step.source, box), shard)]
-                self.expanded.append((step.source, shard, box))
-                continue
-            step.copies = [(dest, remap(view, step.source, shard, box, step.name)) for dest, view in step.copies]
-            step.source = shard
 
     def refresh_sources(self) -> None:
         """Rebuild every composed source from its rows (before recording the loader again: a
@@ -407,10 +406,21 @@ class _CopyRecorder(TorchFunctionMode):
     def _register(self, step: _Step) -> None:
         source = step.source
         if source.numel():
+            self._sources.add(source.untyped_storage().data_ptr())  # also a tensor made for this load
             start = source.storage_offset() * source.element_size()
             self._spans.setdefault(source.untyped_storage().data_ptr(), []).append(
                 (start, start + _span_bytes(source), step)
             )
+
+    def forget(self, step: _Step) -> None:
+        """``step``'s source is freed: its memory is no source any more (an allocation reusing it is not)."""
+        key = step.source.untyped_storage().data_ptr()
+        spans = [span for span in self._spans.get(key, []) if span[2] is not step]
+        if spans:
+            self._spans[key] = spans
+        else:
+            self._spans.pop(key, None)
+            self._sources.discard(key)
 
     def _owner(self, source: torch.Tensor) -> _Step | None:
         """The step whose source tensor holds ``source``: a loader that buffers a layer's tensors
@@ -489,6 +499,25 @@ class _CopyRecorder(TorchFunctionMode):
             step.copies.append((placed, source))
             self.written[target] = self.written.get(target, 0) + _nbytes(placed)
         return True
+
+
+def _read_from_shard(
+    step: _Step,
+    shard: tuple[torch.Tensor, tuple[int, ...], Box],
+    expanded: list[tuple[torch.Tensor, torch.Tensor, Box]],
+    recorder: "_CopyRecorder",
+) -> None:
+    """``step``'s recorded reads of its full-size tensor moved into its shard (then the full-size
+    tensor is forgotten and freed); a step loaded by the loader keeps it, refreshed from the shard
+    before each replay (noted in ``expanded`` for the check)."""
+    tensor, _, box = shard
+    if step.via_loader:
+        step.refresh = [(box_view(step.source, box), tensor)]
+        expanded.append((step.source, tensor, box))
+        return
+    step.copies = [(dest, remap(view, step.source, tensor, box, step.name)) for dest, view in step.copies]
+    recorder.forget(step)
+    step.source = tensor
 
 
 def _recompute(

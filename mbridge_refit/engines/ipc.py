@@ -22,9 +22,9 @@ carries plain data works):
 
 A layout whose tensors are an engine rank's shards (``sharing.ShardBox``: a sharded refit, each
 engine rank fed its part by ``runtime.sharded_transfer``) opens the same way, the loader recorded
-against full-size tensors built around the shards and every recorded read moved into its shard
-(``engines.shard_remap``, ``ApplyPlan.read_from_shards``); the full-size tensors are freed after
-the open but for those the loader loads every step.
+against full-size tensors built around the shards, one at a time, and every recorded read moved
+into its shard (``engines.shard_remap``, ``ApplyPlan.record(shards=...)``); no full-size tensor is
+kept but for those the loader loads every step.
 
 Lifetimes: the mapped storages belong to the trainer; the trainer keeps them alive and
 unchanged from the start of its export until ``open``/``apply`` returns. No engine memory is
@@ -45,12 +45,11 @@ from mbridge_refit.engines.apply_plan import (
     ApplyPlanError,
     LoadWeights,
     Recompute,
+    Shards,
     StagedLoad,
 )
-from mbridge_refit.engines.shard_remap import Box, expand
 from mbridge_refit.engines.sharing import (
     TRANSPORTS,
-    ShardBox,
     SharedLayout,
     SharingError,
     row_sources,
@@ -111,7 +110,7 @@ class RefitReceiver:
         self._plan: ApplyPlan | None = None
         self._fingerprint: str | None = None
         self._storages: list = []
-        self._shards: dict[str, tuple[torch.Tensor, ShardBox]] = {}
+        self._shards: Shards = {}
 
     def open(
         self, wire: dict[str, Any], payload: bytes, transport: str, *, check: bool = True, allow_partial: bool = False
@@ -128,8 +127,7 @@ class RefitReceiver:
         except SharingError as err:
             raise EngineRefitError(f"cannot map the trainer's tensors: {err}") from err
         shards = _shards(layout, sources)
-        plan = self._record(_full_size(sources, shards))
-        plan.read_from_shards(_boxes(shards))
+        plan = self._record(sources, shards)
         refreshed = plan.compose_rows(rows)
         _synchronize(self.device)
         if self._staged_in_use and self.device.type == "cuda":
@@ -192,8 +190,7 @@ class RefitReceiver:
                 moved[:3],
             )
             self._plan.refresh_sources()
-            plan = self._record(_full_size([(s.name, s.source) for s in self._plan.steps], self._shards))
-            plan.read_from_shards(_boxes(self._shards))
+            plan = self._record([(s.name, s.source) for s in self._plan.steps], self._shards)
             plan.compose_rows(self._plan.rows)
             self._plan = plan
         else:
@@ -204,12 +201,14 @@ class RefitReceiver:
     def close(self) -> None:
         self._plan, self._fingerprint, self._storages, self._shards = None, None, [], {}
 
-    def _record(self, sources: list[tuple[str, torch.Tensor]]) -> ApplyPlan:
+    def _record(self, sources: list[tuple[str, torch.Tensor]], shards: Shards) -> ApplyPlan:
         """The engine's loader recorded plainly; where it fails (the engine replaced a parameter
         after processing, as vLLM's FP8 layers do) and a reload bracket is known, through it."""
         if not self._staged_in_use:
             try:
-                return ApplyPlan.record(self.model, sources, self._load_weights, recompute=self._recompute)
+                return ApplyPlan.record(
+                    self.model, sources, self._load_weights, recompute=self._recompute, shards=shards
+                )
             except ApplyPlanError as err:
                 if self._staged is None:
                     raise
@@ -219,7 +218,9 @@ class RefitReceiver:
                     err,
                 )
         self._staged_in_use = True
-        return ApplyPlan.record(self.model, sources, self._load_weights, staged=self._staged, recompute=self._recompute)
+        return ApplyPlan.record(
+            self.model, sources, self._load_weights, staged=self._staged, recompute=self._recompute, shards=shards
+        )
 
     @property
     def is_open(self) -> bool:
@@ -236,24 +237,12 @@ class RefitReceiver:
         return self._plan
 
 
-def _shards(layout: SharedLayout, sources: list[tuple[str, torch.Tensor]]) -> dict[str, tuple[torch.Tensor, ShardBox]]:
-    """``{name: (shard view, where)}`` of the layout's tensors that are shards of larger HF tensors."""
+def _shards(layout: SharedLayout, sources: list[tuple[str, torch.Tensor]]) -> Shards:
+    """``{name: (shard view, HF shape, box)}`` of the layout's tensors that are shards of larger HF tensors."""
     tensors = dict(sources)
-    return {ref.name: (tensors[ref.name], ref.shard) for ref in layout.refs if ref.shard is not None}
-
-
-def _boxes(shards: dict[str, tuple[torch.Tensor, ShardBox]]) -> dict[str, tuple[torch.Tensor, Box]]:
-    return {name: (shard, where.box) for name, (shard, where) in shards.items()}
-
-
-def _full_size(
-    sources: list[tuple[str, torch.Tensor]], shards: dict[str, tuple[torch.Tensor, ShardBox]]
-) -> list[tuple[str, torch.Tensor]]:
-    """The tensors the engine's loader expects: each shard inside a full-size tensor of its HF shape."""
-    return [
-        (name, expand(shards[name][0], shards[name][1].shape, shards[name][1].box) if name in shards else tensor)
-        for name, tensor in sources
-    ]
+    return {
+        ref.name: (tensors[ref.name], ref.shard.shape, ref.shard.box) for ref in layout.refs if ref.shard is not None
+    }
 
 
 def _mismatch_message(plan: ApplyPlan) -> str:
