@@ -57,7 +57,11 @@ def write_checkpoint(bridge, chunks, config, out: Path, fp8) -> None:
     from mbridge_refit.convert.writing import write_hf_checkpoint
 
     source = out.parent / (out.name + "-config")
-    config.save_pretrained(source)
+    distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+    if not distributed or torch.distributed.get_rank() == 0:
+        config.save_pretrained(source)  # one writer: the other ranks read it
+    if distributed:
+        torch.distributed.barrier()
     dtypes = {e.hf_name: e.torch_dtype for e in bridge.export_plan(chunks).entries}
     write_hf_checkpoint(
         bridge,

@@ -33,6 +33,7 @@ import contextlib
 import datetime
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -134,12 +135,17 @@ def run(args) -> dict:
     layout = ParallelLayout(tp=2, pp=1, ep=1)
     result: dict = {"model": args.model if args.layers is None else f"{args.model}-{args.layers}layers", "checks": {}}
     checks = result["checks"]
-    with distributed_session(layout, device=device, timeout=datetime.timedelta(minutes=10)):
+    with (
+        contextlib.ExitStack() as cleanup,
+        distributed_session(layout, device=device, timeout=datetime.timedelta(minutes=10)),
+    ):
         rank = dist.get_rank()
         result["device"] = torch.cuda.get_device_name()
         bridge = RefitBridge.from_hf_config(config)
         chunks = build_model(bridge, layout, BuildOptions(device=device, params_dtype=torch.bfloat16))
         checkpoint = shared_checkpoint_dir(args.work)
+        if rank == 0:
+            cleanup.callback(shutil.rmtree, checkpoint.parent, True)  # after the session
         write_checkpoint(bridge, chunks, config, checkpoint, None)
         dist.barrier()
         started = time.perf_counter()
