@@ -57,7 +57,11 @@ def write_checkpoint(bridge, chunks, config, out: Path, fp8) -> None:
     from mbridge_refit.convert.writing import write_hf_checkpoint
 
     source = out.parent / (out.name + "-config")
-    config.save_pretrained(source)
+    distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+    if not distributed or torch.distributed.get_rank() == 0:
+        config.save_pretrained(source)  # one writer: the other ranks read it
+    if distributed:
+        torch.distributed.barrier()
     dtypes = {e.hf_name: e.torch_dtype for e in bridge.export_plan(chunks).entries}
     write_hf_checkpoint(
         bridge,
@@ -213,9 +217,9 @@ def run(args) -> dict:
     return result
 
 
-def start_engine(checkpoint: Path, args: argparse.Namespace):
+def start_engine(checkpoint: Path, args: argparse.Namespace, **overrides):
     """A vLLM engine loaded from ``checkpoint`` (vLLM's own loader) with the refit worker extension
-    and the checks' own RPCs (``testing.vllm_worker``: scramble)."""
+    and the checks' own RPCs (``testing.vllm_worker``: scramble); ``overrides``: more ``LLM`` arguments."""
     from vllm import LLM
 
     from mbridge_refit.engines.vllm import engine_kwargs
@@ -230,6 +234,7 @@ def start_engine(checkpoint: Path, args: argparse.Namespace):
         gpu_memory_utilization=args.gpu_memory_utilization,
         seed=0,
         **engine_kwargs(worker_extension_cls=TESTING_WORKER_EXTENSION),
+        **overrides,
     )
 
 

@@ -18,12 +18,16 @@ def _protocol_methods(protocol: type) -> list[str]:
     return sorted(name for name, value in vars(protocol).items() if callable(value) and not name.startswith("_"))
 
 
-def test_the_vllm_adapter_is_found_by_name_and_offers_both_transports():
-    from mbridge_refit.engines.vllm import VLLMBroadcastRefit, VLLMRefit, engine_kwargs
+def test_the_vllm_adapter_is_found_by_name_and_offers_every_transport():
+    from mbridge_refit.engines.vllm import VLLMBroadcastRefit, VLLMRefit, VLLMShardedRefit, engine_kwargs
     from mbridge_refit.engines.vllm.worker import RefitWorkerExtension
 
     adapter = base.engine_adapter("vllm")
-    assert dict(adapter.sessions) == {base.IPC: VLLMRefit, base.BROADCAST: VLLMBroadcastRefit}
+    assert dict(adapter.sessions) == {
+        base.IPC: VLLMRefit,
+        base.SHARDED_IPC: VLLMShardedRefit,
+        base.BROADCAST: VLLMBroadcastRefit,
+    }
     assert adapter.engine_kwargs is engine_kwargs
     assert engine_kwargs(seed=0) == {"worker_extension_cls": adapter.worker_extension, "seed": 0}
     module, _, name = adapter.worker_extension.rpartition(".")
@@ -31,11 +35,11 @@ def test_the_vllm_adapter_is_found_by_name_and_offers_both_transports():
     assert "vllm" in base.registered_adapters()
 
 
-@pytest.mark.parametrize("session", ["VLLMRefit", "VLLMBroadcastRefit"])
+@pytest.mark.parametrize("session", ["VLLMRefit", "VLLMBroadcastRefit", "ShardedIpcSession"])
 def test_each_session_has_the_trainer_protocols_methods(session):
-    from mbridge_refit.engines import vllm
+    from mbridge_refit.engines import sharded_ipc, vllm
 
-    cls = getattr(vllm, session)
+    cls = getattr(vllm, session, None) or getattr(sharded_ipc, session)
     for method in _protocol_methods(base.RefitSession):
         params = inspect.signature(getattr(cls, method)).parameters
         expected = inspect.signature(getattr(base.RefitSession, method)).parameters
@@ -72,7 +76,9 @@ def test_the_bridge_accepts_what_exports_weights_names():
 def test_an_unknown_adapter_or_transport_is_named_with_what_exists():
     with pytest.raises(InputError, match=r"no engine adapter 'nope'; known: \[.*'vllm'"):
         base.engine_adapter("nope")
-    with pytest.raises(InputError, match=r"no 'carrier-pigeon' transport; it has \['broadcast', 'ipc'\]"):
+    with pytest.raises(
+        InputError, match=r"no 'carrier-pigeon' transport; it has \['broadcast', 'ipc', 'sharded_ipc'\]"
+    ):
         base.engine_adapter("vllm").session("carrier-pigeon", object())
     with pytest.raises(InputError, match="unknown transports"):
         base.register_adapter(
@@ -100,7 +106,8 @@ def test_a_second_adapter_plugs_in_without_the_transports_knowing():
 
 def test_the_transports_import_without_any_engine_adapter():
     code = (
-        "import sys, mbridge_refit.engines.ipc, mbridge_refit.engines.broadcast, mbridge_refit.engines.base; "
+        "import sys, mbridge_refit.engines.ipc, mbridge_refit.engines.broadcast, mbridge_refit.engines.base, "
+        "mbridge_refit.engines.sharded_ipc; "
         "print(sorted(m for m in sys.modules if m.startswith('mbridge_refit.engines.vllm') or m == 'vllm'))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -211,6 +211,33 @@ def test_vllm_refit_equals_loading_from_disk(case, tmp_path):
     assert run.stdout.rstrip().splitlines()[-1].startswith("OK"), run.stdout[-2000:]
 
 
+def test_sharded_refit_into_vllm_at_tp2_equals_loading_from_disk(tmp_path):
+    """vLLM at tensor_parallel_size=2 on two GPUs, the trainer at TP2 on the same GPUs under
+    torchrun: the sharded colocated refit equals the engine loaded from disk on every worker
+    (scripts/check_vllm_refit_tp2_gpu.py, whose docstring lists each check)."""
+    pytest.importorskip("vllm", reason="needs vLLM (the GPU host installs it with scripts/gpu/install-vllm.sh)")
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_USE_DEEP_GEMM": "0", "VLLM_BATCH_INVARIANT": "1"}
+    script = str(REPO / "scripts" / "check_vllm_refit_tp2_gpu.py")
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", script, "--model", "qwen3-1.7b"]
+        + ["--layers", "4", "--steps", "2", "--out-dir", str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    assert "OK vllm_refit_tp2_" in run.stdout, run.stdout[-2000:]
+
+
 @pytest.mark.parametrize(
     ("interleave", "shape"),
     [(1, (1536, 2048)), (1, (2048, 768)), (2, (5760, 2880)), (1, (130, 70)), (2, (6, 3))],

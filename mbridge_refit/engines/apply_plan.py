@@ -39,6 +39,13 @@ strided copy, so a replay moves each byte once, from where the trainer keeps it,
 never refreshed. A source whose copies cannot be rewritten so is refreshed from its runs before
 each replay instead (correct, one copy more).
 
+A source may be an engine rank's shard of the HF tensor the loader expects (a sharded refit,
+``record(shards=...)``): the loader is recorded against a full-size tensor built around the shard,
+and every recorded read is moved into the shard (``engines.shard_remap``). In a plain recording
+that happens right after the tensor's load, so one full-size tensor is alive at a time (but for
+those the loader loads every step); under a reload bracket, which may hold a layer's tensors until
+the layer is complete, after the bracket.
+
 ``check_against_loader`` proves a plan before it is trusted: after the recorded load, it
 fingerprints every written parameter (and every other parameter viewing a derived one's memory:
 vLLM registers ``W_UV`` and ``W_UK_T`` as strided views of one tensor), overwrites them with a
@@ -68,9 +75,28 @@ from torch.overrides import TorchFunctionMode
 
 from mbridge_refit.engines.copy_batches import CopySchedule, byte_span
 from mbridge_refit.engines.fingerprint import differing, named_fingerprints
+from mbridge_refit.engines.shard_remap import (
+    OUTSIDE_PATTERNS,
+    Box,
+    ShardRemapError,
+    box_view,
+    expand,
+    fill_outside,
+    remap,
+)
 from mbridge_refit.errors import EngineError
 
-__all__ = ["ApplyPlan", "ApplyPlanError", "Copy", "LoadRecording", "LoadWeights", "Recompute", "Runs", "StagedLoad"]
+__all__ = [
+    "ApplyPlan",
+    "ApplyPlanError",
+    "Copy",
+    "LoadRecording",
+    "LoadWeights",
+    "Recompute",
+    "Runs",
+    "Shards",
+    "StagedLoad",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +105,7 @@ Runs = tuple[tuple[int, int, int], ...]  # (row of the source tensor, row of the
 Copy = tuple[torch.Tensor, torch.Tensor]  # (destination, source)
 # an engine module -> the engine's own code that recomputes its derived parameters in place (None: none)
 Recompute = Callable[[torch.nn.Module], Callable[[], object] | None]
+Shards = dict[str, tuple[torch.Tensor, tuple[int, ...], Box]]  # source name -> (its shard, HF shape, box)
 
 
 _SCRIBBLE = 0x5A
@@ -143,6 +170,7 @@ class ApplyPlan:
     recomputations: list[tuple[str, Callable[[], object]]] = field(default_factory=list)  # (module, its recompute)
     aliases: dict[str, torch.Tensor] = field(default_factory=dict)  # other parameters viewing a derived one's memory
     pointers: dict[str, int] = field(default_factory=dict)  # written parameter -> its storage, as recorded
+    expanded: list[tuple[torch.Tensor, torch.Tensor, Box]] = field(default_factory=list)  # (full, shard, box) kept
     _schedule: CopySchedule | None = field(default=None, repr=False)  # the replay, built at its first run
 
     @property
@@ -175,18 +203,24 @@ class ApplyPlan:
         load_weights: LoadWeights | None = None,
         staged: StagedLoad | None = None,
         recompute: Recompute | None = None,
+        shards: Shards | None = None,
     ) -> "ApplyPlan":
         """Run ``load_weights`` (default ``model.load_weights``) once per source tensor, recording
         its copies. This is the first refit's load: the model holds the sources afterwards.
         ``staged``: record through the engine's reload bracket (module docstring); every tensor
         must then be plain copies, or the plan is refused. ``recompute``: how the engine
-        recomputes a module's derived parameters (module docstring)."""
+        recomputes a module's derived parameters (module docstring). ``shards``: sources that are
+        shards of larger HF tensors (module docstring; a read outside a shard's box raises
+        ``ShardRemapError``)."""
+        shards = shards or {}
         recording = LoadRecording(model, [t for _, t in sources], load_weights, staged=staged, recompute=recompute)
         bracket = staged.around(recording.processing) if staged is not None else contextlib.nullcontext()
         with torch.no_grad(), bracket:
             for name, tensor in sources:
                 try:
-                    recording.load(name, tensor)
+                    recording.load(name, tensor, shard=shards.get(name))
+                except ShardRemapError:
+                    raise  # the load ran; its reads do not fit the shard (names the tensor and both boxes)
                 except Exception as err:
                     raise ApplyPlanError(
                         f"the engine's load_weights failed on {name} {tuple(tensor.shape)} {tensor.dtype}: "
@@ -264,7 +298,11 @@ class ApplyPlan:
         """Raise ``ApplyPlanError`` unless a replay rewrites every written parameter exactly as the
         loader did (call right after ``record``; the parameters keep the loaded values)."""
         written = {name: self.params[name] for name in self.written} | self.aliases
-        wrong = _replay_differs(written, named_fingerprints(written.items()), self.replay)
+        expected = named_fingerprints(written.items())
+        with torch.no_grad():
+            for full, shard, box in self.expanded:  # the loader must not read outside a shard's box
+                fill_outside(full, shard, box, OUTSIDE_PATTERNS[1])
+        wrong = _replay_differs(written, expected, self.replay)
         if wrong:
             recomputed = {name for name, _ in self.recomputations}
             orphans = [name for name in wrong if name in self.derived and _module_of(name) not in recomputed]
@@ -275,6 +313,12 @@ class ApplyPlan:
                     f"; {len(orphans)} of them ({orphans[:5]}) are derived by the engine's processing from other "
                     "tensors (not copies of an exported tensor), and the engine names no way to recompute them"
                     if orphans
+                    else ""
+                )
+                + (
+                    f"; {len(self.expanded)} tensor(s) go through the loader from a full-size tensor around their shard: "
+                    "a loader that reads outside the shard's box (the transfer plan's rule is not the engine's) fails here"
+                    if self.expanded
                     else ""
                 )
             )
@@ -311,18 +355,30 @@ class LoadRecording:
         self.recorder = _CopyRecorder(self.params, sources, compose_staged=staged is not None)
         self.steps: list[_Step] = []
         self.loaded: set[str] | None = set()
+        self.expanded: list[tuple[torch.Tensor, torch.Tensor, Box]] = []  # (full, shard, box) kept for the loader
         self._compiled: list[tuple[_Step, int]] = []  # (step, its copies when its replay was made)
+        self._shards_pending: list[tuple[_Step, tuple[torch.Tensor, tuple[int, ...], Box]]] = []  # remapped at finish
 
     def processing(self) -> "_CopyRecorder._Recording":
         """Recording while the reload bracket processes its layers (no source of its own)."""
         return self.recorder.recording(None)
 
-    def load(self, name: str, tensor: torch.Tensor) -> _Step:
-        """Load one source through the engine's loader, recording its copies (errors as the loader raises them)."""
-        step = _Step(name=name, source=tensor)
+    def load(
+        self, name: str, tensor: torch.Tensor, *, shard: tuple[torch.Tensor, tuple[int, ...], Box] | None = None
+    ) -> _Step:
+        """Load one source through the engine's loader, recording its copies (errors as the loader
+        raises them). ``shard``: the source is ``(shard, HF shape, box)`` of a larger tensor, loaded
+        from a full-size tensor built around it; its reads are moved into the shard after the load
+        (under a reload bracket, at ``finish``: the bracket may hold a layer's tensors until then)."""
+        loaded = tensor if shard is None else expand(*shard)
+        step = _Step(name=name, source=loaded)
         with torch.no_grad(), self.recorder.recording(step):
-            result = self.load_weights([(name, tensor)])
+            result = self.load_weights([(name, loaded)])
         self.steps.append(step)
+        if shard is not None and self.staged is None:
+            _read_from_shard(step, shard, self.expanded, self.recorder)
+        elif shard is not None:
+            self._shards_pending.append((step, shard))
         self.loaded = (
             self.loaded | set(result) if isinstance(result, (set, frozenset)) and self.loaded is not None else None
         )
@@ -374,6 +430,9 @@ class LoadRecording:
                 f"the engine's loader wrote from {len(changed)} source(s) after later ones arrived, e.g. {changed[:3]}: "
                 "it keeps references to the tensors it is given, whose memory a streamed refit reuses"
             )
+        for step, shard in self._shards_pending:
+            _read_from_shard(step, shard, self.expanded, recorder)
+        self._shards_pending = []
         parameter_names = frozenset(_unique_tensors(model.named_parameters()))  # one name per storage
         unwritten = sorted(name for name in parameter_names if name not in recorder.written)
         recomputations = _recompute(model, unwritten if staged is None else sorted(recorder.derived), self.recompute)
@@ -393,6 +452,7 @@ class LoadRecording:
             recomputations=recomputations,
             aliases=_aliases(model, self.params, recorder.derived),
             pointers={name: self.params[name].untyped_storage().data_ptr() for name in recorder.written},
+            expanded=self.expanded,
         )
         if staged is not None and plan.via_loader:
             loaded = [f"{step.name} ({step.reason})" for step in self.steps if step.via_loader]
@@ -468,7 +528,18 @@ class _CopyRecorder(TorchFunctionMode):
         source = step.source
         if source.numel():
             storage, start, end = byte_span(source)
+            self._sources.add(storage)  # also a tensor made for this load
             self._spans.setdefault(storage, []).append((start, end, step))
+
+    def forget(self, step: _Step) -> None:
+        """``step``'s source is freed: its memory is no source any more (an allocation reusing it is not)."""
+        key = step.source.untyped_storage().data_ptr()
+        spans = [span for span in self._spans.get(key, []) if span[2] is not step]
+        if spans:
+            self._spans[key] = spans
+        else:
+            self._spans.pop(key, None)
+            self._sources.discard(key)
 
     def _owner(self, source: torch.Tensor) -> _Step | None:
         """The step whose source tensor holds ``source``: a loader that buffers a layer's tensors
@@ -594,6 +665,25 @@ def _replay_differs(
             _scribble(tensor)
     replay()
     return differing(expected, named_fingerprints(tensors.items()))
+
+
+def _read_from_shard(
+    step: _Step,
+    shard: tuple[torch.Tensor, tuple[int, ...], Box],
+    expanded: list[tuple[torch.Tensor, torch.Tensor, Box]],
+    recorder: "_CopyRecorder",
+) -> None:
+    """``step``'s recorded reads of its full-size tensor moved into its shard (then the full-size
+    tensor is forgotten and freed); a step loaded by the loader keeps it, refreshed from the shard
+    before each replay (noted in ``expanded`` for the check)."""
+    tensor, _, box = shard
+    if step.via_loader:
+        step.refresh = [(box_view(step.source, box), tensor)]
+        expanded.append((step.source, tensor, box))
+        return
+    step.copies = [(dest, remap(view, step.source, tensor, box, step.name)) for dest, view in step.copies]
+    recorder.forget(step)
+    step.source = tensor
 
 
 def _recompute(

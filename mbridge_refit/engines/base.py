@@ -1,9 +1,11 @@
 """The engines layer's contracts: a refit session (trainer side), a refit worker (engine side), the
 step result, and the registry of engine adapters. Imports no engine and no transport.
 
-Two transports move the weights (each an engine-agnostic module of its own): ``ipc``, colocated
+Three transports move the weights (each an engine-agnostic module of its own): ``ipc``, colocated
 (the engine maps the trainer's memory by CUDA IPC and replays its recorded loader,
-``engines.ipc``), and ``broadcast``, to engines on other GPUs (the packed broadcast over a group
+``engines.ipc``), ``sharded_ipc``, colocated with a tensor-parallel engine (each worker maps its
+shard, delivered by the sharded transfer, and replays its loader from it, ``engines.sharded_ipc``),
+and ``broadcast``, to engines on other GPUs (the packed broadcast over a group
 the workers join by address, ``engines.broadcast``). An engine adapter (``engines.<name>/``, e.g.
 ``engines.vllm``) is the only code that names its engine: a trainer-side ``RefitSession`` per
 transport, the worker extension the engine loads (a ``RefitWorker``), and the arguments that start
@@ -34,14 +36,16 @@ __all__ = [
     "RefitSession",
     "RefitStep",
     "RefitWorker",
+    "SHARDED_IPC",
     "engine_adapter",
     "register_adapter",
     "registered_adapters",
 ]
 
 IPC = "ipc"  # colocated: CUDA IPC, the engine's loader recorded once and replayed (engines.ipc)
+SHARDED_IPC = "sharded_ipc"  # colocated, engine TP > 1: each worker replays from its shard (engines.sharded_ipc)
 BROADCAST = "broadcast"  # other GPUs: the packed broadcast over a group joined by address (engines.broadcast)
-TRANSPORT_NAMES = (IPC, BROADCAST)
+TRANSPORT_NAMES = (IPC, SHARDED_IPC, BROADCAST)
 RPC_PREFIX = "mbridge_refit_"  # every worker RPC's name starts so
 
 
@@ -92,7 +96,9 @@ class RefitSession(Protocol):
 class RefitWorker(Protocol):
     """The RPCs an engine's worker extension answers, on every worker of the engine (arguments and
     results plain data). Each method hands over to a transport's engine side, which holds the
-    contract: ``open``, ``apply``, ``close`` to ``engines.ipc.RefitReceiver``; ``join``,
+    contract: ``open``, ``apply``, ``close`` to ``engines.ipc.RefitReceiver``, as do ``open_shards`` and
+    ``apply_shards`` (every engine rank's entry in lists, each worker taking its own:
+    ``engines.sharded_ipc``); ``join``,
     ``receive``, ``leave`` to ``engines.broadcast.BroadcastTarget``. ``fingerprints``: the exact
     per-parameter fingerprints of the engine's model (``engines.fingerprint``)."""
 
@@ -103,6 +109,12 @@ class RefitWorker(Protocol):
     def mbridge_refit_apply(self, fingerprint: str) -> float: ...
 
     def mbridge_refit_close(self) -> None: ...
+
+    def mbridge_refit_open_shards(
+        self, wires: list, payloads: list, transport: str, check: bool, allow_partial: bool
+    ) -> dict: ...
+
+    def mbridge_refit_apply_shards(self, fingerprints: list) -> float: ...
 
     def mbridge_refit_join(
         self,

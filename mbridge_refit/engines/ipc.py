@@ -20,6 +20,12 @@ carries plain data works):
    path), it records its loader again instead of replaying into the old storage.
 3. ``close()``: forgets the plan and the mapped storages.
 
+A layout whose tensors are an engine rank's shards (``sharing.ShardBox``: a sharded refit, each
+engine rank fed its part by ``runtime.sharded_transfer``) opens the same way, the loader recorded
+against full-size tensors built around the shards, one at a time, and every recorded read moved
+into its shard (``engines.shard_remap``, ``ApplyPlan.record(shards=...)``); no full-size tensor is
+kept but for those the loader loads every step.
+
 Lifetimes: the mapped storages belong to the trainer; the trainer keeps them alive and
 unchanged from the start of its export until ``open``/``apply`` returns. No engine memory is
 allocated after ``open`` (the plan holds views only).
@@ -39,6 +45,7 @@ from mbridge_refit.engines.apply_plan import (
     ApplyPlanError,
     LoadWeights,
     Recompute,
+    Shards,
     StagedLoad,
 )
 from mbridge_refit.engines.sharing import (
@@ -69,6 +76,7 @@ class OpenReport:
     bytes: int
     copies: int
     composed: int  # tensors read from the rows they are copies of (never from the copy)
+    shards: int  # tensors that are this engine rank's shards (recorded full-size, read from the shard)
     refreshed: list[str]  # tensors with rows whose copies could not be composed: rebuilt before each replay
     via_loader: list[str]
     recomputed: list[str]  # modules whose derived parameters the engine recomputes after each replay
@@ -102,6 +110,7 @@ class RefitReceiver:
         self._plan: ApplyPlan | None = None
         self._fingerprint: str | None = None
         self._storages: list = []
+        self._shards: Shards = {}
 
     def open(
         self, wire: dict[str, Any], payload: bytes, transport: str, *, check: bool = True, allow_partial: bool = False
@@ -117,7 +126,8 @@ class RefitReceiver:
             rows = row_sources(layout, storages, self.device)
         except SharingError as err:
             raise EngineRefitError(f"cannot map the trainer's tensors: {err}") from err
-        plan = self._record(sources)
+        shards = _shards(layout, sources)
+        plan = self._record(sources, shards)
         refreshed = plan.compose_rows(rows)
         _synchronize(self.device)
         if self._staged_in_use and self.device.type == "cuda":
@@ -127,7 +137,7 @@ class RefitReceiver:
         if check:
             plan.check_against_loader()
             _synchronize(self.device)
-        self._plan, self._fingerprint, self._storages = plan, layout.fingerprint, storages
+        self._plan, self._fingerprint, self._storages, self._shards = plan, layout.fingerprint, storages, shards
         report = OpenReport(
             fingerprint=layout.fingerprint,
             tensors=len(layout.refs),
@@ -135,6 +145,7 @@ class RefitReceiver:
             bytes=layout.nbytes,
             copies=plan.copies,
             composed=len(rows) - len(refreshed),
+            shards=len(shards),
             refreshed=refreshed,
             via_loader=plan.via_loader,
             recomputed=plan.recomputed,
@@ -172,7 +183,7 @@ class RefitReceiver:
             )
         if self._plan.reallocated(self.model):
             self._plan.refresh_sources()
-            plan = self._record([(s.name, s.source) for s in self._plan.steps])
+            plan = self._record([(s.name, s.source) for s in self._plan.steps], self._shards)
             plan.compose_rows(self._plan.rows)
             self._plan = plan
         else:
@@ -181,14 +192,16 @@ class RefitReceiver:
         return (time.perf_counter() - started) * 1e3
 
     def close(self) -> None:
-        self._plan, self._fingerprint, self._storages = None, None, []
+        self._plan, self._fingerprint, self._storages, self._shards = None, None, [], {}
 
-    def _record(self, sources: list[tuple[str, torch.Tensor]]) -> ApplyPlan:
+    def _record(self, sources: list[tuple[str, torch.Tensor]], shards: Shards) -> ApplyPlan:
         """The engine's loader recorded plainly; where it fails (the engine replaced a parameter
         after processing, as vLLM's FP8 layers do) and a reload bracket is known, through it."""
         if not self._staged_in_use:
             try:
-                return ApplyPlan.record(self.model, sources, self._load_weights, recompute=self._recompute)
+                return ApplyPlan.record(
+                    self.model, sources, self._load_weights, recompute=self._recompute, shards=shards
+                )
             except ApplyPlanError as err:
                 if self._staged is None:
                     raise
@@ -198,7 +211,9 @@ class RefitReceiver:
                     err,
                 )
         self._staged_in_use = True
-        return ApplyPlan.record(self.model, sources, self._load_weights, staged=self._staged, recompute=self._recompute)
+        return ApplyPlan.record(
+            self.model, sources, self._load_weights, staged=self._staged, recompute=self._recompute, shards=shards
+        )
 
     @property
     def is_open(self) -> bool:
@@ -213,6 +228,14 @@ class RefitReceiver:
     def plan(self) -> ApplyPlan | None:
         """The open layout's recorded plan (None before ``open``)."""
         return self._plan
+
+
+def _shards(layout: SharedLayout, sources: list[tuple[str, torch.Tensor]]) -> Shards:
+    """``{name: (shard view, HF shape, box)}`` of the layout's tensors that are shards of larger HF tensors."""
+    tensors = dict(sources)
+    return {
+        ref.name: (tensors[ref.name], ref.shard.shape, ref.shard.box) for ref in layout.refs if ref.shard is not None
+    }
 
 
 def _mismatch_message(plan: ApplyPlan) -> str:

@@ -10,6 +10,11 @@ same from one step to the next: the layout is shared once and each later step on
 the bytes are ready. A step whose layout differs (another model, a freed cache, a stream of
 fresh tensors) is shared anew.
 
+A tensor may instead be an engine rank's *shard* of an HF tensor (``ShardBox``: the HF tensor's
+shape and the box the shard holds, in HF coordinates, from a transfer plan): the engine records
+its loader against a full-size tensor built around the shard and then reads the shard itself
+(``engines.shard_remap``).
+
 A tensor may also name the rows it is made of (``RowsRef``: row runs of another shared tensor,
 e.g. q, k and v as runs of the trainer's fused QKV parameter). The engine then reads those rows
 where they live, every step, and the exported copy is needed only while the engine records its
@@ -46,6 +51,7 @@ __all__ = [
     "LocalTransport",
     "RowsRef",
     "Runs",
+    "ShardBox",
     "SharedLayout",
     "SharingError",
     "TensorRef",
@@ -87,6 +93,25 @@ class RowsRef:
 
 
 @dataclass(frozen=True)
+class ShardBox:
+    """Where a shared tensor sits in the HF tensor it is a shard of: the HF tensor's ``shape`` and
+    the ``box`` (one ``(start, stop)`` per dimension) the shard holds."""
+
+    shape: tuple[int, ...]
+    box: tuple[tuple[int, int], ...]
+
+    def to_wire(self) -> list:
+        return [list(self.shape), [list(extent) for extent in self.box]]
+
+    @classmethod
+    def from_wire(cls, wire: list | None) -> "ShardBox | None":
+        if wire is None:
+            return None
+        shape, box = wire
+        return cls(tuple(int(n) for n in shape), tuple((int(a), int(b)) for a, b in box))
+
+
+@dataclass(frozen=True)
 class TensorRef:
     """One exported tensor as a view of a shared storage (``offset`` and ``stride`` in elements),
     and optionally the rows of another shared tensor it is a copy of."""
@@ -98,6 +123,7 @@ class TensorRef:
     stride: tuple[int, ...]
     offset: int
     rows: RowsRef | None = None
+    shard: ShardBox | None = None
 
 
 @dataclass(frozen=True)
@@ -126,7 +152,16 @@ class SharedLayout:
         """Plain lists and numbers (for an RPC that serializes with msgpack or JSON)."""
         return {
             "refs": [
-                [r.name, r.storage, r.dtype, list(r.shape), list(r.stride), r.offset, r.rows and r.rows.to_wire()]
+                [
+                    r.name,
+                    r.storage,
+                    r.dtype,
+                    list(r.shape),
+                    list(r.stride),
+                    r.offset,
+                    r.rows and r.rows.to_wire(),
+                    *([r.shard.to_wire()] if r.shard is not None else []),
+                ]
                 for r in self.refs
             ],
             "storage_bytes": list(self.storage_bytes),
@@ -134,11 +169,21 @@ class SharedLayout:
 
     @classmethod
     def from_wire(cls, wire: dict[str, Any]) -> "SharedLayout":
-        refs = tuple(
-            TensorRef(name, int(storage), dtype, tuple(shape), tuple(stride), int(offset), RowsRef.from_wire(rows))
-            for name, storage, dtype, shape, stride, offset, rows in wire["refs"]
-        )
+        refs = tuple(_ref_from_wire(*ref) for ref in wire["refs"])
         return cls(refs=refs, storage_bytes=tuple(int(n) for n in wire["storage_bytes"]))
+
+
+def _ref_from_wire(name, storage, dtype, shape, stride, offset, rows, shard=None) -> TensorRef:
+    return TensorRef(
+        name,
+        int(storage),
+        dtype,
+        tuple(shape),
+        tuple(stride),
+        int(offset),
+        RowsRef.from_wire(rows),
+        ShardBox.from_wire(shard),
+    )
 
 
 class LayoutRecorder:
@@ -154,12 +199,24 @@ class LayoutRecorder:
         self._keys: list[tuple] = []
         self._tensors: list[torch.Tensor] = []
         self._rows: list[tuple[torch.Tensor, Runs] | None] = []
+        self._shards: list[ShardBox | None] = []
 
-    def add(self, name: str, tensor: torch.Tensor, rows: tuple[torch.Tensor, Runs] | None = None) -> None:
+    def add(
+        self,
+        name: str,
+        tensor: torch.Tensor,
+        rows: tuple[torch.Tensor, Runs] | None = None,
+        shard: ShardBox | None = None,
+    ) -> None:
         """Note ``tensor``; with ``rows`` = ``(source, runs)``, also that it is a copy of those rows
-        of ``source`` (the engine then reads them from ``source``)."""
+        of ``source`` (the engine then reads them from ``source``); with ``shard``, that it is that
+        box of a larger HF tensor."""
         tensor = tensor.detach()
         key = (name, *_where(tensor))
+        if shard is not None:
+            if tuple(tensor.shape) != tuple(b - a for a, b in shard.box):
+                raise SharingError(f"{name}: a {tuple(tensor.shape)} tensor cannot hold the box {shard.box}")
+            key += (shard,)
         if rows is not None:
             source, runs = rows[0].detach(), tuple(rows[1])
             if source.dtype != tensor.dtype or source.shape[1:] != tensor.shape[1:]:
@@ -172,6 +229,7 @@ class LayoutRecorder:
         self._keys.append(key)
         self._tensors.append(tensor)
         self._rows.append(rows)
+        self._shards.append(shard)
 
     @property
     def key(self) -> tuple:
@@ -191,7 +249,7 @@ class LayoutRecorder:
             return index[key]
 
         refs = []
-        for key, tensor, rows in zip(self._keys, self._tensors, self._rows):
+        for key, tensor, rows, shard in zip(self._keys, self._tensors, self._rows, self._shards):
             rows_ref = None
             if rows is not None:
                 source, runs = rows
@@ -211,6 +269,7 @@ class LayoutRecorder:
                     stride=tuple(tensor.stride()),
                     offset=tensor.storage_offset(),
                     rows=rows_ref,
+                    shard=shard,
                 )
             )
         layout = SharedLayout(refs=tuple(refs), storage_bytes=tuple(st.nbytes() for st in storages))

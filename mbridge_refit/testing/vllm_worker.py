@@ -72,3 +72,25 @@ class TestingWorkerExtension(RefitWorkerExtension):
             "reserved_bytes": torch.cuda.memory_reserved(self.device),
             "allocations": stats.get("allocation.all.allocated", 0),
         }
+
+    def mbridge_refit_load_shared(self, wires: list, payloads: list, transport: str) -> float:
+        """Benchmarks' baseline at engine TP > 1: vLLM's own ``load_weights`` on full-size tensors
+        that the trainer rank on this worker's GPU shares (its gathering export), this worker's entry
+        of every rank's layout (``engines.sharded_ipc.worker_entry``). Mapped once per layout;
+        returns the milliseconds of the load, synchronized."""
+        from mbridge_refit.engines.sharded_ipc import worker_entry
+        from mbridge_refit.engines.sharing import TRANSPORTS, SharedLayout, views
+        from mbridge_refit.engines.vllm.worker import _worker_index
+
+        rank = _worker_index(self)
+        layout = SharedLayout.from_wire(worker_entry(wires, rank, "layout"))
+        mapped = getattr(self, "_mbridge_shared_load", None)
+        if mapped is None or mapped[0] != layout.fingerprint:
+            device = torch.device(self.device)
+            storages = TRANSPORTS[transport]().open(worker_entry(payloads, rank, "payload"), device)
+            mapped = self._mbridge_shared_load = (layout.fingerprint, views(layout, storages, device), storages)
+        torch.cuda.synchronize(self.device)
+        started = time.perf_counter()
+        self.model_runner.get_model().load_weights(mapped[1])
+        torch.cuda.synchronize(self.device)
+        return (time.perf_counter() - started) * 1e3

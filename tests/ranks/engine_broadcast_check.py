@@ -48,10 +48,10 @@ from engine_refit_check import (  # noqa: E402
     expected_engine_state,
 )
 from oracle import read_checkpoint  # noqa: E402
+from rank_checks import change_weights, fail  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from check_vllm_broadcast_gpu import inject_load_fault  # noqa: E402
-from rank_checks import fail  # noqa: E402
 
 from mbridge_refit.convert.flags import add_layout_flags, layout_from_flags  # noqa: E402
 
@@ -163,11 +163,7 @@ def main() -> None:
 
         steps = [first]
         for step in (2, 3):  # replayed: each change of the trainer's weights shows in the engine
-            with torch.no_grad():
-                for chunk in chunks:
-                    for param in chunk.parameters():
-                        param.mul_(1.5).add_(0.25 * step)
-            changed = {name: t.clone() for name, t in bridge.export_hf_weights_stock(chunks, show_progress=False)}
+            changed = change_weights(bridge, chunks)
             steps.append(refit.refit(bridge, chunks))
             if source:
                 engine_equals(

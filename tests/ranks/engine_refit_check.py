@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from oracle import read_checkpoint  # noqa: E402
-from rank_checks import fail, same_bytes  # noqa: E402
+from rank_checks import change_weights, fail, same_bytes  # noqa: E402
 
 from mbridge_refit.convert.flags import add_layout_flags, layout_from_flags  # noqa: E402
 
@@ -219,11 +219,7 @@ def main() -> None:
                 f"and {report['refreshed'][:4]}"
             )
 
-        with torch.no_grad():
-            for chunk in chunks:
-                for param in chunk.parameters():
-                    param.mul_(1.5).add_(0.25)
-        changed = {name: t.clone() for name, t in bridge.export_hf_weights_stock(chunks, show_progress=False)}
+        changed = change_weights(bridge, chunks)
         second = refit.refit(bridge, chunks)
         if second.opened:
             fail("second refit reopened although the export's layout did not change")

@@ -60,3 +60,13 @@ def checkpoint_session(path: Path, layout, params_dtype: torch.dtype = torch.bfl
         chunks = build_model(bridge, layout, BuildOptions(device=cpu, params_dtype=params_dtype))
         bridge.load_hf_shards(chunks, path)
         yield bridge, chunks
+
+
+def change_weights(bridge, chunks) -> dict[str, torch.Tensor]:
+    """Change every trainer parameter in place (x1.5 + 0.25); returns the stock export of the
+    changed model (every HF tensor whole, on every rank: the oracle of the next refit)."""
+    with torch.no_grad():
+        for chunk in chunks:
+            for param in chunk.parameters():
+                param.mul_(1.5).add_(0.25)
+    return {name: t.clone() for name, t in bridge.export_hf_weights_stock(chunks, show_progress=False)}

@@ -2,12 +2,14 @@
 nothing here imports it at module import).
 
 ``trainer`` (the trainer side: ``VLLMRefit`` over the colocated ``ipc`` transport,
-``VLLMBroadcastRefit`` over ``broadcast``, ``engine_kwargs``, ``prompt_logprobs``) and ``worker``
+``VLLMBroadcastRefit`` over ``broadcast``, ``engine_kwargs``, ``prompt_logprobs``), ``sharded``
+(``VLLMShardedRefit``: colocated at engine tensor parallelism > 1, over ``sharded_ipc``) and ``worker``
 (``RefitWorkerExtension``, the worker extension vLLM loads). Importing this package registers the
 adapter as ``"vllm"`` (``engines.base.engine_adapter("vllm")``).
 """
 
-from mbridge_refit.engines.base import BROADCAST, IPC, EngineAdapter, register_adapter
+from mbridge_refit.engines.base import BROADCAST, IPC, SHARDED_IPC, EngineAdapter, register_adapter
+from mbridge_refit.engines.vllm.sharded import VLLMShardedRefit
 from mbridge_refit.engines.vllm.trainer import (
     VLLMBroadcastRefit,
     VLLMRefit,
@@ -23,6 +25,7 @@ __all__ = [
     "RefitWorkerExtension",
     "VLLMBroadcastRefit",
     "VLLMRefit",
+    "VLLMShardedRefit",
     "engine_kwargs",
     "ignored_by_engine",
     "prompt_logprobs",
@@ -31,7 +34,7 @@ __all__ = [
 ADAPTER = register_adapter(
     EngineAdapter(
         name="vllm",
-        sessions={IPC: VLLMRefit, BROADCAST: VLLMBroadcastRefit},
+        sessions={IPC: VLLMRefit, SHARDED_IPC: VLLMShardedRefit, BROADCAST: VLLMBroadcastRefit},
         worker_extension=WORKER_EXTENSION,
         engine_kwargs=engine_kwargs,
     )

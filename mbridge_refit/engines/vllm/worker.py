@@ -5,7 +5,8 @@ vLLM mixes ``RefitWorkerExtension`` into its GPU worker when the engine is start
 sessions (``engines.vllm.trainer``) call its methods through ``LLM.collective_rpc`` on every
 worker, each named ``mbridge_refit_<verb>``; arguments and results are plain data (msgpack).
 Each RPC hands over to a transport's engine side: ``open`` / ``apply`` / ``close`` to
-``engines.ipc.RefitReceiver`` (colocated, CUDA IPC), ``join`` / ``receive`` / ``leave`` to
+``engines.ipc.RefitReceiver`` (colocated, CUDA IPC), as do ``open_shards`` / ``apply_shards``
+(colocated at engine TP > 1: the worker's own entry, ``engines.sharded_ipc``), ``join`` / ``receive`` / ``leave`` to
 ``engines.broadcast.BroadcastTarget`` (other GPUs, the packed broadcast); ``fingerprints`` reads
 the engine's weights exactly. The GPU checks' and benchmarks' own RPCs (scramble, time, memory)
 live in a subclass in the test support (``testing.vllm_worker``). It imports vLLM only for its layerwise reload
@@ -25,6 +26,7 @@ from mbridge_refit.engines.apply_plan import Recompute, StagedLoad
 from mbridge_refit.engines.broadcast import BroadcastTarget
 from mbridge_refit.engines.fingerprint import named_fingerprints
 from mbridge_refit.engines.ipc import RefitReceiver
+from mbridge_refit.engines.sharded_ipc import worker_entry
 
 __all__ = ["WORKER_EXTENSION", "RefitWorkerExtension"]
 
@@ -88,6 +90,19 @@ class RefitWorkerExtension:
         """Replay the recorded copies from the trainer's (now updated) tensors; returns when done,
         with the milliseconds the worker spent (the rest of the call's time is the RPC's)."""
         return self._mbridge_receiver().apply(fingerprint)
+
+    def mbridge_refit_open_shards(
+        self, wires: list, payloads: list, transport: str, check: bool, allow_partial: bool
+    ) -> dict:
+        """Open this worker's entry of a sharded refit (``engines.sharded_ipc``): its engine rank is
+        its tensor-parallel rank (``_worker_index``), its shards are the trainer rank's on its GPU."""
+        rank = _worker_index(self)
+        wire, payload = worker_entry(wires, rank, "shard layout"), worker_entry(payloads, rank, "shard payload")
+        return self._mbridge_receiver().open(wire, payload, transport, check=check, allow_partial=allow_partial)
+
+    def mbridge_refit_apply_shards(self, fingerprints: list) -> float:
+        """Replay this worker's sharded refit from its (now updated) shards."""
+        return self._mbridge_receiver().apply(worker_entry(fingerprints, _worker_index(self), "layout fingerprint"))
 
     def mbridge_refit_close(self) -> None:
         """Forget the open layout and the mapped storages (the trainer's session closes)."""

@@ -1,0 +1,46 @@
+"""The vLLM adapter's trainer side of the colocated refit at engine tensor parallelism > 1.
+
+``VLLMShardedRefit(llm, engine="tp2")`` is an ``engines.sharded_ipc.ShardedIpcSession`` that calls
+vLLM's workers through ``llm.collective_rpc``. Placement as vLLM makes it: an ``LLM`` at
+``tensor_parallel_size=N`` started (by its default multi-process executor) from trainer rank 0 runs
+worker r on local GPU r, the GPU torchrun gives trainer rank r, so engine rank r's shards are
+trainer rank r's (the transfer plan's default placement). Trainer rank 0 passes ``llm`` (its call
+reaches every worker; each maps, by CUDA IPC, the handles of the trainer rank on its own GPU); the
+other ranks pass ``None`` and take part in the transfer and the outcome. With vLLM's
+``external_launcher`` (the engine inside each torchrun process) every rank passes its own ``llm``.
+The engine skips a tied output layer (``ignored_by_engine``): it is left out of the plan.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mbridge_refit.engines.sharded_ipc import ShardedIpcSession
+from mbridge_refit.engines.sharing import CudaIpcTransport, Transport
+from mbridge_refit.engines.vllm.trainer import ignored_by_engine
+
+__all__ = ["VLLMShardedRefit"]
+
+
+def VLLMShardedRefit(  # noqa: N802 - a session class's factory, named as the sessions it sits beside
+    llm: Any,
+    *,
+    engine: Any = "tp2",
+    transport: Transport | None = None,
+    timeout_s: float = 600.0,
+    **options: Any,
+) -> ShardedIpcSession:
+    """A sharded colocated refit session into ``llm`` (None on trainer ranks without the handle).
+    ``options``: ``engine_ranks``, ``group``, ``check_first_refit``, ``allow_partial``
+    (``ShardedIpcSession``). Every call to the workers is bounded by ``timeout_s``."""
+
+    def call_workers(method: str, *args: Any) -> list:
+        return llm.collective_rpc(method, timeout=timeout_s, args=args)
+
+    return ShardedIpcSession(
+        None if llm is None else call_workers,
+        engine=engine,
+        transport=transport or CudaIpcTransport(),
+        ignored=ignored_by_engine,
+        **options,
+    )

@@ -1,0 +1,246 @@
+"""GPU host, 2 GPUs: a sharded colocated refit into vLLM at tensor_parallel_size=2 equals loading
+the same weights from disk, and its speed against vLLM's own load_weights fed by the gathering export.
+
+    torchrun --nproc-per-node 2 scripts/check_vllm_refit_tp2_gpu.py --model qwen3-1.7b --out-dir DIR
+
+The trainer is a Megatron model of a full-size shape (random weights) at TP2, rank r on GPU r. Trainer
+rank 0 starts the engine (``LLM(tensor_parallel_size=2)``, vLLM's multi-process executor): its worker r
+runs on GPU r, beside trainer rank r, so engine rank r's shards are trainer rank r's (the transfer
+plan's default placement; ``CudaIpcTransport`` refuses a worker on another GPU by name). Steps, each
+checked on rank 0 and shared:
+
+1. The trainer writes the HF checkpoint (``convert.writing``); the engine starts from it (vLLM's own
+   loader) and every worker's parameter fingerprints and the prompt logprobs of a fixed batch are read:
+   the oracle. Every engine parameter is then overwritten with noise (the fingerprints must change).
+2. FP8 is refused by name (the sharded transfer moves BF16). ``VLLMShardedRefit`` (``engines.sharded_ipc``): the sharded transfer fills each trainer rank's shard
+   buffers, each worker maps those of the trainer rank on its GPU, records vLLM's ``load_weights``
+   against full-size tensors around them, moves the reads into the shards and proves it against the
+   loader. Every worker's fingerprints and the prompt logprobs must equal the oracle's, bit for bit.
+3. A second refit replays without reopening, exact. One trainer weight element changed on every rank
+   (layer 0's attention ``linear_proj``, row-parallel: each rank's own columns; dense and MoE alike)
+   shows in exactly ``model.layers.0.self_attn.o_proj.weight`` on both workers; put back, the next refit is exact again.
+4. Timing, same GPUs, same engine: steady sharded refits (transfer + replay) against the baseline,
+   each trainer rank's gathering export (``export_hf_weights``, full tensors) shared with the worker on
+   its GPU and loaded by vLLM's own ``load_weights`` (``testing.vllm_worker``); the baseline's
+   engine must equal the oracle too.
+
+Writes DIR/vllm_refit_tp2_<model>.json on rank 0; exits 1 on every rank when a check fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from check_vllm_refit_gpu import model_config, parser_with_engine_arguments, prompts, report, write_checkpoint  # noqa: E402
+from check_vllm_refit_gpu import start_engine as start_checked_engine  # noqa: E402
+
+logger = logging.getLogger("check_vllm_refit_tp2")
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK")
+
+
+@contextlib.contextmanager
+def without_torchrun_environment():
+    """vLLM's workers are started from trainer rank 0: they must not read its torchrun rank."""
+    saved = {name: os.environ.pop(name) for name in TORCHRUN_VARIABLES if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def start_engine(checkpoint: Path, args):
+    """vLLM at ``tensor_parallel_size=2`` from ``checkpoint`` (``check_vllm_refit_gpu.start_engine``)."""
+    with without_torchrun_environment():
+        return start_checked_engine(checkpoint, args, tensor_parallel_size=2)
+
+
+def fingerprints(llm) -> list[dict]:
+    """Every worker's exact parameter fingerprints, in worker order."""
+    return [{n: tuple(fp) for n, fp in worker.items()} for worker in llm.collective_rpc("mbridge_refit_fingerprints")]
+
+
+def differing_per_worker(expected: list[dict], actual: list[dict]) -> list[list[str]]:
+    from mbridge_refit.engines.fingerprint import differing
+
+    return [differing(e, a) for e, a in zip(expected, actual)]
+
+
+def shared_checkpoint_dir(work: str) -> Path:
+    """One folder for both ranks (rank 0's, broadcast)."""
+    folder = [tempfile.mkdtemp(dir=work) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(folder, src=0)
+    return Path(folder[0]) / "hf"
+
+
+def attention_output_weight(chunks) -> torch.nn.Parameter:
+    """Layer 0's attention output projection (row-parallel: this rank's columns of ``o_proj``)."""
+    return next(
+        p for c in chunks for n, p in c.named_parameters() if n.endswith("layers.0.self_attention.linear_proj.weight")
+    )
+
+
+def gathering_baseline(llm, bridge, chunks, steps: int) -> list[dict]:
+    """Each step: every rank's gathering export (held, full tensors), shared once with the worker on
+    its GPU, loaded there by vLLM's own ``load_weights``; milliseconds of the whole step and of the load."""
+    from mbridge_refit.engines.sharing import CudaIpcTransport, LayoutRecorder
+    from mbridge_refit.engines.vllm import ignored_by_engine
+
+    transport, ignored, shared, out = CudaIpcTransport(), ignored_by_engine(bridge), None, []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        recorder = LayoutRecorder()
+        for name, tensor in bridge.export_hf_weights(chunks, reuse_buffer_from_cache=True, hold_outputs=True):
+            if name not in ignored:
+                recorder.add(name, tensor)
+        torch.cuda.synchronize()
+        if shared is None or shared[0] != recorder.key:
+            layout, storages = recorder.layout()
+            entries = [None] * dist.get_world_size()
+            dist.all_gather_object(entries, (layout.to_wire(), transport.share(storages)))
+            shared = (recorder.key, [e[0] for e in entries], [e[1] for e in entries], storages)
+        dist.barrier()
+        load_ms = (
+            llm.collective_rpc("mbridge_refit_load_shared", args=(shared[1], shared[2], transport.name))
+            if llm is not None
+            else []
+        )
+        dist.barrier()
+        out.append({"ms": round((time.perf_counter() - started) * 1e3, 2), "load_ms": [round(t, 2) for t in load_ms]})
+    return out
+
+
+def run(args) -> dict:
+    from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.convert.session import distributed_session
+    from mbridge_refit.engines.vllm import VLLMShardedRefit, prompt_logprobs
+    from mbridge_refit.errors import InputError
+    from mbridge_refit.models.builder import BuildOptions, build_model
+    from mbridge_refit.plan.layout import ParallelLayout
+
+    config = model_config(args)
+    device = torch.device("cuda")
+    layout = ParallelLayout(tp=2, pp=1, ep=1)
+    result: dict = {"model": args.model if args.layers is None else f"{args.model}-{args.layers}layers", "checks": {}}
+    checks = result["checks"]
+    with (
+        contextlib.ExitStack() as cleanup,
+        distributed_session(layout, device=device, timeout=datetime.timedelta(minutes=10)),
+    ):
+        rank = dist.get_rank()
+        result["device"] = torch.cuda.get_device_name()
+        bridge = RefitBridge.from_hf_config(config)
+        chunks = build_model(bridge, layout, BuildOptions(device=device, params_dtype=torch.bfloat16))
+        checkpoint = shared_checkpoint_dir(args.work)
+        if rank == 0:
+            cleanup.callback(shutil.rmtree, checkpoint.parent, True)  # after the session
+        write_checkpoint(bridge, chunks, config, checkpoint, None)
+        dist.barrier()
+        started = time.perf_counter()
+        llm = start_engine(checkpoint, args) if rank == 0 else None
+        dist.barrier()  # rank 1 waits here while rank 0 starts the engine
+        result["engine_start_s"] = round(time.perf_counter() - started, 1)
+        batch = prompts(config.vocab_size)
+        disk = fingerprints(llm) if llm is not None else None
+        disk_logprobs = prompt_logprobs(llm, batch) if llm is not None else None
+        if llm is not None:
+            result["engine_logprobs_repeatable_on_disk_weights"] = prompt_logprobs(llm, batch) == disk_logprobs
+            llm.collective_rpc("mbridge_refit_scramble", args=(7,))
+            checks["scramble_changed_every_parameter"] = all(
+                len(d) == len(w) for d, w in zip(differing_per_worker(disk, fingerprints(llm)), disk)
+            )
+
+        refit = VLLMShardedRefit(llm, engine="tp2", timeout_s=300)
+        try:
+            refit.refit(bridge, chunks, fp8="blockwise")
+            checks["fp8_refused_by_name"] = False
+        except InputError as err:
+            checks["fp8_refused_by_name"] = "FP8" in str(err) or "fp8" in str(err)
+        step = refit.refit(bridge, chunks)
+        result["plan"] = refit.plan.summary()
+        if llm is not None:
+            result["open"] = [
+                {k: r.get(k) for k in ("tensors", "shards", "copies", "via_loader", "open_ms")} for r in step.workers
+            ]
+            checks["open_reports_no_missing_or_unexpected"] = not any(
+                r["missing"] or r["unexpected"] for r in step.workers
+            )
+            wrong = differing_per_worker(disk, fingerprints(llm))
+            result["different_after_refit"] = [w[:10] for w in wrong]
+            checks["refit_fingerprints_equal_disk_on_every_worker"] = not any(wrong)
+            checks["prompt_logprobs_equal_disk"] = prompt_logprobs(llm, batch) == disk_logprobs
+        checks["trainer_tp2_moves_nothing_between_ranks"] = refit.plan.bytes_moved == 0
+
+        second = refit.refit(bridge, chunks)
+        if llm is not None:
+            checks["second_refit_replays_without_reopening"] = not second.opened
+            checks["second_refit_equal_disk"] = not any(differing_per_worker(disk, fingerprints(llm)))
+
+        weight = attention_output_weight(chunks)
+        with torch.no_grad():
+            original = weight[0, 0].clone()
+            weight[0, 0] += 1.0
+        refit.refit(bridge, chunks)
+        if llm is not None:
+            caught = differing_per_worker(disk, fingerprints(llm))
+            result["perturbed"] = caught
+            checks["perturbed_element_caught_in_o_proj_of_each_worker"] = (
+                caught == [["model.layers.0.self_attn.o_proj.weight"]] * 2
+            )
+        with torch.no_grad():
+            weight[0, 0] = original
+        refit.refit(bridge, chunks)
+        if llm is not None:
+            checks["clean_refit_after_perturbation_equal_disk"] = not any(differing_per_worker(disk, fingerprints(llm)))
+
+        steps = [refit.refit(bridge, chunks) for _ in range(args.steps)]
+        if llm is not None:
+            result["sharded_steps"] = [
+                {
+                    "ms": round(s.ms, 2),
+                    "transfer_ms": round(s.export_ms, 2),
+                    "apply_ms": round(s.apply_ms, 2),
+                    "engine_ms": s.engine_ms,
+                }
+                for s in steps
+            ]
+        refit.close()
+        result["gathering_baseline_steps"] = gathering_baseline(llm, bridge, chunks, args.steps)
+        if llm is not None:
+            checks["baseline_engine_equal_disk"] = not any(differing_per_worker(disk, fingerprints(llm)))
+            sharded = sorted(s["ms"] for s in result["sharded_steps"])[len(steps) // 2]
+            baseline = sorted(s["ms"] for s in result["gathering_baseline_steps"])[len(steps) // 2]
+            result["median_ms"] = {"sharded": sharded, "gathering_export_and_load_weights": baseline}
+        verdict = [all(checks.values())]
+        dist.broadcast_object_list(verdict, src=0)
+    result["ok"] = verdict[0]
+    return result
+
+
+def main() -> None:
+    parser = parser_with_engine_arguments(__doc__)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps of each path (default 5)")
+    args = parser.parse_args()
+    if args.fp8:
+        parser.error("--fp8: the sharded refit moves BF16; the check asks for FP8 itself and expects a refusal")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    result = run(args)
+    if int(os.environ.get("RANK", "0")) == 0:
+        report(result, args, prefix="vllm_refit_tp2")
+    sys.exit(0 if result["ok"] else 1)
+
+
+if __name__ == "__main__":
+    main()
