@@ -19,7 +19,13 @@ def _protocol_methods(protocol: type) -> list[str]:
 
 
 def test_the_vllm_adapter_is_found_by_name_and_offers_every_transport():
-    from mbridge_refit.engines.vllm import VLLMBroadcastRefit, VLLMRefit, VLLMShardedRefit, engine_kwargs
+    from mbridge_refit.engines.vllm import (
+        VLLMAdapterRefit,
+        VLLMBroadcastRefit,
+        VLLMRefit,
+        VLLMShardedRefit,
+        engine_kwargs,
+    )
     from mbridge_refit.engines.vllm.worker import RefitWorkerExtension
 
     adapter = base.engine_adapter("vllm")
@@ -27,6 +33,7 @@ def test_the_vllm_adapter_is_found_by_name_and_offers_every_transport():
         base.IPC: VLLMRefit,
         base.SHARDED_IPC: VLLMShardedRefit,
         base.BROADCAST: VLLMBroadcastRefit,
+        base.ADAPTER_IPC: VLLMAdapterRefit,
     }
     assert adapter.engine_kwargs is engine_kwargs
     assert engine_kwargs(seed=0) == {"worker_extension_cls": adapter.worker_extension, "seed": 0}
@@ -35,7 +42,7 @@ def test_the_vllm_adapter_is_found_by_name_and_offers_every_transport():
     assert "vllm" in base.registered_adapters()
 
 
-@pytest.mark.parametrize("session", ["VLLMRefit", "VLLMBroadcastRefit", "ShardedIpcSession"])
+@pytest.mark.parametrize("session", ["VLLMRefit", "VLLMBroadcastRefit", "ShardedIpcSession", "VLLMAdapterRefit"])
 def test_each_session_has_the_trainer_protocols_methods(session):
     from mbridge_refit.engines import sharded_ipc, vllm
 
@@ -77,7 +84,7 @@ def test_an_unknown_adapter_or_transport_is_named_with_what_exists():
     with pytest.raises(InputError, match=r"no engine adapter 'nope'; known: \[.*'vllm'"):
         base.engine_adapter("nope")
     with pytest.raises(
-        InputError, match=r"no 'carrier-pigeon' transport; it has \['broadcast', 'ipc', 'sharded_ipc'\]"
+        InputError, match=r"no 'carrier-pigeon' transport; it has \['adapter_ipc', 'broadcast', 'ipc', 'sharded_ipc'\]"
     ):
         base.engine_adapter("vllm").session("carrier-pigeon", object())
     with pytest.raises(InputError, match="unknown transports"):

@@ -6,7 +6,9 @@ Three transports move the weights (each an engine-agnostic module of its own): `
 ``engines.ipc``), ``sharded_ipc``, colocated with a tensor-parallel engine (each worker maps its
 shard, delivered by the sharded transfer, and replays its loader from it, ``engines.sharded_ipc``),
 and ``broadcast``, to engines on other GPUs (the packed broadcast over a group
-the workers join by address, ``engines.broadcast``). An engine adapter (``engines.<name>/``, e.g.
+the workers join by address, ``engines.broadcast``). A fourth, ``adapter_ipc``, moves only a LoRA
+adapter's factors into a colocated engine's adapter slot, leaving its base weights as they are
+(``engines.adapter_ipc``). An engine adapter (``engines.<name>/``, e.g.
 ``engines.vllm``) is the only code that names its engine: a trainer-side ``RefitSession`` per
 transport, the worker extension the engine loads (a ``RefitWorker``), and the arguments that start
 the engine with it. It registers itself here with ``register_adapter`` when imported;
@@ -28,6 +30,7 @@ from mbridge_refit.errors import InputError
 from mbridge_refit.runtime.weight_source import ExportsWeights, Model
 
 __all__ = [
+    "ADAPTER_IPC",
     "BROADCAST",
     "IPC",
     "RPC_PREFIX",
@@ -45,7 +48,8 @@ __all__ = [
 IPC = "ipc"  # colocated: CUDA IPC, the engine's loader recorded once and replayed (engines.ipc)
 SHARDED_IPC = "sharded_ipc"  # colocated, engine TP > 1: each worker replays from its shard (engines.sharded_ipc)
 BROADCAST = "broadcast"  # other GPUs: the packed broadcast over a group joined by address (engines.broadcast)
-TRANSPORT_NAMES = (IPC, SHARDED_IPC, BROADCAST)
+ADAPTER_IPC = "adapter_ipc"  # colocated, a LoRA adapter only, into the engine's slot (engines.adapter_ipc)
+TRANSPORT_NAMES = (IPC, SHARDED_IPC, BROADCAST, ADAPTER_IPC)
 RPC_PREFIX = "mbridge_refit_"  # every worker RPC's name starts so
 
 
@@ -98,9 +102,11 @@ class RefitWorker(Protocol):
     results plain data). Each method hands over to a transport's engine side, which holds the
     contract: ``open``, ``apply``, ``close`` to ``engines.ipc.RefitReceiver``, as do ``open_shards`` and
     ``apply_shards`` (every engine rank's entry in lists, each worker taking its own:
-    ``engines.sharded_ipc``); ``join``,
-    ``receive``, ``leave`` to ``engines.broadcast.BroadcastTarget``. ``fingerprints``: the exact
-    per-parameter fingerprints of the engine's model (``engines.fingerprint``)."""
+    ``engines.sharded_ipc``); ``join``, ``receive``, ``leave`` to ``engines.broadcast.BroadcastTarget``;
+    ``adapter_limits``, ``adapter_open``, ``adapter_load``, ``adapter_close`` to
+    ``engines.adapter_ipc.AdapterReceiver`` and the engine's own adapter slots (a LoRA adapter in place of
+    the previous one, the base weights untouched). ``fingerprints``: the exact per-parameter
+    fingerprints of the engine's model (``engines.fingerprint``)."""
 
     def mbridge_refit_open(
         self, wire: dict, payload: bytes, transport: str, check: bool, allow_partial: bool
@@ -132,6 +138,14 @@ class RefitWorker(Protocol):
     def mbridge_refit_receive(self) -> dict: ...
 
     def mbridge_refit_leave(self) -> None: ...
+
+    def mbridge_refit_adapter_limits(self) -> dict: ...
+
+    def mbridge_refit_adapter_open(self, wire: dict, payload: bytes, transport: str) -> dict: ...
+
+    def mbridge_refit_adapter_load(self, fingerprint: str, lora_int_id: int, config: dict) -> dict: ...
+
+    def mbridge_refit_adapter_close(self) -> None: ...
 
     def mbridge_refit_fingerprints(self) -> dict[str, list[int]]: ...
 

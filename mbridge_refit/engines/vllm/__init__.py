@@ -3,12 +3,15 @@ nothing here imports it at module import).
 
 ``trainer`` (the trainer side: ``VLLMRefit`` over the colocated ``ipc`` transport,
 ``VLLMBroadcastRefit`` over ``broadcast``, ``engine_kwargs``, ``prompt_logprobs``), ``sharded``
-(``VLLMShardedRefit``: colocated at engine tensor parallelism > 1, over ``sharded_ipc``) and ``worker``
+(``VLLMShardedRefit``: colocated at engine tensor parallelism > 1, over ``sharded_ipc``), ``adapter``
+(``VLLMAdapterRefit``: a LoRA adapter into the engine's adapter slot, over ``adapter_ipc``), ``lora`` (the
+engine side of that: vLLM's LoRA manager fed from memory) and ``worker``
 (``RefitWorkerExtension``, the worker extension vLLM loads). Importing this package registers the
 adapter as ``"vllm"`` (``engines.base.engine_adapter("vllm")``).
 """
 
-from mbridge_refit.engines.base import BROADCAST, IPC, SHARDED_IPC, EngineAdapter, register_adapter
+from mbridge_refit.engines.base import ADAPTER_IPC, BROADCAST, IPC, SHARDED_IPC, EngineAdapter, register_adapter
+from mbridge_refit.engines.vllm.adapter import VLLMAdapterRefit
 from mbridge_refit.engines.vllm.sharded import VLLMShardedRefit
 from mbridge_refit.engines.vllm.trainer import (
     VLLMBroadcastRefit,
@@ -23,6 +26,7 @@ __all__ = [
     "ADAPTER",
     "WORKER_EXTENSION",
     "RefitWorkerExtension",
+    "VLLMAdapterRefit",
     "VLLMBroadcastRefit",
     "VLLMRefit",
     "VLLMShardedRefit",
@@ -34,7 +38,12 @@ __all__ = [
 ADAPTER = register_adapter(
     EngineAdapter(
         name="vllm",
-        sessions={IPC: VLLMRefit, SHARDED_IPC: VLLMShardedRefit, BROADCAST: VLLMBroadcastRefit},
+        sessions={
+            IPC: VLLMRefit,
+            SHARDED_IPC: VLLMShardedRefit,
+            BROADCAST: VLLMBroadcastRefit,
+            ADAPTER_IPC: VLLMAdapterRefit,
+        },
         worker_extension=WORKER_EXTENSION,
         engine_kwargs=engine_kwargs,
     )

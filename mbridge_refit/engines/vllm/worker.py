@@ -7,7 +7,9 @@ worker, each named ``mbridge_refit_<verb>``; arguments and results are plain dat
 Each RPC hands over to a transport's engine side: ``open`` / ``apply`` / ``close`` to
 ``engines.ipc.RefitReceiver`` (colocated, CUDA IPC), as do ``open_shards`` / ``apply_shards``
 (colocated at engine TP > 1: the worker's own entry, ``engines.sharded_ipc``), ``join`` / ``receive`` / ``leave`` to
-``engines.broadcast.BroadcastTarget`` (other GPUs, the packed broadcast); ``fingerprints`` reads
+``engines.broadcast.BroadcastTarget`` (other GPUs, the packed broadcast), ``adapter_limits`` /
+``adapter_open`` / ``adapter_load`` / ``adapter_close`` to ``engines.adapter_ipc.AdapterReceiver`` and
+``engines.vllm.lora`` (a LoRA adapter into vLLM's slot, the base untouched); ``fingerprints`` reads
 the engine's weights exactly. The GPU checks' and benchmarks' own RPCs (scramble, time, memory)
 live in a subclass in the test support (``testing.vllm_worker``). It imports vLLM only for its layerwise reload
 (the bracket an FP8 engine is recorded through) and its attention layers (whose parameters derived after loading,
@@ -22,11 +24,14 @@ from typing import Any
 
 import torch
 
+from mbridge_refit.engines.adapter_ipc import AdapterReceiver
 from mbridge_refit.engines.apply_plan import Recompute, StagedLoad
 from mbridge_refit.engines.broadcast import BroadcastTarget
 from mbridge_refit.engines.fingerprint import named_fingerprints
 from mbridge_refit.engines.ipc import RefitReceiver
 from mbridge_refit.engines.sharded_ipc import worker_entry
+from mbridge_refit.engines.vllm.lora import adapter_limits, load_adapter
+from mbridge_refit.errors import EngineError
 
 __all__ = ["WORKER_EXTENSION", "RefitWorkerExtension"]
 
@@ -159,6 +164,30 @@ class RefitWorkerExtension:
             target.close()
         self._mbridge_broadcast_target = None
 
+    def mbridge_refit_adapter_limits(self) -> dict:
+        """What this engine's LoRA slots take (``engines.adapter.AdapterLimits`` as plain data)."""
+        return adapter_limits(_lora_manager(self)).to_wire()
+
+    def mbridge_refit_adapter_open(self, wire: dict, payload: bytes, transport: str) -> dict:
+        """Map the trainer's adapter factors (``engines.adapter_ipc``); returns what was mapped."""
+        _lora_manager(self)
+        receiver = getattr(self, "_mbridge_adapter_receiver", None) or AdapterReceiver(torch.device(self.device))
+        self._mbridge_adapter_receiver = receiver
+        return receiver.open(wire, payload, transport)
+
+    def mbridge_refit_adapter_load(self, fingerprint: str, lora_int_id: int, config: dict) -> dict:
+        """Load this step's factors into the adapter ``lora_int_id``'s slot in place of the previous ones
+        (``engines.vllm.lora.load_adapter``); returns when the slot holds them."""
+        receiver = getattr(self, "_mbridge_adapter_receiver", None) or AdapterReceiver(torch.device(self.device))
+        tensors = receiver.tensors(fingerprint)
+        return load_adapter(_lora_manager(self), tensors, lora_int_id=lora_int_id, config=config)
+
+    def mbridge_refit_adapter_close(self) -> None:
+        """Forget the mapped adapter factors (the adapter stays in its slot)."""
+        receiver = getattr(self, "_mbridge_adapter_receiver", None)
+        if receiver is not None:
+            receiver.close()
+
     def mbridge_refit_fingerprints(self) -> dict[str, list[int]]:
         """``{parameter name: [sum, weighted sum]}`` of every model parameter (exact; see
         ``engines.fingerprint``)."""
@@ -173,6 +202,15 @@ def _worker_index(worker: Any) -> int:
     if config is None:
         return 0
     return config.data_parallel_index * config.world_size + config.rank
+
+
+def _lora_manager(worker: Any) -> Any:
+    """The worker's LoRA manager (vLLM's ``LoRAModelRunnerMixin.lora_manager``); refused by name when the
+    engine was started without LoRA."""
+    manager = getattr(getattr(worker, "model_runner", None), "lora_manager", None)
+    if manager is None:
+        raise EngineError("the engine was started without LoRA: start it with enable_lora=True (and max_lora_rank)")
+    return manager
 
 
 def _quantized(worker: Any) -> bool:
