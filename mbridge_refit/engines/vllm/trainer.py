@@ -604,13 +604,15 @@ class _Call:
         return self._result
 
 
-def prompt_logprobs(llm: Any, prompts: list[list[int]]) -> list[list[float]]:
+def prompt_logprobs(llm: Any, prompts: list[list[int]], lora_request: Any = None) -> list[list[float]]:
     """vLLM's log-probability of every prompt token after the first, for each prompt (token ids),
-    computed by the engine itself (greedy, one generated token)."""
+    computed by the engine itself (greedy, one generated token), with ``lora_request``'s adapter if given."""
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+    outputs = llm.generate(
+        [{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False, lora_request=lora_request
+    )
     result = []
     for ids, output in zip(prompts, outputs):
         steps = output.prompt_logprobs[1:]
