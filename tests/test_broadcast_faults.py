@@ -275,6 +275,11 @@ class InProcessLLM:
         self.worker.model_runner = SimpleNamespace(get_model=lambda: engine)
         self.worker.device = "cpu"
         self.fail, self.errors = fail, []
+        self.prefix_cache_resets = 0
+
+    def reset_prefix_cache(self) -> bool:
+        self.prefix_cache_resets += 1
+        return True
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         try:

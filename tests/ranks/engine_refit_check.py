@@ -145,6 +145,12 @@ class InProcessLLM:
         self.worker.model_runner = Runner()
         self.worker.device = "cpu"
         self.timeouts: list[float] = []
+        self.prefix_cache_resets = 0
+        self.idle = True  # vLLM refuses the reset while requests hold cached blocks
+
+    def reset_prefix_cache(self) -> bool:
+        self.prefix_cache_resets += 1
+        return self.idle
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         self.timeouts.append(timeout)
@@ -185,6 +191,7 @@ def main() -> None:
     from mbridge_refit.engines.ipc import EngineRefitError
     from mbridge_refit.engines.sharing import LocalTransport
     from mbridge_refit.engines.vllm import VLLMRefit
+    from mbridge_refit.errors import EngineError
     from mbridge_refit.models.builder import BuildOptions, build_model
 
     cpu = torch.device("cpu")
@@ -245,6 +252,14 @@ def main() -> None:
         if live and not fourth.opened:  # (an exported view of the parameter reopens too)
             fail("a swapped storage of a live parameter must reopen the layout")
         engine_equals(engine, expected_engine_state(swapped), "refit after a parameter's storage was swapped")
+
+        if refit.llm.prefix_cache_resets != 5:
+            fail(f"every refit resets the engine's prefix cache once: 5 refits, {refit.llm.prefix_cache_resets} resets")
+        refit.llm.idle = False
+        expect_error(
+            EngineError, "refused to reset its prefix cache", lambda: refit.refit(bridge, chunks), "a busy engine"
+        )
+        refit.llm.idle = True
 
         bad = refit.llm.worker
         message = expect_error(

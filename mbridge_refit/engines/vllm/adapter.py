@@ -31,6 +31,7 @@ from mbridge_refit.engines.adapter import AdapterLimits, adapter_config, check_a
 from mbridge_refit.engines.adapter_ipc import AdapterShare
 from mbridge_refit.engines.base import RefitStep
 from mbridge_refit.engines.sharing import CudaIpcTransport, Transport
+from mbridge_refit.engines.vllm.trainer import reset_prefix_cache
 from mbridge_refit.errors import EngineError, InputError
 from mbridge_refit.runtime.weight_source import ExportsWeights, Model
 from mbridge_refit.sinks.base import DiscardSink, drain
@@ -115,11 +116,8 @@ class VLLMAdapterRefit:
             report = self._rpc("mbridge_refit_adapter_open", layout.to_wire(), payload, self.share.transport.name)
         loaded = self._rpc("mbridge_refit_adapter_load", layout.fingerprint, self.lora_int_id, self._config)
         self.loaded = True
-        if self.reset_prefix_cache and not self.llm.reset_prefix_cache():
-            raise EngineError(
-                "the engine refused to reset its prefix cache (requests still running): prompts seen before the "
-                "refit would reuse blocks computed with the previous adapter; refit between generations"
-            )
+        if self.reset_prefix_cache:
+            reset_prefix_cache(self.llm, "adapter")
         done = time.perf_counter()
         return RefitStep(
             tensors=len(layout.refs),

@@ -17,9 +17,11 @@ from typing import Any
 
 from mbridge_refit.engines.sharded_ipc import ShardedIpcSession
 from mbridge_refit.engines.sharing import CudaIpcTransport, Transport
-from mbridge_refit.engines.vllm.trainer import ignored_by_engine
+from mbridge_refit.engines.vllm import trainer
 
 __all__ = ["VLLMShardedRefit"]
+
+_WRITES_WEIGHTS = frozenset({"mbridge_refit_open_shards", "mbridge_refit_apply_shards"})
 
 
 def VLLMShardedRefit(  # noqa: N802 - a session class's factory, named as the sessions it sits beside
@@ -28,19 +30,24 @@ def VLLMShardedRefit(  # noqa: N802 - a session class's factory, named as the se
     engine: Any = "tp2",
     transport: Transport | None = None,
     timeout_s: float = 600.0,
+    reset_prefix_cache: bool = True,
     **options: Any,
 ) -> ShardedIpcSession:
     """A sharded colocated refit session into ``llm`` (None on trainer ranks without the handle).
     ``options``: ``engine_ranks``, ``group``, ``check_first_refit``, ``allow_partial``
-    (``ShardedIpcSession``). Every call to the workers is bounded by ``timeout_s``."""
+    (``ShardedIpcSession``). Every call to the workers is bounded by ``timeout_s``; after each
+    that writes the weights the engine's prefix cache is reset (``reset_prefix_cache``; ``trainer.reset_prefix_cache``)."""
 
     def call_workers(method: str, *args: Any) -> list:
-        return llm.collective_rpc(method, timeout=timeout_s, args=args)
+        answers = llm.collective_rpc(method, timeout=timeout_s, args=args)
+        if method in _WRITES_WEIGHTS and reset_prefix_cache:
+            trainer.reset_prefix_cache(llm)
+        return answers
 
     return ShardedIpcSession(
         None if llm is None else call_workers,
         engine=engine,
         transport=transport or CudaIpcTransport(),
-        ignored=ignored_by_engine,
+        ignored=trainer.ignored_by_engine,
         **options,
     )

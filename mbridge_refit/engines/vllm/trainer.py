@@ -83,6 +83,7 @@ from mbridge_refit.engines.sharing import (
     Transport,
 )
 from mbridge_refit.engines.vllm.worker import WORKER_EXTENSION
+from mbridge_refit.errors import EngineError
 from mbridge_refit.plan.entries import PlanError
 from mbridge_refit.runtime.broadcast_group import (
     PEER_SILENT_S,
@@ -109,6 +110,7 @@ __all__ = [
     "engine_kwargs",
     "ignored_by_engine",
     "prompt_logprobs",
+    "reset_prefix_cache",
 ]
 
 logger = logging.getLogger(__name__)
@@ -119,6 +121,18 @@ Stream = Iterable[tuple[str, torch.Tensor]]
 def engine_kwargs(**overrides: Any) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM`` that a refit target needs (the worker extension)."""
     return {"worker_extension_cls": WORKER_EXTENSION, **overrides}
+
+
+def reset_prefix_cache(llm: Any, what: str = "weights") -> None:
+    """Drop the engine's cached prompt blocks after a refit (every session here does, unless told
+    not to). vLLM keys them by the tokens (and the adapter's name), not by the weights: without the
+    reset a prompt seen before the refit reuses KV blocks computed with the old ``what``. Raises
+    ``EngineError`` when the engine refuses (requests still running: refit between generations)."""
+    if not llm.reset_prefix_cache():
+        raise EngineError(
+            f"the engine refused to reset its prefix cache (requests still running): prompts seen before the refit "
+            f"would reuse KV blocks computed with the previous {what}; refit between generations"
+        )
 
 
 TIED_OUTPUT_NAMES = ("lm_head.weight",)  # what an engine skips when its config ties embeddings
@@ -160,7 +174,8 @@ class VLLMRefit:
     """A refit session from this trainer process into one vLLM ``LLM`` on the same GPU.
 
     ``check_first_refit``: the engine proves its recorded copies against its own loader on every
-    open (costs one more pass over the weights, once). ``allow_partial``: accept an export that
+    open (costs one more pass over the weights, once). ``reset_prefix_cache``: drop the engine's
+    cached prompt blocks after each refit (``reset_prefix_cache``; one engine call). ``allow_partial``: accept an export that
     leaves engine parameters unwritten or has tensors the engine does not load (a subset refit).
     The session references the last refit's model parameters and shared storages until ``close``.
     """
@@ -173,8 +188,10 @@ class VLLMRefit:
         check_first_refit: bool = True,
         allow_partial: bool = False,
         timeout_s: float = 600.0,
+        reset_prefix_cache: bool = True,
     ) -> None:
         self.llm = llm
+        self.reset_prefix_cache = reset_prefix_cache
         self.transport = transport or CudaIpcTransport()
         self.check_first_refit = check_first_refit
         self.allow_partial = allow_partial
@@ -298,6 +315,7 @@ class VLLMRefit:
     def _apply(self, started: float) -> RefitStep:
         exported = time.perf_counter()
         engine_ms = self._rpc("mbridge_refit_apply", self._layout.fingerprint)
+        self._after_apply()
         done = time.perf_counter()
         return RefitStep(
             tensors=len(self._layout.refs),
@@ -326,6 +344,7 @@ class VLLMRefit:
         self._release_payload()
         self._layout, self._key, self._held, self._payload = layout, key, storages, payload
         self.last_report = report
+        self._after_apply()
         done = time.perf_counter()
         return RefitStep(
             tensors=len(layout.refs),
@@ -336,6 +355,10 @@ class VLLMRefit:
             apply_ms=(done - exported) * 1e3,
             report=report,
         )
+
+    def _after_apply(self) -> None:
+        if self.reset_prefix_cache:
+            reset_prefix_cache(self.llm)
 
     def fingerprints(self) -> dict[str, tuple[int, int]]:
         """The engine's exact per-parameter fingerprints (first worker)."""
@@ -400,6 +423,7 @@ class VLLMBroadcastRefit:
         backend: the group's backend (default NCCL; ``"gloo"`` carries CUDA tensors through host
             memory, e.g. trainer and engine on one GPU, which NCCL refuses).
         allow_partial: accept a refit that leaves engine parameters unloaded (a subset).
+        reset_prefix_cache: drop the engine's cached prompt blocks after each refit (``reset_prefix_cache``).
     """
 
     def __init__(
@@ -417,6 +441,7 @@ class VLLMBroadcastRefit:
         allow_partial: bool = False,
         timeout_s: float = 600.0,
         device: torch.device | str | None = None,
+        reset_prefix_cache: bool = True,
     ) -> None:
         if source and llm is None:
             raise ValueError("the source rank needs the engine (llm); the other trainer ranks pass source=False")
@@ -425,6 +450,7 @@ class VLLMBroadcastRefit:
         self.config = config or PackedBroadcastConfig()
         self.backend, self.allow_partial, self.timeout_s = backend, allow_partial, timeout_s
         self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        self.reset_prefix_cache = reset_prefix_cache
         self.group: StoreGroup | None = None
         self._session: tuple | None = None  # (bridge, chunks, fp8 repr, plan) of the open session
 
@@ -524,6 +550,8 @@ class VLLMBroadcastRefit:
             raise
         try:
             workers, error = receive.result(self.timeout_s), None
+            if self.reset_prefix_cache:
+                reset_prefix_cache(self.llm)
         except Exception as err:
             workers, error = [], err
         self._share(error)
