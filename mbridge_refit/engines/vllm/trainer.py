@@ -638,9 +638,8 @@ def prompt_logprobs(llm: Any, prompts: list[list[int]], lora_request: Any = None
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-    outputs = llm.generate(
-        [{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False, lora_request=lora_request
-    )
+    adapter = {} if lora_request is None else {"lora_request": lora_request}
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False, **adapter)
     result = []
     for ids, output in zip(prompts, outputs):
         steps = output.prompt_logprobs[1:]
