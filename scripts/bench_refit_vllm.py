@@ -30,13 +30,11 @@ steady steps. Writes DIR/bench_refit_vllm_<model>[_fp8].json with a manifest.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import logging
 import os
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -90,22 +88,18 @@ def summary(values: list[float]) -> dict:
 
 
 def run(args) -> dict:
+    from check_vllm_refit_gpu import tp1_trainer
     from vllm import LLM
 
-    from mbridge_refit.bridge import RefitBridge
-    from mbridge_refit.convert.session import distributed_session
     from mbridge_refit.engines.vllm import VLLMRefit, engine_kwargs
     from mbridge_refit.fp8.format import BlockwiseFP8Config
-    from mbridge_refit.models.builder import BuildOptions, build_model
     from mbridge_refit.models.recipes import full_size_config
-    from mbridge_refit.plan.layout import ParallelLayout
     from mbridge_refit.testing.vllm_worker import TESTING_WORKER_EXTENSION
 
     config = full_size_config(args.model)
     if args.layers is not None:
         config.num_hidden_layers = args.layers
     fp8 = BlockwiseFP8Config() if args.fp8 else None
-    layout = ParallelLayout(tp=1, pp=1, ep=1)
     device = torch.device("cuda")
     result: dict = {
         "device": torch.cuda.get_device_name(),
@@ -113,17 +107,12 @@ def run(args) -> dict:
         "format": "fp8-blockwise" if fp8 else "bf16",
         "torch": torch.__version__,
     }
-    with (
-        distributed_session(layout, device=device, timeout=datetime.timedelta(minutes=10)),
-        tempfile.TemporaryDirectory(dir=args.work) as work,
-    ):
+    with tp1_trainer(config, args.work, device) as (bridge, chunks, work):
         import vllm
 
         result["vllm"] = vllm.__version__
-        bridge = RefitBridge.from_hf_config(config)
-        chunks = build_model(bridge, layout, BuildOptions(device=device, params_dtype=torch.bfloat16))
         quantization = bridge.fp8_config(fp8).quantization_config(bridge.export_plan(chunks, fp8=fp8)) if fp8 else None
-        directory = engine_config(config, Path(work) / "engine", quantization)
+        directory = engine_config(config, work / "engine", quantization)
         extra = {}
         if not fp8:
             from vllm.config import WeightTransferConfig

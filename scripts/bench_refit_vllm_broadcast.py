@@ -30,13 +30,11 @@ DIR/bench_refit_vllm_broadcast_<model>[_fp8][_bucket<N>][_nochecksum].json with 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import logging
 import os
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -46,7 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_refit_vllm import engine_config  # noqa: E402
 from check_vllm_broadcast_gpu import free_port, worker_nccl_env  # noqa: E402
-from check_vllm_refit_gpu import model_config  # noqa: E402
+from check_vllm_refit_gpu import model_config, tp1_trainer  # noqa: E402
 
 from mbridge_refit.sinks.packed_broadcast import DEFAULT_BUCKET_BYTES  # noqa: E402
 
@@ -203,17 +201,12 @@ def start_engine(directory: Path, args, native: bool):
 
 def run(args) -> dict:
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of this script's functions
-    from mbridge_refit.bridge import RefitBridge
-    from mbridge_refit.convert.session import distributed_session
     from mbridge_refit.engines.vllm import VLLMBroadcastRefit
     from mbridge_refit.fp8.format import BlockwiseFP8Config
-    from mbridge_refit.models.builder import BuildOptions, build_model
-    from mbridge_refit.plan.layout import ParallelLayout
     from mbridge_refit.sinks.packed_broadcast import PackedBroadcastConfig
 
     config = model_config(args)
     fp8 = BlockwiseFP8Config() if args.fp8 else None
-    layout = ParallelLayout(tp=1, pp=1, ep=1)
     device = torch.device("cuda", 0)
     buffers = PackedBroadcastConfig(bucket_bytes=args.bucket_mib << 20, num_buffers=2, checksum=not args.no_checksum)
     result: dict = {
@@ -227,17 +220,12 @@ def run(args) -> dict:
         "checksum": buffers.checksum,
         "torch": torch.__version__,
     }
-    with (
-        distributed_session(layout, device=device, timeout=datetime.timedelta(minutes=10)),
-        tempfile.TemporaryDirectory(dir=args.work) as work,
-    ):
+    with tp1_trainer(config, args.work, device) as (bridge, chunks, work):
         import vllm
 
         result["vllm"] = vllm.__version__
-        bridge = RefitBridge.from_hf_config(config)
-        chunks = build_model(bridge, layout, BuildOptions(device=device, params_dtype=torch.bfloat16))
         quantization = bridge.fp8_config(fp8).quantization_config(bridge.export_plan(chunks, fp8=fp8)) if fp8 else None
-        llm = start_engine(engine_config(config, Path(work) / "engine", quantization), args, native=not fp8)
+        llm = start_engine(engine_config(config, work / "engine", quantization), args, native=not fp8)
         adopted = {k: v for k, v in llm.collective_rpc(worker_nccl_env)[0].items() if os.environ.get(k) != v}
         os.environ.update(adopted)  # before the trainer's first NCCL communicator of the group
         result["trainer_nccl_adopted_from_engine"] = adopted

@@ -42,14 +42,12 @@ Writes DIR/vllm_broadcast_<model>[_fp8].json; exits 1 when a check fails.
 
 from __future__ import annotations
 
-import datetime
 import inspect
 import logging
 import os
 import socket
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -62,6 +60,7 @@ from check_vllm_refit_gpu import (  # noqa: E402
     prompts,
     report,
     start_engine,
+    tp1_trainer,
     write_checkpoint,
 )
 
@@ -260,12 +259,8 @@ def run(args) -> dict:
     os.environ.update(matched)  # before the trainer's first NCCL call: NCCL reads them once per process
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of this script's functions
 
-    from mbridge_refit.bridge import RefitBridge
-    from mbridge_refit.convert.session import distributed_session
     from mbridge_refit.engines.fingerprint import differing
     from mbridge_refit.engines.vllm import prompt_logprobs
-    from mbridge_refit.models.builder import BuildOptions, build_model
-    from mbridge_refit.plan.layout import ParallelLayout
     from mbridge_refit.sinks.packed_broadcast import PackedBroadcastConfig
 
     faults = (
@@ -287,15 +282,9 @@ def run(args) -> dict:
     config = model_config(args)
     fp8 = "blockwise" if args.fp8 else None
     device = torch.device("cuda", 0)
-    layout = ParallelLayout(tp=1, pp=1, ep=1)
     buffers = PackedBroadcastConfig(bucket_bytes=args.bucket_mib << 20, num_buffers=2)
-    with (
-        distributed_session(layout, device=device, timeout=datetime.timedelta(minutes=10)),
-        tempfile.TemporaryDirectory(dir=args.work) as work,
-    ):
-        bridge = RefitBridge.from_hf_config(config)
-        chunks = build_model(bridge, layout, BuildOptions(device=device, params_dtype=torch.bfloat16))
-        checkpoint = Path(work) / "hf"
+    with tp1_trainer(config, args.work, device) as (bridge, chunks, work):
+        checkpoint = work / "hf"
         write_checkpoint(bridge, chunks, config, checkpoint, bridge.fp8_config(fp8))
 
         if own_gpu:  # the engine process sees only its GPU (the trainer's CUDA context already exists)

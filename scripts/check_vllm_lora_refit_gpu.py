@@ -25,11 +25,9 @@ adapter_refit_ms, merged_refit_ms, checks) with DIR/manifest.json; exits 1 when 
 
 from __future__ import annotations
 
-import datetime
 import logging
 import statistics
 import sys
-import tempfile
 import zlib
 from pathlib import Path
 
@@ -37,7 +35,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from check_vllm_refit_gpu import model_config, parser_with_engine_arguments, prompts, start_engine, write_checkpoint
+from check_vllm_refit_gpu import (
+    model_config,
+    parser_with_engine_arguments,
+    prompts,
+    start_engine,
+    tp1_trainer,
+    write_checkpoint,
+)
 from provenance import write_result
 
 logger = logging.getLogger("check_vllm_lora_refit")
@@ -70,12 +75,8 @@ def steady_ms(step, count: int = 5) -> float:
 def run(args) -> dict:
     from megatron.bridge.peft.lora import LoRA
 
-    from mbridge_refit.bridge import RefitBridge
-    from mbridge_refit.convert.session import distributed_session
     from mbridge_refit.engines.fingerprint import differing
     from mbridge_refit.engines.vllm import VLLMAdapterRefit, VLLMRefit, prompt_logprobs
-    from mbridge_refit.models.builder import BuildOptions, build_model
-    from mbridge_refit.plan.layout import ParallelLayout
 
     result: dict = {
         "device": torch.cuda.get_device_name(),
@@ -86,14 +87,8 @@ def run(args) -> dict:
     checks = result["checks"]
     config = model_config(args)
     device = torch.device("cuda")
-    layout = ParallelLayout(tp=1, pp=1, ep=1)
-    with (
-        distributed_session(layout, device=device, timeout=datetime.timedelta(minutes=10)),
-        tempfile.TemporaryDirectory(dir=args.work) as work,
-    ):
-        bridge = RefitBridge.from_hf_config(config)
-        chunks = build_model(bridge, layout, BuildOptions(device=device, params_dtype=torch.bfloat16))
-        checkpoint = Path(work) / "hf"
+    with tp1_trainer(config, args.work, device) as (bridge, chunks, work):
+        checkpoint = work / "hf"
         write_checkpoint(bridge, chunks, config, checkpoint, None)
         lora = LoRA(dim=args.lora_rank, alpha=2 * args.lora_rank, target_modules=TARGETS)
         chunks = lora(chunks, training=True)
@@ -109,7 +104,7 @@ def run(args) -> dict:
 
         step = refit.refit(bridge, chunks)
         result["adapter_bytes"], result["adapter_tensors"] = step.bytes, step.tensors
-        disk = prompt_logprobs(llm, batch, disk_request(bridge, chunks, lora, Path(work) / "adapter0", 2))
+        disk = prompt_logprobs(llm, batch, disk_request(bridge, chunks, lora, work / "adapter0", 2))
         refit_logprobs = prompt_logprobs(llm, batch, refit.lora_request)
         checks["refit_adapter_logprobs_equal_disk_adapter"] = refit_logprobs == disk
         checks["adapter_changes_logprobs"] = disk != base_logprobs
@@ -121,7 +116,7 @@ def run(args) -> dict:
         checks["second_refit_reuses_the_mapping"] = not second.opened
         changed = prompt_logprobs(llm, batch, refit.lora_request)
         checks["changed_adapter_changes_logprobs"] = changed != refit_logprobs
-        disk_changed = prompt_logprobs(llm, batch, disk_request(bridge, chunks, lora, Path(work) / "adapter1", 3))
+        disk_changed = prompt_logprobs(llm, batch, disk_request(bridge, chunks, lora, work / "adapter1", 3))
         checks["next_refit_equals_disk_again"] = changed == disk_changed
         checks["base_parameters_untouched"] = not differing(base, VLLMRefit(llm).fingerprints())
         checks["base_logprobs_untouched"] = prompt_logprobs(llm, batch) == base_logprobs

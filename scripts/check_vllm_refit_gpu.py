@@ -31,6 +31,7 @@ Writes DIR/vllm_refit_<model>[_fp8].json; exits 1 when a check fails.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import logging
@@ -38,6 +39,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -126,13 +128,9 @@ def verify_against_trainer(
 
 
 def run(args) -> dict:
-    from mbridge_refit.bridge import RefitBridge
-    from mbridge_refit.convert.session import distributed_session
     from mbridge_refit.engines.fingerprint import differing
     from mbridge_refit.engines.vllm import VLLMRefit, prompt_logprobs
     from mbridge_refit.fp8.format import BlockwiseFP8Config
-    from mbridge_refit.models.builder import BuildOptions, build_model
-    from mbridge_refit.plan.layout import ParallelLayout
 
     result: dict = {
         "model": args.model if args.layers is None else f"{args.model}-{args.layers}layers",
@@ -144,14 +142,8 @@ def run(args) -> dict:
     config = model_config(args)
     fp8 = BlockwiseFP8Config() if args.fp8 else None
     device = torch.device("cuda")
-    layout = ParallelLayout(tp=1, pp=1, ep=1)
-    with (
-        distributed_session(layout, device=device, timeout=datetime.timedelta(minutes=10)),
-        tempfile.TemporaryDirectory(dir=args.work) as work,
-    ):
-        bridge = RefitBridge.from_hf_config(config)
-        chunks = build_model(bridge, layout, BuildOptions(device=device, params_dtype=torch.bfloat16))
-        checkpoint = Path(work) / "hf"
+    with tp1_trainer(config, args.work, device) as (bridge, chunks, work):
+        checkpoint = work / "hf"
         started = time.perf_counter()
         write_checkpoint(bridge, chunks, config, checkpoint, fp8)
         result["write_checkpoint_s"] = round(time.perf_counter() - started, 1)
@@ -215,6 +207,27 @@ def run(args) -> dict:
         refit.close()
     result["ok"] = all(checks.values())
     return result
+
+
+@contextlib.contextmanager
+def tp1_trainer(config, work: str, device: torch.device | None = None) -> Iterator[tuple]:
+    """The trainer of every vLLM check on one GPU: a TP1 session on ``device`` (default GPU 0) and a
+    Megatron model of ``config`` with Megatron's random bf16 weights; yields ``(bridge, chunks, a
+    temporary directory under work)``, the session and the directory ended after."""
+    from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.convert.session import distributed_session
+    from mbridge_refit.models.builder import BuildOptions, build_model
+    from mbridge_refit.plan.layout import ParallelLayout
+
+    device = device or torch.device("cuda", 0)
+    layout = ParallelLayout(tp=1, pp=1, ep=1)
+    with (
+        distributed_session(layout, device=device, timeout=datetime.timedelta(minutes=10)),
+        tempfile.TemporaryDirectory(dir=work) as directory,
+    ):
+        bridge = RefitBridge.from_hf_config(config)
+        chunks = build_model(bridge, layout, BuildOptions(device=device, params_dtype=torch.bfloat16))
+        yield bridge, chunks, Path(directory)
 
 
 def start_engine(checkpoint: Path, args: argparse.Namespace, **overrides):
