@@ -222,6 +222,14 @@ ETP_REPEATS = tuple(
 # at another layout or precision, what a faster case of the same test proves in the default run.
 SLOW_CASES = frozenset(
     {
+        # The full run at 99a8b22 (1514 passed, 51:21 on 2 cores) put these 35-45 s repeats on the default path;
+        # the default run keeps each layout and check: LoRA at TP1, TP2 and EP2 (attention adapters), the TP2
+        # engine fed from TP2 and TP1, the drop-in NeMo-RL tasks at TP1 and TP2, FP8 parameters at TP2 and EP2.
+        "tests/test_lora.py::test_lora_refit_matches_stock[qwen3-tiny-pp2]",
+        "tests/test_lora.py::test_lora_refit_matches_stock[qwen3-moe-tiny-ep2-expect-fallback]",
+        "tests/test_sharded_engine_refit.py::test_sharded_refit_from_tp2_into_a_tp4_engine",
+        "tests/test_dropin.py::test_stock_call[pp2-tied-nemo_rl_tasks]",
+        "tests/test_fp8.py::test_fp8_parameters_export_their_own_data_and_scales[pp2]",
         "tests/test_replicas.py::test_replicas_write_their_shares_in_parallel[qwen3-moe-tp2_ep2-fp8]",
         *(
             f"tests/test_replicas.py::test_roundtrip_cli_with_replicas[{c}]"
