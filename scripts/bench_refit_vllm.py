@@ -29,10 +29,8 @@ steady steps. Writes DIR/bench_refit_vllm_<model>[_fp8].json with a manifest.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import os
 import statistics
 import sys
 import time
@@ -42,6 +40,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from check_vllm_refit_gpu import parser_with_engine_arguments, tp1_trainer  # noqa: E402
 
 logger = logging.getLogger("bench_refit_vllm")
 
@@ -79,6 +78,32 @@ def engine_config(config, out: Path, quantization_config: dict | None) -> Path:
     return out
 
 
+def dummy_engine(directory: Path, args, transfer_backend: str | None = None):
+    """A vLLM engine of the config in ``directory`` with dummy weights, the refit worker extension and
+    the check-only RPCs (``testing.vllm_worker``), and vLLM's own weight transfer of ``transfer_backend``
+    (the native baseline; None: none)."""
+    from vllm import LLM
+
+    from mbridge_refit.engines.vllm import engine_kwargs
+    from mbridge_refit.testing.vllm_worker import TESTING_WORKER_EXTENSION
+
+    extra = {}
+    if transfer_backend is not None:
+        from vllm.config import WeightTransferConfig
+
+        extra["weight_transfer_config"] = WeightTransferConfig(backend=transfer_backend)
+    return LLM(
+        model=str(directory),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="bfloat16",
+        max_model_len=256,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        **engine_kwargs(worker_extension_cls=TESTING_WORKER_EXTENSION, **extra),
+    )
+
+
 def summary(values: list[float]) -> dict:
     return {
         "median": round(statistics.median(values), 3),
@@ -88,13 +113,10 @@ def summary(values: list[float]) -> dict:
 
 
 def run(args) -> dict:
-    from check_vllm_refit_gpu import tp1_trainer
-    from vllm import LLM
 
-    from mbridge_refit.engines.vllm import VLLMRefit, engine_kwargs
+    from mbridge_refit.engines.vllm import VLLMRefit
     from mbridge_refit.fp8.format import BlockwiseFP8Config
     from mbridge_refit.models.recipes import full_size_config
-    from mbridge_refit.testing.vllm_worker import TESTING_WORKER_EXTENSION
 
     config = full_size_config(args.model)
     if args.layers is not None:
@@ -113,21 +135,7 @@ def run(args) -> dict:
         result["vllm"] = vllm.__version__
         quantization = bridge.fp8_config(fp8).quantization_config(bridge.export_plan(chunks, fp8=fp8)) if fp8 else None
         directory = engine_config(config, work / "engine", quantization)
-        extra = {}
-        if not fp8:
-            from vllm.config import WeightTransferConfig
-
-            extra["weight_transfer_config"] = WeightTransferConfig(backend="ipc")
-        llm = LLM(
-            model=str(directory),
-            load_format="dummy",
-            skip_tokenizer_init=True,
-            enforce_eager=True,
-            dtype="bfloat16",
-            max_model_len=256,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            **engine_kwargs(worker_extension_cls=TESTING_WORKER_EXTENSION, **extra),
-        )
+        llm = dummy_engine(directory, args, transfer_backend=None if fp8 else "ipc")
         refit = VLLMRefit(llm, timeout_s=300)
 
         before_open = llm.collective_rpc("mbridge_refit_memory")[0]
@@ -215,18 +223,8 @@ def run(args) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="qwen3-8b", help="full-size shape of recipes/shapes/ (default qwen3-8b)")
-    parser.add_argument("--layers", type=int, default=None, help="keep only this many layers (default: all)")
-    parser.add_argument("--fp8", action="store_true", help="FP8-blockwise engine and refit (no native baseline)")
+    parser = parser_with_engine_arguments(__doc__, model="qwen3-8b", results=True)
     parser.add_argument("--steps", type=int, default=5, help="steady-state steps per side (default 5)")
-    parser.add_argument(
-        "--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share of the GPU (default 0.3)"
-    )
-    parser.add_argument("--work", default=os.environ.get("TMPDIR", "/tmp"), help="folder for the engine's config")
-    parser.add_argument(
-        "--out-dir", type=Path, default=None, help="results folder (default benchmarks/results/<date>-<device>/)"
-    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from provenance import results_dir, write_result

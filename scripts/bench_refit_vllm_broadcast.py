@@ -29,7 +29,6 @@ DIR/bench_refit_vllm_broadcast_<model>[_fp8][_bucket<N>][_nochecksum].json with 
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -42,9 +41,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_refit_vllm import engine_config  # noqa: E402
+from bench_refit_vllm import dummy_engine, engine_config  # noqa: E402
 from check_vllm_broadcast_gpu import free_port, worker_nccl_env  # noqa: E402
-from check_vllm_refit_gpu import model_config, tp1_trainer  # noqa: E402
+from check_vllm_refit_gpu import model_config, parser_with_engine_arguments, tp1_trainer  # noqa: E402
 
 from mbridge_refit.sinks.packed_broadcast import DEFAULT_BUCKET_BYTES  # noqa: E402
 
@@ -176,27 +175,10 @@ class NativeNccl:
 
 
 def start_engine(directory: Path, args, native: bool):
-    from vllm import LLM
-
-    from mbridge_refit.engines.vllm import engine_kwargs
-    from mbridge_refit.testing.vllm_worker import TESTING_WORKER_EXTENSION
-
-    extra = {}
-    if native:
-        from vllm.config import WeightTransferConfig
-
-        extra["weight_transfer_config"] = WeightTransferConfig(backend="nccl")
-    os.environ["CUDA_VISIBLE_DEVICES"] = str(args.engine_gpu)  # the engine process sees only its GPU
-    return LLM(
-        model=str(directory),
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        dtype="bfloat16",
-        max_model_len=256,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        **engine_kwargs(worker_extension_cls=TESTING_WORKER_EXTENSION, **extra),
-    )
+    """The engine on ``--engine-gpu`` (the engine process sees only its GPU), with vLLM's nccl
+    weight transfer when ``native`` (the baseline)."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(args.engine_gpu)
+    return dummy_engine(directory, args, transfer_backend="nccl" if native else None)
 
 
 def run(args) -> dict:
@@ -294,10 +276,7 @@ def run(args) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="qwen3-1.7b", help="full-size shape of recipes/shapes/ (default qwen3-1.7b)")
-    parser.add_argument("--layers", type=int, default=None, help="keep only this many layers (default: all)")
-    parser.add_argument("--fp8", action="store_true", help="blockwise-FP8 engine and refit (no native baseline)")
+    parser = parser_with_engine_arguments(__doc__, model="qwen3-1.7b", results=True)
     parser.add_argument("--engine-gpu", type=int, default=1, help="the engine's GPU (default 1; the trainer is on 0)")
     parser.add_argument(
         "--bucket-mib",
@@ -308,13 +287,6 @@ def main() -> None:
     parser.add_argument("--no-checksum", action="store_true", help="PackedBroadcastConfig(checksum=False)")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per side in each round (default 3)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of (ours, raw, native) (default 2)")
-    parser.add_argument(
-        "--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share of its GPU (default 0.3)"
-    )
-    parser.add_argument("--work", default=os.environ.get("TMPDIR", "/tmp"), help="folder for the engine's config")
-    parser.add_argument(
-        "--out-dir", type=Path, default=None, help="results folder (default benchmarks/results/<date>-<device>/)"
-    )
     args = parser.parse_args()
     if args.engine_gpu == 0:
         parser.error("--engine-gpu must be another GPU than the trainer's (0): NCCL refuses two members on one GPU")

@@ -263,10 +263,14 @@ def model_config(args: argparse.Namespace):
     return config
 
 
-def parser_with_engine_arguments(description: str) -> argparse.ArgumentParser:
-    """The options every vLLM check shares: the model shape, FP8, the engine's memory, the folders."""
+def parser_with_engine_arguments(
+    description: str, *, model: str = "qwen3-1.7b", results: bool = False
+) -> argparse.ArgumentParser:
+    """The options every vLLM check and benchmark shares: the model shape (default ``model``), FP8, the
+    engine's memory, the folders (``results``: ``--out-dir`` defaults to benchmarks/results/<date>-<device>/,
+    for the benchmarks, instead of being required)."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="qwen3-1.7b", help="full-size shape of recipes/shapes/ (default qwen3-1.7b)")
+    parser.add_argument("--model", default=model, help=f"full-size shape of recipes/shapes/ (default {model})")
     parser.add_argument("--layers", type=int, default=None, help="keep only this many layers (default: all)")
     parser.add_argument("--fp8", action="store_true", help="blockwise FP8 checkpoint, engine and refit")
     parser.add_argument(
@@ -275,7 +279,12 @@ def parser_with_engine_arguments(description: str) -> argparse.ArgumentParser:
     parser.add_argument(
         "--work", default=os.environ.get("TMPDIR", "/tmp"), help="folder for the checkpoint (deleted after)"
     )
-    parser.add_argument("--out-dir", type=Path, required=True, help="folder for the JSON result")
+    if results:
+        parser.add_argument(
+            "--out-dir", type=Path, default=None, help="results folder (default benchmarks/results/<date>-<device>/)"
+        )
+    else:
+        parser.add_argument("--out-dir", type=Path, required=True, help="folder for the JSON result")
     return parser
 
 
