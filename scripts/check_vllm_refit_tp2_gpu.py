@@ -19,7 +19,8 @@ checked on rank 0 and shared:
 3. A second refit replays without reopening, exact. One trainer weight element changed on every rank
    (layer 0's attention ``linear_proj``, row-parallel: each rank's own columns; dense and MoE alike)
    shows in exactly ``model.layers.0.self_attn.o_proj.weight`` on both workers; put back, the next refit is exact again.
-4. Timing, same GPUs, same engine: steady sharded refits (transfer + replay) against the baseline,
+4. Timing, same GPUs, same engine: steady sharded refits (transfer + replay, ``ours_ms``) against one
+   device copy of a worker's bytes (``floor_ms``) and the baseline (``vllm_load_weights_gather_ms``),
    each trainer rank's gathering export (``export_hf_weights``, full tensors) shared with the worker on
    its GPU and loaded by vLLM's own ``load_weights`` (``testing.vllm_worker``); the baseline's
    engine must equal the oracle too.
@@ -45,6 +46,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from check_vllm_refit_gpu import model_config, parser_with_engine_arguments, prompts, report, write_checkpoint  # noqa: E402
 from check_vllm_refit_gpu import start_engine as start_checked_engine  # noqa: E402
+from bench_refit_vllm import floor_ms  # noqa: E402
 
 logger = logging.getLogger("check_vllm_refit_tp2")
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK")
@@ -223,6 +225,17 @@ def run(args) -> dict:
             sharded = sorted(s["ms"] for s in result["sharded_steps"])[len(steps) // 2]
             baseline = sorted(s["ms"] for s in result["gathering_baseline_steps"])[len(steps) // 2]
             result["median_ms"] = {"sharded": sharded, "gathering_export_and_load_weights": baseline}
+            # the issue's row: ours against one device copy of a worker's bytes (every GPU copies its
+            # own shard at once) and against vLLM's own load_weights fed by the gathering export
+            result.update(
+                engine_tp=2,
+                bytes=steps[0].bytes,
+                ours_ms=sharded,
+                floor_ms=round(floor_ms(steps[0].bytes), 3),
+                vllm_load_weights_gather_ms=baseline,
+            )
+            result["ours_over_floor"] = round(sharded / result["floor_ms"], 2)
+            result["load_weights_gather_over_ours"] = round(baseline / sharded, 2)
         verdict = [all(checks.values())]
         dist.broadcast_object_list(verdict, src=0)
     result["ok"] = verdict[0]
