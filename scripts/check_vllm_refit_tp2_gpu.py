@@ -44,18 +44,24 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_refit_vllm import floor_ms  # noqa: E402
 from check_vllm_refit_gpu import model_config, parser_with_engine_arguments, prompts, report, write_checkpoint  # noqa: E402
 from check_vllm_refit_gpu import start_engine as start_checked_engine  # noqa: E402
-from bench_refit_vllm import floor_ms  # noqa: E402
 
 logger = logging.getLogger("check_vllm_refit_tp2")
-TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK")
+TORCHRUN_VARIABLES = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+)  # fmt: skip
 
 
 @contextlib.contextmanager
 def without_torchrun_environment():
-    """vLLM's workers are started from trainer rank 0: they must not read its torchrun rank."""
-    saved = {name: os.environ.pop(name) for name in TORCHRUN_VARIABLES if name in os.environ}
+    """vLLM's workers are started from trainer rank 0: they must not read its torchrun rank, nor
+    ``TORCHELASTIC_USE_AGENT_STORE``: with it set, torch's ``tcp://`` rendezvous makes every worker a
+    client of a store that nobody hosts, and vLLM's workers wait for it forever (seen on 2x H200)."""
+    names = [n for n in os.environ if n in TORCHRUN_VARIABLES or n.startswith("TORCHELASTIC_")]
+    saved = {name: os.environ.pop(name) for name in names}
     try:
         yield
     finally:
