@@ -92,6 +92,9 @@ def run(args) -> dict:
         write_checkpoint(bridge, chunks, config, checkpoint, None)
         lora = LoRA(dim=args.lora_rank, alpha=2 * args.lora_rank, target_modules=TARGETS)
         chunks = lora(chunks, training=True)
+        # the wrap replaced modules of the model the checkpoint write planned: the bridge refuses the
+        # stale plan by name (ModelChangedError) until it is told to plan anew
+        bridge.forget_model()
         seed_adapters(chunks, 0)
 
         llm = start_engine(

@@ -25,7 +25,8 @@ checked on rank 0 and shared:
    its GPU and loaded by vLLM's own ``load_weights`` (``testing.vllm_worker``); the baseline's
    engine must equal the oracle too.
 
-Writes DIR/vllm_refit_tp2_<model>.json on rank 0; exits 1 on every rank when a check fails.
+Rank 0 writes DIR/vllm_refit_tp2_<model>.json with DIR/manifest.json before any rank exits (each check
+is also logged as it is decided); exits 1 on every rank when a check fails.
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_refit_vllm import floor_ms  # noqa: E402
-from check_vllm_refit_gpu import model_config, parser_with_engine_arguments, prompts, report, write_checkpoint  # noqa: E402
+from check_vllm_refit_gpu import model_config, parser_with_engine_arguments, prompts, write_checkpoint  # noqa: E402
 from check_vllm_refit_gpu import start_engine as start_checked_engine  # noqa: E402
+from provenance import write_result  # noqa: E402
 
 logger = logging.getLogger("check_vllm_refit_tp2")
 TORCHRUN_VARIABLES = (
@@ -66,6 +68,14 @@ def without_torchrun_environment():
         yield
     finally:
         os.environ.update(saved)
+
+
+class Checks(dict):
+    """The run's checks, each logged as it is decided: a run cut short still shows how far it got."""
+
+    def __setitem__(self, name: str, passed: bool) -> None:
+        logger.info("check %s: %s", name, "passed" if passed else "FAILED")
+        super().__setitem__(name, bool(passed))
 
 
 def start_engine(checkpoint: Path, args):
@@ -141,7 +151,10 @@ def run(args) -> dict:
     config = model_config(args)
     device = torch.device("cuda")
     layout = ParallelLayout(tp=2, pp=1, ep=1)
-    result: dict = {"model": args.model if args.layers is None else f"{args.model}-{args.layers}layers", "checks": {}}
+    result: dict = {
+        "model": args.model if args.layers is None else f"{args.model}-{args.layers}layers",
+        "checks": Checks(),
+    }
     checks = result["checks"]
     with (
         contextlib.ExitStack() as cleanup,
@@ -164,7 +177,8 @@ def run(args) -> dict:
         disk = fingerprints(llm) if llm is not None else None
         disk_logprobs = prompt_logprobs(llm, batch) if llm is not None else None
         if llm is not None:
-            result["engine_logprobs_repeatable_on_disk_weights"] = prompt_logprobs(llm, batch) == disk_logprobs
+            repeatable = prompt_logprobs(llm, batch) == disk_logprobs
+            result["engine_logprobs_repeatable_on_disk_weights"] = repeatable
             llm.collective_rpc("mbridge_refit_scramble", args=(7,))
             checks["scramble_changed_every_parameter"] = all(
                 len(d) == len(w) for d, w in zip(differing_per_worker(disk, fingerprints(llm)), disk)
@@ -188,7 +202,13 @@ def run(args) -> dict:
             wrong = differing_per_worker(disk, fingerprints(llm))
             result["different_after_refit"] = [w[:10] for w in wrong]
             checks["refit_fingerprints_equal_disk_on_every_worker"] = not any(wrong)
-            checks["prompt_logprobs_equal_disk"] = prompt_logprobs(llm, batch) == disk_logprobs
+            # logprobs are a second witness only where the engine repeats itself on the same weights
+            # (the fingerprints above decide); otherwise the JSON says they were not comparable
+            logprobs_equal = prompt_logprobs(llm, batch) == disk_logprobs
+            if repeatable:
+                checks["prompt_logprobs_equal_disk"] = logprobs_equal
+            else:
+                result["prompt_logprobs_equal_disk_not_checked"] = {"equal": logprobs_equal, "why": "not repeatable"}
         checks["trainer_tp2_moves_nothing_between_ranks"] = refit.plan.bytes_moved == 0
 
         second = refit.refit(bridge, chunks)
@@ -243,6 +263,9 @@ def run(args) -> dict:
             result["ours_over_floor"] = round(sharded / result["floor_ms"], 2)
             result["load_weights_gather_over_ours"] = round(baseline / sharded, 2)
         verdict = [all(checks.values())]
+        if rank == 0:  # before the verdict reaches rank 1: torchrun stops rank 0 once rank 1 exits 1
+            result["ok"] = verdict[0]
+            write_result(args.out_dir, f"vllm_refit_tp2_{result['model']}.json", result, device=result["device"])
         dist.broadcast_object_list(verdict, src=0)
     result["ok"] = verdict[0]
     return result
@@ -256,8 +279,7 @@ def main() -> None:
         parser.error("--fp8: the sharded refit moves BF16; the check asks for FP8 itself and expects a refusal")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     result = run(args)
-    if int(os.environ.get("RANK", "0")) == 0:
-        report(result, args, prefix="vllm_refit_tp2")
+    logger.info("%s vllm_refit_tp2_%s.json", "OK" if result["ok"] else "FAILED", result["model"])
     sys.exit(0 if result["ok"] else 1)
 
 

@@ -235,7 +235,7 @@ def test_sharded_refit_into_vllm_at_tp2_equals_loading_from_disk(tmp_path):
         timeout=540,
     )
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
-    assert "OK vllm_refit_tp2_" in run.stdout, run.stdout[-2000:]
+    assert "OK vllm_refit_tp2_" in run.stdout + run.stderr, (run.stdout + run.stderr)[-2000:]  # the script logs it
 
 
 @pytest.mark.parametrize(
