@@ -236,6 +236,7 @@ def run(args) -> dict:
                 native = None
 
         ours, steps, raw, native_times, raw_ok, modes = [], [], [], [], True, []
+        parts: dict[str, list[float]] = {"send": [], "wait_engine": [], "reset_and_share": [], "engine_receive": []}
         timed(lambda: session.refit(bridge, chunks, fp8=fp8))  # warm-up after the baseline's reload
         warm, ok = raw_broadcast(llm, session.group, first.bytes, 1)
         raw_ok &= ok
@@ -250,6 +251,10 @@ def run(args) -> dict:
                 ours.append(timed(ours_step))
                 steps.append(step.ms)
                 modes.append(step.workers[0]["mode"])
+                parts["send"].append(step.export_ms)
+                parts["wait_engine"].append(step.apply_ms)
+                parts["reset_and_share"].append(step.reset_ms)
+                parts["engine_receive"].append(step.workers[0]["receive_ms"])
             times, ok = raw_broadcast(llm, session.group, first.bytes, args.repeats)
             raw += times
             raw_ok &= ok
@@ -260,6 +265,9 @@ def run(args) -> dict:
 
         result["ours_ms"] = summary(ours)
         result["ours_step_ms"] = summary(steps)  # the session's own: export start to the engine's outcome
+        # where a step goes: the trainer's export, packing and sends; the wait for the workers' RPC
+        # after the last send; the prefix-cache reset and the outcome; the worker's own receive time
+        result["ours_step_parts_ms"] = {name: summary(values) for name, values in parts.items()}
         result["ours_engine_modes"] = {mode: modes.count(mode) for mode in sorted(set(modes))}  # BF16: all "replayed"
         result["raw_broadcast_ms"] = summary(raw)
         result["raw_broadcast_bytes_arrived"] = raw_ok

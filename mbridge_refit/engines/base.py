@@ -61,7 +61,10 @@ class RefitStep:
     step (re)shared its layout with the engine (``ipc``: the first step, or one whose export
     moved), and ``report`` is the engine's report of that open. ``export_ms``, ``apply_ms``,
     ``engine_ms`` (``ipc``): the export, the RPC that applied it, and the part of that the engine's
-    worker spent. ``workers`` (``broadcast``): each worker's report of its receive.
+    worker spent. ``broadcast``: ``export_ms`` until the sender drained (export, packing, every
+    bucket sent), ``apply_ms`` the wait for the workers' receive RPC after that, ``reset_ms`` the
+    engine's prefix-cache reset and the outcome shared with the trainer ranks; ``workers`` each
+    worker's report of its receive (``receive_ms``: its own time in the RPC).
     """
 
     tensors: int
@@ -73,6 +76,7 @@ class RefitStep:
     apply_ms: float | None = None
     engine_ms: float | None = None
     workers: list[dict[str, Any]] = field(default_factory=list)
+    reset_ms: float | None = None
 
 
 @runtime_checkable

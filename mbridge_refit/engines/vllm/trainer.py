@@ -539,6 +539,7 @@ class VLLMBroadcastRefit:
                     trainer_src=self.trainer_src,
                 )
                 count = drain(stream, sender)  # the sender's own failures reach every trainer rank in there
+            sent_at = time.perf_counter()
         except BaseException as sent:
             if not isinstance(sent, PlanMismatchError) and (sender is None or not sender.settled):
                 # the workers may still wait in the protocol (a plan mismatch is settled by the handshake)
@@ -550,13 +551,21 @@ class VLLMBroadcastRefit:
             raise
         try:
             workers, error = receive.result(self.timeout_s), None
+            received_at = time.perf_counter()
             if self.reset_prefix_cache:
                 reset_prefix_cache(self.llm)
         except Exception as err:
-            workers, error = [], err
+            workers, error, received_at = [], err, time.perf_counter()
         self._share(error)
+        done = time.perf_counter()
         return RefitStep(
-            tensors=count, bytes=sender.bytes_sent, ms=(time.perf_counter() - started) * 1e3, workers=workers
+            tensors=count,
+            bytes=sender.bytes_sent,
+            ms=(done - started) * 1e3,
+            workers=workers,
+            export_ms=(sent_at - started) * 1e3,
+            apply_ms=(received_at - sent_at) * 1e3,
+            reset_ms=(done - received_at) * 1e3,
         )
 
     def _serves(self, bridge: ExportsWeights, chunks: list, fp8: Any) -> bool:
