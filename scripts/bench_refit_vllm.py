@@ -81,7 +81,8 @@ def engine_config(config, out: Path, quantization_config: dict | None) -> Path:
 def dummy_engine(directory: Path, args, transfer_backend: str | None = None):
     """A vLLM engine of the config in ``directory`` with dummy weights, the refit worker extension and
     the check-only RPCs (``testing.vllm_worker``), and vLLM's own weight transfer of ``transfer_backend``
-    (the native baseline; None: none)."""
+    (the native baseline; None: none). Its KV cache holds ``args.kv_blocks`` blocks (the prefix-cache reset
+    after each refit visits every block)."""
     from vllm import LLM
 
     from mbridge_refit.engines.vllm import engine_kwargs
@@ -100,8 +101,16 @@ def dummy_engine(directory: Path, args, transfer_backend: str | None = None):
         dtype="bfloat16",
         max_model_len=256,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        num_gpu_blocks_override=args.kv_blocks or None,
         **engine_kwargs(worker_extension_cls=TESTING_WORKER_EXTENSION, **extra),
     )
+
+
+def prefix_cache_reset(llm, args, repeats: int = 5) -> dict:
+    """What every refit's prefix-cache reset costs on its own (``LLM.reset_prefix_cache``: an engine-core
+    call that visits every KV block), with the engine's block count; part of each timed refit."""
+    times = [timed(llm.reset_prefix_cache) for _ in range(repeats)]
+    return {"kv_blocks": args.kv_blocks or "from the memory share", "reset_ms": summary(times)}
 
 
 def summary(values: list[float]) -> dict:
@@ -148,6 +157,7 @@ def run(args) -> dict:
         result["open_report"] = {k: (v if not isinstance(v, list) else v[:5]) for k, v in (first.report or {}).items()}
         result["live_tensors"] = len(bridge.live_rows(chunks, fp8=fp8))
         result["floor_ms"] = round(floor_ms(first.bytes), 3)
+        result["prefix_cache_reset"] = prefix_cache_reset(llm, args)
 
         stock = None
         if not fp8:

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_refit_vllm import dummy_engine, engine_config  # noqa: E402
+from bench_refit_vllm import dummy_engine, engine_config, prefix_cache_reset  # noqa: E402
 from check_vllm_broadcast_gpu import free_port, worker_nccl_env  # noqa: E402
 from check_vllm_refit_gpu import model_config, parser_with_engine_arguments, tp1_trainer  # noqa: E402
 
@@ -222,6 +222,7 @@ def run(args) -> dict:
         result["first_refit_ms"] = round(first.ms, 1)
         result["engine_loaded_every_tensor_sent"] = worker["tensors"] == first.tensors and not worker["unloaded"]
         result["first_refit_mode"], result["engine_via_loader"] = worker["mode"], worker["via_loader"]
+        result["prefix_cache_reset"] = prefix_cache_reset(llm, args)
 
         native = None
         if not fp8:

@@ -263,6 +263,11 @@ def model_config(args: argparse.Namespace):
     return config
 
 
+# about what a full-depth 8B-30B model's engine holds at half of an 80 GB GPU (e.g. Qwen3-8B: 36 layers x
+# 8 kv heads x 128 x 2 (K, V) x 2 bytes x 16 tokens = 2.4 MB a block; 40 GB / 2.4 MB = 17k blocks)
+KV_BLOCKS = 16384
+
+
 def parser_with_engine_arguments(
     description: str, *, model: str = "qwen3-1.7b", results: bool = False
 ) -> argparse.ArgumentParser:
@@ -282,6 +287,14 @@ def parser_with_engine_arguments(
     if results:
         parser.add_argument(
             "--out-dir", type=Path, default=None, help="results folder (default benchmarks/results/<date>-<device>/)"
+        )
+        parser.add_argument(
+            "--kv-blocks",
+            type=int,
+            default=KV_BLOCKS,
+            help=f"the engine's KV cache in blocks (default {KV_BLOCKS}; 0: what the memory share gives). Every "
+            "refit resets vLLM's prefix cache, which visits every block in Python: a cut model given a GPU's "
+            "share holds far more blocks than the full model would, and its reset would dominate the step",
         )
     else:
         parser.add_argument("--out-dir", type=Path, required=True, help="folder for the JSON result")

@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_refit_vllm import floor_ms  # noqa: E402
-from check_vllm_refit_gpu import model_config, parser_with_engine_arguments, prompts, write_checkpoint  # noqa: E402
+from check_vllm_refit_gpu import KV_BLOCKS, model_config, parser_with_engine_arguments, prompts, write_checkpoint  # noqa: E402
 from check_vllm_refit_gpu import start_engine as start_checked_engine  # noqa: E402
 from provenance import write_result  # noqa: E402
 
@@ -81,7 +81,8 @@ class Checks(dict):
 def start_engine(checkpoint: Path, args):
     """vLLM at ``tensor_parallel_size=2`` from ``checkpoint`` (``check_vllm_refit_gpu.start_engine``)."""
     with without_torchrun_environment():
-        return start_checked_engine(checkpoint, args, tensor_parallel_size=2)
+        # a bounded KV cache: every refit resets the prefix cache, which visits every block (the timing)
+        return start_checked_engine(checkpoint, args, tensor_parallel_size=2, num_gpu_blocks_override=KV_BLOCKS)
 
 
 def fingerprints(llm) -> list[dict]:
