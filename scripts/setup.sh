@@ -42,7 +42,7 @@ if [ ! -x "$venv/bin/python" ]; then
   "$py" -m venv "$venv"
 fi
 pip() { "$venv/bin/python" -m pip "$@"; }
-pip install -q --upgrade pip setuptools wheel
+pip install -q --upgrade pip wheel "setuptools<82"  # torch 2.11 requires setuptools<82
 log "installing pinned requirements (torch is ~4.6 GB on first install)"
 pip install -q -r "$reqs"
 log "installing $BRIDGE_PIN without its dependency list"
