@@ -83,6 +83,9 @@ class ShardedIpcSession:
     ``engine``: the engine's layout (``"tp2"``, ``plan.engine_layout.EngineLayout``).
     ``ignored``: exported names the engine skips (a tied output layer), left out of the plan.
     ``transport``: shares this rank's shard storages with the worker on its GPU.
+    ``after_weights_written``: called on each rank with a handle once the workers hold the new weights
+    (the engine's own follow-up, e.g. dropping caches computed with the old ones); it failing fails
+    the step on every rank, like a worker's refusal.
     """
 
     def __init__(
@@ -96,8 +99,10 @@ class ShardedIpcSession:
         group: Any = None,
         check_first_refit: bool = True,
         allow_partial: bool = False,
+        after_weights_written: Callable[[], None] | None = None,
     ) -> None:
         self.call_workers = call_workers
+        self.after_weights_written = after_weights_written
         self.engine = engine
         self.transport = transport
         self.ignored = ignored
@@ -212,13 +217,16 @@ class ShardedIpcSession:
         return self._call("mbridge_refit_apply_shards", self._fingerprints)
 
     def _call(self, method: str, *args: Any) -> list:
-        """``method`` on the workers from every rank with a handle, after every rank's transfer;
-        its outcome shared over ``group`` (every rank raises if one call failed)."""
+        """``method`` (an open or a replay: both write the weights) on the workers from every rank with a
+        handle, after every rank's transfer, then ``after_weights_written``; the outcome shared over
+        ``group`` (every rank raises if one call failed)."""
         dist.barrier(group=self._control)
         results, failure = [], None
         if self.call_workers is not None:
             try:
                 results = list(self.call_workers(method, *args))
+                if self.after_weights_written is not None:
+                    self.after_weights_written()
             except Exception as err:  # the engine's refusal: shared, then raised on every rank
                 failure = f"rank {dist.get_rank()}: {type(err).__name__}: {err}"
         failures = [f for f in self._gather(failure) if f is not None]

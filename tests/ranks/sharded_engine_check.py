@@ -76,7 +76,8 @@ def main() -> None:
         on_disk = {name: read(name) for name in shapes}
 
         engine = TPEngine(shapes, config, rank=rank, tp=tp)
-        refit = VLLMShardedRefit(worker_llm(engine, rank), engine=f"tp{tp}", transport=LocalTransport())
+        llm = worker_llm(engine, rank)
+        refit = VLLMShardedRefit(llm, engine=f"tp{tp}", transport=LocalTransport())
         first = refit.refit(bridge, chunks)
         report = first.report or {}
         if not first.opened or report.get("missing") or report.get("unexpected"):
@@ -94,11 +95,14 @@ def main() -> None:
         engine_equals(
             engine, loaded_by_its_loader(shapes, config, rank, tp, changed), "second refit vs the changed model"
         )
+        if llm.prefix_cache_resets != 2:
+            fail(f"each refit resets the engine's prefix cache once: 2 refits, {llm.prefix_cache_resets} resets")
         moved = refit.plan.bytes_moved
         refit.close()
 
         other = TPEngine(shapes, config, rank=rank, tp=tp, full_size=(".self_attn.o_proj.",))
-        mismatched = VLLMShardedRefit(worker_llm(other, rank), engine=f"tp{tp}", transport=LocalTransport())
+        other_llm = worker_llm(other, rank)
+        mismatched = VLLMShardedRefit(other_llm, engine=f"tp{tp}", transport=LocalTransport())
         try:
             mismatched.refit(bridge, chunks)
             fail("an engine whose o_proj loader reads outside the shard was not refused")
@@ -106,6 +110,8 @@ def main() -> None:
             message = str(err)
         if "o_proj" not in message or "holds" not in message:
             fail(f"the refusal does not name o_proj and the shard's box: {message}")
+        if other_llm.prefix_cache_resets:
+            fail("a refused open reset the prefix cache as if it had written the weights")
 
         result = {
             "rank": rank,

@@ -21,8 +21,6 @@ from mbridge_refit.engines.vllm import trainer
 
 __all__ = ["VLLMShardedRefit"]
 
-_WRITES_WEIGHTS = frozenset({"mbridge_refit_open_shards", "mbridge_refit_apply_shards"})
-
 
 def VLLMShardedRefit(  # noqa: N802 - a session class's factory, named as the sessions it sits beside
     llm: Any,
@@ -39,15 +37,15 @@ def VLLMShardedRefit(  # noqa: N802 - a session class's factory, named as the se
     that writes the weights the engine's prefix cache is reset (``reset_prefix_cache``; ``trainer.reset_prefix_cache``)."""
 
     def call_workers(method: str, *args: Any) -> list:
-        answers = llm.collective_rpc(method, timeout=timeout_s, args=args)
-        if method in _WRITES_WEIGHTS and reset_prefix_cache:
-            trainer.reset_prefix_cache(llm)
-        return answers
+        return llm.collective_rpc(method, timeout=timeout_s, args=args)
 
     return ShardedIpcSession(
         None if llm is None else call_workers,
         engine=engine,
         transport=transport or CudaIpcTransport(),
         ignored=trainer.ignored_by_engine,
+        after_weights_written=(lambda: trainer.reset_prefix_cache(llm))
+        if llm is not None and reset_prefix_cache
+        else None,
         **options,
     )
