@@ -182,7 +182,9 @@ def layout_label(layout_name: str) -> str:
     return re.sub(r"(?<=\d)(?=[A-Z])", "×", layout_name.upper())
 
 
-def tests_legend(matrix: dict[str, list], lines: dict[str, int], page_dir: Path) -> str:
+def tests_legend(
+    matrix: dict[str, list], lines: dict[str, int], page_dir: Path, precisions: tuple[str, ...] = PRECISIONS
+) -> str:
     """One line naming the test of each precision, linked to its line; a cell's test id is
     ``LAYOUT-ARCH`` (the links' example: TP1 Qwen3), so the cells themselves stay plain text."""
     cells = {(c.layout, c.architecture) for cells in matrix.values() for c in cells}
@@ -191,6 +193,7 @@ def tests_legend(matrix: dict[str, list], lines: dict[str, int], page_dir: Path)
     links = [
         f'{precision.upper()} [`{function}`]({target}#L{lines[function]} "{function}[{layout}-{architecture}]")'
         for precision, function in TEST_OF_PRECISION.items()
+        if precision in precisions
     ]
     return "Each cell is the state of its test, id `LAYOUT-ARCH`: " + ", ".join(links) + "."
 
@@ -385,7 +388,7 @@ def render_readme_block(matrix: dict[str, list], readme_dir: Path) -> list[str]:
         "",
         "`E` exact (BF16/FP8: on the fast path), `S` stock fallback, exact, `r` refused by name, `U` upstream broken,",
         "`n` cannot be built on CPU, `·` not run, `–` layout not run.",
-        tests_legend(matrix, lines, readme_dir),
+        tests_legend(matrix, lines, readme_dir, README_PRECISIONS),
         README_END,
     ]
 
