@@ -36,6 +36,7 @@ from mbridge_refit.testing.conformance import (
     LORA_ADAPTER,
     LORA_LAYOUTS,
     LORA_MERGED,
+    LORA_PRECISIONS,
     MATRIX_LAYOUTS,
     Cell,
     CellState,
@@ -273,7 +274,11 @@ def test_fp8_matches_reference(layout, architecture, matrix):
 
 LORA_CELLS = [(layout, architecture) for layout, architecture in CELLS if layout in LORA_LAYOUTS]
 LORA_CELL_IDS = [f"{layout}-{architecture}" for layout, architecture in LORA_CELLS]
-LORA_TESTS = ("test_lora_merged_matches_stock", "test_lora_adapter_matches_stock")
+LORA_TESTS = (
+    "test_lora_merged_matches_stock",
+    "test_lora_adapter_matches_stock",
+    "test_lora_planned_families_take_the_fast_path",
+)
 
 
 @pytest.mark.multirank
@@ -530,3 +535,35 @@ MAMBA_ARCHITECTURES = ("NemotronHForCausalLM",)  # families whose Mamba mixers p
 def test_mamba_families_take_the_fast_path(layout, architecture, matrix):
     """Mamba mixers (in_proj's z, x, B, C, dt; conv1d's x, B, C) keep their family on the fast path."""
     test_recipe_families_take_the_fast_path(layout, architecture, matrix)
+
+
+# The families whose LoRA adapters the plan merges and exports itself (LORA_MERGED and LORA_ADAPTER on the
+# fast path at TP1): dense and per-expert MLPs, Gemma's, MLA's output projection (GLM-5 DSA), Nemotron-H's
+# attention and MLP layers, Qwen2.5-VL's and Gemma 3's vision towers. A regression to the stock fallback fails here.
+LORA_PLANNED_ARCHITECTURES = (
+    "Ernie4_5_MoeForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",
+    "GemmaForCausalLM",
+    "GlmMoeDsaForCausalLM",
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "NemotronForCausalLM",
+    "NemotronHForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(("layout", "architecture"), [c for c in LORA_CELLS if c[1] in LORA_PLANNED_ARCHITECTURES])
+def test_lora_planned_families_take_the_fast_path(layout, architecture, matrix):
+    """The merged and adapter exports of these families' LoRA models run on the plan, exact."""
+    for precision in LORA_PRECISIONS:
+        cell = _assert_cell(matrix, layout, architecture, precision)
+        assert cell.state is CellState.FAST_PATH_EXACT, (
+            f"{architecture} {layout} {precision}: {cell.state}: {cell.detail}"
+        )

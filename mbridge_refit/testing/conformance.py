@@ -422,29 +422,31 @@ def _cell_maker(architecture: str, layout_name: str, concessions: tuple[str, ...
 
 
 def check_bf16(
-    bridge: Any, chunks: list[torch.nn.Module], stock: list[tuple[str, torch.Tensor]], cell: Callable[..., Cell]
+    bridge: Any,
+    chunks: list[torch.nn.Module],
+    stock: list[tuple[str, torch.Tensor]],
+    cell: Callable[..., Cell],
+    *,
+    precision: str = BF16,
 ) -> Cell:
-    """Our BF16 export (cached buffers, as refit runs it) against stock's tensors."""
-    return _check_stream(
-        bridge,
-        BF16,
-        stock,
-        lambda: bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True),
-        cell,
-    )
+    """Our BF16 export (cached buffers, as refit runs it) against stock's tensors, as the cell of
+    ``precision`` (``LORA_MERGED``: the same call on a wrapped model, whose adapters it merges)."""
+    return _check_stream(bridge, precision, stock, bridge.export_hf_weights, chunks, cell)
 
 
 def _check_stream(
     bridge: Any,
     precision: str,
     expected: list[tuple[str, torch.Tensor]],
-    export: Callable[[], Any],
+    export: Callable[..., Any],
+    chunks: list[torch.nn.Module],
     cell: Callable[..., Cell],
 ) -> Cell:
-    """The cell of ``export()``'s stream against ``expected``: ``different``, ``our export failed``,
-    or exact on the fast path or on the stock fallback (with the reason the bridge gives)."""
+    """The cell of our export ``export`` (a bridge method, run with cached buffers as refit runs it)
+    against ``expected``: ``different``, ``our export failed``, or exact on the fast path or on the
+    stock fallback (with the reason the bridge gives)."""
     try:
-        comparison = compare_stream(expected, export())
+        comparison = compare_stream(expected, export(chunks, show_progress=False, reuse_buffer_from_cache=True))
     except Exception as err:
         return cell(precision, CellState.OUR_EXPORT_FAILED, describe_error(err))
     if not comparison.exact:
@@ -532,13 +534,7 @@ def _check_merged(
     before = dict(unadapted)
     if all(name in before and torch.equal(tensor, before[name]) for name, tensor in stock):
         return cell(LORA_MERGED, CellState.UPSTREAM_BROKEN, "stock's merged export equals the export before the wrap")
-    return _check_stream(
-        bridge,
-        LORA_MERGED,
-        stock,
-        lambda: bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True),
-        cell,
-    )
+    return check_bf16(bridge, chunks, stock, cell, precision=LORA_MERGED)
 
 
 def _check_adapter(bridge: Any, chunks: list[torch.nn.Module], cell: Callable[..., Cell]) -> Cell:
@@ -563,13 +559,7 @@ def _check_adapter(bridge: Any, chunks: list[torch.nn.Module], cell: Callable[..
             f"stock's adapter export yields {len(names)} tensors under {len(set(names))} names, "
             f"e.g. {repeated[0]} {names.count(repeated[0])} times",
         )
-    return _check_stream(
-        bridge,
-        LORA_ADAPTER,
-        stock,
-        lambda: bridge.export_adapter_weights(chunks, show_progress=False, reuse_buffer_from_cache=True),
-        cell,
-    )
+    return _check_stream(bridge, LORA_ADAPTER, stock, bridge.export_adapter_weights, chunks, cell)
 
 
 def _stock_model_bridge(bridge: Any) -> Any:
