@@ -853,7 +853,11 @@ class RefitBridge(AutoBridge):
         state.fallback_reason = reason
         if lora is None:
             logger.warning("export_adapter_weights runs the stock Megatron-Bridge export: %s", reason)
-            stream = state.model_bridge.stream_adapter_weights_megatron_to_hf(
+            # A fresh model bridge, as stock makes one per call: the kept one has built the model's
+            # conversion tasks from the checkpoint, which switches a packed-expert checkpoint's
+            # bridge to its packed mappings, and its adapter export then names every expert's
+            # factors alike (Qwen3.5-MoE packed: 160 tensors under 48 names, stock's 224 names).
+            stream = super()._model_bridge.stream_adapter_weights_megatron_to_hf(
                 chunks,
                 cpu=cpu,
                 show_progress=show_progress,

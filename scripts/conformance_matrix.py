@@ -5,10 +5,12 @@ registered architecture on CPU.
     python scripts/conformance_matrix.py --from-cells a.json b.json  # render again without running
     python scripts/conformance_matrix.py --parts roundtrip --jobs 8 --cells b.json  # a part, cells 8 at a time
     python scripts/conformance_matrix.py --only GptOssForCausalLM,tp1:LlamaForCausalLM --cells c.json  # some cells
+    python scripts/conformance_matrix.py --parts lora --cells d.json  # the LoRA cells alone (their launches)
 
 Runs the checks ``tests/test_conformance.py`` runs (``python -m mbridge_refit.testing.conformance``,
-one launch per world size for the layouts of ``MATRIX_LAYOUTS``, CPU ranks under torchrun; the
-roundtrip columns through ``mbridge_refit.testing.roundtrip_conformance``), then writes the page:
+one launch per world size for the layouts of ``MATRIX_LAYOUTS``, CPU ranks under torchrun, the
+LoRA cells in the launches of ``LORA_LAYOUTS``; the roundtrip columns through
+``mbridge_refit.testing.roundtrip_conformance``), then writes the page:
 one row per architecture, a column per layout and precision, each cell's state linking to the
 test that proves it, the counts per state, and the reason of every cell that is not on the fast
 path. The README's block between ``README_BEGIN`` and ``README_END`` gets the counts and the cells
@@ -39,8 +41,11 @@ TEST_OF_PRECISION = {  # in TEST_MODULE
     "bf16": "test_bf16_matches_stock",
     "fp8": "test_fp8_matches_reference",
     "roundtrip": "test_roundtrip_matches_disk",
+    "lora-merged": "test_lora_merged_matches_stock",
+    "lora-adapter": "test_lora_adapter_matches_stock",
 }
-PRECISIONS = ("bf16", "fp8", "roundtrip")  # a column per layout each
+PRECISIONS = tuple(TEST_OF_PRECISION)  # a column per layout each (where the layout has such cells)
+README_PRECISIONS = ("bf16", "fp8", "roundtrip")  # the README's letters per cell; the LoRA columns are on the page
 VERSIONS = ("torch", "megatron-core", "megatron-bridge", "transformers")
 README_FAMILIES = (  # the README's rows: the families RL users refit most (issue #17); docs/conformance.md has all
     "Qwen3ForCausalLM",
@@ -74,8 +79,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(layout_names: list[str], nproc: int, json_path: Path, only: str) -> None:
-    """Run the layouts' ranks, one launch (plain python for one rank, as the tests do); raise if they fail."""
+def launch(layout_names: list[str], nproc: int, json_path: Path, only: str, lora: bool) -> None:
+    """Run the layouts' ranks, one launch (plain python for one rank, as the tests do), the LoRA
+    cells too where ``lora``; raise if they fail."""
     module = [
         "-m",
         "mbridge_refit.testing.conformance",
@@ -85,6 +91,8 @@ def launch(layout_names: list[str], nproc: int, json_path: Path, only: str) -> N
         str(json_path),
         "--only",
         only,
+        "--lora",
+        "all" if lora else "",
     ]
     launcher = (
         []
@@ -133,13 +141,15 @@ def only_at(layout_names: list[str], only: str) -> str:
     return ",".join(e for e in only.split(",") if e and (":" not in e or e.partition(":")[0] in layout_names))
 
 
-def run_matrix(only: str) -> dict[str, list]:
-    """layout name -> rank 0's cells (every rank's states checked equal), in ``MATRIX_LAYOUTS`` order."""
+def run_matrix(only: str, *, lora: bool, layouts: tuple[str, ...] | None = None) -> dict[str, list]:
+    """layout name -> rank 0's cells (every rank's states checked equal), in ``MATRIX_LAYOUTS`` order:
+    of every layout, or of ``layouts``; with the LoRA cells where ``lora``."""
     from mbridge_refit.testing.conformance import MATRIX_LAYOUTS, read_cells
 
     by_world_size: dict[int, list[str]] = {}
     for layout_name, (layout, _) in MATRIX_LAYOUTS.items():
-        by_world_size.setdefault(layout.expected_world_size, []).append(layout_name)
+        if layouts is None or layout_name in layouts:
+            by_world_size.setdefault(layout.expected_world_size, []).append(layout_name)
     matrix: dict[str, list] = {name: [] for name in MATRIX_LAYOUTS}
     with tempfile.TemporaryDirectory() as tmp:
         for nproc, layout_names in by_world_size.items():
@@ -147,7 +157,7 @@ def run_matrix(only: str) -> dict[str, list]:
             mine = only_at(layout_names, only)
             if only and not mine:
                 continue  # none of ``only`` runs at these layouts
-            launch(layout_names, nproc, path, mine)
+            launch(layout_names, nproc, path, mine, lora)
             ranks = read_cells(path, nproc)
             disagreeing = [c.architecture for cells in zip(*ranks) for c in cells if c.state != cells[0].state]
             if disagreeing or len({len(cells) for cells in ranks}) != 1:
@@ -172,7 +182,9 @@ def layout_label(layout_name: str) -> str:
     return re.sub(r"(?<=\d)(?=[A-Z])", "×", layout_name.upper())
 
 
-def tests_legend(matrix: dict[str, list], lines: dict[str, int], page_dir: Path) -> str:
+def tests_legend(
+    matrix: dict[str, list], lines: dict[str, int], page_dir: Path, precisions: tuple[str, ...] = PRECISIONS
+) -> str:
     """One line naming the test of each precision, linked to its line; a cell's test id is
     ``LAYOUT-ARCH`` (the links' example: TP1 Qwen3), so the cells themselves stay plain text."""
     cells = {(c.layout, c.architecture) for cells in matrix.values() for c in cells}
@@ -181,6 +193,7 @@ def tests_legend(matrix: dict[str, list], lines: dict[str, int], page_dir: Path)
     links = [
         f'{precision.upper()} [`{function}`]({target}#L{lines[function]} "{function}[{layout}-{architecture}]")'
         for precision, function in TEST_OF_PRECISION.items()
+        if precision in precisions
     ]
     return "Each cell is the state of its test, id `LAYOUT-ARCH`: " + ", ".join(links) + "."
 
@@ -241,10 +254,20 @@ def _header(runs: list[dict[str, str]]) -> list[str]:
         "layout), so it maps them with its packed-expert mappings (`mbridge_refit/testing/tiny_models.py`).",
         "`Gemma4ForCausalLM+moe_block` is Gemma 4's MoE model (`enable_moe_block`: 26B-A4B), which the bridge builds",
         "with another provider and layer spec (`VARIANT_CONFIG_OVERRIDES` in `mbridge_refit/testing/tiny_models.py`).",
+        "The LORA columns (TP1, `LORA_LAYOUTS`): the same model then wrapped with Megatron-Bridge's `LoRA`",
+        "(`megatron.bridge.peft.lora`, its default targets `linear_qkv`, `linear_proj`, `linear_fc1`, `linear_fc2`;",
+        "r 4, alpha 8), every adapter factor random (B too): LORA-MERGED is `export_hf_weights` (merged, stock's",
+        "default) against stock's merged export, LORA-ADAPTER `export_adapter_weights` against stock's adapter",
+        "export, both oracles from a model bridge made as stock's `AutoBridge` makes one per call",
+        "(`check_lora` in `mbridge_refit/testing/conformance.py`). `LoRA cannot wrap`: the wrap raised (on CPU,",
+        "mostly LoRA not knowing the CPU stand-in of Transformer Engine's grouped expert linear) or wrapped",
+        "nothing; `upstream broken` there: stock's merged or adapter export failed, its merged export equals the",
+        "export before the wrap, or its adapter export yields a name twice; `stock fallback, exact`: our plan",
+        "refused the adapters (the reason below) and the stock path ran.",
         "States: `fast path, exact`; `stock fallback, exact` (the plan refused the model, the export is",
         "stock's); `FP8 refused` (FP8 needs the plan: refused before any work, with the reason);",
         "`cannot be built here` (config, bridge or model construction failed on CPU); `upstream broken`",
-        "(stock's own export failed). A difference or a failure of our export fails the test.",
+        "(stock's own export failed); `LoRA cannot wrap`. A difference or a failure of our export fails the test.",
         "The ROUNDTRIP columns: a tiny random HF checkpoint of the architecture through `convert roundtrip`",
         "on CPU at that layout (`convert --nproc-per-node 2 roundtrip --tp 2 ...` beyond TP1), every tensor",
         "compared with the file (`exact`; `refused`: convert exited with an input error naming why;",
@@ -341,7 +364,7 @@ def render_readme_block(matrix: dict[str, list], readme_dir: Path) -> list[str]:
     by_key = {(c.architecture, c.layout, c.precision): c for cells in matrix.values() for c in cells}
 
     def letters(architecture: str, layout: str) -> str:
-        cells = [by_key.get((architecture, layout, precision)) for precision in PRECISIONS]
+        cells = [by_key.get((architecture, layout, precision)) for precision in README_PRECISIONS]
         if not any(cells):
             return "–"
         return " ".join(STATE_LETTERS[str(c.state)] if c else "·" for c in cells)
@@ -352,10 +375,10 @@ def render_readme_block(matrix: dict[str, list], readme_dir: Path) -> list[str]:
 
     return [
         README_BEGIN,
-        "| cells per state | " + " | ".join(p.upper() for p in PRECISIONS) + " |",
-        "| --- " * (len(PRECISIONS) + 1) + "|",
+        "| cells per state | " + " | ".join(p.upper() for p in README_PRECISIONS) + " |",
+        "| --- " * (len(README_PRECISIONS) + 1) + "|",
         *(
-            f"| {layout_label(layout)} | " + " | ".join(counts(layout, p) for p in PRECISIONS) + " |"
+            f"| {layout_label(layout)} | " + " | ".join(counts(layout, p) for p in README_PRECISIONS) + " |"
             for layout in matrix
         ),
         "",
@@ -365,7 +388,7 @@ def render_readme_block(matrix: dict[str, list], readme_dir: Path) -> list[str]:
         "",
         "`E` exact (BF16/FP8: on the fast path), `S` stock fallback, exact, `r` refused by name, `U` upstream broken,",
         "`n` cannot be built on CPU, `·` not run, `–` layout not run.",
-        tests_legend(matrix, lines, readme_dir),
+        tests_legend(matrix, lines, readme_dir, README_PRECISIONS),
         README_END,
     ]
 
@@ -398,7 +421,10 @@ def main() -> None:
         help="render the cells of earlier runs (--cells) instead of running; a later run's cell replaces an earlier one's",
     )
     parser.add_argument(
-        "--parts", default="export,roundtrip", help="what to run: export (the BF16/FP8 cells), roundtrip, or both"
+        "--parts",
+        default="export,roundtrip,lora",
+        help="what to run, comma-separated: export (the BF16/FP8 cells), roundtrip, lora (the LoRA cells; "
+        "alone: only their launches, keeping only them)",
     )
     parser.add_argument(
         "--jobs", type=int, default=1, help="roundtrip cells of more than one rank run this many at a time"
@@ -409,10 +435,10 @@ def main() -> None:
     parser.add_argument("--commit", default=None, help="the commit the cells are run at (default: the checkout's HEAD)")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
-    if not parts or parts - {"export", "roundtrip"}:
-        parser.error(f"--parts {args.parts!r}: choose export, roundtrip or both")
+    if not parts or parts - {"export", "roundtrip", "lora"}:
+        parser.error(f"--parts {args.parts!r}: choose from export, roundtrip, lora")
     sys.path.insert(0, str(REPO))
-    from mbridge_refit.testing.conformance import MATRIX_LAYOUTS, Cell
+    from mbridge_refit.testing.conformance import LORA_LAYOUTS, LORA_PRECISIONS, MATRIX_LAYOUTS, Cell
 
     if args.from_cells:
         saved = [json.loads(path.read_text()) for path in args.from_cells]
@@ -424,7 +450,12 @@ def main() -> None:
             matrix[cell.layout].append(cell)
     else:
         runs = [this_run(args.commit)]
-        matrix = run_matrix(args.only) if "export" in parts else {name: [] for name in MATRIX_LAYOUTS}
+        matrix = {name: [] for name in MATRIX_LAYOUTS}
+        if "export" in parts:
+            matrix = run_matrix(args.only, lora="lora" in parts)
+        elif "lora" in parts:  # the launches of the LoRA layouts, their LoRA cells only
+            ran = run_matrix(args.only, lora=True, layouts=LORA_LAYOUTS)
+            matrix = {name: [c for c in ran[name] if c.precision in LORA_PRECISIONS] for name in MATRIX_LAYOUTS}
         for cell in run_roundtrip(args.jobs, args.only) if "roundtrip" in parts else ():
             matrix[cell.layout].append(cell)
     if args.cells:

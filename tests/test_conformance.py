@@ -1,13 +1,15 @@
 """The conformance matrix: every architecture Megatron-Bridge registers, on CPU ranks (gloo, local
-layer spec), RefitBridge's export against stock's on the same model bit for bit (BF16), and its
-FP8 export against the reference quantizer applied to stock's tensors.
+layer spec), RefitBridge's export against stock's on the same model bit for bit (BF16), its
+FP8 export against the reference quantizer applied to stock's tensors, and (at ``LORA_LAYOUTS``)
+the same model wrapped with Megatron-Bridge's ``LoRA``: its merged and adapter exports against
+stock's.
 
 The cells are decided inside the ranks by ``mbridge_refit.testing.conformance``, run here under
 torchrun once per world size (every layout of ``MATRIX_LAYOUTS`` with that many ranks, the cells
 this session selected, so ``-k`` runs only those); each test below reads one cell. A cell passes
 in any state but ``different`` and ``our export failed``; ``docs/conformance.md`` is the same run
 written by ``scripts/conformance_matrix.py``. The first tests show the comparison failing on a
-corrupted stream, so a passing cell means something.
+corrupted stream (and the LoRA cells on adapters left unmerged), so a passing cell means something.
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ from mbridge_refit.testing import conformance, roundtrip_conformance, tiny_model
 from mbridge_refit.testing.conformance import (
     BF16,
     FP8,
+    LORA_ADAPTER,
+    LORA_LAYOUTS,
+    LORA_MERGED,
+    LORA_PRECISIONS,
     MATRIX_LAYOUTS,
     Cell,
     CellState,
@@ -153,14 +159,24 @@ def test_fp8_cell_states():
 
 @pytest.mark.multirank
 def test_a_corrupted_real_export_is_different(tmp_path):
-    """A real model's fast-path export with one flipped bit ends in ``different``, BF16 and FP8."""
+    """A real model's fast-path export with one flipped bit ends in ``different``, BF16 and FP8;
+    with its LoRA adapters left unmerged and its adapter export one factor short, both LoRA cells
+    end in ``different`` while BF16 and FP8 stay exact."""
     result = tmp_path / "cells.json"
     checker = str(REPO / "tests" / "ranks" / "conformance_corruption_check.py")
     run = torchrun(1, [checker, "--architecture", "Qwen3ForCausalLM", "--result", str(result)])
     assert run.returncode == 0, run.output[-6000:]
     cells = [Cell.from_json(c) for c in json.loads(result.read_text())]
-    assert [(c.precision, c.state) for c in cells] == [(BF16, CellState.DIFFERENT), (FP8, CellState.DIFFERENT)]
-    assert all("differing" in c.detail for c in cells)
+    assert [(c.precision, c.state) for c in cells] == [
+        (BF16, CellState.DIFFERENT),
+        (FP8, CellState.DIFFERENT),
+        (BF16, CellState.FAST_PATH_EXACT),
+        (FP8, CellState.FAST_PATH_EXACT),
+        (LORA_MERGED, CellState.DIFFERENT),
+        (LORA_ADAPTER, CellState.DIFFERENT),
+    ]
+    assert all("differing" in c.detail for c in cells[:2]) and "differing" in cells[4].detail
+    assert "missing" in cells[5].detail, cells[5].detail
 
 
 # --- The matrix. ----------------------------------------------------------------------------------
@@ -184,6 +200,15 @@ def _selected_architectures(items) -> dict[str, list[str]]:
     }
 
 
+def _selected_lora_cells(items) -> set[tuple[str, str]]:
+    """(layout, architecture) of the LoRA cells among ``items``: the launch of their layout adds them."""
+    return {
+        (item.callspec.params["layout"], item.callspec.params["architecture"])
+        for item in items
+        if getattr(item, "module", None) is sys.modules[__name__] and item.originalname in LORA_TESTS
+    }
+
+
 @pytest.fixture(scope="module")
 def matrix(request, tmp_path_factory):
     """layout name -> every rank's cells, from one launch (on first use) of the ranks of every
@@ -200,6 +225,7 @@ def matrix(request, tmp_path_factory):
                 if layout.expected_world_size == nproc and selected[name]
             ]
             only = ",".join(f"{name}:{architecture}" for name in layouts for architecture in selected[name])
+            lora = sorted({a for name, a in _selected_lora_cells(request.session.items) if name in layouts})
             path = tmp_path_factory.mktemp(f"ranks{nproc}") / "cells.json"
             args = [
                 "mbridge_refit.testing.conformance",
@@ -209,6 +235,8 @@ def matrix(request, tmp_path_factory):
                 only,
                 "--json",
                 str(path),
+                "--lora",
+                ",".join(lora),
             ]
             run = torchrun(nproc, args, timeout=MATRIX_TIMEOUT)
             assert run.returncode == 0, run.output[-6000:]
@@ -242,6 +270,30 @@ def test_bf16_matches_stock(layout, architecture, matrix):
 @pytest.mark.parametrize(("layout", "architecture"), CELLS, ids=CELL_IDS)
 def test_fp8_matches_reference(layout, architecture, matrix):
     _assert_cell(matrix, layout, architecture, FP8)
+
+
+LORA_CELLS = [(layout, architecture) for layout, architecture in CELLS if layout in LORA_LAYOUTS]
+LORA_CELL_IDS = [f"{layout}-{architecture}" for layout, architecture in LORA_CELLS]
+LORA_TESTS = (
+    "test_lora_merged_matches_stock",
+    "test_lora_adapter_matches_stock",
+    "test_lora_planned_families_take_the_fast_path",
+)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(("layout", "architecture"), LORA_CELLS, ids=LORA_CELL_IDS)
+def test_lora_merged_matches_stock(layout, architecture, matrix):
+    """The model wrapped with Megatron-Bridge's ``LoRA``, adapters random: the merged export equals
+    stock's merged export (``testing.conformance.check_lora``)."""
+    _assert_cell(matrix, layout, architecture, LORA_MERGED)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(("layout", "architecture"), LORA_CELLS, ids=LORA_CELL_IDS)
+def test_lora_adapter_matches_stock(layout, architecture, matrix):
+    """The same wrapped model: the adapter export equals stock's adapter export."""
+    _assert_cell(matrix, layout, architecture, LORA_ADAPTER)
 
 
 RECIPE_ARCHITECTURES = sorted({a for r in MODEL_RECIPES.values() for a in r.hf_config["architectures"]})
@@ -483,3 +535,32 @@ MAMBA_ARCHITECTURES = ("NemotronHForCausalLM",)  # families whose Mamba mixers p
 def test_mamba_families_take_the_fast_path(layout, architecture, matrix):
     """Mamba mixers (in_proj's z, x, B, C, dt; conv1d's x, B, C) keep their family on the fast path."""
     test_recipe_families_take_the_fast_path(layout, architecture, matrix)
+
+
+# The families whose LoRA adapters the plan merges and exports itself (LORA_MERGED and LORA_ADAPTER on the
+# fast path at TP1): those the 2-rank columns split, with Gemma 2 and GLM-5 DSA (MLA's output projection),
+# but for the ones whose adapters the plan refuses by name (gated or concatenated QKV: Qwen3-Next, Qwen3.5,
+# Qwen3-VL), whose stock LoRA export fails (GPT-OSS's stacked experts) or which LoRA cannot wrap on CPU (HY-V3's
+# grouped-expert stand-in). A regression to the stock fallback fails here.
+LORA_UNPLANNED = {
+    "GptOssForCausalLM",
+    "HYV3ForCausalLM",
+    "Qwen3NextForCausalLM",
+    "Qwen3VLForConditionalGeneration",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+}
+LORA_PLANNED_ARCHITECTURES = sorted(
+    {*conformance.SPLIT_LAYOUT_FAMILIES, "Gemma2ForCausalLM", "GlmMoeDsaForCausalLM"} - LORA_UNPLANNED
+)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(("layout", "architecture"), [c for c in LORA_CELLS if c[1] in LORA_PLANNED_ARCHITECTURES])
+def test_lora_planned_families_take_the_fast_path(layout, architecture, matrix):
+    """The merged and adapter exports of these families' LoRA models run on the plan, exact."""
+    for precision in LORA_PRECISIONS:
+        cell = _assert_cell(matrix, layout, architecture, precision)
+        assert cell.state is CellState.FAST_PATH_EXACT, (
+            f"{architecture} {layout} {precision}: {cell.state}: {cell.detail}"
+        )

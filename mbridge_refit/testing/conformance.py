@@ -10,6 +10,9 @@ values, and compares (``testing.export_comparison``)
 * FP8 (``fp8="blockwise"``): the FP8 export with the stream expected from stock's tensors: every
   tensor the format quantizes (``BlockwiseFP8Config.quantizes``) replaced by the reference
   quantizer's data (``fp8.reference.quantize_reference``) followed by its scales.
+* LoRA (``--lora``, at ``LORA_LAYOUTS``; ``check_lora``): then the same model wrapped with
+  Megatron-Bridge's ``LoRA`` (default target modules), adapters random: the merged export with
+  stock's merged export, the adapter export with stock's adapter export, as BF16 compares.
 
 On CPU the build is a weights-only build (``models.builder``: the concessions it takes are
 recorded in the cell); where
@@ -27,6 +30,7 @@ Run as ranks (what ``tests/test_conformance.py`` and ``scripts/conformance_matri
     torchrun --nproc-per-node 2 -m mbridge_refit.testing.conformance --layout tp2 --json cells.json
     torchrun --nproc-per-node 2 -m mbridge_refit.testing.conformance --layout tp2,pp2,ep2,tp2ep2 \
         --only pp2:Qwen3ForCausalLM,ep2:Qwen3MoeForCausalLM --json cells.json
+    python -m mbridge_refit.testing.conformance --json cells.json --lora all      # TP1 with the LoRA cells
 
 ``--nproc-per-node`` is the layouts' ``expected_world_size`` (2 for every layout but TP1). Several
 layouts of one world size run in one launch, one after the other (Megatron's groups are made
@@ -47,11 +51,12 @@ import json
 import logging
 import os
 import tempfile
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 
 import torch
 
@@ -69,6 +74,10 @@ __all__ = [
     "EXPERT_PARALLEL_MODELS",
     "FP8",
     "GROUPED_EXPERT_FAMILIES",
+    "LORA_ADAPTER",
+    "LORA_LAYOUTS",
+    "LORA_MERGED",
+    "LORA_PRECISIONS",
     "HYBRID_MOE_FAMILIES",
     "MATRIX_LAYOUTS",
     "MATRIX_VARIANTS",
@@ -81,6 +90,7 @@ __all__ = [
     "check_architecture",
     "check_bf16",
     "check_fp8",
+    "check_lora",
     "describe_error",
     "fill_random_weights",
     "main",
@@ -96,6 +106,12 @@ logger = logging.getLogger(__name__)
 
 BF16, FP8 = "bf16", "fp8"
 PRECISIONS = (BF16, FP8)
+# The LoRA columns: the model wrapped with Megatron-Bridge's ``LoRA`` (its default targets), the merged
+# export against stock's merged export, the adapter export against stock's adapter export.
+LORA_MERGED, LORA_ADAPTER = "lora-merged", "lora-adapter"
+LORA_PRECISIONS = (LORA_MERGED, LORA_ADAPTER)
+LORA_LAYOUTS = ("tp1",)  # the layouts whose launch adds the LoRA cells (tests/test_lora.py covers TP2, PP2, EP2)
+LORA_DIM, LORA_ALPHA = 4, 8  # r and alpha of the wrap (scale 2: every adapted weight moves visibly in bf16)
 RANDOM_STD = 0.02  # random weights ~ N(0, 0.02), seeded per parameter and shard
 SESSION_TIMEOUT = datetime.timedelta(minutes=2)  # a rank whose peer failed raises instead of hanging
 
@@ -229,6 +245,7 @@ class CellState(enum.StrEnum):
     UPSTREAM_BROKEN = (
         "upstream broken"  # stock's own export failed (roundtrip: the bridge maps no task to some parameters)
     )
+    LORA_CANNOT_WRAP = "LoRA cannot wrap"  # LoRA columns: Megatron-Bridge's LoRA raised on the build or wrapped nothing
     EXACT = "exact"  # roundtrip column: every tensor back bit for bit
     REFUSED = "refused"  # roundtrip column: convert exited with an input error naming why
     DIFFERENT = "different"  # a name, order, dtype, shape or byte differs from the oracle
@@ -245,7 +262,7 @@ class Cell:
 
     architecture: str
     layout: str
-    precision: str  # BF16 | FP8
+    precision: str  # BF16 | FP8 | LORA_MERGED | LORA_ADAPTER
     state: CellState
     detail: str = ""  # the error, fallback reason or first differences; empty when exact on the fast path
     tensors: int = 0  # tensors compared
@@ -262,8 +279,11 @@ class Cell:
 # --- Building a model with random weights. -------------------------------------------------------
 
 
-def fill_random_weights(chunks: Sequence[torch.nn.Module], *, seed: int = 0) -> None:
-    """Fill every parameter with N(0, ``RANDOM_STD``) values seeded by its name and shard.
+def fill_random_weights(
+    chunks: Sequence[torch.nn.Module], *, seed: int = 0, only: Callable[[str], bool] | None = None
+) -> None:
+    """Fill every parameter (those whose name ``only`` accepts, if given) with N(0, ``RANDOM_STD``)
+    values seeded by its name and shard.
 
     Shards of one tensor differ (the seed takes the tensor/expert-parallel rank of split
     parameters) and replicas agree (a tensor-parallel replicated norm gets the same values on
@@ -275,6 +295,8 @@ def fill_random_weights(chunks: Sequence[torch.nn.Module], *, seed: int = 0) -> 
     with torch.no_grad():
         for chunk_index, chunk in enumerate(chunks):
             for name, param in chunk.named_parameters():
+                if only is not None and not only(name):
+                    continue
                 shard = (
                     ps.get_tensor_model_parallel_rank() if getattr(param, "tensor_model_parallel", False) else 0,
                     ps.get_expert_model_parallel_rank() if not getattr(param, "allreduce", True) else 0,
@@ -337,27 +359,36 @@ def restored_environment() -> Iterator[None]:
 # --- Deciding the cells. -------------------------------------------------------------------------
 
 
-def check_architecture(architecture: str, layout_name: str, *, device: torch.device) -> list[Cell]:
-    """The BF16 and FP8 cells of ``architecture`` at ``MATRIX_LAYOUTS[layout_name]``."""
+def check_architecture(architecture: str, layout_name: str, *, device: torch.device, lora: bool = False) -> list[Cell]:
+    """The BF16 and FP8 cells of ``architecture`` at ``MATRIX_LAYOUTS[layout_name]``, then (``lora``)
+    its LoRA cells (``check_lora``, on the same model once those are decided)."""
     with tempfile.TemporaryDirectory(prefix="conformance-") as work_dir:
-        return _check_architecture(architecture, layout_name, device=device, work_dir=Path(work_dir))
+        return _check_architecture(architecture, layout_name, device=device, work_dir=Path(work_dir), lora=lora)
 
 
-def _check_architecture(architecture: str, layout_name: str, *, device: torch.device, work_dir: Path) -> list[Cell]:
+def _check_architecture(
+    architecture: str, layout_name: str, *, device: torch.device, work_dir: Path, lora: bool
+) -> list[Cell]:
     layout = MATRIX_LAYOUTS[layout_name][0]
+    precisions = (*PRECISIONS, *(LORA_PRECISIONS if lora else ()))
     cell = _cell_maker(architecture, layout_name, ())
     try:
         with restored_environment():
             bridge, chunks, concessions = random_megatron_model(architecture, layout, device=device, work_dir=work_dir)
     except Exception as err:  # recorded; the matrix goes on with the next architecture
-        return [cell(p, CellState.CANNOT_BE_BUILT, describe_error(err)) for p in PRECISIONS]
+        return [cell(p, CellState.CANNOT_BE_BUILT, describe_error(err)) for p in precisions]
     cell = _cell_maker(architecture, layout_name, concessions)
     try:
         stock = [(name, tensor.clone()) for name, tensor in bridge.export_hf_weights_stock(chunks, show_progress=False)]
     except Exception as err:
         reason = describe_error(err) + _unmapped_note(bridge, chunks)
-        return [cell(p, CellState.UPSTREAM_BROKEN, reason) for p in PRECISIONS]
-    return [check_bf16(bridge, chunks, stock, cell), check_fp8(bridge, chunks, stock, cell)]
+        return [cell(p, CellState.UPSTREAM_BROKEN, reason) for p in precisions]
+    cells = [check_bf16(bridge, chunks, stock, cell), check_fp8(bridge, chunks, stock, cell)]
+    if lora:
+        start = time.perf_counter()
+        cells += check_lora(bridge, chunks, stock, cell)
+        logger.info("%s %s: LoRA cells in %.1f s", architecture, layout_name, time.perf_counter() - start)
+    return cells
 
 
 def _unmapped_note(bridge: Any, chunks: list[torch.nn.Module], limit: int = 2) -> str:
@@ -391,21 +422,39 @@ def _cell_maker(architecture: str, layout_name: str, concessions: tuple[str, ...
 
 
 def check_bf16(
-    bridge: Any, chunks: list[torch.nn.Module], stock: list[tuple[str, torch.Tensor]], cell: Callable[..., Cell]
+    bridge: Any,
+    chunks: list[torch.nn.Module],
+    stock: list[tuple[str, torch.Tensor]],
+    cell: Callable[..., Cell],
+    *,
+    precision: str = BF16,
 ) -> Cell:
-    """Our BF16 export (cached buffers, as refit runs it) against stock's tensors."""
+    """Our BF16 export (cached buffers, as refit runs it) against stock's tensors, as the cell of
+    ``precision`` (``LORA_MERGED``: the same call on a wrapped model, whose adapters it merges)."""
+    return _check_stream(bridge, precision, stock, bridge.export_hf_weights, chunks, cell)
+
+
+def _check_stream(
+    bridge: Any,
+    precision: str,
+    expected: list[tuple[str, torch.Tensor]],
+    export: Callable[..., Any],
+    chunks: list[torch.nn.Module],
+    cell: Callable[..., Cell],
+) -> Cell:
+    """The cell of our export ``export`` (a bridge method, run with cached buffers as refit runs it)
+    against ``expected``: ``different``, ``our export failed``, or exact on the fast path or on the
+    stock fallback (with the reason the bridge gives)."""
     try:
-        comparison = compare_stream(
-            stock, bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True)
-        )
+        comparison = compare_stream(expected, export(chunks, show_progress=False, reuse_buffer_from_cache=True))
     except Exception as err:
-        return cell(BF16, CellState.OUR_EXPORT_FAILED, describe_error(err))
+        return cell(precision, CellState.OUR_EXPORT_FAILED, describe_error(err))
     if not comparison.exact:
-        return cell(BF16, CellState.DIFFERENT, comparison.describe(), comparison.compared)
+        return cell(precision, CellState.DIFFERENT, comparison.describe(), comparison.compared)
     fallback = bridge.export_diagnostics().fallback_reason
     if fallback:
-        return cell(BF16, CellState.STOCK_FALLBACK_EXACT, fallback, comparison.compared)
-    return cell(BF16, CellState.FAST_PATH_EXACT, "", comparison.compared)
+        return cell(precision, CellState.STOCK_FALLBACK_EXACT, fallback, comparison.compared)
+    return cell(precision, CellState.FAST_PATH_EXACT, "", comparison.compared)
 
 
 def check_fp8(
@@ -427,6 +476,104 @@ def check_fp8(
     if not comparison.exact:
         return cell(FP8, CellState.DIFFERENT, comparison.describe(), comparison.compared)
     return cell(FP8, CellState.FAST_PATH_EXACT, "", comparison.compared)
+
+
+def check_lora(
+    bridge: Any,
+    chunks: list[torch.nn.Module],
+    unadapted: list[tuple[str, torch.Tensor]],
+    cell: Callable[..., Cell],
+) -> list[Cell]:
+    """The LoRA cells: ``chunks`` wrapped with Megatron-Bridge's ``LoRA`` (its default target
+    modules, r ``LORA_DIM``, alpha ``LORA_ALPHA``; wrapped in place, so call last), every adapter
+    parameter random (B too, which LoRA zero-initialises: a merge that dropped the adapters would
+    otherwise pass), then
+
+    * ``LORA_MERGED``: ``export_hf_weights`` (stock's default ``merge_adapter_weights=True``) against
+      stock's merged export of the same model;
+    * ``LORA_ADAPTER``: ``export_adapter_weights`` against stock's adapter export (``upstream
+      broken`` where stock's yields a name twice: GPT-OSS's stacked experts, one factor per expert
+      under one name).
+
+    Both oracles run on a model bridge made as stock's ``AutoBridge`` makes one per call
+    (``_stock_model_bridge``), not on the one ``bridge`` keeps.
+
+    ``unadapted`` is stock's export before the wrap: stock's merged export must differ from it in
+    some tensor, else the merged cell could not tell a merge from none (``upstream broken``, named).
+    ``LoRA cannot wrap``: the wrap raised, or none of the target modules is in the build."""
+    from megatron.bridge.peft.lora import LoRA
+
+    def both(state: CellState, detail: str) -> list[Cell]:
+        return [cell(p, state, detail) for p in LORA_PRECISIONS]
+
+    lora = LoRA(dim=LORA_DIM, alpha=LORA_ALPHA)
+    try:
+        chunks = lora(chunks, training=True)
+    except Exception as err:
+        return both(CellState.LORA_CANNOT_WRAP, describe_error(err))
+    if not any(_is_adapter(name) for chunk in chunks for name, _ in chunk.named_parameters()):
+        return both(CellState.LORA_CANNOT_WRAP, f"no module of this build is one of {', '.join(lora.target_modules)}")
+    fill_random_weights(chunks, seed=1, only=_is_adapter)
+    bridge.forget_model()  # its plan describes the model before the wrap
+    return [_check_merged(bridge, chunks, unadapted, cell), _check_adapter(bridge, chunks, cell)]
+
+
+def _check_merged(
+    bridge: Any, chunks: list[torch.nn.Module], unadapted: list[tuple[str, torch.Tensor]], cell: Callable[..., Cell]
+) -> Cell:
+    """``LORA_MERGED`` of a wrapped model (``check_lora``)."""
+    try:
+        stock = [
+            (name, tensor.clone())
+            for name, tensor in _stock_model_bridge(bridge).stream_weights_megatron_to_hf(
+                chunks, bridge.hf_pretrained, cpu=False, show_progress=False, merge_adapter_weights=True
+            )
+        ]
+    except Exception as err:
+        return cell(LORA_MERGED, CellState.UPSTREAM_BROKEN, f"stock's merged export failed: {describe_error(err)}")
+    before = dict(unadapted)
+    if all(name in before and torch.equal(tensor, before[name]) for name, tensor in stock):
+        return cell(LORA_MERGED, CellState.UPSTREAM_BROKEN, "stock's merged export equals the export before the wrap")
+    return check_bf16(bridge, chunks, stock, cell, precision=LORA_MERGED)
+
+
+def _check_adapter(bridge: Any, chunks: list[torch.nn.Module], cell: Callable[..., Cell]) -> Cell:
+    """``LORA_ADAPTER`` of a wrapped model (``check_lora``)."""
+    try:
+        stock = [
+            (t.param_name, t.weight.clone())
+            for t in _stock_model_bridge(bridge).stream_adapter_weights_megatron_to_hf(
+                chunks, cpu=False, show_progress=False
+            )
+        ]
+    except Exception as err:
+        return cell(LORA_ADAPTER, CellState.UPSTREAM_BROKEN, f"stock's adapter export failed: {describe_error(err)}")
+    if not stock:
+        return cell(LORA_ADAPTER, CellState.UPSTREAM_BROKEN, "stock's adapter export yields no tensor")
+    names = [name for name, _ in stock]
+    if len(set(names)) < len(names):  # no PEFT checkpoint can hold it; a comparison by name would be meaningless
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        return cell(
+            LORA_ADAPTER,
+            CellState.UPSTREAM_BROKEN,
+            f"stock's adapter export yields {len(names)} tensors under {len(set(names))} names, "
+            f"e.g. {repeated[0]} {names.count(repeated[0])} times",
+        )
+    return _check_stream(bridge, LORA_ADAPTER, stock, bridge.export_adapter_weights, chunks, cell)
+
+
+def _stock_model_bridge(bridge: Any) -> Any:
+    """A Megatron-Bridge model bridge made as stock's ``AutoBridge`` makes one for each export call
+    (``AutoBridge._model_bridge``): the LoRA oracle is what a stock user gets, whatever state the
+    model bridge ``bridge`` keeps for the model holds."""
+    from megatron.bridge import AutoBridge
+
+    return AutoBridge._model_bridge.fget(bridge)
+
+
+def _is_adapter(name: str) -> bool:
+    """Whether a parameter is a LoRA factor (``...linear_qkv.adapter.linear_in.weight``)."""
+    return ".adapter." in name
 
 
 def describe_error(err: BaseException, limit: int = 300) -> str:
@@ -452,10 +599,13 @@ def architectures_at(layout_name: str) -> list[str]:
     return list(selected) if selected is not None else [*registered_architectures(), *MATRIX_VARIANTS]
 
 
-def run_layout(layout_name: str, architectures: Sequence[str], *, device: torch.device) -> Iterator[Cell]:
-    """Every cell of ``architectures`` at ``layout_name`` (call inside a distributed session at that layout)."""
+def run_layout(
+    layout_name: str, architectures: Sequence[str], *, device: torch.device, lora: Collection[str] = ()
+) -> Iterator[Cell]:
+    """Every cell of ``architectures`` at ``layout_name``, the LoRA cells too for those in ``lora``
+    (call inside a distributed session at that layout)."""
     for architecture in architectures:
-        cells = check_architecture(architecture, layout_name, device=device)
+        cells = check_architecture(architecture, layout_name, device=device, lora=architecture in lora)
         for cell in cells:
             logger.info("%s %s %s: %s %s", architecture, layout_name, cell.precision, cell.state, cell.detail[:200])
         yield from cells
@@ -525,8 +675,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     add_selection_arguments(parser, layouts_run=" with one world size, run one after the other in this launch")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--json", type=Path, required=True, help="cells go to <stem>.rank<R>.json beside it")
+    parser.add_argument(
+        "--lora",
+        default="",
+        help="comma-separated ARCH whose LoRA cells run at the layouts of LORA_LAYOUTS, or 'all' (default: none)",
+    )
     args = parser.parse_args(argv)
     layout_names, plan = selection(parser, args)
+    lora = {e for e in args.lora.split(",") if e}
     world_sizes = {MATRIX_LAYOUTS[name][0].expected_world_size for name in layout_names}
     if len(world_sizes) != 1:
         parser.error(
@@ -542,13 +698,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         level=logging.INFO if LaunchEnv.from_environ().rank == 0 else logging.WARNING, format="%(message)s"
     )
     logging.getLogger("mbridge_refit.bridge").setLevel(logging.ERROR)  # the fallback warning is recorded in the cell
+    logging.getLogger("megatron.bridge.peft").setLevel(logging.WARNING)  # LoRA logs every module it wraps
 
     device = torch.device(args.device)
     cells = []
     with distributed_session(MATRIX_LAYOUTS[layout_names[0]][0], device=device, timeout=SESSION_TIMEOUT) as env:
         for layout_name, architectures in plan:
             init_model_parallel(MATRIX_LAYOUTS[layout_name][0])  # Megatron's groups of this layout, the ranks kept
-            cells += [cell.to_json() for cell in run_layout(layout_name, architectures, device=device)]
+            with_lora = () if layout_name not in LORA_LAYOUTS else architectures if "all" in lora else lora
+            cells += [cell.to_json() for cell in run_layout(layout_name, architectures, device=device, lora=with_lora)]
     args.json.parent.mkdir(parents=True, exist_ok=True)
     rank_result_path(args.json, env.rank).write_text(json.dumps(cells, indent=1))
 

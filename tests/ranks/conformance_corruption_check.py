@@ -1,10 +1,16 @@
-"""A real model whose fast-path export has one flipped byte: its conformance cells must say so.
+"""A real model whose fast-path export is wrong: its conformance cells must say so.
 
 Usage: conformance_corruption_check.py --architecture NAME --result FILE
 
-Wraps ``RefitBridge.export_hf_weights`` so that the sixth tensor it yields (BF16 and FP8 streams
-alike) has one bit flipped, runs ``testing.conformance.check_architecture`` at TP1 on CPU, and
-writes the cells to FILE for test_conformance.py to read.
+Runs ``testing.conformance.check_architecture`` at TP1 on CPU twice, with a mutant each time, and
+writes the cells of both runs to FILE for test_conformance.py to read:
+
+1. ``RefitBridge.export_hf_weights`` yields its sixth tensor (BF16 and FP8 streams alike) with one
+   bit flipped;
+2. the export unchanged, the LoRA cells on, and LoRA's fast path broken twice: adapted weights leave
+   unmerged (``AdapterExport.merged`` passes the base buckets through) and the adapter export drops
+   its last factor (``AdapterExport.stream``). The BF16 and FP8 cells stay exact; both LoRA cells
+   must end in ``different``.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch
 from mbridge_refit.bridge import RefitBridge
 from mbridge_refit.convert.session import distributed_session
 from mbridge_refit.plan.layout import ParallelLayout
+from mbridge_refit.runtime.lora import AdapterExport
 from mbridge_refit.testing import conformance
 
 CORRUPTED_INDEX = 5
@@ -35,15 +42,33 @@ def corrupting(export):
     return export_with_a_flipped_bit
 
 
+def unmerged(self, buckets, buffers):
+    """``AdapterExport.merged`` that forgets to merge (the factors still exported, as a collective)."""
+    self.factors()
+    yield from buckets
+
+
+def dropping_the_last_factor(stream):
+    def stream_without_its_last(self):
+        yield from list(stream(self))[:-1]
+
+    return stream_without_its_last
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--architecture", required=True)
     parser.add_argument("--result", type=Path, required=True)
     args = parser.parse_args()
-    RefitBridge.export_hf_weights = corrupting(RefitBridge.export_hf_weights)
+    export = RefitBridge.export_hf_weights
     cpu = torch.device("cpu")
     with distributed_session(ParallelLayout(), device=cpu, timeout=datetime.timedelta(minutes=2)):
+        RefitBridge.export_hf_weights = corrupting(export)
         cells = conformance.check_architecture(args.architecture, "tp1", device=cpu)
+        RefitBridge.export_hf_weights = export
+        AdapterExport.merged = unmerged
+        AdapterExport.stream = dropping_the_last_factor(AdapterExport.stream)
+        cells += conformance.check_architecture(args.architecture, "tp1", device=cpu, lora=True)
     args.result.write_text(json.dumps([cell.to_json() for cell in cells]))
 
 
