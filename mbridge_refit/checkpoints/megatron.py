@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import logging
 import math
 import pickle
 import shutil
@@ -83,8 +82,6 @@ __all__ = [
     "sharded_model_state",
     "stored_in",
 ]
-
-logger = logging.getLogger(__name__)
 
 FORMAT_NAME = "mbridge_refit.checkpoints.megatron"
 FORMAT_VERSION = 1

@@ -36,7 +36,6 @@ the open one (``close`` first).
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -54,8 +53,6 @@ from mbridge_refit.engines.sharing import (
 from mbridge_refit.errors import EngineError, InputError
 
 __all__ = ["CallWorkers", "ShardedIpcSession", "ShardedRefitError", "worker_entry"]
-
-logger = logging.getLogger(__name__)
 
 # (RPC name, *arguments) -> the results of the workers the call reached, in worker order
 CallWorkers = Callable[..., list]

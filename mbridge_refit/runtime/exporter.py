@@ -22,7 +22,6 @@ of a many-expert model does no torch work per tensor for them (``tests/test_host
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
@@ -51,8 +50,6 @@ from mbridge_refit.runtime.selection import LiveRows, RowSelection
 from mbridge_refit.runtime.stack_fill import fill_stack
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "PlanExporter", "ShardSource", "ops_holding", "plain_shards"]
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 
