@@ -40,12 +40,7 @@ from megatron.bridge import AutoBridge
 from mbridge_refit.checkpoints.hf import HFCheckpoint, remote_code_refusal
 from mbridge_refit.checkpoints.loader import LoadReport, check_hf_shapes, load_hf_shards
 from mbridge_refit.fp8 import te as te_fp8
-from mbridge_refit.fp8.format import (
-    FP8_DTYPE_NAME,
-    BlockwiseFP8Config,
-    FP8FormatError,
-    scale_name,
-)
+from mbridge_refit.fp8.format import FP8_DTYPE_NAME, BlockwiseFP8Config, FP8FormatError, scale_name
 from mbridge_refit.fp8.plan import fp8_plan, yielded_bytes
 from mbridge_refit.fp8.quantize import quantize_bucket_lists
 from mbridge_refit.plan.build import build_export_plan, current_sizes
@@ -67,11 +62,7 @@ from mbridge_refit.runtime.collectives import (
 )
 from mbridge_refit.runtime.exporter import DEFAULT_BUCKET_BYTES, PlanExporter
 from mbridge_refit.runtime.handshake import DEFAULT_TIMEOUT_S, CollectiveCall
-from mbridge_refit.runtime.lifetime import (
-    guard_buckets,
-    guard_tensors,
-    lifetime_checks_from_environment,
-)
+from mbridge_refit.runtime.lifetime import guard_buckets, guard_tensors, lifetime_checks_from_environment
 from mbridge_refit.runtime.live_params import LiveParams, registration_count
 from mbridge_refit.runtime.lora import AdapterExport
 from mbridge_refit.runtime.param_sync import finish_pending_param_gathers

@@ -49,12 +49,7 @@ from mbridge_refit.checkpoints.dcp_pickles import (
     load_index,
 )
 from mbridge_refit.checkpoints.hf import COPIED_FILE_NAMES
-from mbridge_refit.checkpoints.publish import (
-    begin_publication,
-    carry_over,
-    fsync_tree,
-    is_loader_file,
-)
+from mbridge_refit.checkpoints.publish import begin_publication, carry_over, fsync_tree, is_loader_file
 from mbridge_refit.errors import InputError
 from mbridge_refit.plan.layout import ParallelLayout
 

@@ -24,12 +24,7 @@ from typing import Any
 
 from mbridge_refit.convert.exit_codes import BadInput, ExitCode
 from mbridge_refit.convert.flags import add_layout_flags, add_remote_code_flag, add_timeout_flag, timeout_from_flag
-from mbridge_refit.convert.inputs import (
-    check_distinct_dirs,
-    check_output_dir,
-    checked_layout,
-    supported_config,
-)
+from mbridge_refit.convert.inputs import check_distinct_dirs, check_output_dir, checked_layout, supported_config
 from mbridge_refit.plan.layout import ParallelLayout
 
 __all__ = [

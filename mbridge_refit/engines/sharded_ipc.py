@@ -44,12 +44,7 @@ import torch
 import torch.distributed as dist
 
 from mbridge_refit.engines.base import RefitStep
-from mbridge_refit.engines.sharing import (
-    LayoutRecorder,
-    ShardBox,
-    SharedLayout,
-    Transport,
-)
+from mbridge_refit.engines.sharing import LayoutRecorder, ShardBox, SharedLayout, Transport
 from mbridge_refit.errors import EngineError, InputError
 
 __all__ = ["CallWorkers", "ShardedIpcSession", "ShardedRefitError", "worker_entry"]

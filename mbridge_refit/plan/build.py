@@ -31,13 +31,7 @@ from mbridge_refit.plan.entries import (
     with_expert_number,
 )
 from mbridge_refit.plan.placement import placement_kind
-from mbridge_refit.plan.slices import (
-    PlacementError,
-    PlacementKind,
-    ShardContext,
-    SliceCopy,
-    slices_for,
-)
+from mbridge_refit.plan.slices import PlacementError, PlacementKind, ShardContext, SliceCopy, slices_for
 from mbridge_refit.plan.stacking import ExpertStack, stacked_placement
 from mbridge_refit.plan.storage import PLAIN, storage_format
 

@@ -30,22 +30,8 @@ import torch
 from mbridge_refit.plan.conversions import ELEMENTWISE_OPS, RELAYOUTS
 from mbridge_refit.plan.entries import ExportPlan, PlanEntry
 from mbridge_refit.runtime.buffers import ExportBuffers
-from mbridge_refit.runtime.collectives import (
-    ParallelGroups,
-    broadcast_from,
-    coalesced,
-    current_groups,
-    gather_into,
-)
-from mbridge_refit.runtime.schedule import (
-    Assembly,
-    AssemblyKind,
-    Bucket,
-    Op,
-    build_buckets,
-    build_ops,
-    gather_count,
-)
+from mbridge_refit.runtime.collectives import ParallelGroups, broadcast_from, coalesced, current_groups, gather_into
+from mbridge_refit.runtime.schedule import Assembly, AssemblyKind, Bucket, Op, build_buckets, build_ops, gather_count
 from mbridge_refit.runtime.selection import LiveRows, RowSelection
 from mbridge_refit.runtime.stack_fill import fill_stack
 

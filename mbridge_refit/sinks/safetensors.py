@@ -31,13 +31,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from mbridge_refit.checkpoints.hf import CONFIG_NAME, COPIED_FILE_NAMES, INDEX_NAME
-from mbridge_refit.checkpoints.publish import (
-    begin_publication,
-    carry_over,
-    fsync_dir,
-    fsync_file,
-    is_loader_file,
-)
+from mbridge_refit.checkpoints.publish import begin_publication, carry_over, fsync_dir, fsync_file, is_loader_file
 from mbridge_refit.sinks.base import WeightSink
 
 __all__ = [

@@ -76,21 +76,11 @@ import torch
 
 from mbridge_refit.engines.base import RefitStep
 from mbridge_refit.engines.broadcast import SOURCE_RANK
-from mbridge_refit.engines.sharing import (
-    CudaIpcTransport,
-    LayoutRecorder,
-    SharedLayout,
-    Transport,
-)
+from mbridge_refit.engines.sharing import CudaIpcTransport, LayoutRecorder, SharedLayout, Transport
 from mbridge_refit.engines.vllm.worker import WORKER_EXTENSION
 from mbridge_refit.errors import EngineError
 from mbridge_refit.plan.entries import PlanError
-from mbridge_refit.runtime.broadcast_group import (
-    PEER_SILENT_S,
-    PeerFailedError,
-    StoreGroup,
-    as_broadcast_group,
-)
+from mbridge_refit.runtime.broadcast_group import PEER_SILENT_S, PeerFailedError, StoreGroup, as_broadcast_group
 from mbridge_refit.runtime.selection import LiveRows
 from mbridge_refit.runtime.weight_source import ExportsWeights, Model
 from mbridge_refit.sinks.base import DiscardSink, drain
