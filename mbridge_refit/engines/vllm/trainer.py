@@ -458,19 +458,16 @@ class VLLMBroadcastRefit:
         if not self.source:
             return
         world = 1 + self.engine_workers
-        join = _Call(
-            self.llm,
-            "mbridge_refit_join",
-            self.host,
-            self.port,
-            1,
-            world,
-            plan.to_json(),
-            dataclasses.asdict(self.config),
-            self.backend,
-            self.allow_partial,
-            self.timeout_s,
+        group = dict(
+            host=self.host,
+            port=self.port,
+            world_size=world,
+            plan_json=plan.to_json(),
+            config=dataclasses.asdict(self.config),
+            backend=self.backend,
+            timeout_s=self.timeout_s,
         )
+        join = _Call(self.llm, "mbridge_refit_join", group, SOURCE_RANK + 1, self.allow_partial)
         try:
             self.group = StoreGroup(
                 host=self.host,
