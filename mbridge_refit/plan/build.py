@@ -30,6 +30,7 @@ from mbridge_refit.plan.entries import (
     expert_number,
     with_expert_number,
 )
+from mbridge_refit.plan.layout import megatron_parallel_state
 from mbridge_refit.plan.placement import placement_kind
 from mbridge_refit.plan.slices import PlacementError, PlacementKind, ShardContext, SliceCopy, slices_for
 from mbridge_refit.plan.stacking import ExpertStack, stacked_placement
@@ -171,17 +172,8 @@ def rank_contribution(
 
 def current_sizes(chunks: list[torch.nn.Module]) -> "ParallelSizes":
     """The parallel sizes of this job (Megatron's parallel state) and the model's expert count."""
-    from megatron.core import parallel_state as ps
-
     return ParallelSizes(
-        tp=ps.get_tensor_model_parallel_world_size(),
-        pp=ps.get_pipeline_model_parallel_world_size(),
-        ep=ps.get_expert_model_parallel_world_size(),
-        etp=ps.get_expert_tensor_parallel_world_size(),
-        dp=ps.get_data_parallel_world_size(),
-        edp=ps.get_expert_data_parallel_world_size(),
-        vpp=len(chunks),
-        num_experts=chunks[0].config.num_moe_experts or 0,
+        **megatron_parallel_state("world_size"), vpp=len(chunks), num_experts=chunks[0].config.num_moe_experts or 0
     )
 
 
