@@ -508,20 +508,20 @@ def _stacked_entries(specs: dict[str, ParamSpec], name: str, sizes: ParallelSize
     return [_entry(spec, spec.placement.hf_names[0], shape, sharding)]
 
 
+# The fields a plan entry takes as they are from its parameter's spec, and from the spec's placement.
+_FROM_SPEC = ("dtype", "pp_rank", "vpp_stage", "is_expert", "source_format")
+_FROM_PLACEMENT = ("kind", "elementwise_op", "relayout")
+
+
 def _entry(spec: ParamSpec, hf_name: str, shape: tuple[int, ...], sharding: TensorSharding) -> PlanEntry:
+    """The entry of ``hf_name``: its own name, shape and sharding; the rest is its parameter's."""
     return PlanEntry(
         hf_name=hf_name,
         shape=shape,
-        dtype=spec.dtype,
-        megatron_param=spec.global_name,
-        pp_rank=spec.pp_rank,
-        vpp_stage=spec.vpp_stage,
-        is_expert=spec.is_expert,
-        kind=spec.placement.kind,
         sharding=sharding,
-        source_format=spec.source_format,
-        elementwise_op=spec.placement.elementwise_op,
-        relayout=spec.placement.relayout,
+        megatron_param=spec.global_name,
+        **{field: getattr(spec, field) for field in _FROM_SPEC},
+        **{field: getattr(spec.placement, field) for field in _FROM_PLACEMENT},
     )
 
 
