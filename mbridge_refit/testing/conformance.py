@@ -42,6 +42,7 @@ import contextlib
 import dataclasses
 import datetime
 import enum
+import functools
 import hashlib
 import json
 import logging
@@ -350,13 +351,13 @@ def _check_architecture(architecture: str, layout_name: str, *, device: torch.de
         with restored_environment():
             bridge, chunks, concessions = random_megatron_model(architecture, layout, device=device, work_dir=work_dir)
     except Exception as err:  # recorded; the matrix goes on with the next architecture
-        return [cell(p, CellState.CANNOT_BE_BUILT, describe_error(err)) for p in PRECISIONS]
+        return [cell(precision=p, state=CellState.CANNOT_BE_BUILT, detail=describe_error(err)) for p in PRECISIONS]
     cell = _cell_maker(architecture, layout_name, concessions)
     try:
         stock = [(name, tensor.clone()) for name, tensor in bridge.export_hf_weights_stock(chunks, show_progress=False)]
     except Exception as err:
         reason = describe_error(err) + _unmapped_note(bridge, chunks)
-        return [cell(p, CellState.UPSTREAM_BROKEN, reason) for p in PRECISIONS]
+        return [cell(precision=p, state=CellState.UPSTREAM_BROKEN, detail=reason) for p in PRECISIONS]
     return [check_bf16(bridge, chunks, stock, cell), check_fp8(bridge, chunks, stock, cell)]
 
 
@@ -375,19 +376,9 @@ def _unmapped_note(bridge: Any, chunks: list[torch.nn.Module], limit: int = 2) -
     return f"; the bridge maps no task to {len(unmapped)} parameters of this build, e.g. {', '.join(unmapped[:limit])}"
 
 
-def _cell_maker(architecture: str, layout_name: str, concessions: tuple[str, ...]):
-    def cell(precision: str, state: CellState, detail: str = "", tensors: int = 0) -> Cell:
-        return Cell(
-            architecture=architecture,
-            layout=layout_name,
-            precision=precision,
-            state=state,
-            detail=detail,
-            tensors=tensors,
-            concessions=concessions,
-        )
-
-    return cell
+def _cell_maker(architecture: str, layout_name: str, concessions: tuple[str, ...]) -> Callable[..., Cell]:
+    """``Cell`` of this architecture, layout and concessions: the caller names the rest."""
+    return functools.partial(Cell, architecture=architecture, layout=layout_name, concessions=concessions)
 
 
 def check_bf16(
@@ -399,13 +390,15 @@ def check_bf16(
             stock, bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True)
         )
     except Exception as err:
-        return cell(BF16, CellState.OUR_EXPORT_FAILED, describe_error(err))
+        return cell(precision=BF16, state=CellState.OUR_EXPORT_FAILED, detail=describe_error(err))
     if not comparison.exact:
-        return cell(BF16, CellState.DIFFERENT, comparison.describe(), comparison.compared)
+        return cell(
+            precision=BF16, state=CellState.DIFFERENT, detail=comparison.describe(), tensors=comparison.compared
+        )
     fallback = bridge.export_diagnostics().fallback_reason
     if fallback:
-        return cell(BF16, CellState.STOCK_FALLBACK_EXACT, fallback, comparison.compared)
-    return cell(BF16, CellState.FAST_PATH_EXACT, "", comparison.compared)
+        return cell(precision=BF16, state=CellState.STOCK_FALLBACK_EXACT, detail=fallback, tensors=comparison.compared)
+    return cell(precision=BF16, state=CellState.FAST_PATH_EXACT, detail="", tensors=comparison.compared)
 
 
 def check_fp8(
@@ -417,16 +410,16 @@ def check_fp8(
         config = bridge.fp8_config("blockwise")
         stream = bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True, fp8=config)
     except FP8FormatError as err:  # refused before any export work, with the reason
-        return cell(FP8, CellState.FP8_REFUSED, describe_error(err))
+        return cell(precision=FP8, state=CellState.FP8_REFUSED, detail=describe_error(err))
     except Exception as err:
-        return cell(FP8, CellState.OUR_EXPORT_FAILED, describe_error(err))
+        return cell(precision=FP8, state=CellState.OUR_EXPORT_FAILED, detail=describe_error(err))
     try:
         comparison = compare_stream(fp8_expected(stock, config), stream)
     except Exception as err:
-        return cell(FP8, CellState.OUR_EXPORT_FAILED, describe_error(err))
+        return cell(precision=FP8, state=CellState.OUR_EXPORT_FAILED, detail=describe_error(err))
     if not comparison.exact:
-        return cell(FP8, CellState.DIFFERENT, comparison.describe(), comparison.compared)
-    return cell(FP8, CellState.FAST_PATH_EXACT, "", comparison.compared)
+        return cell(precision=FP8, state=CellState.DIFFERENT, detail=comparison.describe(), tensors=comparison.compared)
+    return cell(precision=FP8, state=CellState.FAST_PATH_EXACT, detail="", tensors=comparison.compared)
 
 
 def describe_error(err: BaseException, limit: int = 300) -> str:
