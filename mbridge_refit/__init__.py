@@ -6,19 +6,16 @@ argument checks and ``--help`` should not wait for it.
 
 from __future__ import annotations
 
-from mbridge_refit.lazy_exports import lazy_getattr
+from mbridge_refit.lazy_exports import lazy_getattr, public_names
 
 _PUBLIC = {
-    "RefitBridge": "mbridge_refit.bridge",
-    "ExportDiagnostics": "mbridge_refit.bridge",
-    "ExportPlan": "mbridge_refit.plan.entries",
-    "PlanError": "mbridge_refit.plan.entries",
-    "ParallelLayout": "mbridge_refit.plan.layout",
-    "BlockwiseFP8Config": "mbridge_refit.fp8.format",
-    "FP8FormatError": "mbridge_refit.fp8.format",
+    "mbridge_refit.bridge": ("RefitBridge", "ExportDiagnostics"),
+    "mbridge_refit.plan.entries": ("ExportPlan", "PlanError"),
+    "mbridge_refit.plan.layout": ("ParallelLayout",),
+    "mbridge_refit.fp8.format": ("BlockwiseFP8Config", "FP8FormatError"),
 }
 
-__all__ = sorted(_PUBLIC)
+__all__ = public_names(_PUBLIC)
 
 
 __getattr__ = lazy_getattr(__name__, _PUBLIC)

@@ -32,7 +32,7 @@ import logging
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Collection, Iterable, Iterator, Optional
+from typing import Any, Collection, Iterable, Iterator, NamedTuple, Optional
 
 import torch
 from megatron.bridge import AutoBridge
@@ -40,12 +40,7 @@ from megatron.bridge import AutoBridge
 from mbridge_refit.checkpoints.hf import HFCheckpoint, remote_code_refusal
 from mbridge_refit.checkpoints.loader import LoadReport, check_hf_shapes, load_hf_shards
 from mbridge_refit.fp8 import te as te_fp8
-from mbridge_refit.fp8.format import (
-    FP8_DTYPE_NAME,
-    BlockwiseFP8Config,
-    FP8FormatError,
-    scale_name,
-)
+from mbridge_refit.fp8.format import FP8_DTYPE_NAME, BlockwiseFP8Config, FP8FormatError, scale_name
 from mbridge_refit.fp8.plan import fp8_plan, yielded_bytes
 from mbridge_refit.fp8.quantize import quantize_bucket_lists
 from mbridge_refit.plan.build import build_export_plan, current_sizes
@@ -67,11 +62,7 @@ from mbridge_refit.runtime.collectives import (
 )
 from mbridge_refit.runtime.exporter import DEFAULT_BUCKET_BYTES, PlanExporter
 from mbridge_refit.runtime.handshake import DEFAULT_TIMEOUT_S, CollectiveCall
-from mbridge_refit.runtime.lifetime import (
-    guard_buckets,
-    guard_tensors,
-    lifetime_checks_from_environment,
-)
+from mbridge_refit.runtime.lifetime import guard_buckets, guard_tensors, lifetime_checks_from_environment
 from mbridge_refit.runtime.live_params import LiveParams, registration_count
 from mbridge_refit.runtime.lora import AdapterExport
 from mbridge_refit.runtime.param_sync import finish_pending_param_gathers
@@ -589,26 +580,15 @@ class RefitBridge(AutoBridge):
         must copy it. With the cache off, gathered tensors are fresh allocations. With
         ``hold_outputs`` every yielded tensor stays valid until the next export call.
         """
-        chunks = _chunks(model)
-        call = self._begin_collective(chunks, "export_hf_weights")
-        stream = self._export(
-            chunks,
-            _ExportOptions(
-                cpu=cpu,
-                show_progress=show_progress,
-                conversion_tasks=conversion_tasks,
-                merge_adapter_weights=merge_adapter_weights,
-                weight_dtype=weight_dtype,
-                reuse_buffer_from_cache=reuse_buffer_from_cache,
-                hold_outputs=hold_outputs,
-                fp8=fp8,
-                replica=replica,
-                only=None if only is None else frozenset(only),
-            ),
-            in_buckets=False,
+        options = _ExportOptions(
+            stock=_StockArguments(cpu, show_progress, conversion_tasks, merge_adapter_weights, weight_dtype),
+            reuse_buffer_from_cache=reuse_buffer_from_cache,
+            hold_outputs=hold_outputs,
+            fp8=fp8,
+            replica=replica,
+            only=only,
         )
-        stream = call.guard(stream)
-        return guard_tensors(stream) if self.check_lifetime else stream
+        return self._export_call(model, "export_hf_weights", options, in_buckets=False)
 
     def export_hf_weight_buckets(
         self,
@@ -630,22 +610,24 @@ class RefitBridge(AutoBridge):
         FP8 export yields); a model on the stock fallback is cut into lists of ``bucket_bytes``.
         Collective and fresh exactly as ``export_hf_weights`` (same arguments, same contract).
         """
-        chunks = _chunks(model)
-        call = self._begin_collective(chunks, "export_hf_weight_buckets")
-        buckets = self._export(
-            chunks,
-            _ExportOptions(
-                cpu=cpu,
-                show_progress=show_progress,
-                reuse_buffer_from_cache=reuse_buffer_from_cache,
-                fp8=fp8,
-                replica=replica,
-                only=None if only is None else frozenset(only),
-            ),
-            in_buckets=True,
+        options = _ExportOptions(
+            stock=_StockArguments(cpu, show_progress),
+            reuse_buffer_from_cache=reuse_buffer_from_cache,
+            fp8=fp8,
+            replica=replica,
+            only=only,
         )
-        buckets = call.guard(buckets)
-        return guard_buckets(buckets) if self.check_lifetime else buckets
+        return self._export_call(model, "export_hf_weight_buckets", options, in_buckets=True)
+
+    def _export_call(self, model: Any, what: str, options: "_ExportOptions", *, in_buckets: bool) -> Iterable:
+        """One public export call: the handshake (``runtime.handshake``), the export, and the tensors'
+        lifetime checks when ``check_lifetime`` is on."""
+        chunks = _chunks(model)
+        call = self._begin_collective(chunks, what)
+        stream = call.guard(self._export(chunks, options, in_buckets=in_buckets))
+        if not self.check_lifetime:
+            return stream
+        return guard_buckets(stream) if in_buckets else guard_tensors(stream)
 
     def _begin_collective(self, chunks: list[torch.nn.Module], what: str) -> CollectiveCall:
         """Check that every rank the export needs calls it (``runtime.handshake``), before any collective."""
@@ -668,29 +650,29 @@ class RefitBridge(AutoBridge):
         """The export stream (tensor by tensor, or ``in_buckets``): the plan's fast path, its FP8
         form, or the stock export where the plan cannot run what the caller asked (the reason
         logged once and kept in ``export_diagnostics().fallback_reason``)."""
-        chunks = _chunks(model)
+        chunks, stock = _chunks(model), options.stock
         finish_pending_param_gathers(chunks)  # before any rank skips: collective over data-parallel groups
         state = self._state_for(chunks)
         fp8_config = self.fp8_config(options.fp8)
-        if fp8_config is not None and (options.conversion_tasks is not None or options.weight_dtype is not None):
+        if fp8_config is not None and (stock.conversion_tasks is not None or stock.weight_dtype is not None):
             raise ValueError(
                 "fp8= exports the plan as blockwise FP8; conversion_tasks and weight_dtype shape stock's export: pass "
                 "one or the other (select the FP8 export's tensors with only=)"
             )
         route = None
-        if fp8_config is None and options.conversion_tasks is not None:  # agreed over every rank, before any leaves
+        if fp8_config is None and stock.conversion_tasks is not None:  # agreed over every rank, before any leaves
             route = self._route(state, chunks, options)
         if self.export_weight_dtype != "fp8":
-            self._lora_route(chunks, options.merge_adapter_weights)  # collective once per model: before replicas part
+            self._lora_route(chunks, stock.merge_adapter_weights)  # collective once per model: before replicas part
         if options.replica is not None and not self.takes_part(chunks, options.replica):
             return iter(())
-        show_progress = options.show_progress and is_rank_zero()
+        show_progress = stock.show_progress and is_rank_zero()
         if fp8_config is not None:
             buffers = self._export_buffers(options.reuse_buffer_from_cache, options.hold_outputs)
             buckets = self._export_fp8(
                 chunks, fp8_config, buffers, show_progress=show_progress, only=options.only, in_buckets=in_buckets
             )
-            return _on_cpu(buckets, options.cpu) if in_buckets else _flat(_on_cpu(buckets, options.cpu))
+            return _on_cpu(buckets, stock.cpu) if in_buckets else _flat(_on_cpu(buckets, stock.cpu))
         route = route or self._route(state, chunks, options)
         state.fallback_reason = route.reason
         if route.reason is None:
@@ -698,13 +680,13 @@ class RefitBridge(AutoBridge):
             needed = _selected(options.only, route.names, state.plan)
             if route.lora is not None:  # adapted weights merged on their way out
                 buckets = route.exporter.export_buckets(buffers, show_progress=show_progress, needed=needed)
-                buckets = _on_cpu(route.lora.merged(buckets, buffers), options.cpu)
+                buckets = _on_cpu(route.lora.merged(buckets, buffers), stock.cpu)
                 return buckets if in_buckets else _flat(buckets)
             if in_buckets:
                 return _on_cpu(
-                    route.exporter.export_buckets(buffers, show_progress=show_progress, needed=needed), options.cpu
+                    route.exporter.export_buckets(buffers, show_progress=show_progress, needed=needed), stock.cpu
                 )
-            return route.exporter.export(buffers, cpu=options.cpu, show_progress=show_progress, needed=needed)
+            return route.exporter.export(buffers, cpu=stock.cpu, show_progress=show_progress, needed=needed)
         if route.reason not in state.logged:
             state.logged.add(route.reason)
             logger.warning("export_hf_weights runs the stock Megatron-Bridge export: %s", route.reason)
@@ -714,7 +696,7 @@ class RefitBridge(AutoBridge):
     def _stock_stream(
         self, model: Any, state: _ModelState, options: "_ExportOptions"
     ) -> Iterable[tuple[str, torch.Tensor]]:
-        conversion_tasks = options.conversion_tasks
+        conversion_tasks = options.stock.conversion_tasks
         if conversion_tasks is None and self.export_weight_dtype == "fp8":
             model = _chunks(model)
             self._validate_fp8_export_config(model)
@@ -722,11 +704,7 @@ class RefitBridge(AutoBridge):
         stream = state.model_bridge.stream_weights_megatron_to_hf(
             model,  # as given, as stock passes it
             self.hf_pretrained,
-            cpu=options.cpu,
-            show_progress=options.show_progress,
-            conversion_tasks=conversion_tasks,
-            merge_adapter_weights=options.merge_adapter_weights,
-            weight_dtype=options.weight_dtype,
+            **options.stock._replace(conversion_tasks=conversion_tasks)._asdict(),
         )
         return stream if options.only is None else _only(stream, options.only)
 
@@ -738,7 +716,7 @@ class RefitBridge(AutoBridge):
         ranks (one all-reduce of one integer per call that passes them). A model with LoRA
         adapters runs the plan with its adapters merged (``runtime.lora``), or the stock path
         where the adapters have no plan or ``merge_adapter_weights`` is False."""
-        conversion_tasks, weight_dtype = options.conversion_tasks, options.weight_dtype
+        conversion_tasks, weight_dtype = options.stock.conversion_tasks, options.stock.weight_dtype
         if self.export_weight_dtype == "fp8":
             return _Route(reason="export_weight_dtype='fp8' selects Megatron-Bridge's own FP8 export")
         if conversion_tasks is not None and weight_dtype is not None:
@@ -747,7 +725,7 @@ class RefitBridge(AutoBridge):
             exporter = self._exporter(chunks)
         except Exception as err:  # PlanError on every rank alike (``_planned``), or this rank's exporter failed
             return _Route(reason=f"no export plan for this model: {_describe(err)}")
-        lora, reason = self._lora_route(chunks, options.merge_adapter_weights)
+        lora, reason = self._lora_route(chunks, options.stock.merge_adapter_weights)
         if reason is not None:
             return _Route(reason=reason)
         if weight_dtype is not None:
@@ -1110,17 +1088,29 @@ def _in_lists(
         yield bucket
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _ExportOptions:
-    """The arguments of one export call (``export_hf_weights`` / ``export_hf_weight_buckets``)."""
+class _StockArguments(NamedTuple):
+    """The arguments stock's export takes (``AutoBridge.export_hf_weights``'), in its order: what
+    the plan's route is decided on, and what the stock path is called with."""
 
     cpu: bool = False
     show_progress: bool = True
     conversion_tasks: list | None = None
     merge_adapter_weights: bool = True
     weight_dtype: torch.dtype | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _ExportOptions:
+    """The arguments of one export call (``export_hf_weights`` / ``export_hf_weight_buckets``):
+    stock's, and the ones this bridge adds."""
+
+    stock: _StockArguments
     reuse_buffer_from_cache: bool = False
     hold_outputs: bool = False
     fp8: BlockwiseFP8Config | str | None = None
     replica: int | None = None
-    only: frozenset[str] | None = None
+    only: frozenset[str] | None = None  # passed as any collection of names
+
+    def __post_init__(self) -> None:
+        if self.only is not None:
+            object.__setattr__(self, "only", frozenset(self.only))

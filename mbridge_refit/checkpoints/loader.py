@@ -35,13 +35,7 @@ from mbridge_refit.errors import InputError
 from mbridge_refit.plan.conversions import ELEMENTWISE_OPS, RELAYOUTS, relaid_shape
 from mbridge_refit.plan.entries import expert_number
 from mbridge_refit.plan.placement import placement_kind, slice_copies
-from mbridge_refit.plan.slices import (
-    PlacementError,
-    ShardContext,
-    SliceCopy,
-    hf_extents,
-    place_column,
-)
+from mbridge_refit.plan.slices import PlacementError, ShardContext, SliceCopy, hf_extents, place_column
 from mbridge_refit.plan.stacking import stacked_placement
 
 __all__ = ["LoadError", "LoadFailedElsewhere", "LoadReport", "check_hf_shapes", "load_hf_shards"]

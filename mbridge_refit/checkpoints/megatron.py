@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import logging
 import math
 import pickle
 import shutil
@@ -50,12 +49,7 @@ from mbridge_refit.checkpoints.dcp_pickles import (
     load_index,
 )
 from mbridge_refit.checkpoints.hf import COPIED_FILE_NAMES
-from mbridge_refit.checkpoints.publish import (
-    begin_publication,
-    carry_over,
-    fsync_tree,
-    is_loader_file,
-)
+from mbridge_refit.checkpoints.publish import TMP_PREFIX, begin_publication, carry_over, fsync_tree, is_loader_file
 from mbridge_refit.errors import InputError
 from mbridge_refit.plan.layout import ParallelLayout
 
@@ -68,7 +62,6 @@ __all__ = [
     "NotAMegatronCheckpoint",
     "SIDE_FILE_NAMES",
     "StoredTensors",
-    "TMP_PREFIX",
     "TRACKER_NAME",
     "WEIGHTS_DIR",
     "check_pickled_parts",
@@ -84,15 +77,12 @@ __all__ = [
     "stored_in",
 ]
 
-logger = logging.getLogger(__name__)
-
 FORMAT_NAME = "mbridge_refit.checkpoints.megatron"
 FORMAT_VERSION = 1
 
 METADATA_NAME = "mbridge_refit_megatron.json"
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 WEIGHTS_DIR = "release"
-TMP_PREFIX = ".tmp-"
 COMMON_STATE_NAME = "common.pt"  # Megatron's legacy common state file (torch.load), never written by `import`
 # Copied from the HF source next to the weights, so ``export`` needs nothing else.
 SIDE_FILE_NAMES = ("config.json", *COPIED_FILE_NAMES)

@@ -50,6 +50,7 @@ __all__ = [
     "OutputRefused",
     "Publication",
     "STAGING_SUFFIX",
+    "TMP_PREFIX",
     "begin_publication",
     "busy_error",
     "carry_over",
@@ -67,6 +68,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 STAGING_SUFFIX = ".partial"
+TMP_PREFIX = ".tmp-"  # a file still being written (a shard, a metadata file): never one to read
 
 # Files of a checkpoint a loader (transformers, vLLM, llama.cpp, Megatron-LM, torch) may read:
 # weights in any format and their temporary or partial forms, indexes, model/generation/tokenizer/
@@ -99,7 +101,7 @@ LOADER_FILE_PATTERNS = (
     "added_tokens.json",
     "chat_template.*",
     "*.jinja",
-    ".tmp-*",
+    f"{TMP_PREFIX}*",
 )
 
 

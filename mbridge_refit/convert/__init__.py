@@ -18,16 +18,15 @@ anything heavy is imported.
 
 from __future__ import annotations
 
-from mbridge_refit.lazy_exports import lazy_getattr
+from mbridge_refit.lazy_exports import lazy_getattr, public_names
 
 _PUBLIC = {
-    "main": "mbridge_refit.convert.app",
-    "BadInput": "mbridge_refit.convert.exit_codes",
-    "ExitCode": "mbridge_refit.convert.exit_codes",
-    "build_parser": "mbridge_refit.convert.parser",
+    "mbridge_refit.convert.app": ("main",),
+    "mbridge_refit.convert.exit_codes": ("BadInput", "ExitCode"),
+    "mbridge_refit.convert.parser": ("build_parser",),
 }
 
-__all__ = sorted(_PUBLIC)
+__all__ = public_names(_PUBLIC)
 
 
 __getattr__ = lazy_getattr(__name__, _PUBLIC)

@@ -19,11 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mbridge_refit.convert.exit_codes import BadInput, ExitCode
-from mbridge_refit.convert.flags import (
-    device_from_flag,
-    fp8_from_flags,
-    timeout_from_flag,
-)
+from mbridge_refit.convert.flags import device_from_flag, fp8_from_flags, timeout_from_flag
 from mbridge_refit.convert.inputs import (
     check_distinct_dirs,
     check_output_dir,

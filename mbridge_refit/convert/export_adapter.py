@@ -23,13 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from mbridge_refit.convert.exit_codes import BadInput, ExitCode
-from mbridge_refit.convert.flags import add_layout_flags, add_remote_code_flag, add_timeout_flag, timeout_from_flag
-from mbridge_refit.convert.inputs import (
-    check_distinct_dirs,
-    check_output_dir,
-    checked_layout,
-    supported_config,
+from mbridge_refit.convert.flags import (
+    add_layout_flags,
+    add_overwrite_flag,
+    add_remote_code_flag,
+    add_timeout_flag,
+    timeout_from_flag,
 )
+from mbridge_refit.convert.inputs import check_distinct_dirs, check_output_dir, checked_layout, supported_config
 from mbridge_refit.plan.layout import ParallelLayout
 
 __all__ = [
@@ -103,7 +104,7 @@ def add_export_adapter_parser(sub: Any) -> None:
         default=None,
         help="base_model_name_or_path written into adapter_config.json (default: the --hf path as given)",
     )
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    add_overwrite_flag(parser)
     add_layout_flags(parser)
     add_remote_code_flag(parser)
     add_timeout_flag(parser)

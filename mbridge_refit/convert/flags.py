@@ -26,6 +26,7 @@ __all__ = [
     "add_device_flag",
     "add_fp8_flags",
     "add_layout_flags",
+    "add_overwrite_flag",
     "add_remote_code_flag",
     "add_timeout_flag",
     "describe_flags",
@@ -156,6 +157,10 @@ def device_from_flag(args: argparse.Namespace) -> "torch.device":
     if args.device == "cuda" and not torch.cuda.is_available():
         raise BadInput("--device cuda but no CUDA device is visible: use --device cpu")
     return torch.device(args.device)
+
+
+def add_overwrite_flag(parser: argparse.ArgumentParser, *, replaces: str = "an existing output directory") -> None:
+    parser.add_argument("--overwrite", action="store_true", help=f"replace {replaces}")
 
 
 def add_remote_code_flag(parser: argparse.ArgumentParser) -> None:

@@ -10,10 +10,12 @@ from mbridge_refit.convert.flags import (
     add_device_flag,
     add_fp8_flags,
     add_layout_flags,
+    add_overwrite_flag,
     add_remote_code_flag,
     add_timeout_flag,
 )
 from mbridge_refit.convert.verify_refit import add_verify_refit_parser
+from mbridge_refit.sinks.safetensors import DEFAULT_MAX_SHARD_BYTES
 
 __all__ = ["COMMAND_TEXT", "EPILOG", "FLAGS", "build_parser", "positive_int"]
 
@@ -134,7 +136,7 @@ def _make_tiny_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-shard-bytes", type=positive_int, default=None, help="shard size; small values force sharding"
     )
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    add_overwrite_flag(parser)
     parser.add_argument("--list", action="store_true", help="list recipes and layouts, then exit")
 
 
@@ -149,7 +151,7 @@ def _import_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf", type=Path, required=True, help="input HF checkpoint directory")
     parser.add_argument("--megatron", type=Path, required=True, help="output Megatron checkpoint directory")
     add_layout_flags(parser)
-    parser.add_argument("--overwrite", action="store_true", help="replace a checkpoint in an existing output directory")
+    add_overwrite_flag(parser, replaces="a checkpoint in an existing output directory")
     add_remote_code_flag(parser)
     add_timeout_flag(parser)
 
@@ -184,11 +186,11 @@ def _verify_flags(parser: argparse.ArgumentParser) -> None:
 def _add_hf_output_flags(parser: argparse.ArgumentParser) -> None:
     """The flags of the commands that export into an HF checkpoint (roundtrip, export)."""
     add_layout_flags(parser)
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    add_overwrite_flag(parser)
     parser.add_argument(
         "--max-shard-bytes",
         type=positive_int,
-        default=5 * 1024**3,
+        default=DEFAULT_MAX_SHARD_BYTES,
         help="output shard size in bytes, > 0 (default: %(default)s)",
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")

@@ -27,17 +27,8 @@ import torch
 import torch.distributed as dist
 
 from mbridge_refit.convert.exit_codes import BadInput, ExitCode
-from mbridge_refit.convert.flags import (
-    add_device_flag,
-    add_timeout_flag,
-    device_from_flag,
-    timeout_from_flag,
-)
-from mbridge_refit.convert.inputs import (
-    check_config_numbers,
-    check_provider,
-    supported_config,
-)
+from mbridge_refit.convert.flags import add_device_flag, add_timeout_flag, device_from_flag, timeout_from_flag
+from mbridge_refit.convert.inputs import check_config_numbers, check_provider, supported_config
 from mbridge_refit.convert.refit_verifier import (
     EPS_FACTOR,
     NOISE_FACTOR,

@@ -106,8 +106,9 @@ class RefitWorker(Protocol):
     results plain data). Each method hands over to a transport's engine side, which holds the
     contract: ``open``, ``apply``, ``close`` to ``engines.ipc.RefitReceiver``, as do ``open_shards`` and
     ``apply_shards`` (every engine rank's entry in lists, each worker taking its own:
-    ``engines.sharded_ipc``); ``join``, ``receive``, ``leave`` to ``engines.broadcast.BroadcastTarget``;
-    ``adapter_limits``, ``adapter_open``, ``adapter_load``, ``adapter_close`` to
+    ``engines.sharded_ipc``); ``join``, ``receive``, ``leave`` to ``engines.broadcast.BroadcastTarget``
+    (``join``'s ``group``: the keyword arguments of ``BroadcastTarget.join`` but ``rank``, the same for
+    every worker, which joins as ``rank_offset`` + its index); ``adapter_limits``, ``adapter_open``, ``adapter_load``, ``adapter_close`` to
     ``engines.adapter_ipc.AdapterReceiver`` and the engine's own adapter slots (a LoRA adapter in place of
     the previous one, the base weights untouched). ``fingerprints``: the exact per-parameter
     fingerprints of the engine's model (``engines.fingerprint``)."""
@@ -126,18 +127,7 @@ class RefitWorker(Protocol):
 
     def mbridge_refit_apply_shards(self, fingerprints: list) -> float: ...
 
-    def mbridge_refit_join(
-        self,
-        host: str,
-        port: int,
-        rank_offset: int,
-        world_size: int,
-        plan_json: str,
-        config: dict,
-        backend: str | None,
-        allow_partial: bool,
-        timeout_s: float,
-    ) -> int: ...
+    def mbridge_refit_join(self, group: dict, rank_offset: int, allow_partial: bool) -> int: ...
 
     def mbridge_refit_receive(self) -> dict: ...
 

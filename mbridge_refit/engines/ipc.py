@@ -40,21 +40,8 @@ from typing import Any
 
 import torch
 
-from mbridge_refit.engines.apply_plan import (
-    ApplyPlan,
-    ApplyPlanError,
-    LoadWeights,
-    Recompute,
-    Shards,
-    StagedLoad,
-)
-from mbridge_refit.engines.sharing import (
-    TRANSPORTS,
-    SharedLayout,
-    SharingError,
-    row_sources,
-    views,
-)
+from mbridge_refit.engines.apply_plan import ApplyPlan, ApplyPlanError, LoadWeights, Recompute, Shards, StagedLoad
+from mbridge_refit.engines.sharing import TRANSPORTS, SharedLayout, SharingError, row_sources, views
 from mbridge_refit.errors import EngineError
 
 __all__ = ["EngineRefitError", "OpenReport", "RefitReceiver"]

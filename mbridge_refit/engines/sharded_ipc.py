@@ -36,7 +36,6 @@ the open one (``close`` first).
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -45,17 +44,10 @@ import torch
 import torch.distributed as dist
 
 from mbridge_refit.engines.base import RefitStep
-from mbridge_refit.engines.sharing import (
-    LayoutRecorder,
-    ShardBox,
-    SharedLayout,
-    Transport,
-)
+from mbridge_refit.engines.sharing import LayoutRecorder, ShardBox, SharedLayout, Transport
 from mbridge_refit.errors import EngineError, InputError
 
 __all__ = ["CallWorkers", "ShardedIpcSession", "ShardedRefitError", "worker_entry"]
-
-logger = logging.getLogger(__name__)
 
 # (RPC name, *arguments) -> the results of the workers the call reached, in worker order
 CallWorkers = Callable[..., list]

@@ -37,11 +37,7 @@ from typing import Any, Protocol
 
 import torch
 
-from mbridge_refit.engines.ipc_handles import (
-    BadIpcPayload,
-    decode_payload,
-    encode_payload,
-)
+from mbridge_refit.engines.ipc_handles import BadIpcPayload, decode_payload, encode_payload
 from mbridge_refit.errors import EngineError
 
 __all__ = [

@@ -15,13 +15,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from mbridge_refit.fp8.format import (
-    BLOCK,
-    FP8_DTYPE,
-    SCALE_DTYPE,
-    row_piece,
-    scale_shape,
-)
+from mbridge_refit.fp8.format import BLOCK, FP8_DTYPE, SCALE_DTYPE, row_piece, scale_shape
 from mbridge_refit.fp8.reference import padded_shape, quantize_reference
 from mbridge_refit.plan.entries import ExportPlan
 from mbridge_refit.runtime.buffers import ExportBuffers

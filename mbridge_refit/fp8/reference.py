@@ -14,14 +14,7 @@ import math
 
 import torch
 
-from mbridge_refit.fp8.format import (
-    BLOCK,
-    E4M3_MAX,
-    FP8_DTYPE,
-    SCALE_DTYPE,
-    FP8FormatError,
-    scale_shape,
-)
+from mbridge_refit.fp8.format import BLOCK, E4M3_MAX, FP8_DTYPE, SCALE_DTYPE, FP8FormatError, scale_shape
 
 __all__ = ["dequantize_blockwise", "padded_shape", "quantize_reference"]
 

@@ -30,14 +30,9 @@ from mbridge_refit.plan.entries import (
     expert_number,
     with_expert_number,
 )
+from mbridge_refit.plan.layout import megatron_parallel_state
 from mbridge_refit.plan.placement import placement_kind
-from mbridge_refit.plan.slices import (
-    PlacementError,
-    PlacementKind,
-    ShardContext,
-    SliceCopy,
-    slices_for,
-)
+from mbridge_refit.plan.slices import PlacementError, PlacementKind, ShardContext, SliceCopy, slices_for
 from mbridge_refit.plan.stacking import ExpertStack, stacked_placement
 from mbridge_refit.plan.storage import PLAIN, storage_format
 
@@ -177,17 +172,8 @@ def rank_contribution(
 
 def current_sizes(chunks: list[torch.nn.Module]) -> "ParallelSizes":
     """The parallel sizes of this job (Megatron's parallel state) and the model's expert count."""
-    from megatron.core import parallel_state as ps
-
     return ParallelSizes(
-        tp=ps.get_tensor_model_parallel_world_size(),
-        pp=ps.get_pipeline_model_parallel_world_size(),
-        ep=ps.get_expert_model_parallel_world_size(),
-        etp=ps.get_expert_tensor_parallel_world_size(),
-        dp=ps.get_data_parallel_world_size(),
-        edp=ps.get_expert_data_parallel_world_size(),
-        vpp=len(chunks),
-        num_experts=chunks[0].config.num_moe_experts or 0,
+        **megatron_parallel_state("world_size"), vpp=len(chunks), num_experts=chunks[0].config.num_moe_experts or 0
     )
 
 
@@ -522,20 +508,20 @@ def _stacked_entries(specs: dict[str, ParamSpec], name: str, sizes: ParallelSize
     return [_entry(spec, spec.placement.hf_names[0], shape, sharding)]
 
 
+# The fields a plan entry takes as they are from its parameter's spec, and from the spec's placement.
+_FROM_SPEC = ("dtype", "pp_rank", "vpp_stage", "is_expert", "source_format")
+_FROM_PLACEMENT = ("kind", "elementwise_op", "relayout")
+
+
 def _entry(spec: ParamSpec, hf_name: str, shape: tuple[int, ...], sharding: TensorSharding) -> PlanEntry:
+    """The entry of ``hf_name``: its own name, shape and sharding; the rest is its parameter's."""
     return PlanEntry(
         hf_name=hf_name,
         shape=shape,
-        dtype=spec.dtype,
-        megatron_param=spec.global_name,
-        pp_rank=spec.pp_rank,
-        vpp_stage=spec.vpp_stage,
-        is_expert=spec.is_expert,
-        kind=spec.placement.kind,
         sharding=sharding,
-        source_format=spec.source_format,
-        elementwise_op=spec.placement.elementwise_op,
-        relayout=spec.placement.relayout,
+        megatron_param=spec.global_name,
+        **{field: getattr(spec, field) for field in _FROM_SPEC},
+        **{field: getattr(spec.placement, field) for field in _FROM_PLACEMENT},
     )
 
 

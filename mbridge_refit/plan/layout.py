@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 from mbridge_refit.errors import InputError
 
-__all__ = ["LayoutError", "ModelShape", "ParallelLayout"]
+__all__ = ["MEGATRON_GROUPS", "LayoutError", "ModelShape", "ParallelLayout", "megatron_parallel_state"]
 
 
 class LayoutError(InputError):
@@ -219,6 +219,26 @@ class ModelShape:
 
 
 # HF config fields that count a mixture-of-experts layer's routed experts, by family.
+# Megatron's process groups by the names plans give them; Megatron's parallel state reads this
+# process's place in group g by ``get_<g>_world_size()`` and ``get_<g>_rank()``.
+MEGATRON_GROUPS = {
+    "tp": "tensor_model_parallel",
+    "pp": "pipeline_model_parallel",
+    "ep": "expert_model_parallel",
+    "etp": "expert_tensor_parallel",
+    "dp": "data_parallel",
+    "edp": "expert_data_parallel",
+}
+
+
+def megatron_parallel_state(of: str, groups: Iterable[str] = tuple(MEGATRON_GROUPS)) -> dict[str, int]:
+    """This process's ``"world_size"`` or ``"rank"`` in each of ``groups`` (names of
+    ``MEGATRON_GROUPS``), read from Megatron's parallel state, which must be initialized."""
+    from megatron.core import parallel_state as ps
+
+    return {name: getattr(ps, f"get_{MEGATRON_GROUPS[name]}_{of}")() for name in groups}
+
+
 _EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 # HF config fields that hold one routed expert's FFN size, by family (else ``intermediate_size``).
 _EXPERT_SIZE_FIELDS = ("moe_intermediate_size", "expert_intermediate_size")

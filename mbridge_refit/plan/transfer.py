@@ -100,15 +100,10 @@ def megatron_rank_grid(
     )
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class EngineShard:
-    """The part ``box`` (HF coordinates) of ``hf_name`` that engine rank ``engine_rank`` keeps."""
+class _Sized:
+    """``shape``, that of the item's ``box``, and ``nbytes``, that many ``dtype`` elements."""
 
-    hf_name: str
-    engine_rank: int
-    target_rank: int
-    box: Box
-    dtype: str
+    __slots__ = ()
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -120,7 +115,18 @@ class EngineShard:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Move:
+class EngineShard(_Sized):
+    """The part ``box`` (HF coordinates) of ``hf_name`` that engine rank ``engine_rank`` keeps."""
+
+    hf_name: str
+    engine_rank: int
+    target_rank: int
+    box: Box
+    dtype: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Move(_Sized):
     """Bytes of ``hf_name`` from ``source_rank``'s local ``megatron_param`` (``source_box``) to
     engine rank ``engine_rank`` on ``target_rank``, into its shard at ``shard_box``."""
 
@@ -135,11 +141,8 @@ class Move:
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The shape of ``shard_box``, what the move writes."""
         return box_shape(self.shard_box)
-
-    @property
-    def nbytes(self) -> int:
-        return numel(self.shape) * _itemsize(self.dtype)
 
     @property
     def is_local(self) -> bool:

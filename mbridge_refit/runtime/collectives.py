@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from mbridge_refit.plan.layout import megatron_parallel_state
+
 if TYPE_CHECKING:
     from mbridge_refit.plan.transfer import TrainerRank
 
@@ -149,18 +151,10 @@ def current_rank_groups() -> RankGroups:
 
 def current_trainer_rank() -> TrainerRank:
     """This rank's coordinates in the trainer's grid (Megatron's parallel state), for transfer plans."""
-    from megatron.core import parallel_state as ps
-
     from mbridge_refit.plan.transfer import TrainerRank
 
-    return TrainerRank(
-        rank=dist.get_rank(),
-        pp=ps.get_pipeline_model_parallel_rank(),
-        tp=ps.get_tensor_model_parallel_rank(),
-        ep=ps.get_expert_model_parallel_rank(),
-        replica=ps.get_data_parallel_rank(),
-        etp=ps.get_expert_tensor_parallel_rank(),
-    )
+    ranks = megatron_parallel_state("rank", ("pp", "tp", "ep", "dp", "etp"))
+    return TrainerRank(rank=dist.get_rank(), replica=ranks.pop("dp"), **ranks)
 
 
 def replica_participants(everyone: list[RankGroups], replica: int) -> frozenset[int]:

@@ -22,7 +22,6 @@ of a many-expert model does no torch work per tensor for them (``tests/test_host
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
@@ -31,28 +30,12 @@ import torch
 from mbridge_refit.plan.conversions import ELEMENTWISE_OPS, RELAYOUTS
 from mbridge_refit.plan.entries import ExportPlan, PlanEntry
 from mbridge_refit.runtime.buffers import ExportBuffers
-from mbridge_refit.runtime.collectives import (
-    ParallelGroups,
-    broadcast_from,
-    coalesced,
-    current_groups,
-    gather_into,
-)
-from mbridge_refit.runtime.schedule import (
-    Assembly,
-    AssemblyKind,
-    Bucket,
-    Op,
-    build_buckets,
-    build_ops,
-    gather_count,
-)
+from mbridge_refit.runtime.collectives import ParallelGroups, broadcast_from, coalesced, current_groups, gather_into
+from mbridge_refit.runtime.schedule import Assembly, AssemblyKind, Bucket, Op, build_buckets, build_ops, gather_count
 from mbridge_refit.runtime.selection import LiveRows, RowSelection
 from mbridge_refit.runtime.stack_fill import fill_stack
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "PlanExporter", "ShardSource", "ops_holding", "plain_shards"]
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 

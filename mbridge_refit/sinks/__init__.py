@@ -28,12 +28,7 @@ __all__ = [
     "shard_file_name",
 ]
 
-from mbridge_refit.sinks.model_update import (
-    FUSED_TENSOR_RULES,
-    FusedTensorRule,
-    HFModelUpdateSink,
-    WeightUpdateError,
-)
+from mbridge_refit.sinks.model_update import FUSED_TENSOR_RULES, FusedTensorRule, HFModelUpdateSink, WeightUpdateError
 from mbridge_refit.sinks.packed_broadcast import (
     DEFAULT_BUCKET_BYTES,
     ChecksumError,

@@ -54,7 +54,6 @@ receiver issues one broadcast and reads nothing to the host.
 from __future__ import annotations
 
 import contextlib
-import logging
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -109,8 +108,6 @@ __all__ = [
     "post_failure",
     "share_verdict",
 ]
-
-logger = logging.getLogger(__name__)
 
 # --- sender ---------------------------------------------------------------------------------
 

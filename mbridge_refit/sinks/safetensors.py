@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 
 from mbridge_refit.checkpoints.hf import CONFIG_NAME, COPIED_FILE_NAMES, INDEX_NAME
 from mbridge_refit.checkpoints.publish import (
+    TMP_PREFIX,
     begin_publication,
     carry_over,
     fsync_dir,
@@ -45,16 +46,13 @@ __all__ = [
     "ShardAssignment",
     "ShardPlanner",
     "ShardedSafetensorsWriter",
-    "TMP_PREFIX",
     "plan_shards",
     "shard_file_name",
-    "tensor_nbytes",
 ]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
-TMP_PREFIX = ".tmp-"
 
 
 def shard_file_name(shard: int, num_shards: int) -> str:
@@ -64,11 +62,6 @@ def shard_file_name(shard: int, num_shards: int) -> str:
 
 def _tmp_shard_name(shard: int) -> str:
     return f"{TMP_PREFIX}model-{shard + 1:05d}.safetensors"
-
-
-def tensor_nbytes(tensor: torch.Tensor) -> int:
-    """Bytes the tensor occupies in a safetensors file (dense, no padding)."""
-    return tensor.numel() * tensor.element_size()
 
 
 class ShardPlanner:
@@ -267,7 +260,7 @@ class ShardedSafetensorsWriter(WeightSink):
                 f"tensor {hf_name!r} was exported twice; every HF name must appear once in the "
                 "stream (check the export plan for duplicate mappings)"
             )
-        nbytes = tensor_nbytes(tensor)
+        nbytes = tensor.nbytes  # what it occupies in the file: dense, no padding
         if self._assignment is not None:
             self._consume_assigned(hf_name, tensor, nbytes)
             return

@@ -46,6 +46,7 @@ import contextlib
 import dataclasses
 import datetime
 import enum
+import functools
 import hashlib
 import json
 import logging
@@ -376,13 +377,13 @@ def _check_architecture(
         with restored_environment():
             bridge, chunks, concessions = random_megatron_model(architecture, layout, device=device, work_dir=work_dir)
     except Exception as err:  # recorded; the matrix goes on with the next architecture
-        return [cell(p, CellState.CANNOT_BE_BUILT, describe_error(err)) for p in precisions]
+        return [cell(precision=p, state=CellState.CANNOT_BE_BUILT, detail=describe_error(err)) for p in precisions]
     cell = _cell_maker(architecture, layout_name, concessions)
     try:
         stock = [(name, tensor.clone()) for name, tensor in bridge.export_hf_weights_stock(chunks, show_progress=False)]
     except Exception as err:
         reason = describe_error(err) + _unmapped_note(bridge, chunks)
-        return [cell(p, CellState.UPSTREAM_BROKEN, reason) for p in precisions]
+        return [cell(precision=p, state=CellState.UPSTREAM_BROKEN, detail=reason) for p in precisions]
     cells = [check_bf16(bridge, chunks, stock, cell), check_fp8(bridge, chunks, stock, cell)]
     if lora:
         start = time.perf_counter()
@@ -406,19 +407,9 @@ def _unmapped_note(bridge: Any, chunks: list[torch.nn.Module], limit: int = 2) -
     return f"; the bridge maps no task to {len(unmapped)} parameters of this build, e.g. {', '.join(unmapped[:limit])}"
 
 
-def _cell_maker(architecture: str, layout_name: str, concessions: tuple[str, ...]):
-    def cell(precision: str, state: CellState, detail: str = "", tensors: int = 0) -> Cell:
-        return Cell(
-            architecture=architecture,
-            layout=layout_name,
-            precision=precision,
-            state=state,
-            detail=detail,
-            tensors=tensors,
-            concessions=concessions,
-        )
-
-    return cell
+def _cell_maker(architecture: str, layout_name: str, concessions: tuple[str, ...]) -> Callable[..., Cell]:
+    """``Cell`` of this architecture, layout and concessions: the caller names the rest."""
+    return functools.partial(Cell, architecture=architecture, layout=layout_name, concessions=concessions)
 
 
 def check_bf16(
@@ -448,13 +439,17 @@ def _check_stream(
     try:
         comparison = compare_stream(expected, export(chunks, show_progress=False, reuse_buffer_from_cache=True))
     except Exception as err:
-        return cell(precision, CellState.OUR_EXPORT_FAILED, describe_error(err))
+        return cell(precision=precision, state=CellState.OUR_EXPORT_FAILED, detail=describe_error(err))
     if not comparison.exact:
-        return cell(precision, CellState.DIFFERENT, comparison.describe(), comparison.compared)
+        return cell(
+            precision=precision, state=CellState.DIFFERENT, detail=comparison.describe(), tensors=comparison.compared
+        )
     fallback = bridge.export_diagnostics().fallback_reason
     if fallback:
-        return cell(precision, CellState.STOCK_FALLBACK_EXACT, fallback, comparison.compared)
-    return cell(precision, CellState.FAST_PATH_EXACT, "", comparison.compared)
+        return cell(
+            precision=precision, state=CellState.STOCK_FALLBACK_EXACT, detail=fallback, tensors=comparison.compared
+        )
+    return cell(precision=precision, state=CellState.FAST_PATH_EXACT, detail="", tensors=comparison.compared)
 
 
 def check_fp8(
@@ -466,16 +461,16 @@ def check_fp8(
         config = bridge.fp8_config("blockwise")
         stream = bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True, fp8=config)
     except FP8FormatError as err:  # refused before any export work, with the reason
-        return cell(FP8, CellState.FP8_REFUSED, describe_error(err))
+        return cell(precision=FP8, state=CellState.FP8_REFUSED, detail=describe_error(err))
     except Exception as err:
-        return cell(FP8, CellState.OUR_EXPORT_FAILED, describe_error(err))
+        return cell(precision=FP8, state=CellState.OUR_EXPORT_FAILED, detail=describe_error(err))
     try:
         comparison = compare_stream(fp8_expected(stock, config), stream)
     except Exception as err:
-        return cell(FP8, CellState.OUR_EXPORT_FAILED, describe_error(err))
+        return cell(precision=FP8, state=CellState.OUR_EXPORT_FAILED, detail=describe_error(err))
     if not comparison.exact:
-        return cell(FP8, CellState.DIFFERENT, comparison.describe(), comparison.compared)
-    return cell(FP8, CellState.FAST_PATH_EXACT, "", comparison.compared)
+        return cell(precision=FP8, state=CellState.DIFFERENT, detail=comparison.describe(), tensors=comparison.compared)
+    return cell(precision=FP8, state=CellState.FAST_PATH_EXACT, detail="", tensors=comparison.compared)
 
 
 def check_lora(
@@ -504,7 +499,7 @@ def check_lora(
     from megatron.bridge.peft.lora import LoRA
 
     def both(state: CellState, detail: str) -> list[Cell]:
-        return [cell(p, state, detail) for p in LORA_PRECISIONS]
+        return [cell(precision=p, state=state, detail=detail) for p in LORA_PRECISIONS]
 
     lora = LoRA(dim=LORA_DIM, alpha=LORA_ALPHA)
     try:
@@ -530,10 +525,18 @@ def _check_merged(
             )
         ]
     except Exception as err:
-        return cell(LORA_MERGED, CellState.UPSTREAM_BROKEN, f"stock's merged export failed: {describe_error(err)}")
+        return cell(
+            precision=LORA_MERGED,
+            state=CellState.UPSTREAM_BROKEN,
+            detail=f"stock's merged export failed: {describe_error(err)}",
+        )
     before = dict(unadapted)
     if all(name in before and torch.equal(tensor, before[name]) for name, tensor in stock):
-        return cell(LORA_MERGED, CellState.UPSTREAM_BROKEN, "stock's merged export equals the export before the wrap")
+        return cell(
+            precision=LORA_MERGED,
+            state=CellState.UPSTREAM_BROKEN,
+            detail="stock's merged export equals the export before the wrap",
+        )
     return check_bf16(bridge, chunks, stock, cell, precision=LORA_MERGED)
 
 
@@ -547,16 +550,22 @@ def _check_adapter(bridge: Any, chunks: list[torch.nn.Module], cell: Callable[..
             )
         ]
     except Exception as err:
-        return cell(LORA_ADAPTER, CellState.UPSTREAM_BROKEN, f"stock's adapter export failed: {describe_error(err)}")
+        return cell(
+            precision=LORA_ADAPTER,
+            state=CellState.UPSTREAM_BROKEN,
+            detail=f"stock's adapter export failed: {describe_error(err)}",
+        )
     if not stock:
-        return cell(LORA_ADAPTER, CellState.UPSTREAM_BROKEN, "stock's adapter export yields no tensor")
+        return cell(
+            precision=LORA_ADAPTER, state=CellState.UPSTREAM_BROKEN, detail="stock's adapter export yields no tensor"
+        )
     names = [name for name, _ in stock]
     if len(set(names)) < len(names):  # no PEFT checkpoint can hold it; a comparison by name would be meaningless
         repeated = sorted({name for name in names if names.count(name) > 1})
         return cell(
-            LORA_ADAPTER,
-            CellState.UPSTREAM_BROKEN,
-            f"stock's adapter export yields {len(names)} tensors under {len(set(names))} names, "
+            precision=LORA_ADAPTER,
+            state=CellState.UPSTREAM_BROKEN,
+            detail=f"stock's adapter export yields {len(names)} tensors under {len(set(names))} names, "
             f"e.g. {repeated[0]} {names.count(repeated[0])} times",
         )
     return _check_stream(bridge, LORA_ADAPTER, stock, bridge.export_adapter_weights, chunks, cell)

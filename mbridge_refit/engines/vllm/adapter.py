@@ -21,7 +21,6 @@ adapters in host memory and fills slots from there), no file written or read, no
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
@@ -37,8 +36,6 @@ from mbridge_refit.runtime.weight_source import ExportsWeights, Model
 from mbridge_refit.sinks.base import DiscardSink, drain
 
 __all__ = ["PLACEHOLDER_PATH", "VLLMAdapterRefit"]
-
-logger = logging.getLogger(__name__)
 
 PLACEHOLDER_PATH = "mbridge-refit://{name}"  # the request's lora_path: no directory; vLLM never reads it (pinned)
 

@@ -76,21 +76,11 @@ import torch
 
 from mbridge_refit.engines.base import RefitStep
 from mbridge_refit.engines.broadcast import SOURCE_RANK
-from mbridge_refit.engines.sharing import (
-    CudaIpcTransport,
-    LayoutRecorder,
-    SharedLayout,
-    Transport,
-)
+from mbridge_refit.engines.sharing import CudaIpcTransport, LayoutRecorder, SharedLayout, Transport
 from mbridge_refit.engines.vllm.worker import WORKER_EXTENSION
 from mbridge_refit.errors import EngineError
 from mbridge_refit.plan.entries import PlanError
-from mbridge_refit.runtime.broadcast_group import (
-    PEER_SILENT_S,
-    PeerFailedError,
-    StoreGroup,
-    as_broadcast_group,
-)
+from mbridge_refit.runtime.broadcast_group import PEER_SILENT_S, PeerFailedError, StoreGroup, as_broadcast_group
 from mbridge_refit.runtime.selection import LiveRows
 from mbridge_refit.runtime.weight_source import ExportsWeights, Model
 from mbridge_refit.sinks.base import DiscardSink, drain
@@ -468,19 +458,16 @@ class VLLMBroadcastRefit:
         if not self.source:
             return
         world = 1 + self.engine_workers
-        join = _Call(
-            self.llm,
-            "mbridge_refit_join",
-            self.host,
-            self.port,
-            1,
-            world,
-            plan.to_json(),
-            dataclasses.asdict(self.config),
-            self.backend,
-            self.allow_partial,
-            self.timeout_s,
+        group = dict(
+            host=self.host,
+            port=self.port,
+            world_size=world,
+            plan_json=plan.to_json(),
+            config=dataclasses.asdict(self.config),
+            backend=self.backend,
+            timeout_s=self.timeout_s,
         )
+        join = _Call(self.llm, "mbridge_refit_join", group, SOURCE_RANK + 1, self.allow_partial)
         try:
             self.group = StoreGroup(
                 host=self.host,

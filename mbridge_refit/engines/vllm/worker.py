@@ -113,21 +113,11 @@ class RefitWorkerExtension:
         """Forget the open layout and the mapped storages (the trainer's session closes)."""
         self._mbridge_receiver().close()
 
-    def mbridge_refit_join(
-        self,
-        host: str,
-        port: int,
-        rank_offset: int,
-        world_size: int,
-        plan_json: str,
-        config: dict,
-        backend: str | None,
-        allow_partial: bool,
-        timeout_s: float,
-    ) -> int:
-        """Join the trainer's broadcast group as rank ``rank_offset`` + this worker's index among the
-        engine's workers (data-parallel replicas included); returns that rank. Blocks until the
-        trainer joins (``engines.broadcast``)."""
+    def mbridge_refit_join(self, group: dict, rank_offset: int, allow_partial: bool) -> int:
+        """Join the trainer's broadcast group (``group``: ``BroadcastTarget.join``'s keyword arguments
+        but ``rank``) as rank ``rank_offset`` + this worker's index among the engine's workers
+        (data-parallel replicas included); returns that rank. Blocks until the trainer joins
+        (``engines.broadcast``)."""
         model = self.model_runner.get_model()
         target = BroadcastTarget(
             model.load_weights,
@@ -137,16 +127,7 @@ class RefitWorkerExtension:
             allow_partial=allow_partial,
         )
         rank = rank_offset + _worker_index(self)
-        target.join(
-            host=host,
-            port=port,
-            rank=rank,
-            world_size=world_size,
-            plan_json=plan_json,
-            config=config,
-            backend=backend,
-            timeout_s=timeout_s,
-        )
+        target.join(rank=rank, **group)
         self._mbridge_broadcast_target = target
         return rank
 
