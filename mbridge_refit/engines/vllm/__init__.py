@@ -1,8 +1,9 @@
 """The vLLM adapter: the only code that names vLLM (an optional extra, ``mbridge_refit[vllm]``;
 nothing here imports it at module import).
 
-``trainer`` (the trainer side: ``VLLMRefit`` over the colocated ``ipc`` transport,
-``VLLMBroadcastRefit`` over ``broadcast``, ``engine_kwargs``, ``prompt_logprobs``), ``sharded``
+``trainer`` (the trainer side: ``VLLMRefit`` over the colocated ``ipc`` transport
+(``engines.ipc_session.IpcSession`` bound to ``llm``), ``VLLMBroadcastRefit`` over ``broadcast``
+(``engines.broadcast_session.BroadcastSession`` bound to ``llm``), ``engine_kwargs``, ``prompt_logprobs``), ``sharded``
 (``VLLMShardedRefit``: colocated at engine tensor parallelism > 1, over ``sharded_ipc``), ``adapter``
 (``VLLMAdapterRefit``: a LoRA adapter into the engine's adapter slot, over ``adapter_ipc``), ``lora`` (the
 engine side of that: vLLM's LoRA manager fed from memory) and ``worker``

@@ -1,0 +1,338 @@
+"""The broadcast transport's trainer side, engine-agnostic: ``BroadcastSession`` (transport ``broadcast``).
+
+The engine runs on other GPUs or hosts. The source trainer rank and every worker of the engine form
+a ``StoreGroup`` (NCCL; joined by address, so the engine keeps its own ``torch.distributed`` world);
+every step the export is packed into rotating buffers and broadcast bucket by bucket
+(``sinks.packed_broadcast``: a plan handshake first, checksums optional, a status at the end, so a
+mismatch or a failure on either side raises on both and no rank waits forever); each worker loads
+what it receives through the model's own loader, recorded once and replayed (engine side
+``engines.broadcast.BroadcastTarget``). The four phases of a native weight transfer such as vLLM's
+(init, start, update, finish) map to ``open`` (the group, once) and ``refit`` (start, update and
+finish, in one call on each side).
+
+Who calls it: an engine adapter's ``broadcast`` session (for vLLM ``engines.vllm.VLLMBroadcastRefit``,
+a subclass) binds what is its engine's, on the source rank only: ``call_workers(method, *args)`` (the
+RPC to every worker, waited for: leaving the group; bounded by the adapter's timeout),
+``start_workers(method, *args)`` (the same RPC started in the background, since the workers' side of
+joining and receiving runs while this rank takes part in the same collective: a ``WorkerCall``, or
+any handle with its ``result`` / ``error`` / ``failure``; default: ``call_workers`` on a thread),
+``ignored(bridge)`` (names the engine skips; they are sent anyway, and logged) and
+``after_weights_written`` (the engine's follow-up once the workers hold the new weights; its failure
+fails the step on every trainer rank). The trainer then, on every trainer rank of the model's groups:
+``open(bridge, model)`` once (``source=True`` on exactly one rank, the one holding the engine's
+handle) and ``refit(bridge, model)`` each step (the export is collective; the other ranks only take
+part in it), ``close()`` at the end.
+
+``timeout_s`` bounds the join and every collective of both sides. A failure on either side reaches
+the other within seconds (``runtime.broadcast_group``): each side posts what stops it before its
+protocol settled, and the source also treats the workers' background call ending in an error while
+it still waits as the engine's failure. After such a failure the group is closed for good:
+``close()`` and ``open()`` again.
+
+The group's members must run NCCL with the same ``NCCL_*`` settings (``runtime.broadcast_group``
+checks them when the group forms): an engine that sets some in its workers (vLLM's batch-invariant
+mode: one channel, the Simple protocol, ...) needs the same in the trainer's environment before its
+first NCCL call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from mbridge_refit.engines.base import RefitStep
+from mbridge_refit.engines.broadcast import SOURCE_RANK
+from mbridge_refit.engines.sharded_ipc import CallWorkers
+from mbridge_refit.runtime.broadcast_group import (
+    PEER_SILENT_S,
+    PeerFailedError,
+    StoreGroup,
+    as_broadcast_group,
+)
+from mbridge_refit.runtime.weight_source import ExportsWeights, Model
+from mbridge_refit.sinks.base import DiscardSink, drain
+from mbridge_refit.sinks.packed_broadcast import (
+    PackedBroadcastConfig,
+    PackedBroadcastSender,
+    PlanMismatchError,
+    RefitStatusError,
+    post_failure,
+    share_verdict,
+)
+
+__all__ = [
+    "BroadcastSession",
+    "StartWorkers",
+    "WorkerCall",
+    "WorkerCallHandle",
+    "on_a_thread",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerCallHandle(Protocol):
+    """A call to the engine's workers running in the background (what ``start_workers`` returns)."""
+
+    def failure(self) -> str | None: ...
+
+    def error(self, timeout_s: float) -> BaseException | None: ...
+
+    def result(self, timeout_s: float) -> Any: ...
+
+
+# (RPC name, *arguments) -> the call, started: the workers' side of a collective this rank joins
+StartWorkers = Callable[..., WorkerCallHandle]
+
+
+class BroadcastSession:
+    """A broadcast refit session from the trainer ranks into one engine (module docstring).
+
+    Args:
+        call_workers: the RPC to every worker, waited for (source rank only; None elsewhere).
+        start_workers: the RPC started in the background (``StartWorkers``; default: ``call_workers``
+            on a thread, ``WorkerCall``).
+        host, port: where the source rank hosts the group's store (reachable by the engine).
+        engine_workers: how many workers the engine has (its tensor x pipeline x data parallel size).
+        source: whether this rank sends (exactly one trainer rank); the others take part in the export.
+        trainer_group: the ``torch.distributed`` group of the ranks iterating the export, with
+            ``trainer_src`` the source's rank in it: the source's outcome is shared with them.
+        config: the packed broadcast's buffers (``PackedBroadcastConfig``).
+        backend: the group's backend (default NCCL; ``"gloo"`` carries CUDA tensors through host
+            memory, e.g. trainer and engine on one GPU, which NCCL refuses).
+        allow_partial: accept a refit that leaves engine parameters unloaded (a subset).
+        ignored: exported names the engine skips, for a bridge (sent anyway; logged at ``open``).
+        after_weights_written: called on the source once the workers received the step.
+    """
+
+    def __init__(
+        self,
+        call_workers: CallWorkers | None,
+        *,
+        host: str,
+        port: int,
+        start_workers: StartWorkers | None = None,
+        engine_workers: int = 1,
+        source: bool = True,
+        trainer_group: Any = None,
+        trainer_src: int = 0,
+        config: PackedBroadcastConfig | None = None,
+        backend: str | None = None,
+        allow_partial: bool = False,
+        timeout_s: float = 600.0,
+        device: torch.device | str | None = None,
+        ignored: Callable[[ExportsWeights], frozenset[str]] = lambda bridge: frozenset(),
+        after_weights_written: Callable[[], None] | None = None,
+    ) -> None:
+        if source and call_workers is None:
+            raise ValueError("the source rank needs the engine's workers; the other trainer ranks pass source=False")
+        self.call_workers = call_workers
+        if start_workers is None and call_workers is not None:
+            start_workers = on_a_thread(call_workers)
+        self.start_workers = start_workers
+        self.host, self.port, self.engine_workers = host, port, engine_workers
+        self.source, self.trainer_group, self.trainer_src = source, trainer_group, trainer_src
+        self.config = config or PackedBroadcastConfig()
+        self.backend, self.allow_partial, self.timeout_s = backend, allow_partial, timeout_s
+        self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        self.ignored = ignored
+        self.after_weights_written = after_weights_written
+        self.group: StoreGroup | None = None
+        self._session: tuple | None = None  # (bridge, chunks, fp8 repr, plan) of the open session
+
+    def open(self, bridge: ExportsWeights, model: Model, *, fp8: Any = None) -> None:
+        """Form the group with the engine's workers and agree on the export plan; collective over
+        the trainer ranks (the plan) and, on the source rank, with the engine."""
+        chunks = model if isinstance(model, list) else [model]
+        plan = bridge.export_plan(chunks, fp8=fp8)
+        ignored = self.ignored(bridge)
+        if ignored & {e.hf_name for e in plan.entries}:
+            logger.info("broadcast refit: the engine skips %s (its ignored names); sent anyway", sorted(ignored))
+        self._session = (bridge, tuple(chunks), repr(fp8), plan)
+        if not self.source:
+            return
+        world = 1 + self.engine_workers
+        group = dict(
+            host=self.host,
+            port=self.port,
+            world_size=world,
+            plan_json=plan.to_json(),
+            config=dataclasses.asdict(self.config),
+            backend=self.backend,
+            timeout_s=self.timeout_s,
+        )
+        join = self.start_workers("mbridge_refit_join", group, SOURCE_RANK + 1, self.allow_partial)
+        try:
+            self.group = StoreGroup(
+                host=self.host,
+                port=self.port,
+                rank=SOURCE_RANK,
+                world_size=world,
+                device=self.device,
+                backend=self.backend,
+                peer_failure=join.failure,
+                timeout=datetime.timedelta(seconds=self.timeout_s),
+            )
+        except BaseException as err:
+            err.add_note(_engine_outcome(join.error(PEER_SILENT_S), "joined"))
+            raise
+        ranks = join.result(self.timeout_s)
+        logger.info("broadcast refit: %d engine workers joined (ranks %s)", len(ranks), ranks)
+
+    def refit(self, bridge: ExportsWeights, model: Model, *, fp8: Any = None) -> RefitStep | None:
+        """Export ``model`` and broadcast it into the engine; returns the step on the source rank."""
+        chunks = model if isinstance(model, list) else [model]
+        if not self._serves(bridge, chunks, fp8):
+            raise RuntimeError(
+                "refit() of another bridge, model or fp8 than the open session: call open() for it first"
+            )
+        started = time.perf_counter()
+        plan = self._session[3]
+        stream = bridge.export_hf_weights(chunks, reuse_buffer_from_cache=True, fp8=fp8, show_progress=False)
+        if not self.source:
+            drain(
+                stream,
+                PackedBroadcastSender(
+                    plan,
+                    self.config,
+                    group=None,
+                    src=SOURCE_RANK,
+                    device=self.device,
+                    trainer_group=self.trainer_group,
+                    trainer_src=self.trainer_src,
+                )
+                if self.trainer_group is not None
+                else DiscardSink(),
+            )
+            self._share(None)
+            return None
+        receive = self.start_workers("mbridge_refit_receive")
+        sender = None
+        try:
+            with self.group.watching(receive.failure):
+                sender = PackedBroadcastSender(
+                    plan,
+                    self.config,
+                    group=self.group,
+                    src=SOURCE_RANK,
+                    device=self.device,
+                    trainer_group=self.trainer_group,
+                    trainer_src=self.trainer_src,
+                )
+                count = drain(stream, sender)  # the sender's own failures reach every trainer rank in there
+            sent_at = time.perf_counter()
+        except BaseException as sent:
+            if not isinstance(sent, PlanMismatchError) and (sender is None or not sender.settled):
+                # the workers may still wait in the protocol (a plan mismatch is settled by the handshake)
+                post_failure(self.group, "the trainer", sent)
+            engine_error = receive.error(PEER_SILENT_S)
+            if engine_error is not None and isinstance(sent, (RefitStatusError, PeerFailedError)):
+                raise engine_error from sent  # the engine's own error says more than "a receiver failed"
+            sent.add_note(_engine_outcome(engine_error, "completed their receive"))
+            raise
+        try:
+            workers, error = receive.result(self.timeout_s), None
+            received_at = time.perf_counter()
+            if self.after_weights_written is not None:
+                self.after_weights_written()
+        except Exception as err:
+            workers, error, received_at = [], err, time.perf_counter()
+        self._share(error)
+        done = time.perf_counter()
+        return RefitStep(
+            tensors=count,
+            bytes=sender.bytes_sent,
+            ms=(done - started) * 1e3,
+            workers=workers,
+            export_ms=(sent_at - started) * 1e3,
+            apply_ms=(received_at - sent_at) * 1e3,
+            reset_ms=(done - received_at) * 1e3,
+        )
+
+    def _serves(self, bridge: ExportsWeights, chunks: list, fp8: Any) -> bool:
+        """Whether the open session is for exactly these objects (identity, as ``open`` saw them)."""
+        if self._session is None:
+            return False
+        open_bridge, open_chunks, open_fp8, _ = self._session
+        return (
+            open_bridge is bridge
+            and open_fp8 == repr(fp8)
+            and len(open_chunks) == len(chunks)
+            and all(a is b for a, b in zip(open_chunks, chunks))
+        )
+
+    def _share(self, error: BaseException | None) -> None:
+        """The engine's outcome of this step, on every trainer rank (only the source learns it)."""
+        if self.trainer_group is not None:
+            share_verdict(as_broadcast_group(self.trainer_group), self.trainer_src, error, self.device)
+        elif error is not None:
+            raise error
+
+    def close(self) -> None:
+        """End the session: the workers leave the group, then this rank."""
+        if self.source and self.group is not None:
+            self.call_workers("mbridge_refit_leave")
+            self.group.close()
+        self.group, self._session = None, None
+
+
+def _engine_outcome(error: BaseException | None, done: str) -> str:
+    """What the engine's workers did, as a note on the trainer's error."""
+    if error is None:
+        return f"the engine's workers {done}"
+    return f"the engine's workers: {type(error).__name__}: {error}"
+
+
+class WorkerCall:
+    """``call()`` (a call to the engine's workers) on a thread of its own: the workers' side of a
+    collective this thread takes part in at the same time. A ``WorkerCallHandle``."""
+
+    def __init__(self, call: Callable[[], Any], name: str = "rpc") -> None:
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(call,), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, call: Callable[[], Any]) -> None:
+        try:
+            self._result = call()
+        except BaseException as err:  # re-raised in the caller's thread
+            self._error = err
+
+    def failure(self) -> str | None:
+        """The call's error as text once it ended with one; None while it runs or after it returned."""
+        if self._thread.is_alive() or self._error is None:
+            return None
+        return f"the engine's workers' RPC ended with {type(self._error).__name__}: {self._error}"
+
+    def error(self, timeout_s: float) -> BaseException | None:
+        """Wait for the call; its error, or None."""
+        try:
+            self.result(timeout_s)
+        except Exception as err:
+            return err
+        return None
+
+    def result(self, timeout_s: float) -> Any:
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the engine's workers did not answer within {timeout_s:.0f} s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+def on_a_thread(call_workers: CallWorkers) -> StartWorkers:
+    """``start_workers`` from ``call_workers``: each call on a thread of its own (``WorkerCall``)."""
+
+    def start_workers(method: str, *args: Any) -> WorkerCall:
+        return WorkerCall(lambda: call_workers(method, *args), name=f"rpc-{method}")
+
+    return start_workers

@@ -1,0 +1,326 @@
+"""The colocated transport's trainer side, engine-agnostic: ``IpcSession`` (transport ``ipc``).
+
+The engine runs on this trainer rank's GPU, in its own process. Every step the engine maps the
+trainer's exported tensors (the parameters and the export's held buffers, ``engines.sharing``) and
+applies them with the copies its own loader makes, recorded on the first step
+(``engines.apply_plan``; engine side ``engines.ipc.RefitReceiver``). Tensors that are rows of a
+trainer parameter read as stored (``RefitBridge.live_rows``: without tensor parallelism nearly all
+of them, q, k and v included) are read by the engine from the parameter itself and never exported
+again; the export runs only for the rest (gathers, FP8 quantization), every rank of the model's
+groups exporting the same names. Per step: that export, one RPC telling every worker to replay,
+which returns when the engine's parameters hold the new weights. No bytes are packed or staged,
+nothing is allocated after the first step on either side.
+
+Who calls it: an engine adapter's ``ipc`` session (for vLLM ``engines.vllm.VLLMRefit``, a subclass)
+binds the three things that are its engine's: ``call_workers(method, *args)`` (the RPC to every
+worker, returning their results in worker order, bounded by the adapter's timeout; the workers run
+``engines.ipc.RefitReceiver`` behind the ``engines.base.RefitWorker`` RPCs), ``ignored(bridge)``
+(exported names the engine skips by design, e.g. a tied output layer) and ``after_weights_written``
+(the engine's follow-up once its parameters hold new weights, e.g. dropping a prefix cache computed
+with the old ones; its failure fails the step). The trainer then:
+
+* on the rank that shares the engine's GPU: ``session.refit(bridge, model)`` each step (or
+  ``fp8="blockwise"`` for an engine started from an FP8 blockwise config); ``open`` first is
+  optional (the first refit opens the layout). Every other rank of the model's groups must iterate
+  the same export (it is collective) and drop the tensors: ``refit(..., sender=False)`` does that.
+* ``session.close()`` before the trainer frees the model or the bridge's buffers.
+
+Scope: one trainer rank feeds one engine worker on its GPU (engine tensor parallel size 1; above,
+``engines.sharded_ipc``); the engine process must not be the trainer's own (an engine inside it
+takes ``transport=LocalTransport()``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mbridge_refit.engines.base import RefitStep
+from mbridge_refit.engines.sharded_ipc import CallWorkers
+from mbridge_refit.engines.sharing import (
+    CudaIpcTransport,
+    LayoutRecorder,
+    SharedLayout,
+    Transport,
+)
+from mbridge_refit.plan.entries import PlanError
+from mbridge_refit.runtime.selection import LiveRows
+from mbridge_refit.runtime.weight_source import ExportsWeights, Model
+from mbridge_refit.sinks.base import DiscardSink, drain
+
+__all__ = ["IpcSession", "Stream"]
+
+logger = logging.getLogger(__name__)
+
+Stream = Iterable[tuple[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class _Routes:
+    """How each engine tensor of one (bridge, model, fp8) reaches the engine, decided from the plan
+    (the same on every rank): read live from a trainer parameter, or exported every step."""
+
+    bridge: ExportsWeights
+    chunks: tuple[torch.nn.Module, ...]
+    fp8: str  # repr of the fp8 argument
+    order: tuple[str, ...] | None  # engine tensors in plan order; None: the stream's own (stock fallback)
+    ignored: frozenset[str]  # exported names the engine skips (the session's ``ignored``)
+    live: dict[str, LiveRows]
+    exported: frozenset[str] | None  # the export's ``only=`` (None: every tensor)
+    live_parameters: tuple[torch.Tensor, ...]  # distinct parameters the live tensors read
+
+    def serve(self, bridge: ExportsWeights, chunks: tuple, fp8: str) -> bool:
+        """Whether these routes are for exactly these objects (identity: a new model never
+        inherits another's live parameters, whatever ids it reuses)."""
+        return (
+            self.bridge is bridge
+            and self.fp8 == fp8
+            and len(self.chunks) == len(chunks)
+            and all(a is b for a, b in zip(self.chunks, chunks))
+        )
+
+
+class IpcSession:
+    """A refit session from this trainer process into one engine on the same GPU (module docstring).
+
+    ``call_workers``: ``(method, *args) -> list`` of the workers' results (the adapter bounds it).
+    ``ignored``: exported names the engine skips, for a bridge. ``after_weights_written``: called
+    after every open and replay (the engine's own follow-up). ``check_first_refit``: the engine
+    proves its recorded copies against its own loader on every open (costs one more pass over the
+    weights, once). ``allow_partial``: accept an export that leaves engine parameters unwritten or
+    has tensors the engine does not load (a subset refit). The session references the last refit's
+    model parameters and shared storages until ``close``.
+    """
+
+    def __init__(
+        self,
+        call_workers: CallWorkers,
+        *,
+        transport: Transport | None = None,
+        ignored: Callable[[ExportsWeights], frozenset[str]] = lambda bridge: frozenset(),
+        after_weights_written: Callable[[], None] | None = None,
+        check_first_refit: bool = True,
+        allow_partial: bool = False,
+    ) -> None:
+        self.call_workers = call_workers
+        self.ignored = ignored
+        self.after_weights_written = after_weights_written
+        self.transport = transport or CudaIpcTransport()
+        self.check_first_refit = check_first_refit
+        self.allow_partial = allow_partial
+        self._layout: SharedLayout | None = None
+        self._key: tuple | None = None
+        self._held: list = []  # storages the engine maps: kept alive while it may read them
+        self._payload: bytes | None = None
+        self._routes: _Routes | None = None  # the last refit's (held until close)
+        self._rows_out: dict[str, torch.Tensor] = {}  # copies of live row runs the engine's loader reads at an open
+        self.last_report: dict[str, Any] | None = None
+
+    def open(self, bridge: ExportsWeights, model: Model, *, fp8: Any = None) -> None:
+        """Decide which tensors the engine reads live and which are exported (collective on the
+        first call for a model: the plan). Optional: ``refit`` does it too; the layout itself is
+        shared with the engine by the first refit (its step has ``opened`` and the report)."""
+        self._routes_for(bridge, model, fp8)
+
+    def refit(
+        self,
+        bridge: ExportsWeights,
+        model: Model,
+        *,
+        fp8: Any = None,
+        sender: bool = True,
+        through: Callable[[Stream], Stream] | None = None,
+    ) -> RefitStep | None:
+        """Export ``model`` with ``bridge`` (held cached buffers) and apply it to the engine.
+
+        Collective like ``export_hf_weights``: every rank of the model's groups calls it, with
+        the same ``fp8``; the ranks with ``sender=False`` only take part in the export. Every
+        rank exports the same names (those not live on this layout). ``through`` wraps the
+        sender's stream of every engine tensor (e.g. a check that alters a tensor on its way);
+        such a step always shares its layout anew. Returns the step on the sender."""
+        started = time.perf_counter()
+        routes = self._routes_for(bridge, model, fp8)
+        stream = bridge.export_hf_weights(
+            model, reuse_buffer_from_cache=True, hold_outputs=True, fp8=fp8, show_progress=False, only=routes.exported
+        )
+        if not sender:
+            drain(stream, DiscardSink())
+            return None
+        exported = LayoutRecorder()
+        tensors: dict[str, torch.Tensor] = {}
+        for name, tensor in stream:  # held outputs: valid until the next export
+            if name in routes.ignored:
+                continue
+            exported.add(name, tensor)
+            tensors[name] = tensor
+        key = (exported.key, tuple(p.data_ptr() for p in routes.live_parameters))
+        _synchronize_trainer()  # the engine reads from another process
+        if through is None and self._layout is not None and key == self._key:
+            return self._apply(started)
+        return self._open_step(routes, tensors, key if through is None else None, through, started)
+
+    def refit_stream(self, stream: Stream, *, started: float | None = None) -> RefitStep:
+        """Apply ``stream`` (``(hf_name, tensor)`` on this GPU, each valid until the stream ends);
+        every tensor is read from the stream's memory (nothing is live)."""
+        started = time.perf_counter() if started is None else started
+        recorder = LayoutRecorder()
+        for name, tensor in stream:
+            self._check_device(name, tensor)
+            recorder.add(name, tensor)
+        _synchronize_trainer()
+        if self._layout is not None and recorder.key == self._key:
+            return self._apply(started)
+        return self._open(recorder, recorder.key, started)
+
+    def _routes_for(self, bridge: ExportsWeights, model: Model, fp8: Any) -> _Routes:
+        """The routes of this (bridge, model, fp8); those of the last refit are kept."""
+        chunks = tuple(model if isinstance(model, list) else [model])
+        if self._routes is None or not self._routes.serve(bridge, chunks, repr(fp8)):
+            self._routes = _plan_routes(bridge, chunks, fp8, self.ignored(bridge))
+        return self._routes
+
+    def _open_step(
+        self,
+        routes: _Routes,
+        tensors: dict[str, torch.Tensor],
+        key: tuple | None,
+        through: Callable[[Stream], Stream] | None,
+        started: float,
+    ) -> RefitStep:
+        """Share this step's layout: every engine tensor, live ones as views of the parameters
+        (row runs copied once, for the engine's loader, and named as rows)."""
+        order = routes.order if routes.order is not None else tuple(tensors)
+        pairs, rows_of = [], {}
+        for name in order:
+            live = routes.live.get(name)
+            if live is None:
+                pairs.append((name, tensors[name]))
+                continue
+            tensor = live.tensor() if live.is_view else live.tensor(out=self._rows_buffer(name, live))
+            if not live.is_view:
+                rows_of[name] = (tensor, (live.source(), live.runs))
+            pairs.append((name, tensor))
+        recorder = LayoutRecorder()
+        for name, tensor in through(iter(pairs)) if through is not None else pairs:
+            self._check_device(name, tensor)
+            rows = rows_of.get(name)
+            recorder.add(name, tensor, rows=rows[1] if rows is not None and rows[0] is tensor else None)
+        _synchronize_trainer()
+        return self._open(recorder, key, started)
+
+    def _rows_buffer(self, name: str, live: LiveRows) -> torch.Tensor:
+        source = live.source()
+        buffer = self._rows_out.get(name)
+        if (
+            buffer is None
+            or tuple(buffer.shape) != live.shape
+            or buffer.dtype != source.dtype
+            or buffer.device != source.device
+        ):
+            buffer = self._rows_out[name] = torch.empty(live.shape, dtype=source.dtype, device=source.device)
+        return buffer
+
+    def _check_device(self, name: str, tensor: torch.Tensor) -> None:
+        if isinstance(self.transport, CudaIpcTransport) and tensor.device.type != "cuda":
+            raise ValueError(f"{name} is on {tensor.device}: CUDA IPC shares GPU memory (export with cpu=False)")
+
+    def _apply(self, started: float) -> RefitStep:
+        exported = time.perf_counter()
+        engine_ms = self._rpc("mbridge_refit_apply", self._layout.fingerprint)
+        self._after_apply()
+        done = time.perf_counter()
+        return RefitStep(
+            tensors=len(self._layout.refs),
+            bytes=self._layout.nbytes,
+            ms=(done - started) * 1e3,
+            opened=False,
+            export_ms=(exported - started) * 1e3,
+            apply_ms=(done - exported) * 1e3,
+            engine_ms=engine_ms,
+        )
+
+    def _open(self, recorder: LayoutRecorder, key: tuple | None, started: float) -> RefitStep:
+        exported = time.perf_counter()
+        if self._layout is not None:
+            logger.info("refit: the export's layout changed (other storages or tensors): sharing it anew")
+        layout, storages = recorder.layout()
+        payload = self.transport.share(storages)
+        report = self._rpc(
+            "mbridge_refit_open",
+            layout.to_wire(),
+            payload,
+            self.transport.name,
+            self.check_first_refit,
+            self.allow_partial,
+        )
+        self._release_payload()
+        self._layout, self._key, self._held, self._payload = layout, key, storages, payload
+        self.last_report = report
+        self._after_apply()
+        done = time.perf_counter()
+        return RefitStep(
+            tensors=len(layout.refs),
+            bytes=layout.nbytes,
+            ms=(done - started) * 1e3,
+            opened=True,
+            export_ms=(exported - started) * 1e3,
+            apply_ms=(done - exported) * 1e3,
+            report=report,
+        )
+
+    def _after_apply(self) -> None:
+        if self.after_weights_written is not None:
+            self.after_weights_written()
+
+    def fingerprints(self) -> dict[str, tuple[int, int]]:
+        """The engine's exact per-parameter fingerprints (first worker)."""
+        return {name: tuple(fp) for name, fp in self._rpc("mbridge_refit_fingerprints").items()}
+
+    def close(self) -> None:
+        """Tell the engine to forget the mapped tensors, then release them."""
+        if self._layout is not None:
+            self._rpc("mbridge_refit_close")
+        self._release_payload()
+        self._layout, self._key, self._held, self._rows_out, self._routes = None, None, [], {}, None
+
+    def _release_payload(self) -> None:
+        release = getattr(self.transport, "release", None)
+        if release is not None and self._payload is not None:
+            release(self._payload)  # the in-process transport keeps storages until told
+        self._payload = None
+
+    def _rpc(self, method: str, *args: Any) -> Any:
+        """``method`` on every worker; the first worker's result."""
+        results = self.call_workers(method, *args)
+        return results[0] if results else None
+
+
+def _plan_routes(bridge: ExportsWeights, chunks: tuple, fp8: Any, ignored: frozenset[str]) -> _Routes:
+    """Which engine tensors are live and which the export yields (module docstring)."""
+    owner = {"bridge": bridge, "chunks": chunks, "fp8": repr(fp8), "ignored": ignored}
+    try:
+        plan = bridge.export_plan(list(chunks), fp8=fp8)
+    except PlanError:
+        return _Routes(**owner, order=None, live={}, exported=None, live_parameters=())
+    order = tuple(e.hf_name for e in plan.entries if e.hf_name not in ignored)
+    live = {name: rows for name, rows in bridge.live_rows(list(chunks), fp8=fp8).items() if name not in ignored}
+    exported = frozenset(name for name in order if name not in live)
+    parameters = {id(rows.parameter): rows.parameter for rows in live.values()}
+    everything = not live and not ignored
+    return _Routes(
+        **owner,
+        order=order,
+        live=live,
+        exported=None if everything else exported,
+        live_parameters=tuple(parameters.values()),
+    )
+
+
+def _synchronize_trainer() -> None:
+    if torch.cuda.is_initialized():
+        torch.cuda.current_stream().synchronize()

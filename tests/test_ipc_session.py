@@ -1,0 +1,124 @@
+"""An engine adapter plugs into the colocated transport without vLLM: a few lines bind
+``engines.ipc_session.IpcSession`` to an engine of this test's own (its workers called in this
+process, arguments and results pickled as between processes; the worker is the transport's engine
+side, ``engines.ipc.RefitReceiver``), and a Megatron model on one CPU rank refits it exactly.
+
+Oracles: the checkpoint on disk for the first refit, the stock export (Megatron-Bridge's own) of the
+changed model for the second; never our own export.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import sys
+
+import torch
+from conftest import REPO
+
+from mbridge_refit.engines.ipc import RefitReceiver
+from mbridge_refit.engines.ipc_session import IpcSession
+from mbridge_refit.engines.sharing import LocalTransport
+
+sys.path.insert(0, str(REPO / "tests" / "ranks"))
+from oracle import read_checkpoint  # noqa: E402
+from rank_checks import change_weights  # noqa: E402
+
+SKIPPED = "model.norm.weight"  # a name this engine does not have: its adapter says it skips it
+
+
+class Engine(torch.nn.Module):
+    """An engine of its own: one parameter per HF tensor it loads (dots as ``__``), loaded by copies."""
+
+    def __init__(self, hf: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.params = torch.nn.ParameterDict(
+            {
+                name.replace(".", "__"): torch.nn.Parameter(torch.zeros_like(t), requires_grad=False)
+                for name, t in hf.items()
+                if name != SKIPPED
+            }
+        )
+
+    def load_weights(self, weights):
+        for name, tensor in weights:
+            self.params[name.replace(".", "__")].data.copy_(tensor)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {name.replace("__", "."): p.data for name, p in self.params.items()}
+
+
+class Worker:
+    """The engine's worker: the RPCs of ``engines.base.RefitWorker`` the colocated transport calls."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.receiver = RefitReceiver(engine, torch.device("cpu"))
+
+    def mbridge_refit_open(self, wire, payload, transport, check, allow_partial):
+        return self.receiver.open(wire, payload, transport, check=check, allow_partial=allow_partial)
+
+    def mbridge_refit_apply(self, fingerprint):
+        return self.receiver.apply(fingerprint)
+
+    def mbridge_refit_close(self):
+        self.receiver.close()
+
+
+def test_an_engine_adapter_of_its_own_refits_through_ipc_session_exactly(source_checkpoints):
+    from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.convert.session import distributed_session
+    from mbridge_refit.models.builder import BuildOptions, build_model
+    from mbridge_refit.plan.layout import ParallelLayout
+    from mbridge_refit.testing.conformance import restored_environment
+
+    hf_dir = source_checkpoints("qwen3-tiny")
+    on_disk = read_checkpoint(hf_dir)
+    engine = Engine(on_disk)
+    worker, written = Worker(engine), []
+
+    def call_workers(method, *args):  # the adapter: how to reach its engine's workers
+        args = pickle.loads(pickle.dumps(args))
+        return pickle.loads(pickle.dumps([getattr(worker, method)(*args)]))
+
+    session = IpcSession(
+        call_workers,
+        transport=LocalTransport(),
+        ignored=lambda bridge: frozenset({SKIPPED}),
+        after_weights_written=lambda: written.append(True),
+    )
+    cpu, layout = torch.device("cpu"), ParallelLayout()
+    with restored_environment(), distributed_session(layout, device=cpu, timeout=datetime.timedelta(minutes=2)):
+        bridge = RefitBridge.from_hf_pretrained(hf_dir)
+        chunks = build_model(bridge, layout, BuildOptions(device=cpu, params_dtype=torch.bfloat16))
+        bridge.load_hf_shards(chunks, hf_dir)
+
+        first = session.refit(bridge, chunks)
+        assert first.opened and not first.report["missing"] and not first.report["unexpected"], first.report
+        expected = {name: t for name, t in on_disk.items() if name != SKIPPED}
+        assert first.tensors == len(expected)
+        state = engine.state()
+        assert set(state) == set(expected)
+        assert [n for n in expected if not torch.equal(state[n].view(torch.uint8), expected[n].view(torch.uint8))] == []
+
+        changed = change_weights(bridge, chunks)  # the stock export of the changed model
+        second = session.refit(bridge, chunks)
+        assert not second.opened  # replayed
+        state = engine.state()
+        wrong = [n for n in state if not torch.equal(state[n].view(torch.uint8), changed[n].view(torch.uint8))]
+        assert wrong == []
+        assert written == [True, True]
+        session.close()
+        bridge.release_export_buffers()
+    assert not worker.receiver.is_open
+
+
+def test_the_engine_agnostic_sessions_import_without_any_engine_adapter():
+    import subprocess
+
+    code = (
+        "import sys, mbridge_refit.engines.ipc_session, mbridge_refit.engines.broadcast_session; "
+        "print(sorted(m for m in sys.modules if m.startswith('mbridge_refit.engines.vllm') or m == 'vllm'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
