@@ -87,7 +87,11 @@ def meta_model(model: str, layout):
     from mbridge_refit.models.recipes import full_size_config
 
     bridge = RefitBridge.from_hf_config(full_size_config(model))
-    options = BuildOptions(device=torch.device("cpu"), params_dtype=torch.bfloat16, materialize=False)
+    # weights only (the plan never runs a forward): Megatron's few CUDA-device queries answer the CPU,
+    # which a model with YaRN RoPE (DeepSeek-V3's MLA) needs to be built without a driver at all
+    options = BuildOptions(
+        device=torch.device("cpu"), params_dtype=torch.bfloat16, materialize=False, weights_only=True
+    )
     return bridge, build_model(bridge, layout, options)
 
 
