@@ -32,6 +32,7 @@ from mbridge_refit.runtime.weight_source import ExportsWeights, Model
 __all__ = [
     "ADAPTER_IPC",
     "BROADCAST",
+    "CallWorkers",
     "IPC",
     "RPC_PREFIX",
     "TRANSPORT_NAMES",
@@ -51,6 +52,10 @@ BROADCAST = "broadcast"  # other GPUs: the packed broadcast over a group joined 
 ADAPTER_IPC = "adapter_ipc"  # colocated, a LoRA adapter only, into the engine's slot (engines.adapter_ipc)
 TRANSPORT_NAMES = (IPC, SHARDED_IPC, BROADCAST, ADAPTER_IPC)
 RPC_PREFIX = "mbridge_refit_"  # every worker RPC's name starts so
+
+# How a trainer-side session calls an engine's workers, what an engine adapter gives each session:
+# (RPC name, *arguments) -> the results of the workers the call reached, in worker order.
+CallWorkers = Callable[..., list]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -47,9 +47,8 @@ from typing import Any, Protocol
 
 import torch
 
-from mbridge_refit.engines.base import RefitStep
+from mbridge_refit.engines.base import CallWorkers, RefitStep
 from mbridge_refit.engines.broadcast import SOURCE_RANK
-from mbridge_refit.engines.sharded_ipc import CallWorkers
 from mbridge_refit.runtime.broadcast_group import (
     PEER_SILENT_S,
     PeerFailedError,
@@ -196,36 +195,15 @@ class BroadcastSession:
         started = time.perf_counter()
         plan = self._session[3]
         stream = bridge.export_hf_weights(chunks, reuse_buffer_from_cache=True, fp8=fp8, show_progress=False)
-        if not self.source:
-            drain(
-                stream,
-                PackedBroadcastSender(
-                    plan,
-                    self.config,
-                    group=None,
-                    src=SOURCE_RANK,
-                    device=self.device,
-                    trainer_group=self.trainer_group,
-                    trainer_src=self.trainer_src,
-                )
-                if self.trainer_group is not None
-                else DiscardSink(),
-            )
+        if not self.source:  # with a trainer group, its sender checks the stream against the plan
+            drain(stream, self._sender(plan, None) if self.trainer_group is not None else DiscardSink())
             self._share(None)
             return None
         receive = self.start_workers("mbridge_refit_receive")
         sender = None
         try:
             with self.group.watching(receive.failure):
-                sender = PackedBroadcastSender(
-                    plan,
-                    self.config,
-                    group=self.group,
-                    src=SOURCE_RANK,
-                    device=self.device,
-                    trainer_group=self.trainer_group,
-                    trainer_src=self.trainer_src,
-                )
+                sender = self._sender(plan, self.group)
                 count = drain(stream, sender)  # the sender's own failures reach every trainer rank in there
             sent_at = time.perf_counter()
         except BaseException as sent:
@@ -254,6 +232,18 @@ class BroadcastSession:
             export_ms=(sent_at - started) * 1e3,
             apply_ms=(received_at - sent_at) * 1e3,
             reset_ms=(done - received_at) * 1e3,
+        )
+
+    def _sender(self, plan: Any, group: StoreGroup | None) -> PackedBroadcastSender:
+        """This rank's packed-broadcast sender: over ``group`` on the source, None on the other trainer ranks."""
+        return PackedBroadcastSender(
+            plan,
+            self.config,
+            group=group,
+            src=SOURCE_RANK,
+            device=self.device,
+            trainer_group=self.trainer_group,
+            trainer_src=self.trainer_src,
         )
 
     def _serves(self, bridge: ExportsWeights, chunks: list, fp8: Any) -> bool:

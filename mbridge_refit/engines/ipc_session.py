@@ -40,8 +40,7 @@ from typing import Any
 
 import torch
 
-from mbridge_refit.engines.base import RefitStep
-from mbridge_refit.engines.sharded_ipc import CallWorkers
+from mbridge_refit.engines.base import CallWorkers, RefitStep
 from mbridge_refit.engines.sharing import (
     CudaIpcTransport,
     LayoutRecorder,

@@ -43,14 +43,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mbridge_refit.engines.base import RefitStep
+from mbridge_refit.engines.base import CallWorkers, RefitStep
 from mbridge_refit.engines.sharing import LayoutRecorder, ShardBox, SharedLayout, Transport
 from mbridge_refit.errors import EngineError, InputError
 
-__all__ = ["CallWorkers", "ShardedIpcSession", "ShardedRefitError", "worker_entry"]
-
-# (RPC name, *arguments) -> the results of the workers the call reached, in worker order
-CallWorkers = Callable[..., list]
+__all__ = ["ShardedIpcSession", "ShardedRefitError", "worker_entry"]
 
 
 class ShardedRefitError(EngineError):

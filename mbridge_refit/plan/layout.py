@@ -218,7 +218,6 @@ class ModelShape:
         )
 
 
-# HF config fields that count a mixture-of-experts layer's routed experts, by family.
 # Megatron's process groups by the names plans give them; Megatron's parallel state reads this
 # process's place in group g by ``get_<g>_world_size()`` and ``get_<g>_rank()``.
 MEGATRON_GROUPS = {
@@ -239,6 +238,7 @@ def megatron_parallel_state(of: str, groups: Iterable[str] = tuple(MEGATRON_GROU
     return {name: getattr(ps, f"get_{MEGATRON_GROUPS[name]}_{of}")() for name in groups}
 
 
+# HF config fields that count a mixture-of-experts layer's routed experts, by family.
 _EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 # HF config fields that hold one routed expert's FFN size, by family (else ``intermediate_size``).
 _EXPERT_SIZE_FIELDS = ("moe_intermediate_size", "expert_intermediate_size")
