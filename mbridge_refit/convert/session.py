@@ -91,8 +91,11 @@ def init_model_parallel(layout: ParallelLayout, *, seed: int = 0) -> None:
     """Create Megatron's model-parallel groups for ``layout`` (the default group must exist); the
     ranks beyond one replica (``layout.model_parallel_size``) become data-parallel replicas.
 
-    With NCCL, also seeds Megatron's CUDA RNG tracker (Transformer Engine layers draw their
-    initialisation from it).
+    Seeds the CPU generator with ``seed`` on every rank, as Megatron's own initialisation does
+    (Megatron initialises router weights on the CPU: with one seed they are equal across
+    tensor-parallel ranks, as in training, and an export may take any rank's copy). With NCCL,
+    also seeds Megatron's CUDA RNG tracker (Transformer Engine layers draw their initialisation
+    from it).
     """
     from megatron.core import parallel_state
 
@@ -107,6 +110,7 @@ def init_model_parallel(layout: ParallelLayout, *, seed: int = 0) -> None:
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
     )
+    torch.manual_seed(seed)
     if dist.get_backend() == "nccl":
         from megatron.core import tensor_parallel
 
