@@ -59,12 +59,14 @@ __all__ = [
     "BLOCK",
     "BlockwiseFP8Config",
     "E4M3_MAX",
+    "FP8Pair",
     "FP8FormatError",
     "FP8_DTYPE",
     "FP8_DTYPE_NAME",
     "SCALE_DTYPE",
     "SCALE_DTYPE_NAME",
     "SCALE_SUFFIX",
+    "Scratch",
     "row_piece",
     "scale_name",
     "scale_shape",
@@ -74,6 +76,8 @@ BLOCK = 128
 E4M3_MAX = 448.0
 FP8_DTYPE = torch.float8_e4m3fn
 SCALE_DTYPE = torch.float32
+FP8Pair = tuple[torch.Tensor, torch.Tensor]  # what a quantizer returns: (e4m3fn data, fp32 scale_inv)
+Scratch = torch.Tensor | None  # a quantizer's preallocated output or work buffer; None: allocate one
 SCALE_SUFFIX = "_scale_inv"  # <module>.weight -> <module>.weight_scale_inv
 FP8_DTYPE_NAME = str(FP8_DTYPE).removeprefix("torch.")  # as plan entries name dtypes
 SCALE_DTYPE_NAME = str(SCALE_DTYPE).removeprefix("torch.")

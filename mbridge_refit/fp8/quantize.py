@@ -15,7 +15,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from mbridge_refit.fp8.format import BLOCK, FP8_DTYPE, SCALE_DTYPE, row_piece, scale_shape
+from mbridge_refit.fp8.format import BLOCK, FP8_DTYPE, SCALE_DTYPE, FP8Pair, Scratch, row_piece, scale_shape
 from mbridge_refit.fp8.reference import padded_shape, quantize_reference
 from mbridge_refit.plan.entries import ExportPlan
 from mbridge_refit.runtime.buffers import ExportBuffers
@@ -25,12 +25,8 @@ __all__ = ["BucketQuantizer", "quantize_blockwise", "quantize_bucket_lists", "qu
 
 
 def quantize_blockwise(
-    x: torch.Tensor,
-    *,
-    out: torch.Tensor | None = None,
-    scale_out: torch.Tensor | None = None,
-    work: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor, *, out: Scratch = None, scale_out: Scratch = None, work: Scratch = None
+) -> FP8Pair:
     """``quantize_reference``'s bits, by the single-tensor Triton kernel on CUDA where it is
     usable (then ``work`` is not used), else by the reference itself."""
     if x.is_cuda and x.dim() == 2 and _kernel_usable("single"):

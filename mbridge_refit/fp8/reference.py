@@ -14,18 +14,23 @@ import math
 
 import torch
 
-from mbridge_refit.fp8.format import BLOCK, E4M3_MAX, FP8_DTYPE, SCALE_DTYPE, FP8FormatError, scale_shape
+from mbridge_refit.fp8.format import (
+    BLOCK,
+    E4M3_MAX,
+    FP8_DTYPE,
+    SCALE_DTYPE,
+    FP8FormatError,
+    FP8Pair,
+    Scratch,
+    scale_shape,
+)
 
 __all__ = ["dequantize_blockwise", "padded_shape", "quantize_reference"]
 
 
 def quantize_reference(
-    x: torch.Tensor,
-    *,
-    out: torch.Tensor | None = None,
-    scale_out: torch.Tensor | None = None,
-    work: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor, *, out: Scratch = None, scale_out: Scratch = None, work: Scratch = None
+) -> FP8Pair:
     """Quantize a 2-D tensor to (e4m3fn data, fp32 ``scale_inv``) with torch ops.
 
     ``out`` [rows, cols] float8_e4m3fn, ``scale_out`` ``scale_shape(x.shape)`` float32 and ``work``

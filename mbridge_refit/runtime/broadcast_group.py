@@ -73,6 +73,7 @@ __all__ = [
     "BroadcastGroup",
     "BroadcastGroupError",
     "DEFAULT_TIMEOUT",
+    "GroupLike",
     "GroupSetupError",
     "OUTSIDE_GRACE_S",
     "PEER_CHECK_S",
@@ -149,6 +150,9 @@ class BroadcastGroup(Protocol):
     def broadcast_object(self, obj: Any, src: int, device: torch.device) -> Any: ...
 
     def post_error(self, message: str) -> None: ...
+
+
+GroupLike = BroadcastGroup | dist.ProcessGroup  # a group as the packed broadcast's ends take it (as_broadcast_group)
 
 
 class TorchGroup:
@@ -583,6 +587,7 @@ def _process_group(backend: str, store: Any, rank: int, world_size: int, timeout
     return dist.ProcessGroupNCCL(store, rank, world_size, options)
 
 
-def as_broadcast_group(group: Any) -> BroadcastGroup:
-    """``group`` as a ``BroadcastGroup``: itself if it is one, else a ``TorchGroup`` around it."""
+def as_broadcast_group(group: GroupLike | None) -> BroadcastGroup:
+    """``group`` as a ``BroadcastGroup``: itself if it is one, else a ``TorchGroup`` around it (None: the
+    default ``torch.distributed`` group)."""
     return group if isinstance(group, BroadcastGroup) else TorchGroup(group)

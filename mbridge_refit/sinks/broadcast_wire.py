@@ -51,8 +51,6 @@ __all__ = [
     "split_pieces",
 ]
 
-logger = logging.getLogger(__name__)
-
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
 ALIGN_BYTES = 16
 _MAGIC = 0x5042_5246  # "PBRF"
@@ -68,6 +66,8 @@ _HEADER_FIELDS = (
     "entries",
 )
 STATUS_OK, STATUS_CHECKSUM, STATUS_CONSUMER = 0, 1, 2
+
+logger = logging.getLogger(__name__)
 
 
 class PlanMismatchError(TransportError):

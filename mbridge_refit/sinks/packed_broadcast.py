@@ -62,7 +62,7 @@ import torch
 import torch.distributed as dist
 
 from mbridge_refit.plan.entries import ExportPlan
-from mbridge_refit.runtime.broadcast_group import as_broadcast_group
+from mbridge_refit.runtime.broadcast_group import GroupLike, as_broadcast_group
 from mbridge_refit.sinks.base import WeightSink
 from mbridge_refit.sinks.broadcast_wire import (
     ALIGN_BYTES,
@@ -151,9 +151,9 @@ class PackedBroadcastSender(WeightSink):
         plan: ExportPlan | str,
         config: PackedBroadcastConfig,
         *,
-        group: Any,
+        group: GroupLike | None,
         src: int,
-        trainer_group: Any = None,
+        trainer_group: GroupLike | None = None,
         trainer_src: int | None = None,
         device: torch.device | str | None = None,
     ) -> None:
@@ -432,7 +432,7 @@ class PackedBroadcastReceiver:
         plan: ExportPlan | str,
         config: PackedBroadcastConfig,
         *,
-        group: Any,
+        group: GroupLike,
         src: int,
         device: torch.device | str | None = None,
         buffers: ReceiveBuffers | None = None,
