@@ -289,7 +289,12 @@ SLOW_CASES = frozenset(
         "tests/test_sharded_refit.py::test_every_engine_rank_gets_its_slices_of_the_checkpoint[tp2]",
         "tests/test_sharded_refit.py::test_benchmark_runs_exactly_on_cpu",  # the benchmark script's CPU smoke run
         "tests/test_replicas.py::test_replicated_layout_exports_exactly[dp2_tp2]",
-        "tests/test_replicas.py::test_replicas_write_their_shares_in_parallel[qwen3-tp2]",  # as test_roundtrip_cli_with_replicas[dp2_tp2]
+        "tests/test_replicas.py::test_replicas_write_their_shares_in_parallel[qwen3-tp2]",  # as test_export_from_megatron_with_replicas
+        # The CI run at a1c3d53 took 2982 s with setup: two more 4-rank and TP2 repeats (27-44 s). The CLI
+        # with replicas stays proven by test_export_from_megatron_with_replicas; a perturbed weight failing
+        # the verifier by its TP1 case (the README's example), the verifier at TP2 by its passing cases.
+        "tests/test_replicas.py::test_roundtrip_cli_with_replicas[dp2_tp2]",
+        "tests/test_verify_refit.py::test_verifier_fails_loudly_on_a_perturbed_weight",
         "tests/test_plan.py::test_plan_cli_json_matches_the_checkpoint[dp2_tp2_ep2]",
         *(
             f"tests/test_conformance.py::{test}[{cell}]"
