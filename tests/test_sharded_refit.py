@@ -54,11 +54,14 @@ def _run(case, source_checkpoints, tmp_path) -> list[dict]:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_every_engine_rank_gets_its_slices_of_the_checkpoint(case, source_checkpoints, tmp_path):
-    plans = _run(case, source_checkpoints, tmp_path)[0]["plans"]
+    reports = _run(case, source_checkpoints, tmp_path)
+    plans = reports[0]["plans"]
     assert set(plans) == set(CASES[case][2])
     for engine, summary in plans.items():
         assert summary["bytes_moved"] + summary["bytes_local"] == summary["shard_bytes"], engine
         assert summary["bytes_moved"] <= summary["full_gather_bytes"], engine
+    if "--faults" in CASES[case][3]:  # copies of a replicated tensor that differ: refused on every rank
+        assert all("tensor(s) that several trainer ranks hold differ" in r["faults"]["replica_error"] for r in reports)
     if case == "tp1":  # four replicas of the whole model: every engine rank's bytes are on its own rank
         assert all(s["bytes_moved"] == 0 and s["full_gather_bytes"] == 0 for s in plans.values())
     if case == "tp2":  # the trainer's TP2 ranks are the engine's TP2 ranks: nothing crosses ranks

@@ -31,6 +31,7 @@ __all__ = [
     "current_rank_groups",
     "current_trainer_rank",
     "gather_into",
+    "group_ranks",
     "is_rank_zero",
     "replica_participants",
     "wire_view",
@@ -176,3 +177,8 @@ def replica_participants(everyone: list[RankGroups], replica: int) -> frozenset[
                     needed.add(peer)
                     frontier.append(peer)
     return frozenset(needed)
+
+
+def group_ranks(group: Any) -> list[int]:
+    """The global ranks of ``group`` in its rank order (None: the default group, every rank)."""
+    return list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)

@@ -8,6 +8,10 @@ engine ranks that receive, most often the same ranks) from the same ``TransferPl
 1. handshake: one ``all_gather`` of int64 ``[plan fingerprint, status]``; a rank whose plan
    differs, or whose shards or parameters do not fit the plan (checked locally first), makes
    every member raise ``TransferMismatchError`` naming the ranks, before any data moves;
+   On the first run, the copies of every tensor that several trainer ranks send (replicated
+   norms and routers, dense weights under expert parallelism) are compared by exact checksum
+   (``runtime.replica_agreement``): copies that differ raise ``ReplicaMismatchError`` on
+   every rank, since each engine rank would receive another version;
 2. for each peer, the parts it must receive are packed back to back (16-byte aligned) into one
    cached send buffer; all sends and receives are posted together (``batch_isend_irecv``, one
    NCCL group), the local parts are copied meanwhile, then received parts are unpacked into the
@@ -36,7 +40,9 @@ import torch.distributed as dist
 from mbridge_refit.errors import TransportError
 from mbridge_refit.plan.engine_layout import Box
 from mbridge_refit.plan.transfer import Move, TransferPlan
+from mbridge_refit.runtime.collectives import group_ranks
 from mbridge_refit.runtime.param_sync import finish_pending_param_gathers
+from mbridge_refit.runtime.replica_agreement import check_replicas, replicated_regions
 
 __all__ = ["ALIGN_BYTES", "ShardedTransfer", "TransferChecksumError", "TransferMismatchError", "TransferStats"]
 
@@ -112,6 +118,8 @@ class ShardedTransfer:
         self._sums = torch.zeros(len(self.sends) + len(self.receives), dtype=torch.int64, device=self.device)
         self._local_sum = torch.zeros((), dtype=torch.int64, device=self.device)
         self._control = _Control(dist.get_world_size(group), self.device)
+        self._replicas = replicated_regions(plan)
+        self._replicas_agree = not self._replicas  # checked on the first run that gets past the handshake
 
     # --- the engine side's tensors ---------------------------------------------------------------
 
@@ -133,6 +141,9 @@ class ShardedTransfer:
         """Deliver this rank's shards (collective over ``group``; see the module docstring)."""
         self._handshake(self._param_problem or self._shards_problem(shards))
         finish_pending_param_gathers(self.chunks)  # the weights of the last optimizer step
+        if not self._replicas_agree:
+            check_replicas(self._replicas, self.params, group=self.group, device=self.device)
+            self._replicas_agree = True
         self._ensure_buffers()
         copies = self._views(shards)
         _copy_all(copies.pack)
@@ -210,7 +221,7 @@ class ShardedTransfer:
         failed = [i for i, row in enumerate(everyone) if int(row[1]) != _OK]
         if len(fingerprints) == 1 and not failed:
             return
-        ranks = _group_ranks(self.group)
+        ranks = group_ranks(self.group)
         parts = []
         if len(fingerprints) > 1:
             by_plan = defaultdict(list)
@@ -265,7 +276,7 @@ class ShardedTransfer:
 
     def _share_status(self, bad_peers: list[int]) -> None:
         everyone = self._control.exchange([_BAD_CHECKSUM if bad_peers else _OK, 0], self.group)
-        failed = [rank for rank, row in zip(_group_ranks(self.group), everyone) if int(row[0]) != _OK]
+        failed = [rank for rank, row in zip(group_ranks(self.group), everyone) if int(row[0]) != _OK]
         if failed:
             here = f"; here, from rank(s) {bad_peers}" if bad_peers else ""
             raise TransferChecksumError(
@@ -379,10 +390,6 @@ class _Control:
         else:  # into the flat buffer: the list form would allocate a staging copy every call
             dist.all_gather_into_tensor(self.flat, self.mine, group=group)
         return self.everyone
-
-
-def _group_ranks(group: Any) -> list[int]:
-    return list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
 
 
 def _device_of(params: Mapping[str, torch.Tensor]) -> torch.device:

@@ -116,7 +116,35 @@ def run_faults(bridge, chunks, engines: list[str], shards_of) -> dict:
     with flipping_sent_bytes(transfer, flip=rank == senders[0]):
         message = expect_raise(TransferChecksumError, lambda: transfer.run(shards), "a flipped byte")
     transfer.run(shards)  # the same transfer runs clean afterwards
-    return {"checksum_error": message[:200]}
+    return {"checksum_error": message[:200], "replica_error": disagreeing_replicas_refused(bridge, chunks, plans)[:300]}
+
+
+def disagreeing_replicas_refused(bridge, chunks, plans) -> str:
+    """One element of a tensor that two trainer ranks send (a replicated norm) changed on one of
+    them: the transfer's first run refuses on every rank, naming the tensor and both ranks, before
+    any shard is written; with the element restored a new transfer runs."""
+    from mbridge_refit.runtime.replica_agreement import ReplicaMismatchError, replicated_regions
+
+    plan = next(p for p in plans if replicated_regions(p))
+    region = replicated_regions(plan)[0]
+    transfer = bridge.sharded_transfer(chunks, plan)
+    shards = {name: t.zero_() for name, t in transfer.allocate_shards().items()}
+    before = {name: t.clone() for name, t in shards.items()}
+    rank, param, box = region.sources[-1]
+    changed = transfer.params[param] if dist.get_rank() == rank else None
+    element = tuple(start for start, _ in box)
+    with torch.no_grad():
+        if changed is not None:
+            changed[element] += 1
+        message = expect_raise(ReplicaMismatchError, lambda: transfer.run(shards), "replicas that differ")
+        if changed is not None:
+            changed[element] -= 1
+    if region.hf_name not in message or str(list(region.source_ranks)) not in message:
+        fail(f"the replica refusal does not name {region.hf_name} on {list(region.source_ranks)}: {message}")
+    if any(not torch.equal(before[name], t) for name, t in shards.items()):
+        fail("the refused transfer wrote engine shards")
+    bridge.sharded_transfer(chunks, plan).run(shards)
+    return message
 
 
 @contextlib.contextmanager
