@@ -125,6 +125,7 @@ class VLLMAdapterRefit:
             export_ms=(exported - started) * 1e3,
             apply_ms=(done - exported) * 1e3,
             engine_ms=loaded["ms"],
+            workers=[loaded],
         )
 
     def close(self) -> None:

@@ -52,12 +52,12 @@ def load_adapter(
 ) -> dict[str, Any]:
     """Build the adapter of ``tensors`` (PEFT names -> factors, any device) as vLLM builds it from disk,
     and put it under ``lora_int_id`` in place of the previous one (module docstring); returns
-    ``{ms, modules, slot}``."""
+    ``{ms, modules, slot, phases_ms}`` (``phases_ms``: the time of each step above, by name)."""
     from vllm.lora.lora_model import LoRAModel
     from vllm.lora.peft_helper import PEFTHelper
     from vllm.lora.utils import parse_fine_tuned_lora_name
 
-    started = time.perf_counter()
+    clock = _PhaseClock()
     helper = PEFTHelper.from_dict({**config, "vllm_max_position_embeddings": worker_manager.max_position_embeddings})
     helper.validate_legal(worker_manager.lora_config)
     manager = worker_manager._adapter_manager
@@ -65,6 +65,7 @@ def load_adapter(
     mapper = getattr(model, "hf_to_vllm_mapper", None)
     mapper = mapper.get_unstacked_mapper() if mapper is not None else None
     host = {name: tensor.to("cpu") for name, tensor in tensors.items()}  # the bytes safetensors would give
+    clock.lap("to_host")
     modules = {parse_fine_tuned_lora_name(name, mapper)[0] for name in host}
     missing = unplaced(modules, adapter_limits(worker_manager))
     if missing:
@@ -72,6 +73,7 @@ def load_adapter(
             f"{len(missing)} adapter module(s) that no LoRA module of the engine takes, e.g. {missing[:3]} "
             "(vLLM would drop them): adapt only the modules the engine wraps, or start it with them"
         )
+    clock.lap("check")
     lora = LoRAModel.from_lora_tensors(
         lora_model_id=lora_int_id,
         tensors=host,
@@ -83,16 +85,37 @@ def load_adapter(
         skip_prefixes=getattr(model, "lora_skip_prefixes", None),
     )
     lora.is_3d_lora_weight = False
+    clock.lap("build")
     manager.remove_adapter(lora.id)
     if len(manager) + 1 > manager.capacity:
         manager.remove_oldest_adapter()
+    clock.lap("remove")
     manager.add_adapter(lora)
+    clock.lap("add")
     manager.activate_adapter(lora.id)
     manager.pin_adapter(lora.id)
     if torch.cuda.is_available():
         torch.cuda.current_stream().synchronize()  # the slot holds the adapter when the RPC returns
+    clock.lap("activate")
     return {
-        "ms": (time.perf_counter() - started) * 1e3,
+        "ms": clock.total_ms(),
         "modules": len(modules),
         "slot": manager.lora_index_to_id.index(lora.id),
+        "phases_ms": clock.laps,
     }
+
+
+class _PhaseClock:
+    """Milliseconds per named phase of one load, in order (where a step's time goes)."""
+
+    def __init__(self) -> None:
+        self.started = self.last = time.perf_counter()
+        self.laps: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = round((now - self.last) * 1e3, 3)
+        self.last = now
+
+    def total_ms(self) -> float:
+        return (time.perf_counter() - self.started) * 1e3
