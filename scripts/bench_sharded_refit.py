@@ -63,16 +63,28 @@ def timed(action, device: torch.device, steps: int) -> tuple[list[float], int]:
 
 
 def same_weights_on_every_replica(chunks) -> None:
-    """Random weights differ between data-parallel replicas; a training job's do not. Broadcast
-    every parameter from the first replica (experts over the expert data-parallel group)."""
+    """Random weights differ between ranks that hold copies of one parameter; a training job's do not
+    (and the transfer refuses copies that differ: ``runtime.replica_agreement``). Broadcast each
+    parameter the tensor-parallel ranks hold whole (no ``tensor_model_parallel`` attribute: norms,
+    routers) from the first rank of its tensor-parallel group (expert-TP for experts), then every
+    parameter from the first data-parallel replica (context-parallel ranks included; experts over the
+    expert data-parallel group)."""
     from megatron.core import parallel_state as ps
 
     for chunk in chunks:
         for name, param in chunk.named_parameters():
             expert = ".experts." in name
-            group = ps.get_expert_data_parallel_group() if expert else ps.get_data_parallel_group()
-            if dist.get_world_size(group) > 1:
-                dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
+            groups = []
+            if not getattr(param, "tensor_model_parallel", False):
+                groups.append(ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group())
+            groups.append(
+                ps.get_expert_data_parallel_group()
+                if expert
+                else ps.get_data_parallel_group(with_context_parallel=True)
+            )
+            for group in groups:
+                if group is not None and dist.get_world_size(group) > 1:
+                    dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
 
 
 def drain(stream) -> None:
