@@ -453,14 +453,19 @@ class RefitBridge(AutoBridge):
         *,
         group: Any = None,
         checksum: bool = False,
+        check_replicas: bool = True,
     ) -> ShardedTransfer:
         """A ``ShardedTransfer`` of ``plan`` reading this rank's parameters of ``model``; its ``run``
         first completes Megatron DDP's deferred parameter gathers. Build it once on every rank
-        of ``group`` (default: the whole job) and call ``run(shards)`` every step. No collective."""
+        of ``group`` (default: the whole job) and call ``run(shards)`` every step. No collective.
+        ``check_replicas``: the first run compares the copies of tensors several ranks send
+        (``runtime.replica_agreement``); the same value on every rank."""
         chunks = _chunks(model)
         state = self._planned(chunks)
         _refuse_adapters(state, "a sharded transfer")
-        return ShardedTransfer(plan, params=state.live.params, group=group, checksum=checksum, chunks=chunks)
+        return ShardedTransfer(
+            plan, params=state.live.params, group=group, checksum=checksum, chunks=chunks, check_replicas=check_replicas
+        )
 
     def _everyone(self, state: _ModelState) -> list[Any]:
         """Every trainer rank's groups, gathered over the ranks the plan was built over."""

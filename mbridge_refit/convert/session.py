@@ -91,11 +91,12 @@ def init_model_parallel(layout: ParallelLayout, *, seed: int = 0) -> None:
     """Create Megatron's model-parallel groups for ``layout`` (the default group must exist); the
     ranks beyond one replica (``layout.model_parallel_size``) become data-parallel replicas.
 
-    Seeds the CPU generator with ``seed`` on every rank, as Megatron's own initialisation does
-    (Megatron initialises router weights on the CPU: with one seed they are equal across
-    tensor-parallel ranks, as in training, and an export may take any rank's copy). With NCCL,
-    also seeds Megatron's CUDA RNG tracker (Transformer Engine layers draw their initialisation
-    from it).
+    Seeds the CPU generator as Megatron's own initialisation does (``_set_random_seed``: ``seed``
+    plus 100 per pipeline stage, the same on every tensor-, data- and context-parallel rank of a
+    stage). Megatron initialises router weights on the CPU: seeded alike they are equal across
+    tensor-parallel ranks, as in training, and a transfer may take any rank's copy. With NCCL,
+    also seeds Megatron's CUDA RNG tracker from the same number (Transformer Engine layers draw
+    their initialisation from it).
     """
     from megatron.core import parallel_state
 
@@ -110,11 +111,12 @@ def init_model_parallel(layout: ParallelLayout, *, seed: int = 0) -> None:
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
     )
-    torch.manual_seed(seed)
+    stage_seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()  # as Megatron's _set_random_seed
+    torch.manual_seed(stage_seed)
     if dist.get_backend() == "nccl":
         from megatron.core import tensor_parallel
 
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
 
 
 def teardown() -> None:

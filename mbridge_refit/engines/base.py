@@ -69,7 +69,8 @@ class RefitStep:
     worker spent. ``broadcast``: ``export_ms`` until the sender drained (export, packing, every
     bucket sent), ``apply_ms`` the wait for the workers' receive RPC after that, ``reset_ms`` the
     engine's prefix-cache reset and the outcome shared with the trainer ranks; ``workers`` each
-    worker's report of its receive (``receive_ms``: its own time in the RPC).
+    worker's report of its receive (``receive_ms``: its own time in the RPC). ``adapter_ipc``:
+    ``workers`` holds the engine's load report (``ms``, ``modules``, ``slot``, ``phases_ms``).
     """
 
     tensors: int

@@ -81,6 +81,8 @@ class ShardedTransfer:
     receives). ``chunks``: the model, whose deferred DDP parameter gathers each run completes
     first (``RefitBridge.sharded_transfer`` passes it). ``group``: every rank that sends or receives (default: the whole job); it must
     hold every rank the plan names. ``device``: where the buffers live (the parameters' device).
+    ``check_replicas``: compare the copies of tensors several ranks send on the first run (module
+    docstring); every rank of ``group`` must pass the same value.
     """
 
     def __init__(
@@ -92,6 +94,7 @@ class ShardedTransfer:
         device: torch.device | None = None,
         checksum: bool = False,
         chunks: list[torch.nn.Module] | None = None,
+        check_replicas: bool = True,
     ) -> None:
         self.plan = plan
         self.params = params
@@ -118,7 +121,7 @@ class ShardedTransfer:
         self._sums = torch.zeros(len(self.sends) + len(self.receives), dtype=torch.int64, device=self.device)
         self._local_sum = torch.zeros((), dtype=torch.int64, device=self.device)
         self._control = _Control(dist.get_world_size(group), self.device)
-        self._replicas = replicated_regions(plan)
+        self._replicas = replicated_regions(plan) if check_replicas else []
         self._replicas_agree = not self._replicas  # checked on the first run that gets past the handshake
 
     # --- the engine side's tensors ---------------------------------------------------------------

@@ -143,6 +143,15 @@ def disagreeing_replicas_refused(bridge, chunks, plans) -> str:
         fail(f"the replica refusal does not name {region.hf_name} on {list(region.source_ranks)}: {message}")
     if any(not torch.equal(before[name], t) for name, t in shards.items()):
         fail("the refused transfer wrote engine shards")
+
+    from mbridge_refit.errors import TransportError
+
+    failing = bridge.sharded_transfer(chunks, plan)
+    if dist.get_rank() == rank:  # this rank's checksum raises (its parameter is gone): every rank must hear of it
+        failing.params = {name: t for name, t in failing.params.items() if name != param}
+    failure = expect_raise(TransportError, lambda: failing.run(shards), "a rank whose checksum failed")
+    if f"rank(s) [{rank}] could not checksum" not in failure:
+        fail(f"the checksum failure does not name rank {rank}: {failure}")
     bridge.sharded_transfer(chunks, plan).run(shards)
     return message
 
