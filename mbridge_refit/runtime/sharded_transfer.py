@@ -7,11 +7,10 @@ engine ranks that receive, most often the same ranks) from the same ``TransferPl
 
 1. handshake: one ``all_gather`` of int64 ``[plan fingerprint, status]``; a rank whose plan
    differs, or whose shards or parameters do not fit the plan (checked locally first), makes
-   every member raise ``TransferMismatchError`` naming the ranks, before any data moves;
-   On the first run, the copies of every tensor that several trainer ranks send (replicated
-   norms and routers, dense weights under expert parallelism) are compared by exact checksum
-   (``runtime.replica_agreement``): copies that differ raise ``ReplicaMismatchError`` on
-   every rank, since each engine rank would receive another version;
+   every member raise ``TransferMismatchError`` naming the ranks, before any data moves. On the
+   first run, every region that several trainer ranks send whole (norms and routers the engine
+   replicates) is compared by checksum across them (``runtime.replica_agreement``): copies that
+   differ raise ``ReplicaMismatchError`` on every rank, as engine ranks would hold different ones;
 2. for each peer, the parts it must receive are packed back to back (16-byte aligned) into one
    cached send buffer; all sends and receives are posted together (``batch_isend_irecv``, one
    NCCL group), the local parts are copied meanwhile, then received parts are unpacked into the
