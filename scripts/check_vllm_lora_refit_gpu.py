@@ -68,6 +68,14 @@ def disk_request(bridge, chunks, lora, folder: Path, lora_int_id: int):
     return LoRARequest(lora_name=f"disk-{lora_int_id}", lora_int_id=lora_int_id, lora_path=str(folder))
 
 
+def slots_differ(llm, lora_int_id: int, other_id: int) -> list[str]:
+    """The LoRA modules whose GPU slots differ between two active adapters, on every worker."""
+    differ = llm.collective_rpc("mbridge_refit_lora_slots_differ", args=(lora_int_id, other_id))
+    if any(differ):
+        logger.error("slots differ: %s", differ)
+    return [name for worker in differ for name in worker]
+
+
 def steady_ms(step, count: int = 5) -> float:
     return round(statistics.median(step() for _ in range(count)), 3)
 
@@ -110,6 +118,8 @@ def run(args) -> dict:
         disk = prompt_logprobs(llm, batch, disk_request(bridge, chunks, lora, work / "adapter0", 2))
         refit_logprobs = prompt_logprobs(llm, batch, refit.lora_request)
         checks["refit_adapter_logprobs_equal_disk_adapter"] = refit_logprobs == disk
+        checks["refit_slots_equal_disk_slots"] = not slots_differ(llm, refit.lora_int_id, 2)
+        result["first_load"] = {key: step.workers[0][key] for key in ("path", "why", "ms", "phases_ms")}
         checks["adapter_changes_logprobs"] = disk != base_logprobs
         result["logprob_sample"] = [base_logprobs[0][:3], disk[0][:3], refit_logprobs[0][:3]]
 
@@ -121,13 +131,16 @@ def run(args) -> dict:
         checks["changed_adapter_changes_logprobs"] = changed != refit_logprobs
         disk_changed = prompt_logprobs(llm, batch, disk_request(bridge, chunks, lora, work / "adapter1", 3))
         checks["next_refit_equals_disk_again"] = changed == disk_changed
+        checks["refilled_slots_equal_disk_slots"] = not slots_differ(llm, refit.lora_int_id, 3)
+        result["second_load"] = {key: second.workers[0].get(key) for key in ("path", "why", "ms")}
         checks["base_parameters_untouched"] = not differing(base, VLLMRefit(llm).fingerprints())
         checks["base_logprobs_untouched"] = prompt_logprobs(llm, batch) == base_logprobs
 
         steps = [refit.refit(bridge, chunks) for _ in range(5)]
         result["adapter_refit_ms"] = round(statistics.median(s.ms for s in steps), 3)
         result["adapter_engine_ms"] = round(statistics.median(s.engine_ms for s in steps), 3)
-        result["adapter_engine_phases_ms"] = {  # where the engine's time goes (engines.vllm.lora.load_adapter)
+        result["adapter_engine_paths"] = [s.workers[0]["path"] for s in steps]
+        result["adapter_engine_phases_ms"] = {  # where the engine's time goes (engines.vllm.lora.AdapterSlot)
             phase: round(statistics.median(s.workers[0]["phases_ms"][phase] for s in steps), 3)
             for phase in steps[0].workers[0]["phases_ms"]
         }

@@ -94,3 +94,15 @@ class TestingWorkerExtension(RefitWorkerExtension):
         self.model_runner.get_model().load_weights(mapped[1])
         torch.cuda.synchronize(self.device)
         return (time.perf_counter() - started) * 1e3
+
+    def mbridge_refit_lora_slots_differ(self, lora_id: int, other_id: int) -> list[str]:
+        """The LoRA modules whose GPU slots of two active adapters hold different bytes (every stacked
+        A and B buffer of the module, the whole slot: zero padding past the rank included)."""
+        manager = self.model_runner.lora_manager._adapter_manager
+        index, other = manager.lora_index_to_id.index(lora_id), manager.lora_index_to_id.index(other_id)
+        differ = []
+        for name, module in manager.modules.items():
+            stacked = [*getattr(module, "lora_a_stacked", ()), *getattr(module, "lora_b_stacked", ())]
+            if any(not torch.equal(buffer[index], buffer[other]) for buffer in stacked):
+                differ.append(name)
+        return differ

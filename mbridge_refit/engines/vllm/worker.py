@@ -30,7 +30,7 @@ from mbridge_refit.engines.broadcast import BroadcastTarget
 from mbridge_refit.engines.fingerprint import named_fingerprints
 from mbridge_refit.engines.ipc import RefitReceiver
 from mbridge_refit.engines.sharded_ipc import worker_entry
-from mbridge_refit.engines.vllm.lora import adapter_limits, load_adapter
+from mbridge_refit.engines.vllm.lora import AdapterSlot, adapter_limits
 from mbridge_refit.errors import EngineError
 
 __all__ = ["WORKER_EXTENSION", "RefitWorkerExtension"]
@@ -158,10 +158,12 @@ class RefitWorkerExtension:
 
     def mbridge_refit_adapter_load(self, fingerprint: str, lora_int_id: int, config: dict) -> dict:
         """Load this step's factors into the adapter ``lora_int_id``'s slot in place of the previous ones
-        (``engines.vllm.lora.load_adapter``); returns when the slot holds them."""
+        (``engines.vllm.lora.AdapterSlot``: built as from disk, then refilled); returns when the slot holds them."""
         receiver = getattr(self, "_mbridge_adapter_receiver", None) or AdapterReceiver(torch.device(self.device))
         tensors = receiver.tensors(fingerprint)
-        return load_adapter(_lora_manager(self), tensors, lora_int_id=lora_int_id, config=config)
+        slot = getattr(self, "_mbridge_adapter_slot", None) or AdapterSlot(_lora_manager(self))
+        self._mbridge_adapter_slot = slot
+        return slot.load(tensors, lora_int_id=lora_int_id, config=config)
 
     def mbridge_refit_adapter_close(self) -> None:
         """Forget the mapped adapter factors (the adapter stays in its slot)."""
