@@ -76,3 +76,36 @@ def test_guarded_tensors_refuse_use_after_their_lifetime():
     buckets = list(guard_buckets([[("a", torch.ones(1)), ("b", torch.ones(1))], [("c", torch.ones(1))]]))
     with pytest.raises(ExpiredTensorError, match="b was used after the export moved on to the next bucket"):
         torch.equal(buckets[0][1][1], torch.ones(1))
+
+
+def _router_and_tasks():
+    """A module holding an exported buffer as Megatron's MoE router holds ``expert_bias``."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    model[0].register_buffer("expert_bias", torch.zeros(3, dtype=torch.float32))
+    named = [*model.named_parameters(), *model.named_buffers()]
+    tasks = [
+        SimpleNamespace(global_param_name=f"g.{name}", param_name=name, vp_stage=None, param_weight=tensor)
+        for name, tensor in named
+    ]
+    return model, tasks
+
+
+def test_an_exported_buffer_survives_a_registration_elsewhere():
+    model, tasks = _router_and_tasks()
+    live = LiveParams([model], tasks)
+    torch.nn.Linear(2, 2)  # any module built anywhere (a value head, an engine in the process) registers
+    assert live.refresh() == []
+    model[0].expert_bias.add_(1.0)  # Megatron's in-place update: the same object
+    assert live.refresh() == [] and torch.equal(live.params["g.0.expert_bias"], torch.ones(3))
+
+
+def test_a_replaced_buffer_is_followed():
+    model, tasks = _router_and_tasks()
+    live = LiveParams([model], tasks)
+    new = torch.full((3,), 2.0)
+    model[0].expert_bias = new  # setattr of a registered buffer: no parameter registered anywhere
+    assert live.refresh() == ["g.0.expert_bias"] and live.params["g.0.expert_bias"] is new
+    state = {k: torch.full_like(v, 5.0) for k, v in model.state_dict().items()}
+    model.load_state_dict(state, assign=True)
+    assert sorted(live.refresh()) == sorted(t.global_param_name for t in tasks)
+    assert torch.equal(live.params["g.0.expert_bias"], torch.full((3,), 5.0))

@@ -7,11 +7,16 @@ Reading a parameter object kept from the first export would then return stale va
 
 * ``LiveParams`` holds the model's parameters by global name (the exporters read this one dict)
   and where each lives in the model (chunk, local name). ``refresh`` looks them up again only
-  when some module somewhere registered a parameter or a submodule since the last look
+  when some module somewhere registered a parameter, a buffer or a submodule since the last look
   (``registration_count``, a global counter bumped by torch's registration hooks: every
-  ``setattr`` of a ``Parameter`` or ``Module`` and every ``register_parameter`` /
-  ``register_module`` goes through them), so the steady state costs one integer comparison per
-  export. Replaced parameters are swapped into the same dict, in place.
+  ``setattr`` of a ``Parameter``, a registered buffer or a ``Module`` and every ``register_parameter``
+  / ``register_buffer`` / ``register_module`` goes through them, ``load_state_dict(assign=True)``
+  too), so the steady state costs one integer comparison per export. Replaced parameters are
+  swapped into the same dict, in place.
+* Some exported weights are buffers, not parameters: MoE routers' ``expert_bias`` (DeepSeek-V3's
+  ``e_score_correction_bias``, GLM-4.5's, Kimi-K2's), kept in float32 and updated in place by
+  Megatron's ``_update_router_expert_bias``. They are looked up where the module holds them, as
+  parameters are.
   ``.data`` swaps need nothing: the export reads each parameter's current storage every time.
 * It refers to the model chunks weakly: holding these parameters keeps no module alive (the
   bridge drops them with the model, ``RefitBridge``'s per-model state).
@@ -47,14 +52,16 @@ def _on_registration(module: torch.nn.Module, name: str, value: Any) -> None:
 
 
 def registration_count() -> int:
-    """How many parameters and submodules any module has registered since the hooks were installed
-    (by the first call): a changed count means some parameter object may have been replaced."""
+    """How many parameters, buffers and submodules any module has registered since the hooks were
+    installed (by the first call): a changed count means some exported tensor object may have been
+    replaced."""
     global _hook_handle
     if _hook_handle is None:
         from torch.nn.modules import module
 
         _hook_handle = (
             module.register_module_parameter_registration_hook(_on_registration),
+            module.register_module_buffer_registration_hook(_on_registration),
             module.register_module_module_registration_hook(_on_registration),
         )
     return _count
@@ -92,7 +99,7 @@ class LiveParams:
             raise ModelChangedError("the model these parameters belong to no longer exists: export a live model")
         replaced = []
         for name, (stage, path, attribute) in self._where.items():
-            current = _parameter(chunks[stage], path, attribute)
+            current = _held(chunks[stage], path, attribute)
             old = self.params[name]
             if current is not old:
                 _check_fits(name, old, current)
@@ -102,14 +109,15 @@ class LiveParams:
         return replaced
 
 
-def _parameter(chunk: torch.nn.Module, path: tuple[str, ...], attribute: str) -> Any:
-    """The parameter the module at ``path`` holds as ``attribute`` now (the submodule dicts walked
-    directly: ``get_parameter`` costs ~30x more per call); raises naming a path the model lost."""
+def _held(chunk: torch.nn.Module, path: tuple[str, ...], attribute: str) -> Any:
+    """The parameter (or buffer) the module at ``path`` holds as ``attribute`` now (the submodule dicts
+    walked directly: ``get_parameter`` costs ~30x more per call); raises naming a path the model lost."""
     module = chunk
     try:
         for part in path:
             module = module._modules[part]
-        return module._parameters[attribute]
+        held = module._parameters.get(attribute)
+        return held if held is not None else module._buffers[attribute]
     except KeyError:
         raise ModelChangedError(
             f"the model no longer has the parameter {'.'.join((*path, attribute))}: build the plan anew for the changed "

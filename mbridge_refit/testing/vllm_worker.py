@@ -102,7 +102,16 @@ class TestingWorkerExtension(RefitWorkerExtension):
         index, other = manager.lora_index_to_id.index(lora_id), manager.lora_index_to_id.index(other_id)
         differ = []
         for name, module in manager.modules.items():
-            stacked = [*getattr(module, "lora_a_stacked", ()), *getattr(module, "lora_b_stacked", ())]
+            stacked = [
+                *_buffers(getattr(module, "lora_a_stacked", ())),
+                *_buffers(getattr(module, "lora_b_stacked", ())),
+            ]
             if any(not torch.equal(buffer[index], buffer[other]) for buffer in stacked):
                 differ.append(name)
         return differ
+
+
+def _buffers(stacked: Any) -> list[torch.Tensor]:
+    """A LoRA module's stacked buffers: a tuple of them (linear layers, one per slice) or one tensor
+    (the logits processor's, the embedding's), each indexed by slot first."""
+    return [stacked] if isinstance(stacked, torch.Tensor) else list(stacked)
