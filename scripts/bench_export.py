@@ -95,19 +95,29 @@ def timed_export(make_stream) -> tuple[float, int, int, int, float]:
     return elapsed, peak, count, new_allocations, host
 
 
-def clone_floor_ms(total_bytes: int, repeats: int = 7) -> float:
-    source = torch.empty(total_bytes, dtype=torch.uint8, device="cuda")
+def clone_floor_ms(total_bytes: int, repeats: int = 7) -> tuple[float, int]:
+    """Milliseconds of one device copy of ``total_bytes`` (the median of ``repeats`` after a warm-up), and in
+    how many pieces: one, unless a source and its copy do not fit beside the model; then equal pieces of
+    several GB each, copied one after another and their times summed (a model of half the GPU's memory)."""
+    free, _ = torch.cuda.mem_get_info()
+    pieces = max(1, -(-2 * total_bytes // int(0.9 * free)))
+    piece = -(-total_bytes // pieces)
+    source = torch.empty(piece, dtype=torch.uint8, device="cuda")
     source.random_(0, 255)
     times = []
     for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        copy = source.clone()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-        del copy
+        elapsed = 0.0
+        for index in range(pieces):
+            size = min(piece, total_bytes - index * piece)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            copy = source[:size].clone()
+            torch.cuda.synchronize()
+            elapsed += time.perf_counter() - start
+            del copy
+        times.append(elapsed * 1e3)
     del source
-    return statistics.median(times[1:])
+    return statistics.median(times[1:]), pieces
 
 
 def gather_floor_ms(total_bytes: int, repeats: int = 7) -> float:
@@ -434,7 +444,7 @@ def run(args) -> dict:
                 buffer_bytes=bridge.export_diagnostics().buffer_bytes,
             )
         mismatches = compare_with_stock(stock(), refit(True)())
-        floor = clone_floor_ms(plan.total_bytes)
+        floor, floor_pieces = clone_floor_ms(plan.total_bytes)
         gather_floor = gather_floor_ms(plan.total_bytes)
         row = dict(
             device=torch.cuda.get_device_name(),
@@ -446,6 +456,7 @@ def run(args) -> dict:
             bytes=plan.total_bytes,
             plan_build_ms=plan_ms,
             clone_floor_ms=floor,
+            clone_floor_pieces=floor_pieces,
             gather_floor_ms=gather_floor,
             stock_first_ms=results["stock"]["first_ms"],
             stock_steady_ms=results["stock"]["steady_ms"],
