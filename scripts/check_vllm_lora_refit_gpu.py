@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import statistics
 import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -76,6 +77,12 @@ def slots_differ(llm, lora_int_id: int, other_id: int) -> list[str]:
     return [name for worker in differ for name in worker]
 
 
+def timed(call) -> float:
+    started = time.perf_counter()
+    call()
+    return (time.perf_counter() - started) * 1e3
+
+
 def steady_ms(step, count: int = 5) -> float:
     return round(statistics.median(step() for _ in range(count)), 3)
 
@@ -85,6 +92,7 @@ def run(args) -> dict:
 
     from mbridge_refit.engines.fingerprint import differing
     from mbridge_refit.engines.vllm import VLLMAdapterRefit, VLLMRefit, prompt_logprobs
+    from mbridge_refit.engines.vllm.trainer import reset_prefix_cache
 
     result: dict = {
         "device": torch.cuda.get_device_name(),
@@ -140,6 +148,11 @@ def run(args) -> dict:
         result["adapter_refit_ms"] = round(statistics.median(s.ms for s in steps), 3)
         result["adapter_engine_ms"] = round(statistics.median(s.engine_ms for s in steps), 3)
         result["adapter_engine_paths"] = [s.workers[0]["path"] for s in steps]
+        result["adapter_export_ms"] = round(statistics.median(s.export_ms for s in steps), 3)
+        result["adapter_apply_ms"] = round(statistics.median(s.apply_ms for s in steps), 3)
+        # what any step into this engine pays whatever it carries: one RPC to the workers, one prefix-cache reset
+        result["rpc_round_trip_ms"] = steady_ms(lambda: timed(lambda: llm.collective_rpc("mbridge_refit_memory")))
+        result["prefix_cache_reset_ms"] = steady_ms(lambda: timed(lambda: reset_prefix_cache(llm, "adapter")))
         result["adapter_engine_phases_ms"] = {  # where the engine's time goes (engines.vllm.lora.AdapterSlot)
             phase: round(statistics.median(s.workers[0]["phases_ms"][phase] for s in steps), 3)
             for phase in steps[0].workers[0]["phases_ms"]
