@@ -79,6 +79,7 @@ from mbridge_refit.sinks.broadcast_wire import (
     bucket_events,
     check_member,
     checksum,
+    checksum_into,
     completed_views,
     flat_bytes,
     handshake,
@@ -315,7 +316,7 @@ class PackedBroadcastSender(WeightSink):
         data = self._buffers[index][: self.packing.bucket_length(bucket)]
         self._works[index] = [self.group.broadcast(data, self.src, async_op=True)]
         if self.config.checksum:  # beside the broadcast (both only read), before the buffer is packed again
-            self._sums[bucket : bucket + 1].copy_(checksum(data))
+            checksum_into(data, self._sums[bucket])
         self.bytes_sent += data.numel()
 
     def _finish_source(self) -> BaseException | None:
@@ -464,7 +465,7 @@ class PackedBroadcastReceiver:
 
     def _checksum(self, bucket: int, data: torch.Tensor) -> None:
         """Queue the checksum of received bucket ``data`` into its slot (no host read)."""
-        self._memory.sums[bucket : bucket + 1].copy_(checksum(data))
+        checksum_into(data, self._memory.sums[bucket])
 
     def _checksum_report(self) -> torch.Tensor:
         """``[STATUS_CHECKSUM, first bad bucket]`` if a received bucket's checksum differs from the
