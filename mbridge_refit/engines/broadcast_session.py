@@ -23,6 +23,10 @@ fails the step on every trainer rank). The trainer then, on every trainer rank o
 handle) and ``refit(bridge, model)`` each step (the export is collective; the other ranks only take
 part in it), ``close()`` at the end.
 
+The packed broadcast's memory (``SendBuffers``: the stream packing and, on the source, the
+rotating buffers) is made at the session's first refit and kept until ``close``, so a steady
+refit computes no packing and allocates nothing.
+
 ``timeout_s`` bounds the join and every collective of both sides. A failure on either side reaches
 the other within seconds (``runtime.broadcast_group``): each side posts what stops it before its
 protocol settled, and the source also treats the workers' background call ending in an error while
@@ -62,6 +66,7 @@ from mbridge_refit.sinks.packed_broadcast import (
     PackedBroadcastSender,
     PlanMismatchError,
     RefitStatusError,
+    SendBuffers,
     post_failure,
     share_verdict,
 )
@@ -145,6 +150,7 @@ class BroadcastSession:
         self.after_weights_written = after_weights_written
         self.group: StoreGroup | None = None
         self._session: tuple | None = None  # (bridge, chunks, fp8 repr, plan) of the open session
+        self._memory: SendBuffers | None = None  # the packed broadcast's, kept across the session's refits
 
     def open(self, bridge: ExportsWeights, model: Model, *, fp8: Any = None) -> None:
         """Form the group with the engine's workers and agree on the export plan; collective over
@@ -155,6 +161,7 @@ class BroadcastSession:
         if ignored & {e.hf_name for e in plan.entries}:
             logger.info("broadcast refit: the engine skips %s (its ignored names); sent anyway", sorted(ignored))
         self._session = (bridge, tuple(chunks), repr(fp8), plan)
+        self._memory = None
         if not self.source:
             return
         world = 1 + self.engine_workers
@@ -235,15 +242,18 @@ class BroadcastSession:
         )
 
     def _sender(self, plan: Any, group: StoreGroup | None) -> PackedBroadcastSender:
-        """This rank's packed-broadcast sender: over ``group`` on the source, None on the other trainer ranks."""
+        """This rank's packed-broadcast sender (over ``group`` on the source, None on the other
+        trainer ranks), on the session's kept memory."""
+        if self._memory is None:
+            self._memory = SendBuffers(plan, self.config, self.device)
         return PackedBroadcastSender(
             plan,
             self.config,
             group=group,
             src=SOURCE_RANK,
-            device=self.device,
             trainer_group=self.trainer_group,
             trainer_src=self.trainer_src,
+            buffers=self._memory,
         )
 
     def _serves(self, bridge: ExportsWeights, chunks: list, fp8: Any) -> bool:
@@ -270,7 +280,7 @@ class BroadcastSession:
         if self.source and self.group is not None:
             self.call_workers("mbridge_refit_leave")
             self.group.close()
-        self.group, self._session = None, None
+        self.group, self._session, self._memory = None, None, None
 
 
 def _engine_outcome(error: BaseException | None, done: str) -> str:

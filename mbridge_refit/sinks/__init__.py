@@ -1,7 +1,8 @@
 """Sinks: consumers of the exported ``(hf_name, tensor)`` stream.
 
-The contract lives in :mod:`.base`; each other module owns one sink, except
-:mod:`.broadcast_wire`, the wire format both ends of :mod:`.packed_broadcast` share.
+The contract lives in :mod:`.base`; each other module owns one sink, except the parts of
+:mod:`.packed_broadcast`: :mod:`.broadcast_wire` (the wire format both ends share) and
+:mod:`.broadcast_buffers` (the memory each end keeps across refits).
 """
 
 from mbridge_refit.sinks.base import DiscardSink, WeightSink, drain
