@@ -73,6 +73,7 @@ class SendBuffers:
         self.sums: torch.Tensor | None = None  # int64[buckets]: each bucket's checksum, sent after the last bucket
         self.data: list[torch.Tensor] = []  # each bucket's bytes (a view of its buffer)
         self.pieces: list[tuple[Piece, ...]] = []  # per plan entry: its pieces, in stream order
+        self._status: torch.Tensor | None = None
 
     @property
     def allocated(self) -> bool:
@@ -91,9 +92,16 @@ class SendBuffers:
         self.pieces = [_slot_pieces(slot, size, buffers) for slot in packing.slots]
         self.buffers = buffers
 
+    def status(self) -> torch.Tensor:
+        """The int64[2] the status all-reduce runs on, zeroed (made once)."""
+        if self._status is None:
+            self._status = torch.zeros(2, dtype=torch.int64, device=self.device)
+            return self._status
+        return self._status.zero_()
+
     def release(self) -> None:
         """Drop the device memory (the next ``allocate`` makes it again)."""
-        self.buffers, self.sums, self.data, self.pieces = [], None, [], []
+        self.buffers, self.sums, self.data, self.pieces, self._status = [], None, [], [], None
 
 
 def _slot_pieces(slot: StreamSlot, size: int, buffers: list[torch.Tensor]) -> tuple[Piece, ...]:

@@ -317,7 +317,7 @@ class PackedBroadcastSender(WeightSink):
         if self.config.checksum:
             self._memory.allocate()  # for its checksum slots, if nothing was packed: an empty stream
             self.group.broadcast(self._memory.sums, self.src, async_op=True).wait()
-        status = torch.zeros(2, dtype=torch.int64, device=self.device)
+        status = self._memory.status()
         self.group.all_reduce(status, dist.ReduceOp.MAX)
         code, bucket = (int(v) for v in status.tolist())
         if self._owns_memory:
