@@ -21,6 +21,7 @@ nothing allocated, the same 3 host reads. The counts leave out the polls of the 
 
 from __future__ import annotations
 
+import pytest
 from conftest import marginal_calls
 
 MAX_PYTHON_CALLS_PER_TENSOR = 2.5
@@ -30,8 +31,14 @@ MAX_SENDER_C_CALLS_PER_TENSOR = 12.0
 HOST_READS_PER_REFIT = 3  # the handshake's header and verdict, the status
 
 
-def test_steady_broadcast_refit_host_calls_per_tensor_do_not_grow(tmp_path):
-    calls = marginal_calls("broadcast_host_work_check.py", "--layers", (4, 32), tmp_path / "host_work.json")
+@pytest.fixture(scope="module")
+def calls(tmp_path_factory):
+    """One counting run for both ends (a few seconds: two sessions of four and five refits)."""
+    result = tmp_path_factory.mktemp("host_work") / "host_work.json"
+    return marginal_calls("broadcast_host_work_check.py", "--layers", (4, 32), result)
+
+
+def test_steady_broadcast_refit_host_calls_per_tensor_do_not_grow(calls):
     assert calls.added > 200 and calls.many["buckets"] > calls.few["buckets"] + 10, calls
     for counts in (calls.few, calls.many):
         assert counts["report"]["mode"] == "replayed" and counts["loader_calls"] == 0, counts
@@ -42,8 +49,7 @@ def test_steady_broadcast_refit_host_calls_per_tensor_do_not_grow(tmp_path):
     assert calls.c_per_tensor <= MAX_C_CALLS_PER_TENSOR, calls
 
 
-def test_steady_broadcast_refit_sender_host_calls_per_tensor_do_not_grow(tmp_path):
-    calls = marginal_calls("broadcast_host_work_check.py", "--layers", (4, 32), tmp_path / "host_work.json")
+def test_steady_broadcast_refit_sender_host_calls_per_tensor_do_not_grow(calls):
     few, many = calls.few["sender"], calls.many["sender"]
     for counts in (few, many):
         assert counts["host_reads"] == HOST_READS_PER_REFIT, counts
