@@ -51,7 +51,8 @@ with them once and replay it (``engines.broadcast``); ``receive_buckets`` hands 
 over together, right after the bucket landed and before its buffer is posted for bucket
 ``b + num_buffers``. Per bucket each end issues one broadcast and reads nothing to the host; its
 device work (the source's copies and checksum, a receiver's checksum and consumer) is ordered
-after the broadcasts it needs by stream waits, never by the host.
+after the broadcasts it needs by stream waits, never by the host. A ``BucketTimeline``
+(``sinks.broadcast_timing``) given to either end marks where each bucket's time goes.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ from mbridge_refit.plan.entries import ExportPlan
 from mbridge_refit.runtime.broadcast_group import GroupLike, as_broadcast_group
 from mbridge_refit.sinks.base import WeightSink
 from mbridge_refit.sinks.broadcast_buffers import ReceiveBuffers, SendBuffers, endpoint
+from mbridge_refit.sinks.broadcast_timing import BucketTimeline
 from mbridge_refit.sinks.broadcast_wire import (
     ALIGN_BYTES,
     DEFAULT_BUCKET_BYTES,
@@ -146,6 +148,8 @@ class PackedBroadcastSender(WeightSink):
     for that buffer's broadcast (``Work.wait``, stream-ordered). With ``n`` buffers, packing bucket
     ``b + 1`` overlaps the broadcast of bucket ``b``, and up to ``n`` broadcasts are in flight; the
     exporter's own kernels wait for a broadcast only through a full set of buffers in flight.
+    ``timeline``: a :class:`~mbridge_refit.sinks.broadcast_timing.BucketTimeline` marking each
+    bucket's phases (benchmarks).
 
     A stream that disagrees with the sender's own plan, ends early, or raises (``drain`` then
     calls ``abort``) after the handshake is posted to the group (module docstring), so receivers
@@ -164,6 +168,7 @@ class PackedBroadcastSender(WeightSink):
         trainer_src: int | None = None,
         device: torch.device | str | None = None,
         buffers: SendBuffers | None = None,
+        timeline: BucketTimeline | None = None,
     ) -> None:
         memory = _kept(buffers, plan, config) or SendBuffers(plan, config, device)
         self._memory, self._owns_memory = memory, buffers is None
@@ -172,6 +177,7 @@ class PackedBroadcastSender(WeightSink):
         self.trainer_group = as_broadcast_group(trainer_group) if trainer_group is not None else None
         self.trainer_src = src if trainer_src is None else trainer_src
         self.is_source = self.group is not None and self.group.is_source(src)
+        self.timeline = timeline if self.is_source else None
         self._next = 0
         self._closed = False
         self._works: list[Any] = [None] * config.num_buffers  # per buffer: the broadcast last reading it
@@ -182,6 +188,8 @@ class PackedBroadcastSender(WeightSink):
         error = None
         if self.is_source:
             check_member(self.group)
+            if self.timeline is not None:
+                self.timeline.start()
             try:
                 handshake(self, is_source=True)
             except PlanMismatchError as err:
@@ -189,6 +197,8 @@ class PackedBroadcastSender(WeightSink):
             except BaseException as err:
                 self._abandon(err)
                 raise
+            if self.timeline is not None:
+                self.timeline.host("handshake")
         if self.trainer_group is not None:
             share_verdict(self.trainer_group, self.trainer_src, error, self.device)
         elif error is not None:
@@ -293,14 +303,23 @@ class PackedBroadcastSender(WeightSink):
         work, self._works[index] = self._works[index], None
         if work is not None:
             work.wait()  # on CUDA: the current stream waits for the broadcast; the host does not
+        if self.timeline is not None:
+            self.timeline.mark("free", bucket)
 
     def _send(self, bucket: int) -> None:
-        memory = self._memory
+        memory, timeline = self._memory, self.timeline
         data = memory.data[bucket]
+        if timeline is not None:
+            timeline.mark("packed", bucket)
         work = self.group.broadcast(data, self.src, async_op=True)
         self._works[bucket % len(memory.buffers)] = work
+        if timeline is not None:
+            timeline.host("issued", bucket)
+            timeline.completion("sent", bucket, work)
         if self.config.checksum:  # beside the broadcast (both only read), before the buffer is packed again
             checksum_into(data, memory.sums[bucket])
+            if timeline is not None:
+                timeline.mark("summed", bucket)
         self.bytes_sent += data.numel()
 
     def _finish_source(self) -> BaseException | None:
@@ -320,6 +339,8 @@ class PackedBroadcastSender(WeightSink):
         status = self._memory.status()
         self.group.all_reduce(status, dist.ReduceOp.MAX)
         code, bucket = (int(v) for v in status.tolist())
+        if self.timeline is not None:
+            self.timeline.host("status")
         if self._owns_memory:
             self._memory.release()
         if code == STATUS_OK:
@@ -384,12 +405,14 @@ class PackedBroadcastReceiver:
         src: int,
         device: torch.device | str | None = None,
         buffers: ReceiveBuffers | None = None,
+        timeline: BucketTimeline | None = None,
     ) -> None:
         if _kept(buffers, plan, config) is None:
             self.plan, self.config, self.packing, self.device = endpoint(plan, config, device)
         else:
             self.plan, self.config, self.packing, self.device = buffers.plan, config, buffers.packing, buffers.device
         self.group, self.src = as_broadcast_group(group), src
+        self.timeline = timeline
         self._buffers = buffers
         self._memory: ReceiveBuffers | None = None  # this refit's (``buffers``, or its own)
         self._used = False
@@ -397,6 +420,8 @@ class PackedBroadcastReceiver:
         check_member(self.group)
         if self.group.is_source(src):
             raise ValueError(f"rank {src} is the source of the broadcast; construct PackedBroadcastSender there")
+        if timeline is not None:
+            timeline.start()
         try:
             handshake(self, is_source=False)
         except PlanMismatchError:
@@ -405,6 +430,8 @@ class PackedBroadcastReceiver:
         except BaseException as err:
             post_failure(self.group, "a packed-broadcast receiver", err)
             raise
+        if timeline is not None:
+            timeline.host("handshake")
 
     def _checksum(self, bucket: int, data: torch.Tensor) -> None:
         """Queue the checksum of received bucket ``data`` into its slot (no host read)."""
@@ -446,12 +473,15 @@ class PackedBroadcastReceiver:
         except BaseException as err:  # e.g. out of memory: the sender is about to broadcast
             post_failure(self.group, "a packed-broadcast receiver", err)
             raise
-        data = memory.data
+        data, timeline = memory.data, self.timeline
         works: dict[int, Any] = {}
 
         def post(bucket: int) -> None:
             if bucket < packing.num_buckets:
                 works[bucket] = self.group.broadcast(data[bucket], self.src, async_op=True)
+                if timeline is not None:
+                    timeline.host("issued", bucket)
+                    timeline.completion("received", bucket, works[bucket])
 
         next_post, at_yield = 0, False
         try:
@@ -460,8 +490,12 @@ class PackedBroadcastReceiver:
                 next_post += 1
             for bucket in range(packing.num_buckets):
                 works.pop(bucket).wait()  # on CUDA: the current stream waits for the broadcast; the host does not
+                if timeline is not None:
+                    timeline.mark("landed", bucket)
                 if config.checksum:
                     self._checksum(bucket, data[bucket])
+                    if timeline is not None:
+                        timeline.mark("summed", bucket)
                 completing, continuing = memory.pieces[bucket]
                 for piece, received in completing:
                     piece.copy_(received)
@@ -470,6 +504,8 @@ class PackedBroadcastReceiver:
                 at_yield = False
                 for piece, received in continuing:
                     piece.copy_(received)
+                if timeline is not None:
+                    timeline.mark("consumed", bucket)
                 post(next_post)  # this bucket's buffer is free again
                 next_post += 1
         except BaseException as err:
@@ -501,6 +537,8 @@ class PackedBroadcastReceiver:
             report = mine.clone()
             self.group.all_reduce(report, dist.ReduceOp.MAX)
             code, bucket = (int(v) for v in mine.tolist()) if checksum_on else (status, 0)
+            if self.timeline is not None:
+                self.timeline.host("status")
         except BaseException as err:
             post_failure(self.group, "a packed-broadcast receiver", err)
             raise
