@@ -108,7 +108,8 @@ def source_phases(marks: dict[str, Any]) -> dict[str, list[float]]:
     """The source's phases per bucket, in ms, from its ``summary``: ``pack`` (free to packed: the
     copies into the buffer, and the exporter's own kernels where they share its stream),
     ``checksum`` (packed to summed), ``buffer_wait`` (the packing stream waiting for a broadcast to
-    free the buffer: summed of the bucket before to free), and on CUDA ``broadcast`` (from when its
+    free the buffer: summed of the bucket before to free; 0 for bucket 0, whose ``free`` mark says
+    when the first tensor came: the handshake and the export's start), and on CUDA ``broadcast`` (from when its
     broadcast could start, packed and the broadcast before it ended, to sent: the transfer and any
     wait for the receivers)."""
     device = marks["device"]
@@ -116,7 +117,7 @@ def source_phases(marks: dict[str, Any]) -> dict[str, list[float]]:
     phases = {
         "pack": _spans(free, packed),
         "checksum": _spans(packed, summed) if summed else [],
-        "buffer_wait": _spans([0.0, *(summed or packed)[:-1]], free),
+        "buffer_wait": _spans([*free[:1], *(summed or packed)[:-1]], free),  # bucket 0's buffer is free at once
     }
     if sent:
         phases["broadcast"] = _spans([_latest(p, s) for p, s in zip(packed, [0.0, *sent[:-1]])], sent)
