@@ -2,7 +2,7 @@
 and against vLLM's native NCCL weight transfer fed by the stock export.
 
     python3 scripts/bench_refit_vllm_broadcast.py --model qwen3-1.7b --engine-gpu 1 [--fp8] [--bucket-mib N]
-        [--no-checksum] --out-dir DIR
+        [--num-buffers N] [--no-checksum] [--phase-steps N] --out-dir DIR
 
 The trainer (a Megatron model of the shape, random weights, TP1) runs on GPU 0; the vLLM engine in
 its own process on ``--engine-gpu``, started with dummy weights from the shape's config (with
@@ -23,8 +23,23 @@ again), wall clock with both GPUs synchronized:
   fed by ``AutoBridge.export_hf_weights`` (stock): ``start_weight_update``, ``update_weights`` in
   the engine while ``NCCLWeightTransferEngine.trainer_send_weights`` sends, ``finish_weight_update``.
 
-Medians and minima of ``--repeats`` per side after one warm-up each. Writes
-DIR/bench_refit_vllm_broadcast_<model>[_fp8][_bucket<N>][_nochecksum].json with its manifest (``provenance.write_result``).
+Medians and minima of ``--repeats`` per side after one warm-up each.
+
+Where a step of ours goes (``ours_phases``): ``--phase-steps`` more steps (default 3) after the
+timed rounds, with both ends marking each bucket's phases (``sinks.broadcast_timing``: CUDA events
+on the streams that run them, read once per step, so these steps are not in ``ours_ms``). Per end,
+per phase, the median over the steps of its total over the buckets and of its largest bucket, and
+each bucket's median: on the trainer ``pack`` (the copies into the buffer and the exporter's own
+kernels on that stream; longer than its bytes take when the host issues the bucket's tensors slower
+than the device copies them), ``checksum``, ``buffer_wait`` (the stream waiting for a broadcast to free
+a buffer) and ``broadcast`` (from when a bucket's broadcast could start to its end, including any
+wait for the engine); on the engine ``checksum``, ``consume`` (the replay), ``data_wait`` (the
+replay's stream waiting for the next bucket) and ``broadcast``. Also each end's host marks
+(``handshake``, the last bucket ``issued``, ``status``, ms from the end's start) and the step's
+parts, so the device phases line up with the wall clock.
+
+Writes DIR/bench_refit_vllm_broadcast_<model>[_fp8][_bucket<N>][_buffers<N>][_nochecksum].json with its manifest
+(``provenance.write_result``).
 """
 
 from __future__ import annotations
@@ -112,6 +127,11 @@ def worker_raw_broadcast(worker, nbytes: int, repeats: int) -> list[int]:
     return [int(head.sum(dtype=torch.int64)), int(tail.sum(dtype=torch.int64))]
 
 
+def worker_timing(worker, on: bool) -> None:
+    """Mark each bucket's phases on the engine's side of the following refits (``BroadcastTarget.timing``)."""
+    worker._mbridge_broadcast_target.timing = on
+
+
 def worker_drop_raw_buffer(worker) -> None:
     worker._bench_raw_buffer = None
     torch.cuda.empty_cache()
@@ -131,6 +151,51 @@ def raw_broadcast(llm, group, nbytes: int, repeats: int) -> tuple[list[float], b
     received = engine.join()[0]
     llm.collective_rpc(worker_drop_raw_buffer)
     return times, received == expected
+
+
+# --- where a step goes: both ends' per-bucket phases ------------------------------------------------
+
+
+def timed_phases(session, llm, refit, steps: int) -> dict:
+    """``steps`` refits with both ends marking their buckets' phases (``refit()`` returns the step)."""
+    session.timing = True
+    llm.collective_rpc(worker_timing, args=(True,))
+    try:
+        done = [refit() for _ in range(steps)]
+    finally:
+        session.timing = False
+        llm.collective_rpc(worker_timing, args=(False,))
+    return {
+        "steps_ms": [round(step.ms, 3) for step in done],
+        "step_parts_ms": {
+            "send": summary([step.export_ms for step in done]),
+            "wait_engine": summary([step.apply_ms for step in done]),
+            "reset_and_share": summary([step.reset_ms for step in done]),
+            "engine_receive": summary([step.workers[0]["receive_ms"] for step in done]),
+        },
+        "trainer": end_phases([step.phases for step in done]),
+        "engine": end_phases([step.workers[0]["phases"] for step in done]),
+    }
+
+
+def end_phases(steps: list[dict]) -> dict:
+    """One end's phases over the steps: per phase the median total, largest bucket and each bucket's
+    median (ms); the host marks' medians; the device marks of the first step."""
+    phases = {}
+    for name in steps[0]["phases"]:
+        runs = [[v for v in step["phases"][name] if v is not None] for step in steps]
+        if not all(runs):
+            continue
+        phases[name] = {
+            "total_ms": round(statistics.median(sum(run) for run in runs), 3),
+            "max_bucket_ms": round(statistics.median(max(run) for run in runs), 3),
+            "per_bucket_ms": [round(statistics.median(bucket), 3) for bucket in zip(*runs)],
+        }
+    host = {}
+    for name, value in steps[0]["host"].items():
+        last = [step["host"][name] if not isinstance(value, list) else step["host"][name][-1] for step in steps]
+        host[name if not isinstance(value, list) else f"last_{name}"] = round(statistics.median(last), 3)
+    return {"phases_ms": phases, "host_ms": host, "device_marks_first_step_ms": steps[0]["device"]}
 
 
 # --- vLLM's native NCCL backend fed by stock --------------------------------------------------------
@@ -190,7 +255,9 @@ def run(args) -> dict:
     config = model_config(args)
     fp8 = BlockwiseFP8Config() if args.fp8 else None
     device = torch.device("cuda", 0)
-    buffers = PackedBroadcastConfig(bucket_bytes=args.bucket_mib << 20, num_buffers=2, checksum=not args.no_checksum)
+    buffers = PackedBroadcastConfig(
+        bucket_bytes=args.bucket_mib << 20, num_buffers=args.num_buffers, checksum=not args.no_checksum
+    )
     result: dict = {
         "device": torch.cuda.get_device_name(),
         "gpus": torch.cuda.device_count(),
@@ -199,6 +266,7 @@ def run(args) -> dict:
         "engine_gpu": args.engine_gpu,
         "backend": "nccl",
         "bucket_mib": args.bucket_mib,
+        "num_buffers": args.num_buffers,
         "checksum": buffers.checksum,
         "torch": torch.__version__,
     }
@@ -262,6 +330,10 @@ def run(args) -> dict:
             if native is not None:
                 native_times += [timed(native.step) for _ in range(args.repeats)]
         session.refit(bridge, chunks, fp8=fp8)  # after the native reload: the engine holds ours again
+        if args.phase_steps:
+            result["ours_phases"] = timed_phases(
+                session, llm, lambda: session.refit(bridge, chunks, fp8=fp8), args.phase_steps
+            )
         session.close()
 
         result["ours_ms"] = summary(ours)
@@ -293,7 +365,11 @@ def main() -> None:
         default=DEFAULT_BUCKET_BYTES >> 20,
         help=f"packed-broadcast bucket size in MiB (default {DEFAULT_BUCKET_BYTES >> 20}, the library's)",
     )
+    parser.add_argument("--num-buffers", type=int, default=2, help="rotating buffers per end (default 2)")
     parser.add_argument("--no-checksum", action="store_true", help="PackedBroadcastConfig(checksum=False)")
+    parser.add_argument(
+        "--phase-steps", type=int, default=3, help="steps timed phase by phase after the rounds (ours_phases; 0: none)"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per side in each round (default 3)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of (ours, raw, native) (default 2)")
     args = parser.parse_args()
@@ -307,6 +383,7 @@ def main() -> None:
         (
             "_fp8" if args.fp8 else "",
             f"_bucket{args.bucket_mib}" if args.bucket_mib != DEFAULT_BUCKET_BYTES >> 20 else "",
+            f"_buffers{args.num_buffers}" if args.num_buffers != 2 else "",
             "_nochecksum" if args.no_checksum else "",
         )
     )
@@ -314,6 +391,11 @@ def main() -> None:
     path = write_result(args.out_dir or results_dir(), name, result)
     keys = ("device", "model", "format", "bytes", "ours_ms", "raw_broadcast_ms", "vllm_native_nccl_stock_ms", "ratios")
     print(json.dumps({k: result.get(k) for k in keys}, indent=1))
+    if "ours_phases" in result:
+        phases = result["ours_phases"]
+        for end in ("trainer", "engine"):
+            totals = {name: value["total_ms"] for name, value in phases[end]["phases_ms"].items()}
+            print(end, "phases (ms, summed over buckets):", totals, "host:", phases[end]["host_ms"])
     print("wrote", path)
     sys.exit(0 if result["ok"] else 1)
 

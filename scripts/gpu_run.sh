@@ -117,6 +117,8 @@ case "$part" in
     step bench_refit_vllm_broadcast_qwen3-1.7b 240 python3 scripts/bench_refit_vllm_broadcast.py --model qwen3-1.7b --out-dir "$RESULTS"
     step bench_refit_vllm_broadcast_qwen3-1.7b_nochecksum 240 python3 scripts/bench_refit_vllm_broadcast.py --model qwen3-1.7b --no-checksum --out-dir "$RESULTS"
     step bench_refit_vllm_broadcast_qwen3-1.7b_bucket256 240 python3 scripts/bench_refit_vllm_broadcast.py --model qwen3-1.7b --bucket-mib 256 --out-dir "$RESULTS"
+    # the same 1 GiB per end in 4 buffers: 3 buckets in flight while one is packed or replayed
+    step bench_refit_vllm_broadcast_qwen3-1.7b_bucket256_buffers4 240 python3 scripts/bench_refit_vllm_broadcast.py --model qwen3-1.7b --bucket-mib 256 --num-buffers 4 --out-dir "$RESULTS"
     step bench_refit_vllm_broadcast_qwen3-8b 300 python3 scripts/bench_refit_vllm_broadcast.py --model qwen3-8b --out-dir "$RESULTS"
     ;;
   vllm-bench*)

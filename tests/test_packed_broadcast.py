@@ -21,6 +21,8 @@ from mbridge_refit.sinks.packed_broadcast import (
     ALIGN_BYTES,
     DEFAULT_BUCKET_BYTES,
     PackedBroadcastConfig,
+    PackedBroadcastSender,
+    SendBuffers,
     StreamPacking,
     checksum,
     plan_fingerprint,
@@ -134,6 +136,47 @@ def test_checksum_sees_one_byte(length):
         corrupt = data.clone()
         corrupt[position] ^= 0x01
         assert int(checksum(corrupt)) != before
+
+
+@pytest.mark.parametrize("length", [0, 8, 67, 4096 + 5])
+def test_checksum_is_the_sum_of_eight_byte_words_modulo_2_64(length):
+    data = torch.randint(0, 256, (length,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    raw, words = bytes(data.tolist()), length // 8 * 8
+    total = sum(int.from_bytes(raw[i : i + 8], "little", signed=True) for i in range(0, words, 8)) + sum(raw[words:])
+    total = (total + 2**63) % 2**64 - 2**63  # as int64
+    assert int(checksum(data)) == total
+    slots = torch.zeros(3, dtype=torch.int64)
+    broadcast_wire.checksum_into(data, slots[1])  # in place, into its slot
+    assert slots.tolist() == [0, total, 0]
+    if length > 1:
+        assert int(checksum(data[1:])) == int(checksum(data[1:].clone()))  # a view at an odd offset
+
+
+@pytest.mark.parametrize(("bucket", "buffers"), [(16, 2), (32, 3), (48, 2), (304, 2), (1024, 4)])
+def test_send_buffers_place_every_byte_once(bucket, buffers):
+    """Each tensor's pieces are views of buffer ``b % n`` at its offset in bucket ``b``; together they
+    hold its bytes once. Made once: a second ``allocate`` keeps the same memory."""
+    memory = SendBuffers(PLAN, PackedBroadcastConfig(bucket_bytes=bucket, num_buffers=buffers), "cpu")
+    assert not memory.allocated and memory.expected[1] == ("b", (10, 7), torch.float32)
+    memory.allocate()
+    packing, count = memory.packing, len(memory.buffers)
+    assert count == min(buffers, packing.num_buckets) and memory.sums.numel() == packing.num_buckets
+    for slot, pieces in zip(packing.slots, memory.pieces):
+        assert sum(length for _, _, _, length in pieces) == slot.nbytes
+        for b, target, start, length in pieces:
+            buffer = memory.buffers[b % count]
+            assert target.data_ptr() - buffer.data_ptr() == slot.offset + start - b * bucket
+            assert target.numel() == length and target.data_ptr() + length <= memory.data[b].data_ptr() + bucket
+    pointers = [b.data_ptr() for b in memory.buffers]
+    memory.allocate()
+    assert [b.data_ptr() for b in memory.buffers] == pointers
+
+
+def test_sender_refuses_buffers_of_another_plan_or_config():
+    memory = SendBuffers(PLAN, PackedBroadcastConfig(bucket_bytes=32), "cpu")
+    for plan, config in ((PLAN.to_json(), memory.config), (PLAN, PackedBroadcastConfig(bucket_bytes=64))):
+        with pytest.raises(ValueError, match="made for another plan or config"):
+            PackedBroadcastSender(plan, config, group=None, src=0, buffers=memory)
 
 
 # --- real ranks -----------------------------------------------------------------------------

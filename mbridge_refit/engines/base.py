@@ -69,8 +69,10 @@ class RefitStep:
     worker spent. ``broadcast``: ``export_ms`` until the sender drained (export, packing, every
     bucket sent), ``apply_ms`` the wait for the workers' receive RPC after that, ``reset_ms`` the
     engine's prefix-cache reset and the outcome shared with the trainer ranks; ``workers`` each
-    worker's report of its receive (``receive_ms``: its own time in the RPC). ``adapter_ipc``:
-    ``workers`` holds the engine's load report (``ms``, ``modules``, ``slot``, ``phases_ms``).
+    worker's report of its receive (``receive_ms``: its own time in the RPC; ``phases`` with
+    timing on), and ``phases`` the source's per-bucket marks and phases when the session times
+    them (``sinks.broadcast_timing``). ``adapter_ipc``: ``workers`` holds the engine's load
+    report (``ms``, ``modules``, ``slot``, ``phases_ms``).
     """
 
     tensors: int
@@ -83,6 +85,7 @@ class RefitStep:
     engine_ms: float | None = None
     workers: list[dict[str, Any]] = field(default_factory=list)
     reset_ms: float | None = None
+    phases: dict[str, Any] | None = None
 
 
 @runtime_checkable

@@ -59,6 +59,7 @@ import torch
 from mbridge_refit.engines.apply_plan import ApplyPlan, LoadRecording, LoadWeights, StagedLoad
 from mbridge_refit.errors import EngineError
 from mbridge_refit.runtime.broadcast_group import StoreGroup
+from mbridge_refit.sinks.broadcast_timing import BucketTimeline, receiver_phases
 from mbridge_refit.sinks.packed_broadcast import (
     PackedBroadcastConfig,
     PackedBroadcastReceiver,
@@ -88,6 +89,7 @@ class ReceiveReport:
     receive_ms: float
     mode: str  # "recorded" (the loader, its copies recorded and proven), "replayed", or "loader" (every tensor)
     via_loader: int  # tensors that went through the engine's loader
+    phases: dict[str, Any] | None = None  # with ``timing``: each bucket's marks and phases (sinks.broadcast_timing)
 
 
 class BroadcastTarget:
@@ -99,7 +101,9 @@ class BroadcastTarget:
     whose parameters the recorded copies write. ``staged``: the engine's reload bracket (FP8
     engines): every tensor through the loader inside it, every refit. ``check``: prove each
     bucket's recorded copies against the loader before trusting them (default; off only to
-    measure what the proof costs, once per session).
+    measure what the proof costs, once per session). ``timing``: mark where each bucket's time
+    goes (``sinks.broadcast_timing``), returned in the report's ``phases`` (benchmarks; settable
+    between refits).
     """
 
     def __init__(
@@ -111,9 +115,10 @@ class BroadcastTarget:
         staged: StagedLoad | None = None,
         allow_partial: bool = False,
         check: bool = True,
+        timing: bool = False,
     ) -> None:
         self.load_weights, self.model, self.device = load_weights, model, torch.device(device)
-        self.staged, self.allow_partial, self.check = staged, allow_partial, check
+        self.staged, self.allow_partial, self.check, self.timing = staged, allow_partial, check, timing
         self.group: StoreGroup | None = None
         self.plan_json: str | None = None
         self.config: PackedBroadcastConfig | None = None
@@ -163,11 +168,17 @@ class BroadcastTarget:
         if self.group is None:
             raise BroadcastRefitError("no broadcast group: call join() before receive()")
         started = time.perf_counter()
-        receiver = None
+        receiver, timeline = None, BucketTimeline(self.device) if self.timing else None
         try:
             memory = self._receive_buffers()
             receiver = PackedBroadcastReceiver(
-                memory.plan, self.config, group=self.group, src=SOURCE_RANK, device=self.device, buffers=memory
+                memory.plan,
+                self.config,
+                group=self.group,
+                src=SOURCE_RANK,
+                device=self.device,
+                buffers=memory,
+                timeline=timeline,
             )
             mode = self._apply(receiver, memory)
             self.group.synchronize()  # watched: a load waiting for a broadcast whose sender failed ends
@@ -183,6 +194,7 @@ class BroadcastTarget:
             receive_ms=(time.perf_counter() - started) * 1e3,
             mode=mode,
             via_loader=len(self._plan.via_loader) if self._plan is not None else len(memory.packing.slots),
+            phases=_phases(timeline, self.config.num_buffers),
         )
         if report.unloaded and not self.allow_partial:
             raise BroadcastRefitError(
@@ -293,6 +305,14 @@ class BroadcastTarget:
             return []
         reached = {id(every_name[name]) for name in loaded}
         return sorted(name for name, param in self.model.named_parameters() if id(param) not in reached)
+
+
+def _phases(timeline: BucketTimeline | None, buffers: int) -> dict[str, Any] | None:
+    """This receive's marks and phases (``sinks.broadcast_timing``), or None untimed."""
+    if timeline is None:
+        return None
+    marks = timeline.summary()
+    return {**marks, "phases": receiver_phases(marks, buffers)}
 
 
 class _Copied:

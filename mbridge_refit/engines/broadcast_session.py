@@ -23,6 +23,11 @@ fails the step on every trainer rank). The trainer then, on every trainer rank o
 handle) and ``refit(bridge, model)`` each step (the export is collective; the other ranks only take
 part in it), ``close()`` at the end.
 
+The packed broadcast's memory (``SendBuffers``: the stream packing and, on the source, the
+rotating buffers) is made at the session's first refit and kept until ``close``, so a steady
+refit computes no packing and allocates nothing. ``timing=True`` (benchmarks) marks where each
+bucket's time goes on the source (``sinks.broadcast_timing``), returned in ``RefitStep.phases``.
+
 ``timeout_s`` bounds the join and every collective of both sides. A failure on either side reaches
 the other within seconds (``runtime.broadcast_group``): each side posts what stops it before its
 protocol settled, and the source also treats the workers' background call ending in an error while
@@ -57,11 +62,13 @@ from mbridge_refit.runtime.broadcast_group import (
 )
 from mbridge_refit.runtime.weight_source import ExportsWeights, Model
 from mbridge_refit.sinks.base import DiscardSink, drain
+from mbridge_refit.sinks.broadcast_timing import BucketTimeline, source_phases
 from mbridge_refit.sinks.packed_broadcast import (
     PackedBroadcastConfig,
     PackedBroadcastSender,
     PlanMismatchError,
     RefitStatusError,
+    SendBuffers,
     post_failure,
     share_verdict,
 )
@@ -109,6 +116,7 @@ class BroadcastSession:
         allow_partial: accept a refit that leaves engine parameters unloaded (a subset).
         ignored: exported names the engine skips, for a bridge (sent anyway; logged at ``open``).
         after_weights_written: called on the source once the workers received the step.
+        timing: mark each bucket's phases on the source (``RefitStep.phases``; benchmarks).
     """
 
     def __init__(
@@ -129,6 +137,7 @@ class BroadcastSession:
         device: torch.device | str | None = None,
         ignored: Callable[[ExportsWeights], frozenset[str]] = lambda bridge: frozenset(),
         after_weights_written: Callable[[], None] | None = None,
+        timing: bool = False,
     ) -> None:
         if source and call_workers is None:
             raise ValueError("the source rank needs the engine's workers; the other trainer ranks pass source=False")
@@ -143,8 +152,10 @@ class BroadcastSession:
         self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         self.ignored = ignored
         self.after_weights_written = after_weights_written
+        self.timing = timing
         self.group: StoreGroup | None = None
         self._session: tuple | None = None  # (bridge, chunks, fp8 repr, plan) of the open session
+        self._memory: SendBuffers | None = None  # the packed broadcast's, kept across the session's refits
 
     def open(self, bridge: ExportsWeights, model: Model, *, fp8: Any = None) -> None:
         """Form the group with the engine's workers and agree on the export plan; collective over
@@ -155,6 +166,7 @@ class BroadcastSession:
         if ignored & {e.hf_name for e in plan.entries}:
             logger.info("broadcast refit: the engine skips %s (its ignored names); sent anyway", sorted(ignored))
         self._session = (bridge, tuple(chunks), repr(fp8), plan)
+        self._memory = None
         if not self.source:
             return
         world = 1 + self.engine_workers
@@ -200,10 +212,10 @@ class BroadcastSession:
             self._share(None)
             return None
         receive = self.start_workers("mbridge_refit_receive")
-        sender = None
+        sender, timeline = None, BucketTimeline(self.device) if self.timing else None
         try:
             with self.group.watching(receive.failure):
-                sender = self._sender(plan, self.group)
+                sender = self._sender(plan, self.group, timeline)
                 count = drain(stream, sender)  # the sender's own failures reach every trainer rank in there
             sent_at = time.perf_counter()
         except BaseException as sent:
@@ -232,18 +244,25 @@ class BroadcastSession:
             export_ms=(sent_at - started) * 1e3,
             apply_ms=(received_at - sent_at) * 1e3,
             reset_ms=(done - received_at) * 1e3,
+            phases=_phases(timeline),
         )
 
-    def _sender(self, plan: Any, group: StoreGroup | None) -> PackedBroadcastSender:
-        """This rank's packed-broadcast sender: over ``group`` on the source, None on the other trainer ranks."""
+    def _sender(
+        self, plan: Any, group: StoreGroup | None, timeline: BucketTimeline | None = None
+    ) -> PackedBroadcastSender:
+        """This rank's packed-broadcast sender (over ``group`` on the source, None on the other
+        trainer ranks), on the session's kept memory."""
+        if self._memory is None:
+            self._memory = SendBuffers(plan, self.config, self.device)
         return PackedBroadcastSender(
             plan,
             self.config,
             group=group,
             src=SOURCE_RANK,
-            device=self.device,
             trainer_group=self.trainer_group,
             trainer_src=self.trainer_src,
+            buffers=self._memory,
+            timeline=timeline,
         )
 
     def _serves(self, bridge: ExportsWeights, chunks: list, fp8: Any) -> bool:
@@ -270,7 +289,15 @@ class BroadcastSession:
         if self.source and self.group is not None:
             self.call_workers("mbridge_refit_leave")
             self.group.close()
-        self.group, self._session = None, None
+        self.group, self._session, self._memory = None, None, None
+
+
+def _phases(timeline: BucketTimeline | None) -> dict[str, Any] | None:
+    """The source's marks and phases of this step (``sinks.broadcast_timing``), or None untimed."""
+    if timeline is None:
+        return None
+    marks = timeline.summary()
+    return {**marks, "phases": source_phases(marks)}
 
 
 def _engine_outcome(error: BaseException | None, done: str) -> str:

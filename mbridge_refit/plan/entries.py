@@ -97,7 +97,7 @@ class PlanEntry:
 
     @property
     def nbytes(self) -> int:
-        return numel(self.shape) * torch.empty((), dtype=self.torch_dtype).element_size()
+        return numel(self.shape) * self.torch_dtype.itemsize  # no tensor made: called per entry per packing
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

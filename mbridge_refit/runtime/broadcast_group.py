@@ -45,7 +45,15 @@ Failures reach every member as ``PeerFailedError`` within seconds instead of the
 * every wait (a collective, ``synchronize``, connecting) polls for completion, for that mark
   and for outside signals the caller registers (``watching``; e.g. the RPC that runs the
   engine's side ended in an error while this member still waits for it). The ``timeout``
-  bounds each wait; past it the member posts its failure and raises.
+  bounds each wait; past it the member posts its failure and raises. A wait polls every
+  ``FAST_POLL_S`` for its first ``FAST_POLL_WINDOW_S`` (a refit's last collective ends within
+  tens of milliseconds; a wait that overshoots its end by a poll interval delays the step by as
+  much), then every ``poll_s`` (milliseconds: a member waiting for a slow peer costs no CPU).
+
+On CUDA the group's NCCL kernels run on a high-priority stream (``is_high_priority_stream``): a
+packed broadcast runs its copies, checksums and the consumer's replay beside its broadcasts, and
+a kernel that fills every SM would otherwise hold the next broadcast's kernel back until it ends,
+which serializes the pipeline the buffers are there to overlap.
 
 A failed group stays failed (every later collective raises at once): close it and form a new
 one. Failures the packed broadcast reports itself (a plan mismatch, a bad checksum, a failing
@@ -73,6 +81,8 @@ __all__ = [
     "BroadcastGroup",
     "BroadcastGroupError",
     "DEFAULT_TIMEOUT",
+    "FAST_POLL_S",
+    "FAST_POLL_WINDOW_S",
     "GroupLike",
     "GroupSetupError",
     "OUTSIDE_GRACE_S",
@@ -95,6 +105,8 @@ PEER_CHECK_S = 0.5  # how often a member's watchdog beats and reads the others' 
 PEER_SILENT_S = 15.0  # a member whose heartbeat has not advanced for this long is gone
 POST_WAIT_S = 2.0  # how long posting a failure may take before the caller goes on raising its own
 OUTSIDE_GRACE_S = 1.0  # an outside failure counts once it stood this long while the wait stayed open
+FAST_POLL_S = 2e-4  # how often a wait polls for its first FAST_POLL_WINDOW_S
+FAST_POLL_WINDOW_S = 0.25
 _KEYS = "mbridge_refit/"  # the group's own keys in the store (the process group's are under _KEYS + "pg/")
 _PROTOCOL = 2  # the layout of those keys; members of other versions do not agree on settings
 _UNSET = "<unset>"
@@ -432,11 +444,16 @@ class StoreGroup:
         what: str,
         *,
         poll_s: float = 0.002,
+        fast: bool = True,
         on_deadline: Callable[[], BaseException] | None = None,
     ) -> None:
         """Poll ``done`` until it is true; raise ``PeerFailedError`` once the group failed or an
-        outside check's failure stood ``OUTSIDE_GRACE_S``, and past the timeout (posting it)."""
-        deadline = time.monotonic() + self.timeout.total_seconds()
+        outside check's failure stood ``OUTSIDE_GRACE_S``, and past the timeout (posting it).
+        ``fast``: poll every ``FAST_POLL_S`` for the first ``FAST_POLL_WINDOW_S`` (waits for a
+        collective or the device; not joining, whose polls are round trips to the store)."""
+        began = time.monotonic()
+        window = FAST_POLL_WINDOW_S if fast else 0.0
+        deadline = began + self.timeout.total_seconds()
         delay, outside_since = min(5e-5, poll_s), None
         while not done():
             if self._failure is not None:
@@ -465,7 +482,7 @@ class StoreGroup:
                 self.post_error(str(error))
                 raise error
             time.sleep(delay)
-            delay = min(delay * 2, poll_s)
+            delay = min(delay * 2, min(poll_s, FAST_POLL_S) if now - began < window else poll_s)
 
     def _watch(self, store: Any) -> None:
         """The watchdog thread: beat, then read the others' errors and heartbeats, every ``PEER_CHECK_S``."""
@@ -520,7 +537,9 @@ class StoreGroup:
                 f"({self.world_size})"
             )
 
-        self._wait_until(lambda: self.store.check(keys), "joining the group", poll_s=0.05, on_deadline=missing)
+        self._wait_until(
+            lambda: self.store.check(keys), "joining the group", poll_s=0.05, fast=False, on_deadline=missing
+        )
         differences = settings_differences({member: json.loads(self.store.get(key)) for member, key in enumerate(keys)})
         if differences:
             raise _settings_error(differences, self.host, self.port)
@@ -546,7 +565,7 @@ class StoreGroup:
 
         thread = threading.Thread(target=connect, daemon=True, name=f"store-group-connect-{self.rank}")
         thread.start()
-        self._wait_until(lambda: not thread.is_alive(), f"connecting the {self.backend} group", poll_s=0.01)
+        self._wait_until(lambda: not thread.is_alive(), f"connecting the {self.backend} group", poll_s=0.01, fast=False)
         if "error" in outcome:
             agreed = f"NCCL {group_settings(self.backend)['nccl_version']}" if self.backend == "nccl" else "gloo"
             raise GroupSetupError(
@@ -584,6 +603,7 @@ def _process_group(backend: str, store: Any, rank: int, world_size: int, timeout
         return dist.ProcessGroupGloo(store, rank, world_size, timeout)
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
+    options.is_high_priority_stream = True  # the broadcasts' kernels first (module docstring)
     return dist.ProcessGroupNCCL(store, rank, world_size, options)
 
 

@@ -43,17 +43,20 @@ any dtype), cut into buckets at ``bucket_bytes`` boundaries. A tensor larger tha
 straddling a boundary) simply continues in the next bucket; the receiver reassembles it in one
 scratch tensor sized for the largest such tensor.
 
-The receiver's memory (``ReceiveBuffers``) may be kept from one refit to the next: bucket ``b``
-lands in buffer ``b % num_buffers`` every time and each tensor is the same view every time, made
-once, so a consumer can record what it does with them once and replay it
-(``engines.broadcast``); ``receive_buckets`` hands a bucket's tensors over together, right after
-the bucket landed and before its buffer is posted for bucket ``b + num_buffers``. Per bucket the
-receiver issues one broadcast and reads nothing to the host.
+Each end's memory may be kept from one refit to the next (``sinks.broadcast_buffers``: the
+source's ``SendBuffers``, a receiver's ``ReceiveBuffers``), so a steady refit computes no packing
+and allocates nothing. On a receiver bucket ``b`` lands in buffer ``b % num_buffers`` every time
+and each tensor is the same view every time, made once, so a consumer can record what it does
+with them once and replay it (``engines.broadcast``); ``receive_buckets`` hands a bucket's tensors
+over together, right after the bucket landed and before its buffer is posted for bucket
+``b + num_buffers``. Per bucket each end issues one broadcast and reads nothing to the host; its
+device work (the source's copies and checksum, a receiver's checksum and consumer) is ordered
+after the broadcasts it needs by stream waits, never by the host. A ``BucketTimeline``
+(``sinks.broadcast_timing``) given to either end marks where each bucket's time goes.
 """
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -64,6 +67,8 @@ import torch.distributed as dist
 from mbridge_refit.plan.entries import ExportPlan
 from mbridge_refit.runtime.broadcast_group import GroupLike, as_broadcast_group
 from mbridge_refit.sinks.base import WeightSink
+from mbridge_refit.sinks.broadcast_buffers import ReceiveBuffers, SendBuffers, endpoint
+from mbridge_refit.sinks.broadcast_timing import BucketTimeline
 from mbridge_refit.sinks.broadcast_wire import (
     ALIGN_BYTES,
     DEFAULT_BUCKET_BYTES,
@@ -75,11 +80,9 @@ from mbridge_refit.sinks.broadcast_wire import (
     PlanMismatchError,
     RefitStatusError,
     StreamPacking,
-    StreamSlot,
-    bucket_events,
     check_member,
     checksum,
-    completed_views,
+    checksum_into,
     flat_bytes,
     handshake,
     hex64,
@@ -87,10 +90,10 @@ from mbridge_refit.sinks.broadcast_wire import (
     plan_signature,
     post_failure,
     share_verdict,
-    split_pieces,
 )
 
-# The wire format's public names are re-exported: importers name the packed broadcast, one module.
+# The wire format's and the buffers' public names are re-exported: importers name the packed
+# broadcast, one module.
 __all__ = [
     "ALIGN_BYTES",
     "DEFAULT_BUCKET_BYTES",
@@ -101,6 +104,7 @@ __all__ = [
     "PlanMismatchError",
     "ReceiveBuffers",
     "RefitStatusError",
+    "SendBuffers",
     "StreamPacking",
     "checksum",
     "plan_fingerprint",
@@ -117,28 +121,35 @@ class PackedBroadcastSender(WeightSink):
 
     Construct on every trainer rank that iterates the export, at the same time as the receivers
     construct theirs. Only the source rank (``src`` in ``group``) is a member of ``group`` and
-    sends (the other trainer ranks may pass ``group=None``); on the other trainer ranks the sender only checks the stream against the plan and
-    discards it (``drain(bridge.export_hf_weights(...), sender)`` on every trainer rank is the
-    whole recipe; ``for _ in stream: pass`` would do as well, without the check).
+    sends (the other trainer ranks may pass ``group=None``); on the other trainer ranks the sender
+    only checks the stream against the plan and discards it (``drain(bridge.export_hf_weights(...),
+    sender)`` on every trainer rank is the whole recipe; ``for _ in stream: pass`` would do as
+    well, without the check).
 
     The constructor runs the handshake on the source rank (collective over ``group``) and raises
     :class:`PlanMismatchError` if any receiver disagrees. With ``trainer_group`` (the ranks
     iterating the export, a ``torch.distributed`` group; the source is its rank ``trainer_src``,
-    default ``src``) the source's handshake and ``finish`` outcomes are shared with the other trainer ranks, so every trainer raises the same error instead of
-    entering a collective export alone. ``finish`` raises :class:`RefitStatusError` if a receiver
-    reported a bad checksum or a failed consumer.
+    default ``src``) the source's handshake and ``finish`` outcomes are shared with the other
+    trainer ranks, so every trainer raises the same error instead of entering a collective export
+    alone. ``finish`` raises :class:`RefitStatusError` if a receiver reported a bad checksum or a
+    failed consumer.
 
-    Buffers: ``num_buffers`` uint8 tensors of ``bucket_bytes`` on ``device`` (default: CUDA's
-    current device if available, else CPU), allocated at the first tensor and kept for the
-    sender's lifetime. A consumed tensor is copied into the current buffer before ``consume``
-    returns, so the exporter may reuse its own buffer right after.
+    Memory: ``buffers``, the :class:`SendBuffers` of earlier refits of the same plan and config
+    (kept by the caller: the packing is not computed again and the device buffers are reused);
+    default: made for this refit alone and released at its end. The device buffers are
+    ``min(num_buffers, buckets)`` uint8 tensors of ``bucket_bytes`` on ``device`` (default: CUDA's
+    current device if available, else CPU), allocated at the first bucket on the source only.
 
-    Overlap: each full buffer goes out with an asynchronous broadcast; the Work is
-    waited for only before that buffer is packed again. On CUDA, packing runs on a dedicated
-    stream that first waits (event) for the exporter's stream, and the exporter's stream waits
-    for the packing copy before it may overwrite the source tensor; the Work's ``wait`` is issued
-    on the packing stream, so the exporter's kernels never wait for a broadcast except through a
-    full set of buffers in flight.
+    Overlap, with no host wait: each tensor is copied into its bucket's buffer on the current
+    stream (the exporter's: the copy is ordered after the kernels that made the tensor and before
+    any that overwrite it, so the exporter may reuse its own buffer as soon as ``consume``
+    returns); a full bucket goes out with an asynchronous broadcast (which waits for those copies)
+    and its checksum is queued behind it; before a buffer is packed again the current stream waits
+    for that buffer's broadcast (``Work.wait``, stream-ordered). With ``n`` buffers, packing bucket
+    ``b + 1`` overlaps the broadcast of bucket ``b``, and up to ``n`` broadcasts are in flight; the
+    exporter's own kernels wait for a broadcast only through a full set of buffers in flight.
+    ``timeline``: a :class:`~mbridge_refit.sinks.broadcast_timing.BucketTimeline` marking each
+    bucket's phases (benchmarks).
 
     A stream that disagrees with the sender's own plan, ends early, or raises (``drain`` then
     calls ``abort``) after the handshake is posted to the group (module docstring), so receivers
@@ -156,25 +167,29 @@ class PackedBroadcastSender(WeightSink):
         trainer_group: GroupLike | None = None,
         trainer_src: int | None = None,
         device: torch.device | str | None = None,
+        buffers: SendBuffers | None = None,
+        timeline: BucketTimeline | None = None,
     ) -> None:
-        self.plan, self.config, self.packing, self.device = _endpoint(plan, config, device)
+        memory = _kept(buffers, plan, config) or SendBuffers(plan, config, device)
+        self._memory, self._owns_memory = memory, buffers is None
+        self.plan, self.config, self.packing, self.device = memory.plan, config, memory.packing, memory.device
         self.group, self.src = as_broadcast_group(group) if group is not None else None, src
         self.trainer_group = as_broadcast_group(trainer_group) if trainer_group is not None else None
         self.trainer_src = src if trainer_src is None else trainer_src
         self.is_source = self.group is not None and self.group.is_source(src)
+        self.timeline = timeline if self.is_source else None
         self._next = 0
         self._closed = False
-        self._buffers: list[torch.Tensor] = []
-        self._sums: torch.Tensor | None = None  # int64[buckets]: each bucket's checksum, sent after the last bucket
-        self._works: list[list[Any]] = [[] for _ in range(config.num_buffers)]
+        self._works: list[Any] = [None] * config.num_buffers  # per buffer: the broadcast last reading it
         self._bucket = -1  # the bucket being packed
-        self._stream = None
         self.bytes_sent = 0
         self.settled = not self.is_source  # the source's protocol is settled once its status (or verdict) is known
         self._abandoned = False
         error = None
         if self.is_source:
             check_member(self.group)
+            if self.timeline is not None:
+                self.timeline.start()
             try:
                 handshake(self, is_source=True)
             except PlanMismatchError as err:
@@ -182,6 +197,8 @@ class PackedBroadcastSender(WeightSink):
             except BaseException as err:
                 self._abandon(err)
                 raise
+            if self.timeline is not None:
+                self.timeline.host("handshake")
         if self.trainer_group is not None:
             share_verdict(self.trainer_group, self.trainer_src, error, self.device)
         elif error is not None:
@@ -193,15 +210,17 @@ class PackedBroadcastSender(WeightSink):
         if self._closed:
             raise RuntimeError("PackedBroadcastSender.consume() after finish() or abort(); create a new sender")
         try:
-            slot = self._check(hf_name, tensor)
+            index = self._check(hf_name, tensor)
             self._next += 1
-            if not self.is_source or slot.nbytes == 0:
+            if not self.is_source or not tensor.numel():
                 return
+            if not self._memory.allocated:
+                self._memory.allocate()
             data = flat_bytes(tensor)
-            if self.device.type == "cuda":
-                self._pack_cuda(slot, data)
-            else:
-                self._pack(slot, data)
+            for bucket, target, start, length in self._memory.pieces[index]:
+                if bucket != self._bucket:
+                    self._enter(bucket)
+                target.copy_(data if length == data.numel() else data[start : start + length])
         except BaseException as err:
             self._abandon(err)
             raise
@@ -235,10 +254,12 @@ class PackedBroadcastSender(WeightSink):
             raise error
 
     def abort(self) -> None:
-        """Drop the buffers; on the source, in the middle of the protocol, post the error being
-        handled (``drain`` calls this from its ``except``) so the receivers raise too."""
+        """Drop the buffers (kept ones too when the protocol did not settle: broadcasts may still read
+        them); on the source, in the middle of the protocol, post the error being handled (``drain``
+        calls this from its ``except``) so the receivers raise too."""
         self._closed = True
-        self._buffers, self._sums = [], None
+        if self._owns_memory or not self.settled:
+            self._memory.release()
         error = sys.exc_info()[1]
         self._abandon(error if error is not None else RuntimeError("the sender was aborted"))
 
@@ -250,92 +271,78 @@ class PackedBroadcastSender(WeightSink):
 
     # -- internals -------------------------------------------------------------------------
 
-    def _check(self, hf_name: str, tensor: torch.Tensor) -> StreamSlot:
-        if self._next >= len(self.packing.slots):
+    def _check(self, hf_name: str, tensor: torch.Tensor) -> int:
+        """The plan index of ``tensor``, which must be the plan's next entry (name, shape, dtype)."""
+        index = self._next
+        expected = self._memory.expected
+        if index >= len(expected):
             raise ValueError(
-                f"the export stream has more tensors than the plan ({len(self.packing.slots)}); "
+                f"the export stream has more tensors than the plan ({len(expected)}); "
                 f"unexpected {hf_name!r}: build the sender from this export's plan (bridge.export_plan(model))"
             )
-        slot = self.packing.slots[self._next]
-        entry = slot.entry
-        got = (hf_name, tuple(tensor.shape), tensor.dtype)
-        want = (entry.hf_name, tuple(entry.shape), entry.torch_dtype)
-        if got != want:
+        name, shape, dtype = expected[index]
+        if hf_name != name or tensor.dtype != dtype or tuple(tensor.shape) != shape:
             raise ValueError(
-                f"export stream differs from the plan at entry #{self._next}: got {hf_name} {list(got[1])} "
-                f"{got[2]}, plan has {entry.hf_name} {list(entry.shape)} {want[2]}; build the sender from "
+                f"export stream differs from the plan at entry #{index}: got {hf_name} {list(tensor.shape)} "
+                f"{tensor.dtype}, plan has {name} {list(shape)} {dtype}; build the sender from "
                 "this export's plan (bridge.export_plan(model))"
             )
-        return slot
+        return index
 
-    def _pack(self, slot: StreamSlot, data: torch.Tensor) -> None:
-        """Copy ``data`` into the buckets that hold ``slot``, sending each bucket as it fills."""
-        bucket_bytes = self.config.bucket_bytes
-        position = slot.offset
-        while position < slot.end:
-            bucket, within = divmod(position, bucket_bytes)
-            buffer = self._enter(bucket)
-            length = min(slot.end - position, bucket_bytes - within)
-            start = position - slot.offset
-            buffer[within : within + length].copy_(data[start : start + length])
-            position += length
-
-    def _pack_cuda(self, slot: StreamSlot, data: torch.Tensor) -> None:
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=self.device)
-        producer = torch.cuda.current_stream(self.device)
-        self._stream.wait_stream(producer)  # the exported tensor is ready
-        with torch.cuda.stream(self._stream):
-            self._pack(slot, data)
-        producer.wait_stream(self._stream)  # the exporter may overwrite its buffer after the copy
-
-    def _enter(self, bucket: int) -> torch.Tensor:
-        """The buffer of ``bucket``, sending every earlier bucket first."""
+    def _enter(self, bucket: int) -> None:
+        """Make ``bucket`` the one being packed, sending every earlier bucket first."""
         while self._bucket < bucket:
             if self._bucket >= 0:
                 self._send(self._bucket)
             self._bucket += 1
             self._acquire(self._bucket)
-        return self._buffers[self._bucket % self.config.num_buffers]
 
     def _acquire(self, bucket: int) -> None:
-        index = bucket % self.config.num_buffers
-        if not self._buffers:
-            n = self.config.num_buffers
-            self._buffers = [
-                torch.zeros(self.config.bucket_bytes, dtype=torch.uint8, device=self.device) for _ in range(n)
-            ]
-            self._sums = torch.zeros(max(self.packing.num_buckets, 1), dtype=torch.int64, device=self.device)
-        for work in self._works[index]:
-            work.wait()  # on CUDA: the packing stream waits for the broadcast of this buffer
-        self._works[index] = []
+        """The current stream waits until the broadcast that last read ``bucket``'s buffer ended."""
+        index = bucket % len(self._memory.buffers)
+        work, self._works[index] = self._works[index], None
+        if work is not None:
+            work.wait()  # on CUDA: the current stream waits for the broadcast; the host does not
+        if self.timeline is not None:
+            self.timeline.mark("free", bucket)
 
     def _send(self, bucket: int) -> None:
-        index = bucket % self.config.num_buffers
-        data = self._buffers[index][: self.packing.bucket_length(bucket)]
-        self._works[index] = [self.group.broadcast(data, self.src, async_op=True)]
+        memory, timeline = self._memory, self.timeline
+        data = memory.data[bucket]
+        if timeline is not None:
+            timeline.mark("packed", bucket)
+        work = self.group.broadcast(data, self.src, async_op=True)
+        self._works[bucket % len(memory.buffers)] = work
+        if timeline is not None:
+            timeline.host("issued", bucket)
+            timeline.completion("sent", bucket, work)
         if self.config.checksum:  # beside the broadcast (both only read), before the buffer is packed again
-            self._sums[bucket : bucket + 1].copy_(checksum(data))
+            checksum_into(data, memory.sums[bucket])
+            if timeline is not None:
+                timeline.mark("summed", bucket)
         self.bytes_sent += data.numel()
 
     def _finish_source(self) -> BaseException | None:
         last = self.packing.num_buckets - 1
-        with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
-            if last >= 0:
-                self._enter(last)
-                self._send(last)
-            for works in self._works:
-                for work in works:
-                    work.wait()
-            self._works = [[] for _ in self._works]
-            if self.config.checksum:
-                if self._sums is None:  # nothing was packed: an empty stream
-                    self._acquire(0)
-                self.group.broadcast(self._sums, self.src, async_op=True).wait()
-        status = torch.zeros(2, dtype=torch.int64, device=self.device)
+        if last >= 0:
+            if not self._memory.allocated:  # a stream of empty tensors only
+                self._memory.allocate()
+            self._enter(last)
+            self._send(last)
+        for index, work in enumerate(self._works):
+            if work is not None:
+                work.wait()
+                self._works[index] = None
+        if self.config.checksum:
+            self._memory.allocate()  # for its checksum slots, if nothing was packed: an empty stream
+            self.group.broadcast(self._memory.sums, self.src, async_op=True).wait()
+        status = self._memory.status()
         self.group.all_reduce(status, dist.ReduceOp.MAX)
         code, bucket = (int(v) for v in status.tolist())
-        self._buffers, self._sums = [], None
+        if self.timeline is not None:
+            self.timeline.host("status")
+        if self._owns_memory:
+            self._memory.release()
         if code == STATUS_OK:
             return None
         if code == STATUS_CHECKSUM:
@@ -346,59 +353,21 @@ class PackedBroadcastSender(WeightSink):
         return RefitStatusError("a receiver's consumer failed while applying the weights (see the receiver's log)")
 
 
-def _endpoint(
-    plan: ExportPlan | str, config: PackedBroadcastConfig, device: torch.device | str | None
-) -> tuple[ExportPlan, PackedBroadcastConfig, "StreamPacking", torch.device]:
-    """What both ends derive from their arguments: the plan, the config, the stream packing, the device."""
-    plan = ExportPlan.from_json(plan) if isinstance(plan, str) else plan
-    return (
-        plan,
-        config,
-        StreamPacking.build(plan, config.bucket_bytes),
-        torch.device(device) if device is not None else _default_device(),
-    )
-
-
-def _default_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+def _kept(
+    buffers: SendBuffers | ReceiveBuffers | None, plan: ExportPlan | str, config: PackedBroadcastConfig
+) -> SendBuffers | ReceiveBuffers | None:
+    """``buffers`` if given and made for ``plan`` (the same object) and ``config``; raises otherwise."""
+    if buffers is None:
+        return None
+    if buffers.plan is not plan or buffers.config != config:
+        raise ValueError(
+            f"`buffers` were made for another plan or config: make {type(buffers).__name__}(plan, config, device) "
+            "from the plan object and config this end is given"
+        )
+    return buffers
 
 
 # --- receiver -------------------------------------------------------------------------------
-
-
-class ReceiveBuffers:
-    """A receiving end's memory, kept from one refit to the next: the rotating buffers, their
-    checksum slots, the scratch for tensors split across buckets, and each bucket's tensors as
-    views of them, made once.
-
-    Bucket ``b`` always lands in buffer ``b % len(buffers)`` and a split tensor always ends in
-    ``scratch``, so a tensor is the same view of the same memory every refit: a consumer may keep
-    references to those views (``engines.broadcast`` replays recorded copies from them) as long
-    as it keeps this object. Pass it to each refit's :class:`PackedBroadcastReceiver`.
-    """
-
-    def __init__(self, plan: ExportPlan | str, config: PackedBroadcastConfig, device: torch.device | str) -> None:
-        self.plan, self.config, self.packing, self.device = _endpoint(plan, config, device)
-        count = min(config.num_buffers, max(self.packing.num_buckets, 1))
-        self.buffers = [torch.empty(config.bucket_bytes, dtype=torch.uint8, device=self.device) for _ in range(count)]
-        # each bucket's checksum as received and as the sender computed it (sent after the last bucket)
-        self.sums, self.sent_sums = (
-            torch.zeros(max(self.packing.num_buckets, 1), dtype=torch.int64, device=self.device) for _ in range(2)
-        )
-        self.scratch = torch.empty(self.packing.max_split_bytes(), dtype=torch.uint8, device=self.device)
-        self.events = bucket_events(self.packing)
-        self.data = [self.buffers[b % count][: self.packing.bucket_length(b)] for b in range(self.packing.num_buckets)]
-        self.tensors = [
-            completed_views(self.events[b], data, self.scratch, self.device) for b, data in enumerate(self.data)
-        ]
-        self.pieces = [  # per bucket: the split tensors' pieces to copy (before, after) its tensors are used
-            tuple(split_pieces(self.events[b], data, self.scratch, completing=c) for c in (True, False))
-            for b, data in enumerate(self.data)
-        ]
-
-    def storages(self) -> list[torch.Tensor]:
-        """The tensors whose memory every received view lies in (buffers and scratch)."""
-        return [*self.buffers, self.scratch]
 
 
 class PackedBroadcastReceiver:
@@ -436,16 +405,14 @@ class PackedBroadcastReceiver:
         src: int,
         device: torch.device | str | None = None,
         buffers: ReceiveBuffers | None = None,
+        timeline: BucketTimeline | None = None,
     ) -> None:
-        if buffers is None:
-            self.plan, self.config, self.packing, self.device = _endpoint(plan, config, device)
-        elif buffers.plan is not plan or buffers.config != config:
-            raise ValueError(
-                "`buffers` were made for another plan or config: make ReceiveBuffers(plan, config, device)"
-            )
+        if _kept(buffers, plan, config) is None:
+            self.plan, self.config, self.packing, self.device = endpoint(plan, config, device)
         else:
-            self.plan, self.config, self.packing, self.device = plan, config, buffers.packing, buffers.device
+            self.plan, self.config, self.packing, self.device = buffers.plan, config, buffers.packing, buffers.device
         self.group, self.src = as_broadcast_group(group), src
+        self.timeline = timeline
         self._buffers = buffers
         self._memory: ReceiveBuffers | None = None  # this refit's (``buffers``, or its own)
         self._used = False
@@ -453,6 +420,8 @@ class PackedBroadcastReceiver:
         check_member(self.group)
         if self.group.is_source(src):
             raise ValueError(f"rank {src} is the source of the broadcast; construct PackedBroadcastSender there")
+        if timeline is not None:
+            timeline.start()
         try:
             handshake(self, is_source=False)
         except PlanMismatchError:
@@ -461,10 +430,12 @@ class PackedBroadcastReceiver:
         except BaseException as err:
             post_failure(self.group, "a packed-broadcast receiver", err)
             raise
+        if timeline is not None:
+            timeline.host("handshake")
 
     def _checksum(self, bucket: int, data: torch.Tensor) -> None:
         """Queue the checksum of received bucket ``data`` into its slot (no host read)."""
-        self._memory.sums[bucket : bucket + 1].copy_(checksum(data))
+        checksum_into(data, self._memory.sums[bucket])
 
     def _checksum_report(self) -> torch.Tensor:
         """``[STATUS_CHECKSUM, first bad bucket]`` if a received bucket's checksum differs from the
@@ -502,12 +473,15 @@ class PackedBroadcastReceiver:
         except BaseException as err:  # e.g. out of memory: the sender is about to broadcast
             post_failure(self.group, "a packed-broadcast receiver", err)
             raise
-        data = memory.data
+        data, timeline = memory.data, self.timeline
         works: dict[int, Any] = {}
 
         def post(bucket: int) -> None:
             if bucket < packing.num_buckets:
                 works[bucket] = self.group.broadcast(data[bucket], self.src, async_op=True)
+                if timeline is not None:
+                    timeline.host("issued", bucket)
+                    timeline.completion("received", bucket, works[bucket])
 
         next_post, at_yield = 0, False
         try:
@@ -515,9 +489,13 @@ class PackedBroadcastReceiver:
                 post(next_post)
                 next_post += 1
             for bucket in range(packing.num_buckets):
-                works.pop(bucket).wait()
+                works.pop(bucket).wait()  # on CUDA: the current stream waits for the broadcast; the host does not
+                if timeline is not None:
+                    timeline.mark("landed", bucket)
                 if config.checksum:
                     self._checksum(bucket, data[bucket])
+                    if timeline is not None:
+                        timeline.mark("summed", bucket)
                 completing, continuing = memory.pieces[bucket]
                 for piece, received in completing:
                     piece.copy_(received)
@@ -526,6 +504,8 @@ class PackedBroadcastReceiver:
                 at_yield = False
                 for piece, received in continuing:
                     piece.copy_(received)
+                if timeline is not None:
+                    timeline.mark("consumed", bucket)
                 post(next_post)  # this bucket's buffer is free again
                 next_post += 1
         except BaseException as err:
@@ -557,6 +537,8 @@ class PackedBroadcastReceiver:
             report = mine.clone()
             self.group.all_reduce(report, dist.ReduceOp.MAX)
             code, bucket = (int(v) for v in mine.tolist()) if checksum_on else (status, 0)
+            if self.timeline is not None:
+                self.timeline.host("status")
         except BaseException as err:
             post_failure(self.group, "a packed-broadcast receiver", err)
             raise

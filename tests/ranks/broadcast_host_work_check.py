@@ -5,11 +5,14 @@ Usage: broadcast_host_work_check.py --layers N [N ...] --result FILE [--bucket-b
 
 For each layer count, a plan of that many vLLM-like layers (q, k, v fused into ``qkv_proj``,
 gate and up into ``gate_up_proj``, by a loader that parses names per tensor as vLLM's does) is sent
-by a ``PackedBroadcastSender`` (one thread) into a ``BroadcastTarget`` (another thread) over a
-``StoreGroup``. Three refits settle the session; the fourth is counted in the engine's thread only
+by a ``PackedBroadcastSender`` (one thread, its ``SendBuffers`` kept across refits as
+``BroadcastSession`` keeps them) into a ``BroadcastTarget`` (another thread) over a ``StoreGroup``.
+Three refits settle the session; the fourth is counted in the engine's thread only
 (``sys.setprofile`` is per thread): Python calls, calls into C (by name, for the few that matter:
 allocations and reads of a tensor's value to the host), the loader's calls, and the collectives the
-engine issued. The engine must equal the last refit's tensors. Writes {layers: counts} to FILE.
+engine issued; the fifth is counted the same way in the sender's thread (its ``consume`` calls and
+``finish``, not the making of the tensors). The engine must equal the last refit's tensors. Writes
+{layers: counts} to FILE, the sender's under "sender".
 """
 
 from __future__ import annotations
@@ -29,7 +32,11 @@ from test_packed_broadcast import _plan  # noqa: E402
 
 from mbridge_refit.engines.broadcast import BroadcastTarget  # noqa: E402
 from mbridge_refit.runtime.broadcast_group import StoreGroup  # noqa: E402
-from mbridge_refit.sinks.packed_broadcast import PackedBroadcastConfig, PackedBroadcastSender  # noqa: E402
+from mbridge_refit.sinks.packed_broadcast import (  # noqa: E402
+    PackedBroadcastConfig,
+    PackedBroadcastSender,
+    SendBuffers,
+)
 
 HIDDEN, HEADS, KV, FFN = 16, 8, 4, 12
 PARTS = {  # HF tensor -> (engine parameter, its row offset there)
@@ -136,7 +143,9 @@ class CountingGroup:
 
 def count_calls(action) -> dict:
     """Calls ``action`` makes in this thread, and its reads of a tensor's value to the host
-    (``int(t)``, ``t.item()``, ``t.tolist()``: each a host round trip on a GPU)."""
+    (``int(t)``, ``t.item()``, ``t.tolist()``: each a host round trip on a GPU); not the calls a
+    blocking wait of the group makes while it polls (``StoreGroup._wait_until``: as many as the wait
+    is long)."""
     counts = {"python_calls": 0, "c_calls": 0, "host_reads": 0}
     named: Counter = Counter()
     originals = {name: getattr(torch.Tensor, name) for name in ("__int__", "__index__", "item", "tolist")}
@@ -150,8 +159,15 @@ def count_calls(action) -> dict:
         return read
 
     wrappers = {counted(original).__code__ for original in originals.values()}
+    # a blocking wait polls as often as the peer keeps it waiting: those calls are not this end's work
+    waits, waiting = {StoreGroup._wait_until.__code__}, [0]
 
     def probe(frame, event, arg):
+        if frame.f_code in waits:
+            waiting[0] += {"call": 1, "return": -1}.get(event, 0)
+            return
+        if waiting[0]:
+            return
         if event == "call" and frame.f_code not in wrappers:
             counts["python_calls"] += 1
         elif event == "c_call":
@@ -190,26 +206,35 @@ def measure(layers: int, bucket_bytes: int, checksum: bool) -> dict:
     counting = CountingGroup(target.group)
     target.group = counting
     results: dict = {}
+    memory = SendBuffers(plan, config, "cpu")  # kept across refits, as BroadcastSession keeps it
 
     def send(step: int) -> dict[str, torch.Tensor]:
         gen = torch.Generator().manual_seed(step)
         tensors = {e.hf_name: torch.randn(e.shape, generator=gen).to(torch.bfloat16) for e in plan.entries}
-        sender = PackedBroadcastSender(plan, config, group=sender_group[0], src=0, device="cpu")
-        for name, tensor in tensors.items():
-            sender.consume(name, tensor)
-        sender.finish()
+
+        def sending() -> None:
+            sender = PackedBroadcastSender(plan, config, group=sender_group[0], src=0, buffers=memory)
+            for name, tensor in tensors.items():
+                sender.consume(name, tensor)
+            sender.finish()
+
+        if step == 4:
+            results["sender"] = count_calls(sending)
+        else:
+            sending()
         return tensors
 
-    for step in range(4):
+    for step in range(5):
         thread = threading.Thread(target=lambda s=step: results.__setitem__("sent", send(s)), daemon=True)
         thread.start()
-        if step < 3:
+        if step != 3:
             report = target.receive()
         else:
             counting.collectives.clear()
             calls_before = engine.loader_calls
             results["counts"] = count_calls(lambda: results.__setitem__("report", target.receive()))
             results["counts"]["loader_calls"] = engine.loader_calls - calls_before
+            results["collectives"] = dict(counting.collectives)  # this refit's
         thread.join()
         report = results.get("report", report)
     want = engine.expected(results["sent"])
@@ -222,7 +247,8 @@ def measure(layers: int, bucket_bytes: int, checksum: bool) -> dict:
 
     return {
         **results["counts"],
-        "collectives": dict(counting.collectives),
+        "sender": results["sender"],
+        "collectives": results["collectives"],
         "tensors": len(plan.entries),
         "buckets": StreamPacking.build(plan, bucket_bytes).num_buckets,
         "report": {k: v for k, v in report.items() if k != "receive_ms"},
