@@ -46,6 +46,10 @@ ROWS = (
         "2026-11-26-h200/export_qwen3-30b-a3b-24layers_tp1.json",
     ),
     Row(
+        "DeepSeek-V3 shape, 4 layers (MLA, 3 dense + 1 MoE layer of 256 experts; 821 tensors, 30.2 GB)",
+        "2026-11-26-h100x2-b/export_deepseek-v3-4layers_tp1.json",
+    ),
+    Row(
         "Qwen3-VL-30B-A3B shape, 4 layers, packed experts from its checkpoint (398 tensors)",
         "2026-11-25-h100/export_qwen3-vl-30b-a3b-4layers_tp1_from_checkpoint.json",
     ),
