@@ -372,8 +372,11 @@ def _align(offset: int) -> int:
 
 
 def _word_sum(buffer: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
-    """int64 sum of the buffer's int32 words into ``out`` (buffers are 16-byte aligned in length)."""
-    return torch.sum(buffer.view(torch.int32), dim=0, dtype=torch.int64, out=out)
+    """The sum of the buffer's 8-byte words modulo 2**64 into ``out`` (buffers start and end on 16-byte
+    boundaries). Summed in their own dtype: ``sum(dtype=int64)`` of int32 words would first copy them into
+    an int64 tensor twice the buffer's size. Integer addition wraps and is associative, so sender and
+    receiver agree whatever their reduction order; any changed byte changes the sum."""
+    return torch.sum(buffer.view(torch.int64), dim=0, out=out)
 
 
 class _Control:
