@@ -10,7 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mbridge_refit.engines.vllm.lora import FIRST_LOAD, AdapterSlot, activate_watched, refill_from_activation
+from mbridge_refit.engines.vllm.lora import (
+    FIRST_LOAD,
+    AdapterSlot,
+    PhaseClock,
+    activate_watched,
+    install,
+    refill_from_activation,
+)
 
 ATTN, MLP = "model.layers.0.self_attn", "model.layers.0.mlp"
 QKV, DOWN = f"{ATTN}.qkv_proj", f"{MLP}.down_proj"
@@ -74,6 +81,22 @@ class Manager:
 
     def get_adapter(self, lora_id):
         return self.registered.get(lora_id)
+
+    capacity = SLOTS
+
+    def __len__(self):
+        return len(self.registered)
+
+    def add_adapter(self, lora):
+        self.register(lora.id, lora.loras)
+
+    def remove_adapter(self, lora_id):
+        if lora_id in self.lora_index_to_id:
+            self.deactivate_adapter(lora_id)
+        self.registered.pop(lora_id, None)
+
+    def remove_oldest_adapter(self):
+        self.remove_adapter(next(iter(self.registered)))
 
     def activate_adapter(self, lora_id):
         index = self.lora_index_to_id.index(None)
@@ -207,3 +230,22 @@ def test_a_changed_adapter_is_built_again_and_says_why(change, why):
     assert why in slot._why_not_refill(manager, tensors, lora_id, config)
     manager.registered[1] = Built({})  # vLLM evicted and rebuilt it from elsewhere
     assert "no longer holds" in slot._why_not_refill(manager, factors(1), 1, {"r": RANK})
+
+
+def test_a_build_failing_while_activating_leaves_no_adapter_behind():
+    manager = Manager()
+
+    def set_lora_fails(index, lora_a, lora_b):
+        raise RuntimeError("CUDA error in set_lora")
+
+    manager.modules[DOWN].set_lora = set_lora_fails  # the packed qkv module was written first: a half-written slot
+    loras = {}
+    for name, tensor in factors(0).items():
+        module, is_a = modules_of({name: tensor})[name]
+        weights = loras.setdefault(module, Weights(None, None, SCALING))
+        weights.lora_a, weights.lora_b = (tensor, weights.lora_b) if is_a else (weights.lora_a, tensor)
+    lora = Built(loras)
+    lora.id = 1
+    with pytest.raises(RuntimeError, match="CUDA error in set_lora"):
+        install(manager, lora, PhaseClock())
+    assert manager.get_adapter(1) is None and 1 not in manager.lora_index_to_id  # nothing serves the half slot

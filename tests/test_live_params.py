@@ -109,3 +109,21 @@ def test_a_replaced_buffer_is_followed():
     model.load_state_dict(state, assign=True)
     assert sorted(live.refresh()) == sorted(t.global_param_name for t in tasks)
     assert torch.equal(live.params["g.0.expert_bias"], torch.full((3,), 5.0))
+
+
+def test_a_buffer_replaced_where_no_hook_sees_it_is_followed():
+    model, tasks = _router_and_tasks()
+    live = LiveParams([model], tasks)
+    before = registration_count()
+    model._apply(lambda t: t.clone())  # what .to() / .cuda() / an offload round trip do: _buffers written directly
+    assert registration_count() == before
+    assert live.refresh() == ["g.0.expert_bias"] and live.params["g.0.expert_bias"] is model[0].expert_bias
+    assert live.refresh() == []
+
+
+def test_a_buffer_set_to_none_is_named():
+    model, tasks = _router_and_tasks()
+    live = LiveParams([model], tasks)
+    model[0].expert_bias = None
+    with pytest.raises(ModelChangedError, match=r"no longer has the parameter 0\.expert_bias"):
+        live.refresh()

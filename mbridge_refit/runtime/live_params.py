@@ -16,7 +16,9 @@ Reading a parameter object kept from the first export would then return stale va
 * Some exported weights are buffers, not parameters: MoE routers' ``expert_bias`` (DeepSeek-V3's
   ``e_score_correction_bias``, GLM-4.5's, Kimi-K2's), kept in float32 and updated in place by
   Megatron's ``_update_router_expert_bias``. They are looked up where the module holds them, as
-  parameters are.
+  parameters are, and on every refresh whatever the counter says: ``Module._apply`` (``.to()``,
+  ``.cuda()``, ``.cpu()``, an offload's round trip) replaces buffers by writing the module's
+  ``_buffers`` dict, which no hook sees (it swaps parameters' ``.data`` instead). A model holds few.
   ``.data`` swaps need nothing: the export reads each parameter's current storage every time.
 * It refers to the model chunks weakly: holding these parameters keeps no module alive (the
   bridge drops them with the model, ``RefitBridge``'s per-model state).
@@ -84,21 +86,24 @@ class LiveParams:
                 *path, attribute = task.param_name.split(".")
                 self._where[task.global_param_name] = (task.vp_stage or 0, tuple(path), attribute)
                 self.params[task.global_param_name] = task.param_weight
+        self._buffers = [name for name, tensor in self.params.items() if not isinstance(tensor, torch.nn.Parameter)]
         self._seen = registration_count()
 
     def refresh(self) -> list[str]:
         """Swap in the parameters the model holds now, where it replaced them; returns their names.
 
-        O(1) unless a parameter was registered anywhere since the last call. Raises
-        ``ModelChangedError`` for a replacement of another shape, dtype or class."""
+        Looks up only the exported buffers unless something was registered anywhere since the last
+        call. Raises ``ModelChangedError`` for a replacement of another shape, dtype or class."""
         count = registration_count()
-        if count == self._seen:
+        names: Iterable[str] = self._where if count != self._seen else self._buffers
+        if not names:
             return []
         chunks = [ref() for ref in self._unwrapped]
         if any(chunk is None for chunk in chunks):
             raise ModelChangedError("the model these parameters belong to no longer exists: export a live model")
         replaced = []
-        for name, (stage, path, attribute) in self._where.items():
+        for name in names:
+            stage, path, attribute = self._where[name]
             current = _held(chunks[stage], path, attribute)
             old = self.params[name]
             if current is not old:
@@ -117,7 +122,10 @@ def _held(chunk: torch.nn.Module, path: tuple[str, ...], attribute: str) -> Any:
         for part in path:
             module = module._modules[part]
         held = module._parameters.get(attribute)
-        return held if held is not None else module._buffers[attribute]
+        held = held if held is not None else module._buffers[attribute]
+        if held is None:  # a buffer set to None
+            raise KeyError(attribute)
+        return held
     except KeyError:
         raise ModelChangedError(
             f"the model no longer has the parameter {'.'.join((*path, attribute))}: build the plan anew for the changed "

@@ -19,7 +19,8 @@ vLLM 0.26 loads an adapter only from a directory (``LRUCacheWorkerLoRAManager.ad
    frees its slot), evict the oldest if the cache is full, ``add_adapter`` (packing q/k/v and gate/up,
    scaling B: ``_create_merged_loras_inplace``, on the host, as for the disk path), ``activate_adapter``
    (``set_lora`` of every wrapped module into the freed GPU slot); then ``pin_adapter``, so that vLLM
-   never evicts it and never tries to reload it from its placeholder path.
+   never evicts it and never tries to reload it from its placeholder path. A failure part way removes
+   the adapter: a half-written slot never serves a request.
 
 **Refill** (every later load of the same id, config, factor names, shapes and dtypes, while vLLM still
 holds the adapter built): the built adapter's own pinned host tensors, the ones ``activate_adapter``
@@ -46,7 +47,15 @@ import torch
 
 from mbridge_refit.engines.adapter import AdapterLimits, AdapterRefusedError, unplaced
 
-__all__ = ["FIRST_LOAD", "AdapterSlot", "activate_watched", "adapter_limits", "refill_from_activation"]
+__all__ = [
+    "FIRST_LOAD",
+    "AdapterSlot",
+    "PhaseClock",
+    "activate_watched",
+    "adapter_limits",
+    "install",
+    "refill_from_activation",
+]
 
 FIRST_LOAD = "the first load of this id"
 
@@ -116,14 +125,15 @@ def _build(
     from vllm.lora.peft_helper import PEFTHelper
     from vllm.lora.utils import parse_fine_tuned_lora_name
 
-    clock = _PhaseClock()
+    clock = PhaseClock()
     helper = PEFTHelper.from_dict({**config, "vllm_max_position_embeddings": worker_manager.max_position_embeddings})
     helper.validate_legal(worker_manager.lora_config)
     manager = worker_manager._adapter_manager
     model = manager.model
     mapper = getattr(model, "hf_to_vllm_mapper", None)
     mapper = mapper.get_unstacked_mapper() if mapper is not None else None
-    host = {name: tensor.to("cpu") for name, tensor in tensors.items()}  # the bytes safetensors would give
+    # the bytes safetensors would give, in tensors of their own (vLLM scales B in place; never the caller's)
+    host = {name: tensor.to("cpu", copy=True) for name, tensor in tensors.items()}
     clock.lap("to_host")
     modules = {name: parse_fine_tuned_lora_name(name, mapper) for name in host}
     missing = unplaced({module for module, _ in modules.values()}, adapter_limits(worker_manager))
@@ -146,21 +156,32 @@ def _build(
     lora.is_3d_lora_weight = False
     scaling = {module: weights.scaling for module, weights in lora.loras.items()}  # before add_adapter folds it
     clock.lap("build")
-    manager.remove_adapter(lora.id)
-    if len(manager) + 1 > manager.capacity:
-        manager.remove_oldest_adapter()
-    clock.lap("remove")
-    manager.add_adapter(lora)
-    clock.lap("add")
-    read = activate_watched(manager, lora.id)
-    manager.pin_adapter(lora.id)
-    _synchronize()  # the slot holds the adapter when the RPC returns
-    clock.lap("activate")
+    read = install(manager, lora, clock)
     refill, refused = refill_from_activation(
         manager, lora, tensors, modules, scaling, read, lora_int_id=lora_int_id, config=config
     )
     report = {"ms": clock.total_ms(), "path": "build", "modules": len(lora.loras), "phases_ms": clock.laps}
     return report, refill, refused
+
+
+def install(manager: Any, lora: Any, clock: PhaseClock) -> list[torch.Tensor]:
+    """What ``add_adapter`` does for a ``load_inplace`` request (module docstring, step 4), then pin; returns
+    what the activation read. A failure part way removes the adapter: a half-written slot never serves."""
+    manager.remove_adapter(lora.id)
+    if len(manager) + 1 > manager.capacity:
+        manager.remove_oldest_adapter()
+    clock.lap("remove")
+    try:
+        manager.add_adapter(lora)
+        clock.lap("add")
+        read = activate_watched(manager, lora.id)
+        manager.pin_adapter(lora.id)
+    except BaseException:
+        manager.remove_adapter(lora.id)
+        raise
+    _synchronize()  # the slot holds the adapter when the RPC returns
+    clock.lap("activate")
+    return read
 
 
 def activate_watched(manager: Any, lora_id: int) -> list[torch.Tensor]:
@@ -204,7 +225,7 @@ class _Refill:
     factors: tuple[_Factor, ...]
 
     def run(self, manager: Any, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-        clock = _PhaseClock()
+        clock = PhaseClock()
         for factor in self.factors:
             factor.host.copy_(tensors[factor.name], non_blocking=True)
         _synchronize()  # the host tensors hold this step's factors
@@ -273,8 +294,8 @@ def _held_factor(manager: Any, built: Any, module: str, is_a: bool) -> torch.Ten
     if weights is None:
         return None
     held = weights.lora_a if is_a else weights.lora_b
-    if index is not None:
-        held = held[index] if isinstance(held, list) else None
+    if index is not None:  # a constituent's entry; MoE packs its experts into fewer, stacked, entries
+        held = held[index] if isinstance(held, list) and index < len(held) else None
     return held if isinstance(held, torch.Tensor) else None
 
 
@@ -287,7 +308,7 @@ def _synchronize() -> None:
         torch.cuda.current_stream().synchronize()
 
 
-class _PhaseClock:
+class PhaseClock:
     """Milliseconds per named phase of one load, in order (where a step's time goes)."""
 
     def __init__(self) -> None:

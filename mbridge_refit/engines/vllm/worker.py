@@ -161,8 +161,10 @@ class RefitWorkerExtension:
         (``engines.vllm.lora.AdapterSlot``: built as from disk, then refilled); returns when the slot holds them."""
         receiver = getattr(self, "_mbridge_adapter_receiver", None) or AdapterReceiver(torch.device(self.device))
         tensors = receiver.tensors(fingerprint)
-        slot = getattr(self, "_mbridge_adapter_slot", None) or AdapterSlot(_lora_manager(self))
-        self._mbridge_adapter_slot = slot
+        slots = getattr(self, "_mbridge_adapter_slots", None)
+        if slots is None:
+            slots = self._mbridge_adapter_slots = {}  # one per adapter id: sessions of several ids each refill
+        slot = slots.get(lora_int_id) or slots.setdefault(lora_int_id, AdapterSlot(_lora_manager(self)))
         return slot.load(tensors, lora_int_id=lora_int_id, config=config)
 
     def mbridge_refit_adapter_close(self) -> None:
