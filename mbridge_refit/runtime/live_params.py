@@ -86,7 +86,9 @@ class LiveParams:
                 *path, attribute = task.param_name.split(".")
                 self._where[task.global_param_name] = (task.vp_stage or 0, tuple(path), attribute)
                 self.params[task.global_param_name] = task.param_weight
-        self._buffers = [name for name, tensor in self.params.items() if not isinstance(tensor, torch.nn.Parameter)]
+        self._buffer_names = [
+            name for name, tensor in self.params.items() if not isinstance(tensor, torch.nn.Parameter)
+        ]
         self._seen = registration_count()
 
     def refresh(self) -> list[str]:
@@ -95,7 +97,7 @@ class LiveParams:
         Looks up only the exported buffers unless something was registered anywhere since the last
         call. Raises ``ModelChangedError`` for a replacement of another shape, dtype or class."""
         count = registration_count()
-        names: Iterable[str] = self._where if count != self._seen else self._buffers
+        names: Iterable[str] = self._where if count != self._seen else self._buffer_names
         if not names:
             return []
         chunks = [ref() for ref in self._unwrapped]
