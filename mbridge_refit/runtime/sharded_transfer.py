@@ -5,8 +5,9 @@ parameters, with batched point-to-point sends and local copies.
 engine ranks that receive, most often the same ranks) from the same ``TransferPlan``
 (``plan.transfer``). Per ``run(shards)``, on every member of ``group``, in this order:
 
-1. handshake: one ``all_gather`` of int64 ``[plan fingerprint, status]``; a rank whose plan
-   differs, or whose shards or parameters do not fit the plan (checked locally first), makes
+1. handshake: one ``all_gather`` of int64 ``[wire version, plan fingerprint, status]``; a rank
+   that runs another wire version (``WIRE_VERSION``: another install of this package), holds
+   another plan, or whose shards or parameters do not fit the plan (checked locally first), makes
    every member raise ``TransferMismatchError`` naming the ranks, before any data moves. On the
    first run, every region that several trainer ranks send whole (norms and routers the engine
    replicates) is compared by checksum across them (``runtime.replica_agreement``): copies that
@@ -43,9 +44,19 @@ from mbridge_refit.runtime.collectives import group_ranks
 from mbridge_refit.runtime.param_sync import finish_pending_param_gathers
 from mbridge_refit.runtime.replica_agreement import check_replicas, replicated_regions
 
-__all__ = ["ALIGN_BYTES", "ShardedTransfer", "TransferChecksumError", "TransferMismatchError", "TransferStats"]
+__all__ = [
+    "ALIGN_BYTES",
+    "WIRE_VERSION",
+    "ShardedTransfer",
+    "TransferChecksumError",
+    "TransferMismatchError",
+    "TransferStats",
+]
 
 ALIGN_BYTES = 16
+# What the ranks exchange beyond the plan: the packing and the checksum (2: sums of 8-byte words).
+# Ranks of different versions refuse in the handshake instead of reading as a checksum failure.
+WIRE_VERSION = 2
 _OK, _BAD_INPUT, _BAD_CHECKSUM = 0, 1, 2
 
 
@@ -106,6 +117,7 @@ class ShardedTransfer:
         self.receives = _packed(plan.moves, self.rank, outgoing=False)
         self.local = [m for m in plan.moves if m.is_local and m.source_rank == self.rank]
         self.fingerprint = plan.fingerprint  # hashing the plan costs milliseconds: once
+        self.wire_version = WIRE_VERSION
         self._shards_here = [(s.hf_name, s.shape, getattr(torch, s.dtype)) for s in plan.shards_on(self.rank)]
         self._param_problem = self._params_problem()
         self._stats = TransferStats(
@@ -218,17 +230,27 @@ class ShardedTransfer:
         return self._copies[1]
 
     def _handshake(self, problem: str | None) -> None:
-        everyone = self._control.exchange([self.fingerprint, _BAD_INPUT if problem else _OK], self.group)
-        fingerprints = {int(row[0]) for row in everyone}
-        failed = [i for i, row in enumerate(everyone) if int(row[1]) != _OK]
-        if len(fingerprints) == 1 and not failed:
+        status = _BAD_INPUT if problem else _OK
+        everyone = self._control.exchange([self.wire_version, self.fingerprint, status], self.group)
+        versions = {int(row[0]) for row in everyone}
+        fingerprints = {int(row[1]) for row in everyone}
+        failed = [i for i, row in enumerate(everyone) if int(row[2]) != _OK]
+        if len(versions) == 1 and len(fingerprints) == 1 and not failed:
             return
         ranks = group_ranks(self.group)
         parts = []
-        if len(fingerprints) > 1:
+        if len(versions) > 1:
+            by_version = defaultdict(list)
+            for i, row in enumerate(everyone):
+                by_version[int(row[0])].append(ranks[i])
+            parts.append(
+                f"the ranks run different sharded-transfer wire versions ({dict(by_version)}): install the same "
+                "mbridge_refit on every rank"
+            )
+        elif len(fingerprints) > 1:
             by_plan = defaultdict(list)
             for i, row in enumerate(everyone):
-                by_plan[f"{int(row[0]) & 0xFFFF_FFFF_FFFF_FFFF:#018x}"].append(ranks[i])
+                by_plan[f"{int(row[1]) & 0xFFFF_FFFF_FFFF_FFFF:#018x}"].append(ranks[i])
             parts.append(f"the ranks hold different transfer plans ({dict(by_plan)})")
         if failed:
             parts.append(f"rank(s) {[ranks[i] for i in failed]} found tensors that do not fit the plan")
@@ -277,7 +299,7 @@ class ShardedTransfer:
         return bad
 
     def _share_status(self, bad_peers: list[int]) -> None:
-        everyone = self._control.exchange([_BAD_CHECKSUM if bad_peers else _OK, 0], self.group)
+        everyone = self._control.exchange([_BAD_CHECKSUM if bad_peers else _OK, 0, 0], self.group)
         failed = [rank for rank, row in zip(group_ranks(self.group), everyone) if int(row[0]) != _OK]
         if failed:
             here = f"; here, from rank(s) {bad_peers}" if bad_peers else ""
@@ -375,17 +397,20 @@ def _word_sum(buffer: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
     """The sum of the buffer's 8-byte words modulo 2**64 into ``out`` (buffers start and end on 16-byte
     boundaries). Summed in their own dtype: ``sum(dtype=int64)`` of int32 words would first copy them into
     an int64 tensor twice the buffer's size. Integer addition wraps and is associative, so sender and
-    receiver agree whatever their reduction order; any changed byte changes the sum."""
+    receiver agree whatever their reduction order; a single changed byte always changes the sum."""
     return torch.sum(buffer.view(torch.int64), dim=0, out=out)
 
 
 class _Control:
-    """The int64 rows of the handshake and the status, allocated once and all-gathered in place."""
+    """The int64 rows of the handshake and the status (three words each), allocated once and
+    all-gathered in place."""
+
+    WORDS = 3
 
     def __init__(self, world: int, device: torch.device) -> None:
-        self.mine = torch.zeros(2, dtype=torch.int64, device=device)
-        self.flat = torch.zeros(world * 2, dtype=torch.int64, device=device)
-        self.everyone = list(self.flat.view(world, 2))
+        self.mine = torch.zeros(self.WORDS, dtype=torch.int64, device=device)
+        self.flat = torch.zeros(world * self.WORDS, dtype=torch.int64, device=device)
+        self.everyone = list(self.flat.view(world, self.WORDS))
 
     def exchange(self, values: list[int], group: Any) -> list[torch.Tensor]:
         for i, value in enumerate(values):

@@ -102,6 +102,13 @@ def run_faults(bridge, chunks, engines: list[str], shards_of) -> dict:
         fail(f"plan mismatch message does not say so: {message}")
 
     transfer = bridge.sharded_transfer(chunks, plans[-1])
+    if rank == 0:
+        transfer.wire_version -= 1  # an older install on rank 0: refused by name, not a checksum failure
+    message = expect_raise(TransferMismatchError, lambda: transfer.run(shards_of(transfer)), "another wire version")
+    if "wire versions" not in message or "same mbridge_refit" not in message:
+        fail(f"the wire-version refusal does not say so: {message}")
+
+    transfer = bridge.sharded_transfer(chunks, plans[-1])
     shards = shards_of(transfer)
     if rank == 1 and shards:
         shards.pop(next(iter(shards)))
