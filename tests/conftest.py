@@ -61,6 +61,18 @@ def torchrun(nproc: int, module_args: list[str], *, timeout: float = 600) -> Lau
 PORT_TRIES = 3
 
 
+def run_interpreted(script: str, expected: str) -> str:
+    """Run the kernel check ``tests/ranks/<script>`` in Triton's CPU interpreter (``TRITON_INTERPRET=1``;
+    skipped without Triton): it must exit 0 and print ``expected``. Returns its output."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    path = REPO / "tests" / "ranks" / script
+    run = subprocess.run([sys.executable, str(path)], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert expected in run.stdout, run.stdout
+    return run.stdout
+
+
 def lost_its_port(launch: Launch) -> bool:
     """``free_port`` closes its socket before torchrun binds the port, so another process on the
     host can take it in between (more likely while other work runs beside the suite): that

@@ -8,6 +8,7 @@ check, against hand-written expectations, and the bytes against plain sequential
 from __future__ import annotations
 
 import torch
+from conftest import run_interpreted
 
 from mbridge_refit.engines.apply_plan import ApplyPlan
 from mbridge_refit.engines.copy_batches import CopySchedule, byte_span
@@ -116,3 +117,18 @@ def test_replay_of_a_stacked_layer_is_one_foreach_call(monkeypatch):
     plan.replay()
     assert calls == [16]
     assert torch.equal(model.w, torch.stack([tensor for _, tensor in sources]))
+
+
+def test_chunk_rows_cover_every_byte_once():
+    """Copies cut into (source, destination, 8-byte words) chunks, in order, tails shorter."""
+    from mbridge_refit.engines.copy_kernels import chunk_rows
+
+    rows = chunk_rows([(1000, 50_000, 16), (2000, 60_000, 80)], chunk_bytes=32)
+    assert rows == [(1000, 50_000, 2), (2000, 60_000, 4), (2032, 60_032, 4), (2064, 60_064, 2)]
+
+
+def test_chunked_copy_kernel_writes_what_copy_writes():
+    """``engines.copy_kernels``' Triton kernel run by Triton's CPU interpreter against ``copy_``
+    (tests/ranks/chunked_copy_kernel_check.py); on a GPU its probe checks it again before use and
+    tests/test_gpu.py replays through it."""
+    run_interpreted("chunked_copy_kernel_check.py", "chunked copies == copy_")

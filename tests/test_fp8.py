@@ -9,14 +9,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import subprocess
-import sys
 import weakref
 
 import pytest
 import torch
-from conftest import REPO, torchrun
+from conftest import REPO, run_interpreted, torchrun
 from oracle import read_checkpoint
 from safetensors.torch import load_file, save_file
 
@@ -206,12 +203,7 @@ def test_grouped_kernel_writes_what_the_single_kernel_writes():
     """The grouped Triton kernel (one launch per export bucket) against the single-tensor kernel,
     both run by Triton's CPU interpreter (the GPU bits of both are checked against the torch path
     on every CUDA device before use, and by scripts/bench_export.py --fp8)."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    script = REPO / "tests" / "ranks" / "grouped_fp8_kernel_check.py"
-    run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
-    assert "grouped == single kernel" in run.stdout
+    run_interpreted("grouped_fp8_kernel_check.py", "grouped == single kernel")
 
 
 # --- plan and config ---------------------------------------------------------------------------

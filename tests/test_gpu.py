@@ -264,3 +264,35 @@ def test_stack_kernels_write_what_copy_into_writes(interleave, shape):
         fill_stack(stack, out, experts, memo)
         assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
     assert len(memo) == 1
+
+
+def test_replay_schedule_runs_plain_copies_as_one_chunked_launch():
+    """``engines.copy_batches`` on CUDA: an engine-like replay (each expert's gate and up rows into
+    a stacked parameter, a dense weight, a converting copy) runs its plain byte copies through
+    ``engines.copy_kernels.ChunkedCopies`` and the rest through ``_foreach_copy_``, and writes what
+    a ``copy_`` per pair writes, bitwise, twice (the second from the kept chunk table)."""
+    from mbridge_refit.engines import copy_kernels
+    from mbridge_refit.engines.copy_batches import CopySchedule
+
+    assert copy_kernels.usable(torch.cuda.current_device())
+    generator = torch.Generator().manual_seed(0)
+
+    def bf16(*shape):
+        return torch.randn(*shape, generator=generator).to(torch.bfloat16).cuda()
+
+    w13 = torch.full((8, 2 * 768, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
+    dense = torch.full((1000, 24), float("nan"), dtype=torch.bfloat16, device="cuda")
+    converted = torch.full((64,), float("nan"), dtype=torch.float32, device="cuda")
+    pairs = [(w13[e, half * 768 : (half + 1) * 768], bf16(768, 256)) for e in range(8) for half in range(2)]
+    pairs += [(dense, bf16(1000, 24)), (converted, bf16(64))]
+    schedule = CopySchedule()
+    for destination, source in pairs:
+        schedule.add(destination, source)
+    schedule.barrier()
+    assert sum(isinstance(call, copy_kernels.ChunkedCopies) for call in schedule.calls) == 1
+    for step in range(2):
+        for _, source in pairs:
+            source.add_(1.0)
+        schedule.run()
+        for destination, source in pairs:
+            assert torch.equal(destination, source.to(destination.dtype)), step

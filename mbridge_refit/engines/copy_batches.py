@@ -1,4 +1,5 @@
-"""Recorded copies replayed as few kernels: ``torch._foreach_copy_`` over groups of independent copies.
+"""Recorded copies replayed as few kernels: groups of independent copies, each group one
+``engines.copy_kernels`` launch for its plain byte copies and one ``torch._foreach_copy_`` for the rest.
 
 A replay of recorded copies (``engines.apply_plan``) issued one ``copy_`` per copy: for an engine
 that stacks its experts that is thousands of kernel launches a step, each a few microseconds of
@@ -6,7 +7,9 @@ host work for a few hundred kilobytes (the Qwen3-30B-A3B shape cut to 4 layers: 
 11.2 ms of replay against 2.95 ms for one memcpy of their bytes, H200). ``CopySchedule`` groups
 consecutive copies into lists one ``torch._foreach_copy_`` applies (a multi-tensor kernel per
 dtype pair on CUDA; a loop in C++ where its fast path does not apply, still without Python per
-copy).
+copy). On CUDA, where Triton is there and its probe passed, a group's plain byte copies
+(contiguous, one dtype, 16-byte aligned) are one launch of ``copy_kernels.ChunkedCopies`` instead,
+its chunk table built here once: no per-copy host work at all, and a kernel that streams bytes.
 
 A group is exact only if its copies are independent, since a multi-tensor kernel runs them in any
 order: no two write overlapping bytes, none reads bytes another writes. ``CopySchedule.add``
@@ -35,6 +38,39 @@ def byte_span(tensor: torch.Tensor) -> tuple[int, int, int]:
     return tensor.untyped_storage().data_ptr(), first, first + (last + 1) * itemsize
 
 
+def _group_calls(
+    destinations: list[torch.Tensor], sources: list[torch.Tensor], chunked: bool
+) -> list[Callable[[], object]]:
+    """One group of independent copies as calls: its plain byte copies as one chunked-copy launch
+    where ``chunked`` and the kernel runs on their device, the others (or all) as one ``_foreach_copy_``."""
+    kernels = _copy_kernels(destinations[0].device) if chunked else None
+    calls: list[Callable[[], object]] = []
+    if kernels is not None:
+        plain = [kernels.takes(d, s) for d, s in zip(destinations, sources)]
+        if any(plain):
+            calls.append(
+                kernels.ChunkedCopies(
+                    [d for d, p in zip(destinations, plain) if p], [s for s, p in zip(sources, plain) if p]
+                )
+            )
+            destinations = [d for d, p in zip(destinations, plain) if not p]
+            sources = [s for s, p in zip(sources, plain) if not p]
+    if destinations:
+        calls.append(lambda d=destinations, s=sources: torch._foreach_copy_(d, s))
+    return calls
+
+
+def _copy_kernels(device: torch.device):
+    """``engines.copy_kernels`` where it runs on ``device`` (CUDA, Triton there, its probe passed), else None."""
+    if device.type != "cuda":
+        return None
+    try:
+        from mbridge_refit.engines import copy_kernels
+    except ImportError:  # no Triton: the foreach path
+        return None
+    return copy_kernels if copy_kernels.usable(device.index) else None
+
+
 def _overlaps(spans: list[tuple[int, int]], span: tuple[int, int]) -> bool:
     return any(start < span[1] and span[0] < end for start, end in spans)
 
@@ -45,6 +81,7 @@ class CopySchedule:
 
     calls: list[Callable[[], object]] = field(default_factory=list)
     copies: int = 0
+    chunked: bool = True  # plain byte copies as one ``copy_kernels`` launch where it runs (False: all foreach)
     _open: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=dict)
     _written: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # storage -> spans the group writes
     _read: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # storage -> spans the group reads
@@ -72,7 +109,7 @@ class CopySchedule:
     def barrier(self) -> None:
         """Close the open group: what is added or called later runs after all of it."""
         for destinations, sources in self._open.values():
-            self.calls.append(lambda d=destinations, s=sources: torch._foreach_copy_(d, s))
+            self.calls.extend(_group_calls(destinations, sources, self.chunked))
         self._open, self._written, self._read = {}, {}, {}
 
     def call(self, function: Callable[[], object]) -> None:
