@@ -132,3 +132,28 @@ def test_chunked_copy_kernel_writes_what_copy_writes():
     (tests/ranks/chunked_copy_kernel_check.py); on a GPU its probe checks it again before use and
     tests/test_gpu.py replays through it."""
     run_interpreted("chunked_copy_kernel_check.py", "chunked copies == copy_")
+
+
+def test_byte_segments_of_plain_strided_and_refused_copies():
+    """A contiguous copy is one segment; equally spaced row runs (q of each query group in a fused
+    QKV) one per run, at the runs' addresses; conversions, transposes and runs shorter than
+    ``MIN_SEGMENT_BYTES`` are not byte copies."""
+    from mbridge_refit.engines.copy_kernels import MIN_SEGMENT_BYTES, byte_segments
+
+    source, destination = torch.zeros(4, 1024, dtype=torch.bfloat16), torch.zeros(4, 1024, dtype=torch.bfloat16)
+    assert byte_segments(destination, source) == [(source.data_ptr(), destination.data_ptr(), 8192)]
+    interleaved = torch.zeros(4, 12, 1024, dtype=torch.bfloat16)  # 4 groups of 8 q rows and 4 k/v rows
+    fused = torch.zeros(4, 8, 1024, dtype=torch.bfloat16)
+    row = 1024 * 2
+    assert byte_segments(fused, interleaved[:, :8]) == [
+        (interleaved.data_ptr() + g * 12 * row, fused.data_ptr() + g * 8 * row, 8 * row) for g in range(4)
+    ]
+    assert byte_segments(destination.float(), source) is None  # a conversion
+    assert byte_segments(destination, source.t().contiguous().t()) is None  # a transposing copy
+    short = MIN_SEGMENT_BYTES // 2 // 2  # bf16 elements in half the minimum
+    assert (
+        byte_segments(
+            torch.zeros(3, short, dtype=torch.bfloat16), torch.zeros(3, 2 * short, dtype=torch.bfloat16)[:, :short]
+        )
+        is None
+    )

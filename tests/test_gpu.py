@@ -268,7 +268,8 @@ def test_stack_kernels_write_what_copy_into_writes(interleave, shape):
 
 def test_replay_schedule_runs_plain_copies_as_one_chunked_launch():
     """``engines.copy_batches`` on CUDA: an engine-like replay (each expert's gate and up rows into
-    a stacked parameter, a dense weight, a converting copy) runs its plain byte copies through
+    a stacked parameter, a dense weight, q of each query group from an interleaved QKV as one
+    strided copy, a converting copy) runs its byte copies through
     ``engines.copy_kernels.ChunkedCopies`` and the rest through ``_foreach_copy_``, and writes what
     a ``copy_`` per pair writes, bitwise, twice (the second from the kept chunk table)."""
     from mbridge_refit.engines import copy_kernels
@@ -284,7 +285,8 @@ def test_replay_schedule_runs_plain_copies_as_one_chunked_launch():
     dense = torch.full((1000, 24), float("nan"), dtype=torch.bfloat16, device="cuda")
     converted = torch.full((64,), float("nan"), dtype=torch.float32, device="cuda")
     pairs = [(w13[e, half * 768 : (half + 1) * 768], bf16(768, 256)) for e in range(8) for half in range(2)]
-    pairs += [(dense, bf16(1000, 24)), (converted, bf16(64))]
+    interleaved, fused = bf16(4, 12, 512), torch.full((4, 8, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    pairs += [(dense, bf16(1000, 24)), (fused, interleaved[:, :8]), (converted, bf16(64))]
     schedule = CopySchedule()
     for destination, source in pairs:
         schedule.add(destination, source)

@@ -11,7 +11,8 @@ the packed broadcast over a group the workers join; trainer side ``BroadcastSess
 ``BroadcastTarget``), what they stand on: ``sharing`` (the export's
 tensors described and shared by reference), ``ipc_handles`` (its CUDA IPC payload as JSON),
 ``apply_plan`` (the copies an engine's own loader performs, recorded once and replayed),
-``shard_remap`` (a loader recorded full-size, read from a shard), ``copy_batches``,
+``shard_remap`` (a loader recorded full-size, read from a shard), ``copy_batches`` (with
+``copy_kernels``: the replay as few launches),
 ``fingerprint`` (exact per-tensor checksums); and one package per engine adapter, the only code
 that names its engine: ``vllm/`` (``trainer``: ``VLLMRefit``, ``VLLMBroadcastRefit``, the two sessions above bound to an
 ``LLM``; ``sharded``: ``VLLMShardedRefit``; ``worker``: the worker extension vLLM loads). Nothing here imports an engine at module import:

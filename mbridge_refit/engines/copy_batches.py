@@ -7,9 +7,10 @@ host work for a few hundred kilobytes (the Qwen3-30B-A3B shape cut to 4 layers: 
 11.2 ms of replay against 2.95 ms for one memcpy of their bytes, H200). ``CopySchedule`` groups
 consecutive copies into lists one ``torch._foreach_copy_`` applies (a multi-tensor kernel per
 dtype pair on CUDA; a loop in C++ where its fast path does not apply, still without Python per
-copy). On CUDA, where Triton is there and its probe passed, a group's plain byte copies
-(contiguous, one dtype, 16-byte aligned) are one launch of ``copy_kernels.ChunkedCopies`` instead,
-its chunk table built here once: no per-copy host work at all, and a kernel that streams bytes.
+copy). On CUDA, where Triton is there and its probe passed, a group's byte copies
+(``copy_kernels.byte_segments``: one dtype, contiguous segments, 16-byte aligned) are one launch
+of ``copy_kernels.ChunkedCopies`` instead, its chunk table built here once: no per-copy host work
+at all, and a kernel that streams bytes.
 
 A group is exact only if its copies are independent, since a multi-tensor kernel runs them in any
 order: no two write overlapping bytes, none reads bytes another writes. ``CopySchedule.add``
@@ -41,20 +42,22 @@ def byte_span(tensor: torch.Tensor) -> tuple[int, int, int]:
 def _group_calls(
     destinations: list[torch.Tensor], sources: list[torch.Tensor], chunked: bool
 ) -> list[Callable[[], object]]:
-    """One group of independent copies as calls: its plain byte copies as one chunked-copy launch
+    """One group of independent copies as calls: its byte copies as one chunked-copy launch
     where ``chunked`` and the kernel runs on their device, the others (or all) as one ``_foreach_copy_``."""
     kernels = _copy_kernels(destinations[0].device) if chunked else None
     calls: list[Callable[[], object]] = []
     if kernels is not None:
-        plain = [kernels.takes(d, s) for d, s in zip(destinations, sources)]
-        if any(plain):
+        segments = [kernels.byte_segments(d, s) for d, s in zip(destinations, sources)]
+        if any(found is not None for found in segments):
+            taken = [i for i, found in enumerate(segments) if found is not None]
             calls.append(
                 kernels.ChunkedCopies(
-                    [d for d, p in zip(destinations, plain) if p], [s for s, p in zip(sources, plain) if p]
+                    [segment for i in taken for segment in segments[i]],
+                    [t for i in taken for t in (destinations[i], sources[i])],
                 )
             )
-            destinations = [d for d, p in zip(destinations, plain) if not p]
-            sources = [s for s, p in zip(sources, plain) if not p]
+            destinations = [d for d, found in zip(destinations, segments) if found is None]
+            sources = [s for s, found in zip(sources, segments) if found is None]
     if destinations:
         calls.append(lambda d=destinations, s=sources: torch._foreach_copy_(d, s))
     return calls
