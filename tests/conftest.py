@@ -134,6 +134,31 @@ def source_checkpoints(tmp_path_factory):
     return get
 
 
+def block_scaled_checkpoint(base: str, extra: dict, out: Path, *, name: str, seed: int) -> Path:
+    """A tiny random checkpoint of recipe ``base`` with the config fields ``extra`` (recipe ``name``),
+    every 128x128 block of each 2-D tensor scaled by its own power of two, so that blocks' FP8 scales
+    differ (a scale taken from another block is caught)."""
+    import dataclasses
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from mbridge_refit.models import recipes
+
+    recipe = recipes.get_model_recipe(base)
+    recipe = dataclasses.replace(recipe, name=name, hf_config={**recipe.hf_config, **extra})
+    path = recipes.make_random_checkpoint(recipe, out, seed=seed)
+    for file in path.glob("*.safetensors"):
+        tensors = load_file(str(file))
+        for key, tensor in tensors.items():
+            if tensor.dim() == 2:
+                rows = torch.arange(tensor.shape[0]).unsqueeze(1) // 128
+                cols = torch.arange(tensor.shape[1]).unsqueeze(0) // 128
+                tensors[key] = (tensor.float() * 2.0 ** ((rows + 2 * cols + len(key)) % 5)).to(tensor.dtype)
+        save_file(tensors, str(file), metadata={"format": "pt"})
+    return path
+
+
 # --- The slow marker: left out of a run unless asked for. -------------------------------------------
 
 

@@ -13,7 +13,7 @@ import weakref
 
 import pytest
 import torch
-from conftest import REPO, run_interpreted, torchrun
+from conftest import REPO, block_scaled_checkpoint, run_interpreted, torchrun
 from oracle import read_checkpoint
 from safetensors.torch import load_file, save_file
 
@@ -575,24 +575,13 @@ def aligned_checkpoints(tmp_path_factory):
     expert FFN 128), hidden 320 for partial edge blocks, and every 128x128 block of a weight
     scaled by its own power of two so that block scales differ (a misplaced scale is caught)."""
     root = tmp_path_factory.mktemp("fp8-aligned")
-    made = {}
-    for name, base, extra in [
-        ("dense", "qwen3-tiny", ALIGNED_CONFIG),
-        ("moe", "qwen3-moe-tiny", {**ALIGNED_CONFIG, "moe_intermediate_size": 128}),
-    ]:
-        recipe = recipes.get_model_recipe(base)
-        recipe = dataclasses.replace(recipe, name=f"{base}-aligned", hf_config={**recipe.hf_config, **extra})
-        path = recipes.make_random_checkpoint(recipe, root / name, seed=3)
-        for file in path.glob("*.safetensors"):
-            tensors = load_file(str(file))
-            for key, tensor in tensors.items():
-                if tensor.dim() == 2:
-                    rows = torch.arange(tensor.shape[0]).unsqueeze(1) // 128
-                    cols = torch.arange(tensor.shape[1]).unsqueeze(0) // 128
-                    tensors[key] = (tensor.float() * 2.0 ** ((rows + 2 * cols + len(key)) % 5)).to(tensor.dtype)
-            save_file(tensors, str(file), metadata={"format": "pt"})
-        made[name] = path
-    return made
+    return {
+        name: block_scaled_checkpoint(base, extra, root / name, name=f"{base}-aligned", seed=3)
+        for name, base, extra in [
+            ("dense", "qwen3-tiny", ALIGNED_CONFIG),
+            ("moe", "qwen3-moe-tiny", {**ALIGNED_CONFIG, "moe_intermediate_size": 128}),
+        ]
+    }
 
 
 @pytest.mark.multirank
