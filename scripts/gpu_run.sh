@@ -15,6 +15,7 @@
 #                                           # NCCL settings mismatch refused, failures and killed members raise on both within 30 s
 #   bash scripts/gpu_run.sh vllm-tp2    # sharded colocated refit into vLLM at tensor_parallel_size=2 == load from disk, trainer
 #                                       # TP2 on the same 2 GPUs; against the gathering export + vLLM's load_weights (2 GPUs)
+#   bash scripts/gpu_run.sh vllm-tp2-fp8  # the same into a block-FP8 engine started from the FP8 checkpoint (2 GPUs)
 #   bash scripts/gpu_run.sh vllm-lora   # LoRA adapter refit into vLLM's slot == the same adapter from disk (save_hf_adapter),
 #                                       # base untouched; timing against the merged full refit (Qwen3-1.7B cut to 8 layers, rank 16)
 #   bash scripts/gpu_run.sh vllm-broadcast  # broadcast refit into vLLM == load from disk: Qwen3-1.7B BF16 and FP8, with faults
@@ -31,7 +32,7 @@
 #                                          # parameters replaced under the bridge, the freshness check's cost; MoE export TP2 x ETP2
 #   bash scripts/gpu_run.sh training    # export right after a Megatron DDP + distributed-optimizer step; parallel checkpoint write on the host's CPUs
 set -u
-part=${1:?usage: gpu_run.sh fp8|bench|sinks|nccl-group|vllm-dense|vllm-lora|vllm-tp2|vllm-moe|vllm-deepseek|vllm-broadcast|vllm-broadcast-moe|vllm-bench-broadcast|vllm-bench|vllm-bench-bf16|vllm-bench-fp8|sharded|families|moe-bench|trainer-truth|training}
+part=${1:?usage: gpu_run.sh fp8|bench|sinks|nccl-group|vllm-dense|vllm-lora|vllm-tp2|vllm-tp2-fp8|vllm-moe|vllm-deepseek|vllm-broadcast|vllm-broadcast-moe|vllm-bench-broadcast|vllm-bench|vllm-bench-bf16|vllm-bench-fp8|sharded|families|moe-bench|trainer-truth|training}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 RESULTS=/tmp/gpu_results_$part; rm -rf "$RESULTS"; mkdir -p "$RESULTS"
 trap 'tar czf "$OUT/$part.tgz" -C "$RESULTS" .' EXIT
@@ -71,7 +72,7 @@ case "$part" in
   nccl-group)
     step store_group_nccl 400 python3 scripts/check_store_group_nccl_gpu.py --out-dir "$RESULTS"
     ;;
-  vllm-dense|vllm-lora|vllm-moe|vllm-deepseek|vllm-tp2|vllm-broadcast*|vllm-bench*)
+  vllm-dense|vllm-lora|vllm-moe|vllm-deepseek|vllm-tp2*|vllm-broadcast*|vllm-bench*)
     # block-FP8 engines on Hopper: DeepGEMM re-encodes the scales as powers of two after loading (E8M0),
     # which a refit that writes the checkpoint's scales would have to repeat; the CUTLASS path reads them as they are
     export VLLM_USE_DEEP_GEMM=0
@@ -90,6 +91,10 @@ case "$part" in
   vllm-tp2)
     step vllm_refit_tp2_qwen3-1.7b 250 "${two[@]}" scripts/check_vllm_refit_tp2_gpu.py --model qwen3-1.7b --out-dir "$RESULTS"
     step vllm_refit_tp2_qwen3-30b-a3b 230 "${two[@]}" scripts/check_vllm_refit_tp2_gpu.py --model qwen3-30b-a3b --layers 4 --out-dir "$RESULTS"
+    ;;
+  vllm-tp2-fp8)
+    step vllm_refit_tp2_qwen3-1.7b_fp8 270 "${two[@]}" scripts/check_vllm_refit_tp2_gpu.py --model qwen3-1.7b --fp8 --out-dir "$RESULTS"
+    step vllm_refit_tp2_qwen3-30b-a3b_fp8 250 "${two[@]}" scripts/check_vllm_refit_tp2_gpu.py --model qwen3-30b-a3b --layers 4 --fp8 --out-dir "$RESULTS"
     ;;
   vllm-moe)
     step vllm_refit_qwen3-30b-a3b 280 python3 scripts/check_vllm_refit_gpu.py --model qwen3-30b-a3b --layers 4 --out-dir "$RESULTS"

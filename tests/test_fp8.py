@@ -13,7 +13,7 @@ import weakref
 
 import pytest
 import torch
-from conftest import REPO, run_interpreted, torchrun
+from conftest import REPO, block_scaled_checkpoint, run_interpreted, torchrun
 from oracle import read_checkpoint
 from safetensors.torch import load_file, save_file
 
@@ -114,6 +114,23 @@ def test_quantizer_reuses_given_buffers():
     q, s = quantize_blockwise(w, out=out, scale_out=scale, work=work)
     assert q.data_ptr() == out.data_ptr() and s.data_ptr() == scale.data_ptr()
     assert same_bits(q, reference_quantize(w)[0])
+
+
+def test_shard_quantizer_writes_the_reference_bits_into_kept_buffers():
+    """An engine rank's shards, quantized every step into the buffers made once (the sharded FP8 refit)."""
+    from mbridge_refit.fp8.quantize import ShardQuantizer
+
+    sources = {"a": special_values((300, 200), seed=1), "b": special_values((128, 64), seed=2)}
+    quantizer = ShardQuantizer(sources)
+    kept = [t.data_ptr() for t in (*quantizer.q.values(), *quantizer.scales.values())]
+    for _ in range(2):
+        quantizer.run()
+        for name, source in sources.items():
+            expected_q, expected_scale = reference_quantize(source)
+            assert same_bits(quantizer.q[name], expected_q) and same_bits(quantizer.scales[name], expected_scale), name
+        for source in sources.values():
+            source.mul_(3)  # the next step's weights, in the same storage
+    assert [t.data_ptr() for t in (*quantizer.q.values(), *quantizer.scales.values())] == kept
 
 
 def test_quantizer_rejects_non_2d():
@@ -288,6 +305,41 @@ def test_engine_tp_that_cannot_block_is_refused_with_the_fix():
     check_fp8_exportable(plan, dataclasses.replace(KEEP, engine_tp_size=2))  # 256/2 = 128 rows, 256/2 = 128 cols
     with pytest.raises(FP8FormatError, match=r"q_proj.weight output size 256 / tp 4 is not a multiple of 128.*smaller"):
         check_fp8_exportable(plan, dataclasses.replace(KEEP, engine_tp_size=4))
+
+
+def _transfer_with(boxes):
+    """A TP2 transfer plan of these engine boxes (``(hf_name, engine rank, box)``), no moves."""
+    from mbridge_refit.plan.engine_layout import EngineLayout
+    from mbridge_refit.plan.transfer import EngineShard, TransferPlan
+
+    shards = tuple(
+        EngineShard(hf_name=name, engine_rank=rank, target_rank=rank, box=box, dtype="bfloat16")
+        for name, rank, box in boxes
+    )
+    return TransferPlan(engine=EngineLayout(tp=2), engine_ranks=(0, 1), shards=shards, moves=(), full_gather_bytes=0)
+
+
+def test_engine_boxes_off_the_block_grid_are_refused_with_the_fix():
+    """A sharded FP8 refit quantizes each engine rank's box alone: each must start on a 128-block and end
+    on one or at the tensor's end, in both dimensions; kept tensors may be cut anywhere."""
+    from mbridge_refit.fp8.plan import check_engine_boxes
+
+    plan = fp8_plan(_plan_with(PLAN_ITEMS), KEEP)
+    q, o, embed = (
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.o_proj.weight",
+        "model.embed_tokens.weight",
+    )
+    aligned = [(q, 0, ((0, 128), (0, 192))), (q, 1, ((128, 256), (0, 192))), (o, 1, ((0, 192), (128, 256)))]
+    check_engine_boxes(plan, _transfer_with([*aligned, (embed, 1, ((200, 512), (0, 192)))]))
+    for name, box, dim in [(q, ((64, 256), (0, 192)), 0), (q, ((0, 100), (0, 192)), 0), (o, ((0, 192), (64, 256)), 1)]:
+        pattern = (
+            rf"tp2 cannot shard.*{name} \(\d+, \d+\): engine rank 1 keeps .*dimension {dim} .*not whole 128-element"
+        )
+        with pytest.raises(
+            FP8FormatError, match=pattern + r".*smaller tensor-parallel size, keep these weights in bf16"
+        ):
+            check_engine_boxes(plan, _transfer_with([(name, 1, box)]))
 
 
 def test_nothing_to_quantize_is_refused():
@@ -523,24 +575,13 @@ def aligned_checkpoints(tmp_path_factory):
     expert FFN 128), hidden 320 for partial edge blocks, and every 128x128 block of a weight
     scaled by its own power of two so that block scales differ (a misplaced scale is caught)."""
     root = tmp_path_factory.mktemp("fp8-aligned")
-    made = {}
-    for name, base, extra in [
-        ("dense", "qwen3-tiny", ALIGNED_CONFIG),
-        ("moe", "qwen3-moe-tiny", {**ALIGNED_CONFIG, "moe_intermediate_size": 128}),
-    ]:
-        recipe = recipes.get_model_recipe(base)
-        recipe = dataclasses.replace(recipe, name=f"{base}-aligned", hf_config={**recipe.hf_config, **extra})
-        path = recipes.make_random_checkpoint(recipe, root / name, seed=3)
-        for file in path.glob("*.safetensors"):
-            tensors = load_file(str(file))
-            for key, tensor in tensors.items():
-                if tensor.dim() == 2:
-                    rows = torch.arange(tensor.shape[0]).unsqueeze(1) // 128
-                    cols = torch.arange(tensor.shape[1]).unsqueeze(0) // 128
-                    tensors[key] = (tensor.float() * 2.0 ** ((rows + 2 * cols + len(key)) % 5)).to(tensor.dtype)
-            save_file(tensors, str(file), metadata={"format": "pt"})
-        made[name] = path
-    return made
+    return {
+        name: block_scaled_checkpoint(base, extra, root / name, name=f"{base}-aligned", seed=3)
+        for name, base, extra in [
+            ("dense", "qwen3-tiny", ALIGNED_CONFIG),
+            ("moe", "qwen3-moe-tiny", {**ALIGNED_CONFIG, "moe_intermediate_size": 128}),
+        ]
+    }
 
 
 @pytest.mark.multirank

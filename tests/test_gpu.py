@@ -211,9 +211,11 @@ def test_vllm_refit_equals_loading_from_disk(case, tmp_path):
     assert run.stdout.rstrip().splitlines()[-1].startswith("OK"), run.stdout[-2000:]
 
 
-def test_sharded_refit_into_vllm_at_tp2_equals_loading_from_disk(tmp_path):
+@pytest.mark.parametrize("fp8", [[], ["--fp8"]], ids=["bf16", "fp8"])
+def test_sharded_refit_into_vllm_at_tp2_equals_loading_from_disk(fp8, tmp_path):
     """vLLM at tensor_parallel_size=2 on two GPUs, the trainer at TP2 on the same GPUs under
-    torchrun: the sharded colocated refit equals the engine loaded from disk on every worker
+    torchrun: the sharded colocated refit equals the engine loaded from disk on every worker, BF16
+    and blockwise FP8 (an engine started from the FP8 checkpoint, each rank quantizing its shards)
     (scripts/check_vllm_refit_tp2_gpu.py, whose docstring lists each check)."""
     pytest.importorskip("vllm", reason="needs vLLM (the GPU host installs it with scripts/gpu/install-vllm.sh)")
     import os
@@ -228,14 +230,15 @@ def test_sharded_refit_into_vllm_at_tp2_equals_loading_from_disk(tmp_path):
     script = str(REPO / "scripts" / "check_vllm_refit_tp2_gpu.py")
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", script, "--model", "qwen3-1.7b"]
-        + ["--layers", "4", "--steps", "2", "--out-dir", str(tmp_path)],
+        + ["--layers", "4", "--steps", "2", *fp8, "--out-dir", str(tmp_path)],
         env=env,
         capture_output=True,
         text=True,
         timeout=540,
     )
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
-    assert "OK vllm_refit_tp2_" in run.stdout + run.stderr, (run.stdout + run.stderr)[-2000:]  # the script logs it
+    logged = f"OK vllm_refit_tp2_qwen3-1.7b-4layers{'_fp8' if fp8 else ''}.json"  # the script logs it
+    assert logged in run.stdout + run.stderr, (run.stdout + run.stderr)[-2000:]
 
 
 @pytest.mark.parametrize(

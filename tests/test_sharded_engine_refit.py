@@ -3,6 +3,10 @@ shards (engines.shard_remap, ApplyPlan.record(shards=...), RefitReceiver on a la
 the whole loop from a Megatron model through the sharded transfer into a vLLM-like TP2 engine
 (tests/ranks/tp_engine.py) on 2 CPU ranks (tests/ranks/sharded_engine_check.py).
 
+Blockwise FP8 through the same loop: an engine holding FP8 weights and their block scales, fed each
+rank's shards quantized on that rank, bitwise equal to the whole HF tensors quantized by the reference
+quantizer and cut by the engine's own loaders; a layout off the block grid refused by name first.
+
 vLLM itself at tensor_parallel_size=2 is checked on the GPU host (scripts/check_vllm_refit_tp2_gpu.py).
 """
 
@@ -12,7 +16,7 @@ import json
 
 import pytest
 import torch
-from conftest import REPO, torchrun
+from conftest import REPO, block_scaled_checkpoint, torchrun
 
 from mbridge_refit.engines.apply_plan import ApplyPlan, ApplyPlanError
 from mbridge_refit.engines.shard_remap import ShardRemapError, box_view, expand, remap
@@ -74,6 +78,23 @@ def test_remap_reads_the_same_elements_from_the_shard():
     assert torch.equal(remap(transposed, full, shard, ((0, 5), (2, 4)), "o"), transposed)
     with pytest.raises(ShardRemapError, match="not a box"):
         remap(full.reshape(-1).narrow(0, 1, 6), full, shard, ((0, 5), (2, 4)), "o")
+
+
+def test_fp8_data_and_its_scale_box_remap_and_a_read_outside_is_refused():
+    """Rank 1 of a TP2 split of a (512, 320) FP8 weight: its rows [256, 512) and their scales, blocks
+    [2, 4) of the (4, 3) scale tensor, read from the shards; one block row above is refused by name."""
+    from mbridge_refit.fp8.format import scale_box
+
+    box = ((256, 512), (0, 320))
+    data = (torch.randn(256, 320) * 100).to(torch.float8_e4m3fn)
+    full = expand(data, (512, 320), box)
+    assert torch.equal(remap(full.narrow(0, 256, 256), full, data, box, "w").view(torch.uint8), data.view(torch.uint8))
+    assert scale_box(box) == ((2, 4), (0, 3))
+    scales = torch.rand(2, 3)
+    full_scales = expand(scales, (4, 3), scale_box(box))
+    assert torch.equal(remap(full_scales.narrow(0, 2, 2), full_scales, scales, scale_box(box), "w_scale_inv"), scales)
+    with pytest.raises(ShardRemapError, match=r"w_scale_inv: the engine's loader reads \[\(1, 3\), \(0, 3\)\]"):
+        remap(full_scales.narrow(0, 1, 2), full_scales, scales, scale_box(box), "w_scale_inv")
 
 
 def test_a_plan_recorded_full_size_replays_from_the_shards():
@@ -149,6 +170,63 @@ def test_sharded_refit_from_tp2_into_a_tp4_engine(source_checkpoints, tmp_path):
     assert run.returncode == 0, run.output[-6000:]
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     assert all(r["ok"] for r in reports) and reports[0]["bytes_moved"] > 0
+
+
+# Every TP2 box of a quantized weight is whole 128x128 blocks: head_dim 128 (q: 256 rows a rank, k/v:
+# 128), FFN 512 and expert FFN 256 (256 a rank); hidden 320 ends every unsplit dimension in a partial block.
+FP8_ALIGNED = {
+    "hidden_size": 320,
+    "head_dim": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 256,
+    "vocab_size": 512,
+    "num_hidden_layers": 2,
+}
+
+
+@pytest.fixture(scope="module")
+def fp8_aligned_checkpoints(tmp_path_factory):
+    """Qwen3 and Qwen3-MoE checkpoints of ``FP8_ALIGNED`` shapes, every 128x128 block of a 2-D weight
+    scaled by its own power of two, so that blocks' scales differ (a scale from another block is caught)."""
+    root = tmp_path_factory.mktemp("fp8-tp2")
+    dense = {k: v for k, v in FP8_ALIGNED.items() if k != "moe_intermediate_size"}
+    return {
+        name: block_scaled_checkpoint(base, extra, root / name, name=f"{base}-fp8-tp2", seed=11)
+        for name, base, extra in (("dense", "qwen3-tiny", dense), ("moe", "qwen3-moe-tiny", FP8_ALIGNED))
+    }
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(
+    ("model", "flags"),
+    [("dense", ["--tp", "2"]), ("dense", []), ("moe", ["--tp", "2"])],
+    ids=["dense-tp2", "dense-tp1", "moe-tp2"],
+)
+def test_fp8_sharded_refit_into_a_tp2_engine(model, flags, fp8_aligned_checkpoints, tmp_path):
+    """Blockwise FP8 into a TP2 engine holding FP8 weights and block scales (trainer at TP2, or TP1 with
+    two replicas): each rank quantizes its own shards; the engine equals, bit for bit, the whole HF
+    tensors (the checkpoint, then the changed model's stock export) quantized by the reference
+    quantizer and cut to the rank by the engine's loaders, weight and scale; norms stay BF16 through
+    the loader, routers BF16; an engine whose o_proj loader reads outside the shard is refused."""
+    checkpoint = str(fp8_aligned_checkpoints[model])
+    run = torchrun(2, [CHECKER, "--hf", checkpoint, "--result", str(tmp_path), "--fp8", *flags])
+    assert run.returncode == 0, run.output[-6000:]
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["ok"] and r["quantized"] > 0 and r["copies"] > 0 for r in reports)
+
+
+@pytest.mark.multirank
+def test_fp8_sharded_refit_off_the_block_grid_is_refused_by_name(source_checkpoints, tmp_path):
+    """qwen3-tiny at engine TP2 (FFN 128: gate/up split into 64-row halves, head_dim 16: q into 32 rows): the FP8
+    refit is refused on every rank naming the tensor, the engine rank's box and the fix, before any shard
+    is allocated or the engine is called."""
+    checkpoint = str(source_checkpoints("qwen3-tiny"))
+    run = torchrun(2, [CHECKER, "--hf", checkpoint, "--result", str(tmp_path), "--tp", "2", "--fp8-refused"])
+    assert run.returncode == 0, run.output[-6000:]
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["ok"] and "not whole 128-element blocks" in r["refusal"] for r in reports)
 
 
 def test_a_worker_without_an_entry_is_refused_by_name():

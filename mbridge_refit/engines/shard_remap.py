@@ -9,7 +9,9 @@ tensor built around the shard (``expand``: the box holds the shard's values, eve
 pattern byte), and every recorded read, a view of that full tensor, is moved into the shard: the
 same elements, shifted by the box's start (``remap``). A read that leaves the box means that the
 transfer plan's sharding rule and the engine's loader disagree; it is refused by name
-(``ShardRemapError``), never replayed from pattern bytes.
+(``ShardRemapError``), never replayed from pattern bytes. Any dtype alike: a blockwise FP8 refit
+shares each weight's FP8 data as its box and its ``weight_scale_inv`` as the box of the scale tensor
+(in blocks, ``fp8.format.scale_box``), and the loader's reads of both are moved, or refused, the same way.
 
 A tensor the loader does not load by plain copies (a conversion through a temporary) keeps its
 full-size tensor and goes through the loader every step, the shard copied into its box first;

@@ -29,9 +29,19 @@ over a gloo group of the same ranks, made at the first ``open`` (collective over
 ``torch.distributed.new_group`` is): a rank waiting for the engine's answer then waits on the CPU,
 not in an NCCL kernel that would share its GPU with the engine worker replaying there.
 
-Refused by name: FP8 (a blockwise scale of a box is a scale of the whole tensor only where the box
-is block-aligned; the transfer plan moves BF16 only), and a step with another model or bridge than
-the open one (``close`` first).
+Blockwise FP8 (``fp8="blockwise"`` or a ``fp8.format.BlockwiseFP8Config``, for an engine started
+from an FP8 checkpoint): the transfer still moves the trainer's BF16 values into the shards; then
+each rank quantizes its shards of the weights the FP8 plan quantizes (``fp8.plan.fp8_plan``: the
+config's keep patterns, routers and norms stay in their dtype) on its own device into FP8 data and
+scale buffers made at the open and kept (``fp8.quantize.ShardQuantizer``), and those are what the
+engine maps: the weight as its box of the full-size FP8 tensor, ``<name>_scale_inv`` as the scale
+tensor's box ``fp8.format.scale_box(box)``. That equals the whole tensor's quantization cut to the
+box only where each box starts on a 128-element block and ends on one or at the tensor's end, in
+both dimensions; any other layout is refused by name before anything is allocated or moved
+(``fp8.plan.check_engine_boxes``: the tensor, the engine rank's box and the fix).
+
+Refused by name: an FP8 layout off the block grid (above), and a step with another model, bridge or
+``fp8`` than the open one (``close`` first).
 """
 
 from __future__ import annotations
@@ -46,6 +56,9 @@ import torch.distributed as dist
 from mbridge_refit.engines.base import CallWorkers, RefitStep
 from mbridge_refit.engines.sharing import LayoutRecorder, ShardBox, SharedLayout, Transport
 from mbridge_refit.errors import EngineError, InputError
+from mbridge_refit.fp8.format import scale_box, scale_name, scale_shape
+from mbridge_refit.fp8.plan import check_engine_boxes
+from mbridge_refit.fp8.quantize import ShardQuantizer
 
 __all__ = ["ShardedIpcSession", "ShardedRefitError", "worker_entry"]
 
@@ -100,9 +113,10 @@ class ShardedIpcSession:
         self.check_first_refit = check_first_refit
         self.allow_partial = allow_partial
         self.plan = None
-        self._owner: tuple | None = None  # (bridge, chunks) the transfer reads
+        self._owner: tuple | None = None  # (bridge, chunks, FP8 config) the transfer reads
         self._transfer = None
         self._shards: dict[str, torch.Tensor] = {}
+        self._quantizer: ShardQuantizer | None = None  # FP8: this rank's quantized shards, kept
         self._layout: SharedLayout | None = None
         self._fingerprints: list[str | None] | None = None
         self._payload: bytes | None = None
@@ -113,26 +127,38 @@ class ShardedIpcSession:
 
     def open(self, bridge: Any, model: Any, *, fp8: Any = None) -> None:
         """Plan the transfer (collective on the first call for a model) and allocate this rank's
-        shards; the engine opens them on the first ``refit``."""
-        _refuse_fp8(fp8)
+        shards (with ``fp8``, and their FP8 buffers); the engine opens them on the first ``refit``.
+        An FP8 layout off the block grid raises ``FP8FormatError`` on every rank, before any shard
+        is allocated or any byte moves."""
         chunks = tuple(model if isinstance(model, list) else [model])
-        if self._owner is not None and (self._owner[0] is not bridge or self._owner[1] != chunks):
-            raise InputError("this sharded refit session is open for another model or bridge: close() it first")
+        config = bridge.fp8_config(fp8)
+        if self._owner is not None and (
+            self._owner[0] is not bridge or self._owner[1] != chunks or self._owner[2] != config
+        ):
+            raise InputError("this sharded refit session is open for another model, bridge or fp8: close() it first")
         if self._transfer is None:
-            names = [e.hf_name for e in bridge.export_plan(list(chunks)).entries]
+            entries = bridge.export_plan(list(chunks)).entries
+            quantizing = None if config is None else bridge.export_plan(list(chunks), fp8=config)  # refuses by name
             ignored = self.ignored(bridge)
-            self.plan = bridge.transfer_plan(
+            names = [e.hf_name for e in entries]
+            plan = bridge.transfer_plan(
                 list(chunks),
                 self.engine,
                 engine_ranks=self.engine_ranks,
                 only=[n for n in names if n not in ignored] if ignored & set(names) else None,
             )
+            if quantizing is not None:
+                check_engine_boxes(quantizing, plan)
+            self.plan = plan
             self._transfer = bridge.sharded_transfer(list(chunks), self.plan, group=self.group)
             if self._control is None:
                 self._control = _control_group(self.group)
             self._shards = self._transfer.allocate_shards()
-            self._hf_shapes = {e.hf_name: tuple(e.shape) for e in bridge.export_plan(list(chunks)).entries}
-            self._owner = (bridge, chunks)
+            if quantizing is not None:
+                quantized = {e.scale_of for e in quantizing.entries if e.scale_of is not None}
+                self._quantizer = ShardQuantizer({n: t for n, t in self._shards.items() if n in quantized})
+            self._hf_shapes = {e.hf_name: tuple(e.shape) for e in entries}
+            self._owner = (bridge, chunks, config)
 
     def refit(self, bridge: Any, model: Any, *, fp8: Any = None) -> RefitStep | None:
         """One step on every trainer rank of ``group``: the sharded transfer, then the engine opens
@@ -141,6 +167,8 @@ class ShardedIpcSession:
         started = time.perf_counter()
         self.open(bridge, model, fp8=fp8)
         self._transfer.run(self._shards)
+        if self._quantizer is not None:
+            self._quantizer.run()
         _synchronize()
         transferred = time.perf_counter()
         opened = self._fingerprints is None
@@ -168,7 +196,7 @@ class ShardedIpcSession:
         release = getattr(self.transport, "release", None)
         if release is not None and self._payload is not None:
             release(self._payload)
-        self._owner, self._transfer, self._shards, self.plan = None, None, {}, None
+        self._owner, self._transfer, self._shards, self._quantizer, self.plan = None, None, {}, None, None
         self._layout, self._fingerprints, self._payload, self._held = None, None, None, []
 
     @property
@@ -179,8 +207,13 @@ class ShardedIpcSession:
     def _open_engine(self) -> list:
         recorder = LayoutRecorder()
         for shard in self.plan.shards_on(dist.get_rank()):
+            name, shape = shard.hf_name, self._hf_shapes[shard.hf_name]
+            if self._quantizer is None or name not in self._quantizer.q:
+                recorder.add(name, self._shards[name], shard=ShardBox(shape, shard.box))
+                continue
+            recorder.add(name, self._quantizer.q[name], shard=ShardBox(shape, shard.box))
             recorder.add(
-                shard.hf_name, self._shards[shard.hf_name], shard=ShardBox(self._hf_shapes[shard.hf_name], shard.box)
+                scale_name(name), self._quantizer.scales[name], shard=ShardBox(scale_shape(shape), scale_box(shard.box))
             )
         layout, storages = recorder.layout()
         payload = self.transport.share(storages) if layout.refs else None
@@ -241,16 +274,6 @@ def _control_group(group: Any) -> Any:
         return group
     ranks = None if group is None else dist.get_process_group_ranks(group)
     return dist.new_group(ranks=ranks, backend="gloo")
-
-
-def _refuse_fp8(fp8: Any) -> None:
-    if fp8 is not None:
-        raise InputError(
-            f"a sharded colocated refit moves the trainer's BF16 parameters (fp8={fp8!r} asked): quantizing each "
-            "engine rank's box is the whole tensor's quantization only where every box starts and ends on a scale "
-            "block, which the transfer plan does not check yet; refit an FP8 engine with VLLMRefit (TP1) or the "
-            "packed broadcast"
-        )
 
 
 def _synchronize() -> None:

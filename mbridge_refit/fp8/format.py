@@ -68,6 +68,7 @@ __all__ = [
     "SCALE_SUFFIX",
     "Scratch",
     "row_piece",
+    "scale_box",
     "scale_name",
     "scale_shape",
 ]
@@ -144,6 +145,13 @@ class BlockwiseFP8Config:
 def scale_shape(shape: tuple[int, ...]) -> tuple[int, int]:
     rows, cols = shape
     return (math.ceil(rows / BLOCK), math.ceil(cols / BLOCK))
+
+
+def scale_box(box: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+    """The blocks of the scale tensor that cover ``box`` (one ``(start, stop)`` per dimension of a
+    weight): ``start // 128`` to ``ceil(stop / 128)``. Where ``box`` starts on a block and ends on
+    one or at the tensor's end, quantizing the box alone gives exactly these scales."""
+    return tuple((start // BLOCK, math.ceil(stop / BLOCK)) for start, stop in box)
 
 
 def scale_name(hf_name: str) -> str:

@@ -3,14 +3,15 @@
 Checked before any export work (``check_fp8_exportable``): storage formats the blockwise export
 cannot ship, trainer-side FP8 shards off block boundaries, tied weights, and (with
 ``engine_tp_size``) engine shards off block boundaries all raise ``FP8FormatError`` naming the
-weight and the fix.
+weight and the fix. A sharded refit, whose engine ranks quantize their own boxes of each weight,
+checks those boxes against the block grid (``check_engine_boxes``) with the same refusal.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mbridge_refit.fp8.format import (
     BLOCK,
@@ -25,7 +26,10 @@ from mbridge_refit.plan.entries import ExportPlan, PlanEntry, TensorSharding
 from mbridge_refit.plan.slices import SliceCopy
 from mbridge_refit.plan.storage import FP8_BLOCKWISE, QUANTIZABLE
 
-__all__ = ["check_fp8_exportable", "fp8_plan", "scale_sharding", "yielded_bytes"]
+if TYPE_CHECKING:
+    from mbridge_refit.plan.transfer import EngineShard, TransferPlan
+
+__all__ = ["check_engine_boxes", "check_fp8_exportable", "fp8_plan", "scale_sharding", "yielded_bytes"]
 
 
 def fp8_plan(plan: ExportPlan, config: BlockwiseFP8Config) -> ExportPlan:
@@ -147,14 +151,39 @@ def check_fp8_exportable(plan: ExportPlan, config: BlockwiseFP8Config) -> None:
         )
     if config.engine_tp_size is not None:
         problems = [p for e in quantized if (p := _engine_split_problem(e, config.engine_tp_size))]
-        if problems:
-            raise FP8FormatError(
-                f"an engine at tensor-parallel size {config.engine_tp_size} cannot shard these FP8 weights on "
-                f"{BLOCK}x{BLOCK} block boundaries: {'; '.join(problems[:5])}"
-                f"{f' (and {len(problems) - 5} more)' if len(problems) > 5 else ''}. "
-                "Serve at a smaller tensor-parallel size, keep these weights in bf16 (keep_patterns), "
-                "or export without fp8."
+        _refuse_engine_split(f"an engine at tensor-parallel size {config.engine_tp_size}", problems)
+
+
+def check_engine_boxes(plan: ExportPlan, transfer: "TransferPlan") -> None:
+    """Raise ``FP8FormatError`` if an engine rank's box (``transfer``'s shards) of a weight that ``plan``
+    (an ``fp8_plan``) quantizes starts off the 128-element block grid, or ends off it before the
+    tensor's end, in any dimension. Where every box is on the grid, quantizing a box alone gives the
+    whole tensor's FP8 data in that box, and its scales are the whole tensor's in ``scale_box(box)``;
+    elsewhere a block would span two engine ranks."""
+    shapes = {e.hf_name: e.shape for e in plan.entries}
+    quantized = {e.scale_of: shapes[e.scale_of] for e in plan.entries if e.scale_of is not None}
+    problems = [p for s in transfer.shards if s.hf_name in quantized and (p := _box_problem(s, quantized[s.hf_name]))]
+    _refuse_engine_split(f"an engine laid out as {transfer.engine.name}", problems)
+
+
+def _box_problem(shard: "EngineShard", shape: tuple[int, ...]) -> str | None:
+    for dim, ((start, stop), size) in enumerate(zip(shard.box, shape)):
+        if start % BLOCK or (stop % BLOCK and stop != size):
+            return (
+                f"{shard.hf_name} {tuple(shape)}: engine rank {shard.engine_rank} keeps {[list(b) for b in shard.box]}, "
+                f"whose dimension {dim} [{start}, {stop}) is not whole {BLOCK}-element blocks"
             )
+    return None
+
+
+def _refuse_engine_split(engine: str, problems: list[str]) -> None:
+    if problems:
+        raise FP8FormatError(
+            f"{engine} cannot shard these FP8 weights on {BLOCK}x{BLOCK} block boundaries: {'; '.join(problems[:5])}"
+            f"{f' (and {len(problems) - 5} more)' if len(problems) > 5 else ''}. "
+            "Serve at a smaller tensor-parallel size, keep these weights in bf16 (keep_patterns), "
+            "or export without fp8."
+        )
 
 
 def _engine_split_problem(entry: PlanEntry, engine_tp: int) -> str | None:

@@ -3,7 +3,9 @@
 ``quantize_buckets`` quantizes each bucket's weights together (on CUDA one grouped Triton launch
 per bucket and input dtype, where the kernel reproduces the reference bits; else the reference
 path) into cached buffers, and yields each weight's e4m3 data followed by its
-``weight_scale_inv``. ``quantize_blockwise`` quantizes one tensor the same way.
+``weight_scale_inv``. ``quantize_blockwise`` quantizes one tensor the same way; ``ShardQuantizer``
+quantizes the same tensors every step (an engine rank's shards in a sharded refit) into buffers
+made once.
 """
 
 from __future__ import annotations
@@ -21,7 +23,14 @@ from mbridge_refit.plan.entries import ExportPlan
 from mbridge_refit.runtime.buffers import ExportBuffers
 from mbridge_refit.runtime.selection import RowSelection, materialized
 
-__all__ = ["BucketQuantizer", "quantize_blockwise", "quantize_bucket_lists", "quantize_buckets", "quantizer_path"]
+__all__ = [
+    "BucketQuantizer",
+    "ShardQuantizer",
+    "quantize_blockwise",
+    "quantize_bucket_lists",
+    "quantize_buckets",
+    "quantizer_path",
+]
 
 
 def quantize_blockwise(
@@ -36,6 +45,33 @@ def quantize_blockwise(
         _cuda_kernels().quantize_single(x, out, scale_out)
         return out, scale_out
     return quantize_reference(x, out=out, scale_out=scale_out, work=work)
+
+
+class ShardQuantizer:
+    """Quantizes ``sources`` (name -> 2-D tensor whose storage stays put, e.g. an engine rank's BF16
+    shards) on their own devices, each as a whole tensor (blocks anchored at its (0, 0)), into FP8
+    data and ``scale_inv`` buffers made here and kept (``q``, ``scales``: name -> tensor), so that
+    ``run`` allocates nothing. Bits: ``quantize_blockwise``'s (the reference's)."""
+
+    def __init__(self, sources: dict[str, torch.Tensor]) -> None:
+        self.sources = dict(sources)
+        self.q = {n: torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device) for n, x in self.sources.items()}
+        self.scales = {
+            n: torch.empty(scale_shape(tuple(x.shape)), dtype=SCALE_DTYPE, device=x.device)
+            for n, x in self.sources.items()
+        }
+        self._work: dict[tuple, torch.Tensor] = {}  # the torch path's fp32 scratch, one per padded shape and device
+        for x in self.sources.values():
+            if not (x.is_cuda and _kernel_usable("single")):
+                key = (padded_shape(tuple(x.shape)), x.device)
+                if key not in self._work:
+                    self._work[key] = torch.empty(key[0], dtype=torch.float32, device=x.device)
+
+    def run(self) -> None:
+        """Quantize every source's current values into ``q`` and ``scales``."""
+        for name, x in self.sources.items():
+            work = self._work.get((padded_shape(tuple(x.shape)), x.device))
+            quantize_blockwise(x, out=self.q[name], scale_out=self.scales[name], work=work)
 
 
 def quantize_buckets(

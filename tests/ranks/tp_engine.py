@@ -7,6 +7,12 @@ loaders that mirror vLLM 0.26's (quoted per loader below): each narrows the full
 r's part. Norms go through a temporary (not vLLM's plain copy: so that a tensor the refit must load
 through the loader every step is exercised). ``full_size`` names HF modules whose engine parameter
 is left whole and copied whole (an engine running another layout than the plan's for them).
+
+``quantized`` names the HF weights the engine holds as blockwise FP8 (an engine started from an FP8
+checkpoint with ``weight_block_size`` [128, 128]; in vLLM the checkpoint's ``quantization_config``
+decides): the parameter is ``float8_e4m3fn`` and beside it sits ``<param>_scale_inv`` (fp32, one
+scale per 128x128 block of the rank's partition: vLLM's ``BlockQuantScaleParameter``), loaded from
+the HF ``<name>_scale_inv`` by the same loaders counting in blocks, as vLLM's do.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ STACKED = (
 )
 EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 ROW = (".self_attn.o_proj.", ".mlp.down_proj.")
+SCALE = "_scale_inv"
+BLOCK = 128  # weight_block_size [128, 128]
 VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 
@@ -52,9 +60,12 @@ def route(hf_name: str) -> tuple[str, str, object]:
 class TPEngine(torch.nn.Module):
     """Engine rank ``rank`` of ``tp`` (module docstring)."""
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]], config, *, rank: int, tp: int, full_size=()) -> None:
+    def __init__(
+        self, shapes: dict[str, tuple[int, ...]], config, *, rank: int, tp: int, full_size=(), quantized=()
+    ) -> None:
         super().__init__()
         self.rank, self.tp, self.full_size = rank, tp, tuple(full_size)
+        self.shapes, self.quantized = dict(shapes), frozenset(quantized)
         head_dim = config.head_dim
         kv = config.num_key_value_heads
         self.replicas = max(1, tp // kv)  # QKVParallelLinear.num_kv_head_replicas
@@ -67,7 +78,11 @@ class TPEngine(torch.nn.Module):
             key = target.replace(".", "__")
             if key not in self.params:
                 local = self._local_shape(name, shape, loader, shapes)
-                self.params[key] = torch.nn.Parameter(torch.zeros(local, dtype=torch.bfloat16), requires_grad=False)
+                dtype = torch.float8_e4m3fn if name in self.quantized else torch.bfloat16
+                self.params[key] = torch.nn.Parameter(torch.zeros(local, dtype=dtype), requires_grad=False)
+                if name in self.quantized:  # (output_per_partition + 127) // 128, (input_per_partition + 127) // 128
+                    blocks = (*local[:-2], *(_blocks(n) for n in local[-2:]))
+                    self.params[key + SCALE] = torch.nn.Parameter(torch.ones(blocks), requires_grad=False)
             if loader == "vocab":
                 self.org_vocab[name] = shape[0]
 
@@ -98,12 +113,18 @@ class TPEngine(torch.nn.Module):
 
     def load_weights(self, weights) -> None:
         for name, loaded in weights:
-            target, loader, shard = route(name)
-            param = self.params[target.replace(".", "__")].data
+            target, loader, shard = route(name.removesuffix(SCALE))
+            key = target.replace(".", "__") + (SCALE if name.endswith(SCALE) else "")
+            param = self.params[key].data
             if self._whole(name):
                 param.copy_(loaded)
             else:
                 getattr(self, f"_load_{loader}")(param, loaded, shard, name)
+
+    def _unit(self, name: str) -> int:
+        """Elements per loaded row or column: a block for a scale (vLLM divides its shard offsets and
+        sizes by ``weight_block_size``, rounding up, for a ``BlockQuantScaleParameter``), else 1."""
+        return BLOCK if name.endswith(SCALE) else 1
 
     def _load_qkv(self, param, loaded, shard_id, name) -> None:
         # vllm/model_executor/parameter.py _ColumnvLLMParameter.load_qkv_weight:
@@ -111,11 +132,16 @@ class TPEngine(torch.nn.Module):
         #   param_data = param_data.narrow(self.output_dim, shard_offset, shard_size)
         #   loaded_weight = loaded_weight.narrow(self.output_dim, shard_id_int * shard_size, shard_size)
         #   param_data.copy_(loaded_weight)
+        # QKVParallelLinear.weight_loader_v2, for a BlockQuantScaleParameter:
+        #   shard_offset = (shard_offset + block_n - 1) // block_n
+        #   shard_size = (shard_size + block_n - 1) // block_n
+        unit = self._unit(name)
         shard_offset, shard_size = {
             "q": (0, self.q_size),
             "k": (self.q_size, self.kv_size),
             "v": (self.q_size + self.kv_size, self.kv_size),
         }[shard_id]
+        shard_offset, shard_size = _blocks(shard_offset, unit), _blocks(shard_size, unit)
         shard_id_int = self.rank if shard_id == "q" else self.rank // self.replicas
         param.narrow(0, shard_offset, shard_size).copy_(loaded.narrow(0, shard_id_int * shard_size, shard_size))
 
@@ -123,7 +149,9 @@ class TPEngine(torch.nn.Module):
         # _ColumnvLLMParameter.load_merged_column_weight:
         #   param_data = param_data.narrow(self.output_dim, shard_offset, shard_size)
         #   loaded_weight = loaded_weight.narrow(self.output_dim, self.tp_rank * shard_size, shard_size)
-        shard_size = param.shape[0] // 2
+        # MergedColumnParallelLinear.weight_loader_v2: shard_size = self.output_sizes[loaded_shard_id] // tp_size,
+        #   for a BlockQuantScaleParameter (shard_size + block_n - 1) // block_n (offsets alike)
+        shard_size = _blocks(self.shapes[name.removesuffix(SCALE)][0] // self.tp, self._unit(name))
         param.narrow(0, shard_id * shard_size, shard_size).copy_(loaded.narrow(0, self.rank * shard_size, shard_size))
 
     def _load_row(self, param, loaded, shard_id, name) -> None:
@@ -159,9 +187,10 @@ class TPEngine(torch.nn.Module):
         expert_data.copy_(loaded)
 
     def _load_w2(self, param, loaded, expert, name) -> None:
-        # _load_w2 (shard_dim 1): loaded_weight = loaded_weight.narrow(shard_dim, start_offset, narrow_size)
+        # _load_w2 (shard_dim 1): shard_size = expert_data.shape[shard_dim]
+        #   loaded_weight = loaded_weight.narrow(shard_dim, shard_size * tp_rank, shard_size)
         expert_data = param[expert]
-        per_rank = loaded.shape[1] // self.tp
+        per_rank = expert_data.shape[1]
         expert_data.copy_(loaded.narrow(1, per_rank * self.rank, per_rank))
 
     def _load_replicated(self, param, loaded, shard_id, name) -> None:
@@ -169,3 +198,7 @@ class TPEngine(torch.nn.Module):
             param.copy_(loaded.float().to(param.dtype))  # through a temporary: loaded by the loader every step
             return
         param.copy_(loaded)  # vLLM's default_weight_loader: param.data.copy_(loaded_weight)
+
+
+def _blocks(size: int, unit: int = BLOCK) -> int:
+    return -(-size // unit)

@@ -8,7 +8,9 @@ trainer rank r's (the transfer plan's default placement). Trainer rank 0 passes 
 reaches every worker; each maps, by CUDA IPC, the handles of the trainer rank on its own GPU); the
 other ranks pass ``None`` and take part in the transfer and the outcome. With vLLM's
 ``external_launcher`` (the engine inside each torchrun process) every rank passes its own ``llm``.
-The engine skips a tied output layer (``ignored_by_engine``): it is left out of the plan.
+The engine skips a tied output layer (``ignored_by_engine``): it is left out of the plan. An engine
+started from a blockwise FP8 checkpoint is refit with ``fp8="blockwise"`` (each rank quantizes its
+shards; ``engines.sharded_ipc``); vLLM's FP8 layers are recorded through its layerwise reload.
 """
 
 from __future__ import annotations
