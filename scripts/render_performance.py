@@ -114,10 +114,12 @@ def render_block() -> list[str]:
 
 
 def replace_block(text: str, block: list[str]) -> str:
-    begin, end = text.find(BEGIN), text.find(END)
+    """``text`` with the lines between ``block``'s first and last line (its markers) replaced by ``block``."""
+    first, last = block[0], block[-1]
+    begin, end = text.find(first), text.find(last)
     if begin < 0 or end < begin:
-        raise SystemExit(f"the README lacks the markers {BEGIN!r} ... {END!r}: add them where the table goes")
-    return text[:begin] + "\n".join(block) + text[end + len(END) :]
+        raise SystemExit(f"the page lacks the markers {first!r} ... {last!r}: add them where the table goes")
+    return text[:begin] + "\n".join(block) + text[end + len(last) :]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,8 +19,14 @@ has 24 GiB. So each part of ``build_export_plan`` is run honestly, rank by rank,
    plan's (name, shape, dtype) entries must be the TP1 plan's (as a set: with EP > 1 the export,
    like stock Megatron-Bridge's, yields the experts of one local index across EP ranks together,
    so the order differs from TP1's; the tests check the order against stock export at EP2).
+   Then, for each rank, what its export of that plan yields, copies on its device and receives in
+   gathers and pipeline broadcasts (``runtime.rank_traffic``, from the rank's place in its groups
+   and the parameters it holds, recorded in step 2).
 
-Per-rank plan time = max over ranks of step 2 + step 3 + step 4.
+Per-rank plan time = max over ranks of step 2 + step 3 + step 4. The timings are appended to
+``--out`` (plan_scale.jsonl); the per-rank traffic, with the timings, is written to
+``rank_traffic_<model>_<layout>.json`` with its manifest (``scripts/estimate_refit.py`` turns it
+into time estimates).
 
     python scripts/simulate_plan.py --model qwen3-235b-a22b --tp 4 --pp 4 --ep 8 --first-stage-layers 23 --last-stage-layers 23
 """
@@ -43,9 +49,10 @@ from bench_plan import (  # the sibling benchmark (scripts/ is on sys.path)
     append_jsonl,
     peak_rss_gib,
 )
-from provenance import results_dir
+from provenance import results_dir, write_result
 
 REPO = Path(__file__).resolve().parents[1]
+DEVICE = f"CPU (build machine, {os.cpu_count()} cores)"
 
 
 def layout_of(args):
@@ -60,64 +67,35 @@ def layout_of(args):
     )
 
 
-def init_fake_world(rank: int, world: int) -> None:
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-
-
-def init_parallel_state(layout) -> None:
-    from megatron.core import parallel_state
-
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp,  # uneven stages are a model setting (configure_provider), not a group one
-        pipeline_model_parallel_size=layout.pp,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.etp,
-        create_gloo_process_groups=False,
-    )
-
-
 def meta_model(model: str, layout):
-    import torch
-
-    from mbridge_refit.bridge import RefitBridge
-    from mbridge_refit.models.builder import BuildOptions, build_model
     from mbridge_refit.models.recipes import full_size_config
+    from mbridge_refit.testing.simulated_ranks import build_rank_model
 
-    bridge = RefitBridge.from_hf_config(full_size_config(model))
-    # weights only (the plan never runs a forward): Megatron's few CUDA-device queries answer the CPU,
-    # which a model with YaRN RoPE (DeepSeek-V3's MLA) needs to be built without a driver at all
-    options = BuildOptions(
-        device=torch.device("cpu"), params_dtype=torch.bfloat16, materialize=False, weights_only=True
-    )
-    return bridge, build_model(bridge, layout, options)
+    return build_rank_model(full_size_config(model), layout, materialize=False)
 
 
 def step_names(args) -> None:
     """Step 1: global parameter names and the TP1 reference plan."""
     from mbridge_refit.plan.layout import ParallelLayout
+    from mbridge_refit.testing.simulated_ranks import enter_rank, global_param_names
 
-    init_fake_world(0, 1)
-    layout = ParallelLayout()
-    init_parallel_state(layout)
-    bridge, chunks = meta_model(args.model, layout)
-    model_bridge = bridge.megatron_model_bridge(chunks)
-    names = model_bridge._megatron_global_param_names_all_pp_ranks(chunks)
+    enter_rank(ParallelLayout(), 0)
+    bridge, chunks = meta_model(args.model, ParallelLayout())
+    names = global_param_names(bridge, chunks)
     plan = bridge.export_plan(chunks)
     reference = [(e.hf_name, list(e.shape), e.dtype) for e in plan.entries]
     (args.work / "names.json").write_text(json.dumps({"names": names, "reference": reference}))
 
 
 def step_rank(args) -> None:
-    """Step 2: one simulated rank's contribution."""
+    """Step 2: one simulated rank's contribution, its place in its groups and the parameters it holds."""
     from mbridge_refit.plan.build import rank_contribution
+    from mbridge_refit.runtime.collectives import current_groups
+    from mbridge_refit.runtime.live_params import LiveParams
+    from mbridge_refit.testing.simulated_ranks import enter_rank
 
-    world = layout_of(args).expected_world_size
-    init_fake_world(args.rank, world)
     layout = layout_of(args)
-    init_parallel_state(layout)
+    enter_rank(layout, args.rank)
     names = json.loads((args.work / "names.json").read_text())["names"]
     start = time.perf_counter()
     bridge, chunks = meta_model(args.model, layout)
@@ -125,8 +103,10 @@ def step_rank(args) -> None:
     model_bridge = bridge.megatron_model_bridge(chunks)
     model_bridge._cached_param_names = names  # the result of the bridge's pipeline name exchange
     start = time.perf_counter()
-    contribution = rank_contribution(model_bridge, bridge.hf_pretrained, chunks)
+    tasks = model_bridge.build_conversion_tasks(bridge.hf_pretrained, chunks)
+    contribution = rank_contribution(model_bridge, bridge.hf_pretrained, chunks, tasks)
     contribution_s = time.perf_counter() - start
+    groups = current_groups()
     payload = pickle.dumps(contribution)
     (args.work / f"rank{args.rank}.pkl").write_bytes(payload)
     (args.work / f"rank{args.rank}.json").write_text(
@@ -138,6 +118,8 @@ def step_rank(args) -> None:
                 specs=len(contribution.specs),
                 payload_bytes=len(payload),
                 peak_rss_gib=peak_rss_gib(),
+                place={field: getattr(groups, field) for field in PLACE},
+                params=sorted(LiveParams(chunks, tasks).params),
             )
         )
     )
@@ -181,11 +163,11 @@ def step_exchange(args) -> dict:
 def step_assemble(args) -> dict:
     """Step 4: assemble the plan from every contribution; compare with the TP1 reference."""
     from mbridge_refit.plan.build import assemble_plan, current_sizes
+    from mbridge_refit.testing.simulated_ranks import enter_rank
 
     layout = layout_of(args)
     world = layout.expected_world_size
-    init_fake_world(0, world)
-    init_parallel_state(layout)
+    enter_rank(layout, 0)
     bridge, chunks = meta_model(args.model, layout)
     start = time.perf_counter()
     contributions = [pickle.loads((args.work / f"rank{r}.pkl").read_bytes()) for r in range(world)]
@@ -216,7 +198,25 @@ def step_assemble(args) -> dict:
         expert_owners=len(owners),
         layer_stages=sorted(set(plan.layer_map.values())),
         assemble_peak_rss_gib=peak_rss_gib(),
+        plan_tensors=len(plan.entries),
+        plan_bytes=plan.total_bytes,
+        ranks=[traffic_of_rank(plan, args.work, rank) for rank in range(world)],
     )
+
+
+PLACE = ("tp_size", "pp_size", "ep_size", "etp_size", "tp_rank", "pp_rank", "ep_rank", "etp_rank")
+
+
+def traffic_of_rank(plan, work: Path, rank: int) -> dict:
+    """What rank ``rank``'s export of ``plan`` yields, copies and receives (``runtime.rank_traffic``),
+    from its place in its groups and the parameters it holds (step 2)."""
+    from mbridge_refit.runtime.rank_traffic import rank_traffic, simulated_groups
+
+    recorded = json.loads((work / f"rank{rank}.json").read_text())
+    place = recorded["place"]
+    groups = simulated_groups(**{field.removesuffix("_size"): place[field] for field in PLACE})
+    traffic = rank_traffic(plan, groups, dict.fromkeys(recorded["params"]))
+    return dict(rank=rank, **{k: v for k, v in place.items() if k.endswith("_rank")}, **traffic.as_dict())
 
 
 def run_step(args, step: str, *extra: str) -> None:
@@ -290,6 +290,19 @@ def orchestrate(args) -> None:
         flush=True,
     )
     append_jsonl(args.out or results_dir("cpu") / "plan_scale.jsonl", row)
+    traffic = dict(
+        model=args.model,
+        layout=layout.name,
+        world_size=world,
+        plan_tensors=assembled["plan_tensors"],
+        plan_bytes=assembled["plan_bytes"],
+        ranks=assembled["ranks"],
+        planning=row,
+    )
+    path = write_result(
+        args.traffic_dir or results_dir("cpu"), f"rank_traffic_{args.model}_{layout.name}.json", traffic, device=DEVICE
+    )
+    print(f"[simulate] each rank's export traffic: {path}", flush=True)
     if not row["matches_tp1_plan"]:
         raise SystemExit(
             f"the simulated plan's (name, shape, dtype) list differs from the TP1 plan: {row['first_difference_from_tp1']}"
@@ -310,6 +323,12 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=None, help="scratch directory (default: a temporary one)")
     parser.add_argument(
         "--out", type=Path, default=None, help="default: benchmarks/results/<date>-cpu/plan_scale.jsonl"
+    )
+    parser.add_argument(
+        "--traffic-dir",
+        type=Path,
+        default=None,
+        help="where rank_traffic_<model>_<layout>.json goes (default: benchmarks/results/<date>-cpu/)",
     )
     parser.add_argument("--step", choices=["names", "rank", "assemble"], default=None, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)

@@ -53,6 +53,25 @@ def test_performance_table_is_rendered_from_committed_results(tmp_path):
     assert run.returncode == 1 and "differs" in run.stdout
 
 
+def test_refit_estimate_is_rendered_from_committed_results(tmp_path):
+    """docs/benchmarks.md's refit estimate block and refit_estimate.json are what scripts/estimate_refit.py
+    computes from the traffic and cost files it names; a number edited by hand makes the check fail."""
+    import subprocess
+    import sys
+
+    script = REPO / "scripts" / "estimate_refit.py"
+    run = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    edited = tmp_path / "benchmarks.md"
+    text = (REPO / "docs" / "benchmarks.md").read_text()
+    begin = text.index("<!-- refit estimate:")
+    edited.write_text(text[:begin] + text[begin:].replace(" ms (", " ms (edited, ", 1))
+    run = subprocess.run(
+        [sys.executable, str(script), "--check", "--page", str(edited)], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 1 and "differs" in run.stdout
+
+
 # Dotted names the README shows in backticks under the package's subpackages, e.g. `sinks.WeightSink`.
 _SUBPACKAGES = ("engines", "sinks", "plan", "runtime", "checkpoints", "fp8", "convert", "errors")
 _DOTTED = re.compile(r"`((?:mbridge_refit\.)?(?:" + "|".join(_SUBPACKAGES) + r")(?:\.[A-Za-z_]\w*)+)`")
