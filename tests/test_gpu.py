@@ -301,3 +301,28 @@ def test_replay_schedule_runs_plain_copies_as_one_chunked_launch():
         schedule.run()
         for destination, source in pairs:
             assert torch.equal(destination, source.to(destination.dtype)), step
+
+
+def test_shard_quantizer_groups_shards_into_one_launch_with_the_reference_bits():
+    """The sharded FP8 refit's quantizer on CUDA: shards the grouped kernel reads in place (many
+    expert-like shards, a partial edge block) go in one launch, a narrow one alone; every step
+    writes ``quantize_reference``'s bits into the kept buffers."""
+    from mbridge_refit.fp8.quantize import ShardQuantizer
+    from mbridge_refit.fp8.reference import quantize_reference
+
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(384, 256)] * 16 + [(300, 272), (128, 8)]
+    sources = {
+        f"s{i}": (torch.randn(shape, generator=generator) * 0.05).to(torch.bfloat16).cuda()
+        for i, shape in enumerate(shapes)
+    }
+    quantizer = ShardQuantizer(sources)
+    assert len(quantizer.grouped) == 1 and quantizer.alone == ["s17"]
+    for step in range(2):
+        quantizer.run()
+        for name, source in sources.items():
+            q, scale = quantize_reference(source.cpu())
+            assert torch.equal(quantizer.q[name].cpu().view(torch.uint8), q.view(torch.uint8)), (name, step)
+            assert torch.equal(quantizer.scales[name].cpu(), scale), (name, step)
+        for source in sources.values():
+            source.mul_(3)

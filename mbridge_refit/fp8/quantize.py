@@ -51,7 +51,9 @@ class ShardQuantizer:
     """Quantizes ``sources`` (name -> 2-D tensor whose storage stays put, e.g. an engine rank's BF16
     shards) on their own devices, each as a whole tensor (blocks anchored at its (0, 0)), into FP8
     data and ``scale_inv`` buffers made here and kept (``q``, ``scales``: name -> tensor), so that
-    ``run`` allocates nothing. Bits: ``quantize_blockwise``'s (the reference's)."""
+    ``run`` allocates nothing. Bits: ``quantize_blockwise``'s (the reference's). On CUDA the sources
+    the grouped kernel reads in place are quantized by one launch per dtype and device, built here
+    (a rank's thousands of expert shards: one launch, not one each); the others one at a time."""
 
     def __init__(self, sources: dict[str, torch.Tensor]) -> None:
         self.sources = dict(sources)
@@ -60,8 +62,17 @@ class ShardQuantizer:
             n: torch.empty(scale_shape(tuple(x.shape)), dtype=SCALE_DTYPE, device=x.device)
             for n, x in self.sources.items()
         }
+        kernels = _cuda_kernels() if _kernel_usable("grouped") else None
+        groups: dict[tuple, list] = {}
+        self.alone: list[str] = []  # quantized one at a time
+        for name, x in self.sources.items():
+            if kernels is not None and kernels.grouped_takes(x):
+                groups.setdefault((x.dtype, x.device), []).append((x, self.q[name], self.scales[name]))
+            else:
+                self.alone.append(name)
+        self.grouped = [kernels.grouped_launch(jobs) for jobs in groups.values()]  # valid while sources live
         self._work: dict[tuple, torch.Tensor] = {}  # the torch path's fp32 scratch, one per padded shape and device
-        for x in self.sources.values():
+        for x in (self.sources[n] for n in self.alone):
             if not (x.is_cuda and _kernel_usable("single")):
                 key = (padded_shape(tuple(x.shape)), x.device)
                 if key not in self._work:
@@ -69,7 +80,10 @@ class ShardQuantizer:
 
     def run(self) -> None:
         """Quantize every source's current values into ``q`` and ``scales``."""
-        for name, x in self.sources.items():
+        for launch in self.grouped:
+            _cuda_kernels().launch_grouped(launch)
+        for name in self.alone:
+            x = self.sources[name]
             work = self._work.get((padded_shape(tuple(x.shape)), x.device))
             quantize_blockwise(x, out=self.q[name], scale_out=self.scales[name], work=work)
 
