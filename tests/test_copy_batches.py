@@ -136,8 +136,9 @@ def test_chunked_copy_kernel_writes_what_copy_writes():
 
 def test_byte_segments_of_plain_strided_and_refused_copies():
     """A contiguous copy is one segment; equally spaced row runs (q of each query group in a fused
-    QKV) one per run, at the runs' addresses; conversions, transposes and runs shorter than
-    ``MIN_SEGMENT_BYTES`` are not byte copies."""
+    QKV) one per run, at the runs' addresses; conversions, transposes, conjugate views, overlapping
+    or expanded destinations, wrapper subclasses and runs shorter than ``MIN_SEGMENT_BYTES`` are not
+    byte copies."""
     from mbridge_refit.engines.copy_kernels import MIN_SEGMENT_BYTES, byte_segments
 
     source, destination = torch.zeros(4, 1024, dtype=torch.bfloat16), torch.zeros(4, 1024, dtype=torch.bfloat16)
@@ -150,6 +151,15 @@ def test_byte_segments_of_plain_strided_and_refused_copies():
     ]
     assert byte_segments(destination.float(), source) is None  # a conversion
     assert byte_segments(destination, source.t().contiguous().t()) is None  # a transposing copy
+    complex_source = torch.zeros(4096, dtype=torch.complex64)
+    assert byte_segments(torch.zeros_like(complex_source), complex_source.conj()) is None  # bytes are not values
+    row = torch.zeros(4096, dtype=torch.bfloat16)
+    overlapping = torch.zeros(8192, dtype=torch.bfloat16).as_strided((2, 4096), (2048, 1))
+    assert byte_segments(overlapping, torch.stack([row, row])) is None  # copy_ writes it in order; chunks would race
+    assert byte_segments(row.view(1, 4096).expand(3, 4096), torch.zeros(3, 4096, dtype=torch.bfloat16)) is None
+    from torch.testing._internal.two_tensor import TwoTensor  # a wrapper subclass: no data pointer of its own
+
+    assert byte_segments(TwoTensor(destination.clone(), destination.clone()), source) is None
     short = MIN_SEGMENT_BYTES // 2 // 2  # bf16 elements in half the minimum
     assert (
         byte_segments(

@@ -20,6 +20,7 @@ ImportError means the foreach path runs.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -28,6 +29,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 __all__ = ["ALIGN_BYTES", "CHUNK_BYTES", "MIN_SEGMENT_BYTES", "ChunkedCopies", "byte_segments", "chunk_rows", "usable"]
 
@@ -55,16 +57,23 @@ def _copy_chunks(table, CHUNK_WORDS: tl.constexpr):
 
 def byte_segments(destination: torch.Tensor, source: torch.Tensor) -> list[Segment] | None:
     """``destination.copy_(source)`` as contiguous byte segments the kernel copies, or None where it
-    is not one: other devices, dtypes or shapes (a conversion, a broadcast), segments shorter than
-    ``MIN_SEGMENT_BYTES`` (a transposing copy), or off ``ALIGN_BYTES``. One segment per leading index
-    over the trailing dimensions both tensors hold contiguously (a whole contiguous copy: one)."""
+    is not one: other devices, dtypes or shapes (a conversion, a broadcast), anything but plain
+    strided tensors (a tensor subclass, a conjugate or negative view: their bytes are not their
+    values), a destination whose elements overlap, segments shorter than ``MIN_SEGMENT_BYTES`` (a
+    transposing copy), or off ``ALIGN_BYTES``. One segment per leading index over the trailing
+    dimensions both tensors hold contiguously (a whole contiguous copy: one)."""
     if source.device != destination.device or destination.dtype != source.dtype or destination.shape != source.shape:
+        return None
+    if not (_plain(destination) and _plain(source)):
         return None
     inner = _contiguous_tail(destination, source)
     outer = destination.shape[: destination.dim() - inner]
     itemsize = destination.element_size()
-    length = math.prod(destination.shape[destination.dim() - inner :]) * itemsize
+    block = math.prod(destination.shape[destination.dim() - inner :])
+    length = block * itemsize
     if length % ALIGN_BYTES or (math.prod(outer) > 1 and length < MIN_SEGMENT_BYTES):
+        return None
+    if not _disjoint(outer, destination.stride()[: len(outer)], block):
         return None
     segments = []
     for index in itertools.product(*(range(n) for n in outer)):
@@ -74,6 +83,29 @@ def byte_segments(destination: torch.Tensor, source: torch.Tensor) -> list[Segme
             return None
         segments.append((out_of, into, length))
     return segments
+
+
+def _plain(tensor: torch.Tensor) -> bool:
+    """A strided tensor whose bytes are its values, inside its own storage (not a wrapper subclass:
+    those report no data pointer; a ``Parameter`` subclass such as an engine's is plain)."""
+    if is_traceable_wrapper_subclass(tensor) or tensor.layout != torch.strided:
+        return False
+    if tensor.is_conj() or tensor.is_neg() or not tensor.data_ptr():
+        return False
+    last = sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()) if n > 0)
+    end = (tensor.storage_offset() + last + 1) * tensor.element_size()
+    return end <= tensor.untyped_storage().nbytes()
+
+
+def _disjoint(outer: tuple[int, ...], strides: tuple[int, ...], block: int) -> bool:
+    """Whether blocks of ``block`` elements at every outer index (``outer`` sizes, ``strides``) never
+    share an element: the outer dimensions, by increasing stride, each step past all before them."""
+    span = block
+    for size, stride in sorted(((n, s) for n, s in zip(outer, strides) if n > 1), key=lambda d: d[1]):
+        if stride < span:
+            return False
+        span = stride * (size - 1) + span
+    return True
 
 
 def _contiguous_tail(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -124,20 +156,33 @@ class ChunkedCopies:
         return cls(segments, [*destinations, *sources])
 
     def __call__(self) -> None:
-        if self.chunks:
-            _copy_chunks[(self.chunks,)](self.table, CHUNK_WORDS=CHUNK_BYTES // WORD_BYTES, num_warps=8)
+        if (
+            self.chunks
+        ):  # the tensors' device's current stream (Triton launches on the current device; CPU: its interpreter)
+            with torch.cuda.device(self.table.device) if self.table.is_cuda else contextlib.nullcontext():
+                _copy_chunks[(self.chunks,)](self.table, CHUNK_WORDS=CHUNK_BYTES // WORD_BYTES, num_warps=8)
 
 
 @functools.cache
 def usable(device_index: int) -> bool:
     """Whether the kernel reproduces ``copy_``'s bytes on probe copies on this device (checked once
-    per process and device; a failure is logged with its cause)."""
+    per process and device; a failure is logged with its cause): a tail, chunks and a tail, whole
+    chunks, addresses only 16-byte aligned, and row runs of a strided view on both sides."""
     try:
         device = torch.device("cuda", device_index)
         generator = torch.Generator().manual_seed(0)
-        numels = (8, 4096 * 8 + 8, 3 * (CHUNK_BYTES // 2), 24)  # bf16: a tail, chunks and a tail, whole chunks
-        sources = [torch.randn(n, generator=generator).to(torch.bfloat16).to(device) for n in numels]
-        destinations = [torch.full_like(s, float("nan")) for s in sources]
+
+        def bf16(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=generator).to(torch.bfloat16).to(device)
+
+        sources = [bf16(n) for n in (8, 4096 * 8 + 8, 3 * (CHUNK_BYTES // 2), 24)]
+        sources.append(bf16(CHUNK_BYTES // 2 + 16)[8:])  # starts 16 bytes into its storage
+        sources.append(bf16(4, 12, 1024)[:, :8])  # row runs, as q of each query group
+        destinations = [torch.full_like(s, float("nan")) for s in sources[:-2]]
+        destinations.append(
+            torch.full((CHUNK_BYTES // 2 + 24,), float("nan"), dtype=torch.bfloat16, device=device)[16:]
+        )
+        destinations.append(torch.full((4, 10, 1024), float("nan"), dtype=torch.bfloat16, device=device)[:, 1:9])
         ChunkedCopies.of(destinations, sources)()
         if not all(torch.equal(d.view(torch.int16), s.view(torch.int16)) for d, s in zip(destinations, sources)):
             logger.warning("the Triton chunked-copy kernel does not reproduce copy_ on this device: not used")
