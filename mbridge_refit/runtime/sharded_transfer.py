@@ -5,10 +5,12 @@ parameters, with batched point-to-point sends and local copies.
 engine ranks that receive, most often the same ranks) from the same ``TransferPlan``
 (``plan.transfer``). Per ``run(shards)``, on every member of ``group``, in this order:
 
-1. handshake: one ``all_gather`` of int64 ``[wire version, plan fingerprint, status]``; a rank
-   that runs another wire version (``WIRE_VERSION``: another install of this package), holds
-   another plan, or whose shards or parameters do not fit the plan (checked locally first), makes
-   every member raise ``TransferMismatchError`` naming the ranks, before any data moves. On the
+1. handshake: one ``all_gather`` of int64 ``[plan fingerprint, status]``, the wire version
+   (``WIRE_VERSION``) folded into both words (``_versioned``: version 1, before versions were sent,
+   folds nothing, so the frame is the same for every install); a rank that runs another wire version
+   (another install of this package), holds another plan, or whose shards or parameters do not fit
+   the plan (checked locally first), makes every member raise ``TransferMismatchError`` naming the
+   ranks (an install of version 1 sees another plan and a bad status), before any data moves. On the
    first run, every region that several trainer ranks send whole (norms and routers the engine
    replicates) is compared by checksum across them (``runtime.replica_agreement``): copies that
    differ raise ``ReplicaMismatchError`` on every rank, as engine ranks would hold different ones;
@@ -54,8 +56,9 @@ __all__ = [
 ]
 
 ALIGN_BYTES = 16
-# What the ranks exchange beyond the plan: the packing and the checksum (2: sums of 8-byte words).
-# Ranks of different versions refuse in the handshake instead of reading as a checksum failure.
+# What the ranks exchange beyond the plan: the packing and the checksum (2: sums of 8-byte words;
+# 1: the install before versions were sent). Ranks of different versions refuse in the handshake
+# instead of reading as a checksum failure; the handshake's frame is the same for every version.
 WIRE_VERSION = 2
 _OK, _BAD_INPUT, _BAD_CHECKSUM = 0, 1, 2
 
@@ -231,26 +234,27 @@ class ShardedTransfer:
 
     def _handshake(self, problem: str | None) -> None:
         status = _BAD_INPUT if problem else _OK
-        everyone = self._control.exchange([self.wire_version, self.fingerprint, status], self.group)
-        versions = {int(row[0]) for row in everyone}
-        fingerprints = {int(row[1]) for row in everyone}
-        failed = [i for i, row in enumerate(everyone) if int(row[2]) != _OK]
+        rows = self._control.exchange(_versioned(self.wire_version, self.fingerprint, status), self.group)
+        everyone = [_unversioned(int(row[0]), int(row[1])) for row in rows]  # (version, fingerprint, status)
+        versions = {version for version, _, _ in everyone}
+        fingerprints = {fingerprint for _, fingerprint, _ in everyone}
+        failed = [i for i, (_, _, code) in enumerate(everyone) if code != _OK]
         if len(versions) == 1 and len(fingerprints) == 1 and not failed:
             return
         ranks = group_ranks(self.group)
         parts = []
         if len(versions) > 1:
             by_version = defaultdict(list)
-            for i, row in enumerate(everyone):
-                by_version[int(row[0])].append(ranks[i])
+            for i, (version, _, _) in enumerate(everyone):
+                by_version[version].append(ranks[i])
             parts.append(
                 f"the ranks run different sharded-transfer wire versions ({dict(by_version)}): install the same "
                 "mbridge_refit on every rank"
             )
         elif len(fingerprints) > 1:
             by_plan = defaultdict(list)
-            for i, row in enumerate(everyone):
-                by_plan[f"{int(row[1]) & 0xFFFF_FFFF_FFFF_FFFF:#018x}"].append(ranks[i])
+            for i, (_, fingerprint, _) in enumerate(everyone):
+                by_plan[f"{fingerprint & 0xFFFF_FFFF_FFFF_FFFF:#018x}"].append(ranks[i])
             parts.append(f"the ranks hold different transfer plans ({dict(by_plan)})")
         if failed:
             parts.append(f"rank(s) {[ranks[i] for i in failed]} found tensors that do not fit the plan")
@@ -299,7 +303,7 @@ class ShardedTransfer:
         return bad
 
     def _share_status(self, bad_peers: list[int]) -> None:
-        everyone = self._control.exchange([_BAD_CHECKSUM if bad_peers else _OK, 0, 0], self.group)
+        everyone = self._control.exchange([_BAD_CHECKSUM if bad_peers else _OK, 0], self.group)
         failed = [rank for rank, row in zip(group_ranks(self.group), everyone) if int(row[0]) != _OK]
         if failed:
             here = f"; here, from rank(s) {bad_peers}" if bad_peers else ""
@@ -393,6 +397,33 @@ def _align(offset: int) -> int:
     return -(-offset // ALIGN_BYTES) * ALIGN_BYTES
 
 
+_VERSION_SHIFT = 48  # the fingerprint's word: the version above it (a 64-bit hash XOR a tag)
+_STATUS_BITS = 8  # the status word: the version above the status code
+
+
+def _versioned(version: int, fingerprint: int, status: int) -> list[int]:
+    """The handshake row of ``version``: version 1 (the frame before versions were sent) is the
+    plain ``[fingerprint, status]``; later versions fold ``version - 1`` into both words."""
+    tag = version - 1
+    return [_signed(fingerprint ^ (tag << _VERSION_SHIFT)), status | (tag << _STATUS_BITS)]
+
+
+def _unversioned(word: int, status_word: int) -> tuple[int, int, int]:
+    """``(version, fingerprint, status)`` of a handshake row (``_versioned``'s inverse)."""
+    tag = status_word >> _STATUS_BITS
+    return (
+        tag + 1,
+        _signed((word ^ (tag << _VERSION_SHIFT)) & 0xFFFF_FFFF_FFFF_FFFF),
+        status_word & ((1 << _STATUS_BITS) - 1),
+    )
+
+
+def _signed(word: int) -> int:
+    """A 64-bit pattern as the int64 a tensor holds."""
+    word &= 0xFFFF_FFFF_FFFF_FFFF
+    return word - (1 << 64) if word >= 1 << 63 else word
+
+
 def _word_sum(buffer: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
     """The sum of the buffer's 8-byte words modulo 2**64 into ``out`` (buffers start and end on 16-byte
     boundaries). Summed in their own dtype: ``sum(dtype=int64)`` of int32 words would first copy them into
@@ -402,15 +433,13 @@ def _word_sum(buffer: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
 
 
 class _Control:
-    """The int64 rows of the handshake and the status (three words each), allocated once and
+    """The int64 rows of the handshake and the status (two words each), allocated once and
     all-gathered in place."""
 
-    WORDS = 3
-
     def __init__(self, world: int, device: torch.device) -> None:
-        self.mine = torch.zeros(self.WORDS, dtype=torch.int64, device=device)
-        self.flat = torch.zeros(world * self.WORDS, dtype=torch.int64, device=device)
-        self.everyone = list(self.flat.view(world, self.WORDS))
+        self.mine = torch.zeros(2, dtype=torch.int64, device=device)
+        self.flat = torch.zeros(world * 2, dtype=torch.int64, device=device)
+        self.everyone = list(self.flat.view(world, 2))
 
     def exchange(self, values: list[int], group: Any) -> list[torch.Tensor]:
         for i, value in enumerate(values):
