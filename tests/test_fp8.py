@@ -337,7 +337,7 @@ def test_engine_boxes_off_the_block_grid_are_refused_with_the_fix():
             rf"tp2 cannot shard.*{name} \(\d+, \d+\): engine rank 1 keeps .*dimension {dim} .*not whole 128-element"
         )
         with pytest.raises(
-            FP8FormatError, match=pattern + r".*smaller tensor-parallel size, keep these weights in bf16"
+            FP8FormatError, match=pattern + r".*smaller tensor-parallel size.*full tensors.*keep these weights in bf16"
         ):
             check_engine_boxes(plan, _transfer_with([(name, 1, box)]))
 

@@ -151,7 +151,11 @@ def check_fp8_exportable(plan: ExportPlan, config: BlockwiseFP8Config) -> None:
         )
     if config.engine_tp_size is not None:
         problems = [p for e in quantized if (p := _engine_split_problem(e, config.engine_tp_size))]
-        _refuse_engine_split(f"an engine at tensor-parallel size {config.engine_tp_size}", problems)
+        _refuse_engine_split(
+            f"an engine at tensor-parallel size {config.engine_tp_size}",
+            problems,
+            "Serve at a smaller tensor-parallel size, keep these weights in bf16 (keep_patterns), or export without fp8.",
+        )
 
 
 def check_engine_boxes(plan: ExportPlan, transfer: "TransferPlan") -> None:
@@ -163,7 +167,13 @@ def check_engine_boxes(plan: ExportPlan, transfer: "TransferPlan") -> None:
     shapes = {e.hf_name: e.shape for e in plan.entries}
     quantized = {e.scale_of: shapes[e.scale_of] for e in plan.entries if e.scale_of is not None}
     problems = [p for s in transfer.shards if s.hf_name in quantized and (p := _box_problem(s, quantized[s.hf_name]))]
-    _refuse_engine_split(f"an engine laid out as {transfer.engine.name}", problems)
+    _refuse_engine_split(
+        f"an engine laid out as {transfer.engine.name}",
+        problems,
+        "Serve at a smaller tensor-parallel size (each rank's shards whole blocks), refit this engine with full "
+        "tensors (VLLMRefit at TP1, or the packed broadcast), or keep these weights in bf16 (keep_patterns) with an "
+        "engine checkpoint that keeps them in bf16 too.",
+    )
 
 
 def _box_problem(shard: "EngineShard", shape: tuple[int, ...]) -> str | None:
@@ -176,13 +186,11 @@ def _box_problem(shard: "EngineShard", shape: tuple[int, ...]) -> str | None:
     return None
 
 
-def _refuse_engine_split(engine: str, problems: list[str]) -> None:
+def _refuse_engine_split(engine: str, problems: list[str], fix: str) -> None:
     if problems:
         raise FP8FormatError(
             f"{engine} cannot shard these FP8 weights on {BLOCK}x{BLOCK} block boundaries: {'; '.join(problems[:5])}"
-            f"{f' (and {len(problems) - 5} more)' if len(problems) > 5 else ''}. "
-            "Serve at a smaller tensor-parallel size, keep these weights in bf16 (keep_patterns), "
-            "or export without fp8."
+            f"{f' (and {len(problems) - 5} more)' if len(problems) > 5 else ''}. {fix}"
         )
 
 

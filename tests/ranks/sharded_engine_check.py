@@ -202,6 +202,7 @@ def refused_fp8(args, layout) -> None:
         named = [
             "layers.0.mlp.gate_proj.weight (128, 64): engine rank 1 keeps [[64, 128], [0, 64]]",
             "smaller tensor-parallel size",
+            "refit this engine with full tensors",
             "keep these weights in bf16 (keep_patterns)",
         ]
         if not all(needle in message for needle in named):
