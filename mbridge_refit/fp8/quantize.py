@@ -62,15 +62,9 @@ class ShardQuantizer:
             n: torch.empty(scale_shape(tuple(x.shape)), dtype=SCALE_DTYPE, device=x.device)
             for n, x in self.sources.items()
         }
-        kernels = _cuda_kernels() if _kernel_usable("grouped") else None
-        groups: dict[tuple, list] = {}
-        self.alone: list[str] = []  # quantized one at a time
-        for name, x in self.sources.items():
-            if kernels is not None and kernels.grouped_takes(x):
-                groups.setdefault((x.dtype, x.device), []).append((x, self.q[name], self.scales[name]))
-            else:
-                self.alone.append(name)
-        self.grouped = [kernels.grouped_launch(jobs) for jobs in groups.values()]  # valid while sources live
+        names = list(self.sources)
+        self.grouped, alone = _grouped_launches([(self.sources[n], self.q[n], self.scales[n]) for n in names])
+        self.alone = [names[i] for i in alone]  # quantized one at a time; the launches valid while sources live
         self._work: dict[tuple, torch.Tensor] = {}  # the torch path's fp32 scratch, one per padded shape and device
         for x in (self.sources[n] for n in self.alone):
             if not (x.is_cuda and _kernel_usable("single")):
@@ -222,18 +216,25 @@ class BucketQuantizer:
                 )
 
     def _plan_launches(self, sources: list[torch.Tensor]) -> None:
-        kernels = _cuda_kernels() if _kernel_usable("grouped") else None
-        by_dtype: dict[torch.dtype, list] = {}
-        singles = []
-        for i, job in enumerate(self._jobs(sources)):
-            if kernels is not None and kernels.grouped_takes(job[0]):
-                by_dtype.setdefault(job[0].dtype, []).append(job)
-            else:
-                singles.append(i)
         # Kept: job numbers and launch tables of raw pointers, no tensors (the pool outlives an
         # export; holding views would keep a trainer's offloaded parameters alive).
+        self._grouped, singles = _grouped_launches(list(self._jobs(sources)))
         self._singles = tuple(singles)
-        self._grouped = [kernels.grouped_launch(jobs) for jobs in by_dtype.values()]
+
+
+def _grouped_launches(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> tuple[list, list[int]]:
+    """``(source, q, scale)`` jobs as grouped kernel launches (``kernels.GroupedLaunch``, one per dtype
+    and device) for the sources the grouped kernel reads in place, where it runs here; and the
+    indices of the jobs left to quantize one at a time."""
+    kernels = _cuda_kernels() if _kernel_usable("grouped") else None
+    groups: dict[tuple, list] = {}
+    alone = []
+    for i, job in enumerate(jobs):
+        if kernels is not None and kernels.grouped_takes(job[0]):
+            groups.setdefault((job[0].dtype, job[0].device), []).append(job)
+        else:
+            alone.append(i)
+    return [kernels.grouped_launch(group) for group in groups.values()], alone
 
 
 @functools.cache
