@@ -464,7 +464,13 @@ class RefitBridge(AutoBridge):
         state = self._planned(chunks)
         _refuse_adapters(state, "a sharded transfer")
         return ShardedTransfer(
-            plan, params=state.live.params, group=group, checksum=checksum, chunks=chunks, check_replicas=check_replicas
+            plan,
+            params=state.live.params,
+            group=group,
+            checksum=checksum,
+            chunks=chunks,
+            check_replicas=check_replicas,
+            current_params=lambda: self._planned(chunks).live.params,  # replaced parameters followed every run
         )
 
     def _everyone(self, state: _ModelState) -> list[Any]:

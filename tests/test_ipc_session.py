@@ -107,9 +107,32 @@ def test_an_engine_adapter_of_its_own_refits_through_ipc_session_exactly(source_
         wrong = [n for n in state if not torch.equal(state[n].view(torch.uint8), changed[n].view(torch.uint8))]
         assert wrong == []
         assert written == [True, True]
+
+        replaced = _replace_parameters(chunks)  # new Parameter objects and a .data swap, as offloading frameworks do
+        changed = {name: t.clone() for name, t in bridge.export_hf_weights_stock(chunks, show_progress=False)}
+        third = session.refit(bridge, chunks)
+        state = engine.state()
+        wrong = [n for n in state if not torch.equal(state[n].view(torch.uint8), changed[n].view(torch.uint8))]
+        assert wrong == [], (replaced, wrong[:5])
+        assert third.opened  # the parameters the engine mapped are no longer the model's: shared anew
         session.close()
         bridge.release_export_buffers()
     assert not worker.receiver.is_open
+
+
+def _replace_parameters(chunks) -> list[str]:
+    """Replace two of the model's parameters by new objects (``module.weight = Parameter(...)``, as a checkpoint
+    reload with ``assign=True`` does) and swap a third's storage (``param.data = ...``), each with other values."""
+    named = [(name, module) for chunk in chunks for name, module in chunk.named_modules() if "weight" in module._parameters]
+    done = []
+    for name, module in named[:2]:
+        old = module.weight
+        module.weight = torch.nn.Parameter(old.detach() * 2 + 1, requires_grad=old.requires_grad)
+        done.append(f"{name}.weight replaced")
+    name, module = named[-1]
+    module.weight.data = module.weight.detach() * 3 - 1
+    done.append(f"{name}.weight .data swapped")
+    return done
 
 
 def test_the_engine_agnostic_sessions_import_without_any_engine_adapter():

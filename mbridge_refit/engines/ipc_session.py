@@ -25,6 +25,10 @@ with the old ones; its failure fails the step). The trainer then:
   the same export (it is collective) and drop the tensors: ``refit(..., sender=False)`` does that.
 * ``session.close()`` before the trainer frees the model or the bridge's buffers.
 
+A parameter the model replaces between steps (a new object, ``module.weight = Parameter(...)``, or a
+``param.data`` swap) is noticed at the next refit, which shares the layout anew: the engine never
+reads the old storage the session still holds.
+
 Scope: one trainer rank feeds one engine worker on its GPU (engine tensor parallel size 1; above,
 ``engines.sharded_ipc``); the engine process must not be the trainer's own (an engine inside it
 takes ``transport=LocalTransport()``).
@@ -48,6 +52,7 @@ from mbridge_refit.engines.sharing import (
     Transport,
 )
 from mbridge_refit.plan.entries import PlanError
+from mbridge_refit.runtime.live_params import registration_count
 from mbridge_refit.runtime.selection import LiveRows
 from mbridge_refit.runtime.weight_source import ExportsWeights, Model
 from mbridge_refit.sinks.base import DiscardSink, drain
@@ -72,12 +77,17 @@ class _Routes:
     live: dict[str, LiveRows]
     exported: frozenset[str] | None  # the export's ``only=`` (None: every tensor)
     live_parameters: tuple[torch.Tensor, ...]  # distinct parameters the live tensors read
+    registrations: int  # ``runtime.live_params.registration_count()`` when planned
 
     def serve(self, bridge: ExportsWeights, chunks: tuple, fp8: str) -> bool:
         """Whether these routes are for exactly these objects (identity: a new model never
-        inherits another's live parameters, whatever ids it reuses)."""
+        inherits another's live parameters, whatever ids it reuses) and their parameters are
+        still the model's: no module registered anything since (a replaced parameter object
+        would otherwise be read where the old one was; ``param.data`` swaps change the step's
+        key instead)."""
         return (
-            self.bridge is bridge
+            self.registrations == registration_count()
+            and self.bridge is bridge
             and self.fp8 == fp8
             and len(self.chunks) == len(chunks)
             and all(a is b for a, b in zip(self.chunks, chunks))
@@ -157,7 +167,7 @@ class IpcSession:
                 continue
             exported.add(name, tensor)
             tensors[name] = tensor
-        key = (exported.key, tuple(p.data_ptr() for p in routes.live_parameters))
+        key = (exported.key, tuple(map(torch.Tensor.data_ptr, routes.live_parameters)))  # .data swaps change it
         _synchronize_trainer()  # the engine reads from another process
         if through is None and self._layout is not None and key == self._key:
             return self._apply(started)
@@ -305,7 +315,7 @@ def _plan_routes(bridge: ExportsWeights, chunks: tuple, fp8: Any, ignored: froze
     try:
         plan = bridge.export_plan(list(chunks), fp8=fp8)
     except PlanError:
-        return _Routes(**owner, order=None, live={}, exported=None, live_parameters=())
+        return _Routes(**owner, order=None, live={}, exported=None, live_parameters=(), registrations=registration_count())
     order = tuple(e.hf_name for e in plan.entries if e.hf_name not in ignored)
     live = {name: rows for name, rows in bridge.live_rows(list(chunks), fp8=fp8).items() if name not in ignored}
     exported = frozenset(name for name in order if name not in live)
@@ -317,6 +327,7 @@ def _plan_routes(bridge: ExportsWeights, chunks: tuple, fp8: Any, ignored: froze
         live=live,
         exported=None if everything else exported,
         live_parameters=tuple(parameters.values()),
+        registrations=registration_count(),  # after the bridge looked its parameters up again
     )
 
 

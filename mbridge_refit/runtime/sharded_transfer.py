@@ -26,20 +26,23 @@ before the point-to-point group is issued (``batch_isend_irecv`` needs every ran
 communicator in its first call). Buffers are allocated on the first run and reused: a
 steady-state run allocates nothing (the caller owns the engine shards; ``allocate_shards`` makes
 a set once). Parameter and shard tensors are read and written only inside ``run``; the trainer
-must not update its parameters while a run is in flight on any rank.
+must not update its parameters while a run is in flight on any rank. Built by
+``RefitBridge.sharded_transfer``, each run first looks the parameters up again through the bridge
+(``current_params``), so a parameter object the model replaced is read, not the old one (a
+``param.data`` swap is followed by the copies' key).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from mbridge_refit.errors import TransportError
+from mbridge_refit.errors import InputError, TransportError
 from mbridge_refit.plan.engine_layout import Box
 from mbridge_refit.plan.transfer import Move, TransferPlan
 from mbridge_refit.runtime.collectives import group_ranks
@@ -108,9 +111,11 @@ class ShardedTransfer:
         checksum: bool = False,
         chunks: list[torch.nn.Module] | None = None,
         check_replicas: bool = True,
+        current_params: Callable[[], Mapping[str, torch.Tensor]] | None = None,
     ) -> None:
         self.plan = plan
         self.params = params
+        self._current_params = current_params
         self.group = group
         self.rank = dist.get_rank()
         self.device = device or _device_of(params)
@@ -156,7 +161,7 @@ class ShardedTransfer:
 
     def run(self, shards: Mapping[str, torch.Tensor]) -> TransferStats:
         """Deliver this rank's shards (collective over ``group``; see the module docstring)."""
-        self._handshake(self._param_problem or self._shards_problem(shards))
+        self._handshake(self._follow_params() or self._param_problem or self._shards_problem(shards))
         finish_pending_param_gathers(self.chunks)  # the weights of the last optimizer step
         if not self._replicas_agree:
             check_replicas(self._replicas, self.params, group=self.group, device=self.device)
@@ -173,6 +178,21 @@ class ShardedTransfer:
             _copy_all(copies.unpack)
         self._share_status(bad)
         return self._stats
+
+    def _follow_params(self) -> str | None:
+        """Look the parameters up again (``current_params``: the bridge's, which swaps in parameter objects the
+        model replaced since the last look, one integer comparison when it replaced none); what stops this
+        rank, for the handshake (a parameter replaced by one of another shape), or None."""
+        if self._current_params is None:
+            return None
+        try:
+            params = self._current_params()
+        except InputError as err:  # e.g. runtime.live_params.ModelChangedError: every rank hears it
+            return str(err)
+        if params is not self.params:
+            self.params = params
+            self._param_problem = self._params_problem()
+        return None
 
     def _shards_problem(self, shards: Mapping[str, torch.Tensor]) -> str | None:
         for name, shape, dtype in self._shards_here:

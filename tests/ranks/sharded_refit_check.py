@@ -155,6 +155,7 @@ def disagreeing_replicas_refused(bridge, chunks, plans) -> str:
 
     failing = bridge.sharded_transfer(chunks, plan)
     if dist.get_rank() == rank:  # this rank's checksum raises (its parameter is gone): every rank must hear of it
+        failing = sharded_transfer.ShardedTransfer(plan, params=failing.params, chunks=chunks)  # no lookups: as set
         failing.params = {name: t for name, t in failing.params.items() if name != param}
     failure = expect_raise(TransportError, lambda: failing.run(shards), "a rank whose checksum failed")
     if f"rank(s) [{rank}] could not checksum" not in failure:
@@ -182,6 +183,16 @@ def flipping_sent_bytes(transfer, *, flip: bool):
         yield
     finally:
         sharded_transfer._word_sum = original
+
+
+def replace_parameters(chunks) -> None:
+    """Every parameter replaced by a new ``Parameter`` object holding its values + 1 (``module.weight =
+    Parameter(...)``, as a checkpoint reload with ``assign=True`` does); the old objects keep theirs."""
+    for chunk in chunks:
+        for module in chunk.modules():
+            for name, param in list(module._parameters.items()):
+                if param is not None:
+                    setattr(module, name, torch.nn.Parameter(param.detach() + 1, requires_grad=param.requires_grad))
 
 
 def main() -> None:
@@ -234,6 +245,9 @@ def main() -> None:
         check_run(transfer, shards, bumped, f"engine {last} after the parameters changed")
         if transfer.buffer_pointers() != pointers:
             fail("the transfer allocated new buffers in a steady-state run")
+        replace_parameters(chunks)  # new objects, + 1 again: the transfer must read them, not the old ones
+        again = {name: tensor + 1 for name, tensor in bumped.items()}
+        check_run(transfer, shards, again, f"engine {last} after the model replaced its parameter objects")
         with torch.no_grad():
             for param, original in zip((p for chunk in chunks for p in chunk.parameters()), originals):
                 param.copy_(original)
