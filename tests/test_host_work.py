@@ -1,6 +1,10 @@
 """Host work per yielded tensor of a steady cached export stays flat (issue #32): the calls a third
 export makes are counted (tests/ranks/host_work_check.py), not timed, so a loaded machine cannot
-hide a regression or fake one.
+hide a regression or fake one. The same for the trainer's side of a steady colocated refit whose
+tensors are all live (tests/ranks/ipc_host_work_check.py): it exports nothing, so its host work must
+not grow with the tensors at all (at 9435c2a it grew by 2.3 Python calls and 1.3 calls into C per
+tensor: the export looked up which buckets hold no name, and each live parameter's address took a
+Python call).
 
 The bound is on the marginal cost: the calls that 56 more experts' tensors add, per tensor. At
 1529460 (views made anew every export) that was 7.3 Python calls and 7.0 calls into C per tensor
@@ -20,3 +24,13 @@ def test_steady_export_host_calls_per_tensor_do_not_grow(tmp_path):
     assert calls.added > 500, calls
     assert calls.python_per_tensor <= MAX_PYTHON_CALLS_PER_TENSOR, calls
     assert calls.c_per_tensor <= MAX_C_CALLS_PER_TENSOR, calls
+
+
+MAX_IPC_CALLS_PER_TENSOR = 0.1  # measured: 0.0 and 0.0 (104 Python calls and 50 into C a step, whatever the tensors)
+
+
+def test_steady_colocated_refit_trainer_host_calls_do_not_grow_with_tensors(tmp_path):
+    calls = marginal_calls("ipc_host_work_check.py", "--experts", (8, 64), tmp_path / "ipc_host_work.json")
+    assert calls.added > 500, calls
+    assert calls.python_per_tensor <= MAX_IPC_CALLS_PER_TENSOR, calls
+    assert calls.c_per_tensor <= MAX_IPC_CALLS_PER_TENSOR, calls

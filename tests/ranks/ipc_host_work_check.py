@@ -1,0 +1,65 @@
+"""Host work of a steady colocated refit's trainer side (``engines.ipc_session.IpcSession.refit``), per
+engine tensor, counted (not timed): run by tests/test_host_work.py in a process of its own (one CPU rank, TP1).
+
+Usage: ipc_host_work_check.py --experts N [N ...] --result FILE
+
+For each expert count, builds the tiny Qwen3-MoE recipe with that many routed experts (every engine
+tensor is then live: read by the engine from the trainer's parameters), refits an engine stand-in three
+times (its workers only answer: the engine's replay is not the trainer's host work), then counts the
+Python function calls and the calls into C that a fourth refit makes on the trainer, through
+``sys.setprofile``. Writes {experts: {"tensors", "python_calls", "c_calls"}} to FILE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from pathlib import Path
+
+import torch
+from host_work_check import count_calls
+
+from mbridge_refit.bridge import RefitBridge
+from mbridge_refit.convert.session import distributed_session
+from mbridge_refit.engines.ipc_session import IpcSession
+from mbridge_refit.engines.sharing import LocalTransport
+from mbridge_refit.models import recipes
+from mbridge_refit.models.builder import BuildOptions, build_model
+from mbridge_refit.plan.layout import ParallelLayout
+
+
+def answering_workers(method: str, *args):
+    """An engine whose workers take every RPC: an open reports nothing, an apply took no time."""
+    return [{} if method == "mbridge_refit_open" else 0.0]
+
+
+def measure(experts: int) -> dict[str, int]:
+    config = recipes.get_model_recipe("qwen3-moe-tiny").to_hf_config()
+    config.num_experts = experts
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    bridge = RefitBridge.from_hf_config(config)
+    chunks = build_model(bridge, ParallelLayout(), BuildOptions(device=torch.device("cpu"), params_dtype=torch.bfloat16))
+    session = IpcSession(answering_workers, transport=LocalTransport())
+    steps = [session.refit(bridge, chunks) for _ in range(3)]
+    if not steps[0].opened or any(step.opened for step in steps[1:]):
+        raise SystemExit(f"expected one open, then replays: {[step.opened for step in steps]}")
+
+    def refit() -> int:
+        return session.refit(bridge, chunks).tensors
+
+    return count_calls(refit)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--experts", type=int, nargs="+", required=True)
+    parser.add_argument("--result", type=Path, required=True)
+    args = parser.parse_args()
+    with distributed_session(ParallelLayout(), device=torch.device("cpu"), timeout=datetime.timedelta(minutes=5)):
+        results = {experts: measure(experts) for experts in args.experts}
+    args.result.write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
