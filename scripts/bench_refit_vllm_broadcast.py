@@ -2,7 +2,7 @@
 and against vLLM's native NCCL weight transfer fed by the stock export.
 
     python3 scripts/bench_refit_vllm_broadcast.py --model qwen3-1.7b --engine-gpu 1 [--fp8] [--bucket-mib N]
-        [--num-buffers N] [--no-checksum] [--phase-steps N] --out-dir DIR
+        [--num-buffers N] [--no-checksum] [--compare-unbounded] [--phase-steps N] --out-dir DIR
 
 The trainer (a Megatron model of the shape, random weights, TP1) runs on GPU 0; the vLLM engine in
 its own process on ``--engine-gpu``, started with dummy weights from the shape's config (with
@@ -22,6 +22,10 @@ again), wall clock with both GPUs synchronized:
 * ``vllm_native_nccl_stock_ms`` (BF16 only): vLLM's own ``nccl`` weight-transfer backend (packed)
   fed by ``AutoBridge.export_hf_weights`` (stock): ``start_weight_update``, ``update_weights`` in
   the engine while ``NCCLWeightTransferEngine.trainer_send_weights`` sends, ``finish_weight_update``.
+
+* ``ours_unbounded_kernels_ms`` (``--compare-unbounded``): ours again, in the same rounds, with each
+  end's own copies and checksums on torch's kernels (every SM) instead of ``sinks.bounded_kernels``
+  (what ``PackedBroadcastConfig(device_programs=0)`` runs).
 
 Medians and minima of ``--repeats`` per side after one warm-up each.
 
@@ -130,6 +134,19 @@ def worker_raw_broadcast(worker, nbytes: int, repeats: int) -> list[int]:
 def worker_timing(worker, on: bool) -> None:
     """Mark each bucket's phases on the engine's side of the following refits (``BroadcastTarget.timing``)."""
     worker._mbridge_broadcast_target.timing = on
+
+
+def worker_bounded_kernels(worker, on: bool) -> None:
+    """The engine end's checksums on the bounded kernels (``sinks.bounded_kernels``) or torch's, for ``--compare-unbounded``."""
+    kernels = worker._mbridge_broadcast_target._memory.kernels
+    kernels.enabled = on and kernels._partials is not None
+
+
+def bounded_kernels(llm, session, on: bool) -> None:
+    """Both ends' own copies and checksums on bounded kernels (the default) or on torch's (``device_programs=0``)."""
+    kernels = session._memory.kernels
+    kernels.enabled = on and kernels._partials is not None
+    llm.collective_rpc(worker_bounded_kernels, args=(on,))
 
 
 def worker_drop_raw_buffer(worker) -> None:
@@ -304,7 +321,7 @@ def run(args) -> dict:
                 result["vllm_native_nccl_stock_error"] = f"{type(err).__name__}: {err}"[:2000]
                 native = None
 
-        ours, steps, raw, native_times, raw_ok, modes = [], [], [], [], True, []
+        ours, steps, raw, native_times, raw_ok, modes, unbounded = [], [], [], [], True, [], []
         parts: dict[str, list[float]] = {"send": [], "wait_engine": [], "reset_and_share": [], "engine_receive": []}
         timed(lambda: session.refit(bridge, chunks, fp8=fp8))  # warm-up after the baseline's reload
         warm, ok = raw_broadcast(llm, session.group, first.bytes, 1)
@@ -324,6 +341,10 @@ def run(args) -> dict:
                 parts["wait_engine"].append(step.apply_ms)
                 parts["reset_and_share"].append(step.reset_ms)
                 parts["engine_receive"].append(step.workers[0]["receive_ms"])
+            if args.compare_unbounded:  # the same steps with each end's copies and checksums on every SM
+                bounded_kernels(llm, session, False)
+                unbounded += [timed(lambda: session.refit(bridge, chunks, fp8=fp8)) for _ in range(args.repeats)]
+                bounded_kernels(llm, session, True)
             times, ok = raw_broadcast(llm, session.group, first.bytes, args.repeats)
             raw += times
             raw_ok &= ok
@@ -367,6 +388,11 @@ def main() -> None:
     )
     parser.add_argument("--num-buffers", type=int, default=2, help="rotating buffers per end (default 2)")
     parser.add_argument("--no-checksum", action="store_true", help="PackedBroadcastConfig(checksum=False)")
+    parser.add_argument(
+        "--compare-unbounded",
+        action="store_true",
+        help="each round also times steps with both ends' copies and checksums on torch's kernels (ours_unbounded_kernels_ms)",
+    )
     parser.add_argument(
         "--phase-steps", type=int, default=3, help="steps timed phase by phase after the rounds (ours_phases; 0: none)"
     )

@@ -6,9 +6,11 @@ allocates nothing:
 
 * ``SendBuffers`` (the source): the stream packing, each tensor's expected name, shape and dtype
   (the sender checks the export against them), and, made at the first bucket on the source rank
-  only, the rotating buffers, the checksum slots and every tensor's destination views in them.
+  only, the rotating buffers, the checksum slots, every tensor's destination views in them and the
+  bounded kernels that pack and checksum them (``sinks.bounded_kernels``).
 * ``ReceiveBuffers`` (a receiver): the rotating buffers, their checksum slots, the scratch for
-  tensors split across buckets, and each bucket's tensors as views of them, made once.
+  tensors split across buckets, each bucket's tensors as views of them and the bounded kernels that
+  checksum them, made once.
 
 Bucket ``b`` always uses buffer ``b % len(buffers)`` on both ends (each end has
 ``min(num_buffers, buckets)`` buffers of ``bucket_bytes``).
@@ -19,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from mbridge_refit.plan.entries import ExportPlan
+from mbridge_refit.sinks.bounded_kernels import BoundedKernels
 from mbridge_refit.sinks.broadcast_wire import (
     PackedBroadcastConfig,
     StreamPacking,
@@ -73,6 +76,7 @@ class SendBuffers:
         self.sums: torch.Tensor | None = None  # int64[buckets]: each bucket's checksum, sent after the last bucket
         self.data: list[torch.Tensor] = []  # each bucket's bytes (a view of its buffer)
         self.pieces: list[tuple[Piece, ...]] = []  # per plan entry: its pieces, in stream order
+        self.kernels: BoundedKernels | None = None  # the pack's copies and the checksums (made with the buffers)
         self._status: torch.Tensor | None = None
 
     @property
@@ -90,6 +94,7 @@ class SendBuffers:
         self.sums = torch.zeros(max(packing.num_buckets, 1), dtype=torch.int64, device=self.device)
         self.data = [buffers[b % count][: packing.bucket_length(b)] for b in range(packing.num_buckets)]
         self.pieces = [_slot_pieces(slot, size, buffers) for slot in packing.slots]
+        self.kernels = BoundedKernels(self.device, self.config.device_programs)
         self.buffers = buffers
 
     def status(self) -> torch.Tensor:
@@ -102,6 +107,7 @@ class SendBuffers:
     def release(self) -> None:
         """Drop the device memory (the next ``allocate`` makes it again)."""
         self.buffers, self.sums, self.data, self.pieces, self._status = [], None, [], [], None
+        self.kernels = None
 
 
 def _slot_pieces(slot: StreamSlot, size: int, buffers: list[torch.Tensor]) -> tuple[Piece, ...]:
@@ -136,6 +142,7 @@ class ReceiveBuffers:
             torch.zeros(max(self.packing.num_buckets, 1), dtype=torch.int64, device=self.device) for _ in range(2)
         )
         self.scratch = torch.empty(self.packing.max_split_bytes(), dtype=torch.uint8, device=self.device)
+        self.kernels = BoundedKernels(self.device, config.device_programs)  # the checksums
         self.events = bucket_events(self.packing)
         self.data = [self.buffers[b % count][: self.packing.bucket_length(b)] for b in range(self.packing.num_buckets)]
         self.tensors = [

@@ -51,7 +51,10 @@ with them once and replay it (``engines.broadcast``); ``receive_buckets`` hands 
 over together, right after the bucket landed and before its buffer is posted for bucket
 ``b + num_buffers``. Per bucket each end issues one broadcast and reads nothing to the host; its
 device work (the source's copies and checksum, a receiver's checksum and consumer) is ordered
-after the broadcasts it needs by stream waits, never by the host. A ``BucketTimeline``
+after the broadcasts it needs by stream waits, never by the host. The source's copies and both
+ends' checksums run on a bounded number of GPU programs (``sinks.bounded_kernels``,
+``PackedBroadcastConfig.device_programs``), so they leave the broadcast beside them its memory
+bandwidth. A ``BucketTimeline``
 (``sinks.broadcast_timing``) given to either end marks where each bucket's time goes.
 """
 
@@ -82,7 +85,6 @@ from mbridge_refit.sinks.broadcast_wire import (
     StreamPacking,
     check_member,
     checksum,
-    checksum_into,
     flat_bytes,
     handshake,
     hex64,
@@ -220,7 +222,7 @@ class PackedBroadcastSender(WeightSink):
             for bucket, target, start, length in self._memory.pieces[index]:
                 if bucket != self._bucket:
                     self._enter(bucket)
-                target.copy_(data if length == data.numel() else data[start : start + length])
+                self._memory.kernels.copy(target, data if length == data.numel() else data[start : start + length])
         except BaseException as err:
             self._abandon(err)
             raise
@@ -317,7 +319,7 @@ class PackedBroadcastSender(WeightSink):
             timeline.host("issued", bucket)
             timeline.completion("sent", bucket, work)
         if self.config.checksum:  # beside the broadcast (both only read), before the buffer is packed again
-            checksum_into(data, memory.sums[bucket])
+            memory.kernels.checksum_into(data, memory.sums[bucket])
             if timeline is not None:
                 timeline.mark("summed", bucket)
         self.bytes_sent += data.numel()
@@ -435,7 +437,7 @@ class PackedBroadcastReceiver:
 
     def _checksum(self, bucket: int, data: torch.Tensor) -> None:
         """Queue the checksum of received bucket ``data`` into its slot (no host read)."""
-        checksum_into(data, self._memory.sums[bucket])
+        self._memory.kernels.checksum_into(data, self._memory.sums[bucket])
 
     def _checksum_report(self) -> torch.Tensor:
         """``[STATUS_CHECKSUM, first bad bucket]`` if a received bucket's checksum differs from the

@@ -1,0 +1,168 @@
+"""The packed broadcast's own device work on a bounded number of GPU programs: ``BoundedKernels``.
+
+Beside a broadcast, the source packs the next bucket and both ends checksum theirs. ``copy_`` and
+``torch.sum`` launch as many programs as the GPU runs and take all of its memory bandwidth while
+they run, the bandwidth NCCL reads and writes the bucket with. Measured on 2x H200
+(``scripts/bench_broadcast_contention.py``, 16.4 GB in 512 MiB buckets; results in
+benchmarks/results/2026-11-26-h200x2-d/): one broadcast 44.5 ms, the buckets alone 45.1 ms; with
+both ends' copies beside them 54.0 ms (the source's alone 54.0, the receiver's alone 46.1: the
+copies' time added to the broadcast's, as if they ran one after the other), and with the checksums
+54.4 ms. The same copies and checksums by kernels of 64 programs, each walking its share of the
+bytes: 47.1 ms. Alone they run slower than torch's (copies 10.4 against 7.9 ms, checksums 20.0
+against 3.9 ms for the 16.4 GB) but well ahead of the broadcast (0.34 and 0.65 ms a bucket against
+its 1.45 ms); copies on 128 programs take the bandwidth again (54.3 ms), checksums on 128 cost
+3 ms (50.0 ms).
+
+``BoundedKernels(device, programs)`` does those two things: ``copy(destination, source)`` (flat
+uint8 tensors of one length) and ``checksum_into(data, out)`` (the value of
+``broadcast_wire.checksum_into``: the sum of the 8-byte words modulo 2**64, its trailing bytes
+added one by one; integer sums in any order give the same value, so an end using torch's kernels
+agrees with one using these). Bytes that do not qualify (not on CUDA, not 16-byte aligned, fewer
+than ``MIN_BYTES``, a length that is not whole words or past ``MAX_WORDS``) and devices where Triton is absent, fails to
+build or did not reproduce torch's results on probe data (``usable``, once per process and device)
+go through torch's kernels, as does everything with ``programs=0``. The kernels only move and add
+bytes, so their results are torch's bit for bit; the probe checks that on each device before use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+
+import torch
+
+__all__ = ["DEFAULT_PROGRAMS", "MIN_BYTES", "BoundedKernels", "usable"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PROGRAMS = 64  # measured above (32: the checksum falls behind the broadcast; 128: the copies contend again)
+MIN_BYTES = 1 << 20  # below, a copy's bandwidth is too short to matter and torch's launch is cheaper
+BLOCK_WORDS = 4096  # 8-byte words one program moves per iteration
+WORD_BYTES = 8
+ALIGN_BYTES = 16
+MAX_WORDS = 2**31 - 2 * BLOCK_WORDS * 1024  # the kernels index words in int32 (a bucket of up to ~16 GiB)
+
+
+@functools.cache
+def _kernels():
+    """The Triton kernels, compiled lazily (ImportError where Triton is absent)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy_words(source, destination, words, programs, BLOCK: tl.constexpr):
+        """Program p of ``programs`` copies the blocks p, p + programs, ... of ``words`` 8-byte words."""
+        program = tl.program_id(0)
+        offsets = tl.arange(0, BLOCK)
+        for turn in range(0, tl.cdiv(words, programs * BLOCK)):
+            index = (turn * programs + program) * BLOCK + offsets
+            mask = index < words
+            tl.store(destination + index, tl.load(source + index, mask=mask), mask=mask)
+
+    @triton.jit
+    def sum_words(source, partials, words, programs, BLOCK: tl.constexpr):
+        """Program p of ``programs`` writes the wrapping sum of its blocks' words into ``partials[p]``."""
+        program = tl.program_id(0)
+        offsets = tl.arange(0, BLOCK)
+        total = tl.zeros([BLOCK], dtype=tl.int64)
+        for turn in range(0, tl.cdiv(words, programs * BLOCK)):
+            index = (turn * programs + program) * BLOCK + offsets
+            total += tl.load(source + index, mask=index < words, other=0)
+        tl.store(partials + program, tl.sum(total, axis=0))
+
+    return copy_words, sum_words
+
+
+class BoundedKernels:
+    """Copies and checksums of one device on at most ``programs`` GPU programs (module docstring);
+    torch's kernels where they do not apply. Holds an int64[programs] scratch for the checksum's
+    partial sums: the checksums of one object run in stream order (one stream per end)."""
+
+    def __init__(self, device: torch.device, programs: int, *, enabled: bool | None = None) -> None:
+        """``enabled``: None decides by the device and the probe; True forces the kernels (tests run them
+        on CPU in Triton's interpreter)."""
+        self.device = device
+        self.programs = programs
+        on = programs > 0 and (enabled if enabled is not None else device.type == "cuda" and usable(device.index))
+        self.enabled = on
+        self._partials = torch.zeros(programs, dtype=torch.int64, device=device) if on else None
+
+    def copy(self, destination: torch.Tensor, source: torch.Tensor) -> None:
+        """``destination.copy_(source)`` for flat uint8 tensors of one length, queued on the current stream."""
+        if not self._qualifies(destination, source):
+            destination.copy_(source)
+            return
+        words = source.numel() // WORD_BYTES
+        grid = self._grid(words)
+        with self._on_device():
+            _kernels()[0][grid](
+                source.view(torch.int64), destination.view(torch.int64), words, grid[0], BLOCK=BLOCK_WORDS
+            )
+
+    def checksum_into(self, data: torch.Tensor, out: torch.Tensor) -> None:
+        """``broadcast_wire.checksum_into(data, out)``'s value, queued on the current stream."""
+        words = data.numel() // WORD_BYTES
+        if not self._qualifies(data[: words * WORD_BYTES]):
+            torch.sum(data[: words * WORD_BYTES].view(torch.int64), dim=0, out=out)
+        else:
+            grid = self._grid(words)
+            with self._on_device():
+                _kernels()[1][grid](
+                    data[: words * WORD_BYTES].view(torch.int64), self._partials, words, grid[0], BLOCK=BLOCK_WORDS
+                )
+            torch.sum(self._partials[: grid[0]], dim=0, out=out)
+        if words * WORD_BYTES < data.numel():
+            out.add_(data[words * WORD_BYTES :].sum(dtype=torch.int64))
+
+    def _qualifies(self, *tensors: torch.Tensor) -> bool:
+        if not self.enabled:
+            return False
+        first = tensors[0]
+        nbytes = first.numel()
+        if nbytes < MIN_BYTES or nbytes % WORD_BYTES or nbytes // WORD_BYTES >= MAX_WORDS:
+            return False
+        return all(_flat_aligned(t, nbytes, self.device) for t in tensors)
+
+    def _grid(self, words: int) -> tuple[int]:
+        return (max(1, min(self.programs, -(-words // BLOCK_WORDS))),)
+
+    def _on_device(self):
+        """Triton launches on the current device: the tensors' where that is another."""
+        if self.device.type != "cuda" or torch.cuda.current_device() == self.device.index:
+            return contextlib.nullcontext()
+        return torch.cuda.device(self.device)
+
+
+def _flat_aligned(tensor: torch.Tensor, nbytes: int, device: torch.device) -> bool:
+    return (
+        tensor.device == device
+        and tensor.dtype == torch.uint8
+        and tensor.numel() == nbytes
+        and tensor.is_contiguous()
+        and not tensor.data_ptr() % ALIGN_BYTES
+    )
+
+
+@functools.cache
+def usable(device_index: int) -> bool:
+    """Whether the kernels reproduce torch's copy and word sum on probe data on this device (once per
+    process and device; a failure is logged with its cause and torch's kernels are used instead)."""
+    try:
+        device = torch.device("cuda", device_index)
+        generator = torch.Generator().manual_seed(0)
+        words = 3 * BLOCK_WORDS * 5 + 7  # several blocks per program, a partial last block
+        source = torch.randint(-(2**62), 2**62, (words,), dtype=torch.int64, generator=generator).to(device)
+        destination = torch.zeros_like(source)
+        copy_words, sum_words = _kernels()
+        with torch.cuda.device(device):
+            copy_words[(5,)](source, destination, words, 5, BLOCK=BLOCK_WORDS)
+            partials = torch.zeros(5, dtype=torch.int64, device=device)
+            sum_words[(5,)](source, partials, words, 5, BLOCK=BLOCK_WORDS)
+        if not torch.equal(destination, source) or int(partials.sum()) != int(source.sum()):
+            logger.warning("the bounded broadcast kernels do not reproduce torch's on this device: not used")
+            return False
+    except Exception as err:  # no Triton, a compiler or driver that cannot build them: torch's kernels
+        logger.warning("the bounded broadcast kernels failed to run (%s: %s): not used", type(err).__name__, err)
+        return False
+    return True

@@ -1,0 +1,284 @@
+"""Why bucketed NCCL broadcasts run slower inside a refit than one raw broadcast: the same bytes, two GPUs,
+with and without the device work a packed broadcast puts beside them.
+
+    torchrun --nproc-per-node 2 scripts/bench_broadcast_contention.py --gib 16 --bucket-mib 512 --out F.json
+
+Rank 0 sends, rank 1 receives (one NCCL group, GPU = rank). Each variant moves ``--gib`` GiB; its time is
+the host's wall time from a barrier to both ranks' streams drained, taken in rounds so every variant meets
+the host's drift alike (first round dropped as warm-up; median and range of the rest):
+
+* ``single``: one broadcast of every byte (the raw broadcast the refit benchmarks compare with).
+* ``buckets``: the bytes in ``--bucket-mib`` buckets from two rotating buffers, no other work.
+* ``buckets_copy``: the same, and the device copies of a packed broadcast beside it: the sender copies each
+  bucket's bytes from a "parameters" tensor into the buffer (the pack), the receiver copies each received
+  bucket out (the engine's replay); the buffer of bucket k is packed again only after broadcast k-2 ended.
+* ``buckets_copy_sum``: and a checksum of every bucket on both ends (a sum over it, as the refit's).
+* ``buckets_copy_sender_only`` / ``_receiver_only``: which end's copies slow the broadcast.
+* ``buckets_copy_sum_ctas{N}``: copies and checksums by Triton kernels of ``N`` programs (fewer SMs, the same
+  bytes): whether spreading their memory traffic over the broadcast's time gives NCCL its bandwidth back;
+  ``buckets_copy_ctas{N}_sum_ctas{2N}``: the checksums on twice the programs;
+  ``buckets_sender_copy_receiver_ctas{N}_sum_ctas{N}``: only the receiver's copies and both checksums so.
+
+Also each kind of copy and checksum alone over the same bytes (``sender_copies_alone_ms``, ``checksums_alone_ms``).
+
+Writes one JSON (rank 0): the device, NCCL's version and settings, bytes, each variant's rounds and GB/s.
+Needs only torch (and Triton for the ``ctas`` variants).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+SENDER = 0
+
+
+def _triton_kernels():
+    """A copy and a word sum of a fixed number of programs, each walking its share of the bytes (int64 words)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy_words(src, dst, words, BLOCK: tl.constexpr):
+        program, programs = tl.program_id(0), tl.num_programs(0)
+        offsets = tl.arange(0, BLOCK)
+        start = program * BLOCK
+        step = programs * BLOCK
+        for base in range(start, words, step):
+            index = base + offsets
+            mask = index < words
+            tl.store(dst + index, tl.load(src + index, mask=mask), mask=mask)
+
+    @triton.jit
+    def sum_words(src, partials, words, BLOCK: tl.constexpr):
+        program, programs = tl.program_id(0), tl.num_programs(0)
+        offsets = tl.arange(0, BLOCK)
+        total = tl.zeros([BLOCK], dtype=tl.int64)
+        for base in range(program * BLOCK, words, programs * BLOCK):
+            index = base + offsets
+            total += tl.load(src + index, mask=index < words, other=0)
+        tl.store(partials + program, tl.sum(total, axis=0))
+
+    def copy(dst: torch.Tensor, src: torch.Tensor, programs: int) -> None:
+        words = src.numel() // 8
+        copy_words[(programs,)](src.view(torch.int64), dst.view(torch.int64), words, BLOCK=4096)
+
+    def checksum(data: torch.Tensor, partials: torch.Tensor, out: torch.Tensor) -> None:
+        sum_words[(partials.numel(),)](data.view(torch.int64), partials, data.numel() // 8, BLOCK=2048)
+        torch.sum(partials, dim=0, out=out)
+
+    return copy, checksum
+
+
+class Bench:
+    def __init__(self, total: int, bucket: int, device: torch.device) -> None:
+        self.total, self.bucket, self.device = total, bucket, device
+        self.rank = dist.get_rank()
+        self.buckets = -(-total // bucket)
+        self.whole = torch.empty(total, dtype=torch.uint8, device=device)  # the raw broadcast's tensor
+        self.params = torch.randint(0, 255, (total,), dtype=torch.uint8, device=device)  # pack source / replay target
+        self.buffers = [torch.empty(bucket, dtype=torch.uint8, device=device) for _ in range(2)]
+        self.sums = torch.zeros(self.buckets, dtype=torch.int64, device=device)
+        self.partials = torch.zeros(1024, dtype=torch.int64, device=device)
+        self.triton = None
+
+    def _piece(self, index: int) -> tuple[int, int]:
+        start = index * self.bucket
+        return start, min(self.bucket, self.total - start)
+
+    def single(self) -> None:
+        dist.broadcast(self.whole, SENDER)
+
+    def bucketed(self, send: str | None, receive: str | None, checksum: str | None) -> None:
+        """The packed broadcast's order on each end (``sinks.packed_broadcast``): the sender packs bucket k once
+        broadcast k-2 (same buffer) ended, issues it, then sums it beside the broadcast; the receiver keeps two
+        broadcasts posted, and sums and copies out bucket k before posting k+2 into its buffer. Each side's copy
+        and the checksum: None (not done), ``copy_`` / ``sum`` (torch, every SM), ``ctasN`` (Triton, N programs)."""
+        if self.rank == SENDER:
+            self._send_all(send, checksum)
+        else:
+            self._receive_all(receive, checksum)
+
+    def _send_all(self, copy: str | None, checksum: str | None) -> None:
+        works: list = [None, None]
+        for index in range(self.buckets):
+            slot = index % 2
+            start, length = self._piece(index)
+            buffer = self.buffers[slot][:length]
+            if works[slot] is not None:
+                works[slot].wait()  # stream-ordered: the buffer's last broadcast ended before it is packed again
+            if copy is not None:
+                self._copy(buffer, self.params[start : start + length], copy)
+            works[slot] = dist.broadcast(buffer, SENDER, async_op=True)
+            if checksum is not None:
+                self._checksum(buffer, index, checksum)
+        for work in works:
+            if work is not None:
+                work.wait()
+
+    def _receive_all(self, copy: str | None, checksum: str | None) -> None:
+        works: dict[int, object] = {}
+
+        def post(index: int) -> None:
+            if index < self.buckets:
+                works[index] = dist.broadcast(self.buffers[index % 2][: self._piece(index)[1]], SENDER, async_op=True)
+
+        post(0)
+        post(1)
+        for index in range(self.buckets):
+            works.pop(index).wait()
+            start, length = self._piece(index)
+            buffer = self.buffers[index % 2][:length]
+            if checksum is not None:
+                self._checksum(buffer, index, checksum)
+            if copy is not None:
+                self._copy(self.params[start : start + length], buffer, copy)
+            post(index + 2)
+
+    def _kernels(self):
+        if self.triton is None:
+            self.triton = _triton_kernels()
+        return self.triton
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, how: str) -> None:
+        if how == "copy_":
+            dst.copy_(src)
+        else:
+            self._kernels()[0](dst, src, int(how.removeprefix("ctas")))
+
+    def _checksum(self, data: torch.Tensor, index: int, how: str) -> None:
+        if how == "sum":
+            torch.sum(data.view(torch.int64), dim=0, out=self.sums[index])
+        else:
+            programs = int(how.removeprefix("ctas"))
+            self._kernels()[1](data, self.partials[:programs], self.sums[index])
+
+
+def timed(fn) -> float:
+    dist.barrier()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    dist.barrier()  # both ranks' streams drained
+    return (time.perf_counter() - started) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gib", type=float, default=16.0, help="bytes moved by each variant, GiB (default 16)")
+    parser.add_argument("--bucket-mib", type=int, default=512, help="bucket size, MiB (default 512)")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds over every variant (first dropped; default 6)")
+    parser.add_argument("--ctas", type=int, nargs="*", default=[32, 64], help="programs of the Triton variants")
+    parser.add_argument("--out", help="JSON result (rank 0)")
+    args = parser.parse_args()
+    rank = int(os.environ["RANK"])
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(minutes=5))
+    total, bucket = int(args.gib * (1 << 30)) // 4096 * 4096, args.bucket_mib << 20  # whole words for every kernel
+    bench = Bench(total, bucket, device)
+    variants = {
+        "single": bench.single,
+        "buckets": lambda: bench.bucketed(None, None, None),
+        "buckets_copy": lambda: bench.bucketed("copy_", "copy_", None),
+        "buckets_copy_sum": lambda: bench.bucketed("copy_", "copy_", "sum"),
+        "buckets_copy_sender_only": lambda: bench.bucketed("copy_", None, None),
+        "buckets_copy_receiver_only": lambda: bench.bucketed(None, "copy_", None),
+        **{
+            f"buckets_copy_sum_ctas{n}": (lambda n=n: bench.bucketed(f"ctas{n}", f"ctas{n}", f"ctas{n}"))
+            for n in args.ctas
+        },
+        **{
+            f"buckets_copy_ctas{n}_sum_ctas{2 * n}": (
+                lambda n=n: bench.bucketed(f"ctas{n}", f"ctas{n}", f"ctas{2 * n}")
+            )
+            for n in args.ctas
+        },
+        **{
+            f"buckets_sender_copy_receiver_ctas{n}_sum_ctas{n}": (
+                lambda n=n: bench.bucketed("copy_", f"ctas{n}", f"ctas{n}")
+            )
+            for n in args.ctas
+        },
+    }
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for round_index in range(args.rounds):
+        for name, fn in variants.items():
+            ms = timed(fn)
+            if round_index > 0:
+                times[name].append(ms)
+    copy_alone = {}
+    for how in ["copy_", *(f"ctas{n}" for n in args.ctas)]:
+        runs = []
+        for _ in range(4):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            for index in range(bench.buckets):
+                start, length = bench._piece(index)
+                bench._copy(bench.buffers[index % 2][:length], bench.params[start : start + length], how)
+            torch.cuda.synchronize()
+            runs.append((time.perf_counter() - started) * 1e3)
+        copy_alone[how] = statistics.median(runs[1:])
+    sums_alone = {}
+    for how in ["sum", *(f"ctas{n}" for n in sorted({*args.ctas, *(2 * n for n in args.ctas)}))]:
+        runs = []
+        for _ in range(4):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            for index in range(bench.buckets):
+                start, length = bench._piece(index)
+                bench._checksum(bench.params[start : start + length], index, how)
+            torch.cuda.synchronize()
+            runs.append((time.perf_counter() - started) * 1e3)
+        sums_alone[how] = statistics.median(runs[1:])
+    sample = bench.params[: bench.bucket]
+    bench._checksum(sample, 0, "sum")
+    bench._checksum(sample, 1, f"ctas{args.ctas[0]}") if args.ctas else None
+    checksums_agree = bool(bench.sums[0] == bench.sums[1]) if args.ctas else None
+    if rank == SENDER:
+        result = {
+            "triton_checksum_equals_torch": checksums_agree,
+            "device": torch.cuda.get_device_name(device),
+            "gpus": dist.get_world_size(),
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+            "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
+            "torch": torch.__version__,
+            "bytes": total,
+            "bucket_bytes": bucket,
+            "buckets": bench.buckets,
+            "rounds_kept": args.rounds - 1,
+            "variants": {
+                name: {
+                    "median_ms": round(statistics.median(ms), 3),
+                    "min_ms": round(min(ms), 3),
+                    "max_ms": round(max(ms), 3),
+                    "gb_per_s": round(total / statistics.median(ms) / 1e6, 1),
+                    "all_ms": [round(v, 3) for v in ms],
+                }
+                for name, ms in times.items()
+            },
+            "sender_copies_alone_ms": {k: round(v, 3) for k, v in copy_alone.items()},
+            "checksums_alone_ms": {k: round(v, 3) for k, v in sums_alone.items()},
+        }
+        print(
+            json.dumps({k: v["median_ms"] for k, v in result["variants"].items()}),
+            copy_alone,
+            checksums_agree,
+            flush=True,
+        )
+        if args.out:
+            with open(args.out, "w") as handle:
+                json.dump(result, handle, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
