@@ -123,7 +123,9 @@ def test_an_engine_adapter_of_its_own_refits_through_ipc_session_exactly(source_
 def _replace_parameters(chunks) -> list[str]:
     """Replace two of the model's parameters by new objects (``module.weight = Parameter(...)``, as a checkpoint
     reload with ``assign=True`` does) and swap a third's storage (``param.data = ...``), each with other values."""
-    named = [(name, module) for chunk in chunks for name, module in chunk.named_modules() if "weight" in module._parameters]
+    named = [
+        (name, module) for chunk in chunks for name, module in chunk.named_modules() if "weight" in module._parameters
+    ]
     done = []
     for name, module in named[:2]:
         old = module.weight

@@ -315,7 +315,9 @@ def _plan_routes(bridge: ExportsWeights, chunks: tuple, fp8: Any, ignored: froze
     try:
         plan = bridge.export_plan(list(chunks), fp8=fp8)
     except PlanError:
-        return _Routes(**owner, order=None, live={}, exported=None, live_parameters=(), registrations=registration_count())
+        return _Routes(
+            **owner, order=None, live={}, exported=None, live_parameters=(), registrations=registration_count()
+        )
     order = tuple(e.hf_name for e in plan.entries if e.hf_name not in ignored)
     live = {name: rows for name, rows in bridge.live_rows(list(chunks), fp8=fp8).items() if name not in ignored}
     exported = frozenset(name for name in order if name not in live)

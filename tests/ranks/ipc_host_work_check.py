@@ -39,7 +39,9 @@ def measure(experts: int) -> dict[str, int]:
     config.num_experts = experts
     config.architectures = ["Qwen3MoeForCausalLM"]
     bridge = RefitBridge.from_hf_config(config)
-    chunks = build_model(bridge, ParallelLayout(), BuildOptions(device=torch.device("cpu"), params_dtype=torch.bfloat16))
+    chunks = build_model(
+        bridge, ParallelLayout(), BuildOptions(device=torch.device("cpu"), params_dtype=torch.bfloat16)
+    )
     session = IpcSession(answering_workers, transport=LocalTransport())
     steps = [session.refit(bridge, chunks) for _ in range(3)]
     if not steps[0].opened or any(step.opened for step in steps[1:]):
