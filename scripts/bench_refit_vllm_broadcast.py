@@ -366,6 +366,8 @@ def run(args) -> dict:
         result["raw_broadcast_ms"] = summary(raw)
         result["raw_broadcast_bytes_arrived"] = raw_ok
         result["vllm_native_nccl_stock_ms"] = summary(native_times) if native_times else None
+        if unbounded:
+            result["ours_unbounded_kernels_ms"] = summary(unbounded)
         median = result["ours_ms"]["median"]
         result["ratios"] = {
             "raw_over_ours": round(result["raw_broadcast_ms"]["median"] / median, 3),
