@@ -161,6 +161,20 @@ class Bench:
             self._kernels()[1](data, self.partials[:programs], self.sums[index])
 
 
+def alone_ms(bench: Bench, work) -> float:
+    """``work(index, start, length)`` over every bucket of the bytes with nothing beside it: the median of three
+    passes after a warm-up, ms."""
+    runs = []
+    for _ in range(4):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for index in range(bench.buckets):
+            work(index, *bench._piece(index))
+        torch.cuda.synchronize()
+        runs.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(runs[1:])
+
+
 def timed(fn) -> float:
     dist.barrier()
     torch.cuda.synchronize()
@@ -215,30 +229,22 @@ def main() -> None:
             ms = timed(fn)
             if round_index > 0:
                 times[name].append(ms)
-    copy_alone = {}
-    for how in ["copy_", *(f"ctas{n}" for n in args.ctas)]:
-        runs = []
-        for _ in range(4):
-            torch.cuda.synchronize()
-            started = time.perf_counter()
-            for index in range(bench.buckets):
-                start, length = bench._piece(index)
-                bench._copy(bench.buffers[index % 2][:length], bench.params[start : start + length], how)
-            torch.cuda.synchronize()
-            runs.append((time.perf_counter() - started) * 1e3)
-        copy_alone[how] = statistics.median(runs[1:])
-    sums_alone = {}
-    for how in ["sum", *(f"ctas{n}" for n in sorted({*args.ctas, *(2 * n for n in args.ctas)}))]:
-        runs = []
-        for _ in range(4):
-            torch.cuda.synchronize()
-            started = time.perf_counter()
-            for index in range(bench.buckets):
-                start, length = bench._piece(index)
-                bench._checksum(bench.params[start : start + length], index, how)
-            torch.cuda.synchronize()
-            runs.append((time.perf_counter() - started) * 1e3)
-        sums_alone[how] = statistics.median(runs[1:])
+    copy_alone = {
+        how: alone_ms(
+            bench,
+            lambda index, start, length, how=how: bench._copy(
+                bench.buffers[index % 2][:length], bench.params[start : start + length], how
+            ),
+        )
+        for how in ["copy_", *(f"ctas{n}" for n in args.ctas)]
+    }
+    sums_alone = {
+        how: alone_ms(
+            bench,
+            lambda index, start, length, how=how: bench._checksum(bench.params[start : start + length], index, how),
+        )
+        for how in ["sum", *(f"ctas{n}" for n in sorted({*args.ctas, *(2 * n for n in args.ctas)}))]
+    }
     sample = bench.params[: bench.bucket]
     bench._checksum(sample, 0, "sum")
     bench._checksum(sample, 1, f"ctas{args.ctas[0]}") if args.ctas else None

@@ -63,13 +63,14 @@ def measure(experts: int) -> dict[str, int]:
     return count_calls(export)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(measure_one=measure, description: str = __doc__) -> None:
+    """``--experts N [N ...] --result FILE``: ``measure_one(experts)`` for each, on one CPU rank, into FILE."""
+    parser = argparse.ArgumentParser(description=description.split("\n\n")[0])
     parser.add_argument("--experts", type=int, nargs="+", required=True)
     parser.add_argument("--result", type=Path, required=True)
     args = parser.parse_args()
     with distributed_session(ParallelLayout(), device=torch.device("cpu"), timeout=datetime.timedelta(minutes=5)):
-        results = {experts: measure(experts) for experts in args.experts}
+        results = {experts: measure_one(experts) for experts in args.experts}
     args.result.write_text(json.dumps(results))
 
 

@@ -12,16 +12,10 @@ Python function calls and the calls into C that a fourth refit makes on the trai
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-from pathlib import Path
-
 import torch
-from host_work_check import count_calls
+from host_work_check import count_calls, main
 
 from mbridge_refit.bridge import RefitBridge
-from mbridge_refit.convert.session import distributed_session
 from mbridge_refit.engines.ipc_session import IpcSession
 from mbridge_refit.engines.sharing import LocalTransport
 from mbridge_refit.models import recipes
@@ -53,15 +47,5 @@ def measure(experts: int) -> dict[str, int]:
     return count_calls(refit)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--experts", type=int, nargs="+", required=True)
-    parser.add_argument("--result", type=Path, required=True)
-    args = parser.parse_args()
-    with distributed_session(ParallelLayout(), device=torch.device("cpu"), timeout=datetime.timedelta(minutes=5)):
-        results = {experts: measure(experts) for experts in args.experts}
-    args.result.write_text(json.dumps(results))
-
-
 if __name__ == "__main__":
-    main()
+    main(measure, __doc__)
