@@ -8,10 +8,24 @@ Run on the GPU host, one process per GPU:
 
 All numbers of one run are taken side by side in that run. Each export is consumed by a no-op
 consumer (the loop only touches each yielded tensor), then the device is synchronised, so the
-time is what the exporter itself costs. Memory: "peak extra" is the peak allocated during an
-export minus what was allocated before it (the model), from torch.cuda.memory_stats.
-``cached_new_allocations_after_first`` counts CUDA caching-allocator allocations made by the
-cached exports after the first one (``allocation.all.allocated``); it must be 0.
+time is what the exporter itself costs. Each variant is timed on its own, one after another (its
+first call, then the median of ``--steady`` calls: ``<variant>_first_ms``, ``<variant>_steady_ms``),
+the floors apart (``clone_floor_ms``, ``gather_floor_ms``: medians of repeats). Memory: "peak
+extra" is the peak allocated during an export minus what was allocated before it (the model),
+from torch.cuda.memory_stats. ``cached_new_allocations_after_first`` counts CUDA caching-allocator
+allocations made by the cached exports after the first one (``allocation.all.allocated``); it
+must be 0.
+
+Then ``interleaved`` (what the README's table shows, ``scripts/render_performance.py``): one
+warm-up round and ``--rounds`` recorded rounds, each calling stock's export, our cached export,
+with ``--fp8`` our cached FP8 export, and the floor once, in that order (the floor: the device
+copy of ``clone_floor_ms`` at world size 1, the all-gather of ``gather_floor_ms`` above), so
+drift of the host during the run hits every side alike::
+
+    {"rounds": R, "warmup_rounds": 1, "order": ["stock", "ours", ("fp8",) "floor"],
+     "stock_ms": [R], "ours_ms": [R], ("fp8_ms": [R],) "floor_ms": [R],   # per recorded round
+     "speedup": [stock/ours], "ours_over_floor": [ours/floor], ("fp8_over_floor": [fp8/floor],)
+     "median": {each list's key: its median}, "floor": "clone" | "all-gather"}
 
 Writes one JSON per run (rank 0) with its manifest to --out-dir (default benchmarks/results/<date>-<device>/) and prints a table.
 """
@@ -26,6 +40,7 @@ import pstats
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -95,49 +110,77 @@ def timed_export(make_stream) -> tuple[float, int, int, int, float]:
     return elapsed, peak, count, new_allocations, host
 
 
-def clone_floor_ms(total_bytes: int, repeats: int = 7) -> tuple[float, int]:
-    """Milliseconds of one device copy of ``total_bytes`` (the median of ``repeats`` after a warm-up), and in
-    how many pieces: one, unless a source and its copy do not fit beside the model; then equal pieces of
-    several GB each, copied one after another and their times summed (a model of half the GPU's memory)."""
+def clone_source(total_bytes: int) -> tuple[torch.Tensor, int]:
+    """A random source for device copies of ``total_bytes``, and in how many pieces they are copied: one,
+    unless a source and its copy do not fit beside the model (in the memory free now); then equal pieces
+    of several GB each (a model of half the GPU's memory), copied one after another from one source piece."""
     free, _ = torch.cuda.mem_get_info()
     pieces = max(1, -(-2 * total_bytes // int(0.9 * free)))
-    piece = -(-total_bytes // pieces)
-    source = torch.empty(piece, dtype=torch.uint8, device="cuda")
+    source = torch.empty(-(-total_bytes // pieces), dtype=torch.uint8, device="cuda")
     source.random_(0, 255)
-    times = []
-    for _ in range(repeats):
-        elapsed = 0.0
-        for index in range(pieces):
-            size = min(piece, total_bytes - index * piece)
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            copy = source[:size].clone()
-            torch.cuda.synchronize()
-            elapsed += time.perf_counter() - start
-            del copy
-        times.append(elapsed * 1e3)
+    return source, pieces
+
+
+def clone_once_ms(source: torch.Tensor, total_bytes: int, pieces: int) -> float:
+    """Milliseconds of one device copy of ``total_bytes`` from ``source`` in ``pieces`` (their times summed)."""
+    elapsed = 0.0
+    for index in range(pieces):
+        size = min(source.numel(), total_bytes - index * source.numel())
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        copy = source[:size].clone()
+        torch.cuda.synchronize()
+        elapsed += time.perf_counter() - start
+        del copy
+    return elapsed * 1e3
+
+
+def clone_floor_ms(total_bytes: int, repeats: int = 7) -> tuple[float, int]:
+    """Milliseconds of one device copy of ``total_bytes`` (the median of ``repeats`` after a warm-up), and in
+    how many pieces (``clone_source``)."""
+    source, pieces = clone_source(total_bytes)
+    times = [clone_once_ms(source, total_bytes, pieces) for _ in range(repeats)]
     del source
     return statistics.median(times[1:]), pieces
 
 
+def gather_buffers(total_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(this rank's random input, the output) of an all_gather_into_tensor whose output is ``total_bytes``."""
+    world = dist.get_world_size()
+    local = torch.empty(total_bytes // world, dtype=torch.uint8, device="cuda").random_(0, 255)
+    return local, torch.empty(local.numel() * world, dtype=torch.uint8, device="cuda")
+
+
+def gather_once_ms(local: torch.Tensor, out: torch.Tensor) -> float:
+    """Milliseconds of one all_gather_into_tensor of ``local`` into ``out``, every rank started together."""
+    torch.cuda.synchronize()
+    dist.barrier()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    dist.all_gather_into_tensor(out, local)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3
+
+
 def gather_floor_ms(total_bytes: int, repeats: int = 7) -> float:
     """One all_gather_into_tensor whose output is ``total_bytes`` per rank (TP>1's transfer bound)."""
-    world = dist.get_world_size()
-    if world == 1:
+    if dist.get_world_size() == 1:
         return 0.0
-    local = torch.empty(total_bytes // world, dtype=torch.uint8, device="cuda").random_(0, 255)
-    out = torch.empty(local.numel() * world, dtype=torch.uint8, device="cuda")
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        dist.barrier()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        dist.all_gather_into_tensor(out, local)
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
+    local, out = gather_buffers(total_bytes)
+    times = [gather_once_ms(local, out) for _ in range(repeats)]
     del local, out
     return statistics.median(times[1:])
+
+
+def floor_call(total_bytes: int) -> tuple[Callable[[], float], str]:
+    """The floor the README's table holds an export against, as a call that times it once, and its name:
+    the all-gather of ``total_bytes`` at world size > 1 (``gather_floor_ms``'s), else their device copy
+    (``clone_floor_ms``'s). Its buffers are allocated now and live as long as the call."""
+    if dist.get_world_size() > 1:
+        local, out = gather_buffers(total_bytes)
+        return lambda: gather_once_ms(local, out), "all-gather"
+    source, pieces = clone_source(total_bytes)
+    return lambda: clone_once_ms(source, total_bytes, pieces), "clone"
 
 
 def compare_with_stock(stock_stream, refit_stream) -> list[str]:
@@ -260,20 +303,54 @@ def fp8_breakdown(bridge, chunks, repeats: int = 5) -> dict:
     )
 
 
+def interleaved_rounds(
+    calls: dict[str, Callable[[], float]], rounds: int, ratios: dict[str, tuple[str, str]], warmup: int = 1
+) -> dict:
+    """``warmup`` rounds, then ``rounds`` recorded ones; each round calls every entry of ``calls`` once, in the
+    dict's order, each call timing one run of its side in ms. Per side ``<name>_ms``: its recorded times; per
+    ratio ``name: (numerator, denominator)`` whose sides are both called, the per-round ratios; ``median`` of
+    each list."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for index in range(warmup + rounds):
+        for name, call in calls.items():
+            elapsed = call()
+            if index >= warmup:
+                times[name].append(elapsed)
+    lists = {f"{name}_ms": values for name, values in times.items()}
+    for ratio, (numerator, denominator) in ratios.items():
+        if numerator in times and denominator in times:
+            lists[ratio] = [a / b for a, b in zip(times[numerator], times[denominator])]
+    median = {key: statistics.median(values) for key, values in lists.items()}
+    return dict(rounds=rounds, warmup_rounds=warmup, order=list(calls), **lists, median=median)
+
+
+TABLE_RATIOS = {"speedup": ("stock", "ours"), "ours_over_floor": ("ours", "floor"), "fp8_over_floor": ("fp8", "floor")}
+
+
+def table_rounds(make_stock, make_ours, make_fp8, total_bytes: int, rounds: int) -> dict:
+    """The README table's numbers (the result's ``interleaved`` field): rounds of stock's export, our cached
+    export, our cached FP8 export (when ``make_fp8`` is given) and the floor (``floor_call``), in that order,
+    so that drift of the host's speed during the run hits every side alike."""
+    floor_once, floor = floor_call(total_bytes)
+    calls = {"stock": lambda: timed_export(make_stock)[0], "ours": lambda: timed_export(make_ours)[0]}
+    if make_fp8 is not None:
+        calls["fp8"] = lambda: timed_export(make_fp8)[0]
+    calls["floor"] = floor_once
+    return dict(interleaved_rounds(calls, rounds, TABLE_RATIOS), floor=floor)
+
+
 def interleaved(make_bf16, make_fp8, pairs: int) -> dict:
     """The cached BF16 and FP8 exports timed alternately (after a warm-up of each), so that drift
     of the host's speed during the run hits both alike: medians, the median per-pair ratio, and
     the ratio of the minima (each export's least disturbed run; on this GPU host the host side
     of an export varies up to 2x between minutes)."""
-    timed_export(make_bf16), timed_export(make_fp8)
-    bf16, fp8 = [], []
-    for _ in range(pairs):
-        bf16.append(timed_export(make_bf16)[0])
-        fp8.append(timed_export(make_fp8)[0])
+    calls = {"bf16": lambda: timed_export(make_bf16)[0], "fp8": lambda: timed_export(make_fp8)[0]}
+    times = interleaved_rounds(calls, pairs, {"fp8_over_bf16": ("fp8", "bf16")})
+    bf16, fp8 = times["bf16_ms"], times["fp8_ms"]
     return dict(
-        bf16_ms=statistics.median(bf16),
-        fp8_ms=statistics.median(fp8),
-        fp8_over_bf16=statistics.median(f / b for f, b in zip(fp8, bf16)),
+        bf16_ms=times["median"]["bf16_ms"],
+        fp8_ms=times["median"]["fp8_ms"],
+        fp8_over_bf16=times["median"]["fp8_over_bf16"],
         pairs=pairs,
         bf16_min_ms=min(bf16),
         fp8_min_ms=min(fp8),
@@ -446,6 +523,8 @@ def run(args) -> dict:
         mismatches = compare_with_stock(stock(), refit(True)())
         floor, floor_pieces = clone_floor_ms(plan.total_bytes)
         gather_floor = gather_floor_ms(plan.total_bytes)
+        bridge.release_export_buffers()  # the rounds' first (warm-up) round allocates ours anew
+        table = table_rounds(stock, refit(True), refit_fp8 if args.fp8 else None, plan.total_bytes, args.rounds)
         row = dict(
             device=torch.cuda.get_device_name(),
             world_size=env.world_size,
@@ -483,6 +562,7 @@ def run(args) -> dict:
             cached_new_allocations_after_first=results["refit_cached"]["new_allocations_after_first"],
             stock_tensors=results["stock"]["tensors"],
             steady_runs=steady,
+            interleaved=table,
             mismatches_vs_stock=mismatches,
             torch=torch.__version__,
             date=datetime.date.today().isoformat(),
@@ -619,6 +699,13 @@ def main() -> None:
     )
     parser.add_argument("--steady", type=int, default=5, help="steady-state calls to take the median of")
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=7,
+        help="recorded rounds of stock, ours (and FP8 with --fp8) and the floor in turn, after one warm-up round "
+        "(the README's table; default: %(default)s)",
+    )
+    parser.add_argument(
         "--compare-bucket-mib",
         type=lambda text: [int(x) for x in text.split(",") if x],
         default=[],
@@ -640,6 +727,8 @@ def main() -> None:
     )
     parser.add_argument("--out-dir", type=Path, default=None, help="default: benchmarks/results/<date>-<device>/")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, not {args.rounds}")
     if args.fp8_launch:
         set_fp8_launch(args.fp8_launch)
     logging.basicConfig(level=logging.WARNING)

@@ -6,15 +6,20 @@
 Every number in the block comes from one file under ``benchmarks/results/`` (written by
 ``scripts/bench_export.py`` with a manifest beside it); ``ROWS`` names the file of each row, so a
 new measurement changes the README by changing one path here and rendering again. Times are the
-steady state of each side, measured side by side in one run; memory is the peak extra device
-memory of one export beyond the model (``torch.cuda.max_memory_allocated``), cache off and cached.
-The block lies between ``BEGIN`` and ``END`` in the README.
+steady state of each side, measured side by side in one run: where the file has ``interleaved``
+(rounds calling stock, ours and the floor in turn), each cell is the median of the rounds and their
+range, the speedup and ``ours / floor`` the median and range of the per-round ratios; an older file
+holds one sequential measurement per side (``<side>_steady_ms``, the floor timed apart), shown as one
+number and marked ``SEQUENTIAL``, with a note under the table. Memory is the peak extra device memory
+of one export beyond the model (``torch.cuda.max_memory_allocated``), cache off and cached. The
+block lies between ``BEGIN`` and ``END`` in the README.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +65,12 @@ ROWS = (
     ),
 )
 
+SEQUENTIAL = "†"
+SEQUENTIAL_NOTE = (
+    f"{SEQUENTIAL} One sequential measurement, not yet rerun in rounds: each side's median of its steady calls, "
+    "taken one side after the other, the floor timed apart."
+)
+
 HEADER = (
     "| device | model | layout | stock | ours | speedup | ours / floor | extra memory: stock, ours (cache off), ours (cached) |",
     "| --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -84,33 +95,95 @@ def _floor(result: dict) -> tuple[float, str]:
     return result["clone_floor_ms"], "clone"
 
 
-def render_row(row: Row) -> str:
-    result = json.loads((RESULTS / row.result).read_text())
-    floor_ms, floor_name = _floor(result)
+@dataclass(frozen=True)
+class Times:
+    """What a row's time cells show: per side one value per round (one value in all for a sequential
+    measurement); ``stock_ms`` and ``speedup`` are None for the FP8 row (stock has no FP8 export)."""
+
+    stock_ms: list[float] | None
+    ours_ms: list[float]
+    speedup: list[float] | None
+    ours_over_floor: list[float]
+    floor_ms: float
+    floor: str
+    interleaved: bool
+
+
+def _interleaved_times(rounds: dict, fp8: bool) -> Times:
+    ours, over_floor = ("fp8_ms", "fp8_over_floor") if fp8 else ("ours_ms", "ours_over_floor")
+    return Times(
+        stock_ms=None if fp8 else rounds["stock_ms"],
+        ours_ms=rounds[ours],
+        speedup=None if fp8 else rounds["speedup"],
+        ours_over_floor=rounds[over_floor],
+        floor_ms=statistics.median(rounds["floor_ms"]),
+        floor=rounds["floor"],
+        interleaved=True,
+    )
+
+
+def _sequential_times(result: dict, fp8: bool) -> Times:
+    floor_ms, floor = _floor(result)
+    ours = result["fp8_steady_ms"] if fp8 else result["refit_cached_steady_ms"]
+    stock = None if fp8 else result["stock_steady_ms"]
+    return Times(
+        stock_ms=None if stock is None else [stock],
+        ours_ms=[ours],
+        speedup=None if stock is None else [stock / ours],
+        ours_over_floor=[ours / floor_ms],
+        floor_ms=floor_ms,
+        floor=floor,
+        interleaved=False,
+    )
+
+
+def times(result: dict, fp8: bool) -> Times:
+    if "interleaved" in result:
+        return _interleaved_times(result["interleaved"], fp8)
+    return _sequential_times(result, fp8)
+
+
+def _spread(values: list[float] | None, digits: int, unit: str, interleaved: bool) -> str:
+    """``median unit (min–max)`` of rounds, or the one value of a sequential measurement; ``–`` for none."""
+    if values is None:
+        return "–"
+    number = f"{statistics.median(values):.{digits}f}{unit}"
+    return f"{number} ({min(values):.{digits}f}–{max(values):.{digits}f})" if interleaved else number
+
+
+def _result(row: Row, results: Path) -> dict:
+    return json.loads((results / row.result).read_text())
+
+
+def render_row(row: Row, results: Path = RESULTS) -> str:
+    result = _result(row, results)
+    shown = times(result, row.fp8)
     if row.fp8:
-        ours, stock = result["fp8_steady_ms"], None
         memory = f"–, –, {_gb(result.get('fp8_peak_extra_bytes'))}"
     else:
-        ours, stock = result["refit_cached_steady_ms"], result["stock_steady_ms"]
         memory = ", ".join(
             _gb(result.get(key))
             for key in ("stock_peak_extra_bytes", "refit_peak_extra_bytes", "refit_cached_peak_extra_bytes")
         )
+    mark = "" if shown.interleaved else f" {SEQUENTIAL}"
     cells = (
-        f"[{_device(result)}](benchmarks/results/{row.result})",
+        f"[{_device(result)}](benchmarks/results/{row.result}){mark}",
         row.label,
         result["layout"].upper().replace("_", "×"),
-        "–" if stock is None else f"{stock:.1f} ms",
-        f"{ours:.2f} ms",
-        "–" if stock is None else f"{stock / ours:.1f}×",
-        f"{ours / floor_ms:.2f}× the {floor_ms:.2f} ms {floor_name}",
+        _spread(shown.stock_ms, 1, " ms", shown.interleaved),
+        _spread(shown.ours_ms, 2, " ms", shown.interleaved),
+        _spread(shown.speedup, 1, "×", shown.interleaved),
+        f"{_spread(shown.ours_over_floor, 2, '×', shown.interleaved)} the {shown.floor_ms:.2f} ms {shown.floor}",
         memory,
     )
     return "| " + " | ".join(cells) + " |"
 
 
-def render_block() -> list[str]:
-    return [BEGIN, *HEADER, *(render_row(row) for row in ROWS), END]
+def render_block(rows: tuple[Row, ...] = ROWS, results: Path = RESULTS) -> list[str]:
+    """The block: the table, and under it the note on rows of one sequential measurement, if any."""
+    sequential = any("interleaved" not in _result(row, results) for row in rows)
+    note = ["", SEQUENTIAL_NOTE] if sequential else []
+    return [BEGIN, *HEADER, *(render_row(row, results) for row in rows), *note, END]
 
 
 def replace_block(text: str, block: list[str]) -> str:

@@ -1,0 +1,145 @@
+"""The README's performance table from its result files (``scripts/render_performance.py``): a row measured
+in interleaved rounds shows medians and ranges, an older row one number and a mark; and the rounds
+``scripts/bench_export.py`` writes call every side in turn and summarize what they timed (fake timers, CPU).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def load_script(name: str):
+    """A script of scripts/ as a module, registered under its name (its dataclasses look it up there); scripts
+    import their neighbours by name, so scripts/ is on the path while it loads."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    return module
+
+
+render = load_script("render_performance")
+bench = load_script("bench_export")
+
+SEQUENTIAL = dict(
+    device="NVIDIA H100 80GB HBM3",
+    world_size=1,
+    layout="tp1",
+    clone_floor_ms=10.0,
+    gather_floor_ms=0.0,
+    stock_steady_ms=80.0,
+    refit_cached_steady_ms=4.0,
+    fp8_steady_ms=8.0,
+    stock_peak_extra_bytes=5e7,
+    refit_peak_extra_bytes=1e8,
+    refit_cached_peak_extra_bytes=5e7,
+    fp8_peak_extra_bytes=4e8,
+)
+ROUNDS = dict(
+    rounds=4,
+    warmup_rounds=1,
+    order=["stock", "ours", "fp8", "floor"],
+    stock_ms=[81.0, 79.5, 90.25, 80.0],
+    ours_ms=[4.0, 4.75, 4.25, 5.0],
+    fp8_ms=[8.5, 8.0, 9.0, 8.25],
+    floor_ms=[10.5, 11.0, 10.75, 10.25],
+    floor="clone",
+)
+ROUNDS.update(
+    speedup=[s / o for s, o in zip(ROUNDS["stock_ms"], ROUNDS["ours_ms"])],
+    ours_over_floor=[o / f for o, f in zip(ROUNDS["ours_ms"], ROUNDS["floor_ms"])],
+    fp8_over_floor=[o / f for o, f in zip(ROUNDS["fp8_ms"], ROUNDS["floor_ms"])],
+)
+
+
+def cells(tmp_path: Path, result: dict, fp8: bool = False) -> list[str]:
+    (tmp_path / "run.json").write_text(json.dumps(result))
+    line = render.render_row(render.Row("a shape", "run.json", fp8=fp8), results=tmp_path)
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def spread(values: list[float], digits: int, unit: str) -> str:
+    low, high, middle = min(values), max(values), statistics.median(values)
+    return f"{middle:.{digits}f}{unit} ({low:.{digits}f}–{high:.{digits}f})"
+
+
+def test_interleaved_row_shows_median_and_range_of_the_rounds(tmp_path):
+    device, _, _, stock, ours, speedup, over_floor, memory = cells(tmp_path, {**SEQUENTIAL, "interleaved": ROUNDS})
+    assert device == "[H100 80 GB](benchmarks/results/run.json)"  # no mark
+    assert stock == spread(ROUNDS["stock_ms"], 1, " ms") == "80.5 ms (79.5–90.2)"
+    assert ours == spread(ROUNDS["ours_ms"], 2, " ms") == "4.50 ms (4.00–5.00)"
+    ratios = [s / o for s, o in zip(ROUNDS["stock_ms"], ROUNDS["ours_ms"])]  # per round, not of the medians
+    assert speedup == spread(ratios, 1, "×") == "18.5× (16.0–21.2)"  # the ratio of the medians is 17.9×
+    ratios = [o / f for o, f in zip(ROUNDS["ours_ms"], ROUNDS["floor_ms"])]
+    assert over_floor == f"{spread(ratios, 2, '×')} the {statistics.median(ROUNDS['floor_ms']):.2f} ms clone"
+    assert memory == "0.05 GB, 0.10 GB, 0.05 GB"
+
+
+def test_interleaved_fp8_row_reads_the_fp8_rounds(tmp_path):
+    _, _, _, stock, ours, speedup, over_floor, _ = cells(tmp_path, {**SEQUENTIAL, "interleaved": ROUNDS}, fp8=True)
+    assert (stock, speedup) == ("–", "–")
+    assert ours == spread(ROUNDS["fp8_ms"], 2, " ms")
+    ratios = [o / f for o, f in zip(ROUNDS["fp8_ms"], ROUNDS["floor_ms"])]
+    assert over_floor == f"{spread(ratios, 2, '×')} the {statistics.median(ROUNDS['floor_ms']):.2f} ms clone"
+
+
+def test_sequential_row_shows_one_number_and_its_mark(tmp_path):
+    device, _, layout, stock, ours, speedup, over_floor, _ = cells(tmp_path, SEQUENTIAL)
+    assert device == f"[H100 80 GB](benchmarks/results/run.json) {render.SEQUENTIAL}"
+    assert (layout, stock, ours, speedup) == ("TP1", "80.0 ms", "4.00 ms", "20.0×")
+    assert over_floor == "0.40× the 10.00 ms clone"
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["sequential", "interleaved"])
+def test_note_under_the_table_only_while_a_row_is_sequential(tmp_path, interleaved):
+    (tmp_path / "old.json").write_text(json.dumps(SEQUENTIAL))
+    (tmp_path / "new.json").write_text(json.dumps({**SEQUENTIAL, "interleaved": ROUNDS}))
+    rows = (render.Row("new", "new.json"), *([] if interleaved else [render.Row("old", "old.json")]))
+    block = render.render_block(rows, results=tmp_path)
+    assert (render.SEQUENTIAL_NOTE in block) is not interleaved
+    assert block[0] == render.BEGIN and block[-1] == render.END
+
+
+def test_rounds_call_every_side_in_turn_and_summarize():
+    calls = []
+    times = {"stock": iter([99.0, 80, 84, 82]), "ours": iter([9.0, 4, 4.2, 4.1]), "floor": iter([50.0, 10, 11, 9])}
+
+    def timer(name):
+        def call():
+            calls.append(name)
+            return float(next(times[name]))
+
+        return call
+
+    result = bench.interleaved_rounds({name: timer(name) for name in times}, 3, bench.TABLE_RATIOS, warmup=1)
+    assert calls == ["stock", "ours", "floor"] * 4
+    assert (result["rounds"], result["warmup_rounds"], result["order"]) == (3, 1, ["stock", "ours", "floor"])
+    assert result["stock_ms"] == [80.0, 84.0, 82.0]  # the warm-up round is not recorded
+    assert result["floor_ms"] == [10.0, 11.0, 9.0]
+    assert result["speedup"] == pytest.approx([20.0, 20.0, 82.0 / 4.1])
+    assert result["ours_over_floor"] == pytest.approx([0.4, 4.2 / 11, 4.1 / 9])
+    assert "fp8_over_floor" not in result  # no FP8 side called
+    assert result["median"] == pytest.approx(
+        {"stock_ms": 82.0, "ours_ms": 4.1, "floor_ms": 10.0, "speedup": 20.0, "ours_over_floor": 0.4}
+    )
+
+
+def test_rounds_feed_the_table(tmp_path):
+    """What the rounds write is what the table reads: a row rendered from ``interleaved_rounds``' output."""
+    values = {"stock": [90.0, 80.0, 82.0], "ours": [5.0, 4.0, 4.4], "fp8": [9.0, 8.0, 8.8], "floor": [11.0, 10.0, 9.0]}
+    calls = {name: iter(times).__next__ for name, times in values.items()}
+    rounds = dict(bench.interleaved_rounds(calls, 2, bench.TABLE_RATIOS, warmup=1), floor="clone")
+    _, _, _, stock, ours, _, over_floor, _ = cells(tmp_path, {**SEQUENTIAL, "interleaved": rounds}, fp8=True)
+    assert (stock, ours) == ("–", "8.40 ms (8.00–8.80)")
+    assert over_floor.endswith("the 9.50 ms clone")
