@@ -39,6 +39,7 @@ from megatron.bridge import AutoBridge
 
 from mbridge_refit.checkpoints.hf import HFCheckpoint, remote_code_refusal
 from mbridge_refit.checkpoints.loader import LoadReport, check_hf_shapes, load_hf_shards
+from mbridge_refit.errors import InputError
 from mbridge_refit.fp8 import te as te_fp8
 from mbridge_refit.fp8.format import FP8_DTYPE_NAME, BlockwiseFP8Config, FP8FormatError, scale_name
 from mbridge_refit.fp8.plan import fp8_plan, yielded_bytes
@@ -470,8 +471,24 @@ class RefitBridge(AutoBridge):
             checksum=checksum,
             chunks=chunks,
             check_replicas=check_replicas,
-            current_params=lambda: self._planned(chunks).live.params,  # replaced parameters followed every run
+            current_params=lambda: self._live_params_of(chunks),  # replaced parameters followed every run
         )
+
+    def _live_params_of(self, chunks: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
+        """The parameters of the planned model ``chunks``, looked up again where the model replaced them
+        (``_state_for``: local, never a collective). Raises ``InputError`` where the bridge no longer holds
+        this model's plan (``forget_model()``, another model exported since, the model rewrapped): planning
+        again is collective, which a transfer's run must not start on one rank."""
+        state = self._model_state
+        if state is not None and _same_chunks(state.chunks, chunks) and state.live is not None:
+            state = self._state_for(chunks)
+        if state is None or not _same_chunks(state.chunks, chunks) or state.live is None:
+            raise InputError(
+                "the bridge no longer holds the plan of this transfer's model (forget_model(), another model "
+                "exported with the bridge, or the model rewrapped): build the transfer again with "
+                "bridge.sharded_transfer(...) on every rank"
+            )
+        return state.live.params
 
     def _everyone(self, state: _ModelState) -> list[Any]:
         """Every trainer rank's groups, gathered over the ranks the plan was built over."""

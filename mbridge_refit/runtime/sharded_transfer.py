@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mbridge_refit.errors import InputError, TransportError
+from mbridge_refit.errors import TransportError
 from mbridge_refit.plan.engine_layout import Box
 from mbridge_refit.plan.transfer import Move, TransferPlan
 from mbridge_refit.runtime.collectives import group_ranks
@@ -182,13 +182,15 @@ class ShardedTransfer:
     def _follow_params(self) -> str | None:
         """Look the parameters up again (``current_params``: the bridge's, which swaps in parameter objects the
         model replaced since the last look, one integer comparison when it replaced none); what stops this
-        rank, for the handshake (a parameter replaced by one of another shape), or None."""
+        rank, for the handshake (a parameter replaced by one of another shape, a bridge that forgot the
+        model), or None. With ``current_params`` a ``params`` assigned to the transfer is replaced by the
+        bridge's at the next run (build the transfer with ``current_params=None`` to keep one)."""
         if self._current_params is None:
             return None
         try:
             params = self._current_params()
-        except InputError as err:  # e.g. runtime.live_params.ModelChangedError: every rank hears it
-            return str(err)
+        except Exception as err:  # e.g. runtime.live_params.ModelChangedError: every rank hears it, none waits
+            return f"{type(err).__name__}: {err}"
         if params is not self.params:
             self.params = params
             self._param_problem = self._params_problem()

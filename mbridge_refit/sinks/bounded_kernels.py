@@ -18,7 +18,7 @@ uint8 tensors of one length) and ``checksum_into(data, out)`` (the value of
 ``broadcast_wire.checksum_into``: the sum of the 8-byte words modulo 2**64, its trailing bytes
 added one by one; integer sums in any order give the same value, so an end using torch's kernels
 agrees with one using these). Bytes that do not qualify (not on CUDA, not 16-byte aligned, fewer
-than ``MIN_BYTES``, a length that is not whole words or past ``MAX_WORDS``) and devices where Triton is absent, fails to
+than ``MIN_BYTES``, a length that is not whole words or past what int32 indices reach) and devices where Triton is absent, fails to
 build or did not reproduce torch's results on probe data (``usable``, once per process and device)
 go through torch's kernels, as does everything with ``programs=0``. The kernels only move and add
 bytes, so their results are torch's bit for bit; the probe checks that on each device before use.
@@ -41,7 +41,8 @@ MIN_BYTES = 1 << 20  # below, a copy's bandwidth is too short to matter and torc
 BLOCK_WORDS = 4096  # 8-byte words one program moves per iteration
 WORD_BYTES = 8
 ALIGN_BYTES = 16
-MAX_WORDS = 2**31 - 2 * BLOCK_WORDS * 1024  # the kernels index words in int32 (a bucket of up to ~16 GiB)
+MAX_PROGRAMS = 1024
+INDEX_LIMIT = 2**31  # the kernels index words in int32: words + programs * BLOCK_WORDS must stay below it
 
 
 @functools.cache
@@ -76,17 +77,22 @@ def _kernels():
 
 class BoundedKernels:
     """Copies and checksums of one device on at most ``programs`` GPU programs (module docstring);
-    torch's kernels where they do not apply. Holds an int64[programs] scratch for the checksum's
-    partial sums: the checksums of one object run in stream order (one stream per end)."""
+    torch's kernels where they do not apply. Holds an int64[slots, programs] scratch for the checksums'
+    partial sums, a row per checksum slot (a bucket), so checksums of different slots never share one,
+    on whatever streams they run."""
 
-    def __init__(self, device: torch.device, programs: int, *, enabled: bool | None = None) -> None:
-        """``enabled``: None decides by the device and the probe; True forces the kernels (tests run them
-        on CPU in Triton's interpreter)."""
+    def __init__(self, device: torch.device, programs: int, *, slots: int = 1, enabled: bool | None = None) -> None:
+        """``slots``: the checksum slots (``checksum_into``'s ``slot``: 0 .. slots - 1). ``enabled``: None decides
+        by the device and the probe; True forces the kernels (tests run them on CPU in Triton's interpreter)."""
+        if not 0 <= programs <= MAX_PROGRAMS:
+            raise ValueError(f"programs must be 0 .. {MAX_PROGRAMS}, got {programs}")
+        if device.type == "cuda" and device.index is None:  # "cuda" is the current device: name it
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.programs = programs
         on = programs > 0 and (enabled if enabled is not None else device.type == "cuda" and usable(device.index))
         self.enabled = on
-        self._partials = torch.zeros(programs, dtype=torch.int64, device=device) if on else None
+        self._partials = torch.zeros(max(slots, 1), programs, dtype=torch.int64, device=device) if on else None
 
     def copy(self, destination: torch.Tensor, source: torch.Tensor) -> None:
         """``destination.copy_(source)`` for flat uint8 tensors of one length, queued on the current stream."""
@@ -100,8 +106,9 @@ class BoundedKernels:
                 source.view(torch.int64), destination.view(torch.int64), words, grid[0], BLOCK=BLOCK_WORDS
             )
 
-    def checksum_into(self, data: torch.Tensor, out: torch.Tensor) -> None:
-        """``broadcast_wire.checksum_into(data, out)``'s value, queued on the current stream."""
+    def checksum_into(self, data: torch.Tensor, out: torch.Tensor, slot: int = 0) -> None:
+        """``broadcast_wire.checksum_into(data, out)``'s value, queued on the current stream; ``slot``: this
+        checksum's row of partial sums (one per bucket)."""
         words = data.numel() // WORD_BYTES
         if not self._qualifies(data[: words * WORD_BYTES]):
             torch.sum(data[: words * WORD_BYTES].view(torch.int64), dim=0, out=out)
@@ -109,9 +116,13 @@ class BoundedKernels:
             grid = self._grid(words)
             with self._on_device():
                 _kernels()[1][grid](
-                    data[: words * WORD_BYTES].view(torch.int64), self._partials, words, grid[0], BLOCK=BLOCK_WORDS
+                    data[: words * WORD_BYTES].view(torch.int64),
+                    self._partials[slot],
+                    words,
+                    grid[0],
+                    BLOCK=BLOCK_WORDS,
                 )
-            torch.sum(self._partials[: grid[0]], dim=0, out=out)
+            torch.sum(self._partials[slot, : grid[0]], dim=0, out=out)
         if words * WORD_BYTES < data.numel():
             out.add_(data[words * WORD_BYTES :].sum(dtype=torch.int64))
 
@@ -120,7 +131,11 @@ class BoundedKernels:
             return False
         first = tensors[0]
         nbytes = first.numel()
-        if nbytes < MIN_BYTES or nbytes % WORD_BYTES or nbytes // WORD_BYTES >= MAX_WORDS:
+        if (
+            nbytes < MIN_BYTES
+            or nbytes % WORD_BYTES
+            or nbytes // WORD_BYTES + self.programs * BLOCK_WORDS >= INDEX_LIMIT
+        ):
             return False
         return all(_flat_aligned(t, nbytes, self.device) for t in tensors)
 
@@ -151,17 +166,19 @@ def usable(device_index: int) -> bool:
     try:
         device = torch.device("cuda", device_index)
         generator = torch.Generator().manual_seed(0)
-        words = 3 * BLOCK_WORDS * 5 + 7  # several blocks per program, a partial last block
-        source = torch.randint(-(2**62), 2**62, (words,), dtype=torch.int64, generator=generator).to(device)
-        destination = torch.zeros_like(source)
         copy_words, sum_words = _kernels()
-        with torch.cuda.device(device):
-            copy_words[(5,)](source, destination, words, 5, BLOCK=BLOCK_WORDS)
-            partials = torch.zeros(5, dtype=torch.int64, device=device)
-            sum_words[(5,)](source, partials, words, 5, BLOCK=BLOCK_WORDS)
-        if not torch.equal(destination, source) or int(partials.sum()) != int(source.sum()):
-            logger.warning("the bounded broadcast kernels do not reproduce torch's on this device: not used")
-            return False
+        # several blocks per program with a partial last block (5 programs: the compiled variant of odd
+        # arguments), and a bucket-like length with the default programs (arguments divisible by 16)
+        for words, programs in ((3 * BLOCK_WORDS * 5 + 7, 5), (MIN_BYTES // WORD_BYTES * 3, DEFAULT_PROGRAMS)):
+            source = torch.randint(-(2**62), 2**62, (words,), dtype=torch.int64, generator=generator).to(device)
+            destination = torch.zeros_like(source)
+            partials = torch.zeros(programs, dtype=torch.int64, device=device)
+            with torch.cuda.device(device):
+                copy_words[(programs,)](source, destination, words, programs, BLOCK=BLOCK_WORDS)
+                sum_words[(programs,)](source, partials, words, programs, BLOCK=BLOCK_WORDS)
+            if not torch.equal(destination, source) or int(partials.sum()) != int(source.sum()):
+                logger.warning("the bounded broadcast kernels do not reproduce torch's on this device: not used")
+                return False
     except Exception as err:  # no Triton, a compiler or driver that cannot build them: torch's kernels
         logger.warning("the bounded broadcast kernels failed to run (%s: %s): not used", type(err).__name__, err)
         return False

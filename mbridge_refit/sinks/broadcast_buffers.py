@@ -94,7 +94,7 @@ class SendBuffers:
         self.sums = torch.zeros(max(packing.num_buckets, 1), dtype=torch.int64, device=self.device)
         self.data = [buffers[b % count][: packing.bucket_length(b)] for b in range(packing.num_buckets)]
         self.pieces = [_slot_pieces(slot, size, buffers) for slot in packing.slots]
-        self.kernels = BoundedKernels(self.device, self.config.device_programs)
+        self.kernels = BoundedKernels(self.device, self.config.device_programs, slots=packing.num_buckets)
         self.buffers = buffers
 
     def status(self) -> torch.Tensor:
@@ -142,7 +142,7 @@ class ReceiveBuffers:
             torch.zeros(max(self.packing.num_buckets, 1), dtype=torch.int64, device=self.device) for _ in range(2)
         )
         self.scratch = torch.empty(self.packing.max_split_bytes(), dtype=torch.uint8, device=self.device)
-        self.kernels = BoundedKernels(self.device, config.device_programs)  # the checksums
+        self.kernels = BoundedKernels(self.device, config.device_programs, slots=self.packing.num_buckets)
         self.events = bucket_events(self.packing)
         self.data = [self.buffers[b % count][: self.packing.bucket_length(b)] for b in range(self.packing.num_buckets)]
         self.tensors = [

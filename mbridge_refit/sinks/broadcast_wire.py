@@ -24,7 +24,7 @@ import torch.distributed as dist
 from mbridge_refit.errors import TransportError
 from mbridge_refit.plan.entries import ExportPlan, PlanEntry
 from mbridge_refit.runtime.broadcast_group import BroadcastGroup
-from mbridge_refit.sinks.bounded_kernels import DEFAULT_PROGRAMS
+from mbridge_refit.sinks.bounded_kernels import DEFAULT_PROGRAMS, MAX_PROGRAMS
 
 __all__ = [
     "ALIGN_BYTES",
@@ -130,9 +130,9 @@ class PackedBroadcastConfig:
             )
         if not isinstance(self.num_buffers, int) or self.num_buffers < 1:
             raise ValueError(f"num_buffers must be an integer >= 1, got {self.num_buffers!r}")
-        if not isinstance(self.device_programs, int) or self.device_programs < 0:
+        if not isinstance(self.device_programs, int) or not 0 <= self.device_programs <= MAX_PROGRAMS:
             raise ValueError(
-                f"device_programs must be an integer >= 0 (0: torch's kernels), got {self.device_programs!r}"
+                f"device_programs must be an integer 0 .. {MAX_PROGRAMS} (0: torch's kernels), got {self.device_programs!r}"
             )
 
 

@@ -319,7 +319,7 @@ class PackedBroadcastSender(WeightSink):
             timeline.host("issued", bucket)
             timeline.completion("sent", bucket, work)
         if self.config.checksum:  # beside the broadcast (both only read), before the buffer is packed again
-            memory.kernels.checksum_into(data, memory.sums[bucket])
+            memory.kernels.checksum_into(data, memory.sums[bucket], bucket)
             if timeline is not None:
                 timeline.mark("summed", bucket)
         self.bytes_sent += data.numel()
@@ -437,7 +437,7 @@ class PackedBroadcastReceiver:
 
     def _checksum(self, bucket: int, data: torch.Tensor) -> None:
         """Queue the checksum of received bucket ``data`` into its slot (no host read)."""
-        self._memory.kernels.checksum_into(data, self._memory.sums[bucket])
+        self._memory.kernels.checksum_into(data, self._memory.sums[bucket], bucket)
 
     def _checksum_report(self) -> torch.Tensor:
         """``[STATUS_CHECKSUM, first bad bucket]`` if a received bucket's checksum differs from the

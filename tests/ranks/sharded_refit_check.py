@@ -248,6 +248,12 @@ def main() -> None:
         replace_parameters(chunks)  # new objects, + 1 again: the transfer must read them, not the old ones
         again = {name: tensor + 1 for name, tensor in bumped.items()}
         check_run(transfer, shards, again, f"engine {last} after the model replaced its parameter objects")
+        bridge.forget_model()  # its plan gone, a run must not plan again (collective) on one rank: every rank refuses
+        refused = expect_raise(
+            sharded_transfer.TransferMismatchError, lambda: transfer.run(shards), "a run after forget_model()"
+        )
+        if "no longer holds the plan" not in refused:
+            fail(f"the refusal after forget_model() does not say why: {refused}")
         with torch.no_grad():
             for param, original in zip((p for chunk in chunks for p in chunk.parameters()), originals):
                 param.copy_(original)
