@@ -17,10 +17,10 @@ from __future__ import annotations
 import builtins
 import copyreg
 import io
+import multiprocessing
 import os
 import pickle
 import subprocess
-import threading
 
 import pytest
 import torch
@@ -396,27 +396,42 @@ def test_ipc_payload_refuses_another_format():
 # --- what a StoreGroup member receives ---------------------------------------------------------
 
 
-def _store_group_pair(send):
-    """Two StoreGroup members on CPU (gloo), in two threads: member 0 runs ``send(group)``,
-    member 1 returns what ``broadcast_object`` gives it (or the exception it raised)."""
+def _receive_one(port: int, results) -> None:
+    """Member 1 of ``_store_group_pair``, in a process of its own: what ``broadcast_object`` gives it, or the
+    exception it raised, into ``results``."""
     from mbridge_refit.runtime.broadcast_group import StoreGroup
 
-    port, result = free_port(), {}
+    try:
+        group = StoreGroup(host="127.0.0.1", port=port, rank=1, world_size=2, device="cpu")
+        results.put(group.broadcast_object(None, 0, torch.device("cpu")))
+        group.close()
+    except Exception as err:  # noqa: BLE001 - handed to the test
+        results.put(err)
 
-    def member(rank):
+
+def _store_group_pair(send):
+    """Two StoreGroup members on CPU (gloo), in two processes: this one, member 0, runs ``send(group)``; returns
+    what member 1's ``broadcast_object`` gave it (or the exception it raised). Not two threads of one process:
+    two gloo process groups of one process all-reducing in two threads once crashed gloo (a segmentation fault
+    that ends the whole test run)."""
+    from mbridge_refit.runtime.broadcast_group import StoreGroup
+
+    port, context = free_port(), multiprocessing.get_context("spawn")
+    results = context.Queue()
+    receiver = context.Process(target=_receive_one, args=(port, results), daemon=True)
+    receiver.start()
+    try:
         try:
-            group = StoreGroup(host="127.0.0.1", port=port, rank=rank, world_size=2, device="cpu")
-            result[rank] = send(group) if rank == 0 else group.broadcast_object(None, 0, torch.device("cpu"))
+            group = StoreGroup(host="127.0.0.1", port=port, rank=0, world_size=2, device="cpu")
+            send(group)
             group.close()
-        except Exception as err:  # noqa: BLE001 - handed to the test
-            result[rank] = err
-
-    threads = [threading.Thread(target=member, args=(rank,)) for rank in (0, 1)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-    return result[1]
+        except Exception:  # noqa: BLE001 - the sender's side may fail once the receiver refused: its verdict counts
+            pass
+        return results.get(timeout=120)
+    finally:
+        receiver.join(timeout=30)
+        if receiver.is_alive():
+            receiver.kill()
 
 
 @pytest.mark.parametrize("name", ["os.system-p5", "getattr-chain-p0", "dotted-STACK_GLOBAL-torch"])
