@@ -1,7 +1,7 @@
 """Why bucketed NCCL broadcasts run slower inside a refit than one raw broadcast: the same bytes, two GPUs,
 with and without the device work a packed broadcast puts beside them.
 
-    torchrun --nproc-per-node 2 scripts/bench_broadcast_contention.py --gib 16 --bucket-mib 512 --out F.json
+    PYTHONPATH=$PWD torchrun --nproc-per-node 2 scripts/bench_broadcast_contention.py --gib 16 --bucket-mib 512 --out F.json
 
 Rank 0 sends, rank 1 receives (one NCCL group, GPU = rank). Each variant moves ``--gib`` GiB; its time is
 the host's wall time from a barrier to both ranks' streams drained, taken in rounds so every variant meets
@@ -14,15 +14,16 @@ the host's drift alike (first round dropped as warm-up; median and range of the 
   bucket out (the engine's replay); the buffer of bucket k is packed again only after broadcast k-2 ended.
 * ``buckets_copy_sum``: and a checksum of every bucket on both ends (a sum over it, as the refit's).
 * ``buckets_copy_sender_only`` / ``_receiver_only``: which end's copies slow the broadcast.
-* ``buckets_copy_sum_ctas{N}``: copies and checksums by Triton kernels of ``N`` programs (fewer SMs, the same
-  bytes): whether spreading their memory traffic over the broadcast's time gives NCCL its bandwidth back;
+* ``buckets_copy_sum_ctas{N}``: copies and checksums by the library's bounded kernels (``sinks.bounded_kernels``)
+  on ``N`` programs (fewer SMs, the same bytes): whether spreading their memory traffic over the broadcast's
+  time gives NCCL its bandwidth back;
   ``buckets_copy_ctas{N}_sum_ctas{2N}``: the checksums on twice the programs;
   ``buckets_sender_copy_receiver_ctas{N}_sum_ctas{N}``: only the receiver's copies and both checksums so.
 
 Also each kind of copy and checksum alone over the same bytes (``sender_copies_alone_ms``, ``checksums_alone_ms``).
 
 Writes one JSON (rank 0): the device, NCCL's version and settings, bytes, each variant's rounds and GB/s.
-Needs only torch (and Triton for the ``ctas`` variants).
+Needs torch, Triton and this package (run from the repository root with ``PYTHONPATH=$PWD``).
 """
 
 from __future__ import annotations
@@ -37,44 +38,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from mbridge_refit.sinks.bounded_kernels import BoundedKernels
+
 SENDER = 0
-
-
-def _triton_kernels():
-    """A copy and a word sum of a fixed number of programs, each walking its share of the bytes (int64 words)."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def copy_words(src, dst, words, BLOCK: tl.constexpr):
-        program, programs = tl.program_id(0), tl.num_programs(0)
-        offsets = tl.arange(0, BLOCK)
-        start = program * BLOCK
-        step = programs * BLOCK
-        for base in range(start, words, step):
-            index = base + offsets
-            mask = index < words
-            tl.store(dst + index, tl.load(src + index, mask=mask), mask=mask)
-
-    @triton.jit
-    def sum_words(src, partials, words, BLOCK: tl.constexpr):
-        program, programs = tl.program_id(0), tl.num_programs(0)
-        offsets = tl.arange(0, BLOCK)
-        total = tl.zeros([BLOCK], dtype=tl.int64)
-        for base in range(program * BLOCK, words, programs * BLOCK):
-            index = base + offsets
-            total += tl.load(src + index, mask=index < words, other=0)
-        tl.store(partials + program, tl.sum(total, axis=0))
-
-    def copy(dst: torch.Tensor, src: torch.Tensor, programs: int) -> None:
-        words = src.numel() // 8
-        copy_words[(programs,)](src.view(torch.int64), dst.view(torch.int64), words, BLOCK=4096)
-
-    def checksum(data: torch.Tensor, partials: torch.Tensor, out: torch.Tensor) -> None:
-        sum_words[(partials.numel(),)](data.view(torch.int64), partials, data.numel() // 8, BLOCK=2048)
-        torch.sum(partials, dim=0, out=out)
-
-    return copy, checksum
 
 
 class Bench:
@@ -86,8 +52,7 @@ class Bench:
         self.params = torch.randint(0, 255, (total,), dtype=torch.uint8, device=device)  # pack source / replay target
         self.buffers = [torch.empty(bucket, dtype=torch.uint8, device=device) for _ in range(2)]
         self.sums = torch.zeros(self.buckets, dtype=torch.int64, device=device)
-        self.partials = torch.zeros(1024, dtype=torch.int64, device=device)
-        self.triton = None
+        self._bounded: dict[int, BoundedKernels] = {}
 
     def _piece(self, index: int) -> tuple[int, int]:
         start = index * self.bucket
@@ -100,7 +65,7 @@ class Bench:
         """The packed broadcast's order on each end (``sinks.packed_broadcast``): the sender packs bucket k once
         broadcast k-2 (same buffer) ended, issues it, then sums it beside the broadcast; the receiver keeps two
         broadcasts posted, and sums and copies out bucket k before posting k+2 into its buffer. Each side's copy
-        and the checksum: None (not done), ``copy_`` / ``sum`` (torch, every SM), ``ctasN`` (Triton, N programs)."""
+        and the checksum: None (not done), ``copy_`` / ``sum`` (torch, every SM), ``ctasN`` (the bounded kernels on N programs)."""
         if self.rank == SENDER:
             self._send_all(send, checksum)
         else:
@@ -142,23 +107,27 @@ class Bench:
                 self._copy(self.params[start : start + length], buffer, copy)
             post(index + 2)
 
-    def _kernels(self):
-        if self.triton is None:
-            self.triton = _triton_kernels()
-        return self.triton
+    def _kernels(self, how: str) -> BoundedKernels:
+        """The library's bounded kernels (``sinks.bounded_kernels``) on the programs ``how`` names (``ctasN``)."""
+        programs = int(how.removeprefix("ctas"))
+        if programs not in self._bounded:
+            kernels = BoundedKernels(self.device, programs, slots=self.buckets)
+            if not kernels.enabled:
+                raise SystemExit(f"the bounded kernels do not run on {self.device} (see the log): nothing to measure")
+            self._bounded[programs] = kernels
+        return self._bounded[programs]
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, how: str) -> None:
         if how == "copy_":
             dst.copy_(src)
         else:
-            self._kernels()[0](dst, src, int(how.removeprefix("ctas")))
+            self._kernels(how).copy(dst, src)
 
     def _checksum(self, data: torch.Tensor, index: int, how: str) -> None:
         if how == "sum":
             torch.sum(data.view(torch.int64), dim=0, out=self.sums[index])
         else:
-            programs = int(how.removeprefix("ctas"))
-            self._kernels()[1](data, self.partials[:programs], self.sums[index])
+            self._kernels(how).checksum_into(data, self.sums[index], index)
 
 
 def alone_ms(bench: Bench, work) -> float:
@@ -190,7 +159,7 @@ def main() -> None:
     parser.add_argument("--gib", type=float, default=16.0, help="bytes moved by each variant, GiB (default 16)")
     parser.add_argument("--bucket-mib", type=int, default=512, help="bucket size, MiB (default 512)")
     parser.add_argument("--rounds", type=int, default=6, help="rounds over every variant (first dropped; default 6)")
-    parser.add_argument("--ctas", type=int, nargs="*", default=[32, 64], help="programs of the Triton variants")
+    parser.add_argument("--ctas", type=int, nargs="*", default=[32, 64], help="programs of the bounded-kernel variants")
     parser.add_argument("--out", help="JSON result (rank 0)")
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
