@@ -62,6 +62,7 @@ consumer) complete the collectives on every member and leave the group usable.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import json
@@ -69,6 +70,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol, runtime_checkable
 
@@ -81,6 +83,7 @@ __all__ = [
     "BroadcastGroup",
     "BroadcastGroupError",
     "DEFAULT_TIMEOUT",
+    "EXIT_WAIT_S",
     "FAST_POLL_S",
     "FAST_POLL_WINDOW_S",
     "GroupLike",
@@ -111,6 +114,7 @@ _KEYS = "mbridge_refit/"  # the group's own keys in the store (the process group
 _PROTOCOL = 2  # the layout of those keys; members of other versions do not agree on settings
 _UNSET = "<unset>"
 _FAILED_GLOO_GROUPS: list[Any] = []  # kept, not destroyed: see StoreGroup.close
+EXIT_WAIT_S = 2.0  # how long the exit hook waits for the watchdogs of groups never closed
 # NCCL variables members may set differently: diagnostics and names of this host's devices and files.
 _HOST_LOCAL_NCCL_VARIABLES = frozenset(
     {
@@ -291,6 +295,7 @@ class StoreGroup:
             target=self._watch, args=(self.store.clone(),), daemon=True, name=f"store-group-watchdog-{rank}"
         )
         self._watchdog.start()
+        _WATCHED.add(self)
         try:
             with self.watching(peer_failure) if peer_failure is not None else contextlib.nullcontext():
                 self._agree_on_settings(group_settings(self.backend))
@@ -314,10 +319,9 @@ class StoreGroup:
 
     def close(self) -> None:
         """Stop the watchdog and release the group's communicators (NCCL's hold GPU memory until
-        then); call once, on every member, after its last collective."""
-        self._stop.set()
-        if self._watchdog.is_alive() and self._watchdog is not threading.current_thread():
-            self._watchdog.join(timeout=2 * PEER_CHECK_S)
+        then); call once, on every member, after its last collective. A group never closed has its
+        watchdog stopped when the interpreter exits (``_stop_watchdogs_at_exit``)."""
+        self._stop_watchdog(2 * PEER_CHECK_S)
         group, self.process_group = self.process_group, None
         if group is None:
             return
@@ -327,6 +331,13 @@ class StoreGroup:
                 shutdown()
         elif self.backend == "gloo":  # its pending operations end at its timeout; its destructor would wait for them
             _FAILED_GLOO_GROUPS.append(group)
+
+    def _stop_watchdog(self, wait_s: float) -> bool:
+        """Tell the watchdog to stop and wait up to ``wait_s`` for it; whether it has ended."""
+        self._stop.set()
+        if self._watchdog.is_alive() and self._watchdog is not threading.current_thread():
+            self._watchdog.join(timeout=wait_s)
+        return not self._watchdog.is_alive()
 
     # -- collectives -----------------------------------------------------------------------
 
@@ -611,3 +622,31 @@ def as_broadcast_group(group: GroupLike | None) -> BroadcastGroup:
     """``group`` as a ``BroadcastGroup``: itself if it is one, else a ``TorchGroup`` around it (None: the
     default ``torch.distributed`` group)."""
     return group if isinstance(group, BroadcastGroup) else TorchGroup(group)
+
+
+# --- groups never closed ---------------------------------------------------------------------------
+
+_WATCHED: weakref.WeakSet[StoreGroup] = weakref.WeakSet()  # a running watchdog holds its group
+
+
+@atexit.register
+def _stop_watchdogs_at_exit() -> None:
+    """Stop the watchdogs of groups their owner never closed (a session left open by an error, or
+    by a program that just ends), before the interpreter finalizes.
+
+    A watchdog is a daemon thread that spends its time in store calls, which run C++ without the
+    GIL. A daemon thread that asks for the GIL back once finalization has begun is ended by CPython
+    with a forced unwind, and that unwind through pybind11's GIL guard (a destructor, so noexcept)
+    is ``std::terminate``: the process aborts ("terminate called without an active exception",
+    exit code 134) after its work has succeeded. ``atexit`` runs before finalization, while the
+    thread can still finish its call and return."""
+    groups = list(_WATCHED)
+    for group in groups:
+        group._stop.set()
+    deadline = time.monotonic() + EXIT_WAIT_S
+    stuck = [g.rank for g in groups if not g._stop_watchdog(max(0.0, deadline - time.monotonic()))]
+    if stuck:
+        logger.warning(
+            "the watchdogs of group members %s were still in a store call at exit (a store that does not answer)",
+            stuck,
+        )
