@@ -145,14 +145,28 @@ def test_launcher_success_is_zero_and_exact(source_checkpoints, tmp_path):
     assert_bitwise_equal_checkpoints(source, tmp_path / "out")
 
 
-def test_launcher_bad_input_is_two_printed_once(source_checkpoints, tmp_path):
-    """torchrun would exit 1 here; the launcher exits with the ranks' own code."""
-    run = launched(
-        3, "roundtrip", "--hf", str(source_checkpoints("qwen3-tiny")), "--out", str(tmp_path / "out"), "--tp", "2"
-    )
+RANK_0_STARTS_LATE = """
+import os, time
+if os.environ.get("RANK") == "0":
+    time.sleep(float(os.environ["RANK_0_DELAY_S"]))
+"""
+
+
+@pytest.mark.parametrize("rank_0_delay_s", [0, 90], ids=["rank-0-in-time", "rank-0-last"])
+def test_launcher_bad_input_is_two_printed_once(source_checkpoints, tmp_path, rank_0_delay_s):
+    """torchrun would exit 1 here; the launcher exits with the ranks' own code, and the error every
+    rank sees alike is printed once, also when the other ranks fail first and torchrun stops rank 0
+    before it gets there (seen in a loaded full run: the message was lost when rank 0 printed it)."""
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(RANK_0_STARTS_LATE)
+    source, late = source_checkpoints("qwen3-tiny"), {"PYTHONPATH": str(shim), "RANK_0_DELAY_S": str(rank_0_delay_s)}
+    run = launched(3, "roundtrip", "--hf", str(source), "--out", str(tmp_path / "out"), "--tp", "2", env_extra=late)
     assert run.returncode == ExitCode.BAD_INPUT, run.output[-3000:]
     assert run.output.count("world size 3 is not divisible") == 1, run.output[-3000:]
     assert "3 of 3 ranks failed" in run.output and "exit code 2" in run.output
+    if rank_0_delay_s:
+        assert "rank 0: killed by signal 15" in run.output, run.output[-3000:]
     assert not (tmp_path / "out").exists()
 
 

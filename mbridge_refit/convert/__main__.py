@@ -2,7 +2,9 @@
 
 An interrupt (SIGINT: Ctrl-C, or the ``--nproc-per-node`` launcher stopping its ranks) that comes
 while torch is still being imported, before ``app.main`` handles it, ends with one line and exit
-code 3 (internal error, as ``app.main`` ends an interrupt), not a traceback.
+code 3 (internal error, as ``app.main`` ends an interrupt), not a traceback. One that comes before
+this module runs (the interpreter's own start and the two light package imports, milliseconds on
+an idle machine) gets Python's traceback: no code of this package has run yet.
 """
 
 import logging

@@ -193,11 +193,13 @@ def _wrapped(err: BaseException) -> Iterator[BaseException]:
 
 
 def _report(command: str, err: BaseException, failure: Failure) -> int:
-    record_exit_code(failure.code)  # first: the launcher may stop this rank while it logs
+    shared = failure.same_on_every_rank and not failure.traceback
+    # first: the launcher may stop this rank while it logs; a message every rank sees alike it prints once
+    by_launcher = record_exit_code(failure.code, failure.message if shared else None) and shared
     if failure.traceback:
         logger.error("%s failed (%s)", command, failure.message, exc_info=err)
     else:
-        quiet = failure.same_on_every_rank and LaunchEnv.from_environ().rank != 0
+        quiet = shared and (by_launcher or LaunchEnv.from_environ().rank != 0)
         logger.log(logging.DEBUG if quiet else logging.ERROR, "%s", failure.message)
     return failure.code
 

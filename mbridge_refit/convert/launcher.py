@@ -4,12 +4,14 @@ Under ``torchrun`` each rank exits with its own code (``exit_codes``) and torchr
 for any failure, so a script cannot tell bad input (2) from an internal error (3) or from
 ``verify``'s differences (1). This launcher runs the same ranks through torchrun's own machinery
 (``torch.distributed.run``, standalone rendezvous on a free local port) and turns the ranks'
-codes into one, ``launch_exit_code``. The ranks print their messages themselves (rank 0 once for
-input errors every rank sees alike); the launcher adds one line naming which rank failed how.
+codes into one, ``launch_exit_code``. The ranks print their own messages, except an input error
+every rank sees alike: each rank records it and the launcher prints it once. Rank 0 printing it
+(as under plain torchrun) loses it whenever another rank fails first: torchrun then stops rank 0
+before it gets there. The launcher adds one line naming which rank failed how.
 A signal to the launcher (SIGTERM, SIGINT, SIGHUP, SIGQUIT: torchrun's machinery stops the ranks
 and raises ``SignalException``) ends it with exit code 3 and one line naming the signal.
 
-Each rank also records its exit code in a directory the launcher names (``record_exit_code``,
+Each rank also records its exit code (and that message) in a directory the launcher names (``record_exit_code``,
 ``convert.session.EXIT_RECORDS_VARIABLE``) as soon as it has decided it. A rank that fails closes its
 connections before its process ends, so a peer waiting in a collective may fail ("connection
 closed by peer") and exit first, and torchrun then stops the failing rank by a signal: its own
@@ -21,6 +23,7 @@ torchrun ranks (``python -m mbridge_refit.convert COMMAND ...`` with torchrun's 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -70,7 +73,9 @@ def run_ranks(nproc_per_node: int, argv: Sequence[str]) -> int:
         run(args)
     except ChildFailedError as failed:
         ended = {rank: failure.exitcode for rank, failure in failed.failures.items()}
-        recorded = _recorded_codes(records)
+        recorded, messages = _records(records)
+        for message in messages:
+            logger.error("%s", message)
         codes = {rank: recorded.get(rank, code) for rank, code in ended.items()}
         code = launch_exit_code(codes)
         described = ", ".join(f"rank {rank}: {_describe(c, recorded.get(rank))}" for rank, c in sorted(ended.items()))
@@ -89,24 +94,35 @@ def run_ranks(nproc_per_node: int, argv: Sequence[str]) -> int:
     return ExitCode.OK
 
 
-def record_exit_code(code: int) -> None:
-    """In a rank of ``run_ranks``: record the exit code this rank decided on (else nothing)."""
+def record_exit_code(code: int, shared_message: str | None = None) -> bool:
+    """In a rank of ``run_ranks``: record the exit code this rank decided on and, for a failure every
+    rank sees alike, its message (``shared_message``), which the launcher then prints once.
+    Whether it was recorded: False outside the launcher or where its directory cannot be written
+    (the rank prints its message itself then)."""
     env = LaunchEnv.from_environ()
-    if env.exit_records is not None:
-        try:
-            (Path(env.exit_records) / f"rank{env.rank}").write_text(str(int(code)))
-        except OSError:  # the launcher's directory is gone or full: its own view of the exit stands
-            pass
+    if env.exit_records is None:
+        return False
+    record = json.dumps({"code": int(code), "message": shared_message})
+    try:
+        (Path(env.exit_records) / f"rank{env.rank}").write_text(record)
+    except OSError:  # the launcher's directory is gone or full: its own view of the exit stands
+        return False
+    return True
 
 
-def _recorded_codes(records: Path) -> dict[int, int]:
-    codes = {}
-    for record in records.glob("rank*"):
+def _records(records: Path) -> tuple[dict[int, int], list[str]]:
+    """The recorded exit code of each rank, and the distinct shared messages in rank order."""
+    codes, messages = {}, []
+    for record in sorted(records.glob("rank*"), key=lambda path: path.name):
         try:
-            codes[int(record.name.removeprefix("rank"))] = int(record.read_text())
-        except (OSError, ValueError):
+            rank, entry = int(record.name.removeprefix("rank")), json.loads(record.read_text())
+            codes[rank] = int(entry["code"])
+        except (OSError, ValueError, KeyError, TypeError):  # a rank stopped while writing
             continue
-    return codes
+        message = entry.get("message")
+        if isinstance(message, str) and message not in messages:
+            messages.append(message)
+    return codes, messages
 
 
 def _describe(code: int, recorded: int | None = None) -> str:
