@@ -12,9 +12,10 @@ has 24 GiB. So each part of ``build_export_plan`` is run honestly, rank by rank,
    ``plan.rank_contribution`` (the bridge's conversion tasks + this rank's parameter specs).
    The bridge's pipeline name exchange is the one thing a fake group cannot do: its result
    (step 1's names) is handed to the bridge through its own cache attribute. Writes the
-   contribution (pickled, as the real exchange would send it) and the time and peak RSS.
-3. ``exchange``: WORLD real processes (gloo, importing only torch) each all-gather its own
-   step-2 payload with ``all_gather_object``, as ``build_export_plan`` does; timed.
+   contribution (pickled) and the time and peak RSS.
+3. ``exchange``: WORLD real processes (gloo) each exchange its own step-2 contribution with
+   ``plan.exchange_contributions``, as ``build_export_plan`` does (compressed, one object
+   all-gather, every contribution unpickled); timed.
 4. ``assemble``: ``plan.assemble_plan`` over the 32 contributions, timed, and checked: the
    plan's (name, shape, dtype) entries must be the TP1 plan's (as a set: with EP > 1 the export,
    like stock Megatron-Bridge's, yields the experts of one local index across EP ranks together,
@@ -89,7 +90,7 @@ def step_names(args) -> None:
 
 def step_rank(args) -> None:
     """Step 2: one simulated rank's contribution, its place in its groups and the parameters it holds."""
-    from mbridge_refit.plan.build import rank_contribution
+    from mbridge_refit.plan.build import encode_contribution, rank_contribution
     from mbridge_refit.runtime.collectives import current_groups
     from mbridge_refit.runtime.live_params import LiveParams
     from mbridge_refit.testing.simulated_ranks import enter_rank
@@ -117,6 +118,7 @@ def step_rank(args) -> None:
                 contribution_s=contribution_s,
                 specs=len(contribution.specs),
                 payload_bytes=len(payload),
+                sent_bytes=len(encode_contribution(contribution)),
                 peak_rss_gib=peak_rss_gib(),
                 place={field: getattr(groups, field) for field in PLACE},
                 params=sorted(LiveParams(chunks, tasks).params),
@@ -125,16 +127,20 @@ def step_rank(args) -> None:
     )
 
 
-def _exchange_worker(rank: int, world: int, work: str, port: int, result: str) -> None:
+def _exchange_worker(rank: int, world: int, work: str, port: int, result: str, uncompressed: bool) -> None:
     import torch.distributed as dist
+
+    from mbridge_refit.plan.build import exchange_contributions
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(minutes=10))
-    payload = pickle.loads(Path(work, f"rank{rank}.pkl").read_bytes())
-    gathered = [None] * world
+    contribution = pickle.loads(Path(work, f"rank{rank}.pkl").read_bytes())
     dist.barrier()
     start = time.perf_counter()
-    dist.all_gather_object(gathered, payload)
+    if uncompressed:  # the comparison: the contributions as they are, in one object all-gather
+        dist.all_gather_object([None] * world, contribution)
+    else:
+        exchange_contributions(contribution)
     elapsed = time.perf_counter() - start
     times = [None] * world
     dist.all_gather_object(times, (elapsed, peak_rss_gib()))
@@ -145,8 +151,9 @@ def _exchange_worker(rank: int, world: int, work: str, port: int, result: str) -
     dist.destroy_process_group()
 
 
-def step_exchange(args) -> dict:
-    """Step 3: the real all_gather_object of the real payloads over WORLD gloo processes."""
+def step_exchange(args, uncompressed: bool = False) -> dict:
+    """Step 3: the library's exchange of the real contributions over WORLD fresh gloo processes
+    (``uncompressed``: one ``all_gather_object`` of the contributions as they are, for comparison)."""
     import socket
 
     import torch.multiprocessing as mp
@@ -156,8 +163,31 @@ def step_exchange(args) -> dict:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     result = args.work / "exchange.json"
-    mp.spawn(_exchange_worker, args=(world, str(args.work), port, str(result)), nprocs=world, join=True)
+    mp.spawn(_exchange_worker, args=(world, str(args.work), port, str(result), uncompressed), nprocs=world, join=True)
     return json.loads(result.read_text())
+
+
+def exchange_rounds(args) -> tuple[dict, dict | None]:
+    """Step 3 (``--exchange-rounds`` times, each in fresh processes: a gloo group's first collective
+    is what a plan pays) and, with ``--compare-uncompressed``, the uncompressed exchange alternated
+    with it: the median of each, with every round's time."""
+    ours, theirs = [], []
+    for _ in range(args.exchange_rounds):
+        ours.append(step_exchange(args))
+        if args.compare_uncompressed:
+            theirs.append(step_exchange(args, uncompressed=True))
+
+    def median_of(rounds: list[dict]) -> dict | None:
+        if not rounds:
+            return None
+        times = sorted(r["exchange_s"] for r in rounds)
+        return {
+            "exchange_s": times[len(times) // 2],
+            "rounds_s": [r["exchange_s"] for r in rounds],
+            "peak_rss_gib": max(r["peak_rss_gib"] for r in rounds),
+        }
+
+    return median_of(ours), median_of(theirs)
 
 
 def step_assemble(args) -> dict:
@@ -257,7 +287,7 @@ def orchestrate(args) -> None:
         list(pool.map(lambda r: run_step(args, "rank", "--rank", str(r)), range(world)))
     ranks = [json.loads((args.work / f"rank{r}.json").read_text()) for r in range(world)]
     print(f"[simulate] {world} rank contributions done", flush=True)
-    exchange = step_exchange(args)
+    exchange, uncompressed = exchange_rounds(args)
     run_step(args, "assemble")
     assembled = json.loads((args.work / "assemble.json").read_text())
     slowest = max(ranks, key=lambda r: r["contribution_s"])
@@ -272,11 +302,15 @@ def orchestrate(args) -> None:
         first_difference_from_tp1=assembled["first_difference_from_tp1"],
         rank_contribution_s_max=slowest["contribution_s"],
         exchange_s=exchange["exchange_s"],
-        exchange_note=f"{world} gloo processes on {os.cpu_count()} CPU cores",
+        exchange_rounds_s=exchange["rounds_s"],
+        exchange_uncompressed_s=uncompressed and uncompressed["exchange_s"],
+        exchange_uncompressed_rounds_s=uncompressed and uncompressed["rounds_s"],
+        exchange_note=f"{world} gloo processes on {os.cpu_count()} CPU cores, fresh each round",
         unpickle_all_s=assembled["unpickle_all_s"],
         assemble_s=assembled["assemble_s"],
         plan_s=slowest["contribution_s"] + exchange["exchange_s"] + assembled["assemble_s"],
         payload_bytes_total=sum(r["payload_bytes"] for r in ranks),
+        sent_bytes_total=sum(r["sent_bytes"] for r in ranks),
         meta_build_s_max=max(r["meta_build_s"] for r in ranks),
         peak_rss_gib=max(max(r["peak_rss_gib"] for r in ranks), assembled["assemble_peak_rss_gib"]),
         exchange_peak_rss_gib=exchange["peak_rss_gib"],
@@ -286,7 +320,8 @@ def orchestrate(args) -> None:
         f"{row['model']} {row['layout']} ({world} simulated ranks): {row['entries']} entries, same entries as the TP1 plan: "
         f"{row['matches_tp1_plan']}; per rank: contribution {row['rank_contribution_s_max']:.2f} s + exchange "
         f"{row['exchange_s']:.2f} s + assemble {row['assemble_s']:.2f} s = {row['plan_s']:.2f} s; peak RSS "
-        f"{row['peak_rss_gib']:.2f} GiB; exchanged {row['payload_bytes_total'] / 2**20:.1f} MiB",
+        f"{row['peak_rss_gib']:.2f} GiB; exchanged {row['payload_bytes_total'] / 2**20:.1f} MiB "
+        f"({row['sent_bytes_total'] / 2**20:.2f} MiB compressed)",
         flush=True,
     )
     append_jsonl(args.out or results_dir("cpu") / "plan_scale.jsonl", row)
@@ -329,6 +364,14 @@ def main() -> None:
         type=Path,
         default=None,
         help="where rank_traffic_<model>_<layout>.json goes (default: benchmarks/results/<date>-cpu/)",
+    )
+    parser.add_argument(
+        "--exchange-rounds", type=int, default=1, help="step 3 this many times, median reported (default: 1)"
+    )
+    parser.add_argument(
+        "--compare-uncompressed",
+        action="store_true",
+        help="alternate each exchange round with one of the contributions uncompressed (exchange_uncompressed_s)",
     )
     parser.add_argument("--step", choices=["names", "rank", "assemble"], default=None, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)

@@ -3,8 +3,8 @@
 Parameter names, shapes and dtypes, the bridge's mappings and ``placement``'s slice rules. No
 tensor data moves and no weight memory is allocated, so it works on models built on the meta
 device; the only communication is the bridge's exchange of parameter names across pipeline
-stages and one ``all_gather_object`` of per-rank parameter descriptions over the model's ranks
-(the whole job unless a group is given). The two halves are separate functions:
+stages and one gather of per-rank parameter descriptions over the model's ranks (the whole job
+unless a group is given; ``exchange_contributions``). The two halves are separate functions:
 ``rank_contribution`` (what this rank holds, including how the trainer stores each parameter,
 e.g. as TE blockwise FP8) and ``assemble_plan`` (pure: the same plan from the same contributions
 on every rank), so a plan can also be built from contributions gathered another way
@@ -14,6 +14,8 @@ on every rank), so a plan can also be built from contributions gathered another 
 from __future__ import annotations
 
 import dataclasses
+import pickle
+import zlib
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +46,8 @@ __all__ = [
     "assemble_plan",
     "build_export_plan",
     "current_sizes",
+    "encode_contribution",
+    "exchange_contributions",
     "plan_entries",
     "rank_contribution",
     "split_size",
@@ -123,7 +127,7 @@ def build_export_plan(
     ``errors``: what this rank's caller already failed at (building the tasks): contributed like
     this rank's own errors, so every rank raises the same ``PlanError``.
     Communication: the bridge's one exchange of parameter names over the pipeline group (inside
-    ``build_conversion_tasks``) and one ``all_gather_object`` of ``RankContribution`` here.
+    ``build_conversion_tasks``) and one compressed exchange of ``RankContribution`` here (``exchange_contributions``).
     """
     from megatron.core.utils import unwrap_model
 
@@ -133,10 +137,28 @@ def build_export_plan(
     except Exception as err:  # any failure of this rank's part travels with the exchange: no rank is left waiting
         mine = RankContribution(specs=(), layer_map={}, errors=(f"{type(err).__name__}: {err}",))
     mine = dataclasses.replace(mine, errors=(*errors, *mine.errors))
-    # One object exchange for the whole job; errors travel with it so every rank raises the same.
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, mine, group=group)
+    # One exchange for the whole job; errors travel with it so every rank raises the same.
+    gathered = exchange_contributions(mine, group)
     return assemble_plan(gathered, current_sizes(chunks), chunks[0].config, model_bridge, hf_pretrained)
+
+
+def exchange_contributions(mine: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``mine`` (its contribution to a plan), in rank order; collective over ``group``.
+
+    Sent compressed: a contribution describes each parameter the rank holds by names that repeat
+    their parts (``decoder.layers.N.mlp.experts...``), about 150 bytes a parameter pickled and a
+    twentieth of that compressed. Uncompressed, the contributions of a 235B MoE on 32 ranks (5.7
+    MB) took a gloo all-gather 10 s on 32 cores, where gloo carries object collectives (a CPU job,
+    or a group with a CPU backend); compressing costs about 2 ms a rank. The senders are the job's
+    own ranks: their payloads are unpickled as ``torch.distributed``'s object collectives do."""
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, encode_contribution(mine), group=group)
+    return [pickle.loads(zlib.decompress(each)) for each in gathered]
+
+
+def encode_contribution(mine: Any) -> bytes:
+    """What ``exchange_contributions`` sends of ``mine``: pickled, then compressed (level 1)."""
+    return zlib.compress(pickle.dumps(mine, protocol=pickle.HIGHEST_PROTOCOL), 1)
 
 
 def rank_contribution(

@@ -32,9 +32,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from mbridge_refit.plan.build import ParallelSizes, ParamSpec, plan_entries
+from mbridge_refit.plan.build import ParallelSizes, ParamSpec, exchange_contributions, plan_entries
 from mbridge_refit.plan.entries import ExportPlan, PlanError
 from mbridge_refit.plan.placement import placement_kind
 from mbridge_refit.plan.slices import PlacementKind
@@ -158,8 +157,7 @@ def build_lora_plan(
     except Exception as err:  # still take part in the exchange, so every rank learns of it
         order, params, tasks = [], {}, []
         mine = _Contribution(specs=(), targets=(), errors=(f"{type(err).__name__}: {err}",))
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, mine, group=group)
+    gathered = exchange_contributions(mine, group)
     errors = sorted({e for c in gathered for e in c.errors})
     if errors:
         raise PlanError("LoRA adapters: " + "; ".join(errors[:5]))
