@@ -39,6 +39,7 @@ import datetime
 import json
 import os
 import pickle
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -180,10 +181,10 @@ def exchange_rounds(args) -> tuple[dict, dict | None]:
     def median_of(rounds: list[dict]) -> dict | None:
         if not rounds:
             return None
-        times = sorted(r["exchange_s"] for r in rounds)
+        times = [r["exchange_s"] for r in rounds]
         return {
-            "exchange_s": times[len(times) // 2],
-            "rounds_s": [r["exchange_s"] for r in rounds],
+            "exchange_s": statistics.median(times),
+            "rounds_s": times,
             "peak_rss_gib": max(r["peak_rss_gib"] for r in rounds),
         }
 

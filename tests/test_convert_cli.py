@@ -205,6 +205,19 @@ def test_launch_exit_code_is_the_most_severe(codes, expected):
     assert launch_exit_code(codes) == expected
 
 
+def test_launcher_reads_records_in_rank_order(tmp_path):
+    """The records of ranks 2 and 10 (and one cut short by a stop): codes by rank, messages in rank order, once."""
+    import json
+
+    from mbridge_refit.convert.launcher import _records
+
+    (tmp_path / "rank10").write_text(json.dumps({"code": 2, "message": "second"}))
+    (tmp_path / "rank2").write_text(json.dumps({"code": 2, "message": "first"}))
+    (tmp_path / "rank3").write_text(json.dumps({"code": 2, "message": "first"}))
+    (tmp_path / "rank4").write_text('{"code": 2, "mess')
+    assert _records(tmp_path) == ({2: 2, 3: 2, 10: 2}, ["first", "second"])
+
+
 DISK_FULL_ON_RANK_1 = """
 import os
 if os.environ.get("RANK") == "1":

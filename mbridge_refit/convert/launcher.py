@@ -113,13 +113,15 @@ def record_exit_code(code: int, shared_message: str | None = None) -> bool:
 def _records(records: Path) -> tuple[dict[int, int], list[str]]:
     """The recorded exit code of each rank, and the distinct shared messages in rank order."""
     codes, messages = {}, []
-    for record in sorted(records.glob("rank*"), key=lambda path: path.name):
+    entries = {}
+    for record in records.glob("rank*"):
         try:
-            rank, entry = int(record.name.removeprefix("rank")), json.loads(record.read_text())
-            codes[rank] = int(entry["code"])
+            entry = json.loads(record.read_text())
+            entries[int(record.name.removeprefix("rank"))] = (int(entry["code"]), entry.get("message"))
         except (OSError, ValueError, KeyError, TypeError):  # a rank stopped while writing
             continue
-        message = entry.get("message")
+    for rank, (code, message) in sorted(entries.items()):  # by rank number: rank10 after rank9
+        codes[rank] = code
         if isinstance(message, str) and message not in messages:
             messages.append(message)
     return codes, messages

@@ -146,10 +146,10 @@ def exchange_contributions(mine: Any, group: Any = None) -> list[Any]:
     """Every rank's ``mine`` (its contribution to a plan), in rank order; collective over ``group``.
 
     Sent compressed: a contribution describes each parameter the rank holds by names that repeat
-    their parts (``decoder.layers.N.mlp.experts...``), about 150 bytes a parameter pickled and a
-    twentieth of that compressed. Uncompressed, the contributions of a 235B MoE on 32 ranks (5.7
-    MB) took a gloo all-gather 10 s on 32 cores, where gloo carries object collectives (a CPU job,
-    or a group with a CPU backend); compressing costs about 2 ms a rank. The senders are the job's
+    their parts (``decoder.layers.N.mlp.experts...``); DeepSeek-V3's at PP4 x EP8 are 6.3 MiB
+    pickled and 0.46 MiB compressed, for about 2 ms a rank. What that saves depends on the link:
+    32 gloo processes on 2 cores exchanged them in 20 s instead of 24 s, where unpickling every
+    contribution on every rank is most of the time (docs/benchmarks.md). The senders are the job's
     own ranks: their payloads are unpickled as ``torch.distributed``'s object collectives do."""
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, encode_contribution(mine), group=group)
