@@ -54,7 +54,7 @@ from bench_plan import (  # the sibling benchmark (scripts/ is on sys.path)
 from provenance import results_dir, write_result
 
 REPO = Path(__file__).resolve().parents[1]
-DEVICE = f"CPU (build machine, {os.cpu_count()} cores)"
+DEVICE = f"CPU ({os.cpu_count()} cores)"
 
 
 def layout_of(args):
