@@ -40,28 +40,28 @@ class Row:
 
 
 ROWS = (
-    Row("Qwen3-8B shape (399 tensors, 16.4 GB)", "2026-11-24-h100/export_qwen3-8b_tp1.json"),
-    Row("Qwen3-8B shape, blockwise FP8", "2026-11-23-h100/export_qwen3-8b_tp1_fp8.json", fp8=True),
+    Row("Qwen3-8B shape (399 tensors, 16.4 GB)", "2026-11-27-h200x2/export_qwen3-8b_tp1_fp8.json"),
+    Row("Qwen3-8B shape, blockwise FP8", "2026-11-27-h200x2/export_qwen3-8b_tp1_fp8.json", fp8=True),
     Row(
         "Qwen3-30B-A3B shape, 4 layers (128 experts, 1575 tensors)",
-        "2026-11-26-h200/export_qwen3-30b-a3b-4layers_tp1_new_round2.json",
+        "2026-11-27-h200x2/export_qwen3-30b-a3b-4layers_tp1.json",
     ),
     Row(
         "Qwen3-30B-A3B shape, 24 layers (9435 tensors, 28.5 GB)",
-        "2026-11-26-h200/export_qwen3-30b-a3b-24layers_tp1.json",
+        "2026-11-27-h200x2/export_qwen3-30b-a3b-24layers_tp1.json",
     ),
     Row(
         "DeepSeek-V3 shape, 4 layers (MLA, 3 dense + 1 MoE layer of 256 experts; 821 tensors, 30.2 GB)",
-        "2026-11-26-h100x2-b/export_deepseek-v3-4layers_tp1.json",
+        "2026-11-27-h200x2/export_deepseek-v3-4layers_tp1.json",
     ),
     Row(
         "Qwen3-VL-30B-A3B shape, 4 layers, packed experts from its checkpoint (398 tensors)",
-        "2026-11-25-h100/export_qwen3-vl-30b-a3b-4layers_tp1_from_checkpoint.json",
+        "2026-11-27-h200x2/export_qwen3-vl-30b-a3b-4layers_tp1_from_checkpoint.json",
     ),
-    Row("Qwen3-8B shape", "2026-11-23-h200x2/export_qwen3-8b_tp2.json"),
+    Row("Qwen3-8B shape", "2026-11-27-h200x2/export_qwen3-8b_tp2.json"),
     Row(
         "Qwen3-30B-A3B shape, 4 layers, Megatron's default expert-TP",
-        "2026-11-25-h100x2/export_qwen3-30b-a3b-4layers_tp2_etp2.json",
+        "2026-11-27-h200x2/export_qwen3-30b-a3b-4layers_tp2_etp2.json",
     ),
 )
 
