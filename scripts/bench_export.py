@@ -15,6 +15,10 @@ extra" is the peak allocated during an export minus what was allocated before it
 from torch.cuda.memory_stats. ``cached_new_allocations_after_first`` counts CUDA caching-allocator
 allocations made by the cached exports after the first one (``allocation.all.allocated``); it
 must be 0.
+Host: ``<variant>_host_us_per_tensor`` is the exporting thread's CPU time per yielded tensor; after
+each steady call a fixed control loop over the model's parameters is timed too
+(``host_control_us``), and ``<variant>_host_over_control`` is the median of the per-call ratios: the
+host's own speed moves the first figure (2x within minutes on the GPU hosts) and cancels in the second.
 
 Then ``interleaved`` (what the README's table shows, ``scripts/render_performance.py``): one
 warm-up round and ``--rounds`` recorded rounds, each calling stock's export, our cached export,
@@ -108,6 +112,36 @@ def timed_export(make_stream) -> tuple[float, int, int, int, float]:
     new_allocations = allocations() - allocations_before
     peak = torch.cuda.max_memory_allocated() - base
     return elapsed, peak, count, new_allocations, host
+
+
+def host_control_us(items: list[torch.Tensor], passes: int = 3) -> float:
+    """This thread's CPU time, in µs per item, of a fixed loop over ``items`` (each tensor's ``data_ptr``,
+    ``isinstance`` and ``id``, and a dict store: the kinds of host work a cached export does per tensor, none
+    of the exporter's code); the median of ``passes``. Timed beside each steady export, it measures how fast
+    the host runs Python at that moment, so a host that slowed down can be told from an exporter that does
+    more (``host_over_control``: measured 1.8-3.4 µs per tensor on one host within half an hour, the exporter's
+    work unchanged)."""
+    seen: dict[int, int] = {}
+    times = []
+    for _ in range(passes):
+        start = time.thread_time()
+        for item in items:
+            seen[id(item)] = isinstance(item, torch.Tensor) and item.data_ptr()
+        times.append(time.thread_time() - start)
+    return statistics.median(times) * 1e6 / max(len(items), 1)
+
+
+def host_figures(host_ms: list[float], control_us: list[float], tensors: int) -> dict:
+    """A variant's host figures from its steady runs: this thread's CPU time per yielded tensor (median and
+    range), the control loop's time per item beside each run (``host_control_us``) and the median of the
+    per-run ratios of the two."""
+    per_tensor = [ms * 1e3 / tensors for ms in host_ms]
+    return dict(
+        host_us_per_tensor=statistics.median(per_tensor),
+        host_us_per_tensor_range=[min(per_tensor), max(per_tensor)],
+        host_control_us_per_item=statistics.median(control_us),
+        host_over_control=statistics.median(h / c for h, c in zip(per_tensor, control_us) if c > 0),
+    )
 
 
 def clone_source(total_bytes: int) -> tuple[torch.Tensor, int]:
@@ -503,21 +537,21 @@ def run(args) -> dict:
             variants.extend(
                 (f"refit_cached_fp8_bucket{mib}", with_bucket(mib, refit_fp8)) for mib in args.fp8_compare_bucket_mib
             )
+        control_items = [param for chunk in chunks for param in chunk.parameters()]  # host_control_us's loop
         for label, make in variants:
             bridge.release_export_buffers()  # each variant starts cold and keeps only its own buffers
             first = timed_export(make)
-            runs = [timed_export(make) for _ in range(steady)]
+            runs, control = [], []
+            for _ in range(steady):
+                runs.append(timed_export(make))
+                control.append(host_control_us(control_items))
             results[label] = dict(
                 first_ms=first[0],
                 steady_ms=statistics.median(r[0] for r in runs),
                 peak_extra_bytes=max(r[1] for r in [first, *runs]),
                 tensors=first[2],
                 new_allocations_after_first=sum(r[3] for r in runs),
-                host_us_per_tensor=statistics.median(r[4] for r in runs) * 1e3 / first[2],
-                host_us_per_tensor_range=[
-                    min(r[4] for r in runs) * 1e3 / first[2],
-                    max(r[4] for r in runs) * 1e3 / first[2],
-                ],
+                **host_figures([r[4] for r in runs], control, first[2]),
                 buffer_bytes=bridge.export_diagnostics().buffer_bytes,
             )
         mismatches = compare_with_stock(stock(), refit(True)())
@@ -546,6 +580,9 @@ def run(args) -> dict:
             refit_cached_host_us_per_tensor=results["refit_cached"]["host_us_per_tensor"],
             refit_cached_host_us_per_tensor_range=results["refit_cached"]["host_us_per_tensor_range"],
             stock_host_us_per_tensor=results["stock"]["host_us_per_tensor"],
+            refit_cached_host_control_us_per_item=results["refit_cached"]["host_control_us_per_item"],
+            refit_cached_host_over_control=results["refit_cached"]["host_over_control"],
+            stock_host_over_control=results["stock"]["host_over_control"],
             stock_peak_extra_bytes=results["stock"]["peak_extra_bytes"],
             refit_peak_extra_bytes=results["refit"]["peak_extra_bytes"],
             refit_cached_peak_extra_bytes=results["refit_cached"]["peak_extra_bytes"],
@@ -636,7 +673,9 @@ def print_table(row: dict) -> None:
         f"bitwise vs stock: {row['tensors'] - len(row['mismatches_vs_stock'])}/{row['tensors']} tensors equal",
         f"host CPU per yielded tensor, cached steady: {row['refit_cached_host_us_per_tensor']:.2f} us "
         f"(range {row['refit_cached_host_us_per_tensor_range'][0]:.2f}-{row['refit_cached_host_us_per_tensor_range'][1]:.2f}); "
-        f"stock {row['stock_host_us_per_tensor']:.2f} us",
+        f"stock {row['stock_host_us_per_tensor']:.2f} us; a control loop {row['refit_cached_host_control_us_per_item']:.3f} us "
+        f"per item beside them: cached / control {row['refit_cached_host_over_control']:.2f}, stock / control "
+        f"{row['stock_host_over_control']:.1f}",
         *(
             [
                 f"{'RefitBridge, cache on, FP8':28s}{row['fp8_first_ms']:10.1f}{row['fp8_steady_ms']:11.2f}{row['fp8_peak_extra_bytes'] / gb:15.3f}",

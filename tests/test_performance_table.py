@@ -143,3 +143,20 @@ def test_rounds_feed_the_table(tmp_path):
     _, _, _, stock, ours, _, over_floor, _ = cells(tmp_path, {**SEQUENTIAL, "interleaved": rounds}, fp8=True)
     assert (stock, ours) == ("–", "8.40 ms (8.00–8.80)")
     assert over_floor.endswith("the 9.50 ms clone")
+
+
+def test_host_control_loop_is_per_item_and_median_of_its_passes(monkeypatch):
+    """bench_export's control loop: this thread's CPU time of each pass over the items, the median pass, per item."""
+    passes = iter([0.0, 0.004, 1.0, 1.016, 2.0, 2.008])  # start/end of three passes: 4, 16 and 8 ms (mean 9.3)
+    monkeypatch.setattr(bench.time, "thread_time", lambda: next(passes))
+    items = [bench.torch.zeros(1) for _ in range(4)]
+    assert bench.host_control_us(items, passes=3) == pytest.approx(8e-3 * 1e6 / 4)
+
+
+def test_host_figures_divide_each_run_by_the_control_beside_it():
+    """A host twice as slow in one run doubles both that run's time and its control: the ratio stays."""
+    figures = bench.host_figures([2.0, 4.0, 2.2], [1.0, 2.0, 1.0], tensors=1000)  # ms per run; us per item
+    assert figures["host_us_per_tensor"] == pytest.approx(2.2)
+    assert figures["host_us_per_tensor_range"] == pytest.approx([2.0, 4.0])
+    assert figures["host_control_us_per_item"] == pytest.approx(1.0)
+    assert figures["host_over_control"] == pytest.approx(2.0)  # ratios 2.0, 2.0, 2.2
