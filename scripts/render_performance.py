@@ -47,7 +47,7 @@ ROWS = (
         "2026-11-27-h200x2/export_qwen3-30b-a3b-4layers_tp1.json",
     ),
     Row(
-        "Qwen3-30B-A3B shape, 24 layers (9435 tensors, 28.5 GB)",
+        "Qwen3-30B-A3B shape, 24 layers (9435 tensors, 31.2 GB)",
         "2026-11-27-h200x2/export_qwen3-30b-a3b-24layers_tp1.json",
     ),
     Row(

@@ -47,7 +47,7 @@ def test_performance_table_is_rendered_from_committed_results(tmp_path):
     begin = text.index("<!-- performance:")
     row = text.index("| [", begin)
     end = text.index("<!-- end of performance -->")
-    assert " ms" in text[row:end]  # the edit below lands in the block's first row (either cell format)
+    assert " ms" in text[row:end]  # the edit below lands in the block (either cell format)
     edited.write_text(text[:row] + text[row:].replace(" ms", " ms (edited)", 1))
     run = subprocess.run(
         [sys.executable, str(script), "--check", "--readme", str(edited)], capture_output=True, text=True, timeout=120

@@ -160,3 +160,8 @@ def test_host_figures_divide_each_run_by_the_control_beside_it():
     assert figures["host_us_per_tensor_range"] == pytest.approx([2.0, 4.0])
     assert figures["host_control_us_per_item"] == pytest.approx(1.0)
     assert figures["host_over_control"] == pytest.approx(2.0)  # ratios 2.0, 2.0, 2.2
+
+
+def test_host_figures_without_a_control_reading_have_no_ratio():
+    """A clock too coarse for the control loop reads 0 for it: no ratio instead of a division error."""
+    assert bench.host_figures([2.0, 2.0], [0.0, 0.0], tensors=1000)["host_over_control"] is None
