@@ -654,6 +654,11 @@ def run(args) -> dict:
         return row if env.rank == 0 else {}
 
 
+def _ratio(value: float | None) -> str:
+    """A host ratio as printed (``host_figures`` gives None where the control read 0)."""
+    return "n/a" if value is None else f"{value:.2f}"
+
+
 def print_table(row: dict) -> None:
     gb = 1e9
     lines = [
@@ -677,8 +682,8 @@ def print_table(row: dict) -> None:
         f"host CPU per yielded tensor, cached steady: {row['refit_cached_host_us_per_tensor']:.2f} us "
         f"(range {row['refit_cached_host_us_per_tensor_range'][0]:.2f}-{row['refit_cached_host_us_per_tensor_range'][1]:.2f}); "
         f"stock {row['stock_host_us_per_tensor']:.2f} us; a control loop {row['refit_cached_host_control_us_per_item']:.3f} us "
-        f"per item beside them: cached / control {row['refit_cached_host_over_control'] or 0:.2f}, stock / control "
-        f"{row['stock_host_over_control'] or 0:.1f}",
+        f"per item beside them: cached / control {_ratio(row['refit_cached_host_over_control'])}, stock / control "
+        f"{_ratio(row['stock_host_over_control'])}",
         *(
             [
                 f"{'RefitBridge, cache on, FP8':28s}{row['fp8_first_ms']:10.1f}{row['fp8_steady_ms']:11.2f}{row['fp8_peak_extra_bytes'] / gb:15.3f}",

@@ -25,7 +25,6 @@ import socket
 import statistics
 import tempfile
 import time
-import zlib
 from pathlib import Path
 
 from provenance import results_dir, write_result
@@ -37,7 +36,7 @@ def _phase_times(rank: int, world: int, work: Path, port: int, rounds: int, resu
     """One process of the exchange: its phases' times, gathered to rank 0, which writes them."""
     import torch.distributed as dist
 
-    from mbridge_refit.plan.build import encode_contribution
+    from mbridge_refit.plan.build import decode_contribution, encode_contribution
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     start = time.perf_counter()
@@ -61,7 +60,7 @@ def _phase_times(rank: int, world: int, work: Path, port: int, rounds: int, resu
         dist.all_gather_object(gathered, mine)
         phases["gather_s"] = time.perf_counter() - start - phases["encode_s"]
         mid = time.perf_counter()
-        [pickle.loads(zlib.decompress(each)) for each in gathered]
+        [decode_contribution(each) for each in gathered]
         phases["decode_s"] = time.perf_counter() - mid
         phases["exchange_s"] = time.perf_counter() - start
         dist.barrier()
@@ -106,14 +105,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/<date>-cpu/")
     args = parser.parse_args()
     import torch.multiprocessing as mp
+    from torch.distributed.elastic.utils.distributed import get_free_port
 
     world = len(list(args.work.glob("rank*.pkl")))
     if not world or not all((args.work / f"rank{r}.pkl").is_file() for r in range(world)):
         raise SystemExit(f"{args.work}: expected rank0.pkl .. rank{world - 1}.pkl from simulate_plan.py --work")
     os.environ.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = get_free_port()
     with tempfile.TemporaryDirectory() as scratch:
         result = Path(scratch, "times.json")
         mp.spawn(_phase_times, args=(world, args.work, port, args.rounds, result), nprocs=world, join=True)

@@ -155,14 +155,11 @@ def _exchange_worker(rank: int, world: int, work: str, port: int, result: str, u
 def step_exchange(args, uncompressed: bool = False) -> dict:
     """Step 3: the library's exchange of the real contributions over WORLD fresh gloo processes
     (``uncompressed``: one ``all_gather_object`` of the contributions as they are, for comparison)."""
-    import socket
-
     import torch.multiprocessing as mp
+    from torch.distributed.elastic.utils.distributed import get_free_port
 
     world = layout_of(args).expected_world_size
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = get_free_port()
     result = args.work / "exchange.json"
     mp.spawn(_exchange_worker, args=(world, str(args.work), port, str(result), uncompressed), nprocs=world, join=True)
     return json.loads(result.read_text())

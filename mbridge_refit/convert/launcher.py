@@ -112,7 +112,6 @@ def record_exit_code(code: int, shared_message: str | None = None) -> bool:
 
 def _records(records: Path) -> tuple[dict[int, int], list[str]]:
     """The recorded exit code of each rank, and the distinct shared messages in rank order."""
-    codes, messages = {}, []
     entries = {}
     for record in records.glob("rank*"):
         try:
@@ -120,10 +119,9 @@ def _records(records: Path) -> tuple[dict[int, int], list[str]]:
             entries[int(record.name.removeprefix("rank"))] = (int(entry["code"]), entry.get("message"))
         except (OSError, ValueError, KeyError, TypeError):  # a rank stopped while writing
             continue
-    for rank, (code, message) in sorted(entries.items()):  # by rank number: rank10 after rank9
-        codes[rank] = code
-        if isinstance(message, str) and message not in messages:
-            messages.append(message)
+    ordered = sorted(entries.items())  # by rank number: rank10 after rank9
+    codes = {rank: code for rank, (code, _) in ordered}
+    messages = list(dict.fromkeys(message for _, (_, message) in ordered if isinstance(message, str)))
     return codes, messages
 
 

@@ -46,6 +46,7 @@ __all__ = [
     "assemble_plan",
     "build_export_plan",
     "current_sizes",
+    "decode_contribution",
     "encode_contribution",
     "exchange_contributions",
     "plan_entries",
@@ -154,12 +155,17 @@ def exchange_contributions(mine: Any, group: Any = None) -> list[Any]:
     collectives do."""
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, encode_contribution(mine), group=group)
-    return [pickle.loads(zlib.decompress(each)) for each in gathered]
+    return [decode_contribution(each) for each in gathered]
 
 
 def encode_contribution(mine: Any) -> bytes:
     """What ``exchange_contributions`` sends of ``mine``: pickled, then compressed (level 1)."""
     return zlib.compress(pickle.dumps(mine, protocol=pickle.HIGHEST_PROTOCOL), 1)
+
+
+def decode_contribution(sent: bytes) -> Any:
+    """A contribution from what ``encode_contribution`` made of it (a peer rank's: trusted, as above)."""
+    return pickle.loads(zlib.decompress(sent))
 
 
 def rank_contribution(
