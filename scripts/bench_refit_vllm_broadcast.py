@@ -3,6 +3,7 @@ and against vLLM's native NCCL weight transfer fed by the stock export.
 
     python3 scripts/bench_refit_vllm_broadcast.py --model qwen3-1.7b --engine-gpu 1 [--fp8] [--bucket-mib N]
         [--num-buffers N] [--no-checksum] [--compare-unbounded] [--phase-steps N] --out-dir DIR
+    python3 scripts/bench_refit_vllm_broadcast.py --bounds RESULT.json [...]   # no GPU: step_bound of each
 
 The trainer (a Megatron model of the shape, random weights, TP1) runs on GPU 0; the vLLM engine in
 its own process on ``--engine-gpu``, started with dummy weights from the shape's config (with
@@ -41,6 +42,11 @@ wait for the engine); on the engine ``checksum``, ``consume`` (the replay), ``da
 replay's stream waiting for the next bucket) and ``broadcast``. Also each end's host marks
 (``handshake``, the last bucket ``issued``, ``status``, ms from the end's start) and the step's
 parts, so the device phases line up with the wall clock.
+
+What a step can reach (``step_bound``, in the result and printed by ``--bounds`` for files already
+written): its fixed part (the handshake, the engine's reply, the prefix-cache reset with the outcome)
+against its bulk (packing and the buckets' broadcasts), and the raw/ours ratio a bulk at the raw
+broadcast's speed would give beside that fixed part.
 
 Writes DIR/bench_refit_vllm_broadcast_<model>[_fp8][_bucket<N>][_buffers<N>][_nochecksum].json with its manifest
 (``provenance.write_result``).
@@ -168,6 +174,57 @@ def raw_broadcast(llm, group, nbytes: int, repeats: int) -> tuple[list[float], b
     received = engine.join()[0]
     llm.collective_rpc(worker_drop_raw_buffer)
     return times, received == expected
+
+
+# --- what a step can reach: its fixed part against its bulk --------------------------------------------
+
+TARGET_RAW_OVER_OURS = 0.85  # issue #31's target for raw_broadcast_ms / ours_ms
+
+
+def step_bound(result: dict) -> dict | None:
+    """Split a step into the part that does not move bulk bytes and the bulk, and what the fixed
+    part alone leaves reachable (None without the timed steps' parts and the marked handshake).
+
+    ``fixed_ms``: the handshake (the trainer's host mark in the marked steps: the RPC that starts the
+    workers' receive and the plan check), the wait for the engine's reply after the last send and the
+    prefix-cache reset with the outcome shared (medians of the timed steps). ``bulk_ms``: the timed
+    steps' send less the handshake (packing and the buckets' broadcasts). ``best_raw_over_ours``: the
+    ratio a bulk as fast as the raw broadcast would give with this fixed part; ``ours_needed_ms``: the
+    step the target needs."""
+    parts, phases = result.get("ours_step_parts_ms"), result.get("ours_phases")
+    if not parts or not phases:
+        return None
+    handshake = phases["trainer"]["host_ms"]["handshake"]
+    raw = result["raw_broadcast_ms"]["median"]
+    fixed = handshake + parts["wait_engine"]["median"] + parts["reset_and_share"]["median"]
+    bulk = parts["send"]["median"] - handshake
+    return {
+        "handshake_ms": round(handshake, 3),
+        "engine_reply_ms": parts["wait_engine"]["median"],
+        "reset_and_share_ms": parts["reset_and_share"]["median"],
+        "fixed_ms": round(fixed, 3),
+        "bulk_ms": round(bulk, 3),
+        "raw_over_bulk": round(raw / bulk, 3),
+        "best_raw_over_ours": round(raw / (raw + fixed), 3),
+        "ours_needed_ms": round(raw / TARGET_RAW_OVER_OURS, 3),
+    }
+
+
+def print_bounds(paths: list[Path]) -> None:
+    """``--bounds``: ``step_bound`` of result files already written (no GPU), one line each."""
+    print("file | device | ours ms | raw ms | fixed ms (handshake, reply, reset) | bulk ms | raw/bulk | best raw/ours")
+    for path in paths:
+        result = json.loads(path.read_text())
+        bound = step_bound(result)
+        if bound is None:
+            print(f"{path} | no timed steps' parts or marked phases")
+            continue
+        print(
+            f"{path} | {result['device']} | {result['ours_ms']['median']:.2f} | {result['raw_broadcast_ms']['median']:.2f} | "
+            f"{bound['fixed_ms']:.2f} ({bound['handshake_ms']:.2f}, {bound['engine_reply_ms']:.2f}, "
+            f"{bound['reset_and_share_ms']:.2f}) | {bound['bulk_ms']:.2f} | {bound['raw_over_bulk']:.2f} | "
+            f"{bound['best_raw_over_ours']:.2f}"
+        )
 
 
 # --- where a step goes: both ends' per-bucket phases ------------------------------------------------
@@ -375,6 +432,7 @@ def run(args) -> dict:
             if native_times
             else None,
         }
+        result["step_bound"] = step_bound(result)
         result["ok"] = result["engine_loaded_every_tensor_sent"] and raw_ok
     return result
 
@@ -400,7 +458,17 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per side in each round (default 3)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of (ours, raw, native) (default 2)")
+    parser.add_argument(
+        "--bounds",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="print each result file's fixed part, bulk and best reachable raw/ours (step_bound) and exit (no GPU)",
+    )
     args = parser.parse_args()
+    if args.bounds:
+        print_bounds(args.bounds)
+        return
     if args.engine_gpu == 0:
         parser.error("--engine-gpu must be another GPU than the trainer's (0): NCCL refuses two members on one GPU")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

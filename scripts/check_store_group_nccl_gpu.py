@@ -32,11 +32,12 @@ import datetime
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from torch.distributed.elastic.utils.distributed import get_free_port as free_port
 
 REPO = Path(__file__).resolve().parents[1]
 BOUND_S = 30.0
@@ -54,12 +55,6 @@ VLLM_BATCH_INVARIANT_NCCL = {  # what vLLM 0.26's batch-invariant mode sets in i
     "NCCL_NTHREADS": "1",
     "NCCL_SOCKET_NTHREADS": "1",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # --- one member (a child process) -------------------------------------------------------------------

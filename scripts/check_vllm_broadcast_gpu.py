@@ -45,13 +45,13 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-import socket
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+from torch.distributed.elastic.utils.distributed import get_free_port as free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from check_vllm_refit_gpu import (  # noqa: E402
@@ -81,12 +81,6 @@ VLLM_BATCH_INVARIANT_NCCL = {
     "NCCL_NTHREADS": "1",
     "NCCL_SOCKET_NTHREADS": "1",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def fingerprints(llm) -> dict:

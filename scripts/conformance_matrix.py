@@ -27,13 +27,14 @@ import json
 import os
 import platform
 import re
-import socket
 import subprocess
 import sys
 import tempfile
 from collections import Counter
 from importlib import metadata
 from pathlib import Path
+
+from torch.distributed.elastic.utils.distributed import get_free_port as free_port
 
 REPO = Path(__file__).resolve().parents[1]
 TEST_MODULE = REPO / "tests" / "test_conformance.py"
@@ -71,12 +72,6 @@ STATE_LETTERS = {  # the README's one letter per cell state (the page spells the
     "different": "DIFFERENT",
     "our export failed": "FAILED",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def launch(layout_names: list[str], nproc: int, json_path: Path, only: str, lora: bool) -> None:

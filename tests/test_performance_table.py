@@ -165,3 +165,23 @@ def test_host_figures_divide_each_run_by_the_control_beside_it():
 def test_host_figures_without_a_control_reading_have_no_ratio():
     """A clock too coarse for the control loop reads 0 for it: no ratio instead of a division error."""
     assert bench.host_figures([2.0, 2.0], [0.0, 0.0], tensors=1000)["host_over_control"] is None
+
+
+def test_broadcast_step_bound_splits_fixed_part_from_bulk():
+    """``bench_refit_vllm_broadcast.step_bound``: the fixed part is the handshake mark, the engine's reply and the
+    reset; the bulk is the send less the handshake; the best ratio is the raw broadcast plus the fixed part."""
+    broadcast = load_script("bench_refit_vllm_broadcast")
+    result = {
+        "raw_broadcast_ms": {"median": 12.0},
+        "ours_step_parts_ms": {
+            "send": {"median": 16.0},
+            "wait_engine": {"median": 0.5},
+            "reset_and_share": {"median": 1.5},
+        },
+        "ours_phases": {"trainer": {"host_ms": {"handshake": 1.0}}},
+    }
+    bound = broadcast.step_bound(result)
+    assert bound["fixed_ms"] == 3.0 and bound["bulk_ms"] == 15.0, bound
+    assert bound["raw_over_bulk"] == 0.8 and bound["best_raw_over_ours"] == 0.8, bound  # 12 / 15 both
+    assert bound["ours_needed_ms"] == pytest.approx(12.0 / 0.85, abs=1e-3), bound
+    assert broadcast.step_bound({"raw_broadcast_ms": {"median": 12.0}}) is None  # no parts: no bound

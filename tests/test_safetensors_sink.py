@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from torch.distributed.elastic.utils.distributed import get_free_port as _free_port
 
 from mbridge_refit.checkpoints.hf import HFCheckpoint
 from mbridge_refit.sinks import (
@@ -391,12 +391,6 @@ _RANK_SCRIPT = textwrap.dedent(
     dist.destroy_process_group()
     """
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch_ranks(script: Path, args: list[str], *, world_size: int) -> None:
