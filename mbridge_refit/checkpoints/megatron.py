@@ -32,7 +32,6 @@ import dataclasses
 import json
 import math
 import pickle
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -50,6 +49,7 @@ from mbridge_refit.checkpoints.dcp_pickles import (
 )
 from mbridge_refit.checkpoints.hf import COPIED_FILE_NAMES
 from mbridge_refit.checkpoints.publish import TMP_PREFIX, begin_publication, carry_over, fsync_tree, is_loader_file
+from mbridge_refit.checkpoints.side_files import copy_side_file
 from mbridge_refit.errors import InputError
 from mbridge_refit.plan.layout import ParallelLayout
 
@@ -434,9 +434,7 @@ def save_model(
         dist.barrier()
         if publication.is_first_rank:
             for name in SIDE_FILE_NAMES:
-                source = copy_files_from / name
-                if source.is_file():
-                    shutil.copyfile(source, staging / name)
+                copy_side_file(copy_files_from, name, staging / name)
             (staging / TRACKER_NAME).write_bytes(b"release\n")
             if overwrite:
                 carry_over(publication.target, staging, _is_checkpoint_entry)

@@ -23,6 +23,7 @@ from mbridge_refit.convert.flags import device_from_flag, fp8_from_flags, timeou
 from mbridge_refit.convert.inputs import (
     check_distinct_dirs,
     check_output_dir,
+    check_side_files,
     checked_hf_input,
     checked_layout,
     checkpoint_float_dtype,
@@ -130,6 +131,7 @@ def cmd_roundtrip(args: argparse.Namespace) -> int:
 def _validate_roundtrip(args: argparse.Namespace) -> WriteArgs:
     """Every check that needs no process group: same inputs, same verdict on every rank."""
     layout = checked_hf_input(args)
+    check_side_files(args.hf, "--hf")
     if args.out.resolve() == args.hf.resolve():
         raise BadInput("--out must differ from --hf")
     check_output_dir(args.out, args.overwrite)
@@ -203,6 +205,7 @@ class ImportArgs:
 
 def cmd_import(args: argparse.Namespace) -> int:
     layout = checked_hf_input(args)
+    check_side_files(args.hf, "--hf")
     check_distinct_dirs(args.hf, "--hf", args.megatron, "--megatron")
     check_output_dir(args.megatron, args.overwrite)
     return run_import(
@@ -230,6 +233,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     except NotAMegatronCheckpoint as err:
         raise BadInput(f"--megatron {args.megatron}: {err}") from err
     layout = checked_layout(args, supported_config(args.megatron, trust_remote_code=args.trust_remote_code))
+    check_side_files(args.megatron, "--megatron")
     check_distinct_dirs(args.megatron, "--megatron", args.out, "--out")
     check_output_dir(args.out, args.overwrite)
     return run_export(_write_args(args, source=args.megatron, layout=layout))

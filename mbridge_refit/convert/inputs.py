@@ -27,6 +27,7 @@ __all__ = [
     "check_config_numbers",
     "check_distinct_dirs",
     "check_output_dir",
+    "check_side_files",
     "check_provider",
     "checked_hf_input",
     "checked_layout",
@@ -157,6 +158,17 @@ def check_output_dir(out: Path, overwrite: bool) -> None:
     parent = next((p for p in (target, *target.parents) if p.exists()), Path("."))
     if not os.access(parent, os.W_OK | os.X_OK):
         raise BadInput(f"cannot write {out}: {parent} is not writable; choose another output directory")
+
+
+def check_side_files(source: Path, flag: str) -> None:
+    """The files a write copies from ``source`` beside the weights (``checkpoints.side_files``) are
+    regular files inside it: a crafted checkpoint cannot make the output carry a file from elsewhere."""
+    from mbridge_refit.checkpoints.megatron import SIDE_FILE_NAMES
+    from mbridge_refit.checkpoints.side_files import side_file_problems
+
+    problems = side_file_problems(source, SIDE_FILE_NAMES)
+    if problems:
+        raise BadInput(f"{flag} {source}: {'; '.join(problems)}")
 
 
 def check_distinct_dirs(source: Path, source_flag: str, out: Path, out_flag: str) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -39,6 +38,7 @@ from mbridge_refit.checkpoints.publish import (
     fsync_file,
     is_loader_file,
 )
+from mbridge_refit.checkpoints.side_files import copy_side_file, read_side_file
 from mbridge_refit.sinks.base import WeightSink
 
 __all__ = [
@@ -393,19 +393,14 @@ class ShardedSafetensorsWriter(WeightSink):
     def _copy_side_files(self) -> None:
         if self._copy_from is None:
             return
-        config = self._copy_from / CONFIG_NAME
-        if config.is_file():
-            if self._config_overrides:
-                data = json.loads(config.read_text())
-                data.update(self._config_overrides)
-                text = json.dumps(data, indent=2, sort_keys=True) + "\n"
-                self._atomic_write_text(CONFIG_NAME, text)
-            else:
-                self._atomic_copy(config)
+        if self._config_overrides:
+            data = json.loads(read_side_file(self._copy_from, CONFIG_NAME))
+            data.update(self._config_overrides)
+            self._atomic_write_text(CONFIG_NAME, json.dumps(data, indent=2, sort_keys=True) + "\n")
+        else:
+            self._atomic_copy(CONFIG_NAME)
         for name in COPIED_FILE_NAMES:
-            source = self._copy_from / name
-            if source.is_file():
-                self._atomic_copy(source)
+            self._atomic_copy(name)
 
     def _write_index(self, num_shards: int) -> None:
         index = {
@@ -414,11 +409,12 @@ class ShardedSafetensorsWriter(WeightSink):
         }
         self._atomic_write_text(INDEX_NAME, json.dumps(index, indent=2, sort_keys=True) + "\n")
 
-    def _atomic_copy(self, source: Path) -> None:
-        tmp = self._track_tmp(source.name)
-        shutil.copyfile(source, tmp)
-        fsync_file(tmp)
-        os.replace(tmp, self.staging / source.name)
+    def _atomic_copy(self, name: str) -> None:
+        """``copy_files_from / name`` into the staging directory if present (``checkpoints.side_files``)."""
+        tmp = self._track_tmp(name)
+        if copy_side_file(self._copy_from, name, tmp):
+            fsync_file(tmp)
+            os.replace(tmp, self.staging / name)
         self._tmp_paths.discard(tmp)
 
     def _atomic_write_text(self, name: str, text: str) -> None:
