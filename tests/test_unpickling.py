@@ -21,6 +21,7 @@ import multiprocessing
 import os
 import pickle
 import subprocess
+import time
 
 import pytest
 import torch
@@ -195,6 +196,63 @@ def test_index_refuses_state_on_a_class(tmp_path):
     finally:
         if hasattr(Metadata, "crafted_attr"):
             del Metadata.crafted_attr
+
+
+def _shared_tuples(depth: int, *, dup: bool) -> bytes:
+    """Opcodes leaving a tuple of ``depth`` levels, each level two references to the one below: a few bytes
+    a level, 2**depth to hash, compare or print (DUP, or a memo PUT and GET of each level)."""
+    levels = b"".join(b"2\x86" if dup else b"q" + bytes([i]) + b"h" + bytes([i]) + b"\x86" for i in range(depth))
+    return b")" + levels
+
+
+@pytest.mark.parametrize("dup", [True, False], ids=["dup", "memo"])
+@pytest.mark.parametrize("use", ["dict key", "set item", "memory format", "refused call"])
+def test_index_refuses_shared_tuples_at_once(use, dup, tmp_path):
+    # 135 bytes of DUPs used as a dict key hashed for ever (a review's reproducer); the same tuple in the
+    # refusal of a call was printed in full before the message was cut.
+    from mbridge_refit.checkpoints.dcp_pickles import UnsafePickle, load_index
+
+    tuples = _shared_tuples(60, dup=dup)
+    data = {
+        "dict key": b"\x80\x04}" + tuples + b"Ns.",
+        "set item": b"\x80\x04(" + tuples + b"\x91.",
+        "memory format": b"\x80\x04ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\n" + tuples + b"\x85R.",
+        "refused call": b"\x80\x04" + tuples + b")R.",  # the tuple called: named in the refusal
+    }[use]
+    started = time.monotonic()
+    with pytest.raises((UnsafePickle, pickle.UnpicklingError)) as refused:
+        load_index(data)
+    assert time.monotonic() - started < 2.0 and len(str(refused.value)) < 400, str(refused.value)[:400]
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["storage_data", "offset", "chunk offsets", "dtype", "planner_data", "transforms", "storage_meta"],
+)
+def test_index_refuses_fields_of_another_type(damage, tmp_path):
+    # BUILD sets a record's state field by field: an index of the right classes may hold anything in them,
+    # which the checks after the load then met as raw AttributeErrors.
+    from mbridge_refit.checkpoints.dcp_pickles import UnsafePickle, load_index
+
+    index = _genuine_index(tmp_path)
+    location = next(iter(index.storage_data.values()))
+    tensor = index.state_dict_metadata["a"]
+    if damage == "storage_data":
+        index.storage_data = 5
+    elif damage == "offset":
+        location.offset = -1
+    elif damage == "chunk offsets":
+        tensor.chunks[0].offsets = [0, 0]
+    elif damage == "dtype":
+        tensor.properties.dtype = "bfloat16"
+    elif damage == "planner_data":
+        index.planner_data = {"a": ("a", ("b",))}
+    elif damage == "transforms":
+        location.transform_descriptors = ["stream.zstd"]
+    else:
+        index.storage_meta = torch.float32
+    with pytest.raises(UnsafePickle, match="is not what a DCP index holds there"):
+        load_index(pickle.dumps(index))
 
 
 def test_index_refuses_extension_codes(tmp_path):

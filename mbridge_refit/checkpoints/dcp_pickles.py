@@ -16,6 +16,12 @@ crafted file names. Here:
   OBJ call only allowed objects; BUILD sets state only on instances of the index's dataclasses
   (never on a class, an enum member or a dtype, which would change them for the whole process).
   None of the allowed objects runs code when called or given state, so an index that loads is data.
+  Data can still cost: a few hundred bytes of tuples that share their items (memo references, DUP)
+  hash and print in time exponential in their depth. So a dict or set key must be a string, an int
+  or a ``MetadataIndex`` of a string and a ``torch.Size`` (checked as the key goes in, before it is
+  hashed), the memory-format enum takes only an int, every message shows a bounded ``reprlib`` form
+  of what it names, and the loaded index must have the shape DCP writes (``check_index_shape``:
+  each field of the type DCP gives it), so no later check meets anything else.
 * ``check_byte_item`` loads a byte item with ``torch.load(weights_only=True)``.
 * ``CheckedFileSystemReader`` is DCP's reader with both checks built in: the index through
   ``load_index``, every byte item through ``check_byte_item`` before DCP loads the same bytes.
@@ -32,13 +38,22 @@ import io
 import logging
 import pathlib
 import pickle
+import reprlib
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Iterator, Mapping
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 from mbridge_refit.errors import InputError
 
@@ -49,6 +64,7 @@ __all__ = [
     "UnsafePickle",
     "byte_items",
     "check_byte_item",
+    "check_index_shape",
     "checked_megatron_reads",
     "index_globals",
     "load_index",
@@ -77,14 +93,14 @@ def index_globals() -> Mapping[tuple[str, str], Any]:
     dtypes by name and layouts through ``torch.serialization._get_layout`` (here a lookup of torch's
     layouts by name).
     """
-    from torch.distributed.checkpoint import filesystem, metadata
+    from torch.distributed.checkpoint import filesystem
 
     names: dict[tuple[str, str], Any] = {
         (_DCP_METADATA, cls.__name__): cls for cls in _index_dataclasses() if cls.__module__ == _DCP_METADATA
     }
     names.update(
         {
-            (_DCP_METADATA, "_MEM_FORMAT_ENCODING"): metadata._MEM_FORMAT_ENCODING,
+            (_DCP_METADATA, "_MEM_FORMAT_ENCODING"): _memory_format,
             (_DCP_FILESYSTEM, "_StorageInfo"): filesystem._StorageInfo,
             ("torch", "Size"): torch.Size,
             ("torch.serialization", "_get_layout"): _layout_named,
@@ -122,8 +138,45 @@ def _layout_named(name: str) -> torch.layout:
     """``torch.serialization._get_layout`` as an index uses it: torch's layout called ``name``."""
     layout = _layouts().get(name) if isinstance(name, str) else None
     if layout is None:
-        raise UnsafePickle(f"{name!r:.80} is not a torch layout")
+        raise UnsafePickle(f"{brief(name)} is not a torch layout")
     return layout
+
+
+def _memory_format(value: int) -> Any:
+    """DCP's ``_MEM_FORMAT_ENCODING(value)`` as an index calls it: its member numbered ``value`` (an int:
+    the enum's lookup hashes what it is given)."""
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    if type(value) is not int:
+        raise UnsafePickle(f"a memory format is numbered by an int, not by {brief(value)}")
+    try:
+        return _MEM_FORMAT_ENCODING(value)
+    except ValueError:
+        raise UnsafePickle(f"{value} numbers no memory format") from None
+
+
+_BRIEF = reprlib.Repr(maxlevel=2, maxtuple=4, maxlist=4, maxdict=4, maxset=4, maxfrozenset=4, maxstring=60, maxother=60)
+
+
+def brief(obj: Any) -> str:
+    """A bounded description of ``obj`` for a message (its type and a cut ``reprlib`` form: a full repr
+    of shared nested tuples takes exponential time)."""
+    return f"{type(obj).__name__} {_BRIEF.repr(obj)}"
+
+
+def _key_problem(key: Any) -> str | None:
+    """Why ``key`` cannot be a key of an index's dicts or sets (None: it can)."""
+    kind = type(key)
+    if kind is str or kind is int:
+        return None
+    if kind is MetadataIndex:
+        state = vars(key)
+        offset = state.get("offset")
+        if type(state.get("fqn")) is str and (offset is None or type(offset) is torch.Size):
+            return None
+    return (
+        f"{brief(key)} as a key: an index's keys are names, ints and MetadataIndex records of a name and a torch.Size"
+    )
 
 
 @functools.cache
@@ -154,7 +207,13 @@ class IndexUnpickler(pickle._Unpickler):
 
     def _require_allowed(self, obj: Any, opcode: str) -> None:
         if id(obj) not in _allowed_ids():
-            raise UnsafePickle(f"{opcode} on {type(obj).__name__} {obj!r:.80}: an index calls only the types it holds")
+            raise UnsafePickle(f"{opcode} on {brief(obj)}: an index calls only the types it holds")
+
+    def _require_keys(self, keys: Any, opcode: str) -> None:
+        for key in keys:
+            problem = _key_problem(key)
+            if problem is not None:
+                raise UnsafePickle(f"{opcode} with {problem}")
 
     def _load_reduce(self) -> None:
         self._require_allowed(self.stack[-2], "REDUCE")
@@ -175,10 +234,34 @@ class IndexUnpickler(pickle._Unpickler):
     def _load_build(self) -> None:
         target = self.stack[-2]
         if type(target) not in _index_dataclasses():
-            raise UnsafePickle(
-                f"BUILD on {type(target).__name__} {target!r:.80}: an index sets state only on its own records"
-            )
+            raise UnsafePickle(f"BUILD on {brief(target)}: an index sets state only on its own records")
         pickle._Unpickler.load_build(self)
+
+    def _load_setitem(self) -> None:
+        self._require_keys(self.stack[-2:-1], "SETITEM")
+        pickle._Unpickler.load_setitem(self)
+
+    # pickle's Python unpickler keeps the items since the last MARK in ``stack`` (the stacks below it in
+    # ``metastack``): the keys of SETITEMS and DICT are every other one from the first, ADDITEMS' and
+    # FROZENSET's all of them.
+    def _load_setitems(self) -> None:
+        self._require_keys(self.stack[::2], "SETITEMS")
+        pickle._Unpickler.load_setitems(self)
+
+    def _load_dict(self) -> None:
+        self._require_keys(self.stack[::2], "DICT")
+        pickle._Unpickler.load_dict(self)
+
+    def _load_additems(self) -> None:
+        self._require_keys(self.stack, "ADDITEMS")
+        pickle._Unpickler.load_additems(self)
+
+    def _load_frozenset(self) -> None:
+        self._require_keys(self.stack, "FROZENSET")
+        pickle._Unpickler.load_frozenset(self)
+
+    def _load_dup(self) -> None:
+        raise UnsafePickle("DUP is never in an index (pickle's writer does not use it)")
 
     def _load_ext(self) -> None:
         raise UnsafePickle("an extension code (EXT1/EXT2/EXT4) is never in an index")
@@ -188,6 +271,12 @@ class IndexUnpickler(pickle._Unpickler):
     dispatch[pickle.NEWOBJ_EX[0]] = _load_newobj_ex
     dispatch[pickle.OBJ[0]] = _load_obj
     dispatch[pickle.BUILD[0]] = _load_build
+    dispatch[pickle.SETITEM[0]] = _load_setitem
+    dispatch[pickle.SETITEMS[0]] = _load_setitems
+    dispatch[pickle.DICT[0]] = _load_dict
+    dispatch[pickle.ADDITEMS[0]] = _load_additems
+    dispatch[pickle.FROZENSET[0]] = _load_frozenset
+    dispatch[pickle.DUP[0]] = _load_dup
     for _ext in (pickle.EXT1, pickle.EXT2, pickle.EXT4):
         dispatch[_ext[0]] = _load_ext
     del _ext
@@ -198,7 +287,53 @@ def load_index(data: bytes) -> Metadata:
     index = IndexUnpickler(io.BytesIO(data)).load()
     if type(index) is not Metadata:
         raise UnsafePickle(f"the pickle holds a {type(index).__name__}, not a {Metadata.__name__}")
+    check_index_shape(index)
     return index
+
+
+def check_index_shape(index: Metadata) -> None:
+    """Raise ``UnsafePickle`` unless every field of ``index`` has the type DCP writes: tensor entries of a
+    ``torch.Size`` and chunks of ``torch.Size`` offsets and sizes, byte entries, locations of a file name
+    and two non-negative ints, no transforms, planner paths of names and positions. BUILD
+    sets a record's state field by field, so a record that loads may hold anything until this passes."""
+    _StorageInfo = index_globals()[(_DCP_FILESYSTEM, "_StorageInfo")]
+    for fqn, entry in _field(index, "state_dict_metadata", dict, where="the index").items():
+        where = f"entry {brief(fqn)}"
+        if type(entry) is BytesStorageMetadata:
+            continue
+        _require(type(entry) is TensorStorageMetadata, f"{where}: a {type(entry).__name__}")
+        _field(_field(entry, "properties", TensorProperties, where=where), "dtype", torch.dtype, where=where)
+        _field(entry, "size", torch.Size, where=where)
+        for chunk in _field(entry, "chunks", list, where=where):
+            _require(type(chunk) is ChunkStorageMetadata, f"{where}: a chunk that is a {type(chunk).__name__}")
+            _field(chunk, "offsets", torch.Size, where=where)
+            _field(chunk, "sizes", torch.Size, where=where)
+    for key, location in (_field(index, "storage_data", dict, type(None), where="the index") or {}).items():
+        where = f"the location of {brief(key)}"
+        _require(type(key) is MetadataIndex and type(location) is _StorageInfo, where)
+        _field(location, "relative_path", str, where=where)
+        _require(_field(location, "offset", int, where=where) >= 0, f"{where}: its offset")
+        _require(_field(location, "length", int, where=where) >= 0, f"{where}: its length")
+        _field(location, "transform_descriptors", type(None), where=where)
+    for fqn, path in (_field(index, "planner_data", dict, type(None), where="the index") or {}).items():
+        # DCP's default planner: each flattened name's path in the state dict, names and list positions
+        _require(
+            type(path) is tuple and all(type(step) in (str, int) for step in path), f"the planner path of {brief(fqn)}"
+        )
+    _field(index, "storage_meta", StorageMeta, type(None), where="the index")
+    _field(index, "version", str, type(None), where="the index")
+
+
+def _field(record: Any, name: str, *kinds: type, where: str) -> Any:
+    """``record.name``, which must be of exactly one of ``kinds``."""
+    value = getattr(record, name, None)
+    _require(type(value) in kinds, f"{where}: its {name} ({type(value).__name__})")
+    return value
+
+
+def _require(ok: bool, what: str) -> None:
+    if not ok:
+        raise UnsafePickle(f"{what} is not what a DCP index holds there")
 
 
 def check_byte_item(data: bytes) -> None:
