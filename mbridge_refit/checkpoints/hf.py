@@ -10,19 +10,23 @@ Everything read here is input: a damaged or hostile file raises ``CheckpointErro
 never a reader's own exception. Every safetensors file, the single ``model.safetensors`` as each
 shard of an index, has its header checked the same way (``_header_names``: the length, the JSON,
 a name given twice, then safetensors' own checks of dtypes and offsets); index entries must name
-files inside the checkpoint directory, checked before any of them is opened.
+files inside the checkpoint directory, checked before any of them is opened, and none may be a
+FIFO, device or socket (the first read of a FIFO waits for a writer forever); every file is opened
+without blocking and read only once ``fstat`` shows it is a regular file.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import re
-from collections import OrderedDict
+import stat
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, BinaryIO, Iterator
 
 import torch
 from safetensors import safe_open
@@ -223,10 +227,47 @@ class HFCheckpoint:
 def _safe_open(path: Path) -> Any:
     """safetensors' reader of ``path``; where the file cannot be opened, the OSError that says why
     (safetensors reports every failure to open, permission denied included, as "No such file or
-    directory", and a directory as "No such device")."""
-    with open(path, "rb"):
+    directory", and a directory as "No such device"), and ``CheckpointError`` for a FIFO, device or
+    socket (``_open_regular``)."""
+    with _open_regular(path):
         pass
     return safe_open(path, framework="pt")
+
+
+def _open_regular(file: Path) -> BinaryIO:
+    """``file`` opened for reading; a directory raises ``IsADirectoryError`` (as ``open`` does), any
+    other file that is not a regular file ``CheckpointError``. Opened without blocking (a FIFO with
+    no writer would otherwise wait forever), then checked on the open descriptor, so a file replaced
+    after the index was checked is refused too."""
+    fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        kind = _file_kind(os.fstat(fd).st_mode)
+        if kind == "directory":
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(file))
+        if kind != "regular file":
+            raise CheckpointError(
+                f"cannot read {file}: it is a {kind}, but it must be a regular safetensors file (reading a FIFO or "
+                "device may never end)"
+            )
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _file_kind(mode: int) -> str:
+    """What a file of ``mode`` (``st_mode``) is, in words."""
+    for test, kind in (
+        (stat.S_ISREG, "regular file"),
+        (stat.S_ISDIR, "directory"),
+        (stat.S_ISFIFO, "FIFO"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+        (stat.S_ISSOCK, "socket"),
+    ):
+        if test(mode):
+            return kind
+    return "special file"
 
 
 def _header_names(file: Path) -> list[str]:
@@ -238,7 +279,7 @@ def _header_names(file: Path) -> list[str]:
     checks each entry's dtype and that the offsets tile the data exactly. Raises
     ``CheckpointError`` naming the file and what is wrong."""
     try:
-        with open(file, "rb") as handle:
+        with _open_regular(file) as handle:
             size = os.fstat(handle.fileno()).st_size
             prefix = handle.read(8)
             if len(prefix) < 8:
@@ -269,11 +310,13 @@ def _header_names(file: Path) -> list[str]:
 
 
 def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    keys = [key for key, _ in pairs]
-    repeated = sorted({key for key in keys if keys.count(key) > 1}) if len(set(keys)) < len(keys) else []
-    if repeated:
+    """``pairs`` as a dict, or ValueError naming keys given more than once (in time linear in ``pairs``:
+    a header may hold millions of keys)."""
+    result = dict(pairs)
+    if len(result) < len(pairs):
+        repeated = sorted(key for key, count in Counter(key for key, _ in pairs).items() if count > 1)
         raise ValueError(f"the header names {repeated[:3]} more than once")
-    return dict(pairs)
+    return result
 
 
 def _read_index(path: Path) -> dict[str, str]:
@@ -302,6 +345,14 @@ def _read_index(path: Path) -> dict[str, str]:
         raise FileNotFoundError(
             f"{path / INDEX_NAME} names shard files that do not exist: {missing}; "
             "the checkpoint is incomplete (re-run the export)"
+        )
+    special = sorted({f for f in weight_map.values() if not ((path / f).is_file() or (path / f).is_dir())})
+    if special:
+        kinds = [f"{path / f} is a {_file_kind((path / f).stat().st_mode)}" for f in special[:5]]
+        raise CheckpointError(
+            f"{index_file} maps tensors to files that are not regular files ({'; '.join(kinds)}"
+            f"{f'; and {len(special) - 5} more' if len(special) > 5 else ''}): each shard must be a regular "
+            "safetensors file (reading a FIFO or device may never end). Re-export or re-download the checkpoint"
         )
     return dict(weight_map)
 

@@ -16,8 +16,10 @@ Its model section holds only what ``PEFT.adapter_key_filter`` keeps (``...adapte
 layout. Beside it lie the optimizer's states, RNG and rerun state: never read here.
 
 ``PeftCheckpoint.open`` finds the iteration directory (from ``SAVE`` through the tracker, or given),
-reads ``run_config.yaml`` with ``yaml.safe_load`` (data only, as Megatron-Bridge reads it) and takes
-the LoRA settings of its ``peft`` section; only Megatron-Bridge's plain ``LoRA`` is accepted.
+reads ``run_config.yaml`` with ``yaml.SafeLoader`` (data only, as Megatron-Bridge reads it) and takes
+the LoRA settings of its ``peft`` section; only Megatron-Bridge's plain ``LoRA`` is accepted. The file
+must be what ``yaml.safe_dump`` writes of a tree: at most ``MAX_RUN_CONFIG_BYTES``, and no aliases or
+anchors (``&``/``*``), which would let a file of under 1 kB stand for a tree of 10**12 values.
 ``adapter_keys`` lists the stored adapter tensors from the DCP index (``dcp_pickles``: nothing in it
 runs code). Loading goes through ``checkpoints.megatron.load_weights``. Every refusal is a
 ``NotAPeftCheckpoint`` naming the file and the fix.
@@ -26,6 +28,7 @@ runs code). Loading goes through ``checkpoints.megatron.load_weights``. Every re
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -37,6 +40,7 @@ from mbridge_refit.checkpoints.megatron import NotAMegatronCheckpoint, StoredTen
 __all__ = [
     "ADAPTER_MARK",
     "LORA_TARGET",
+    "MAX_RUN_CONFIG_BYTES",
     "NotAPeftCheckpoint",
     "PeftCheckpoint",
     "RUN_CONFIG_NAME",
@@ -50,6 +54,8 @@ logger = logging.getLogger(__name__)
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 RUN_CONFIG_NAME = "run_config.yaml"
 LORA_TARGET = "megatron.bridge.peft.lora.LoRA"
+# A run's run_config.yaml is about 12 kB (the whole ConfigContainer); a thousand times that is no run's.
+MAX_RUN_CONFIG_BYTES = 16 * 2**20
 ADAPTER_MARK = ".adapter."
 # run_config.yaml's model section -> the provider field it is compared with (a wrong base shows here).
 _BASE_FIELDS = (
@@ -175,8 +181,9 @@ def _iteration_dir(path: Path) -> Path:
             "its iter_* directories"
         )
         raise NotAPeftCheckpoint(f"{path} holds neither {_MEGATRON_INDEX} nor {TRACKER_NAME}: {hint}")
-    text = tracker.read_text().strip()
-    name = "release" if text == "release" else (f"iter_{int(text):07d}" if text.isdigit() else None)
+    text = tracker.read_text(errors="replace").strip()
+    number = text.isascii() and text.isdigit()  # str.isdigit() also takes "²", which int() refuses
+    name = "release" if text == "release" else (f"iter_{int(text):07d}" if number else None)
     if name is None or not (path / name / _MEGATRON_INDEX).is_file():
         raise NotAPeftCheckpoint(
             f"{tracker} names iteration {text!r}, but {path / (name or text)} holds no complete checkpoint: "
@@ -195,13 +202,54 @@ def _run_config(weights: Path) -> dict[str, Any]:
             f"{weights} has no {RUN_CONFIG_NAME}, which holds the run's LoRA settings (alpha, targets): Megatron-Bridge "
             "writes it into every iteration directory; copy it from the training run"
         )
+    size = path.stat().st_size
+    if size > MAX_RUN_CONFIG_BYTES:
+        raise NotAPeftCheckpoint(
+            f"{path} has {size} bytes, more than the {MAX_RUN_CONFIG_BYTES} of any {RUN_CONFIG_NAME} Megatron-Bridge "
+            "writes (about 12 kB): copy the run's own file"
+        )
     try:
-        config = yaml.safe_load(path.read_text())
+        config = yaml.load(path.read_text(), Loader=_tree_loader())
+    except _AliasFound as err:
+        raise NotAPeftCheckpoint(
+            f"{path} uses YAML aliases (&/*), which Megatron-Bridge's {RUN_CONFIG_NAME} never does ({err}): copy the "
+            "run's own file"
+        ) from err
+    except RecursionError as err:
+        raise NotAPeftCheckpoint(
+            f"{path} is nested deeper than the YAML reader follows, which Megatron-Bridge's {RUN_CONFIG_NAME} never "
+            "is: copy the run's own file"
+        ) from err
     except (yaml.YAMLError, UnicodeDecodeError) as err:
         raise NotAPeftCheckpoint(f"{path} is not YAML Megatron-Bridge wrote ({err}): copy the run's own file") from err
     if not isinstance(config, dict):
         raise NotAPeftCheckpoint(f"{path} is not a mapping: copy the run's own file")
     return config
+
+
+class _AliasFound(Exception):
+    """A YAML alias or anchor where ``_tree_loader`` reads (the message says where)."""
+
+
+@functools.cache
+def _tree_loader() -> type:
+    """``yaml.SafeLoader`` that raises ``_AliasFound`` at the first alias or anchor: ``yaml.safe_dump``
+    writes one only for an object shared within the data, which a config's tree never has, and an
+    alias makes shared nodes that every later walk (``_plain``) visits once per path."""
+    import yaml
+
+    class TreeLoader(yaml.SafeLoader):
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            event = self.peek_event()
+            if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+                mark = event.start_mark
+                raise _AliasFound(
+                    f"{'*' if isinstance(event, yaml.AliasEvent) else '&'}{event.anchor} at line "
+                    f"{mark.line + 1}, column {mark.column + 1}"
+                )
+            return super().compose_node(parent, index)
+
+    return TreeLoader
 
 
 def _plain(value: Any) -> bool:
