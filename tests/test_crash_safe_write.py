@@ -31,7 +31,7 @@ NEW = {f"new.{i}": torch.full((16,), float(-i)) for i in range(7)}
 
 CHILD = textwrap.dedent(
     """
-    import os, sys, time
+    import os, shutil, sys, time
     from pathlib import Path
     import torch
     import mbridge_refit.checkpoints.publish as publish
@@ -54,8 +54,7 @@ CHILD = textwrap.dedent(
     sink.fsync_dir = pausing("fsync_staging", sink.fsync_dir)              # all written, before the swap
     publish.swap_in = pausing("exchange", publish.swap_in)               # right before the swap
     sink.fsync_file = pausing("fsync_shard_renamed", sink.fsync_file, after=5)  # while side files are written
-    real_rmtree = sink.shutil.rmtree
-    sink.shutil.rmtree = pausing("remove_old", real_rmtree)                  # swapped, old not yet removed
+    shutil.rmtree = pausing("remove_old", shutil.rmtree)                     # swapped, old not yet removed
     real_replace = os.replace
     def replace(a, b):  # during the renames of the shards inside the staging directory
         calls["rename"] = calls.get("rename", 0) + 1

@@ -26,13 +26,23 @@ import json
 import logging
 import os
 import socket
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from mbridge_refit.errors import InputError
 
-__all__ = ["LOCK_SUFFIX", "LockHeld", "LockHolder", "OutputLock", "UNKNOWN_HOLDER", "held_by", "lock_path"]
+__all__ = [
+    "LOCK_SUFFIX",
+    "LockFileError",
+    "LockHeld",
+    "LockHolder",
+    "OutputLock",
+    "UNKNOWN_HOLDER",
+    "held_by",
+    "lock_path",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +92,30 @@ class LockHolder:
 UNKNOWN_HOLDER = LockHolder(pid=None, host=None, since=None)
 
 
+class LockFileError(InputError):
+    """What lies at an output's lock path is not a lock file (a link, a FIFO, a directory): never written
+    through, never waited on."""
+
+
+def _open_lock(path: Path, flags: int) -> int:
+    """``path`` opened with ``flags``, never through a symlink (a planted link would have us truncate the
+    file it names) and never blocking (a FIFO); raises ``LockFileError`` unless it is a regular file."""
+    try:
+        fd = os.open(path, flags | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as err:
+        if err.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            raise
+        fd = None
+    if fd is not None and stat.S_ISREG(os.fstat(fd).st_mode):
+        return fd
+    if fd is not None:
+        os.close(fd)
+    raise LockFileError(
+        f"{path} is where this output's lock file goes, but it is not a regular file (a link, FIFO or directory): "
+        "remove it, or choose another output directory"
+    )
+
+
 class LockHeld(InputError):
     """Another writer holds the lock of an output directory."""
 
@@ -104,7 +138,7 @@ class OutputLock:
         path = lock_path(target)
         deadline = time.monotonic() + _RETRY_SECONDS
         while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = _open_lock(path, os.O_RDWR | os.O_CREAT)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -149,7 +183,7 @@ def held_by(target: Path) -> LockHolder | None:
     Takes a shared lock for an instant (an exclusive one would need write access on NFS);
     a writer that tries its exclusive lock in that instant tries again (``_RETRY_SECONDS``)."""
     try:
-        fd = os.open(lock_path(target), os.O_RDONLY | os.O_CLOEXEC)
+        fd = _open_lock(lock_path(target), os.O_RDONLY)
     except FileNotFoundError:
         return None
     try:

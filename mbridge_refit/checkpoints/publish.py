@@ -23,7 +23,10 @@ Owns the protocol both checkpoint writers follow (``sinks.safetensors`` for HF c
 Overwrite means the new checkpoint only: every old file a loader could read is dropped (see
 ``is_loader_file``); other entries are kept. An ``out`` that is a symlink is written through:
 the link stays, the directory it points to is the one replaced (``output_target``), and the lock
-and staging directory are beside that directory. A staging directory found under the lock is
+and staging directory are beside that directory. A target that is a mount point cannot be swapped, and one holding
+another filesystem would have it emptied by the removal of the old content: both are refused
+before anything is written (``placement_problem``). Whatever lies at the lock's or a staging
+directory's name must be what this protocol puts there (a regular file, a directory). A staging directory found under the lock is
 the leftover of a killed run (``leftover_error`` names it; overwrite removes it).
 """
 
@@ -42,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mbridge_refit.checkpoints.output_lock import LockHeld, LockHolder, OutputLock
+from mbridge_refit.checkpoints.output_lock import LockFileError, LockHeld, LockHolder, OutputLock
 from mbridge_refit.errors import InputError
 
 __all__ = [
@@ -62,6 +65,7 @@ __all__ = [
     "leftover_error",
     "leftovers",
     "output_target",
+    "placement_problem",
     "swap_in",
 ]
 
@@ -112,8 +116,34 @@ class OutputRefused(InputError, FileExistsError):
 
 
 def output_target(out: Path) -> Path:
-    """The directory a write into ``out`` replaces: ``out``, or where it points if it is a symlink."""
-    return Path(os.path.realpath(out)) if out.is_symlink() else out
+    """The directory a write into ``out`` replaces: ``out`` with every link and ``.``/``..`` resolved (a
+    symlink is written through; the lock and the staging directory are named after the target, so
+    ``out`` must resolve to a named directory, never to ``.``)."""
+    return Path(os.path.realpath(out))
+
+
+def placement_problem(target: Path, *, overwrite: bool) -> str | None:
+    """Why a checkpoint cannot be built beside ``target`` and swapped in (None: it can): a mount point
+    cannot be renamed, and with ``overwrite`` the old content is carried over and removed, which must
+    not cross into another filesystem mounted inside it."""
+    if not target.is_dir():
+        return None
+    if os.path.ismount(target):
+        return (
+            f"{target} is a mount point: a checkpoint is built beside its output and swapped in by a rename, "
+            f"which a mount point refuses; write into a directory inside it (e.g. {target / 'model'})"
+        )
+    if overwrite:
+        device = target.stat().st_dev
+        for folder, subfolders, _ in os.walk(target):
+            for name in subfolders:
+                path = Path(folder) / name
+                if not path.is_symlink() and path.stat().st_dev != device:
+                    return (
+                        f"{path} inside the output {target} is another filesystem: replacing the output would "
+                        "remove what is on it; unmount it or write the checkpoint elsewhere"
+                    )
+    return None
 
 
 def is_loader_file(path: Path) -> bool:
@@ -244,11 +274,16 @@ def _begin_here(out: Path, *, overwrite: bool) -> Publication:
     target = output_target(out)
     if target.exists() and not target.is_dir():
         raise OutputRefused(f"output {out} exists and is not a directory; pass a directory path")
+    problem = placement_problem(target, overwrite=overwrite)
+    if problem is not None:
+        raise OutputRefused(problem)
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
         lock = OutputLock.acquire(target)
     except LockHeld as held:
         raise OutputRefused(busy_error(out, held.holder)) from None
+    except LockFileError as err:
+        raise OutputRefused(str(err)) from None
     try:
         found = leftovers(target)
         if found and not overwrite:
@@ -259,6 +294,11 @@ def _begin_here(out: Path, *, overwrite: bool) -> Publication:
                 "(--overwrite on the command line) to replace its checkpoint, or choose a new directory"
             )
         for path in found:
+            if path.is_symlink() or not path.is_dir():
+                raise OutputRefused(
+                    f"{path} is named like this output's staging directory but is not a directory a killed write "
+                    "left: remove it, or choose another output"
+                )
             logger.info("overwrite: removing %s, left by an interrupted write", path)
             shutil.rmtree(path)
         if out != target:

@@ -132,8 +132,7 @@ def _validate_roundtrip(args: argparse.Namespace) -> WriteArgs:
     """Every check that needs no process group: same inputs, same verdict on every rank."""
     layout = checked_hf_input(args)
     check_side_files(args.hf, "--hf")
-    if args.out.resolve() == args.hf.resolve():
-        raise BadInput("--out must differ from --hf")
+    check_distinct_dirs(args.hf, "--hf", args.out, "--out")
     check_output_dir(args.out, args.overwrite)
     return _write_args(args, source=args.hf, layout=layout, device=device_from_flag(args))
 

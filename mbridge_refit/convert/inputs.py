@@ -137,27 +137,45 @@ def check_output_dir(out: Path, overwrite: bool) -> None:
 
     The writer checks again under the output's lock (``checkpoints.publish``); this look only
     ends a doomed run before its model is loaded."""
-    from mbridge_refit.checkpoints.output_lock import held_by
+    from mbridge_refit.checkpoints.output_lock import LockFileError, held_by
     from mbridge_refit.checkpoints.publish import (
         busy_error,
         leftover_error,
+        leftovers,
         output_target,
+        placement_problem,
     )
 
+    try:
+        out.resolve(strict=False)
+    except (OSError, RuntimeError) as err:  # a symlink loop
+        raise BadInput(f"output path {out} cannot be resolved ({err}): point it at a directory") from err
     target = output_target(out)
     if target.exists() and not target.is_dir():
         raise BadInput(f"output path {out} exists and is not a directory")
+    problem = placement_problem(target, overwrite=overwrite)
+    if problem is not None:
+        raise BadInput(problem)
     leftover = leftover_error(out)  # listed before the look at the lock: a writer's own staging is then held
-    holder = held_by(target) if target.parent.is_dir() else None
+    try:
+        holder = held_by(target) if target.parent.is_dir() else None
+    except LockFileError as err:
+        raise BadInput(str(err)) from err
     if holder is not None:
         raise BadInput(busy_error(out, holder))
     if leftover and not overwrite:
         raise BadInput(leftover.replace("overwrite=True (--overwrite)", "--overwrite"))
+    for path in leftovers(target):
+        if path.is_symlink() or not path.is_dir():
+            raise BadInput(f"{path} is named like this output's staging directory but is not one: remove it")
     if target.is_dir() and any(target.iterdir()) and not overwrite:
         raise BadInput(f"output directory {out} exists and is not empty: pass --overwrite to replace it")
-    parent = next((p for p in (target, *target.parents) if p.exists()), Path("."))
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise BadInput(f"cannot write {out}: {parent} is not writable; choose another output directory")
+    # the lock, the staging directory and the swap are made in the target's parent (its first existing
+    # ancestor); an existing target's old content is removed after the swap
+    parent = next((p for p in target.parents if p.exists()), Path("/"))
+    for place in (parent, target) if target.exists() else (parent,):
+        if not os.access(place, os.W_OK | os.X_OK):
+            raise BadInput(f"cannot write {out}: {place} is not writable; choose another output directory")
 
 
 def check_side_files(source: Path, flag: str) -> None:
@@ -172,8 +190,16 @@ def check_side_files(source: Path, flag: str) -> None:
 
 
 def check_distinct_dirs(source: Path, source_flag: str, out: Path, out_flag: str) -> None:
-    if out.resolve() == source.resolve():
+    """``out`` is neither ``source`` nor inside it nor around it: replacing the output would otherwise
+    drop or move files of the input (an export into its input's ``release/`` folder removed its weights)."""
+    source_dir, out_dir = Path(os.path.realpath(source)), Path(os.path.realpath(out))
+    if out_dir == source_dir:
         raise BadInput(f"{out_flag} must differ from {source_flag}")
+    if out_dir.is_relative_to(source_dir) or source_dir.is_relative_to(out_dir):
+        raise BadInput(
+            f"{out_flag} {out} and {source_flag} {source} lie one inside the other: writing the output would replace "
+            "files of the input; choose an output directory outside the input"
+        )
 
 
 def supported_config(checkpoint_dir: Path, *, trust_remote_code: bool = False) -> Any:
