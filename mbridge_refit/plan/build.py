@@ -181,6 +181,12 @@ def rank_contribution(
     hf_state = hf_pretrained.state if hasattr(hf_pretrained, "state") else {}  # what stock hands its export hook
     stored = StoredShapes(hf_pretrained)
     num_experts = chunks[0].config.num_moe_experts or 0
+    if any(task is None for task in tasks):  # no mapping: stock's export fails on it, the rest would drop its values
+        errors += [
+            f"{name}: the model has this parameter but the bridge maps it to no HF tensor, so its values would not "
+            "be exported"
+            for name in _unmapped_local_names(model_bridge, chunks)
+        ]
     for task in tasks:
         if task is not None and task.megatron_module is not None:
             try:
@@ -197,6 +203,26 @@ def rank_contribution(
             except Exception as err:  # an unexpected bridge or parameter: this model falls back, on every rank
                 errors.append(f"cannot plan {task.global_param_name}: {type(err).__name__}: {err}")
     return RankContribution(specs=tuple(specs), layer_map=_local_layer_map(chunks, pp_rank), errors=tuple(errors))
+
+
+def _unmapped_local_names(model_bridge: Any, chunks: list[torch.nn.Module]) -> list[str]:
+    """The global names of this rank's parameters that the bridge's mapping registry does not map (the
+    rank holding such a parameter names it; where the lookup itself fails, one unnamed entry)."""
+    try:
+        from megatron.bridge.models.conversion.model_bridge import _megatron_local_name_to_global
+
+        registry, config = model_bridge.mapping_registry(), chunks[0].config
+        names = []
+        for vp_stage, chunk in enumerate(chunks):
+            for local_name, _ in chunk.named_parameters():
+                if "_extra_state" in local_name or model_bridge._is_adapter_param_name(local_name):
+                    continue
+                name = _megatron_local_name_to_global(chunks, config, model_bridge._unwrap_name(local_name), vp_stage)
+                if registry.megatron_to_hf_lookup(model_bridge._get_lora_unwrapped_name(name)) is None:
+                    names.append(name)
+        return names
+    except Exception as err:  # noqa: BLE001 - the refusal stands, only its names are missing
+        return [f"a parameter with no conversion task (its name could not be found: {type(err).__name__}: {err})"]
 
 
 def current_sizes(chunks: list[torch.nn.Module]) -> "ParallelSizes":
@@ -216,7 +242,7 @@ def assemble_plan(
         raise PlanError(
             "; ".join(all_errors[:5]) + (f" (and {len(all_errors) - 5} more)" if len(all_errors) > 5 else "")
         )
-    specs = {spec.global_name: spec for c in contributions for spec in c.specs}
+    specs = _first_stage_specs(contributions)
     layer_map = {layer: where for c in contributions for layer, where in c.layer_map.items()}
     entries = _add_tied_output(plan_entries(specs, sizes, config), model_bridge, hf_pretrained, config)
     _check_complete(entries, _expected_hf_keys(hf_pretrained))
@@ -229,6 +255,18 @@ def assemble_plan(
         ep=sizes.ep,
         vpp=sizes.vpp,
     )
+
+
+def _first_stage_specs(contributions: list[RankContribution]) -> dict[str, ParamSpec]:
+    """Each global name's spec, from the earliest pipeline stage that holds it. A name two stages hold
+    is the embedding that a multi-token-prediction block keeps on the last stage beside the first
+    stage's: stock exports the first stage's copy (it skips the MTP duplicate), so the plan does too."""
+    specs: dict[str, ParamSpec] = {}
+    for spec in (spec for c in contributions for spec in c.specs):
+        held = specs.get(spec.global_name)
+        if held is None or (spec.pp_rank, spec.vpp_stage) < (held.pp_rank, held.vpp_stage):
+            specs[spec.global_name] = spec
+    return specs
 
 
 def plan_entries(specs: dict[str, ParamSpec], sizes: "ParallelSizes", config: Any) -> list[PlanEntry]:
