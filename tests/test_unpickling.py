@@ -510,3 +510,93 @@ def test_store_group_broadcasts_json_data():
     signature = [("model.embed_tokens.weight", (8, 4), "bfloat16"), ("lm_head.weight", (8, 4), "bfloat16")]
     received = _store_group_pair(lambda group: group.broadcast_object(signature, 0, torch.device("cpu")))
     assert received == [[name, list(shape), dtype] for name, shape, dtype in signature]
+
+
+def _dcp_dir(tmp_path, state):
+    import torch.distributed.checkpoint as dcp
+
+    directory = tmp_path / "weights"
+    dcp.save(state, checkpoint_id=directory, no_dist=True)
+    return directory
+
+
+def _in_thread(fn, timeout_s: float = 20.0):
+    """``fn()``'s exception (or None), failing instead of hanging if it blocks past ``timeout_s``."""
+    import threading
+
+    outcome: list = []
+    thread = threading.Thread(target=lambda: outcome.append(_raised(fn)), daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    assert outcome, f"still running after {timeout_s} s"
+    return outcome[0]
+
+
+def _raised(fn):
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001 - handed to the test
+        return err
+    return None
+
+
+@pytest.mark.parametrize("replacement", ["fifo", "dev-zero link", "link outside"])
+def test_byte_item_files_must_be_regular_files_of_the_checkpoint(replacement, tmp_path):
+    # a FIFO in place of a .distcp blocked the check for ever; /dev/zero read as many bytes as the index asked
+    directory = _dcp_dir(tmp_path, {"extra": io.BytesIO(b"x" * 64), "w": torch.zeros(4)})
+    (data,) = directory.glob("*.distcp")
+    elsewhere = tmp_path / "elsewhere.bin"
+    elsewhere.write_bytes(data.read_bytes())
+    data.unlink()
+    if replacement == "fifo":
+        os.mkfifo(data)
+    elif replacement == "dev-zero link":
+        data.symlink_to("/dev/zero")
+    else:
+        data.symlink_to(elsewhere)
+    error = _in_thread(lambda: check_pickled_parts(directory))
+    assert isinstance(error, NotAMegatronCheckpoint) and "not a regular file" in str(error), error
+
+
+def test_checked_reader_refuses_an_index_placing_bytes_outside(tmp_path):
+    # the reader Megatron's load goes through re-reads the index: its locations are checked there too
+    from mbridge_refit.checkpoints.dcp_pickles import CheckedFileSystemReader, UnsafePickle
+
+    directory = _dcp_dir(tmp_path, {"w": torch.zeros(4)})
+    index = pickle.loads((directory / ".metadata").read_bytes())
+    next(iter(index.storage_data.values())).relative_path = str(tmp_path / "other.distcp")
+    (directory / ".metadata").write_bytes(pickle.dumps(index))
+    with pytest.raises(UnsafePickle, match="not a file name inside"):
+        CheckedFileSystemReader(directory).read_metadata()
+
+
+def test_byte_items_refuse_compressed_members():
+    # torch.save stores its members; a deflated one inflated a thousandfold before anything refused it
+    import zipfile
+
+    from mbridge_refit.checkpoints.dcp_pickles import UnsafePickle
+
+    saved = io.BytesIO()
+    torch.save({"zeros": torch.zeros(1 << 16)}, saved)
+    packed = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(saved.getvalue())) as source, zipfile.ZipFile(packed, "w") as target:
+        for info in source.infolist():
+            target.writestr(info.filename, source.read(info), compress_type=zipfile.ZIP_DEFLATED)
+    check_byte_item(saved.getvalue())  # the stored original loads
+    with pytest.raises(UnsafePickle, match="compressed"):
+        check_byte_item(packed.getvalue())
+
+
+def test_tiling_check_is_linear_in_a_grid_and_still_finds_overlaps():
+    # 8k one-element pieces of one tensor took a minute pairwise
+    from mbridge_refit.checkpoints.megatron import _any_overlap
+
+    pieces = [((i,), (1,)) for i in range(8192)]
+    started = time.monotonic()
+    assert not _any_overlap(pieces)
+    assert time.monotonic() - started < 2.0
+    assert _any_overlap(pieces + [((5,), (2,))])
+    grid = [((r, c), (2, 3)) for r in range(0, 8, 2) for c in range(0, 9, 3)]
+    assert not _any_overlap(grid) and _any_overlap(grid + [((1, 1), (2, 2))])
+    ragged = [((0, 0), (1, 4)), ((1, 0), (1, 1)), ((1, 1), (1, 3))]  # rows cut differently: not one grid cell each
+    assert not _any_overlap(ragged) and _any_overlap(ragged + [((1, 2), (1, 1))])

@@ -24,7 +24,9 @@ crafted file names. Here:
   each field of the type DCP gives it), so no later check meets anything else.
 * ``check_byte_item`` loads a byte item with ``torch.load(weights_only=True)``.
 * ``CheckedFileSystemReader`` is DCP's reader with both checks built in: the index through
-  ``load_index``, every byte item through ``check_byte_item`` before DCP loads the same bytes.
+  ``load_index`` and every place it puts bytes through ``location_problem`` (a regular file inside
+  the checkpoint, long enough), every byte item through ``check_byte_item`` before DCP loads the
+  same bytes.
   ``checked_megatron_reads`` makes Megatron-Core's ``dist_checkpointing.load`` read through it,
   so what is loaded is what was checked, however the files change after a first check.
 """
@@ -36,9 +38,12 @@ import functools
 import importlib
 import io
 import logging
+import os
 import pathlib
 import pickle
 import reprlib
+import stat
+import zipfile
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Iterator, Mapping
@@ -68,6 +73,7 @@ __all__ = [
     "checked_megatron_reads",
     "index_globals",
     "load_index",
+    "location_problem",
 ]
 
 logger = logging.getLogger(__name__)
@@ -337,8 +343,47 @@ def _require(ok: bool, what: str) -> None:
 
 
 def check_byte_item(data: bytes) -> None:
-    """Raise unless ``data`` loads with ``torch.load(weights_only=True)`` (tensors and plain data only)."""
-    torch.load(io.BytesIO(data), weights_only=True)
+    """Raise unless ``data`` loads with ``torch.load(weights_only=True)`` (tensors and plain data only).
+    A ``torch.save`` archive stores its members uncompressed: a compressed member (a 262 kB item that
+    inflates a thousandfold) is refused before anything is inflated."""
+    buffer = io.BytesIO(data)
+    if zipfile.is_zipfile(buffer):
+        with zipfile.ZipFile(buffer) as archive:
+            packed = [info.filename for info in archive.infolist() if info.compress_type != zipfile.ZIP_STORED]
+        if packed:
+            raise UnsafePickle(f"its member {brief(packed[0])} is compressed, which torch.save never does")
+    buffer.seek(0)
+    torch.load(buffer, weights_only=True)
+
+
+def location_problem(directory: Path, location: Any, sizes: dict[str, int | None] | None = None) -> str | None:
+    """Why the bytes an index places at ``location`` (a ``_StorageInfo``) cannot be read from ``directory``
+    (None: they can): its file must be named inside the directory (no absolute path, no ``..``), be a
+    regular file there once links are resolved (a FIFO blocks, ``/dev/zero`` never ends, a link may lead
+    anywhere), and hold ``offset + length`` bytes. ``sizes`` caches each file's size (None: unusable)."""
+    name = location.relative_path
+    if type(name) is not str or name.startswith("/") or any(part in ("", ".", "..") for part in name.split("/")):
+        return f"the index places bytes in {brief(name)}, which is not a file name inside {directory}"
+    sizes = {} if sizes is None else sizes
+    if name not in sizes:
+        sizes[name] = _regular_size(Path(directory), name)
+    size = sizes[name]
+    if size is None:
+        return f"{directory}: the index names {name!r}, which is not a regular file of the checkpoint"
+    end = location.offset + location.length
+    if end > size:
+        return f"{Path(directory) / name} has {size} bytes, but the index places bytes at {location.offset}..{end}: the file is truncated"
+    return None
+
+
+def _regular_size(directory: Path, name: str) -> int | None:
+    try:
+        home = directory.resolve()
+        target = (directory / name).resolve(strict=True)
+        status = os.stat(target)
+    except (OSError, RuntimeError):
+        return None
+    return status.st_size if target.is_relative_to(home) and stat.S_ISREG(status.st_mode) else None
 
 
 def byte_items(index: Metadata) -> Iterator[tuple[str, Any]]:
@@ -361,6 +406,11 @@ class CheckedFileSystemReader(FileSystemReader):
         path = Path(self.path) / INDEX_NAME
         try:
             index = load_index(path.read_bytes())
+            sizes: dict[str, int | None] = {}
+            problems = (location_problem(Path(self.path), at, sizes) for at in (index.storage_data or {}).values())
+            problem = next((p for p in problems if p is not None), None)
+            if problem is not None:
+                raise UnsafePickle(problem)
         except Exception as err:
             logger.error("refusing %s: %s: %s", path, type(err).__name__, err)
             raise

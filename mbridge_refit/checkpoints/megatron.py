@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import math
 import pickle
@@ -46,6 +47,7 @@ from mbridge_refit.checkpoints.dcp_pickles import (
     check_byte_item,
     checked_megatron_reads,
     load_index,
+    location_problem,
 )
 from mbridge_refit.checkpoints.hf import COPIED_FILE_NAMES
 from mbridge_refit.checkpoints.publish import TMP_PREFIX, begin_publication, carry_over, fsync_tree, is_loader_file
@@ -86,6 +88,10 @@ WEIGHTS_DIR = "release"
 COMMON_STATE_NAME = "common.pt"  # Megatron's legacy common state file (torch.load), never written by `import`
 # Copied from the HF source next to the weights, so ``export`` needs nothing else.
 SIDE_FILE_NAMES = ("config.json", *COPIED_FILE_NAMES)
+# _any_overlap: a grid of at most this many cells per stored piece is checked cell by cell (a layout's
+# pieces are one cell each); pieces that cut finer are compared pair by pair, at most this many of them.
+MAX_GRID_CELLS_PER_PIECE = 64
+MAX_PAIRWISE_PIECES = 2048
 
 
 class NotAMegatronCheckpoint(InputError):
@@ -189,16 +195,12 @@ def check_pickled_parts(weights: Path) -> None:
             f"refusing {index_path}: {type(err).__name__}: {err}. It is not an index written by `import`; "
             "re-create the checkpoint from the HF source"
         ) from err
+    sizes: dict[str, int | None] = {}
     for fqn, location in byte_items(index):
-        name = location.relative_path
-        if (
-            not isinstance(name, str)
-            or name.startswith("/")
-            or any(part in ("", ".", "..") for part in name.split("/"))
-        ):
+        problem = location_problem(weights, location, sizes)
+        if problem is not None:  # checked before the file is opened: a FIFO would block, /dev/zero never end
             raise NotAMegatronCheckpoint(
-                f"refusing {index_path}: its object {fqn} is stored at {name!r}, outside the checkpoint; re-create "
-                "the checkpoint from the HF source"
+                f"refusing {index_path}: its object {fqn}: {problem}; re-create the checkpoint from the HF source"
             )
         try:
             with open(weights / location.relative_path, "rb") as handle:
@@ -248,7 +250,16 @@ def stored_in(weights: Path, *, fix: str) -> StoredTensors:
     try:
         index = load_index(index_path.read_bytes())
         return _stored(weights, index)
-    except (AttributeError, TypeError, ValueError, KeyError, IndexError, OverflowError, pickle.UnpicklingError) as err:
+    except (
+        AttributeError,
+        TypeError,
+        ValueError,
+        KeyError,
+        IndexError,
+        OverflowError,
+        EOFError,
+        pickle.UnpicklingError,
+    ) as err:
         raise NotAMegatronCheckpoint(
             f"{index_path} does not describe tensors as torch_dist writes them ({type(err).__name__}: {err}): {fix}"
         ) from err
@@ -283,24 +294,8 @@ def _count(value: Any) -> int:
 def _storage_problems(weights: Path, index: Any) -> list[str]:
     """Every stored piece lies inside a file of ``weights`` (a truncated ``.distcp`` shows here)."""
     sizes: dict[str, int | None] = {}
-    problems = []
-    for where, location in index.storage_data.items():
-        name = location.relative_path
-        if not isinstance(name, str) or not isinstance(where.fqn, str):
-            raise TypeError(f"a storage entry names {name!r} for {where!r}")
-        end = _count(location.offset) + _count(location.length)
-        if name not in sizes:
-            unsafe = name.startswith("/") or any(part in ("", ".", "..") for part in name.split("/"))
-            sizes[name] = None if unsafe or not (weights / name).is_file() else (weights / name).stat().st_size
-            if sizes[name] is None:
-                problems.append(f"{weights}: the index names {name!r}, which is not a file of the checkpoint")
-        size = sizes[name]
-        if size is not None and end > size:
-            problems.append(
-                f"{weights / name} has {size} bytes, but {where.fqn} is stored at bytes {location.offset}..{end}: "
-                "the file is truncated"
-            )
-    return problems
+    problems = (location_problem(weights, location, sizes) for location in (index.storage_data or {}).values())
+    return list(dict.fromkeys(problem for problem in problems if problem is not None))  # each file's once
 
 
 def _tiling_problems(key: str, shape: tuple[int, ...], chunks: list[tuple[tuple, tuple]], index: Any) -> list[str]:
@@ -321,6 +316,25 @@ def _tiling_problems(key: str, shape: tuple[int, ...], chunks: list[tuple[tuple,
 
 
 def _any_overlap(chunks: list[tuple[tuple, tuple]]) -> bool:
+    """Whether two of ``chunks`` (boxes inside one tensor) share an element, in time linear in the cells of
+    the grid their edges cut (every layout Megatron saves is such a grid, one box a cell: a pairwise
+    check took a minute for 8k one-element pieces); pieces cutting more than ``MAX_GRID_CELLS_PER_PIECE``
+    cells each are compared pairwise, at most ``MAX_PAIRWISE_PIECES`` of them."""
+    if len(chunks) < 2:
+        return False
+    cuts = [sorted({o[d] for o, _ in chunks} | {o[d] + n[d] for o, n in chunks}) for d in range(len(chunks[0][0]))]
+    if math.prod(len(c) - 1 for c in cuts) <= MAX_GRID_CELLS_PER_PIECE * len(chunks):
+        positions = [{cut: i for i, cut in enumerate(c)} for c in cuts]
+        seen: set[tuple[int, ...]] = set()
+        for offsets, sizes in chunks:
+            spans = [range(at[o], at[o + n]) for at, o, n in zip(positions, offsets, sizes)]
+            for cell in itertools.product(*spans):
+                if cell in seen:
+                    return True
+                seen.add(cell)
+        return False
+    if len(chunks) > MAX_PAIRWISE_PIECES:
+        return True  # not a grid and too many pieces to compare: refused as a tiling no layout writes
     for i, (a_offsets, a_sizes) in enumerate(chunks):
         for b_offsets, b_sizes in chunks[i + 1 :]:
             if all(a < b + m and b < a + n for a, n, b, m in zip(a_offsets, a_sizes, b_offsets, b_sizes)):
