@@ -247,3 +247,46 @@ def test_old_content_that_cannot_be_removed_leaves_the_new_checkpoint_and_a_warn
     assert f"{out} now holds the new checkpoint, but its old content could not be removed from {old}" in caplog.text
     assert "Permission denied (injected by the test)" in caplog.text
     assert read_checkpoint(old).keys() == OLD.keys()
+
+
+def test_sigterm_to_a_single_process_write_removes_its_staging(tmp_path, monkeypatch, capsys):
+    # SIGTERM ended the process where it stood: a checkpoint's worth of staging stayed beside the output
+    import signal
+
+    import mbridge_refit.sinks.safetensors as sink
+    from mbridge_refit.convert import ExitCode, main
+    from mbridge_refit.models import recipes
+    from mbridge_refit.testing.conformance import restored_environment
+
+    source = recipes.make_random_checkpoint(recipes.get_model_recipe("qwen3-tiny"), tmp_path / "hf", seed=7)
+    real = sink.fsync_file
+    sent = []
+
+    def terminated(path):
+        if not sent:
+            sent.append(path)
+            os.kill(os.getpid(), signal.SIGTERM)  # handled at the next bytecode, in the middle of the write
+        return real(path)
+
+    monkeypatch.setattr(sink, "fsync_file", terminated)
+    out = tmp_path / "out"
+    with restored_environment():
+        code = main(["roundtrip", "--hf", str(source), "--out", str(out)])
+    assert sent and code == ExitCode.INTERNAL_ERROR
+    assert "interrupted" in capsys.readouterr().err
+    assert not out.exists() and not leftovers(out)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is the command's only
+
+
+def test_an_interrupt_wrapped_by_a_checkpoint_load_is_reported_as_one():
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from mbridge_refit.convert.app import classify
+
+    try:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as interrupt:
+            raise CheckpointException("load", {0: interrupt}) from interrupt
+    except CheckpointException as err:
+        assert classify(err).message == "interrupted"

@@ -332,7 +332,10 @@ def carry_over(old: Path, new: Path, is_checkpoint_file: Callable[[Path], bool])
     """Hard-link (or copy) the entries of ``old`` that are not checkpoint files into ``new``;
     ``old`` is not changed."""
     for entry in sorted(old.iterdir()):
-        if is_checkpoint_file(entry) or (new / entry.name).exists():
+        if (new / entry.name).exists():
+            continue
+        if is_checkpoint_file(entry):
+            logger.info("overwrite: not keeping %s (a file of the old checkpoint, or one a loader would read)", entry)
             continue
         if entry.is_dir() and not entry.is_symlink():
             shutil.copytree(entry, new / entry.name, symlinks=True, copy_function=_link_or_copy)

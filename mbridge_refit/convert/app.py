@@ -29,10 +29,13 @@ A rank records its code for the ``--nproc-per-node`` launcher before it logs (``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import logging
 import re
+import signal
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -131,11 +134,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.nproc_per_node is not None:
         return _launch(args.nproc_per_node, argv)
     try:
-        return int(COMMANDS[args.command](args))
+        with _sigterm_interrupts():
+            return int(COMMANDS[args.command](args))
     except (SystemExit, GeneratorExit):
         raise
     except BaseException as err:  # CheckpointException and KeyboardInterrupt derive from BaseException only
         return _report(args.command, err, classify(err, output=_output_of(args)))
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """Within the block, SIGTERM interrupts this process as SIGINT does (a ``KeyboardInterrupt``), so a
+    write it stops removes what it had staged, as an interrupted one does, instead of leaving a
+    checkpoint's worth of staging beside the output. Only from the main thread (signals go there)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def classify(err: BaseException, *, output: Path | None = None) -> Failure:
@@ -147,7 +170,7 @@ def classify(err: BaseException, *, output: Path | None = None) -> Failure:
     for inner in _wrapped(err):
         if isinstance(inner, INPUT_ERRORS):
             return Failure(ExitCode.BAD_INPUT, str(inner), same_on_every_rank=isinstance(inner, SAME_ON_EVERY_RANK))
-    if isinstance(err, KeyboardInterrupt):
+    if any(isinstance(inner, KeyboardInterrupt) for inner in _wrapped(err)):  # DCP wraps it per rank
         return Failure(ExitCode.INTERNAL_ERROR, "interrupted")
     lost = next((e for e in _wrapped(err) if isinstance(e, RuntimeError) and _PEER_LOST.search(str(e))), None)
     if lost is not None:
