@@ -600,3 +600,35 @@ def test_tiling_check_is_linear_in_a_grid_and_still_finds_overlaps():
     assert not _any_overlap(grid) and _any_overlap(grid + [((1, 1), (2, 2))])
     ragged = [((0, 0), (1, 4)), ((1, 0), (1, 1)), ((1, 1), (1, 3))]  # rows cut differently: not one grid cell each
     assert not _any_overlap(ragged) and _any_overlap(ragged + [((1, 2), (1, 1))])
+
+
+def _with_pickle(pickled: bytes) -> bytes:
+    """A torch.save archive whose data.pkl is ``pickled`` (members stored, as torch.save stores them)."""
+    import zipfile
+
+    saved = io.BytesIO()
+    torch.save({"k": 1}, saved)
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(saved.getvalue())) as source, zipfile.ZipFile(out, "w") as target:
+        for info in source.infolist():
+            target.writestr(info.filename, pickled if info.filename.endswith("/data.pkl") else source.read(info))
+    return out.getvalue()
+
+
+def test_byte_items_refuse_shared_tuples_before_torch_reads_them():
+    # torch's own loader hashed a 1.2 kB item's shared tuples as a dict key for ever (a review's reproducer)
+    from mbridge_refit.checkpoints.dcp_pickles import UnsafePickle
+
+    levels = b"h\x00h\x00\x86q\x00" * 40  # each level two memo references to the one below
+    item = _with_pickle(b"\x80\x02}()q\x00" + levels + b"tNs.")
+    started = time.monotonic()
+    error = _in_thread(lambda: check_byte_item(item))
+    assert isinstance(error, UnsafePickle) and "shared references" in str(error), error
+    assert time.monotonic() - started < 5.0
+
+
+def test_byte_items_with_a_few_shared_references_load():
+    saved = io.BytesIO()
+    shared = torch.arange(4)
+    torch.save({"same": [shared] * 5, "config": {"sizes": (1, 2, 3), "name": "x" * 100}}, saved)
+    check_byte_item(saved.getvalue())

@@ -41,6 +41,7 @@ import logging
 import os
 import pathlib
 import pickle
+import pickletools
 import reprlib
 import stat
 import zipfile
@@ -344,16 +345,80 @@ def _require(ok: bool, what: str) -> None:
 
 def check_byte_item(data: bytes) -> None:
     """Raise unless ``data`` loads with ``torch.load(weights_only=True)`` (tensors and plain data only).
-    A ``torch.save`` archive stores its members uncompressed: a compressed member (a 262 kB item that
-    inflates a thousandfold) is refused before anything is inflated."""
+
+    Before torch reads it: a ``torch.save`` archive stores its members uncompressed, so a compressed
+    member (a 262 kB item that inflates a thousandfold) is refused unread; and its pickle must not
+    stand for more than ``MAX_EXPANDED_OBJECTS`` objects counted as a tree (``expanded_objects``): torch's
+    loader hashes a dict key and compares values as trees, so 1 kB of tuples sharing their items (memo
+    references) would take exponential time inside it, where no check of ours can reach."""
     buffer = io.BytesIO(data)
     if zipfile.is_zipfile(buffer):
         with zipfile.ZipFile(buffer) as archive:
-            packed = [info.filename for info in archive.infolist() if info.compress_type != zipfile.ZIP_STORED]
-        if packed:
-            raise UnsafePickle(f"its member {brief(packed[0])} is compressed, which torch.save never does")
+            members = archive.infolist()
+            packed = [info.filename for info in members if info.compress_type != zipfile.ZIP_STORED]
+            if packed:
+                raise UnsafePickle(f"its member {brief(packed[0])} is compressed, which torch.save never does")
+            for info in members:
+                if info.filename.endswith("data.pkl") and expanded_objects(archive.read(info)) > MAX_EXPANDED_OBJECTS:
+                    raise UnsafePickle(
+                        f"its pickle stands for more than {MAX_EXPANDED_OBJECTS} objects once shared references are "
+                        "followed (a checkpoint's object holds a few hundred)"
+                    )
     buffer.seek(0)
     torch.load(buffer, weights_only=True)
+
+
+MAX_EXPANDED_OBJECTS = 1_000_000
+_MUTATORS = {"APPEND": 1, "SETITEM": 2, "BUILD": 1, "APPENDS": None, "SETITEMS": None, "ADDITEMS": None}
+_MEMO_PUTS = ("PUT", "BINPUT", "LONG_BINPUT")
+_MEMO_GETS = ("GET", "BINGET", "LONG_BINGET")
+
+
+def expanded_objects(pickled: bytes) -> int:
+    """How many objects the pickle builds when every shared reference (memo GET, DUP) counts again, as a
+    walk of the result as a tree (hashing, comparing, printing) meets them; capped just past
+    ``MAX_EXPANDED_OBJECTS``. Follows the opcodes only (nothing is built); a pickle it cannot follow
+    counts 0 and is left to the loader's own errors."""
+    cap = MAX_EXPANDED_OBJECTS + 1
+    stack: list[list[int]] = []  # one [count] per object; the same list where an object is referenced again
+    marks: list[int] = []
+    memo: dict[int, list[int]] = {}
+    largest = 0
+    try:
+        for op, arg, _ in pickletools.genops(pickled):
+            name = op.name
+            if name == "MARK":
+                marks.append(len(stack))
+            elif name in _MEMO_PUTS or name == "MEMOIZE":
+                memo[arg if name in _MEMO_PUTS else len(memo)] = stack[-1]
+            elif name in _MEMO_GETS or name == "DUP":
+                stack.append(memo[arg] if name in _MEMO_GETS else stack[-1])
+            elif name in _MUTATORS:
+                count = _MUTATORS[name]
+                items = stack[-count:] if count else stack[marks[-1] :]
+                del stack[len(stack) - len(items) :]
+                if count is None:
+                    marks.pop()
+                target = stack[-1]
+                target[0] = min(cap, target[0] + sum(item[0] for item in items))
+                largest = max(largest, target[0])
+            else:  # pops what the opcode takes (down to a mark if it takes one), pushes what it makes of them
+                taken = stack[marks.pop() :] if pickletools.markobject in op.stack_before else []
+                del stack[len(stack) - len(taken) :]
+                plain = [
+                    kind for kind in op.stack_before if kind not in (pickletools.markobject, pickletools.stackslice)
+                ]
+                if plain:
+                    taken += stack[-len(plain) :]
+                    del stack[-len(plain) :]
+                made = min(cap, 1 + sum(item[0] for item in taken))
+                stack += [[made] for _ in op.stack_after]
+                largest = max(largest, made)
+            if largest >= cap:
+                return cap
+    except (IndexError, KeyError, ValueError):  # not a pickle this follows: the loader says what is wrong
+        return 0
+    return largest
 
 
 def location_problem(directory: Path, location: Any, sizes: dict[str, int | None] | None = None) -> str | None:
