@@ -227,7 +227,7 @@ def _run_config(weights: Path) -> dict[str, Any]:
     return config
 
 
-class _AliasFound(Exception):
+class _AliasFound(NotAPeftCheckpoint):
     """A YAML alias or anchor where ``_tree_loader`` reads (the message says where)."""
 
 
