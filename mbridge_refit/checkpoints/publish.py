@@ -123,9 +123,16 @@ def output_target(out: Path) -> Path:
 
 
 def placement_problem(target: Path, *, overwrite: bool) -> str | None:
-    """Why a checkpoint cannot be built beside ``target`` and swapped in (None: it can): a mount point
-    cannot be renamed, and with ``overwrite`` the old content is carried over and removed, which must
-    not cross into another filesystem mounted inside it."""
+    """Why a checkpoint cannot be built beside ``target`` and swapped in (None: it can): an entry at a
+    staging directory's name must be a directory (a killed write's leftover, removed with ``overwrite``),
+    a mount point cannot be renamed, and with ``overwrite`` the old content is carried over and removed,
+    which must not cross into another filesystem mounted inside it."""
+    stray = next((path for path in leftovers(target) if path.is_symlink() or not path.is_dir()), None)
+    if stray is not None:
+        return (
+            f"{stray} is named like this output's staging directory but is not a directory a killed write left: "
+            "remove it, or choose another output"
+        )
     if not target.is_dir():
         return None
     if os.path.ismount(target):
@@ -294,11 +301,6 @@ def _begin_here(out: Path, *, overwrite: bool) -> Publication:
                 "(--overwrite on the command line) to replace its checkpoint, or choose a new directory"
             )
         for path in found:
-            if path.is_symlink() or not path.is_dir():
-                raise OutputRefused(
-                    f"{path} is named like this output's staging directory but is not a directory a killed write "
-                    "left: remove it, or choose another output"
-                )
             logger.info("overwrite: removing %s, left by an interrupted write", path)
             shutil.rmtree(path)
         if out != target:

@@ -141,7 +141,6 @@ def check_output_dir(out: Path, overwrite: bool) -> None:
     from mbridge_refit.checkpoints.publish import (
         busy_error,
         leftover_error,
-        leftovers,
         output_target,
         placement_problem,
     )
@@ -165,9 +164,6 @@ def check_output_dir(out: Path, overwrite: bool) -> None:
         raise BadInput(busy_error(out, holder))
     if leftover and not overwrite:
         raise BadInput(leftover.replace("overwrite=True (--overwrite)", "--overwrite"))
-    for path in leftovers(target):
-        if path.is_symlink() or not path.is_dir():
-            raise BadInput(f"{path} is named like this output's staging directory but is not one: remove it")
     if target.is_dir() and any(target.iterdir()) and not overwrite:
         raise BadInput(f"output directory {out} exists and is not empty: pass --overwrite to replace it")
     # the lock, the staging directory and the swap are made in the target's parent (its first existing
