@@ -9,9 +9,12 @@ steady steps first, then the baseline's: its layerwise reload may reallocate eng
 after which our next apply records the loader again):
 
 * ``ours_ms``: ``VLLMRefit.refit`` (the export of what is not live, one RPC, the engine replays
-  its recorded copies from the trainer's memory); export and apply are also reported apart, and
-  the apply split into the engine worker's own time (``ours_engine_ms``) and the rest, vLLM's
-  RPC (``ours_rpc_overhead_ms``). ``live_tensors``: tensors the engine reads straight from the
+  its recorded copies from the trainer's memory, the prefix-cache reset while they run); export
+  and apply are also reported apart, the apply split into the engine worker's own time
+  (``ours_engine_ms``: launching the copies) and the rest, vLLM's RPC (``ours_rpc_overhead_ms``),
+  then the reset with the wait for the copies (``ours_reset_wait_ms``). ``ours_serial_ms``: the
+  same session with ``overlap_follow_up=False`` (the worker waits for its copies, then the reset),
+  its steps alternated with ``ours_ms``'s. ``live_tensors``: tensors the engine reads straight from the
   trainer's parameters (never exported after the first step).
 * ``vllm_native_stock_ms`` (BF16 only): ``AutoBridge.export_hf_weights`` (stock) into vLLM's
   native ``ipc`` weight-transfer backend: ``start_weight_update``, ``trainer_send_weights``
@@ -185,25 +188,30 @@ def run(args) -> dict:
                 result["vllm_native_stock_error"] = f"{type(err).__name__}: {err}"[:2000]
                 stock = None
 
-        ours, export, apply, engine, stock_times = [], [], [], [], []
+        ours, serial, export, apply, engine, reset_wait, stock_times = [], [], [], [], [], [], []
         trainer_new, engine_new = 0, 0
         for _ in range(args.steps):
-            trainer_before = allocations()
-            engine_before = llm.collective_rpc("mbridge_refit_memory")[0]["allocations"]
-            step = None
+            for overlap in (True, False):  # alternated: the reset while the copies run, then after them
+                refit.overlap_follow_up = overlap
+                trainer_before = allocations()
+                engine_before = llm.collective_rpc("mbridge_refit_memory")[0]["allocations"]
+                step = None
 
-            def ours_step():
-                nonlocal step
-                step = refit.refit(bridge, chunks, fp8=fp8)
+                def ours_step():
+                    nonlocal step
+                    step = refit.refit(bridge, chunks, fp8=fp8)
 
-            ours.append(timed(ours_step))
-            trainer_new += allocations() - trainer_before
-            engine_new += llm.collective_rpc("mbridge_refit_memory")[0]["allocations"] - engine_before
-            export.append(step.export_ms)
-            apply.append(step.apply_ms)
-            engine.append(step.engine_ms)
-            if step.opened:
-                raise RuntimeError("a steady refit reopened its layout: the export's storages changed")
+                (ours if overlap else serial).append(timed(ours_step))
+                trainer_new += allocations() - trainer_before
+                engine_new += llm.collective_rpc("mbridge_refit_memory")[0]["allocations"] - engine_before
+                if step.opened:
+                    raise RuntimeError("a steady refit reopened its layout: the export's storages changed")
+                if overlap:
+                    export.append(step.export_ms)
+                    apply.append(step.apply_ms)
+                    engine.append(step.engine_ms)
+                    reset_wait.append(step.reset_ms)
+        refit.overlap_follow_up = True
         # the native backend's layerwise reload may reallocate engine parameters, which makes our next
         # apply record the loader again: its steps run after ours, not interleaved
         for _ in range(args.steps if stock is not None else 0):
@@ -213,6 +221,8 @@ def run(args) -> dict:
         result["ours_apply_rpc_ms"] = summary(apply)
         result["ours_engine_ms"] = summary(engine)
         result["ours_rpc_overhead_ms"] = summary([a - e for a, e in zip(apply, engine)])
+        result["ours_reset_wait_ms"] = summary(reset_wait)
+        result["ours_serial_ms"] = summary(serial)
         result["vllm_native_stock_ms"] = summary(stock_times) if stock_times else None
         if fp8:
             result["ours_fp8_ms"] = result["ours_ms"]
@@ -223,6 +233,7 @@ def run(args) -> dict:
         ours_median = result["ours_ms"]["median"]
         result["ratios"] = {
             "ours_over_floor": round(ours_median / result["floor_ms"], 2),
+            "ours_serial_over_floor": round(result["ours_serial_ms"]["median"] / result["floor_ms"], 2),
             "stock_native_over_ours": round(result["vllm_native_stock_ms"]["median"] / ours_median, 2)
             if stock_times
             else None,
@@ -255,6 +266,8 @@ def main() -> None:
                     "ours_export_ms",
                     "ours_engine_ms",
                     "ours_rpc_overhead_ms",
+                    "ours_reset_wait_ms",
+                    "ours_serial_ms",
                     "floor_ms",
                     "vllm_native_stock_ms",
                     "vllm_load_weights_ms",

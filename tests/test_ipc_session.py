@@ -54,11 +54,13 @@ class Worker:
     def __init__(self, engine: Engine) -> None:
         self.receiver = RefitReceiver(engine, torch.device("cpu"))
 
-    def mbridge_refit_open(self, wire, payload, transport, check, allow_partial):
-        return self.receiver.open(wire, payload, transport, check=check, allow_partial=allow_partial)
+    def mbridge_refit_open(self, wire, payload, transport, check, allow_partial, completion=False):
+        return self.receiver.open(
+            wire, payload, transport, check=check, allow_partial=allow_partial, completion=completion
+        )
 
-    def mbridge_refit_apply(self, fingerprint):
-        return self.receiver.apply(fingerprint)
+    def mbridge_refit_apply(self, fingerprint, signal=False):
+        return self.receiver.apply(fingerprint, signal=signal)
 
     def mbridge_refit_close(self):
         self.receiver.close()
@@ -147,3 +149,100 @@ def test_the_engine_agnostic_sessions_import_without_any_engine_adapter():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+class _Signal:
+    """Stands in for the engine's replay event opened on the trainer (``engines.completion.DoneSignal``)."""
+
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    def wait(self) -> None:
+        self.calls.append("wait")
+
+
+def _signalling_session(monkeypatch, calls: list[str], reset) -> IpcSession:
+    """A session over an engine whose open report carries a replay event handle (as a CUDA engine's does):
+    the RPCs, the follow-up and the waits land in ``calls`` in the order they happen."""
+    import mbridge_refit.engines.ipc_session as ipc_session
+
+    monkeypatch.setattr(ipc_session.DoneSignal, "open", classmethod(lambda cls, handle, device: _Signal(calls)))
+    monkeypatch.setattr(ipc_session.torch.cuda, "current_device", lambda: 0)
+
+    def call_workers(method, *args):
+        signal = method == "mbridge_refit_apply" and args[1]
+        calls.append(method.removeprefix("mbridge_refit_") + (" signalled" if signal else ""))
+        return [{"completion": "00" * 64} if method == "mbridge_refit_open" else 0.1]
+
+    return IpcSession(call_workers, transport=LocalTransport(), after_weights_written=reset)
+
+
+def test_a_signalled_apply_runs_the_follow_up_before_it_waits_for_the_copies(monkeypatch):
+    """The engine's follow-up (the prefix-cache reset) is asked for while the copies run, and the refit
+    returns only after the wait on the engine's event, also when the follow-up fails."""
+    calls: list[str] = []
+    tensors = [("a", torch.arange(8, dtype=torch.float32))]
+    session = _signalling_session(monkeypatch, calls, reset=lambda: calls.append("reset"))
+    session.refit_stream(iter(tensors))
+    assert calls == ["open", "reset"]  # the open itself returns when the engine is done
+    calls.clear()
+    step = session.refit_stream(iter(tensors))
+    assert calls == ["apply signalled", "reset", "wait"] and not step.opened and step.reset_ms is not None
+    calls.clear()
+    session.overlap_follow_up = False  # the engine waits for its copies itself, the reset after them
+    session.refit_stream(iter(tensors))
+    assert calls == ["apply", "reset"]
+    session.overlap_follow_up = True
+
+    def refused():
+        calls.append("reset")
+        raise RuntimeError("the engine refused to reset its prefix cache")
+
+    calls.clear()
+    session.after_weights_written = refused
+    try:
+        session.refit_stream(iter(tensors))
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("the follow-up's failure must fail the step")
+    assert calls == ["apply signalled", "reset", "wait"]
+    session.close()
+
+
+def test_a_bad_replay_event_handle_is_refused_before_the_session_trusts_the_layout(monkeypatch):
+    """An open report whose event handle is not one raises, and the session does not keep a layout whose
+    applies it could not wait for: the next step opens again."""
+    from mbridge_refit.engines.sharing import SharingError
+
+    opened = []
+
+    def call_workers(method, *args):
+        opened.append(method)
+        return [{"completion": "not hex"} if method == "mbridge_refit_open" else 0.1]
+
+    monkeypatch.setattr("mbridge_refit.engines.ipc_session.torch.cuda.current_device", lambda: 0)
+    session = IpcSession(call_workers, transport=LocalTransport())
+    tensors = [("a", torch.arange(8, dtype=torch.float32))]
+    for _ in range(2):
+        try:
+            session.refit_stream(iter(tensors))
+        except SharingError as err:
+            assert "replay event handle" in str(err)
+        else:
+            raise AssertionError("a malformed event handle must be refused")
+    assert opened == ["mbridge_refit_open", "mbridge_refit_open"]
+
+
+def test_a_cpu_engine_asked_for_an_event_has_none_and_applies_synchronously():
+    """``completion=True`` on a device without CUDA events: the report has no handle, the apply waits itself."""
+    engine = Engine({"a": torch.zeros(8)})
+    worker = Worker(engine)
+    session = IpcSession(lambda method, *args: [getattr(worker, method)(*args)], transport=LocalTransport())
+    source = torch.arange(8, dtype=torch.float32)
+    first = session.refit_stream(iter([("a", source)]))
+    assert first.report["completion"] is None
+    source += 1
+    session.refit_stream(iter([("a", source)]))
+    assert torch.equal(engine.state()["a"], source)
+    session.close()

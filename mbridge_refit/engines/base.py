@@ -65,8 +65,10 @@ class RefitStep:
     ``ms``: from the start of the export until the engine held the new weights. ``opened``: the
     step (re)shared its layout with the engine (``ipc``: the first step, or one whose export
     moved), and ``report`` is the engine's report of that open. ``export_ms``, ``apply_ms``,
-    ``engine_ms`` (``ipc``): the export, the RPC that applied it, and the part of that the engine's
-    worker spent. ``broadcast``: ``export_ms`` until the sender drained (export, packing, every
+    ``engine_ms``, ``reset_ms`` (``ipc``): the export, the RPC that applied it, the part of that the
+    engine's worker spent, and after it the engine's follow-up (a prefix-cache reset) with the wait
+    for the copies when the engine signals their end by event (``engines.completion``; its RPC then
+    returns once they are launched). ``broadcast``: ``export_ms`` until the sender drained (export, packing, every
     bucket sent), ``apply_ms`` the wait for the workers' receive RPC after that, ``reset_ms`` the
     engine's prefix-cache reset and the outcome shared with the trainer ranks; ``workers`` each
     worker's report of its receive (``receive_ms``: its own time in the RPC; ``phases`` with
@@ -123,10 +125,10 @@ class RefitWorker(Protocol):
     fingerprints of the engine's model (``engines.fingerprint``)."""
 
     def mbridge_refit_open(
-        self, wire: dict, payload: bytes, transport: str, check: bool, allow_partial: bool
+        self, wire: dict, payload: bytes, transport: str, check: bool, allow_partial: bool, completion: bool = False
     ) -> dict: ...
 
-    def mbridge_refit_apply(self, fingerprint: str) -> float: ...
+    def mbridge_refit_apply(self, fingerprint: str, signal: bool = False) -> float: ...
 
     def mbridge_refit_close(self) -> None: ...
 

@@ -13,11 +13,14 @@ carries plain data works):
    report: what was loaded against what the engine holds (``missing`` parameters,
    ``unexpected`` tensors, ``partial`` parameters). Any missing or unexpected name fails the
    open (``EngineRefitError``) unless ``allow_partial``.
-2. ``apply(fingerprint)``: every later step. Refuses a fingerprint that is not the open layout's
-   (the trainer's export changed without a new ``open``), replays, and waits for the copies, so
-   the trainer may overwrite its buffers once the call returns; returns the milliseconds it
-   took. If the engine has replaced a parameter the plan writes (a weight reload through another
-   path), it records its loader again instead of replaying into the old storage.
+2. ``apply(fingerprint, signal)``: every later step. Refuses a fingerprint that is not the open
+   layout's (the trainer's export changed without a new ``open``), replays, and either waits for the
+   copies (the trainer may overwrite its buffers once the call returns) or, with ``signal`` on a
+   layout opened with ``completion=True`` on a CUDA device, records the shared event of
+   ``engines.completion`` and returns at once: the trainer then waits on that event before it
+   touches the tensors the engine reads. Returns the milliseconds the worker spent. If the engine
+   has replaced a parameter the plan writes (a weight reload through another path), it records its
+   loader again instead of replaying into the old storage.
 3. ``close()``: forgets the plan and the mapped storages.
 
 A layout whose tensors are an engine rank's shards (``sharing.ShardBox``: a sharded refit, each
@@ -41,6 +44,7 @@ from typing import Any
 import torch
 
 from mbridge_refit.engines.apply_plan import ApplyPlan, ApplyPlanError, LoadWeights, Recompute, Shards, StagedLoad
+from mbridge_refit.engines.completion import ReplayDone
 from mbridge_refit.engines.sharing import TRANSPORTS, SharedLayout, SharingError, row_sources, views
 from mbridge_refit.errors import EngineError
 
@@ -72,6 +76,7 @@ class OpenReport:
     partial: list[str]
     checked_against_loader: bool
     open_ms: float
+    completion: str | None = None  # the IPC handle of the event each replay records (``engines.completion``)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -98,9 +103,17 @@ class RefitReceiver:
         self._fingerprint: str | None = None
         self._storages: list = []
         self._shards: Shards = {}
+        self._done: ReplayDone | None = None  # set when the trainer waits on an event instead of the apply RPC
 
     def open(
-        self, wire: dict[str, Any], payload: bytes, transport: str, *, check: bool = True, allow_partial: bool = False
+        self,
+        wire: dict[str, Any],
+        payload: bytes,
+        transport: str,
+        *,
+        check: bool = True,
+        allow_partial: bool = False,
+        completion: bool = False,
     ) -> dict[str, Any]:
         started = time.perf_counter()
         self.close()
@@ -125,6 +138,7 @@ class RefitReceiver:
             plan.check_against_loader()
             _synchronize(self.device)
         self._plan, self._fingerprint, self._storages, self._shards = plan, layout.fingerprint, storages, shards
+        self._done = ReplayDone.for_device(self.device) if completion else None
         report = OpenReport(
             fingerprint=layout.fingerprint,
             tensors=len(layout.refs),
@@ -141,6 +155,7 @@ class RefitReceiver:
             partial=plan.partial,
             checked_against_loader=check,
             open_ms=(time.perf_counter() - started) * 1e3,
+            completion=None if self._done is None else self._done.handle,
         )
         if plan.via_loader:
             logger.info(
@@ -156,7 +171,7 @@ class RefitReceiver:
             )
         return report.to_dict()
 
-    def apply(self, fingerprint: str) -> float:
+    def apply(self, fingerprint: str, *, signal: bool = False) -> float:
         started = time.perf_counter()
         if self._plan is None:
             raise EngineRefitError(
@@ -175,11 +190,14 @@ class RefitReceiver:
             self._plan = plan
         else:
             self._plan.replay()
-        _synchronize(self.device)
+        if signal and self._done is not None:
+            self._done.record()  # the trainer waits on it (module docstring)
+        else:
+            _synchronize(self.device)
         return (time.perf_counter() - started) * 1e3
 
     def close(self) -> None:
-        self._plan, self._fingerprint, self._storages, self._shards = None, None, [], {}
+        self._plan, self._fingerprint, self._storages, self._shards, self._done = None, None, [], {}, None
 
     def _record(self, sources: list[tuple[str, torch.Tensor]], shards: Shards) -> ApplyPlan:
         """The engine's loader recorded plainly; where it fails (the engine replaced a parameter

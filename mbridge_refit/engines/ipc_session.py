@@ -8,8 +8,11 @@ trainer parameter read as stored (``RefitBridge.live_rows``: without tensor para
 of them, q, k and v included) are read by the engine from the parameter itself and never exported
 again; the export runs only for the rest (gathers, FP8 quantization), every rank of the model's
 groups exporting the same names. Per step: that export, one RPC telling every worker to replay,
-which returns when the engine's parameters hold the new weights. No bytes are packed or staged,
-nothing is allocated after the first step on either side.
+the engine's follow-up (``after_weights_written``) and, over CUDA IPC, a wait on the event the
+worker recorded after launching its copies (``engines.completion``): the RPC returns once the copies
+are launched, so the follow-up runs while they do, and ``refit`` returns once the engine's
+parameters hold the new weights. No bytes are packed or staged, nothing is allocated after the
+first step on either side.
 
 Who calls it: an engine adapter's ``ipc`` session (for vLLM ``engines.vllm.VLLMRefit``, a subclass)
 binds the three things that are its engine's: ``call_workers(method, *args)`` (the RPC to every
@@ -45,6 +48,7 @@ from typing import Any
 import torch
 
 from mbridge_refit.engines.base import CallWorkers, RefitStep
+from mbridge_refit.engines.completion import DoneSignal
 from mbridge_refit.engines.sharing import (
     CudaIpcTransport,
     LayoutRecorder,
@@ -102,8 +106,11 @@ class IpcSession:
     after every open and replay (the engine's own follow-up). ``check_first_refit``: the engine
     proves its recorded copies against its own loader on every open (costs one more pass over the
     weights, once). ``allow_partial``: accept an export that leaves engine parameters unwritten or
-    has tensors the engine does not load (a subset refit). The session references the last refit's
-    model parameters and shared storages until ``close``.
+    has tensors the engine does not load (a subset refit). ``overlap_follow_up``: where the engine
+    signals the end of its copies by event (CUDA IPC), run ``after_weights_written`` while they run
+    (off: the apply RPC returns when they are done, then the follow-up; an attribute, read each
+    step). The session references the last refit's model parameters and shared storages until
+    ``close``.
     """
 
     def __init__(
@@ -115,8 +122,10 @@ class IpcSession:
         after_weights_written: Callable[[], None] | None = None,
         check_first_refit: bool = True,
         allow_partial: bool = False,
+        overlap_follow_up: bool = True,
     ) -> None:
         self.call_workers = call_workers
+        self.overlap_follow_up = overlap_follow_up
         self.ignored = ignored
         self.after_weights_written = after_weights_written
         self.transport = transport or CudaIpcTransport()
@@ -128,6 +137,7 @@ class IpcSession:
         self._payload: bytes | None = None
         self._routes: _Routes | None = None  # the last refit's (held until close)
         self._rows_out: dict[str, torch.Tensor] = {}  # copies of live row runs the engine's loader reads at an open
+        self._done: DoneSignal | None = None  # the engine's replay event (CUDA IPC), waited on after each apply
         self.last_report: dict[str, Any] | None = None
 
     def open(self, bridge: ExportsWeights, model: Model, *, fp8: Any = None) -> None:
@@ -240,8 +250,14 @@ class IpcSession:
 
     def _apply(self, started: float) -> RefitStep:
         exported = time.perf_counter()
-        engine_ms = self._rpc("mbridge_refit_apply", self._layout.fingerprint)
-        self._after_apply()
+        signal = self._done is not None and self.overlap_follow_up
+        engine_ms = self._rpc("mbridge_refit_apply", self._layout.fingerprint, signal)
+        applied = time.perf_counter()
+        try:
+            self._after_apply()  # with a signal: while the engine's copies run
+        finally:
+            if signal:
+                self._done.wait()  # even when the follow-up failed: the caller may touch the tensors next
         done = time.perf_counter()
         return RefitStep(
             tensors=len(self._layout.refs),
@@ -249,8 +265,9 @@ class IpcSession:
             ms=(done - started) * 1e3,
             opened=False,
             export_ms=(exported - started) * 1e3,
-            apply_ms=(done - exported) * 1e3,
+            apply_ms=(applied - exported) * 1e3,
             engine_ms=engine_ms,
+            reset_ms=(done - applied) * 1e3,
         )
 
     def _open(self, recorder: LayoutRecorder, key: tuple | None, started: float) -> RefitStep:
@@ -266,9 +283,11 @@ class IpcSession:
             self.transport.name,
             self.check_first_refit,
             self.allow_partial,
+            isinstance(self.transport, CudaIpcTransport),  # an event from the engine's process, on this GPU
         )
+        done = _done_signal(report)
         self._release_payload()
-        self._layout, self._key, self._held, self._payload = layout, key, storages, payload
+        self._layout, self._key, self._held, self._payload, self._done = layout, key, storages, payload, done
         self.last_report = report
         self._after_apply()
         done = time.perf_counter()
@@ -296,6 +315,7 @@ class IpcSession:
             self._rpc("mbridge_refit_close")
         self._release_payload()
         self._layout, self._key, self._held, self._rows_out, self._routes = None, None, [], {}, None
+        self._done = None
 
     def _release_payload(self) -> None:
         release = getattr(self.transport, "release", None)
@@ -331,6 +351,14 @@ def _plan_routes(bridge: ExportsWeights, chunks: tuple, fp8: Any, ignored: froze
         live_parameters=tuple(parameters.values()),
         registrations=registration_count(),  # after the bridge looked its parameters up again
     )
+
+
+def _done_signal(report: dict[str, Any] | None) -> DoneSignal | None:
+    """The engine's replay event from its open report (None: its applies return when done)."""
+    handle = (report or {}).get("completion")
+    if handle is None:
+        return None
+    return DoneSignal.open(handle, torch.device("cuda", torch.cuda.current_device()))
 
 
 def _synchronize_trainer() -> None:

@@ -99,6 +99,9 @@ class VLLMRefit(_OnVLLM, IpcSession):
     open (costs one more pass over the weights, once). ``reset_prefix_cache``: drop the engine's
     cached prompt blocks after each refit (``reset_prefix_cache``; one engine call). ``allow_partial``: accept an export that
     leaves engine parameters unwritten or has tensors the engine does not load (a subset refit).
+    ``overlap_follow_up``: over CUDA IPC the workers' apply returns once their copies are launched
+    and the reset runs while they do; the refit still returns only once they are done
+    (``engines.completion``; off: the reset after the copies).
     The session references the last refit's model parameters and shared storages until ``close``.
     """
 
@@ -111,6 +114,7 @@ class VLLMRefit(_OnVLLM, IpcSession):
         allow_partial: bool = False,
         timeout_s: float = 600.0,
         reset_prefix_cache: bool = True,
+        overlap_follow_up: bool = True,
     ) -> None:
         self.llm = llm
         self.reset_prefix_cache = reset_prefix_cache
@@ -122,6 +126,7 @@ class VLLMRefit(_OnVLLM, IpcSession):
             after_weights_written=self._after_weights_written,
             check_first_refit=check_first_refit,
             allow_partial=allow_partial,
+            overlap_follow_up=overlap_follow_up,
         )
 
 

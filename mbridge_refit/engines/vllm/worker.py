@@ -86,15 +86,22 @@ class RefitWorkerExtension:
 
         return recompute
 
-    def mbridge_refit_open(self, wire: dict, payload: bytes, transport: str, check: bool, allow_partial: bool) -> dict:
+    def mbridge_refit_open(
+        self, wire: dict, payload: bytes, transport: str, check: bool, allow_partial: bool, completion: bool = False
+    ) -> dict:
         """Map the trainer's tensors, load them once through the model's ``load_weights`` while
-        recording its copies, optionally prove the recording; returns the open report."""
-        return self._mbridge_receiver().open(wire, payload, transport, check=check, allow_partial=allow_partial)
+        recording its copies, optionally prove the recording; returns the open report (with
+        ``completion``, the handle of the event later applies record: ``engines.completion``)."""
+        return self._mbridge_receiver().open(
+            wire, payload, transport, check=check, allow_partial=allow_partial, completion=completion
+        )
 
-    def mbridge_refit_apply(self, fingerprint: str) -> float:
-        """Replay the recorded copies from the trainer's (now updated) tensors; returns when done,
-        with the milliseconds the worker spent (the rest of the call's time is the RPC's)."""
-        return self._mbridge_receiver().apply(fingerprint)
+    def mbridge_refit_apply(self, fingerprint: str, signal: bool = False) -> float:
+        """Replay the recorded copies from the trainer's (now updated) tensors; returns when done, or,
+        with ``signal`` on a layout opened with ``completion``, once they are launched (the trainer
+        waits on the event); with the milliseconds the worker spent (the rest of the call's time is
+        the RPC's)."""
+        return self._mbridge_receiver().apply(fingerprint, signal=signal)
 
     def mbridge_refit_open_shards(
         self, wires: list, payloads: list, transport: str, check: bool, allow_partial: bool
