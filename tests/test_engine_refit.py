@@ -196,7 +196,20 @@ def test_apply_plan_reports_missing_and_partial():
     assert plan.missing == ["scale"] and plan.partial == ["fused"]
 
 
-def test_receiver_records_again_when_the_engine_replaced_a_parameter():
+class _Recorded:
+    """Stands in for the engine's replay event (``engines.completion.ReplayDone``): counts its records."""
+
+    def __init__(self) -> None:
+        self.records = 0
+
+    def record(self) -> None:
+        self.records += 1
+
+
+@pytest.mark.parametrize("signal", [False, True], ids=["waits", "signals"])
+def test_receiver_records_again_when_the_engine_replaced_a_parameter(signal):
+    """Also when the apply signals by event: it launches the replay before it looks for moved parameters,
+    so that replay writes the old storage, and the loader recorded again must still fill the new one."""
     from mbridge_refit.engines.ipc import RefitReceiver
 
     model = _Fused()
@@ -209,10 +222,15 @@ def test_receiver_records_again_when_the_engine_replaced_a_parameter():
     transport = LocalTransport()
     report = receiver.open(layout.to_wire(), transport.share(storages), transport.name)
     assert report["copies"] == 2 and report["via_loader"] == ["s"]
+    done = receiver._done = _Recorded() if signal else None
     model.fused = torch.nn.Parameter(torch.zeros(6, 4), requires_grad=False)  # e.g. a reload through another path
     a.add_(1.0)
-    receiver.apply(layout.fingerprint)
+    receiver.apply(layout.fingerprint, signal=signal)
     assert torch.equal(model.fused.data, torch.cat([a, b]))
+    a.add_(1.0)
+    receiver.apply(layout.fingerprint, signal=signal)  # a plain replay into the new parameter
+    assert torch.equal(model.fused.data, torch.cat([a, b]))
+    assert done is None or done.records == 2
 
 
 def _streamed(model, buffers, buckets, *, check=True):

@@ -183,18 +183,26 @@ class RefitReceiver:
                 f"plan mismatch: the trainer's step has layout {fingerprint} but this engine opened {self._fingerprint}; "
                 "the trainer must open the new layout (its refit session does when its export changes)"
             )
+        signalled = signal and self._done is not None
+        if signalled:
+            self._plan.replay()  # launched first: the check below runs on the host while the copies run
         if self._plan.reallocated(self.model):
-            self._plan.refresh_sources()
-            plan = self._record([(s.name, s.source) for s in self._plan.steps], self._shards)
-            plan.compose_rows(self._plan.rows)
-            self._plan = plan
-        else:
+            # a replay above wrote storages the plan still holds (so no other tensor's), no longer the engine's
+            self._record_again()
+        elif not signalled:
             self._plan.replay()
-        if signal and self._done is not None:
+        if signalled:
             self._done.record()  # the trainer waits on it (module docstring)
         else:
             _synchronize(self.device)
         return (time.perf_counter() - started) * 1e3
+
+    def _record_again(self) -> None:
+        """The engine replaced parameters the plan writes: record its loader again from the same sources."""
+        self._plan.refresh_sources()
+        plan = self._record([(s.name, s.source) for s in self._plan.steps], self._shards)
+        plan.compose_rows(self._plan.rows)
+        self._plan = plan
 
     def close(self) -> None:
         self._plan, self._fingerprint, self._storages, self._shards, self._done = None, None, [], {}, None

@@ -1,0 +1,66 @@
+"""Profile the trainer side of a steady colocated refit (``IpcSession.refit``) on the GPU host, without an
+engine: where does its host time go?
+
+    python3 scripts/profile_ipc_trainer.py --model qwen3-30b-a3b --layers 24
+
+Builds the shape's Megatron model (TP1, random bf16 weights) on GPU 0, refits an engine stand-in whose
+workers only answer (the engine's replay is not the trainer's work) until steady, times 20 steady steps,
+then prints cProfile's top functions by their own time over 10 more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from check_vllm_refit_gpu import tp1_trainer  # noqa: E402
+
+
+def answering_workers(method: str, *args):
+    return [{} if method == "mbridge_refit_open" else 0.0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3-30b-a3b")
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--work", default="/tmp")
+    args = parser.parse_args()
+    from mbridge_refit.engines.ipc_session import IpcSession
+    from mbridge_refit.engines.sharing import LocalTransport
+    from mbridge_refit.models.recipes import full_size_config
+
+    config = full_size_config(args.model)
+    if args.layers is not None:
+        config.num_hidden_layers = args.layers
+    with tp1_trainer(config, args.work) as (bridge, chunks, _):
+        session = IpcSession(answering_workers, transport=LocalTransport())
+        for _ in range(3):
+            step = session.refit(bridge, chunks)
+        times = []
+        for _ in range(20):
+            started = time.perf_counter()
+            session.refit(bridge, chunks)
+            times.append((time.perf_counter() - started) * 1e3)
+        median = statistics.median(times)
+        print(f"{torch.cuda.get_device_name()} {args.model} layers={config.num_hidden_layers} tensors={step.tensors}")
+        print(f"steady trainer step: median {median:.3f} ms, {median * 1e3 / step.tensors:.2f} us per tensor")
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(10):
+            session.refit(bridge, chunks)
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+        session.close()
+
+
+if __name__ == "__main__":
+    main()
