@@ -632,3 +632,95 @@ def test_byte_items_with_a_few_shared_references_load():
     shared = torch.arange(4)
     torch.save({"same": [shared] * 5, "config": {"sizes": (1, 2, 3), "name": "x" * 100}}, saved)
     check_byte_item(saved.getvalue())
+
+
+def _dcp_with_tensor_item(tmp_path, item: bytes):
+    """A DCP checkpoint of one tensor ``w`` whose item is ``item`` (the index placing it over the whole file)."""
+    directory = _dcp_dir(tmp_path, {"w": torch.zeros(4)})
+    (data,) = directory.glob("*.distcp")
+    data.write_bytes(item)
+    index = pickle.loads((directory / ".metadata").read_bytes())
+    location = next(iter(index.storage_data.values()))
+    location.offset, location.length = 0, len(item)
+    (directory / ".metadata").write_bytes(pickle.dumps(index))
+    return directory
+
+
+def _load_checked(directory):
+    import torch.distributed.checkpoint as dcp
+
+    from mbridge_refit.checkpoints.dcp_pickles import CheckedFileSystemReader
+
+    state = {"w": torch.full((4,), float("nan"))}
+    try:
+        dcp.load(state, storage_reader=CheckedFileSystemReader(directory), no_dist=True)
+    except CheckpointException as err:  # a BaseException: this rank's failure, as Megatron's load sees it
+        ((failure, _),) = err.failures.values()
+        raise failure from err
+    return state["w"]
+
+
+def _stored_as(saved: bytes, compress_type: int) -> bytes:
+    import zipfile
+
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(saved)) as source, zipfile.ZipFile(out, "w") as target:
+        for info in source.infolist():
+            target.writestr(info.filename, source.read(info), compress_type=compress_type)
+    return out.getvalue()
+
+
+def test_tensor_items_load_through_the_checked_reader(tmp_path):
+    values = torch.arange(4, dtype=torch.float32) * 1.5
+    directory = tmp_path / "plain"
+    _dcp_dir(directory, {"w": values})
+    assert torch.equal(_load_checked(directory / "weights"), values)
+
+
+@pytest.mark.parametrize("crafted", ["shared tuples", "compressed", "not an archive"])
+def test_tensor_items_are_checked_before_torch_reads_them(crafted, tmp_path):
+    # DCP loads tensor items with torch.load(weights_only=True) itself: a 1.2 kB item of shared tuples hung it for
+    # ever, a deflated member inflated before anything refused it
+    import zipfile
+
+    from mbridge_refit.checkpoints.dcp_pickles import UnsafePickle
+
+    saved = io.BytesIO()
+    torch.save(torch.zeros(4), saved)
+    if crafted == "shared tuples":
+        item = _with_pickle(b"\x80\x02}()q\x00" + b"h\x00h\x00\x86q\x00" * 40 + b"tNs.")
+    elif crafted == "compressed":
+        item = _stored_as(saved.getvalue(), zipfile.ZIP_DEFLATED)
+    else:
+        item = pickle.dumps(
+            torch.zeros(4).numpy().tobytes()
+        )  # a plain pickle: torch.load reads it, DCP never writes it
+    directory = _dcp_with_tensor_item(tmp_path, item)
+    started = time.monotonic()
+    error = _in_thread(lambda: _load_checked(directory))
+    assert isinstance(error, UnsafePickle) and "tensor item w" in str(error), error
+    assert time.monotonic() - started < 10.0
+
+
+def test_a_tensor_item_file_swapped_for_a_fifo_is_refused_without_blocking(tmp_path):
+    directory = _dcp_dir(tmp_path, {"w": torch.zeros(4)})
+    from mbridge_refit.checkpoints.dcp_pickles import CheckedFileSystemReader
+    from mbridge_refit.checkpoints.regular_files import NotARegularFile
+
+    reader = CheckedFileSystemReader(directory)
+    metadata = reader.read_metadata()  # the index checked while the file was regular
+    reader.set_up_storage_reader(metadata, is_coordinator=True)
+    (data,) = directory.glob("*.distcp")
+    data.unlink()
+    os.mkfifo(data)
+
+    class Item:
+        type = "tensor"
+        storage_index = next(iter(metadata.storage_data))
+        dest_index = storage_index
+
+    class Plan:
+        items = [Item()]
+
+    error = _in_thread(lambda: reader._check_tensor_items(Plan()))
+    assert isinstance(error, NotARegularFile) and error.kind == "FIFO", error

@@ -23,10 +23,16 @@ crafted file names. Here:
   of what it names, and the loaded index must have the shape DCP writes (``check_index_shape``:
   each field of the type DCP gives it), so no later check meets anything else.
 * ``check_byte_item`` loads a byte item with ``torch.load(weights_only=True)``.
-* ``CheckedFileSystemReader`` is DCP's reader with both checks built in: the index through
+* ``check_tensor_item`` looks at a tensor item before DCP's own ``torch.load(weights_only=True)``
+  reads it: weights-only loading runs no code, but the archive and its pickle are data that can
+  still cost (a compressed member that inflates, a pickle of shared references that hashes in
+  exponential time), so an item must be the archive ``torch.save`` writes, members stored, its
+  pickle bounded (``expanded_objects``); only the archive's directory and pickle are read, not
+  the tensor's bytes.
+* ``CheckedFileSystemReader`` is DCP's reader with these checks built in: the index through
   ``load_index`` and every place it puts bytes through ``location_problem`` (a regular file inside
   the checkpoint, long enough), every byte item through ``check_byte_item`` before DCP loads the
-  same bytes.
+  same bytes, and every tensor item a load reads through ``check_tensor_item`` before DCP does.
   ``checked_megatron_reads`` makes Megatron-Core's ``dist_checkpointing.load`` read through it,
   so what is loaded is what was checked, however the files change after a first check.
 """
@@ -47,7 +53,7 @@ import stat
 import zipfile
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Iterator, Mapping
+from typing import Any, BinaryIO, Iterator, Mapping
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -60,7 +66,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
+from torch.distributed.checkpoint.planner import LoadItemType
 
+from mbridge_refit.checkpoints.regular_files import open_regular_file
 from mbridge_refit.errors import InputError
 
 __all__ = [
@@ -71,6 +79,7 @@ __all__ = [
     "byte_items",
     "check_byte_item",
     "check_index_shape",
+    "check_tensor_item",
     "checked_megatron_reads",
     "index_globals",
     "load_index",
@@ -354,18 +363,37 @@ def check_byte_item(data: bytes) -> None:
     buffer = io.BytesIO(data)
     if zipfile.is_zipfile(buffer):
         with zipfile.ZipFile(buffer) as archive:
-            members = archive.infolist()
-            packed = [info.filename for info in members if info.compress_type != zipfile.ZIP_STORED]
-            if packed:
-                raise UnsafePickle(f"its member {brief(packed[0])} is compressed, which torch.save never does")
-            for info in members:
-                if info.filename.endswith("data.pkl") and expanded_objects(archive.read(info)) > MAX_EXPANDED_OBJECTS:
-                    raise UnsafePickle(
-                        f"its pickle stands for more than {MAX_EXPANDED_OBJECTS} objects once shared references are "
-                        "followed (a checkpoint's object holds a few hundred)"
-                    )
+            _check_archive(archive)
     buffer.seek(0)
     torch.load(buffer, weights_only=True)
+
+
+def check_tensor_item(item: BinaryIO) -> None:
+    """Raise ``UnsafePickle`` unless ``item`` (one tensor item's bytes, seekable, positioned anywhere) is a
+    zip archive as ``torch.save`` writes it whose members are stored and whose pickle passes
+    ``expanded_objects`` (the module docstring says why). Reads the archive's directory and pickle only."""
+    try:
+        if not zipfile.is_zipfile(item):
+            raise UnsafePickle("it is not the zip archive torch.save writes for a tensor")
+        item.seek(0)
+        with zipfile.ZipFile(item) as archive:
+            _check_archive(archive)
+    except (zipfile.BadZipFile, EOFError, OSError) as err:  # a damaged archive: torch would refuse it too
+        raise UnsafePickle(f"its archive cannot be read ({type(err).__name__}: {err})") from err
+
+
+def _check_archive(archive: zipfile.ZipFile) -> None:
+    """A ``torch.save`` archive's members are stored, and every pickle in it is bounded (``expanded_objects``)."""
+    members = archive.infolist()
+    packed = [info.filename for info in members if info.compress_type != zipfile.ZIP_STORED]
+    if packed:
+        raise UnsafePickle(f"its member {brief(packed[0])} is compressed, which torch.save never does")
+    for info in members:
+        if info.filename.endswith("data.pkl") and expanded_objects(archive.read(info)) > MAX_EXPANDED_OBJECTS:
+            raise UnsafePickle(
+                f"its pickle stands for more than {MAX_EXPANDED_OBJECTS} objects once shared references are "
+                "followed (a checkpoint's object holds a few hundred)"
+            )
 
 
 MAX_EXPANDED_OBJECTS = 1_000_000
@@ -459,8 +487,9 @@ def byte_items(index: Metadata) -> Iterator[tuple[str, Any]]:
 
 
 class CheckedFileSystemReader(FileSystemReader):
-    """DCP's file system reader, reading the index with ``load_index`` and checking every byte
-    item with ``check_byte_item`` before DCP's planner loads those same bytes (module docstring).
+    """DCP's file system reader, reading the index with ``load_index``, checking every byte item with
+    ``check_byte_item`` before DCP's planner loads those same bytes, and every tensor item a load reads
+    with ``check_tensor_item`` before DCP's ``torch.load`` does (module docstring).
 
     ``read_metadata`` takes no ``rank``: DCP then never falls back to a per-rank index, which
     ``convert import`` never writes. DCP's load swallows an exception of ``read_metadata`` (and
@@ -485,7 +514,56 @@ class CheckedFileSystemReader(FileSystemReader):
         return index
 
     def read_data(self, plan: Any, planner: Any) -> Any:
+        self._check_tensor_items(plan)
         return super().read_data(plan, _CheckedBytesPlanner(planner))
+
+    def _check_tensor_items(self, plan: Any) -> None:
+        """``check_tensor_item`` on every tensor item ``plan`` reads (each once, file by file)."""
+        items: dict[str, dict[Any, str]] = {}  # file -> {storage index: fqn}
+        for read_item in plan.items:
+            if read_item.type != LoadItemType.BYTE_IO:
+                location = self.storage_data[read_item.storage_index]
+                items.setdefault(location.relative_path, {})[read_item.storage_index] = read_item.dest_index.fqn
+        for name, tensors in items.items():
+            with open_regular_file(Path(self.path) / name) as stream:
+                for index, fqn in tensors.items():
+                    location = self.storage_data[index]
+                    try:
+                        check_tensor_item(_FileSlice(stream, location.offset, location.length))
+                    except UnsafePickle as err:
+                        raise UnsafePickle(f"tensor item {fqn} in {Path(self.path) / name}: {err}") from err
+
+
+class _FileSlice(io.RawIOBase):
+    """``length`` bytes of ``stream`` from ``offset``, as a seekable file of their own (reads stop at its end)."""
+
+    def __init__(self, stream: BinaryIO, offset: int, length: int) -> None:
+        super().__init__()
+        self._stream, self._offset, self._length, self._at = stream, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._at
+
+    def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: self._length}[whence]
+        self._at = min(max(base + position, 0), self._length)
+        return self._at
+
+    def readinto(self, buffer: Any) -> int:
+        count = min(len(buffer), self._length - self._at)
+        if count <= 0:
+            return 0
+        self._stream.seek(self._offset + self._at)
+        data = self._stream.read(count)
+        buffer[: len(data)] = data
+        self._at += len(data)
+        return len(data)
 
 
 class _CheckedBytesPlanner:

@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import re
-import stat
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +30,7 @@ from typing import Any, BinaryIO, Iterator
 import torch
 from safetensors import safe_open
 
+from mbridge_refit.checkpoints.regular_files import file_kind, open_if_regular
 from mbridge_refit.errors import InputError
 
 __all__ = [
@@ -238,36 +238,16 @@ def _open_regular(file: Path) -> BinaryIO:
     """``file`` opened for reading; a directory raises ``IsADirectoryError`` (as ``open`` does), any
     other file that is not a regular file ``CheckpointError``. Opened without blocking (a FIFO with
     no writer would otherwise wait forever), then checked on the open descriptor, so a file replaced
-    after the index was checked is refused too."""
-    fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    try:
-        kind = _file_kind(os.fstat(fd).st_mode)
-        if kind == "directory":
-            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(file))
-        if kind != "regular file":
-            raise CheckpointError(
-                f"cannot read {file}: it is a {kind}, but it must be a regular safetensors file (reading a FIFO or "
-                "device may never end)"
-            )
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def _file_kind(mode: int) -> str:
-    """What a file of ``mode`` (``st_mode``) is, in words."""
-    for test, kind in (
-        (stat.S_ISREG, "regular file"),
-        (stat.S_ISDIR, "directory"),
-        (stat.S_ISFIFO, "FIFO"),
-        (stat.S_ISCHR, "character device"),
-        (stat.S_ISBLK, "block device"),
-        (stat.S_ISSOCK, "socket"),
-    ):
-        if test(mode):
-            return kind
-    return "special file"
+    after the index was checked is refused too (``regular_files.open_if_regular``)."""
+    fd, kind = open_if_regular(file)
+    if kind == "directory":
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(file))
+    if fd is None:
+        raise CheckpointError(
+            f"cannot read {file}: it is a {kind}, but it must be a regular safetensors file (reading a FIFO or "
+            "device may never end)"
+        )
+    return os.fdopen(fd, "rb")
 
 
 def _header_names(file: Path) -> list[str]:
@@ -348,7 +328,7 @@ def _read_index(path: Path) -> dict[str, str]:
         )
     special = sorted({f for f in weight_map.values() if not ((path / f).is_file() or (path / f).is_dir())})
     if special:
-        kinds = [f"{path / f} is a {_file_kind((path / f).stat().st_mode)}" for f in special[:5]]
+        kinds = [f"{path / f} is a {file_kind((path / f).stat().st_mode)}" for f in special[:5]]
         raise CheckpointError(
             f"{index_file} maps tensors to files that are not regular files ({'; '.join(kinds)}"
             f"{f'; and {len(special) - 5} more' if len(special) > 5 else ''}): each shard must be a regular "

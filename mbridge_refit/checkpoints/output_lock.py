@@ -26,11 +26,11 @@ import json
 import logging
 import os
 import socket
-import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from mbridge_refit.checkpoints.regular_files import open_if_regular
 from mbridge_refit.errors import InputError
 
 __all__ = [
@@ -100,20 +100,13 @@ class LockFileError(InputError):
 def _open_lock(path: Path, flags: int) -> int:
     """``path`` opened with ``flags``, never through a symlink (a planted link would have us truncate the
     file it names) and never blocking (a FIFO); raises ``LockFileError`` unless it is a regular file."""
-    try:
-        fd = os.open(path, flags | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
-    except OSError as err:
-        if err.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
-            raise
-        fd = None
-    if fd is not None and stat.S_ISREG(os.fstat(fd).st_mode):
-        return fd
-    if fd is not None:
-        os.close(fd)
-    raise LockFileError(
-        f"{path} is where this output's lock file goes, but it is not a regular file (a link, FIFO or directory): "
-        "remove it, or choose another output directory"
-    )
+    fd, kind = open_if_regular(path, flags, follow_links=False, mode=0o644)
+    if fd is None:
+        raise LockFileError(
+            f"{path} is where this output's lock file goes, but it is a {kind}, not a regular file: "
+            "remove it, or choose another output directory"
+        )
+    return fd
 
 
 class LockHeld(InputError):

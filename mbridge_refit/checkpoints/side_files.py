@@ -22,6 +22,7 @@ import stat
 from collections.abc import Iterable
 from pathlib import Path
 
+from mbridge_refit.checkpoints.regular_files import open_if_regular
 from mbridge_refit.errors import InputError
 
 __all__ = ["SideFileError", "copy_side_file", "read_side_file", "side_file_problem", "side_file_problems"]
@@ -91,10 +92,9 @@ def _open_checked(directory: Path, name: str) -> int | None:
     path = Path(directory) / name
     if not os.path.lexists(path):
         return None
-    fd = os.open(path.resolve(strict=True), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced between the check and the open
-        os.close(fd)
-        raise SideFileError(f"{path} changed into something other than a regular file while it was being copied")
+    fd, kind = open_if_regular(path.resolve(strict=True), follow_links=False)
+    if fd is None:  # replaced between the check and the open
+        raise SideFileError(f"{path} changed into a {kind} while it was being copied; a side file must be a plain file")
     return fd
 
 
