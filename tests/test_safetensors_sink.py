@@ -255,6 +255,27 @@ def test_abort_keeps_files_it_did_not_write(tmp_path):
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
 
 
+def test_an_interrupt_after_the_swap_keeps_the_new_checkpoint_and_says_so(tmp_path, caplog, monkeypatch):
+    # SIGINT in the last barrier, after rank 0 swapped the new checkpoint in, logged "aborted ... removed"
+    out = tmp_path / "out"
+    writer = ShardedSafetensorsWriter(out_dir=out, max_shard_bytes=64)
+    barriers = {"count": 0}
+    ranks = type(writer._ranks)
+    barrier = ranks.barrier
+
+    def interrupted_last_barrier(self):
+        barriers["count"] += 1
+        if barriers["count"] == 3:  # finish's barriers: shards closed, shards published, swapped in
+            raise KeyboardInterrupt
+        barrier(self)
+
+    monkeypatch.setattr(ranks, "barrier", interrupted_last_barrier)
+    with pytest.raises(KeyboardInterrupt), caplog.at_level("WARNING"):
+        drain(iter(_tensors()), writer)
+    assert sorted(HFCheckpoint.open(out).names()) == sorted(name for name, _ in _tensors())
+    assert "the new checkpoint is in place" in caplog.text and "removed" not in caplog.text
+
+
 def test_empty_stream_raises_and_writes_nothing(tmp_path):
     with pytest.raises(ValueError, match="no tensors"):
         _write(tmp_path / "out", [])

@@ -237,6 +237,7 @@ class ShardedSafetensorsWriter(WeightSink):
         self._written: dict[int, Path] = {}
         self._tmp_paths: set[Path] = set()
         self._closed = False
+        self._published = False  # rank 0 swapped the new checkpoint in: an abort then removes nothing
         self.file_seconds = 0.0  # this rank's time in writing and syncing its shard files
         self._assignment = assignment
         if assignment is not None:
@@ -295,6 +296,7 @@ class ShardedSafetensorsWriter(WeightSink):
             self._write_index(num_shards)
             fsync_dir(self.staging)
             self._publication.swap_in()
+            self._published = True
         self._ranks.barrier()
         if self._ranks.rank == 0:
             logger.info(
@@ -312,6 +314,9 @@ class ShardedSafetensorsWriter(WeightSink):
         self._buffer.clear()
         if self._assignment is not None:
             self._shard_buffers.clear()
+        if self._published:  # interrupted after the swap, before the last barrier: the output is complete
+            logger.warning("interrupted after %s was written: the new checkpoint is in place", self.out_dir)
+            return
         for path in sorted(self._tmp_paths | set(self._written.values())):
             path.unlink(missing_ok=True)
         self._publication.abandon()
