@@ -25,6 +25,9 @@ after which our next apply records the loader again):
   its GPU (timed inside the engine); ``engine_replay_ms``: our recorded copies, timed the same way.
 * ``new_allocations_after_first``: CUDA caching-allocator allocations during our steady steps,
   trainer and engine. ``engine_extra_bytes``: engine memory allocated by opening the refit.
+  ``peak_extra_bytes``: the trainer's peak allocated memory beyond what it held before, during
+  our first refit (the open), our steady steps (the largest), and the native baseline's steps
+  (the stock export and vLLM's ipc backend; BF16 only).
 
 Timings from CUDA events/synchronized wall clock on this host; medians and minima of the
 steady steps. Writes DIR/bench_refit_vllm_<model>[_fp8].json with a manifest.
@@ -58,6 +61,22 @@ def timed(fn) -> float:
     fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - started) * 1e3
+
+
+class PeakExtra:
+    """The trainer's largest peak of allocated memory beyond what it held when each measured call began."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+    def __call__(self, fn):
+        """``fn``, with its peak over the memory held before it taken into ``bytes``."""
+        held = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            return fn()
+        finally:
+            self.bytes = max(self.bytes, torch.cuda.max_memory_allocated() - held)
 
 
 def floor_ms(nbytes: int, repeats: int = 5) -> float:
@@ -151,7 +170,8 @@ def run(args) -> dict:
         refit = VLLMRefit(llm, timeout_s=300)
 
         before_open = llm.collective_rpc("mbridge_refit_memory")[0]
-        first = refit.refit(bridge, chunks, fp8=fp8)
+        peaks = {"ours_first": PeakExtra(), "ours_steady": PeakExtra(), "stock_native": PeakExtra()}
+        first = peaks["ours_first"](lambda: refit.refit(bridge, chunks, fp8=fp8))
         after_open = llm.collective_rpc("mbridge_refit_memory")[0]
         result["bytes"], result["tensors"] = first.bytes, first.tensors
         result["first_refit_ms"] = round(first.export_ms + first.apply_ms, 1)
@@ -201,7 +221,7 @@ def run(args) -> dict:
                     nonlocal step
                     step = refit.refit(bridge, chunks, fp8=fp8)
 
-                (ours if overlap else serial).append(timed(ours_step))
+                (ours if overlap else serial).append(peaks["ours_steady"](lambda: timed(ours_step)))
                 trainer_new += allocations() - trainer_before
                 engine_new += llm.collective_rpc("mbridge_refit_memory")[0]["allocations"] - engine_before
                 if step.opened:
@@ -215,7 +235,7 @@ def run(args) -> dict:
         # the native backend's layerwise reload may reallocate engine parameters, which makes our next
         # apply record the loader again: its steps run after ours, not interleaved
         for _ in range(args.steps if stock is not None else 0):
-            stock_times.append(timed(stock))
+            stock_times.append(peaks["stock_native"](lambda: timed(stock)))
         result["ours_ms"] = summary(ours)
         result["ours_export_ms"] = summary(export)
         result["ours_apply_rpc_ms"] = summary(apply)
@@ -227,6 +247,9 @@ def run(args) -> dict:
         if fp8:
             result["ours_fp8_ms"] = result["ours_ms"]
         result["new_allocations_after_first"] = {"trainer": trainer_new, "engine": engine_new}
+        result["peak_extra_bytes"] = {
+            side: peak.bytes for side, peak in peaks.items() if side != "stock_native" or stock_times
+        }
         refit.refit(bridge, chunks, fp8=fp8)  # the stock update may have reloaded parameters: reopen/replay first
         result["engine_replay_ms"] = summary(llm.collective_rpc("mbridge_refit_time", args=("replay", 3))[0])
         result["vllm_load_weights_ms"] = summary(llm.collective_rpc("mbridge_refit_time", args=("load_weights", 3))[0])
@@ -274,6 +297,7 @@ def main() -> None:
                     "engine_replay_ms",
                     "new_allocations_after_first",
                     "engine_extra_bytes",
+                    "peak_extra_bytes",
                     "ratios",
                 )
             },
