@@ -208,8 +208,8 @@ class _Recorded:
 
 @pytest.mark.parametrize("signal", [False, True], ids=["waits", "signals"])
 def test_receiver_records_again_when_the_engine_replaced_a_parameter(signal):
-    """Also when the apply signals by event: it launches the replay before it looks for moved parameters,
-    so that replay writes the old storage, and the loader recorded again must still fill the new one."""
+    """Also when the apply signals by event (it looks for moved parameters before it launches anything: the
+    engine may have freed a replaced parameter's old storage), and a plain replay follows into the new one."""
     from mbridge_refit.engines.ipc import RefitReceiver
 
     model = _Fused()
@@ -223,7 +223,9 @@ def test_receiver_records_again_when_the_engine_replaced_a_parameter(signal):
     report = receiver.open(layout.to_wire(), transport.share(storages), transport.name)
     assert report["copies"] == 2 and report["via_loader"] == ["s"]
     done = receiver._done = _Recorded() if signal else None
+    old = model.fused
     model.fused = torch.nn.Parameter(torch.zeros(6, 4), requires_grad=False)  # e.g. a reload through another path
+    old.data.untyped_storage().resize_(0)  # and the old storage freed (a replay into it crashed the engine)
     a.add_(1.0)
     receiver.apply(layout.fingerprint, signal=signal)
     assert torch.equal(model.fused.data, torch.cat([a, b]))

@@ -157,7 +157,7 @@ class _Signal:
     def __init__(self, calls: list[str]) -> None:
         self.calls = calls
 
-    def wait(self) -> None:
+    def wait(self, timeout_s: float) -> None:
         self.calls.append("wait")
 
 
@@ -246,3 +246,23 @@ def test_a_cpu_engine_asked_for_an_event_has_none_and_applies_synchronously():
     session.refit_stream(iter([("a", source)]))
     assert torch.equal(engine.state()["a"], source)
     session.close()
+
+
+def test_only_a_single_worker_s_event_is_waited_on(monkeypatch):
+    """Two workers answering the open would each record their own event: the session then waits in the RPC."""
+    import mbridge_refit.engines.ipc_session as ipc_session
+
+    opened = []
+    monkeypatch.setattr(ipc_session.DoneSignal, "open", classmethod(lambda cls, handle, device: opened.append(handle)))
+
+    def call_workers(method, *args):
+        if method == "mbridge_refit_open":
+            return [{"completion": "01" * 64}, {"completion": "02" * 64}]
+        assert args[1] is False, "an apply must not be signalled when nobody waits on every worker"
+        return [0.1, 0.1]
+
+    session = IpcSession(call_workers, transport=LocalTransport())
+    tensors = [("a", torch.arange(8, dtype=torch.float32))]
+    session.refit_stream(iter(tensors))
+    session.refit_stream(iter(tensors))
+    assert opened == []

@@ -22,6 +22,8 @@ any RPC and for JSON reports). Lower layer of ``engines``: imports only torch.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from mbridge_refit.engines.sharing import SharingError
@@ -69,6 +71,11 @@ class DoneSignal:
             raise SharingError(f"the engine's replay event handle is not {_HANDLE_BYTES} bytes of hex: {handle!r:.80}")
         return cls(torch.cuda.Event.from_ipc_handle(device, raw))
 
-    def wait(self) -> None:
-        """Return once the engine's last recorded replay has finished on the device."""
-        self._event.synchronize()
+    def wait(self, timeout_s: float) -> None:
+        """Return once the engine's last recorded replay has finished on the device; ``TimeoutError`` after
+        ``timeout_s`` (an engine that died mid-copy must not hold the trainer for ever)."""
+        deadline = time.monotonic() + timeout_s
+        while not self._event.query():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the engine's copies did not finish within {timeout_s:.0f} s")
+            time.sleep(0)  # yield: copies take milliseconds, a sleep's granularity would add to each step

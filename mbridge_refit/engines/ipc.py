@@ -183,15 +183,15 @@ class RefitReceiver:
                 f"plan mismatch: the trainer's step has layout {fingerprint} but this engine opened {self._fingerprint}; "
                 "the trainer must open the new layout (its refit session does when its export changes)"
             )
-        signalled = signal and self._done is not None
-        if signalled:
-            self._plan.replay()  # launched first: the check below runs on the host while the copies run
-        if self._plan.reallocated(self.model):
-            # a replay above wrote storages the plan still holds (so no other tensor's), no longer the engine's
-            self._record_again()
-        elif not signalled:
-            self._plan.replay()
-        if signalled:
+        try:
+            if self._plan.reallocated(self.model):  # before any copy: a replaced parameter's old storage may be freed
+                self._record_again()
+            else:
+                self._plan.replay()
+        except BaseException:
+            _synchronize(self.device)  # nothing launched may still run when the caller hears of the failure
+            raise
+        if signal and self._done is not None:
             self._done.record()  # the trainer waits on it (module docstring)
         else:
             _synchronize(self.device)

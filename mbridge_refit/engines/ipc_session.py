@@ -109,8 +109,8 @@ class IpcSession:
     has tensors the engine does not load (a subset refit). ``overlap_follow_up``: where the engine
     signals the end of its copies by event (CUDA IPC), run ``after_weights_written`` while they run
     (off: the apply RPC returns when they are done, then the follow-up; an attribute, read each
-    step). The session references the last refit's model parameters and shared storages until
-    ``close``.
+    step). ``timeout_s`` bounds the wait for the engine's signal. The session references the last
+    refit's model parameters and shared storages until ``close``.
     """
 
     def __init__(
@@ -123,9 +123,11 @@ class IpcSession:
         check_first_refit: bool = True,
         allow_partial: bool = False,
         overlap_follow_up: bool = True,
+        timeout_s: float = 600.0,
     ) -> None:
         self.call_workers = call_workers
         self.overlap_follow_up = overlap_follow_up
+        self.timeout_s = timeout_s
         self.ignored = ignored
         self.after_weights_written = after_weights_written
         self.transport = transport or CudaIpcTransport()
@@ -257,7 +259,7 @@ class IpcSession:
             self._after_apply()  # with a signal: while the engine's copies run
         finally:
             if signal:
-                self._done.wait()  # even when the follow-up failed: the caller may touch the tensors next
+                self._done.wait(self.timeout_s)  # even when the follow-up failed: the caller may touch the tensors next
         done = time.perf_counter()
         return RefitStep(
             tensors=len(self._layout.refs),
@@ -276,7 +278,9 @@ class IpcSession:
             logger.info("refit: the export's layout changed (other storages or tensors): sharing it anew")
         layout, storages = recorder.layout()
         payload = self.transport.share(storages)
-        report = self._rpc(
+        self._layout, self._key, self._done = None, None, None  # the engine drops its open layout first: if
+        # anything below fails, the next step opens again instead of applying (or waiting) on the old one
+        results = self.call_workers(
             "mbridge_refit_open",
             layout.to_wire(),
             payload,
@@ -285,9 +289,10 @@ class IpcSession:
             self.allow_partial,
             isinstance(self.transport, CudaIpcTransport),  # an event from the engine's process, on this GPU
         )
-        done = _done_signal(report)
+        report = results[0] if results else None
+        signal = _done_signal(results, storages)
         self._release_payload()
-        self._layout, self._key, self._held, self._payload, self._done = layout, key, storages, payload, done
+        self._layout, self._key, self._held, self._payload, self._done = layout, key, storages, payload, signal
         self.last_report = report
         self._after_apply()
         done = time.perf_counter()
@@ -353,12 +358,14 @@ def _plan_routes(bridge: ExportsWeights, chunks: tuple, fp8: Any, ignored: froze
     )
 
 
-def _done_signal(report: dict[str, Any] | None) -> DoneSignal | None:
-    """The engine's replay event from its open report (None: its applies return when done)."""
-    handle = (report or {}).get("completion")
+def _done_signal(results: list, storages: list[torch.UntypedStorage]) -> DoneSignal | None:
+    """The engine's replay event from its open report, on the GPU of the shared storages; None where its
+    applies return when done: no handle, or more than one worker answered (each would signal its own)."""
+    handle = results[0].get("completion") if len(results) == 1 and isinstance(results[0], dict) else None
     if handle is None:
         return None
-    return DoneSignal.open(handle, torch.device("cuda", torch.cuda.current_device()))
+    device = storages[0].device if storages and storages[0].device.type == "cuda" else None
+    return DoneSignal.open(handle, device or torch.device("cuda", torch.cuda.current_device()))
 
 
 def _synchronize_trainer() -> None:

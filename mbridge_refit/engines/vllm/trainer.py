@@ -127,6 +127,7 @@ class VLLMRefit(_OnVLLM, IpcSession):
             check_first_refit=check_first_refit,
             allow_partial=allow_partial,
             overlap_follow_up=overlap_follow_up,
+            timeout_s=timeout_s,
         )
 
 
