@@ -724,3 +724,57 @@ def test_a_tensor_item_file_swapped_for_a_fifo_is_refused_without_blocking(tmp_p
 
     error = _in_thread(lambda: reader._check_tensor_items(Plan()))
     assert isinstance(error, NotARegularFile) and error.kind == "FIFO", error
+
+
+def _saved(value) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _renamed(saved: bytes, old: str, new: str) -> bytes:
+    """``saved`` with every occurrence of the record name ``old`` as ``new`` (same length: offsets stay)."""
+    assert len(old) == len(new)
+    return saved.replace(old.encode(), new.encode())
+
+
+@pytest.mark.parametrize(
+    "crafted",
+    ["legacy pickle before an archive", "archive after another", "name in other letter case", "record named twice"],
+)
+def test_an_item_torch_would_read_otherwise_than_zipfile_is_refused(crafted):
+    # a review's reproducers: Python's zipfile and torch's own reader (miniz) parse archives differently, so a check
+    # through zipfile alone passed items from which torch then loaded another tensor, or hung on a pickle bomb
+    from mbridge_refit.checkpoints.dcp_pickles import UnsafePickle, check_byte_item, check_tensor_item
+
+    benign, other = _saved(torch.arange(4.0)), _saved(torch.full((4,), 7.0))
+    if crafted == "legacy pickle before an archive":  # torch checks the first bytes only: a legacy stream to it
+        legacy = io.BytesIO()
+        torch.save(torch.full((4,), 7.0), legacy, _use_new_zipfile_serialization=False)
+        item = legacy.getvalue() + benign
+    elif crafted == "archive after another":  # zipfile shifts the second's offsets; torch reads them as absolute
+        item = other + benign
+    elif crafted == "name in other letter case":  # torch finds its records case-insensitively
+        item = _renamed(benign, "data.pkl", "DATA.PKL")
+    else:
+        item = _duplicated_record(benign)
+    for check in (lambda: check_tensor_item(io.BytesIO(item)), lambda: check_byte_item(item)):
+        with pytest.raises(UnsafePickle):
+            check()
+
+
+def _duplicated_record(saved: bytes) -> bytes:
+    """``saved`` with its central directory naming the ``data.pkl`` record twice."""
+    import struct
+
+    end = saved.rindex(b"PK\x05\x06")
+    directory_size, directory_at = struct.unpack("<II", saved[end + 12 : end + 20])
+    directory = saved[directory_at : directory_at + directory_size]
+    first_end = 46 + sum(struct.unpack("<HHH", directory[28:34]))
+    entry = directory[:first_end]
+    assert entry[46:].endswith(b"data.pkl"), entry[46:]
+    entries = struct.unpack("<H", saved[end + 10 : end + 12])[0] + 1
+    tail = bytearray(saved[end:])
+    tail[8:12] = struct.pack("<HH", entries, entries)
+    tail[12:16] = struct.pack("<I", directory_size + len(entry))
+    return saved[:directory_at] + directory + entry + bytes(tail)

@@ -57,6 +57,7 @@ from typing import Any, BinaryIO, Iterator, Mapping
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -80,6 +81,7 @@ __all__ = [
     "check_byte_item",
     "check_index_shape",
     "check_tensor_item",
+    "check_torch_archive",
     "checked_megatron_reads",
     "index_globals",
     "load_index",
@@ -355,45 +357,81 @@ def _require(ok: bool, what: str) -> None:
 def check_byte_item(data: bytes) -> None:
     """Raise unless ``data`` loads with ``torch.load(weights_only=True)`` (tensors and plain data only).
 
-    Before torch reads it: a ``torch.save`` archive stores its members uncompressed, so a compressed
-    member (a 262 kB item that inflates a thousandfold) is refused unread; and its pickle must not
-    stand for more than ``MAX_EXPANDED_OBJECTS`` objects counted as a tree (``expanded_objects``): torch's
-    loader hashes a dict key and compares values as trees, so 1 kB of tuples sharing their items (memo
-    references) would take exponential time inside it, where no check of ours can reach."""
+    Before torch reads it, ``check_torch_archive``: the archive torch.save writes, seen as torch's own reader
+    sees it, members stored and its pickle bounded (torch's loader hashes a dict key and compares values as
+    trees, so 1 kB of tuples sharing their items would take exponential time inside it, where no check of
+    ours can reach)."""
     buffer = io.BytesIO(data)
-    if zipfile.is_zipfile(buffer):
-        with zipfile.ZipFile(buffer) as archive:
-            _check_archive(archive)
+    check_torch_archive(buffer)
     buffer.seek(0)
     torch.load(buffer, weights_only=True)
 
 
 def check_tensor_item(item: BinaryIO) -> None:
-    """Raise ``UnsafePickle`` unless ``item`` (one tensor item's bytes, seekable, positioned anywhere) is a
-    zip archive as ``torch.save`` writes it whose members are stored and whose pickle passes
-    ``expanded_objects`` (the module docstring says why). Reads the archive's directory and pickle only."""
+    """Raise ``UnsafePickle`` unless ``item`` (one tensor item's bytes, seekable) passes
+    ``check_torch_archive`` (the module docstring says why). Reads the archive's directory and pickle only."""
+    check_torch_archive(item)
+
+
+MAX_ARCHIVE_RECORDS = 1024  # a tensor item holds 7, an object a few per tensor in it
+_LOCAL_HEADER = b"PK\x03\x04"
+
+
+def check_torch_archive(item: BinaryIO) -> None:
+    """Raise ``UnsafePickle`` unless ``item`` is a zip archive as ``torch.save`` writes it, checked as torch's
+    own reader (``PyTorchFileReader``, miniz) will read it, not only as Python's ``zipfile`` does: the two
+    parse differently (a prefix before the archive, letter case in names, zip64 locators, offsets taken as
+    relative), so an archive one of them sees as harmless could be another to the other. So: it starts with a
+    local header (else torch reads it as a legacy pickle stream); at most ``MAX_ARCHIVE_RECORDS`` records, no
+    two names equal but for letter case; every record stored; both readers find the same records at the same
+    data offsets; and the pickle torch will unpickle (its ``data.pkl``, read through torch's reader)
+    stands for at most ``MAX_EXPANDED_OBJECTS`` objects (``expanded_objects``)."""
     try:
-        if not zipfile.is_zipfile(item):
-            raise UnsafePickle("it is not the zip archive torch.save writes for a tensor")
+        item.seek(0)
+        if item.read(len(_LOCAL_HEADER)) != _LOCAL_HEADER:
+            raise UnsafePickle("it is not the zip archive torch.save writes (torch would read it as a legacy pickle)")
         item.seek(0)
         with zipfile.ZipFile(item) as archive:
-            _check_archive(archive)
-    except (zipfile.BadZipFile, EOFError, OSError) as err:  # a damaged archive: torch would refuse it too
-        raise UnsafePickle(f"its archive cannot be read ({type(err).__name__}: {err})") from err
+            members = archive.infolist()
+            _check_members(members)
+            ours = {info.filename: _data_offset(item, info) for info in members}
+        item.seek(0)
+        reader = torch._C.PyTorchFileReader(item)
+        records = reader.get_all_records()
+        prefix = members[0].filename.split("/")[0] + "/" if "/" in members[0].filename else ""
+        torch_view = {prefix + name: reader.get_record_offset(name) for name in records}
+        if torch_view != ours:
+            raise UnsafePickle("torch's own zip reader sees other records, or the same at other places, than zipfile")
+        if "data.pkl" not in records:
+            raise UnsafePickle("it holds no data.pkl")
+        pickled = bytes(reader.get_record("data.pkl"))  # stored and bounded by the item: checked above
+    except (zipfile.BadZipFile, EOFError, OSError, RuntimeError) as err:  # damaged: torch would refuse it too
+        raise UnsafePickle(f"its archive cannot be read ({type(err).__name__}: {brief(str(err))})") from err
+    if expanded_objects(pickled) > MAX_EXPANDED_OBJECTS:
+        raise UnsafePickle(
+            f"its pickle stands for more than {MAX_EXPANDED_OBJECTS} objects once shared references are "
+            "followed (a checkpoint's object holds a few hundred)"
+        )
 
 
-def _check_archive(archive: zipfile.ZipFile) -> None:
-    """A ``torch.save`` archive's members are stored, and every pickle in it is bounded (``expanded_objects``)."""
-    members = archive.infolist()
+def _check_members(members: list[zipfile.ZipInfo]) -> None:
+    if not members or len(members) > MAX_ARCHIVE_RECORDS:
+        raise UnsafePickle(f"it holds {len(members)} records (torch.save writes 1 to a few hundred)")
+    lowered = [info.filename.lower() for info in members]
+    if len(set(lowered)) != len(lowered):
+        raise UnsafePickle("two of its records have the same name (letter case aside)")
     packed = [info.filename for info in members if info.compress_type != zipfile.ZIP_STORED]
     if packed:
         raise UnsafePickle(f"its member {brief(packed[0])} is compressed, which torch.save never does")
-    for info in members:
-        if info.filename.endswith("data.pkl") and expanded_objects(archive.read(info)) > MAX_EXPANDED_OBJECTS:
-            raise UnsafePickle(
-                f"its pickle stands for more than {MAX_EXPANDED_OBJECTS} objects once shared references are "
-                "followed (a checkpoint's object holds a few hundred)"
-            )
+
+
+def _data_offset(item: BinaryIO, info: zipfile.ZipInfo) -> int:
+    """Where ``info``'s bytes start in ``item``, from its local header (as torch's reader computes it)."""
+    item.seek(info.header_offset)
+    header = item.read(30)
+    if len(header) != 30 or header[:4] != _LOCAL_HEADER:
+        raise UnsafePickle(f"the record {brief(info.filename)} has no local header where the directory says")
+    return info.header_offset + 30 + int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little")
 
 
 MAX_EXPANDED_OBJECTS = 1_000_000
@@ -496,10 +534,15 @@ class CheckedFileSystemReader(FileSystemReader):
     then fails with "metadata is None"), so a refusal is logged too.
     """
 
+    def __init__(self, path: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(path, *args, **kwargs)
+        self.fs = _RegularFilesOnly()  # DCP opens each .distcp again after our checks: never a FIFO or device
+
     def read_metadata(self) -> Metadata:
         path = Path(self.path) / INDEX_NAME
         try:
-            index = load_index(path.read_bytes())
+            with open_regular_file(path) as stream:
+                index = load_index(stream.read())
             sizes: dict[str, int | None] = {}
             problems = (location_problem(Path(self.path), at, sizes) for at in (index.storage_data or {}).values())
             problem = next((p for p in problems if p is not None), None)
@@ -532,6 +575,17 @@ class CheckedFileSystemReader(FileSystemReader):
                         check_tensor_item(_FileSlice(stream, location.offset, location.length))
                     except UnsafePickle as err:
                         raise UnsafePickle(f"tensor item {fqn} in {Path(self.path) / name}: {err}") from err
+
+
+class _RegularFilesOnly(FileSystem):
+    """DCP's file system, reading only regular files (``regular_files.open_regular_file``) and writing nothing."""
+
+    @contextlib.contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[BinaryIO]:
+        if mode != "rb":
+            raise ValueError(f"the checked reader only reads (asked to open {path} with {mode!r})")
+        with open_regular_file(path) as stream:
+            yield stream
 
 
 class _FileSlice(io.RawIOBase):
