@@ -1,23 +1,23 @@
 """When the engine's replay is done, told without a waiting RPC: ``ReplayDone`` (engine side) and
 ``DoneSignal`` (trainer side), a CUDA event shared by IPC.
 
-A colocated step used to end with the engine's worker synchronizing its device before its apply
-RPC returned, and only then could the trainer ask the engine for its follow-up (vLLM's prefix-cache
-reset, an engine-core call of its own): the RPC's way back, the reset's round trip and the copies
-ran one after the other. With a shared event the worker records the event on its stream right
-after it launched the replay and returns at once; the trainer makes the follow-up call while the
-copies run and then waits on the event. The step then costs the longer of the two, not their
-sum. The reset may run while the copies do: both concern an idle engine (a refit runs between
-generations; the reset refuses otherwise), and the trainer waits before its refit returns, so
-nothing reads the new weights, and the trainer changes none of the tensors the engine reads,
-before the copies are done.
+After the engine's copies a colocated step needs the engine's follow-up (vLLM's prefix-cache reset,
+an engine-core call of its own). Were the worker to synchronize its device before its apply RPC
+returned, the RPC's way back, the reset's round trip and the copies would run one after the other.
+With a shared event the worker records the event on its stream right after it launched the replay
+and returns at once; the trainer makes the follow-up call while the copies run and then waits on
+the event, so the step costs the longer of the two, not their sum. The reset may run while the
+copies do: both concern an idle engine (a refit runs between generations; the reset refuses
+otherwise), and the trainer waits before its refit returns, so nothing reads the new weights, and
+the trainer changes none of the tensors the engine reads, before the copies are done.
 
 Contract: the engine creates one ``ReplayDone`` per open layout (``ReplayDone.for_device``: None
 where the device is not CUDA), hands ``handle`` to the trainer in its open report, and calls
-``record()`` after every replay. The trainer opens the handle once (``DoneSignal.open``, on the
-same GPU: CUDA IPC events do not cross devices) and calls ``wait()`` after every apply RPC
-returned, before it lets anything touch the shared tensors. The handle is hex text (plain data for
-any RPC and for JSON reports). Lower layer of ``engines``: imports only torch.
+``record()`` after every replay it was asked to signal. The trainer opens the handle once
+(``DoneSignal.open``, on the GPU of the shared tensors: CUDA IPC events do not cross devices) and
+calls ``wait(timeout_s)`` after every signalled apply RPC returned, before it lets anything touch
+the shared tensors. The handle is hex text (plain data for any RPC and for JSON reports). Lower
+layer of ``engines``: imports torch and ``sharing``'s error.
 """
 
 from __future__ import annotations
