@@ -745,7 +745,7 @@ def _renamed(saved: bytes, old: str, new: str) -> bytes:
 def test_an_item_torch_would_read_otherwise_than_zipfile_is_refused(crafted):
     # a review's reproducers: Python's zipfile and torch's own reader (miniz) parse archives differently, so a check
     # through zipfile alone passed items from which torch then loaded another tensor, or hung on a pickle bomb
-    from mbridge_refit.checkpoints.dcp_pickles import UnsafePickle, check_byte_item, check_tensor_item
+    from mbridge_refit.checkpoints.dcp_pickles import UnsafePickle, check_byte_item, check_torch_archive
 
     benign, other = _saved(torch.arange(4.0)), _saved(torch.full((4,), 7.0))
     if crafted == "legacy pickle before an archive":  # torch checks the first bytes only: a legacy stream to it
@@ -758,7 +758,7 @@ def test_an_item_torch_would_read_otherwise_than_zipfile_is_refused(crafted):
         item = _renamed(benign, "data.pkl", "DATA.PKL")
     else:
         item = _duplicated_record(benign)
-    for check in (lambda: check_tensor_item(io.BytesIO(item)), lambda: check_byte_item(item)):
+    for check in (lambda: check_torch_archive(io.BytesIO(item)), lambda: check_byte_item(item)):
         with pytest.raises(UnsafePickle):
             check()
 

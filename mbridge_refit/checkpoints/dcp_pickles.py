@@ -22,17 +22,17 @@ crafted file names. Here:
   hashed), the memory-format enum takes only an int, every message shows a bounded ``reprlib`` form
   of what it names, and the loaded index must have the shape DCP writes (``check_index_shape``:
   each field of the type DCP gives it), so no later check meets anything else.
-* ``check_byte_item`` loads a byte item with ``torch.load(weights_only=True)``.
-* ``check_tensor_item`` looks at a tensor item before DCP's own ``torch.load(weights_only=True)``
+* ``check_torch_archive`` looks at an item (byte or tensor) before ``torch.load(weights_only=True)``
   reads it: weights-only loading runs no code, but the archive and its pickle are data that can
   still cost (a compressed member that inflates, a pickle of shared references that hashes in
-  exponential time), so an item must be the archive ``torch.save`` writes, members stored, its
-  pickle bounded (``expanded_objects``); only the archive's directory and pickle are read, not
-  the tensor's bytes.
+  exponential time), so an item must be the archive ``torch.save`` writes, as torch's own zip
+  reader sees it, members stored, its pickle bounded (``expanded_objects``); only the archive's
+  directory and pickle are read, not the tensor's bytes.
+* ``check_byte_item`` checks a byte item so, then loads it with ``torch.load(weights_only=True)``.
 * ``CheckedFileSystemReader`` is DCP's reader with these checks built in: the index through
   ``load_index`` and every place it puts bytes through ``location_problem`` (a regular file inside
   the checkpoint, long enough), every byte item through ``check_byte_item`` before DCP loads the
-  same bytes, and every tensor item a load reads through ``check_tensor_item`` before DCP does.
+  same bytes, and every tensor item a load reads through ``check_torch_archive`` before DCP does.
   ``checked_megatron_reads`` makes Megatron-Core's ``dist_checkpointing.load`` read through it,
   so what is loaded is what was checked, however the files change after a first check.
 """
@@ -80,7 +80,6 @@ __all__ = [
     "byte_items",
     "check_byte_item",
     "check_index_shape",
-    "check_tensor_item",
     "check_torch_archive",
     "checked_megatron_reads",
     "index_globals",
@@ -367,12 +366,6 @@ def check_byte_item(data: bytes) -> None:
     torch.load(buffer, weights_only=True)
 
 
-def check_tensor_item(item: BinaryIO) -> None:
-    """Raise ``UnsafePickle`` unless ``item`` (one tensor item's bytes, seekable) passes
-    ``check_torch_archive`` (the module docstring says why). Reads the archive's directory and pickle only."""
-    check_torch_archive(item)
-
-
 MAX_ARCHIVE_RECORDS = 1024  # a tensor item holds 7, an object a few per tensor in it
 _LOCAL_HEADER = b"PK\x03\x04"
 
@@ -527,7 +520,7 @@ def byte_items(index: Metadata) -> Iterator[tuple[str, Any]]:
 class CheckedFileSystemReader(FileSystemReader):
     """DCP's file system reader, reading the index with ``load_index``, checking every byte item with
     ``check_byte_item`` before DCP's planner loads those same bytes, and every tensor item a load reads
-    with ``check_tensor_item`` before DCP's ``torch.load`` does (module docstring).
+    with ``check_torch_archive`` before DCP's ``torch.load`` does (module docstring).
 
     ``read_metadata`` takes no ``rank``: DCP then never falls back to a per-rank index, which
     ``convert import`` never writes. DCP's load swallows an exception of ``read_metadata`` (and
@@ -561,7 +554,7 @@ class CheckedFileSystemReader(FileSystemReader):
         return super().read_data(plan, _CheckedBytesPlanner(planner))
 
     def _check_tensor_items(self, plan: Any) -> None:
-        """``check_tensor_item`` on every tensor item ``plan`` reads (each once, file by file)."""
+        """``check_torch_archive`` on every tensor item ``plan`` reads (each once, file by file)."""
         items: dict[str, dict[Any, str]] = {}  # file -> {storage index: fqn}
         for read_item in plan.items:
             if read_item.type != LoadItemType.BYTE_IO:
@@ -572,7 +565,7 @@ class CheckedFileSystemReader(FileSystemReader):
                 for index, fqn in tensors.items():
                     location = self.storage_data[index]
                     try:
-                        check_tensor_item(_FileSlice(stream, location.offset, location.length))
+                        check_torch_archive(_FileSlice(stream, location.offset, location.length))
                     except UnsafePickle as err:
                         raise UnsafePickle(f"tensor item {fqn} in {Path(self.path) / name}: {err}") from err
 
@@ -589,7 +582,10 @@ class _RegularFilesOnly(FileSystem):
 
 
 class _FileSlice(io.RawIOBase):
-    """``length`` bytes of ``stream`` from ``offset``, as a seekable file of their own (reads stop at its end)."""
+    """``length`` bytes of ``stream`` from ``offset``, as a seekable file of their own (reads stop at its end,
+    seeks stay inside it). Not DCP's own view (``FileSystemReader._slice_file``): its ``SEEK_END`` adds a
+    negative offset's magnitude instead of subtracting it, so ``zipfile``, which looks for the archive's end
+    record with ``seek(-22, SEEK_END)``, would read past the item (torch's reader seeks from the end by 0 only)."""
 
     def __init__(self, stream: BinaryIO, offset: int, length: int) -> None:
         super().__init__()

@@ -30,8 +30,7 @@ _KINDS = (
     (stat.S_ISCHR, "character device"),
     (stat.S_ISBLK, "block device"),
     (stat.S_ISSOCK, "socket"),
-    (stat.S_ISLNK, "symbolic link"),
-)
+)  # no link: fstat and stat see what a link leads to (a refused link is os.open's ELOOP, below)
 # what os.open says when, with O_NOFOLLOW / O_NONBLOCK, the name is not a regular file it may open
 _REFUSALS = {errno.ELOOP: "symbolic link", errno.EISDIR: "directory", errno.ENXIO: "FIFO"}
 
