@@ -23,6 +23,8 @@ after which our next apply records the loader again):
   the least any refit that lands the bytes in the engine's parameters once must spend.
 * ``vllm_load_weights_ms``: the engine's own ``load_weights`` on the same tensors, already on
   its GPU (timed inside the engine); ``engine_replay_ms``: our recorded copies, timed the same way.
+  ``engine_check_host_ms`` and ``engine_launch_host_ms``: the worker's host time in an apply before
+  its copies run (the look for replaced parameters; the replay's calls returning, not waited for).
 * ``new_allocations_after_first``: CUDA caching-allocator allocations during our steady steps,
   trainer and engine. ``engine_extra_bytes``: engine memory allocated by opening the refit.
   ``peak_extra_bytes``: the trainer's peak allocated memory beyond what it held before, during
@@ -252,6 +254,8 @@ def run(args) -> dict:
         }
         refit.refit(bridge, chunks, fp8=fp8)  # the stock update may have reloaded parameters: reopen/replay first
         result["engine_replay_ms"] = summary(llm.collective_rpc("mbridge_refit_time", args=("replay", 3))[0])
+        result["engine_check_host_ms"] = summary(llm.collective_rpc("mbridge_refit_time", args=("check", 5))[0])
+        result["engine_launch_host_ms"] = summary(llm.collective_rpc("mbridge_refit_time", args=("launch", 5))[0])
         result["vllm_load_weights_ms"] = summary(llm.collective_rpc("mbridge_refit_time", args=("load_weights", 3))[0])
         ours_median = result["ours_ms"]["median"]
         result["ratios"] = {
@@ -295,6 +299,8 @@ def main() -> None:
                     "vllm_native_stock_ms",
                     "vllm_load_weights_ms",
                     "engine_replay_ms",
+                    "engine_check_host_ms",
+                    "engine_launch_host_ms",
                     "new_allocations_after_first",
                     "engine_extra_bytes",
                     "peak_extra_bytes",

@@ -24,6 +24,9 @@ again), wall clock with both GPUs synchronized:
   fed by ``AutoBridge.export_hf_weights`` (stock): ``start_weight_update``, ``update_weights`` in
   the engine while ``NCCLWeightTransferEngine.trainer_send_weights`` sends, ``finish_weight_update``.
 
+* ``ours_serial_ms``: ours again, in the same rounds, with ``overlap_follow_up=False`` (the
+  prefix-cache reset asked for after the workers' receive returned, instead of from a thread once
+  they are in it).
 * ``ours_unbounded_kernels_ms`` (``--compare-unbounded``): ours again, in the same rounds, with each
   end's own copies and checksums on torch's kernels (every SM) instead of ``sinks.bounded_kernels``
   (what ``PackedBroadcastConfig(device_programs=0)`` runs).
@@ -44,7 +47,7 @@ replay's stream waiting for the next bucket) and ``broadcast``. Also each end's 
 parts, so the device phases line up with the wall clock.
 
 What a step can reach (``step_bound``, in the result and printed by ``--bounds`` for files already
-written): its fixed part (the handshake, the engine's reply, the prefix-cache reset with the outcome)
+written): its fixed part (the handshake, the engine's reply, the wait for the prefix-cache reset and the outcome)
 against its bulk (packing and the buckets' broadcasts), and the raw/ours ratio a bulk at the raw
 broadcast's speed would give beside that fixed part.
 
@@ -378,7 +381,7 @@ def run(args) -> dict:
                 result["vllm_native_nccl_stock_error"] = f"{type(err).__name__}: {err}"[:2000]
                 native = None
 
-        ours, steps, raw, native_times, raw_ok, modes, unbounded = [], [], [], [], True, [], []
+        ours, steps, raw, native_times, raw_ok, modes, unbounded, serial = [], [], [], [], True, [], [], []
         parts: dict[str, list[float]] = {"send": [], "wait_engine": [], "reset_and_share": [], "engine_receive": []}
         timed(lambda: session.refit(bridge, chunks, fp8=fp8))  # warm-up after the baseline's reload
         warm, ok = raw_broadcast(llm, session.group, first.bytes, 1)
@@ -398,6 +401,9 @@ def run(args) -> dict:
                 parts["wait_engine"].append(step.apply_ms)
                 parts["reset_and_share"].append(step.reset_ms)
                 parts["engine_receive"].append(step.workers[0]["receive_ms"])
+            session.overlap_follow_up = False  # the same steps with the reset after the receive
+            serial += [timed(lambda: session.refit(bridge, chunks, fp8=fp8)) for _ in range(args.repeats)]
+            session.overlap_follow_up = True
             if args.compare_unbounded:  # the same steps with each end's copies and checksums on every SM
                 bounded_kernels(llm, session, False)
                 unbounded += [timed(lambda: session.refit(bridge, chunks, fp8=fp8)) for _ in range(args.repeats)]
@@ -415,6 +421,7 @@ def run(args) -> dict:
         session.close()
 
         result["ours_ms"] = summary(ours)
+        result["ours_serial_ms"] = summary(serial)
         result["ours_step_ms"] = summary(steps)  # the session's own: export start to the engine's outcome
         # where a step goes: the trainer's export, packing and sends; the wait for the workers' RPC
         # after the last send; the prefix-cache reset and the outcome; the worker's own receive time
@@ -428,6 +435,7 @@ def run(args) -> dict:
         median = result["ours_ms"]["median"]
         result["ratios"] = {
             "raw_over_ours": round(result["raw_broadcast_ms"]["median"] / median, 3),
+            "raw_over_ours_serial": round(result["raw_broadcast_ms"]["median"] / result["ours_serial_ms"]["median"], 3),
             "native_stock_over_ours": round(result["vllm_native_nccl_stock_ms"]["median"] / median, 2)
             if native_times
             else None,

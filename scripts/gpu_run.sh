@@ -23,6 +23,7 @@
 #                                           # (engine on GPU 1 over NCCL when there are 2 GPUs, else on the trainer's GPU over gloo)
 #   bash scripts/gpu_run.sh vllm-bench-broadcast  # engine on GPU 1 over NCCL: ours against the raw broadcast of the
 #                                                 # same bytes and vLLM's native nccl backend fed by stock (2 GPUs)
+#   bash scripts/gpu_run.sh vllm-bench-broadcast-8b  # the same at Qwen3-8B only, the library's defaults
 #   bash scripts/gpu_run.sh vllm-bench  # bench_refit_vllm.py, Qwen3-8B, BF16 then FP8 (vllm-bench-bf16 / vllm-bench-fp8: one of them)
 #   bash scripts/gpu_run.sh vllm-bench-moe  # bench_refit_vllm.py, Qwen3-30B-A3B cut to 24 layers (9,435 tensors), BF16
 #   bash scripts/gpu_run.sh sharded     # engine-sharded refit, trainer TP2 -> engine TP2 on 2 GPUs, against the TP1 cached export and stock
@@ -33,7 +34,7 @@
 #                                          # parameters replaced under the bridge, the freshness check's cost; MoE export TP2 x ETP2
 #   bash scripts/gpu_run.sh training    # export right after a Megatron DDP + distributed-optimizer step; parallel checkpoint write on the host's CPUs
 set -u
-part=${1:?usage: gpu_run.sh fp8|bench|sinks|nccl-group|vllm-dense|vllm-lora|vllm-tp2|vllm-tp2-fp8|vllm-moe|vllm-deepseek|vllm-broadcast|vllm-broadcast-moe|vllm-bench-broadcast|vllm-bench|vllm-bench-bf16|vllm-bench-fp8|vllm-bench-moe|sharded|families|moe-bench|trainer-truth|training}
+part=${1:?usage: gpu_run.sh fp8|bench|sinks|nccl-group|vllm-dense|vllm-lora|vllm-tp2|vllm-tp2-fp8|vllm-moe|vllm-deepseek|vllm-broadcast|vllm-broadcast-moe|vllm-bench-broadcast|vllm-bench-broadcast-8b|vllm-bench|vllm-bench-bf16|vllm-bench-fp8|vllm-bench-moe|sharded|families|moe-bench|trainer-truth|training}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 RESULTS=/tmp/gpu_results_$part; rm -rf "$RESULTS"; mkdir -p "$RESULTS"
 trap 'tar czf "$OUT/$part.tgz" -C "$RESULTS" .' EXIT
@@ -126,6 +127,11 @@ case "$part" in
     # the same 1 GiB per end in 4 buffers: 3 buckets in flight while one is packed or replayed
     step bench_refit_vllm_broadcast_qwen3-1.7b_bucket256_buffers4 240 python3 scripts/bench_refit_vllm_broadcast.py --model qwen3-1.7b --bucket-mib 256 --num-buffers 4 --out-dir "$RESULTS"
     step bench_refit_vllm_broadcast_qwen3-8b 300 python3 scripts/bench_refit_vllm_broadcast.py --model qwen3-8b --out-dir "$RESULTS"
+    ;;
+  vllm-bench-broadcast-8b)
+    # the library's defaults at Qwen3-8B only (the step's rounds alternate the reset overlapped and after)
+    python3 -c "import ray" 2>/dev/null || export PYTHONPATH=$PYTHONPATH:$PWD/scripts/gpu/stubs
+    step bench_refit_vllm_broadcast_qwen3-8b 330 python3 scripts/bench_refit_vllm_broadcast.py --model qwen3-8b --out-dir "$RESULTS"
     ;;
   vllm-bench*)
     # vLLM's ipc backend imports ray and requests at module top; its callable transport (used here) needs

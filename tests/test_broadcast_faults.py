@@ -276,10 +276,11 @@ class InProcessLLM:
         self.worker.device = "cpu"
         self.fail, self.errors = fail, []
         self.prefix_cache_resets = 0
+        self.refuse_reset = False
 
     def reset_prefix_cache(self) -> bool:
         self.prefix_cache_resets += 1
-        return True
+        return not self.refuse_reset
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         try:
@@ -310,11 +311,18 @@ class Bridge:
             yield item
 
 
-def _session(llm, bridge, chunks):
+def _session(llm, bridge, chunks, **options):
     from mbridge_refit.engines.vllm import VLLMBroadcastRefit
 
     refit = VLLMBroadcastRefit(
-        llm, host="127.0.0.1", port=free_port(), backend="gloo", device="cpu", timeout_s=GROUP_TIMEOUT_S, config=CONFIG
+        llm,
+        host="127.0.0.1",
+        port=free_port(),
+        backend="gloo",
+        device="cpu",
+        timeout_s=GROUP_TIMEOUT_S,
+        config=CONFIG,
+        **options,
     )
     refit.open(bridge, chunks)
     return refit
@@ -382,8 +390,81 @@ def test_a_plan_mismatch_raises_on_both_and_the_group_stays_usable():
     assert isinstance(llm.errors[0][1], PlanMismatchError)
     target.plan_json = right
     engine = llm.worker.model_runner.get_model()
+    resets = llm.prefix_cache_resets
     assert refit.refit(bridge, chunks).tensors == 5  # a failure the protocol reports leaves the group in step
     assert all(torch.equal(engine.got[name], tensor) for name, tensor in plan_tensors(PLAN))
+    assert (resets, llm.prefix_cache_resets) == (0, 1)  # the mismatched step asked for no reset
+    refit.close()
+
+
+class OrderedLLM(InProcessLLM):
+    """``InProcessLLM`` noting when the workers' receive starts and ends and when the reset comes; the
+    receive, once its protocol is done, waits (up to ``HOLD_S``) for the reset before it returns."""
+
+    HOLD_S = 3.0
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__(engine)
+        self.events: list[str] = []
+        self._reset = threading.Event()
+
+    def reset_prefix_cache(self) -> bool:
+        self.events.append("reset")
+        self._reset.set()
+        return super().reset_prefix_cache()
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        if method != "mbridge_refit_receive":
+            return super().collective_rpc(method, timeout, args, kwargs)
+        self.events.append("receive")
+        result = super().collective_rpc(method, timeout, args, kwargs)
+        self._reset.wait(self.HOLD_S)
+        self.events.append("received")
+        self._reset.clear()
+        return result
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "after"])
+def test_the_reset_is_asked_for_while_the_buckets_go_out(overlap):
+    """With ``overlap_follow_up`` the prefix-cache reset starts once the handshake shows the workers in
+    their receive, so it is in the engine's queue before the receive ends; without, it follows the
+    receive. Either way the step returns only after both, with the weights written."""
+    llm, chunks, bridge = OrderedLLM(Engine()), [torch.nn.Linear(1, 1)], Bridge()
+    refit = _session(llm, bridge, chunks, overlap_follow_up=overlap)
+    llm.events.clear()
+    step = refit.refit(bridge, chunks)
+    assert step.tensors == 5 and llm.prefix_cache_resets == 1
+    expected = ["receive", "reset", "received"] if overlap else ["receive", "received", "reset"]
+    assert llm.events == expected
+    engine = llm.worker.model_runner.get_model()
+    assert all(torch.equal(engine.got[name], tensor) for name, tensor in plan_tensors(PLAN))
+    refit.close()
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "after"])
+def test_a_refused_reset_fails_the_step(overlap):
+    from mbridge_refit.errors import EngineError
+
+    llm, chunks, bridge = InProcessLLM(Engine()), [torch.nn.Linear(1, 1)], Bridge()
+    refit = _session(llm, bridge, chunks, overlap_follow_up=overlap)
+    llm.refuse_reset = True
+    with pytest.raises(EngineError, match="refused to reset its prefix cache"):
+        refit.refit(bridge, chunks)
+    llm.refuse_reset = False
+    assert refit.refit(bridge, chunks).tensors == 5  # the protocol itself ended well: the group goes on
+    refit.close()
+
+
+def test_a_failed_step_waits_for_its_reset_and_notes_its_failure():
+    """The trainer's export fails mid-stream after the reset was asked for; the reset failing too is
+    noted on the trainer's error, and no reset thread outlives the step."""
+    llm, chunks, bridge = InProcessLLM(Engine()), [torch.nn.Linear(1, 1)], Bridge(fail_after=2)
+    refit = _session(llm, bridge, chunks)
+    llm.refuse_reset = True
+    error, seconds = _refit_raises(refit, bridge, chunks)
+    assert isinstance(error, ValueError) and seconds < BOUND_S
+    assert any("the engine's follow-up also failed" in note and "refused" in note for note in error.__notes__)
+    assert not [t for t in threading.enumerate() if t.name == "refit-follow-up"]
     refit.close()
 
 

@@ -17,8 +17,8 @@ RPC to every worker, waited for: leaving the group; bounded by the adapter's tim
 joining and receiving runs while this rank takes part in the same collective: a ``WorkerCall``, or
 any handle with its ``result`` / ``error`` / ``failure``; default: ``call_workers`` on a thread),
 ``ignored(bridge)`` (names the engine skips; they are sent anyway, and logged) and
-``after_weights_written`` (the engine's follow-up once the workers hold the new weights; its failure
-fails the step on every trainer rank). The trainer then, on every trainer rank of the model's groups:
+``after_weights_written`` (the engine's follow-up to the new weights, such as vLLM's prefix-cache
+reset; its failure fails the step on every trainer rank). The trainer then, on every trainer rank of the model's groups:
 ``open(bridge, model)`` once (``source=True`` on exactly one rank, the one holding the engine's
 handle) and ``refit(bridge, model)`` each step (the export is collective; the other ranks only take
 part in it), ``close()`` at the end.
@@ -27,6 +27,14 @@ The packed broadcast's memory (``SendBuffers``: the stream packing and, on the s
 rotating buffers) is made at the session's first refit and kept until ``close``, so a steady
 refit computes no packing and allocates nothing. ``timing=True`` (benchmarks) marks where each
 bucket's time goes on the source (``sinks.broadcast_timing``), returned in ``RefitStep.phases``.
+
+The follow-up is started on a thread of its own as soon as the handshake shows the workers inside
+their receive (``overlap_follow_up``, on by default), so it waits in the engine's queue, or runs,
+while the buckets go out instead of costing its own round trip after them; the step still returns
+only once both are done. That needs an engine for which the follow-up may come before the weights
+have landed as long as nothing runs between: true of a cache reset during a refit, which runs
+between generations (vLLM's engine core also runs calls in the order they come, so its reset runs
+right after the receive). ``overlap_follow_up=False`` calls it after the receive, as before.
 
 ``timeout_s`` bounds the join and every collective of both sides. A failure on either side reaches
 the other within seconds (``runtime.broadcast_group``): each side posts what stops it before its
@@ -115,7 +123,9 @@ class BroadcastSession:
             memory, e.g. trainer and engine on one GPU, which NCCL refuses).
         allow_partial: accept a refit that leaves engine parameters unloaded (a subset).
         ignored: exported names the engine skips, for a bridge (sent anyway; logged at ``open``).
-        after_weights_written: called on the source once the workers received the step.
+        after_weights_written: the engine's follow-up, on the source: started once the workers are in
+            their receive (``overlap_follow_up``) or called after it.
+        overlap_follow_up: start the follow-up while the buckets go out (module docstring).
         timing: mark each bucket's phases on the source (``RefitStep.phases``; benchmarks).
     """
 
@@ -137,6 +147,7 @@ class BroadcastSession:
         device: torch.device | str | None = None,
         ignored: Callable[[ExportsWeights], frozenset[str]] = lambda bridge: frozenset(),
         after_weights_written: Callable[[], None] | None = None,
+        overlap_follow_up: bool = True,
         timing: bool = False,
     ) -> None:
         if source and call_workers is None:
@@ -152,6 +163,7 @@ class BroadcastSession:
         self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         self.ignored = ignored
         self.after_weights_written = after_weights_written
+        self.overlap_follow_up = overlap_follow_up
         self.timing = timing
         self.group: StoreGroup | None = None
         self._session: tuple | None = None  # (bridge, chunks, fp8 repr, plan) of the open session
@@ -212,10 +224,11 @@ class BroadcastSession:
             self._share(None)
             return None
         receive = self.start_workers("mbridge_refit_receive")
-        sender, timeline = None, BucketTimeline(self.device) if self.timing else None
+        sender, timeline, follow_up = None, BucketTimeline(self.device) if self.timing else None, None
         try:
             with self.group.watching(receive.failure):
-                sender = self._sender(plan, self.group, timeline)
+                sender = self._sender(plan, self.group, timeline)  # its handshake: the workers are in their receive
+                follow_up = self._start_follow_up()
                 count = drain(stream, sender)  # the sender's own failures reach every trainer rank in there
             sent_at = time.perf_counter()
         except BaseException as sent:
@@ -223,6 +236,7 @@ class BroadcastSession:
                 # the workers may still wait in the protocol (a plan mismatch is settled by the handshake)
                 post_failure(self.group, "the trainer", sent)
             engine_error = receive.error(PEER_SILENT_S)
+            _settle(follow_up, sent)
             if engine_error is not None and isinstance(sent, (RefitStatusError, PeerFailedError)):
                 raise engine_error from sent  # the engine's own error says more than "a receiver failed"
             sent.add_note(_engine_outcome(engine_error, "completed their receive"))
@@ -230,9 +244,12 @@ class BroadcastSession:
         try:
             workers, error = receive.result(self.timeout_s), None
             received_at = time.perf_counter()
-            if self.after_weights_written is not None:
+            if follow_up is not None:
+                follow_up.result(self.timeout_s)
+            elif self.after_weights_written is not None:
                 self.after_weights_written()
         except Exception as err:
+            _settle(follow_up, err)
             workers, error, received_at = [], err, time.perf_counter()
         self._share(error)
         done = time.perf_counter()
@@ -246,6 +263,12 @@ class BroadcastSession:
             reset_ms=(done - received_at) * 1e3,
             phases=_phases(timeline),
         )
+
+    def _start_follow_up(self) -> WorkerCall | None:
+        """The follow-up on a thread of its own (``overlap_follow_up``), or None."""
+        if not self.overlap_follow_up or self.after_weights_written is None:
+            return None
+        return WorkerCall(self.after_weights_written, name="refit-follow-up")
 
     def _sender(
         self, plan: Any, group: StoreGroup | None, timeline: BucketTimeline | None = None
@@ -290,6 +313,19 @@ class BroadcastSession:
             self.call_workers("mbridge_refit_leave")
             self.group.close()
         self.group, self._session, self._memory = None, None, None
+
+
+FOLLOW_UP_SETTLE_S = 5.0  # how long a failed step waits for its follow-up (an engine call, not the workers)
+
+
+def _settle(follow_up: WorkerCall | None, failure: BaseException) -> None:
+    """A failed step's follow-up: waited for (briefly: it never waits on the workers), its own error
+    noted on the step's ``failure``, so no thread of the step outlives it unseen."""
+    if follow_up is None:
+        return
+    error = follow_up.error(FOLLOW_UP_SETTLE_S)
+    if error is not None and error is not failure:
+        failure.add_note(f"the engine's follow-up also failed: {type(error).__name__}: {error}")
 
 
 def _phases(timeline: BucketTimeline | None) -> dict[str, Any] | None:

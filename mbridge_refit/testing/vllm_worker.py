@@ -43,7 +43,9 @@ class TestingWorkerExtension(RefitWorkerExtension):
         """Benchmarks: milliseconds of ``repeats`` engine-side applications of the open layout,
         ``what="replay"`` (the recorded copies) or ``"load_weights"`` (vLLM's own loader on the
         same tensors, already on this GPU; inside its layerwise reload where the layout was
-        recorded through it, as for FP8 engines); each synchronized."""
+        recorded through it, as for FP8 engines); each synchronized. Or the host's part of an apply
+        before its copies run: ``"check"`` (the look for replaced parameters) and ``"launch"`` (the
+        replay's calls returning, not waited for; synchronized after the clock stops)."""
         receiver = self._mbridge_receiver()
         if not receiver.is_open:
             raise RuntimeError("no refit layout is open: refit once before timing")
@@ -54,6 +56,11 @@ class TestingWorkerExtension(RefitWorkerExtension):
         for _ in range(repeats):
             torch.cuda.synchronize(self.device)
             started = time.perf_counter()
+            if what in ("check", "launch"):
+                plan.targets_moved(model) if what == "check" else plan.replay()
+                times.append((time.perf_counter() - started) * 1e3)
+                torch.cuda.synchronize(self.device)
+                continue
             if what == "replay":
                 plan.replay()
             else:

@@ -137,10 +137,12 @@ class VLLMBroadcastRefit(_OnVLLM, BroadcastSession):
 
     Args:
         llm: the engine (``collective_rpc``); only on the source rank.
-        reset_prefix_cache: drop the engine's cached prompt blocks after each refit (``reset_prefix_cache``).
+        reset_prefix_cache: drop the engine's cached prompt blocks in each refit (``reset_prefix_cache``):
+            asked for from a thread of the source once the workers are in their receive, so vLLM's engine
+            core runs it right after the receive (``overlap_follow_up``, on by default), or after the receive.
         options: ``BroadcastSession``'s keywords, passed through: ``host``, ``port`` (required),
         ``engine_workers``, ``source``, ``trainer_group``, ``trainer_src``, ``config``, ``backend``,
-        ``allow_partial``, ``timeout_s`` (also bounds leaving the group), ``device``.
+        ``allow_partial``, ``timeout_s`` (also bounds leaving the group), ``device``, ``overlap_follow_up``.
     """
 
     def __init__(self, llm: Any, *, reset_prefix_cache: bool = True, **options: Any) -> None:
