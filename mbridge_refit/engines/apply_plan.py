@@ -233,15 +233,20 @@ class ApplyPlan:
         """Written parameters whose storage ``model`` no longer uses (the engine replaced them,
         e.g. a weight reload or quantization post-processing): a replay would miss them. Reads
         each written parameter's owning module attribute (no walk over the model; a parameter read
-        from the module's table, as ``getattr`` would find it, without a Python call per parameter)."""
+        from the module's table, as ``getattr`` would find it, without a Python call per parameter).
+        Engines' parameter classes may override ``__torch_function__`` (vLLM's ``BasevLLMParameter``
+        does), which puts every tensor method called on them through Python: the look runs with
+        subclass dispatch off, so reading a storage's address stays one C call (about 4 µs a
+        parameter otherwise: 1.1 ms of every Qwen3-8B apply, H200)."""
         moved = []
-        for name, pointer in self.pointers.items():
-            module, attribute = self.owners.get(name, (None, None))
-            current = None if module is None else module._parameters.get(attribute)
-            if current is None and module is not None:
-                current = getattr(module, attribute, None)
-            if not isinstance(current, torch.Tensor) or current.untyped_storage().data_ptr() != pointer:
-                moved.append(name)
+        with torch._C.DisableTorchFunctionSubclass():
+            for name, pointer in self.pointers.items():
+                module, attribute = self.owners.get(name, (None, None))
+                current = None if module is None else module._parameters.get(attribute)
+                if current is None and module is not None:
+                    current = getattr(module, attribute, None)
+                if not isinstance(current, torch.Tensor) or current.untyped_storage().data_ptr() != pointer:
+                    moved.append(name)
         return sorted(moved)
 
     def reallocated(self, model: torch.nn.Module) -> bool:
