@@ -1,0 +1,120 @@
+"""Benchmark: the engine worker's look for replaced parameters (``ApplyPlan.targets_moved``), the host
+work every colocated apply and every broadcast receive does before its copies, on parameters whose
+class overrides ``__torch_function__`` as vLLM's linear layers' do.
+
+    python3 scripts/bench_replaced_check.py [--params 291] [--rounds 7] [--out-dir DIR]
+
+Builds ``--params`` modules of one parameter each (the count of a Qwen3-8B engine's parameters) of
+vLLM's ``BasevLLMParameter`` where vLLM is installed, else of a stand-in class that overrides
+``__torch_function__`` the same way, on GPU 0 if there is one; records their loads (plain copies),
+then times, in alternating rounds, the look as the plan runs it (``targets_moved``: subclass
+dispatch off) and the same loop with dispatch on (the look before it was turned off). Needs only
+torch and this package (no Megatron, no engine). Writes DIR/bench_replaced_check.json with its
+manifest (``provenance.write_result``); prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import results_dir, write_result  # noqa: E402
+
+
+def parameter_class() -> tuple[type, str]:
+    """vLLM's parameter base class if importable, else a stand-in overriding ``__torch_function__`` as it does."""
+    try:
+        from vllm.model_executor.parameter import BasevLLMParameter
+
+        def make(data):
+            return BasevLLMParameter(data, weight_loader=lambda *args: None)
+
+        return make, "vllm BasevLLMParameter"
+    except ImportError:
+        pass
+
+    class DispatchingParameter(torch.nn.Parameter):
+        def __new__(cls, data):
+            return super().__new__(cls, data=data, requires_grad=False)
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            return super().__torch_function__(func, types, args, {} if kwargs is None else kwargs)
+
+    return DispatchingParameter, "stand-in overriding __torch_function__ as vLLM's BasevLLMParameter does"
+
+
+class Engine(torch.nn.Module):
+    def __init__(self, count: int, make, device: torch.device) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Module() for _ in range(count))
+        for layer in self.layers:
+            layer.weight = make(torch.zeros(16, device=device))
+
+    def load_weights(self, weights):
+        for name, tensor in weights:
+            self.get_parameter(name).data.copy_(tensor)
+
+
+def dispatching_look(plan, model) -> list[str]:
+    """``targets_moved``'s loop with subclass dispatch on (the look before it was turned off)."""
+    moved = []
+    for name, pointer in plan.pointers.items():
+        module, attribute = plan.owners.get(name, (None, None))
+        current = None if module is None else module._parameters.get(attribute)
+        if current is None and module is not None:
+            current = getattr(module, attribute, None)
+        if not isinstance(current, torch.Tensor) or current.untyped_storage().data_ptr() != pointer:
+            moved.append(name)
+    return sorted(moved)
+
+
+def timed_ms(fn, repeats: int = 20) -> float:
+    started = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - started) / repeats * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--params", type=int, default=291)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--out-dir", type=Path, default=None)
+    args = parser.parse_args()
+    from mbridge_refit.engines.apply_plan import ApplyPlan
+
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    make, kind = parameter_class()
+    model = Engine(args.params, make, device)
+    plan = ApplyPlan.record(model, [(f"layers.{i}.weight", torch.randn(16, device=device)) for i in range(args.params)])
+    assert plan.targets_moved(model) == [] and dispatching_look(plan, model) == []
+    ours, before = [], []
+    for _ in range(args.rounds):
+        ours.append(timed_ms(lambda: plan.targets_moved(model)))
+        before.append(timed_ms(lambda: dispatching_look(plan, model)))
+    result = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "host_cpu_threads": torch.get_num_threads(),
+        "parameter_class": kind,
+        "params": args.params,
+        "look_ms": {"median": round(statistics.median(ours), 4), "all": [round(v, 4) for v in ours]},
+        "dispatching_look_ms": {"median": round(statistics.median(before), 4), "all": [round(v, 4) for v in before]},
+        "us_per_param": round(statistics.median(ours) * 1e3 / args.params, 3),
+        "dispatching_us_per_param": round(statistics.median(before) * 1e3 / args.params, 3),
+    }
+    print(json.dumps(result, indent=1))
+    if args.out_dir is not None or device.type == "cuda":
+        path = write_result(args.out_dir or results_dir(), "bench_replaced_check.json", result)
+        print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
