@@ -55,6 +55,7 @@ from torch.distributed.elastic.utils.distributed import get_free_port as free_po
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from check_vllm_refit_gpu import (  # noqa: E402
+    batch_invariant,
     model_config,
     parser_with_engine_arguments,
     prompts,
@@ -403,7 +404,8 @@ def parse_args(argv=None):
 def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    report(run(args), args, prefix="vllm_broadcast")
+    setting = batch_invariant()  # the logprob oracle needs it (check_vllm_refit_gpu's docstring)
+    report({**run(args), "batch_invariant": setting}, args, prefix="vllm_broadcast")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,10 @@ GPU); the vLLM engine runs in its own process on the same GPU. Steps, each check
    that every token uses (an attention output projection: a perturbed expert a prompt never
    routes to moves no logprob, but its fingerprint).
 
+The prompt-logprob oracle is bitwise stable only with vLLM's batch-invariant kernels: the script runs
+with ``VLLM_BATCH_INVARIANT=1`` unless the environment sets it (``batch_invariant`` in the result; on an
+H200, a broadcast check run with it off had every fingerprint equal and the logprobs not).
+
 Writes DIR/vllm_refit_<model>[_fp8].json; exits 1 when a check fails.
 """
 
@@ -301,10 +305,17 @@ def parser_with_engine_arguments(
     return parser
 
 
+def batch_invariant() -> str:
+    """Turn vLLM's batch-invariant mode on unless the environment says otherwise (before vLLM starts):
+    the checks' logprob oracles need it (module docstring). Returns the setting, for the result."""
+    return os.environ.setdefault("VLLM_BATCH_INVARIANT", "1")
+
+
 def main() -> None:
     args = parser_with_engine_arguments(__doc__).parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    report(run(args), args, prefix="vllm_refit")
+    setting = batch_invariant()
+    report({**run(args), "batch_invariant": setting}, args, prefix="vllm_refit")
 
 
 def report(result: dict, args: argparse.Namespace, *, prefix: str) -> None:
