@@ -17,6 +17,11 @@ around every tensor: 17.7 Python calls and 17.6 calls into C per tensor on the C
 nothing allocated, the same 3 host reads. The counts leave out the polls of the group's blocking waits
 (as many as the peer keeps the wait open; with them the engine's replayed refit counted 1.7 and 5.2, without
 1.3 and 4.0).
+
+The engine's linear-layer parameters are of a class that overrides ``__torch_function__``, as vLLM's are:
+the look for reallocated parameters once read each one's storage through that Python method (1.875 Python
+and 4.46 C calls per tensor here; 1.1 ms of every Qwen3-8B apply in vLLM on an H200), and now reads it with
+subclass dispatch off (1.375 and 3.96).
 """
 
 from __future__ import annotations
@@ -24,8 +29,8 @@ from __future__ import annotations
 import pytest
 from conftest import marginal_calls
 
-MAX_PYTHON_CALLS_PER_TENSOR = 2.5
-MAX_C_CALLS_PER_TENSOR = 6.5
+MAX_PYTHON_CALLS_PER_TENSOR = 1.6  # 1.375 now; 1.875 with the reallocation look dispatching per vLLM parameter
+MAX_C_CALLS_PER_TENSOR = 4.3  # 3.96 now; 4.46 then
 MAX_SENDER_PYTHON_CALLS_PER_TENSOR = 6.0
 MAX_SENDER_C_CALLS_PER_TENSOR = 12.0
 HOST_READS_PER_REFIT = 3  # the handshake's header and verdict, the status

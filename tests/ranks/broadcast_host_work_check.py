@@ -66,8 +66,21 @@ def layer_plan(layers: int):
     )
 
 
+class DispatchingParameter(torch.nn.Parameter):
+    """The class of vLLM's linear layers' parameters (``BasevLLMParameter``) as far as host work goes: it
+    overrides ``__torch_function__``, so a tensor method called on one runs this Python method first."""
+
+    def __new__(cls, data):
+        return super().__new__(cls, data=data, requires_grad=False)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return super().__torch_function__(func, types, args, {} if kwargs is None else kwargs)
+
+
 class Engine(torch.nn.Module):
-    """vLLM-like parameters and a loader that maps names per tensor (a ``stacked_params_mapping`` walk)."""
+    """vLLM-like parameters (the linear layers' of ``DispatchingParameter``, the norm's plain, as in vLLM) and a
+    loader that maps names per tensor (a ``stacked_params_mapping`` walk)."""
 
     def __init__(self, layers: int) -> None:
         super().__init__()
@@ -80,8 +93,9 @@ class Engine(torch.nn.Module):
                 ("down_proj", SHAPES["down_proj"]),
                 ("norm", SHAPES["norm"]),
             ):
-                self.params[f"layers__{i}__{name}"] = torch.nn.Parameter(
-                    torch.zeros(shape, dtype=torch.bfloat16), requires_grad=False
+                data = torch.zeros(shape, dtype=torch.bfloat16)
+                self.params[f"layers__{i}__{name}"] = (
+                    torch.nn.Parameter(data, requires_grad=False) if name == "norm" else DispatchingParameter(data)
                 )
         self.loader_calls = 0
 
