@@ -4,15 +4,44 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from torch.distributed.elastic.utils.distributed import get_free_port as free_port
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 REPO = Path(__file__).resolve().parents[1]
+LOWEST_PORT = 20000  # below the kernel's ephemeral range (Linux: 32768-60999 by default)
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on, for a store a test binds next. Taken below the kernel's ephemeral
+    range where it has room there: the port is free only until the test binds it, and a port from the
+    ephemeral range can be handed in between to any connection of this host (a gloo pair of another
+    test, a subprocess's), which failed a test with ``EADDRINUSE``; a port below it goes only to a
+    process that asks for it by number. Elsewhere (a narrow or unknown range) the kernel's own pick."""
+    low = _ephemeral_low()
+    if low - LOWEST_PORT >= 1000:
+        for _ in range(64):
+            port = random.randrange(LOWEST_PORT, low)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                try:
+                    probe.bind(("", port))
+                except OSError:
+                    continue
+            return port
+    return get_free_port()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 @dataclass(frozen=True)

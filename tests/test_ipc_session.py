@@ -76,9 +76,10 @@ def test_an_engine_adapter_of_its_own_refits_through_ipc_session_exactly(source_
     hf_dir = source_checkpoints("qwen3-tiny")
     on_disk = read_checkpoint(hf_dir)
     engine = Engine(on_disk)
-    worker, written = Worker(engine), []
+    worker, written, called = Worker(engine), [], []
 
     def call_workers(method, *args):  # the adapter: how to reach its engine's workers
+        called.append(method.removeprefix("mbridge_refit_"))
         args = pickle.loads(pickle.dumps(args))
         return pickle.loads(pickle.dumps([getattr(worker, method)(*args)]))
 
@@ -117,6 +118,17 @@ def test_an_engine_adapter_of_its_own_refits_through_ipc_session_exactly(source_
         wrong = [n for n in state if not torch.equal(state[n].view(torch.uint8), changed[n].view(torch.uint8))]
         assert wrong == [], (replaced, wrong[:5])
         assert third.opened  # the parameters the engine mapped are no longer the model's: shared anew
+
+        called.clear()  # a .data swap alone is seen while the engine copies: it replays, then the step opens
+        swapped = _swap_a_live_parameter(chunks)
+        changed = {name: t.clone() for name, t in bridge.export_hf_weights_stock(chunks, show_progress=False)}
+        fourth = session.refit(bridge, chunks)
+        state = engine.state()
+        wrong = [n for n in state if not torch.equal(state[n].view(torch.uint8), changed[n].view(torch.uint8))]
+        assert wrong == [], (swapped, wrong[:5])
+        assert fourth.opened and called == ["apply", "open"], called
+        called.clear()
+        assert not session.refit(bridge, chunks).opened and called == ["apply"]  # the new layout replays
         session.close()
         bridge.release_export_buffers()
     assert not worker.receiver.is_open
@@ -137,6 +149,19 @@ def _replace_parameters(chunks) -> list[str]:
     module.weight.data = module.weight.detach() * 3 - 1
     done.append(f"{name}.weight .data swapped")
     return done
+
+
+def _swap_a_live_parameter(chunks) -> str:
+    """``param.data = ...`` on the first layer's output projection, with other values: the same
+    Parameter object, new storage."""
+    name, module = next(
+        (name, module)
+        for chunk in chunks
+        for name, module in chunk.named_modules()
+        if name.endswith("linear_proj") and "weight" in module._parameters
+    )
+    module.weight.data = module.weight.detach() * 5 + 2
+    return f"{name}.weight .data swapped"
 
 
 def test_the_engine_agnostic_sessions_import_without_any_engine_adapter():
