@@ -26,7 +26,7 @@ again), wall clock with both GPUs synchronized:
 
 * ``ours_serial_ms``: ours again, in the same rounds, with ``overlap_follow_up=False`` (the
   prefix-cache reset asked for after the workers' receive returned, instead of from a thread once
-  they are in it).
+  they are in it); which of the two runs first alternates from round to round.
 * ``ours_unbounded_kernels_ms`` (``--compare-unbounded``): ours again, in the same rounds, with each
   end's own copies and checksums on torch's kernels (every SM) instead of ``sinks.bounded_kernels``
   (what ``PackedBroadcastConfig(device_programs=0)`` runs).
@@ -386,7 +386,15 @@ def run(args) -> dict:
         timed(lambda: session.refit(bridge, chunks, fp8=fp8))  # warm-up after the baseline's reload
         warm, ok = raw_broadcast(llm, session.group, first.bytes, 1)
         raw_ok &= ok
-        for _ in range(args.rounds):
+        for round_index in range(args.rounds):
+
+            def serial_steps() -> None:  # the same steps with the reset after the receive
+                session.overlap_follow_up = False
+                serial.extend(timed(lambda: session.refit(bridge, chunks, fp8=fp8)) for _ in range(args.repeats))
+                session.overlap_follow_up = True
+
+            if round_index % 2:  # which of the two goes first alternates from round to round
+                serial_steps()
             for _ in range(args.repeats):
                 step = None
 
@@ -401,9 +409,8 @@ def run(args) -> dict:
                 parts["wait_engine"].append(step.apply_ms)
                 parts["reset_and_share"].append(step.reset_ms)
                 parts["engine_receive"].append(step.workers[0]["receive_ms"])
-            session.overlap_follow_up = False  # the same steps with the reset after the receive
-            serial += [timed(lambda: session.refit(bridge, chunks, fp8=fp8)) for _ in range(args.repeats)]
-            session.overlap_follow_up = True
+            if not round_index % 2:
+                serial_steps()
             if args.compare_unbounded:  # the same steps with each end's copies and checksums on every SM
                 bounded_kernels(llm, session, False)
                 unbounded += [timed(lambda: session.refit(bridge, chunks, fp8=fp8)) for _ in range(args.repeats)]

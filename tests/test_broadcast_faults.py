@@ -455,16 +455,45 @@ def test_a_refused_reset_fails_the_step(overlap):
     refit.close()
 
 
-def test_a_failed_step_waits_for_its_reset_and_notes_its_failure():
-    """The trainer's export fails mid-stream after the reset was asked for; the reset failing too is
-    noted on the trainer's error, and no reset thread outlives the step."""
+def test_a_failed_step_notes_its_reset_without_waiting_for_it():
+    """The trainer's export fails mid-stream after the reset was asked for. A reset that failed already is
+    noted on the trainer's error; one still pending (an engine that queues it behind the failed receive,
+    or never answers) is noted as pending, and the step raises without waiting for it."""
     llm, chunks, bridge = InProcessLLM(Engine()), [torch.nn.Linear(1, 1)], Bridge(fail_after=2)
     refit = _session(llm, bridge, chunks)
     llm.refuse_reset = True
     error, seconds = _refit_raises(refit, bridge, chunks)
     assert isinstance(error, ValueError) and seconds < BOUND_S
     assert any("the engine's follow-up also failed" in note and "refused" in note for note in error.__notes__)
-    assert not [t for t in threading.enumerate() if t.name == "refit-follow-up"]
+    refit.close()
+
+    release = threading.Event()
+    llm, bridge = InProcessLLM(Engine()), Bridge(fail_after=2)
+    llm.reset_prefix_cache = lambda: release.wait(60) or True  # the engine holds the reset back
+    refit = _session(llm, bridge, chunks)
+    error, seconds = _refit_raises(refit, bridge, chunks)
+    assert isinstance(error, ValueError) and seconds < 10, seconds
+    assert "the engine's follow-up was still pending when the step failed" in error.__notes__
+    pending = [t for t in threading.enumerate() if t.name == "refit-follow-up"]
+    assert pending, "the reset was still running: the step did not wait for it"
+    release.set()
+    pending[0].join(10)
+    assert not pending[0].is_alive()
+    refit.close()
+
+
+def test_a_reset_that_does_not_answer_fails_the_step_by_name():
+    """The receive went well and the reset never answers: the step fails after ``timeout_s`` naming the
+    follow-up, not the workers."""
+    release = threading.Event()
+    llm, chunks, bridge = InProcessLLM(Engine()), [torch.nn.Linear(1, 1)], Bridge()
+    refit = _session(llm, bridge, chunks)
+    refit.timeout_s = 2.0
+    llm.reset_prefix_cache = lambda: release.wait(60) or True
+    with pytest.raises(TimeoutError, match="the engine's follow-up did not answer within 2 s"):
+        refit.refit(bridge, chunks)
+    release.set()
+    refit.timeout_s = GROUP_TIMEOUT_S
     refit.close()
 
 

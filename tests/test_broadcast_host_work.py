@@ -30,7 +30,7 @@ import pytest
 from conftest import marginal_calls
 
 MAX_PYTHON_CALLS_PER_TENSOR = 1.6  # 1.375 now; 1.875 with the reallocation look dispatching per vLLM parameter
-MAX_C_CALLS_PER_TENSOR = 4.3  # 3.96 now; 4.46 then
+MAX_C_CALLS_PER_TENSOR = 5.0  # 3.96 now, 4.46 with that look: the Python bound is the one that catches it
 MAX_SENDER_PYTHON_CALLS_PER_TENSOR = 6.0
 MAX_SENDER_C_CALLS_PER_TENSOR = 12.0
 HOST_READS_PER_REFIT = 3  # the handshake's header and verdict, the status

@@ -33,8 +33,13 @@ their receive (``overlap_follow_up``, on by default), so it waits in the engine'
 while the buckets go out instead of costing its own round trip after them; the step still returns
 only once both are done. That needs an engine for which the follow-up may come before the weights
 have landed as long as nothing runs between: true of a cache reset during a refit, which runs
-between generations (vLLM's engine core also runs calls in the order they come, so its reset runs
-right after the receive). ``overlap_follow_up=False`` calls it after the receive, as before.
+between generations. vLLM's engine core in its own process runs calls in the order they come, so
+there the reset runs right after the receive; an engine core inside the trainer's process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) runs it on the follow-up's thread beside the receive, which
+it does not touch. A step whose receive or export fails may still have reset the cache (harmless:
+the next refit resets it again); it does not wait for a follow-up still pending, which ends on its
+own thread, and notes it on the step's error. ``overlap_follow_up=False`` calls the follow-up
+after the receive, as before.
 
 ``timeout_s`` bounds the join and every collective of both sides. A failure on either side reaches
 the other within seconds (``runtime.broadcast_group``): each side posts what stops it before its
@@ -243,14 +248,18 @@ class BroadcastSession:
             raise
         try:
             workers, error = receive.result(self.timeout_s), None
-            received_at = time.perf_counter()
-            if follow_up is not None:
-                follow_up.result(self.timeout_s)
-            elif self.after_weights_written is not None:
-                self.after_weights_written()
         except Exception as err:
             _settle(follow_up, err)
-            workers, error, received_at = [], err, time.perf_counter()
+            workers, error = [], err
+        received_at = time.perf_counter()
+        if error is None:
+            try:
+                if follow_up is not None:
+                    follow_up.result(self.timeout_s)
+                elif self.after_weights_written is not None:
+                    self.after_weights_written()
+            except Exception as err:
+                workers, error = [], err
         self._share(error)
         done = time.perf_counter()
         return RefitStep(
@@ -268,7 +277,7 @@ class BroadcastSession:
         """The follow-up on a thread of its own (``overlap_follow_up``), or None."""
         if not self.overlap_follow_up or self.after_weights_written is None:
             return None
-        return WorkerCall(self.after_weights_written, name="refit-follow-up")
+        return WorkerCall(self.after_weights_written, name="refit-follow-up", what="the engine's follow-up")
 
     def _sender(
         self, plan: Any, group: StoreGroup | None, timeline: BucketTimeline | None = None
@@ -315,16 +324,16 @@ class BroadcastSession:
         self.group, self._session, self._memory = None, None, None
 
 
-FOLLOW_UP_SETTLE_S = 5.0  # how long a failed step waits for its follow-up (an engine call, not the workers)
-
-
 def _settle(follow_up: WorkerCall | None, failure: BaseException) -> None:
-    """A failed step's follow-up: waited for (briefly: it never waits on the workers), its own error
-    noted on the step's ``failure``, so no thread of the step outlives it unseen."""
+    """A failed step's follow-up, not waited for (an engine queues it behind the failed receive, or
+    may never answer): its outcome so far noted on the step's ``failure``. One still pending ends on its
+    own thread; its outcome is not reported (the step failed already, and the next one asks again)."""
     if follow_up is None:
         return
-    error = follow_up.error(FOLLOW_UP_SETTLE_S)
-    if error is not None and error is not failure:
+    error = follow_up.error(0)
+    if follow_up.running:
+        failure.add_note("the engine's follow-up was still pending when the step failed")
+    elif error is not None:
         failure.add_note(f"the engine's follow-up also failed: {type(error).__name__}: {error}")
 
 
@@ -344,12 +353,14 @@ def _engine_outcome(error: BaseException | None, done: str) -> str:
 
 
 class WorkerCall:
-    """``call()`` (a call to the engine's workers) on a thread of its own: the workers' side of a
-    collective this thread takes part in at the same time. A ``WorkerCallHandle``."""
+    """``call()`` (a call to the engine's workers, or another engine call) on a thread of its own: the
+    workers' side of a collective this thread takes part in at the same time. A ``WorkerCallHandle``;
+    ``what`` names the call in its messages."""
 
-    def __init__(self, call: Callable[[], Any], name: str = "rpc") -> None:
+    def __init__(self, call: Callable[[], Any], name: str = "rpc", what: str = "the engine's workers' RPC") -> None:
         self._result: Any = None
         self._error: BaseException | None = None
+        self.what = what
         self._thread = threading.Thread(target=self._run, args=(call,), name=name, daemon=True)
         self._thread.start()
 
@@ -359,11 +370,15 @@ class WorkerCall:
         except BaseException as err:  # re-raised in the caller's thread
             self._error = err
 
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
     def failure(self) -> str | None:
         """The call's error as text once it ended with one; None while it runs or after it returned."""
         if self._thread.is_alive() or self._error is None:
             return None
-        return f"the engine's workers' RPC ended with {type(self._error).__name__}: {self._error}"
+        return f"{self.what} ended with {type(self._error).__name__}: {self._error}"
 
     def error(self, timeout_s: float) -> BaseException | None:
         """Wait for the call; its error, or None."""
@@ -376,7 +391,7 @@ class WorkerCall:
     def result(self, timeout_s: float) -> Any:
         self._thread.join(timeout_s)
         if self._thread.is_alive():
-            raise TimeoutError(f"the engine's workers did not answer within {timeout_s:.0f} s")
+            raise TimeoutError(f"{self.what} did not answer within {timeout_s:.0f} s")
         if self._error is not None:
             raise self._error
         return self._result
