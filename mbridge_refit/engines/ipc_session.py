@@ -28,14 +28,9 @@ with the old ones; its failure fails the step). The trainer then:
   the same export (it is collective) and drop the tensors: ``refit(..., sender=False)`` does that.
 * ``session.close()`` before the trainer frees the model or the bridge's buffers.
 
-A parameter the model replaces between steps is noticed at the next refit, which shares the layout
-anew. A new object (``module.weight = Parameter(...)``) is seen before the engine is asked for
-anything. A ``param.data`` swap is seen by reading where every live parameter's bytes are, which is
-done once the engine's copies are launched, beside them (at 24 MoE layers that is 6,000 addresses, a few
-milliseconds the step would otherwise wait for): after a swap those copies have read the old storage,
-which the session still holds (the old bytes, never freed memory), so the step waits for them, shares
-the layout anew and has the engine load every tensor before it returns. Either way the engine holds
-the model's weights when ``refit`` returns.
+A parameter the model replaces between steps (a new object, ``module.weight = Parameter(...)``, or a
+``param.data`` swap) is noticed at the next refit, which shares the layout anew: the engine never
+reads the old storage the session still holds.
 
 Scope: one trainer rank feeds one engine worker on its GPU (engine tensor parallel size 1; above,
 ``engines.sharded_ipc``); the engine process must not be the trainer's own (an engine inside it
@@ -101,21 +96,6 @@ class _Routes:
             and len(self.chunks) == len(chunks)
             and all(a is b for a, b in zip(self.chunks, chunks))
         )
-
-
-@dataclass(frozen=True, eq=False)
-class _LayoutKey:
-    """What an open layout of ``refit`` was shared for: the exported tensors' storages, the routes
-    (whose live parameters the engine reads) and where those parameters' bytes were."""
-
-    exported: tuple
-    routes: _Routes
-    addresses: tuple[int, ...]
-
-    def serves(self, exported: tuple, routes: _Routes) -> bool:
-        """Whether a step of this export and these routes may replay the layout (the addresses
-        aside, which the step reads while the engine copies)."""
-        return self.routes is routes and self.exported == exported
 
 
 class IpcSession:
@@ -199,31 +179,11 @@ class IpcSession:
                 continue
             exported.add(name, tensor)
             tensors[name] = tensor
+        key = (exported.key, tuple(map(torch.Tensor.data_ptr, routes.live_parameters)))  # .data swaps change it
         _synchronize_trainer()  # the engine reads from another process
-        key = self._key
-        if (
-            through is None
-            and self._layout is not None
-            and isinstance(key, _LayoutKey)
-            and key.serves(exported.key, routes)
-        ):
-            # the live parameters' addresses are read while the engine copies (module docstring)
-            return self._apply(started, lambda: self._moved_step(routes, tensors, exported.key, started))
-        key = _LayoutKey(exported.key, routes, _addresses(routes))
+        if through is None and self._layout is not None and key == self._key:
+            return self._apply(started)
         return self._open_step(routes, tensors, key if through is None else None, through, started)
-
-    def _moved_step(
-        self, routes: _Routes, tensors: dict[str, torch.Tensor], exported_key: tuple, started: float
-    ) -> RefitStep | None:
-        """After an apply's copies were launched: None if the live parameters are where the layout
-        has them; else (a ``param.data`` swap) the layout shared anew, once the copies are done."""
-        addresses = _addresses(routes)
-        if addresses == self._key.addresses:
-            return None
-        if self._done is not None and self.overlap_follow_up:
-            self._done.wait(self.timeout_s)  # the copies read the storages this session still holds
-        logger.info("refit: a live parameter's storage was swapped (param.data = ...): sharing the layout anew")
-        return self._open_step(routes, tensors, _LayoutKey(exported_key, routes, addresses), None, started)
 
     def refit_stream(self, stream: Stream, *, started: float | None = None) -> RefitStep:
         """Apply ``stream`` (``(hf_name, tensor)`` on this GPU, each valid until the stream ends);
@@ -290,15 +250,10 @@ class IpcSession:
         if isinstance(self.transport, CudaIpcTransport) and tensor.device.type != "cuda":
             raise ValueError(f"{name} is on {tensor.device}: CUDA IPC shares GPU memory (export with cpu=False)")
 
-    def _apply(self, started: float, moved: Callable[[], RefitStep | None] | None = None) -> RefitStep:
-        """Replay the open layout; ``moved`` (called once the copies are launched) returns the step
-        that replaced this one when the layout turned out stale."""
+    def _apply(self, started: float) -> RefitStep:
         exported = time.perf_counter()
         signal = self._done is not None and self.overlap_follow_up
         engine_ms = self._rpc("mbridge_refit_apply", self._layout.fingerprint, signal)
-        replaced = moved() if moved is not None else None
-        if replaced is not None:
-            return replaced
         applied = time.perf_counter()
         try:
             self._after_apply()  # with a signal: while the engine's copies run
@@ -411,11 +366,6 @@ def _done_signal(results: list, storages: list[torch.UntypedStorage]) -> DoneSig
         return None
     device = storages[0].device if storages and storages[0].device.type == "cuda" else None
     return DoneSignal.open(handle, device or torch.device("cuda", torch.cuda.current_device()))
-
-
-def _addresses(routes: _Routes) -> tuple[int, ...]:
-    """Where the live parameters' bytes are now (a ``param.data`` swap moves them)."""
-    return tuple(map(torch.Tensor.data_ptr, routes.live_parameters))
 
 
 def _synchronize_trainer() -> None:
