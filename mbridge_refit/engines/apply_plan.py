@@ -229,7 +229,7 @@ class ApplyPlan:
                     ) from err
         return recording.finish()
 
-    def targets_moved(self, model: torch.nn.Module) -> list[str]:
+    def targets_moved(self, model: torch.nn.Module, *, subclass_dispatch: bool = False) -> list[str]:
         """Written parameters whose storage ``model`` no longer uses (the engine replaced them,
         e.g. a weight reload or quantization post-processing): a replay would miss them. Reads
         each written parameter's owning module attribute (no walk over the model; a parameter read
@@ -237,9 +237,10 @@ class ApplyPlan:
         Engines' parameter classes may override ``__torch_function__`` (vLLM's ``BasevLLMParameter``
         does), which puts every tensor method called on them through Python: the look runs with
         subclass dispatch off, so reading a storage's address stays one C call (about 4 µs a
-        parameter otherwise: 1.1 ms of every Qwen3-8B apply, H200)."""
-        moved = []
-        with torch._C.DisableTorchFunctionSubclass():
+        parameter otherwise: 1.1 ms of every Qwen3-8B apply, H200). ``subclass_dispatch=True``
+        leaves it on (benchmarks: what the look cost before)."""
+        moved = []  # one loop, no call per parameter (tests/test_broadcast_host_work.py counts them)
+        with contextlib.nullcontext() if subclass_dispatch else torch._C.DisableTorchFunctionSubclass():
             for name, pointer in self.pointers.items():
                 module, attribute = self.owners.get(name, (None, None))
                 current = None if module is None else module._parameters.get(attribute)
