@@ -386,13 +386,13 @@ def run(args) -> dict:
         timed(lambda: session.refit(bridge, chunks, fp8=fp8))  # warm-up after the baseline's reload
         warm, ok = raw_broadcast(llm, session.group, first.bytes, 1)
         raw_ok &= ok
+
+        def serial_steps() -> None:  # the same steps with the reset after the receive
+            session.overlap_follow_up = False
+            serial.extend(timed(lambda: session.refit(bridge, chunks, fp8=fp8)) for _ in range(args.repeats))
+            session.overlap_follow_up = True
+
         for round_index in range(args.rounds):
-
-            def serial_steps() -> None:  # the same steps with the reset after the receive
-                session.overlap_follow_up = False
-                serial.extend(timed(lambda: session.refit(bridge, chunks, fp8=fp8)) for _ in range(args.repeats))
-                session.overlap_follow_up = True
-
             if round_index % 2:  # which of the two goes first alternates from round to round
                 serial_steps()
             for _ in range(args.repeats):

@@ -40,13 +40,7 @@ def parameter_class() -> tuple[type, str]:
     except ImportError:
         pass
 
-    class DispatchingParameter(torch.nn.Parameter):
-        def __new__(cls, data):
-            return super().__new__(cls, data=data, requires_grad=False)
-
-        @classmethod
-        def __torch_function__(cls, func, types, args=(), kwargs=None):
-            return super().__torch_function__(func, types, args, {} if kwargs is None else kwargs)
+    from mbridge_refit.testing.parameter_classes import DispatchingParameter
 
     return DispatchingParameter, "stand-in overriding __torch_function__ as vLLM's BasevLLMParameter does"
 

@@ -26,6 +26,7 @@ from mbridge_refit.engines.sharing import (
     SharingError,
     views,
 )
+from mbridge_refit.testing.parameter_classes import DispatchingParameter
 
 CHECKER = str(REPO / "tests" / "ranks" / "engine_refit_check.py")
 BROADCAST_CHECKER = str(REPO / "tests" / "ranks" / "engine_broadcast_check.py")
@@ -235,29 +236,14 @@ def test_receiver_records_again_when_the_engine_replaced_a_parameter(signal):
     assert done is None or done.records == 2
 
 
-class _DispatchingParameter(torch.nn.Parameter):
-    """A parameter class that overrides ``__torch_function__`` as vLLM's ``BasevLLMParameter`` does:
-    every tensor method called on one goes through this Python method."""
-
-    calls = 0
-
-    def __new__(cls, data):
-        return super().__new__(cls, data=data, requires_grad=False)
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        _DispatchingParameter.calls += 1
-        return super().__torch_function__(func, types, args, {} if kwargs is None else kwargs)
-
-
 class _Layers(torch.nn.Module):
-    """``count`` layers of one parameter of ``_DispatchingParameter`` each, loaded by plain copies."""
+    """``count`` layers of one parameter of ``DispatchingParameter`` each, loaded by plain copies."""
 
     def __init__(self, count: int):
         super().__init__()
         self.layers = torch.nn.ModuleList(torch.nn.Module() for _ in range(count))
         for layer in self.layers:
-            layer.weight = _DispatchingParameter(torch.zeros(3))
+            layer.weight = DispatchingParameter(torch.zeros(3))
 
     def load_weights(self, weights):
         for name, tensor in weights:
@@ -271,11 +257,11 @@ def test_the_look_for_replaced_parameters_does_not_dispatch_per_parameter():
     model = _Layers(64)
     sources = [(f"layers.{i}.weight", torch.randn(3)) for i in range(64)]
     plan = ApplyPlan.record(model, sources)
-    _DispatchingParameter.calls = 0
+    DispatchingParameter.calls = 0
     assert plan.targets_moved(model) == []
-    assert _DispatchingParameter.calls == 0
+    assert DispatchingParameter.calls == 0
     model.layers[5].weight.data = torch.zeros(3)
-    model.layers[9].weight = _DispatchingParameter(torch.zeros(3))
+    model.layers[9].weight = DispatchingParameter(torch.zeros(3))
     assert plan.targets_moved(model) == ["layers.5.weight", "layers.9.weight"]
 
 

@@ -50,6 +50,7 @@ import pickle
 import pickletools
 import reprlib
 import stat
+import struct
 import zipfile
 from pathlib import Path
 from types import MappingProxyType
@@ -367,7 +368,7 @@ def check_byte_item(data: bytes) -> None:
 
 
 MAX_ARCHIVE_RECORDS = 1024  # a tensor item holds 7, an object a few per tensor in it
-_LOCAL_HEADER = b"PK\x03\x04"
+_LOCAL_HEADER = zipfile.stringFileHeader  # b"PK\x03\x04", what a zip's first record starts with
 
 
 def check_torch_archive(item: BinaryIO) -> None:
@@ -421,10 +422,12 @@ def _check_members(members: list[zipfile.ZipInfo]) -> None:
 def _data_offset(item: BinaryIO, info: zipfile.ZipInfo) -> int:
     """Where ``info``'s bytes start in ``item``, from its local header (as torch's reader computes it)."""
     item.seek(info.header_offset)
-    header = item.read(30)
-    if len(header) != 30 or header[:4] != _LOCAL_HEADER:
+    header = item.read(zipfile.sizeFileHeader)
+    fields = struct.unpack(zipfile.structFileHeader, header) if len(header) == zipfile.sizeFileHeader else None
+    if fields is None or fields[0] != _LOCAL_HEADER:
         raise UnsafePickle(f"the record {brief(info.filename)} has no local header where the directory says")
-    return info.header_offset + 30 + int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little")
+    name_length, extra_length = fields[-2:]  # the header's last two fields, as zipfile's own layout names them
+    return info.header_offset + zipfile.sizeFileHeader + name_length + extra_length
 
 
 MAX_EXPANDED_OBJECTS = 1_000_000

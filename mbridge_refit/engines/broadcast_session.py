@@ -330,10 +330,9 @@ def _settle(follow_up: WorkerCall | None, failure: BaseException) -> None:
     own thread; its outcome is not reported (the step failed already, and the next one asks again)."""
     if follow_up is None:
         return
-    error = follow_up.error(0)
     if follow_up.running:
         failure.add_note("the engine's follow-up was still pending when the step failed")
-    elif error is not None:
+    elif (error := follow_up.error(0)) is not None:
         failure.add_note(f"the engine's follow-up also failed: {type(error).__name__}: {error}")
 
 

@@ -5,7 +5,8 @@
 architecture against stock's, run as ranks), ``roundtrip_conformance`` (the matrix's roundtrip
 column: ``convert roundtrip`` against the tiny checkpoint on disk), ``export_comparison`` (a stream
 against its oracle: names, order, dtype, shape, bytes; the FP8 stream the reference quantizer
-expects), ``simulated_ranks`` (one rank of a layout in this process, the others simulated away)
+expects), ``simulated_ranks`` (one rank of a layout in this process, the others simulated away),
+``parameter_classes`` (engine parameter classes as engines write them: vLLM's dispatching one)
 and ``tiny_models`` (a tiny config of every registered architecture and its seeded random
 checkpoint in the family's published layout).
 """

@@ -37,6 +37,7 @@ from mbridge_refit.sinks.packed_broadcast import (  # noqa: E402
     PackedBroadcastSender,
     SendBuffers,
 )
+from mbridge_refit.testing.parameter_classes import DispatchingParameter  # noqa: E402
 
 HIDDEN, HEADS, KV, FFN = 16, 8, 4, 12
 PARTS = {  # HF tensor -> (engine parameter, its row offset there)
@@ -64,18 +65,6 @@ def layer_plan(layers: int):
     return _plan(
         *((f"layers.{i}.{part}.weight", shape, "bfloat16") for i in range(layers) for part, shape in SHAPES.items())
     )
-
-
-class DispatchingParameter(torch.nn.Parameter):
-    """The class of vLLM's linear layers' parameters (``BasevLLMParameter``) as far as host work goes: it
-    overrides ``__torch_function__``, so a tensor method called on one runs this Python method first."""
-
-    def __new__(cls, data):
-        return super().__new__(cls, data=data, requires_grad=False)
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        return super().__torch_function__(func, types, args, {} if kwargs is None else kwargs)
 
 
 class Engine(torch.nn.Module):
