@@ -25,6 +25,11 @@ after which our next apply records the loader again):
   its GPU (timed inside the engine); ``engine_replay_ms``: our recorded copies, timed the same way.
   ``engine_check_host_ms`` and ``engine_launch_host_ms``: the worker's host time in an apply before
   its copies run (the look for replaced parameters; the replay's calls returning, not waited for).
+* ``trainer_alone``: the trainer's side of a steady refit into an engine stand-in whose workers only
+  answer (``profile_ipc_trainer.py``'s), wall and this thread's CPU time per step, taken before the
+  engine starts and again beside it (idle), to tell what the engine's presence costs the trainer's
+  export from what its steps do; ``gc_during_steps``: the garbage collections (count and time per
+  generation) during our steady steps.
 * ``new_allocations_after_first``: CUDA caching-allocator allocations during our steady steps,
   trainer and engine. ``engine_extra_bytes``: engine memory allocated by opening the refit.
   ``peak_extra_bytes``: the trainer's peak allocated memory beyond what it held before, during
@@ -37,6 +42,7 @@ steady steps. Writes DIR/bench_refit_vllm_<model>[_fp8].json with a manifest.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import statistics
@@ -49,6 +55,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from check_vllm_refit_gpu import parser_with_engine_arguments, tp1_trainer  # noqa: E402
+from profile_ipc_trainer import answering_workers  # noqa: E402
 
 logger = logging.getLogger("bench_refit_vllm")
 
@@ -79,6 +86,47 @@ class PeakExtra:
             return fn()
         finally:
             self.bytes = max(self.bytes, torch.cuda.max_memory_allocated() - held)
+
+
+def trainer_alone(bridge, chunks, fp8, steps: int = 10) -> dict:
+    """The trainer's side of a steady refit with no engine behind it: wall and thread CPU ms per step."""
+    from mbridge_refit.engines.ipc_session import IpcSession
+    from mbridge_refit.engines.sharing import LocalTransport
+
+    session = IpcSession(answering_workers, transport=LocalTransport())
+    walls, cpus = [], []
+    try:
+        for step in range(3 + steps):
+            wall, cpu = time.perf_counter(), time.thread_time()
+            session.refit(bridge, chunks, fp8=fp8)
+            if step >= 3:
+                walls.append((time.perf_counter() - wall) * 1e3)
+                cpus.append((time.thread_time() - cpu) * 1e3)
+    finally:
+        session.close()
+    return {"wall_ms": summary(walls), "thread_cpu_ms": summary(cpus)}
+
+
+class GcWatch:
+    """Garbage collections while active: count and ms per generation (``gc.callbacks``)."""
+
+    def __init__(self) -> None:
+        self.count, self.ms, self._began, self.active = {}, {}, 0.0, False
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if not self.active:
+            return
+        if phase == "start":
+            self._began = time.perf_counter()
+            return
+        generation = str(info["generation"])
+        self.count[generation] = self.count.get(generation, 0) + 1
+        self.ms[generation] = round(self.ms.get(generation, 0.0) + (time.perf_counter() - self._began) * 1e3, 3)
+
+    def report(self) -> dict:
+        gc.callbacks.remove(self._callback)
+        return {"count": self.count, "ms": self.ms}
 
 
 def floor_ms(nbytes: int, repeats: int = 5) -> float:
@@ -168,7 +216,10 @@ def run(args) -> dict:
         result["vllm"] = vllm.__version__
         quantization = bridge.fp8_config(fp8).quantization_config(bridge.export_plan(chunks, fp8=fp8)) if fp8 else None
         directory = engine_config(config, work / "engine", quantization)
+        alone = {"before_engine": trainer_alone(bridge, chunks, fp8)}
         llm = dummy_engine(directory, args, transfer_backend=None if fp8 else "ipc")
+        alone["beside_engine"] = trainer_alone(bridge, chunks, fp8)
+        result["trainer_alone"] = alone
         refit = VLLMRefit(llm, timeout_s=300)
 
         before_open = llm.collective_rpc("mbridge_refit_memory")[0]
@@ -212,6 +263,7 @@ def run(args) -> dict:
 
         ours, serial, export, apply, engine, reset_wait, stock_times = [], [], [], [], [], [], []
         trainer_new, engine_new = 0, 0
+        collections = GcWatch()
         for _ in range(args.steps):
             for overlap in (True, False):  # alternated: the reset while the copies run, then after them
                 refit.overlap_follow_up = overlap
@@ -223,7 +275,9 @@ def run(args) -> dict:
                     nonlocal step
                     step = refit.refit(bridge, chunks, fp8=fp8)
 
+                collections.active = True
                 (ours if overlap else serial).append(peaks["ours_steady"](lambda: timed(ours_step)))
+                collections.active = False
                 trainer_new += allocations() - trainer_before
                 engine_new += llm.collective_rpc("mbridge_refit_memory")[0]["allocations"] - engine_before
                 if step.opened:
@@ -234,6 +288,7 @@ def run(args) -> dict:
                     engine.append(step.engine_ms)
                     reset_wait.append(step.reset_ms)
         refit.overlap_follow_up = True
+        result["gc_during_steps"] = collections.report()
         # the native backend's layerwise reload may reallocate engine parameters, which makes our next
         # apply record the loader again: its steps run after ours, not interleaved
         for _ in range(args.steps if stock is not None else 0):
@@ -301,6 +356,8 @@ def main() -> None:
                     "engine_replay_ms",
                     "engine_check_host_ms",
                     "engine_launch_host_ms",
+                    "trainer_alone",
+                    "gc_during_steps",
                     "new_allocations_after_first",
                     "engine_extra_bytes",
                     "peak_extra_bytes",

@@ -40,6 +40,7 @@ from mbridge_refit.sinks.packed_broadcast import (
     PackedBroadcastSender,
     PlanMismatchError,
     RefitStatusError,
+    SendBuffers,
     StreamPacking,
 )
 
@@ -184,6 +185,45 @@ def test_sender_and_receiver_issue_the_same_collectives():
     (sent, received), source, receiver = _recorded_pair(PLAN, consumer_fails=True)
     assert isinstance(sent[0], RefitStatusError) and isinstance(received[0], ValueError)
     assert source == receiver and ("post_error",) not in source + receiver  # settled by the protocol itself
+
+
+def test_the_source_packs_its_first_bucket_before_the_receivers_come():
+    """The source's constructor issues its header and returns: it packs the tensors of bucket 0 while no
+    receiver has come to the handshake, and waits for the verdict only before that bucket goes out. (A
+    source that waited in its constructor would hold the receiver back until BOUND_S, and this fails.)"""
+    port, packed = free_port(), threading.Event()
+    tensors = plan_tensors(PLAN)
+    agree_at = SendBuffers(PLAN, CONFIG).agree_at
+    assert agree_at == 1  # "a" lies in bucket 0, "b" reaches past it
+    groups: dict[int, StoreGroup] = {}
+
+    def join(rank: int) -> StoreGroup:
+        groups[rank] = StoreGroup(host="127.0.0.1", port=port, rank=rank, world_size=2, device="cpu")
+        return groups[rank]
+
+    def send(rank: int):
+        sender = PackedBroadcastSender(PLAN, CONFIG, group=join(rank), src=0, device="cpu")
+        for name, tensor in tensors[:agree_at]:
+            sender.consume(name, tensor)
+        packed.set()
+        for name, tensor in tensors[agree_at:]:
+            sender.consume(name, tensor)
+        sender.finish()
+
+    def receive(rank: int):
+        group = join(rank)
+        came_after_packing = packed.wait(BOUND_S)
+        receiver = PackedBroadcastReceiver(PLAN, CONFIG, group=group, src=0, device="cpu")
+        return came_after_packing, [(name, tensor.clone()) for name, tensor in receiver.receive()]
+
+    (sent, _), (received, _) = run_members(send, receive)
+    for group in groups.values():
+        group.close()
+    assert sent is None and not isinstance(received, BaseException), (sent, received)
+    came_after_packing, got = received
+    assert came_after_packing, "the source's constructor waited for the receiver"
+    assert [name for name, _ in got] == [name for name, _ in tensors]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, tensors))
 
 
 # --- settings members must share ------------------------------------------------------------------
@@ -502,12 +542,14 @@ import json, os, signal, sys, time
 sys.path.insert(0, {repo!r})
 from mbridge_refit.plan.entries import ExportPlan
 from mbridge_refit.runtime.broadcast_group import StoreGroup
-from mbridge_refit.sinks.packed_broadcast import PackedBroadcastConfig, PackedBroadcastSender
+from mbridge_refit.sinks.packed_broadcast import PackedBroadcastConfig, PackedBroadcastSender, SendBuffers
 import torch
 plan = ExportPlan.from_json({plan!r})
 group = StoreGroup(host="127.0.0.1", port={port}, rank=0, world_size=2, device="cpu")
 config = PackedBroadcastConfig(bucket_bytes=64, num_buffers=2)
 sender = PackedBroadcastSender(plan, config, group=group, src=0, device="cpu")
+for entry in plan.entries[: SendBuffers(plan, config).agree_at + 1]:  # the verdict taken, bucket 0 sent
+    sender.consume(entry.hf_name, torch.zeros(entry.shape, dtype=entry.torch_dtype))
 print("handshake done", flush=True)
 time.sleep(1.0)
 os.kill(os.getpid(), signal.{signal})
@@ -518,7 +560,7 @@ time.sleep(600)
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"], ids=["dies", "stops"])
 def test_the_trainers_process_dying_or_stopping_reaches_the_engine(how, tmp_path):
     """The trainer's process is killed, or stopped (its sockets stay open: a process that no longer
-    answers), after the handshake while the receiver waits for the first bucket: the receiver
+    answers), after the handshake and the first bucket, while the receiver waits for the next: the receiver
     raises within the bound (a killed peer closes gloo's sockets; a stopped one is seen by its
     silent store and heartbeat)."""
     port = free_port()

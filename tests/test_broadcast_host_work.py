@@ -34,6 +34,7 @@ MAX_C_CALLS_PER_TENSOR = 5.0  # 3.96 now, 4.46 with that look: the Python bound 
 MAX_SENDER_PYTHON_CALLS_PER_TENSOR = 6.0
 MAX_SENDER_C_CALLS_PER_TENSOR = 12.0
 HOST_READS_PER_REFIT = 3  # the handshake's header and verdict, the status
+SENDER_HOST_READS_PER_REFIT = 2  # the verdict and the status: the source does not read its own header back
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +58,7 @@ def test_steady_broadcast_refit_host_calls_per_tensor_do_not_grow(calls):
 def test_steady_broadcast_refit_sender_host_calls_per_tensor_do_not_grow(calls):
     few, many = calls.few["sender"], calls.many["sender"]
     for counts in (few, many):
-        assert counts["host_reads"] == HOST_READS_PER_REFIT, counts
+        assert counts["host_reads"] == SENDER_HOST_READS_PER_REFIT, counts
         assert not {"empty", "zeros", "clone"} & set(counts["named"]), counts  # nothing allocated: the memory is kept
     assert (many["python_calls"] - few["python_calls"]) / calls.added <= MAX_SENDER_PYTHON_CALLS_PER_TENSOR, calls
     assert (many["c_calls"] - few["c_calls"]) / calls.added <= MAX_SENDER_C_CALLS_PER_TENSOR, calls

@@ -28,8 +28,8 @@ rotating buffers) is made at the session's first refit and kept until ``close``,
 refit computes no packing and allocates nothing. ``timing=True`` (benchmarks) marks where each
 bucket's time goes on the source (``sinks.broadcast_timing``), returned in ``RefitStep.phases``.
 
-The follow-up is started on a thread of its own as soon as the handshake shows the workers inside
-their receive (``overlap_follow_up``, on by default), so it waits in the engine's queue, or runs,
+The follow-up is started on a thread of its own as soon as the handshake's verdict shows the workers
+inside their receive (the sender's ``on_agreed``, before the first bucket goes out) (``overlap_follow_up``, on by default), so it waits in the engine's queue, or runs,
 while the buckets go out instead of costing its own round trip after them; the step still returns
 only once both are done. That needs an engine for which the follow-up may come before the weights
 have landed as long as nothing runs between: true of a cache reset during a refit, which runs
@@ -229,11 +229,13 @@ class BroadcastSession:
             self._share(None)
             return None
         receive = self.start_workers("mbridge_refit_receive")
-        sender, timeline, follow_up = None, BucketTimeline(self.device) if self.timing else None, None
+        sender, timeline, follow_ups = None, BucketTimeline(self.device) if self.timing else None, []
         try:
             with self.group.watching(receive.failure):
-                sender = self._sender(plan, self.group, timeline)  # its handshake: the workers are in their receive
-                follow_up = self._start_follow_up()
+                # the follow-up starts once the handshake agreed: the workers are inside their receive
+                sender = self._sender(
+                    plan, self.group, timeline, on_agreed=lambda: follow_ups.extend(self._follow_up())
+                )
                 count = drain(stream, sender)  # the sender's own failures reach every trainer rank in there
             sent_at = time.perf_counter()
         except BaseException as sent:
@@ -241,7 +243,7 @@ class BroadcastSession:
                 # the workers may still wait in the protocol (a plan mismatch is settled by the handshake)
                 post_failure(self.group, "the trainer", sent)
             engine_error = receive.error(PEER_SILENT_S)
-            _settle(follow_up, sent)
+            _settle(follow_ups, sent)
             if engine_error is not None and isinstance(sent, (RefitStatusError, PeerFailedError)):
                 raise engine_error from sent  # the engine's own error says more than "a receiver failed"
             sent.add_note(_engine_outcome(engine_error, "completed their receive"))
@@ -249,13 +251,13 @@ class BroadcastSession:
         try:
             workers, error = receive.result(self.timeout_s), None
         except Exception as err:
-            _settle(follow_up, err)
+            _settle(follow_ups, err)
             workers, error = [], err
         received_at = time.perf_counter()
         if error is None:
             try:
-                if follow_up is not None:
-                    follow_up.result(self.timeout_s)
+                if follow_ups:
+                    follow_ups[0].result(self.timeout_s)
                 elif self.after_weights_written is not None:
                     self.after_weights_written()
             except Exception as err:
@@ -273,14 +275,18 @@ class BroadcastSession:
             phases=_phases(timeline),
         )
 
-    def _start_follow_up(self) -> WorkerCall | None:
-        """The follow-up on a thread of its own (``overlap_follow_up``), or None."""
+    def _follow_up(self) -> list[WorkerCall]:
+        """The follow-up started on a thread of its own (``overlap_follow_up``), or none."""
         if not self.overlap_follow_up or self.after_weights_written is None:
-            return None
-        return WorkerCall(self.after_weights_written, name="refit-follow-up", what="the engine's follow-up")
+            return []
+        return [WorkerCall(self.after_weights_written, name="refit-follow-up", what="the engine's follow-up")]
 
     def _sender(
-        self, plan: Any, group: StoreGroup | None, timeline: BucketTimeline | None = None
+        self,
+        plan: Any,
+        group: StoreGroup | None,
+        timeline: BucketTimeline | None = None,
+        on_agreed: Callable[[], None] | None = None,
     ) -> PackedBroadcastSender:
         """This rank's packed-broadcast sender (over ``group`` on the source, None on the other
         trainer ranks), on the session's kept memory."""
@@ -295,6 +301,7 @@ class BroadcastSession:
             trainer_src=self.trainer_src,
             buffers=self._memory,
             timeline=timeline,
+            on_agreed=on_agreed,
         )
 
     def _serves(self, bridge: ExportsWeights, chunks: list, fp8: Any) -> bool:
@@ -324,12 +331,14 @@ class BroadcastSession:
         self.group, self._session, self._memory = None, None, None
 
 
-def _settle(follow_up: WorkerCall | None, failure: BaseException) -> None:
-    """A failed step's follow-up, not waited for (an engine queues it behind the failed receive, or
-    may never answer): its outcome so far noted on the step's ``failure``. One still pending ends on its
-    own thread; its outcome is not reported (the step failed already, and the next one asks again)."""
-    if follow_up is None:
+def _settle(follow_ups: list[WorkerCall], failure: BaseException) -> None:
+    """A failed step's follow-up (if it was started), not waited for (an engine queues it behind the
+    failed receive, or may never answer): its outcome so far noted on the step's ``failure``. One still
+    pending ends on its own thread; its outcome is not reported (the step failed already, and the next
+    one asks again)."""
+    if not follow_ups:
         return
+    follow_up = follow_ups[0]
     if follow_up.running:
         failure.add_note("the engine's follow-up was still pending when the step failed")
     elif (error := follow_up.error(0)) is not None:

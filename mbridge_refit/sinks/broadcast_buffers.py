@@ -72,6 +72,11 @@ class SendBuffers:
         self.plan, self.config, self.packing, self.device = endpoint(plan, config, device)
         # (hf_name, shape, dtype) of each entry, as the export must yield it
         self.expected = [(s.entry.hf_name, tuple(s.entry.shape), s.entry.torch_dtype) for s in self.packing.slots]
+        # the first entry with bytes past bucket 0: every trainer rank takes the handshake's verdict as
+        # it comes (the source packs bucket 0 before; None: at the stream's end)
+        self.agree_at = next(
+            (i for i, s in enumerate(self.packing.slots) if s.nbytes and s.end > self.packing.bucket_bytes), None
+        )
         self.buffers: list[torch.Tensor] = []
         self.sums: torch.Tensor | None = None  # int64[buckets]: each bucket's checksum, sent after the last bucket
         self.data: list[torch.Tensor] = []  # each bucket's bytes (a view of its buffer)

@@ -263,15 +263,36 @@ def check_member(group: BroadcastGroup) -> None:
         )
 
 
-def handshake(end: Any, *, is_source: bool) -> None:
+@dataclass
+class SentHeader:
+    """The source's header, its broadcast issued and not waited for (``send_header``); the tensor is
+    kept until the handshake ends, the broadcast may still be reading it."""
+
+    tensor: torch.Tensor
+    work: Any
+
+
+def send_header(end: Any) -> SentHeader:
+    """The first collective of the source's handshake, issued without waiting for the receivers:
+    the source packs its first bucket meanwhile and finishes with ``handshake(end, is_source=True,
+    sent=...)`` before that bucket goes out."""
+    header = torch.tensor(_header(end.packing, end.config), dtype=torch.int64, device=end.device)
+    return SentHeader(header, end.group.broadcast(header, end.src, async_op=True))
+
+
+def handshake(end: Any, *, is_source: bool, sent: SentHeader | None = None) -> None:
     """Step 1 of the protocol (collective over ``end.group``); raises PlanMismatchError on every
     member. ``end``: the sender or receiver (its ``plan``, ``packing``, ``config``, ``group``,
-    ``src`` and ``device``)."""
+    ``src`` and ``device``). ``sent``: on the source, its header already issued (``send_header``)."""
     plan, packing, config, group, src, device = end.plan, end.packing, end.config, end.group, end.src, end.device
     mine = _header(packing, config)
-    header = torch.tensor(mine, dtype=torch.int64, device=device)
-    group.broadcast(header, src)
-    theirs = [int(v) for v in header.tolist()]
+    if sent is not None:
+        sent.work.wait()  # on CUDA: ordered before the verdict's all-reduce, which is waited for below
+        theirs = mine
+    else:
+        header = torch.tensor(mine, dtype=torch.int64, device=device)
+        group.broadcast(header, src)
+        theirs = mine if is_source else [int(v) for v in header.tolist()]
     mismatch = 0 if is_source or theirs == mine else 1
     verdict = torch.tensor(
         [mismatch, packing.fingerprint if mismatch else torch.iinfo(torch.int64).min], dtype=torch.int64, device=device

@@ -17,7 +17,9 @@ workers); ``src`` is the source's rank as the group counts ranks. In this order 
    ``all_reduce(MAX)`` of int64[2] ``[mismatch, receiver fingerprint]`` so the source learns
    the verdict too. On a mismatch the source also broadcasts its ``(name, shape, dtype)`` list
    (object broadcast) and a second ``all_reduce(MIN)`` agrees on the first differing entry;
-   then every member raises :class:`PlanMismatchError`. No bulk data has moved.
+   then every member raises :class:`PlanMismatchError`. No bulk data has moved. The source issues
+   its header and goes on packing its first bucket while the receivers come to the handshake; it
+   waits for the verdict only before that bucket would go out (or at its finish).
 2. bulk: for each bucket ``b`` of ``ceil(stream_bytes / bucket_bytes)``, ``broadcast`` of the
    bucket's bytes (the last one only as long as it is full). With checksums on, each end computes
    every bucket's checksum on its device as the bucket goes out or lands (no host read), and after
@@ -61,7 +63,7 @@ bandwidth. A ``BucketTimeline``
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -82,6 +84,7 @@ from mbridge_refit.sinks.broadcast_wire import (
     PackedBroadcastConfig,
     PlanMismatchError,
     RefitStatusError,
+    SentHeader,
     StreamPacking,
     check_member,
     checksum,
@@ -91,6 +94,7 @@ from mbridge_refit.sinks.broadcast_wire import (
     plan_fingerprint,
     plan_signature,
     post_failure,
+    send_header,
     share_verdict,
 )
 
@@ -128,13 +132,20 @@ class PackedBroadcastSender(WeightSink):
     sender)`` on every trainer rank is the whole recipe; ``for _ in stream: pass`` would do as
     well, without the check).
 
-    The constructor runs the handshake on the source rank (collective over ``group``) and raises
-    :class:`PlanMismatchError` if any receiver disagrees. With ``trainer_group`` (the ranks
-    iterating the export, a ``torch.distributed`` group; the source is its rank ``trainer_src``,
-    default ``src``) the source's handshake and ``finish`` outcomes are shared with the other
-    trainer ranks, so every trainer raises the same error instead of entering a collective export
-    alone. ``finish`` raises :class:`RefitStatusError` if a receiver reported a bad checksum or a
-    failed consumer.
+    The constructor starts the handshake on the source rank (its header's broadcast, over
+    ``group``) and returns without waiting for the receivers, so the source packs its first bucket
+    while they come. The verdict is taken before that bucket goes out: in ``consume`` of the first
+    tensor with bytes past bucket 0 (``SendBuffers.agree_at``), or in ``finish``. If any receiver
+    disagrees, ``finish`` raises :class:`PlanMismatchError` (no bulk data has moved; the tensors
+    after the verdict are only checked against the plan and discarded, so every trainer rank
+    iterates the collective export to its end). With
+    ``trainer_group`` (the ranks iterating the export, a ``torch.distributed`` group; the source is
+    its rank ``trainer_src``, default ``src``) the source's verdict and ``finish`` outcome are
+    shared with the other trainer ranks at those same two points of the stream, so every trainer
+    raises the same error instead of going on into a collective export alone. ``on_agreed`` is
+    called on the source once the receivers agreed (they are inside their receive), before the
+    first bucket goes out. ``finish`` raises :class:`RefitStatusError` if a receiver reported a bad
+    checksum or a failed consumer.
 
     Memory: ``buffers``, the :class:`SendBuffers` of earlier refits of the same plan and config
     (kept by the caller: the packing is not computed again and the device buffers are reused);
@@ -154,7 +165,7 @@ class PackedBroadcastSender(WeightSink):
     bucket's phases (benchmarks).
 
     A stream that disagrees with the sender's own plan, ends early, or raises (``drain`` then
-    calls ``abort``) after the handshake is posted to the group (module docstring), so receivers
+    calls ``abort``) once the handshake started is posted to the group (module docstring), so receivers
     over a ``StoreGroup`` raise too instead of waiting in a broadcast; over a ``TorchGroup`` they
     wait for the group's timeout.
     """
@@ -171,6 +182,7 @@ class PackedBroadcastSender(WeightSink):
         device: torch.device | str | None = None,
         buffers: SendBuffers | None = None,
         timeline: BucketTimeline | None = None,
+        on_agreed: Callable[[], None] | None = None,
     ) -> None:
         memory = _kept(buffers, plan, config) or SendBuffers(plan, config, device)
         self._memory, self._owns_memory = memory, buffers is None
@@ -187,24 +199,19 @@ class PackedBroadcastSender(WeightSink):
         self.bytes_sent = 0
         self.settled = not self.is_source  # the source's protocol is settled once its status (or verdict) is known
         self._abandoned = False
-        error = None
+        self._on_agreed = on_agreed
+        self._sent_header: SentHeader | None = None
+        self._agreed = False  # the handshake's verdict is in (and shared with the trainer group)
+        self._refused: Exception | None = None  # what the verdict raises on every trainer rank, at ``finish``
         if self.is_source:
             check_member(self.group)
             if self.timeline is not None:
                 self.timeline.start()
             try:
-                handshake(self, is_source=True)
-            except PlanMismatchError as err:
-                error, self.settled = err, True
+                self._sent_header = send_header(self)
             except BaseException as err:
                 self._abandon(err)
                 raise
-            if self.timeline is not None:
-                self.timeline.host("handshake")
-        if self.trainer_group is not None:
-            share_verdict(self.trainer_group, self.trainer_src, error, self.device)
-        elif error is not None:
-            raise error
 
     # -- WeightSink ------------------------------------------------------------------------
 
@@ -214,8 +221,10 @@ class PackedBroadcastSender(WeightSink):
         try:
             index = self._check(hf_name, tensor)
             self._next += 1
-            if not self.is_source or not tensor.numel():
-                return
+            if index == self._memory.agree_at:
+                self._refused = self._agree()
+            if self._refused is not None or not self.is_source or not tensor.numel():
+                return  # refused: the rest of the collective export is discarded, the error raised at finish
             if not self._memory.allocated:
                 self._memory.allocate()
             data = flat_bytes(tensor)
@@ -231,19 +240,19 @@ class PackedBroadcastSender(WeightSink):
         if self._closed:
             raise RuntimeError("PackedBroadcastSender.finish() called twice or after abort()")
         self._closed = True
-        error: BaseException | None = None
         if self._next != len(self.packing.slots):
             missing = [s.entry.hf_name for s in self.packing.slots[self._next :]]
             error = ValueError(
                 f"the export stream ended after {self._next} of {len(self.packing.slots)} planned tensors; "
                 f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}"
             )
-            if not self.is_source:
-                raise error
+            self._abandon(error)
+            raise error
+        refused = self._refused if self._agreed else self._agree()
+        if refused is not None:
+            raise refused
+        error: BaseException | None = None
         if self.is_source:
-            if error is not None:
-                self._abandon(error)
-                raise error
             try:
                 error = self._finish_source()
             except BaseException as err:
@@ -272,6 +281,35 @@ class PackedBroadcastSender(WeightSink):
             post_failure(self.group, "the packed-broadcast source", error)
 
     # -- internals -------------------------------------------------------------------------
+
+    def _agree(self) -> Exception | None:
+        """The handshake's verdict, once per refit, before the first bucket goes out: on the source,
+        wait for it and, with a trainer group, share it there; on the other trainer ranks, take part
+        in that share. Every trainer rank comes here at the same tensor of the stream
+        (``SendBuffers.agree_at``) or at ``finish``. Returns the error this rank raises at ``finish``
+        (``PlanMismatchError`` on the source, ``RefitStatusError`` on the others; the export is
+        collective, so every rank iterates it to its end first), or None."""
+        self._agreed = True
+        error = None
+        if self.is_source:
+            try:
+                handshake(self, is_source=True, sent=self._sent_header)
+            except PlanMismatchError as err:
+                error, self.settled = err, True
+            except Exception as err:
+                self._abandon(err)
+                error = err  # the other trainer ranks raise it too instead of waiting in the share
+            self._sent_header = None
+            if self.timeline is not None and error is None:
+                self.timeline.host("handshake")
+        if self.trainer_group is not None:
+            try:
+                share_verdict(self.trainer_group, self.trainer_src, error, self.device)
+            except Exception as err:
+                return err
+        if error is None and self._on_agreed is not None and self.is_source:
+            self._on_agreed()
+        return error
 
     def _check(self, hf_name: str, tensor: torch.Tensor) -> int:
         """The plan index of ``tensor``, which must be the plan's next entry (name, shape, dtype)."""
@@ -309,6 +347,8 @@ class PackedBroadcastSender(WeightSink):
             self.timeline.mark("free", bucket)
 
     def _send(self, bucket: int) -> None:
+        if not self._agreed:
+            raise AssertionError("a bucket would go out before the handshake's verdict (SendBuffers.agree_at)")
         memory, timeline = self._memory, self.timeline
         data = memory.data[bucket]
         if timeline is not None:
