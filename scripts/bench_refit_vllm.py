@@ -29,7 +29,11 @@ after which our next apply records the loader again):
   answer (``profile_ipc_trainer.py``'s), wall and this thread's CPU time per step, taken before the
   engine starts and again beside it (idle), to tell what the engine's presence costs the trainer's
   export from what its steps do; ``gc_during_steps``: the garbage collections (count and time per
-  generation) during our steady steps.
+  generation) during our steady steps; ``ours_export_thread_cpu_ms``: the trainer thread's CPU time
+  in our steps' export (against ``ours_export_ms``, its wall time: work, or waiting for the CPU);
+  ``trainer_profile_top``: cProfile's top functions by own time over 5 more of our steps;
+  ``live_pointer_reads_ms``: reading every live parameter's data pointer (the export's look for
+  ``.data`` swaps) right after an RPC to the engine, as our steps do, and at once again (caches warm).
 * ``new_allocations_after_first``: CUDA caching-allocator allocations during our steady steps,
   trainer and engine. ``engine_extra_bytes``: engine memory allocated by opening the refit.
   ``peak_extra_bytes``: the trainer's peak allocated memory beyond what it held before, during
@@ -42,9 +46,12 @@ steady steps. Writes DIR/bench_refit_vllm_<model>[_fp8].json with a manifest.
 
 from __future__ import annotations
 
+import cProfile
 import gc
+import io
 import json
 import logging
+import pstats
 import statistics
 import sys
 import time
@@ -127,6 +134,31 @@ class GcWatch:
     def report(self) -> dict:
         gc.callbacks.remove(self._callback)
         return {"count": self.count, "ms": self.ms}
+
+
+def profile_top(fn, steps: int = 5, top: int = 15) -> list[str]:
+    """cProfile's ``top`` functions by own time over ``steps`` calls of ``fn``, as text lines."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        fn()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return [line for line in text.getvalue().splitlines() if line.strip()][-top - 1 :]
+
+
+def live_pointer_reads(llm, parameters: tuple, rounds: int = 5) -> dict:
+    """The export's look for ``.data`` swaps timed after an engine RPC (as in our steps) and right again."""
+    after_rpc, again = [], []
+    for _ in range(rounds):
+        llm.collective_rpc("mbridge_refit_memory")
+        torch.cuda.synchronize()
+        for times in (after_rpc, again):
+            started = time.perf_counter()
+            tuple(map(torch.Tensor.data_ptr, parameters))
+            times.append((time.perf_counter() - started) * 1e3)
+    return {"parameters": len(parameters), "after_rpc": summary(after_rpc), "again": summary(again)}
 
 
 def floor_ms(nbytes: int, repeats: int = 5) -> float:
@@ -263,7 +295,7 @@ def run(args) -> dict:
 
         ours, serial, export, apply, engine, reset_wait, stock_times = [], [], [], [], [], [], []
         trainer_new, engine_new = 0, 0
-        collections = GcWatch()
+        collections, export_cpu = GcWatch(), []
         for _ in range(args.steps):
             for overlap in (True, False):  # alternated: the reset while the copies run, then after them
                 refit.overlap_follow_up = overlap
@@ -284,11 +316,16 @@ def run(args) -> dict:
                     raise RuntimeError("a steady refit reopened its layout: the export's storages changed")
                 if overlap:
                     export.append(step.export_ms)
+                    export_cpu.append(step.export_cpu_ms)
                     apply.append(step.apply_ms)
                     engine.append(step.engine_ms)
                     reset_wait.append(step.reset_ms)
         refit.overlap_follow_up = True
         result["gc_during_steps"] = collections.report()
+        result["ours_export_thread_cpu_ms"] = summary(export_cpu)
+        result["trainer_profile_top"] = profile_top(lambda: refit.refit(bridge, chunks, fp8=fp8))
+        live = {id(rows.parameter): rows.parameter for rows in bridge.live_rows(chunks, fp8=fp8).values()}
+        result["live_pointer_reads_ms"] = live_pointer_reads(llm, tuple(live.values()))
         # the native backend's layerwise reload may reallocate engine parameters, which makes our next
         # apply record the loader again: its steps run after ours, not interleaved
         for _ in range(args.steps if stock is not None else 0):
@@ -358,6 +395,8 @@ def main() -> None:
                     "engine_launch_host_ms",
                     "trainer_alone",
                     "gc_during_steps",
+                    "ours_export_thread_cpu_ms",
+                    "live_pointer_reads_ms",
                     "new_allocations_after_first",
                     "engine_extra_bytes",
                     "peak_extra_bytes",

@@ -106,6 +106,9 @@ def test_an_engine_adapter_of_its_own_refits_through_ipc_session_exactly(source_
         changed = change_weights(bridge, chunks)  # the stock export of the changed model
         second = session.refit(bridge, chunks)
         assert not second.opened  # replayed
+        assert 0 < second.export_cpu_ms <= second.export_ms + 1.0, (
+            second
+        )  # this thread's CPU time, within the wall time
         state = engine.state()
         wrong = [n for n in state if not torch.equal(state[n].view(torch.uint8), changed[n].view(torch.uint8))]
         assert wrong == []

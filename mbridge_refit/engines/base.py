@@ -68,7 +68,8 @@ class RefitStep:
     ``engine_ms``, ``reset_ms`` (``ipc``): the export, the RPC that applied it, the part of that the
     engine's worker spent, and after it the engine's follow-up (a prefix-cache reset) with the wait
     for the copies when the engine signals their end by event (``engines.completion``; its RPC then
-    returns once they are launched). ``broadcast``: ``export_ms`` until the sender drained (export, packing, every
+    returns once they are launched); ``export_cpu_ms`` (``ipc``): this thread's CPU time in the
+    export (below ``export_ms`` where the host made it wait). ``broadcast``: ``export_ms`` until the sender drained (export, packing, every
     bucket sent), ``apply_ms`` the wait for the workers' receive RPC after that, ``reset_ms`` the
     engine's prefix-cache reset and the outcome shared with the trainer ranks; ``workers`` each
     worker's report of its receive (``receive_ms``: its own time in the RPC; ``phases`` with
@@ -83,6 +84,7 @@ class RefitStep:
     opened: bool = False
     report: dict[str, Any] | None = None
     export_ms: float | None = None
+    export_cpu_ms: float | None = None
     apply_ms: float | None = None
     engine_ms: float | None = None
     workers: list[dict[str, Any]] = field(default_factory=list)

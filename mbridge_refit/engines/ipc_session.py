@@ -164,7 +164,7 @@ class IpcSession:
         rank exports the same names (those not live on this layout). ``through`` wraps the
         sender's stream of every engine tensor (e.g. a check that alters a tensor on its way);
         such a step always shares its layout anew. Returns the step on the sender."""
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.thread_time()
         routes = self._routes_for(bridge, model, fp8)
         stream = bridge.export_hf_weights(
             model, reuse_buffer_from_cache=True, hold_outputs=True, fp8=fp8, show_progress=False, only=routes.exported
@@ -182,7 +182,7 @@ class IpcSession:
         key = (exported.key, tuple(map(torch.Tensor.data_ptr, routes.live_parameters)))  # .data swaps change it
         _synchronize_trainer()  # the engine reads from another process
         if through is None and self._layout is not None and key == self._key:
-            return self._apply(started)
+            return self._apply(started, started_cpu)
         return self._open_step(routes, tensors, key if through is None else None, through, started)
 
     def refit_stream(self, stream: Stream, *, started: float | None = None) -> RefitStep:
@@ -250,8 +250,8 @@ class IpcSession:
         if isinstance(self.transport, CudaIpcTransport) and tensor.device.type != "cuda":
             raise ValueError(f"{name} is on {tensor.device}: CUDA IPC shares GPU memory (export with cpu=False)")
 
-    def _apply(self, started: float) -> RefitStep:
-        exported = time.perf_counter()
+    def _apply(self, started: float, started_cpu: float | None = None) -> RefitStep:
+        exported, exported_cpu = time.perf_counter(), time.thread_time()
         signal = self._done is not None and self.overlap_follow_up
         engine_ms = self._rpc("mbridge_refit_apply", self._layout.fingerprint, signal)
         applied = time.perf_counter()
@@ -267,6 +267,7 @@ class IpcSession:
             ms=(done - started) * 1e3,
             opened=False,
             export_ms=(exported - started) * 1e3,
+            export_cpu_ms=None if started_cpu is None else (exported_cpu - started_cpu) * 1e3,
             apply_ms=(applied - exported) * 1e3,
             engine_ms=engine_ms,
             reset_ms=(done - applied) * 1e3,
