@@ -26,6 +26,7 @@
 #   bash scripts/gpu_run.sh vllm-bench-broadcast-8b  # the same at Qwen3-8B only, the library's defaults
 #   bash scripts/gpu_run.sh vllm-bench  # bench_refit_vllm.py, Qwen3-8B, BF16 then FP8 (vllm-bench-bf16 / vllm-bench-fp8: one of them)
 #   bash scripts/gpu_run.sh vllm-bench-moe  # bench_refit_vllm.py, Qwen3-30B-A3B cut to 24 layers (9,435 tensors), BF16
+#   bash scripts/gpu_run.sh vllm-bench-moe-fp8  # the same into a block-FP8 engine, BF16 quantized on the way
 #   bash scripts/gpu_run.sh sharded     # engine-sharded refit, trainer TP2 -> engine TP2 on 2 GPUs, against the TP1 cached export and stock
 #   bash scripts/gpu_run.sh families    # every registered architecture at TP1 with the TE spec against stock (check_families_gpu.py)
 #   bash scripts/gpu_run.sh moe-bench   # export speed against stock, MoE shapes of 128 experts (4 layers): Qwen3-VL-30B-A3B
@@ -34,7 +35,7 @@
 #                                          # parameters replaced under the bridge, the freshness check's cost; MoE export TP2 x ETP2
 #   bash scripts/gpu_run.sh training    # export right after a Megatron DDP + distributed-optimizer step; parallel checkpoint write on the host's CPUs
 set -u
-part=${1:?usage: gpu_run.sh fp8|bench|sinks|nccl-group|vllm-dense|vllm-lora|vllm-tp2|vllm-tp2-fp8|vllm-moe|vllm-deepseek|vllm-broadcast|vllm-broadcast-moe|vllm-bench-broadcast|vllm-bench-broadcast-8b|vllm-bench|vllm-bench-bf16|vllm-bench-fp8|vllm-bench-moe|sharded|families|moe-bench|trainer-truth|training}
+part=${1:?usage: gpu_run.sh fp8|bench|sinks|nccl-group|vllm-dense|vllm-lora|vllm-tp2|vllm-tp2-fp8|vllm-moe|vllm-deepseek|vllm-broadcast|vllm-broadcast-moe|vllm-bench-broadcast|vllm-bench-broadcast-8b|vllm-bench|vllm-bench-bf16|vllm-bench-fp8|vllm-bench-moe|vllm-bench-moe-fp8|sharded|families|moe-bench|trainer-truth|training}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 RESULTS=/tmp/gpu_results_$part; rm -rf "$RESULTS"; mkdir -p "$RESULTS"
 trap 'tar czf "$OUT/$part.tgz" -C "$RESULTS" .' EXIT
@@ -141,6 +142,10 @@ case "$part" in
     export VLLM_ALLOW_INSECURE_SERIALIZATION=1
     if [ "$part" = vllm-bench-moe ]; then
       step bench_refit_vllm_qwen3-30b-a3b_24layers 400 python3 scripts/bench_refit_vllm.py --model qwen3-30b-a3b --layers 24 --steps 5 --out-dir "$RESULTS"
+      exit
+    fi
+    if [ "$part" = vllm-bench-moe-fp8 ]; then  # BF16 weights quantized on the way into a block-FP8 engine
+      step bench_refit_vllm_qwen3-30b-a3b_24layers_fp8 400 python3 scripts/bench_refit_vllm.py --model qwen3-30b-a3b --layers 24 --fp8 --steps 5 --out-dir "$RESULTS"
       exit
     fi
     [ "$part" = vllm-bench-fp8 ] || step bench_refit_vllm_qwen3-8b 330 python3 scripts/bench_refit_vllm.py --model qwen3-8b --steps 5 --out-dir "$RESULTS"
