@@ -1,9 +1,9 @@
 """Benchmark: the trainer's look for ``param.data`` swaps in a colocated refit (every live parameter's data
 pointer, read as ``IpcSession.refit`` reads them), with warm caches and after other work, on this host's CPU.
 
-    python3 scripts/bench_pointer_reads.py [--params 6387] [--rounds 9] [--out-dir DIR]
+    python3 scripts/bench_pointer_reads.py [--params 6315] [--rounds 9] [--out-dir DIR]
 
-Why: in ``bench_refit_vllm.py`` the trainer's export of the 24-layer Qwen3-30B-A3B shape (6,387 live
+Why: in ``bench_refit_vllm.py`` the trainer's export of the 24-layer Qwen3-30B-A3B shape (6,315 live
 parameters) took 3.5 ms inside the refit's steps and 0.9 ms in the same session's steps run back to back
 (``trainer_alone``). Each pointer is four dependent objects away (the Python object, its tensor, its storage,
 the pointer), so a look that follows other work may wait on memory for each of them. This times the look,
@@ -41,7 +41,7 @@ def timed_ms(fn) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--params", type=int, default=6387, help="live parameters (default: the 24-layer MoE shape's)")
+    parser.add_argument("--params", type=int, default=6315, help="live parameters (default: the 24-layer MoE shape's)")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--out-dir", type=Path, default=None)
     args = parser.parse_args()

@@ -30,7 +30,9 @@ after which our next apply records the loader again):
   engine starts and again beside it (idle), to tell what the engine's presence costs the trainer's
   export from what its steps do; ``gc_during_steps``: the garbage collections (count and time per
   generation) during our steady steps; ``ours_export_thread_cpu_ms``: the trainer thread's CPU time
-  in our steps' export (against ``ours_export_ms``, its wall time: work, or waiting for the CPU);
+  in our steps' export up to its device wait (``RefitStep.export_cpu_ms``; against ``ours_export_ms``, its
+  wall time: work, or waiting for the CPU). ``trainer_alone`` runs the first export, so ``first_refit_ms``
+  is the first refit after a warm export (not comparable with results before it);
   ``trainer_profile_top``: cProfile's top functions by own time over 5 more of our steps;
   ``live_pointer_reads_ms``: reading every live parameter's data pointer (the export's look for
   ``.data`` swaps) right after an RPC to the engine, as our steps do, and at once again (caches warm).

@@ -33,6 +33,7 @@ from mbridge_refit.runtime.broadcast_group import (
     group_settings,
     settings_differences,
 )
+from mbridge_refit.sinks.base import drain
 from mbridge_refit.sinks.packed_broadcast import (
     ChecksumError,
     PackedBroadcastConfig,
@@ -47,6 +48,13 @@ from mbridge_refit.sinks.packed_broadcast import (
 PLAN = _plan(
     ("a", (3,), "bfloat16"),
     ("b", (10, 7), "float32"),
+    ("c", (0,), "bfloat16"),
+    ("d", (5,), "int8"),
+    ("e", (), "float32"),
+)
+RENAMED = _plan(  # PLAN as a receiver of another model has it: its second entry named otherwise
+    ("a", (3,), "bfloat16"),
+    ("b.renamed", (10, 7), "float32"),
     ("c", (0,), "bfloat16"),
     ("d", (5,), "int8"),
     ("e", (), "float32"),
@@ -162,19 +170,12 @@ def _recorded_pair(receiver_plan, *, consumer_fails: bool = False, corrupt: bool
 def test_sender_and_receiver_issue_the_same_collectives():
     """Clean, plan mismatch, bad checksum, failing consumer: the two ends issue the same collectives,
     in the same order, of the same dtypes and sizes (guards the protocol; this held before the fix too)."""
-    renamed = _plan(
-        ("a", (3,), "bfloat16"),
-        ("b.renamed", (10, 7), "float32"),
-        ("c", (0,), "bfloat16"),
-        ("d", (5,), "int8"),
-        ("e", (), "float32"),
-    )
     (sent, received), source, receiver = _recorded_pair(PLAN)
     assert sent[0] is None and [n for n, _ in received[0]] == list("abcde")
     assert BUCKETS > 3 and source == receiver
     assert len(source) == 2 + BUCKETS + 2  # header, verdict, per bucket its bytes, the checksums, status
 
-    (sent, received), source, receiver = _recorded_pair(renamed)
+    (sent, received), source, receiver = _recorded_pair(RENAMED)
     assert isinstance(sent[0], PlanMismatchError) and isinstance(received[0], PlanMismatchError)
     assert source == receiver and ("broadcast", "torch.uint8", source[3][2], 0) in source  # the signature's bytes
 
@@ -224,6 +225,77 @@ def test_the_source_packs_its_first_bucket_before_the_receivers_come():
     assert came_after_packing, "the source's constructor waited for the receiver"
     assert [name for name, _ in got] == [name for name, _ in tensors]
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, tensors))
+
+
+def _two_trainers_and_a_receiver(*, other_config=CONFIG, receiver_plan=PLAN, receiver_fails_in_handshake=False):
+    """The source and one more trainer rank iterate a collective export (an all-reduce per tensor over
+    their own group, as a tensor-parallel export gathers) and share the verdict over a trainer group; one
+    receiver. Each member's result (or error) with its seconds, and the receiver's tensors."""
+    ports = {"refit": free_port(), "trainers": free_port(), "export": free_port()}
+    groups: list[StoreGroup] = []
+    tensors = plan_tensors(PLAN)
+
+    def join(name: str, rank: int) -> StoreGroup:
+        group = StoreGroup(
+            host="127.0.0.1", port=ports[name], rank=rank, world_size=2, device="cpu", timeout=_seconds(GROUP_TIMEOUT_S)
+        )
+        groups.append(group)
+        return group
+
+    def export(group: StoreGroup):
+        for name, tensor in tensors:
+            group.all_reduce(torch.ones(1, dtype=torch.int64), torch.distributed.ReduceOp.SUM)
+            yield name, tensor
+
+    def trainer(rank: int, refit, config):
+        trainers, gathers = join("trainers", rank), join("export", rank)
+        sender = PackedBroadcastSender(
+            PLAN, config, group=refit, src=0, trainer_group=trainers, trainer_src=0, device="cpu"
+        )
+        drain(export(gathers), sender)
+
+    def receive(rank: int):
+        group = join("refit", 1)
+        if receiver_fails_in_handshake:
+            group.broadcast = lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("injected handshake failure"))
+        receiver = PackedBroadcastReceiver(receiver_plan, CONFIG, group=group, src=0, device="cpu")
+        return [(name, tensor.clone()) for name, tensor in receiver.receive()]
+
+    results = run_members(
+        lambda rank: trainer(0, join("refit", 0), CONFIG),
+        lambda rank: trainer(1, None, other_config),
+        receive,
+    )
+    for group in groups:
+        group.close()
+    return results, tensors
+
+
+def test_trainer_ranks_with_another_config_take_the_verdict_where_the_source_does():
+    """Only the source's config reaches the receivers; another trainer rank built its sender with another
+    bucket size, so its own first entry past bucket 0 differs. Every trainer rank shares the verdict at the
+    source's (shared when the senders are made), between the same two collectives of the export."""
+    other = PackedBroadcastConfig(bucket_bytes=1024, num_buffers=2, checksum=True)
+    assert SendBuffers(PLAN, other).agree_at != SendBuffers(PLAN, CONFIG).agree_at
+    ((source, _), (second, _), (received, seconds)), tensors = _two_trainers_and_a_receiver(other_config=other)
+    assert source is None and second is None, (source, second)
+    assert seconds < BOUND_S and [name for name, _ in received] == [name for name, _ in tensors]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(received, tensors))
+
+
+def test_a_refused_handshake_reaches_every_trainer_rank_after_the_export():
+    """A plan mismatch, and a receiver failing in its handshake: the source raises the mismatch or the
+    receiver's failure, the other trainer rank ``RefitStatusError`` naming it, each after iterating the
+    collective export to its end (else the other would wait in a gather), all within the bound."""
+    ((source, s1), (second, s2), (received, s3)), _ = _two_trainers_and_a_receiver(receiver_plan=RENAMED)
+    assert isinstance(source, PlanMismatchError) and isinstance(received, PlanMismatchError), (source, received)
+    assert isinstance(second, RefitStatusError) and "PlanMismatchError" in str(second), second
+    assert max(s1, s2, s3) < BOUND_S
+
+    ((source, s1), (second, s2), (received, s3)), _ = _two_trainers_and_a_receiver(receiver_fails_in_handshake=True)
+    assert "injected handshake failure" in str(source) and "injected handshake failure" in str(second), (source, second)
+    assert isinstance(second, RefitStatusError) and "injected handshake failure" in str(received)
+    assert max(s1, s2, s3) < BOUND_S
 
 
 # --- settings members must share ------------------------------------------------------------------
@@ -361,8 +433,7 @@ def _session(llm, bridge, chunks, **options):
         backend="gloo",
         device="cpu",
         timeout_s=GROUP_TIMEOUT_S,
-        config=CONFIG,
-        **options,
+        **{"config": CONFIG, **options},
     )
     refit.open(bridge, chunks)
     return refit
@@ -395,15 +466,21 @@ def test_receiver_failing_in_the_handshake_reaches_the_trainer():
     refit.close()
 
 
-def test_the_trainers_export_failing_mid_stream_reaches_the_engine():
-    llm, chunks, bridge = InProcessLLM(Engine()), [torch.nn.Linear(1, 1)], Bridge(fail_after=2)
+@pytest.mark.parametrize("fail_after", [0, 2], ids=["before_the_verdict", "after_it"])
+def test_the_trainers_export_failing_mid_stream_reaches_the_engine(fail_after):
+    """The export raises before the entry where the verdict is taken (``agree_at``, 1 here) or after it:
+    the engine raises the trainer's error either way; a reset was asked for only once the verdict was in."""
+    llm, chunks, bridge = InProcessLLM(Engine()), [torch.nn.Linear(1, 1)], Bridge(fail_after=fail_after)
     refit = _session(llm, bridge, chunks)
+    assert SendBuffers(PLAN, CONFIG).agree_at == 1
     error, seconds = _refit_raises(refit, bridge, chunks)
     assert isinstance(error, ValueError) and "injected: the trainer's export failed" in str(error)
     assert seconds < BOUND_S
     ((method, engine_error, _),) = llm.errors
     assert method == "mbridge_refit_receive" and isinstance(engine_error, PeerFailedError), engine_error
     assert "member 0 failed" in str(engine_error) and "injected: the trainer's export failed" in str(engine_error)
+    time.sleep(0.5)  # a reset asked for would have reached the engine by now
+    assert llm.prefix_cache_resets == (1 if fail_after > 1 else 0)
     refit.close()
 
 
@@ -464,13 +541,18 @@ class OrderedLLM(InProcessLLM):
         return result
 
 
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "after"])
-def test_the_reset_is_asked_for_while_the_buckets_go_out(overlap):
-    """With ``overlap_follow_up`` the prefix-cache reset starts once the handshake shows the workers in
-    their receive, so it is in the engine's queue before the receive ends; without, it follows the
-    receive. Either way the step returns only after both, with the weights written."""
+@pytest.mark.parametrize(
+    ("overlap", "config"),
+    [(True, CONFIG), (False, CONFIG), (True, PackedBroadcastConfig(bucket_bytes=4096, num_buffers=2))],
+    ids=["overlapped", "after", "overlapped_one_bucket"],
+)
+def test_the_reset_is_asked_for_while_the_buckets_go_out(overlap, config):
+    """With ``overlap_follow_up`` the prefix-cache reset starts once the handshake's verdict shows the
+    workers in their receive (in ``finish`` where the whole stream is one bucket), so it is in the engine's
+    queue before the receive ends; without, it follows the receive. Either way the step returns only after
+    both, with the weights written."""
     llm, chunks, bridge = OrderedLLM(Engine()), [torch.nn.Linear(1, 1)], Bridge()
-    refit = _session(llm, bridge, chunks, overlap_follow_up=overlap)
+    refit = _session(llm, bridge, chunks, overlap_follow_up=overlap, config=config)
     llm.events.clear()
     step = refit.refit(bridge, chunks)
     assert step.tensors == 5 and llm.prefix_cache_resets == 1

@@ -14,7 +14,7 @@ The sender's side (the fifth refit, counted in its thread, its ``SendBuffers`` k
 plan entry to learn its size), allocated its buffers and checksum slots, and on CUDA switched streams
 around every tensor: 17.7 Python calls and 17.6 calls into C per tensor on the CPU path alone; now
 4.6 and 9.5 (the copies into the buffer on the current stream, one slice and one ``copy_`` per piece),
-nothing allocated, the same 3 host reads. The counts leave out the polls of the group's blocking waits
+nothing allocated, 2 host reads (the verdict and the status: the source does not read its own header back). The counts leave out the polls of the group's blocking waits
 (as many as the peer keeps the wait open; with them the engine's replayed refit counted 1.7 and 5.2, without
 1.3 and 4.0).
 

@@ -69,7 +69,9 @@ class RefitStep:
     engine's worker spent, and after it the engine's follow-up (a prefix-cache reset) with the wait
     for the copies when the engine signals their end by event (``engines.completion``; its RPC then
     returns once they are launched); ``export_cpu_ms`` (``ipc``): this thread's CPU time in the
-    export (below ``export_ms`` where the host made it wait). ``broadcast``: ``export_ms`` until the sender drained (export, packing, every
+    export's host work, up to its wait for the export's device work (which ``export_ms`` includes and a
+    CUDA wait may spend spinning): well below ``export_ms`` without device work, the host made the
+    thread wait. ``broadcast``: ``export_ms`` until the sender drained (export, packing, every
     bucket sent), ``apply_ms`` the wait for the workers' receive RPC after that, ``reset_ms`` the
     engine's prefix-cache reset and the outcome shared with the trainer ranks; ``workers`` each
     worker's report of its receive (``receive_ms``: its own time in the RPC; ``phases`` with

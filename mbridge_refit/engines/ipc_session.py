@@ -180,9 +180,10 @@ class IpcSession:
             exported.add(name, tensor)
             tensors[name] = tensor
         key = (exported.key, tuple(map(torch.Tensor.data_ptr, routes.live_parameters)))  # .data swaps change it
+        export_cpu_ms = (time.thread_time() - started_cpu) * 1e3  # before the wait for the device, which may spin
         _synchronize_trainer()  # the engine reads from another process
         if through is None and self._layout is not None and key == self._key:
-            return self._apply(started, started_cpu)
+            return self._apply(started, export_cpu_ms)
         return self._open_step(routes, tensors, key if through is None else None, through, started)
 
     def refit_stream(self, stream: Stream, *, started: float | None = None) -> RefitStep:
@@ -250,8 +251,8 @@ class IpcSession:
         if isinstance(self.transport, CudaIpcTransport) and tensor.device.type != "cuda":
             raise ValueError(f"{name} is on {tensor.device}: CUDA IPC shares GPU memory (export with cpu=False)")
 
-    def _apply(self, started: float, started_cpu: float | None = None) -> RefitStep:
-        exported, exported_cpu = time.perf_counter(), time.thread_time()
+    def _apply(self, started: float, export_cpu_ms: float | None = None) -> RefitStep:
+        exported = time.perf_counter()
         signal = self._done is not None and self.overlap_follow_up
         engine_ms = self._rpc("mbridge_refit_apply", self._layout.fingerprint, signal)
         applied = time.perf_counter()
@@ -267,7 +268,7 @@ class IpcSession:
             ms=(done - started) * 1e3,
             opened=False,
             export_ms=(exported - started) * 1e3,
-            export_cpu_ms=None if started_cpu is None else (exported_cpu - started_cpu) * 1e3,
+            export_cpu_ms=export_cpu_ms,
             apply_ms=(applied - exported) * 1e3,
             engine_ms=engine_ms,
             reset_ms=(done - applied) * 1e3,

@@ -15,7 +15,7 @@ Marks, per bucket ``b`` (``n`` buffers per end):
   on it, e.g. the engine's replay, and the split tensors' copies: buffer ``b % n`` may be posted
   for bucket ``b + n``); on a stream of its own: ``received`` (the broadcast ended).
 * host, both ends: ``issued`` (the broadcast of ``b`` issued), and per refit ``handshake`` (its
-  verdict in: on the source after bucket 0 is packed) and ``status`` (when they returned).
+  verdict in: on the source after bucket 0's copies are issued) and ``status`` (when they returned).
 
 On CUDA a mark is an event recorded on the stream (no host wait); ``summary`` synchronizes the
 device once, after the protocol ended. On CPU (gloo) device marks are the host's clock when the
@@ -109,8 +109,8 @@ def source_phases(marks: dict[str, Any]) -> dict[str, list[float]]:
     copies into the buffer, and the exporter's own kernels where they share its stream),
     ``checksum`` (packed to summed), ``buffer_wait`` (the packing stream waiting for a broadcast to
     free the buffer: summed of the bucket before to free; 0 for bucket 0, whose ``free`` mark says
-    when the first tensor came: the export's start, the handshake's verdict taken later, before bucket 0
-    goes out), and on CUDA ``broadcast`` (from when its broadcast could start, packed and the broadcast
+    when the first tensor came: the export's start; its ``pack`` phase holds the wait for the handshake's
+    verdict, taken once it is packed), and on CUDA ``broadcast`` (from when its broadcast could start, packed and the broadcast
     before it ended, to sent: the transfer and any wait for the receivers)."""
     device = marks["device"]
     free, packed, summed, sent = (device.get(k, []) for k in ("free", "packed", "summed", "sent"))

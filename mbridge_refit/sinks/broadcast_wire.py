@@ -286,18 +286,17 @@ def handshake(end: Any, *, is_source: bool, sent: SentHeader | None = None) -> N
     ``src`` and ``device``). ``sent``: on the source, its header already issued (``send_header``)."""
     plan, packing, config, group, src, device = end.plan, end.packing, end.config, end.group, end.src, end.device
     mine = _header(packing, config)
-    if sent is not None:
-        sent.work.wait()  # on CUDA: ordered before the verdict's all-reduce, which is waited for below
-        theirs = mine
-    else:
+    if sent is None:
         header = torch.tensor(mine, dtype=torch.int64, device=device)
         group.broadcast(header, src)
-        theirs = mine if is_source else [int(v) for v in header.tolist()]
+    theirs = mine if is_source else [int(v) for v in header.tolist()]
     mismatch = 0 if is_source or theirs == mine else 1
     verdict = torch.tensor(
         [mismatch, packing.fingerprint if mismatch else torch.iinfo(torch.int64).min], dtype=torch.int64, device=device
     )
-    group.all_reduce(verdict, dist.ReduceOp.MAX)
+    group.all_reduce(verdict, dist.ReduceOp.MAX)  # a StoreGroup polls it, watching the peers
+    if sent is not None:
+        sent.work.wait()  # ended before the all-reduce (one group runs its collectives in order): returns at once
     if int(verdict[0]) == 0:
         return
     receiver_fingerprint = int(verdict[1])
@@ -382,6 +381,19 @@ def post_failure(group: BroadcastGroup, who: str, error: BaseException) -> None:
         group.post_error(f"{who}: {type(error).__name__}: {error}")
     except Exception:  # noqa: BLE001 - must not hide the error being raised
         logger.exception("could not post a failure to the packed-broadcast group")
+
+
+def share_position(trainer_group: BroadcastGroup, src: int, position: int | None, device: torch.device) -> int | None:
+    """The source's ``position`` (a plan entry's index, or None) on every trainer rank, so all of them take
+    the handshake's verdict at the same entry whatever config each was given (only the source's reaches
+    the receivers). Collective over ``trainer_group``, like ``share_verdict``; read to the host on the
+    other ranks only."""
+    value = torch.tensor([-1 if position is None else position], dtype=torch.int64, device=device)
+    trainer_group.broadcast(value, src)
+    if trainer_group.is_source(src):
+        return position
+    shared = int(value)
+    return None if shared < 0 else shared
 
 
 def share_verdict(trainer_group: BroadcastGroup, src: int, error: BaseException | None, device: torch.device) -> None:

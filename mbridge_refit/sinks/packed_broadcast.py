@@ -95,6 +95,7 @@ from mbridge_refit.sinks.broadcast_wire import (
     plan_signature,
     post_failure,
     send_header,
+    share_position,
     share_verdict,
 )
 
@@ -151,7 +152,7 @@ class PackedBroadcastSender(WeightSink):
     (kept by the caller: the packing is not computed again and the device buffers are reused);
     default: made for this refit alone and released at its end. The device buffers are
     ``min(num_buffers, buckets)`` uint8 tensors of ``bucket_bytes`` on ``device`` (default: CUDA's
-    current device if available, else CPU), allocated at the first bucket on the source only.
+    current device if available, else CPU), allocated by the source's constructor (before its header goes out) only.
 
     Overlap, with no host wait: each tensor is copied into its bucket's buffer on the current
     stream (the exporter's: the copy is ordered after the kernels that made the tensor and before
@@ -203,15 +204,27 @@ class PackedBroadcastSender(WeightSink):
         self._sent_header: SentHeader | None = None
         self._agreed = False  # the handshake's verdict is in (and shared with the trainer group)
         self._refused: Exception | None = None  # what the verdict raises on every trainer rank, at ``finish``
+        self._header_error: Exception | None = None  # the source's header failed: the verdict every rank raises
         if self.is_source:
             check_member(self.group)
             if self.timeline is not None:
                 self.timeline.start()
             try:
+                # the buffers first: nothing then frees device memory (a device-wide wait) while the header's
+                # collective waits for the receivers
+                memory.allocate()
                 self._sent_header = send_header(self)
-            except BaseException as err:
+            except Exception as err:
                 self._abandon(err)
-                raise
+                if self.trainer_group is None:
+                    raise
+                self._header_error = err  # the other trainer ranks learn it where the verdict is shared
+        # where every trainer rank takes the verdict: the source's entry (the others may have another config)
+        self._agree_at = (
+            memory.agree_at
+            if self.trainer_group is None
+            else share_position(self.trainer_group, self.trainer_src, memory.agree_at, self.device)
+        )
 
     # -- WeightSink ------------------------------------------------------------------------
 
@@ -221,12 +234,11 @@ class PackedBroadcastSender(WeightSink):
         try:
             index = self._check(hf_name, tensor)
             self._next += 1
-            if index == self._memory.agree_at:
-                self._refused = self._agree()
+            if index == self._agree_at:
+                self._refused = self._pack_around_verdict(index, tensor)
+                return
             if self._refused is not None or not self.is_source or not tensor.numel():
-                return  # refused: the rest of the collective export is discarded, the error raised at finish
-            if not self._memory.allocated:
-                self._memory.allocate()
+                return  # refused: the rest of the collective export is checked and discarded; finish raises it
             data = flat_bytes(tensor)
             for bucket, target, start, length in self._memory.pieces[index]:
                 if bucket != self._bucket:
@@ -246,6 +258,7 @@ class PackedBroadcastSender(WeightSink):
                 f"the export stream ended after {self._next} of {len(self.packing.slots)} planned tensors; "
                 f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}"
             )
+            self._note_refusal(error)
             self._abandon(error)
             raise error
         refused = self._refused if self._agreed else self._agree()
@@ -272,7 +285,16 @@ class PackedBroadcastSender(WeightSink):
         if self._owns_memory or not self.settled:
             self._memory.release()
         error = sys.exc_info()[1]
+        if error is not None:
+            self._note_refusal(error)
         self._abandon(error if error is not None else RuntimeError("the sender was aborted"))
+
+    def _note_refusal(self, error: BaseException) -> None:
+        """An export that failed after the handshake refused the refit: say so on its error too."""
+        if self._refused is not None and error is not self._refused:
+            error.add_note(
+                f"the handshake had refused this refit before: {type(self._refused).__name__}: {self._refused}"
+            )
 
     def _abandon(self, error: BaseException) -> None:
         """Post ``error`` once, if this is the source and its protocol is not settled."""
@@ -292,8 +314,10 @@ class PackedBroadcastSender(WeightSink):
         self._agreed = True
         error = None
         if self.is_source:
+            error = self._header_error
             try:
-                handshake(self, is_source=True, sent=self._sent_header)
+                if error is None:
+                    handshake(self, is_source=True, sent=self._sent_header)
             except PlanMismatchError as err:
                 error, self.settled = err, True
             except Exception as err:
@@ -306,6 +330,7 @@ class PackedBroadcastSender(WeightSink):
             try:
                 share_verdict(self.trainer_group, self.trainer_src, error, self.device)
             except Exception as err:
+                self._abandon(err)  # the source's share failed: the receivers, past the handshake, must not wait
                 return err
         if error is None and self._on_agreed is not None and self.is_source:
             self._on_agreed()
@@ -328,6 +353,20 @@ class PackedBroadcastSender(WeightSink):
                 "this export's plan (bridge.export_plan(model))"
             )
         return index
+
+    def _pack_around_verdict(self, index: int, tensor: torch.Tensor) -> Exception | None:
+        """``consume`` of the entry at ``agree_at``: on the source its bytes in bucket 0 packed (so the whole
+        bucket is ready when the verdict comes), then the verdict (``_agree``), then its other bytes. The
+        refusal, or None."""
+        packs = self.is_source and self._header_error is None and tensor.numel() > 0
+        data = flat_bytes(tensor) if packs else None
+        for bucket, target, start, length in self._memory.pieces[index] if packs else ():
+            if bucket > 0 and not self._agreed and (refused := self._agree()) is not None:
+                return refused
+            if bucket != self._bucket:
+                self._enter(bucket)
+            self._memory.kernels.copy(target, data if length == data.numel() else data[start : start + length])
+        return None if self._agreed else self._agree()
 
     def _enter(self, bucket: int) -> None:
         """Make ``bucket`` the one being packed, sending every earlier bucket first."""
