@@ -227,7 +227,9 @@ def test_the_source_packs_its_first_bucket_before_the_receivers_come():
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, tensors))
 
 
-def _two_trainers_and_a_receiver(*, other_config=CONFIG, receiver_plan=PLAN, receiver_fails_in_handshake=False):
+def _two_trainers_and_a_receiver(
+    *, other_config=CONFIG, receiver_plan=PLAN, receiver_fails_in_handshake=False, source_buffers=None
+):
     """The source and one more trainer rank iterate a collective export (an all-reduce per tensor over
     their own group, as a tensor-parallel export gathers) and share the verdict over a trainer group; one
     receiver. Each member's result (or error) with its seconds, and the receiver's tensors."""
@@ -247,10 +249,10 @@ def _two_trainers_and_a_receiver(*, other_config=CONFIG, receiver_plan=PLAN, rec
             group.all_reduce(torch.ones(1, dtype=torch.int64), torch.distributed.ReduceOp.SUM)
             yield name, tensor
 
-    def trainer(rank: int, refit, config):
+    def trainer(rank: int, refit, config, buffers=None):
         trainers, gathers = join("trainers", rank), join("export", rank)
         sender = PackedBroadcastSender(
-            PLAN, config, group=refit, src=0, trainer_group=trainers, trainer_src=0, device="cpu"
+            PLAN, config, group=refit, src=0, trainer_group=trainers, trainer_src=0, device="cpu", buffers=buffers
         )
         drain(export(gathers), sender)
 
@@ -262,7 +264,7 @@ def _two_trainers_and_a_receiver(*, other_config=CONFIG, receiver_plan=PLAN, rec
         return [(name, tensor.clone()) for name, tensor in receiver.receive()]
 
     results = run_members(
-        lambda rank: trainer(0, join("refit", 0), CONFIG),
+        lambda rank: trainer(0, join("refit", 0), CONFIG, source_buffers),
         lambda rank: trainer(1, None, other_config),
         receive,
     )
@@ -295,6 +297,23 @@ def test_a_refused_handshake_reaches_every_trainer_rank_after_the_export():
     ((source, s1), (second, s2), (received, s3)), _ = _two_trainers_and_a_receiver(receiver_fails_in_handshake=True)
     assert "injected handshake failure" in str(source) and "injected handshake failure" in str(second), (source, second)
     assert isinstance(second, RefitStatusError) and "injected handshake failure" in str(received)
+    assert max(s1, s2, s3) < BOUND_S
+
+
+def test_the_sources_buffers_failing_reaches_every_member():
+    """The source cannot allocate its buffers (its device is full): it raises that error, the other trainer
+    rank ``RefitStatusError`` naming it after the collective export's end, the receiver ``PeerFailedError``,
+    all within the bound (was: an ``IndexError`` on the source and the other rank waiting in a gather)."""
+    buffers = SendBuffers(PLAN, CONFIG, "cpu")
+
+    def full(*args, **kwargs):
+        raise torch.OutOfMemoryError("injected: the source's device is full")
+
+    buffers.allocate = full
+    ((source, s1), (second, s2), (received, s3)), _ = _two_trainers_and_a_receiver(source_buffers=buffers)
+    assert isinstance(source, torch.OutOfMemoryError), source
+    assert isinstance(second, RefitStatusError) and "device is full" in str(second), second
+    assert isinstance(received, PeerFailedError) and "device is full" in str(received), received
     assert max(s1, s2, s3) < BOUND_S
 
 
@@ -466,10 +485,11 @@ def test_receiver_failing_in_the_handshake_reaches_the_trainer():
     refit.close()
 
 
-@pytest.mark.parametrize("fail_after", [0, 2], ids=["before_the_verdict", "after_it"])
+@pytest.mark.parametrize("fail_after", [1, 2], ids=["before_the_verdict", "after_it"])
 def test_the_trainers_export_failing_mid_stream_reaches_the_engine(fail_after):
-    """The export raises before the entry where the verdict is taken (``agree_at``, 1 here) or after it:
-    the engine raises the trainer's error either way; a reset was asked for only once the verdict was in."""
+    """The export raises before the entry where the verdict is taken (``agree_at``, 1 here: the first
+    entry already packed, nothing sent) or after it: the engine raises the trainer's error either way; a
+    reset was asked for only once the verdict was in."""
     llm, chunks, bridge = InProcessLLM(Engine()), [torch.nn.Linear(1, 1)], Bridge(fail_after=fail_after)
     refit = _session(llm, bridge, chunks)
     assert SendBuffers(PLAN, CONFIG).agree_at == 1

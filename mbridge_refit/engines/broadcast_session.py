@@ -122,7 +122,8 @@ class BroadcastSession:
         engine_workers: how many workers the engine has (its tensor x pipeline x data parallel size).
         source: whether this rank sends (exactly one trainer rank); the others take part in the export.
         trainer_group: the ``torch.distributed`` group of the ranks iterating the export, with
-            ``trainer_src`` the source's rank in it: the source's outcome is shared with them.
+            ``trainer_src`` the source's rank as that group's collectives name it (a global rank for a
+            ``torch.distributed`` group): the source's outcome is shared with them.
         config: the packed broadcast's buffers (``PackedBroadcastConfig``).
         backend: the group's backend (default NCCL; ``"gloo"`` carries CUDA tensors through host
             memory, e.g. trainer and engine on one GPU, which NCCL refuses).

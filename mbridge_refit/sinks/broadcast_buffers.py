@@ -5,8 +5,8 @@ make of it once, and keep, lives here, so a steady refit parses no plan, compute
 allocates nothing:
 
 * ``SendBuffers`` (the source): the stream packing, each tensor's expected name, shape and dtype
-  (the sender checks the export against them), and, made at the first bucket on the source rank
-  only, the rotating buffers, the checksum slots, every tensor's destination views in them and the
+  (the sender checks the export against them), and, made by the source rank's sender before its
+  handshake's header goes out, the rotating buffers, the checksum slots, every tensor's destination views in them and the
   bounded kernels that pack and checksum them (``sinks.bounded_kernels``).
 * ``ReceiveBuffers`` (a receiver): the rotating buffers, their checksum slots, the scratch for
   tensors split across buckets, each bucket's tensors as views of them and the bounded kernels that
@@ -64,8 +64,8 @@ class SendBuffers:
 
     Pass the same object to each refit's ``PackedBroadcastSender`` (every trainer rank may: the
     ranks that do not send use only its packing and expectations, and allocate nothing). The
-    buffers are allocated at the first bucket the source packs (``allocate``) and kept until
-    ``release``; a sender that created its own releases them when it finishes.
+    buffers are allocated by the source's sender before its header goes out (``allocate``) and kept
+    until ``release``; a sender that created its own releases them when it finishes.
     """
 
     def __init__(self, plan: ExportPlan | str, config: PackedBroadcastConfig, device: torch.device | str | None = None):

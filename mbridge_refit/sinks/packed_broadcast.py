@@ -135,7 +135,8 @@ class PackedBroadcastSender(WeightSink):
 
     The constructor starts the handshake on the source rank (its header's broadcast, over
     ``group``) and returns without waiting for the receivers, so the source packs its first bucket
-    while they come. The verdict is taken before that bucket goes out: in ``consume`` of the first
+    while they come; with ``trainer_group`` it is collective over that group first (the source's
+    entry where the verdict is taken, below, goes to every trainer rank). The verdict is taken before that bucket goes out: in ``consume`` of the first
     tensor with bytes past bucket 0 (``SendBuffers.agree_at``), or in ``finish``. If any receiver
     disagrees, ``finish`` raises :class:`PlanMismatchError` (no bulk data has moved; the tensors
     after the verdict are only checked against the plan and discarded, so every trainer rank
@@ -143,7 +144,8 @@ class PackedBroadcastSender(WeightSink):
     ``trainer_group`` (the ranks iterating the export, a ``torch.distributed`` group; the source is
     its rank ``trainer_src``, default ``src``) the source's verdict and ``finish`` outcome are
     shared with the other trainer ranks at those same two points of the stream, so every trainer
-    raises the same error instead of going on into a collective export alone. ``on_agreed`` is
+    raises the same error instead of going on into a collective export alone; there a failure of the
+    source's header or buffers is shared the same way, raised by ``finish``. ``on_agreed`` is
     called on the source once the receivers agreed (they are inside their receive), before the
     first bucket goes out. ``finish`` raises :class:`RefitStatusError` if a receiver reported a bad
     checksum or a failed consumer.
@@ -207,6 +209,16 @@ class PackedBroadcastSender(WeightSink):
         self._header_error: Exception | None = None  # the source's header failed: the verdict every rank raises
         if self.is_source:
             check_member(self.group)
+        # where every trainer rank takes the verdict: the source's entry (the others may have another config);
+        # shared before the header goes out, so no other collective runs beside the header's
+        self._agree_at = memory.agree_at
+        if self.trainer_group is not None:
+            try:
+                self._agree_at = share_position(self.trainer_group, self.trainer_src, memory.agree_at, self.device)
+            except Exception as err:
+                self._abandon(err)  # the receivers wait for the header
+                raise
+        if self.is_source:
             if self.timeline is not None:
                 self.timeline.start()
             try:
@@ -219,12 +231,6 @@ class PackedBroadcastSender(WeightSink):
                 if self.trainer_group is None:
                     raise
                 self._header_error = err  # the other trainer ranks learn it where the verdict is shared
-        # where every trainer rank takes the verdict: the source's entry (the others may have another config)
-        self._agree_at = (
-            memory.agree_at
-            if self.trainer_group is None
-            else share_position(self.trainer_group, self.trainer_src, memory.agree_at, self.device)
-        )
 
     # -- WeightSink ------------------------------------------------------------------------
 
@@ -237,7 +243,7 @@ class PackedBroadcastSender(WeightSink):
             if index == self._agree_at:
                 self._refused = self._pack_around_verdict(index, tensor)
                 return
-            if self._refused is not None or not self.is_source or not tensor.numel():
+            if self._refused is not None or self._header_error is not None or not self.is_source or not tensor.numel():
                 return  # refused: the rest of the collective export is checked and discarded; finish raises it
             data = flat_bytes(tensor)
             for bucket, target, start, length in self._memory.pieces[index]:
@@ -290,11 +296,10 @@ class PackedBroadcastSender(WeightSink):
         self._abandon(error if error is not None else RuntimeError("the sender was aborted"))
 
     def _note_refusal(self, error: BaseException) -> None:
-        """An export that failed after the handshake refused the refit: say so on its error too."""
-        if self._refused is not None and error is not self._refused:
-            error.add_note(
-                f"the handshake had refused this refit before: {type(self._refused).__name__}: {self._refused}"
-            )
+        """An export that failed after the handshake refused the refit: say so on its error too (once)."""
+        note = f"the handshake had refused this refit before: {type(self._refused).__name__}: {self._refused}"
+        if self._refused is not None and error is not self._refused and note not in getattr(error, "__notes__", ()):
+            error.add_note(note)
 
     def _abandon(self, error: BaseException) -> None:
         """Post ``error`` once, if this is the source and its protocol is not settled."""
@@ -331,6 +336,8 @@ class PackedBroadcastSender(WeightSink):
                 share_verdict(self.trainer_group, self.trainer_src, error, self.device)
             except Exception as err:
                 self._abandon(err)  # the source's share failed: the receivers, past the handshake, must not wait
+                if error is not None and err is not error:
+                    err.add_note(f"the handshake's own outcome: {type(error).__name__}: {error}")
                 return err
         if error is None and self._on_agreed is not None and self.is_source:
             self._on_agreed()
@@ -406,8 +413,6 @@ class PackedBroadcastSender(WeightSink):
     def _finish_source(self) -> BaseException | None:
         last = self.packing.num_buckets - 1
         if last >= 0:
-            if not self._memory.allocated:  # a stream of empty tensors only
-                self._memory.allocate()
             self._enter(last)
             self._send(last)
         for index, work in enumerate(self._works):
@@ -415,7 +420,6 @@ class PackedBroadcastSender(WeightSink):
                 work.wait()
                 self._works[index] = None
         if self.config.checksum:
-            self._memory.allocate()  # for its checksum slots, if nothing was packed: an empty stream
             self.group.broadcast(self._memory.sums, self.src, async_op=True).wait()
         status = self._memory.status()
         self.group.all_reduce(status, dist.ReduceOp.MAX)
