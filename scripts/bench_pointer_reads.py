@@ -9,7 +9,8 @@ parameters) took 3.5 ms inside the refit's steps and 0.9 ms in the same session'
 the pointer), so a look that follows other work may wait on memory for each of them. This times the look,
 in alternating rounds, right after the same look (``warm``), after a sweep over 256 MiB of host memory
 (``after_sweep``), after waiting for 5 ms of GPU work (``after_gpu_wait``: the thread spins in the
-synchronize, as a trainer does before a refit) and after a 5 ms sleep (``after_sleep``). Needs only torch.
+synchronize, as a trainer does before a refit) and after a 5 ms sleep (``after_sleep``). Needs only torch
+and this package (``engines.ipc_session.live_pointers``, the look itself).
 Writes DIR/bench_pointer_reads.json with its manifest; prints it.
 """
 
@@ -28,11 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from provenance import results_dir, write_result  # noqa: E402
 
 
-def look(parameters: tuple[torch.Tensor, ...]) -> tuple[int, ...]:
-    """What ``IpcSession.refit`` reads every step to notice ``.data`` swaps."""
-    return tuple(map(torch.Tensor.data_ptr, parameters))
-
-
 def timed_ms(fn) -> float:
     started = time.perf_counter()
     fn()
@@ -45,6 +41,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--out-dir", type=Path, default=None)
     args = parser.parse_args()
+    from mbridge_refit.engines.ipc_session import live_pointers
+
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     parameters = tuple(torch.nn.Parameter(torch.zeros(64, device=device)) for _ in range(args.params))
     sweep = torch.ones(256 << 20, dtype=torch.uint8)  # host memory, larger than any last-level cache
@@ -59,7 +57,7 @@ def main() -> None:
         torch.cuda.synchronize()
 
     before = {
-        "warm": lambda: look(parameters),
+        "warm": lambda: live_pointers(parameters),
         "after_sweep": lambda: sweep.sum(),
         "after_gpu_wait": wait_for_gpu,
         "after_sleep": lambda: time.sleep(0.005),
@@ -68,7 +66,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, prepare in before.items():
             prepare()
-            times[name].append(timed_ms(lambda: look(parameters)))
+            times[name].append(timed_ms(lambda: live_pointers(parameters)))
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "params": args.params,

@@ -152,13 +152,15 @@ def profile_top(fn, steps: int = 5, top: int = 15) -> list[str]:
 
 def live_pointer_reads(llm, parameters: tuple, rounds: int = 5) -> dict:
     """The export's look for ``.data`` swaps timed after an engine RPC (as in our steps) and right again."""
+    from mbridge_refit.engines.ipc_session import live_pointers
+
     after_rpc, again = [], []
     for _ in range(rounds):
         llm.collective_rpc("mbridge_refit_memory")
         torch.cuda.synchronize()
         for times in (after_rpc, again):
             started = time.perf_counter()
-            tuple(map(torch.Tensor.data_ptr, parameters))
+            live_pointers(parameters)
             times.append((time.perf_counter() - started) * 1e3)
     return {"parameters": len(parameters), "after_rpc": summary(after_rpc), "again": summary(again)}
 

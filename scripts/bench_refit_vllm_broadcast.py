@@ -189,8 +189,8 @@ def step_bound(result: dict) -> dict | None:
     part alone leaves reachable (None without the timed steps' parts and the marked handshake).
 
     ``fixed_ms``: the handshake (the trainer's host mark in the marked steps, when its verdict is in: the
-    RPC that starts the workers' receive and the plan check, bucket 0 packed meanwhile), the wait for the engine's reply after the last send and the
-    prefix-cache reset with the outcome shared (medians of the timed steps). ``bulk_ms``: the timed
+    RPC that starts the workers' receive and the plan check, bucket 0 packed meanwhile), the wait for
+    the engine's reply after the last send and the prefix-cache reset with the outcome shared (medians of the timed steps). ``bulk_ms``: the timed
     steps' send less the handshake (packing and the buckets' broadcasts). ``best_raw_over_ours``: the
     ratio a bulk as fast as the raw broadcast would give with this fixed part; ``ours_needed_ms``: the
     step the target needs."""

@@ -273,10 +273,11 @@ def _two_trainers_and_a_receiver(
     return results, tensors
 
 
-def test_trainer_ranks_with_another_config_take_the_verdict_where_the_source_does():
+def test_trainer_ranks_with_another_config_stay_in_step():
     """Only the source's config reaches the receivers; another trainer rank built its sender with another
-    bucket size, so its own first entry past bucket 0 differs. Every trainer rank shares the verdict at the
-    source's (shared when the senders are made), between the same two collectives of the export."""
+    bucket size, so its own first entry past bucket 0 differs. Only the source takes the verdict mid-stream
+    and the outcome is shared in ``finish``, so the ranks stay in step through the collective export (they
+    deadlocked when each shared the verdict at its own entry)."""
     other = PackedBroadcastConfig(bucket_bytes=1024, num_buffers=2, checksum=True)
     assert SendBuffers(PLAN, other).agree_at != SendBuffers(PLAN, CONFIG).agree_at
     ((source, _), (second, _), (received, seconds)), tensors = _two_trainers_and_a_receiver(other_config=other)

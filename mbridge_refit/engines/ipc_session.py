@@ -61,7 +61,7 @@ from mbridge_refit.runtime.selection import LiveRows
 from mbridge_refit.runtime.weight_source import ExportsWeights, Model
 from mbridge_refit.sinks.base import DiscardSink, drain
 
-__all__ = ["IpcSession", "Stream"]
+__all__ = ["IpcSession", "Stream", "live_pointers"]
 
 logger = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ class IpcSession:
                 continue
             exported.add(name, tensor)
             tensors[name] = tensor
-        key = (exported.key, tuple(map(torch.Tensor.data_ptr, routes.live_parameters)))  # .data swaps change it
+        key = (exported.key, live_pointers(routes.live_parameters))  # .data swaps change it
         export_cpu_ms = (time.thread_time() - started_cpu) * 1e3  # before the wait for the device, which may spin
         _synchronize_trainer()  # the engine reads from another process
         if through is None and self._layout is not None and key == self._key:
@@ -368,6 +368,12 @@ def _done_signal(results: list, storages: list[torch.UntypedStorage]) -> DoneSig
         return None
     device = storages[0].device if storages and storages[0].device.type == "cuda" else None
     return DoneSignal.open(handle, device or torch.device("cuda", torch.cuda.current_device()))
+
+
+def live_pointers(parameters: tuple[torch.Tensor, ...]) -> tuple[int, ...]:
+    """Where each live parameter's bytes are, read every step (a ``param.data`` swap changes it): one C
+    call per parameter, no Python call per parameter."""
+    return tuple(map(torch.Tensor.data_ptr, parameters))
 
 
 def _synchronize_trainer() -> None:

@@ -72,8 +72,8 @@ class SendBuffers:
         self.plan, self.config, self.packing, self.device = endpoint(plan, config, device)
         # (hf_name, shape, dtype) of each entry, as the export must yield it
         self.expected = [(s.entry.hf_name, tuple(s.entry.shape), s.entry.torch_dtype) for s in self.packing.slots]
-        # the first entry with bytes past bucket 0: every trainer rank takes the handshake's verdict as
-        # it comes (the source packs bucket 0 before; None: at the stream's end)
+        # the first entry with bytes past bucket 0: the source takes the handshake's verdict once its bytes
+        # in bucket 0 are packed (None: at the stream's end)
         self.agree_at = next(
             (i for i, s in enumerate(self.packing.slots) if s.nbytes and s.end > self.packing.bucket_bytes), None
         )

@@ -383,19 +383,6 @@ def post_failure(group: BroadcastGroup, who: str, error: BaseException) -> None:
         logger.exception("could not post a failure to the packed-broadcast group")
 
 
-def share_position(trainer_group: BroadcastGroup, src: int, position: int | None, device: torch.device) -> int | None:
-    """The source's ``position`` (a plan entry's index, or None) on every trainer rank, so all of them take
-    the handshake's verdict at the same entry whatever config each was given (only the source's reaches
-    the receivers). Collective over ``trainer_group``, like ``share_verdict``; read to the host on the
-    other ranks only."""
-    value = torch.tensor([-1 if position is None else position], dtype=torch.int64, device=device)
-    trainer_group.broadcast(value, src)
-    if trainer_group.is_source(src):
-        return position
-    shared = int(value)
-    return None if shared < 0 else shared
-
-
 def share_verdict(trainer_group: BroadcastGroup, src: int, error: BaseException | None, device: torch.device) -> None:
     """Broadcast the source's outcome (``error`` there; ignored elsewhere) to the trainer ranks so all
     of them raise the same error (on ``device``: an NCCL group takes CUDA tensors only). Collective

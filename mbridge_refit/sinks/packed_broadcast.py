@@ -95,7 +95,6 @@ from mbridge_refit.sinks.broadcast_wire import (
     plan_signature,
     post_failure,
     send_header,
-    share_position,
     share_verdict,
 )
 
@@ -135,19 +134,17 @@ class PackedBroadcastSender(WeightSink):
 
     The constructor starts the handshake on the source rank (its header's broadcast, over
     ``group``) and returns without waiting for the receivers, so the source packs its first bucket
-    while they come; with ``trainer_group`` it is collective over that group first (the source's
-    entry where the verdict is taken, below, goes to every trainer rank). The verdict is taken before that bucket goes out: in ``consume`` of the first
-    tensor with bytes past bucket 0 (``SendBuffers.agree_at``), or in ``finish``. If any receiver
-    disagrees, ``finish`` raises :class:`PlanMismatchError` (no bulk data has moved; the tensors
-    after the verdict are only checked against the plan and discarded, so every trainer rank
-    iterates the collective export to its end). With
+    while they come. The source takes the verdict before that bucket goes out: in ``consume`` of the
+    first tensor with bytes past bucket 0 (``SendBuffers.agree_at``), once that tensor's bytes in
+    bucket 0 are packed, or in ``finish``. If any receiver disagrees (or the source's header or
+    buffers failed), the tensors after it are only checked against the plan and discarded and
+    ``finish`` raises :class:`PlanMismatchError` (or that failure); no bulk data has moved. With
     ``trainer_group`` (the ranks iterating the export, a ``torch.distributed`` group; the source is
-    its rank ``trainer_src``, default ``src``) the source's verdict and ``finish`` outcome are
-    shared with the other trainer ranks at those same two points of the stream, so every trainer
-    raises the same error instead of going on into a collective export alone; there a failure of the
-    source's header or buffers is shared the same way, raised by ``finish``. ``on_agreed`` is
-    called on the source once the receivers agreed (they are inside their receive), before the
-    first bucket goes out. ``finish`` raises :class:`RefitStatusError` if a receiver reported a bad
+    its rank ``trainer_src``, default ``src``) the source's outcome is shared with the other trainer
+    ranks in ``finish``, so every trainer raises the same error; the source iterates the collective
+    export to its end whatever the verdict, so no rank goes on into it alone. ``on_agreed`` is called
+    on the source once the receivers agreed (they are inside their receive), before the first
+    bucket goes out. ``finish`` raises :class:`RefitStatusError` if a receiver reported a bad
     checksum or a failed consumer.
 
     Memory: ``buffers``, the :class:`SendBuffers` of earlier refits of the same plan and config
@@ -204,21 +201,12 @@ class PackedBroadcastSender(WeightSink):
         self._abandoned = False
         self._on_agreed = on_agreed
         self._sent_header: SentHeader | None = None
-        self._agreed = False  # the handshake's verdict is in (and shared with the trainer group)
-        self._refused: Exception | None = None  # what the verdict raises on every trainer rank, at ``finish``
-        self._header_error: Exception | None = None  # the source's header failed: the verdict every rank raises
+        self._agreed = False  # the source has the handshake's verdict
+        # the source's refit refused (its header or buffers failed, or the verdict): the rest of the stream is
+        # checked and discarded, and finish raises it (shared with the trainer ranks there, as any outcome)
+        self._refused: Exception | None = None
         if self.is_source:
             check_member(self.group)
-        # where every trainer rank takes the verdict: the source's entry (the others may have another config);
-        # shared before the header goes out, so no other collective runs beside the header's
-        self._agree_at = memory.agree_at
-        if self.trainer_group is not None:
-            try:
-                self._agree_at = share_position(self.trainer_group, self.trainer_src, memory.agree_at, self.device)
-            except Exception as err:
-                self._abandon(err)  # the receivers wait for the header
-                raise
-        if self.is_source:
             if self.timeline is not None:
                 self.timeline.start()
             try:
@@ -230,7 +218,7 @@ class PackedBroadcastSender(WeightSink):
                 self._abandon(err)
                 if self.trainer_group is None:
                     raise
-                self._header_error = err  # the other trainer ranks learn it where the verdict is shared
+                self._refused = err  # raised once the other trainer ranks iterated the collective export too
 
     # -- WeightSink ------------------------------------------------------------------------
 
@@ -240,11 +228,11 @@ class PackedBroadcastSender(WeightSink):
         try:
             index = self._check(hf_name, tensor)
             self._next += 1
-            if index == self._agree_at:
+            if not self.is_source or self._refused is not None or not tensor.numel():
+                return  # refused: the rest of the collective export is checked and discarded; finish raises it
+            if index == self._memory.agree_at:
                 self._refused = self._pack_around_verdict(index, tensor)
                 return
-            if self._refused is not None or self._header_error is not None or not self.is_source or not tensor.numel():
-                return  # refused: the rest of the collective export is checked and discarded; finish raises it
             data = flat_bytes(tensor)
             for bucket, target, start, length in self._memory.pieces[index]:
                 if bucket != self._bucket:
@@ -267,17 +255,18 @@ class PackedBroadcastSender(WeightSink):
             self._note_refusal(error)
             self._abandon(error)
             raise error
-        refused = self._refused if self._agreed else self._agree()
-        if refused is not None:
-            raise refused
         error: BaseException | None = None
         if self.is_source:
+            if self._refused is None and not self._agreed:
+                self._refused = self._agree()
+            error = self._refused
             try:
-                error = self._finish_source()
+                if error is None:
+                    error = self._finish_source()
+                    self.settled = True
             except BaseException as err:
                 self._abandon(err)
                 raise
-            self.settled = True
         if self.trainer_group is not None:
             share_verdict(self.trainer_group, self.trainer_src, error, self.device)
         elif error is not None:
@@ -310,37 +299,24 @@ class PackedBroadcastSender(WeightSink):
     # -- internals -------------------------------------------------------------------------
 
     def _agree(self) -> Exception | None:
-        """The handshake's verdict, once per refit, before the first bucket goes out: on the source,
-        wait for it and, with a trainer group, share it there; on the other trainer ranks, take part
-        in that share. Every trainer rank comes here at the same tensor of the stream
-        (``SendBuffers.agree_at``) or at ``finish``. Returns the error this rank raises at ``finish``
-        (``PlanMismatchError`` on the source, ``RefitStatusError`` on the others; the export is
-        collective, so every rank iterates it to its end first), or None."""
+        """The source's handshake verdict, once per refit, before the first bucket goes out (at
+        ``SendBuffers.agree_at`` or in ``finish``): the refusal ``finish`` raises (``PlanMismatchError``,
+        or the failure that stopped the handshake), or None."""
         self._agreed = True
         error = None
-        if self.is_source:
-            error = self._header_error
-            try:
-                if error is None:
-                    handshake(self, is_source=True, sent=self._sent_header)
-            except PlanMismatchError as err:
-                error, self.settled = err, True
-            except Exception as err:
-                self._abandon(err)
-                error = err  # the other trainer ranks raise it too instead of waiting in the share
-            self._sent_header = None
-            if self.timeline is not None and error is None:
+        try:
+            handshake(self, is_source=True, sent=self._sent_header)
+        except PlanMismatchError as err:
+            error, self.settled = err, True
+        except Exception as err:
+            self._abandon(err)
+            error = err
+        self._sent_header = None
+        if error is None:
+            if self.timeline is not None:
                 self.timeline.host("handshake")
-        if self.trainer_group is not None:
-            try:
-                share_verdict(self.trainer_group, self.trainer_src, error, self.device)
-            except Exception as err:
-                self._abandon(err)  # the source's share failed: the receivers, past the handshake, must not wait
-                if error is not None and err is not error:
-                    err.add_note(f"the handshake's own outcome: {type(error).__name__}: {error}")
-                return err
-        if error is None and self._on_agreed is not None and self.is_source:
-            self._on_agreed()
+            if self._on_agreed is not None:
+                self._on_agreed()
         return error
 
     def _check(self, hf_name: str, tensor: torch.Tensor) -> int:
@@ -362,18 +338,17 @@ class PackedBroadcastSender(WeightSink):
         return index
 
     def _pack_around_verdict(self, index: int, tensor: torch.Tensor) -> Exception | None:
-        """``consume`` of the entry at ``agree_at``: on the source its bytes in bucket 0 packed (so the whole
+        """The source's ``consume`` of the entry at ``agree_at``: its bytes in bucket 0 packed (so the whole
         bucket is ready when the verdict comes), then the verdict (``_agree``), then its other bytes. The
         refusal, or None."""
-        packs = self.is_source and self._header_error is None and tensor.numel() > 0
-        data = flat_bytes(tensor) if packs else None
-        for bucket, target, start, length in self._memory.pieces[index] if packs else ():
+        data = flat_bytes(tensor)
+        for bucket, target, start, length in self._memory.pieces[index]:  # one has bytes past bucket 0
             if bucket > 0 and not self._agreed and (refused := self._agree()) is not None:
                 return refused
             if bucket != self._bucket:
                 self._enter(bucket)
             self._memory.kernels.copy(target, data if length == data.numel() else data[start : start + length])
-        return None if self._agreed else self._agree()
+        return None
 
     def _enter(self, bucket: int) -> None:
         """Make ``bucket`` the one being packed, sending every earlier bucket first."""
