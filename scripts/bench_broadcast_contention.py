@@ -14,13 +14,21 @@ the host's drift alike (first round dropped as warm-up; median and range of the 
   bucket out (the engine's replay); the buffer of bucket k is packed again only after broadcast k-2 ended.
 * ``buckets_copy_sum``: and a checksum of every bucket on both ends (a sum over it, as the refit's).
 * ``buckets_copy_sender_only`` / ``_receiver_only``: which end's copies slow the broadcast.
+* ``library_ctas{N}``: the library's own order: the source's copies and both checksums on ``N`` programs, the
+  receiver's copies torch's (an engine's replay runs on every SM); ``_no_checksum``, ``_source_checksum_only``,
+  ``_receiver_checksum_only``: what each end's checksum costs; ``_source_fused``: the source's checksum summed by
+  its copy (``BoundedKernels.copy_summing``: no second read of the bucket); ``_receiver_beside``: the receiver's
+  checksum on a stream of its own while it copies the bucket out; ``_receiver_checksum_ctas{2N}``: on more
+  programs.
 * ``buckets_copy_sum_ctas{N}``: copies and checksums by the library's bounded kernels (``sinks.bounded_kernels``)
   on ``N`` programs (fewer SMs, the same bytes): whether spreading their memory traffic over the broadcast's
   time gives NCCL its bandwidth back;
   ``buckets_copy_ctas{N}_sum_ctas{2N}``: the checksums on twice the programs;
   ``buckets_sender_copy_receiver_ctas{N}_sum_ctas{N}``: only the receiver's copies and both checksums so.
 
-Also each kind of copy and checksum alone over the same bytes (``sender_copies_alone_ms``, ``checksums_alone_ms``).
+Also each kind of copy and checksum alone over the same bytes (``sender_copies_alone_ms``, the fused copy as
+``fused_ctasN``; ``checksums_alone_ms``); ``triton_checksum_equals_torch`` compares the bounded checksum and the
+fused copy's sum of one bucket with torch's.
 
 Writes one JSON (rank 0): the device, NCCL's version and settings, bytes, each variant's rounds and GB/s.
 Needs torch, Triton and this package (run from the repository root with ``PYTHONPATH=$PWD``).
@@ -53,6 +61,7 @@ class Bench:
         self.buffers = [torch.empty(bucket, dtype=torch.uint8, device=device) for _ in range(2)]
         self.sums = torch.zeros(self.buckets, dtype=torch.int64, device=device)
         self._bounded: dict[int, BoundedKernels] = {}
+        self.side = torch.cuda.Stream(device)  # the receiver's checksum beside its copy (``beside``)
 
     def _piece(self, index: int) -> tuple[int, int]:
         start = index * self.bucket
@@ -61,15 +70,26 @@ class Bench:
     def single(self) -> None:
         dist.broadcast(self.whole, SENDER)
 
-    def bucketed(self, send: str | None, receive: str | None, checksum: str | None) -> None:
+    def bucketed(
+        self,
+        send: str | None,
+        receive: str | None,
+        checksum: str | None,
+        *,
+        receive_checksum: str | None = "same",
+        beside: bool = False,
+    ) -> None:
         """The packed broadcast's order on each end (``sinks.packed_broadcast``): the sender packs bucket k once
         broadcast k-2 (same buffer) ended, issues it, then sums it beside the broadcast; the receiver keeps two
         broadcasts posted, and sums and copies out bucket k before posting k+2 into its buffer. Each side's copy
-        and the checksum: None (not done), ``copy_`` / ``sum`` (torch, every SM), ``ctasN`` (the bounded kernels on N programs)."""
+        and the checksum: None (not done), ``copy_`` / ``sum`` (torch, every SM), ``ctasN`` (the bounded kernels on
+        N programs); the sender's checksum ``fused``: summed by its copy (``BoundedKernels.copy_summing``, the copy
+        ``ctasN``). ``receive_checksum``: the receiver's, where it differs from ``checksum``; ``beside``: the
+        receiver sums on a stream of its own while it copies the bucket out (both only read the bucket)."""
         if self.rank == SENDER:
             self._send_all(send, checksum)
         else:
-            self._receive_all(receive, checksum)
+            self._receive_all(receive, checksum if receive_checksum == "same" else receive_checksum, beside)
 
     def _send_all(self, copy: str | None, checksum: str | None) -> None:
         works: list = [None, None]
@@ -79,17 +99,25 @@ class Bench:
             buffer = self.buffers[slot][:length]
             if works[slot] is not None:
                 works[slot].wait()  # stream-ordered: the buffer's last broadcast ended before it is packed again
-            if copy is not None:
+            if checksum == "fused":
+                kernels = self._kernels(copy)
+                kernels.start_sum(index)
+                if not kernels.copy_summing(buffer, self.params[start : start + length], index):
+                    raise SystemExit("the fused copy did not run on these bytes: nothing to measure")
+            elif copy is not None:
                 self._copy(buffer, self.params[start : start + length], copy)
             works[slot] = dist.broadcast(buffer, SENDER, async_op=True)
-            if checksum is not None:
+            if checksum == "fused":
+                self._kernels(copy).summed_into(index, self.sums[index])
+            elif checksum is not None:
                 self._checksum(buffer, index, checksum)
         for work in works:
             if work is not None:
                 work.wait()
 
-    def _receive_all(self, copy: str | None, checksum: str | None) -> None:
+    def _receive_all(self, copy: str | None, checksum: str | None, beside: bool) -> None:
         works: dict[int, object] = {}
+        current = torch.cuda.current_stream(self.device)
 
         def post(index: int) -> None:
             if index < self.buckets:
@@ -101,10 +129,16 @@ class Bench:
             works.pop(index).wait()
             start, length = self._piece(index)
             buffer = self.buffers[index % 2][:length]
-            if checksum is not None:
+            if checksum is not None and beside:
+                self.side.wait_stream(current)
+                with torch.cuda.stream(self.side):
+                    self._checksum(buffer, index, checksum)
+            elif checksum is not None:
                 self._checksum(buffer, index, checksum)
             if copy is not None:
                 self._copy(self.params[start : start + length], buffer, copy)
+            if checksum is not None and beside:
+                current.wait_stream(self.side)  # both reads of the buffer ended before it is posted again
             post(index + 2)
 
     def _kernels(self, how: str) -> BoundedKernels:
@@ -192,6 +226,26 @@ def main() -> None:
             for n in args.ctas
         },
     }
+    for n in args.ctas:  # the library's order: the source's copies bounded, the engine's replay torch's (every SM)
+        ctas = f"ctas{n}"
+        variants |= {
+            f"library_ctas{n}": lambda c=ctas: bench.bucketed(c, "copy_", c),
+            f"library_ctas{n}_no_checksum": lambda c=ctas: bench.bucketed(c, "copy_", None),
+            f"library_ctas{n}_source_checksum_only": lambda c=ctas: bench.bucketed(
+                c, "copy_", c, receive_checksum=None
+            ),
+            f"library_ctas{n}_receiver_checksum_only": lambda c=ctas: bench.bucketed(
+                c, "copy_", None, receive_checksum=c
+            ),
+            f"library_ctas{n}_source_fused": lambda c=ctas: bench.bucketed(c, "copy_", "fused", receive_checksum=c),
+            f"library_ctas{n}_receiver_beside": lambda c=ctas: bench.bucketed(c, "copy_", c, beside=True),
+            f"library_ctas{n}_source_fused_receiver_beside": lambda c=ctas: bench.bucketed(
+                c, "copy_", "fused", receive_checksum=c, beside=True
+            ),
+            f"library_ctas{n}_receiver_checksum_ctas{2 * n}": lambda c=ctas, n=n: bench.bucketed(
+                c, "copy_", c, receive_checksum=f"ctas{2 * n}"
+            ),
+        }
     times: dict[str, list[float]] = {name: [] for name in variants}
     for round_index in range(args.rounds):
         for name, fn in variants.items():
@@ -206,6 +260,14 @@ def main() -> None:
             ),
         )
         for how in ["copy_", *(f"ctas{n}" for n in args.ctas)]
+    } | {
+        f"fused_ctas{n}": alone_ms(
+            bench,
+            lambda index, start, length, n=n: bench._kernels(f"ctas{n}").copy_summing(
+                bench.buffers[index % 2][:length], bench.params[start : start + length], index
+            ),
+        )
+        for n in args.ctas
     }
     sums_alone = {
         how: alone_ms(
@@ -218,6 +280,12 @@ def main() -> None:
     bench._checksum(sample, 0, "sum")
     bench._checksum(sample, 1, f"ctas{args.ctas[0]}") if args.ctas else None
     checksums_agree = bool(bench.sums[0] == bench.sums[1]) if args.ctas else None
+    if args.ctas:  # the fused copy's sum of the same bytes
+        kernels = bench._kernels(f"ctas{args.ctas[0]}")
+        kernels.start_sum(2)
+        kernels.copy_summing(bench.buffers[0], sample, 2)
+        kernels.summed_into(2, bench.sums[2])
+        checksums_agree = checksums_agree and bool(bench.sums[0] == bench.sums[2])
     if rank == SENDER:
         result = {
             "triton_checksum_equals_torch": checksums_agree,

@@ -48,9 +48,11 @@ def test_receiver_phases_from_marks():
     }
     phases = receiver_phases(marks, 2)
     assert phases["checksum"] == [0.1, 0.1, 0.1]
-    assert phases["consume"] == [0.4, 0.4, 0.4]
+    assert phases["consume"] == [0.5, 0.5, 0.5]  # from landed: the checksum runs beside the consumer
     assert phases["data_wait"] == [1.0, 0.5, 1.0]
     assert phases["broadcast"] == [1.0, 1.0, 1.5]  # bucket 2 could start once bucket 0 was consumed (1.5)
+    marks["device"]["summed"][0] = 2.3  # summed after it was consumed: the buffer is posted after both
+    assert receiver_phases(marks, 2)["broadcast"] == [1.0, 1.0, 1.2]
 
 
 @pytest.mark.parametrize("checksum", [True, False])

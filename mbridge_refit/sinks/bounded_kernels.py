@@ -72,7 +72,37 @@ def _kernels():
             total += tl.load(source + index, mask=index < words, other=0)
         tl.store(partials + program, tl.sum(total, axis=0))
 
-    return copy_words, sum_words
+    @triton.jit
+    def copy_sum_words(source, destination, partials, words, programs, BLOCK: tl.constexpr):
+        """``copy_words`` that also adds the wrapping sum of the words it moved to ``partials[p]``."""
+        program = tl.program_id(0)
+        offsets = tl.arange(0, BLOCK)
+        total = tl.zeros([BLOCK], dtype=tl.int64)
+        for turn in range(0, tl.cdiv(words, programs * BLOCK)):
+            index = (turn * programs + program) * BLOCK + offsets
+            mask = index < words
+            values = tl.load(source + index, mask=mask, other=0)
+            tl.store(destination + index, values, mask=mask)
+            total += values
+        tl.store(partials + program, tl.load(partials + program) + tl.sum(total, axis=0))
+
+    @triton.jit
+    def sum_ranges(source, ranges, count, partials, programs, BLOCK: tl.constexpr):
+        """Program p adds the wrapping sum of the words of ranges p, p + programs, ... (``ranges``: int64
+        pairs, first word and words) to ``partials[p]``."""
+        program = tl.program_id(0)
+        offsets = tl.arange(0, BLOCK)
+        total = tl.zeros([BLOCK], dtype=tl.int64)
+        for turn in range(0, tl.cdiv(count - program, programs)):
+            entry = turn * programs + program
+            first = tl.load(ranges + 2 * entry)
+            words = tl.load(ranges + 2 * entry + 1)
+            for block in range(0, tl.cdiv(words, BLOCK)):
+                index = block * BLOCK + offsets
+                total += tl.load(source + first + index, mask=index < words, other=0)
+        tl.store(partials + program, tl.load(partials + program) + tl.sum(total, axis=0))
+
+    return copy_words, sum_words, copy_sum_words, sum_ranges
 
 
 class BoundedKernels:
@@ -106,6 +136,61 @@ class BoundedKernels:
                 source.view(torch.int64), destination.view(torch.int64), words, grid[0], BLOCK=BLOCK_WORDS
             )
 
+    def start_sum(self, slot: int) -> None:
+        """Zero ``slot``'s partial sums before the ``copy_summing`` calls that add to them (current stream)."""
+        if self._partials is not None:
+            self._partials[slot].zero_()
+
+    def copy_summing(self, destination: torch.Tensor, source: torch.Tensor, slot: int) -> bool:
+        """``copy(destination, source)``; where the kernels apply (``fuses``), the same launch also adds the
+        word sum of the bytes moved to ``slot``'s partial sums (``summed_into`` reads them). False where
+        torch's copy ran instead: those bytes are in no sum."""
+        if not self.fuses(destination, source):
+            destination.copy_(source)
+            return False
+        words = source.numel() // WORD_BYTES
+        grid = self._grid(words)
+        with self._on_device():
+            _kernels()[2][grid](
+                source.view(torch.int64),
+                destination.view(torch.int64),
+                self._partials[slot],
+                words,
+                grid[0],
+                BLOCK=BLOCK_WORDS,
+            )
+        return True
+
+    def fuses(self, destination: torch.Tensor, source: torch.Tensor) -> bool:
+        """Whether ``copy_summing(destination, source, ...)`` sums as it copies: ``fusable`` bytes, both ends
+        flat and aligned on this device."""
+        return self.fusable(source.numel()) and self._qualifies(destination, source)
+
+    def sum_ranges(self, data: torch.Tensor, ranges: torch.Tensor, slot: int) -> None:
+        """Add the wrapping sum of ``data``'s 8-byte words in ``ranges`` (int64[k, 2]: first word, words; on
+        ``data``'s device) to ``slot``'s partial sums, on the current stream. ``data``: flat uint8, 16-byte
+        aligned, whole words, on this device; only where ``enabled``."""
+        if not (self.enabled and ranges.numel() and _flat_aligned(data, data.numel(), self.device)):
+            raise ValueError("sum_ranges needs the kernels enabled, ranges and flat, aligned bytes on their device")
+        grid = (max(1, min(self.programs, ranges.shape[0])),)
+        with self._on_device():
+            _kernels()[3][grid](
+                data.view(torch.int64), ranges, ranges.shape[0], self._partials[slot], grid[0], BLOCK=BLOCK_WORDS
+            )
+
+    def fusable(self, nbytes: int) -> bool:
+        """Whether ``copy_summing`` of ``nbytes`` bytes sums as it copies where both ends are flat and aligned."""
+        return (
+            self.enabled
+            and nbytes >= MIN_BYTES
+            and not nbytes % WORD_BYTES
+            and nbytes // WORD_BYTES + self.programs * BLOCK_WORDS < INDEX_LIMIT
+        )
+
+    def summed_into(self, slot: int, out: torch.Tensor) -> None:
+        """``out`` = the wrapping sum of every word ``copy_summing`` added to ``slot`` since ``start_sum``."""
+        torch.sum(self._partials[slot], dim=0, out=out)
+
     def checksum_into(self, data: torch.Tensor, out: torch.Tensor, slot: int = 0) -> None:
         """``broadcast_wire.checksum_into(data, out)``'s value, queued on the current stream; ``slot``: this
         checksum's row of partial sums (one per bucket)."""
@@ -127,17 +212,8 @@ class BoundedKernels:
             out.add_(data[words * WORD_BYTES :].sum(dtype=torch.int64))
 
     def _qualifies(self, *tensors: torch.Tensor) -> bool:
-        if not self.enabled:
-            return False
-        first = tensors[0]
-        nbytes = first.numel()
-        if (
-            nbytes < MIN_BYTES
-            or nbytes % WORD_BYTES
-            or nbytes // WORD_BYTES + self.programs * BLOCK_WORDS >= INDEX_LIMIT
-        ):
-            return False
-        return all(_flat_aligned(t, nbytes, self.device) for t in tensors)
+        nbytes = tensors[0].numel()
+        return self.fusable(nbytes) and all(_flat_aligned(t, nbytes, self.device) for t in tensors)
 
     def _grid(self, words: int) -> tuple[int]:
         return (max(1, min(self.programs, -(-words // BLOCK_WORDS))),)
@@ -166,7 +242,7 @@ def usable(device_index: int) -> bool:
     try:
         device = torch.device("cuda", device_index)
         generator = torch.Generator().manual_seed(0)
-        copy_words, sum_words = _kernels()
+        copy_words, sum_words, copy_sum_words, sum_ranges = _kernels()
         # several blocks per program with a partial last block (5 programs: the compiled variant of odd
         # arguments), and a bucket-like length with the default programs (arguments divisible by 16)
         for words, programs in ((3 * BLOCK_WORDS * 5 + 7, 5), (MIN_BYTES // WORD_BYTES * 3, DEFAULT_PROGRAMS)):
@@ -176,7 +252,22 @@ def usable(device_index: int) -> bool:
             with torch.cuda.device(device):
                 copy_words[(programs,)](source, destination, words, programs, BLOCK=BLOCK_WORDS)
                 sum_words[(programs,)](source, partials, words, programs, BLOCK=BLOCK_WORDS)
-            if not torch.equal(destination, source) or int(partials.sum()) != int(source.sum()):
+            fused, fused_partials = torch.zeros_like(source), torch.ones_like(partials)  # adds to what is there
+            with torch.cuda.device(device):
+                copy_sum_words[(programs,)](source, fused, fused_partials, words, programs, BLOCK=BLOCK_WORDS)
+            ranges = torch.tensor([[3, BLOCK_WORDS + 9], [2 * BLOCK_WORDS, 1], [words - 5, 5]], device=device)
+            ranged = torch.zeros_like(partials)
+            with torch.cuda.device(device):
+                sum_ranges[(2,)](source, ranges, 3, ranged, 2, BLOCK=BLOCK_WORDS)
+            in_ranges = int(source[3 : BLOCK_WORDS + 12].sum() + source[2 * BLOCK_WORDS] + source[words - 5 :].sum())
+            expected = int(source.sum())
+            if (
+                not torch.equal(destination, source)
+                or int(partials.sum()) != expected
+                or not torch.equal(fused, source)
+                or int((fused_partials - 1).sum()) != expected
+                or int(ranged.sum()) != in_ranges
+            ):
                 logger.warning("the bounded broadcast kernels do not reproduce torch's on this device: not used")
                 return False
     except Exception as err:  # no Triton, a compiler or driver that cannot build them: torch's kernels

@@ -7,7 +7,9 @@ allocates nothing:
 * ``SendBuffers`` (the source): the stream packing, each tensor's expected name, shape and dtype
   (the sender checks the export against them), and, made by the source rank's sender before its
   handshake's header goes out, the rotating buffers, the checksum slots, every tensor's destination views in them and the
-  bounded kernels that pack and checksum them (``sinks.bounded_kernels``).
+  bounded kernels that pack and checksum them (``sinks.bounded_kernels``): where those kernels run, a bucket's copies
+  sum the bytes they move as they move them, so its checksum adds only the words of the tensors too short for
+  them (``rest_ranges``) instead of reading the whole bucket a second time.
 * ``ReceiveBuffers`` (a receiver): the rotating buffers, their checksum slots, the scratch for
   tensors split across buckets, each bucket's tensors as views of them and the bounded kernels that
   checksum them, made once.
@@ -82,6 +84,9 @@ class SendBuffers:
         self.data: list[torch.Tensor] = []  # each bucket's bytes (a view of its buffer)
         self.pieces: list[tuple[Piece, ...]] = []  # per plan entry: its pieces, in stream order
         self.kernels: BoundedKernels | None = None  # the pack's copies and the checksums (made with the buffers)
+        # per bucket: its words no copy sums (``rest_ranges``), or None where its checksum reads the bucket
+        self.rest: list[torch.Tensor | None] = []
+        self._unsummed: list[bool] = []  # per bucket: a copy meant to sum its bytes could not (``pack``)
         self._status: torch.Tensor | None = None
 
     @property
@@ -89,8 +94,9 @@ class SendBuffers:
         return bool(self.buffers)
 
     def allocate(self) -> None:
-        """The buffers (zeroed once, so the padding between tensors is sent as zeros), the checksum
-        slots and every piece's destination view; a no-op once allocated."""
+        """The buffers (zeroed once; the padding between tensors then holds whatever an earlier bucket in
+        the same buffer left there, and is sent as it is), the checksum slots and every piece's destination
+        view; a no-op once allocated."""
         if self.buffers:
             return
         packing, size = self.packing, self.config.bucket_bytes
@@ -100,7 +106,66 @@ class SendBuffers:
         self.data = [buffers[b % count][: packing.bucket_length(b)] for b in range(packing.num_buckets)]
         self.pieces = [_slot_pieces(slot, size, buffers) for slot in packing.slots]
         self.kernels = BoundedKernels(self.device, self.config.device_programs, slots=packing.num_buckets)
+        self.rest = [self.rest_ranges(b) for b in range(packing.num_buckets)]
+        self._unsummed = [False] * packing.num_buckets
         self.buffers = buffers
+
+    def rest_ranges(self, bucket: int) -> torch.Tensor | None:
+        """The words of ``bucket`` its copies do not sum, as int64[k, 2] (first word, words) on the device: every
+        whole word of the bucket outside the pieces the summing copy takes (``BoundedKernels.fusable``), so the
+        pieces too short for it and the padding between tensors, which holds whatever an earlier bucket left
+        in the rotating buffer (``checksum`` adds the bytes after the last whole word one by one, as
+        ``broadcast_wire.checksum_into`` does). None where no copy of the bucket sums (the kernels do not run
+        here, checksums are off, or no piece is long enough): its checksum reads the bucket."""
+        if not (self.config.checksum and self.kernels is not None and self.kernels.enabled):
+            return None
+        summed = sorted(  # whole words each: a piece starts 16-byte aligned (its tensor, or the bucket)
+            (target.storage_offset() // 8, (target.storage_offset() + length) // 8)
+            for pieces in self.pieces
+            for piece_bucket, target, _, length in pieces
+            if piece_bucket == bucket and self.kernels.fusable(length)
+        )
+        if not summed:
+            return None
+        rest, position = [], 0
+        for first, stop in [*summed, (self.packing.bucket_length(bucket) // 8,) * 2]:
+            if first > position:
+                rest.append((position, first - position))
+            position = max(position, stop)
+        return torch.tensor(rest, dtype=torch.int64, device=self.device).reshape(-1, 2)
+
+    def start_bucket(self, bucket: int) -> None:
+        """Before ``bucket``'s first ``pack``, on the stream that packs it: its copies' sums start at zero."""
+        if self.rest[bucket] is not None:
+            self.kernels.start_sum(bucket)
+            self._unsummed[bucket] = False
+
+    def pack(self, bucket: int, target: torch.Tensor, source: torch.Tensor) -> None:
+        """Copy ``source`` (flat uint8) into ``target``, a piece of ``bucket``'s buffer, on the current stream;
+        where the bucket's checksum is summed by its copies (``rest_ranges``), summing it too."""
+        if self.rest[bucket] is not None and self.kernels.fusable(source.numel()):
+            if not self.kernels.copy_summing(target, source, bucket):
+                self._unsummed[bucket] = True  # torch copied it (an unaligned source): checksum reads the bucket
+            return
+        self.kernels.copy(target, source)
+
+    def summed_by_copies(self, bucket: int) -> bool:
+        """Whether ``bucket``'s last checksum came from its copies' sums (``checksum``), not a read of it."""
+        return self.rest[bucket] is not None and not self._unsummed[bucket]
+
+    def checksum(self, bucket: int) -> None:
+        """``bucket``'s checksum into its slot of ``sums``, on the current stream once the bucket is packed:
+        ``broadcast_wire.checksum_into``'s value of its bytes. Where its copies summed them, their sums and
+        the ``rest_ranges``' (one small read); else one read of the bucket."""
+        data, out, rest = self.data[bucket], self.sums[bucket], self.rest[bucket]
+        if rest is None or self._unsummed[bucket]:
+            self.kernels.checksum_into(data, out, bucket)
+            return
+        if rest.numel():
+            self.kernels.sum_ranges(data[: data.numel() // 8 * 8], rest, bucket)
+        self.kernels.summed_into(bucket, out)
+        if data.numel() % 8:
+            out.add_(data[data.numel() // 8 * 8 :].sum(dtype=torch.int64))
 
     def status(self) -> torch.Tensor:
         """The int64[2] the status all-reduce runs on, zeroed (made once)."""
@@ -112,7 +177,7 @@ class SendBuffers:
     def release(self) -> None:
         """Drop the device memory (the next ``allocate`` makes it again)."""
         self.buffers, self.sums, self.data, self.pieces, self._status = [], None, [], [], None
-        self.kernels = None
+        self.kernels, self.rest, self._unsummed = None, [], []
 
 
 def _slot_pieces(slot: StreamSlot, size: int, buffers: list[torch.Tensor]) -> tuple[Piece, ...]:
@@ -148,6 +213,10 @@ class ReceiveBuffers:
         )
         self.scratch = torch.empty(self.packing.max_split_bytes(), dtype=torch.uint8, device=self.device)
         self.kernels = BoundedKernels(self.device, config.device_programs, slots=self.packing.num_buckets)
+        # on CUDA, the stream a landed bucket's checksum runs on, beside its consumer's copies (both only read the
+        # bucket; measured on 2x H100 with scripts/bench_broadcast_contention.py: the broadcasts beside them end
+        # 1.3 ms sooner over 16.4 GB); the consumer's stream waits for it before the buffer is posted again
+        self.side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.events = bucket_events(self.packing)
         self.data = [self.buffers[b % count][: self.packing.bucket_length(b)] for b in range(self.packing.num_buckets)]
         self.tensors = [

@@ -11,9 +11,10 @@ Marks, per bucket ``b`` (``n`` buffers per end):
   ``b - n`` ended), ``packed`` (its last tensor copied in; its broadcast is issued here),
   ``summed`` (its checksum); on a stream of its own that only waits for the broadcast: ``sent``.
 * receiver, on the consumer's stream: ``landed`` (the stream may go on: bucket ``b`` arrived and
-  the stream's earlier work is done), ``summed`` (its checksum), ``consumed`` (the consumer's work
-  on it, e.g. the engine's replay, and the split tensors' copies: buffer ``b % n`` may be posted
-  for bucket ``b + n``); on a stream of its own: ``received`` (the broadcast ended).
+  the stream's earlier work is done), ``consumed`` (the consumer's work on it, e.g. the engine's
+  replay, and the split tensors' copies); ``summed`` (its checksum: on CUDA on a stream beside the
+  consumer's, ``ReceiveBuffers.beside``); buffer ``b % n`` may be posted for bucket ``b + n`` once
+  both are done; on a stream of its own: ``received`` (the broadcast ended).
 * host, both ends: ``issued`` (the broadcast of ``b`` issued), and per refit ``handshake`` (its
   verdict in: on the source after bucket 0's copies are issued) and ``status`` (when they returned).
 
@@ -126,20 +127,21 @@ def source_phases(marks: dict[str, Any]) -> dict[str, list[float]]:
 
 def receiver_phases(marks: dict[str, Any], buffers: int) -> dict[str, list[float]]:
     """A receiver's phases per bucket, in ms, from its ``summary``: ``checksum`` (landed to summed),
-    ``consume`` (to consumed: the consumer's work and the split tensors' copies), ``data_wait`` (the
+    ``consume`` (landed to consumed: the consumer's work and the split tensors' copies; on CUDA the
+    checksum runs beside them, on a stream of its own, elsewhere before them), ``data_wait`` (the
     consumer's stream waiting for the bucket: consumed of the bucket before to landed), and on CUDA
-    ``broadcast`` (from when its broadcast could start, its buffer consumed and the broadcast before
-    it ended, to received)."""
+    ``broadcast`` (from when its broadcast could start, its buffer consumed and summed and the broadcast
+    before it ended, to received)."""
     device = marks["device"]
     landed, summed, consumed, received = (device.get(k, []) for k in ("landed", "summed", "consumed", "received"))
-    after_sum = summed or landed
     phases = {
         "checksum": _spans(landed, summed) if summed else [],
-        "consume": _spans(after_sum, consumed),
+        "consume": _spans(landed, consumed),
         "data_wait": _spans([0.0, *consumed[:-1]], landed),
     }
     if received:
-        ready = [consumed[b - buffers] if b >= buffers else 0.0 for b in range(len(received))]
+        done = [_latest(c, s) for c, s in zip(consumed, summed)] if summed else consumed
+        ready = [done[b - buffers] if b >= buffers else 0.0 for b in range(len(received))]
         phases["broadcast"] = _spans([_latest(r, s) for r, s in zip(ready, [0.0, *received[:-1]])], received)
     return phases
 

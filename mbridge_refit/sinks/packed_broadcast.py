@@ -157,7 +157,8 @@ class PackedBroadcastSender(WeightSink):
     stream (the exporter's: the copy is ordered after the kernels that made the tensor and before
     any that overwrite it, so the exporter may reuse its own buffer as soon as ``consume``
     returns); a full bucket goes out with an asynchronous broadcast (which waits for those copies)
-    and its checksum is queued behind it; before a buffer is packed again the current stream waits
+    and its checksum is queued behind it (where the bounded kernels run, the bucket's copies summed its
+    bytes as they packed them: ``SendBuffers.checksum``); before a buffer is packed again the current stream waits
     for that buffer's broadcast (``Work.wait``, stream-ordered). With ``n`` buffers, packing bucket
     ``b + 1`` overlaps the broadcast of bucket ``b``, and up to ``n`` broadcasts are in flight; the
     exporter's own kernels wait for a broadcast only through a full set of buffers in flight.
@@ -237,7 +238,7 @@ class PackedBroadcastSender(WeightSink):
             for bucket, target, start, length in self._memory.pieces[index]:
                 if bucket != self._bucket:
                     self._enter(bucket)
-                self._memory.kernels.copy(target, data if length == data.numel() else data[start : start + length])
+                self._memory.pack(bucket, target, data if length == data.numel() else data[start : start + length])
         except BaseException as err:
             self._abandon(err)
             raise
@@ -347,7 +348,7 @@ class PackedBroadcastSender(WeightSink):
                 return refused
             if bucket != self._bucket:
                 self._enter(bucket)
-            self._memory.kernels.copy(target, data if length == data.numel() else data[start : start + length])
+            self._memory.pack(bucket, target, data if length == data.numel() else data[start : start + length])
         return None
 
     def _enter(self, bucket: int) -> None:
@@ -364,6 +365,8 @@ class PackedBroadcastSender(WeightSink):
         work, self._works[index] = self._works[index], None
         if work is not None:
             work.wait()  # on CUDA: the current stream waits for the broadcast; the host does not
+        if self.config.checksum:
+            self._memory.start_bucket(bucket)
         if self.timeline is not None:
             self.timeline.mark("free", bucket)
 
@@ -380,7 +383,7 @@ class PackedBroadcastSender(WeightSink):
             timeline.host("issued", bucket)
             timeline.completion("sent", bucket, work)
         if self.config.checksum:  # beside the broadcast (both only read), before the buffer is packed again
-            memory.kernels.checksum_into(data, memory.sums[bucket], bucket)
+            memory.checksum(bucket)
             if timeline is not None:
                 timeline.mark("summed", bucket)
         self.bytes_sent += data.numel()
@@ -493,6 +496,22 @@ class PackedBroadcastReceiver:
         if timeline is not None:
             timeline.host("handshake")
 
+    def _checksum_beside(self, bucket: int, data: torch.Tensor) -> None:
+        """``_checksum`` of the landed bucket, on CUDA on the buffers' side stream (``ReceiveBuffers.side``),
+        after what the current stream queued: beside the consumer's copies that follow."""
+        side, timeline = self._memory.side, self.timeline
+        if side is None:
+            self._checksum(bucket, data)
+        else:
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self._checksum(bucket, data)
+                if timeline is not None:
+                    timeline.mark("summed", bucket)
+            return
+        if timeline is not None:
+            timeline.mark("summed", bucket)
+
     def _checksum(self, bucket: int, data: torch.Tensor) -> None:
         """Queue the checksum of received bucket ``data`` into its slot (no host read)."""
         self._memory.kernels.checksum_into(data, self._memory.sums[bucket], bucket)
@@ -553,9 +572,7 @@ class PackedBroadcastReceiver:
                 if timeline is not None:
                     timeline.mark("landed", bucket)
                 if config.checksum:
-                    self._checksum(bucket, data[bucket])
-                    if timeline is not None:
-                        timeline.mark("summed", bucket)
+                    self._checksum_beside(bucket, data[bucket])
                 completing, continuing = memory.pieces[bucket]
                 for piece, received in completing:
                     piece.copy_(received)
@@ -566,6 +583,8 @@ class PackedBroadcastReceiver:
                     piece.copy_(received)
                 if timeline is not None:
                     timeline.mark("consumed", bucket)
+                if memory.side is not None:  # the checksum beside ended too
+                    torch.cuda.current_stream(self.device).wait_stream(memory.side)
                 post(next_post)  # this bucket's buffer is free again
                 next_post += 1
         except BaseException as err:
@@ -582,6 +601,8 @@ class PackedBroadcastReceiver:
         every member. Raises ``ChecksumError`` if a bucket's checksum differed."""
         checksum_on = self.config.checksum
         try:
+            if self._memory.side is not None:  # checksums still reading a buffer end before it is posted again
+                torch.cuda.current_stream(self.device).wait_stream(self._memory.side)
             if status != STATUS_OK:
                 for bucket in sorted(works):
                     works.pop(bucket).wait()
