@@ -374,6 +374,37 @@ def test_members_whose_settings_differ_refuse_before_connecting(monkeypatch):
     assert created == []
 
 
+def test_a_wait_that_ends_as_the_group_fails_raises():
+    """A failed group's NCCL communicator is aborted, which ends its collectives' kernels: their work then
+    reads as completed, their tensors hold no result. A wait that sees its work done once the group failed
+    (the watchdog marked it between two polls) raises instead of handing that tensor back. Seen on 2x H200
+    (scripts/check_store_group_nccl_gpu.py, engine-killed): a trainer read an all-zero status, "OK", 15 s
+    after its engine was killed."""
+    port = free_port()
+
+    def member(rank: int):
+        group = StoreGroup(
+            host="127.0.0.1", port=port, rank=rank, world_size=2, device="cpu", timeout=_seconds(GROUP_TIMEOUT_S)
+        )
+        polls = []
+
+        def done() -> bool:  # the second poll finds the work ended by the group's failure
+            polls.append(True)
+            if len(polls) == 2:
+                group._mark_failed("injected: member 1 has sent no heartbeat")
+            return len(polls) >= 2
+
+        try:
+            if rank == 0:
+                group._wait_until(done, "the status all-reduce")
+        finally:
+            group.close()
+
+    (error, _), (other, _) = run_members(member, member)
+    assert isinstance(error, PeerFailedError) and "injected" in str(error), error
+    assert other is None, other
+
+
 def _seconds(value: float):
     import datetime
 

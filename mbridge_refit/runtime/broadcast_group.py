@@ -494,6 +494,8 @@ class StoreGroup:
                 raise error
             time.sleep(delay)
             delay = min(delay * 2, min(poll_s, FAST_POLL_S) if now - began < window else poll_s)
+        if self._failure is not None:  # NCCL's abort of a failed group ends its collectives: done, with no result
+            raise PeerFailedError(f"{what} on member {self.rank}: {self._failure}")
 
     def _watch(self, store: Any) -> None:
         """The watchdog thread: beat, then read the others' errors and heartbeats, every ``PEER_CHECK_S``."""
