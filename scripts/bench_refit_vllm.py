@@ -19,8 +19,9 @@ after which our next apply records the loader again):
 * ``vllm_native_stock_ms`` (BF16 only): ``AutoBridge.export_hf_weights`` (stock) into vLLM's
   native ``ipc`` weight-transfer backend: ``start_weight_update``, ``trainer_send_weights``
   (one handle per tensor, not packed), ``finish_weight_update``.
-* ``floor_ms``: one device copy of the same number of bytes (one memcpy, no per-tensor cost),
-  the least any refit that lands the bytes in the engine's parameters once must spend.
+* ``floor_ms``: one device copy of the same number of bytes (memcpy kernels, no per-tensor cost;
+  over a buffer of at most 4 GiB, copied as often as moves that many bytes), the least any refit that
+  lands the bytes in the engine's parameters once must spend.
 * ``vllm_load_weights_ms``: the engine's own ``load_weights`` on the same tensors, already on
   its GPU (timed inside the engine); ``engine_replay_ms``: our recorded copies, timed the same way.
   ``engine_check_host_ms`` and ``engine_launch_host_ms``: the worker's host time in an apply before
@@ -165,13 +166,30 @@ def live_pointer_reads(llm, parameters: tuple, rounds: int = 5) -> dict:
     return {"parameters": len(parameters), "after_rpc": summary(after_rpc), "again": summary(again)}
 
 
+FLOOR_BUFFER_BYTES = 4 << 30  # the floor's own device memory at most: a 24-layer MoE beside its engine leaves no more
+# on an 80 GB GPU (2026-11-28, H100: one buffer of the 29 GiB of bytes ran out of memory)
+
+
 def floor_ms(nbytes: int, repeats: int = 5) -> float:
-    """One memcpy of ``nbytes`` (half of a buffer into its other half, twice, for the full count)."""
-    half = (nbytes // 2 + 255) // 256 * 256
+    """One memcpy of ``nbytes``: half of a buffer into its other half and back, over a buffer of at most
+    ``FLOOR_BUFFER_BYTES``, as many times as moves ``nbytes`` in all (copies of this size are bound by the
+    memory's bandwidth, not their launches: the time of one copy of every byte)."""
+    half = (min(nbytes, FLOOR_BUFFER_BYTES) // 2 + 255) // 256 * 256
     buffer = torch.empty(2 * half, dtype=torch.uint8, device="cuda")
+    whole, rest = divmod(nbytes, 2 * half)
+
+    def copies(low: torch.Tensor, high: torch.Tensor) -> None:
+        for _ in range(whole):
+            high.copy_(low)
+            low.copy_(high)
+        if rest:
+            high[: rest // 2].copy_(low[: rest // 2])
+            low[: rest - rest // 2].copy_(high[: rest - rest // 2])
+
     low, high = buffer[:half], buffer[half:]
-    times = [timed(lambda high=high, low=low: (high.copy_(low), low.copy_(high))) for _ in range(repeats)]
-    del buffer, low, high
+    times = [timed(lambda low=low, high=high: copies(low, high)) for _ in range(repeats)]
+    del low, high
+    del buffer
     torch.cuda.empty_cache()
     return min(times)
 

@@ -25,7 +25,7 @@
 #                                                 # same bytes and vLLM's native nccl backend fed by stock (2 GPUs)
 #   bash scripts/gpu_run.sh vllm-bench-broadcast-8b  # the same at Qwen3-8B only, the library's defaults
 #   bash scripts/gpu_run.sh vllm-bench  # bench_refit_vllm.py, Qwen3-8B, BF16 then FP8 (vllm-bench-bf16 / vllm-bench-fp8: one of them)
-#   bash scripts/gpu_run.sh vllm-bench-moe  # bench_refit_vllm.py, Qwen3-30B-A3B cut to 24 layers (9,435 tensors), BF16
+#   bash scripts/gpu_run.sh vllm-bench-moe  # bench_refit_vllm.py, Qwen3-30B-A3B cut to 24 layers (9,435 tensors; 12 on an 80 GB GPU), BF16
 #   bash scripts/gpu_run.sh vllm-bench-moe-fp8  # the same into a block-FP8 engine, BF16 quantized on the way
 #   bash scripts/gpu_run.sh sharded     # engine-sharded refit, trainer TP2 -> engine TP2 on 2 GPUs, against the TP1 cached export and stock
 #   bash scripts/gpu_run.sh families    # every registered architecture at TP1 with the TE spec against stock (check_families_gpu.py)
@@ -140,12 +140,16 @@ case "$part" in
     python3 -c "import ray" 2>/dev/null || export PYTHONPATH=$PYTHONPATH:$PWD/scripts/gpu/stubs
     # the native backend sends torch types inside its update_info: vLLM pickles them only when allowed
     export VLLM_ALLOW_INSECURE_SERIALIZATION=1
+    # 24 layers (29 GiB of weights, the trainer's and the engine's copies on one GPU) need an H200's memory;
+    # on an 80 GB H100 both rows ran out of memory (2026-11-28): 12 layers there
+    moe_layers=24
+    [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0)" -lt 100000 ] && moe_layers=12
     if [ "$part" = vllm-bench-moe ]; then
-      step bench_refit_vllm_qwen3-30b-a3b_24layers 400 python3 scripts/bench_refit_vllm.py --model qwen3-30b-a3b --layers 24 --steps 5 --out-dir "$RESULTS"
+      step bench_refit_vllm_qwen3-30b-a3b_${moe_layers}layers 400 python3 scripts/bench_refit_vllm.py --model qwen3-30b-a3b --layers $moe_layers --steps 5 --out-dir "$RESULTS"
       exit
     fi
     if [ "$part" = vllm-bench-moe-fp8 ]; then  # BF16 weights quantized on the way into a block-FP8 engine
-      step bench_refit_vllm_qwen3-30b-a3b_24layers_fp8 400 python3 scripts/bench_refit_vllm.py --model qwen3-30b-a3b --layers 24 --fp8 --steps 5 --out-dir "$RESULTS"
+      step bench_refit_vllm_qwen3-30b-a3b_${moe_layers}layers_fp8 400 python3 scripts/bench_refit_vllm.py --model qwen3-30b-a3b --layers $moe_layers --fp8 --steps 5 --out-dir "$RESULTS"
       exit
     fi
     [ "$part" = vllm-bench-fp8 ] || step bench_refit_vllm_qwen3-8b 330 python3 scripts/bench_refit_vllm.py --model qwen3-8b --steps 5 --out-dir "$RESULTS"
