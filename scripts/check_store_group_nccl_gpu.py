@@ -63,7 +63,7 @@ VLLM_BATCH_INVARIANT_NCCL = {  # what vLLM 0.26's batch-invariant mode sets in i
 def plan_and_tensors(device):
     import torch
 
-    from mbridge_refit.plan.entries import ExportPlan, PlanEntry, TensorSharding
+    from mbridge_refit.testing.plans import replicated_plan
 
     specs = [
         ("embed", (8192, 1024), "bfloat16"),
@@ -73,24 +73,7 @@ def plan_and_tensors(device):
         ("bias", (77,), "float32"),
         ("head", (4096, 1024), "bfloat16"),
     ]
-    sharding = TensorSharding(
-        mesh_dims=("tp",), mesh_shape=(1,), placements=("Replicate()",), pieces=((),), local_shape=()
-    )
-    entries = tuple(
-        PlanEntry(
-            hf_name=n,
-            shape=s,
-            dtype=d,
-            megatron_param=n,
-            pp_rank=0,
-            vpp_stage=0,
-            is_expert=False,
-            kind="x",
-            sharding=sharding,
-        )
-        for n, s, d in specs
-    )
-    plan = ExportPlan(entries=entries, layer_map={}, tp=1, pp=1, ep=1, vpp=1)
+    plan = replicated_plan(*specs)
     gen = torch.Generator().manual_seed(7)
     tensors = [
         (e.hf_name, (torch.randn(e.shape, generator=gen) * 3).to(e.torch_dtype).to(device)) for e in plan.entries

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import REPO, free_port, torchrun
 
-from mbridge_refit.plan.entries import ExportPlan, PlanEntry, TensorSharding
+from mbridge_refit.plan.entries import ExportPlan
 from mbridge_refit.sinks import broadcast_wire
 from mbridge_refit.sinks.packed_broadcast import (
     ALIGN_BYTES,
@@ -27,34 +27,13 @@ from mbridge_refit.sinks.packed_broadcast import (
     checksum,
     plan_fingerprint,
 )
+from mbridge_refit.testing.plans import replicated_plan
 
 CHECKER = str(REPO / "tests" / "ranks" / "packed_broadcast_check.py")
 TIMEOUT_S = 300  # a hang fails the test instead of blocking the suite
 
 
-def _plan(*specs: tuple[str, tuple[int, ...], str]) -> ExportPlan:
-    sharding = TensorSharding(
-        mesh_dims=("tp", "dp"),
-        mesh_shape=(1, 1),
-        placements=("Replicate()", "Replicate()"),
-        pieces=((),),
-        local_shape=(),
-    )
-    entries = tuple(
-        PlanEntry(
-            hf_name=n,
-            shape=s,
-            dtype=d,
-            megatron_param=n,
-            pp_rank=0,
-            vpp_stage=0,
-            is_expert=False,
-            kind="x",
-            sharding=sharding,
-        )
-        for n, s, d in specs
-    )
-    return ExportPlan(entries=entries, layer_map={}, tp=1, pp=1, ep=1, vpp=1)
+_plan = replicated_plan  # the tests here and those importing it
 
 
 PLAN = _plan(

@@ -6,7 +6,8 @@ architecture against stock's, run as ranks), ``roundtrip_conformance`` (the matr
 column: ``convert roundtrip`` against the tiny checkpoint on disk), ``export_comparison`` (a stream
 against its oracle: names, order, dtype, shape, bytes; the FP8 stream the reference quantizer
 expects), ``simulated_ranks`` (one rank of a layout in this process, the others simulated away),
-``parameter_classes`` (engine parameter classes as engines write them: vLLM's dispatching one)
+``parameter_classes`` (engine parameter classes as engines write them: vLLM's dispatching one),
+``plans`` (export plans written out by hand, for the byte protocols' tests and checks)
 and ``tiny_models`` (a tiny config of every registered architecture and its seeded random
 checkpoint in the family's published layout).
 """

@@ -12,11 +12,11 @@ import os
 
 import torch
 
-from mbridge_refit.plan.entries import ExportPlan, PlanEntry, TensorSharding
 from mbridge_refit.sinks import broadcast_buffers
 from mbridge_refit.sinks.bounded_kernels import BLOCK_WORDS, MIN_BYTES, BoundedKernels
 from mbridge_refit.sinks.broadcast_buffers import SendBuffers
 from mbridge_refit.sinks.broadcast_wire import PackedBroadcastConfig, checksum_into
+from mbridge_refit.testing.plans import replicated_plan
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
@@ -88,27 +88,6 @@ for programs in (1, 3, 7, 64):
         problems.append("a copy_summing below MIN_BYTES claims a sum, or differs")
 
 
-def _plan(*specs: tuple[str, tuple[int, ...], str]) -> ExportPlan:
-    sharding = TensorSharding(
-        mesh_dims=("tp",), mesh_shape=(1,), placements=("Replicate()",), pieces=((),), local_shape=()
-    )
-    entries = tuple(
-        PlanEntry(
-            hf_name=n,
-            shape=s,
-            dtype=d,
-            megatron_param=n,
-            pp_rank=0,
-            vpp_stage=0,
-            is_expert=False,
-            kind="x",
-            sharding=sharding,
-        )
-        for n, s, d in specs
-    )
-    return ExportPlan(entries=entries, layer_map={}, tp=1, pp=1, ep=1, vpp=1)
-
-
 def _pack_all(memory: SendBuffers, sources: list[torch.Tensor], label: str, unsummed: set[int] = frozenset()) -> None:
     """The source's order (``PackedBroadcastSender``): each bucket started, its pieces packed, its checksum;
     each bucket checked before the next one in its buffer is packed: its bytes against the sources', its
@@ -142,7 +121,7 @@ def _pack_all(memory: SendBuffers, sources: list[torch.Tensor], label: str, unsu
 # padding in a buffer an earlier bucket filled, the last bucket ending 5 bytes into a word; oracle:
 # broadcast_wire.checksum_into over the bucket's packed bytes.
 MiB = 1 << 20
-plan = _plan(
+plan = replicated_plan(
     ("filled", (6 * MiB,), "int8"),  # buckets 0 and 1: the two buffers hold its bytes when bucket 2 is packed
     ("a", (MiB,), "int8"),
     ("b", (3,), "bfloat16"),
