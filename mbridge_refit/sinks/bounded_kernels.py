@@ -17,7 +17,12 @@ its 1.45 ms); copies on 128 programs take the bandwidth again (54.3 ms), checksu
 uint8 tensors of one length) and ``checksum_into(data, out)`` (the value of
 ``broadcast_wire.checksum_into``: the sum of the 8-byte words modulo 2**64, its trailing bytes
 added one by one; integer sums in any order give the same value, so an end using torch's kernels
-agrees with one using these). Bytes that do not qualify (not on CUDA, not 16-byte aligned, fewer
+agrees with one using these). The source need not read a bucket twice: ``copy_summing`` copies
+and adds the words it moved to a slot's partial sums in the same launch (alone as fast as the
+copy: 13.5 against 13.4 ms for 16.4 GB on an H100), ``sum_ranges`` adds the words of listed
+ranges (what no copy took), ``summed_into`` totals them (``broadcast_buffers.SendBuffers``). On
+2x H100, beside 512 MiB broadcasts, the source's checksum summed so took 48.5 ms against 49.95
+read apart (benchmarks/results/2026-11-28-h100x2/). Bytes that do not qualify (not on CUDA, not 16-byte aligned, fewer
 than ``MIN_BYTES``, a length that is not whole words or past what int32 indices reach) and devices where Triton is absent, fails to
 build or did not reproduce torch's results on probe data (``usable``, once per process and device)
 go through torch's kernels, as does everything with ``programs=0``. The kernels only move and add

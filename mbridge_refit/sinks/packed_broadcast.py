@@ -56,7 +56,8 @@ device work (the source's copies and checksum, a receiver's checksum and consume
 after the broadcasts it needs by stream waits, never by the host. The source's copies and both
 ends' checksums run on a bounded number of GPU programs (``sinks.bounded_kernels``,
 ``PackedBroadcastConfig.device_programs``), so they leave the broadcast beside them its memory
-bandwidth. A ``BucketTimeline``
+bandwidth; there the source's copies sum the bytes they pack (``SendBuffers.checksum``) and a
+receiver sums a landed bucket on a stream beside its consumer's copies (``ReceiveBuffers.side``). A ``BucketTimeline``
 (``sinks.broadcast_timing``) given to either end marks where each bucket's time goes.
 """
 
