@@ -19,7 +19,8 @@ the host's drift alike (first round dropped as warm-up; median and range of the 
   ``_receiver_checksum_only``: what each end's checksum costs; ``_source_fused``: the source's checksum summed by
   its copy (``BoundedKernels.copy_summing``: no second read of the bucket); ``_receiver_beside``: the receiver's
   checksum on a stream of its own while it copies the bucket out; ``_receiver_checksum_ctas{2N}``: on more
-  programs.
+  programs; ``_source_fused_receiver_copies_ctas{N}[_beside]``: and the receiver's copies (an engine's replay)
+  on ``N`` programs too, its checksum after them or beside them.
 * ``buckets_copy_sum_ctas{N}``: copies and checksums by the library's bounded kernels (``sinks.bounded_kernels``)
   on ``N`` programs (fewer SMs, the same bytes): whether spreading their memory traffic over the broadcast's
   time gives NCCL its bandwidth back;
@@ -244,6 +245,12 @@ def main() -> None:
             ),
             f"library_ctas{n}_receiver_checksum_ctas{2 * n}": lambda c=ctas, n=n: bench.bucketed(
                 c, "copy_", c, receive_checksum=f"ctas{2 * n}"
+            ),
+            f"library_ctas{n}_source_fused_receiver_copies_ctas{n}": lambda c=ctas: bench.bucketed(
+                c, c, "fused", receive_checksum=c
+            ),
+            f"library_ctas{n}_source_fused_receiver_copies_ctas{n}_beside": lambda c=ctas: bench.bucketed(
+                c, c, "fused", receive_checksum=c, beside=True
             ),
         }
     times: dict[str, list[float]] = {name: [] for name in variants}
