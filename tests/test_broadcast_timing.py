@@ -52,7 +52,9 @@ def test_receiver_phases_from_marks():
     assert phases["data_wait"] == [1.0, 0.5, 1.0]
     assert phases["broadcast"] == [1.0, 1.0, 1.5]  # bucket 2 could start once bucket 0 was consumed (1.5)
     marks["device"]["summed"][0] = 2.3  # summed after it was consumed: the buffer is posted after both
-    assert receiver_phases(marks, 2)["broadcast"] == [1.0, 1.0, 1.2]
+    late = receiver_phases(marks, 2)
+    assert late["broadcast"] == [1.0, 1.0, 1.2]
+    assert late["data_wait"] == [1.0, 0.0, 1.0]  # bucket 1 landed while bucket 0 was still being summed
 
 
 @pytest.mark.parametrize("checksum", [True, False])

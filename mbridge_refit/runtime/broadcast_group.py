@@ -495,6 +495,7 @@ class StoreGroup:
             time.sleep(delay)
             delay = min(delay * 2, min(poll_s, FAST_POLL_S) if now - began < window else poll_s)
         if self._failure is not None:  # NCCL's abort of a failed group ends its collectives: done, with no result
+            # (a wait on work that had ended before the failure raises too: the group is done for either way)
             raise PeerFailedError(f"{what} on member {self.rank}: {self._failure}")
 
     def _watch(self, store: Any) -> None:

@@ -13,7 +13,7 @@ against 3.9 ms for the 16.4 GB) but well ahead of the broadcast (0.34 and 0.65 m
 its 1.45 ms); copies on 128 programs take the bandwidth again (54.3 ms), checksums on 128 cost
 3 ms (50.0 ms).
 
-``BoundedKernels(device, programs)`` does those two things: ``copy(destination, source)`` (flat
+``BoundedKernels(device, programs)`` does those things: ``copy(destination, source)`` (flat
 uint8 tensors of one length) and ``checksum_into(data, out)`` (the value of
 ``broadcast_wire.checksum_into``: the sum of the 8-byte words modulo 2**64, its trailing bytes
 added one by one; integer sums in any order give the same value, so an end using torch's kernels
@@ -150,7 +150,7 @@ class BoundedKernels:
         """``copy(destination, source)``; where the kernels apply (``fuses``), the same launch also adds the
         word sum of the bytes moved to ``slot``'s partial sums (``summed_into`` reads them). False where
         torch's copy ran instead: those bytes are in no sum."""
-        if not self.fuses(destination, source):
+        if not self._qualifies(destination, source):
             destination.copy_(source)
             return False
         words = source.numel() // WORD_BYTES
@@ -193,7 +193,8 @@ class BoundedKernels:
         )
 
     def summed_into(self, slot: int, out: torch.Tensor) -> None:
-        """``out`` = the wrapping sum of every word ``copy_summing`` added to ``slot`` since ``start_sum``."""
+        """``out`` = the wrapping sum of every word ``copy_summing`` and ``sum_ranges`` added to ``slot``
+        since ``start_sum``."""
         torch.sum(self._partials[slot], dim=0, out=out)
 
     def checksum_into(self, data: torch.Tensor, out: torch.Tensor, slot: int = 0) -> None:
@@ -261,9 +262,10 @@ def usable(device_index: int) -> bool:
             with torch.cuda.device(device):
                 copy_sum_words[(programs,)](source, fused, fused_partials, words, programs, BLOCK=BLOCK_WORDS)
             ranges = torch.tensor([[3, BLOCK_WORDS + 9], [2 * BLOCK_WORDS, 1], [words - 5, 5]], device=device)
-            ranged = torch.zeros_like(partials)
+            ranged, one_range = torch.ones_like(partials), torch.ones_like(partials)  # adds to what is there
             with torch.cuda.device(device):
                 sum_ranges[(2,)](source, ranges, 3, ranged, 2, BLOCK=BLOCK_WORDS)
+                sum_ranges[(1,)](source, ranges[2:], 1, one_range, 1, BLOCK=BLOCK_WORDS)  # the common launch
             in_ranges = int(source[3 : BLOCK_WORDS + 12].sum() + source[2 * BLOCK_WORDS] + source[words - 5 :].sum())
             expected = int(source.sum())
             if (
@@ -271,7 +273,8 @@ def usable(device_index: int) -> bool:
                 or int(partials.sum()) != expected
                 or not torch.equal(fused, source)
                 or int((fused_partials - 1).sum()) != expected
-                or int(ranged.sum()) != in_ranges
+                or int((ranged - 1).sum()) != in_ranges
+                or int((one_range - 1).sum()) != int(source[words - 5 :].sum())
             ):
                 logger.warning("the bounded broadcast kernels do not reproduce torch's on this device: not used")
                 return False

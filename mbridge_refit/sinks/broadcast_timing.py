@@ -13,7 +13,7 @@ Marks, per bucket ``b`` (``n`` buffers per end):
 * receiver, on the consumer's stream: ``landed`` (the stream may go on: bucket ``b`` arrived and
   the stream's earlier work is done), ``consumed`` (the consumer's work on it, e.g. the engine's
   replay, and the split tensors' copies); ``summed`` (its checksum: on CUDA on a stream beside the
-  consumer's, ``ReceiveBuffers.beside``); buffer ``b % n`` may be posted for bucket ``b + n`` once
+  consumer's, ``ReceiveBuffers.side``); buffer ``b % n`` may be posted for bucket ``b + n`` once
   both are done; on a stream of its own: ``received`` (the broadcast ended).
 * host, both ends: ``issued`` (the broadcast of ``b`` issued), and per refit ``handshake`` (its
   verdict in: on the source after bucket 0's copies are issued) and ``status`` (when they returned).
@@ -27,6 +27,7 @@ and the phases each end's marks bound (``source_phases`` / ``receiver_phases``).
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -45,7 +46,9 @@ class BucketTimeline:
         self._host_origin = 0.0
         self._device: dict[str, dict[int, Any]] = {}
         self._host: dict[str, dict[int, float]] = {}
-        self._watcher = torch.cuda.Stream(device=self.device) if self.cuda else None
+        if self.cuda and self.device.index is None:  # "cuda" is the current device: name it
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._watcher = _watcher(self.device) if self.cuda else None
 
     def start(self) -> None:
         """The origin of every mark: now, on the host and on the current stream."""
@@ -98,6 +101,13 @@ class BucketTimeline:
         return round((mark - self._host_origin) * 1e3, 3)
 
 
+@functools.cache
+def _watcher(device: torch.device) -> torch.cuda.Stream:
+    """The one stream per device the timelines wait on collectives with: made once, so timed refits do not
+    walk torch's pool of streams until one is a stream of the refit's own (a receiver's ``side``)."""
+    return torch.cuda.Stream(device=device)
+
+
 def _in_order(marks: dict[int, Any], value) -> list[float | None] | float:
     """Per bucket 0..max, or the one value of a per-refit mark (bucket -1)."""
     if set(marks) == {-1}:
@@ -129,18 +139,18 @@ def receiver_phases(marks: dict[str, Any], buffers: int) -> dict[str, list[float
     """A receiver's phases per bucket, in ms, from its ``summary``: ``checksum`` (landed to summed),
     ``consume`` (landed to consumed: the consumer's work and the split tensors' copies; on CUDA the
     checksum runs beside them, on a stream of its own, elsewhere before them), ``data_wait`` (the
-    consumer's stream waiting for the bucket: consumed of the bucket before to landed), and on CUDA
+    consumer's stream waiting for the bucket: the bucket before consumed and summed, to landed), and on CUDA
     ``broadcast`` (from when its broadcast could start, its buffer consumed and summed and the broadcast
     before it ended, to received)."""
     device = marks["device"]
     landed, summed, consumed, received = (device.get(k, []) for k in ("landed", "summed", "consumed", "received"))
+    done = [_latest(c, s) for c, s in zip(consumed, summed)] if summed else consumed  # the buffer free again
     phases = {
         "checksum": _spans(landed, summed) if summed else [],
         "consume": _spans(landed, consumed),
-        "data_wait": _spans([0.0, *consumed[:-1]], landed),
+        "data_wait": _spans([0.0, *done[:-1]], landed),
     }
     if received:
-        done = [_latest(c, s) for c, s in zip(consumed, summed)] if summed else consumed
         ready = [done[b - buffers] if b >= buffers else 0.0 for b in range(len(received))]
         phases["broadcast"] = _spans([_latest(r, s) for r, s in zip(ready, [0.0, *received[:-1]])], received)
     return phases

@@ -453,8 +453,10 @@ class PackedBroadcastReceiver:
     to keep it. ``num_buffers - 1`` buckets are in flight while one is consumed.
 
     With checksums on, each bucket's checksum is computed on the device as it arrives (the method
-    ``_checksum(bucket, data)``: a subclass may extend it, the fault tests corrupt a bucket there
-    first) and compared with the sender's after the last bucket, with no host read per bucket: a
+    ``_checksum(bucket, data)``: a subclass may extend it, the CPU fault tests corrupt a bucket there
+    first; on CUDA it runs on a stream beside the consumer's, so the consumer must not write into the
+    tensors it is handed, and a write in ``_checksum`` races with the consumer's reads) and compared
+    with the sender's after the last bucket, with no host read per bucket: a
     mismatch raises :class:`ChecksumError` naming the first bad bucket and its tensors once the
     protocol ended (the sender raises too). The bucket's tensors have been yielded by then: a
     refit that raises leaves its consumer's weights untrustworthy, as any failed refit does.
@@ -584,12 +586,14 @@ class PackedBroadcastReceiver:
                     piece.copy_(received)
                 if timeline is not None:
                     timeline.mark("consumed", bucket)
-                if memory.side is not None:  # the checksum beside ended too
+                if config.checksum and memory.side is not None:  # the checksum beside ended too
                     torch.cuda.current_stream(self.device).wait_stream(memory.side)
                 post(next_post)  # this bucket's buffer is free again
                 next_post += 1
         except BaseException as err:
             if not at_yield:  # a collective or a copy failed: the protocol is broken, run no more collectives
+                if config.checksum and memory.side is not None:  # no checksum left writing into memory about to go
+                    torch.cuda.current_stream(self.device).wait_stream(memory.side)
                 post_failure(self.group, "a packed-broadcast receiver", err)
                 raise
             self._finish_protocol(works, post, next_post, STATUS_CONSUMER)  # the consumer raised or stopped early
