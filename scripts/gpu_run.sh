@@ -11,6 +11,8 @@
 #   bash scripts/gpu_run.sh vllm-moe    # the same for Qwen3-30B-A3B cut to 4 layers (128 experts each)
 #   bash scripts/gpu_run.sh vllm-deepseek  # the same for a cut DeepSeek-V3 (recipes/shapes/deepseek-v3-cut.json: MLA with
 #                                          # q_lora, 64 routed + 1 shared expert, noaux_tc sigmoid router), BF16 and FP8
+#   bash scripts/gpu_run.sh contention      # bench_broadcast_contention.py (2 GPUs, torch only): the broadcasts beside the
+#                                           # packed broadcast's copies and checksums, in the library's order and its variants
 #   bash scripts/gpu_run.sh nccl-group      # StoreGroup over NCCL between 2 processes (GPU 0, GPU 1), no vLLM: exact transfer,
 #                                           # NCCL settings mismatch refused, failures and killed members raise on both within 30 s
 #   bash scripts/gpu_run.sh vllm-tp2    # sharded colocated refit into vLLM at tensor_parallel_size=2 == load from disk, trainer
@@ -35,7 +37,7 @@
 #                                          # parameters replaced under the bridge, the freshness check's cost; MoE export TP2 x ETP2
 #   bash scripts/gpu_run.sh training    # export right after a Megatron DDP + distributed-optimizer step; parallel checkpoint write on the host's CPUs
 set -u
-part=${1:?usage: gpu_run.sh fp8|bench|sinks|nccl-group|vllm-dense|vllm-lora|vllm-tp2|vllm-tp2-fp8|vllm-moe|vllm-deepseek|vllm-broadcast|vllm-broadcast-moe|vllm-bench-broadcast|vllm-bench-broadcast-8b|vllm-bench|vllm-bench-bf16|vllm-bench-fp8|vllm-bench-moe|vllm-bench-moe-fp8|sharded|families|moe-bench|trainer-truth|training}
+part=${1:?usage: gpu_run.sh fp8|bench|sinks|contention|nccl-group|vllm-dense|vllm-lora|vllm-tp2|vllm-tp2-fp8|vllm-moe|vllm-deepseek|vllm-broadcast|vllm-broadcast-moe|vllm-bench-broadcast|vllm-bench-broadcast-8b|vllm-bench|vllm-bench-bf16|vllm-bench-fp8|vllm-bench-moe|vllm-bench-moe-fp8|sharded|families|moe-bench|trainer-truth|training}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 RESULTS=/tmp/gpu_results_$part; rm -rf "$RESULTS"; mkdir -p "$RESULTS"
 trap 'tar czf "$OUT/$part.tgz" -C "$RESULTS" .' EXIT
@@ -74,6 +76,10 @@ case "$part" in
     ;;
   nccl-group)
     step store_group_nccl 400 python3 scripts/check_store_group_nccl_gpu.py --out-dir "$RESULTS"
+    ;;
+  contention)
+    # torch only (no install): what the packed broadcast's copies and checksums cost the broadcasts beside them
+    step bench_broadcast_contention 240 torchrun --nproc-per-node 2 scripts/bench_broadcast_contention.py --gib 15.26 --bucket-mib 512 --ctas 64 --out "$RESULTS/bench_broadcast_contention.json"
     ;;
   vllm-dense|vllm-lora|vllm-moe|vllm-deepseek|vllm-tp2*|vllm-broadcast*|vllm-bench*)
     # block-FP8 engines on Hopper: DeepGEMM re-encodes the scales as powers of two after loading (E8M0),
