@@ -21,8 +21,9 @@ agrees with one using these). The source need not read a bucket twice: ``copy_su
 and adds the words it moved to a slot's partial sums in the same launch (alone as fast as the
 copy: 13.5 against 13.4 ms for 16.4 GB on an H100), ``sum_ranges`` adds the words of listed
 ranges (what no copy took), ``summed_into`` totals them (``broadcast_buffers.SendBuffers``). On
-2x H100, beside 512 MiB broadcasts, the source's checksum summed so took 48.5 ms against 49.95
-read apart (benchmarks/results/2026-11-28-h100x2/). Bytes that do not qualify (not on CUDA, not 16-byte aligned, fewer
+2x H100 the 512 MiB broadcasts beside the source's work took 48.5 ms with its checksum summed so,
+49.95 with it read apart and 50.44 with none: the gain is the work's order, not its bytes
+(benchmarks/results/2026-11-28-h100x2/). Bytes that do not qualify (not on CUDA, not 16-byte aligned, fewer
 than ``MIN_BYTES``, a length that is not whole words or past what int32 indices reach) and devices where Triton is absent, fails to
 build or did not reproduce torch's results on probe data (``usable``, once per process and device)
 go through torch's kernels, as does everything with ``programs=0``. The kernels only move and add

@@ -214,8 +214,9 @@ class ReceiveBuffers:
         self.scratch = torch.empty(self.packing.max_split_bytes(), dtype=torch.uint8, device=self.device)
         self.kernels = BoundedKernels(self.device, config.device_programs, slots=self.packing.num_buckets)
         # on CUDA, the stream a landed bucket's checksum runs on, beside its consumer's copies (both only read the
-        # bucket; measured on 2x H100 with scripts/bench_broadcast_contention.py: the broadcasts beside them end
-        # 1.3 ms sooner over 16.4 GB); the consumer's stream waits for it before the buffer is posted again
+        # bucket; on 2x H100 in scripts/bench_broadcast_contention.py the broadcasts beside them ended 1.3 ms sooner
+        # over 16.4 GB, not measured inside an engine); the consumer's stream waits for it before the buffer is
+        # posted again
         self.side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.events = bucket_events(self.packing)
         self.data = [self.buffers[b % count][: self.packing.bucket_length(b)] for b in range(self.packing.num_buckets)]
