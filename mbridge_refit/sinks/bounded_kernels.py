@@ -148,7 +148,8 @@ class BoundedKernels:
             self._partials[slot].zero_()
 
     def copy_summing(self, destination: torch.Tensor, source: torch.Tensor, slot: int) -> bool:
-        """``copy(destination, source)``; where the kernels apply (``fuses``), the same launch also adds the
+        """``copy(destination, source)``; where the kernels apply (``fusable`` bytes, both ends flat and
+        aligned on this device), the same launch also adds the
         word sum of the bytes moved to ``slot``'s partial sums (``summed_into`` reads them). False where
         torch's copy ran instead: those bytes are in no sum."""
         if not self._qualifies(destination, source):
@@ -166,11 +167,6 @@ class BoundedKernels:
                 BLOCK=BLOCK_WORDS,
             )
         return True
-
-    def fuses(self, destination: torch.Tensor, source: torch.Tensor) -> bool:
-        """Whether ``copy_summing(destination, source, ...)`` sums as it copies: ``fusable`` bytes, both ends
-        flat and aligned on this device."""
-        return self.fusable(source.numel()) and self._qualifies(destination, source)
 
     def sum_ranges(self, data: torch.Tensor, ranges: torch.Tensor, slot: int) -> None:
         """Add the wrapping sum of ``data``'s 8-byte words in ``ranges`` (int64[k, 2]: first word, words; on

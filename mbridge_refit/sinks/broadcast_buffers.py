@@ -8,8 +8,8 @@ allocates nothing:
   (the sender checks the export against them), and, made by the source rank's sender before its
   handshake's header goes out, the rotating buffers, the checksum slots, every tensor's destination views in them and the
   bounded kernels that pack and checksum them (``sinks.bounded_kernels``): where those kernels run, a bucket's copies
-  sum the bytes they move as they move them, so its checksum adds only the words of the tensors too short for
-  them (``rest_ranges``) instead of reading the whole bucket a second time.
+  sum the bytes they move as they move them, so its checksum adds only the words no copy took (the short pieces
+  and the padding: ``rest_ranges``) instead of reading the whole bucket a second time.
 * ``ReceiveBuffers`` (a receiver): the rotating buffers, their checksum slots, the scratch for
   tensors split across buckets, each bucket's tensors as views of them and the bounded kernels that
   checksum them, made once.
