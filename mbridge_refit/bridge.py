@@ -86,6 +86,19 @@ class FP8Export:
     scales: PlanExporter | None  # scale_inv shards of the weights the trainer keeps as FP8
     shipped_scales: frozenset[str]  # HF names of those weights
     bucket_sizes: dict[str, int]  # bytes yielded per BF16-plan tensor: buckets hold what the FP8 export yields
+    _needed: dict = field(default_factory=dict)  # weights_needed's, per ``only`` (a steady refit passes one)
+
+    def weights_needed(self, only: frozenset[str]) -> frozenset[str]:
+        """The BF16-plan names an export of ``only`` reads: the selected weights and the weights whose
+        scales are selected (kept per set of names: a few sets, the same every step of a refit)."""
+        needed = self._needed.get(only)
+        if needed is None:
+            if len(self._needed) >= 8:
+                self._needed.clear()
+            needed = self._needed[only] = frozenset(
+                e.scale_of or e.hf_name for e in self.plan.entries if e.hf_name in only
+            )
+        return needed
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -804,9 +817,7 @@ class RefitBridge(AutoBridge):
         LoRA adapters are merged into their weights before those are quantized."""
         fp8 = self.fp8_export(chunks, config)
         lora = self._fp8_adapters(chunks, fp8)
-        needed = None
-        if only is not None and fp8.scales is None:
-            needed = frozenset(e.scale_of or e.hf_name for e in fp8.plan.entries if e.hf_name in only)
+        needed = fp8.weights_needed(only) if only is not None and fp8.scales is None else None
         buckets = fp8.weights.export_buckets(
             buffers,
             show_progress=show_progress,

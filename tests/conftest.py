@@ -118,11 +118,21 @@ class MarginalCalls:
         return self.many["tensors"] - self.few["tensors"]
 
 
-def marginal_calls(script: str, flag: str, sizes: tuple[int, int], result: Path) -> MarginalCalls:
-    """Run ``tests/ranks/<script> <flag> <small> <large> --result <result>`` in a process of its own
-    and read the counts of the two sizes."""
+def marginal_calls(
+    script: str, flag: str, sizes: tuple[int, int], result: Path, extra: tuple[str, ...] = ()
+) -> MarginalCalls:
+    """Run ``tests/ranks/<script> <flag> <small> <large> --result <result> <extra...>`` in a process of
+    its own and read the counts of the two sizes."""
     run = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "ranks" / script), flag, *map(str, sizes), "--result", str(result)],
+        [
+            sys.executable,
+            str(REPO / "tests" / "ranks" / script),
+            flag,
+            *map(str, sizes),
+            "--result",
+            str(result),
+            *extra,
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,

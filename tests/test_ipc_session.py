@@ -294,3 +294,80 @@ def test_only_a_single_worker_s_event_is_waited_on(monkeypatch):
     session.refit_stream(iter(tensors))
     session.refit_stream(iter(tensors))
     assert opened == []
+
+
+def _fp8_oracle(bridge, chunks) -> dict[str, torch.Tensor]:
+    """The FP8 refit's oracle: Megatron-Bridge's own (stock) export of the model as it is now, each
+    weight the FP8 plan quantizes passed through the reference quantizer, its scale after it."""
+    from mbridge_refit.fp8.reference import quantize_reference
+
+    plan = bridge.export_plan(chunks, fp8="blockwise")
+    scale_name = {e.scale_of: e.hf_name for e in plan.entries if e.scale_of is not None}
+    out = {}
+    for name, tensor in bridge.export_hf_weights_stock(chunks, show_progress=False):
+        if name in scale_name:
+            out[name], out[scale_name[name]] = quantize_reference(tensor.detach().clone())
+        else:
+            out[name] = tensor.detach().clone()
+    return out
+
+
+def test_a_steady_fp8_refit_skips_noting_each_tensor_only_while_they_stay_where_they_were(monkeypatch):
+    """The FP8 export's tensors are the export's held buffers. A steady refit that finds the last
+    refit's very tensor objects at the same addresses (``ExportSnapshot``) notes none of them
+    (``LayoutRecorder.add``); once the export's buffers are freed and made anew, the refit notes them
+    and shares the new layout, and the engine holds the new weights, not the old buffers' (which the
+    session still holds, so a wrong shortcut would read them: stale values, not a crash)."""
+    from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.convert.session import distributed_session
+    from mbridge_refit.engines import sharing
+    from mbridge_refit.models import recipes
+    from mbridge_refit.models.builder import BuildOptions, build_model
+    from mbridge_refit.plan.layout import ParallelLayout
+    from mbridge_refit.testing.conformance import restored_environment
+
+    cpu, layout = torch.device("cpu"), ParallelLayout()
+    noted = []
+    add = sharing.LayoutRecorder.add
+    monkeypatch.setattr(
+        sharing.LayoutRecorder, "add", lambda self, name, *a, **k: (noted.append(name), add(self, name, *a, **k))[1]
+    )
+    with restored_environment(), distributed_session(layout, device=cpu, timeout=datetime.timedelta(minutes=2)):
+        bridge = RefitBridge.from_hf_config(recipes.get_model_recipe("qwen3-tiny").to_hf_config())
+        chunks = build_model(bridge, layout, BuildOptions(device=cpu, params_dtype=torch.bfloat16))
+        expected = _fp8_oracle(bridge, chunks)
+        engine = Engine(expected)
+        worker = Worker(engine)
+
+        def call_workers(method, *args):
+            return pickle.loads(pickle.dumps([getattr(worker, method)(*pickle.loads(pickle.dumps(args)))]))
+
+        def engine_differs(oracle) -> list[str]:
+            state = engine.state()
+            assert set(state) == set(oracle) - {SKIPPED}
+            return [n for n in state if not torch.equal(state[n].view(torch.uint8), oracle[n].view(torch.uint8))]
+
+        session = IpcSession(call_workers, transport=LocalTransport(), ignored=lambda bridge: frozenset({SKIPPED}))
+        first = session.refit(bridge, chunks, fp8="blockwise")
+        assert first.opened and engine_differs(expected) == []
+        quantized = sum(1 for name in expected if name.endswith("weight_scale_inv"))
+        assert quantized > 0
+
+        change_weights(bridge, chunks)
+        noted.clear()
+        second = session.refit(bridge, chunks, fp8="blockwise")
+        assert not second.opened and noted == []  # the same tensors, where they were: nothing noted
+        assert engine_differs(_fp8_oracle(bridge, chunks)) == []
+
+        change_weights(bridge, chunks)
+        bridge.release_export_buffers()  # the next export writes into buffers made anew
+        third = session.refit(bridge, chunks, fp8="blockwise")
+        assert engine_differs(_fp8_oracle(bridge, chunks)) == []
+        assert len(noted) >= 2 * quantized and third.opened  # other tensors: noted, and shared anew
+
+        noted.clear()
+        change_weights(bridge, chunks)
+        fourth = session.refit(bridge, chunks, fp8="blockwise")
+        assert not fourth.opened and noted == [] and engine_differs(_fp8_oracle(bridge, chunks)) == []
+        session.close()
+        bridge.release_export_buffers()

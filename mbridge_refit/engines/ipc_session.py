@@ -12,7 +12,9 @@ the engine's follow-up (``after_weights_written``) and, over CUDA IPC, a wait on
 worker recorded after launching its copies (``engines.completion``): the RPC returns once the copies
 are launched, so the follow-up runs while they do, and ``refit`` returns once the engine's
 parameters hold the new weights. No bytes are packed or staged, nothing is allocated after the
-first step on either side.
+first step on either side. A steady step that finds the export's tensors to be the last step's very
+objects at the same addresses (``engines.sharing.ExportSnapshot``) notes none of them anew; any other
+export is noted tensor by tensor and, where it moved, shared anew.
 
 Who calls it: an engine adapter's ``ipc`` session (for vLLM ``engines.vllm.VLLMRefit``, a subclass)
 binds the three things that are its engine's: ``call_workers(method, *args)`` (the RPC to every
@@ -51,6 +53,7 @@ from mbridge_refit.engines.base import CallWorkers, RefitStep
 from mbridge_refit.engines.completion import DoneSignal
 from mbridge_refit.engines.sharing import (
     CudaIpcTransport,
+    ExportSnapshot,
     LayoutRecorder,
     SharedLayout,
     Transport,
@@ -138,6 +141,8 @@ class IpcSession:
         self._held: list = []  # storages the engine maps: kept alive while it may read them
         self._payload: bytes | None = None
         self._routes: _Routes | None = None  # the last refit's (held until close)
+        # the last refit's exported tensors (held until close) and the key they made
+        self._steady: tuple[ExportSnapshot, tuple] | None = None
         self._rows_out: dict[str, torch.Tensor] = {}  # copies of live row runs the engine's loader reads at an open
         self._done: DoneSignal | None = None  # the engine's replay event (CUDA IPC), waited on after each apply
         self.last_report: dict[str, Any] | None = None
@@ -172,19 +177,28 @@ class IpcSession:
         if not sender:
             drain(stream, DiscardSink())
             return None
-        exported = LayoutRecorder()
-        tensors: dict[str, torch.Tensor] = {}
-        for name, tensor in stream:  # held outputs: valid until the next export
-            if name in routes.ignored:
-                continue
-            exported.add(name, tensor)
-            tensors[name] = tensor
-        key = (exported.key, live_pointers(routes.live_parameters))  # .data swaps change it
+        ignored = routes.ignored
+        pairs = [pair for pair in stream if pair[0] not in ignored]  # held outputs: valid until the next export
+        snapshot = ExportSnapshot(pairs)
+        exported = self._exported_key(snapshot, pairs)
+        self._steady = (snapshot, exported) if through is None else None
+        key = (exported, live_pointers(routes.live_parameters))  # .data swaps change it
         export_cpu_ms = (time.thread_time() - started_cpu) * 1e3  # before the wait for the device, which may spin
         _synchronize_trainer()  # the engine reads from another process
         if through is None and self._layout is not None and key == self._key:
             return self._apply(started, export_cpu_ms)
-        return self._open_step(routes, tensors, key if through is None else None, through, started)
+        return self._open_step(routes, dict(pairs), key if through is None else None, through, started)
+
+    def _exported_key(self, snapshot: ExportSnapshot, pairs: list[tuple[str, torch.Tensor]]) -> tuple:
+        """Where the exported tensors are: the last refit's key when they are its very tensors at the
+        same addresses (``ExportSnapshot``; the snapshot holds that refit's tensors, so no other
+        storage took their addresses meanwhile), else noted tensor by tensor."""
+        if self._steady is not None and snapshot.same_as(self._steady[0]):
+            return self._steady[1]
+        exported = LayoutRecorder()
+        for name, tensor in pairs:
+            exported.add(name, tensor)
+        return exported.key
 
     def refit_stream(self, stream: Stream, *, started: float | None = None) -> RefitStep:
         """Apply ``stream`` (``(hf_name, tensor)`` on this GPU, each valid until the stream ends);
@@ -322,6 +336,7 @@ class IpcSession:
             self._rpc("mbridge_refit_close")
         self._release_payload()
         self._layout, self._key, self._held, self._rows_out, self._routes = None, None, [], {}, None
+        self._steady = None
         self._done = None
 
     def _release_payload(self) -> None:

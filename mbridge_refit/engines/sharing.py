@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 import uuid
 from dataclasses import dataclass
 from functools import cached_property
@@ -43,6 +44,7 @@ from mbridge_refit.errors import EngineError
 __all__ = [
     "TRANSPORTS",
     "CudaIpcTransport",
+    "ExportSnapshot",
     "LayoutRecorder",
     "LocalTransport",
     "RowsRef",
@@ -180,6 +182,39 @@ def _ref_from_wire(name, storage, dtype, shape, stride, offset, rows, shard=None
         RowsRef.from_wire(rows),
         ShardBox.from_wire(shard),
     )
+
+
+class ExportSnapshot:
+    """Trainer side: one export's ``(name, tensor)`` pairs and each tensor's data address, held, so
+    the next export can be told to sit exactly where this one did without noting each tensor anew.
+
+    A steady cached export (``hold_outputs``) yields the very same tensor objects every step (the
+    exporter's held outputs and its kept views of parameters; it makes new ones when a buffer or a
+    parameter's storage moves). ``same_as(previous)`` is true when every name, tensor object and
+    data address equals the previous export's, position by position. A tensor object whose
+    metadata changes in place keeps its address only if the storage stays (the caller holds the
+    previous export's storages, so no other storage can take that address); the exporter never
+    changes its outputs' metadata in place. Per tensor the snapshot costs one data-address read
+    (``Tensor.data_ptr``, one call into C) and the list compares run in C, where ``LayoutRecorder``
+    builds a key of seven fields with a Python call per tensor: at 18,747 tensors (an FP8 MoE
+    export) the difference is most of the trainer's host time of a steady step.
+    """
+
+    __slots__ = ("names", "tensors", "pointers")
+
+    def __init__(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        self.names = [name for name, _ in pairs]
+        self.tensors = [tensor for _, tensor in pairs]
+        self.pointers = list(map(torch.Tensor.data_ptr, self.tensors))
+
+    def same_as(self, previous: "ExportSnapshot | None") -> bool:
+        """Whether this export's tensors are the previous export's objects, at the same addresses."""
+        return (
+            previous is not None
+            and self.pointers == previous.pointers
+            and self.names == previous.names
+            and all(map(operator.is_, self.tensors, previous.tensors))
+        )
 
 
 class LayoutRecorder:

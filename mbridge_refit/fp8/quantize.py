@@ -108,7 +108,7 @@ def quantize_bucket_lists(
     list is requested."""
     scales = {e.scale_of: e for e in plan.entries if e.scale_of is not None}
     for bucket in buckets:
-        names = tuple(name for name, _ in bucket)
+        names = tuple([name for name, _ in bucket])
         quantizer = buffers.memo.get(("fp8", names))
         if quantizer is None:
             quantizer = buffers.memo[("fp8", names)] = BucketQuantizer.build(bucket, scales, buffers)
@@ -173,7 +173,7 @@ class BucketQuantizer:
     def run(self, sources: list, buffers: ExportBuffers) -> None:
         """Quantize this export's ``sources`` (the bucket's tensors at ``positions``)."""
         sources = self._resolved(sources)
-        key = tuple((x.data_ptr(), x.stride(0) if x.dim() else 0) for x in sources)
+        key = tuple([(x.data_ptr(), x.stride(0) if x.dim() else 0) for x in sources])
         if key != self._sources_key:
             self._plan_launches(sources)
             self._sources_key = key

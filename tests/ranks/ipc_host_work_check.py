@@ -1,16 +1,20 @@
 """Host work of a steady colocated refit's trainer side (``engines.ipc_session.IpcSession.refit``), per
 engine tensor, counted (not timed): run by tests/test_host_work.py in a process of its own (one CPU rank, TP1).
 
-Usage: ipc_host_work_check.py --experts N [N ...] --result FILE
+Usage: ipc_host_work_check.py --experts N [N ...] --result FILE [--fp8]
 
 For each expert count, builds the tiny Qwen3-MoE recipe with that many routed experts (every engine
-tensor is then live: read by the engine from the trainer's parameters), refits an engine stand-in three
+tensor is then live: read by the engine from the trainer's parameters; with ``--fp8`` the weights
+are quantized on the way, so they are exported every refit, into held buffers), refits an engine stand-in three
 times (its workers only answer: the engine's replay is not the trainer's host work), then counts the
 Python function calls and the calls into C that a fourth refit makes on the trainer, through
 ``sys.setprofile``. Writes {experts: {"tensors", "python_calls", "c_calls"}} to FILE.
 """
 
 from __future__ import annotations
+
+import functools
+import sys
 
 import torch
 from host_work_check import count_calls, main
@@ -28,7 +32,7 @@ def answering_workers(method: str, *args):
     return [{} if method == "mbridge_refit_open" else 0.0]
 
 
-def measure(experts: int) -> dict[str, int]:
+def measure(experts: int, fp8: str | None = None) -> dict[str, int]:
     config = recipes.get_model_recipe("qwen3-moe-tiny").to_hf_config()
     config.num_experts = experts
     config.architectures = ["Qwen3MoeForCausalLM"]
@@ -37,15 +41,18 @@ def measure(experts: int) -> dict[str, int]:
         bridge, ParallelLayout(), BuildOptions(device=torch.device("cpu"), params_dtype=torch.bfloat16)
     )
     session = IpcSession(answering_workers, transport=LocalTransport())
-    steps = [session.refit(bridge, chunks) for _ in range(3)]
+    steps = [session.refit(bridge, chunks, fp8=fp8) for _ in range(3)]
     if not steps[0].opened or any(step.opened for step in steps[1:]):
         raise SystemExit(f"expected one open, then replays: {[step.opened for step in steps]}")
 
     def refit() -> int:
-        return session.refit(bridge, chunks).tensors
+        return session.refit(bridge, chunks, fp8=fp8).tensors
 
     return count_calls(refit)
 
 
 if __name__ == "__main__":
-    main(measure, __doc__)
+    fp8 = "--fp8" in sys.argv
+    if fp8:
+        sys.argv.remove("--fp8")
+    main(functools.partial(measure, fp8="blockwise" if fp8 else None), __doc__)
