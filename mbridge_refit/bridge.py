@@ -86,19 +86,28 @@ class FP8Export:
     scales: PlanExporter | None  # scale_inv shards of the weights the trainer keeps as FP8
     shipped_scales: frozenset[str]  # HF names of those weights
     bucket_sizes: dict[str, int]  # bytes yielded per BF16-plan tensor: buckets hold what the FP8 export yields
-    _needed: dict = field(default_factory=dict)  # weights_needed's, per ``only`` (a steady refit passes one)
+    _needed: dict = field(default_factory=dict)  # _selection's, per ``only`` (a steady refit passes one)
 
     def weights_needed(self, only: frozenset[str]) -> frozenset[str]:
         """The BF16-plan names an export of ``only`` reads: the selected weights and the weights whose
-        scales are selected (kept per set of names: a few sets, the same every step of a refit)."""
-        needed = self._needed.get(only)
-        if needed is None:
+        scales are selected."""
+        return self._selection(only)[0]
+
+    def yields_only(self, only: frozenset[str]) -> bool:
+        """Whether reading ``weights_needed(only)`` yields names of ``only`` alone (each weight read
+        and its scale both selected), so that nothing is left to filter out."""
+        return self._selection(only)[1]
+
+    def _selection(self, only: frozenset[str]) -> tuple[frozenset[str], bool]:
+        """Kept per set of names: a few sets, the same every step of a refit."""
+        selection = self._needed.get(only)
+        if selection is None:
             if len(self._needed) >= 8:
                 self._needed.clear()
-            needed = self._needed[only] = frozenset(
-                e.scale_of or e.hf_name for e in self.plan.entries if e.hf_name in only
-            )
-        return needed
+            needed = frozenset(e.scale_of or e.hf_name for e in self.plan.entries if e.hf_name in only)
+            yielded = {e.hf_name for e in self.plan.entries if e.hf_name in needed or e.scale_of in needed}
+            selection = self._needed[only] = (needed, yielded <= only)
+        return selection
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -832,7 +841,7 @@ class RefitBridge(AutoBridge):
             buckets = _with_trainer_scales(
                 buckets, fp8.scales.export(buffers), fp8.shipped_scales, in_buckets=in_buckets
             )
-        if only is not None:
+        if only is not None and (fp8.scales is not None or not fp8.yields_only(only)):
             buckets = ([(name, tensor) for name, tensor in bucket if name in only] for bucket in buckets)
         return buckets
 

@@ -84,8 +84,9 @@ class PlanExporter:
         # it was (``_views_of``), so a steady export does no per-tensor torch work for them.
         self._view_ops = frozenset(id(op) for op in self._ops if self._only_views(op))
         self._views: dict[int, tuple[int, list[torch.Tensor]]] = {}
-        # needed names -> (the buckets, ops_holding of them): a consumer passes the same names every step
-        self._holding: dict[frozenset[str], tuple[list[Bucket], dict[int, frozenset[int]]]] = {}
+        # needed names -> (the buckets, ops_holding of them, the buckets with nothing to leave out): a
+        # consumer passes the same names every step
+        self._holding: dict[frozenset[str], tuple[list[Bucket], dict[int, frozenset[int]], frozenset[int]]] = {}
 
     def buckets(self, sizes: Mapping[str, int] | None = None) -> list[Bucket]:
         """The buckets an export runs (built once per ``bucket_bytes`` and ``sizes`` mapping)."""
@@ -167,7 +168,7 @@ class PlanExporter:
         that yield a needed tensor gather anything.
         """
         buckets = self.buckets(bucket_sizes)
-        run = None if needed is None else self._ops_holding(buckets, needed)
+        run, whole = (None, frozenset()) if needed is None else self._ops_holding(buckets, needed)
         progress = _progress(len(self.plan.entries) if needed is None else len(needed), show_progress)
         yielded: dict[str, torch.Tensor] = {}
         with torch.no_grad():
@@ -177,20 +178,30 @@ class PlanExporter:
                 buffers.bucket = number
                 slots = None if run is None else run[number]
                 items = self._bucket_items(bucket, buffers, yielded, select_rows_lazily, slots)
-                if needed is not None:
+                if needed is not None and number not in whole:
                     items = [item for item in items if item[0] in needed]
                 yield items
                 progress.update(len(items))
         progress.close()
 
-    def _ops_holding(self, buckets: list[Bucket], needed: frozenset[str]) -> dict[int, frozenset[int]]:
-        """``ops_holding``, kept per set of names (a few sets; a steady refit passes the same one every step)."""
+    def _ops_holding(
+        self, buckets: list[Bucket], needed: frozenset[str]
+    ) -> tuple[dict[int, frozenset[int]], frozenset[int]]:
+        """``ops_holding``, and the buckets whose running ops yield needed names only (nothing to
+        leave out of them), kept per set of names (a few sets; a steady refit passes the same one
+        every step)."""
         cached = self._holding.get(needed)
         if cached is None or cached[0] is not buckets:
             if len(self._holding) >= 8:
                 self._holding.clear()
-            cached = self._holding[needed] = (buckets, ops_holding(buckets, needed, self.plan))
-        return cached[1]
+            run = ops_holding(buckets, needed, self.plan)
+            whole = frozenset(
+                number
+                for number, slots in run.items()
+                if all(e.hf_name in needed for slot in slots for e in buckets[number].ops[slot].entries)
+            )
+            cached = self._holding[needed] = (buckets, run, whole)
+        return cached[1], cached[2]
 
     def _bucket_items(
         self,
