@@ -22,6 +22,7 @@ of a many-expert model does no torch work per tensor for them (``tests/test_host
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
@@ -84,6 +85,10 @@ class PlanExporter:
         # it was (``_views_of``), so a steady export does no per-tensor torch work for them.
         self._view_ops = frozenset(id(op) for op in self._ops if self._only_views(op))
         self._views: dict[int, tuple[int, list[torch.Tensor]]] = {}
+        # id(bucket) -> (the bucket, its slots, a getter of the parameters its running ops read, those
+        # parameters, their addresses, the assembled views) for buckets whose running ops are all view
+        # ops (``_kept_views``)
+        self._bucket_views: dict[int, tuple] = {}
         # needed names -> (the buckets, ops_holding of them, the buckets with nothing to leave out): a
         # consumer passes the same names every step
         self._holding: dict[frozenset[str], tuple[list[Bucket], dict[int, frozenset[int]], frozenset[int]]] = {}
@@ -240,6 +245,9 @@ class PlanExporter:
         ``slots``)."""
         if bucket.pp_rank != self._groups.pp_rank:
             return [None] * len(bucket.ops)
+        kept = self._kept_views(bucket, slots)
+        if kept is not None:
+            return kept
         runs = [op.source is not None and (slots is None or slot in slots) for slot, op in enumerate(bucket.ops)]
         views = [runs[slot] and id(op) in self._view_ops for slot, op in enumerate(bucket.ops)]
         launch = [run and not view for run, view in zip(runs, views)]
@@ -256,7 +264,7 @@ class PlanExporter:
             with coalesced(group, gathers, self.device):
                 for slot, op in enumerate(bucket.ops):
                     gathered.append(self._launch_gathers(op, slot, buffers) if launch[slot] else {})
-        return [
+        assembled = [
             self._views_of(op, slot, buffers)
             if views[slot]
             else self._assemble(op, slot, gathered[slot], buffers)
@@ -264,6 +272,33 @@ class PlanExporter:
             else None
             for slot, op in enumerate(bucket.ops)
         ]
+        names = [op.source for op, view in zip(bucket.ops, views) if view]
+        if names and not any(
+            launch
+        ):  # nothing gathered or built: every running op's tensors are views of its parameter
+            params = _parameters(self.params, operator.itemgetter(*names))
+            self._bucket_views[id(bucket)] = (
+                bucket,
+                slots,
+                operator.itemgetter(*names),
+                params,
+                list(map(torch.Tensor.data_ptr, params)),
+                assembled,
+            )
+        return assembled
+
+    def _kept_views(self, bucket: Bucket, slots: frozenset[int] | None) -> list | None:
+        """A views-only bucket's assembled views as the last export left them, while the model holds
+        the same parameter objects (a replaced parameter is found in ``params`` by its name) with their
+        data where it was (a ``.data`` swap moves it): C calls only, none of ``_views_of``'s per-op
+        Python; None otherwise. The entry holds the bucket, so its id is its own."""
+        kept = self._bucket_views.get(id(bucket))
+        if kept is None or kept[0] is not bucket or kept[1] != slots:
+            return None
+        params = _parameters(self.params, kept[2])
+        if not all(map(operator.is_, params, kept[3])) or list(map(torch.Tensor.data_ptr, params)) != kept[4]:
+            return None
+        return kept[5]
 
     def _only_views(self, op: Op) -> bool:
         """Whether every HF tensor of ``op`` is, on this rank, a view of its one local parameter read
@@ -490,6 +525,12 @@ def ops_holding(buckets: list[Bucket], needed: frozenset[str], plan: ExportPlan)
         if slots:
             run[number] = slots
     return run
+
+
+def _parameters(params: dict[str, torch.Tensor], get: operator.itemgetter) -> tuple[torch.Tensor, ...]:
+    """The parameters ``get`` names, as a tuple (an itemgetter of one name returns the item itself)."""
+    found = get(params)
+    return found if isinstance(found, tuple) else (found,)
 
 
 def _gather(local: torch.Tensor, group: Any, size: int, buffers: ExportBuffers, role: str, index: Any) -> torch.Tensor:
