@@ -86,7 +86,7 @@ class FP8Export:
     scales: PlanExporter | None  # scale_inv shards of the weights the trainer keeps as FP8
     shipped_scales: frozenset[str]  # HF names of those weights
     bucket_sizes: dict[str, int]  # bytes yielded per BF16-plan tensor: buckets hold what the FP8 export yields
-    _needed: dict = field(default_factory=dict)  # _selection's, per ``only`` (a steady refit passes one)
+    _needed: dict = field(default_factory=dict, repr=False, compare=False)  # _selection's, per ``only``
 
     def weights_needed(self, only: frozenset[str]) -> frozenset[str]:
         """The BF16-plan names an export of ``only`` reads: the selected weights and the weights whose

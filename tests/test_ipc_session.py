@@ -312,7 +312,9 @@ def _fp8_oracle(bridge, chunks) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_a_steady_fp8_refit_skips_noting_each_tensor_only_while_they_stay_where_they_were(monkeypatch):
+def test_a_steady_fp8_refit_skips_noting_each_tensor_only_while_they_stay_where_they_were(
+    monkeypatch, source_checkpoints
+):
     """The FP8 export's tensors are the export's held buffers. A steady refit that finds the last
     refit's very tensor objects at the same addresses (``ExportSnapshot``) notes none of them
     (``LayoutRecorder.add``); once the export's buffers are freed and made anew, the refit notes them
@@ -321,7 +323,6 @@ def test_a_steady_fp8_refit_skips_noting_each_tensor_only_while_they_stay_where_
     from mbridge_refit.bridge import RefitBridge
     from mbridge_refit.convert.session import distributed_session
     from mbridge_refit.engines import sharing
-    from mbridge_refit.models import recipes
     from mbridge_refit.models.builder import BuildOptions, build_model
     from mbridge_refit.plan.layout import ParallelLayout
     from mbridge_refit.testing.conformance import restored_environment
@@ -333,9 +334,12 @@ def test_a_steady_fp8_refit_skips_noting_each_tensor_only_while_they_stay_where_
         sharing.LayoutRecorder, "add", lambda self, name, *a, **k: (noted.append(name), add(self, name, *a, **k))[1]
     )
     with restored_environment(), distributed_session(layout, device=cpu, timeout=datetime.timedelta(minutes=2)):
-        bridge = RefitBridge.from_hf_config(recipes.get_model_recipe("qwen3-tiny").to_hf_config())
+        hf_dir = source_checkpoints("qwen3-tiny")
+        bridge = RefitBridge.from_hf_pretrained(hf_dir)
         chunks = build_model(bridge, layout, BuildOptions(device=cpu, params_dtype=torch.bfloat16))
+        bridge.load_hf_shards(chunks, hf_dir)  # finite weights (a model built alone may hold any bits)
         expected = _fp8_oracle(bridge, chunks)
+        assert all(torch.isfinite(t.float()).all() for t in expected.values())
         engine = Engine(expected)
         worker = Worker(engine)
 
@@ -347,27 +351,42 @@ def test_a_steady_fp8_refit_skips_noting_each_tensor_only_while_they_stay_where_
             assert set(state) == set(oracle) - {SKIPPED}
             return [n for n in state if not torch.equal(state[n].view(torch.uint8), oracle[n].view(torch.uint8))]
 
+        generator = torch.Generator().manual_seed(7)
+
+        def change() -> dict[str, torch.Tensor]:
+            """New values in every parameter (seeded noise: every quantized weight's bits change, which
+            repeated affine changes do not guarantee), in place; the new oracle, which must differ
+            from what the engine holds in every quantized weight, or a stale engine could pass."""
+            with torch.no_grad():
+                for chunk in chunks:
+                    for param in chunk.parameters():
+                        param.add_(torch.randn(param.shape, generator=generator).to(param.dtype))
+            oracle = _fp8_oracle(bridge, chunks)
+            stale = {n for n in engine_differs(oracle) if n.endswith("weight_scale_inv")}
+            assert stale == {n for n in oracle if n.endswith("weight_scale_inv")}, "a change left a scale as it was"
+            return oracle
+
         session = IpcSession(call_workers, transport=LocalTransport(), ignored=lambda bridge: frozenset({SKIPPED}))
         first = session.refit(bridge, chunks, fp8="blockwise")
         assert first.opened and engine_differs(expected) == []
         quantized = sum(1 for name in expected if name.endswith("weight_scale_inv"))
         assert quantized > 0
 
-        change_weights(bridge, chunks)
+        oracle = change()
         noted.clear()
         second = session.refit(bridge, chunks, fp8="blockwise")
         assert not second.opened and noted == []  # the same tensors, where they were: nothing noted
-        assert engine_differs(_fp8_oracle(bridge, chunks)) == []
+        assert engine_differs(oracle) == []
 
-        change_weights(bridge, chunks)
+        oracle = change()
         bridge.release_export_buffers()  # the next export writes into buffers made anew
         third = session.refit(bridge, chunks, fp8="blockwise")
-        assert engine_differs(_fp8_oracle(bridge, chunks)) == []
+        assert engine_differs(oracle) == []  # a shortcut here would leave every scale as it was
         assert len(noted) >= 2 * quantized and third.opened  # other tensors: noted, and shared anew
 
         noted.clear()
-        change_weights(bridge, chunks)
+        oracle = change()
         fourth = session.refit(bridge, chunks, fp8="blockwise")
-        assert not fourth.opened and noted == [] and engine_differs(_fp8_oracle(bridge, chunks)) == []
+        assert not fourth.opened and noted == [] and engine_differs(oracle) == []
         session.close()
         bridge.release_export_buffers()

@@ -113,7 +113,7 @@ class IpcSession:
     signals the end of its copies by event (CUDA IPC), run ``after_weights_written`` while they run
     (off: the apply RPC returns when they are done, then the follow-up; an attribute, read each
     step). ``timeout_s`` bounds the wait for the engine's signal. The session references the last
-    refit's model parameters and shared storages until ``close``.
+    refit's model parameters, shared storages and exported tensors (``ExportSnapshot``) until ``close``.
     """
 
     def __init__(
@@ -191,8 +191,8 @@ class IpcSession:
 
     def _exported_key(self, snapshot: ExportSnapshot, pairs: list[tuple[str, torch.Tensor]]) -> tuple:
         """Where the exported tensors are: the last refit's key when they are its very tensors at the
-        same addresses (``ExportSnapshot``; the snapshot holds that refit's tensors, so no other
-        storage took their addresses meanwhile), else noted tensor by tensor."""
+        same addresses (``ExportSnapshot``: sound while the exporter leaves its outputs as it made
+        them and the shared storages are held), else noted tensor by tensor."""
         if self._steady is not None and snapshot.same_as(self._steady[0]):
             return self._steady[1]
         exported = LayoutRecorder()

@@ -191,10 +191,11 @@ class ExportSnapshot:
     A steady cached export (``hold_outputs``) yields the very same tensor objects every step (the
     exporter's held outputs and its kept views of parameters; it makes new ones when a buffer or a
     parameter's storage moves). ``same_as(previous)`` is true when every name, tensor object and
-    data address equals the previous export's, position by position. A tensor object whose
-    metadata changes in place keeps its address only if the storage stays (the caller holds the
-    previous export's storages, so no other storage can take that address); the exporter never
-    changes its outputs' metadata in place. Per tensor the snapshot costs one data-address read
+    data address equals the previous export's, position by position; unlike ``LayoutRecorder``'s
+    key it does not compare shape, stride, dtype or storage size. That is sound because the
+    exporter never changes its outputs in place (no ``set_``, ``.data =`` or resize on a tensor it
+    yielded), and because the caller holds the storages of the layout it shared (``IpcSession``'s
+    ``_held``), so no other storage can take those addresses. Per tensor the snapshot costs one data-address read
     (``Tensor.data_ptr``, one call into C) and the list compares run in C, where ``LayoutRecorder``
     builds a key of seven fields with a Python call per tensor: at 18,747 tensors (an FP8 MoE
     export) the difference is most of the trainer's host time of a steady step.
