@@ -1,7 +1,7 @@
 """Profile the trainer side of a steady colocated refit (``IpcSession.refit``) on the GPU host, without an
 engine: where does its host time go?
 
-    python3 scripts/profile_ipc_trainer.py --model qwen3-30b-a3b --layers 24
+    python3 scripts/profile_ipc_trainer.py --model qwen3-30b-a3b --layers 24 [--fp8]
 
 Builds the shape's Megatron model (TP1, random bf16 weights) on GPU 0, refits an engine stand-in whose
 workers only answer (the engine's replay is not the trainer's work) until steady, times 20 steady steps,
@@ -33,6 +33,7 @@ def main() -> None:
     parser.add_argument("--model", default="qwen3-30b-a3b")
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--work", default="/tmp")
+    parser.add_argument("--fp8", action="store_true", help="blockwise FP8 on the way: every weight exported each step")
     args = parser.parse_args()
     from mbridge_refit.engines.ipc_session import IpcSession
     from mbridge_refit.engines.sharing import LocalTransport
@@ -44,11 +45,11 @@ def main() -> None:
     with tp1_trainer(config, args.work) as (bridge, chunks, _):
         session = IpcSession(answering_workers, transport=LocalTransport())
         for _ in range(3):
-            step = session.refit(bridge, chunks)
+            step = session.refit(bridge, chunks, fp8="blockwise" if args.fp8 else None)
         times = []
         for _ in range(20):
             started = time.perf_counter()
-            session.refit(bridge, chunks)
+            session.refit(bridge, chunks, fp8="blockwise" if args.fp8 else None)
             times.append((time.perf_counter() - started) * 1e3)
         median = statistics.median(times)
         print(f"{torch.cuda.get_device_name()} {args.model} layers={config.num_hidden_layers} tensors={step.tensors}")
@@ -56,7 +57,7 @@ def main() -> None:
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(10):
-            session.refit(bridge, chunks)
+            session.refit(bridge, chunks, fp8="blockwise" if args.fp8 else None)
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
         session.close()

@@ -1,0 +1,83 @@
+"""Host time per tensor of a steady colocated refit's trainer side (``IpcSession.refit``), on the CPU.
+
+    python scripts/bench_ipc_host.py --experts 128 --fp8 --stub-quantizer --json out.json
+
+Builds the tiny Qwen3-MoE recipe with ``--experts`` routed experts on one CPU rank (gloo), refits an
+engine stand-in whose workers only answer (the engine's replay is not the trainer's work) until
+steady, then times ``--steps`` steady refits. With ``--fp8`` the weights are quantized on the way,
+so every weight and its scale are exported each step; ``--stub-quantizer`` replaces the per-bucket
+quantize with nothing, leaving the host work around it (on the CPU the reference quantizer's torch
+ops would otherwise dominate; on CUDA one grouped kernel launch per bucket does that work). Prints
+and writes the median and range of microseconds per yielded tensor. A CPU figure: it shows a change
+of the Python around the export, not what a GPU host takes (scripts/profile_ipc_trainer.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--fp8", action="store_true", help="blockwise FP8 on the way out")
+    parser.add_argument("--stub-quantizer", action="store_true", help="time the host work around the quantize")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+
+    from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.convert.session import distributed_session
+    from mbridge_refit.engines.ipc_session import IpcSession
+    from mbridge_refit.engines.sharing import LocalTransport
+    from mbridge_refit.fp8 import quantize
+    from mbridge_refit.models import recipes
+    from mbridge_refit.models.builder import BuildOptions, build_model
+    from mbridge_refit.plan.layout import ParallelLayout
+
+    if args.stub_quantizer:
+        quantize.BucketQuantizer.run = lambda self, sources, buffers: None
+    fp8 = "blockwise" if args.fp8 else None
+    cpu, layout = torch.device("cpu"), ParallelLayout()
+    with distributed_session(layout, device=cpu, timeout=datetime.timedelta(minutes=10)):
+        config = recipes.get_model_recipe("qwen3-moe-tiny").to_hf_config()
+        config.num_experts = args.experts
+        config.architectures = ["Qwen3MoeForCausalLM"]
+        bridge = RefitBridge.from_hf_config(config)
+        chunks = build_model(bridge, layout, BuildOptions(device=cpu, params_dtype=torch.bfloat16))
+        session = IpcSession(
+            lambda method, *a: [{} if method == "mbridge_refit_open" else 0.0], transport=LocalTransport()
+        )
+        for _ in range(3):
+            step = session.refit(bridge, chunks, fp8=fp8)
+        per_tensor = []
+        for _ in range(args.steps):
+            started = time.perf_counter()
+            step = session.refit(bridge, chunks, fp8=fp8)
+            per_tensor.append((time.perf_counter() - started) / step.tensors * 1e6)
+        session.close()
+    result = {
+        "experts": args.experts,
+        "format": "fp8-blockwise" if fp8 else "bf16",
+        "quantizer_stubbed": args.stub_quantizer,
+        "tensors": step.tensors,
+        "host_us_per_tensor": {
+            "median": round(statistics.median(per_tensor), 3),
+            "min": round(min(per_tensor), 3),
+            "max": round(max(per_tensor), 3),
+        },
+    }
+    print(json.dumps(result))
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
