@@ -18,10 +18,14 @@ import argparse
 import datetime
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profile_ipc_trainer import answering_workers  # noqa: E402
 
 
 def main() -> None:
@@ -52,9 +56,7 @@ def main() -> None:
         config.architectures = ["Qwen3MoeForCausalLM"]
         bridge = RefitBridge.from_hf_config(config)
         chunks = build_model(bridge, layout, BuildOptions(device=cpu, params_dtype=torch.bfloat16))
-        session = IpcSession(
-            lambda method, *a: [{} if method == "mbridge_refit_open" else 0.0], transport=LocalTransport()
-        )
+        session = IpcSession(answering_workers, transport=LocalTransport())
         for _ in range(3):
             step = session.refit(bridge, chunks, fp8=fp8)
         per_tensor = []

@@ -297,19 +297,12 @@ def test_only_a_single_worker_s_event_is_waited_on(monkeypatch):
 
 
 def _fp8_oracle(bridge, chunks) -> dict[str, torch.Tensor]:
-    """The FP8 refit's oracle: Megatron-Bridge's own (stock) export of the model as it is now, each
-    weight the FP8 plan quantizes passed through the reference quantizer, its scale after it."""
-    from mbridge_refit.fp8.reference import quantize_reference
+    """The FP8 refit's oracle: Megatron-Bridge's own (stock) export of the model as it is now, through
+    the reference quantizer where the format quantizes (``testing.export_comparison.fp8_expected``)."""
+    from mbridge_refit.testing.export_comparison import fp8_expected
 
-    plan = bridge.export_plan(chunks, fp8="blockwise")
-    scale_name = {e.scale_of: e.hf_name for e in plan.entries if e.scale_of is not None}
-    out = {}
-    for name, tensor in bridge.export_hf_weights_stock(chunks, show_progress=False):
-        if name in scale_name:
-            out[name], out[scale_name[name]] = quantize_reference(tensor.detach().clone())
-        else:
-            out[name] = tensor.detach().clone()
-    return out
+    stock = [(name, t.detach().clone()) for name, t in bridge.export_hf_weights_stock(chunks, show_progress=False)]
+    return dict(fp8_expected(stock, bridge.fp8_config("blockwise")))
 
 
 def test_a_steady_fp8_refit_skips_noting_each_tensor_only_while_they_stay_where_they_were(
@@ -330,9 +323,12 @@ def test_a_steady_fp8_refit_skips_noting_each_tensor_only_while_they_stay_where_
     cpu, layout = torch.device("cpu"), ParallelLayout()
     noted = []
     add = sharing.LayoutRecorder.add
-    monkeypatch.setattr(
-        sharing.LayoutRecorder, "add", lambda self, name, *a, **k: (noted.append(name), add(self, name, *a, **k))[1]
-    )
+
+    def noting_add(self, name, *args, **kwargs):
+        noted.append(name)
+        return add(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(sharing.LayoutRecorder, "add", noting_add)
     with restored_environment(), distributed_session(layout, device=cpu, timeout=datetime.timedelta(minutes=2)):
         hf_dir = source_checkpoints("qwen3-tiny")
         bridge = RefitBridge.from_hf_pretrained(hf_dir)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import torch
 
@@ -85,10 +85,8 @@ class PlanExporter:
         # it was (``_views_of``), so a steady export does no per-tensor torch work for them.
         self._view_ops = frozenset(id(op) for op in self._ops if self._only_views(op))
         self._views: dict[int, tuple[int, list[torch.Tensor]]] = {}
-        # id(bucket) -> (the bucket, its slots, a getter of the parameters its running ops read, those
-        # parameters, their addresses, the assembled views) for buckets whose running ops are all view
-        # ops (``_kept_views``)
-        self._bucket_views: dict[int, tuple] = {}
+        # id(bucket) -> its kept views, for buckets whose running ops are all view ops (``_kept_views``)
+        self._bucket_views: dict[int, _KeptViews] = {}
         # needed names -> (the buckets, ops_holding of them, the buckets with nothing to leave out): a
         # consumer passes the same names every step
         self._holding: dict[frozenset[str], tuple[list[Bucket], dict[int, frozenset[int]], frozenset[int]]] = {}
@@ -273,18 +271,12 @@ class PlanExporter:
             for slot, op in enumerate(bucket.ops)
         ]
         names = [op.source for op, view in zip(bucket.ops, views) if view]
-        if names and not any(
-            launch
-        ):  # nothing gathered or built: every running op's tensors are views of its parameter
-            params = _parameters(self.params, operator.itemgetter(*names))
-            self._bucket_views[id(bucket)] = (
-                bucket,
-                slots,
-                operator.itemgetter(*names),
-                params,
-                list(map(torch.Tensor.data_ptr, params)),
-                assembled,
-            )
+        # nothing gathered or built: every running op's tensors are views of its parameter
+        if names and not any(launch):
+            get = operator.itemgetter(*names)
+            params = _parameters(self.params, get)
+            addresses = list(map(torch.Tensor.data_ptr, params))
+            self._bucket_views[id(bucket)] = _KeptViews(bucket, slots, get, params, addresses, assembled)
         return assembled
 
     def _kept_views(self, bucket: Bucket, slots: frozenset[int] | None) -> list | None:
@@ -293,12 +285,15 @@ class PlanExporter:
         data where it was (a ``.data`` swap moves it): C calls only, none of ``_views_of``'s per-op
         Python; None otherwise. The entry holds the bucket, so its id is its own."""
         kept = self._bucket_views.get(id(bucket))
-        if kept is None or kept[0] is not bucket or kept[1] != slots:
+        if kept is None or kept.bucket is not bucket or kept.slots != slots:
             return None
-        params = _parameters(self.params, kept[2])
-        if not all(map(operator.is_, params, kept[3])) or list(map(torch.Tensor.data_ptr, params)) != kept[4]:
+        params = _parameters(self.params, kept.get)
+        if (
+            not all(map(operator.is_, params, kept.params))
+            or list(map(torch.Tensor.data_ptr, params)) != kept.addresses
+        ):
             return None
-        return kept[5]
+        return kept.assembled
 
     def _only_views(self, op: Op) -> bool:
         """Whether every HF tensor of ``op`` is, on this rank, a view of its one local parameter read
@@ -525,6 +520,17 @@ def ops_holding(buckets: list[Bucket], needed: frozenset[str], plan: ExportPlan)
         if slots:
             run[number] = slots
     return run
+
+
+class _KeptViews(NamedTuple):
+    """A views-only bucket's assembled views and what they were made from (``PlanExporter._kept_views``)."""
+
+    bucket: Bucket  # held, so the id it is kept under stays its own
+    slots: frozenset[int] | None  # the ops that ran
+    get: operator.itemgetter  # the running ops' parameters, from the exporter's ``params`` by name
+    params: tuple[torch.Tensor, ...]  # those parameter objects
+    addresses: list[int]  # where their data was
+    assembled: list  # the views, as ``_assemble_bucket`` returns them
 
 
 def _parameters(params: dict[str, torch.Tensor], get: operator.itemgetter) -> tuple[torch.Tensor, ...]:
