@@ -647,6 +647,7 @@ class RefitBridge(AutoBridge):
         cpu: bool = False,
         show_progress: bool = True,
         reuse_buffer_from_cache: bool = False,
+        hold_outputs: bool = False,
         fp8: BlockwiseFP8Config | str | None = None,
         replica: int | None = None,
         only: Collection[str] | None = None,
@@ -659,10 +660,14 @@ class RefitBridge(AutoBridge):
         the export's own (``bucket_bytes`` of output, whole layers; with ``fp8``, sized by what the
         FP8 export yields); a model on the stock fallback is cut into lists of ``bucket_bytes``.
         Collective and fresh exactly as ``export_hf_weights`` (same arguments, same contract).
+        Each list is the caller's. A bucket whose tensors are the same objects, where they were, as
+        in an earlier export may come as a ``runtime.stamps.StampedBucket`` carrying that export's
+        stamp: a consumer can then skip looking at each tensor again.
         """
         options = _ExportOptions(
             stock=_StockArguments(cpu, show_progress),
             reuse_buffer_from_cache=reuse_buffer_from_cache,
+            hold_outputs=hold_outputs,
             fp8=fp8,
             replica=replica,
             only=only,

@@ -5,9 +5,11 @@
 Builds the tiny Qwen3-MoE recipe with ``--experts`` routed experts on one CPU rank (gloo), refits an
 engine stand-in whose workers only answer (the engine's replay is not the trainer's work) until
 steady, then times ``--steps`` steady refits. With ``--fp8`` the weights are quantized on the way,
-so every weight and its scale are exported each step; ``--stub-quantizer`` replaces the per-bucket
-quantize with nothing, leaving the host work around it (on the CPU the reference quantizer's torch
-ops would otherwise dominate; on CUDA one grouped kernel launch per bucket does that work). Prints
+so every weight and its scale are exported each step; ``--stub-quantizer`` replaces the quantize
+launches with nothing, leaving the host work around them (on the CPU the reference quantizer's torch
+ops would otherwise dominate; on CUDA one grouped kernel launch per bucket does that work). Before
+2026-11-28 (the stamped buckets) the stub replaced ``BucketQuantizer.run`` whole, its checks of where
+the sources are included. Prints
 and writes the median and range of microseconds per yielded tensor. A CPU figure: it shows a change
 of the Python around the export, not what a GPU host takes (scripts/profile_ipc_trainer.py).
 """
@@ -46,8 +48,9 @@ def main() -> None:
     from mbridge_refit.models.builder import BuildOptions, build_model
     from mbridge_refit.plan.layout import ParallelLayout
 
-    if args.stub_quantizer:
-        quantize.BucketQuantizer.run = lambda self, sources, buffers: None
+    if args.stub_quantizer:  # the device work only: planning and picking the outputs still run
+        quantize.BucketQuantizer._launch_grouped = lambda self: None
+        quantize.BucketQuantizer._quantize_singles = lambda self, *args, **kwargs: None
     fp8 = "blockwise" if args.fp8 else None
     cpu, layout = torch.device("cpu"), ParallelLayout()
     with distributed_session(layout, device=cpu, timeout=datetime.timedelta(minutes=10)):

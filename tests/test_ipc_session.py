@@ -13,6 +13,7 @@ import datetime
 import pickle
 import sys
 
+import pytest
 import torch
 from conftest import REPO
 
@@ -386,3 +387,155 @@ def test_a_steady_fp8_refit_skips_noting_each_tensor_only_while_they_stay_where_
         assert not fourth.opened and noted == [] and engine_differs(oracle) == []
         session.close()
         bridge.release_export_buffers()
+
+
+def _expert_weights(chunks) -> list[tuple[str, torch.nn.Module, str]]:
+    """(module name, module, parameter name) of every 2-D expert weight of the model."""
+    return [
+        (name, module, pname)
+        for chunk in chunks
+        for name, module in chunk.named_modules()
+        if ".experts." in f"{name}."
+        for pname, param in module._parameters.items()
+        if param is not None and param.dim() == 2
+    ]
+
+
+class _GroupedKernelStandIn:
+    """``fp8.kernels`` on the CPU, for its grouped launches only: a launch keeps the ``(source, q, scale)``
+    views it was planned with and quantizes from them by the reference, as a CUDA launch reads the
+    pointers it was planned with (so a launch reused for sources that moved reads the old ones)."""
+
+    @staticmethod
+    def usable(kind: str) -> bool:
+        return kind == "grouped"
+
+    @staticmethod
+    def grouped_takes(x: torch.Tensor) -> bool:
+        return True
+
+    @staticmethod
+    def grouped_launch(jobs: list) -> list:
+        return list(jobs)
+
+    @staticmethod
+    def launch_grouped(launch: list) -> None:
+        from mbridge_refit.fp8.reference import quantize_reference
+
+        for source, q, scale in launch:
+            quantize_reference(source, out=q, scale_out=scale)
+
+
+@pytest.mark.parametrize("launches", ["reference", "planned-launches"])
+def test_a_steady_moe_fp8_refit_follows_replaced_and_swapped_expert_weights(source_checkpoints, monkeypatch, launches):
+    """An MoE model's expert buckets come stamped (``runtime.stamps``): the exporter's kept views, then the
+    quantizer's steady path, then the session's snapshot, each trusting the last stamp instead of looking at
+    every tensor. An expert weight replaced by a new Parameter and another whose ``.data`` is swapped must
+    break those stamps, and so must the export's buffers made anew: the engine then holds the quantized new
+    values (the oracle: the stock export of the model as it is now, through the reference quantizer), and
+    steady refits after it stay exact. ``planned-launches`` quantizes as the CUDA grouped kernel does, from
+    the sources its launches were planned with (``_GroupedKernelStandIn``), so a steady path that kept a
+    launch across a moved source reads the old weights."""
+    from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.convert.session import distributed_session
+    from mbridge_refit.fp8 import quantize
+    from mbridge_refit.models.builder import BuildOptions, build_model
+    from mbridge_refit.plan.layout import ParallelLayout
+    from mbridge_refit.runtime.stamps import stamp_of
+    from mbridge_refit.testing.conformance import restored_environment
+
+    if launches == "planned-launches":
+        monkeypatch.setattr(quantize, "_cuda_kernels", lambda: _GroupedKernelStandIn)
+    cpu, layout = torch.device("cpu"), ParallelLayout()
+    with restored_environment(), distributed_session(layout, device=cpu, timeout=datetime.timedelta(minutes=2)):
+        hf_dir = source_checkpoints("qwen3-moe-tiny")
+        bridge = RefitBridge.from_hf_pretrained(hf_dir)
+        chunks = build_model(bridge, layout, BuildOptions(device=cpu, params_dtype=torch.bfloat16))
+        bridge.load_hf_shards(chunks, hf_dir)
+        expected = _fp8_oracle(bridge, chunks)
+        engine = Engine(expected)
+        worker = Worker(engine)
+
+        def call_workers(method, *args):
+            return pickle.loads(pickle.dumps([getattr(worker, method)(*pickle.loads(pickle.dumps(args)))]))
+
+        def engine_differs(oracle) -> list[str]:
+            state = engine.state()
+            return [n for n in state if not torch.equal(state[n].view(torch.uint8), oracle[n].view(torch.uint8))]
+
+        generator = torch.Generator().manual_seed(11)
+
+        def noise(t: torch.Tensor) -> torch.Tensor:
+            return t.detach() + torch.randn(t.shape, generator=generator).to(t.dtype)
+
+        session = IpcSession(call_workers, transport=LocalTransport(), ignored=lambda bridge: frozenset({SKIPPED}))
+        assert session.refit(bridge, chunks, fp8="blockwise").opened and engine_differs(expected) == []
+        with torch.no_grad():
+            for chunk in chunks:
+                for param in chunk.parameters():
+                    param.copy_(noise(param))
+        oracle = _fp8_oracle(bridge, chunks)
+        assert not session.refit(bridge, chunks, fp8="blockwise").opened and engine_differs(oracle) == []
+        stamps = [
+            stamp_of(b)
+            for b in bridge.export_hf_weight_buckets(
+                chunks, reuse_buffer_from_cache=True, hold_outputs=True, fp8="blockwise", show_progress=False
+            )
+        ]
+        assert any(s is not None for s in stamps), stamps  # the expert buckets' steady path is what is tested
+
+        experts = _expert_weights(chunks)
+        assert len(experts) >= 4, experts
+        (_, replaced, replaced_name), (_, swapped, swapped_name) = experts[0], experts[-1]
+        old = getattr(replaced, replaced_name)
+        setattr(replaced, replaced_name, torch.nn.Parameter(noise(old), requires_grad=old.requires_grad))
+        getattr(swapped, swapped_name).data = noise(getattr(swapped, swapped_name))
+        oracle = _fp8_oracle(bridge, chunks)
+        stale = engine_differs(oracle)
+        assert len([n for n in stale if n.endswith("weight_scale_inv")]) >= 2, stale  # both experts changed
+        session.refit(bridge, chunks, fp8="blockwise")
+        assert engine_differs(oracle) == []
+
+        def change_experts() -> dict[str, torch.Tensor]:
+            with torch.no_grad():
+                for _, module, pname in experts:
+                    getattr(module, pname).copy_(noise(getattr(module, pname)))
+            return _fp8_oracle(bridge, chunks)
+
+        for _ in range(2):  # steady again, on the new parameters
+            oracle = change_experts()
+            assert not session.refit(bridge, chunks, fp8="blockwise").opened
+            assert engine_differs(oracle) == []
+
+        oracle = change_experts()
+        bridge.release_export_buffers()  # quantized into buffers made anew: the old ones, still held, are stale
+        assert session.refit(bridge, chunks, fp8="blockwise").opened and engine_differs(oracle) == []
+        oracle = change_experts()
+        assert not session.refit(bridge, chunks, fp8="blockwise").opened and engine_differs(oracle) == []
+        session.close()
+        bridge.release_export_buffers()
+
+
+def test_an_export_snapshot_trusts_a_stamp_only_where_both_exports_carry_the_same_one():
+    """``ExportSnapshot.same_as``: a stamped bucket is compared by its stamp (``runtime.stamps``), every other
+    pair by name, object and address; a bucket stamped anew, a stamp against none, another owner or another
+    tensor object (even a view at the same address) is not the same export."""
+    from mbridge_refit.engines.sharing import ExportSnapshot
+    from mbridge_refit.runtime.stamps import StampedBucket, new_stamp
+
+    weight, norm = torch.zeros(4, 4), torch.zeros(4)
+    experts = [("experts.0", weight[:2]), ("experts.1", weight[2:])]
+    stamp, owner = new_stamp(), object()
+
+    def snapshot(stamped, loose, *, owner=owner) -> ExportSnapshot:
+        return ExportSnapshot([stamped, loose], owner=owner)
+
+    first = snapshot(StampedBucket(experts, stamp), [("norm", norm)])
+    assert snapshot(StampedBucket(experts, stamp), [("norm", norm)]).same_as(first)
+    assert not snapshot(StampedBucket(experts, new_stamp()), [("norm", norm)]).same_as(first)
+    assert not snapshot(list(experts), [("norm", norm)]).same_as(first)
+    assert not snapshot(StampedBucket(experts, stamp), [("norm", norm)], owner=object()).same_as(first)
+    assert not snapshot(StampedBucket(experts, stamp), [("norm", norm.view(4))]).same_as(first)
+    assert not snapshot(StampedBucket(experts, stamp), [("norm.weight", norm)]).same_as(first)
+    assert not snapshot(StampedBucket(experts, stamp), [("norm", norm)]).same_as(None)
+    assert [name for name, _ in first.pairs(frozenset({"experts.1"}))] == ["experts.0", "norm"]

@@ -13,8 +13,9 @@ worker recorded after launching its copies (``engines.completion``): the RPC ret
 are launched, so the follow-up runs while they do, and ``refit`` returns once the engine's
 parameters hold the new weights. No bytes are packed or staged, nothing is allocated after the
 first step on either side. A steady step that finds the export's tensors to be the last step's very
-objects at the same addresses (``engines.sharing.ExportSnapshot``) notes none of them anew; any other
-export is noted tensor by tensor and, where it moved, shared anew.
+objects at the same addresses (``engines.sharing.ExportSnapshot``: by the buckets' stamps,
+``runtime.stamps``, where every bucket has one, else tensor by tensor) notes none of them anew; any
+other export is noted tensor by tensor and, where it moved, shared anew.
 
 Who calls it: an engine adapter's ``ipc`` session (for vLLM ``engines.vllm.VLLMRefit``, a subclass)
 binds the three things that are its engine's: ``call_workers(method, *args)`` (the RPC to every
@@ -62,7 +63,6 @@ from mbridge_refit.plan.entries import PlanError
 from mbridge_refit.runtime.live_params import registration_count
 from mbridge_refit.runtime.selection import LiveRows
 from mbridge_refit.runtime.weight_source import ExportsWeights, Model
-from mbridge_refit.sinks.base import DiscardSink, drain
 
 __all__ = ["IpcSession", "Stream", "live_pointers"]
 
@@ -171,32 +171,32 @@ class IpcSession:
         such a step always shares its layout anew. Returns the step on the sender."""
         started, started_cpu = time.perf_counter(), time.thread_time()
         routes = self._routes_for(bridge, model, fp8)
-        stream = bridge.export_hf_weights(
+        buckets = bridge.export_hf_weight_buckets(
             model, reuse_buffer_from_cache=True, hold_outputs=True, fp8=fp8, show_progress=False, only=routes.exported
         )
         if not sender:
-            drain(stream, DiscardSink())
+            for _ in buckets:  # collective: to the end
+                pass
             return None
-        ignored = routes.ignored
-        pairs = [pair for pair in stream if pair[0] not in ignored]  # held outputs: valid until the next export
-        snapshot = ExportSnapshot(pairs)
-        exported = self._exported_key(snapshot, pairs)
+        snapshot = ExportSnapshot(list(buckets), owner=routes)  # held outputs: valid until the next export
+        exported = self._exported_key(snapshot, routes.ignored)
         self._steady = (snapshot, exported) if through is None else None
         key = (exported, live_pointers(routes.live_parameters))  # .data swaps change it
         export_cpu_ms = (time.thread_time() - started_cpu) * 1e3  # before the wait for the device, which may spin
         _synchronize_trainer()  # the engine reads from another process
         if through is None and self._layout is not None and key == self._key:
             return self._apply(started, export_cpu_ms)
-        return self._open_step(routes, dict(pairs), key if through is None else None, through, started)
+        tensors = dict(snapshot.pairs(routes.ignored))
+        return self._open_step(routes, tensors, key if through is None else None, through, started)
 
-    def _exported_key(self, snapshot: ExportSnapshot, pairs: list[tuple[str, torch.Tensor]]) -> tuple:
+    def _exported_key(self, snapshot: ExportSnapshot, ignored: frozenset[str]) -> tuple:
         """Where the exported tensors are: the last refit's key when they are its very tensors at the
         same addresses (``ExportSnapshot``: sound while the exporter leaves its outputs as it made
         them and the shared storages are held), else noted tensor by tensor."""
         if self._steady is not None and snapshot.same_as(self._steady[0]):
             return self._steady[1]
         exported = LayoutRecorder()
-        for name, tensor in pairs:
+        for name, tensor in snapshot.pairs(ignored):
             exported.add(name, tensor)
         return exported.key
 

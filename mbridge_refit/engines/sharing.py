@@ -29,6 +29,7 @@ runs inside the trainer's process). Lower layer of ``engines``: imports only tor
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import operator
 import uuid
@@ -40,6 +41,7 @@ import torch
 
 from mbridge_refit.engines.ipc_handles import BadIpcPayload, decode_payload, encode_payload
 from mbridge_refit.errors import EngineError
+from mbridge_refit.runtime.stamps import stamp_of
 
 __all__ = [
     "TRANSPORTS",
@@ -185,33 +187,50 @@ def _ref_from_wire(name, storage, dtype, shape, stride, offset, rows, shard=None
 
 
 class ExportSnapshot:
-    """Trainer side: one export's ``(name, tensor)`` pairs and each tensor's data address, held, so
-    the next export can be told to sit exactly where this one did without noting each tensor anew.
+    """Trainer side: one export's buckets of ``(name, tensor)`` pairs, held, and what tells the next
+    export to sit exactly where this one did without noting each tensor anew.
 
     A steady cached export (``hold_outputs``) yields the very same tensor objects every step (the
     exporter's held outputs and its kept views of parameters; it makes new ones when a buffer or a
-    parameter's storage moves). ``same_as(previous)`` is true when every name, tensor object and
-    data address equals the previous export's, position by position; unlike ``LayoutRecorder``'s
-    key it does not compare shape, stride, dtype or storage size. That is sound because the
-    exporter never changes its outputs in place (no ``set_``, ``.data =`` or resize on a tensor it
-    yielded), and because the caller holds the storages of the layout it shared (``IpcSession``'s
-    ``_held``), so no other storage can take those addresses. Per tensor the snapshot costs one data-address read
-    (``Tensor.data_ptr``, one call into C) and the list compares run in C, where ``LayoutRecorder``
-    builds a key of seven fields with a Python call per tensor: at 18,747 tensors (an FP8 MoE
-    export) the difference is most of the trainer's host time of a steady step.
+    parameter's storage moves). ``same_as(previous)`` sees it bucket by bucket, both exports cut
+    alike (their stamps, one per bucket, None where a bucket has none, compare equal):
+
+    * a stamped bucket (``runtime.stamps``) equals the previous export's bucket of the same stamp:
+      the same pairs, whose producers checked in this export that each tensor reads what it read
+      before. No work per tensor (the experts of an MoE model, whose buckets are views of them or
+      quantized from such views).
+    * the pairs of the other buckets are compared with the previous export's, position by position:
+      name, tensor object and data address. One data-address read per tensor (``Tensor.data_ptr``,
+      one call into C) and list compares in C, where ``LayoutRecorder`` builds a key of seven fields
+      with a Python call per tensor. Unlike that key, shape, stride, dtype and storage size are not
+      compared; that is sound because the exporter never changes its outputs in place (no ``set_``,
+      ``.data =`` or resize on a tensor it yielded), and because the caller holds the storages of the
+      layout it shared (``IpcSession``'s ``_held``), so no other storage can take those addresses.
+
+    ``owner`` (the consumer's routes: which pairs of the buckets it keeps) must be the same object.
     """
 
-    __slots__ = ("names", "tensors", "pointers")
+    __slots__ = ("buckets", "stamps", "owner", "names", "tensors", "pointers")
 
-    def __init__(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
-        self.names = [name for name, _ in pairs]
-        self.tensors = [tensor for _, tensor in pairs]
+    def __init__(self, buckets: list[list[tuple[str, torch.Tensor]]], owner: Any = None) -> None:
+        self.buckets, self.owner = buckets, owner
+        self.stamps = tuple(map(stamp_of, buckets))
+        loose = [pair for bucket, stamp in zip(buckets, self.stamps) if stamp is None for pair in bucket]
+        self.names = [name for name, _ in loose]
+        self.tensors = [tensor for _, tensor in loose]
         self.pointers = list(map(torch.Tensor.data_ptr, self.tensors))
+
+    def pairs(self, ignored: frozenset[str] = frozenset()) -> list[tuple[str, torch.Tensor]]:
+        """Every pair of the export, in order, but those named in ``ignored``."""
+        pairs = list(itertools.chain.from_iterable(self.buckets))
+        return [pair for pair in pairs if pair[0] not in ignored] if ignored else pairs
 
     def same_as(self, previous: "ExportSnapshot | None") -> bool:
         """Whether this export's tensors are the previous export's objects, at the same addresses."""
         return (
             previous is not None
+            and self.owner is previous.owner
+            and self.stamps == previous.stamps
             and self.pointers == previous.pointers
             and self.names == previous.names
             and all(map(operator.is_, self.tensors, previous.tensors))

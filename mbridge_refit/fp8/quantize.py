@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
@@ -22,6 +23,7 @@ from mbridge_refit.fp8.reference import padded_shape, quantize_reference
 from mbridge_refit.plan.entries import ExportPlan
 from mbridge_refit.runtime.buffers import ExportBuffers
 from mbridge_refit.runtime.selection import RowSelection, materialized
+from mbridge_refit.runtime.stamps import StampedBucket, new_stamp, stamp_of
 
 __all__ = [
     "BucketQuantizer",
@@ -101,18 +103,54 @@ def quantize_buckets(
         yield from bucket
 
 
+@dataclass(frozen=True, slots=True)
+class _SteadyBucket:
+    """The last stamped input of one bucket number and what it was quantized with (``quantize_bucket_lists``)."""
+
+    stamp: int  # the input's
+    quantizer: "BucketQuantizer"
+    generation: int  # the quantizer's launch plan then
+    out_stamp: int  # the output's
+
+
 def quantize_bucket_lists(
     buckets: Iterable[list[tuple[str, torch.Tensor | RowSelection]]], plan: ExportPlan, buffers: ExportBuffers
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """``quantize_buckets``, one list per BF16 bucket: its tensors all stay valid until the next
-    list is requested."""
-    scales = {e.scale_of: e for e in plan.entries if e.scale_of is not None}
+    list is requested.
+
+    A stamped input (``runtime.stamps``: the exporter's views-only buckets) gives a stamped output:
+    the input's pairs for the tensors kept in their dtype and the quantizer's own pairs for the
+    rest, picked in C. When a bucket number's input carries the stamp its last input had, the
+    sources are those the quantizer's launches were planned for (the quantizer's launch plan is
+    checked to be the one it had then), so the step is the launches and that pick, with no Python
+    work per tensor, and the output carries the last output's stamp."""
+    scales: dict | None = None  # scale entry by weight name, for building quantizers
     for bucket in buckets:
+        steady = buffers.memo.get(("fp8-steady", buffers.bucket))
+        stamp = stamp_of(bucket)
+        if (
+            stamp is not None
+            and steady is not None
+            and steady.stamp == stamp
+            and steady.quantizer.generation == steady.generation
+        ):
+            steady.quantizer.launch(bucket, buffers)
+            yield StampedBucket(steady.quantizer.pick(bucket), steady.out_stamp)
+            continue
         names = tuple([name for name, _ in bucket])
         quantizer = buffers.memo.get(("fp8", names))
         if quantizer is None:
+            if scales is None:
+                scales = {e.scale_of: e for e in plan.entries if e.scale_of is not None}
             quantizer = buffers.memo[("fp8", names)] = BucketQuantizer.build(bucket, scales, buffers)
         quantizer.run([bucket[i][1] for i in quantizer.positions], buffers)
+        if stamp is not None:
+            steady = _SteadyBucket(stamp, quantizer, quantizer.generation, new_stamp())
+            buffers.memo[("fp8-steady", buffers.bucket)] = steady
+            yield StampedBucket(quantizer.pick(bucket), steady.out_stamp)
+            continue
+        buffers.memo.pop(("fp8-steady", buffers.bucket), None)
         out: list[tuple[str, torch.Tensor]] = []
         for position, (name, tensor) in enumerate(bucket):
             job = quantizer.job_at.get(position)
@@ -144,6 +182,9 @@ class BucketQuantizer:
     q: tuple[torch.Tensor, ...]
     scales: tuple[torch.Tensor, ...]
     runs: tuple  # per weight: row runs to quantize from a RowSelection's source, or None
+    produced: list[tuple[str, torch.Tensor]]  # per weight: (its name, q), (its scale's name, scale)
+    order: tuple[int, ...]  # the output as indices into the bucket's pairs followed by ``produced``
+    generation: int = 0  # bumped whenever the launches are planned anew
     _sources_key: tuple = ()
     _grouped: list = dataclasses.field(default_factory=list)  # kernels.GroupedLaunch, one per input dtype
     _singles: tuple[int, ...] = ()  # jobs (see _jobs) quantized one launch each (unaligned, or no grouped kernel)
@@ -161,13 +202,24 @@ class BucketQuantizer:
             q.append(buffers.get("fp8", index, tuple(tensor.shape), FP8_DTYPE, tensor.device))
             s.append(buffers.get("fp8_scale", index, entry.shape, SCALE_DTYPE, tensor.device))
             runs.append(_block_runs(tensor) if isinstance(tensor, RowSelection) else None)
+        job_at = {p: i for i, p in enumerate(positions)}
+        produced, order = [], []
+        for position, (name, _) in enumerate(bucket):
+            job = job_at.get(position)
+            if job is None:
+                order.append(position)
+            else:
+                order += [len(bucket) + len(produced), len(bucket) + len(produced) + 1]
+                produced += [(name, q[job]), (scale_names[job], s[job])]
         return cls(
             positions=tuple(positions),
-            job_at={p: i for i, p in enumerate(positions)},
+            job_at=job_at,
             scale_names=tuple(scale_names),
             q=tuple(q),
             scales=tuple(s),
             runs=tuple(runs),
+            produced=produced,
+            order=tuple(order),
         )
 
     def run(self, sources: list, buffers: ExportBuffers) -> None:
@@ -177,9 +229,33 @@ class BucketQuantizer:
         if key != self._sources_key:
             self._plan_launches(sources)
             self._sources_key = key
+        self._launch_grouped()
+        if self._singles:
+            self._quantize_singles(sources, buffers, resolved=True)
+
+    def launch(self, bucket: list, buffers: ExportBuffers) -> None:
+        """Quantize ``bucket`` (plain tensors) whose sources are those the launches were last planned
+        for (``quantize_bucket_lists``' steady path): no check of where they are."""
+        self._launch_grouped()
+        if self._singles:
+            self._quantize_singles([bucket[i][1] for i in self.positions], buffers)
+
+    def pick(self, bucket: list) -> list[tuple[str, torch.Tensor]]:
+        """The output for ``bucket`` (plain tensors, none a ``RowSelection``): its pairs kept in their
+        dtype, and each quantized weight's ``produced`` pairs in its place (C calls only)."""
+        combined = bucket + self.produced
+        if len(self.order) == 1:
+            return [combined[self.order[0]]]
+        return list(operator.itemgetter(*self.order)(combined)) if self.order else []
+
+    def _launch_grouped(self) -> None:
         for launch in self._grouped:
             _cuda_kernels().launch_grouped(launch)
-        jobs = list(self._jobs(sources)) if self._singles else []  # views of this export's sources
+
+    def _quantize_singles(self, sources: list, buffers: ExportBuffers, *, resolved: bool = False) -> None:
+        """The jobs quantized one launch each, from these sources (the bucket's items at ``positions``,
+        or ``_resolved`` already)."""
+        jobs = list(self._jobs(sources if resolved else self._resolved(sources)))  # views of this export's sources
         for source, q, scale in (jobs[i] for i in self._singles):
             work = None
             if not (source.is_cuda and _kernel_usable("single")):
@@ -220,6 +296,7 @@ class BucketQuantizer:
         # export; holding views would keep a trainer's offloaded parameters alive).
         self._grouped, singles = _grouped_launches(list(self._jobs(sources)))
         self._singles = tuple(singles)
+        self.generation += 1
 
 
 def _grouped_launches(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> tuple[list, list[int]]:

@@ -17,7 +17,9 @@ Buffers (gather, output, receive) come from ``ExportBuffers``; with a persistent
 allocated on the first export and reused by every later one. HF tensors that are views of a local
 parameter (nothing gathered or converted: TP1, experts at EP1 and ETP1, replicated norms) are
 made once and reused while the parameter's data stays at the same address, so the steady export
-of a many-expert model does no torch work per tensor for them (``tests/test_host_work.py``).
+of a many-expert model does no torch work per tensor for them (``tests/test_host_work.py``); a
+bucket of nothing but such views is yielded as the same pairs, stamped (``runtime.stamps``), with
+no Python work per tensor.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from mbridge_refit.runtime.collectives import ParallelGroups, broadcast_from, co
 from mbridge_refit.runtime.schedule import Assembly, AssemblyKind, Bucket, Op, build_buckets, build_ops, gather_count
 from mbridge_refit.runtime.selection import LiveRows, RowSelection
 from mbridge_refit.runtime.stack_fill import fill_stack
+from mbridge_refit.runtime.stamps import StampedBucket, new_stamp
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "PlanExporter", "ShardSource", "ops_holding", "plain_shards"]
 
@@ -214,7 +217,13 @@ class PlanExporter:
         select_rows_lazily: bool,
         slots: frozenset[int] | None = None,
     ) -> list[tuple[str, torch.Tensor | RowSelection]]:
-        """The bucket's ``(hf_name, tensor)`` pairs; with ``slots``, only those ops' (the same on every rank)."""
+        """The bucket's ``(hf_name, tensor)`` pairs; with ``slots``, only those ops' (the same on every rank).
+        A views-only bucket's pairs are kept with its views and yielded stamped (``runtime.stamps``):
+        the same pair objects while ``_kept_views`` finds its parameters where they were."""
+        if self._groups.pp_size == 1:
+            kept = self._kept_record(bucket, slots)
+            if kept is not None and kept.items is not None:
+                return StampedBucket(kept.items, kept.stamp)
         assembled = self._assemble_bucket(bucket, buffers, slots)
         lazy = select_rows_lazily and self._groups.pp_size == 1
         items: list[tuple[str, torch.Tensor | RowSelection]] = []
@@ -233,7 +242,31 @@ class PlanExporter:
                 if entry.hf_name in self._aliased:
                     yielded[entry.hf_name] = tensor
                 items.append((entry.hf_name, tensor))
-        return items
+        return self._keep_items(bucket, slots, assembled, items)
+
+    def _keep_items(
+        self, bucket: Bucket, slots: frozenset[int] | None, assembled: list, items: list
+    ) -> list[tuple[str, torch.Tensor | RowSelection]]:
+        """``items``, stamped and kept with the bucket's views where they are those of a views-only bucket
+        just checked or made (``_assemble_bucket``) and yielding them needs nothing else: one pipeline
+        stage, no alias taken or left for a later bucket, no selection to materialize."""
+        kept = self._bucket_views.get(id(bucket))
+        if (
+            kept is None
+            or kept.assembled is not assembled
+            or kept.slots != slots
+            or self._groups.pp_size != 1
+            or not all(isinstance(tensor, torch.Tensor) for _, tensor in items)
+            or any(
+                entry.alias_of is not None or entry.hf_name in self._aliased
+                for slot, op in enumerate(bucket.ops)
+                if slots is None or slot in slots
+                for entry in op.entries
+            )
+        ):
+            return items
+        kept = self._bucket_views[id(bucket)] = kept._replace(items=tuple(items), stamp=new_stamp())
+        return StampedBucket(kept.items, kept.stamp)
 
     def _assemble_bucket(
         self, bucket: Bucket, buffers: ExportBuffers, slots: frozenset[int] | None = None
@@ -276,14 +309,19 @@ class PlanExporter:
             get = operator.itemgetter(*names)
             params = _parameters(self.params, get)
             addresses = list(map(torch.Tensor.data_ptr, params))
-            self._bucket_views[id(bucket)] = _KeptViews(bucket, slots, get, params, addresses, assembled)
+            self._bucket_views[id(bucket)] = _KeptViews(bucket, slots, get, params, addresses, assembled, None, None)
         return assembled
 
     def _kept_views(self, bucket: Bucket, slots: frozenset[int] | None) -> list | None:
-        """A views-only bucket's assembled views as the last export left them, while the model holds
-        the same parameter objects (a replaced parameter is found in ``params`` by its name) with their
-        data where it was (a ``.data`` swap moves it): C calls only, none of ``_views_of``'s per-op
-        Python; None otherwise. The entry holds the bucket, so its id is its own."""
+        """A views-only bucket's assembled views as the last export left them (``_kept_record``), or None."""
+        kept = self._kept_record(bucket, slots)
+        return None if kept is None else kept.assembled
+
+    def _kept_record(self, bucket: Bucket, slots: frozenset[int] | None) -> "_KeptViews | None":
+        """A views-only bucket's record, while the model holds the same parameter objects (a replaced
+        parameter is found in ``params`` by its name) with their data where it was (a ``.data`` swap
+        moves it): C calls only, none of ``_views_of``'s per-op Python; None otherwise. The record
+        holds the bucket, so its id is its own."""
         kept = self._bucket_views.get(id(bucket))
         if kept is None or kept.bucket is not bucket or kept.slots != slots:
             return None
@@ -293,7 +331,7 @@ class PlanExporter:
             or list(map(torch.Tensor.data_ptr, params)) != kept.addresses
         ):
             return None
-        return kept.assembled
+        return kept
 
     def _only_views(self, op: Op) -> bool:
         """Whether every HF tensor of ``op`` is, on this rank, a view of its one local parameter read
@@ -531,6 +569,8 @@ class _KeptViews(NamedTuple):
     params: tuple[torch.Tensor, ...]  # those parameter objects
     addresses: list[int]  # where their data was
     assembled: list  # the views, as ``_assemble_bucket`` returns them
+    items: tuple | None  # the bucket's (hf_name, view) pairs, once yielded (``_keep_items``)
+    stamp: int | None  # their stamp (``runtime.stamps``)
 
 
 def _parameters(params: dict[str, torch.Tensor], get: operator.itemgetter) -> tuple[torch.Tensor, ...]:

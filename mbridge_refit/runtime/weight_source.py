@@ -31,6 +31,7 @@ class ExportsWeights(Protocol):
     ``live_rows``: the exported names that are rows of a local parameter read as stored (empty
     where the plan cannot describe the model). ``export_hf_weights``: the collective stream of
     ``(hf_name, tensor)``; every rank of the model's groups iterates it to the end.
+    ``export_hf_weight_buckets``: the same export in lists, some stamped (``runtime.stamps``).
     """
 
     hf_pretrained: Any
@@ -49,3 +50,14 @@ class ExportsWeights(Protocol):
         fp8: Any = None,
         only: Collection[str] | None = None,
     ) -> Iterable[tuple[str, torch.Tensor]]: ...
+
+    def export_hf_weight_buckets(
+        self,
+        model: Model,
+        *,
+        show_progress: bool = True,
+        reuse_buffer_from_cache: bool = False,
+        hold_outputs: bool = False,
+        fp8: Any = None,
+        only: Collection[str] | None = None,
+    ) -> Iterable[list[tuple[str, torch.Tensor]]]: ...
