@@ -306,6 +306,36 @@ def _fp8_oracle(bridge, chunks) -> dict[str, torch.Tensor]:
     return dict(fp8_expected(stock, bridge.fp8_config("blockwise")))
 
 
+class _PickledEngine:
+    """This test's ``Engine`` started from ``expected``, behind its ``Worker``, called as over RPC
+    (arguments and results pickled): ``call_workers`` for a session, ``differs`` for the oracle."""
+
+    def __init__(self, expected: dict[str, torch.Tensor]) -> None:
+        self.engine = Engine(expected)
+        self.worker = Worker(self.engine)
+
+    def call_workers(self, method, *args):
+        return pickle.loads(pickle.dumps([getattr(self.worker, method)(*pickle.loads(pickle.dumps(args)))]))
+
+    def differs(self, oracle: dict[str, torch.Tensor]) -> list[str]:
+        """The engine's tensors whose bits are not the oracle's."""
+        state = self.engine.state()
+        assert set(state) == set(oracle) - {SKIPPED}
+        return [n for n in state if not torch.equal(state[n].view(torch.uint8), oracle[n].view(torch.uint8))]
+
+
+def _loaded_model(hf_dir, layout, device):
+    """A bridge and its Megatron model loaded from ``hf_dir`` (finite weights: a model built alone may
+    hold any bits)."""
+    from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.models.builder import BuildOptions, build_model
+
+    bridge = RefitBridge.from_hf_pretrained(hf_dir)
+    chunks = build_model(bridge, layout, BuildOptions(device=device, params_dtype=torch.bfloat16))
+    bridge.load_hf_shards(chunks, hf_dir)
+    return bridge, chunks
+
+
 def test_a_steady_fp8_refit_skips_noting_each_tensor_only_while_they_stay_where_they_were(
     monkeypatch, source_checkpoints
 ):
@@ -314,10 +344,8 @@ def test_a_steady_fp8_refit_skips_noting_each_tensor_only_while_they_stay_where_
     (``LayoutRecorder.add``); once the export's buffers are freed and made anew, the refit notes them
     and shares the new layout, and the engine holds the new weights, not the old buffers' (which the
     session still holds, so a wrong shortcut would read them: stale values, not a crash)."""
-    from mbridge_refit.bridge import RefitBridge
     from mbridge_refit.convert.session import distributed_session
     from mbridge_refit.engines import sharing
-    from mbridge_refit.models.builder import BuildOptions, build_model
     from mbridge_refit.plan.layout import ParallelLayout
     from mbridge_refit.testing.conformance import restored_environment
 
@@ -331,23 +359,11 @@ def test_a_steady_fp8_refit_skips_noting_each_tensor_only_while_they_stay_where_
 
     monkeypatch.setattr(sharing.LayoutRecorder, "add", noting_add)
     with restored_environment(), distributed_session(layout, device=cpu, timeout=datetime.timedelta(minutes=2)):
-        hf_dir = source_checkpoints("qwen3-tiny")
-        bridge = RefitBridge.from_hf_pretrained(hf_dir)
-        chunks = build_model(bridge, layout, BuildOptions(device=cpu, params_dtype=torch.bfloat16))
-        bridge.load_hf_shards(chunks, hf_dir)  # finite weights (a model built alone may hold any bits)
+        bridge, chunks = _loaded_model(source_checkpoints("qwen3-tiny"), layout, cpu)
         expected = _fp8_oracle(bridge, chunks)
         assert all(torch.isfinite(t.float()).all() for t in expected.values())
-        engine = Engine(expected)
-        worker = Worker(engine)
-
-        def call_workers(method, *args):
-            return pickle.loads(pickle.dumps([getattr(worker, method)(*pickle.loads(pickle.dumps(args)))]))
-
-        def engine_differs(oracle) -> list[str]:
-            state = engine.state()
-            assert set(state) == set(oracle) - {SKIPPED}
-            return [n for n in state if not torch.equal(state[n].view(torch.uint8), oracle[n].view(torch.uint8))]
-
+        engine = _PickledEngine(expected)
+        engine_differs = engine.differs
         generator = torch.Generator().manual_seed(7)
 
         def change() -> dict[str, torch.Tensor]:
@@ -363,7 +379,9 @@ def test_a_steady_fp8_refit_skips_noting_each_tensor_only_while_they_stay_where_
             assert stale == {n for n in oracle if n.endswith("weight_scale_inv")}, "a change left a scale as it was"
             return oracle
 
-        session = IpcSession(call_workers, transport=LocalTransport(), ignored=lambda bridge: frozenset({SKIPPED}))
+        session = IpcSession(
+            engine.call_workers, transport=LocalTransport(), ignored=lambda bridge: frozenset({SKIPPED})
+        )
         first = session.refit(bridge, chunks, fp8="blockwise")
         assert first.opened and engine_differs(expected) == []
         quantized = sum(1 for name in expected if name.endswith("weight_scale_inv"))
@@ -436,10 +454,8 @@ def test_a_steady_moe_fp8_refit_follows_replaced_and_swapped_expert_weights(sour
     steady refits after it stay exact. ``planned-launches`` quantizes as the CUDA grouped kernel does, from
     the sources its launches were planned with (``_GroupedKernelStandIn``), so a steady path that kept a
     launch across a moved source reads the old weights."""
-    from mbridge_refit.bridge import RefitBridge
     from mbridge_refit.convert.session import distributed_session
     from mbridge_refit.fp8 import quantize
-    from mbridge_refit.models.builder import BuildOptions, build_model
     from mbridge_refit.plan.layout import ParallelLayout
     from mbridge_refit.runtime.stamps import stamp_of
     from mbridge_refit.testing.conformance import restored_environment
@@ -448,27 +464,18 @@ def test_a_steady_moe_fp8_refit_follows_replaced_and_swapped_expert_weights(sour
         monkeypatch.setattr(quantize, "_cuda_kernels", lambda: _GroupedKernelStandIn)
     cpu, layout = torch.device("cpu"), ParallelLayout()
     with restored_environment(), distributed_session(layout, device=cpu, timeout=datetime.timedelta(minutes=2)):
-        hf_dir = source_checkpoints("qwen3-moe-tiny")
-        bridge = RefitBridge.from_hf_pretrained(hf_dir)
-        chunks = build_model(bridge, layout, BuildOptions(device=cpu, params_dtype=torch.bfloat16))
-        bridge.load_hf_shards(chunks, hf_dir)
+        bridge, chunks = _loaded_model(source_checkpoints("qwen3-moe-tiny"), layout, cpu)
         expected = _fp8_oracle(bridge, chunks)
-        engine = Engine(expected)
-        worker = Worker(engine)
-
-        def call_workers(method, *args):
-            return pickle.loads(pickle.dumps([getattr(worker, method)(*pickle.loads(pickle.dumps(args)))]))
-
-        def engine_differs(oracle) -> list[str]:
-            state = engine.state()
-            return [n for n in state if not torch.equal(state[n].view(torch.uint8), oracle[n].view(torch.uint8))]
-
+        engine = _PickledEngine(expected)
+        engine_differs = engine.differs
         generator = torch.Generator().manual_seed(11)
 
         def noise(t: torch.Tensor) -> torch.Tensor:
             return t.detach() + torch.randn(t.shape, generator=generator).to(t.dtype)
 
-        session = IpcSession(call_workers, transport=LocalTransport(), ignored=lambda bridge: frozenset({SKIPPED}))
+        session = IpcSession(
+            engine.call_workers, transport=LocalTransport(), ignored=lambda bridge: frozenset({SKIPPED})
+        )
         assert session.refit(bridge, chunks, fp8="blockwise").opened and engine_differs(expected) == []
         with torch.no_grad():
             for chunk in chunks:

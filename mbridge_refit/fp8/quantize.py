@@ -3,7 +3,9 @@
 ``quantize_buckets`` quantizes each bucket's weights together (on CUDA one grouped Triton launch
 per bucket and input dtype, where the kernel reproduces the reference bits; else the reference
 path) into cached buffers, and yields each weight's e4m3 data followed by its
-``weight_scale_inv``. ``quantize_blockwise`` quantizes one tensor the same way; ``ShardQuantizer``
+``weight_scale_inv``; a bucket the exporter stamped (``runtime.stamps``: the same views of parameters
+where they were) is quantized again by the launches planned for it, its output picked in C and stamped
+in turn, with no Python work per tensor. ``quantize_blockwise`` quantizes one tensor the same way; ``ShardQuantizer``
 quantizes the same tensors every step (an engine rank's shards in a sharded refit) into buffers
 made once.
 """
@@ -109,7 +111,8 @@ class _SteadyBucket:
 
     stamp: int  # the input's
     quantizer: "BucketQuantizer"
-    generation: int  # the quantizer's launch plan then
+    generation: int  # the quantizer's launch plan then (the slot is replaced or dropped whenever its bucket
+    # number is quantized otherwise; this guards a plan changed by another caller of the same quantizer)
     out_stamp: int  # the output's
 
 
