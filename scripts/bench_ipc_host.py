@@ -39,14 +39,12 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
-    from mbridge_refit.bridge import RefitBridge
     from mbridge_refit.convert.session import distributed_session
     from mbridge_refit.engines.ipc_session import IpcSession
     from mbridge_refit.engines.sharing import LocalTransport
     from mbridge_refit.fp8 import quantize
-    from mbridge_refit.models import recipes
-    from mbridge_refit.models.builder import BuildOptions, build_model
     from mbridge_refit.plan.layout import ParallelLayout
+    from mbridge_refit.testing.many_experts import many_expert_model
 
     if args.stub_quantizer:  # the device work only: planning and picking the outputs still run
         quantize.BucketQuantizer._launch_grouped = lambda self: None
@@ -54,11 +52,7 @@ def main() -> None:
     fp8 = "blockwise" if args.fp8 else None
     cpu, layout = torch.device("cpu"), ParallelLayout()
     with distributed_session(layout, device=cpu, timeout=datetime.timedelta(minutes=10)):
-        config = recipes.get_model_recipe("qwen3-moe-tiny").to_hf_config()
-        config.num_experts = args.experts
-        config.architectures = ["Qwen3MoeForCausalLM"]
-        bridge = RefitBridge.from_hf_config(config)
-        chunks = build_model(bridge, layout, BuildOptions(device=cpu, params_dtype=torch.bfloat16))
+        bridge, chunks = many_expert_model(args.experts)
         session = IpcSession(answering_workers, transport=LocalTransport())
         for _ in range(3):
             step = session.refit(bridge, chunks, fp8=fp8)

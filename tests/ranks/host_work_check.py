@@ -20,11 +20,9 @@ from pathlib import Path
 
 import torch
 
-from mbridge_refit.bridge import RefitBridge
 from mbridge_refit.convert.session import distributed_session
-from mbridge_refit.models import recipes
-from mbridge_refit.models.builder import BuildOptions, build_model
 from mbridge_refit.plan.layout import ParallelLayout
+from mbridge_refit.testing.many_experts import many_expert_model
 
 
 def count_calls(export) -> dict[str, int]:
@@ -45,12 +43,7 @@ def count_calls(export) -> dict[str, int]:
 
 
 def measure(experts: int) -> dict[str, int]:
-    config = recipes.get_model_recipe("qwen3-moe-tiny").to_hf_config()
-    config.num_experts = experts
-    config.architectures = ["Qwen3MoeForCausalLM"]
-    bridge = RefitBridge.from_hf_config(config)
-    layout = ParallelLayout()
-    chunks = build_model(bridge, layout, BuildOptions(device=torch.device("cpu"), params_dtype=torch.bfloat16))
+    bridge, chunks = many_expert_model(experts)
 
     def export() -> int:
         count = 0

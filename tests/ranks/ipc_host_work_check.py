@@ -19,15 +19,11 @@ from __future__ import annotations
 import functools
 import sys
 
-import torch
 from host_work_check import count_calls, main
 
-from mbridge_refit.bridge import RefitBridge
 from mbridge_refit.engines.ipc_session import IpcSession
 from mbridge_refit.engines.sharing import LocalTransport
-from mbridge_refit.models import recipes
-from mbridge_refit.models.builder import BuildOptions, build_model
-from mbridge_refit.plan.layout import ParallelLayout
+from mbridge_refit.testing.many_experts import many_expert_model
 
 
 def answering_workers(method: str, *args):
@@ -36,13 +32,7 @@ def answering_workers(method: str, *args):
 
 
 def measure(experts: int, fp8: str | None = None) -> dict[str, int]:
-    config = recipes.get_model_recipe("qwen3-moe-tiny").to_hf_config()
-    config.num_experts = experts
-    config.architectures = ["Qwen3MoeForCausalLM"]
-    bridge = RefitBridge.from_hf_config(config)
-    chunks = build_model(
-        bridge, ParallelLayout(), BuildOptions(device=torch.device("cpu"), params_dtype=torch.bfloat16)
-    )
+    bridge, chunks = many_expert_model(experts)
     session = IpcSession(answering_workers, transport=LocalTransport())
     steps = [session.refit(bridge, chunks, fp8=fp8) for _ in range(3)]
     if not steps[0].opened or any(step.opened for step in steps[1:]):
