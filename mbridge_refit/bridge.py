@@ -63,7 +63,12 @@ from mbridge_refit.runtime.collectives import (
 )
 from mbridge_refit.runtime.exporter import DEFAULT_BUCKET_BYTES, PlanExporter
 from mbridge_refit.runtime.handshake import DEFAULT_TIMEOUT_S, CollectiveCall
-from mbridge_refit.runtime.lifetime import guard_buckets, guard_tensors, lifetime_checks_from_environment
+from mbridge_refit.runtime.lifetime import (
+    HeldOutputs,
+    guard_buckets,
+    guard_tensors,
+    lifetime_checks_from_environment,
+)
 from mbridge_refit.runtime.live_params import LiveParams, registration_count
 from mbridge_refit.runtime.lora import AdapterExport
 from mbridge_refit.runtime.param_sync import finish_pending_param_gathers
@@ -171,6 +176,7 @@ class RefitBridge(AutoBridge):
         self.bucket_bytes = DEFAULT_BUCKET_BYTES
         self.collective_timeout_s: float | None = DEFAULT_TIMEOUT_S
         self.check_lifetime = lifetime_checks_from_environment()
+        self._held_outputs = HeldOutputs()  # the checking mode's guards of the last held export
         self._model_state: _ModelState | None = None
         self._buffers: ExportBuffers | None = None
         super().__init__(hf_pretrained)
@@ -660,9 +666,9 @@ class RefitBridge(AutoBridge):
         the export's own (``bucket_bytes`` of output, whole layers; with ``fp8``, sized by what the
         FP8 export yields); a model on the stock fallback is cut into lists of ``bucket_bytes``.
         Collective and fresh exactly as ``export_hf_weights`` (same arguments, same contract).
-        Each list is the caller's. A bucket whose tensors are the same objects, where they were, as
-        in an earlier export may come as a ``runtime.stamps.StampedBucket`` carrying that export's
-        stamp: a consumer can then skip looking at each tensor again.
+        Each list is the caller's. Some come as a ``runtime.stamps.StampedBucket``: every bucket with
+        one stamp, from the first export that made it on, holds the same pair objects where they were,
+        so a consumer that saw the stamp can skip looking at each tensor again.
         """
         options = _ExportOptions(
             stock=_StockArguments(cpu, show_progress),
@@ -679,9 +685,12 @@ class RefitBridge(AutoBridge):
         lifetime checks when ``check_lifetime`` is on."""
         chunks = _chunks(model)
         call = self._begin_collective(chunks, what)
+        self._held_outputs.expire()  # the last held export's tensors end where this export begins
         stream = call.guard(self._export(chunks, options, in_buckets=in_buckets))
         if not self.check_lifetime:
             return stream
+        if options.hold_outputs:
+            return self._held_outputs.guard(stream, in_buckets=in_buckets)
         return guard_buckets(stream) if in_buckets else guard_tensors(stream)
 
     def _begin_collective(self, chunks: list[torch.nn.Module], what: str) -> CollectiveCall:

@@ -118,6 +118,20 @@ class MarginalCalls:
         return self.many["tensors"] - self.few["tensors"]
 
 
+def loaded_model(hf_dir, layout, device):
+    """A bridge from ``hf_dir`` and its Megatron model built at ``layout`` on this rank, loaded from the
+    checkpoint (finite weights: a model built alone may hold any bits). Call inside a distributed session."""
+    import torch
+
+    from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.models.builder import BuildOptions, build_model
+
+    bridge = RefitBridge.from_hf_pretrained(hf_dir)
+    chunks = build_model(bridge, layout, BuildOptions(device=device, params_dtype=torch.bfloat16))
+    bridge.load_hf_shards(chunks, hf_dir)
+    return bridge, chunks
+
+
 def marginal_calls(
     script: str, flag: str, sizes: tuple[int, int], result: Path, extra: tuple[str, ...] = ()
 ) -> MarginalCalls:

@@ -621,3 +621,48 @@ def test_fp8_parameters_off_block_boundaries_are_refused(block_checkpoints):
         ],
     )
     assert run.returncode == 0, run.output[-6000:]
+
+
+@pytest.mark.parametrize("hold_outputs", [False, True], ids=["per-bucket", "held"])
+def test_a_cached_fp8_export_follows_another_config_and_other_buckets(source_checkpoints, hold_outputs):
+    """One bridge, its export cache on, exported in FP8 with another keep list, then with the family's, then
+    with other bucket sizes, and back: each export equals Megatron-Bridge's stock export through the reference
+    quantizer for that config (``testing.export_comparison.fp8_expected``), read after the whole export when
+    the outputs are held. How a bucket is quantized is cached with the buffers; a cache keyed by the bucket's
+    names alone served one config's quantizer to the other (scales missing or extra) and a quantizer built
+    for one bucket number to another (its held outputs written into another bucket's buffers)."""
+    import datetime
+
+    from conftest import loaded_model
+
+    from mbridge_refit.convert.session import distributed_session
+    from mbridge_refit.fp8.format import BlockwiseFP8Config
+    from mbridge_refit.plan.layout import ParallelLayout
+    from mbridge_refit.runtime.exporter import DEFAULT_BUCKET_BYTES
+    from mbridge_refit.testing.conformance import restored_environment
+    from mbridge_refit.testing.export_comparison import fp8_expected
+
+    cpu, layout = torch.device("cpu"), ParallelLayout()
+    with restored_environment(), distributed_session(layout, device=cpu, timeout=datetime.timedelta(minutes=2)):
+        bridge, chunks = loaded_model(source_checkpoints("qwen3-moe-tiny"), layout, cpu)
+        stock = [(n, t.detach().clone()) for n, t in bridge.export_hf_weights_stock(chunks, show_progress=False)]
+        family = bridge.fp8_config("blockwise")
+        experts_kept = BlockwiseFP8Config(keep_patterns=(*family.keep_patterns, "*.mlp.experts.*"))
+        steps = [
+            (experts_kept, DEFAULT_BUCKET_BYTES),
+            ("blockwise", DEFAULT_BUCKET_BYTES),
+            (experts_kept, DEFAULT_BUCKET_BYTES),
+            ("blockwise", 1 << 16),
+            ("blockwise", DEFAULT_BUCKET_BYTES),
+        ]
+        for config, bucket_bytes in steps:
+            bridge.bucket_bytes = bucket_bytes
+            stream = bridge.export_hf_weights(
+                chunks, reuse_buffer_from_cache=True, hold_outputs=hold_outputs, fp8=config, show_progress=False
+            )
+            got = list(stream) if hold_outputs else [(n, t.clone()) for n, t in stream]
+            expected = fp8_expected(stock, bridge.fp8_config(config))
+            assert [n for n, _ in got] == [n for n, _ in expected], (config, bucket_bytes)
+            wrong = [n for (n, a), (_, b) in zip(got, expected) if not same_bits(a, b)]
+            assert wrong == [], (config, bucket_bytes, wrong[:5])
+        bridge.release_export_buffers()

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, loaded_model
 
 from mbridge_refit.engines.ipc import RefitReceiver
 from mbridge_refit.engines.ipc_session import IpcSession
@@ -324,18 +324,6 @@ class _PickledEngine:
         return [n for n in state if not torch.equal(state[n].view(torch.uint8), oracle[n].view(torch.uint8))]
 
 
-def _loaded_model(hf_dir, layout, device):
-    """A bridge and its Megatron model loaded from ``hf_dir`` (finite weights: a model built alone may
-    hold any bits)."""
-    from mbridge_refit.bridge import RefitBridge
-    from mbridge_refit.models.builder import BuildOptions, build_model
-
-    bridge = RefitBridge.from_hf_pretrained(hf_dir)
-    chunks = build_model(bridge, layout, BuildOptions(device=device, params_dtype=torch.bfloat16))
-    bridge.load_hf_shards(chunks, hf_dir)
-    return bridge, chunks
-
-
 def test_a_steady_fp8_refit_skips_noting_each_tensor_only_while_they_stay_where_they_were(
     monkeypatch, source_checkpoints
 ):
@@ -359,7 +347,7 @@ def test_a_steady_fp8_refit_skips_noting_each_tensor_only_while_they_stay_where_
 
     monkeypatch.setattr(sharing.LayoutRecorder, "add", noting_add)
     with restored_environment(), distributed_session(layout, device=cpu, timeout=datetime.timedelta(minutes=2)):
-        bridge, chunks = _loaded_model(source_checkpoints("qwen3-tiny"), layout, cpu)
+        bridge, chunks = loaded_model(source_checkpoints("qwen3-tiny"), layout, cpu)
         expected = _fp8_oracle(bridge, chunks)
         assert all(torch.isfinite(t.float()).all() for t in expected.values())
         engine = _PickledEngine(expected)
@@ -457,14 +445,13 @@ def test_a_steady_moe_fp8_refit_follows_replaced_and_swapped_expert_weights(sour
     from mbridge_refit.convert.session import distributed_session
     from mbridge_refit.fp8 import quantize
     from mbridge_refit.plan.layout import ParallelLayout
-    from mbridge_refit.runtime.stamps import stamp_of
     from mbridge_refit.testing.conformance import restored_environment
 
     if launches == "planned-launches":
         monkeypatch.setattr(quantize, "_cuda_kernels", lambda: _GroupedKernelStandIn)
     cpu, layout = torch.device("cpu"), ParallelLayout()
     with restored_environment(), distributed_session(layout, device=cpu, timeout=datetime.timedelta(minutes=2)):
-        bridge, chunks = _loaded_model(source_checkpoints("qwen3-moe-tiny"), layout, cpu)
+        bridge, chunks = loaded_model(source_checkpoints("qwen3-moe-tiny"), layout, cpu)
         expected = _fp8_oracle(bridge, chunks)
         engine = _PickledEngine(expected)
         engine_differs = engine.differs
@@ -477,19 +464,26 @@ def test_a_steady_moe_fp8_refit_follows_replaced_and_swapped_expert_weights(sour
             engine.call_workers, transport=LocalTransport(), ignored=lambda bridge: frozenset({SKIPPED})
         )
         assert session.refit(bridge, chunks, fp8="blockwise").opened and engine_differs(expected) == []
-        with torch.no_grad():
-            for chunk in chunks:
-                for param in chunk.parameters():
-                    param.copy_(noise(param))
-        oracle = _fp8_oracle(bridge, chunks)
+
+        def stamps() -> tuple:
+            """The last refit's buckets' stamps, as the session's snapshot saw them (no export of the test's own:
+            another export's selection would make the exporter's views anew)."""
+            return session._steady[0].stamps
+
+        def change_all() -> dict[str, torch.Tensor]:
+            with torch.no_grad():
+                for chunk in chunks:
+                    for param in chunk.parameters():
+                        param.copy_(noise(param))
+            return _fp8_oracle(bridge, chunks)
+
+        for _ in range(2):
+            oracle = change_all()
+            assert not session.refit(bridge, chunks, fp8="blockwise").opened and engine_differs(oracle) == []
+        steady = stamps()
+        oracle = change_all()
         assert not session.refit(bridge, chunks, fp8="blockwise").opened and engine_differs(oracle) == []
-        stamps = [
-            stamp_of(b)
-            for b in bridge.export_hf_weight_buckets(
-                chunks, reuse_buffer_from_cache=True, hold_outputs=True, fp8="blockwise", show_progress=False
-            )
-        ]
-        assert any(s is not None for s in stamps), stamps  # the expert buckets' steady path is what is tested
+        assert stamps() == steady and sum(s is not None for s in steady) >= 2, steady  # the steady path ran
 
         experts = _expert_weights(chunks)
         assert len(experts) >= 4, experts
@@ -502,6 +496,8 @@ def test_a_steady_moe_fp8_refit_follows_replaced_and_swapped_expert_weights(sour
         assert len([n for n in stale if n.endswith("weight_scale_inv")]) >= 2, stale  # both experts changed
         session.refit(bridge, chunks, fp8="blockwise")
         assert engine_differs(oracle) == []
+        moved = [i for i, (a, b) in enumerate(zip(stamps(), steady)) if a != b]
+        assert len(moved) >= 2 and all(steady[i] is not None for i in moved), (moved, steady)
 
         def change_experts() -> dict[str, torch.Tensor]:
             with torch.no_grad():
@@ -519,6 +515,11 @@ def test_a_steady_moe_fp8_refit_follows_replaced_and_swapped_expert_weights(sour
         assert session.refit(bridge, chunks, fp8="blockwise").opened and engine_differs(oracle) == []
         oracle = change_experts()
         assert not session.refit(bridge, chunks, fp8="blockwise").opened and engine_differs(oracle) == []
+        bridge.check_lifetime = True  # the checking mode: held tensors guarded until the next export
+        for _ in range(2):
+            oracle = change_experts()
+            session.refit(bridge, chunks, fp8="blockwise")
+            assert engine_differs(oracle) == []
         session.close()
         bridge.release_export_buffers()
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mbridge_refit.runtime.lifetime import ExpiredTensorError, guard_buckets, guard_tensors
+from mbridge_refit.runtime.lifetime import ExpiredTensorError, HeldOutputs, guard_buckets, guard_tensors
 from mbridge_refit.runtime.live_params import LiveParams, ModelChangedError, registration_count
 
 
@@ -76,6 +76,18 @@ def test_guarded_tensors_refuse_use_after_their_lifetime():
     buckets = list(guard_buckets([[("a", torch.ones(1)), ("b", torch.ones(1))], [("c", torch.ones(1))]]))
     with pytest.raises(ExpiredTensorError, match="b was used after the export moved on to the next bucket"):
         torch.equal(buckets[0][1][1], torch.ones(1))
+
+
+def test_held_outputs_stay_valid_until_the_next_export_begins():
+    held = HeldOutputs()
+    buckets = list(held.guard(iter([[("a", torch.ones(1))], [("b", torch.ones(1))]]), in_buckets=True))
+    pairs = list(held.guard(iter([("c", torch.ones(1))]), in_buckets=False))  # the same export, one by one
+    assert buckets[0][0][1].sum().item() == 1.0 and pairs[0][1].sum().item() == 1.0  # after the export ended
+    held.expire()  # the next export begins
+    with pytest.raises(ExpiredTensorError, match="a was used after the next export began"):
+        buckets[0][0][1].sum()
+    with pytest.raises(ExpiredTensorError, match="c was used after the next export began"):
+        pairs[0][1].add(1)
 
 
 def _router_and_tasks():

@@ -13,9 +13,9 @@ worker recorded after launching its copies (``engines.completion``): the RPC ret
 are launched, so the follow-up runs while they do, and ``refit`` returns once the engine's
 parameters hold the new weights. No bytes are packed or staged, nothing is allocated after the
 first step on either side. A steady step that finds the export's tensors to be the last step's very
-objects at the same addresses (``engines.sharing.ExportSnapshot``: by the buckets' stamps,
-``runtime.stamps``, where every bucket has one, else tensor by tensor) notes none of them anew; any
-other export is noted tensor by tensor and, where it moved, shared anew.
+objects at the same addresses (``engines.sharing.ExportSnapshot``: stamped buckets by their stamps,
+``runtime.stamps``, the others tensor by tensor) notes none of them anew; any other export is noted
+tensor by tensor and, where it moved, shared anew.
 
 Who calls it: an engine adapter's ``ipc`` session (for vLLM ``engines.vllm.VLLMRefit``, a subclass)
 binds the three things that are its engine's: ``call_workers(method, *args)`` (the RPC to every

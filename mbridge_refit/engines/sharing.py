@@ -205,7 +205,8 @@ class ExportSnapshot:
       with a Python call per tensor. Unlike that key, shape, stride, dtype and storage size are not
       compared; that is sound because the exporter never changes its outputs in place (no ``set_``,
       ``.data =`` or resize on a tensor it yielded), and because the caller holds the storages of the
-      layout it shared (``IpcSession``'s ``_held``), so no other storage can take those addresses.
+      layout it shared (``IpcSession``'s ``_held``), so no other storage can take those addresses
+      (unless one is freed in place, ``resize_(0)``, which holding it does not prevent).
 
     ``owner`` (the consumer's routes: which pairs of the buckets it keeps) must be the same object.
     """

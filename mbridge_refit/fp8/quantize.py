@@ -130,7 +130,10 @@ def quantize_bucket_lists(
     work per tensor, and the output carries the last output's stamp."""
     scales: dict | None = None  # scale entry by weight name, for building quantizers
     for bucket in buckets:
-        steady = buffers.memo.get(("fp8-steady", buffers.bucket))
+        # Quantizers are kept per plan (another config quantizes other tensors) and bucket number (with held
+        # outputs a quantizer's buffers are its bucket's), then per names (the ``needed`` subsets of a bucket).
+        where = (id(plan), buffers.bucket)
+        steady = buffers.memo.get(("fp8-steady", *where))
         stamp = stamp_of(bucket)
         if (
             stamp is not None
@@ -141,19 +144,19 @@ def quantize_bucket_lists(
             steady.quantizer.launch(bucket, buffers)
             yield StampedBucket(steady.quantizer.pick(bucket), steady.out_stamp)
             continue
-        names = tuple([name for name, _ in bucket])
-        quantizer = buffers.memo.get(("fp8", names))
+        key = ("fp8", *where, tuple([name for name, _ in bucket]))
+        quantizer = buffers.memo.get(key)
         if quantizer is None:
             if scales is None:
                 scales = {e.scale_of: e for e in plan.entries if e.scale_of is not None}
-            quantizer = buffers.memo[("fp8", names)] = BucketQuantizer.build(bucket, scales, buffers)
+            quantizer = buffers.memo[key] = BucketQuantizer.build(bucket, scales, buffers, plan)
         quantizer.run([bucket[i][1] for i in quantizer.positions], buffers)
         if stamp is not None:
             steady = _SteadyBucket(stamp, quantizer, quantizer.generation, new_stamp())
-            buffers.memo[("fp8-steady", buffers.bucket)] = steady
+            buffers.memo[("fp8-steady", *where)] = steady
             yield StampedBucket(quantizer.pick(bucket), steady.out_stamp)
             continue
-        buffers.memo.pop(("fp8-steady", buffers.bucket), None)
+        buffers.memo.pop(("fp8-steady", *where), None)
         out: list[tuple[str, torch.Tensor]] = []
         for position, (name, tensor) in enumerate(bucket):
             job = quantizer.job_at.get(position)
@@ -187,13 +190,16 @@ class BucketQuantizer:
     runs: tuple  # per weight: row runs to quantize from a RowSelection's source, or None
     produced: list[tuple[str, torch.Tensor]]  # per weight: (its name, q), (its scale's name, scale)
     order: tuple[int, ...]  # the output as indices into the bucket's pairs followed by ``produced``
+    plan: ExportPlan | None = dataclasses.field(default=None, repr=False, compare=False)  # held: its id keys the memo
     generation: int = 0  # bumped whenever the launches are planned anew
     _sources_key: tuple = ()
     _grouped: list = dataclasses.field(default_factory=list)  # kernels.GroupedLaunch, one per input dtype
     _singles: tuple[int, ...] = ()  # jobs (see _jobs) quantized one launch each (unaligned, or no grouped kernel)
 
     @classmethod
-    def build(cls, bucket: list[tuple[str, Any]], scales: dict, buffers: ExportBuffers) -> "BucketQuantizer":
+    def build(
+        cls, bucket: list[tuple[str, Any]], scales: dict, buffers: ExportBuffers, plan: ExportPlan | None = None
+    ) -> "BucketQuantizer":
         positions, scale_names, q, s, runs = [], [], [], [], []
         for position, (name, tensor) in enumerate(bucket):
             entry = scales.get(name)
@@ -223,6 +229,7 @@ class BucketQuantizer:
             runs=tuple(runs),
             produced=produced,
             order=tuple(order),
+            plan=plan,
         )
 
     def run(self, sources: list, buffers: ExportBuffers) -> None:

@@ -219,7 +219,7 @@ class PlanExporter:
     ) -> list[tuple[str, torch.Tensor | RowSelection]]:
         """The bucket's ``(hf_name, tensor)`` pairs; with ``slots``, only those ops' (the same on every rank).
         A views-only bucket's pairs are kept with its views and yielded stamped (``runtime.stamps``):
-        the same pair objects while ``_kept_views`` finds its parameters where they were."""
+        the same pair objects while ``_kept_record`` finds its parameters where they were."""
         if self._groups.pp_size == 1:
             kept = self._kept_record(bucket, slots)
             if kept is not None and kept.items is not None:

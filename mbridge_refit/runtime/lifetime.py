@@ -7,7 +7,8 @@ whatever a later tensor wrote there, which no check of the values can tell from 
 
 ``guard_tensors`` / ``guard_buckets`` are the checking mode for tests: each yielded tensor is a view
 of the same memory as a ``GuardedTensor`` that raises ``ExpiredTensorError`` (naming the tensor and
-the rule) from every torch operation once its lifetime has ended. Turned on per bridge
+the rule) from every torch operation once its lifetime has ended. An export with ``hold_outputs``
+keeps every tensor valid until the next export call: ``HeldOutputs`` guards those until then. Turned on per bridge
 (``RefitBridge.check_lifetime``) or for a whole run with the environment variable
 ``MBRIDGE_REFIT_CHECK_LIFETIME=1`` (``lifetime_checks_from_environment``). Tensors derived from a
 guarded one before it expired (``t.view(...)``, ``t[0]``) are plain tensors and are not followed.
@@ -26,6 +27,7 @@ __all__ = [
     "ENVIRONMENT_VARIABLE",
     "ExpiredTensorError",
     "GuardedTensor",
+    "HeldOutputs",
     "guard_buckets",
     "guard_tensors",
     "lifetime_checks_from_environment",
@@ -98,3 +100,28 @@ def guard_buckets(buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> Iterator
                 f"{name} was used after the export moved on to the next bucket: a bucket's tensors are valid until "
                 "the next bucket is requested (their buffers are reused). Copy what you keep longer, or pass hold_outputs=True"
             )
+
+
+class HeldOutputs:
+    """The checking mode of exports whose tensors stay valid until the next export call (``hold_outputs``):
+    ``guard`` guards every tensor of one export, ``expire`` ends them all (the bridge calls it when its
+    next export begins, held or not)."""
+
+    def __init__(self) -> None:
+        self._guarded: list[tuple[str, GuardedTensor]] = []
+
+    def expire(self) -> None:
+        for name, tensor in self._guarded:
+            tensor.expire(
+                f"{name} was used after the next export began: with hold_outputs=True a tensor is valid until the "
+                "next export call (the export writes into the same buffers). Copy what you keep longer"
+            )
+        self._guarded = []
+
+    def guard(self, stream: Iterable, *, in_buckets: bool) -> Iterator:
+        """``stream`` (pairs, or lists of pairs ``in_buckets``) with each tensor guarded until ``expire``."""
+        for item in stream:
+            pairs = item if in_buckets else [item]
+            guarded = [(name, _guard(tensor)) for name, tensor in pairs]
+            self._guarded += guarded
+            yield guarded if in_buckets else guarded[0]
