@@ -42,14 +42,15 @@ def main() -> None:
     config = full_size_config(args.model)
     if args.layers is not None:
         config.num_hidden_layers = args.layers
+    fp8 = "blockwise" if args.fp8 else None
     with tp1_trainer(config, args.work) as (bridge, chunks, _):
         session = IpcSession(answering_workers, transport=LocalTransport())
         for _ in range(3):
-            step = session.refit(bridge, chunks, fp8="blockwise" if args.fp8 else None)
+            step = session.refit(bridge, chunks, fp8=fp8)
         times = []
         for _ in range(20):
             started = time.perf_counter()
-            session.refit(bridge, chunks, fp8="blockwise" if args.fp8 else None)
+            session.refit(bridge, chunks, fp8=fp8)
             times.append((time.perf_counter() - started) * 1e3)
         median = statistics.median(times)
         print(f"{torch.cuda.get_device_name()} {args.model} layers={config.num_hidden_layers} tensors={step.tensors}")
@@ -57,7 +58,7 @@ def main() -> None:
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(10):
-            session.refit(bridge, chunks, fp8="blockwise" if args.fp8 else None)
+            session.refit(bridge, chunks, fp8=fp8)
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
         session.close()

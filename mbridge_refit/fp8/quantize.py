@@ -110,9 +110,7 @@ class _SteadyBucket:
     """The last stamped input of one bucket number and what it was quantized with (``quantize_bucket_lists``)."""
 
     stamp: int  # the input's
-    quantizer: "BucketQuantizer"
-    generation: int  # the quantizer's launch plan then (the slot is replaced or dropped whenever its bucket
-    # number is quantized otherwise; this guards a plan changed by another caller of the same quantizer)
+    quantizer: "BucketQuantizer"  # it planned its launches for that input's sources
     out_stamp: int  # the output's
 
 
@@ -125,9 +123,10 @@ def quantize_bucket_lists(
     A stamped input (``runtime.stamps``: the exporter's views-only buckets) gives a stamped output:
     the input's pairs for the tensors kept in their dtype and the quantizer's own pairs for the
     rest, picked in C. When a bucket number's input carries the stamp its last input had, the
-    sources are those the quantizer's launches were planned for (the quantizer's launch plan is
-    checked to be the one it had then), so the step is the launches and that pick, with no Python
-    work per tensor, and the output carries the last output's stamp."""
+    sources are those the quantizer's launches were planned for (its slot is replaced or dropped
+    whenever that bucket number is quantized otherwise, and only that bucket number reaches that
+    quantizer), so the step is the launches and that pick, with no Python work per tensor, and the
+    output carries the last output's stamp."""
     scales: dict | None = None  # scale entry by weight name, for building quantizers
     for bucket in buckets:
         # Quantizers are kept per plan (another config quantizes other tensors) and bucket number (with held
@@ -135,12 +134,7 @@ def quantize_bucket_lists(
         where = (id(plan), buffers.bucket)
         steady = buffers.memo.get(("fp8-steady", *where))
         stamp = stamp_of(bucket)
-        if (
-            stamp is not None
-            and steady is not None
-            and steady.stamp == stamp
-            and steady.quantizer.generation == steady.generation
-        ):
+        if stamp is not None and steady is not None and steady.stamp == stamp:
             steady.quantizer.launch(bucket, buffers)
             yield StampedBucket(steady.quantizer.pick(bucket), steady.out_stamp)
             continue
@@ -152,20 +146,12 @@ def quantize_bucket_lists(
             quantizer = buffers.memo[key] = BucketQuantizer.build(bucket, scales, buffers, plan)
         quantizer.run([bucket[i][1] for i in quantizer.positions], buffers)
         if stamp is not None:
-            steady = _SteadyBucket(stamp, quantizer, quantizer.generation, new_stamp())
+            steady = _SteadyBucket(stamp, quantizer, new_stamp())
             buffers.memo[("fp8-steady", *where)] = steady
             yield StampedBucket(quantizer.pick(bucket), steady.out_stamp)
             continue
         buffers.memo.pop(("fp8-steady", *where), None)
-        out: list[tuple[str, torch.Tensor]] = []
-        for position, (name, tensor) in enumerate(bucket):
-            job = quantizer.job_at.get(position)
-            if job is None:
-                out.append((name, materialized(tensor)))
-            else:
-                out.append((name, quantizer.q[job]))
-                out.append((quantizer.scale_names[job], quantizer.scales[job]))
-        yield out
+        yield [(name, materialized(tensor)) for name, tensor in quantizer.pick(bucket)]  # selections copied out
 
 
 def _block_runs(selection: RowSelection) -> tuple[tuple[int, int, int], ...] | None:
@@ -183,7 +169,6 @@ class BucketQuantizer:
     sources' addresses or strides change (a persistent export's sources keep theirs)."""
 
     positions: tuple[int, ...]  # positions in the bucket of the weights to quantize
-    job_at: dict[int, int]  # position in the bucket -> index into the tuples below
     scale_names: tuple[str, ...]
     q: tuple[torch.Tensor, ...]
     scales: tuple[torch.Tensor, ...]
@@ -191,7 +176,6 @@ class BucketQuantizer:
     produced: list[tuple[str, torch.Tensor]]  # per weight: (its name, q), (its scale's name, scale)
     order: tuple[int, ...]  # the output as indices into the bucket's pairs followed by ``produced``
     plan: ExportPlan | None = dataclasses.field(default=None, repr=False, compare=False)  # held: its id keys the memo
-    generation: int = 0  # bumped whenever the launches are planned anew
     _sources_key: tuple = ()
     _grouped: list = dataclasses.field(default_factory=list)  # kernels.GroupedLaunch, one per input dtype
     _singles: tuple[int, ...] = ()  # jobs (see _jobs) quantized one launch each (unaligned, or no grouped kernel)
@@ -222,7 +206,6 @@ class BucketQuantizer:
                 produced += [(name, q[job]), (scale_names[job], s[job])]
         return cls(
             positions=tuple(positions),
-            job_at=job_at,
             scale_names=tuple(scale_names),
             q=tuple(q),
             scales=tuple(s),
@@ -250,9 +233,9 @@ class BucketQuantizer:
         if self._singles:
             self._quantize_singles([bucket[i][1] for i in self.positions], buffers)
 
-    def pick(self, bucket: list) -> list[tuple[str, torch.Tensor]]:
-        """The output for ``bucket`` (plain tensors, none a ``RowSelection``): its pairs kept in their
-        dtype, and each quantized weight's ``produced`` pairs in its place (C calls only)."""
+    def pick(self, bucket: list) -> list[tuple[str, Any]]:
+        """The output for ``bucket``: its pairs kept in their dtype (as they are: a ``RowSelection``
+        stays one), and each quantized weight's ``produced`` pairs in its place (C calls only)."""
         combined = bucket + self.produced
         if len(self.order) == 1:
             return [combined[self.order[0]]]
@@ -306,7 +289,6 @@ class BucketQuantizer:
         # export; holding views would keep a trainer's offloaded parameters alive).
         self._grouped, singles = _grouped_launches(list(self._jobs(sources)))
         self._singles = tuple(singles)
-        self.generation += 1
 
 
 def _grouped_launches(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> tuple[list, list[int]]:
