@@ -43,7 +43,7 @@ from mbridge_refit.errors import InputError
 from mbridge_refit.fp8 import te as te_fp8
 from mbridge_refit.fp8.format import FP8_DTYPE_NAME, BlockwiseFP8Config, FP8FormatError, scale_name
 from mbridge_refit.fp8.plan import fp8_plan, yielded_bytes
-from mbridge_refit.fp8.quantize import quantize_bucket_lists
+from mbridge_refit.fp8.quantize import block_row_runs, quantize_bucket_lists
 from mbridge_refit.plan.build import build_export_plan, current_sizes
 from mbridge_refit.plan.engine_layout import EngineLayout
 from mbridge_refit.plan.entries import ExportPlan, PlanError
@@ -402,26 +402,50 @@ class RefitBridge(AutoBridge):
         followed (``LiveRows.source()``), its rows' meaning is not.
         """
         chunks, config = _chunks(model), self.fp8_config(fp8)
+        live, scales = self._live_and_scales(chunks, config)
+        return {name: rows for name, rows in live.items() if name not in scales}
+
+    def quantized_live_rows(
+        self, model: list[torch.nn.Module] | torch.nn.Module, *, fp8: BlockwiseFP8Config | str
+    ) -> dict[str, tuple[LiveRows, str]]:
+        """The weights ``export_hf_weights(model, fp8=fp8)`` quantizes whose BF16 tensor is, on this
+        rank, rows of one local parameter read as stored (``live_rows`` without FP8) in whole 128-row
+        blocks (``fp8.quantize.block_row_runs``), each with those rows and the HF name of its
+        ``weight_scale_inv``. Quantizing those rows block by block gives the export's bits, so a
+        consumer that maps the parameter's memory can quantize them itself every step instead of
+        having them exported (``engines.ipc_session``); ``export_hf_weights(only=...)`` then leaves out
+        the weight and its scale alike. Same rules as ``live_rows`` (collective on a model's first
+        call; the same names on every rank of the model's groups); empty where the FP8 export reads
+        converted shards (the trainer keeps FP8 parameters)."""
+        live, scales = self._live_and_scales(_chunks(model), self.fp8_config(fp8))
+        return {
+            name: (rows, scales[name])
+            for name, rows in live.items()
+            if name in scales and len(rows.shape) == 2 and block_row_runs(rows.runs, rows.shape[0])
+        }
+
+    def _live_and_scales(self, chunks: list, config: BlockwiseFP8Config | None) -> tuple[dict[str, LiveRows], dict]:
+        """``live_rows`` without FP8, and the FP8 export's scale name per quantized weight (``{}``
+        without FP8); both empty where nothing of the model is live."""
         if self.export_weight_dtype == "fp8":
-            return {}  # Megatron-Bridge's own FP8 export runs instead of the plan
+            return {}, {}  # Megatron-Bridge's own FP8 export runs instead of the plan
         try:
             exporter = self._exporter(chunks)
         except PlanError:
-            return {}
+            return {}, {}
         live = exporter.live_rows()
         try:
             lora = self._adapter_export(chunks)
         except PlanError:
-            return {}  # the stock path exports this model
+            return {}, {}  # the stock path exports this model
         if lora is not None:  # merged weights are rows of no parameter
             live = {name: rows for name, rows in live.items() if name not in lora.targets}
         if config is None:
-            return live
+            return live, {}
         fp8_export = self.fp8_export(chunks, config)
         if fp8_export.weights is not exporter:
-            return {}  # weights read through converted shards (the trainer keeps FP8 parameters)
-        quantized = {e.scale_of for e in fp8_export.plan.entries if e.scale_of is not None}
-        return {name: rows for name, rows in live.items() if name not in quantized}
+            return {}, {}  # weights read through converted shards (the trainer keeps FP8 parameters)
+        return live, {e.scale_of: e.hf_name for e in fp8_export.plan.entries if e.scale_of is not None}
 
     def takes_part(self, model: list[torch.nn.Module] | torch.nn.Module, replica: int) -> bool:
         """Whether this rank does export work in ``export_hf_weights(model, replica=replica)``.

@@ -34,6 +34,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--fp8", action="store_true", help="blockwise FP8 on the way out")
+    parser.add_argument(
+        "--trainer-quantizes",
+        action="store_true",
+        help="with --fp8: the trainer quantizes every weight (IpcSession(engine_quantizes=False)); by default the "
+        "engine quantizes the weights that are whole-block rows of a parameter, and the trainer exports only the rest",
+    )
     parser.add_argument("--stub-quantizer", action="store_true", help="time the host work around the quantize")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--json", type=Path, default=None)
@@ -53,7 +59,7 @@ def main() -> None:
     cpu, layout = torch.device("cpu"), ParallelLayout()
     with distributed_session(layout, device=cpu, timeout=datetime.timedelta(minutes=10)):
         bridge, chunks = many_expert_model(args.experts)
-        session = IpcSession(answering_workers, transport=LocalTransport())
+        session = IpcSession(answering_workers, transport=LocalTransport(), engine_quantizes=not args.trainer_quantizes)
         for _ in range(3):
             step = session.refit(bridge, chunks, fp8=fp8)
         per_tensor = []
@@ -66,6 +72,7 @@ def main() -> None:
         "experts": args.experts,
         "format": "fp8-blockwise" if fp8 else "bf16",
         "quantizer_stubbed": args.stub_quantizer,
+        "engine_quantizes": bool(fp8) and not args.trainer_quantizes,
         "tensors": step.tensors,
         "host_us_per_tensor": {
             "median": round(statistics.median(per_tensor), 3),

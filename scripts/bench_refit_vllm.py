@@ -98,12 +98,12 @@ class PeakExtra:
             self.bytes = max(self.bytes, torch.cuda.max_memory_allocated() - held)
 
 
-def trainer_alone(bridge, chunks, fp8, steps: int = 10) -> dict:
+def trainer_alone(bridge, chunks, fp8, engine_quantizes: bool, steps: int = 10) -> dict:
     """The trainer's side of a steady refit with no engine behind it: wall and thread CPU ms per step."""
     from mbridge_refit.engines.ipc_session import IpcSession
     from mbridge_refit.engines.sharing import LocalTransport
 
-    session = IpcSession(answering_workers, transport=LocalTransport())
+    session = IpcSession(answering_workers, transport=LocalTransport(), engine_quantizes=engine_quantizes)
     walls, cpus = [], []
     try:
         for step in range(3 + steps):
@@ -270,11 +270,12 @@ def run(args) -> dict:
         result["vllm"] = vllm.__version__
         quantization = bridge.fp8_config(fp8).quantization_config(bridge.export_plan(chunks, fp8=fp8)) if fp8 else None
         directory = engine_config(config, work / "engine", quantization)
-        alone = {"before_engine": trainer_alone(bridge, chunks, fp8)}
+        alone = {"before_engine": trainer_alone(bridge, chunks, fp8, not args.trainer_quantizes)}
         llm = dummy_engine(directory, args, transfer_backend=None if fp8 else "ipc")
-        alone["beside_engine"] = trainer_alone(bridge, chunks, fp8)
+        alone["beside_engine"] = trainer_alone(bridge, chunks, fp8, not args.trainer_quantizes)
         result["trainer_alone"] = alone
-        refit = VLLMRefit(llm, timeout_s=300)
+        refit = VLLMRefit(llm, timeout_s=300, engine_quantizes=not args.trainer_quantizes)
+        result["engine_quantizes"] = bool(fp8) and not args.trainer_quantizes
 
         before_open = llm.collective_rpc("mbridge_refit_memory")[0]
         peaks = {"ours_first": PeakExtra(), "ours_steady": PeakExtra(), "stock_native": PeakExtra()}
@@ -346,8 +347,7 @@ def run(args) -> dict:
         result["gc_during_steps"] = collections.report()
         result["ours_export_thread_cpu_ms"] = summary(export_cpu)
         result["trainer_profile_top"] = profile_top(lambda: refit.refit(bridge, chunks, fp8=fp8))
-        live = {id(rows.parameter): rows.parameter for rows in bridge.live_rows(chunks, fp8=fp8).values()}
-        result["live_pointer_reads_ms"] = live_pointer_reads(llm, tuple(live.values()))
+        result["live_pointer_reads_ms"] = live_pointer_reads(llm, refit.live_parameters)
         # the native backend's layerwise reload may reallocate engine parameters, which makes our next
         # apply record the loader again: its steps run after ours, not interleaved
         for _ in range(args.steps if stock is not None else 0):
@@ -387,12 +387,18 @@ def run(args) -> dict:
 def main() -> None:
     parser = parser_with_engine_arguments(__doc__, model="qwen3-8b", results=True)
     parser.add_argument("--steps", type=int, default=5, help="steady-state steps per side (default 5)")
+    parser.add_argument(
+        "--trainer-quantizes",
+        action="store_true",
+        help="with --fp8: the trainer quantizes every weight into its export buffers and the engine copies them "
+        "(VLLMRefit(engine_quantizes=False)); by default the engine quantizes the trainer's live rows itself",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from provenance import results_dir, write_result
 
     result = run(args)
-    name = f"bench_refit_vllm_{result['model']}{'_fp8' if args.fp8 else ''}.json"
+    name = f"bench_refit_vllm_{result['model']}{'_fp8' if args.fp8 else ''}{'_trainerq' if args.trainer_quantizes else ''}.json"
     path = write_result(args.out_dir or results_dir(), name, result)
     print(
         json.dumps(

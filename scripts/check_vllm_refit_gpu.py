@@ -169,7 +169,10 @@ def run(args) -> dict:
 
         step = refit.refit(bridge, chunks, fp8=fp8)
         report = step.report or {}
-        result["open"] = {k: report.get(k) for k in ("tensors", "storages", "bytes", "copies", "open_ms")}
+        result["open"] = {
+            k: report.get(k)
+            for k in ("tensors", "storages", "bytes", "copies", "open_ms", "quantized", "quantized_in_place")
+        }
         result["open"]["via_loader"] = report.get("via_loader", [])[:10]
         result["open"]["recomputed"] = report.get("recomputed", [])[
             :10

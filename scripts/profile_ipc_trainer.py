@@ -34,6 +34,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--work", default="/tmp")
     parser.add_argument("--fp8", action="store_true", help="blockwise FP8 on the way: every weight exported each step")
+    parser.add_argument(
+        "--trainer-quantizes",
+        action="store_true",
+        help="with --fp8: the trainer quantizes every weight (IpcSession(engine_quantizes=False)); by default the "
+        "engine quantizes the weights that are whole-block rows of a parameter, and the trainer exports only the rest",
+    )
     args = parser.parse_args()
     from mbridge_refit.engines.ipc_session import IpcSession
     from mbridge_refit.engines.sharing import LocalTransport
@@ -44,7 +50,7 @@ def main() -> None:
         config.num_hidden_layers = args.layers
     fp8 = "blockwise" if args.fp8 else None
     with tp1_trainer(config, args.work) as (bridge, chunks, _):
-        session = IpcSession(answering_workers, transport=LocalTransport())
+        session = IpcSession(answering_workers, transport=LocalTransport(), engine_quantizes=not args.trainer_quantizes)
         for _ in range(3):
             step = session.refit(bridge, chunks, fp8=fp8)
         times = []

@@ -317,7 +317,7 @@ def test_shard_quantizer_groups_shards_into_one_launch_with_the_reference_bits()
         for i, shape in enumerate(shapes)
     }
     quantizer = ShardQuantizer(sources)
-    assert len(quantizer.grouped) == 1 and quantizer.alone == ["s17"]
+    assert len(quantizer.grouped) == 1 and [quantizer.jobs[i][0] is sources["s17"] for i in quantizer.alone] == [True]
     for step in range(2):
         quantizer.run()
         for name, source in sources.items():

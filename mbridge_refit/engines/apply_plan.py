@@ -85,6 +85,8 @@ from mbridge_refit.engines.shard_remap import (
     remap,
 )
 from mbridge_refit.errors import EngineError
+from mbridge_refit.fp8.format import FP8_DTYPE, SCALE_DTYPE, scale_shape
+from mbridge_refit.fp8.quantize import JobQuantizer, block_row_jobs, block_row_runs
 
 __all__ = [
     "ApplyPlan",
@@ -171,6 +173,10 @@ class ApplyPlan:
     aliases: dict[str, torch.Tensor] = field(default_factory=dict)  # other parameters viewing a derived one's memory
     pointers: dict[str, int] = field(default_factory=dict)  # written parameter -> its storage, as recorded
     expanded: list[tuple[torch.Tensor, torch.Tensor, Box]] = field(default_factory=list)  # (full, shard, box) kept
+    # source name -> (its rows' origin, runs, its scale's source name): quantized by the engine (compose_quantized)
+    quantized: dict[str, tuple[torch.Tensor, Runs, str]] = field(default_factory=dict)
+    quantized_in_place: list[str] = field(default_factory=list)  # of those, written straight into the parameters
+    _quantizer: JobQuantizer | None = field(default=None, repr=False)  # runs before the copies of every replay
     _schedule: CopySchedule | None = field(default=None, repr=False)  # the replay, built at its first run
 
     @property
@@ -269,6 +275,8 @@ class ApplyPlan:
         if self._schedule is None:
             self._schedule = _replay_schedule(self.steps, self.load_weights, self.recomputations)
         with torch.no_grad():
+            if self._quantizer is not None:
+                self._quantizer.run()
             self._schedule.run()
 
     def compose_rows(self, rows: dict[str, tuple[torch.Tensor, Runs]]) -> list[str]:
@@ -291,14 +299,53 @@ class ApplyPlan:
                 step.copies, step.composed = composed, True
         return refreshed
 
+    def compose_quantized(self, quantized: dict[str, tuple[torch.Tensor, Runs, str]]) -> list[str]:
+        """Sources that are the blockwise FP8 quantization of row runs of another tensor (``{name:
+        (origin, runs, scale name)}``, ``sharing.QuantizedRef``): the engine quantizes them itself on
+        every replay, before the copies. Where the loader's only use of such a weight and of its scale
+        was one copy of the whole source into a destination the quantizer can write (same shape and
+        dtype, rows contiguous; the scale's destination contiguous), the quantizer writes there and
+        those copies are dropped: the replay reads each source element once and writes the engine's
+        bytes once. Otherwise it writes into the sources themselves, which the recorded copies then
+        read (still exact: the sources' memory is the trainer's, held and no longer written by it).
+        Returns the names written in place. Call after ``compose_rows``, before ``check_against_loader``
+        (which proves the quantizer's bits against what the loader loaded)."""
+        self.quantized = dict(quantized)
+        self._schedule = None
+        steps = {step.name: step for step in self.steps}
+        jobs, in_place = [], []
+        for name, (origin, runs, scale_name) in quantized.items():
+            weight, scale = steps.get(name), steps.get(scale_name)
+            if weight is None or scale is None:
+                raise ApplyPlanError(f"{name} is named quantized with the scale {scale_name}, and the layout lacks one")
+            _check_quantizable(name, weight.source, scale.source, origin, runs)
+            targets = _whole_copy_target(weight), _whole_copy_target(scale, contiguous=True)
+            if None in targets:
+                jobs += block_row_jobs(origin, runs, weight.source, scale.source)
+                continue
+            jobs += block_row_jobs(origin, runs, *targets)
+            weight.copies, scale.copies = [], []
+            in_place.append(name)
+        self.quantized_in_place = in_place
+        self._quantizer = JobQuantizer(jobs) if jobs else None
+        return in_place
+
     def refresh_sources(self) -> None:
-        """Rebuild every composed source from its rows (before recording the loader again: a
-        composed source is not kept up to date by replays)."""
+        """Rebuild every composed or engine-quantized source from its rows (before recording the
+        loader again: replays keep neither up to date)."""
         with torch.no_grad():
             for step in self.steps:
                 if step.composed:
                     for destination, source in _row_copies(step.source, *self.rows[step.name]):
                         destination.copy_(source)
+            steps = {step.name: step for step in self.steps}
+            jobs = [
+                job
+                for name, (origin, runs, scale_name) in self.quantized.items()
+                for job in block_row_jobs(origin, runs, steps[name].source, steps[scale_name].source)
+            ]
+            if jobs:
+                JobQuantizer(jobs).run()
 
     def check_against_loader(self) -> None:
         """Raise ``ApplyPlanError`` unless a replay rewrites every written parameter exactly as the
@@ -826,6 +873,39 @@ def _stacked(tensor: torch.Tensor, first: int, step: int, rows: int, count: int)
     """``count`` blocks of ``rows`` rows of ``tensor``, ``step`` rows apart, as one [count, rows, ...] view."""
     block = tensor.narrow(0, first, rows)
     return tensor.as_strided((count, *block.shape), (step * tensor.stride(0), *block.stride()), block.storage_offset())
+
+
+def _check_quantizable(name: str, weight: torch.Tensor, scale: torch.Tensor, origin: torch.Tensor, runs: Runs) -> None:
+    """Refuse by name a quantized source the engine cannot quantize to the same blocks: not a 2-D
+    e4m3 tensor with a ``scale_inv`` of its blocks' shape, or runs that are not whole block rows."""
+    if (
+        weight.dim() != 2
+        or weight.dtype != FP8_DTYPE
+        or scale.dtype != SCALE_DTYPE
+        or tuple(scale.shape) != scale_shape(tuple(weight.shape))
+        or origin.dim() != 2
+        or not origin.dtype.is_floating_point
+        or not block_row_runs(runs, weight.shape[0])
+    ):
+        raise ApplyPlanError(
+            f"{name}: a {weight.dtype} {tuple(weight.shape)} tensor with a {scale.dtype} {tuple(scale.shape)} scale "
+            f"cannot be quantized here from runs {list(runs)[:4]} of a {origin.dtype} {tuple(origin.shape)} source "
+            "(blockwise FP8 quantizes whole 128-row blocks of 2-D tensors)"
+        )
+
+
+def _whole_copy_target(step: _Step, *, contiguous: bool = False) -> torch.Tensor | None:
+    """The destination of ``step``'s one copy when the loader did nothing with its source but copy
+    all of it, unchanged in shape and dtype, into a view with contiguous rows (``contiguous``: a
+    contiguous view); else None."""
+    if step.via_loader or step.refresh or step.composed or len(step.copies) != 1:
+        return None
+    destination, source = step.copies[0]
+    if not _same_view(source, step.source) or destination.shape != source.shape or destination.dtype != source.dtype:
+        return None
+    if destination.dim() != 2 or destination.stride(1) != 1 or (contiguous and not destination.is_contiguous()):
+        return None
+    return destination
 
 
 def _unique_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -45,7 +45,14 @@ import torch
 
 from mbridge_refit.engines.apply_plan import ApplyPlan, ApplyPlanError, LoadWeights, Recompute, Shards, StagedLoad
 from mbridge_refit.engines.completion import ReplayDone
-from mbridge_refit.engines.sharing import TRANSPORTS, SharedLayout, SharingError, row_sources, views
+from mbridge_refit.engines.sharing import (
+    TRANSPORTS,
+    SharedLayout,
+    SharingError,
+    quantized_sources,
+    row_sources,
+    views,
+)
 from mbridge_refit.errors import EngineError
 
 __all__ = ["EngineRefitError", "OpenReport", "RefitReceiver"]
@@ -77,6 +84,8 @@ class OpenReport:
     checked_against_loader: bool
     open_ms: float
     completion: str | None = None  # the IPC handle of the event each replay records (``engines.completion``)
+    quantized: int = 0  # FP8 tensors this engine quantizes from the trainer's rows each replay (``QuantizedRef``)
+    quantized_in_place: int = 0  # of those, written straight into its parameters (no copy after)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -124,11 +133,13 @@ class RefitReceiver:
             storages = TRANSPORTS[transport]().open(payload, self.device)
             sources = views(layout, storages, self.device)
             rows = row_sources(layout, storages, self.device)
+            quantized = quantized_sources(layout, storages, self.device)
         except SharingError as err:
             raise EngineRefitError(f"cannot map the trainer's tensors: {err}") from err
         shards = _shards(layout, sources)
         plan = self._record(sources, shards)
         refreshed = plan.compose_rows(rows)
+        in_place = plan.compose_quantized(quantized)
         _synchronize(self.device)
         if self._staged_in_use and self.device.type == "cuda":
             torch.cuda.empty_cache()  # the reload's staging tensors: return their blocks, not keep them reserved
@@ -156,6 +167,8 @@ class RefitReceiver:
             checked_against_loader=check,
             open_ms=(time.perf_counter() - started) * 1e3,
             completion=None if self._done is None else self._done.handle,
+            quantized=len(quantized),
+            quantized_in_place=len(in_place),
         )
         if plan.via_loader:
             logger.info(
@@ -202,6 +215,7 @@ class RefitReceiver:
         self._plan.refresh_sources()
         plan = self._record([(s.name, s.source) for s in self._plan.steps], self._shards)
         plan.compose_rows(self._plan.rows)
+        plan.compose_quantized(self._plan.quantized)
         self._plan = plan
 
     def close(self) -> None:

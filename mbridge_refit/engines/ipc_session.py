@@ -59,6 +59,8 @@ from mbridge_refit.engines.sharing import (
     SharedLayout,
     Transport,
 )
+from mbridge_refit.fp8.format import FP8_DTYPE, SCALE_DTYPE, scale_shape
+from mbridge_refit.fp8.quantize import JobQuantizer, block_row_jobs
 from mbridge_refit.plan.entries import PlanError
 from mbridge_refit.runtime.live_params import registration_count
 from mbridge_refit.runtime.selection import LiveRows
@@ -79,14 +81,16 @@ class _Routes:
     bridge: ExportsWeights
     chunks: tuple[torch.nn.Module, ...]
     fp8: str  # repr of the fp8 argument
+    engine_quantizes: bool  # the session's, when planned
     order: tuple[str, ...] | None  # engine tensors in plan order; None: the stream's own (stock fallback)
     ignored: frozenset[str]  # exported names the engine skips (the session's ``ignored``)
     live: dict[str, LiveRows]
+    quantized: dict[str, tuple[LiveRows, str]]  # FP8 weights the engine quantizes from rows: (rows, scale name)
     exported: frozenset[str] | None  # the export's ``only=`` (None: every tensor)
     live_parameters: tuple[torch.Tensor, ...]  # distinct parameters the live tensors read
     registrations: int  # ``runtime.live_params.registration_count()`` when planned
 
-    def serve(self, bridge: ExportsWeights, chunks: tuple, fp8: str) -> bool:
+    def serve(self, bridge: ExportsWeights, chunks: tuple, fp8: str, engine_quantizes: bool) -> bool:
         """Whether these routes are for exactly these objects (identity: a new model never
         inherits another's live parameters, whatever ids it reuses) and their parameters are
         still the model's: no module registered anything since (a replaced parameter object
@@ -96,6 +100,7 @@ class _Routes:
             self.registrations == registration_count()
             and self.bridge is bridge
             and self.fp8 == fp8
+            and self.engine_quantizes == engine_quantizes
             and len(self.chunks) == len(chunks)
             and all(a is b for a, b in zip(self.chunks, chunks))
         )
@@ -126,9 +131,11 @@ class IpcSession:
         check_first_refit: bool = True,
         allow_partial: bool = False,
         overlap_follow_up: bool = True,
+        engine_quantizes: bool = True,
         timeout_s: float = 600.0,
     ) -> None:
         self.call_workers = call_workers
+        self.engine_quantizes = engine_quantizes
         self.overlap_follow_up = overlap_follow_up
         self.timeout_s = timeout_s
         self.ignored = ignored
@@ -144,6 +151,8 @@ class IpcSession:
         # the last refit's exported tensors (held until close) and the key they made
         self._steady: tuple[ExportSnapshot, tuple] | None = None
         self._rows_out: dict[str, torch.Tensor] = {}  # copies of live row runs the engine's loader reads at an open
+        # weights the engine quantizes, quantized here at an open for its loader: name -> (e4m3 data, scale_inv)
+        self._quantized_out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._done: DoneSignal | None = None  # the engine's replay event (CUDA IPC), waited on after each apply
         self.last_report: dict[str, Any] | None = None
 
@@ -189,6 +198,12 @@ class IpcSession:
         tensors = dict(snapshot.pairs(routes.ignored))
         return self._open_step(routes, tensors, key if through is None else None, through, started)
 
+    @property
+    def live_parameters(self) -> tuple[torch.Tensor, ...]:
+        """The trainer parameters the engine reads or quantizes in place, as the last refit planned them
+        (each step reads their data addresses: ``live_pointers``); empty before the first."""
+        return () if self._routes is None else self._routes.live_parameters
+
     def _exported_key(self, snapshot: ExportSnapshot, ignored: frozenset[str]) -> tuple:
         """Where the exported tensors are: the last refit's key when they are its very tensors at the
         same addresses (``ExportSnapshot``: sound while the exporter leaves its outputs as it made
@@ -216,8 +231,8 @@ class IpcSession:
     def _routes_for(self, bridge: ExportsWeights, model: Model, fp8: Any) -> _Routes:
         """The routes of this (bridge, model, fp8); those of the last refit are kept."""
         chunks = tuple(model if isinstance(model, list) else [model])
-        if self._routes is None or not self._routes.serve(bridge, chunks, repr(fp8)):
-            self._routes = _plan_routes(bridge, chunks, fp8, self.ignored(bridge))
+        if self._routes is None or not self._routes.serve(bridge, chunks, repr(fp8), self.engine_quantizes):
+            self._routes = _plan_routes(bridge, chunks, fp8, self.ignored(bridge), self.engine_quantizes)
         return self._routes
 
     def _open_step(
@@ -231,23 +246,50 @@ class IpcSession:
         """Share this step's layout: every engine tensor, live ones as views of the parameters
         (row runs copied once, for the engine's loader, and named as rows)."""
         order = routes.order if routes.order is not None else tuple(tensors)
+        made = self._quantize_for_open(routes.quantized)
         pairs, rows_of = [], {}
         for name in order:
             live = routes.live.get(name)
             if live is None:
-                pairs.append((name, tensors[name]))
+                pairs.append((name, made[name] if name in made else tensors[name]))
                 continue
             tensor = live.tensor() if live.is_view else live.tensor(out=self._rows_buffer(name, live))
             if not live.is_view:
                 rows_of[name] = (tensor, (live.source(), live.runs))
             pairs.append((name, tensor))
+        passed = list(through(iter(pairs))) if through is not None else pairs
+        arrived = dict(passed)
         recorder = LayoutRecorder()
-        for name, tensor in through(iter(pairs)) if through is not None else pairs:
+        for name, tensor in passed:
             self._check_device(name, tensor)
             rows = rows_of.get(name)
-            recorder.add(name, tensor, rows=rows[1] if rows is not None and rows[0] is tensor else None)
+            recorder.add(
+                name,
+                tensor,
+                rows=rows[1] if rows is not None and rows[0] is tensor else None,
+                quantized=_quantized_as_made(name, routes.quantized.get(name), made, arrived),
+            )
         _synchronize_trainer()
         return self._open(recorder, key, started)
+
+    def _quantize_for_open(self, quantized: dict[str, tuple[LiveRows, str]]) -> dict[str, torch.Tensor]:
+        """The weights the engine quantizes, quantized here from their rows for the engine's loader at an
+        open (the engine records its copies from these, then quantizes the rows itself): name -> tensor,
+        for each weight and its scale, in buffers the session keeps (the engine may quantize into them)."""
+        jobs, made = [], {}
+        for name, (rows, scale_name) in quantized.items():
+            source = rows.source()
+            kept = self._quantized_out.get(name)
+            if kept is None or tuple(kept[0].shape) != rows.shape or kept[0].device != source.device:
+                kept = self._quantized_out[name] = (
+                    torch.empty(rows.shape, dtype=FP8_DTYPE, device=source.device),
+                    torch.empty(scale_shape(rows.shape), dtype=SCALE_DTYPE, device=source.device),
+                )
+            jobs += block_row_jobs(source, rows.runs, *kept)
+            made[name], made[scale_name] = kept
+        if jobs:
+            JobQuantizer(jobs).run()
+        return made
 
     def _rows_buffer(self, name: str, live: LiveRows) -> torch.Tensor:
         source = live.source()
@@ -336,6 +378,7 @@ class IpcSession:
             self._rpc("mbridge_refit_close")
         self._release_payload()
         self._layout, self._key, self._held, self._rows_out, self._routes = None, None, [], {}, None
+        self._quantized_out = {}
         self._steady = None
         self._done = None
 
@@ -351,24 +394,48 @@ class IpcSession:
         return results[0] if results else None
 
 
-def _plan_routes(bridge: ExportsWeights, chunks: tuple, fp8: Any, ignored: frozenset[str]) -> _Routes:
-    """Which engine tensors are live and which the export yields (module docstring)."""
-    owner = {"bridge": bridge, "chunks": chunks, "fp8": repr(fp8), "ignored": ignored}
+def _plan_routes(
+    bridge: ExportsWeights, chunks: tuple, fp8: Any, ignored: frozenset[str], engine_quantizes: bool
+) -> _Routes:
+    """Which engine tensors are live, which the engine quantizes from live rows, and which the export
+    yields (module docstring)."""
+    owner = {
+        "bridge": bridge,
+        "chunks": chunks,
+        "fp8": repr(fp8),
+        "ignored": ignored,
+        "engine_quantizes": engine_quantizes,
+    }
     try:
         plan = bridge.export_plan(list(chunks), fp8=fp8)
     except PlanError:
         return _Routes(
-            **owner, order=None, live={}, exported=None, live_parameters=(), registrations=registration_count()
+            **owner,
+            order=None,
+            live={},
+            quantized={},
+            exported=None,
+            live_parameters=(),
+            registrations=registration_count(),
         )
     order = tuple(e.hf_name for e in plan.entries if e.hf_name not in ignored)
     live = {name: rows for name, rows in bridge.live_rows(list(chunks), fp8=fp8).items() if name not in ignored}
-    exported = frozenset(name for name in order if name not in live)
-    parameters = {id(rows.parameter): rows.parameter for rows in live.values()}
-    everything = not live and not ignored
+    quantized = {}
+    if fp8 is not None and engine_quantizes:
+        quantized = {
+            name: (rows, scale)
+            for name, (rows, scale) in bridge.quantized_live_rows(list(chunks), fp8=fp8).items()
+            if name not in ignored and scale not in ignored
+        }
+    scales = {scale for _, scale in quantized.values()}
+    exported = frozenset(name for name in order if name not in live and name not in quantized and name not in scales)
+    parameters = {id(rows.parameter): rows.parameter for rows in (*live.values(), *(r for r, _ in quantized.values()))}
+    everything = not live and not ignored and not quantized
     return _Routes(
         **owner,
         order=order,
         live=live,
+        quantized=quantized,
         exported=None if everything else exported,
         live_parameters=tuple(parameters.values()),
         registrations=registration_count(),  # after the bridge looked its parameters up again
@@ -383,6 +450,23 @@ def _done_signal(results: list, storages: list[torch.UntypedStorage]) -> DoneSig
         return None
     device = storages[0].device if storages and storages[0].device.type == "cuda" else None
     return DoneSignal.open(handle, device or torch.device("cuda", torch.cuda.current_device()))
+
+
+def _quantized_as_made(
+    name: str,
+    quantized: tuple[LiveRows, str] | None,
+    made: dict[str, torch.Tensor],
+    arrived: dict[str, torch.Tensor],
+) -> tuple[torch.Tensor, Any, str] | None:
+    """``LayoutRecorder.add``'s ``quantized`` for an engine-quantized weight whose data and scale both
+    reached the layout as this session made them (a ``through`` that replaced either leaves the
+    weight a plain tensor of the layout, loaded as it arrived)."""
+    if quantized is None:
+        return None
+    rows, scale = quantized
+    if arrived.get(name) is not made[name] or arrived.get(scale) is not made[scale]:
+        return None
+    return rows.source(), rows.runs, scale
 
 
 def live_pointers(parameters: tuple[torch.Tensor, ...]) -> tuple[int, ...]:

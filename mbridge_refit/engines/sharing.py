@@ -49,6 +49,7 @@ __all__ = [
     "ExportSnapshot",
     "LayoutRecorder",
     "LocalTransport",
+    "QuantizedRef",
     "RowsRef",
     "Runs",
     "ShardBox",
@@ -56,6 +57,7 @@ __all__ = [
     "SharingError",
     "TensorRef",
     "Transport",
+    "quantized_sources",
     "row_sources",
     "views",
 ]
@@ -112,6 +114,28 @@ class ShardBox:
 
 
 @dataclass(frozen=True)
+class QuantizedRef:
+    """What a blockwise FP8 tensor is the quantization of: row ``rows.runs`` of a ``dtype`` source
+    (the trainer's parameter, a view of a shared storage), in whole block rows; ``scale`` names the
+    layout's tensor that holds its ``scale_inv``. The engine then quantizes those rows itself, every
+    step, where it would have copied the tensor (``ApplyPlan.compose_quantized``)."""
+
+    scale: str
+    dtype: str  # the source's torch dtype name
+    rows: RowsRef
+
+    def to_wire(self) -> list:
+        return [self.scale, self.dtype, self.rows.to_wire()]
+
+    @classmethod
+    def from_wire(cls, wire: list | None) -> "QuantizedRef | None":
+        if wire is None:
+            return None
+        scale, dtype, rows = wire
+        return cls(str(scale), str(dtype), RowsRef.from_wire(rows))
+
+
+@dataclass(frozen=True)
 class TensorRef:
     """One exported tensor as a view of a shared storage (``offset`` and ``stride`` in elements),
     and optionally the rows of another shared tensor it is a copy of."""
@@ -124,6 +148,7 @@ class TensorRef:
     offset: int
     rows: RowsRef | None = None
     shard: ShardBox | None = None
+    quantized: QuantizedRef | None = None
 
 
 @dataclass(frozen=True)
@@ -160,7 +185,8 @@ class SharedLayout:
                     list(r.stride),
                     r.offset,
                     r.rows and r.rows.to_wire(),
-                    *([r.shard.to_wire()] if r.shard is not None else []),
+                    *([r.shard and r.shard.to_wire()] if r.shard is not None or r.quantized is not None else []),
+                    *([r.quantized.to_wire()] if r.quantized is not None else []),
                 ]
                 for r in self.refs
             ],
@@ -173,7 +199,7 @@ class SharedLayout:
         return cls(refs=refs, storage_bytes=tuple(int(n) for n in wire["storage_bytes"]))
 
 
-def _ref_from_wire(name, storage, dtype, shape, stride, offset, rows, shard=None) -> TensorRef:
+def _ref_from_wire(name, storage, dtype, shape, stride, offset, rows, shard=None, quantized=None) -> TensorRef:
     return TensorRef(
         name,
         int(storage),
@@ -183,6 +209,7 @@ def _ref_from_wire(name, storage, dtype, shape, stride, offset, rows, shard=None
         int(offset),
         RowsRef.from_wire(rows),
         ShardBox.from_wire(shard),
+        QuantizedRef.from_wire(quantized),
     )
 
 
@@ -252,6 +279,7 @@ class LayoutRecorder:
         self._tensors: list[torch.Tensor] = []
         self._rows: list[tuple[torch.Tensor, Runs] | None] = []
         self._shards: list[ShardBox | None] = []
+        self._quantized: list[tuple[torch.Tensor, Runs, str] | None] = []
 
     def add(
         self,
@@ -259,11 +287,21 @@ class LayoutRecorder:
         tensor: torch.Tensor,
         rows: tuple[torch.Tensor, Runs] | None = None,
         shard: ShardBox | None = None,
+        quantized: tuple[torch.Tensor, Runs, str] | None = None,
     ) -> None:
         """Note ``tensor``; with ``rows`` = ``(source, runs)``, also that it is a copy of those rows
         of ``source`` (the engine then reads them from ``source``); with ``shard``, that it is that
-        box of a larger HF tensor."""
+        box of a larger HF tensor; with ``quantized`` = ``(source, runs, scale name)``, that it is the
+        blockwise FP8 quantization of those rows of ``source`` (``QuantizedRef``)."""
         tensor = tensor.detach()
+        if quantized is not None:
+            source, runs, scale = quantized[0].detach(), tuple(quantized[1]), quantized[2]
+            if rows is not None or shard is not None or tensor.dim() != 2 or source.shape[1:] != tensor.shape[1:]:
+                raise SharingError(
+                    f"{name}: a {tuple(tensor.shape)} tensor cannot be the quantized rows of a "
+                    f"{tuple(source.shape)} source"
+                )
+            quantized = (source, runs, scale)
         key = (name, *_where(tensor))
         if shard is not None:
             if tuple(tensor.shape) != tuple(b - a for a, b in shard.box):
@@ -278,10 +316,13 @@ class LayoutRecorder:
                 )
             key += (*_where(source), runs)
             rows = (source, runs)
+        if quantized is not None:
+            key += ("quantized", *_where(quantized[0]), quantized[1], quantized[2])
         self._keys.append(key)
         self._tensors.append(tensor)
         self._rows.append(rows)
         self._shards.append(shard)
+        self._quantized.append(quantized)
 
     @property
     def key(self) -> tuple:
@@ -300,28 +341,34 @@ class LayoutRecorder:
                 storages.append(storage)
             return index[key]
 
+        def rows_ref(source: torch.Tensor, runs: Runs) -> RowsRef:
+            return RowsRef(
+                storage=storage_of(source),
+                shape=tuple(source.shape),
+                stride=tuple(source.stride()),
+                offset=source.storage_offset(),
+                runs=runs,
+            )
+
         refs = []
-        for key, tensor, rows, shard in zip(self._keys, self._tensors, self._rows, self._shards):
-            rows_ref = None
-            if rows is not None:
-                source, runs = rows
-                rows_ref = RowsRef(
-                    storage=storage_of(source),
-                    shape=tuple(source.shape),
-                    stride=tuple(source.stride()),
-                    offset=source.storage_offset(),
-                    runs=runs,
-                )
+        for key, tensor, rows, shard, quantized in zip(
+            self._keys, self._tensors, self._rows, self._shards, self._quantized
+        ):
+            quantized_ref = None
+            if quantized is not None:
+                source, runs, scale = quantized
+                quantized_ref = QuantizedRef(scale, _dtype_name(source.dtype), rows_ref(source, runs))
             refs.append(
                 TensorRef(
                     name=key[0],
                     storage=storage_of(tensor),
-                    dtype=str(tensor.dtype).removeprefix("torch."),
+                    dtype=_dtype_name(tensor.dtype),
                     shape=tuple(tensor.shape),
                     stride=tuple(tensor.stride()),
                     offset=tensor.storage_offset(),
-                    rows=rows_ref,
+                    rows=None if rows is None else rows_ref(*rows),
                     shard=shard,
+                    quantized=quantized_ref,
                 )
             )
         layout = SharedLayout(refs=tuple(refs), storage_bytes=tuple(st.nbytes() for st in storages))
@@ -352,28 +399,54 @@ def row_sources(
     """Engine side: for every ref that names its rows, ``(source view, runs)`` over the opened
     ``storages`` (call after ``views``, which checks the storages). Checks that the runs lie
     inside the source and cover the tensor's rows exactly once."""
+    return {
+        ref.name: (_rows_source(ref, ref.rows, ref.dtype, storages, device), ref.rows.runs)
+        for ref in layout.refs
+        if ref.rows is not None
+    }
+
+
+def quantized_sources(
+    layout: SharedLayout, storages: list[torch.UntypedStorage], device: torch.device
+) -> dict[str, tuple[torch.Tensor, Runs, str]]:
+    """Engine side: for every ref that is the quantization of rows (``QuantizedRef``), ``(source view,
+    runs, scale name)`` over the opened ``storages`` (after ``views``). Checks the runs as
+    ``row_sources`` does and that the scale is a tensor of the layout; whether the runs are whole
+    block rows is the quantizer's to check."""
+    names = set(layout.names)
     out = {}
     for ref in layout.refs:
-        if ref.rows is None:
+        if ref.quantized is None:
             continue
-        rows = ref.rows
-        source = torch.empty(0, dtype=_dtype(ref.dtype), device=device)
-        source.set_(storages[rows.storage], rows.offset, rows.shape, rows.stride)
-        covered = sorted((hf_row, hf_row + count) for hf_row, _, count in rows.runs)
-        tiles = (
-            covered
-            and covered[0][0] == 0
-            and covered[-1][1] == ref.shape[0]
-            and all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
-        )
-        inside = all(0 <= start and start + count <= rows.shape[0] for _, start, count in rows.runs)
-        if not (tiles and inside and tuple(rows.shape[1:]) == tuple(ref.shape[1:])):
-            raise SharingError(
-                f"{ref.name}: its row runs {list(rows.runs)[:4]} do not make a {ref.shape} tensor from a "
-                f"{rows.shape} source"
-            )
-        out[ref.name] = (source, rows.runs)
+        if ref.quantized.scale not in names or ref.quantized.scale == ref.name:
+            raise SharingError(f"{ref.name}: its scale {ref.quantized.scale!r} is not another tensor of the layout")
+        source = _rows_source(ref, ref.quantized.rows, ref.quantized.dtype, storages, device)
+        out[ref.name] = (source, ref.quantized.rows.runs, ref.quantized.scale)
     return out
+
+
+def _rows_source(
+    ref: TensorRef, rows: RowsRef, dtype: str, storages: list[torch.UntypedStorage], device: torch.device
+) -> torch.Tensor:
+    """The view ``rows`` names, checked to make ``ref``'s tensor: runs inside it that cover every row once."""
+    if not 0 <= rows.storage < len(storages):
+        raise SharingError(f"{ref.name}: its rows are in storage {rows.storage}, and {len(storages)} were shared")
+    source = torch.empty(0, dtype=_dtype(dtype), device=device)
+    source.set_(storages[rows.storage], rows.offset, rows.shape, rows.stride)
+    covered = sorted((hf_row, hf_row + count) for hf_row, _, count in rows.runs)
+    tiles = (
+        covered
+        and covered[0][0] == 0
+        and covered[-1][1] == ref.shape[0]
+        and all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
+    )
+    inside = all(0 <= start and start + count <= rows.shape[0] for _, start, count in rows.runs)
+    if not (tiles and inside and tuple(rows.shape[1:]) == tuple(ref.shape[1:])):
+        raise SharingError(
+            f"{ref.name}: its row runs {list(rows.runs)[:4]} do not make a {ref.shape} tensor from a "
+            f"{rows.shape} source"
+        )
+    return source
 
 
 def _where(tensor: torch.Tensor) -> tuple:
@@ -482,6 +555,10 @@ TRANSPORTS: dict[str, type] = {CudaIpcTransport.name: CudaIpcTransport, LocalTra
 
 def _gpu_uuid(device: torch.device) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _dtype(name: str) -> torch.dtype:

@@ -29,7 +29,10 @@ from mbridge_refit.runtime.stamps import StampedBucket, new_stamp, stamp_of
 
 __all__ = [
     "BucketQuantizer",
+    "JobQuantizer",
     "ShardQuantizer",
+    "block_row_jobs",
+    "block_row_runs",
     "quantize_blockwise",
     "quantize_bucket_lists",
     "quantize_buckets",
@@ -51,13 +54,37 @@ def quantize_blockwise(
     return quantize_reference(x, out=out, scale_out=scale_out, work=work)
 
 
-class ShardQuantizer:
+class JobQuantizer:
+    """Quantizes ``(source, q, scale)`` jobs (``fp8.format.row_piece``'s kind: a 2-D source whose storage
+    stays put, the e4m3 data and the ``scale_inv`` it is written to, each a view wherever the caller
+    wants the bits) every ``run``, allocating nothing then. Bits: ``quantize_blockwise``'s (the
+    reference's) for each job's blocks, anchored at the job's (0, 0). On CUDA the sources the grouped
+    kernel reads in place are quantized by one launch per dtype and device, planned here (thousands of
+    expert weights: one launch, not one each); the others one at a time. The launches hold raw
+    pointers: valid while every job's tensors keep their storage."""
+
+    def __init__(self, jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        self.jobs = list(jobs)
+        self.grouped, self.alone = _grouped_launches(self.jobs)
+        self._work: dict[tuple, torch.Tensor] = {}  # the torch path's fp32 scratch, one per padded shape and device
+        for x, _, _ in (self.jobs[i] for i in self.alone):
+            if not (x.is_cuda and _kernel_usable("single")):
+                key = (padded_shape(tuple(x.shape)), x.device)
+                if key not in self._work:
+                    self._work[key] = torch.empty(key[0], dtype=torch.float32, device=x.device)
+
+    def run(self) -> None:
+        """Quantize every job's source as it is now into its ``q`` and ``scale``."""
+        for launch in self.grouped:
+            _cuda_kernels().launch_grouped(launch)
+        for x, q, scale in (self.jobs[i] for i in self.alone):
+            quantize_blockwise(x, out=q, scale_out=scale, work=self._work.get((padded_shape(tuple(x.shape)), x.device)))
+
+
+class ShardQuantizer(JobQuantizer):
     """Quantizes ``sources`` (name -> 2-D tensor whose storage stays put, e.g. an engine rank's BF16
-    shards) on their own devices, each as a whole tensor (blocks anchored at its (0, 0)), into FP8
-    data and ``scale_inv`` buffers made here and kept (``q``, ``scales``: name -> tensor), so that
-    ``run`` allocates nothing. Bits: ``quantize_blockwise``'s (the reference's). On CUDA the sources
-    the grouped kernel reads in place are quantized by one launch per dtype and device, built here
-    (a rank's thousands of expert shards: one launch, not one each); the others one at a time."""
+    shards), each as a whole tensor, into FP8 data and ``scale_inv`` buffers made here and kept
+    (``q``, ``scales``: name -> tensor), so that ``run`` allocates nothing (``JobQuantizer``)."""
 
     def __init__(self, sources: dict[str, torch.Tensor]) -> None:
         self.sources = dict(sources)
@@ -66,24 +93,22 @@ class ShardQuantizer:
             n: torch.empty(scale_shape(tuple(x.shape)), dtype=SCALE_DTYPE, device=x.device)
             for n, x in self.sources.items()
         }
-        names = list(self.sources)
-        self.grouped, alone = _grouped_launches([(self.sources[n], self.q[n], self.scales[n]) for n in names])
-        self.alone = [names[i] for i in alone]  # quantized one at a time; the launches valid while sources live
-        self._work: dict[tuple, torch.Tensor] = {}  # the torch path's fp32 scratch, one per padded shape and device
-        for x in (self.sources[n] for n in self.alone):
-            if not (x.is_cuda and _kernel_usable("single")):
-                key = (padded_shape(tuple(x.shape)), x.device)
-                if key not in self._work:
-                    self._work[key] = torch.empty(key[0], dtype=torch.float32, device=x.device)
+        super().__init__([(x, self.q[n], self.scales[n]) for n, x in self.sources.items()])
 
-    def run(self) -> None:
-        """Quantize every source's current values into ``q`` and ``scales``."""
-        for launch in self.grouped:
-            _cuda_kernels().launch_grouped(launch)
-        for name in self.alone:
-            x = self.sources[name]
-            work = self._work.get((padded_shape(tuple(x.shape)), x.device))
-            quantize_blockwise(x, out=self.q[name], scale_out=self.scales[name], work=work)
+
+def block_row_runs(runs: tuple[tuple[int, int, int], ...], rows: int) -> bool:
+    """Whether row runs ``(row of the tensor, row of the source, rows)`` of a ``rows``-row tensor are
+    whole block rows of it: each starts on a block row and is whole blocks but for the tensor's last,
+    so that quantizing run by run (``block_row_jobs``) gives the tensor's own blocks."""
+    return all(row % BLOCK == 0 and (length % BLOCK == 0 or row + length == rows) for row, _, length in runs)
+
+
+def block_row_jobs(
+    origin: torch.Tensor, runs: tuple[tuple[int, int, int], ...], q: torch.Tensor, scale: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The ``(source, q, scale)`` jobs that quantize the tensor made of row ``runs`` of ``origin``
+    (``block_row_runs``) into ``q`` and ``scale``: one per run, read where the rows are."""
+    return [row_piece(origin, q, scale, x_row=source_row, q_row=row, rows=length) for row, source_row, length in runs]
 
 
 def quantize_buckets(
@@ -157,9 +182,7 @@ def quantize_bucket_lists(
 def _block_runs(selection: RowSelection) -> tuple[tuple[int, int, int], ...] | None:
     """The selection's runs if each is a run of whole block rows of the HF tensor (the last may
     end the tensor in a partial block), so that quantizing run by run gives the tensor's blocks."""
-    rows = selection.shape[0]
-    aligned = all(hf % BLOCK == 0 and (length % BLOCK == 0 or hf + length == rows) for hf, _, length in selection.runs)
-    return selection.runs if aligned else None
+    return selection.runs if block_row_runs(selection.runs, selection.shape[0]) else None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -280,9 +303,7 @@ class BucketQuantizer:
             if runs is None:
                 yield source, q, scale
             else:
-                yield from (
-                    row_piece(source, q, scale, x_row=x_row, q_row=q_row, rows=rows) for q_row, x_row, rows in runs
-                )
+                yield from block_row_jobs(source, runs, q, scale)
 
     def _plan_launches(self, sources: list[torch.Tensor]) -> None:
         # Kept: job numbers and launch tables of raw pointers, no tensors (the pool outlives an

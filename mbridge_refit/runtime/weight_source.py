@@ -29,7 +29,9 @@ class ExportsWeights(Protocol):
     ``hf_pretrained``: the HF side (a config, or an object with ``.config``). ``export_plan``:
     the tensors ``export_hf_weights`` yields, in order (collective on its first call for a model).
     ``live_rows``: the exported names that are rows of a local parameter read as stored (empty
-    where the plan cannot describe the model). ``export_hf_weights``: the collective stream of
+    where the plan cannot describe the model). ``quantized_live_rows``: the weights an FP8 export
+    quantizes that are such rows in whole blocks, with their scales' names (a consumer may quantize
+    them itself). ``export_hf_weights``: the collective stream of
     ``(hf_name, tensor)``; every rank of the model's groups iterates it to the end.
     ``export_hf_weight_buckets``: the same export in lists, some stamped (``runtime.stamps``).
     """
@@ -39,6 +41,8 @@ class ExportsWeights(Protocol):
     def export_plan(self, model: Model, *, fp8: Any = None) -> ExportPlan: ...
 
     def live_rows(self, model: Model, *, fp8: Any = None) -> dict[str, LiveRows]: ...
+
+    def quantized_live_rows(self, model: Model, *, fp8: Any) -> dict[str, tuple[LiveRows, str]]: ...
 
     def export_hf_weights(
         self,

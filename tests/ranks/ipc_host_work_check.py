@@ -33,7 +33,8 @@ def answering_workers(method: str, *args):
 
 def measure(experts: int, fp8: str | None = None) -> dict[str, int]:
     bridge, chunks = many_expert_model(experts)
-    session = IpcSession(answering_workers, transport=LocalTransport())
+    # FP8: the trainer's own quantize path (the engine quantizing, an FP8 step is the BF16 one on the trainer)
+    session = IpcSession(answering_workers, transport=LocalTransport(), engine_quantizes=False)
     steps = [session.refit(bridge, chunks, fp8=fp8) for _ in range(3)]
     if not steps[0].opened or any(step.opened for step in steps[1:]):
         raise SystemExit(f"expected one open, then replays: {[step.opened for step in steps]}")

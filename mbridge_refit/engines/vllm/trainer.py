@@ -101,7 +101,10 @@ class VLLMRefit(_OnVLLM, IpcSession):
     leaves engine parameters unwritten or has tensors the engine does not load (a subset refit).
     ``overlap_follow_up``: over CUDA IPC the workers' apply returns once their copies are launched
     and the reset runs while they do; the refit still returns only once they are done
-    (``engines.completion``; off: the reset after the copies).
+    (``engines.completion``; off: the reset after the copies). ``engine_quantizes``: with ``fp8``, the
+    workers quantize the weights that are whole-block rows of the trainer's parameters themselves, straight
+    into their FP8 parameters where their loader copies a weight whole (off: the trainer quantizes them into
+    its export buffers and the workers copy those; ``IpcSession``).
     The session references the last refit's model parameters and shared storages until ``close``.
     """
 
@@ -115,6 +118,7 @@ class VLLMRefit(_OnVLLM, IpcSession):
         timeout_s: float = 600.0,
         reset_prefix_cache: bool = True,
         overlap_follow_up: bool = True,
+        engine_quantizes: bool = True,
     ) -> None:
         self.llm = llm
         self.reset_prefix_cache = reset_prefix_cache
@@ -127,6 +131,7 @@ class VLLMRefit(_OnVLLM, IpcSession):
             check_first_refit=check_first_refit,
             allow_partial=allow_partial,
             overlap_follow_up=overlap_follow_up,
+            engine_quantizes=engine_quantizes,
             timeout_s=timeout_s,
         )
 
