@@ -303,6 +303,30 @@ def test_replay_schedule_runs_plain_copies_as_one_chunked_launch():
             assert torch.equal(destination, source.to(destination.dtype)), step
 
 
+def test_job_quantizer_writes_unaligned_destinations_alone_with_the_reference_bits():
+    """An engine's parameter view need not meet the grouped kernel's alignment (its stores are vectorized on
+    16-byte hints): such a destination is quantized by the single kernel, an aligned one by the grouped
+    launch, both with the reference's bits."""
+    from mbridge_refit.fp8.format import FP8_DTYPE
+    from mbridge_refit.fp8.quantize import JobQuantizer, block_row_jobs
+    from mbridge_refit.fp8.reference import quantize_reference
+
+    generator = torch.Generator().manual_seed(5)
+    x = (torch.randn(300, 256, generator=generator) * 0.05).to(torch.bfloat16).cuda()
+    memory = torch.zeros(2 * 300 * 256 + 8, dtype=torch.uint8, device="cuda").view(FP8_DTYPE)
+    aligned, unaligned = memory[: 300 * 256].view(300, 256), memory[300 * 256 + 8 :].view(300, 256)
+    scales = [torch.empty(3, 2, device="cuda") for _ in range(2)]
+    runs = ((0, 0, 300),)
+    quantizer = JobQuantizer(
+        block_row_jobs(x, runs, aligned, scales[0]) + block_row_jobs(x, runs, unaligned, scales[1])
+    )
+    assert len(quantizer.grouped) == 1 and quantizer.alone == [1]
+    quantizer.run()
+    q, scale = quantize_reference(x.cpu())
+    for out, out_scale in ((aligned, scales[0]), (unaligned, scales[1])):
+        assert torch.equal(out.cpu().view(torch.uint8), q.view(torch.uint8)) and torch.equal(out_scale.cpu(), scale)
+
+
 def test_shard_quantizer_groups_shards_into_one_launch_with_the_reference_bits():
     """The sharded FP8 refit's quantizer on CUDA: shards the grouped kernel reads in place (many
     expert-like shards, a partial edge block) go in one launch, a narrow one alone; every step

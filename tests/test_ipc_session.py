@@ -421,6 +421,10 @@ class _GroupedKernelStandIn:
         return True
 
     @staticmethod
+    def grouped_writes(q: torch.Tensor) -> bool:
+        return True
+
+    @staticmethod
     def grouped_launch(jobs: list) -> list:
         return list(jobs)
 

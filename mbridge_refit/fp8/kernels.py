@@ -50,6 +50,7 @@ __all__ = [
     "TINY_SCALE_FACTOR",
     "grouped_launch",
     "grouped_takes",
+    "grouped_writes",
     "launch_grouped",
     "quantize_single",
     "root_cause",
@@ -208,6 +209,13 @@ def grouped_takes(x: torch.Tensor) -> bool:
         and x.dtype in _TRITON_DTYPES
         and not (x.data_ptr() % ALIGNMENT or x.stride(0) % ALIGNMENT or x.shape[1] % ALIGNMENT)
     )
+
+
+def grouped_writes(q: torch.Tensor) -> bool:
+    """Whether the grouped kernel writes e4m3 data into ``q`` in place: a 2-D tensor with contiguous
+    rows whose pointer and row stride are aligned to ``ALIGNMENT`` (its stores are vectorized on those
+    hints; a destination in an engine's parameter need not be)."""
+    return q.dim() == 2 and q.stride(1) == 1 and not (q.data_ptr() % ALIGNMENT or q.stride(0) % ALIGNMENT)
 
 
 @dataclass(frozen=True, slots=True)

@@ -314,13 +314,13 @@ class BucketQuantizer:
 
 def _grouped_launches(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> tuple[list, list[int]]:
     """``(source, q, scale)`` jobs as grouped kernel launches (``kernels.GroupedLaunch``, one per dtype
-    and device) for the sources the grouped kernel reads in place, where it runs here; and the
-    indices of the jobs left to quantize one at a time."""
+    and device) for the jobs whose source the grouped kernel reads in place and whose ``q`` it writes
+    in place, where it runs here; and the indices of the jobs left to quantize one at a time."""
     kernels = _cuda_kernels() if _kernel_usable("grouped") else None
     groups: dict[tuple, list] = {}
     alone = []
     for i, job in enumerate(jobs):
-        if kernels is not None and kernels.grouped_takes(job[0]):
+        if kernels is not None and kernels.grouped_takes(job[0]) and kernels.grouped_writes(job[1]):
             groups.setdefault((job[0].dtype, job[0].device), []).append(job)
         else:
             alone.append(i)
