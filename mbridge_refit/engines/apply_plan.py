@@ -39,6 +39,13 @@ strided copy, so a replay moves each byte once, from where the trainer keeps it,
 never refreshed. A source whose copies cannot be rewritten so is refreshed from its runs before
 each replay instead (correct, one copy more).
 
+A blockwise FP8 source that is the quantization of row runs of another tensor (the trainer's expert
+and attention weights, ``sharing.QuantizedRef``) is quantized by the engine itself on every replay,
+before the copies (``compose_quantized``, ``fp8.quantize.JobQuantizer``): where the loader's only use
+of the weight and of its scale was one copy of each, whole, the quantizer writes straight into those
+destinations and the copies are dropped; otherwise it writes into the source, which the copies read.
+``check_against_loader`` then proves the engine's quantizer against what the loader loaded.
+
 A source may be an engine rank's shard of the HF tensor the loader expects (a sharded refit,
 ``record(shards=...)``): the loader is recorded against a full-size tensor built around the shard,
 and every recorded read is moved into the shard (``engines.shard_remap``). In a plain recording

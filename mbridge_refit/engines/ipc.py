@@ -8,7 +8,9 @@ carries plain data works):
 1. ``open(wire, payload, transport)``: the trainer's first step, and every step whose layout
    changed. Maps the shared storages, runs the engine's loader once per tensor while recording
    its copies (this *is* the step's load), composes the copies of tensors that name their rows
-   so they read those rows where the trainer keeps them (``ApplyPlan.compose_rows``), optionally
+   so they read those rows where the trainer keeps them (``ApplyPlan.compose_rows``), has the
+   FP8 tensors that name their BF16 rows quantized from those rows on every replay, into the
+   parameters where the loader copies them whole (``ApplyPlan.compose_quantized``), optionally
    proves the recording against the loader (``ApplyPlan.check_against_loader``), and returns a
    report: what was loaded against what the engine holds (``missing`` parameters,
    ``unexpected`` tensors, ``partial`` parameters). Any missing or unexpected name fails the
@@ -30,8 +32,10 @@ into its shard (``engines.shard_remap``, ``ApplyPlan.record(shards=...)``); no f
 kept but for those the loader loads every step.
 
 Lifetimes: the mapped storages belong to the trainer; the trainer keeps them alive and
-unchanged from the start of its export until ``open``/``apply`` returns. No engine memory is
-allocated after ``open`` (the plan holds views only).
+unchanged from the start of its export until ``open``/``apply`` returns. The engine writes into one
+kind of them only: the FP8 tensors it quantizes itself (``QuantizedRef``), which the trainer writes
+at an open and then leaves to the engine for the layout's life. No engine memory is allocated after
+``open`` (the plan holds views and the quantizer's launch tables, made there).
 """
 
 from __future__ import annotations

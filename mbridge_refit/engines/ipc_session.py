@@ -6,8 +6,15 @@ applies them with the copies its own loader makes, recorded on the first step
 (``engines.apply_plan``; engine side ``engines.ipc.RefitReceiver``). Tensors that are rows of a
 trainer parameter read as stored (``RefitBridge.live_rows``: without tensor parallelism nearly all
 of them, q, k and v included) are read by the engine from the parameter itself and never exported
-again; the export runs only for the rest (gathers, FP8 quantization), every rank of the model's
-groups exporting the same names. Per step: that export, one RPC telling every worker to replay,
+again; the export runs only for the rest (gathers, FP8 quantization of other tensors), every rank
+of the model's groups exporting the same names. With ``fp8``, a weight that is such rows in whole
+128-row blocks (``RefitBridge.quantized_live_rows``: every expert and, at real head sizes, q, k and v)
+is not exported either: the session quantizes it once at an open, for the engine's loader, and names
+it as the quantization of those rows (``sharing.QuantizedRef``); the engine then quantizes the rows
+itself on every replay, into its own parameters where its loader copies the weight whole
+(``ApplyPlan.compose_quantized``), so an FP8 step reads the BF16 weights once and writes the engine's
+bytes once, with no export buffer between (``engine_quantizes=False``: the trainer quantizes them into
+its export buffers and the engine copies those, as for the rest). Per step: that export, one RPC telling every worker to replay,
 the engine's follow-up (``after_weights_written``) and, over CUDA IPC, a wait on the event the
 worker recorded after launching its copies (``engines.completion``): the RPC returns once the copies
 are launched, so the follow-up runs while they do, and ``refit`` returns once the engine's
@@ -117,8 +124,13 @@ class IpcSession:
     has tensors the engine does not load (a subset refit). ``overlap_follow_up``: where the engine
     signals the end of its copies by event (CUDA IPC), run ``after_weights_written`` while they run
     (off: the apply RPC returns when they are done, then the follow-up; an attribute, read each
-    step). ``timeout_s`` bounds the wait for the engine's signal. The session references the last
-    refit's model parameters, shared storages and exported tensors (``ExportSnapshot``) until ``close``.
+    step). ``engine_quantizes``: with ``fp8``, the engine quantizes the weights that are whole-block rows
+    of a trainer parameter itself (module docstring; off: exported like the rest). ``timeout_s`` bounds
+    the wait for the engine's signal. The session references the last
+    refit's model parameters, shared storages and exported tensors (``ExportSnapshot``) until ``close``,
+    and, for the weights the engine quantizes, their e4m3 data and scales as quantized at the last open
+    (the engine records its loader from them, and quantizes into them where its loader does more than
+    copy them whole).
     """
 
     def __init__(

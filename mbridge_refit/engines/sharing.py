@@ -20,6 +20,10 @@ e.g. q, k and v as runs of the trainer's fused QKV parameter). The engine then r
 where they live, every step, and the exported copy is needed only while the engine records its
 loader.
 
+A blockwise FP8 tensor may name what it is the quantization of (``QuantizedRef``: row runs of a
+BF16 source, in whole 128-row blocks, and the tensor holding its scales): the engine then quantizes
+those rows itself, every step, and the shared copy is needed only while it records its loader.
+
 Transports hand the storages over: ``CudaIpcTransport`` (CUDA IPC handles, opened once by the
 engine process and kept) and ``LocalTransport`` (the same process: CPU tests, or an engine that
 runs inside the trainer's process). Lower layer of ``engines``: imports only torch (and
