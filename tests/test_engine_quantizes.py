@@ -178,3 +178,53 @@ def test_a_quantized_tensor_must_be_2d_rows_of_its_source():
         recorder.add("x", torch.empty(4, 8, 2, dtype=FP8_DTYPE), quantized=(torch.zeros(4, 8), ((0, 0, 4),), "s"))
     with pytest.raises(SharingError, match="cannot be the quantized rows"):
         recorder.add("x", torch.empty(4, 8, dtype=FP8_DTYPE), quantized=(torch.zeros(4, 16), ((0, 0, 4),), "s"))
+
+
+class _KvFirst(_Trainer):
+    """The layout with the exported ``kv`` before the weights the engine quantizes."""
+
+    def layout(self, runs_of: dict | None = None) -> tuple[SharedLayout, list]:
+        layout, storages = super().layout(runs_of)
+        refs = (*layout.refs[-2:], *layout.refs[:-2])
+        return SharedLayout(refs=refs, storage_bytes=layout.storage_bytes), storages
+
+
+class _Overlapping(_Engine):
+    """``kv`` copied over q's last 128 rows (and its scale over q's last scale row) before q lands on top:
+    the loader's order decides those bytes."""
+
+    def load_weights(self, weights):
+        for name, tensor in weights:
+            if name == "kv":
+                self.fused.data.narrow(0, 384, 128).copy_(tensor)
+                self.fused.data.narrow(0, 512, 128).copy_(tensor)
+            elif name == "kv_scale_inv":
+                self.fused_scale.data.narrow(0, 3, 1).copy_(tensor)
+                self.fused_scale.data.narrow(0, 4, 1).copy_(tensor)
+            else:
+                super().load_weights([(name, tensor)])
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["checked", "unchecked"])
+def test_a_destination_another_copy_also_writes_is_not_quantized_in_place(check):
+    """Quantizing in place writes before every copy, not at the weight's turn: where another copy writes the
+    same bytes earlier in the loader's order, in place would let that copy win. Such a weight is quantized
+    into its source and copied at its turn, so the engine holds what the loader left (q on top), checked
+    against the loader at the open or not."""
+    trainer, engine = _KvFirst(), _Overlapping()
+    layout, storages = trainer.layout()
+    receiver = RefitReceiver(engine, torch.device("cpu"))
+    transport = LocalTransport()
+    report = receiver.open(layout.to_wire(), transport.share(storages), transport.name, check=check)
+    assert report["quantized_in_place"] == 1 and receiver.plan.quantized_in_place == ["w"]
+    for _ in range(2):
+        _assert_holds_the_trainer_s(engine, trainer)
+        trainer.step()
+        receiver.apply(layout.fingerprint)
+
+
+def test_a_quantize_job_writes_only_its_source_s_device():
+    with pytest.raises(ValueError, match="writes only its own device"):
+        JobQuantizer(
+            [(torch.zeros(128, 128), torch.empty(128, 128, dtype=FP8_DTYPE, device="meta"), torch.empty(1, 1))]
+        )

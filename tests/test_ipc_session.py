@@ -571,3 +571,37 @@ def test_an_export_snapshot_trusts_a_stamp_only_where_both_exports_carry_the_sam
     assert not snapshot(StampedBucket(experts, stamp), [("norm.weight", norm)]).same_as(first)
     assert not snapshot(StampedBucket(experts, stamp), [("norm", norm)]).same_as(None)
     assert [name for name, _ in first.pairs(frozenset({"experts.1"}))] == ["experts.0", "norm"]
+
+
+def test_a_step_through_a_check_loads_what_arrives_even_for_weights_the_engine_quantizes(source_checkpoints):
+    """``through`` may alter a tensor in place (the same object, other bytes): that step's weights are loaded as
+    they arrive, not named as quantized from the trainer's rows (the engine would otherwise load the altered
+    tensor once and then overwrite it with the rows' quantization, or refuse the open); the next step opens
+    anew and the engine quantizes again. Oracle: the stock export through the reference quantizer."""
+    from mbridge_refit.convert.session import distributed_session
+    from mbridge_refit.plan.layout import ParallelLayout
+    from mbridge_refit.testing.conformance import restored_environment
+
+    cpu, layout = torch.device("cpu"), ParallelLayout()
+    with restored_environment(), distributed_session(layout, device=cpu, timeout=datetime.timedelta(minutes=2)):
+        bridge, chunks = loaded_model(source_checkpoints("qwen3-moe-tiny"), layout, cpu)
+        expected = _fp8_oracle(bridge, chunks)
+        engine = _PickledEngine(expected)
+        session = IpcSession(
+            engine.call_workers, transport=LocalTransport(), ignored=lambda bridge: frozenset({SKIPPED})
+        )
+        assert session.refit(bridge, chunks, fp8="blockwise").report["quantized_in_place"] > 0
+        victim = next(name for name in bridge.quantized_live_rows(chunks, fp8="blockwise") if ".experts." in name)
+
+        def altered_in_place(stream):
+            for name, tensor in stream:
+                if name == victim:
+                    tensor.view(torch.uint8).add_(1)  # the session's own tensor, altered where it is
+                yield name, tensor
+
+        step = session.refit(bridge, chunks, fp8="blockwise", through=altered_in_place)
+        assert step.opened and step.report["quantized"] == 0
+        assert engine.differs(expected) == [victim]
+        again = session.refit(bridge, chunks, fp8="blockwise")
+        assert again.opened and again.report["quantized_in_place"] > 0 and engine.differs(expected) == []
+        session.close()

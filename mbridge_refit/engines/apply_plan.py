@@ -310,23 +310,31 @@ class ApplyPlan:
         """Sources that are the blockwise FP8 quantization of row runs of another tensor (``{name:
         (origin, runs, scale name)}``, ``sharing.QuantizedRef``): the engine quantizes them itself on
         every replay, before the copies. Where the loader's only use of such a weight and of its scale
-        was one copy of the whole source into a destination the quantizer can write (same shape and
-        dtype, rows contiguous; the scale's destination contiguous), the quantizer writes there and
+        was one copy of the whole source into a destination the quantizer can write (same shape, dtype
+        and device, rows contiguous; the scale's destination contiguous) that nothing else the replay
+        does writes (no other copy's destination and no parameter a loader step writes overlaps it, so
+        writing it first, not at the weight's turn, leaves the same bytes), the quantizer writes there and
         those copies are dropped: the replay reads each source element once and writes the engine's
         bytes once. Otherwise it writes into the sources themselves, which the recorded copies then
-        read (still exact: the sources' memory is the trainer's, held and no longer written by it).
-        Returns the names written in place. Call after ``compose_rows``, before ``check_against_loader``
-        (which proves the quantizer's bits against what the loader loaded)."""
+        read in the loader's order (still exact: the sources' memory is the trainer's, held and no longer
+        written by it). Returns the names written in place. Call after ``compose_rows``, before
+        ``check_against_loader``, which proves the plan against the loader's load from the sources as
+        the trainer quantized them (the quantizer's bits themselves are the export's: ``fp8.kernels``
+        proves its kernels against the reference before use)."""
         self.quantized = dict(quantized)
         self._schedule = None
         steps = {step.name: step for step in self.steps}
+        shared = _shared_writes(self.steps, self.params)
         jobs, in_place = [], []
         for name, (origin, runs, scale_name) in quantized.items():
             weight, scale = steps.get(name), steps.get(scale_name)
             if weight is None or scale is None:
                 raise ApplyPlanError(f"{name} is named quantized with the scale {scale_name}, and the layout lacks one")
             _check_quantizable(name, weight.source, scale.source, origin, runs)
-            targets = _whole_copy_target(weight), _whole_copy_target(scale, contiguous=True)
+            targets = (
+                _whole_copy_target(weight, origin.device, shared),
+                _whole_copy_target(scale, origin.device, shared, contiguous=True),
+            )
             if None in targets:
                 jobs += block_row_jobs(origin, runs, weight.source, scale.source)
                 continue
@@ -892,27 +900,56 @@ def _check_quantizable(name: str, weight: torch.Tensor, scale: torch.Tensor, ori
         or tuple(scale.shape) != scale_shape(tuple(weight.shape))
         or origin.dim() != 2
         or not origin.dtype.is_floating_point
+        or not origin.device == weight.device == scale.device
         or not block_row_runs(runs, weight.shape[0])
     ):
         raise ApplyPlanError(
-            f"{name}: a {weight.dtype} {tuple(weight.shape)} tensor with a {scale.dtype} {tuple(scale.shape)} scale "
-            f"cannot be quantized here from runs {list(runs)[:4]} of a {origin.dtype} {tuple(origin.shape)} source "
-            "(blockwise FP8 quantizes whole 128-row blocks of 2-D tensors)"
+            f"{name}: a {weight.dtype} {tuple(weight.shape)} tensor on {weight.device} with a {scale.dtype} "
+            f"{tuple(scale.shape)} scale cannot be quantized here from runs {list(runs)[:4]} of a {origin.dtype} "
+            f"{tuple(origin.shape)} source on {origin.device} (blockwise FP8 quantizes whole 128-row blocks of 2-D "
+            "tensors, on their own device)"
         )
 
 
-def _whole_copy_target(step: _Step, *, contiguous: bool = False) -> torch.Tensor | None:
+def _whole_copy_target(
+    step: _Step, device: torch.device, shared: set[tuple[int, int, int]], *, contiguous: bool = False
+) -> torch.Tensor | None:
     """The destination of ``step``'s one copy when the loader did nothing with its source but copy
-    all of it, unchanged in shape and dtype, into a view with contiguous rows (``contiguous``: a
-    contiguous view); else None."""
+    all of it, unchanged in shape and dtype, into a view on ``device`` with contiguous rows
+    (``contiguous``: a contiguous view) whose bytes no other write of the replay touches (not in
+    ``shared``, ``_shared_writes``); else None."""
     if step.via_loader or step.refresh or step.composed or len(step.copies) != 1:
         return None
     destination, source = step.copies[0]
     if not _same_view(source, step.source) or destination.shape != source.shape or destination.dtype != source.dtype:
         return None
-    if destination.dim() != 2 or destination.stride(1) != 1 or (contiguous and not destination.is_contiguous()):
+    if destination.device != device or destination.dim() != 2 or destination.stride(1) != 1:
+        return None
+    if (contiguous and not destination.is_contiguous()) or byte_span(destination) in shared:
         return None
     return destination
+
+
+def _shared_writes(steps: list[_Step], params: dict[str, torch.Tensor]) -> set[tuple[int, int, int]]:
+    """The byte spans (``byte_span``) of the recorded copies' destinations that overlap another write of
+    the replay: another copy's destination (a source's refresh included) or a parameter a loader step
+    writes (all of it: what the loader touches is not recorded)."""
+    writes = [byte_span(destination) for step in steps for destination, _ in (*step.copies, *step.refresh)]
+    copied = len(writes)
+    writes += [byte_span(params[name]) for step in steps if step.via_loader for name in step.targets if name in params]
+    by_storage: dict[int, list[tuple[int, int, int]]] = {}
+    for index, (storage, first, end) in enumerate(writes):
+        by_storage.setdefault(storage, []).append((first, end, index))
+    shared = set()
+    for spans in by_storage.values():
+        spans.sort()
+        reach = -1  # the furthest end of the spans before this one (sorted by first byte)
+        for position, (first, end, index) in enumerate(spans):
+            later = spans[position + 1][0] if position + 1 < len(spans) else end  # the next span's first byte
+            if first < reach or later < end:  # overlaps an earlier span, or the next (the earliest later one)
+                shared.add(index)
+            reach = max(reach, end)
+    return {writes[index] for index in shared if index < copied}
 
 
 def _unique_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -117,6 +117,7 @@ class RefitReceiver:
         self._storages: list = []
         self._shards: Shards = {}
         self._done: ReplayDone | None = None  # set when the trainer waits on an event instead of the apply RPC
+        self._checked = False  # the open layout's plan was proven against the loader (so is a re-recorded one)
 
     def open(
         self,
@@ -153,6 +154,7 @@ class RefitReceiver:
             plan.check_against_loader()
             _synchronize(self.device)
         self._plan, self._fingerprint, self._storages, self._shards = plan, layout.fingerprint, storages, shards
+        self._checked = check
         self._done = ReplayDone.for_device(self.device) if completion else None
         report = OpenReport(
             fingerprint=layout.fingerprint,
@@ -220,6 +222,8 @@ class RefitReceiver:
         plan = self._record([(s.name, s.source) for s in self._plan.steps], self._shards)
         plan.compose_rows(self._plan.rows)
         plan.compose_quantized(self._plan.quantized)
+        if self._checked:  # as the open was: the new plan's copies and in-place quantizing proven before use
+            plan.check_against_loader()
         self._plan = plan
 
     def close(self) -> None:

@@ -269,17 +269,19 @@ class IpcSession:
             if not live.is_view:
                 rows_of[name] = (tensor, (live.source(), live.runs))
             pairs.append((name, tensor))
-        passed = list(through(iter(pairs))) if through is not None else pairs
-        arrived = dict(passed)
+        # a step through ``through`` is loaded as it arrives (a check may alter any tensor, in place or not):
+        # its weights are not named as quantized from rows, and the next step opens anew
+        quantized = {} if through is not None else routes.quantized
         recorder = LayoutRecorder()
-        for name, tensor in passed:
+        for name, tensor in through(iter(pairs)) if through is not None else pairs:
             self._check_device(name, tensor)
             rows = rows_of.get(name)
+            named = quantized.get(name)
             recorder.add(
                 name,
                 tensor,
                 rows=rows[1] if rows is not None and rows[0] is tensor else None,
-                quantized=_quantized_as_made(name, routes.quantized.get(name), made, arrived),
+                quantized=None if named is None else (named[0].source(), named[0].runs, named[1]),
             )
         _synchronize_trainer()
         return self._open(recorder, key, started)
@@ -462,23 +464,6 @@ def _done_signal(results: list, storages: list[torch.UntypedStorage]) -> DoneSig
         return None
     device = storages[0].device if storages and storages[0].device.type == "cuda" else None
     return DoneSignal.open(handle, device or torch.device("cuda", torch.cuda.current_device()))
-
-
-def _quantized_as_made(
-    name: str,
-    quantized: tuple[LiveRows, str] | None,
-    made: dict[str, torch.Tensor],
-    arrived: dict[str, torch.Tensor],
-) -> tuple[torch.Tensor, Any, str] | None:
-    """``LayoutRecorder.add``'s ``quantized`` for an engine-quantized weight whose data and scale both
-    reached the layout as this session made them (a ``through`` that replaced either leaves the
-    weight a plain tensor of the layout, loaded as it arrived)."""
-    if quantized is None:
-        return None
-    rows, scale = quantized
-    if arrived.get(name) is not made[name] or arrived.get(scale) is not made[scale]:
-        return None
-    return rows.source(), rows.runs, scale
 
 
 def live_pointers(parameters: tuple[torch.Tensor, ...]) -> tuple[int, ...]:

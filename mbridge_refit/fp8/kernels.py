@@ -215,7 +215,7 @@ def grouped_writes(q: torch.Tensor) -> bool:
     """Whether the grouped kernel writes e4m3 data into ``q`` in place: a 2-D tensor with contiguous
     rows whose pointer and row stride are aligned to ``ALIGNMENT`` (its stores are vectorized on those
     hints; a destination in an engine's parameter need not be)."""
-    return q.dim() == 2 and q.stride(1) == 1 and not (q.data_ptr() % ALIGNMENT or q.stride(0) % ALIGNMENT)
+    return q.is_cuda and q.dim() == 2 and q.stride(1) == 1 and not (q.data_ptr() % ALIGNMENT or q.stride(0) % ALIGNMENT)
 
 
 @dataclass(frozen=True, slots=True)

@@ -65,6 +65,12 @@ class JobQuantizer:
 
     def __init__(self, jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
         self.jobs = list(jobs)
+        for x, q, scale in self.jobs:
+            if not x.device == q.device == scale.device:
+                raise ValueError(
+                    f"a quantize job reads {x.device} and writes {q.device} and {scale.device}: a kernel writes "
+                    "only its own device's memory"
+                )
         self.grouped, self.alone = _grouped_launches(self.jobs)
         self._work: dict[tuple, torch.Tensor] = {}  # the torch path's fp32 scratch, one per padded shape and device
         for x, _, _ in (self.jobs[i] for i in self.alone):
