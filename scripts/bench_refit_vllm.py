@@ -65,7 +65,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from check_vllm_refit_gpu import parser_with_engine_arguments, tp1_trainer  # noqa: E402
-from profile_ipc_trainer import answering_workers  # noqa: E402
 
 logger = logging.getLogger("bench_refit_vllm")
 
@@ -102,6 +101,7 @@ def trainer_alone(bridge, chunks, fp8, engine_quantizes: bool, steps: int = 10) 
     """The trainer's side of a steady refit with no engine behind it: wall and thread CPU ms per step."""
     from mbridge_refit.engines.ipc_session import IpcSession
     from mbridge_refit.engines.sharing import LocalTransport
+    from mbridge_refit.testing.silent_engine import answering_workers
 
     session = IpcSession(answering_workers, transport=LocalTransport(), engine_quantizes=engine_quantizes)
     walls, cpus = [], []

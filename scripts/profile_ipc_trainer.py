@@ -24,10 +24,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from check_vllm_refit_gpu import tp1_trainer  # noqa: E402
 
 
-def answering_workers(method: str, *args):
-    return [{} if method == "mbridge_refit_open" else 0.0]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-30b-a3b")
@@ -44,6 +40,7 @@ def main() -> None:
     from mbridge_refit.engines.ipc_session import IpcSession
     from mbridge_refit.engines.sharing import LocalTransport
     from mbridge_refit.models.recipes import full_size_config
+    from mbridge_refit.testing.silent_engine import answering_workers
 
     config = full_size_config(args.model)
     if args.layers is not None:

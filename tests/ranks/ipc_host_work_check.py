@@ -24,11 +24,7 @@ from host_work_check import count_calls, main
 from mbridge_refit.engines.ipc_session import IpcSession
 from mbridge_refit.engines.sharing import LocalTransport
 from mbridge_refit.testing.many_experts import many_expert_model
-
-
-def answering_workers(method: str, *args):
-    """An engine whose workers take every RPC: an open reports nothing, an apply took no time."""
-    return [{} if method == "mbridge_refit_open" else 0.0]
+from mbridge_refit.testing.silent_engine import answering_workers
 
 
 def measure(experts: int, fp8: str | None = None) -> dict[str, int]:
