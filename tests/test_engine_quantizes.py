@@ -228,3 +228,54 @@ def test_a_quantize_job_writes_only_its_source_s_device():
         JobQuantizer(
             [(torch.zeros(128, 128), torch.empty(128, 128, dtype=FP8_DTYPE, device="meta"), torch.empty(1, 1))]
         )
+
+
+class _Straddling(_Engine):
+    """q in the fused parameter's last 512 rows; kv in its first 128 and again from row 64, so that a copy earlier in
+    the loader's order starts before q's rows and ends inside them (q lands on top)."""
+
+    def load_weights(self, weights):
+        for name, tensor in weights:
+            if name == "q":
+                self.fused.data.narrow(0, 128, 512).copy_(tensor)
+            elif name == "q_scale_inv":
+                self.fused_scale.data.narrow(0, 1, 4).copy_(tensor)
+            elif name == "kv":
+                self.fused.data.narrow(0, 0, 128).copy_(tensor)
+                self.fused.data.narrow(0, 64, 128).copy_(tensor)
+            elif name == "kv_scale_inv":
+                self.fused_scale.data.narrow(0, 0, 1).copy_(tensor)
+            else:
+                super().load_weights([(name, tensor)])
+
+    def held(self) -> dict[str, torch.Tensor]:
+        return super().held() | {"q": self.fused[128:], "q_scale_inv": self.fused_scale[1:]}
+
+
+class _ZeroingLoader(_Engine):
+    """kv's scale through the loader, which zeroes the whole scale parameter first (as vLLM's padded loaders zero
+    what they do not copy): a write the recorder cannot place, over q's scale rows, earlier in the loader's order."""
+
+    def load_weights(self, weights):
+        for name, tensor in weights:
+            if name == "kv_scale_inv":
+                self.fused_scale.data.zero_()
+                self.fused_scale.data.narrow(0, 4, 1).copy_(tensor)
+            else:
+                super().load_weights([(name, tensor)])
+
+
+@pytest.mark.parametrize("engine_class", [_Straddling, _ZeroingLoader])
+def test_a_destination_an_earlier_write_reaches_into_is_copied_at_its_turn(engine_class):
+    """A copy that starts before q's destination and ends inside it, or a loader step that writes q's scale
+    parameter: either way q is quantized into its source and copied at its turn (w, untouched, in place)."""
+    trainer, engine = _KvFirst(), engine_class()
+    layout, storages = trainer.layout()
+    receiver = RefitReceiver(engine, torch.device("cpu"))
+    transport = LocalTransport()
+    report = receiver.open(layout.to_wire(), transport.share(storages), transport.name, check=False)
+    assert receiver.plan.quantized_in_place == ["w"], report
+    for _ in range(2):
+        _assert_holds_the_trainer_s(engine, trainer)
+        trainer.step()
+        receiver.apply(layout.fingerprint)
