@@ -74,20 +74,20 @@ class _Engine(torch.nn.Module):
         self.w = torch.nn.Parameter(torch.zeros(200, WIDTH, dtype=FP8_DTYPE), requires_grad=False)
         self.w_scale = torch.nn.Parameter(torch.zeros(2, 2), requires_grad=False)
 
+    # where the loader copies each tensor: (parameter, first row), in order
+    PLACES = {
+        "q": (("fused", 0),),
+        "q_scale_inv": (("fused_scale", 0),),
+        "kv": (("fused", 512),),
+        "kv_scale_inv": (("fused_scale", 4),),
+        "w": (("w", 0),),
+        "w_scale_inv": (("w_scale", 0),),
+    }
+
     def load_weights(self, weights):
         for name, tensor in weights:
-            if name == "q":
-                self.fused.data.narrow(0, 0, 512).copy_(tensor)
-            elif name == "q_scale_inv":
-                self.fused_scale.data.narrow(0, 0, 4).copy_(tensor)
-            elif name == "kv":
-                self.fused.data.narrow(0, 512, 128).copy_(tensor)
-            elif name == "kv_scale_inv":
-                self.fused_scale.data.narrow(0, 4, 1).copy_(tensor)
-            elif name == "w":
-                self.w.data.copy_(tensor)
-            elif name == "w_scale_inv":
-                self.w_scale.data.copy_(tensor)
+            for parameter, row in self.PLACES.get(name, ()):
+                getattr(self, parameter).data.narrow(0, row, tensor.shape[0]).copy_(tensor)
 
     def held(self) -> dict[str, torch.Tensor]:
         return {"q": self.fused[:512], "q_scale_inv": self.fused_scale[:4], "w": self.w, "w_scale_inv": self.w_scale}
@@ -193,16 +193,10 @@ class _Overlapping(_Engine):
     """``kv`` copied over q's last 128 rows (and its scale over q's last scale row) before q lands on top:
     the loader's order decides those bytes."""
 
-    def load_weights(self, weights):
-        for name, tensor in weights:
-            if name == "kv":
-                self.fused.data.narrow(0, 384, 128).copy_(tensor)
-                self.fused.data.narrow(0, 512, 128).copy_(tensor)
-            elif name == "kv_scale_inv":
-                self.fused_scale.data.narrow(0, 3, 1).copy_(tensor)
-                self.fused_scale.data.narrow(0, 4, 1).copy_(tensor)
-            else:
-                super().load_weights([(name, tensor)])
+    PLACES = _Engine.PLACES | {
+        "kv": (("fused", 384), ("fused", 512)),
+        "kv_scale_inv": (("fused_scale", 3), ("fused_scale", 4)),
+    }
 
 
 @pytest.mark.parametrize("check", [True, False], ids=["checked", "unchecked"])
@@ -234,19 +228,12 @@ class _Straddling(_Engine):
     """q in the fused parameter's last 512 rows; kv in its first 128 and again from row 64, so that a copy earlier in
     the loader's order starts before q's rows and ends inside them (q lands on top)."""
 
-    def load_weights(self, weights):
-        for name, tensor in weights:
-            if name == "q":
-                self.fused.data.narrow(0, 128, 512).copy_(tensor)
-            elif name == "q_scale_inv":
-                self.fused_scale.data.narrow(0, 1, 4).copy_(tensor)
-            elif name == "kv":
-                self.fused.data.narrow(0, 0, 128).copy_(tensor)
-                self.fused.data.narrow(0, 64, 128).copy_(tensor)
-            elif name == "kv_scale_inv":
-                self.fused_scale.data.narrow(0, 0, 1).copy_(tensor)
-            else:
-                super().load_weights([(name, tensor)])
+    PLACES = _Engine.PLACES | {
+        "q": (("fused", 128),),
+        "q_scale_inv": (("fused_scale", 1),),
+        "kv": (("fused", 0), ("fused", 64)),
+        "kv_scale_inv": (("fused_scale", 0),),
+    }
 
     def held(self) -> dict[str, torch.Tensor]:
         return super().held() | {"q": self.fused[128:], "q_scale_inv": self.fused_scale[1:]}
