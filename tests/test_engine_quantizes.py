@@ -266,3 +266,47 @@ def test_a_destination_an_earlier_write_reaches_into_is_copied_at_its_turn(engin
         _assert_holds_the_trainer_s(engine, trainer)
         trainer.step()
         receiver.apply(layout.fingerprint)
+
+
+class _LoaderZeroesW(_Engine):
+    """kv's loader also clears w's first 128 rows by an in-place op (not a copy): a loader step's write."""
+
+    def load_weights(self, weights):
+        for name, tensor in weights:
+            super().load_weights([(name, tensor)])
+            if name == "kv":
+                self.w.data.view(torch.uint8).narrow(0, 0, 128).zero_()
+
+
+class _Pooled(_Engine):
+    """``fused`` and ``w`` views of one pool (the recorder names one parameter per storage); kv's loader also
+    writes w's first rows from a temporary."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        pool = torch.zeros(840, WIDTH, dtype=FP8_DTYPE)
+        self.fused = torch.nn.Parameter(pool[:640], requires_grad=False)
+        self.w = torch.nn.Parameter(pool[640:], requires_grad=False)
+
+    def load_weights(self, weights):
+        for name, tensor in weights:
+            super().load_weights([(name, tensor)])
+            if name == "kv":
+                self.w.data.narrow(0, 0, 128).copy_(tensor.clone())
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["checked", "unchecked"])
+@pytest.mark.parametrize("engine_class", [_LoaderZeroesW, _Pooled])
+def test_a_loader_step_s_write_keeps_the_weight_it_reaches_copied_at_its_turn(engine_class, check):
+    """A loader step earlier in the loader's order writes w's rows, by an in-place op or into a parameter that
+    shares w's storage: w is not quantized in place (the replay would quantize it before that write)."""
+    trainer, engine = _KvFirst(), engine_class()
+    layout, storages = trainer.layout()
+    receiver = RefitReceiver(engine, torch.device("cpu"))
+    transport = LocalTransport()
+    receiver.open(layout.to_wire(), transport.share(storages), transport.name, check=check)
+    assert "w" not in receiver.plan.quantized_in_place
+    for _ in range(2):
+        _assert_holds_the_trainer_s(engine, trainer)
+        trainer.step()
+        receiver.apply(layout.fingerprint)

@@ -587,7 +587,10 @@ class _CopyRecorder(TorchFunctionMode):
             and self._target(args[0])
         ):
             # an in-place op other than a copy: replay cannot repeat it (on no element it does nothing)
-            self._loader_only(f"in-place {name} on {self._target(args[0])}")
+            target = self._target(args[0])
+            self._loader_only(f"in-place {name} on {target}")
+            if self._step is not None:
+                self._step.targets.add(target)  # a write the step makes (its loader's, every replay)
         elif name == "__set__" and args and isinstance(args[0], torch.Tensor) and self._target(args[0]):
             self._loader_only(f"swaps the storage of {self._target(args[0])}")  # ``param.data = ...``
         return result
@@ -933,10 +936,17 @@ def _whole_copy_target(
 def _shared_writes(steps: list[_Step], params: dict[str, torch.Tensor]) -> set[tuple[int, int, int]]:
     """The byte spans (``byte_span``) of the recorded copies' destinations that overlap another write of
     the replay: another copy's destination (a source's refresh included) or a parameter a loader step
-    writes (all of it: what the loader touches is not recorded)."""
+    writes (all of its storage: what the loader touches is not recorded, and one storage may hold several
+    parameters)."""
     writes = [byte_span(destination) for step in steps for destination, _ in (*step.copies, *step.refresh)]
     copied = len(writes)
-    writes += [byte_span(params[name]) for step in steps if step.via_loader for name in step.targets if name in params]
+    writes += [  # all the memory of the parameter: other parameters may view it (``params`` names one per storage)
+        (params[name].untyped_storage().data_ptr(), 0, params[name].untyped_storage().nbytes())
+        for step in steps
+        if step.via_loader
+        for name in step.targets
+        if name in params
+    ]
     by_storage: dict[int, list[tuple[int, int, int]]] = {}
     for index, (storage, first, end) in enumerate(writes):
         by_storage.setdefault(storage, []).append((first, end, index))

@@ -270,7 +270,7 @@ class IpcSession:
                 rows_of[name] = (tensor, (live.source(), live.runs))
             pairs.append((name, tensor))
         # a step through ``through`` is loaded as it arrives (a check may alter any tensor, in place or not):
-        # its weights are not named as quantized from rows, and the next step opens anew
+        # nothing is named as rows or as quantized from rows, and the next step opens anew
         quantized = {} if through is not None else routes.quantized
         recorder = LayoutRecorder()
         for name, tensor in through(iter(pairs)) if through is not None else pairs:
@@ -280,7 +280,7 @@ class IpcSession:
             recorder.add(
                 name,
                 tensor,
-                rows=rows[1] if rows is not None and rows[0] is tensor else None,
+                rows=rows[1] if through is None and rows is not None and rows[0] is tensor else None,
                 quantized=None if named is None else (named[0].source(), named[0].runs, named[1]),
             )
         _synchronize_trainer()
