@@ -44,7 +44,7 @@ and attention weights, ``sharing.QuantizedRef``) is quantized by the engine itse
 before the copies (``compose_quantized``, ``fp8.quantize.JobQuantizer``): where the loader's only use
 of the weight and of its scale was one copy of each, whole, the quantizer writes straight into those
 destinations and the copies are dropped; otherwise it writes into the source, which the copies read.
-``check_against_loader`` then proves the engine's quantizer against what the loader loaded.
+``check_against_loader`` then proves the plan against what the loader loaded from those sources.
 
 A source may be an engine rank's shard of the HF tensor the loader expects (a sharded refit,
 ``record(shards=...)``): the loader is recorded against a full-size tensor built around the shard,
@@ -336,7 +336,7 @@ class ApplyPlan:
                 _whole_copy_target(scale, origin.device, shared, contiguous=True),
             )
             if None in targets:
-                jobs += block_row_jobs(origin, runs, weight.source, scale.source)
+                jobs += _into_sources(steps, name, self.quantized[name])
                 continue
             jobs += block_row_jobs(origin, runs, *targets)
             weight.copies, scale.copies = [], []
@@ -354,11 +354,7 @@ class ApplyPlan:
                     for destination, source in _row_copies(step.source, *self.rows[step.name]):
                         destination.copy_(source)
             steps = {step.name: step for step in self.steps}
-            jobs = [
-                job
-                for name, (origin, runs, scale_name) in self.quantized.items()
-                for job in block_row_jobs(origin, runs, steps[name].source, steps[scale_name].source)
-            ]
+            jobs = [job for name, quantized in self.quantized.items() for job in _into_sources(steps, name, quantized)]
             if jobs:
                 JobQuantizer(jobs).run()
 
@@ -914,6 +910,12 @@ def _check_quantizable(name: str, weight: torch.Tensor, scale: torch.Tensor, ori
         )
 
 
+def _into_sources(steps: dict[str, _Step], name: str, quantized: tuple[torch.Tensor, Runs, str]) -> list:
+    """The jobs that quantize ``name``'s rows into its own source and its scale's (``compose_quantized``)."""
+    origin, runs, scale_name = quantized
+    return block_row_jobs(origin, runs, steps[name].source, steps[scale_name].source)
+
+
 def _whole_copy_target(
     step: _Step, device: torch.device, shared: set[tuple[int, int, int]], *, contiguous: bool = False
 ) -> torch.Tensor | None:
@@ -935,10 +937,10 @@ def _whole_copy_target(
 
 def _shared_writes(steps: list[_Step], params: dict[str, torch.Tensor]) -> set[tuple[int, int, int]]:
     """The byte spans (``byte_span``) of the recorded copies' destinations that overlap another write of
-    the replay: another copy's destination (a source's refresh included) or a parameter a loader step
+    the replay: another copy's destination or a parameter a loader step
     writes (all of its storage: what the loader touches is not recorded, and one storage may hold several
     parameters)."""
-    writes = [byte_span(destination) for step in steps for destination, _ in (*step.copies, *step.refresh)]
+    writes = [byte_span(destination) for step in steps for destination, _ in step.copies]  # refreshes write sources
     copied = len(writes)
     writes += [  # all the memory of the parameter: other parameters may view it (``params`` names one per storage)
         (params[name].untyped_storage().data_ptr(), 0, params[name].untyped_storage().nbytes())
