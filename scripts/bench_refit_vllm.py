@@ -12,9 +12,12 @@ after which our next apply records the loader again):
   its recorded copies from the trainer's memory, the prefix-cache reset while they run); export
   and apply are also reported apart, the apply split into the engine worker's own time
   (``ours_engine_ms``: launching the copies) and the rest, vLLM's RPC (``ours_rpc_overhead_ms``),
-  then the reset with the wait for the copies (``ours_reset_wait_ms``). ``ours_serial_ms``: the
-  same session with ``overlap_follow_up=False`` (the worker waits for its copies, then the reset),
-  its steps alternated with ``ours_ms``'s. ``live_tensors``: tensors the engine reads straight from the
+  then the reset with the wait for the copies (``ours_reset_wait_ms``). The apply RPC leaves before
+  the export and its worker waits for the trainer's go-ahead (``early_apply``: steps and how many went
+  early); from the go-ahead on are the apply and the engine's time, and the export's time runs up to
+  it. ``ours_late_ms``: the same session with ``early_apply=False`` (the RPC sent after the export),
+  ``ours_serial_ms``: with ``overlap_follow_up=False`` (the worker waits for its copies, then the
+  reset), each variant's steps alternated with ``ours_ms``'s. ``live_tensors``: tensors the engine reads straight from the
   trainer's parameters (never exported after the first step).
 * ``vllm_native_stock_ms`` (BF16 only): ``AutoBridge.export_hf_weights`` (stock) into vLLM's
   native ``ipc`` weight-transfer backend: ``start_weight_update``, ``trainer_send_weights``
@@ -316,12 +319,14 @@ def run(args) -> dict:
                 result["vllm_native_stock_error"] = f"{type(err).__name__}: {err}"[:2000]
                 stock = None
 
-        ours, serial, export, apply, engine, reset_wait, stock_times = [], [], [], [], [], [], []
+        ours, late, serial, export, apply, engine, reset_wait, stock_times = [], [], [], [], [], [], [], []
         trainer_new, engine_new = 0, 0
-        collections, export_cpu = GcWatch(), []
+        collections, export_cpu, early = GcWatch(), [], []
+        times = {"ours": ours, "late": late, "serial": serial}
         for _ in range(args.steps):
-            for overlap in (True, False):  # alternated: the reset while the copies run, then after them
-                refit.overlap_follow_up = overlap
+            # alternated: ours; its apply RPC sent after the export; the reset after the copies
+            for variant, early_apply, overlap in (("ours", True, True), ("late", False, True), ("serial", True, False)):
+                refit.early_apply, refit.overlap_follow_up = early_apply, overlap
                 trainer_before = allocations()
                 engine_before = llm.collective_rpc("mbridge_refit_memory")[0]["allocations"]
                 step = None
@@ -331,19 +336,25 @@ def run(args) -> dict:
                     step = refit.refit(bridge, chunks, fp8=fp8)
 
                 collections.active = True
-                (ours if overlap else serial).append(peaks["ours_steady"](lambda: timed(ours_step)))
+                times[variant].append(peaks["ours_steady"](lambda: timed(ours_step)))
                 collections.active = False
                 trainer_new += allocations() - trainer_before
                 engine_new += llm.collective_rpc("mbridge_refit_memory")[0]["allocations"] - engine_before
                 if step.opened:
                     raise RuntimeError("a steady refit reopened its layout: the export's storages changed")
-                if overlap:
+                if variant == "ours":
+                    early.append(step.early)
                     export.append(step.export_ms)
                     export_cpu.append(step.export_cpu_ms)
                     apply.append(step.apply_ms)
                     engine.append(step.engine_ms)
                     reset_wait.append(step.reset_ms)
-        refit.overlap_follow_up = True
+        refit.early_apply, refit.overlap_follow_up = True, True
+        result["early_apply"] = {
+            "steps": len(early),
+            "early": sum(early),
+            "line": bool((first.report or {}).get("go_ahead")),
+        }
         result["gc_during_steps"] = collections.report()
         result["ours_export_thread_cpu_ms"] = summary(export_cpu)
         result["trainer_profile_top"] = profile_top(lambda: refit.refit(bridge, chunks, fp8=fp8))
@@ -358,6 +369,7 @@ def run(args) -> dict:
         result["ours_engine_ms"] = summary(engine)
         result["ours_rpc_overhead_ms"] = summary([a - e for a, e in zip(apply, engine)])
         result["ours_reset_wait_ms"] = summary(reset_wait)
+        result["ours_late_ms"] = summary(late)
         result["ours_serial_ms"] = summary(serial)
         result["vllm_native_stock_ms"] = summary(stock_times) if stock_times else None
         if fp8:
@@ -374,6 +386,7 @@ def run(args) -> dict:
         ours_median = result["ours_ms"]["median"]
         result["ratios"] = {
             "ours_over_floor": round(ours_median / result["floor_ms"], 2),
+            "ours_late_over_floor": round(result["ours_late_ms"]["median"] / result["floor_ms"], 2),
             "ours_serial_over_floor": round(result["ours_serial_ms"]["median"] / result["floor_ms"], 2),
             "stock_native_over_ours": round(result["vllm_native_stock_ms"]["median"] / ours_median, 2)
             if stock_times
@@ -414,6 +427,7 @@ def main() -> None:
                     "ours_engine_ms",
                     "ours_rpc_overhead_ms",
                     "ours_reset_wait_ms",
+                    "ours_late_ms",
                     "ours_serial_ms",
                     "floor_ms",
                     "vllm_native_stock_ms",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import pickle
 import sys
+import time
 
 import pytest
 import torch
@@ -55,13 +56,13 @@ class Worker:
     def __init__(self, engine: Engine) -> None:
         self.receiver = RefitReceiver(engine, torch.device("cpu"))
 
-    def mbridge_refit_open(self, wire, payload, transport, check, allow_partial, completion=False):
+    def mbridge_refit_open(self, wire, payload, transport, check, allow_partial, completion=False, go_ahead=None):
         return self.receiver.open(
-            wire, payload, transport, check=check, allow_partial=allow_partial, completion=completion
+            wire, payload, transport, check=check, allow_partial=allow_partial, completion=completion, go_ahead=go_ahead
         )
 
-    def mbridge_refit_apply(self, fingerprint, signal=False):
-        return self.receiver.apply(fingerprint, signal=signal)
+    def mbridge_refit_apply(self, fingerprint, signal=False, go=None):
+        return self.receiver.apply(fingerprint, signal=signal, go=go)
 
     def mbridge_refit_close(self):
         self.receiver.close()
@@ -133,6 +134,106 @@ def test_an_engine_adapter_of_its_own_refits_through_ipc_session_exactly(source_
         assert fourth.opened and called == ["open"], called  # the engine never read the old storage
         called.clear()
         assert not session.refit(bridge, chunks).opened and called == ["apply"]  # the new layout replays
+        session.close()
+        bridge.release_export_buffers()
+    assert not worker.receiver.is_open
+
+
+def test_an_early_apply_reaches_the_worker_during_the_export_and_reads_nothing_before_the_go_ahead(
+    source_checkpoints, monkeypatch
+):
+    """``early_apply``: a steady step's apply RPC arrives while the trainer still exports, and the worker
+    replays only after the export ended; a step whose layout changed tells the waiting worker to skip,
+    then opens; a failed export leaves no worker waiting. Oracle: the stock export of the changed model."""
+    from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.convert.session import distributed_session
+    from mbridge_refit.engines.apply_plan import ApplyPlan
+    from mbridge_refit.engines.go_ahead import GoAheadError, GoAheadWaiter
+    from mbridge_refit.models.builder import BuildOptions, build_model
+    from mbridge_refit.plan.layout import ParallelLayout
+    from mbridge_refit.testing.conformance import restored_environment
+
+    hf_dir = source_checkpoints("qwen3-tiny")
+    engine = Engine(read_checkpoint(hf_dir))
+    worker, events = Worker(engine), []
+
+    def call_workers(method, *args):
+        if method == "mbridge_refit_apply":
+            events.append(("arrived", time.monotonic()))
+        result = getattr(worker, method)(*pickle.loads(pickle.dumps(args)))
+        if method == "mbridge_refit_apply":
+            events.append(("returned", result))
+        return pickle.loads(pickle.dumps([result]))
+
+    replay = ApplyPlan.replay
+    monkeypatch.setattr(ApplyPlan, "replay", lambda plan: (events.append(("replay", time.monotonic())), replay(plan)))
+    session = IpcSession(
+        call_workers,
+        transport=LocalTransport(),
+        ignored=lambda bridge: frozenset({SKIPPED}),
+        early_apply=True,
+        timeout_s=30.0,
+    )
+
+    def state_is(expected: dict[str, torch.Tensor]) -> list[str]:
+        state = engine.state()
+        return [n for n in state if not torch.equal(state[n].view(torch.uint8), expected[n].view(torch.uint8))]
+
+    cpu, layout = torch.device("cpu"), ParallelLayout()
+    with restored_environment(), distributed_session(layout, device=cpu, timeout=datetime.timedelta(minutes=2)):
+        bridge = RefitBridge.from_hf_pretrained(hf_dir)
+        chunks = build_model(bridge, layout, BuildOptions(device=cpu, params_dtype=torch.bfloat16))
+        bridge.load_hf_shards(chunks, hf_dir)
+        export = bridge.export_hf_weight_buckets
+
+        def slow_export(*args, **kwargs):  # the export's end, marked after a pause the RPC overtakes
+            buckets = list(export(*args, **kwargs))
+            time.sleep(0.3)
+            events.append(("exported", time.monotonic()))
+            return iter(buckets)
+
+        monkeypatch.setattr(bridge, "export_hf_weight_buckets", slow_export)
+        first = session.refit(bridge, chunks)
+        assert first.opened and first.report["go_ahead"], first.report
+
+        events.clear()
+        changed = change_weights(bridge, chunks)
+        second = session.refit(bridge, chunks)
+        assert not second.opened and second.early and state_is(changed) == []
+        marks = dict((what, at) for what, at in events if what in ("arrived", "exported", "replay"))
+        assert marks["arrived"] < marks["exported"] < marks["replay"], events
+
+        events.clear()
+        _swap_a_live_parameter(chunks)
+        changed = {name: t.clone() for name, t in bridge.export_hf_weights_stock(chunks, show_progress=False)}
+        third = session.refit(bridge, chunks)
+        assert third.opened and state_is(changed) == []
+        whats = [what for what, _ in events if what != "exported"]
+        assert whats[:2] == ["arrived", "returned"], events  # skipped: no replay between
+        assert ("returned", None) in events, events
+
+        events.clear()
+        monkeypatch.setattr(bridge, "export_hf_weight_buckets", lambda *a, **k: (_ for _ in ()).throw(OSError("lost")))
+        with pytest.raises(OSError, match="lost"):
+            session.refit(bridge, chunks)
+        assert [e for e in events if e[0] == "returned"] == [("returned", None)]  # the worker was let go
+
+        monkeypatch.setattr(bridge, "export_hf_weight_buckets", export)
+        changed = change_weights(bridge, chunks)
+        fourth = session.refit(bridge, chunks)
+        assert not fourth.opened and fourth.early and state_is(changed) == []
+
+        def unreachable(cls, offer):
+            raise GoAheadError("another network namespace")
+
+        monkeypatch.setattr(GoAheadWaiter, "connect", classmethod(unreachable))  # a worker that cannot take the line
+        _swap_a_live_parameter(chunks)
+        fifth = session.refit(bridge, chunks)
+        assert fifth.opened and not fifth.report["go_ahead"], fifth.report
+        assert "another network namespace" in fifth.report["go_ahead_error"]
+        changed = change_weights(bridge, chunks)
+        sixth = session.refit(bridge, chunks)  # applied the old way
+        assert not sixth.opened and not sixth.early and state_is(changed) == []
         session.close()
         bridge.release_export_buffers()
     assert not worker.receiver.is_open

@@ -68,7 +68,10 @@ class RefitStep:
     ``engine_ms``, ``reset_ms`` (``ipc``): the export, the RPC that applied it, the part of that the
     engine's worker spent, and after it the engine's follow-up (a prefix-cache reset) with the wait
     for the copies when the engine signals their end by event (``engines.completion``; its RPC then
-    returns once they are launched); ``export_cpu_ms`` (``ipc``): this thread's CPU time in the
+    returns once they are launched); with ``early`` the apply RPC left before the export and its
+    worker waited for the trainer's go-ahead (``engines.go_ahead``): ``export_ms`` ends at the
+    go-ahead, ``apply_ms`` runs from it to the RPC's return and ``engine_ms`` is the worker's time
+    after it; ``export_cpu_ms`` (``ipc``): this thread's CPU time in the
     export's host work, up to its wait for the export's device work (which ``export_ms`` includes and a
     CUDA wait may spend spinning): well below ``export_ms`` without device work, the host made the
     thread wait. ``broadcast``: ``export_ms`` until the sender drained (export, packing, every
@@ -92,6 +95,7 @@ class RefitStep:
     workers: list[dict[str, Any]] = field(default_factory=list)
     reset_ms: float | None = None
     phases: dict[str, Any] | None = None
+    early: bool = False  # ``ipc``: the apply RPC left before the export and waited for the go-ahead
 
 
 @runtime_checkable
@@ -129,10 +133,17 @@ class RefitWorker(Protocol):
     fingerprints of the engine's model (``engines.fingerprint``)."""
 
     def mbridge_refit_open(
-        self, wire: dict, payload: bytes, transport: str, check: bool, allow_partial: bool, completion: bool = False
+        self,
+        wire: dict,
+        payload: bytes,
+        transport: str,
+        check: bool,
+        allow_partial: bool,
+        completion: bool = False,
+        go_ahead: dict | None = None,
     ) -> dict: ...
 
-    def mbridge_refit_apply(self, fingerprint: str, signal: bool = False) -> float: ...
+    def mbridge_refit_apply(self, fingerprint: str, signal: bool = False, go: int | None = None) -> float | None: ...
 
     def mbridge_refit_close(self) -> None: ...
 

@@ -58,15 +58,15 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
-import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from mbridge_refit.engines.base import CallWorkers, RefitStep
 from mbridge_refit.engines.broadcast import SOURCE_RANK
+from mbridge_refit.engines.worker_call import StartWorkers, WorkerCall, WorkerCallHandle, on_a_thread
 from mbridge_refit.runtime.broadcast_group import (
     PEER_SILENT_S,
     PeerFailedError,
@@ -95,20 +95,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-class WorkerCallHandle(Protocol):
-    """A call to the engine's workers running in the background (what ``start_workers`` returns)."""
-
-    def failure(self) -> str | None: ...
-
-    def error(self, timeout_s: float) -> BaseException | None: ...
-
-    def result(self, timeout_s: float) -> Any: ...
-
-
-# (RPC name, *arguments) -> the call, started: the workers' side of a collective this rank joins
-StartWorkers = Callable[..., WorkerCallHandle]
 
 
 class BroadcastSession:
@@ -359,57 +345,3 @@ def _engine_outcome(error: BaseException | None, done: str) -> str:
     if error is None:
         return f"the engine's workers {done}"
     return f"the engine's workers: {type(error).__name__}: {error}"
-
-
-class WorkerCall:
-    """``call()`` (a call to the engine's workers, or another engine call) on a thread of its own: the
-    workers' side of a collective this thread takes part in at the same time. A ``WorkerCallHandle``;
-    ``what`` names the call in its messages."""
-
-    def __init__(self, call: Callable[[], Any], name: str = "rpc", what: str = "the engine's workers' RPC") -> None:
-        self._result: Any = None
-        self._error: BaseException | None = None
-        self.what = what
-        self._thread = threading.Thread(target=self._run, args=(call,), name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self, call: Callable[[], Any]) -> None:
-        try:
-            self._result = call()
-        except BaseException as err:  # re-raised in the caller's thread
-            self._error = err
-
-    @property
-    def running(self) -> bool:
-        return self._thread.is_alive()
-
-    def failure(self) -> str | None:
-        """The call's error as text once it ended with one; None while it runs or after it returned."""
-        if self._thread.is_alive() or self._error is None:
-            return None
-        return f"{self.what} ended with {type(self._error).__name__}: {self._error}"
-
-    def error(self, timeout_s: float) -> BaseException | None:
-        """Wait for the call; its error, or None."""
-        try:
-            self.result(timeout_s)
-        except Exception as err:
-            return err
-        return None
-
-    def result(self, timeout_s: float) -> Any:
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            raise TimeoutError(f"{self.what} did not answer within {timeout_s:.0f} s")
-        if self._error is not None:
-            raise self._error
-        return self._result
-
-
-def on_a_thread(call_workers: CallWorkers) -> StartWorkers:
-    """``start_workers`` from ``call_workers``: each call on a thread of its own (``WorkerCall``)."""
-
-    def start_workers(method: str, *args: Any) -> WorkerCall:
-        return WorkerCall(lambda: call_workers(method, *args), name=f"rpc-{method}")
-
-    return start_workers

@@ -22,7 +22,11 @@ carries plain data works):
    ``engines.completion`` and returns at once: the trainer then waits on that event before it
    touches the tensors the engine reads. Returns the milliseconds the worker spent. If the engine
    has replaced a parameter the plan writes (a weight reload through another path), it records its
-   loader again instead of replaying into the old storage.
+   loader again instead of replaying into the old storage. An early apply (``go=step``, on a layout
+   opened with a go-ahead line: ``open(..., go_ahead=offer)``, ``engines.go_ahead``) arrives while the
+   trainer still exports: the worker makes its own checks (the fingerprint, its replaced
+   parameters), then waits for the trainer's word for that step and reads nothing of the trainer's
+   memory before it; told to skip, it returns None and leaves everything as it was.
 3. ``close()``: forgets the plan and the mapped storages.
 
 A layout whose tensors are an engine rank's shards (``sharing.ShardBox``: a sharded refit, each
@@ -49,6 +53,7 @@ import torch
 
 from mbridge_refit.engines.apply_plan import ApplyPlan, ApplyPlanError, LoadWeights, Recompute, Shards, StagedLoad
 from mbridge_refit.engines.completion import ReplayDone
+from mbridge_refit.engines.go_ahead import GoAheadError, GoAheadWaiter
 from mbridge_refit.engines.sharing import (
     TRANSPORTS,
     SharedLayout,
@@ -90,6 +95,8 @@ class OpenReport:
     completion: str | None = None  # the IPC handle of the event each replay records (``engines.completion``)
     quantized: int = 0  # FP8 tensors this engine quantizes from the trainer's rows each replay (``QuantizedRef``)
     quantized_in_place: int = 0  # of those, written straight into its parameters (no copy after)
+    go_ahead: bool = False  # connected to the trainer's go-ahead line: early applies wait on it
+    go_ahead_error: str | None = None  # why an offered line could not be reached (applies come late)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -118,6 +125,7 @@ class RefitReceiver:
         self._shards: Shards = {}
         self._done: ReplayDone | None = None  # set when the trainer waits on an event instead of the apply RPC
         self._checked = False  # the open layout's plan was proven against the loader (so is a re-recorded one)
+        self._go_ahead: GoAheadWaiter | None = None  # the trainer's go-ahead line, for early applies
 
     def open(
         self,
@@ -128,9 +136,17 @@ class RefitReceiver:
         check: bool = True,
         allow_partial: bool = False,
         completion: bool = False,
+        go_ahead: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         started = time.perf_counter()
         self.close()
+        go_ahead_error = None
+        if go_ahead is not None:  # first: the trainer takes the connection when this open returns
+            try:
+                self._go_ahead = GoAheadWaiter.connect(go_ahead)
+            except GoAheadError as err:
+                go_ahead_error = str(err)
+                logger.info("refit: no go-ahead line (%s): every apply waits for the trainer's export", err)
         layout = SharedLayout.from_wire(wire)
         if transport not in TRANSPORTS:
             raise EngineRefitError(f"unknown transport {transport!r}; known: {sorted(TRANSPORTS)}")
@@ -175,6 +191,8 @@ class RefitReceiver:
             completion=None if self._done is None else self._done.handle,
             quantized=len(quantized),
             quantized_in_place=len(in_place),
+            go_ahead=self._go_ahead is not None,
+            go_ahead_error=go_ahead_error,
         )
         if plan.via_loader:
             logger.info(
@@ -190,7 +208,10 @@ class RefitReceiver:
             )
         return report.to_dict()
 
-    def apply(self, fingerprint: str, *, signal: bool = False) -> float:
+    def apply(self, fingerprint: str, *, signal: bool = False, go: int | None = None) -> float | None:
+        """Replay the open layout (module docstring, step 2); the milliseconds spent from the trainer's
+        go-ahead (or the call's start) to the return. ``go``: the step number of an early apply, which
+        waits for the trainer's word after this worker's own checks; None when told to skip."""
         started = time.perf_counter()
         if self._plan is None:
             raise EngineRefitError(
@@ -202,8 +223,21 @@ class RefitReceiver:
                 f"plan mismatch: the trainer's step has layout {fingerprint} but this engine opened {self._fingerprint}; "
                 "the trainer must open the new layout (its refit session does when its export changes)"
             )
+        moved = self._plan.reallocated(self.model)  # before any copy: a replaced parameter's old storage may be freed
+        if go is not None:
+            if self._go_ahead is None:
+                raise EngineRefitError(
+                    "an early apply on a layout opened without a go-ahead line: the trainer must apply late "
+                    "(its session does when the open report has no go_ahead)"
+                )
+            try:
+                if not self._go_ahead.wait(go):
+                    return None
+            except GoAheadError as err:
+                raise EngineRefitError(f"step {go}'s go-ahead never came: {err}") from err
+            started = time.perf_counter()
         try:
-            if self._plan.reallocated(self.model):  # before any copy: a replaced parameter's old storage may be freed
+            if moved:
                 self._record_again()
             else:
                 self._plan.replay()
@@ -228,6 +262,9 @@ class RefitReceiver:
 
     def close(self) -> None:
         self._plan, self._fingerprint, self._storages, self._shards, self._done = None, None, [], {}, None
+        if self._go_ahead is not None:
+            self._go_ahead.close()
+        self._go_ahead = None
 
     def _record(self, sources: list[tuple[str, torch.Tensor]], shards: Shards) -> ApplyPlan:
         """The engine's loader recorded plainly; where it fails (the engine replaced a parameter

@@ -18,7 +18,13 @@ its export buffers and the engine copies those, as for the rest). Per step: that
 the engine's follow-up (``after_weights_written``) and, over CUDA IPC, a wait on the event the
 worker recorded after launching its copies (``engines.completion``): the RPC returns once the copies
 are launched, so the follow-up runs while they do, and ``refit`` returns once the engine's
-parameters hold the new weights. No bytes are packed or staged, nothing is allocated after the
+parameters hold the new weights. Where the engine is another process (``early_apply``, on by default
+over CUDA IPC) the apply RPC leaves before the export, on a thread, and the worker makes its own
+checks while the trainer exports, then waits for the trainer's go-ahead (``engines.go_ahead``: one
+message on a local socket, sent once the export is done and the device synchronized): the RPC's
+way to the worker and the worker's look at its parameters cost the step nothing, and the worker
+still reads nothing of the trainer's before the trainer's own checks passed. A step whose layout
+changed tells the waiting worker to skip, then opens. No bytes are packed or staged, nothing is allocated after the
 first step on either side. A steady step that finds the export's tensors to be the last step's very
 objects at the same addresses (``engines.sharing.ExportSnapshot``: stamped buckets by their stamps,
 ``runtime.stamps``, the others tensor by tensor) notes none of them anew; any other export is noted
@@ -59,6 +65,7 @@ import torch
 
 from mbridge_refit.engines.base import CallWorkers, RefitStep
 from mbridge_refit.engines.completion import DoneSignal
+from mbridge_refit.engines.go_ahead import GoAheadError, GoAheadLine
 from mbridge_refit.engines.sharing import (
     CudaIpcTransport,
     ExportSnapshot,
@@ -66,6 +73,7 @@ from mbridge_refit.engines.sharing import (
     SharedLayout,
     Transport,
 )
+from mbridge_refit.engines.worker_call import WorkerCall
 from mbridge_refit.fp8.format import FP8_DTYPE, SCALE_DTYPE, scale_shape
 from mbridge_refit.fp8.quantize import JobQuantizer, block_row_jobs
 from mbridge_refit.plan.entries import PlanError
@@ -125,8 +133,12 @@ class IpcSession:
     signals the end of its copies by event (CUDA IPC), run ``after_weights_written`` while they run
     (off: the apply RPC returns when they are done, then the follow-up; an attribute, read each
     step). ``engine_quantizes``: with ``fp8``, the engine quantizes the weights that are whole-block rows
-    of a trainer parameter itself (module docstring; off: exported like the rest). ``timeout_s`` bounds
-    the wait for the engine's signal. The session references the last
+    of a trainer parameter itself (module docstring; off: exported like the rest). ``early_apply``: send
+    each steady step's apply RPC before the export, its worker waiting for the go-ahead (module
+    docstring; None: where the transport is CUDA IPC, an engine of its own process; the engine must
+    accept the line at the open, else applies come late; an attribute, read each step, the line offered
+    at an open where it is on). ``timeout_s`` bounds the wait for the
+    engine's signal and the worker's wait for a go-ahead. The session references the last
     refit's model parameters, shared storages and exported tensors (``ExportSnapshot``) until ``close``,
     and, for the weights the engine quantizes, their e4m3 data and scales as quantized at the last open
     (the engine records its loader from them, and quantizes into them where its loader does more than
@@ -144,6 +156,7 @@ class IpcSession:
         allow_partial: bool = False,
         overlap_follow_up: bool = True,
         engine_quantizes: bool = True,
+        early_apply: bool | None = None,
         timeout_s: float = 600.0,
     ) -> None:
         self.call_workers = call_workers
@@ -153,6 +166,7 @@ class IpcSession:
         self.ignored = ignored
         self.after_weights_written = after_weights_written
         self.transport = transport or CudaIpcTransport()
+        self.early_apply = isinstance(self.transport, CudaIpcTransport) if early_apply is None else early_apply
         self.check_first_refit = check_first_refit
         self.allow_partial = allow_partial
         self._layout: SharedLayout | None = None
@@ -166,6 +180,8 @@ class IpcSession:
         # weights the engine quantizes, quantized here at an open for its loader: name -> (e4m3 data, scale_inv)
         self._quantized_out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._done: DoneSignal | None = None  # the engine's replay event (CUDA IPC), waited on after each apply
+        self._go_ahead: GoAheadLine | None = None  # the open layout's line to its worker (early applies)
+        self._step = 0  # the last early apply's number
         self.last_report: dict[str, Any] | None = None
 
     def open(self, bridge: ExportsWeights, model: Model, *, fp8: Any = None) -> None:
@@ -192,6 +208,38 @@ class IpcSession:
         such a step always shares its layout anew. Returns the step on the sender."""
         started, started_cpu = time.perf_counter(), time.thread_time()
         routes = self._routes_for(bridge, model, fp8)
+        early = self._start_early_apply() if sender and through is None else None
+        try:
+            exported = self._export(bridge, model, fp8, routes, sender, through)
+        except BaseException:
+            self._skip_early_apply(early, raising=False)  # never leave the worker waiting
+            raise
+        if exported is None:
+            return None
+        snapshot, key = exported
+        export_cpu_ms = (time.thread_time() - started_cpu) * 1e3  # before the wait for the device, which may spin
+        try:
+            _synchronize_trainer()  # the engine reads from another process
+        except BaseException:
+            self._skip_early_apply(early, raising=False)
+            raise
+        if through is None and self._layout is not None and key == self._key:
+            return self._apply(started, export_cpu_ms, early)
+        self._skip_early_apply(early, raising=True)  # the layout changed: the worker leaves it, the step opens
+        tensors = dict(snapshot.pairs(routes.ignored))
+        return self._open_step(routes, tensors, key if through is None else None, through, started)
+
+    def _export(
+        self,
+        bridge: ExportsWeights,
+        model: Model,
+        fp8: Any,
+        routes: _Routes,
+        sender: bool,
+        through: Callable[[Stream], Stream] | None,
+    ) -> tuple[ExportSnapshot, tuple] | None:
+        """The step's export (collective) and, on the sender, its tensors with the step's key: where the
+        exported tensors are and where the live parameters' bytes are (a ``.data`` swap changes it)."""
         buckets = bridge.export_hf_weight_buckets(
             model, reuse_buffer_from_cache=True, hold_outputs=True, fp8=fp8, show_progress=False, only=routes.exported
         )
@@ -202,13 +250,45 @@ class IpcSession:
         snapshot = ExportSnapshot(list(buckets), owner=routes)  # held outputs: valid until the next export
         exported = self._exported_key(snapshot, routes.ignored)
         self._steady = (snapshot, exported) if through is None else None
-        key = (exported, live_pointers(routes.live_parameters))  # .data swaps change it
-        export_cpu_ms = (time.thread_time() - started_cpu) * 1e3  # before the wait for the device, which may spin
-        _synchronize_trainer()  # the engine reads from another process
-        if through is None and self._layout is not None and key == self._key:
-            return self._apply(started, export_cpu_ms)
-        tensors = dict(snapshot.pairs(routes.ignored))
-        return self._open_step(routes, tensors, key if through is None else None, through, started)
+        return snapshot, (exported, live_pointers(routes.live_parameters))
+
+    def _start_early_apply(self) -> _EarlyApply | None:
+        """The steady step's apply RPC, sent now on a thread (its worker checks its side, then waits for
+        the go-ahead); None where there is no open layout with a connected line."""
+        if not self.early_apply or self._layout is None or self._go_ahead is None:
+            return None
+        self._step += 1
+        step, fingerprint = self._step, self._layout.fingerprint
+        signal = self._done is not None and self.overlap_follow_up
+        call = WorkerCall(
+            lambda: self.call_workers("mbridge_refit_apply", fingerprint, signal, step),
+            name="rpc-early-apply",
+            what="the engine's early apply RPC",
+        )
+        return _EarlyApply(step=step, signal=signal, call=call)
+
+    def _go(self, early: _EarlyApply, apply: bool) -> list:
+        """Give ``early``'s worker the word, then its RPC's results. A line that fails is dropped (the
+        next open offers a new one); the RPC then reports the worker's side."""
+        try:
+            self._go_ahead.send(early.step, apply)
+        except GoAheadError as err:
+            logger.warning("refit: the go-ahead line failed (%s): applies come late until the next open", err)
+            self._go_ahead.close()
+            self._go_ahead = None
+        return early.call.result(self.timeout_s)
+
+    def _skip_early_apply(self, early: _EarlyApply | None, *, raising: bool) -> None:
+        """Tell ``early``'s worker to skip and wait for its RPC. ``raising``: its failure is the step's
+        (else logged: the step already fails with its own error)."""
+        if early is None:
+            return
+        try:
+            self._go(early, False)
+        except Exception as err:
+            if raising:
+                raise
+            logger.warning("refit: the engine's early apply failed while told to skip: %s", err)
 
     @property
     def live_parameters(self) -> tuple[torch.Tensor, ...]:
@@ -321,10 +401,14 @@ class IpcSession:
         if isinstance(self.transport, CudaIpcTransport) and tensor.device.type != "cuda":
             raise ValueError(f"{name} is on {tensor.device}: CUDA IPC shares GPU memory (export with cpu=False)")
 
-    def _apply(self, started: float, export_cpu_ms: float | None = None) -> RefitStep:
+    def _apply(self, started: float, export_cpu_ms: float | None = None, early: _EarlyApply | None = None) -> RefitStep:
         exported = time.perf_counter()
-        signal = self._done is not None and self.overlap_follow_up
-        engine_ms = self._rpc("mbridge_refit_apply", self._layout.fingerprint, signal)
+        if early is None:
+            signal = self._done is not None and self.overlap_follow_up
+            engine_ms = self._rpc("mbridge_refit_apply", self._layout.fingerprint, signal)
+        else:
+            signal, results = early.signal, self._go(early, True)
+            engine_ms = results[0] if results else None
         applied = time.perf_counter()
         try:
             self._after_apply()  # with a signal: while the engine's copies run
@@ -342,6 +426,7 @@ class IpcSession:
             apply_ms=(applied - exported) * 1e3,
             engine_ms=engine_ms,
             reset_ms=(done - applied) * 1e3,
+            early=early is not None,
         )
 
     def _open(self, recorder: LayoutRecorder, key: tuple | None, started: float) -> RefitStep:
@@ -352,8 +437,9 @@ class IpcSession:
         payload = self.transport.share(storages)
         self._layout, self._key, self._done = None, None, None  # the engine drops its open layout first: if
         # anything below fails, the next step opens again instead of applying (or waiting) on the old one
-        results = self.call_workers(
-            "mbridge_refit_open",
+        self._drop_go_ahead()
+        line = self._listen() if self.early_apply else None
+        args = (
             layout.to_wire(),
             payload,
             self.transport.name,
@@ -361,7 +447,16 @@ class IpcSession:
             self.allow_partial,
             isinstance(self.transport, CudaIpcTransport),  # an event from the engine's process, on this GPU
         )
+        try:
+            results = self.call_workers(
+                "mbridge_refit_open", *args, *(() if line is None else (line.offer(self.timeout_s),))
+            )
+        except BaseException:
+            if line is not None:
+                line.close()
+            raise
         report = results[0] if results else None
+        self._go_ahead = _accepted(line, results)
         signal = _done_signal(results, storages)
         self._release_payload()
         self._layout, self._key, self._held, self._payload, self._done = layout, key, storages, payload, signal
@@ -382,6 +477,18 @@ class IpcSession:
         if self.after_weights_written is not None:
             self.after_weights_written()
 
+    def _listen(self) -> GoAheadLine | None:
+        try:
+            return GoAheadLine.listen()
+        except OSError as err:
+            logger.info("refit: no go-ahead line on this host (%s): every apply comes after the export", err)
+            return None
+
+    def _drop_go_ahead(self) -> None:
+        if self._go_ahead is not None:
+            self._go_ahead.close()
+        self._go_ahead = None
+
     def fingerprints(self) -> dict[str, tuple[int, int]]:
         """The engine's exact per-parameter fingerprints (first worker)."""
         return {name: tuple(fp) for name, fp in self._rpc("mbridge_refit_fingerprints").items()}
@@ -395,6 +502,7 @@ class IpcSession:
         self._quantized_out = {}
         self._steady = None
         self._done = None
+        self._drop_go_ahead()
 
     def _release_payload(self) -> None:
         release = getattr(self.transport, "release", None)
@@ -454,6 +562,37 @@ def _plan_routes(
         live_parameters=tuple(parameters.values()),
         registrations=registration_count(),  # after the bridge looked its parameters up again
     )
+
+
+@dataclass(frozen=True)
+class _EarlyApply:
+    """A steady step's apply RPC in flight before the export (``IpcSession._start_early_apply``)."""
+
+    step: int  # its go-ahead's number
+    signal: bool  # it asked the worker to record the replay's event
+    call: WorkerCall
+
+
+_ACCEPT_S = 10.0  # the worker connected during its open, which has returned: its connection is queued
+
+
+def _accepted(line: GoAheadLine | None, results: list) -> GoAheadLine | None:
+    """``line`` once its worker connected (one worker that reported ``go_ahead``), else closed: None."""
+    if line is None:
+        return None
+    report = results[0] if len(results) == 1 and isinstance(results[0], dict) else {}
+    if not report.get("go_ahead"):
+        reason = report.get("go_ahead_error") or "the engine did not take the line"
+        logger.info("refit: no go-ahead line (%s): every apply comes after the export", reason)
+        line.close()
+        return None
+    try:
+        line.accept(_ACCEPT_S)
+    except GoAheadError as err:
+        logger.warning("refit: the engine's go-ahead connection never arrived (%s): applies come late", err)
+        line.close()
+        return None
+    return line
 
 
 def _done_signal(results: list, storages: list[torch.UntypedStorage]) -> DoneSignal | None:

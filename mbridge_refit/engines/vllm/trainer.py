@@ -104,7 +104,9 @@ class VLLMRefit(_OnVLLM, IpcSession):
     (``engines.completion``; off: the reset after the copies). ``engine_quantizes``: with ``fp8``, the
     workers quantize the weights that are whole-block rows of the trainer's parameters themselves, straight
     into their FP8 parameters where their loader copies a weight whole (off: the trainer quantizes them into
-    its export buffers and the workers copy those; ``IpcSession``).
+    its export buffers and the workers copy those; ``IpcSession``). ``early_apply``: each steady step's
+    apply RPC leaves before the export and the worker waits for the trainer's go-ahead on a local
+    socket (``engines.go_ahead``; None: on over CUDA IPC, where the engine is its own process).
     The session references the last refit's model parameters and shared storages until ``close``.
     """
 
@@ -119,6 +121,7 @@ class VLLMRefit(_OnVLLM, IpcSession):
         reset_prefix_cache: bool = True,
         overlap_follow_up: bool = True,
         engine_quantizes: bool = True,
+        early_apply: bool | None = None,
     ) -> None:
         self.llm = llm
         self.reset_prefix_cache = reset_prefix_cache
@@ -132,6 +135,7 @@ class VLLMRefit(_OnVLLM, IpcSession):
             allow_partial=allow_partial,
             overlap_follow_up=overlap_follow_up,
             engine_quantizes=engine_quantizes,
+            early_apply=early_apply,
             timeout_s=timeout_s,
         )
 

@@ -87,21 +87,30 @@ class RefitWorkerExtension:
         return recompute
 
     def mbridge_refit_open(
-        self, wire: dict, payload: bytes, transport: str, check: bool, allow_partial: bool, completion: bool = False
+        self,
+        wire: dict,
+        payload: bytes,
+        transport: str,
+        check: bool,
+        allow_partial: bool,
+        completion: bool = False,
+        go_ahead: dict | None = None,
     ) -> dict:
         """Map the trainer's tensors, load them once through the model's ``load_weights`` while
         recording its copies, optionally prove the recording; returns the open report (with
-        ``completion``, the handle of the event later applies record: ``engines.completion``)."""
+        ``completion``, the handle of the event later applies record: ``engines.completion``; with
+        ``go_ahead``, connected to the trainer's line for early applies: ``engines.go_ahead``)."""
         return self._mbridge_receiver().open(
-            wire, payload, transport, check=check, allow_partial=allow_partial, completion=completion
+            wire, payload, transport, check=check, allow_partial=allow_partial, completion=completion, go_ahead=go_ahead
         )
 
-    def mbridge_refit_apply(self, fingerprint: str, signal: bool = False) -> float:
+    def mbridge_refit_apply(self, fingerprint: str, signal: bool = False, go: int | None = None) -> float | None:
         """Replay the recorded copies from the trainer's (now updated) tensors; returns when done, or,
         with ``signal`` on a layout opened with ``completion``, once they are launched (the trainer
         waits on the event); with the milliseconds the worker spent (the rest of the call's time is
-        the RPC's)."""
-        return self._mbridge_receiver().apply(fingerprint, signal=signal)
+        the RPC's). ``go``: an early apply's step number: the worker waits for the trainer's go-ahead
+        (None returned when told to skip)."""
+        return self._mbridge_receiver().apply(fingerprint, signal=signal, go=go)
 
     def mbridge_refit_open_shards(
         self, wires: list, payloads: list, transport: str, check: bool, allow_partial: bool

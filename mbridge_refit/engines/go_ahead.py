@@ -1,0 +1,203 @@
+"""The colocated step's go-ahead: the trainer tells an engine worker that already holds the step's
+apply RPC whether to apply, with one message on a local socket instead of a second RPC.
+``GoAheadLine`` (trainer side) and ``GoAheadWaiter`` (engine side).
+
+Why: an RPC through vLLM reaches the worker a millisecond or more after it is sent, and the worker
+then spends as long again looking at its own parameters. Both can run while the trainer exports: the
+trainer sends the apply RPC first (on a thread), the worker checks its side and waits here, and the
+trainer's export ends with one message, numbered by step, that says apply or skip. The worker reads
+nothing of the trainer's memory before that message: the trainer's look at its own parameters (a
+storage freed in place, a ``param.data`` swap) still comes before any engine read.
+
+Contract:
+
+* Trainer: ``line = GoAheadLine.listen()`` before the open RPC, ``line.offer(timeout_s)`` (plain data)
+  as its argument; after the open returned with the worker's acceptance, ``line.accept(timeout_s)``.
+  Then per step ``line.send(step, apply)`` once its export is done and its device synchronized, for
+  the ``step`` its apply RPC carried, even when the export failed (``apply=False``); ``close()`` at the
+  end.
+* Engine worker: ``GoAheadWaiter.connect(offer)`` in the open (before its long work: the trainer
+  accepts when the open returns), then in each early apply ``wait(step)``: True to apply, False to
+  skip. Messages of earlier steps (a step whose RPC failed before it waited) are passed over; the
+  trainer's end closing or the offer's timeout passing raises ``GoAheadError``, so a dead trainer never
+  leaves the engine waiting.
+
+A local socket (``AF_UNIX``, a Linux abstract name of 64 random bits): the worker must run on the
+trainer's host in its network namespace, as CUDA IPC needs the host anyway; elsewhere ``connect``
+raises and the session applies the old way. The name is not a secret (any local process may connect
+to an abstract name), so the worker's first bytes are the offer's token (16 random bytes) and the
+trainer keeps only a connection that sends it; a stranger's connection is closed unanswered, and
+the line carries no data a stranger could use. Lowest layer of ``engines``: the standard library only.
+"""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+import socket
+import struct
+import time
+from typing import Any
+
+__all__ = ["GoAheadError", "GoAheadLine", "GoAheadWaiter"]
+
+_MESSAGE = struct.Struct("<QB")  # step number, verdict (1 apply, 0 skip)
+_TOKEN_BYTES = 16
+
+
+class GoAheadError(RuntimeError):
+    """The go-ahead line failed: the other end closed, a wait timed out, or a message was malformed."""
+
+
+def _receive_exactly(sock: socket.socket, size: int, deadline: float, what: str) -> bytes:
+    """``size`` bytes from ``sock`` before ``deadline`` (``time.monotonic``); raises ``GoAheadError``."""
+    data = b""
+    while len(data) < size:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise GoAheadError(f"no {what} within its timeout")
+        sock.settimeout(left)
+        try:
+            chunk = sock.recv(size - len(data))
+        except TimeoutError:
+            continue
+        except OSError as err:
+            raise GoAheadError(f"the go-ahead line failed while waiting for {what}: {err}") from err
+        if not chunk:
+            raise GoAheadError(f"the other end closed the go-ahead line while this end waited for {what}")
+        data += chunk
+    return data
+
+
+class GoAheadLine:
+    """Trainer side: a listening socket until the worker connected with the token, then its connection."""
+
+    def __init__(self, listener: socket.socket, address: str, token: bytes) -> None:
+        self._listener: socket.socket | None = listener
+        self._connection: socket.socket | None = None
+        self.address = address
+        self._token = token
+
+    @classmethod
+    def listen(cls) -> GoAheadLine:
+        """A new line, listening on an abstract local name (raises ``OSError`` where there is none)."""
+        address = "\0mbridge-refit-go-" + secrets.token_hex(8)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(address)
+            listener.listen(4)
+        except OSError:
+            listener.close()
+            raise
+        return cls(listener, address, secrets.token_bytes(_TOKEN_BYTES))
+
+    def offer(self, timeout_s: float) -> dict[str, Any]:
+        """What the open RPC carries to the worker (plain data): where to connect, the token that proves
+        it, and how long the worker waits for a go-ahead before it gives up."""
+        return {"address": self.address.encode().hex(), "token": self._token.hex(), "timeout_s": float(timeout_s)}
+
+    def accept(self, timeout_s: float) -> None:
+        """Take the worker's connection: the first one that sends the token within ``timeout_s``
+        (others are closed); then stop listening. Raises ``GoAheadError`` when none does."""
+        if self._listener is None:
+            raise GoAheadError("the go-ahead line is closed")
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise GoAheadError(f"no worker connected with the token within {timeout_s:.1f} s")
+                self._listener.settimeout(left)
+                try:
+                    connection, _ = self._listener.accept()
+                except TimeoutError:
+                    continue
+                try:
+                    token = _receive_exactly(connection, _TOKEN_BYTES, min(deadline, time.monotonic() + 1.0), "a token")
+                except GoAheadError:
+                    connection.close()
+                    continue
+                if hmac.compare_digest(token, self._token):
+                    connection.settimeout(None)
+                    connection.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)
+                    self._connection = connection
+                    return
+                connection.close()
+        finally:
+            self._listener.close()
+            self._listener = None
+
+    @property
+    def connected(self) -> bool:
+        return self._connection is not None
+
+    def send(self, step: int, apply: bool) -> None:
+        """Tell the worker waiting for ``step`` whether to apply. Raises ``GoAheadError`` when the line is
+        down (the worker's process ended: its RPC then reports why)."""
+        if self._connection is None:
+            raise GoAheadError("the go-ahead line is not connected")
+        try:
+            self._connection.sendall(_MESSAGE.pack(step, 1 if apply else 0))
+        except OSError as err:
+            raise GoAheadError(f"the go-ahead line failed: {err}") from err
+
+    def close(self) -> None:
+        for sock in (self._listener, self._connection):
+            if sock is not None:
+                sock.close()
+        self._listener = self._connection = None
+
+
+class GoAheadWaiter:
+    """Engine side: the worker's connection to the trainer's line."""
+
+    def __init__(self, connection: socket.socket, timeout_s: float) -> None:
+        self._connection: socket.socket | None = connection
+        self.timeout_s = timeout_s
+
+    @classmethod
+    def connect(cls, offer: dict[str, Any]) -> GoAheadWaiter:
+        """Connect to the trainer's line and prove it with the offer's token (raises ``GoAheadError``
+        where the line cannot be reached, e.g. another host or network namespace, or the offer is
+        malformed)."""
+        try:
+            address = bytes.fromhex(offer["address"]).decode()
+            token = bytes.fromhex(offer["token"])
+            timeout_s = float(offer["timeout_s"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise GoAheadError(f"malformed go-ahead offer {offer!r}: {err}") from err
+        if not address.startswith("\0mbridge-refit-go-") or len(token) != _TOKEN_BYTES or not timeout_s > 0:
+            raise GoAheadError(f"malformed go-ahead offer {offer!r}")
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            connection.settimeout(5.0)
+            connection.connect(address)
+            connection.sendall(token)
+        except OSError as err:
+            connection.close()
+            raise GoAheadError(f"cannot reach the trainer's go-ahead line: {err}") from err
+        return cls(connection, timeout_s)
+
+    def wait(self, step: int) -> bool:
+        """Block until the trainer's word for ``step``: True to apply, False to skip. Raises
+        ``GoAheadError`` when the trainer's end closed, no word came within the offer's timeout, or
+        the words run ahead of ``step`` (the two ends out of step)."""
+        if self._connection is None:
+            raise GoAheadError("the go-ahead line is closed")
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            told, verdict = _MESSAGE.unpack(
+                _receive_exactly(self._connection, _MESSAGE.size, deadline, f"the trainer's go-ahead for step {step}")
+            )
+            if told < step:
+                continue  # a step whose apply failed before it waited
+            if told > step or verdict not in (0, 1):
+                raise GoAheadError(
+                    f"the trainer's go-ahead names step {told} ({verdict}) while this worker waits for {step}"
+                )
+            return verdict == 1
+
+    def close(self) -> None:
+        if self._connection is not None:
+            self._connection.close()
+        self._connection = None
