@@ -41,7 +41,7 @@ from typing import Any
 
 __all__ = ["GoAheadError", "GoAheadLine", "GoAheadWaiter"]
 
-_MESSAGE = struct.Struct("<QB")  # step number, verdict (1 apply, 0 skip)
+_MESSAGE = struct.Struct("<QBd")  # step number, verdict (1 apply, 0 skip), the trainer's time.monotonic() at sending
 _TOKEN_BYTES = 16
 
 
@@ -66,6 +66,28 @@ def _receive_exactly(sock: socket.socket, size: int, deadline: float, what: str)
         if not chunk:
             raise GoAheadError(f"the other end closed the go-ahead line while this end waited for {what}")
         data += chunk
+    return data
+
+
+def _poll_for(sock: socket.socket, size: int, until: float) -> bytes:
+    """Up to ``size`` bytes read without blocking, polled until they are all there or ``until`` passed
+    (``time.monotonic``): what arrived, possibly nothing. Raises ``GoAheadError`` when the other end
+    closed."""
+    data = b""
+    sock.settimeout(0.0)
+    try:
+        while len(data) < size and time.monotonic() < until:
+            try:
+                chunk = sock.recv(size - len(data))
+            except BlockingIOError:
+                continue
+            except OSError as err:
+                raise GoAheadError(f"the go-ahead line failed: {err}") from err
+            if not chunk:
+                raise GoAheadError("the other end closed the go-ahead line while this end waited for its word")
+            data += chunk
+    finally:
+        sock.settimeout(None)
     return data
 
 
@@ -137,7 +159,7 @@ class GoAheadLine:
         if self._connection is None:
             raise GoAheadError("the go-ahead line is not connected")
         try:
-            self._connection.sendall(_MESSAGE.pack(step, 1 if apply else 0))
+            self._connection.sendall(_MESSAGE.pack(step, 1 if apply else 0, time.monotonic()))
         except OSError as err:
             raise GoAheadError(f"the go-ahead line failed: {err}") from err
 
@@ -154,6 +176,8 @@ class GoAheadWaiter:
     def __init__(self, connection: socket.socket, timeout_s: float) -> None:
         self._connection: socket.socket | None = connection
         self.timeout_s = timeout_s
+        self.last_wake_ms: float | None = None  # the last word's way: its sending to this end's reading it
+        self.last_waited_ms: float | None = None  # how long the last wait took
 
     @classmethod
     def connect(cls, offer: dict[str, Any]) -> GoAheadWaiter:
@@ -178,23 +202,30 @@ class GoAheadWaiter:
             raise GoAheadError(f"cannot reach the trainer's go-ahead line: {err}") from err
         return cls(connection, timeout_s)
 
-    def wait(self, step: int) -> bool:
-        """Block until the trainer's word for ``step``: True to apply, False to skip. Raises
-        ``GoAheadError`` when the trainer's end closed, no word came within the offer's timeout, or
-        the words run ahead of ``step`` (the two ends out of step)."""
+    def wait(self, step: int, spin_s: float = 0.0) -> bool:
+        """Block until the trainer's word for ``step``: True to apply, False to skip. ``spin_s``: poll
+        without sleeping for up to that long first (a woken thread can take a scheduler's tick to run;
+        a polling one reads the word as it lands), then block. Raises ``GoAheadError`` when the
+        trainer's end closed, no word came within the offer's timeout, or the words run ahead of
+        ``step`` (the two ends out of step)."""
         if self._connection is None:
             raise GoAheadError("the go-ahead line is closed")
-        deadline = time.monotonic() + self.timeout_s
+        started = time.monotonic()
+        deadline = started + self.timeout_s
         while True:
-            told, verdict = _MESSAGE.unpack(
-                _receive_exactly(self._connection, _MESSAGE.size, deadline, f"the trainer's go-ahead for step {step}")
-            )
+            data = _poll_for(self._connection, _MESSAGE.size, started + spin_s) if spin_s > 0 else b""
+            if len(data) < _MESSAGE.size:
+                what = f"the trainer's go-ahead for step {step}"
+                data += _receive_exactly(self._connection, _MESSAGE.size - len(data), deadline, what)
+            told, verdict, sent = _MESSAGE.unpack(data)
             if told < step:
                 continue  # a step whose apply failed before it waited
             if told > step or verdict not in (0, 1):
                 raise GoAheadError(
                     f"the trainer's go-ahead names step {told} ({verdict}) while this worker waits for {step}"
                 )
+            now = time.monotonic()
+            self.last_wake_ms, self.last_waited_ms = (now - sent) * 1e3, (now - started) * 1e3
             return verdict == 1
 
     def close(self) -> None:

@@ -208,10 +208,13 @@ class RefitReceiver:
             )
         return report.to_dict()
 
-    def apply(self, fingerprint: str, *, signal: bool = False, go: int | None = None) -> float | None:
+    def apply(
+        self, fingerprint: str, *, signal: bool = False, go: int | None = None, spin_s: float = 0.0
+    ) -> float | None:
         """Replay the open layout (module docstring, step 2); the milliseconds spent from the trainer's
         go-ahead (or the call's start) to the return. ``go``: the step number of an early apply, which
-        waits for the trainer's word after this worker's own checks; None when told to skip."""
+        waits for the trainer's word after this worker's own checks (polling for up to ``spin_s``
+        first: ``GoAheadWaiter.wait``); None when told to skip."""
         started = time.perf_counter()
         if self._plan is None:
             raise EngineRefitError(
@@ -231,7 +234,7 @@ class RefitReceiver:
                     "(its session does when the open report has no go_ahead)"
                 )
             try:
-                if not self._go_ahead.wait(go):
+                if not self._go_ahead.wait(go, spin_s):
                     return None
             except GoAheadError as err:
                 raise EngineRefitError(f"step {go}'s go-ahead never came: {err}") from err
@@ -286,6 +289,16 @@ class RefitReceiver:
         return ApplyPlan.record(
             self.model, sources, self._load_weights, staged=self._staged, recompute=self._recompute, shards=shards
         )
+
+    @property
+    def last_go_ahead(self) -> dict[str, float | None]:
+        """The last early apply's word: its way from the trainer's sending to this worker's reading it
+        (``wake_ms``, on the host's monotonic clock) and the wait (``waited_ms``); None before any."""
+        line = self._go_ahead
+        return {
+            "wake_ms": None if line is None else line.last_wake_ms,
+            "waited_ms": None if line is None else line.last_waited_ms,
+        }
 
     @property
     def is_open(self) -> bool:

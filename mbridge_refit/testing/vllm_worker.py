@@ -70,6 +70,10 @@ class TestingWorkerExtension(RefitWorkerExtension):
         torch.cuda.synchronize(self.device)
         return times
 
+    def mbridge_refit_last_go_ahead(self) -> dict[str, Any]:
+        """Benchmarks: the last early apply's go-ahead, its way and wait (``RefitReceiver.last_go_ahead``)."""
+        return self._mbridge_receiver().last_go_ahead
+
     def mbridge_refit_memory(self) -> dict[str, Any]:
         """The worker's CUDA caching-allocator counters (mapped IPC memory is not among them)."""
         stats = torch.cuda.memory_stats(self.device)
