@@ -15,8 +15,7 @@ after which our next apply records the loader again):
   then the reset with the wait for the copies (``ours_reset_wait_ms``). The apply RPC leaves before
   the export and its worker waits for the trainer's go-ahead (``early_apply``: steps and how many went
   early); from the go-ahead on are the apply and the engine's time, and the export's time runs up to
-  it, polled for by the worker (``go_ahead_spin_s``). ``ours_blocking_ms``: the worker blocks on the
-  socket at once (``go_ahead_spin_s=0``). ``ours_late_ms``: the same session with ``early_apply=False`` (the RPC sent after the export),
+  it. ``ours_late_ms``: the same session with ``early_apply=False`` (the RPC sent after the export),
   ``ours_serial_ms``: with ``overlap_follow_up=False`` (the worker waits for its copies, then the
   reset), each variant's steps alternated with ``ours_ms``'s; ``variant_parts_ms``: each variant's export,
   apply and reset-and-wait, and for early applies the go-ahead's way from the trainer's sending to the
@@ -325,15 +324,12 @@ def run(args) -> dict:
         ours, late, serial, export, apply, engine, reset_wait, stock_times = [], [], [], [], [], [], [], []
         trainer_new, engine_new = 0, 0
         collections, export_cpu, early = GcWatch(), [], []
-        times = {"ours": ours, "blocking": [], "late": late, "serial": serial}
+        times = {"ours": ours, "late": late, "serial": serial}
         parts = {variant: {"export": [], "apply": [], "reset_wait": [], "wake": []} for variant in times}
-        spin_s = refit.go_ahead_spin_s
         for _ in range(args.steps):
-            # alternated: ours; its worker blocking for the go-ahead at once; its apply RPC sent after the
-            # export; the reset after the copies
-            for variant, early_apply, spin, overlap in VARIANTS:
+            # alternated: ours; its apply RPC sent after the export; the reset after the copies
+            for variant, early_apply, overlap in VARIANTS:
                 refit.early_apply, refit.overlap_follow_up = early_apply, overlap
-                refit.go_ahead_spin_s = spin_s if spin else 0.0
                 trainer_before = allocations()
                 engine_before = llm.collective_rpc("mbridge_refit_memory")[0]["allocations"]
                 step = None
@@ -364,8 +360,7 @@ def run(args) -> dict:
                     apply.append(step.apply_ms)
                     engine.append(step.engine_ms)
                     reset_wait.append(step.reset_ms)
-        refit.early_apply, refit.overlap_follow_up, refit.go_ahead_spin_s = True, True, spin_s
-        result["ours_blocking_ms"] = summary(times["blocking"])
+        refit.early_apply, refit.overlap_follow_up = True, True
         result["variant_parts_ms"] = {
             variant: {part: summary(values) for part, values in split.items() if values}
             for variant, split in parts.items()
@@ -406,7 +401,6 @@ def run(args) -> dict:
         ours_median = result["ours_ms"]["median"]
         result["ratios"] = {
             "ours_over_floor": round(ours_median / result["floor_ms"], 2),
-            "ours_blocking_over_floor": round(result["ours_blocking_ms"]["median"] / result["floor_ms"], 2),
             "ours_late_over_floor": round(result["ours_late_ms"]["median"] / result["floor_ms"], 2),
             "ours_serial_over_floor": round(result["ours_serial_ms"]["median"] / result["floor_ms"], 2),
             "stock_native_over_ours": round(result["vllm_native_stock_ms"]["median"] / ours_median, 2)
@@ -418,13 +412,8 @@ def run(args) -> dict:
     return result
 
 
-# (name, early apply, the worker polls for the go-ahead, the follow-up while the copies run)
-VARIANTS = (
-    ("ours", True, True, True),
-    ("blocking", True, False, True),
-    ("late", False, False, True),
-    ("serial", True, True, False),
-)
+# (name, early apply, the follow-up while the copies run)
+VARIANTS = (("ours", True, True), ("late", False, True), ("serial", True, False))
 
 
 def main() -> None:

@@ -61,8 +61,8 @@ class Worker:
             wire, payload, transport, check=check, allow_partial=allow_partial, completion=completion, go_ahead=go_ahead
         )
 
-    def mbridge_refit_apply(self, fingerprint, signal=False, go=None, spin_s=0.0):
-        return self.receiver.apply(fingerprint, signal=signal, go=go, spin_s=spin_s)
+    def mbridge_refit_apply(self, fingerprint, signal=False, go=None):
+        return self.receiver.apply(fingerprint, signal=signal, go=go)
 
     def mbridge_refit_close(self):
         self.receiver.close()

@@ -27,7 +27,8 @@ trainer's host in its network namespace, as CUDA IPC needs the host anyway; else
 raises and the session applies the old way. The name is not a secret (any local process may connect
 to an abstract name), so the worker's first bytes are the offer's token (16 random bytes) and the
 trainer keeps only a connection that sends it; a stranger's connection is closed unanswered, and
-the line carries no data a stranger could use. Lowest layer of ``engines``: the standard library only.
+the line carries no data a stranger could use. Lowest layer of ``engines``: the standard library and
+``errors`` only.
 """
 
 from __future__ import annotations
@@ -39,13 +40,15 @@ import struct
 import time
 from typing import Any
 
+from mbridge_refit.errors import TransportError
+
 __all__ = ["GoAheadError", "GoAheadLine", "GoAheadWaiter"]
 
 _MESSAGE = struct.Struct("<QBd")  # step number, verdict (1 apply, 0 skip), the trainer's time.monotonic() at sending
 _TOKEN_BYTES = 16
 
 
-class GoAheadError(RuntimeError):
+class GoAheadError(TransportError):
     """The go-ahead line failed: the other end closed, a wait timed out, or a message was malformed."""
 
 
@@ -66,28 +69,6 @@ def _receive_exactly(sock: socket.socket, size: int, deadline: float, what: str)
         if not chunk:
             raise GoAheadError(f"the other end closed the go-ahead line while this end waited for {what}")
         data += chunk
-    return data
-
-
-def _poll_for(sock: socket.socket, size: int, until: float) -> bytes:
-    """Up to ``size`` bytes read without blocking, polled until they are all there or ``until`` passed
-    (``time.monotonic``): what arrived, possibly nothing. Raises ``GoAheadError`` when the other end
-    closed."""
-    data = b""
-    sock.settimeout(0.0)
-    try:
-        while len(data) < size and time.monotonic() < until:
-            try:
-                chunk = sock.recv(size - len(data))
-            except BlockingIOError:
-                continue
-            except OSError as err:
-                raise GoAheadError(f"the go-ahead line failed: {err}") from err
-            if not chunk:
-                raise GoAheadError("the other end closed the go-ahead line while this end waited for its word")
-            data += chunk
-    finally:
-        sock.settimeout(None)
     return data
 
 
@@ -202,22 +183,17 @@ class GoAheadWaiter:
             raise GoAheadError(f"cannot reach the trainer's go-ahead line: {err}") from err
         return cls(connection, timeout_s)
 
-    def wait(self, step: int, spin_s: float = 0.0) -> bool:
-        """Block until the trainer's word for ``step``: True to apply, False to skip. ``spin_s``: poll
-        without sleeping for up to that long first (a woken thread can take a scheduler's tick to run;
-        a polling one reads the word as it lands), then block. Raises ``GoAheadError`` when the
-        trainer's end closed, no word came within the offer's timeout, or the words run ahead of
-        ``step`` (the two ends out of step)."""
+    def wait(self, step: int) -> bool:
+        """Block until the trainer's word for ``step``: True to apply, False to skip. Raises
+        ``GoAheadError`` when the trainer's end closed, no word came within the offer's timeout, or
+        the words run ahead of ``step`` (the two ends out of step)."""
         if self._connection is None:
             raise GoAheadError("the go-ahead line is closed")
         started = time.monotonic()
         deadline = started + self.timeout_s
         while True:
-            data = _poll_for(self._connection, _MESSAGE.size, started + spin_s) if spin_s > 0 else b""
-            if len(data) < _MESSAGE.size:
-                what = f"the trainer's go-ahead for step {step}"
-                data += _receive_exactly(self._connection, _MESSAGE.size - len(data), deadline, what)
-            told, verdict, sent = _MESSAGE.unpack(data)
+            what = f"the trainer's go-ahead for step {step}"
+            told, verdict, sent = _MESSAGE.unpack(_receive_exactly(self._connection, _MESSAGE.size, deadline, what))
             if told < step:
                 continue  # a step whose apply failed before it waited
             if told > step or verdict not in (0, 1):

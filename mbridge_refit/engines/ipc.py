@@ -208,13 +208,11 @@ class RefitReceiver:
             )
         return report.to_dict()
 
-    def apply(
-        self, fingerprint: str, *, signal: bool = False, go: int | None = None, spin_s: float = 0.0
-    ) -> float | None:
+    def apply(self, fingerprint: str, *, signal: bool = False, go: int | None = None) -> float | None:
         """Replay the open layout (module docstring, step 2); the milliseconds spent from the trainer's
         go-ahead (or the call's start) to the return. ``go``: the step number of an early apply, which
-        waits for the trainer's word after this worker's own checks (polling for up to ``spin_s``
-        first: ``GoAheadWaiter.wait``); None when told to skip."""
+        waits for the trainer's word after this worker's own checks (``GoAheadWaiter.wait``); None when
+        told to skip."""
         started = time.perf_counter()
         if self._plan is None:
             raise EngineRefitError(
@@ -234,7 +232,7 @@ class RefitReceiver:
                     "(its session does when the open report has no go_ahead)"
                 )
             try:
-                if not self._go_ahead.wait(go, spin_s):
+                if not self._go_ahead.wait(go):
                     return None
             except GoAheadError as err:
                 raise EngineRefitError(f"step {go}'s go-ahead never came: {err}") from err

@@ -137,8 +137,7 @@ class IpcSession:
     each steady step's apply RPC before the export, its worker waiting for the go-ahead (module
     docstring; None: where the transport is CUDA IPC, an engine of its own process; the engine must
     accept the line at the open, else applies come late; an attribute, read each step, the line offered
-    at an open where it is on). ``go_ahead_spin_s``: how long the waiting worker polls for the word
-    before it blocks (``GoAheadWaiter.wait``; an attribute, read each step). ``timeout_s`` bounds the wait for the
+    at an open where it is on). ``timeout_s`` bounds the wait for the
     engine's signal and the worker's wait for a go-ahead. The session references the last
     refit's model parameters, shared storages and exported tensors (``ExportSnapshot``) until ``close``,
     and, for the weights the engine quantizes, their e4m3 data and scales as quantized at the last open
@@ -158,11 +157,9 @@ class IpcSession:
         overlap_follow_up: bool = True,
         engine_quantizes: bool = True,
         early_apply: bool | None = None,
-        go_ahead_spin_s: float = 0.05,
         timeout_s: float = 600.0,
     ) -> None:
         self.call_workers = call_workers
-        self.go_ahead_spin_s = go_ahead_spin_s
         self.engine_quantizes = engine_quantizes
         self.overlap_follow_up = overlap_follow_up
         self.timeout_s = timeout_s
@@ -262,9 +259,9 @@ class IpcSession:
             return None
         self._step += 1
         step, fingerprint = self._step, self._layout.fingerprint
-        signal, spin_s = self._done is not None and self.overlap_follow_up, self.go_ahead_spin_s
+        signal = self._done is not None and self.overlap_follow_up
         call = WorkerCall(
-            lambda: self.call_workers("mbridge_refit_apply", fingerprint, signal, step, spin_s),
+            lambda: self.call_workers("mbridge_refit_apply", fingerprint, signal, step),
             name="rpc-early-apply",
             what="the engine's early apply RPC",
         )

@@ -104,15 +104,13 @@ class RefitWorkerExtension:
             wire, payload, transport, check=check, allow_partial=allow_partial, completion=completion, go_ahead=go_ahead
         )
 
-    def mbridge_refit_apply(
-        self, fingerprint: str, signal: bool = False, go: int | None = None, spin_s: float = 0.0
-    ) -> float | None:
+    def mbridge_refit_apply(self, fingerprint: str, signal: bool = False, go: int | None = None) -> float | None:
         """Replay the recorded copies from the trainer's (now updated) tensors; returns when done, or,
         with ``signal`` on a layout opened with ``completion``, once they are launched (the trainer
         waits on the event); with the milliseconds the worker spent (the rest of the call's time is
-        the RPC's). ``go``: an early apply's step number: the worker waits for the trainer's go-ahead,
-        polling for up to ``spin_s`` first (None returned when told to skip)."""
-        return self._mbridge_receiver().apply(fingerprint, signal=signal, go=go, spin_s=spin_s)
+        the RPC's). ``go``: an early apply's step number: the worker waits for the trainer's go-ahead
+        (None returned when told to skip)."""
+        return self._mbridge_receiver().apply(fingerprint, signal=signal, go=go)
 
     def mbridge_refit_open_shards(
         self, wires: list, payloads: list, transport: str, check: bool, allow_partial: bool
