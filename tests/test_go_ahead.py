@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+from conftest import REPO
 
 from mbridge_refit.engines.go_ahead import GoAheadError, GoAheadLine, GoAheadWaiter
 
@@ -126,3 +127,52 @@ def test_the_worker_notes_each_word_s_way_and_its_wait():
     finally:
         line.close()
         waiter.close()
+
+
+def test_words_nobody_reads_fill_the_line_and_raise_instead_of_blocking(monkeypatch):
+    import mbridge_refit.engines.go_ahead as go_ahead
+
+    monkeypatch.setattr(go_ahead, "_SEND_S", 0.2)
+    line, waiter = _connected()
+    try:
+        started = time.monotonic()
+        with pytest.raises(GoAheadError, match="failed"):
+            for step in range(1, 1_000_000):  # a worker whose applies fail before they wait reads none
+                line.send(step, True)
+        assert time.monotonic() - started < 30
+    finally:
+        line.close()
+        waiter.close()
+
+
+_TRAINER_THAT_FORKS_AND_DIES = """
+import json, os, sys, time
+from mbridge_refit.engines.go_ahead import GoAheadLine
+line = GoAheadLine.listen()
+print(json.dumps(line.offer(30.0)), flush=True)
+line.accept(10.0)
+if os.fork() == 0:  # a data loader's worker: outlives the trainer
+    time.sleep(20)
+    os._exit(0)
+os._exit(1)  # the trainer dies without closing anything
+"""
+
+
+def test_a_dead_trainer_ends_the_wait_at_once_though_its_forked_child_lives():
+    import json
+    import subprocess
+    import sys
+
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", _TRAINER_THAT_FORKS_AND_DIES], stdout=subprocess.PIPE, text=True, cwd=REPO
+    )
+    try:
+        waiter = GoAheadWaiter.connect(json.loads(trainer.stdout.readline()))
+        trainer.wait(timeout=30)
+        started = time.monotonic()
+        with pytest.raises(GoAheadError, match="closed"):
+            waiter.wait(1)
+        assert time.monotonic() - started < 5.0
+        waiter.close()
+    finally:
+        trainer.kill()

@@ -149,6 +149,7 @@ def test_an_early_apply_reaches_the_worker_during_the_export_and_reads_nothing_b
     from mbridge_refit.convert.session import distributed_session
     from mbridge_refit.engines.apply_plan import ApplyPlan
     from mbridge_refit.engines.go_ahead import GoAheadError, GoAheadWaiter
+    from mbridge_refit.errors import TransportError
     from mbridge_refit.models.builder import BuildOptions, build_model
     from mbridge_refit.plan.layout import ParallelLayout
     from mbridge_refit.testing.conformance import restored_environment
@@ -222,6 +223,42 @@ def test_an_early_apply_reaches_the_worker_during_the_export_and_reads_nothing_b
         changed = change_weights(bridge, chunks)
         fourth = session.refit(bridge, chunks)
         assert not fourth.opened and fourth.early and state_is(changed) == []
+
+        waited = GoAheadWaiter.wait
+
+        def too_late(self, step):  # the word came after the worker's wait gave up (a slow collective export)
+            raise GoAheadError(f"the trainer's go-ahead for step {step} did not come within its timeout")
+
+        monkeypatch.setattr(GoAheadWaiter, "wait", too_late)
+        changed = change_weights(bridge, chunks)
+        late = session.refit(bridge, chunks)  # applied after the export instead, exactly
+        assert not late.opened and not late.early and state_is(changed) == []
+        monkeypatch.setattr(GoAheadWaiter, "wait", waited)
+        changed = change_weights(bridge, chunks)
+        assert not session.refit(bridge, chunks).early and state_is(changed) == []  # late until the next open
+
+        _swap_a_live_parameter(chunks)  # a new open, a new line
+        changed = {name: t.clone() for name, t in bridge.export_hf_weights_stock(chunks, show_progress=False)}
+        assert session.refit(bridge, chunks).opened and state_is(changed) == []
+        session.timeout_s, slow = 0.5, [True]
+
+        def stuck_then_through(method, *args):  # an apply RPC that outlives the session's timeout once
+            if method == "mbridge_refit_apply" and slow:
+                slow.clear()
+                time.sleep(1.5)
+            return call_workers(method, *args)
+
+        session.call_workers = stuck_then_through
+        with pytest.raises(TimeoutError):
+            session.refit(bridge, chunks)
+        with pytest.raises(TransportError, match="has not returned"):
+            session.refit(bridge, chunks)  # refused while it still runs
+        time.sleep(2.0)
+        session.timeout_s = 30.0
+        changed = change_weights(bridge, chunks)
+        reopened = session.refit(bridge, chunks)  # the layout was dropped: opened anew, exactly
+        assert reopened.opened and state_is(changed) == []
+        session.call_workers = call_workers
 
         def unreachable(cls, offer):
             raise GoAheadError("another network namespace")

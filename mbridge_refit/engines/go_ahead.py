@@ -15,7 +15,10 @@ Contract:
   as its argument; after the open returned with the worker's acceptance, ``line.accept(timeout_s)``.
   Then per step ``line.send(step, apply)`` once its export is done and its device synchronized, for
   the ``step`` its apply RPC carried, even when the export failed (``apply=False``); ``close()`` at the
-  end.
+  end. A send is bounded (a worker whose apply failed before its wait leaves its word unread, and unread
+  words fill the socket at last): it then raises, and the session drops the line. A forked child of the
+  trainer (a data loader's worker) closes its copies of every line, so a trainer that dies still ends its
+  worker's wait at once.
 * Engine worker: ``GoAheadWaiter.connect(offer)`` in the open (before its long work: the trainer
   accepts when the open returns), then in each early apply ``wait(step)``: True to apply, False to
   skip. Messages of earlier steps (a step whose RPC failed before it waited) are passed over; the
@@ -34,10 +37,12 @@ the line carries no data a stranger could use. Lowest layer of ``engines``: the 
 from __future__ import annotations
 
 import hmac
+import os
 import secrets
 import socket
 import struct
 import time
+import weakref
 from typing import Any
 
 from mbridge_refit.errors import TransportError
@@ -46,6 +51,10 @@ __all__ = ["GoAheadError", "GoAheadLine", "GoAheadWaiter"]
 
 _MESSAGE = struct.Struct("<QBd")  # step number, verdict (1 apply, 0 skip), the trainer's time.monotonic() at sending
 _TOKEN_BYTES = 16
+_TOKEN_WAIT_S = 0.2  # what a connection gets to send its token before the next one is taken
+_SEND_S = 5.0  # a word the worker does not read (its apply failed before its wait) fills the buffer at last
+_BACKLOG = 16
+_LINES: weakref.WeakSet = weakref.WeakSet()  # the trainer's lines, closed in a forked child (below)
 
 
 class GoAheadError(TransportError):
@@ -58,7 +67,7 @@ def _receive_exactly(sock: socket.socket, size: int, deadline: float, what: str)
     while len(data) < size:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise GoAheadError(f"no {what} within its timeout")
+            raise GoAheadError(f"{what} did not come within its timeout")
         sock.settimeout(left)
         try:
             chunk = sock.recv(size - len(data))
@@ -88,11 +97,13 @@ class GoAheadLine:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             listener.bind(address)
-            listener.listen(4)
+            listener.listen(_BACKLOG)
         except OSError:
             listener.close()
             raise
-        return cls(listener, address, secrets.token_bytes(_TOKEN_BYTES))
+        line = cls(listener, address, secrets.token_bytes(_TOKEN_BYTES))
+        _LINES.add(line)
+        return line
 
     def offer(self, timeout_s: float) -> dict[str, Any]:
         """What the open RPC carries to the worker (plain data): where to connect, the token that proves
@@ -109,20 +120,21 @@ class GoAheadLine:
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise GoAheadError(f"no worker connected with the token within {timeout_s:.1f} s")
+                    raise GoAheadError(f"no worker connected with the token within {timeout_s:.2g} s")
                 self._listener.settimeout(left)
                 try:
                     connection, _ = self._listener.accept()
                 except TimeoutError:
                     continue
                 try:
-                    token = _receive_exactly(connection, _TOKEN_BYTES, min(deadline, time.monotonic() + 1.0), "a token")
+                    token = _receive_exactly(
+                        connection, _TOKEN_BYTES, min(deadline, time.monotonic() + _TOKEN_WAIT_S), "a token"
+                    )
                 except GoAheadError:
                     connection.close()
                     continue
                 if hmac.compare_digest(token, self._token):
-                    connection.settimeout(None)
-                    connection.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)
+                    connection.settimeout(_SEND_S)
                     self._connection = connection
                     return
                 connection.close()
@@ -145,10 +157,30 @@ class GoAheadLine:
             raise GoAheadError(f"the go-ahead line failed: {err}") from err
 
     def close(self) -> None:
+        """Close the line: the worker's wait ends at once (shut down, so a copy of the socket a forked
+        process still holds keeps nothing open)."""
+        if self._connection is not None:
+            try:
+                self._connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._forget()
+
+    def _forget(self) -> None:
         for sock in (self._listener, self._connection):
             if sock is not None:
                 sock.close()
         self._listener = self._connection = None
+
+
+def _forget_lines_in_child() -> None:
+    """A forked child (a data loader's worker) closes its copies of the trainer's lines: else a trainer that
+    dies leaves its worker waiting until the child exits. Not shut down: the parent's line stays up."""
+    for line in list(_LINES):
+        line._forget()
+
+
+os.register_at_fork(after_in_child=_forget_lines_in_child)
 
 
 class GoAheadWaiter:

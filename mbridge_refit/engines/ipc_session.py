@@ -24,7 +24,9 @@ checks while the trainer exports, then waits for the trainer's go-ahead (``engin
 message on a local socket, sent once the export is done and the device synchronized): the RPC's
 way to the worker and the worker's look at its parameters cost the step nothing, and the worker
 still reads nothing of the trainer's before the trainer's own checks passed. A step whose layout
-changed tells the waiting worker to skip, then opens. No bytes are packed or staged, nothing is allocated after the
+changed tells the waiting worker to skip, then opens. An early apply that fails (a word that came after
+the worker's wait gave up, a slow collective export) drops the line: the step is applied after its
+export, and so are later ones until the next open; a real fault raises there. No bytes are packed or staged, nothing is allocated after the
 first step on either side. A steady step that finds the export's tensors to be the last step's very
 objects at the same addresses (``engines.sharing.ExportSnapshot``: stamped buckets by their stamps,
 ``runtime.stamps``, the others tensor by tensor) notes none of them anew; any other export is noted
@@ -74,6 +76,7 @@ from mbridge_refit.engines.sharing import (
     Transport,
 )
 from mbridge_refit.engines.worker_call import WorkerCall
+from mbridge_refit.errors import TransportError
 from mbridge_refit.fp8.format import FP8_DTYPE, SCALE_DTYPE, scale_shape
 from mbridge_refit.fp8.quantize import JobQuantizer, block_row_jobs
 from mbridge_refit.plan.entries import PlanError
@@ -182,6 +185,7 @@ class IpcSession:
         self._done: DoneSignal | None = None  # the engine's replay event (CUDA IPC), waited on after each apply
         self._go_ahead: GoAheadLine | None = None  # the open layout's line to its worker (early applies)
         self._step = 0  # the last early apply's number
+        self._stale: WorkerCall | None = None  # an early apply RPC that outlived its step's timeout
         self.last_report: dict[str, Any] | None = None
 
     def open(self, bridge: ExportsWeights, model: Model, *, fp8: Any = None) -> None:
@@ -208,24 +212,26 @@ class IpcSession:
         such a step always shares its layout anew. Returns the step on the sender."""
         started, started_cpu = time.perf_counter(), time.thread_time()
         routes = self._routes_for(bridge, model, fp8)
-        early = self._start_early_apply() if sender and through is None else None
+        self._check_no_stale_call()
+        try:
+            early = self._start_early_apply() if sender and through is None else None
+        except BaseException:
+            self._drop_go_ahead()  # an RPC may have left without its word: the line's close ends its wait
+            raise
         try:
             exported = self._export(bridge, model, fp8, routes, sender, through)
+            export_cpu_ms = (time.thread_time() - started_cpu) * 1e3  # before the device wait, which may spin
+            if exported is not None:
+                _synchronize_trainer()  # the engine reads from another process
         except BaseException:
-            self._skip_early_apply(early, raising=False)  # never leave the worker waiting
+            self._end_early_apply(early, apply=False, quiet=True)  # never leave the worker waiting
             raise
         if exported is None:
             return None
         snapshot, key = exported
-        export_cpu_ms = (time.thread_time() - started_cpu) * 1e3  # before the wait for the device, which may spin
-        try:
-            _synchronize_trainer()  # the engine reads from another process
-        except BaseException:
-            self._skip_early_apply(early, raising=False)
-            raise
         if through is None and self._layout is not None and key == self._key:
             return self._apply(started, export_cpu_ms, early)
-        self._skip_early_apply(early, raising=True)  # the layout changed: the worker leaves it, the step opens
+        self._end_early_apply(early, apply=False)  # the layout changed: the worker leaves it, the step opens
         tensors = dict(snapshot.pairs(routes.ignored))
         return self._open_step(routes, tensors, key if through is None else None, through, started)
 
@@ -267,28 +273,48 @@ class IpcSession:
         )
         return _EarlyApply(step=step, signal=signal, call=call)
 
-    def _go(self, early: _EarlyApply, apply: bool) -> list:
-        """Give ``early``'s worker the word, then its RPC's results. A line that fails is dropped (the
-        next open offers a new one); the RPC then reports the worker's side."""
-        try:
-            self._go_ahead.send(early.step, apply)
-        except GoAheadError as err:
-            logger.warning("refit: the go-ahead line failed (%s): applies come late until the next open", err)
-            self._go_ahead.close()
-            self._go_ahead = None
-        return early.call.result(self.timeout_s)
-
-    def _skip_early_apply(self, early: _EarlyApply | None, *, raising: bool) -> None:
-        """Tell ``early``'s worker to skip and wait for its RPC. ``raising``: its failure is the step's
-        (else logged: the step already fails with its own error)."""
+    def _end_early_apply(self, early: _EarlyApply | None, *, apply: bool, quiet: bool = False) -> list | None:
+        """Give ``early``'s worker the word, then its RPC's results; None where there was none or it failed.
+        A failure drops the line (the step, and later ones until the next open, apply after the export: a
+        worker whose word came too late, or whose apply failed, is asked again the old way, where a real
+        fault raises). An RPC still running after ``timeout_s`` raises (``quiet``: only logged, the step
+        already fails with its own error) and drops the open layout: the next step opens anew, once that RPC
+        has returned (``_check_no_stale_call``)."""
         if early is None:
-            return
+            return None
         try:
-            self._go(early, False)
+            if self._go_ahead is not None:
+                self._go_ahead.send(early.step, apply)
+        except GoAheadError as err:
+            logger.warning(
+                "refit: the go-ahead line failed (%s): applies come after the export until the next open", err
+            )
+            self._drop_go_ahead()
+        try:
+            return early.call.result(self.timeout_s)
         except Exception as err:
-            if raising:
-                raise
-            logger.warning("refit: the engine's early apply failed while told to skip: %s", err)
+            self._drop_go_ahead()
+            if early.call.running:
+                self._stale = early.call
+                self._layout, self._key, self._done = None, None, None
+                if not quiet:
+                    raise
+            logger.warning(
+                "refit: the engine's early apply of step %d failed (%s): applies come after the export until the "
+                "next open",
+                early.step,
+                err,
+            )
+            return None
+
+    def _check_no_stale_call(self) -> None:
+        """Refuse a step while an earlier step's apply RPC that outlived its ``timeout_s`` still runs."""
+        if self._stale is not None and self._stale.running:
+            raise TransportError(
+                f"{self._stale.what} of an earlier step has not returned (it outlived the session's timeout_s of "
+                f"{self.timeout_s:g} s): the engine or its RPC path is stuck; close the session or restart the engine"
+            )
+        self._stale = None
 
     @property
     def live_parameters(self) -> tuple[torch.Tensor, ...]:
@@ -403,12 +429,14 @@ class IpcSession:
 
     def _apply(self, started: float, export_cpu_ms: float | None = None, early: _EarlyApply | None = None) -> RefitStep:
         exported = time.perf_counter()
-        if early is None:
+        results = self._end_early_apply(early, apply=True)
+        if results is not None:
+            signal, engine_ms = early.signal, (results[0] if results else None)
+        else:
+            if self._layout is None:  # an early RPC outlived its timeout: raised above, never here
+                raise TransportError("the refit layout was dropped during the step")
             signal = self._done is not None and self.overlap_follow_up
             engine_ms = self._rpc("mbridge_refit_apply", self._layout.fingerprint, signal)
-        else:
-            signal, results = early.signal, self._go(early, True)
-            engine_ms = results[0] if results else None
         applied = time.perf_counter()
         try:
             self._after_apply()  # with a signal: while the engine's copies run
@@ -426,7 +454,7 @@ class IpcSession:
             apply_ms=(applied - exported) * 1e3,
             engine_ms=engine_ms,
             reset_ms=(done - applied) * 1e3,
-            early=early is not None,
+            early=results is not None,
         )
 
     def _open(self, recorder: LayoutRecorder, key: tuple | None, started: float) -> RefitStep:
