@@ -321,10 +321,10 @@ def run(args) -> dict:
                 result["vllm_native_stock_error"] = f"{type(err).__name__}: {err}"[:2000]
                 stock = None
 
-        ours, late, serial, export, apply, engine, reset_wait, stock_times = [], [], [], [], [], [], [], []
+        engine, stock_times = [], []
         trainer_new, engine_new = 0, 0
         collections, export_cpu, early = GcWatch(), [], []
-        times = {"ours": ours, "late": late, "serial": serial}
+        times = {variant: [] for variant, _, _ in VARIANTS}
         parts = {variant: {"export": [], "apply": [], "reset_wait": [], "wake": []} for variant in times}
         for _ in range(args.steps):
             # alternated: ours; its apply RPC sent after the export; the reset after the copies
@@ -355,11 +355,8 @@ def run(args) -> dict:
                     parts[variant]["wake"].append(llm.collective_rpc("mbridge_refit_last_go_ahead")[0]["wake_ms"])
                 if variant == "ours":
                     early.append(step.early)
-                    export.append(step.export_ms)
                     export_cpu.append(step.export_cpu_ms)
-                    apply.append(step.apply_ms)
                     engine.append(step.engine_ms)
-                    reset_wait.append(step.reset_ms)
         refit.early_apply, refit.overlap_follow_up = True, True
         result["variant_parts_ms"] = {
             variant: {part: summary(values) for part, values in split.items() if values}
@@ -378,14 +375,15 @@ def run(args) -> dict:
         # apply record the loader again: its steps run after ours, not interleaved
         for _ in range(args.steps if stock is not None else 0):
             stock_times.append(peaks["stock_native"](lambda: timed(stock)))
-        result["ours_ms"] = summary(ours)
-        result["ours_export_ms"] = summary(export)
+        apply = parts["ours"]["apply"]
+        result["ours_ms"] = summary(times["ours"])
+        result["ours_export_ms"] = summary(parts["ours"]["export"])
         result["ours_apply_rpc_ms"] = summary(apply)
         result["ours_engine_ms"] = summary(engine)
         result["ours_rpc_overhead_ms"] = summary([a - e for a, e in zip(apply, engine)])
-        result["ours_reset_wait_ms"] = summary(reset_wait)
-        result["ours_late_ms"] = summary(late)
-        result["ours_serial_ms"] = summary(serial)
+        result["ours_reset_wait_ms"] = summary(parts["ours"]["reset_wait"])
+        result["ours_late_ms"] = summary(times["late"])
+        result["ours_serial_ms"] = summary(times["serial"])
         result["vllm_native_stock_ms"] = summary(stock_times) if stock_times else None
         if fp8:
             result["ours_fp8_ms"] = result["ours_ms"]

@@ -107,12 +107,24 @@ class _Halves(_Engine):
                 super().load_weights([(name, tensor)])
 
 
-def _open(engine: _Engine, trainer: _Trainer, **layout_args) -> tuple[RefitReceiver, SharedLayout, dict]:
+def _open(
+    engine: _Engine, trainer: _Trainer, check: bool = True, **layout_args
+) -> tuple[RefitReceiver, SharedLayout, dict]:
     layout, storages = trainer.layout(**layout_args)
     receiver = RefitReceiver(engine, torch.device("cpu"))
     transport = LocalTransport()
-    report = receiver.open(layout.to_wire(), transport.share(storages), transport.name)
+    report = receiver.open(layout.to_wire(), transport.share(storages), transport.name, check=check)
     return receiver, layout, report
+
+
+def _replays_hold_the_trainer_s(receiver: RefitReceiver, layout: SharedLayout, engine: _Engine, trainer: _Trainer):
+    """The engine holds the trainer's rows as quantized by the reference after the open and after two replays
+    of changed rows."""
+    for _ in range(2):
+        _assert_holds_the_trainer_s(engine, trainer)
+        trainer.step()
+        receiver.apply(layout.fingerprint)
+    _assert_holds_the_trainer_s(engine, trainer)
 
 
 def _assert_holds_the_trainer_s(engine: _Engine, trainer: _Trainer) -> None:
@@ -206,15 +218,9 @@ def test_a_destination_another_copy_also_writes_is_not_quantized_in_place(check)
     into its source and copied at its turn, so the engine holds what the loader left (q on top), checked
     against the loader at the open or not."""
     trainer, engine = _KvFirst(), _Overlapping()
-    layout, storages = trainer.layout()
-    receiver = RefitReceiver(engine, torch.device("cpu"))
-    transport = LocalTransport()
-    report = receiver.open(layout.to_wire(), transport.share(storages), transport.name, check=check)
+    receiver, layout, report = _open(engine, trainer, check=check)
     assert report["quantized_in_place"] == 1 and receiver.plan.quantized_in_place == ["w"]
-    for _ in range(2):
-        _assert_holds_the_trainer_s(engine, trainer)
-        trainer.step()
-        receiver.apply(layout.fingerprint)
+    _replays_hold_the_trainer_s(receiver, layout, engine, trainer)
 
 
 def test_a_quantize_job_writes_only_its_source_s_device():
@@ -257,15 +263,9 @@ def test_a_destination_an_earlier_write_reaches_into_is_copied_at_its_turn(engin
     """A copy that starts before q's destination and ends inside it, or a loader step that writes q's scale
     parameter: either way q is quantized into its source and copied at its turn (w, untouched, in place)."""
     trainer, engine = _KvFirst(), engine_class()
-    layout, storages = trainer.layout()
-    receiver = RefitReceiver(engine, torch.device("cpu"))
-    transport = LocalTransport()
-    report = receiver.open(layout.to_wire(), transport.share(storages), transport.name, check=False)
+    receiver, layout, report = _open(engine, trainer, check=False)
     assert receiver.plan.quantized_in_place == ["w"], report
-    for _ in range(2):
-        _assert_holds_the_trainer_s(engine, trainer)
-        trainer.step()
-        receiver.apply(layout.fingerprint)
+    _replays_hold_the_trainer_s(receiver, layout, engine, trainer)
 
 
 class _LoaderZeroesW(_Engine):
@@ -301,12 +301,6 @@ def test_a_loader_step_s_write_keeps_the_weight_it_reaches_copied_at_its_turn(en
     """A loader step earlier in the loader's order writes w's rows, by an in-place op or into a parameter that
     shares w's storage: w is not quantized in place (the replay would quantize it before that write)."""
     trainer, engine = _KvFirst(), engine_class()
-    layout, storages = trainer.layout()
-    receiver = RefitReceiver(engine, torch.device("cpu"))
-    transport = LocalTransport()
-    receiver.open(layout.to_wire(), transport.share(storages), transport.name, check=check)
+    receiver, layout, _ = _open(engine, trainer, check=check)
     assert "w" not in receiver.plan.quantized_in_place
-    for _ in range(2):
-        _assert_holds_the_trainer_s(engine, trainer)
-        trainer.step()
-        receiver.apply(layout.fingerprint)
+    _replays_hold_the_trainer_s(receiver, layout, engine, trainer)

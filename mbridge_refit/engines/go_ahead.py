@@ -50,6 +50,7 @@ from mbridge_refit.errors import TransportError
 __all__ = ["GoAheadError", "GoAheadLine", "GoAheadWaiter"]
 
 _MESSAGE = struct.Struct("<QBd")  # step number, verdict (1 apply, 0 skip), the trainer's time.monotonic() at sending
+_NAME_PREFIX = "\0mbridge-refit-go-"  # an abstract Unix name (the leading NUL), 64 random bits after it
 _TOKEN_BYTES = 16
 _TOKEN_WAIT_S = 0.2  # what a connection gets to send its token before the next one is taken
 _SEND_S = 5.0  # a word the worker does not read (its apply failed before its wait) fills the buffer at last
@@ -93,7 +94,7 @@ class GoAheadLine:
     @classmethod
     def listen(cls) -> GoAheadLine:
         """A new line, listening on an abstract local name (raises ``OSError`` where there is none)."""
-        address = "\0mbridge-refit-go-" + secrets.token_hex(8)
+        address = _NAME_PREFIX + secrets.token_hex(8)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             listener.bind(address)
@@ -203,7 +204,7 @@ class GoAheadWaiter:
             timeout_s = float(offer["timeout_s"])
         except (KeyError, TypeError, ValueError) as err:
             raise GoAheadError(f"malformed go-ahead offer {offer!r}: {err}") from err
-        if not address.startswith("\0mbridge-refit-go-") or len(token) != _TOKEN_BYTES or not timeout_s > 0:
+        if not address.startswith(_NAME_PREFIX) or len(token) != _TOKEN_BYTES or not timeout_s > 0:
             raise GoAheadError(f"malformed go-ahead offer {offer!r}")
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:

@@ -429,12 +429,10 @@ class IpcSession:
 
     def _apply(self, started: float, export_cpu_ms: float | None = None, early: _EarlyApply | None = None) -> RefitStep:
         exported = time.perf_counter()
-        results = self._end_early_apply(early, apply=True)
+        results = self._end_early_apply(early, apply=True)  # an RPC that outlived its timeout raises here
         if results is not None:
             signal, engine_ms = early.signal, (results[0] if results else None)
         else:
-            if self._layout is None:  # an early RPC outlived its timeout: raised above, never here
-                raise TransportError("the refit layout was dropped during the step")
             signal = self._done is not None and self.overlap_follow_up
             engine_ms = self._rpc("mbridge_refit_apply", self._layout.fingerprint, signal)
         applied = time.perf_counter()
@@ -466,7 +464,7 @@ class IpcSession:
         self._layout, self._key, self._done = None, None, None  # the engine drops its open layout first: if
         # anything below fails, the next step opens again instead of applying (or waiting) on the old one
         self._drop_go_ahead()
-        line = self._listen() if self.early_apply else None
+        line = _listen() if self.early_apply else None
         args = (
             layout.to_wire(),
             payload,
@@ -504,13 +502,6 @@ class IpcSession:
     def _after_apply(self) -> None:
         if self.after_weights_written is not None:
             self.after_weights_written()
-
-    def _listen(self) -> GoAheadLine | None:
-        try:
-            return GoAheadLine.listen()
-        except OSError as err:
-            logger.info("refit: no go-ahead line on this host (%s): every apply comes after the export", err)
-            return None
 
     def _drop_go_ahead(self) -> None:
         if self._go_ahead is not None:
@@ -602,6 +593,15 @@ class _EarlyApply:
 
 
 _ACCEPT_S = 10.0  # the worker connected during its open, which has returned: its connection is queued
+
+
+def _listen() -> GoAheadLine | None:
+    """A new go-ahead line for an open, or None where this host has none (the applies come late)."""
+    try:
+        return GoAheadLine.listen()
+    except OSError as err:
+        logger.info("refit: no go-ahead line on this host (%s): every apply comes after the export", err)
+        return None
 
 
 def _accepted(line: GoAheadLine | None, results: list) -> GoAheadLine | None:
