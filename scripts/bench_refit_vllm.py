@@ -17,7 +17,8 @@ after which our next apply records the loader again):
   early); from the go-ahead on are the apply and the engine's time, and the export's time runs up to
   it. ``ours_late_ms``: the same session with ``early_apply=False`` (the RPC sent after the export),
   ``ours_serial_ms``: with ``overlap_follow_up=False`` (the worker waits for its copies, then the
-  reset), each variant's steps alternated with ``ours_ms``'s; ``variant_parts_ms``: each variant's export,
+  reset), ``ours_gc_on_ms``: with ``defer_gc=False`` (the garbage collector left on through the export
+  and the apply), each variant's steps alternated with ``ours_ms``'s; ``variant_parts_ms``: each variant's export,
   apply and reset-and-wait, and for early applies the go-ahead's way from the trainer's sending to the
   worker's reading it (``wake``, one host's monotonic clock; asked for after the step). ``live_tensors``: tensors the engine reads straight from the
   trainer's parameters (never exported after the first step).
@@ -35,7 +36,7 @@ after which our next apply records the loader again):
   answer (``profile_ipc_trainer.py``'s), wall and this thread's CPU time per step, taken before the
   engine starts and again beside it (idle), to tell what the engine's presence costs the trainer's
   export from what its steps do; ``gc_during_steps``: the garbage collections (count and time per
-  generation) during our steady steps; ``ours_export_thread_cpu_ms``: the trainer thread's CPU time
+  generation) during each variant's steady steps, wherever in the step they ran; ``ours_export_thread_cpu_ms``: the trainer thread's CPU time
   in our steps' export up to its device wait (``RefitStep.export_cpu_ms``; against ``ours_export_ms``, its
   wall time: work, or waiting for the CPU). ``trainer_alone`` runs the first export, so ``first_refit_ms``
   is the first refit after a warm export (not comparable with results before it);
@@ -123,25 +124,27 @@ def trainer_alone(bridge, chunks, fp8, engine_quantizes: bool, steps: int = 10) 
 
 
 class GcWatch:
-    """Garbage collections while active: count and ms per generation (``gc.callbacks``)."""
+    """Garbage collections while ``active`` names a variant: count and ms per variant and generation
+    (``gc.callbacks``)."""
 
     def __init__(self) -> None:
-        self.count, self.ms, self._began, self.active = {}, {}, 0.0, False
+        self.count, self.ms, self._began, self.active = {}, {}, 0.0, None
         gc.callbacks.append(self._callback)
 
     def _callback(self, phase: str, info: dict) -> None:
-        if not self.active:
+        if self.active is None:
             return
         if phase == "start":
             self._began = time.perf_counter()
             return
-        generation = str(info["generation"])
-        self.count[generation] = self.count.get(generation, 0) + 1
-        self.ms[generation] = round(self.ms.get(generation, 0.0) + (time.perf_counter() - self._began) * 1e3, 3)
+        generation, count = str(info["generation"]), self.count.setdefault(self.active, {})
+        ms = self.ms.setdefault(self.active, {})
+        count[generation] = count.get(generation, 0) + 1
+        ms[generation] = round(ms.get(generation, 0.0) + (time.perf_counter() - self._began) * 1e3, 3)
 
     def report(self) -> dict:
         gc.callbacks.remove(self._callback)
-        return {"count": self.count, "ms": self.ms}
+        return {variant: {"count": self.count[variant], "ms": self.ms[variant]} for variant in self.count}
 
 
 def profile_top(fn, steps: int = 5, top: int = 15) -> list[str]:
@@ -324,12 +327,12 @@ def run(args) -> dict:
         engine, stock_times = [], []
         trainer_new, engine_new = 0, 0
         collections, export_cpu, early = GcWatch(), [], []
-        times = {variant: [] for variant, _, _ in VARIANTS}
+        times = {variant: [] for variant, *_ in VARIANTS}
         parts = {variant: {"export": [], "apply": [], "reset_wait": [], "wake": []} for variant in times}
         for _ in range(args.steps):
             # alternated: ours; its apply RPC sent after the export; the reset after the copies
-            for variant, early_apply, overlap in VARIANTS:
-                refit.early_apply, refit.overlap_follow_up = early_apply, overlap
+            for variant, early_apply, overlap, defer_gc in VARIANTS:
+                refit.early_apply, refit.overlap_follow_up, refit.defer_gc = early_apply, overlap, defer_gc
                 trainer_before = allocations()
                 engine_before = llm.collective_rpc("mbridge_refit_memory")[0]["allocations"]
                 step = None
@@ -338,9 +341,9 @@ def run(args) -> dict:
                     nonlocal step
                     step = refit.refit(bridge, chunks, fp8=fp8)
 
-                collections.active = True
+                collections.active = variant
                 times[variant].append(peaks["ours_steady"](lambda: timed(ours_step)))
-                collections.active = False
+                collections.active = None
                 trainer_new += allocations() - trainer_before
                 engine_new += llm.collective_rpc("mbridge_refit_memory")[0]["allocations"] - engine_before
                 if step.opened:
@@ -357,7 +360,7 @@ def run(args) -> dict:
                     early.append(step.early)
                     export_cpu.append(step.export_cpu_ms)
                     engine.append(step.engine_ms)
-        refit.early_apply, refit.overlap_follow_up = True, True
+        refit.early_apply, refit.overlap_follow_up, refit.defer_gc = True, True, True
         result["variant_parts_ms"] = {
             variant: {part: summary(values) for part, values in split.items() if values}
             for variant, split in parts.items()
@@ -384,6 +387,7 @@ def run(args) -> dict:
         result["ours_reset_wait_ms"] = summary(parts["ours"]["reset_wait"])
         result["ours_late_ms"] = summary(times["late"])
         result["ours_serial_ms"] = summary(times["serial"])
+        result["ours_gc_on_ms"] = summary(times["gc_on"])
         result["vllm_native_stock_ms"] = summary(stock_times) if stock_times else None
         if fp8:
             result["ours_fp8_ms"] = result["ours_ms"]
@@ -401,6 +405,7 @@ def run(args) -> dict:
             "ours_over_floor": round(ours_median / result["floor_ms"], 2),
             "ours_late_over_floor": round(result["ours_late_ms"]["median"] / result["floor_ms"], 2),
             "ours_serial_over_floor": round(result["ours_serial_ms"]["median"] / result["floor_ms"], 2),
+            "ours_gc_on_over_floor": round(result["ours_gc_on_ms"]["median"] / result["floor_ms"], 2),
             "stock_native_over_ours": round(result["vllm_native_stock_ms"]["median"] / ours_median, 2)
             if stock_times
             else None,
@@ -410,8 +415,13 @@ def run(args) -> dict:
     return result
 
 
-# (name, early apply, the follow-up while the copies run)
-VARIANTS = (("ours", True, True), ("late", False, True), ("serial", True, False))
+# (name, early apply, the follow-up while the copies run, the collector held off until the apply)
+VARIANTS = (
+    ("ours", True, True, True),
+    ("late", False, True, True),
+    ("serial", True, False, True),
+    ("gc_on", True, True, False),
+)
 
 
 def main() -> None:
@@ -446,6 +456,7 @@ def main() -> None:
                     "ours_reset_wait_ms",
                     "ours_late_ms",
                     "ours_serial_ms",
+                    "ours_gc_on_ms",
                     "floor_ms",
                     "vllm_native_stock_ms",
                     "vllm_load_weights_ms",

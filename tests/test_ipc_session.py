@@ -276,6 +276,86 @@ def test_an_early_apply_reaches_the_worker_during_the_export_and_reads_nothing_b
     assert not worker.receiver.is_open
 
 
+@pytest.mark.parametrize("early_apply", [True, False], ids=["early", "late"])
+def test_a_steady_step_holds_collections_off_until_the_engine_applied(source_checkpoints, monkeypatch, early_apply):
+    """``defer_gc``: a steady step exports and asks for the apply with the collector off, and turns it on
+    again once the apply returned (the follow-up runs with it on); an open, a failed export and a
+    session with ``defer_gc=False`` leave it on; a collector the caller turned off stays off. The engine
+    still ends up with the stock export of the changed model."""
+    import gc
+
+    from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.convert.session import distributed_session
+    from mbridge_refit.models.builder import BuildOptions, build_model
+    from mbridge_refit.plan.layout import ParallelLayout
+    from mbridge_refit.testing.conformance import restored_environment
+
+    hf_dir = source_checkpoints("qwen3-tiny")
+    engine = Engine(read_checkpoint(hf_dir))
+    worker, seen = Worker(engine), []
+
+    def call_workers(method, *args):
+        seen.append((method.removeprefix("mbridge_refit_"), gc.isenabled()))
+        return pickle.loads(pickle.dumps([getattr(worker, method)(*pickle.loads(pickle.dumps(args)))]))
+
+    session = IpcSession(
+        call_workers,
+        transport=LocalTransport(),
+        ignored=lambda bridge: frozenset({SKIPPED}),
+        after_weights_written=lambda: seen.append(("follow-up", gc.isenabled())),
+        early_apply=early_apply,
+        timeout_s=30.0,
+    )
+    cpu, layout = torch.device("cpu"), ParallelLayout()
+    with restored_environment(), distributed_session(layout, device=cpu, timeout=datetime.timedelta(minutes=2)):
+        bridge = RefitBridge.from_hf_pretrained(hf_dir)
+        chunks = build_model(bridge, layout, BuildOptions(device=cpu, params_dtype=torch.bfloat16))
+        bridge.load_hf_shards(chunks, hf_dir)
+        export, fail = bridge.export_hf_weight_buckets, []
+
+        def watched_export(*args, **kwargs):
+            seen.append(("export", gc.isenabled()))
+            if fail:
+                raise RuntimeError("the export failed")
+            return export(*args, **kwargs)
+
+        monkeypatch.setattr(bridge, "export_hf_weight_buckets", watched_export)
+        assert gc.isenabled()
+        session.refit(bridge, chunks)
+        assert seen == [("export", False), ("open", True), ("follow-up", True)], seen  # an open collects
+        seen.clear()
+        changed = change_weights(bridge, chunks)
+        step = session.refit(bridge, chunks)
+        assert not step.opened and step.early == early_apply
+        asked = [("apply", False), ("export", False)] if early_apply else [("export", False), ("apply", False)]
+        assert seen == [*asked, ("follow-up", True)], seen  # an early apply is asked for before the export
+        assert gc.isenabled()
+        state = engine.state()
+        assert [n for n in state if not torch.equal(state[n].view(torch.uint8), changed[n].view(torch.uint8))] == []
+
+        seen.clear()
+        fail.append(True)
+        with pytest.raises(RuntimeError, match="the export failed"):
+            session.refit(bridge, chunks)
+        assert gc.isenabled()
+        fail.clear()
+
+        session.defer_gc = False
+        seen.clear()
+        session.refit(bridge, chunks)
+        assert ("export", True) in seen and ("apply", True) in seen, seen
+        session.defer_gc = True
+        gc.disable()
+        try:
+            seen.clear()
+            session.refit(bridge, chunks)
+            assert all(not enabled for _, enabled in seen) and not gc.isenabled(), seen
+        finally:
+            gc.enable()
+        session.close()
+        bridge.release_export_buffers()
+
+
 def _replace_parameters(chunks) -> list[str]:
     """Replace two of the model's parameters by new objects (``module.weight = Parameter(...)``, as a checkpoint
     reload with ``assign=True`` does) and swap a third's storage (``param.data = ...``), each with other values."""

@@ -80,6 +80,7 @@ from mbridge_refit.errors import TransportError
 from mbridge_refit.fp8.format import FP8_DTYPE, SCALE_DTYPE, scale_shape
 from mbridge_refit.fp8.quantize import JobQuantizer, block_row_jobs
 from mbridge_refit.plan.entries import PlanError
+from mbridge_refit.runtime.gc_pause import GcPause
 from mbridge_refit.runtime.live_params import registration_count
 from mbridge_refit.runtime.selection import LiveRows
 from mbridge_refit.runtime.weight_source import ExportsWeights, Model
@@ -140,7 +141,9 @@ class IpcSession:
     each steady step's apply RPC before the export, its worker waiting for the go-ahead (module
     docstring; None: where the transport is CUDA IPC, an engine of its own process; the engine must
     accept the line at the open, else applies come late; an attribute, read each step, the line offered
-    at an open where it is on). ``timeout_s`` bounds the wait for the
+    at an open where it is on). ``defer_gc``: a steady step holds Python's garbage collector off from its
+    start until the engine's copies are launched, so that a collection falling due then runs while they
+    do (``runtime.gc_pause``; where the collector is enabled; an attribute, read each step). ``timeout_s`` bounds the wait for the
     engine's signal and the worker's wait for a go-ahead. The session references the last
     refit's model parameters, shared storages and exported tensors (``ExportSnapshot``) until ``close``,
     and, for the weights the engine quantizes, their e4m3 data and scales as quantized at the last open
@@ -160,9 +163,11 @@ class IpcSession:
         overlap_follow_up: bool = True,
         engine_quantizes: bool = True,
         early_apply: bool | None = None,
+        defer_gc: bool = True,
         timeout_s: float = 600.0,
     ) -> None:
         self.call_workers = call_workers
+        self.defer_gc = defer_gc
         self.engine_quantizes = engine_quantizes
         self.overlap_follow_up = overlap_follow_up
         self.timeout_s = timeout_s
@@ -211,6 +216,20 @@ class IpcSession:
         sender's stream of every engine tensor (e.g. a check that alters a tensor on its way);
         such a step always shares its layout anew. Returns the step on the sender."""
         started, started_cpu = time.perf_counter(), time.thread_time()
+        with GcPause(self.defer_gc) as pause:  # until the engine's copies are under way (or the step opens)
+            return self._refit(bridge, model, fp8, sender, through, pause, started, started_cpu)
+
+    def _refit(
+        self,
+        bridge: ExportsWeights,
+        model: Model,
+        fp8: Any,
+        sender: bool,
+        through: Callable[[Stream], Stream] | None,
+        pause: GcPause,
+        started: float,
+        started_cpu: float,
+    ) -> RefitStep | None:
         routes = self._routes_for(bridge, model, fp8)
         self._check_no_stale_call()
         try:
@@ -230,7 +249,8 @@ class IpcSession:
             return None
         snapshot, key = exported
         if through is None and self._layout is not None and key == self._key:
-            return self._apply(started, export_cpu_ms, early)
+            return self._apply(started, export_cpu_ms, early, copies_started=pause.resume)
+        pause.resume()  # an open: seconds of work, not worth holding collections over
         self._end_early_apply(early, apply=False)  # the layout changed: the worker leaves it, the step opens
         tensors = dict(snapshot.pairs(routes.ignored))
         return self._open_step(routes, tensors, key if through is None else None, through, started)
@@ -427,7 +447,13 @@ class IpcSession:
         if isinstance(self.transport, CudaIpcTransport) and tensor.device.type != "cuda":
             raise ValueError(f"{name} is on {tensor.device}: CUDA IPC shares GPU memory (export with cpu=False)")
 
-    def _apply(self, started: float, export_cpu_ms: float | None = None, early: _EarlyApply | None = None) -> RefitStep:
+    def _apply(
+        self,
+        started: float,
+        export_cpu_ms: float | None = None,
+        early: _EarlyApply | None = None,
+        copies_started: Callable[[], None] = lambda: None,
+    ) -> RefitStep:
         exported = time.perf_counter()
         results = self._end_early_apply(early, apply=True)  # an RPC that outlived its timeout raises here
         if results is not None:
@@ -436,6 +462,7 @@ class IpcSession:
             signal = self._done is not None and self.overlap_follow_up
             engine_ms = self._rpc("mbridge_refit_apply", self._layout.fingerprint, signal)
         applied = time.perf_counter()
+        copies_started()  # the apply returned: the engine's copies are launched (or done)
         try:
             self._after_apply()  # with a signal: while the engine's copies run
         finally:

@@ -107,7 +107,8 @@ class VLLMRefit(_OnVLLM, IpcSession):
     its export buffers and the workers copy those; ``IpcSession``). ``early_apply``: each steady step's
     apply RPC leaves before the export and the worker waits for the trainer's go-ahead on a local
     socket (``engines.go_ahead``; None: on over CUDA IPC, where the engine is its own process).
-    The session references the last refit's model parameters and shared storages until ``close``.
+    ``defer_gc``: a steady step holds Python's garbage collector off until the workers' copies are
+    launched (``runtime.gc_pause``). The session references the last refit's model parameters and shared storages until ``close``.
     """
 
     def __init__(
@@ -122,6 +123,7 @@ class VLLMRefit(_OnVLLM, IpcSession):
         overlap_follow_up: bool = True,
         engine_quantizes: bool = True,
         early_apply: bool | None = None,
+        defer_gc: bool = True,
     ) -> None:
         self.llm = llm
         self.reset_prefix_cache = reset_prefix_cache
@@ -136,6 +138,7 @@ class VLLMRefit(_OnVLLM, IpcSession):
             overlap_follow_up=overlap_follow_up,
             engine_quantizes=engine_quantizes,
             early_apply=early_apply,
+            defer_gc=defer_gc,
             timeout_s=timeout_s,
         )
 
