@@ -3,11 +3,12 @@
 CPython collects generation 0 at whichever allocation of a container object crosses its threshold,
 whoever made the garbage: a trainer's step, an engine client's RPCs and their replies. A collection
 that falls due during a refit's host work before the engine's copies start (the export's look at its
-parameters, the apply RPC) delays the copies by its whole length; on the 24-layer Qwen3-30B-A3B shape,
-the garbage left around a steady colocated FP8 refit set off 7 generation-0 and 0.6 generation-1
-collections a step in ``scripts/bench_refit_vllm.py``, 0.9 ms a step (2× H200). Paused over that
-stretch, a collection that falls due runs at the first allocation after ``resume``, while the host
-waits for the copies. Nothing is skipped or freed later than one stretch.
+parameters, the apply RPC) delays the copies by its whole length. In one run of
+``scripts/bench_refit_vllm.py`` (the 24-layer Qwen3-30B-A3B shape in FP8, 2× H200) the steps set off 7
+generation-0 and 0.6 generation-1 collections each, 0.86 ms a step; in the next lease hardly any, so
+the gain depends on the garbage a trainer's own steps leave. Paused over that stretch, a collection
+that falls due runs at the first allocation after ``resume``, while the host waits for the copies.
+Nothing is skipped or freed later than one stretch.
 
 Who calls it: the thread that runs the stretch, around it (``with GcPause():`` or ``resume()`` where the
 stretch ends early); the collector is process-wide, so other threads' allocations are not collected
