@@ -21,15 +21,13 @@ Writes DIR/copy_kernel_variants_<model>[_<N>layers].json with its manifest.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import statistics
-from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
-from bench_replay_copies import SHAPES, engine_copies
+from bench_replay_copies import SHAPES, copies_exact, engine_copies, shape_parser
 from provenance import results_dir, write_result
 
 from mbridge_refit.engines import copy_kernels
@@ -77,12 +75,7 @@ def run(args) -> dict:
         sides[f"chunks_{chunk_kib}k_{warps}w"] = launcher(
             copy_kernels._copy_chunks, segments, chunk_kib * KIB, warps, device
         )
-    exact = {}
-    for name, fn in sides.items():
-        for destination, _ in pairs:
-            destination.fill_(float("nan"))
-        fn()
-        exact[name] = all(torch.equal(d.view(torch.int16), s.view(torch.int16)) for d, s in pairs)
+    exact = copies_exact(pairs, sides)
     floor_source = torch.empty(nbytes, dtype=torch.uint8, device=device)
     floor_out = torch.empty_like(floor_source)
     sides["memcpy"] = lambda: floor_out.copy_(floor_source)
@@ -111,13 +104,8 @@ def run(args) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
-    )
-    parser.add_argument("--model", choices=sorted(SHAPES), default="qwen3-8b")
-    parser.add_argument("--layers", type=int, default=None, help="default: the model's")
+    parser = shape_parser(__doc__, "qwen3-8b")
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--out-dir", type=Path, default=None, help="default: benchmarks/results/<date>-<device>/")
     args = parser.parse_args()
     result = run(args)
     print({k: result[k] for k in ("device", "model", "layers", "bytes", "over_memcpy", "bitwise_equal_to_source")})

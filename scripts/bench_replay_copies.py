@@ -94,6 +94,18 @@ def schedule_of(pairs, *, chunked: bool) -> CopySchedule:
     return schedule
 
 
+def copies_exact(pairs, sides: dict) -> dict[str, bool]:
+    """For each side (name -> a call that makes every copy of ``pairs``): whether, run once over
+    destinations filled with NaN, every destination holds its source's bits."""
+    exact = {}
+    for name, fn in sides.items():
+        for destination, _ in pairs:
+            destination.fill_(float("nan"))
+        fn()
+        exact[name] = all(torch.equal(d.view(torch.int16), s.view(torch.int16)) for d, s in pairs)
+    return exact
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -125,12 +137,7 @@ def run(args) -> dict:
             destination.copy_(source)
 
     foreach, schedule = schedule_of(pairs, chunked=False), schedule_of(pairs, chunked=True)
-    exact = {}
-    for name, fn in (("per_copy", per_copy), ("foreach", foreach.run), ("schedule", schedule.run)):
-        for destination, _ in pairs:
-            destination.fill_(float("nan"))
-        fn()
-        exact[name] = all(torch.equal(d.view(torch.int16), s.view(torch.int16)) for d, s in pairs)
+    exact = copies_exact(pairs, {"per_copy": per_copy, "foreach": foreach.run, "schedule": schedule.run})
     floor_source = torch.empty(nbytes, dtype=torch.uint8, device=device)
     floor_out = torch.empty_like(floor_source)
     sides = {
@@ -169,16 +176,23 @@ def run(args) -> dict:
     }
 
 
-def main() -> None:
+def shape_parser(doc: str, model: str) -> argparse.ArgumentParser:
+    """The arguments of a benchmark over ``SHAPES``' copies: ``--model`` (default ``model``), ``--layers``,
+    ``--out-dir``."""
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
-    parser.add_argument("--model", choices=sorted(SHAPES), default="qwen3-30b-a3b")
+    parser.add_argument("--model", choices=sorted(SHAPES), default=model)
     parser.add_argument("--layers", type=int, default=None, help="default: the model's")
+    parser.add_argument("--out-dir", type=Path, default=None, help="default: benchmarks/results/<date>-<device>/")
+    return parser
+
+
+def main() -> None:
+    parser = shape_parser(__doc__, "qwen3-30b-a3b")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run (no kernel; the foreach path)")
-    parser.add_argument("--out-dir", type=Path, default=None, help="default: benchmarks/results/<date>-<device>/")
     args = parser.parse_args()
     result = run(args)
     print(
