@@ -13,7 +13,7 @@ one program per chunk, whatever the number of copies. A whole chunk is copied wi
 its loads and stores are 16-byte vectors; only a copy's last, shorter chunk is masked (8-byte
 accesses: the mask's bound is a number read from the table). With 128 KiB chunks and 16 warps a
 program the replay runs at 1.02-1.03x one memcpy of its bytes on an H200, against 1.06-1.07x with
-every chunk masked at 64 KiB and 8 warps (``scripts/bench_replay_copies.py``).
+every chunk masked at 64 KiB and 8 warps (``scripts/bench_copy_kernel_variants.py``).
 
 It only moves bytes, so it writes what ``copy_`` writes bit for bit; it is used only after it
 reproduced ``copy_`` on probe copies (a tail shorter than a chunk, several chunks, several copies)

@@ -141,9 +141,10 @@ class IpcSession:
     each steady step's apply RPC before the export, its worker waiting for the go-ahead (module
     docstring; None: where the transport is CUDA IPC, an engine of its own process; the engine must
     accept the line at the open, else applies come late; an attribute, read each step, the line offered
-    at an open where it is on). ``defer_gc``: a steady step holds Python's garbage collector off from its
-    start until the engine's copies are launched, so that a collection falling due then runs while they
-    do (``runtime.gc_pause``; where the collector is enabled; an attribute, read each step). ``timeout_s`` bounds the wait for the
+    at an open where it is on). ``defer_gc``: a steady step on the sender (an open layout, no ``through``) holds Python's
+    garbage collector off from its start until the engine's copies are let go (the go-ahead, or the late
+    apply's return), so that a collection falling due then runs while they do (``runtime.gc_pause``; where
+    the collector is enabled; an attribute, read each step). ``timeout_s`` bounds the wait for the
     engine's signal and the worker's wait for a go-ahead. The session references the last
     refit's model parameters, shared storages and exported tensors (``ExportSnapshot``) until ``close``,
     and, for the weights the engine quantizes, their e4m3 data and scales as quantized at the last open
@@ -216,7 +217,8 @@ class IpcSession:
         sender's stream of every engine tensor (e.g. a check that alters a tensor on its way);
         such a step always shares its layout anew. Returns the step on the sender."""
         started, started_cpu = time.perf_counter(), time.thread_time()
-        with GcPause(self.defer_gc) as pause:  # until the engine's copies are under way (or the step opens)
+        steady = sender and through is None and self._layout is not None  # else: an open, or no apply to wait on
+        with GcPause(self.defer_gc and steady) as pause:  # until the go-ahead or the apply's return (or an open)
             return self._refit(bridge, model, fp8, sender, through, pause, started, started_cpu)
 
     def _refit(
@@ -293,8 +295,16 @@ class IpcSession:
         )
         return _EarlyApply(step=step, signal=signal, call=call)
 
-    def _end_early_apply(self, early: _EarlyApply | None, *, apply: bool, quiet: bool = False) -> list | None:
-        """Give ``early``'s worker the word, then its RPC's results; None where there was none or it failed.
+    def _end_early_apply(
+        self,
+        early: _EarlyApply | None,
+        *,
+        apply: bool,
+        quiet: bool = False,
+        before_word: Callable[[], None] = lambda: None,
+    ) -> list | None:
+        """Give ``early``'s worker the word (``before_word`` called just before it), then its RPC's results;
+        None where there was none or it failed.
         A failure drops the line (the step, and later ones until the next open, apply after the export: a
         worker whose word came too late, or whose apply failed, is asked again the old way, where a real
         fault raises). An RPC still running after ``timeout_s`` raises (``quiet``: only logged, the step
@@ -302,6 +312,7 @@ class IpcSession:
         has returned (``_check_no_stale_call``)."""
         if early is None:
             return None
+        before_word()
         try:
             if self._go_ahead is not None:
                 self._go_ahead.send(early.step, apply)
@@ -455,14 +466,16 @@ class IpcSession:
         copies_started: Callable[[], None] = lambda: None,
     ) -> RefitStep:
         exported = time.perf_counter()
-        results = self._end_early_apply(early, apply=True)  # an RPC that outlived its timeout raises here
+        # the collector back on as the worker's copies are let go (early), or once the apply returned (late);
+        # an early RPC that outlived its timeout raises here
+        results = self._end_early_apply(early, apply=True, before_word=copies_started)
         if results is not None:
             signal, engine_ms = early.signal, (results[0] if results else None)
         else:
             signal = self._done is not None and self.overlap_follow_up
             engine_ms = self._rpc("mbridge_refit_apply", self._layout.fingerprint, signal)
         applied = time.perf_counter()
-        copies_started()  # the apply returned: the engine's copies are launched (or done)
+        copies_started()
         try:
             self._after_apply()  # with a signal: while the engine's copies run
         finally:

@@ -10,9 +10,11 @@ the gain depends on the garbage a trainer's own steps leave. Paused over that st
 that falls due runs at the first allocation after ``resume``, while the host waits for the copies.
 Nothing is skipped or freed later than one stretch.
 
-Who calls it: the thread that runs the stretch, around it (``with GcPause():`` or ``resume()`` where the
+Who calls it: the thread that runs the stretch, around it (``with GcPause():``, and ``resume()`` where the
 stretch ends early); the collector is process-wide, so other threads' allocations are not collected
-meanwhile either. Where the collector is already disabled (the caller manages it) it does nothing.
+meanwhile either, and a ``gc.disable()`` another thread makes meanwhile is undone by the resume (the
+collector keeps no count of who disabled it). Where the collector is already disabled (the caller manages
+it) it does nothing.
 """
 
 from __future__ import annotations
@@ -23,13 +25,11 @@ __all__ = ["GcPause"]
 
 
 class GcPause:
-    """The collector disabled from construction until ``resume`` (idempotent) or the ``with`` block's
-    end; ``enabled=False``, or a collector disabled already: nothing is touched."""
+    """The collector disabled from entering the ``with`` block until ``resume`` (idempotent) or the
+    block's end; ``enabled=False``, or a collector disabled already: nothing is touched."""
 
     def __init__(self, enabled: bool = True) -> None:
-        self._paused = enabled and gc.isenabled()
-        if self._paused:
-            gc.disable()
+        self._enabled, self._paused = enabled, False
 
     @property
     def paused(self) -> bool:
@@ -42,6 +42,9 @@ class GcPause:
             gc.enable()
 
     def __enter__(self) -> GcPause:
+        if self._enabled and gc.isenabled():
+            gc.disable()
+            self._paused = True
         return self
 
     def __exit__(self, *exc: object) -> None:
