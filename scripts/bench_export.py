@@ -20,7 +20,9 @@ each steady call a fixed control loop over the model's parameters is timed too
 (``host_control_us``): ``refit_cached_`` and ``stock_host_control_us_per_item`` are its medians and
 ``refit_cached_`` and ``stock_host_over_control`` the medians of the per-call ratios. The host's own speed
 moved the first figure 1.8-3.4 µs per tensor on one GPU host within half an hour; the ratio takes out part of
-that (two runs 1.31x apart in host time were 1.12x apart in the ratio), not all.
+that (two runs 1.31x apart in host time were 1.12x apart in the ratio), not all. At world size 1 the
+row also holds ``host_profile`` (cProfile's top functions over one cached export) and ``device_timeline``
+(its kernels, busy and idle time on the device's clock), for BF16 and, with ``--fp8``, FP8.
 
 Then ``interleaved`` (what the README's table shows, ``scripts/render_performance.py``): one
 warm-up round and ``--rounds`` recorded rounds, each calling stock's export, our cached export,
@@ -651,6 +653,11 @@ def run(args) -> dict:
                     row["device_timeline"][f"fp8_cached_bucket{mib}"] = device_timeline(with_bucket(mib, refit_fp8))
                 row["fp8_breakdown"] = fp8_breakdown(bridge, chunks)
                 row["host_profile"] = {"bf16_cached": host_profile(refit(True)), "fp8_cached": host_profile(refit_fp8)}
+        elif env.world_size == 1:  # where a BF16 export's host time goes (the FP8 run records both)
+            bridge.release_export_buffers()
+            timed_export(refit(True))
+            row["device_timeline"] = {"bf16_cached": device_timeline(refit(True))}
+            row["host_profile"] = {"bf16_cached": host_profile(refit(True))}
         return row if env.rank == 0 else {}
 
 
