@@ -280,8 +280,8 @@ def test_an_early_apply_reaches_the_worker_during_the_export_and_reads_nothing_b
 def test_a_steady_step_holds_collections_off_until_the_engine_applied(source_checkpoints, monkeypatch, early_apply):
     """``defer_gc``: a steady step exports and asks for the apply with the collector off and turns it on
     again as the engine's copies are let go: before the go-ahead (the worker's replay runs with it on) or,
-    applied late, once the apply returned (the replay inside it ran with it off). An open is not held
-    off, a failed export leaves it on, ``defer_gc=False`` never turns it off, and a collector the caller
+    applied late, once the apply returned (the replay inside it ran with it off). An open (the first, or
+    after a parameter was replaced) is not held off, a failed export leaves it on, ``defer_gc=False`` never turns it off, and a collector the caller
     turned off stays off. The engine still ends up with the stock export of the changed model."""
     import gc
 
@@ -338,6 +338,10 @@ def test_a_steady_step_holds_collections_off_until_the_engine_applied(source_che
         assert gc.isenabled()
         state = engine.state()
         assert [n for n in state if not torch.equal(state[n].view(torch.uint8), changed[n].view(torch.uint8))] == []
+
+        seen.clear()
+        _replace_parameters(chunks)  # planned anew: the step opens, its export not held off
+        assert session.refit(bridge, chunks).opened and ("export", True) in seen, seen
 
         seen.clear()
         fail.append(True)

@@ -232,7 +232,10 @@ class IpcSession:
         started: float,
         started_cpu: float,
     ) -> RefitStep | None:
+        planned = self._routes
         routes = self._routes_for(bridge, model, fp8)
+        if routes is not planned:
+            pause.resume()  # planned anew (a parameter replaced, another model): the step opens
         self._check_no_stale_call()
         try:
             early = self._start_early_apply() if sender and through is None else None
