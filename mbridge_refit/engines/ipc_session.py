@@ -216,10 +216,9 @@ class IpcSession:
         rank exports the same names (those not live on this layout). ``through`` wraps the
         sender's stream of every engine tensor (e.g. a check that alters a tensor on its way);
         such a step always shares its layout anew. Returns the step on the sender."""
-        started, started_cpu = time.perf_counter(), time.thread_time()
         steady = sender and through is None and self._layout is not None  # else: an open, or no apply to wait on
         with GcPause(self.defer_gc and steady) as pause:  # until the go-ahead or the apply's return (or an open)
-            return self._refit(bridge, model, fp8, sender, through, pause, started, started_cpu)
+            return self._refit(bridge, model, fp8, sender, through, pause)
 
     def _refit(
         self,
@@ -229,9 +228,8 @@ class IpcSession:
         sender: bool,
         through: Callable[[Stream], Stream] | None,
         pause: GcPause,
-        started: float,
-        started_cpu: float,
     ) -> RefitStep | None:
+        started, started_cpu = time.perf_counter(), time.thread_time()
         planned = self._routes
         routes = self._routes_for(bridge, model, fp8)
         if routes is not planned:
@@ -478,7 +476,7 @@ class IpcSession:
             signal = self._done is not None and self.overlap_follow_up
             engine_ms = self._rpc("mbridge_refit_apply", self._layout.fingerprint, signal)
         applied = time.perf_counter()
-        copies_started()
+        copies_started()  # a late apply's copies are launched (an early one resumed before its word: no-op)
         try:
             self._after_apply()  # with a signal: while the engine's copies run
         finally:

@@ -31,10 +31,6 @@ class GcPause:
     def __init__(self, enabled: bool = True) -> None:
         self._enabled, self._paused = enabled, False
 
-    @property
-    def paused(self) -> bool:
-        return self._paused
-
     def resume(self) -> None:
         """Enable the collector again (a collection that fell due runs at the next allocation)."""
         if self._paused:

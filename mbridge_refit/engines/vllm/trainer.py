@@ -107,8 +107,9 @@ class VLLMRefit(_OnVLLM, IpcSession):
     its export buffers and the workers copy those; ``IpcSession``). ``early_apply``: each steady step's
     apply RPC leaves before the export and the worker waits for the trainer's go-ahead on a local
     socket (``engines.go_ahead``; None: on over CUDA IPC, where the engine is its own process).
-    ``defer_gc``: a steady step holds Python's garbage collector off until the workers' copies are
-    launched (``runtime.gc_pause``). The session references the last refit's model parameters and shared storages until ``close``.
+    ``defer_gc``: a steady step holds Python's garbage collector off until the workers' copies are let
+    go (``runtime.gc_pause``). The session references the last refit's model parameters and shared
+    storages until ``close``.
     """
 
     def __init__(
