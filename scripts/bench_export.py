@@ -20,7 +20,12 @@ each steady call a fixed control loop over the model's parameters is timed too
 (``host_control_us``): ``refit_cached_`` and ``stock_host_control_us_per_item`` are its medians and
 ``refit_cached_`` and ``stock_host_over_control`` the medians of the per-call ratios. The host's own speed
 moved the first figure 1.8-3.4 µs per tensor on one GPU host within half an hour; the ratio takes out part of
-that (two runs 1.31x apart in host time were 1.12x apart in the ratio), not all. At world size 1 the
+that (two runs 1.31x apart in host time were 1.12x apart in the ratio), not all.
+``host_floor`` alternates, ``--rounds`` times, one steady cached export with the same consumer loop over
+the pairs one export yielded, replayed from a list by a generator that only yields (``replayed``): that
+floor is what handing out as many tensors costs this host at that moment, whatever the exporter, and
+``ours_over_yield_floor`` what the exporter adds to it; ``python_process`` what in the process could slow
+every Python step (``python_process_state``). At world size 1 the
 row also holds ``host_profile`` (cProfile's top functions over one cached export) and ``device_timeline``
 (its kernels, busy and idle time on the device's clock), for BF16 and, with ``--fp8``, FP8.
 
@@ -43,12 +48,16 @@ from __future__ import annotations
 import argparse
 import cProfile
 import datetime
+import gc
 import logging
 import pstats
 import statistics
+import sys
+import sysconfig
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -132,6 +141,43 @@ def host_control_us(items: list[torch.Tensor], passes: int = 3) -> float:
             seen[id(item)] = isinstance(item, torch.Tensor) and item.data_ptr()
         times.append(time.thread_time() - start)
     return statistics.median(times) * 1e6 / max(len(items), 1)
+
+
+def replayed(pairs: list) -> Callable[[], Iterator]:
+    """A stream of ``pairs`` as a generator that has every pair ready and only yields it: the least any
+    exporter that hands out one ``(name, tensor)`` at a time through a Python generator can cost."""
+
+    def stream() -> Iterator:
+        yield from pairs
+
+    return stream
+
+
+def host_floor_rounds(make_stream, rounds: int = 7) -> dict:
+    """Host CPU per tensor of the cached export against the yield floor, alternating on this thread.
+
+    Each round times one steady export (``timed_export``'s loop and clock) and then the same loop over
+    ``replayed`` pairs that one export yielded, held in a list (the same name and tensor objects, so
+    the same memory is touched). The floor is what handing out that many tensors costs this host at
+    that moment, whatever the exporter; the ratio is the exporter's own cost on top of it."""
+    pairs = list(make_stream())
+    floor = replayed(pairs)
+    ours_us, floor_us = [], []
+    for _ in range(rounds):
+        ours_us.append(timed_export(make_stream)[4] * 1e3 / len(pairs))
+        floor_us.append(timed_export(floor)[4] * 1e3 / len(pairs))
+    ratios = [o / f for o, f in zip(ours_us, floor_us) if f > 0]
+    return dict(
+        rounds=rounds,
+        tensors=len(pairs),
+        ours_us_per_tensor=ours_us,
+        yield_floor_us_per_tensor=floor_us,
+        median=dict(
+            ours_us_per_tensor=statistics.median(ours_us),
+            yield_floor_us_per_tensor=statistics.median(floor_us),
+            ours_over_yield_floor=statistics.median(ratios) if ratios else None,
+        ),
+    )
 
 
 def host_figures(host_ms: list[float], control_us: list[float], tensors: int) -> dict:
@@ -451,6 +497,26 @@ def host_profile(make_stream, top: int = 14) -> list[str]:
     ]
 
 
+def python_process_state() -> dict:
+    """What in this process can slow every Python step down: a trace or profile hook, ``sys.monitoring``
+    tools, a torch function mode, other threads (their GIL hand-offs), the collector's state and the heap's
+    size in objects it tracks. Recorded beside the host figures, to tell a slow process from a slow exporter."""
+    monitoring = getattr(sys, "monitoring", None)
+    return dict(
+        trace=repr(sys.gettrace()),
+        profile=repr(sys.getprofile()),
+        monitoring_tools=[monitoring.get_tool(i) for i in range(6)] if monitoring else None,
+        torch_function_mode=torch._C._is_torch_function_mode_enabled(),
+        threads=sorted(t.name for t in threading.enumerate()),
+        switch_interval_s=sys.getswitchinterval(),
+        gc_enabled=gc.isenabled(),
+        gc_thresholds=list(gc.get_threshold()),
+        gc_tracked_objects=len(gc.get_objects()),
+        python=sys.version,
+        python_cflags=sysconfig.get_config_var("PY_CFLAGS"),
+    )
+
+
 def set_fp8_launch(text: str) -> None:
     """Make the launch config described by ``text`` (``field=value`` pairs) the export's."""
     from mbridge_refit.fp8 import kernels as fp8_kernels
@@ -559,6 +625,7 @@ def run(args) -> dict:
                 buffer_bytes=bridge.export_diagnostics().buffer_bytes,
             )
         mismatches = compare_with_stock(stock(), refit(True)())
+        host_floor = host_floor_rounds(refit(True), args.rounds)
         floor, floor_pieces = clone_floor_ms(plan.total_bytes)
         gather_floor = gather_floor_ms(plan.total_bytes)
         bridge.release_export_buffers()  # the rounds' first (warm-up) round allocates ours anew
@@ -605,6 +672,8 @@ def run(args) -> dict:
             stock_tensors=results["stock"]["tensors"],
             steady_runs=steady,
             interleaved=table,
+            host_floor=host_floor,
+            python_process=python_process_state(),
             mismatches_vs_stock=mismatches,
             torch=torch.__version__,
             date=datetime.date.today().isoformat(),
@@ -691,6 +760,13 @@ def print_table(row: dict) -> None:
         f"stock {row['stock_host_us_per_tensor']:.2f} us; a control loop {row['refit_cached_host_control_us_per_item']:.3f} us "
         f"per item beside them: cached / control {_ratio(row['refit_cached_host_over_control'])}, stock / control "
         f"{_ratio(row['stock_host_over_control'])}",
+        "host CPU per tensor in alternating rounds: cached {ours_us_per_tensor:.2f} us, the yield floor (the same pairs "
+        "yielded from a list) {yield_floor_us_per_tensor:.2f} us, cached / floor {ours_over_yield_floor}".format(
+            **{
+                **row["host_floor"]["median"],
+                "ours_over_yield_floor": _ratio(row["host_floor"]["median"]["ours_over_yield_floor"]),
+            }
+        ),
         *(
             [
                 f"{'RefitBridge, cache on, FP8':28s}{row['fp8_first_ms']:10.1f}{row['fp8_steady_ms']:11.2f}{row['fp8_peak_extra_bytes'] / gb:15.3f}",

@@ -167,6 +167,25 @@ def test_host_figures_without_a_control_reading_have_no_ratio():
     assert bench.host_figures([2.0, 2.0], [0.0, 0.0], tensors=1000)["host_over_control"] is None
 
 
+def test_host_floor_rounds_alternate_the_export_with_its_pairs_replayed(monkeypatch):
+    """``host_floor_rounds``: each round times the export, then a generator yielding the very pairs one export
+    gave (same objects, same order); per tensor, with the median of the per-round ratios."""
+    pairs = [(f"w{i}", bench.torch.zeros(1)) for i in range(4)]
+    timed, host_ms = [], iter([0.008, 0.004, 0.012, 0.004, 0.010, 0.005])  # ours, floor, per round
+
+    def fake_timed_export(make_stream):
+        timed.append(list(make_stream()))
+        return 0.0, 0, len(timed[-1]), 0, next(host_ms)
+
+    monkeypatch.setattr(bench, "timed_export", fake_timed_export)
+    result = bench.host_floor_rounds(lambda: iter(pairs), rounds=3)
+    assert len(timed) == 6 and all(len(t) == 4 for t in timed)
+    assert all(a is b for t in timed[1::2] for a, b in zip(t, pairs))  # the floor hands out the same pair objects
+    assert result["ours_us_per_tensor"] == pytest.approx([2.0, 3.0, 2.5])
+    assert result["yield_floor_us_per_tensor"] == pytest.approx([1.0, 1.0, 1.25])
+    assert result["median"]["ours_over_yield_floor"] == pytest.approx(2.0)  # ratios 2.0, 3.0, 2.0
+
+
 def test_broadcast_step_bound_splits_fixed_part_from_bulk():
     """``bench_refit_vllm_broadcast.step_bound``: the fixed part is the handshake mark, the engine's reply and the
     reset; the bulk is the send less the handshake; the best ratio is the raw broadcast plus the fixed part."""

@@ -144,8 +144,11 @@ class PlanExporter:
         """Yield ``(hf_name, tensor)`` for every plan entry, or those ``needed`` (collective: every
         rank, to the end; see ``export_buckets``)."""
         for bucket in self.export_buckets(buffers, show_progress=show_progress, needed=needed):
-            for name, tensor in bucket:
-                yield name, (tensor.cpu() if cpu else tensor)
+            if cpu:
+                for name, tensor in bucket:
+                    yield name, tensor.cpu()
+            else:
+                yield from bucket  # the bucket's own pairs: no tuple made or unpacked per tensor
 
     def export_buckets(
         self,
