@@ -18,7 +18,8 @@ after which our next apply records the loader again):
   it. ``ours_late_ms``: the same session with ``early_apply=False`` (the RPC sent after the export),
   ``ours_serial_ms``: with ``overlap_follow_up=False`` (the worker waits for its copies, then the
   reset), ``ours_gc_on_ms``: with ``defer_gc=False`` (the garbage collector left on through the export
-  and the apply), each variant's steps alternated with ``ours_ms``'s; ``variant_parts_ms``: each variant's export,
+  and the apply), ``ours_check_first_ms``: with ``check_after_word=False`` (the live parameters' addresses read
+  before the go-ahead, not while the worker copies), each variant's steps alternated with ``ours_ms``'s; ``variant_parts_ms``: each variant's export,
   apply and reset-and-wait, and for early applies the go-ahead's way from the trainer's sending to the
   worker's reading it (``wake``, one host's monotonic clock; asked for after the step). ``live_tensors``: tensors the engine reads straight from the
   trainer's parameters (never exported after the first step).
@@ -332,8 +333,9 @@ def run(args) -> dict:
         parts = {variant: {"export": [], "apply": [], "reset_wait": [], "wake": []} for variant in times}
         for _ in range(args.steps):
             # alternated: ours; its apply RPC sent after the export; the reset after the copies
-            for variant, early_apply, overlap, defer_gc in VARIANTS:
+            for variant, early_apply, overlap, defer_gc, check_after_word in VARIANTS:
                 refit.early_apply, refit.overlap_follow_up, refit.defer_gc = early_apply, overlap, defer_gc
+                refit.check_after_word = check_after_word
                 trainer_before = allocations()
                 engine_before = llm.collective_rpc("mbridge_refit_memory")[0]["allocations"]
                 step = None
@@ -361,7 +363,7 @@ def run(args) -> dict:
                     early.append(step.early)
                     export_cpu.append(step.export_cpu_ms)
                     engine.append(step.engine_ms)
-        refit.early_apply, refit.overlap_follow_up, refit.defer_gc = True, True, True
+        refit.early_apply, refit.overlap_follow_up, refit.defer_gc, refit.check_after_word = True, True, True, True
         result["variant_parts_ms"] = {
             variant: {part: summary(values) for part, values in split.items() if values}
             for variant, split in parts.items()
@@ -389,6 +391,7 @@ def run(args) -> dict:
         result["ours_late_ms"] = summary(times["late"])
         result["ours_serial_ms"] = summary(times["serial"])
         result["ours_gc_on_ms"] = summary(times["gc_on"])
+        result["ours_check_first_ms"] = summary(times["check_first"])
         result["vllm_native_stock_ms"] = summary(stock_times) if stock_times else None
         if fp8:
             result["ours_fp8_ms"] = result["ours_ms"]
@@ -407,6 +410,7 @@ def run(args) -> dict:
             "ours_late_over_floor": round(result["ours_late_ms"]["median"] / result["floor_ms"], 2),
             "ours_serial_over_floor": round(result["ours_serial_ms"]["median"] / result["floor_ms"], 2),
             "ours_gc_on_over_floor": round(result["ours_gc_on_ms"]["median"] / result["floor_ms"], 2),
+            "ours_check_first_over_floor": round(result["ours_check_first_ms"]["median"] / result["floor_ms"], 2),
             "stock_native_over_ours": round(result["vllm_native_stock_ms"]["median"] / ours_median, 2)
             if stock_times
             else None,
@@ -417,11 +421,12 @@ def run(args) -> dict:
 
 
 # (name, early apply, the follow-up while the copies run, the collector held off until the apply)
-VARIANTS = (
-    ("ours", True, True, True),
-    ("late", False, True, True),
-    ("serial", True, False, True),
-    ("gc_on", True, True, False),
+VARIANTS = (  # name, early_apply, overlap_follow_up, defer_gc, check_after_word
+    ("ours", True, True, True, True),
+    ("late", False, True, True, True),
+    ("serial", True, False, True, True),
+    ("gc_on", True, True, False, True),
+    ("check_first", True, True, True, False),
 )
 
 
@@ -458,6 +463,7 @@ def main() -> None:
                     "ours_late_ms",
                     "ours_serial_ms",
                     "ours_gc_on_ms",
+                    "ours_check_first_ms",
                     "floor_ms",
                     "vllm_native_stock_ms",
                     "vllm_load_weights_ms",

@@ -25,6 +25,12 @@ GPU); the vLLM engine runs in its own process on the same GPU. Steps, each check
    that every token uses (an attention output projection: a perturbed expert a prompt never
    routes to moves no logprob, but its fingerprint).
 
+6. Memory moved under an early apply (``IpcSession.check_after_word``): one live parameter's ``.data``
+   swapped for a copy, another's storage offloaded the way trainers free it (``resize_(0)``,
+   ``torch.cuda.empty_cache()``, then resized and written back: new memory), then a refit. The
+   worker copies the old memory before the trainer finds the move, so the step must open anew, equal the
+   disk-loaded engine bit for bit, and raise no CUDA error; the next refit replays, exactly.
+
 The prompt-logprob oracle is bitwise stable only with vLLM's batch-invariant kernels: the script runs
 with ``VLLM_BATCH_INVARIANT=1`` unless the environment sets it (``batch_invariant`` in the result; on an
 H200, a broadcast check run with it off had every fingerprint equal and the logprobs not).
@@ -131,6 +137,55 @@ def verify_against_trainer(
     }
 
 
+def moved_memory_refit(refit, bridge, chunks, fp8, disk: dict, checks: dict) -> dict:
+    """Step 6 (module docstring): the values stay the disk's, only where they live changes."""
+    from mbridge_refit.engines.fingerprint import differing
+
+    live = refit.live_parameters
+    swapped, offloaded = live[0], live[-1]
+    storage = offloaded.untyped_storage()
+    whole = torch.empty(0, dtype=torch.uint8, device=offloaded.device).set_(storage)
+    saved, old = whole.cpu(), (swapped.data_ptr(), storage.data_ptr())
+    with torch.no_grad():
+        swapped.data = swapped.detach().clone()
+        storage.resize_(0)
+        torch.cuda.empty_cache()
+        storage.resize_(saved.numel())
+        torch.empty(0, dtype=torch.uint8, device=offloaded.device).set_(storage).copy_(saved)
+    torch.cuda.synchronize()
+    moved = (swapped.data_ptr(), storage.data_ptr())
+    found = _LogLines("mbridge_refit.engines.ipc_session")
+    with found:
+        step = refit.refit(bridge, chunks, fp8=fp8)
+    checks["moved_memory_found_after_the_word"] = any("data moved" in line for line in found.lines)
+    checks["moved_memory_refit_opens_anew"] = step.opened
+    checks["moved_memory_refit_equal_disk"] = not differing(disk, refit.fingerprints())
+    again = refit.refit(bridge, chunks, fp8=fp8)
+    checks["after_moved_memory_replays_exactly"] = not again.opened and not differing(disk, refit.fingerprints())
+    return {"moved": [a != b for a, b in zip(old, moved)], "log": found.lines[-3:]}
+
+
+class _LogLines(logging.Handler):
+    """The records one logger emits inside a ``with`` block, as lines."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(logging.INFO)
+        self.logger, self.lines = logging.getLogger(name), []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def __enter__(self) -> "_LogLines":
+        self.level_before = self.logger.level
+        self.logger.setLevel(logging.INFO)
+        self.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self.level_before)
+
+
 def run(args) -> dict:
     from mbridge_refit.engines.fingerprint import differing
     from mbridge_refit.engines.vllm import VLLMRefit, prompt_logprobs
@@ -202,6 +257,7 @@ def run(args) -> dict:
         refit.refit(bridge, chunks, fp8=fp8)
         checks["clean_refit_after_perturbation_equal_disk"] = not differing(disk, refit.fingerprints())
         checks["prompt_logprobs_equal_disk_at_end"] = prompt_logprobs(llm, batch) == disk_logprobs
+        result["moved_memory"] = moved_memory_refit(refit, bridge, chunks, fp8, disk, checks)
         every_token = next(
             e.hf_name
             for e in bridge.export_plan(chunks, fp8=fp8).entries

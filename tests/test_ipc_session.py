@@ -143,12 +143,15 @@ def test_an_early_apply_reaches_the_worker_during_the_export_and_reads_nothing_b
     source_checkpoints, monkeypatch
 ):
     """``early_apply``: a steady step's apply RPC arrives while the trainer still exports, and the worker
-    replays only after the export ended; a step whose layout changed tells the waiting worker to skip,
-    then opens; a failed export leaves no worker waiting. Oracle: the stock export of the changed model."""
+    replays only after the export ended; the live parameters' addresses are read after the word, while it
+    copies, and a ``.data`` swap found there opens the layout anew before the step returns; a step whose
+    parameters were replaced tells the waiting worker to skip, then opens; a failed export leaves no worker
+    waiting. Oracle: the stock export of the changed model."""
     from mbridge_refit.bridge import RefitBridge
     from mbridge_refit.convert.session import distributed_session
     from mbridge_refit.engines.apply_plan import ApplyPlan
-    from mbridge_refit.engines.go_ahead import GoAheadError, GoAheadWaiter
+    from mbridge_refit.engines import ipc_session
+    from mbridge_refit.engines.go_ahead import GoAheadError, GoAheadLine, GoAheadWaiter
     from mbridge_refit.errors import TransportError
     from mbridge_refit.models.builder import BuildOptions, build_model
     from mbridge_refit.plan.layout import ParallelLayout
@@ -166,8 +169,12 @@ def test_an_early_apply_reaches_the_worker_during_the_export_and_reads_nothing_b
             events.append(("returned", result))
         return pickle.loads(pickle.dumps([result]))
 
-    replay = ApplyPlan.replay
+    replay, send, pointers = ApplyPlan.replay, GoAheadLine.send, ipc_session.live_pointers
     monkeypatch.setattr(ApplyPlan, "replay", lambda plan: (events.append(("replay", time.monotonic())), replay(plan)))
+    monkeypatch.setattr(GoAheadLine, "send", lambda *a: (events.append(("word", time.monotonic())), send(*a))[1])
+    monkeypatch.setattr(
+        ipc_session, "live_pointers", lambda p: (events.append(("pointers", time.monotonic())), pointers(p))[1]
+    )
     session = IpcSession(
         call_workers,
         transport=LocalTransport(),
@@ -201,17 +208,26 @@ def test_an_early_apply_reaches_the_worker_during_the_export_and_reads_nothing_b
         changed = change_weights(bridge, chunks)
         second = session.refit(bridge, chunks)
         assert not second.opened and second.early and state_is(changed) == []
-        marks = dict((what, at) for what, at in events if what in ("arrived", "exported", "replay"))
-        assert marks["arrived"] < marks["exported"] < marks["replay"], events
+        marks = dict((what, at) for what, at in events if what in ("arrived", "exported", "replay", "word", "pointers"))
+        assert marks["arrived"] < marks["exported"] < marks["word"] < marks["replay"], events
+        assert marks["word"] < marks["pointers"], events  # read while the worker copies
 
         events.clear()
-        _swap_a_live_parameter(chunks)
+        _swap_a_live_parameter(chunks)  # found after the word: its old storage copied, then the layout shared anew
         changed = {name: t.clone() for name, t in bridge.export_hf_weights_stock(chunks, show_progress=False)}
         third = session.refit(bridge, chunks)
         assert third.opened and state_is(changed) == []
-        whats = [what for what, _ in events if what != "exported"]
-        assert whats[:2] == ["arrived", "returned"], events  # skipped: no replay between
-        assert ("returned", None) in events, events
+        whats = [what for what, _ in events if what not in ("exported", "pointers")]
+        assert whats[:4] == ["arrived", "word", "replay", "returned"], events
+        assert ("returned", None) not in events, events
+
+        events.clear()
+        _replace_parameters(chunks)  # new objects: found before the word, the worker skips
+        changed = {name: t.clone() for name, t in bridge.export_hf_weights_stock(chunks, show_progress=False)}
+        replaced = session.refit(bridge, chunks)
+        assert replaced.opened and state_is(changed) == []
+        whats = [what for what, _ in events if what not in ("exported", "pointers")]
+        assert whats[:3] == ["arrived", "word", "returned"] and ("returned", None) in events, events
 
         events.clear()
         monkeypatch.setattr(bridge, "export_hf_weight_buckets", lambda *a, **k: (_ for _ in ()).throw(OSError("lost")))
@@ -223,6 +239,14 @@ def test_an_early_apply_reaches_the_worker_during_the_export_and_reads_nothing_b
         changed = change_weights(bridge, chunks)
         fourth = session.refit(bridge, chunks)
         assert not fourth.opened and fourth.early and state_is(changed) == []
+
+        session.check_after_word, changed = False, change_weights(bridge, chunks)
+        events.clear()
+        checked_first = session.refit(bridge, chunks)  # the addresses read before the word
+        assert not checked_first.opened and checked_first.early and state_is(changed) == []
+        marks = dict((what, at) for what, at in events if what in ("pointers", "word"))
+        assert marks["pointers"] < marks["word"], events
+        session.check_after_word = True
 
         waited = GoAheadWaiter.wait
 

@@ -23,8 +23,11 @@ over CUDA IPC) the apply RPC leaves before the export, on a thread, and the work
 checks while the trainer exports, then waits for the trainer's go-ahead (``engines.go_ahead``: one
 message on a local socket, sent once the export is done and the device synchronized): the RPC's
 way to the worker and the worker's look at its parameters cost the step nothing, and the worker
-still reads nothing of the trainer's before the trainer's own checks passed. A step whose layout
-changed tells the waiting worker to skip, then opens. An early apply that fails (a word that came after
+reads nothing of the trainer's before the export is done and found where the last one was. The
+live parameters' addresses are read after the word, while the copies run: a parameter whose data
+moved has had its old memory copied (still allocated: the session holds the storage, and CUDA IPC
+keeps a block the engine maps from reuse), and the step then opens anew before it returns. A step
+whose exported tensors moved tells the waiting worker to skip, then opens. An early apply that fails (a word that came after
 the worker's wait gave up, a slow collective export) drops the line: the step is applied after its
 export, and so are later ones until the next open; a real fault raises there. No bytes are packed or staged, nothing is allocated after the
 first step on either side. A steady step that finds the export's tensors to be the last step's very
@@ -47,8 +50,10 @@ with the old ones; its failure fails the step). The trainer then:
 * ``session.close()`` before the trainer frees the model or the bridge's buffers.
 
 A parameter the model replaces between steps (a new object, ``module.weight = Parameter(...)``, or a
-``param.data`` swap) is noticed at the next refit, which shares the layout anew: the engine never
-reads the old storage the session still holds.
+``param.data`` swap) is noticed at the next refit, which shares the layout anew: when it returns, the
+engine holds the parameter's current data. A new object is noticed before anything is copied; a
+``.data`` swap, on a step applied early, while the worker copies from the old storage the session
+still holds (above).
 
 Scope: one trainer rank feeds one engine worker on its GPU (engine tensor parallel size 1; above,
 ``engines.sharded_ipc``); the engine process must not be the trainer's own (an engine inside it
@@ -61,7 +66,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -128,28 +133,32 @@ class _Routes:
 class IpcSession:
     """A refit session from this trainer process into one engine on the same GPU (module docstring).
 
-    ``call_workers``: ``(method, *args) -> list`` of the workers' results (the adapter bounds it).
-    ``ignored``: exported names the engine skips, for a bridge. ``after_weights_written``: called
-    after every open and replay (the engine's own follow-up). ``check_first_refit``: the engine
-    proves its recorded copies against its own loader on every open (costs one more pass over the
-    weights, once). ``allow_partial``: accept an export that leaves engine parameters unwritten or
-    has tensors the engine does not load (a subset refit). ``overlap_follow_up``: where the engine
-    signals the end of its copies by event (CUDA IPC), run ``after_weights_written`` while they run
-    (off: the apply RPC returns when they are done, then the follow-up; an attribute, read each
-    step). ``engine_quantizes``: with ``fp8``, the engine quantizes the weights that are whole-block rows
-    of a trainer parameter itself (module docstring; off: exported like the rest). ``early_apply``: send
-    each steady step's apply RPC before the export, its worker waiting for the go-ahead (module
-    docstring; None: where the transport is CUDA IPC, an engine of its own process; the engine must
-    accept the line at the open, else applies come late; an attribute, read each step, the line offered
-    at an open where it is on). ``defer_gc``: a steady step on the sender (an open layout, no ``through``) holds Python's
-    garbage collector off from its start until the engine's copies are let go (the go-ahead, or the late
-    apply's return), so that a collection falling due then runs while they do (``runtime.gc_pause``; where
-    the collector is enabled; an attribute, read each step). ``timeout_s`` bounds the wait for the
-    engine's signal and the worker's wait for a go-ahead. The session references the last
-    refit's model parameters, shared storages and exported tensors (``ExportSnapshot``) until ``close``,
-    and, for the weights the engine quantizes, their e4m3 data and scales as quantized at the last open
-    (the engine records its loader from them, and quantizes into them where its loader does more than
-    copy them whole).
+        ``call_workers``: ``(method, *args) -> list`` of the workers' results (the adapter bounds it).
+        ``ignored``: exported names the engine skips, for a bridge. ``after_weights_written``: called
+        after every open and replay (the engine's own follow-up). ``check_first_refit``: the engine
+        proves its recorded copies against its own loader on every open (costs one more pass over the
+        weights, once). ``allow_partial``: accept an export that leaves engine parameters unwritten or
+        has tensors the engine does not load (a subset refit). ``overlap_follow_up``: where the engine
+        signals the end of its copies by event (CUDA IPC), run ``after_weights_written`` while they run
+        (off: the apply RPC returns when they are done, then the follow-up; an attribute, read each
+        step). ``engine_quantizes``: with ``fp8``, the engine quantizes the weights that are whole-block rows
+        of a trainer parameter itself (module docstring; off: exported like the rest). ``early_apply``: send
+        each steady step's apply RPC before the export, its worker waiting for the go-ahead (module
+        docstring; None: where the transport is CUDA IPC, an engine of its own process; the engine must
+        accept the line at the open, else applies come late; an attribute, read each step, the line offered
+        at an open where it is on). ``defer_gc``: a steady step on the sender (an open layout, no ``through``) holds Python's
+        garbage collector off from its start until the engine's copies are let go (the go-ahead, or the late
+        apply's return), so that a collection falling due then runs while they do (``runtime.gc_pause``; where
+        the collector is enabled; an attribute, read each step). ``check_after_word``: on a steady step applied
+    early, read the live parameters' addresses after the go-ahead, while the worker copies, and open anew
+    over its copies where one moved (``_apply_checking_after_word``); off: before the go-ahead, so that the
+    worker never reads a moved parameter's old memory, at the cost of that read on the step's critical path
+    (an attribute, read each step). ``timeout_s`` bounds the wait for the
+        engine's signal and the worker's wait for a go-ahead. The session references the last
+        refit's model parameters, shared storages and exported tensors (``ExportSnapshot``) until ``close``,
+        and, for the weights the engine quantizes, their e4m3 data and scales as quantized at the last open
+        (the engine records its loader from them, and quantizes into them where its loader does more than
+        copy them whole).
     """
 
     def __init__(
@@ -165,10 +174,12 @@ class IpcSession:
         engine_quantizes: bool = True,
         early_apply: bool | None = None,
         defer_gc: bool = True,
+        check_after_word: bool = True,
         timeout_s: float = 600.0,
     ) -> None:
         self.call_workers = call_workers
         self.defer_gc = defer_gc
+        self.check_after_word = check_after_word
         self.engine_quantizes = engine_quantizes
         self.overlap_follow_up = overlap_follow_up
         self.timeout_s = timeout_s
@@ -250,13 +261,50 @@ class IpcSession:
             raise
         if exported is None:
             return None
-        snapshot, key = exported
-        if through is None and self._layout is not None and key == self._key:
+        snapshot, exported_key = exported
+        last = self._key if through is None and self._layout is not None else None
+        checked_after = early is not None and self.check_after_word and routes is planned
+        if checked_after and isinstance(last, _StepKey) and last.exported == exported_key:
+            return self._apply_checking_after_word(routes, snapshot, last, started, export_cpu_ms, early, pause)
+        key = _StepKey(exported_key, live_pointers(routes.live_parameters))
+        if key == last:
             return self._apply(started, export_cpu_ms, early, copies_started=pause.resume)
         pause.resume()  # an open: seconds of work, not worth holding collections over
         self._end_early_apply(early, apply=False)  # the layout changed: the worker leaves it, the step opens
         tensors = dict(snapshot.pairs(routes.ignored))
         return self._open_step(routes, tensors, key if through is None else None, through, started)
+
+    def _apply_checking_after_word(
+        self,
+        routes: _Routes,
+        snapshot: ExportSnapshot,
+        last: _StepKey,
+        started: float,
+        export_cpu_ms: float,
+        early: _EarlyApply,
+        pause: GcPause,
+    ) -> RefitStep:
+        """A steady step whose exported tensors are where the last step's were, with its worker waiting:
+        the word goes first, and the live parameters' addresses (``live_pointers``: thousands of them for
+        a many-expert model, each a few dependent memory reads) are read while the copies run. A
+        parameter whose data moved since (a ``.data`` swap, its storage resized) has then had its old
+        memory copied: still allocated, since the session holds the storage and CUDA IPC keeps a block
+        the engine maps from reuse, and still not the parameter's. The step then shares the layout anew
+        before it returns, so the engine holds the parameter's data when ``refit`` returns, as always."""
+        read: list[tuple[int, ...]] = []
+        step = self._apply(
+            started,
+            export_cpu_ms,
+            early,
+            copies_started=pause.resume,
+            after_word=lambda: read.append(live_pointers(routes.live_parameters)),
+        )
+        pointers = read[0] if read else live_pointers(routes.live_parameters)
+        if pointers == last.pointers:
+            return step
+        logger.info("refit: a live parameter's data moved: sharing the layout anew over this step's copies")
+        tensors = dict(snapshot.pairs(routes.ignored))
+        return self._open_step(routes, tensors, _StepKey(last.exported, pointers), None, started)
 
     def _export(
         self,
@@ -267,8 +315,8 @@ class IpcSession:
         sender: bool,
         through: Callable[[Stream], Stream] | None,
     ) -> tuple[ExportSnapshot, tuple] | None:
-        """The step's export (collective) and, on the sender, its tensors with the step's key: where the
-        exported tensors are and where the live parameters' bytes are (a ``.data`` swap changes it)."""
+        """The step's export (collective) and, on the sender, its tensors with where they are (the first
+        half of the step's ``_StepKey``)."""
         buckets = bridge.export_hf_weight_buckets(
             model, reuse_buffer_from_cache=True, hold_outputs=True, fp8=fp8, show_progress=False, only=routes.exported
         )
@@ -279,7 +327,7 @@ class IpcSession:
         snapshot = ExportSnapshot(list(buckets), owner=routes)  # held outputs: valid until the next export
         exported = self._exported_key(snapshot, routes.ignored)
         self._steady = (snapshot, exported) if through is None else None
-        return snapshot, (exported, live_pointers(routes.live_parameters))
+        return snapshot, exported
 
     def _start_early_apply(self) -> _EarlyApply | None:
         """The steady step's apply RPC, sent now on a thread (its worker checks its side, then waits for
@@ -303,9 +351,10 @@ class IpcSession:
         apply: bool,
         quiet: bool = False,
         before_word: Callable[[], None] = lambda: None,
+        after_word: Callable[[], None] = lambda: None,
     ) -> list | None:
-        """Give ``early``'s worker the word (``before_word`` called just before it), then its RPC's results;
-        None where there was none or it failed.
+        """Give ``early``'s worker the word (``before_word`` called just before it, ``after_word`` just after
+        it, while the worker copies), then its RPC's results; None where there was none or it failed.
         A failure drops the line (the step, and later ones until the next open, apply after the export: a
         worker whose word came too late, or whose apply failed, is asked again the old way, where a real
         fault raises). An RPC still running after ``timeout_s`` raises (``quiet``: only logged, the step
@@ -322,6 +371,7 @@ class IpcSession:
                 "refit: the go-ahead line failed (%s): applies come after the export until the next open", err
             )
             self._drop_go_ahead()
+        after_word()
         try:
             return early.call.result(self.timeout_s)
         except Exception as err:
@@ -465,11 +515,12 @@ class IpcSession:
         export_cpu_ms: float | None = None,
         early: _EarlyApply | None = None,
         copies_started: Callable[[], None] = lambda: None,
+        after_word: Callable[[], None] = lambda: None,
     ) -> RefitStep:
         exported = time.perf_counter()
         # the collector back on as the worker's copies are let go (early), or once the apply returned (late);
         # an early RPC that outlived its timeout raises here
-        results = self._end_early_apply(early, apply=True, before_word=copies_started)
+        results = self._end_early_apply(early, apply=True, before_word=copies_started, after_word=after_word)
         if results is not None:
             signal, engine_ms = early.signal, (results[0] if results else None)
         else:
@@ -622,6 +673,14 @@ def _plan_routes(
         live_parameters=tuple(parameters.values()),
         registrations=registration_count(),  # after the bridge looked its parameters up again
     )
+
+
+class _StepKey(NamedTuple):
+    """Where a step's engine tensors were: the exported ones (``IpcSession._exported_key``) and the live
+    parameters' bytes (``live_pointers``). A step that finds both where the open found them replays."""
+
+    exported: tuple
+    pointers: tuple[int, ...]
 
 
 @dataclass(frozen=True)

@@ -108,7 +108,9 @@ class VLLMRefit(_OnVLLM, IpcSession):
     apply RPC leaves before the export and the worker waits for the trainer's go-ahead on a local
     socket (``engines.go_ahead``; None: on over CUDA IPC, where the engine is its own process).
     ``defer_gc``: a steady step holds Python's garbage collector off until the workers' copies are let
-    go (``runtime.gc_pause``). The session references the last refit's model parameters and shared
+    go (``runtime.gc_pause``). ``check_after_word``: the live parameters' addresses are read after the
+    go-ahead, while the workers copy, and a step that finds one moved opens anew over its copies (off: read
+    before it; ``IpcSession``). The session references the last refit's model parameters and shared
     storages until ``close``.
     """
 
@@ -125,6 +127,7 @@ class VLLMRefit(_OnVLLM, IpcSession):
         engine_quantizes: bool = True,
         early_apply: bool | None = None,
         defer_gc: bool = True,
+        check_after_word: bool = True,
     ) -> None:
         self.llm = llm
         self.reset_prefix_cache = reset_prefix_cache
@@ -140,6 +143,7 @@ class VLLMRefit(_OnVLLM, IpcSession):
             engine_quantizes=engine_quantizes,
             early_apply=early_apply,
             defer_gc=defer_gc,
+            check_after_word=check_after_word,
             timeout_s=timeout_s,
         )
 
