@@ -18,9 +18,10 @@ import pytest
 import torch
 from conftest import REPO, loaded_model
 
-from mbridge_refit.engines.ipc import RefitReceiver
 from mbridge_refit.engines.ipc_session import IpcSession
 from mbridge_refit.engines.sharing import LocalTransport
+from mbridge_refit.testing.copy_engine import CopyEngine
+from mbridge_refit.testing.copy_engine import CopyEngineWorker as Worker
 
 sys.path.insert(0, str(REPO / "tests" / "ranks"))
 from oracle import read_checkpoint  # noqa: E402
@@ -29,43 +30,11 @@ from rank_checks import change_weights  # noqa: E402
 SKIPPED = "model.norm.weight"  # a name this engine does not have: its adapter says it skips it
 
 
-class Engine(torch.nn.Module):
-    """An engine of its own: one parameter per HF tensor it loads (dots as ``__``), loaded by copies."""
+class Engine(CopyEngine):
+    """The stand-in engine, without the name its adapter skips."""
 
     def __init__(self, hf: dict[str, torch.Tensor]) -> None:
-        super().__init__()
-        self.params = torch.nn.ParameterDict(
-            {
-                name.replace(".", "__"): torch.nn.Parameter(torch.zeros_like(t), requires_grad=False)
-                for name, t in hf.items()
-                if name != SKIPPED
-            }
-        )
-
-    def load_weights(self, weights):
-        for name, tensor in weights:
-            self.params[name.replace(".", "__")].data.copy_(tensor)
-
-    def state(self) -> dict[str, torch.Tensor]:
-        return {name.replace("__", "."): p.data for name, p in self.params.items()}
-
-
-class Worker:
-    """The engine's worker: the RPCs of ``engines.base.RefitWorker`` the colocated transport calls."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.receiver = RefitReceiver(engine, torch.device("cpu"))
-
-    def mbridge_refit_open(self, wire, payload, transport, check, allow_partial, completion=False, go_ahead=None):
-        return self.receiver.open(
-            wire, payload, transport, check=check, allow_partial=allow_partial, completion=completion, go_ahead=go_ahead
-        )
-
-    def mbridge_refit_apply(self, fingerprint, signal=False, go=None):
-        return self.receiver.apply(fingerprint, signal=signal, go=go)
-
-    def mbridge_refit_close(self):
-        self.receiver.close()
+        super().__init__(hf, skipped={SKIPPED})
 
 
 def test_an_engine_adapter_of_its_own_refits_through_ipc_session_exactly(source_checkpoints):
@@ -149,8 +118,8 @@ def test_an_early_apply_reaches_the_worker_during_the_export_and_reads_nothing_b
     waiting. Oracle: the stock export of the changed model."""
     from mbridge_refit.bridge import RefitBridge
     from mbridge_refit.convert.session import distributed_session
-    from mbridge_refit.engines.apply_plan import ApplyPlan
     from mbridge_refit.engines import ipc_session
+    from mbridge_refit.engines.apply_plan import ApplyPlan
     from mbridge_refit.engines.go_ahead import GoAheadError, GoAheadLine, GoAheadWaiter
     from mbridge_refit.errors import TransportError
     from mbridge_refit.models.builder import BuildOptions, build_model
@@ -857,3 +826,39 @@ def test_a_step_through_a_check_loads_what_arrives_even_for_weights_the_engine_q
         again = session.refit(bridge, chunks, fp8="blockwise")
         assert again.opened and again.report["quantized_in_place"] > 0 and engine.differs(expected) == []
         session.close()
+
+
+def test_a_step_the_sender_refuses_still_runs_its_collective_export(source_checkpoints, tmp_path):
+    """Two ranks at TP 2; the sender refuses a step while an earlier apply RPC still runs, after its
+    export ran on both ranks, and every later step leaves the engine holding the trainer's weights of
+    that step (oracle: every parameter filled with the step's number; tests/ranks/ipc_refused_step_check.py)."""
+    import json
+
+    from conftest import torchrun
+
+    checker = str(REPO / "tests" / "ranks" / "ipc_refused_step_check.py")
+    run = torchrun(2, [checker, "--hf", str(source_checkpoints("qwen3-tiny")), "--result", str(tmp_path), "--tp", "2"])
+    assert run.returncode == 0, run.output[-6000:]
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [s["outcome"] for s in reports[0]["steps"]][2] == "TransportError", reports
+
+
+def test_close_releases_the_session_s_references_even_when_the_engine_cannot_be_told():
+    """An engine that is gone: ``close`` raises its error once, after the session dropped the storages, the
+    routes and the exported tensors it held (the caller frees the model next)."""
+    engine = Engine({"a": torch.zeros(8)})
+    worker = Worker(engine)
+    tensor = torch.arange(8, dtype=torch.float32)
+    session = IpcSession(
+        lambda method, *args: [getattr(worker, method)(*args)], transport=LocalTransport(), early_apply=False
+    )
+    assert session.refit_stream([("a", tensor)]).opened and torch.equal(engine.state()["a"], tensor)
+
+    def gone(method, *args):
+        raise ConnectionError("the engine is gone")
+
+    session.call_workers = gone
+    with pytest.raises(ConnectionError, match="gone"):
+        session.close()
+    assert session._held == [] and session._layout is None and session._payload is None
+    session.close()  # nothing left to tell the engine: no error

@@ -245,11 +245,12 @@ class IpcSession:
         routes = self._routes_for(bridge, model, fp8)
         if routes is not planned:
             pause.resume()  # planned anew (a parameter replaced, another model): the step opens
-        self._check_no_stale_call()
         try:
+            self._check_no_stale_call()
             early = self._start_early_apply() if sender and through is None else None
         except BaseException:
             self._drop_go_ahead()  # an RPC may have left without its word: the line's close ends its wait
+            self._export_refused(bridge, model, fp8, routes)
             raise
         try:
             exported = self._export(bridge, model, fp8, routes, sender, through)
@@ -328,6 +329,16 @@ class IpcSession:
         exported = self._exported_key(snapshot, routes.ignored)
         self._steady = (snapshot, exported) if through is None else None
         return snapshot, exported
+
+    def _export_refused(self, bridge: ExportsWeights, model: Model, fp8: Any, routes: _Routes) -> None:
+        """A step the sender refuses before its export still runs the export to the end, tensors dropped:
+        it is collective, and a rank that skipped it would pair its next export with its peers' export of
+        this step, mixing two steps' shards without an error. A failure of that export is logged, and the
+        refusal raised."""
+        try:
+            self._export(bridge, model, fp8, routes, sender=False, through=None)
+        except Exception as err:
+            logger.warning("refit: the refused step's export, run for the other ranks, failed too: %s", err)
 
     def _start_early_apply(self) -> _EarlyApply | None:
         """The steady step's apply RPC, sent now on a thread (its worker checks its side, then waits for
@@ -605,9 +616,15 @@ class IpcSession:
         return {name: tuple(fp) for name, fp in self._rpc("mbridge_refit_fingerprints").items()}
 
     def close(self) -> None:
-        """Tell the engine to forget the mapped tensors, then release them."""
-        if self._layout is not None:
-            self._rpc("mbridge_refit_close")
+        """Tell the engine to forget the mapped tensors, then release them (also where the engine cannot
+        be told: its failure is raised once they are released)."""
+        try:
+            if self._layout is not None:
+                self._rpc("mbridge_refit_close")
+        finally:
+            self._release()
+
+    def _release(self) -> None:
         self._release_payload()
         self._layout, self._key, self._held, self._rows_out, self._routes = None, None, [], {}, None
         self._quantized_out = {}
