@@ -736,7 +736,7 @@ def _ratio(value: float | None) -> str:
 
 
 def print_table(row: dict) -> None:
-    gb = 1e9
+    gb, floor = 1e9, row["host_floor"]["median"]
     lines = [
         f"device {row['device']} x{row['world_size']}  model {row['model']}  layout {row['layout']}  "
         f"{row['tensors']} tensors, {row['bytes'] / gb:.2f} GB",
@@ -760,13 +760,9 @@ def print_table(row: dict) -> None:
         f"stock {row['stock_host_us_per_tensor']:.2f} us; a control loop {row['refit_cached_host_control_us_per_item']:.3f} us "
         f"per item beside them: cached / control {_ratio(row['refit_cached_host_over_control'])}, stock / control "
         f"{_ratio(row['stock_host_over_control'])}",
-        "host CPU per tensor in alternating rounds: cached {ours_us_per_tensor:.2f} us, the yield floor (the same pairs "
-        "yielded from a list) {yield_floor_us_per_tensor:.2f} us, cached / floor {ours_over_yield_floor}".format(
-            **{
-                **row["host_floor"]["median"],
-                "ours_over_yield_floor": _ratio(row["host_floor"]["median"]["ours_over_yield_floor"]),
-            }
-        ),
+        f"host CPU per tensor in alternating rounds: cached {floor['ours_us_per_tensor']:.2f} us, the yield floor "
+        f"(the same pairs yielded from a list) {floor['yield_floor_us_per_tensor']:.2f} us, cached / floor "
+        f"{_ratio(floor['ours_over_yield_floor'])}",
         *(
             [
                 f"{'RefitBridge, cache on, FP8':28s}{row['fp8_first_ms']:10.1f}{row['fp8_steady_ms']:11.2f}{row['fp8_peak_extra_bytes'] / gb:15.3f}",

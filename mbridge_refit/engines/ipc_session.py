@@ -27,10 +27,10 @@ reads nothing of the trainer's before the export is done and found where the las
 live parameters' addresses are read after the word, while the copies run: a parameter whose data
 moved has had its old memory copied (still allocated: the session holds the storage, and CUDA IPC
 keeps a block the engine maps from reuse), and the step then opens anew before it returns. A step
-whose exported tensors moved tells the waiting worker to skip, then opens. An early apply that fails (a word that came after
-the worker's wait gave up, a slow collective export) drops the line: the step is applied after its
-export, and so are later ones until the next open; a real fault raises there. No bytes are packed or staged, nothing is allocated after the
-first step on either side. A steady step that finds the export's tensors to be the last step's very
+whose exported tensors moved tells the waiting worker to skip, then opens. An early apply that fails
+(a word that came after the worker's wait gave up, a slow collective export) drops the line: the
+step is applied after its export, and so are later ones until the next open; a real fault raises
+there. No bytes are packed or staged, nothing is allocated after the first step on either side. A steady step that finds the export's tensors to be the last step's very
 objects at the same addresses (``engines.sharing.ExportSnapshot``: stamped buckets by their stamps,
 ``runtime.stamps``, the others tensor by tensor) notes none of them anew; any other export is noted
 tensor by tensor and, where it moved, shared anew.
@@ -133,32 +133,30 @@ class _Routes:
 class IpcSession:
     """A refit session from this trainer process into one engine on the same GPU (module docstring).
 
-        ``call_workers``: ``(method, *args) -> list`` of the workers' results (the adapter bounds it).
-        ``ignored``: exported names the engine skips, for a bridge. ``after_weights_written``: called
-        after every open and replay (the engine's own follow-up). ``check_first_refit``: the engine
-        proves its recorded copies against its own loader on every open (costs one more pass over the
-        weights, once). ``allow_partial``: accept an export that leaves engine parameters unwritten or
-        has tensors the engine does not load (a subset refit). ``overlap_follow_up``: where the engine
-        signals the end of its copies by event (CUDA IPC), run ``after_weights_written`` while they run
-        (off: the apply RPC returns when they are done, then the follow-up; an attribute, read each
-        step). ``engine_quantizes``: with ``fp8``, the engine quantizes the weights that are whole-block rows
-        of a trainer parameter itself (module docstring; off: exported like the rest). ``early_apply``: send
-        each steady step's apply RPC before the export, its worker waiting for the go-ahead (module
-        docstring; None: where the transport is CUDA IPC, an engine of its own process; the engine must
-        accept the line at the open, else applies come late; an attribute, read each step, the line offered
-        at an open where it is on). ``defer_gc``: a steady step on the sender (an open layout, no ``through``) holds Python's
-        garbage collector off from its start until the engine's copies are let go (the go-ahead, or the late
-        apply's return), so that a collection falling due then runs while they do (``runtime.gc_pause``; where
-        the collector is enabled; an attribute, read each step). ``check_after_word``: on a steady step applied
-    early, read the live parameters' addresses after the go-ahead, while the worker copies, and open anew
-    over its copies where one moved (``_apply_checking_after_word``); off: before the go-ahead, so that the
-    worker never reads a moved parameter's old memory, at the cost of that read on the step's critical path
-    (an attribute, read each step). ``timeout_s`` bounds the wait for the
-        engine's signal and the worker's wait for a go-ahead. The session references the last
-        refit's model parameters, shared storages and exported tensors (``ExportSnapshot``) until ``close``,
-        and, for the weights the engine quantizes, their e4m3 data and scales as quantized at the last open
-        (the engine records its loader from them, and quantizes into them where its loader does more than
-        copy them whole).
+    ``call_workers``: ``(method, *args) -> list`` of the workers' results (the adapter bounds it). ``ignored``:
+    exported names the engine skips, for a bridge. ``after_weights_written``: called after every open and replay
+    (the engine's own follow-up). ``check_first_refit``: the engine proves its recorded copies against its own
+    loader on every open (costs one more pass over the weights, once). ``allow_partial``: accept an export that
+    leaves engine parameters unwritten or has tensors the engine does not load (a subset refit).
+    ``overlap_follow_up``: where the engine signals the end of its copies by event (CUDA IPC), run
+    ``after_weights_written`` while they run (off: the apply RPC returns when they are done, then the follow-up;
+    an attribute, read each step). ``engine_quantizes``: with ``fp8``, the engine quantizes the weights that are
+    whole-block rows of a trainer parameter itself (module docstring; off: exported like the rest).
+    ``early_apply``: send each steady step's apply RPC before the export, its worker waiting for the go-ahead
+    (module docstring; None: where the transport is CUDA IPC, an engine of its own process; the engine must
+    accept the line at the open, else applies come late; an attribute, read each step, the line offered at an
+    open where it is on). ``defer_gc``: a steady step on the sender (an open layout, no ``through``) holds
+    Python's garbage collector off from its start until the engine's copies are let go (the go-ahead, or the
+    late apply's return), so that a collection falling due then runs while they do (``runtime.gc_pause``; where
+    the collector is enabled; an attribute, read each step). ``check_after_word``: on a steady step applied
+    early, read the live parameters' addresses after the go-ahead, while the worker copies, and open anew over
+    its copies where one moved (``_apply_checking_after_word``); off: before the go-ahead, so that the worker
+    never reads a moved parameter's old memory, at the cost of that read on the step's critical path (an
+    attribute, read each step). ``timeout_s`` bounds the wait for the engine's signal and the worker's wait for
+    a go-ahead. The session references the last refit's model parameters, shared storages and exported tensors
+    (``ExportSnapshot``) until ``close``, and, for the weights the engine quantizes, their e4m3 data and scales
+    as quantized at the last open (the engine records its loader from them, and quantizes into them where its
+    loader does more than copy them whole).
     """
 
     def __init__(
@@ -248,9 +246,10 @@ class IpcSession:
         try:
             self._check_no_stale_call()
             early = self._start_early_apply() if sender and through is None else None
-        except BaseException:
+        except BaseException as err:
             self._drop_go_ahead()  # an RPC may have left without its word: the line's close ends its wait
-            self._export_refused(bridge, model, fp8, routes)
+            if isinstance(err, Exception):  # not for an interrupt: the process is on its way out
+                self._export_refused(bridge, model, fp8, routes)
             raise
         try:
             exported = self._export(bridge, model, fp8, routes, sender, through)
