@@ -41,6 +41,7 @@ from mbridge_refit.runtime.broadcast_group import (
 )
 from mbridge_refit.sinks.base import drain
 from mbridge_refit.sinks.packed_broadcast import (
+    WIRE_VERSION,
     ChecksumError,
     PackedBroadcastConfig,
     PackedBroadcastReceiver,
@@ -49,6 +50,7 @@ from mbridge_refit.sinks.packed_broadcast import (
     RefitStatusError,
     SendBuffers,
     StreamPacking,
+    WireVersionError,
 )
 
 PLAN = _plan(
@@ -600,6 +602,65 @@ def test_a_member_with_another_secret_does_not_join():
     assert "failed their check" in str(first) and "secret" in str(first), first
     assert isinstance(second, GroupSetupError) and "members [0] did not join" in str(second), second
     assert seconds < 10
+
+
+class OtherVersionReceiver(PackedBroadcastReceiver):
+    """A receiver of another packed-broadcast wire version (another mbridge_refit on the engine)."""
+
+    wire_version = WIRE_VERSION + 1
+
+
+def test_a_receiver_of_another_wire_version_is_refused_by_name():
+    """Both ends raise ``WireVersionError`` naming the format and both versions, after the same collectives
+    as a plan mismatch (a receiver of the version before this check runs those too), and the group stays
+    usable."""
+    port = free_port()
+    groups: dict[int, RecordingGroup] = {}
+
+    def join(rank: int) -> RecordingGroup:
+        groups[rank] = RecordingGroup(
+            StoreGroup(host="127.0.0.1", port=port, rank=rank, world_size=2, device="cpu", secret=SECRET)
+        )
+        return groups[rank]
+
+    def send(rank: int):
+        sender = PackedBroadcastSender(PLAN, CONFIG, group=join(rank), src=0, device="cpu")
+        for name, tensor in plan_tensors(PLAN):
+            sender.consume(name, tensor)
+        sender.finish()
+
+    def receive(rank: int):
+        OtherVersionReceiver(PLAN, CONFIG, group=join(rank), src=0, device="cpu")
+
+    (sent, _), (received, _) = run_members(send, receive)
+    for error, mine, theirs, peer in (
+        (sent, WIRE_VERSION, WIRE_VERSION + 1, "a receiver"),
+        (received, WIRE_VERSION + 1, WIRE_VERSION, "the sender"),
+    ):
+        assert isinstance(error, WireVersionError), error
+        assert f"packed broadcast wire version mismatch: this side speaks version {mine}, {peer}" in str(error)
+        assert f"version {theirs}. Run the same mbridge_refit version" in str(error), error
+    assert groups[0].calls == groups[1].calls and ("post_error",) not in groups[0].calls
+    for group in groups.values():
+        group.inner.close()
+
+
+@pytest.mark.parametrize("version", [None, WIRE_VERSION - 1])
+def test_an_engine_refuses_a_trainer_of_another_wire_version_by_name(version):
+    """The join arguments of a trainer of another version (None: one from before the version was sent):
+    refused before the worker connects (nothing listens at the port)."""
+    from mbridge_refit.engines.broadcast import BroadcastTarget
+
+    engine = Engine()
+    target = BroadcastTarget(engine.load_weights, engine, "cpu")
+    arguments = dict(
+        host="127.0.0.1", port=free_port(), rank=1, world_size=2, plan_json=PLAN.to_json(), config={}, timeout_s=5.0
+    )
+    with pytest.raises(WireVersionError, match="packed broadcast wire version mismatch") as caught:
+        target.join(**arguments, secret=SECRET.hex(), wire_version=version)
+    shown = "none (an mbridge_refit from before it was versioned)" if version is None else version
+    assert f"this side speaks version {WIRE_VERSION}, the trainer version {shown}" in str(caught.value)
+    assert target.group is None
 
 
 # --- failures reach every member -------------------------------------------------------------------

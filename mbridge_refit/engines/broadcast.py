@@ -26,7 +26,8 @@ recording, or a loader replaced (``load_weights`` set anew), records again.
 Protocol (any RPC that carries plain data calls these, on every worker):
 
 1. ``BroadcastTarget(load_weights, model, device, ...)`` then ``join(host, port, rank, world_size,
-   plan_json, config, secret)``: once per session; returns when every member joined (the trainer joins
+   plan_json, config, secret, wire_version)``: once per session; refuses a trainer of another
+   ``WIRE_VERSION`` by name before it connects; returns when every member joined (the trainer joins
    at the same time: the call blocks until it does, or raises after the timeout). ``secret``: the
    group's, in hex, as the trainer sent it (never logged, never in the store).
 2. ``receive()``: every step, at the time the trainer sends. Runs the whole broadcast protocol
@@ -66,6 +67,7 @@ from mbridge_refit.sinks.packed_broadcast import (
     PackedBroadcastReceiver,
     PlanMismatchError,
     ReceiveBuffers,
+    check_wire_version,
     post_failure,
 )
 
@@ -140,11 +142,18 @@ class BroadcastTarget:
         plan_json: str,
         config: dict,
         secret: str | None = None,
+        wire_version: int | None = None,
         backend: str | None = None,
         timeout_s: float = 600.0,
+        **newer: Any,
     ) -> int:
         """Join the trainer's group as ``rank``; keep the plan and the buffer config for every step.
-        ``secret``: the group's secret in hex."""
+        ``wire_version``: the trainer's ``WIRE_VERSION`` (None: a trainer from before it was sent),
+        refused by name unless it is this one's, before any other argument is looked at (``newer``:
+        what a trainer of another version may send); ``secret``: the group's secret in hex."""
+        check_wire_version(wire_version, "the trainer")
+        if newer:
+            raise BroadcastRefitError(f"the trainer sent join arguments this worker does not know: {sorted(newer)}")
         if secret is None:
             raise BroadcastRefitError("the trainer sent no group secret: every member of a broadcast group needs it")
         if not SOURCE_RANK < rank < world_size:

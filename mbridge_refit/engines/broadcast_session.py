@@ -42,7 +42,8 @@ own thread, and notes it on the step's error. ``overlap_follow_up=False`` calls 
 after the receive, as before.
 
 Each ``open`` makes the group a fresh secret (``runtime.broadcast_group.new_secret``) and sends it
-to the workers in the join RPC with the plan and the config: the store's entries are signed with it, and a process that
+to the workers in the join RPC with the plan, the config and ``WIRE_VERSION`` (a worker of another
+version refuses the join by name): the store's entries are signed with it, and a process that
 reaches the store without it cannot forge a member's settings, heartbeat or failure
 (``runtime.broadcast_group``; docs/architecture.md states what it can still do).
 
@@ -83,6 +84,7 @@ from mbridge_refit.runtime.weight_source import ExportsWeights, Model
 from mbridge_refit.sinks.base import DiscardSink, drain
 from mbridge_refit.sinks.broadcast_timing import BucketTimeline, source_phases
 from mbridge_refit.sinks.packed_broadcast import (
+    WIRE_VERSION,
     PackedBroadcastConfig,
     PackedBroadcastSender,
     PlanMismatchError,
@@ -190,6 +192,7 @@ class BroadcastSession:
             backend=self.backend,
             timeout_s=self.timeout_s,
             secret=secret.hex(),
+            wire_version=WIRE_VERSION,
         )
         join = self.start_workers("mbridge_refit_join", group, SOURCE_RANK + 1, self.allow_partial)
         try:

@@ -1,12 +1,20 @@
 """The wire format of the packed broadcast (``sinks.packed_broadcast``), shared by its two ends.
 
 Owns what sender and receiver must compute alike from the plan and the configuration, and the
-collectives that settle whether they agree: ``PackedBroadcastConfig``; the byte packing of the
+collectives that settle whether they agree: ``WIRE_VERSION``; ``PackedBroadcastConfig``; the byte packing of the
 stream (``StreamPacking``: tensors back to back in plan order, each at a multiple of
 ``ALIGN_BYTES``, cut into buckets); the per-bucket ``checksum``; the header handshake (step 1 of
 the protocol described in ``sinks.packed_broadcast``) and its mismatch message; the failure
 posting and the verdict shared with the other trainer ranks; the errors of the protocol. No
 tensor of the stream is moved here except by the handshake's small collectives.
+
+``WIRE_VERSION`` versions all of it (the packing, the checksum, the handshake's words, the join's
+arguments an engine takes, ``engines.broadcast``). Its first collective is the same in every
+version (the header: int64[8], the magic and the version first), and so is the verdict (int64[2]),
+so a receiver of another version sees the version in the header and both ends raise
+``WireVersionError`` naming both versions, after the same collectives as a plan mismatch (the
+sequence a receiver of version 2, before versions were compared, runs too: there the source sees a
+plan mismatch and the receiver names the header's version field).
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mbridge_refit.errors import TransportError
+from mbridge_refit.errors import TransportError, wire_version_mismatch
 from mbridge_refit.plan.entries import ExportPlan, PlanEntry
 from mbridge_refit.runtime.broadcast_group import BroadcastGroup
 from mbridge_refit.sinks.bounded_kernels import DEFAULT_PROGRAMS, MAX_PROGRAMS
@@ -32,13 +40,16 @@ __all__ = [
     "STATUS_CHECKSUM",
     "STATUS_CONSUMER",
     "STATUS_OK",
+    "WIRE_VERSION",
     "ChecksumError",
     "PackedBroadcastConfig",
     "PlanMismatchError",
     "RefitStatusError",
     "StreamPacking",
     "StreamSlot",
+    "WireVersionError",
     "bucket_events",
+    "check_wire_version",
     "check_member",
     "checksum",
     "checksum_into",
@@ -56,7 +67,11 @@ __all__ = [
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
 ALIGN_BYTES = 16
 _MAGIC = 0x5042_5246  # "PBRF"
-_VERSION = 2  # 2: checksums of 8-byte words (1 summed 4-byte words)
+# 3: the join carries the group's secret and this version (2: checksums of 8-byte words; 1: of 4-byte words)
+WIRE_VERSION = 3
+_WIRE_FORMAT = "packed broadcast"
+_PLAN_MISMATCH = 1  # a receiver's verdict word; another wire version: _OTHER_VERSION | (its version << 8)
+_OTHER_VERSION = 2
 _HEADER_FIELDS = (
     "magic",
     "version",
@@ -74,6 +89,16 @@ logger = logging.getLogger(__name__)
 
 class PlanMismatchError(TransportError):
     """Sender and receiver do not agree on the plan or the buffer configuration."""
+
+
+class WireVersionError(PlanMismatchError):
+    """The two ends speak other versions of the packed broadcast (another mbridge_refit on one side)."""
+
+
+def check_wire_version(theirs: object, peer: str) -> None:
+    """Refuse ``theirs`` (a peer's ``WIRE_VERSION``; None: it sent none) unless it is this one's."""
+    if theirs != WIRE_VERSION:
+        raise WireVersionError(wire_version_mismatch(_WIRE_FORMAT, WIRE_VERSION, theirs, peer))
 
 
 class ChecksumError(TransportError):
@@ -210,10 +235,10 @@ def _align(offset: int) -> int:
     return -(-offset // ALIGN_BYTES) * ALIGN_BYTES
 
 
-def _header(packing: StreamPacking, config: PackedBroadcastConfig) -> list[int]:
+def _header(packing: StreamPacking, config: PackedBroadcastConfig, version: int) -> list[int]:
     return [
         _MAGIC,
-        _VERSION,
+        version,
         packing.fingerprint,
         packing.stream_bytes,
         config.bucket_bytes,
@@ -276,21 +301,22 @@ def send_header(end: Any) -> SentHeader:
     """The first collective of the source's handshake, issued without waiting for the receivers:
     the source packs its first bucket meanwhile and finishes with ``handshake(end, is_source=True,
     sent=...)`` before that bucket goes out."""
-    header = torch.tensor(_header(end.packing, end.config), dtype=torch.int64, device=end.device)
+    header = torch.tensor(_header(end.packing, end.config, end.wire_version), dtype=torch.int64, device=end.device)
     return SentHeader(header, end.group.broadcast(header, end.src, async_op=True))
 
 
 def handshake(end: Any, *, is_source: bool, sent: SentHeader | None = None) -> None:
     """Step 1 of the protocol (collective over ``end.group``); raises PlanMismatchError on every
-    member. ``end``: the sender or receiver (its ``plan``, ``packing``, ``config``, ``group``,
-    ``src`` and ``device``). ``sent``: on the source, its header already issued (``send_header``)."""
+    member (``WireVersionError`` where the versions differ). ``end``: the sender or receiver (its
+    ``plan``, ``packing``, ``config``, ``group``, ``src``, ``device`` and ``wire_version``).
+    ``sent``: on the source, its header already issued (``send_header``)."""
     plan, packing, config, group, src, device = end.plan, end.packing, end.config, end.group, end.src, end.device
-    mine = _header(packing, config)
+    mine = _header(packing, config, end.wire_version)
     if sent is None:
         header = torch.tensor(mine, dtype=torch.int64, device=device)
         group.broadcast(header, src)
     theirs = mine if is_source else [int(v) for v in header.tolist()]
-    mismatch = 0 if is_source or theirs == mine else 1
+    mismatch = 0 if is_source or theirs == mine else _verdict_word(theirs, end.wire_version)
     verdict = torch.tensor(
         [mismatch, packing.fingerprint if mismatch else torch.iinfo(torch.int64).min], dtype=torch.int64, device=device
     )
@@ -307,6 +333,12 @@ def handshake(end: Any, *, is_source: bool, sent: SentHeader | None = None) -> N
     index = torch.tensor([first if first is not None else limit], dtype=torch.int64, device=device)
     group.all_reduce(index, dist.ReduceOp.MIN)
     first = int(index) if int(index) != limit else None
+    word = int(verdict[0])
+    if word & 0xFF == _OTHER_VERSION:  # raised after the same collectives as a plan mismatch: every member in step
+        theirs_version, peer = word >> 8, "a receiver (an engine worker)"
+        if not is_source and theirs[1] != end.wire_version:
+            theirs_version, peer = theirs[1], "the sender (the trainer)"
+        raise WireVersionError(wire_version_mismatch(_WIRE_FORMAT, end.wire_version, theirs_version, peer))
     raise PlanMismatchError(
         _mismatch_message(
             source=theirs if not is_source else mine,
@@ -318,6 +350,14 @@ def handshake(end: Any, *, is_source: bool, sent: SentHeader | None = None) -> N
             is_source=is_source,
         )
     )
+
+
+def _verdict_word(header: list[int], version: int) -> int:
+    """A receiver's verdict on a ``header`` that is not its own: another wire version (its own in the high
+    bits, so the source can name it) when the magic agrees and the version does not, else a plan mismatch."""
+    if header[0] == _MAGIC and header[1] != version:
+        return _OTHER_VERSION | (version << 8)
+    return _PLAN_MISMATCH
 
 
 def _first_difference(a: Sequence, b: Sequence) -> int | None:

@@ -17,7 +17,8 @@ workers); ``src`` is the source's rank as the group counts ranks. In this order 
    ``all_reduce(MAX)`` of int64[2] ``[mismatch, receiver fingerprint]`` so the source learns
    the verdict too. On a mismatch the source also broadcasts its ``(name, shape, dtype)`` list
    (object broadcast) and a second ``all_reduce(MIN)`` agrees on the first differing entry;
-   then every member raises :class:`PlanMismatchError`. No bulk data has moved. The source issues
+   then every member raises :class:`PlanMismatchError` (:class:`WireVersionError`, naming both
+   versions, where a receiver's ``WIRE_VERSION`` is not the header's). No bulk data has moved. The source issues
    its header and goes on packing its first bucket while the receivers come to the handshake; it
    waits for the verdict only before that bucket would go out (or at its finish).
 2. bulk: for each bucket ``b`` of ``ceil(stream_bytes / bucket_bytes)``, ``broadcast`` of the
@@ -81,13 +82,16 @@ from mbridge_refit.sinks.broadcast_wire import (
     STATUS_CHECKSUM,
     STATUS_CONSUMER,
     STATUS_OK,
+    WIRE_VERSION,
     ChecksumError,
     PackedBroadcastConfig,
     PlanMismatchError,
     RefitStatusError,
     SentHeader,
     StreamPacking,
+    WireVersionError,
     check_member,
+    check_wire_version,
     checksum,
     flat_bytes,
     handshake,
@@ -113,6 +117,9 @@ __all__ = [
     "RefitStatusError",
     "SendBuffers",
     "StreamPacking",
+    "WIRE_VERSION",
+    "WireVersionError",
+    "check_wire_version",
     "checksum",
     "plan_fingerprint",
     "plan_signature",
@@ -171,6 +178,8 @@ class PackedBroadcastSender(WeightSink):
     over a ``StoreGroup`` raise too instead of waiting in a broadcast; over a ``TorchGroup`` they
     wait for the group's timeout.
     """
+
+    wire_version = WIRE_VERSION  # the version its header claims (a test's subclass claims another)
 
     def __init__(
         self,
@@ -461,6 +470,8 @@ class PackedBroadcastReceiver:
     protocol ended (the sender raises too). The bucket's tensors have been yielded by then: a
     refit that raises leaves its consumer's weights untrustworthy, as any failed refit does.
     """
+
+    wire_version = WIRE_VERSION  # the version it expects of the header (a test's subclass expects another)
 
     def __init__(
         self,

@@ -33,6 +33,7 @@ from test_packed_broadcast import _plan  # noqa: E402
 from mbridge_refit.engines.broadcast import BroadcastTarget  # noqa: E402
 from mbridge_refit.runtime.broadcast_group import StoreGroup, new_secret  # noqa: E402
 from mbridge_refit.sinks.packed_broadcast import (  # noqa: E402
+    WIRE_VERSION,
     PackedBroadcastConfig,
     PackedBroadcastSender,
     SendBuffers,
@@ -213,6 +214,7 @@ def measure(layers: int, bucket_bytes: int, checksum: bool) -> dict:
         plan_json=plan.to_json(),
         config=vars_of(config),
         secret=secret.hex(),
+        wire_version=WIRE_VERSION,
     )
     joiner.join()
     counting = CountingGroup(target.group)
