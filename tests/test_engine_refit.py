@@ -19,6 +19,7 @@ from test_roundtrip import layout_flags
 from mbridge_refit.engines import fingerprint as fp
 from mbridge_refit.engines.apply_plan import ApplyPlan
 from mbridge_refit.engines.sharing import (
+    LAYOUT_VERSION,
     CudaIpcTransport,
     LayoutRecorder,
     LocalTransport,
@@ -142,6 +143,21 @@ def test_layout_records_views_and_round_trips():
     LocalTransport.release(payload)
     with pytest.raises(SharingError, match="another process"):
         transport.open(payload, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("version", [None, LAYOUT_VERSION + 1])
+def test_a_layout_of_another_wire_version_is_refused_by_name(version):
+    """The layout a trainer of another mbridge_refit sends (None: one from before layouts were versioned)."""
+    recorder = LayoutRecorder()
+    recorder.add("a", torch.zeros(4))
+    wire = recorder.layout()[0].to_wire()
+    wire = {key: value for key, value in wire.items() if key != "version"} | (
+        {} if version is None else {"version": version}
+    )
+    with pytest.raises(SharingError, match="shared layout wire version mismatch") as caught:
+        SharedLayout.from_wire(wire)
+    shown = "none (an mbridge_refit from before it was versioned)" if version is None else version
+    assert f"this side speaks version {LAYOUT_VERSION}, the trainer version {shown}" in str(caught.value)
 
 
 def test_layout_refuses_storages_that_do_not_fit():

@@ -44,7 +44,7 @@ from typing import Any, Protocol
 import torch
 
 from mbridge_refit.engines.ipc_handles import BadIpcPayload, decode_payload, encode_payload
-from mbridge_refit.errors import EngineError
+from mbridge_refit.errors import EngineError, wire_version_mismatch
 from mbridge_refit.runtime.stamps import stamp_of
 
 __all__ = [
@@ -57,6 +57,7 @@ __all__ = [
     "RowsRef",
     "Runs",
     "ShardBox",
+    "LAYOUT_VERSION",
     "SharedLayout",
     "SharingError",
     "TensorRef",
@@ -69,6 +70,11 @@ __all__ = [
 
 class SharingError(EngineError):
     """The shared layout and the storages that arrived do not fit together."""
+
+
+# The layout's wire format (``SharedLayout.to_wire``): the fields of each tensor, in order. 1: the first
+# that carried a version (shards and quantized sources included).
+LAYOUT_VERSION = 1
 
 
 Runs = tuple[tuple[int, int, int], ...]  # (row of the tensor, row of the source, rows)
@@ -178,8 +184,9 @@ class SharedLayout:
         return sum(_numel(ref.shape) * _dtype(ref.dtype).itemsize for ref in self.refs)
 
     def to_wire(self) -> dict[str, Any]:
-        """Plain lists and numbers (for an RPC that serializes with msgpack or JSON)."""
+        """Plain lists and numbers (for an RPC that serializes with msgpack or JSON), with ``LAYOUT_VERSION``."""
         return {
+            "version": LAYOUT_VERSION,
             "refs": [
                 [
                     r.name,
@@ -199,6 +206,11 @@ class SharedLayout:
 
     @classmethod
     def from_wire(cls, wire: dict[str, Any]) -> "SharedLayout":
+        """``to_wire``'s layout back; a wire of another ``LAYOUT_VERSION`` (or none) raises ``SharingError``."""
+        if wire.get("version") != LAYOUT_VERSION:
+            raise SharingError(
+                wire_version_mismatch("shared layout", LAYOUT_VERSION, wire.get("version"), "the trainer")
+            )
         refs = tuple(_ref_from_wire(*ref) for ref in wire["refs"])
         return cls(refs=refs, storage_bytes=tuple(int(n) for n in wire["storage_bytes"]))
 
