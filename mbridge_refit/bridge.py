@@ -38,7 +38,7 @@ import torch
 from megatron.bridge import AutoBridge
 
 from mbridge_refit.checkpoints.hf import HFCheckpoint, remote_code_refusal
-from mbridge_refit.checkpoints.loader import LoadReport, check_hf_shapes, load_hf_shards
+from mbridge_refit.checkpoints.loader import LoadReport, check_hf_shapes, check_tied_output, load_hf_shards
 from mbridge_refit.errors import InputError
 from mbridge_refit.fp8 import te as te_fp8
 from mbridge_refit.fp8.format import FP8_DTYPE_NAME, BlockwiseFP8Config, FP8FormatError, scale_name
@@ -964,7 +964,10 @@ class RefitBridge(AutoBridge):
         """Load HF safetensors weights into ``model``; each rank reads only its own slices.
 
         Call on every rank (the task build exchanges parameter names across pipeline stages once).
-        ``hf_path`` defaults to the checkpoint this bridge was created from.
+        ``hf_path`` defaults to the checkpoint this bridge was created from. Raises a ``LoadError``
+        (an ``InputError``) on every rank of the model where the checkpoint does not fit it, e.g.
+        ``TiedOutputError`` for a tied model whose checkpoint stores a different output weight
+        (``check_tied_output``).
         """
         path = Path(hf_path) if hf_path is not None else self._checkpoint_path()
         checkpoint = HFCheckpoint.open(path)
@@ -977,6 +980,18 @@ class RefitBridge(AutoBridge):
         path = Path(hf_path) if hf_path is not None else self._checkpoint_path()
         chunks = _chunks(model)
         check_hf_shapes(self.megatron_model_bridge(chunks), self.hf_pretrained, chunks, HFCheckpoint.open(path))
+
+    def check_tied_output(self, hf_path: str | Path | None = None, provider: Any = None) -> None:
+        """Raise ``TiedOutputError`` (an ``InputError``) where the model ties its output layer to the
+        embedding (``tie_word_embeddings``) and the HF checkpoint at ``hf_path`` stores an output
+        weight of its own (``lm_head.weight``) that differs from the embedding: loading drops it
+        (stock does too) and every export writes the embedding under its name. ``load_hf_shards``
+        makes the same check; this one needs no model and no process group. ``provider``: the
+        model's provider (default: ``to_megatron_provider(load_weights=False)``), which says whether
+        it ties. Reads the two tensors only when the model ties and both are stored."""
+        path = Path(hf_path) if hf_path is not None else self._checkpoint_path()
+        provider = provider if provider is not None else self.to_megatron_provider(load_weights=False)
+        check_tied_output(self._model_bridge, provider, HFCheckpoint.open(path))
 
     def _hf_config(self) -> Any:
         return (
