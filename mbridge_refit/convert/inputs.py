@@ -138,8 +138,9 @@ def check_tied_output(checkpoint_dir: Path, *, trust_remote_code: bool = False) 
     A provider the bridge cannot make is left to the model build (as in ``check_provider``)."""
     from mbridge_refit.bridge import RefitBridge
 
-    bridge = RefitBridge.from_hf_config(supported_config(checkpoint_dir, trust_remote_code=trust_remote_code))
+    config = supported_config(checkpoint_dir, trust_remote_code=trust_remote_code)
     try:
+        bridge = RefitBridge.from_hf_config(config)
         provider = bridge.to_megatron_provider(load_weights=False)
     except Exception:  # not this check's to report: see the docstring
         return
