@@ -45,6 +45,7 @@ at an open and then leaves to the engine for the layout's life. No engine memory
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -97,6 +98,7 @@ class OpenReport:
     quantized_in_place: int = 0  # of those, written straight into its parameters (no copy after)
     go_ahead: bool = False  # connected to the trainer's go-ahead line: early applies wait on it
     go_ahead_error: str | None = None  # why an offered line could not be reached (applies come late)
+    go_ahead_pid: int | None = None  # this worker's pid, the one the trainer accepts on the line
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -193,6 +195,7 @@ class RefitReceiver:
             quantized_in_place=len(in_place),
             go_ahead=self._go_ahead is not None,
             go_ahead_error=go_ahead_error,
+            go_ahead_pid=None if self._go_ahead is None else os.getpid(),
         )
         if plan.via_loader:
             logger.info(
