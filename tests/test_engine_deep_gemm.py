@@ -29,6 +29,7 @@ import torch
 from mbridge_refit.engines.apply_plan import ApplyPlanError, StagedLoad
 from mbridge_refit.engines.ipc import EngineRefitError, RefitReceiver
 from mbridge_refit.engines.sharing import LayoutRecorder, LocalTransport
+from mbridge_refit.engines.vllm.deep_gemm import reprocess
 from mbridge_refit.engines.vllm.worker import RefitWorkerExtension
 from mbridge_refit.fp8.format import FP8_DTYPE
 from mbridge_refit.fp8.reference import quantize_reference
@@ -154,17 +155,41 @@ class Experts(torch.nn.Module):
         self.quant_method = Fp8MoEMethod(backend)
 
 
+class Attention(torch.nn.Module):
+    """Like ``MLAAttention``: a parameter derived from another layer's processed weight after loading
+    (``W_UV`` from the dequantized ``kv_b_proj``), by its own ``process_weights_after_loading``, which vLLM's
+    reload runs last (layerwise.py:293-307)."""
+
+    def __init__(self, source: Linear) -> None:
+        super().__init__()
+        self.source = [source]  # not a child: its parameters are the linear layer's
+
+    def process_weights_after_loading(self) -> None:
+        layer = self.source[0]
+        scale = layer.weight_scale_inv.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
+        value = layer.weight.to(torch.float32) * scale
+        if isinstance(getattr(self, "W", None), torch.Tensor):
+            self.W.copy_(value)
+        else:
+            self.W = torch.nn.Parameter(value, requires_grad=False)
+
+
 class Engine(torch.nn.Module):
-    """A fused q/k projection and a down projection (and, with ``experts``, an MoE layer), loaded by HF names."""
+    """A fused q/k projection and a down projection (with ``experts``, an MoE layer; with ``attention``, a
+    parameter derived from the down projection after processing), loaded by HF names."""
 
     EXPERTS = 2
 
-    def __init__(self, kernel=DeepGemmFp8BlockScaledMMKernel, experts: Fp8MoeBackend | None = None) -> None:
+    def __init__(
+        self, kernel=DeepGemmFp8BlockScaledMMKernel, experts: Fp8MoeBackend | None = None, attention: bool = False
+    ) -> None:
         super().__init__()
         self.qkv = Linear(384, 256, kernel(), {"q": 0, "k": 256})
         self.down = Linear(256, 384, kernel(), {"down": 0})
         if experts is not None:
             self.experts = Experts(self.EXPERTS, experts)
+        if attention:
+            self.attn = Attention(self.down)  # named before "down": name order would recompute it first
         # vLLM records each layer's parameters as created, before processing (reload/layerwise.py:70-80)
         self.checkpoint_format = {
             layer: {name: (p.shape, p.dtype) for name, p in layer._parameters.items()} for layer in self.layers()
@@ -180,6 +205,8 @@ class Engine(torch.nn.Module):
         engine.load_weights(sources.items())
         for layer in engine.layers():
             layer.quant_method.process_weights_after_loading(layer)
+        if hasattr(engine, "attn"):
+            engine.attn.process_weights_after_loading()
         return engine
 
     def load_weights(self, weights) -> None:
@@ -215,7 +242,12 @@ class Reload:
         self.kernel: dict[torch.nn.Module, dict[str, torch.nn.Parameter]] = {}
 
     def staged(self) -> StagedLoad:
-        return StagedLoad(begin=self.begin, end=lambda: None)
+        return StagedLoad(begin=self.begin, end=self.end)
+
+    def end(self) -> None:
+        """_finalize_attention_layer: attention processed after every other layer."""
+        if hasattr(self.model, "attn"):
+            self.model.attn.process_weights_after_loading()
 
     def begin(self) -> None:
         for layer in self.model.layers():
@@ -400,3 +432,22 @@ def test_triton_experts_keep_their_bytes_and_are_refit_by_copies():
     trainer.step()
     worker.mbridge_refit_apply(fingerprint)
     _assert_engine_is(engine, Engine.from_checkpoint(trainer.sources, **kwargs))
+
+
+def test_a_parameter_derived_from_a_processed_layer_is_recomputed_after_that_layer_is_processed_again():
+    """The replay processes the DeepGEMM layers again before it recomputes what the engine derives from them
+    (MLA's W_UV reads the requantized kv_b_proj), whatever their names' order."""
+    trainer = _Trainer()
+    engine = Engine.from_checkpoint(trainer.sources, attention=True)
+    trainer.step()
+
+    def recompute(module):
+        return module.process_weights_after_loading if isinstance(module, Attention) else reprocess(module)
+
+    receiver = RefitReceiver(engine, torch.device("cpu"), staged=Reload(engine).staged(), recompute=recompute)
+    fingerprint, report = _open(receiver, trainer)
+    assert report["recomputed"] == ["down", "qkv", "attn"]
+    _assert_engine_is(engine, Engine.from_checkpoint(trainer.sources, attention=True))
+    trainer.step()
+    receiver.apply(fingerprint)
+    _assert_engine_is(engine, Engine.from_checkpoint(trainer.sources, attention=True))

@@ -28,7 +28,8 @@ also those it never staged, such as DeepSeek's ``e_score_correction_bias``).
 Some parameters are not loaded at all but *derived* by the engine's processing from others
 (vLLM's MLA computes ``W_UV`` and ``W_UK_T`` from ``kv_b_proj``, dequantized, after every load).
 The engine names how to recompute a module's derived (or processed) parameters through its own code
-(``Recompute``); a plan runs that after its copies on every replay, in recording order. Derived
+(``Recompute``); a plan runs that after its copies on every replay, the modules of processed parameters
+first (a layer's processing reads its own parameters, a derived one may read theirs), then by name. Derived
 parameters are what the reload's final processing writes from anything but a staged source, or,
 without a reload, the parameters the loader left unwritten. A derived parameter the engine cannot
 recompute is refused by name. Under a reload every tensor must be plain copies: replaying the
@@ -512,8 +513,10 @@ class LoadRecording:
         parameter_names = frozenset(_unique_tensors(model.named_parameters()))  # one name per storage
         unwritten = sorted(name for name in parameter_names if name not in recorder.written)
         processed = sorted(recorder.processed)
+        # a layer's processing reads its own parameters only; derived ones read others' (MLA's W_UV reads the
+        # processed kv_b_proj): processed first
         recomputations = _recompute(
-            model, unwritten if staged is None else sorted(recorder.derived | recorder.processed), self.recompute
+            model, unwritten if staged is None else processed + sorted(recorder.derived), self.recompute
         )
         _refuse_unprocessed(processed, recomputations)
         if staged is None:
@@ -799,7 +802,8 @@ def _recompute(
     model: torch.nn.Module, derived: list[str], recompute: Recompute | None
 ) -> list[tuple[str, Callable[[], object]]]:
     """The engine's recomputations of the modules that own ``derived`` parameters, one per module,
-    in name order; modules it has none for are left out (their parameters stay missing, or fail the check)."""
+    in the order of ``derived``; modules it has none for are left out (their parameters stay missing, or
+    fail the check)."""
     if recompute is None:
         return []
     out = []
