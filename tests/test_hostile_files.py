@@ -121,9 +121,51 @@ def test_a_long_header_naming_a_key_twice_is_refused_in_linear_time(tmp_path):
     checkpoint.mkdir()
     (checkpoint / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
     start = time.perf_counter()
-    with pytest.raises(CheckpointError, match=r"the header names \['k0'\] more than once"):
+    with pytest.raises(CheckpointError, match=r"its header .*names \['k0'\] more than once"):
         HFCheckpoint.open(checkpoint)
     assert time.perf_counter() - start < 5.0
+
+
+# --- JSON naming a key twice: json.loads keeps the last value silently -------------------------------
+
+
+def _with_key_twice(text: str, key: str, value: object) -> str:
+    """``text`` (a JSON object's text) with ``key`` given again, inside the object that holds it."""
+    at = text.index(json.dumps(key) + ":")
+    return text[:at] + f"{json.dumps(key)}: {json.dumps(value)}, " + text[at:]
+
+
+def test_an_index_listing_a_tensor_twice_is_refused_naming_it(sharded, tmp_path, capsys):
+    """The weight_map gave a tensor twice (once per shard): the last entry won without a word."""
+    from mbridge_refit.convert import ExitCode, main
+
+    checkpoint = shutil.copytree(sharded, tmp_path / "hf")
+    index = json.loads((checkpoint / INDEX_NAME).read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    name = next(n for n, f in sorted(index["weight_map"].items()) if f == shards[0])
+    (checkpoint / INDEX_NAME).write_text(_with_key_twice(json.dumps(index), name, shards[1]))
+    with pytest.raises(CheckpointError, match=rf"{INDEX_NAME}: one object names \['{name}'\] more than once"):
+        HFCheckpoint.open(checkpoint)
+    assert main(["verify", str(sharded), str(checkpoint)]) == ExitCode.BAD_INPUT
+    assert f"names ['{name}'] more than once" in capsys.readouterr().err
+
+
+def test_a_config_naming_a_key_twice_is_refused_naming_it(sharded, tmp_path):
+    from mbridge_refit.checkpoints.hf import ConfigError, read_config_json
+
+    path = tmp_path / "config.json"
+    path.write_text(_with_key_twice((sharded / "config.json").read_text(), "vocab_size", 1024))
+    with pytest.raises(ConfigError, match=r"config.json is not the JSON of a config .*\['vocab_size'\] more than once"):
+        read_config_json(path)
+
+
+def test_megatron_metadata_naming_a_key_twice_is_refused_naming_it(tmp_path):
+    from mbridge_refit.checkpoints.megatron import METADATA_NAME, CheckpointInfo, NotAMegatronCheckpoint
+
+    info = {"format": "mbridge_refit.checkpoints.megatron", "version": 1, "params_dtype": "bfloat16"}
+    (tmp_path / METADATA_NAME).write_text(_with_key_twice(json.dumps(info), "params_dtype", "float32"))
+    with pytest.raises(NotAMegatronCheckpoint, match=r"\['params_dtype'\] more than once"):
+        CheckpointInfo.read(tmp_path)
 
 
 # --- run_config.yaml and the tracker of a PEFT checkpoint ----------------------------------------------

@@ -12,7 +12,9 @@ shard of an index, has its header checked the same way (``_header_names``: the l
 a name given twice, then safetensors' own checks of dtypes and offsets); index entries must name
 files inside the checkpoint directory, checked before any of them is opened, and none may be a
 FIFO, device or socket (the first read of a FIFO waits for a writer forever); every file is opened
-without blocking and read only once ``fstat`` shows it is a regular file.
+without blocking and read only once ``fstat`` shows it is a regular file. The index and
+``config.json`` are parsed as headers are, refusing an object that names a key twice
+(``loads_unique_keys``: ``json.loads`` would keep the last value silently).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ __all__ = [
     "SINGLE_FILE_NAME",
     "compare_checkpoints",
     "load_config",
+    "loads_unique_keys",
     "read_config_json",
     "remote_code_refusal",
 ]
@@ -277,7 +280,7 @@ def _header_names(file: Path) -> list[str]:
     except OSError as err:
         raise CheckpointError(f"cannot read {file}: {type(err).__name__}: {err}") from err
     try:
-        json.loads(raw, object_pairs_hook=_refuse_duplicate_keys)
+        loads_unique_keys(raw)
     except (UnicodeDecodeError, ValueError, RecursionError) as err:  # JSONDecodeError is a ValueError
         raise CheckpointError(
             f"cannot read {file}: its header is not the JSON safetensors writes ({type(err).__name__}: {err})"
@@ -289,13 +292,19 @@ def _header_names(file: Path) -> list[str]:
         raise CheckpointError(f"cannot read {file}: {type(err).__name__}: {err}") from err
 
 
-def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """``pairs`` as a dict, or ValueError naming keys given more than once (in time linear in ``pairs``:
-    a header may hold millions of keys)."""
+def loads_unique_keys(raw: bytes | str) -> Any:
+    """``raw`` parsed as JSON, refusing an object that names a key twice: JSON allows it and
+    ``json.loads`` keeps the last value silently, so two readers of one file could see different
+    content. Raises ``ValueError`` (``json.JSONDecodeError`` for text that is not JSON) naming the
+    repeated keys; linear in the number of keys (a safetensors header may hold millions)."""
+    return json.loads(raw, object_pairs_hook=_refuse_repeated_keys)
+
+
+def _refuse_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     result = dict(pairs)
     if len(result) < len(pairs):
         repeated = sorted(key for key, count in Counter(key for key, _ in pairs).items() if count > 1)
-        raise ValueError(f"the header names {repeated[:3]} more than once")
+        raise ValueError(f"one object names {repeated[:3]} more than once (a JSON reader keeps only the last)")
     return result
 
 
@@ -304,7 +313,7 @@ def _read_index(path: Path) -> dict[str, str]:
     try:
         if index_file.stat().st_size > MAX_INDEX_BYTES:
             raise CheckpointError(f"{index_file.stat().st_size} bytes, more than the {MAX_INDEX_BYTES} of any HF index")
-        index = json.loads(index_file.read_bytes())
+        index = loads_unique_keys(index_file.read_bytes())
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:
         raise CheckpointError(
             f"cannot read {index_file}: {err}; the index must be the JSON an HF export writes"
@@ -492,10 +501,10 @@ def read_config_json(path: Path) -> dict[str, Any]:
             f"{path} has {size} bytes (more than {MAX_CONFIG_BYTES}): it is not the config.json of an HF model"
         )
     try:
-        raw = json.loads(path.read_bytes())
+        raw = loads_unique_keys(path.read_bytes())
     except (UnicodeDecodeError, ValueError, RecursionError) as err:
         raise ConfigError(
-            f"{path} is not JSON ({type(err).__name__}: {err}); it must be the config.json of an HF model"
+            f"{path} is not the JSON of a config ({type(err).__name__}: {err}); it must be the config.json of an HF model"
         ) from err
     if not isinstance(raw, dict):
         raise ConfigError(
