@@ -234,9 +234,10 @@ def test_a_connection_of_another_pid_is_refused_once_the_worker_s_pid_is_known(c
     try:
         with caplog.at_level(logging.WARNING, logger="mbridge_refit.engines.go_ahead"):
             assert before.connect(line.address, [token]) == 1
+            gate, accepted = line._gate, []
+            _until(lambda: gate._proven, "the gate read the first stranger's token")  # else it goes unread
             worker.connect(line.address)
             worker.sendall(token[:8])
-            gate, accepted = line._gate, []
             accepting = threading.Thread(target=lambda: accepted.append(_accepting(line, os.getpid())))
             accepting.start()
             deadline = time.monotonic() + 5.0
@@ -257,6 +258,14 @@ def test_a_connection_of_another_pid_is_refused_once_the_worker_s_pid_is_known(c
             stranger.close()
         worker.close()
         line.close()
+
+
+def _until(condition, what: str, timeout_s: float = 5.0) -> None:
+    """Wait for the gate's thread (a slow host's scheduler decides when it runs)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        time.sleep(0.01)
 
 
 def _accepting(line: GoAheadLine, peer_pid: int) -> BaseException | None:
