@@ -197,6 +197,10 @@ def test_launcher_refuses_to_run_under_torchrun(source_checkpoints, tmp_path):
         ({0: 77}, ExitCode.INTERNAL_ERROR),
         ({1: 4, 0: -15}, ExitCode.ENVIRONMENT),  # a rank's disk filled up; torchrun stopped the other
         ({0: 3, 1: 4}, ExitCode.ENVIRONMENT),  # the peer of a rank whose disk filled up failed too
+        ({0: 2, 1: 143}, ExitCode.BAD_INPUT),  # torchrun stopped the other rank, which cleaned up
+        ({0: 143, 1: 143}, ExitCode.TERMINATED),  # a SIGTERM to the ranks
+        ({0: 130, 1: 143}, ExitCode.INTERRUPTED),  # Ctrl-C, then torchrun stopped the rest
+        ({0: 130, 1: -15}, ExitCode.INTERRUPTED),
     ],
 )
 def test_launch_exit_code_is_the_most_severe(codes, expected):

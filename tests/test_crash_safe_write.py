@@ -272,15 +272,37 @@ def test_sigterm_to_a_single_process_write_removes_its_staging(tmp_path, monkeyp
     out = tmp_path / "out"
     with restored_environment():
         code = main(["roundtrip", "--hf", str(source), "--out", str(out)])
-    assert sent and code == ExitCode.INTERNAL_ERROR
-    assert "interrupted" in capsys.readouterr().err
+    assert sent and code == ExitCode.TERMINATED
+    assert "interrupted by SIGTERM" in capsys.readouterr().err
     assert not out.exists() and not leftovers(out)
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is the command's only
+
+
+def test_an_interrupt_as_the_export_starts_removes_the_staging(tmp_path, monkeypatch, capsys):
+    """Ctrl-C after the writer had made its staging directory and taken the lock, while the export was
+    starting (planning, before drain's first tensor): both stayed beside the output."""
+    from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.convert import ExitCode, main
+    from mbridge_refit.models import recipes
+    from mbridge_refit.testing.conformance import restored_environment
+
+    source = recipes.make_random_checkpoint(recipes.get_model_recipe("qwen3-tiny"), tmp_path / "hf", seed=7)
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(RefitBridge, "export_hf_weights", interrupted)
+    out = tmp_path / "out"
+    with restored_environment():
+        code = main(["roundtrip", "--hf", str(source), "--out", str(out), "--no-progress"])
+    assert code == ExitCode.INTERRUPTED and "interrupted by SIGINT (Ctrl-C)" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"], "the staging directory or the lock was left"
 
 
 def test_an_interrupt_wrapped_by_a_checkpoint_load_is_reported_as_one():
     from torch.distributed.checkpoint.api import CheckpointException
 
+    from mbridge_refit.convert import ExitCode
     from mbridge_refit.convert.app import classify
 
     try:
@@ -289,4 +311,5 @@ def test_an_interrupt_wrapped_by_a_checkpoint_load_is_reported_as_one():
         except KeyboardInterrupt as interrupt:
             raise CheckpointException("load", {0: interrupt}) from interrupt
     except CheckpointException as err:
-        assert classify(err).message == "interrupted"
+        failure = classify(err)
+        assert failure.code == ExitCode.INTERRUPTED and failure.message.startswith("interrupted by SIGINT")

@@ -87,7 +87,8 @@ def _a_shard(checkpoint: Path) -> str:
 )
 def test_an_index_naming_a_shard_that_is_no_regular_file_is_refused(sharded, make, kind, tmp_path):
     """Refused when the index is read, before any shard is opened. (A directory in place of a shard
-    never blocks: ``validate`` refuses it as IsADirectoryError, tests/test_checkpoint.py.)"""
+    never blocks: ``validate`` refuses it as IsADirectoryError, tests/test_checkpoint.py.) The device
+    is a link to ``/dev/zero`` (no ``mknod`` without privileges): a link out of the checkpoint."""
     checkpoint = shutil.copytree(sharded, tmp_path / "hf")
     shard = checkpoint / _a_shard(checkpoint)
     shard.unlink()
@@ -95,7 +96,10 @@ def test_an_index_naming_a_shard_that_is_no_regular_file_is_refused(sharded, mak
     err = outcome(lambda: HFCheckpoint.open(checkpoint).validate(), unblock=shard if kind == "FIFO" else None)
     assert isinstance(err, CheckpointError), err
     message = str(err)
-    assert f"{shard} is a {kind}" in message and "must be a regular safetensors file" in message
+    if kind == "FIFO":
+        assert f"{shard} is a {kind}" in message and "must be a regular safetensors file" in message
+    else:
+        assert f"{shard} leads to /dev/zero, outside the checkpoint directory" in message
 
 
 def test_a_shard_swapped_for_a_fifo_after_the_index_was_read_is_refused(sharded, tmp_path):
@@ -111,6 +115,77 @@ def test_a_shard_swapped_for_a_fifo_after_the_index_was_read_is_refused(sharded,
         assert str(shard) in str(err) and "must be a regular safetensors file" in str(err)
 
 
+# --- shards linked from outside the checkpoint: the rule side files follow ------------------------------
+
+
+def _linked_outside(source: Path, tmp_path: Path, name: str) -> tuple[Path, Path]:
+    """A copy of ``source`` whose file ``name`` is a link to an intact copy of it outside the checkpoint."""
+    checkpoint = shutil.copytree(source, tmp_path / "hf")
+    elsewhere = tmp_path / "elsewhere" / name
+    elsewhere.parent.mkdir()
+    shutil.move(checkpoint / name, elsewhere)
+    (checkpoint / name).symlink_to(elsewhere)
+    return checkpoint, elsewhere
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("hostile") / "single"
+    return recipes.make_random_checkpoint(recipes.get_model_recipe("qwen3-tiny"), out, seed=7)
+
+
+@pytest.mark.parametrize("layout", ["sharded", "single"])
+def test_a_shard_linked_from_outside_the_checkpoint_is_refused(sharded, single, layout, tmp_path, capsys):
+    """A shard (or the single model.safetensors) that is a link to a file elsewhere was read as the
+    checkpoint's own: its tensors went into the output. Refused by name, as a side file is, before
+    any shard is opened; exit 2 from the command line, nothing written."""
+    from mbridge_refit.convert import ExitCode, main
+
+    source = sharded if layout == "sharded" else single
+    name = _a_shard(sharded) if layout == "sharded" else "model.safetensors"
+    checkpoint, elsewhere = _linked_outside(source, tmp_path, name)
+    with pytest.raises(CheckpointError) as refused:
+        HFCheckpoint.open(checkpoint)
+    assert f"{checkpoint / name} leads to {elsewhere}, outside the checkpoint directory" in str(refused.value)
+    assert "copy the file into the checkpoint directory" in str(refused.value)
+    for argv in (["verify", source, checkpoint], ["roundtrip", "--hf", checkpoint, "--out", tmp_path / "out"]):
+        assert main([str(a) for a in argv]) == ExitCode.BAD_INPUT
+        err = capsys.readouterr().err
+        assert f"{checkpoint / name} leads to {elsewhere}" in err and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_shard_swapped_for_a_link_outside_after_the_index_was_read_is_refused(sharded, tmp_path):
+    checkpoint = shutil.copytree(sharded, tmp_path / "hf")
+    opened = HFCheckpoint.open(checkpoint)
+    shard = _a_shard(checkpoint)
+    name = next(name for name, file in opened.weight_map.items() if file == shard)
+    elsewhere = tmp_path / "elsewhere.safetensors"
+    shutil.move(checkpoint / shard, elsewhere)
+    (checkpoint / shard).symlink_to(elsewhere)
+    for call in (opened.validate, lambda: opened.tensor(name)):
+        err = outcome(call)
+        assert isinstance(err, CheckpointError) and f"leads to {elsewhere}, outside the checkpoint" in str(err), err
+
+
+@pytest.mark.parametrize("layout", ["sharded", "single"])
+def test_shards_linked_into_a_hub_cache_blobs_are_read(sharded, single, layout, tmp_path):
+    """A Hugging Face cache snapshot (``snapshots/<rev>/<file> -> ../../blobs/<hash>``, every file a link)
+    reads as before: the same tensors as the plain checkpoint."""
+    source = sharded if layout == "sharded" else single
+    repo = tmp_path / "models--org--tiny"
+    snapshot, blobs = repo / "snapshots" / "0123abc", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for index, file in enumerate(sorted(source.iterdir())):
+        shutil.copy(file, blobs / f"{index:040x}")
+        (snapshot / file.name).symlink_to(Path("..") / ".." / "blobs" / f"{index:040x}")
+    hub, plain = HFCheckpoint.open(snapshot), HFCheckpoint.open(source)
+    hub.validate()
+    assert hub.names() == plain.names()
+    assert all(hub.tensor(name).equal(plain.tensor(name)) for name in plain.names())
+
+
 # --- a header naming a key twice -----------------------------------------------------------------------
 
 
@@ -121,9 +196,51 @@ def test_a_long_header_naming_a_key_twice_is_refused_in_linear_time(tmp_path):
     checkpoint.mkdir()
     (checkpoint / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
     start = time.perf_counter()
-    with pytest.raises(CheckpointError, match=r"the header names \['k0'\] more than once"):
+    with pytest.raises(CheckpointError, match=r"its header .*names \['k0'\] more than once"):
         HFCheckpoint.open(checkpoint)
     assert time.perf_counter() - start < 5.0
+
+
+# --- JSON naming a key twice: json.loads keeps the last value silently -------------------------------
+
+
+def _with_key_twice(text: str, key: str, value: object) -> str:
+    """``text`` (a JSON object's text) with ``key`` given again, inside the object that holds it."""
+    at = text.index(json.dumps(key) + ":")
+    return text[:at] + f"{json.dumps(key)}: {json.dumps(value)}, " + text[at:]
+
+
+def test_an_index_listing_a_tensor_twice_is_refused_naming_it(sharded, tmp_path, capsys):
+    """The weight_map gave a tensor twice (once per shard): the last entry won without a word."""
+    from mbridge_refit.convert import ExitCode, main
+
+    checkpoint = shutil.copytree(sharded, tmp_path / "hf")
+    index = json.loads((checkpoint / INDEX_NAME).read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    name = next(n for n, f in sorted(index["weight_map"].items()) if f == shards[0])
+    (checkpoint / INDEX_NAME).write_text(_with_key_twice(json.dumps(index), name, shards[1]))
+    with pytest.raises(CheckpointError, match=rf"{INDEX_NAME}: one object names \['{name}'\] more than once"):
+        HFCheckpoint.open(checkpoint)
+    assert main(["verify", str(sharded), str(checkpoint)]) == ExitCode.BAD_INPUT
+    assert f"names ['{name}'] more than once" in capsys.readouterr().err
+
+
+def test_a_config_naming_a_key_twice_is_refused_naming_it(sharded, tmp_path):
+    from mbridge_refit.checkpoints.hf import ConfigError, read_config_json
+
+    path = tmp_path / "config.json"
+    path.write_text(_with_key_twice((sharded / "config.json").read_text(), "vocab_size", 1024))
+    with pytest.raises(ConfigError, match=r"config.json is not the JSON of a config .*\['vocab_size'\] more than once"):
+        read_config_json(path)
+
+
+def test_megatron_metadata_naming_a_key_twice_is_refused_naming_it(tmp_path):
+    from mbridge_refit.checkpoints.megatron import METADATA_NAME, CheckpointInfo, NotAMegatronCheckpoint
+
+    info = {"format": "mbridge_refit.checkpoints.megatron", "version": 1, "params_dtype": "bfloat16"}
+    (tmp_path / METADATA_NAME).write_text(_with_key_twice(json.dumps(info), "params_dtype", "float32"))
+    with pytest.raises(NotAMegatronCheckpoint, match=r"\['params_dtype'\] more than once"):
+        CheckpointInfo.read(tmp_path)
 
 
 # --- run_config.yaml and the tracker of a PEFT checkpoint ----------------------------------------------

@@ -11,8 +11,14 @@ never a reader's own exception. Every safetensors file, the single ``model.safet
 shard of an index, has its header checked the same way (``_header_names``: the length, the JSON,
 a name given twice, then safetensors' own checks of dtypes and offsets); index entries must name
 files inside the checkpoint directory, checked before any of them is opened, and none may be a
-FIFO, device or socket (the first read of a FIFO waits for a writer forever); every file is opened
-without blocking and read only once ``fstat`` shows it is a regular file.
+FIFO, device or socket (the first read of a FIFO waits for a writer forever). Every shard, the single
+``model.safetensors`` too, follows the rule side files follow (``side_files.outside_problem``): once
+links are resolved it lies in the checkpoint directory, or is a blob of the Hugging Face cache the
+directory is a snapshot of; a link to a file elsewhere is refused when the checkpoint is opened, and
+again at each open (``_shard_file``). Every file is opened without blocking and read only once
+``fstat`` shows it is a regular file. The index and
+``config.json`` are parsed as headers are, refusing an object that names a key twice
+(``loads_unique_keys``: ``json.loads`` would keep the last value silently).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import torch
 from safetensors import safe_open
 
 from mbridge_refit.checkpoints.regular_files import file_kind, open_if_regular
+from mbridge_refit.checkpoints.side_files import outside_problem
 from mbridge_refit.errors import InputError
 
 __all__ = [
@@ -49,6 +56,7 @@ __all__ = [
     "SINGLE_FILE_NAME",
     "compare_checkpoints",
     "load_config",
+    "loads_unique_keys",
     "read_config_json",
     "remote_code_refusal",
 ]
@@ -139,8 +147,9 @@ class HFCheckpoint:
         if (path / INDEX_NAME).is_file():
             weight_map = _read_index(path)
         elif (path / SINGLE_FILE_NAME).is_file():
+            _shard_file(path, SINGLE_FILE_NAME)  # a link to elsewhere is refused as such, not as damage
             try:
-                names = _header_names(path / SINGLE_FILE_NAME)
+                names = _header_names(path, SINGLE_FILE_NAME)
             except CheckpointError as err:
                 raise CheckpointError(
                     f"the checkpoint at {path} is damaged: {err}. Re-export or re-download it"
@@ -168,7 +177,7 @@ class HFCheckpoint:
             listed.setdefault(file_name, set()).add(name)
         for file_name, names in sorted(listed.items()):
             try:
-                held = set(_header_names(self.path / file_name))
+                held = set(_header_names(self.path, file_name))
             except CheckpointError as err:
                 problems.append(str(err))
                 continue
@@ -217,29 +226,50 @@ class HFCheckpoint:
         file_name = self.weight_map[name]
         handle = self._handles.pop(file_name, None)
         if handle is None:
-            handle = _safe_open(self.path / file_name)
+            handle = _safe_open(self.path, file_name)
         self._handles[file_name] = handle
         while len(self._handles) > _MAX_OPEN_HANDLES:
             self._handles.popitem(last=False)
         return handle
 
 
-def _safe_open(path: Path) -> Any:
-    """safetensors' reader of ``path``; where the file cannot be opened, the OSError that says why
-    (safetensors reports every failure to open, permission denied included, as "No such file or
-    directory", and a directory as "No such device"), and ``CheckpointError`` for a FIFO, device or
-    socket (``_open_regular``)."""
-    with _open_regular(path):
+# Why a shard must lie in its checkpoint (``side_files.outside_problem``, the rule side files follow).
+_SHARD_INSIDE = (
+    "a shard is read as this checkpoint's weights (a conversion writes its tensors into the output), so it must "
+    "lie in the checkpoint"
+)
+
+
+def _shard_file(directory: Path, name: str) -> Path:
+    """``directory / name`` with its links resolved, once it passes the rule every file read from a
+    checkpoint by name follows (``side_files.outside_problem``: a file inside the checkpoint, or a
+    blob of the Hugging Face cache it is a snapshot of); ``CheckpointError`` naming it otherwise.
+    Reading the path returned reads the file checked, whatever link is put at ``name`` since."""
+    problem = outside_problem(directory, name, why=_SHARD_INSIDE)
+    if problem is not None:
+        raise CheckpointError(problem)
+    return Path(os.path.realpath(Path(directory) / name))
+
+
+def _safe_open(directory: Path, name: str) -> Any:
+    """safetensors' reader of the shard ``directory / name`` (``_shard_file``); where the file cannot be
+    opened, the OSError that says why (safetensors reports every failure to open, permission denied
+    included, as "No such file or directory", and a directory as "No such device"), and
+    ``CheckpointError`` for a FIFO, device or socket (``_open_regular``)."""
+    file = _shard_file(directory, name)
+    with _open_regular(file, shown=Path(directory) / name):
         pass
-    return safe_open(path, framework="pt")
+    return safe_open(file, framework="pt")
 
 
-def _open_regular(file: Path) -> BinaryIO:
+def _open_regular(file: Path, *, shown: Path | None = None) -> BinaryIO:
     """``file`` opened for reading; a directory raises ``IsADirectoryError`` (as ``open`` does), any
-    other file that is not a regular file ``CheckpointError``. Opened without blocking (a FIFO with
-    no writer would otherwise wait forever), then checked on the open descriptor, so a file replaced
-    after the index was checked is refused too (``regular_files.open_if_regular``)."""
+    other file that is not a regular file ``CheckpointError`` (naming ``shown``, the path as the
+    checkpoint names it, where given). Opened without blocking (a FIFO with no writer would otherwise
+    wait forever), then checked on the open descriptor, so a file replaced after the index was checked
+    is refused too (``regular_files.open_if_regular``)."""
     fd, kind = open_if_regular(file)
+    file = shown if shown is not None else file
     if kind == "directory":
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(file))
     if fd is None:
@@ -250,16 +280,18 @@ def _open_regular(file: Path) -> BinaryIO:
     return os.fdopen(fd, "rb")
 
 
-def _header_names(file: Path) -> list[str]:
-    """The tensor names in the safetensors ``file``'s header, once the whole header is checked.
+def _header_names(directory: Path, name: str) -> list[str]:
+    """The tensor names in the header of the safetensors file ``directory / name`` (a shard:
+    ``_shard_file``), once the whole header is checked.
 
     Checked here: the file holds the 8-byte length and that many header bytes (at most
     ``MAX_HEADER_BYTES``), the header is a JSON object (not nested past the JSON parser's depth)
     naming no key twice (safetensors would keep the last silently); then safetensors' own reader
     checks each entry's dtype and that the offsets tile the data exactly. Raises
     ``CheckpointError`` naming the file and what is wrong."""
+    file, resolved = Path(directory) / name, _shard_file(directory, name)
     try:
-        with _open_regular(file) as handle:
+        with _open_regular(resolved, shown=file) as handle:
             size = os.fstat(handle.fileno()).st_size
             prefix = handle.read(8)
             if len(prefix) < 8:
@@ -277,25 +309,31 @@ def _header_names(file: Path) -> list[str]:
     except OSError as err:
         raise CheckpointError(f"cannot read {file}: {type(err).__name__}: {err}") from err
     try:
-        json.loads(raw, object_pairs_hook=_refuse_duplicate_keys)
+        loads_unique_keys(raw)
     except (UnicodeDecodeError, ValueError, RecursionError) as err:  # JSONDecodeError is a ValueError
         raise CheckpointError(
             f"cannot read {file}: its header is not the JSON safetensors writes ({type(err).__name__}: {err})"
         ) from err
     try:
-        with safe_open(file, framework="pt") as handle:
+        with safe_open(resolved, framework="pt") as handle:
             return list(handle.keys())
     except Exception as err:  # safetensors raises its own error type (SafetensorError) for bad headers
         raise CheckpointError(f"cannot read {file}: {type(err).__name__}: {err}") from err
 
 
-def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """``pairs`` as a dict, or ValueError naming keys given more than once (in time linear in ``pairs``:
-    a header may hold millions of keys)."""
+def loads_unique_keys(raw: bytes | str) -> Any:
+    """``raw`` parsed as JSON, refusing an object that names a key twice: JSON allows it and
+    ``json.loads`` keeps the last value silently, so two readers of one file could see different
+    content. Raises ``ValueError`` (``json.JSONDecodeError`` for text that is not JSON) naming the
+    repeated keys; linear in the number of keys (a safetensors header may hold millions)."""
+    return json.loads(raw, object_pairs_hook=_refuse_repeated_keys)
+
+
+def _refuse_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     result = dict(pairs)
     if len(result) < len(pairs):
         repeated = sorted(key for key, count in Counter(key for key, _ in pairs).items() if count > 1)
-        raise ValueError(f"the header names {repeated[:3]} more than once")
+        raise ValueError(f"one object names {repeated[:3]} more than once (a JSON reader keeps only the last)")
     return result
 
 
@@ -304,7 +342,7 @@ def _read_index(path: Path) -> dict[str, str]:
     try:
         if index_file.stat().st_size > MAX_INDEX_BYTES:
             raise CheckpointError(f"{index_file.stat().st_size} bytes, more than the {MAX_INDEX_BYTES} of any HF index")
-        index = json.loads(index_file.read_bytes())
+        index = loads_unique_keys(index_file.read_bytes())
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:
         raise CheckpointError(
             f"cannot read {index_file}: {err}; the index must be the JSON an HF export writes"
@@ -319,6 +357,14 @@ def _read_index(path: Path) -> dict[str, str]:
             f"{index_file} maps tensors to files that cannot be this checkpoint's shards ({'; '.join(bad[:5])}"
             f"{f'; and {len(bad) - 5} more' if len(bad) > 5 else ''}): every value of weight_map must be the name of a "
             f"file in {path}. Re-export or re-download the checkpoint"
+        )
+    outside = [
+        problem for f in sorted(set(weight_map.values())) if (problem := outside_problem(path, f, why=_SHARD_INSIDE))
+    ]
+    if outside:
+        raise CheckpointError(
+            f"{index_file} maps tensors to files that are not this checkpoint's own ({'; '.join(outside[:3])}"
+            f"{f'; and {len(outside) - 3} more' if len(outside) > 3 else ''})"
         )
     missing = sorted({f for f in weight_map.values() if not (path / f).exists()})
     if missing:
@@ -492,10 +538,10 @@ def read_config_json(path: Path) -> dict[str, Any]:
             f"{path} has {size} bytes (more than {MAX_CONFIG_BYTES}): it is not the config.json of an HF model"
         )
     try:
-        raw = json.loads(path.read_bytes())
+        raw = loads_unique_keys(path.read_bytes())
     except (UnicodeDecodeError, ValueError, RecursionError) as err:
         raise ConfigError(
-            f"{path} is not JSON ({type(err).__name__}: {err}); it must be the config.json of an HF model"
+            f"{path} is not the JSON of a config ({type(err).__name__}: {err}); it must be the config.json of an HF model"
         ) from err
     if not isinstance(raw, dict):
         raise ConfigError(

@@ -49,7 +49,7 @@ from mbridge_refit.checkpoints.dcp_pickles import (
     load_index,
     location_problem,
 )
-from mbridge_refit.checkpoints.hf import COPIED_FILE_NAMES
+from mbridge_refit.checkpoints.hf import COPIED_FILE_NAMES, loads_unique_keys
 from mbridge_refit.checkpoints.publish import TMP_PREFIX, begin_publication, carry_over, fsync_tree, is_loader_file
 from mbridge_refit.checkpoints.side_files import copy_side_file
 from mbridge_refit.errors import InputError
@@ -143,7 +143,7 @@ class CheckpointInfo:
                 f"{path} has no {METADATA_NAME}, so it is not a complete checkpoint of ours: {hint}"
             )
         try:
-            data = json.loads(meta.read_text())
+            data = loads_unique_keys(meta.read_bytes())
             if data.get("format") != FORMAT_NAME or data.get("version") != FORMAT_VERSION:
                 raise NotAMegatronCheckpoint(
                     f"{meta}: format {data.get('format')!r} version {data.get('version')!r}, expected "

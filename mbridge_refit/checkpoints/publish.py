@@ -18,7 +18,9 @@ Owns the protocol both checkpoint writers follow (``sinks.safetensors`` for HF c
    content, release the lock. Whenever the process dies, ``out`` holds the complete old or the
    complete new content. Old content that cannot be removed leaves a warning naming it: the new
    checkpoint is in place, so the write succeeded. ``abandon()`` removes the staging directory
-   and releases the lock instead.
+   and releases the lock instead. SIGINT and SIGTERM wait while the swap's renames run and the
+   publication records them (``interrupts_deferred``), so an interrupted write knows whether it
+   swapped: ``abandon()`` after the swap removes only what is left of the old content.
 
 Overwrite means the new checkpoint only: every old file a loader could read is dropped (see
 ``is_loader_file``); other entries are kept. An ``out`` that is a symlink is written through:
@@ -40,7 +42,9 @@ import logging
 import os
 import secrets
 import shutil
-from collections.abc import Callable
+import signal
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,6 +65,7 @@ __all__ = [
     "fsync_dir",
     "fsync_file",
     "fsync_tree",
+    "interrupts_deferred",
     "is_loader_file",
     "leftover_error",
     "leftovers",
@@ -200,6 +205,7 @@ class Publication:
         staging: this write's staging directory (the same on every rank).
         lock: the output's lock, on the first rank only (None elsewhere).
         created_target: whether this write created ``target`` (then abandoning removes it again).
+        old_content: where the output's old content went when the swap was done (None before).
     """
 
     out: Path
@@ -207,25 +213,35 @@ class Publication:
     staging: Path
     lock: OutputLock | None = None
     created_target: bool = False
+    old_content: Path | None = None
 
     @property
     def is_first_rank(self) -> bool:
         """Whether this rank holds the lock, and so swaps in, abandons and writes the side files."""
         return self.lock is not None
 
+    @property
+    def swapped(self) -> bool:
+        """Whether the new content is the output's (this rank swapped it in)."""
+        return self.old_content is not None
+
     def swap_in(self) -> None:
         """First rank: make the staging directory the content of the output, remove the old
         content, release the lock."""
         try:
-            swap_in(self.staging, self.target)
+            swap_in(self.staging, self.target, swapped=self._record_swap)
         finally:
             self._release()
 
     def abandon(self) -> None:
         """First rank: remove the staging directory (and the output directory if this write created
-        it and it is still empty) and release the lock; the output is as it was before."""
+        it and it is still empty) and release the lock; the output is as it was before. After the
+        swap (an interrupt in its last steps) the output keeps the new content and only what is
+        left of the old one is removed."""
         try:
-            if self.is_first_rank:
+            if self.old_content is not None:
+                shutil.rmtree(self.old_content, ignore_errors=True)
+            elif self.is_first_rank:
                 shutil.rmtree(self.staging, ignore_errors=True)
                 if self.created_target:
                     with contextlib.suppress(OSError):  # not empty: someone else wrote there since
@@ -233,9 +249,13 @@ class Publication:
         finally:
             self._release()
 
+    def _record_swap(self, old_content: Path) -> None:
+        self.old_content = old_content
+
     def _release(self) -> None:
         if self.lock is not None:
-            self.lock.release()
+            with interrupts_deferred():  # an interrupt halfway would leave the lock file behind
+                self.lock.release()
 
 
 _OK, _REFUSED, _FAILED = 0, 1, 2
@@ -263,8 +283,13 @@ def begin_publication(out: Path, *, overwrite: bool, group: Any = None, distribu
             status, error = _REFUSED, err
         except Exception as err:
             status, error = _FAILED, err
-    if distributed:
-        status, *owner = _broadcast_from_first([status, *owner], group)
+    try:
+        if distributed:
+            status, *owner = _broadcast_from_first([status, *owner], group)
+    except BaseException:  # an interrupt, a lost peer: this write ends before it began
+        if publication is not None:
+            publication.abandon()
+        raise
     if error is not None:
         raise error
     if status == _REFUSED:
@@ -291,6 +316,7 @@ def _begin_here(out: Path, *, overwrite: bool) -> Publication:
         raise OutputRefused(busy_error(out, held.holder)) from None
     except LockFileError as err:
         raise OutputRefused(str(err)) from None
+    publication: Publication | None = None
     try:
         found = leftovers(target)
         if found and not overwrite:
@@ -305,14 +331,19 @@ def _begin_here(out: Path, *, overwrite: bool) -> Publication:
             shutil.rmtree(path)
         if out != target:
             logger.info("%s is a symlink: writing the directory it points to, %s", out, target)
-        created = not target.exists()
-        target.mkdir(exist_ok=True)
         staging = _staging_dir(target, os.getpid(), secrets.randbits(60))
+        publication = Publication(
+            out=out, target=target, staging=staging, lock=lock, created_target=not target.exists()
+        )
+        target.mkdir(exist_ok=True)
         staging.mkdir()
-    except BaseException:
-        lock.release()
+    except BaseException:  # an interrupt too: nothing of this write stays
+        if publication is not None:
+            publication.abandon()
+        else:
+            lock.release()
         raise
-    return Publication(out=out, target=target, staging=staging, lock=lock, created_target=created)
+    return publication
 
 
 def _staging_dir(target: Path, pid: int, token: int) -> Path:
@@ -345,15 +376,19 @@ def carry_over(old: Path, new: Path, is_checkpoint_file: Callable[[Path], bool])
             _link_or_copy(entry, new / entry.name)
 
 
-def swap_in(staging: Path, out_dir: Path) -> None:
+def swap_in(staging: Path, out_dir: Path, *, swapped: Callable[[Path], None] | None = None) -> None:
     """Make ``staging`` the content of ``out_dir`` atomically, then remove the old content (a
-    warning names it where it cannot be removed: the new content is in place)."""
-    if exchange(staging, out_dir):
-        old = staging  # now the old content
-    else:
-        old = staging.with_name(f"{staging.name}.old")
-        os.replace(out_dir, old)
-        os.replace(staging, out_dir)
+    warning names it where it cannot be removed: the new content is in place). ``swapped`` is
+    called with where the old content went, before an interrupt can come (``interrupts_deferred``)."""
+    with interrupts_deferred():
+        if exchange(staging, out_dir):
+            old = staging  # now the old content
+        else:
+            old = staging.with_name(f"{staging.name}.old")
+            os.replace(out_dir, old)
+            os.replace(staging, out_dir)
+        if swapped is not None:
+            swapped(old)
     fsync_dir(out_dir.parent)
     try:
         shutil.rmtree(old)
@@ -364,6 +399,32 @@ def swap_in(staging: Path, out_dir: Path) -> None:
             old,
             err,
         )
+
+
+_DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Within the block, SIGINT and SIGTERM wait; once it ends they take effect as they would have
+    (their handlers run, or their default action). Python runs signal handlers in the main thread
+    only, so elsewhere the block changes nothing (no handler can interrupt that thread either)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    previous = {
+        signum: signal.signal(signum, lambda signum, frame: pending.append(signum))
+        for signum in _DEFERRED_SIGNALS
+        if signal.getsignal(signum) not in (None, signal.SIG_IGN)  # None: a handler not set from Python
+    }
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(pending):
+            signal.raise_signal(signum)
 
 
 _RENAME_EXCHANGE = 2

@@ -12,6 +12,10 @@ download). A FIFO or a device is refused too: reading one blocks, or never ends.
 ``side_file_problems`` lists what is wrong with a directory's side files (the command line checks its
 input on every rank before any collective); ``copy_side_file`` and ``read_side_file`` check again and
 then open the file they checked without following a link swapped in since.
+
+The rule on where a file may lead, ``outside_problem``, is the one every file read from a checkpoint
+by name follows: the shards of an HF checkpoint too (``checkpoints.hf``), whose tensors a conversion
+writes into its output as they are.
 """
 
 from __future__ import annotations
@@ -25,7 +29,14 @@ from pathlib import Path
 from mbridge_refit.checkpoints.regular_files import open_if_regular
 from mbridge_refit.errors import InputError
 
-__all__ = ["SideFileError", "copy_side_file", "read_side_file", "side_file_problem", "side_file_problems"]
+__all__ = [
+    "SideFileError",
+    "copy_side_file",
+    "outside_problem",
+    "read_side_file",
+    "side_file_problem",
+    "side_file_problems",
+]
 
 HUB_SNAPSHOTS = "snapshots"
 HUB_BLOBS = "blobs"
@@ -35,8 +46,10 @@ class SideFileError(InputError):
     """A side file of a source checkpoint is not a regular file inside it (module docstring)."""
 
 
-def side_file_problem(directory: Path, name: str) -> str | None:
-    """Why ``directory / name`` may not be copied into an output (None: it may, or it is absent)."""
+def outside_problem(directory: Path, name: str, *, why: str) -> str | None:
+    """Why ``directory / name`` does not lie in the checkpoint ``directory`` once links are resolved, nor
+    is a blob of the Hugging Face cache the directory is a snapshot of (None: it does, or it is absent).
+    ``why`` says why that file must lie in the checkpoint (it ends the message, before the fix)."""
     path = Path(directory) / name
     if not os.path.lexists(path):
         return None
@@ -47,13 +60,23 @@ def side_file_problem(directory: Path, name: str) -> str | None:
     home = Path(directory).resolve()
     if not (target.is_relative_to(home) or _hub_blob(home, target)):
         return (
-            f"{path} leads to {target}, outside the checkpoint directory {home}: a side file is copied into the "
-            "output as it is, so it must lie in the checkpoint; copy the file into the checkpoint directory if it is "
-            "the one you mean"
+            f"{path} leads to {target}, outside the checkpoint directory {home}: {why}; copy the file into the "
+            "checkpoint directory if it is the one you mean"
         )
+    return None
+
+
+def side_file_problem(directory: Path, name: str) -> str | None:
+    """Why ``directory / name`` may not be copied into an output (None: it may, or it is absent)."""
+    path = Path(directory) / name
+    problem = outside_problem(
+        directory, name, why="a side file is copied into the output as it is, so it must lie in the checkpoint"
+    )
+    if problem is not None or not os.path.lexists(path):
+        return problem
     try:
-        mode = os.stat(target).st_mode
-    except OSError as err:
+        mode = os.stat(path.resolve(strict=True)).st_mode
+    except (OSError, RuntimeError) as err:
         return f"cannot read {path}: {type(err).__name__}: {err}"
     if not stat.S_ISREG(mode):
         return f"{path} is not a regular file (a FIFO, device or directory); a side file must be a plain file"

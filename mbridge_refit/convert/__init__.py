@@ -2,7 +2,8 @@
 
 ``app`` (entry point: parse, log, dispatch, map errors to exit codes), ``parser`` (subcommands
 and help), ``flags`` (the flags several commands and scripts share: layout, FP8, device,
-timeout), ``exit_codes`` (the one table of exit codes), ``inputs`` (checks of paths, configs and
+timeout), ``exit_codes`` (the one table of exit codes), ``interrupts`` (SIGINT and SIGTERM stop a
+command with 128 + the signal's number), ``inputs`` (checks of paths, configs and
 layouts that run on every rank before any collective), ``preflight`` (the model a config
 describes against the checkpoint's tensors, before any weight memory is allocated), ``commands``
 (one function per subcommand), ``writing`` (the export-to-checkpoint path that ``roundtrip`` and

@@ -14,7 +14,8 @@ torch.distributed.checkpoint's ``CheckpointException``, which derives from ``Bas
   error), the same error as safetensors' writer reports it (``... (os error 28)``), or an
   allocation that failed (``MemoryError``, torch's "can't allocate memory", CUDA out of memory: the
   model matches its checkpoint by then, so the machine is too small); one line names the path
-  (the file, or the command's output when the error names none), the errno and what to do;
+  (the file, or the command's output when the error names none), the errno and what to do (an
+  output this user may not write, ``inputs.OutputNotWritable``, is found on every rank alike: printed once);
 - bad input (exit 2): ``BadInput`` and the library's own input errors (``INPUT_ERRORS``: a layout
   that does not fit, a model the FP8 format cannot hold, a damaged or hostile checkpoint or
   config, a checkpoint whose tensors do not match its config, an output another writer holds);
@@ -23,19 +24,20 @@ torch.distributed.checkpoint's ``CheckpointException``, which derives from ``Bas
   line: the peer failed first and its own message says why;
 - anything else is an internal error (exit 3) and is logged with its traceback.
 
+An interrupt (SIGINT, SIGTERM: ``interrupts``) anywhere in ``main`` comes first: it ends with 128 +
+the signal's number (130, 143) and one line, whatever failed while it unwound.
+
 A rank records its code for the ``--nproc-per-node`` launcher before it logs (``launcher``).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import errno
 import logging
 import re
 import signal
 import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -45,8 +47,10 @@ from mbridge_refit.checkpoints.loader import LoadFailedElsewhere
 from mbridge_refit.checkpoints.megatron import NotAMegatronCheckpoint
 from mbridge_refit.checkpoints.publish import OutputRefused
 from mbridge_refit.convert import commands
-from mbridge_refit.convert.exit_codes import BadInput, ExitCode
+from mbridge_refit.convert.exit_codes import BadInput, ExitCode, signal_exit_code
 from mbridge_refit.convert.export_adapter import cmd_export_adapter
+from mbridge_refit.convert.inputs import OutputNotWritable
+from mbridge_refit.convert.interrupts import interrupt_signal, signals_interrupt
 from mbridge_refit.convert.launcher import record_exit_code, run_ranks
 from mbridge_refit.convert.parser import build_parser
 from mbridge_refit.convert.session import LaunchEnv
@@ -63,6 +67,7 @@ __all__ = [
     "SAME_ON_EVERY_RANK",
     "classify",
     "environment_message",
+    "interrupted",
     "main",
 ]
 
@@ -121,57 +126,49 @@ class Failure:
     """What a failed command ends with: its exit code, the line to log, and whether the traceback
     goes with it (internal errors only)."""
 
-    code: ExitCode
+    code: int  # an ExitCode
     message: str
     traceback: bool = False
     same_on_every_rank: bool = False
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns its exit code (``exit_codes``).
+    SIGINT and SIGTERM interrupt it (``interrupts``) until it returns; the handlers before are restored."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    with signals_interrupt():
+        try:
+            return _main(argv)
+        except KeyboardInterrupt as err:  # outside a command: parsing, or reporting a failure
+            return _report("convert", err, classify(err))
+
+
+def _main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     _configure_logging(args.verbose)
     if args.nproc_per_node is not None:
         return _launch(args.nproc_per_node, argv)
     try:
-        with _sigterm_interrupts():
-            return int(COMMANDS[args.command](args))
+        return int(COMMANDS[args.command](args))
     except (SystemExit, GeneratorExit):
         raise
     except BaseException as err:  # CheckpointException and KeyboardInterrupt derive from BaseException only
         return _report(args.command, err, classify(err, output=_output_of(args)))
 
 
-@contextlib.contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
-    """Within the block, SIGTERM interrupts this process as SIGINT does (a ``KeyboardInterrupt``), so a
-    write it stops removes what it had staged, as an interrupted one does, instead of leaving a
-    checkpoint's worth of staging beside the output. Only from the main thread (signals go there)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def classify(err: BaseException, *, output: Path | None = None) -> Failure:
-    """Environment (4), bad input (2) or internal error (3): see the module docstring."""
+    """Interrupted (128 + the signal), environment (4), bad input (2) or internal error (3): see the
+    module docstring."""
+    interrupt = next((inner for inner in _wrapped(err) if isinstance(inner, KeyboardInterrupt)), None)
+    if interrupt is not None:  # DCP wraps it per rank
+        return interrupted(interrupt_signal(interrupt))
     for inner in _wrapped(err):
         environment = environment_message(inner, output)
         if environment is not None:
-            return Failure(ExitCode.ENVIRONMENT, environment)
+            return Failure(ExitCode.ENVIRONMENT, environment, same_on_every_rank=isinstance(inner, OutputNotWritable))
     for inner in _wrapped(err):
         if isinstance(inner, INPUT_ERRORS):
             return Failure(ExitCode.BAD_INPUT, str(inner), same_on_every_rank=isinstance(inner, SAME_ON_EVERY_RANK))
-    if any(isinstance(inner, KeyboardInterrupt) for inner in _wrapped(err)):  # DCP wraps it per rank
-        return Failure(ExitCode.INTERNAL_ERROR, "interrupted")
     lost = next((e for e in _wrapped(err) if isinstance(e, RuntimeError) and _PEER_LOST.search(str(e))), None)
     if lost is not None:
         first_line = str(lost).strip().splitlines()[0]
@@ -180,6 +177,14 @@ def classify(err: BaseException, *, output: Path | None = None) -> Failure:
             f"another rank of this job failed first (its own message says why); this rank lost it: {first_line}",
         )
     return Failure(ExitCode.INTERNAL_ERROR, "internal error: please report it with this traceback", traceback=True)
+
+
+def interrupted(signum: int) -> Failure:
+    """The failure of a command the signal ``signum`` interrupted (the writers it stopped say what
+    became of their output)."""
+    code = signal_exit_code(signum)
+    name = signal.Signals(signum).name + (" (Ctrl-C)" if signum == signal.SIGINT else "")
+    return Failure(code, f"interrupted by {name}: stopped before the command ended (exit code {code})")
 
 
 def environment_message(err: BaseException, output: Path | None) -> str | None:

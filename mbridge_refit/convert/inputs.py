@@ -1,12 +1,14 @@
 """Checks of the command line's inputs that need no process group: same inputs, same verdict on
 every rank, before any collective, so bad input ends all ranks with one message instead of a hang.
 
-Each check raises ``BadInput`` naming the path, option or tensor and the fix.
+Each check raises ``BadInput`` naming the path, option or tensor and the fix, except an output this
+user may not write (``OutputNotWritable``: the machine refuses, exit code 4 naming the path and the errno).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 from collections import Counter
 from pathlib import Path
@@ -14,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from mbridge_refit.convert.exit_codes import BadInput
 from mbridge_refit.convert.flags import describe_flags, layout_from_flags
+from mbridge_refit.errors import RefitError
 from mbridge_refit.plan.layout import LayoutError, ModelShape, ParallelLayout
 
 if TYPE_CHECKING:
@@ -23,12 +26,14 @@ __all__ = [
     "EXPERT_COUNTS",
     "MAX_SIZE",
     "OPTIONAL_SIZES",
+    "OutputNotWritable",
     "REQUIRED_SIZES",
     "check_config_numbers",
     "check_distinct_dirs",
     "check_output_dir",
     "check_side_files",
     "check_provider",
+    "check_tied_output",
     "checked_hf_input",
     "checked_layout",
     "checkpoint_float_dtype",
@@ -130,6 +135,28 @@ def check_provider(config: Any, layout: ParallelLayout) -> None:
         ) from err
 
 
+def check_tied_output(checkpoint_dir: Path, *, trust_remote_code: bool = False) -> None:
+    """A config that ties the output layer to the embedding, over a checkpoint that stores an output
+    weight of its own differing from the embedding, is refused (``RefitBridge.check_tied_output``:
+    ``TiedOutputError``, exit 2) before any process group; every rank reads the two tensors alike.
+    A provider the bridge cannot make is left to the model build (as in ``check_provider``)."""
+    from mbridge_refit.bridge import RefitBridge
+
+    config = supported_config(checkpoint_dir, trust_remote_code=trust_remote_code)
+    try:
+        bridge = RefitBridge.from_hf_config(config)
+        provider = bridge.to_megatron_provider(load_weights=False)
+    except Exception:  # not this check's to report: see the docstring
+        return
+    bridge.check_tied_output(checkpoint_dir, provider)
+
+
+class OutputNotWritable(RefitError, OSError):
+    """A directory where the output must be made that this user may not write (``errno`` EACCES, or
+    EROFS on a read-only filesystem): the machine's refusal (an ``OSError``: exit code 4), found on
+    every rank alike."""
+
+
 def check_output_dir(out: Path, overwrite: bool) -> None:
     """Before any model is loaded: the output is a directory (or absent; a symlink is written
     through to the directory it points to) we may write, no other writer holds it, it is empty
@@ -169,9 +196,12 @@ def check_output_dir(out: Path, overwrite: bool) -> None:
     # the lock, the staging directory and the swap are made in the target's parent (its first existing
     # ancestor); an existing target's old content is removed after the swap
     parent = next((p for p in target.parents if p.exists()), Path("/"))
+    if not parent.is_dir():
+        raise BadInput(f"output path {out} runs through {parent}, which is not a directory: choose another output")
     for place in (parent, target) if target.exists() else (parent,):
         if not os.access(place, os.W_OK | os.X_OK):
-            raise BadInput(f"cannot write {out}: {place} is not writable; choose another output directory")
+            number = errno.EROFS if os.statvfs(place).f_flag & os.ST_RDONLY else errno.EACCES
+            raise OutputNotWritable(number, f"{os.strerror(number)} (the output {out} is made here)", str(place))
 
 
 def check_side_files(source: Path, flag: str) -> None:

@@ -9,7 +9,8 @@ every rank sees alike: each rank records it and the launcher prints it once. Ran
 (as under plain torchrun) loses it whenever another rank fails first: torchrun then stops rank 0
 before it gets there. The launcher adds one line naming which rank failed how.
 A signal to the launcher (SIGTERM, SIGINT, SIGHUP, SIGQUIT: torchrun's machinery stops the ranks
-and raises ``SignalException``) ends it with exit code 3 and one line naming the signal.
+with SIGTERM, each removes what it had staged, and raises ``SignalException``) ends it as the signal
+ends one process: 128 + its number (130 for Ctrl-C, 143 for SIGTERM) and one line naming it.
 
 Each rank also records its exit code (and that message) in a directory the launcher names (``record_exit_code``,
 ``convert.session.EXIT_RECORDS_VARIABLE``) as soon as it has decided it. A rank that fails closes its
@@ -31,28 +32,38 @@ import tempfile
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from mbridge_refit.convert.exit_codes import ExitCode
+from mbridge_refit.convert.exit_codes import ExitCode, signal_exit_code
+from mbridge_refit.convert.interrupts import interrupt_signal
 from mbridge_refit.convert.session import EXIT_RECORDS_VARIABLE, LaunchEnv
 
-__all__ = ["KNOWN_CODES", "launch_exit_code", "record_exit_code", "run_ranks"]
+__all__ = ["FAILURE_CODES", "INTERRUPT_CODES", "KNOWN_CODES", "launch_exit_code", "record_exit_code", "run_ranks"]
 
 logger = logging.getLogger("mbridge_refit.convert")
 
 KNOWN_CODES = frozenset(int(code) for code in ExitCode)
+FAILURE_CODES = frozenset(
+    (ExitCode.DIFFERENCES, ExitCode.BAD_INPUT, ExitCode.INTERNAL_ERROR, ExitCode.ENVIRONMENT)
+)  # what a rank found
+INTERRUPT_CODES = (ExitCode.INTERRUPTED, ExitCode.TERMINATED)  # what a rank was told: Ctrl-C first (see below)
 
 
 def launch_exit_code(rank_codes: Mapping[int, int]) -> int:
     """One exit code for a launch from the codes of the ranks that failed (0 when none did).
 
-    The most severe documented code wins (4 environment > 3 internal error > 2 bad input > 1
+    The most severe failure a rank found wins (4 environment > 3 internal error > 2 bad input > 1
     differences: a rank whose disk filled up can make its peers fail with internal errors, and the
-    cause is what to report); a rank ended by a signal or with an undocumented code (a crash, the
-    launcher stopping the others) counts as an internal error unless a documented code explains
-    the failure.
+    cause is what to report). A rank that reports an interruption was stopped, by the user or by
+    torchrun once a peer failed: it explains nothing a failure explains, and where no rank failed
+    the launch ends interrupted, 130 (SIGINT) before 143 (torchrun stops ranks with SIGTERM, so a
+    143 may be its own doing). A rank killed by a signal it did not handle, or ended with an
+    undocumented code (a crash), counts as an internal error unless another code explains it.
     """
-    documented = [code for code in rank_codes.values() if code in KNOWN_CODES and code != ExitCode.OK]
-    if documented:
-        return max(documented)
+    failures = [code for code in rank_codes.values() if code in FAILURE_CODES]
+    if failures:
+        return max(failures)
+    interrupted = next((code for code in INTERRUPT_CODES if code in rank_codes.values()), None)
+    if interrupted is not None:
+        return interrupted
     return ExitCode.INTERNAL_ERROR if rank_codes else ExitCode.OK
 
 
@@ -82,12 +93,15 @@ def run_ranks(nproc_per_node: int, argv: Sequence[str]) -> int:
         logger.error("%d of %d ranks failed (%s): exit code %d", len(codes), nproc_per_node, described, code)
         return code
     except SignalException as stopped:
+        code = signal_exit_code(stopped.sigval)
         name = signal.Signals(stopped.sigval).name
-        logger.error("stopped by %s: the %d ranks were shut down (exit code 3)", name, nproc_per_node)
-        return ExitCode.INTERNAL_ERROR
-    except KeyboardInterrupt:  # before torchrun installed its handlers
-        logger.error("interrupted: the ranks were shut down (exit code 3)")
-        return ExitCode.INTERNAL_ERROR
+        logger.error("stopped by %s: the %d ranks were shut down (exit code %d)", name, nproc_per_node, code)
+        return code
+    except KeyboardInterrupt as interrupted:  # before torchrun installed its handlers, or after it restored ours
+        signum = interrupt_signal(interrupted)
+        code = signal_exit_code(signum)
+        logger.error("interrupted by %s: the ranks were shut down (exit code %d)", signal.Signals(signum).name, code)
+        return code
     finally:
         os.environ.pop(EXIT_RECORDS_VARIABLE, None)
         shutil.rmtree(records, ignore_errors=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from mbridge_refit.convert.exit_codes import help_table
 from mbridge_refit.convert.export_adapter import add_export_adapter_parser
 from mbridge_refit.convert.flags import (
     add_device_flag,
@@ -19,7 +20,8 @@ from mbridge_refit.sinks.safetensors import DEFAULT_MAX_SHARD_BYTES
 
 __all__ = ["COMMAND_TEXT", "EPILOG", "FLAGS", "build_parser", "positive_int"]
 
-EPILOG = """\
+EPILOG = (
+    """\
 examples:
   # a tiny random Qwen3 checkpoint from a built-in recipe (no downloads)
   python -m mbridge_refit.convert make-tiny --recipe qwen3-tiny --out /tmp/qwen3-tiny
@@ -51,11 +53,13 @@ examples:
   # what an export will yield, where each tensor lives (no weights are read)
   torchrun --nproc-per-node 2 -m mbridge_refit.convert plan --hf /tmp/qwen3-tiny --pp 2 --json plan.json
 
-exit codes: 0 ok, 1 differences found (verify, verify-refit), 2 bad input (the message names the fix),
-            3 internal error (traceback logged), 4 environment (disk full, file-size limit, permissions:
-            the path, the errno and the fix in one line). With --nproc-per-node, the most severe code of
-            any rank; under torchrun, each rank's own code (torchrun then exits 1 and lists them).
 """
+    + help_table()
+    + """
+  With --nproc-per-node, the most severe code any rank found (a signal to the launcher: its own code);
+  under torchrun, each rank's own code (torchrun then exits 1 and lists them).
+"""
+)
 
 
 def positive_int(text: str) -> int:

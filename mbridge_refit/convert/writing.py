@@ -91,16 +91,20 @@ def write_hf_checkpoint(
         config_overrides=config_overrides,
         assignment=share.assignment if share is not None else None,
     )
-    if share is None:  # no plan: the stock export, streamed
-        stream = bridge.export_hf_weights(chunks, show_progress=show_progress, fp8=fp8)
-        adapted = matching_source(stream, dtypes) if only_source_names else cast_to_dtypes(stream, dtypes)
-        written: list[str] = []
-        count = drain(_recording_names(adapted, written), sink)
-        warn_unwritten(source_dtypes, written)
-    else:
-        stream = bridge.export_hf_weights(chunks, show_progress=show_progress, fp8=fp8, only=share.names)
-        drain(cast_to_dtypes(stream, dtypes), sink)
-        count = len(share.assignment.names)
+    try:  # from here on a failure or an interrupt aborts the sink (the export's start runs before drain)
+        if share is None:  # no plan: the stock export, streamed
+            stream = bridge.export_hf_weights(chunks, show_progress=show_progress, fp8=fp8)
+            adapted = matching_source(stream, dtypes) if only_source_names else cast_to_dtypes(stream, dtypes)
+            written: list[str] = []
+            count = drain(_recording_names(adapted, written), sink)
+            warn_unwritten(source_dtypes, written)
+        else:
+            stream = bridge.export_hf_weights(chunks, show_progress=show_progress, fp8=fp8, only=share.names)
+            drain(cast_to_dtypes(stream, dtypes), sink)
+            count = len(share.assignment.names)
+    except BaseException:
+        sink.abort()  # drain's abort, where it ran, made this one do nothing
+        raise
     replicas = share.parallel_replicas if share is not None else 1
     logger.info(
         "export+write: %d tensors in %.3f s, of which %.3f s writing and syncing this rank's shard files "

@@ -237,7 +237,7 @@ class ShardedSafetensorsWriter(WeightSink):
         self._written: dict[int, Path] = {}
         self._tmp_paths: set[Path] = set()
         self._closed = False
-        self._published = False  # rank 0 swapped the new checkpoint in: an abort then removes nothing
+        self._aborted = False
         self.file_seconds = 0.0  # this rank's time in writing and syncing its shard files
         self._assignment = assignment
         if assignment is not None:
@@ -296,7 +296,6 @@ class ShardedSafetensorsWriter(WeightSink):
             self._write_index(num_shards)
             fsync_dir(self.staging)
             self._publication.swap_in()
-            self._published = True
         self._ranks.barrier()
         if self._ranks.rank == 0:
             logger.info(
@@ -309,12 +308,16 @@ class ShardedSafetensorsWriter(WeightSink):
 
     def abort(self) -> None:
         """Remove what this rank wrote (rank 0: the whole staging directory, and release the
-        lock); the output directory is left as it was."""
-        self._closed = True
+        lock); the output directory is left as it was. After rank 0 swapped the new checkpoint in
+        (an interrupt in the last steps), the output keeps it. A second call does nothing."""
+        if self._aborted:
+            return
+        self._closed = self._aborted = True
         self._buffer.clear()
         if self._assignment is not None:
             self._shard_buffers.clear()
-        if self._published:  # interrupted after the swap, before the last barrier: the output is complete
+        if self._publication.swapped:  # interrupted after the swap, before the last barrier: the output is complete
+            self._publication.abandon()  # what is left of the old content
             logger.warning("interrupted after %s was written: the new checkpoint is in place", self.out_dir)
             return
         for path in sorted(self._tmp_paths | set(self._written.values())):
