@@ -101,11 +101,12 @@ def test_accept_without_a_worker_gives_up_with_a_reason():
 @pytest.mark.parametrize(
     "offer",
     [
-        {},
-        {"address": "zz", "token": "00" * 16, "timeout_s": 1.0},
-        {"address": b"/tmp/elsewhere".hex(), "token": "00" * 16, "timeout_s": 1.0},
-        {"address": b"\0mbridge-refit-go-00".hex(), "token": "00" * 8, "timeout_s": 1.0},
-        {"address": b"\0mbridge-refit-go-00".hex(), "token": "00" * 16, "timeout_s": -1},
+        [],
+        {"version": GO_AHEAD_VERSION},
+        {"version": GO_AHEAD_VERSION, "address": "zz", "token": "00" * 16, "timeout_s": 1.0},
+        {"version": GO_AHEAD_VERSION, "address": b"/tmp/elsewhere".hex(), "token": "00" * 16, "timeout_s": 1.0},
+        {"version": GO_AHEAD_VERSION, "address": b"\0mbridge-refit-go-00".hex(), "token": "00" * 8, "timeout_s": 1.0},
+        {"version": GO_AHEAD_VERSION, "address": b"\0mbridge-refit-go-00".hex(), "token": "00" * 16, "timeout_s": -1},
         {"version": GO_AHEAD_VERSION, "address": b"\0mbridge-refit-go-00".hex(), "token": "00" * 16, "timeout_s": 1.0},
         {
             "version": GO_AHEAD_VERSION,
@@ -385,6 +386,23 @@ def test_an_offer_of_another_version_is_refused_by_name(version):
     if version is None:
         del offer["version"]
     else:
+        offer["version"] = version
+    try:
+        with pytest.raises(GoAheadError, match=rf"this worker speaks version {GO_AHEAD_VERSION}: install the same"):
+            GoAheadWaiter.connect(offer)
+    finally:
+        line.close()
+
+
+@pytest.mark.parametrize("version", [None, GO_AHEAD_VERSION + 1])
+def test_an_offer_of_another_version_is_refused_by_its_version_before_its_fields_are_read(version):
+    """An offer of another version need not have this version's fields (here its token is named
+    otherwise): the worker names the version, not a malformed offer."""
+    line = GoAheadLine.listen()
+    offer = line.offer(1.0)
+    offer["secret"] = offer.pop("token")
+    del offer["version"]
+    if version is not None:
         offer["version"] = version
     try:
         with pytest.raises(GoAheadError, match=rf"this worker speaks version {GO_AHEAD_VERSION}: install the same"):

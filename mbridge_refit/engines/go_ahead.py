@@ -500,6 +500,9 @@ class GoAheadWaiter:
         the offer's pid) and prove this worker with the offer's token. Raises ``GoAheadError`` where the
         line cannot be reached (another host, network or pid namespace), the offer is malformed or of
         another version, or another process listens on its name (the token then never leaves)."""
+        if not isinstance(offer, dict):
+            raise GoAheadError(f"malformed go-ahead offer {offer!r:.200}: not a mapping")
+        _check_version(offer.get("version"))  # first: the rest of an offer of another version means something else
         try:
             address = bytes.fromhex(offer["address"]).decode()
             token = bytes.fromhex(offer["token"])
@@ -508,7 +511,6 @@ class GoAheadWaiter:
             raise GoAheadError(f"malformed go-ahead offer {offer!r}: {err}") from err
         if not address.startswith(_NAME_PREFIX) or len(token) != _TOKEN_BYTES or not timeout_s > 0:
             raise GoAheadError(f"malformed go-ahead offer {offer!r}")
-        _check_version(offer.get("version"))
         trainer_pid = offer.get("pid")
         if not _is_pid(trainer_pid):
             raise GoAheadError(f"malformed go-ahead offer {offer!r}: its pid is not a process id")

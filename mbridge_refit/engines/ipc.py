@@ -149,6 +149,7 @@ class RefitReceiver:
         self.close()
         if self._precheck is not None:
             self._precheck()  # raises naming what this engine cannot take, and the fix: nothing has moved yet
+        layout = SharedLayout.from_wire(wire)  # a layout of another version: refused before the line is connected
         go_ahead_error = None
         if go_ahead is not None:  # first: the trainer takes the connection when this open returns
             try:
@@ -156,7 +157,6 @@ class RefitReceiver:
             except GoAheadError as err:
                 go_ahead_error = str(err)
                 logger.info("refit: no go-ahead line (%s): every apply waits for the trainer's export", err)
-        layout = SharedLayout.from_wire(wire)
         if transport not in TRANSPORTS:
             raise EngineRefitError(f"unknown transport {transport!r}; known: {sorted(TRANSPORTS)}")
         try:

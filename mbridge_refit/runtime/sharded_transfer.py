@@ -6,14 +6,17 @@ engine ranks that receive, most often the same ranks) from the same ``TransferPl
 (``plan.transfer``). Per ``run(shards)``, on every member of ``group``, in this order:
 
 1. handshake: one ``all_gather`` of int64 ``[plan fingerprint, status]``, the wire version
-   (``WIRE_VERSION``) folded into both words (``_versioned``: version 1, before versions were sent,
-   folds nothing, so the frame is the same for every install); a rank that runs another wire version
-   (another install of this package), holds another plan, or whose shards or parameters do not fit
-   the plan (checked locally first), makes every member raise ``TransferMismatchError`` naming the
+   (``WIRE_VERSION``) folded into both words and the rank's ``checksum`` setting into the status
+   (``_versioned``: version 1, before versions were sent, folds nothing, so the frame is the same for
+   every install); a rank that runs another wire version (another install of this package: named as
+   ``errors.wire_version_mismatch`` words it), holds another plan, passes another ``checksum`` (its
+   peers would wait for sums it never sends, or it for theirs), or whose shards or parameters do not
+   fit the plan (checked locally first), makes every member raise ``TransferMismatchError`` naming the
    ranks (an install of version 1 sees another plan and a bad status), before any data moves. On the
    first run, every region that several trainer ranks send whole (norms and routers the engine
-   replicates) is compared by checksum across them (``runtime.replica_agreement``): copies that
-   differ raise ``ReplicaMismatchError`` on every rank, as engine ranks would hold different ones;
+   replicates) is compared by checksum across them (``runtime.replica_agreement``, under the same
+   version): copies that differ raise ``ReplicaMismatchError`` on every rank, as engine ranks would
+   hold different ones;
 2. for each peer, the parts it must receive are packed back to back (16-byte aligned) into one
    cached send buffer; all sends and receives are posted together (``batch_isend_irecv``, one
    NCCL group), the local parts are copied meanwhile, then received parts are unpacked into the
@@ -42,7 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mbridge_refit.errors import TransportError
+from mbridge_refit.errors import TransportError, wire_version_mismatch
 from mbridge_refit.plan.engine_layout import Box
 from mbridge_refit.plan.transfer import Move, TransferPlan
 from mbridge_refit.runtime.collectives import group_ranks
@@ -59,10 +62,12 @@ __all__ = [
 ]
 
 ALIGN_BYTES = 16
-# What the ranks exchange beyond the plan: the packing and the checksum (2: sums of 8-byte words;
-# 1: the install before versions were sent). Ranks of different versions refuse in the handshake
-# instead of reading as a checksum failure; the handshake's frame is the same for every version.
-WIRE_VERSION = 2
+# What the ranks exchange beyond the plan: the handshake's words, the packing, the checksum and the
+# replica check's. 3: the handshake carries each rank's checksum setting; 2: sums of 8-byte words; 1: the
+# install before versions were sent. Ranks of different versions refuse in the handshake instead of
+# reading as a checksum failure; the handshake's frame is the same for every version.
+WIRE_VERSION = 3
+_WIRE_FORMAT = "sharded transfer"
 _OK, _BAD_INPUT, _BAD_CHECKSUM = 0, 1, 2
 
 
@@ -256,37 +261,14 @@ class ShardedTransfer:
 
     def _handshake(self, problem: str | None) -> None:
         status = _BAD_INPUT if problem else _OK
-        rows = self._control.exchange(_versioned(self.wire_version, self.fingerprint, status), self.group)
-        everyone = [_unversioned(int(row[0]), int(row[1])) for row in rows]  # (version, fingerprint, status)
-        versions = {version for version, _, _ in everyone}
-        fingerprints = {fingerprint for _, fingerprint, _ in everyone}
-        failed = [i for i, (_, _, code) in enumerate(everyone) if code != _OK]
-        if len(versions) == 1 and len(fingerprints) == 1 and not failed:
-            return
-        ranks = group_ranks(self.group)
-        parts = []
-        if len(versions) > 1:
-            by_version = defaultdict(list)
-            for i, (version, _, _) in enumerate(everyone):
-                by_version[version].append(ranks[i])
-            parts.append(
-                f"the ranks run different sharded-transfer wire versions ({dict(by_version)}): install the same "
-                "mbridge_refit on every rank"
-            )
-        elif len(fingerprints) > 1:
-            by_plan = defaultdict(list)
-            for i, (_, fingerprint, _) in enumerate(everyone):
-                by_plan[f"{fingerprint & 0xFFFF_FFFF_FFFF_FFFF:#018x}"].append(ranks[i])
-            parts.append(f"the ranks hold different transfer plans ({dict(by_plan)})")
-        if failed:
-            parts.append(f"rank(s) {[ranks[i] for i in failed]} found tensors that do not fit the plan")
-        detail = f"; here: {problem}" if problem else ""
-        raise TransferMismatchError(
-            "sharded transfer refused before any data moved: "
-            + "; ".join(parts)
-            + detail
-            + ". Build every rank's ShardedTransfer from the same TransferPlan (TransferPlan.to_json on the trainer)"
+        rows = self._control.exchange(
+            _versioned(self.wire_version, self.fingerprint, status, checksum=self.checksum), self.group
         )
+        refusal = _refusal([(int(row[0]), int(row[1])) for row in rows], group_ranks(self.group), self.wire_version)
+        if refusal is None:
+            return
+        detail = f"; here: {problem}" if problem else ""
+        raise TransferMismatchError("sharded transfer refused before any data moved: " + refusal + detail)
 
     def _ensure_buffers(self) -> None:
         if self._send_buffers or self._receive_buffers or not (self.sends or self.receives):
@@ -420,24 +402,72 @@ def _align(offset: int) -> int:
 
 
 _VERSION_SHIFT = 48  # the fingerprint's word: the version above it (a 64-bit hash XOR a tag)
-_STATUS_BITS = 8  # the status word: the version above the status code
+_STATUS_BITS = 8  # the status word: the version above the status byte
+_CHECKSUM_ON = 0x80  # the status byte's top bit, from version 3: the rank runs with checksum=True
+_FIRST_WITH_CHECKSUM_SETTING = 3
 
 
-def _versioned(version: int, fingerprint: int, status: int) -> list[int]:
+def _versioned(version: int, fingerprint: int, status: int, *, checksum: bool = False) -> list[int]:
     """The handshake row of ``version``: version 1 (the frame before versions were sent) is the
-    plain ``[fingerprint, status]``; later versions fold ``version - 1`` into both words."""
+    plain ``[fingerprint, status]``; later versions fold ``version - 1`` into both words, and from
+    version 3 the checksum setting into the status byte."""
     tag = version - 1
+    if checksum and version >= _FIRST_WITH_CHECKSUM_SETTING:
+        status |= _CHECKSUM_ON
     return [_signed(fingerprint ^ (tag << _VERSION_SHIFT)), status | (tag << _STATUS_BITS)]
 
 
-def _unversioned(word: int, status_word: int) -> tuple[int, int, int]:
-    """``(version, fingerprint, status)`` of a handshake row (``_versioned``'s inverse)."""
+def _unversioned(word: int, status_word: int) -> tuple[int, int, int, bool | None]:
+    """``(version, fingerprint, status, checksum)`` of a handshake row (``_versioned``'s inverse;
+    ``checksum`` None for a version that does not send it)."""
     tag = status_word >> _STATUS_BITS
-    return (
-        tag + 1,
-        _signed((word ^ (tag << _VERSION_SHIFT)) & 0xFFFF_FFFF_FFFF_FFFF),
-        status_word & ((1 << _STATUS_BITS) - 1),
+    version, status = tag + 1, status_word & ((1 << _STATUS_BITS) - 1)
+    checksum = None
+    if version >= _FIRST_WITH_CHECKSUM_SETTING:
+        checksum, status = bool(status & _CHECKSUM_ON), status & ~_CHECKSUM_ON
+    return version, _signed((word ^ (tag << _VERSION_SHIFT)) & 0xFFFF_FFFF_FFFF_FFFF), status, checksum
+
+
+def _refusal(rows: list[tuple[int, int]], ranks: list[int], mine: int) -> str | None:
+    """Why the handshake's ``rows`` (every rank's, in the order of ``ranks``) stop the run, or None.
+    The wire version is looked at first: the rest of a row of another version means something else."""
+    everyone = [_unversioned(word, status_word) for word, status_word in rows]
+    by_version = _ranks_by(ranks, [version for version, _, _, _ in everyone])
+    if len(by_version) > 1:
+        return (
+            "; ".join(
+                wire_version_mismatch(_WIRE_FORMAT, mine, None if version == 1 else version, f"rank(s) {peers}")
+                for version, peers in by_version.items()
+                if version != mine
+            )
+            + f" (ranks by version: {by_version})"
+        )
+    parts = []
+    by_plan = _ranks_by(ranks, [f"{fp & 0xFFFF_FFFF_FFFF_FFFF:#018x}" for _, fp, _, _ in everyone])
+    if len(by_plan) > 1:
+        parts.append(f"the ranks hold different transfer plans ({by_plan})")
+    by_checksum = _ranks_by(ranks, [checksum for _, _, _, checksum in everyone])
+    if len(by_checksum) > 1:
+        parts.append(
+            f"the ranks pass different checksum= settings ({by_checksum}): a rank that sends checksums would wait "
+            "for peers that never receive them; pass the same checksum= on every rank"
+        )
+    failed = [rank for rank, (_, _, code, _) in zip(ranks, everyone) if code != _OK]
+    if failed:
+        parts.append(f"rank(s) {failed} found tensors that do not fit the plan")
+    if not parts:
+        return None
+    return "; ".join(parts) + (
+        ". Build every rank's ShardedTransfer from the same TransferPlan (TransferPlan.to_json on the trainer)"
     )
+
+
+def _ranks_by(ranks: list[int], values: list) -> dict:
+    """``{value: the ranks that sent it}``, in the order first seen."""
+    table: dict = {}
+    for rank, value in zip(ranks, values):
+        table.setdefault(value, []).append(rank)
+    return table
 
 
 def _signed(word: int) -> int:

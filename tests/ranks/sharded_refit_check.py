@@ -105,7 +105,7 @@ def run_faults(bridge, chunks, engines: list[str], shards_of) -> dict:
     if rank == 0:
         transfer.wire_version -= 1  # an older install on rank 0: refused by name, not a checksum failure
     message = expect_raise(TransferMismatchError, lambda: transfer.run(shards_of(transfer)), "another wire version")
-    if "wire versions" not in message or "same mbridge_refit" not in message:
+    if "sharded transfer wire version mismatch" not in message or "same mbridge_refit" not in message:
         fail(f"the wire-version refusal does not say so: {message}")
 
     transfer = bridge.sharded_transfer(chunks, plans[-1])
