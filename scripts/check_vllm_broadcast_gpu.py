@@ -85,7 +85,9 @@ VLLM_BATCH_INVARIANT_NCCL = {
 
 
 def fingerprints(llm) -> dict:
-    return {name: tuple(fp) for name, fp in llm.collective_rpc("mbridge_refit_fingerprints")[0].items()}
+    from mbridge_refit.engines.fingerprint import fingerprints_from_wire
+
+    return fingerprints_from_wire(llm.collective_rpc("mbridge_refit_fingerprints")[0])
 
 
 def first_weight(chunks, part: str) -> torch.Tensor:

@@ -97,7 +97,9 @@ def start_engine(checkpoint: Path, args):
 
 def fingerprints(llm) -> list[dict]:
     """Every worker's exact parameter fingerprints, in worker order."""
-    return [{n: tuple(fp) for n, fp in worker.items()} for worker in llm.collective_rpc("mbridge_refit_fingerprints")]
+    from mbridge_refit.engines.fingerprint import fingerprints_from_wire
+
+    return [fingerprints_from_wire(worker) for worker in llm.collective_rpc("mbridge_refit_fingerprints")]
 
 
 def differing_per_worker(expected: list[dict], actual: list[dict]) -> list[list[str]]:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from mbridge_refit.engines.adapter import (
+    LIMITS_VERSION,
     PEFT_PREFIX,
     AdapterLimits,
     AdapterRefusedError,
@@ -179,3 +180,15 @@ def test_fp8_an_early_request_and_a_refused_cache_reset_are_named():
     engine.reset_prefix_cache = lambda: False
     with pytest.raises(EngineError, match="prefix cache"):
         refit.refit(_Bridge(), None)
+
+
+@pytest.mark.parametrize("version", [None, LIMITS_VERSION + 1])
+def test_an_engine_s_limits_of_another_version_are_refused_by_name(version):
+    """The engine's LoRA limits from another mbridge_refit (None: from before the reply carried a version)."""
+    wire = {key: value for key, value in LIMITS.to_wire().items() if key != "version"}
+    if version is not None:
+        wire["version"] = version
+    with pytest.raises(EngineError, match="adapter limits wire version mismatch") as caught:
+        AdapterLimits.from_wire(wire)
+    shown = "none (an mbridge_refit from before it was versioned)" if version is None else version
+    assert f"this side speaks version {LIMITS_VERSION}, the engine version {shown}" in str(caught.value)

@@ -19,8 +19,10 @@ import pytest
 import torch
 from conftest import REPO, loaded_model
 
+from mbridge_refit.engines.fingerprint import FINGERPRINT_VERSION, fingerprints_to_wire, named_fingerprints
 from mbridge_refit.engines.ipc_session import IpcSession
 from mbridge_refit.engines.sharing import LocalTransport
+from mbridge_refit.errors import EngineError
 from mbridge_refit.testing.copy_engine import CopyEngine
 from mbridge_refit.testing.copy_engine import CopyEngineWorker as Worker
 
@@ -955,3 +957,22 @@ def test_a_flood_of_strangers_during_the_open_leaves_the_early_apply_on():
     finally:
         session.close()
         stranger.close()
+
+
+@pytest.mark.parametrize("version", [None, FINGERPRINT_VERSION + 1])
+def test_an_engine_s_fingerprints_of_another_version_are_refused_by_name(version):
+    """An engine of another mbridge_refit (None: its bare ``{name: [sum, weighted]}``, from before the
+    reply carried a version) answers the fingerprints RPC: refused, never compared as weights."""
+    numbers = {"model.norm.weight": [1, 2]}
+    reply = numbers if version is None else {"version": version, "fingerprints": numbers}
+    session = IpcSession(lambda method, *args: [reply])
+    with pytest.raises(EngineError, match="fingerprints reply wire version mismatch") as caught:
+        session.fingerprints()
+    shown = "none (an mbridge_refit from before it was versioned)" if version is None else version
+    assert f"this side speaks version {FINGERPRINT_VERSION}, the engine version {shown}" in str(caught.value)
+
+
+def test_an_engine_s_fingerprints_reply_round_trips():
+    fingerprints = named_fingerprints([("a", torch.arange(5.0)), ("b", torch.ones(3, dtype=torch.bfloat16))])
+    session = IpcSession(lambda method, *args: [fingerprints_to_wire(fingerprints)])
+    assert session.fingerprints() == fingerprints

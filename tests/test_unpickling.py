@@ -451,6 +451,22 @@ def test_ipc_payload_refuses_another_format():
         CudaIpcTransport().open(pickle.dumps([{"gpu": (1, 2)}]), torch.device("cpu"))
 
 
+@pytest.mark.parametrize("version", [None, 2])
+def test_ipc_payload_of_another_version_is_refused_by_name(version):
+    """A payload of another version (None: it names none) is refused before its storages are read."""
+    import json
+
+    from mbridge_refit.engines.ipc_handles import VERSION
+
+    wire = {"format": "mbridge_refit.cuda_ipc", "storages": [{"GPU-aaaa": {"other": "fields"}}]}
+    if version is not None:
+        wire["version"] = version
+    with pytest.raises(SharingError, match="CUDA IPC payload wire version mismatch") as caught:
+        CudaIpcTransport().open(json.dumps(wire).encode(), torch.device("cpu"))
+    shown = "none (an mbridge_refit from before it was versioned)" if version is None else version
+    assert f"this side speaks version {VERSION}, the trainer version {shown}" in str(caught.value)
+
+
 # --- what a StoreGroup member receives ---------------------------------------------------------
 
 

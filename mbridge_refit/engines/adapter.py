@@ -21,11 +21,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mbridge_refit.errors import EngineError
+from mbridge_refit.errors import EngineError, wire_version_mismatch
 
 __all__ = [
     "FACTOR_SUFFIXES",
     "PEFT_PREFIX",
+    "LIMITS_VERSION",
     "AdapterLimits",
     "AdapterRefusedError",
     "adapter_config",
@@ -34,6 +35,7 @@ __all__ = [
     "unplaced",
 ]
 
+LIMITS_VERSION = 1  # the engine's reply of its LoRA limits (AdapterLimits.to_wire)
 PEFT_PREFIX = "base_model.model."  # what a PEFT checkpoint puts before every HF name
 FACTOR_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 _EXPERTS = ".experts."
@@ -54,10 +56,20 @@ class AdapterLimits:
     modules: frozenset[str]
 
     def to_wire(self) -> dict[str, Any]:
-        return {"max_rank": self.max_rank, "slots": self.slots, "modules": sorted(self.modules)}
+        """Plain data for the engine's reply, with ``LIMITS_VERSION``."""
+        return {
+            "version": LIMITS_VERSION,
+            "max_rank": self.max_rank,
+            "slots": self.slots,
+            "modules": sorted(self.modules),
+        }
 
     @classmethod
     def from_wire(cls, wire: Mapping[str, Any]) -> "AdapterLimits":
+        """``to_wire``'s limits back; a reply of another ``LIMITS_VERSION`` (or none) raises ``EngineError``."""
+        version = wire.get("version") if isinstance(wire, Mapping) else None
+        if version != LIMITS_VERSION:
+            raise EngineError(wire_version_mismatch("adapter limits", LIMITS_VERSION, version, "the engine"))
         return cls(max_rank=int(wire["max_rank"]), slots=int(wire["slots"]), modules=frozenset(wire["modules"]))
 
 

@@ -6,6 +6,11 @@ fingerprint is two 64-bit integers over the tensor's bytes read as 32-bit words:
 and a position-weighted sum (weights 1..65521 cycling), so a permutation of words is caught as
 well as a changed word. Integer sums wrap modulo 2**64 in any order, so the result does not
 depend on the reduction order of the device.
+
+An engine's fingerprints travel to the trainer as ``fingerprints_to_wire``'s reply, which carries
+``FINGERPRINT_VERSION`` (the algorithm and the reply's layout); ``fingerprints_from_wire`` refuses a
+reply of another version (or none) by name before it reads a number, so fingerprints computed
+another way are never compared as if they were wrong weights.
 """
 
 from __future__ import annotations
@@ -14,7 +19,19 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["differing", "named_fingerprints", "tensor_fingerprint"]
+from mbridge_refit.errors import EngineError, wire_version_mismatch
+
+__all__ = [
+    "FINGERPRINT_VERSION",
+    "differing",
+    "fingerprints_from_wire",
+    "fingerprints_to_wire",
+    "named_fingerprints",
+    "tensor_fingerprint",
+]
+
+FINGERPRINT_VERSION = 1  # tensor_fingerprint's words and the reply's layout (fingerprints_to_wire)
+_WIRE_FORMAT = "fingerprints reply"
 
 _CHUNK_WORDS = 1 << 24  # bounds the temporaries: 64 Mi words in int64 per step
 _WEIGHT_PERIOD = 65521
@@ -43,6 +60,20 @@ def tensor_fingerprint(tensor: torch.Tensor) -> tuple[int, int]:
 def named_fingerprints(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, tuple[int, int]]:
     """``{name: tensor_fingerprint(tensor)}`` for every pair (e.g. ``module.named_parameters()``)."""
     return {name: tensor_fingerprint(tensor) for name, tensor in named}
+
+
+def fingerprints_to_wire(fingerprints: dict[str, tuple[int, int]]) -> dict:
+    """An engine's fingerprints as plain data for an RPC's reply, with ``FINGERPRINT_VERSION``."""
+    return {"version": FINGERPRINT_VERSION, "fingerprints": {name: list(fp) for name, fp in fingerprints.items()}}
+
+
+def fingerprints_from_wire(reply: object) -> dict[str, tuple[int, int]]:
+    """``fingerprints_to_wire``'s fingerprints back; raises ``EngineError`` naming both versions for a reply
+    of another ``FINGERPRINT_VERSION`` (a bare ``{name: [sum, weighted]}``: an engine from before it)."""
+    version = reply.get("version") if isinstance(reply, dict) and isinstance(reply.get("fingerprints"), dict) else None
+    if version != FINGERPRINT_VERSION:
+        raise EngineError(wire_version_mismatch(_WIRE_FORMAT, FINGERPRINT_VERSION, version, "the engine"))
+    return {name: tuple(fp) for name, fp in reply["fingerprints"].items()}
 
 
 def differing(left: dict[str, tuple[int, int]], right: dict[str, tuple[int, int]]) -> list[str]:

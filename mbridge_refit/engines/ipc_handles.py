@@ -20,11 +20,12 @@ from typing import Any, Callable
 
 import torch
 
-from mbridge_refit.errors import InputError
+from mbridge_refit.errors import InputError, wire_version_mismatch
 
 __all__ = [
     "FORMAT",
     "VERSION",
+    "WIRE_FORMAT",
     "BadIpcPayload",
     "decode_handle",
     "decode_payload",
@@ -33,7 +34,8 @@ __all__ = [
 ]
 
 FORMAT = "mbridge_refit.cuda_ipc"
-VERSION = 1
+VERSION = 1  # the payload's fields (``_FIELDS``), refused by name in another version
+WIRE_FORMAT = "CUDA IPC payload"  # how a version mismatch names it
 
 _TENSOR_CLASSES: dict[str, type] = {"Tensor": torch.Tensor}
 _STORAGE_CLASSES: dict[str, type] = {"TypedStorage": torch.storage.TypedStorage}
@@ -156,9 +158,11 @@ def decode_payload(payload: bytes) -> list[dict[str, tuple]]:
         wire = json.loads(payload)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise BadIpcPayload(f"not JSON ({err}): not a payload of this version's CudaIpcTransport.share") from None
-    if not isinstance(wire, dict) or wire.get("format") != FORMAT or wire.get("version") != VERSION:
+    if not isinstance(wire, dict) or wire.get("format") != FORMAT:
         head = {k: wire.get(k) for k in ("format", "version")} if isinstance(wire, dict) else type(wire).__name__
         raise BadIpcPayload(f"{head} is not {FORMAT} version {VERSION}: share and open with the same mbridge_refit")
+    if wire.get("version") != VERSION:  # before the storages: another version's mean something else
+        raise BadIpcPayload(wire_version_mismatch(WIRE_FORMAT, VERSION, wire.get("version"), "the trainer"))
     storages = wire.get("storages")
     if not isinstance(storages, list) or not all(isinstance(handle, dict) for handle in storages):
         raise BadIpcPayload("storages is not a list of {gpu uuid: handle} objects")

@@ -72,6 +72,7 @@ import torch
 
 from mbridge_refit.engines.base import CallWorkers, RefitStep
 from mbridge_refit.engines.completion import DoneSignal
+from mbridge_refit.engines.fingerprint import fingerprints_from_wire
 from mbridge_refit.engines.go_ahead import GoAheadError, GoAheadLine
 from mbridge_refit.engines.sharing import (
     CudaIpcTransport,
@@ -612,7 +613,7 @@ class IpcSession:
 
     def fingerprints(self) -> dict[str, tuple[int, int]]:
         """The engine's exact per-parameter fingerprints (first worker)."""
-        return {name: tuple(fp) for name, fp in self._rpc("mbridge_refit_fingerprints").items()}
+        return fingerprints_from_wire(self._rpc("mbridge_refit_fingerprints"))
 
     def close(self) -> None:
         """Tell the engine to forget the mapped tensors, then release them (also where the engine cannot

@@ -28,7 +28,7 @@ import torch
 from mbridge_refit.engines.adapter_ipc import AdapterReceiver
 from mbridge_refit.engines.apply_plan import Recompute, StagedLoad
 from mbridge_refit.engines.broadcast import BroadcastTarget
-from mbridge_refit.engines.fingerprint import named_fingerprints
+from mbridge_refit.engines.fingerprint import fingerprints_to_wire, named_fingerprints
 from mbridge_refit.engines.ipc import RefitReceiver
 from mbridge_refit.engines.sharded_ipc import worker_entry
 from mbridge_refit.engines.vllm.deep_gemm import refuse_unsupported, reprocess
@@ -195,11 +195,11 @@ class RefitWorkerExtension:
         if receiver is not None:
             receiver.close()
 
-    def mbridge_refit_fingerprints(self) -> dict[str, list[int]]:
-        """``{parameter name: [sum, weighted sum]}`` of every model parameter (exact; see
-        ``engines.fingerprint``)."""
+    def mbridge_refit_fingerprints(self) -> dict:
+        """``{parameter name: [sum, weighted sum]}`` of every model parameter (exact), in
+        ``engines.fingerprint.fingerprints_to_wire``'s versioned reply."""
         model = self.model_runner.get_model()
-        return {name: list(fp) for name, fp in named_fingerprints(model.named_parameters()).items()}
+        return fingerprints_to_wire(named_fingerprints(model.named_parameters()))
 
 
 def _worker_index(worker: Any) -> int:
