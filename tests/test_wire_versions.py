@@ -4,9 +4,11 @@ sharded transfer's handshake between two gloo ranks (tests/ranks/sharded_transfe
 
 from __future__ import annotations
 
+import importlib
 import json
+import re
 
-from conftest import torchrun
+from conftest import REPO, torchrun
 
 from mbridge_refit.runtime.sharded_transfer import WIRE_VERSION as TRANSFER_VERSION
 
@@ -31,3 +33,26 @@ def test_ranks_of_another_sharded_transfer_version_or_checksum_setting_are_refus
                 assert f"this side speaks version {TRANSFER_VERSION}, rank(s) [1] version {theirs}" in message, message
         assert "different checksum= settings ({True: [0], False: [1]})" in report["checksum"], report["checksum"]
         assert report["delivered"] == ([0.0, 1.0, 2.0, 3.0] if rank == 0 else [4.0, 5.0, 6.0, 7.0])
+
+
+def _table_rows() -> dict[str, int]:
+    """``{module.CONSTANT: version}`` of docs/architecture.md's table of wire formats."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    section = text[text.index("## Wire formats and their versions") :]
+    return {m[1]: int(m[2]) for m in re.finditer(r"^\| [^|]+ \| `([\w.]+)` \| (\d+) \|", section, re.MULTILINE)}
+
+
+def test_every_wire_format_constant_is_in_the_table_with_its_value():
+    """Each row names a module's constant and its value; each public ``*_VERSION`` / ``*_PROTOCOL`` constant
+    the package defines has a row (a format added without one is noticed here)."""
+    rows = _table_rows()
+    assert rows, "docs/architecture.md has no table of wire formats"
+    for name, version in rows.items():
+        module, constant = name.rsplit(".", 1)
+        assert getattr(importlib.import_module(f"mbridge_refit.{module}"), constant) == version, name
+    defined = set()
+    for path in (REPO / "mbridge_refit").rglob("*.py"):
+        module = ".".join(path.relative_to(REPO / "mbridge_refit").with_suffix("").parts)
+        for match in re.finditer(r"^((?!_)[A-Z_]*(?:VERSION|PROTOCOL)) = ", path.read_text(), re.MULTILINE):
+            defined.add(f"{module}.{match[1]}")
+    assert defined == set(rows), (sorted(defined - set(rows)), sorted(set(rows) - defined))
