@@ -431,6 +431,8 @@ def _unversioned(word: int, status_word: int) -> tuple[int, int, int, bool | Non
 def _refusal(rows: list[tuple[int, int]], ranks: list[int], mine: int) -> str | None:
     """Why the handshake's ``rows`` (every rank's, in the order of ``ranks``) stop the run, or None.
     The wire version is looked at first: the rest of a row of another version means something else."""
+    if len(set(rows)) == 1 and _unversioned(*rows[0])[2] == _OK:  # the usual run: every rank sent the same row
+        return None
     everyone = [_unversioned(word, status_word) for word, status_word in rows]
     by_version = _ranks_by(ranks, [version for version, _, _, _ in everyone])
     if len(by_version) > 1:
