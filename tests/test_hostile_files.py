@@ -186,6 +186,31 @@ def test_shards_linked_into_a_hub_cache_blobs_are_read(sharded, single, layout, 
     assert all(hub.tensor(name).equal(plain.tensor(name)) for name in plain.names())
 
 
+# --- found by tests/test_fuzz_inputs.py --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("missing", ["shard", "weights"])
+def test_missing_shards_are_the_packages_input_error(sharded, missing, tmp_path):
+    """An index naming a shard that does not exist (or no weights at all) raised a bare
+    FileNotFoundError: ``export-adapter``, which opens ``--hf``'s weights after its checks, exited 3
+    with a traceback. Now a ``CheckpointError`` (still a FileNotFoundError): exit 2."""
+    from mbridge_refit.convert import ExitCode
+    from mbridge_refit.convert.app import classify
+
+    checkpoint = shutil.copytree(sharded, tmp_path / "hf")
+    if missing == "shard":
+        index = json.loads((checkpoint / INDEX_NAME).read_text())
+        index["weight_map"]["extra.weight"] = "model-00009-of-00009.safetensors"
+        (checkpoint / INDEX_NAME).write_text(json.dumps(index))
+    else:
+        for file in checkpoint.glob("*.safetensors*"):
+            file.unlink()
+    with pytest.raises(CheckpointError, match="shard files that do not exist|no checkpoint in") as refused:
+        HFCheckpoint.open(checkpoint)
+    assert isinstance(refused.value, FileNotFoundError)
+    assert classify(refused.value).code == ExitCode.BAD_INPUT
+
+
 # --- a header naming a key twice -----------------------------------------------------------------------
 
 
