@@ -38,7 +38,7 @@ import torch
 from megatron.bridge import AutoBridge
 
 from mbridge_refit.checkpoints.hf import HFCheckpoint, remote_code_refusal
-from mbridge_refit.checkpoints.loader import LoadReport, check_hf_shapes, load_hf_shards
+from mbridge_refit.checkpoints.loader import LoadReport, check_hf_shapes, check_tied_output, load_hf_shards
 from mbridge_refit.errors import InputError
 from mbridge_refit.fp8 import te as te_fp8
 from mbridge_refit.fp8.format import FP8_DTYPE_NAME, BlockwiseFP8Config, FP8FormatError, scale_name
@@ -179,6 +179,7 @@ class RefitBridge(AutoBridge):
         self._held_outputs = HeldOutputs()  # the checking mode's guards of the last held export
         self._model_state: _ModelState | None = None
         self._buffers: ExportBuffers | None = None
+        self._last_export: CollectiveCall | None = None  # the last collective export started (``_begin_collective``)
         super().__init__(hf_pretrained)
 
     @classmethod
@@ -600,7 +601,14 @@ class RefitBridge(AutoBridge):
 
         Collective: every rank of the model's process groups must iterate the generator to the
         end, in step (each yielded tensor may need a gather or pipeline broadcast). Every rank
-        receives the full HF tensors. The stock positional arguments are unchanged.
+        receives the full HF tensors. The stock positional arguments are unchanged. Checked
+        (``runtime.handshake``, within ``collective_timeout_s``; ``None`` turns the checks off):
+        a rank whose peers do not call it, or that leaves early, is named with
+        ``CollectiveMisuseError``; and one export of this bridge at a time: a call (this one,
+        ``export_hf_weight_buckets``, ``export_adapter_weights``) while the bridge's previous
+        export is still open on any rank (neither iterated to its end nor closed) raises
+        ``CollectiveMisuseError`` on every rank, before any collective. Finish or close the first
+        export, on every rank, before starting another (closing one runs its rest, with the peers).
 
         Data-parallel replicas (world = tp x pp x cp x dp): gathers run inside each replica's
         tensor/pipeline/expert groups, so by default every rank of every replica exports (the
@@ -710,7 +718,8 @@ class RefitBridge(AutoBridge):
         chunks = _chunks(model)
         call = self._begin_collective(chunks, what)
         self._held_outputs.expire()  # the last held export's tensors end where this export begins
-        stream = call.guard(self._export(chunks, options, in_buckets=in_buckets))
+        exported = self._export(chunks, options, in_buckets=in_buckets)
+        stream = call.guard(exported, issues_collectives=not isinstance(exported, _NoExportWork))
         if not self.check_lifetime:
             return stream
         if options.hold_outputs:
@@ -718,7 +727,8 @@ class RefitBridge(AutoBridge):
         return guard_buckets(stream) if in_buckets else guard_tensors(stream)
 
     def _begin_collective(self, chunks: list[torch.nn.Module], what: str) -> CollectiveCall:
-        """Check that every rank the export needs calls it (``runtime.handshake``), before any collective."""
+        """Check that every rank the export needs calls it, and that none has an export of this
+        bridge still open (``runtime.handshake``: refused on every rank alike), before any collective."""
         state = (
             self._model_state
             if self._model_state is not None and _same_chunks(self._model_state.chunks, chunks)
@@ -731,7 +741,9 @@ class RefitBridge(AutoBridge):
             else range(torch.distributed.get_world_size())
         )
         call = CollectiveCall(what, participants, timeout_s=self.collective_timeout_s)
-        call.arrive()
+        last = self._last_export
+        call.arrive(refusal=_still_open(last, what) if last is not None and last.open else None)
+        self._last_export = call
         return call
 
     def _export(self, model: Any, options: "_ExportOptions", *, in_buckets: bool) -> Iterable:
@@ -753,7 +765,7 @@ class RefitBridge(AutoBridge):
         if self.export_weight_dtype != "fp8":
             self._lora_route(chunks, stock.merge_adapter_weights)  # collective once per model: before replicas part
         if options.replica is not None and not self.takes_part(chunks, options.replica):
-            return iter(())
+            return _NoExportWork()
         show_progress = stock.show_progress and is_rank_zero()
         if fp8_config is not None:
             buffers = self._export_buffers(options.reuse_buffer_from_cache, options.hold_outputs)
@@ -964,7 +976,10 @@ class RefitBridge(AutoBridge):
         """Load HF safetensors weights into ``model``; each rank reads only its own slices.
 
         Call on every rank (the task build exchanges parameter names across pipeline stages once).
-        ``hf_path`` defaults to the checkpoint this bridge was created from.
+        ``hf_path`` defaults to the checkpoint this bridge was created from. Raises a ``LoadError``
+        (an ``InputError``) on every rank of the model where the checkpoint does not fit it, e.g.
+        ``TiedOutputError`` for a tied model whose checkpoint stores a different output weight
+        (``check_tied_output``).
         """
         path = Path(hf_path) if hf_path is not None else self._checkpoint_path()
         checkpoint = HFCheckpoint.open(path)
@@ -977,6 +992,18 @@ class RefitBridge(AutoBridge):
         path = Path(hf_path) if hf_path is not None else self._checkpoint_path()
         chunks = _chunks(model)
         check_hf_shapes(self.megatron_model_bridge(chunks), self.hf_pretrained, chunks, HFCheckpoint.open(path))
+
+    def check_tied_output(self, hf_path: str | Path | None = None, provider: Any = None) -> None:
+        """Raise ``TiedOutputError`` (an ``InputError``) where the model ties its output layer to the
+        embedding (``tie_word_embeddings``) and the HF checkpoint at ``hf_path`` stores an output
+        weight of its own (``lm_head.weight``) that differs from the embedding: loading drops it
+        (stock does too) and every export writes the embedding under its name. ``load_hf_shards``
+        makes the same check; this one needs no model and no process group. ``provider``: the
+        model's provider (default: ``to_megatron_provider(load_weights=False)``), which says whether
+        it ties. Reads the two tensors only when the model ties and both are stored."""
+        path = Path(hf_path) if hf_path is not None else self._checkpoint_path()
+        provider = provider if provider is not None else self.to_megatron_provider(load_weights=False)
+        check_tied_output(self._model_bridge, provider, HFCheckpoint.open(path))
 
     def _hf_config(self) -> Any:
         return (
@@ -1001,6 +1028,27 @@ class _Route:
     names: frozenset[str] | None = None
     reason: str | None = None
     lora: AdapterExport | None = None  # the model's adapters, merged into what the exporter yields
+
+
+class _NoExportWork:
+    """The export stream of a rank with no part in a replica's export: empty, no collective to guard."""
+
+    def __iter__(self) -> "_NoExportWork":
+        return self
+
+    def __next__(self) -> Any:
+        raise StopIteration
+
+
+def _still_open(last: CollectiveCall, what: str) -> str:
+    """Why ``what`` is refused while ``last``, this bridge's previous export, is still open."""
+    return (
+        f"{what} was called while this bridge's {last.what} (call #{last.number}) is still open (neither iterated "
+        "to its end nor closed): two exports in flight pair their gathers with the wrong partners. Finish or close "
+        "the first export on every rank before starting another: iterate it to the end, or call close() on it (a "
+        "generator kept alive, by a variable or an exception's traceback, stays open; closing one runs the rest of "
+        "its export, which its peers' close or iteration completes)"
+    )
 
 
 def _chunks(model: list[torch.nn.Module] | torch.nn.Module) -> list[torch.nn.Module]:

@@ -12,13 +12,17 @@ so a caller catches by kind and the command line maps kinds to exit codes
   the plan, a checksum differs, a peer failed).
 * ``EngineError``: an inference engine could not take the weights it was sent.
 
+Two sides that speak a wire format (a stream, a handshake, a payload, store entries) check its
+version and refuse another one with ``wire_version_mismatch``'s words: the format, both versions, and
+the fix (the same mbridge_refit on both sides).
+
 Anything else that escapes is a bug of ours (``convert`` exits 3 with the traceback), or the
 machine's (an ``OSError`` naming an errno: exit 4). Lowest layer: imports nothing.
 """
 
 from __future__ import annotations
 
-__all__ = ["EngineError", "InputError", "RefitError", "TransportError", "UsageError"]
+__all__ = ["EngineError", "InputError", "RefitError", "TransportError", "UsageError", "wire_version_mismatch"]
 
 
 class RefitError(Exception):
@@ -39,3 +43,13 @@ class TransportError(RefitError, RuntimeError):
 
 class EngineError(RefitError, RuntimeError):
     """An inference engine could not take the weights it was sent."""
+
+
+def wire_version_mismatch(wire_format: str, mine: object, theirs: object, peer: str) -> str:
+    """The refusal of a peer that speaks another version of ``wire_format`` (``theirs``; None: a peer
+    from before the format carried a version)."""
+    theirs = "none (an mbridge_refit from before it was versioned)" if theirs is None else theirs
+    return (
+        f"{wire_format} wire version mismatch: this side speaks version {mine}, {peer} version {theirs}. Run the "
+        "same mbridge_refit version on the trainer and the engine (every process of the refit)"
+    )

@@ -42,6 +42,7 @@ from torch.distributed.elastic.utils.distributed import get_free_port as free_po
 REPO = Path(__file__).resolve().parents[1]
 BOUND_S = 30.0
 CHILD_LIMIT_S = 150.0
+SECRET_VARIABLE = "CHECK_STORE_GROUP_SECRET"  # not an argument: a command line is readable by every local user
 CASES = ("matched", "refused", "unchecked", "receiver-fails", "trainer-killed", "engine-killed")
 VLLM_BATCH_INVARIANT_NCCL = {  # what vLLM 0.26's batch-invariant mode sets in its workers
     "NCCL_LAUNCH_MODE": "GROUP",
@@ -94,7 +95,7 @@ def member(args) -> dict:
     )
 
     if args.case == "unchecked":  # the code before the fix compared nothing
-        broadcast_group.group_settings = lambda backend, environ=None: {"protocol": 2, "backend": backend}
+        broadcast_group.group_settings = lambda backend, environ=None: {"backend": backend}
     trainer = args.member == "trainer"
     device = torch.device("cpu") if args.cpu else torch.device("cuda", 0)
     if device.type == "cuda":
@@ -116,6 +117,7 @@ def member(args) -> dict:
             rank=0 if trainer else 1,
             world_size=2,
             device=device,
+            secret=bytes.fromhex(os.environ[SECRET_VARIABLE]),
             timeout=datetime.timedelta(seconds=120),
         )
         record["joined_s"] = round(time.monotonic() - started, 2)
@@ -173,10 +175,12 @@ def member(args) -> dict:
 
 
 def run_case(case: str, out: Path, cpu: bool) -> dict:
-    port = free_port()
+    import secrets
+
+    port, secret = free_port(), secrets.token_hex(32)  # the group's secret: to both members in their environment
     procs = {}
     for role in ("trainer", "engine"):
-        env = {**os.environ, "PYTHONPATH": str(REPO), "NCCL_DEBUG": "WARN"}
+        env = {**os.environ, "PYTHONPATH": str(REPO), "NCCL_DEBUG": "WARN", SECRET_VARIABLE: secret}
         if role == "engine":
             env["CUDA_VISIBLE_DEVICES"] = "1"
             if case in ("refused", "unchecked"):

@@ -1,6 +1,6 @@
 """GPU host: a colocated refit into vLLM equals loading the same weights from disk.
 
-    python3 scripts/check_vllm_refit_gpu.py --model qwen3-1.7b [--layers N] [--fp8] --out-dir DIR
+    python3 scripts/check_vllm_refit_gpu.py --model qwen3-1.7b [--layers N] [--fp8] [--expect-refusal] --out-dir DIR
 
 One process is the trainer (a Megatron model of a full-size shape, random weights, TP1 on this
 GPU); the vLLM engine runs in its own process on the same GPU. Steps, each checked:
@@ -30,6 +30,19 @@ GPU); the vLLM engine runs in its own process on the same GPU. Steps, each check
    ``torch.cuda.empty_cache()``, then resized and written back: new memory), then a refit. The
    worker copies the old memory before the trainer finds the move, so the step must open anew, equal the
    disk-loaded engine bit for bit, and raise no CUDA error; the next refit replays, exactly.
+
+DeepGEMM (``engines.vllm.deep_gemm``): the script leaves vLLM's DeepGEMM settings to the environment
+and records what the engine does (``deep_gemm``: the variables, its DeepGEMM linear and MoE layers, E8M0).
+With DeepGEMM at its default on Hopper, a block-FP8 engine requantizes its linear layers to power-of-two
+scales after loading; the refit must then have them processed again after its copies
+(``deep_gemm_layers_processed_again``: each such layer in the open's ``recomputed``) and still equal the
+disk-loaded engine in every check above. ``--expect-refusal``: an engine whose DeepGEMM work a refit cannot
+redo (DeepGEMM's MoE experts: ``VLLM_USE_DEEP_GEMM=1`` set on a MoE model; Blackwell's packed scales) must
+refuse the first refit by name (``open_refused_naming_deep_gemm``) before any weight moves
+(``refused_open_moved_no_weight``: the scrambled fingerprints unchanged), and the script stops there.
+
+The result file is written after each phase (``"ok": null`` until the end); a first refit that fails
+records its error (``open_error``) and ends the run.
 
 The prompt-logprob oracle is bitwise stable only with vLLM's batch-invariant kernels: the script runs
 with ``VLLM_BATCH_INVARIANT=1`` unless the environment sets it (``batch_invariant`` in the result; on an
@@ -210,19 +223,39 @@ def run(args) -> dict:
         started = time.perf_counter()
         llm = start_engine(checkpoint, args)
         result["engine_start_s"] = round(time.perf_counter() - started, 1)
+        result["deep_gemm"] = deep_gemm = llm.collective_rpc("mbridge_refit_deep_gemm")[0]
+        progress(result, args)
         refit = VLLMRefit(llm, timeout_s=300)
         batch = prompts(config.vocab_size)
         disk = refit.fingerprints()
-        disk_logprobs = prompt_logprobs(llm, batch)
-        reference = reference_numerics(llm, bridge, chunks, torch.tensor(batch, device=device))
-        result["engine_logprobs_repeatable_on_disk_weights"] = prompt_logprobs(llm, batch) == disk_logprobs
         result["engine_parameters"] = len(disk)
+        if not args.expect_refusal:  # a refused open reads no logprob
+            disk_logprobs = prompt_logprobs(llm, batch)
+            reference = reference_numerics(llm, bridge, chunks, torch.tensor(batch, device=device))
+            result["engine_logprobs_repeatable_on_disk_weights"] = prompt_logprobs(llm, batch) == disk_logprobs
 
         llm.collective_rpc("mbridge_refit_scramble", args=(7,))
-        scrambled = differing(disk, refit.fingerprints())
-        checks["scramble_changed_every_parameter"] = len(scrambled) == len(disk)
+        noise = refit.fingerprints()
+        checks["scramble_changed_every_parameter"] = len(differing(disk, noise)) == len(disk)
+        progress(result, args)
 
-        step = refit.refit(bridge, chunks, fp8=fp8)
+        try:
+            step = refit.refit(bridge, chunks, fp8=fp8)
+        except Exception as err:  # the verdict, written: refused by name, or the failure the integrator must see
+            result["open_error"] = f"{type(err).__name__}: {err}"[-4000:]
+            if args.expect_refusal:
+                checks["open_refused_naming_deep_gemm"] = "DeepGEMM" in str(err)
+                checks["refused_open_moved_no_weight"] = not differing(noise, refit.fingerprints())
+            else:
+                checks["first_refit_opens"] = False
+            refit.close()
+            result["ok"] = all(checks.values())
+            return result
+        if args.expect_refusal:
+            checks["open_refused_naming_deep_gemm"] = False  # it opened
+            refit.close()
+            result["ok"] = False
+            return result
         report = step.report or {}
         result["open"] = {
             k: report.get(k)
@@ -233,6 +266,9 @@ def run(args) -> dict:
             :10
         ]  # modules whose derived parameters vLLM recomputes
         checks["open_reports_no_missing_or_unexpected"] = not report.get("missing") and not report.get("unexpected")
+        requantized = set(deep_gemm["linear"]) if deep_gemm["e8m0"] == [True] else set()
+        result["open"]["deep_gemm_processed_again"] = len(requantized & set(report.get("recomputed", [])))
+        checks["deep_gemm_layers_processed_again"] = requantized <= set(report.get("recomputed", []))
         after = refit.fingerprints()
         wrong = differing(disk, after)
         result["different_after_refit"] = wrong[:10]
@@ -240,6 +276,7 @@ def run(args) -> dict:
         refit_logprobs = prompt_logprobs(llm, batch)
         checks["prompt_logprobs_equal_disk"] = refit_logprobs == disk_logprobs
         result["logprob_sample"] = [disk_logprobs[0][:4], refit_logprobs[0][:4]]
+        progress(result, args)
 
         second = refit.refit(bridge, chunks, fp8=fp8)
         checks["second_refit_replays_without_reopening"] = not second.opened
@@ -253,10 +290,13 @@ def run(args) -> dict:
         refit.refit(bridge, chunks, fp8=fp8, through=lambda stream: perturbed(stream, victim))
         caught = differing(disk, refit.fingerprints())
         result["perturbed"] = {"tensor": victim, "engine_parameters_changed": caught}
-        checks["perturbed_weight_caught_in_its_parameter"] = len(caught) == 1 and victim.split(".mlp.")[0] in caught[0]
+        # its weight, and its scale where the engine requantizes the block (DeepGEMM's E8M0)
+        layer = victim.split(".mlp.")[0]
+        checks["perturbed_weight_caught_in_its_parameter"] = 0 < len(caught) <= 2 and all(layer in c for c in caught)
         refit.refit(bridge, chunks, fp8=fp8)
         checks["clean_refit_after_perturbation_equal_disk"] = not differing(disk, refit.fingerprints())
         checks["prompt_logprobs_equal_disk_at_end"] = prompt_logprobs(llm, batch) == disk_logprobs
+        progress(result, args)
         result["moved_memory"] = moved_memory_refit(refit, bridge, chunks, fp8, disk, checks)
         every_token = next(
             e.hf_name
@@ -370,8 +410,24 @@ def batch_invariant() -> str:
     return os.environ.setdefault("VLLM_BATCH_INVARIANT", "1")
 
 
+def progress(result: dict, args: argparse.Namespace, prefix: str = "vllm_refit") -> None:
+    """The result so far, written where ``report`` writes the final one (``"ok": null``)."""
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / result_name(result, args, prefix)).write_text(json.dumps({**result, "ok": None}, indent=2) + "\n")
+
+
+def result_name(result: dict, args: argparse.Namespace, prefix: str) -> str:
+    return f"{prefix}_{result['model']}{'_fp8' if args.fp8 else ''}.json"
+
+
 def main() -> None:
-    args = parser_with_engine_arguments(__doc__).parse_args()
+    parser = parser_with_engine_arguments(__doc__)
+    parser.add_argument(
+        "--expect-refusal",
+        action="store_true",
+        help="the engine's DeepGEMM work cannot be redone: the first refit must be refused by name, nothing moved",
+    )
+    args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     setting = batch_invariant()
     report({**run(args), "batch_invariant": setting}, args, prefix="vllm_refit")
@@ -380,7 +436,7 @@ def main() -> None:
 def report(result: dict, args: argparse.Namespace, *, prefix: str) -> None:
     """Write ``result`` to ``args.out_dir``/<prefix>_<model>[_fp8].json, print its checks, exit 1 if one failed."""
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    name = f"{prefix}_{result['model']}{'_fp8' if args.fp8 else ''}.json"
+    name = result_name(result, args, prefix)
     (args.out_dir / name).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result["checks"], indent=2))
     print("OK" if result["ok"] else "FAILED", name)

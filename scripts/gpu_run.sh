@@ -9,6 +9,9 @@
 #   bash scripts/gpu_run.sh sinks       # packed broadcast benchmark, refit verifier, FP8 checkpoint in transformers
 #   bash scripts/gpu_run.sh vllm-dense  # refit into vLLM == load from disk: Qwen3-1.7B BF16 and FP8 (after install-vllm.sh)
 #   bash scripts/gpu_run.sh vllm-moe    # the same for Qwen3-30B-A3B cut to 4 layers (128 experts each)
+#   bash scripts/gpu_run.sh vllm-deepgemm  # Qwen3-1.7B FP8 (4 layers) with vLLM's DeepGEMM as it comes (linear layers
+#                                          # requantized to E8M0 on Hopper): exact; Qwen3-30B-A3B FP8 (2 layers) with DeepGEMM's
+#                                          # MoE experts (VLLM_USE_DEEP_GEMM=1 set): refused by name before any weight moves
 #   bash scripts/gpu_run.sh vllm-deepseek  # the same for a cut DeepSeek-V3 (recipes/shapes/deepseek-v3-cut.json: MLA with
 #                                          # q_lora, 64 routed + 1 shared expert, noaux_tc sigmoid router), BF16 and FP8
 #   bash scripts/gpu_run.sh contention      # bench_broadcast_contention.py (2 GPUs, torch only): the broadcasts beside the
@@ -37,7 +40,7 @@
 #                                          # parameters replaced under the bridge, the freshness check's cost; MoE export TP2 x ETP2
 #   bash scripts/gpu_run.sh training    # export right after a Megatron DDP + distributed-optimizer step; parallel checkpoint write on the host's CPUs
 set -u
-part=${1:?usage: gpu_run.sh fp8|bench|sinks|contention|nccl-group|vllm-dense|vllm-lora|vllm-tp2|vllm-tp2-fp8|vllm-moe|vllm-deepseek|vllm-broadcast|vllm-broadcast-moe|vllm-bench-broadcast|vllm-bench-broadcast-8b|vllm-bench|vllm-bench-bf16|vllm-bench-fp8|vllm-bench-moe|vllm-bench-moe-fp8|sharded|families|moe-bench|trainer-truth|training}
+part=${1:?usage: gpu_run.sh fp8|bench|sinks|contention|nccl-group|vllm-dense|vllm-deepgemm|vllm-lora|vllm-tp2|vllm-tp2-fp8|vllm-moe|vllm-deepseek|vllm-broadcast|vllm-broadcast-moe|vllm-bench-broadcast|vllm-bench-broadcast-8b|vllm-bench|vllm-bench-bf16|vllm-bench-fp8|vllm-bench-moe|vllm-bench-moe-fp8|sharded|families|moe-bench|trainer-truth|training}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 RESULTS=/tmp/gpu_results_$part; rm -rf "$RESULTS"; mkdir -p "$RESULTS"
 trap 'tar czf "$OUT/$part.tgz" -C "$RESULTS" .' EXIT
@@ -82,13 +85,20 @@ case "$part" in
     step bench_broadcast_contention 240 torchrun --nproc-per-node 2 scripts/bench_broadcast_contention.py --gib 15.26 --bucket-mib 512 --ctas 64 --out "$RESULTS/bench_broadcast_contention.json"
     ;;
   vllm-dense|vllm-lora|vllm-moe|vllm-deepseek|vllm-tp2*|vllm-broadcast*|vllm-bench*)
-    # block-FP8 engines on Hopper: DeepGEMM re-encodes the scales as powers of two after loading (E8M0),
-    # which a refit that writes the checkpoint's scales would have to repeat; the CUTLASS path reads them as they are
+    # these parts keep the CUTLASS block-FP8 kernels their earlier results were measured with; DeepGEMM at its
+    # default (power-of-two requantization after loading, which the refit redoes) is the vllm-deepgemm part
     export VLLM_USE_DEEP_GEMM=0
     # prompt logprobs are compared bit for bit: without batch-invariant kernels vLLM's own logprobs differ
     # between two runs on the same weights (seen on the H100 for Qwen3-1.7B and Qwen3-30B-A3B)
     case "$part" in vllm-bench*) ;; *) export VLLM_BATCH_INVARIANT=1 ;; esac
     ;;&
+  vllm-deepgemm)
+    # DeepGEMM's variables left unset (vLLM's defaults) but its kernel warmup, which compiles GEMMs and touches no weight
+    unset VLLM_USE_DEEP_GEMM VLLM_MOE_USE_DEEP_GEMM VLLM_USE_DEEP_GEMM_E8M0
+    export VLLM_BATCH_INVARIANT=1 VLLM_DEEP_GEMM_WARMUP=skip
+    step vllm_refit_qwen3-1.7b_fp8_deepgemm 300 python3 scripts/check_vllm_refit_gpu.py --model qwen3-1.7b --layers 4 --fp8 --out-dir "$RESULTS"
+    step vllm_refit_qwen3-30b-a3b_fp8_deepgemm_moe 240 env VLLM_USE_DEEP_GEMM=1 python3 scripts/check_vllm_refit_gpu.py --model qwen3-30b-a3b --layers 2 --fp8 --expect-refusal --out-dir "$RESULTS"
+    ;;
   vllm-dense)
     step vllm_refit_qwen3-1.7b 280 python3 scripts/check_vllm_refit_gpu.py --model qwen3-1.7b --out-dir "$RESULTS"
     step vllm_refit_qwen3-1.7b_fp8 280 python3 scripts/check_vllm_refit_gpu.py --model qwen3-1.7b --fp8 --out-dir "$RESULTS"

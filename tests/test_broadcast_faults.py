@@ -11,9 +11,11 @@ test below shows it); the settings check and the failure channel are what the fi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -27,10 +29,14 @@ from test_packed_broadcast import _plan
 
 from mbridge_refit.runtime import broadcast_group
 from mbridge_refit.runtime.broadcast_group import (
+    STORE_PROTOCOL,
+    GroupSetupError,
     PeerFailedError,
     SettingsMismatchError,
     StoreGroup,
+    StoreProtocolError,
     group_settings,
+    new_secret,
     settings_differences,
 )
 from mbridge_refit.sinks.base import drain
@@ -61,6 +67,7 @@ RENAMED = _plan(  # PLAN as a receiver of another model has it: its second entry
 )
 CONFIG = PackedBroadcastConfig(bucket_bytes=64, num_buffers=2, checksum=True)
 BUCKETS = StreamPacking.build(PLAN, CONFIG.bucket_bytes).num_buckets
+SECRET = new_secret()  # every group of these tests: its members are threads of this process (or its child)
 GROUP_TIMEOUT_S = 45.0  # a wait the failure channel does not cut short lasts this long (> BOUND_S)
 BOUND_S = 30.0  # what the issue asks: every member raises within this
 
@@ -142,7 +149,9 @@ def _recorded_pair(receiver_plan, *, consumer_fails: bool = False, corrupt: bool
     groups: dict[int, RecordingGroup] = {}
 
     def join(rank: int) -> RecordingGroup:
-        groups[rank] = RecordingGroup(StoreGroup(host="127.0.0.1", port=port, rank=rank, world_size=2, device="cpu"))
+        groups[rank] = RecordingGroup(
+            StoreGroup(host="127.0.0.1", port=port, rank=rank, world_size=2, device="cpu", secret=SECRET)
+        )
         return groups[rank]
 
     def send(rank: int):
@@ -199,7 +208,7 @@ def test_the_source_packs_its_first_bucket_before_the_receivers_come():
     groups: dict[int, StoreGroup] = {}
 
     def join(rank: int) -> StoreGroup:
-        groups[rank] = StoreGroup(host="127.0.0.1", port=port, rank=rank, world_size=2, device="cpu")
+        groups[rank] = StoreGroup(host="127.0.0.1", port=port, rank=rank, world_size=2, device="cpu", secret=SECRET)
         return groups[rank]
 
     def send(rank: int):
@@ -239,7 +248,13 @@ def _two_trainers_and_a_receiver(
 
     def join(name: str, rank: int) -> StoreGroup:
         group = StoreGroup(
-            host="127.0.0.1", port=ports[name], rank=rank, world_size=2, device="cpu", timeout=_seconds(GROUP_TIMEOUT_S)
+            host="127.0.0.1",
+            port=ports[name],
+            rank=rank,
+            world_size=2,
+            device="cpu",
+            secret=SECRET,
+            timeout=_seconds(GROUP_TIMEOUT_S),
         )
         groups.append(group)
         return group
@@ -363,7 +378,13 @@ def test_members_whose_settings_differ_refuse_before_connecting(monkeypatch):
     def member(rank: int):
         threading.current_thread().name = f"member-{rank}"
         return StoreGroup(
-            host="127.0.0.1", port=port, rank=rank, world_size=2, device="cpu", timeout=_seconds(GROUP_TIMEOUT_S)
+            host="127.0.0.1",
+            port=port,
+            rank=rank,
+            world_size=2,
+            device="cpu",
+            secret=SECRET,
+            timeout=_seconds(GROUP_TIMEOUT_S),
         )
 
     results = run_members(member, member)
@@ -384,7 +405,13 @@ def test_a_wait_that_ends_as_the_group_fails_raises():
 
     def member(rank: int):
         group = StoreGroup(
-            host="127.0.0.1", port=port, rank=rank, world_size=2, device="cpu", timeout=_seconds(GROUP_TIMEOUT_S)
+            host="127.0.0.1",
+            port=port,
+            rank=rank,
+            world_size=2,
+            device="cpu",
+            secret=SECRET,
+            timeout=_seconds(GROUP_TIMEOUT_S),
         )
         polls = []
 
@@ -409,6 +436,170 @@ def _seconds(value: float):
     import datetime
 
     return datetime.timedelta(seconds=value)
+
+
+# --- who may talk to the group (issue #59) ---------------------------------------------------------
+
+
+def _non_loopback_addresses() -> list[str]:
+    """This machine's IPv4 addresses other than loopback (the route's source address, and the host name's)."""
+    found = set()
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(("10.255.255.255", 1))  # a UDP connect sends nothing: it picks the source address
+        found.add(probe.getsockname()[0])
+    with contextlib.suppress(OSError):
+        found.update(socket.gethostbyname_ex(socket.gethostname())[2])
+    return sorted(a for a in found if not a.startswith("127.") and a != "0.0.0.0")
+
+
+def _connects(address: str, port: int) -> bool:
+    try:
+        socket.create_connection((address, port), timeout=2).close()
+    except OSError:
+        return False
+    return True
+
+
+def test_the_store_listens_on_the_given_host_only():
+    """Given 127.0.0.1, the group's store takes connections there and not on this machine's other
+    addresses (torch's TCPStore listened on every interface, whatever its host)."""
+    addresses = _non_loopback_addresses()
+    if not addresses:
+        pytest.skip("this machine has no non-loopback IPv4 address to try the store's port on")
+    port = free_port()
+    group = StoreGroup(host="127.0.0.1", port=port, rank=0, world_size=1, device="cpu", secret=SECRET)
+    try:
+        assert _connects("127.0.0.1", port)
+        assert [a for a in addresses if _connects(a, port)] == [], f"the store at 127.0.0.1:{port} is reachable there"
+    finally:
+        group.close()
+
+
+def _stranger(port: int) -> torch.distributed.TCPStore:
+    """A plain store client at the group's address: what any local user can open."""
+    return torch.distributed.TCPStore("127.0.0.1", port, is_master=False, timeout=_seconds(10))
+
+
+def _peek(store, key: str) -> bytes | None:
+    """What a stranger reads at ``key`` (None: nothing there), without waiting for it."""
+    return store.get(key) if store.check([key]) else None
+
+
+FORGED_FAILURE = "forged by a stranger: abort the refit"
+
+
+def test_a_stranger_on_the_store_reads_no_settings_and_forges_nothing(caplog):
+    """A plain store client at the group's address (any local user) reads every entry the members
+    coordinate through and writes forged ones: settings for member 1 before it joins, failures of
+    member 0, of member 1 and of a member the group does not have, heartbeats of both, in the layout
+    the members used before they signed entries (a shared failure counter, plain JSON) and as signed
+    entries with a wrong MAC. It reads neither member's settings nor the secret; the group forms with
+    the members' own settings, no forged failure aborts anyone (the watchdogs read them for seconds)
+    and the refit arrives bit for bit (against the tensors the test sent). Before the fix member 0
+    took the forged settings (SettingsMismatchError) and both members raised the forged failure."""
+    port, forged = free_port(), threading.Event()
+    caplog.set_level("WARNING", logger="mbridge_refit.runtime.store_entries")
+    groups: list[StoreGroup] = []
+    read: dict[str, bytes | None] = {}
+    keys = [f"mbridge_refit/{kind}/{member}" for kind in ("settings", "alive", "error") for member in (0, 1)]
+
+    def join(rank: int) -> StoreGroup:
+        group = StoreGroup(
+            host="127.0.0.1", port=port, rank=rank, world_size=2, device="cpu", secret=SECRET, timeout=_seconds(30)
+        )
+        groups.append(group)
+        return group
+
+    def forge(stranger) -> None:
+        bad_mac = {"protocol": STORE_PROTOCOL, "body": FORGED_FAILURE, "mac": "00" * 32}
+        stranger.add("mbridge_refit/errors", 3)  # the old layout: a shared counter, then plain records
+        for index, member in ((1, 1), (2, 0), (3, 7)):
+            stranger.set(f"mbridge_refit/error/{index}", json.dumps({"member": member, "message": FORGED_FAILURE}))
+        stranger.set("mbridge_refit/error/0", json.dumps({**bad_mac, "member": 0}))
+        stranger.set("mbridge_refit/error/7", json.dumps({**bad_mac, "member": 7}))  # a member the group lacks
+        for member in (0, 1):
+            stranger.set(f"mbridge_refit/alive/{member}", json.dumps({**bad_mac, "member": member, "body": "999"}))
+
+    def sender(rank: int):
+        group = join(0)
+        assert forged.wait(BOUND_S)
+        sender = PackedBroadcastSender(PLAN, CONFIG, group=group, src=0, device="cpu")
+        for name, tensor in plan_tensors(PLAN):
+            sender.consume(name, tensor)
+        sender.finish()
+
+    def receiver(rank: int):
+        stranger = _stranger(port)
+        deadline = time.monotonic() + BOUND_S
+        while not stranger.check(["mbridge_refit/settings/0"]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        forged_settings = {**group_settings("nccl" if torch.cuda.is_available() else "gloo"), "backend": "nccl"}
+        stranger.set("mbridge_refit/settings/1", json.dumps(forged_settings))  # a forged arrival of member 1
+        time.sleep(0.5)  # member 0 polls the settings every 50 ms: it has read the forged ones
+        group = join(1)
+        read.update({key: _peek(stranger, key) for key in keys})
+        forge(stranger)
+        time.sleep(3 * broadcast_group.PEER_CHECK_S)  # both watchdogs have read the forged entries
+        forged.set()
+        receiving = PackedBroadcastReceiver(PLAN, CONFIG, group=group, src=0, device="cpu")
+        return [(name, tensor.clone()) for name, tensor in receiving.receive()]
+
+    (sent, _), (received, _) = run_members(sender, receiver)
+    for group in groups:
+        group.close()
+    assert sent is None and not isinstance(received, BaseException), (sent, received)
+    tensors = plan_tensors(PLAN)
+    assert [name for name, _ in received] == [name for name, _ in tensors]
+    assert all(
+        torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
+        for (_, a), (_, b) in zip(received, tensors)
+    )
+    values = [value for value in read.values() if value is not None]
+    assert read["mbridge_refit/settings/0"] is not None and read["mbridge_refit/settings/1"] is not None
+    assert not any(b"gloo" in value or b"backend" in value for value in values), read  # the settings: a keyed digest
+    assert not any(secret in value for value in values for secret in (SECRET, SECRET.hex().encode())), read
+    assert "ignoring the store entry mbridge_refit/settings/1" in caplog.text
+    assert "ignoring the store entry mbridge_refit/error/0" in caplog.text
+
+
+class OtherProtocolMember(StoreGroup):
+    """A member whose store entries are of another protocol (another mbridge_refit), holding the secret."""
+
+    store_protocol = STORE_PROTOCOL + 1
+
+
+def test_a_member_of_another_store_protocol_is_refused_by_name():
+    port = free_port()
+
+    def member(rank: int):
+        joining = OtherProtocolMember if rank == 1 else StoreGroup
+        joining(host="127.0.0.1", port=port, rank=rank, world_size=2, device="cpu", secret=SECRET, timeout=_seconds(30))
+
+    results = run_members(member, member)
+    for rank, (error, seconds) in enumerate(results):
+        assert isinstance(error, (StoreProtocolError, PeerFailedError)), error
+        mine, theirs = (STORE_PROTOCOL, STORE_PROTOCOL + 1) if rank == 0 else (STORE_PROTOCOL + 1, STORE_PROTOCOL)
+        assert f"broadcast group store wire version mismatch: this side speaks version {mine}" in str(error), error
+        assert f"version {theirs}" in str(error) and "same mbridge_refit version" in str(error), error
+        assert seconds < 10
+
+
+def test_a_member_with_another_secret_does_not_join():
+    """Entries signed with another secret are a stranger's: the member is not counted, and joining fails
+    at the timeout naming the members missing and the entries that failed their check."""
+    port = free_port()
+
+    def member(rank: int):
+        secret = SECRET if rank == 0 else new_secret()
+        StoreGroup(
+            host="127.0.0.1", port=port, rank=rank, world_size=2, device="cpu", secret=secret, timeout=_seconds(3)
+        )
+
+    (first, seconds), (second, _) = run_members(member, member)
+    assert isinstance(first, GroupSetupError) and "members [1] did not join" in str(first), first
+    assert "failed their check" in str(first) and "secret" in str(first), first
+    assert isinstance(second, GroupSetupError) and "members [0] did not join" in str(second), second
+    assert seconds < 10
 
 
 # --- failures reach every member -------------------------------------------------------------------
@@ -679,7 +870,7 @@ from mbridge_refit.runtime.broadcast_group import StoreGroup
 from mbridge_refit.sinks.packed_broadcast import PackedBroadcastConfig, PackedBroadcastSender, SendBuffers
 import torch
 plan = ExportPlan.from_json({plan!r})
-group = StoreGroup(host="127.0.0.1", port={port}, rank=0, world_size=2, device="cpu")
+group = StoreGroup(host="127.0.0.1", port={port}, rank=0, world_size=2, device="cpu", secret=bytes.fromhex({secret!r}))
 config = PackedBroadcastConfig(bucket_bytes=64, num_buffers=2)
 sender = PackedBroadcastSender(plan, config, group=group, src=0, device="cpu")
 for entry in plan.entries[: SendBuffers(plan, config).agree_at + 1]:  # the verdict taken, bucket 0 sent
@@ -699,14 +890,20 @@ def test_the_trainers_process_dying_or_stopping_reaches_the_engine(how, tmp_path
     silent store and heartbeat)."""
     port = free_port()
     script = tmp_path / "trainer.py"
-    script.write_text(TRAINER.format(repo=str(REPO), plan=PLAN.to_json(), port=port, signal=how))
+    script.write_text(TRAINER.format(repo=str(REPO), plan=PLAN.to_json(), port=port, signal=how, secret=SECRET.hex()))
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     trainer = subprocess.Popen(
         [sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     try:
         group = StoreGroup(
-            host="127.0.0.1", port=port, rank=1, world_size=2, device="cpu", timeout=_seconds(GROUP_TIMEOUT_S)
+            host="127.0.0.1",
+            port=port,
+            rank=1,
+            world_size=2,
+            device="cpu",
+            secret=SECRET,
+            timeout=_seconds(GROUP_TIMEOUT_S),
         )
         receiver = PackedBroadcastReceiver(
             PLAN, PackedBroadcastConfig(bucket_bytes=64, num_buffers=2), group=group, src=0, device="cpu"
@@ -730,7 +927,9 @@ import sys, time
 sys.path.insert(0, {repo!r})
 from mbridge_refit.runtime import broadcast_group
 broadcast_group.PEER_CHECK_S = 0.0  # the watchdog is in a store call nearly all the time
-group = broadcast_group.StoreGroup(host="127.0.0.1", port={port}, rank=0, world_size=1, device="cpu")
+group = broadcast_group.StoreGroup(
+    host="127.0.0.1", port={port}, rank=0, world_size=1, device="cpu", secret=broadcast_group.new_secret()
+)
 time.sleep(0.05)
 print("exiting with the group open", flush=True)
 """

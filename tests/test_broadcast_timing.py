@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import free_port
-from test_broadcast_faults import CONFIG, PLAN, Bridge, Engine, InProcessLLM, plan_tensors, run_members
+from test_broadcast_faults import CONFIG, PLAN, SECRET, Bridge, Engine, InProcessLLM, plan_tensors, run_members
 
 from mbridge_refit.runtime.broadcast_group import StoreGroup
 from mbridge_refit.sinks.broadcast_timing import BucketTimeline, receiver_phases, source_phases
@@ -64,7 +64,7 @@ def test_both_ends_mark_every_bucket(checksum):
     port, timelines, groups = free_port(), {}, {}
 
     def join(rank: int) -> StoreGroup:
-        groups[rank] = StoreGroup(host="127.0.0.1", port=port, rank=rank, world_size=2, device="cpu")
+        groups[rank] = StoreGroup(host="127.0.0.1", port=port, rank=rank, world_size=2, device="cpu", secret=SECRET)
         timelines[rank] = BucketTimeline("cpu")
         return groups[rank]
 

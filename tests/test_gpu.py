@@ -211,6 +211,31 @@ def test_vllm_refit_equals_loading_from_disk(case, tmp_path):
     assert run.stdout.rstrip().splitlines()[-1].startswith("OK"), run.stdout[-2000:]
 
 
+def test_fp8_refit_into_vllm_with_deep_gemm_at_its_default(tmp_path):
+    """vLLM's DeepGEMM as it comes (no VLLM_*DEEP_GEMM* variable set): on Hopper its block-FP8 linear layers
+    are requantized to power-of-two scales after loading; the colocated refit has them processed again after
+    its copies and equals the engine loaded from disk in every check of scripts/check_vllm_refit_gpu.py."""
+    pytest.importorskip("vllm", reason="needs vLLM (the GPU host installs it with scripts/gpu/install-vllm.sh)")
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    env = {k: v for k, v in os.environ.items() if "DEEP_GEMM" not in k}
+    env |= {"PYTHONPATH": str(REPO), "VLLM_BATCH_INVARIANT": "1", "VLLM_DEEP_GEMM_WARMUP": "skip"}
+    run = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "check_vllm_refit_gpu.py"), "--model", "qwen3-1.7b"]
+        + ["--layers", "4", "--fp8", "--out-dir", str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    assert run.stdout.rstrip().splitlines()[-1].startswith("OK"), run.stdout[-2000:]
+
+
 @pytest.mark.parametrize("fp8", [[], ["--fp8"]], ids=["bf16", "fp8"])
 def test_sharded_refit_into_vllm_at_tp2_equals_loading_from_disk(fp8, tmp_path):
     """vLLM at tensor_parallel_size=2 on two GPUs, the trainer at TP2 on the same GPUs under

@@ -1,5 +1,6 @@
 """Damaged, hostile and mismatched inputs end with the documented exit code and a message that names
-the file, never a traceback, a crop or a memory bomb (issue #35 items 3-6).
+the file, never a traceback, a crop or a memory bomb (issue #35 items 3-6); a tied config over a
+checkpoint that holds its own, different ``lm_head.weight`` (issue #56 item 8).
 
 Commands run in this process through ``convert.app.main`` (one rank), except where a resource
 limit or a signal is the point: those run ``python -m mbridge_refit.convert`` in a child process.
@@ -345,6 +346,107 @@ def test_timeout_must_be_a_finite_positive_number(value, tmp_path, capsys):
         main(["roundtrip", "--hf", str(tmp_path), "--out", str(tmp_path / "o"), f"--timeout-s={value}"])
     assert exit_info.value.code == 2
     assert "--timeout-s: must be a number of seconds in (0, 1e+07]" in capsys.readouterr().err
+
+
+# --- issue #56 item 8: a tied config over a checkpoint holding its own lm_head.weight -----------------
+
+LM_HEAD, EMBEDDING_NAME = "lm_head.weight", "model.embed_tokens.weight"
+TIED_FIX = ("'lm_head.weight'", "tie_word_embeddings", '"tie_word_embeddings": false', "drop 'lm_head.weight'")
+
+
+def tied_over(source: Path, dest: Path, *, equal_lm_head: bool) -> Path:
+    """``source`` (qwen3-tiny: untied, its own random ``lm_head.weight``) with ``tie_word_embeddings``
+    set; with ``equal_lm_head`` its ``lm_head.weight`` rewritten as a copy of the embedding."""
+    from safetensors.torch import load_file, save_file
+
+    path = copy_with_config(source, dest, tie_word_embeddings=True)
+    tensors = load_file(str(path / SINGLE))
+    assert not tensors[LM_HEAD].equal(tensors[EMBEDDING_NAME])
+    if equal_lm_head:
+        tensors[LM_HEAD] = tensors[EMBEDDING_NAME].clone()
+        save_file(tensors, str(path / SINGLE), metadata={"format": "pt"})
+    return path
+
+
+@pytest.mark.parametrize("command", ["roundtrip", "import"])
+def test_a_tied_config_over_a_different_lm_head_is_refused(single_file, command, tmp_path, capsys, monkeypatch):
+    """Exit 0 and the embedding written as ``lm_head.weight`` (stock's loader drops the output weight
+    of a tied model). Now exit 2 naming the tensor, the config key and both fixes, before any
+    process group starts (none may)."""
+    from mbridge_refit.convert import session
+
+    def no_session(*args, **kwargs):
+        raise AssertionError("a process group was started")
+
+    monkeypatch.setattr(session, "distributed_session", no_session)
+    bad = tied_over(single_file, tmp_path / "bad", equal_lm_head=False)
+    out = tmp_path / "out"
+    flag = "--megatron" if command == "import" else "--out"
+    code = convert(command, "--hf", bad, flag, out)
+    err = capsys.readouterr().err
+    assert code == ExitCode.BAD_INPUT, err[-3000:]
+    assert all(needle in err for needle in TIED_FIX) and "Traceback" not in err, err[-3000:]
+    assert not out.exists()
+
+
+def test_a_tied_config_over_an_equal_lm_head_roundtrips_exactly(single_file, tmp_path, capsys):
+    """Where the stored ``lm_head.weight`` is the embedding's copy, the roundtrip runs as before and
+    writes the input back, ``lm_head.weight`` included (checked by the safetensors reader)."""
+    from mbridge_refit.checkpoints.hf import compare_checkpoints
+
+    source = tied_over(single_file, tmp_path / "tied", equal_lm_head=True)
+    code = convert("roundtrip", "--hf", source, "--out", tmp_path / "out", "--no-progress")
+    assert code == ExitCode.OK, capsys.readouterr().err[-3000:]
+    assert compare_checkpoints(source, tmp_path / "out") == []
+
+
+def test_the_library_load_refuses_a_tied_config_over_a_different_lm_head(single_file, tmp_path):
+    """``RefitBridge.load_hf_shards`` (the loader every route shares) and ``check_tied_output`` raise
+    the same named ``InputError``: a model loaded without the command line's checks."""
+    import datetime
+
+    import torch
+
+    from mbridge_refit.bridge import RefitBridge
+    from mbridge_refit.checkpoints.loader import TiedOutputError
+    from mbridge_refit.convert.session import distributed_session
+    from mbridge_refit.errors import InputError
+    from mbridge_refit.models.builder import BuildOptions, build_model
+    from mbridge_refit.plan.layout import ParallelLayout
+
+    bad = tied_over(single_file, tmp_path / "bad", equal_lm_head=False)
+    cpu, layout = torch.device("cpu"), ParallelLayout()
+    bridge = RefitBridge.from_hf_pretrained(bad)
+    with pytest.raises(TiedOutputError) as refused:
+        bridge.check_tied_output()
+    assert isinstance(refused.value, InputError) and all(needle in str(refused.value) for needle in TIED_FIX)
+    with restored_environment(), distributed_session(layout, device=cpu, timeout=datetime.timedelta(minutes=2)):
+        chunks = build_model(bridge, layout, BuildOptions(device=cpu, params_dtype=torch.bfloat16))
+        with pytest.raises(TiedOutputError) as refused:
+            bridge.load_hf_shards(chunks, bad)
+    assert all(needle in str(refused.value) for needle in TIED_FIX)
+
+
+def test_the_tied_output_check_compares_every_row_block(tmp_path, monkeypatch):
+    """The two tensors are compared a block of rows at a time (here one row): a difference in the
+    last row alone, or in the sign of a zero, is found; equal bytes (NaN included) are equal."""
+    import torch
+    from safetensors.torch import save_file
+
+    from mbridge_refit.checkpoints import loader
+    from mbridge_refit.checkpoints.hf import HFCheckpoint
+
+    monkeypatch.setattr(loader, "_COMPARED_BYTES", 1)
+    base = torch.randn(5, 3).to(torch.bfloat16)
+    base[0, 0] = float("nan")
+    last_row, signed_zero = base.clone(), base.clone()
+    last_row[4, 2] += 1
+    base[2, 1], signed_zero[2, 1] = 0.0, -0.0
+    tensors = {"a": base, "same": base.clone(), "last_row": last_row, "signed_zero": signed_zero}
+    save_file(tensors, str(tmp_path / SINGLE))
+    checkpoint = HFCheckpoint.open(tmp_path)
+    verdicts = {name: loader._same_stored_tensor(checkpoint, "a", name) for name in ("same", "last_row", "signed_zero")}
+    assert verdicts == {"same": True, "last_row": False, "signed_zero": False}
 
 
 # --- item 5: a full disk or a file-size limit is an environment failure (exit 4) ---------------------

@@ -10,6 +10,7 @@ changed model for the second; never our own export.
 from __future__ import annotations
 
 import datetime
+import os
 import pickle
 import sys
 import time
@@ -862,3 +863,95 @@ def test_close_releases_the_session_s_references_even_when_the_engine_cannot_be_
         session.close()
     assert session._held == [] and session._layout is None and session._payload is None
     session.close()  # nothing left to tell the engine: no error
+
+
+def _go_ahead_report(pid: int) -> list[dict]:
+    """A single worker's open answer: connected to the line, from ``pid``."""
+    return [{"go_ahead": True, "go_ahead_pid": pid}]
+
+
+def test_the_open_takes_the_go_ahead_connection_of_the_pid_its_worker_answered_with():
+    """A process of this uid holding the token (a leak), queued before the worker: the open takes the
+    worker's connection (the pid of its answer), and the word reaches the worker, not the stranger."""
+    from local_strangers import Stranger
+
+    from mbridge_refit.engines import ipc_session
+    from mbridge_refit.engines.go_ahead import GoAheadLine, GoAheadWaiter
+
+    stranger = Stranger()
+    line = GoAheadLine.listen()
+    offer = line.offer(2.0)
+    try:
+        assert stranger.connect(line.address, [bytes.fromhex(offer["token"])]) == 1
+        waiter = GoAheadWaiter.connect(offer)
+        taken = ipc_session._accepted(line, _go_ahead_report(os.getpid()))
+        assert taken is line
+        line.send(1, True)
+        assert waiter.wait(1) is True
+        assert stranger.outcomes() in (["read"], ["unread"])  # closed, its token read or not (the pid known)
+        waiter.close()
+    finally:
+        stranger.close()
+        line.close()
+
+
+def test_an_open_whose_worker_connection_was_refused_or_is_not_there_gives_up_at_once():
+    """The worker answered that it connected: where its connection was refused (a wrong token), or none of
+    its pid is on the line (here the answer names another pid), the open goes on without the line at once,
+    not after the accept's 10 s."""
+    import socket
+
+    from mbridge_refit.engines import ipc_session
+    from mbridge_refit.engines.go_ahead import GoAheadLine, GoAheadWaiter
+
+    line = GoAheadLine.listen()
+    mistaken = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        mistaken.connect(line.address)
+        mistaken.sendall(b"\0" * 16)
+        started = time.monotonic()
+        assert ipc_session._accepted(line, _go_ahead_report(os.getpid())) is None
+        assert time.monotonic() - started < 2.0
+    finally:
+        mistaken.close()
+        line.close()
+    line = GoAheadLine.listen()
+    waiter = GoAheadWaiter.connect(line.offer(2.0))
+    try:
+        started = time.monotonic()
+        assert ipc_session._accepted(line, _go_ahead_report(os.getppid())) is None
+        assert time.monotonic() - started < 2.0
+    finally:
+        waiter.close()
+        line.close()
+
+
+def test_a_flood_of_strangers_during_the_open_leaves_the_early_apply_on():
+    """A process of this uid fills the line's queue (64 connections, silent or with wrong tokens) while the
+    open RPC travels, before the worker connects: the worker still connects, the open takes its line (its
+    applies will come early) and the open is not held up."""
+    from local_strangers import Stranger
+
+    engine = Engine({"a": torch.zeros(8)})
+    worker, stranger, flooded = Worker(engine), Stranger(), []
+
+    def call_workers(method, *args):
+        if method == "mbridge_refit_open" and not flooded:
+            address = bytes.fromhex(args[-1]["address"]).decode()
+            flooded.append(stranger.connect(address, [None, b"\0" * 16] * 32))
+        return [getattr(worker, method)(*args)]
+
+    session = IpcSession(call_workers, transport=LocalTransport(), early_apply=True, timeout_s=5.0)
+    tensor = torch.arange(8, dtype=torch.float32)
+    try:
+        started = time.monotonic()
+        step = session.refit_stream([("a", tensor)])
+        took = time.monotonic() - started
+        assert step.opened and step.report["go_ahead"], step.report
+        assert step.report["go_ahead_pid"] == os.getpid()
+        assert session._go_ahead is not None and session._go_ahead.connected  # early applies on
+        assert took < 2.0 and flooded == [64], (took, flooded)
+        assert torch.equal(engine.state()["a"], tensor)
+    finally:
+        session.close()
+        stranger.close()

@@ -15,9 +15,11 @@ pytestmark = pytest.mark.multirank
 CHECKER = str(REPO / "tests" / "ranks" / "trainer_truth_check.py")
 
 
-def _run(case: str, recipe: str, flags: list[str], source_checkpoints, tmp_path) -> list[dict]:
+def _run(case: str, recipe: str, flags: list[str], source_checkpoints, tmp_path, *, timeout: float = 600) -> list[dict]:
     run = torchrun(
-        2, [CHECKER, "--hf", str(source_checkpoints(recipe)), "--result", str(tmp_path), "--case", case, *flags]
+        2,
+        [CHECKER, "--hf", str(source_checkpoints(recipe)), "--result", str(tmp_path), "--case", case, *flags],
+        timeout=timeout,
     )
     assert run.returncode == 0, run.output[-6000:]
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
@@ -51,3 +53,14 @@ def test_an_export_called_on_one_rank_alone_fails_within_its_timeout(source_chec
 
 def test_a_rank_leaving_early_is_named_on_its_peers(source_checkpoints, tmp_path):
     _run("early-exit", "qwen3-tiny", ["--tp", "2"], source_checkpoints, tmp_path)
+
+
+def test_a_second_export_while_one_is_open_is_refused_on_every_rank(source_checkpoints, tmp_path):
+    """Two overlapping exports closed at different points on the two ranks paired the first's gathers
+    with the second's (gloo fails or aborts the process) or left the ranks waiting for each other.
+    Now every rank raises CollectiveMisuseError at the second call, before any collective, in each
+    phase; a rank already waiting in the second's handshake is woken by the refusal (well before
+    the 30 s timeout); the next export equals stock's."""
+    reports = _run("overlapping-exports", "qwen3-tiny", ["--tp", "2"], source_checkpoints, tmp_path, timeout=300)
+    assert all({"both", "one", "waiting"} <= r.keys() for r in reports), reports
+    assert 1.0 < reports[1]["waiting"]["seconds"] < 20, reports[1]

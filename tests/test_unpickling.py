@@ -454,13 +454,13 @@ def test_ipc_payload_refuses_another_format():
 # --- what a StoreGroup member receives ---------------------------------------------------------
 
 
-def _receive_one(port: int, results) -> None:
+def _receive_one(port: int, secret: bytes, results) -> None:
     """Member 1 of ``_store_group_pair``, in a process of its own: what ``broadcast_object`` gives it, or the
     exception it raised, into ``results``."""
     from mbridge_refit.runtime.broadcast_group import StoreGroup
 
     try:
-        group = StoreGroup(host="127.0.0.1", port=port, rank=1, world_size=2, device="cpu")
+        group = StoreGroup(host="127.0.0.1", port=port, rank=1, world_size=2, device="cpu", secret=secret)
         results.put(group.broadcast_object(None, 0, torch.device("cpu")))
         group.close()
     except Exception as err:  # noqa: BLE001 - handed to the test
@@ -472,15 +472,15 @@ def _store_group_pair(send):
     what member 1's ``broadcast_object`` gave it (or the exception it raised). Not two threads of one process:
     two gloo process groups of one process all-reducing in two threads once crashed gloo (a segmentation fault
     that ends the whole test run)."""
-    from mbridge_refit.runtime.broadcast_group import StoreGroup
+    from mbridge_refit.runtime.broadcast_group import StoreGroup, new_secret
 
-    port, context = free_port(), multiprocessing.get_context("spawn")
+    port, context, secret = free_port(), multiprocessing.get_context("spawn"), new_secret()
     results = context.Queue()
-    receiver = context.Process(target=_receive_one, args=(port, results), daemon=True)
+    receiver = context.Process(target=_receive_one, args=(port, secret, results), daemon=True)
     receiver.start()
     try:
         try:
-            group = StoreGroup(host="127.0.0.1", port=port, rank=0, world_size=2, device="cpu")
+            group = StoreGroup(host="127.0.0.1", port=port, rank=0, world_size=2, device="cpu", secret=secret)
             send(group)
             group.close()
         except Exception:  # noqa: BLE001 - the sender's side may fail once the receiver refused: its verdict counts

@@ -19,11 +19,19 @@ that lists the parameter names (the model may have been built with ``to_empty``)
 ``check_hf_shapes`` runs the same walk without reading any data or writing any parameter: every
 name and shape check of the load, on a model still on the meta device, so a checkpoint that does
 not match its config is refused before the model is given memory.
+
+A config that ties the output layer to the embedding (``tie_word_embeddings``) over a checkpoint
+that stores an output weight of its own (``lm_head.weight``) is refused unless the two tensors are
+equal (``check_tied_output``): the tied model has no output weight to load it into, so stock
+Megatron-Bridge drops it and every export writes the embedding under its name. The check reads
+only those two tensors, and only when the config ties and both are stored; it needs no process
+group, so the command line runs it before one starts.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -38,7 +46,15 @@ from mbridge_refit.plan.placement import placement_kind, slice_copies
 from mbridge_refit.plan.slices import PlacementError, ShardContext, SliceCopy, hf_extents, place_column
 from mbridge_refit.plan.stacking import stacked_placement
 
-__all__ = ["LoadError", "LoadFailedElsewhere", "LoadReport", "check_hf_shapes", "load_hf_shards"]
+__all__ = [
+    "LoadError",
+    "LoadFailedElsewhere",
+    "LoadReport",
+    "TiedOutputError",
+    "check_hf_shapes",
+    "check_tied_output",
+    "load_hf_shards",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +65,11 @@ class LoadError(InputError):
 
 class LoadFailedElsewhere(LoadError):
     """Loading failed on another rank of this model; that rank's ``LoadError`` says why."""
+
+
+class TiedOutputError(LoadError):
+    """The config ties the output layer to the embedding, but the checkpoint stores an output weight
+    of its own that differs from the embedding (the load would drop it)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -67,9 +88,11 @@ def load_hf_shards(
 
     ``model_bridge`` is the bridge's MegatronModelBridge, ``hf_pretrained`` the object its tasks
     are built from (its ``state.source`` keys are checked against the mappings). Every checkpoint
-    tensor must have exactly the shape the model needs (a larger one is refused, never cropped).
-    Collective over Megatron's model-parallel group (one all-reduce at the end), so a ``LoadError``
-    on any rank of the model is raised on every one.
+    tensor must have exactly the shape the model needs (a larger one is refused, never cropped),
+    and a tied model's checkpoint may store its output weight only as a copy of the embedding
+    (``check_tied_output``: every rank reads the two tensors). Collective over Megatron's
+    model-parallel group (one all-reduce at the end), so a ``LoadError`` on any rank of the model
+    is raised on every one.
     """
     from megatron.core.utils import unwrap_model
 
@@ -90,7 +113,8 @@ def check_hf_shapes(
 ) -> None:
     """Every check ``load_hf_shards`` makes (each tensor present with exactly the shape the model
     needs, every parameter covered), reading no tensor data and writing no parameter: ``chunks``
-    may be on the meta device. Collective like ``load_hf_shards``; raises ``LoadError`` on every
+    may be on the meta device. The one check of the load that reads data, ``check_tied_output``,
+    is not made here. Collective like ``load_hf_shards``; raises ``LoadError`` on every
     rank of the model if any rank's check fails."""
     from megatron.core.utils import unwrap_model
 
@@ -106,6 +130,8 @@ def _walk(
     written: set[int] = set()
     error: LoadError | None = None
     try:
+        if read:
+            check_tied_output(model_bridge, chunks[0].config, checkpoint)
         _load_tasks(tasks, model_bridge, chunks, chunks[0].config, checkpoint, report, written, read=read)
         _check_every_parameter_written(chunks, written)
     except LoadError as err:
@@ -155,6 +181,62 @@ def _load_tasks(
             where = "output_layer.weight (tied)"
             _copy_slices(output_weight, embedding_copies, extents, checkpoint, report, where, read=read)
             written.add(id(output_weight))
+
+
+def check_tied_output(model_bridge: Any, model_config: Any, checkpoint: HFCheckpoint) -> None:
+    """Raise ``TiedOutputError`` where ``model_config`` (a Megatron config or provider) shares the
+    embedding with the output layer and ``checkpoint`` stores both HF tensors the bridge maps them
+    to (``model.embed_tokens.weight``, ``lm_head.weight``) with different contents (shape, dtype or
+    bytes). Reads the two tensors, ``_COMPARED_BYTES`` of each at a time, only when the config ties
+    and both are stored; no collective (every caller's rank reads the same files alike)."""
+    if not getattr(model_config, "share_embeddings_and_output_weights", False):
+        return
+    for embedding, output in tied_output_names(model_bridge.mapping_registry()):
+        stored = checkpoint.weight_map
+        if embedding in stored and output in stored and not _same_stored_tensor(checkpoint, embedding, output):
+            raise TiedOutputError(
+                f"config.json of {checkpoint.path} sets tie_word_embeddings (the output layer is the embedding "
+                f"{embedding!r}), but the checkpoint stores its own {output!r}, which differs from {embedding!r}: "
+                f"loading would drop {output!r}, and every export would write the embedding under its name. Fix: "
+                f'set "tie_word_embeddings": false in config.json if {output!r} is the model\'s output layer, or '
+                f"drop {output!r} from the checkpoint if the model is tied"
+            )
+
+
+def tied_output_names(registry: Any) -> list[tuple[str, str]]:
+    """``(embedding, output)`` HF names of each output layer the bridge's mapping ``registry`` maps
+    (``<prefix>output_layer.weight``) beside the embedding of the same prefix, where the two differ
+    (stock resolves the tied output's name so, ``MegatronModelBridge._get_tied_output_hf_name``)."""
+    pairs = []
+    for mapping in registry.mappings:
+        megatron, output = mapping.megatron_param, mapping.hf_param
+        if not (isinstance(megatron, str) and isinstance(output, str) and megatron.endswith(_OUTPUT_WEIGHT)):
+            continue
+        embedding = registry.megatron_to_hf_lookup(megatron[: -len(_OUTPUT_WEIGHT)] + _EMBEDDING_WEIGHT)
+        if embedding is not None and isinstance(embedding.hf_param, str) and embedding.hf_param != output:
+            pairs.append((embedding.hf_param, output))
+    return pairs
+
+
+_OUTPUT_WEIGHT = "output_layer.weight"
+_EMBEDDING_WEIGHT = "embedding.word_embeddings.weight"
+_COMPARED_BYTES = 64 * 2**20  # of each tensor per read: an embedding of a 150k vocabulary is ~1 GiB
+
+
+def _same_stored_tensor(checkpoint: HFCheckpoint, a: str, b: str) -> bool:
+    """Whether tensors ``a`` and ``b`` of ``checkpoint`` have the same shape, dtype and bytes (read in row blocks)."""
+    shape, dtype = checkpoint.shape(a), checkpoint.dtype(a)
+    if shape != checkpoint.shape(b) or dtype != checkpoint.dtype(b):
+        return False
+    if not shape:
+        return torch.equal(_bits(checkpoint.tensor(a)), _bits(checkpoint.tensor(b)))
+    row_bytes = max(1, math.prod(shape[1:]) * dtype.itemsize)
+    rows = max(1, _COMPARED_BYTES // row_bytes)
+    first, second = checkpoint.slice(a), checkpoint.slice(b)
+    return all(
+        torch.equal(_bits(first[start : start + rows]), _bits(second[start : start + rows]))
+        for start in range(0, shape[0], rows)
+    )
 
 
 def _float32_router_state(chunks: list[torch.nn.Module]) -> None:

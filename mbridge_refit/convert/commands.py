@@ -24,6 +24,7 @@ from mbridge_refit.convert.inputs import (
     check_distinct_dirs,
     check_output_dir,
     check_side_files,
+    check_tied_output,
     checked_hf_input,
     checked_layout,
     checkpoint_float_dtype,
@@ -159,6 +160,7 @@ def run_roundtrip(options: WriteArgs) -> int:
 
     checkpoint = HFCheckpoint.open(options.source)
     checkpoint.validate()  # every file readable and agreeing with the index, before any collective
+    check_tied_output(options.source, trust_remote_code=options.trust_remote_code)
     with distributed_session(options.layout, device=options.device, timeout=options.timeout) as env:
         bridge = RefitBridge.from_hf_pretrained(options.source, trust_remote_code=options.trust_remote_code)
         build = BuildOptions(device=options.device, params_dtype=checkpoint_float_dtype(checkpoint), weights_only=True)
@@ -252,6 +254,7 @@ def run_import(options: ImportArgs) -> int:
     cpu = torch.device("cpu")
     checkpoint = HFCheckpoint.open(options.hf)
     checkpoint.validate()
+    check_tied_output(options.hf, trust_remote_code=options.trust_remote_code)
     info = CheckpointInfo(
         saved_layout=options.layout,
         params_dtype=checkpoint_float_dtype(checkpoint),

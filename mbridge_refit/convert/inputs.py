@@ -33,6 +33,7 @@ __all__ = [
     "check_output_dir",
     "check_side_files",
     "check_provider",
+    "check_tied_output",
     "checked_hf_input",
     "checked_layout",
     "checkpoint_float_dtype",
@@ -132,6 +133,22 @@ def check_provider(config: Any, layout: ParallelLayout) -> None:
             f"config.json of {where} describes no model Megatron-Core can build at layout {layout.name} "
             f"({type(err).__name__}: {err}). Fix config.json (it must be the config the weights were saved with)"
         ) from err
+
+
+def check_tied_output(checkpoint_dir: Path, *, trust_remote_code: bool = False) -> None:
+    """A config that ties the output layer to the embedding, over a checkpoint that stores an output
+    weight of its own differing from the embedding, is refused (``RefitBridge.check_tied_output``:
+    ``TiedOutputError``, exit 2) before any process group; every rank reads the two tensors alike.
+    A provider the bridge cannot make is left to the model build (as in ``check_provider``)."""
+    from mbridge_refit.bridge import RefitBridge
+
+    config = supported_config(checkpoint_dir, trust_remote_code=trust_remote_code)
+    try:
+        bridge = RefitBridge.from_hf_config(config)
+        provider = bridge.to_megatron_provider(load_weights=False)
+    except Exception:  # not this check's to report: see the docstring
+        return
+    bridge.check_tied_output(checkpoint_dir, provider)
 
 
 class OutputNotWritable(RefitError, OSError):

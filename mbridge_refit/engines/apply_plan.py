@@ -16,14 +16,20 @@ parameters, so their loaders no longer run on the processed layer) are recorded 
 loadable parameters back, its loader writes into staging tensors, the layer is processed, and
 the results are copied into the parameters the engine computes with. The recorder composes the
 two copies (source → staging, staging → parameter) into one, source → parameter, which is exact
-when processing kept those bytes as they were; the check below proves that it did. A copy of a
+when processing kept those bytes as they were; the check below proves that it did. Where processing
+wrote over bytes a source put in a staging tensor (vLLM's DeepGEMM requantizes a block-FP8 weight and
+its scale to power-of-two scales in place), the parameters that tensor is copied into are *processed*:
+the composed copies put the exported bytes there, and the engine processes them again after every
+replay's copies (``Recompute``, below); a processed parameter the engine cannot process again is
+refused by name when the plan is made, checked or not. A copy of a
 tensor onto itself is no copy and is not recorded (vLLM's reload copies every kernel tensor back,
 also those it never staged, such as DeepSeek's ``e_score_correction_bias``).
 
 Some parameters are not loaded at all but *derived* by the engine's processing from others
 (vLLM's MLA computes ``W_UV`` and ``W_UK_T`` from ``kv_b_proj``, dequantized, after every load).
-The engine names how to recompute a module's derived parameters through its own code
-(``Recompute``); a plan runs that after its copies on every replay, in recording order. Derived
+The engine names how to recompute a module's derived (or processed) parameters through its own code
+(``Recompute``); a plan runs that after its copies on every replay, the modules of processed parameters
+first (a layer's processing reads its own parameters, a derived one may read theirs), then by name. Derived
 parameters are what the reload's final processing writes from anything but a staged source, or,
 without a reload, the parameters the loader left unwritten. A derived parameter the engine cannot
 recompute is refused by name. Under a reload every tensor must be plain copies: replaying the
@@ -176,6 +182,7 @@ class ApplyPlan:
     owners: dict[str, tuple[torch.nn.Module, str]] = field(default_factory=dict)  # parameter -> (module, attribute)
     rows: dict[str, tuple[torch.Tensor, Runs]] = field(default_factory=dict)  # source name -> its rows (compose_rows)
     derived: list[str] = field(default_factory=list)  # parameters the engine's processing computes from others
+    processed: list[str] = field(default_factory=list)  # parameters the engine's processing reworks after its loader
     recomputations: list[tuple[str, Callable[[], object]]] = field(default_factory=list)  # (module, its recompute)
     aliases: dict[str, torch.Tensor] = field(default_factory=dict)  # other parameters viewing a derived one's memory
     pointers: dict[str, int] = field(default_factory=dict)  # written parameter -> its storage, as recorded
@@ -380,6 +387,12 @@ class ApplyPlan:
                     else ""
                 )
                 + (
+                    f"; {len(reworked)} of them ({reworked[:5]}) are reworked by the engine's processing, which the "
+                    "replay runs again after its copies: that processing did not give the same bytes twice"
+                    if (reworked := [name for name in wrong if name in self.processed])
+                    else ""
+                )
+                + (
                     f"; {len(self.expanded)} tensor(s) go through the loader from a full-size tensor around their shard: "
                     "a loader that reads outside the shard's box (the transfer plan's rule is not the engine's) fails here"
                     if self.expanded
@@ -499,7 +512,13 @@ class LoadRecording:
         self._shards_pending = []
         parameter_names = frozenset(_unique_tensors(model.named_parameters()))  # one name per storage
         unwritten = sorted(name for name in parameter_names if name not in recorder.written)
-        recomputations = _recompute(model, unwritten if staged is None else sorted(recorder.derived), self.recompute)
+        processed = sorted(recorder.processed)
+        # a layer's processing reads its own parameters only; derived ones read others' (MLA's W_UV reads the
+        # processed kv_b_proj): processed first
+        recomputations = _recompute(
+            model, unwritten if staged is None else processed + sorted(recorder.derived), self.recompute
+        )
+        _refuse_unprocessed(processed, recomputations)
         if staged is None:
             with torch.no_grad(), recorder.recording(None):  # processing the plain loader left to the engine
                 for _, function in recomputations:
@@ -513,8 +532,9 @@ class LoadRecording:
             parameter_names=parameter_names,
             owners=_owners(model, recorder.written),
             derived=sorted(recorder.derived),
+            processed=processed,
             recomputations=recomputations,
-            aliases=_aliases(model, self.params, recorder.derived),
+            aliases=_aliases(model, self.params, recorder.derived | recorder.processed),
             pointers={name: self.params[name].untyped_storage().data_ptr() for name in recorder.written},
             expanded=self.expanded,
         )
@@ -545,6 +565,9 @@ class _CopyRecorder(TorchFunctionMode):
         self._staged: dict[
             int, list[tuple[torch.Tensor, torch.Tensor, _Step]]
         ] = {}  # staging storage -> writes from sources
+        self._reworked: set[int] = set()  # staging storages whose sources' bytes something else wrote over after
+        self._copied_back: set[int] = set()  # staging storages copied into parameters (their memory may be reused)
+        self.processed: set[str] = set()  # parameters copied from a reworked staging tensor (the engine's processing)
 
     class _Recording:
         def __init__(self, recorder: "_CopyRecorder", step: _Step) -> None:
@@ -574,19 +597,15 @@ class _CopyRecorder(TorchFunctionMode):
                 self._note(args[0], args[1])
         elif name == "__setitem__":
             self._note(args[0][args[1]], args[2])
-        elif (
-            name.endswith("_")
-            and not name.endswith("__")
-            and args
-            and isinstance(args[0], torch.Tensor)
-            and args[0].numel()
-            and self._target(args[0])
-        ):
-            # an in-place op other than a copy: replay cannot repeat it (on no element it does nothing)
-            target = self._target(args[0])
-            self._loader_only(f"in-place {name} on {target}")
-            if self._step is not None:
-                self._step.targets.add(target)  # a write the step makes (its loader's, every replay)
+        elif name.endswith("_") and not name.endswith("__") and args and isinstance(args[0], torch.Tensor):
+            target = self._target(args[0]) if args[0].numel() else None
+            if target is None:
+                self._rework(args[0])  # e.g. processing that rescales a staged weight in place
+            else:
+                # an in-place op other than a copy: replay cannot repeat it (on no element it does nothing)
+                self._loader_only(f"in-place {name} on {target}")
+                if self._step is not None:
+                    self._step.targets.add(target)  # a write the step makes (its loader's, every replay)
         elif name == "__set__" and args and isinstance(args[0], torch.Tensor) and self._target(args[0]):
             self._loader_only(f"swaps the storage of {self._target(args[0])}")  # ``param.data = ...``
         return result
@@ -646,9 +665,14 @@ class _CopyRecorder(TorchFunctionMode):
         if target is None:
             if self._compose and from_source and owner is not None:
                 owner.wrote = True  # into a staging tensor: composed when the staged layer is copied back
-                self._staged.setdefault(destination.untyped_storage().data_ptr(), []).append(
-                    (destination, source, owner)
-                )
+                key = destination.untyped_storage().data_ptr()
+                if key in self._copied_back:  # memory of a staging tensor copied back earlier: a new one
+                    self._copied_back.discard(key)
+                    self._reworked.discard(key)
+                    self._staged.pop(key, None)
+                self._staged.setdefault(key, []).append((destination, source, owner))
+            elif not from_source:
+                self._rework(destination)
             return
         if self._compose and isinstance(source, torch.Tensor) and self._compose_staged(destination, source, target):
             return
@@ -666,10 +690,28 @@ class _CopyRecorder(TorchFunctionMode):
                 "that is not the source"
             )
 
+    def _rework(self, tensor: torch.Tensor) -> None:
+        """``tensor`` (no parameter) is written by something other than a source: where that touches
+        bytes a source was copied into in a staging tensor not yet copied back, the engine reworked
+        the staged bytes after loading them (vLLM's DeepGEMM requantizes a staged FP8 weight and its
+        scale in place), so the parameters that staging tensor is copied into are ``processed``."""
+        if not self._compose or tensor.device.type == "meta" or not tensor.numel():
+            return
+        storage, first, end = byte_span(tensor)
+        if storage in self._copied_back:
+            return  # memory of a staging tensor already copied back, reused by a temporary
+        for view, _, _ in self._staged.get(storage, ()):
+            _, start, stop = byte_span(view)
+            if first < stop and start < end:
+                self._reworked.add(storage)
+                return
+
     def _compose_staged(self, destination: torch.Tensor, staging: torch.Tensor, target: str) -> bool:
         """``destination`` (a parameter) takes ``staging`` whole: each earlier source write into
-        that staging tensor becomes a write into the same place of the parameter."""
-        writes = self._staged.get(staging.untyped_storage().data_ptr()) if staging.device.type != "meta" else None
+        that staging tensor becomes a write into the same place of the parameter (and the parameter
+        is ``processed`` where the staged bytes were reworked after those writes)."""
+        key = staging.untyped_storage().data_ptr() if staging.device.type != "meta" else None
+        writes = self._staged.get(key) if key is not None else None
         if not writes or (destination.shape, destination.stride(), destination.dtype) != (
             staging.shape,
             staging.stride(),
@@ -686,6 +728,9 @@ class _CopyRecorder(TorchFunctionMode):
             step.copies.append((placed, source))
             step.targets.add(target)
             self.written[target] = self.written.get(target, 0) + _nbytes(placed)
+        if key in self._reworked:
+            self.processed.add(target)
+        self._copied_back.add(key)
         return True
 
 
@@ -757,7 +802,8 @@ def _recompute(
     model: torch.nn.Module, derived: list[str], recompute: Recompute | None
 ) -> list[tuple[str, Callable[[], object]]]:
     """The engine's recomputations of the modules that own ``derived`` parameters, one per module,
-    in name order; modules it has none for are left out (their parameters stay missing, or fail the check)."""
+    in the order of ``derived``; modules it has none for are left out (their parameters stay missing, or
+    fail the check)."""
     if recompute is None:
         return []
     out = []
@@ -766,6 +812,22 @@ def _recompute(
         if function is not None:
             out.append((module_name, function))
     return out
+
+
+def _refuse_unprocessed(processed: list[str], recomputations: list[tuple[str, Callable[[], object]]]) -> None:
+    """Refuse by name parameters the engine's processing reworks after loading (``_CopyRecorder._rework``)
+    in modules it names no way to process again: a replay would leave the loaded bytes where the engine
+    computes with reworked ones, whether or not the plan is checked."""
+    recomputed = {name for name, _ in recomputations}
+    orphans = [name for name in processed if _module_of(name) not in recomputed]
+    if orphans:
+        raise ApplyPlanError(
+            f"the engine's processing rewrote {len(orphans)} parameter(s) after its loader wrote them, e.g. "
+            f"{orphans[:5]} (as vLLM's DeepGEMM requantizes a block-FP8 weight and its scale to power-of-two "
+            "scales), and the engine names no way to process them again: replaying the loader's copies would "
+            "leave the exported bytes where the engine computes with reworked ones. Start the engine without "
+            "that processing (for vLLM: VLLM_USE_DEEP_GEMM=0)"
+        )
 
 
 def _aliases(

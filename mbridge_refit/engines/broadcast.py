@@ -26,8 +26,9 @@ recording, or a loader replaced (``load_weights`` set anew), records again.
 Protocol (any RPC that carries plain data calls these, on every worker):
 
 1. ``BroadcastTarget(load_weights, model, device, ...)`` then ``join(host, port, rank, world_size,
-   plan_json, config)``: once per session; returns when every member joined (the trainer joins at
-   the same time: the call blocks until it does, or raises after the timeout).
+   plan_json, config, secret)``: once per session; returns when every member joined (the trainer joins
+   at the same time: the call blocks until it does, or raises after the timeout). ``secret``: the
+   group's, in hex, as the trainer sent it (never logged, never in the store).
 2. ``receive()``: every step, at the time the trainer sends. Runs the whole broadcast protocol
    (handshake, buckets, checksums, status), so a mismatch or a failure on either side raises on
    both and neither is left waiting: a failure that stops this worker before its protocol settled
@@ -138,10 +139,14 @@ class BroadcastTarget:
         world_size: int,
         plan_json: str,
         config: dict,
+        secret: str | None = None,
         backend: str | None = None,
         timeout_s: float = 600.0,
     ) -> int:
-        """Join the trainer's group as ``rank``; keep the plan and the buffer config for every step."""
+        """Join the trainer's group as ``rank``; keep the plan and the buffer config for every step.
+        ``secret``: the group's secret in hex."""
+        if secret is None:
+            raise BroadcastRefitError("the trainer sent no group secret: every member of a broadcast group needs it")
         if not SOURCE_RANK < rank < world_size:
             raise BroadcastRefitError(
                 f"worker rank {rank} is outside 1..{world_size - 1}: rank {SOURCE_RANK} is the trainer's"
@@ -155,6 +160,7 @@ class BroadcastTarget:
             rank=rank,
             world_size=world_size,
             device=self.device,
+            secret=bytes.fromhex(secret),
             backend=backend,
             timeout=datetime.timedelta(seconds=timeout_s),
         )

@@ -41,6 +41,11 @@ the next refit resets it again); it does not wait for a follow-up still pending,
 own thread, and notes it on the step's error. ``overlap_follow_up=False`` calls the follow-up
 after the receive, as before.
 
+Each ``open`` makes the group a fresh secret (``runtime.broadcast_group.new_secret``) and sends it
+to the workers in the join RPC with the plan and the config: the store's entries are signed with it, and a process that
+reaches the store without it cannot forge a member's settings, heartbeat or failure
+(``runtime.broadcast_group``; docs/architecture.md states what it can still do).
+
 ``timeout_s`` bounds the join and every collective of both sides. A failure on either side reaches
 the other within seconds (``runtime.broadcast_group``): each side posts what stops it before its
 protocol settled, and the source also treats the workers' background call ending in an error while
@@ -72,6 +77,7 @@ from mbridge_refit.runtime.broadcast_group import (
     PeerFailedError,
     StoreGroup,
     as_broadcast_group,
+    new_secret,
 )
 from mbridge_refit.runtime.weight_source import ExportsWeights, Model
 from mbridge_refit.sinks.base import DiscardSink, drain
@@ -174,6 +180,7 @@ class BroadcastSession:
         if not self.source:
             return
         world = 1 + self.engine_workers
+        secret = new_secret()  # this group's: to the workers in the join RPC, never through the store
         group = dict(
             host=self.host,
             port=self.port,
@@ -182,6 +189,7 @@ class BroadcastSession:
             config=dataclasses.asdict(self.config),
             backend=self.backend,
             timeout_s=self.timeout_s,
+            secret=secret.hex(),
         )
         join = self.start_workers("mbridge_refit_join", group, SOURCE_RANK + 1, self.allow_partial)
         try:
@@ -191,6 +199,7 @@ class BroadcastSession:
                 rank=SOURCE_RANK,
                 world_size=world,
                 device=self.device,
+                secret=secret,
                 backend=self.backend,
                 peer_failure=join.failure,
                 timeout=datetime.timedelta(seconds=self.timeout_s),

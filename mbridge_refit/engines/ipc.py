@@ -6,8 +6,10 @@ the engine's worker extension hands its RPCs to a ``RefitReceiver``. Protocol (a
 carries plain data works):
 
 1. ``open(wire, payload, transport)``: the trainer's first step, and every step whose layout
-   changed. Maps the shared storages, runs the engine's loader once per tensor while recording
-   its copies (this *is* the step's load), composes the copies of tensors that name their rows
+   changed. Runs the engine adapter's ``precheck`` first (what the engine cannot take, refused by
+   name before anything is mapped or loaded: for vLLM, DeepGEMM processing a refit cannot redo,
+   ``engines.vllm.deep_gemm``). Maps the shared storages, runs the engine's loader once per tensor
+   while recording its copies (this *is* the step's load), composes the copies of tensors that name their rows
    so they read those rows where the trainer keeps them (``ApplyPlan.compose_rows``), has the
    FP8 tensors that name their BF16 rows quantized from those rows on every replay, into the
    parameters where the loader copies them whole (``ApplyPlan.compose_quantized``), optionally
@@ -45,7 +47,9 @@ at an open and then leaves to the engine for the layout's life. No engine memory
 from __future__ import annotations
 
 import logging
+import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -97,6 +101,7 @@ class OpenReport:
     quantized_in_place: int = 0  # of those, written straight into its parameters (no copy after)
     go_ahead: bool = False  # connected to the trainer's go-ahead line: early applies wait on it
     go_ahead_error: str | None = None  # why an offered line could not be reached (applies come late)
+    go_ahead_pid: int | None = None  # this worker's pid, the one the trainer accepts on the line
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -112,8 +117,10 @@ class RefitReceiver:
         load_weights: LoadWeights | None = None,
         staged: StagedLoad | None = None,
         recompute: Recompute | None = None,
+        precheck: Callable[[], object] | None = None,
     ) -> None:
         self.model = model
+        self._precheck = precheck  # the engine's own refusals, before an open maps or loads anything
         self.device = device
         self._load_weights = load_weights
         self._staged = staged  # the engine's reload bracket, for models whose loaders fail after processing
@@ -140,6 +147,8 @@ class RefitReceiver:
     ) -> dict[str, Any]:
         started = time.perf_counter()
         self.close()
+        if self._precheck is not None:
+            self._precheck()  # raises naming what this engine cannot take, and the fix: nothing has moved yet
         go_ahead_error = None
         if go_ahead is not None:  # first: the trainer takes the connection when this open returns
             try:
@@ -193,6 +202,7 @@ class RefitReceiver:
             quantized_in_place=len(in_place),
             go_ahead=self._go_ahead is not None,
             go_ahead_error=go_ahead_error,
+            go_ahead_pid=None if self._go_ahead is None else os.getpid(),
         )
         if plan.via_loader:
             logger.info(

@@ -708,7 +708,7 @@ class _EarlyApply:
     call: WorkerCall
 
 
-_ACCEPT_S = 10.0  # the worker connected during its open, which has returned: its connection is queued
+_ACCEPT_S = 10.0  # the worker connected during its open, which has returned: its connection is in (or refused)
 
 
 def _listen() -> GoAheadLine | None:
@@ -721,7 +721,8 @@ def _listen() -> GoAheadLine | None:
 
 
 def _accepted(line: GoAheadLine | None, results: list) -> GoAheadLine | None:
-    """``line`` once its worker connected (one worker that reported ``go_ahead``), else closed: None."""
+    """``line`` once its worker connected (one worker that reported ``go_ahead``, from the pid it reported),
+    else closed: None."""
     if line is None:
         return None
     report = results[0] if len(results) == 1 and isinstance(results[0], dict) else {}
@@ -731,7 +732,7 @@ def _accepted(line: GoAheadLine | None, results: list) -> GoAheadLine | None:
         line.close()
         return None
     try:
-        line.accept(_ACCEPT_S)
+        line.accept(_ACCEPT_S, peer_pid=report.get("go_ahead_pid"))
     except GoAheadError as err:
         logger.warning("refit: the engine's go-ahead connection never arrived (%s): applies come late", err)
         line.close()

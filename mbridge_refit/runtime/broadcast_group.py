@@ -16,12 +16,15 @@ names them; two kinds provide them:
   the same thing from its ``StatelessProcessGroup``; this one is plain torch, so the trainer side
   needs no engine package.
 
-Joining a ``StoreGroup``: rank 0 hosts the store; every member passes the same ``host``, ``port``
-and ``world_size``. Construction returns once all of them have joined and connected, or raises:
+Joining a ``StoreGroup``: rank 0 hosts the store, listening on ``host``'s address only (torch's
+store would listen on every interface: ``_tcp_store``); every member passes the same ``host``,
+``port``, ``world_size`` and ``secret``. Construction returns once all of them have joined and
+connected, or raises:
 
-1. Settings. Each member posts ``group_settings`` (the backend and, for NCCL, the library's
-   version and every ``NCCL_*`` variable of its environment but diagnostics and host-local
-   device names) and waits for everyone's. NCCL needs them equal on every member: a process
+1. Settings. Each member posts the keyed digest of its ``group_settings`` (the backend and, for
+   NCCL, the library's version and every ``NCCL_*`` variable of its environment but diagnostics
+   and host-local device names) and waits for everyone's; only when the digests differ do the
+   members post the settings themselves, to name the differences. NCCL needs them equal on every member: a process
    whose environment pins other channel counts, protocols or algorithms builds a communicator
    its peers' does not fit, and NCCL fails inside its bootstrap ("Message truncated: received
    12288 bytes instead of 512": 24 channels' connection data meeting a peer that set up one)
@@ -33,6 +36,20 @@ and ``world_size``. Construction returns once all of them have joined and connec
 2. Connecting: the communicators are created and checked by one all-reduce, on a helper thread
    watched as below, so a member that fails to connect cannot leave the others in NCCL's
    bootstrap.
+
+Who may write: a ``TCPStore`` lets anyone who reaches its address read, write and delete any key,
+so every entry the members write (settings, heartbeats, failures) is signed with the group's
+``secret`` (``runtime.store_entries``: an HMAC over the entry's key, its member and its body) and
+every entry they read is checked: a stranger's entry, or one under a member the group does not
+have, is ignored with a warning, so a forged failure aborts no one and forged settings do not
+join. The secret is made by one member (``new_secret``) and handed to the others out of band (the
+broadcast session sends it in its join RPC); it never enters the store. What a stranger who
+reaches the store can still do is deny service: delete or overwrite entries, fill the store's
+memory (rank 0's process), read the process group's bootstrap keys (under ``pg/``, torch's, not
+signed) and reach NCCL's or gloo's own connections, which have no authentication either. The
+members then fail as for a lost member, within ``PEER_SILENT_S`` or their timeout, naming the
+entries that failed their check. A member that writes entries of another protocol
+(``STORE_PROTOCOL``; another mbridge_refit) and holds the secret is refused by name.
 
 Failures reach every member as ``PeerFailedError`` within seconds instead of the timeout:
 
@@ -68,6 +85,7 @@ import datetime
 import json
 import logging
 import os
+import socket
 import threading
 import time
 import weakref
@@ -78,6 +96,13 @@ import torch
 import torch.distributed as dist
 
 from mbridge_refit.errors import TransportError
+from mbridge_refit.runtime.store_entries import (
+    STORE_PROTOCOL,
+    SignedEntries,
+    StoreProtocolError,
+    check_secret,
+    new_secret,
+)
 
 __all__ = [
     "BroadcastGroup",
@@ -93,11 +118,14 @@ __all__ = [
     "PEER_SILENT_S",
     "POST_WAIT_S",
     "PeerFailedError",
+    "STORE_PROTOCOL",
     "SettingsMismatchError",
     "StoreGroup",
+    "StoreProtocolError",
     "TorchGroup",
     "as_broadcast_group",
     "group_settings",
+    "new_secret",
     "settings_differences",
 ]
 
@@ -111,7 +139,6 @@ OUTSIDE_GRACE_S = 1.0  # an outside failure counts once it stood this long while
 FAST_POLL_S = 2e-4  # how often a wait polls for its first FAST_POLL_WINDOW_S
 FAST_POLL_WINDOW_S = 0.25
 _KEYS = "mbridge_refit/"  # the group's own keys in the store (the process group's are under _KEYS + "pg/")
-_PROTOCOL = 2  # the layout of those keys; members of other versions do not agree on settings
 _UNSET = "<unset>"
 _FAILED_GLOO_GROUPS: list[Any] = []  # kept, not destroyed: see StoreGroup.close
 EXIT_WAIT_S = 2.0  # how long the exit hook waits for the watchdogs of groups never closed
@@ -202,11 +229,12 @@ class TorchGroup:
 
 
 def group_settings(backend: str, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """What every member of a ``StoreGroup`` must agree on (module docstring): the key layout, the
-    backend and, for NCCL, the library's version and the ``NCCL_*`` variables of ``environ``
-    (default: this process's) that shape a communicator."""
+    """What every member of a ``StoreGroup`` must agree on (module docstring): the backend and, for
+    NCCL, the library's version and the ``NCCL_*`` variables of ``environ`` (default: this
+    process's) that shape a communicator. (The store's protocol is in each entry's envelope:
+    ``runtime.store_entries``.)"""
     environ = os.environ if environ is None else environ
-    settings: dict[str, Any] = {"protocol": _PROTOCOL, "backend": backend}
+    settings: dict[str, Any] = {"backend": backend}
     if backend == "nccl":
         settings["nccl_version"] = ".".join(str(part) for part in torch.cuda.nccl.version())
         settings["nccl_env"] = {
@@ -254,14 +282,20 @@ class StoreGroup:
     """A process group of its own, joined by address (module docstring); ``src`` is a rank of it.
 
     Args:
-        host, port: the store's address; rank 0 listens there, the others connect.
+        host, port: the store's address; rank 0 listens there (on ``host``'s address only), the others
+            connect.
         rank, world_size: this member's rank and the number of members.
+        secret: the group's secret (``new_secret()``: at least 32 random bytes), the same on every
+            member, handed to the others out of band (never through the store): every entry the
+            members write is signed with it and entries that fail it are ignored (module docstring).
         device: the device its tensors live on; NCCL when it is CUDA (set it as the current device
             first), gloo otherwise (``backend`` overrides: gloo also carries CUDA tensors, through host
             memory, e.g. for two members on one GPU, which NCCL refuses).
         timeout: bounds the join and every wait.
         peer_failure: an outside signal checked while joining (see ``watching``).
     """
+
+    store_protocol = STORE_PROTOCOL  # the protocol of the entries this member writes (a test's subclass lowers it)
 
     def __init__(
         self,
@@ -271,6 +305,7 @@ class StoreGroup:
         rank: int,
         world_size: int,
         device: torch.device | str,
+        secret: bytes,
         backend: str | None = None,
         timeout: datetime.timedelta = DEFAULT_TIMEOUT,
         peer_failure: Callable[[], str | None] | None = None,
@@ -283,12 +318,14 @@ class StoreGroup:
         if self.backend not in ("nccl", "gloo"):
             raise ValueError(f"backend {self.backend!r} is not supported: use 'nccl' (CUDA) or 'gloo'")
         self.process_group: Any = None
+        self._entries = SignedEntries(check_secret(secret), _KEYS, world_size, protocol=self.store_protocol)
+        self._beats = 0  # this member's heartbeats so far
         self._failure: str | None = None
         self._posted = False
         self._outside: list[Callable[[], str | None]] = []
         self._stop = threading.Event()
         self._post_lock = threading.Lock()
-        self.store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+        self.store = _tcp_store(host, port, world_size, is_master=rank == 0, timeout=timeout)
         self._post_store = self.store.clone()
         self._last_round = time.monotonic()  # when the watchdog last heard from the store
         self._watchdog = threading.Thread(
@@ -388,13 +425,11 @@ class StoreGroup:
             return
         self._posted = True
         self._mark_failed(f"member {self.rank} failed: {message}")
-        record = json.dumps({"member": self.rank, "message": message[:4000]})
 
         def post() -> None:
             try:
                 with self._post_lock:
-                    index = self._post_store.add(_KEYS + "errors", 1)
-                    self._post_store.set(f"{_KEYS}error/{index}", record)
+                    self._entries.put(self._post_store, f"error/{self.rank}", self.rank, message[:4000])
             except Exception as err:  # noqa: BLE001 - the store's host may be gone; the caller raises its own error
                 logger.warning(
                     "could not post this member's failure to the group's store at %s:%d: %s", self.host, self.port, err
@@ -503,9 +538,12 @@ class StoreGroup:
         beats: dict[int, tuple[int, float]] = {}
         while self._failure is None:
             try:
-                store.add(f"{_KEYS}alive/{self.rank}", 1)
+                self._beats += 1
+                self._entries.put(store, f"alive/{self.rank}", self.rank, str(self._beats))
                 failure = self._peer_failure(store, beats)
                 self._last_round = time.monotonic()
+            except StoreProtocolError as err:  # a member of another mbridge_refit: its entries cannot be read
+                failure = str(err)
             except Exception as err:  # noqa: BLE001 - a store that does not answer is the failure seen
                 failure = (
                     f"the group's store at {self.host}:{self.port} does not answer "
@@ -519,44 +557,78 @@ class StoreGroup:
                 return
 
     def _peer_failure(self, store: Any, beats: dict[int, tuple[int, float]]) -> str | None:
-        """A failure another member posted, or a member whose heartbeat stopped (after it began)."""
-        for index in range(1, store.add(_KEYS + "errors", 0) + 1):
-            record = json.loads(store.get(f"{_KEYS}error/{index}"))
-            if record["member"] != self.rank:
-                return f"member {record['member']} failed: {record['message']}"
+        """A failure another member posted, or a member whose heartbeat stopped (after it began). Only
+        the members' own signed entries count: a stranger's are ignored (``SignedEntries.read``)."""
+        others = [member for member in range(self.world_size) if member != self.rank]
+        for member in others:
+            message = self._entries.read(store, f"error/{member}", member)
+            if message is not None:
+                return f"member {member} failed: {message}"
         now = time.monotonic()
-        for member in range(self.world_size):
-            if member == self.rank:
-                continue
-            count = store.add(f"{_KEYS}alive/{member}", 0)
+        for member in others:
+            count = _count(self._entries.read(store, f"alive/{member}", member))
             last = beats.get(member)
-            if last is None or count != last[0]:
+            if last is None or count > last[0]:  # a beat counts once it advances: an older one replayed does not
                 beats[member] = (count, now)
-            elif count > 0 and now - last[1] > PEER_SILENT_S:
-                return f"member {member} has sent no heartbeat for {PEER_SILENT_S:.0f} s: its process is gone or stuck"
+            elif last[0] > 0 and now - last[1] > PEER_SILENT_S:
+                return (
+                    f"member {member} has sent no heartbeat for {PEER_SILENT_S:.0f} s: its process is gone or stuck"
+                    + self._rejected_note()
+                )
         return None
+
+    def _rejected_note(self) -> str:
+        """What a failure's message adds when entries failed their check (a stranger wrote to the store)."""
+        if not self._entries.rejected:
+            return ""
+        return (
+            f" (the entries of {self._entries.rejected} keys in the store at {self.host}:{self.port} failed their check: a "
+            "process that does not hold the group's secret writes to it; keep the store's address to the members)"
+        )
 
     # -- joining ---------------------------------------------------------------------------
 
     def _agree_on_settings(self, mine: dict[str, Any]) -> None:
-        """Step 1 of the join (module docstring): post ``mine``, wait for every member's, compare."""
-        keys = [f"{_KEYS}settings/{member}" for member in range(self.world_size)]
-        self.store.set(keys[self.rank], json.dumps(mine))
+        """Step 1 of the join (module docstring): post the keyed digest of ``mine``, wait for every
+        member's, compare; only if they differ, post ``mine`` itself and name the differences."""
+        text = json.dumps(mine, sort_keys=True)
+        digests = self._gather_entries("settings", self._entries.digest(text), "joining the group")
+        if len(set(digests.values())) == 1:
+            return
+        values = self._gather_entries("settings-values", text, "naming the members' differing settings")
+        differences = settings_differences({member: json.loads(value) for member, value in values.items()})
+        if not differences:  # equal settings whose digests differ: a member computes them otherwise
+            differences = [f"settings digest: member {m} {d[:16]}" for m, d in sorted(digests.items())]
+        raise _settings_error(differences, self.host, self.port)
+
+    def _gather_entries(self, name: str, mine: str, what: str) -> dict[int, str]:
+        """Post ``mine`` as this member's signed entry ``name/<rank>`` and wait (bounded by the timeout)
+        until every member's is there and valid; their bodies by member. An entry that fails its check
+        is ignored: its member's own entry may still come (it overwrites the stranger's)."""
+        self._entries.put(self.store, f"{name}/{self.rank}", self.rank, mine)
+        keys = [f"{_KEYS}{name}/{member}" for member in range(self.world_size)]
+        bodies: dict[int, str] = {}
+
+        def complete() -> bool:
+            if not self.store.check(keys):  # one round trip while members are still coming
+                return False
+            for member in range(self.world_size):
+                if member not in bodies:
+                    body = self._entries.read(self.store, f"{name}/{member}", member)
+                    if body is not None:
+                        bodies[member] = body
+            return len(bodies) == self.world_size
 
         def missing() -> GroupSetupError:
-            absent = [member for member, key in enumerate(keys) if not self.store.check([key])]
+            absent = [member for member in range(self.world_size) if member not in bodies]
             return GroupSetupError(
                 f"members {absent} did not join the group at {self.host}:{self.port} within "
-                f"{self.timeout.total_seconds():.0f} s: start them with the same host, port and world size "
-                f"({self.world_size})"
+                f"{self.timeout.total_seconds():.0f} s: start them with the same host, port, world size "
+                f"({self.world_size}) and secret" + self._rejected_note()
             )
 
-        self._wait_until(
-            lambda: self.store.check(keys), "joining the group", poll_s=0.05, fast=False, on_deadline=missing
-        )
-        differences = settings_differences({member: json.loads(self.store.get(key)) for member, key in enumerate(keys)})
-        if differences:
-            raise _settings_error(differences, self.host, self.port)
+        self._wait_until(complete, what, poll_s=0.05, fast=False, on_deadline=missing)
+        return bodies
 
     def _connect(self) -> None:
         """Step 2 of the join: create the communicators and all-reduce one count on a helper thread,
@@ -610,6 +682,42 @@ class _WatchedWork:
             self.work.wait()
         else:
             self.group._finish(self.work, "a broadcast")
+
+
+def _tcp_store(host: str, port: int, world_size: int, *, is_master: bool, timeout: datetime.timedelta) -> Any:
+    """The group's ``TCPStore``; on the master, listening on ``host``'s address only.
+
+    Given a host name, torch's store listens on every interface (both backends, torch 2.11: ``ss``
+    shows ``*:port``), so a group meant for ``127.0.0.1`` was reachable from the network. The master
+    binds the socket itself and hands it over (``master_listen_fd``; the store owns and closes it)."""
+    if not is_master:
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        listening = socket.create_server(address, family=family)
+    except OSError as err:
+        raise GroupSetupError(
+            f"the group's store cannot listen on {host}:{port}: {err}. Give a free port and an address of this host"
+        ) from err
+    # Handed over, the socket is the store's: if the constructor fails, it is left open rather than closed
+    # twice (the store may have taken it already).
+    return dist.TCPStore(
+        host,
+        port,
+        world_size,
+        is_master=True,
+        timeout=timeout,
+        wait_for_workers=False,
+        master_listen_fd=listening.detach(),
+    )
+
+
+def _count(body: str | None) -> int:
+    """A heartbeat entry's count (0: none yet, or not readable)."""
+    try:
+        return int(body) if body is not None else 0
+    except ValueError:
+        return 0
 
 
 def _process_group(backend: str, store: Any, rank: int, world_size: int, timeout: datetime.timedelta) -> Any:

@@ -13,18 +13,34 @@ store (the default group's ``TCPStore``; no collective, no device work):
 * ``guard``: wraps the export's stream. A rank whose consumer stops early (closes the generator,
   e.g. ``break``) records that it left, then runs the rest of the export without yielding it,
   so its peers' collectives complete; every peer raises ``CollectiveMisuseError`` naming it when
-  its own export ends.
+  its own export ends. ``open`` says whether the guarded stream may still issue collectives (not
+  iterated to its end, closed or garbage-collected).
+* ``arrive(refusal=...)``: a rank that must refuse the call (its caller's previous export is still
+  ``open``: two exports in flight pair their collectives with the wrong partners) posts the
+  refusal under the call's key and raises at once, waiting for no one and issuing no collective;
+  every other participant raises the same ``CollectiveMisuseError`` when it arrives, or, if it is
+  already waiting, as soon as the refusal is posted. The verdict is the call's, so ranks that see
+  the overlap at different times (one closed its previous export before the call, another did
+  not) still agree. The refusal adds a flag to the arrival counter, so no later arrival counts as
+  the last one and says go, then writes its note as the call's verdict (the key the others wait
+  for: "go" or the refusal), which every rank that waits reads once.
 
-One call costs each rank two store round trips (arrival, and the "left" check at the end; the
-last arrival three more); calls of a single participant skip the store. Calls are numbered per
-set of participants, so every participant must make the same calls in the same order, as the
-contract says anyway. A generator that is abandoned without being closed cannot be noticed.
+One call costs each rank its arrival (one store round trip; a rank that waits for the last
+arrival also the wait and the read of the verdict; the last arrival four more: the verdict and
+the previous call's keys deleted) and the "left" check at the end; calls of a single participant
+skip the store.
+Calls are numbered per set of participants, so every participant must make the same calls in the
+same order, as the contract says anyway (a refused call counts too). A generator that is abandoned
+without being closed is noticed only while it is alive (``open``): one garbage-collected unstarted
+runs nothing, and its peers wait in their gathers until the process group's timeout.
 """
 
 from __future__ import annotations
 
 import datetime
+import inspect
 import logging
+import weakref
 from typing import Any, Iterable, Iterator, Sequence
 
 import torch.distributed as dist
@@ -40,10 +56,13 @@ _CONTRACT = (
     "is collective: every rank of the model's groups must call it, with the same arguments, and iterate it to the end"
 )
 _MASK_BITS = 62  # participants identified by their bit of one integer key (store.add); more are only counted
+_REFUSED = 1 << _MASK_BITS  # added to the arrival counter by a participant that refuses the call
+_GO = b"1"  # the verdict of a call every participant made; a refused call's is the refusal's note
 
 
 class CollectiveMisuseError(UsageError):
-    """A rank broke the collective contract of an export (called it alone, or left it early)."""
+    """A rank broke the collective contract of an export (called it alone, left it early, or started
+    one while its previous one was still open)."""
 
 
 class CollectiveCall:
@@ -62,17 +81,32 @@ class CollectiveCall:
         self._rank = dist.get_rank() if self._store is not None else 0
         self.number = _CALLS[self.participants] = _CALLS.get(self.participants, 0) + 1
         self._prefix = f"mbridge_refit/calls/{_digest(self.participants)}"
+        self._stream: weakref.ref | None = None  # the generator ``guard`` handed out
 
-    def arrive(self) -> None:
-        """Wait until every participant has made this call (bounded by ``timeout_s``)."""
+    @property
+    def open(self) -> bool:
+        """Whether the stream ``guard`` handed out may still issue collectives: alive and neither
+        iterated to its end nor closed (started or not). False for a call with nothing to check."""
+        stream = self._stream() if self._stream is not None else None
+        return stream is not None and inspect.getgeneratorstate(stream) != inspect.GEN_CLOSED
+
+    def arrive(self, refusal: str | None = None) -> None:
+        """Wait until every participant has made this call (bounded by ``timeout_s``). With
+        ``refusal`` (why this rank cannot take part), post it and raise ``CollectiveMisuseError``
+        at once; a participant that finds a refusal posted raises it too (module docstring)."""
         if self._store is None:
             return
         key = self._key(self.number)
-        index = self.participants.index(self._rank)
+        bit = _bit(self.participants.index(self._rank), len(self.participants))
         full = _full_mask(len(self.participants))
-        arrived = self._store.add(f"{key}/arrived", _bit(index, len(self.participants)))
-        if arrived == full:
-            self._store.set(f"{key}/all", b"1")
+        if refusal is not None:
+            note = f"rank {self._rank} refused it: {refusal}"
+            self._store.add(f"{key}/arrived", bit | _REFUSED)  # before the verdict: no later arrival says go
+            self._store.set(f"{key}/all", note.encode())  # the verdict, which wakes the participants waiting here
+            raise self._refused(note)
+        arrived = self._store.add(f"{key}/arrived", bit)
+        if arrived == full:  # the last arrival, and nobody refused
+            self._store.set(f"{key}/all", _GO)
             if self.number > 1:  # everyone has passed the previous call: its keys can go
                 for suffix in ("arrived", "all", "left"):
                     self._store.delete_key(f"{self._key(self.number - 1)}/{suffix}")
@@ -80,18 +114,32 @@ class CollectiveCall:
         try:
             self._store.wait([f"{key}/all"], datetime.timedelta(seconds=self.timeout_s))
         except Exception as err:  # the store's timeout (DistStoreError / RuntimeError, by version)
-            arrived = self._store.add(f"{key}/arrived", 0)
+            arrived = self._store.add(f"{key}/arrived", 0) & ~_REFUSED
             raise CollectiveMisuseError(
                 f"{self.what} {_CONTRACT}. Rank {self._rank} waited {self.timeout_s:g} s (call #{self.number} among "
                 f"ranks {list(self.participants)}) for {_missing(arrived, self.participants)}: call it on every rank "
                 "(a rank with nothing to keep iterates it into a DiscardSink)"
             ) from err
+        verdict = self._store.get(f"{key}/all")
+        if verdict != _GO:
+            raise self._refused(verdict.decode())
 
-    def guard(self, stream: Iterable[Any]) -> Iterable[Any]:
-        """``stream`` (this call's), with an early stop on this rank made loud on every rank (module docstring)."""
+    def guard(self, stream: Iterable[Any], *, issues_collectives: bool = True) -> Iterable[Any]:
+        """``stream`` (this call's), with an early stop on this rank made loud on every rank (module
+        docstring). ``issues_collectives=False``: this rank's stream has no collective to pair (a rank
+        with no part in a replica's export), so it is never ``open``, iterated or not."""
         if self._store is None:
             return stream
-        return self._guarded(iter(stream), self._key(self.number))
+        guarded = self._guarded(iter(stream), self._key(self.number))
+        if issues_collectives:
+            self._stream = weakref.ref(guarded)
+        return guarded
+
+    def _refused(self, note: str) -> CollectiveMisuseError:
+        return CollectiveMisuseError(
+            f"{self.what} {_CONTRACT}: call #{self.number} among ranks {list(self.participants)} is refused on every "
+            f"rank, before any collective: {note}"
+        )
 
     def _guarded(self, items: Iterator[Any], key: str) -> Iterator[Any]:
         count = 0

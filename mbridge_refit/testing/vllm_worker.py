@@ -1,6 +1,7 @@
 """The vLLM worker extension the GPU checks and benchmarks load: the production extension
 (``engines.vllm.worker.RefitWorkerExtension``) plus RPCs only they call (overwrite every
-parameter with noise, time the engine-side application, read the allocator's counters).
+parameter with noise, time the engine-side application, read the allocator's counters, say what DeepGEMM
+does in the engine).
 
 ``engine_kwargs(worker_extension_cls=TESTING_WORKER_EXTENSION)`` starts an engine with it. Test
 support: production code never imports this module (``tests/test_package.py``).
@@ -104,6 +105,26 @@ class TestingWorkerExtension(RefitWorkerExtension):
         self.model_runner.get_model().load_weights(mapped[1])
         torch.cuda.synchronize(self.device)
         return (time.perf_counter() - started) * 1e3
+
+    def mbridge_refit_deep_gemm(self) -> dict[str, Any]:
+        """What DeepGEMM does in this worker: the DeepGEMM variables as its process sees them ("unset" where
+        unset), its block-FP8 linear layers and MoE layers that run DeepGEMM (``engines.vllm.deep_gemm``), and
+        whether the linear kernels requantize to E8M0 (power-of-two) scales."""
+        import os
+
+        from mbridge_refit.engines.vllm.deep_gemm import deep_gemm_experts, deep_gemm_linear
+
+        names = ("VLLM_USE_DEEP_GEMM", "VLLM_MOE_USE_DEEP_GEMM", "VLLM_USE_DEEP_GEMM_E8M0", "VLLM_DEEP_GEMM_WARMUP")
+        modules = list(self.model_runner.get_model().named_modules())
+        linear = [name for name, module in modules if deep_gemm_linear(module)]
+        kernels = [getattr(module.quant_method, "fp8_linear", None) for name, module in modules if name in linear]
+        e8m0 = {bool(getattr(getattr(k, "fallback", k), "use_deep_gemm_e8m0", False)) for k in kernels}
+        return {
+            "env": {name: os.environ.get(name, "unset") for name in names},
+            "linear": linear,
+            "experts": [name for name, module in modules if deep_gemm_experts(module)],
+            "e8m0": sorted(e8m0),
+        }
 
     def mbridge_refit_lora_slots_differ(self, lora_id: int, other_id: int) -> list[str]:
         """The LoRA modules whose GPU slots of two active adapters hold different bytes (every stacked

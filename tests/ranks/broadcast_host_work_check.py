@@ -31,7 +31,7 @@ from conftest import free_port  # noqa: E402
 from test_packed_broadcast import _plan  # noqa: E402
 
 from mbridge_refit.engines.broadcast import BroadcastTarget  # noqa: E402
-from mbridge_refit.runtime.broadcast_group import StoreGroup  # noqa: E402
+from mbridge_refit.runtime.broadcast_group import StoreGroup, new_secret  # noqa: E402
 from mbridge_refit.sinks.packed_broadcast import (  # noqa: E402
     PackedBroadcastConfig,
     PackedBroadcastSender,
@@ -198,13 +198,22 @@ def measure(layers: int, bucket_bytes: int, checksum: bool) -> dict:
     engine = Engine(layers)
     target = BroadcastTarget(engine.load_weights, engine, "cpu")
     sender_group: list[StoreGroup] = []
+    secret = new_secret()
 
     def join_sender() -> None:
-        sender_group.append(StoreGroup(host="127.0.0.1", port=port, rank=0, world_size=2, device="cpu"))
+        sender_group.append(StoreGroup(host="127.0.0.1", port=port, rank=0, world_size=2, device="cpu", secret=secret))
 
     joiner = threading.Thread(target=join_sender, daemon=True)
     joiner.start()
-    target.join(host="127.0.0.1", port=port, rank=1, world_size=2, plan_json=plan.to_json(), config=vars_of(config))
+    target.join(
+        host="127.0.0.1",
+        port=port,
+        rank=1,
+        world_size=2,
+        plan_json=plan.to_json(),
+        config=vars_of(config),
+        secret=secret.hex(),
+    )
     joiner.join()
     counting = CountingGroup(target.group)
     target.group = counting

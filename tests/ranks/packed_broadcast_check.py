@@ -211,8 +211,10 @@ def main() -> None:
     trainers = dist.new_group(list(trainer_ranks))
     refit, src = dist.new_group([SRC, receiver_rank]), SRC
     if args.store_group is not None:
-        from mbridge_refit.runtime.broadcast_group import StoreGroup
+        from mbridge_refit.runtime.broadcast_group import StoreGroup, new_secret
 
+        secret = [new_secret() if rank == 0 else None]  # handed over out of band: here, through the job's world
+        dist.broadcast_object_list(secret, src=0)
         store_ranks = {receiver_rank: 0, SRC: 1}
         src = store_ranks[SRC]
         refit = (
@@ -222,6 +224,7 @@ def main() -> None:
                 rank=store_ranks[rank],
                 world_size=2,
                 device=cpu,
+                secret=secret[0],
                 timeout=datetime.timedelta(seconds=90),
             )
             if rank in store_ranks

@@ -47,15 +47,18 @@ def checker_parser() -> argparse.ArgumentParser:
 
 
 @contextlib.contextmanager
-def checkpoint_session(path: Path, layout, params_dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple]:
-    """Inside a CPU (gloo) session at ``layout``: ``(RefitBridge, model chunks)`` for the checkpoint
-    at ``path``, built in ``params_dtype`` and loaded from the checkpoint."""
+def checkpoint_session(
+    path: Path, layout, params_dtype: torch.dtype = torch.bfloat16, timeout: datetime.timedelta | None = None
+) -> Iterator[tuple]:
+    """Inside a CPU (gloo) session at ``layout`` (its collectives' ``timeout``: 5 minutes unless
+    given): ``(RefitBridge, model chunks)`` for the checkpoint at ``path``, built in
+    ``params_dtype`` and loaded from the checkpoint."""
     from mbridge_refit.bridge import RefitBridge
     from mbridge_refit.convert.session import distributed_session
     from mbridge_refit.models.builder import BuildOptions, build_model
 
     cpu = torch.device("cpu")
-    with distributed_session(layout, device=cpu, timeout=datetime.timedelta(minutes=5)):
+    with distributed_session(layout, device=cpu, timeout=timeout or datetime.timedelta(minutes=5)):
         bridge = RefitBridge.from_hf_pretrained(path)
         chunks = build_model(bridge, layout, BuildOptions(device=cpu, params_dtype=params_dtype))
         bridge.load_hf_shards(chunks, path)

@@ -20,6 +20,14 @@ stock Megatron-Bridge export of the same live model, never our own output):
     within the bridge's timeout instead of hanging.
   * ``early-exit``: rank 1 stops iterating after 3 tensors: rank 0 still gets the whole export and
     then ``CollectiveMisuseError`` naming rank 1; the next export on both ranks is exact.
+  * ``overlapping-exports``: a second export started while the first is still open, the first then
+    closed at different points on the two ranks (phase ``both``: both ranks overlap, the second by
+    ``export_hf_weight_buckets``; ``one``: rank 1 drops its first export before the second, rank 0
+    does not; ``waiting``: rank 1 finished its first export and waits in the second's handshake
+    when rank 0 refuses it): every rank raises ``CollectiveMisuseError`` naming the misuse and the
+    fix, no collective pairs with the wrong partner, the stale exports close without a hang, and
+    the next export equals stock's. Without the refusal, gloo pairs the first export's gathers with
+    the second's (an error or an abort of the process) or the ranks wait for each other.
 Writes DIR/rank<r>.json.
 """
 
@@ -275,12 +283,79 @@ def early_exit(args) -> dict:
         return result
 
 
+def overlapping_exports(args) -> dict:
+    from mbridge_refit.runtime.handshake import CollectiveMisuseError
+
+    layout = layout_from_flags(args)
+    with checkpoint_session(args.hf, layout, timeout=datetime.timedelta(seconds=90)) as (bridge, chunks):
+        rank, tensors = dist.get_rank(), len(bridge.export_plan(chunks).entries)
+        result = {}
+
+        def refused(phase: str, start) -> None:
+            """Start the second export (``start``); it must raise, naming the misuse and the fix."""
+            started = time.monotonic()
+            try:
+                second = start()
+            except CollectiveMisuseError as err:
+                result[phase] = {"error": str(err), "seconds": time.monotonic() - started}
+            else:  # what happens without the refusal: the ranks go on in different orders
+                if rank == 0:
+                    first.close()
+                list(second)
+                fail(f"phase {phase}: a second export started while the first was open was not refused")
+            needles = ["still open", "refused on every rank", "close()", "Finish or close the first export"]
+            if rank == 1 and phase != "both":
+                needles.append("rank 0 refused it")  # the verdict of the rank that saw the overlap
+            if not all(needle in result[phase]["error"] for needle in needles):
+                fail(f"phase {phase}: the error does not name the misuse and the fix: {result[phase]['error']}")
+
+        # both: every rank overlaps; rank 1 closes its first export later than rank 0
+        first = iter(bridge.export_hf_weights(chunks, show_progress=False))
+        for _ in range(3):
+            next(first)
+        refused("both", lambda: bridge.export_hf_weight_buckets(chunks, show_progress=False))
+        if rank == 1:
+            time.sleep(1.0)
+        first.close()  # runs the rest of the first export, with the peer's close
+
+        # one: rank 1 drops its first export (closed by the refcount: the rest runs with rank 0's close)
+        first = iter(bridge.export_hf_weight_buckets(chunks, show_progress=False))
+        next(first)
+        if rank == 1:
+            del first
+        refused("one", lambda: bridge.export_hf_weights(chunks, show_progress=False))
+        if rank == 0:
+            first.close()
+
+        # waiting: rank 0 takes every tensor without ending the generator; rank 1 ends it and waits in
+        # the second export's handshake until rank 0's refusal wakes it
+        first = iter(bridge.export_hf_weights(chunks, show_progress=False))
+        if rank == 0:
+            for _ in range(tensors):
+                next(first)
+            time.sleep(2.0)
+        else:
+            sum(1 for _ in first)
+        refused("waiting", lambda: bridge.export_hf_weights(chunks, show_progress=False))
+        first.close()
+
+        ours = [(name, tensor.clone()) for name, tensor in bridge.export_hf_weights(chunks, show_progress=False)]
+        stock = [(name, tensor.clone()) for name, tensor in bridge.export_hf_weights_stock(chunks, show_progress=False)]
+        if [name for name, _ in ours] != [name for name, _ in stock]:
+            fail("the export after the refusals does not yield stock's names in stock's order")
+        differing = [name for (name, a), (_, b) in zip(ours, stock) if not same_bytes(a, b)]
+        if differing:
+            fail(f"the export after the refusals differs from stock's: {differing[:5]}")
+        return {**result, "tensors": len(ours)}
+
+
 CASES = {
     "megatron-default-etp": megatron_default_etp,
     "replaced-params": replaced_params,
     "buckets": buckets,
     "lone-rank": lone_rank,
     "early-exit": early_exit,
+    "overlapping-exports": overlapping_exports,
 }
 
 

@@ -13,8 +13,9 @@ Each RPC hands over to a transport's engine side: ``open`` / ``apply`` / ``close
 the engine's weights exactly. The GPU checks' and benchmarks' own RPCs (scramble, time, memory)
 live in a subclass in the test support (``testing.vllm_worker``). It imports vLLM only for its layerwise reload
 (the bracket an FP8 engine is recorded through) and its attention layers (whose parameters derived after loading,
-such as MLA's ``W_UV``/``W_UK_T``, the receiver has recomputed after each replay); the worker provides
-``self.model_runner`` and ``self.device``.
+such as MLA's ``W_UV``/``W_UK_T``, the receiver has recomputed after each replay); DeepGEMM's processing of FP8
+layers is redone after each replay, or refused by name at the open, by ``engines.vllm.deep_gemm``. The worker
+provides ``self.model_runner`` and ``self.device``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from mbridge_refit.engines.broadcast import BroadcastTarget
 from mbridge_refit.engines.fingerprint import named_fingerprints
 from mbridge_refit.engines.ipc import RefitReceiver
 from mbridge_refit.engines.sharded_ipc import worker_entry
+from mbridge_refit.engines.vllm.deep_gemm import refuse_unsupported, reprocess
 from mbridge_refit.engines.vllm.lora import AdapterSlot, adapter_limits
 from mbridge_refit.errors import EngineError
 
@@ -50,6 +52,7 @@ class RefitWorkerExtension:
                 torch.device(self.device),
                 staged=self._mbridge_staged_load(model),
                 recompute=self._mbridge_recompute(),
+                precheck=functools.partial(refuse_unsupported, model),
             )
             self._mbridge_refit_receiver = receiver
         return receiver
@@ -68,21 +71,24 @@ class RefitWorkerExtension:
             begin=lambda: initialize_layerwise_reload(model), end=lambda: finalize_layerwise_reload(model, config)
         )
 
-    def _mbridge_recompute(self) -> Recompute | None:
-        """vLLM's own recomputation of a module's derived parameters: its attention layers (``Attention``,
-        ``MLAAttention``) run ``process_weights_after_loading(model_config.dtype)`` after every reload with
-        their kernel tensors in place (``model_loader/reload/layerwise.py`` ``_finalize_attention_layer``);
-        other layers have none (None where this vLLM lacks those classes)."""
+    def _mbridge_recompute(self) -> Recompute:
+        """vLLM's own recomputation of a module's derived or processed parameters: its attention layers
+        (``Attention``, ``MLAAttention``, where this vLLM has them) run ``process_weights_after_loading(
+        model_config.dtype)`` after every reload with their kernel tensors in place
+        (``model_loader/reload/layerwise.py`` ``_finalize_attention_layer``); a DeepGEMM linear layer runs its
+        processing again on the bytes the replay copied (``engines.vllm.deep_gemm.reprocess``); other layers
+        have none."""
         try:
             from vllm.model_executor.layers.attention import Attention, MLAAttention
         except ImportError:
-            return None
-        dtype = self.model_runner.model_config.dtype
+            attention: tuple[type, ...] = ()
+        else:
+            attention = (Attention, MLAAttention)
 
         def recompute(module: torch.nn.Module):
-            if isinstance(module, (Attention, MLAAttention)):
-                return functools.partial(module.process_weights_after_loading, dtype)
-            return None
+            if attention and isinstance(module, attention):
+                return functools.partial(module.process_weights_after_loading, self.model_runner.model_config.dtype)
+            return reprocess(module)
 
         return recompute
 
