@@ -103,6 +103,29 @@ def test_export_refuses_a_truncated_weights_file(megatron, tmp_path, capsys):
     assert not (tmp_path / "hf").exists()
 
 
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("[1, 2]", "a JSON list, not an object"),
+        ('{"sharded_backend_version": 1}', "sharded_backend None, not 'torch_dist'"),
+        ('{"sharded_backend": "zarr", "sharded_backend": "torch_dist"}', "names ['sharded_backend'] more than once"),
+    ],
+    ids=["list", "no-backend", "key-twice"],
+)
+def test_export_refuses_a_dist_checkpointing_config_import_never_writes(megatron, text, needle, tmp_path, capsys):
+    """``release/metadata.json``, which Megatron-Core's load reads with ``json.load``: a list or an object
+    without its backend failed inside the load (exit 3 with a traceback, found by tests/test_fuzz_inputs.py),
+    a key given twice was read last-wins. Now exit 2 naming the file, before the model is built."""
+    bad = tmp_path / "mcore"
+    shutil.copytree(megatron, bad)
+    (bad / "release" / "metadata.json").write_text(text)
+    code = convert("export", "--megatron", bad, "--out", tmp_path / "hf", "--no-progress")
+    err = capsys.readouterr().err
+    assert code == ExitCode.BAD_INPUT, err[-3000:]
+    assert str(bad / "release" / "metadata.json") in err and needle in err and "Traceback" not in err
+    assert not (tmp_path / "hf").exists()
+
+
 def test_export_refuses_an_unreadable_weights_item(megatron, tmp_path, capsys):
     """A tensor item torch cannot read (its first bytes overwritten, the length kept): the load's
     CheckpointException (a BaseException) becomes exit 2 naming the weights directory. (Its payload
