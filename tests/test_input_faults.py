@@ -341,6 +341,18 @@ def test_config_that_is_not_an_object_is_bad_input(single_file, text, needle, tm
     assert needle in err and str(bad / "config.json") in err and "Traceback" not in err
 
 
+def test_a_refusal_quoting_a_multi_line_library_error_is_one_line(single_file, tmp_path, capsys):
+    """transformers' validation error for a float field given an int spans two lines; the refusal quoted
+    it as it was, so the error went on past its line (found by tests/test_fuzz_inputs.py). Now one line."""
+    bad = copy_with_config(single_file, tmp_path / "bad", rms_norm_eps=0)
+    code = convert("roundtrip", "--hf", bad, "--out", tmp_path / "out", "--no-progress")
+    err = capsys.readouterr().err
+    assert code == ExitCode.BAD_INPUT, err[-3000:]
+    line = next(line for line in err.splitlines() if " ERROR " in line)
+    assert str(bad / "config.json") in line and "expected float, got int" in line, err[-3000:]
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize(
     ("changes", "needle"),
     [
