@@ -149,7 +149,7 @@ class PeftCheckpoint:
         if isinstance(settings.get("params_to_save"), (set, list)):
             settings["params_to_save"] = set(settings["params_to_save"])
         for name in ("lora_A_init_method", "lora_B_init_method"):  # LoRA takes any; wrapping the model refuses
-            if name in settings and settings[name] not in LORA_INIT_METHODS:
+            if name in settings and not (isinstance(settings[name], str) and settings[name] in LORA_INIT_METHODS):
                 raise NotAPeftCheckpoint(
                     f"{self.weights / RUN_CONFIG_NAME}: peft.{name} is {settings[name]!r}, not one of "
                     f"{sorted(LORA_INIT_METHODS)} (Megatron-Bridge's adapters): copy the run's own file"
