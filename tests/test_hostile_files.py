@@ -353,6 +353,24 @@ def test_a_lora_init_method_the_adapters_cannot_build_is_refused(field, value, t
     assert f"peft.{field} is {value!r}, not one of ['kaiming', 'normal', 'xavier', 'zero']" in str(err)
 
 
+@pytest.mark.parametrize("value", [1024, -0.5, True, "0.1"])
+def test_a_lora_dropout_that_is_not_a_probability_is_refused(value, tmp_path):
+    """torch's Dropout refused it only while the model was wrapped (``export-adapter`` exit 3 with a
+    traceback, found by tests/test_fuzz_inputs.py). Now refused by name when the LoRA is made."""
+    import megatron.bridge.peft.lora  # noqa: F401  (imported here: outcome's 10 s are the reader's alone)
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    iteration = tmp_path / "save" / "iter_0000001"
+    key = "decoder.layers.self_attention.linear_qkv.adapter.linear_in.weight"
+    dcp.save({key: torch.zeros(2, 2)}, checkpoint_id=iteration, no_dist=True)
+    peft = {"_target_": LORA_TARGET, "dim": 4, "dropout": value}
+    (iteration / RUN_CONFIG_NAME).write_text(json.dumps({"model": {"num_layers": 2}, "peft": peft}))
+    err = outcome(lambda: PeftCheckpoint.open(iteration).lora())
+    assert isinstance(err, NotAPeftCheckpoint), err
+    assert f"peft.dropout is {value!r}, not a probability in [0, 1]" in str(err)
+
+
 def test_an_oversized_run_config_is_refused_unread(tmp_path):
     iteration = _iteration(tmp_path, b"")
     with open(iteration / RUN_CONFIG_NAME, "wb") as handle:

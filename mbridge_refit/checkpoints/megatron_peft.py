@@ -154,6 +154,12 @@ class PeftCheckpoint:
                     f"{self.weights / RUN_CONFIG_NAME}: peft.{name} is {settings[name]!r}, not one of "
                     f"{sorted(LORA_INIT_METHODS)} (Megatron-Bridge's adapters): copy the run's own file"
                 )
+        dropout = settings.get("dropout", 0.0)  # LoRA takes any; torch's Dropout refuses it while the model is wrapped
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout <= 1:
+            raise NotAPeftCheckpoint(
+                f"{self.weights / RUN_CONFIG_NAME}: peft.dropout is {dropout!r}, not a probability in [0, 1]: "
+                "copy the run's own file"
+            )
         try:
             return LoRA(**settings)
         except (TypeError, ValueError) as err:
