@@ -186,6 +186,31 @@ def test_shards_linked_into_a_hub_cache_blobs_are_read(sharded, single, layout, 
     assert all(hub.tensor(name).equal(plain.tensor(name)) for name in plain.names())
 
 
+# --- found by tests/test_fuzz_inputs.py --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("missing", ["shard", "weights"])
+def test_missing_shards_are_the_packages_input_error(sharded, missing, tmp_path):
+    """An index naming a shard that does not exist (or no weights at all) raised a bare
+    FileNotFoundError: ``export-adapter``, which opens ``--hf``'s weights after its checks, exited 3
+    with a traceback. Now a ``CheckpointError`` (still a FileNotFoundError): exit 2."""
+    from mbridge_refit.convert import ExitCode
+    from mbridge_refit.convert.app import classify
+
+    checkpoint = shutil.copytree(sharded, tmp_path / "hf")
+    if missing == "shard":
+        index = json.loads((checkpoint / INDEX_NAME).read_text())
+        index["weight_map"]["extra.weight"] = "model-00009-of-00009.safetensors"
+        (checkpoint / INDEX_NAME).write_text(json.dumps(index))
+    else:
+        for file in checkpoint.glob("*.safetensors*"):
+            file.unlink()
+    with pytest.raises(CheckpointError, match="shard files that do not exist|no checkpoint in") as refused:
+        HFCheckpoint.open(checkpoint)
+    assert isinstance(refused.value, FileNotFoundError)
+    assert classify(refused.value).code == ExitCode.BAD_INPUT
+
+
 # --- a header naming a key twice -----------------------------------------------------------------------
 
 
@@ -306,6 +331,44 @@ def test_run_config_as_megatron_bridge_dumps_it_opens(tmp_path):
     checkpoint = PeftCheckpoint.open(iteration.parent)
     assert checkpoint.weights == iteration and checkpoint.peft == config["peft"]
     assert list(checkpoint.adapter_keys()) == [key]
+
+
+@pytest.mark.parametrize("value", ["orthogonal", ["xavier"]], ids=["unknown", "a-list"])
+@pytest.mark.parametrize("field", ["lora_A_init_method", "lora_B_init_method"])
+def test_a_lora_init_method_the_adapters_cannot_build_is_refused(field, value, tmp_path):
+    """LoRA takes any string for its init methods; wrapping the model then raised NotImplementedError
+    (``export-adapter`` exit 3 with a traceback, found by tests/test_fuzz_inputs.py). Now refused by name
+    when the LoRA is made, before the model is wrapped."""
+    import megatron.bridge.peft.lora  # noqa: F401  (imported here: outcome's 10 s are the reader's alone)
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    iteration = tmp_path / "save" / "iter_0000001"
+    key = "decoder.layers.self_attention.linear_qkv.adapter.linear_in.weight"
+    dcp.save({key: torch.zeros(2, 2)}, checkpoint_id=iteration, no_dist=True)
+    peft = {"_target_": LORA_TARGET, "dim": 4, field: value}
+    (iteration / RUN_CONFIG_NAME).write_text(json.dumps({"model": {"num_layers": 2}, "peft": peft}))
+    err = outcome(lambda: PeftCheckpoint.open(iteration).lora())
+    assert isinstance(err, NotAPeftCheckpoint), err
+    assert f"peft.{field} is {value!r}, not one of ['kaiming', 'normal', 'xavier', 'zero']" in str(err)
+
+
+@pytest.mark.parametrize("value", [1024, -0.5, True, "0.1"])
+def test_a_lora_dropout_that_is_not_a_probability_is_refused(value, tmp_path):
+    """torch's Dropout refused it only while the model was wrapped (``export-adapter`` exit 3 with a
+    traceback, found by tests/test_fuzz_inputs.py). Now refused by name when the LoRA is made."""
+    import megatron.bridge.peft.lora  # noqa: F401  (imported here: outcome's 10 s are the reader's alone)
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    iteration = tmp_path / "save" / "iter_0000001"
+    key = "decoder.layers.self_attention.linear_qkv.adapter.linear_in.weight"
+    dcp.save({key: torch.zeros(2, 2)}, checkpoint_id=iteration, no_dist=True)
+    peft = {"_target_": LORA_TARGET, "dim": 4, "dropout": value}
+    (iteration / RUN_CONFIG_NAME).write_text(json.dumps({"model": {"num_layers": 2}, "peft": peft}))
+    err = outcome(lambda: PeftCheckpoint.open(iteration).lora())
+    assert isinstance(err, NotAPeftCheckpoint), err
+    assert f"peft.dropout is {value!r}, not a probability in [0, 1]" in str(err)
 
 
 def test_an_oversized_run_config_is_refused_unread(tmp_path):

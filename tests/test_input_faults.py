@@ -103,6 +103,29 @@ def test_export_refuses_a_truncated_weights_file(megatron, tmp_path, capsys):
     assert not (tmp_path / "hf").exists()
 
 
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("[1, 2]", "a JSON list, not an object"),
+        ('{"sharded_backend_version": 1}', "sharded_backend None, not 'torch_dist'"),
+        ('{"sharded_backend": "zarr", "sharded_backend": "torch_dist"}', "names ['sharded_backend'] more than once"),
+    ],
+    ids=["list", "no-backend", "key-twice"],
+)
+def test_export_refuses_a_dist_checkpointing_config_import_never_writes(megatron, text, needle, tmp_path, capsys):
+    """``release/metadata.json``, which Megatron-Core's load reads with ``json.load``: a list or an object
+    without its backend failed inside the load (exit 3 with a traceback, found by tests/test_fuzz_inputs.py),
+    a key given twice was read last-wins. Now exit 2 naming the file, before the model is built."""
+    bad = tmp_path / "mcore"
+    shutil.copytree(megatron, bad)
+    (bad / "release" / "metadata.json").write_text(text)
+    code = convert("export", "--megatron", bad, "--out", tmp_path / "hf", "--no-progress")
+    err = capsys.readouterr().err
+    assert code == ExitCode.BAD_INPUT, err[-3000:]
+    assert str(bad / "release" / "metadata.json") in err and needle in err and "Traceback" not in err
+    assert not (tmp_path / "hf").exists()
+
+
 def test_export_refuses_an_unreadable_weights_item(megatron, tmp_path, capsys):
     """A tensor item torch cannot read (its first bytes overwritten, the length kept): the load's
     CheckpointException (a BaseException) becomes exit 2 naming the weights directory. (Its payload
@@ -316,6 +339,18 @@ def test_config_that_is_not_an_object_is_bad_input(single_file, text, needle, tm
     err = capsys.readouterr().err
     assert code == ExitCode.BAD_INPUT, err[-3000:]
     assert needle in err and str(bad / "config.json") in err and "Traceback" not in err
+
+
+def test_a_refusal_quoting_a_multi_line_library_error_is_one_line(single_file, tmp_path, capsys):
+    """transformers' validation error for a float field given an int spans two lines; the refusal quoted
+    it as it was, so the error went on past its line (found by tests/test_fuzz_inputs.py). Now one line."""
+    bad = copy_with_config(single_file, tmp_path / "bad", rms_norm_eps=0)
+    code = convert("roundtrip", "--hf", bad, "--out", tmp_path / "out", "--no-progress")
+    err = capsys.readouterr().err
+    assert code == ExitCode.BAD_INPUT, err[-3000:]
+    line = next(line for line in err.splitlines() if " ERROR " in line)
+    assert str(bad / "config.json") in line and "expected float, got int" in line, err[-3000:]
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize(

@@ -44,6 +44,7 @@ __all__ = [
     "CONFIG_NAME",
     "COPIED_FILE_NAMES",
     "CheckpointError",
+    "CheckpointFilesMissing",
     "ConfigError",
     "HFCheckpoint",
     "INDEX_NAME",
@@ -118,6 +119,11 @@ class CheckpointError(InputError):
     """A checkpoint's files are unreadable or disagree with its index (the message lists what)."""
 
 
+class CheckpointFilesMissing(CheckpointError, FileNotFoundError):
+    """The checkpoint directory, its weights, or shards its index names do not exist (a
+    ``FileNotFoundError`` too, for callers that catch that)."""
+
+
 class ConfigError(InputError):
     """A ``config.json`` that is not a JSON object describing a model (the message names the file)."""
 
@@ -140,7 +146,7 @@ class HFCheckpoint:
         """Read the index (or the single file's header) of the checkpoint at ``path``."""
         path = Path(path)
         if not path.is_dir():
-            raise FileNotFoundError(
+            raise CheckpointFilesMissing(
                 f"checkpoint directory {path} does not exist; expected a directory holding "
                 f"{INDEX_NAME} with its shards, or a single {SINGLE_FILE_NAME}"
             )
@@ -157,7 +163,7 @@ class HFCheckpoint:
             weight_map = dict.fromkeys(names, SINGLE_FILE_NAME)
         else:
             found = sorted(p.name for p in path.glob("*.safetensors"))
-            raise FileNotFoundError(
+            raise CheckpointFilesMissing(
                 f"no checkpoint in {path}: expected {INDEX_NAME} (sharded) or {SINGLE_FILE_NAME}; "
                 f"found safetensors files {found or 'none'}"
             )
@@ -368,7 +374,7 @@ def _read_index(path: Path) -> dict[str, str]:
         )
     missing = sorted({f for f in weight_map.values() if not (path / f).exists()})
     if missing:
-        raise FileNotFoundError(
+        raise CheckpointFilesMissing(
             f"{path / INDEX_NAME} names shard files that do not exist: {missing}; "
             "the checkpoint is incomplete (re-run the export)"
         )

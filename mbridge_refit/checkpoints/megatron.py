@@ -58,14 +58,18 @@ from mbridge_refit.plan.layout import ParallelLayout
 __all__ = [
     "COMMON_STATE_NAME",
     "CheckpointInfo",
+    "DIST_BACKEND",
+    "DIST_CONFIG_NAME",
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "MAX_DIST_CONFIG_BYTES",
     "METADATA_NAME",
     "NotAMegatronCheckpoint",
     "SIDE_FILE_NAMES",
     "StoredTensors",
     "TRACKER_NAME",
     "WEIGHTS_DIR",
+    "check_dist_config",
     "check_pickled_parts",
     "cpu_save_strategy",
     "fit_problems",
@@ -83,6 +87,9 @@ FORMAT_NAME = "mbridge_refit.checkpoints.megatron"
 FORMAT_VERSION = 1
 
 METADATA_NAME = "mbridge_refit_megatron.json"
+DIST_CONFIG_NAME = "metadata.json"  # Megatron-Core dist_checkpointing's own config, beside the DCP index
+DIST_BACKEND = "torch_dist"
+MAX_DIST_CONFIG_BYTES = 2**20
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 WEIGHTS_DIR = "release"
 COMMON_STATE_NAME = "common.pt"  # Megatron's legacy common state file (torch.load), never written by `import`
@@ -164,11 +171,32 @@ class CheckpointInfo:
         if not info.params_dtype.is_floating_point:  # `import` records the checkpoint's floating-point dtype
             dtype = _dtype_name(info.params_dtype)
             raise NotAMegatronCheckpoint(f"{meta}: params_dtype {dtype} is not a floating-point dtype: re-create it")
-        for required in ("config.json", f"{WEIGHTS_DIR}/metadata.json", f"{WEIGHTS_DIR}/{INDEX_NAME}"):
+        for required in ("config.json", f"{WEIGHTS_DIR}/{DIST_CONFIG_NAME}", f"{WEIGHTS_DIR}/{INDEX_NAME}"):
             if not (path / required).is_file():
                 raise NotAMegatronCheckpoint(f"{path} is incomplete: {required} is missing; re-create it with `import`")
+        check_dist_config(path / WEIGHTS_DIR / DIST_CONFIG_NAME)
         check_pickled_parts(path / WEIGHTS_DIR)
         return info
+
+
+def check_dist_config(path: Path) -> None:
+    """Refuse a dist_checkpointing ``metadata.json`` that is not the JSON object ``import`` writes there:
+    Megatron-Core's load reads it with ``json.load`` and builds its config from the object's
+    ``sharded_backend`` (a list, a missing backend or a key given twice failed inside it, or was read
+    last-wins); the backend must be ``torch_dist``, the one this module saves and loads."""
+    size = path.stat().st_size
+    try:
+        if size > MAX_DIST_CONFIG_BYTES:
+            raise ValueError(f"{size} bytes, more than the {MAX_DIST_CONFIG_BYTES} such a file ever needs")
+        config = loads_unique_keys(path.read_bytes())
+        if not isinstance(config, dict):
+            raise ValueError(f"a JSON {type(config).__name__}, not an object")
+        if config.get("sharded_backend") != DIST_BACKEND:
+            raise ValueError(f"sharded_backend {config.get('sharded_backend')!r}, not {DIST_BACKEND!r}")
+    except (ValueError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise NotAMegatronCheckpoint(
+            f"{path} is not the metadata.json `import` writes ({err}): re-create the checkpoint with `import`"
+        ) from err
 
 
 # --- pickled parts, checked before anything else reads them ------------------------------------

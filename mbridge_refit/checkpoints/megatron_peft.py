@@ -57,6 +57,9 @@ LORA_TARGET = "megatron.bridge.peft.lora.LoRA"
 # A run's run_config.yaml is about 12 kB (the whole ConfigContainer); a thousand times that is no run's.
 MAX_RUN_CONFIG_BYTES = 16 * 2**20
 ADAPTER_MARK = ".adapter."
+# The init methods Megatron-Bridge's ParallelLinearAdapter builds (peft.utils); any other raises
+# NotImplementedError while the model is wrapped.
+LORA_INIT_METHODS = frozenset({"xavier", "normal", "kaiming", "zero"})
 # run_config.yaml's model section -> the provider field it is compared with (a wrong base shows here).
 _BASE_FIELDS = (
     "num_layers",
@@ -145,6 +148,18 @@ class PeftCheckpoint:
         settings = {k: v for k, v in self.peft.items() if k in fields and _plain(v)}
         if isinstance(settings.get("params_to_save"), (set, list)):
             settings["params_to_save"] = set(settings["params_to_save"])
+        for name in ("lora_A_init_method", "lora_B_init_method"):  # LoRA takes any; wrapping the model refuses
+            if name in settings and not (isinstance(settings[name], str) and settings[name] in LORA_INIT_METHODS):
+                raise NotAPeftCheckpoint(
+                    f"{self.weights / RUN_CONFIG_NAME}: peft.{name} is {settings[name]!r}, not one of "
+                    f"{sorted(LORA_INIT_METHODS)} (Megatron-Bridge's adapters): copy the run's own file"
+                )
+        dropout = settings.get("dropout", 0.0)  # LoRA takes any; torch's Dropout refuses it while the model is wrapped
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout <= 1:
+            raise NotAPeftCheckpoint(
+                f"{self.weights / RUN_CONFIG_NAME}: peft.dropout is {dropout!r}, not a probability in [0, 1]: "
+                "copy the run's own file"
+            )
         try:
             return LoRA(**settings)
         except (TypeError, ValueError) as err:

@@ -168,7 +168,8 @@ def classify(err: BaseException, *, output: Path | None = None) -> Failure:
             return Failure(ExitCode.ENVIRONMENT, environment, same_on_every_rank=isinstance(inner, OutputNotWritable))
     for inner in _wrapped(err):
         if isinstance(inner, INPUT_ERRORS):
-            return Failure(ExitCode.BAD_INPUT, str(inner), same_on_every_rank=isinstance(inner, SAME_ON_EVERY_RANK))
+            message = one_line(str(inner))
+            return Failure(ExitCode.BAD_INPUT, message, same_on_every_rank=isinstance(inner, SAME_ON_EVERY_RANK))
     lost = next((e for e in _wrapped(err) if isinstance(e, RuntimeError) and _PEER_LOST.search(str(e))), None)
     if lost is not None:
         first_line = str(lost).strip().splitlines()[0]
@@ -218,6 +219,12 @@ def _wrapped(err: BaseException) -> Iterator[BaseException]:
         failures = getattr(current, "failures", None)  # torch's CheckpointException: rank -> (exception, traceback)
         for failure in failures.values() if isinstance(failures, dict) else ():
             pending.append(failure[0] if isinstance(failure, tuple) and failure else getattr(failure, "exc", None))
+
+
+def one_line(message: str) -> str:
+    """``message`` on one line: a refusal quotes what a library raised (transformers' validation errors
+    span lines), and the contract is one line per failure."""
+    return re.sub(r"\s*\n\s*", " ", message.strip())
 
 
 def _report(command: str, err: BaseException, failure: Failure) -> int:
