@@ -329,8 +329,7 @@ def _begin_here(out: Path, *, overwrite: bool) -> Publication:
         for path in found:
             logger.info("overwrite: removing %s, left by an interrupted write", path)
             shutil.rmtree(path)
-        if out != target:
-            logger.info("%s is a symlink: writing the directory it points to, %s", out, target)
+        _log_link(out, target)
         staging = _staging_dir(target, os.getpid(), secrets.randbits(60))
         publication = Publication(
             out=out, target=target, staging=staging, lock=lock, created_target=not target.exists()
@@ -344,6 +343,16 @@ def _begin_here(out: Path, *, overwrite: bool) -> Publication:
             lock.release()
         raise
     return publication
+
+
+def _log_link(out: Path, target: Path) -> None:
+    """Say where a write into ``out`` goes when a link takes it elsewhere: ``out`` itself is a
+    symlink, or a folder on its way is (a relative or ``..`` path that leads straight to ``target``
+    is not a link, and says nothing)."""
+    if out.is_symlink():
+        logger.info("%s is a symlink: writing the directory it points to, %s", out, target)
+    elif Path(os.path.abspath(out)) != target:
+        logger.info("%s lies under a symlinked folder: writing %s", out, target)
 
 
 def _staging_dir(target: Path, pid: int, token: int) -> Path:
