@@ -48,6 +48,53 @@ def test_help_has_examples(capsys):
     assert "exit codes" in text
 
 
+# ``python -m mbridge_refit.convert ARGS --help`` in this interpreter, then the heavy packages it loaded.
+HELP_THEN_MODULES = """
+import json, runpy, sys
+sys.argv = ["mbridge_refit.convert", *sys.argv[1:]]
+try:
+    runpy.run_module("mbridge_refit.convert", run_name="__main__", alter_sys=True)
+except SystemExit as exit:
+    code = exit.code
+heavy = sorted({m.split(".")[0] for m in sys.modules} & {"torch", "megatron", "transformers", "safetensors"})
+print(json.dumps({"code": code, "heavy": heavy}))
+"""
+
+
+def test_help_imports_no_torch_or_megatron():
+    """``--help`` (top level and every subcommand) answers without importing torch, Megatron or
+    transformers (seconds): the commands' modules are imported when a command runs."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    from mbridge_refit.convert.parser import FLAGS
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for command in ["", *FLAGS, "export-adapter", "verify-refit"]:
+        args = [command, "--help"] if command else ["--help"]
+        run = subprocess.run(
+            [sys.executable, "-c", HELP_THEN_MODULES, *args], cwd=REPO, env=env, capture_output=True, text=True
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+        *help_text, last = run.stdout.strip().splitlines()
+        assert "usage: python -m mbridge_refit.convert" in "\n".join(help_text), command
+        assert json.loads(last) == {"code": 0, "heavy": []}, (command, last)
+
+
+def test_the_shard_size_help_names_the_writers_default():
+    from mbridge_refit.convert.parser import SHARD_BYTES_HELP
+    from mbridge_refit.sinks.safetensors import DEFAULT_MAX_SHARD_BYTES
+
+    assert SHARD_BYTES_HELP == f"{DEFAULT_MAX_SHARD_BYTES}, {DEFAULT_MAX_SHARD_BYTES // 1024**3} GiB"
+    assert DEFAULT_MAX_SHARD_BYTES % 1024**3 == 0
+    for command in ("roundtrip", "export"):
+        args = build_parser().parse_args([command, "--hf" if command == "roundtrip" else "--megatron", "a", "--out", "b"])
+        assert args.max_shard_bytes is None  # the commands take the writer's default
+
+
 def roundtrip(nproc, source, out, *flags):
     return torchrun(
         nproc, ["mbridge_refit.convert", "roundtrip", "--hf", str(source), "--out", str(out), *flags], timeout=300

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import importlib
 import logging
 import re
 import signal
@@ -42,22 +43,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from mbridge_refit.checkpoints.hf import CheckpointError, ConfigError
-from mbridge_refit.checkpoints.loader import LoadFailedElsewhere
-from mbridge_refit.checkpoints.megatron import NotAMegatronCheckpoint
-from mbridge_refit.checkpoints.publish import OutputRefused
-from mbridge_refit.convert import commands
-from mbridge_refit.convert.exit_codes import BadInput, ExitCode, signal_exit_code
-from mbridge_refit.convert.export_adapter import cmd_export_adapter
+from mbridge_refit.convert.exit_codes import ExitCode, signal_exit_code
 from mbridge_refit.convert.inputs import OutputNotWritable
 from mbridge_refit.convert.interrupts import interrupt_signal, signals_interrupt
 from mbridge_refit.convert.launcher import record_exit_code, run_ranks
 from mbridge_refit.convert.parser import build_parser
 from mbridge_refit.convert.session import LaunchEnv
-from mbridge_refit.convert.verify_refit import cmd_verify_refit
 from mbridge_refit.errors import InputError
-from mbridge_refit.fp8.format import FP8FormatError
-from mbridge_refit.plan.layout import LayoutError
 
 __all__ = [
     "COMMANDS",
@@ -66,22 +58,26 @@ __all__ = [
     "INPUT_ERRORS",
     "SAME_ON_EVERY_RANK",
     "classify",
+    "command",
     "environment_message",
     "interrupted",
     "main",
+    "same_on_every_rank",
 ]
 
 logger = logging.getLogger("mbridge_refit.convert")
 
-COMMANDS: dict[str, Callable] = {
-    "make-tiny": commands.cmd_make_tiny,
-    "roundtrip": commands.cmd_roundtrip,
-    "import": commands.cmd_import,
-    "export": commands.cmd_export,
-    "export-adapter": cmd_export_adapter,
-    "plan": commands.cmd_plan,
-    "verify": commands.cmd_verify,
-    "verify-refit": cmd_verify_refit,
+# command -> (module, function): a command's module (torch, Megatron: seconds) is imported when the
+# command runs, after the arguments are parsed, so that ``--help`` and usage errors do not wait for it.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "make-tiny": ("mbridge_refit.convert.commands", "cmd_make_tiny"),
+    "roundtrip": ("mbridge_refit.convert.commands", "cmd_roundtrip"),
+    "import": ("mbridge_refit.convert.commands", "cmd_import"),
+    "export": ("mbridge_refit.convert.commands", "cmd_export"),
+    "export-adapter": ("mbridge_refit.convert.export_adapter", "cmd_export_adapter"),
+    "plan": ("mbridge_refit.convert.commands", "cmd_plan"),
+    "verify": ("mbridge_refit.convert.commands", "cmd_verify"),
+    "verify-refit": ("mbridge_refit.convert.verify_refit", "cmd_verify_refit"),
 }
 
 # Errors that mean "this input cannot work" (their messages name the file and the fix): every one
@@ -89,15 +85,17 @@ COMMANDS: dict[str, Callable] = {
 INPUT_ERRORS = (InputError,)
 # Input errors every rank computes alike from the same input (and a rank's note that another rank
 # failed): rank 0 prints them, the other ranks only at debug level, so a message appears once.
-SAME_ON_EVERY_RANK = (
-    BadInput,
-    LayoutError,
-    FP8FormatError,
-    CheckpointError,
-    ConfigError,
-    NotAMegatronCheckpoint,
-    LoadFailedElsewhere,
-    OutputRefused,  # decided on rank 0 and shared with the others
+# Named by (module, class): an error whose module was never imported cannot have been raised, so
+# ``classify`` looks only at the classes of imported modules and imports none itself.
+SAME_ON_EVERY_RANK: tuple[tuple[str, str], ...] = (
+    ("mbridge_refit.convert.exit_codes", "BadInput"),
+    ("mbridge_refit.plan.layout", "LayoutError"),
+    ("mbridge_refit.fp8.format", "FP8FormatError"),
+    ("mbridge_refit.checkpoints.hf", "CheckpointError"),
+    ("mbridge_refit.checkpoints.hf", "ConfigError"),
+    ("mbridge_refit.checkpoints.megatron", "NotAMegatronCheckpoint"),
+    ("mbridge_refit.checkpoints.loader", "LoadFailedElsewhere"),
+    ("mbridge_refit.checkpoints.publish", "OutputRefused"),  # decided on rank 0 and shared with the others
 )
 # errno -> what to do about it: the machine refused what the input asked for (exit code 4).
 ENVIRONMENT_ERRNOS: dict[int, str] = {
@@ -149,11 +147,26 @@ def _main(argv: list[str]) -> int:
     if args.nproc_per_node is not None:
         return _launch(args.nproc_per_node, argv)
     try:
-        return int(COMMANDS[args.command](args))
+        return int(command(args.command)(args))
     except (SystemExit, GeneratorExit):
         raise
     except BaseException as err:  # CheckpointException and KeyboardInterrupt derive from BaseException only
         return _report(args.command, err, classify(err, output=_output_of(args)))
+
+
+def command(name: str) -> Callable[[argparse.Namespace], int]:
+    """The function that runs the command ``name`` (its module imported now)."""
+    module, function = COMMANDS[name]
+    return getattr(importlib.import_module(module), function)
+
+
+def same_on_every_rank(err: BaseException) -> bool:
+    """Whether ``err`` is one of the ``SAME_ON_EVERY_RANK`` errors."""
+    for module, name in SAME_ON_EVERY_RANK:
+        loaded = sys.modules.get(module)
+        if loaded is not None and isinstance(err, getattr(loaded, name)):
+            return True
+    return False
 
 
 def classify(err: BaseException, *, output: Path | None = None) -> Failure:
@@ -168,7 +181,7 @@ def classify(err: BaseException, *, output: Path | None = None) -> Failure:
             return Failure(ExitCode.ENVIRONMENT, environment, same_on_every_rank=isinstance(inner, OutputNotWritable))
     for inner in _wrapped(err):
         if isinstance(inner, INPUT_ERRORS):
-            return Failure(ExitCode.BAD_INPUT, str(inner), same_on_every_rank=isinstance(inner, SAME_ON_EVERY_RANK))
+            return Failure(ExitCode.BAD_INPUT, str(inner), same_on_every_rank=same_on_every_rank(inner))
     lost = next((e for e in _wrapped(err) if isinstance(e, RuntimeError) and _PEER_LOST.search(str(e))), None)
     if lost is not None:
         first_line = str(lost).strip().splitlines()[0]

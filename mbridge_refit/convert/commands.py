@@ -32,6 +32,7 @@ from mbridge_refit.convert.inputs import (
 )
 from mbridge_refit.convert.writing import write_hf_checkpoint
 from mbridge_refit.plan.layout import ParallelLayout
+from mbridge_refit.sinks.safetensors import DEFAULT_MAX_SHARD_BYTES
 
 if TYPE_CHECKING:
     import torch
@@ -142,7 +143,7 @@ def _write_args(args: argparse.Namespace, **checked) -> WriteArgs:
     return WriteArgs(
         out=args.out,
         overwrite=args.overwrite,
-        max_shard_bytes=args.max_shard_bytes,
+        max_shard_bytes=args.max_shard_bytes if args.max_shard_bytes is not None else DEFAULT_MAX_SHARD_BYTES,
         show_progress=not args.no_progress,
         timeout=timeout_from_flag(args),
         fp8=fp8_from_flags(args),

@@ -1,4 +1,8 @@
-"""The argument parser of ``python -m mbridge_refit.convert``: subcommands, flags and help."""
+"""The argument parser of ``python -m mbridge_refit.convert``: subcommands, flags and help.
+
+Imports nothing that imports torch or Megatron (``--help`` answers in well under a second;
+tests/test_convert_cli.py checks it): what the commands need is imported when they run.
+"""
 
 from __future__ import annotations
 
@@ -16,9 +20,8 @@ from mbridge_refit.convert.flags import (
     add_timeout_flag,
 )
 from mbridge_refit.convert.verify_refit import add_verify_refit_parser
-from mbridge_refit.sinks.safetensors import DEFAULT_MAX_SHARD_BYTES
 
-__all__ = ["COMMAND_TEXT", "EPILOG", "FLAGS", "build_parser", "positive_int"]
+__all__ = ["COMMAND_TEXT", "EPILOG", "FLAGS", "SHARD_BYTES_HELP", "build_parser", "positive_int"]
 
 EPILOG = (
     """\
@@ -60,6 +63,11 @@ examples:
   under torchrun, each rank's own code (torchrun then exits 1 and lists them).
 """
 )
+
+
+# What --max-shard-bytes defaults to: ShardedSafetensorsWriter's DEFAULT_MAX_SHARD_BYTES, named here
+# without importing the writer (tests/test_convert_cli.py checks the two agree).
+SHARD_BYTES_HELP = "5368709120, 5 GiB"
 
 
 def positive_int(text: str) -> int:
@@ -194,8 +202,8 @@ def _add_hf_output_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-shard-bytes",
         type=positive_int,
-        default=DEFAULT_MAX_SHARD_BYTES,
-        help="output shard size in bytes, > 0 (default: %(default)s)",
+        default=None,  # the writer's DEFAULT_MAX_SHARD_BYTES (sinks imports torch: not for --help)
+        help=f"output shard size in bytes, > 0 (default: {SHARD_BYTES_HELP})",
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     add_fp8_flags(parser)
