@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -353,3 +354,51 @@ def test_an_output_another_writer_holds_is_refused_before_any_work(source_checkp
     assert code == ExitCode.BAD_INPUT, err[-3000:]
     assert f"{out} is being written by another writer (pid {holder.pid} on host " in err and "wait until" in err, err
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+# What the packages below the CLI print on their own: Python warnings (Megatron's "Apex is not
+# installed", absl's, DCP's deprecations), Transformer Engine's and Megatron's log lines, torch's.
+THIRD_PARTY_NOISE = re.compile(
+    r"UserWarning|DeprecationWarning|FutureWarning|warnings\.warn|Apex is not installed|absl|TransformerEngine"
+    r"|IS DEPRECATED|No CUDA runtime|torch_dtype. is deprecated"
+)
+
+
+def cli(*args: str, env_extra: dict | None = None):
+    """``python -m mbridge_refit.convert ARGS`` (one process); stdout and stderr apart."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
+    env.pop("MBRIDGE_REFIT_THIRD_PARTY_WARNINGS", None)
+    env.update(env_extra or {})
+    cmd = [sys.executable, "-m", "mbridge_refit.convert", *args]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def tiny_megatron(source_checkpoints, tmp_path_factory):
+    """qwen3-tiny's HF checkpoint and its Megatron checkpoint (``import``)."""
+    source = source_checkpoints("qwen3-tiny")
+    megatron = tmp_path_factory.mktemp("cli") / "mcore"
+    run = cli("import", "--hf", str(source), "--megatron", str(megatron))
+    assert run.returncode == 0, run.stderr[-3000:]
+    return source, megatron
+
+
+def test_an_export_prints_no_third_party_warnings(tiny_megatron, tmp_path):
+    """The CLI's stderr holds its own lines only; with MBRIDGE_REFIT_THIRD_PARTY_WARNINGS=1 the
+    packages' warnings are back (the control: they are there to hide)."""
+    source, megatron = tiny_megatron
+    run = cli("export", "--megatron", str(megatron), "--out", str(tmp_path / "out"), "--no-progress")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "wrote 47 tensors" in run.stderr
+    noise = [line for line in run.stderr.splitlines() if THIRD_PARTY_NOISE.search(line)]
+    assert noise == [], noise
+    shown = {"MBRIDGE_REFIT_THIRD_PARTY_WARNINGS": "1"}
+    run = cli("export", "--megatron", str(megatron), "--out", str(tmp_path / "again"), "--no-progress", env_extra=shown)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "Apex is not installed" in run.stderr and "UserWarning" in run.stderr, run.stderr[-3000:]

@@ -36,9 +36,11 @@ import argparse
 import errno
 import importlib
 import logging
+import os
 import re
 import signal
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -57,9 +59,12 @@ __all__ = [
     "Failure",
     "INPUT_ERRORS",
     "SAME_ON_EVERY_RANK",
+    "THIRD_PARTY_LOGGERS",
+    "THIRD_PARTY_WARNINGS_VARIABLE",
     "classify",
     "command",
     "environment_message",
+    "hide_third_party_warnings",
     "interrupted",
     "main",
     "same_on_every_rank",
@@ -97,6 +102,10 @@ SAME_ON_EVERY_RANK: tuple[tuple[str, str], ...] = (
     ("mbridge_refit.checkpoints.loader", "LoadFailedElsewhere"),
     ("mbridge_refit.checkpoints.publish", "OutputRefused"),  # decided on rank 0 and shared with the others
 )
+# The loggers of the packages below us, ERROR only unless --verbose or THIRD_PARTY_WARNINGS_VARIABLE=1
+# (``hide_third_party_warnings``: their Python warnings too).
+THIRD_PARTY_LOGGERS = ("megatron", "transformers", "TransformerEngine", "torch", "absl")
+THIRD_PARTY_WARNINGS_VARIABLE = "MBRIDGE_REFIT_THIRD_PARTY_WARNINGS"
 # errno -> what to do about it: the machine refused what the input asked for (exit code 4).
 ENVIRONMENT_ERRNOS: dict[int, str] = {
     errno.ENOSPC: "free space on that filesystem, or write the output elsewhere",
@@ -279,5 +288,19 @@ def _configure_logging(verbose: bool) -> None:
     rank = LaunchEnv.from_environ().rank
     level = logging.DEBUG if verbose else (logging.INFO if rank == 0 else logging.WARNING)
     logging.basicConfig(level=level, format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s", force=True)
-    for noisy in ("megatron", "megatron.core", "megatron.bridge", "transformers"):
-        logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
+    quiet = not verbose and os.environ.get(THIRD_PARTY_WARNINGS_VARIABLE, "") in ("", "0")
+    for noisy in THIRD_PARTY_LOGGERS:
+        logging.getLogger(noisy).setLevel(logging.ERROR if quiet else max(level, logging.WARNING))
+    if quiet:
+        hide_third_party_warnings()
+
+
+def hide_third_party_warnings() -> None:
+    """Hide the warnings of the packages below us (``THIRD_PARTY_LOGGERS``' packages, and every
+    ``warnings.warn`` of a module outside ``mbridge_refit``: "Apex is not installed", absl's,
+    DCP's deprecations): a user of the command line cannot act on them, and they bury its own
+    lines. Errors still show. Called before a command imports them (their import warns)."""
+    warnings.filterwarnings("ignore", module=r"(?!mbridge_refit(\.|$))")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # transformers sets its level on import
+    os.environ.setdefault("TORCH_LOGS", "-torch")  # torch's loggers: errors only (torch resets their levels on import)
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10's own warnings

@@ -123,7 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="debug logging, and the warnings of Megatron, Transformer Engine, transformers, torch (hidden "
+        "otherwise; MBRIDGE_REFIT_THIRD_PARTY_WARNINGS=1 shows them without debug logging)",
+    )
     parser.add_argument(
         "--nproc-per-node",
         type=positive_int,
