@@ -402,3 +402,51 @@ def test_an_export_prints_no_third_party_warnings(tiny_megatron, tmp_path):
     run = cli("export", "--megatron", str(megatron), "--out", str(tmp_path / "again"), "--no-progress", env_extra=shown)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "Apex is not installed" in run.stderr and "UserWarning" in run.stderr, run.stderr[-3000:]
+
+
+def summary(run) -> dict:
+    """The ``--json`` object: all of stdout (the log and Megatron's prints go to stderr)."""
+    return json.loads(run.stdout)
+
+
+def test_json_summaries_of_export_roundtrip_and_verify(tiny_megatron, tmp_path):
+    """``--json`` prints one object on stdout, naming what was written (checked against the
+    directory and the source's index), and ``verify --json`` says whether two checkpoints are exact."""
+    import os
+
+    source, megatron = tiny_megatron
+    stored = json.loads((source / "model.safetensors.index.json").read_text())
+    for command, flag, given in (("export", "--megatron", megatron), ("roundtrip", "--hf", source)):
+        out = tmp_path / command
+        run = cli(command, flag, str(given), "--out", str(out), "--json", "--no-progress")
+        assert run.returncode == 0, run.stderr[-3000:]
+        result = summary(run)
+        assert (result["command"], result["ok"], result["exit_code"]) == (command, True, 0), result
+        assert (result["source"], result["out"]) == (os.path.abspath(given), os.path.abspath(out))
+        assert result["files"] == sorted(p.name for p in out.iterdir())
+        assert result["tensors"] == len(stored["weight_map"]) and result["bytes"] == stored["metadata"]["total_size"]
+        assert (result["layout"], result["world_size"], result["fp8"]) == ("tp1", 1, False)
+        seconds = result["seconds"]
+        assert 0 <= seconds["load"] <= seconds["total"] and 0 <= seconds["export_write"] <= seconds["total"]
+
+    run = cli("verify", str(source), str(tmp_path / "export"), "--json")
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = summary(run)
+    assert (result["ok"], result["exact"], result["differences"]) == (True, True, []), result
+    assert result["a"] == {"path": os.path.abspath(source), "tensors": len(stored["weight_map"])}
+
+    other = tmp_path / "other"
+    shutil.copytree(tmp_path / "roundtrip", other)
+    (shard,) = other.glob("*.safetensors")
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1  # the last byte of the last tensor's data
+    shard.write_bytes(bytes(data))
+    run = cli("verify", str(source), str(other), "--json")
+    result = summary(run)
+    assert run.returncode == ExitCode.DIFFERENCES and result["exit_code"] == ExitCode.DIFFERENCES, run.stderr[-3000:]
+    assert (result["ok"], result["exact"], len(result["differences"])) == (False, False, 1), result
+
+    run = cli("verify", str(source), str(tmp_path / "nope"), "--json")
+    result = summary(run)
+    assert run.returncode == ExitCode.BAD_INPUT and result["exit_code"] == ExitCode.BAD_INPUT
+    assert result["ok"] is False and "does not exist" in result["error"], result

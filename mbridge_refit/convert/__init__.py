@@ -7,7 +7,8 @@ command with 128 + the signal's number), ``inputs`` (checks of paths, configs an
 layouts that run on every rank before any collective), ``preflight`` (the model a config
 describes against the checkpoint's tensors, before any weight memory is allocated), ``commands``
 (one function per subcommand), ``writing`` (the export-to-checkpoint path that ``roundtrip`` and
-``export`` share), ``launcher`` (``--nproc-per-node``: N ranks, one exit code), ``session``
+``export`` share), ``summary`` (the ``--json`` object of ``roundtrip``, ``export`` and ``verify``),
+``launcher`` (``--nproc-per-node``: N ranks, one exit code), ``session``
 (process groups: torchrun's environment, gloo or NCCL, Megatron's model-parallel state),
 ``verify_refit`` (the ``verify-refit`` subcommand), ``refit_verifier`` (what it checks, as a
 library: a refit model's weights and log-probabilities against Megatron's) and ``tolerance`` (how

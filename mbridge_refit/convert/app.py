@@ -51,6 +51,7 @@ from mbridge_refit.convert.interrupts import interrupt_signal, signals_interrupt
 from mbridge_refit.convert.launcher import record_exit_code, run_ranks
 from mbridge_refit.convert.parser import build_parser
 from mbridge_refit.convert.session import LaunchEnv
+from mbridge_refit.convert.summary import summary_on_stdout, write_summary
 from mbridge_refit.errors import InputError
 
 __all__ = [
@@ -155,12 +156,17 @@ def _main(argv: list[str]) -> int:
     _configure_logging(args.verbose)
     if args.nproc_per_node is not None:
         return _launch(args.nproc_per_node, argv)
-    try:
-        return int(command(args.command)(args))
-    except (SystemExit, GeneratorExit):
-        raise
-    except BaseException as err:  # CheckpointException and KeyboardInterrupt derive from BaseException only
-        return _report(args.command, err, classify(err, output=_output_of(args)))
+    with summary_on_stdout(getattr(args, "json", None) is True):  # --json of roundtrip, export, verify
+        try:
+            return int(command(args.command)(args))
+        except (SystemExit, GeneratorExit):
+            raise
+        except BaseException as err:  # CheckpointException and KeyboardInterrupt derive from BaseException only
+            failure = classify(err, output=_output_of(args))
+            code = _report(args.command, err, failure)  # first: it records the code for the launcher
+            if LaunchEnv.from_environ().rank == 0:
+                write_summary({"command": args.command, "ok": False, "exit_code": code, "error": failure.message})
+            return code
 
 
 def command(name: str) -> Callable[[argparse.Namespace], int]:

@@ -199,6 +199,20 @@ def _plan_flags(parser: argparse.ArgumentParser) -> None:
 def _verify_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("a", type=Path, help="first checkpoint directory (e.g. the source)")
     parser.add_argument("b", type=Path, help="second checkpoint directory (e.g. the round trip)")
+    _add_json_flag(
+        parser,
+        'command, ok, exit_code, a and b (path, tensors), exact (true: the same names, shapes, dtypes and bytes), '
+        "differences (one line each), seconds",
+    )
+
+
+def _add_json_flag(parser: argparse.ArgumentParser, fields: str) -> None:
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help=f"print one JSON object on stdout as the command ends (the log, and anything else printed, goes to "
+        f"stderr): {fields}; a failure: command, ok false, exit_code, error",
+    )
 
 
 def _add_hf_output_flags(parser: argparse.ArgumentParser) -> None:
@@ -212,6 +226,12 @@ def _add_hf_output_flags(parser: argparse.ArgumentParser) -> None:
         help=f"output shard size in bytes, > 0 (default: {SHARD_BYTES_HELP})",
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    _add_json_flag(
+        parser,
+        "command, ok, exit_code, source, out, layout, world_size, fp8, tensors, bytes (of the tensors), "
+        "files (what --out holds), seconds (load, export_write, total: after the imports); check the output against the source with "
+        "`verify --json`",
+    )
     add_fp8_flags(parser)
     add_remote_code_flag(parser)
     add_timeout_flag(parser)
