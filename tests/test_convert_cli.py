@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -46,6 +47,53 @@ def test_help_has_examples(capsys):
     assert "python -m mbridge_refit.convert --nproc-per-node 4 roundtrip" in text
     assert "torchrun --nproc-per-node 2 -m mbridge_refit.convert" in text
     assert "exit codes" in text
+
+
+# ``python -m mbridge_refit.convert ARGS --help`` in this interpreter, then the heavy packages it loaded.
+HELP_THEN_MODULES = """
+import json, runpy, sys
+sys.argv = ["mbridge_refit.convert", *sys.argv[1:]]
+try:
+    runpy.run_module("mbridge_refit.convert", run_name="__main__", alter_sys=True)
+except SystemExit as exit:
+    code = exit.code
+heavy = sorted({m.split(".")[0] for m in sys.modules} & {"torch", "megatron", "transformers", "safetensors"})
+print(json.dumps({"code": code, "heavy": heavy}))
+"""
+
+
+def test_help_imports_no_torch_or_megatron():
+    """``--help`` (top level and every subcommand) answers without importing torch, Megatron or
+    transformers (seconds): the commands' modules are imported when a command runs."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    from mbridge_refit.convert.parser import FLAGS
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for command in ["", *FLAGS, "export-adapter", "verify-refit"]:
+        args = [command, "--help"] if command else ["--help"]
+        run = subprocess.run(
+            [sys.executable, "-c", HELP_THEN_MODULES, *args], cwd=REPO, env=env, capture_output=True, text=True
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+        *help_text, last = run.stdout.strip().splitlines()
+        assert "usage: python -m mbridge_refit.convert" in "\n".join(help_text), command
+        assert json.loads(last) == {"code": 0, "heavy": []}, (command, last)
+
+
+def test_the_shard_size_help_names_the_writers_default():
+    from mbridge_refit.convert.parser import SHARD_BYTES_HELP
+    from mbridge_refit.sinks.safetensors import DEFAULT_MAX_SHARD_BYTES
+
+    assert SHARD_BYTES_HELP == f"{DEFAULT_MAX_SHARD_BYTES}, {DEFAULT_MAX_SHARD_BYTES // 1024**3} GiB"
+    assert DEFAULT_MAX_SHARD_BYTES % 1024**3 == 0
+    for command in ("roundtrip", "export"):
+        args = build_parser().parse_args([command, "--hf" if command == "roundtrip" else "--megatron", "a", "--out", "b"])
+        assert args.max_shard_bytes is None  # the commands take the writer's default
 
 
 def roundtrip(nproc, source, out, *flags):
@@ -306,3 +354,99 @@ def test_an_output_another_writer_holds_is_refused_before_any_work(source_checkp
     assert code == ExitCode.BAD_INPUT, err[-3000:]
     assert f"{out} is being written by another writer (pid {holder.pid} on host " in err and "wait until" in err, err
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+# What the packages below the CLI print on their own: Python warnings (Megatron's "Apex is not
+# installed", absl's, DCP's deprecations), Transformer Engine's and Megatron's log lines, torch's.
+THIRD_PARTY_NOISE = re.compile(
+    r"UserWarning|DeprecationWarning|FutureWarning|warnings\.warn|Apex is not installed|absl|TransformerEngine"
+    r"|IS DEPRECATED|No CUDA runtime|torch_dtype. is deprecated"
+)
+
+
+def cli(*args: str, env_extra: dict | None = None):
+    """``python -m mbridge_refit.convert ARGS`` (one process); stdout and stderr apart."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
+    env.pop("MBRIDGE_REFIT_THIRD_PARTY_WARNINGS", None)
+    env.update(env_extra or {})
+    cmd = [sys.executable, "-m", "mbridge_refit.convert", *args]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def tiny_megatron(source_checkpoints, tmp_path_factory):
+    """qwen3-tiny's HF checkpoint and its Megatron checkpoint (``import``)."""
+    source = source_checkpoints("qwen3-tiny")
+    megatron = tmp_path_factory.mktemp("cli") / "mcore"
+    run = cli("import", "--hf", str(source), "--megatron", str(megatron))
+    assert run.returncode == 0, run.stderr[-3000:]
+    return source, megatron
+
+
+def test_an_export_prints_no_third_party_warnings(tiny_megatron, tmp_path):
+    """The CLI's stderr holds its own lines only; with MBRIDGE_REFIT_THIRD_PARTY_WARNINGS=1 the
+    packages' warnings are back (the control: they are there to hide)."""
+    source, megatron = tiny_megatron
+    run = cli("export", "--megatron", str(megatron), "--out", str(tmp_path / "out"), "--no-progress")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "wrote 47 tensors" in run.stderr
+    noise = [line for line in run.stderr.splitlines() if THIRD_PARTY_NOISE.search(line)]
+    assert noise == [], noise
+    shown = {"MBRIDGE_REFIT_THIRD_PARTY_WARNINGS": "1"}
+    run = cli("export", "--megatron", str(megatron), "--out", str(tmp_path / "again"), "--no-progress", env_extra=shown)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "Apex is not installed" in run.stderr and "UserWarning" in run.stderr, run.stderr[-3000:]
+
+
+def summary(run) -> dict:
+    """The ``--json`` object: all of stdout (the log and Megatron's prints go to stderr)."""
+    return json.loads(run.stdout)
+
+
+def test_json_summaries_of_export_roundtrip_and_verify(tiny_megatron, tmp_path):
+    """``--json`` prints one object on stdout, naming what was written (checked against the
+    directory and the source's index), and ``verify --json`` says whether two checkpoints are exact."""
+    import os
+
+    source, megatron = tiny_megatron
+    stored = json.loads((source / "model.safetensors.index.json").read_text())
+    for command, flag, given in (("export", "--megatron", megatron), ("roundtrip", "--hf", source)):
+        out = tmp_path / command
+        run = cli(command, flag, str(given), "--out", str(out), "--json", "--no-progress")
+        assert run.returncode == 0, run.stderr[-3000:]
+        result = summary(run)
+        assert (result["command"], result["ok"], result["exit_code"]) == (command, True, 0), result
+        assert (result["source"], result["out"]) == (os.path.abspath(given), os.path.abspath(out))
+        assert result["files"] == sorted(p.name for p in out.iterdir())
+        assert result["tensors"] == len(stored["weight_map"]) and result["bytes"] == stored["metadata"]["total_size"]
+        assert (result["layout"], result["world_size"], result["fp8"]) == ("tp1", 1, False)
+        seconds = result["seconds"]
+        assert 0 <= seconds["load"] <= seconds["total"] and 0 <= seconds["export_write"] <= seconds["total"]
+
+    run = cli("verify", str(source), str(tmp_path / "export"), "--json")
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = summary(run)
+    assert (result["ok"], result["exact"], result["differences"]) == (True, True, []), result
+    assert result["a"] == {"path": os.path.abspath(source), "tensors": len(stored["weight_map"])}
+
+    other = tmp_path / "other"
+    shutil.copytree(tmp_path / "roundtrip", other)
+    (shard,) = other.glob("*.safetensors")
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1  # the last byte of the last tensor's data
+    shard.write_bytes(bytes(data))
+    run = cli("verify", str(source), str(other), "--json")
+    result = summary(run)
+    assert run.returncode == ExitCode.DIFFERENCES and result["exit_code"] == ExitCode.DIFFERENCES, run.stderr[-3000:]
+    assert (result["ok"], result["exact"], len(result["differences"])) == (False, False, 1), result
+
+    run = cli("verify", str(source), str(tmp_path / "nope"), "--json")
+    result = summary(run)
+    assert run.returncode == ExitCode.BAD_INPUT and result["exit_code"] == ExitCode.BAD_INPUT
+    assert result["ok"] is False and "does not exist" in result["error"], result

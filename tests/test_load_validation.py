@@ -105,6 +105,37 @@ def test_lossy_dtype_is_refused(source_checkpoints, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_following_the_lossy_dtype_fix_loads_the_checkpoint_exactly(source_checkpoints, tmp_path):
+    """The refusal's fix (set "dtype" in config.json to the wider dtype) is what the command line
+    then does: the model keeps float32 parameters, and the round trip and an import/export through a
+    Megatron checkpoint give back the mixed-dtype checkpoint bit for bit."""
+    import re
+
+    from oracle import assert_bitwise_equal_checkpoints
+
+    name = "model.layers.1.mlp.up_proj.weight"
+    mixed = tmp_path / "mixed"
+    with_tensor_stored_as(source_checkpoints("qwen3-tiny"), mixed, name, torch.float32, nudge=True)
+    run = torchrun(1, ["mbridge_refit.convert", "roundtrip", "--hf", str(mixed), "--out", str(tmp_path / "refused")])
+    assert run.returncode == 2, run.output[-3000:]
+    advice = re.search(r'Fix: set "dtype" in config.json to "(\w+)"', run.output)
+    assert advice is not None and advice[1] == "float32", run.output[-3000:]
+    config = json.loads((mixed / "config.json").read_text())
+    config["dtype"] = advice[1]
+    (mixed / "config.json").write_text(json.dumps(config, indent=2))
+
+    run = torchrun(1, ["mbridge_refit.convert", "roundtrip", "--hf", str(mixed), "--out", str(tmp_path / "out")])
+    assert run.returncode == 0, run.output[-3000:]
+    assert_bitwise_equal_checkpoints(mixed, tmp_path / "out")
+    run = torchrun(1, ["mbridge_refit.convert", "import", "--hf", str(mixed), "--megatron", str(tmp_path / "mcore")])
+    assert run.returncode == 0, run.output[-3000:]
+    run = torchrun(
+        1, ["mbridge_refit.convert", "export", "--megatron", str(tmp_path / "mcore"), "--out", str(tmp_path / "back")]
+    )
+    assert run.returncode == 0, run.output[-3000:]
+    assert_bitwise_equal_checkpoints(mixed, tmp_path / "back")
+
+
 def test_exact_dtype_cast_roundtrips_bit_for_bit(source_checkpoints, tmp_path):
     """bfloat16 values saved as float32 load exactly and come back as the same float32 bytes."""
     from oracle import assert_bitwise_equal_checkpoints

@@ -115,3 +115,23 @@ def test_dot_and_dotdot_outputs_name_the_directory_they_mean(tmp_path, monkeypat
     finally:
         publication.abandon()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dd"]
+
+
+def test_a_relative_output_is_not_logged_as_a_symlink_and_a_link_is_named(tmp_path, monkeypatch, caplog):
+    """A relative output (``out``, ``sub/../out``) is the directory it names, written without a word
+    about links; a symlink, or a symlinked folder on the way, is logged with the directory written."""
+    home = tmp_path.resolve()
+    (home / "real").mkdir()
+    (home / "link").symlink_to("real")
+    (home / "sub").mkdir()
+    monkeypatch.chdir(home)
+    caplog.set_level("INFO", logger="mbridge_refit.checkpoints.publish")
+    logged = {}
+    for out in ("out", "sub/../out2", "link", "link/inner"):
+        caplog.clear()
+        publication = begin_publication(Path(out), overwrite=True)
+        publication.abandon()
+        logged[out] = [r.getMessage() for r in caplog.records if "symlink" in r.getMessage()]
+    assert logged["out"] == [] and logged["sub/../out2"] == [], logged
+    assert logged["link"] == [f"link is a symlink: writing the directory it points to, {home / 'real'}"]
+    assert logged["link/inner"] == [f"link/inner lies under a symlinked folder: writing {home / 'real' / 'inner'}"]

@@ -154,6 +154,35 @@ def test_creates_missing_parents(tmp_path):
     assert (out / INDEX_NAME).is_file()
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o002])
+def test_shard_files_get_the_mode_config_json_gets(tmp_path, umask):
+    """safetensors' ``save_file`` writes 0o600: the shards get what ``open()`` gives the
+    checkpoint's other files (``config.json``, the index) under this umask, 0o666 less it."""
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "config.json").write_text("{}")
+    old = os.umask(umask)
+    try:
+        out = _write(tmp_path / "out", _tensors(), max_shard_bytes=200, copy_files_from=source)
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert len([name for name in modes if name.endswith(".safetensors")]) > 1, modes
+    assert set(modes.values()) == {0o666 & ~umask}, {name: oct(mode) for name, mode in modes.items()}
+
+
+def test_make_tiny_shards_get_the_mode_config_json_gets(tmp_path):
+    from mbridge_refit.models import recipes
+
+    old = os.umask(0o022)
+    try:
+        out = recipes.make_random_checkpoint(recipes.get_model_recipe("qwen3-tiny"), tmp_path / "tiny", seed=0)
+    finally:
+        os.umask(old)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()}
+    assert set(modes.values()) == {"0o644"} and "model.safetensors" in modes, modes
+
+
 # -- data ----------------------------------------------------------------------------------
 
 

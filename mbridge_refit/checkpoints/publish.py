@@ -65,10 +65,12 @@ __all__ = [
     "fsync_dir",
     "fsync_file",
     "fsync_tree",
+    "give_new_file_mode",
     "interrupts_deferred",
     "is_loader_file",
     "leftover_error",
     "leftovers",
+    "new_file_mode",
     "output_target",
     "placement_problem",
     "swap_in",
@@ -329,8 +331,7 @@ def _begin_here(out: Path, *, overwrite: bool) -> Publication:
         for path in found:
             logger.info("overwrite: removing %s, left by an interrupted write", path)
             shutil.rmtree(path)
-        if out != target:
-            logger.info("%s is a symlink: writing the directory it points to, %s", out, target)
+        _log_link(out, target)
         staging = _staging_dir(target, os.getpid(), secrets.randbits(60))
         publication = Publication(
             out=out, target=target, staging=staging, lock=lock, created_target=not target.exists()
@@ -344,6 +345,16 @@ def _begin_here(out: Path, *, overwrite: bool) -> Publication:
             lock.release()
         raise
     return publication
+
+
+def _log_link(out: Path, target: Path) -> None:
+    """Say where a write into ``out`` goes when a link takes it elsewhere: ``out`` itself is a
+    symlink, or a folder on its way is (a relative or ``..`` path that leads straight to ``target``
+    is not a link, and says nothing)."""
+    if out.is_symlink():
+        logger.info("%s is a symlink: writing the directory it points to, %s", out, target)
+    elif Path(os.path.abspath(out)) != target:
+        logger.info("%s lies under a symlinked folder: writing %s", out, target)
 
 
 def _staging_dir(target: Path, pid: int, token: int) -> Path:
@@ -444,6 +455,26 @@ def exchange(a: Path, b: Path) -> bool:
     if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
         return False
     raise OSError(err, f"cannot swap {a} into {b}: {os.strerror(err)}")
+
+
+def new_file_mode() -> int:
+    """The mode ``open()`` gives a new file here: ``0o666`` less the process's umask. Read from
+    ``/proc/self/status`` where Linux has it; elsewhere set and restored at once (a file another
+    thread creates in between gets umask 0o022's mode)."""
+    try:
+        with open("/proc/self/status") as status:
+            umask = next(int(line.split()[1], 8) for line in status if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        umask = os.umask(0o022)
+        os.umask(umask)
+    return 0o666 & ~umask
+
+
+def give_new_file_mode(path: Path) -> None:
+    """Give ``path`` the mode a file ``open()`` creates gets (``new_file_mode``): writers that make
+    their file private (safetensors' ``save_file`` writes ``0o600``) would leave a checkpoint whose
+    weights only their owner may read, beside a ``config.json`` everyone may."""
+    os.chmod(path, new_file_mode())
 
 
 def fsync_file(path: Path) -> None:

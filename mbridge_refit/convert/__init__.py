@@ -7,14 +7,17 @@ command with 128 + the signal's number), ``inputs`` (checks of paths, configs an
 layouts that run on every rank before any collective), ``preflight`` (the model a config
 describes against the checkpoint's tensors, before any weight memory is allocated), ``commands``
 (one function per subcommand), ``writing`` (the export-to-checkpoint path that ``roundtrip`` and
-``export`` share), ``launcher`` (``--nproc-per-node``: N ranks, one exit code), ``session``
+``export`` share), ``summary`` (the ``--json`` object of ``roundtrip``, ``export`` and ``verify``),
+``launcher`` (``--nproc-per-node``: N ranks, one exit code), ``session``
 (process groups: torchrun's environment, gloo or NCCL, Megatron's model-parallel state),
-``verify_refit`` (the ``verify-refit`` subcommand) and ``refit_verifier`` (what it checks, as a
-library: a refit model's weights and log-probabilities against Megatron's).
+``verify_refit`` (the ``verify-refit`` subcommand), ``refit_verifier`` (what it checks, as a
+library: a refit model's weights and log-probabilities against Megatron's) and ``tolerance`` (how
+far two correct forwards may differ).
 
 The public names are imported lazily, so that ``python -m mbridge_refit.convert`` reaches its
-``__main__`` (which turns an interrupt while torch is being imported into one line) before
-anything heavy is imported.
+``__main__`` (which turns an interrupt while ``app`` is being imported into one line) before
+anything heavy is imported; ``app`` imports a command's module (torch, Megatron) only once the
+arguments are parsed, so ``--help`` and usage errors import neither.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """``python -m mbridge_refit.convert``.
 
 SIGINT and SIGTERM interrupt the process from this module's first line (``interrupts``): one that
-comes while torch is still being imported, before ``app.main`` handles it, ends with one line and
+comes while ``app`` is still being imported, before ``app.main`` handles it (a command's own
+modules, torch among them, are imported inside ``app.main``, under its handling), ends with one line and
 128 + the signal's number, as ``app.main`` ends an interrupt; one that comes once the command has
 ended (the interpreter's clean-up) ends the process at once with the same code. One that comes
 before this module runs (the interpreter's own start and the light package imports, milliseconds
@@ -23,7 +24,7 @@ def _run() -> int:
 
         code = main()
         exit_on_signal(code)
-    except KeyboardInterrupt as err:  # while torch was imported (or as main returned)
+    except KeyboardInterrupt as err:  # while app was imported (or as main returned)
         signum = interrupt_signal(err)
         code = signal_exit_code(signum)
         exit_on_signal(code)

@@ -34,30 +34,25 @@ from __future__ import annotations
 
 import argparse
 import errno
+import importlib
 import logging
+import os
 import re
 import signal
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from mbridge_refit.checkpoints.hf import CheckpointError, ConfigError
-from mbridge_refit.checkpoints.loader import LoadFailedElsewhere
-from mbridge_refit.checkpoints.megatron import NotAMegatronCheckpoint
-from mbridge_refit.checkpoints.publish import OutputRefused
-from mbridge_refit.convert import commands
-from mbridge_refit.convert.exit_codes import BadInput, ExitCode, signal_exit_code
-from mbridge_refit.convert.export_adapter import cmd_export_adapter
+from mbridge_refit.convert.exit_codes import ExitCode, signal_exit_code
 from mbridge_refit.convert.inputs import OutputNotWritable
 from mbridge_refit.convert.interrupts import interrupt_signal, signals_interrupt
 from mbridge_refit.convert.launcher import record_exit_code, run_ranks
 from mbridge_refit.convert.parser import build_parser
 from mbridge_refit.convert.session import LaunchEnv
-from mbridge_refit.convert.verify_refit import cmd_verify_refit
+from mbridge_refit.convert.summary import summary_on_stdout, write_summary
 from mbridge_refit.errors import InputError
-from mbridge_refit.fp8.format import FP8FormatError
-from mbridge_refit.plan.layout import LayoutError
 
 __all__ = [
     "COMMANDS",
@@ -65,23 +60,30 @@ __all__ = [
     "Failure",
     "INPUT_ERRORS",
     "SAME_ON_EVERY_RANK",
+    "THIRD_PARTY_LOGGERS",
+    "THIRD_PARTY_WARNINGS_VARIABLE",
     "classify",
+    "command",
     "environment_message",
+    "hide_third_party_warnings",
     "interrupted",
     "main",
+    "same_on_every_rank",
 ]
 
 logger = logging.getLogger("mbridge_refit.convert")
 
-COMMANDS: dict[str, Callable] = {
-    "make-tiny": commands.cmd_make_tiny,
-    "roundtrip": commands.cmd_roundtrip,
-    "import": commands.cmd_import,
-    "export": commands.cmd_export,
-    "export-adapter": cmd_export_adapter,
-    "plan": commands.cmd_plan,
-    "verify": commands.cmd_verify,
-    "verify-refit": cmd_verify_refit,
+# command -> (module, function): a command's module (torch, Megatron: seconds) is imported when the
+# command runs, after the arguments are parsed, so that ``--help`` and usage errors do not wait for it.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "make-tiny": ("mbridge_refit.convert.commands", "cmd_make_tiny"),
+    "roundtrip": ("mbridge_refit.convert.commands", "cmd_roundtrip"),
+    "import": ("mbridge_refit.convert.commands", "cmd_import"),
+    "export": ("mbridge_refit.convert.commands", "cmd_export"),
+    "export-adapter": ("mbridge_refit.convert.export_adapter", "cmd_export_adapter"),
+    "plan": ("mbridge_refit.convert.commands", "cmd_plan"),
+    "verify": ("mbridge_refit.convert.commands", "cmd_verify"),
+    "verify-refit": ("mbridge_refit.convert.verify_refit", "cmd_verify_refit"),
 }
 
 # Errors that mean "this input cannot work" (their messages name the file and the fix): every one
@@ -89,16 +91,22 @@ COMMANDS: dict[str, Callable] = {
 INPUT_ERRORS = (InputError,)
 # Input errors every rank computes alike from the same input (and a rank's note that another rank
 # failed): rank 0 prints them, the other ranks only at debug level, so a message appears once.
-SAME_ON_EVERY_RANK = (
-    BadInput,
-    LayoutError,
-    FP8FormatError,
-    CheckpointError,
-    ConfigError,
-    NotAMegatronCheckpoint,
-    LoadFailedElsewhere,
-    OutputRefused,  # decided on rank 0 and shared with the others
+# Named by (module, class): an error whose module was never imported cannot have been raised, so
+# ``classify`` looks only at the classes of imported modules and imports none itself.
+SAME_ON_EVERY_RANK: tuple[tuple[str, str], ...] = (
+    ("mbridge_refit.convert.exit_codes", "BadInput"),
+    ("mbridge_refit.plan.layout", "LayoutError"),
+    ("mbridge_refit.fp8.format", "FP8FormatError"),
+    ("mbridge_refit.checkpoints.hf", "CheckpointError"),
+    ("mbridge_refit.checkpoints.hf", "ConfigError"),
+    ("mbridge_refit.checkpoints.megatron", "NotAMegatronCheckpoint"),
+    ("mbridge_refit.checkpoints.loader", "LoadFailedElsewhere"),
+    ("mbridge_refit.checkpoints.publish", "OutputRefused"),  # decided on rank 0 and shared with the others
 )
+# The loggers of the packages below us, ERROR only unless --verbose or THIRD_PARTY_WARNINGS_VARIABLE=1
+# (``hide_third_party_warnings``: their Python warnings too).
+THIRD_PARTY_LOGGERS = ("megatron", "transformers", "TransformerEngine", "torch", "absl")
+THIRD_PARTY_WARNINGS_VARIABLE = "MBRIDGE_REFIT_THIRD_PARTY_WARNINGS"
 # errno -> what to do about it: the machine refused what the input asked for (exit code 4).
 ENVIRONMENT_ERRNOS: dict[int, str] = {
     errno.ENOSPC: "free space on that filesystem, or write the output elsewhere",
@@ -148,12 +156,32 @@ def _main(argv: list[str]) -> int:
     _configure_logging(args.verbose)
     if args.nproc_per_node is not None:
         return _launch(args.nproc_per_node, argv)
-    try:
-        return int(COMMANDS[args.command](args))
-    except (SystemExit, GeneratorExit):
-        raise
-    except BaseException as err:  # CheckpointException and KeyboardInterrupt derive from BaseException only
-        return _report(args.command, err, classify(err, output=_output_of(args)))
+    with summary_on_stdout(getattr(args, "json", None) is True):  # --json of roundtrip, export, verify
+        try:
+            return int(command(args.command)(args))
+        except (SystemExit, GeneratorExit):
+            raise
+        except BaseException as err:  # CheckpointException and KeyboardInterrupt derive from BaseException only
+            failure = classify(err, output=_output_of(args))
+            code = _report(args.command, err, failure)  # first: it records the code for the launcher
+            if LaunchEnv.from_environ().rank == 0:
+                write_summary({"command": args.command, "ok": False, "exit_code": code, "error": failure.message})
+            return code
+
+
+def command(name: str) -> Callable[[argparse.Namespace], int]:
+    """The function that runs the command ``name`` (its module imported now)."""
+    module, function = COMMANDS[name]
+    return getattr(importlib.import_module(module), function)
+
+
+def same_on_every_rank(err: BaseException) -> bool:
+    """Whether ``err`` is one of the ``SAME_ON_EVERY_RANK`` errors."""
+    for module, name in SAME_ON_EVERY_RANK:
+        loaded = sys.modules.get(module)
+        if loaded is not None and isinstance(err, getattr(loaded, name)):
+            return True
+    return False
 
 
 def classify(err: BaseException, *, output: Path | None = None) -> Failure:
@@ -169,7 +197,7 @@ def classify(err: BaseException, *, output: Path | None = None) -> Failure:
     for inner in _wrapped(err):
         if isinstance(inner, INPUT_ERRORS):
             message = one_line(str(inner))
-            return Failure(ExitCode.BAD_INPUT, message, same_on_every_rank=isinstance(inner, SAME_ON_EVERY_RANK))
+            return Failure(ExitCode.BAD_INPUT, message, same_on_every_rank=same_on_every_rank(inner))
     lost = next((e for e in _wrapped(err) if isinstance(e, RuntimeError) and _PEER_LOST.search(str(e))), None)
     if lost is not None:
         first_line = str(lost).strip().splitlines()[0]
@@ -273,5 +301,19 @@ def _configure_logging(verbose: bool) -> None:
     rank = LaunchEnv.from_environ().rank
     level = logging.DEBUG if verbose else (logging.INFO if rank == 0 else logging.WARNING)
     logging.basicConfig(level=level, format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s", force=True)
-    for noisy in ("megatron", "megatron.core", "megatron.bridge", "transformers"):
-        logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
+    quiet = not verbose and os.environ.get(THIRD_PARTY_WARNINGS_VARIABLE, "") in ("", "0")
+    for noisy in THIRD_PARTY_LOGGERS:
+        logging.getLogger(noisy).setLevel(logging.ERROR if quiet else max(level, logging.WARNING))
+    if quiet:
+        hide_third_party_warnings()
+
+
+def hide_third_party_warnings() -> None:
+    """Hide the warnings of the packages below us (``THIRD_PARTY_LOGGERS``' packages, and every
+    ``warnings.warn`` of a module outside ``mbridge_refit``: "Apex is not installed", absl's,
+    DCP's deprecations): a user of the command line cannot act on them, and they bury its own
+    lines. Errors still show. Called before a command imports them (their import warns)."""
+    warnings.filterwarnings("ignore", module=r"(?!mbridge_refit(\.|$))")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # transformers sets its level on import
+    os.environ.setdefault("TORCH_LOGS", "-torch")  # torch's loggers: errors only (torch resets their levels on import)
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10's own warnings

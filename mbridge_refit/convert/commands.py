@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import logging
+import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mbridge_refit.checkpoints.hf import INDEX_NAME
 from mbridge_refit.convert.exit_codes import BadInput, ExitCode
 from mbridge_refit.convert.flags import device_from_flag, fp8_from_flags, timeout_from_flag
 from mbridge_refit.convert.inputs import (
@@ -30,8 +34,11 @@ from mbridge_refit.convert.inputs import (
     checkpoint_float_dtype,
     supported_config,
 )
+from mbridge_refit.convert.session import LaunchEnv
+from mbridge_refit.convert.summary import write_summary
 from mbridge_refit.convert.writing import write_hf_checkpoint
 from mbridge_refit.plan.layout import ParallelLayout
+from mbridge_refit.sinks.safetensors import DEFAULT_MAX_SHARD_BYTES
 
 if TYPE_CHECKING:
     import torch
@@ -103,22 +110,38 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from mbridge_refit.checkpoints.hf import compare_checkpoints
+    from mbridge_refit.checkpoints.hf import HFCheckpoint, compare_checkpoints
 
+    start = time.monotonic()
     for path in (args.a, args.b):
         if not path.is_dir():
             raise BadInput(f"checkpoint directory {path} does not exist")
     try:
         differences = compare_checkpoints(args.a, args.b)
+        tensors = [len(HFCheckpoint.open(path).names()) for path in (args.a, args.b)]
     except FileNotFoundError as err:
         raise BadInput(str(err)) from err
+    code = ExitCode.DIFFERENCES if differences else ExitCode.OK
     if differences:
         print(f"{len(differences)} difference(s) between {args.a} and {args.b}:")
         for line in differences:
             print(f"  {line}")
-        return ExitCode.DIFFERENCES
-    print(f"identical: {args.a} and {args.b} (names, shapes, dtypes and bytes)")
-    return ExitCode.OK
+    else:
+        print(f"identical: {args.a} and {args.b} (names, shapes, dtypes and bytes)")
+    if LaunchEnv.from_environ().rank == 0:
+        write_summary(
+            {
+                "command": "verify",
+                "ok": code == ExitCode.OK,
+                "exit_code": int(code),
+                "a": {"path": os.path.abspath(args.a), "tensors": tensors[0]},
+                "b": {"path": os.path.abspath(args.b), "tensors": tensors[1]},
+                "exact": not differences,
+                "differences": differences,
+                "seconds": round(time.monotonic() - start, 3),
+            }
+        )
+    return code
 
 
 # --- roundtrip ---------------------------------------------------------------------------------
@@ -142,7 +165,7 @@ def _write_args(args: argparse.Namespace, **checked) -> WriteArgs:
     return WriteArgs(
         out=args.out,
         overwrite=args.overwrite,
-        max_shard_bytes=args.max_shard_bytes,
+        max_shard_bytes=args.max_shard_bytes if args.max_shard_bytes is not None else DEFAULT_MAX_SHARD_BYTES,
         show_progress=not args.no_progress,
         timeout=timeout_from_flag(args),
         fp8=fp8_from_flags(args),
@@ -158,6 +181,7 @@ def run_roundtrip(options: WriteArgs) -> int:
     from mbridge_refit.convert.session import distributed_session
     from mbridge_refit.models.builder import BuildOptions
 
+    start = time.monotonic()
     checkpoint = HFCheckpoint.open(options.source)
     checkpoint.validate()  # every file readable and agreeing with the index, before any collective
     check_tied_output(options.source, trust_remote_code=options.trust_remote_code)
@@ -168,11 +192,25 @@ def run_roundtrip(options: WriteArgs) -> int:
         report = bridge.load_hf_shards(chunks, options.source)
         logger.info("loaded %d slices (%.1f MB on this rank)", report.tensors_written, report.bytes_read / 1e6)
         source_dtypes = {name: checkpoint.dtype(name) for name in checkpoint.names()}
-        return _write_hf(bridge, chunks, options, source_dtypes, only_source_names=False, rank=env.rank)
+        timing = _Timing("roundtrip", start, loaded=time.monotonic())
+        return _write_hf(bridge, chunks, options, source_dtypes, only_source_names=False, env=env, timing=timing)
 
 
-def _write_hf(bridge, chunks, options: WriteArgs, source_dtypes, *, only_source_names: bool, rank: int) -> int:
-    """The HF checkpoint at ``options.out`` from the loaded ``chunks`` (collective), logged; exit code 0."""
+@dataclass(frozen=True, slots=True)
+class _Timing:
+    """When a ``roundtrip`` or ``export`` started and had its model loaded (``time.monotonic``)."""
+
+    command: str
+    start: float
+    loaded: float
+
+
+def _write_hf(
+    bridge, chunks, options: WriteArgs, source_dtypes, *, only_source_names: bool, env: LaunchEnv, timing: _Timing
+) -> int:
+    """The HF checkpoint at ``options.out`` from the loaded ``chunks`` (collective), logged and
+    summarized (``--json``); exit code 0."""
+    rank = env.rank
     count = write_hf_checkpoint(
         bridge,
         chunks,
@@ -186,6 +224,29 @@ def _write_hf(bridge, chunks, options: WriteArgs, source_dtypes, *, only_source_
         show_progress=options.show_progress and rank == 0,
     )
     logger.info("wrote %d tensors to %s (layout %s)", count, options.out, options.layout.name)
+    if rank == 0:
+        written = time.monotonic()
+        index = json.loads((options.out / INDEX_NAME).read_text())
+        write_summary(
+            {
+                "command": timing.command,
+                "ok": True,
+                "exit_code": int(ExitCode.OK),
+                "source": os.path.abspath(options.source),
+                "out": os.path.abspath(options.out),
+                "layout": options.layout.name,
+                "world_size": env.world_size,
+                "fp8": options.fp8 is not None,
+                "tensors": count,
+                "bytes": index["metadata"]["total_size"],
+                "files": sorted(p.name for p in options.out.iterdir()),
+                "seconds": {
+                    "load": round(timing.loaded - timing.start, 3),
+                    "export_write": round(written - timing.loaded, 3),
+                    "total": round(written - timing.start, 3),
+                },
+            }
+        )
     return ExitCode.OK
 
 
@@ -283,6 +344,7 @@ def run_export(options: WriteArgs) -> int:
     from mbridge_refit.convert.session import distributed_session
     from mbridge_refit.models.builder import BuildOptions
 
+    start = time.monotonic()
     cpu = torch.device("cpu")
     info = CheckpointInfo.read(options.source)
     with distributed_session(options.layout, device=cpu, timeout=options.timeout) as env:
@@ -294,7 +356,8 @@ def run_export(options: WriteArgs) -> int:
         logger.info(
             "loaded %s (saved at layout %s) at layout %s", options.source, info.saved_layout.name, options.layout.name
         )
-        return _write_hf(bridge, chunks, options, info.hf_dtypes, only_source_names=True, rank=env.rank)
+        timing = _Timing("export", start, loaded=time.monotonic())
+        return _write_hf(bridge, chunks, options, info.hf_dtypes, only_source_names=True, env=env, timing=timing)
 
 
 # --- plan --------------------------------------------------------------------------------------

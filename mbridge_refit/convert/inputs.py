@@ -253,9 +253,26 @@ def supported_config(checkpoint_dir: Path, *, trust_remote_code: bool = False) -
 
 
 def checkpoint_float_dtype(checkpoint: Any) -> "torch.dtype":
-    """The dtype of most floating-point tensors in the checkpoint (used as the params dtype)."""
+    """The params dtype of a model loaded from ``checkpoint`` (an ``HFCheckpoint``): the dtype its
+    config.json names (``"dtype"``, or the older ``"torch_dtype"``) where some floating-point
+    tensor of the checkpoint is stored in it, so that a mixed-dtype checkpoint loads into the wider
+    dtype once its config asks for it (the loader's fix for a lossy cast); otherwise (no dtype named,
+    or one no tensor has, e.g. float32 in the config of a bfloat16 checkpoint) the dtype of most
+    floating-point tensors."""
     counts = Counter(checkpoint.dtype(name) for name in checkpoint.names())
     floating = [(n, d) for d, n in counts.items() if d.is_floating_point]
     if not floating:
         raise BadInput(f"checkpoint {checkpoint.path} has no floating-point tensors")
+    declared = _config_dtype(checkpoint.config() or {})
+    if declared is not None and declared in counts:
+        return declared
     return max(floating, key=lambda item: item[0])[1]
+
+
+def _config_dtype(config: dict[str, Any]) -> "torch.dtype | None":
+    """The floating-point dtype config.json names (``"dtype"``, else ``"torch_dtype"``), or None."""
+    import torch
+
+    name = config.get("dtype", config.get("torch_dtype"))
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None

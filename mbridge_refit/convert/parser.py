@@ -1,4 +1,8 @@
-"""The argument parser of ``python -m mbridge_refit.convert``: subcommands, flags and help."""
+"""The argument parser of ``python -m mbridge_refit.convert``: subcommands, flags and help.
+
+Imports nothing that imports torch or Megatron (``--help`` answers in well under a second;
+tests/test_convert_cli.py checks it): what the commands need is imported when they run.
+"""
 
 from __future__ import annotations
 
@@ -16,9 +20,8 @@ from mbridge_refit.convert.flags import (
     add_timeout_flag,
 )
 from mbridge_refit.convert.verify_refit import add_verify_refit_parser
-from mbridge_refit.sinks.safetensors import DEFAULT_MAX_SHARD_BYTES
 
-__all__ = ["COMMAND_TEXT", "EPILOG", "FLAGS", "build_parser", "positive_int"]
+__all__ = ["COMMAND_TEXT", "EPILOG", "FLAGS", "SHARD_BYTES_HELP", "build_parser", "positive_int"]
 
 EPILOG = (
     """\
@@ -60,6 +63,11 @@ examples:
   under torchrun, each rank's own code (torchrun then exits 1 and lists them).
 """
 )
+
+
+# What --max-shard-bytes defaults to: ShardedSafetensorsWriter's DEFAULT_MAX_SHARD_BYTES, named here
+# without importing the writer (tests/test_convert_cli.py checks the two agree).
+SHARD_BYTES_HELP = "5368709120, 5 GiB"
 
 
 def positive_int(text: str) -> int:
@@ -115,7 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="debug logging, and the warnings of Megatron, Transformer Engine, transformers, torch (hidden "
+        "otherwise; MBRIDGE_REFIT_THIRD_PARTY_WARNINGS=1 shows them without debug logging)",
+    )
     parser.add_argument(
         "--nproc-per-node",
         type=positive_int,
@@ -185,6 +199,20 @@ def _plan_flags(parser: argparse.ArgumentParser) -> None:
 def _verify_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("a", type=Path, help="first checkpoint directory (e.g. the source)")
     parser.add_argument("b", type=Path, help="second checkpoint directory (e.g. the round trip)")
+    _add_json_flag(
+        parser,
+        'command, ok, exit_code, a and b (path, tensors), exact (true: the same names, shapes, dtypes and bytes), '
+        "differences (one line each), seconds",
+    )
+
+
+def _add_json_flag(parser: argparse.ArgumentParser, fields: str) -> None:
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help=f"print one JSON object on stdout as the command ends (the log, and anything else printed, goes to "
+        f"stderr): {fields}; a failure: command, ok false, exit_code, error",
+    )
 
 
 def _add_hf_output_flags(parser: argparse.ArgumentParser) -> None:
@@ -194,10 +222,16 @@ def _add_hf_output_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-shard-bytes",
         type=positive_int,
-        default=DEFAULT_MAX_SHARD_BYTES,
-        help="output shard size in bytes, > 0 (default: %(default)s)",
+        default=None,  # the writer's DEFAULT_MAX_SHARD_BYTES (sinks imports torch: not for --help)
+        help=f"output shard size in bytes, > 0 (default: {SHARD_BYTES_HELP})",
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    _add_json_flag(
+        parser,
+        "command, ok, exit_code, source, out, layout, world_size, fp8, tensors, bytes (of the tensors), "
+        "files (what --out holds), seconds (load, export_write, total: after the imports); check the output against the source with "
+        "`verify --json`",
+    )
     add_fp8_flags(parser)
     add_remote_code_flag(parser)
     add_timeout_flag(parser)

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from mbridge_refit.convert.tolerance import EPS_FACTOR, NOISE_FACTOR, numerics_tolerance, tolerance_from_reference
 from mbridge_refit.engines.fingerprint import differing
 from mbridge_refit.errors import EngineError, InputError
 from mbridge_refit.sinks.base import DiscardSink, drain
@@ -81,15 +82,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("mbridge_refit.verify_refit")
-
-# The derived numerics tolerance (``numerics_tolerance``): the larger of EPS_FACTOR x the dtype's
-# eps and NOISE_FACTOR x the engine's own spread. Measured mean |d logprob| after exact refits
-# (engine vs Megatron / the engine against itself, eager vs default attention): bf16 CPU qwen3-tiny
-# 1.1e-3 / 8.8e-4; bf16 H200 Qwen3-1.7B shape 0.018 / 0.025 (TP2: 0.025 / 0.026); fp32 CPU
-# 1.0e-7 / 1.0e-7; fp32 H200 without TF32 3.3e-6 / 2.7e-6. A perturbed weight: 0.26 (bf16, H200).
-EPS_FACTOR = 4.0
-NOISE_FACTOR = 4.0
-
 
 class RefitMismatch(EngineError, AssertionError):
     """The engine's weights differ from the trainer's, or its log-probabilities differ beyond the tolerance."""
@@ -171,26 +163,6 @@ class RefitVerdict:
                 "the two forwards differ by more than their numerics (another config, scaling or kernel)"
             )
         return self
-
-
-def numerics_tolerance(dtype: torch.dtype, engine_noise: LogprobComparison | None = None) -> tuple[float, str]:
-    """The derived numerics tolerance and how it was derived: the larger of ``EPS_FACTOR`` x the
-    eps of ``dtype`` (the dtype both forwards compute in) and ``NOISE_FACTOR`` x ``engine_noise``
-    (the engine against itself with another attention implementation: the spread of two correct
-    implementations in this dtype, for this model)."""
-    from_eps = EPS_FACTOR * torch.finfo(dtype).eps
-    from_noise = NOISE_FACTOR * engine_noise.mean_abs_diff if engine_noise is not None else 0.0
-    if from_noise > from_eps:
-        return from_noise, f"derived: {NOISE_FACTOR:g} x the engine's eager-vs-default attention difference"
-    return from_eps, f"derived: {EPS_FACTOR:g} x {str(dtype).removeprefix('torch.')} eps"
-
-
-def tolerance_from_reference(reference: LogprobComparison) -> float:
-    """A numerics tolerance from a reference run: ``reference`` is the same comparison for an
-    engine loaded from a checkpoint of the same weights (e.g. the one ``convert`` wrote), which
-    an exact refit reproduces (bit for bit in vLLM's batch-invariant mode); ``NOISE_FACTOR`` x
-    its mean leaves room for run-to-run kernel differences."""
-    return NOISE_FACTOR * reference.mean_abs_diff
 
 
 def same_bytes(left: torch.Tensor, right: torch.Tensor) -> bool:

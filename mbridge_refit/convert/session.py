@@ -4,6 +4,8 @@ This is the one module that reads the launcher's environment (``RANK``, ``WORLD_
 ``LOCAL_RANK`` set by ``torchrun``; ``EXIT_RECORDS_VARIABLE`` set by ``convert --nproc-per-node``).
 CPU runs use gloo; GPU runs use NCCL with one device per local rank. A plain ``python -m ...`` without torchrun gets a one-process group, so the same
 code path serves one process and N ranks.
+torch and Megatron are imported by the functions that start them: ``LaunchEnv`` (read by the
+CLI's entry point before any command runs) costs no torch import.
 """
 
 from __future__ import annotations
@@ -13,12 +15,12 @@ import datetime
 import logging
 import os
 from dataclasses import dataclass
-from typing import Iterator
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Iterator
 
 from mbridge_refit.plan.layout import ParallelLayout
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "EXIT_RECORDS_VARIABLE",
@@ -61,6 +63,8 @@ class LaunchEnv:
 
 def default_device(prefer_gpu: bool = True) -> torch.device:
     """``cuda`` when a GPU is present (and wanted), else ``cpu``."""
+    import torch
+
     return torch.device("cuda") if prefer_gpu and torch.cuda.is_available() else torch.device("cpu")
 
 
@@ -72,6 +76,9 @@ def init_process_group(
     gloo on CPU, NCCL on GPU. ``timeout`` bounds every collective, so a rank whose peer died
     raises instead of waiting forever.
     """
+    import torch
+    import torch.distributed as dist
+
     env = LaunchEnv.from_environ()
     if dist.is_initialized():
         return env
@@ -98,6 +105,8 @@ def init_model_parallel(layout: ParallelLayout, *, seed: int = 0) -> None:
     also seeds Megatron's CUDA RNG tracker from the same number (Transformer Engine layers draw
     their initialisation from it).
     """
+    import torch
+    import torch.distributed as dist
     from megatron.core import parallel_state
 
     layout.validate_world_size(dist.get_world_size())
@@ -121,6 +130,7 @@ def init_model_parallel(layout: ParallelLayout, *, seed: int = 0) -> None:
 
 def teardown() -> None:
     """Destroy Megatron's groups and the default process group, if they exist."""
+    import torch.distributed as dist
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():

@@ -21,25 +21,18 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Any
 
 from mbridge_refit.convert.exit_codes import BadInput, ExitCode
 from mbridge_refit.convert.flags import add_device_flag, add_timeout_flag, device_from_flag, timeout_from_flag
 from mbridge_refit.convert.inputs import check_config_numbers, check_provider, supported_config
-from mbridge_refit.convert.refit_verifier import (
-    EPS_FACTOR,
-    NOISE_FACTOR,
-    RefitMismatch,
-    RefitVerdict,
-    VerifyInputError,
-    fixed_tokens,
-    hf_config,
-    verify_refit,
-)
+from mbridge_refit.convert.tolerance import EPS_FACTOR, NOISE_FACTOR
 from mbridge_refit.plan.layout import LayoutError, ParallelLayout
+
+if TYPE_CHECKING:  # torch and the verifier are imported when the command runs, not for its --help
+    import torch
+
+    from mbridge_refit.convert.refit_verifier import RefitVerdict
 
 __all__ = ["VerifyArgs", "add_verify_refit_parser", "cmd_verify_refit", "run", "verify_options"]
 
@@ -117,6 +110,9 @@ def add_verify_refit_parser(sub: Any) -> None:
 
 def verify_options(args: argparse.Namespace) -> VerifyArgs:
     """The parsed ``verify-refit`` flags, checked (``VerifyInputError`` names the fix)."""
+    import torch
+
+    from mbridge_refit.convert.refit_verifier import VerifyInputError
     from mbridge_refit.convert.session import LaunchEnv
 
     if args.tolerance is not None and not args.tolerance >= 0:
@@ -160,6 +156,7 @@ def verify_options(args: argparse.Namespace) -> VerifyArgs:
 def _checked_hf_source(path: Path) -> Any:
     """The config of the HF checkpoint ``path``, its files and sizes checked as ``roundtrip`` checks them."""
     from mbridge_refit.checkpoints.hf import HFCheckpoint
+    from mbridge_refit.convert.refit_verifier import VerifyInputError
 
     try:
         HFCheckpoint.open(path).validate()
@@ -172,6 +169,8 @@ def _checked_hf_source(path: Path) -> Any:
 
 def cmd_verify_refit(args: argparse.Namespace) -> int:
     """Exit code 0 when both checks pass, 1 (``RefitMismatch``) when one fails, 2 (``VerifyInputError``) bad input."""
+    from mbridge_refit.convert.refit_verifier import RefitMismatch, VerifyInputError
+
     try:
         return run(verify_options(args))
     except VerifyInputError as err:
@@ -183,6 +182,8 @@ def cmd_verify_refit(args: argparse.Namespace) -> int:
 
 def run(options: VerifyArgs) -> int:
     """The CLI's job on this rank (every rank of the launch)."""
+    import torch
+
     from mbridge_refit.convert.session import distributed_session
 
     with distributed_session(options.layout, device=options.device, timeout=options.timeout) as env:
@@ -203,6 +204,7 @@ def _verify(options: VerifyArgs, checkpoint: Path | None, rank: int, device: tor
     from mbridge_refit.bridge import RefitBridge
     from mbridge_refit.checkpoints.hf import HFCheckpoint
     from mbridge_refit.convert.preflight import build_checked, check_hf_source
+    from mbridge_refit.convert.refit_verifier import VerifyInputError, fixed_tokens, hf_config, verify_refit
     from mbridge_refit.models.builder import BuildOptions, build_model
 
     if checkpoint is not None:
@@ -247,6 +249,8 @@ def _verify(options: VerifyArgs, checkpoint: Path | None, rank: int, device: tor
 
 def _source_checkpoint(options: VerifyArgs, rank: int) -> Path | None:
     """The HF checkpoint to load (for a recipe, a random one rank 0 writes to a temp dir), or None for a shape."""
+    import torch.distributed as dist
+
     if options.source == "hf":
         return Path(options.name)
     if options.source == "shape":
@@ -264,6 +268,8 @@ def _source_checkpoint(options: VerifyArgs, rank: int) -> Path | None:
 
 
 def _remove_scratch(scratch: Path, rank: int) -> None:
+    import torch.distributed as dist
+
     dist.barrier()
     if rank == 0:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -276,6 +282,8 @@ def _model_shape(config: Any):
 
 
 def _check_layout(layout: ParallelLayout, config: Any) -> None:
+    from mbridge_refit.convert.refit_verifier import VerifyInputError
+
     try:
         layout.validate_model(_model_shape(config))
     except LayoutError as err:
@@ -283,6 +291,8 @@ def _check_layout(layout: ParallelLayout, config: Any) -> None:
 
 
 def _report(options: VerifyArgs, verdict: RefitVerdict) -> None:
+    import torch
+
     result, weights, engine_noise = verdict.numerics, verdict.weights, verdict.engine_noise
     logger.info(
         "%s %s %s %s%s",

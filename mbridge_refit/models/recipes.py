@@ -24,6 +24,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Mapping
 
+from mbridge_refit.checkpoints.publish import give_new_file_mode
 from mbridge_refit.errors import InputError
 from mbridge_refit.plan.layout import LayoutError, ModelShape, ParallelLayout
 
@@ -404,6 +405,8 @@ def make_random_checkpoint(
     if max_shard_bytes is not None:
         save_kwargs["max_shard_size"] = int(max_shard_bytes)
     model.save_pretrained(out_dir, **save_kwargs)
+    for shard in out_dir.glob("*.safetensors"):  # safetensors writes them 0o600; config.json gets the umask's mode
+        give_new_file_mode(shard)
 
     expected, written = set(recipe.checkpoint_names()), _names_on_disk(out_dir)
     if written != expected:

@@ -36,6 +36,7 @@ from mbridge_refit.checkpoints.publish import (
     carry_over,
     fsync_dir,
     fsync_file,
+    give_new_file_mode,
     is_loader_file,
 )
 from mbridge_refit.checkpoints.side_files import copy_side_file, read_side_file
@@ -353,6 +354,7 @@ class ShardedSafetensorsWriter(WeightSink):
         self._tmp_paths.add(path)
         start = time.monotonic()
         save_file(tensors, str(path), metadata=self._metadata)
+        give_new_file_mode(path)  # save_file's 0o600 -> what config.json gets
         fsync_file(path)
         self.file_seconds += time.monotonic() - start
         self._written[shard] = path
