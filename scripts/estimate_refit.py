@@ -1,6 +1,6 @@
 """Estimate the steady-state refit export per rank of layouts too large to run, from measured costs.
 
-    python scripts/estimate_refit.py            # write refit_estimate.json and the block in docs/benchmarks.md
+    python scripts/estimate_refit.py            # write refit_estimate.json and the block in docs/benchmarks/scale.md
     python scripts/estimate_refit.py --check    # exit 1 if either differs from what the inputs give (tests)
 
 Each ``Estimate`` names a per-rank traffic file (``scripts/simulate_plan.py``: what every rank of
@@ -33,7 +33,8 @@ from provenance import REPO, RESULTS, write_result
 from render_performance import replace_block
 
 OUTPUT = "2026-11-26-cpu/refit_estimate.json"
-PAGE = REPO / "docs" / "benchmarks.md"
+PAGE = REPO / "docs" / "benchmarks" / "scale.md"
+PAGE_RESULTS = "../../benchmarks/results"  # RESULTS as PAGE links it
 BEGIN = "<!-- refit estimate: written by scripts/estimate_refit.py -->"
 END = "<!-- end of refit estimate -->"
 
@@ -133,7 +134,7 @@ def render_row(row: dict) -> str:
     place = ", ".join(f"{key.removesuffix('_rank')} {slowest[key]}" for key in ("pp_rank", "tp_rank", "ep_rank"))
     cells = (
         row["label"],
-        f"[{row['layout']}](../benchmarks/results/{row['traffic_result']}) ({row['world_size']})",
+        f"[{row['layout']}]({PAGE_RESULTS}/{row['traffic_result']}) ({row['world_size']})",
         f"{slowest['tensors_yielded']:,} ({slowest['tensors_built']:,}, {slowest['views']:,})",
         _gb(slowest["local_copy_bytes"]),
         _gb(slowest["gathered_bytes"]),

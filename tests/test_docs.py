@@ -1,4 +1,5 @@
-"""The user docs: the README stays a user's page, and every relative link in it and in docs/ resolves."""
+"""The user docs: the README stays a user's page, every relative link in it and in docs/ resolves (anchors
+included), and the pages rendered from committed results are what their scripts render."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 README_MAX_LINES = 175
 
 
@@ -21,7 +22,7 @@ def test_readme_is_short():
     assert lines <= README_MAX_LINES, f"README.md has {lines} lines: move depth to docs/"
 
 
-@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(REPO)) for p in PAGES])
 def test_links_resolve(page):
     broken = [link for link in relative_links(page) if not (page.parent / link).exists()]
     assert not broken, f"{page.name}: broken links {broken}"
@@ -31,6 +32,48 @@ def test_link_check_sees_a_broken_link(tmp_path):
     page = tmp_path / "page.md"
     page.write_text("[ok](page.md) [gone](missing.md) [web](https://example.org/x)")
     assert [link for link in relative_links(page) if not (page.parent / link).exists()] == ["missing.md"]
+
+
+def anchors(page: Path) -> set[str]:
+    """The anchors a page has on GitHub: each heading's slug (lower case, punctuation dropped, spaces to
+    hyphens; a repeated slug gets -1, -2, ...) and every ``<a id>`` / ``<a name>``."""
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # a '#' in a code block is no heading
+    found, seen = set(), {}
+    for heading in re.findall(r"^#{1,6} +(.+?) *#*$", text, re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        count = seen.get(slug, 0)
+        seen[slug] = count + 1
+        found.add(slug if count == 0 else f"{slug}-{count}")
+    return found | set(re.findall(r"<a (?:id|name)=\"([^\"]+)\"", text))
+
+
+def broken_anchors(page: Path) -> list[str]:
+    """Links of ``page`` to an anchor of a markdown page (itself or a relative one) that the page lacks."""
+    broken = []
+    for link in re.findall(r"\]\(([^)\s]*#[^)\s]+)", page.read_text()):
+        path, _, anchor = link.partition("#")
+        if re.match(r"[a-z]+://", link) or not (path == "" or path.endswith(".md")):
+            continue
+        target = page if path == "" else page.parent / path
+        if not target.exists() or anchor not in anchors(target):
+            broken.append(link)
+    return broken
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(REPO)) for p in PAGES])
+def test_anchors_resolve(page):
+    broken = broken_anchors(page)
+    assert not broken, f"{page.name}: links to anchors the target page lacks: {broken}"
+
+
+def test_anchor_check_sees_a_missing_anchor(tmp_path):
+    (tmp_path / "other.md").write_text("# Title\n\n## The replay's copies (2× H200, 0.26.0)\n\n## Same\n\n## Same\n")
+    page = tmp_path / "page.md"
+    page.write_text(
+        '<a id="kept"></a>\n[a](other.md#the-replays-copies-2-h200-0260) [b](other.md#same-1) [c](#kept) '
+        "[gone](other.md#gone) [d](#nowhere) [code](x.py#L3)"
+    )
+    assert broken_anchors(page) == ["other.md#gone", "#nowhere"]
 
 
 def test_performance_table_is_rendered_from_committed_results(tmp_path):
@@ -52,11 +95,35 @@ def test_performance_table_is_rendered_from_committed_results(tmp_path):
     run = subprocess.run(
         [sys.executable, str(script), "--check", "--readme", str(edited)], capture_output=True, text=True, timeout=120
     )
-    assert run.returncode == 1 and "differs" in run.stdout
+    assert run.returncode == 1 and "differ" in run.stdout
+
+
+def test_performance_page_is_rendered_from_committed_results(tmp_path):
+    """docs/performance.md is what scripts/render_performance.py renders from benchmarks/results/ (the check
+    above covers both pages); a cell edited by hand in a copy of it makes the check fail, naming the page."""
+    import subprocess
+    import sys
+
+    edited = tmp_path / "performance.md"
+    text = (REPO / "docs" / "performance.md").read_text()
+    row = text.index('<a id="colocated-ipc">')
+    assert " ms (" in text[row:]
+    edited.write_text(text[:row] + text[row:].replace(" ms (", " ms (edited, ", 1))
+    script = REPO / "scripts" / "render_performance.py"
+    run = subprocess.run(
+        [sys.executable, str(script), "--check", "--page", str(edited)], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 1 and str(edited) in run.stdout, run.stdout + run.stderr
+
+
+def test_performance_page_has_one_section_per_refit_path():
+    """The anchors README.md and docs/refit/ link to: one per path, in the page as ``<a id>``."""
+    page = REPO / "docs" / "performance.md"
+    assert {"export", "colocated-ipc", "sharded", "broadcast", "reshard", "lora"} <= anchors(page)
 
 
 def test_refit_estimate_is_rendered_from_committed_results(tmp_path):
-    """docs/benchmarks.md's refit estimate block and refit_estimate.json are what scripts/estimate_refit.py
+    """docs/benchmarks/scale.md's refit estimate block and refit_estimate.json are what scripts/estimate_refit.py
     computes from the traffic and cost files it names; a number edited by hand makes the check fail."""
     import subprocess
     import sys
@@ -64,8 +131,8 @@ def test_refit_estimate_is_rendered_from_committed_results(tmp_path):
     script = REPO / "scripts" / "estimate_refit.py"
     run = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
-    edited = tmp_path / "benchmarks.md"
-    text = (REPO / "docs" / "benchmarks.md").read_text()
+    edited = tmp_path / "scale.md"
+    text = (REPO / "docs" / "benchmarks" / "scale.md").read_text()
     begin = text.index("<!-- refit estimate:")
     edited.write_text(text[:begin] + text[begin:].replace(" ms (", " ms (edited, ", 1))
     run = subprocess.run(

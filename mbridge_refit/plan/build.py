@@ -150,7 +150,7 @@ def exchange_contributions(mine: Any, group: Any = None) -> list[Any]:
     their parts (``decoder.layers.N.mlp.experts...``); DeepSeek-V3's at PP4 x EP8 are 6.3 MiB
     pickled and 0.46 MiB compressed, for about 2 ms a rank. 32 fresh gloo processes on 32 cores
     exchanged them in 0.9 s instead of 10 s, most of it each rank unpickling every contribution; on
-    2 cores, where that unpickling is most of the cost, 20 s instead of 24 s (docs/benchmarks.md). The
+    2 cores, where that unpickling is most of the cost, 20 s instead of 24 s (docs/benchmarks/scale.md). The
     senders are the job's own ranks: their payloads are unpickled as ``torch.distributed``'s object
     collectives do."""
     gathered: list[Any] = [None] * dist.get_world_size(group)

@@ -3,7 +3,7 @@
 A stacked tensor (``plan.stacking``: GPT-OSS's experts, a checkpoint's packed experts) is no
 slice of one parameter, so the export writes all of it each time. ``fill_stack`` picks the
 fastest way that gives the same bytes as ``ExpertStack.copy_into`` per expert
-(``scripts/bench_stacked_experts.py`` times each; docs/benchmarks.md has the numbers):
+(``scripts/bench_stacked_experts.py`` times each; docs/benchmarks/history/2026-11-22-to-27-export-numbers.md has the numbers):
 
 * a plain stack (no re-layout: transformers' packed layout): one ``torch.stack`` into the output,
   at the copy floor, where a copy per expert pays a launch per expert;

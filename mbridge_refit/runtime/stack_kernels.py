@@ -7,7 +7,7 @@ published ``gate_up_proj`` [E, hidden, 2*ffn]: ``plan.stacking``) is written fro
 expert parameters on every export. PyTorch's copy into a transposed view does not tile the
 transpose: it runs at a fraction of a plain copy's bandwidth, whether issued per expert, as one
 ``_foreach_copy_`` or as one copy of a staged stack (``scripts/bench_stacked_experts.py``;
-docs/benchmarks.md). This kernel moves one tile of one expert per program:
+docs/benchmarks/history/2026-11-22-to-27-export-numbers.md). This kernel moves one tile of one expert per program:
 a coalesced load of a ``BLOCK`` x ``BLOCK`` tile of the expert, transposed in registers
 (``tl.trans``), a coalesced store into the output; the experts' addresses come from an int64
 table (they are separate tensors). Interleaved in pairs (``ExpertStack(interleave=2)``:

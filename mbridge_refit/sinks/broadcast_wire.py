@@ -129,7 +129,7 @@ class PackedBroadcastConfig:
             temporary, queued as the bucket goes out or lands; the source's checksums travel in
             one broadcast after the last bucket and are compared on the receivers' devices, so
             the check adds no host round trip and one collective per refit. Memory-bound: about
-            0.4-0.55 ms per GB per side measured on an H100 (docs/benchmarks.md), beside the next
+            0.4-0.55 ms per GB per side measured on an H100 (docs/benchmarks/history/), beside the next
             bucket's broadcast; 0.1-0.3 s per GB on one CPU core. Detects any single corrupted
             byte and truncated or stale buckets; it is order-insensitive at the 8-byte-word
             level, so it does not detect two words swapped. A mismatch is raised after the last
