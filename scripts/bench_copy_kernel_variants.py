@@ -30,7 +30,7 @@ import triton.language as tl
 from bench_replay_copies import SHAPES, copies_exact, engine_copies, shape_parser
 from provenance import results_dir, write_result
 
-from mbridge_refit.engines import copy_kernels
+from mbridge_refit.engines.replay import copy_kernels
 
 KIB = 1 << 10
 SHAPES_TRIED = ((64, 8), (64, 16), (128, 8), (128, 16), (128, 32), (256, 16))  # (chunk KiB, warps)

@@ -70,7 +70,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--out-dir", type=Path, default=None)
     args = parser.parse_args()
-    from mbridge_refit.engines.apply_plan import ApplyPlan
+    from mbridge_refit.engines.replay.apply_plan import ApplyPlan
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     make, kind = parameter_class()

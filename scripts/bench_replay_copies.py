@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from provenance import results_dir, write_result
 
-from mbridge_refit.engines.copy_batches import CopySchedule
+from mbridge_refit.engines.replay.copy_batches import CopySchedule
 
 # Per model shape: hidden, attention heads and KV heads of head_dim 128, dense FFN (0: MoE),
 # experts and expert FFN, vocabulary, layers. Sizes as published.

@@ -202,7 +202,7 @@ def failing_export(bridge, after: int):
 def run_fault(fault: str, session, llm, bridge, chunks, fp8, disk: dict) -> tuple[dict, object]:
     """One fault: the refit must raise within ``BOUND_S`` naming it (and the engine's side); then a
     refit (in a new session where the group failed) must equal the disk-loaded engine again."""
-    from mbridge_refit.engines.fingerprint import differing
+    from mbridge_refit.engines.replay.fingerprint import differing
 
     if fault == "receiver-load":
         llm.collective_rpc(inject_load_fault)
@@ -254,7 +254,7 @@ def run(args) -> dict:
     os.environ.update(matched)  # before the trainer's first NCCL call: NCCL reads them once per process
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of this script's functions
 
-    from mbridge_refit.engines.fingerprint import differing
+    from mbridge_refit.engines.replay.fingerprint import differing
     from mbridge_refit.engines.vllm import prompt_logprobs
     from mbridge_refit.sinks.packed_broadcast import PackedBroadcastConfig
 

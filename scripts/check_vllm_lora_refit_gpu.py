@@ -90,7 +90,7 @@ def steady_ms(step, count: int = 5) -> float:
 def run(args) -> dict:
     from megatron.bridge.peft.lora import LoRA
 
-    from mbridge_refit.engines.fingerprint import differing
+    from mbridge_refit.engines.replay.fingerprint import differing
     from mbridge_refit.engines.vllm import VLLMAdapterRefit, VLLMRefit, prompt_logprobs
     from mbridge_refit.engines.vllm.trainer import reset_prefix_cache
 

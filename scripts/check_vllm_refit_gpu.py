@@ -152,7 +152,7 @@ def verify_against_trainer(
 
 def moved_memory_refit(refit, bridge, chunks, fp8, disk: dict, checks: dict) -> dict:
     """Step 6 (module docstring): the values stay the disk's, only where they live changes."""
-    from mbridge_refit.engines.fingerprint import differing
+    from mbridge_refit.engines.replay.fingerprint import differing
 
     live = refit.live_parameters
     swapped, offloaded = live[0], live[-1]
@@ -200,7 +200,7 @@ class _LogLines(logging.Handler):
 
 
 def run(args) -> dict:
-    from mbridge_refit.engines.fingerprint import differing
+    from mbridge_refit.engines.replay.fingerprint import differing
     from mbridge_refit.engines.vllm import VLLMRefit, prompt_logprobs
     from mbridge_refit.fp8.format import BlockwiseFP8Config
 

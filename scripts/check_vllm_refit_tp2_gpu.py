@@ -101,7 +101,7 @@ def fingerprints(llm) -> list[dict]:
 
 
 def differing_per_worker(expected: list[dict], actual: list[dict]) -> list[list[str]]:
-    from mbridge_refit.engines.fingerprint import differing
+    from mbridge_refit.engines.replay.fingerprint import differing
 
     return [differing(e, a) for e, a in zip(expected, actual)]
 

@@ -26,8 +26,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mbridge_refit.engines.apply_plan import ApplyPlanError, StagedLoad
 from mbridge_refit.engines.ipc import EngineRefitError, RefitReceiver
+from mbridge_refit.engines.replay.apply_plan import ApplyPlanError, StagedLoad
 from mbridge_refit.engines.sharing import LayoutRecorder, LocalTransport
 from mbridge_refit.engines.vllm.deep_gemm import reprocess
 from mbridge_refit.engines.vllm.worker import RefitWorkerExtension

@@ -16,8 +16,8 @@ import torch
 from conftest import REPO, free_port, torchrun
 from test_roundtrip import layout_flags
 
-from mbridge_refit.engines import fingerprint as fp
-from mbridge_refit.engines.apply_plan import ApplyPlan
+from mbridge_refit.engines.replay import fingerprint as fp
+from mbridge_refit.engines.replay.apply_plan import ApplyPlan
 from mbridge_refit.engines.sharing import (
     CudaIpcTransport,
     LayoutRecorder,
@@ -268,7 +268,7 @@ def test_the_look_for_replaced_parameters_does_not_dispatch_per_parameter():
 def _streamed(model, buffers, buckets, *, check=True):
     """Record ``model``'s loader bucket by bucket, bucket i landing in ``buffers[i % len(buffers)]``
     (as a broadcast receiver rotates them); returns each bucket's proven replay and the recording."""
-    from mbridge_refit.engines.apply_plan import LoadRecording
+    from mbridge_refit.engines.replay.apply_plan import LoadRecording
 
     recording = LoadRecording(model, buffers)
     replays = []
@@ -301,7 +301,7 @@ def test_streamed_recording_replays_each_bucket_from_its_reused_buffer():
 
 
 def test_streamed_check_catches_a_write_the_recorder_cannot_see():
-    from mbridge_refit.engines.apply_plan import ApplyPlanError
+    from mbridge_refit.engines.replay.apply_plan import ApplyPlanError
 
     class Sneaky(_Fused):
         def load_weights(self, weights):
@@ -316,7 +316,7 @@ def test_a_loader_that_keeps_its_sources_fails_the_streamed_recording():
     """A loader writing from a tensor of an earlier bucket while a later one loads (with more buckets
     than buffers, that memory is received into again before the write): the later bucket's check
     fails, and without the check the recording is refused, naming the source."""
-    from mbridge_refit.engines.apply_plan import ApplyPlanError
+    from mbridge_refit.engines.replay.apply_plan import ApplyPlanError
 
     class Keeping(_Fused):
         held = None
@@ -363,7 +363,7 @@ def test_batched_replay_cuts_a_run_where_destinations_overlap():
 
 
 def test_loader_failure_names_the_tensor():
-    from mbridge_refit.engines.apply_plan import ApplyPlanError
+    from mbridge_refit.engines.replay.apply_plan import ApplyPlanError
 
     class Broken(_Fused):
         def load_weights(self, weights):
@@ -404,7 +404,7 @@ class _Processed(torch.nn.Module):
     def staged_load(self):
         """Like vLLM's layerwise reload: loadable staging parameters in, processed bytes copied back
         into the parameter the engine computes with."""
-        from mbridge_refit.engines.apply_plan import StagedLoad
+        from mbridge_refit.engines.replay.apply_plan import StagedLoad
 
         kernel = {}
 
@@ -443,7 +443,7 @@ def _open_on(model, staged, tensors):
 
 
 def test_an_engine_that_reprocesses_after_loading_is_recorded_through_its_reload():
-    from mbridge_refit.engines.apply_plan import ApplyPlanError
+    from mbridge_refit.engines.replay.apply_plan import ApplyPlanError
 
     model = _Processed()
     sources = {"top": torch.randn(2, 4), "bottom": torch.randn(2, 4)}
@@ -460,7 +460,7 @@ def test_an_engine_that_reprocesses_after_loading_is_recorded_through_its_reload
 
 
 def test_a_reload_that_changes_the_bytes_is_refused():
-    from mbridge_refit.engines.apply_plan import ApplyPlanError
+    from mbridge_refit.engines.replay.apply_plan import ApplyPlanError
 
     model = _Processed(transform=lambda w: w * 2)  # e.g. scales re-encoded after loading
     with pytest.raises(ApplyPlanError, match="does not reproduce the engine's loader"):

@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mbridge_refit.engines.apply_plan import ApplyPlan, ApplyPlanError, StagedLoad
 from mbridge_refit.engines.ipc import EngineRefitError, RefitReceiver
+from mbridge_refit.engines.replay.apply_plan import ApplyPlan, ApplyPlanError, StagedLoad
 from mbridge_refit.engines.sharing import LayoutRecorder, LocalTransport
 
 # vllm/model_executor/model_loader/reload/meta.py:25-32: SKIP_TENSORS = {"_expert_map", ...,

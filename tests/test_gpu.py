@@ -300,8 +300,8 @@ def test_replay_schedule_runs_plain_copies_as_one_chunked_launch():
     strided copy, a converting copy) runs its byte copies through
     ``engines.copy_kernels.ChunkedCopies`` and the rest through ``_foreach_copy_``, and writes what
     a ``copy_`` per pair writes, bitwise, twice (the second from the kept chunk table)."""
-    from mbridge_refit.engines import copy_kernels
-    from mbridge_refit.engines.copy_batches import CopySchedule
+    from mbridge_refit.engines.replay import copy_kernels
+    from mbridge_refit.engines.replay.copy_batches import CopySchedule
 
     assert copy_kernels.usable(torch.cuda.current_device())
     generator = torch.Generator().manual_seed(0)

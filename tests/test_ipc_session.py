@@ -120,8 +120,8 @@ def test_an_early_apply_reaches_the_worker_during_the_export_and_reads_nothing_b
     from mbridge_refit.bridge import RefitBridge
     from mbridge_refit.convert.session import distributed_session
     from mbridge_refit.engines import ipc_session
-    from mbridge_refit.engines.apply_plan import ApplyPlan
     from mbridge_refit.engines.go_ahead import GoAheadError, GoAheadLine, GoAheadWaiter
+    from mbridge_refit.engines.replay.apply_plan import ApplyPlan
     from mbridge_refit.errors import TransportError
     from mbridge_refit.models.builder import BuildOptions, build_model
     from mbridge_refit.plan.layout import ParallelLayout
@@ -281,7 +281,7 @@ def test_a_steady_step_holds_collections_off_until_the_engine_applied(source_che
 
     from mbridge_refit.bridge import RefitBridge
     from mbridge_refit.convert.session import distributed_session
-    from mbridge_refit.engines.apply_plan import ApplyPlan
+    from mbridge_refit.engines.replay.apply_plan import ApplyPlan
     from mbridge_refit.models.builder import BuildOptions, build_model
     from mbridge_refit.plan.layout import ParallelLayout
     from mbridge_refit.testing.conformance import restored_environment

@@ -18,8 +18,8 @@ import pytest
 import torch
 from conftest import REPO, block_scaled_checkpoint, torchrun
 
-from mbridge_refit.engines.apply_plan import ApplyPlan, ApplyPlanError
-from mbridge_refit.engines.shard_remap import ShardRemapError, box_view, expand, remap
+from mbridge_refit.engines.replay.apply_plan import ApplyPlan, ApplyPlanError
+from mbridge_refit.engines.replay.shard_remap import ShardRemapError, box_view, expand, remap
 from mbridge_refit.engines.sharing import LayoutRecorder, LocalTransport, ShardBox, SharedLayout
 
 CHECKER = str(REPO / "tests" / "ranks" / "sharded_engine_check.py")

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from mbridge_refit.engines.fingerprint import differing
+from mbridge_refit.engines.replay.fingerprint import differing
 from mbridge_refit.errors import EngineError, InputError
 from mbridge_refit.sinks.base import DiscardSink, drain
 from mbridge_refit.sinks.model_update import HFModelUpdateSink

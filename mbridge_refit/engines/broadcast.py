@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 
-from mbridge_refit.engines.apply_plan import ApplyPlan, LoadRecording, LoadWeights, StagedLoad
+from mbridge_refit.engines.replay.apply_plan import ApplyPlan, LoadRecording, LoadWeights, StagedLoad
 from mbridge_refit.errors import EngineError
 from mbridge_refit.runtime.broadcast_group import StoreGroup
 from mbridge_refit.sinks.broadcast_timing import BucketTimeline, receiver_phases

@@ -55,9 +55,16 @@ from typing import Any
 
 import torch
 
-from mbridge_refit.engines.apply_plan import ApplyPlan, ApplyPlanError, LoadWeights, Recompute, Shards, StagedLoad
 from mbridge_refit.engines.completion import ReplayDone
 from mbridge_refit.engines.go_ahead import GoAheadError, GoAheadWaiter
+from mbridge_refit.engines.replay.apply_plan import (
+    ApplyPlan,
+    ApplyPlanError,
+    LoadWeights,
+    Recompute,
+    Shards,
+    StagedLoad,
+)
 from mbridge_refit.engines.sharing import (
     TRANSPORTS,
     SharedLayout,

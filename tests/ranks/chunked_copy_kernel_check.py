@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from mbridge_refit.engines import copy_kernels
+from mbridge_refit.engines.replay import copy_kernels
 
 # Triton reads TRITON_INTERPRET as the kernels are decorated, at import; the caller sets it.
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"

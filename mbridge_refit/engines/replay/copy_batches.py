@@ -68,7 +68,7 @@ def _copy_kernels(device: torch.device):
     if device.type != "cuda":
         return None
     try:
-        from mbridge_refit.engines import copy_kernels
+        from mbridge_refit.engines.replay import copy_kernels
     except ImportError:  # no Triton: the foreach path
         return None
     return copy_kernels if copy_kernels.usable(device.index) else None

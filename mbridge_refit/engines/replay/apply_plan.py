@@ -86,9 +86,9 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from mbridge_refit.engines.copy_batches import CopySchedule, byte_span
-from mbridge_refit.engines.fingerprint import differing, named_fingerprints
-from mbridge_refit.engines.shard_remap import (
+from mbridge_refit.engines.replay.copy_batches import CopySchedule, byte_span
+from mbridge_refit.engines.replay.fingerprint import differing, named_fingerprints
+from mbridge_refit.engines.replay.shard_remap import (
     OUTSIDE_PATTERNS,
     Box,
     ShardRemapError,
