@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--out-dir", type=Path, default=None)
     args = parser.parse_args()
-    from mbridge_refit.engines.ipc_session import live_pointers
+    from mbridge_refit.engines.ipc.trainer import live_pointers
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     parameters = tuple(torch.nn.Parameter(torch.zeros(64, device=device)) for _ in range(args.params))

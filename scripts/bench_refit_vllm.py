@@ -106,8 +106,8 @@ class PeakExtra:
 
 def trainer_alone(bridge, chunks, fp8, engine_quantizes: bool, steps: int = 10) -> dict:
     """The trainer's side of a steady refit with no engine behind it: wall and thread CPU ms per step."""
-    from mbridge_refit.engines.ipc_session import IpcSession
-    from mbridge_refit.engines.sharing import LocalTransport
+    from mbridge_refit.engines.ipc.sharing import LocalTransport
+    from mbridge_refit.engines.ipc.trainer import IpcSession
     from mbridge_refit.testing.silent_engine import answering_workers
 
     session = IpcSession(answering_workers, transport=LocalTransport(), engine_quantizes=engine_quantizes)
@@ -163,7 +163,7 @@ def profile_top(fn, steps: int = 5, top: int = 15) -> list[str]:
 
 def live_pointer_reads(llm, parameters: tuple, rounds: int = 5) -> dict:
     """The export's look for ``.data`` swaps timed after an engine RPC (as in our steps) and right again."""
-    from mbridge_refit.engines.ipc_session import live_pointers
+    from mbridge_refit.engines.ipc.trainer import live_pointers
 
     after_rpc, again = [], []
     for _ in range(rounds):

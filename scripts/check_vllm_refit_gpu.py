@@ -167,7 +167,7 @@ def moved_memory_refit(refit, bridge, chunks, fp8, disk: dict, checks: dict) -> 
         torch.empty(0, dtype=torch.uint8, device=offloaded.device).set_(storage).copy_(saved)
     torch.cuda.synchronize()
     moved = (swapped.data_ptr(), storage.data_ptr())
-    found = _LogLines("mbridge_refit.engines.ipc_session")
+    found = _LogLines("mbridge_refit.engines.ipc.trainer")
     with found:
         step = refit.refit(bridge, chunks, fp8=fp8)
     checks["moved_memory_found_after_the_word"] = any("data moved" in line for line in found.lines)

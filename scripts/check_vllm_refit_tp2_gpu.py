@@ -123,7 +123,7 @@ def attention_output_weight(chunks) -> torch.nn.Parameter:
 def gathering_baseline(llm, bridge, chunks, steps: int) -> list[dict]:
     """Each step: every rank's gathering export (held, full tensors), shared once with the worker on
     its GPU, loaded there by vLLM's own ``load_weights``; milliseconds of the whole step and of the load."""
-    from mbridge_refit.engines.sharing import CudaIpcTransport, LayoutRecorder
+    from mbridge_refit.engines.ipc.sharing import CudaIpcTransport, LayoutRecorder
     from mbridge_refit.engines.vllm import ignored_by_engine
 
     transport, ignored, shared, out = CudaIpcTransport(), ignored_by_engine(bridge), None, []

@@ -37,8 +37,8 @@ def main() -> None:
         "engine quantizes the weights that are whole-block rows of a parameter, and the trainer exports only the rest",
     )
     args = parser.parse_args()
-    from mbridge_refit.engines.ipc_session import IpcSession
-    from mbridge_refit.engines.sharing import LocalTransport
+    from mbridge_refit.engines.ipc.sharing import LocalTransport
+    from mbridge_refit.engines.ipc.trainer import IpcSession
     from mbridge_refit.models.recipes import full_size_config
     from mbridge_refit.testing.silent_engine import answering_workers
 

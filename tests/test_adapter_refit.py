@@ -16,7 +16,7 @@ from mbridge_refit.engines.adapter import (
     unplaced,
 )
 from mbridge_refit.engines.adapter_ipc import AdapterReceiver, AdapterShare, AdapterShareError
-from mbridge_refit.engines.sharing import LocalTransport
+from mbridge_refit.engines.ipc.sharing import LocalTransport
 from mbridge_refit.errors import EngineError, InputError
 
 Q = "model.layers.0.self_attn.q_proj"

@@ -26,9 +26,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mbridge_refit.engines.ipc import EngineRefitError, RefitReceiver
+from mbridge_refit.engines.ipc.engine import EngineRefitError, RefitReceiver
+from mbridge_refit.engines.ipc.sharing import LayoutRecorder, LocalTransport
 from mbridge_refit.engines.replay.apply_plan import ApplyPlanError, StagedLoad
-from mbridge_refit.engines.sharing import LayoutRecorder, LocalTransport
 from mbridge_refit.engines.vllm.deep_gemm import reprocess
 from mbridge_refit.engines.vllm.worker import RefitWorkerExtension
 from mbridge_refit.fp8.format import FP8_DTYPE

@@ -16,9 +16,7 @@ import torch
 from conftest import REPO, free_port, torchrun
 from test_roundtrip import layout_flags
 
-from mbridge_refit.engines.replay import fingerprint as fp
-from mbridge_refit.engines.replay.apply_plan import ApplyPlan
-from mbridge_refit.engines.sharing import (
+from mbridge_refit.engines.ipc.sharing import (
     CudaIpcTransport,
     LayoutRecorder,
     LocalTransport,
@@ -26,6 +24,8 @@ from mbridge_refit.engines.sharing import (
     SharingError,
     views,
 )
+from mbridge_refit.engines.replay import fingerprint as fp
+from mbridge_refit.engines.replay.apply_plan import ApplyPlan
 from mbridge_refit.testing.parameter_classes import DispatchingParameter
 
 CHECKER = str(REPO / "tests" / "ranks" / "engine_refit_check.py")
@@ -211,7 +211,7 @@ class _Recorded:
 def test_receiver_records_again_when_the_engine_replaced_a_parameter(signal):
     """Also when the apply signals by event (it looks for moved parameters before it launches anything: the
     engine may have freed a replaced parameter's old storage), and a plain replay follows into the new one."""
-    from mbridge_refit.engines.ipc import RefitReceiver
+    from mbridge_refit.engines.ipc.engine import RefitReceiver
 
     model = _Fused()
     recorder = LayoutRecorder()
@@ -431,7 +431,7 @@ class _Processed(torch.nn.Module):
 
 
 def _open_on(model, staged, tensors):
-    from mbridge_refit.engines.ipc import RefitReceiver
+    from mbridge_refit.engines.ipc.engine import RefitReceiver
 
     recorder = LayoutRecorder()
     for name, tensor in tensors.items():
@@ -498,7 +498,7 @@ def _grouped_case(groups: int = 4, q_rows: int = 2, group_rows: int = 3, width: 
 
 
 def test_rows_are_composed_to_read_the_origin():
-    from mbridge_refit.engines.ipc import RefitReceiver
+    from mbridge_refit.engines.ipc.engine import RefitReceiver
 
     qkv, runs, q, other, b = _grouped_case()
     rest = torch.randn(3, 5)
@@ -553,7 +553,7 @@ def test_rows_a_loader_reads_in_other_shapes_are_refreshed_before_each_replay():
 
 def _open_q_only(engine: type):
     """An engine of class ``engine`` opened on ``q`` (named as rows of the QKV origin) and ``rest``."""
-    from mbridge_refit.engines.ipc import RefitReceiver
+    from mbridge_refit.engines.ipc.engine import RefitReceiver
 
     qkv, runs, q, _, _ = _grouped_case()
     recorder = LayoutRecorder()
@@ -577,7 +577,7 @@ def test_composed_rows_are_rebuilt_before_the_loader_is_recorded_again():
 
 
 def test_row_runs_that_do_not_make_the_tensor_are_refused():
-    from mbridge_refit.engines.sharing import row_sources
+    from mbridge_refit.engines.ipc.sharing import row_sources
 
     qkv, runs, q, _, _ = _grouped_case()
     for bad in (runs[:-1], (*runs[:-1], (6, 11, 2)), ((0, 0, 4), (2, 4, 6))):

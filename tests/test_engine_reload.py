@@ -15,9 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mbridge_refit.engines.ipc import EngineRefitError, RefitReceiver
+from mbridge_refit.engines.ipc.engine import EngineRefitError, RefitReceiver
+from mbridge_refit.engines.ipc.sharing import LayoutRecorder, LocalTransport
 from mbridge_refit.engines.replay.apply_plan import ApplyPlan, ApplyPlanError, StagedLoad
-from mbridge_refit.engines.sharing import LayoutRecorder, LocalTransport
 
 # vllm/model_executor/model_loader/reload/meta.py:25-32: SKIP_TENSORS = {"_expert_map", ...,
 # "e_score_correction_bias"}: never moved to meta, never staged, its loader never wrapped.

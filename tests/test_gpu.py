@@ -123,7 +123,7 @@ def test_moe_with_megatrons_expert_tp_default_matches_stock(gpus, tmp_path):
 
 _IPC_ENGINE = """
 import sys, torch
-from mbridge_refit.engines.sharing import CudaIpcTransport
+from mbridge_refit.engines.ipc.sharing import CudaIpcTransport
 (storage,) = CudaIpcTransport().open(open(sys.argv[1], "rb").read(), torch.device("cuda", 0))
 data = torch.empty(0, dtype=torch.uint8, device="cuda").set_(storage)
 print(storage.nbytes(), int(data.sum(dtype=torch.int64)))
@@ -141,7 +141,7 @@ def test_cuda_ipc_transport_opens_the_same_memory_in_another_process(tmp_path):
 
     from conftest import REPO
 
-    from mbridge_refit.engines.sharing import CudaIpcTransport
+    from mbridge_refit.engines.ipc.sharing import CudaIpcTransport
 
     source = (torch.arange(3001, device="cuda") % 251).to(torch.uint8)
     expected = (source.untyped_storage().nbytes(), int(source.sum(dtype=torch.int64)))  # before the engine writes

@@ -29,7 +29,7 @@ from conftest import free_port
 from torch.distributed.checkpoint.api import CheckpointException
 
 from mbridge_refit.checkpoints.megatron import NotAMegatronCheckpoint, check_byte_item, check_pickled_parts
-from mbridge_refit.engines.sharing import CudaIpcTransport, SharingError
+from mbridge_refit.engines.ipc.sharing import CudaIpcTransport, SharingError
 
 ALLOWED_INDEX_MODULES = ("torch.distributed.checkpoint.filesystem", "torch.distributed.checkpoint.metadata", "torch")
 
@@ -412,7 +412,7 @@ def _ipc_args(handle: bytes | None = b"\x01\x02" * 32) -> tuple:
 
 @pytest.mark.parametrize("args", [_ipc_args(), _ipc_args(handle=None)], ids=["handle", "empty"])
 def test_ipc_payload_round_trip(args):
-    from mbridge_refit.engines.ipc_handles import decode_payload, encode_payload
+    from mbridge_refit.engines.ipc.handles import decode_payload, encode_payload
 
     payload = encode_payload([{"GPU-aaaa": args}, {"GPU-aaaa": args, "GPU-bbbb": args}])
     decoded = decode_payload(payload)
@@ -436,7 +436,7 @@ def test_ipc_payload_round_trip(args):
 def test_ipc_payload_refuses_crafted_fields(field, value, message):
     import json
 
-    from mbridge_refit.engines.ipc_handles import encode_payload
+    from mbridge_refit.engines.ipc.handles import encode_payload
 
     wire = json.loads(encode_payload([{"GPU-aaaa": _ipc_args()}]))
     wire["storages"][0]["GPU-aaaa"][field] = value

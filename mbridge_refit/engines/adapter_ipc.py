@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from mbridge_refit.engines.adapter import PEFT_PREFIX
-from mbridge_refit.engines.sharing import TRANSPORTS, LayoutRecorder, SharedLayout, SharingError, Transport, views
+from mbridge_refit.engines.ipc.sharing import TRANSPORTS, LayoutRecorder, SharedLayout, SharingError, Transport, views
 from mbridge_refit.errors import EngineError
 
 __all__ = ["AdapterReceiver", "AdapterShare", "AdapterShareError"]

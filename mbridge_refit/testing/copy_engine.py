@@ -10,7 +10,7 @@ from collections.abc import Collection, Iterable
 
 import torch
 
-from mbridge_refit.engines.ipc import RefitReceiver
+from mbridge_refit.engines.ipc.engine import RefitReceiver
 
 __all__ = ["CopyEngine", "CopyEngineWorker"]
 

@@ -21,8 +21,8 @@ import sys
 
 from host_work_check import count_calls, main
 
-from mbridge_refit.engines.ipc_session import IpcSession
-from mbridge_refit.engines.sharing import LocalTransport
+from mbridge_refit.engines.ipc.sharing import LocalTransport
+from mbridge_refit.engines.ipc.trainer import IpcSession
 from mbridge_refit.testing.many_experts import many_expert_model
 from mbridge_refit.testing.silent_engine import answering_workers
 

@@ -57,7 +57,7 @@ from collections.abc import Callable
 
 import torch
 
-from mbridge_refit.engines.ipc import EngineRefitError
+from mbridge_refit.engines.ipc.engine import EngineRefitError
 
 __all__ = [
     "DEEP_GEMM_KERNEL",

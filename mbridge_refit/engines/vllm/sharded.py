@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mbridge_refit.engines.sharded_ipc import ShardedIpcSession
-from mbridge_refit.engines.sharing import CudaIpcTransport, Transport
+from mbridge_refit.engines.ipc.sharded import ShardedIpcSession
+from mbridge_refit.engines.ipc.sharing import CudaIpcTransport, Transport
 from mbridge_refit.engines.vllm import trainer
 
 __all__ = ["VLLMShardedRefit"]

@@ -27,10 +27,10 @@ import torch
 
 from mbridge_refit.engines.adapter_ipc import AdapterReceiver
 from mbridge_refit.engines.broadcast import BroadcastTarget
-from mbridge_refit.engines.ipc import RefitReceiver
+from mbridge_refit.engines.ipc.engine import RefitReceiver
+from mbridge_refit.engines.ipc.sharded import worker_entry
 from mbridge_refit.engines.replay.apply_plan import Recompute, StagedLoad
 from mbridge_refit.engines.replay.fingerprint import named_fingerprints
-from mbridge_refit.engines.sharded_ipc import worker_entry
 from mbridge_refit.engines.vllm.deep_gemm import refuse_unsupported, reprocess
 from mbridge_refit.engines.vllm.lora import AdapterSlot, adapter_limits
 from mbridge_refit.errors import EngineError

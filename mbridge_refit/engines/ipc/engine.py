@@ -55,8 +55,16 @@ from typing import Any
 
 import torch
 
-from mbridge_refit.engines.completion import ReplayDone
-from mbridge_refit.engines.go_ahead import GoAheadError, GoAheadWaiter
+from mbridge_refit.engines.ipc.completion import ReplayDone
+from mbridge_refit.engines.ipc.go_ahead import GoAheadError, GoAheadWaiter
+from mbridge_refit.engines.ipc.sharing import (
+    TRANSPORTS,
+    SharedLayout,
+    SharingError,
+    quantized_sources,
+    row_sources,
+    views,
+)
 from mbridge_refit.engines.replay.apply_plan import (
     ApplyPlan,
     ApplyPlanError,
@@ -64,14 +72,6 @@ from mbridge_refit.engines.replay.apply_plan import (
     Recompute,
     Shards,
     StagedLoad,
-)
-from mbridge_refit.engines.sharing import (
-    TRANSPORTS,
-    SharedLayout,
-    SharingError,
-    quantized_sources,
-    row_sources,
-    views,
 )
 from mbridge_refit.errors import EngineError
 

@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from mbridge_refit.engines.base import CallWorkers, RefitStep
-from mbridge_refit.engines.sharing import LayoutRecorder, ShardBox, SharedLayout, Transport
+from mbridge_refit.engines.ipc.sharing import LayoutRecorder, ShardBox, SharedLayout, Transport
 from mbridge_refit.errors import EngineError, InputError
 from mbridge_refit.fp8.format import scale_box, scale_name, scale_shape
 from mbridge_refit.fp8.plan import check_engine_boxes

@@ -71,9 +71,9 @@ from typing import Any, NamedTuple
 import torch
 
 from mbridge_refit.engines.base import CallWorkers, RefitStep
-from mbridge_refit.engines.completion import DoneSignal
-from mbridge_refit.engines.go_ahead import GoAheadError, GoAheadLine
-from mbridge_refit.engines.sharing import (
+from mbridge_refit.engines.ipc.completion import DoneSignal
+from mbridge_refit.engines.ipc.go_ahead import GoAheadError, GoAheadLine
+from mbridge_refit.engines.ipc.sharing import (
     CudaIpcTransport,
     ExportSnapshot,
     LayoutRecorder,

@@ -43,7 +43,7 @@ from typing import Any, Protocol
 
 import torch
 
-from mbridge_refit.engines.ipc_handles import BadIpcPayload, decode_payload, encode_payload
+from mbridge_refit.engines.ipc.handles import BadIpcPayload, decode_payload, encode_payload
 from mbridge_refit.errors import EngineError
 from mbridge_refit.runtime.stamps import stamp_of
 
