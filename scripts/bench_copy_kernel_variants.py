@@ -9,7 +9,7 @@ an H100. The kernel read every chunk under a mask whose bound is a number from t
 compiler could not prove 16-byte runs and issued 8-byte accesses. The variants:
 
 * ``masked_64k_8w``: that kernel (every chunk masked), 64 KiB chunks, 8 warps;
-* ``chunks_<K>k_<W>w``: ``engines.copy_kernels._copy_chunks`` as it is (a whole chunk unmasked, only a
+* ``chunks_<K>k_<W>w``: ``engines.replay.copy_kernels._copy_chunks`` as it is (a whole chunk unmasked, only a
   copy's last shorter chunk masked) with K KiB chunks and W warps a program; the library runs
   ``copy_kernels.CHUNK_BYTES`` and ``NUM_WARPS``.
 

@@ -10,7 +10,7 @@ the pointer), so a look that follows other work may wait on memory for each of t
 in alternating rounds, right after the same look (``warm``), after a sweep over 256 MiB of host memory
 (``after_sweep``), after waiting for 5 ms of GPU work (``after_gpu_wait``: the thread spins in the
 synchronize, as a trainer does before a refit) and after a 5 ms sleep (``after_sleep``). Needs only torch
-and this package (``engines.ipc_session.live_pointers``, the look itself).
+and this package (``engines.ipc.trainer.live_pointers``, the look itself).
 Writes DIR/bench_pointer_reads.json with its manifest; prints it.
 """
 

@@ -14,7 +14,7 @@ checked on rank 0 and shared:
    own loader: with ``--fp8`` a block-FP8 engine) and every worker's parameter fingerprints and the prompt
    logprobs of a fixed batch are read: the oracle. Every engine parameter is then overwritten with noise
    (the fingerprints must change).
-2. ``VLLMShardedRefit`` (``engines.sharded_ipc``; with ``--fp8``, ``fp8=BlockwiseFP8Config()``): the
+2. ``VLLMShardedRefit`` (``engines.ipc.sharded``; with ``--fp8``, ``fp8=BlockwiseFP8Config()``): the
    sharded transfer fills each trainer rank's shard buffers (with FP8, each rank then quantizes its
    shards of the quantized weights into kept FP8 and scale buffers), each worker maps those of the
    trainer rank on its GPU, records vLLM's ``load_weights`` (FP8: through vLLM's layerwise reload)

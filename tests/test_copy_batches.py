@@ -1,4 +1,4 @@
-"""engines.copy_batches: recorded copies grouped for ``torch._foreach_copy_`` only where independent.
+"""engines.replay.copy_batches: recorded copies grouped for ``torch._foreach_copy_`` only where independent.
 
 On CPU ``_foreach_copy_`` copies in list order, so a group that should have been split would still
 give the right bytes here; the schedule's structure (which copies share a call) is what these tests
@@ -128,7 +128,7 @@ def test_chunk_rows_cover_every_byte_once():
 
 
 def test_chunked_copy_kernel_writes_what_copy_writes():
-    """``engines.copy_kernels``' Triton kernel run by Triton's CPU interpreter against ``copy_``
+    """``engines.replay.copy_kernels``' Triton kernel run by Triton's CPU interpreter against ``copy_``
     (tests/ranks/chunked_copy_kernel_check.py); on a GPU its probe checks it again before use and
     tests/test_gpu.py replays through it."""
     run_interpreted("chunked_copy_kernel_check.py", "chunked copies == copy_")

@@ -1,6 +1,6 @@
 """What vLLM 0.26's DeepGEMM does to block-FP8 layers after loading them, modelled on CPU, and how a
 colocated refit into such an engine is exact or refused by name (``engines.vllm.deep_gemm``,
-``engines.apply_plan``'s processed parameters).
+``engines.replay.apply_plan``'s processed parameters).
 
 The stand-ins are vLLM's, cut to what the refit sees (paths under ``vllm/``): ``Fp8LinearMethod`` hands
 processing to its kernel; ``DeepGemmFp8BlockScaledMMKernel.process_weights_after_loading``

@@ -198,7 +198,7 @@ def test_apply_plan_reports_missing_and_partial():
 
 
 class _Recorded:
-    """Stands in for the engine's replay event (``engines.completion.ReplayDone``): counts its records."""
+    """Stands in for the engine's replay event (``engines.ipc.completion.ReplayDone``): counts its records."""
 
     def __init__(self) -> None:
         self.records = 0

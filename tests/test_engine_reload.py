@@ -1,5 +1,5 @@
 """What vLLM 0.26 does when it reloads DeepSeek-V3's layers, modelled on CPU, and how the recorded
-apply plan (``engines.apply_plan``) replays it exactly or refuses it by name.
+apply plan (``engines.replay.apply_plan``) replays it exactly or refuses it by name.
 
 ``Reload`` below is vLLM's layerwise reload cut to what the recorder sees
 (``vllm/model_executor/model_loader/reload/layerwise.py``): every layer's loadable parameters

@@ -1,4 +1,4 @@
-"""The colocated step's go-ahead line (``engines.go_ahead``): a worker told apply or skip for its step,
+"""The colocated step's go-ahead line (``engines.ipc.go_ahead``): a worker told apply or skip for its step,
 earlier steps' words passed over, and every way the line can fail ending the worker's wait loudly and
 at once (a closed trainer end, a timeout, words out of step), a stranger's connection never taken for
 the worker's."""

@@ -295,10 +295,10 @@ def test_stack_kernels_write_what_copy_into_writes(interleave, shape):
 
 
 def test_replay_schedule_runs_plain_copies_as_one_chunked_launch():
-    """``engines.copy_batches`` on CUDA: an engine-like replay (each expert's gate and up rows into
+    """``engines.replay.copy_batches`` on CUDA: an engine-like replay (each expert's gate and up rows into
     a stacked parameter, a dense weight, q of each query group from an interleaved QKV as one
     strided copy, a converting copy) runs its byte copies through
-    ``engines.copy_kernels.ChunkedCopies`` and the rest through ``_foreach_copy_``, and writes what
+    ``engines.replay.copy_kernels.ChunkedCopies`` and the rest through ``_foreach_copy_``, and writes what
     a ``copy_`` per pair writes, bitwise, twice (the second from the kept chunk table)."""
     from mbridge_refit.engines.replay import copy_kernels
     from mbridge_refit.engines.replay.copy_batches import CopySchedule

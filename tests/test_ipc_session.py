@@ -1,7 +1,7 @@
 """An engine adapter plugs into the colocated transport without vLLM: a few lines bind
-``engines.ipc_session.IpcSession`` to an engine of this test's own (its workers called in this
+``engines.ipc.trainer.IpcSession`` to an engine of this test's own (its workers called in this
 process, arguments and results pickled as between processes; the worker is the transport's engine
-side, ``engines.ipc.RefitReceiver``), and a Megatron model on one CPU rank refits it exactly.
+side, ``engines.ipc.engine.RefitReceiver``), and a Megatron model on one CPU rank refits it exactly.
 
 Oracles: the checkpoint on disk for the first refit, the stock export (Megatron-Bridge's own) of the
 changed model for the second; never our own export.
@@ -403,7 +403,7 @@ def test_the_engine_agnostic_sessions_import_without_any_engine_adapter():
 
 
 class _Signal:
-    """Stands in for the engine's replay event opened on the trainer (``engines.completion.DoneSignal``)."""
+    """Stands in for the engine's replay event opened on the trainer (``engines.ipc.completion.DoneSignal``)."""
 
     def __init__(self, calls: list[str]) -> None:
         self.calls = calls

@@ -1,5 +1,5 @@
 """The sharded colocated refit into a tensor-parallel engine without vLLM: recorded reads moved into
-shards (engines.shard_remap, ApplyPlan.record(shards=...), RefitReceiver on a layout of shards), and
+shards (engines.replay.shard_remap, ApplyPlan.record(shards=...), RefitReceiver on a layout of shards), and
 the whole loop from a Megatron model through the sharded transfer into a vLLM-like TP2 engine
 (tests/ranks/tp_engine.py) on 2 CPU ranks (tests/ranks/sharded_engine_check.py).
 

@@ -8,7 +8,7 @@ hosts, and in a ``torch.distributed`` world of its own. Every worker receives ev
 engine's own ``load_weights`` decides where it lands (each worker takes its shard, as with vLLM's
 native weight transfer).
 
-Recorded once, replayed after (``engines.apply_plan``, as the colocated transport does). The
+Recorded once, replayed after (``engines.replay.apply_plan``, as the colocated transport does). The
 receive buffers (``ReceiveBuffers``) live as long as the session, bucket ``b`` always lands in
 buffer ``b % num_buffers`` and a tensor split across buckets in one scratch, so each tensor is the
 same view of the same memory every refit. The session's first refit hands each received tensor

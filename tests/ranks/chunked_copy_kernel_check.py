@@ -1,4 +1,4 @@
-"""Run under TRITON_INTERPRET=1 on CPU (tests/test_copy_batches.py): ``engines.copy_kernels``'
+"""Run under TRITON_INTERPRET=1 on CPU (tests/test_copy_batches.py): ``engines.replay.copy_kernels``'
 chunked-copy kernel, one launch over many copies, must write exactly what ``copy_`` writes: copies
 shorter than a chunk, longer (a tail), exactly whole chunks, views into one stacked destination
 (the gate and up rows of each expert, as an engine's fused MoE parameter takes them), strided views

@@ -1,4 +1,4 @@
-"""Host work of a steady colocated refit's trainer side (``engines.ipc_session.IpcSession.refit``), per
+"""Host work of a steady colocated refit's trainer side (``engines.ipc.trainer.IpcSession.refit``), per
 engine tensor, counted (not timed): run by tests/test_host_work.py in a process of its own (one CPU rank, TP1).
 
 Usage: ipc_host_work_check.py --experts N [N ...] --result FILE [--fp8 [--stub-quantizer]]

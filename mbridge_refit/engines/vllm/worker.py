@@ -5,8 +5,8 @@ vLLM mixes ``RefitWorkerExtension`` into its GPU worker when the engine is start
 sessions (``engines.vllm.trainer``) call its methods through ``LLM.collective_rpc`` on every
 worker, each named ``mbridge_refit_<verb>``; arguments and results are plain data (msgpack).
 Each RPC hands over to a transport's engine side: ``open`` / ``apply`` / ``close`` to
-``engines.ipc.RefitReceiver`` (colocated, CUDA IPC), as do ``open_shards`` / ``apply_shards``
-(colocated at engine TP > 1: the worker's own entry, ``engines.sharded_ipc``), ``join`` / ``receive`` / ``leave`` to
+``engines.ipc.engine.RefitReceiver`` (colocated, CUDA IPC), as do ``open_shards`` / ``apply_shards``
+(colocated at engine TP > 1: the worker's own entry, ``engines.ipc.sharded``), ``join`` / ``receive`` / ``leave`` to
 ``engines.broadcast.BroadcastTarget`` (other GPUs, the packed broadcast), ``adapter_limits`` /
 ``adapter_open`` / ``adapter_load`` / ``adapter_close`` to ``engines.adapter_ipc.AdapterReceiver`` and
 ``engines.vllm.lora`` (a LoRA adapter into vLLM's slot, the base untouched); ``fingerprints`` reads
@@ -104,8 +104,8 @@ class RefitWorkerExtension:
     ) -> dict:
         """Map the trainer's tensors, load them once through the model's ``load_weights`` while
         recording its copies, optionally prove the recording; returns the open report (with
-        ``completion``, the handle of the event later applies record: ``engines.completion``; with
-        ``go_ahead``, connected to the trainer's line for early applies: ``engines.go_ahead``)."""
+        ``completion``, the handle of the event later applies record: ``engines.ipc.completion``; with
+        ``go_ahead``, connected to the trainer's line for early applies: ``engines.ipc.go_ahead``)."""
         return self._mbridge_receiver().open(
             wire, payload, transport, check=check, allow_partial=allow_partial, completion=completion, go_ahead=go_ahead
         )
@@ -121,7 +121,7 @@ class RefitWorkerExtension:
     def mbridge_refit_open_shards(
         self, wires: list, payloads: list, transport: str, check: bool, allow_partial: bool
     ) -> dict:
-        """Open this worker's entry of a sharded refit (``engines.sharded_ipc``): its engine rank is
+        """Open this worker's entry of a sharded refit (``engines.ipc.sharded``): its engine rank is
         its tensor-parallel rank (``_worker_index``), its shards are the trainer rank's on its GPU."""
         rank = _worker_index(self)
         wire, payload = worker_entry(wires, rank, "shard layout"), worker_entry(payloads, rank, "shard payload")
@@ -197,7 +197,7 @@ class RefitWorkerExtension:
 
     def mbridge_refit_fingerprints(self) -> dict[str, list[int]]:
         """``{parameter name: [sum, weighted sum]}`` of every model parameter (exact; see
-        ``engines.fingerprint``)."""
+        ``engines.replay.fingerprint``)."""
         model = self.model_runner.get_model()
         return {name: list(fp) for name, fp in named_fingerprints(model.named_parameters()).items()}
 
