@@ -47,7 +47,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from mbridge_refit.sinks.bounded_kernels import BoundedKernels
+from mbridge_refit.engines.broadcast.bounded_kernels import BoundedKernels
 
 SENDER = 0
 

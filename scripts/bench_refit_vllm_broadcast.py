@@ -73,7 +73,7 @@ from bench_refit_vllm import dummy_engine, engine_config, prefix_cache_reset  # 
 from check_vllm_broadcast_gpu import free_port, worker_nccl_env  # noqa: E402
 from check_vllm_refit_gpu import model_config, parser_with_engine_arguments, tp1_trainer  # noqa: E402
 
-from mbridge_refit.sinks.packed_broadcast import DEFAULT_BUCKET_BYTES  # noqa: E402
+from mbridge_refit.engines.broadcast.packed import DEFAULT_BUCKET_BYTES  # noqa: E402
 
 logger = logging.getLogger("bench_refit_vllm_broadcast")
 
@@ -127,7 +127,7 @@ class Background:
 def worker_raw_broadcast(worker, nbytes: int, repeats: int) -> list[int]:
     """Receive ``repeats`` broadcasts of ``nbytes`` from the trainer over the refit session's group;
     return the sums of the last one's leading and trailing ``RAW_CHECK_BYTES``."""
-    from mbridge_refit.engines.broadcast import SOURCE_RANK
+    from mbridge_refit.engines.broadcast.engine import SOURCE_RANK
 
     group = worker._mbridge_broadcast_target.group
     buffer = getattr(worker, "_bench_raw_buffer", None)
@@ -165,7 +165,7 @@ def worker_drop_raw_buffer(worker) -> None:
 
 def raw_broadcast(llm, group, nbytes: int, repeats: int) -> tuple[list[float], bool]:
     """Trainer side of ``worker_raw_broadcast``: per-broadcast ms, and whether the bytes arrived."""
-    from mbridge_refit.engines.broadcast import SOURCE_RANK
+    from mbridge_refit.engines.broadcast.engine import SOURCE_RANK
 
     buffer = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
     expected = [
@@ -325,9 +325,9 @@ def start_engine(directory: Path, args, native: bool):
 
 def run(args) -> dict:
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of this script's functions
+    from mbridge_refit.engines.broadcast.packed import PackedBroadcastConfig
     from mbridge_refit.engines.vllm import VLLMBroadcastRefit
     from mbridge_refit.fp8.format import BlockwiseFP8Config
-    from mbridge_refit.sinks.packed_broadcast import PackedBroadcastConfig
 
     config = model_config(args)
     fp8 = BlockwiseFP8Config() if args.fp8 else None

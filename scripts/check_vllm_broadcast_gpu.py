@@ -254,9 +254,9 @@ def run(args) -> dict:
     os.environ.update(matched)  # before the trainer's first NCCL call: NCCL reads them once per process
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of this script's functions
 
+    from mbridge_refit.engines.broadcast.packed import PackedBroadcastConfig
     from mbridge_refit.engines.replay.fingerprint import differing
     from mbridge_refit.engines.vllm import prompt_logprobs
-    from mbridge_refit.sinks.packed_broadcast import PackedBroadcastConfig
 
     faults = (
         [f for f in args.inject_fault.split(",") if f]
@@ -286,7 +286,7 @@ def run(args) -> dict:
             os.environ["CUDA_VISIBLE_DEVICES"] = str(args.engine_gpu)
         llm = start_engine(checkpoint, args)
         if own_gpu:
-            from mbridge_refit.runtime.broadcast_group import (
+            from mbridge_refit.engines.broadcast.group import (
                 group_settings,
                 settings_differences,
             )

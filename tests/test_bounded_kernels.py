@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import run_interpreted
 
-from mbridge_refit.sinks.bounded_kernels import BoundedKernels
-from mbridge_refit.sinks.broadcast_wire import PackedBroadcastConfig, checksum_into
+from mbridge_refit.engines.broadcast.bounded_kernels import BoundedKernels
+from mbridge_refit.engines.broadcast.wire import PackedBroadcastConfig, checksum_into
 
 
 def test_the_kernels_copy_and_sum_as_torch_does_in_tritons_interpreter():

@@ -10,15 +10,15 @@ import torch
 from conftest import free_port
 from test_broadcast_faults import CONFIG, PLAN, SECRET, Bridge, Engine, InProcessLLM, plan_tensors, run_members
 
-from mbridge_refit.runtime.broadcast_group import StoreGroup
-from mbridge_refit.sinks.broadcast_timing import BucketTimeline, receiver_phases, source_phases
-from mbridge_refit.sinks.packed_broadcast import (
+from mbridge_refit.engines.broadcast.group import StoreGroup
+from mbridge_refit.engines.broadcast.packed import (
     PackedBroadcastConfig,
     PackedBroadcastReceiver,
     PackedBroadcastSender,
     SendBuffers,
     StreamPacking,
 )
+from mbridge_refit.engines.broadcast.timing import BucketTimeline, receiver_phases, source_phases
 
 
 def test_source_phases_from_marks():

@@ -114,7 +114,7 @@ def test_a_second_adapter_plugs_in_without_the_transports_knowing():
 
 def test_the_transports_import_without_any_engine_adapter():
     code = (
-        "import sys, mbridge_refit.engines.ipc.engine, mbridge_refit.engines.broadcast, mbridge_refit.engines.base, "
+        "import sys, mbridge_refit.engines.ipc.engine, mbridge_refit.engines.broadcast.engine, mbridge_refit.engines.base, "
         "mbridge_refit.engines.ipc.sharded; "
         "print(sorted(m for m in sys.modules if m.startswith('mbridge_refit.engines.vllm') or m == 'vllm'))"
     )

@@ -394,7 +394,7 @@ def test_the_engine_agnostic_sessions_import_without_any_engine_adapter():
     import subprocess
 
     code = (
-        "import sys, mbridge_refit.engines.ipc.trainer, mbridge_refit.engines.broadcast_session; "
+        "import sys, mbridge_refit.engines.ipc.trainer, mbridge_refit.engines.broadcast.trainer; "
         "print(sorted(m for m in sys.modules if m.startswith('mbridge_refit.engines.vllm') or m == 'vllm'))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)

@@ -457,7 +457,7 @@ def test_ipc_payload_refuses_another_format():
 def _receive_one(port: int, secret: bytes, results) -> None:
     """Member 1 of ``_store_group_pair``, in a process of its own: what ``broadcast_object`` gives it, or the
     exception it raised, into ``results``."""
-    from mbridge_refit.runtime.broadcast_group import StoreGroup
+    from mbridge_refit.engines.broadcast.group import StoreGroup
 
     try:
         group = StoreGroup(host="127.0.0.1", port=port, rank=1, world_size=2, device="cpu", secret=secret)
@@ -472,7 +472,7 @@ def _store_group_pair(send):
     what member 1's ``broadcast_object`` gave it (or the exception it raised). Not two threads of one process:
     two gloo process groups of one process all-reducing in two threads once crashed gloo (a segmentation fault
     that ends the whole test run)."""
-    from mbridge_refit.runtime.broadcast_group import StoreGroup, new_secret
+    from mbridge_refit.engines.broadcast.group import StoreGroup, new_secret
 
     port, context, secret = free_port(), multiprocessing.get_context("spawn"), new_secret()
     results = context.Queue()

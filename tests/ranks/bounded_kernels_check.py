@@ -12,10 +12,10 @@ import os
 
 import torch
 
-from mbridge_refit.sinks import broadcast_buffers
-from mbridge_refit.sinks.bounded_kernels import BLOCK_WORDS, MIN_BYTES, BoundedKernels
-from mbridge_refit.sinks.broadcast_buffers import SendBuffers
-from mbridge_refit.sinks.broadcast_wire import PackedBroadcastConfig, checksum_into
+from mbridge_refit.engines.broadcast import buffers as broadcast_buffers
+from mbridge_refit.engines.broadcast.bounded_kernels import BLOCK_WORDS, MIN_BYTES, BoundedKernels
+from mbridge_refit.engines.broadcast.buffers import SendBuffers
+from mbridge_refit.engines.broadcast.wire import PackedBroadcastConfig, checksum_into
 from mbridge_refit.testing.plans import replicated_plan
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"

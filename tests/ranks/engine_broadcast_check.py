@@ -121,9 +121,9 @@ def main() -> None:
 
     from mbridge_refit.bridge import RefitBridge
     from mbridge_refit.convert.session import distributed_session
+    from mbridge_refit.engines.broadcast.packed import PackedBroadcastConfig
     from mbridge_refit.engines.vllm import VLLMBroadcastRefit
     from mbridge_refit.models.builder import BuildOptions, build_model
-    from mbridge_refit.sinks.packed_broadcast import PackedBroadcastConfig
 
     cpu = torch.device("cpu")
     on_disk = read_checkpoint(args.hf)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mbridge_refit.engines.broadcast_session import BroadcastSession, on_a_thread
+from mbridge_refit.engines.broadcast.trainer import BroadcastSession, on_a_thread
 from mbridge_refit.engines.ipc.sharing import Transport
 from mbridge_refit.engines.ipc.trainer import IpcSession
 from mbridge_refit.engines.vllm.worker import WORKER_EXTENSION

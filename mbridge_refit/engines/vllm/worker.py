@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from mbridge_refit.engines.adapter_ipc import AdapterReceiver
-from mbridge_refit.engines.broadcast import BroadcastTarget
+from mbridge_refit.engines.broadcast.engine import BroadcastTarget
 from mbridge_refit.engines.ipc.engine import RefitReceiver
 from mbridge_refit.engines.ipc.sharded import worker_entry
 from mbridge_refit.engines.replay.apply_plan import Recompute, StagedLoad

@@ -95,14 +95,14 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from mbridge_refit.errors import TransportError
-from mbridge_refit.runtime.store_entries import (
+from mbridge_refit.engines.broadcast.store_entries import (
     STORE_PROTOCOL,
     SignedEntries,
     StoreProtocolError,
     check_secret,
     new_secret,
 )
+from mbridge_refit.errors import TransportError
 
 __all__ = [
     "BroadcastGroup",

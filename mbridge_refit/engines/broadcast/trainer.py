@@ -70,19 +70,15 @@ from typing import Any
 import torch
 
 from mbridge_refit.engines.base import CallWorkers, RefitStep
-from mbridge_refit.engines.broadcast import SOURCE_RANK
-from mbridge_refit.engines.worker_call import StartWorkers, WorkerCall, WorkerCallHandle, on_a_thread
-from mbridge_refit.runtime.broadcast_group import (
+from mbridge_refit.engines.broadcast.engine import SOURCE_RANK
+from mbridge_refit.engines.broadcast.group import (
     PEER_SILENT_S,
     PeerFailedError,
     StoreGroup,
     as_broadcast_group,
     new_secret,
 )
-from mbridge_refit.runtime.weight_source import ExportsWeights, Model
-from mbridge_refit.sinks.base import DiscardSink, drain
-from mbridge_refit.sinks.broadcast_timing import BucketTimeline, source_phases
-from mbridge_refit.sinks.packed_broadcast import (
+from mbridge_refit.engines.broadcast.packed import (
     PackedBroadcastConfig,
     PackedBroadcastSender,
     PlanMismatchError,
@@ -91,6 +87,10 @@ from mbridge_refit.sinks.packed_broadcast import (
     post_failure,
     share_verdict,
 )
+from mbridge_refit.engines.broadcast.timing import BucketTimeline, source_phases
+from mbridge_refit.engines.worker_call import StartWorkers, WorkerCall, WorkerCallHandle, on_a_thread
+from mbridge_refit.runtime.weight_source import ExportsWeights, Model
+from mbridge_refit.sinks.base import DiscardSink, drain
 
 __all__ = [
     "BroadcastSession",

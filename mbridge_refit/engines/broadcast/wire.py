@@ -21,10 +21,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mbridge_refit.engines.broadcast.bounded_kernels import DEFAULT_PROGRAMS, MAX_PROGRAMS
+from mbridge_refit.engines.broadcast.group import BroadcastGroup
 from mbridge_refit.errors import TransportError
 from mbridge_refit.plan.entries import ExportPlan, PlanEntry
-from mbridge_refit.runtime.broadcast_group import BroadcastGroup
-from mbridge_refit.sinks.bounded_kernels import DEFAULT_PROGRAMS, MAX_PROGRAMS
 
 __all__ = [
     "ALIGN_BYTES",

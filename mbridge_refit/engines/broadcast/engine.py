@@ -57,17 +57,17 @@ from typing import Any
 
 import torch
 
-from mbridge_refit.engines.replay.apply_plan import ApplyPlan, LoadRecording, LoadWeights, StagedLoad
-from mbridge_refit.errors import EngineError
-from mbridge_refit.runtime.broadcast_group import StoreGroup
-from mbridge_refit.sinks.broadcast_timing import BucketTimeline, receiver_phases
-from mbridge_refit.sinks.packed_broadcast import (
+from mbridge_refit.engines.broadcast.group import StoreGroup
+from mbridge_refit.engines.broadcast.packed import (
     PackedBroadcastConfig,
     PackedBroadcastReceiver,
     PlanMismatchError,
     ReceiveBuffers,
     post_failure,
 )
+from mbridge_refit.engines.broadcast.timing import BucketTimeline, receiver_phases
+from mbridge_refit.engines.replay.apply_plan import ApplyPlan, LoadRecording, LoadWeights, StagedLoad
+from mbridge_refit.errors import EngineError
 
 __all__ = ["SOURCE_RANK", "BroadcastRefitError", "BroadcastTarget", "ReceiveReport"]
 

@@ -70,12 +70,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mbridge_refit.plan.entries import ExportPlan
-from mbridge_refit.runtime.broadcast_group import GroupLike, as_broadcast_group
-from mbridge_refit.sinks.base import WeightSink
-from mbridge_refit.sinks.broadcast_buffers import ReceiveBuffers, SendBuffers, endpoint
-from mbridge_refit.sinks.broadcast_timing import BucketTimeline
-from mbridge_refit.sinks.broadcast_wire import (
+from mbridge_refit.engines.broadcast.buffers import ReceiveBuffers, SendBuffers, endpoint
+from mbridge_refit.engines.broadcast.group import GroupLike, as_broadcast_group
+from mbridge_refit.engines.broadcast.timing import BucketTimeline
+from mbridge_refit.engines.broadcast.wire import (
     ALIGN_BYTES,
     DEFAULT_BUCKET_BYTES,
     STATUS_CHECKSUM,
@@ -98,6 +96,8 @@ from mbridge_refit.sinks.broadcast_wire import (
     send_header,
     share_verdict,
 )
+from mbridge_refit.plan.entries import ExportPlan
+from mbridge_refit.sinks.base import WeightSink
 
 # The wire format's and the buffers' public names are re-exported: importers name the packed
 # broadcast, one module.
@@ -163,7 +163,7 @@ class PackedBroadcastSender(WeightSink):
     for that buffer's broadcast (``Work.wait``, stream-ordered). With ``n`` buffers, packing bucket
     ``b + 1`` overlaps the broadcast of bucket ``b``, and up to ``n`` broadcasts are in flight; the
     exporter's own kernels wait for a broadcast only through a full set of buffers in flight.
-    ``timeline``: a :class:`~mbridge_refit.sinks.broadcast_timing.BucketTimeline` marking each
+    ``timeline``: a :class:`~mbridge_refit.engines.broadcast.timing.BucketTimeline` marking each
     bucket's phases (benchmarks).
 
     A stream that disagrees with the sender's own plan, ends early, or raises (``drain`` then

@@ -22,9 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from mbridge_refit.plan.entries import ExportPlan
-from mbridge_refit.sinks.bounded_kernels import BoundedKernels
-from mbridge_refit.sinks.broadcast_wire import (
+from mbridge_refit.engines.broadcast.bounded_kernels import BoundedKernels
+from mbridge_refit.engines.broadcast.wire import (
     PackedBroadcastConfig,
     StreamPacking,
     StreamSlot,
@@ -32,6 +31,7 @@ from mbridge_refit.sinks.broadcast_wire import (
     completed_views,
     split_pieces,
 )
+from mbridge_refit.plan.entries import ExportPlan
 
 __all__ = ["Piece", "ReceiveBuffers", "SendBuffers", "default_device", "endpoint"]
 
