@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mbridge_refit.engines.adapter import (
+from mbridge_refit.engines.ipc.sharing import LocalTransport
+from mbridge_refit.engines.lora.adapter import (
     PEFT_PREFIX,
     AdapterLimits,
     AdapterRefusedError,
@@ -15,8 +16,7 @@ from mbridge_refit.engines.adapter import (
     check_adapter,
     unplaced,
 )
-from mbridge_refit.engines.adapter_ipc import AdapterReceiver, AdapterShare, AdapterShareError
-from mbridge_refit.engines.ipc.sharing import LocalTransport
+from mbridge_refit.engines.lora.ipc import AdapterReceiver, AdapterShare, AdapterShareError
 from mbridge_refit.errors import EngineError, InputError
 
 Q = "model.layers.0.self_attn.q_proj"

@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from mbridge_refit.engines.adapter import AdapterLimits, adapter_config, check_adapter
-from mbridge_refit.engines.adapter_ipc import AdapterShare
 from mbridge_refit.engines.base import RefitStep
 from mbridge_refit.engines.ipc.sharing import CudaIpcTransport, Transport
+from mbridge_refit.engines.lora.adapter import AdapterLimits, adapter_config, check_adapter
+from mbridge_refit.engines.lora.ipc import AdapterShare
 from mbridge_refit.engines.vllm.trainer import reset_prefix_cache
 from mbridge_refit.errors import EngineError, InputError
 from mbridge_refit.runtime.weight_source import ExportsWeights, Model

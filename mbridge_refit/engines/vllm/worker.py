@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-from mbridge_refit.engines.adapter_ipc import AdapterReceiver
 from mbridge_refit.engines.broadcast.engine import BroadcastTarget
 from mbridge_refit.engines.ipc.engine import RefitReceiver
 from mbridge_refit.engines.ipc.sharded import worker_entry
+from mbridge_refit.engines.lora.ipc import AdapterReceiver
 from mbridge_refit.engines.replay.apply_plan import Recompute, StagedLoad
 from mbridge_refit.engines.replay.fingerprint import named_fingerprints
 from mbridge_refit.engines.vllm.deep_gemm import refuse_unsupported, reprocess

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from mbridge_refit.engines.adapter import PEFT_PREFIX
 from mbridge_refit.engines.ipc.sharing import TRANSPORTS, LayoutRecorder, SharedLayout, SharingError, Transport, views
+from mbridge_refit.engines.lora.adapter import PEFT_PREFIX
 from mbridge_refit.errors import EngineError
 
 __all__ = ["AdapterReceiver", "AdapterShare", "AdapterShareError"]
