@@ -28,13 +28,13 @@ again), wall clock with both GPUs synchronized:
   prefix-cache reset asked for after the workers' receive returned, instead of from a thread once
   they are in it); which of the two runs first alternates from round to round.
 * ``ours_unbounded_kernels_ms`` (``--compare-unbounded``): ours again, in the same rounds, with each
-  end's own copies and checksums on torch's kernels (every SM) instead of ``sinks.bounded_kernels``
+  end's own copies and checksums on torch's kernels (every SM) instead of ``engines.broadcast.bounded_kernels``
   (what ``PackedBroadcastConfig(device_programs=0)`` runs).
 
 Medians and minima of ``--repeats`` per side after one warm-up each.
 
 Where a step of ours goes (``ours_phases``): ``--phase-steps`` more steps (default 3) after the
-timed rounds, with both ends marking each bucket's phases (``sinks.broadcast_timing``: CUDA events
+timed rounds, with both ends marking each bucket's phases (``engines.broadcast.timing``: CUDA events
 on the streams that run them, read once per step, so these steps are not in ``ours_ms``). Per end,
 per phase, the median over the steps of its total over the buckets and of its largest bucket, and
 each bucket's median: on the trainer ``pack`` (the copies into the buffer and the exporter's own
@@ -146,7 +146,7 @@ def worker_timing(worker, on: bool) -> None:
 
 
 def worker_bounded_kernels(worker, on: bool) -> None:
-    """The engine end's checksums on the bounded kernels (``sinks.bounded_kernels``) or torch's, for ``--compare-unbounded``."""
+    """The engine end's checksums on the bounded kernels (``engines.broadcast.bounded_kernels``) or torch's, for ``--compare-unbounded``."""
     kernels = worker._mbridge_broadcast_target._memory.kernels
     kernels.enabled = on and kernels._partials is not None
 

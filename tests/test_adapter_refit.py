@@ -1,5 +1,5 @@
-"""The LoRA adapter refit without vLLM: what an engine is refused (``engines.adapter``), the factors shared
-and mapped (``engines.adapter_ipc``), and ``VLLMAdapterRefit``'s steps against an engine that answers its
+"""The LoRA adapter refit without vLLM: what an engine is refused (``engines.lora.adapter``), the factors shared
+and mapped (``engines.lora.ipc``), and ``VLLMAdapterRefit``'s steps against an engine that answers its
 RPCs with the engine-agnostic receiver and records what it was asked to load."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The packed broadcast's bounded copies and checksums (``sinks.bounded_kernels``) give torch's results:
+"""The packed broadcast's bounded copies and checksums (``engines.broadcast.bounded_kernels``) give torch's results:
 the Triton kernels themselves in Triton's CPU interpreter (tests/ranks/bounded_kernels_check.py, torch's
 copy and ``broadcast_wire.checksum_into`` the oracles), and where they do not apply (CPU, small or
 unaligned bytes, ``device_programs=0``) torch's kernels run. On the GPU host every broadcast refit

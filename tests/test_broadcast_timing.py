@@ -1,4 +1,4 @@
-"""Where a packed broadcast's time goes (``sinks.broadcast_timing``): the phases computed from marks,
+"""Where a packed broadcast's time goes (``engines.broadcast.timing``): the phases computed from marks,
 and both ends marking every bucket of a real transfer (CPU, gloo, two threads; on CUDA the same marks
 are events, which the GPU benchmark reads: scripts/bench_refit_vllm_broadcast.py).
 """

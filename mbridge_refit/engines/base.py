@@ -6,9 +6,9 @@ Three transports move the weights (each an engine-agnostic module of its own): `
 ``engines.ipc.engine``), ``sharded_ipc``, colocated with a tensor-parallel engine (each worker maps its
 shard, delivered by the sharded transfer, and replays its loader from it, ``engines.ipc.sharded``),
 and ``broadcast``, to engines on other GPUs (the packed broadcast over a group
-the workers join by address, ``engines.broadcast``). A fourth, ``adapter_ipc``, moves only a LoRA
+the workers join by address, ``engines.broadcast.engine``). A fourth, ``adapter_ipc``, moves only a LoRA
 adapter's factors into a colocated engine's adapter slot, leaving its base weights as they are
-(``engines.adapter_ipc``). An engine adapter (``engines.<name>/``, e.g.
+(``engines.lora.ipc``). An engine adapter (``engines.<name>/``, e.g.
 ``engines.vllm``) is the only code that names its engine: a trainer-side ``RefitSession`` per
 transport, the worker extension the engine loads (a ``RefitWorker``), and the arguments that start
 the engine with it. It registers itself here with ``register_adapter`` when imported;
@@ -48,8 +48,8 @@ __all__ = [
 
 IPC = "ipc"  # colocated: CUDA IPC, the engine's loader recorded once and replayed (engines.ipc.engine)
 SHARDED_IPC = "sharded_ipc"  # colocated, engine TP > 1: each worker replays from its shard (engines.ipc.sharded)
-BROADCAST = "broadcast"  # other GPUs: the packed broadcast over a group joined by address (engines.broadcast)
-ADAPTER_IPC = "adapter_ipc"  # colocated, a LoRA adapter only, into the engine's slot (engines.adapter_ipc)
+BROADCAST = "broadcast"  # other GPUs: the packed broadcast over a group joined by address (engines.broadcast.engine)
+ADAPTER_IPC = "adapter_ipc"  # colocated, a LoRA adapter only, into the engine's slot (engines.lora.ipc)
 TRANSPORT_NAMES = (IPC, SHARDED_IPC, BROADCAST, ADAPTER_IPC)
 RPC_PREFIX = "mbridge_refit_"  # every worker RPC's name starts so
 
@@ -79,7 +79,7 @@ class RefitStep:
     engine's prefix-cache reset and the outcome shared with the trainer ranks; ``workers`` each
     worker's report of its receive (``receive_ms``: its own time in the RPC; ``phases`` with
     timing on), and ``phases`` the source's per-bucket marks and phases when the session times
-    them (``sinks.broadcast_timing``). ``adapter_ipc``: ``workers`` holds the engine's load
+    them (``engines.broadcast.timing``). ``adapter_ipc``: ``workers`` holds the engine's load
     report (``ms``, ``modules``, ``slot``, ``phases_ms``).
     """
 
@@ -125,10 +125,10 @@ class RefitWorker(Protocol):
     results plain data). Each method hands over to a transport's engine side, which holds the
     contract: ``open``, ``apply``, ``close`` to ``engines.ipc.engine.RefitReceiver``, as do ``open_shards`` and
     ``apply_shards`` (every engine rank's entry in lists, each worker taking its own:
-    ``engines.ipc.sharded``); ``join``, ``receive``, ``leave`` to ``engines.broadcast.BroadcastTarget``
+    ``engines.ipc.sharded``); ``join``, ``receive``, ``leave`` to ``engines.broadcast.engine.BroadcastTarget``
     (``join``'s ``group``: the keyword arguments of ``BroadcastTarget.join`` but ``rank``, the same for
     every worker, which joins as ``rank_offset`` + its index); ``adapter_limits``, ``adapter_open``, ``adapter_load``, ``adapter_close`` to
-    ``engines.adapter_ipc.AdapterReceiver`` and the engine's own adapter slots (a LoRA adapter in place of
+    ``engines.lora.ipc.AdapterReceiver`` and the engine's own adapter slots (a LoRA adapter in place of
     the previous one, the base weights untouched). ``fingerprints``: the exact per-parameter
     fingerprints of the engine's model (``engines.replay.fingerprint``)."""
 

@@ -1,7 +1,7 @@
 """Sinks: consumers of the exported ``(hf_name, tensor)`` stream.
 
 The contract lives in :mod:`.base`; each other module owns one sink. The packed broadcast's sender
-and receiver are the broadcast refit's, in ``engines.broadcast.packed``.
+and receiver are the broadcast refit's, in ``engines.broadcast.engine.packed``.
 """
 
 from mbridge_refit.sinks.base import DiscardSink, WeightSink, drain

@@ -1,4 +1,4 @@
-"""Run under TRITON_INTERPRET=1 on CPU (tests/test_bounded_kernels.py): ``sinks.bounded_kernels``' copy and
+"""Run under TRITON_INTERPRET=1 on CPU (tests/test_bounded_kernels.py): ``engines.broadcast.bounded_kernels``' copy and
 checksum, through ``BoundedKernels`` (each case checked to reach the kernels), must give what torch gives: the
 copy the source's bytes and nothing beside the destination, the checksum ``broadcast_wire.checksum_into``'s
 value (word sums that wrap past 2**63, trailing bytes) for lengths of whole blocks, a partial last block,

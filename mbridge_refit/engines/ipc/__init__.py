@@ -1,5 +1,5 @@
 """The colocated refit over CUDA IPC: the engine on the trainer's GPUs maps the trainer's memory
-and replays its own recorded loader from it. Never imports ``engines.broadcast`` (``tests/test_package.py``).
+and replays its own recorded loader from it. Never imports ``engines.broadcast.engine`` (``tests/test_package.py``).
 
 ``trainer`` (the trainer side: ``IpcSession`` exports what is not live and shares it), ``engine``
 (the engine side behind the worker RPCs: ``RefitReceiver``), ``sharded`` (colocated with a

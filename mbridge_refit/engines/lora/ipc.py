@@ -3,7 +3,7 @@
 The trainer exports the factors into buffers it holds across steps
 (``export_adapter_weights(..., cpu=False, reuse_buffer_from_cache=True)``: views of the adapter
 parameters or held gather buffers), so their layout (``engines.ipc.sharing``) is the same every step.
-``AdapterShare`` (trainer) names each factor as a PEFT checkpoint does (``engines.adapter.PEFT_PREFIX``)
+``AdapterShare`` (trainer) names each factor as a PEFT checkpoint does (``engines.lora.adapter.PEFT_PREFIX``)
 and shares the storages through a transport (CUDA IPC, or in-process) only when the layout moved;
 ``AdapterReceiver`` (engine) maps them once and hands the engine views of this step's factors, refusing
 a step whose layout it did not open. What the engine does with the views (build its adapter, fill its

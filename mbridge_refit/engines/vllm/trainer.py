@@ -13,7 +13,7 @@ after the weights are written (``reset_prefix_cache``; off with ``reset_prefix_c
   model or the bridge's buffers. The engine process must not be the trainer's own
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` runs it inside; then pass ``transport=LocalTransport()``).
   Every call is bounded by ``timeout_s``.
-* ``VLLMBroadcastRefit`` (transport ``broadcast``, ``engines.broadcast_session.BroadcastSession``): the
+* ``VLLMBroadcastRefit`` (transport ``broadcast``, ``engines.broadcast.trainer.BroadcastSession``): the
   engine runs on other GPUs or hosts. On every trainer rank of the model's groups
   ``VLLMBroadcastRefit(llm, host=, port=, source=...)`` with ``source=True`` on exactly one rank (it
   holds ``llm``; the others pass ``llm=None``), ``open`` once, ``refit`` each step, ``close`` at the

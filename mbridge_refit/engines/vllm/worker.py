@@ -7,8 +7,8 @@ worker, each named ``mbridge_refit_<verb>``; arguments and results are plain dat
 Each RPC hands over to a transport's engine side: ``open`` / ``apply`` / ``close`` to
 ``engines.ipc.engine.RefitReceiver`` (colocated, CUDA IPC), as do ``open_shards`` / ``apply_shards``
 (colocated at engine TP > 1: the worker's own entry, ``engines.ipc.sharded``), ``join`` / ``receive`` / ``leave`` to
-``engines.broadcast.BroadcastTarget`` (other GPUs, the packed broadcast), ``adapter_limits`` /
-``adapter_open`` / ``adapter_load`` / ``adapter_close`` to ``engines.adapter_ipc.AdapterReceiver`` and
+``engines.broadcast.engine.BroadcastTarget`` (other GPUs, the packed broadcast), ``adapter_limits`` /
+``adapter_open`` / ``adapter_load`` / ``adapter_close`` to ``engines.lora.ipc.AdapterReceiver`` and
 ``engines.vllm.lora`` (a LoRA adapter into vLLM's slot, the base untouched); ``fingerprints`` reads
 the engine's weights exactly. The GPU checks' and benchmarks' own RPCs (scramble, time, memory)
 live in a subclass in the test support (``testing.vllm_worker``). It imports vLLM only for its layerwise reload
@@ -139,7 +139,7 @@ class RefitWorkerExtension:
         """Join the trainer's broadcast group (``group``: ``BroadcastTarget.join``'s keyword arguments
         but ``rank``) as rank ``rank_offset`` + this worker's index among the engine's workers
         (data-parallel replicas included); returns that rank. Blocks until the trainer joins
-        (``engines.broadcast``)."""
+        (``engines.broadcast.engine``)."""
         model = self.model_runner.get_model()
         target = BroadcastTarget(
             model.load_weights,
@@ -168,11 +168,11 @@ class RefitWorkerExtension:
         self._mbridge_broadcast_target = None
 
     def mbridge_refit_adapter_limits(self) -> dict:
-        """What this engine's LoRA slots take (``engines.adapter.AdapterLimits`` as plain data)."""
+        """What this engine's LoRA slots take (``engines.lora.adapter.AdapterLimits`` as plain data)."""
         return adapter_limits(_lora_manager(self)).to_wire()
 
     def mbridge_refit_adapter_open(self, wire: dict, payload: bytes, transport: str) -> dict:
-        """Map the trainer's adapter factors (``engines.adapter_ipc``); returns what was mapped."""
+        """Map the trainer's adapter factors (``engines.lora.ipc``); returns what was mapped."""
         _lora_manager(self)
         receiver = getattr(self, "_mbridge_adapter_receiver", None) or AdapterReceiver(torch.device(self.device))
         self._mbridge_adapter_receiver = receiver
