@@ -19,14 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import results_dir, write_result  # noqa: E402
+from provenance import results_dir, write_result
 
 
 def timed_ms(fn) -> float:

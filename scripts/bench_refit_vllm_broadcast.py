@@ -67,13 +67,18 @@ import time
 from pathlib import Path
 
 import torch
+from torch.distributed.elastic.utils.distributed import get_free_port as free_port
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_refit_vllm import dummy_engine, engine_config, prefix_cache_reset  # noqa: E402
-from check_vllm_broadcast_gpu import free_port, worker_nccl_env  # noqa: E402
-from check_vllm_refit_gpu import model_config, parser_with_engine_arguments, tp1_trainer  # noqa: E402
-
-from mbridge_refit.engines.broadcast.packed import DEFAULT_BUCKET_BYTES  # noqa: E402
+from mbridge_refit.engines.broadcast.packed import DEFAULT_BUCKET_BYTES
+from mbridge_refit.testing.vllm_harness import (
+    dummy_engine,
+    engine_config,
+    model_config,
+    parser_with_engine_arguments,
+    prefix_cache_reset,
+    tp1_trainer,
+    worker_nccl_env,
+)
 
 logger = logging.getLogger("bench_refit_vllm_broadcast")
 

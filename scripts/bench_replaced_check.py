@@ -18,14 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import results_dir, write_result  # noqa: E402
+from provenance import results_dir, write_result
 
 
 def parameter_class() -> tuple[type, str]:

@@ -46,22 +46,21 @@ import inspect
 import logging
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 from torch.distributed.elastic.utils.distributed import get_free_port as free_port
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from check_vllm_refit_gpu import (  # noqa: E402
+from mbridge_refit.testing.vllm_harness import (
     batch_invariant,
+    inject_load_fault,
     model_config,
     parser_with_engine_arguments,
     prompts,
     report,
     start_engine,
     tp1_trainer,
+    worker_nccl_env,
     write_checkpoint,
 )
 
@@ -129,11 +128,6 @@ def _vllm_invariance_override():
     raise ImportError("no override_envs_for_invariance in this vLLM")
 
 
-def worker_nccl_env(worker) -> dict:
-    """Runs on the engine's worker (``collective_rpc``): its ``NCCL_*`` environment."""
-    return {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
-
-
 def error_text(err: BaseException) -> str:
     return " | ".join([f"{type(err).__name__}: {err}", *getattr(err, "__notes__", [])])
 
@@ -158,19 +152,6 @@ def settings_refused(llm, bridge, chunks, fp8, config, device, matched: dict) ->
 
 
 # --- step 5: faults -----------------------------------------------------------------------------------
-
-
-def inject_load_fault(worker) -> None:
-    """Runs on the engine's worker: its loader raises at the first tensor of the next refit."""
-    target = worker._mbridge_broadcast_target
-    load = target.load_weights
-
-    def failing(weights):
-        target.load_weights = load
-        for _ in weights:
-            raise RuntimeError("injected receiver-load: the engine's loader failed at its first tensor")
-
-    target.load_weights = failing
 
 
 def inject_handshake_fault(worker) -> None:

@@ -33,10 +33,9 @@ import zlib
 from pathlib import Path
 
 import torch
+from provenance import write_result
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from check_vllm_refit_gpu import (
+from mbridge_refit.testing.vllm_harness import (
     model_config,
     parser_with_engine_arguments,
     prompts,
@@ -44,7 +43,6 @@ from check_vllm_refit_gpu import (
     tp1_trainer,
     write_checkpoint,
 )
-from provenance import write_result
 
 logger = logging.getLogger("check_vllm_lora_refit")
 

@@ -53,12 +53,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from provenance import write_result
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_refit_vllm import floor_ms  # noqa: E402
-from check_vllm_refit_gpu import KV_BLOCKS, model_config, parser_with_engine_arguments, prompts, write_checkpoint  # noqa: E402
-from check_vllm_refit_gpu import start_engine as start_checked_engine  # noqa: E402
-from provenance import write_result  # noqa: E402
+from mbridge_refit.testing.vllm_harness import (
+    KV_BLOCKS,
+    floor_ms,
+    model_config,
+    parser_with_engine_arguments,
+    prompts,
+    write_checkpoint,
+)
+from mbridge_refit.testing.vllm_harness import start_engine as start_checked_engine
 
 logger = logging.getLogger("check_vllm_refit_tp2")
 TORCHRUN_VARIABLES = (

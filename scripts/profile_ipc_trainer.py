@@ -14,14 +14,11 @@ import argparse
 import cProfile
 import pstats
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from check_vllm_refit_gpu import tp1_trainer  # noqa: E402
+from mbridge_refit.testing.vllm_harness import tp1_trainer
 
 
 def main() -> None:
