@@ -414,7 +414,7 @@ class RefitBridge(AutoBridge):
         blocks (``fp8.quantize.block_row_runs``), each with those rows and the HF name of its
         ``weight_scale_inv``. Quantizing those rows block by block gives the export's bits, so a
         consumer that maps the parameter's memory can quantize them itself every step instead of
-        having them exported (``engines.ipc_session``); ``export_hf_weights(only=...)`` then leaves out
+        having them exported (``engines.ipc.trainer``); ``export_hf_weights(only=...)`` then leaves out
         the weight and its scale alike. Same rules as ``live_rows`` (collective on a model's first
         call; the same names on every rank of the model's groups); empty where the FP8 export reads
         converted shards (the trainer keeps FP8 parameters)."""
@@ -643,7 +643,7 @@ class RefitBridge(AutoBridge):
             hold_outputs: with ``reuse_buffer_from_cache``, every yielded tensor stays valid and in
                 place until the next export call (one cached buffer per output, not per bucket
                 position). For consumers that read the export after it ended, e.g. an engine
-                mapping these tensors by CUDA IPC (``engines.ipc``). Switching the mode of a
+                mapping these tensors by CUDA IPC (``engines.ipc.engine``). Switching the mode of a
                 bridge frees its cache.
             fp8: ``"blockwise"`` (or a ``BlockwiseFP8Config``) quantizes BF16/FP32 linear weights on
                 export to 128x128-blockwise e4m3fn, each followed by its fp32 ``weight_scale_inv``

@@ -21,7 +21,7 @@ the host's drift alike (first round dropped as warm-up; median and range of the 
   checksum on a stream of its own while it copies the bucket out; ``_receiver_checksum_ctas{2N}``: on more
   programs; ``_source_fused_receiver_copies_ctas{N}[_beside]``: and the receiver's copies (an engine's replay)
   on ``N`` programs too, its checksum after them or beside them.
-* ``buckets_copy_sum_ctas{N}``: copies and checksums by the library's bounded kernels (``sinks.bounded_kernels``)
+* ``buckets_copy_sum_ctas{N}``: copies and checksums by the library's bounded kernels (``engines.broadcast.bounded_kernels``)
   on ``N`` programs (fewer SMs, the same bytes): whether spreading their memory traffic over the broadcast's
   time gives NCCL its bandwidth back;
   ``buckets_copy_ctas{N}_sum_ctas{2N}``: the checksums on twice the programs;
@@ -47,7 +47,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from mbridge_refit.sinks.bounded_kernels import BoundedKernels
+from mbridge_refit.engines.broadcast.bounded_kernels import BoundedKernels
 
 SENDER = 0
 
@@ -80,7 +80,7 @@ class Bench:
         receive_checksum: str | None = "same",
         beside: bool = False,
     ) -> None:
-        """The packed broadcast's order on each end (``sinks.packed_broadcast``): the sender packs bucket k once
+        """The packed broadcast's order on each end (``engines.broadcast.packed``): the sender packs bucket k once
         broadcast k-2 (same buffer) ended, issues it, then sums it beside the broadcast; the receiver keeps two
         broadcasts posted, and sums and copies out bucket k before posting k+2 into its buffer. Each side's copy
         and the checksum: None (not done), ``copy_`` / ``sum`` (torch, every SM), ``ctasN`` (the bounded kernels on
@@ -143,7 +143,7 @@ class Bench:
             post(index + 2)
 
     def _kernels(self, how: str) -> BoundedKernels:
-        """The library's bounded kernels (``sinks.bounded_kernels``) on the programs ``how`` names (``ctasN``)."""
+        """The library's bounded kernels (``engines.broadcast.bounded_kernels``) on the programs ``how`` names (``ctasN``)."""
         programs = int(how.removeprefix("ctas"))
         if programs not in self._bounded:
             kernels = BoundedKernels(self.device, programs, slots=self.buckets)

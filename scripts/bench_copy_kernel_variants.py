@@ -9,7 +9,7 @@ an H100. The kernel read every chunk under a mask whose bound is a number from t
 compiler could not prove 16-byte runs and issued 8-byte accesses. The variants:
 
 * ``masked_64k_8w``: that kernel (every chunk masked), 64 KiB chunks, 8 warps;
-* ``chunks_<K>k_<W>w``: ``engines.copy_kernels._copy_chunks`` as it is (a whole chunk unmasked, only a
+* ``chunks_<K>k_<W>w``: ``engines.replay.copy_kernels._copy_chunks`` as it is (a whole chunk unmasked, only a
   copy's last shorter chunk masked) with K KiB chunks and W warps a program; the library runs
   ``copy_kernels.CHUNK_BYTES`` and ``NUM_WARPS``.
 
@@ -30,7 +30,7 @@ import triton.language as tl
 from bench_replay_copies import SHAPES, copies_exact, engine_copies, shape_parser
 from provenance import results_dir, write_result
 
-from mbridge_refit.engines import copy_kernels
+from mbridge_refit.engines.replay import copy_kernels
 
 KIB = 1 << 10
 SHAPES_TRIED = ((64, 8), (64, 16), (128, 8), (128, 16), (128, 32), (256, 16))  # (chunk KiB, warps)

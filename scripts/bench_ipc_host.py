@@ -42,8 +42,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from mbridge_refit.convert.session import distributed_session
-    from mbridge_refit.engines.ipc_session import IpcSession
-    from mbridge_refit.engines.sharing import LocalTransport
+    from mbridge_refit.engines.ipc.sharing import LocalTransport
+    from mbridge_refit.engines.ipc.trainer import IpcSession
     from mbridge_refit.fp8 import quantize
     from mbridge_refit.plan.layout import ParallelLayout
     from mbridge_refit.testing.many_experts import many_expert_model

@@ -10,7 +10,7 @@ the pointer), so a look that follows other work may wait on memory for each of t
 in alternating rounds, right after the same look (``warm``), after a sweep over 256 MiB of host memory
 (``after_sweep``), after waiting for 5 ms of GPU work (``after_gpu_wait``: the thread spins in the
 synchronize, as a trainer does before a refit) and after a 5 ms sleep (``after_sleep``). Needs only torch
-and this package (``engines.ipc_session.live_pointers``, the look itself).
+and this package (``engines.ipc.trainer.live_pointers``, the look itself).
 Writes DIR/bench_pointer_reads.json with its manifest; prints it.
 """
 
@@ -19,14 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import results_dir, write_result  # noqa: E402
+from provenance import results_dir, write_result
 
 
 def timed_ms(fn) -> float:
@@ -41,7 +38,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--out-dir", type=Path, default=None)
     args = parser.parse_args()
-    from mbridge_refit.engines.ipc_session import live_pointers
+    from mbridge_refit.engines.ipc.trainer import live_pointers
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     parameters = tuple(torch.nn.Parameter(torch.zeros(64, device=device)) for _ in range(args.params))

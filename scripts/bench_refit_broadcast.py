@@ -54,7 +54,7 @@ def timed(fn, repeats: int) -> tuple[float, list[float]]:
 
 def tensor_sums(stream) -> dict[str, int]:
     """name -> int64 sum of the tensor's bytes as int32 words (a cheap per-tensor fingerprint)."""
-    from mbridge_refit.sinks.packed_broadcast import checksum
+    from mbridge_refit.engines.broadcast.packed import checksum
 
     return {name: int(checksum(t.detach().contiguous().reshape(-1).view(torch.uint8)).item()) for name, t in stream}
 
@@ -88,14 +88,14 @@ def main() -> None:
     from megatron.core import parallel_state as ps
 
     from mbridge_refit.convert.session import init_process_group, teardown
-    from mbridge_refit.models.recipes import full_size_config
-    from mbridge_refit.plan.entries import ExportPlan
-    from mbridge_refit.sinks import HFModelUpdateSink, drain
-    from mbridge_refit.sinks.packed_broadcast import (
+    from mbridge_refit.engines.broadcast.packed import (
         PackedBroadcastConfig,
         PackedBroadcastReceiver,
         PackedBroadcastSender,
     )
+    from mbridge_refit.models.recipes import full_size_config
+    from mbridge_refit.plan.entries import ExportPlan
+    from mbridge_refit.sinks import HFModelUpdateSink, drain
 
     # A short collective timeout: a rank stuck in a collective fails with the collective's name.
     env = init_process_group(device=torch.device("cuda"), timeout=datetime.timedelta(seconds=150))
@@ -275,8 +275,8 @@ def phase(rank: int, what: str) -> None:
 def _compare_model(model, expected_sums: dict[str, int]) -> list[str]:
     """Names whose bytes in the engine's model differ from the trainer's export (via the update
     sink's own name resolution, so fused in-memory layouts are compared at the right slice)."""
+    from mbridge_refit.engines.broadcast.packed import checksum
     from mbridge_refit.sinks import HFModelUpdateSink
-    from mbridge_refit.sinks.packed_broadcast import checksum
 
     sink = HFModelUpdateSink(model)
     differing = []

@@ -62,30 +62,27 @@ import io
 import json
 import logging
 import pstats
-import statistics
-import sys
 import time
 from dataclasses import asdict
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from check_vllm_refit_gpu import parser_with_engine_arguments, tp1_trainer  # noqa: E402
+from mbridge_refit.testing.vllm_harness import (
+    dummy_engine,
+    engine_config,
+    floor_ms,
+    parser_with_engine_arguments,
+    prefix_cache_reset,
+    summary,
+    timed,
+    tp1_trainer,
+)
 
 logger = logging.getLogger("bench_refit_vllm")
 
 
 def allocations() -> int:
     return torch.cuda.memory_stats().get("allocation.all.allocated", 0)
-
-
-def timed(fn) -> float:
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - started) * 1e3
 
 
 class PeakExtra:
@@ -106,8 +103,8 @@ class PeakExtra:
 
 def trainer_alone(bridge, chunks, fp8, engine_quantizes: bool, steps: int = 10) -> dict:
     """The trainer's side of a steady refit with no engine behind it: wall and thread CPU ms per step."""
-    from mbridge_refit.engines.ipc_session import IpcSession
-    from mbridge_refit.engines.sharing import LocalTransport
+    from mbridge_refit.engines.ipc.sharing import LocalTransport
+    from mbridge_refit.engines.ipc.trainer import IpcSession
     from mbridge_refit.testing.silent_engine import answering_workers
 
     session = IpcSession(answering_workers, transport=LocalTransport(), engine_quantizes=engine_quantizes)
@@ -163,7 +160,7 @@ def profile_top(fn, steps: int = 5, top: int = 15) -> list[str]:
 
 def live_pointer_reads(llm, parameters: tuple, rounds: int = 5) -> dict:
     """The export's look for ``.data`` swaps timed after an engine RPC (as in our steps) and right again."""
-    from mbridge_refit.engines.ipc_session import live_pointers
+    from mbridge_refit.engines.ipc.trainer import live_pointers
 
     after_rpc, again = [], []
     for _ in range(rounds):
@@ -174,87 +171,6 @@ def live_pointer_reads(llm, parameters: tuple, rounds: int = 5) -> dict:
             live_pointers(parameters)
             times.append((time.perf_counter() - started) * 1e3)
     return {"parameters": len(parameters), "after_rpc": summary(after_rpc), "again": summary(again)}
-
-
-FLOOR_BUFFER_BYTES = 4 << 30  # the floor's own device memory at most: a 24-layer MoE beside its engine leaves no more
-# on an 80 GB GPU (2026-11-28, H100: one buffer of the 29 GiB of bytes ran out of memory)
-
-
-def floor_ms(nbytes: int, repeats: int = 5) -> float:
-    """One memcpy of ``nbytes``: half of a buffer into its other half and back, over a buffer of at most
-    ``FLOOR_BUFFER_BYTES``, as many times as moves ``nbytes`` in all (copies of this size are bound by the
-    memory's bandwidth, not their launches: the time of one copy of every byte)."""
-    half = (min(nbytes, FLOOR_BUFFER_BYTES) // 2 + 255) // 256 * 256
-    buffer = torch.empty(2 * half, dtype=torch.uint8, device="cuda")
-    whole, rest = divmod(nbytes, 2 * half)
-
-    def copies(low: torch.Tensor, high: torch.Tensor) -> None:
-        for _ in range(whole):
-            high.copy_(low)
-            low.copy_(high)
-        if rest:
-            high[: rest // 2].copy_(low[: rest // 2])
-            low[: rest - rest // 2].copy_(high[: rest - rest // 2])
-
-    low, high = buffer[:half], buffer[half:]
-    times = [timed(lambda low=low, high=high: copies(low, high)) for _ in range(repeats)]
-    del low, high
-    del buffer
-    torch.cuda.empty_cache()
-    return min(times)
-
-
-def engine_config(config, out: Path, quantization_config: dict | None) -> Path:
-    config.save_pretrained(out)
-    if quantization_config is not None:
-        path = out / "config.json"
-        data = json.loads(path.read_text())
-        data["quantization_config"] = quantization_config
-        path.write_text(json.dumps(data, indent=2))
-    return out
-
-
-def dummy_engine(directory: Path, args, transfer_backend: str | None = None):
-    """A vLLM engine of the config in ``directory`` with dummy weights, the refit worker extension and
-    the check-only RPCs (``testing.vllm_worker``), and vLLM's own weight transfer of ``transfer_backend``
-    (the native baseline; None: none). Its KV cache holds ``args.kv_blocks`` blocks (the prefix-cache reset
-    after each refit visits every block)."""
-    from vllm import LLM
-
-    from mbridge_refit.engines.vllm import engine_kwargs
-    from mbridge_refit.testing.vllm_worker import TESTING_WORKER_EXTENSION
-
-    extra = {}
-    if transfer_backend is not None:
-        from vllm.config import WeightTransferConfig
-
-        extra["weight_transfer_config"] = WeightTransferConfig(backend=transfer_backend)
-    return LLM(
-        model=str(directory),
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        dtype="bfloat16",
-        max_model_len=256,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        num_gpu_blocks_override=args.kv_blocks or None,
-        **engine_kwargs(worker_extension_cls=TESTING_WORKER_EXTENSION, **extra),
-    )
-
-
-def prefix_cache_reset(llm, args, repeats: int = 5) -> dict:
-    """What every refit's prefix-cache reset costs on its own (``LLM.reset_prefix_cache``: an engine-core
-    call that visits every KV block), with the engine's block count; part of each timed refit."""
-    times = [timed(llm.reset_prefix_cache) for _ in range(repeats)]
-    return {"kv_blocks": args.kv_blocks or "from the memory share", "reset_ms": summary(times)}
-
-
-def summary(values: list[float]) -> dict:
-    return {
-        "median": round(statistics.median(values), 3),
-        "min": round(min(values), 3),
-        "all": [round(v, 3) for v in values],
-    }
 
 
 def run(args) -> dict:

@@ -28,13 +28,13 @@ again), wall clock with both GPUs synchronized:
   prefix-cache reset asked for after the workers' receive returned, instead of from a thread once
   they are in it); which of the two runs first alternates from round to round.
 * ``ours_unbounded_kernels_ms`` (``--compare-unbounded``): ours again, in the same rounds, with each
-  end's own copies and checksums on torch's kernels (every SM) instead of ``sinks.bounded_kernels``
+  end's own copies and checksums on torch's kernels (every SM) instead of ``engines.broadcast.bounded_kernels``
   (what ``PackedBroadcastConfig(device_programs=0)`` runs).
 
 Medians and minima of ``--repeats`` per side after one warm-up each.
 
 Where a step of ours goes (``ours_phases``): ``--phase-steps`` more steps (default 3) after the
-timed rounds, with both ends marking each bucket's phases (``sinks.broadcast_timing``: CUDA events
+timed rounds, with both ends marking each bucket's phases (``engines.broadcast.timing``: CUDA events
 on the streams that run them, read once per step, so these steps are not in ``ours_ms``). Per end,
 per phase, the median over the steps of its total over the buckets and of its largest bucket, and
 each bucket's median: on the trainer ``pack`` (the copies into the buffer and the exporter's own
@@ -67,13 +67,18 @@ import time
 from pathlib import Path
 
 import torch
+from torch.distributed.elastic.utils.distributed import get_free_port as free_port
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_refit_vllm import dummy_engine, engine_config, prefix_cache_reset  # noqa: E402
-from check_vllm_broadcast_gpu import free_port, worker_nccl_env  # noqa: E402
-from check_vllm_refit_gpu import model_config, parser_with_engine_arguments, tp1_trainer  # noqa: E402
-
-from mbridge_refit.sinks.packed_broadcast import DEFAULT_BUCKET_BYTES  # noqa: E402
+from mbridge_refit.engines.broadcast.packed import DEFAULT_BUCKET_BYTES
+from mbridge_refit.testing.vllm_harness import (
+    dummy_engine,
+    engine_config,
+    model_config,
+    parser_with_engine_arguments,
+    prefix_cache_reset,
+    tp1_trainer,
+    worker_nccl_env,
+)
 
 logger = logging.getLogger("bench_refit_vllm_broadcast")
 
@@ -127,7 +132,7 @@ class Background:
 def worker_raw_broadcast(worker, nbytes: int, repeats: int) -> list[int]:
     """Receive ``repeats`` broadcasts of ``nbytes`` from the trainer over the refit session's group;
     return the sums of the last one's leading and trailing ``RAW_CHECK_BYTES``."""
-    from mbridge_refit.engines.broadcast import SOURCE_RANK
+    from mbridge_refit.engines.broadcast.engine import SOURCE_RANK
 
     group = worker._mbridge_broadcast_target.group
     buffer = getattr(worker, "_bench_raw_buffer", None)
@@ -146,7 +151,7 @@ def worker_timing(worker, on: bool) -> None:
 
 
 def worker_bounded_kernels(worker, on: bool) -> None:
-    """The engine end's checksums on the bounded kernels (``sinks.bounded_kernels``) or torch's, for ``--compare-unbounded``."""
+    """The engine end's checksums on the bounded kernels (``engines.broadcast.bounded_kernels``) or torch's, for ``--compare-unbounded``."""
     kernels = worker._mbridge_broadcast_target._memory.kernels
     kernels.enabled = on and kernels._partials is not None
 
@@ -165,7 +170,7 @@ def worker_drop_raw_buffer(worker) -> None:
 
 def raw_broadcast(llm, group, nbytes: int, repeats: int) -> tuple[list[float], bool]:
     """Trainer side of ``worker_raw_broadcast``: per-broadcast ms, and whether the bytes arrived."""
-    from mbridge_refit.engines.broadcast import SOURCE_RANK
+    from mbridge_refit.engines.broadcast.engine import SOURCE_RANK
 
     buffer = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
     expected = [
@@ -325,9 +330,9 @@ def start_engine(directory: Path, args, native: bool):
 
 def run(args) -> dict:
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of this script's functions
+    from mbridge_refit.engines.broadcast.packed import PackedBroadcastConfig
     from mbridge_refit.engines.vllm import VLLMBroadcastRefit
     from mbridge_refit.fp8.format import BlockwiseFP8Config
-    from mbridge_refit.sinks.packed_broadcast import PackedBroadcastConfig
 
     config = model_config(args)
     fp8 = BlockwiseFP8Config() if args.fp8 else None

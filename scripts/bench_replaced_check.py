@@ -18,14 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import results_dir, write_result  # noqa: E402
+from provenance import results_dir, write_result
 
 
 def parameter_class() -> tuple[type, str]:
@@ -70,7 +67,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--out-dir", type=Path, default=None)
     args = parser.parse_args()
-    from mbridge_refit.engines.apply_plan import ApplyPlan
+    from mbridge_refit.engines.replay.apply_plan import ApplyPlan
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     make, kind = parameter_class()

@@ -4,8 +4,8 @@ shape (its fused parameters: ``qkv_proj`` from q, k and v, ``gate_up_proj`` from
 fused MoE layer's ``w13`` from each expert's gate and up rows and ``w2`` from its down), timed as
 
 * ``per_copy``: one ``copy_`` per recorded copy;
-* ``foreach``: ``engines.copy_batches.CopySchedule`` with every group one ``_foreach_copy_`` (the
-  replay before ``engines.copy_kernels``);
+* ``foreach``: ``engines.replay.copy_batches.CopySchedule`` with every group one ``_foreach_copy_`` (the
+  replay before ``engines.replay.copy_kernels``);
 * ``schedule``: ``CopySchedule`` as the replay runs it now (plain byte copies as one chunked-copy
   launch per group where the kernel's probe passed);
 
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from provenance import results_dir, write_result
 
-from mbridge_refit.engines.copy_batches import CopySchedule
+from mbridge_refit.engines.replay.copy_batches import CopySchedule
 
 # Per model shape: hidden, attention heads and KV heads of head_dim 128, dense FFN (0: MoE),
 # experts and expert FFN, vocabulary, layers. Sizes as published.

@@ -85,9 +85,9 @@ def plan_and_tensors(device):
 def member(args) -> dict:
     import torch
 
-    from mbridge_refit.runtime import broadcast_group
-    from mbridge_refit.runtime.broadcast_group import StoreGroup
-    from mbridge_refit.sinks.packed_broadcast import (
+    from mbridge_refit.engines.broadcast import group as broadcast_group
+    from mbridge_refit.engines.broadcast.group import StoreGroup
+    from mbridge_refit.engines.broadcast.packed import (
         PackedBroadcastConfig,
         PackedBroadcastReceiver,
         PackedBroadcastSender,

@@ -46,22 +46,21 @@ import inspect
 import logging
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 from torch.distributed.elastic.utils.distributed import get_free_port as free_port
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from check_vllm_refit_gpu import (  # noqa: E402
+from mbridge_refit.testing.vllm_harness import (
     batch_invariant,
+    inject_load_fault,
     model_config,
     parser_with_engine_arguments,
     prompts,
     report,
     start_engine,
     tp1_trainer,
+    worker_nccl_env,
     write_checkpoint,
 )
 
@@ -85,7 +84,7 @@ VLLM_BATCH_INVARIANT_NCCL = {
 
 
 def fingerprints(llm) -> dict:
-    from mbridge_refit.engines.fingerprint import fingerprints_from_wire
+    from mbridge_refit.engines.replay.fingerprint import fingerprints_from_wire
 
     return fingerprints_from_wire(llm.collective_rpc("mbridge_refit_fingerprints")[0])
 
@@ -131,11 +130,6 @@ def _vllm_invariance_override():
     raise ImportError("no override_envs_for_invariance in this vLLM")
 
 
-def worker_nccl_env(worker) -> dict:
-    """Runs on the engine's worker (``collective_rpc``): its ``NCCL_*`` environment."""
-    return {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
-
-
 def error_text(err: BaseException) -> str:
     return " | ".join([f"{type(err).__name__}: {err}", *getattr(err, "__notes__", [])])
 
@@ -160,19 +154,6 @@ def settings_refused(llm, bridge, chunks, fp8, config, device, matched: dict) ->
 
 
 # --- step 5: faults -----------------------------------------------------------------------------------
-
-
-def inject_load_fault(worker) -> None:
-    """Runs on the engine's worker: its loader raises at the first tensor of the next refit."""
-    target = worker._mbridge_broadcast_target
-    load = target.load_weights
-
-    def failing(weights):
-        target.load_weights = load
-        for _ in weights:
-            raise RuntimeError("injected receiver-load: the engine's loader failed at its first tensor")
-
-    target.load_weights = failing
 
 
 def inject_handshake_fault(worker) -> None:
@@ -204,7 +185,7 @@ def failing_export(bridge, after: int):
 def run_fault(fault: str, session, llm, bridge, chunks, fp8, disk: dict) -> tuple[dict, object]:
     """One fault: the refit must raise within ``BOUND_S`` naming it (and the engine's side); then a
     refit (in a new session where the group failed) must equal the disk-loaded engine again."""
-    from mbridge_refit.engines.fingerprint import differing
+    from mbridge_refit.engines.replay.fingerprint import differing
 
     if fault == "receiver-load":
         llm.collective_rpc(inject_load_fault)
@@ -256,9 +237,9 @@ def run(args) -> dict:
     os.environ.update(matched)  # before the trainer's first NCCL call: NCCL reads them once per process
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of this script's functions
 
-    from mbridge_refit.engines.fingerprint import differing
+    from mbridge_refit.engines.broadcast.packed import PackedBroadcastConfig
+    from mbridge_refit.engines.replay.fingerprint import differing
     from mbridge_refit.engines.vllm import prompt_logprobs
-    from mbridge_refit.sinks.packed_broadcast import PackedBroadcastConfig
 
     faults = (
         [f for f in args.inject_fault.split(",") if f]
@@ -288,7 +269,7 @@ def run(args) -> dict:
             os.environ["CUDA_VISIBLE_DEVICES"] = str(args.engine_gpu)
         llm = start_engine(checkpoint, args)
         if own_gpu:
-            from mbridge_refit.runtime.broadcast_group import (
+            from mbridge_refit.engines.broadcast.group import (
                 group_settings,
                 settings_differences,
             )

@@ -33,10 +33,9 @@ import zlib
 from pathlib import Path
 
 import torch
+from provenance import write_result
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from check_vllm_refit_gpu import (
+from mbridge_refit.testing.vllm_harness import (
     model_config,
     parser_with_engine_arguments,
     prompts,
@@ -44,7 +43,6 @@ from check_vllm_refit_gpu import (
     tp1_trainer,
     write_checkpoint,
 )
-from provenance import write_result
 
 logger = logging.getLogger("check_vllm_lora_refit")
 
@@ -90,7 +88,7 @@ def steady_ms(step, count: int = 5) -> float:
 def run(args) -> dict:
     from megatron.bridge.peft.lora import LoRA
 
-    from mbridge_refit.engines.fingerprint import differing
+    from mbridge_refit.engines.replay.fingerprint import differing
     from mbridge_refit.engines.vllm import VLLMAdapterRefit, VLLMRefit, prompt_logprobs
     from mbridge_refit.engines.vllm.trainer import reset_prefix_cache
 

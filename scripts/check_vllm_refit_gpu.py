@@ -53,53 +53,24 @@ Writes DIR/vllm_refit_<model>[_fp8].json; exits 1 when a check fails.
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import datetime
-import json
 import logging
-import os
-import sys
-import tempfile
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mbridge_refit.testing.vllm_harness import (
+    batch_invariant,
+    model_config,
+    parser_with_engine_arguments,
+    progress,
+    prompts,
+    report,
+    start_engine,
+    tp1_trainer,
+    write_checkpoint,
+)
 
 logger = logging.getLogger("check_vllm_refit")
-
-
-def prompts(vocab: int, count: int = 4, length: int = 48) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(1234)
-    return torch.randint(0, vocab, (count, length), generator=generator).tolist()
-
-
-def write_checkpoint(bridge, chunks, config, out: Path, fp8) -> None:
-    """What ``convert export`` writes for these weights (same function)."""
-    from mbridge_refit.convert.writing import write_hf_checkpoint
-
-    source = out.parent / (out.name + "-config")
-    distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
-    if not distributed or torch.distributed.get_rank() == 0:
-        config.save_pretrained(source)  # one writer: the other ranks read it
-    if distributed:
-        torch.distributed.barrier()
-    dtypes = {e.hf_name: e.torch_dtype for e in bridge.export_plan(chunks).entries}
-    write_hf_checkpoint(
-        bridge,
-        chunks,
-        out=out,
-        source_dtypes=dtypes,
-        fp8=fp8,
-        only_source_names=False,
-        copy_files_from=source,
-        max_shard_bytes=4 << 30,
-        overwrite=True,
-        show_progress=False,
-    )
 
 
 def perturbed(stream, victim: str):
@@ -152,7 +123,7 @@ def verify_against_trainer(
 
 def moved_memory_refit(refit, bridge, chunks, fp8, disk: dict, checks: dict) -> dict:
     """Step 6 (module docstring): the values stay the disk's, only where they live changes."""
-    from mbridge_refit.engines.fingerprint import differing
+    from mbridge_refit.engines.replay.fingerprint import differing
 
     live = refit.live_parameters
     swapped, offloaded = live[0], live[-1]
@@ -167,7 +138,7 @@ def moved_memory_refit(refit, bridge, chunks, fp8, disk: dict, checks: dict) -> 
         torch.empty(0, dtype=torch.uint8, device=offloaded.device).set_(storage).copy_(saved)
     torch.cuda.synchronize()
     moved = (swapped.data_ptr(), storage.data_ptr())
-    found = _LogLines("mbridge_refit.engines.ipc_session")
+    found = _LogLines("mbridge_refit.engines.ipc.trainer")
     with found:
         step = refit.refit(bridge, chunks, fp8=fp8)
     checks["moved_memory_found_after_the_word"] = any("data moved" in line for line in found.lines)
@@ -200,7 +171,7 @@ class _LogLines(logging.Handler):
 
 
 def run(args) -> dict:
-    from mbridge_refit.engines.fingerprint import differing
+    from mbridge_refit.engines.replay.fingerprint import differing
     from mbridge_refit.engines.vllm import VLLMRefit, prompt_logprobs
     from mbridge_refit.fp8.format import BlockwiseFP8Config
 
@@ -312,114 +283,6 @@ def run(args) -> dict:
     return result
 
 
-@contextlib.contextmanager
-def tp1_trainer(config, work: str, device: torch.device | None = None) -> Iterator[tuple]:
-    """The trainer of every vLLM check on one GPU: a TP1 session on ``device`` (default GPU 0) and a
-    Megatron model of ``config`` with Megatron's random bf16 weights; yields ``(bridge, chunks, a
-    temporary directory under work)``, the session and the directory ended after."""
-    from mbridge_refit.bridge import RefitBridge
-    from mbridge_refit.convert.session import distributed_session
-    from mbridge_refit.models.builder import BuildOptions, build_model
-    from mbridge_refit.plan.layout import ParallelLayout
-
-    device = device or torch.device("cuda", 0)
-    layout = ParallelLayout(tp=1, pp=1, ep=1)
-    with (
-        distributed_session(layout, device=device, timeout=datetime.timedelta(minutes=10)),
-        tempfile.TemporaryDirectory(dir=work) as directory,
-    ):
-        bridge = RefitBridge.from_hf_config(config)
-        chunks = build_model(bridge, layout, BuildOptions(device=device, params_dtype=torch.bfloat16))
-        yield bridge, chunks, Path(directory)
-
-
-def start_engine(checkpoint: Path, args: argparse.Namespace, **overrides):
-    """A vLLM engine loaded from ``checkpoint`` (vLLM's own loader) with the refit worker extension
-    and the checks' own RPCs (``testing.vllm_worker``: scramble); ``overrides``: more ``LLM`` arguments."""
-    from vllm import LLM
-
-    from mbridge_refit.engines.vllm import engine_kwargs
-    from mbridge_refit.testing.vllm_worker import TESTING_WORKER_EXTENSION
-
-    return LLM(
-        model=str(checkpoint),
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        dtype="bfloat16",
-        max_model_len=256,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        seed=0,
-        **engine_kwargs(worker_extension_cls=TESTING_WORKER_EXTENSION),
-        **overrides,
-    )
-
-
-def model_config(args: argparse.Namespace):
-    """The HF config of ``args.model``, cut to ``args.layers`` layers (per-layer lists cut too)."""
-    from mbridge_refit.models.recipes import full_size_config
-
-    config = full_size_config(args.model)
-    if args.layers is not None:
-        config.num_hidden_layers = args.layers
-        if getattr(config, "layer_types", None):
-            config.layer_types = config.layer_types[: args.layers]
-    return config
-
-
-# about what a full-depth 8B-30B model's engine holds at half of an 80 GB GPU (e.g. Qwen3-8B: 36 layers x
-# 8 kv heads x 128 x 2 (K, V) x 2 bytes x 16 tokens = 2.4 MB a block; 40 GB / 2.4 MB = 17k blocks)
-KV_BLOCKS = 16384
-
-
-def parser_with_engine_arguments(
-    description: str, *, model: str = "qwen3-1.7b", results: bool = False
-) -> argparse.ArgumentParser:
-    """The options every vLLM check and benchmark shares: the model shape (default ``model``), FP8, the
-    engine's memory, the folders (``results``: ``--out-dir`` defaults to benchmarks/results/<date>-<device>/,
-    for the benchmarks, instead of being required)."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=model, help=f"full-size shape of recipes/shapes/ (default {model})")
-    parser.add_argument("--layers", type=int, default=None, help="keep only this many layers (default: all)")
-    parser.add_argument("--fp8", action="store_true", help="blockwise FP8 checkpoint, engine and refit")
-    parser.add_argument(
-        "--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share of its GPU (default 0.3)"
-    )
-    parser.add_argument(
-        "--work", default=os.environ.get("TMPDIR", "/tmp"), help="folder for the checkpoint (deleted after)"
-    )
-    if results:
-        parser.add_argument(
-            "--out-dir", type=Path, default=None, help="results folder (default benchmarks/results/<date>-<device>/)"
-        )
-        parser.add_argument(
-            "--kv-blocks",
-            type=int,
-            default=KV_BLOCKS,
-            help=f"the engine's KV cache in blocks (default {KV_BLOCKS}; 0: what the memory share gives). Every "
-            "refit resets vLLM's prefix cache, which visits every block in Python: a cut model given a GPU's "
-            "share holds far more blocks than the full model would, and its reset would dominate the step",
-        )
-    else:
-        parser.add_argument("--out-dir", type=Path, required=True, help="folder for the JSON result")
-    return parser
-
-
-def batch_invariant() -> str:
-    """Turn vLLM's batch-invariant mode on unless the environment says otherwise (before vLLM starts):
-    the checks' logprob oracles need it (module docstring). Returns the setting, for the result."""
-    return os.environ.setdefault("VLLM_BATCH_INVARIANT", "1")
-
-
-def progress(result: dict, args: argparse.Namespace, prefix: str = "vllm_refit") -> None:
-    """The result so far, written where ``report`` writes the final one (``"ok": null``)."""
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / result_name(result, args, prefix)).write_text(json.dumps({**result, "ok": None}, indent=2) + "\n")
-
-
-def result_name(result: dict, args: argparse.Namespace, prefix: str) -> str:
-    return f"{prefix}_{result['model']}{'_fp8' if args.fp8 else ''}.json"
-
-
 def main() -> None:
     parser = parser_with_engine_arguments(__doc__)
     parser.add_argument(
@@ -431,16 +294,6 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     setting = batch_invariant()
     report({**run(args), "batch_invariant": setting}, args, prefix="vllm_refit")
-
-
-def report(result: dict, args: argparse.Namespace, *, prefix: str) -> None:
-    """Write ``result`` to ``args.out_dir``/<prefix>_<model>[_fp8].json, print its checks, exit 1 if one failed."""
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    name = result_name(result, args, prefix)
-    (args.out_dir / name).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result["checks"], indent=2))
-    print("OK" if result["ok"] else "FAILED", name)
-    sys.exit(0 if result["ok"] else 1)
 
 
 if __name__ == "__main__":

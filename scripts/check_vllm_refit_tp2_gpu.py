@@ -14,7 +14,7 @@ checked on rank 0 and shared:
    own loader: with ``--fp8`` a block-FP8 engine) and every worker's parameter fingerprints and the prompt
    logprobs of a fixed batch are read: the oracle. Every engine parameter is then overwritten with noise
    (the fingerprints must change).
-2. ``VLLMShardedRefit`` (``engines.sharded_ipc``; with ``--fp8``, ``fp8=BlockwiseFP8Config()``): the
+2. ``VLLMShardedRefit`` (``engines.ipc.sharded``; with ``--fp8``, ``fp8=BlockwiseFP8Config()``): the
    sharded transfer fills each trainer rank's shard buffers (with FP8, each rank then quantizes its
    shards of the quantized weights into kept FP8 and scale buffers), each worker maps those of the
    trainer rank on its GPU, records vLLM's ``load_weights`` (FP8: through vLLM's layerwise reload)
@@ -53,12 +53,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from provenance import write_result
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_refit_vllm import floor_ms  # noqa: E402
-from check_vllm_refit_gpu import KV_BLOCKS, model_config, parser_with_engine_arguments, prompts, write_checkpoint  # noqa: E402
-from check_vllm_refit_gpu import start_engine as start_checked_engine  # noqa: E402
-from provenance import write_result  # noqa: E402
+from mbridge_refit.testing.vllm_harness import (
+    KV_BLOCKS,
+    floor_ms,
+    model_config,
+    parser_with_engine_arguments,
+    prompts,
+    write_checkpoint,
+)
+from mbridge_refit.testing.vllm_harness import start_engine as start_checked_engine
 
 logger = logging.getLogger("check_vllm_refit_tp2")
 TORCHRUN_VARIABLES = (
@@ -97,13 +102,13 @@ def start_engine(checkpoint: Path, args):
 
 def fingerprints(llm) -> list[dict]:
     """Every worker's exact parameter fingerprints, in worker order."""
-    from mbridge_refit.engines.fingerprint import fingerprints_from_wire
+    from mbridge_refit.engines.replay.fingerprint import fingerprints_from_wire
 
     return [fingerprints_from_wire(worker) for worker in llm.collective_rpc("mbridge_refit_fingerprints")]
 
 
 def differing_per_worker(expected: list[dict], actual: list[dict]) -> list[list[str]]:
-    from mbridge_refit.engines.fingerprint import differing
+    from mbridge_refit.engines.replay.fingerprint import differing
 
     return [differing(e, a) for e, a in zip(expected, actual)]
 
@@ -125,7 +130,7 @@ def attention_output_weight(chunks) -> torch.nn.Parameter:
 def gathering_baseline(llm, bridge, chunks, steps: int) -> list[dict]:
     """Each step: every rank's gathering export (held, full tensors), shared once with the worker on
     its GPU, loaded there by vLLM's own ``load_weights``; milliseconds of the whole step and of the load."""
-    from mbridge_refit.engines.sharing import CudaIpcTransport, LayoutRecorder
+    from mbridge_refit.engines.ipc.sharing import CudaIpcTransport, LayoutRecorder
     from mbridge_refit.engines.vllm import ignored_by_engine
 
     transport, ignored, shared, out = CudaIpcTransport(), ignored_by_engine(bridge), None, []

@@ -432,7 +432,6 @@ def main() -> None:
     parts = set(args.parts.split(","))
     if not parts or parts - {"export", "roundtrip", "lora"}:
         parser.error(f"--parts {args.parts!r}: choose from export, roundtrip, lora")
-    sys.path.insert(0, str(REPO))
     from mbridge_refit.testing.conformance import LORA_LAYOUTS, LORA_PRECISIONS, MATRIX_LAYOUTS, Cell
 
     if args.from_cells:

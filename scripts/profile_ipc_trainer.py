@@ -14,14 +14,11 @@ import argparse
 import cProfile
 import pstats
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from check_vllm_refit_gpu import tp1_trainer  # noqa: E402
+from mbridge_refit.testing.vllm_harness import tp1_trainer
 
 
 def main() -> None:
@@ -37,8 +34,8 @@ def main() -> None:
         "engine quantizes the weights that are whole-block rows of a parameter, and the trainer exports only the rest",
     )
     args = parser.parse_args()
-    from mbridge_refit.engines.ipc_session import IpcSession
-    from mbridge_refit.engines.sharing import LocalTransport
+    from mbridge_refit.engines.ipc.sharing import LocalTransport
+    from mbridge_refit.engines.ipc.trainer import IpcSession
     from mbridge_refit.models.recipes import full_size_config
     from mbridge_refit.testing.silent_engine import answering_workers
 

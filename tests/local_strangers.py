@@ -1,4 +1,4 @@
-"""Another local process on a go-ahead line (``engines.go_ahead``), for its tests: a child forked before the
+"""Another local process on a go-ahead line (``engines.ipc.go_ahead``), for its tests: a child forked before the
 line exists (another pid; with ``uid``, another user too), told where to connect and what to send, that
 then says what became of each of its connections.
 

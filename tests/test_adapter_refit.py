@@ -1,5 +1,5 @@
-"""The LoRA adapter refit without vLLM: what an engine is refused (``engines.adapter``), the factors shared
-and mapped (``engines.adapter_ipc``), and ``VLLMAdapterRefit``'s steps against an engine that answers its
+"""The LoRA adapter refit without vLLM: what an engine is refused (``engines.lora.adapter``), the factors shared
+and mapped (``engines.lora.ipc``), and ``VLLMAdapterRefit``'s steps against an engine that answers its
 RPCs with the engine-agnostic receiver and records what it was asked to load."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mbridge_refit.engines.adapter import (
+from mbridge_refit.engines.ipc.sharing import LocalTransport
+from mbridge_refit.engines.lora.adapter import (
     LIMITS_VERSION,
     PEFT_PREFIX,
     AdapterLimits,
@@ -16,8 +17,7 @@ from mbridge_refit.engines.adapter import (
     check_adapter,
     unplaced,
 )
-from mbridge_refit.engines.adapter_ipc import AdapterReceiver, AdapterShare, AdapterShareError
-from mbridge_refit.engines.sharing import LocalTransport
+from mbridge_refit.engines.lora.ipc import AdapterReceiver, AdapterShare, AdapterShareError
 from mbridge_refit.errors import EngineError, InputError
 
 Q = "model.layers.0.self_attn.q_proj"

@@ -1,4 +1,4 @@
-"""The packed broadcast's bounded copies and checksums (``sinks.bounded_kernels``) give torch's results:
+"""The packed broadcast's bounded copies and checksums (``engines.broadcast.bounded_kernels``) give torch's results:
 the Triton kernels themselves in Triton's CPU interpreter (tests/ranks/bounded_kernels_check.py, torch's
 copy and ``broadcast_wire.checksum_into`` the oracles), and where they do not apply (CPU, small or
 unaligned bytes, ``device_programs=0``) torch's kernels run. On the GPU host every broadcast refit
@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import run_interpreted
 
-from mbridge_refit.sinks.bounded_kernels import BoundedKernels
-from mbridge_refit.sinks.broadcast_wire import PackedBroadcastConfig, checksum_into
+from mbridge_refit.engines.broadcast.bounded_kernels import BoundedKernels
+from mbridge_refit.engines.broadcast.wire import PackedBroadcastConfig, checksum_into
 
 
 def test_the_kernels_copy_and_sum_as_torch_does_in_tritons_interpreter():

@@ -27,8 +27,8 @@ import torch
 from conftest import REPO, free_port
 from test_packed_broadcast import _plan
 
-from mbridge_refit.runtime import broadcast_group
-from mbridge_refit.runtime.broadcast_group import (
+from mbridge_refit.engines.broadcast import group as broadcast_group
+from mbridge_refit.engines.broadcast.group import (
     STORE_PROTOCOL,
     GroupSetupError,
     PeerFailedError,
@@ -39,8 +39,7 @@ from mbridge_refit.runtime.broadcast_group import (
     new_secret,
     settings_differences,
 )
-from mbridge_refit.sinks.base import drain
-from mbridge_refit.sinks.packed_broadcast import (
+from mbridge_refit.engines.broadcast.packed import (
     WIRE_VERSION,
     ChecksumError,
     PackedBroadcastConfig,
@@ -52,6 +51,7 @@ from mbridge_refit.sinks.packed_broadcast import (
     StreamPacking,
     WireVersionError,
 )
+from mbridge_refit.sinks.base import drain
 
 PLAN = _plan(
     ("a", (3,), "bfloat16"),
@@ -500,7 +500,7 @@ def test_a_stranger_on_the_store_reads_no_settings_and_forges_nothing(caplog):
     and the refit arrives bit for bit (against the tensors the test sent). Before the fix member 0
     took the forged settings (SettingsMismatchError) and both members raised the forged failure."""
     port, forged = free_port(), threading.Event()
-    caplog.set_level("WARNING", logger="mbridge_refit.runtime.store_entries")
+    caplog.set_level("WARNING", logger="mbridge_refit.engines.broadcast.store_entries")
     groups: list[StoreGroup] = []
     read: dict[str, bytes | None] = {}
     keys = [f"mbridge_refit/{kind}/{member}" for kind in ("settings", "alive", "error") for member in (0, 1)]
@@ -927,8 +927,8 @@ TRAINER = r"""
 import json, os, signal, sys, time
 sys.path.insert(0, {repo!r})
 from mbridge_refit.plan.entries import ExportPlan
-from mbridge_refit.runtime.broadcast_group import StoreGroup
-from mbridge_refit.sinks.packed_broadcast import PackedBroadcastConfig, PackedBroadcastSender, SendBuffers
+from mbridge_refit.engines.broadcast.group import StoreGroup
+from mbridge_refit.engines.broadcast.packed import PackedBroadcastConfig, PackedBroadcastSender, SendBuffers
 import torch
 plan = ExportPlan.from_json({plan!r})
 group = StoreGroup(host="127.0.0.1", port={port}, rank=0, world_size=2, device="cpu", secret=bytes.fromhex({secret!r}))
@@ -986,7 +986,7 @@ def test_the_trainers_process_dying_or_stopping_reaches_the_engine(how, tmp_path
 NEVER_CLOSED = r"""
 import sys, time
 sys.path.insert(0, {repo!r})
-from mbridge_refit.runtime import broadcast_group
+from mbridge_refit.engines.broadcast import group as broadcast_group
 broadcast_group.PEER_CHECK_S = 0.0  # the watchdog is in a store call nearly all the time
 group = broadcast_group.StoreGroup(
     host="127.0.0.1", port={port}, rank=0, world_size=1, device="cpu", secret=broadcast_group.new_secret()

@@ -1,4 +1,4 @@
-"""Where a packed broadcast's time goes (``sinks.broadcast_timing``): the phases computed from marks,
+"""Where a packed broadcast's time goes (``engines.broadcast.timing``): the phases computed from marks,
 and both ends marking every bucket of a real transfer (CPU, gloo, two threads; on CUDA the same marks
 are events, which the GPU benchmark reads: scripts/bench_refit_vllm_broadcast.py).
 """
@@ -10,15 +10,15 @@ import torch
 from conftest import free_port
 from test_broadcast_faults import CONFIG, PLAN, SECRET, Bridge, Engine, InProcessLLM, plan_tensors, run_members
 
-from mbridge_refit.runtime.broadcast_group import StoreGroup
-from mbridge_refit.sinks.broadcast_timing import BucketTimeline, receiver_phases, source_phases
-from mbridge_refit.sinks.packed_broadcast import (
+from mbridge_refit.engines.broadcast.group import StoreGroup
+from mbridge_refit.engines.broadcast.packed import (
     PackedBroadcastConfig,
     PackedBroadcastReceiver,
     PackedBroadcastSender,
     SendBuffers,
     StreamPacking,
 )
+from mbridge_refit.engines.broadcast.timing import BucketTimeline, receiver_phases, source_phases
 
 
 def test_source_phases_from_marks():

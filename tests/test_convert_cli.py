@@ -92,7 +92,9 @@ def test_the_shard_size_help_names_the_writers_default():
     assert SHARD_BYTES_HELP == f"{DEFAULT_MAX_SHARD_BYTES}, {DEFAULT_MAX_SHARD_BYTES // 1024**3} GiB"
     assert DEFAULT_MAX_SHARD_BYTES % 1024**3 == 0
     for command in ("roundtrip", "export"):
-        args = build_parser().parse_args([command, "--hf" if command == "roundtrip" else "--megatron", "a", "--out", "b"])
+        args = build_parser().parse_args(
+            [command, "--hf" if command == "roundtrip" else "--megatron", "a", "--out", "b"]
+        )
         assert args.max_shard_bytes is None  # the commands take the writer's default
 
 

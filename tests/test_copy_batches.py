@@ -1,4 +1,4 @@
-"""engines.copy_batches: recorded copies grouped for ``torch._foreach_copy_`` only where independent.
+"""engines.replay.copy_batches: recorded copies grouped for ``torch._foreach_copy_`` only where independent.
 
 On CPU ``_foreach_copy_`` copies in list order, so a group that should have been split would still
 give the right bytes here; the schedule's structure (which copies share a call) is what these tests
@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from conftest import run_interpreted
 
-from mbridge_refit.engines.apply_plan import ApplyPlan
-from mbridge_refit.engines.copy_batches import CopySchedule, byte_span
+from mbridge_refit.engines.replay.apply_plan import ApplyPlan
+from mbridge_refit.engines.replay.copy_batches import CopySchedule, byte_span
 
 
 def _groups(schedule: CopySchedule) -> int:
@@ -121,14 +121,14 @@ def test_replay_of_a_stacked_layer_is_one_foreach_call(monkeypatch):
 
 def test_chunk_rows_cover_every_byte_once():
     """Copies cut into (source, destination, 8-byte words) chunks, in order, tails shorter."""
-    from mbridge_refit.engines.copy_kernels import chunk_rows
+    from mbridge_refit.engines.replay.copy_kernels import chunk_rows
 
     rows = chunk_rows([(1000, 50_000, 16), (2000, 60_000, 80)], chunk_bytes=32)
     assert rows == [(1000, 50_000, 2), (2000, 60_000, 4), (2032, 60_032, 4), (2064, 60_064, 2)]
 
 
 def test_chunked_copy_kernel_writes_what_copy_writes():
-    """``engines.copy_kernels``' Triton kernel run by Triton's CPU interpreter against ``copy_``
+    """``engines.replay.copy_kernels``' Triton kernel run by Triton's CPU interpreter against ``copy_``
     (tests/ranks/chunked_copy_kernel_check.py); on a GPU its probe checks it again before use and
     tests/test_gpu.py replays through it."""
     run_interpreted("chunked_copy_kernel_check.py", "chunked copies == copy_")
@@ -139,7 +139,7 @@ def test_byte_segments_of_plain_strided_and_refused_copies():
     QKV) one per run, at the runs' addresses; conversions, transposes, conjugate views, overlapping
     or expanded destinations, wrapper subclasses and runs shorter than ``MIN_SEGMENT_BYTES`` are not
     byte copies."""
-    from mbridge_refit.engines.copy_kernels import MIN_SEGMENT_BYTES, byte_segments
+    from mbridge_refit.engines.replay.copy_kernels import MIN_SEGMENT_BYTES, byte_segments
 
     source, destination = torch.zeros(4, 1024, dtype=torch.bfloat16), torch.zeros(4, 1024, dtype=torch.bfloat16)
     assert byte_segments(destination, source) == [(source.data_ptr(), destination.data_ptr(), 8192)]

@@ -1,6 +1,6 @@
 """What vLLM 0.26's DeepGEMM does to block-FP8 layers after loading them, modelled on CPU, and how a
 colocated refit into such an engine is exact or refused by name (``engines.vllm.deep_gemm``,
-``engines.apply_plan``'s processed parameters).
+``engines.replay.apply_plan``'s processed parameters).
 
 The stand-ins are vLLM's, cut to what the refit sees (paths under ``vllm/``): ``Fp8LinearMethod`` hands
 processing to its kernel; ``DeepGemmFp8BlockScaledMMKernel.process_weights_after_loading``
@@ -26,9 +26,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mbridge_refit.engines.apply_plan import ApplyPlanError, StagedLoad
-from mbridge_refit.engines.ipc import EngineRefitError, RefitReceiver
-from mbridge_refit.engines.sharing import LayoutRecorder, LocalTransport
+from mbridge_refit.engines.ipc.engine import EngineRefitError, RefitReceiver
+from mbridge_refit.engines.ipc.sharing import LayoutRecorder, LocalTransport
+from mbridge_refit.engines.replay.apply_plan import ApplyPlanError, StagedLoad
 from mbridge_refit.engines.vllm.deep_gemm import reprocess
 from mbridge_refit.engines.vllm.worker import RefitWorkerExtension
 from mbridge_refit.fp8.format import FP8_DTYPE

@@ -44,7 +44,8 @@ def test_the_vllm_adapter_is_found_by_name_and_offers_every_transport():
 
 @pytest.mark.parametrize("session", ["VLLMRefit", "VLLMBroadcastRefit", "ShardedIpcSession", "VLLMAdapterRefit"])
 def test_each_session_has_the_trainer_protocols_methods(session):
-    from mbridge_refit.engines import sharded_ipc, vllm
+    from mbridge_refit.engines import vllm
+    from mbridge_refit.engines.ipc import sharded as sharded_ipc
 
     cls = getattr(vllm, session, None) or getattr(sharded_ipc, session)
     for method in _protocol_methods(base.RefitSession):
@@ -113,8 +114,8 @@ def test_a_second_adapter_plugs_in_without_the_transports_knowing():
 
 def test_the_transports_import_without_any_engine_adapter():
     code = (
-        "import sys, mbridge_refit.engines.ipc, mbridge_refit.engines.broadcast, mbridge_refit.engines.base, "
-        "mbridge_refit.engines.sharded_ipc; "
+        "import sys, mbridge_refit.engines.ipc.engine, mbridge_refit.engines.broadcast.engine, mbridge_refit.engines.base, "
+        "mbridge_refit.engines.ipc.sharded; "
         "print(sorted(m for m in sys.modules if m.startswith('mbridge_refit.engines.vllm') or m == 'vllm'))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

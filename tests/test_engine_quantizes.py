@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mbridge_refit.engines.apply_plan import ApplyPlanError
-from mbridge_refit.engines.ipc import RefitReceiver
-from mbridge_refit.engines.sharing import LayoutRecorder, LocalTransport, SharedLayout, SharingError
+from mbridge_refit.engines.ipc.engine import RefitReceiver
+from mbridge_refit.engines.ipc.sharing import LayoutRecorder, LocalTransport, SharedLayout, SharingError
+from mbridge_refit.engines.replay.apply_plan import ApplyPlanError
 from mbridge_refit.fp8.format import FP8_DTYPE, SCALE_DTYPE, scale_shape
 from mbridge_refit.fp8.quantize import JobQuantizer, block_row_jobs
 from mbridge_refit.fp8.reference import quantize_reference

@@ -16,9 +16,7 @@ import torch
 from conftest import REPO, free_port, torchrun
 from test_roundtrip import layout_flags
 
-from mbridge_refit.engines import fingerprint as fp
-from mbridge_refit.engines.apply_plan import ApplyPlan
-from mbridge_refit.engines.sharing import (
+from mbridge_refit.engines.ipc.sharing import (
     LAYOUT_VERSION,
     CudaIpcTransport,
     LayoutRecorder,
@@ -27,6 +25,8 @@ from mbridge_refit.engines.sharing import (
     SharingError,
     views,
 )
+from mbridge_refit.engines.replay import fingerprint as fp
+from mbridge_refit.engines.replay.apply_plan import ApplyPlan
 from mbridge_refit.testing.parameter_classes import DispatchingParameter
 
 CHECKER = str(REPO / "tests" / "ranks" / "engine_refit_check.py")
@@ -214,7 +214,7 @@ def test_apply_plan_reports_missing_and_partial():
 
 
 class _Recorded:
-    """Stands in for the engine's replay event (``engines.completion.ReplayDone``): counts its records."""
+    """Stands in for the engine's replay event (``engines.ipc.completion.ReplayDone``): counts its records."""
 
     def __init__(self) -> None:
         self.records = 0
@@ -227,7 +227,7 @@ class _Recorded:
 def test_receiver_records_again_when_the_engine_replaced_a_parameter(signal):
     """Also when the apply signals by event (it looks for moved parameters before it launches anything: the
     engine may have freed a replaced parameter's old storage), and a plain replay follows into the new one."""
-    from mbridge_refit.engines.ipc import RefitReceiver
+    from mbridge_refit.engines.ipc.engine import RefitReceiver
 
     model = _Fused()
     recorder = LayoutRecorder()
@@ -284,7 +284,7 @@ def test_the_look_for_replaced_parameters_does_not_dispatch_per_parameter():
 def _streamed(model, buffers, buckets, *, check=True):
     """Record ``model``'s loader bucket by bucket, bucket i landing in ``buffers[i % len(buffers)]``
     (as a broadcast receiver rotates them); returns each bucket's proven replay and the recording."""
-    from mbridge_refit.engines.apply_plan import LoadRecording
+    from mbridge_refit.engines.replay.apply_plan import LoadRecording
 
     recording = LoadRecording(model, buffers)
     replays = []
@@ -317,7 +317,7 @@ def test_streamed_recording_replays_each_bucket_from_its_reused_buffer():
 
 
 def test_streamed_check_catches_a_write_the_recorder_cannot_see():
-    from mbridge_refit.engines.apply_plan import ApplyPlanError
+    from mbridge_refit.engines.replay.apply_plan import ApplyPlanError
 
     class Sneaky(_Fused):
         def load_weights(self, weights):
@@ -332,7 +332,7 @@ def test_a_loader_that_keeps_its_sources_fails_the_streamed_recording():
     """A loader writing from a tensor of an earlier bucket while a later one loads (with more buckets
     than buffers, that memory is received into again before the write): the later bucket's check
     fails, and without the check the recording is refused, naming the source."""
-    from mbridge_refit.engines.apply_plan import ApplyPlanError
+    from mbridge_refit.engines.replay.apply_plan import ApplyPlanError
 
     class Keeping(_Fused):
         held = None
@@ -379,7 +379,7 @@ def test_batched_replay_cuts_a_run_where_destinations_overlap():
 
 
 def test_loader_failure_names_the_tensor():
-    from mbridge_refit.engines.apply_plan import ApplyPlanError
+    from mbridge_refit.engines.replay.apply_plan import ApplyPlanError
 
     class Broken(_Fused):
         def load_weights(self, weights):
@@ -420,7 +420,7 @@ class _Processed(torch.nn.Module):
     def staged_load(self):
         """Like vLLM's layerwise reload: loadable staging parameters in, processed bytes copied back
         into the parameter the engine computes with."""
-        from mbridge_refit.engines.apply_plan import StagedLoad
+        from mbridge_refit.engines.replay.apply_plan import StagedLoad
 
         kernel = {}
 
@@ -447,7 +447,7 @@ class _Processed(torch.nn.Module):
 
 
 def _open_on(model, staged, tensors):
-    from mbridge_refit.engines.ipc import RefitReceiver
+    from mbridge_refit.engines.ipc.engine import RefitReceiver
 
     recorder = LayoutRecorder()
     for name, tensor in tensors.items():
@@ -459,7 +459,7 @@ def _open_on(model, staged, tensors):
 
 
 def test_an_engine_that_reprocesses_after_loading_is_recorded_through_its_reload():
-    from mbridge_refit.engines.apply_plan import ApplyPlanError
+    from mbridge_refit.engines.replay.apply_plan import ApplyPlanError
 
     model = _Processed()
     sources = {"top": torch.randn(2, 4), "bottom": torch.randn(2, 4)}
@@ -476,7 +476,7 @@ def test_an_engine_that_reprocesses_after_loading_is_recorded_through_its_reload
 
 
 def test_a_reload_that_changes_the_bytes_is_refused():
-    from mbridge_refit.engines.apply_plan import ApplyPlanError
+    from mbridge_refit.engines.replay.apply_plan import ApplyPlanError
 
     model = _Processed(transform=lambda w: w * 2)  # e.g. scales re-encoded after loading
     with pytest.raises(ApplyPlanError, match="does not reproduce the engine's loader"):
@@ -514,7 +514,7 @@ def _grouped_case(groups: int = 4, q_rows: int = 2, group_rows: int = 3, width: 
 
 
 def test_rows_are_composed_to_read_the_origin():
-    from mbridge_refit.engines.ipc import RefitReceiver
+    from mbridge_refit.engines.ipc.engine import RefitReceiver
 
     qkv, runs, q, other, b = _grouped_case()
     rest = torch.randn(3, 5)
@@ -569,7 +569,7 @@ def test_rows_a_loader_reads_in_other_shapes_are_refreshed_before_each_replay():
 
 def _open_q_only(engine: type):
     """An engine of class ``engine`` opened on ``q`` (named as rows of the QKV origin) and ``rest``."""
-    from mbridge_refit.engines.ipc import RefitReceiver
+    from mbridge_refit.engines.ipc.engine import RefitReceiver
 
     qkv, runs, q, _, _ = _grouped_case()
     recorder = LayoutRecorder()
@@ -593,7 +593,7 @@ def test_composed_rows_are_rebuilt_before_the_loader_is_recorded_again():
 
 
 def test_row_runs_that_do_not_make_the_tensor_are_refused():
-    from mbridge_refit.engines.sharing import row_sources
+    from mbridge_refit.engines.ipc.sharing import row_sources
 
     qkv, runs, q, _, _ = _grouped_case()
     for bad in (runs[:-1], (*runs[:-1], (6, 11, 2)), ((0, 0, 4), (2, 4, 6))):

@@ -1,5 +1,5 @@
 """What vLLM 0.26 does when it reloads DeepSeek-V3's layers, modelled on CPU, and how the recorded
-apply plan (``engines.apply_plan``) replays it exactly or refuses it by name.
+apply plan (``engines.replay.apply_plan``) replays it exactly or refuses it by name.
 
 ``Reload`` below is vLLM's layerwise reload cut to what the recorder sees
 (``vllm/model_executor/model_loader/reload/layerwise.py``): every layer's loadable parameters
@@ -15,9 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mbridge_refit.engines.apply_plan import ApplyPlan, ApplyPlanError, StagedLoad
-from mbridge_refit.engines.ipc import EngineRefitError, RefitReceiver
-from mbridge_refit.engines.sharing import LayoutRecorder, LocalTransport
+from mbridge_refit.engines.ipc.engine import EngineRefitError, RefitReceiver
+from mbridge_refit.engines.ipc.sharing import LayoutRecorder, LocalTransport
+from mbridge_refit.engines.replay.apply_plan import ApplyPlan, ApplyPlanError, StagedLoad
 
 # vllm/model_executor/model_loader/reload/meta.py:25-32: SKIP_TENSORS = {"_expert_map", ...,
 # "e_score_correction_bias"}: never moved to meta, never staged, its loader never wrapped.

@@ -1,4 +1,4 @@
-"""The colocated step's go-ahead line (``engines.go_ahead``): a worker told apply or skip for its step,
+"""The colocated step's go-ahead line (``engines.ipc.go_ahead``): a worker told apply or skip for its step,
 earlier steps' words passed over, and every way the line can fail ending the worker's wait loudly and
 at once (a closed trainer end, a timeout, words out of step), a stranger's connection never taken for
 the worker's."""
@@ -15,7 +15,7 @@ import pytest
 from conftest import REPO
 from local_strangers import Stranger
 
-from mbridge_refit.engines.go_ahead import GO_AHEAD_VERSION, GoAheadError, GoAheadLine, GoAheadWaiter
+from mbridge_refit.engines.ipc.go_ahead import GO_AHEAD_VERSION, GoAheadError, GoAheadLine, GoAheadWaiter
 
 
 def _connected(timeout_s: float = 5.0) -> tuple[GoAheadLine, GoAheadWaiter]:
@@ -142,7 +142,7 @@ def test_the_worker_notes_each_word_s_way_and_its_wait():
 
 
 def test_words_nobody_reads_fill_the_line_and_raise_instead_of_blocking(monkeypatch):
-    import mbridge_refit.engines.go_ahead as go_ahead
+    import mbridge_refit.engines.ipc.go_ahead as go_ahead
 
     monkeypatch.setattr(go_ahead, "_SEND_S", 0.2)
     line, waiter = _connected()
@@ -159,7 +159,7 @@ def test_words_nobody_reads_fill_the_line_and_raise_instead_of_blocking(monkeypa
 
 _TRAINER_THAT_FORKS_AND_DIES = """
 import json, os, sys, time
-from mbridge_refit.engines.go_ahead import GoAheadLine
+from mbridge_refit.engines.ipc.go_ahead import GoAheadLine
 line = GoAheadLine.listen()
 print(json.dumps(line.offer(30.0)), flush=True)
 line.accept(10.0)
@@ -207,7 +207,7 @@ def test_a_connection_of_another_uid_is_refused_unread_though_it_sends_the_token
     line = GoAheadLine.listen()
     waiter = None
     try:
-        with caplog.at_level(logging.WARNING, logger="mbridge_refit.engines.go_ahead"):
+        with caplog.at_level(logging.WARNING, logger="mbridge_refit.engines.ipc.go_ahead"):
             assert stranger.connect(line.address, [_offer_token(line)]) == 1
             waiter = GoAheadWaiter.connect(line.offer(2.0))
             line.accept(2.0)  # no pid given: the uid is what refuses the stranger
@@ -225,7 +225,7 @@ def test_a_connection_of_another_pid_is_refused_once_the_worker_s_pid_is_known(c
     """Processes of this uid that are not the worker, both holding the token (a leak): one queued before the
     worker's pid is known is refused when ``accept`` learns it; one connecting while ``accept`` waits for the
     worker's token is closed unread. The worker's connection is taken, though it came after the first."""
-    import mbridge_refit.engines.go_ahead as go_ahead
+    import mbridge_refit.engines.ipc.go_ahead as go_ahead
 
     monkeypatch.setattr(go_ahead, "_TOKEN_WAIT_S", 5.0)  # the worker's token comes in two halves, the stranger between
     before, after = Stranger(), Stranger()
@@ -233,7 +233,7 @@ def test_a_connection_of_another_pid_is_refused_once_the_worker_s_pid_is_known(c
     token = _offer_token(line)
     worker = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # this process: the pid accept is given
     try:
-        with caplog.at_level(logging.WARNING, logger="mbridge_refit.engines.go_ahead"):
+        with caplog.at_level(logging.WARNING, logger="mbridge_refit.engines.ipc.go_ahead"):
             assert before.connect(line.address, [token]) == 1
             gate, accepted = line._gate, []
             _until(lambda: gate._proven, "the gate read the first stranger's token")  # else it goes unread

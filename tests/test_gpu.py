@@ -123,7 +123,7 @@ def test_moe_with_megatrons_expert_tp_default_matches_stock(gpus, tmp_path):
 
 _IPC_ENGINE = """
 import sys, torch
-from mbridge_refit.engines.sharing import CudaIpcTransport
+from mbridge_refit.engines.ipc.sharing import CudaIpcTransport
 (storage,) = CudaIpcTransport().open(open(sys.argv[1], "rb").read(), torch.device("cuda", 0))
 data = torch.empty(0, dtype=torch.uint8, device="cuda").set_(storage)
 print(storage.nbytes(), int(data.sum(dtype=torch.int64)))
@@ -141,7 +141,7 @@ def test_cuda_ipc_transport_opens_the_same_memory_in_another_process(tmp_path):
 
     from conftest import REPO
 
-    from mbridge_refit.engines.sharing import CudaIpcTransport
+    from mbridge_refit.engines.ipc.sharing import CudaIpcTransport
 
     source = (torch.arange(3001, device="cuda") % 251).to(torch.uint8)
     expected = (source.untyped_storage().nbytes(), int(source.sum(dtype=torch.int64)))  # before the engine writes
@@ -295,13 +295,13 @@ def test_stack_kernels_write_what_copy_into_writes(interleave, shape):
 
 
 def test_replay_schedule_runs_plain_copies_as_one_chunked_launch():
-    """``engines.copy_batches`` on CUDA: an engine-like replay (each expert's gate and up rows into
+    """``engines.replay.copy_batches`` on CUDA: an engine-like replay (each expert's gate and up rows into
     a stacked parameter, a dense weight, q of each query group from an interleaved QKV as one
     strided copy, a converting copy) runs its byte copies through
-    ``engines.copy_kernels.ChunkedCopies`` and the rest through ``_foreach_copy_``, and writes what
+    ``engines.replay.copy_kernels.ChunkedCopies`` and the rest through ``_foreach_copy_``, and writes what
     a ``copy_`` per pair writes, bitwise, twice (the second from the kept chunk table)."""
-    from mbridge_refit.engines import copy_kernels
-    from mbridge_refit.engines.copy_batches import CopySchedule
+    from mbridge_refit.engines.replay import copy_kernels
+    from mbridge_refit.engines.replay.copy_batches import CopySchedule
 
     assert copy_kernels.usable(torch.cuda.current_device())
     generator = torch.Generator().manual_seed(0)

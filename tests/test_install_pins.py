@@ -23,8 +23,9 @@ def _pyproject_requirements():
 def _exact_pins():
     """name -> version pinned with == in scripts/requirements.txt and scripts/setup.sh."""
     text = (ROOT / "scripts/requirements.txt").read_text() + (ROOT / "scripts/setup.sh").read_text()
-    return {m[1]: m[2] for m in re.finditer(r'^\s*(?:\w+_PIN=")?([A-Za-z0-9_.-]+)(?:\[[^\]]*\])?==([^\s"]+)',
-                                            text, re.M)}
+    return {
+        m[1]: m[2] for m in re.finditer(r'^\s*(?:\w+_PIN=")?([A-Za-z0-9_.-]+)(?:\[[^\]]*\])?==([^\s"]+)', text, re.M)
+    }
 
 
 @pytest.mark.parametrize("name", STACK + ("vllm",))

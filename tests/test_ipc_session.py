@@ -1,7 +1,7 @@
 """An engine adapter plugs into the colocated transport without vLLM: a few lines bind
-``engines.ipc_session.IpcSession`` to an engine of this test's own (its workers called in this
+``engines.ipc.trainer.IpcSession`` to an engine of this test's own (its workers called in this
 process, arguments and results pickled as between processes; the worker is the transport's engine
-side, ``engines.ipc.RefitReceiver``), and a Megatron model on one CPU rank refits it exactly.
+side, ``engines.ipc.engine.RefitReceiver``), and a Megatron model on one CPU rank refits it exactly.
 
 Oracles: the checkpoint on disk for the first refit, the stock export (Megatron-Bridge's own) of the
 changed model for the second; never our own export.
@@ -19,9 +19,9 @@ import pytest
 import torch
 from conftest import REPO, loaded_model
 
-from mbridge_refit.engines.fingerprint import FINGERPRINT_VERSION, fingerprints_to_wire, named_fingerprints
-from mbridge_refit.engines.ipc_session import IpcSession
-from mbridge_refit.engines.sharing import LocalTransport
+from mbridge_refit.engines.ipc.sharing import LocalTransport
+from mbridge_refit.engines.ipc.trainer import IpcSession
+from mbridge_refit.engines.replay.fingerprint import FINGERPRINT_VERSION, fingerprints_to_wire, named_fingerprints
 from mbridge_refit.errors import EngineError
 from mbridge_refit.testing.copy_engine import CopyEngine
 from mbridge_refit.testing.copy_engine import CopyEngineWorker as Worker
@@ -121,9 +121,9 @@ def test_an_early_apply_reaches_the_worker_during_the_export_and_reads_nothing_b
     waiting. Oracle: the stock export of the changed model."""
     from mbridge_refit.bridge import RefitBridge
     from mbridge_refit.convert.session import distributed_session
-    from mbridge_refit.engines import ipc_session
-    from mbridge_refit.engines.apply_plan import ApplyPlan
-    from mbridge_refit.engines.go_ahead import GoAheadError, GoAheadLine, GoAheadWaiter
+    from mbridge_refit.engines.ipc import trainer as ipc_session
+    from mbridge_refit.engines.ipc.go_ahead import GoAheadError, GoAheadLine, GoAheadWaiter
+    from mbridge_refit.engines.replay.apply_plan import ApplyPlan
     from mbridge_refit.errors import TransportError
     from mbridge_refit.models.builder import BuildOptions, build_model
     from mbridge_refit.plan.layout import ParallelLayout
@@ -283,7 +283,7 @@ def test_a_steady_step_holds_collections_off_until_the_engine_applied(source_che
 
     from mbridge_refit.bridge import RefitBridge
     from mbridge_refit.convert.session import distributed_session
-    from mbridge_refit.engines.apply_plan import ApplyPlan
+    from mbridge_refit.engines.replay.apply_plan import ApplyPlan
     from mbridge_refit.models.builder import BuildOptions, build_model
     from mbridge_refit.plan.layout import ParallelLayout
     from mbridge_refit.testing.conformance import restored_environment
@@ -396,7 +396,7 @@ def test_the_engine_agnostic_sessions_import_without_any_engine_adapter():
     import subprocess
 
     code = (
-        "import sys, mbridge_refit.engines.ipc_session, mbridge_refit.engines.broadcast_session; "
+        "import sys, mbridge_refit.engines.ipc.trainer, mbridge_refit.engines.broadcast.trainer; "
         "print(sorted(m for m in sys.modules if m.startswith('mbridge_refit.engines.vllm') or m == 'vllm'))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
@@ -405,7 +405,7 @@ def test_the_engine_agnostic_sessions_import_without_any_engine_adapter():
 
 
 class _Signal:
-    """Stands in for the engine's replay event opened on the trainer (``engines.completion.DoneSignal``)."""
+    """Stands in for the engine's replay event opened on the trainer (``engines.ipc.completion.DoneSignal``)."""
 
     def __init__(self, calls: list[str]) -> None:
         self.calls = calls
@@ -417,7 +417,7 @@ class _Signal:
 def _signalling_session(monkeypatch, calls: list[str], reset) -> IpcSession:
     """A session over an engine whose open report carries a replay event handle (as a CUDA engine's does):
     the RPCs, the follow-up and the waits land in ``calls`` in the order they happen."""
-    import mbridge_refit.engines.ipc_session as ipc_session
+    import mbridge_refit.engines.ipc.trainer as ipc_session
 
     monkeypatch.setattr(ipc_session.DoneSignal, "open", classmethod(lambda cls, handle, device: _Signal(calls)))
     monkeypatch.setattr(ipc_session.torch.cuda, "current_device", lambda: 0)
@@ -466,7 +466,7 @@ def test_a_signalled_apply_runs_the_follow_up_before_it_waits_for_the_copies(mon
 def test_a_bad_replay_event_handle_is_refused_before_the_session_trusts_the_layout(monkeypatch):
     """An open report whose event handle is not one raises, and the session does not keep a layout whose
     applies it could not wait for: the next step opens again."""
-    from mbridge_refit.engines.sharing import SharingError
+    from mbridge_refit.engines.ipc.sharing import SharingError
 
     opened = []
 
@@ -474,7 +474,7 @@ def test_a_bad_replay_event_handle_is_refused_before_the_session_trusts_the_layo
         opened.append(method)
         return [{"completion": "not hex"} if method == "mbridge_refit_open" else 0.1]
 
-    monkeypatch.setattr("mbridge_refit.engines.ipc_session.torch.cuda.current_device", lambda: 0)
+    monkeypatch.setattr("mbridge_refit.engines.ipc.trainer.torch.cuda.current_device", lambda: 0)
     session = IpcSession(call_workers, transport=LocalTransport())
     tensors = [("a", torch.arange(8, dtype=torch.float32))]
     for _ in range(2):
@@ -503,7 +503,7 @@ def test_a_cpu_engine_asked_for_an_event_has_none_and_applies_synchronously():
 
 def test_only_a_single_worker_s_event_is_waited_on(monkeypatch):
     """Two workers answering the open would each record their own event: the session then waits in the RPC."""
-    import mbridge_refit.engines.ipc_session as ipc_session
+    import mbridge_refit.engines.ipc.trainer as ipc_session
 
     opened = []
     monkeypatch.setattr(ipc_session.DoneSignal, "open", classmethod(lambda cls, handle, device: opened.append(handle)))
@@ -557,7 +557,7 @@ def test_a_steady_fp8_refit_skips_noting_each_tensor_only_while_they_stay_where_
     and shares the new layout, and the engine holds the new weights, not the old buffers' (which the
     session still holds, so a wrong shortcut would read them: stale values, not a crash)."""
     from mbridge_refit.convert.session import distributed_session
-    from mbridge_refit.engines import sharing
+    from mbridge_refit.engines.ipc import sharing
     from mbridge_refit.plan.layout import ParallelLayout
     from mbridge_refit.testing.conformance import restored_environment
 
@@ -776,7 +776,7 @@ def test_an_export_snapshot_trusts_a_stamp_only_where_both_exports_carry_the_sam
     """``ExportSnapshot.same_as``: a stamped bucket is compared by its stamp (``runtime.stamps``), every other
     pair by name, object and address; a bucket stamped anew, a stamp against none, another owner or another
     tensor object (even a view at the same address) is not the same export."""
-    from mbridge_refit.engines.sharing import ExportSnapshot
+    from mbridge_refit.engines.ipc.sharing import ExportSnapshot
     from mbridge_refit.runtime.stamps import StampedBucket, new_stamp
 
     weight, norm = torch.zeros(4, 4), torch.zeros(4)
@@ -877,8 +877,8 @@ def test_the_open_takes_the_go_ahead_connection_of_the_pid_its_worker_answered_w
     worker's connection (the pid of its answer), and the word reaches the worker, not the stranger."""
     from local_strangers import Stranger
 
-    from mbridge_refit.engines import ipc_session
-    from mbridge_refit.engines.go_ahead import GoAheadLine, GoAheadWaiter
+    from mbridge_refit.engines.ipc import trainer as ipc_session
+    from mbridge_refit.engines.ipc.go_ahead import GoAheadLine, GoAheadWaiter
 
     stranger = Stranger()
     line = GoAheadLine.listen()
@@ -903,8 +903,8 @@ def test_an_open_whose_worker_connection_was_refused_or_is_not_there_gives_up_at
     not after the accept's 10 s."""
     import socket
 
-    from mbridge_refit.engines import ipc_session
-    from mbridge_refit.engines.go_ahead import GoAheadLine, GoAheadWaiter
+    from mbridge_refit.engines.ipc import trainer as ipc_session
+    from mbridge_refit.engines.ipc.go_ahead import GoAheadLine, GoAheadWaiter
 
     line = GoAheadLine.listen()
     mistaken = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -24,7 +24,7 @@ LAYERS = (
     ("fp8",),
     ("checkpoints",),
     ("sinks",),
-    ("engines", "transfer"),
+    ("engines",),
     ("bridge",),
     ("models",),
     ("convert", "cli"),
@@ -95,6 +95,27 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         if start not in state and (cycle := visit(start)):
             return cycle
     return None
+
+
+# Packages of one layer that never import each other, in either direction: the refit paths stand
+# side by side on what is shared below them (engines.base, engines.worker_call, engines.replay).
+SEPARATE = (("mbridge_refit.engines.ipc", "mbridge_refit.engines.broadcast"),)
+
+
+def crossings(graph: dict[str, set[str]], separate=SEPARATE) -> list[str]:
+    """``"module imports target"`` for every import from one package of a ``separate`` pair into the other."""
+
+    def inside(module: str, package: str) -> bool:
+        return module == package or module.startswith(package + ".")
+
+    return sorted(
+        f"{module} imports {target}"
+        for module, targets in graph.items()
+        for target in targets
+        for a, b in separate
+        for here, there in ((a, b), (b, a))
+        if inside(module, here) and inside(target, there)
+    )
 
 
 def layer_of_module(module: str) -> int:
@@ -194,6 +215,33 @@ def test_lower_layers_never_import_higher_ones():
         if target != "mbridge_refit" and layer_of_module(target) > layer_of_module(module)
     ]
     assert not upward, "\n".join(upward)
+
+
+def test_ipc_and_broadcast_never_import_each_other():
+    found = crossings(import_graph(MODULES))
+    assert not found, "refit paths import each other (share through engines.base or engines.replay):\n" + "\n".join(
+        found
+    )
+
+
+def test_crossing_check_names_the_importer(tmp_path):
+    """Control: an import from one package of a separate pair into the other, lazy or eager, either
+    way, is caught by name; both importing a shared module is fine."""
+    package = tmp_path / "pkg"
+    for sub in ("a", "b", "common"):
+        (package / sub).mkdir(parents=True)
+        (package / sub / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "common" / "shared.py").write_text("")
+    (package / "a" / "one.py").write_text("from pkg.common import shared\ndef f():\n    from pkg.b import two\n")
+    (package / "b" / "two.py").write_text("import pkg.common.shared\n")
+    (package / "b" / "three.py").write_text("import pkg.a\n")
+    graph = import_graph(package_modules(package))
+    assert crossings(graph, (("pkg.a", "pkg.b"),)) == [
+        "pkg.a.one imports pkg.b",
+        "pkg.a.one imports pkg.b.two",
+        "pkg.b.three imports pkg.a",
+    ]
 
 
 def test_cycle_finder_finds_a_cycle(tmp_path):

@@ -15,9 +15,8 @@ import pytest
 import torch
 from conftest import REPO, free_port, torchrun
 
-from mbridge_refit.plan.entries import ExportPlan
-from mbridge_refit.sinks import broadcast_wire
-from mbridge_refit.sinks.packed_broadcast import (
+from mbridge_refit.engines.broadcast import wire as broadcast_wire
+from mbridge_refit.engines.broadcast.packed import (
     ALIGN_BYTES,
     DEFAULT_BUCKET_BYTES,
     PackedBroadcastConfig,
@@ -27,6 +26,7 @@ from mbridge_refit.sinks.packed_broadcast import (
     checksum,
     plan_fingerprint,
 )
+from mbridge_refit.plan.entries import ExportPlan
 from mbridge_refit.testing.plans import replicated_plan
 
 CHECKER = str(REPO / "tests" / "ranks" / "packed_broadcast_check.py")

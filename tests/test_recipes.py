@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
@@ -152,7 +151,6 @@ def test_deepseek_v3_shape_is_what_vllm_builds_as_deepseek_v3():
     """recipes/shapes/deepseek-v3-cut.json (the GPU refit check's DeepSeek-V3): V3's MLA, a router vLLM
     builds with e_score_correction_bias, groups the grouped top-k can choose from, block-FP8 tileable sizes;
     and the GPU script takes it."""
-    import importlib.util
 
     config = recipes.full_size_config("deepseek-v3-cut")
     assert config.architectures == ["DeepseekV3ForCausalLM"]
@@ -166,11 +164,10 @@ def test_deepseek_v3_shape_is_what_vllm_builds_as_deepseek_v3():
     heads = config.num_attention_heads
     blocked = (config.hidden_size, config.intermediate_size, config.moe_intermediate_size, heads * config.v_head_dim)
     assert all(size % 128 == 0 for size in blocked)  # Fp8MoEMethod refuses partitions block_n does not divide
-    spec = importlib.util.spec_from_file_location("check_vllm_refit_gpu", REPO / "scripts" / "check_vllm_refit_gpu.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    args = script.parser_with_engine_arguments("").parse_args(["--model", "deepseek-v3-cut", "--fp8", "--out-dir", "x"])
-    assert script.model_config(args).to_dict() == config.to_dict()
+    from mbridge_refit.testing.vllm_harness import model_config, parser_with_engine_arguments
+
+    args = parser_with_engine_arguments("").parse_args(["--model", "deepseek-v3-cut", "--fp8", "--out-dir", "x"])
+    assert model_config(args).to_dict() == config.to_dict()
 
 
 @pytest.mark.parametrize("name", DENSE)

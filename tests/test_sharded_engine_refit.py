@@ -1,5 +1,5 @@
 """The sharded colocated refit into a tensor-parallel engine without vLLM: recorded reads moved into
-shards (engines.shard_remap, ApplyPlan.record(shards=...), RefitReceiver on a layout of shards), and
+shards (engines.replay.shard_remap, ApplyPlan.record(shards=...), RefitReceiver on a layout of shards), and
 the whole loop from a Megatron model through the sharded transfer into a vLLM-like TP2 engine
 (tests/ranks/tp_engine.py) on 2 CPU ranks (tests/ranks/sharded_engine_check.py).
 
@@ -18,9 +18,9 @@ import pytest
 import torch
 from conftest import REPO, block_scaled_checkpoint, torchrun
 
-from mbridge_refit.engines.apply_plan import ApplyPlan, ApplyPlanError
-from mbridge_refit.engines.shard_remap import ShardRemapError, box_view, expand, remap
-from mbridge_refit.engines.sharing import LayoutRecorder, LocalTransport, ShardBox, SharedLayout
+from mbridge_refit.engines.ipc.sharing import LayoutRecorder, LocalTransport, ShardBox, SharedLayout
+from mbridge_refit.engines.replay.apply_plan import ApplyPlan, ApplyPlanError
+from mbridge_refit.engines.replay.shard_remap import ShardRemapError, box_view, expand, remap
 
 CHECKER = str(REPO / "tests" / "ranks" / "sharded_engine_check.py")
 
@@ -123,7 +123,7 @@ def test_a_loader_that_reads_outside_the_box_through_a_temporary_fails_the_check
 
 
 def test_a_layout_of_shards_round_trips_and_opens():
-    from mbridge_refit.engines.ipc import RefitReceiver
+    from mbridge_refit.engines.ipc.engine import RefitReceiver
 
     shards = _shards()
     recorder = LayoutRecorder()
@@ -230,7 +230,7 @@ def test_fp8_sharded_refit_off_the_block_grid_is_refused_by_name(source_checkpoi
 
 
 def test_a_worker_without_an_entry_is_refused_by_name():
-    from mbridge_refit.engines.sharded_ipc import ShardedRefitError, worker_entry
+    from mbridge_refit.engines.ipc.sharded import ShardedRefitError, worker_entry
 
     assert worker_entry(["a", "b"], 1, "layout") == "b"
     with pytest.raises(ShardedRefitError, match=r"no layout for engine rank 2: the trainer sent 2 engine ranks"):

@@ -29,7 +29,7 @@ from conftest import free_port
 from torch.distributed.checkpoint.api import CheckpointException
 
 from mbridge_refit.checkpoints.megatron import NotAMegatronCheckpoint, check_byte_item, check_pickled_parts
-from mbridge_refit.engines.sharing import CudaIpcTransport, SharingError
+from mbridge_refit.engines.ipc.sharing import CudaIpcTransport, SharingError
 
 ALLOWED_INDEX_MODULES = ("torch.distributed.checkpoint.filesystem", "torch.distributed.checkpoint.metadata", "torch")
 
@@ -412,7 +412,7 @@ def _ipc_args(handle: bytes | None = b"\x01\x02" * 32) -> tuple:
 
 @pytest.mark.parametrize("args", [_ipc_args(), _ipc_args(handle=None)], ids=["handle", "empty"])
 def test_ipc_payload_round_trip(args):
-    from mbridge_refit.engines.ipc_handles import decode_payload, encode_payload
+    from mbridge_refit.engines.ipc.handles import decode_payload, encode_payload
 
     payload = encode_payload([{"GPU-aaaa": args}, {"GPU-aaaa": args, "GPU-bbbb": args}])
     decoded = decode_payload(payload)
@@ -436,7 +436,7 @@ def test_ipc_payload_round_trip(args):
 def test_ipc_payload_refuses_crafted_fields(field, value, message):
     import json
 
-    from mbridge_refit.engines.ipc_handles import encode_payload
+    from mbridge_refit.engines.ipc.handles import encode_payload
 
     wire = json.loads(encode_payload([{"GPU-aaaa": _ipc_args()}]))
     wire["storages"][0]["GPU-aaaa"][field] = value
@@ -456,7 +456,7 @@ def test_ipc_payload_of_another_version_is_refused_by_name(version):
     """A payload of another version (None: it names none) is refused before its storages are read."""
     import json
 
-    from mbridge_refit.engines.ipc_handles import VERSION
+    from mbridge_refit.engines.ipc.handles import VERSION
 
     wire = {"format": "mbridge_refit.cuda_ipc", "storages": [{"GPU-aaaa": {"other": "fields"}}]}
     if version is not None:
@@ -473,7 +473,7 @@ def test_ipc_payload_of_another_version_is_refused_by_name(version):
 def _receive_one(port: int, secret: bytes, results) -> None:
     """Member 1 of ``_store_group_pair``, in a process of its own: what ``broadcast_object`` gives it, or the
     exception it raised, into ``results``."""
-    from mbridge_refit.runtime.broadcast_group import StoreGroup
+    from mbridge_refit.engines.broadcast.group import StoreGroup
 
     try:
         group = StoreGroup(host="127.0.0.1", port=port, rank=1, world_size=2, device="cpu", secret=secret)
@@ -488,7 +488,7 @@ def _store_group_pair(send):
     what member 1's ``broadcast_object`` gave it (or the exception it raised). Not two threads of one process:
     two gloo process groups of one process all-reducing in two threads once crashed gloo (a segmentation fault
     that ends the whole test run)."""
-    from mbridge_refit.runtime.broadcast_group import StoreGroup, new_secret
+    from mbridge_refit.engines.broadcast.group import StoreGroup, new_secret
 
     port, context, secret = free_port(), multiprocessing.get_context("spawn"), new_secret()
     results = context.Queue()

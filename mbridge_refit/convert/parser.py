@@ -201,7 +201,7 @@ def _verify_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("b", type=Path, help="second checkpoint directory (e.g. the round trip)")
     _add_json_flag(
         parser,
-        'command, ok, exit_code, a and b (path, tensors), exact (true: the same names, shapes, dtypes and bytes), '
+        "command, ok, exit_code, a and b (path, tensors), exact (true: the same names, shapes, dtypes and bytes), "
         "differences (one line each), seconds",
     )
 

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from mbridge_refit.convert.tolerance import EPS_FACTOR, NOISE_FACTOR, numerics_tolerance, tolerance_from_reference
-from mbridge_refit.engines.fingerprint import differing
+from mbridge_refit.engines.replay.fingerprint import differing
 from mbridge_refit.errors import EngineError, InputError
 from mbridge_refit.sinks.base import DiscardSink, drain
 from mbridge_refit.sinks.model_update import HFModelUpdateSink
@@ -82,6 +82,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger("mbridge_refit.verify_refit")
+
 
 class RefitMismatch(EngineError, AssertionError):
     """The engine's weights differ from the trainer's, or its log-probabilities differ beyond the tolerance."""

@@ -22,6 +22,7 @@ class Spread(Protocol):
 
     mean_abs_diff: float
 
+
 # The derived numerics tolerance (``numerics_tolerance``): the larger of EPS_FACTOR x the dtype's
 # eps and NOISE_FACTOR x the engine's own spread. Measured mean |d logprob| after exact refits
 # (engine vs Megatron / the engine against itself, eager vs default attention): bf16 CPU qwen3-tiny

@@ -3,12 +3,12 @@ step result, and the registry of engine adapters. Imports no engine and no trans
 
 Three transports move the weights (each an engine-agnostic module of its own): ``ipc``, colocated
 (the engine maps the trainer's memory by CUDA IPC and replays its recorded loader,
-``engines.ipc``), ``sharded_ipc``, colocated with a tensor-parallel engine (each worker maps its
-shard, delivered by the sharded transfer, and replays its loader from it, ``engines.sharded_ipc``),
+``engines.ipc.engine``), ``sharded_ipc``, colocated with a tensor-parallel engine (each worker maps its
+shard, delivered by the sharded transfer, and replays its loader from it, ``engines.ipc.sharded``),
 and ``broadcast``, to engines on other GPUs (the packed broadcast over a group
-the workers join by address, ``engines.broadcast``). A fourth, ``adapter_ipc``, moves only a LoRA
+the workers join by address, ``engines.broadcast.engine``). A fourth, ``adapter_ipc``, moves only a LoRA
 adapter's factors into a colocated engine's adapter slot, leaving its base weights as they are
-(``engines.adapter_ipc``). An engine adapter (``engines.<name>/``, e.g.
+(``engines.lora.ipc``). An engine adapter (``engines.<name>/``, e.g.
 ``engines.vllm``) is the only code that names its engine: a trainer-side ``RefitSession`` per
 transport, the worker extension the engine loads (a ``RefitWorker``), and the arguments that start
 the engine with it. It registers itself here with ``register_adapter`` when imported;
@@ -46,10 +46,10 @@ __all__ = [
     "registered_adapters",
 ]
 
-IPC = "ipc"  # colocated: CUDA IPC, the engine's loader recorded once and replayed (engines.ipc)
-SHARDED_IPC = "sharded_ipc"  # colocated, engine TP > 1: each worker replays from its shard (engines.sharded_ipc)
-BROADCAST = "broadcast"  # other GPUs: the packed broadcast over a group joined by address (engines.broadcast)
-ADAPTER_IPC = "adapter_ipc"  # colocated, a LoRA adapter only, into the engine's slot (engines.adapter_ipc)
+IPC = "ipc"  # colocated: CUDA IPC, the engine's loader recorded once and replayed (engines.ipc.engine)
+SHARDED_IPC = "sharded_ipc"  # colocated, engine TP > 1: each worker replays from its shard (engines.ipc.sharded)
+BROADCAST = "broadcast"  # other GPUs: the packed broadcast over a group joined by address (engines.broadcast.engine)
+ADAPTER_IPC = "adapter_ipc"  # colocated, a LoRA adapter only, into the engine's slot (engines.lora.ipc)
 TRANSPORT_NAMES = (IPC, SHARDED_IPC, BROADCAST, ADAPTER_IPC)
 RPC_PREFIX = "mbridge_refit_"  # every worker RPC's name starts so
 
@@ -67,9 +67,9 @@ class RefitStep:
     moved), and ``report`` is the engine's report of that open. ``export_ms``, ``apply_ms``,
     ``engine_ms``, ``reset_ms`` (``ipc``): the export, the RPC that applied it, the part of that the
     engine's worker spent, and after it the engine's follow-up (a prefix-cache reset) with the wait
-    for the copies when the engine signals their end by event (``engines.completion``; its RPC then
+    for the copies when the engine signals their end by event (``engines.ipc.completion``; its RPC then
     returns once they are launched); with ``early`` the apply RPC left before the export and its
-    worker waited for the trainer's go-ahead (``engines.go_ahead``): ``export_ms`` ends at the
+    worker waited for the trainer's go-ahead (``engines.ipc.go_ahead``): ``export_ms`` ends at the
     go-ahead, ``apply_ms`` runs from it to the RPC's return and ``engine_ms`` is the worker's time
     after it; ``export_cpu_ms`` (``ipc``): this thread's CPU time in the
     export's host work, up to its wait for the export's device work (which ``export_ms`` includes and a
@@ -79,7 +79,7 @@ class RefitStep:
     engine's prefix-cache reset and the outcome shared with the trainer ranks; ``workers`` each
     worker's report of its receive (``receive_ms``: its own time in the RPC; ``phases`` with
     timing on), and ``phases`` the source's per-bucket marks and phases when the session times
-    them (``sinks.broadcast_timing``). ``adapter_ipc``: ``workers`` holds the engine's load
+    them (``engines.broadcast.timing``). ``adapter_ipc``: ``workers`` holds the engine's load
     report (``ms``, ``modules``, ``slot``, ``phases_ms``).
     """
 
@@ -123,14 +123,14 @@ class RefitSession(Protocol):
 class RefitWorker(Protocol):
     """The RPCs an engine's worker extension answers, on every worker of the engine (arguments and
     results plain data). Each method hands over to a transport's engine side, which holds the
-    contract: ``open``, ``apply``, ``close`` to ``engines.ipc.RefitReceiver``, as do ``open_shards`` and
+    contract: ``open``, ``apply``, ``close`` to ``engines.ipc.engine.RefitReceiver``, as do ``open_shards`` and
     ``apply_shards`` (every engine rank's entry in lists, each worker taking its own:
-    ``engines.sharded_ipc``); ``join``, ``receive``, ``leave`` to ``engines.broadcast.BroadcastTarget``
+    ``engines.ipc.sharded``); ``join``, ``receive``, ``leave`` to ``engines.broadcast.engine.BroadcastTarget``
     (``join``'s ``group``: the keyword arguments of ``BroadcastTarget.join`` but ``rank``, the same for
     every worker, which joins as ``rank_offset`` + its index); ``adapter_limits``, ``adapter_open``, ``adapter_load``, ``adapter_close`` to
-    ``engines.adapter_ipc.AdapterReceiver`` and the engine's own adapter slots (a LoRA adapter in place of
+    ``engines.lora.ipc.AdapterReceiver`` and the engine's own adapter slots (a LoRA adapter in place of
     the previous one, the base weights untouched). ``fingerprints``: the exact per-parameter
-    fingerprints of the engine's model (``engines.fingerprint``)."""
+    fingerprints of the engine's model (``engines.replay.fingerprint``)."""
 
     def mbridge_refit_open(
         self,

@@ -2,9 +2,9 @@
 ``StartWorkers`` made from a session's ``CallWorkers``).
 
 Two sessions start an RPC and go on while it runs: the broadcast's source rank sends the buckets
-its workers' receive RPC takes (``engines.broadcast_session``), and the colocated session exports
+its workers' receive RPC takes (``engines.broadcast.trainer``), and the colocated session exports
 while its early apply RPC travels to the worker, which then waits for its go-ahead
-(``engines.ipc_session``, ``engines.go_ahead``). ``Thread.start`` returns once the thread runs, and
+(``engines.ipc.trainer``, ``engines.ipc.go_ahead``). ``Thread.start`` returns once the thread runs, and
 the RPC's own host work is short, so the request leaves before the starting thread's next long
 stretch of Python. Lower layer of ``engines``: imports ``engines.base`` only.
 """

@@ -8,7 +8,7 @@ the copy never happens; everything else calls ``materialize()``.
 ``LiveRows`` says the same of a tensor for as long as the model lives: where an HF tensor is, on
 this rank, rows of one local parameter read as stored (no collective, no transform), a consumer
 that keeps a view of the parameter's memory sees every new weight without an export
-(``PlanExporter.live_rows``; a colocated engine mapping trainer memory, ``engines.ipc``).
+(``PlanExporter.live_rows``; a colocated engine mapping trainer memory, ``engines.ipc.engine``).
 """
 
 from __future__ import annotations

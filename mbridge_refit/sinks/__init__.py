@@ -1,9 +1,7 @@
 """Sinks: consumers of the exported ``(hf_name, tensor)`` stream.
 
-The contract lives in :mod:`.base`; each other module owns one sink, except the parts of
-:mod:`.packed_broadcast`: :mod:`.broadcast_wire` (the wire format both ends share),
-:mod:`.broadcast_buffers` (the memory each end keeps across refits) and :mod:`.broadcast_timing`
-(where a refit's time goes, for benchmarks).
+The contract lives in :mod:`.base`; each other module owns one sink. The packed broadcast's sender
+and receiver are the broadcast refit's, in ``engines.broadcast.engine.packed``.
 """
 
 from mbridge_refit.sinks.base import DiscardSink, WeightSink, drain
@@ -31,26 +29,10 @@ __all__ = [
 ]
 
 from mbridge_refit.sinks.model_update import FUSED_TENSOR_RULES, FusedTensorRule, HFModelUpdateSink, WeightUpdateError
-from mbridge_refit.sinks.packed_broadcast import (
-    DEFAULT_BUCKET_BYTES,
-    ChecksumError,
-    PackedBroadcastConfig,
-    PackedBroadcastReceiver,
-    PackedBroadcastSender,
-    PlanMismatchError,
-    RefitStatusError,
-)
 
 __all__ += [
-    "ChecksumError",
-    "DEFAULT_BUCKET_BYTES",
     "FUSED_TENSOR_RULES",
     "FusedTensorRule",
     "HFModelUpdateSink",
-    "PackedBroadcastConfig",
-    "PackedBroadcastReceiver",
-    "PackedBroadcastSender",
-    "PlanMismatchError",
-    "RefitStatusError",
     "WeightUpdateError",
 ]

@@ -1,6 +1,6 @@
 """An engine stand-in that loads by copies, for the colocated refit's checks on the CPU: ``CopyEngine``
 (one parameter per HF tensor it loads) and ``CopyEngineWorker`` (the ``engines.base.RefitWorker`` RPCs
-``engines.ipc_session.IpcSession`` calls, over ``engines.ipc.RefitReceiver``). Its state after a refit
+``engines.ipc.trainer.IpcSession`` calls, over ``engines.ipc.engine.RefitReceiver``). Its state after a refit
 is compared with an oracle (the stock export, the checkpoint), never with the trainer's own tensors.
 """
 
@@ -10,7 +10,7 @@ from collections.abc import Collection, Iterable
 
 import torch
 
-from mbridge_refit.engines.ipc import RefitReceiver
+from mbridge_refit.engines.ipc.engine import RefitReceiver
 
 __all__ = ["CopyEngine", "CopyEngineWorker"]
 

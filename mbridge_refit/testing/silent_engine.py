@@ -1,5 +1,5 @@
 """An engine stand-in for timing the trainer's side of a colocated refit alone: ``answering_workers``,
-the ``call_workers`` of an ``engines.ipc_session.IpcSession`` whose workers take every RPC and do
+the ``call_workers`` of an ``engines.ipc.trainer.IpcSession`` whose workers take every RPC and do
 nothing (an open reports nothing, an apply took no time). Used by the host-work checks and the
 trainer-side benchmarks (``scripts/profile_ipc_trainer.py``, ``scripts/bench_ipc_host.py``,
 ``scripts/bench_refit_vllm.py``); nothing is copied, so only the trainer's work is measured."""

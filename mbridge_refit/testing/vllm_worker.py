@@ -87,10 +87,10 @@ class TestingWorkerExtension(RefitWorkerExtension):
     def mbridge_refit_load_shared(self, wires: list, payloads: list, transport: str) -> float:
         """Benchmarks' baseline at engine TP > 1: vLLM's own ``load_weights`` on full-size tensors
         that the trainer rank on this worker's GPU shares (its gathering export), this worker's entry
-        of every rank's layout (``engines.sharded_ipc.worker_entry``). Mapped once per layout;
+        of every rank's layout (``engines.ipc.sharded.worker_entry``). Mapped once per layout;
         returns the milliseconds of the load, synchronized."""
-        from mbridge_refit.engines.sharded_ipc import worker_entry
-        from mbridge_refit.engines.sharing import TRANSPORTS, SharedLayout, views
+        from mbridge_refit.engines.ipc.sharded import worker_entry
+        from mbridge_refit.engines.ipc.sharing import TRANSPORTS, SharedLayout, views
         from mbridge_refit.engines.vllm.worker import _worker_index
 
         rank = _worker_index(self)

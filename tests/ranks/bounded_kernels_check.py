@@ -1,4 +1,4 @@
-"""Run under TRITON_INTERPRET=1 on CPU (tests/test_bounded_kernels.py): ``sinks.bounded_kernels``' copy and
+"""Run under TRITON_INTERPRET=1 on CPU (tests/test_bounded_kernels.py): ``engines.broadcast.bounded_kernels``' copy and
 checksum, through ``BoundedKernels`` (each case checked to reach the kernels), must give what torch gives: the
 copy the source's bytes and nothing beside the destination, the checksum ``broadcast_wire.checksum_into``'s
 value (word sums that wrap past 2**63, trailing bytes) for lengths of whole blocks, a partial last block,
@@ -12,10 +12,10 @@ import os
 
 import torch
 
-from mbridge_refit.sinks import broadcast_buffers
-from mbridge_refit.sinks.bounded_kernels import BLOCK_WORDS, MIN_BYTES, BoundedKernels
-from mbridge_refit.sinks.broadcast_buffers import SendBuffers
-from mbridge_refit.sinks.broadcast_wire import PackedBroadcastConfig, checksum_into
+from mbridge_refit.engines.broadcast import buffers as broadcast_buffers
+from mbridge_refit.engines.broadcast.bounded_kernels import BLOCK_WORDS, MIN_BYTES, BoundedKernels
+from mbridge_refit.engines.broadcast.buffers import SendBuffers
+from mbridge_refit.engines.broadcast.wire import PackedBroadcastConfig, checksum_into
 from mbridge_refit.testing.plans import replicated_plan
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"

@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import free_port  # noqa: E402
 from test_packed_broadcast import _plan  # noqa: E402
 
-from mbridge_refit.engines.broadcast import BroadcastTarget  # noqa: E402
-from mbridge_refit.runtime.broadcast_group import StoreGroup, new_secret  # noqa: E402
-from mbridge_refit.sinks.packed_broadcast import (  # noqa: E402
+from mbridge_refit.engines.broadcast.engine import BroadcastTarget  # noqa: E402
+from mbridge_refit.engines.broadcast.group import StoreGroup, new_secret  # noqa: E402
+from mbridge_refit.engines.broadcast.packed import (  # noqa: E402
     WIRE_VERSION,
     PackedBroadcastConfig,
     PackedBroadcastSender,
@@ -257,7 +257,7 @@ def measure(layers: int, bucket_bytes: int, checksum: bool) -> dict:
         raise SystemExit(f"the engine differs from the last refit's tensors in {wrong[:4]}")
     target.close()
     sender_group[0].close()
-    from mbridge_refit.sinks.packed_broadcast import StreamPacking
+    from mbridge_refit.engines.broadcast.packed import StreamPacking
 
     return {
         **results["counts"],

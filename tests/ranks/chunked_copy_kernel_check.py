@@ -1,4 +1,4 @@
-"""Run under TRITON_INTERPRET=1 on CPU (tests/test_copy_batches.py): ``engines.copy_kernels``'
+"""Run under TRITON_INTERPRET=1 on CPU (tests/test_copy_batches.py): ``engines.replay.copy_kernels``'
 chunked-copy kernel, one launch over many copies, must write exactly what ``copy_`` writes: copies
 shorter than a chunk, longer (a tail), exactly whole chunks, views into one stacked destination
 (the gate and up rows of each expert, as an engine's fused MoE parameter takes them), strided views
@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from mbridge_refit.engines import copy_kernels
+from mbridge_refit.engines.replay import copy_kernels
 
 # Triton reads TRITON_INTERPRET as the kernels are decorated, at import; the caller sets it.
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"

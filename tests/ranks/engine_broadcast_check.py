@@ -50,10 +50,8 @@ from engine_refit_check import (  # noqa: E402
 from oracle import read_checkpoint  # noqa: E402
 from rank_checks import change_weights, fail  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from check_vllm_broadcast_gpu import inject_load_fault  # noqa: E402
-
 from mbridge_refit.convert.flags import add_layout_flags, layout_from_flags  # noqa: E402
+from mbridge_refit.testing.vllm_harness import inject_load_fault  # noqa: E402
 
 SOURCE = 0
 
@@ -121,9 +119,9 @@ def main() -> None:
 
     from mbridge_refit.bridge import RefitBridge
     from mbridge_refit.convert.session import distributed_session
+    from mbridge_refit.engines.broadcast.packed import PackedBroadcastConfig
     from mbridge_refit.engines.vllm import VLLMBroadcastRefit
     from mbridge_refit.models.builder import BuildOptions, build_model
-    from mbridge_refit.sinks.packed_broadcast import PackedBroadcastConfig
 
     cpu = torch.device("cpu")
     on_disk = read_checkpoint(args.hf)

@@ -187,9 +187,9 @@ def main() -> None:
 
     from mbridge_refit.bridge import RefitBridge
     from mbridge_refit.convert.session import distributed_session
-    from mbridge_refit.engines.apply_plan import ApplyPlanError
-    from mbridge_refit.engines.ipc import EngineRefitError
-    from mbridge_refit.engines.sharing import LocalTransport
+    from mbridge_refit.engines.ipc.engine import EngineRefitError
+    from mbridge_refit.engines.ipc.sharing import LocalTransport
+    from mbridge_refit.engines.replay.apply_plan import ApplyPlanError
     from mbridge_refit.engines.vllm import VLLMRefit
     from mbridge_refit.errors import EngineError
     from mbridge_refit.models.builder import BuildOptions, build_model

@@ -31,13 +31,13 @@ def main() -> None:
     from megatron.core import parallel_state as ps
 
     from mbridge_refit.convert.session import init_process_group, teardown
-    from mbridge_refit.plan.entries import ExportPlan
-    from mbridge_refit.sinks import drain
-    from mbridge_refit.sinks.packed_broadcast import (
+    from mbridge_refit.engines.broadcast.packed import (
         PackedBroadcastConfig,
         PackedBroadcastReceiver,
         PackedBroadcastSender,
     )
+    from mbridge_refit.plan.entries import ExportPlan
+    from mbridge_refit.sinks import drain
 
     cpu = torch.device("cpu")
     init_process_group(device=cpu, timeout=datetime.timedelta(seconds=90))

@@ -1,4 +1,4 @@
-"""Host work of a steady colocated refit's trainer side (``engines.ipc_session.IpcSession.refit``), per
+"""Host work of a steady colocated refit's trainer side (``engines.ipc.trainer.IpcSession.refit``), per
 engine tensor, counted (not timed): run by tests/test_host_work.py in a process of its own (one CPU rank, TP1).
 
 Usage: ipc_host_work_check.py --experts N [N ...] --result FILE [--fp8 [--stub-quantizer]]
@@ -21,8 +21,8 @@ import sys
 
 from host_work_check import count_calls, main
 
-from mbridge_refit.engines.ipc_session import IpcSession
-from mbridge_refit.engines.sharing import LocalTransport
+from mbridge_refit.engines.ipc.sharing import LocalTransport
+from mbridge_refit.engines.ipc.trainer import IpcSession
 from mbridge_refit.testing.many_experts import many_expert_model
 from mbridge_refit.testing.silent_engine import answering_workers
 

@@ -30,8 +30,8 @@ from oracle import read_checkpoint  # noqa: E402
 from rank_checks import checker_parser, checkpoint_session, fail  # noqa: E402
 
 from mbridge_refit.convert.flags import layout_from_flags  # noqa: E402
-from mbridge_refit.engines.ipc_session import IpcSession  # noqa: E402
-from mbridge_refit.engines.sharing import LocalTransport  # noqa: E402
+from mbridge_refit.engines.ipc.sharing import LocalTransport  # noqa: E402
+from mbridge_refit.engines.ipc.trainer import IpcSession  # noqa: E402
 from mbridge_refit.errors import TransportError  # noqa: E402
 from mbridge_refit.testing.copy_engine import CopyEngine, CopyEngineWorker  # noqa: E402
 

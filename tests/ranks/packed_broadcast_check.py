@@ -59,7 +59,7 @@ SRC = 0  # trainer rank that sends; ranks 0..N-2 are trainers, the last rank is 
 
 
 def configs(plan):
-    from mbridge_refit.sinks.packed_broadcast import (
+    from mbridge_refit.engines.broadcast.packed import (
         ALIGN_BYTES,
         PackedBroadcastConfig,
         StreamPacking,
@@ -123,8 +123,8 @@ class FailingSink:
 def run_trainer(case, config, *, bridge, chunks, plan, refit, src, trainers, replica):
     """With ``replica`` set, only that replica's ranks (``trainers`` is their group) export and
     build a sender; the other trainer ranks get an empty stream and must not send anything."""
+    from mbridge_refit.engines.broadcast.packed import PackedBroadcastSender
     from mbridge_refit.sinks import drain
-    from mbridge_refit.sinks.packed_broadcast import PackedBroadcastSender
 
     stream = bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True, replica=replica)
     if replica is not None and not bridge.takes_part(chunks, replica):
@@ -135,10 +135,10 @@ def run_trainer(case, config, *, bridge, chunks, plan, refit, src, trainers, rep
 
 
 def run_receiver(case, config, *, plan_json, refit, src, expected, model, pointers, reference):
+    from mbridge_refit.engines.broadcast.packed import PackedBroadcastReceiver
     from mbridge_refit.plan.entries import ExportPlan
     from mbridge_refit.sinks import drain
     from mbridge_refit.sinks.model_update import HFModelUpdateSink
-    from mbridge_refit.sinks.packed_broadcast import PackedBroadcastReceiver
 
     if case == "mismatch":
         plan = ExportPlan.from_json(plan_json)
@@ -211,7 +211,7 @@ def main() -> None:
     trainers = dist.new_group(list(trainer_ranks))
     refit, src = dist.new_group([SRC, receiver_rank]), SRC
     if args.store_group is not None:
-        from mbridge_refit.runtime.broadcast_group import StoreGroup, new_secret
+        from mbridge_refit.engines.broadcast.group import StoreGroup, new_secret
 
         secret = [new_secret() if rank == 0 else None]  # handed over out of band: here, through the job's world
         dist.broadcast_object_list(secret, src=0)

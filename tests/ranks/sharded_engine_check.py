@@ -108,8 +108,8 @@ def main() -> None:
     if args.fp8_refused:
         return refused_fp8(args, layout)
 
-    from mbridge_refit.engines.sharded_ipc import ShardedRefitError
-    from mbridge_refit.engines.sharing import LocalTransport
+    from mbridge_refit.engines.ipc.sharded import ShardedRefitError
+    from mbridge_refit.engines.ipc.sharing import LocalTransport
     from mbridge_refit.engines.vllm import VLLMShardedRefit
 
     read = oracle(args.hf)
@@ -184,7 +184,7 @@ def main() -> None:
 def refused_fp8(args, layout) -> None:
     """An FP8 refit into a layout off the block grid: refused by name on every rank, nothing allocated
     or sent, no worker called, the engine untouched."""
-    from mbridge_refit.engines.sharing import LocalTransport
+    from mbridge_refit.engines.ipc.sharing import LocalTransport
     from mbridge_refit.engines.vllm import VLLMShardedRefit
     from mbridge_refit.errors import InputError
 

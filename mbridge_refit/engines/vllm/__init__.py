@@ -2,10 +2,10 @@
 nothing here imports it at module import).
 
 ``trainer`` (the trainer side: ``VLLMRefit`` over the colocated ``ipc`` transport
-(``engines.ipc_session.IpcSession`` bound to ``llm``), ``VLLMBroadcastRefit`` over ``broadcast``
-(``engines.broadcast_session.BroadcastSession`` bound to ``llm``), ``engine_kwargs``, ``prompt_logprobs``), ``sharded``
-(``VLLMShardedRefit``: colocated at engine tensor parallelism > 1, over ``sharded_ipc``), ``adapter``
-(``VLLMAdapterRefit``: a LoRA adapter into the engine's adapter slot, over ``adapter_ipc``), ``lora`` (the
+(``engines.ipc.trainer.IpcSession`` bound to ``llm``), ``VLLMBroadcastRefit`` over ``broadcast``
+(``engines.broadcast.trainer.BroadcastSession`` bound to ``llm``), ``engine_kwargs``, ``prompt_logprobs``), ``sharded``
+(``VLLMShardedRefit``: colocated at engine tensor parallelism > 1, over ``engines.ipc.sharded``), ``adapter``
+(``VLLMAdapterRefit``: a LoRA adapter into the engine's adapter slot, over ``engines.lora.ipc``), ``lora`` (the
 engine side of that: vLLM's LoRA manager fed from memory) and ``worker``
 (``RefitWorkerExtension``, the worker extension vLLM loads). Importing this package registers the
 adapter as ``"vllm"`` (``engines.base.engine_adapter("vllm")``).

@@ -7,10 +7,10 @@ current ones, the base weights untouched. Generate with ``llm.generate(..., lora
 
 One step: ``export_adapter_weights(model, cpu=False, reuse_buffer_from_cache=True)`` (the factors as
 views of the adapter parameters or held buffers, the same storages every step); the first step, or one
-whose factors moved, shares them by CUDA IPC (``engines.adapter_ipc``); then one RPC has every worker
+whose factors moved, shares them by CUDA IPC (``engines.lora.ipc``); then one RPC has every worker
 build the adapter from them as vLLM builds it from its PEFT directory and put it in place of the previous
 one (``engines.vllm.lora``). Before anything moves, the adapter is checked against what the engine
-reported it takes (``engines.adapter.check_adapter``: rank, per-module ranks, experts, factor shapes;
+reported it takes (``engines.lora.adapter.check_adapter``: rank, per-module ranks, experts, factor shapes;
 the engine also refuses modules it did not wrap). After the load the engine's prefix cache is reset:
 vLLM keys cached prompt blocks by the adapter's name, which stays, so without the reset a prompt seen
 before the refit would reuse blocks computed with the old adapter.
@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from mbridge_refit.engines.adapter import AdapterLimits, adapter_config, check_adapter
-from mbridge_refit.engines.adapter_ipc import AdapterShare
 from mbridge_refit.engines.base import RefitStep
-from mbridge_refit.engines.sharing import CudaIpcTransport, Transport
+from mbridge_refit.engines.ipc.sharing import CudaIpcTransport, Transport
+from mbridge_refit.engines.lora.adapter import AdapterLimits, adapter_config, check_adapter
+from mbridge_refit.engines.lora.ipc import AdapterShare
 from mbridge_refit.engines.vllm.trainer import reset_prefix_cache
 from mbridge_refit.errors import EngineError, InputError
 from mbridge_refit.runtime.weight_source import ExportsWeights, Model

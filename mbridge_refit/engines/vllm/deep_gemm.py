@@ -34,7 +34,7 @@ What vLLM 0.26.0 does with its defaults (paths under ``vllm/``):
   copies the results into the tensors the engine computes with (``:335-379``): processing always starts
   from loaded bytes, which is why vLLM's weight updates work with DeepGEMM on.
 
-A refit does the same in its own order. The recorder (``engines.apply_plan``) finds the parameters
+A refit does the same in its own order. The recorder (``engines.replay.apply_plan``) finds the parameters
 whose staged bytes processing wrote over (*processed*); the replay copies the exported bytes into them,
 and ``reprocess`` is the layer's processing run again on them after the copies, as vLLM's reload runs it
 (``layerwise.py:363-371``), the same function of the same bytes, so the bytes of an engine loaded from a
@@ -57,7 +57,7 @@ from collections.abc import Callable
 
 import torch
 
-from mbridge_refit.engines.ipc import EngineRefitError
+from mbridge_refit.engines.ipc.engine import EngineRefitError
 
 __all__ = [
     "DEEP_GEMM_KERNEL",
@@ -123,7 +123,7 @@ def refuse_unsupported(model: torch.nn.Module) -> None:
 def reprocess(module: torch.nn.Module) -> Callable[[], None] | None:
     """For a DeepGEMM linear layer, its processing run again on its parameters as they are, the way vLLM's
     reload runs it on a loaded layer (``quant_method.process_weights_after_loading``, then
-    ``update_param_tp_status``): ``engines.apply_plan.Recompute``'s answer, run after each replay's copies
+    ``update_param_tp_status``): ``engines.replay.apply_plan.Recompute``'s answer, run after each replay's copies
     wrote the exported bytes. Raises ``EngineRefitError`` when it left a parameter in other memory (the
     replay's copies would then miss it). None for any other module."""
     if not deep_gemm_linear(module):

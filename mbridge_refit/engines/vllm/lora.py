@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from mbridge_refit.engines.adapter import AdapterLimits, AdapterRefusedError, unplaced
+from mbridge_refit.engines.lora.adapter import AdapterLimits, AdapterRefusedError, unplaced
 
 __all__ = [
     "FIRST_LOAD",

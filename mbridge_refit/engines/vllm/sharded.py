@@ -1,6 +1,6 @@
 """The vLLM adapter's trainer side of the colocated refit at engine tensor parallelism > 1.
 
-``VLLMShardedRefit(llm, engine="tp2")`` is an ``engines.sharded_ipc.ShardedIpcSession`` that calls
+``VLLMShardedRefit(llm, engine="tp2")`` is an ``engines.ipc.sharded.ShardedIpcSession`` that calls
 vLLM's workers through ``llm.collective_rpc``. Placement as vLLM makes it: an ``LLM`` at
 ``tensor_parallel_size=N`` started (by its default multi-process executor) from trainer rank 0 runs
 worker r on local GPU r, the GPU torchrun gives trainer rank r, so engine rank r's shards are
@@ -10,15 +10,15 @@ other ranks pass ``None`` and take part in the transfer and the outcome. With vL
 ``external_launcher`` (the engine inside each torchrun process) every rank passes its own ``llm``.
 The engine skips a tied output layer (``ignored_by_engine``): it is left out of the plan. An engine
 started from a blockwise FP8 checkpoint is refit with ``fp8="blockwise"`` (each rank quantizes its
-shards; ``engines.sharded_ipc``); vLLM's FP8 layers are recorded through its layerwise reload.
+shards; ``engines.ipc.sharded``); vLLM's FP8 layers are recorded through its layerwise reload.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from mbridge_refit.engines.sharded_ipc import ShardedIpcSession
-from mbridge_refit.engines.sharing import CudaIpcTransport, Transport
+from mbridge_refit.engines.ipc.sharded import ShardedIpcSession
+from mbridge_refit.engines.ipc.sharing import CudaIpcTransport, Transport
 from mbridge_refit.engines.vllm import trainer
 
 __all__ = ["VLLMShardedRefit"]

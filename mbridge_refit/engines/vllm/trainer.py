@@ -6,14 +6,14 @@ through ``llm.collective_rpc`` (the worker extension ``engines.vllm.worker``, ad
 ``engine_kwargs()``), the names a vLLM engine skips (``ignored_by_engine``) and the prefix-cache reset
 after the weights are written (``reset_prefix_cache``; off with ``reset_prefix_cache=False``):
 
-* ``VLLMRefit`` (transport ``ipc``, ``engines.ipc_session.IpcSession``): the engine runs on this
+* ``VLLMRefit`` (transport ``ipc``, ``engines.ipc.trainer.IpcSession``): the engine runs on this
   trainer rank's GPU. Start it with ``LLM(..., **engine_kwargs())``; on that trainer rank
   ``refit = VLLMRefit(llm)``, then each step ``refit.refit(bridge, model)`` (every other rank of the
   model's groups ``refit.refit(..., sender=False)``), ``refit.close()`` before the trainer frees the
   model or the bridge's buffers. The engine process must not be the trainer's own
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` runs it inside; then pass ``transport=LocalTransport()``).
   Every call is bounded by ``timeout_s``.
-* ``VLLMBroadcastRefit`` (transport ``broadcast``, ``engines.broadcast_session.BroadcastSession``): the
+* ``VLLMBroadcastRefit`` (transport ``broadcast``, ``engines.broadcast.trainer.BroadcastSession``): the
   engine runs on other GPUs or hosts. On every trainer rank of the model's groups
   ``VLLMBroadcastRefit(llm, host=, port=, source=...)`` with ``source=True`` on exactly one rank (it
   holds ``llm``; the others pass ``llm=None``), ``open`` once, ``refit`` each step, ``close`` at the
@@ -30,9 +30,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from mbridge_refit.engines.broadcast_session import BroadcastSession, on_a_thread
-from mbridge_refit.engines.ipc_session import IpcSession
-from mbridge_refit.engines.sharing import Transport
+from mbridge_refit.engines.broadcast.trainer import BroadcastSession, on_a_thread
+from mbridge_refit.engines.ipc.sharing import Transport
+from mbridge_refit.engines.ipc.trainer import IpcSession
 from mbridge_refit.engines.vllm.worker import WORKER_EXTENSION
 from mbridge_refit.errors import EngineError
 from mbridge_refit.runtime.weight_source import ExportsWeights
@@ -101,12 +101,12 @@ class VLLMRefit(_OnVLLM, IpcSession):
     leaves engine parameters unwritten or has tensors the engine does not load (a subset refit).
     ``overlap_follow_up``: over CUDA IPC the workers' apply returns once their copies are launched
     and the reset runs while they do; the refit still returns only once they are done
-    (``engines.completion``; off: the reset after the copies). ``engine_quantizes``: with ``fp8``, the
+    (``engines.ipc.completion``; off: the reset after the copies). ``engine_quantizes``: with ``fp8``, the
     workers quantize the weights that are whole-block rows of the trainer's parameters themselves, straight
     into their FP8 parameters where their loader copies a weight whole (off: the trainer quantizes them into
     its export buffers and the workers copy those; ``IpcSession``). ``early_apply``: each steady step's
     apply RPC leaves before the export and the worker waits for the trainer's go-ahead on a local
-    socket (``engines.go_ahead``; None: on over CUDA IPC, where the engine is its own process).
+    socket (``engines.ipc.go_ahead``; None: on over CUDA IPC, where the engine is its own process).
     ``defer_gc``: a steady step holds Python's garbage collector off until the workers' copies are let
     go (``runtime.gc_pause``). ``check_after_word``: the live parameters' addresses are read after the
     go-ahead, while the workers copy, and a step that finds one moved opens anew over its copies (off: read

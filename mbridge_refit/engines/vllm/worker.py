@@ -5,10 +5,10 @@ vLLM mixes ``RefitWorkerExtension`` into its GPU worker when the engine is start
 sessions (``engines.vllm.trainer``) call its methods through ``LLM.collective_rpc`` on every
 worker, each named ``mbridge_refit_<verb>``; arguments and results are plain data (msgpack).
 Each RPC hands over to a transport's engine side: ``open`` / ``apply`` / ``close`` to
-``engines.ipc.RefitReceiver`` (colocated, CUDA IPC), as do ``open_shards`` / ``apply_shards``
-(colocated at engine TP > 1: the worker's own entry, ``engines.sharded_ipc``), ``join`` / ``receive`` / ``leave`` to
-``engines.broadcast.BroadcastTarget`` (other GPUs, the packed broadcast), ``adapter_limits`` /
-``adapter_open`` / ``adapter_load`` / ``adapter_close`` to ``engines.adapter_ipc.AdapterReceiver`` and
+``engines.ipc.engine.RefitReceiver`` (colocated, CUDA IPC), as do ``open_shards`` / ``apply_shards``
+(colocated at engine TP > 1: the worker's own entry, ``engines.ipc.sharded``), ``join`` / ``receive`` / ``leave`` to
+``engines.broadcast.engine.BroadcastTarget`` (other GPUs, the packed broadcast), ``adapter_limits`` /
+``adapter_open`` / ``adapter_load`` / ``adapter_close`` to ``engines.lora.ipc.AdapterReceiver`` and
 ``engines.vllm.lora`` (a LoRA adapter into vLLM's slot, the base untouched); ``fingerprints`` reads
 the engine's weights exactly. The GPU checks' and benchmarks' own RPCs (scramble, time, memory)
 live in a subclass in the test support (``testing.vllm_worker``). It imports vLLM only for its layerwise reload
@@ -25,12 +25,12 @@ from typing import Any
 
 import torch
 
-from mbridge_refit.engines.adapter_ipc import AdapterReceiver
-from mbridge_refit.engines.apply_plan import Recompute, StagedLoad
-from mbridge_refit.engines.broadcast import BroadcastTarget
-from mbridge_refit.engines.fingerprint import fingerprints_to_wire, named_fingerprints
-from mbridge_refit.engines.ipc import RefitReceiver
-from mbridge_refit.engines.sharded_ipc import worker_entry
+from mbridge_refit.engines.broadcast.engine import BroadcastTarget
+from mbridge_refit.engines.ipc.engine import RefitReceiver
+from mbridge_refit.engines.ipc.sharded import worker_entry
+from mbridge_refit.engines.lora.ipc import AdapterReceiver
+from mbridge_refit.engines.replay.apply_plan import Recompute, StagedLoad
+from mbridge_refit.engines.replay.fingerprint import fingerprints_to_wire, named_fingerprints
 from mbridge_refit.engines.vllm.deep_gemm import refuse_unsupported, reprocess
 from mbridge_refit.engines.vllm.lora import AdapterSlot, adapter_limits
 from mbridge_refit.errors import EngineError
@@ -104,8 +104,8 @@ class RefitWorkerExtension:
     ) -> dict:
         """Map the trainer's tensors, load them once through the model's ``load_weights`` while
         recording its copies, optionally prove the recording; returns the open report (with
-        ``completion``, the handle of the event later applies record: ``engines.completion``; with
-        ``go_ahead``, connected to the trainer's line for early applies: ``engines.go_ahead``)."""
+        ``completion``, the handle of the event later applies record: ``engines.ipc.completion``; with
+        ``go_ahead``, connected to the trainer's line for early applies: ``engines.ipc.go_ahead``)."""
         return self._mbridge_receiver().open(
             wire, payload, transport, check=check, allow_partial=allow_partial, completion=completion, go_ahead=go_ahead
         )
@@ -121,7 +121,7 @@ class RefitWorkerExtension:
     def mbridge_refit_open_shards(
         self, wires: list, payloads: list, transport: str, check: bool, allow_partial: bool
     ) -> dict:
-        """Open this worker's entry of a sharded refit (``engines.sharded_ipc``): its engine rank is
+        """Open this worker's entry of a sharded refit (``engines.ipc.sharded``): its engine rank is
         its tensor-parallel rank (``_worker_index``), its shards are the trainer rank's on its GPU."""
         rank = _worker_index(self)
         wire, payload = worker_entry(wires, rank, "shard layout"), worker_entry(payloads, rank, "shard payload")
@@ -139,7 +139,7 @@ class RefitWorkerExtension:
         """Join the trainer's broadcast group (``group``: ``BroadcastTarget.join``'s keyword arguments
         but ``rank``) as rank ``rank_offset`` + this worker's index among the engine's workers
         (data-parallel replicas included); returns that rank. Blocks until the trainer joins
-        (``engines.broadcast``)."""
+        (``engines.broadcast.engine``)."""
         model = self.model_runner.get_model()
         target = BroadcastTarget(
             model.load_weights,
@@ -168,11 +168,11 @@ class RefitWorkerExtension:
         self._mbridge_broadcast_target = None
 
     def mbridge_refit_adapter_limits(self) -> dict:
-        """What this engine's LoRA slots take (``engines.adapter.AdapterLimits`` as plain data)."""
+        """What this engine's LoRA slots take (``engines.lora.adapter.AdapterLimits`` as plain data)."""
         return adapter_limits(_lora_manager(self)).to_wire()
 
     def mbridge_refit_adapter_open(self, wire: dict, payload: bytes, transport: str) -> dict:
-        """Map the trainer's adapter factors (``engines.adapter_ipc``); returns what was mapped."""
+        """Map the trainer's adapter factors (``engines.lora.ipc``); returns what was mapped."""
         _lora_manager(self)
         receiver = getattr(self, "_mbridge_adapter_receiver", None) or AdapterReceiver(torch.device(self.device))
         self._mbridge_adapter_receiver = receiver
@@ -197,7 +197,7 @@ class RefitWorkerExtension:
 
     def mbridge_refit_fingerprints(self) -> dict:
         """``{parameter name: [sum, weighted sum]}`` of every model parameter (exact), in
-        ``engines.fingerprint.fingerprints_to_wire``'s versioned reply."""
+        ``engines.replay.fingerprint.fingerprints_to_wire``'s versioned reply."""
         model = self.model_runner.get_model()
         return fingerprints_to_wire(named_fingerprints(model.named_parameters()))
 

@@ -4,7 +4,7 @@ A tensor-parallel engine rank loads its part of each HF tensor: its loader narro
 tensor to its rows or columns (vLLM's ``ColumnParallelLinear``, ``QKVParallelLinear``,
 ``VocabParallelEmbedding`` ...). A sharded refit (``plan.transfer``) delivers only that part, the
 *shard* of the box the transfer plan computed (``sharing.ShardBox``), so the loader cannot be run
-on what arrives. Instead the loader is recorded once (``engines.apply_plan``) against a full-size
+on what arrives. Instead the loader is recorded once (``engines.replay.apply_plan``) against a full-size
 tensor built around the shard (``expand``: the box holds the shard's values, every other element a
 pattern byte), and every recorded read, a view of that full tensor, is moved into the shard: the
 same elements, shifted by the box's start (``remap``). A read that leaves the box means that the

@@ -13,7 +13,7 @@ fresh tensors) is shared anew.
 A tensor may instead be an engine rank's *shard* of an HF tensor (``ShardBox``: the HF tensor's
 shape and the box the shard holds, in HF coordinates, from a transfer plan): the engine records
 its loader against a full-size tensor built around the shard and then reads the shard itself
-(``engines.shard_remap``).
+(``engines.replay.shard_remap``).
 
 A tensor may also name the rows it is made of (``RowsRef``: row runs of another shared tensor,
 e.g. q, k and v as runs of the trainer's fused QKV parameter). The engine then reads those rows
@@ -43,7 +43,7 @@ from typing import Any, Protocol
 
 import torch
 
-from mbridge_refit.engines.ipc_handles import BadIpcPayload, decode_payload, encode_payload
+from mbridge_refit.engines.ipc.handles import BadIpcPayload, decode_payload, encode_payload
 from mbridge_refit.errors import EngineError, wire_version_mismatch
 from mbridge_refit.runtime.stamps import stamp_of
 

@@ -1,6 +1,6 @@
 """The group a packed broadcast runs over: a torch.distributed group, or a group of its own joined by address.
 
-The packed broadcast (``sinks.packed_broadcast``) needs six things of its group: whether this
+The packed broadcast (``engines.broadcast.packed``) needs six things of its group: whether this
 process is the source, ``broadcast`` (also asynchronous), ``all_reduce`` (MAX/MIN),
 ``broadcast_object`` (the failure path only: the plan's signature and an error message, JSON data)
 and ``post_error`` (a member that leaves the protocol on an error says so). ``BroadcastGroup``
@@ -39,7 +39,7 @@ connected, or raises:
 
 Who may write: a ``TCPStore`` lets anyone who reaches its address read, write and delete any key,
 so every entry the members write (settings, heartbeats, failures) is signed with the group's
-``secret`` (``runtime.store_entries``: an HMAC over the entry's key, its member and its body) and
+``secret`` (``engines.broadcast.store_entries``: an HMAC over the entry's key, its member and its body) and
 every entry they read is checked: a stranger's entry, or one under a member the group does not
 have, is ignored with a warning, so a forged failure aborts no one and forged settings do not
 join. The secret is made by one member (``new_secret``) and handed to the others out of band (the
@@ -95,14 +95,14 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from mbridge_refit.errors import TransportError
-from mbridge_refit.runtime.store_entries import (
+from mbridge_refit.engines.broadcast.store_entries import (
     STORE_PROTOCOL,
     SignedEntries,
     StoreProtocolError,
     check_secret,
     new_secret,
 )
+from mbridge_refit.errors import TransportError
 
 __all__ = [
     "BroadcastGroup",
@@ -232,7 +232,7 @@ def group_settings(backend: str, environ: Mapping[str, str] | None = None) -> di
     """What every member of a ``StoreGroup`` must agree on (module docstring): the backend and, for
     NCCL, the library's version and the ``NCCL_*`` variables of ``environ`` (default: this
     process's) that shape a communicator. (The store's protocol is in each entry's envelope:
-    ``runtime.store_entries``.)"""
+    ``engines.broadcast.store_entries``.)"""
     environ = os.environ if environ is None else environ
     settings: dict[str, Any] = {"backend": backend}
     if backend == "nccl":

@@ -2,13 +2,13 @@
 
 The trainer side is an engine adapter's ``broadcast`` session (``engines.base``; for vLLM
 ``engines.vllm.VLLMBroadcastRefit``): one trainer rank sends the
-export by the packed broadcast (``sinks.packed_broadcast``) over a ``StoreGroup`` that the engine's
-workers join by address (``runtime.broadcast_group``), so the engine may run on other GPUs, other
+export by the packed broadcast (``engines.broadcast.packed``) over a ``StoreGroup`` that the engine's
+workers join by address (``engines.broadcast.group``), so the engine may run on other GPUs, other
 hosts, and in a ``torch.distributed`` world of its own. Every worker receives every tensor; the
 engine's own ``load_weights`` decides where it lands (each worker takes its shard, as with vLLM's
 native weight transfer).
 
-Recorded once, replayed after (``engines.apply_plan``, as the colocated transport does). The
+Recorded once, replayed after (``engines.replay.apply_plan``, as the colocated transport does). The
 receive buffers (``ReceiveBuffers``) live as long as the session, bucket ``b`` always lands in
 buffer ``b % num_buffers`` and a tensor split across buckets in one scratch, so each tensor is the
 same view of the same memory every refit. The session's first refit hands each received tensor
@@ -34,7 +34,7 @@ Protocol (any RPC that carries plain data calls these, on every worker):
    (handshake, buckets, checksums, status), so a mismatch or a failure on either side raises on
    both and neither is left waiting: a failure that stops this worker before its protocol settled
    (the plan does not parse, a receive buffer does not fit, a collective fails) is posted to the
-   group, and the trainer raises it within seconds (``runtime.broadcast_group``); a loader or a
+   group, and the trainer raises it within seconds (``engines.broadcast.group``); a loader or a
    check failing in a bucket is reported by the protocol's status. Returns the report: tensors,
    bytes, what the engine did not load, ``mode`` ("recorded", "replayed", or "loader").
 3. ``close()``: leaves the group, frees the receive buffers and forgets the recording.
@@ -58,11 +58,8 @@ from typing import Any
 
 import torch
 
-from mbridge_refit.engines.apply_plan import ApplyPlan, LoadRecording, LoadWeights, StagedLoad
-from mbridge_refit.errors import EngineError
-from mbridge_refit.runtime.broadcast_group import StoreGroup
-from mbridge_refit.sinks.broadcast_timing import BucketTimeline, receiver_phases
-from mbridge_refit.sinks.packed_broadcast import (
+from mbridge_refit.engines.broadcast.group import StoreGroup
+from mbridge_refit.engines.broadcast.packed import (
     PackedBroadcastConfig,
     PackedBroadcastReceiver,
     PlanMismatchError,
@@ -70,6 +67,9 @@ from mbridge_refit.sinks.packed_broadcast import (
     check_wire_version,
     post_failure,
 )
+from mbridge_refit.engines.broadcast.timing import BucketTimeline, receiver_phases
+from mbridge_refit.engines.replay.apply_plan import ApplyPlan, LoadRecording, LoadWeights, StagedLoad
+from mbridge_refit.errors import EngineError
 
 __all__ = ["SOURCE_RANK", "BroadcastRefitError", "BroadcastTarget", "ReceiveReport"]
 
@@ -92,7 +92,7 @@ class ReceiveReport:
     receive_ms: float
     mode: str  # "recorded" (the loader, its copies recorded and proven), "replayed", or "loader" (every tensor)
     via_loader: int  # tensors that went through the engine's loader
-    phases: dict[str, Any] | None = None  # with ``timing``: each bucket's marks and phases (sinks.broadcast_timing)
+    phases: dict[str, Any] | None = None  # with ``timing``: each bucket's marks and phases (engines.broadcast.timing)
 
 
 class BroadcastTarget:
@@ -105,7 +105,7 @@ class BroadcastTarget:
     engines): every tensor through the loader inside it, every refit. ``check``: prove each
     bucket's recorded copies against the loader before trusting them (default; off only to
     measure what the proof costs, once per session). ``timing``: mark where each bucket's time
-    goes (``sinks.broadcast_timing``), returned in the report's ``phases`` (benchmarks; settable
+    goes (``engines.broadcast.timing``), returned in the report's ``phases`` (benchmarks; settable
     between refits).
     """
 
@@ -323,7 +323,7 @@ class BroadcastTarget:
 
 
 def _phases(timeline: BucketTimeline | None, buffers: int) -> dict[str, Any] | None:
-    """This receive's marks and phases (``sinks.broadcast_timing``), or None untimed."""
+    """This receive's marks and phases (``engines.broadcast.timing``), or None untimed."""
     if timeline is None:
         return None
     marks = timeline.summary()

@@ -1,7 +1,7 @@
 """The colocated transport's engine side, engine-agnostic: open a shared layout, apply steps, report.
 
 The trainer side is an engine adapter's ``ipc`` session (``engines.base``; for vLLM
-``engines.vllm.VLLMRefit``), which shares the export's storages by CUDA IPC (``engines.sharing``);
+``engines.vllm.VLLMRefit``), which shares the export's storages by CUDA IPC (``engines.ipc.sharing``);
 the engine's worker extension hands its RPCs to a ``RefitReceiver``. Protocol (any RPC that
 carries plain data works):
 
@@ -21,11 +21,11 @@ carries plain data works):
    layout's (the trainer's export changed without a new ``open``), replays, and either waits for the
    copies (the trainer may overwrite its buffers once the call returns) or, with ``signal`` on a
    layout opened with ``completion=True`` on a CUDA device, records the shared event of
-   ``engines.completion`` and returns at once: the trainer then waits on that event before it
+   ``engines.ipc.completion`` and returns at once: the trainer then waits on that event before it
    touches the tensors the engine reads. Returns the milliseconds the worker spent. If the engine
    has replaced a parameter the plan writes (a weight reload through another path), it records its
    loader again instead of replaying into the old storage. An early apply (``go=step``, on a layout
-   opened with a go-ahead line: ``open(..., go_ahead=offer)``, ``engines.go_ahead``) arrives while the
+   opened with a go-ahead line: ``open(..., go_ahead=offer)``, ``engines.ipc.go_ahead``) arrives while the
    trainer still exports: the worker makes its own checks (the fingerprint, its replaced
    parameters), then waits for the trainer's word for that step and reads nothing of the trainer's
    memory before it; told to skip, it returns None and leaves everything as it was.
@@ -34,7 +34,7 @@ carries plain data works):
 A layout whose tensors are an engine rank's shards (``sharing.ShardBox``: a sharded refit, each
 engine rank fed its part by ``runtime.sharded_transfer``) opens the same way, the loader recorded
 against full-size tensors built around the shards, one at a time, and every recorded read moved
-into its shard (``engines.shard_remap``, ``ApplyPlan.record(shards=...)``); no full-size tensor is
+into its shard (``engines.replay.shard_remap``, ``ApplyPlan.record(shards=...)``); no full-size tensor is
 kept but for those the loader loads every step.
 
 Lifetimes: the mapped storages belong to the trainer; the trainer keeps them alive and
@@ -55,16 +55,23 @@ from typing import Any
 
 import torch
 
-from mbridge_refit.engines.apply_plan import ApplyPlan, ApplyPlanError, LoadWeights, Recompute, Shards, StagedLoad
-from mbridge_refit.engines.completion import ReplayDone
-from mbridge_refit.engines.go_ahead import GoAheadError, GoAheadWaiter
-from mbridge_refit.engines.sharing import (
+from mbridge_refit.engines.ipc.completion import ReplayDone
+from mbridge_refit.engines.ipc.go_ahead import GoAheadError, GoAheadWaiter
+from mbridge_refit.engines.ipc.sharing import (
     TRANSPORTS,
     SharedLayout,
     SharingError,
     quantized_sources,
     row_sources,
     views,
+)
+from mbridge_refit.engines.replay.apply_plan import (
+    ApplyPlan,
+    ApplyPlanError,
+    LoadWeights,
+    Recompute,
+    Shards,
+    StagedLoad,
 )
 from mbridge_refit.errors import EngineError
 
@@ -96,7 +103,7 @@ class OpenReport:
     partial: list[str]
     checked_against_loader: bool
     open_ms: float
-    completion: str | None = None  # the IPC handle of the event each replay records (``engines.completion``)
+    completion: str | None = None  # the IPC handle of the event each replay records (``engines.ipc.completion``)
     quantized: int = 0  # FP8 tensors this engine quantizes from the trainer's rows each replay (``QuantizedRef``)
     quantized_in_place: int = 0  # of those, written straight into its parameters (no copy after)
     go_ahead: bool = False  # connected to the trainer's go-ahead line: early applies wait on it

@@ -1,7 +1,7 @@
 """Entries of a ``TCPStore`` that only the holders of a shared secret can write: an HMAC on each.
 
 A ``TCPStore`` has no authentication: whoever reaches its address reads, writes and deletes any
-key. The members of a ``runtime.broadcast_group.StoreGroup`` coordinate through one (their settings,
+key. The members of a ``engines.broadcast.group.StoreGroup`` coordinate through one (their settings,
 their heartbeats, their failures), so each entry they write is signed and each entry they read is
 checked: ``SignedEntries.put`` writes ``{"protocol", "member", "body", "mac"}`` as JSON, the MAC an
 HMAC-SHA256 under the group's secret over the protocol, the entry's full key, the writing member and
@@ -68,7 +68,7 @@ def check_secret(secret: Any) -> bytes:
         shown = f"{len(secret)} bytes" if isinstance(secret, (bytes, bytearray)) else type(secret).__name__
         raise ValueError(
             f"a group's secret must be at least {SECRET_BYTES} random bytes, got {shown}: make one with "
-            "runtime.store_entries.new_secret() on one member and hand it to the others out of band (never "
+            "engines.broadcast.store_entries.new_secret() on one member and hand it to the others out of band (never "
             "through the store)"
         )
     return bytes(secret)

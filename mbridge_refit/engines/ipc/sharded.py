@@ -12,7 +12,7 @@ trainer rank i hosts engine worker i). Every step, on every trainer rank of ``gr
    box) and shares their storages (CUDA IPC on its own GPU; in-process on CPU); the layouts and
    payloads of all engine ranks are gathered to every rank (one object gather). Each rank that
    holds a handle on the engine calls ``mbridge_refit_open_shards`` with the lists; each worker
-   takes its own engine rank's entry (``worker_entry``) and opens it (``engines.ipc.RefitReceiver``:
+   takes its own engine rank's entry (``worker_entry``) and opens it (``engines.ipc.engine.RefitReceiver``:
    the loader recorded against full-size tensors around the shards, every read moved into the
    shard, proven against the loader).
 3. Later steps: ``mbridge_refit_apply_shards`` with every engine rank's layout fingerprint; each
@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from mbridge_refit.engines.base import CallWorkers, RefitStep
-from mbridge_refit.engines.sharing import LayoutRecorder, ShardBox, SharedLayout, Transport
+from mbridge_refit.engines.ipc.sharing import LayoutRecorder, ShardBox, SharedLayout, Transport
 from mbridge_refit.errors import EngineError, InputError
 from mbridge_refit.fp8.format import scale_box, scale_name, scale_shape
 from mbridge_refit.fp8.plan import check_engine_boxes

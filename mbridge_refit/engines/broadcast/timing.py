@@ -1,6 +1,6 @@
 """Where a packed broadcast's time goes, bucket by bucket: device marks read once per refit (benchmarks).
 
-An end of the packed broadcast (``sinks.packed_broadcast``) given a ``BucketTimeline`` marks, per
+An end of the packed broadcast (``engines.broadcast.packed``) given a ``BucketTimeline`` marks, per
 bucket, when each of its phases ended on the device, and when the host issued the bucket's
 broadcast. Off unless asked (the ends take ``timeline=None``): a benchmark turns it on for a few
 steps (``scripts/bench_refit_vllm_broadcast.py``).

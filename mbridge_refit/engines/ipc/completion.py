@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from mbridge_refit.engines.sharing import SharingError
+from mbridge_refit.engines.ipc.sharing import SharingError
 
 __all__ = ["DoneSignal", "ReplayDone"]
 

@@ -8,7 +8,7 @@ every rank instead of hanging, the rotating buffers that overlap packing with br
 the per-bucket checksums (on by default).
 
 Protocol over ``group`` (the source rank plus the receiver ranks; other trainer ranks are not
-members): a ``torch.distributed`` group, or a ``runtime.broadcast_group.StoreGroup`` that members
+members): a ``torch.distributed`` group, or a ``engines.broadcast.group.StoreGroup`` that members
 of different worlds join by address (a trainer rank and a separately launched inference engine's
 workers); ``src`` is the source's rank as the group counts ranks. In this order on every member:
 
@@ -46,20 +46,20 @@ any dtype), cut into buckets at ``bucket_bytes`` boundaries. A tensor larger tha
 straddling a boundary) simply continues in the next bucket; the receiver reassembles it in one
 scratch tensor sized for the largest such tensor.
 
-Each end's memory may be kept from one refit to the next (``sinks.broadcast_buffers``: the
+Each end's memory may be kept from one refit to the next (``engines.broadcast.buffers``: the
 source's ``SendBuffers``, a receiver's ``ReceiveBuffers``), so a steady refit computes no packing
 and allocates nothing. On a receiver bucket ``b`` lands in buffer ``b % num_buffers`` every time
 and each tensor is the same view every time, made once, so a consumer can record what it does
-with them once and replay it (``engines.broadcast``); ``receive_buckets`` hands a bucket's tensors
+with them once and replay it (``engines.broadcast.engine``); ``receive_buckets`` hands a bucket's tensors
 over together, right after the bucket landed and before its buffer is posted for bucket
 ``b + num_buffers``. Per bucket each end issues one broadcast and reads nothing to the host; its
 device work (the source's copies and checksum, a receiver's checksum and consumer) is ordered
 after the broadcasts it needs by stream waits, never by the host. The source's copies and both
-ends' checksums run on a bounded number of GPU programs (``sinks.bounded_kernels``,
+ends' checksums run on a bounded number of GPU programs (``engines.broadcast.bounded_kernels``,
 ``PackedBroadcastConfig.device_programs``), so they leave the broadcast beside them its memory
 bandwidth; there the source's copies sum the bytes they pack (``SendBuffers.checksum``) and a
 receiver sums a landed bucket on a stream beside its consumer's copies (``ReceiveBuffers.side``). A ``BucketTimeline``
-(``sinks.broadcast_timing``) given to either end marks where each bucket's time goes.
+(``engines.broadcast.timing``) given to either end marks where each bucket's time goes.
 """
 
 from __future__ import annotations
@@ -71,12 +71,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mbridge_refit.plan.entries import ExportPlan
-from mbridge_refit.runtime.broadcast_group import GroupLike, as_broadcast_group
-from mbridge_refit.sinks.base import WeightSink
-from mbridge_refit.sinks.broadcast_buffers import ReceiveBuffers, SendBuffers, endpoint
-from mbridge_refit.sinks.broadcast_timing import BucketTimeline
-from mbridge_refit.sinks.broadcast_wire import (
+from mbridge_refit.engines.broadcast.buffers import ReceiveBuffers, SendBuffers, endpoint
+from mbridge_refit.engines.broadcast.group import GroupLike, as_broadcast_group
+from mbridge_refit.engines.broadcast.timing import BucketTimeline
+from mbridge_refit.engines.broadcast.wire import (
     ALIGN_BYTES,
     DEFAULT_BUCKET_BYTES,
     STATUS_CHECKSUM,
@@ -102,6 +100,8 @@ from mbridge_refit.sinks.broadcast_wire import (
     send_header,
     share_verdict,
 )
+from mbridge_refit.plan.entries import ExportPlan
+from mbridge_refit.sinks.base import WeightSink
 
 # The wire format's and the buffers' public names are re-exported: importers name the packed
 # broadcast, one module.
@@ -170,7 +170,7 @@ class PackedBroadcastSender(WeightSink):
     for that buffer's broadcast (``Work.wait``, stream-ordered). With ``n`` buffers, packing bucket
     ``b + 1`` overlaps the broadcast of bucket ``b``, and up to ``n`` broadcasts are in flight; the
     exporter's own kernels wait for a broadcast only through a full set of buffers in flight.
-    ``timeline``: a :class:`~mbridge_refit.sinks.broadcast_timing.BucketTimeline` marking each
+    ``timeline``: a :class:`~mbridge_refit.engines.broadcast.timing.BucketTimeline` marking each
     bucket's phases (benchmarks).
 
     A stream that disagrees with the sender's own plan, ends early, or raises (``drain`` then

@@ -54,7 +54,7 @@ destinations and the copies are dropped; otherwise it writes into the source, wh
 
 A source may be an engine rank's shard of the HF tensor the loader expects (a sharded refit,
 ``record(shards=...)``): the loader is recorded against a full-size tensor built around the shard,
-and every recorded read is moved into the shard (``engines.shard_remap``). In a plain recording
+and every recorded read is moved into the shard (``engines.replay.shard_remap``). In a plain recording
 that happens right after the tensor's load, so one full-size tensor is alive at a time (but for
 those the loader loads every step); under a reload bracket, which may hold a layer's tensors until
 the layer is complete, after the bracket.
@@ -86,9 +86,9 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from mbridge_refit.engines.copy_batches import CopySchedule, byte_span
-from mbridge_refit.engines.fingerprint import differing, named_fingerprints
-from mbridge_refit.engines.shard_remap import (
+from mbridge_refit.engines.replay.copy_batches import CopySchedule, byte_span
+from mbridge_refit.engines.replay.fingerprint import differing, named_fingerprints
+from mbridge_refit.engines.replay.shard_remap import (
     OUTSIDE_PATTERNS,
     Box,
     ShardRemapError,
@@ -284,7 +284,7 @@ class ApplyPlan:
 
     def replay(self) -> None:
         """Apply the sources' current bytes (same stream as the engine's compute: no sync here):
-        the recorded copies in groups of independent ones (``engines.copy_batches``), the loader
+        the recorded copies in groups of independent ones (``engines.replay.copy_batches``), the loader
         where a tensor is not plain copies, then the recomputations."""
         if self._schedule is None:
             self._schedule = _replay_schedule(self.steps, self.load_weights, self.recomputations)
@@ -737,7 +737,7 @@ class _CopyRecorder(TorchFunctionMode):
 def _replay_schedule(
     steps: Iterable[_Step], load_weights: LoadWeights, recomputations: Iterable[tuple[str, Callable[[], object]]] = ()
 ) -> CopySchedule:
-    """``steps`` in order as a ``CopySchedule`` (``engines.copy_batches``): the recorded copies in
+    """``steps`` in order as a ``CopySchedule`` (``engines.replay.copy_batches``): the recorded copies in
     groups of independent ones, a step's refresh before its copies (the schedule orders a copy that
     reads what an earlier one wrote), a loader step after every earlier copy and before every
     later one, then the recomputations."""

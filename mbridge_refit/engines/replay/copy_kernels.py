@@ -1,6 +1,6 @@
 """A group of recorded byte copies as one CUDA kernel launch: ``ChunkedCopies``.
 
-An engine's replay (``engines.copy_batches``) copies the same sources into the same parameters
+An engine's replay (``engines.replay.copy_batches``) copies the same sources into the same parameters
 every step. ``torch._foreach_copy_`` issues them as multi-tensor kernels, but builds each launch's
 tensor list on the host, launch by launch, every step, and its kernels are written for optimizer
 arithmetic, not for streaming bytes. Where a copy moves bytes only (one dtype and
@@ -140,7 +140,7 @@ def chunk_rows(segments: list[Segment], chunk_bytes: int = CHUNK_BYTES) -> list[
 
 class ChunkedCopies:
     """Byte segments (``byte_segments`` of independent copies: no overlap between what one writes
-    and another reads or writes, as ``engines.copy_batches`` groups them) copied in one launch.
+    and another reads or writes, as ``engines.replay.copy_batches`` groups them) copied in one launch.
     ``tensors``: the copies' tensors, held so the table's addresses stay theirs."""
 
     def __init__(self, segments: list[Segment], tensors: list[torch.Tensor]) -> None:

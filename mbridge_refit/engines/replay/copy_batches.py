@@ -1,7 +1,7 @@
 """Recorded copies replayed as few kernels: groups of independent copies, each group one
-``engines.copy_kernels`` launch for its plain byte copies and one ``torch._foreach_copy_`` for the rest.
+``engines.replay.copy_kernels`` launch for its plain byte copies and one ``torch._foreach_copy_`` for the rest.
 
-A replay of recorded copies (``engines.apply_plan``) issued one ``copy_`` per copy: for an engine
+A replay of recorded copies (``engines.replay.apply_plan``) issued one ``copy_`` per copy: for an engine
 that stacks its experts that is thousands of kernel launches a step, each a few microseconds of
 host work for a few hundred kilobytes (the Qwen3-30B-A3B shape cut to 4 layers: 1575 tensors in
 11.2 ms of replay against 2.95 ms for one memcpy of their bytes, H200). ``CopySchedule`` groups
@@ -64,11 +64,11 @@ def _group_calls(
 
 
 def _copy_kernels(device: torch.device):
-    """``engines.copy_kernels`` where it runs on ``device`` (CUDA, Triton there, its probe passed), else None."""
+    """``engines.replay.copy_kernels`` where it runs on ``device`` (CUDA, Triton there, its probe passed), else None."""
     if device.type != "cuda":
         return None
     try:
-        from mbridge_refit.engines import copy_kernels
+        from mbridge_refit.engines.replay import copy_kernels
     except ImportError:  # no Triton: the foreach path
         return None
     return copy_kernels if copy_kernels.usable(device.index) else None

@@ -1,9 +1,9 @@
 """The colocated transport's trainer side, engine-agnostic: ``IpcSession`` (transport ``ipc``).
 
 The engine runs on this trainer rank's GPU, in its own process. Every step the engine maps the
-trainer's exported tensors (the parameters and the export's held buffers, ``engines.sharing``) and
+trainer's exported tensors (the parameters and the export's held buffers, ``engines.ipc.sharing``) and
 applies them with the copies its own loader makes, recorded on the first step
-(``engines.apply_plan``; engine side ``engines.ipc.RefitReceiver``). Tensors that are rows of a
+(``engines.replay.apply_plan``; engine side ``engines.ipc.engine.RefitReceiver``). Tensors that are rows of a
 trainer parameter read as stored (``RefitBridge.live_rows``: without tensor parallelism nearly all
 of them, q, k and v included) are read by the engine from the parameter itself and never exported
 again; the export runs only for the rest (gathers, FP8 quantization of other tensors), every rank
@@ -16,11 +16,11 @@ itself on every replay, into its own parameters where its loader copies the weig
 bytes once, with no export buffer between (``engine_quantizes=False``: the trainer quantizes them into
 its export buffers and the engine copies those, as for the rest). Per step: that export, one RPC telling every worker to replay,
 the engine's follow-up (``after_weights_written``) and, over CUDA IPC, a wait on the event the
-worker recorded after launching its copies (``engines.completion``): the RPC returns once the copies
+worker recorded after launching its copies (``engines.ipc.completion``): the RPC returns once the copies
 are launched, so the follow-up runs while they do, and ``refit`` returns once the engine's
 parameters hold the new weights. Where the engine is another process (``early_apply``, on by default
 over CUDA IPC) the apply RPC leaves before the export, on a thread, and the worker makes its own
-checks while the trainer exports, then waits for the trainer's go-ahead (``engines.go_ahead``: one
+checks while the trainer exports, then waits for the trainer's go-ahead (``engines.ipc.go_ahead``: one
 message on a local socket, sent once the export is done and the device synchronized): the RPC's
 way to the worker and the worker's look at its parameters cost the step nothing, and the worker
 reads nothing of the trainer's before the export is done and found where the last one was. The
@@ -31,14 +31,14 @@ whose exported tensors moved tells the waiting worker to skip, then opens. An ea
 (a word that came after the worker's wait gave up, a slow collective export) drops the line: the
 step is applied after its export, and so are later ones until the next open; a real fault raises
 there. No bytes are packed or staged, nothing is allocated after the first step on either side. A steady step that finds the export's tensors to be the last step's very
-objects at the same addresses (``engines.sharing.ExportSnapshot``: stamped buckets by their stamps,
+objects at the same addresses (``engines.ipc.sharing.ExportSnapshot``: stamped buckets by their stamps,
 ``runtime.stamps``, the others tensor by tensor) notes none of them anew; any other export is noted
 tensor by tensor and, where it moved, shared anew.
 
 Who calls it: an engine adapter's ``ipc`` session (for vLLM ``engines.vllm.VLLMRefit``, a subclass)
 binds the three things that are its engine's: ``call_workers(method, *args)`` (the RPC to every
 worker, returning their results in worker order, bounded by the adapter's timeout; the workers run
-``engines.ipc.RefitReceiver`` behind the ``engines.base.RefitWorker`` RPCs), ``ignored(bridge)``
+``engines.ipc.engine.RefitReceiver`` behind the ``engines.base.RefitWorker`` RPCs), ``ignored(bridge)``
 (exported names the engine skips by design, e.g. a tied output layer) and ``after_weights_written``
 (the engine's follow-up once its parameters hold new weights, e.g. dropping a prefix cache computed
 with the old ones; its failure fails the step). The trainer then:
@@ -56,7 +56,7 @@ engine holds the parameter's current data. A new object is noticed before anythi
 still holds (above).
 
 Scope: one trainer rank feeds one engine worker on its GPU (engine tensor parallel size 1; above,
-``engines.sharded_ipc``); the engine process must not be the trainer's own (an engine inside it
+``engines.ipc.sharded``); the engine process must not be the trainer's own (an engine inside it
 takes ``transport=LocalTransport()``).
 """
 
@@ -71,16 +71,16 @@ from typing import Any, NamedTuple
 import torch
 
 from mbridge_refit.engines.base import CallWorkers, RefitStep
-from mbridge_refit.engines.completion import DoneSignal
-from mbridge_refit.engines.fingerprint import fingerprints_from_wire
-from mbridge_refit.engines.go_ahead import GoAheadError, GoAheadLine
-from mbridge_refit.engines.sharing import (
+from mbridge_refit.engines.ipc.completion import DoneSignal
+from mbridge_refit.engines.ipc.go_ahead import GoAheadError, GoAheadLine
+from mbridge_refit.engines.ipc.sharing import (
     CudaIpcTransport,
     ExportSnapshot,
     LayoutRecorder,
     SharedLayout,
     Transport,
 )
+from mbridge_refit.engines.replay.fingerprint import fingerprints_from_wire
 from mbridge_refit.engines.worker_call import WorkerCall
 from mbridge_refit.errors import TransportError
 from mbridge_refit.fp8.format import FP8_DTYPE, SCALE_DTYPE, scale_shape

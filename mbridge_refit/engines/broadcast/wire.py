@@ -1,10 +1,10 @@
-"""The wire format of the packed broadcast (``sinks.packed_broadcast``), shared by its two ends.
+"""The wire format of the packed broadcast (``engines.broadcast.packed``), shared by its two ends.
 
 Owns what sender and receiver must compute alike from the plan and the configuration, and the
 collectives that settle whether they agree: ``WIRE_VERSION``; ``PackedBroadcastConfig``; the byte packing of the
 stream (``StreamPacking``: tensors back to back in plan order, each at a multiple of
 ``ALIGN_BYTES``, cut into buckets); the per-bucket ``checksum``; the header handshake (step 1 of
-the protocol described in ``sinks.packed_broadcast``) and its mismatch message; the failure
+the protocol described in ``engines.broadcast.packed``) and its mismatch message; the failure
 posting and the verdict shared with the other trainer ranks; the errors of the protocol. No
 tensor of the stream is moved here except by the handshake's small collectives.
 
@@ -29,10 +29,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mbridge_refit.engines.broadcast.bounded_kernels import DEFAULT_PROGRAMS, MAX_PROGRAMS
+from mbridge_refit.engines.broadcast.group import BroadcastGroup
 from mbridge_refit.errors import TransportError, wire_version_mismatch
 from mbridge_refit.plan.entries import ExportPlan, PlanEntry
-from mbridge_refit.runtime.broadcast_group import BroadcastGroup
-from mbridge_refit.sinks.bounded_kernels import DEFAULT_PROGRAMS, MAX_PROGRAMS
 
 __all__ = [
     "ALIGN_BYTES",
@@ -136,7 +136,7 @@ class PackedBroadcastConfig:
             bucket (the receiver's consumer has seen the corrupt bucket by then; the refit fails
             on every member: run it again).
         device_programs: GPU programs (thread blocks) the broadcast's own copies and checksums run
-            on (``sinks.bounded_kernels``): few enough that they leave the broadcast its memory
+            on (``engines.broadcast.bounded_kernels``): few enough that they leave the broadcast its memory
             bandwidth (the source's pack copies on every SM slowed 512 MiB broadcasts by ~20% on
             2x H200), enough to keep ahead of it. 0: torch's kernels, on every SM. Each end uses
             its own; the bytes sent do not depend on it.

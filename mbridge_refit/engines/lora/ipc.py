@@ -2,8 +2,8 @@
 
 The trainer exports the factors into buffers it holds across steps
 (``export_adapter_weights(..., cpu=False, reuse_buffer_from_cache=True)``: views of the adapter
-parameters or held gather buffers), so their layout (``engines.sharing``) is the same every step.
-``AdapterShare`` (trainer) names each factor as a PEFT checkpoint does (``engines.adapter.PEFT_PREFIX``)
+parameters or held gather buffers), so their layout (``engines.ipc.sharing``) is the same every step.
+``AdapterShare`` (trainer) names each factor as a PEFT checkpoint does (``engines.lora.adapter.PEFT_PREFIX``)
 and shares the storages through a transport (CUDA IPC, or in-process) only when the layout moved;
 ``AdapterReceiver`` (engine) maps them once and hands the engine views of this step's factors, refusing
 a step whose layout it did not open. What the engine does with the views (build its adapter, fill its
@@ -11,7 +11,7 @@ slot) is its adapter's business (for vLLM ``engines.vllm.lora``).
 
 Protocol, each a worker RPC: ``open(wire, payload, transport)`` when the layout is new or moved;
 ``tensors(fingerprint)`` every step, inside the RPC that loads them; ``close()``. Lifetimes as for the
-weight refit (``engines.ipc``): the trainer keeps the storages alive and unchanged from its export until
+weight refit (``engines.ipc.engine``): the trainer keeps the storages alive and unchanged from its export until
 the engine's load returns.
 """
 
@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from mbridge_refit.engines.adapter import PEFT_PREFIX
-from mbridge_refit.engines.sharing import TRANSPORTS, LayoutRecorder, SharedLayout, SharingError, Transport, views
+from mbridge_refit.engines.ipc.sharing import TRANSPORTS, LayoutRecorder, SharedLayout, SharingError, Transport, views
+from mbridge_refit.engines.lora.adapter import PEFT_PREFIX
 from mbridge_refit.errors import EngineError
 
 __all__ = ["AdapterReceiver", "AdapterShare", "AdapterShareError"]

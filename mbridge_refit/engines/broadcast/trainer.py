@@ -3,10 +3,10 @@
 The engine runs on other GPUs or hosts. The source trainer rank and every worker of the engine form
 a ``StoreGroup`` (NCCL; joined by address, so the engine keeps its own ``torch.distributed`` world);
 every step the export is packed into rotating buffers and broadcast bucket by bucket
-(``sinks.packed_broadcast``: a plan handshake first, checksums optional, a status at the end, so a
+(``engines.broadcast.packed``: a plan handshake first, checksums optional, a status at the end, so a
 mismatch or a failure on either side raises on both and no rank waits forever); each worker loads
 what it receives through the model's own loader, recorded once and replayed (engine side
-``engines.broadcast.BroadcastTarget``). The four phases of a native weight transfer such as vLLM's
+``engines.broadcast.engine.BroadcastTarget``). The four phases of a native weight transfer such as vLLM's
 (init, start, update, finish) map to ``open`` (the group, once) and ``refit`` (start, update and
 finish, in one call on each side).
 
@@ -26,7 +26,7 @@ part in it), ``close()`` at the end.
 The packed broadcast's memory (``SendBuffers``: the stream packing and, on the source, the
 rotating buffers) is made at the session's first refit and kept until ``close``, so a steady
 refit computes no packing and allocates nothing. ``timing=True`` (benchmarks) marks where each
-bucket's time goes on the source (``sinks.broadcast_timing``), returned in ``RefitStep.phases``.
+bucket's time goes on the source (``engines.broadcast.timing``), returned in ``RefitStep.phases``.
 
 The follow-up is started on a thread of its own as soon as the handshake's verdict shows the workers
 inside their receive (the sender's ``on_agreed``, before the first bucket goes out) (``overlap_follow_up``, on by default), so it waits in the engine's queue, or runs,
@@ -41,19 +41,19 @@ the next refit resets it again); it does not wait for a follow-up still pending,
 own thread, and notes it on the step's error. ``overlap_follow_up=False`` calls the follow-up
 after the receive, as before.
 
-Each ``open`` makes the group a fresh secret (``runtime.broadcast_group.new_secret``) and sends it
+Each ``open`` makes the group a fresh secret (``engines.broadcast.group.new_secret``) and sends it
 to the workers in the join RPC with the plan, the config and ``WIRE_VERSION`` (a worker of another
 version refuses the join by name): the store's entries are signed with it, and a process that
 reaches the store without it cannot forge a member's settings, heartbeat or failure
-(``runtime.broadcast_group``; docs/architecture.md states what it can still do).
+(``engines.broadcast.group``; docs/architecture.md states what it can still do).
 
 ``timeout_s`` bounds the join and every collective of both sides. A failure on either side reaches
-the other within seconds (``runtime.broadcast_group``): each side posts what stops it before its
+the other within seconds (``engines.broadcast.group``): each side posts what stops it before its
 protocol settled, and the source also treats the workers' background call ending in an error while
 it still waits as the engine's failure. After such a failure the group is closed for good:
 ``close()`` and ``open()`` again.
 
-The group's members must run NCCL with the same ``NCCL_*`` settings (``runtime.broadcast_group``
+The group's members must run NCCL with the same ``NCCL_*`` settings (``engines.broadcast.group``
 checks them when the group forms): an engine that sets some in its workers (vLLM's batch-invariant
 mode: one channel, the Simple protocol, ...) needs the same in the trainer's environment before its
 first NCCL call.
@@ -71,19 +71,15 @@ from typing import Any
 import torch
 
 from mbridge_refit.engines.base import CallWorkers, RefitStep
-from mbridge_refit.engines.broadcast import SOURCE_RANK
-from mbridge_refit.engines.worker_call import StartWorkers, WorkerCall, WorkerCallHandle, on_a_thread
-from mbridge_refit.runtime.broadcast_group import (
+from mbridge_refit.engines.broadcast.engine import SOURCE_RANK
+from mbridge_refit.engines.broadcast.group import (
     PEER_SILENT_S,
     PeerFailedError,
     StoreGroup,
     as_broadcast_group,
     new_secret,
 )
-from mbridge_refit.runtime.weight_source import ExportsWeights, Model
-from mbridge_refit.sinks.base import DiscardSink, drain
-from mbridge_refit.sinks.broadcast_timing import BucketTimeline, source_phases
-from mbridge_refit.sinks.packed_broadcast import (
+from mbridge_refit.engines.broadcast.packed import (
     WIRE_VERSION,
     PackedBroadcastConfig,
     PackedBroadcastSender,
@@ -93,6 +89,10 @@ from mbridge_refit.sinks.packed_broadcast import (
     post_failure,
     share_verdict,
 )
+from mbridge_refit.engines.broadcast.timing import BucketTimeline, source_phases
+from mbridge_refit.engines.worker_call import StartWorkers, WorkerCall, WorkerCallHandle, on_a_thread
+from mbridge_refit.runtime.weight_source import ExportsWeights, Model
+from mbridge_refit.sinks.base import DiscardSink, drain
 
 __all__ = [
     "BroadcastSession",
@@ -345,7 +345,7 @@ def _settle(follow_ups: list[WorkerCall], failure: BaseException) -> None:
 
 
 def _phases(timeline: BucketTimeline | None) -> dict[str, Any] | None:
-    """The source's marks and phases of this step (``sinks.broadcast_timing``), or None untimed."""
+    """The source's marks and phases of this step (``engines.broadcast.timing``), or None untimed."""
     if timeline is None:
         return None
     marks = timeline.summary()

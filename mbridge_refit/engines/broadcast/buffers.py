@@ -1,13 +1,13 @@
-"""The memory each end of a packed broadcast keeps from one refit to the next (``sinks.packed_broadcast``).
+"""The memory each end of a packed broadcast keeps from one refit to the next (``engines.broadcast.packed``).
 
-Both ends derive the same packing from the plan and the config (``sinks.broadcast_wire``); what they
+Both ends derive the same packing from the plan and the config (``engines.broadcast.wire``); what they
 make of it once, and keep, lives here, so a steady refit parses no plan, computes no packing and
 allocates nothing:
 
 * ``SendBuffers`` (the source): the stream packing, each tensor's expected name, shape and dtype
   (the sender checks the export against them), and, made by the source rank's sender before its
   handshake's header goes out, the rotating buffers, the checksum slots, every tensor's destination views in them and the
-  bounded kernels that pack and checksum them (``sinks.bounded_kernels``): where those kernels run, a bucket's copies
+  bounded kernels that pack and checksum them (``engines.broadcast.bounded_kernels``): where those kernels run, a bucket's copies
   sum the bytes they move as they move them, so its checksum adds only the words no copy took (the short pieces
   and the padding: ``rest_ranges``) instead of reading the whole bucket a second time.
 * ``ReceiveBuffers`` (a receiver): the rotating buffers, their checksum slots, the scratch for
@@ -22,9 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from mbridge_refit.plan.entries import ExportPlan
-from mbridge_refit.sinks.bounded_kernels import BoundedKernels
-from mbridge_refit.sinks.broadcast_wire import (
+from mbridge_refit.engines.broadcast.bounded_kernels import BoundedKernels
+from mbridge_refit.engines.broadcast.wire import (
     PackedBroadcastConfig,
     StreamPacking,
     StreamSlot,
@@ -32,6 +31,7 @@ from mbridge_refit.sinks.broadcast_wire import (
     completed_views,
     split_pieces,
 )
+from mbridge_refit.plan.entries import ExportPlan
 
 __all__ = ["Piece", "ReceiveBuffers", "SendBuffers", "default_device", "endpoint"]
 
@@ -199,7 +199,7 @@ class ReceiveBuffers:
 
     Bucket ``b`` always lands in buffer ``b % len(buffers)`` and a split tensor always ends in
     ``scratch``, so a tensor is the same view of the same memory every refit: a consumer may keep
-    references to those views (``engines.broadcast`` replays recorded copies from them) as long
+    references to those views (``engines.broadcast.engine`` replays recorded copies from them) as long
     as it keeps this object. Pass it to each refit's ``PackedBroadcastReceiver``.
     """
 
