@@ -13,12 +13,12 @@ from conftest import REPO, torchrun
 from mbridge_refit.runtime.sharded_transfer import WIRE_VERSION as TRANSFER_VERSION
 
 
-def test_ranks_of_another_sharded_transfer_version_or_checksum_setting_are_refused_by_name():
+def test_ranks_of_another_sharded_transfer_version_or_checksum_setting_are_refused_by_name(tmp_path):
     """Rank 1 of an older, unversioned or newer install, then of another checksum=: both ranks raise
     TransferMismatchError naming it (the checksum case hung in the point-to-point sends before)."""
-    launch = torchrun(2, ["tests/ranks/sharded_transfer_wire_check.py"], timeout=300)
+    launch = torchrun(2, ["tests/ranks/sharded_transfer_wire_check.py", str(tmp_path)], timeout=300)
     assert launch.returncode == 0, launch.output[-4000:]
-    reports = {r["rank"]: r for r in (json.loads(line) for line in launch.output.splitlines() if line.startswith("{"))}
+    reports = {r["rank"]: r for r in (json.loads(f.read_text()) for f in sorted(tmp_path.glob("rank*.json")))}
     assert sorted(reports) == [0, 1], launch.output[-4000:]
     for rank, report in reports.items():
         for case, theirs in (

@@ -2,12 +2,15 @@
 another ``WIRE_VERSION`` (or the version-1 frame, which names none), then one that passes another
 ``checksum=``. Every rank must raise ``TransferMismatchError`` by name within the group's timeout
 (before the handshake carried the checksum setting, the rank sending sums waited for a receiver that
-never posted them). Prints one JSON line per rank: the messages it raised, by case."""
+never posted them). Each rank writes ``rank<N>.json`` into the directory its argument names: the
+messages it raised, by case (one file a rank: two ranks' prints can share a line of torchrun's output)."""
 
 from __future__ import annotations
 
 import datetime
 import json
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -68,7 +71,7 @@ def main() -> None:
     shards = transfer.allocate_shards()
     transfer.run(shards)  # agreeing ranks still run, checksums and all
     messages["delivered"] = shards[NAME].tolist()
-    print(json.dumps({"rank": rank, **messages}), flush=True)
+    (Path(sys.argv[1]) / f"rank{rank}.json").write_text(json.dumps({"rank": rank, **messages}))
     dist.destroy_process_group()
 
 
