@@ -63,7 +63,6 @@ import os
 import statistics
 import sys
 import threading
-import time
 from pathlib import Path
 
 import torch
@@ -76,6 +75,8 @@ from mbridge_refit.testing.vllm_harness import (
     model_config,
     parser_with_engine_arguments,
     prefix_cache_reset,
+    summary,
+    timed,
     tp1_trainer,
     worker_nccl_env,
 )
@@ -83,24 +84,6 @@ from mbridge_refit.testing.vllm_harness import (
 logger = logging.getLogger("bench_refit_vllm_broadcast")
 
 RAW_CHECK_BYTES = 1 << 20  # the receiver sums this many leading and trailing bytes of the raw broadcast
-
-
-def timed(fn) -> float:
-    """Wall ms of ``fn`` with the trainer's GPU synchronized on both ends (the engine's side is
-    inside ``fn``: each of the three returns only once the engine has its bytes)."""
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - started) * 1e3
-
-
-def summary(values: list[float]) -> dict:
-    return {
-        "median": round(statistics.median(values), 3),
-        "min": round(min(values), 3),
-        "all": [round(v, 3) for v in values],
-    }
 
 
 class Background:

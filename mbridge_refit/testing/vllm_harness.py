@@ -229,6 +229,8 @@ def prefix_cache_reset(llm, args, repeats: int = 5) -> dict:
 
 
 def timed(fn) -> float:
+    """Wall ms of ``fn`` with this process's GPU synchronized on both ends (an engine's side is
+    inside ``fn`` when it returns only once the engine has its bytes)."""
     torch.cuda.synchronize()
     started = time.perf_counter()
     fn()
