@@ -168,7 +168,8 @@ for argv in json.loads(sys.argv[1]):
     with restored_environment():
         codes.append(main(argv))
 print("CODES", json.dumps(codes))
-print("MAXRSS_KB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+# this process's own peak: ru_maxrss keeps the forked parent's across exec (pytest's, gigabytes late in a suite)
+print("MAXRSS_KB", next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM:")))
 """
 
 
@@ -351,6 +352,19 @@ def test_a_refusal_quoting_a_multi_line_library_error_is_one_line(single_file, t
     line = next(line for line in err.splitlines() if " ERROR " in line)
     assert str(bad / "config.json") in line and "expected float, got int" in line, err[-3000:]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "brk", ["\n", "\r\n", "\r", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"]
+)
+def test_a_refusal_quoting_a_name_with_any_line_break_is_one_line(brk):
+    """A fuzzed pickle's global name held a line break ``str.splitlines`` knows but ``\\n`` is not (found by
+    tests/test_fuzz_inputs.py: the refusal went on past its line). Every such break becomes one space."""
+    from mbridge_refit.convert.app import one_line
+
+    message = f"refusing in/.metadata: UnsafePickle: torch.Siz{brk}e is not a type{brk}{brk}"
+    assert one_line(message) == "refusing in/.metadata: UnsafePickle: torch.Siz e is not a type"
+    assert len(one_line(message).splitlines()) == 1
 
 
 @pytest.mark.parametrize(

@@ -251,8 +251,9 @@ def _wrapped(err: BaseException) -> Iterator[BaseException]:
 
 def one_line(message: str) -> str:
     """``message`` on one line: a refusal quotes what a library raised (transformers' validation errors
-    span lines), and the contract is one line per failure."""
-    return re.sub(r"\s*\n\s*", " ", message.strip())
+    span lines, a quoted name may hold any line break ``str.splitlines`` knows), and the contract is
+    one line per failure."""
+    return " ".join(part.strip() for part in message.splitlines() if part.strip())
 
 
 def _report(command: str, err: BaseException, failure: Failure) -> int:
