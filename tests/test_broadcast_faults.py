@@ -146,7 +146,9 @@ class RecordingGroup:
         self.inner.post_error(message)
 
 
-def _recorded_pair(receiver_plan, *, consumer_fails: bool = False, corrupt: bool = False):
+def _recorded_pair(receiver_plan, *, consumer_fails: bool = False, receiving: type = PackedBroadcastReceiver):
+    """A sender of ``PLAN`` and a ``receiving`` receiver of ``receiver_plan`` over two recorded store
+    groups: ``(their results, the sender's collectives, the receiver's)``."""
     port = free_port()
     groups: dict[int, RecordingGroup] = {}
 
@@ -163,7 +165,6 @@ def _recorded_pair(receiver_plan, *, consumer_fails: bool = False, corrupt: bool
         sender.finish()
 
     def receive(rank: int):
-        receiving = CorruptingReceiver if corrupt else PackedBroadcastReceiver
         receiver = receiving(receiver_plan, CONFIG, group=join(rank), src=0, device="cpu")
         got = []
         for name, tensor in receiver.receive():
@@ -190,7 +191,7 @@ def test_sender_and_receiver_issue_the_same_collectives():
     assert isinstance(sent[0], PlanMismatchError) and isinstance(received[0], PlanMismatchError)
     assert source == receiver and ("broadcast", "torch.uint8", source[3][2], 0) in source  # the signature's bytes
 
-    (sent, received), source, receiver = _recorded_pair(PLAN, corrupt=True)
+    (sent, received), source, receiver = _recorded_pair(PLAN, receiving=CorruptingReceiver)
     assert isinstance(sent[0], RefitStatusError) and isinstance(received[0], ChecksumError)
     assert source == receiver
 
@@ -614,42 +615,22 @@ def test_a_receiver_of_another_wire_version_is_refused_by_name():
     """Both ends raise ``WireVersionError`` naming the format and both versions, after the same collectives
     as a plan mismatch (a receiver of the version before this check runs those too), and the group stays
     usable."""
-    port = free_port()
-    groups: dict[int, RecordingGroup] = {}
-
-    def join(rank: int) -> RecordingGroup:
-        groups[rank] = RecordingGroup(
-            StoreGroup(host="127.0.0.1", port=port, rank=rank, world_size=2, device="cpu", secret=SECRET)
-        )
-        return groups[rank]
-
-    def send(rank: int):
-        sender = PackedBroadcastSender(PLAN, CONFIG, group=join(rank), src=0, device="cpu")
-        for name, tensor in plan_tensors(PLAN):
-            sender.consume(name, tensor)
-        sender.finish()
-
-    def receive(rank: int):
-        OtherVersionReceiver(PLAN, CONFIG, group=join(rank), src=0, device="cpu")
-
-    (sent, _), (received, _) = run_members(send, receive)
+    (sent, received), source, receiver = _recorded_pair(PLAN, receiving=OtherVersionReceiver)
     for error, mine, theirs, peer in (
-        (sent, WIRE_VERSION, WIRE_VERSION + 1, "a receiver"),
-        (received, WIRE_VERSION + 1, WIRE_VERSION, "the sender"),
+        (sent[0], WIRE_VERSION, WIRE_VERSION + 1, "a receiver"),
+        (received[0], WIRE_VERSION + 1, WIRE_VERSION, "the sender"),
     ):
         assert isinstance(error, WireVersionError), error
         assert f"packed broadcast wire version mismatch: this side speaks version {mine}, {peer}" in str(error)
         assert f"version {theirs}. Run the same mbridge_refit version" in str(error), error
-    assert groups[0].calls == groups[1].calls and ("post_error",) not in groups[0].calls
-    for group in groups.values():
-        group.inner.close()
+    assert source == receiver and ("post_error",) not in source
 
 
 @pytest.mark.parametrize("version", [None, WIRE_VERSION - 1])
 def test_an_engine_refuses_a_trainer_of_another_wire_version_by_name(version):
     """The join arguments of a trainer of another version (None: one from before the version was sent):
     refused before the worker connects (nothing listens at the port)."""
-    from mbridge_refit.engines.broadcast import BroadcastTarget
+    from mbridge_refit.engines.broadcast.engine import BroadcastTarget
 
     engine = Engine()
     target = BroadcastTarget(engine.load_weights, engine, "cpu")
