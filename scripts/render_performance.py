@@ -329,10 +329,6 @@ def _ok(result: dict) -> str:
     return {True: "yes", False: "**no**"}.get(result.get("ok"), "–")
 
 
-def _gb_cell(nbytes) -> str:
-    return "–" if nbytes is None else f"{nbytes / 1e9:.2f} GB"
-
-
 EXPORT_NAMES = (
     ("export_qwen3-8b_tp1.json", "export_qwen3-8b_tp1_fp8.json"),
     *dict.fromkeys(row.result.split("/")[-1] for row in ROWS if "qwen3-8b_tp1" not in row.result),
@@ -451,7 +447,7 @@ SHARDED = Table(
         Column("ours", lambda r: _ms({"median": r["sharded_ms"], "all": r["sharded_all_ms"]}, 2)),
         Column("gathering export (cached)", lambda r: _ms(r["gather_cached_ms"])),
         Column("stock export", lambda r: _ms(r["stock_steady_ms"])),
-        Column("moved between ranks", lambda r: _gb_cell(r["bytes_moved"])),
+        Column("moved between ranks", lambda r: _gb(r["bytes_moved"])),
         Column(
             "= stock", lambda r: "yes" if r["mismatches_vs_stock"] == 0 else f"**{r['mismatches_vs_stock']} differ**"
         ),
@@ -475,7 +471,7 @@ SHARDED_VLLM = Table(
         Column("ours", lambda r: _ms(r["ours_ms"])),
         Column("memcpy floor", lambda r: _ms(r["floor_ms"], 2)),
         Column("gathering export + `load_weights`", lambda r: _ms(r.get("vllm_load_weights_gather_ms"))),
-        Column("moved between ranks", lambda r: _gb_cell(_field("plan", "bytes_moved")(r))),
+        Column("moved between ranks", lambda r: _gb(_field("plan", "bytes_moved")(r))),
         Column("ok", _ok),
     ),
 )
@@ -488,9 +484,9 @@ LORA = Table(
     columns=(
         Column("LoRA rank", lambda r: str(r["lora_rank"])),
         Column("adapter refit", lambda r: _ms(r["adapter_refit_ms"], 2)),
-        Column("adapter bytes", lambda r: _gb_cell(r["adapter_bytes"])),
+        Column("adapter bytes", lambda r: _gb(r["adapter_bytes"])),
         Column("merged refit", lambda r: _ms(r["merged_refit_ms"], 2)),
-        Column("merged bytes", lambda r: _gb_cell(r["merged_bytes"])),
+        Column("merged bytes", lambda r: _gb(r["merged_bytes"])),
         Column("ok", _ok),
     ),
 )
