@@ -15,14 +15,17 @@ weights' own rounding (~4e-3 relative) would swamp any such bound.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import REPO, torchrun
 from oracle import read_checkpoint
-from test_input_faults import convert
+from test_input_faults import ADDRESS_SPACE_LIMIT, BOMB_DRIVER, convert
 
 from mbridge_refit.convert import ExitCode
 
@@ -153,4 +156,25 @@ def test_refuses_a_wrong_base(run, source_checkpoints, tmp_path, capsys):
     assert code == ExitCode.BAD_INPUT
     err = capsys.readouterr().err
     assert "is not the base the run fine-tuned (num_layers: the run trained 4, the base has 3)" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_damaged_lora_rank_is_refused_before_the_adapters_are_allocated(run, tmp_path):
+    """run_config.yaml's ``peft.dim`` 8.4M (the saved adapters have rank 4): the fit is checked on a meta-device
+    model, so the command refuses it (exit 2, naming the shapes) with the process under 2 GiB. Before, the LoRA
+    wrapped the CPU model first: 4 layers x 2 adapters of 8.4M x 64 float32, 17 GiB, then the refusal."""
+    iteration = shutil.copytree(run / "save" / "iter_0000001", tmp_path / "iter_0000001")
+    config = iteration / "run_config.yaml"
+    text = config.read_text()
+    assert "\n  dim: 4\n" in text, text
+    config.write_text(text.replace("\n  dim: 4\n", "\n  dim: 8400000\n"))
+    argv = ["export-adapter", "--megatron", str(iteration), "--hf", str(run / "base"), "--out", str(tmp_path / "out")]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-c", BOMB_DRIVER.format(limit=ADDRESS_SPACE_LIMIT), json.dumps([argv])]
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert json.loads(output.split("CODES ", 1)[1].splitlines()[0]) == [ExitCode.BAD_INPUT], output[-4000:]
+    assert "do not fit the base model" in output and "8400000" in output and "Traceback" not in output
+    assert int(output.split("MAXRSS_KB ", 1)[1].split()[0]) < 2 * 2**20, "the adapters were allocated"
     assert not (tmp_path / "out").exists()

@@ -152,10 +152,10 @@ def run_export_adapter(options: AdapterArgs) -> int:
     with distributed_session(options.layout, device=cpu, timeout=options.timeout):
         bridge = RefitBridge.from_hf_pretrained(options.hf, trust_remote_code=options.trust_remote_code)
         _check_base(checkpoint, bridge, options.hf)
-        chunks = build_model(bridge, options.layout, BuildOptions(device=cpu, params_dtype=params_dtype))
         lora = checkpoint.lora()
-        chunks = lora(chunks, training=True)  # as the run wrapped it: base frozen, adapters to save
-        _check_fit(checkpoint, chunks, lora)
+        build = BuildOptions(device=cpu, params_dtype=params_dtype)
+        _check_fit(checkpoint, _wrapped_on_meta(bridge, options.layout, build, lora), lora)
+        chunks = lora(build_model(bridge, options.layout, build), training=True)  # as the run wrapped it
         load_weights(chunks, checkpoint.weights, keep=checkpoint.keep(lora), fix="pass the run's own checkpoint")
         logger.info("loaded %d adapter tensors from %s", len(checkpoint.adapter_keys()), checkpoint.weights)
         _write_adapter(bridge, chunks, lora, options)
@@ -172,6 +172,20 @@ def _check_base(checkpoint: Any, bridge: Any, hf: Path) -> None:
             f"--hf {hf} is not the base the run fine-tuned ({'; '.join(problems)}): pass the base checkpoint the run "
             f"started from (its run_config.yaml: {checkpoint.weights / 'run_config.yaml'})"
         )
+
+
+def _wrapped_on_meta(bridge: Any, layout: Any, build: Any, lora: Any) -> list:
+    """The model ``lora`` wraps, built and wrapped on the meta device: the fit is checked before any memory
+    is given to the base or to adapters of a damaged ``dim`` (a rank of millions would take GiBs)."""
+    import dataclasses
+
+    import torch
+
+    from mbridge_refit.models.builder import build_model
+
+    meta = build_model(bridge, layout, dataclasses.replace(build, materialize=False))
+    with torch.device("meta"):
+        return lora(meta, training=True)
 
 
 def _check_fit(checkpoint: Any, chunks: list, lora: Any) -> None:
