@@ -141,9 +141,10 @@ def teardown() -> None:
 
 @contextlib.contextmanager
 def distributed_session(
-    layout: ParallelLayout, *, device: torch.device, timeout: datetime.timedelta
+    layout: ParallelLayout, *, device: torch.device, timeout: datetime.timedelta = datetime.timedelta(minutes=10)
 ) -> Iterator[LaunchEnv]:
-    """Process group + model-parallel groups for the duration of the block, torn down after."""
+    """Process group + model-parallel groups for the duration of the block, torn down after
+    (``timeout`` bounds every collective, as in ``init_process_group``)."""
     env = init_process_group(device=device, timeout=timeout)
     try:
         init_model_parallel(layout)
