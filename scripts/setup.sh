@@ -14,6 +14,8 @@ reqs="$root/scripts/requirements.txt"
 BRIDGE_PIN="megatron-bridge==0.6.2"
 TE_PIN="transformer-engine[pytorch,core_cu13]==2.20.2"
 MAMBA_PIN="mamba-ssm==2.3.2.post1"
+# CUDA 13.0 headers TE's torch extension needs beyond torch's wheels (crt/, nv/target), where no toolkit is installed
+CUDA_HEADER_PINS="nvidia-cuda-crt==13.0.88 nvidia-cuda-cccl==13.0.85"
 log() { echo "[setup] $*" >&2; }
 
 find_python312() {
@@ -48,11 +50,21 @@ pip install -q -r "$reqs"
 log "installing $BRIDGE_PIN without its dependency list"
 pip install -q --no-deps "$BRIDGE_PIN"
 
+# Transformer Engine: `import megatron.bridge` imports transformer_engine.pytorch, which loads TE's torch
+# extension; its sdist builds it from C++ sources only (a CppExtension: no .cu file, nvcc never compiles
+# anything), against CUDA's headers. With a CUDA toolkit (nvcc under CUDA_HOME) its headers are used; without
+# one (a CPU machine) the headers come from NVIDIA's pip wheels: torch's CUDA runtime wheels plus the two
+# header wheels below, of the same CUDA release (TE's build reads every nvidia/*/include when it finds no toolkit).
 if ! "$venv/bin/python" -c "import torch, transformer_engine.pytorch" 2>/dev/null; then
   site="$("$venv/bin/python" -c 'import site; print(site.getsitepackages()[0])')"
   export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}" NVTE_FRAMEWORK=pytorch MAX_JOBS="${MAX_JOBS:-$(nproc)}"
   export CPATH="$CUDA_HOME/include:$site/nvidia/nccl/include:$site/nvidia/cudnn/include:$site/nvidia/cu13/include${CPATH:+:$CPATH}"
-  [ -x "$CUDA_HOME/bin/nvcc" ] || { log "nvcc not found under CUDA_HOME=$CUDA_HOME: Transformer Engine's torch extension needs the CUDA toolkit to build."; exit 1; }
+  if [ ! -x "$CUDA_HOME/bin/nvcc" ]; then
+    log "no CUDA toolkit under CUDA_HOME=$CUDA_HOME: building against the CUDA headers of pip wheels ($CUDA_HEADER_PINS)"
+    # shellcheck disable=SC2086  # the pins are words
+    pip install -q --no-deps $CUDA_HEADER_PINS
+    unset CUDA_HOME  # TE's build then finds no toolkit and takes the wheels' headers
+  fi
   log "installing $TE_PIN (builds the torch extension from source unless pip's cache has it)"
   pip install -q --no-build-isolation "$TE_PIN"
 fi
