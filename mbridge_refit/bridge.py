@@ -972,8 +972,11 @@ class RefitBridge(AutoBridge):
             chunks, self.hf_pretrained, **{"cpu": False, **kwargs}
         )
 
-    def load_hf_shards(self, model: list[torch.nn.Module], hf_path: str | Path | None = None) -> LoadReport:
-        """Load HF safetensors weights into ``model``; each rank reads only its own slices.
+    def load_hf_shards(
+        self, model: list[torch.nn.Module], hf_path: str | Path | None = None, *, show_progress: bool = False
+    ) -> LoadReport:
+        """Load HF safetensors weights into ``model``; each rank reads only its own slices (with
+        ``show_progress``, a progress bar on rank 0).
 
         Call on every rank (the task build exchanges parameter names across pipeline stages once).
         ``hf_path`` defaults to the checkpoint this bridge was created from. Raises a ``LoadError``
@@ -984,7 +987,13 @@ class RefitBridge(AutoBridge):
         path = Path(hf_path) if hf_path is not None else self._checkpoint_path()
         checkpoint = HFCheckpoint.open(path)
         chunks = _chunks(model)
-        return load_hf_shards(self.megatron_model_bridge(chunks), self.hf_pretrained, chunks, checkpoint)
+        return load_hf_shards(
+            self.megatron_model_bridge(chunks),
+            self.hf_pretrained,
+            chunks,
+            checkpoint,
+            show_progress=show_progress and is_rank_zero(),
+        )
 
     def check_hf_shapes(self, model: list[torch.nn.Module], hf_path: str | Path | None = None) -> None:
         """Every name and shape check of ``load_hf_shards``, reading no data and writing no

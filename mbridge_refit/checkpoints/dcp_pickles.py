@@ -530,9 +530,10 @@ class CheckedFileSystemReader(FileSystemReader):
     then fails with "metadata is None"), so a refusal is logged too.
     """
 
-    def __init__(self, path: Any, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, path: Any, *args: Any, progress: Any = None, **kwargs: Any) -> None:
         super().__init__(path, *args, **kwargs)
         self.fs = _RegularFilesOnly()  # DCP opens each .distcp again after our checks: never a FIFO or device
+        self.progress = progress  # a ``runtime.progress`` bar: grown by each plan's items, one step per item read
 
     def read_metadata(self) -> Metadata:
         path = Path(self.path) / INDEX_NAME
@@ -554,7 +555,9 @@ class CheckedFileSystemReader(FileSystemReader):
 
     def read_data(self, plan: Any, planner: Any) -> Any:
         self._check_tensor_items(plan)
-        return super().read_data(plan, _CheckedBytesPlanner(planner))
+        if self.progress is not None:
+            self.progress.grow(len(plan.items))
+        return super().read_data(plan, _CheckedBytesPlanner(planner, self.progress))
 
     def _check_tensor_items(self, plan: Any) -> None:
         """``check_torch_archive`` on every tensor item ``plan`` reads (each once, file by file)."""
@@ -623,11 +626,17 @@ class _CheckedBytesPlanner:
     """``planner`` with ``load_bytes`` checking the bytes first (they are in memory: DCP reads a
     byte item whole into a BytesIO before handing it over)."""
 
-    def __init__(self, planner: Any) -> None:
+    def __init__(self, planner: Any, progress: Any = None) -> None:
         self._planner = planner
+        self._progress = progress
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._planner, name)
+
+    def commit_tensor(self, read_item: Any, tensor: Any) -> None:
+        self._planner.commit_tensor(read_item, tensor)
+        if self._progress is not None:
+            self._progress.update(1)
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         try:
@@ -637,6 +646,8 @@ class _CheckedBytesPlanner:
             raise UnsafePickle(f"byte item {fqn} is not plain data ({type(err).__name__}: {err})") from err
         value.seek(0)
         self._planner.load_bytes(read_item, value)
+        if self._progress is not None:
+            self._progress.update(1)
 
 
 # Megatron-Core 0.19 builds every reader of dist_checkpointing.load with _get_filesystem_reader (the
@@ -646,8 +657,8 @@ _MEGATRON_SERIALIZATION = "megatron.core.dist_checkpointing.serialization"
 _MEGATRON_TORCH_STRATEGY = "megatron.core.dist_checkpointing.strategies.torch"
 
 
-def _checked_reader(checkpoint_dir: Any, *args: Any, **kwargs: Any) -> CheckedFileSystemReader:
-    return CheckedFileSystemReader(checkpoint_dir)
+def _checked_reader(checkpoint_dir: Any, *args: Any, progress: Any = None, **kwargs: Any) -> CheckedFileSystemReader:
+    return CheckedFileSystemReader(checkpoint_dir, progress=progress)
 
 
 def _no_legacy_common_state(checkpoint_dir: Any) -> bool:
@@ -662,9 +673,10 @@ _MEGATRON_READS = {
 
 
 @contextlib.contextmanager
-def checked_megatron_reads() -> Iterator[None]:
+def checked_megatron_reads(progress: Any = None) -> Iterator[None]:
     """While active, Megatron-Core's ``dist_checkpointing`` reads checkpoints only through
-    ``CheckedFileSystemReader`` (the common state from the checkpoint, never a ``common.pt``).
+    ``CheckedFileSystemReader`` (the common state from the checkpoint, never a ``common.pt``), each
+    item read a step of ``progress`` (a ``runtime.progress`` bar) where one is given.
 
     Process-wide while active (it replaces the functions above in Megatron's modules, and
     restores them on exit). Raises if this Megatron-Core lacks one of them: it then reads
@@ -680,6 +692,8 @@ def checked_megatron_reads() -> Iterator[None]:
     saved = {(module, attr): getattr(modules[module], attr) for module, attr in _MEGATRON_READS}
     try:
         for (module, attr), replacement in _MEGATRON_READS.items():
+            if replacement is _checked_reader and progress is not None:
+                replacement = functools.partial(_checked_reader, progress=progress)
             setattr(modules[module], attr, replacement)
         yield
     finally:

@@ -45,6 +45,7 @@ from mbridge_refit.plan.entries import expert_number
 from mbridge_refit.plan.placement import placement_kind, slice_copies
 from mbridge_refit.plan.slices import PlacementError, ShardContext, SliceCopy, hf_extents, place_column
 from mbridge_refit.plan.stacking import stacked_placement
+from mbridge_refit.runtime.progress import Progress, progress_bar
 
 __all__ = [
     "LoadError",
@@ -82,7 +83,12 @@ class LoadReport:
 
 
 def load_hf_shards(
-    model_bridge: Any, hf_pretrained: Any, chunks: list[torch.nn.Module], checkpoint: HFCheckpoint
+    model_bridge: Any,
+    hf_pretrained: Any,
+    chunks: list[torch.nn.Module],
+    checkpoint: HFCheckpoint,
+    *,
+    show_progress: bool = False,
 ) -> LoadReport:
     """Fill every parameter of ``chunks`` from ``checkpoint``; call on every rank of the job.
 
@@ -92,13 +98,13 @@ def load_hf_shards(
     and a tied model's checkpoint may store its output weight only as a copy of the embedding
     (``check_tied_output``: every rank reads the two tensors). Collective over Megatron's
     model-parallel group (one all-reduce at the end), so a ``LoadError`` on any rank of the model
-    is raised on every one.
+    is raised on every one. With ``show_progress``, a progress bar of this rank's tensors (``runtime.progress``).
     """
     from megatron.core.utils import unwrap_model
 
     unwrapped = unwrap_model(chunks)
     _float32_router_state(unwrapped)
-    report = _walk(model_bridge, hf_pretrained, unwrapped, checkpoint, read=True)
+    report = _walk(model_bridge, hf_pretrained, unwrapped, checkpoint, read=True, show_progress=show_progress)
     if report.cast_from:
         logger.warning(
             "cast %d checkpoint tensors to the model's parameter dtype (e.g. %s)",
@@ -122,20 +128,31 @@ def check_hf_shapes(
 
 
 def _walk(
-    model_bridge: Any, hf_pretrained: Any, chunks: list[torch.nn.Module], checkpoint: HFCheckpoint, *, read: bool
+    model_bridge: Any,
+    hf_pretrained: Any,
+    chunks: list[torch.nn.Module],
+    checkpoint: HFCheckpoint,
+    *,
+    read: bool,
+    show_progress: bool = False,
 ) -> LoadReport:
     """Check (and with ``read``, load) every parameter of ``chunks``; agree on failure across the model's ranks."""
     tasks = [t for t in model_bridge.build_conversion_tasks(hf_pretrained, chunks) if t is not None]
     report = LoadReport()
     written: set[int] = set()
     error: LoadError | None = None
+    progress = progress_bar(len(tasks), desc="load", unit="tensor", show=show_progress)
     try:
         if read:
             check_tied_output(model_bridge, chunks[0].config, checkpoint)
-        _load_tasks(tasks, model_bridge, chunks, chunks[0].config, checkpoint, report, written, read=read)
+        _load_tasks(
+            tasks, model_bridge, chunks, chunks[0].config, checkpoint, report, written, read=read, progress=progress
+        )
         _check_every_parameter_written(chunks, written)
     except LoadError as err:
         error = err
+    finally:
+        progress.close()
     _agree_on_failure(error)
     return report
 
@@ -150,9 +167,12 @@ def _load_tasks(
     written: set[int],
     *,
     read: bool = True,
+    progress: Progress | None = None,
 ) -> None:
     with torch.no_grad():
         for task in tasks:
+            if progress is not None:
+                progress.update(1)
             if task.megatron_module is None or task.param_weight is None:
                 continue  # the parameter lives on another pipeline stage
             if getattr(task.mapping, "is_grouped_export", False):

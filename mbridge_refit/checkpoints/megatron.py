@@ -54,6 +54,7 @@ from mbridge_refit.checkpoints.publish import TMP_PREFIX, begin_publication, car
 from mbridge_refit.checkpoints.side_files import copy_side_file
 from mbridge_refit.errors import InputError
 from mbridge_refit.plan.layout import ParallelLayout
+from mbridge_refit.runtime.progress import progress_bar
 
 __all__ = [
     "COMMON_STATE_NAME",
@@ -497,8 +498,9 @@ def _is_checkpoint_entry(path: Path) -> bool:
     return megatron_entry or is_loader_file(path)
 
 
-def load_model(chunks: list[torch.nn.Module], path: Path) -> None:
-    """Fill every parameter of ``chunks`` from the checkpoint in ``path``; collective.
+def load_model(chunks: list[torch.nn.Module], path: Path, *, show_progress: bool = False) -> None:
+    """Fill every parameter of ``chunks`` from the checkpoint in ``path``; collective (with
+    ``show_progress``, a progress bar of the items this rank reads).
 
     The chunks may use a different layout than the one saved. Raises ``NotAMegatronCheckpoint`` if
     the checkpoint lacks a tensor the model needs, a tensor's global shape differs or a stored
@@ -506,16 +508,22 @@ def load_model(chunks: list[torch.nn.Module], path: Path) -> None:
     or if a pickled part read now would build anything but checkpoint data (``dcp_pickles``),
     whatever passed ``check_pickled_parts`` before.
     """
-    load_weights(chunks, path / WEIGHTS_DIR, fix="re-create it with `import`")
+    load_weights(chunks, path / WEIGHTS_DIR, fix="re-create it with `import`", show_progress=show_progress)
 
 
 def load_weights(
-    chunks: list[torch.nn.Module], weights: Path, *, fix: str, keep: Callable[[str], bool] | None = None
+    chunks: list[torch.nn.Module],
+    weights: Path,
+    *,
+    fix: str,
+    keep: Callable[[str], bool] | None = None,
+    show_progress: bool = False,
 ) -> None:
     """Fill the parameters of ``chunks`` (those ``keep`` keeps, or all) from the torch_dist checkpoint
     in the directory ``weights``, read only through ``dcp_pickles``' checks; collective. Stored tensors
     the model does not ask for (an optimizer's, say) are not read. Raises ``NotAMegatronCheckpoint``
-    naming ``fix`` when a tensor is missing, does not fit or cannot be read."""
+    naming ``fix`` when a tensor is missing, does not fit or cannot be read. With ``show_progress``, a
+    progress bar of the items read (``runtime.progress``)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from megatron.core.dist_checkpointing.validation import StrictHandling
@@ -524,14 +532,17 @@ def load_weights(
 
     unwrapped = unwrap_model(chunks)
     strict = StrictHandling.RAISE_ALL if keep is None else StrictHandling.RAISE_UNEXPECTED
+    progress = progress_bar(0, desc="load", unit="piece", show=show_progress)
     try:
-        with checked_megatron_reads():
+        with checked_megatron_reads(progress if show_progress else None):
             state = dist_checkpointing.load(sharded_model_state(unwrapped, keep), str(weights), strict=strict)
     except (CheckpointException, CheckpointingException) as err:  # the first is a BaseException
         raise NotAMegatronCheckpoint(
             f"cannot read the weights in {weights}: {_first_line(err)}. The checkpoint is damaged or does "
             f"not match its config: {fix}"
         ) from err
+    finally:
+        progress.close()
     for key, chunk in zip(model_keys(len(unwrapped)), unwrapped):
         if keep is None:
             chunk.load_state_dict(state[key], strict=True)

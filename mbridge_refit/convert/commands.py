@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from mbridge_refit.checkpoints.hf import INDEX_NAME
 from mbridge_refit.convert.exit_codes import BadInput, ExitCode
-from mbridge_refit.convert.flags import device_from_flag, fp8_from_flags, timeout_from_flag
+from mbridge_refit.convert.flags import device_from_flag, fp8_from_flags, progress_from_flags, timeout_from_flag
 from mbridge_refit.convert.inputs import (
     check_distinct_dirs,
     check_output_dir,
@@ -166,7 +166,7 @@ def _write_args(args: argparse.Namespace, **checked) -> WriteArgs:
         out=args.out,
         overwrite=args.overwrite,
         max_shard_bytes=args.max_shard_bytes if args.max_shard_bytes is not None else DEFAULT_MAX_SHARD_BYTES,
-        show_progress=not args.no_progress,
+        show_progress=progress_from_flags(args),
         timeout=timeout_from_flag(args),
         fp8=fp8_from_flags(args),
         trust_remote_code=args.trust_remote_code,
@@ -189,7 +189,7 @@ def run_roundtrip(options: WriteArgs) -> int:
         bridge = RefitBridge.from_hf_pretrained(options.source, trust_remote_code=options.trust_remote_code)
         build = BuildOptions(device=options.device, params_dtype=checkpoint_float_dtype(checkpoint), weights_only=True)
         chunks = build_checked(bridge, options.layout, build, lambda meta: check_hf_source(bridge, meta, checkpoint))
-        report = bridge.load_hf_shards(chunks, options.source)
+        report = bridge.load_hf_shards(chunks, options.source, show_progress=options.show_progress)
         logger.info("loaded %d slices (%.1f MB on this rank)", report.tensors_written, report.bytes_read / 1e6)
         source_dtypes = {name: checkpoint.dtype(name) for name in checkpoint.names()}
         timing = _Timing("roundtrip", start, loaded=time.monotonic())
@@ -263,6 +263,7 @@ class ImportArgs:
     overwrite: bool
     timeout: datetime.timedelta
     trust_remote_code: bool = False  # --trust-remote-code: the checkpoint's own code may run
+    show_progress: bool = False  # the progress bar of the load, on rank 0
 
 
 def cmd_import(args: argparse.Namespace) -> int:
@@ -278,6 +279,7 @@ def cmd_import(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             timeout=timeout_from_flag(args),
             trust_remote_code=args.trust_remote_code,
+            show_progress=progress_from_flags(args),
         )
     )
 
@@ -326,7 +328,7 @@ def run_import(options: ImportArgs) -> int:
         bridge = RefitBridge.from_hf_pretrained(options.hf, trust_remote_code=options.trust_remote_code)
         build = BuildOptions(device=cpu, params_dtype=info.params_dtype, weights_only=True)
         chunks = build_checked(bridge, options.layout, build, lambda meta: check_hf_source(bridge, meta, checkpoint))
-        report = bridge.load_hf_shards(chunks, options.hf)
+        report = bridge.load_hf_shards(chunks, options.hf, show_progress=options.show_progress)
         logger.info("loaded %d slices (%.1f MB on this rank)", report.tensors_written, report.bytes_read / 1e6)
         save_model(chunks, options.megatron, info=info, copy_files_from=options.hf, overwrite=options.overwrite)
     logger.info("wrote a Megatron checkpoint (layout %s) to %s", options.layout.name, options.megatron)
@@ -352,7 +354,7 @@ def run_export(options: WriteArgs) -> int:
         bridge = RefitBridge.from_hf_config(load_config(options.source, trust_remote_code=options.trust_remote_code))
         build = BuildOptions(device=cpu, params_dtype=info.params_dtype, weights_only=True)
         chunks = build_checked(bridge, options.layout, build, lambda meta: check_megatron_source(meta, options.source))
-        load_model(chunks, options.source)
+        load_model(chunks, options.source, show_progress=options.show_progress and env.rank == 0)
         logger.info(
             "loaded %s (saved at layout %s) at layout %s", options.source, info.saved_layout.name, options.layout.name
         )

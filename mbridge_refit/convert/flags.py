@@ -2,8 +2,10 @@
 
 ``add_layout_flags`` / ``layout_from_flags``: the parallel layout (--tp, --pp, --vpp, --ep, --etp,
 --first-stage-layers, --last-stage-layers); ``layout_flags`` writes a layout back as those flags. ``add_fp8_flags`` / ``fp8_from_flags``: blockwise FP8
-output. ``add_device_flag`` / ``device_from_flag``, ``add_timeout_flag`` and
-``add_remote_code_flag``. Parsing raises
+output. ``add_device_flag`` / ``device_from_flag``, ``add_timeout_flag``,
+``add_remote_code_flag`` and ``add_progress_flags`` / ``progress_from_flags`` (the progress bars of
+loading and exporting: shown where stderr is a terminal, ``--progress`` shows them in a log too,
+``--no-progress`` hides them). Parsing raises
 ``BadInput`` naming the flag and the fix.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import sys
 from typing import TYPE_CHECKING
 
 from mbridge_refit.convert.exit_codes import BadInput
@@ -27,6 +30,7 @@ __all__ = [
     "add_fp8_flags",
     "add_layout_flags",
     "add_overwrite_flag",
+    "add_progress_flags",
     "add_remote_code_flag",
     "add_timeout_flag",
     "describe_flags",
@@ -35,6 +39,7 @@ __all__ = [
     "layout_flags",
     "layout_from_flags",
     "positive_seconds",
+    "progress_from_flags",
     "timeout_from_flag",
 ]
 
@@ -201,3 +206,16 @@ def timeout_from_flag(args: argparse.Namespace) -> datetime.timedelta:
     if not (0 < args.timeout_s <= MAX_TIMEOUT_S):  # the parser refuses these; a Namespace made by hand may not
         raise BadInput(f"--timeout-s must be a number of seconds in (0, {MAX_TIMEOUT_S:.0e}], got {args.timeout_s}")
     return datetime.timedelta(seconds=args.timeout_s)
+
+
+def add_progress_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument(
+        "--progress", action="store_true", help="show the progress bars even where stderr is no terminal (a log file)"
+    )
+    group.add_argument("--no-progress", action="store_true", help="hide the progress bars of loading and exporting")
+
+
+def progress_from_flags(args: argparse.Namespace) -> bool:
+    """Show the progress bars (on rank 0): ``--progress``, or stderr is a terminal and ``--no-progress`` is not given."""
+    return args.progress or (not args.no_progress and sys.stderr.isatty())

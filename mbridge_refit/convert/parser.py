@@ -16,6 +16,7 @@ from mbridge_refit.convert.flags import (
     add_fp8_flags,
     add_layout_flags,
     add_overwrite_flag,
+    add_progress_flags,
     add_remote_code_flag,
     add_timeout_flag,
 )
@@ -170,6 +171,7 @@ def _import_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--megatron", type=Path, required=True, help="output Megatron checkpoint directory")
     add_layout_flags(parser)
     add_overwrite_flag(parser, replaces="a checkpoint in an existing output directory")
+    add_progress_flags(parser)
     add_remote_code_flag(parser)
     add_timeout_flag(parser)
 
@@ -225,7 +227,7 @@ def _add_hf_output_flags(parser: argparse.ArgumentParser) -> None:
         default=None,  # the writer's DEFAULT_MAX_SHARD_BYTES (sinks imports torch: not for --help)
         help=f"output shard size in bytes, > 0 (default: {SHARD_BYTES_HELP})",
     )
-    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_progress_flags(parser)
     _add_json_flag(
         parser,
         "command, ok, exit_code, source, out, layout, world_size, fp8, tensors, bytes (of the tensors), "

@@ -34,6 +34,7 @@ from mbridge_refit.plan.conversions import ELEMENTWISE_OPS, RELAYOUTS
 from mbridge_refit.plan.entries import ExportPlan, PlanEntry
 from mbridge_refit.runtime.buffers import ExportBuffers
 from mbridge_refit.runtime.collectives import ParallelGroups, broadcast_from, coalesced, current_groups, gather_into
+from mbridge_refit.runtime.progress import progress_bar
 from mbridge_refit.runtime.schedule import Assembly, AssemblyKind, Bucket, Op, build_buckets, build_ops, gather_count
 from mbridge_refit.runtime.selection import LiveRows, RowSelection
 from mbridge_refit.runtime.stack_fill import fill_stack
@@ -178,7 +179,9 @@ class PlanExporter:
         """
         buckets = self.buckets(bucket_sizes)
         run, whole = (None, frozenset()) if needed is None else self._ops_holding(buckets, needed)
-        progress = _progress(len(self.plan.entries) if needed is None else len(needed), show_progress)
+        progress = progress_bar(
+            len(self.plan.entries) if needed is None else len(needed), desc="export", unit="tensor", show=show_progress
+        )
         yielded: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for number, bucket in enumerate(buckets):
@@ -589,19 +592,3 @@ def _gather(local: torch.Tensor, group: Any, size: int, buffers: ExportBuffers, 
     out = buffers.get(role, index, (size, *local.shape), local.dtype, local.device)
     gather_into(out, local, group, size)
     return out
-
-
-def _progress(total: int, show: bool):
-    if show:
-        from tqdm.auto import tqdm
-
-        return tqdm(total=total, desc="export", unit="tensor", leave=False)
-    return _NoProgress()
-
-
-class _NoProgress:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
