@@ -78,6 +78,12 @@ class WriteArgs:
     fp8: "BlockwiseFP8Config | None" = None
     device: "torch.device | None" = None  # roundtrip only: export is CPU-only
     trust_remote_code: bool = False  # --trust-remote-code: the checkpoint's own code may run
+    hf: Path | None = None  # export of a training run's checkpoint: the HF checkpoint it started from (--hf)
+
+    @property
+    def side_files(self) -> Path:
+        """Where config.json and the tokenizer files come from: ``--hf`` where given, else the source."""
+        return self.hf if self.hf is not None else self.source
 
 
 # --- make-tiny ---------------------------------------------------------------------------------
@@ -218,7 +224,7 @@ def _write_hf(
         source_dtypes=source_dtypes,
         fp8=options.fp8,
         only_source_names=only_source_names,
-        copy_files_from=options.source,
+        copy_files_from=options.side_files,
         max_shard_bytes=options.max_shard_bytes,
         overwrite=options.overwrite,
         show_progress=options.show_progress and rank == 0,
@@ -289,9 +295,17 @@ def cmd_export(args: argparse.Namespace) -> int:
         CheckpointInfo,
         NotAMegatronCheckpoint,
     )
+    from mbridge_refit.checkpoints.megatron_training import is_training_checkpoint
 
     if not args.megatron.is_dir():
         raise BadInput(f"input checkpoint directory {args.megatron} does not exist (--megatron)")
+    if is_training_checkpoint(args.megatron):
+        return run_export(_checked_training_export(args))
+    if args.hf is not None:
+        raise BadInput(
+            f"--hf is for a training run's checkpoint, but --megatron {args.megatron} has no tracker or index of one: "
+            "drop --hf (a checkpoint of `import` carries its HF config)"
+        )
     try:
         CheckpointInfo.read(args.megatron)
     except NotAMegatronCheckpoint as err:
@@ -301,6 +315,28 @@ def cmd_export(args: argparse.Namespace) -> int:
     check_distinct_dirs(args.megatron, "--megatron", args.out, "--out")
     check_output_dir(args.out, args.overwrite)
     return run_export(_write_args(args, source=args.megatron, layout=layout))
+
+
+def _checked_training_export(args: argparse.Namespace) -> WriteArgs:
+    """An export of a training run's checkpoint (``checkpoints.megatron_training``): its weights, and from
+    ``--hf`` (the HF checkpoint the run started from) the config, the tensor names and dtypes, the tokenizer."""
+    from mbridge_refit.checkpoints.megatron_training import NotATrainingCheckpoint, TrainingCheckpoint
+
+    if args.hf is None:
+        raise BadInput(
+            f"--megatron {args.megatron} is a training run's checkpoint, which holds no HF config, tensor names or "
+            "tokenizer: pass --hf HF_DIR, the HF checkpoint the run started from (its weights are not read)"
+        )
+    try:
+        training = TrainingCheckpoint.open(args.megatron)
+    except NotATrainingCheckpoint as err:
+        raise BadInput(f"--megatron {args.megatron}: {err}") from err
+    layout = checked_hf_input(args)
+    check_side_files(args.hf, "--hf")
+    for path, flag in ((args.megatron, "--megatron"), (args.hf, "--hf")):
+        check_distinct_dirs(path, flag, args.out, "--out")
+    check_output_dir(args.out, args.overwrite)
+    return _write_args(args, source=training.weights, layout=layout, hf=args.hf)
 
 
 def run_import(options: ImportArgs) -> int:
@@ -336,30 +372,77 @@ def run_import(options: ImportArgs) -> int:
 
 
 def run_export(options: WriteArgs) -> int:
-    """Megatron checkpoint -> HF on CPU (gloo), at ``options.layout`` (may differ from the saved one)."""
+    """Megatron checkpoint -> HF on CPU (gloo), at ``options.layout`` (may differ from the saved one): one of
+    ``import``'s, or a training run's iteration (``options.hf`` names the HF checkpoint it started from)."""
     import torch
 
     from mbridge_refit.bridge import RefitBridge
     from mbridge_refit.checkpoints.hf import load_config
-    from mbridge_refit.checkpoints.megatron import CheckpointInfo, load_model
-    from mbridge_refit.convert.preflight import build_checked, check_megatron_source
+    from mbridge_refit.convert.preflight import build_checked
     from mbridge_refit.convert.session import distributed_session
     from mbridge_refit.models.builder import BuildOptions
 
     start = time.monotonic()
     cpu = torch.device("cpu")
-    info = CheckpointInfo.read(options.source)
+    source = _export_source(options)
     with distributed_session(options.layout, device=cpu, timeout=options.timeout) as env:
-        # Config only: the checkpoint holds no HF weights; the names to write come from `info`.
-        bridge = RefitBridge.from_hf_config(load_config(options.source, trust_remote_code=options.trust_remote_code))
-        build = BuildOptions(device=cpu, params_dtype=info.params_dtype, weights_only=True)
-        chunks = build_checked(bridge, options.layout, build, lambda meta: check_megatron_source(meta, options.source))
-        load_model(chunks, options.source, show_progress=options.show_progress and env.rank == 0)
-        logger.info(
-            "loaded %s (saved at layout %s) at layout %s", options.source, info.saved_layout.name, options.layout.name
+        # Config only: the checkpoint holds no HF weights; the names to write come from `source.hf_dtypes`.
+        bridge = RefitBridge.from_hf_config(
+            load_config(options.side_files, trust_remote_code=options.trust_remote_code)
         )
+        build = BuildOptions(device=cpu, params_dtype=source.params_dtype, weights_only=True)
+        chunks = build_checked(bridge, options.layout, build, source.check)
+        source.load(chunks, show_progress=options.show_progress and env.rank == 0)
+        logger.info("loaded %s (%s) at layout %s", options.source, source.description, options.layout.name)
         timing = _Timing("export", start, loaded=time.monotonic())
-        return _write_hf(bridge, chunks, options, info.hf_dtypes, only_source_names=True, env=env, timing=timing)
+        return _write_hf(bridge, chunks, options, source.hf_dtypes, only_source_names=True, env=env, timing=timing)
+
+
+@dataclass(frozen=True, slots=True)
+class _ExportSource:
+    """What ``run_export`` reads: the model's dtype, the HF names and dtypes to write, the meta-model check
+    (``preflight``) and the load."""
+
+    params_dtype: "torch.dtype"
+    hf_dtypes: dict
+    description: str
+    check: object  # chunks (meta) -> None, raises on a misfit
+    load: object  # (chunks, *, show_progress) -> None
+
+
+def _export_source(options: WriteArgs) -> _ExportSource:
+    from functools import partial
+
+    from mbridge_refit.checkpoints.megatron import CheckpointInfo, load_model, load_weights
+    from mbridge_refit.convert.preflight import check_megatron_source
+
+    if options.hf is None:
+        info = CheckpointInfo.read(options.source)
+        return _ExportSource(
+            params_dtype=info.params_dtype,
+            hf_dtypes=info.hf_dtypes,
+            description=f"saved at layout {info.saved_layout.name}",
+            check=lambda meta: check_megatron_source(meta, options.source),
+            load=partial(load_model, path=options.source),
+        )
+    from mbridge_refit.checkpoints.hf import HFCheckpoint
+    from mbridge_refit.checkpoints.megatron_training import TrainingCheckpoint
+
+    training = TrainingCheckpoint.open(options.source)
+    names = HFCheckpoint.open(options.hf)
+    fix = "copy the iteration directory again from the training run, or pass the --hf it started from"
+    return _ExportSource(
+        params_dtype=training.params_dtype,
+        hf_dtypes={name: names.dtype(name) for name in names.names()},
+        description=f"a training checkpoint, {training.training_tensors} training-state tensors left unread",
+        check=lambda meta: check_megatron_source(meta, options.source, stored=training.stored),
+        load=partial(load_weights, weights=options.source, fix=fix, keep=_everything),
+    )
+
+
+def _everything(name: str) -> bool:
+    """``load_weights``' ``keep`` for a training checkpoint: every model entry, the stored training state not asked for."""
+    return True
 
 
 # --- plan --------------------------------------------------------------------------------------

@@ -97,11 +97,13 @@ COMMAND_TEXT: dict[str, tuple[str, str | None]] = {
         "The saved checkpoint loads at any layout that fits the model.",
     ),
     "export": (
-        "Megatron checkpoint (written by `import`) -> HF checkpoint, at any layout",
+        "Megatron checkpoint (written by `import` or by training) -> HF checkpoint, at any layout",
         "Load the Megatron checkpoint --megatron into a model split as --tp/--pp/--vpp/--ep (which may "
         "differ from the layout it was saved with), export it with RefitBridge and write --out. The HF config "
         "and tokenizer files come from the checkpoint directory (stored there by `import`); each tensor gets the "
-        "dtype it had in the original HF checkpoint.",
+        "dtype it had in the original HF checkpoint. A training run's torch_dist checkpoint (Megatron-Bridge's "
+        "save directory, whose tracker names the iteration, or an iter_* directory) takes them from --hf, the HF "
+        "checkpoint the run started from; its optimizer, RNG and train state are not read.",
     ),
     "plan": (
         "print (and optionally save) the export plan of a checkpoint for a layout",
@@ -178,7 +180,18 @@ def _import_flags(parser: argparse.ArgumentParser) -> None:
 
 def _export_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--megatron", type=Path, required=True, help="input Megatron checkpoint directory (from `import`)"
+        "--megatron",
+        type=Path,
+        required=True,
+        help="input Megatron checkpoint directory: from `import`, or a training run's (Megatron-Bridge's checkpoint.save "
+        "or one of its iter_* directories, torch_dist; needs --hf)",
+    )
+    parser.add_argument(
+        "--hf",
+        type=Path,
+        default=None,
+        help="for a training run's checkpoint: the HF checkpoint the run started from (its config.json, tensor names, "
+        "dtypes and tokenizer files are used; its weights are not read)",
     )
     parser.add_argument("--out", type=Path, required=True, help="output HF checkpoint directory")
     _add_hf_output_flags(parser)

@@ -91,8 +91,9 @@ def check_hf_source(bridge: RefitBridge, chunks: list[torch.nn.Module], checkpoi
     bridge.check_hf_shapes(chunks, checkpoint.path)
 
 
-def check_megatron_source(chunks: list[torch.nn.Module], path: Path) -> None:
-    """``chunks`` (meta) against the Megatron checkpoint in ``path`` (its DCP index; no data read)."""
+def check_megatron_source(chunks: list[torch.nn.Module], path: Path, *, stored: Any = None) -> None:
+    """``chunks`` (meta) against the Megatron checkpoint in ``path`` (its DCP index; no data read): one of
+    ``import``'s, or the model's tensors ``stored`` of a training checkpoint (``checkpoints.megatron_training``)."""
     from mbridge_refit.checkpoints.megatron import (
         NotAMegatronCheckpoint,
         fit_problems,
@@ -100,7 +101,7 @@ def check_megatron_source(chunks: list[torch.nn.Module], path: Path) -> None:
         read_stored,
     )
 
-    stored = read_stored(path)
+    stored = read_stored(path) if stored is None else stored
     if stored.problems:  # read from the same files on every rank: the same verdict everywhere, no collective
         raise NotAMegatronCheckpoint(
             f"the checkpoint at {path} is damaged: {_joined(stored.problems)}. Re-create it with `import`"
