@@ -92,9 +92,10 @@ def test_a_transfer_plan_of_another_version_is_refused_by_name(version):
         raw["version"] = version
     with pytest.raises(TransferPlanError) as refused:
         TransferPlan.from_json(json.dumps(raw))
+    message = str(refused.value)
     shown = "none (an mbridge_refit from before it was versioned)" if version is None else version
-    assert f"transfer plan wire version mismatch: this side speaks version {TRANSFER_PLAN_VERSION}" in str(refused.value)
-    assert f"the plan's writer (to_json) version {shown}. Run the same mbridge_refit version" in str(refused.value)
+    assert f"transfer plan wire version mismatch: this side speaks version {TRANSFER_PLAN_VERSION}" in message
+    assert f"the plan's writer (to_json) version {shown}. Run the same mbridge_refit version" in message
 
 
 def test_agreeing_layouts_move_nothing():
