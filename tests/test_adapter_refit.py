@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mbridge_refit.engines.base import RPC_VERSION
 from mbridge_refit.engines.ipc.sharing import LocalTransport
 from mbridge_refit.engines.lora.adapter import (
     LIMITS_VERSION,
@@ -123,7 +124,9 @@ class _Engine:
         if verb == "adapter_limits":
             return [LIMITS.to_wire()]
         if verb == "adapter_open":
-            return [self.receiver.open(*args)]
+            *opening, rpc_version = args
+            assert rpc_version == RPC_VERSION, args  # the session's first RPC into the worker carries it
+            return [self.receiver.open(*opening)]
         if verb == "adapter_load":
             fingerprint, lora_int_id, config = args
             tensors = self.receiver.tensors(fingerprint)

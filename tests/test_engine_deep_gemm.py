@@ -26,6 +26,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from mbridge_refit.engines.base import RPC_VERSION
 from mbridge_refit.engines.ipc.engine import EngineRefitError, RefitReceiver
 from mbridge_refit.engines.ipc.sharing import LayoutRecorder, LocalTransport
 from mbridge_refit.engines.replay.apply_plan import ApplyPlanError, StagedLoad
@@ -320,7 +321,9 @@ def _open(worker_or_receiver, trainer: _Trainer, check: bool = True) -> tuple[st
     if isinstance(worker_or_receiver, RefitReceiver):
         report = worker_or_receiver.open(layout.to_wire(), payload, transport.name, check=check)
     else:
-        report = worker_or_receiver.mbridge_refit_open(layout.to_wire(), payload, transport.name, check, False)
+        report = worker_or_receiver.mbridge_refit_open(
+            layout.to_wire(), payload, transport.name, check, False, rpc_version=RPC_VERSION
+        )
     return layout.fingerprint, report
 
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from mbridge_refit.engines import base
 from mbridge_refit.errors import InputError
@@ -121,3 +122,56 @@ def test_the_transports_import_without_any_engine_adapter():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+# Each session's first RPC into a worker, with arguments that would reach the worker's engine side
+# (none of which a refused call may touch: the bare worker below has no engine, so reaching it raises
+# AttributeError instead of the refusal).
+_OPENING_RPCS = {
+    "open": ({"version": 1}, b"", "local", True, False, False, None),
+    "open_shards": ([{"version": 1}], [b""], "local", True, False),
+    "join": ({"host": "127.0.0.1", "port": 1}, 1, False),
+    "adapter_open": ({"version": 1}, b"", "local"),
+}
+
+
+@pytest.mark.parametrize("version", [None, base.RPC_VERSION - 1, base.RPC_VERSION + 1, True])
+@pytest.mark.parametrize("rpc", sorted(_OPENING_RPCS))
+def test_a_worker_refuses_a_trainer_of_another_rpc_version_by_name_before_anything(rpc, version):
+    """A trainer of another mbridge_refit (None: one from before the opening RPCs carried a version): the
+    worker raises ``RpcVersionError`` naming the RPC, both versions and the fix, before the call reaches
+    the engine. Before, the worker took the call as its own version's and the session's later RPCs
+    (applies, loads) met arguments of another meaning."""
+    from mbridge_refit.engines.vllm.worker import RefitWorkerExtension
+    from mbridge_refit.testing.copy_engine import CopyEngineWorker
+
+    workers = [RefitWorkerExtension()]
+    if rpc == "open":
+        workers.append(CopyEngineWorker.__new__(CopyEngineWorker))  # no receiver: reaching it would fail otherwise
+    for worker in workers:
+        arguments = _OPENING_RPCS[rpc] + (() if version is None else (version,))
+        with pytest.raises(base.RpcVersionError) as refused:
+            getattr(worker, base.RPC_PREFIX + rpc)(*arguments)
+        shown = "none (an mbridge_refit from before it was versioned)" if version is None else version
+        assert (
+            f"worker RPC ({base.RPC_PREFIX}{rpc}) wire version mismatch: this side speaks version {base.RPC_VERSION}, "
+            f"the trainer version {shown}. Run the same mbridge_refit version" in str(refused.value)
+        ), refused.value
+        assert vars(worker) == {}, vars(worker)  # nothing opened, joined or mapped
+
+
+def test_each_session_s_first_rpc_carries_the_rpc_version_last():
+    """The trainer sessions' opening calls end with ``RPC_VERSION`` (what the workers check)."""
+    from mbridge_refit.engines.ipc.sharing import LocalTransport
+    from mbridge_refit.engines.ipc.trainer import IpcSession
+
+    calls = []
+
+    def call_workers(method, *args):
+        calls.append((method, args))
+        return [{}]
+
+    session = IpcSession(call_workers, transport=LocalTransport(), early_apply=False)
+    session.refit_stream([("a", torch.zeros(4))])
+    assert [method for method, _ in calls][:1] == ["mbridge_refit_open"], calls
+    assert calls[0][1][-1] == base.RPC_VERSION and len(calls[0][1]) == 8, calls[0]

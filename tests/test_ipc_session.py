@@ -939,7 +939,7 @@ def test_a_flood_of_strangers_during_the_open_leaves_the_early_apply_on():
 
     def call_workers(method, *args):
         if method == "mbridge_refit_open" and not flooded:
-            address = bytes.fromhex(args[-1]["address"]).decode()
+            address = bytes.fromhex(args[6]["address"]).decode()  # the go-ahead offer
             flooded.append(stranger.connect(address, [None, b"\0" * 16] * 32))
         return [getattr(worker, method)(*args)]
 

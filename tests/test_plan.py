@@ -9,6 +9,8 @@ import torch
 from conftest import torchrun
 from oracle import read_checkpoint
 
+from mbridge_refit.plan.entries import EXPORT_PLAN_VERSION
+
 
 @pytest.mark.multirank
 @pytest.mark.parametrize(
@@ -33,7 +35,7 @@ def test_plan_cli_json_matches_the_checkpoint(ranks, flags, source_checkpoints, 
     assert "model.layers.0.mlp.experts.3.down_proj.weight" in run.output  # the printed table
 
 
-def test_plan_roundtrips_through_json():
+def _a_plan():
     from mbridge_refit.plan.entries import ExportPlan, PlanEntry, TensorSharding
     from mbridge_refit.plan.slices import SliceCopy
 
@@ -58,9 +60,34 @@ def test_plan_roundtrips_through_json():
         kind="column",
         sharding=sharding,
     )
-    plan = ExportPlan(entries=(entry,), layer_map={0: (0, 0)}, tp=2, pp=1, ep=1, vpp=1)
+    return ExportPlan(entries=(entry,), layer_map={0: (0, 0)}, tp=2, pp=1, ep=1, vpp=1)
+
+
+def test_plan_roundtrips_through_json():
+    from mbridge_refit.plan.entries import ExportPlan
+
+    plan = _a_plan()
     assert ExportPlan.from_json(plan.to_json()) == plan
     assert plan.total_bytes == 4 * 3 * 2
+
+
+@pytest.mark.parametrize("version", [None, EXPORT_PLAN_VERSION - 1, EXPORT_PLAN_VERSION + 1, True])
+def test_a_plan_json_of_another_version_is_refused_by_name(version):
+    """The JSON of a plan another mbridge_refit wrote (None: one from before the JSON carried a version,
+    which read back as a plan; a receiver or an engine handed it builds on it): ``PlanError`` naming the
+    format, both versions and the fix."""
+    from mbridge_refit.plan.entries import ExportPlan, PlanError
+
+    raw = json.loads(_a_plan().to_json())
+    assert raw.pop("version") == EXPORT_PLAN_VERSION
+    if version is not None:
+        raw["version"] = version
+    with pytest.raises(PlanError) as refused:
+        ExportPlan.from_json(json.dumps(raw))
+    message = str(refused.value)
+    shown = "none (an mbridge_refit from before it was versioned)" if version is None else version
+    assert f"export plan wire version mismatch: this side speaks version {EXPORT_PLAN_VERSION}" in message
+    assert f"its writer (to_json) version {shown}. Run the same mbridge_refit version" in message
 
 
 def test_unmappable_parameter_is_named():

@@ -4,6 +4,7 @@ worked out by hand, the rank grid, and every refusal naming its tensor."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -12,6 +13,7 @@ from mbridge_refit.plan.entries import ExportPlan, PlanEntry, TensorSharding
 from mbridge_refit.plan.layout import ModelShape
 from mbridge_refit.plan.slices import SliceCopy
 from mbridge_refit.plan.transfer import (
+    TRANSFER_PLAN_VERSION,
     TrainerRank,
     TransferPlan,
     TransferPlanError,
@@ -75,6 +77,25 @@ def test_trainer_tp2_into_engine_tp4_moves_what_the_colocated_rank_lacks():
     assert plan.full_gather_bytes == 4 * 2 * 3 * 2  # each of the 4 ranks lacks half of the 4x3 tensor
     assert TransferPlan.from_json(plan.to_json()) == plan
     assert TransferPlan.from_json(plan.to_json()).fingerprint == plan.fingerprint
+
+
+@pytest.mark.parametrize("version", [None, TRANSFER_PLAN_VERSION - 1, TRANSFER_PLAN_VERSION + 1, True])
+def test_a_transfer_plan_of_another_version_is_refused_by_name(version):
+    """The JSON of a plan written by another mbridge_refit (None: one from before the JSON carried a version,
+    which read back as a plan): ``TransferPlanError`` naming the format, both versions and the fix."""
+    plan = build_transfer_plan(plan_of(column_entry()), megatron_rank_grid(tp=2, dp=2), EngineLayout(tp=4), SHAPE)
+    raw = json.loads(plan.to_json())
+    assert raw["version"] == TRANSFER_PLAN_VERSION
+    if version is None:
+        del raw["version"]
+    else:
+        raw["version"] = version
+    with pytest.raises(TransferPlanError) as refused:
+        TransferPlan.from_json(json.dumps(raw))
+    message = str(refused.value)
+    shown = "none (an mbridge_refit from before it was versioned)" if version is None else version
+    assert f"transfer plan wire version mismatch: this side speaks version {TRANSFER_PLAN_VERSION}" in message
+    assert f"the plan's writer (to_json) version {shown}. Run the same mbridge_refit version" in message
 
 
 def test_agreeing_layouts_move_nothing():

@@ -1,6 +1,8 @@
 """Every wire format mbridge_refit sends between processes or ranks carries a version and refuses
 another one by name: docs/architecture.md's table of them against each format's constant, and the
-sharded transfer's handshake between two gloo ranks (tests/ranks/sharded_transfer_wire_check.py)."""
+sharded transfer's handshake, the plan exchange and the collective calls between two gloo ranks
+(tests/ranks/sharded_transfer_wire_check.py, tests/ranks/plan_exchange_wire_check.py,
+tests/ranks/collective_call_wire_check.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import re
 
 from conftest import REPO, torchrun
 
+from mbridge_refit.plan.build import PLAN_EXCHANGE_VERSION
+from mbridge_refit.runtime.handshake import CALLS_PROTOCOL
 from mbridge_refit.runtime.sharded_transfer import WIRE_VERSION as TRANSFER_VERSION
 
 
@@ -33,6 +37,50 @@ def test_ranks_of_another_sharded_transfer_version_or_checksum_setting_are_refus
                 assert f"this side speaks version {TRANSFER_VERSION}, rank(s) [1] version {theirs}" in message, message
         assert "different checksum= settings ({True: [0], False: [1]})" in report["checksum"], report["checksum"]
         assert report["delivered"] == ([0.0, 1.0, 2.0, 3.0] if rank == 0 else [4.0, 5.0, 6.0, 7.0])
+
+
+def _rank_reports(tmp_path) -> dict[int, dict]:
+    return {r["rank"]: r for r in (json.loads(f.read_text()) for f in sorted(tmp_path.glob("rank*.json")))}
+
+
+def test_trainer_ranks_of_another_plan_exchange_version_are_refused_by_name(tmp_path):
+    """Rank 1 of an install whose plan exchange carries no version, then of the next version: both ranks
+    raise PlanError (rank 0 naming rank 1 and both versions) instead of unpickling another install's
+    contributions; agreeing ranks then exchange as before."""
+    launch = torchrun(2, ["tests/ranks/plan_exchange_wire_check.py", str(tmp_path)], timeout=300)
+    assert launch.returncode == 0, launch.output[-4000:]
+    reports = _rank_reports(tmp_path)
+    assert sorted(reports) == [0, 1], launch.output[-4000:]
+    for rank, report in reports.items():
+        mine, theirs = (PLAN_EXCHANGE_VERSION, PLAN_EXCHANGE_VERSION + 1)[:: 1 if rank == 0 else -1]
+        newer = report["newer"]
+        assert (
+            f"plan exchange wire version mismatch: this side speaks version {mine}, rank(s) [{1 - rank}] version {theirs}"
+            in newer
+        ), newer
+        assert "Run the same mbridge_refit version" in newer, newer
+        assert "plan exchange wire version mismatch" in report["none"], report["none"]
+        assert report["agreed"] == [["rank 0's own"], ["rank 1's own"]]
+    none = reports[0]["none"]
+    assert f"this side speaks version {PLAN_EXCHANGE_VERSION}, rank(s) [1] version none (an mbridge_refit from" in none
+
+
+def test_trainer_ranks_of_another_collective_call_protocol_are_named_once_their_wait_runs_out(tmp_path):
+    """Rank 1 of an install of the next CALLS_PROTOCOL, then of one from before the calls were versioned:
+    once the wait runs out (2 s) the ranks name each other's version (the unversioned one by rank 0)
+    instead of each other as ranks that did not call; agreeing ranks then meet."""
+    launch = torchrun(2, ["tests/ranks/collective_call_wire_check.py", str(tmp_path)], timeout=300)
+    assert launch.returncode == 0, launch.output[-4000:]
+    reports = _rank_reports(tmp_path)
+    assert sorted(reports) == [0, 1], launch.output[-4000:]
+    for rank, report in reports.items():
+        mine, theirs = (CALLS_PROTOCOL, CALLS_PROTOCOL + 1)[:: 1 if rank == 0 else -1]
+        newer = report["newer"]
+        assert newer.startswith("the export: collective call wire version mismatch"), newer
+        assert f"this side speaks version {mine}, rank(s) [{1 - rank}] version {theirs}. Run the same" in newer, newer
+        assert report["agreed"] == "arrived", report
+    none = reports[0]["none"]
+    assert f"this side speaks version {CALLS_PROTOCOL}, rank(s) [1] version none (an mbridge_refit from" in none, none
 
 
 def _table_rows() -> dict[str, int]:

@@ -16,6 +16,13 @@ the engine with it. It registers itself here with ``register_adapter`` when impo
 
 The trainer calls its session; the session calls the engine's workers by RPC (plain data in and
 out), every RPC named ``RPC_PREFIX + verb``; the worker runs the transport's engine side.
+``RPC_VERSION`` versions those RPCs (their names, arguments and replies, and what they mean): each session's
+first RPC into a worker (``open``, ``open_shards``, ``join``, ``adapter_open``) carries it as its last
+argument, and the worker refuses another version, or none (a trainer from before the RPCs carried
+it), with ``check_rpc_version`` before the call does anything. Every later RPC of the session
+(``apply``, ``apply_shards``, ``receive``, ``adapter_load``, the closes), and the opening RPC's own
+reply, is exchanged with a worker that took that open, so the one check covers them;
+``fingerprints`` and ``adapter_limits`` take no arguments and version their replies.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from mbridge_refit.errors import InputError
+from mbridge_refit.errors import EngineError, InputError, wire_version_mismatch
 from mbridge_refit.runtime.weight_source import ExportsWeights, Model
 
 __all__ = [
@@ -35,12 +42,15 @@ __all__ = [
     "CallWorkers",
     "IPC",
     "RPC_PREFIX",
+    "RPC_VERSION",
+    "RpcVersionError",
     "TRANSPORT_NAMES",
     "EngineAdapter",
     "RefitSession",
     "RefitStep",
     "RefitWorker",
     "SHARDED_IPC",
+    "check_rpc_version",
     "engine_adapter",
     "register_adapter",
     "registered_adapters",
@@ -52,10 +62,26 @@ BROADCAST = "broadcast"  # other GPUs: the packed broadcast over a group joined 
 ADAPTER_IPC = "adapter_ipc"  # colocated, a LoRA adapter only, into the engine's slot (engines.lora.ipc)
 TRANSPORT_NAMES = (IPC, SHARDED_IPC, BROADCAST, ADAPTER_IPC)
 RPC_PREFIX = "mbridge_refit_"  # every worker RPC's name starts so
+# The worker RPCs (RefitWorker): their names, arguments, replies and meaning. Bump it with any change of them.
+RPC_VERSION = 1
 
 # How a trainer-side session calls an engine's workers, what an engine adapter gives each session:
 # (RPC name, *arguments) -> the results of the workers the call reached, in worker order.
 CallWorkers = Callable[..., list]
+
+
+class RpcVersionError(EngineError):
+    """A trainer whose worker RPCs are of another ``RPC_VERSION`` (another mbridge_refit) called this worker."""
+
+
+def check_rpc_version(theirs: object, rpc: str) -> None:
+    """Refuse ``theirs`` (the ``RPC_VERSION`` a session's first RPC carried; None: a trainer from before it
+    was sent) unless it is this one's: ``RpcVersionError`` naming the RPC and both versions. A worker's
+    opening RPC calls it before anything else."""
+    if type(theirs) is not int or theirs != RPC_VERSION:
+        raise RpcVersionError(
+            wire_version_mismatch(f"worker RPC ({RPC_PREFIX}{rpc})", RPC_VERSION, theirs, "the trainer")
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,7 +156,8 @@ class RefitWorker(Protocol):
     every worker, which joins as ``rank_offset`` + its index); ``adapter_limits``, ``adapter_open``, ``adapter_load``, ``adapter_close`` to
     ``engines.lora.ipc.AdapterReceiver`` and the engine's own adapter slots (a LoRA adapter in place of
     the previous one, the base weights untouched). ``fingerprints``: the exact per-parameter
-    fingerprints of the engine's model (``engines.replay.fingerprint``)."""
+    fingerprints of the engine's model (``engines.replay.fingerprint``). The opening RPCs' last
+    argument, ``rpc_version``: the trainer's ``RPC_VERSION``, checked first (``check_rpc_version``)."""
 
     def mbridge_refit_open(
         self,
@@ -141,6 +168,7 @@ class RefitWorker(Protocol):
         allow_partial: bool,
         completion: bool = False,
         go_ahead: dict | None = None,
+        rpc_version: int | None = None,
     ) -> dict: ...
 
     def mbridge_refit_apply(self, fingerprint: str, signal: bool = False, go: int | None = None) -> float | None: ...
@@ -148,12 +176,20 @@ class RefitWorker(Protocol):
     def mbridge_refit_close(self) -> None: ...
 
     def mbridge_refit_open_shards(
-        self, wires: list, payloads: list, transport: str, check: bool, allow_partial: bool
+        self,
+        wires: list,
+        payloads: list,
+        transport: str,
+        check: bool,
+        allow_partial: bool,
+        rpc_version: int | None = None,
     ) -> dict: ...
 
     def mbridge_refit_apply_shards(self, fingerprints: list) -> float: ...
 
-    def mbridge_refit_join(self, group: dict, rank_offset: int, allow_partial: bool) -> int: ...
+    def mbridge_refit_join(
+        self, group: dict, rank_offset: int, allow_partial: bool, rpc_version: int | None = None
+    ) -> int: ...
 
     def mbridge_refit_receive(self) -> dict: ...
 
@@ -161,7 +197,9 @@ class RefitWorker(Protocol):
 
     def mbridge_refit_adapter_limits(self) -> dict: ...
 
-    def mbridge_refit_adapter_open(self, wire: dict, payload: bytes, transport: str) -> dict: ...
+    def mbridge_refit_adapter_open(
+        self, wire: dict, payload: bytes, transport: str, rpc_version: int | None = None
+    ) -> dict: ...
 
     def mbridge_refit_adapter_load(self, fingerprint: str, lora_int_id: int, config: dict) -> dict: ...
 

@@ -8,7 +8,11 @@ unless a group is given; ``exchange_contributions``). The two halves are separat
 ``rank_contribution`` (what this rank holds, including how the trainer stores each parameter,
 e.g. as TE blockwise FP8) and ``assemble_plan`` (pure: the same plan from the same contributions
 on every rank), so a plan can also be built from contributions gathered another way
-(``scripts/simulate_plan.py``).
+(``scripts/simulate_plan.py``). What a rank sends in that exchange (``encode_contribution``) starts
+with ``PLAN_EXCHANGE_VERSION`` in a fixed header, read before anything else of it: ranks of another
+mbridge_refit (another version, or none: one from before the exchange carried it) are refused by name,
+with a ``PlanError`` on every rank (each rank reads every rank's header), before any contribution
+is unpickled.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mbridge_refit.errors import wire_version_mismatch
 from mbridge_refit.plan.conversions import relaid_shape
 from mbridge_refit.plan.entries import (
     ExportPlan,
@@ -39,6 +44,7 @@ from mbridge_refit.plan.stacking import ExpertStack, stacked_placement
 from mbridge_refit.plan.storage import PLAIN, storage_format
 
 __all__ = [
+    "PLAN_EXCHANGE_VERSION",
     "ParallelSizes",
     "ParamSpec",
     "RankContribution",
@@ -143,6 +149,12 @@ def build_export_plan(
     return assemble_plan(gathered, current_sizes(chunks), chunks[0].config, model_bridge, hf_pretrained)
 
 
+# The plan exchange's layout (the header, then the compressed pickle of RankContribution's fields):
+# bump it with any change of what a contribution holds or means.
+PLAN_EXCHANGE_VERSION = 1
+_EXCHANGE_HEADER = b"mbridge_refit plan contribution v"  # then the version in decimal and a newline
+
+
 def exchange_contributions(mine: Any, group: Any = None) -> list[Any]:
     """Every rank's ``mine`` (its contribution to a plan), in rank order; collective over ``group``.
 
@@ -152,20 +164,56 @@ def exchange_contributions(mine: Any, group: Any = None) -> list[Any]:
     exchanged them in 0.9 s instead of 10 s, most of it each rank unpickling every contribution; on
     2 cores, where that unpickling is most of the cost, 20 s instead of 24 s (docs/benchmarks/scale.md). The
     senders are the job's own ranks: their payloads are unpickled as ``torch.distributed``'s object
-    collectives do."""
+    collectives do, each after its header's ``PLAN_EXCHANGE_VERSION`` was checked (``check_exchange_versions``:
+    ``PlanError`` on every rank where any rank's differs)."""
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, encode_contribution(mine), group=group)
+    check_exchange_versions(gathered)
     return [decode_contribution(each) for each in gathered]
 
 
 def encode_contribution(mine: Any) -> bytes:
-    """What ``exchange_contributions`` sends of ``mine``: pickled, then compressed (level 1)."""
-    return zlib.compress(pickle.dumps(mine, protocol=pickle.HIGHEST_PROTOCOL), 1)
+    """What ``exchange_contributions`` sends of ``mine``: the versioned header, then ``mine`` pickled and
+    compressed (level 1)."""
+    header = _EXCHANGE_HEADER + b"%d\n" % PLAN_EXCHANGE_VERSION
+    return header + zlib.compress(pickle.dumps(mine, protocol=pickle.HIGHEST_PROTOCOL), 1)
+
+
+def check_exchange_versions(gathered: list[Any]) -> None:
+    """Refuse, by name, the ranks whose part of the exchange (``gathered``, in rank order) is of another
+    ``PLAN_EXCHANGE_VERSION`` or carries none (``PlanError``); reads only the headers."""
+    by_version: dict[Any, list[int]] = {}
+    for rank, sent in enumerate(gathered):
+        version = _exchange_version(sent)
+        if version != PLAN_EXCHANGE_VERSION:
+            by_version.setdefault(version, []).append(rank)
+    if by_version:
+        raise PlanError(
+            "; ".join(_version_refusal(version, f"rank(s) {ranks}") for version, ranks in by_version.items())
+        )
 
 
 def decode_contribution(sent: bytes) -> Any:
-    """A contribution from what ``encode_contribution`` made of it (a peer rank's: trusted, as above)."""
-    return pickle.loads(zlib.decompress(sent))
+    """A contribution from what ``encode_contribution`` made of it (a peer rank's: trusted, as above);
+    another version, or none, raises ``PlanError`` before anything is unpickled."""
+    version = _exchange_version(sent)
+    if version != PLAN_EXCHANGE_VERSION:
+        raise PlanError(_version_refusal(version, "the sending rank"))
+    return pickle.loads(zlib.decompress(sent[sent.index(b"\n") + 1 :]))
+
+
+def _exchange_version(sent: Any) -> int | None:
+    """The version in ``sent``'s header, None where it has none (a rank from before it carried one)."""
+    if not isinstance(sent, bytes) or not sent.startswith(_EXCHANGE_HEADER):
+        return None
+    start = len(_EXCHANGE_HEADER)
+    end = sent.find(b"\n", start, start + 12)
+    digits = sent[start:end] if end > start else b""
+    return int(digits) if digits.isdigit() else None
+
+
+def _version_refusal(version: int | None, peer: str) -> str:
+    return wire_version_mismatch("plan exchange", PLAN_EXCHANGE_VERSION, version, peer)
 
 
 def rank_contribution(

@@ -1,7 +1,9 @@
 """The export plan's types: every HF tensor an export yields, in order, and where its pieces live.
 
 ``ExportPlan`` is identical on every rank and JSON-serialisable (``to_json`` / ``from_json``) for
-another process (a refit receiver, an engine). Each ``PlanEntry`` names one HF tensor (shape,
+another process (a refit receiver, an engine); the JSON carries ``EXPORT_PLAN_VERSION``, and
+``from_json`` refuses another version, or none (a plan written by an mbridge_refit from before it was
+versioned), by name before it reads anything else. Each ``PlanEntry`` names one HF tensor (shape,
 dtype, the Megatron parameter it comes from, its owning pipeline stage) and its
 ``TensorSharding``: how the tensor's slices are laid out across the trainer's ranks. Built by
 ``plan.build``; run by ``runtime.exporter``.
@@ -22,13 +24,24 @@ from typing import Any, Iterable
 
 import torch
 
-from mbridge_refit.errors import InputError
+from mbridge_refit.errors import InputError, wire_version_mismatch
 from mbridge_refit.plan.conversions import RELAYOUTS
 from mbridge_refit.plan.slices import SliceCopy
 from mbridge_refit.plan.stacking import ExpertStack
 from mbridge_refit.plan.storage import PLAIN
 
-__all__ = ["ExportPlan", "PlanEntry", "PlanError", "TensorSharding", "expert_number", "numel", "with_expert_number"]
+__all__ = [
+    "EXPORT_PLAN_VERSION",
+    "ExportPlan",
+    "PlanEntry",
+    "PlanError",
+    "TensorSharding",
+    "expert_number",
+    "numel",
+    "with_expert_number",
+]
+
+EXPORT_PLAN_VERSION = 1  # ExportPlan.to_json's layout: bump it with any change of what the JSON holds
 
 
 class PlanError(InputError):
@@ -119,13 +132,19 @@ class ExportPlan:
         return sum(e.nbytes for e in self.entries)
 
     def to_json(self) -> str:
-        payload = dataclasses.asdict(self)
+        """The plan as JSON, with ``EXPORT_PLAN_VERSION`` (what ``from_json`` reads back)."""
+        payload = {"version": EXPORT_PLAN_VERSION, **dataclasses.asdict(self)}
         payload["layer_map"] = {str(k): list(v) for k, v in self.layer_map.items()}
         return json.dumps(payload, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> "ExportPlan":
+        """``to_json``'s plan back; JSON of another ``EXPORT_PLAN_VERSION`` (or none) raises ``PlanError``
+        naming both versions."""
         raw = json.loads(text)
+        version = raw.pop("version", None) if isinstance(raw, dict) else None
+        if type(version) is not int or version != EXPORT_PLAN_VERSION:
+            raise PlanError(wire_version_mismatch("export plan", EXPORT_PLAN_VERSION, version, "its writer (to_json)"))
         entries = tuple(_entry_from_dict(e) for e in raw.pop("entries"))
         layer_map = {int(k): tuple(v) for k, v in raw.pop("layer_map").items()}
         return cls(entries=entries, layer_map=layer_map, **raw)

@@ -11,7 +11,9 @@ holder that has sent the fewest bytes so far) to the engine rank, with the part'
 source's local Megatron parameter and in the engine's shard. Nothing else is needed at run time.
 
 JSON-serialisable (``to_json`` / ``from_json``) like the export plan, with a fingerprint both
-sides compare before any data moves. Validated when built: every byte of every engine shard is
+sides compare before any data moves. The JSON carries ``TRANSFER_PLAN_VERSION`` (its layout: the
+plan's, its shards' and its moves' fields); ``from_json`` refuses another version, or none (a plan
+written by an mbridge_refit from before it was versioned), by name before it reads anything else. Validated when built: every byte of every engine shard is
 delivered exactly once, and a tensor the engine rules cannot slice, a byte no trainer rank holds
 or a weight the trainer keeps in another format is refused with the tensor named.
 """
@@ -28,7 +30,7 @@ from typing import Any, Iterable
 
 import torch
 
-from mbridge_refit.errors import InputError
+from mbridge_refit.errors import InputError, wire_version_mismatch
 from mbridge_refit.plan.engine_layout import (
     Box,
     EngineLayout,
@@ -46,12 +48,17 @@ from mbridge_refit.plan.storage import PLAIN
 __all__ = [
     "EngineShard",
     "Move",
+    "TRANSFER_PLAN_VERSION",
     "TrainerRank",
     "TransferPlan",
     "TransferPlanError",
     "build_transfer_plan",
     "megatron_rank_grid",
 ]
+
+
+TRANSFER_PLAN_VERSION = 1  # TransferPlan.to_json's layout: bump it with any change of what the JSON holds
+_WIRE_FORMAT = "transfer plan"
 
 
 class TransferPlanError(InputError):
@@ -193,11 +200,19 @@ class TransferPlan:
         return int.from_bytes(digest[:8], "little", signed=True)
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+        """The plan as JSON, with ``TRANSFER_PLAN_VERSION`` (what ``from_json`` reads back)."""
+        return json.dumps({"version": TRANSFER_PLAN_VERSION, **dataclasses.asdict(self)}, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> "TransferPlan":
+        """``to_json``'s plan back; JSON of another ``TRANSFER_PLAN_VERSION`` (or none) raises
+        ``TransferPlanError`` naming both versions."""
         raw = json.loads(text)
+        version = raw.get("version") if isinstance(raw, dict) else None
+        if type(version) is not int or version != TRANSFER_PLAN_VERSION:
+            raise TransferPlanError(
+                wire_version_mismatch(_WIRE_FORMAT, TRANSFER_PLAN_VERSION, version, "the plan's writer (to_json)")
+            )
         return cls(
             engine=EngineLayout(**raw["engine"]),
             engine_ranks=tuple(raw["engine_ranks"]),

@@ -25,6 +25,14 @@ store (the default group's ``TCPStore``; no collective, no device work):
   the last one and says go, then writes its note as the call's verdict (the key the others wait
   for: "go" or the refusal), which every rank that waits reads once.
 
+Versions. The calls' keys live under ``mbridge_refit/calls/v<CALLS_PROTOCOL>/``, so ranks of another
+layout of them (another mbridge_refit) never take each other's keys for their own; a rank about to
+wait also posts its ``CALLS_PROTOCOL`` under ``mbridge_refit/calls/protocol/<rank>`` (a key whose
+layout stays as it is in every version). A rank whose wait runs out looks there for the ranks that
+did not arrive, and at the keys an mbridge_refit from before the calls were versioned used: ranks
+found speaking another version, or none, are named in ``errors.wire_version_mismatch``'s words
+instead of as ranks that did not call.
+
 One call costs each rank its arrival (one store round trip; a rank that waits for the last
 arrival also the wait and the read of the verdict; the last arrival four more: the verdict and
 the previous call's keys deleted) and the "left" check at the end; calls of a single participant
@@ -45,9 +53,14 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import torch.distributed as dist
 
-from mbridge_refit.errors import UsageError
+from mbridge_refit.errors import UsageError, wire_version_mismatch
 
-__all__ = ["CollectiveCall", "CollectiveMisuseError", "DEFAULT_TIMEOUT_S"]
+__all__ = ["CALLS_PROTOCOL", "CollectiveCall", "CollectiveMisuseError", "DEFAULT_TIMEOUT_S"]
+
+# The layout of the calls' keys and what their values mean (module docstring): bump it with any change.
+CALLS_PROTOCOL = 1
+_PROTOCOLS = "mbridge_refit/calls/protocol/"  # + a rank: the protocol its calls speak (never changes layout)
+_UNVERSIONED = "mbridge_refit/calls/"  # + digest/number: where calls of an mbridge_refit before CALLS_PROTOCOL lived
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +93,7 @@ class CollectiveCall:
         self._store = _default_store() if len(self.participants) > 1 and timeout_s is not None else None
         self._rank = dist.get_rank() if self._store is not None else 0
         self.number = _CALLS[self.participants] = _CALLS.get(self.participants, 0) + 1
-        self._prefix = f"mbridge_refit/calls/{_digest(self.participants)}"
+        self._prefix = f"mbridge_refit/calls/v{CALLS_PROTOCOL}/{_digest(self.participants)}"
         self._stream: weakref.ref | None = None  # the generator ``guard`` handed out
 
     @property
@@ -111,10 +124,14 @@ class CollectiveCall:
                 for suffix in ("arrived", "all", "left"):
                     self._store.delete_key(f"{self._key(self.number - 1)}/{suffix}")
             return
+        self._store.set(f"{_PROTOCOLS}{self._rank}", str(CALLS_PROTOCOL))  # read by a peer whose wait ran out
         try:
             self._store.wait([f"{key}/all"], datetime.timedelta(seconds=self.timeout_s))
         except Exception as err:  # the store's timeout (DistStoreError / RuntimeError, by version)
             arrived = self._store.add(f"{key}/arrived", 0) & ~_REFUSED
+            other_versions = self._other_versions(arrived)
+            if other_versions:
+                raise CollectiveMisuseError(f"{self.what}: {other_versions}") from err
             raise CollectiveMisuseError(
                 f"{self.what} {_CONTRACT}. Rank {self._rank} waited {self.timeout_s:g} s (call #{self.number} among "
                 f"ranks {list(self.participants)}) for {_missing(arrived, self.participants)}: call it on every rank "
@@ -134,6 +151,31 @@ class CollectiveCall:
         if issues_collectives:
             self._stream = weakref.ref(guarded)
         return guarded
+
+    def _other_versions(self, arrived: int) -> str | None:
+        """Why the ranks that did not arrive at this call (``arrived``: the mask of those that did) are not
+        here, where their keys say they speak another ``CALLS_PROTOCOL`` or none; else None."""
+        if len(self.participants) > _MASK_BITS:
+            return None
+        missing = [rank for index, rank in enumerate(self.participants) if not arrived >> index & 1]
+        by_version: dict[Any, list[int]] = {}
+        for rank in missing:
+            key = f"{_PROTOCOLS}{rank}"
+            version = self._store.get(key).decode() if self._store.check([key]) else None
+            if version is not None and version != str(CALLS_PROTOCOL):
+                by_version.setdefault(int(version) if version.isdigit() else version, []).append(rank)
+        unversioned = f"{_UNVERSIONED}{_digest(self.participants)}/{self.number}/arrived"
+        if self._store.check([unversioned]):
+            old = self._store.add(unversioned, 0)
+            ranks = [rank for index, rank in enumerate(self.participants) if old >> index & 1 and rank in missing]
+            if ranks:
+                by_version[None] = ranks
+        if not by_version:
+            return None
+        return "; ".join(
+            wire_version_mismatch("collective call", CALLS_PROTOCOL, version, f"rank(s) {ranks}")
+            for version, ranks in by_version.items()
+        )
 
     def _refused(self, note: str) -> CollectiveMisuseError:
         return CollectiveMisuseError(

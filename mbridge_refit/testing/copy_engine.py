@@ -10,6 +10,7 @@ from collections.abc import Collection, Iterable
 
 import torch
 
+from mbridge_refit.engines.base import check_rpc_version
 from mbridge_refit.engines.ipc.engine import RefitReceiver
 
 __all__ = ["CopyEngine", "CopyEngineWorker"]
@@ -43,7 +44,10 @@ class CopyEngineWorker:
     def __init__(self, engine: CopyEngine) -> None:
         self.receiver = RefitReceiver(engine, torch.device("cpu"))
 
-    def mbridge_refit_open(self, wire, payload, transport, check, allow_partial, completion=False, go_ahead=None):
+    def mbridge_refit_open(
+        self, wire, payload, transport, check, allow_partial, completion=False, go_ahead=None, rpc_version=None
+    ):
+        check_rpc_version(rpc_version, "open")
         return self.receiver.open(
             wire, payload, transport, check=check, allow_partial=allow_partial, completion=completion, go_ahead=go_ahead
         )

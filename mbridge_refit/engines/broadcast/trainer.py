@@ -70,7 +70,7 @@ from typing import Any
 
 import torch
 
-from mbridge_refit.engines.base import CallWorkers, RefitStep
+from mbridge_refit.engines.base import RPC_VERSION, CallWorkers, RefitStep
 from mbridge_refit.engines.broadcast.engine import SOURCE_RANK
 from mbridge_refit.engines.broadcast.group import (
     PEER_SILENT_S,
@@ -194,7 +194,7 @@ class BroadcastSession:
             secret=secret.hex(),
             wire_version=WIRE_VERSION,
         )
-        join = self.start_workers("mbridge_refit_join", group, SOURCE_RANK + 1, self.allow_partial)
+        join = self.start_workers("mbridge_refit_join", group, SOURCE_RANK + 1, self.allow_partial, RPC_VERSION)
         try:
             self.group = StoreGroup(
                 host=self.host,

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mbridge_refit.engines.base import CallWorkers, RefitStep
+from mbridge_refit.engines.base import RPC_VERSION, CallWorkers, RefitStep
 from mbridge_refit.engines.ipc.sharing import LayoutRecorder, ShardBox, SharedLayout, Transport
 from mbridge_refit.errors import EngineError, InputError
 from mbridge_refit.fp8.format import scale_box, scale_name, scale_shape
@@ -231,6 +231,7 @@ class ShardedIpcSession:
             self.transport.name,
             self.check_first_refit,
             self.allow_partial,
+            RPC_VERSION,
         )
         self.last_reports = results
         return results

@@ -70,7 +70,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from mbridge_refit.engines.base import CallWorkers, RefitStep
+from mbridge_refit.engines.base import RPC_VERSION, CallWorkers, RefitStep
 from mbridge_refit.engines.ipc.completion import DoneSignal
 from mbridge_refit.engines.ipc.go_ahead import GoAheadError, GoAheadLine
 from mbridge_refit.engines.ipc.sharing import (
@@ -577,9 +577,8 @@ class IpcSession:
             isinstance(self.transport, CudaIpcTransport),  # an event from the engine's process, on this GPU
         )
         try:
-            results = self.call_workers(
-                "mbridge_refit_open", *args, *(() if line is None else (line.offer(self.timeout_s),))
-            )
+            offer = None if line is None else line.offer(self.timeout_s)
+            results = self.call_workers("mbridge_refit_open", *args, offer, RPC_VERSION)
         except BaseException:
             if line is not None:
                 line.close()

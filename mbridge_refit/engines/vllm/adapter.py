@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from mbridge_refit.engines.base import RefitStep
+from mbridge_refit.engines.base import RPC_VERSION, RefitStep
 from mbridge_refit.engines.ipc.sharing import CudaIpcTransport, Transport
 from mbridge_refit.engines.lora.adapter import AdapterLimits, adapter_config, check_adapter
 from mbridge_refit.engines.lora.ipc import AdapterShare
@@ -110,7 +110,9 @@ class VLLMAdapterRefit:
         layout = self.share.layout
         report = None
         if payload is not None:
-            report = self._rpc("mbridge_refit_adapter_open", layout.to_wire(), payload, self.share.transport.name)
+            report = self._rpc(
+                "mbridge_refit_adapter_open", layout.to_wire(), payload, self.share.transport.name, RPC_VERSION
+            )
         loaded = self._rpc("mbridge_refit_adapter_load", layout.fingerprint, self.lora_int_id, self._config)
         self.loaded = True
         if self.reset_prefix_cache:

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from mbridge_refit.engines.base import check_rpc_version
 from mbridge_refit.engines.broadcast.engine import BroadcastTarget
 from mbridge_refit.engines.ipc.engine import RefitReceiver
 from mbridge_refit.engines.ipc.sharded import worker_entry
@@ -101,11 +102,14 @@ class RefitWorkerExtension:
         allow_partial: bool,
         completion: bool = False,
         go_ahead: dict | None = None,
+        rpc_version: int | None = None,
     ) -> dict:
         """Map the trainer's tensors, load them once through the model's ``load_weights`` while
         recording its copies, optionally prove the recording; returns the open report (with
         ``completion``, the handle of the event later applies record: ``engines.ipc.completion``; with
-        ``go_ahead``, connected to the trainer's line for early applies: ``engines.ipc.go_ahead``)."""
+        ``go_ahead``, connected to the trainer's line for early applies: ``engines.ipc.go_ahead``).
+        ``rpc_version``: the trainer's ``engines.base.RPC_VERSION``, checked first."""
+        check_rpc_version(rpc_version, "open")
         return self._mbridge_receiver().open(
             wire, payload, transport, check=check, allow_partial=allow_partial, completion=completion, go_ahead=go_ahead
         )
@@ -119,10 +123,17 @@ class RefitWorkerExtension:
         return self._mbridge_receiver().apply(fingerprint, signal=signal, go=go)
 
     def mbridge_refit_open_shards(
-        self, wires: list, payloads: list, transport: str, check: bool, allow_partial: bool
+        self,
+        wires: list,
+        payloads: list,
+        transport: str,
+        check: bool,
+        allow_partial: bool,
+        rpc_version: int | None = None,
     ) -> dict:
         """Open this worker's entry of a sharded refit (``engines.ipc.sharded``): its engine rank is
         its tensor-parallel rank (``_worker_index``), its shards are the trainer rank's on its GPU."""
+        check_rpc_version(rpc_version, "open_shards")
         rank = _worker_index(self)
         wire, payload = worker_entry(wires, rank, "shard layout"), worker_entry(payloads, rank, "shard payload")
         return self._mbridge_receiver().open(wire, payload, transport, check=check, allow_partial=allow_partial)
@@ -135,11 +146,14 @@ class RefitWorkerExtension:
         """Forget the open layout and the mapped storages (the trainer's session closes)."""
         self._mbridge_receiver().close()
 
-    def mbridge_refit_join(self, group: dict, rank_offset: int, allow_partial: bool) -> int:
+    def mbridge_refit_join(
+        self, group: dict, rank_offset: int, allow_partial: bool, rpc_version: int | None = None
+    ) -> int:
         """Join the trainer's broadcast group (``group``: ``BroadcastTarget.join``'s keyword arguments
         but ``rank``) as rank ``rank_offset`` + this worker's index among the engine's workers
         (data-parallel replicas included); returns that rank. Blocks until the trainer joins
         (``engines.broadcast.engine``)."""
+        check_rpc_version(rpc_version, "join")
         model = self.model_runner.get_model()
         target = BroadcastTarget(
             model.load_weights,
@@ -171,8 +185,11 @@ class RefitWorkerExtension:
         """What this engine's LoRA slots take (``engines.lora.adapter.AdapterLimits`` as plain data)."""
         return adapter_limits(_lora_manager(self)).to_wire()
 
-    def mbridge_refit_adapter_open(self, wire: dict, payload: bytes, transport: str) -> dict:
+    def mbridge_refit_adapter_open(
+        self, wire: dict, payload: bytes, transport: str, rpc_version: int | None = None
+    ) -> dict:
         """Map the trainer's adapter factors (``engines.lora.ipc``); returns what was mapped."""
+        check_rpc_version(rpc_version, "adapter_open")
         _lora_manager(self)
         receiver = getattr(self, "_mbridge_adapter_receiver", None) or AdapterReceiver(torch.device(self.device))
         self._mbridge_adapter_receiver = receiver
