@@ -241,6 +241,16 @@ class RefitBridge(AutoBridge):
         state.model_bridge.export_weight_dtype = self.export_weight_dtype
         return state
 
+    def _fitting_state(self, chunks: list[torch.nn.Module]) -> _ModelState:
+        """``_state_for``, with every planned parameter checked for changes in place the plan cannot
+        follow (``LiveParams.check_in_place``: raises ``ModelChangedError`` naming one of another dtype, or
+        one whose storage was emptied). Once per export call, before any of its collectives."""
+        state = self._state_for(chunks)
+        for live in (state.live, state.lora_live):
+            if live is not None:
+                live.check_in_place()
+        return state
+
     def forget_model(self) -> None:
         """Drop everything derived from the current model (plan, exporters, parameter references);
         the next call plans again (collective). For a model changed in a way the plan cannot
@@ -292,7 +302,9 @@ class RefitBridge(AutoBridge):
         if state.exporter is None:
             params = state.live.params
             shards = te_fp8.dequantized_shards(params) if any(is_quantized(p) for p in params.values()) else None
-            state.exporter = PlanExporter(plan=state.plan, params=params, device=_device_of(params), shards=shards)
+            state.exporter = PlanExporter(
+                plan=state.plan, params=params, device=_device_of(params), shards=shards, moves=state.live.moves
+            )
         state.exporter.bucket_bytes = self.bucket_bytes
         return state.exporter
 
@@ -575,12 +587,21 @@ class RefitBridge(AutoBridge):
         )
 
     def release_export_buffers(self) -> None:
-        """Free the buffers kept by ``export_hf_weights(..., reuse_buffer_from_cache=True)``."""
+        """Free the buffers kept by ``export_hf_weights(..., reuse_buffer_from_cache=True)``, and the
+        views of parameters the exporters keep between exports (with them, the storages of parameters
+        swapped out since: ``param.data = ...``, an offload); the next export makes them anew."""
         if self._buffers is not None:
             self._buffers.release()
             self._buffers = None
-        if self._model_state is not None and self._model_state.lora is not None:
-            self._model_state.lora.held.release()
+        state = self._model_state
+        if state is None:
+            return
+        if state.lora is not None:
+            state.lora.held.release()
+            state.lora.exporter.release_views()
+        for exporter in (state.exporter, *(e for f in state.fp8.values() for e in (f.weights, f.scales))):
+            if exporter is not None:
+                exporter.release_views()
 
     def export_hf_weights(
         self,
@@ -751,8 +772,8 @@ class RefitBridge(AutoBridge):
         form, or the stock export where the plan cannot run what the caller asked (the reason
         logged once and kept in ``export_diagnostics().fallback_reason``)."""
         chunks, stock = _chunks(model), options.stock
+        state = self._fitting_state(chunks)  # local: a model the plan no longer fits is refused before any collective
         finish_pending_param_gathers(chunks)  # before any rank skips: collective over data-parallel groups
-        state = self._state_for(chunks)
         fp8_config = self.fp8_config(options.fp8)
         if fp8_config is not None and (stock.conversion_tasks is not None or stock.weight_dtype is not None):
             raise ValueError(
@@ -920,7 +941,7 @@ class RefitBridge(AutoBridge):
 
         chunks = _chunks(model)
         call = self._begin_collective(chunks, "export_adapter_weights")
-        state = self._state_for(chunks)
+        state = self._fitting_state(chunks)
         lora, reason = None, "exclude_adapter_base_prefixes is passed"
         if exclude_adapter_base_prefixes is None:
             lora, reason = self._lora_route(chunks, merge=True)
