@@ -62,14 +62,14 @@ from mbridge_refit.runtime.collectives import (
     replica_participants,
 )
 from mbridge_refit.runtime.exporter import DEFAULT_BUCKET_BYTES, PlanExporter
-from mbridge_refit.runtime.handshake import DEFAULT_TIMEOUT_S, CollectiveCall
+from mbridge_refit.runtime.handshake import DEFAULT_TIMEOUT_S, CollectiveCall, CollectiveMisuseError
 from mbridge_refit.runtime.lifetime import (
     HeldOutputs,
     guard_buckets,
     guard_tensors,
     lifetime_checks_from_environment,
 )
-from mbridge_refit.runtime.live_params import LiveParams, registration_count
+from mbridge_refit.runtime.live_params import LiveParams, ModelChangedError, registration_count
 from mbridge_refit.runtime.lora import AdapterExport
 from mbridge_refit.runtime.param_sync import finish_pending_param_gathers
 from mbridge_refit.runtime.selection import LiveRows
@@ -241,15 +241,21 @@ class RefitBridge(AutoBridge):
         state.model_bridge.export_weight_dtype = self.export_weight_dtype
         return state
 
-    def _fitting_state(self, chunks: list[torch.nn.Module]) -> _ModelState:
-        """``_state_for``, with every planned parameter checked for changes in place the plan cannot
-        follow (``LiveParams.check_in_place``: raises ``ModelChangedError`` naming one of another dtype, or
-        one whose storage was emptied). Once per export call, before any of its collectives."""
-        state = self._state_for(chunks)
-        for live in (state.live, state.lora_live):
-            if live is not None:
-                live.check_in_place()
-        return state
+    def _in_place_change(self, chunks: list[torch.nn.Module]) -> ModelChangedError | None:
+        """The ``ModelChangedError`` a planned parameter of ``chunks`` changed in place raises
+        (``LiveParams.check_in_place``: another dtype, a storage emptied), or None; local, no
+        collective (a model not planned yet has nothing to check). Once per export call, before
+        its handshake, which shares the verdict with every rank (``_begin_collective``)."""
+        state = self._model_state
+        if state is None or not _same_chunks(state.chunks, chunks):
+            return None
+        try:
+            for live in (state.live, state.lora_live):
+                if live is not None:
+                    live.check_in_place()
+        except ModelChangedError as err:
+            return err
+        return None
 
     def forget_model(self) -> None:
         """Drop everything derived from the current model (plan, exporters, parameter references);
@@ -763,7 +769,18 @@ class RefitBridge(AutoBridge):
         )
         call = CollectiveCall(what, participants, timeout_s=self.collective_timeout_s)
         last = self._last_export
-        call.arrive(refusal=_still_open(last, what) if last is not None and last.open else None)
+        changed = self._in_place_change(chunks)  # refused on every rank: none enters a collective alone
+        refusal = str(changed) if changed is not None else None
+        if refusal is None and last is not None and last.open:
+            refusal = _still_open(last, what)
+        try:
+            call.arrive(refusal=refusal)
+        except CollectiveMisuseError as err:
+            if changed is not None:
+                raise changed from err
+            raise
+        if changed is not None:  # no store to post it to (one process)
+            raise changed
         self._last_export = call
         return call
 
@@ -772,7 +789,7 @@ class RefitBridge(AutoBridge):
         form, or the stock export where the plan cannot run what the caller asked (the reason
         logged once and kept in ``export_diagnostics().fallback_reason``)."""
         chunks, stock = _chunks(model), options.stock
-        state = self._fitting_state(chunks)  # local: a model the plan no longer fits is refused before any collective
+        state = self._state_for(chunks)  # a model changed in place was refused by the handshake (_in_place_change)
         finish_pending_param_gathers(chunks)  # before any rank skips: collective over data-parallel groups
         fp8_config = self.fp8_config(options.fp8)
         if fp8_config is not None and (stock.conversion_tasks is not None or stock.weight_dtype is not None):
@@ -941,7 +958,7 @@ class RefitBridge(AutoBridge):
 
         chunks = _chunks(model)
         call = self._begin_collective(chunks, "export_adapter_weights")
-        state = self._fitting_state(chunks)
+        state = self._state_for(chunks)
         lora, reason = None, "exclude_adapter_base_prefixes is passed"
         if exclude_adapter_base_prefixes is None:
             lora, reason = self._lora_route(chunks, merge=True)
