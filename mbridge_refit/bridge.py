@@ -62,14 +62,14 @@ from mbridge_refit.runtime.collectives import (
     replica_participants,
 )
 from mbridge_refit.runtime.exporter import DEFAULT_BUCKET_BYTES, PlanExporter
-from mbridge_refit.runtime.handshake import DEFAULT_TIMEOUT_S, CollectiveCall
+from mbridge_refit.runtime.handshake import DEFAULT_TIMEOUT_S, CollectiveCall, CollectiveMisuseError
 from mbridge_refit.runtime.lifetime import (
     HeldOutputs,
     guard_buckets,
     guard_tensors,
     lifetime_checks_from_environment,
 )
-from mbridge_refit.runtime.live_params import LiveParams, registration_count
+from mbridge_refit.runtime.live_params import LiveParams, ModelChangedError, registration_count
 from mbridge_refit.runtime.lora import AdapterExport
 from mbridge_refit.runtime.param_sync import finish_pending_param_gathers
 from mbridge_refit.runtime.selection import LiveRows
@@ -241,6 +241,22 @@ class RefitBridge(AutoBridge):
         state.model_bridge.export_weight_dtype = self.export_weight_dtype
         return state
 
+    def _in_place_change(self, chunks: list[torch.nn.Module]) -> ModelChangedError | None:
+        """The ``ModelChangedError`` a planned parameter of ``chunks`` changed in place raises
+        (``LiveParams.check_in_place``: another dtype, a storage emptied), or None; local, no
+        collective (a model not planned yet has nothing to check). Once per export call, before
+        its handshake, which shares the verdict with every rank (``_begin_collective``)."""
+        state = self._model_state
+        if state is None or not _same_chunks(state.chunks, chunks):
+            return None
+        try:
+            for live in (state.live, state.lora_live):
+                if live is not None:
+                    live.check_in_place()
+        except ModelChangedError as err:
+            return err
+        return None
+
     def forget_model(self) -> None:
         """Drop everything derived from the current model (plan, exporters, parameter references);
         the next call plans again (collective). For a model changed in a way the plan cannot
@@ -292,7 +308,9 @@ class RefitBridge(AutoBridge):
         if state.exporter is None:
             params = state.live.params
             shards = te_fp8.dequantized_shards(params) if any(is_quantized(p) for p in params.values()) else None
-            state.exporter = PlanExporter(plan=state.plan, params=params, device=_device_of(params), shards=shards)
+            state.exporter = PlanExporter(
+                plan=state.plan, params=params, device=_device_of(params), shards=shards, moves=state.live.moves
+            )
         state.exporter.bucket_bytes = self.bucket_bytes
         return state.exporter
 
@@ -575,12 +593,21 @@ class RefitBridge(AutoBridge):
         )
 
     def release_export_buffers(self) -> None:
-        """Free the buffers kept by ``export_hf_weights(..., reuse_buffer_from_cache=True)``."""
+        """Free the buffers kept by ``export_hf_weights(..., reuse_buffer_from_cache=True)``, and the
+        views of parameters the exporters keep between exports (with them, the storages of parameters
+        swapped out since: ``param.data = ...``, an offload); the next export makes them anew."""
         if self._buffers is not None:
             self._buffers.release()
             self._buffers = None
-        if self._model_state is not None and self._model_state.lora is not None:
-            self._model_state.lora.held.release()
+        state = self._model_state
+        if state is None:
+            return
+        if state.lora is not None:
+            state.lora.held.release()
+            state.lora.exporter.release_views()
+        for exporter in (state.exporter, *(e for f in state.fp8.values() for e in (f.weights, f.scales))):
+            if exporter is not None:
+                exporter.release_views()
 
     def export_hf_weights(
         self,
@@ -742,7 +769,18 @@ class RefitBridge(AutoBridge):
         )
         call = CollectiveCall(what, participants, timeout_s=self.collective_timeout_s)
         last = self._last_export
-        call.arrive(refusal=_still_open(last, what) if last is not None and last.open else None)
+        changed = self._in_place_change(chunks)  # refused on every rank: none enters a collective alone
+        refusal = str(changed) if changed is not None else None
+        if refusal is None and last is not None and last.open:
+            refusal = _still_open(last, what)
+        try:
+            call.arrive(refusal=refusal)
+        except CollectiveMisuseError as err:
+            if changed is not None:
+                raise changed from err
+            raise
+        if changed is not None:  # no store to post it to (one process)
+            raise changed
         self._last_export = call
         return call
 
@@ -751,8 +789,8 @@ class RefitBridge(AutoBridge):
         form, or the stock export where the plan cannot run what the caller asked (the reason
         logged once and kept in ``export_diagnostics().fallback_reason``)."""
         chunks, stock = _chunks(model), options.stock
+        state = self._state_for(chunks)  # a model changed in place was refused by the handshake (_in_place_change)
         finish_pending_param_gathers(chunks)  # before any rank skips: collective over data-parallel groups
-        state = self._state_for(chunks)
         fp8_config = self.fp8_config(options.fp8)
         if fp8_config is not None and (stock.conversion_tasks is not None or stock.weight_dtype is not None):
             raise ValueError(

@@ -41,6 +41,13 @@ def test_replaced_parameters_are_exported_fresh(recipe, flags, source_checkpoint
     assert all(r["replaced"] for r in reports)
 
 
+@pytest.mark.parametrize("flags", [["--tp", "1"], ["--tp", "2"]], ids=["tp1", "tp2"])
+def test_changes_in_place_are_followed_or_refused_on_every_rank(flags, source_checkpoints, tmp_path):
+    """Issue 56 items 1, 2, 6, 7 against stock on the live model (tests/ranks/trainer_truth_check.py)."""
+    reports = _run("changed-in-place", "qwen3-tiny", flags, source_checkpoints, tmp_path)
+    assert {r["refused"] for r in reports} == {"ModelChangedError", "CollectiveMisuseError"}
+
+
 def test_bucket_api_keeps_a_bucket_valid_and_the_checking_mode_catches_kept_tensors(source_checkpoints, tmp_path):
     reports = _run("buckets", "qwen3-tiny", ["--tp", "2"], source_checkpoints, tmp_path)
     assert all(r["buckets"] > 10 for r in reports)

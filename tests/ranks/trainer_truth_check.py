@@ -5,6 +5,10 @@ Usage: trainer_truth_check.py --hf CKPT --result DIR --case CASE [--tp N ...]
 
 Cases (each fails with exit 1 naming what differs; the oracle is the checkpoint on disk or the
 stock Megatron-Bridge export of the same live model, never our own output):
+  * ``changed-in-place``: after a cached export, a direct ``module._parameters[k] = new`` and a
+    same-address ``p.data = p.data.t()`` export equal to stock; ``p.data = p.data.view(float16)``
+    on rank 0 only is refused on both ranks (``ModelChangedError`` there, ``CollectiveMisuseError``
+    on rank 1, each naming the parameter) before any collective; a deleted parameter is refused.
   * ``megatron-default-etp``: a MoE model built as a user builds it at TP 2: Megatron's parallel
     state and the provider's expert-TP left at their defaults (expert-TP = TP), so each routed
     expert is split in halves. The export (cache on and off, FP8) is on the fast path and equals
@@ -51,6 +55,60 @@ from replica_check import check_fp8, check_stream  # noqa: E402
 from mbridge_refit.convert.flags import layout_from_flags  # noqa: E402
 
 CPU = torch.device("cpu")
+
+
+def changed_in_place(args) -> dict:
+    """Changes after a cached export that the plan must follow (equal to stock) or refuse by name on
+    every rank (issue 56): a direct ``_parameters`` write, a same-address transpose, a dtype-changing
+    ``.data`` view on rank 0 only, a deleted parameter."""
+    from mbridge_refit.runtime.handshake import CollectiveMisuseError
+    from mbridge_refit.runtime.live_params import ModelChangedError
+
+    layout = layout_from_flags(args)
+    with checkpoint_session(args.hf, layout) as (bridge, chunks):
+
+        def expect_stock(what: str) -> None:
+            stock = {n: t.clone() for n, t in bridge.export_hf_weights_stock(chunks, show_progress=False)}
+            for name, tensor in bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True):
+                if not same_bytes(tensor, stock[name]):
+                    fail(f"{what}: {name} differs from stock's export of the live model")
+
+        def expect_refused(what: str, naming: str) -> str:
+            try:
+                for _ in bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True):
+                    pass
+            except (ModelChangedError, CollectiveMisuseError) as err:
+                if naming not in str(err):
+                    fail(f"{what}: refused without naming {naming}: {err}")
+                return type(err).__name__
+            fail(f"{what}: exported, where it must be refused")
+
+        expect_stock("first export")
+        expect_stock("second export, nothing changed")
+        torch.manual_seed(dist.get_rank())
+        params = dict(chunks[0].named_parameters())
+        fc1 = next(n for n in params if "linear_fc1" in n)
+        path, _, attr = fc1.rpartition(".")
+        module = chunks[0].get_submodule(path)
+        old = module._parameters[attr]
+        module._parameters[attr] = torch.nn.Parameter(torch.randn_like(old, dtype=torch.float32).to(old.dtype))
+        expect_stock(f"after {fc1}: module._parameters[k] = new")
+        square = next((n for n, p in params.items() if p.dim() == 2 and p.shape[0] == p.shape[1]), None)
+        if square is not None:
+            params[square].data = params[square].data.t()
+            expect_stock(f"after {square}.data = .data.t()")
+        qkv = next(n for n in params if "linear_qkv.weight" in n)
+        if dist.get_rank() == 0:
+            params[qkv].data = params[qkv].data.view(torch.float16)
+        refused = expect_refused(f"after {qkv}.data = .data.view(float16) on rank 0", qkv.split("module.")[-1])
+        if dist.get_rank() == 0:
+            params[qkv].data = params[qkv].data.view(torch.bfloat16)
+        expect_stock(f"after {qkv}'s dtype is back")
+        proj = next(n for n in params if "linear_proj.weight" in n)
+        path, _, attr = proj.rpartition(".")
+        del chunks[0].get_submodule(path)._parameters[attr]
+        deleted = expect_refused(f"after del {proj}", ".".join(proj.split(".")[-3:]))
+        return {"square": square is not None, "refused": refused, "deleted": deleted}
 
 
 def megatron_default_etp(args) -> dict:
@@ -350,6 +408,7 @@ def overlapping_exports(args) -> dict:
 
 
 CASES = {
+    "changed-in-place": changed_in_place,
     "megatron-default-etp": megatron_default_etp,
     "replaced-params": replaced_params,
     "buckets": buckets,
