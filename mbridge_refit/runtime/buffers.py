@@ -73,7 +73,9 @@ class ExportBuffers:
         self.persistent = persistent
         self.hold_whole_export = hold_whole_export
         self.bucket = 0
-        self._pool: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}  # key -> (buffer, its alias)
+        # key -> [buffer, its alias, the name it was last given as]: a buffer is reused for several
+        # tensors of one export; a rebound one is named as its consumer got it
+        self._pool: dict[tuple, list] = {}
         self.memo: dict[Any, Any] = {}
         self.allocations = 0
 
@@ -87,24 +89,26 @@ class ExportBuffers:
         name: str | None = None,
     ) -> torch.Tensor:
         """The buffer for ``(role, index, shape, dtype, device)`` (and ``bucket``, holding a whole
-        export); ``name``: the HF tensor it is yielded as, for the error a rebound one raises."""
+        export); ``name``: the HF tensor it is yielded as, for the error a rebound one raises
+        (naming the tensor the buffer was last given as: the one its consumer changed)."""
         key = (role, index, tuple(shape), dtype, str(device))
         if self.hold_whole_export and role not in SCRATCH_ROLES:
             key += (self.bucket,)
         held = self._pool.get(key) if self.persistent else None
         if held is not None:
-            check_not_rebound(held[0], held[1], dtype, name or f"the {role} buffer {list(shape)}")
+            check_not_rebound(held[0], held[1], dtype, held[2] or name or f"the {role} buffer {list(shape)}")
+            held[2] = name
             return held[0]
         buffer = torch.empty(shape, dtype=dtype, device=device)
         self.allocations += 1
         if self.persistent:
-            self._pool[key] = (buffer, _alias(buffer))
+            self._pool[key] = [buffer, _alias(buffer), name]
         return buffer
 
     @property
     def nbytes(self) -> int:
         """Bytes held by the persistent pool."""
-        return sum(b.numel() * b.element_size() for b, _ in self._pool.values())
+        return sum(b.numel() * b.element_size() for b, _, _ in self._pool.values())
 
     def __len__(self) -> int:
         return len(self._pool)
