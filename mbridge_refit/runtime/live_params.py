@@ -227,9 +227,14 @@ class LiveParams:
         """Raise ``ModelChangedError`` naming a parameter changed in place so that the plan cannot read
         it: its dtype is no longer the plan's (a ``.data`` swap: ``model.half()``,
         ``p.data = p.data.view(torch.float16)``, ``swap_tensors``), or its storage no longer holds its
-        data (offloaded in place, ``untyped_storage().resize_(0)``). Two C-level passes over the
-        parameters (dtypes, data addresses; a moved address is looked at once, in Python); call it
+        data (offloaded in place, ``untyped_storage().resize_(0)``); and, where something was
+        registered or written since the last ``refresh``, what that ``refresh`` will raise (a
+        parameter deleted, or replaced by one the plan cannot read), so that a change made on one
+        rank only is refused on every rank. Two C-level passes over the parameters (dtypes, data
+        addresses; a moved address is looked at once, in Python) and one integer comparison; call it
         once per export, before any collective."""
+        if registration_count() != self._seen:
+            self._check_held()
         if list(map(_dtype, self.params.values())) != self._dtypes:
             for (name, tensor), planned in zip(self.params.items(), self._dtypes):
                 if tensor.dtype != planned:
@@ -244,6 +249,17 @@ class LiveParams:
                     check_readable(name, tensor)
             self._addresses = list(map(_data_ptr, self._plain))
             self._moves += 1
+
+    def _check_held(self) -> None:
+        """Look every exported tensor up where the model holds it now, as ``refresh`` does, swapping
+        nothing: raises the ``ModelChangedError`` that ``refresh`` would."""
+        chunks = [ref() for ref in self._unwrapped]
+        if any(chunk is None for chunk in chunks):
+            return  # ``refresh`` names it
+        for name, (stage, path, attribute) in self._where.items():
+            current, old = _held(chunks[stage], path, attribute), self.params[name]
+            if current is not old:
+                _check_fits(name, old, current)
 
     def moves(self) -> int:
         """A count ``check_in_place`` bumps whenever it finds a data address of ``params`` other than at

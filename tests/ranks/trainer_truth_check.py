@@ -316,21 +316,49 @@ def step_release(trial: _Trial) -> dict:
 
 def step_deleted(trial: _Trial) -> dict:
     """Item 7: a routed expert removed from its ``local_experts`` (a dense model: a parameter deleted)
-    after the plan: refused by name, never its old weights. Last: the model stays changed."""
+    after the plan: on rank 0 only (refused on both ranks before any collective; put back: equal to
+    stock), then on every rank (refused). Refused by name, never its old weights. Last: the model
+    stays changed."""
     names = [n for n, _ in _plain_params(trial.chunks)]
     expert = next((n for n in names if ".local_experts." in n), None)
     if expert is not None:
         path, _, rest = expert.partition(".local_experts.")
         chunk = next(c for c in trial.chunks if expert in dict(c.named_parameters()))
-        del chunk.get_submodule(f"{path}.local_experts")[int(rest.split(".")[0])]
+        experts, index = chunk.get_submodule(f"{path}.local_experts"), int(rest.split(".")[0])
+        removed = experts[index]
+
+        def delete():
+            del experts[index]
+
+        def put_back():
+            experts.insert(index, removed)
+
         naming = "local_experts."
     else:
         proj = next(n for n in names if "linear_proj.weight" in n)
         chunk = next(c for c in trial.chunks if proj in dict(c.named_parameters()))
         path, _, attr = proj.rpartition(".")
-        delattr(chunk.get_submodule(path), attr)
+        module = chunk.get_submodule(path)
+        removed = getattr(module, attr)
+
+        def delete():
+            delattr(module, attr)
+
+        def put_back():
+            setattr(module, attr, removed)
+
         naming = _short(proj)
-    return {"deleted": trial.expect_refused("after a deletion", naming, kinds=("ModelChangedError",))}
+    if dist.get_rank() == 0:
+        delete()
+    on_rank0 = trial.expect_refused("after a deletion on rank 0", naming)
+    if dist.get_rank() == 0:
+        put_back()
+    trial.expect_stock("after the deleted one is put back")
+    delete()
+    return {
+        "on_rank0": on_rank0,
+        "deleted": trial.expect_refused("after a deletion", naming, kinds=("ModelChangedError",)),
+    }
 
 
 IN_PLACE_STEPS = {
