@@ -62,7 +62,7 @@ from mbridge_refit.runtime.collectives import (
     replica_participants,
 )
 from mbridge_refit.runtime.exporter import DEFAULT_BUCKET_BYTES, PlanExporter
-from mbridge_refit.runtime.handshake import DEFAULT_TIMEOUT_S, CollectiveCall, CollectiveMisuseError
+from mbridge_refit.runtime.handshake import DEFAULT_TIMEOUT_S, CollectiveCall, CollectiveMisuseError, open_call
 from mbridge_refit.runtime.lifetime import (
     HeldOutputs,
     guard_buckets,
@@ -179,7 +179,6 @@ class RefitBridge(AutoBridge):
         self._held_outputs = HeldOutputs()  # the checking mode's guards of the last held export
         self._model_state: _ModelState | None = None
         self._buffers: ExportBuffers | None = None
-        self._last_export: CollectiveCall | None = None  # the last collective export started (``_begin_collective``)
         super().__init__(hf_pretrained)
 
     @classmethod
@@ -631,9 +630,10 @@ class RefitBridge(AutoBridge):
         receives the full HF tensors. The stock positional arguments are unchanged. Checked
         (``runtime.handshake``, within ``collective_timeout_s``; ``None`` turns the checks off):
         a rank whose peers do not call it, or that leaves early, is named with
-        ``CollectiveMisuseError``; and one export of this bridge at a time: a call (this one,
-        ``export_hf_weight_buckets``, ``export_adapter_weights``) while the bridge's previous
-        export is still open on any rank (neither iterated to its end nor closed) raises
+        ``CollectiveMisuseError``; and one export at a time per process: a call (this one,
+        ``export_hf_weight_buckets``, ``export_adapter_weights``) while an export (this bridge's
+        previous one or another bridge's) is still open on any rank (neither iterated to its end
+        nor closed) raises
         ``CollectiveMisuseError`` on every rank, before any collective. Finish or close the first
         export, on every rank, before starting another (closing one runs its rest, with the peers).
 
@@ -754,8 +754,8 @@ class RefitBridge(AutoBridge):
         return guard_buckets(stream) if in_buckets else guard_tensors(stream)
 
     def _begin_collective(self, chunks: list[torch.nn.Module], what: str) -> CollectiveCall:
-        """Check that every rank the export needs calls it, and that none has an export of this
-        bridge still open (``runtime.handshake``: refused on every rank alike), before any collective."""
+        """Check that every rank the export needs calls it, and that none has an export still open
+        (of this bridge or another: ``runtime.handshake``, refused on every rank alike), before any collective."""
         state = (
             self._model_state
             if self._model_state is not None and _same_chunks(self._model_state.chunks, chunks)
@@ -768,10 +768,10 @@ class RefitBridge(AutoBridge):
             else range(torch.distributed.get_world_size())
         )
         call = CollectiveCall(what, participants, timeout_s=self.collective_timeout_s)
-        last = self._last_export
+        last = open_call()
         changed = self._in_place_change(chunks)  # refused on every rank: none enters a collective alone
         refusal = str(changed) if changed is not None else None
-        if refusal is None and last is not None and last.open:
+        if refusal is None and last is not None:
             refusal = _still_open(last, what)
         try:
             call.arrive(refusal=refusal)
@@ -781,7 +781,6 @@ class RefitBridge(AutoBridge):
             raise
         if changed is not None:  # no store to post it to (one process)
             raise changed
-        self._last_export = call
         return call
 
     def _export(self, model: Any, options: "_ExportOptions", *, in_buckets: bool) -> Iterable:
@@ -1079,13 +1078,13 @@ class _NoExportWork:
 
 
 def _still_open(last: CollectiveCall, what: str) -> str:
-    """Why ``what`` is refused while ``last``, this bridge's previous export, is still open."""
+    """Why ``what`` is refused while ``last``, an export of this process (this bridge's or another's), is still open."""
     return (
-        f"{what} was called while this bridge's {last.what} (call #{last.number}) is still open (neither iterated "
-        "to its end nor closed): two exports in flight pair their gathers with the wrong partners. Finish or close "
-        "the first export on every rank before starting another: iterate it to the end, or call close() on it (a "
-        "generator kept alive, by a variable or an exception's traceback, stays open; closing one runs the rest of "
-        "its export, which its peers' close or iteration completes)"
+        f"{what} was called while {last.what} (call #{last.number}, of this bridge or another) is still open "
+        "(neither iterated to its end nor closed): two exports in flight pair their gathers with the wrong partners. "
+        "Finish or close the first export on every rank before starting another: iterate it to the end, or call "
+        "close() on it (a generator kept alive, by a variable or an exception's traceback, stays open; closing one "
+        "runs the rest of its export, which its peers' close or iteration completes)"
     )
 
 

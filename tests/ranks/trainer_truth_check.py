@@ -36,10 +36,12 @@ stock Megatron-Bridge export of the same live model, never our own output):
     closed at different points on the two ranks (phase ``both``: both ranks overlap, the second by
     ``export_hf_weight_buckets``; ``one``: rank 1 drops its first export before the second, rank 0
     does not; ``waiting``: rank 1 finished its first export and waits in the second's handshake
-    when rank 0 refuses it): every rank raises ``CollectiveMisuseError`` naming the misuse and the
-    fix, no collective pairs with the wrong partner, the stale exports close without a hang, and
-    the next export equals stock's. Without the refusal, gloo pairs the first export's gathers with
-    the second's (an error or an abort of the process) or the ranks wait for each other.
+    when rank 0 refuses it; ``another-bridge``: the second export is another bridge's, of the same
+    model, and the first is closed 3 tensors later on rank 1): every rank raises
+    ``CollectiveMisuseError`` naming the misuse and the fix, no collective pairs with the wrong
+    partner, the stale exports close without a hang, and the next export equals stock's. Without
+    the refusal, gloo pairs the first export's gathers with the second's (an error or an abort of
+    the process) or the ranks wait for each other.
 Writes DIR/rank<r>.json.
 """
 
@@ -627,6 +629,7 @@ def early_exit(args) -> dict:
 
 
 def overlapping_exports(args) -> dict:
+    from mbridge_refit.bridge import RefitBridge
     from mbridge_refit.runtime.handshake import CollectiveMisuseError
 
     layout = layout_from_flags(args)
@@ -647,8 +650,10 @@ def overlapping_exports(args) -> dict:
                 list(second)
                 fail(f"phase {phase}: a second export started while the first was open was not refused")
             needles = ["still open", "refused on every rank", "close()", "Finish or close the first export"]
-            if rank == 1 and phase != "both":
+            if rank == 1 and phase not in ("both", "another-bridge"):
                 needles.append("rank 0 refused it")  # the verdict of the rank that saw the overlap
+            if phase == "another-bridge":
+                needles.append("of this bridge or another")
             if not all(needle in result[phase]["error"] for needle in needles):
                 fail(f"phase {phase}: the error does not name the misuse and the fix: {result[phase]['error']}")
 
@@ -680,6 +685,17 @@ def overlapping_exports(args) -> dict:
         else:
             sum(1 for _ in first)
         refused("waiting", lambda: bridge.export_hf_weights(chunks, show_progress=False))
+        first.close()
+
+        # another-bridge: the second export is another bridge's (of the same model); the first is
+        # closed 3 tensors later on rank 1 than on rank 0
+        other = RefitBridge.from_hf_pretrained(args.hf)
+        first = iter(bridge.export_hf_weights(chunks, show_progress=False))
+        for _ in range(3):
+            next(first)
+        refused("another-bridge", lambda: other.export_hf_weights(chunks, show_progress=False))
+        for _ in range(3 if rank == 1 else 0):
+            next(first)  # with rank 0's close
         first.close()
 
         ours = [(name, tensor.clone()) for name, tensor in bridge.export_hf_weights(chunks, show_progress=False)]
