@@ -62,14 +62,14 @@ from mbridge_refit.runtime.collectives import (
     replica_participants,
 )
 from mbridge_refit.runtime.exporter import DEFAULT_BUCKET_BYTES, PlanExporter
-from mbridge_refit.runtime.handshake import DEFAULT_TIMEOUT_S, CollectiveCall
+from mbridge_refit.runtime.handshake import DEFAULT_TIMEOUT_S, CollectiveCall, CollectiveMisuseError, open_call
 from mbridge_refit.runtime.lifetime import (
     HeldOutputs,
     guard_buckets,
     guard_tensors,
     lifetime_checks_from_environment,
 )
-from mbridge_refit.runtime.live_params import LiveParams, registration_count
+from mbridge_refit.runtime.live_params import LiveParams, ModelChangedError, registration_count
 from mbridge_refit.runtime.lora import AdapterExport
 from mbridge_refit.runtime.param_sync import finish_pending_param_gathers
 from mbridge_refit.runtime.selection import LiveRows
@@ -179,7 +179,6 @@ class RefitBridge(AutoBridge):
         self._held_outputs = HeldOutputs()  # the checking mode's guards of the last held export
         self._model_state: _ModelState | None = None
         self._buffers: ExportBuffers | None = None
-        self._last_export: CollectiveCall | None = None  # the last collective export started (``_begin_collective``)
         super().__init__(hf_pretrained)
 
     @classmethod
@@ -241,6 +240,22 @@ class RefitBridge(AutoBridge):
         state.model_bridge.export_weight_dtype = self.export_weight_dtype
         return state
 
+    def _in_place_change(self, chunks: list[torch.nn.Module]) -> ModelChangedError | None:
+        """The ``ModelChangedError`` a planned parameter of ``chunks`` changed in place raises
+        (``LiveParams.check_in_place``: another dtype, a storage emptied), or None; local, no
+        collective (a model not planned yet has nothing to check). Once per export call, before
+        its handshake, which shares the verdict with every rank (``_begin_collective``)."""
+        state = self._model_state
+        if state is None or not _same_chunks(state.chunks, chunks):
+            return None
+        try:
+            for live in (state.live, state.lora_live):
+                if live is not None:
+                    live.check_in_place()
+        except ModelChangedError as err:
+            return err
+        return None
+
     def forget_model(self) -> None:
         """Drop everything derived from the current model (plan, exporters, parameter references);
         the next call plans again (collective). For a model changed in a way the plan cannot
@@ -292,7 +307,9 @@ class RefitBridge(AutoBridge):
         if state.exporter is None:
             params = state.live.params
             shards = te_fp8.dequantized_shards(params) if any(is_quantized(p) for p in params.values()) else None
-            state.exporter = PlanExporter(plan=state.plan, params=params, device=_device_of(params), shards=shards)
+            state.exporter = PlanExporter(
+                plan=state.plan, params=params, device=_device_of(params), shards=shards, moves=state.live.moves
+            )
         state.exporter.bucket_bytes = self.bucket_bytes
         return state.exporter
 
@@ -575,12 +592,21 @@ class RefitBridge(AutoBridge):
         )
 
     def release_export_buffers(self) -> None:
-        """Free the buffers kept by ``export_hf_weights(..., reuse_buffer_from_cache=True)``."""
+        """Free the buffers kept by ``export_hf_weights(..., reuse_buffer_from_cache=True)``, and the
+        views of parameters the exporters keep between exports (with them, the storages of parameters
+        swapped out since: ``param.data = ...``, an offload); the next export makes them anew."""
         if self._buffers is not None:
             self._buffers.release()
             self._buffers = None
-        if self._model_state is not None and self._model_state.lora is not None:
-            self._model_state.lora.held.release()
+        state = self._model_state
+        if state is None:
+            return
+        if state.lora is not None:
+            state.lora.held.release()
+            state.lora.exporter.release_views()
+        for exporter in (state.exporter, *(e for f in state.fp8.values() for e in (f.weights, f.scales))):
+            if exporter is not None:
+                exporter.release_views()
 
     def export_hf_weights(
         self,
@@ -604,9 +630,10 @@ class RefitBridge(AutoBridge):
         receives the full HF tensors. The stock positional arguments are unchanged. Checked
         (``runtime.handshake``, within ``collective_timeout_s``; ``None`` turns the checks off):
         a rank whose peers do not call it, or that leaves early, is named with
-        ``CollectiveMisuseError``; and one export of this bridge at a time: a call (this one,
-        ``export_hf_weight_buckets``, ``export_adapter_weights``) while the bridge's previous
-        export is still open on any rank (neither iterated to its end nor closed) raises
+        ``CollectiveMisuseError``; and one export at a time per process: a call (this one,
+        ``export_hf_weight_buckets``, ``export_adapter_weights``) while an export (this bridge's
+        previous one or another bridge's) is still open on any rank (neither iterated to its end
+        nor closed) raises
         ``CollectiveMisuseError`` on every rank, before any collective. Finish or close the first
         export, on every rank, before starting another (closing one runs its rest, with the peers).
 
@@ -727,8 +754,8 @@ class RefitBridge(AutoBridge):
         return guard_buckets(stream) if in_buckets else guard_tensors(stream)
 
     def _begin_collective(self, chunks: list[torch.nn.Module], what: str) -> CollectiveCall:
-        """Check that every rank the export needs calls it, and that none has an export of this
-        bridge still open (``runtime.handshake``: refused on every rank alike), before any collective."""
+        """Check that every rank the export needs calls it, and that none has an export still open
+        (of this bridge or another: ``runtime.handshake``, refused on every rank alike), before any collective."""
         state = (
             self._model_state
             if self._model_state is not None and _same_chunks(self._model_state.chunks, chunks)
@@ -741,9 +768,19 @@ class RefitBridge(AutoBridge):
             else range(torch.distributed.get_world_size())
         )
         call = CollectiveCall(what, participants, timeout_s=self.collective_timeout_s)
-        last = self._last_export
-        call.arrive(refusal=_still_open(last, what) if last is not None and last.open else None)
-        self._last_export = call
+        last = open_call()
+        changed = self._in_place_change(chunks)  # refused on every rank: none enters a collective alone
+        refusal = str(changed) if changed is not None else None
+        if refusal is None and last is not None:
+            refusal = _still_open(last, what)
+        try:
+            call.arrive(refusal=refusal)
+        except CollectiveMisuseError as err:
+            if changed is not None:
+                raise changed from err
+            raise
+        if changed is not None:  # no store to post it to (one process)
+            raise changed
         return call
 
     def _export(self, model: Any, options: "_ExportOptions", *, in_buckets: bool) -> Iterable:
@@ -751,8 +788,8 @@ class RefitBridge(AutoBridge):
         form, or the stock export where the plan cannot run what the caller asked (the reason
         logged once and kept in ``export_diagnostics().fallback_reason``)."""
         chunks, stock = _chunks(model), options.stock
+        state = self._state_for(chunks)  # a model changed in place was refused by the handshake (_in_place_change)
         finish_pending_param_gathers(chunks)  # before any rank skips: collective over data-parallel groups
-        state = self._state_for(chunks)
         fp8_config = self.fp8_config(options.fp8)
         if fp8_config is not None and (stock.conversion_tasks is not None or stock.weight_dtype is not None):
             raise ValueError(
@@ -1050,13 +1087,13 @@ class _NoExportWork:
 
 
 def _still_open(last: CollectiveCall, what: str) -> str:
-    """Why ``what`` is refused while ``last``, this bridge's previous export, is still open."""
+    """Why ``what`` is refused while ``last``, an export of this process (this bridge's or another's), is still open."""
     return (
-        f"{what} was called while this bridge's {last.what} (call #{last.number}) is still open (neither iterated "
-        "to its end nor closed): two exports in flight pair their gathers with the wrong partners. Finish or close "
-        "the first export on every rank before starting another: iterate it to the end, or call close() on it (a "
-        "generator kept alive, by a variable or an exception's traceback, stays open; closing one runs the rest of "
-        "its export, which its peers' close or iteration completes)"
+        f"{what} was called while {last.what} (call #{last.number}, of this bridge or another) is still open "
+        "(neither iterated to its end nor closed): two exports in flight pair their gathers with the wrong partners. "
+        "Finish or close the first export on every rank before starting another: iterate it to the end, or call "
+        "close() on it (a generator kept alive, by a variable or an exception's traceback, stays open; closing one "
+        "runs the rest of its export, which its peers' close or iteration completes)"
     )
 
 

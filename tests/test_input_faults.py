@@ -417,11 +417,12 @@ def tied_over(source: Path, dest: Path, *, equal_lm_head: bool) -> Path:
     return path
 
 
-@pytest.mark.parametrize("command", ["roundtrip", "import"])
+@pytest.mark.parametrize("command", ["roundtrip", "import", "verify-refit"])
 def test_a_tied_config_over_a_different_lm_head_is_refused(single_file, command, tmp_path, capsys, monkeypatch):
     """Exit 0 and the embedding written as ``lm_head.weight`` (stock's loader drops the output weight
-    of a tied model). Now exit 2 naming the tensor, the config key and both fixes, before any
-    process group starts (none may)."""
+    of a tied model; ``verify-refit`` refused it only in the load, after the process group and the
+    model's build). Now exit 2 naming the tensor, the config key and both fixes, before any process
+    group starts (none may)."""
     from mbridge_refit.convert import session
 
     def no_session(*args, **kwargs):
@@ -430,8 +431,8 @@ def test_a_tied_config_over_a_different_lm_head_is_refused(single_file, command,
     monkeypatch.setattr(session, "distributed_session", no_session)
     bad = tied_over(single_file, tmp_path / "bad", equal_lm_head=False)
     out = tmp_path / "out"
-    flag = "--megatron" if command == "import" else "--out"
-    code = convert(command, "--hf", bad, flag, out)
+    written = {"roundtrip": ("--out", out), "import": ("--megatron", out), "verify-refit": ("--json", out)}
+    code = convert(command, "--hf", bad, *written[command])
     err = capsys.readouterr().err
     assert code == ExitCode.BAD_INPUT, err[-3000:]
     assert all(needle in err for needle in TIED_FIX) and "Traceback" not in err, err[-3000:]

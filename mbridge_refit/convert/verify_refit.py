@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from mbridge_refit.convert.exit_codes import BadInput, ExitCode
 from mbridge_refit.convert.flags import add_device_flag, add_timeout_flag, device_from_flag, timeout_from_flag
-from mbridge_refit.convert.inputs import check_config_numbers, check_provider, supported_config
+from mbridge_refit.convert.inputs import check_config_numbers, check_provider, check_tied_output, supported_config
 from mbridge_refit.convert.tolerance import EPS_FACTOR, NOISE_FACTOR
 from mbridge_refit.plan.layout import LayoutError, ParallelLayout
 
@@ -134,6 +134,7 @@ def verify_options(args: argparse.Namespace) -> VerifyArgs:
         raise VerifyInputError(f"--tp {args.tp} --ep {args.ep}: {err}") from err
     if config is not None:
         check_provider(config, layout)
+        check_tied_output(args.hf)  # the loader's own check would come after the process group and the build
     source, name = next(
         (k, str(v)) for k, v in (("hf", args.hf), ("recipe", args.recipe), ("shape", args.shape)) if v is not None
     )

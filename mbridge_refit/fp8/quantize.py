@@ -23,7 +23,7 @@ import torch
 from mbridge_refit.fp8.format import BLOCK, FP8_DTYPE, SCALE_DTYPE, FP8Pair, Scratch, row_piece, scale_shape
 from mbridge_refit.fp8.reference import padded_shape, quantize_reference
 from mbridge_refit.plan.entries import ExportPlan
-from mbridge_refit.runtime.buffers import ExportBuffers
+from mbridge_refit.runtime.buffers import ExportBuffers, check_not_rebound
 from mbridge_refit.runtime.selection import RowSelection, materialized
 from mbridge_refit.runtime.stamps import StampedBucket, new_stamp, stamp_of
 
@@ -208,6 +208,8 @@ class BucketQuantizer:
     _sources_key: tuple = ()
     _grouped: list = dataclasses.field(default_factory=list)  # kernels.GroupedLaunch, one per input dtype
     _singles: tuple[int, ...] = ()  # jobs (see _jobs) quantized one launch each (unaligned, or no grouped kernel)
+    _aliases: tuple = ()  # private aliases of the ``produced`` tensors, made with them (``_check_outputs``)
+    _dtypes: list = dataclasses.field(default_factory=list)  # and their dtypes
 
     @classmethod
     def build(
@@ -221,8 +223,8 @@ class BucketQuantizer:
             index = len(positions)
             positions.append(position)
             scale_names.append(entry.hf_name)
-            q.append(buffers.get("fp8", index, tuple(tensor.shape), FP8_DTYPE, tensor.device))
-            s.append(buffers.get("fp8_scale", index, entry.shape, SCALE_DTYPE, tensor.device))
+            q.append(buffers.get("fp8", index, tuple(tensor.shape), FP8_DTYPE, tensor.device, name))
+            s.append(buffers.get("fp8_scale", index, entry.shape, SCALE_DTYPE, tensor.device, entry.hf_name))
             runs.append(_block_runs(tensor) if isinstance(tensor, RowSelection) else None)
         job_at = {p: i for i, p in enumerate(positions)}
         produced, order = [], []
@@ -242,10 +244,13 @@ class BucketQuantizer:
             produced=produced,
             order=tuple(order),
             plan=plan,
+            _aliases=tuple(None if t.is_meta else t.detach() for _, t in produced),
+            _dtypes=[t.dtype for _, t in produced],
         )
 
     def run(self, sources: list, buffers: ExportBuffers) -> None:
         """Quantize this export's ``sources`` (the bucket's tensors at ``positions``)."""
+        self._check_outputs()
         sources = self._resolved(sources)
         key = tuple([(x.data_ptr(), x.stride(0) if x.dim() else 0) for x in sources])
         if key != self._sources_key:
@@ -257,7 +262,8 @@ class BucketQuantizer:
 
     def launch(self, bucket: list, buffers: ExportBuffers) -> None:
         """Quantize ``bucket`` (plain tensors) whose sources are those the launches were last planned
-        for (``quantize_bucket_lists``' steady path): no check of where they are."""
+        for (``quantize_bucket_lists``' steady path): no check of where they are (the outputs are checked)."""
+        self._check_outputs()
         self._launch_grouped()
         if self._singles:
             self._quantize_singles([bucket[i][1] for i in self.positions], buffers)
@@ -269,6 +275,18 @@ class BucketQuantizer:
         if len(self.order) == 1:
             return [combined[self.order[0]]]
         return list(operator.itemgetter(*self.order)(combined)) if self.order else []
+
+    def _check_outputs(self) -> None:
+        """Raise ``ReboundOutputError`` where a consumer changed one of the tensors this yields every export
+        (the launches write where they were made): one ``is_set_to`` and one dtype per output, in C-level maps."""
+        outputs = [tensor for _, tensor in self.produced]
+        if None in self._aliases or (
+            all(map(torch.Tensor.is_set_to, outputs, self._aliases))
+            and list(map(operator.attrgetter("dtype"), outputs)) == self._dtypes
+        ):
+            return
+        for (name, tensor), alias, dtype in zip(self.produced, self._aliases, self._dtypes):
+            check_not_rebound(tensor, alias, dtype, name)
 
     def _launch_grouped(self) -> None:
         for launch in self._grouped:

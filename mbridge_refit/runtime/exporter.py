@@ -16,10 +16,22 @@ output buffer of its own there.
 Buffers (gather, output, receive) come from ``ExportBuffers``; with a persistent pool they are
 allocated on the first export and reused by every later one. HF tensors that are views of a local
 parameter (nothing gathered or converted: TP1, experts at EP1 and ETP1, replicated norms) are
-made once and reused while the parameter's data stays at the same address, so the steady export
-of a many-expert model does no torch work per tensor for them (``tests/test_host_work.py``); a
-bucket of nothing but such views is yielded as the same pairs, stamped (``runtime.stamps``), with
-no Python work per tensor.
+made once and reused while they are intact (``_intact``), so the steady export of a many-expert
+model does no torch work per tensor for them (``tests/test_host_work.py``); a bucket of nothing
+but such views is yielded as the same pairs, stamped (``runtime.stamps``), with no Python work per
+tensor. Intact means, checked every export in C-level ``map`` calls: the parameter's data is where
+it was (what a stamp promises; read only where ``moves`` says an address may have changed), it is
+set to what
+the views were made from (``Tensor.is_set_to`` a reference kept with them: the same storage,
+offset, sizes and strides; the reference holds that storage, so a new one is told apart even where
+it took the old one's address after an offload emptied it), and each yielded view is
+still what was made (a consumer's ``t.data = ...`` on a yielded tensor fails ``is_set_to`` against
+a private alias made with it, or its dtype). Where a check fails the views are made anew from the
+parameter as it is, after checking that its storage holds its data and that the views have the
+plan's shapes and dtypes (``ModelChangedError`` otherwise). The parameters' dtypes and storages
+are the caller's to check before each export (``LiveParams.check_in_place``: a storage emptied in
+place keeps its views set to it). ``release_views`` drops every kept view (and the storages they
+pin).
 """
 
 from __future__ import annotations
@@ -34,6 +46,7 @@ from mbridge_refit.plan.conversions import ELEMENTWISE_OPS, RELAYOUTS
 from mbridge_refit.plan.entries import ExportPlan, PlanEntry
 from mbridge_refit.runtime.buffers import ExportBuffers
 from mbridge_refit.runtime.collectives import ParallelGroups, broadcast_from, coalesced, current_groups, gather_into
+from mbridge_refit.runtime.live_params import ModelChangedError, check_readable
 from mbridge_refit.runtime.progress import progress_bar
 from mbridge_refit.runtime.schedule import Assembly, AssemblyKind, Bucket, Op, build_buckets, build_ops, gather_count
 from mbridge_refit.runtime.selection import LiveRows, RowSelection
@@ -73,6 +86,9 @@ class PlanExporter:
     device: torch.device
     shards: ShardSource | None = None  # how to read a local shard; default: the parameter itself
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    # A count that changes whenever a data address of ``params`` may have changed (``LiveParams.moves``,
+    # brought up to date before each export); None: kept views read their parameters' addresses every export.
+    moves: Callable[[], int] | None = None
     _ops: list[Op] = field(default_factory=list)
     _indices: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
 
@@ -85,11 +101,13 @@ class PlanExporter:
             self.shards = plain_shards(self.params)
         self._buckets_for: dict[tuple[int, int | None], tuple[list[Bucket], Any]] = {}
         # Ops whose HF tensors are views of their one local parameter, on this rank (no gather, no
-        # conversion): their views are made once and reused while the parameter's data stays where
-        # it was (``_views_of``), so a steady export does no per-tensor torch work for them.
-        self._view_ops = frozenset(id(op) for op in self._ops if self._only_views(op))
-        self._views: dict[int, tuple[int, list[torch.Tensor]]] = {}
-        # id(bucket) -> its kept views, for buckets whose running ops are all view ops (``_kept_views``)
+        # conversion): their views are made once and reused while intact (``_views_of``), so a
+        # steady export does no per-tensor torch work for them. Not on the meta device (no
+        # ``is_set_to`` there): views are made every export.
+        keeps = self.device.type != "meta"
+        self._view_ops = frozenset(id(op) for op in self._ops if keeps and self._only_views(op))
+        self._views: dict[int, _OpViews] = {}  # id(op) -> its kept views
+        # id(bucket) -> the joined record of its view ops (``_kept_record``)
         self._bucket_views: dict[int, _KeptViews] = {}
         # needed names -> (the buckets, ops_holding of them, the buckets with nothing to leave out): a
         # consumer passes the same names every step
@@ -225,10 +243,10 @@ class PlanExporter:
     ) -> list[tuple[str, torch.Tensor | RowSelection]]:
         """The bucket's ``(hf_name, tensor)`` pairs; with ``slots``, only those ops' (the same on every rank).
         A views-only bucket's pairs are kept with its views and yielded stamped (``runtime.stamps``):
-        the same pair objects while ``_kept_record`` finds its parameters where they were."""
+        the same pair objects while ``_kept_record`` finds its views intact."""
         if self._groups.pp_size == 1:
-            kept = self._kept_record(bucket, slots)
-            if kept is not None and kept.items is not None:
+            kept = self._bucket_views.get(id(bucket))
+            if kept is not None and kept.items is not None and self._kept_record(bucket, slots) is kept:
                 return StampedBucket(kept.items, kept.stamp)
         assembled = self._assemble_bucket(bucket, buffers, slots)
         lazy = select_rows_lazily and self._groups.pp_size == 1
@@ -259,6 +277,7 @@ class PlanExporter:
         kept = self._bucket_views.get(id(bucket))
         if (
             kept is None
+            or not kept.whole
             or kept.assembled is not assembled
             or kept.slots != slots
             or self._groups.pp_size != 1
@@ -282,9 +301,10 @@ class PlanExporter:
         ``slots``)."""
         if bucket.pp_rank != self._groups.pp_rank:
             return [None] * len(bucket.ops)
-        kept = self._kept_views(bucket, slots)
-        if kept is not None:
-            return kept
+        kept = self._kept_record(bucket, slots)
+        if kept is not None and kept.whole:
+            return kept.assembled
+        kept_views = kept.assembled if kept is not None else None  # the view ops' views, all intact
         runs = [op.source is not None and (slots is None or slot in slots) for slot, op in enumerate(bucket.ops)]
         views = [runs[slot] and id(op) in self._view_ops for slot, op in enumerate(bucket.ops)]
         launch = [run and not view for run, view in zip(runs, views)]
@@ -302,7 +322,7 @@ class PlanExporter:
                 for slot, op in enumerate(bucket.ops):
                     gathered.append(self._launch_gathers(op, slot, buffers) if launch[slot] else {})
         assembled = [
-            self._views_of(op, slot, buffers)
+            (kept_views[slot] if kept_views is not None else self._views_of(op, slot, buffers))
             if views[slot]
             else self._assemble(op, slot, gathered[slot], buffers)
             if launch[slot]
@@ -310,34 +330,41 @@ class PlanExporter:
             for slot, op in enumerate(bucket.ops)
         ]
         names = [op.source for op, view in zip(bucket.ops, views) if view]
-        # nothing gathered or built: every running op's tensors are views of its parameter
-        if names and not any(launch):
-            get = operator.itemgetter(*names)
-            params = _parameters(self.params, get)
-            addresses = list(map(torch.Tensor.data_ptr, params))
-            self._bucket_views[id(bucket)] = _KeptViews(bucket, slots, get, params, addresses, assembled, None, None)
+        if names and kept_views is None:  # the view ops' records, joined: one check per bucket from now on
+            records = [self._views[id(op)] for op, view in zip(bucket.ops, views) if view]
+            whole = not any(launch)  # nothing gathered or built: every running op's tensors are views
+            only_views = assembled if whole else [a if view else None for a, view in zip(assembled, views)]
+            moves = None if self.moves is None else self.moves()
+            self._bucket_views[id(bucket)] = _KeptViews.of(
+                bucket, slots, operator.itemgetter(*names), records, only_views, whole, moves
+            )
         return assembled
 
-    def _kept_views(self, bucket: Bucket, slots: frozenset[int] | None) -> list | None:
-        """A views-only bucket's assembled views as the last export left them (``_kept_record``), or None."""
-        kept = self._kept_record(bucket, slots)
-        return None if kept is None else kept.assembled
-
     def _kept_record(self, bucket: Bucket, slots: frozenset[int] | None) -> "_KeptViews | None":
-        """A views-only bucket's record, while the model holds the same parameter objects (a replaced
-        parameter is found in ``params`` by its name) with their data where it was (a ``.data`` swap
-        moves it): C calls only, none of ``_views_of``'s per-op Python; None otherwise. The record
-        holds the bucket, so its id is its own."""
+        """The record of a bucket's view ops, while every view of them is intact (``_intact``, for the
+        parameters ``params`` holds now: a replaced one is found by its name): C calls only, none of
+        ``_views_of``'s per-op Python; None otherwise. The record holds the bucket, so its id is its own."""
         kept = self._bucket_views.get(id(bucket))
         if kept is None or kept.bucket is not bucket or kept.slots != slots:
             return None
         params = _parameters(self.params, kept.get)
-        if (
-            not all(map(operator.is_, params, kept.params))
-            or list(map(torch.Tensor.data_ptr, params)) != kept.addresses
+        moves = None if self.moves is None else self.moves()
+        if not (
+            all(map(_is_set_to, params, kept.refs))
+            and (moves == kept.moves or list(map(_data_ptr, params)) == kept.addresses)
+            and all(map(_is_set_to, kept.loose, kept.loose_aliases))
+            and list(map(_dtype, kept.views)) == kept.dtypes
         ):
             return None
+        if moves != kept.moves:  # the addresses were read: the same as when the views were made
+            kept = self._bucket_views[id(bucket)] = kept._replace(moves=moves)
         return kept
+
+    def release_views(self) -> None:
+        """Drop every kept view and its record (and so the parameter storages they pin: a storage
+        swapped out by ``param.data = ...`` is freed); the next export makes them anew."""
+        self._views.clear()
+        self._bucket_views.clear()
 
     def _only_views(self, op: Op) -> bool:
         """Whether every HF tensor of ``op`` is, on this rank, a view of its one local parameter read
@@ -350,15 +377,23 @@ class PlanExporter:
         )
 
     def _views_of(self, op: Op, slot: int, buffers: ExportBuffers) -> list[torch.Tensor]:
-        """``op``'s HF tensors, views of its parameter: made on the first export, reused while the
-        parameter's data is where the views point (a ``.data`` swap or an offload that re-creates
-        the storage moves it, and the views are made again from the parameter as it is now)."""
-        address = self.params[op.source].data_ptr()
-        cached = self._views.get(id(op))
-        if cached is not None and cached[0] == address:
-            return cached[1]
+        """``op``'s HF tensors, views of its parameter: made on the first export, reused while they are
+        intact (``_intact``), made again from the parameter as it is now otherwise (a ``.data`` swap,
+        an offload that re-creates or refills the storage, a consumer that rebound a yielded view)."""
+        param = self.params[op.source]
+        kept = self._views.get(id(op))
+        if kept is not None and _intact(param, kept):
+            return kept.views
+        check_readable(op.source, param)
         views = self._assemble(op, slot, self._launch_gathers(op, slot, buffers), buffers)
-        self._views[id(op)] = (address, views)
+        for entry, view in zip(op.builds, views):
+            if tuple(view.shape) != tuple(entry.shape) or view.dtype != entry.torch_dtype:
+                raise ModelChangedError(
+                    f"parameter {op.source} ({list(param.shape)} {param.dtype}) no longer gives {entry.hf_name} as the "
+                    f"export plan has it ({list(entry.shape)} {entry.dtype}; it gives {list(view.shape)} {view.dtype}): "
+                    "build the plan anew for the changed model (bridge.forget_model() on every rank, then export)"
+                )
+        self._views[id(op)] = _OpViews.of(param, views)
         return views
 
     def _gather_expert_shards(self, bucket: Bucket, runs: list[bool], buffers: ExportBuffers) -> list[dict]:
@@ -440,7 +475,7 @@ class PlanExporter:
             if entry.elementwise_op is not None:
                 ELEMENTWISE_OPS[entry.elementwise_op].export(tensor)
             if entry.relayout is not None:
-                outputs[i] = buffers.get("relaid", (slot, i), entry.shape, tensor.dtype, tensor.device)
+                outputs[i] = buffers.get("relaid", (slot, i), entry.shape, tensor.dtype, tensor.device, entry.hf_name)
                 outputs[i].copy_(RELAYOUTS[entry.relayout].export(tensor))
         return outputs
 
@@ -484,7 +519,7 @@ class PlanExporter:
                 self.shards(name, entry, (slot, index), buffers).detach() for index, name in enumerate(op.sources)
             ]
         dtype, device = experts[0].dtype, experts[0].device
-        out = buffers.get("out", (slot, 0), entry.shape, dtype, device)
+        out = buffers.get("out", (slot, 0), entry.shape, dtype, device, entry.hf_name)
         share = out if ep_size == 1 else buffers.get("pack", (slot, 0), (len(experts), *entry.shape[1:]), dtype, device)
         fill_stack(entry.sharding.stack, share, experts, buffers.memo)
         if ep_size > 1:
@@ -500,7 +535,7 @@ class PlanExporter:
             rows = self._device_rows(entry, assembly)
             packed = buffers.get("pack", index, (rows.numel(), *local.shape[1:]), local.dtype, local.device)
             torch.index_select(local, 0, rows, out=packed)
-        out = buffers.get("out", index, entry.shape, local.dtype, local.device)
+        out = buffers.get("out", index, entry.shape, local.dtype, local.device, entry.hf_name)
         gather_into(out, packed, self._groups.tp, self._groups.tp_size)
         return out
 
@@ -521,10 +556,10 @@ class PlanExporter:
                     flat,
                     0,
                     self._device_rows(entry, assembly),
-                    out=buffers.get("out", index, entry.shape, gathered.dtype, gathered.device),
+                    out=buffers.get("out", index, entry.shape, gathered.dtype, gathered.device, entry.hf_name),
                 ),
             )
-        out = buffers.get("out", index, entry.shape, gathered.dtype, gathered.device)
+        out = buffers.get("out", index, entry.shape, gathered.dtype, gathered.device, entry.hf_name)
         for rank, copy in assembly.pieces:
             out.narrow(copy.dim, copy.hf_start, copy.length).copy_(
                 gathered[rank].narrow(copy.dim, copy.local_start, copy.length)
@@ -542,7 +577,7 @@ class PlanExporter:
         self, entry: PlanEntry, tensor: torch.Tensor | None, index: tuple, buffers: ExportBuffers
     ) -> torch.Tensor:
         if tensor is None:
-            tensor = buffers.get("recv", index, entry.shape, entry.torch_dtype, self.device)
+            tensor = buffers.get("recv", index, entry.shape, entry.torch_dtype, self.device, entry.hf_name)
         elif not tensor.is_contiguous():
             tensor = tensor.contiguous()
         broadcast_from(tensor, self._groups.pp, entry.pp_rank)
@@ -566,17 +601,89 @@ def ops_holding(buckets: list[Bucket], needed: frozenset[str], plan: ExportPlan)
     return run
 
 
+_is_set_to = torch.Tensor.is_set_to
+_data_ptr = torch.Tensor.data_ptr
+_dtype = operator.attrgetter("dtype")
+
+
+class _OpViews(NamedTuple):
+    """One view op's HF tensors, views of its parameter, and what tells they are intact (``_intact``)."""
+
+    views: list[torch.Tensor]  # as ``_assemble`` made them: what is yielded
+    ref: torch.Tensor  # what the parameter must be set to: a view among ``views`` with its layout, else an alias
+    address: int  # the parameter's data_ptr when the views were made (a stamp promises the same addresses)
+    loose: tuple[torch.Tensor, ...]  # the views other than ``ref``
+    loose_aliases: tuple[torch.Tensor, ...]  # private aliases of those, made with them
+    dtypes: list[torch.dtype]  # every view's dtype
+
+    @classmethod
+    def of(cls, param: torch.Tensor, views: list[torch.Tensor]) -> "_OpViews":
+        """The record of ``views``, just made from ``param``. A view with the parameter's own layout
+        (the whole parameter) is the parameter's reference: one ``is_set_to`` checks both; the
+        other references are private aliases (``detach``: the same storage, never yielded)."""
+        whole = next((view for view in views if param.is_set_to(view)), None)
+        ref = whole if whole is not None else param.detach()
+        loose = tuple(view for view in views if view is not whole)
+        aliases = tuple(view.detach() for view in loose)
+        return cls(views, ref, param.data_ptr(), loose, aliases, list(map(_dtype, views)))
+
+
+def _intact(param: torch.Tensor, kept: _OpViews) -> bool:
+    """Whether ``kept``'s views still show ``param`` as it is, unchanged by anyone (module docstring)."""
+    return (
+        param.is_set_to(kept.ref)
+        and param.data_ptr() == kept.address
+        and all(map(_is_set_to, kept.loose, kept.loose_aliases))
+        and list(map(_dtype, kept.views)) == kept.dtypes
+    )
+
+
 class _KeptViews(NamedTuple):
-    """A views-only bucket's assembled views and what they were made from (``PlanExporter._kept_views``)."""
+    """A bucket's view ops' views and what tells they are intact (``PlanExporter._kept_record``): their
+    ``_OpViews`` records, joined so that one ``map`` per check covers the bucket."""
 
     bucket: Bucket  # held, so the id it is kept under stays its own
     slots: frozenset[int] | None  # the ops that ran
     get: operator.itemgetter  # the running ops' parameters, from the exporter's ``params`` by name
-    params: tuple[torch.Tensor, ...]  # those parameter objects
-    addresses: list[int]  # where their data was
-    assembled: list  # the views, as ``_assemble_bucket`` returns them
-    items: tuple | None  # the bucket's (hf_name, view) pairs, once yielded (``_keep_items``)
+    refs: tuple[torch.Tensor, ...]  # per parameter, its ``_OpViews.ref``
+    addresses: list[int]  # per parameter, where its data was
+    moves: int | None  # ``PlanExporter.moves()`` when the addresses were last found so
+    loose: tuple[torch.Tensor, ...]  # the ops' ``loose`` views, joined
+    loose_aliases: tuple[torch.Tensor, ...]  # and their aliases
+    views: tuple[torch.Tensor, ...]  # every view of the bucket
+    dtypes: list[torch.dtype]  # and its dtype
+    assembled: list  # per slot, the op's views (None for an op that is no view op or did not run)
+    whole: bool  # every running op is a view op: ``assembled`` is what ``_assemble_bucket`` returns
+    items: tuple | None  # a whole bucket's (hf_name, view) pairs, once yielded (``_keep_items``)
     stamp: int | None  # their stamp (``runtime.stamps``)
+
+    @classmethod
+    def of(
+        cls,
+        bucket: Bucket,
+        slots: frozenset[int] | None,
+        get: operator.itemgetter,
+        records: list[_OpViews],
+        assembled: list,
+        whole: bool,
+        moves: int | None,
+    ) -> "_KeptViews":
+        return cls(
+            bucket,
+            slots,
+            get,
+            tuple(r.ref for r in records),
+            [r.address for r in records],
+            moves,
+            tuple(v for r in records for v in r.loose),
+            tuple(a for r in records for a in r.loose_aliases),
+            tuple(v for r in records for v in r.views),
+            [d for r in records for d in r.dtypes],
+            assembled,
+            whole,
+            None,
+            None,
+        )
 
 
 def _parameters(params: dict[str, torch.Tensor], get: operator.itemgetter) -> tuple[torch.Tensor, ...]:

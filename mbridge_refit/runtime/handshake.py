@@ -14,8 +14,9 @@ store (the default group's ``TCPStore``; no collective, no device work):
   e.g. ``break``) records that it left, then runs the rest of the export without yielding it,
   so its peers' collectives complete; every peer raises ``CollectiveMisuseError`` naming it when
   its own export ends. ``open`` says whether the guarded stream may still issue collectives (not
-  iterated to its end, closed or garbage-collected).
-* ``arrive(refusal=...)``: a rank that must refuse the call (its caller's previous export is still
+  iterated to its end, closed or garbage-collected); ``open_call``, the call of this process (of
+  any bridge) whose stream is still open.
+* ``arrive(refusal=...)``: a rank that must refuse the call (an export of this process is still
   ``open``: two exports in flight pair their collectives with the wrong partners) posts the
   refusal under the call's key and raises at once, waiting for no one and issuing no collective;
   every other participant raises the same ``CollectiveMisuseError`` when it arrives, or, if it is
@@ -40,7 +41,11 @@ skip the store.
 Calls are numbered per set of participants, so every participant must make the same calls in the
 same order, as the contract says anyway (a refused call counts too). A generator that is abandoned
 without being closed is noticed only while it is alive (``open``): one garbage-collected unstarted
-runs nothing, and its peers wait in their gathers until the process group's timeout.
+runs nothing, and its peers wait in their gathers until the process group's timeout. So does one
+the cycle collector frees (dropped while a reference cycle, e.g. an exception's traceback, held
+it): the collector finalizes the export it wraps first, in no set order. Running its rest there
+would be worse: the collector runs at a different point on each rank, where the rest's
+collectives would pair with whatever the peers run then.
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ import torch.distributed as dist
 
 from mbridge_refit.errors import UsageError, wire_version_mismatch
 
-__all__ = ["CALLS_PROTOCOL", "CollectiveCall", "CollectiveMisuseError", "DEFAULT_TIMEOUT_S"]
+__all__ = ["CALLS_PROTOCOL", "CollectiveCall", "CollectiveMisuseError", "DEFAULT_TIMEOUT_S", "open_call"]
 
 # The layout of the calls' keys and what their values mean (module docstring): bump it with any change.
 CALLS_PROTOCOL = 1
@@ -149,7 +154,9 @@ class CollectiveCall:
             return stream
         guarded = self._guarded(iter(stream), self._key(self.number))
         if issues_collectives:
+            global _last_guarded
             self._stream = weakref.ref(guarded)
+            _last_guarded = self
         return guarded
 
     def _other_versions(self, arrived: int) -> str | None:
@@ -226,6 +233,14 @@ class CollectiveCall:
 
 
 _CALLS: dict[tuple[int, ...], int] = {}
+_last_guarded: CollectiveCall | None = None  # the last call whose stream ``guard`` handed out, in this process
+
+
+def open_call() -> CollectiveCall | None:
+    """The collective call of this process (any bridge's) whose stream is still open, or None:
+    a collective export started while it is open pairs its collectives with the wrong partners."""
+    last = _last_guarded
+    return last if last is not None and last.open else None
 
 
 def _digest(participants: tuple[int, ...]) -> str:

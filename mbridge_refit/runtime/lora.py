@@ -81,7 +81,7 @@ class AdapterExport:
             return item
         if isinstance(tensor, RowSelection):
             tensor = tensor.materialize()
-        out = buffers.get(MERGED_ROLE, index, tuple(tensor.shape), tensor.dtype, tensor.device)
+        out = buffers.get(MERGED_ROLE, index, tuple(tensor.shape), tensor.dtype, tensor.device, name)
         merge_adapter(out, tensor, factors[target.a_entry], factors[target.lora_b], target.scale, buffers)
         return name, out
 

@@ -7,18 +7,19 @@ bucket stamped ``s`` holds the same pair objects, in the same order, and its pro
 in the export that yielded it, that each tensor still reads the memory (the addresses) it read
 when ``s`` was issued:
 
-* ``PlanExporter`` stamps a bucket whose tensors are all views of parameters (``_kept_views``)
-  while the model holds the same parameter objects with their data where it was;
+* ``PlanExporter`` stamps a bucket whose tensors are all views of parameters (``_kept_record``)
+  while those views are intact: each parameter set to the storage, offset, sizes and strides its
+  views were made from, and each view as it was made (``runtime.exporter``);
 * the FP8 quantizer (``fp8.quantize``) stamps its output for a stamped input: the same input
   pairs, quantized into buffers it holds, with the same launches.
 
 A consumer that saw stamp ``s`` before may therefore reuse what it derived from those tensors'
 places (``IpcSession``: the layout it shared with an engine) without reading each one again. A stamp
 speaks of places, not of how long the values last: without ``hold_outputs`` a later bucket of the
-same export may write into the buffers a stamped bucket yielded, as for any bucket. The addresses
-checked are the parameters': a parameter whose storage is freed in place (``resize_(0)``) and whose
-data comes back at the same address is not told apart (as nowhere in the exporter's caches). The
-list itself is the consumer's (a new list every export): changing it changes no later bucket. A
+same export may write into the buffers a stamped bucket yielded, as for any bucket. A parameter
+whose storage is emptied in place (``resize_(0)``) and filled again keeps its views and its stamp,
+which then read the storage's new memory (a consumer that mapped the old memory must look at the
+addresses too). The list itself is the consumer's (a new list every export): changing it changes no later bucket. A
 bucket without a stamp (any plain list) promises nothing; a transform that builds new pairs
 yields plain lists unless it stamps them under the same rule.
 """
