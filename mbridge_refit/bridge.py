@@ -19,15 +19,17 @@ every stock method keeps its signature. What changes:
 * ``load_hf_shards``: HF → Megatron where each rank reads only its own slices from the
   safetensors files (works on CPU at any TP/PP/EP; the stock loader needs CUDA at TP>1).
 
-Everything derived from one model (model bridge, plan, exporters, FP8 export) lives in one
-``_ModelState`` record, replaced when the bridge is handed another model; the output buffers
-outlive it (``release_export_buffers`` frees them). ``export_diagnostics`` reports what the
-export holds, for benchmarks and monitoring.
+Everything derived from one model (model bridge, plan, exporters, FP8 export, LoRA adapters)
+lives in one ``_ModelState`` record, replaced when the bridge is handed another model; the output
+buffers outlive it (``release_export_buffers`` frees them). ``export_diagnostics`` reports what
+the export holds, for benchmarks and monitoring. The bridge is the facade of the FP8 export
+(``fp8.export``) and of the routes of models with LoRA adapters (``runtime.lora_routing``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import weakref
 from dataclasses import dataclass, field
@@ -41,15 +43,14 @@ from mbridge_refit.checkpoints.hf import HFCheckpoint, remote_code_refusal
 from mbridge_refit.checkpoints.loader import LoadReport, check_hf_shapes, check_tied_output, load_hf_shards
 from mbridge_refit.errors import InputError
 from mbridge_refit.fp8 import te as te_fp8
-from mbridge_refit.fp8.format import FP8_DTYPE_NAME, BlockwiseFP8Config, FP8FormatError, scale_name
-from mbridge_refit.fp8.plan import fp8_plan, yielded_bytes
-from mbridge_refit.fp8.quantize import block_row_runs, quantize_bucket_lists
-from mbridge_refit.plan.build import build_export_plan, current_sizes
+from mbridge_refit.fp8.export import FP8Export, build_fp8_export, fp8_adapters, fp8_buckets, resolve_fp8_config
+from mbridge_refit.fp8.format import BlockwiseFP8Config, FP8FormatError
+from mbridge_refit.fp8.quantize import block_row_runs
+from mbridge_refit.plan.build import build_export_plan
 from mbridge_refit.plan.engine_layout import EngineLayout
 from mbridge_refit.plan.entries import ExportPlan, PlanError
 from mbridge_refit.plan.layout import ModelShape
-from mbridge_refit.plan.lora import adapted_params, build_lora_plan
-from mbridge_refit.plan.storage import FP8_BLOCKWISE, is_quantized
+from mbridge_refit.plan.storage import is_quantized
 from mbridge_refit.plan.task_selection import TaskMismatch, names_for_tasks
 from mbridge_refit.plan.transfer import TransferPlan, build_transfer_plan
 from mbridge_refit.runtime.buffers import ExportBuffers
@@ -71,6 +72,13 @@ from mbridge_refit.runtime.lifetime import (
 )
 from mbridge_refit.runtime.live_params import LiveParams, ModelChangedError, registration_count
 from mbridge_refit.runtime.lora import AdapterExport
+from mbridge_refit.runtime.lora_routing import (
+    ModelAdapters,
+    adapter_export_route,
+    adapter_tuples,
+    merge_route,
+    refuse_adapters,
+)
 from mbridge_refit.runtime.param_sync import finish_pending_param_gathers
 from mbridge_refit.runtime.selection import LiveRows
 from mbridge_refit.runtime.sharded_transfer import ShardedTransfer
@@ -78,41 +86,6 @@ from mbridge_refit.runtime.sharded_transfer import ShardedTransfer
 __all__ = ["ExportDiagnostics", "FP8Export", "RefitBridge"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class FP8Export:
-    """What an FP8 export of one model with one config runs (built once by ``RefitBridge.fp8_export``)."""
-
-    base: ExportPlan  # the BF16 plan it was derived from
-    config: BlockwiseFP8Config
-    plan: ExportPlan  # what the export yields
-    weights: PlanExporter
-    scales: PlanExporter | None  # scale_inv shards of the weights the trainer keeps as FP8
-    shipped_scales: frozenset[str]  # HF names of those weights
-    bucket_sizes: dict[str, int]  # bytes yielded per BF16-plan tensor: buckets hold what the FP8 export yields
-    _needed: dict = field(default_factory=dict, repr=False, compare=False)  # _selection's, per ``only``
-
-    def weights_needed(self, only: frozenset[str]) -> frozenset[str]:
-        """The BF16-plan names an export of ``only`` reads: the selected weights and the weights whose
-        scales are selected."""
-        return self._selection(only)[0]
-
-    def yields_only(self, only: frozenset[str]) -> bool:
-        """Whether reading ``weights_needed(only)`` yields names of ``only`` alone (each weight read
-        and its scale both selected), so that nothing is left to filter out."""
-        return self._selection(only)[1]
-
-    def _selection(self, only: frozenset[str]) -> tuple[frozenset[str], bool]:
-        """Kept per set of names: a few sets, the same every step of a refit."""
-        selection = self._needed.get(only)
-        if selection is None:
-            if len(self._needed) >= 8:
-                self._needed.clear()
-            needed = frozenset(e.scale_of or e.hf_name for e in self.plan.entries if e.hf_name in only)
-            yielded = {e.hf_name for e in self.plan.entries if e.hf_name in needed or e.scale_of in needed}
-            selection = self._needed[only] = (needed, yielded <= only)
-        return selection
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -149,11 +122,8 @@ class _ModelState:
     group: Any = None  # the ranks the plan was built over (None: the whole job)
     everyone: list[Any] | None = None  # those ranks' RankGroups (one object gather, when replicas are asked for)
     grid: tuple[Any, ...] | None = None  # those ranks' TrainerRank coordinates (one object gather, for transfer plans)
-    adapted: frozenset[str] | None = None  # the plan's base weights that LoRA adapters wrap
     registrations: int = 0  # ``registration_count()`` when the state was made (a PEFT wrap before planning shows)
-    lora: AdapterExport | None = None  # the model's LoRA adapters (``plan.lora``), built on first use
-    lora_live: LiveParams | None = None  # their factor parameters, kept current
-    lora_error: PlanError | None = None  # why they have no plan (every rank alike; never retried)
+    adapters: ModelAdapters | None = None  # the plan's LoRA adapters (``runtime.lora_routing``), made on first use
 
 
 class RefitBridge(AutoBridge):
@@ -227,8 +197,8 @@ class RefitBridge(AutoBridge):
             )
             weakref.finalize(chunks[0], _drop_state, weakref.ref(self), weakref.ref(state))
         elif state.live is not None:
-            if state.lora_live is not None:
-                state.lora_live.refresh()
+            if state.adapters is not None:
+                state.adapters.refresh()
             replaced = state.live.refresh()
             if replaced:
                 state.tasks = _with_current_params(state.tasks, state.live.params, frozenset(replaced))
@@ -249,9 +219,10 @@ class RefitBridge(AutoBridge):
         if state is None or not _same_chunks(state.chunks, chunks):
             return None
         try:
-            for live in (state.live, state.lora_live):
-                if live is not None:
-                    live.check_in_place()
+            if state.live is not None:
+                state.live.check_in_place()
+            if state.adapters is not None:
+                state.adapters.check_in_place()
         except ModelChangedError as err:
             return err
         return None
@@ -318,24 +289,11 @@ class RefitBridge(AutoBridge):
         Collective on the first call for a model; raises ``PlanError`` on every rank alike for
         adapters the plan does not describe (kept: never retried)."""
         state = self._planned(chunks)
-        if state.adapted is None:
-            state.adapted = adapted_params(state.plan)
-        if not state.adapted:
-            return None
-        if state.lora_error is not None:
-            raise state.lora_error
-        if state.lora is None:
-            unwrapped = _unwrapped(chunks)
-            try:
-                lora, params, tasks = build_lora_plan(
-                    state.model_bridge, unwrapped, state.plan, state.tasks, current_sizes(unwrapped), state.group
-                )
-            except PlanError as err:
-                state.lora_error = err
-                raise
-            state.lora_live = LiveParams(unwrapped, tasks)
-            state.lora = AdapterExport(lora, state.lora_live.params, _device_of(state.live.params))
-        return state.lora
+        if state.adapters is None:
+            state.adapters = ModelAdapters.of(state.plan)
+        return state.adapters.built(
+            state.model_bridge, chunks, state.plan, state.tasks, state.group, _device_of(state.live.params)
+        )
 
     def _export_buffers(self, persistent: bool, hold_outputs: bool = False) -> ExportBuffers:
         if hold_outputs and not persistent:
@@ -372,12 +330,8 @@ class RefitBridge(AutoBridge):
         the HF config's ``architectures[0]``); explicit ``keep_patterns`` are kept as given."""
         if fp8 is None:
             return None
-        if fp8 == "blockwise":
-            fp8 = BlockwiseFP8Config()
-        if not isinstance(fp8, BlockwiseFP8Config):
-            raise FP8FormatError(f"fp8={fp8!r} is not a known FP8 format: use 'blockwise' or a BlockwiseFP8Config")
         architectures = getattr(self._hf_config(), "architectures", None) or [None]
-        return fp8.for_architecture(architectures[0])
+        return resolve_fp8_config(fp8, architectures[0])
 
     def fp8_export(self, model: list[torch.nn.Module] | torch.nn.Module, config: BlockwiseFP8Config | str) -> FP8Export:
         """The FP8 plan for ``config`` and the exporters that run it; built once per model and config.
@@ -397,7 +351,7 @@ class RefitBridge(AutoBridge):
         weights = self._exporter(chunks)
         cached = state.fp8.get(config)
         if cached is None:
-            cached = state.fp8[config] = _build_fp8_export(state, config, weights)
+            cached = state.fp8[config] = build_fp8_export(state.plan, config, weights, state.live.params)
         cached.weights.bucket_bytes = self.bucket_bytes
         return cached
 
@@ -463,7 +417,7 @@ class RefitBridge(AutoBridge):
         fp8_export = self.fp8_export(chunks, config)
         if fp8_export.weights is not exporter:
             return {}, {}  # weights read through converted shards (the trainer keeps FP8 parameters)
-        return live, {e.scale_of: e.hf_name for e in fp8_export.plan.entries if e.scale_of is not None}
+        return live, fp8_export.scale_names()
 
     def takes_part(self, model: list[torch.nn.Module] | torch.nn.Module, replica: int) -> bool:
         """Whether this rank does export work in ``export_hf_weights(model, replica=replica)``.
@@ -508,7 +462,7 @@ class RefitBridge(AutoBridge):
         ``EngineShardingError`` / ``TransferPlanError`` naming the tensor an engine cannot slice.
         """
         state = self._planned(_chunks(model))
-        _refuse_adapters(state, "a transfer plan")
+        refuse_adapters(state.plan, "a transfer plan")
         if state.grid is None:
             grid: list[Any] = [None] * torch.distributed.get_world_size(state.group)
             torch.distributed.all_gather_object(grid, current_trainer_rank(), group=state.group)
@@ -533,7 +487,7 @@ class RefitBridge(AutoBridge):
         (``runtime.replica_agreement``); the same value on every rank."""
         chunks = _chunks(model)
         state = self._planned(chunks)
-        _refuse_adapters(state, "a sharded transfer")
+        refuse_adapters(state.plan, "a sharded transfer")
         return ShardedTransfer(
             plan,
             params=state.live.params,
@@ -601,9 +555,8 @@ class RefitBridge(AutoBridge):
         state = self._model_state
         if state is None:
             return
-        if state.lora is not None:
-            state.lora.held.release()
-            state.lora.exporter.release_views()
+        if state.adapters is not None:
+            state.adapters.release()
         for exporter in (state.exporter, *(e for f in state.fp8.values() for e in (f.weights, f.scales))):
             if exporter is not None:
                 exporter.release_views()
@@ -806,8 +759,10 @@ class RefitBridge(AutoBridge):
         show_progress = stock.show_progress and is_rank_zero()
         if fp8_config is not None:
             buffers = self._export_buffers(options.reuse_buffer_from_cache, options.hold_outputs)
-            buckets = self._export_fp8(
-                chunks, fp8_config, buffers, show_progress=show_progress, only=options.only, in_buckets=in_buckets
+            fp8 = self.fp8_export(chunks, fp8_config)
+            lora = fp8_adapters(functools.partial(self._adapter_export, chunks), fp8)
+            buckets = fp8_buckets(
+                fp8, lora, buffers, show_progress=show_progress, only=options.only, in_buckets=in_buckets
             )
             return _on_cpu(buckets, stock.cpu) if in_buckets else _flat(_on_cpu(buckets, stock.cpu))
         route = route or self._route(state, chunks, options)
@@ -883,54 +838,8 @@ class RefitBridge(AutoBridge):
 
     def _lora_route(self, chunks: list[torch.nn.Module], merge: bool) -> tuple[AdapterExport | None, str | None]:
         """``(the adapters' export, None)`` for the plan (None: the model has no adapters), or
-        ``(None, why the stock path runs)``; the same on every rank (the plan's verdicts are)."""
-        try:
-            lora = self._adapter_export(chunks)
-        except PlanError as err:
-            return None, f"no merge plan for this model's LoRA adapters: {err}"
-        if lora is not None and not merge:
-            return None, (
-                "merge_adapter_weights=False: stock yields adapted weights unmerged under '...base_layer.weight' "
-                "names, which the plan does not"
-            )
-        return lora, None
-
-    def _export_fp8(
-        self,
-        chunks: list[torch.nn.Module],
-        config: BlockwiseFP8Config,
-        buffers: ExportBuffers,
-        *,
-        show_progress: bool,
-        only: frozenset[str] | None,
-        in_buckets: bool,
-    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """The FP8 export, in lists (one per BF16-plan bucket, or one per tensor unless
-        ``in_buckets``): weights the trainer keeps as blockwise FP8 are shipped as they are, with
-        their scales; high-precision weights are quantized bucket by bucket into (cached) buffers.
-        With ``only``, the selected weights (and the weights whose scales are selected) are
-        exported; with trainer scales, whose stream follows the whole plan, everything is.
-        LoRA adapters are merged into their weights before those are quantized."""
-        fp8 = self.fp8_export(chunks, config)
-        lora = self._fp8_adapters(chunks, fp8)
-        needed = fp8.weights_needed(only) if only is not None and fp8.scales is None else None
-        buckets = fp8.weights.export_buckets(
-            buffers,
-            show_progress=show_progress,
-            select_rows_lazily=lora is None,
-            bucket_sizes=fp8.bucket_sizes,
-            needed=needed,
-        )
-        if lora is not None:
-            buckets = lora.merged(buckets, buffers)
-        buckets = quantize_bucket_lists(buckets, fp8.plan, buffers)
-        if fp8.scales is not None:
-            buckets = _with_trainer_scales(
-                buckets, fp8.scales.export(buffers), fp8.shipped_scales, in_buckets=in_buckets
-            )
-        if only is not None and (fp8.scales is not None or not fp8.yields_only(only)):
-            buckets = ([(name, tensor) for name, tensor in bucket if name in only] for bucket in buckets)
-        return buckets
+        ``(None, why the stock path runs)``: ``runtime.lora_routing.merge_route`` of this model's."""
+        return merge_route(functools.partial(self._adapter_export, chunks), merge)
 
     def export_adapter_weights(
         self,
@@ -958,11 +867,9 @@ class RefitBridge(AutoBridge):
         chunks = _chunks(model)
         call = self._begin_collective(chunks, "export_adapter_weights")
         state = self._state_for(chunks)
-        lora, reason = None, "exclude_adapter_base_prefixes is passed"
-        if exclude_adapter_base_prefixes is None:
-            lora, reason = self._lora_route(chunks, merge=True)
-            if lora is None and reason is None:
-                reason = "the model has no LoRA adapters"
+        lora, reason = adapter_export_route(
+            functools.partial(self._adapter_export, chunks), exclude_adapter_base_prefixes
+        )
         state.fallback_reason = reason
         if lora is None:
             logger.warning("export_adapter_weights runs the stock Megatron-Bridge export: %s", reason)
@@ -977,7 +884,7 @@ class RefitBridge(AutoBridge):
                 exclude_adapter_base_prefixes=exclude_adapter_base_prefixes,
             )
             return call.guard(stream)
-        return call.guard(_adapter_tuples(lora.stream(), HFWeightTuple, cpu=cpu, keep=not reuse_buffer_from_cache))
+        return call.guard(adapter_tuples(lora.stream(), HFWeightTuple, cpu=cpu, keep=not reuse_buffer_from_cache))
 
     def adapter_facts(self, model: list[torch.nn.Module] | torch.nn.Module) -> dict[str, Any]:
         """What an HF PEFT ``adapter_config.json`` says of the model's LoRA adapters: ``r``,
@@ -988,19 +895,6 @@ class RefitBridge(AutoBridge):
         if lora is None:
             raise PlanError("the model has no LoRA adapters")
         return lora.lora.facts()
-
-    def _fp8_adapters(self, chunks: list[torch.nn.Module], fp8: FP8Export) -> AdapterExport | None:
-        """The adapters an FP8 export merges before quantizing (None: the model has none); raises
-        ``FP8FormatError`` where they cannot be merged (the FP8 export has no stock path)."""
-        try:
-            lora = self._adapter_export(chunks)
-        except PlanError as err:
-            raise FP8FormatError(f"the FP8 export merges LoRA adapters from their plan, which fails: {err}") from err
-        if lora is not None and fp8.scales is not None:
-            raise FP8FormatError(
-                "the trainer keeps FP8 weights that LoRA adapters wrap: merging needs the high-precision weights"
-            )
-        return lora
 
     def export_hf_weights_stock(self, model, **kwargs) -> Iterable[tuple[str, torch.Tensor]]:
         """The unmodified Megatron-Bridge export (for comparison and benchmarks)."""
@@ -1134,48 +1028,6 @@ def _only(stream: Iterable[tuple[str, torch.Tensor]], names: frozenset[str]) -> 
     return ((name, tensor) for name, tensor in stream if name in names)
 
 
-def _build_fp8_export(state: _ModelState, config: BlockwiseFP8Config, bf16_exporter: PlanExporter) -> FP8Export:
-    base = state.plan
-    plan = fp8_plan(base, config)
-    native_scales = tuple(e for e in plan.entries if e.scale_of is not None and e.source_format == FP8_BLOCKWISE)
-    native_weights = frozenset(e.scale_of for e in native_scales)
-    weights, scales = bf16_exporter, None
-    if native_scales:
-        params = state.live.params
-        weights_plan = dataclasses.replace(
-            base,
-            entries=tuple(
-                dataclasses.replace(e, dtype=FP8_DTYPE_NAME) if e.hf_name in native_weights else e for e in base.entries
-            ),
-        )
-        weights = PlanExporter(
-            plan=weights_plan, params=params, device=bf16_exporter.device, shards=te_fp8.fp8_data_shards(params)
-        )
-        scales = PlanExporter(
-            plan=dataclasses.replace(plan, entries=native_scales),
-            params=params,
-            device=bf16_exporter.device,
-            shards=te_fp8.fp8_scale_shards(params),
-        )
-    return FP8Export(
-        base=base,
-        config=config,
-        plan=plan,
-        weights=weights,
-        scales=scales,
-        shipped_scales=native_weights,
-        bucket_sizes=yielded_bytes(plan),
-    )
-
-
-def _refuse_adapters(state: _ModelState, what: str) -> None:
-    if adapted_params(state.plan):
-        raise PlanError(
-            f"{what} reads the parameters themselves; this model's LoRA adapters would not be merged "
-            "(export_hf_weights merges them)"
-        )
-
-
 def _rewrapped(state: _ModelState) -> bool:
     """Whether a state not yet planned may describe the model before it changed shape: modules or
     parameters were registered since it was made (a PEFT wrap after ``load_hf_shards``, whose
@@ -1198,47 +1050,6 @@ def _drop_state(bridge_ref: weakref.ref, state_ref: weakref.ref) -> None:
 
 def _device_of(params: dict[str, torch.Tensor]) -> torch.device:
     return next(iter(params.values())).device if params else torch.device("cpu")
-
-
-def _with_trainer_scales(
-    buckets: Iterable[list[tuple[str, torch.Tensor]]],
-    scales: Iterable[tuple[str, torch.Tensor]],
-    has_scale: frozenset[str],
-    *,
-    in_buckets: bool,
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Put the trainer-side scale stream after each weight named in ``has_scale``.
-
-    Both streams are collective; every rank advances them at the same points (the plan's), so
-    their gathers and pipeline broadcasts are issued in the same order everywhere. The scale
-    stream reuses its buffers as it advances, so a scale is valid only until the next one is
-    read: ``in_buckets`` copies each (scales are 1/16384 of their weights' elements) so that a
-    bucket's tensors stay valid together; otherwise one list per tensor, read before the next.
-    """
-    scales = iter(scales)
-    for bucket in buckets:
-        merged = []
-        for name, tensor in bucket:
-            if not in_buckets:
-                yield [(name, tensor)]
-            else:
-                merged.append((name, tensor))
-            if name in has_scale:
-                expected_name, scale = next(scales)
-                assert expected_name == scale_name(name), (expected_name, name)
-                if in_buckets:
-                    merged.append((expected_name, scale.clone()))
-                else:
-                    yield [(expected_name, scale)]
-        if in_buckets:
-            yield merged
-
-
-def _adapter_tuples(stream: Iterable[tuple[str, torch.Tensor]], make: Any, *, cpu: bool, keep: bool) -> Iterator[Any]:
-    """Stock's ``HFWeightTuple``s of the adapter stream: on the CPU if asked, copies if the caller keeps them."""
-    for name, tensor in stream:
-        moved = tensor.cpu() if cpu else tensor
-        yield make(name, tensor.clone() if keep and moved is tensor else moved)
 
 
 def _flat(buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -50,6 +50,18 @@ def test_lora_refit_matches_stock(recipe, layout, extra, source_checkpoints, tmp
     assert all(len(checks) == 8 for checks in verdicts), verdicts
 
 
+@pytest.mark.multirank
+def test_replaced_adapter_factors_are_read_and_a_changed_dtype_refused(source_checkpoints, tmp_path):
+    """Factors the model replaced after the plan was built are the ones the merged and the adapter
+    export read (equal to stock's of the changed model), after ``release_export_buffers`` too; a
+    factor whose dtype changed in place is refused by name (one CPU rank, tests/ranks/lora_check.py)."""
+    command = [CHECKER, "--hf", str(source_checkpoints("qwen3-tiny")), "--result", str(tmp_path)]
+    run = torchrun(1, [*command, "--checks", "factors_replaced"])
+    verdicts = json.loads((tmp_path / "rank0.json").read_text())
+    assert verdicts == {"factors_replaced": None}, verdicts
+    assert run.returncode == 0, run.output[-6000:]
+
+
 def _stock_merge(base, a, b, alpha, dim):
     """Megatron-Bridge's merge of one adapter, as its merged export calls it."""
     from megatron.bridge.models.conversion.peft_bridge import MegatronPeftBridge

@@ -3,5 +3,6 @@
 ``format`` (facts and ``BlockwiseFP8Config``), ``keep`` (what each model family keeps in high
 precision), ``plan`` (the FP8 export plan and its checks), ``reference`` (the torch quantizer
 that defines the bits), ``kernels`` (Triton, CUDA only), ``quantize`` (the export transform over
-buckets) and ``te`` (Transformer Engine FP8 parameters).
+buckets), ``te`` (Transformer Engine FP8 parameters) and ``export`` (``FP8Export``: one model's FP8
+export and its stream).
 """

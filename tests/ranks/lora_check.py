@@ -232,6 +232,44 @@ def check_peft_checkpoint(bridge, stock, chunks, expect_fallback: str | None) ->
         raise CheckFailed(f"not PEFT's names: {sorted(ours)[:2]}")
 
 
+def check_factors_replaced(bridge, stock, chunks, expect_fallback: str | None) -> None:
+    """Factors the model replaced since the last export (``module.weight = Parameter(...)``) are the ones
+    the next exports read, merged and adapter-only, after ``release_export_buffers`` too; a factor whose
+    dtype changed in place (``.data`` swapped for fp32) is refused by name when the export is called, before any
+    collective (so every rank refuses alike), never read as the plan's dtype."""
+    from mbridge_refit.runtime.live_params import ModelChangedError
+
+    list(bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True))  # planned, factors held
+    replaced = []
+    for chunk in chunks:
+        for name, module in chunk.named_modules():
+            if ".adapter." in name and "weight" in module._parameters:
+                module.weight = torch.nn.Parameter(module.weight.detach() * 1.5 + 0.01)
+                replaced.append(module.weight)
+    if not replaced:
+        raise CheckFailed("no adapter factor to replace")
+    reference = snapshot(stock.export_hf_weights(chunks, show_progress=False, cpu=True, merge_adapter_weights=True))
+    merged = snapshot(bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True))
+    expect_same(merged, reference, "merged export after the factors were replaced")
+    stock_factors = [(t.param_name, t.weight) for t in stock.export_adapter_weights(chunks, show_progress=False)]
+    expect_same(snapshot(bridge.export_adapter_weights(chunks, show_progress=False)), stock_factors, "factors replaced")
+    bridge.release_export_buffers()
+    again = snapshot(bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True))
+    expect_same(again, reference, "merged export after release_export_buffers")
+    replaced[0].data = replaced[0].data.float()
+    try:  # refused by the call itself, before any collective (every rank alike), not by its gathers
+        stream = bridge.export_hf_weights(chunks, show_progress=False, reuse_buffer_from_cache=True)
+    except ModelChangedError as err:
+        if "float32" not in str(err) or ".adapter." not in str(err):
+            raise CheckFailed(f"the refusal does not name the factor and its new dtype: {err}") from err
+        return
+    try:
+        list(stream)
+    except ModelChangedError as err:
+        raise CheckFailed(f"a factor whose dtype changed in place was refused only while exporting: {err}") from err
+    raise CheckFailed("a factor whose dtype changed in place was exported")
+
+
 CHECKS = {
     "merged": check_merged,
     "changed_adapter": check_changed_adapter,
@@ -242,6 +280,7 @@ CHECKS = {
     "fp8_merged": check_fp8_merged,
     "peft_checkpoint": check_peft_checkpoint,
 }
+ON_REQUEST = {"factors_replaced": check_factors_replaced}  # by --checks only: it leaves a factor in another dtype
 LORA = None  # the LoRA the model was wrapped with (its config goes into adapter_config.json)
 RESULT = None
 
@@ -265,7 +304,7 @@ def main() -> None:
         stock = AutoBridge.from_hf_pretrained(args.hf)
         for name in args.checks.split(","):
             try:
-                CHECKS[name](bridge, stock, chunks, args.expect_fallback)
+                {**CHECKS, **ON_REQUEST}[name](bridge, stock, chunks, args.expect_fallback)
                 verdicts[name] = None
             except CheckFailed as err:
                 verdicts[name] = str(err)
