@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import itertools
 import json
+import logging
 import math
 import pickle
 from dataclasses import dataclass
@@ -82,6 +83,7 @@ __all__ = [
     "save_model",
     "sharded_model_state",
     "stored_in",
+    "tracked_iteration",
 ]
 
 FORMAT_NAME = "mbridge_refit.checkpoints.megatron"
@@ -645,3 +647,18 @@ class _ErrorKeepingStream:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
+
+
+def tracked_iteration(path: Path, tracker: Path, index_name: str, error: type[Exception]) -> Path:
+    """The iteration directory of ``path`` that a training run's tracker file (``latest_checkpointed_iteration.txt``)
+    names: ``release`` or ``iter_<7 digits>``, holding ``index_name``; ``error`` names what is wrong otherwise."""
+    text = tracker.read_text(errors="replace").strip()
+    number = text.isascii() and text.isdigit()  # str.isdigit() also takes "²", which int() refuses
+    name = "release" if text == "release" else (f"iter_{int(text):07d}" if number else None)
+    if name is None or not (path / name / index_name).is_file():
+        raise error(
+            f"{tracker} names iteration {text!r}, but {path / (name or text)} holds no complete checkpoint: "
+            "pass an iter_* directory that is complete"
+        )
+    logging.getLogger(__name__).info("%s: the latest iteration is %s", path, name)
+    return path / name

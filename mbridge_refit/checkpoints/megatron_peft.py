@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from mbridge_refit.checkpoints.megatron import NotAMegatronCheckpoint, StoredTensors, stored_in
+from mbridge_refit.checkpoints.megatron import NotAMegatronCheckpoint, StoredTensors, stored_in, tracked_iteration
 
 __all__ = [
     "ADAPTER_MARK",
@@ -196,16 +196,7 @@ def _iteration_dir(path: Path) -> Path:
             "its iter_* directories"
         )
         raise NotAPeftCheckpoint(f"{path} holds neither {_MEGATRON_INDEX} nor {TRACKER_NAME}: {hint}")
-    text = tracker.read_text(errors="replace").strip()
-    number = text.isascii() and text.isdigit()  # str.isdigit() also takes "²", which int() refuses
-    name = "release" if text == "release" else (f"iter_{int(text):07d}" if number else None)
-    if name is None or not (path / name / _MEGATRON_INDEX).is_file():
-        raise NotAPeftCheckpoint(
-            f"{tracker} names iteration {text!r}, but {path / (name or text)} holds no complete checkpoint: "
-            "pass an iter_* directory that is complete"
-        )
-    logger.info("%s: the latest iteration is %s", path, name)
-    return path / name
+    return tracked_iteration(path, tracker, _MEGATRON_INDEX, NotAPeftCheckpoint)
 
 
 def _run_config(weights: Path) -> dict[str, Any]:

@@ -43,6 +43,7 @@ from mbridge_refit.checkpoints.megatron import (
     NotAMegatronCheckpoint,
     StoredTensors,
     stored_in,
+    tracked_iteration,
 )
 from mbridge_refit.checkpoints.megatron_peft import is_adapter_key
 
@@ -129,16 +130,7 @@ def _iteration_dir(path: Path) -> Path:
             f"{path} holds neither {INDEX_NAME} nor {TRACKER_NAME}: pass the run's checkpoint.save directory or one of "
             "its iter_* directories"
         )
-    text = tracker.read_text(errors="replace").strip()
-    number = text.isascii() and text.isdigit()  # str.isdigit() also takes "²", which int() refuses
-    name = "release" if text == "release" else (f"iter_{int(text):07d}" if number else None)
-    if name is None or not (path / name / INDEX_NAME).is_file():
-        raise NotATrainingCheckpoint(
-            f"{tracker} names iteration {text!r}, but {path / (name or text)} holds no complete checkpoint: "
-            "pass an iter_* directory that is complete"
-        )
-    logger.info("%s: the latest iteration is %s", path, name)
-    return path / name
+    return tracked_iteration(path, tracker, INDEX_NAME, NotATrainingCheckpoint)
 
 
 def _check_model_byte_items(weights: Path) -> None:
