@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from conftest import torchrun
+from json_versions import assert_other_version_refused
 from oracle import read_checkpoint
 
 from mbridge_refit.plan.entries import EXPORT_PLAN_VERSION
@@ -78,16 +79,15 @@ def test_a_plan_json_of_another_version_is_refused_by_name(version):
     format, both versions and the fix."""
     from mbridge_refit.plan.entries import ExportPlan, PlanError
 
-    raw = json.loads(_a_plan().to_json())
-    assert raw.pop("version") == EXPORT_PLAN_VERSION
-    if version is not None:
-        raw["version"] = version
-    with pytest.raises(PlanError) as refused:
-        ExportPlan.from_json(json.dumps(raw))
-    message = str(refused.value)
-    shown = "none (an mbridge_refit from before it was versioned)" if version is None else version
-    assert f"export plan wire version mismatch: this side speaks version {EXPORT_PLAN_VERSION}" in message
-    assert f"its writer (to_json) version {shown}. Run the same mbridge_refit version" in message
+    assert_other_version_refused(
+        _a_plan().to_json(),
+        ExportPlan.from_json,
+        PlanError,
+        label="export plan",
+        writer="its writer (to_json)",
+        current=EXPORT_PLAN_VERSION,
+        version=version,
+    )
 
 
 def test_unmappable_parameter_is_named():

@@ -4,9 +4,9 @@ worked out by hand, the rank grid, and every refusal naming its tensor."""
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
+from json_versions import assert_other_version_refused
 
 from mbridge_refit.plan.engine_layout import EngineLayout, EngineShardingError
 from mbridge_refit.plan.entries import ExportPlan, PlanEntry, TensorSharding
@@ -84,18 +84,15 @@ def test_a_transfer_plan_of_another_version_is_refused_by_name(version):
     """The JSON of a plan written by another mbridge_refit (None: one from before the JSON carried a version,
     which read back as a plan): ``TransferPlanError`` naming the format, both versions and the fix."""
     plan = build_transfer_plan(plan_of(column_entry()), megatron_rank_grid(tp=2, dp=2), EngineLayout(tp=4), SHAPE)
-    raw = json.loads(plan.to_json())
-    assert raw["version"] == TRANSFER_PLAN_VERSION
-    if version is None:
-        del raw["version"]
-    else:
-        raw["version"] = version
-    with pytest.raises(TransferPlanError) as refused:
-        TransferPlan.from_json(json.dumps(raw))
-    message = str(refused.value)
-    shown = "none (an mbridge_refit from before it was versioned)" if version is None else version
-    assert f"transfer plan wire version mismatch: this side speaks version {TRANSFER_PLAN_VERSION}" in message
-    assert f"the plan's writer (to_json) version {shown}. Run the same mbridge_refit version" in message
+    assert_other_version_refused(
+        plan.to_json(),
+        TransferPlan.from_json,
+        TransferPlanError,
+        label="transfer plan",
+        writer="the plan's writer (to_json)",
+        current=TRANSFER_PLAN_VERSION,
+        version=version,
+    )
 
 
 def test_agreeing_layouts_move_nothing():
