@@ -139,3 +139,31 @@ def test_a_buffer_set_to_none_is_named():
     model[0].expert_bias = None
     with pytest.raises(ModelChangedError, match=r"no longer has the parameter 0\.expert_bias"):
         live.refresh()
+
+
+def test_after_a_registration_an_export_looks_each_parameter_up_once(monkeypatch):
+    """check_in_place (before the handshake) and refresh (after it) both need the model's tensors after
+    a registration: refresh takes what check_in_place found, unless another registration came between."""
+    from mbridge_refit.runtime import live_params
+
+    model, tasks = _model_and_tasks()
+    live = LiveParams([model], tasks)
+    looked = []
+    real_held = live_params._held
+    monkeypatch.setattr(
+        live_params, "_held", lambda chunk, path, attribute: looked.append(path) or real_held(chunk, path, attribute)
+    )
+    first = torch.nn.Parameter(torch.ones(2, 3))
+    model[1][0].weight = first
+    live.check_in_place()
+    assert live.refresh() == ["g.1.0.weight"] and live.params["g.1.0.weight"] is first
+    assert len(looked) == len(tasks)
+    looked.clear()
+    second = torch.nn.Parameter(torch.ones(3, 4))
+    model[0].weight = second
+    live.check_in_place()
+    third = torch.nn.Parameter(torch.ones(2))
+    model[1][0].bias = third  # registered after check_in_place looked: refresh looks again
+    assert sorted(live.refresh()) == ["g.0.weight", "g.1.0.bias"]
+    assert live.params["g.0.weight"] is second and live.params["g.1.0.bias"] is third
+    assert len(looked) == 2 * len(tasks)

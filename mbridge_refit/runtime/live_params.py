@@ -190,7 +190,9 @@ class LiveParams:
         ]
         self._dtypes = list(map(_dtype, self.params.values()))  # as planned, in ``params`` order
         self._moves = 0  # bumped by ``check_in_place`` where an address was not the last call's (``moves``)
+        self._looked: tuple[int, list[Any]] | None = None  # (registration_count, tensors) of ``_check_held``'s look
         self._readable_from_now_on()
+        self._paths = _path_tree(self._where.values())
         self._watch(unwrapped)
         self._seen = registration_count()
 
@@ -198,7 +200,8 @@ class LiveParams:
         """Swap in the parameters the model holds now, where it replaced them; returns their names.
 
         Looks up only the exported buffers unless something was registered or written anywhere
-        since the last call. Raises ``ModelChangedError`` for a replacement of another shape,
+        since the last call; then every tensor, or takes what ``check_in_place`` just found where
+        nothing was registered since it looked (one lookup per export, not two). Raises ``ModelChangedError`` for a replacement of another shape,
         dtype or class, and for a parameter the model no longer has."""
         count = registration_count()
         names: Iterable[str] = self._where if count != self._seen else self._buffer_names
@@ -207,12 +210,14 @@ class LiveParams:
         chunks = [ref() for ref in self._unwrapped]
         if any(chunk is None for chunk in chunks):
             raise ModelChangedError("the model these parameters belong to no longer exists: export a live model")
+        looked, self._looked = self._looked, None
         if count != self._seen:
             self._watch(chunks)  # a dict reassigned whole (ModuleList.__delitem__ does) counts again
+            held = looked[1] if looked is not None and looked[0] == count else self._held_now(chunks)
+        else:
+            held = [_held(chunks[stage], path, attribute) for stage, path, attribute in map(self._where.get, names)]
         replaced = []
-        for name in names:
-            stage, path, attribute = self._where[name]
-            current = _held(chunks[stage], path, attribute)
+        for name, current in zip(names, held):
             old = self.params[name]
             if current is not old:
                 _check_fits(name, old, current)
@@ -252,14 +257,21 @@ class LiveParams:
 
     def _check_held(self) -> None:
         """Look every exported tensor up where the model holds it now, as ``refresh`` does, swapping
-        nothing: raises the ``ModelChangedError`` that ``refresh`` would."""
+        nothing: raises the ``ModelChangedError`` that ``refresh`` would. What it found is kept for
+        that ``refresh`` (``_looked``), which uses it while no registration came in between: one
+        lookup per export after a registration, not two."""
         chunks = [ref() for ref in self._unwrapped]
         if any(chunk is None for chunk in chunks):
             return  # ``refresh`` names it
-        for name, (stage, path, attribute) in self._where.items():
-            current, old = _held(chunks[stage], path, attribute), self.params[name]
+        held = self._held_now(chunks)
+        for (name, old), current in zip(self.params.items(), held):
             if current is not old:
                 _check_fits(name, old, current)
+        self._looked = (registration_count(), held)
+
+    def _held_now(self, chunks: list[torch.nn.Module]) -> list[Any]:
+        """Every exported tensor as the model holds it now, in ``params`` order (raises naming one it lost)."""
+        return [_held(chunks[stage], path, attribute) for stage, path, attribute in self._where.values()]
 
     def moves(self) -> int:
         """A count ``check_in_place`` bumps whenever it finds a data address of ``params`` other than at
@@ -275,18 +287,30 @@ class LiveParams:
         self._addresses: list[int] | None = None
 
     def _watch(self, chunks: list[torch.nn.Module]) -> None:
-        """Make the module dicts on the way to every exported tensor count their writes (``_count_writes``)."""
-        seen: set[int] = set()
-        for stage, path, _ in self._where.values():
-            module = chunks[stage]
-            for part in (None, *path):
-                if part is not None:
-                    module = module._modules.get(part)
-                    if module is None:
-                        break  # lost: ``refresh`` names it
-                if id(module) not in seen:
-                    seen.add(id(module))
-                    _count_writes(module)
+        """Make the module dicts on the way to every exported tensor count their writes (``_count_writes``),
+        each module once: the tree of the tensors' module paths (``_paths``) walked from each chunk."""
+        for stage, tree in self._paths.items():
+            _count_writes_along(chunks[stage], tree)
+
+
+def _path_tree(where: Iterable[tuple[int, tuple[str, ...], str]]) -> dict[int, dict]:
+    """Per chunk, the module paths of ``where`` as a tree of submodule names (``{name: {name: ...}}``)."""
+    trees: dict[int, dict] = {}
+    for stage, path, _ in where:
+        node = trees.setdefault(stage, {})
+        for part in path:
+            node = node.setdefault(part, {})
+    return trees
+
+
+def _count_writes_along(module: torch.nn.Module, tree: dict) -> None:
+    """``_count_writes`` on ``module`` and on its submodules along ``tree`` (a lost one is skipped: ``refresh`` names it)."""
+    _count_writes(module)
+    modules = module._modules
+    for part, subtree in tree.items():
+        child = modules.get(part)
+        if child is not None:
+            _count_writes_along(child, subtree)
 
 
 def _held(chunk: torch.nn.Module, path: tuple[str, ...], attribute: str) -> Any:
