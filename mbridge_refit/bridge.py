@@ -50,7 +50,6 @@ from mbridge_refit.plan.build import build_export_plan
 from mbridge_refit.plan.engine_layout import EngineLayout
 from mbridge_refit.plan.entries import ExportPlan, PlanError
 from mbridge_refit.plan.layout import ModelShape
-from mbridge_refit.plan.storage import is_quantized
 from mbridge_refit.plan.task_selection import TaskMismatch, names_for_tasks
 from mbridge_refit.plan.transfer import TransferPlan, build_transfer_plan
 from mbridge_refit.runtime.buffers import ExportBuffers
@@ -70,7 +69,7 @@ from mbridge_refit.runtime.lifetime import (
     guard_tensors,
     lifetime_checks_from_environment,
 )
-from mbridge_refit.runtime.live_params import LiveParams, ModelChangedError, registration_count
+from mbridge_refit.runtime.live_params import LiveParams, ModelChangedError, params_device, registration_count
 from mbridge_refit.runtime.lora import AdapterExport
 from mbridge_refit.runtime.lora_routing import (
     ModelAdapters,
@@ -277,9 +276,9 @@ class RefitBridge(AutoBridge):
         state = self._planned(chunks)
         if state.exporter is None:
             params = state.live.params
-            shards = te_fp8.dequantized_shards(params) if any(is_quantized(p) for p in params.values()) else None
+            shards = te_fp8.dequantized_shards(params) if te_fp8.has_quantized_params(params) else None
             state.exporter = PlanExporter(
-                plan=state.plan, params=params, device=_device_of(params), shards=shards, moves=state.live.moves
+                plan=state.plan, params=params, device=params_device(params), shards=shards, moves=state.live.moves
             )
         state.exporter.bucket_bytes = self.bucket_bytes
         return state.exporter
@@ -292,7 +291,7 @@ class RefitBridge(AutoBridge):
         if state.adapters is None:
             state.adapters = ModelAdapters.of(state.plan)
         return state.adapters.built(
-            state.model_bridge, chunks, state.plan, state.tasks, state.group, _device_of(state.live.params)
+            state.model_bridge, chunks, state.plan, state.tasks, state.group, params_device(state.live.params)
         )
 
     def _export_buffers(self, persistent: bool, hold_outputs: bool = False) -> ExportBuffers:
@@ -1046,10 +1045,6 @@ def _drop_state(bridge_ref: weakref.ref, state_ref: weakref.ref) -> None:
     bridge, state = bridge_ref(), state_ref()
     if bridge is not None and state is not None and bridge._model_state is state:
         bridge._model_state = None
-
-
-def _device_of(params: dict[str, torch.Tensor]) -> torch.device:
-    return next(iter(params.values())).device if params else torch.device("cpu")
 
 
 def _flat(buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -46,13 +46,13 @@ import collections
 import operator
 import weakref
 from itertools import repeat
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import torch
 
 from mbridge_refit.errors import InputError
 
-__all__ = ["LiveParams", "ModelChangedError", "check_readable", "registration_count"]
+__all__ = ["LiveParams", "ModelChangedError", "check_readable", "params_device", "registration_count"]
 
 _FIX = "build the plan anew for the changed model (bridge.forget_model() on every rank, then export)"
 
@@ -330,6 +330,11 @@ def _held(chunk: torch.nn.Module, path: tuple[str, ...], attribute: str) -> Any:
             f"the model no longer has the parameter {'.'.join((*path, attribute))} (deleted, or its module "
             f"removed): {_FIX}"
         ) from None
+
+
+def params_device(params: Mapping[str, torch.Tensor]) -> torch.device:
+    """The device a rank's exported tensors are on (the first one's: a rank holds its model on one); CPU for none."""
+    return next(iter(params.values())).device if params else torch.device("cpu")
 
 
 def check_readable(name: str, tensor: torch.Tensor) -> None:

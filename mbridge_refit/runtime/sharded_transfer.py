@@ -49,6 +49,7 @@ from mbridge_refit.errors import TransportError, wire_version_mismatch
 from mbridge_refit.plan.engine_layout import Box
 from mbridge_refit.plan.transfer import Move, TransferPlan
 from mbridge_refit.runtime.collectives import group_ranks
+from mbridge_refit.runtime.live_params import params_device
 from mbridge_refit.runtime.param_sync import finish_pending_param_gathers
 from mbridge_refit.runtime.replica_agreement import check_replicas, replicated_regions
 
@@ -123,7 +124,7 @@ class ShardedTransfer:
         self._current_params = current_params
         self.group = group
         self.rank = dist.get_rank()
-        self.device = device or _device_of(params)
+        self.device = device or params_device(params)
         self.checksum = checksum
         self.chunks = chunks or []
         self.sends = _packed(plan.moves, self.rank, outgoing=True)
@@ -503,7 +504,3 @@ class _Control:
         else:  # into the flat buffer: the list form would allocate a staging copy every call
             dist.all_gather_into_tensor(self.flat, self.mine, group=group)
         return self.everyone
-
-
-def _device_of(params: Mapping[str, torch.Tensor]) -> torch.device:
-    return next(iter(params.values())).device if params else torch.device("cpu")
