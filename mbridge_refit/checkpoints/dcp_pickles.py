@@ -599,7 +599,6 @@ def byte_item_table() -> tuple[tuple[str, str, Any, str], ...]:
         ("collections", "OrderedDict", _ordered_dict, "a tensor's (empty) backward hooks; state dicts"),
         ("torch", "Size", _torch_size, "a torch.Size in a saved object"),
         ("builtins", "set", _set_of(set), "protocol 2 writes a set as set(list)"),
-        ("builtins", "frozenset", _set_of(frozenset), "protocol 2 writes a frozenset as frozenset(list)"),
         ("_codecs", "encode", _latin1_bytes, "protocol 2 writes bytes as _codecs.encode(text, 'latin1')"),
         ("pathlib", "PosixPath", _posix_path, "paths in saved arguments (Megatron-Core registers it as safe)"),
     ]
@@ -684,7 +683,7 @@ class ByteItemUnpickler(_AllowListUnpickler):
         self._fresh[id(obj)] = obj
 
     def check_build(self, target: Any, state: Any) -> None:
-        if self._fresh.get(id(target)) is not target:
+        if id(target) not in self._fresh or self._fresh[id(target)] is not target:
             raise UnsafePickle(
                 f"BUILD on {brief(target)}: a byte item sets state only on an instance it just made (state on "
                 "anything else, an enum member or a dtype, would change it for the whole process)"

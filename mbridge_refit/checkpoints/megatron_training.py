@@ -59,7 +59,8 @@ logger = logging.getLogger(__name__)
 
 # Stored tensors of the training state, not of the model: Megatron-Core's optimizers name theirs so.
 TRAINING_STATE_PREFIXES = ("optimizer.",)
-# Byte items a model load reads besides the model's own ``_extra_state``: Megatron-Core loads the common state always.
+# Byte items a model load reads besides the model's own ``_extra_state``: Megatron-Core loads the common state always
+# (DCP keys it by its ShardedObject's unique key, ``common_state/shard_0_1``).
 MODEL_BYTE_ITEMS = ("common_state",)
 _FIX = "copy the iteration directory again from the training run"
 
@@ -138,7 +139,7 @@ def _check_model_byte_items(weights: Path) -> None:
     index = load_index((weights / INDEX_NAME).read_bytes())
     sizes: dict[str, int | None] = {}
     for fqn, location in byte_items(index):
-        if fqn not in MODEL_BYTE_ITEMS and "_extra_state" not in fqn:
+        if fqn.partition("/")[0] not in MODEL_BYTE_ITEMS and "_extra_state" not in fqn:
             continue  # the RNG, rerun-machine and optimizer objects: never read
         problem = location_problem(weights, location, sizes)
         if problem is not None:
