@@ -7,32 +7,53 @@ objects and its ``common_state``, written with ``torch.save``). DCP reads the in
 ``pickle.load`` and byte items with ``torch.load(weights_only=False)``: either runs whatever a
 crafted file names. Here:
 
-* ``load_index`` unpickles an index with ``IndexUnpickler``. Its ``find_class`` resolves only the
-  exact (module, name) pairs of ``index_globals`` (the classes DCP's index is made of, torch
-  dtypes, a layout lookup, ``PosixPath``) to objects chosen here, never imports, and refuses a
-  dotted name (which pickle's own ``find_class`` resolves attribute by attribute from protocol 4
-  on, reaching e.g. ``os.system`` through any allowed module). The extension opcodes, which
-  pickle resolves through copyreg's cache without ``find_class``, are refused; REDUCE, NEWOBJ and
-  OBJ call only allowed objects; BUILD sets state only on instances of the index's dataclasses
+* ``load_index`` unpickles an index with ``IndexUnpickler``, byte and tensor items are checked with
+  ``ByteItemUnpickler``; both are pickle's Python unpickler with the same hardening
+  (``_AllowListUnpickler``). ``find_class`` resolves only the exact (module, name) pairs of one table
+  (after pickle's own mapping of Python 2 names, so the name looked up is the one a full unpickler
+  would import) to objects chosen here, never imports, and refuses a dotted name (which pickle's own
+  ``find_class`` resolves attribute by attribute from protocol 4 on, reaching e.g. ``os.system``
+  through any allowed module). The extension opcodes, which pickle resolves through copyreg's cache
+  without ``find_class``, are refused, and so is DUP (pickle's writer never emits it); REDUCE,
+  NEWOBJ, INST and OBJ call only what the unpickler allows; BUILD sets state only where it allows
   (never on a class, an enum member or a dtype, which would change them for the whole process).
-  None of the allowed objects runs code when called or given state, so an index that loads is data.
-  Data can still cost: a few hundred bytes of tuples that share their items (memo references, DUP)
-  hash and print in time exponential in their depth. So a dict or set key must be a string, an int
-  or a ``MetadataIndex`` of a string and a ``torch.Size`` (checked as the key goes in, before it is
+  None of the allowed objects runs code when called or given state, so a pickle that loads is data.
+* The index's table is ``index_globals`` (the classes DCP's index is made of, torch dtypes, a layout
+  lookup, ``PosixPath``); BUILD sets state only on instances of the index's dataclasses. Data can
+  still cost: a few hundred bytes of tuples that share their items (memo references) hash and print
+  in time exponential in their depth. So a dict or set key must be a string, an int or a
+  ``MetadataIndex`` of a string and a ``torch.Size`` (checked as the key goes in, before it is
   hashed), the memory-format enum takes only an int, every message shows a bounded ``reprlib`` form
   of what it names, and the loaded index must have the shape DCP writes (``check_index_shape``:
   each field of the type DCP gives it), so no later check meets anything else.
+* A byte item's table is ``byte_item_table``, each entry with why it is there: what torch.save writes
+  of Megatron's ``_extra_state`` and common state (plain tensors as storages in persistent ids and
+  ``_rebuild_tensor_v2``, dtypes, ``OrderedDict``, ``torch.Size``, sets, bytes, ``PosixPath``,
+  Megatron's enums and ``signal.Signals``, ``argparse.Namespace``, ``BytesIO``). Every callable
+  resolves to a function here that checks its arguments and returns what the real one returns (an
+  enum's existing member by its value, never a new enum; a path of strings; an empty ``OrderedDict``)
+  or a stand-in for a tensor (no storage is read); classes are made only fresh, by NEWOBJ with no
+  arguments, and only those fresh instances take state, of the shape their entry says. This table,
+  not torch's process-wide safe globals, is the gate: importing megatron.core registers its safe
+  globals (its enums, numpy's dtypes, ``Namespace``, ...), and torch's weights-only loader then
+  BUILDs on any instance of an allowed type, an enum member too, so a crafted item would change
+  ``AttnBackend.flash`` for the whole process while it was being "checked", and DCP's own load (a
+  full pickle) would do the same. Protocol 2 is what torch.save, DCP and Megatron write (and all
+  torch's weights-only loader reads).
 * ``check_torch_archive`` looks at an item (byte or tensor) before ``torch.load(weights_only=True)``
   reads it: weights-only loading runs no code, but the archive and its pickle are data that can
   still cost (a compressed member that inflates, a pickle of shared references that hashes in
   exponential time), so an item must be the archive ``torch.save`` writes, as torch's own zip
   reader sees it, members stored, its pickle bounded (``expanded_objects``); only the archive's
   directory and pickle are read, not the tensor's bytes.
-* ``check_byte_item`` checks a byte item so, then loads it with ``torch.load(weights_only=True)``.
+* ``check_byte_item`` checks a byte item's archive so, its pickle with ``ByteItemUnpickler``, then loads
+  it with ``torch.load(weights_only=True)`` (a second layer, not the gate: it reads the storages, each
+  record present and as long as its tensors need). ``check_tensor_item`` checks a tensor item's
+  archive and its pickle (one plain tensor): DCP loads it with ``torch.load(weights_only=True)``.
 * ``CheckedFileSystemReader`` is DCP's reader with these checks built in: the index through
   ``load_index`` and every place it puts bytes through ``location_problem`` (a regular file inside
   the checkpoint, long enough), every byte item through ``check_byte_item`` before DCP loads the
-  same bytes, and every tensor item a load reads through ``check_torch_archive`` before DCP does.
+  same bytes, and every tensor item a load reads through ``check_tensor_item`` before DCP does.
   ``checked_megatron_reads`` makes Megatron-Core's ``dist_checkpointing.load`` read through it,
   so what is loaded is what was checked, however the files change after a first check.
 """

@@ -21,8 +21,9 @@ names and no tokenizer: ``convert export`` takes those from the HF checkpoint th
 ``TrainingCheckpoint.open`` finds the iteration directory (from ``SAVE`` through the tracker, or given), reads
 the DCP index (``dcp_pickles``: nothing in it runs code), keeps the model's tensors (every stored tensor not
 under ``optimizer.``) and checks, before any collective, the byte items a model load reads (``common_state``
-and the model's ``_extra_state``): plain data (``check_byte_item``: ``torch.load(weights_only=True)``, with the
-safe globals Megatron-Core registers, such as Megatron-LM's ``argparse.Namespace`` of arguments). The RNG
+and the model's ``_extra_state``): plain data (``check_byte_item``: only the globals of ``dcp_pickles``' own
+``byte_item_table``, whatever torch's process-wide safe globals hold, among them Megatron-LM's ``argparse.Namespace``
+of arguments, taking state only as a fresh instance, and Megatron's enums by value). The RNG
 state (numpy arrays, Python's random state) and the optimizer's tensors and objects are never read. A LoRA run's checkpoint (adapter tensors only) is refused
 naming ``export-adapter``. Every refusal is a ``NotATrainingCheckpoint`` naming the file and the fix.
 """
