@@ -90,6 +90,7 @@ def _str(value: str) -> bytes:
 
 
 _ENUMS = "megatron.core.transformer.enums"
+_NAMESPACE = b"\x80\x02" + _global("argparse", "Namespace") + b")\x81"  # a fresh Namespace (NEWOBJ)
 _EXT_CODE = 0xF2
 
 # name -> (the byte item, what its refusal names)
@@ -131,6 +132,22 @@ ATTACKS = {
     "BUILD on a class": (
         lambda: _archive(b"\x80\x02" + _global(_ENUMS, "AttnBackend") + b"N}" + _str("flash") + b"K\x07s\x86b."),
         "BUILD on function",
+    ),
+    "a Namespace given a __setstate__": (
+        lambda: _archive(
+            _NAMESPACE + b"}" + _str("__setstate__") + _global(_ENUMS, "AttnBackend") + b"sb}" + _str("x") + b"K\x01sb."
+        ),
+        "BUILD of a Namespace with",
+    ),
+    "BUILD twice on one Namespace": (
+        lambda: _archive(_NAMESPACE + b"}" + _str("a") + b"K\x01sb}" + _str("b") + b"K\x02sb."),
+        "sets state only once",
+    ),
+    "APPENDS on a Namespace with an extend attribute": (
+        lambda: _archive(
+            _NAMESPACE + b"}" + _str("extend") + _global("pathlib", "PosixPath") + b"sb(" + _str("x") + b"e."
+        ),
+        "APPENDS on Namespace",
     ),
     "INST": (lambda: _archive(b"(" + b"iargparse\nNamespace\n."), "INST/OBJ on"),
     "OBJ": (lambda: _archive(b"\x80\x02(" + _global("argparse", "Namespace") + b"o."), "INST/OBJ on"),

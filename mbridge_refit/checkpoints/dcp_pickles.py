@@ -309,6 +309,20 @@ class _AllowListUnpickler(pickle._Unpickler):
         self.check_build(self.stack[-2], self.stack[-1])
         pickle._Unpickler.load_build(self)
 
+    # APPEND(S) and ADDITEMS call the target's own ``append``/``extend``/``add`` where it is not a list or a set,
+    # which an instance given state could hold as an attribute: only a list or a set takes items.
+    def _require_target(self, target: Any, kind: type, opcode: str) -> None:
+        if type(target) is not kind:
+            raise UnsafePickle(f"{opcode} on {brief(target)}: only a {kind.__name__} takes its items in {self.holder}")
+
+    def _load_append(self) -> None:
+        self._require_target(self.stack[-2], list, "APPEND")
+        pickle._Unpickler.load_append(self)
+
+    def _load_appends(self) -> None:
+        self._require_target(self.metastack[-1][-1] if self.metastack and self.metastack[-1] else None, list, "APPENDS")
+        pickle._Unpickler.load_appends(self)
+
     def _load_setitem(self) -> None:
         self._require_keys(self.stack[-2:-1], "SETITEM")
         pickle._Unpickler.load_setitem(self)
@@ -325,6 +339,7 @@ class _AllowListUnpickler(pickle._Unpickler):
         pickle._Unpickler.load_dict(self)
 
     def _load_additems(self) -> None:
+        self._require_target(self.metastack[-1][-1] if self.metastack and self.metastack[-1] else None, set, "ADDITEMS")
         self._require_keys(self.stack, "ADDITEMS")
         pickle._Unpickler.load_additems(self)
 
@@ -342,6 +357,8 @@ class _AllowListUnpickler(pickle._Unpickler):
     dispatch[pickle.NEWOBJ[0]] = _load_newobj
     dispatch[pickle.NEWOBJ_EX[0]] = _load_newobj_ex
     dispatch[pickle.BUILD[0]] = _load_build
+    dispatch[pickle.APPEND[0]] = _load_append
+    dispatch[pickle.APPENDS[0]] = _load_appends
     dispatch[pickle.SETITEM[0]] = _load_setitem
     dispatch[pickle.SETITEMS[0]] = _load_setitems
     dispatch[pickle.DICT[0]] = _load_dict
@@ -581,7 +598,9 @@ def _megatron_enums() -> tuple[tuple[type[enum.Enum], str], ...]:
 # Classes a byte item makes fresh instances of (NEWOBJ with no arguments) and gives state once (BUILD): the
 # state each may take, and why it is here. Nothing else is ever given state.
 def _namespace_state(state: Any) -> bool:
-    return type(state) is dict and all(type(key) is str for key in state)
+    # attributes by name, none of pickle's or Python's own (a ``__setstate__`` attribute would be called by a
+    # later BUILD in a full unpickler)
+    return type(state) is dict and all(type(key) is str and not key.startswith("__") for key in state)
 
 
 def _bytes_io_state(state: Any) -> bool:
@@ -683,6 +702,7 @@ class ByteItemUnpickler(_AllowListUnpickler):
     def __init__(self, file: BinaryIO) -> None:
         super().__init__(file)
         self._fresh: dict[int, Any] = {}  # id -> instance made here (kept alive, so no id is reused)
+        self._built: set[int] = set()  # ids of those already given state
 
     def allowed_globals(self) -> Mapping[tuple[str, str], Any]:
         return byte_item_globals()
@@ -704,11 +724,12 @@ class ByteItemUnpickler(_AllowListUnpickler):
         self._fresh[id(obj)] = obj
 
     def check_build(self, target: Any, state: Any) -> None:
-        if id(target) not in self._fresh or self._fresh[id(target)] is not target:
+        if id(target) not in self._fresh or self._fresh[id(target)] is not target or id(target) in self._built:
             raise UnsafePickle(
-                f"BUILD on {brief(target)}: a byte item sets state only on an instance it just made (state on "
+                f"BUILD on {brief(target)}: a byte item sets state only once, on an instance it just made (state on "
                 "anything else, an enum member or a dtype, would change it for the whole process)"
             )
+        self._built.add(id(target))
         if not _RECORDS[type(target)][0](state):
             raise UnsafePickle(f"BUILD of a {type(target).__qualname__} with {brief(state)}: not the state it takes")
 
