@@ -713,7 +713,7 @@ class ByteItemUnpickler(_AllowListUnpickler):
     def check_call(self, opcode: str, func: Any, args: Any) -> None:
         if opcode == "REDUCE" and id(func) in _byte_item_calls():
             return
-        if opcode == "NEWOBJ" and func in _RECORDS and args == ():
+        if opcode == "NEWOBJ" and type(func) is type and func in _RECORDS and type(args) is tuple and not args:
             return
         raise UnsafePickle(
             f"{opcode} on {brief(func)}: a byte item calls only the checks of its table and makes only fresh "
