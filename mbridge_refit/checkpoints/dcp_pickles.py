@@ -7,39 +7,64 @@ objects and its ``common_state``, written with ``torch.save``). DCP reads the in
 ``pickle.load`` and byte items with ``torch.load(weights_only=False)``: either runs whatever a
 crafted file names. Here:
 
-* ``load_index`` unpickles an index with ``IndexUnpickler``. Its ``find_class`` resolves only the
-  exact (module, name) pairs of ``index_globals`` (the classes DCP's index is made of, torch
-  dtypes, a layout lookup, ``PosixPath``) to objects chosen here, never imports, and refuses a
-  dotted name (which pickle's own ``find_class`` resolves attribute by attribute from protocol 4
-  on, reaching e.g. ``os.system`` through any allowed module). The extension opcodes, which
-  pickle resolves through copyreg's cache without ``find_class``, are refused; REDUCE, NEWOBJ and
-  OBJ call only allowed objects; BUILD sets state only on instances of the index's dataclasses
+* ``load_index`` unpickles an index with ``IndexUnpickler``, byte and tensor items are checked with
+  ``ByteItemUnpickler``; both are pickle's Python unpickler with the same hardening
+  (``_AllowListUnpickler``). ``find_class`` resolves only the exact (module, name) pairs of one table
+  (after pickle's own mapping of Python 2 names, so the name looked up is the one a full unpickler
+  would import) to objects chosen here, never imports, and refuses a dotted name (which pickle's own
+  ``find_class`` resolves attribute by attribute from protocol 4 on, reaching e.g. ``os.system``
+  through any allowed module). The extension opcodes, which pickle resolves through copyreg's cache
+  without ``find_class``, are refused, and so is DUP (pickle's writer never emits it); REDUCE,
+  NEWOBJ, INST and OBJ call only what the unpickler allows; BUILD sets state only where it allows
   (never on a class, an enum member or a dtype, which would change them for the whole process).
-  None of the allowed objects runs code when called or given state, so an index that loads is data.
-  Data can still cost: a few hundred bytes of tuples that share their items (memo references, DUP)
-  hash and print in time exponential in their depth. So a dict or set key must be a string, an int
-  or a ``MetadataIndex`` of a string and a ``torch.Size`` (checked as the key goes in, before it is
+  None of the allowed objects runs code when called or given state, so a pickle that loads is data.
+* The index's table is ``index_globals`` (the classes DCP's index is made of, torch dtypes, a layout
+  lookup, ``PosixPath``); BUILD sets state only on instances of the index's dataclasses. Data can
+  still cost: a few hundred bytes of tuples that share their items (memo references) hash and print
+  in time exponential in their depth. So a dict or set key must be a string, an int or a
+  ``MetadataIndex`` of a string and a ``torch.Size`` (checked as the key goes in, before it is
   hashed), the memory-format enum takes only an int, every message shows a bounded ``reprlib`` form
   of what it names, and the loaded index must have the shape DCP writes (``check_index_shape``:
   each field of the type DCP gives it), so no later check meets anything else.
+* A byte item's table is ``byte_item_table``, each entry with why it is there: what torch.save writes
+  of Megatron's ``_extra_state`` and common state (plain tensors as storages in persistent ids and
+  ``_rebuild_tensor_v2``, dtypes, ``OrderedDict``, ``torch.Size``, sets, bytes, ``PosixPath``,
+  Megatron's enums and ``signal.Signals``, ``argparse.Namespace``, ``BytesIO``). Every callable
+  resolves to a function here that checks its arguments and returns what the real one returns (an
+  enum's existing member by its value, never a new enum; a path of strings; an empty ``OrderedDict``)
+  or a stand-in for a tensor (no storage is read); classes are made only fresh, by NEWOBJ with no
+  arguments, and only those fresh instances take state, of the shape their entry says. This table,
+  not torch's process-wide safe globals, is the gate: importing megatron.core registers its safe
+  globals (its enums, numpy's dtypes, ``Namespace``, ...), and torch's weights-only loader then
+  BUILDs on any instance of an allowed type, an enum member too, so a crafted item would change
+  ``AttnBackend.flash`` for the whole process while it was being "checked", and DCP's own load (a
+  full pickle) would do the same. Protocol 2 is what torch.save, DCP and Megatron write (and all
+  torch's weights-only loader reads).
 * ``check_torch_archive`` looks at an item (byte or tensor) before ``torch.load(weights_only=True)``
   reads it: weights-only loading runs no code, but the archive and its pickle are data that can
   still cost (a compressed member that inflates, a pickle of shared references that hashes in
   exponential time), so an item must be the archive ``torch.save`` writes, as torch's own zip
   reader sees it, members stored, its pickle bounded (``expanded_objects``); only the archive's
   directory and pickle are read, not the tensor's bytes.
-* ``check_byte_item`` checks a byte item so, then loads it with ``torch.load(weights_only=True)``.
+* ``check_byte_item`` checks a byte item's archive so, its pickle with ``ByteItemUnpickler``, then loads
+  it with ``torch.load(weights_only=True)`` (a second layer, not the gate: it reads the storages, each
+  record present and as long as its tensors need). ``check_tensor_item`` checks a tensor item's
+  archive and its pickle (one plain tensor): DCP loads it with ``torch.load(weights_only=True)``.
 * ``CheckedFileSystemReader`` is DCP's reader with these checks built in: the index through
   ``load_index`` and every place it puts bytes through ``location_problem`` (a regular file inside
   the checkpoint, long enough), every byte item through ``check_byte_item`` before DCP loads the
-  same bytes, and every tensor item a load reads through ``check_torch_archive`` before DCP does.
+  same bytes, and every tensor item a load reads through ``check_tensor_item`` before DCP does.
   ``checked_megatron_reads`` makes Megatron-Core's ``dist_checkpointing.load`` read through it,
   so what is loaded is what was checked, however the files change after a first check.
 """
 
 from __future__ import annotations
 
+import _compat_pickle
+import argparse
+import collections
 import contextlib
+import enum
 import functools
 import importlib
 import io
@@ -48,13 +73,15 @@ import os
 import pathlib
 import pickle
 import pickletools
+import re
 import reprlib
+import signal
 import stat
 import struct
 import zipfile
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, BinaryIO, Iterator, Mapping
+from typing import Any, BinaryIO, Callable, Iterator, Mapping, NamedTuple
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -76,11 +103,15 @@ from mbridge_refit.errors import InputError
 __all__ = [
     "CheckedFileSystemReader",
     "INDEX_NAME",
+    "ByteItemUnpickler",
     "IndexUnpickler",
     "UnsafePickle",
+    "byte_item_globals",
+    "byte_item_table",
     "byte_items",
     "check_byte_item",
     "check_index_shape",
+    "check_tensor_item",
     "check_torch_archive",
     "checked_megatron_reads",
     "index_globals",
@@ -202,58 +233,95 @@ def _layouts() -> Mapping[str, torch.layout]:
     return MappingProxyType({str(value): value for value in vars(torch).values() if isinstance(value, torch.layout)})
 
 
-class IndexUnpickler(pickle._Unpickler):
-    """Builds a DCP index and nothing else (module docstring).
+class _AllowListUnpickler(pickle._Unpickler):
+    """pickle's Python unpickler resolving only the globals of one table and checking every opcode that can
+    reach code (module docstring); a subclass says what its pickle may call, make and give state.
 
-    pickle's Python implementation, so each opcode that can reach code is checked here: the C
-    unpickler resolves the extension opcodes from copyreg's cache and calls whatever REDUCE finds
-    on its stack, out of reach of a subclass.
+    pickle's Python implementation, so each such opcode is checked here: the C unpickler resolves the
+    extension opcodes from copyreg's cache and calls whatever REDUCE finds on its stack, out of reach of a
+    subclass. Names are mapped as pickle's own ``find_class`` maps them before importing (a protocol 0-2
+    pickle's Python 2 names: ``__builtin__.set`` is ``builtins.set``), so the table is looked up under the
+    name a full unpickler would import.
     """
 
     dispatch = dict(pickle._Unpickler.dispatch)
+    holder = "a pickle"  # what is unpickled, as messages name it
+    unknown = "a global it holds"  # what a name outside the table is not
+
+    def allowed_globals(self) -> Mapping[tuple[str, str], Any]:
+        raise NotImplementedError
+
+    def check_call(self, opcode: str, func: Any, args: Any) -> None:
+        """Raise ``UnsafePickle`` unless ``opcode`` (REDUCE, NEWOBJ, NEWOBJ_EX, INST/OBJ) may call ``func``."""
+        raise UnsafePickle(f"{opcode} on {brief(func)}: {self.holder} calls nothing")
+
+    def check_build(self, target: Any, state: Any) -> None:
+        """Raise ``UnsafePickle`` unless BUILD may give ``target`` the state ``state``."""
+        raise UnsafePickle(f"BUILD on {brief(target)}: {self.holder} sets no state")
+
+    def key_problem(self, key: Any) -> str | None:
+        """Why ``key`` cannot be a key of the pickle's dicts and sets (None: it can)."""
+        return None
+
+    def made(self, obj: Any) -> None:
+        """``obj`` was just made by NEWOBJ (a fresh instance)."""
 
     def find_class(self, module: str, name: str) -> Any:
         if "." in name:
-            raise UnsafePickle(f"{module}.{name}: a dotted name (an attribute of an attribute) is never in an index")
+            raise UnsafePickle(
+                f"{module}.{name}: a dotted name (an attribute of an attribute) is never in {self.holder}"
+            )
+        if self.proto < 3 and self.fix_imports:
+            module, name = _COMPAT_NAMES.get((module, name), (_COMPAT_MODULES.get(module, module), name))
         try:
-            return index_globals()[(module, name)]
+            return self.allowed_globals()[(module, name)]
         except (KeyError, TypeError):
-            raise UnsafePickle(f"{module}.{name} is not a type a checkpoint index holds") from None
+            raise UnsafePickle(f"{module}.{name} is not {self.unknown}") from None
 
     def persistent_load(self, pid: Any) -> Any:
-        raise UnsafePickle("an index holds no persistent ids")
-
-    def _require_allowed(self, obj: Any, opcode: str) -> None:
-        if id(obj) not in _allowed_ids():
-            raise UnsafePickle(f"{opcode} on {brief(obj)}: an index calls only the types it holds")
+        raise UnsafePickle(f"{self.holder} holds no persistent ids")
 
     def _require_keys(self, keys: Any, opcode: str) -> None:
         for key in keys:
-            problem = _key_problem(key)
+            problem = self.key_problem(key)
             if problem is not None:
                 raise UnsafePickle(f"{opcode} with {problem}")
 
     def _load_reduce(self) -> None:
-        self._require_allowed(self.stack[-2], "REDUCE")
+        self.check_call("REDUCE", self.stack[-2], self.stack[-1])
         pickle._Unpickler.load_reduce(self)
 
     def _load_newobj(self) -> None:
-        self._require_allowed(self.stack[-2], "NEWOBJ")
+        self.check_call("NEWOBJ", self.stack[-2], self.stack[-1])
         pickle._Unpickler.load_newobj(self)
+        self.made(self.stack[-1])
 
     def _load_newobj_ex(self) -> None:
-        self._require_allowed(self.stack[-3], "NEWOBJ_EX")
+        self.check_call("NEWOBJ_EX", self.stack[-3], self.stack[-2])
         pickle._Unpickler.load_newobj_ex(self)
+        self.made(self.stack[-1])
 
-    def _load_obj(self) -> None:
-        self._require_allowed(self.stack[0] if self.stack else None, "OBJ")
-        pickle._Unpickler.load_obj(self)
+    def _instantiate(self, klass: Any, args: Any) -> None:  # INST and OBJ
+        self.check_call("INST/OBJ", klass, args)
+        pickle._Unpickler._instantiate(self, klass, args)
 
     def _load_build(self) -> None:
-        target = self.stack[-2]
-        if type(target) not in _index_dataclasses():
-            raise UnsafePickle(f"BUILD on {brief(target)}: an index sets state only on its own records")
+        self.check_build(self.stack[-2], self.stack[-1])
         pickle._Unpickler.load_build(self)
+
+    # APPEND(S) and ADDITEMS call the target's own ``append``/``extend``/``add`` where it is not a list or a set,
+    # which an instance given state could hold as an attribute: only a list or a set takes items.
+    def _require_target(self, target: Any, kind: type, opcode: str) -> None:
+        if type(target) is not kind:
+            raise UnsafePickle(f"{opcode} on {brief(target)}: only a {kind.__name__} takes its items in {self.holder}")
+
+    def _load_append(self) -> None:
+        self._require_target(self.stack[-2], list, "APPEND")
+        pickle._Unpickler.load_append(self)
+
+    def _load_appends(self) -> None:
+        self._require_target(self.metastack[-1][-1] if self.metastack and self.metastack[-1] else None, list, "APPENDS")
+        pickle._Unpickler.load_appends(self)
 
     def _load_setitem(self) -> None:
         self._require_keys(self.stack[-2:-1], "SETITEM")
@@ -271,6 +339,7 @@ class IndexUnpickler(pickle._Unpickler):
         pickle._Unpickler.load_dict(self)
 
     def _load_additems(self) -> None:
+        self._require_target(self.metastack[-1][-1] if self.metastack and self.metastack[-1] else None, set, "ADDITEMS")
         self._require_keys(self.stack, "ADDITEMS")
         pickle._Unpickler.load_additems(self)
 
@@ -279,16 +348,17 @@ class IndexUnpickler(pickle._Unpickler):
         pickle._Unpickler.load_frozenset(self)
 
     def _load_dup(self) -> None:
-        raise UnsafePickle("DUP is never in an index (pickle's writer does not use it)")
+        raise UnsafePickle(f"DUP is never in {self.holder} (pickle's writer does not use it)")
 
     def _load_ext(self) -> None:
-        raise UnsafePickle("an extension code (EXT1/EXT2/EXT4) is never in an index")
+        raise UnsafePickle(f"an extension code (EXT1/EXT2/EXT4) is never in {self.holder}")
 
     dispatch[pickle.REDUCE[0]] = _load_reduce
     dispatch[pickle.NEWOBJ[0]] = _load_newobj
     dispatch[pickle.NEWOBJ_EX[0]] = _load_newobj_ex
-    dispatch[pickle.OBJ[0]] = _load_obj
     dispatch[pickle.BUILD[0]] = _load_build
+    dispatch[pickle.APPEND[0]] = _load_append
+    dispatch[pickle.APPENDS[0]] = _load_appends
     dispatch[pickle.SETITEM[0]] = _load_setitem
     dispatch[pickle.SETITEMS[0]] = _load_setitems
     dispatch[pickle.DICT[0]] = _load_dict
@@ -298,6 +368,32 @@ class IndexUnpickler(pickle._Unpickler):
     for _ext in (pickle.EXT1, pickle.EXT2, pickle.EXT4):
         dispatch[_ext[0]] = _load_ext
     del _ext
+
+
+_COMPAT_NAMES = _compat_pickle.NAME_MAPPING
+_COMPAT_MODULES = _compat_pickle.IMPORT_MAPPING
+
+
+class IndexUnpickler(_AllowListUnpickler):
+    """Builds a DCP index and nothing else (module docstring): the globals of ``index_globals``, calls of those
+    only, state set only on the index's own records, keys as ``_key_problem`` allows."""
+
+    holder = "an index"
+    unknown = "a type a checkpoint index holds"
+
+    def allowed_globals(self) -> Mapping[tuple[str, str], Any]:
+        return index_globals()
+
+    def check_call(self, opcode: str, func: Any, args: Any) -> None:
+        if id(func) not in _allowed_ids():
+            raise UnsafePickle(f"{opcode} on {brief(func)}: an index calls only the types it holds")
+
+    def check_build(self, target: Any, state: Any) -> None:
+        if type(target) not in _index_dataclasses():
+            raise UnsafePickle(f"BUILD on {brief(target)}: an index sets state only on its own records")
+
+    def key_problem(self, key: Any) -> str | None:
+        return _key_problem(key)
 
 
 def load_index(data: bytes) -> Metadata:
@@ -354,24 +450,332 @@ def _require(ok: bool, what: str) -> None:
         raise UnsafePickle(f"{what} is not what a DCP index holds there")
 
 
-def check_byte_item(data: bytes) -> None:
-    """Raise unless ``data`` loads with ``torch.load(weights_only=True)`` (tensors and plain data only).
+# --- byte items: what torch.save writes of Megatron's objects, and nothing else ----------------------------
 
-    Before torch reads it, ``check_torch_archive``: the archive torch.save writes, seen as torch's own reader
-    sees it, members stored and its pickle bounded (torch's loader hashes a dict key and compares values as
-    trees, so 1 kB of tuples sharing their items would take exponential time inside it, where no check of
-    ours can reach)."""
+
+class _StorageKind(NamedTuple):
+    """What a storage type (``torch.FloatStorage``, ...) names in a byte item: its dtype."""
+
+    dtype: torch.dtype
+
+
+class _Storage(NamedTuple):
+    """A storage a persistent id names (its bytes are not read here: torch's load reads them)."""
+
+    dtype: torch.dtype
+    numel: int
+
+
+class _Tensor(NamedTuple):
+    """A tensor ``_rebuild_tensor_v2`` would build of a ``_Storage`` (shape and strides checked, nothing read)."""
+
+    storage: _Storage
+    size: tuple[int, ...]
+
+
+# Where torch.save says a storage lay (what torch.load restores it to): a CPU or a CUDA device.
+_LOCATION = re.compile(r"cpu|cuda(:[0-9]{1,4})?")
+
+
+def _storage_named(pid: Any) -> _Storage:
+    """The storage of a persistent id as torch.save writes it: ``('storage', storage type, key, location, numel)``."""
+    if (
+        type(pid) is tuple
+        and len(pid) == 5
+        and pid[0] == "storage"
+        and type(pid[1]) is _StorageKind
+        and type(pid[2]) is str
+        and type(pid[3]) is str
+        and _LOCATION.fullmatch(pid[3])
+        and _is_count(pid[4])
+    ):
+        return _Storage(pid[1].dtype, pid[4])
+    raise UnsafePickle(
+        f"the persistent id {brief(pid)} is not a storage as torch.save names it ('storage', a storage type, "
+        "key, 'cpu' or 'cuda:N', element count)"
+    )
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _rebuild_tensor(*args: Any) -> _Tensor:
+    """``torch._utils._rebuild_tensor_v2(storage, offset, size, stride, requires_grad, backward_hooks)`` as
+    torch.save writes a plain tensor: checked, not built (no metadata, no hooks, no subclass)."""
+    if len(args) == 6:
+        storage, offset, size, stride, requires_grad, hooks = args
+        if (
+            type(storage) is _Storage
+            and _is_count(offset)
+            and _is_shape(size)
+            and _is_shape(stride)
+            and len(size) == len(stride)
+            and type(requires_grad) is bool
+            and type(hooks) is collections.OrderedDict
+            and not hooks
+        ):
+            return _Tensor(storage, size)
+    raise UnsafePickle(
+        f"torch._utils._rebuild_tensor_v2 with {brief(args)}: a byte item's tensors are plain ones as torch.save "
+        "writes them (a storage, offset, size, stride, requires_grad, no backward hooks, no metadata)"
+    )
+
+
+def _is_shape(value: Any) -> bool:
+    return type(value) is tuple and all(_is_count(item) for item in value)
+
+
+def _torch_size(*args: Any) -> torch.Size:
+    if len(args) == 1 and _is_shape(args[0]):
+        return torch.Size(args[0])
+    raise UnsafePickle(f"torch.Size of {brief(args)}: a size is made of one tuple of non-negative ints")
+
+
+def _ordered_dict(*args: Any) -> collections.OrderedDict:
+    if args:
+        raise UnsafePickle(f"collections.OrderedDict of {brief(args)}: torch.save makes one empty, then fills it")
+    return collections.OrderedDict()
+
+
+def _set_of(kind: type) -> Callable[..., Any]:
+    def made(*args: Any) -> Any:
+        if len(args) == 1 and type(args[0]) is list and all(_byte_key_problem(item) is None for item in args[0]):
+            return kind(args[0])
+        raise UnsafePickle(f"builtins.{kind.__name__} of {brief(args)}: a set is made of one list of plain keys")
+
+    return made
+
+
+def _latin1_bytes(*args: Any) -> bytes:
+    """``_codecs.encode(text, 'latin1')``, which is how protocol 2 writes ``bytes`` (other codecs import modules)."""
+    if len(args) == 2 and type(args[0]) is str and args[1] == "latin1":
+        return args[0].encode("latin1")
+    raise UnsafePickle(f"_codecs.encode of {brief(args)}: protocol 2 writes bytes as encode(text, 'latin1') only")
+
+
+def _posix_path(*args: Any) -> pathlib.PosixPath:
+    if all(type(part) is str for part in args):
+        return pathlib.PosixPath(*args)
+    raise UnsafePickle(f"pathlib.PosixPath of {brief(args)}: a path is made of strings")
+
+
+def _member_of(kind: type[enum.Enum]) -> Callable[..., enum.Enum]:
+    """``kind(value)`` as pickle calls an enum: its existing member of that value, looked up (never made, never
+    given state: BUILD on a member would change it for the whole process)."""
+
+    def member(*args: Any) -> enum.Enum:
+        value = args[0] if len(args) == 1 else None
+        found = kind._value2member_map_.get(value) if type(value) in (int, str) else None
+        if found is None or type(found.value) is not type(value):
+            raise UnsafePickle(f"{kind.__module__}.{kind.__qualname__} of {brief(args)} names none of its members")
+        return found
+
+    return member
+
+
+def _megatron_enums() -> tuple[tuple[type[enum.Enum], str], ...]:
+    """Megatron's enums a byte item may hold, and why (each taken by value only)."""
+    from megatron.core.enums import ModelType
+    from megatron.core.rerun_state_machine import RerunDiagnostic, RerunMode, RerunState
+    from megatron.core.transformer.enums import AttnBackend, CudaGraphModule, CudaGraphScope, InferenceCudaGraphScope
+
+    config = "Megatron-LM's args (its generate_state_dict stores them in the common state) hold it"
+    rerun = "the common state's rerun_state_machine entry (RerunStateMachine.state_dict) holds it"
+    return (
+        (AttnBackend, config),
+        (CudaGraphModule, config),
+        (CudaGraphScope, config),
+        (InferenceCudaGraphScope, config),
+        (ModelType, config),
+        (RerunMode, rerun),
+        (RerunState, rerun),
+        (RerunDiagnostic, rerun),
+        (signal.Signals, "Megatron-LM's args hold its --exit-signal as a signal.Signals"),
+    )
+
+
+# Classes a byte item makes fresh instances of (NEWOBJ with no arguments) and gives state once (BUILD): the
+# state each may take, and why it is here. Nothing else is ever given state.
+def _namespace_state(state: Any) -> bool:
+    # attributes by name, none of pickle's or Python's own (a ``__setstate__`` attribute would be called by a
+    # later BUILD in a full unpickler)
+    return type(state) is dict and all(type(key) is str and not key.startswith("__") for key in state)
+
+
+def _bytes_io_state(state: Any) -> bool:
+    return (
+        type(state) is tuple
+        and len(state) == 3
+        and type(state[0]) is bytes
+        and _is_count(state[1])
+        and state[1] <= len(state[0])
+        and state[2] is None
+    )
+
+
+_RECORDS: Mapping[type, tuple[Callable[[Any], bool], str]] = MappingProxyType(
+    {
+        argparse.Namespace: (_namespace_state, "Megatron-LM's args in the common state: attributes by name"),
+        io.BytesIO: (_bytes_io_state, "_extra_state of TE before 2.0 (Megatron-Core's _encode_extra_state)"),
+    }
+)
+
+
+@functools.cache
+def byte_item_table() -> tuple[tuple[str, str, Any, str], ...]:
+    """Every global a byte item may name: (module, name, what it resolves to here, why it is there).
+
+    Found by reading what torch.save writes (``pickletools.dis``) of what Megatron-Core and Megatron-Bridge store
+    as byte items: TE's ``_extra_state`` (a uint8 tensor, an empty one without FP8; a BytesIO before TE 2.0)
+    and the common state (``checkpoint_version``, ``iteration``, the optimizer's param groups, the scheduler's
+    state, the grad scaler's tensors, the rerun machine's mode and state; with Megatron-LM its ``args``). A
+    callable resolves to a function here that checks its arguments and returns what the real one would
+    (an enum's existing member, a path, a size) or a stand-in of a tensor; a class resolves to itself only
+    where a byte item makes instances of it (``_RECORDS``); dtypes and storage types are values.
+    """
+    rows: list[tuple[str, str, Any, str]] = [
+        ("torch._utils", "_rebuild_tensor_v2", _rebuild_tensor, "every tensor torch.save writes"),
+        ("collections", "OrderedDict", _ordered_dict, "a tensor's (empty) backward hooks; state dicts"),
+        ("torch", "Size", _torch_size, "a torch.Size in a saved object"),
+        ("builtins", "set", _set_of(set), "protocol 2 writes a set as set(list)"),
+        ("_codecs", "encode", _latin1_bytes, "protocol 2 writes bytes as _codecs.encode(text, 'latin1')"),
+        ("pathlib", "PosixPath", _posix_path, "paths in saved arguments (Megatron-Core registers it as safe)"),
+    ]
+    rows += [(kind.__module__, kind.__qualname__, kind, why) for kind, (_, why) in _RECORDS.items()]
+    rows += [(kind.__module__, kind.__qualname__, _member_of(kind), why) for kind, why in _megatron_enums()]
+    rows += [
+        ("torch", name, value, "a dtype in saved arguments (Megatron-LM's params_dtype)")
+        for name, value in vars(torch).items()
+        if isinstance(value, torch.dtype)
+    ]
+    rows += [
+        ("torch", name, _StorageKind(dtype), "the storage type of a tensor's persistent id")
+        for name, dtype in torch.storage._storage_type_to_dtype_map().items()
+    ]
+    return tuple(rows)
+
+
+@functools.cache
+def byte_item_globals() -> Mapping[tuple[str, str], Any]:
+    """``byte_item_table`` as a lookup: (module, name) -> what it resolves to."""
+    return MappingProxyType({(module, name): value for module, name, value, _ in byte_item_table()})
+
+
+@functools.cache
+def _byte_item_calls() -> frozenset[int]:
+    """Identities of the functions REDUCE may call in a byte item (the table's checking functions)."""
+    return frozenset(id(value) for value in byte_item_globals().values() if type(value) is _FUNCTION)
+
+
+_FUNCTION = type(_posix_path)
+
+
+@functools.cache
+def _byte_item_enums() -> frozenset[type]:
+    return frozenset(kind for kind, _ in _megatron_enums())
+
+
+_PLAIN_KEYS = (str, int, float, bool, bytes, type(None), torch.dtype)
+
+
+def _byte_key_problem(key: Any) -> str | None:
+    """Why ``key`` cannot be a key of a byte item's dicts and sets (None: it can): plain values, Megatron's
+    enum members, dtypes, and flat tuples of those."""
+    kind = type(key)
+    items = key if kind is tuple else (key,)
+    if all(type(item) in _PLAIN_KEYS or type(item) in _byte_item_enums() for item in items):
+        return None
+    return f"{brief(key)} as a key: a byte item's keys are plain values, enum members, dtypes and tuples of those"
+
+
+class ByteItemUnpickler(_AllowListUnpickler):
+    """Checks a byte item's pickle (its ``data.pkl``) against ``byte_item_table``, whatever torch's process-wide
+    safe globals hold (module docstring): REDUCE calls only the table's checking functions, NEWOBJ makes only
+    fresh ``_RECORDS`` with no arguments, BUILD gives state only to those fresh instances (of the shape
+    ``_RECORDS`` says), INST/OBJ and NEWOBJ_EX are refused (protocol 2 writes neither). ``load`` returns what
+    was checked, tensors as ``_Tensor`` stand-ins."""
+
+    holder = "a byte item"
+    unknown = "a global a checkpoint's byte item holds (dcp_pickles.byte_item_table)"
+
+    def __init__(self, file: BinaryIO) -> None:
+        super().__init__(file)
+        self._fresh: dict[int, Any] = {}  # id -> instance made here (kept alive, so no id is reused)
+        self._built: set[int] = set()  # ids of those already given state
+
+    def allowed_globals(self) -> Mapping[tuple[str, str], Any]:
+        return byte_item_globals()
+
+    def persistent_load(self, pid: Any) -> Any:
+        return _storage_named(pid)
+
+    def check_call(self, opcode: str, func: Any, args: Any) -> None:
+        if opcode == "REDUCE" and id(func) in _byte_item_calls():
+            return
+        if opcode == "NEWOBJ" and type(func) is type and func in _RECORDS and type(args) is tuple and not args:
+            return
+        raise UnsafePickle(
+            f"{opcode} on {brief(func)}: a byte item calls only the checks of its table and makes only fresh "
+            f"{', '.join(kind.__qualname__ for kind in _RECORDS)}"
+        )
+
+    def made(self, obj: Any) -> None:
+        self._fresh[id(obj)] = obj
+
+    def check_build(self, target: Any, state: Any) -> None:
+        if id(target) not in self._fresh or self._fresh[id(target)] is not target or id(target) in self._built:
+            raise UnsafePickle(
+                f"BUILD on {brief(target)}: a byte item sets state only once, on an instance it just made (state on "
+                "anything else, an enum member or a dtype, would change it for the whole process)"
+            )
+        self._built.add(id(target))
+        if not _RECORDS[type(target)][0](state):
+            raise UnsafePickle(f"BUILD of a {type(target).__qualname__} with {brief(state)}: not the state it takes")
+
+    def key_problem(self, key: Any) -> str | None:
+        return _byte_key_problem(key)
+
+
+def check_byte_item(data: bytes) -> None:
+    """Raise unless ``data`` is an archive torch.save wrote of plain data (``UnsafePickle`` naming what is not).
+
+    ``check_torch_archive`` first (the archive torch.save writes, seen as torch's own reader sees it, members
+    stored, its pickle bounded: torch's loader hashes a dict key and compares values as trees, so 1 kB of
+    tuples sharing their items would take exponential time inside it, where no check of ours can reach); then
+    its pickle through ``ByteItemUnpickler`` (the gate: only ``byte_item_table``'s globals, whatever
+    torch's safe globals hold); then ``torch.load(weights_only=True)``, which reads the tensors' storages
+    (their records exist and are as long as their tensors need) with torch's own checks."""
     buffer = io.BytesIO(data)
-    check_torch_archive(buffer)
+    _load_checked(check_torch_archive(buffer))
     buffer.seek(0)
     torch.load(buffer, weights_only=True)
+
+
+def check_tensor_item(item: BinaryIO) -> None:
+    """Raise ``UnsafePickle`` unless ``item`` is an archive torch.save wrote of one plain tensor (``check_torch_archive``,
+    then its pickle through ``ByteItemUnpickler``): DCP reads a tensor item with ``torch.load(weights_only=True)``,
+    which takes whatever torch's process-wide safe globals hold."""
+    loaded = _load_checked(check_torch_archive(item))
+    if type(loaded) is not _Tensor:
+        raise UnsafePickle(f"it holds a {type(loaded).__name__}, not the one tensor DCP writes in a tensor item")
+
+
+def _load_checked(pickled: bytes) -> Any:
+    """``pickled`` through ``ByteItemUnpickler``; a pickle it cannot follow is an ``UnsafePickle`` too."""
+    try:
+        return ByteItemUnpickler(io.BytesIO(pickled)).load()
+    except UnsafePickle:
+        raise
+    except Exception as err:  # a truncated or malformed stream: never what torch.save wrote
+        raise UnsafePickle(f"its pickle cannot be read ({type(err).__name__}: {brief(str(err))})") from err
 
 
 MAX_ARCHIVE_RECORDS = 1024  # a tensor item holds 7, an object a few per tensor in it
 _LOCAL_HEADER = zipfile.stringFileHeader  # b"PK\x03\x04", what a zip's first record starts with
 
 
-def check_torch_archive(item: BinaryIO) -> None:
+def check_torch_archive(item: BinaryIO) -> bytes:
     """Raise ``UnsafePickle`` unless ``item`` is a zip archive as ``torch.save`` writes it, checked as torch's
     own reader (``PyTorchFileReader``, miniz) will read it, not only as Python's ``zipfile`` does: the two
     parse differently (a prefix before the archive, letter case in names, zip64 locators, offsets taken as
@@ -379,7 +783,7 @@ def check_torch_archive(item: BinaryIO) -> None:
     local header (else torch reads it as a legacy pickle stream); at most ``MAX_ARCHIVE_RECORDS`` records, no
     two names equal but for letter case; every record stored; both readers find the same records at the same
     data offsets; and the pickle torch will unpickle (its ``data.pkl``, read through torch's reader)
-    stands for at most ``MAX_EXPANDED_OBJECTS`` objects (``expanded_objects``)."""
+    stands for at most ``MAX_EXPANDED_OBJECTS`` objects (``expanded_objects``). Returns that pickle."""
     try:
         item.seek(0)
         if item.read(len(_LOCAL_HEADER)) != _LOCAL_HEADER:
@@ -406,6 +810,7 @@ def check_torch_archive(item: BinaryIO) -> None:
             f"its pickle stands for more than {MAX_EXPANDED_OBJECTS} objects once shared references are "
             "followed (a checkpoint's object holds a few hundred)"
         )
+    return pickled
 
 
 def _check_members(members: list[zipfile.ZipInfo]) -> None:
@@ -560,7 +965,7 @@ class CheckedFileSystemReader(FileSystemReader):
         return super().read_data(plan, _CheckedBytesPlanner(planner, self.progress))
 
     def _check_tensor_items(self, plan: Any) -> None:
-        """``check_torch_archive`` on every tensor item ``plan`` reads (each once, file by file)."""
+        """``check_tensor_item`` on every tensor item ``plan`` reads (each once, file by file)."""
         items: dict[str, dict[Any, str]] = {}  # file -> {storage index: fqn}
         for read_item in plan.items:
             if read_item.type != LoadItemType.BYTE_IO:
@@ -571,7 +976,7 @@ class CheckedFileSystemReader(FileSystemReader):
                 for index, fqn in tensors.items():
                     location = self.storage_data[index]
                     try:
-                        check_torch_archive(_FileSlice(stream, location.offset, location.length))
+                        check_tensor_item(_FileSlice(stream, location.offset, location.length))
                     except UnsafePickle as err:
                         raise UnsafePickle(f"tensor item {fqn} in {Path(self.path) / name}: {err}") from err
 

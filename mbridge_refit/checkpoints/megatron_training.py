@@ -21,8 +21,9 @@ names and no tokenizer: ``convert export`` takes those from the HF checkpoint th
 ``TrainingCheckpoint.open`` finds the iteration directory (from ``SAVE`` through the tracker, or given), reads
 the DCP index (``dcp_pickles``: nothing in it runs code), keeps the model's tensors (every stored tensor not
 under ``optimizer.``) and checks, before any collective, the byte items a model load reads (``common_state``
-and the model's ``_extra_state``): plain data (``check_byte_item``: ``torch.load(weights_only=True)``, with the
-safe globals Megatron-Core registers, such as Megatron-LM's ``argparse.Namespace`` of arguments). The RNG
+and the model's ``_extra_state``): plain data (``check_byte_item``: only the globals of ``dcp_pickles``' own
+``byte_item_table``, whatever torch's process-wide safe globals hold, among them Megatron-LM's ``argparse.Namespace``
+of arguments, taking state only as a fresh instance, and Megatron's enums by value). The RNG
 state (numpy arrays, Python's random state) and the optimizer's tensors and objects are never read. A LoRA run's checkpoint (adapter tensors only) is refused
 naming ``export-adapter``. Every refusal is a ``NotATrainingCheckpoint`` naming the file and the fix.
 """
@@ -59,7 +60,8 @@ logger = logging.getLogger(__name__)
 
 # Stored tensors of the training state, not of the model: Megatron-Core's optimizers name theirs so.
 TRAINING_STATE_PREFIXES = ("optimizer.",)
-# Byte items a model load reads besides the model's own ``_extra_state``: Megatron-Core loads the common state always.
+# Byte items a model load reads besides the model's own ``_extra_state``: Megatron-Core loads the common state always
+# (DCP keys it by its ShardedObject's unique key, ``common_state/shard_0_1``).
 MODEL_BYTE_ITEMS = ("common_state",)
 _FIX = "copy the iteration directory again from the training run"
 
@@ -138,7 +140,7 @@ def _check_model_byte_items(weights: Path) -> None:
     index = load_index((weights / INDEX_NAME).read_bytes())
     sizes: dict[str, int | None] = {}
     for fqn, location in byte_items(index):
-        if fqn not in MODEL_BYTE_ITEMS and "_extra_state" not in fqn:
+        if fqn.partition("/")[0] not in MODEL_BYTE_ITEMS and "_extra_state" not in fqn:
             continue  # the RNG, rerun-machine and optimizer objects: never read
         problem = location_problem(weights, location, sizes)
         if problem is not None:
