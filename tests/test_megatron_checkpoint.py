@@ -267,8 +267,7 @@ def test_byte_items_must_be_plain_data(tmp_path):
 
     import torch
 
-    from mbridge_refit.checkpoints.dcp_pickles import UnsafePickle
-    from mbridge_refit.checkpoints.megatron import check_byte_item
+    from mbridge_refit.checkpoints.dcp_pickles import UnsafePickle, check_byte_item
 
     plain = io.BytesIO()
     torch.save({"a": torch.ones(2), "b": None}, plain)

@@ -28,7 +28,8 @@ import torch
 from conftest import free_port
 from torch.distributed.checkpoint.api import CheckpointException
 
-from mbridge_refit.checkpoints.megatron import NotAMegatronCheckpoint, check_byte_item, check_pickled_parts
+from mbridge_refit.checkpoints.dcp_pickles import check_byte_item
+from mbridge_refit.checkpoints.megatron import NotAMegatronCheckpoint, check_pickled_parts
 from mbridge_refit.engines.ipc.sharing import CudaIpcTransport, SharingError
 
 ALLOWED_INDEX_MODULES = ("torch.distributed.checkpoint.filesystem", "torch.distributed.checkpoint.metadata", "torch")

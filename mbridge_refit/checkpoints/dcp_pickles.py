@@ -109,7 +109,9 @@ __all__ = [
     "byte_item_globals",
     "byte_item_table",
     "byte_items",
+    "ByteItemRefused",
     "check_byte_item",
+    "check_byte_items",
     "check_index_shape",
     "check_tensor_item",
     "check_torch_archive",
@@ -923,6 +925,35 @@ def byte_items(index: Metadata) -> Iterator[tuple[str, Any]]:
     for key, location in (index.storage_data or {}).items():
         if isinstance(index.state_dict_metadata.get(key.fqn), BytesStorageMetadata):
             yield key.fqn, location
+
+
+class ByteItemRefused(UnsafePickle):
+    """A byte item ``check_byte_items`` refuses: ``fqn`` names it, ``path`` is the file it lies in (the
+    index, where the index places it where it cannot be read: ``placed``), ``reason`` says why."""
+
+    def __init__(self, fqn: str, path: Path, reason: str, *, placed: bool) -> None:
+        super().__init__(f"{path}: its object {fqn}: {reason}")
+        self.fqn, self.path, self.reason, self.placed = fqn, path, reason, placed
+
+
+def check_byte_items(weights: Path, index: Metadata, keep: Callable[[str], bool] = lambda fqn: True) -> None:
+    """Check every byte item of ``index`` whose fqn ``keep`` accepts, in the checkpoint directory ``weights``:
+    its place first (``location_problem``, before the file is opened: a FIFO would block, /dev/zero never
+    end), then its bytes (``check_byte_item``). Raises ``ByteItemRefused`` for the first one refused."""
+    sizes: dict[str, int | None] = {}
+    for fqn, location in byte_items(index):
+        if not keep(fqn):
+            continue
+        problem = location_problem(weights, location, sizes)
+        if problem is not None:
+            raise ByteItemRefused(fqn, weights / INDEX_NAME, problem, placed=True)
+        try:
+            with open(weights / location.relative_path, "rb") as handle:
+                handle.seek(location.offset)
+                check_byte_item(handle.read(location.length))
+        except Exception as err:
+            reason = f"{type(err).__name__}: {err}"
+            raise ByteItemRefused(fqn, weights / location.relative_path, reason, placed=False) from err
 
 
 class CheckedFileSystemReader(FileSystemReader):

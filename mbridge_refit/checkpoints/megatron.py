@@ -44,8 +44,8 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from mbridge_refit.checkpoints.dcp_pickles import (
     INDEX_NAME,
-    byte_items,
-    check_byte_item,
+    ByteItemRefused,
+    check_byte_items,
     checked_megatron_reads,
     load_index,
     location_problem,
@@ -226,22 +226,13 @@ def check_pickled_parts(weights: Path) -> None:
             f"refusing {index_path}: {type(err).__name__}: {err}. It is not an index written by `import`; "
             "re-create the checkpoint from the HF source"
         ) from err
-    sizes: dict[str, int | None] = {}
-    for fqn, location in byte_items(index):
-        problem = location_problem(weights, location, sizes)
-        if problem is not None:  # checked before the file is opened: a FIFO would block, /dev/zero never end
-            raise NotAMegatronCheckpoint(
-                f"refusing {index_path}: its object {fqn}: {problem}; re-create the checkpoint from the HF source"
-            )
-        try:
-            with open(weights / location.relative_path, "rb") as handle:
-                handle.seek(location.offset)
-                check_byte_item(handle.read(location.length))
-        except Exception as err:
-            raise NotAMegatronCheckpoint(
-                f"refusing {weights / location.relative_path}: its object {fqn} is not plain data "
-                f"({type(err).__name__}: {err}); re-create the checkpoint from the HF source"
-            ) from err
+    try:
+        check_byte_items(weights, index)
+    except ByteItemRefused as refused:
+        what = f": {refused.reason}" if refused.placed else f" is not plain data ({refused.reason})"
+        raise NotAMegatronCheckpoint(
+            f"refusing {refused.path}: its object {refused.fqn}{what}; re-create the checkpoint from the HF source"
+        ) from refused
 
 
 # --- the stored tensors against a model's, before anything is allocated or read -----------------

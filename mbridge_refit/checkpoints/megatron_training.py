@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from mbridge_refit.checkpoints.dcp_pickles import INDEX_NAME, byte_items, check_byte_item, load_index, location_problem
+from mbridge_refit.checkpoints.dcp_pickles import INDEX_NAME, ByteItemRefused, check_byte_items, load_index
 from mbridge_refit.checkpoints.megatron import (
     METADATA_NAME,
     TRACKER_NAME,
@@ -138,20 +138,18 @@ def _iteration_dir(path: Path) -> Path:
 def _check_model_byte_items(weights: Path) -> None:
     """The byte items a model load reads are plain data (``check_byte_item``), read here before any collective."""
     index = load_index((weights / INDEX_NAME).read_bytes())
-    sizes: dict[str, int | None] = {}
-    for fqn, location in byte_items(index):
-        if fqn.partition("/")[0] not in MODEL_BYTE_ITEMS and "_extra_state" not in fqn:
-            continue  # the RNG, rerun-machine and optimizer objects: never read
-        problem = location_problem(weights, location, sizes)
-        if problem is not None:
-            raise NotATrainingCheckpoint(f"refusing {weights / INDEX_NAME}: its object {fqn}: {problem}; {_FIX}")
-        try:
-            with open(weights / location.relative_path, "rb") as handle:
-                handle.seek(location.offset)
-                check_byte_item(handle.read(location.length))
-        except Exception as err:
-            raise NotATrainingCheckpoint(
-                f"refusing {weights / location.relative_path}: its object {fqn} is not plain data "
-                f"({type(err).__name__}: {err}): reading it would run its pickle; {_FIX}, or convert it with "
-                "Megatron-Bridge's own tools where its code may run"
-            ) from err
+    try:
+        check_byte_items(weights, index, keep=_read_by_a_model_load)
+    except ByteItemRefused as refused:
+        if refused.placed:
+            raise NotATrainingCheckpoint(f"refusing {refused.path}: its object {refused.fqn}: {refused.reason}; {_FIX}")
+        raise NotATrainingCheckpoint(
+            f"refusing {refused.path}: its object {refused.fqn} is not plain data ({refused.reason}): reading it "
+            f"would run its pickle; {_FIX}, or convert it with Megatron-Bridge's own tools where its code may run"
+        ) from refused
+
+
+def _read_by_a_model_load(fqn: str) -> bool:
+    """Whether a model load reads the byte item ``fqn`` (the common state, the model's ``_extra_state``; never
+    the RNG, rerun-machine and optimizer objects)."""
+    return fqn.partition("/")[0] in MODEL_BYTE_ITEMS or "_extra_state" in fqn
