@@ -18,11 +18,11 @@ A cached buffer is the same tensor object every export, so a consumer that rebin
 Each buffer is kept with a private alias made when it was allocated (which also keeps its storage
 alive, so no other tensor can take its address), and checked against it twice:
 
-* ``check_pool``, before an export's first collective: every pooled buffer still set to its alias
-  with its dtype (one ``is_set_to`` and one dtype per buffer, in C-level passes), else
-  ``ReboundOutputError`` naming the tensor the buffer was last yielded as.
-  ``RefitBridge._in_place_change`` runs it and the handshake shares the verdict with every rank,
-  so a buffer rebound on one rank only is refused on every rank before any collective.
+* ``check_pool``, before an export's first collective: every pooled buffer but the scratch ones
+  (never yielded) still set to its alias with its dtype (one ``is_set_to`` and one dtype per
+  buffer, in C-level passes), else ``ReboundOutputError`` naming the tensor the buffer was last
+  yielded as. ``RefitBridge._in_place_change`` runs it and the handshake shares the verdict with
+  every rank, so a buffer rebound on one rank only is refused on every rank before any collective.
 * every request (``get``) of a buffer the pool already holds: the same check for that buffer (one
   ``is_set_to`` per reuse). A consumer runs between the buckets of an export, so it may rebind a
   tensor yielded by this very export (or one it kept from the last) after ``check_pool`` passed;
@@ -95,7 +95,8 @@ class ExportBuffers:
         # key -> [buffer, its alias, the name it was last given as]: a buffer is reused for several
         # tensors of one export; a rebound one is named as its consumer got it
         self._pool: dict[tuple, list] = {}
-        # the pool's buffers that have an alias (not meta), with their aliases and dtypes: ``check_pool``'s lists
+        # the pool's buffers a consumer may get (not scratch) that have an alias (not meta), with their
+        # aliases and dtypes: what ``check_pool`` checks
         self._checked: list[torch.Tensor] = []
         self._aliases: list[torch.Tensor] = []
         self._dtypes: list[torch.dtype] = []
@@ -127,7 +128,7 @@ class ExportBuffers:
         if self.persistent:
             alias = _alias(buffer)
             self._pool[key] = [buffer, alias, name]
-            if alias is not None:
+            if alias is not None and role not in SCRATCH_ROLES:  # a scratch buffer is never yielded
                 self._checked.append(buffer)
                 self._aliases.append(alias)
                 self._dtypes.append(dtype)
@@ -143,7 +144,8 @@ class ExportBuffers:
         ):
             return
         for key, (buffer, alias, name) in self._pool.items():
-            check_not_rebound(buffer, alias, key[3], name or _unnamed(key))
+            if key[0] not in SCRATCH_ROLES:
+                check_not_rebound(buffer, alias, key[3], name or _unnamed(key))
 
     @property
     def nbytes(self) -> int:
