@@ -52,7 +52,7 @@ from mbridge_refit.plan.entries import ExportPlan, PlanError
 from mbridge_refit.plan.layout import ModelShape
 from mbridge_refit.plan.task_selection import TaskMismatch, names_for_tasks
 from mbridge_refit.plan.transfer import TransferPlan, build_transfer_plan
-from mbridge_refit.runtime.buffers import ExportBuffers
+from mbridge_refit.runtime.buffers import ExportBuffers, ReboundOutputError
 from mbridge_refit.runtime.collectives import (
     all_true,
     current_groups,
@@ -209,20 +209,31 @@ class RefitBridge(AutoBridge):
         state.model_bridge.export_weight_dtype = self.export_weight_dtype
         return state
 
-    def _in_place_change(self, chunks: list[torch.nn.Module]) -> ModelChangedError | None:
-        """The ``ModelChangedError`` a planned parameter of ``chunks`` changed in place raises
-        (``LiveParams.check_in_place``: another dtype, a storage emptied), or None; local, no
-        collective (a model not planned yet has nothing to check). Once per export call, before
-        its handshake, which shares the verdict with every rank (``_begin_collective``)."""
+    def _in_place_change(
+        self, chunks: list[torch.nn.Module], reused: ExportBuffers | None = None
+    ) -> ModelChangedError | ReboundOutputError | None:
+        """What the export of ``chunks`` must refuse, found locally before any collective, or None:
+        the ``ReboundOutputError`` of a bridge-owned buffer a consumer changed after it was yielded
+        (``ExportBuffers.check_pool`` over ``reused``, the pool this export reuses, and the held
+        factors of the model's LoRA adapters), or the ``ModelChangedError`` of a planned parameter
+        of ``chunks`` changed in place (``LiveParams.check_in_place``: another dtype, a storage
+        emptied; a model not planned yet has nothing to check). Once per export call, before its
+        handshake, which shares the verdict with every rank (``_begin_collective``). A buffer
+        rebound during the export, between its buckets, is found by ``ExportBuffers.get`` on that
+        rank only."""
         state = self._model_state
-        if state is None or not _same_chunks(state.chunks, chunks):
-            return None
+        planned = state is not None and _same_chunks(state.chunks, chunks)
+        adapters = state.adapters if planned else None
         try:
-            if state.live is not None:
+            if reused is not None:
+                reused.check_pool()
+            if adapters is not None and adapters.export is not None:
+                adapters.export.held.check_pool()
+            if planned and state.live is not None:
                 state.live.check_in_place()
-            if state.adapters is not None:
-                state.adapters.check_in_place()
-        except ModelChangedError as err:
+            if adapters is not None:
+                adapters.check_in_place()
+        except (ModelChangedError, ReboundOutputError) as err:
             return err
         return None
 
@@ -293,6 +304,18 @@ class RefitBridge(AutoBridge):
         return state.adapters.built(
             state.model_bridge, chunks, state.plan, state.tasks, state.group, params_device(state.live.params)
         )
+
+    def _reused_buffers(self, options: "_ExportOptions") -> ExportBuffers | None:
+        """The pool an export with ``options`` reuses (``_export_buffers`` keeps it), None where it
+        makes a new one."""
+        buffers = self._buffers
+        if (
+            options.reuse_buffer_from_cache
+            and buffers is not None
+            and buffers.hold_whole_export == options.hold_outputs
+        ):
+            return buffers
+        return None
 
     def _export_buffers(self, persistent: bool, hold_outputs: bool = False) -> ExportBuffers:
         if hold_outputs and not persistent:
@@ -695,7 +718,7 @@ class RefitBridge(AutoBridge):
         """One public export call: the handshake (``runtime.handshake``), the export, and the tensors'
         lifetime checks when ``check_lifetime`` is on."""
         chunks = _chunks(model)
-        call = self._begin_collective(chunks, what)
+        call = self._begin_collective(chunks, what, self._reused_buffers(options))
         self._held_outputs.expire()  # the last held export's tensors end where this export begins
         exported = self._export(chunks, options, in_buckets=in_buckets)
         stream = call.guard(exported, issues_collectives=not isinstance(exported, _NoExportWork))
@@ -705,9 +728,13 @@ class RefitBridge(AutoBridge):
             return self._held_outputs.guard(stream, in_buckets=in_buckets)
         return guard_buckets(stream) if in_buckets else guard_tensors(stream)
 
-    def _begin_collective(self, chunks: list[torch.nn.Module], what: str) -> CollectiveCall:
-        """Check that every rank the export needs calls it, and that none has an export still open
-        (of this bridge or another: ``runtime.handshake``, refused on every rank alike), before any collective."""
+    def _begin_collective(
+        self, chunks: list[torch.nn.Module], what: str, reused: ExportBuffers | None = None
+    ) -> CollectiveCall:
+        """Check that every rank the export needs calls it, that none has an export still open
+        (of this bridge or another: ``runtime.handshake``), and that no rank's model or bridge-owned
+        buffers (``reused``: the pool the export reuses) changed in place (``_in_place_change``),
+        refused on every rank alike, before any collective."""
         state = (
             self._model_state
             if self._model_state is not None and _same_chunks(self._model_state.chunks, chunks)
@@ -721,7 +748,7 @@ class RefitBridge(AutoBridge):
         )
         call = CollectiveCall(what, participants, timeout_s=self.collective_timeout_s)
         last = open_call()
-        changed = self._in_place_change(chunks)  # refused on every rank: none enters a collective alone
+        changed = self._in_place_change(chunks, reused)  # refused on every rank: none enters a collective alone
         refusal = str(changed) if changed is not None else None
         if refusal is None and last is not None:
             refusal = _still_open(last, what)

@@ -69,6 +69,29 @@ def test_changes_in_place_are_followed_or_refused_on_every_rank(layout, source_c
     assert sum(r["offload"]["same_address"] for r in reports), reports
     rebinds = [r["consumer-rebinds"] for r in reports]
     assert all(r["buffer"] is None or r["verdict"] in ("stock", "ReboundOutputError") for r in rebinds), rebinds
+    _check_rebound_on_rank1(layout, [r["rebound-on-rank1"] for r in reports])
+
+
+def _check_rebound_on_rank1(layout: str, reports: list[dict]) -> None:
+    """Step rebound-on-rank1: refused on both ranks, naming rank 1's tensor, before any collective."""
+    if reports[0]["buffer"] is None:  # every tensor a view of its parameter: no bridge-owned buffer is yielded
+        assert layout == "tp1" and reports[1]["buffer"] is None, reports
+        return
+    assert [r["refused"] for r in reports] == ["CollectiveMisuseError", "ReboundOutputError"], reports
+    assert reports[0]["buffer"] == reports[1]["buffer"] is not None, reports
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])  # a gathered output; rank 1's receive buffer of a stage-0 tensor
+def test_a_buffer_rebound_on_one_rank_is_refused_on_every_rank_before_any_collective(
+    layout, source_checkpoints, tmp_path
+):
+    """Rank 1's consumer rebinds a yielded bridge-owned buffer after the loop (``t.data = t.data.half()``):
+    the next export is refused on both ranks by the handshake, naming the tensor, within seconds (rank
+    0 waited in a gather for the process group's timeout: rank 1 found it only mid-export); after
+    ``release_export_buffers()`` the export equals stock's (tests/ranks/trainer_truth_check.py)."""
+    recipe, flags = IN_PLACE_LAYOUTS[layout]
+    reports = _run("changed-in-place", recipe, [*flags, "--steps", "rebound-on-rank1"], source_checkpoints, tmp_path)
+    _check_rebound_on_rank1(layout, [r["rebound-on-rank1"] for r in reports])
 
 
 def test_bucket_api_keeps_a_bucket_valid_and_the_checking_mode_catches_kept_tensors(source_checkpoints, tmp_path):

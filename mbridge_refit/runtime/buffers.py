@@ -16,12 +16,23 @@ stay shared.
 A cached buffer is the same tensor object every export, so a consumer that rebinds a yielded one
 (``t.data = t.data.half()``, ``t.set_(...)``) would change what later exports write into and yield.
 Each buffer is kept with a private alias made when it was allocated (which also keeps its storage
-alive, so no other tensor can take its address); a request that finds its buffer no longer set to
-its alias or of another dtype raises ``ReboundOutputError`` naming it (one ``is_set_to`` per reuse).
+alive, so no other tensor can take its address), and checked against it twice:
+
+* ``check_pool``, before an export's first collective: every pooled buffer but the scratch ones
+  (never yielded) still set to its alias with its dtype (one ``is_set_to`` and one dtype per
+  buffer, in C-level passes), else ``ReboundOutputError`` naming the tensor the buffer was last
+  yielded as. ``RefitBridge._in_place_change`` runs it and the handshake shares the verdict with
+  every rank, so a buffer rebound on one rank only is refused on every rank before any collective.
+* every request (``get``) of a buffer the pool already holds: the same check for that buffer (one
+  ``is_set_to`` per reuse). A consumer runs between the buckets of an export, so it may rebind a
+  tensor yielded by this very export (or one it kept from the last) after ``check_pool`` passed;
+  that is found when the buffer is next requested, mid-export, and raised on that rank only: its
+  peers wait in their next collective until the process group's timeout.
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -54,6 +65,14 @@ def _alias(tensor: torch.Tensor) -> torch.Tensor | None:
     return None if tensor.is_meta else tensor.detach()
 
 
+def _unnamed(key: tuple) -> str:
+    """How an error names a buffer never given a name (its role and shape, from its pool key)."""
+    return f"the {key[0]} buffer {list(key[2])}"
+
+
+_dtype = operator.attrgetter("dtype")
+
+
 class ExportBuffers:
     """Output buffers owned by the bridge.
 
@@ -76,6 +95,11 @@ class ExportBuffers:
         # key -> [buffer, its alias, the name it was last given as]: a buffer is reused for several
         # tensors of one export; a rebound one is named as its consumer got it
         self._pool: dict[tuple, list] = {}
+        # the pool's buffers a consumer may get (not scratch) that have an alias (not meta), with their
+        # aliases and dtypes: what ``check_pool`` checks
+        self._checked: list[torch.Tensor] = []
+        self._aliases: list[torch.Tensor] = []
+        self._dtypes: list[torch.dtype] = []
         self.memo: dict[Any, Any] = {}
         self.allocations = 0
 
@@ -96,14 +120,32 @@ class ExportBuffers:
             key += (self.bucket,)
         held = self._pool.get(key) if self.persistent else None
         if held is not None:
-            check_not_rebound(held[0], held[1], dtype, held[2] or name or f"the {role} buffer {list(shape)}")
+            check_not_rebound(held[0], held[1], dtype, held[2] or name or _unnamed(key))
             held[2] = name
             return held[0]
         buffer = torch.empty(shape, dtype=dtype, device=device)
         self.allocations += 1
         if self.persistent:
-            self._pool[key] = [buffer, _alias(buffer), name]
+            alias = _alias(buffer)
+            self._pool[key] = [buffer, alias, name]
+            if alias is not None and role not in SCRATCH_ROLES:  # a scratch buffer is never yielded
+                self._checked.append(buffer)
+                self._aliases.append(alias)
+                self._dtypes.append(dtype)
         return buffer
+
+    def check_pool(self) -> None:
+        """Raise ``ReboundOutputError`` where a consumer changed a pooled buffer (``t.data = ...``,
+        ``set_``, ``resize_``, ``swap_tensors``), naming the tensor it was last yielded as: one
+        ``is_set_to`` and one dtype per buffer, in C-level passes (module docstring). Local, no
+        collective; run once per export, before any collective."""
+        if all(map(torch.Tensor.is_set_to, self._checked, self._aliases)) and (
+            list(map(_dtype, self._checked)) == self._dtypes
+        ):
+            return
+        for key, (buffer, alias, name) in self._pool.items():
+            if key[0] not in SCRATCH_ROLES:
+                check_not_rebound(buffer, alias, key[3], name or _unnamed(key))
 
     @property
     def nbytes(self) -> int:
@@ -115,4 +157,7 @@ class ExportBuffers:
 
     def release(self) -> None:
         self._pool.clear()
+        self._checked.clear()
+        self._aliases.clear()
+        self._dtypes.clear()
         self.memo.clear()

@@ -14,7 +14,8 @@ stock Megatron-Bridge export of the same live model, never our own output):
     ``.bfloat16()`` under ``set_overwrite_module_params_on_conversion(True)``, then a step; an
     offload by ``untyped_storage().resize_(0)`` loaded back by ``p.data = new`` or in place, refused
     while emptied; a consumer rebinding yielded views (the next export equals stock) and a yielded
-    bridge-owned buffer (``ReboundOutputError`` naming it); ``p.data = p.data.clone()`` then
+    bridge-owned buffer (``ReboundOutputError`` naming it); such a buffer rebound after the loop on
+    rank 1 only, refused on both ranks before any collective; ``p.data = p.data.clone()`` then
     ``release_export_buffers()`` frees the old storages; a deleted expert (parameter) is refused.
     Each export equals Megatron-Bridge's own export of the live model at that moment, or is refused.
   * ``megatron-default-etp``: a MoE model built as a user builds it at TP 2: Megatron's parallel
@@ -136,10 +137,10 @@ def _plain_params(chunks) -> list[tuple[str, torch.nn.Parameter]]:
     return [(n, p) for chunk in chunks for n, p in chunk.named_parameters() if type(p) is torch.nn.Parameter]
 
 
-def _on_rank0(name: str | None) -> str | None:
-    """Rank 0's ``name``, on every rank (the parameter a one-rank change is made to)."""
+def _from_rank(name: str | None, src: int = 0) -> str | None:
+    """Rank ``src``'s ``name``, on every rank (what a one-rank change is made to)."""
     box = [name]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=src)
     return box[0]
 
 
@@ -174,7 +175,7 @@ def step_dtype_on_rank0(trial: _Trial) -> dict:
     ``.data.view(torch.float16)`` and a converting ``.data = .data.half()``; refused on both ranks,
     before any collective, naming the parameter."""
     params = dict(_plain_params(trial.chunks)) if dist.get_rank() == 0 else {}
-    name = _on_rank0(next((n for n in params if "linear_qkv.weight" in n), None))
+    name = _from_rank(next((n for n in params if "linear_qkv.weight" in n), None))
     refused = {}
     for how, change in (("view", lambda t: t.view(torch.float16)), ("half", torch.Tensor.half)):
         if dist.get_rank() == 0:
@@ -307,6 +308,47 @@ def step_consumer_rebinds(trial: _Trial) -> dict:
     return {"views": views, "buffer": target, "verdict": verdict}
 
 
+REFUSED_WITHIN_S = 20.0  # a refusal before any collective is a few store round trips; a rank left in a gather waits
+# for the process group's timeout (5 minutes here)
+
+
+def step_rebound_on_rank1(trial: _Trial) -> dict:
+    """A consumer on rank 1 only rebinds a yielded bridge-owned buffer (``t.data = t.data.half()``)
+    after the export's loop: the next export is refused on both ranks before any collective, naming
+    the tensor (``ReboundOutputError`` on rank 1, ``CollectiveMisuseError`` carrying it on rank 0),
+    within ``REFUSED_WITHIN_S``; after ``release_export_buffers()`` on both ranks it equals stock.
+    The buffer is one the bridge yields as the same object every export (a gathered output; at PP 2
+    rank 1's receive buffer of a stage-0 tensor), the tensor named the last one yielded from it."""
+    storages = {p.untyped_storage().data_ptr() for _, p in _plain_params(trial.chunks)}
+    first = {name: tensor for name, tensor in trial.ours()}
+    last_name, target = {}, None
+    for name, tensor in trial.ours():
+        if first[name] is tensor and tensor.untyped_storage().data_ptr() not in storages:
+            last_name[id(tensor)] = name  # a buffer reused for several tensors is named as the last one
+            target = tensor if target is None else target
+    named = _from_rank(last_name[id(target)] if dist.get_rank() == 1 and target is not None else None, src=1)
+    if named is None:
+        return {"buffer": None}
+    if dist.get_rank() == 1:
+        target.data = target.data.half()
+    started = time.monotonic()
+    kind = trial.expect_refused(
+        f"after rank 1's consumer rebound {named}", named, kinds=("ReboundOutputError", "CollectiveMisuseError")
+    )
+    seconds = time.monotonic() - started
+    store = dist.distributed_c10d._get_default_store()  # no collective: a rank left in a gather must not pair one
+    store.set(f"rebound-on-rank1/{dist.get_rank()}", "1")
+    try:
+        store.wait([f"rebound-on-rank1/{r}" for r in range(dist.get_world_size())], datetime.timedelta(seconds=60))
+    except Exception as err:
+        fail(f"after rank 1's consumer rebound {named}: a rank did not return from the refused export ({err})")
+    if seconds > REFUSED_WITHIN_S:
+        fail(f"after rank 1's consumer rebound {named}: refused after {seconds:.1f} s, not before any collective")
+    trial.bridge.release_export_buffers()
+    trial.expect_stock(f"after rank 1's consumer rebound {named} and release_export_buffers()")
+    return {"buffer": named, "refused": kind, "seconds": seconds}
+
+
 def step_release(trial: _Trial) -> dict:
     """Item 5: ``p.data = p.data.clone()`` then ``release_export_buffers()`` frees the old storages."""
     from torch.multiprocessing.reductions import StorageWeakRef
@@ -380,6 +422,7 @@ IN_PLACE_STEPS = {
     "overwrite-conversion": step_overwrite_conversion,
     "offload": step_offload,
     "consumer-rebinds": step_consumer_rebinds,
+    "rebound-on-rank1": step_rebound_on_rank1,
     "release": step_release,
     "deleted": step_deleted,  # last: the model stays changed
 }
