@@ -4,8 +4,9 @@
 #   bash scripts/gpu/ab_export.sh prepare OLD NEW        # here: git archives of both into ab/ (untracked, so it uploads)
 #   bash ab/ab_export.sh run [ROUNDS] [-- BENCH ARGS]    # on the GPU host (after .gpu/p0/install.sh)
 #
-# `run` extracts both archives and runs, per round, the old commit then the new (ORDER="new old"
-# swaps them), each `torchrun --nproc-per-node 1 scripts/bench_export.py` from its own tree
+# `run` extracts every ab/*.tgz (a third, e.g. ab/base.tgz, may be added by hand) and runs, per round,
+# the sides ORDER names (default "old new"; ORDER="new old" swaps them), each
+# `torchrun --nproc-per-node 1 scripts/bench_export.py` from its own tree
 # (default arguments: --model qwen3-8b --tp 1), writing each run's log as it ends and, at the end,
 # one results.tgz of every run's JSON under $OUT (the device returns few files per call). The
 # host's speed moves 2x between processes (bench_export.py's control loop), so compare runs of
@@ -32,7 +33,7 @@ run() {
   [ "${1:-}" = "--" ] && shift
   local args=("$@"); [ ${#args[@]} -gt 0 ] || args=(--model qwen3-8b --tp 1)
   cd "$here/.."
-  for side in old new; do mkdir -p "ab/$side" && tar -xzf "ab/$side.tgz" -C "ab/$side"; done
+  for archive in ab/*.tgz; do side="$(basename "$archive" .tgz)"; mkdir -p "ab/$side" && tar -xzf "$archive" -C "ab/$side"; done
   cp ab/commits "$OUT/commits"
   for round in $rounds; do
     for side in ${ORDER:-old new}; do
