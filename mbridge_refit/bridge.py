@@ -210,14 +210,16 @@ class RefitBridge(AutoBridge):
         return state
 
     def _in_place_change(
-        self, chunks: list[torch.nn.Module], reused: ExportBuffers | None = None
+        self, chunks: list[torch.nn.Module], reused: ExportBuffers | None = None, alone: bool = False
     ) -> ModelChangedError | ReboundOutputError | None:
         """What the export of ``chunks`` must refuse, found locally before any collective, or None:
         the ``ReboundOutputError`` of a bridge-owned buffer a consumer changed after it was yielded
         (``ExportBuffers.check_pool`` over ``reused``, the pool this export reuses, and the held
-        factors of the model's LoRA adapters), or the ``ModelChangedError`` of a planned parameter
-        of ``chunks`` changed in place (``LiveParams.check_in_place``: another dtype, a storage
-        emptied; a model not planned yet has nothing to check). Once per export call, before its
+        factors of the model's LoRA adapters; not where one rank exports ``alone``: it enters no
+        collective, and ``ExportBuffers.get`` checks each buffer as the export asks for it), or the
+        ``ModelChangedError`` of a planned parameter of ``chunks`` changed in place
+        (``LiveParams.check_in_place``: another dtype, a storage emptied; a model not planned yet has
+        nothing to check). Once per export call, before its
         handshake, which shares the verdict with every rank (``_begin_collective``). A buffer
         rebound during the export, between its buckets, is found by ``ExportBuffers.get`` on that
         rank only."""
@@ -225,10 +227,11 @@ class RefitBridge(AutoBridge):
         planned = state is not None and _same_chunks(state.chunks, chunks)
         adapters = state.adapters if planned else None
         try:
-            if reused is not None:
-                reused.check_pool()
-            if adapters is not None and adapters.export is not None:
-                adapters.export.held.check_pool()
+            if not alone:
+                if reused is not None:
+                    reused.check_pool()
+                if adapters is not None and adapters.export is not None:
+                    adapters.export.held.check_pool()
             if planned and state.live is not None:
                 state.live.check_in_place()
             if adapters is not None:
@@ -748,7 +751,7 @@ class RefitBridge(AutoBridge):
         )
         call = CollectiveCall(what, participants, timeout_s=self.collective_timeout_s)
         last = open_call()
-        changed = self._in_place_change(chunks, reused)  # refused on every rank: none enters a collective alone
+        changed = self._in_place_change(chunks, reused, alone=len(participants) == 1)  # refused on every rank alike
         refusal = str(changed) if changed is not None else None
         if refusal is None and last is not None:
             refusal = _still_open(last, what)
