@@ -23,6 +23,7 @@ alive, so no other tensor can take its address), and checked against it twice:
   buffer, in C-level passes), else ``ReboundOutputError`` naming the tensor the buffer was last
   yielded as. ``RefitBridge._in_place_change`` runs it and the handshake shares the verdict with
   every rank, so a buffer rebound on one rank only is refused on every rank before any collective.
+  A rank exporting alone (no collective to enter) skips it: ``get`` refuses the buffer instead.
 * every request (``get``) of a buffer the pool already holds: the same check for that buffer (one
   ``is_set_to`` per reuse). A consumer runs between the buckets of an export, so it may rebind a
   tensor yielded by this very export (or one it kept from the last) after ``check_pool`` passed;
