@@ -49,11 +49,14 @@ class ReboundOutputError(UsageError):
     """A consumer changed the storage or metadata of a tensor an export yielded from a bridge-owned buffer."""
 
 
-def check_not_rebound(tensor: torch.Tensor, alias: torch.Tensor | None, dtype: torch.dtype, what: str) -> None:
+def check_not_rebound(tensor: torch.Tensor, alias: torch.Tensor | None, dtype: torch.dtype, what: str | tuple) -> None:
     """Raise ``ReboundOutputError`` unless ``tensor`` is still set to ``alias`` (made with it: the same
-    storage, offset, sizes and strides) with ``dtype``; ``alias`` None (a meta tensor) passes."""
+    storage, offset, sizes and strides) with ``dtype``; ``alias`` None (a meta tensor) passes. ``what``
+    names the tensor: a name, or the pool key of a buffer never given one (named from it only to raise:
+    the check runs on every reuse)."""
     if alias is None or (tensor.dtype is dtype and tensor.is_set_to(alias)):
         return
+    what = what if type(what) is str else _unnamed(what)
     raise ReboundOutputError(
         f"{what}, a tensor the bridge yields from its own buffer every export, was changed by its consumer (it was "
         f"{dtype} {list(alias.shape)} and is {tensor.dtype} {list(tensor.shape)} now, or on other memory: "
@@ -121,7 +124,7 @@ class ExportBuffers:
             key += (self.bucket,)
         held = self._pool.get(key) if self.persistent else None
         if held is not None:
-            check_not_rebound(held[0], held[1], dtype, held[2] or name or _unnamed(key))
+            check_not_rebound(held[0], held[1], dtype, held[2] or name or key)
             held[2] = name
             return held[0]
         buffer = torch.empty(shape, dtype=dtype, device=device)
@@ -146,7 +149,7 @@ class ExportBuffers:
             return
         for key, (buffer, alias, name) in self._pool.items():
             if key[0] not in SCRATCH_ROLES:
-                check_not_rebound(buffer, alias, key[3], name or _unnamed(key))
+                check_not_rebound(buffer, alias, key[3], name or key)
 
     @property
     def nbytes(self) -> int:
